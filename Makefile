@@ -1,0 +1,102 @@
+# tuna — one flat Makefile.
+#   make            build everything into build/ (CUDA parts when nvcc is found; CUDA=0 forces CPU-only)
+#   make test       install missing dependencies, build, run every test
+#   make bench      build and run the benches
+#   make demo       install, build, train a tiny LLaMA on the bundled corpus (scripts/demo.sh)
+# SM=90a or SM=80 picks one GPU architecture; the default builds both.
+
+BUILD := build
+CXX ?= g++
+NVCC ?= /usr/local/cuda/bin/nvcc
+
+ifeq ($(origin CUDA), undefined)
+  CUDA := $(if $(wildcard $(NVCC)),1,0)
+endif
+
+CPPFLAGS := -I. -MMD -MP
+CXXFLAGS := -std=c++20 -O2 -g -fopenmp -Wall -Wextra -Werror -Wno-unused-parameter
+LDLIBS := -lopenblas -lsentencepiece -lsentencepiece_train -lzstd -lz -lxxhash -lpthread -fopenmp
+GTEST_LIBS := -lgtest -lgmock -lpthread
+BENCH_LIBS := -lbenchmark -lpthread
+MPI_CFLAGS := $(shell mpicxx --showme:compile 2>/dev/null)
+MPI_LIBS := $(shell mpicxx --showme:link 2>/dev/null)
+CPPFLAGS += $(MPI_CFLAGS)
+LDLIBS += $(MPI_LIBS)
+
+# Library: everything under these folders except mains.
+LIB_SRCS := $(wildcard core/*.cpp kernels/cpu/*.cpp model/*.cpp data/*.cpp dist/*.cpp)
+LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o)
+
+ifeq ($(CUDA),1)
+  SM ?= 90a 80
+  GENCODE := $(foreach s,$(SM),-gencode arch=compute_$(s),code=sm_$(s))
+  NVCCFLAGS := -std=c++20 -O2 -g -lineinfo $(GENCODE) -Xcompiler -fopenmp,-Wall,-Wno-unused-parameter \
+               -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage -DTUNA_CUDA=1
+  CU_SRCS := $(wildcard kernels/*.cu)
+  CU_OBJS := $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
+  LDLIBS += -L/usr/local/cuda/lib64 -lcudart -lcublasLt -lcublas
+  CPPFLAGS += -DTUNA_CUDA=1 -I/usr/local/cuda/include
+endif
+
+TOOLS := $(patsubst tools/%.cpp,$(BUILD)/%,$(wildcard tools/*.cpp))
+TEST_SRCS := $(wildcard tests/*.cpp tests/*/*.cpp)
+TEST_OBJS := $(TEST_SRCS:%.cpp=$(BUILD)/obj/%.o)
+BENCHES := $(patsubst bench/%.cpp,$(BUILD)/%,$(wildcard bench/*.cpp))
+DEPS_STAMP := $(BUILD)/.deps-installed
+
+.PHONY: all test bench demo deps clean
+all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(BENCHES)
+
+deps: $(DEPS_STAMP)
+$(DEPS_STAMP): scripts/install-deps.sh
+	@mkdir -p $(BUILD)
+	scripts/install-deps.sh
+	@touch $@
+
+test: $(DEPS_STAMP)
+	$(MAKE) all
+	./$(BUILD)/tuna_tests
+
+bench: $(DEPS_STAMP)
+	$(MAKE) all
+	@for b in $(BENCHES); do echo "== $$b"; ./$$b || exit 1; done
+
+demo: $(DEPS_STAMP)
+	$(MAKE) all
+	scripts/demo.sh
+
+$(BUILD)/obj/%.o: %.cpp | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.o: %.cu | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+
+# train.cu holds the trainer's main; without CUDA it is plain C++.
+ifeq ($(CUDA),1)
+$(BUILD)/obj/train.o: train.cu | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+else
+$(BUILD)/obj/train.o: train.cu | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -x c++ -c $< -o $@
+endif
+
+$(BUILD)/train: $(BUILD)/obj/train.o $(LIB_OBJS) $(CU_OBJS)
+	$(CXX) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/%: $(BUILD)/obj/tools/%.o $(LIB_OBJS) $(CU_OBJS)
+	$(CXX) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/tuna_tests: $(TEST_OBJS) $(LIB_OBJS) $(CU_OBJS)
+	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
+
+$(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_OBJS) $(CU_OBJS)
+	$(CXX) $^ -o $@ $(BENCH_LIBS) $(LDLIBS)
+
+clean:
+	rm -rf $(BUILD)
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

@@ -1,0 +1,206 @@
+// Reading config.json strictly: every field that changes the model's function is either understood or
+// refused by name. Unknown harmless fields (architectures, transformers_version, ...) are ignored.
+#include "model/config.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "core/error.h"
+
+namespace tuna {
+namespace {
+
+using nlohmann::json;
+
+std::string describe(const json& v) {
+  std::string s = v.dump();
+  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
+}
+
+int64_t get_int(const json& j, const char* key, const std::string& src, int64_t fallback,
+                bool required, int64_t min_value) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (required) fail(src, ": missing field '", key, "' (expected an integer)");
+    return fallback;
+  }
+  const json& v = j[key];
+  if (!v.is_number_integer())
+    fail(src, ": field '", key, "': expected an integer, found ", describe(v));
+  int64_t x = v.get<int64_t>();
+  if (x < min_value) fail(src, ": field '", key, "': expected an integer >= ", min_value, ", found ", x);
+  return x;
+}
+
+double get_number(const json& j, const char* key, const std::string& src, double fallback) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  const json& v = j[key];
+  if (!v.is_number()) fail(src, ": field '", key, "': expected a number, found ", describe(v));
+  return v.get<double>();
+}
+
+bool get_bool(const json& j, const char* key, const std::string& src, bool fallback) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  const json& v = j[key];
+  if (!v.is_boolean()) fail(src, ": field '", key, "': expected true or false, found ", describe(v));
+  return v.get<bool>();
+}
+
+// rope_scaling (transformers <= 4.x) and rope_parameters (newer) carry the same content; the newer
+// spelling may also hold rope_theta.
+void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
+  const char* key = nullptr;
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) key = "rope_parameters";
+  else if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) key = "rope_scaling";
+  if (!key) return;
+  const json& r = j[key];
+  const std::string where = str(src, ": field '", key, "'");
+  if (!r.is_object()) fail(where, ": expected an object, found ", describe(r));
+  std::string type;
+  for (const char* type_key : {"rope_type", "type"}) {
+    if (r.contains(type_key)) {
+      if (!r[type_key].is_string())
+        fail(where, ".", type_key, ": expected a string, found ", describe(r[type_key]));
+      type = r[type_key].get<std::string>();
+      break;
+    }
+  }
+  if (r.contains("rope_theta")) c.rope_theta = get_number(r, "rope_theta", where, c.rope_theta);
+  if (type.empty() || type == "default") return;
+  if (type != "llama3")
+    fail(where, ": rope type '", type,
+         "' is not supported (tuna implements 'default' and 'llama3'; linear, dynamic, yarn and "
+         "longrope change the positions differently)");
+  cpu::RopeScaling& s = c.rope_scaling;
+  s.type = "llama3";
+  for (const char* k : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+    if (!r.contains(k)) fail(where, ": llama3 rope needs '", k, "', which is missing");
+  s.factor = get_number(r, "factor", where, 1.0);
+  s.low_freq_factor = get_number(r, "low_freq_factor", where, 1.0);
+  s.high_freq_factor = get_number(r, "high_freq_factor", where, 4.0);
+  s.original_max_position_embeddings = get_int(r, "original_max_position_embeddings", where, 0, true, 1);
+  if (s.factor <= 0) fail(where, ".factor: expected > 0, found ", s.factor);
+  if (!(s.high_freq_factor > s.low_freq_factor))
+    fail(where, ": expected high_freq_factor > low_freq_factor, found ", s.high_freq_factor, " and ",
+         s.low_freq_factor);
+}
+
+std::vector<int64_t> read_token_ids(const json& j, const char* key, const std::string& src) {
+  if (!j.contains(key) || j[key].is_null()) return {};
+  const json& v = j[key];
+  if (v.is_number_integer()) return {v.get<int64_t>()};
+  if (v.is_array()) {
+    std::vector<int64_t> ids;
+    for (const json& e : v) {
+      if (!e.is_number_integer())
+        fail(src, ": field '", key, "': expected integers, found ", describe(e));
+      ids.push_back(e.get<int64_t>());
+    }
+    return ids;
+  }
+  fail(src, ": field '", key, "': expected an integer or a list of integers, found ", describe(v));
+}
+
+}  // namespace
+
+LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
+  if (!j.is_object()) fail(src, ": expected a JSON object, found ", describe(j));
+  if (j.contains("model_type") && j["model_type"].is_string() && j["model_type"] != "llama")
+    fail(src, ": field 'model_type': expected \"llama\", found ", describe(j["model_type"]),
+         " (tuna trains LlamaForCausalLM)");
+  if (j.contains("hidden_act") && j["hidden_act"] != "silu")
+    fail(src, ": field 'hidden_act': expected \"silu\" (SwiGLU), found ", describe(j["hidden_act"]));
+  for (const char* k : {"attention_bias", "mlp_bias"})
+    if (get_bool(j, k, src, false))
+      fail(src, ": field '", k, "' is true: biases in the ", k[0] == 'a' ? "attention" : "MLP",
+           " projections are not supported");
+
+  LlamaConfig c;
+  c.hidden_size = get_int(j, "hidden_size", src, 0, true, 1);
+  c.intermediate_size = get_int(j, "intermediate_size", src, 0, true, 1);
+  c.num_hidden_layers = get_int(j, "num_hidden_layers", src, 0, true, 1);
+  c.num_attention_heads = get_int(j, "num_attention_heads", src, 0, true, 1);
+  c.num_key_value_heads = get_int(j, "num_key_value_heads", src, c.num_attention_heads, false, 1);
+  c.vocab_size = get_int(j, "vocab_size", src, 0, true, 1);
+  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, 2048, false, 1);
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+    c.head_dim = get_int(j, "head_dim", src, 0, true, 2);
+  } else {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      fail(src, ": no 'head_dim', and hidden_size ", c.hidden_size,
+           " is not a multiple of num_attention_heads ", c.num_attention_heads);
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (c.head_dim % 2 != 0) fail(src, ": head_dim must be even for rotary embeddings, found ", c.head_dim);
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    fail(src, ": num_attention_heads ", c.num_attention_heads,
+         " must be a multiple of num_key_value_heads ", c.num_key_value_heads);
+  c.rms_norm_eps = get_number(j, "rms_norm_eps", src, 1e-6);
+  if (!(c.rms_norm_eps > 0)) fail(src, ": field 'rms_norm_eps': expected > 0, found ", c.rms_norm_eps);
+  c.rope_theta = get_number(j, "rope_theta", src, 10000.0);
+  read_rope(j, src, c);
+  if (!(c.rope_theta > 0)) fail(src, ": field 'rope_theta': expected > 0, found ", c.rope_theta);
+  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, false);
+  std::vector<int64_t> bos = read_token_ids(j, "bos_token_id", src);
+  c.bos_token_id = bos.empty() ? -1 : bos[0];
+  c.eos_token_ids = read_token_ids(j, "eos_token_id", src);
+  if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) c.torch_dtype = j["torch_dtype"];
+  else if (j.contains("dtype") && j["dtype"].is_string()) c.torch_dtype = j["dtype"];
+  return c;
+}
+
+LlamaConfig LlamaConfig::load(const std::string& path) {
+  std::filesystem::path p(path);
+  if (std::filesystem::is_directory(p)) p /= "config.json";
+  std::ifstream in(p);
+  if (!in) fail(p.string(), ": cannot open the model config (expected a Hugging Face config.json)");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::parse_error& e) {
+    fail(p.string(), ": not valid JSON: ", e.what());
+  }
+  return from_json(j, p.string());
+}
+
+json LlamaConfig::to_json() const {
+  json j = {
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"hidden_act", "silu"},
+      {"hidden_size", hidden_size},
+      {"intermediate_size", intermediate_size},
+      {"num_hidden_layers", num_hidden_layers},
+      {"num_attention_heads", num_attention_heads},
+      {"num_key_value_heads", num_key_value_heads},
+      {"head_dim", head_dim},
+      {"vocab_size", vocab_size},
+      {"max_position_embeddings", max_position_embeddings},
+      {"rms_norm_eps", rms_norm_eps},
+      {"rope_theta", rope_theta},
+      {"tie_word_embeddings", tie_word_embeddings},
+      {"attention_bias", false},
+      {"mlp_bias", false},
+      {"torch_dtype", torch_dtype},
+  };
+  if (rope_scaling.type == "llama3") {
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", rope_scaling.factor},
+                         {"low_freq_factor", rope_scaling.low_freq_factor},
+                         {"high_freq_factor", rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;
+  if (eos_token_ids.size() == 1) j["eos_token_id"] = eos_token_ids[0];
+  else if (!eos_token_ids.empty()) j["eos_token_id"] = eos_token_ids;
+  return j;
+}
+
+int64_t LlamaConfig::n_params() const {
+  const int64_t c = hidden_size, f = intermediate_size;
+  const int64_t per_layer = 2 * c + c * q_dim() + 2 * c * kv_dim() + q_dim() * c + 3 * c * f;
+  return vocab_size * c * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + c;
+}
+
+}  // namespace tuna

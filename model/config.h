@@ -1,0 +1,48 @@
+// LlamaConfig: the model's shape, read from a Hugging Face config.json.
+//
+// tuna trains what LlamaForCausalLM computes: pre-norm decoder layers (RMSNorm, grouped-query attention
+// with rotary positions, SwiGLU MLP), no biases. Fields that would change that function and that tuna
+// does not implement (attention_bias, mlp_bias, a rope type other than default/llama3, another
+// activation) are refused with an error that names the field, rather than trained wrongly.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/rope.h"  // RopeScaling
+
+namespace tuna {
+
+struct LlamaConfig {
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  cpu::RopeScaling rope_scaling;  // type "default" when config.json has none
+  bool tie_word_embeddings = false;
+  int64_t bos_token_id = -1;               // -1: not given
+  std::vector<int64_t> eos_token_ids;      // Llama 3 instruct configs list several
+  std::string torch_dtype = "float32";     // the dtype the weights were published in
+
+  // Parses and validates; `source` (a path) prefixes every error message.
+  static LlamaConfig from_json(const nlohmann::json& j, const std::string& source);
+  // Reads a config.json file, or DIR/config.json when given a directory.
+  static LlamaConfig load(const std::string& path);
+  // A config.json that transformers reads back as the same model.
+  nlohmann::json to_json() const;
+
+  int64_t q_dim() const { return num_attention_heads * head_dim; }
+  int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+  int64_t n_params() const;
+};
+
+}  // namespace tuna

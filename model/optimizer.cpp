@@ -1,0 +1,62 @@
+#include "model/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+#include "core/error.h"
+#include "kernels/cpu/adamw.h"
+
+namespace tuna {
+
+double learning_rate(const OptimizerConfig& c, int64_t step, int64_t total_steps) {
+  if (step < c.warmup_steps) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);
+  const int64_t span = std::max<int64_t>(1, total_steps - c.warmup_steps);
+  const double p = std::clamp(static_cast<double>(step - c.warmup_steps) / static_cast<double>(span), 0.0, 1.0);
+  if (c.schedule == "constant") return c.lr;
+  if (c.schedule == "cosine") return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(std::numbers::pi * p));
+  if (c.schedule == "linear") return c.lr + (c.min_lr - c.lr) * p;
+  if (c.schedule == "wsd") {
+    const int64_t decay_steps = std::max<int64_t>(1, static_cast<int64_t>(std::llround(c.decay_fraction * total_steps)));
+    const int64_t decay_start = total_steps - decay_steps;
+    if (step < decay_start) return c.lr;
+    const double q = std::clamp(static_cast<double>(step - decay_start + 1) / static_cast<double>(decay_steps), 0.0, 1.0);
+    return c.lr + (c.min_lr - c.lr) * q;
+  }
+  fail("option 'schedule': expected cosine, linear, constant or wsd, found '", c.schedule, "'");
+}
+
+void validate(const OptimizerConfig& c) {
+  if (c.schedule != "cosine" && c.schedule != "linear" && c.schedule != "constant" && c.schedule != "wsd")
+    fail("option 'schedule': expected cosine, linear, constant or wsd, found '", c.schedule, "'");
+  if (!(c.lr > 0)) fail("option 'lr': expected > 0, found ", c.lr);
+  if (c.min_lr < 0 || c.min_lr > c.lr) fail("option 'min_lr': expected 0 <= min_lr <= lr, found ", c.min_lr);
+  if (c.warmup_steps < 0) fail("option 'warmup_steps': expected >= 0, found ", c.warmup_steps);
+  if (!(c.decay_fraction > 0 && c.decay_fraction <= 1))
+    fail("option 'decay_fraction': expected in (0, 1], found ", c.decay_fraction);
+  if (!(c.beta1 >= 0 && c.beta1 < 1)) fail("option 'beta1': expected in [0, 1), found ", c.beta1);
+  if (!(c.beta2 >= 0 && c.beta2 < 1)) fail("option 'beta2': expected in [0, 1), found ", c.beta2);
+  if (!(c.eps > 0)) fail("option 'eps': expected > 0, found ", c.eps);
+  if (c.weight_decay < 0) fail("option 'weight_decay': expected >= 0, found ", c.weight_decay);
+  if (c.grad_clip < 0) fail("option 'grad_clip': expected >= 0 (0 disables), found ", c.grad_clip);
+}
+
+AdamW::AdamW(const ParamLayout& layout, const OptimizerConfig& config)
+    : m(layout.total(), 0.0f), v(layout.total(), 0.0f), layout_(layout), config_(config) {
+  validate(config_);
+}
+
+OptimizerStats AdamW::step(float* params, const float* grads, double loss_scale, double lr) {
+  OptimizerStats stats;
+  stats.grad_norm = std::sqrt(cpu::sum_of_squares(grads, layout_.total())) * loss_scale;
+  if (config_.grad_clip > 0) stats.clip_scale = std::min(1.0, config_.grad_clip / (stats.grad_norm + 1e-6));
+  steps_taken++;
+  for (const ParamTensor& t : layout_.tensors()) {
+    cpu::AdamWStep s{lr, config_.beta1, config_.beta2, config_.eps, t.decays ? config_.weight_decay : 0.0,
+                     steps_taken, loss_scale * stats.clip_scale};
+    cpu::adamw_update(params + t.offset, grads + t.offset, m.data() + t.offset, v.data() + t.offset, t.numel, s);
+  }
+  return stats;
+}
+
+}  // namespace tuna

@@ -1,0 +1,60 @@
+// AdamW over the flat parameter buffer, global gradient-norm clipping, and learning-rate schedules.
+//
+// The update is torch.optim.AdamW's, with weight decay only on tensors ParamLayout marks as decaying
+// (2-D weights), and clipping as torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6),
+// capped at 1). Moments are fp32, in the same layout as the parameters, so ZeRO can shard all three
+// buffers with the same ranges.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/layout.h"
+
+namespace tuna {
+
+struct OptimizerConfig {
+  double lr = 3e-4;                // peak learning rate
+  double min_lr = 3e-5;            // floor of the decaying schedules
+  int64_t warmup_steps = 0;        // linear from lr/warmup to lr over these steps
+  std::string schedule = "cosine";  // cosine | linear | constant | wsd
+  double decay_fraction = 0.2;     // wsd: the last fraction of steps decays linearly to min_lr
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;          // max global gradient norm; 0 disables clipping
+};
+
+// Learning rate of the update with 0-based index `step` out of `total_steps`.
+// Warmup: lr * (step + 1) / warmup_steps. Then, with progress p from 0 to 1 over the remaining steps:
+// cosine: min_lr + (lr - min_lr) (1 + cos(pi p)) / 2;  linear: lr + (min_lr - lr) p;  constant: lr;
+// wsd (warmup-stable-decay): lr until the last decay_fraction of steps, then linear to min_lr.
+double learning_rate(const OptimizerConfig& config, int64_t step, int64_t total_steps);
+
+// Refuses an unknown schedule or nonsensical values, naming the option.
+void validate(const OptimizerConfig& config);
+
+struct OptimizerStats {
+  double grad_norm = 0;    // global L2 norm of the (loss-scaled) gradient, before clipping
+  double clip_scale = 1;   // factor applied by clipping (1 when not clipped)
+};
+
+class AdamW {
+ public:
+  AdamW(const ParamLayout& layout, const OptimizerConfig& config);
+
+  // grads hold gradients of the summed loss; loss_scale (1 / trained tokens) turns them into the mean's.
+  OptimizerStats step(float* params, const float* grads, double loss_scale, double lr);
+
+  const OptimizerConfig& config() const { return config_; }
+  std::vector<float> m, v;  // first and second moments, ParamLayout order
+  int64_t steps_taken = 0;  // updates applied so far (AdamW's t after the update)
+
+ private:
+  const ParamLayout& layout_;
+  OptimizerConfig config_;
+};
+
+}  // namespace tuna
