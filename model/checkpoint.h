@@ -1,0 +1,67 @@
+// Checkpoints: loading model weights from a Hugging Face or tuna directory, and tuna's training
+// checkpoints (model + optimizer + state) written atomically.
+//
+// A tuna checkpoint directory is also a Hugging Face model directory: config.json and model.safetensors
+// with HF tensor names (fp32 master weights, or the source dtype for a converted base model). Training
+// adds optimizer.safetensors (AdamW moments "exp_avg.<name>" / "exp_avg_sq.<name>") and state.json (step,
+// effective train config, data cursor, RNG, world layout). Tokenizer files travel along so that a
+// checkpoint exports and samples on its own.
+//
+//   ckpt/step_00001000/   config.json model.safetensors optimizer.safetensors state.json tokenizer.model ...
+//
+// A checkpoint is written into ckpt/.tmp-step_00001000, every file fsynced, then renamed: a directory
+// named step_* is always complete. Only the newest keep_last are kept.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "model/layout.h"
+
+namespace tuna {
+
+class AdamW;
+class HfCheckpointDir;
+
+// Files copied alongside weights so a checkpoint carries its tokenizer (those that exist).
+extern const char* const kTokenizerFiles[];
+
+// Reads every parameter of `layout` from a directory holding config.json + safetensors (a Hugging Face
+// download or a tuna checkpoint) into params (fp32), converting bf16/f16. Fails naming the directory and
+// tensor for a missing tensor, a wrong shape or dtype, and for tensors the model does not have (another
+// architecture); rotary inv_freq buffers and a duplicate lm_head of a tied model are skipped.
+void load_weights(const std::filesystem::path& dir, const ParamLayout& layout, float* params);
+
+// Fails on a tensor of `dir` that is not in `layout` (another architecture, or a config.json that does not
+// match the weights); rotary inv_freq buffers and the duplicate lm_head of a tied model are allowed.
+void refuse_foreign_tensors(const HfCheckpointDir& dir, const ParamLayout& layout);
+
+// The HF config.json object of a model directory, verbatim (to carry unknown fields through export).
+nlohmann::json read_config_json(const std::filesystem::path& dir);
+
+struct CheckpointContents {
+  const nlohmann::json* config_json;  // HF config.json to write
+  const float* params;                // ParamLayout order, fp32
+  const AdamW* optimizer;             // null: weights only (convert)
+  nlohmann::json state;               // written as state.json; "step" must be set
+  std::filesystem::path copy_tokenizer_from;  // directory with tokenizer files, or empty
+};
+
+// Writes root/step_<step> atomically and deletes the oldest step_* beyond keep_last (0 keeps all).
+std::filesystem::path save_checkpoint(const std::filesystem::path& root, int64_t step, const ParamLayout& layout,
+                                      const CheckpointContents& contents, int64_t keep_last);
+
+// The newest complete step_* directory under root, if any.
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
+
+// Reads state.json of a checkpoint directory (fails naming the file when missing or malformed).
+nlohmann::json read_state(const std::filesystem::path& dir);
+
+// Restores AdamW moments and step count from dir/optimizer.safetensors.
+void load_optimizer(const std::filesystem::path& dir, const ParamLayout& layout, AdamW& optimizer);
+
+}  // namespace tuna

@@ -1,0 +1,190 @@
+#include "model/hf_convert.h"
+
+#include <fstream>
+#include <set>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/layout.h"
+#include "model/safetensors.h"
+
+namespace tuna {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+DType dtype_from_torch_name(const std::string& name, const std::string& what) {
+  if (name == "float32") return DType::F32;
+  if (name == "bfloat16") return DType::BF16;
+  if (name == "float16") return DType::F16;
+  fail(what, ": expected float32, bfloat16 or float16, found '", name, "'");
+}
+
+std::string torch_name(DType d) {
+  switch (d) {
+    case DType::F32: return "float32";
+    case DType::BF16: return "bfloat16";
+    case DType::F16: return "float16";
+    default: return std::string(dtype_name(d));
+  }
+}
+
+void write_json(const fs::path& p, const json& j) {
+  std::ofstream out(p, std::ios::trunc);
+  if (!out) fail(p.string(), ": cannot create file");
+  out << j.dump(2) << "\n";
+  out.flush();
+  if (!out) fail(p.string(), ": write failed (disk full?)");
+}
+
+void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
+  for (const char* const* f = kTokenizerFiles; *f; f++) {
+    std::error_code ec;
+    if (!fs::exists(from / *f)) continue;
+    fs::copy_file(from / *f, to / *f, fs::copy_options::overwrite_existing, ec);
+    if (ec) fail((from / *f).string(), ": cannot copy to ", to.string(), ": ", ec.message());
+  }
+}
+
+void make_out_dir(const fs::path& out, const fs::path& src) {
+  std::error_code ec;
+  if (fs::exists(out) && fs::equivalent(out, src, ec)) fail(out.string(), ": output directory is the input directory");
+  fs::create_directories(out, ec);
+  if (ec) fail(out.string(), ": cannot create the output directory: ", ec.message());
+}
+
+// Every tensor the layout needs, checked for shape and a floating dtype; tensors of another model refused.
+struct SourceTensor {
+  const ParamTensor* param;
+  HfCheckpointDir::Entry entry;
+};
+
+std::vector<SourceTensor> collect(const HfCheckpointDir& src, const ParamLayout& layout) {
+  std::vector<SourceTensor> out;
+  for (const ParamTensor& t : layout.tensors()) {
+    HfCheckpointDir::Entry e = src.find(t.name);
+    if (!e) fail(src.dir().string(), ": has no tensor '", t.name, "' (expected shape ", format_shape(t.shape), ")");
+    if (e.info->shape != t.shape)
+      fail(src.dir().string(), ": tensor '", t.name, "': expected shape ", format_shape(t.shape), " from config.json, found ",
+           format_shape(e.info->shape));
+    if (e.info->dtype != DType::F32 && e.info->dtype != DType::BF16 && e.info->dtype != DType::F16)
+      fail(src.dir().string(), ": tensor '", t.name, "': expected dtype F32, BF16 or F16, found ", dtype_name(e.info->dtype));
+    out.push_back({&t, e});
+  }
+  refuse_foreign_tensors(src, layout);
+  return out;
+}
+
+}  // namespace
+
+ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const std::string& dtype) {
+  json config_json = read_config_json(hf_dir);
+  LlamaConfig config = LlamaConfig::from_json(config_json, (hf_dir / "config.json").string());
+  ParamLayout layout(config);
+  HfCheckpointDir src(hf_dir);
+  src.verify();
+  std::vector<SourceTensor> tensors = collect(src, layout);
+  make_out_dir(out_dir, hf_dir);
+
+  const bool keep = dtype == "keep";
+  const DType target = keep ? DType::F32 : dtype_from_torch_name(dtype, "option --dtype");
+  std::vector<std::vector<std::byte>> converted;  // only tensors whose dtype changes are copied
+  converted.reserve(tensors.size());
+  SafetensorsWriter w;
+  w.add_metadata("format", "pt");
+  w.add_metadata("producer", "tuna");
+  ConvertReport r;
+  std::set<DType> written;
+  for (const SourceTensor& s : tensors) {
+    const TensorInfo& info = *s.entry.info;
+    const std::byte* data = s.entry.file->data(info);
+    DType out_dtype = keep ? info.dtype : target;
+    if (out_dtype != info.dtype) {
+      std::vector<float> f32(info.numel);
+      convert_to_f32(data, info.dtype, f32.data(), info.numel);
+      converted.emplace_back(info.numel * dtype_size(out_dtype));
+      convert_from_f32(f32.data(), out_dtype, converted.back().data(), info.numel);
+      data = converted.back().data();
+    }
+    w.add(s.param->name, out_dtype, s.param->shape, data);
+    written.insert(out_dtype);
+    r.tensors++;
+    r.parameters += info.numel;
+    r.bytes_written += info.numel * static_cast<int64_t>(dtype_size(out_dtype));
+  }
+  w.write(out_dir / "model.safetensors");
+  write_json(out_dir / "config.json", config_json);
+  copy_tokenizer_files(hf_dir, out_dir);
+  write_json(out_dir / "state.json", json{{"step", 0}, {"source", fs::absolute(hf_dir).string()}, {"producer", "tuna convert"}});
+  r.dtype = written.size() == 1 ? torch_name(*written.begin()) : "mixed";
+  return r;
+}
+
+ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const std::string& dtype,
+                        int64_t max_shard_bytes) {
+  if (max_shard_bytes <= 0) fail("option --max-shard-bytes: expected > 0, found ", max_shard_bytes);
+  json config_json = read_config_json(ckpt_dir);
+  LlamaConfig config = LlamaConfig::from_json(config_json, (ckpt_dir / "config.json").string());
+  ParamLayout layout(config);
+  HfCheckpointDir src(ckpt_dir);
+  std::vector<SourceTensor> tensors = collect(src, layout);
+  const DType target = dtype == "auto" ? dtype_from_torch_name(config.torch_dtype, (ckpt_dir / "config.json").string() + ": field 'torch_dtype'")
+                                       : dtype_from_torch_name(dtype, "option --dtype");
+  make_out_dir(out_dir, ckpt_dir);
+
+  // Group tensors into shards of at most max_shard_bytes (a single tensor larger than that gets its own).
+  std::vector<std::vector<const SourceTensor*>> shards(1);
+  int64_t shard_bytes = 0;
+  for (const SourceTensor& s : tensors) {
+    const int64_t bytes = s.entry.info->numel * static_cast<int64_t>(dtype_size(target));
+    if (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes) shards.emplace_back(), shard_bytes = 0;
+    shards.back().push_back(&s);
+    shard_bytes += bytes;
+  }
+  ConvertReport r;
+  r.dtype = torch_name(target);
+  r.shards = static_cast<int64_t>(shards.size());
+  json weight_map = json::object();
+  for (size_t i = 0; i < shards.size(); i++) {
+    const std::string file = shards.size() == 1
+                                 ? std::string("model.safetensors")
+                                 : str("model-", std::string(5 - std::to_string(i + 1).size(), '0'), i + 1, "-of-",
+                                       std::string(5 - std::to_string(shards.size()).size(), '0'), shards.size(),
+                                       ".safetensors");
+    std::vector<std::vector<std::byte>> converted;
+    converted.reserve(shards[i].size());
+    SafetensorsWriter w;
+    w.add_metadata("format", "pt");
+    for (const SourceTensor* s : shards[i]) {
+      const TensorInfo& info = *s->entry.info;
+      const std::byte* data = s->entry.file->data(info);
+      if (info.dtype != target) {
+        std::vector<float> f32(info.numel);
+        convert_to_f32(data, info.dtype, f32.data(), info.numel);
+        converted.emplace_back(info.numel * dtype_size(target));
+        convert_from_f32(f32.data(), target, converted.back().data(), info.numel);
+        data = converted.back().data();
+      }
+      w.add(s->param->name, target, s->param->shape, data);
+      weight_map[s->param->name] = file;
+      r.tensors++;
+      r.parameters += info.numel;
+      r.bytes_written += info.numel * static_cast<int64_t>(dtype_size(target));
+    }
+    w.write(out_dir / file);
+  }
+  if (shards.size() > 1)
+    write_json(out_dir / "model.safetensors.index.json",
+               json{{"metadata", {{"total_size", r.bytes_written}}}, {"weight_map", weight_map}});
+  config_json["torch_dtype"] = r.dtype;
+  write_json(out_dir / "config.json", config_json);
+  copy_tokenizer_files(ckpt_dir, out_dir);
+  return r;
+}
+
+}  // namespace tuna

@@ -1,0 +1,34 @@
+// Moving models between Hugging Face directories and tuna checkpoints.
+//
+// import: HF directory (config.json + model.safetensors or a sharded index) -> tuna checkpoint directory
+// (config.json verbatim, model.safetensors in tuna's layout order, state.json at step 0, tokenizer files).
+// The weights keep their dtype unless asked otherwise: the trainer converts to fp32 master weights when
+// it loads, and a 70B bf16 base model does not double on disk.
+// export: tuna checkpoint -> HF directory that transformers loads: weights in the dtype of config.json's
+// torch_dtype (or the one asked for), sharded with model.safetensors.index.json past max_shard_bytes.
+// bf16 -> f32 -> bf16 and every same-dtype copy are exact, so import then export returns the same bytes.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace tuna {
+
+struct ConvertReport {
+  int64_t tensors = 0;
+  int64_t parameters = 0;
+  int64_t bytes_written = 0;
+  std::string dtype;  // what was written
+  int64_t shards = 1;
+};
+
+// dtype: "keep" (each tensor as found), "float32", "bfloat16" or "float16".
+ConvertReport import_hf(const std::filesystem::path& hf_dir, const std::filesystem::path& out_dir,
+                        const std::string& dtype);
+
+// dtype: "auto" (config.json's torch_dtype), "float32", "bfloat16" or "float16".
+ConvertReport export_hf(const std::filesystem::path& ckpt_dir, const std::filesystem::path& out_dir,
+                        const std::string& dtype, int64_t max_shard_bytes);
+
+}  // namespace tuna

@@ -1,0 +1,315 @@
+// build/train — the trainer's main: config -> device -> model -> data -> loop -> checkpoints.
+// Wiring only: the math is in model/, the bytes in data/, the ops in kernels/.
+//
+//   build/train --config run.toml [--option value ...]
+//
+// Every option is settable in the TOML file and as a flag (flags win). The effective config is printed
+// at start and saved in every checkpoint's state.json. SIGTERM/SIGINT (a preemption notice) finish the
+// current step, write a checkpoint and exit 0, so `--resume` continues exactly where the job stopped.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"           // tuna::Error, fail
+#include "core/options.h"         // Options: TOML + flags
+#include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
+#include "model/checkpoint.h"     // load_weights, save_checkpoint, latest_checkpoint, load_optimizer
+#include "model/config.h"         // LlamaConfig
+#include "model/llama.h"          // Llama: forward_backward, forward_loss
+#include "model/optimizer.h"      // AdamW, OptimizerConfig, learning_rate
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace tuna;
+
+namespace {
+
+struct TrainConfig {
+  std::string model_config;  // config.json for a model trained from scratch
+  std::string init;          // checkpoint directory to start from (Hugging Face or tuna)
+  std::string tokenizer;     // tokenizer.model (or its directory), copied into checkpoints
+  std::string train_data;    // shard files, directories or globs, comma-separated
+  std::string val_data;
+  int64_t seq_len = 1024;
+  int64_t micro_batch = 4;
+  int64_t grad_accum = 1;
+  int64_t steps = 1000;
+  OptimizerConfig opt;
+  int64_t seed = 1337;
+  double init_std = 0.02;
+  std::string out_dir = "runs/default";
+  int64_t ckpt_every = 500;
+  int64_t ckpt_keep = 3;
+  bool resume = false;
+  int64_t stop_at_step = 0;
+  int64_t log_every = 1;
+  int64_t val_every = 0;
+  int64_t val_batches = 0;
+  std::string device = "auto";
+  int64_t threads = 0;
+};
+
+void declare(Options& o, TrainConfig& c) {
+  o.add("model_config", &c.model_config, "config.json of a model to train from scratch (instead of --init)");
+  o.add("init", &c.init, "model directory to start from: a Hugging Face download or a tuna checkpoint");
+  o.add("tokenizer", &c.tokenizer, "tokenizer.model (or its directory) to carry in checkpoints; default: --init's");
+  o.add("train_data", &c.train_data, "token shards: files, directories or globs, comma-separated");
+  o.add("val_data", &c.val_data, "validation shards, same form; empty: no validation");
+  o.add("seq_len", &c.seq_len, "tokens per sequence");
+  o.add("micro_batch", &c.micro_batch, "sequences per forward/backward");
+  o.add("grad_accum", &c.grad_accum, "micro-batches per optimizer step");
+  o.add("steps", &c.steps, "optimizer steps of the whole run (the schedule spans them)");
+  o.add("lr", &c.opt.lr, "peak learning rate");
+  o.add("min_lr", &c.opt.min_lr, "final learning rate of cosine, linear and wsd schedules");
+  o.add("warmup_steps", &c.opt.warmup_steps, "linear warmup steps");
+  o.add("schedule", &c.opt.schedule, "cosine | linear | constant | wsd");
+  o.add("decay_fraction", &c.opt.decay_fraction, "wsd: fraction of steps in the final decay");
+  o.add("beta1", &c.opt.beta1, "AdamW beta1");
+  o.add("beta2", &c.opt.beta2, "AdamW beta2");
+  o.add("eps", &c.opt.eps, "AdamW epsilon");
+  o.add("weight_decay", &c.opt.weight_decay, "decoupled weight decay on 2-D weights");
+  o.add("grad_clip", &c.opt.grad_clip, "global gradient-norm clip; 0 disables");
+  o.add("seed", &c.seed, "seed of initialization and data order");
+  o.add("init_std", &c.init_std, "std of the normal init of 2-D weights (from scratch)");
+  o.add("out_dir", &c.out_dir, "run directory: metrics.jsonl and ckpt/");
+  o.add("ckpt_every", &c.ckpt_every, "checkpoint every N steps (and at the end); 0: only at the end");
+  o.add("ckpt_keep", &c.ckpt_keep, "keep the newest K checkpoints; 0 keeps all");
+  o.add("resume", &c.resume, "continue from the newest complete checkpoint in out_dir/ckpt, if any");
+  o.add("stop_at_step", &c.stop_at_step, "checkpoint and stop after this step (a time-limited allocation); 0: run to the end");
+  o.add("log_every", &c.log_every, "print a log line every N steps (metrics.jsonl gets every step)");
+  o.add("val_every", &c.val_every, "validation loss every N steps; 0: only at the end when val_data is set");
+  o.add("val_batches", &c.val_batches, "micro-batches per validation; 0: the whole validation split");
+  o.add("device", &c.device, "auto | cpu | cuda");
+  o.add("threads", &c.threads, "CPU threads; 0: all cores");
+}
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+std::atomic<bool> g_stop_requested{false};
+extern "C" void on_stop_signal(int) { g_stop_requested = true; }
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = static_cast<int64_t>(seconds);
+  char buf[32];
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
+  else std::snprintf(buf, sizeof buf, "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
+  return buf;
+}
+
+void check(const TrainConfig& c) {
+  if (c.model_config.empty() == c.init.empty())
+    fail("give exactly one of --init (a model directory) and --model_config (a config.json to train from scratch)");
+  if (c.train_data.empty()) fail("option 'train_data' is empty: give token shards (build/prepare writes them)");
+  for (auto [name, v] : {std::pair{"seq_len", c.seq_len}, {"micro_batch", c.micro_batch}, {"grad_accum", c.grad_accum},
+                         {"steps", c.steps}, {"log_every", c.log_every}})
+    if (v < 1) fail("option '", name, "': expected >= 1, found ", v);
+  for (auto [name, v] : {std::pair{"ckpt_every", c.ckpt_every}, {"ckpt_keep", c.ckpt_keep}, {"val_every", c.val_every},
+                         {"val_batches", c.val_batches}, {"threads", c.threads}, {"stop_at_step", c.stop_at_step}})
+    if (v < 0) fail("option '", name, "': expected >= 0, found ", v);
+  if (c.device != "auto" && c.device != "cpu" && c.device != "cuda")
+    fail("option 'device': expected auto, cpu or cuda, found '", c.device, "'");
+  if (c.device == "cuda")
+    fail("option 'device' is cuda, but this build of tuna has no CUDA training step yet: use --device cpu");
+  validate(c.opt);
+}
+
+LossSum evaluate(Llama& model, DataLoader& val, int64_t max_batches, std::vector<int32_t>& inputs,
+                 std::vector<int32_t>& targets) {
+  const LoaderOptions& o = val.options();
+  val.reset();
+  LossSum total;
+  for (int64_t b = 0; (max_batches == 0 || b < max_batches) && val.next(inputs.data(), targets.data()); b++) {
+    LossSum l = model.forward_loss(inputs.data(), targets.data(), o.micro_batch, o.seq_len);
+    total.sum += l.sum;
+    total.count += l.count;
+  }
+  return total;
+}
+
+int run(int argc, char** argv) {
+  TrainConfig cfg;
+  Options options("build/train", "Fine-tunes or pretrains a LLaMA-family model on token shards.");
+  declare(options, cfg);
+  const std::vector<std::string> positional = options.parse(argc, argv);
+  if (!positional.empty()) fail("unexpected argument '", positional[0], "' (options are --name value)");
+  check(cfg);
+
+  const int threads = cfg.threads > 0 ? static_cast<int>(cfg.threads) : omp_get_num_procs();
+  omp_set_num_threads(threads);
+  openblas_set_num_threads(threads);
+
+  const fs::path out_dir = cfg.out_dir, ckpt_root = out_dir / "ckpt";
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
+
+  // Where the weights come from: a resume checkpoint beats --init beats a fresh init.
+  std::optional<fs::path> resume_from;
+  if (cfg.resume) resume_from = latest_checkpoint(ckpt_root);
+  const fs::path weights_dir = resume_from ? *resume_from : fs::path(cfg.init);
+  json config_json = weights_dir.empty() ? json() : read_config_json(weights_dir);
+  LlamaConfig model_cfg = weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
+                                              : LlamaConfig::from_json(config_json, (weights_dir / "config.json").string());
+  if (weights_dir.empty()) config_json = LlamaConfig::load(cfg.model_config).to_json(), config_json["torch_dtype"] = "float32";
+
+  std::printf("tuna train | device cpu (%d threads)\n", threads);
+  std::printf("config %s\n", options.to_json().dump().c_str());
+
+  Llama model(model_cfg, cfg.micro_batch, cfg.seq_len);
+  AdamW optimizer(model.layout(), cfg.opt);
+  json saved_cursor;
+  int64_t step = 0;
+  if (resume_from) {
+    json state = read_state(*resume_from);
+    step = state["step"].get<int64_t>();
+    load_weights(*resume_from, model.layout(), model.params.data());
+    load_optimizer(*resume_from, model.layout(), optimizer);
+    if (state.contains("data_cursor")) saved_cursor = state["data_cursor"];
+    if (state.contains("train_config")) {
+      json old = state["train_config"], now = options.to_json();
+      for (auto& [k, v] : now.items())
+        if (old.contains(k) && old[k] != v && k != "resume" && k != "stop_at_step")
+          std::printf("note: option %s was %s in the checkpoint, now %s\n", k.c_str(), old[k].dump().c_str(),
+                      v.dump().c_str());
+    }
+    std::printf("resumed from %s at step %lld\n", resume_from->c_str(), (long long)step);
+  } else if (!cfg.init.empty()) {
+    load_weights(cfg.init, model.layout(), model.params.data());
+    std::printf("initialized from %s\n", cfg.init.c_str());
+  } else {
+    model.init_random(static_cast<uint64_t>(cfg.seed), cfg.init_std);
+    std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
+  }
+  fs::path tokenizer_dir = resume_from ? *resume_from : fs::path(cfg.init);
+  if (!cfg.tokenizer.empty())
+    tokenizer_dir = fs::is_directory(cfg.tokenizer) ? fs::path(cfg.tokenizer) : fs::path(cfg.tokenizer).parent_path();
+
+  LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, 0, 1, static_cast<uint64_t>(cfg.seed), model_cfg.vocab_size, false};
+  DataLoader train(expand_shard_paths(split_list(cfg.train_data)), train_opts);
+  if (!saved_cursor.is_null()) train.set_cursor(saved_cursor.get<LoaderCursor>());
+  std::unique_ptr<DataLoader> val;
+  if (!cfg.val_data.empty()) {
+    LoaderOptions val_opts = train_opts;
+    val_opts.eval = true;
+    val = std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data)), val_opts);
+  }
+
+  const int64_t tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum;
+  std::printf("model %lld parameters (%d layers, hidden %lld, %lld heads / %lld kv, vocab %lld); activations %.1f MB\n",
+              (long long)model_cfg.n_params(), (int)model_cfg.num_hidden_layers, (long long)model_cfg.hidden_size,
+              (long long)model_cfg.num_attention_heads, (long long)model_cfg.num_key_value_heads,
+              (long long)model_cfg.vocab_size, model.activation_bytes() / 1e6);
+  std::printf("data %llu windows of %lld tokens in %zu shards; %lld tokens per step; %.2f epochs over %lld steps\n",
+              (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
+              (long long)tokens_per_step,
+              double(cfg.steps) * cfg.micro_batch * cfg.grad_accum / double(std::max<uint64_t>(1, train.windows_per_epoch())),
+              (long long)cfg.steps);
+  std::fflush(stdout);
+
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
+  std::ofstream metrics(out_dir / "metrics.jsonl", std::ios::app);
+  if (!metrics) fail((out_dir / "metrics.jsonl").string(), ": cannot open for writing");
+
+  auto save = [&](int64_t at_step) {
+    json state = {{"step", at_step},
+                  {"train_config", options.to_json()},
+                  {"data_cursor", train.cursor()},
+                  {"rng", {{"seed", cfg.seed}}},
+                  {"world", {{"dp", 1}, {"tp", 1}, {"zero", 0}}}};
+    CheckpointContents contents{&config_json, model.params.data(), &optimizer, state, tokenizer_dir};
+    fs::path p = save_checkpoint(ckpt_root, at_step, model.layout(), contents, cfg.ckpt_keep);
+    std::printf("checkpoint %s\n", p.c_str());
+    std::fflush(stdout);
+  };
+  auto validate_now = [&](int64_t at_step) {
+    std::vector<int32_t> vin(cfg.micro_batch * cfg.seq_len), vtg(cfg.micro_batch * cfg.seq_len);
+    LossSum v = evaluate(model, *val, cfg.val_batches, vin, vtg);
+    const double loss = v.count ? v.sum / v.count : NAN;
+    std::printf("step %6lld | val loss %.4f | val ppl %.2f | %lld tokens\n", (long long)at_step, loss, std::exp(loss),
+                (long long)v.count);
+    metrics << json{{"step", at_step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", v.count}}.dump()
+            << "\n";
+    metrics.flush();
+  };
+
+  std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len);
+  const auto run_start = std::chrono::steady_clock::now();
+  const int64_t first_step = step;
+  const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
+  bool stopped_early = false;
+  while (step < last_step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    model.zero_grads();
+    LossSum loss;
+    for (int64_t micro = 0; micro < cfg.grad_accum; micro++) {
+      train.next(inputs.data(), targets.data());
+      LossSum l = model.forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len);
+      loss.sum += l.sum;
+      loss.count += l.count;
+    }
+    const double lr = learning_rate(cfg.opt, step, cfg.steps);
+    // Mean over every trained token of the step; a step of only ignored targets changes nothing.
+    const double loss_scale = loss.count ? 1.0 / loss.count : 0.0;
+    OptimizerStats stats = optimizer.step(model.params.data(), model.grads.data(), loss_scale, lr);
+    step++;
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double eta = elapsed / double(step - first_step) * double(cfg.steps - step);
+    const double mean_loss = loss.count ? loss.sum / loss.count : NAN;
+    const double tok_s = tokens_per_step / secs;
+    metrics << json{{"step", step},          {"loss", mean_loss},       {"lr", lr},
+                    {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", loss.count},
+                    {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"eta_s", eta}}
+                   .dump()
+            << "\n";
+    metrics.flush();
+    if (step % cfg.log_every == 0 || step == last_step || step == first_step + 1) {
+      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %.0f ms | ETA %s\n",
+                  (long long)step, (long long)cfg.steps, mean_loss, lr, stats.grad_norm, tok_s, secs * 1e3,
+                  format_duration(eta).c_str());
+      std::fflush(stdout);
+    }
+    if (val && cfg.val_every > 0 && step % cfg.val_every == 0 && step != cfg.steps) validate_now(step);
+    if (g_stop_requested) {
+      std::printf("stop requested (signal): checkpointing at step %lld\n", (long long)step);
+      stopped_early = true;
+      break;
+    }
+    if (cfg.ckpt_every > 0 && step % cfg.ckpt_every == 0 && step != last_step) save(step);
+  }
+  if (val && step == cfg.steps && !stopped_early) validate_now(step);
+  if (step > first_step || !resume_from) save(step);
+  std::printf("done: step %lld of %lld in %s\n", (long long)step, (long long)cfg.steps,
+              format_duration(std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count()).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const tuna::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
