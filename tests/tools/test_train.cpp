@@ -1,0 +1,133 @@
+// build/train end to end on the CPU: 20 steps straight equal 10 steps + resume + 10 steps, bit for bit
+// (weights, optimizer state and every logged loss), and bad options fail with a message naming them.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "data/shard.h"
+#include "tests/test_util.h"
+
+namespace tuna {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_util::read_file;
+using testing_util::run_command;
+using testing_util::TempDir;
+
+const std::string kTrain = testing_util::build_dir() + "/train";
+
+// Shards of a repetitive token stream (vocab 128) so that the loss has something to learn.
+void write_shards(const fs::path& dir) {
+  fs::create_directories(dir);
+  std::mt19937 rng(5);
+  for (const char* name : {"train-00000.bin", "train-00001.bin", "val-00000.bin"}) {
+    ShardWriter w((dir / name).string(), 128);
+    for (int doc = 0; doc < 12; doc++) {
+      std::vector<int32_t> tokens{1};
+      const int start = rng() % 100;
+      for (int i = 0; i < 40; i++) tokens.push_back(3 + (start + i * 7) % 120);
+      tokens.push_back(2);
+      w.add_document(tokens);
+    }
+    w.finish();
+  }
+}
+
+// step -> loss line (the last one logged for the step) from metrics.jsonl.
+std::map<int64_t, std::string> losses(const fs::path& metrics) {
+  std::map<int64_t, std::string> out;
+  std::istringstream in(read_file(metrics));
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out[j["step"]] = j["loss"].dump();
+  }
+  return out;
+}
+
+std::string common_flags(const fs::path& data) {
+  return " --model_config tests/fixtures/llama32_tiny/config.json --train_data " + (data / "train-*.bin").string() +
+         " --val_data " + (data / "val-00000.bin").string() +
+         " --seq_len 16 --micro_batch 2 --grad_accum 2 --steps 20 --lr 3e-3 --warmup_steps 3 --ckpt_every 5"
+         " --ckpt_keep 2 --val_every 5 --threads 2 --seed 11";
+}
+
+TEST(Train, ResumeContinuesBitForBit) {
+  TempDir tmp("train");
+  write_shards(tmp / "data");
+  const std::string flags = common_flags(tmp / "data");
+
+  auto r = run_command(kTrain + flags + " --out_dir " + (tmp / "straight").string(), tmp / "log_a");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_command(kTrain + flags + " --out_dir " + (tmp / "split").string() + " --stop_at_step 10", tmp / "log_b");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(tmp / "split" / "ckpt" / "step_00000010"));
+  EXPECT_FALSE(fs::exists(tmp / "split" / "ckpt" / "step_00000020"));
+  r = run_command(kTrain + flags + " --out_dir " + (tmp / "split").string() + " --resume", tmp / "log_c");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+
+  const fs::path a = tmp / "straight" / "ckpt" / "step_00000020", b = tmp / "split" / "ckpt" / "step_00000020";
+  EXPECT_EQ(read_file(a / "model.safetensors"), read_file(b / "model.safetensors"));
+  EXPECT_EQ(read_file(a / "optimizer.safetensors"), read_file(b / "optimizer.safetensors"));
+  auto la = losses(tmp / "straight" / "metrics.jsonl"), lb = losses(tmp / "split" / "metrics.jsonl");
+  ASSERT_EQ(la.size(), 20u);
+  ASSERT_EQ(lb.size(), 20u);
+  EXPECT_EQ(la, lb);
+  // The repetitive stream is learnable: the loss falls well below ln(128) = 4.85.
+  EXPECT_LT(std::stod(la[20]), std::stod(la[1]) - 0.5);
+  // keep 2: only the newest two checkpoints remain.
+  EXPECT_FALSE(fs::exists(tmp / "straight" / "ckpt" / "step_00000010"));
+  EXPECT_TRUE(fs::exists(tmp / "straight" / "ckpt" / "step_00000015"));
+}
+
+TEST(Train, BadOptionsAndInputsFailClearly) {
+  TempDir tmp("trainbad");
+  write_shards(tmp / "data");
+  const std::string flags = common_flags(tmp / "data") + " --out_dir " + (tmp / "run").string();
+  auto r = run_command(kTrain + flags + " --micro_bacth 2", tmp / "log1");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("unknown option 'micro_bacth'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("did you mean 'micro_batch'"), std::string::npos) << r.output;
+
+  r = run_command(kTrain + flags + " --lr fast", tmp / "log2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("'lr': expected a number, found 'fast'"), std::string::npos) << r.output;
+
+  std::ofstream(tmp / "bad.toml") << "seq_len = 16\nlr = [1, 2]\n";
+  r = run_command(kTrain + flags + " --config " + (tmp / "bad.toml").string(), tmp / "log3");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("bad.toml:2"), std::string::npos) << r.output;
+
+  // A model whose vocabulary is smaller than the shards' is refused before training.
+  nlohmann::json cfg = nlohmann::json::parse(read_file("tests/fixtures/llama32_tiny/config.json"));
+  cfg["vocab_size"] = 64;
+  std::ofstream(tmp / "small.json") << cfg.dump();
+  r = run_command(kTrain + flags + " --model_config " + (tmp / "small.json").string(), tmp / "log4");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("128"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("64"), std::string::npos) << r.output;
+}
+
+TEST(Train, ConfigFileAndFlagsAgree) {
+  TempDir tmp("traintoml");
+  write_shards(tmp / "data");
+  std::ofstream(tmp / "run.toml") << "model_config = \"tests/fixtures/llama32_tiny/config.json\"\n"
+                                  << "train_data = \"" << (tmp / "data" / "train-*.bin").string() << "\"\n"
+                                  << "seq_len = 16\nmicro_batch = 2\nsteps = 3\nlr = 1e-3\nthreads = 1\n"
+                                  << "out_dir = \"" << (tmp / "run").string() << "\"\n";
+  auto r = run_command(kTrain + " --config " + (tmp / "run.toml").string() + " --steps 2", tmp / "log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto state = nlohmann::json::parse(read_file(tmp / "run" / "ckpt" / "step_00000002" / "state.json"));
+  EXPECT_EQ(state["train_config"]["steps"], 2);  // the flag overrode the file
+  EXPECT_EQ(state["train_config"]["seq_len"], 16);
+  EXPECT_DOUBLE_EQ(state["train_config"]["lr"].get<double>(), 1e-3);
+}
+
+}  // namespace
+}  // namespace tuna

@@ -1,0 +1,126 @@
+// build/sample — generates text from a checkpoint with its sentencepiece tokenizer.
+//
+//   build/sample --checkpoint DIR --prompt "This Agreement" [--max_tokens 64] [--temperature 0.8]
+//                [--top_p 0.95] [--greedy] [--seed 1]
+//
+// Each new token reruns the forward over the whole context (no KV cache): the CPU backend exists to check
+// a model, not to serve it, and this keeps generation on exactly the code path that training tested.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+#include <random>
+
+#include "core/error.h"
+#include "core/options.h"
+#include "data/tokenizer.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/llama.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace {
+
+// Draws an index from logits: softmax at `temperature`, restricted to the smallest set of most likely
+// tokens whose probability reaches top_p (nucleus sampling).
+int32_t sample_token(const float* logits, int64_t vocab, double temperature, double top_p, std::mt19937_64& rng) {
+  std::vector<double> p(vocab);
+  const double max_logit = *std::max_element(logits, logits + vocab);
+  double sum = 0;
+  for (int64_t i = 0; i < vocab; i++) sum += p[i] = std::exp((logits[i] - max_logit) / temperature);
+  std::vector<int32_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  double kept = 0;
+  size_t n = 0;
+  while (n < order.size() && (n == 0 || kept < top_p * sum)) kept += p[order[n++]];
+  const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53 * kept;
+  double acc = 0;
+  for (size_t i = 0; i < n; i++) {
+    acc += p[order[i]];
+    if (u < acc) return order[i];
+  }
+  return order[n - 1];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace tuna;
+  try {
+    std::string checkpoint, tokenizer_path, prompt;
+    int64_t max_tokens = 64, seed = 1, threads = 0;
+    double temperature = 0.8, top_p = 0.95;
+    bool greedy = false, stop_at_eos = true;
+    Options options("build/sample", "Generates a continuation of a prompt from a model directory.");
+    options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint or a Hugging Face download");
+    options.add("tokenizer", &tokenizer_path, "sentencepiece tokenizer.model; default: the checkpoint's");
+    options.add("prompt", &prompt, "text to continue");
+    options.add("max_tokens", &max_tokens, "tokens to generate at most");
+    options.add("temperature", &temperature, "softmax temperature (> 0)");
+    options.add("top_p", &top_p, "nucleus sampling: keep the most likely tokens up to this probability");
+    options.add("greedy", &greedy, "always take the most likely token (ignores temperature and top_p)");
+    options.add("stop_at_eos", &stop_at_eos, "stop when the model emits an end-of-sequence token");
+    options.add("seed", &seed, "sampling seed");
+    options.add("threads", &threads, "CPU threads; 0: all cores");
+    if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
+    if (checkpoint.empty()) fail("--checkpoint is required (see --help)");
+    if (!greedy && !(temperature > 0)) fail("option 'temperature': expected > 0, found ", temperature);
+    if (!(top_p > 0 && top_p <= 1)) fail("option 'top_p': expected in (0, 1], found ", top_p);
+    if (max_tokens < 1) fail("option 'max_tokens': expected >= 1, found ", max_tokens);
+    const int nthreads = threads > 0 ? static_cast<int>(threads) : omp_get_num_procs();
+    omp_set_num_threads(nthreads);
+    openblas_set_num_threads(nthreads);
+    if (tokenizer_path.empty()) tokenizer_path = (std::filesystem::path(checkpoint) / "tokenizer.model").string();
+
+    Tokenizer tokenizer(tokenizer_path);
+    LlamaConfig config = LlamaConfig::load(checkpoint);
+    if (tokenizer.vocab_size() > config.vocab_size)
+      fail(tokenizer_path, ": the tokenizer has ", tokenizer.vocab_size(), " pieces, more than the model's vocab_size ",
+           config.vocab_size);
+    std::vector<int32_t> tokens;
+    if (tokenizer.bos_id() >= 0) tokens.push_back(tokenizer.bos_id());
+    for (int32_t t : tokenizer.encode(prompt)) tokens.push_back(t);
+    const int64_t context = std::min<int64_t>(config.max_position_embeddings, tokens.size() + max_tokens);
+    if (static_cast<int64_t>(tokens.size()) >= context)
+      fail("the prompt (", tokens.size(), " tokens) leaves no room under max_position_embeddings ",
+           config.max_position_embeddings);
+    Llama model(config, 1, context);
+    load_weights(checkpoint, model.layout(), model.params.data());
+
+    std::vector<int64_t> eos = config.eos_token_ids;
+    if (tokenizer.eos_id() >= 0) eos.push_back(tokenizer.eos_id());
+    std::mt19937_64 rng(static_cast<uint64_t>(seed));
+    std::vector<float> logits(context * config.vocab_size);
+    // Decode the prompt and continuation together and print what is new: pieces can merge bytes across
+    // tokens, and sentencepiece drops the leading space of a text's first piece.
+    const size_t text_begin = tokenizer.bos_id() >= 0 ? 1 : 0;
+    auto decode_all = [&] { return tokenizer.decode(std::span<const int32_t>(tokens).subspan(text_begin)); };
+    std::string printed = decode_all();
+    std::printf("%s", printed.c_str());
+    while (static_cast<int64_t>(tokens.size()) < context) {
+      const int64_t n = static_cast<int64_t>(tokens.size());
+      model.forward_logits(tokens.data(), 1, n, logits.data());
+      const float* last = logits.data() + (n - 1) * config.vocab_size;
+      const int32_t next = greedy ? static_cast<int32_t>(std::max_element(last, last + config.vocab_size) - last)
+                                  : sample_token(last, config.vocab_size, temperature, top_p, rng);
+      if (stop_at_eos && std::find(eos.begin(), eos.end(), next) != eos.end()) break;
+      tokens.push_back(next);
+      std::string text = decode_all();
+      if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
+        std::printf("%s", text.c_str() + printed.size());
+        std::fflush(stdout);
+        printed = text;
+      }
+    }
+    std::printf("\n");
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
