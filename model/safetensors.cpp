@@ -1,0 +1,576 @@
+// model/safetensors.cpp — safetensors reader (mmap + full header validation), atomic writer, and
+// Hugging Face checkpoint directories.
+#include "model/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
+
+#include "core/error.h"
+
+namespace tuna {
+
+namespace fs = std::filesystem;
+using ordered_json = nlohmann::ordered_json;
+
+namespace {
+
+constexpr std::string_view kMetadataKey = "__metadata__";
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+// Parses JSON, reporting a key that repeats at the top level instead of silently keeping one of them:
+// in a safetensors header that would hide a tensor, in an index a shard assignment.
+ordered_json parse_json_object(std::string_view text, const std::string& what) {
+  std::string duplicate;
+  std::set<std::string, std::less<>> seen;
+  auto callback = [&](int depth, nlohmann::json::parse_event_t event, ordered_json& parsed) {
+    if (depth == 1 && event == nlohmann::json::parse_event_t::key && duplicate.empty()) {
+      const std::string& key = parsed.get_ref<const std::string&>();
+      if (!seen.insert(key).second) duplicate = key;
+    }
+    return true;
+  };
+  ordered_json json;
+  try {
+    json = ordered_json::parse(text.begin(), text.end(), callback);
+  } catch (const nlohmann::json::exception& e) {
+    fail(what, " is not valid JSON: ", e.what());
+  }
+  if (!json.is_object()) fail(what, " is not a JSON object (found ", json.type_name(), ")");
+  if (!duplicate.empty()) fail(what, ": key '", duplicate, "' appears more than once");
+  return json;
+}
+
+// A JSON integer that fits in int64 (nlohmann stores big positives as unsigned, fractions as float).
+bool as_int64(const ordered_json& value, int64_t* out) {
+  if (value.is_number_unsigned()) {
+    uint64_t u = value.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return false;
+    *out = static_cast<int64_t>(u);
+    return true;
+  }
+  if (value.is_number_integer()) {
+    *out = value.get<int64_t>();
+    return true;
+  }
+  return false;
+}
+
+std::string dtype_list() {
+  std::string list;
+  for (DType d : {DType::F64, DType::F32, DType::F16, DType::BF16, DType::I64, DType::I32, DType::I16,
+                  DType::I8, DType::U8, DType::BOOL}) {
+    if (!list.empty()) list += ", ";
+    list += dtype_name(d);
+  }
+  return list;
+}
+
+// Validates one header entry; `prefix` is "FILE: tensor 'NAME'".
+TensorInfo parse_entry(const std::string& prefix, const std::string& name, const ordered_json& entry,
+                       uint64_t data_size) {
+  if (!entry.is_object())
+    fail(prefix, ": expected an object with dtype, shape and data_offsets, found ", entry.type_name());
+  for (const char* field : {"dtype", "shape", "data_offsets"})
+    if (!entry.contains(field)) fail(prefix, ": missing field '", field, "'");
+
+  TensorInfo info;
+  info.name = name;
+
+  const ordered_json& dtype = entry["dtype"];
+  if (!dtype.is_string()) fail(prefix, ": field 'dtype': expected a string, found ", dtype.type_name());
+  std::optional<DType> parsed = parse_dtype(dtype.get_ref<const std::string&>());
+  if (!parsed)
+    fail(prefix, ": unknown dtype '", dtype.get_ref<const std::string&>(), "' (tuna reads ", dtype_list(),
+         ")");
+  info.dtype = *parsed;
+
+  const ordered_json& shape = entry["shape"];
+  if (!shape.is_array())
+    fail(prefix, ": field 'shape': expected an array of integers, found ", shape.type_name());
+  // numel * dtype size is compared with the byte range below; saturating it at "too big" avoids
+  // overflow on absurd shapes, which then fail that comparison with their true description.
+  bool too_big = false;
+  int64_t numel = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    int64_t dim = 0;
+    if (!as_int64(shape[i], &dim))
+      fail(prefix, ": field 'shape': element ", i, " is not an integer (found ", shape[i].dump(), ")");
+    if (dim < 0) fail(prefix, ": field 'shape': negative dimension ", dim, " at index ", i);
+    info.shape.push_back(dim);
+    if (__builtin_mul_overflow(numel, dim, &numel)) too_big = true;
+  }
+  info.numel = too_big ? -1 : numel;
+
+  const ordered_json& offsets = entry["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2)
+    fail(prefix, ": field 'data_offsets': expected [begin, end], found ", offsets.dump());
+  int64_t begin = 0, end = 0;
+  if (!as_int64(offsets[0], &begin) || !as_int64(offsets[1], &end) || begin < 0 || end < 0)
+    fail(prefix, ": field 'data_offsets': expected two non-negative integers, found ", offsets.dump());
+  if (begin > end)
+    fail(prefix, ": field 'data_offsets': begin ", begin, " is greater than end ", end);
+  info.begin = static_cast<uint64_t>(begin);
+  info.end = static_cast<uint64_t>(end);
+  if (info.end > data_size)
+    fail(prefix, ": data_offsets [", begin, ", ", end, "] run past the end of the data section (",
+         data_size, " bytes): the file is truncated or its header is wrong");
+
+  uint64_t needed = 0;
+  if (!too_big)
+    too_big = __builtin_mul_overflow(static_cast<uint64_t>(numel), dtype_size(info.dtype), &needed);
+  if (too_big || needed != info.nbytes())
+    fail(prefix, ": data_offsets [", begin, ", ", end, "] hold ", info.nbytes(), " bytes, but shape ",
+         format_shape(info.shape), " of ", dtype_name(info.dtype), " needs ",
+         too_big ? std::string("more than 2^64") : std::to_string(needed), " bytes");
+  return info;
+}
+
+// write() of every byte, retrying short writes and EINTR (a single write moves at most ~2 GiB).
+bool write_all(int fd, const void* data, uint64_t size) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t n = ::write(fd, p, std::min<uint64_t>(size, uint64_t{1} << 30));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    if (n == 0) {  // no progress and no error: report it as the disk being full rather than spin
+      errno = ENOSPC;
+      return false;
+    }
+    p += n;
+    size -= static_cast<uint64_t>(n);
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string format_shape(std::span<const int64_t> shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(shape[i]);
+  }
+  return out + "]";
+}
+
+// ---------------------------------------------------------------------------------------------------
+// SafetensorsFile
+
+SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
+  const std::string name = path.string();
+  int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open safetensors file ", name, ": ", errno_text(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    fail("cannot stat ", name, ": ", errno_text(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(name, ": not a regular file (expected a .safetensors file)");
+  }
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  if (file_size < 8) {
+    ::close(fd);
+    fail(name, ": file is ", file_size,
+         " bytes, shorter than the 8-byte header length that starts a safetensors file");
+  }
+  void* addr = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
+  int map_err = errno;
+  ::close(fd);  // the mapping keeps the file alive
+  if (addr == MAP_FAILED) fail("cannot mmap ", name, ": ", errno_text(map_err));
+  map_ = static_cast<const std::byte*>(addr);
+  map_size_ = file_size;
+
+  try {
+    // The header length is little-endian; assemble it bytewise so the reader is endian-neutral.
+    uint64_t header_size = 0;
+    for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | std::to_integer<uint64_t>(map_[i]);
+    if (header_size > file_size - 8)
+      fail(name, ": header length ", header_size, " runs past the end of the file (", file_size,
+           " bytes, so at most ", file_size - 8, " bytes of header)");
+    const uint64_t data_size = file_size - 8 - header_size;
+    data_section_ = map_ + 8 + header_size;
+
+    std::string_view text(reinterpret_cast<const char*>(map_ + 8), header_size);
+    ordered_json header = parse_json_object(text, name + ": header");
+
+    for (const auto& [key, value] : header.items()) {
+      if (key == kMetadataKey) {
+        if (!value.is_object())
+          fail(name, ": __metadata__: expected an object of strings, found ", value.type_name());
+        for (const auto& [mkey, mvalue] : value.items()) {
+          if (!mvalue.is_string())
+            fail(name, ": __metadata__ entry '", mkey, "': expected a string, found ",
+                 mvalue.type_name());
+          metadata_[mkey] = mvalue.get<std::string>();
+        }
+        continue;
+      }
+      tensors_.push_back(parse_entry(name + ": tensor '" + key + "'", key, value, data_size));
+    }
+
+    // File order is data order. stable_sort keeps header order among tensors at the same offset
+    // (zero-byte tensors), so listing is deterministic.
+    std::stable_sort(tensors_.begin(), tensors_.end(),
+                     [](const TensorInfo& a, const TensorInfo& b) { return a.begin < b.begin; });
+    // Sorted by begin, a tensor overlaps an earlier one exactly when it starts before the furthest end
+    // seen so far. Zero-byte tensors occupy nothing and cannot overlap.
+    const TensorInfo* furthest = nullptr;
+    for (const TensorInfo& t : tensors_) {
+      if (t.nbytes() == 0) continue;
+      if (furthest && t.begin < furthest->end)
+        fail(name, ": tensors '", furthest->name, "' (bytes [", furthest->begin, ", ", furthest->end,
+             ")) and '", t.name, "' (bytes [", t.begin, ", ", t.end, ")) overlap");
+      if (!furthest || t.end > furthest->end) furthest = &t;
+    }
+    for (size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() { release(); }
+
+void SafetensorsFile::release() noexcept {
+  if (map_) ::munmap(const_cast<std::byte*>(map_), map_size_);
+  map_ = nullptr;
+  map_size_ = 0;
+  data_section_ = nullptr;
+}
+
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
+    : path_(std::move(other.path_)),
+      map_(std::exchange(other.map_, nullptr)),
+      map_size_(std::exchange(other.map_size_, 0)),
+      data_section_(std::exchange(other.data_section_, nullptr)),
+      tensors_(std::move(other.tensors_)),
+      index_(std::move(other.index_)),
+      metadata_(std::move(other.metadata_)) {}
+
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
+  if (this != &other) {
+    release();
+    path_ = std::move(other.path_);
+    map_ = std::exchange(other.map_, nullptr);
+    map_size_ = std::exchange(other.map_size_, 0);
+    data_section_ = std::exchange(other.data_section_, nullptr);
+    tensors_ = std::move(other.tensors_);
+    index_ = std::move(other.index_);
+    metadata_ = std::move(other.metadata_);
+  }
+  return *this;
+}
+
+const TensorInfo* SafetensorsFile::find(std::string_view name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+const std::byte* SafetensorsFile::data(const TensorInfo& info) const {
+  TUNA_CHECK(!tensors_.empty() && &info >= tensors_.data() && &info < tensors_.data() + tensors_.size(),
+             "TensorInfo '", info.name, "' does not belong to ", path_.string());
+  return data_section_ + info.begin;
+}
+
+const TensorInfo& SafetensorsFile::require(std::string_view name,
+                                           std::span<const int64_t> expected_shape) const {
+  const TensorInfo* info = find(name);
+  if (!info) fail("file ", path_.string(), " has no tensor '", name, "'");
+  if (!std::equal(info->shape.begin(), info->shape.end(), expected_shape.begin(), expected_shape.end()))
+    fail("tensor '", name, "' in ", path_.string(), ": expected shape ", format_shape(expected_shape),
+         ", found ", format_shape(info->shape));
+  return *info;
+}
+
+void SafetensorsFile::read_f32(std::string_view name, std::span<const int64_t> expected_shape,
+                               float* dst) const {
+  const TensorInfo& info = require(name, expected_shape);
+  if (!is_floating(info.dtype))
+    fail("tensor '", name, "' in ", path_.string(), ": dtype ", dtype_name(info.dtype),
+         " cannot be read as float (expected F32, BF16, F16 or F64)");
+  convert_to_f32(data(info), info.dtype, dst, info.numel);
+}
+
+void SafetensorsFile::read_f64(std::string_view name, std::span<const int64_t> expected_shape,
+                               double* dst) const {
+  const TensorInfo& info = require(name, expected_shape);
+  const std::byte* src = data(info);
+  switch (info.dtype) {
+    case DType::F64:
+      if (info.numel > 0) std::memcpy(dst, src, info.nbytes());
+      return;
+    case DType::F32:
+      for (int64_t i = 0; i < info.numel; ++i) {
+        float v;
+        std::memcpy(&v, src + i * 4, 4);
+        dst[i] = v;
+      }
+      return;
+    case DType::F16:
+    case DType::BF16:
+      for (int64_t i = 0; i < info.numel; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, src + i * 2, 2);
+        dst[i] = info.dtype == DType::F16 ? f16_to_f32(bits) : bf16_to_f32(bits);
+      }
+      return;
+    default:
+      fail("tensor '", name, "' in ", path_.string(), ": dtype ", dtype_name(info.dtype),
+           " cannot be read as double (expected F64, F32, BF16 or F16)");
+  }
+}
+
+void SafetensorsFile::read_i32(std::string_view name, std::span<const int64_t> expected_shape,
+                               int32_t* dst) const {
+  const TensorInfo& info = require(name, expected_shape);
+  const std::byte* src = data(info);
+  switch (info.dtype) {
+    case DType::I32:
+      if (info.numel > 0) std::memcpy(dst, src, info.nbytes());
+      return;
+    case DType::I64:
+      for (int64_t i = 0; i < info.numel; ++i) {
+        int64_t v;
+        std::memcpy(&v, src + i * 8, 8);
+        if (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max())
+          fail("tensor '", name, "' in ", path_.string(), ": element ", i, " = ", v,
+               " does not fit in int32");
+        dst[i] = static_cast<int32_t>(v);
+      }
+      return;
+    default:
+      fail("tensor '", name, "' in ", path_.string(), ": dtype ", dtype_name(info.dtype),
+           " cannot be read as int32 (expected I32 or I64)");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// SafetensorsWriter
+
+void SafetensorsWriter::add(std::string name, DType dtype, std::span<const int64_t> shape,
+                            const void* data) {
+  if (name.empty()) fail("safetensors writer: tensor name is empty");
+  if (name == kMetadataKey) fail("safetensors writer: '", name, "' is reserved for metadata");
+  if (names_.contains(name)) fail("safetensors writer: tensor '", name, "' added twice");
+  uint64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 0) fail("safetensors writer: tensor '", name, "': negative dimension in ", format_shape(shape));
+    numel *= static_cast<uint64_t>(d);
+  }
+  uint64_t nbytes = numel * dtype_size(dtype);
+  if (nbytes > 0 && data == nullptr) fail("safetensors writer: tensor '", name, "': data is null");
+  names_.insert(name);
+  tensors_.push_back(Pending{std::move(name), dtype, {shape.begin(), shape.end()}, data, nbytes});
+}
+
+void SafetensorsWriter::add_metadata(std::string key, std::string value) {
+  for (const auto& [k, v] : metadata_)
+    if (k == key) fail("safetensors writer: metadata key '", key, "' added twice");
+  metadata_.emplace_back(std::move(key), std::move(value));
+}
+
+void SafetensorsWriter::write(const fs::path& path) const {
+  const std::string target = path.string();
+  const std::string tmp = target + ".tmp";
+
+  ordered_json header = ordered_json::object();
+  if (!metadata_.empty()) {
+    ordered_json meta = ordered_json::object();
+    for (const auto& [k, v] : metadata_) meta[k] = v;
+    header[std::string(kMetadataKey)] = std::move(meta);
+  }
+  uint64_t offset = 0;
+  for (const Pending& t : tensors_) {
+    header[t.name] = {{"dtype", dtype_name(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + t.nbytes}}};
+    offset += t.nbytes;
+  }
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const nlohmann::json::exception& e) {  // names or metadata that are not valid UTF-8
+    fail("cannot write ", target, ": header is not valid JSON: ", e.what());
+  }
+  // Spaces after the JSON are allowed by the spec; they put the data section on an 8-byte boundary so
+  // that F64/I64 tensors in the mapping are naturally aligned.
+  text.append((8 - text.size() % 8) % 8, ' ');
+  unsigned char length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(uint64_t{text.size()} >> (8 * i));
+
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("cannot write ", target, ": cannot create ", tmp, ": ", errno_text(errno));
+  // Any failure past this point removes the temporary file, so a failed write leaves no debris and
+  // never touches an existing file at path.
+  auto give_up = [&](const std::string& what) {
+    int err = errno;
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    fail("cannot write ", target, ": ", what, ": ", errno_text(err));
+  };
+  if (!write_all(fd, length, 8) || !write_all(fd, text.data(), text.size()))
+    give_up("writing the header to " + tmp);
+  for (const Pending& t : tensors_)
+    if (!write_all(fd, t.data, t.nbytes)) give_up("writing tensor '" + t.name + "' to " + tmp);
+  if (::fsync(fd) != 0) give_up("fsync of " + tmp);
+  int rc = ::close(fd);
+  fd = -1;
+  if (rc != 0) give_up("closing " + tmp);
+  if (::rename(tmp.c_str(), target.c_str()) != 0) give_up("renaming " + tmp + " to " + target);
+
+  // The rename is durable only once the directory entry is on disk. Some filesystems cannot fsync a
+  // directory (EINVAL); the data itself is already synced there, so that is not an error.
+  fs::path parent = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+  int dir_fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    int sync_rc = ::fsync(dir_fd);
+    int err = errno;
+    ::close(dir_fd);
+    if (sync_rc != 0 && err != EINVAL && err != ENOTSUP)
+      fail("cannot write ", target, ": fsync of directory ", parent.string(), ": ", errno_text(err));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// HfCheckpointDir
+
+namespace {
+
+constexpr const char* kSingleFile = "model.safetensors";
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+
+// How surely a file name means pickle model weights: 0 transformers' pytorch_model*.bin (and its index),
+// 1 Meta's consolidated.NN.pth, 2 any other .pth/.pt (could also be a Trainer's optimizer.pt or
+// rng_state.pth); -1 not pickle weights. The error names the surest one found.
+int pickle_rank(const std::string& file) {
+  if (file.starts_with("pytorch_model") && (file.ends_with(".bin") || file.ends_with(".bin.index.json")))
+    return 0;
+  if (file.starts_with("consolidated.") && file.ends_with(".pth")) return 1;
+  if (file.ends_with(".pth") || file.ends_with(".pt")) return 2;
+  return -1;
+}
+
+}  // namespace
+
+HfCheckpointDir::HfCheckpointDir(const fs::path& dir) : dir_(dir) {
+  const std::string where = dir.string();
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) fail(where, ": no such directory (expected a Hugging Face model directory)");
+  if (!fs::is_directory(dir, ec))
+    fail(where, ": not a directory (expected a Hugging Face model directory)");
+
+  if (fs::is_regular_file(dir / kSingleFile, ec)) {
+    shard_paths_.push_back(dir / kSingleFile);
+    shards_.push_back(std::make_unique<SafetensorsFile>(shard_paths_[0]));
+    for (const TensorInfo& t : shards_[0]->tensors()) {
+      names_.push_back(t.name);
+      shard_of_.emplace(t.name, 0);
+    }
+    return;
+  }
+
+  if (fs::is_regular_file(dir / kIndexFile, ec)) {
+    index_path_ = dir / kIndexFile;
+    const std::string index_name = index_path_.string();
+    std::ifstream in(index_path_, std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!in && !in.eof()) fail("cannot read ", index_name);
+    ordered_json index = parse_json_object(text, index_name);
+    if (!index.contains("weight_map"))
+      fail(index_name, ": missing field 'weight_map' (tensor name -> shard file)");
+    const ordered_json& weight_map = index["weight_map"];
+    if (!weight_map.is_object())
+      fail(index_name, ": field 'weight_map': expected an object, found ", weight_map.type_name());
+    if (weight_map.empty()) fail(index_name, ": field 'weight_map' is empty");
+    std::map<std::string, size_t, std::less<>> shard_number;
+    for (const auto& [tensor, file] : weight_map.items()) {
+      if (!file.is_string())
+        fail(index_name, ": weight_map entry '", tensor, "': expected a shard file name, found ",
+             file.type_name());
+      const std::string& shard_file = file.get_ref<const std::string&>();
+      auto [it, inserted] = shard_number.emplace(shard_file, shard_paths_.size());
+      if (inserted) {
+        fs::path shard_path = dir / shard_file;
+        if (!fs::is_regular_file(shard_path, ec))
+          fail(index_name, ": tensor '", tensor, "' is in shard '", shard_file, "', but ",
+               shard_path.string(), " does not exist");
+        shard_paths_.push_back(shard_path);
+      }
+      names_.push_back(tensor);
+      shard_of_.emplace(tensor, it->second);
+    }
+    shards_.resize(shard_paths_.size());
+    return;
+  }
+
+  // No safetensors checkpoint: say what is there instead, the common case being pickle weights.
+  std::vector<std::pair<int, std::string>> pickles;  // (rank, name): sorted, the surest comes first
+  std::vector<std::string> other_safetensors;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    std::string file = e.path().filename().string();
+    if (int rank = pickle_rank(file); rank >= 0) pickles.emplace_back(rank, file);
+    if (file.ends_with(".safetensors")) other_safetensors.push_back(file);
+  }
+  std::sort(pickles.begin(), pickles.end());
+  std::sort(other_safetensors.begin(), other_safetensors.end());
+  if (!pickles.empty()) {
+    const std::string& found = pickles.front().second;
+    const bool meta_format = found.ends_with(".pth");  // Meta's original consolidated.NN.pth release
+    fail(where, " holds PyTorch pickle weights (", found,
+         "); tuna reads only safetensors: convert them first, ",
+         meta_format ? "e.g. with transformers' models/llama/convert_llama_weights_to_hf.py"
+                     : "e.g. with transformers: model.save_pretrained(out_dir, safe_serialization=True)");
+  }
+  std::string others;
+  for (const std::string& f : other_safetensors) others += (others.empty() ? "" : ", ") + f;
+  fail(where, ": no model weights found: looked for ", kSingleFile, " and ", kIndexFile,
+       " (safetensors), and pytorch_model.bin, pytorch_model.bin.index.json, *.pth, *.pt (PyTorch pickle)",
+       others.empty() ? std::string() : "; other safetensors files here: " + others);
+}
+
+const SafetensorsFile& HfCheckpointDir::shard(size_t i) const {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  if (!shards_[i]) shards_[i] = std::make_unique<SafetensorsFile>(shard_paths_[i]);
+  return *shards_[i];
+}
+
+HfCheckpointDir::Entry HfCheckpointDir::find(std::string_view name) const {
+  auto it = shard_of_.find(name);
+  if (it == shard_of_.end()) return {};
+  const SafetensorsFile& file = shard(it->second);
+  const TensorInfo* info = file.find(name);
+  if (!info)
+    fail(index_path_.string(), ": tensor '", name, "' is in shard ", file.path().string(),
+         ", but that file has no such tensor");
+  return {&file, info};
+}
+
+void HfCheckpointDir::read_f32(std::string_view name, std::span<const int64_t> expected_shape,
+                               float* dst) const {
+  Entry entry = find(name);
+  if (!entry) fail(dir_.string(), " has no tensor '", name, "'");
+  entry.file->read_f32(name, expected_shape, dst);
+}
+
+void HfCheckpointDir::verify() const {
+  for (const std::string& name : names_) find(name);
+}
+
+}  // namespace tuna
