@@ -153,7 +153,7 @@ LossSum Llama::head(const int32_t* targets, int64_t rows, bool want_grad, float*
     cpu::matmul_fwd(logits, x, w_head, nr, C, V);
     if (!targets) continue;
     // dloss = 1: the gradient of the summed loss (see llama.h).
-    loss.sum += cpu::classifier_fwd_bwd(logits, static_cast<float*>(nullptr), targets + r0, nr, V,
+    loss.sum += cpu::classifier_fwd_bwd(logits, nullptr, targets + r0, nr, V,
                                         want_grad ? 1.0 : 0.0);
     for (int64_t i = 0; i < nr; i++) loss.count += targets[r0 + i] != cpu::kIgnoreIndex;
     if (want_grad)

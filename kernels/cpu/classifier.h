@@ -2,6 +2,7 @@
 // CPU twin of kernels/classifier.cuh.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 namespace tuna::cpu {
 
@@ -16,7 +17,7 @@ constexpr int32_t kIgnoreIndex = -100;
 // Returns the sum of losses over rows that are not ignored (accumulated in double).
 // A target outside [0, vocab) that is not kIgnoreIndex is a tuna::Error naming the row and the value.
 template <typename T>
-double classifier_fwd_bwd(T* logits, T* losses, const int32_t* targets, int64_t n, int64_t vocab,
+double classifier_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int32_t* targets, int64_t n, int64_t vocab,
                           double dloss);
 
 }  // namespace tuna::cpu

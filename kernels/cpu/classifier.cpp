@@ -1,0 +1,74 @@
+// Softmax cross-entropy over the vocabulary, forward and backward fused, CPU twin of kernels/classifier.cu.
+//
+//   logits: [n, vocab], targets: [n], losses: [n] (optional)
+//   lse_i = max_i + log sum_j exp(logits[i, j] - max_i)        (max-subtracted: no overflow for large logits)
+//   losses[i] = lse_i - logits[i, targets[i]]                   OVERWRITTEN; 0 for kIgnoreIndex rows
+//   when dloss != 0: logits[i, j] = (exp(logits[i, j] - lse_i) - [j == targets[i]]) * dloss
+//                    OVERWRITTEN in place; all zeros for ignored rows. When dloss == 0 logits is untouched.
+//   returns sum_i losses[i] over rows that are not ignored, in double, summed in row order.
+//
+// Rows are independent and parallel; the loss total is summed serially from per-row doubles so it does not
+// depend on the thread count.
+#include "kernels/cpu/classifier.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+
+namespace tuna::cpu {
+
+template <typename T>
+double classifier_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int32_t* targets, int64_t n, int64_t vocab,
+                          double dloss) {
+  TUNA_CHECK(n >= 0 && vocab > 0, "n ", n, ", vocab ", vocab);
+  // Targets come from data files: a bad one is a user error, reported before anything is written.
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t target = targets[i];
+    if (target != kIgnoreIndex && (target < 0 || target >= vocab))
+      fail("classifier: target of row ", i, " is ", target, ", outside the vocabulary [0, ", vocab,
+           ") and not the ignore index ", kIgnoreIndex);
+  }
+
+  const bool backward = dloss != 0.0;
+  std::vector<double> row_loss(n);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    T* row = logits + i * vocab;
+    const int32_t target = targets[i];
+    if (target == kIgnoreIndex) {
+      row_loss[i] = 0.0;
+      if (backward) std::fill(row, row + vocab, T(0));
+      continue;
+    }
+    const double max_logit = *std::max_element(row, row + vocab);
+    const double target_logit = row[target];
+    // One exp per element: when a gradient is wanted, exp(x - max) is parked in the row itself and
+    // normalized below, instead of being computed a second time.
+    double sum_exp = 0.0;
+    for (int64_t j = 0; j < vocab; ++j) {
+      const double e = std::exp(row[j] - max_logit);
+      sum_exp += e;
+      if (backward) row[j] = static_cast<T>(e);
+    }
+    row_loss[i] = max_logit + std::log(sum_exp) - target_logit;
+    if (backward) {
+      const double scale = dloss / sum_exp;
+      for (int64_t j = 0; j < vocab; ++j) row[j] = static_cast<T>(row[j] * scale);
+      row[target] = static_cast<T>(row[target] - dloss);
+    }
+  }
+
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    total += row_loss[i];
+    if (losses != nullptr) losses[i] = static_cast<T>(row_loss[i]);
+  }
+  return total;
+}
+
+template double classifier_fwd_bwd<float>(float*, float*, const int32_t*, int64_t, int64_t, double);
+template double classifier_fwd_bwd<double>(double*, double*, const int32_t*, int64_t, int64_t, double);
+
+}  // namespace tuna::cpu

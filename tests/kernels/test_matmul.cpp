@@ -1,0 +1,91 @@
+// kernels/cpu/matmul: nn.Linear forward against a float64 loop, backward against finite differences,
+// overwrite/accumulate semantics of dinp and dweight, and a null dinp.
+#include <gtest/gtest.h>
+
+#include "kernels/cpu/matmul.h"
+#include "tests/kernels/op_test_util.h"
+
+namespace tuna::cpu {
+namespace {
+
+using test::TestRng;
+
+// Not round, and n != ic != oc so any transposed index shows up.
+constexpr int64_t kRows = 13, kIn = 37, kOut = 19;
+
+// Float: a 37-term fp32 dot product per output; its error bound is ~ic * 6e-8 but typical error far less.
+template <typename T>
+void check_forward(TestRng& rng, double tolerance) {
+  const std::vector<T> inp = rng.vector<T>(kRows * kIn), weight = rng.vector<T>(kOut * kIn);
+  std::vector<T> out = test::nan_filled<T>(kRows * kOut);
+  matmul_fwd(out.data(), inp.data(), weight.data(), kRows, kIn, kOut);
+  std::vector<double> expected(kRows * kOut, 0.0);
+  for (int64_t i = 0; i < kRows; ++i)
+    for (int64_t o = 0; o < kOut; ++o)
+      for (int64_t c = 0; c < kIn; ++c) expected[i * kOut + o] += double(inp[i * kIn + c]) * weight[o * kIn + c];
+  EXPECT_LT(test::rel_error_norm(out, expected), tolerance);
+}
+
+TEST(MatmulTest, ForwardMatchesFloat64Loop) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check_forward<float>(rng, 1e-6);
+  check_forward<double>(rng, 1e-14);
+}
+
+TEST(MatmulTest, BackwardMatchesFiniteDifferences) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  std::vector<double> inp = rng.vector<double>(kRows * kIn), weight = rng.vector<double>(kOut * kIn);
+  const std::vector<double> dout = rng.vector<double>(kRows * kOut);
+  std::vector<double> out(kRows * kOut);
+  auto objective = [&] {
+    matmul_fwd(out.data(), inp.data(), weight.data(), kRows, kIn, kOut);
+    return test::weighted_sum(out, dout);
+  };
+  std::vector<double> dinp = test::nan_filled<double>(kRows * kIn), dweight(kOut * kIn, 0.0);
+  matmul_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
+             /*accumulate_dinp=*/false);
+  EXPECT_LT(test::rel_error_norm(dinp, test::numeric_gradient(inp, objective)), test::kFiniteDifferenceTolerance);
+  EXPECT_LT(test::rel_error_norm(dweight, test::numeric_gradient(weight, objective)),
+            test::kFiniteDifferenceTolerance);
+}
+
+TEST(MatmulTest, BackwardAccumulatesWhereAsked) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const std::vector<double> inp = rng.vector<double>(kRows * kIn), weight = rng.vector<double>(kOut * kIn),
+                            dout = rng.vector<double>(kRows * kOut);
+  // Fresh gradients: dinp overwritten over NaN, dweight added to zeros.
+  std::vector<double> fresh_dinp = test::nan_filled<double>(kRows * kIn), fresh_dweight(kOut * kIn, 0.0);
+  matmul_bwd(fresh_dinp.data(), fresh_dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
+             /*accumulate_dinp=*/false);
+  ASSERT_TRUE(test::all_finite(fresh_dinp));
+
+  const std::vector<double> prior_dinp = rng.vector<double>(kRows * kIn), prior_dweight = rng.vector<double>(kOut * kIn);
+  std::vector<double> dinp = prior_dinp, dweight = prior_dweight;
+  matmul_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
+             /*accumulate_dinp=*/true);
+  std::vector<double> expected_dinp(kRows * kIn), expected_dweight(kOut * kIn);
+  for (size_t i = 0; i < expected_dinp.size(); ++i) expected_dinp[i] = prior_dinp[i] + fresh_dinp[i];
+  for (size_t i = 0; i < expected_dweight.size(); ++i) expected_dweight[i] = prior_dweight[i] + fresh_dweight[i];
+  EXPECT_LT(test::rel_error_norm(dinp, expected_dinp), 1e-14);
+  EXPECT_LT(test::rel_error_norm(dweight, expected_dweight), 1e-14);
+
+  // accumulate_dinp = false overwrites dinp but still accumulates dweight.
+  dinp = prior_dinp;
+  dweight = prior_dweight;
+  matmul_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
+             /*accumulate_dinp=*/false);
+  EXPECT_LT(test::rel_error_norm(dinp, fresh_dinp), 1e-14);
+  EXPECT_LT(test::rel_error_norm(dweight, expected_dweight), 1e-14);
+
+  // A null dinp (a layer whose input needs no gradient) skips it.
+  dweight = prior_dweight;
+  matmul_bwd<double>(nullptr, dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
+                     /*accumulate_dinp=*/false);
+  EXPECT_LT(test::rel_error_norm(dweight, expected_dweight), 1e-14);
+}
+
+}  // namespace
+}  // namespace tuna::cpu
