@@ -251,6 +251,9 @@ int run(int argc, char** argv) {
     metrics.flush();
   };
 
+  // The starting point, so the log shows how far training moved the held-out loss.
+  if (val && step == 0) validate_now(0);
+
   std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
   const int64_t first_step = step;

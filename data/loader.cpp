@@ -1,0 +1,268 @@
+// DataLoader: see data/loader.h for the window, order and cursor contracts.
+#include "data/loader.h"
+
+#include <glob.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "kernels/cpu/classifier.h"  // kIgnoreIndex
+
+namespace tuna {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+bool is_glob(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// Cursor <-> JSON
+
+void to_json(nlohmann::json& j, const LoaderCursor& c) {
+  j = nlohmann::json{{"epoch", c.epoch},     {"position", c.position}, {"seed", c.seed},
+                     {"seq_len", c.seq_len}, {"dp_size", c.dp_size},   {"total_windows", c.total_windows}};
+}
+
+void from_json(const nlohmann::json& j, LoaderCursor& c) {
+  if (!j.is_object()) fail("data cursor: expected a JSON object, found ", j.dump());
+  auto field = [&](const char* name) -> uint64_t {
+    auto it = j.find(name);
+    if (it == j.end()) fail("data cursor: field '", name, "' is missing (found ", j.dump(), ")");
+    // A signed integer that is not negative is fine too (json(int64_t{8}) stores a signed 8).
+    if (!it->is_number_unsigned() && !(it->is_number_integer() && it->get<int64_t>() >= 0))
+      fail("data cursor: field '", name, "': expected a non-negative integer, found ", it->dump());
+    return it->get<uint64_t>();
+  };
+  c.epoch = field("epoch");
+  c.position = field("position");
+  c.seed = field("seed");
+  c.seq_len = static_cast<int64_t>(field("seq_len"));
+  c.dp_size = static_cast<int64_t>(field("dp_size"));
+  c.total_windows = field("total_windows");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Shard list
+
+std::vector<std::string> expand_shard_paths(const std::vector<std::string>& specs) {
+  std::vector<std::string> paths;
+  for (const std::string& spec : specs) {
+    std::vector<std::string> found;
+    if (is_glob(spec)) {
+      glob_t g{};
+      int rc = ::glob(spec.c_str(), 0, nullptr, &g);  // sorted by name
+      if (rc == 0)
+        for (size_t i = 0; i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
+      ::globfree(&g);
+    } else if (fs::is_directory(spec)) {
+      for (const auto& entry : fs::directory_iterator(spec))
+        if (entry.is_regular_file() && entry.path().extension() == kShardExtension)
+          found.push_back(entry.path().string());
+      std::sort(found.begin(), found.end());
+    } else if (fs::exists(spec)) {
+      found.push_back(spec);
+    } else {
+      fail("data: shard path ", spec, " does not exist");
+    }
+    if (found.empty())
+      fail("data: no shards match ", spec,
+           is_glob(spec) ? "" : str(" (a directory is read for *", kShardExtension, " files)"));
+    paths.insert(paths.end(), found.begin(), found.end());
+  }
+  return paths;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// WindowPermutation
+
+WindowPermutation::WindowPermutation(uint64_t n, uint64_t seed, uint64_t epoch) : n_(n) {
+  TUNA_CHECK(n <= (uint64_t{1} << 62), "window count ", n, " exceeds the permutation's domain");
+  half_bits_ = 0;
+  while ((uint64_t{1} << (2 * half_bits_)) < n) ++half_bits_;
+  half_mask_ = (uint64_t{1} << half_bits_) - 1;
+  uint64_t state = splitmix64(seed) ^ splitmix64(epoch + 0x632be59bd9b4e019ull);
+  for (uint64_t& k : keys_) k = state = splitmix64(state);
+}
+
+uint64_t WindowPermutation::operator()(uint64_t i) const {
+  TUNA_CHECK(i < n_, "index ", i, " of a permutation of ", n_);
+  // Cycle walking: the Feistel network permutes [0, 4^h); following the cycle of i until it returns
+  // inside [0, n) restricts it to a permutation of [0, n). The domain is below 4n, so on average fewer
+  // than 4 steps.
+  uint64_t x = i;
+  do {
+    uint64_t left = x >> half_bits_, right = x & half_mask_;
+    for (uint64_t key : keys_) {
+      uint64_t f = splitmix64(right ^ key) & half_mask_;
+      uint64_t next_right = left ^ f;
+      left = right;
+      right = next_right;
+    }
+    x = (left << half_bits_) | right;
+  } while (x >= n_);
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// DataLoader
+
+DataLoader::DataLoader(const std::vector<std::string>& shard_specs, const LoaderOptions& options)
+    : options_(options) {
+  auto positive = [](const char* name, int64_t v) {
+    if (v < 1) fail("data loader: option '", name, "' must be at least 1, found ", v);
+  };
+  positive("seq_len", options.seq_len);
+  positive("micro_batch", options.micro_batch);
+  positive("dp_size", options.dp_size);
+  positive("vocab_size", options.vocab_size);
+  if (options.dp_rank < 0 || options.dp_rank >= options.dp_size)
+    fail("data loader: option 'dp_rank' must lie in [0, dp_size = ", options.dp_size, "), found ",
+         options.dp_rank);
+
+  const uint64_t T = static_cast<uint64_t>(options.seq_len);
+  window_begin_.push_back(0);
+  for (const std::string& path : expand_shard_paths(shard_specs)) {
+    ShardReader shard(path);
+    if (shard.vocab_size() > static_cast<uint64_t>(options.vocab_size))
+      fail("shard ", path, ": written by a tokenizer with vocab_size ", shard.vocab_size(),
+           ", larger than the model's vocab_size ", options.vocab_size);
+    const uint64_t n = shard.token_count();
+    const uint64_t windows = n >= T + 1 ? (n - 1) / T : 0;
+    if (windows == 0) ++short_shards_;
+    total_tokens_ += n;
+    window_begin_.push_back(window_begin_.back() + windows);
+    shards_.push_back(std::move(shard));
+  }
+  const uint64_t N = total_windows();
+  if (N == 0)
+    fail("data: no training window in ", shards_.size(), " shard(s) (", shard_specs.front(),
+         shard_specs.size() > 1 ? ", ..." : "", "): a window needs seq_len + 1 = ", T + 1,
+         " tokens in one shard; the largest shard has ",
+         std::max_element(
+             shards_.begin(), shards_.end(),
+             [](const ShardReader& a, const ShardReader& b) { return a.token_count() < b.token_count(); })
+             ->token_count(),
+         ", all shards together ", total_tokens_);
+  const uint64_t dp = static_cast<uint64_t>(options.dp_size);
+  if (options.eval) {
+    per_rank_ = (N + dp - 1) / dp;
+  } else {
+    per_rank_ = N / dp;
+    if (per_rank_ == 0)
+      fail("data: ", N, " window(s) of ", T + 1, " tokens for ", dp,
+           " data-parallel ranks: every rank needs at least one");
+  }
+  row_.resize(T + 1);
+}
+
+uint64_t DataLoader::batches_per_epoch() const {
+  const uint64_t B = static_cast<uint64_t>(options_.micro_batch);
+  return options_.eval ? (per_rank_ + B - 1) / B : per_rank_ / B;
+}
+
+uint64_t DataLoader::window_at(uint64_t epoch, uint64_t position) const {
+  const uint64_t slot =
+      position * static_cast<uint64_t>(options_.dp_size) + static_cast<uint64_t>(options_.dp_rank);
+  if (options_.eval) return slot;  // may be >= N: a padding row
+  return WindowPermutation(total_windows(), options_.seed, epoch)(slot);
+}
+
+bool DataLoader::next(int32_t* inputs, int32_t* targets) {
+  const int64_t T = options_.seq_len, B = options_.micro_batch;
+  if (options_.eval) {
+    if (position_ >= per_rank_) return false;
+    for (int64_t b = 0; b < B; ++b, ++position_) {
+      uint64_t window = position_ < per_rank_ ? window_at(0, position_) : total_windows();
+      if (window < total_windows()) {
+        fill_row(window, inputs + b * T, targets + b * T);
+      } else {
+        std::fill(inputs + b * T, inputs + (b + 1) * T, 0);
+        std::fill(targets + b * T, targets + (b + 1) * T, cpu::kIgnoreIndex);
+      }
+    }
+    position_ = std::min(position_, per_rank_);
+    return true;
+  }
+  // One permutation object per epoch touched: its keys cost four hashes, not worth caching across calls.
+  WindowPermutation order(total_windows(), options_.seed, epoch_);
+  const uint64_t dp = static_cast<uint64_t>(options_.dp_size), rank = static_cast<uint64_t>(options_.dp_rank);
+  for (int64_t b = 0; b < B; ++b) {
+    if (position_ == per_rank_) {
+      ++epoch_;
+      position_ = 0;
+      order = WindowPermutation(total_windows(), options_.seed, epoch_);
+    }
+    fill_row(order(position_ * dp + rank), inputs + b * T, targets + b * T);
+    ++position_;
+  }
+  return true;
+}
+
+void DataLoader::fill_row(uint64_t window, int32_t* inputs, int32_t* targets) {
+  const uint64_t T = static_cast<uint64_t>(options_.seq_len);
+  const size_t s = static_cast<size_t>(std::upper_bound(window_begin_.begin(), window_begin_.end(), window) -
+                                       window_begin_.begin() - 1);
+  const ShardReader& shard = shards_[s];
+  const uint64_t start = (window - window_begin_[s]) * T;
+  shard.read_tokens(start, T + 1, row_.data());
+  const int64_t vocab = options_.vocab_size;
+  for (uint64_t i = 0; i <= T; ++i)
+    if (row_[i] < 0 || row_[i] >= vocab)
+      fail("shard ", shard.path(), ": token ", start + i, " is ", static_cast<uint32_t>(row_[i]),
+           ", outside the model's vocabulary [0, ", vocab, ")");
+  std::copy(row_.begin(), row_.begin() + static_cast<int64_t>(T), inputs);
+  const uint8_t* mask = shard.mask_data();
+  for (uint64_t j = 0; j < T; ++j) {
+    int32_t target = row_[j + 1];
+    if (mask) {
+      uint8_t m = mask[start + j + 1];
+      if (m > 1)
+        fail("shard ", shard.path(), ": loss mask of token ", start + j + 1, " must be 0 or 1, found ",
+             int{m});
+      if (m == 0) target = cpu::kIgnoreIndex;
+    }
+    targets[j] = target;
+  }
+}
+
+LoaderCursor DataLoader::cursor() const {
+  LoaderCursor c;
+  c.epoch = epoch_;
+  c.position = position_;
+  c.seed = options_.seed;
+  c.seq_len = options_.seq_len;
+  c.dp_size = options_.dp_size;
+  c.total_windows = total_windows();
+  return c;
+}
+
+void DataLoader::set_cursor(const LoaderCursor& c) {
+  auto same = [](const char* field, auto saved, auto here) {
+    if (saved != here)
+      fail("data cursor: field '", field, "': the cursor was saved with ", saved, ", this loader has ", here,
+           "; resuming would not reproduce the data order (same shards, seq_len, dp_size and seed needed)");
+  };
+  same("seed", c.seed, options_.seed);
+  same("seq_len", c.seq_len, options_.seq_len);
+  same("dp_size", c.dp_size, options_.dp_size);
+  same("total_windows", c.total_windows, total_windows());
+  if (c.position > per_rank_)
+    fail("data cursor: field 'position': ", c.position, " is past the ", per_rank_,
+         " windows this rank takes per epoch");
+  epoch_ = c.epoch;
+  position_ = c.position;
+}
+
+}  // namespace tuna

@@ -1,0 +1,131 @@
+// DataLoader: fixed-length training sequences from token shards, disjoint across data-parallel ranks,
+// shuffled per epoch, with a cursor that resumes exactly.
+//
+// Windows. Window w of a shard is its tokens [w*T, w*T + T + 1): inputs are the first T, targets the
+// last T (the same window shifted by one). Windows pack across document boundaries (BOS/EOS mark them)
+// and consecutive windows share one token, so every token of a shard but the first is a target exactly
+// once. A shard of n tokens holds floor((n - 1) / T) windows; one with fewer than T + 1 tokens holds none
+// (counted in short_shards()). A target whose token has loss mask 0 becomes kIgnoreIndex (-100).
+//
+// Order (training). All windows of all shards are numbered 0..N-1 (shard order, then window order) and
+// epoch e visits them in the order of a pseudo-random permutation drawn from (seed, e). Rank r of dp takes
+// positions r, r + dp, r + 2*dp, ... of that order, so ranks never share a window; each rank takes
+// floor(N / dp) windows per epoch, the remainder is dropped that epoch (a different remainder every epoch).
+// A batch that reaches the end of an epoch continues into the next one: every batch is full.
+//
+// The permutation is a 4-round Feistel network over the smallest power-of-4 domain >= N with cycle
+// walking, keyed by splitmix64 of (seed, epoch): a bijection computed per index in O(1) memory and time,
+// identical on every platform (no std::shuffle, no distribution objects), so the position of a window in
+// the order is a pure function and seeking to a cursor costs nothing even with a billion windows.
+//
+// Order (eval). Windows in their natural order, once: rank r takes r, r + dp, ...; each rank runs
+// ceil(N / dp) positions so all ranks make the same number of calls, and a position past N (and the tail
+// of the last batch) is a padding row: inputs 0, targets all kIgnoreIndex, so it adds nothing to a loss.
+//
+// Cursor. (epoch, position): position counts the windows this rank has taken in `epoch`. It is the same
+// number on every rank (they move in lockstep), so one cursor in state.json serves them all, and it does
+// not depend on micro_batch. set_cursor(c) makes the following batches equal to those the original run
+// produced after reaching c.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "data/shard.h"
+
+namespace tuna {
+
+struct LoaderOptions {
+  int64_t seq_len = 0;      // T: tokens per sequence
+  int64_t micro_batch = 1;  // B: sequences per next()
+  int64_t dp_rank = 0;
+  int64_t dp_size = 1;
+  uint64_t seed = 0;
+  int64_t vocab_size = 0;  // the model's: every shard's vocabulary and every token must fit under it
+  bool eval = false;       // windows once, in order, no shuffle (see above)
+};
+
+struct LoaderCursor {
+  uint64_t epoch = 0;
+  uint64_t position = 0;  // windows this rank has taken in `epoch`
+  // The data order the cursor belongs to, filled by DataLoader::cursor(); set_cursor refuses a cursor
+  // whose order differs, since resuming it would silently train on other data.
+  uint64_t seed = 0;
+  int64_t seq_len = 0;
+  int64_t dp_size = 0;
+  uint64_t total_windows = 0;
+
+  bool operator==(const LoaderCursor&) const = default;
+};
+
+// {"epoch", "position", "seed", "seq_len", "dp_size", "total_windows"}. from_json fails with a message
+// naming the missing or mistyped field.
+void to_json(nlohmann::json& j, const LoaderCursor& c);
+void from_json(const nlohmann::json& j, LoaderCursor& c);
+
+// Expands shard specs in the order given: a file is itself; a directory is every "*.bin" file directly
+// inside it, in name order; anything with * ? or [ is a glob pattern, matches in name order
+// ("data/train-*.bin" picks the training split of a prepare output directory, which also holds val-*.bin). A
+// spec that matches nothing is an error.
+std::vector<std::string> expand_shard_paths(const std::vector<std::string>& specs);
+
+class DataLoader {
+ public:
+  // Opens and validates every shard (see ShardReader), refuses a shard whose vocab_size exceeds
+  // options.vocab_size, and fails when there is no window at all (saying how many tokens were found
+  // against the T + 1 needed) or fewer windows than ranks.
+  DataLoader(const std::vector<std::string>& shard_specs, const LoaderOptions& options);
+
+  // Fills inputs and targets, each [micro_batch, seq_len] row-major. Training: always a full batch,
+  // returns true. Eval: returns false (writing nothing) once the pass is over; call reset() to run it
+  // again. A token id outside [0, vocab_size) is a tuna::Error naming the shard, the token index, the value.
+  bool next(int32_t* inputs, int32_t* targets);
+
+  LoaderCursor cursor() const;
+  void set_cursor(const LoaderCursor& cursor);
+  void reset() { epoch_ = 0, position_ = 0; }  // back to the start of epoch 0 (the eval pass)
+
+  const LoaderOptions& options() const { return options_; }
+  // Positions this rank runs per epoch: floor(N / dp) in training, ceil(N / dp) in eval (with padding).
+  uint64_t windows_per_epoch() const { return per_rank_; }
+  // next() calls per epoch: floor in training (a batch may straddle epochs), ceil in eval.
+  uint64_t batches_per_epoch() const;
+  uint64_t total_windows() const { return window_begin_.back(); }  // N, all ranks together
+  uint64_t total_tokens() const { return total_tokens_; }          // in all shards
+  size_t shard_count() const { return shards_.size(); }
+  size_t short_shards() const { return short_shards_; }  // shards with fewer than T + 1 tokens
+  const ShardReader& shard(size_t i) const { return shards_[i]; }
+
+  // The global window index that this rank reads at (epoch, position) in training mode; exposed for tests.
+  uint64_t window_at(uint64_t epoch, uint64_t position) const;
+
+ private:
+  void fill_row(uint64_t window, int32_t* inputs, int32_t* targets);
+
+  LoaderOptions options_;
+  std::vector<ShardReader> shards_;
+  std::vector<uint64_t> window_begin_;  // window_begin_[s] = windows in shards before s; back() = N
+  uint64_t total_tokens_ = 0;
+  size_t short_shards_ = 0;
+  uint64_t per_rank_ = 0;
+  uint64_t epoch_ = 0;
+  uint64_t position_ = 0;
+  std::vector<int32_t> row_;  // T + 1 tokens of the window being copied
+};
+
+// A bijection of [0, n) drawn from (seed, epoch); see the comment at the top. Exposed for tests.
+class WindowPermutation {
+ public:
+  WindowPermutation(uint64_t n, uint64_t seed, uint64_t epoch);
+  uint64_t operator()(uint64_t i) const;
+
+ private:
+  uint64_t n_;
+  int half_bits_;
+  uint64_t half_mask_;
+  uint64_t keys_[4];
+};
+
+}  // namespace tuna

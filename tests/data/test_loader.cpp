@@ -1,0 +1,323 @@
+// data/loader: windows, rank disjointness, seeded order, exact resume, loss mask, bad tokens, eval pass.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "data/loader.h"
+#include "kernels/cpu/classifier.h"  // kIgnoreIndex
+#include "tests/data/data_test_util.h"
+
+namespace tuna {
+namespace {
+
+using testing_data::expect_error;
+using testing_data::TempDir;
+
+// Shard s holds tokens s * 100000 + i (i = 0..n-1) in documents of 7 tokens, so that a window is named by
+// its first input token. vocab 1 << 20 makes them uint32 shards.
+constexpr uint32_t kVocab = 1 << 20;
+
+std::string make_shard(const TempDir& dir, const std::string& name, int s, uint64_t n,
+                       uint32_t vocab = kVocab) {
+  const std::string path = dir.file(name);
+  ShardWriter writer(path, vocab);
+  std::vector<int32_t> doc;
+  for (uint64_t i = 0; i < n; ++i) {
+    doc.push_back(static_cast<int32_t>(s * 100000 + i));
+    if (doc.size() == 7 || i + 1 == n) {
+      writer.add_document(doc);
+      doc.clear();
+    }
+  }
+  writer.finish();
+  return path;
+}
+
+// Three shards: 101 tokens (T=8: 12 windows), 5 tokens (none), 64 tokens (7 windows): N = 19.
+struct Corpus {
+  TempDir dir;
+  std::vector<std::string> paths = {make_shard(dir, "a.bin", 1, 101), make_shard(dir, "b.bin", 2, 5),
+                                    make_shard(dir, "c.bin", 3, 64)};
+};
+
+LoaderOptions options(int64_t T, int64_t B, int64_t rank = 0, int64_t dp = 1, uint64_t seed = 7) {
+  LoaderOptions o;
+  o.seq_len = T;
+  o.micro_batch = B;
+  o.dp_rank = rank;
+  o.dp_size = dp;
+  o.seed = seed;
+  o.vocab_size = kVocab;
+  return o;
+}
+
+struct Batch {
+  std::vector<int32_t> inputs, targets;
+  bool operator==(const Batch&) const = default;
+};
+
+Batch next_batch(DataLoader& loader) {
+  const auto& o = loader.options();
+  Batch b{std::vector<int32_t>(o.micro_batch * o.seq_len), std::vector<int32_t>(o.micro_batch * o.seq_len)};
+  EXPECT_TRUE(loader.next(b.inputs.data(), b.targets.data()));
+  return b;
+}
+
+TEST(Loader, CountsWindowsAndShortShards) {
+  Corpus c;
+  DataLoader loader(c.paths, options(8, 2));
+  EXPECT_EQ(loader.total_windows(), 19u);
+  EXPECT_EQ(loader.windows_per_epoch(), 19u);
+  EXPECT_EQ(loader.batches_per_epoch(), 9u);
+  EXPECT_EQ(loader.total_tokens(), 170u);
+  EXPECT_EQ(loader.shard_count(), 3u);
+  EXPECT_EQ(loader.short_shards(), 1u);
+}
+
+TEST(Loader, WindowsAreShiftedSlicesOfOneShard) {
+  Corpus c;
+  const int64_t T = 8;
+  DataLoader loader(c.paths, options(T, 1));
+  std::set<int32_t> starts;
+  for (uint64_t k = 0; k < loader.windows_per_epoch(); ++k) {
+    Batch b = next_batch(loader);
+    const int32_t first = b.inputs[0];
+    const int32_t shard = first / 100000, offset = first % 100000;
+    EXPECT_EQ(offset % T, 0) << "window starts at a multiple of T";
+    for (int64_t j = 0; j < T; ++j) {
+      EXPECT_EQ(b.inputs[j], first + j);
+      EXPECT_EQ(b.targets[j], first + j + 1);  // targets are inputs shifted by one
+    }
+    EXPECT_NE(shard, 2) << "the 5-token shard holds no window";
+    starts.insert(first);
+  }
+  // One epoch visits every window once: 12 of shard 1 (starts 0..88), 7 of shard 3 (starts 0..48).
+  std::set<int32_t> expected;
+  for (int w = 0; w < 12; ++w) expected.insert(100000 + w * 8);
+  for (int w = 0; w < 7; ++w) expected.insert(300000 + w * 8);
+  EXPECT_EQ(starts, expected);
+}
+
+TEST(Loader, RanksAreDisjointAndCoverTheEpoch) {
+  Corpus c;
+  const int64_t dp = 3;  // 19 windows: 6 per rank, one dropped
+  std::map<int32_t, int> seen;
+  for (int64_t rank = 0; rank < dp; ++rank) {
+    DataLoader loader(c.paths, options(8, 2, rank, dp));
+    ASSERT_EQ(loader.windows_per_epoch(), 6u);
+    for (int k = 0; k < 3; ++k) {
+      Batch b = next_batch(loader);
+      for (int row = 0; row < 2; ++row) seen[b.inputs[row * 8]] += 1;
+    }
+    EXPECT_EQ(loader.cursor().epoch, 0u);
+    EXPECT_EQ(loader.cursor().position, 6u);
+  }
+  EXPECT_EQ(seen.size(), 18u);  // disjoint: 18 distinct windows
+  for (auto [start, count] : seen) EXPECT_EQ(count, 1) << "window " << start;
+  // Over many epochs the dropped window changes, so every window gets seen.
+  std::set<int32_t> all;
+  DataLoader loader(c.paths, options(8, 1, 0, dp));
+  for (int k = 0; k < 6 * 20; ++k) all.insert(next_batch(loader).inputs[0]);
+  EXPECT_GT(all.size(), 6u);
+}
+
+TEST(Loader, OrderIsDeterministicForASeedAndDiffersAcrossSeedsAndEpochs) {
+  Corpus c;
+  DataLoader a(c.paths, options(8, 19, 0, 1, 7)), b(c.paths, options(8, 19, 0, 1, 7)),
+      other(c.paths, options(8, 19, 0, 1, 8));
+  Batch a0 = next_batch(a), b0 = next_batch(b), o0 = next_batch(other);
+  EXPECT_EQ(a0, b0);
+  EXPECT_NE(a0, o0);
+  Batch a1 = next_batch(a);  // the next epoch, exactly (B = N)
+  EXPECT_NE(a0, a1);
+  std::vector<int32_t> s0, s1;
+  for (int r = 0; r < 19; ++r) s0.push_back(a0.inputs[r * 8]), s1.push_back(a1.inputs[r * 8]);
+  std::sort(s0.begin(), s0.end());
+  std::sort(s1.begin(), s1.end());
+  EXPECT_EQ(s0, s1);  // same windows, another order
+}
+
+TEST(Loader, PermutationIsABijection) {
+  for (uint64_t n : {1, 2, 3, 4, 5, 15, 16, 17, 100, 257, 1000}) {
+    for (uint64_t seed : {0, 1, 99}) {
+      WindowPermutation p(n, seed, 3);
+      std::vector<int> hit(n, 0);
+      uint64_t fixed = 0;
+      for (uint64_t i = 0; i < n; ++i) {
+        uint64_t v = p(i);
+        ASSERT_LT(v, n);
+        hit[v] += 1;
+        fixed += v == i;
+      }
+      for (uint64_t v = 0; v < n; ++v) ASSERT_EQ(hit[v], 1) << "n " << n << " seed " << seed;
+      if (n >= 100) {
+        EXPECT_LT(fixed, n / 10) << "a shuffle, not the identity";
+      }
+    }
+  }
+}
+
+TEST(Loader, CursorResumesExactly) {
+  Corpus c;
+  for (int64_t dp : {1, 2}) {
+    for (int64_t rank = 0; rank < dp; ++rank) {
+      DataLoader original(c.paths, options(8, 3, rank, dp));
+      for (int k = 0; k < 5; ++k) next_batch(original);  // k = 5 batches: past the first epoch for dp 2
+      const std::string saved = nlohmann::json(original.cursor()).dump();
+      std::vector<Batch> expected;
+      for (int m = 0; m < 7; ++m) expected.push_back(next_batch(original));  // crosses an epoch boundary
+
+      DataLoader resumed(c.paths, options(8, 3, rank, dp));
+      resumed.set_cursor(nlohmann::json::parse(saved).get<LoaderCursor>());
+      for (int m = 0; m < 7; ++m)
+        EXPECT_EQ(next_batch(resumed), expected[m]) << "dp " << dp << " batch " << m;
+    }
+  }
+}
+
+TEST(Loader, CursorJsonRoundTripAndMismatch) {
+  Corpus c;
+  DataLoader loader(c.paths, options(8, 2));
+  next_batch(loader);
+  LoaderCursor cursor = loader.cursor();
+  nlohmann::json j = cursor;
+  EXPECT_EQ(j["position"], 2);
+  EXPECT_EQ(j["total_windows"], 19);
+  EXPECT_EQ(j.get<LoaderCursor>(), cursor);
+
+  DataLoader other_seed(c.paths, options(8, 2, 0, 1, 8));
+  expect_error([&] { other_seed.set_cursor(cursor); }, {"data cursor", "'seed'", "saved with 7", "has 8"});
+  DataLoader other_dp(c.paths, options(8, 2, 0, 2));
+  expect_error([&] { other_dp.set_cursor(cursor); }, {"'dp_size'"});
+  expect_error(
+      [&] {
+        nlohmann::json{{"epoch", 1}}.get<LoaderCursor>();
+      },
+      {"data cursor", "'position' is missing"});
+  expect_error(
+      [&] {
+        nlohmann::json{{"epoch", -1}}.get<LoaderCursor>();
+      },
+      {"'epoch'", "non-negative integer", "-1"});
+}
+
+TEST(Loader, MaskedTargetsAreIgnored) {
+  TempDir dir;
+  const std::string path = dir.file("sft.bin");
+  {
+    ShardWriter writer(path, 1000, /*with_mask=*/true);
+    // prompt (mask 0) then response (mask 1), twice
+    std::vector<int32_t> tokens = {1, 10, 11, 12, 20, 21, 2, 1, 30, 31, 40, 41, 42, 2};
+    std::vector<uint8_t> mask = {0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1};
+    writer.add_document(tokens, mask);
+    writer.finish();
+  }
+  LoaderOptions o = options(13, 1);
+  o.vocab_size = 1000;
+  DataLoader loader({path}, o);
+  ASSERT_EQ(loader.total_windows(), 1u);
+  Batch b = next_batch(loader);
+  const int32_t I = cpu::kIgnoreIndex;
+  EXPECT_EQ(b.inputs, (std::vector<int32_t>{1, 10, 11, 12, 20, 21, 2, 1, 30, 31, 40, 41, 42}));
+  EXPECT_EQ(b.targets, (std::vector<int32_t>{I, I, I, 20, 21, 2, I, I, I, 40, 41, 42, 2}));
+}
+
+TEST(Loader, RefusesAShardOfALargerVocabulary) {
+  TempDir dir;
+  const std::string path = make_shard(dir, "big-vocab.bin", 0, 50, 50000);
+  LoaderOptions o = options(8, 1);
+  o.vocab_size = 32000;
+  expect_error([&] { DataLoader l({path}, o); }, {path, "vocab_size 50000", "model's vocab_size 32000"});
+}
+
+TEST(Loader, RefusesATokenOutsideTheVocabulary) {
+  TempDir dir;
+  const std::string path = make_shard(dir, "corrupt.bin", 0, 40, 500);
+  // Token 7 becomes 600 behind the writer's back (uint16 tokens from byte 64).
+  std::string bytes = testing_data::read_file(path);
+  uint16_t bad = 600;
+  std::memcpy(bytes.data() + 64 + 7 * 2, &bad, 2);
+  testing_data::write_file(path, bytes);
+  LoaderOptions o = options(39, 1);  // one window: every token is read
+  o.vocab_size = 500;
+  DataLoader loader({path}, o);
+  std::vector<int32_t> in(39), tg(39);
+  expect_error([&] { loader.next(in.data(), tg.data()); }, {path, "token 7", "is 600", "[0, 500)"});
+}
+
+TEST(Loader, NoWindowSaysHowManyTokens) {
+  TempDir dir;
+  const std::string a = make_shard(dir, "a.bin", 0, 10), b = make_shard(dir, "b.bin", 1, 12);
+  expect_error(
+      [&] {
+        DataLoader l({a, b}, options(16, 1));
+      },
+      {"no training window", "seq_len + 1 = 17", "largest shard has 12", "all shards together 22"});
+  expect_error([&] { DataLoader l({a}, options(4, 1, 0, 4)); }, {"2 window(s)", "4 data-parallel ranks"});
+}
+
+TEST(Loader, BadOptions) {
+  Corpus c;
+  expect_error([&] { DataLoader l(c.paths, options(0, 1)); }, {"'seq_len'", "found 0"});
+  expect_error([&] { DataLoader l(c.paths, options(8, 1, 2, 2)); }, {"'dp_rank'", "found 2"});
+}
+
+TEST(Loader, ShardSpecs) {
+  TempDir dir;
+  make_shard(dir, "train-00001.bin", 1, 30);
+  make_shard(dir, "train-00000.bin", 0, 30);
+  make_shard(dir, "val-00000.bin", 2, 30);
+  testing_data::write_file(dir.file("report.json"), "{}");
+  EXPECT_EQ(expand_shard_paths({dir.path().string()}),
+            (std::vector<std::string>{dir.file("train-00000.bin"), dir.file("train-00001.bin"),
+                                      dir.file("val-00000.bin")}));
+  EXPECT_EQ(expand_shard_paths({dir.file("train-*.bin")}),
+            (std::vector<std::string>{dir.file("train-00000.bin"), dir.file("train-00001.bin")}));
+  EXPECT_EQ(expand_shard_paths({dir.file("val-00000.bin")}),
+            (std::vector<std::string>{dir.file("val-00000.bin")}));
+  expect_error([&] { expand_shard_paths({dir.file("test-*.bin")}); }, {"no shards match", "test-*.bin"});
+  expect_error([&] { expand_shard_paths({dir.file("missing.bin")}); }, {"missing.bin", "does not exist"});
+}
+
+TEST(Loader, EvalVisitsEveryWindowOnceInOrder) {
+  Corpus c;
+  std::vector<int32_t> starts;
+  int64_t padding_rows = 0;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    LoaderOptions o = options(8, 4, rank, 2);
+    o.eval = true;
+    DataLoader loader(c.paths, o);
+    EXPECT_EQ(loader.windows_per_epoch(), 10u);  // ceil(19 / 2)
+    EXPECT_EQ(loader.batches_per_epoch(), 3u);
+    std::vector<int32_t> in(32), tg(32);
+    int batches = 0;
+    while (loader.next(in.data(), tg.data())) {
+      ++batches;
+      for (int row = 0; row < 4; ++row) {
+        if (tg[row * 8] == cpu::kIgnoreIndex) {  // a padding row
+          ++padding_rows;
+          for (int j = 0; j < 8; ++j) EXPECT_EQ(tg[row * 8 + j], cpu::kIgnoreIndex);
+        } else {
+          starts.push_back(in[row * 8]);
+        }
+      }
+    }
+    EXPECT_EQ(batches, 3);
+    EXPECT_FALSE(loader.next(in.data(), tg.data()));
+    loader.reset();
+    EXPECT_TRUE(loader.next(in.data(), tg.data()));
+  }
+  EXPECT_EQ(padding_rows, 2 * 12 - 19);
+  std::sort(starts.begin(), starts.end());
+  std::vector<int32_t> expected;
+  for (int w = 0; w < 12; ++w) expected.push_back(100000 + w * 8);
+  for (int w = 0; w < 7; ++w) expected.push_back(300000 + w * 8);
+  EXPECT_EQ(starts, expected);
+}
+
+}  // namespace
+}  // namespace tuna

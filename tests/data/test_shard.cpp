@@ -1,0 +1,272 @@
+// data/shard: round trips in both widths, with and without a loss mask, and every kind of bad shard.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "data/shard.h"
+#include "tests/data/data_test_util.h"
+
+namespace tuna {
+namespace {
+
+using testing_data::expect_error;
+using testing_data::read_file;
+using testing_data::TempDir;
+using testing_data::write_file;
+
+struct Doc {
+  std::vector<int32_t> tokens;
+  std::vector<uint8_t> mask;
+};
+
+std::vector<Doc> random_docs(uint32_t vocab, int count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<Doc> docs(count);
+  for (int d = 0; d < count; ++d) {
+    size_t n = d == 3 ? 0 : rng() % 300;  // one empty document
+    for (size_t i = 0; i < n; ++i) {
+      docs[d].tokens.push_back(static_cast<int32_t>(rng() % vocab));
+      docs[d].mask.push_back(static_cast<uint8_t>(rng() % 2));
+    }
+  }
+  if (!docs[0].tokens.empty()) docs[0].tokens[0] = static_cast<int32_t>(vocab - 1);  // the largest id
+  return docs;
+}
+
+void round_trip(uint32_t vocab, bool with_mask, uint32_t expected_width) {
+  TempDir dir;
+  const std::string path = dir.file("shard.bin");
+  std::vector<Doc> docs = random_docs(vocab, 40, vocab + with_mask);
+  {
+    ShardWriter writer(path, vocab, with_mask);
+    for (const Doc& d : docs) {
+      if (with_mask)
+        writer.add_document(d.tokens, d.mask);
+      else
+        writer.add_document(d.tokens);
+    }
+    writer.finish();
+  }
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_FALSE(std::filesystem::exists(path + ".mask.tmp"));
+
+  ShardReader reader(path);
+  EXPECT_EQ(reader.vocab_size(), vocab);
+  EXPECT_EQ(reader.token_width(), expected_width);
+  EXPECT_EQ(reader.has_mask(), with_mask);
+  EXPECT_EQ(reader.document_count(), docs.size());
+  uint64_t total = 0;
+  for (const Doc& d : docs) total += d.tokens.size();
+  EXPECT_EQ(reader.token_count(), total);
+  // File size is exactly what the format says.
+  uint64_t expected_size = kShardHeaderBytes + (total * expected_width + 7) / 8 * 8 + (docs.size() + 1) * 8 +
+                           (with_mask ? total : 0);
+  EXPECT_EQ(std::filesystem::file_size(path), expected_size);
+
+  uint64_t at = 0;
+  std::vector<int32_t> copy;
+  for (size_t d = 0; d < docs.size(); ++d) {
+    auto [begin, end] = reader.document(d);
+    ASSERT_EQ(begin, at);
+    ASSERT_EQ(end - begin, docs[d].tokens.size());
+    copy.resize(end - begin);
+    reader.read_tokens(begin, end - begin, copy.data());
+    EXPECT_EQ(copy, docs[d].tokens) << "document " << d;
+    for (size_t i = 0; i < docs[d].tokens.size(); ++i) {
+      ASSERT_EQ(reader.token(begin + i), docs[d].tokens[i]);
+      ASSERT_EQ(reader.mask(begin + i), with_mask ? docs[d].mask[i] : 1);
+    }
+    at = end;
+  }
+}
+
+TEST(Shard, RoundTripUint16) { round_trip(32000, false, 2); }
+TEST(Shard, RoundTripUint16WithMask) { round_trip(32000, true, 2); }
+TEST(Shard, RoundTripUint32) { round_trip(128256, false, 4); }
+TEST(Shard, RoundTripUint32WithMask) { round_trip(128256, true, 4); }
+
+TEST(Shard, WidthFollowsVocabulary) {
+  EXPECT_EQ(shard_token_width(256), 2u);
+  EXPECT_EQ(shard_token_width(65536), 2u);  // ids up to 65535 fit uint16
+  EXPECT_EQ(shard_token_width(65537), 4u);
+}
+
+TEST(Shard, LargeShardCrossesTheWriteBuffer) {
+  TempDir dir;
+  const std::string path = dir.file("big.bin");
+  std::vector<int32_t> doc(1 << 20);
+  for (size_t i = 0; i < doc.size(); ++i) doc[i] = static_cast<int32_t>(i % 50000);
+  {
+    ShardWriter writer(path, 50000);
+    for (int k = 0; k < 5; ++k) writer.add_document(doc);  // 10 MB of tokens, several buffer flushes
+    writer.finish();
+  }
+  ShardReader reader(path);
+  ASSERT_EQ(reader.token_count(), 5u * doc.size());
+  for (uint64_t i : {uint64_t{0}, uint64_t{123457}, uint64_t{3} * doc.size() + 77, reader.token_count() - 1})
+    EXPECT_EQ(reader.token(i), static_cast<int32_t>((i % doc.size()) % 50000));
+}
+
+TEST(Shard, EmptyShardIsValid) {
+  TempDir dir;
+  const std::string path = dir.file("empty.bin");
+  {
+    ShardWriter writer(path, 100);
+    writer.finish();
+  }
+  ShardReader reader(path);
+  EXPECT_EQ(reader.token_count(), 0u);
+  EXPECT_EQ(reader.document_count(), 0u);
+}
+
+TEST(Shard, WriterRefusesBadDocuments) {
+  TempDir dir;
+  const std::string path = dir.file("bad.bin");
+  {
+    ShardWriter writer(path, 100);
+    std::vector<int32_t> too_big = {1, 2, 100};
+    expect_error([&] { writer.add_document(too_big); },
+                 {path, "document 0", "token 2", "id 100", "[0, 100)"});
+    std::vector<int32_t> negative = {-1};
+    expect_error([&] { writer.add_document(negative); }, {path, "id -1"});
+    std::vector<int32_t> ok = {1, 2};
+    std::vector<uint8_t> mask = {1, 1};
+    expect_error([&] { writer.add_document(ok, mask); }, {path, "opened without one"});
+    EXPECT_EQ(writer.document_count(), 0u);  // nothing of a refused document was kept
+  }
+  // An unfinished writer leaves nothing behind.
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+
+  ShardWriter masked(path, 100, /*with_mask=*/true);
+  std::vector<int32_t> tokens = {1, 2, 3};
+  std::vector<uint8_t> short_mask = {1, 0};
+  expect_error([&] { masked.add_document(tokens, short_mask); },
+               {path, "one mask byte per token (3)", "found 2"});
+  std::vector<uint8_t> bad_mask = {1, 2, 0};
+  expect_error([&] { masked.add_document(tokens, bad_mask); }, {path, "mask byte 1", "0 or 1", "found 2"});
+  expect_error([&] { masked.add_document(tokens); }, {path, "came without one"});
+}
+
+// A valid shard on disk to corrupt: 3 documents, 10 tokens, uint16.
+std::string valid_shard(const TempDir& dir, bool with_mask = false) {
+  const std::string path = dir.file("victim.bin");
+  ShardWriter writer(path, 1000, with_mask);
+  std::vector<std::vector<int32_t>> docs = {{1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10}};
+  for (const auto& d : docs) {
+    if (with_mask)
+      writer.add_document(d, std::vector<uint8_t>(d.size(), 1));
+    else
+      writer.add_document(d);
+  }
+  writer.finish();
+  return path;
+}
+
+// Overwrites bytes of a file at an offset.
+template <typename T>
+void patch(const std::string& path, size_t offset, T value) {
+  std::string bytes = read_file(path);
+  ASSERT_LE(offset + sizeof(T), bytes.size());
+  std::memcpy(bytes.data() + offset, &value, sizeof(T));
+  write_file(path, bytes);
+}
+
+// Offsets of the victim shard: 64 + pad8(10 tokens * 2 bytes = 20) = 88.
+constexpr size_t kVictimOffsets = 88;
+
+TEST(Shard, ShortFile) {
+  TempDir dir;
+  const std::string path = dir.file("short.bin");
+  write_file(path, "TUNATOKS");
+  expect_error([&] { ShardReader r(path); }, {path, "too short", "8 bytes", "64"});
+}
+
+TEST(Shard, MissingFile) {
+  TempDir dir;
+  expect_error([&] { ShardReader r(dir.file("nope.bin")); }, {dir.file("nope.bin"), "cannot open"});
+}
+
+TEST(Shard, BadMagic) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, 0, uint64_t{0x0a0d474e50890000});  // bytes of a PNG header, roughly
+  expect_error([&] { ShardReader r(path); },
+               {path, "bad magic", "expected \"TUNATOKS\"", "found \"\\x00\\x00\\x89PNG\\x0d\\x0a\""});
+}
+
+TEST(Shard, UnsupportedVersion) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, 8, uint32_t{2});
+  expect_error([&] { ShardReader r(path); }, {path, "unsupported format version 2"});
+}
+
+TEST(Shard, BadWidth) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, 12, uint32_t{3});
+  expect_error([&] { ShardReader r(path); }, {path, "bad token width", "2 or 4", "found 3"});
+}
+
+TEST(Shard, UnknownFlags) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, 16, uint32_t{4});
+  expect_error([&] { ShardReader r(path); }, {path, "unknown flags 0x4"});
+}
+
+TEST(Shard, Truncated) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  std::string bytes = read_file(path);
+  write_file(path, bytes.substr(0, bytes.size() - 5));
+  expect_error([&] { ShardReader r(path); }, {path, "truncated", "implies " + std::to_string(bytes.size()),
+                                              "has " + std::to_string(bytes.size() - 5)});
+}
+
+TEST(Shard, TrailingBytes) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  write_file(path, read_file(path) + "junk");
+  expect_error([&] { ShardReader r(path); }, {path, "trailing bytes"});
+}
+
+TEST(Shard, MaskFlagWithoutMaskIsTruncated) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, 16, kShardFlagLossMask);
+  expect_error([&] { ShardReader r(path); }, {path, "truncated", "loss mask"});
+}
+
+TEST(Shard, HugeTokenCount) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, 24, uint64_t{1} << 62);
+  expect_error([&] { ShardReader r(path); }, {path, "truncated or corrupt", "tokens"});
+}
+
+TEST(Shard, OffsetsNotMonotonic) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, kVictimOffsets + 16, uint64_t{2});  // offsets 0 3 2 10
+  expect_error([&] { ShardReader r(path); }, {path, "not monotonic", "offset 2 is 2", "offset 1 = 3"});
+}
+
+TEST(Shard, OffsetsNotEndingAtTokenCount) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, kVictimOffsets + 24, uint64_t{9});
+  expect_error([&] { ShardReader r(path); }, {path, "must end at token_count 10", "the last is 9"});
+}
+
+TEST(Shard, OffsetsNotStartingAtZero) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, kVictimOffsets, uint64_t{1});
+  expect_error([&] { ShardReader r(path); }, {path, "start at 0", "found 1"});
+}
+
+}  // namespace
+}  // namespace tuna
