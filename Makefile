@@ -39,13 +39,22 @@ ifeq ($(CUDA),1)
 endif
 
 TOOLS := $(patsubst tools/%.cpp,$(BUILD)/%,$(wildcard tools/*.cpp))
-TEST_SRCS := $(wildcard tests/*.cpp tests/*/*.cpp)
+# One GoogleTest binary for everything; tests/mpi/ is a second one with its own main (MPI_Init), which
+# tests in the first launch under mpirun.
+TEST_SRCS := $(filter-out tests/mpi/%,$(wildcard tests/*.cpp tests/*/*.cpp))
 TEST_OBJS := $(TEST_SRCS:%.cpp=$(BUILD)/obj/%.o)
-BENCHES := $(patsubst bench/%.cpp,$(BUILD)/%,$(wildcard bench/*.cpp))
+MPI_TEST_SRCS := $(wildcard tests/mpi/*.cpp)
+MPI_TESTS := $(if $(MPI_TEST_SRCS),$(BUILD)/mpi_tests)
+# bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
+BENCH_SRCS := $(wildcard bench/*.cpp)
+ifneq ($(CUDA),1)
+  BENCH_SRCS := $(filter-out bench/%_gpu.cpp,$(BENCH_SRCS))
+endif
+BENCHES := $(patsubst bench/%.cpp,$(BUILD)/%,$(BENCH_SRCS))
 DEPS_STAMP := $(BUILD)/.deps-installed
 
 .PHONY: all test bench demo deps clean
-all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(BENCHES)
+all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BENCHES)
 
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP): scripts/install-deps.sh
@@ -91,6 +100,9 @@ $(BUILD)/%: $(BUILD)/obj/tools/%.o $(LIB_OBJS) $(CU_OBJS)
 	$(CXX) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/tuna_tests: $(TEST_OBJS) $(LIB_OBJS) $(CU_OBJS)
+	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
+
+$(BUILD)/mpi_tests: $(MPI_TEST_SRCS:%.cpp=$(BUILD)/obj/%.o) $(LIB_OBJS) $(CU_OBJS)
 	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
 
 $(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_OBJS) $(CU_OBJS)
