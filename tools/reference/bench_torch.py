@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""PyTorch eager baseline for tuna's CPU training step.
+
+Usage: bench_torch.py --config demo/config.json [--batch 8] [--seq 128] [--steps 20] [--threads 2]
+                      [--warmup 3] [--attn sdpa|eager] [--seed 0]
+
+Builds a randomly initialized LlamaForCausalLM (float32, HF's default init) from an HF config.json, and
+times full training steps on CPU with torch.set_num_threads(--threads): forward, next-token cross-entropy,
+backward, AdamW step, zero_grad. The batch is one random next-token batch of B rows of T+1 tokens, reused
+every step. --warmup untimed steps first (allocator, thread pool, lazy init). Prints one human line and
+one JSON line (tokens/s = batch*seq / median step time).
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--config", required=True, help="HF config.json of a LLaMA model")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+                    help="transformers attention implementation (both run in PyTorch eager mode)")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if min(args.batch, args.seq, args.steps, args.threads) < 1 or args.warmup < 0:
+        ap.error("--batch, --seq, --steps, --threads must be >= 1 and --warmup >= 0")
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    transformers.logging.set_verbosity_error()
+
+    try:
+        config = LlamaConfig.from_json_file(args.config)
+    except (OSError, ValueError) as e:
+        print(f"bench_torch: cannot read --config {args.config}: {e}", file=sys.stderr)
+        return 1
+    config._attn_implementation = args.attn
+    model = LlamaForCausalLM(config).float().train()
+    assert model.config._attn_implementation == args.attn, model.config._attn_implementation
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        logits = model(input_ids=inputs, use_cache=False).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+
+    tokens_per_step = args.batch * args.seq
+    median = statistics.median(times)
+    mean = statistics.fmean(times)
+    tok_s = tokens_per_step / median
+    print(f"pytorch {torch.__version__} eager cpu fp32, {args.threads} threads, {n_params / 1e6:.2f}M params, "
+          f"batch {args.batch} x seq {args.seq}: {median * 1e3:.1f} ms/step (median of {args.steps}, "
+          f"mean {mean * 1e3:.1f}, min {min(times) * 1e3:.1f}), {tok_s:.0f} tokens/s, last loss {loss:.4f}")
+    print(json.dumps({
+        "bench": "torch_train_step", "device": "cpu", "dtype": "float32", "attn": args.attn,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "config": args.config, "params": n_params, "threads": args.threads,
+        "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
+        "ms_per_step": median * 1e3, "ms_per_step_mean": mean * 1e3, "ms_per_step_min": min(times) * 1e3,
+        "tokens_per_s": tok_s, "last_loss": loss,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
