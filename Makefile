@@ -8,6 +8,7 @@
 BUILD := build
 CXX ?= g++
 NVCC ?= /usr/local/cuda/bin/nvcc
+JOBS ?= $(shell nproc)
 
 ifeq ($(origin CUDA), undefined)
   CUDA := $(if $(wildcard $(NVCC)),1,0)
@@ -18,7 +19,8 @@ CXXFLAGS := -std=c++20 -O2 -g -fopenmp -Wall -Wextra -Werror -Wno-unused-paramet
 LDLIBS := -lopenblas -lsentencepiece -lsentencepiece_train -lzstd -lz -lxxhash -lpthread -fopenmp
 GTEST_LIBS := -lgtest -lgmock -lpthread
 BENCH_LIBS := -lbenchmark -lpthread
-MPI_CFLAGS := $(shell mpicxx --showme:compile 2>/dev/null)
+# The MPI C API only: Open MPI's C++ bindings do not compile under -Werror.
+MPI_CFLAGS := $(shell mpicxx --showme:compile 2>/dev/null) -DOMPI_SKIP_MPICXX=1 -DMPICH_SKIP_MPICXX=1
 MPI_LIBS := $(shell mpicxx --showme:link 2>/dev/null)
 CPPFLAGS += $(MPI_CFLAGS)
 LDLIBS += $(MPI_LIBS)
@@ -36,6 +38,12 @@ ifeq ($(CUDA),1)
   CU_OBJS := $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
   LDLIBS += -L/usr/local/cuda/lib64 -lcudart -lcublasLt -lcublas
   CPPFLAGS += -DTUNA_CUDA=1 -I/usr/local/cuda/include
+  # NCCL (dist/comm_nccl.cpp) when its header is found; NCCL=0 leaves it out.
+  NCCL ?= $(if $(wildcard /usr/local/cuda/include/nccl.h /usr/include/nccl.h),1,0)
+  ifeq ($(NCCL),1)
+    CPPFLAGS += -DTUNA_NCCL=1
+    LDLIBS += -lnccl
+  endif
 endif
 
 TOOLS := $(patsubst tools/%.cpp,$(BUILD)/%,$(wildcard tools/*.cpp))
@@ -63,15 +71,15 @@ $(DEPS_STAMP): scripts/install-deps.sh
 	@touch $@
 
 test: $(DEPS_STAMP)
-	$(MAKE) all
+	$(MAKE) -j$(JOBS) all
 	./$(BUILD)/tuna_tests
 
 bench: $(DEPS_STAMP)
-	$(MAKE) all
+	$(MAKE) -j$(JOBS) all
 	@for b in $(BENCHES); do echo "== $$b"; ./$$b || exit 1; done
 
 demo: $(DEPS_STAMP)
-	$(MAKE) all
+	$(MAKE) -j$(JOBS) all
 	scripts/demo.sh
 
 $(BUILD)/obj/%.o: %.cpp | $(DEPS_STAMP)
