@@ -51,7 +51,7 @@ std::map<int64_t, std::string> losses(const fs::path& metrics) {
 }
 
 std::string common_flags(const fs::path& data) {
-  return " --model_config tests/fixtures/llama32_tiny/config.json --train_data " + (data / "train-*.bin").string() +
+  return " --model_config tests/fixtures/llama32_tiny/config.json --train_data '" + (data / "train-*.bin").string() + "'" +
          " --val_data " + (data / "val-00000.bin").string() +
          " --seq_len 16 --micro_batch 2 --grad_accum 2 --steps 20 --lr 3e-3 --warmup_steps 3 --ckpt_every 5"
          " --ckpt_keep 2 --val_every 5 --threads 2 --seed 11";
