@@ -116,6 +116,42 @@ $(BUILD)/mpi_tests: $(MPI_TEST_SRCS:%.cpp=$(BUILD)/obj/%.o) $(LIB_OBJS) $(CU_OBJ
 $(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_OBJS) $(CU_OBJS)
 	$(CXX) $^ -o $@ $(BENCH_LIBS) $(LDLIBS)
 
+# ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit
+# and Python but none of the Debian -dev packages. `make gpu-check-build` links one GPU test binary (main +
+# tests/*/*_gpu.cpp) and the GPU benches into $(GPU_CHECK)/bin, debug info stripped (the machine takes at most
+# 64 MiB of carried files). The library objects go through an archive, so only what the tests reach is linked
+# (no MPI, NCCL, sentencepiece). Static: GoogleTest, the reference BLAS (CBLAS for the CPU twins; the tests'
+# shapes are small, and OpenBLAS's static archive would add 25 MB) with its gfortran runtime, libgomp and the
+# CUDA runtime. Dynamic: cuBLASLt (the toolkit there has it), libstdc++ and glibc (newer there). Google
+# Benchmark exists in Debian only as a shared library: copied to bin/lib, found through rpath $ORIGIN/lib.
+ifeq ($(CUDA),1)
+GPU_CHECK := $(BUILD)/gpu-check
+GPU_TEST_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,tests/main.cpp $(wildcard tests/*/*_gpu.cpp))
+GPU_BENCHES := $(patsubst bench/%.cpp,$(GPU_CHECK)/bin/%,$(wildcard bench/*_gpu.cpp))
+GPU_ARCHIVE_OBJS := $(filter $(BUILD)/obj/core/% $(BUILD)/obj/kernels/% $(BUILD)/obj/model/% $(BUILD)/obj/dist/%,\
+                      $(LIB_OBJS)) $(CU_OBJS)
+REFERENCE_BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/blas/libblas.a) -lopenblas)
+GPU_CHECK_LIBS := -Wl,-Bstatic $(REFERENCE_BLAS) -lgfortran -lquadmath -lgomp -Wl,-Bdynamic \
+                  -L/usr/local/cuda/lib64 -lcudart_static -lcublasLt -lpthread -ldl -lrt -lm
+.PHONY: gpu-check-build
+gpu-check-build: $(GPU_CHECK)/bin/gpu_tests $(GPU_BENCHES)
+
+$(GPU_CHECK)/libtuna_gpu.a: $(GPU_ARCHIVE_OBJS)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(GPU_CHECK)/bin/gpu_tests: $(GPU_TEST_OBJS) $(GPU_CHECK)/libtuna_gpu.a
+	@mkdir -p $(dir $@)
+	$(CXX) $^ -o $@ -Wl,-Bstatic -lgtest -Wl,-Bdynamic $(GPU_CHECK_LIBS)
+	strip --strip-debug $@
+
+$(GPU_CHECK)/bin/bench_%_gpu: $(BUILD)/obj/bench/bench_%_gpu.o $(GPU_CHECK)/libtuna_gpu.a
+	@mkdir -p $(GPU_CHECK)/bin/lib
+	cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so.1debian $(GPU_CHECK)/bin/lib/
+	$(CXX) $^ -o $@ -lbenchmark -Wl,-rpath,'$$ORIGIN/lib' $(GPU_CHECK_LIBS)
+	strip --strip-debug $@
+endif
+
 clean:
 	rm -rf $(BUILD)
 

@@ -1,7 +1,12 @@
-// build/train — the trainer's main: config -> device -> model -> data -> loop -> checkpoints.
-// Wiring only: the math is in model/, the bytes in data/, the ops in kernels/.
+// build/train — the trainer's main: config -> ranks -> model -> data -> loop -> checkpoints.
+// Wiring only: the math is in model/, the bytes in data/, the ops in kernels/, communication in dist/.
 //
 //   build/train --config run.toml [--option value ...]
+//   mpirun -np 8 build/train --config run.toml --zero 3 [--tp 2]      (see README: Launching)
+//
+// Ranks: world = dp x tp (dist/comm.h); the loader gives each dp rank disjoint windows, Zero (dist/zero.h)
+// does the data-parallel collectives and owns the optimizer state, the model does the tensor-parallel
+// ones. Rank 0 prints and writes metrics.jsonl; every rank writes its checkpoint shard.
 //
 // Every option is settable in the TOML file and as a flag (flags win). The effective config is printed
 // at start and saved in every checkpoint's state.json. SIGTERM/SIGINT (a preemption notice) finish the
@@ -21,6 +26,8 @@
 #include "core/error.h"           // tuna::Error, fail
 #include "core/options.h"         // Options: TOML + flags
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
+#include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
+#include "dist/zero.h"            // Zero: ZeRO 0-3, the step's collectives and optimizer state
 #include "model/checkpoint.h"     // load_weights, save_checkpoint, latest_checkpoint, load_optimizer
 #include "model/config.h"         // LlamaConfig
 #include "model/llama.h"          // Llama: forward_backward, forward_loss
@@ -57,6 +64,9 @@ struct TrainConfig {
   int64_t val_batches = 0;
   std::string device = "auto";
   int64_t threads = 0;
+  int64_t tp = 1;
+  int64_t zero = 0;
+  double comm_timeout = 300;
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -90,7 +100,10 @@ void declare(Options& o, TrainConfig& c) {
   o.add("val_every", &c.val_every, "validation loss every N steps; 0: only at the end when val_data is set");
   o.add("val_batches", &c.val_batches, "micro-batches per validation; 0: the whole validation split");
   o.add("device", &c.device, "auto | cpu | cuda");
-  o.add("threads", &c.threads, "CPU threads; 0: all cores");
+  o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks");
+  o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp");
+  o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters");
+  o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever");
 }
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -103,7 +116,10 @@ std::vector<std::string> split_list(const std::string& s) {
 }
 
 std::atomic<bool> g_stop_requested{false};
-extern "C" void on_stop_signal(int) { g_stop_requested = true; }
+extern "C" void on_stop_signal(int signal) {
+  g_stop_requested = true;
+  note_signal_in_collective(signal);
+}
 
 std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
@@ -126,9 +142,25 @@ void check(const TrainConfig& c) {
     if (v < 0) fail("option '", name, "': expected >= 0, found ", v);
   if (c.device != "auto" && c.device != "cpu" && c.device != "cuda")
     fail("option 'device': expected auto, cpu or cuda, found '", c.device, "'");
+  if (c.tp < 1) fail("option 'tp': expected >= 1, found ", c.tp);
+  if (c.zero < 0 || c.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", c.zero);
+  if (c.comm_timeout < 0) fail("option 'comm_timeout': expected >= 0 seconds, found ", c.comm_timeout);
   if (c.device == "cuda")
     fail("option 'device' is cuda, but this build of tuna has no CUDA training step yet: use --device cpu");
   validate(c.opt);
+}
+
+// A cursor saved by dp_size ranks, for this run's dp size: the windows consumed so far in the epoch are the
+// same global count, spread over a different number of ranks (each rank takes every dp-th window).
+LoaderCursor reshard_cursor(LoaderCursor c, int64_t dp_size) {
+  if (c.dp_size == dp_size) return c;
+  const uint64_t consumed = c.position * static_cast<uint64_t>(c.dp_size);
+  if (consumed % dp_size != 0)
+    fail("cannot resume the data order of ", c.dp_size, " data-parallel ranks on ", dp_size, ": ", consumed,
+         " windows of the epoch are consumed, not a multiple of ", dp_size);
+  c.position = consumed / dp_size;
+  c.dp_size = dp_size;
+  return c;
 }
 
 LossSum evaluate(Llama& model, DataLoader& val, int64_t max_batches, std::vector<int32_t>& inputs,
@@ -152,13 +184,18 @@ int run(int argc, char** argv) {
   if (!positional.empty()) fail("unexpected argument '", positional[0], "' (options are --name value)");
   check(cfg);
 
-  const int threads = cfg.threads > 0 ? static_cast<int>(cfg.threads) : omp_get_num_procs();
+  const LaunchInfo launch = detect_launch();
+  std::unique_ptr<Comm> world = make_world_comm(cfg.comm_timeout);
+  Mesh mesh = make_mesh(*world, cfg.tp);
+  if (world->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) fail("cannot silence stdout of rank ", world->rank());
+  const int threads = cfg.threads > 0 ? static_cast<int>(cfg.threads)
+                                      : std::max(1, omp_get_num_procs() / std::max(1, launch.local_size));
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
 
   const fs::path out_dir = cfg.out_dir, ckpt_root = out_dir / "ckpt";
   std::error_code ec;
-  fs::create_directories(out_dir, ec);
+  if (world->rank() == 0) fs::create_directories(out_dir, ec);
   if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
 
   // Where the weights come from: a resume checkpoint beats --init beats a fresh init.
@@ -170,18 +207,35 @@ int run(int argc, char** argv) {
                                               : LlamaConfig::from_json(config_json, (weights_dir / "config.json").string());
   if (weights_dir.empty()) config_json = LlamaConfig::load(cfg.model_config).to_json(), config_json["torch_dtype"] = "float32";
 
-  std::printf("tuna train | device cpu (%d threads)\n", threads);
+  std::printf("tuna train | device cpu (%d threads per rank) | %d ranks = dp %d x tp %d | ZeRO-%lld (%s)\n", threads,
+              world->size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero, world->backend().c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
 
-  Llama model(model_cfg, cfg.micro_batch, cfg.seq_len);
-  AdamW optimizer(model.layout(), cfg.opt);
+  Llama model(model_cfg, cfg.micro_batch, cfg.seq_len, LlamaParallel{mesh.tp.get(), /*external_weights=*/cfg.zero == 3});
+  // Weights before Zero: stages 0-2 start from model.params; stage 3 takes its shard of a whole copy.
+  std::vector<float> staging;
+  float* initial = model.params.data();
+  if (cfg.zero == 3 && !resume_from) staging.resize(model.layout().total()), initial = staging.data();
+  if (resume_from) {
+    // below, from the checkpoint's shards
+  } else if (!cfg.init.empty()) {
+    load_weights(cfg.init, model.layout(), initial);
+    std::printf("initialized from %s\n", cfg.init.c_str());
+  } else {
+    model.init_random(static_cast<uint64_t>(cfg.seed), cfg.init_std, initial);
+    std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
+  }
+  Zero zero(model, cfg.opt, static_cast<int>(cfg.zero), *mesh.dp, mesh.tp.get());
+  if (cfg.zero == 3 && !resume_from) zero.set_weights_from_full(initial);
+  staging = {};
   json saved_cursor;
   int64_t step = 0;
   if (resume_from) {
     json state = read_state(*resume_from);
     step = state["step"].get<int64_t>();
-    load_weights(*resume_from, model.layout(), model.params.data());
-    load_optimizer(*resume_from, model.layout(), optimizer);
+    std::vector<float> p, m, v;
+    zero.optimizer().steps_taken = load_checkpoint_shard(*resume_from, model.layout(), zero.segments(), p, m, v);
+    zero.import_shard(p, m, v);
     if (state.contains("data_cursor")) saved_cursor = state["data_cursor"];
     if (state.contains("train_config")) {
       json old = state["train_config"], now = options.to_json();
@@ -191,20 +245,15 @@ int run(int argc, char** argv) {
                       v.dump().c_str());
     }
     std::printf("resumed from %s at step %lld\n", resume_from->c_str(), (long long)step);
-  } else if (!cfg.init.empty()) {
-    load_weights(cfg.init, model.layout(), model.params.data());
-    std::printf("initialized from %s\n", cfg.init.c_str());
-  } else {
-    model.init_random(static_cast<uint64_t>(cfg.seed), cfg.init_std);
-    std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
   }
   fs::path tokenizer_dir = resume_from ? *resume_from : fs::path(cfg.init);
   if (!cfg.tokenizer.empty())
     tokenizer_dir = fs::is_directory(cfg.tokenizer) ? fs::path(cfg.tokenizer) : fs::path(cfg.tokenizer).parent_path();
 
-  LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, 0, 1, static_cast<uint64_t>(cfg.seed), model_cfg.vocab_size, false};
+  LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
+                           model_cfg.vocab_size, false};
   DataLoader train(expand_shard_paths(split_list(cfg.train_data)), train_opts);
-  if (!saved_cursor.is_null()) train.set_cursor(saved_cursor.get<LoaderCursor>());
+  if (!saved_cursor.is_null()) train.set_cursor(reshard_cursor(saved_cursor.get<LoaderCursor>(), mesh.dp_size));
   std::unique_ptr<DataLoader> val;
   if (!cfg.val_data.empty()) {
     LoaderOptions val_opts = train_opts;
@@ -212,11 +261,12 @@ int run(int argc, char** argv) {
     val = std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data)), val_opts);
   }
 
-  const int64_t tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum;
+  const int64_t tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * mesh.dp_size;
   std::printf("model %lld parameters (%d layers, hidden %lld, %lld heads / %lld kv, vocab %lld); activations %.1f MB\n",
               (long long)model_cfg.n_params(), (int)model_cfg.num_hidden_layers, (long long)model_cfg.hidden_size,
               (long long)model_cfg.num_attention_heads, (long long)model_cfg.num_key_value_heads,
               (long long)model_cfg.vocab_size, model.activation_bytes() / 1e6);
+  std::printf("state per rank: %.1f MB of parameters, gradients and optimizer state\n", zero.state_bytes() / 1e6);
   std::printf("data %llu windows of %lld tokens in %zu shards; %lld tokens per step; %.2f epochs over %lld steps\n",
               (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
               (long long)tokens_per_step,
@@ -226,23 +276,40 @@ int run(int argc, char** argv) {
 
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
-  std::ofstream metrics(out_dir / "metrics.jsonl", std::ios::app);
-  if (!metrics) fail((out_dir / "metrics.jsonl").string(), ": cannot open for writing");
+  std::ofstream metrics;  // rank 0's; the others write to a closed stream, which discards
+  if (world->rank() == 0) {
+    metrics.open(out_dir / "metrics.jsonl", std::ios::app);
+    if (!metrics) fail((out_dir / "metrics.jsonl").string(), ": cannot open for writing");
+  }
 
   auto save = [&](int64_t at_step) {
     json state = {{"step", at_step},
                   {"train_config", options.to_json()},
                   {"data_cursor", train.cursor()},
                   {"rng", {{"seed", cfg.seed}}},
-                  {"world", {{"dp", 1}, {"tp", 1}, {"zero", 0}}}};
-    CheckpointContents contents{&config_json, model.params.data(), &optimizer, state, tokenizer_dir};
-    fs::path p = save_checkpoint(ckpt_root, at_step, model.layout(), contents, cfg.ckpt_keep);
+                  {"world", {{"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}}};
+    CheckpointContents contents{&config_json, model.params.data(), &zero.optimizer(), state, tokenizer_dir};
+    fs::path p;
+    if (world->size() == 1) {  // one rank: the single-file format (also a Hugging Face model directory)
+      p = save_checkpoint(ckpt_root, at_step, model.layout(), contents, cfg.ckpt_keep);
+    } else {  // one file per rank, written in parallel (model/checkpoint.h)
+      if (world->rank() == 0) prepare_sharded_checkpoint(ckpt_root, at_step);
+      world->barrier("checkpoint directory created");
+      std::vector<float> sp, sm, sv;
+      zero.export_shard(sp, sm, sv);
+      write_checkpoint_shard(checkpoint_tmp_dir(ckpt_root, at_step), world->rank(), model.layout(),
+                             ShardState{&zero.segments(), sp.data(), sm.data(), sv.data(), zero.optimizer().steps_taken,
+                                        /*write_replicated=*/mesh.tp_rank == 0});
+      world->barrier("checkpoint shards written");
+      if (world->rank() == 0) p = finish_sharded_checkpoint(ckpt_root, at_step, contents, cfg.ckpt_keep);
+      world->barrier("checkpoint renamed");
+    }
     std::printf("checkpoint %s\n", p.c_str());
     std::fflush(stdout);
   };
   auto validate_now = [&](int64_t at_step) {
     std::vector<int32_t> vin(cfg.micro_batch * cfg.seq_len), vtg(cfg.micro_batch * cfg.seq_len);
-    LossSum v = evaluate(model, *val, cfg.val_batches, vin, vtg);
+    LossSum v = zero.all_reduce_loss(evaluate(model, *val, cfg.val_batches, vin, vtg));
     const double loss = v.count ? v.sum / v.count : NAN;
     std::printf("step %6lld | val loss %.4f | val ppl %.2f | %lld tokens\n", (long long)at_step, loss, std::exp(loss),
                 (long long)v.count);
@@ -261,7 +328,7 @@ int run(int argc, char** argv) {
   bool stopped_early = false;
   while (step < last_step) {
     const auto t0 = std::chrono::steady_clock::now();
-    model.zero_grads();
+    zero.begin_step();
     LossSum loss;
     for (int64_t micro = 0; micro < cfg.grad_accum; micro++) {
       train.next(inputs.data(), targets.data());
@@ -269,18 +336,19 @@ int run(int argc, char** argv) {
       loss.sum += l.sum;
       loss.count += l.count;
     }
+    inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only
     const double lr = learning_rate(cfg.opt, step, cfg.steps);
-    // Mean over every trained token of the step; a step of only ignored targets changes nothing.
-    const double loss_scale = loss.count ? 1.0 / loss.count : 0.0;
-    OptimizerStats stats = optimizer.step(model.params.data(), model.grads.data(), loss_scale, lr);
+    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (dist/zero.h).
+    const StepResult result = zero.finish_step(loss, lr);
+    const OptimizerStats& stats = result.stats;
     step++;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     const double eta = elapsed / double(step - first_step) * double(cfg.steps - step);
-    const double mean_loss = loss.count ? loss.sum / loss.count : NAN;
+    const double mean_loss = result.loss;
     const double tok_s = tokens_per_step / secs;
     metrics << json{{"step", step},          {"loss", mean_loss},       {"lr", lr},
-                    {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", loss.count},
+                    {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", result.tokens},
                     {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"eta_s", eta}}
                    .dump()
             << "\n";
@@ -292,7 +360,10 @@ int run(int argc, char** argv) {
       std::fflush(stdout);
     }
     if (val && cfg.val_every > 0 && step % cfg.val_every == 0 && step != cfg.steps) validate_now(step);
-    if (g_stop_requested) {
+    // A signal reaches ranks at different moments: stop together, at the first step any rank saw it.
+    int64_t stop = g_stop_requested ? 1 : 0;
+    if (world->size() > 1) world->all_reduce_sum(&stop, 1, "stop request");
+    if (stop) {
       std::printf("stop requested (signal): checkpointing at step %lld\n", (long long)step);
       stopped_early = true;
       break;
@@ -312,7 +383,10 @@ int main(int argc, char** argv) {
   try {
     return run(argc, argv);
   } catch (const tuna::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+    const LaunchInfo launch = detect_launch();
+    if (launch.size > 1) std::fprintf(stderr, "error: rank %d: %s\n", launch.rank, e.what());
+    else std::fprintf(stderr, "error: %s\n", e.what());
+    std::fflush(stderr);
+    abort_job(1);  // the other ranks must not wait for this one in their next collective
   }
 }

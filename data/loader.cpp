@@ -179,15 +179,18 @@ uint64_t DataLoader::window_at(uint64_t epoch, uint64_t position) const {
   return WindowPermutation(total_windows(), options_.seed, epoch)(slot);
 }
 
-bool DataLoader::next(int32_t* inputs, int32_t* targets) {
+bool DataLoader::next(int32_t* inputs, int32_t* targets) { return next(inputs, targets, nullptr); }
+
+bool DataLoader::next(int32_t* inputs, int32_t* targets, int32_t* positions) {
   const int64_t T = options_.seq_len, B = options_.micro_batch;
   if (options_.eval) {
     if (position_ >= per_rank_) return false;
     for (int64_t b = 0; b < B; ++b, ++position_) {
       uint64_t window = position_ < per_rank_ ? window_at(0, position_) : total_windows();
       if (window < total_windows()) {
-        fill_row(window, inputs + b * T, targets + b * T);
+        fill_row(window, inputs + b * T, targets + b * T, positions ? positions + b * T : nullptr);
       } else {
+        if (positions) std::fill(positions + b * T, positions + (b + 1) * T, 0);
         std::fill(inputs + b * T, inputs + (b + 1) * T, 0);
         std::fill(targets + b * T, targets + (b + 1) * T, cpu::kIgnoreIndex);
       }
@@ -204,13 +207,13 @@ bool DataLoader::next(int32_t* inputs, int32_t* targets) {
       position_ = 0;
       order = WindowPermutation(total_windows(), options_.seed, epoch_);
     }
-    fill_row(order(position_ * dp + rank), inputs + b * T, targets + b * T);
+    fill_row(order(position_ * dp + rank), inputs + b * T, targets + b * T, positions ? positions + b * T : nullptr);
     ++position_;
   }
   return true;
 }
 
-void DataLoader::fill_row(uint64_t window, int32_t* inputs, int32_t* targets) {
+void DataLoader::fill_row(uint64_t window, int32_t* inputs, int32_t* targets, int32_t* positions) {
   const uint64_t T = static_cast<uint64_t>(options_.seq_len);
   const size_t s = static_cast<size_t>(std::upper_bound(window_begin_.begin(), window_begin_.end(), window) -
                                        window_begin_.begin() - 1);
@@ -234,6 +237,13 @@ void DataLoader::fill_row(uint64_t window, int32_t* inputs, int32_t* targets) {
       if (m == 0) target = cpu::kIgnoreIndex;
     }
     targets[j] = target;
+  }
+  if (positions) {
+    uint64_t d = shard.document_of(start);
+    for (uint64_t j = 0; j < T; ++j) {
+      while (start + j >= shard.document(d).second) ++d;  // skips empty documents too
+      positions[j] = static_cast<int32_t>(start + j - shard.document(d).first);
+    }
   }
 }
 

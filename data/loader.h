@@ -82,6 +82,11 @@ class DataLoader {
   // returns true. Eval: returns false (writing nothing) once the pass is over; call reset() to run it
   // again. A token id outside [0, vocab_size) is a tuna::Error naming the shard, the token index, the value.
   bool next(int32_t* inputs, int32_t* targets);
+  // The same, and document boundaries: positions[b * T + j] is input token j's position inside its
+  // document (0 where a document starts), so that a trainer can restart positions or mask attention at
+  // boundaries. A padding row of the eval pass gets positions 0. With SFT shards, targets already carry the
+  // loss mask (prompt tokens are kIgnoreIndex).
+  bool next(int32_t* inputs, int32_t* targets, int32_t* positions);
 
   LoaderCursor cursor() const;
   void set_cursor(const LoaderCursor& cursor);
@@ -102,7 +107,7 @@ class DataLoader {
   uint64_t window_at(uint64_t epoch, uint64_t position) const;
 
  private:
-  void fill_row(uint64_t window, int32_t* inputs, int32_t* targets);
+  void fill_row(uint64_t window, int32_t* inputs, int32_t* targets, int32_t* positions);
 
   LoaderOptions options_;
   std::vector<ShardReader> shards_;

@@ -1,6 +1,7 @@
 // The corpus preparer: see data/prepare.h for the pipeline.
 #include "data/prepare.h"
 
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "data/input.h"
 #include "data/shard.h"
 
 namespace tuna {
@@ -26,36 +28,20 @@ namespace {
 constexpr size_t kBatchRecords = 4096;
 constexpr size_t kBatchBytes = size_t{64} << 20;
 
-enum class InputKind { text, jsonl };
-
-struct InputFile {
-  std::string path;
-  InputKind kind;
-};
-
 // One record as read, before any decoding.
 struct Record {
   uint32_t file = 0;
-  uint64_t line = 0;  // 1-based line of a JSONL record; 0 for a whole-file document
+  uint64_t line = 0;               // 1-based line of a JSONL record; 0 for a whole-file document
+  Outcome preset = Outcome::kept;  // truncated or oversized: decided by the reader
   std::string bytes;
 };
 
-enum class Outcome { kept, empty, malformed_json, missing_text, tokenize_failed };
-
-// What the parallel stages make of one record.
-struct Processed {
-  Outcome outcome = Outcome::kept;
-  std::string text;             // the document, once decoded
-  std::vector<int32_t> tokens;  // BOS + text + EOS when kept
-  uint64_t hash = 0;            // XXH3-64 of the text
+// A document once decoded and cleaned: `text` is the document or, for SFT, the response.
+struct Document {
+  std::string prompt, text;
+  std::string joined;  // SFT only: prompt + '\n' + response, what filters and dedup see
+  std::string_view whole() const { return joined.empty() ? std::string_view(text) : std::string_view(joined); }
 };
-
-bool input_kind(const fs::path& path, InputKind* kind) {
-  const std::string ext = path.extension().string();
-  if (ext == ".txt" || ext == ".md") return *kind = InputKind::text, true;
-  if (ext == ".jsonl") return *kind = InputKind::jsonl, true;
-  return false;
-}
 
 bool is_blank(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char c) {
@@ -66,12 +52,27 @@ bool is_blank(std::string_view s) {
 // Uniform in [0, 1) from a 64-bit hash.
 double unit(uint64_t hash) { return static_cast<double>(hash >> 11) * 0x1.0p-53; }
 
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  int u = 0;
+  while (b >= 1000 && u < 4) b /= 1000, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
+  return buf;
+}
+
 std::vector<InputFile> list_inputs(const std::vector<std::string>& inputs, PrepareReport& report) {
-  if (inputs.empty()) fail("prepare: no inputs given (files or directories of .txt, .md, .jsonl)");
+  if (inputs.empty()) fail("prepare: no inputs given (files or directories of .txt, .md, .jsonl, maybe .gz/.zst)");
   std::vector<InputFile> files;
+  auto add = [&](const fs::path& p, InputKind kind, Compression compression) {
+    std::error_code ec;
+    const uint64_t size = fs::file_size(p, ec);
+    files.push_back({p.string(), kind, compression, ec ? 0 : size});
+  };
   for (const std::string& input : inputs) {
     std::error_code ec;
     InputKind kind;
+    Compression compression;
     if (fs::is_directory(input, ec)) {
       std::vector<fs::path> found;
       for (auto it =
@@ -81,16 +82,16 @@ std::vector<InputFile> list_inputs(const std::vector<std::string>& inputs, Prepa
       if (ec) fail("prepare: input directory ", input, ": cannot list: ", ec.message());
       std::sort(found.begin(), found.end());
       for (const fs::path& p : found) {
-        if (input_kind(p, &kind))
-          files.push_back({p.string(), kind});
+        if (classify_input(p.string(), &kind, &compression))
+          add(p, kind, compression);
         else
           report.files_skipped.add(p.string());
       }
     } else if (fs::exists(input, ec)) {
-      if (!input_kind(input, &kind))
+      if (!classify_input(input, &kind, &compression))
         fail("prepare: input ", input, ": unsupported file type '", fs::path(input).extension().string(),
-             "' (expected .txt, .md or .jsonl)");
-      files.push_back({input, kind});
+             "' (expected .txt, .md or .jsonl, each maybe compressed as .gz or .zst)");
+      add(input, kind, compression);
     } else {
       fail("prepare: input ", input, ": no such file or directory");
     }
@@ -98,10 +99,32 @@ std::vector<InputFile> list_inputs(const std::vector<std::string>& inputs, Prepa
   return files;
 }
 
-// Reads the inputs in order, handing batches of records to a consumer.
+// Rank r of `ranks` reads files [first, last): contiguous in input order (so that global document order is
+// rank order), balanced by bytes on disk. A file goes to the rank whose byte range holds its middle.
+std::pair<size_t, size_t> share_of(const std::vector<InputFile>& files, int rank, int ranks) {
+  uint64_t total = 0;
+  for (const InputFile& f : files) total += f.bytes;
+  size_t first = files.size(), last = 0;
+  uint64_t start = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const long double middle = static_cast<long double>(start) + files[i].bytes / 2.0L;
+    int owner = total == 0 ? static_cast<int>(i * static_cast<size_t>(ranks) / files.size())
+                           : static_cast<int>(middle * ranks / static_cast<long double>(total));
+    owner = std::clamp(owner, 0, ranks - 1);
+    if (owner == rank) first = std::min(first, i), last = i + 1;
+    start += files[i].bytes;
+  }
+  return first < last ? std::make_pair(first, last) : std::make_pair(size_t{0}, size_t{0});
+}
+
+// Reads files [first, last) in order, handing batches of records to a consumer. The same files give the
+// same records in the same order every time: pass 2 finds pass 1's documents by position.
 class RecordReader {
  public:
-  RecordReader(const std::vector<InputFile>& files, PrepareReport* report) : files_(files), report_(report) {}
+  // report: where damaged and unreadable files are counted (null on the passes that count nothing).
+  RecordReader(const std::vector<InputFile>& files, size_t first, size_t last, uint64_t max_document_bytes,
+               PrepareReport* report)
+      : files_(files), next_file_(first), last_(last), max_bytes_(max_document_bytes), report_(report) {}
 
   // Fills batch (cleared first); false when the inputs are exhausted and the batch is empty.
   bool next_batch(std::vector<Record>& batch) {
@@ -113,21 +136,20 @@ class RecordReader {
       Record record;
       record.file = static_cast<uint32_t>(file_);
       if (file.kind == InputKind::text) {
-        record.bytes.assign(std::istreambuf_iterator<char>(in_), std::istreambuf_iterator<char>());
-        bool bad = in_.bad();
+        if (!read_all(stream_.get(), max_bytes_, &record.bytes)) record.preset = Outcome::oversized;
+        if (!stream_->error().empty() && record.preset == Outcome::kept) record.preset = Outcome::truncated;
         close_current();
-        if (bad) {
-          if (report_) report_->files_unreadable.add(file.path);
-          continue;
-        }
       } else {
-        if (!std::getline(in_, record.bytes)) {
-          if (in_.bad() && report_) report_->files_unreadable.add(file.path);
+        bool oversized, cut;
+        if (!lines_->next(&record.bytes, &oversized, &cut)) {
           close_current();
           continue;
         }
         record.line = ++line_;
-        if (is_blank(record.bytes)) continue;  // blank lines separate nothing; they are not documents
+        if (oversized) record.preset = Outcome::oversized;
+        else if (cut && !stream_->error().empty()) record.preset = Outcome::truncated;
+        // Blank lines separate nothing; they are not documents.
+        if (record.preset == Outcome::kept && is_blank(record.bytes)) continue;
       }
       bytes += record.bytes.size();
       batch.push_back(std::move(record));
@@ -135,102 +157,185 @@ class RecordReader {
     return !batch.empty();
   }
 
+  uint64_t bytes_consumed() const { return done_bytes_ + (stream_ ? stream_->consumed() : 0); }
+
  private:
   bool open_next_if_needed() {
-    while (!in_.is_open()) {
-      if (next_file_ >= files_.size()) return false;
+    while (!stream_) {
+      if (next_file_ >= last_) return false;
       file_ = next_file_++;
       line_ = 0;
-      in_.clear();
-      in_.open(files_[file_].path, std::ios::binary);
-      if (!in_.is_open()) {
-        if (report_) report_->files_unreadable.add(files_[file_].path);
+      std::string why;
+      stream_ = open_input(files_[file_], &why);
+      if (!stream_) {
+        if (report_) report_->files_unreadable.add(str(files_[file_].path, ": ", why));
+        done_bytes_ += files_[file_].bytes;
         continue;
       }
-      if (report_) ++report_->files_read;
+      if (files_[file_].kind == InputKind::jsonl) lines_ = std::make_unique<LineReader>(stream_.get(), max_bytes_);
+      if (report_) ++report_->files_read, report_->bytes_read += files_[file_].bytes;
     }
     return true;
   }
   void close_current() {
-    in_.close();
-    in_.clear();
+    if (report_ && !stream_->error().empty())
+      report_->files_damaged.add(
+          str(files_[file_].path, line_ ? str(":", line_) : std::string(), ": ", stream_->error()));
+    done_bytes_ += files_[file_].bytes;
+    lines_.reset();
+    stream_.reset();
   }
 
   const std::vector<InputFile>& files_;
-  PrepareReport* report_;  // null on the tokenizer-sampling pass: that pass counts nothing
-  size_t next_file_ = 0;
+  size_t next_file_, last_;
+  uint64_t max_bytes_;
+  PrepareReport* report_;
   size_t file_ = 0;
   uint64_t line_ = 0;
-  std::ifstream in_;
+  uint64_t done_bytes_ = 0;
+  std::unique_ptr<ByteStream> stream_;
+  std::unique_ptr<LineReader> lines_;
 };
 
 std::string where(const std::vector<InputFile>& files, const Record& r) {
   return r.line ? str(files[r.file].path, ":", r.line) : files[r.file].path;
 }
 
-// decode + filter: everything up to tokenization. Pure function of the record.
-void decode(const InputFile& file, Record& record, const std::string& text_field, Processed& out) {
+// Record -> raw document (JSON decoding). kept, or the malformed outcome.
+Outcome extract(const InputFile& file, Record& record, const PrepareOptions& o, Document* doc, bool* repaired) {
+  if (record.preset != Outcome::kept) return record.preset;
   if (file.kind == InputKind::text) {
-    out.text = std::move(record.bytes);
-  } else {
-    nlohmann::json j = nlohmann::json::parse(record.bytes, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) return void(out.outcome = Outcome::malformed_json);
-    auto it = j.is_object() ? j.find(text_field) : j.end();
-    if (!j.is_object() || it == j.end() || !it->is_string()) return void(out.outcome = Outcome::missing_text);
-    out.text = it->get<std::string>();
+    doc->text = std::move(record.bytes);
+    return Outcome::kept;
   }
-  // Filters slot in here (cleaning, quality, dedup): each keeps the document or sets an outcome.
-  if (is_blank(out.text)) return void(out.outcome = Outcome::empty);
-  out.hash = XXH3_64bits(out.text.data(), out.text.size());
-  out.outcome = Outcome::kept;
+  if (!is_valid_utf8(record.bytes)) {
+    // A JSON parser refuses invalid UTF-8 outright: repair (or refuse) it here, as cleaning would.
+    if (o.clean.drop_invalid_utf8) return Outcome::invalid_utf8;
+    record.bytes = repair_utf8(record.bytes);
+    *repaired = true;
+  }
+  nlohmann::json j = nlohmann::json::parse(record.bytes, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Outcome::malformed_json;
+  if (!j.is_object()) return Outcome::missing_field;
+  auto string_field = [&](const std::string& name, std::string* out) {
+    auto it = j.find(name);
+    if (it == j.end() || !it->is_string()) return false;
+    *out = it->get<std::string>();
+    return true;
+  };
+  if (o.sft) {
+    if (!string_field(o.prompt_field, &doc->prompt) || !string_field(o.response_field, &doc->text))
+      return Outcome::missing_field;
+  } else if (!string_field(o.text_field, &doc->text)) {
+    return Outcome::missing_field;
+  }
+  return Outcome::kept;
 }
 
-// Runs decode (and tokenization when tokenizer is set) over a batch on `threads` threads.
-void process_batch(const std::vector<InputFile>& files, std::vector<Record>& batch,
-                   std::vector<Processed>& out, const std::string& text_field, const Tokenizer* tokenizer,
-                   int threads) {
-  out.assign(batch.size(), Processed{});
-  const int64_t n = static_cast<int64_t>(batch.size());
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
-  for (int64_t i = 0; i < n; ++i) {
-    Processed& p = out[i];
-    decode(files[batch[i].file], batch[i], text_field, p);
-    if (!tokenizer || p.outcome != Outcome::kept) continue;
-    try {
-      std::vector<int32_t> body = tokenizer->encode(p.text);
-      p.tokens.reserve(body.size() + 2);
-      if (tokenizer->bos_id() >= 0) p.tokens.push_back(tokenizer->bos_id());
-      p.tokens.insert(p.tokens.end(), body.begin(), body.end());
-      if (tokenizer->eos_id() >= 0) p.tokens.push_back(tokenizer->eos_id());
-    } catch (const std::exception&) {
-      p.outcome = Outcome::tokenize_failed;
-      p.tokens.clear();
+// extract + clean + quality filters: the document as it will be tokenized, or why it is dropped.
+// filter: false in pass 2, which decodes only documents that passed every filter in pass 1.
+Outcome decode(const InputFile& file, Record& record, const PrepareOptions& o, Document* doc, CleanResult* flags,
+               bool filter = true) {
+  *flags = CleanResult{};
+  bool repaired = false;
+  Outcome outcome = extract(file, record, o, doc, &repaired);
+  record.bytes = {};
+  if (outcome != Outcome::kept) return outcome;
+  std::string cleaned;
+  CleanResult f;
+  if (!clean_text(doc->text, o.clean, &cleaned, &f)) return flags->invalid_utf8 = true, Outcome::invalid_utf8;
+  doc->text = std::move(cleaned);
+  *flags = f;
+  flags->invalid_utf8 |= repaired;
+  if (!doc->prompt.empty()) {
+    if (!clean_text(doc->prompt, o.clean, &cleaned, &f)) return flags->invalid_utf8 = true, Outcome::invalid_utf8;
+    doc->prompt = std::move(cleaned);
+    flags->invalid_utf8 |= f.invalid_utf8, flags->nul_bytes |= f.nul_bytes, flags->control_chars |= f.control_chars;
+  }
+  if (is_blank(doc->text)) return Outcome::empty;
+  if (o.sft && file.kind == InputKind::jsonl) doc->joined = doc->prompt + "\n" + doc->text;
+  if (!filter) return Outcome::kept;
+  switch (quality_check(doc->whole(), o.quality)) {
+    case QualityRule::pass:
+      return Outcome::kept;
+    case QualityRule::too_short:
+      return Outcome::too_short;
+    case QualityRule::too_long:
+      return Outcome::too_long;
+    case QualityRule::low_alpha:
+      return Outcome::low_alpha;
+    case QualityRule::repeated_lines:
+      return Outcome::repeated_lines;
+  }
+  return Outcome::kept;
+}
+
+// The hash that exact dedup and the train/val split use. For SFT, the response hashed with the prompt's
+// hash as seed, so that moving text between prompt and response makes another record.
+uint64_t exact_hash(const Document& doc) {
+  if (doc.joined.empty()) return XXH3_64bits(doc.text.data(), doc.text.size());
+  return XXH3_64bits_withSeed(doc.text.data(), doc.text.size(), XXH3_64bits(doc.prompt.data(), doc.prompt.size()));
+}
+
+// A progress line every few seconds on stderr: bytes (on disk), MB/s, documents/s, ETA of the pass.
+class Progress {
+ public:
+  Progress(bool enabled, std::string label, uint64_t total_bytes)
+      : enabled_(enabled), label_(std::move(label)), total_(total_bytes), start_(clock::now()), last_(start_) {}
+  void update(uint64_t bytes, uint64_t documents, bool final = false) {
+    if (!enabled_) return;
+    const auto now = clock::now();
+    if (!final && now - last_ < std::chrono::seconds(2)) return;
+    last_ = now;
+    const double s = std::max(1e-9, std::chrono::duration<double>(now - start_).count());
+    const double rate = static_cast<double>(bytes) / s;
+    std::string eta = "-";
+    if (rate > 0 && total_ > bytes) {
+      const auto left = static_cast<uint64_t>(static_cast<double>(total_ - bytes) / rate);
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%llu:%02llu:%02llu", static_cast<unsigned long long>(left / 3600),
+                    static_cast<unsigned long long>(left / 60 % 60), static_cast<unsigned long long>(left % 60));
+      eta = buf;
     }
-    p.text.clear();
-    p.text.shrink_to_fit();
+    std::fprintf(stderr, "prepare: %s %s / %s  %.1f MB/s  %.0f docs/s  ETA %s%s\n", label_.c_str(),
+                 human_bytes(static_cast<double>(bytes)).c_str(), human_bytes(static_cast<double>(total_)).c_str(),
+                 rate / 1e6, static_cast<double>(documents) / s, final ? "done" : eta.c_str(),
+                 final ? str(" in ", static_cast<int>(s), " s").c_str() : "");
   }
-}
 
-// One split's shards: train-00000.bin, train-00001.bin, ...
+ private:
+  using clock = std::chrono::steady_clock;
+  bool enabled_;
+  std::string label_;
+  uint64_t total_;
+  clock::time_point start_, last_;
+};
+
+// One split's shards: train-00000.bin, ... (train-r00001-00000.bin, ... for rank 1 of several).
 class SplitWriter {
  public:
-  SplitWriter(std::string dir, std::string name, uint32_t vocab_size, uint64_t shard_tokens,
+  SplitWriter(std::string dir, std::string name, uint32_t vocab_size, uint64_t shard_tokens, bool with_mask,
               PrepareReport::Split* split)
       : dir_(std::move(dir)),
         name_(std::move(name)),
         vocab_size_(vocab_size),
         shard_tokens_(shard_tokens),
+        with_mask_(with_mask),
         split_(split) {}
 
-  void add(const std::vector<int32_t>& tokens) {
+  void add(const std::vector<int32_t>& tokens, const std::vector<uint8_t>& mask) {
     if (writer_ && writer_->token_count() > 0 && writer_->token_count() + tokens.size() > shard_tokens_)
       finish();
     if (!writer_) {
-      char file[64];
-      std::snprintf(file, sizeof file, "%s-%05zu%s", name_.c_str(), split_->shards.size(), kShardExtension);
-      writer_ = std::make_unique<ShardWriter>((fs::path(dir_) / file).string(), vocab_size_);
+      char file[96];
+      std::snprintf(file, sizeof file, "%s-%05zu%s", name_.c_str(), shards_, kShardExtension);
+      writer_ = std::make_unique<ShardWriter>((fs::path(dir_) / file).string(), vocab_size_, with_mask_);
+      ++shards_;
     }
-    writer_->add_document(tokens);
+    if (with_mask_)
+      writer_->add_document(tokens, mask);
+    else
+      writer_->add_document(tokens);
     split_->documents += 1;
     split_->tokens += tokens.size();
   }
@@ -246,6 +351,8 @@ class SplitWriter {
   std::string dir_, name_;
   uint32_t vocab_size_;
   uint64_t shard_tokens_;
+  bool with_mask_;
+  size_t shards_ = 0;
   PrepareReport::Split* split_;
   std::unique_ptr<ShardWriter> writer_;
 };
@@ -264,10 +371,12 @@ void prepare_out_dir(const PrepareOptions& options) {
   if (ec || !fs::is_directory(options.out_dir))
     fail("prepare: --out ", options.out_dir, ": cannot create the directory",
          ec ? str(": ", ec.message()) : std::string());
+  if (::access(options.out_dir.c_str(), W_OK) != 0) fail("prepare: --out ", options.out_dir, ": not writable");
   std::vector<fs::path> earlier;
   for (const auto& entry : fs::directory_iterator(options.out_dir))
     if (entry.is_regular_file() && is_output_name(entry.path().filename().string()))
       earlier.push_back(entry.path());
+  std::sort(earlier.begin(), earlier.end());
   if (earlier.empty()) return;
   if (!options.overwrite)
     fail("prepare: --out ", options.out_dir, " already holds the output of an earlier run (",
@@ -290,18 +399,14 @@ void write_text_atomically(const std::string& path, const std::string& text) {
   if (ec) fail("prepare: cannot rename ", tmp, " to ", path, ": ", ec.message());
 }
 
-// The tokenizer-training pass: samples documents into one plain-text file, one line per line.
+// The tokenizer-training pass: samples cleaned documents into one plain-text file, one line per line.
 void train_tokenizer_on_inputs(const PrepareOptions& options, const std::vector<InputFile>& files,
                                int threads) {
   const std::string& model = options.tokenizer_path;
   if (!model.ends_with(".model"))
     fail("prepare: --tokenizer ", model, ": with --train-tokenizer it must name the .model file to write");
   uint64_t total_bytes = 0;
-  for (const InputFile& f : files) {
-    std::error_code ec;
-    uint64_t size = fs::file_size(f.path, ec);
-    if (!ec) total_bytes += size;
-  }
+  for (const InputFile& f : files) total_bytes += f.bytes;
   const double rate =
       total_bytes <= options.tokenizer_sample_bytes
           ? 1.0
@@ -311,20 +416,29 @@ void train_tokenizer_on_inputs(const PrepareOptions& options, const std::vector<
   {
     std::ofstream sample(sample_path, std::ios::binary | std::ios::trunc);
     if (!sample) fail("prepare: cannot create ", sample_path);
-    RecordReader reader(files, nullptr);
+    RecordReader reader(files, 0, files.size(), options.max_document_bytes, nullptr);
     std::vector<Record> batch;
-    std::vector<Processed> processed;
+    std::vector<Document> docs;
+    std::vector<Outcome> outcomes;
     while (reader.next_batch(batch)) {
-      process_batch(files, batch, processed, options.text_field, nullptr, threads);
-      for (const Processed& p : processed) {
-        if (p.outcome != Outcome::kept) continue;
+      docs.assign(batch.size(), Document{});
+      outcomes.assign(batch.size(), Outcome::kept);
+      const int64_t n = static_cast<int64_t>(batch.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
+      for (int64_t i = 0; i < n; ++i) {
+        CleanResult flags;
+        outcomes[i] = decode(files[batch[i].file], batch[i], options, &docs[i], &flags);
+      }
+      for (size_t i = 0; i < docs.size(); ++i) {
+        if (outcomes[i] != Outcome::kept) continue;
+        const std::string_view text = docs[i].whole();
         // A seed other than the split's, so that the sample is not the validation set.
-        if (rate < 1.0 && unit(XXH3_64bits_withSeed(p.text.data(), p.text.size(), 1)) >= rate) continue;
+        if (rate < 1.0 && unit(XXH3_64bits_withSeed(text.data(), text.size(), 1)) >= rate) continue;
         size_t begin = 0;
-        while (begin <= p.text.size()) {
-          size_t end = p.text.find('\n', begin);
-          if (end == std::string::npos) end = p.text.size();
-          std::string_view line(p.text.data() + begin, end - begin);
+        while (begin <= text.size()) {
+          size_t end = text.find('\n', begin);
+          if (end == std::string::npos) end = text.size();
+          std::string_view line(text.data() + begin, end - begin);
           if (!is_blank(line)) {
             sample << line << '\n';
             ++lines;
@@ -353,83 +467,271 @@ void train_tokenizer_on_inputs(const PrepareOptions& options, const std::vector<
   fs::remove(sample_path);
 }
 
+void check_accounting(const PrepareReport& r, const char* what) {
+  uint64_t sum = 0;
+  for (const Tally& t : r.outcome) sum += t.count;
+  TUNA_CHECK(sum == r.documents_read, what, ": ", r.documents_read, " documents read but ", sum,
+             " accounted for");
+}
+
+void merge_into(PrepareReport& into, const PrepareReport& from) {
+  into.files_read += from.files_read;
+  into.bytes_read += from.bytes_read;
+  into.files_skipped.merge(from.files_skipped);
+  into.files_unreadable.merge(from.files_unreadable);
+  into.files_damaged.merge(from.files_damaged);
+  into.documents_read += from.documents_read;
+  for (size_t k = 0; k < kOutcomes; ++k) into.outcome[k].merge(from.outcome[k]);
+  into.repaired_utf8.merge(from.repaired_utf8);
+  into.removed_nul.merge(from.removed_nul);
+  into.removed_control.merge(from.removed_control);
+  for (auto [a, b] : {std::pair{&into.train, &from.train}, std::pair{&into.val, &from.val}}) {
+    a->documents += b->documents;
+    a->tokens += b->tokens;
+    a->shards.insert(a->shards.end(), b->shards.begin(), b->shards.end());
+  }
+  into.seconds = std::max(into.seconds, from.seconds);
+}
+
+// Every rank's report, merged in rank order (so 'first' is the first in global input order), on every rank.
+PrepareReport merge_reports(PrepareComm& comm, const PrepareReport& mine, const PrepareOptions& options) {
+  if (comm.size() == 1) return mine;
+  std::vector<uint64_t> lengths;
+  const std::string text = report_json(mine, options).dump();
+  const std::vector<char> all = comm.all_gather(text.data(), text.size(), &lengths);
+  PrepareReport merged;
+  size_t offset = 0;
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    PrepareReport part = report_from_json(nlohmann::json::parse(all.begin() + static_cast<int64_t>(offset),
+                                                                all.begin() + static_cast<int64_t>(offset + lengths[r])));
+    offset += lengths[r];
+    if (r == 0) {
+      merged = part;
+    } else {
+      merge_into(merged, part);
+    }
+  }
+  merged.ranks = comm.size();
+  return merged;
+}
+
 }  // namespace
+
+const char* outcome_name(Outcome outcome) {
+  switch (outcome) {
+    case Outcome::kept: return "kept";
+    case Outcome::malformed_json: return "malformed_json";
+    case Outcome::missing_field: return "missing_field";
+    case Outcome::truncated: return "truncated";
+    case Outcome::oversized: return "oversized";
+    case Outcome::invalid_utf8: return "invalid_utf8";
+    case Outcome::empty: return "empty";
+    case Outcome::too_short: return "too_short";
+    case Outcome::too_long: return "too_long";
+    case Outcome::low_alpha: return "low_alpha";
+    case Outcome::repeated_lines: return "repeated_lines";
+    case Outcome::exact_duplicate: return "exact_duplicate";
+    case Outcome::near_duplicate: return "near_duplicate";
+    case Outcome::tokenize_failed: return "tokenize_failed";
+    case Outcome::count_: break;
+  }
+  return "?";
+}
 
 PrepareReport prepare_corpus(const PrepareOptions& options) {
   const auto started = std::chrono::steady_clock::now();
+  LocalComm local_comm;
+  PrepareComm& comm = options.comm ? *options.comm : local_comm;
+  const int rank = comm.rank(), ranks = comm.size();
   if (options.out_dir.empty()) fail("prepare: --out is required");
   if (options.tokenizer_path.empty()) fail("prepare: --tokenizer is required");
   if (!(options.val_fraction >= 0.0 && options.val_fraction <= 1.0))
     fail("prepare: --val-fraction must lie in [0, 1], found ", options.val_fraction);
   if (options.shard_tokens < 1) fail("prepare: --shard-tokens must be at least 1");
+  if (options.sft && (options.prompt_field.empty() || options.response_field.empty()))
+    fail("prepare: --sft needs non-empty --prompt-field and --response-field");
   const int threads = options.threads > 0
                           ? options.threads
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const MinHasher hasher(options.minhash);
 
   PrepareReport report;
+  report.ranks = ranks;
+  report.threads = threads;
+  report.near_threshold = minhash_threshold(options.minhash);
   const std::vector<InputFile> files = list_inputs(options.inputs, report);
+  if (rank != 0) report.files_skipped = {};  // every rank lists the inputs; count the skipped files once
   if (!options.train_tokenizer) {
     Tokenizer check(options.tokenizer_path);  // a missing tokenizer fails before out_dir is touched
   }
-  prepare_out_dir(options);
-
-  if (options.train_tokenizer) {
-    train_tokenizer_on_inputs(options, files, threads);
-    report.tokenizer_trained = true;
+  // Rank 0 prepares out_dir (and trains the tokenizer); the gather is the barrier the others wait at.
+  if (rank == 0) {
+    prepare_out_dir(options);
+    if (options.train_tokenizer) train_tokenizer_on_inputs(options, files, threads);
   }
+  comm.all_gather(nullptr, 0);
+  report.tokenizer_trained = options.train_tokenizer;
   const Tokenizer tokenizer(options.tokenizer_path);
   report.tokenizer_path = options.tokenizer_path;
   report.vocab_size = tokenizer.vocab_size();
   report.bos_id = tokenizer.bos_id();
   report.eos_id = tokenizer.eos_id();
 
-  const uint32_t vocab = static_cast<uint32_t>(tokenizer.vocab_size());
-  SplitWriter train(options.out_dir, "train", vocab, options.shard_tokens, &report.train);
-  SplitWriter val(options.out_dir, "val", vocab, options.shard_tokens, &report.val);
+  const auto [first, last] = share_of(files, rank, ranks);
+  uint64_t share_bytes = 0;
+  for (size_t f = first; f < last; ++f) share_bytes += files[f].bytes;
+  const bool progress = !options.quiet && rank == 0;
+  const std::string who = ranks > 1 ? str(" (rank 0 of ", ranks, ")") : std::string();
+  const bool dedup = options.exact_dedup || options.near_dedup;
+  const int bands = options.minhash.bands;
 
-  RecordReader reader(files, &report);
-  std::vector<Record> batch;
-  std::vector<Processed> processed;
-  auto last_progress = std::chrono::steady_clock::now();
-  while (reader.next_batch(batch)) {
-    process_batch(files, batch, processed, options.text_field, &tokenizer, threads);
-    for (size_t i = 0; i < batch.size(); ++i) {
-      Processed& p = processed[i];
-      ++report.documents_read;
-      switch (p.outcome) {
-        case Outcome::empty:
-          report.empty.add(where(files, batch[i]));
-          continue;
-        case Outcome::malformed_json:
-          report.malformed_json.add(where(files, batch[i]));
-          continue;
-        case Outcome::missing_text:
-          report.missing_text.add(where(files, batch[i]));
-          continue;
-        case Outcome::tokenize_failed:
-          report.tokenize_failed.add(where(files, batch[i]));
-          continue;
-        case Outcome::kept:
-          break;
+  // Pass 1: decode, clean, filter, hash. fate[i] is local document i's outcome so far.
+  std::vector<Outcome> fate;
+  std::unique_ptr<DedupSpill> spill;
+  if (dedup)
+    spill = std::make_unique<DedupSpill>(
+        (fs::path(options.out_dir) / str(".prepare-scratch-", rank, "-", ::getpid())).string(), bands);
+  {
+    RecordReader reader(files, first, last, options.max_document_bytes, &report);
+    Progress meter(progress, str("pass 1/2 (clean, filter, hash)", who), share_bytes);
+    std::vector<Record> batch;
+    std::vector<Outcome> outcomes;
+    std::vector<CleanResult> flags;
+    std::vector<uint64_t> exact, band_hashes;
+    std::vector<uint8_t> has_bands;
+    while (reader.next_batch(batch)) {
+      const size_t n = batch.size();
+      outcomes.assign(n, Outcome::kept);
+      flags.assign(n, CleanResult{});
+      exact.assign(n, 0);
+      has_bands.assign(n, 0);
+      band_hashes.resize(n * static_cast<size_t>(bands));
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
+      for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
+        Document doc;
+        outcomes[i] = decode(files[batch[i].file], batch[i], options, &doc, &flags[i]);
+        if (outcomes[i] != Outcome::kept || !dedup) continue;
+        exact[i] = exact_hash(doc);
+        if (options.near_dedup) has_bands[i] = hasher.band_hashes(doc.whole(), &band_hashes[i * bands]);
       }
-      ++report.documents_kept;
-      (unit(p.hash) < options.val_fraction ? val : train).add(p.tokens);
+      for (size_t i = 0; i < n; ++i) {
+        ++report.documents_read;
+        if (flags[i].invalid_utf8 && outcomes[i] != Outcome::invalid_utf8) report.repaired_utf8.add(where(files, batch[i]));
+        if (flags[i].nul_bytes) report.removed_nul.add(where(files, batch[i]));
+        if (flags[i].control_chars) report.removed_control.add(where(files, batch[i]));
+        if (outcomes[i] != Outcome::kept) report.outcome[static_cast<size_t>(outcomes[i])].add(where(files, batch[i]));
+        fate.push_back(outcomes[i]);
+        if (spill)
+          spill->add(options.exact_dedup && outcomes[i] == Outcome::kept, exact[i],
+                     outcomes[i] == Outcome::kept && has_bands[i] ? &band_hashes[i * bands] : nullptr);
+      }
+      meter.update(reader.bytes_consumed(), report.documents_read);
     }
-    if (!options.quiet && std::chrono::steady_clock::now() - last_progress > std::chrono::seconds(10)) {
-      last_progress = std::chrono::steady_clock::now();
-      std::fprintf(stderr, "prepare: %llu documents, %llu tokens so far\n",
-                   static_cast<unsigned long long>(report.documents_read),
-                   static_cast<unsigned long long>(report.train.tokens + report.val.tokens));
+    meter.update(reader.bytes_consumed(), report.documents_read, /*final=*/true);
+  }
+
+  // Join: global exact and near dedup (a collective).
+  if (spill) {
+    const auto join_started = std::chrono::steady_clock::now();
+    const std::vector<DedupVerdict> verdicts =
+        spill->join(comm, options.near_dedup, options.dedup_memory_bytes, threads);
+    spill.reset();
+    for (size_t i = 0; i < fate.size(); ++i)
+      if (fate[i] == Outcome::kept && verdicts[i] != DedupVerdict::unique)
+        fate[i] = verdicts[i] == DedupVerdict::exact_duplicate ? Outcome::exact_duplicate : Outcome::near_duplicate;
+    if (progress)
+      std::fprintf(stderr, "prepare: dedup join%s done in %.1f s\n", who.c_str(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - join_started).count());
+  }
+
+  // Pass 2: tokenize and write what is kept.
+  const CachedEncoder encoder(tokenizer);
+  const uint32_t vocab = static_cast<uint32_t>(tokenizer.vocab_size());
+  char prefix[16] = "";
+  if (ranks > 1) std::snprintf(prefix, sizeof prefix, "-r%05d", rank);
+  SplitWriter train(options.out_dir, str("train", prefix), vocab, options.shard_tokens, options.sft, &report.train);
+  SplitWriter val(options.out_dir, str("val", prefix), vocab, options.shard_tokens, options.sft, &report.val);
+  {
+    RecordReader reader(files, first, last, options.max_document_bytes, nullptr);
+    Progress meter(progress, str("pass 2/2 (tokenize, write)", who), share_bytes);
+    std::vector<Record> batch;
+    struct Tokenized {
+      Outcome outcome = Outcome::kept;
+      std::vector<int32_t> tokens;
+      std::vector<uint8_t> mask;
+      uint64_t hash = 0;
+    };
+    std::vector<Tokenized> out;
+    size_t next = 0;  // local index of batch[0]
+    uint64_t documents = 0;
+    while (reader.next_batch(batch)) {
+      const size_t n = batch.size();
+      if (next + n > fate.size())
+        fail("prepare: the inputs changed during the run (pass 2 reads more documents than pass 1 did)");
+      out.assign(n, Tokenized{});
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+      for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
+        Tokenized& t = out[i];
+        t.outcome = fate[next + i];
+        if (t.outcome != Outcome::kept) continue;
+        Document doc;
+        CleanResult flags;
+        if (decode(files[batch[i].file], batch[i], options, &doc, &flags, /*filter=*/false) != Outcome::kept) {
+          t.outcome = Outcome::count_;  // pass 1 kept it: the file changed under us
+          continue;
+        }
+        t.hash = exact_hash(doc);
+        try {
+          if (tokenizer.bos_id() >= 0) t.tokens.push_back(tokenizer.bos_id());
+          if (!doc.prompt.empty()) encoder.encode(doc.prompt, &t.tokens);
+          const size_t prompt_end = t.tokens.size();
+          encoder.encode(doc.text, &t.tokens);
+          if (tokenizer.eos_id() >= 0) t.tokens.push_back(tokenizer.eos_id());
+          if (options.sft) {
+            // Only predicting the response (and EOS) trains: BOS and the prompt are context.
+            t.mask.assign(t.tokens.size(), 1);
+            if (!doc.joined.empty()) std::fill(t.mask.begin(), t.mask.begin() + static_cast<int64_t>(prompt_end), 0);
+          }
+        } catch (const std::exception&) {
+          t.outcome = Outcome::tokenize_failed;
+          t.tokens.clear();
+        }
+      }
+      for (size_t i = 0; i < n; ++i) {
+        Tokenized& t = out[i];
+        if (t.outcome == Outcome::count_)
+          fail("prepare: the inputs changed during the run: ", where(files, batch[i]), " reads differently in pass 2");
+        if (t.outcome == Outcome::kept) {
+          (unit(t.hash) < options.val_fraction ? val : train).add(t.tokens, t.mask);
+          report.outcome[static_cast<size_t>(Outcome::kept)].add(where(files, batch[i]));
+        } else if (t.outcome == Outcome::exact_duplicate || t.outcome == Outcome::near_duplicate ||
+                   t.outcome == Outcome::tokenize_failed) {
+          // Decided after pass 1 read the record: counted here, where its location is at hand.
+          report.outcome[static_cast<size_t>(t.outcome)].add(where(files, batch[i]));
+        }
+        t = Tokenized{};
+      }
+      next += n;
+      documents += n;
+      meter.update(reader.bytes_consumed(), documents);
     }
+    if (next != fate.size())
+      fail("prepare: the inputs changed during the run (pass 2 reads ", next, " documents, pass 1 read ", fate.size(), ")");
+    meter.update(reader.bytes_consumed(), documents, /*final=*/true);
   }
   train.finish();
   val.finish();
+  check_accounting(report, str("rank ", rank).c_str());
 
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  PrepareReport merged = merge_reports(comm, report, options);
+  check_accounting(merged, "all ranks");
   // report.json last: its presence marks a finished run.
-  write_text_atomically((fs::path(options.out_dir) / "report.json").string(),
-                        report_json(report, options).dump(2) + "\n");
-  return report;
+  if (rank == 0)
+    write_text_atomically((fs::path(options.out_dir) / "report.json").string(),
+                          report_json(merged, options).dump(2) + "\n");
+  comm.all_gather(nullptr, 0);
+  return merged;
 }
 
 nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
@@ -437,18 +739,20 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
   auto split = [](const PrepareReport::Split& s) {
     return nlohmann::json{{"documents", s.documents}, {"tokens", s.tokens}, {"shards", s.shards}};
   };
+  nlohmann::json outcomes = nlohmann::json::object();
+  for (size_t k = 0; k < kOutcomes; ++k) outcomes[outcome_name(static_cast<Outcome>(k))] = tally(r.outcome[k]);
   return nlohmann::json{
       {"files",
        {{"read", r.files_read},
+        {"bytes", r.bytes_read},
         {"skipped", tally(r.files_skipped)},
-        {"unreadable", tally(r.files_unreadable)}}},
-      {"documents",
-       {{"read", r.documents_read},
-        {"kept", r.documents_kept},
-        {"empty", tally(r.empty)},
-        {"malformed_json", tally(r.malformed_json)},
-        {"missing_text", tally(r.missing_text)},
-        {"tokenize_failed", tally(r.tokenize_failed)}}},
+        {"unreadable", tally(r.files_unreadable)},
+        {"damaged", tally(r.files_damaged)}}},
+      {"documents", {{"read", r.documents_read}, {"kept", r.documents_kept()}, {"outcomes", outcomes}}},
+      {"repairs",
+       {{"invalid_utf8", tally(r.repaired_utf8)},
+        {"nul_bytes", tally(r.removed_nul)},
+        {"control_chars", tally(r.removed_control)}}},
       {"train", split(r.train)},
       {"val", split(r.val)},
       {"tokenizer",
@@ -459,38 +763,119 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
         {"eos_id", r.eos_id}}},
       {"shard_format",
        {{"version", kShardVersion},
-        {"token_width", shard_token_width(static_cast<uint32_t>(std::max(r.vocab_size, 1)))}}},
+        {"token_width", shard_token_width(static_cast<uint32_t>(std::max(r.vocab_size, 1)))},
+        {"loss_mask", o.sft}}},
       {"options",
        {{"inputs", o.inputs},
         {"val_fraction", o.val_fraction},
         {"text_field", o.text_field},
+        {"sft", o.sft},
+        {"prompt_field", o.prompt_field},
+        {"response_field", o.response_field},
+        {"max_document_bytes", o.max_document_bytes},
+        {"drop_invalid_utf8", o.clean.drop_invalid_utf8},
+        {"keep_whitespace", o.clean.keep_whitespace},
+        {"min_chars", o.quality.min_chars},
+        {"max_chars", o.quality.max_chars},
+        {"min_alpha_fraction", o.quality.min_alpha_fraction},
+        {"max_repeated_line_fraction", o.quality.max_repeated_line_fraction},
+        {"exact_dedup", o.exact_dedup},
+        {"near_dedup", o.near_dedup},
+        {"shingle_words", o.minhash.shingle_words},
+        {"minhash_bands", o.minhash.bands},
+        {"minhash_rows", o.minhash.rows},
+        {"near_threshold", r.near_threshold},
         {"shard_tokens", o.shard_tokens}}},
+      {"ranks", r.ranks},
+      {"threads", r.threads},
       {"seconds", r.seconds},
   };
 }
 
+PrepareReport report_from_json(const nlohmann::json& j) {
+  auto tally = [](const nlohmann::json& t) {
+    Tally out;
+    out.count = t.at("count").get<uint64_t>();
+    out.first = t.at("first").get<std::string>();
+    return out;
+  };
+  auto split = [](const nlohmann::json& s) {
+    PrepareReport::Split out;
+    out.documents = s.at("documents").get<uint64_t>();
+    out.tokens = s.at("tokens").get<uint64_t>();
+    out.shards = s.at("shards").get<std::vector<std::string>>();
+    return out;
+  };
+  try {
+    PrepareReport r;
+    const auto& files = j.at("files");
+    r.files_read = files.at("read").get<uint64_t>();
+    r.bytes_read = files.at("bytes").get<uint64_t>();
+    r.files_skipped = tally(files.at("skipped"));
+    r.files_unreadable = tally(files.at("unreadable"));
+    r.files_damaged = tally(files.at("damaged"));
+    r.documents_read = j.at("documents").at("read").get<uint64_t>();
+    for (size_t k = 0; k < kOutcomes; ++k)
+      r.outcome[k] = tally(j.at("documents").at("outcomes").at(outcome_name(static_cast<Outcome>(k))));
+    r.repaired_utf8 = tally(j.at("repairs").at("invalid_utf8"));
+    r.removed_nul = tally(j.at("repairs").at("nul_bytes"));
+    r.removed_control = tally(j.at("repairs").at("control_chars"));
+    r.train = split(j.at("train"));
+    r.val = split(j.at("val"));
+    const auto& tok = j.at("tokenizer");
+    r.tokenizer_path = tok.at("path").get<std::string>();
+    r.tokenizer_trained = tok.at("trained").get<bool>();
+    r.vocab_size = tok.at("vocab_size").get<int32_t>();
+    r.bos_id = tok.at("bos_id").get<int32_t>();
+    r.eos_id = tok.at("eos_id").get<int32_t>();
+    r.near_threshold = j.at("options").at("near_threshold").get<double>();
+    r.ranks = j.at("ranks").get<int>();
+    r.threads = j.at("threads").get<int>();
+    r.seconds = j.at("seconds").get<double>();
+    return r;
+  } catch (const nlohmann::json::exception& e) {
+    fail("prepare report: ", e.what());
+  }
+}
+
 std::string report_summary(const PrepareReport& r) {
-  auto line = [](const char* what, const Tally& t) {
-    return str("  ", what, t.count, t.count ? str("   (first: ", t.first, ")") : std::string(), "\n");
+  auto line = [](const std::string& what, const Tally& t) {
+    char label[32];
+    std::snprintf(label, sizeof label, "  %-18s", what.c_str());
+    return str(label, t.count, t.count ? str("   (first: ", t.first, ")") : std::string(), "\n");
   };
   auto shards = [](const PrepareReport::Split& s) {
     return s.shards.empty() ? std::string("no shard")
                             : str(s.shards.size(), " shard(s) ", s.shards.front(),
                                   s.shards.size() > 1 ? str(" .. ", s.shards.back()) : std::string());
   };
-  std::string out = str("prepare: ", r.files_read, " file(s) read, ", r.documents_read, " document(s)\n");
-  out += str("  kept            ", r.documents_kept, "   (train ", r.train.documents, ", val ",
+  std::string out = str("prepare: ", r.files_read, " file(s), ", human_bytes(static_cast<double>(r.bytes_read)),
+                        " read; ", r.documents_read, " document(s) in = ", r.documents_kept(), " kept + ",
+                        r.documents_read - r.documents_kept(), " dropped\n");
+  out += str("  kept              ", r.documents_kept(), "   (train ", r.train.documents, ", val ",
              r.val.documents, ")\n");
-  out += line("empty           ", r.empty);
-  out += line("malformed JSON  ", r.malformed_json);
-  out += line("no text field   ", r.missing_text);
-  if (r.tokenize_failed.count) out += line("tokenize failed ", r.tokenize_failed);
-  if (r.files_skipped.count) out += line("files skipped   ", r.files_skipped);
-  if (r.files_unreadable.count) out += line("files unreadable", r.files_unreadable);
+  const char* groups[] = {"malformed:", "filtered:", "deduplicated:"};
+  const Outcome starts[] = {Outcome::malformed_json, Outcome::empty, Outcome::exact_duplicate};
+  for (size_t k = 1; k < kOutcomes; ++k) {
+    for (size_t g = 0; g < 3; ++g)
+      if (static_cast<size_t>(starts[g]) == k) out += str(" ", groups[g], "\n");
+    out += line(outcome_name(static_cast<Outcome>(k)), r.outcome[k]);
+  }
+  out += " repaired (still counted above):\n";
+  out += line("invalid UTF-8", r.repaired_utf8);
+  out += line("NUL bytes", r.removed_nul);
+  out += line("control chars", r.removed_control);
+  out += " files:\n";
+  out += line("skipped", r.files_skipped);
+  out += line("unreadable", r.files_unreadable);
+  out += line("damaged", r.files_damaged);
   out += str("tokens: train ", r.train.tokens, " in ", shards(r.train), "\n");
   out += str("        val   ", r.val.tokens, " in ", shards(r.val), "\n");
-  out += str("tokenizer: ", r.tokenizer_path, r.tokenizer_trained ? " (trained)" : "", ", vocab ",
-             r.vocab_size, ", bos ", r.bos_id, ", eos ", r.eos_id, "; ", r.seconds, " s\n");
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%.1f", r.seconds);
+  out += str("tokenizer: ", r.tokenizer_path, r.tokenizer_trained ? " (trained)" : "", ", vocab ", r.vocab_size,
+             ", bos ", r.bos_id, ", eos ", r.eos_id, "; near-dup threshold ~", r.near_threshold, "; ", r.ranks,
+             " rank(s) x ", r.threads, " thread(s); ", secs, " s\n");
   return out;
 }
 

@@ -1,31 +1,39 @@
-// The corpus preparer behind build/prepare: text files and JSONL -> token shards + a train/val split +
-// a report that accounts for every input document.
+// The corpus preparer behind build/prepare: text and JSONL (plain, .gz, .zst) -> cleaned, filtered,
+// deduplicated token shards + a train/val split + a report that accounts for every input document.
 //
-// Pipeline, one batch of records at a time so memory stays bounded and output is ordered:
-//   read     (serial)   inputs in order: files as given, directories recursively in name order;
-//                       .txt/.md = one document per file, .jsonl = one document per non-blank line
-//   decode   (parallel) a JSONL line -> its text field; malformed lines are counted, never fatal
-//   filter   (parallel) empty / whitespace-only documents are dropped    [cleaning, quality filters and
-//                       dedup slot in here: each is a function of one document that keeps or counts it]
-//   tokenize (parallel) BOS + encode(text) + EOS (each only when the tokenizer defines it)
-//   write    (serial)   split by XXH3-64 of the text (so duplicates always land in the same split) into
-//                       OUT/train-NNNNN.bin and OUT/val-NNNNN.bin, a new shard every shard_tokens tokens
-//                       (documents are never cut); then OUT/report.json.
-// The parallel stages work on a batch whose results are committed in input order, so the shards are
-// byte-identical whatever the thread count.
+// Two passes over the inputs, each one batch of records at a time (bounded memory, results committed in
+// input order, so the output is byte-identical whatever the thread count):
+//   pass 1  read (serial) -> decode, clean, filter, hash, MinHash (parallel) -> append the hashes to the
+//           dedup spill and the document's fate so far to a 1-byte-per-document list (serial)
+//   join    exact and near dedup over all documents of all ranks (data/dedup.h)
+//   pass 2  read again -> for each document kept: decode, clean, tokenize (parallel) -> write (serial)
+//           BOS + tokens + EOS; SFT records BOS + prompt + response + EOS with a loss mask on the response
+//           (and EOS) only. Split by XXH3-64 of the cleaned text, so duplicates would land in the same split.
+// Reading twice costs a second decompression and clean, and buys a dedup that sees every document before
+// any is written: the earliest document of a cluster is the one kept, whichever rank read it.
+//
+// Several processes (mpirun): rank r reads a contiguous share of the input files (balanced by bytes), the
+// join is global (data/dedup.h), and rank r writes its kept documents to its own shards,
+// OUT/train-rRRRRR-NNNNN.bin (a single process writes OUT/train-NNNNN.bin). Read in name order, the shards
+// of an N-rank run hold the same documents and the same token stream as the single-process run; only where
+// shard files begin and end differs. Rank 0 merges the reports.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
+#include "data/clean.h"
+#include "data/dedup.h"
+#include "data/prepare_comm.h"
 #include "data/tokenizer.h"
 
 namespace tuna {
 
 struct PrepareOptions {
-  std::vector<std::string> inputs;  // files (.txt .md .jsonl) or directories (searched recursively)
+  std::vector<std::string> inputs;  // files or directories (searched recursively)
   std::string tokenizer_path;       // sentencepiece .model to read (or to write with train_tokenizer)
   std::string out_dir;
   bool train_tokenizer = false;  // train tokenizer_path on the inputs first (also writes its .vocab)
@@ -35,11 +43,23 @@ struct PrepareOptions {
   // brings the inputs' total size down to about this many bytes.
   uint64_t tokenizer_sample_bytes = uint64_t{1} << 30;
   double val_fraction = 0.05;
-  std::string text_field = "text";      // JSONL field holding the document
-  uint64_t shard_tokens = 100'000'000;  // tokens per shard before a new one starts
-  int threads = 0;                      // 0: all hardware threads
+  std::string text_field = "text";  // JSONL field holding the document
+  // SFT: JSONL records hold prompt_field and response_field; the shards carry a loss mask (response only).
+  // Plain-text inputs of an SFT run train on every token.
+  bool sft = false;
+  std::string prompt_field = "prompt", response_field = "response";
+  uint64_t max_document_bytes = uint64_t{64} << 20;  // a longer line or file is counted 'oversized', skipped
+  CleanOptions clean;
+  QualityOptions quality;
+  bool exact_dedup = true;
+  bool near_dedup = true;
+  MinHashOptions minhash;
+  uint64_t dedup_memory_bytes = uint64_t{1} << 30;  // the join's partition budget (see data/dedup.h)
+  uint64_t shard_tokens = 100'000'000;              // tokens per shard before a new one starts
+  int threads = 0;                                  // 0: all hardware threads
   bool overwrite = false;  // replace the outputs of an earlier run in out_dir (otherwise refused)
   bool quiet = false;      // no progress lines on stderr
+  PrepareComm* comm = nullptr;  // the group of processes; null: this process alone
 };
 
 // How many records fell in one category, and where the first one was ("file" or "file:line").
@@ -49,20 +69,50 @@ struct Tally {
   void add(const std::string& where) {
     if (count++ == 0) first = where;
   }
+  void merge(const Tally& other) {
+    if (count == 0) first = other.first;
+    count += other.count;
+  }
 };
+
+// The fate of an input document. Every document read ends in exactly one.
+enum class Outcome : uint8_t {
+  kept,
+  // malformed
+  malformed_json,  // a JSONL line that does not parse
+  missing_field,   // parses, but lacks the text field (or, for SFT, prompt or response) as a string
+  truncated,       // cut short by a damaged compressed file
+  oversized,       // longer than max_document_bytes (a 100 MB line)
+  invalid_utf8,    // invalid UTF-8 with clean.drop_invalid_utf8
+  // filtered
+  empty,           // nothing left after cleaning
+  too_short,
+  too_long,
+  low_alpha,
+  repeated_lines,
+  // deduplicated
+  exact_duplicate,
+  near_duplicate,
+  tokenize_failed,  // sentencepiece refused it
+  count_            // not an outcome: the number of them
+};
+inline constexpr size_t kOutcomes = static_cast<size_t>(Outcome::count_);
+const char* outcome_name(Outcome outcome);
 
 struct PrepareReport {
   // Files.
   uint64_t files_read = 0;
-  Tally files_skipped;     // inside an input directory, with an extension prepare does not read
-  Tally files_unreadable;  // could not be opened or read
-  // Documents: read = kept + empty + malformed_json + missing_text + tokenize_failed.
+  uint64_t bytes_read = 0;  // on disk (compressed)
+  Tally files_skipped;      // inside an input directory, with a name prepare does not read
+  Tally files_unreadable;   // could not be opened
+  Tally files_damaged;      // a compressed file cut short or corrupt: read up to the damage
+  // Documents: documents_read == sum of outcome[k] over every outcome k (checked on every run).
   uint64_t documents_read = 0;
-  uint64_t documents_kept = 0;
-  Tally empty;            // nothing but whitespace
-  Tally malformed_json;   // a JSONL line that does not parse
-  Tally missing_text;     // parses, but has no string field text_field
-  Tally tokenize_failed;  // sentencepiece refused it
+  std::array<Tally, kOutcomes> outcome;
+  uint64_t documents_kept() const { return outcome[static_cast<size_t>(Outcome::kept)].count; }
+  const Tally& of(Outcome o) const { return outcome[static_cast<size_t>(o)]; }
+  // Repairs made to documents (they may still be kept or dropped for another reason).
+  Tally repaired_utf8, removed_nul, removed_control;
   struct Split {
     uint64_t documents = 0;
     uint64_t tokens = 0;
@@ -73,16 +123,20 @@ struct PrepareReport {
   std::string tokenizer_path;
   bool tokenizer_trained = false;
   int32_t vocab_size = 0, bos_id = -1, eos_id = -1;
+  int ranks = 1, threads = 1;
+  double near_threshold = 0;
   double seconds = 0;
 };
 
-// Runs the pipeline. Bad records are counted, never fatal; a bad invocation (no inputs, an input that
-// does not exist, a missing tokenizer, an out_dir holding an earlier run without overwrite) is a
-// tuna::Error before anything is written.
+// Runs the pipeline. Bad records and damaged files are counted, never fatal; a bad invocation (no inputs, an
+// input that does not exist, a missing tokenizer, an out_dir holding an earlier run without overwrite) is a
+// tuna::Error before anything is written. Under a comm of several ranks every rank calls it; each returns
+// the merged report.
 PrepareReport prepare_corpus(const PrepareOptions& options);
 
-// The report as written to OUT/report.json, and as a few lines for a person.
+// The report as written to OUT/report.json, read back, and as a few lines for a person.
 nlohmann::json report_json(const PrepareReport& report, const PrepareOptions& options);
+PrepareReport report_from_json(const nlohmann::json& j);
 std::string report_summary(const PrepareReport& report);
 
 }  // namespace tuna

@@ -1,6 +1,8 @@
 // Token shards: writer and reader of the format documented in data/shard.h.
 #include "data/shard.h"
 
+#include <algorithm>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -325,6 +327,13 @@ void ShardReader::read_tokens(uint64_t begin, uint64_t count, int32_t* out) cons
     for (uint64_t i = 0; i < count; ++i) out[i] = tokens16_[begin + i];
   else
     for (uint64_t i = 0; i < count; ++i) out[i] = static_cast<int32_t>(tokens32_[begin + i]);
+}
+
+uint64_t ShardReader::document_of(uint64_t i) const {
+  // The last document whose start is <= i and that is not empty: upper_bound finds the first start > i.
+  const uint64_t* end = offsets_ + header_.document_count + 1;
+  const uint64_t* it = std::upper_bound(offsets_, end, i);
+  return static_cast<uint64_t>(it - offsets_) - 1;
 }
 
 }  // namespace tuna

@@ -129,6 +129,8 @@ class ShardReader {
   const uint8_t* mask_data() const { return mask_; }  // null when the shard has no mask
   // Document d is tokens [first, second).
   std::pair<uint64_t, uint64_t> document(uint64_t d) const { return {offsets_[d], offsets_[d + 1]}; }
+  // The document that holds token i (i < token_count): binary search over the offsets.
+  uint64_t document_of(uint64_t i) const;
 
  private:
   void close();

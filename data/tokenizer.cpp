@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <thread>
+#include <atomic>
 #include <unordered_map>
 
 #include "core/error.h"
@@ -76,6 +77,90 @@ std::string Tokenizer::piece(int32_t id) const {
   if (id < 0 || id >= vocab_size())
     fail("tokenizer ", path_, ": id ", id, " is outside the vocabulary [0, ", vocab_size(), ")");
   return processor_->IdToPiece(id);
+}
+
+namespace {
+std::atomic<uint64_t> next_encoder_id{1};
+constexpr size_t kMaxCachedWordBytes = 48;  // longer words (URLs, runs of digits) go straight to the model
+}  // namespace
+
+CachedEncoder::CachedEncoder(const Tokenizer& tokenizer, size_t max_words_per_thread)
+    : tokenizer_(&tokenizer), max_words_(max_words_per_thread), id_(next_encoder_id++) {
+  // 1. No piece continues across a word start: "▁" (E2 96 81) only as a prefix of the piece.
+  const std::string space = "\xE2\x96\x81";
+  bool crosses = false;
+  for (int32_t id = 0; id < tokenizer.vocab_size() && !crosses; ++id) {
+    const std::string piece = tokenizer.piece(id);
+    size_t lead = 0;
+    while (piece.compare(lead, space.size(), space) == 0) lead += space.size();
+    crosses = piece.find(space, lead) != std::string::npos;
+  }
+  // 2. Cut pieces encode alone as they do in context (the dummy prefix stands in for the dropped space).
+  bool same = !crosses;
+  for (const char* probe : {"Hello world", "a  b c", "x\ny z.\n\nNext para", " lead", "trail ", "two  ",
+                            "The  quick\tbrown fox, 1234.56 (b) \xC3\xBC" "ber stra\xC3\x9F" "e"}) {
+    if (!same) break;
+    word_split_ = true;
+    same = encode_by_words(probe) == tokenizer.encode(probe);
+  }
+  word_split_ = same;
+}
+
+template <typename Fn>
+void CachedEncoder::for_each_word(std::string_view text, Fn&& fn) const {
+  // Word k > 0 starts at a space that follows a non-space and runs to the next such space; it is handed over
+  // without that one space. Spaces at the very end stay with the last word (alone they would encode to
+  // nothing, where in context they are pieces).
+  const size_t last_word_char = text.find_last_not_of(' ');
+  size_t start = 0;
+  bool first = true;
+  for (size_t i = 1; i <= text.size(); ++i) {
+    const bool cut = i == text.size() || (text[i] == ' ' && text[i - 1] != ' ' && i < last_word_char);
+    if (!cut) continue;
+    fn(first ? text.substr(start, i - start) : text.substr(start + 1, i - start - 1));
+    first = false;
+    start = i;
+  }
+}
+
+std::vector<int32_t> CachedEncoder::encode_by_words(std::string_view text) const {
+  if (!word_split_) return tokenizer_->encode(text);
+  std::vector<int32_t> out;
+  if (text.empty()) return out;
+  for_each_word(text, [&](std::string_view word) {
+    std::vector<int32_t> ids = tokenizer_->encode(word);
+    out.insert(out.end(), ids.begin(), ids.end());
+  });
+  return out;
+}
+
+void CachedEncoder::encode(std::string_view text, std::vector<int32_t>* out) const {
+  if (!word_split_ || text.empty()) {
+    std::vector<int32_t> ids = tokenizer_->encode(text);
+    out->insert(out->end(), ids.begin(), ids.end());
+    return;
+  }
+  struct Cache {
+    uint64_t owner = 0;
+    std::unordered_map<std::string, std::vector<int32_t>> words;
+  };
+  thread_local Cache cache;
+  if (cache.owner != id_) cache.words.clear(), cache.owner = id_;
+  thread_local std::string key;
+  for_each_word(text, [&](std::string_view word) {
+    if (word.size() > kMaxCachedWordBytes) {
+      std::vector<int32_t> ids = tokenizer_->encode(word);
+      out->insert(out->end(), ids.begin(), ids.end());
+      return;
+    }
+    key.assign(word);
+    auto it = cache.words.find(key);
+    if (it == cache.words.end()) {
+      if (cache.words.size() >= max_words_) cache.words.clear();  // bounded: start over rather than grow
+      it = cache.words.emplace(key, tokenizer_->encode(word)).first;
+    }
+    out->insert(out->end(), it->second.begin(), it->second.end());
+  });
 }
 
 void train_tokenizer(const std::vector<std::string>& input_files, const std::string& model_prefix,

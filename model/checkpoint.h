@@ -11,6 +11,20 @@
 //
 // A checkpoint is written into ckpt/.tmp-step_00001000, every file fsynced, then renamed: a directory
 // named step_* is always complete. Only the newest keep_last are kept.
+//
+// Several ranks (data / tensor parallel, ZeRO) write one file per rank instead of model.safetensors and
+// optimizer.safetensors, each rank its own piece of the state, in parallel:
+//
+//   ckpt/step_00001000/   config.json state.json rank_00000.safetensors ... rank_00003.safetensors tokenizer...
+//
+// A rank file holds, for every tensor it has a piece of, three 1-D tensors "<name>", "exp_avg.<name>",
+// "exp_avg_sq.<name>": elements [begin, begin + n) of this rank's tensor-parallel block of the global
+// tensor (row-major), with the block and begin in the metadata "pieces" (JSON: name -> {global_shape,
+// split_dim, split_begin, shape, begin}). Pieces are placed in global coordinates, so a checkpoint is
+// read back by any world size, tensor-parallel degree and ZeRO stage (resharding on load): the reader
+// assembles each global tensor from the pieces of all rank files and keeps the part the new rank owns.
+// There is no merged model.safetensors (rank 0 would need the whole model in memory): load_weights (eval,
+// sample, --init) and build/convert read rank files directly, and `build/convert --to-hf` exports one.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -19,8 +33,10 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "model/layout.h"
+#include "model/optimizer.h"  // Segment
 
 namespace tuna {
 
@@ -63,5 +79,34 @@ nlohmann::json read_state(const std::filesystem::path& dir);
 
 // Restores AdamW moments and step count from dir/optimizer.safetensors.
 void load_optimizer(const std::filesystem::path& dir, const ParamLayout& layout, AdamW& optimizer);
+
+// True when dir holds rank_*.safetensors (a checkpoint written by several ranks).
+bool is_sharded_checkpoint(const std::filesystem::path& dir);
+
+// One rank's piece of a checkpoint, in shard order of `segments` (runs of layout's flat buffer).
+struct ShardState {
+  const std::vector<Segment>* segments;
+  const float* params;
+  const float* m;
+  const float* v;
+  int64_t steps_taken = 0;
+  bool write_replicated = true;  // false on tp ranks > 0: tensors every tp rank holds are written once
+};
+
+// Sharded writing, in three phases separated by barriers (train.cu): rank 0 prepares the temporary
+// directory, every rank writes its file, rank 0 adds config, state and tokenizer and renames.
+std::filesystem::path checkpoint_tmp_dir(const std::filesystem::path& root, int64_t step);
+std::filesystem::path prepare_sharded_checkpoint(const std::filesystem::path& root, int64_t step);  // rank 0
+void write_checkpoint_shard(const std::filesystem::path& tmp_dir, int rank, const ParamLayout& layout,
+                            const ShardState& shard);
+std::filesystem::path finish_sharded_checkpoint(const std::filesystem::path& root, int64_t step,
+                                                const CheckpointContents& contents, int64_t keep_last);  // rank 0
+
+// Reads the elements of `segments` (shard order) of the weights and AdamW moments from any tuna training
+// checkpoint (single-file or sharded, any world layout) for a model laid out by `layout` (any tp rank).
+// Returns AdamW's steps_taken.
+int64_t load_checkpoint_shard(const std::filesystem::path& dir, const ParamLayout& layout,
+                              const std::vector<Segment>& segments, std::vector<float>& params,
+                              std::vector<float>& m, std::vector<float>& v);
 
 }  // namespace tuna

@@ -1,15 +1,22 @@
 #include "model/layout.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace tuna {
 
-int64_t ParamLayout::add(const std::string& name, std::vector<int64_t> shape, int layer, bool decays) {
+int64_t ParamLayout::add(const std::string& name, std::vector<int64_t> global_shape, int layer, bool decays,
+                         int split_dim, int64_t split_begin, int64_t split_size) {
   ParamTensor t;
   t.name = name;
+  t.shape = global_shape;
+  if (split_dim >= 0) t.shape[split_dim] = split_size;
   t.numel = 1;
-  for (int64_t d : shape) t.numel *= d;
-  t.shape = std::move(shape);
+  for (int64_t d : t.shape) t.numel *= d;
+  t.global_shape = std::move(global_shape);
+  t.split_dim = split_dim;
+  t.split_begin = split_begin;
   t.offset = total_;
   t.layer = layer;
   t.decays = decays;
@@ -18,35 +25,86 @@ int64_t ParamLayout::add(const std::string& name, std::vector<int64_t> shape, in
   return tensors_.back().offset;
 }
 
-ParamLayout::ParamLayout(const LlamaConfig& c) {
-  const int64_t hidden = c.hidden_size, ffn = c.intermediate_size;
-  embed_tokens_ = add("model.embed_tokens.weight", {c.vocab_size, hidden}, -1, true);
+ParamLayout::ParamLayout(const LlamaConfig& c, int tp_rank, int tp_size) {
+  TUNA_CHECK(tp_size >= 1 && tp_rank >= 0 && tp_rank < tp_size, "tp rank ", tp_rank, " of ", tp_size);
+  if (c.num_key_value_heads % tp_size != 0)
+    fail("option 'tp': ", tp_size, " does not divide num_key_value_heads = ", c.num_key_value_heads,
+         " of the model's config.json; each tensor-parallel rank must hold whole groups of kv heads, so tp must "
+         "divide ", c.num_key_value_heads);
+  TpDims& d = tp_;
+  d.tp_rank = tp_rank, d.tp_size = tp_size;
+  d.kv_heads = c.num_key_value_heads / tp_size;
+  d.heads = c.num_attention_heads / tp_size;  // num_attention_heads is a multiple of the kv heads
+  d.q_dim = d.heads * c.head_dim, d.kv_dim = d.kv_heads * c.head_dim;
+  const Range ffn = shard_range(c.intermediate_size, tp_rank, tp_size), vocab = shard_range(c.vocab_size, tp_rank, tp_size);
+  d.ffn = ffn.size(), d.ffn_begin = ffn.begin;
+  d.vocab = vocab.size(), d.vocab_begin = vocab.begin;
+  if (d.ffn == 0 || d.vocab == 0)
+    fail("option 'tp': ", tp_size, " ranks leave rank ", tp_rank, " no ffn columns or vocabulary rows (intermediate_size ",
+         c.intermediate_size, ", vocab_size ", c.vocab_size, ")");
+  const int64_t hidden = c.hidden_size, ffn_all = c.intermediate_size;
+  const int64_t q_begin = tp_rank * d.q_dim, kv_begin = tp_rank * d.kv_dim;
+
+  embed_tokens_ = add("model.embed_tokens.weight", {c.vocab_size, hidden}, -1, true, 0, d.vocab_begin, d.vocab);
+  unit_ranges_.emplace_back(0, total_);
   for (int64_t l = 0; l < c.num_hidden_layers; l++) {
     const std::string p = str("model.layers.", l, ".");
     const int li = static_cast<int>(l);
     const int64_t begin = total_;
     LayerOffsets o;
     o.input_norm = add(p + "input_layernorm.weight", {hidden}, li, false);
-    o.q_proj = add(p + "self_attn.q_proj.weight", {c.q_dim(), hidden}, li, true);
-    o.k_proj = add(p + "self_attn.k_proj.weight", {c.kv_dim(), hidden}, li, true);
-    o.v_proj = add(p + "self_attn.v_proj.weight", {c.kv_dim(), hidden}, li, true);
-    o.o_proj = add(p + "self_attn.o_proj.weight", {hidden, c.q_dim()}, li, true);
+    o.q_proj = add(p + "self_attn.q_proj.weight", {c.q_dim(), hidden}, li, true, 0, q_begin, d.q_dim);
+    o.k_proj = add(p + "self_attn.k_proj.weight", {c.kv_dim(), hidden}, li, true, 0, kv_begin, d.kv_dim);
+    o.v_proj = add(p + "self_attn.v_proj.weight", {c.kv_dim(), hidden}, li, true, 0, kv_begin, d.kv_dim);
+    o.o_proj = add(p + "self_attn.o_proj.weight", {hidden, c.q_dim()}, li, true, 1, q_begin, d.q_dim);
     o.post_norm = add(p + "post_attention_layernorm.weight", {hidden}, li, false);
-    o.gate_proj = add(p + "mlp.gate_proj.weight", {ffn, hidden}, li, true);
-    o.up_proj = add(p + "mlp.up_proj.weight", {ffn, hidden}, li, true);
-    o.down_proj = add(p + "mlp.down_proj.weight", {hidden, ffn}, li, true);
+    o.gate_proj = add(p + "mlp.gate_proj.weight", {ffn_all, hidden}, li, true, 0, d.ffn_begin, d.ffn);
+    o.up_proj = add(p + "mlp.up_proj.weight", {ffn_all, hidden}, li, true, 0, d.ffn_begin, d.ffn);
+    o.down_proj = add(p + "mlp.down_proj.weight", {hidden, ffn_all}, li, true, 1, d.ffn_begin, d.ffn);
     layers_.push_back(o);
     layer_ranges_.emplace_back(begin, total_);
+    unit_ranges_.emplace_back(begin, total_);
   }
+  const int64_t head_begin = total_;
   final_norm_ = add("model.norm.weight", {hidden}, -1, false);
-  lm_head_ = c.tie_word_embeddings ? embed_tokens_ : add("lm_head.weight", {c.vocab_size, hidden}, -1, true);
-  TUNA_CHECK(total_ == c.n_params(), "layout holds ", total_, " parameters, config says ", c.n_params());
+  lm_head_ = c.tie_word_embeddings
+                 ? embed_tokens_
+                 : add("lm_head.weight", {c.vocab_size, hidden}, -1, true, 0, d.vocab_begin, d.vocab);
+  unit_ranges_.emplace_back(head_begin, total_);
+  if (tp_size == 1)
+    TUNA_CHECK(total_ == c.n_params(), "layout holds ", total_, " parameters, config says ", c.n_params());
 }
 
 const ParamTensor* ParamLayout::find(const std::string& name) const {
   for (const ParamTensor& t : tensors_)
     if (t.name == name) return &t;
   return nullptr;
+}
+
+void copy_block(const ParamTensor& t, const float* global, float* local) {
+  if (t.split_dim < 0) {
+    std::copy(global, global + t.numel, local);
+  } else if (t.split_dim == 0) {
+    const int64_t cols = t.numel / t.shape[0];
+    std::copy(global + t.split_begin * cols, global + (t.split_begin + t.shape[0]) * cols, local);
+  } else {
+    const int64_t rows = t.shape[0], cols = t.shape[1], gcols = t.global_shape[1];
+    for (int64_t r = 0; r < rows; r++)
+      std::copy(global + r * gcols + t.split_begin, global + r * gcols + t.split_begin + cols, local + r * cols);
+  }
+}
+
+void place_block(const ParamTensor& t, const float* local, float* global) {
+  if (t.split_dim < 0) {
+    std::copy(local, local + t.numel, global);
+  } else if (t.split_dim == 0) {
+    const int64_t cols = t.numel / t.shape[0];
+    std::copy(local, local + t.numel, global + t.split_begin * cols);
+  } else {
+    const int64_t rows = t.shape[0], cols = t.shape[1], gcols = t.global_shape[1];
+    for (int64_t r = 0; r < rows; r++)
+      std::copy(local + r * cols, local + (r + 1) * cols, global + r * gcols + t.split_begin);
+  }
 }
 
 }  // namespace tuna

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "dist/comm.h"  // shard_range
 #include "model/config.h"
 
 namespace tuna {
@@ -23,6 +24,20 @@ struct ParamTensor {
   int64_t numel = 0;
   int layer = -1;              // -1 for embedding, final norm and lm_head
   bool decays = false;         // AdamW weight decay applies (2-D weights; not norm weights)
+  // Tensor parallel: this tensor is global.narrow(split_dim, split_begin, shape[split_dim]);
+  // split_dim -1: the whole tensor (replicated on every tp rank).
+  std::vector<int64_t> global_shape;
+  int split_dim = -1;
+  int64_t split_begin = 0;
+};
+
+// This rank's share of the model's dimensions under tensor parallelism (everything when tp_size is 1).
+struct TpDims {
+  int tp_rank = 0, tp_size = 1;
+  int64_t heads = 0, kv_heads = 0;    // attention heads this rank computes
+  int64_t q_dim = 0, kv_dim = 0;      // heads * head_dim, kv_heads * head_dim
+  int64_t ffn = 0, ffn_begin = 0;     // intermediate columns [ffn_begin, ffn_begin + ffn)
+  int64_t vocab = 0, vocab_begin = 0; // embedding / lm_head rows [vocab_begin, vocab_begin + vocab)
 };
 
 // Offsets of one decoder layer's tensors, in forward order.
@@ -32,11 +47,18 @@ struct LayerOffsets {
 
 class ParamLayout {
  public:
-  explicit ParamLayout(const LlamaConfig& config);
+  // Fails with a message naming the option when tp does not divide the kv heads.
+  explicit ParamLayout(const LlamaConfig& config, int tp_rank = 0, int tp_size = 1);
 
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
   const ParamTensor* find(const std::string& name) const;  // nullptr when absent
   int64_t total() const { return total_; }
+  const TpDims& tp() const { return tp_; }
+
+  int num_units() const { return static_cast<int>(unit_ranges_.size()); }
+  std::pair<int64_t, int64_t> unit_range(int unit) const { return unit_ranges_[unit]; }
+  int head_unit() const { return num_units() - 1; }
+  int lm_head_unit() const { return lm_head_ == embed_tokens_ ? 0 : head_unit(); }
 
   int64_t embed_tokens() const { return embed_tokens_; }
   int64_t final_norm() const { return final_norm_; }
@@ -46,12 +68,18 @@ class ParamLayout {
   std::pair<int64_t, int64_t> layer_range(int64_t l) const { return layer_ranges_[l]; }
 
  private:
-  int64_t add(const std::string& name, std::vector<int64_t> shape, int layer, bool decays);
+  int64_t add(const std::string& name, std::vector<int64_t> global_shape, int layer, bool decays, int split_dim = -1,
+              int64_t split_begin = 0, int64_t split_size = 0);
 
   std::vector<ParamTensor> tensors_;
   std::vector<LayerOffsets> layers_;
-  std::vector<std::pair<int64_t, int64_t>> layer_ranges_;
+  std::vector<std::pair<int64_t, int64_t>> layer_ranges_, unit_ranges_;
+  TpDims tp_;
   int64_t total_ = 0, embed_tokens_ = 0, final_norm_ = 0, lm_head_ = 0;
 };
+
+// Tensor-parallel blocks: local = t's block of the global tensor (copy_block), and back (place_block).
+void copy_block(const ParamTensor& t, const float* global, float* local);
+void place_block(const ParamTensor& t, const float* local, float* global);
 
 }  // namespace tuna

@@ -12,6 +12,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "dist/comm.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/classifier.h"
 #include "kernels/cpu/embedding.h"
@@ -27,13 +28,35 @@ namespace {
 constexpr int64_t kHeadChunkFloats = int64_t(4) << 20;
 }  // namespace
 
-Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq)
-    : config_(config), layout_(config), max_batch_(max_batch), max_seq_(max_seq) {
+// The WeightStore of a Llama that holds its whole (tp-local) model in params and grads.
+class Llama::OwnWeights final : public WeightStore {
+ public:
+  explicit OwnWeights(Llama& model) : m_(model) {}
+  const float* acquire(int unit) override { return m_.params.data() + m_.layout_.unit_range(unit).first; }
+  void release(int) override {}
+  float* grads(int unit) override { return m_.grads.data() + m_.layout_.unit_range(unit).first; }
+  void grads_done(int) override {}
+
+ private:
+  Llama& m_;
+};
+
+Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel)
+    : config_(config),
+      layout_(config, parallel.tp ? parallel.tp->rank() : 0, parallel.tp ? parallel.tp->size() : 1),
+      tp_(parallel.tp && parallel.tp->size() > 1 ? parallel.tp : nullptr),
+      max_batch_(max_batch),
+      max_seq_(max_seq) {
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   const LlamaConfig& c = config_;
+  const TpDims& d = layout_.tp();
   const int64_t n = max_batch * max_seq;
-  params.assign(layout_.total(), 0.0f);
-  grads.assign(layout_.total(), 0.0f);
+  if (!parallel.external_weights) {
+    params.assign(layout_.total(), 0.0f);
+    grads.assign(layout_.total(), 0.0f);
+    own_store_ = std::make_unique<OwnWeights>(*this);
+    store_ = own_store_.get();
+  }
 
   inv_freq_.resize(c.head_dim / 2);
   cpu::rope_inv_freq(inv_freq_.data(), c.head_dim, c.rope_theta, c.rope_scaling);
@@ -46,33 +69,34 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq)
     a.resid_in.resize(n * c.hidden_size);
     a.norm1.resize(n * c.hidden_size);
     a.rstd1.resize(n);
-    a.q.resize(n * c.q_dim());
-    a.k.resize(n * c.kv_dim());
-    a.v.resize(n * c.kv_dim());
-    a.att.resize(n * c.q_dim());
-    a.lse.resize(n * c.num_attention_heads);
+    a.q.resize(n * d.q_dim);
+    a.k.resize(n * d.kv_dim);
+    a.v.resize(n * d.kv_dim);
+    a.att.resize(n * d.q_dim);
+    a.lse.resize(n * d.heads);
     a.resid_mid.resize(n * c.hidden_size);
     a.norm2.resize(n * c.hidden_size);
     a.rstd2.resize(n);
-    a.gate.resize(n * c.intermediate_size);
-    a.up.resize(n * c.intermediate_size);
-    a.act.resize(n * c.intermediate_size);
+    a.gate.resize(n * d.ffn);
+    a.up.resize(n * d.ffn);
+    a.act.resize(n * d.ffn);
   }
   resid_out_.resize(n * c.hidden_size);
   final_norm_out_.resize(n * c.hidden_size);
   final_rstd_.resize(n);
-  head_chunk_rows_ = std::clamp<int64_t>(kHeadChunkFloats / c.vocab_size, 1, n);
-  logits_chunk_.resize(head_chunk_rows_ * c.vocab_size);
+  head_chunk_rows_ = std::clamp<int64_t>(kHeadChunkFloats / d.vocab, 1, n);
+  logits_chunk_.resize(head_chunk_rows_ * d.vocab);
+  if (tp_) ce_stats_.resize(3 * head_chunk_rows_);
 
   d_resid_.resize(n * c.hidden_size);
   d_norm_.resize(n * c.hidden_size);
-  d_q_.resize(n * c.q_dim());
-  d_k_.resize(n * c.kv_dim());
-  d_v_.resize(n * c.kv_dim());
-  d_att_.resize(n * c.q_dim());
-  d_gate_.resize(n * c.intermediate_size);
-  d_up_.resize(n * c.intermediate_size);
-  d_act_.resize(n * c.intermediate_size);
+  d_q_.resize(n * d.q_dim);
+  d_k_.resize(n * d.kv_dim);
+  d_v_.resize(n * d.kv_dim);
+  d_att_.resize(n * d.q_dim);
+  d_gate_.resize(n * d.ffn);
+  d_up_.resize(n * d.ffn);
+  d_act_.resize(n * d.ffn);
   d_final_norm_.resize(n * c.hidden_size);
 }
 
@@ -89,62 +113,175 @@ int64_t Llama::activation_bytes() const {
   return floats * static_cast<int64_t>(sizeof(float));
 }
 
-void Llama::init_random(uint64_t seed, double std) {
+void Llama::set_weight_store(WeightStore* store) {
+  TUNA_CHECK(store && params.empty(), "a weight store replaces external weights only");
+  store_ = store;
+}
+
+void Llama::init_random(uint64_t seed, double std, float* out) const {
+  if (!out) out = const_cast<float*>(params.data());
+  TUNA_CHECK(out != nullptr, "no buffer to initialize");
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, std);
+  std::vector<float> global;
   for (const ParamTensor& t : layout_.tensors()) {
-    float* p = params.data() + t.offset;
+    float* p = out + t.offset;
     if (t.shape.size() == 1) {
       std::fill(p, p + t.numel, 1.0f);  // RMSNorm weights start at identity
-    } else {
-      for (int64_t i = 0; i < t.numel; i++) p[i] = static_cast<float>(normal(rng));
+      continue;
     }
+    // The global tensor's draws in order, so that the model does not depend on the tp split.
+    global.resize(t.global_shape[0] * t.global_shape[1]);
+    for (float& x : global) x = static_cast<float>(normal(rng));
+    copy_block(t, global.data(), p);
   }
 }
 
 void Llama::zero_grads() { std::fill(grads.begin(), grads.end(), 0.0f); }
 
-void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq) {
+void Llama::tp_all_reduce(float* x, int64_t n, const char* what) {
+  if (tp_) tp_->all_reduce_sum(x, n, what);
+}
+
+// Vocab-parallel embedding: each rank looks up the tokens in its rows and writes zeros for the others;
+// the all-reduce sums the one non-zero row per token.
+void Llama::embed(float* out, const int32_t* tokens, int64_t n, const float* table) {
+  const int64_t C = config_.hidden_size;
+  if (!tp_) return cpu::embedding_fwd(out, tokens, table, n, config_.vocab_size, C);
+  const TpDims& d = layout_.tp();
+  for (int64_t i = 0; i < n; i++) {
+    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size)
+      fail("embedding: token at position ", i, " is ", tokens[i], ", outside the vocabulary [0, ", config_.vocab_size, ")");
+    const int64_t row = tokens[i] - d.vocab_begin;
+    float* o = out + i * C;
+    if (row >= 0 && row < d.vocab) std::copy(table + row * C, table + (row + 1) * C, o);
+    else std::fill(o, o + C, 0.0f);
+  }
+  tp_all_reduce(out, n * C, "tp embedding");
+}
+
+void Llama::embed_bwd(float* dtable, const float* dout, const int32_t* tokens, int64_t n) {
+  const int64_t C = config_.hidden_size;
+  if (!tp_) return cpu::embedding_bwd(dtable, dout, tokens, n, config_.vocab_size, C);
+  const TpDims& d = layout_.tp();
+  for (int64_t i = 0; i < n; i++) {  // token order, as cpu::embedding_bwd sums
+    const int64_t row = tokens[i] - d.vocab_begin;
+    if (row < 0 || row >= d.vocab) continue;
+    for (int64_t j = 0; j < C; j++) dtable[row * C + j] += dout[i * C + j];
+  }
+}
+
+// Cross-entropy over logits split by vocabulary: the row max, the sum of exponentials and the target's
+// logit are each a reduction over the split, so three per-row numbers cross the tp group, not logits.
+// The same math as cpu::classifier_fwd_bwd; with want_grad, logits becomes dlogits (dloss = 1).
+double Llama::parallel_cross_entropy(float* logits, const int32_t* targets, int64_t rows, bool want_grad) {
+  const TpDims& d = layout_.tp();
+  const int64_t V = d.vocab;
+  for (int64_t i = 0; i < rows; i++)
+    if (targets[i] != cpu::kIgnoreIndex && (targets[i] < 0 || targets[i] >= config_.vocab_size))
+      fail("classifier: target of row ", i, " is ", targets[i], ", outside the vocabulary [0, ", config_.vocab_size,
+           ") and not the ignore index ", cpu::kIgnoreIndex);
+  std::vector<float> row_max(rows);
+  for (int64_t i = 0; i < rows; i++) row_max[i] = *std::max_element(logits + i * V, logits + (i + 1) * V);
+  tp_->all_reduce_max(row_max.data(), rows, "tp loss max");
+  double* sum_exp = ce_stats_.data();
+  double* target_logit = ce_stats_.data() + rows;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows; i++) {
+    const float* row = logits + i * V;
+    double s = 0;
+    for (int64_t j = 0; j < V; j++) s += std::exp(double(row[j]) - row_max[i]);
+    sum_exp[i] = s;
+    const int64_t t = targets[i] - d.vocab_begin;
+    target_logit[i] = targets[i] != cpu::kIgnoreIndex && t >= 0 && t < V ? row[t] : 0.0;
+  }
+  tp_->all_reduce_sum(ce_stats_.data(), 2 * rows, "tp loss sums");
+  double total = 0;
+  for (int64_t i = 0; i < rows; i++) {
+    if (targets[i] == cpu::kIgnoreIndex) continue;
+    total += row_max[i] + std::log(sum_exp[i]) - target_logit[i];
+  }
+  if (want_grad) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++) {
+      float* row = logits + i * V;
+      if (targets[i] == cpu::kIgnoreIndex) {
+        std::fill(row, row + V, 0.0f);
+        continue;
+      }
+      const double scale = 1.0 / sum_exp[i];
+      for (int64_t j = 0; j < V; j++) row[j] = static_cast<float>(std::exp(double(row[j]) - row_max[i]) * scale);
+      const int64_t t = targets[i] - d.vocab_begin;
+      if (t >= 0 && t < V) row[t] = static_cast<float>(row[t] - 1.0);
+    }
+  }
+  return total;
+}
+
+void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows) {
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
+  TUNA_CHECK(store_, "no weights: set_weight_store() first");
   const LlamaConfig& c = config_;
-  const int64_t n = batch * seq, C = c.hidden_size, F = c.intermediate_size;
-  const float* w = params.data();
+  const TpDims& d = layout_.tp();
+  const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn;
+  const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
+  const bool tied = layout_.lm_head_unit() == 0;
 
-  cpu::embedding_fwd(acts_.empty() ? resid_out_.data() : acts_[0].resid_in.data(), inputs,
-                     w + layout_.embed_tokens(), n, c.vocab_size, C);
-  for (int64_t l = 0; l < c.num_hidden_layers; l++) {
+  // The acquire order of this pass: embedding, layers, head (with the tied embedding), layers backwards.
+  std::vector<int> order{0};
+  for (int l = 0; l < L; l++) order.push_back(1 + l);
+  order.push_back(H);
+  if (tied) order.push_back(0);
+  if (backward_follows)
+    for (int l = L - 1; l >= 0; l--) order.push_back(1 + l);
+  store_->plan(order);
+
+  const float* embedding = store_->acquire(0);
+  embed(acts_.empty() ? resid_out_.data() : acts_[0].resid_in.data(), inputs, n,
+        embedding + (layout_.embed_tokens() - layout_.unit_range(0).first));
+  store_->release(0);
+  for (int l = 0; l < L; l++) {
     LayerActs& a = acts_[l];
     const LayerOffsets& o = layout_.layer(l);
-    float* resid_next = l + 1 < c.num_hidden_layers ? acts_[l + 1].resid_in.data() : resid_out_.data();
+    const float* base = store_->acquire(1 + l);
+    const int64_t begin = layout_.unit_range(1 + l).first;
+    auto w = [&](int64_t offset) { return base + (offset - begin); };
+    float* resid_next = l + 1 < L ? acts_[l + 1].resid_in.data() : resid_out_.data();
 
-    cpu::rmsnorm_fwd(a.norm1.data(), a.rstd1.data(), a.resid_in.data(), w + o.input_norm, n, C, c.rms_norm_eps);
-    cpu::matmul_fwd(a.q.data(), a.norm1.data(), w + o.q_proj, n, C, c.q_dim());
-    cpu::matmul_fwd(a.k.data(), a.norm1.data(), w + o.k_proj, n, C, c.kv_dim());
-    cpu::matmul_fwd(a.v.data(), a.norm1.data(), w + o.v_proj, n, C, c.kv_dim());
-    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, c.num_attention_heads,
-                  c.head_dim);
-    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos_.data(), rope_sin_.data(), batch, seq,
-                  c.num_key_value_heads, c.head_dim);
-    cpu::attention_fwd(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), batch, seq,
-                       c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    cpu::matmul_fwd(a.resid_mid.data(), a.att.data(), w + o.o_proj, n, c.q_dim(), C);
+    cpu::rmsnorm_fwd(a.norm1.data(), a.rstd1.data(), a.resid_in.data(), w(o.input_norm), n, C, c.rms_norm_eps);
+    cpu::matmul_fwd(a.q.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim);
+    cpu::matmul_fwd(a.k.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim);
+    cpu::matmul_fwd(a.v.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim);
+    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.heads, c.head_dim);
+    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim);
+    cpu::attention_fwd(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads,
+                       d.kv_heads, c.head_dim);
+    cpu::matmul_fwd(a.resid_mid.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C);
+    tp_all_reduce(a.resid_mid.data(), n * C, "tp o_proj");  // row-parallel: partial sums
     for (int64_t i = 0; i < n * C; i++) a.resid_mid[i] += a.resid_in[i];
 
-    cpu::rmsnorm_fwd(a.norm2.data(), a.rstd2.data(), a.resid_mid.data(), w + o.post_norm, n, C, c.rms_norm_eps);
-    cpu::matmul_fwd(a.gate.data(), a.norm2.data(), w + o.gate_proj, n, C, F);
-    cpu::matmul_fwd(a.up.data(), a.norm2.data(), w + o.up_proj, n, C, F);
+    cpu::rmsnorm_fwd(a.norm2.data(), a.rstd2.data(), a.resid_mid.data(), w(o.post_norm), n, C, c.rms_norm_eps);
+    cpu::matmul_fwd(a.gate.data(), a.norm2.data(), w(o.gate_proj), n, C, F);
+    cpu::matmul_fwd(a.up.data(), a.norm2.data(), w(o.up_proj), n, C, F);
     cpu::swiglu_fwd(a.act.data(), a.gate.data(), a.up.data(), n * F);
-    cpu::matmul_fwd(resid_next, a.act.data(), w + o.down_proj, n, F, C);
+    cpu::matmul_fwd(resid_next, a.act.data(), w(o.down_proj), n, F, C);
+    tp_all_reduce(resid_next, n * C, "tp down_proj");
     for (int64_t i = 0; i < n * C; i++) resid_next[i] += a.resid_mid[i];
+    store_->release(1 + l);
   }
-  cpu::rmsnorm_fwd(final_norm_out_.data(), final_rstd_.data(), resid_out_.data(), w + layout_.final_norm(), n, C,
-                   c.rms_norm_eps);
+  // The head unit stays acquired through head() and the final norm's backward.
+  head_base_ = store_->acquire(H);
+  cpu::rmsnorm_fwd(final_norm_out_.data(), final_rstd_.data(), resid_out_.data(),
+                   head_base_ + (layout_.final_norm() - layout_.unit_range(H).first), n, C, c.rms_norm_eps);
 }
 
 LossSum Llama::head(const int32_t* targets, int64_t rows, bool want_grad, float* logits_out) {
-  const int64_t C = config_.hidden_size, V = config_.vocab_size;
-  const float* w_head = params.data() + layout_.lm_head();
+  const int64_t C = config_.hidden_size, V = layout_.tp().vocab;
+  const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
+  const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
+  const float* w_head = (lm_unit == H ? head_base_ : store_->acquire(lm_unit)) + lm_offset;
+  float* g_head = want_grad ? store_->grads(lm_unit) + lm_offset : nullptr;
   LossSum loss;
   for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
     const int64_t nr = std::min(head_chunk_rows_, rows - r0);
@@ -153,75 +290,91 @@ LossSum Llama::head(const int32_t* targets, int64_t rows, bool want_grad, float*
     cpu::matmul_fwd(logits, x, w_head, nr, C, V);
     if (!targets) continue;
     // dloss = 1: the gradient of the summed loss (see llama.h).
-    loss.sum += cpu::classifier_fwd_bwd(logits, nullptr, targets + r0, nr, V,
-                                        want_grad ? 1.0 : 0.0);
+    loss.sum += tp_ ? parallel_cross_entropy(logits, targets + r0, nr, want_grad)
+                    : cpu::classifier_fwd_bwd(logits, nullptr, targets + r0, nr, V, want_grad ? 1.0 : 0.0);
     for (int64_t i = 0; i < nr; i++) loss.count += targets[r0 + i] != cpu::kIgnoreIndex;
     if (want_grad)
-      cpu::matmul_bwd(d_final_norm_.data() + r0 * C, grads.data() + layout_.lm_head(), logits, x, w_head, nr, C,
-                      V, /*accumulate_dinp=*/false);
+      cpu::matmul_bwd(d_final_norm_.data() + r0 * C, g_head, logits, x, w_head, nr, C, V, /*accumulate_dinp=*/false);
   }
+  if (want_grad) tp_all_reduce(d_final_norm_.data(), rows * C, "tp lm_head input grad");
+  if (lm_unit != H) store_->release(lm_unit);
+  if (!want_grad) store_->release(H);  // no backward: the pass ends here
   return loss;
 }
 
 void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
   const LlamaConfig& c = config_;
-  const int64_t n = batch * seq, C = c.hidden_size, F = c.intermediate_size;
-  const float* w = params.data();
-  float* g = grads.data();
+  const TpDims& d = layout_.tp();
+  const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn;
+  const int H = layout_.head_unit();
 
   // d_resid_ carries the gradient of the residual stream from the top down.
   std::fill(d_resid_.begin(), d_resid_.begin() + n * C, 0.0f);
-  cpu::rmsnorm_bwd(d_resid_.data(), g + layout_.final_norm(), d_final_norm_.data(), resid_out_.data(),
-                   w + layout_.final_norm(), final_rstd_.data(), n, C);
+  {
+    const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
+    cpu::rmsnorm_bwd(d_resid_.data(), store_->grads(H) + norm, d_final_norm_.data(), resid_out_.data(),
+                     head_base_ + norm, final_rstd_.data(), n, C);
+    store_->release(H);
+    store_->grads_done(H);
+  }
   for (int64_t l = c.num_hidden_layers - 1; l >= 0; l--) {
     LayerActs& a = acts_[l];
     const LayerOffsets& o = layout_.layer(l);
+    const int unit = static_cast<int>(1 + l);
+    const int64_t begin = layout_.unit_range(unit).first;
+    const float* wb = store_->acquire(unit);
+    float* gb = store_->grads(unit);
+    auto w = [&](int64_t offset) { return wb + (offset - begin); };
+    auto g = [&](int64_t offset) { return gb + (offset - begin); };
     // MLP block: x_out = resid_mid + down(act)
-    cpu::matmul_bwd(d_act_.data(), g + o.down_proj, d_resid_.data(), a.act.data(), w + o.down_proj, n, F, C,
+    cpu::matmul_bwd(d_act_.data(), g(o.down_proj), d_resid_.data(), a.act.data(), w(o.down_proj), n, F, C,
                     /*accumulate_dinp=*/false);
     cpu::swiglu_bwd(d_gate_.data(), d_up_.data(), d_act_.data(), a.gate.data(), a.up.data(), n * F);
-    cpu::matmul_bwd(d_norm_.data(), g + o.gate_proj, d_gate_.data(), a.norm2.data(), w + o.gate_proj, n, C, F,
+    cpu::matmul_bwd(d_norm_.data(), g(o.gate_proj), d_gate_.data(), a.norm2.data(), w(o.gate_proj), n, C, F,
                     /*accumulate_dinp=*/false);
-    cpu::matmul_bwd(d_norm_.data(), g + o.up_proj, d_up_.data(), a.norm2.data(), w + o.up_proj, n, C, F,
+    cpu::matmul_bwd(d_norm_.data(), g(o.up_proj), d_up_.data(), a.norm2.data(), w(o.up_proj), n, C, F,
                     /*accumulate_dinp=*/true);
-    cpu::rmsnorm_bwd(d_resid_.data(), g + o.post_norm, d_norm_.data(), a.resid_mid.data(), w + o.post_norm,
+    tp_all_reduce(d_norm_.data(), n * C, "tp gate/up input grad");  // column-parallel: partial input grads
+    cpu::rmsnorm_bwd(d_resid_.data(), g(o.post_norm), d_norm_.data(), a.resid_mid.data(), w(o.post_norm),
                      a.rstd2.data(), n, C);
     // Attention block: resid_mid = resid_in + o_proj(att)
-    cpu::matmul_bwd(d_att_.data(), g + o.o_proj, d_resid_.data(), a.att.data(), w + o.o_proj, n, c.q_dim(), C,
+    cpu::matmul_bwd(d_att_.data(), g(o.o_proj), d_resid_.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C,
                     /*accumulate_dinp=*/false);
     cpu::attention_bwd(d_q_.data(), d_k_.data(), d_v_.data(), d_att_.data(), a.att.data(), a.lse.data(),
-                       a.q.data(), a.k.data(), a.v.data(), batch, seq, c.num_attention_heads,
-                       c.num_key_value_heads, c.head_dim);
-    cpu::rope_bwd(d_q_.data(), d_q_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq,
-                  c.num_attention_heads, c.head_dim);
-    cpu::rope_bwd(d_k_.data(), d_k_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq,
-                  c.num_key_value_heads, c.head_dim);
-    cpu::matmul_bwd(d_norm_.data(), g + o.q_proj, d_q_.data(), a.norm1.data(), w + o.q_proj, n, C, c.q_dim(),
+                       a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads, d.kv_heads, c.head_dim);
+    cpu::rope_bwd(d_q_.data(), d_q_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.heads, c.head_dim);
+    cpu::rope_bwd(d_k_.data(), d_k_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim);
+    cpu::matmul_bwd(d_norm_.data(), g(o.q_proj), d_q_.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim,
                     /*accumulate_dinp=*/false);
-    cpu::matmul_bwd(d_norm_.data(), g + o.k_proj, d_k_.data(), a.norm1.data(), w + o.k_proj, n, C, c.kv_dim(),
+    cpu::matmul_bwd(d_norm_.data(), g(o.k_proj), d_k_.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim,
                     /*accumulate_dinp=*/true);
-    cpu::matmul_bwd(d_norm_.data(), g + o.v_proj, d_v_.data(), a.norm1.data(), w + o.v_proj, n, C, c.kv_dim(),
+    cpu::matmul_bwd(d_norm_.data(), g(o.v_proj), d_v_.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim,
                     /*accumulate_dinp=*/true);
-    cpu::rmsnorm_bwd(d_resid_.data(), g + o.input_norm, d_norm_.data(), a.resid_in.data(), w + o.input_norm,
+    tp_all_reduce(d_norm_.data(), n * C, "tp q/k/v input grad");
+    cpu::rmsnorm_bwd(d_resid_.data(), g(o.input_norm), d_norm_.data(), a.resid_in.data(), w(o.input_norm),
                      a.rstd1.data(), n, C);
+    store_->release(unit);
+    store_->grads_done(unit);
   }
-  cpu::embedding_bwd(g + layout_.embed_tokens(), d_resid_.data(), inputs, n, c.vocab_size, C);
+  embed_bwd(store_->grads(0) + (layout_.embed_tokens() - layout_.unit_range(0).first), d_resid_.data(), inputs, n);
+  store_->grads_done(0);
 }
 
 LossSum Llama::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
-  forward(inputs, batch, seq);
+  forward(inputs, batch, seq, /*backward_follows=*/true);
   LossSum loss = head(targets, batch * seq, /*want_grad=*/true, nullptr);
   backward(inputs, batch, seq);
   return loss;
 }
 
 LossSum Llama::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
-  forward(inputs, batch, seq);
+  forward(inputs, batch, seq, /*backward_follows=*/false);
   return head(targets, batch * seq, /*want_grad=*/false, nullptr);
 }
 
 void Llama::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) {
-  forward(inputs, batch, seq);
+  TUNA_CHECK(!tp_, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
+  forward(inputs, batch, seq, /*backward_follows=*/false);
   head(nullptr, batch * seq, /*want_grad=*/false, logits);
 }
 

@@ -12,12 +12,33 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "model/config.h"
 #include "model/layout.h"
 
 namespace tuna {
+
+class Comm;
+
+// Where the decoder finds weights and puts gradients, a unit at a time (units: see layout.h). Pointers
+// address the unit's range of the flat layout: element `offset` of the layout is at ptr[offset - begin].
+class WeightStore {
+ public:
+  virtual ~WeightStore() = default;
+  // The order in which the next pass will acquire units (a prefetch schedule); called before each pass.
+  virtual void plan(const std::vector<int>& order) {}
+  virtual const float* acquire(int unit) = 0;  // valid until release(unit)
+  virtual void release(int unit) = 0;
+  virtual float* grads(int unit) = 0;           // accumulate the unit's gradient here
+  virtual void grads_done(int unit) = 0;        // the backward will not touch the unit's gradient again
+};
+
+struct LlamaParallel {
+  Comm* tp = nullptr;          // tensor-parallel group (null or size 1: none)
+  bool external_weights = false;  // params and grads stay empty; set_weight_store() supplies them (ZeRO-3)
+};
 
 struct LossSum {
   double sum = 0;     // sum of cross-entropy over trained tokens
@@ -26,18 +47,22 @@ struct LossSum {
 
 class Llama {
  public:
-  Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq);
+  Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel = {});
 
   const LlamaConfig& config() const { return config_; }
   const ParamLayout& layout() const { return layout_; }
   int64_t max_batch() const { return max_batch_; }
   int64_t max_seq() const { return max_seq_; }
 
-  std::vector<float> params;  // ParamLayout order
+  std::vector<float> params;  // ParamLayout order (empty with external weights)
   std::vector<float> grads;   // same layout; forward_backward accumulates into it
 
+  void set_weight_store(WeightStore* store);
+
   // HF-style initialization for training from scratch: normal(0, std) for 2-D weights, ones for norms.
-  void init_random(uint64_t seed, double std = 0.02);
+  // Draws the global tensors and keeps this rank's blocks, so every tp split starts from the same model.
+  // Writes into `out` (ParamLayout order; params.data() by default).
+  void init_random(uint64_t seed, double std = 0.02, float* out = nullptr) const;
   void zero_grads();
 
   // inputs, targets: [batch, seq] token ids; targets may hold kIgnoreIndex. Accumulates into grads.
@@ -54,14 +79,26 @@ class Llama {
   struct LayerActs {
     std::vector<float> resid_in, norm1, rstd1, q, k, v, att, lse, resid_mid, norm2, rstd2, gate, up, act;
   };
-  void forward(const int32_t* inputs, int64_t batch, int64_t seq);
+  class OwnWeights;  // the WeightStore over params / grads
+  void forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows);
   // Runs the head over rows in chunks; with targets computes the loss and (if want_grad) writes
   // d(final norm output) into d_final_norm_ and accumulates the head's weight gradient.
   LossSum head(const int32_t* targets, int64_t rows, bool want_grad, float* logits_out);
   void backward(const int32_t* inputs, int64_t batch, int64_t seq);
 
+  // Vocab-parallel pieces (tp > 1); see llama.cpp.
+  void embed(float* out, const int32_t* tokens, int64_t n, const float* table);
+  void embed_bwd(float* dtable, const float* dout, const int32_t* tokens, int64_t n);
+  double parallel_cross_entropy(float* logits, const int32_t* targets, int64_t rows, bool want_grad);
+  void tp_all_reduce(float* x, int64_t n, const char* what);
+
   LlamaConfig config_;
   ParamLayout layout_;
+  Comm* tp_ = nullptr;
+  std::unique_ptr<WeightStore> own_store_;
+  WeightStore* store_ = nullptr;
+  const float* head_base_ = nullptr;  // the head unit, acquired from the final norm's forward to its backward
+  std::vector<double> ce_stats_;  // per-row statistics of the vocab-parallel loss
   int64_t max_batch_, max_seq_, head_chunk_rows_;
   std::vector<double> inv_freq_;
   std::vector<float> rope_cos_, rope_sin_;

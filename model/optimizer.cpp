@@ -41,22 +41,52 @@ void validate(const OptimizerConfig& c) {
   if (c.grad_clip < 0) fail("option 'grad_clip': expected >= 0 (0 disables), found ", c.grad_clip);
 }
 
+double clip_scale(const OptimizerConfig& c, double grad_norm) {
+  return c.grad_clip > 0 ? std::min(1.0, c.grad_clip / (grad_norm + 1e-6)) : 1.0;
+}
+
 AdamW::AdamW(const ParamLayout& layout, const OptimizerConfig& config)
-    : m(layout.total(), 0.0f), v(layout.total(), 0.0f), layout_(layout), config_(config) {
+    : AdamW(layout, config, {Segment{0, layout.total()}}) {}
+
+AdamW::AdamW(const ParamLayout& layout, const OptimizerConfig& config, std::vector<Segment> segments)
+    : layout_(layout), config_(config), segments_(std::move(segments)) {
   validate(config_);
+  int64_t shard = 0;
+  for (const Segment& s : segments_) {
+    for (const ParamTensor& t : layout_.tensors()) {
+      const int64_t begin = std::max(s.begin, t.offset), end = std::min(s.begin + s.size, t.offset + t.numel);
+      if (begin < end) pieces_.push_back({shard + (begin - s.begin), begin, end - begin, &t});
+    }
+    shard += s.size;
+  }
+  m.assign(shard, 0.0f);
+  v.assign(shard, 0.0f);
 }
 
 OptimizerStats AdamW::step(float* params, const float* grads, double loss_scale, double lr) {
+  TUNA_CHECK(size() == layout_.total(), "step() is for an optimizer that owns the whole layout");
   OptimizerStats stats;
   stats.grad_norm = std::sqrt(cpu::sum_of_squares(grads, layout_.total())) * loss_scale;
-  if (config_.grad_clip > 0) stats.clip_scale = std::min(1.0, config_.grad_clip / (stats.grad_norm + 1e-6));
-  steps_taken++;
-  for (const ParamTensor& t : layout_.tensors()) {
-    cpu::AdamWStep s{lr, config_.beta1, config_.beta2, config_.eps, t.decays ? config_.weight_decay : 0.0,
-                     steps_taken, loss_scale * stats.clip_scale};
-    cpu::adamw_update(params + t.offset, grads + t.offset, m.data() + t.offset, v.data() + t.offset, t.numel, s);
-  }
+  stats.clip_scale = clip_scale(config_, stats.grad_norm);
+  update(params, grads, loss_scale * stats.clip_scale, lr);
   return stats;
+}
+
+double AdamW::grad_sum_of_squares(const float* grads, bool count_replicated) const {
+  double sum = 0;
+  for (const Piece& p : pieces_)
+    if (count_replicated || p.tensor->split_dim >= 0) sum += cpu::sum_of_squares(grads + p.shard_offset, p.size);
+  return sum;
+}
+
+void AdamW::update(float* params, const float* grads, double grad_scale, double lr) {
+  steps_taken++;
+  for (const Piece& p : pieces_) {
+    cpu::AdamWStep s{lr, config_.beta1, config_.beta2, config_.eps, p.tensor->decays ? config_.weight_decay : 0.0,
+                     steps_taken, grad_scale};
+    cpu::adamw_update(params + p.shard_offset, grads + p.shard_offset, m.data() + p.shard_offset,
+                      v.data() + p.shard_offset, p.size, s);
+  }
 }
 
 }  // namespace tuna

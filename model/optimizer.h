@@ -41,20 +41,49 @@ struct OptimizerStats {
   double clip_scale = 1;   // factor applied by clipping (1 when not clipped)
 };
 
+// A run [begin, begin + size) of the flat layout. A sharded optimizer (ZeRO) owns a list of them and keeps
+// its state for their concatenation ("shard order").
+struct Segment {
+  int64_t begin = 0, size = 0;
+};
+
+// Clipping's factor for a global gradient norm: min(1, grad_clip / (norm + 1e-6)); 1 when clipping is off.
+double clip_scale(const OptimizerConfig& config, double grad_norm);
+
 class AdamW {
  public:
+  // Owns the whole layout (single rank, ZeRO-0).
   AdamW(const ParamLayout& layout, const OptimizerConfig& config);
+  // Owns these segments (ZeRO-1/2/3): m and v hold their concatenation.
+  AdamW(const ParamLayout& layout, const OptimizerConfig& config, std::vector<Segment> segments);
 
-  // grads hold gradients of the summed loss; loss_scale (1 / trained tokens) turns them into the mean's.
+  // Whole layout: grads hold gradients of the summed loss; loss_scale (1 / trained tokens) turns them into
+  // the mean's; the norm, the clip and the update in one call.
   OptimizerStats step(float* params, const float* grads, double loss_scale, double lr);
 
+  // Sharded use, params and grads in shard order; the caller reduces the norm across ranks.
+  // Sum of squares of the owned gradient; tensors replicated across tensor-parallel ranks (norm weights)
+  // count only when count_replicated (on tp rank 0), so the tp sum counts them once.
+  double grad_sum_of_squares(const float* grads, bool count_replicated) const;
+  // One AdamW update of the owned elements with gradient grads * grad_scale.
+  void update(float* params, const float* grads, double grad_scale, double lr);
+
   const OptimizerConfig& config() const { return config_; }
-  std::vector<float> m, v;  // first and second moments, ParamLayout order
+  const std::vector<Segment>& segments() const { return segments_; }
+  int64_t size() const { return static_cast<int64_t>(m.size()); }  // owned elements
+  std::vector<float> m, v;  // first and second moments, shard order (ParamLayout order when unsharded)
   int64_t steps_taken = 0;  // updates applied so far (AdamW's t after the update)
 
  private:
+  // The intersection of one owned segment with one tensor.
+  struct Piece {
+    int64_t shard_offset, flat_offset, size;
+    const ParamTensor* tensor;
+  };
   const ParamLayout& layout_;
   OptimizerConfig config_;
+  std::vector<Segment> segments_;
+  std::vector<Piece> pieces_;
 };
 
 }  // namespace tuna

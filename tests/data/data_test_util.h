@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <zlib.h>
+#include <zstd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -57,6 +59,26 @@ inline std::filesystem::path demo_corpus() {
     if (dir == dir.root_path()) break;
   }
   throw std::runtime_error("demo/corpus/text not found above the working directory");
+}
+
+// `text` as one gzip member / one zstd frame (concatenate results for several).
+inline std::string gzip_bytes(const std::string& text) {
+  z_stream z{};
+  deflateInit2(&z, 6, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY);  // +16: gzip header
+  std::string out(deflateBound(&z, text.size()) + 64, '\0');
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(text.data()));
+  z.avail_in = static_cast<uInt>(text.size());
+  z.next_out = reinterpret_cast<Bytef*>(out.data());
+  z.avail_out = static_cast<uInt>(out.size());
+  deflate(&z, Z_FINISH);
+  out.resize(z.total_out);
+  deflateEnd(&z);
+  return out;
+}
+inline std::string zstd_bytes(const std::string& text) {
+  std::string out(ZSTD_compressBound(text.size()), '\0');
+  out.resize(ZSTD_compress(out.data(), out.size(), text.data(), text.size(), 3));
+  return out;
 }
 
 // Runs fn, expects a tuna::Error whose message contains every piece.

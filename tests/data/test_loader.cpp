@@ -226,6 +226,29 @@ TEST(Loader, MaskedTargetsAreIgnored) {
   EXPECT_EQ(b.targets, (std::vector<int32_t>{I, I, I, 20, 21, 2, I, I, I, 40, 41, 42, 2}));
 }
 
+TEST(Loader, PositionsMarkDocumentBoundaries) {
+  TempDir dir;
+  const std::string path = dir.file("docs.bin");
+  {
+    ShardWriter writer(path, 1000);
+    writer.add_document(std::vector<int32_t>{1, 5, 6, 2});
+    writer.add_document(std::vector<int32_t>{});  // empty: no position of its own
+    writer.add_document(std::vector<int32_t>{1, 7, 2});
+    writer.add_document(std::vector<int32_t>{1, 8, 9, 10, 2});
+    writer.finish();
+  }
+  LoaderOptions o = options(5, 2);
+  o.vocab_size = 1000;
+  o.eval = true;
+  DataLoader loader({path}, o);
+  ASSERT_EQ(loader.total_windows(), 2u);  // 12 tokens, T = 5
+  std::vector<int32_t> in(10), tg(10), pos(10);
+  ASSERT_TRUE(loader.next(in.data(), tg.data(), pos.data()));
+  EXPECT_EQ(in, (std::vector<int32_t>{1, 5, 6, 2, 1, 7, 2, 1, 8, 9}));
+  EXPECT_EQ(pos, (std::vector<int32_t>{0, 1, 2, 3, 0, 1, 2, 0, 1, 2}));
+  EXPECT_EQ(ShardReader(path).document_of(4), 2u) << "the empty document 1 holds no token";
+}
+
 TEST(Loader, RefusesAShardOfALargerVocabulary) {
   TempDir dir;
   const std::string path = make_shard(dir, "big-vocab.bin", 0, 50, 50000);

@@ -1,21 +1,30 @@
-// data/prepare: the pipeline on small inputs with bad records; report counts, shards that load, identical
-// output whatever the thread count, refusal to mix with an earlier run, tokenizer training.
+// data/prepare: the pipeline end to end on small inputs. Every bad input of the issue counted under its reason
+// with its location, the accounting identity, each filter, exact and near dedup keeping the earliest
+// document, compressed inputs, SFT loss masks reaching the loader, identical output whatever the thread
+// count, partition budget and rank count (mpirun -np 2 of build/prepare), refusal to mix with an earlier
+// run, tokenizer training.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
 
 #include "data/loader.h"
 #include "data/prepare.h"
 #include "data/shard.h"
+#include "kernels/cpu/classifier.h"  // kIgnoreIndex
 #include "tests/data/data_test_util.h"
+#include "tests/test_util.h"
 
 namespace tuna {
 namespace {
 
 using testing_data::expect_error;
+using testing_data::gzip_bytes;
 using testing_data::read_file;
 using testing_data::TempDir;
 using testing_data::write_file;
+using testing_data::zstd_bytes;
 
 class PrepareTest : public ::testing::Test {
  protected:
@@ -49,104 +58,317 @@ class PrepareTest : public ::testing::Test {
 };
 TempDir* PrepareTest::tok_dir_ = nullptr;
 
-TEST_F(PrepareTest, CountsEveryRecordAndWritesLoadableShards) {
+uint64_t sum_of_outcomes(const PrepareReport& r) {
+  uint64_t sum = 0;
+  for (const Tally& t : r.outcome) sum += t.count;
+  return sum;
+}
+
+// Every document of every shard of a split, in shard order: the token stream as the trainer sees it.
+std::vector<std::vector<int32_t>> documents_of(const std::vector<std::string>& shards) {
+  std::vector<std::vector<int32_t>> docs;
+  for (const std::string& path : shards) {
+    ShardReader shard(path);
+    for (uint64_t d = 0; d < shard.document_count(); ++d) {
+      auto [begin, end] = shard.document(d);
+      std::vector<int32_t> ids(end - begin);
+      shard.read_tokens(begin, end - begin, ids.data());
+      docs.push_back(std::move(ids));
+    }
+  }
+  return docs;
+}
+
+std::string decode_body(const Tokenizer& tok, const std::vector<int32_t>& ids) {
+  EXPECT_GE(ids.size(), 2u);
+  EXPECT_EQ(ids.front(), tok.bos_id());
+  EXPECT_EQ(ids.back(), tok.eos_id());
+  return tok.decode(std::span<const int32_t>(ids).subspan(1, ids.size() - 2));
+}
+
+TEST_F(PrepareTest, CountsEveryBadInputWithItsLocation) {
   TempDir dir;
   const std::string in = dir.file("docs");
   write_file(in + "/a.txt", "The first document.\nIt has two lines.\n");
-  write_file(in + "/empty.txt", "  \n\n\t\n");
-  write_file(in + "/sub/b.md", "# Heading\n\nA markdown body.\n");
+  write_file(in + "/b_empty.txt", "  \n\n\t\n");
+  write_file(in + "/c_nul.txt", std::string("Binary\0junk inside a document.", 31));
+  write_file(in + "/d_utf8.txt", "Caf\xE9 au lait, latin-1 bytes in a UTF-8 corpus.");
   write_file(in + "/notes.csv", "not,read\n");
-  write_file(in + "/data.jsonl",
+  write_file(in + "/sub/e.md", "# Heading\n\nA markdown body.\n");
+  write_file(in + "/f.jsonl",
              "{\"text\": \"A JSON document about licenses.\", \"id\": 1}\n"  // 1 kept
              "{\"text\": \"broken\n"                                         // 2 malformed
-             "{\"title\": \"no text here\"}\n"                               // 3 no text field
+             "{\"title\": \"no text here\"}\n"                               // 3 missing field
              "\n"                                                            // 4 blank: not a document
              "{\"text\": \"Another JSON document.\"}\n"                      // 5 kept
              "{\"text\": 42}\n"                                              // 6 text is not a string
-             "[1, 2]\n");                                                    // 7 not an object
+             "[1, 2]\n"                                                      // 7 not an object
+             "{\"text\": \"bad \xFF byte in JSON\"}\n");                     // 8 repaired, kept
+  // One line of 100 MB: counted as oversized without being held (max 64 MiB).
+  {
+    std::ofstream big(in + "/g_big.jsonl", std::ios::binary);
+    big << "{\"text\": \"before the big line\"}\n{\"text\": \"";
+    const std::string chunk(1 << 20, 'x');
+    for (int i = 0; i < 100; ++i) big << chunk;
+    big << "\"}\n{\"text\": \"after the big line\"}\n";
+  }
+  // A .jsonl.gz cut short inside line 3, and a .zst that is not zstd at all.
+  {
+    std::string lines;
+    for (int i = 1; i <= 400; ++i) lines += "{\"text\": \"compressed record number " + std::to_string(i * 7919 % 100003) + "\"}\n";
+    const std::string gz = gzip_bytes(lines);
+    write_file(in + "/h_cut.jsonl.gz", gz.substr(0, gz.size() / 2));
+    write_file(in + "/i_garbage.txt.zst", "definitely not zstd");
+  }
   PrepareOptions o = base_options(dir.file("out"));
   o.inputs = {in};
   o.val_fraction = 0.0;
+  o.near_dedup = false;  // the compressed records differ in a single number
   PrepareReport r = prepare_corpus(o);
 
-  EXPECT_EQ(r.files_read, 4u);
   EXPECT_EQ(r.files_skipped.count, 1u);
   EXPECT_EQ(r.files_skipped.first, in + "/notes.csv");
-  EXPECT_EQ(r.documents_read, 9u);
-  EXPECT_EQ(r.documents_kept, 4u);
-  EXPECT_EQ(r.empty.count, 1u);
-  EXPECT_EQ(r.empty.first, in + "/empty.txt");
-  EXPECT_EQ(r.malformed_json.count, 1u);
-  EXPECT_EQ(r.malformed_json.first, in + "/data.jsonl:2");
-  EXPECT_EQ(r.missing_text.count, 3u);
-  EXPECT_EQ(r.missing_text.first, in + "/data.jsonl:3");
-  EXPECT_EQ(r.tokenize_failed.count, 0u);
-  EXPECT_EQ(r.documents_read, r.documents_kept + r.empty.count + r.malformed_json.count +
-                                  r.missing_text.count + r.tokenize_failed.count);
-  EXPECT_EQ(r.train.documents, 4u);
-  EXPECT_EQ(r.val.documents, 0u);
-  ASSERT_EQ(r.train.shards.size(), 1u);
-  EXPECT_TRUE(r.val.shards.empty());
+  EXPECT_EQ(r.files_damaged.count, 2u);
+  EXPECT_NE(r.files_damaged.first.find(in + "/h_cut.jsonl.gz:"), std::string::npos) << r.files_damaged.first;
+  EXPECT_NE(r.files_damaged.first.find("truncated gzip"), std::string::npos) << r.files_damaged.first;
+  EXPECT_EQ(r.of(Outcome::empty).count, 1u);
+  EXPECT_EQ(r.of(Outcome::empty).first, in + "/b_empty.txt");
+  EXPECT_EQ(r.removed_nul.count, 1u);
+  EXPECT_EQ(r.removed_nul.first, in + "/c_nul.txt");
+  EXPECT_EQ(r.repaired_utf8.count, 2u);
+  EXPECT_EQ(r.repaired_utf8.first, in + "/d_utf8.txt");
+  EXPECT_EQ(r.of(Outcome::malformed_json).count, 1u);
+  EXPECT_EQ(r.of(Outcome::malformed_json).first, in + "/f.jsonl:2");
+  EXPECT_EQ(r.of(Outcome::missing_field).count, 3u);
+  EXPECT_EQ(r.of(Outcome::missing_field).first, in + "/f.jsonl:3");
+  EXPECT_EQ(r.of(Outcome::oversized).count, 1u);
+  EXPECT_EQ(r.of(Outcome::oversized).first, in + "/g_big.jsonl:2");
+  // The cut .gz: the whole lines before the damage are documents, the cut one is 'truncated'; the garbage
+  // .zst is one truncated document (a text file).
+  EXPECT_EQ(r.of(Outcome::truncated).count, 2u);
+  EXPECT_NE(r.of(Outcome::truncated).first.find(in + "/h_cut.jsonl.gz:"), std::string::npos);
+  const uint64_t gz_kept = r.documents_kept() - 9;  // a, c, d, e, f:1, f:5, f:8, g:1, g:3
+  EXPECT_GT(gz_kept, 50u);
+  EXPECT_LT(gz_kept, 400u);
+  EXPECT_EQ(r.documents_read, sum_of_outcomes(r)) << "in == sum of the parts";
+  EXPECT_EQ(r.documents_read, r.documents_kept() + 1 + 1 + 3 + 1 + 2);
+  EXPECT_EQ(r.train.documents, r.documents_kept());
 
-  // report.json says the same.
+  // report.json says the same, and reads back.
   nlohmann::json j = nlohmann::json::parse(read_file(dir.file("out/report.json")));
-  EXPECT_EQ(j["documents"]["read"], 9);
-  EXPECT_EQ(j["documents"]["malformed_json"]["first"], in + "/data.jsonl:2");
-  EXPECT_EQ(j["train"]["tokens"], r.train.tokens);
-  EXPECT_FALSE(report_summary(r).empty());
+  EXPECT_EQ(j["documents"]["read"], r.documents_read);
+  EXPECT_EQ(j["documents"]["outcomes"]["malformed_json"]["first"], in + "/f.jsonl:2");
+  PrepareReport back = report_from_json(j);
+  EXPECT_EQ(back.documents_read, r.documents_read);
+  EXPECT_EQ(back.of(Outcome::oversized).first, r.of(Outcome::oversized).first);
+  const std::string summary = report_summary(r);
+  EXPECT_NE(summary.find("oversized"), std::string::npos);
+  EXPECT_NE(summary.find(in + "/g_big.jsonl:2"), std::string::npos);
 
-  // The shard holds the kept documents in input order, each BOS + text + EOS.
+  // The shard holds the kept documents in input order, cleaned: NUL gone, bad byte -> U+FFFD.
   Tokenizer tok(tokenizer());
-  ShardReader shard(dir.file("out/train-00000.bin"));
-  EXPECT_EQ(shard.vocab_size(), 400u);
-  EXPECT_EQ(shard.token_count(), r.train.tokens);
-  ASSERT_EQ(shard.document_count(), 4u);
-  const std::vector<std::string> texts = {"The first document.\nIt has two lines.\n",
-                                          "A JSON document about licenses.", "Another JSON document.",
-                                          "# Heading\n\nA markdown body.\n"};
-  for (size_t d = 0; d < 4; ++d) {
-    auto [begin, end] = shard.document(d);
-    ASSERT_GE(end - begin, 2u);
-    std::vector<int32_t> ids(end - begin);
-    shard.read_tokens(begin, end - begin, ids.data());
-    EXPECT_EQ(ids.front(), tok.bos_id());
-    EXPECT_EQ(ids.back(), tok.eos_id());
-    EXPECT_EQ(tok.decode(std::span<const int32_t>(ids).subspan(1, ids.size() - 2)), texts[d]);
+  auto docs = documents_of(r.train.shards);
+  ASSERT_EQ(docs.size(), r.documents_kept());
+  EXPECT_EQ(decode_body(tok, docs[0]), "The first document.\nIt has two lines.");
+  EXPECT_EQ(decode_body(tok, docs[1]), "Binaryjunk inside a document.");
+  EXPECT_EQ(decode_body(tok, docs[2]), "Caf\xEF\xBF\xBD au lait, latin-1 bytes in a UTF-8 corpus.");
+  EXPECT_EQ(decode_body(tok, docs[3]), "A JSON document about licenses.");
+  EXPECT_EQ(decode_body(tok, docs[5]), "bad \xEF\xBF\xBD byte in JSON");
+  EXPECT_EQ(decode_body(tok, docs[6]), "before the big line");
+  EXPECT_EQ(decode_body(tok, docs[7]), "after the big line");
+  EXPECT_EQ(decode_body(tok, docs.back()), "# Heading\n\nA markdown body.");
+}
+
+TEST_F(PrepareTest, DropsInvalidUtf8ByOption) {
+  TempDir dir;
+  write_file(dir.file("in/a.txt"), "fine text here");
+  write_file(dir.file("in/b.txt"), "bad \xC3 text");
+  write_file(dir.file("in/c.jsonl"), "{\"text\": \"bad \xFF json\"}\n");
+  PrepareOptions o = base_options(dir.file("out"));
+  o.inputs = {dir.file("in")};
+  o.clean.drop_invalid_utf8 = true;
+  PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.documents_kept(), 1u);
+  EXPECT_EQ(r.of(Outcome::invalid_utf8).count, 2u);
+  EXPECT_EQ(r.of(Outcome::invalid_utf8).first, dir.file("in/b.txt"));
+  EXPECT_EQ(r.of(Outcome::invalid_utf8).count + r.documents_kept(), r.documents_read);
+}
+
+TEST_F(PrepareTest, EachFilterCountsUnderItsRule) {
+  TempDir dir;
+  write_file(dir.file("in/docs.jsonl"),
+             "{\"text\": \"A proper sentence that passes every rule.\"}\n"
+             "{\"text\": \"tiny\"}\n"
+             "{\"text\": \"" + std::string(300, 'a') + "\"}\n"
+             "{\"text\": \"1234 5678 9012 3456 7890 1234 5678 | -- ++ 12\"}\n"
+             "{\"text\": \"the same line\\nthe same line\\nthe same line\\nanother line\"}\n");
+  PrepareOptions o = base_options(dir.file("out"));
+  o.inputs = {dir.file("in")};
+  o.quality.min_chars = 10;
+  o.quality.max_chars = 200;
+  o.quality.min_alpha_fraction = 0.5;
+  o.quality.max_repeated_line_fraction = 0.3;
+  PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.documents_kept(), 1u);
+  EXPECT_EQ(r.of(Outcome::too_short).first, dir.file("in/docs.jsonl:2"));
+  EXPECT_EQ(r.of(Outcome::too_long).first, dir.file("in/docs.jsonl:3"));
+  EXPECT_EQ(r.of(Outcome::low_alpha).first, dir.file("in/docs.jsonl:4"));
+  EXPECT_EQ(r.of(Outcome::repeated_lines).first, dir.file("in/docs.jsonl:5"));
+  EXPECT_EQ(r.documents_read, 5u);
+  EXPECT_EQ(sum_of_outcomes(r), 5u);
+}
+
+// A corpus of `n` distinct synthetic documents plus exact and near copies, as JSONL lines.
+std::string synthetic_line(std::mt19937_64& rng, int words) {
+  static const char* vocab[] = {"agreement", "party",   "shall",  "notice", "payment", "term",   "lessee",
+                                "lessor",    "premises", "rent",  "breach", "cure",    "written", "default",
+                                "assign",    "consent", "period", "annual", "report",  "filing", "audit"};
+  std::ostringstream out;
+  for (int i = 0; i < words; ++i) out << (i ? " " : "") << vocab[rng() % 21] << (rng() % 50);
+  return out.str();
+}
+
+TEST_F(PrepareTest, DedupKeepsTheEarliestOfEachCluster) {
+  TempDir dir;
+  std::mt19937_64 rng(5);
+  const std::string a = synthetic_line(rng, 300), b = synthetic_line(rng, 300), c = synthetic_line(rng, 300);
+  std::string b_near = b;
+  b_near.replace(b_near.find(' '), 1, " inserted ");  // one word added: near, not exact
+  auto line = [](const std::string& t) { return "{\"text\": \"" + t + "\"}\n"; };
+  // 1 a, 2 b, 3 a again (exact, after whitespace normalization), 4 b with an extra word (near), 5 c.
+  write_file(dir.file("in/1.jsonl"), line(a) + line(b));
+  write_file(dir.file("in/2.jsonl"), line("  " + a + "  ") + line(b_near) + line(c));
+  PrepareOptions o = base_options(dir.file("out"));
+  o.inputs = {dir.file("in")};
+  o.val_fraction = 0;
+  PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.documents_kept(), 3u);
+  EXPECT_EQ(r.of(Outcome::exact_duplicate).count, 1u);
+  EXPECT_EQ(r.of(Outcome::exact_duplicate).first, dir.file("in/2.jsonl:1"));
+  EXPECT_EQ(r.of(Outcome::near_duplicate).count, 1u);
+  EXPECT_EQ(r.of(Outcome::near_duplicate).first, dir.file("in/2.jsonl:2"));
+  Tokenizer tok(tokenizer());
+  auto docs = documents_of(r.train.shards);
+  ASSERT_EQ(docs.size(), 3u);
+  EXPECT_EQ(decode_body(tok, docs[0]), a);
+  EXPECT_EQ(decode_body(tok, docs[1]), b);
+  EXPECT_EQ(decode_body(tok, docs[2]), c);
+
+  // Both off: everything kept.
+  o.overwrite = true;
+  o.exact_dedup = o.near_dedup = false;
+  EXPECT_EQ(prepare_corpus(o).documents_kept(), 5u);
+}
+
+TEST_F(PrepareTest, CompressedInputsGiveTheSameTokens) {
+  TempDir dir;
+  const auto corpus = testing_data::demo_corpus() / "LGPL-3";
+  std::string jsonl;
+  std::vector<std::string> texts;
+  for (int i = 1; i <= 6; ++i) {
+    char name[16];
+    std::snprintf(name, sizeof name, "%03d.txt", i);
+    texts.push_back(read_file((corpus / name).string()));
+    jsonl += nlohmann::json{{"text", texts.back()}}.dump() + "\n";
+  }
+  write_file(dir.file("plain/a.jsonl"), jsonl);
+  write_file(dir.file("gz/a.jsonl.gz"), gzip_bytes(jsonl.substr(0, 1000)) + gzip_bytes(jsonl.substr(1000)));
+  write_file(dir.file("zst/a.jsonl.zst"), zstd_bytes(jsonl));
+  std::vector<std::vector<std::vector<int32_t>>> results;
+  for (const char* kind : {"plain", "gz", "zst"}) {
+    PrepareOptions o = base_options(dir.file(std::string("out-") + kind));
+    o.inputs = {dir.file(kind)};
+    o.val_fraction = 0;
+    PrepareReport r = prepare_corpus(o);
+    EXPECT_EQ(r.files_damaged.count, 0u) << kind;
+    EXPECT_EQ(r.documents_read, 6u) << kind;
+    results.push_back(documents_of(r.train.shards));
+  }
+  EXPECT_EQ(results[0], results[1]);
+  EXPECT_EQ(results[0], results[2]);
+}
+
+TEST_F(PrepareTest, SftMasksThePromptAndTheLoaderIgnoresIt) {
+  TempDir dir;
+  write_file(dir.file("in/sft.jsonl"),
+             "{\"prompt\": \"What is the term of the lease?\", \"response\": \"Twelve months from signing.\"}\n"
+             "{\"prompt\": \"No response here\"}\n"
+             "{\"prompt\": \"\", \"response\": \"A response without a prompt.\"}\n");
+  PrepareOptions o = base_options(dir.file("out"));
+  o.inputs = {dir.file("in")};
+  o.sft = true;
+  o.val_fraction = 0;
+  PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.documents_kept(), 2u);
+  EXPECT_EQ(r.of(Outcome::missing_field).first, dir.file("in/sft.jsonl:2"));
+  ASSERT_EQ(r.train.shards.size(), 1u);
+  ShardReader shard(r.train.shards[0]);
+  ASSERT_TRUE(shard.has_mask());
+  Tokenizer tok(tokenizer());
+  const std::vector<int32_t> prompt = tok.encode("What is the term of the lease?");
+  const std::vector<int32_t> response = tok.encode("Twelve months from signing.");
+  auto [begin, end] = shard.document(0);
+  ASSERT_EQ(end - begin, 1 + prompt.size() + response.size() + 1);
+  for (uint64_t i = begin; i < end; ++i) {
+    const bool in_response = i - begin > prompt.size();
+    EXPECT_EQ(shard.mask(i), in_response ? 1 : 0) << "token " << i;
+  }
+  EXPECT_EQ(shard.token(begin + 1 + prompt.size()), response[0]);
+  auto [begin2, end2] = shard.document(1);
+  EXPECT_EQ(shard.mask(begin2), 0) << "BOS is context";
+  for (uint64_t i = begin2 + 1; i < end2; ++i) EXPECT_EQ(shard.mask(i), 1);
+
+  // The loader turns the prompt's targets into kIgnoreIndex and says where documents start.
+  LoaderOptions lo;
+  lo.seq_len = static_cast<int64_t>(shard.token_count() - 1);
+  lo.vocab_size = 400;
+  lo.eval = true;
+  DataLoader loader({r.train.shards[0]}, lo);
+  std::vector<int32_t> in(lo.seq_len), tg(lo.seq_len), pos(lo.seq_len);
+  ASSERT_TRUE(loader.next(in.data(), tg.data(), pos.data()));
+  for (int64_t j = 0; j < lo.seq_len; ++j) {
+    const uint64_t target = static_cast<uint64_t>(j) + 1;
+    EXPECT_EQ(tg[j] == cpu::kIgnoreIndex, shard.mask(target) == 0) << j;
+    EXPECT_EQ(pos[j], static_cast<uint64_t>(j) < end ? j : static_cast<int64_t>(j - end)) << j;
   }
 }
 
-TEST_F(PrepareTest, OutputIsIdenticalWhateverTheThreadCount) {
+TEST_F(PrepareTest, OutputIsIdenticalWhateverTheThreadCountAndBudget) {
   TempDir dir;
-  const std::string corpus = (testing_data::demo_corpus() / "GPL-3").string();
-  PrepareReport reports[2];
-  for (int threads : {1, 2}) {
-    PrepareOptions o = base_options(dir.file("out" + std::to_string(threads)));
+  const std::string corpus = testing_data::demo_corpus().string();
+  PrepareReport reports[3];
+  for (int run = 0; run < 3; ++run) {
+    PrepareOptions o = base_options(dir.file("out" + std::to_string(run)));
     o.inputs = {corpus};
-    o.threads = threads;
+    o.threads = run == 0 ? 1 : 2;
+    o.dedup_memory_bytes = run == 2 ? 4096 : uint64_t{1} << 30;  // run 2: many partitions per column
     o.val_fraction = 0.3;
-    o.shard_tokens = 3000;
-    reports[threads - 1] = prepare_corpus(o);
+    o.shard_tokens = 6000;
+    reports[run] = prepare_corpus(o);
   }
   const PrepareReport& r = reports[0];
-  EXPECT_EQ(r.documents_kept, r.documents_read);
+  EXPECT_EQ(r.documents_read, 275u);
+  EXPECT_EQ(r.documents_read, sum_of_outcomes(r));
   EXPECT_GT(r.val.documents, 0u);
-  EXPECT_GT(r.train.documents, r.val.documents);
-  EXPECT_GT(r.train.shards.size(), 1u) << "shard_tokens 3000 rotates shards";
-  ASSERT_EQ(reports[1].train.shards.size(), r.train.shards.size());
-  ASSERT_EQ(reports[1].val.shards.size(), r.val.shards.size());
+  EXPECT_GT(r.train.shards.size(), 1u) << "shard_tokens 6000 rotates shards";
+  for (int run = 1; run < 3; ++run) {
+    for (size_t k = 0; k < kOutcomes; ++k) EXPECT_EQ(reports[run].outcome[k].count, r.outcome[k].count);
+    ASSERT_EQ(reports[run].train.shards.size(), r.train.shards.size());
+    ASSERT_EQ(reports[run].val.shards.size(), r.val.shards.size());
+    for (size_t i = 0; i < r.train.shards.size(); ++i)
+      EXPECT_EQ(read_file(r.train.shards[i]), read_file(reports[run].train.shards[i])) << r.train.shards[i];
+    for (size_t i = 0; i < r.val.shards.size(); ++i)
+      EXPECT_EQ(read_file(r.val.shards[i]), read_file(reports[run].val.shards[i]));
+  }
   uint64_t train_tokens = 0;
-  for (size_t i = 0; i < r.train.shards.size(); ++i) {
-    EXPECT_EQ(read_file(r.train.shards[i]), read_file(reports[1].train.shards[i])) << r.train.shards[i];
-    ShardReader shard(r.train.shards[i]);
+  for (const std::string& path : r.train.shards) {
+    ShardReader shard(path);
     train_tokens += shard.token_count();
-    // A shard closes before a document would push it past shard_tokens (unless it holds only that one).
     if (shard.document_count() > 1) {
-      EXPECT_LE(shard.token_count(), 3000u);
+      EXPECT_LE(shard.token_count(), 6000u);
     }
   }
   EXPECT_EQ(train_tokens, r.train.tokens);
-  for (size_t i = 0; i < r.val.shards.size(); ++i)
-    EXPECT_EQ(read_file(r.val.shards[i]), read_file(reports[1].val.shards[i]));
 
   // The loader takes the training split by pattern.
   LoaderOptions lo;
@@ -156,8 +378,48 @@ TEST_F(PrepareTest, OutputIsIdenticalWhateverTheThreadCount) {
   DataLoader loader({dir.file("out1/train-*.bin")}, lo);
   EXPECT_EQ(loader.shard_count(), r.train.shards.size());
   EXPECT_EQ(loader.total_tokens(), r.train.tokens);
-  std::vector<int32_t> in(128), tg(128);
-  EXPECT_TRUE(loader.next(in.data(), tg.data()));
+}
+
+// build/prepare under mpirun -np 2 against the single-process run: the same documents, in the same order,
+// in the same splits, and the same counts.
+TEST_F(PrepareTest, TwoRanksUnderMpirunMatchOneProcess) {
+  TempDir dir;
+  const std::string prepare = testing_util::build_dir() + "/prepare";
+  if (!std::filesystem::exists(prepare)) GTEST_SKIP() << prepare << " not built";
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "no mpirun";
+  // The demo corpus plus duplicates planted across the two ranks' shares (files are shared by bytes, so the
+  // late copies land on rank 1 and their originals on rank 0).
+  const std::string corpus = testing_data::demo_corpus().string();
+  write_file(dir.file("extra/zz-copy.txt"), read_file(corpus + "/Apache-2.0/001.txt"));
+  std::string near = read_file(corpus + "/Apache-2.0/002.txt");
+  near.insert(near.find(' '), " extra");
+  write_file(dir.file("extra/zz-near.txt"), near);
+  const std::string common = " --tokenizer " + tokenizer() + " --val-fraction 0.2 --shard-tokens 5000 --quiet " + corpus +
+                             " " + dir.file("extra");
+  auto one = testing_util::run_command(prepare + " --threads 2 --out " + dir.file("one") + common,
+                                       dir.file("one.log"));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two = testing_util::run_command("mpirun -np 2 --oversubscribe --allow-run-as-root " + prepare +
+                                           " --threads 1 --out " + dir.file("two") + common,
+                                       dir.file("two.log"));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  PrepareReport a = report_from_json(nlohmann::json::parse(read_file(dir.file("one/report.json"))));
+  PrepareReport b = report_from_json(nlohmann::json::parse(read_file(dir.file("two/report.json"))));
+  EXPECT_EQ(b.ranks, 2);
+  EXPECT_EQ(a.documents_read, b.documents_read);
+  for (size_t k = 0; k < kOutcomes; ++k) {
+    EXPECT_EQ(a.outcome[k].count, b.outcome[k].count) << outcome_name(static_cast<Outcome>(k));
+    EXPECT_EQ(a.outcome[k].first, b.outcome[k].first) << outcome_name(static_cast<Outcome>(k));
+  }
+  EXPECT_EQ(a.of(Outcome::exact_duplicate).first, dir.file("extra/zz-copy.txt"));
+  EXPECT_GE(a.of(Outcome::near_duplicate).count, 1u);
+  EXPECT_EQ(a.train.tokens, b.train.tokens);
+  EXPECT_EQ(a.val.tokens, b.val.tokens);
+  // The shards' names sort in input order: the concatenated document streams are identical.
+  EXPECT_EQ(expand_shard_paths({dir.file("two/train-*.bin")}), b.train.shards);
+  EXPECT_GT(b.train.shards.size(), 2u);
+  EXPECT_EQ(documents_of(a.train.shards), documents_of(b.train.shards));
+  EXPECT_EQ(documents_of(a.val.shards), documents_of(b.val.shards));
 }
 
 TEST_F(PrepareTest, RefusesToMixWithAnEarlierRun) {
@@ -169,7 +431,7 @@ TEST_F(PrepareTest, RefusesToMixWithAnEarlierRun) {
   expect_error([&] { prepare_corpus(o); }, {dir.file("out"), "earlier run", "--overwrite"});
   o.overwrite = true;
   PrepareReport r = prepare_corpus(o);
-  EXPECT_EQ(r.documents_kept, 1u);
+  EXPECT_EQ(r.documents_kept(), 1u);
 }
 
 TEST_F(PrepareTest, BadInvocations) {
@@ -189,6 +451,9 @@ TEST_F(PrepareTest, BadInvocations) {
   o.inputs = {dir.file("in")};
   o.val_fraction = 1.5;
   expect_error([&] { prepare_corpus(o); }, {"--val-fraction", "1.5"});
+  o.val_fraction = 0.1;
+  o.minhash.bands = 0;
+  expect_error([&] { prepare_corpus(o); }, {"--minhash-bands"});
 }
 
 TEST_F(PrepareTest, TrainsTheTokenizerFirst) {
@@ -206,7 +471,7 @@ TEST_F(PrepareTest, TrainsTheTokenizerFirst) {
   EXPECT_TRUE(std::filesystem::exists(dir.file("tok/new.model")));
   EXPECT_TRUE(std::filesystem::exists(dir.file("tok/new.vocab")));
   EXPECT_FALSE(std::filesystem::exists(dir.file("out/tokenizer-sample.txt.tmp")));
-  EXPECT_EQ(r.documents_kept, r.documents_read);
+  EXPECT_EQ(r.documents_read, sum_of_outcomes(r));
   EXPECT_GT(r.train.tokens, 0u);
   EXPECT_EQ(ShardReader(r.train.shards.at(0)).vocab_size(), 380u);
 }

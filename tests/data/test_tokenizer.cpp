@@ -98,5 +98,26 @@ TEST(Tokenizer, TrainingErrors) {
                {"tokenizer training", "vocab_size 5000", "Vocabulary size too high"});
 }
 
+// The cached word-by-word encoder gives Tokenizer::encode's ids on every demo document (raw and with
+// doubled spaces, tabs, leading and trailing spaces), repeated so that the cache serves most words.
+TEST_F(TokenizerTest, CachedEncoderIsExact) {
+  Tokenizer tok(model());
+  CachedEncoder encoder(tok);
+  ASSERT_TRUE(encoder.exact()) << "a BPE model trained by train_tokenizer splits at word starts";
+  std::vector<std::string> texts;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(testing_data::demo_corpus()))
+    if (entry.is_regular_file()) texts.push_back(testing_data::read_file(entry.path().string()));
+  texts.push_back("  two leading,  double  spaces\tand a tab  ");
+  texts.push_back(" ");
+  texts.push_back("\xC3\xBC" "ber \xE2\x82\xAC 12.50 caf\xC3\xA9 na\xC3\xAFve \xE6\x97\xA5\xE6\x9C\xAC");
+  for (int round = 0; round < 2; ++round)
+    for (const std::string& text : texts) {
+      std::vector<int32_t> cached;
+      encoder.encode(text, &cached);
+      ASSERT_EQ(cached, tok.encode(text)) << text.substr(0, 200);
+      ASSERT_EQ(encoder.encode_by_words(text), tok.encode(text));
+    }
+}
+
 }  // namespace
 }  // namespace tuna

@@ -1,0 +1,242 @@
+// Input files: plain, gzip and zstd streams, and a line reader that bounds memory. See data/input.h.
+#include "data/input.h"
+
+#include <zlib.h>
+#include <zstd.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace tuna {
+
+namespace {
+
+constexpr size_t kChunk = size_t{1} << 20;
+
+bool ends_with(const std::string& s, const char* suffix) {
+  const size_t n = std::strlen(suffix);
+  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+class PlainStream : public ByteStream {
+ public:
+  explicit PlainStream(std::FILE* f) : f_(f) {}
+  ~PlainStream() override { std::fclose(f_); }
+  size_t read(char* buf, size_t n) override {
+    if (!error_.empty()) return 0;
+    size_t got = std::fread(buf, 1, n, f_);
+    consumed_ += got;
+    if (got == 0 && std::ferror(f_)) error_ = str("read error at byte ", consumed_, ": ", std::strerror(errno));
+    return got;
+  }
+
+ private:
+  std::FILE* f_;
+};
+
+// Shared by the two decompressors: compressed bytes come from a FILE through in_.
+class CompressedStream : public ByteStream {
+ public:
+  explicit CompressedStream(std::FILE* f) : f_(f), in_(kChunk) {}
+  ~CompressedStream() override { std::fclose(f_); }
+
+ protected:
+  // Refills in_ when it is used up; false at the end of the file (or a read error, then error_ is set).
+  bool refill() {
+    if (in_pos_ < in_len_) return true;
+    in_len_ = std::fread(in_.data(), 1, in_.size(), f_);
+    in_pos_ = 0;
+    consumed_ += in_len_;
+    if (in_len_ == 0 && std::ferror(f_)) error_ = str("read error at byte ", consumed_, ": ", std::strerror(errno));
+    return in_len_ > 0;
+  }
+  uint64_t position() const { return consumed_ - (in_len_ - in_pos_); }  // compressed bytes used
+
+  std::FILE* f_;
+  std::vector<char> in_;
+  size_t in_pos_ = 0, in_len_ = 0;
+};
+
+class GzipStream : public CompressedStream {
+ public:
+  explicit GzipStream(std::FILE* f) : CompressedStream(f) {
+    std::memset(&z_, 0, sizeof z_);
+    // 15 + 32: a window of 32 KiB, gzip or zlib header detected automatically.
+    if (inflateInit2(&z_, 15 + 32) != Z_OK) error_ = "cannot start zlib";
+  }
+  ~GzipStream() override { inflateEnd(&z_); }
+
+  size_t read(char* buf, size_t n) override {
+    size_t produced = 0;
+    while (produced < n && error_.empty() && !done_) {
+      if (in_pos_ == in_len_ && !refill()) {
+        // The file ended: fine between members, a truncation inside one.
+        if (error_.empty() && in_member_) error_ = str("truncated gzip data: the file ends at byte ", consumed_,
+                                                        " inside a compressed member");
+        done_ = true;
+        break;
+      }
+      z_.next_in = reinterpret_cast<Bytef*>(in_.data() + in_pos_);
+      z_.avail_in = static_cast<uInt>(in_len_ - in_pos_);
+      z_.next_out = reinterpret_cast<Bytef*>(buf + produced);
+      z_.avail_out = static_cast<uInt>(n - produced);
+      in_member_ = true;
+      const int rc = inflate(&z_, Z_NO_FLUSH);
+      produced = n - z_.avail_out;
+      in_pos_ = in_len_ - z_.avail_in;
+      if (rc == Z_STREAM_END) {
+        in_member_ = false;
+        inflateReset(&z_);  // another member may follow
+      } else if (rc != Z_OK && rc != Z_BUF_ERROR) {
+        error_ = str("corrupt gzip data near byte ", position(), ": ", z_.msg ? z_.msg : zError(rc));
+      }
+    }
+    return produced;
+  }
+
+ private:
+  z_stream z_;
+  bool in_member_ = false;
+  bool done_ = false;
+};
+
+class ZstdStream : public CompressedStream {
+ public:
+  explicit ZstdStream(std::FILE* f) : CompressedStream(f), ctx_(ZSTD_createDCtx()) {
+    if (!ctx_) error_ = "cannot start zstd";
+  }
+  ~ZstdStream() override { ZSTD_freeDCtx(ctx_); }
+
+  size_t read(char* buf, size_t n) override {
+    ZSTD_outBuffer out{buf, n, 0};
+    while (out.pos < n && error_.empty() && !done_) {
+      if (in_pos_ == in_len_ && !pending_output_ && !refill()) {
+        if (error_.empty() && in_frame_)
+          error_ = str("truncated zstd data: the file ends at byte ", consumed_, " inside a frame");
+        done_ = true;
+        break;
+      }
+      ZSTD_inBuffer in{in_.data(), in_len_, in_pos_};
+      const size_t rc = ZSTD_decompressStream(ctx_, &out, &in);
+      in_pos_ = in.pos;
+      if (ZSTD_isError(rc)) {
+        error_ = str("corrupt zstd data near byte ", position(), ": ", ZSTD_getErrorName(rc));
+        break;
+      }
+      in_frame_ = rc != 0;
+      // A full output buffer may leave decoded bytes inside zstd: call again before reading more input.
+      pending_output_ = out.pos == n;
+    }
+    return out.pos;
+  }
+
+ private:
+  ZSTD_DCtx* ctx_;
+  bool in_frame_ = false;
+  bool pending_output_ = false;
+  bool done_ = false;
+};
+
+}  // namespace
+
+bool classify_input(const std::string& path, InputKind* kind, Compression* compression) {
+  std::string name = path;
+  *compression = Compression::none;
+  if (ends_with(name, ".gz")) {
+    *compression = Compression::gzip;
+    name.resize(name.size() - 3);
+  } else if (ends_with(name, ".zst")) {
+    *compression = Compression::zstd;
+    name.resize(name.size() - 4);
+  }
+  if (ends_with(name, ".txt") || ends_with(name, ".md")) return *kind = InputKind::text, true;
+  if (ends_with(name, ".jsonl")) return *kind = InputKind::jsonl, true;
+  return false;
+}
+
+std::unique_ptr<ByteStream> open_input(const InputFile& file, std::string* why) {
+  std::FILE* f = std::fopen(file.path.c_str(), "rb");
+  if (!f) {
+    *why = std::strerror(errno);
+    return nullptr;
+  }
+  switch (file.compression) {
+    case Compression::gzip:
+      return std::make_unique<GzipStream>(f);
+    case Compression::zstd:
+      return std::make_unique<ZstdStream>(f);
+    case Compression::none:
+      break;
+  }
+  return std::make_unique<PlainStream>(f);
+}
+
+LineReader::LineReader(ByteStream* stream, uint64_t max_bytes)
+    : stream_(stream), max_bytes_(max_bytes), buffer_(kChunk) {}
+
+bool LineReader::fill() {
+  if (eof_) return false;
+  if (begin_ > 0) {  // keep the unfinished line at the front
+    std::memmove(buffer_.data(), buffer_.data() + begin_, end_ - begin_);
+    end_ -= begin_;
+    begin_ = 0;
+  }
+  if (end_ == buffer_.size()) buffer_.resize(buffer_.size() * 2);
+  const size_t got = stream_->read(buffer_.data() + end_, buffer_.size() - end_);
+  if (got == 0) eof_ = true;
+  end_ += got;
+  return got > 0;
+}
+
+bool LineReader::next(std::string* line, bool* oversized, bool* cut) {
+  line->clear();
+  *oversized = false;
+  *cut = false;
+  size_t scanned = begin_;  // bytes of the current line already searched for '\n'
+  uint64_t skipped = 0;     // bytes of an oversized line dropped so far
+  for (;;) {
+    const char* nl = static_cast<const char*>(std::memchr(buffer_.data() + scanned, '\n', end_ - scanned));
+    if (nl) {
+      const size_t stop = static_cast<size_t>(nl - buffer_.data());
+      if (skipped + (stop - begin_) > max_bytes_) *oversized = true;
+      if (!*oversized) line->assign(buffer_.data() + begin_, stop - begin_);
+      begin_ = stop + 1;
+      return true;
+    }
+    scanned = end_;
+    if (skipped + (end_ - begin_) > max_bytes_) {
+      // Too long to keep: drop what is buffered and go on looking for the end of the line.
+      *oversized = true;
+      skipped += end_ - begin_;
+      begin_ = end_ = scanned = 0;
+    }
+    const size_t offset = scanned - begin_;
+    if (!fill()) {
+      if (begin_ == end_ && skipped == 0) return false;  // clean end between lines
+      *cut = true;                                        // the last line has no '\n' (or was cut)
+      if (!*oversized) line->assign(buffer_.data() + begin_, end_ - begin_);
+      begin_ = end_;
+      return true;
+    }
+    scanned = begin_ + offset;
+  }
+}
+
+bool read_all(ByteStream* stream, uint64_t max_bytes, std::string* out) {
+  out->clear();
+  std::vector<char> chunk(kChunk);
+  for (;;) {
+    const size_t got = stream->read(chunk.data(), chunk.size());
+    if (got == 0) return true;
+    if (out->size() + got > max_bytes) {
+      out->clear();
+      out->shrink_to_fit();
+      return false;
+    }
+    out->append(chunk.data(), got);
+  }
+}
+
+}  // namespace tuna

@@ -1,0 +1,105 @@
+// Comm pieces shared by every backend: the split rule, the single-rank comm, launcher detection, the mesh.
+#include "dist/comm.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace tuna {
+
+Range shard_range(int64_t n, int rank, int size) {
+  TUNA_CHECK(size > 0 && rank >= 0 && rank < size && n >= 0, "n ", n, " rank ", rank, " size ", size);
+  const int64_t chunk = (n + size - 1) / size;
+  const int64_t begin = std::min(n, chunk * rank);
+  return {begin, std::min(n, begin + chunk)};
+}
+
+namespace {
+
+class SingleComm final : public Comm {
+ public:
+  SingleComm() : Comm(0, 1) {}
+  std::string backend() const override { return "single"; }
+  void all_reduce(void*, int64_t, CommType, ReduceOp, const char*) override {}
+  void reduce_scatter(const float* send, float* recv, int64_t n, const char*) override {
+    if (send != recv) std::memmove(recv, send, n * sizeof(float));
+  }
+  void all_gather(const float* send, float* recv, int64_t n, const char*) override {
+    if (send != recv) std::memmove(recv, send, n * sizeof(float));
+  }
+  CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) override {
+    all_gather(send, recv, n, what);
+    return 0;
+  }
+  void wait(CommRequest) override {}
+  void broadcast(void*, int64_t, int root, const char*) override { TUNA_CHECK(root == 0, "root ", root); }
+  void barrier(const char*) override {}
+  std::unique_ptr<Comm> split(int, int) override { return std::make_unique<SingleComm>(); }
+};
+
+// The integer value of an environment variable, or -1 when unset.
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : -1;
+}
+
+}  // namespace
+
+std::unique_ptr<Comm> make_single_comm() { return std::make_unique<SingleComm>(); }
+
+LaunchInfo detect_launch() {
+  LaunchInfo info;
+  // Open MPI's mpirun first: under `srun --mpi=pmix` or inside an allocation both may be set, and the
+  // launcher that started this process is the innermost one.
+  const struct {
+    const char *rank, *size, *local, *local_size, *name;
+  } sources[] = {
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "mpirun"},
+      {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "pmi"},
+      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "slurm"}};
+  for (const auto& s : sources) {
+    const int rank = env_int(s.rank), size = env_int(s.size);
+    if (rank < 0 || size < 1) continue;
+    info.rank = rank, info.size = size, info.launcher = s.name;
+    info.local_rank = std::max(0, env_int(s.local));
+    info.local_size = std::max(1, env_int(s.local_size));
+    break;
+  }
+  return info;
+}
+
+void inject_fault_for_tests(int world_rank, int64_t step) {
+  const char* spec = std::getenv("TUNA_FAULT");
+  if (!spec) return;
+  char kind[8] = {};
+  int rank = -1;
+  long long at = -1;
+  if (std::sscanf(spec, "%7[a-z]:%d:%lld", kind, &rank, &at) != 3) fail("TUNA_FAULT='", spec, "': expected kill:RANK:STEP or hang:RANK:STEP");
+  if (rank != world_rank || at != step) return;
+  std::fprintf(stderr, "TUNA_FAULT: rank %d %s at step %lld\n", world_rank, std::strcmp(kind, "hang") ? "dies" : "hangs", at);
+  std::fflush(stderr);
+  ::raise(std::strcmp(kind, "hang") == 0 ? SIGSTOP : SIGKILL);
+}
+
+Mesh make_mesh(Comm& world, int64_t tp) {
+  if (tp < 1 || world.size() % tp != 0)
+    fail("option 'tp': ", tp, " does not divide the world size ", world.size(),
+         " (world = dp x tp; launch a multiple of tp ranks)");
+  Mesh m;
+  m.tp_size = static_cast<int>(tp);
+  m.dp_size = world.size() / m.tp_size;
+  m.tp_rank = world.rank() % m.tp_size;
+  m.dp_rank = world.rank() / m.tp_size;
+  // Both splits are collective over the world: every rank makes both, in the same order.
+  m.tp = world.split(/*color=*/m.dp_rank, /*key=*/m.tp_rank);
+  m.dp = world.split(/*color=*/m.tp_rank, /*key=*/m.dp_rank);
+  return m;
+}
+
+}  // namespace tuna

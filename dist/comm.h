@@ -1,0 +1,115 @@
+// Comm: the collectives tuna needs, over one group of ranks, behind one small interface.
+//
+// Three implementations: SingleComm (one rank; collectives are copies), MpiComm (host buffers, Open MPI or
+// any MPI-3 library) and NcclComm (device buffers, on the comm's CUDA stream; built with CUDA only).
+// model/ and dist/zero use only this interface, so every parallel mode runs and is tested on CPU under
+// `mpirun -np 2/4` against the single-rank run.
+//
+// Splits. A collective that splits n elements over the group gives rank r the piece shard_range(n, r, size):
+// ceil(n / size) elements each, the last ranks shorter or empty. Implementations pad internally where
+// their library needs equal pieces (NCCL); no "n must divide by the world size" rule reaches the caller.
+//
+// Failure. Every blocking wait of MpiComm and NcclComm is bounded by a timeout (--comm_timeout): a rank
+// that died or hangs makes the others stop with an error naming the collective (the `what` label every
+// call carries), this rank, and the ranks that did not answer, then abort the whole job. See comm_mpi.cpp.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace tuna {
+
+enum class CommType { F32, F64, I64 };
+enum class ReduceOp { Sum, Max };
+
+// [begin, end) of one rank's piece of n elements split over `size` ranks.
+struct Range {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+Range shard_range(int64_t n, int rank, int size);
+
+// A collective started asynchronously (all_gather_start); wait() completes it.
+using CommRequest = int64_t;
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  virtual std::string backend() const = 0;  // "single", "mpi", "nccl"
+
+  // In place over n elements of `type`.
+  virtual void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) = 0;
+  // send: n elements from every rank; recv: the sum over ranks of this rank's piece (shard_range(n)).
+  virtual void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) = 0;
+  // send: this rank's piece of n elements; recv: all n, pieces in rank order. send may point into recv.
+  virtual void all_gather(const float* send, float* recv, int64_t n, const char* what) = 0;
+  // The same, returning before completion (prefetch); buffers must stay alive until wait().
+  virtual CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) = 0;
+  virtual void wait(CommRequest request) = 0;
+  virtual void broadcast(void* buf, int64_t bytes, int root, const char* what) = 0;
+  virtual void barrier(const char* what) = 0;
+  // Sub-groups: ranks passing the same color form one, ordered by key. Collective over this group.
+  virtual std::unique_ptr<Comm> split(int color, int key) = 0;
+
+  void all_reduce_sum(float* buf, int64_t n, const char* what) { all_reduce(buf, n, CommType::F32, ReduceOp::Sum, what); }
+  void all_reduce_sum(double* buf, int64_t n, const char* what) { all_reduce(buf, n, CommType::F64, ReduceOp::Sum, what); }
+  void all_reduce_sum(int64_t* buf, int64_t n, const char* what) { all_reduce(buf, n, CommType::I64, ReduceOp::Sum, what); }
+  void all_reduce_max(float* buf, int64_t n, const char* what) { all_reduce(buf, n, CommType::F32, ReduceOp::Max, what); }
+
+ protected:
+  Comm(int rank, int size) : rank_(rank), size_(size) {}
+
+ private:
+  int rank_, size_;
+};
+
+// One rank: reductions are identities, gathers and scatters copies.
+std::unique_ptr<Comm> make_single_comm();
+
+// Where this process sits, from the launcher's environment: mpirun (OMPI_COMM_WORLD_*), MPICH/Intel
+// (PMI_*), Slurm's srun (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID). Size 1 when launched directly.
+struct LaunchInfo {
+  int rank = 0, size = 1, local_rank = 0, local_size = 1;  // local: ranks on this node
+  std::string launcher = "none";  // "mpirun", "pmi", "slurm", "none"
+};
+LaunchInfo detect_launch();
+
+// The world group: a SingleComm when the launcher says one rank (MPI is then never initialized), an MpiComm
+// over MPI_COMM_WORLD otherwise (MPI_Init here, MPI_Finalize when the last MPI comm goes away).
+// timeout_s bounds every wait (0: wait forever).
+std::unique_ptr<Comm> make_world_comm(double timeout_s);
+// The same on an already initialized MPI (tests' main calls MPI_Init itself).
+std::unique_ptr<Comm> make_mpi_world_comm(double timeout_s);
+
+// NCCL on device buffers, enqueued on `stream` (a cudaStream_t); builds with TUNA_NCCL only. `host` (an
+// MpiComm over the same ranks) carries the NCCL unique id from rank 0 and builds split() groups. The
+// caller has already selected its GPU (cudaSetDevice(local_rank): one GPU per rank).
+std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, void* stream, double timeout_s);
+
+// Ends the process with exit_code; under MPI with several ranks, the whole job (MPI_Abort), so that an
+// error on one rank does not leave the others waiting in their next collective.
+[[noreturn]] void abort_job(int exit_code);
+
+// For signal handlers (async-signal-safe): writes "rank R: signal S while waiting in <collective>" to
+// stderr when this process is inside a collective. When mpirun takes a job down because a rank died, the
+// survivors get SIGTERM inside the collective the dead rank never joined; this names it.
+void note_signal_in_collective(int signal);
+
+// Test hook: the environment variable TUNA_FAULT="kill:R:S" or "hang:R:S" makes world rank R end itself
+// with SIGKILL, or stop itself with SIGSTOP, when called with step S (train.cu calls it mid-step, after
+// the backward and before the step's collectives). Unset: nothing.
+void inject_fault_for_tests(int world_rank, int64_t step);
+
+// The rank mesh: world = dp x tp, tensor-parallel ranks contiguous (world rank = dp_rank * tp + tp_rank),
+// so that a tp group sits inside one node when ranks are placed by node (mpirun's default, srun's block).
+struct Mesh {
+  int dp_rank = 0, dp_size = 1, tp_rank = 0, tp_size = 1;
+  std::unique_ptr<Comm> dp, tp;  // the groups this rank belongs to
+};
+// Fails with a message when tp does not divide the world size.
+Mesh make_mesh(Comm& world, int64_t tp);
+
+}  // namespace tuna

@@ -1,0 +1,306 @@
+// MpiComm: the collectives on host buffers over MPI, each bounded by a timeout.
+//
+// Every collective is issued non-blocking (MPI_Iallreduce, MPI_Ireduce_scatter, MPI_Iallgatherv, ...) and
+// completed by one wait loop that polls MPI_Test. Blocking MPI calls cannot be interrupted, so a peer that
+// hangs (a stuck kernel, a stopped process, a dead node whose TCP connection never resets) would hold the
+// job forever; polling lets us give up after --comm_timeout. The loop spins (yielding) for the first
+// milliseconds, which keeps small collectives fast, then sleeps with a growing interval: on an
+// oversubscribed CPU (tests run 4 ranks on 2 cores) a busy wait would steal the core the peer computes on.
+//
+// When the timeout expires, the rank asks every other rank over a private duplicate of MPI_COMM_WORLD
+// ("census") what it is doing. Ranks answer from inside their own wait loops, so a rank waiting in a
+// collective answers with its label and sequence number, and a rank that died, hangs or computes
+// outside any collective stays silent. The error then names this rank, the collective, and the silent
+// ranks, and MPI_Abort takes the whole job down (mpirun exits non-zero).
+#include <mpi.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "dist/comm.h"
+
+namespace tuna {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// What this process waits on, for note_signal_in_collective (a signal handler may only read it).
+char g_waiting[320];
+volatile sig_atomic_t g_is_waiting = 0;
+
+constexpr int kAskTag = 7001, kAnswerTag = 7002;
+constexpr int kAnswerBytes = 256;
+
+void mpi_check(int rc, const char* call) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  fail("MPI call ", call, " failed: ", std::string(text, len));
+}
+#define TUNA_MPI(call) mpi_check((call), #call)
+
+MPI_Datatype mpi_type(CommType t) {
+  switch (t) {
+    case CommType::F32: return MPI_FLOAT;
+    case CommType::F64: return MPI_DOUBLE;
+    case CommType::I64: return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+int as_count(int64_t n) {
+  TUNA_CHECK(n >= 0 && n <= INT32_MAX, "MPI counts are int: ", n, " elements in one piece");
+  return static_cast<int>(n);
+}
+
+// State of the process shared by the world comm and every comm split from it.
+struct MpiProcess {
+  MPI_Comm census = MPI_COMM_NULL;
+  int world_rank = 0, world_size = 1;
+  double timeout_s = 0;
+  bool owns_init = false;
+  int64_t sequence = 0;    // collectives waited on so far, on any comm of this process
+  std::string current;     // label of the collective being waited on, for census answers
+
+  ~MpiProcess() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    if (census != MPI_COMM_NULL) MPI_Comm_free(&census);
+    if (owns_init) MPI_Finalize();
+  }
+
+  // Answers pending census questions: what this rank waits on.
+  void serve() {
+    for (;;) {
+      int flag = 0;
+      MPI_Status st;
+      MPI_Iprobe(MPI_ANY_SOURCE, kAskTag, census, &flag, &st);
+      if (!flag) return;
+      int64_t asker_seq = 0;
+      MPI_Recv(&asker_seq, 1, MPI_INT64_T, st.MPI_SOURCE, kAskTag, census, MPI_STATUS_IGNORE);
+      char answer[kAnswerBytes] = {};
+      std::snprintf(answer, sizeof answer, "%s (collective #%lld)", current.c_str(), (long long)sequence);
+      MPI_Send(answer, kAnswerBytes, MPI_CHAR, st.MPI_SOURCE, kAnswerTag, census);  // small: sent eagerly
+    }
+  }
+
+  [[noreturn]] void timed_out(const std::string& label, double waited_s) {
+    for (int r = 0; r < world_size; r++)
+      if (r != world_rank) MPI_Send(&sequence, 1, MPI_INT64_T, r, kAskTag, census);
+    std::map<int, std::string> answers;
+    const auto deadline = Clock::now() + std::chrono::duration<double>(std::min(5.0, std::max(1.0, timeout_s / 2)));
+    while (Clock::now() < deadline && static_cast<int>(answers.size()) < world_size - 1) {
+      serve();
+      int flag = 0;
+      MPI_Status st;
+      MPI_Iprobe(MPI_ANY_SOURCE, kAnswerTag, census, &flag, &st);
+      if (!flag) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        continue;
+      }
+      char answer[kAnswerBytes];
+      MPI_Recv(answer, kAnswerBytes, MPI_CHAR, st.MPI_SOURCE, kAnswerTag, census, MPI_STATUS_IGNORE);
+      answer[kAnswerBytes - 1] = 0;
+      answers[st.MPI_SOURCE] = answer;
+    }
+    std::string silent, waiting;
+    for (int r = 0; r < world_size; r++) {
+      if (r == world_rank) continue;
+      auto it = answers.find(r);
+      if (it == answers.end()) silent += str(silent.empty() ? "" : ", ", r);
+      else waiting += str("; rank ", r, " waits in ", it->second);
+    }
+    std::fprintf(stderr,
+                 "error: rank %d: %s (collective #%lld) did not complete within %.0f s (--comm_timeout): %s%s. "
+                 "Aborting the job.\n",
+                 world_rank, label.c_str(), (long long)sequence, waited_s,
+                 silent.empty() ? "every rank answered, so a collective was called in a different order"
+                                : str("rank(s) ", silent, " did not answer (died, hung, or stuck outside any collective)").c_str(),
+                 waiting.c_str());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    std::_Exit(1);
+  }
+
+  void wait(MPI_Request* req, const std::string& label) {
+    sequence++;
+    current = label;
+    std::snprintf(g_waiting, sizeof g_waiting, "rank %d: signal while waiting in %s (collective #%lld)\n", world_rank,
+                  label.c_str(), (long long)sequence);
+    g_is_waiting = 1;
+    const auto start = Clock::now();
+    auto nap = std::chrono::microseconds(20);
+    for (;;) {
+      int done = 0;
+      TUNA_MPI(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+      if (done) break;
+      serve();
+      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      if (timeout_s > 0 && waited > timeout_s) timed_out(label, waited);
+      if (waited < 2e-3) {
+        sched_yield();
+      } else {
+        std::this_thread::sleep_for(nap);
+        nap = std::min<std::chrono::microseconds>(nap * 2, std::chrono::microseconds(1000));
+      }
+    }
+    g_is_waiting = 0;
+    current = "compute";
+  }
+};
+
+class MpiComm final : public Comm {
+ public:
+  MpiComm(MPI_Comm comm, bool owns_comm, std::shared_ptr<MpiProcess> process)
+      : Comm(comm_rank(comm), comm_size(comm)), comm_(comm), owns_comm_(owns_comm), process_(std::move(process)) {}
+  ~MpiComm() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owns_comm_ && !finalized) MPI_Comm_free(&comm_);
+  }
+  std::string backend() const override { return "mpi"; }
+
+  void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) override {
+    MPI_Request req;
+    TUNA_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, as_count(n), mpi_type(type), op == ReduceOp::Sum ? MPI_SUM : MPI_MAX,
+                            comm_, &req));
+    process_->wait(&req, str("all_reduce '", what, "' (", n, " elements)"));
+  }
+
+  void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) override {
+    // MPI takes per-rank counts, so uneven pieces need no padding here.
+    std::vector<int> counts(size());
+    for (int r = 0; r < size(); r++) counts[r] = as_count(shard_range(n, r, size()).size());
+    MPI_Request req;
+    TUNA_MPI(MPI_Ireduce_scatter(send, recv, counts.data(), MPI_FLOAT, MPI_SUM, comm_, &req));
+    process_->wait(&req, str("reduce_scatter '", what, "' (", n, " floats)"));
+  }
+
+  void all_gather(const float* send, float* recv, int64_t n, const char* what) override {
+    wait(all_gather_start(send, recv, n, what));
+  }
+
+  CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) override {
+    Pending& p = pending_[++next_request_];
+    p.label = str("all_gather '", what, "' (", n, " floats)");
+    p.counts.resize(size());
+    p.displs.resize(size());
+    for (int r = 0; r < size(); r++) {
+      const Range piece = shard_range(n, r, size());
+      p.counts[r] = as_count(piece.size());
+      p.displs[r] = as_count(piece.begin);
+    }
+    const bool in_place = send == recv + p.displs[rank()];
+    TUNA_MPI(MPI_Iallgatherv(in_place ? MPI_IN_PLACE : send, p.counts[rank()], MPI_FLOAT, recv, p.counts.data(),
+                             p.displs.data(), MPI_FLOAT, comm_, &p.request));
+    return next_request_;
+  }
+
+  void wait(CommRequest request) override {
+    auto it = pending_.find(request);
+    TUNA_CHECK(it != pending_.end(), "unknown or already completed request ", request);
+    process_->wait(&it->second.request, it->second.label);
+    pending_.erase(it);
+  }
+
+  void broadcast(void* buf, int64_t bytes, int root, const char* what) override {
+    MPI_Request req;
+    TUNA_MPI(MPI_Ibcast(buf, as_count(bytes), MPI_BYTE, root, comm_, &req));
+    process_->wait(&req, str("broadcast '", what, "' (", bytes, " bytes from rank ", root, ")"));
+  }
+
+  void barrier(const char* what) override {
+    MPI_Request req;
+    TUNA_MPI(MPI_Ibarrier(comm_, &req));
+    process_->wait(&req, str("barrier '", what, "'"));
+  }
+
+  std::unique_ptr<Comm> split(int color, int key) override {
+    MPI_Comm sub;
+    TUNA_MPI(MPI_Comm_split(comm_, color, key, &sub));
+    return std::make_unique<MpiComm>(sub, /*owns_comm=*/true, process_);
+  }
+
+ private:
+  static int comm_rank(MPI_Comm c) {
+    int r = 0;
+    MPI_Comm_rank(c, &r);
+    return r;
+  }
+  static int comm_size(MPI_Comm c) {
+    int s = 0;
+    MPI_Comm_size(c, &s);
+    return s;
+  }
+  struct Pending {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<int> counts, displs;  // must outlive the non-blocking call
+    std::string label;
+  };
+
+  MPI_Comm comm_;
+  bool owns_comm_;
+  std::shared_ptr<MpiProcess> process_;
+  std::map<CommRequest, Pending> pending_;
+  CommRequest next_request_ = 0;
+};
+
+std::unique_ptr<Comm> world_comm(double timeout_s, bool owns_init) {
+  auto process = std::make_shared<MpiProcess>();
+  process->timeout_s = timeout_s;
+  process->owns_init = owns_init;
+  MPI_Comm_rank(MPI_COMM_WORLD, &process->world_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &process->world_size);
+  TUNA_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &process->census));
+  // Census messages to a dead peer must fail locally, not abort the job before the error is printed.
+  MPI_Comm_set_errhandler(process->census, MPI_ERRORS_RETURN);
+  return std::make_unique<MpiComm>(MPI_COMM_WORLD, /*owns_comm=*/false, std::move(process));
+}
+
+}  // namespace
+
+std::unique_ptr<Comm> make_mpi_world_comm(double timeout_s) { return world_comm(timeout_s, /*owns_init=*/false); }
+
+std::unique_ptr<Comm> make_world_comm(double timeout_s) {
+  const LaunchInfo launch = detect_launch();
+  if (launch.size == 1) return make_single_comm();
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) TUNA_MPI(MPI_Init(nullptr, nullptr));
+  std::unique_ptr<Comm> world = world_comm(timeout_s, /*owns_init=*/!initialized);
+  if (world->size() != launch.size)
+    fail("the launcher (", launch.launcher, ") says ", launch.size, " ranks but MPI sees ", world->size(),
+         ": was build/train started by a different MPI's mpirun, or srun without --mpi=pmix?");
+  return world;
+}
+
+void note_signal_in_collective(int) {
+  if (!g_is_waiting) return;
+  const ssize_t ignored = ::write(2, g_waiting, std::strlen(g_waiting));
+  (void)ignored;
+}
+
+void abort_job(int exit_code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  int size = 1;
+  if (initialized && !finalized) MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size > 1) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  std::exit(exit_code);
+}
+
+}  // namespace tuna

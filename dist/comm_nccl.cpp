@@ -1,0 +1,195 @@
+// NcclComm: the collectives on device buffers through NCCL, enqueued on one CUDA stream (CUDA builds with
+// NCCL only; TUNA_NCCL). The unique id travels from group rank 0 over the host comm (MPI), which also
+// creates the sub-groups of split(). Element counts follow shard_range; where NCCL needs equal pieces
+// (reduce-scatter, all-gather) the buffers are padded into a scratch buffer of ceil(n / size) * size.
+//
+// Failure: waits (wait(), barrier(), and stream_sync()) poll the stream with a deadline and
+// ncclCommGetAsyncError; on timeout the communicator is aborted (ncclCommAbort) so that no rank stays
+// inside NCCL, and the error names the collective and the rank, as MpiComm's does.
+//
+// Unverified on this CPU machine: it compiles in CUDA builds; scripts/gpu-check.sh runs it on a GPU.
+#if TUNA_NCCL
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <thread>
+
+#include "core/error.h"
+#include "dist/comm.h"
+
+namespace tuna {
+
+namespace {
+
+#define TUNA_NCCL_CHECK(call)                                                                           \
+  do {                                                                                                  \
+    ncclResult_t rc_ = (call);                                                                          \
+    if (rc_ != ncclSuccess) ::tuna::fail("NCCL ", #call, " failed: ", ncclGetErrorString(rc_), " at ",  \
+                                         __FILE__, ":", __LINE__);                                      \
+  } while (0)
+#define TUNA_CUDA_CHECK(call)                                                                           \
+  do {                                                                                                  \
+    cudaError_t rc_ = (call);                                                                           \
+    if (rc_ != cudaSuccess) ::tuna::fail("CUDA ", #call, " failed: ", cudaGetErrorString(rc_), " at ",  \
+                                         __FILE__, ":", __LINE__);                                      \
+  } while (0)
+
+ncclDataType_t nccl_type(CommType t) {
+  switch (t) {
+    case CommType::F32: return ncclFloat32;
+    case CommType::F64: return ncclFloat64;
+    case CommType::I64: return ncclInt64;
+  }
+  return ncclFloat32;
+}
+
+class NcclComm final : public Comm {
+ public:
+  NcclComm(std::unique_ptr<Comm> host, cudaStream_t stream, double timeout_s)
+      : Comm(host->rank(), host->size()), host_(std::move(host)), stream_(stream), timeout_s_(timeout_s) {
+    ncclUniqueId id;
+    if (rank() == 0) TUNA_NCCL_CHECK(ncclGetUniqueId(&id));
+    host_->broadcast(&id, sizeof id, 0, "nccl unique id");
+    TUNA_NCCL_CHECK(ncclCommInitRank(&comm_, size(), id, rank()));
+  }
+  ~NcclComm() override {
+    if (scratch_) cudaFree(scratch_);
+    for (auto& [_, e] : events_) cudaEventDestroy(e.event);
+    if (comm_) ncclCommDestroy(comm_);
+  }
+  std::string backend() const override { return "nccl"; }
+
+  void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) override {
+    TUNA_NCCL_CHECK(ncclAllReduce(buf, buf, n, nccl_type(type), op == ReduceOp::Sum ? ncclSum : ncclMax, comm_, stream_));
+    last_ = str("all_reduce '", what, "'");
+  }
+
+  void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) override {
+    const int64_t chunk = (n + size() - 1) / size();
+    const Range mine = shard_range(n, rank(), size());
+    const float* src = send;
+    if (chunk * size() != n) {  // pad the input so every rank sends `chunk` elements per peer
+      float* padded = scratch(chunk * size() + chunk);
+      TUNA_CUDA_CHECK(cudaMemsetAsync(padded + n, 0, (chunk * size() - n) * sizeof(float), stream_));
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(padded, send, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      src = padded;
+    }
+    float* out = mine.size() == chunk ? recv : scratch(chunk * size() + chunk) + chunk * size();
+    TUNA_NCCL_CHECK(ncclReduceScatter(src, out, chunk, ncclFloat32, ncclSum, comm_, stream_));
+    if (out != recv && mine.size() > 0)
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(recv, out, mine.size() * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    last_ = str("reduce_scatter '", what, "'");
+  }
+
+  void all_gather(const float* send, float* recv, int64_t n, const char* what) override {
+    const int64_t chunk = (n + size() - 1) / size();
+    const Range mine = shard_range(n, rank(), size());
+    if (chunk * size() == n) {
+      TUNA_NCCL_CHECK(ncclAllGather(send, recv, chunk, ncclFloat32, comm_, stream_));
+    } else {  // gather padded pieces into scratch, then copy the n real elements out
+      float* padded = scratch(chunk * size());
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(padded + chunk * rank(), send, mine.size() * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream_));
+      TUNA_NCCL_CHECK(ncclAllGather(padded + chunk * rank(), padded, chunk, ncclFloat32, comm_, stream_));
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(recv, padded, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    }
+    last_ = str("all_gather '", what, "'");
+  }
+
+  // Enqueued on the stream like every op; the request is an event the caller's compute waits on.
+  CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) override {
+    all_gather(send, recv, n, what);
+    Event& e = events_[++next_request_];
+    TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&e.event, cudaEventDisableTiming));
+    TUNA_CUDA_CHECK(cudaEventRecord(e.event, stream_));
+    e.label = last_;
+    return next_request_;
+  }
+
+  void wait(CommRequest request) override {
+    auto it = events_.find(request);
+    TUNA_CHECK(it != events_.end(), "unknown or already completed request ", request);
+    poll([&] { return cudaEventQuery(it->second.event); }, it->second.label);
+    cudaEventDestroy(it->second.event);
+    events_.erase(it);
+  }
+
+  void broadcast(void* buf, int64_t bytes, int root, const char* what) override {
+    TUNA_NCCL_CHECK(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
+    last_ = str("broadcast '", what, "'");
+  }
+
+  void barrier(const char* what) override {
+    // A one-element all-reduce on a private device word, then a bounded wait for the stream.
+    float* word = scratch(1);
+    TUNA_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclFloat32, ncclSum, comm_, stream_));
+    poll([&] { return cudaStreamQuery(stream_); }, str("barrier '", what, "'"));
+  }
+
+  std::unique_ptr<Comm> split(int color, int key) override {
+    return std::make_unique<NcclComm>(host_->split(color, key), stream_, timeout_s_);
+  }
+
+ private:
+  struct Event {
+    cudaEvent_t event = nullptr;
+    std::string label;
+  };
+
+  float* scratch(int64_t n) {
+    if (n > scratch_n_) {
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      if (scratch_) TUNA_CUDA_CHECK(cudaFree(scratch_));
+      TUNA_CUDA_CHECK(cudaMalloc(&scratch_, n * sizeof(float)));
+      scratch_n_ = n;
+    }
+    return scratch_;
+  }
+
+  template <typename Query>
+  void poll(Query query, const std::string& label) {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      cudaError_t rc = query();
+      if (rc == cudaSuccess) return;
+      if (rc != cudaErrorNotReady) TUNA_CUDA_CHECK(rc);
+      ncclResult_t async = ncclSuccess;
+      TUNA_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (async != ncclSuccess || (timeout_s_ > 0 && waited > timeout_s_)) {
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        std::fprintf(stderr, "error: rank %d of %d (nccl): %s did not complete within %.0f s (--comm_timeout)%s%s\n",
+                     rank(), size(), label.c_str(), waited, async != ncclSuccess ? ": " : "",
+                     async != ncclSuccess ? ncclGetErrorString(async) : "");
+        std::fflush(stderr);
+        abort_job(1);
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  std::unique_ptr<Comm> host_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_;
+  double timeout_s_;
+  float* scratch_ = nullptr;
+  int64_t scratch_n_ = 0;
+  std::map<CommRequest, Event> events_;
+  CommRequest next_request_ = 0;
+  std::string last_;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, void* stream, double timeout_s) {
+  return std::make_unique<NcclComm>(std::move(host), static_cast<cudaStream_t>(stream), timeout_s);
+}
+
+}  // namespace tuna
+
+#endif  // TUNA_NCCL

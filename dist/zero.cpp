@@ -1,0 +1,273 @@
+// ZeRO stages 0-3 over the dp group; see zero.h for what each stage keeps and when it communicates.
+#include "dist/zero.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace tuna {
+
+namespace {
+
+// This rank's piece of every unit, in unit order.
+std::vector<Segment> unit_pieces(const ParamLayout& layout, const Comm& dp) {
+  std::vector<Segment> out;
+  for (int u = 0; u < layout.num_units(); u++) {
+    const auto [begin, end] = layout.unit_range(u);
+    const Range r = shard_range(end - begin, dp.rank(), dp.size());
+    out.push_back({begin + r.begin, r.size()});
+  }
+  return out;
+}
+
+template <typename T>
+int64_t bytes_of(const std::vector<T>& v) {
+  return static_cast<int64_t>(v.capacity() * sizeof(T));
+}
+
+}  // namespace
+
+Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp)
+    : model_(model),
+      layout_(model.layout()),
+      stage_(stage),
+      dp_(dp),
+      tp_(tp && tp->size() > 1 ? tp : nullptr),
+      segments_(unit_pieces(model.layout(), dp)),
+      optimizer_(stage >= 1 ? AdamW(model.layout(), opt, segments_) : AdamW(model.layout(), opt)) {
+  if (stage < 0 || stage > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", stage);
+  TUNA_CHECK(model.params.empty() == (stage == 3), "stage 3 needs a model built with external weights, others not");
+  for (const Segment& s : segments_) unit_shard_offset_.push_back(shard_size_), shard_size_ += s.size;
+  for (int u = 0; u < layout_.num_units(); u++)
+    max_unit_ = std::max(max_unit_, layout_.unit_range(u).second - layout_.unit_range(u).first);
+  if (stage_ >= 1) {
+    master_.assign(shard_size_, 0.0f);
+    grad_shard_.assign(shard_size_, 0.0f);
+  }
+  if (stage_ >= 1 && stage_ <= 2) {
+    for (size_t i = 0; i < segments_.size(); i++)
+      std::copy_n(model_.params.data() + segments_[i].begin, segments_[i].size, master_.data() + unit_shard_offset_[i]);
+  }
+  if (stage_ == 3) {
+    weight_buffers_.resize(2);  // the pair: one computing, one arriving
+    for (UnitBuffer& b : weight_buffers_) b.data.resize(max_unit_);
+    scatter_out_.resize(shard_range(max_unit_, 0, dp_.size()).size());
+    model_.set_weight_store(this);
+  }
+}
+
+void Zero::begin_step() {
+  if (stage_ == 3) std::fill(grad_shard_.begin(), grad_shard_.end(), 0.0f);
+  else model_.zero_grads();
+}
+
+LossSum Zero::all_reduce_loss(const LossSum& local) {
+  double both[2] = {local.sum, static_cast<double>(local.count)};
+  dp_.all_reduce_sum(both, 2, "loss and token count");
+  return {both[0], static_cast<int64_t>(std::llround(both[1]))};
+}
+
+double Zero::global_norm(const float* grad_shard) {
+  const bool count_replicated = !tp_ || tp_->rank() == 0;
+  double sq = optimizer_.grad_sum_of_squares(grad_shard, count_replicated);
+  if (stage_ >= 1) dp_.all_reduce_sum(&sq, 1, "grad norm (dp)");
+  if (tp_) tp_->all_reduce_sum(&sq, 1, "grad norm (tp)");
+  return std::sqrt(sq);
+}
+
+StepResult Zero::finish_step(const LossSum& local, double lr) {
+  StepResult r;
+  const LossSum total = all_reduce_loss(local);
+  r.tokens = total.count;
+  r.loss = total.count ? total.sum / total.count : NAN;
+  // Mean over every trained token of the step; a step of only ignored targets changes nothing.
+  const double loss_scale = total.count ? 1.0 / total.count : 0.0;
+
+  float* grads = nullptr;
+  float* params = nullptr;
+  switch (stage_) {
+    case 0:
+      dp_.all_reduce_sum(model_.grads.data(), layout_.total(), "gradients");
+      grads = model_.grads.data(), params = model_.params.data();
+      break;
+    case 1:
+      dp_.all_reduce_sum(model_.grads.data(), layout_.total(), "gradients");
+      for (size_t i = 0; i < segments_.size(); i++)
+        std::copy_n(model_.grads.data() + segments_[i].begin, segments_[i].size, grad_shard_.data() + unit_shard_offset_[i]);
+      grads = grad_shard_.data(), params = master_.data();
+      break;
+    case 2:
+      for (int u = 0; u < layout_.num_units(); u++) {
+        const auto [begin, end] = layout_.unit_range(u);
+        dp_.reduce_scatter(model_.grads.data() + begin, grad_shard_.data() + unit_shard_offset_[u], end - begin,
+                           "gradients of a unit");
+      }
+      grads = grad_shard_.data(), params = master_.data();
+      break;
+    case 3:  // already reduce-scattered, unit by unit, during the backward
+      grads = grad_shard_.data(), params = master_.data();
+      break;
+  }
+  r.stats.grad_norm = global_norm(grads) * loss_scale;
+  r.stats.clip_scale = clip_scale(optimizer_.config(), r.stats.grad_norm);
+  optimizer_.update(params, grads, loss_scale * r.stats.clip_scale, lr);
+  if (stage_ == 1 || stage_ == 2) gather_params_from_master();
+  if (stage_ == 3)
+    for (UnitBuffer& b : weight_buffers_) b.valid = false;  // gathered weights are stale now
+  return r;
+}
+
+void Zero::gather_params_from_master() {
+  for (int u = 0; u < layout_.num_units(); u++) {
+    const auto [begin, end] = layout_.unit_range(u);
+    dp_.all_gather(master_.data() + unit_shard_offset_[u], model_.params.data() + begin, end - begin, "weights of a unit");
+  }
+}
+
+void Zero::export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const {
+  params.resize(shard_size_), m.resize(shard_size_), v.resize(shard_size_);
+  for (size_t i = 0; i < segments_.size(); i++) {
+    const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin, n = segments_[i].size;
+    if (stage_ == 0) {  // whole copies everywhere: this rank writes its piece
+      std::copy_n(model_.params.data() + begin, n, params.data() + at);
+      std::copy_n(optimizer_.m.data() + begin, n, m.data() + at);
+      std::copy_n(optimizer_.v.data() + begin, n, v.data() + at);
+    } else {
+      std::copy_n(master_.data() + at, n, params.data() + at);
+      std::copy_n(optimizer_.m.data() + at, n, m.data() + at);
+      std::copy_n(optimizer_.v.data() + at, n, v.data() + at);
+    }
+  }
+}
+
+void Zero::import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v) {
+  TUNA_CHECK(static_cast<int64_t>(params.size()) == shard_size_ && m.size() == params.size() && v.size() == params.size(),
+             "shard of ", params.size(), " elements, expected ", shard_size_);
+  if (stage_ >= 1) {
+    master_ = params;
+    optimizer_.m = m;
+    optimizer_.v = v;
+    if (stage_ <= 2) gather_params_from_master();
+    for (UnitBuffer& b : weight_buffers_) b.valid = false;
+    return;
+  }
+  // Stage 0 keeps whole copies: gather every rank's piece of the weights and both moments.
+  for (int u = 0; u < layout_.num_units(); u++) {
+    const auto [begin, end] = layout_.unit_range(u);
+    const int64_t at = unit_shard_offset_[u];
+    dp_.all_gather(params.data() + at, model_.params.data() + begin, end - begin, "checkpoint weights");
+    dp_.all_gather(m.data() + at, optimizer_.m.data() + begin, end - begin, "checkpoint exp_avg");
+    dp_.all_gather(v.data() + at, optimizer_.v.data() + begin, end - begin, "checkpoint exp_avg_sq");
+  }
+}
+
+void Zero::set_weights_from_full(const float* full) {
+  TUNA_CHECK(stage_ == 3, "stages 0-2 read weights into model.params");
+  for (size_t i = 0; i < segments_.size(); i++)
+    std::copy_n(full + segments_[i].begin, segments_[i].size, master_.data() + unit_shard_offset_[i]);
+  for (UnitBuffer& b : weight_buffers_) b.valid = false;
+}
+
+int64_t Zero::state_bytes() const {
+  int64_t bytes = bytes_of(model_.params) + bytes_of(model_.grads) + bytes_of(optimizer_.m) + bytes_of(optimizer_.v) +
+                  bytes_of(master_) + bytes_of(grad_shard_) + bytes_of(scatter_out_);
+  for (const UnitBuffer& b : weight_buffers_) bytes += bytes_of(b.data);
+  for (const UnitBuffer& b : grad_buffers_) bytes += bytes_of(b.data);
+  return bytes;
+}
+
+// ---- stage 3: the WeightStore ----
+
+void Zero::plan(const std::vector<int>& order) {
+  order_ = order;
+  order_pos_ = 0;
+}
+
+void Zero::gather_into(UnitBuffer& b, int unit, bool async) {
+  const auto [begin, end] = layout_.unit_range(unit);
+  const float* piece = master_.data() + unit_shard_offset_[unit];
+  b.unit = unit;
+  b.valid = true;  // once the request (if any) completes
+  if (async) b.pending = dp_.all_gather_start(piece, b.data.data(), end - begin, "prefetch of a unit's weights");
+  else dp_.all_gather(piece, b.data.data(), end - begin, "weights of a unit");
+}
+
+// Starts gathering the unit that the plan acquires next into a free buffer, if one is free and the unit
+// is not already there.
+void Zero::prefetch_next() {
+  if (order_pos_ >= order_.size()) return;
+  const int next = order_[order_pos_];
+  for (const UnitBuffer& b : weight_buffers_)
+    if (b.unit == next && b.valid) return;
+  for (UnitBuffer& b : weight_buffers_)
+    if (!b.in_use && b.pending == 0) return gather_into(b, next, /*async=*/true);
+}
+
+const float* Zero::acquire(int unit) {
+  TUNA_CHECK(stage_ == 3, "acquire outside stage 3");
+  // Follow the plan (a unit off-plan still works, it just was not prefetched).
+  while (order_pos_ < order_.size() && order_[order_pos_] != unit) order_pos_++;
+  if (order_pos_ < order_.size()) order_pos_++;
+  UnitBuffer* found = nullptr;
+  for (UnitBuffer& b : weight_buffers_)
+    if (b.unit == unit && b.valid) found = &b;
+  if (!found) {
+    // A free buffer, preferring one that does not hold (or receive) the next planned unit.
+    const int next = order_pos_ < order_.size() ? order_[order_pos_] : -1;
+    for (UnitBuffer& b : weight_buffers_)
+      if (!b.in_use && (!found || found->unit == next)) found = &b;
+    if (!found) {  // every buffer busy (the tied head holds two): one more, kept for later steps
+      weight_buffers_.emplace_back();
+      weight_buffers_.back().data.resize(max_unit_);
+      found = &weight_buffers_.back();
+    }
+    if (found->pending) dp_.wait(found->pending), found->pending = 0;
+    gather_into(*found, unit, /*async=*/false);
+  }
+  if (found->pending) dp_.wait(found->pending), found->pending = 0;
+  found->in_use = true;
+  const float* data = found->data.data();
+  prefetch_next();
+  return data;
+}
+
+void Zero::release(int unit) {
+  for (UnitBuffer& b : weight_buffers_)
+    if (b.unit == unit && b.in_use) b.in_use = false;
+  prefetch_next();
+}
+
+float* Zero::grads(int unit) {
+  for (UnitBuffer& b : grad_buffers_)
+    if (b.unit == unit && b.in_use) return b.data.data();
+  UnitBuffer* free = nullptr;
+  for (UnitBuffer& b : grad_buffers_)
+    if (!b.in_use) free = &b;
+  if (!free) {
+    grad_buffers_.emplace_back();
+    free = &grad_buffers_.back();
+    free->data.resize(max_unit_);
+  }
+  const auto [begin, end] = layout_.unit_range(unit);
+  std::fill_n(free->data.data(), end - begin, 0.0f);
+  free->unit = unit;
+  free->in_use = true;
+  return free->data.data();
+}
+
+void Zero::grads_done(int unit) {
+  for (UnitBuffer& b : grad_buffers_) {
+    if (b.unit != unit || !b.in_use) continue;
+    const auto [begin, end] = layout_.unit_range(unit);
+    dp_.reduce_scatter(b.data.data(), scatter_out_.data(), end - begin, "gradients of a unit");
+    float* shard = grad_shard_.data() + unit_shard_offset_[unit];
+    for (int64_t i = 0; i < segments_[unit].size; i++) shard[i] += scatter_out_[i];
+    b.in_use = false;
+    b.unit = -1;
+    return;
+  }
+  TUNA_CHECK(false, "grads_done for unit ", unit, " without grads()");
+}
+
+}  // namespace tuna

@@ -1,0 +1,114 @@
+// ZeRO data parallelism over the dp group: one object that owns this rank's share of the training state
+// (master weights, gradients, AdamW moments) and does every data-parallel collective of a step.
+//
+//   stage 0  every rank holds everything; gradients are all-reduced.
+//   stage 1  AdamW state (moments, and the fp32 master weights the update writes) is sharded; gradients
+//            are all-reduced, each rank updates its shard, the new weights are all-gathered.
+//   stage 2  gradients are reduce-scattered into the shard instead; otherwise as stage 1.
+//   stage 3  parameters are sharded too (FSDP): the model keeps no weights, Zero is its WeightStore.
+//            Each unit (embedding, layer, head) is all-gathered into one of a pair of reused buffers just
+//            before the forward uses it and again before the backward, and the next unit in the pass's
+//            order is gathered into the other buffer while this one computes (all_gather_start: on NCCL a
+//            communication stream, on MPI a non-blocking collective). Each unit's gradient lives in a
+//            unit-sized buffer only until its backward is done, then is reduce-scattered into the shard.
+//
+// Shards. Every unit is split over the dp ranks by shard_range (so one all-gather or reduce-scatter per
+// unit moves it, and every rank has work in each): this rank's segments are its piece of each unit, in
+// unit order. Stage 0 uses the same segments to spread checkpoint writes.
+//
+// When communication happens. Stages 0-2 accumulate micro-batch gradients locally and communicate only after
+// the last micro-batch (finish_step). Stage 3 cannot: a whole gradient never exists on a rank, so each
+// micro-batch's unit gradients are reduce-scattered as the backward finishes them and summed into the
+// shard.
+//
+// Loss and norm. The step's loss is sum / count with both summed over dp ranks (llama.h's convention: one
+// division per step, so the result equals the single-rank mean over the same global batch). The gradient
+// norm is over the whole gradient: squares summed over the owned shard, then over dp, then over tp with
+// replicated tensors counted once.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dist/comm.h"
+#include "model/llama.h"
+#include "model/optimizer.h"
+
+namespace tuna {
+
+struct StepResult {
+  double loss = 0;          // mean over every trained token of the step, all ranks
+  int64_t tokens = 0;       // trained tokens of the step, all ranks
+  OptimizerStats stats;
+};
+
+class Zero final : public WeightStore {
+ public:
+  // model must be built with LlamaParallel::external_weights iff stage == 3. For stages 0-2 the model's
+  // params must already hold the initial weights (every rank the same); for stage 3, call
+  // master_weights() and fill it (or import_shard) before the first step.
+  Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp);
+
+  int stage() const { return stage_; }
+  AdamW& optimizer() { return optimizer_; }
+  // This rank's pieces of the flat layout (one per unit), in shard order.
+  const std::vector<Segment>& segments() const { return segments_; }
+
+  // Before a step's first micro-batch.
+  void begin_step();
+  // After its last: the loss over dp, gradient synchronization, norm, clip, AdamW, new weights.
+  StepResult finish_step(const LossSum& local, double lr);
+  // Sums an evaluation loss over dp (each dp rank evaluated its part of the split).
+  LossSum all_reduce_loss(const LossSum& local);
+
+  // Checkpoint exchange in shard order (segments()): the master weights and the AdamW moments.
+  void export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const;
+  // The reverse, then refreshes whatever copies the stage keeps (gathers whole weights for stages 0-2).
+  void import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v);
+  // Stage 3 initialization: the whole (tp-local) model from `full` (ParamLayout order), keeping the shard.
+  void set_weights_from_full(const float* full);
+
+  // Bytes this rank holds for parameters, gradients and optimizer state (model buffers included), from
+  // the allocated sizes; the same figure the test checks against malloc's own accounting.
+  int64_t state_bytes() const;
+
+  // WeightStore (stage 3).
+  void plan(const std::vector<int>& order) override;
+  const float* acquire(int unit) override;
+  void release(int unit) override;
+  float* grads(int unit) override;
+  void grads_done(int unit) override;
+
+ private:
+  struct UnitBuffer {
+    std::vector<float> data;
+    int unit = -1;          // the unit it holds (valid or arriving), -1: none
+    bool in_use = false;
+    bool valid = false;     // holds the current weights of `unit`
+    CommRequest pending = 0;  // a prefetch in flight into it
+  };
+  void gather_into(UnitBuffer& b, int unit, bool async);
+  void prefetch_next();
+  double global_norm(const float* grad_shard);
+  void gather_params_from_master();  // stages 1-2: model.params <- all-gather of master_
+
+  Llama& model_;
+  const ParamLayout& layout_;
+  int stage_;
+  Comm& dp_;
+  Comm* tp_;
+  std::vector<Segment> segments_;
+  std::vector<int64_t> unit_shard_offset_;  // where unit u's piece starts in shard order
+  int64_t shard_size_ = 0, max_unit_ = 0;
+  AdamW optimizer_;
+  std::vector<float> master_;      // stages 1-3: this rank's weights, shard order
+  std::vector<float> grad_shard_;  // stages 1-3: this rank's gradient, shard order
+  // Stage 3: the buffer pair for gathered weights, unit-sized gradient buffers, the reduce-scatter output.
+  std::vector<UnitBuffer> weight_buffers_;
+  std::vector<UnitBuffer> grad_buffers_;
+  std::vector<float> scatter_out_;
+  std::vector<int> order_;
+  size_t order_pos_ = 0;
+};
+
+}  // namespace tuna

@@ -1,0 +1,70 @@
+// Causal grouped-query attention, FlashAttention-2 style: the launchers. The twin of kernels/cpu/attention.cpp.
+//
+//   forward:  s[t, j] = (q_t . k_j) / sqrt(d), j <= t;  lse_t = log sum_j exp s[t, j];  out_t = sum_j p[t, j] v_j
+//                                                                       out (bf16), lse (fp32): OVERWRITTEN
+//   backward: D_t = dout_t . out_t;  ds = p (dout_t . v_j - D_t);  dq = scale ds k;  dk = scale ds^T q;  dv = p^T dout
+//                                                                       dq, dk, dv (bf16): OVERWRITTEN
+// The kernels (attention_kernels.cuh) are instantiated per head dim in attention_{fwd,bwd}_hd{64,128}.cu;
+// head dims 8, 16, 32 (tiny test models) take the plain fp32 kernels of attention_small.cu.
+// Precision: scores and softmax in fp32; P and dS are rounded to bf16 as the A operand of the second product
+// of each pair (as in FlashAttention-2); every product accumulates in fp32.
+#include "kernels/attention.cuh"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "kernels/attention_params.cuh"
+
+namespace tuna::cuda {
+namespace {
+
+AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
+  TUNA_CHECK(batch >= 0 && seq_len >= 0 && n_heads > 0 && n_kv_heads > 0, "batch ", batch, ", seq_len ", seq_len,
+             ", n_heads ", n_heads, ", n_kv_heads ", n_kv_heads);
+  TUNA_CHECK(n_heads % n_kv_heads == 0, "n_heads ", n_heads, " is not a multiple of n_kv_heads ", n_kv_heads);
+  TUNA_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 8 || head_dim == 16 || head_dim == 32,
+             "attention supports head_dim 64 and 128 (and 8, 16, 32 for tiny models), not ", head_dim);
+  TUNA_CHECK(seq_len < (int64_t(1) << 30) && batch < 65536 && n_heads < 65536, "shape too large");
+  AttentionParams p{};
+  p.batch = static_cast<int>(batch);
+  p.seq_len = static_cast<int>(seq_len);
+  p.n_heads = static_cast<int>(n_heads);
+  p.n_kv_heads = static_cast<int>(n_kv_heads);
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  p.scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)) * 1.4426950408889634);
+  return p;
+}
+
+}  // namespace
+
+void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                   const __nv_bfloat16* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
+                   int64_t head_dim, cudaStream_t stream) {
+  AttentionParams p = make_params(batch, seq_len, n_heads, n_kv_heads, head_dim);
+  if (batch == 0 || seq_len == 0) return;
+  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
+  if (head_dim == 64) attention_fwd_hd64(p, stream);
+  else if (head_dim == 128) attention_fwd_hd128(p, stream);
+  else attention_small(p, static_cast<int>(head_dim), /*backward=*/false, stream);
+}
+
+int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_heads) {
+  return batch * seq_len * n_heads;
+}
+
+void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
+                   const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                   const __nv_bfloat16* v, float* scratch, int64_t batch, int64_t seq_len, int64_t n_heads,
+                   int64_t n_kv_heads, int64_t head_dim, cudaStream_t stream) {
+  AttentionParams p = make_params(batch, seq_len, n_heads, n_kv_heads, head_dim);
+  if (batch == 0 || seq_len == 0) return;
+  p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv, p.delta = scratch;
+  // The kernels only read out and lse in the backward; the params struct is shared with the forward.
+  p.out = const_cast<__nv_bfloat16*>(out);
+  p.lse = const_cast<float*>(lse);
+  if (head_dim == 64) attention_bwd_hd64(p, stream);
+  else if (head_dim == 128) attention_bwd_hd128(p, stream);
+  else attention_small(p, static_cast<int>(head_dim), /*backward=*/true, stream);
+}
+
+}  // namespace tuna::cuda

@@ -1,0 +1,466 @@
+// FlashAttention-2 kernels (forward, backward dK/dV, backward dQ) as templates over the head dim; included
+// by attention_fwd_hd*.cu and attention_bwd_hd*.cu only. Internal to kernels/.
+//
+// Tensor cores through mma.sync.m16n8k16 (bf16 in, fp32 accumulate), operands staged in shared memory by
+// cp.async and read by ldmatrix. Shared tiles are [rows][head_dim] bf16 with the 16-byte chunks of each row
+// XOR-swizzled by (row % 8), so the 8 row addresses of every ldmatrix hit 8 different bank groups.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, c = lane % 4):
+//   A (16x16, 4 regs): a0 (g, 2c..2c+1), a1 (g+8, 2c..), a2 (g, 2c+8..), a3 (g+8, 2c+8..)
+//   B (16x8, 2 regs):  b0 (k 2c..2c+1, n g), b1 (k 2c+8.., n g)
+//   C (16x8, 4 f32):   c0, c1 (g, 2c..2c+1), c2, c3 (g+8, 2c..2c+1)
+// Two C tiles side by side (n 0..15) are exactly the A fragment of a k-slice of 16: how P (and dS) feed the
+// next product straight from registers, as in FlashAttention-2.
+//
+// Each warp owns 16 rows of the block's tile (queries in the forward and dQ kernels, keys in the dK/dV
+// kernel) and never exchanges accumulators with other warps: rows are complete within a warp, so the row
+// reductions of the softmax are 4-lane shuffles.
+//
+// Masking: key > query (causal), and rows past seq_len: loads of rows >= seq_len are zero-filled (cp.async
+// with src-size 0), so no uninitialized value can meet a zero probability and make a NaN; their results are
+// never stored.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/attention_params.cuh"
+#include "kernels/common.cuh"
+
+namespace tuna::cuda::attention {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = 16;
+constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 64: queries (fwd, dQ) or keys (dK/dV) per block
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;  // 0: write 16 zero bytes, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// c += a b for one 16x8x16 tile.
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair, the first in the low half (the lower column of a fragment).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][kDim] tile.
+template <int kDim>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  static_assert(kDim % 64 == 0, "the swizzle needs >= 8 chunks per row");
+  return row * kDim + ((chunk ^ (row & 7)) * 8);
+}
+
+// Copies rows [row0, row0 + kRows) of a global [seq_len, row_stride] view into a swizzled tile; rows past
+// seq_len become zeros. Asynchronous: the caller commits and waits.
+template <int kRows, int kDim>
+__device__ __forceinline__ void load_tile(__nv_bfloat16* tile, const __nv_bfloat16* base, int64_t row_stride,
+                                          int row0, int seq_len) {
+  constexpr int kChunks = kDim / 8;
+#pragma unroll
+  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, chunk = idx % kChunks;
+    const int row = row0 + r;
+    const bool valid = row < seq_len;
+    const __nv_bfloat16* src = base + static_cast<int64_t>(valid ? row : 0) * row_stride + chunk * 8;
+    cp_async16(smem_address(tile + swizzle<kDim>(r, chunk)), src, valid);
+  }
+}
+
+// A fragment of rows [row0, row0+16) x k-chunks [2kk, 2kk+2) of a row-major swizzled tile.
+template <int kDim>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const __nv_bfloat16* tile, int row0, int kk, int lane) {
+  ldmatrix_x4(a, smem_address(tile + swizzle<kDim>(row0 + lane % 16, 2 * kk + lane / 16)));
+}
+// B fragments of two n-tiles (n0..n0+15) at k-slice kk from a tile stored [n][k]: b[0], b[1] for n-tile 0,
+// b[2], b[3] for n-tile 1.
+template <int kDim>
+__device__ __forceinline__ void load_b(uint32_t (&b)[4], const __nv_bfloat16* tile, int n0, int kk, int lane) {
+  ldmatrix_x4(b, smem_address(tile + swizzle<kDim>(n0 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2)));
+}
+// The same from a tile stored [k][n] (transposed on load): k-slice rows k0..k0+15, n-tiles n0/8, n0/8 + 1.
+template <int kDim>
+__device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], const __nv_bfloat16* tile, int k0, int n0,
+                                             int lane) {
+  ldmatrix_x4_trans(b, smem_address(tile + swizzle<kDim>(k0 + lane % 16, n0 / 8 + lane / 16)));
+}
+
+// acc[16 x 8*kNTiles] += A (16 rows of a_tile from a_row0, all kDim) x B^T (b_tile rows b_row0.., all kDim):
+// the "scores" product q k^T (or k q^T, v dout^T): both operands stored row-major over the head dim.
+template <int kDim, int kNTiles>
+__device__ __forceinline__ void gemm_rows_by_rows(float (&acc)[kNTiles][4], const __nv_bfloat16* a_tile, int a_row0,
+                                                  const __nv_bfloat16* b_tile, int b_row0, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kDim / 16; ++kk) {
+    uint32_t a[4];
+    load_a<kDim>(a, a_tile, a_row0, kk, lane);
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      load_b<kDim>(b, b_tile, b_row0 + np * 16, kk, lane);
+      mma(acc[2 * np], a, b[0], b[1]);
+      mma(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x kDim] += P (16 x 8*kPTiles, register C fragments, rounded to bf16) x B (b_tile rows 0..8*kPTiles,
+// stored [k][kDim]): the "values" product p v (or p^T dout, ds^T q, ds k).
+template <int kDim, int kPTiles>
+__device__ __forceinline__ void gemm_regs_by_tile(float (&acc)[kDim / 8][4], const float (&p)[kPTiles][4],
+                                                  const __nv_bfloat16* b_tile, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kPTiles / 2; ++kk) {
+    const uint32_t a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                           pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                           pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+    for (int dp = 0; dp < kDim / 16; ++dp) {
+      uint32_t b[4];
+      load_b_trans<kDim>(b, b_tile, kk * 16, dp * 16, lane);
+      mma(acc[2 * dp], a, b[0], b[1]);
+      mma(acc[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Stores a warp's 16 x kDim fp32 accumulator times `scale` as bf16 rows row0.. (those < seq_len) of a global
+// [seq_len, row_stride] view.
+template <int kDim>
+__device__ __forceinline__ void store_rows(__nv_bfloat16* base, int64_t row_stride, int row0, int seq_len,
+                                           const float (&acc)[kDim / 8][4], float scale_lo, float scale_hi,
+                                           int lane) {
+  const int g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + g + 8 * half;
+    if (row >= seq_len) continue;
+    const float s = half == 0 ? scale_lo : scale_hi;
+    __nv_bfloat16* dst = base + static_cast<int64_t>(row) * row_stride;
+#pragma unroll
+    for (int nt = 0; nt < kDim / 8; ++nt) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[nt][2 * half] * s, acc[nt][2 * half + 1] * s);
+      *reinterpret_cast<__nv_bfloat162*>(dst + nt * 8 + 2 * c) = pair;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Forward. Grid (query blocks, n_heads, batch); the latest query blocks (most keys) start first. Shared: Q,
+// K, V tiles of 64 x kHd. K and V are separate cp.async groups so that loading V_j overlaps computing S_j and
+// loading K_{j+1} overlaps computing P_j V_j (FlashAttention-2's schedule).
+template <int kHd>
+__global__ void __launch_bounds__(kThreads) fwd_kernel(AttentionParams p) {
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(smem_bytes);
+  __nv_bfloat16* s_k = s_q + kBlockRows * kHd;
+  __nv_bfloat16* s_v = s_k + kBlockRows * kHd;
+  constexpr int kKeys = kBlockRows;  // keys per step
+  constexpr int kSTiles = kKeys / 8;
+
+  const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (p.n_heads / p.n_kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int64_t q_stride = static_cast<int64_t>(p.n_heads) * kHd, kv_stride = static_cast<int64_t>(p.n_kv_heads) * kHd;
+  const __nv_bfloat16* q_base = p.q + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd;
+  const __nv_bfloat16* k_base = p.k + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd;
+  const __nv_bfloat16* v_base = p.v + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd;
+  const int q0 = m_block * kBlockRows;
+  const int n_steps = (min(p.seq_len, q0 + kBlockRows) + kKeys - 1) / kKeys;
+
+  load_tile<kBlockRows, kHd>(s_q, q_base, q_stride, q0, p.seq_len);
+  load_tile<kKeys, kHd>(s_k, k_base, kv_stride, 0, p.seq_len);
+  cp_async_commit();
+  load_tile<kKeys, kHd>(s_v, v_base, kv_stride, 0, p.seq_len);
+  cp_async_commit();
+
+  float o[kHd / 8][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  const int row_lo = q0 + warp * kRowsPerWarp + g;  // this thread's rows: row_lo, row_lo + 8
+
+  for (int j = 0; j < n_steps; ++j) {
+    const int key0 = j * kKeys;
+    cp_async_wait<1>();  // Q and K_j have landed (V_j may still be in flight)
+    __syncthreads();
+    float s[kSTiles][4] = {};
+    gemm_rows_by_rows<kHd, kSTiles>(s, s_q, warp * kRowsPerWarp, s_k, 0, lane);
+    __syncthreads();  // every warp is done with K_j
+    if (j + 1 < n_steps) load_tile<kKeys, kHd>(s_k, k_base, kv_stride, key0 + kKeys, p.seq_len);
+    cp_async_commit();
+
+    // Scale into log2 units and mask: causal (key > query) and keys past the sequence.
+    const bool needs_mask = key0 + kKeys > q0 + warp * kRowsPerWarp || key0 + kKeys > p.seq_len;
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + nt * 8 + 2 * c + (e & 1), row = row_lo + 8 * (e >> 1);
+        s[nt][e] = needs_mask && (key > row || key >= p.seq_len) ? -INFINITY : s[nt][e] * p.scale_log2;
+      }
+    // Online softmax: new running max, rescale what was accumulated, exponentiate this step's scores.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float step_max = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) step_max = fmaxf(step_max, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
+      step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
+      step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
+      // Key 0 is visible to every row, so after step 0 the max is finite and exp2(-inf - max) = 0 is safe.
+      const float new_max = fmaxf(row_max[half], step_max);
+      const float correction = exp2f(row_max[half] - new_max);
+      row_max[half] = new_max;
+      float step_sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) {
+        s[nt][2 * half] = exp2f(s[nt][2 * half] - new_max);
+        s[nt][2 * half + 1] = exp2f(s[nt][2 * half + 1] - new_max);
+        step_sum += s[nt][2 * half] + s[nt][2 * half + 1];
+      }
+      row_sum[half] = row_sum[half] * correction + step_sum;  // this thread's share; summed over the quad at the end
+#pragma unroll
+      for (int nt = 0; nt < kHd / 8; ++nt) o[nt][2 * half] *= correction, o[nt][2 * half + 1] *= correction;
+    }
+
+    cp_async_wait<1>();  // V_j has landed (K_{j+1} may be in flight)
+    __syncthreads();
+    gemm_regs_by_tile<kHd, kSTiles>(o, s, s_v, lane);
+    __syncthreads();  // every warp is done with V_j
+    if (j + 1 < n_steps) load_tile<kKeys, kHd>(s_v, v_base, kv_stride, key0 + kKeys, p.seq_len);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  float inv_sum[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float total = row_sum[half];
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    total += __shfl_xor_sync(0xffffffffu, total, 2);
+    inv_sum[half] = 1.0f / total;
+    const int row = row_lo + 8 * half;
+    if (c == 0 && row < p.seq_len)
+      p.lse[(static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len + row] =
+          (row_max[half] + log2f(total)) * 0.69314718055994531f;
+  }
+  store_rows<kHd>(p.out + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd, q_stride,
+                  q0 + warp * kRowsPerWarp, p.seq_len, o, inv_sum[0], inv_sum[1], lane);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Backward, step 1: delta[b, h, t] = sum_d dout[b, t, h, d] out[b, t, h, d] (fp32). One warp per row.
+template <int kHd>
+__global__ void __launch_bounds__(kThreads) bwd_delta_kernel(AttentionParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // (b, t, h) flattened
+  const int lane = threadIdx.x % 32;
+  if (row >= static_cast<int64_t>(p.batch) * p.seq_len * p.n_heads) return;
+  float sum = 0.0f;
+  for (int d = lane * 8; d < kHd; d += 32 * 8) {
+    const Bf16x8 x = load8(p.dout + row * kHd + d), y = load8(p.out + row * kHd + d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sum += __bfloat162float(x.v[j]) * __bfloat162float(y.v[j]);
+  }
+  sum = warp_sum(sum);
+  if (lane == 0) {
+    const int h = static_cast<int>(row % p.n_heads);
+    const int64_t bt = row / p.n_heads;
+    const int t = static_cast<int>(bt % p.seq_len), b = static_cast<int>(bt / p.seq_len);
+    p.delta[(static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len + t] = sum;
+  }
+}
+
+// Backward, step 2: dK and dV. Grid (key blocks of 64, n_kv_heads, batch); each warp owns 16 keys and keeps
+// their dK, dV accumulators in registers while the block walks every query head of the group and every query
+// block at or after its keys (causal). Per step, in the warp's transposed view (keys as rows):
+//   S^T = K Q^T;  P^T = exp2(S^T scale_log2 - lse2[q]) masked;  dP^T = V dO^T;  dS^T = P^T (dP^T - delta[q])
+//   dV += P^T dO;  dK += dS^T Q   (dK scaled by 1/sqrt(d) at the end)
+template <int kHd, int kQueries>
+__global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  __nv_bfloat16* s_k = reinterpret_cast<__nv_bfloat16*>(smem_bytes);
+  __nv_bfloat16* s_v = s_k + kBlockRows * kHd;
+  __nv_bfloat16* s_q = s_v + kBlockRows * kHd;
+  __nv_bfloat16* s_do = s_q + kQueries * kHd;
+  float* s_lse = reinterpret_cast<float*>(s_do + kQueries * kHd);
+  float* s_delta = s_lse + kQueries;
+  constexpr int kQTiles = kQueries / 8;
+
+  const int n_block = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int group = p.n_heads / p.n_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int64_t q_stride = static_cast<int64_t>(p.n_heads) * kHd, kv_stride = static_cast<int64_t>(p.n_kv_heads) * kHd;
+  const int key0 = n_block * kBlockRows;
+  const int key_lo = key0 + warp * kRowsPerWarp + g;  // this thread's keys: key_lo, key_lo + 8
+
+  load_tile<kBlockRows, kHd>(s_k, p.k + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd, kv_stride, key0,
+                             p.seq_len);
+  load_tile<kBlockRows, kHd>(s_v, p.v + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd, kv_stride, key0,
+                             p.seq_len);
+  cp_async_commit();
+
+  float dk[kHd / 8][4] = {}, dv[kHd / 8][4] = {};
+  const int first_q_block = key0 / kQueries;  // earlier queries see none of these keys
+  const int n_q_blocks = (p.seq_len + kQueries - 1) / kQueries;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+    const __nv_bfloat16* q_base = p.q + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd;
+    const __nv_bfloat16* do_base = p.dout + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd;
+    const int64_t stat_base = (static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len;
+    for (int m_block = first_q_block; m_block < n_q_blocks; ++m_block) {
+      const int q0 = m_block * kQueries;
+      __syncthreads();  // the previous step is done with s_q, s_do, s_lse, s_delta
+      load_tile<kQueries, kHd>(s_q, q_base, q_stride, q0, p.seq_len);
+      load_tile<kQueries, kHd>(s_do, do_base, q_stride, q0, p.seq_len);
+      cp_async_commit();
+      for (int i = threadIdx.x; i < kQueries; i += kThreads) {
+        const int row = q0 + i;
+        // A query past the sequence gets lse = +inf: its probabilities are exactly 0.
+        s_lse[i] = row < p.seq_len ? p.lse[stat_base + row] * kLog2e : INFINITY;
+        s_delta[i] = row < p.seq_len ? p.delta[stat_base + row] : 0.0f;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+
+      float pt[kQTiles][4] = {};
+      gemm_rows_by_rows<kHd, kQTiles>(pt, s_k, warp * kRowsPerWarp, s_q, 0, lane);
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = nt * 8 + 2 * c + (e & 1);
+          const int key = key_lo + 8 * (e >> 1);
+          pt[nt][e] = key > q0 + qi ? 0.0f : exp2f(pt[nt][e] * p.scale_log2 - s_lse[qi]);
+        }
+      float dst[kQTiles][4] = {};
+      gemm_rows_by_rows<kHd, kQTiles>(dst, s_v, warp * kRowsPerWarp, s_do, 0, lane);
+#pragma unroll
+      for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dst[nt][e] - s_delta[nt * 8 + 2 * c + (e & 1)]);
+      gemm_regs_by_tile<kHd, kQTiles>(dv, pt, s_do, lane);
+      gemm_regs_by_tile<kHd, kQTiles>(dk, dst, s_q, lane);
+    }
+  }
+  const int row0 = key0 + warp * kRowsPerWarp;
+  store_rows<kHd>(p.dk + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd, kv_stride, row0, p.seq_len, dk,
+                  p.scale, p.scale, lane);
+  store_rows<kHd>(p.dv + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd, kv_stride, row0, p.seq_len, dv,
+                  1.0f, 1.0f, lane);
+}
+
+// Backward, step 3: dQ. Grid (query blocks of 64, n_heads, batch); each warp owns 16 queries and walks the key
+// blocks up to the diagonal:  S = Q K^T; P = exp2(S scale_log2 - lse2) masked; dP = dO V^T;
+// dS = P (dP - delta);  dQ += dS K   (scaled by 1/sqrt(d) at the end). Recomputing S and dP here instead of
+// adding dQ atomically from the dK/dV kernel costs two extra products and buys a deterministic dQ.
+template <int kHd, int kKeys>
+__global__ void __launch_bounds__(kThreads) bwd_dq_kernel(AttentionParams p) {
+  extern __shared__ __align__(128) unsigned char smem_bytes[];
+  __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(smem_bytes);
+  __nv_bfloat16* s_do = s_q + kBlockRows * kHd;
+  __nv_bfloat16* s_k = s_do + kBlockRows * kHd;
+  __nv_bfloat16* s_v = s_k + kKeys * kHd;
+  constexpr int kSTiles = kKeys / 8;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (p.n_heads / p.n_kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int64_t q_stride = static_cast<int64_t>(p.n_heads) * kHd, kv_stride = static_cast<int64_t>(p.n_kv_heads) * kHd;
+  const __nv_bfloat16* k_base = p.k + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd;
+  const __nv_bfloat16* v_base = p.v + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd;
+  const int q0 = m_block * kBlockRows;
+  const int row_lo = q0 + warp * kRowsPerWarp + g;
+  const int64_t stat_base = (static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len;
+
+  load_tile<kBlockRows, kHd>(s_q, p.q + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd, q_stride, q0,
+                             p.seq_len);
+  load_tile<kBlockRows, kHd>(s_do, p.dout + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd, q_stride, q0,
+                             p.seq_len);
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row_lo + 8 * half;
+    lse2[half] = row < p.seq_len ? p.lse[stat_base + row] * kLog2e : INFINITY;
+    delta[half] = row < p.seq_len ? p.delta[stat_base + row] : 0.0f;
+  }
+
+  float dq[kHd / 8][4] = {};
+  const int n_steps = (min(p.seq_len, q0 + kBlockRows) + kKeys - 1) / kKeys;
+  for (int j = 0; j < n_steps; ++j) {
+    const int key0 = j * kKeys;
+    __syncthreads();  // the previous step is done with s_k, s_v
+    load_tile<kKeys, kHd>(s_k, k_base, kv_stride, key0, p.seq_len);
+    load_tile<kKeys, kHd>(s_v, v_base, kv_stride, key0, p.seq_len);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    float s[kSTiles][4] = {};
+    gemm_rows_by_rows<kHd, kSTiles>(s, s_q, warp * kRowsPerWarp, s_k, 0, lane);
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + nt * 8 + 2 * c + (e & 1);
+        const int half = e >> 1;
+        s[nt][e] = key > row_lo + 8 * half || key >= p.seq_len ? 0.0f : exp2f(s[nt][e] * p.scale_log2 - lse2[half]);
+      }
+    float dp[kSTiles][4] = {};
+    gemm_rows_by_rows<kHd, kSTiles>(dp, s_do, warp * kRowsPerWarp, s_v, 0, lane);
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - delta[e >> 1]);
+    gemm_regs_by_tile<kHd, kSTiles>(dq, dp, s_k, lane);
+  }
+  store_rows<kHd>(p.dq + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd, q_stride, q0 + warp * kRowsPerWarp,
+                  p.seq_len, dq, p.scale, p.scale, lane);
+}
+
+// Shared-memory bytes of each kernel.
+template <int kHd>
+constexpr int fwd_smem_bytes() {
+  return 3 * kBlockRows * kHd * 2;
+}
+template <int kHd, int kQueries>
+constexpr int dkdv_smem_bytes() {
+  return 2 * kBlockRows * kHd * 2 + 2 * kQueries * kHd * 2 + 2 * kQueries * 4;
+}
+template <int kHd, int kKeys>
+constexpr int dq_smem_bytes() {
+  return 2 * kBlockRows * kHd * 2 + 2 * kKeys * kHd * 2;
+}
+
+}  // namespace tuna::cuda::attention

@@ -1,0 +1,32 @@
+// The argument block of the attention kernels and the per-head-dim launchers that attention.cu dispatches
+// to (each instantiated in its own .cu so that CI compiles them in parallel). Internal to kernels/.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+namespace tuna::cuda {
+
+struct AttentionParams {
+  const __nv_bfloat16* q;     // [batch, seq_len, n_heads, head_dim]
+  const __nv_bfloat16* k;     // [batch, seq_len, n_kv_heads, head_dim]
+  const __nv_bfloat16* v;     // [batch, seq_len, n_kv_heads, head_dim]
+  __nv_bfloat16* out;         // [batch, seq_len, n_heads, head_dim]     forward output / backward input
+  float* lse;                 // [batch, n_heads, seq_len], natural log   forward output / backward input
+  const __nv_bfloat16* dout;  // like out                                backward only
+  __nv_bfloat16* dq;          // like q                                  backward output
+  __nv_bfloat16* dk;          // like k                                  backward output
+  __nv_bfloat16* dv;          // like v                                  backward output
+  float* delta;               // [batch, n_heads, seq_len]: rowsum(dout * out), backward scratch
+  int batch, seq_len, n_heads, n_kv_heads;
+  float scale;                // 1 / sqrt(head_dim)
+  float scale_log2;           // scale * log2(e): scores go straight into exp2
+};
+
+void attention_fwd_hd64(const AttentionParams& p, cudaStream_t stream);
+void attention_fwd_hd128(const AttentionParams& p, cudaStream_t stream);
+void attention_bwd_hd64(const AttentionParams& p, cudaStream_t stream);
+void attention_bwd_hd128(const AttentionParams& p, cudaStream_t stream);
+// head_dim 8, 16 or 32 (attention_small.cu): forward, or the whole backward (delta included).
+void attention_small(const AttentionParams& p, int head_dim, bool backward, cudaStream_t stream);
+
+}  // namespace tuna::cuda

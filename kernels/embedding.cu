@@ -1,0 +1,108 @@
+// Token embedding on the GPU, the twin of kernels/cpu/embedding.cpp.
+//
+//   forward:  out[i, :] = table[tokens[i], :]                          out: [n, dim] bf16, OVERWRITTEN
+//   backward: dtable[t, :] += sum_{i: tokens[i] = t} dout[i, :]         dtable: [vocab, dim] fp32, ACCUMULATED
+//
+// The backward is deterministic without atomics: the host groups positions by token (embedding_groups, a
+// stable counting sort, O(n) per step over a few thousand tokens), and one block owns each distinct token's
+// row and sums its positions in increasing order. A repeated token (the same id many times in a batch) is
+// then one serial fp32 sum, never a race.
+#include "kernels/embedding.cuh"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/common.cuh"
+
+namespace tuna::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+
+// One block per token row; threads stride over the row's 8-wide vectors.
+__global__ void embedding_fwd_kernel(bf16* out, const int32_t* tokens, const bf16* table, int64_t vocab,
+                                     int64_t dim) {
+  const int64_t i = blockIdx.x;
+  const int64_t token = tokens[i];
+  bf16* row_out = out + i * dim;
+  const bool valid = token >= 0 && token < vocab;
+  for (int64_t c = threadIdx.x * 8; c < dim; c += kThreads * 8) {
+    Bf16x8 x;
+    if (valid) {
+      x = load8(table + token * dim + c);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x.v[j] = __float2bfloat16(NAN);
+    }
+    store8(row_out + c, x);
+  }
+}
+
+// blockIdx.x: distinct token u; blockIdx.y: a slice of kThreads * 8 columns.
+__global__ void embedding_bwd_kernel(float* dtable, const bf16* dout, const int32_t* positions,
+                                     const int32_t* unique_tokens, const int32_t* offsets, int64_t dim) {
+  const int u = blockIdx.x;
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * 8;
+  if (c >= dim) return;
+  float acc[8] = {};
+  for (int p = offsets[u]; p < offsets[u + 1]; ++p) {
+    const Bf16x8 g = load8(dout + static_cast<int64_t>(positions[p]) * dim + c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] += __bfloat162float(g.v[j]);
+  }
+  float* row = dtable + static_cast<int64_t>(unique_tokens[u]) * dim + c;
+  float4* row4 = reinterpret_cast<float4*>(row);
+  float4 lo = row4[0], hi = row4[1];
+  lo.x += acc[0], lo.y += acc[1], lo.z += acc[2], lo.w += acc[3];
+  hi.x += acc[4], hi.y += acc[5], hi.z += acc[6], hi.w += acc[7];
+  row4[0] = lo;
+  row4[1] = hi;
+}
+
+}  // namespace
+
+void embedding_fwd(bf16* out, const int32_t* tokens, const bf16* table, int64_t n_tokens, int64_t vocab,
+                   int64_t dim, cudaStream_t stream) {
+  TUNA_CHECK(n_tokens >= 0 && vocab > 0 && dim > 0 && dim % 8 == 0, "n_tokens ", n_tokens, ", vocab ", vocab,
+             ", dim ", dim, " (dim must be a multiple of 8)");
+  if (n_tokens == 0) return;
+  TUNA_CHECK(n_tokens < (int64_t(1) << 31), "n_tokens ", n_tokens);
+  embedding_fwd_kernel<<<static_cast<unsigned>(n_tokens), kThreads, 0, stream>>>(out, tokens, table, vocab, dim);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
+
+void embedding_groups(EmbeddingGroups& groups, const int32_t* host_tokens, int64_t n_tokens, int64_t vocab) {
+  TUNA_CHECK(n_tokens >= 0 && n_tokens < (int64_t(1) << 31), "n_tokens ", n_tokens);
+  for (int64_t i = 0; i < n_tokens; ++i)
+    if (host_tokens[i] < 0 || host_tokens[i] >= vocab)
+      fail("embedding: token at position ", i, " is ", host_tokens[i], ", outside the vocabulary [0, ", vocab, ")");
+  // Stable sort of positions by token: equal tokens keep increasing positions, which fixes the sum order.
+  groups.positions.resize(n_tokens);
+  for (int64_t i = 0; i < n_tokens; ++i) groups.positions[i] = static_cast<int32_t>(i);
+  std::stable_sort(groups.positions.begin(), groups.positions.end(),
+                   [&](int32_t a, int32_t b) { return host_tokens[a] < host_tokens[b]; });
+  groups.unique_tokens.clear();
+  groups.offsets.clear();
+  for (int64_t i = 0; i < n_tokens; ++i) {
+    const int32_t token = host_tokens[groups.positions[i]];
+    if (groups.unique_tokens.empty() || groups.unique_tokens.back() != token) {
+      groups.unique_tokens.push_back(token);
+      groups.offsets.push_back(static_cast<int32_t>(i));
+    }
+  }
+  groups.offsets.push_back(static_cast<int32_t>(n_tokens));
+}
+
+void embedding_bwd(float* dtable, const bf16* dout, const int32_t* positions, const int32_t* unique_tokens,
+                   const int32_t* offsets, int64_t n_unique, int64_t dim, cudaStream_t stream) {
+  TUNA_CHECK(n_unique >= 0 && dim > 0 && dim % 8 == 0, "n_unique ", n_unique, ", dim ", dim,
+             " (dim must be a multiple of 8)");
+  if (n_unique == 0) return;
+  const dim3 grid(static_cast<unsigned>(n_unique), static_cast<unsigned>(ceil_div(dim, kThreads * 8)));
+  embedding_bwd_kernel<<<grid, kThreads, 0, stream>>>(dtable, dout, positions, unique_tokens, offsets, dim);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace tuna::cuda

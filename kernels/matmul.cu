@@ -1,0 +1,126 @@
+// Linear layers through cuBLASLt, the twin of kernels/cpu/matmul.cpp.
+//
+//   forward:  out[n, oc] = inp[n, ic] @ W[oc, ic]^T (+ residual)          bf16 out, OVERWRITTEN
+//   backward: dinp[n, ic] (=|+=) dout[n, oc] @ W                           bf16
+//             dW[oc, ic] += dout^T @ inp                                    fp32, ACCUMULATED
+//
+// cuBLASLt is column-major; a row-major [r, c] matrix is the column-major [c, r] matrix, so each product is
+// written transposed:  out^T = W op inp^T  ->  D[oc, n] = op_T(W as [ic, oc]) x inp as [ic, n];
+// dinp^T = W^T dout^T  ->  D[ic, n] = (W as [ic, oc]) x (dout as [oc, n]);
+// dW^T = inp^T dout    ->  D[ic, oc] = (inp as [ic, n]) x op_T(dout as [oc, n]).
+// Compute type fp32 (CUBLAS_COMPUTE_32F) for every product: bf16 inputs, fp32 accumulation; the fp32 weight
+// gradient is accumulated with beta = 1 into an fp32 C = D.
+#include "kernels/matmul.cuh"
+
+#include <utility>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+
+namespace tuna::cuda {
+
+MatmulContext::MatmulContext(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  TUNA_CUBLAS_CHECK(cublasLtCreate(&handle_));
+  if (workspace_bytes_ > 0) TUNA_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+}
+
+MatmulContext::~MatmulContext() {
+  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (handle_ != nullptr) cublasLtDestroy(handle_);
+}
+
+namespace {
+
+// RAII for the descriptor objects of one call (created per call: host-only and cheap).
+struct LtDescriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  ~LtDescriptors() {
+    if (op) cublasLtMatmulDescDestroy(op);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+  }
+};
+
+// Largest power of two (up to 256) dividing the address.
+uint32_t pointer_alignment(const void* p) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+}  // namespace
+
+void MatmulContext::gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
+                         const void* b, int64_t ldb, float beta, const void* c, void* d, int64_t ldd,
+                         cudaDataType_t d_type, cudaStream_t stream) {
+  LtDescriptors desc;
+  TUNA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  TUNA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  TUNA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  // Stored shapes: A is [m, k] (or [k, m] when transposed), B is [k, n] (or [n, k]), column-major.
+  TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, trans_a ? k : m, trans_a ? m : k, lda));
+  TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, trans_b ? n : k, trans_b ? k : n, ldb));
+  TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.c, d_type, m, n, ldd));
+  TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, d_type, m, n, ldd));
+
+  // The heuristic assumes 256-byte aligned pointers unless told otherwise, and may pick a kernel that needs
+  // them; views into flat buffers (a tensor at an odd offset, a chunk of logits) are often less aligned.
+  const uint32_t align_a = pointer_alignment(a), align_b = pointer_alignment(b), align_c = pointer_alignment(c),
+                 align_d = pointer_alignment(d);
+  const Key key{trans_a, trans_b, m, n, k, lda, ldb, ldd, static_cast<int>(d_type), beta != 0.0f,
+                align_a | (align_b << 9) | (uint64_t(align_c) << 18) | (uint64_t(align_d) << 27)};
+  auto found = algos_.find(key);
+  if (found == algos_.end()) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    TUNA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    TUNA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                           &workspace_bytes_, sizeof(workspace_bytes_)));
+    const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
+    for (const auto& [attribute, bytes] : alignments)
+      TUNA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof(bytes)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int n_results = 0;
+    const cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(handle_, desc.op, desc.a, desc.b, desc.c, desc.d, pref, 1, &result, &n_results);
+    cublasLtMatmulPreferenceDestroy(pref);
+    TUNA_CUBLAS_CHECK(status);
+    if (n_results == 0)
+      fail("cuBLASLt has no algorithm for m ", m, " n ", n, " k ", k, " (trans ", trans_a, trans_b, ")");
+    found = algos_.emplace(key, result.algo).first;
+  }
+  const float alpha = 1.0f;
+  TUNA_CUBLAS_CHECK(cublasLtMatmul(handle_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, c, desc.c, d, desc.d,
+                                   &found->second, workspace_, workspace_bytes_, stream));
+}
+
+void matmul_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
+                const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+  if (n == 0) return;
+  ctx.gemm(/*trans_a=*/true, /*trans_b=*/false, oc, n, ic, weight, ic, inp, ic, residual ? 1.0f : 0.0f,
+           residual ? static_cast<const void*>(residual) : out, out, oc, CUDA_R_16BF, stream);
+}
+
+void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
+                const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
+                bool accumulate_dinp, cudaStream_t stream) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+  if (n == 0) return;
+  if (dinp != nullptr)
+    ctx.gemm(/*trans_a=*/false, /*trans_b=*/false, ic, n, oc, weight, ic, dout, oc, accumulate_dinp ? 1.0f : 0.0f,
+             dinp, dinp, ic, CUDA_R_16BF, stream);
+  if (dweight != nullptr)
+    ctx.gemm(/*trans_a=*/false, /*trans_b=*/true, ic, oc, n, inp, ic, dout, oc, 1.0f, dweight, dweight, ic,
+             CUDA_R_32F, stream);
+}
+
+}  // namespace tuna::cuda

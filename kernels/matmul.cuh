@@ -1,0 +1,50 @@
+// Linear layers on the GPU through cuBLASLt: bf16 operands, fp32 accumulation, weights in nn.Linear's
+// [out_features, in_features] layout. Contract of kernels/cpu/matmul.h, plus a residual epilogue.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+namespace tuna::cuda {
+
+// One per device and stream user: the cuBLASLt handle, its workspace (device memory planned once), and
+// the algorithm chosen for each shape (the heuristic query costs tens of microseconds, so it runs once per
+// shape, not per call). Not thread-safe.
+class MatmulContext {
+ public:
+  explicit MatmulContext(size_t workspace_bytes = size_t(32) << 20);
+  ~MatmulContext();
+  MatmulContext(const MatmulContext&) = delete;
+  MatmulContext& operator=(const MatmulContext&) = delete;
+
+  // D[m, n] (column-major) = alpha op(A) op(B) + beta C, the one cuBLASLt call every matmul below makes.
+  // a_type/b_type are bf16; c_type/d_type bf16 or fp32; C may differ from D (then with its own type = D's).
+  void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
+            const void* b, int64_t ldb, float beta, const void* c, void* d, int64_t ldd, cudaDataType_t d_type,
+            cudaStream_t stream);
+
+ private:
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  // key: trans_a, trans_b, m, n, k, lda, ldb, ldd, d_type, beta != 0, pointer alignments (packed)
+  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, uint64_t>;
+  std::map<Key, cublasLtMatmulAlgo_t> algos_;
+};
+
+// out[n, oc] = inp[n, ic] @ weight[oc, ic]^T (+ residual[n, oc] when residual is not null: the residual
+// add of a LLaMA block done in the GEMM's epilogue, saving a pass). OVERWRITES out; out may equal residual.
+void matmul_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
+                const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream);
+
+// dinp[n, ic] (= or +=, by accumulate_dinp) dout[n, oc] @ weight[oc, ic]; skipped when dinp is null.
+// dweight[oc, ic] += dout^T @ inp in fp32 (ACCUMULATES: gradient accumulation over micro-batches).
+void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
+                const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
+                bool accumulate_dinp, cudaStream_t stream);
+
+}  // namespace tuna::cuda

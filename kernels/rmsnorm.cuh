@@ -1,0 +1,30 @@
+// RMSNorm on the GPU, fused with the residual add. Contract of kernels/cpu/rmsnorm.h: bf16 activations,
+// fp32 rstd and fp32 weight gradient.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace tuna::cuda {
+
+// With x = inp (+ residual_delta when it is not null):
+//   resid_out[i, :] = x (only when residual_delta is not null; the bf16-rounded sum, which is what the norm
+//   and the backward then read),  rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps),  out[i, j] = w[j] (x[i, j] rstd[i]).
+// Overwrites out, rstd (and resid_out). Sums of squares in fp32. dim % 8 == 0.
+void rmsnorm_fwd(__nv_bfloat16* out, float* rstd, __nv_bfloat16* resid_out, const __nv_bfloat16* inp,
+                 const __nv_bfloat16* residual_delta, const __nv_bfloat16* weight, int64_t n, int64_t dim,
+                 double eps, cudaStream_t stream);
+
+// Floats of scratch rmsnorm_bwd needs for (n, dim): the per-row-block partial sums of dweight.
+int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim);
+
+// dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k(w[k] g[i, k] x[i, k]))   ACCUMULATES (bf16: the residual
+//                                                                            stream's gradient)
+// dweight[j] += sum_i g[i, j] x[i, j] r[i]                                   ACCUMULATES (fp32)
+// Deterministic: dweight sums fixed row blocks into scratch, then the blocks in order. dim % 8 == 0.
+void rmsnorm_bwd(__nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout, const __nv_bfloat16* inp,
+                 const __nv_bfloat16* weight, const float* rstd, float* scratch, int64_t n, int64_t dim,
+                 cudaStream_t stream);
+
+}  // namespace tuna::cuda

@@ -1,0 +1,467 @@
+// LlamaGpu: the decoder on one GPU, op for op the sequence of model/llama.cpp (see there for the math):
+//   x = embed(tokens)
+//   per layer: h = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))  with n1 = rmsnorm(x)
+//              x = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                      with n2 = rmsnorm(h)
+//   logits = lm_head(rmsnorm(x)), chunked over rows; softmax -> loss -> dlogits in place.
+// The residual adds ride in the o_proj and down_proj GEMMs' epilogues (beta = 1 with the residual as C), so
+// the residual stream costs no separate pass. Everything runs on one stream; the host syncs once per
+// forward_backward (to read the loss) and once per adamw_step (to read the gradient norm).
+#if TUNA_CUDA
+
+#include "model/llama_gpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/adamw.cuh"
+#include "kernels/attention.cuh"
+#include "kernels/classifier.cuh"
+#include "kernels/cpu/classifier.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/init.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/rope.cuh"
+#include "kernels/swiglu.cuh"
+
+namespace tuna {
+
+namespace {
+
+// Rows of logits computed at once: [rows, vocab] bf16 near 64 MB whatever the vocabulary (a 128k vocabulary
+// gets 256 rows; the GEMM stays large enough to run near peak).
+constexpr int64_t kHeadChunkElements = int64_t(32) << 20;
+
+// Bump allocation from one cudaMalloc, every buffer 256-byte aligned (cuBLASLt's preferred alignment).
+class ArenaPlan {
+ public:
+  template <typename T>
+  void add(T** ptr, int64_t count) {
+    entries_.push_back({reinterpret_cast<void**>(ptr), offset_});
+    offset_ += (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
+  }
+  int64_t bytes() const { return offset_; }
+  void assign(char* base) const {
+    for (const Entry& e : entries_) *e.ptr = base + e.offset;
+  }
+
+ private:
+  struct Entry {
+    void** ptr;
+    int64_t offset;
+  };
+  std::vector<Entry> entries_;
+  int64_t offset_ = 0;
+};
+
+}  // namespace
+
+LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const OptimizerConfig& optimizer,
+                   const GpuOptions& options)
+    : config_(config), layout_(config), opt_(optimizer), options_(options), max_batch_(max_batch), max_seq_(max_seq) {
+  TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
+  validate(opt_);
+  const LlamaConfig& c = config_;
+  if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 8 && c.head_dim != 16 && c.head_dim != 32)
+    fail("--device cuda: attention supports head_dim 64 and 128 (and 8, 16, 32 for tiny models); this model has ",
+         c.head_dim);
+  if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0)
+    fail("--device cuda: hidden_size and intermediate_size must be multiples of 8 (found ", c.hidden_size, ", ",
+         c.intermediate_size, ")");
+  TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
+  TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  matmul_ = std::make_unique<cuda::MatmulContext>();
+
+  const int64_t n = max_batch * max_seq, C = c.hidden_size, F = c.intermediate_size, P = layout_.total();
+  const int64_t qd = c.q_dim(), kvd = c.kv_dim(), H = c.num_attention_heads;
+  head_chunk_rows_ = std::clamp<int64_t>(kHeadChunkElements / c.vocab_size, 1, n);
+  n_segments_ = static_cast<int>(layout_.tensors().size());
+
+  ArenaPlan plan;
+  plan.add(&master_, P);
+  plan.add(&params_, P);
+  plan.add(&grads_, P);
+  if (options_.with_optimizer) {
+    const int64_t moment_bytes = options_.bf16_moments ? 2 : 4;
+    plan.add(reinterpret_cast<char**>(&m_), P * moment_bytes);
+    plan.add(reinterpret_cast<char**>(&v_), P * moment_bytes);
+  }
+  plan.add(&segment_starts_, n_segments_);
+  plan.add(&segment_decays_, n_segments_);
+  plan.add(&rope_cos_, max_seq * c.head_dim / 2);
+  plan.add(&rope_sin_, max_seq * c.head_dim / 2);
+  acts_.resize(c.num_hidden_layers);
+  for (LayerActs& a : acts_) {
+    plan.add(&a.resid_in, n * C);
+    plan.add(&a.norm1, n * C);
+    plan.add(&a.rstd1, n);
+    plan.add(&a.q, n * qd);
+    plan.add(&a.k, n * kvd);
+    plan.add(&a.v, n * kvd);
+    plan.add(&a.att, n * qd);
+    plan.add(&a.lse, n * H);
+    plan.add(&a.resid_mid, n * C);
+    plan.add(&a.norm2, n * C);
+    plan.add(&a.rstd2, n);
+    plan.add(&a.gate, n * F);
+    plan.add(&a.up, n * F);
+    plan.add(&a.act, n * F);
+  }
+  plan.add(&resid_out_, n * C);
+  plan.add(&final_norm_out_, n * C);
+  plan.add(&final_rstd_, n);
+  plan.add(&logits_chunk_, head_chunk_rows_ * c.vocab_size);
+  plan.add(&losses_, n);
+  for (__nv_bfloat16** d : {&d_resid_, &d_norm_, &d_final_norm_}) plan.add(d, n * C);
+  for (__nv_bfloat16** d : {&d_q_, &d_att_}) plan.add(d, n * qd);
+  for (__nv_bfloat16** d : {&d_k_, &d_v_}) plan.add(d, n * kvd);
+  for (__nv_bfloat16** d : {&d_gate_, &d_up_, &d_act_}) plan.add(d, n * F);
+  plan.add(&norm_scratch_, cuda::rmsnorm_bwd_scratch_floats(n, C));
+  plan.add(&attn_scratch_, cuda::attention_bwd_scratch_floats(max_batch, max_seq, H));
+  plan.add(&loss_total_, 1);
+  plan.add(&norm_scratch_f64_, cuda::sum_of_squares_scratch_doubles());
+  plan.add(&norm_total_, 1);
+  plan.add(&tokens_, n);
+  plan.add(&targets_, n);
+  plan.add(&group_positions_, n);
+  plan.add(&group_unique_, n);
+  plan.add(&group_offsets_, n + 1);
+  arena_bytes_ = plan.bytes();
+  TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), static_cast<size_t>(arena_bytes_)));
+  plan.assign(arena_);
+  TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(5 * n + 1) * sizeof(int32_t)));
+  TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
+
+  // The segment table of the fused AdamW: one segment per tensor, in offset order.
+  std::vector<int64_t> starts;
+  std::vector<uint8_t> decays;
+  for (const ParamTensor& t : layout_.tensors()) starts.push_back(t.offset), decays.push_back(t.decays ? 1 : 0);
+  TUNA_CUDA_CHECK(cudaMemcpy(segment_starts_, starts.data(), starts.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, decays.data(), decays.size(), cudaMemcpyHostToDevice));
+
+  // RoPE tables from the CPU twin's functions (double math, llama3 scaling), so both backends agree exactly.
+  std::vector<double> inv_freq(c.head_dim / 2);
+  cpu::rope_inv_freq(inv_freq.data(), c.head_dim, c.rope_theta, c.rope_scaling);
+  std::vector<float> cos_table(max_seq * c.head_dim / 2), sin_table(max_seq * c.head_dim / 2);
+  cpu::rope_table(cos_table.data(), sin_table.data(), inv_freq.data(), max_seq, c.head_dim);
+  TUNA_CUDA_CHECK(cudaMemcpy(rope_cos_, cos_table.data(), cos_table.size() * sizeof(float), cudaMemcpyHostToDevice));
+  TUNA_CUDA_CHECK(cudaMemcpy(rope_sin_, sin_table.data(), sin_table.size() * sizeof(float), cudaMemcpyHostToDevice));
+
+  TUNA_CUDA_CHECK(cudaMemset(master_, 0, P * sizeof(float)));
+  TUNA_CUDA_CHECK(cudaMemset(params_, 0, P * sizeof(__nv_bfloat16)));
+  if (m_ != nullptr) {
+    const size_t moment_bytes = static_cast<size_t>(P) * (options_.bf16_moments ? 2 : 4);
+    TUNA_CUDA_CHECK(cudaMemset(m_, 0, moment_bytes));
+    TUNA_CUDA_CHECK(cudaMemset(v_, 0, moment_bytes));
+  }
+  zero_grads();
+  TUNA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+LlamaGpu::~LlamaGpu() {
+  matmul_.reset();
+  if (pinned_ids_) cudaFreeHost(pinned_ids_);
+  if (pinned_scalar_) cudaFreeHost(pinned_scalar_);
+  if (arena_) cudaFree(arena_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void LlamaGpu::set_params(const float* host) {
+  const int64_t P = layout_.total();
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));  // cudaMemcpy does not order with a non-blocking stream
+  TUNA_CUDA_CHECK(cudaMemcpy(master_, host, P * sizeof(float), cudaMemcpyHostToDevice));
+  cuda::f32_to_bf16(params_, master_, P, stream_);
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void LlamaGpu::init_random(uint64_t seed, double std) {
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (const ParamTensor& t : layout_.tensors()) {
+    if (t.shape.size() == 1) cuda::fill_constant(master_ + t.offset, t.numel, 1.0f, stream_);
+    else cuda::fill_normal(master_ + t.offset, t.numel, seed + static_cast<uint64_t>(t.offset), static_cast<float>(std), stream_);
+  }
+  cuda::f32_to_bf16(params_, master_, layout_.total(), stream_);
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void LlamaGpu::get_params(float* host) const {
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TUNA_CUDA_CHECK(cudaMemcpy(host, master_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
+void LlamaGpu::get_grads(float* host) const {
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TUNA_CUDA_CHECK(cudaMemcpy(host, grads_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
+void LlamaGpu::set_moments(const float* host_m, const float* host_v) {
+  TUNA_CHECK(m_ != nullptr, "model built without optimizer state");
+  const int64_t P = layout_.total();
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (!options_.bf16_moments) {
+    TUNA_CUDA_CHECK(cudaMemcpy(m_, host_m, P * sizeof(float), cudaMemcpyHostToDevice));
+    TUNA_CUDA_CHECK(cudaMemcpy(v_, host_v, P * sizeof(float), cudaMemcpyHostToDevice));
+    return;
+  }
+  // bf16 moments: stage through the (not yet used) gradient buffer and round to nearest on the device.
+  TUNA_CUDA_CHECK(cudaMemcpy(grads_, host_m, P * sizeof(float), cudaMemcpyHostToDevice));
+  cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(m_), grads_, P, stream_);
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TUNA_CUDA_CHECK(cudaMemcpy(grads_, host_v, P * sizeof(float), cudaMemcpyHostToDevice));
+  cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(v_), grads_, P, stream_);
+  zero_grads();
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void LlamaGpu::get_moments(float* host_m, float* host_v) const {
+  TUNA_CHECK(m_ != nullptr, "model built without optimizer state");
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const int64_t P = layout_.total();
+  if (!options_.bf16_moments) {
+    TUNA_CUDA_CHECK(cudaMemcpy(host_m, m_, P * sizeof(float), cudaMemcpyDeviceToHost));
+    TUNA_CUDA_CHECK(cudaMemcpy(host_v, v_, P * sizeof(float), cudaMemcpyDeviceToHost));
+    return;
+  }
+  std::vector<uint16_t> bits(P);
+  for (auto [dst, src] : {std::pair{host_m, m_}, std::pair{host_v, v_}}) {
+    TUNA_CUDA_CHECK(cudaMemcpy(bits.data(), src, P * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < P; ++i) {
+      const uint32_t word = uint32_t{bits[i]} << 16;
+      std::memcpy(dst + i, &word, sizeof(float));
+    }
+  }
+}
+
+void LlamaGpu::zero_grads() {
+  TUNA_CUDA_CHECK(cudaMemsetAsync(grads_, 0, layout_.total() * sizeof(float), stream_));
+}
+
+void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) {
+  const int64_t V = config_.vocab_size;
+  if (targets != nullptr)
+    for (int64_t i = 0; i < n; ++i)
+      if (targets[i] != cpu::kIgnoreIndex && (targets[i] < 0 || targets[i] >= V))
+        fail("target at position ", i, " is ", targets[i], ", outside the vocabulary [0, ", V, ")");
+  cuda::embedding_groups(groups_, inputs, n, V);  // also validates the inputs
+  n_unique_ = static_cast<int64_t>(groups_.unique_tokens.size());
+  // The previous call ended with a synchronize, so the pinned staging is free to overwrite.
+  int32_t* staged = pinned_ids_;
+  std::memcpy(staged, inputs, n * sizeof(int32_t));
+  if (targets != nullptr) std::memcpy(staged + n, targets, n * sizeof(int32_t));
+  std::memcpy(staged + 2 * n, groups_.positions.data(), n * sizeof(int32_t));
+  std::memcpy(staged + 3 * n, groups_.unique_tokens.data(), n_unique_ * sizeof(int32_t));
+  std::memcpy(staged + 4 * n, groups_.offsets.data(), (n_unique_ + 1) * sizeof(int32_t));
+  const auto up = [&](int32_t* dst, const int32_t* src, int64_t count) {
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  };
+  up(tokens_, staged, n);
+  if (targets != nullptr) up(targets_, staged + n, n);
+  up(group_positions_, staged + 2 * n, n);
+  up(group_unique_, staged + 3 * n, n_unique_);
+  up(group_offsets_, staged + 4 * n, n_unique_ + 1);
+}
+
+void LlamaGpu::forward(int64_t batch, int64_t seq) {
+  const LlamaConfig& c = config_;
+  const int64_t n = batch * seq, C = c.hidden_size, F = c.intermediate_size;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
+  const __nv_bfloat16* w = params_;
+  cudaStream_t s = stream_;
+  cuda::MatmulContext& mm = *matmul_;
+
+  cuda::embedding_fwd(acts_.empty() ? resid_out_ : acts_[0].resid_in, tokens_, w + layout_.embed_tokens(), n,
+                      c.vocab_size, C, s);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    LayerActs& a = acts_[l];
+    const LayerOffsets& o = layout_.layer(l);
+    __nv_bfloat16* resid_next = l + 1 < c.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
+    cuda::rmsnorm_fwd(a.norm1, a.rstd1, nullptr, a.resid_in, nullptr, w + o.input_norm, n, C, c.rms_norm_eps, s);
+    cuda::matmul_fwd(mm, a.q, a.norm1, w + o.q_proj, nullptr, n, C, c.q_dim(), s);
+    cuda::matmul_fwd(mm, a.k, a.norm1, w + o.k_proj, nullptr, n, C, c.kv_dim(), s);
+    cuda::matmul_fwd(mm, a.v, a.norm1, w + o.v_proj, nullptr, n, C, c.kv_dim(), s);
+    cuda::rope_fwd(a.q, a.q, rope_cos_, rope_sin_, batch, seq, H, D, s);
+    cuda::rope_fwd(a.k, a.k, rope_cos_, rope_sin_, batch, seq, KV, D, s);
+    cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, H, KV, D, s);
+    cuda::matmul_fwd(mm, a.resid_mid, a.att, w + o.o_proj, /*residual=*/a.resid_in, n, c.q_dim(), C, s);
+    cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, w + o.post_norm, n, C, c.rms_norm_eps, s);
+    cuda::matmul_fwd(mm, a.gate, a.norm2, w + o.gate_proj, nullptr, n, C, F, s);
+    cuda::matmul_fwd(mm, a.up, a.norm2, w + o.up_proj, nullptr, n, C, F, s);
+    cuda::swiglu_fwd(a.act, a.gate, a.up, n * F, s);
+    cuda::matmul_fwd(mm, resid_next, a.act, w + o.down_proj, /*residual=*/a.resid_mid, n, F, C, s);
+  }
+  cuda::rmsnorm_fwd(final_norm_out_, final_rstd_, nullptr, resid_out_, nullptr, w + layout_.final_norm(), n, C,
+                    c.rms_norm_eps, s);
+}
+
+LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits) {
+  const int64_t C = config_.hidden_size, V = config_.vocab_size;
+  const __nv_bfloat16* w_head = params_ + layout_.lm_head();
+  cudaStream_t s = stream_;
+  std::vector<uint16_t> chunk_bits;
+  for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
+    const int64_t nr = std::min(head_chunk_rows_, rows - r0);
+    const __nv_bfloat16* x = final_norm_out_ + r0 * C;
+    cuda::matmul_fwd(*matmul_, logits_chunk_, x, w_head, nullptr, nr, C, V, s);
+    if (host_logits != nullptr) {
+      chunk_bits.resize(nr * V);
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(chunk_bits.data(), logits_chunk_, nr * V * sizeof(uint16_t),
+                                      cudaMemcpyDeviceToHost, s));
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+      for (int64_t i = 0; i < nr * V; ++i) {
+        const uint32_t word = uint32_t{chunk_bits[i]} << 16;
+        std::memcpy(host_logits + r0 * V + i, &word, sizeof(float));
+      }
+    }
+    if (host_targets == nullptr) continue;
+    // dloss = 1: the gradient of the summed loss (see model/llama.h).
+    cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, nr, V, want_grad ? 1.0f : 0.0f, s);
+    if (want_grad)
+      cuda::matmul_bwd(*matmul_, d_final_norm_ + r0 * C, grads_ + layout_.lm_head(), logits_chunk_, x, w_head, nr, C,
+                       V, /*accumulate_dinp=*/false, s);
+  }
+  LossSum loss;
+  if (host_targets == nullptr) return loss;
+  cuda::loss_sum(loss_total_, losses_, rows, s);
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_, loss_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+  loss.sum = pinned_scalar_[0];
+  for (int64_t i = 0; i < rows; ++i) loss.count += host_targets[i] != cpu::kIgnoreIndex;
+  return loss;
+}
+
+void LlamaGpu::backward(int64_t batch, int64_t seq) {
+  const LlamaConfig& c = config_;
+  const int64_t n = batch * seq, C = c.hidden_size, F = c.intermediate_size;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
+  const __nv_bfloat16* w = params_;
+  float* g = grads_;
+  cudaStream_t s = stream_;
+  cuda::MatmulContext& mm = *matmul_;
+
+  // d_resid_ carries the residual stream's gradient from the top down; the rmsnorm backwards add into it.
+  TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, n * C * sizeof(__nv_bfloat16), s));
+  cuda::rmsnorm_bwd(d_resid_, g + layout_.final_norm(), d_final_norm_, resid_out_, w + layout_.final_norm(),
+                    final_rstd_, norm_scratch_, n, C, s);
+  for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
+    LayerActs& a = acts_[l];
+    const LayerOffsets& o = layout_.layer(l);
+    cuda::matmul_bwd(mm, d_act_, g + o.down_proj, d_resid_, a.act, w + o.down_proj, n, F, C, false, s);
+    cuda::swiglu_bwd(d_gate_, d_up_, d_act_, a.gate, a.up, n * F, s);
+    cuda::matmul_bwd(mm, d_norm_, g + o.gate_proj, d_gate_, a.norm2, w + o.gate_proj, n, C, F, false, s);
+    cuda::matmul_bwd(mm, d_norm_, g + o.up_proj, d_up_, a.norm2, w + o.up_proj, n, C, F, true, s);
+    cuda::rmsnorm_bwd(d_resid_, g + o.post_norm, d_norm_, a.resid_mid, w + o.post_norm, a.rstd2, norm_scratch_, n, C,
+                      s);
+    cuda::matmul_bwd(mm, d_att_, g + o.o_proj, d_resid_, a.att, w + o.o_proj, n, c.q_dim(), C, false, s);
+    cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, H, KV, D,
+                        s);
+    cuda::rope_bwd(d_q_, d_q_, rope_cos_, rope_sin_, batch, seq, H, D, s);
+    cuda::rope_bwd(d_k_, d_k_, rope_cos_, rope_sin_, batch, seq, KV, D, s);
+    cuda::matmul_bwd(mm, d_norm_, g + o.q_proj, d_q_, a.norm1, w + o.q_proj, n, C, c.q_dim(), false, s);
+    cuda::matmul_bwd(mm, d_norm_, g + o.k_proj, d_k_, a.norm1, w + o.k_proj, n, C, c.kv_dim(), true, s);
+    cuda::matmul_bwd(mm, d_norm_, g + o.v_proj, d_v_, a.norm1, w + o.v_proj, n, C, c.kv_dim(), true, s);
+    cuda::rmsnorm_bwd(d_resid_, g + o.input_norm, d_norm_, a.resid_in, w + o.input_norm, a.rstd1, norm_scratch_, n, C,
+                      s);
+  }
+  cuda::embedding_bwd(g + layout_.embed_tokens(), d_resid_, group_positions_, group_unique_, group_offsets_, n_unique_,
+                      C, s);
+}
+
+LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
+  if (batch > max_batch_ || seq > max_seq_)
+    fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
+  upload_tokens(inputs, targets, batch * seq);
+  forward(batch, seq);
+  // head() synchronizes to read the loss; the backward is queued after it (its cost hides the sync only
+  // partly; overlapping it is a later optimization).
+  LossSum loss = head(targets, batch * seq, /*want_grad=*/true, nullptr);
+  backward(batch, seq);
+  return loss;
+}
+
+LossSum LlamaGpu::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
+  if (batch > max_batch_ || seq > max_seq_)
+    fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
+  upload_tokens(inputs, targets, batch * seq);
+  forward(batch, seq);
+  return head(targets, batch * seq, /*want_grad=*/false, nullptr);
+}
+
+void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits) {
+  if (batch > max_batch_ || seq > max_seq_)
+    fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
+  upload_tokens(inputs, nullptr, batch * seq);
+  forward(batch, seq);
+  head(nullptr, batch * seq, /*want_grad=*/false, host_logits);
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr) {
+  TUNA_CHECK(m_ != nullptr, "model built without optimizer state (GpuOptions::with_optimizer)");
+  const int64_t P = layout_.total();
+  cudaStream_t s = stream_;
+  cuda::sum_of_squares(norm_total_, grads_, P, norm_scratch_f64_, s);
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+  OptimizerStats stats;
+  stats.grad_norm = std::sqrt(pinned_scalar_[1]) * loss_scale;
+  if (opt_.grad_clip > 0) stats.clip_scale = std::min(1.0, opt_.grad_clip / (stats.grad_norm + 1e-6));
+  ++steps_taken_;
+  cuda::AdamWArgs args{lr,
+                       opt_.beta1,
+                       opt_.beta2,
+                       opt_.eps,
+                       opt_.weight_decay,
+                       steps_taken_,
+                       loss_scale * stats.clip_scale,
+                       options_.stochastic_rounding,
+                       options_.seed};
+  const cuda::AdamWSegments segments{segment_starts_, segment_decays_, n_segments_};
+  if (options_.bf16_moments)
+    cuda::adamw_update(master_, params_, grads_, static_cast<__nv_bfloat16*>(m_), static_cast<__nv_bfloat16*>(v_), P,
+                       segments, args, s);
+  else
+    cuda::adamw_update(master_, params_, grads_, static_cast<float*>(m_), static_cast<float*>(v_), P, segments, args,
+                       s);
+  return stats;
+}
+
+double LlamaGpu::flops_per_token(int64_t seq) const {
+  const LlamaConfig& c = config_;
+  // Matmul weights: every parameter except the embedding table, which is a lookup, unless it doubles as
+  // the lm_head (tied), when the head's product counts it once.
+  double matmul_params = static_cast<double>(c.n_params());
+  if (!c.tie_word_embeddings) matmul_params -= static_cast<double>(c.vocab_size * c.hidden_size);
+  // Causal attention per token per layer: QK^T and PV over seq/2 keys on average, 2 FLOPs per MAC, forward
+  // (2 * 2 * seq/2 * q_dim) and backward twice that.
+  const double attention = 6.0 * static_cast<double>(seq) * static_cast<double>(c.q_dim()) *
+                           static_cast<double>(c.num_hidden_layers);
+  return 6.0 * matmul_params + attention;
+}
+
+double gpu_peak_bf16_flops(int device) {
+  if (const char* env = std::getenv("TUNA_PEAK_TFLOPS")) return std::atof(env) * 1e12;
+  cudaDeviceProp prop{};
+  TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  const double sms = prop.multiProcessorCount;
+  if (prop.major == 9) return 989.4e12 * sms / 132.0;  // H100/H200 SXM dense bf16
+  if (prop.major == 8 && prop.minor == 0) return 312e12 * sms / 108.0;  // A100
+  int clock_khz = 0;
+  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+  return sms * 1024.0 * clock_khz * 1e3;  // 512 bf16 MACs per SM per clock (sm_86/89 class)
+}
+
+GpuMemory gpu_memory(int device) {
+  int previous = 0;
+  TUNA_CUDA_CHECK(cudaGetDevice(&previous));
+  TUNA_CUDA_CHECK(cudaSetDevice(device));
+  size_t free_bytes = 0, total_bytes = 0;
+  TUNA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  TUNA_CUDA_CHECK(cudaSetDevice(previous));
+  return {static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes)};
+}
+
+}  // namespace tuna
+
+#endif  // TUNA_CUDA

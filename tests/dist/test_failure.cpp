@@ -1,0 +1,63 @@
+// A rank that dies or hangs mid-step stops the whole job, within --comm_timeout, with an error naming the
+// rank and the collective (dist/comm_mpi.cpp). The fault is injected by build/train itself (TUNA_FAULT, see
+// dist/comm.h) after the rank's backward of step 3, so the others are already waiting in the step's first
+// collective.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "tests/dist/dist_test_util.h"
+
+namespace tuna {
+namespace {
+
+using testing_util::mpirun;
+using testing_util::run_command;
+using testing_util::TempDir;
+
+using Clock = std::chrono::steady_clock;
+
+const std::string kTrain = testing_util::build_dir() + "/train";
+
+struct Outcome {
+  testing_util::RunResult result;
+  double seconds;
+};
+
+// Trains on np ranks with TUNA_FAULT=fault and --comm_timeout timeout_s.
+Outcome run_with_fault(int np, const std::string& fault, int timeout_s) {
+  TempDir tmp("fault");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string flags = " --model_config tests/fixtures/llama32_tiny/config.json --train_data '" +
+                            (tmp / "data" / "train-*.bin").string() +
+                            "' --seq_len 16 --micro_batch 1 --steps 1000 --ckpt_every 0 --log_every 1000 --threads 1"
+                            " --comm_timeout " + std::to_string(timeout_s) + " --out_dir " + (tmp / "run").string();
+  const auto start = Clock::now();
+  auto r = run_command("TUNA_FAULT=" + fault + " " + mpirun(np) + kTrain + flags, tmp / "log");
+  return {r, std::chrono::duration<double>(Clock::now() - start).count()};
+}
+
+TEST(DistFailure, AKilledRankStopsTheJob) {
+  Outcome o = run_with_fault(2, "kill:1:3", 10);
+  EXPECT_NE(o.result.exit_code, 0) << o.result.output;
+  EXPECT_LT(o.seconds, 10.0) << o.result.output;
+  // mpirun names the dead rank; the survivor names the collective it was left waiting in.
+  EXPECT_NE(o.result.output.find("rank 1"), std::string::npos) << o.result.output;
+  EXPECT_NE(o.result.output.find("rank 0: signal while waiting in all_reduce 'loss and token count'"), std::string::npos)
+      << o.result.output;
+}
+
+TEST(DistFailure, AHungRankStopsTheJobWithinTheTimeout) {
+  const int timeout_s = 3;
+  Outcome o = run_with_fault(2, "hang:1:3", timeout_s);
+  EXPECT_NE(o.result.exit_code, 0) << o.result.output;
+  // The timeout, up to 5 s of asking the other ranks, and mpirun's teardown.
+  EXPECT_LT(o.seconds, timeout_s + 10.0) << o.result.output;
+  EXPECT_NE(o.result.output.find("error: rank 0: all_reduce 'loss and token count'"), std::string::npos) << o.result.output;
+  EXPECT_NE(o.result.output.find("did not complete within 3 s (--comm_timeout): rank(s) 1 did not answer"),
+            std::string::npos)
+      << o.result.output;
+}
+
+}  // namespace
+}  // namespace tuna

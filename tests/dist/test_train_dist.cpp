@@ -1,0 +1,140 @@
+// build/train under mpirun against the single-rank run: DP with ZeRO-0/1/2/3, TP=2, TP=2 x DP=2, and a
+// checkpoint written by 4 ranks at ZeRO-3 resumed by 2 ranks at ZeRO-1.
+//
+// Every run trains on the same global batch of 4 windows per step: the single rank with micro_batch 4, two
+// dp ranks with micro_batch 1 and grad_accum 2 (or 2 x 1), four with micro_batch 1. The loader gives dp rank
+// r the windows r, r + dp, ... of each epoch's order, so a step covers the same windows whatever the split
+// (10 steps stay inside one epoch of the 62 windows, where the dropped remainder does not matter); the
+// loss sums and gradients then differ from the single rank's only by fp32 summation order. Hence the
+// tolerance: relative 1e-5 on every step's loss and on the final weights (as a relative norm).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/layout.h"
+#include "tests/dist/dist_test_util.h"
+
+namespace tuna {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_util::mpirun;
+using testing_util::read_file;
+using testing_util::run_command;
+using testing_util::TempDir;
+
+const std::string kTrain = testing_util::build_dir() + "/train";
+
+std::map<int64_t, double> losses(const fs::path& metrics) {
+  std::map<int64_t, double> out;
+  std::istringstream in(read_file(metrics));
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out[j["step"]] = j["loss"].get<double>();
+  }
+  return out;
+}
+
+std::vector<float> final_weights(const fs::path& run, const std::string& model, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08lld", (long long)step);
+  LlamaConfig c = LlamaConfig::load("tests/fixtures/" + model + "/config.json");
+  ParamLayout layout(c);
+  std::vector<float> w(layout.total());
+  load_weights(run / "ckpt" / name, layout, w.data());
+  return w;
+}
+
+class DistTrain : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    tmp_ = new TempDir("dist_train");
+    testing_util::write_test_shards(*tmp_ / "data");
+  }
+  static void TearDownTestSuite() { delete tmp_; }
+
+  static std::string flags(const std::string& model) {
+    return " --model_config tests/fixtures/" + model + "/config.json --train_data '" +
+           (*tmp_ / "data" / "train-*.bin").string() + "' --val_data " + (*tmp_ / "data" / "val-00000.bin").string() +
+           " --seq_len 16 --steps 10 --lr 3e-3 --warmup_steps 2 --grad_clip 0.5 --ckpt_every 0 --val_every 5"
+           " --threads 1 --seed 11 --comm_timeout 60";
+  }
+  // The single-rank reference of `model`, trained once per suite.
+  static fs::path reference(const std::string& model) {
+    const fs::path out = *tmp_ / ("ref_" + model);
+    if (!fs::exists(out / "ckpt")) {
+      auto r = run_command(kTrain + flags(model) + " --micro_batch 4 --out_dir " + out.string(), *tmp_ / "ref_log");
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+    }
+    return out;
+  }
+  // Runs build/train on np ranks with extra flags and compares it with the reference.
+  static void expect_matches_reference(const std::string& model, int np, const std::string& extra, const std::string& tag) {
+    const fs::path ref = reference(model), out = *tmp_ / tag;
+    auto r = run_command(mpirun(np) + kTrain + flags(model) + extra + " --out_dir " + out.string(), *tmp_ / (tag + "_log"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_same_run(ref, out, model, 10);
+  }
+  static void expect_same_run(const fs::path& ref, const fs::path& out, const std::string& model, int64_t steps) {
+    auto la = losses(ref / "metrics.jsonl"), lb = losses(out / "metrics.jsonl");
+    ASSERT_EQ(la.size(), static_cast<size_t>(steps));
+    ASSERT_EQ(lb.size(), la.size());
+    for (auto& [step, loss] : la) EXPECT_NEAR(lb[step], loss, 1e-5 * std::abs(loss)) << "step " << step;
+    std::vector<float> wa = final_weights(ref, model, steps), wb = final_weights(out, model, steps);
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < wa.size(); i++) diff += double(wa[i] - wb[i]) * (wa[i] - wb[i]), norm += double(wa[i]) * wa[i];
+    EXPECT_LT(std::sqrt(diff / norm), 1e-5) << "final weights differ";
+  }
+
+  static TempDir* tmp_;
+};
+TempDir* DistTrain::tmp_ = nullptr;
+
+TEST_F(DistTrain, DataParallelZero0) { expect_matches_reference("llama32_tiny", 2, " --micro_batch 1 --grad_accum 2 --zero 0", "z0"); }
+TEST_F(DistTrain, DataParallelZero1) { expect_matches_reference("llama32_tiny", 2, " --micro_batch 2 --zero 1", "z1"); }
+TEST_F(DistTrain, DataParallelZero2) { expect_matches_reference("llama2_tiny", 2, " --micro_batch 1 --grad_accum 2 --zero 2", "z2"); }
+TEST_F(DistTrain, DataParallelZero3) { expect_matches_reference("llama32_tiny", 2, " --micro_batch 1 --grad_accum 2 --zero 3", "z3"); }
+TEST_F(DistTrain, Zero3OnFourRanksUntied) { expect_matches_reference("llama2_tiny", 4, " --micro_batch 1 --zero 3", "z3np4"); }
+TEST_F(DistTrain, TensorParallel2) { expect_matches_reference("llama32_tiny", 2, " --micro_batch 4 --tp 2", "tp2"); }
+TEST_F(DistTrain, TensorParallel2Untied) { expect_matches_reference("llama2_tiny", 2, " --micro_batch 4 --tp 2", "tp2u"); }
+TEST_F(DistTrain, TensorParallel2xDataParallel2) {
+  expect_matches_reference("llama32_tiny", 4, " --micro_batch 2 --tp 2 --zero 1", "tp2dp2");
+}
+
+// A checkpoint of 4 ranks at ZeRO-3 (parameters sharded in 4) resumed by 2 ranks at ZeRO-1: the rank files
+// are resharded on load, the data cursor moves to the new dp size, and the run continues as the
+// uninterrupted single-rank run.
+TEST_F(DistTrain, ResumeFourRanksZero3OnTwoRanksZero1) {
+  const fs::path ref = reference("llama32_tiny"), out = *tmp_ / "resharded";
+  auto r = run_command(mpirun(4) + kTrain + flags("llama32_tiny") + " --micro_batch 1 --zero 3 --stop_at_step 5 --out_dir " +
+                           out.string(), *tmp_ / "resharded_log1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_TRUE(fs::exists(out / "ckpt" / "step_00000005" / "rank_00003.safetensors"));
+  r = run_command(mpirun(2) + kTrain + flags("llama32_tiny") + " --micro_batch 2 --zero 1 --resume --out_dir " + out.string(),
+                  *tmp_ / "resharded_log2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  expect_same_run(ref, out, "llama32_tiny", 10);
+  // And back to one rank (the single-file format is written again).
+  r = run_command(kTrain + flags("llama32_tiny") + " --micro_batch 4 --steps 12 --resume --out_dir " + out.string(),
+                  *tmp_ / "resharded_log3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(out / "ckpt" / "step_00000012" / "model.safetensors"));
+}
+
+TEST_F(DistTrain, RefusesTpThatSplitsKvGroups) {
+  // llama32_tiny has 2 kv heads: tp 4 would split a group.
+  auto r = run_command(mpirun(4) + kTrain + flags("llama32_tiny") + " --micro_batch 1 --tp 4 --out_dir " +
+                           (*tmp_ / "tp4").string(), *tmp_ / "tp4_log");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("option 'tp': 4 does not divide num_key_value_heads = 2"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace tuna

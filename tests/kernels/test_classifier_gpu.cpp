@@ -1,0 +1,46 @@
+// kernels/classifier.cu against kernels/cpu/classifier.cpp: losses (fp32) and dlogits (bf16, in place), with
+// ignored rows, on a vocabulary that takes the vector path and one that does not (odd size).
+#if TUNA_CUDA
+#include "kernels/classifier.cuh"
+#include "kernels/cpu/classifier.h"
+#include "tests/kernels/gpu_test_util.h"
+
+namespace tuna::test {
+namespace {
+
+TEST(ClassifierGpu, LossAndGradientInPlace) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (int64_t vocab : {int64_t(4096), int64_t(1003)}) {
+    SCOPED_TRACE("vocab " + std::to_string(vocab));
+    const int64_t n = 37 + rng.integer(0, 20);
+    std::vector<float> logits = random_bf16_values(rng, n * vocab, -8, 8);
+    std::vector<int32_t> targets(n);
+    for (auto& t : targets) t = rng.integer(0, 4) == 0 ? cpu::kIgnoreIndex : static_cast<int32_t>(rng.integer(0, vocab - 1));
+    const double dloss = 0.37;
+    DeviceBf16 d_logits(logits);
+    DeviceBuffer<int32_t> d_targets(targets);
+    DeviceBuffer<float> d_losses(n);
+    DeviceBuffer<double> d_total(1);
+    d_losses.poison();
+    cuda::classifier_fwd_bwd(d_logits.bf(), d_losses.get(), d_targets.get(), n, vocab, static_cast<float>(dloss), nullptr);
+    cuda::loss_sum(d_total.get(), d_losses.get(), n, nullptr);
+    std::vector<double> ref(logits.begin(), logits.end()), ref_losses(n);
+    const double ref_total = cpu::classifier_fwd_bwd(ref.data(), ref_losses.data(), targets.data(), n, vocab, dloss);
+    std::vector<double> naive(n * vocab);
+    for (int64_t i = 0; i < n * vocab; ++i) naive[i] = round_bf16(ref[i]);
+    expect_close_to_naive("classifier dlogits", d_logits.values(), naive, ref);
+    expect_close_to_naive("classifier losses (fp32)", d_losses.download(), ref_losses, ref_losses);
+    EXPECT_NEAR(d_total.download()[0], ref_total, 1e-5 * std::abs(ref_total));
+
+    // dloss = 0: losses only, logits untouched.
+    DeviceBf16 d_keep(logits);
+    cuda::classifier_fwd_bwd(d_keep.bf(), d_losses.get(), d_targets.get(), n, vocab, 0.0f, nullptr);
+    EXPECT_TRUE(bitwise_equal(d_keep.download(), to_bf16_bits(logits)));
+  }
+}
+
+}  // namespace
+}  // namespace tuna::test
+#endif  // TUNA_CUDA

@@ -1,0 +1,94 @@
+// kernels/rmsnorm.cu against kernels/cpu/rmsnorm.cpp (double), with the tolerance rule of gpu_test_util.h.
+#if TUNA_CUDA
+#include "kernels/cpu/rmsnorm.h"
+#include "kernels/rmsnorm.cuh"
+#include "tests/kernels/gpu_test_util.h"
+
+namespace tuna::test {
+namespace {
+
+TEST(RmsNormGpu, ForwardWithAndWithoutResidualAdd) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t n = 300 + rng.integer(0, 50), dim = 8 * rng.integer(20, 300);  // not a multiple of 256
+  const double eps = 1e-5;
+  std::vector<float> inp = random_bf16_values(rng, n * dim, -2, 2), delta = random_bf16_values(rng, n * dim);
+  std::vector<float> weight = random_bf16_values(rng, dim, 0.5, 1.5);
+  for (bool fused : {false, true}) {
+    SCOPED_TRACE(fused ? "fused residual add" : "plain");
+    DeviceBf16 d_inp(inp), d_delta(delta), d_w(weight), d_out(n * dim), d_resid(n * dim);
+    DeviceBuffer<float> d_rstd(n);
+    d_out.poison(), d_resid.poison(), d_rstd.poison();
+    cuda::rmsnorm_fwd(d_out.bf(), d_rstd.get(), fused ? d_resid.bf() : nullptr, d_inp.bf(),
+                      fused ? d_delta.bf() : nullptr, d_w.bf(), n, dim, eps, nullptr);
+    // The input the norm sees: the bf16-rounded sum when fused.
+    std::vector<double> x(n * dim);
+    for (int64_t i = 0; i < n * dim; ++i) x[i] = fused ? round_bf16(double(inp[i]) + delta[i]) : inp[i];
+    if (fused) expect_close_to_naive("resid_out", d_resid.values(), x, x);
+    std::vector<double> ref(n * dim), rstd(n), w(weight.begin(), weight.end());
+    cpu::rmsnorm_fwd(ref.data(), rstd.data(), x.data(), w.data(), n, dim, eps);
+    std::vector<double> naive(n * dim);
+    for (int64_t i = 0; i < n; ++i) {
+      float ss = 0;
+      for (int64_t j = 0; j < dim; ++j) ss += float(x[i * dim + j]) * float(x[i * dim + j]);
+      const float r = 1.0f / std::sqrt(ss / dim + float(eps));
+      for (int64_t j = 0; j < dim; ++j) naive[i * dim + j] = round_bf16(w[j] * (float(x[i * dim + j]) * r));
+    }
+    expect_close_to_naive("rmsnorm out", d_out.values(), naive, ref);
+    expect_close_to_naive("rstd (fp32)", d_rstd.download(), rstd, rstd);
+  }
+}
+
+TEST(RmsNormGpu, BackwardAccumulatesAndIsDeterministic) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t n = 200 + rng.integer(0, 100), dim = 8 * rng.integer(20, 500);
+  std::vector<float> inp = random_bf16_values(rng, n * dim, -2, 2), dout = random_bf16_values(rng, n * dim);
+  std::vector<float> weight = random_bf16_values(rng, dim, 0.5, 1.5), dinp0 = random_bf16_values(rng, n * dim);
+  std::vector<float> dweight0 = rng.vector<float>(dim);
+  std::vector<float> rstd(n);
+  for (int64_t i = 0; i < n; ++i) {
+    double ss = 0;
+    for (int64_t j = 0; j < dim; ++j) ss += double(inp[i * dim + j]) * inp[i * dim + j];
+    rstd[i] = static_cast<float>(1.0 / std::sqrt(ss / dim + 1e-5));
+  }
+  DeviceBf16 d_inp(inp), d_dout(dout), d_w(weight);
+  DeviceBuffer<float> d_rstd(rstd), d_scratch(cuda::rmsnorm_bwd_scratch_floats(n, dim));
+  std::vector<uint16_t> first_dinp;
+  std::vector<float> first_dw;
+  for (int run = 0; run < 2; ++run) {
+    DeviceBf16 d_dinp(dinp0);
+    DeviceBuffer<float> d_dw(dweight0);
+    cuda::rmsnorm_bwd(d_dinp.bf(), d_dw.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), d_rstd.get(), d_scratch.get(), n, dim,
+                      nullptr);
+    if (run == 1) {
+      EXPECT_TRUE(bitwise_equal(first_dinp, d_dinp.download()));
+      EXPECT_TRUE(bitwise_equal(first_dw, d_dw.download()));
+      break;
+    }
+    first_dinp = d_dinp.download();
+    first_dw = d_dw.download();
+    std::vector<double> ref_dinp(dinp0.begin(), dinp0.end()), ref_dw(dweight0.begin(), dweight0.end());
+    std::vector<double> x(inp.begin(), inp.end()), g(dout.begin(), dout.end()), w(weight.begin(), weight.end()),
+        r(rstd.begin(), rstd.end());
+    cpu::rmsnorm_bwd(ref_dinp.data(), ref_dw.data(), g.data(), x.data(), w.data(), r.data(), n, dim);
+    // Naive bf16: fp32 math, the accumulated dinp rounded to bf16 once.
+    std::vector<double> naive_dinp(n * dim);
+    for (int64_t i = 0; i < n; ++i) {
+      float dot = 0;
+      for (int64_t j = 0; j < dim; ++j) dot += w[j] * float(g[i * dim + j]) * float(x[i * dim + j]);
+      const float corr = rstd[i] * rstd[i] * dot / dim;
+      for (int64_t j = 0; j < dim; ++j)
+        naive_dinp[i * dim + j] =
+            round_bf16(dinp0[i * dim + j] + rstd[i] * (float(w[j]) * float(g[i * dim + j]) - float(x[i * dim + j]) * corr));
+    }
+    expect_close_to_naive("rmsnorm dinp", bf16_bits_to_double(first_dinp), naive_dinp, ref_dinp);
+    expect_close_to_naive("rmsnorm dweight (fp32)", first_dw, ref_dw, ref_dw);
+  }
+}
+
+}  // namespace
+}  // namespace tuna::test
+#endif  // TUNA_CUDA

@@ -1,0 +1,167 @@
+// The GPU model (model/llama_gpu) against the transformers fixtures (float64 references, see
+// tests/model/test_llama.cpp) and against the CPU model over 10 AdamW steps. Skipped without a device.
+//
+// Tolerances: the GPU model stores weights and activations in bf16 (unit roundoff 2^-9 = 2e-3) and rounds
+// about 15 times per layer in series (each GEMM output, norm, rope, attention, swiglu, residual). Independent
+// roundings add like a random walk: sqrt(15 x 2 layers) x 2e-3 ~ 1.1e-2 relative on the logits of the
+// 2-layer fixtures, so 3e-2 passes a correct model with margin while a wrong sign, index or scale (O(1))
+// fails. Gradients run the chain twice and end in small tensors (norm weights, 64 values): 0.1 per tensor.
+// The loss is a mean over ~30 tokens of log-probabilities, far less noisy: 1e-2 relative. Over 10 AdamW
+// steps the bf16 trajectory drifts from the fp32 one (the forward reads a bf16 copy of the weights, whose
+// spacing, 2^-8 relative, exceeds many single updates; the fp32 master keeps them): 5e-2 relative on each
+// step's loss and 0.15 on its gradient norm, still far from what a wrong update (O(1)) produces.
+#if TUNA_CUDA
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/llama.h"
+#include "model/llama_gpu.h"
+#include "model/optimizer.h"
+#include "model/safetensors.h"
+#include "tests/kernels/gpu_test_util.h"
+
+namespace tuna {
+namespace {
+
+namespace fs = std::filesystem;
+
+double rel_err(const float* ours, const double* ref, int64_t n, double scale = 1.0) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const double d = double(ours[i]) * scale - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+struct GpuFixture {
+  fs::path dir;
+  LlamaConfig config;
+  int64_t batch = 0, seq = 0;
+  std::vector<int32_t> inputs, targets;
+  nlohmann::json meta;
+
+  explicit GpuFixture(const std::string& name) : dir(fs::path("tests/fixtures") / name) {
+    config = LlamaConfig::load(dir.string());
+    SafetensorsFile ref(dir / "reference.safetensors");
+    const TensorInfo* info = ref.find("input_ids");
+    if (!info) throw std::runtime_error("fixture has no input_ids");
+    batch = info->shape[0];
+    seq = info->shape[1];
+    inputs.resize(batch * seq);
+    targets.resize(batch * seq);
+    ref.read_i32("input_ids", {batch, seq}, inputs.data());
+    ref.read_i32("targets", {batch, seq}, targets.data());
+    std::ifstream in(dir / "reference.json");
+    meta = nlohmann::json::parse(in);
+  }
+
+  OptimizerConfig optimizer() const {
+    OptimizerConfig oc;
+    oc.lr = meta.at("lr");
+    oc.min_lr = meta.at("min_lr");
+    oc.warmup_steps = meta.at("warmup_steps");
+    oc.schedule = meta.at("schedule");
+    oc.beta1 = meta.at("beta1");
+    oc.beta2 = meta.at("beta2");
+    oc.eps = meta.at("eps");
+    oc.weight_decay = meta.at("weight_decay");
+    oc.grad_clip = meta.at("grad_clip");
+    return oc;
+  }
+};
+
+class LlamaGpuParity : public testing::TestWithParam<std::string> {};
+
+TEST_P(LlamaGpuParity, LogitsLossAndGradientsMatchTransformers) {
+  TUNA_REQUIRE_GPU();
+  GpuFixture f(GetParam());
+  std::vector<float> weights(ParamLayout(f.config).total());
+  load_weights(f.dir, ParamLayout(f.config), weights.data());
+  LlamaGpu model(f.config, f.batch, f.seq, f.optimizer());
+  model.set_params(weights.data());
+  SafetensorsFile ref(f.dir / "reference.safetensors");
+  const int64_t V = f.config.vocab_size;
+
+  std::vector<float> logits(f.batch * f.seq * V, NAN);
+  model.forward_logits(f.inputs.data(), f.batch, f.seq, logits.data());
+  std::vector<double> ref_logits(logits.size());
+  ref.read_f64("logits", {f.batch, f.seq, V}, ref_logits.data());
+  const double logits_err = rel_err(logits.data(), ref_logits.data(), logits.size());
+  std::printf("  %s logits rel err %.3e\n", GetParam().c_str(), logits_err);
+  EXPECT_LE(logits_err, 3e-2);
+
+  model.zero_grads();
+  const LossSum loss = model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  double ref_loss = 0;
+  ref.read_f64("loss", {1}, &ref_loss);
+  ASSERT_GT(loss.count, 0);
+  std::printf("  %s loss %.6f (transformers %.6f)\n", GetParam().c_str(), loss.sum / loss.count, ref_loss);
+  EXPECT_NEAR(loss.sum / loss.count, ref_loss, 1e-2 * std::abs(ref_loss));
+
+  std::vector<float> grads(model.layout().total());
+  model.get_grads(grads.data());
+  for (const ParamTensor& t : model.layout().tensors()) {
+    std::vector<double> ref_grad(t.numel);
+    ref.read_f64("grad." + t.name, t.shape, ref_grad.data());
+    const double err = rel_err(grads.data() + t.offset, ref_grad.data(), t.numel, 1.0 / loss.count);
+    std::printf("    grad %-45s rel err %.3e\n", t.name.c_str(), err);
+    EXPECT_LE(err, 0.1) << t.name;
+  }
+
+  // Deterministic: the same batch again gives bitwise the same gradients.
+  model.zero_grads();
+  model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  std::vector<float> again(grads.size());
+  model.get_grads(again.data());
+  EXPECT_TRUE(test::bitwise_equal(grads, again)) << "GPU forward_backward is not deterministic";
+}
+
+TEST_P(LlamaGpuParity, TenAdamWStepsFollowTheCpuRun) {
+  TUNA_REQUIRE_GPU();
+  GpuFixture f(GetParam());
+  const OptimizerConfig oc = f.optimizer();
+  const int64_t steps = f.meta.at("steps");
+  Llama cpu_model(f.config, f.batch, f.seq);
+  load_weights(f.dir, cpu_model.layout(), cpu_model.params.data());
+  AdamW cpu_opt(cpu_model.layout(), oc);
+  LlamaGpu gpu_model(f.config, f.batch, f.seq, oc);
+  gpu_model.set_params(cpu_model.params.data());
+  for (int64_t s = 0; s < steps; ++s) {
+    const double lr = learning_rate(oc, s, steps);
+    cpu_model.zero_grads();
+    const LossSum cpu_loss = cpu_model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+    const OptimizerStats cpu_stats = cpu_opt.step(cpu_model.params.data(), cpu_model.grads.data(), 1.0 / cpu_loss.count, lr);
+    gpu_model.zero_grads();
+    const LossSum gpu_loss = gpu_model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+    const OptimizerStats gpu_stats = gpu_model.adamw_step(1.0 / gpu_loss.count, lr);
+    const double a = cpu_loss.sum / cpu_loss.count, b = gpu_loss.sum / gpu_loss.count;
+    std::printf("  step %2lld  loss cpu %.5f gpu %.5f   grad norm cpu %.4f gpu %.4f\n", static_cast<long long>(s), a, b,
+                cpu_stats.grad_norm, gpu_stats.grad_norm);
+    EXPECT_EQ(cpu_loss.count, gpu_loss.count);
+    EXPECT_NEAR(b, a, 5e-2 * std::abs(a)) << "step " << s;
+    EXPECT_NEAR(gpu_stats.grad_norm, cpu_stats.grad_norm, 0.15 * cpu_stats.grad_norm) << "step " << s;
+  }
+  EXPECT_EQ(gpu_model.steps_taken(), steps);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaGpuParity, testing::Values("llama2_tiny", "llama32_tiny"));
+
+TEST(LlamaGpu, RejectsOutOfRangeTokensWithAMessage) {
+  TUNA_REQUIRE_GPU();
+  GpuFixture f("llama2_tiny");
+  LlamaGpu model(f.config, 1, 4);
+  const std::vector<int32_t> inputs = {1, 2, int32_t(f.config.vocab_size), 3}, targets = {1, 2, 3, 4};
+  EXPECT_THROW(model.forward_backward(inputs.data(), targets.data(), 1, 4), Error);
+}
+
+}  // namespace
+}  // namespace tuna
+#endif  // TUNA_CUDA

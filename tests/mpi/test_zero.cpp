@@ -1,0 +1,66 @@
+// ZeRO-3's memory at 4 ranks: each rank's parameter + gradient + optimizer bytes, measured as what malloc
+// handed out while the model and Zero were built (mallinfo2), are about a quarter of the single rank's.
+//
+// The single-rank figure is 16 bytes per parameter (weights, gradients, two moments). A ZeRO-3 rank holds
+// a quarter of each plus the gather buffers: two units of weights (the prefetch pair) and one unit of
+// gradient. With 32 layers those are ~3% of the model, so the rank's share is 0.25-0.28 of the single rank.
+#include <gtest/gtest.h>
+#include <malloc.h>
+
+#include <nlohmann/json.hpp>
+#include <fstream>
+
+#include "dist/zero.h"
+#include "model/config.h"
+#include "model/llama.h"
+#include "tests/mpi/mpi_test_util.h"
+
+namespace tuna {
+namespace {
+
+// Small blocks (uordblks) and blocks malloc mapped on their own (hblkhd: every large buffer).
+int64_t heap_in_use() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
+
+LlamaConfig deep_tiny_config() {
+  std::ifstream in("tests/fixtures/llama2_tiny/config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["num_hidden_layers"] = 32;
+  return LlamaConfig::from_json(j, "llama2_tiny with 32 layers");
+}
+
+// Bytes malloc handed out for a model and its Zero state, less the model's activations.
+struct Measured {
+  int64_t heap, reported;
+};
+Measured measure(const LlamaConfig& config, int stage, Comm& dp) {
+  const int64_t before = heap_in_use();
+  Llama model(config, 1, 8, LlamaParallel{nullptr, /*external_weights=*/stage == 3});
+  Zero zero(model, OptimizerConfig{}, stage, dp, nullptr);
+  const int64_t after = heap_in_use();
+  return {after - before - model.activation_bytes(), zero.state_bytes()};
+}
+
+TEST(Zero, Stage3HoldsAQuarterOfTheStateAtFourRanks) {
+  Comm& world = test::world();
+  if (world.size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  const LlamaConfig config = deep_tiny_config();
+  std::unique_ptr<Comm> alone = make_single_comm();
+  const Measured single = measure(config, 0, *alone);
+  const Measured sharded = measure(config, 3, world);
+  const double ratio = double(sharded.heap) / double(single.heap);
+  if (world.rank() == 0)
+    std::printf("single rank %.2f MB, ZeRO-3 rank %.2f MB: %.3f of it (%lld parameters)\n", single.heap / 1e6,
+                sharded.heap / 1e6, ratio, (long long)config.n_params());
+  EXPECT_NEAR(double(single.heap), 16.0 * config.n_params(), 0.02 * single.heap);
+  EXPECT_GT(ratio, 0.24);
+  EXPECT_LT(ratio, 0.28);
+  // Zero's own accounting agrees with malloc's.
+  EXPECT_NEAR(double(sharded.reported), double(sharded.heap), 0.02 * sharded.heap);
+  EXPECT_NEAR(double(single.reported), double(single.heap), 0.02 * single.heap);
+}
+
+}  // namespace
+}  // namespace tuna
