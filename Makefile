@@ -61,6 +61,8 @@ endif
 BENCHES := $(patsubst bench/%.cpp,$(BUILD)/%,$(BENCH_SRCS))
 DEPS_STAMP := $(BUILD)/.deps-installed
 
+# Objects of tools and benches are not intermediates to delete after linking.
+.SECONDARY:
 .PHONY: all test bench demo deps clean
 all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BENCHES)
 

@@ -9,8 +9,8 @@
 // ones. Rank 0 prints and writes metrics.jsonl; every rank writes its checkpoint shard.
 //
 // Every option is settable in the TOML file and as a flag (flags win). The effective config is printed
-// at start and saved in every checkpoint's state.json. SIGTERM/SIGINT (a preemption notice) finish the
-// current step, write a checkpoint and exit 0, so `--resume` continues exactly where the job stopped.
+// at start and saved in every checkpoint's state.json. SIGTERM/SIGINT/SIGUSR1 (a preemption notice) finish
+// the current step, write a checkpoint and exit 0, so `--resume` continues exactly where the job stopped.
 #include <omp.h>
 
 #include <algorithm>
@@ -66,6 +66,7 @@ struct TrainConfig {
   int64_t threads = 0;
   int64_t tp = 1;
   int64_t zero = 0;
+  bool zero_prefetch = true;
   double comm_timeout = 300;
 };
 
@@ -103,6 +104,7 @@ void declare(Options& o, TrainConfig& c) {
   o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks");
   o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp");
   o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters");
+  o.add("zero_prefetch", &c.zero_prefetch, "ZeRO-3: gather the next layer while this one computes (false: when used)");
   o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever");
 }
 
@@ -118,7 +120,8 @@ std::vector<std::string> split_list(const std::string& s) {
 std::atomic<bool> g_stop_requested{false};
 extern "C" void on_stop_signal(int signal) {
   g_stop_requested = true;
-  note_signal_in_collective(signal);
+  // mpirun ends a job whose rank died with SIGTERM: say which collective this rank was left waiting in.
+  if (signal == SIGTERM) note_signal_in_collective(signal);
 }
 
 std::string format_duration(double seconds) {
@@ -226,6 +229,7 @@ int run(int argc, char** argv) {
     std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
   }
   Zero zero(model, cfg.opt, static_cast<int>(cfg.zero), *mesh.dp, mesh.tp.get());
+  zero.set_prefetch(cfg.zero_prefetch);
   if (cfg.zero == 3 && !resume_from) zero.set_weights_from_full(initial);
   staging = {};
   json saved_cursor;
@@ -276,6 +280,7 @@ int run(int argc, char** argv) {
 
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);  // mpirun forwards SIGUSR1 to every rank (SIGTERM to mpirun ends the job)
   std::ofstream metrics;  // rank 0's; the others write to a closed stream, which discards
   if (world->rank() == 0) {
     metrics.open(out_dir / "metrics.jsonl", std::ios::app);

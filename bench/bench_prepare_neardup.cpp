@@ -9,8 +9,8 @@
 // kept); a false positive is a distinct document (original or sibling) marked near duplicate.
 //   recall    = copies found / copies planted
 //   precision = copies found / documents marked near duplicate
-// Rows: the default 14 bands x 8 rows (threshold ~0.72) and 28 x 4 (~0.43, also 112 permutations) at each
-// edit rate. Run from the repository root: build/bench_prepare_neardup
+// Rows: the default (14 bands x 8 rows, threshold ~0.72, candidates verified at Jaccard >= 0.5) and 28 x 4
+// (~0.43, also 112 permutations) with and without verification, at several edit rates. Run from the repository root: build/bench_prepare_neardup
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -87,6 +87,7 @@ void BM_NearDup(benchmark::State& state) {
   MinHashOptions mh;
   mh.bands = static_cast<int>(state.range(1));
   mh.rows = static_cast<int>(state.range(2));
+  const double verify = static_cast<double>(state.range(3)) / 100.0;
   const Planted p = make_corpus(edit_rate);
   const MinHasher hasher(mh);
   std::string templ = (fs::temp_directory_path() / "tuna-bench-neardup-XXXXXX").string();
@@ -94,13 +95,14 @@ void BM_NearDup(benchmark::State& state) {
   std::vector<DedupVerdict> verdicts;
   for (auto _ : state) {
     LocalComm comm;
-    DedupSpill spill((dir / "spill").string(), mh.bands);
+    DedupSpill spill((dir / "spill").string(), mh.bands, hasher.permutations());
     std::vector<uint64_t> bands(static_cast<size_t>(mh.bands));
+    std::vector<uint8_t> sketch(hasher.sketch_bytes());
     for (size_t i = 0; i < p.docs.size(); ++i) {
-      const bool words = hasher.band_hashes(p.docs[i], bands.data());
-      spill.add(false, 0, words ? bands.data() : nullptr);  // near dedup only
+      const bool words = hasher.band_hashes(p.docs[i], bands.data(), sketch.data());
+      spill.add(false, 0, words ? bands.data() : nullptr, sketch.data());  // near dedup only
     }
-    verdicts = spill.join(comm, true, uint64_t{256} << 20, 2);
+    verdicts = spill.join(comm, true, uint64_t{256} << 20, 2, verify);
   }
   fs::remove_all(dir);
   uint64_t planted = 0, found = 0, flagged = 0;
@@ -117,15 +119,16 @@ void BM_NearDup(benchmark::State& state) {
   state.counters["docs"] = static_cast<double>(p.docs.size());
 }
 
-// Args: edit percent, bands, rows.
+// Args: edit percent, bands, rows, verify (percent Jaccard; 0: off).
 BENCHMARK(BM_NearDup)
-    ->ArgNames({"edit_pct", "bands", "rows"})
-    ->Args({2, 14, 8})
-    ->Args({5, 14, 8})
-    ->Args({10, 14, 8})
-    ->Args({2, 28, 4})
-    ->Args({5, 28, 4})
-    ->Args({10, 28, 4})
+    ->ArgNames({"edit_pct", "bands", "rows", "verify_pct"})
+    ->Args({2, 14, 8, 50})
+    ->Args({5, 14, 8, 50})
+    ->Args({2, 28, 4, 0})
+    ->Args({5, 28, 4, 0})
+    ->Args({2, 28, 4, 50})
+    ->Args({5, 28, 4, 50})
+    ->Args({10, 28, 4, 50})
     ->Iterations(1)
     ->Unit(benchmark::kMillisecond);
 

@@ -64,9 +64,16 @@ inline benchmark::Counter rate(double per_iteration) {
 }  // namespace tuna::bench
 
 // main() of a GPU bench: Google Benchmark's, plus the trainer's error convention (a tuna::Error, such as a
-// CUDA failure, prints "error: ..." and exits 1 instead of aborting). `before` runs after flag parsing.
+// CUDA failure, prints "error: ..." and exits 1 instead of aborting). Without a visible device it says so and
+// exits 0, so `make bench` on a CUDA build machine without a GPU still runs the CPU benches. `before` runs after
+// flag parsing.
 #define TUNA_GPU_BENCH_MAIN(before)                          \
   int main(int argc, char** argv) {                          \
+    int devices = 0;                                         \
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) { \
+      std::printf("%s: no CUDA device visible, skipped\n", argv[0]);   \
+      return 0;                                              \
+    }                                                        \
     try {                                                    \
       benchmark::Initialize(&argc, argv);                    \
       before;                                                \

@@ -13,12 +13,20 @@
 // follow rank r-1's). The union-find joins a component under its smallest id whatever order the unions
 // come in, so the verdicts depend on the set of matching bands only: not on threads, ranks or partitions.
 //
+// Verification. LSH candidates are only likely similar: at 28 x 4, a pair at Jaccard 0.33 (two contracts
+// from one template) is a candidate 28% of the time. With verify > 0, each candidate pair (a group member
+// with the group's first member, and with the member before it) is joined only when the documents' sketches
+// (2 bits of each of the bands * rows minima, 28 bytes for 112) agree on enough fields: 2-bit fields match
+// with probability J + (1 - J) / 4, so J is estimated as (matches / fields - 1/4) / (3/4).
+//
 // Memory. Pass 1 spills, per document, the exact hash and the band hashes to files in a scratch directory
-// (8 * (1 + bands) bytes: 120 for 14 bands), written sequentially, one file per column. Joining then holds
-// the union-find parent array, 4 bytes per document of the whole corpus, and one partition of one column at
-// a time: (hash, id) pairs of 16 bytes, with as many partitions (by hash range) as keep that under
-// memory_bytes. So the resident index is 4 bytes per document plus a fixed budget; nothing else grows with
-// the corpus. Ranks exchange each partition's pairs (all-gather) and all run the same joins.
+// (8 * (1 + bands) bytes: 120 for 14 bands; + 28 for the sketch), written sequentially, one file per column.
+// Joining then holds the union-find parent array, 4 bytes per document of the whole corpus, and one
+// partition of one column at a time: (hash, id) pairs of 16 bytes, with as many partitions (by hash range)
+// as keep that under memory_bytes. Verification adds one bit per document (has a candidate) and 32 bytes per
+// document that has a candidate (its sketch, gathered from its rank). So the resident index is 4 bytes per
+// document plus a fixed budget (plus the sketches of candidates); nothing else grows with the corpus. Ranks
+// exchange each partition's pairs (all-gather) and all run the same joins and the same checks.
 #pragma once
 
 #include <cstdint>
@@ -44,10 +52,13 @@ double minhash_threshold(const MinHashOptions& options);
 class MinHasher {
  public:
   explicit MinHasher(const MinHashOptions& options);
-  // The band hashes of text into out[0..bands) (never 0); false, writing nothing, when it has no word.
+  // The band hashes of text into out[0..bands) (never 0) and, when sketch is given, the low 2 bits of every
+  // minimum packed 4 to a byte into sketch[0..sketch_bytes()); false, writing nothing, when it has no word.
   // Thread-safe.
-  bool band_hashes(std::string_view text, uint64_t* out) const;
+  bool band_hashes(std::string_view text, uint64_t* out, uint8_t* sketch = nullptr) const;
   int bands() const { return options_.bands; }
+  int permutations() const { return options_.bands * options_.rows; }
+  size_t sketch_bytes() const { return (static_cast<size_t>(permutations()) + 3) / 4; }
 
  private:
   MinHashOptions options_;
@@ -60,20 +71,24 @@ enum class DedupVerdict : uint8_t { unique = 0, exact_duplicate = 1, near_duplic
 // The spill of pass 1: a rank's documents in its input order, appended one at a time.
 class DedupSpill {
  public:
-  // Creates dir (a scratch directory of this rank) and one file per column in it.
-  DedupSpill(std::string dir, int bands);
+  // Creates dir (a scratch directory of this rank) and one file per column in it. sketch_fields: the
+  // permutations behind each document's sketch (0: no sketches, no verification).
+  DedupSpill(std::string dir, int bands, int sketch_fields = 0);
   ~DedupSpill();  // closes and removes the files and dir
   DedupSpill(const DedupSpill&) = delete;
   DedupSpill& operator=(const DedupSpill&) = delete;
 
   // A document: `exact` takes part in exact dedup (else it is only a placeholder), `bands` (may be null:
   // no near dedup for it) in near dedup.
-  void add(bool exact_eligible, uint64_t exact_hash, const uint64_t* band_hashes);
+  // sketch: with band_hashes, when the spill keeps sketches.
+  void add(bool exact_eligible, uint64_t exact_hash, const uint64_t* band_hashes, const uint8_t* sketch = nullptr);
   uint64_t documents() const { return flags_.size(); }
 
   // Joins every rank's spill (a collective: every member of comm calls it) and returns this rank's
-  // verdicts, one per document added. threads: for the sorts.
-  std::vector<DedupVerdict> join(PrepareComm& comm, bool near, uint64_t memory_bytes, int threads);
+  // verdicts, one per document added. threads: for the sorts. verify > 0 (needs sketches): a candidate pair
+  // is joined only when its sketches estimate a Jaccard similarity of at least verify (see dedup.cpp).
+  std::vector<DedupVerdict> join(PrepareComm& comm, bool near, uint64_t memory_bytes, int threads,
+                                 double verify = 0);
 
  private:
   std::string path(int column) const;
@@ -82,7 +97,9 @@ class DedupSpill {
 
   std::string dir_;
   int bands_;
-  std::vector<std::FILE*> files_;  // 0: exact, 1 + b: band b
+  int sketch_fields_;
+  size_t sketch_bytes_;
+  std::vector<std::FILE*> files_;  // 0: exact, 1 + b: band b, 1 + bands: sketches (when kept)
   std::vector<uint8_t> flags_;     // bit 0: exact eligible, bit 1: has bands
 };
 

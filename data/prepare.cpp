@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -23,9 +25,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A batch is this many records or bytes, whichever comes first: enough work to keep every thread busy,
-// little enough memory to not matter.
-constexpr size_t kBatchRecords = 4096;
+// A batch is PrepareOptions::batch_records records or this many bytes, whichever comes first: enough work
+// to keep every thread busy, little enough memory to not matter (two batches are in flight).
 constexpr size_t kBatchBytes = size_t{64} << 20;
 
 // One record as read, before any decoding.
@@ -78,7 +79,10 @@ std::vector<InputFile> list_inputs(const std::vector<std::string>& inputs, Prepa
       for (auto it =
                fs::recursive_directory_iterator(input, fs::directory_options::skip_permission_denied, ec);
            !ec && it != fs::recursive_directory_iterator(); it.increment(ec))
-        if (it->is_regular_file(ec)) found.push_back(it->path());
+        if (it->is_regular_file(ec))
+          found.push_back(it->path());
+        else if (it->is_symlink(ec) && !fs::exists(it->path(), ec))
+          report.files_unreadable.add(it->path().string() + ": broken symbolic link");
       if (ec) fail("prepare: input directory ", input, ": cannot list: ", ec.message());
       std::sort(found.begin(), found.end());
       for (const fs::path& p : found) {
@@ -122,15 +126,20 @@ std::pair<size_t, size_t> share_of(const std::vector<InputFile>& files, int rank
 class RecordReader {
  public:
   // report: where damaged and unreadable files are counted (null on the passes that count nothing).
-  RecordReader(const std::vector<InputFile>& files, size_t first, size_t last, uint64_t max_document_bytes,
+  RecordReader(const std::vector<InputFile>& files, size_t first, size_t last, const PrepareOptions& options,
                PrepareReport* report)
-      : files_(files), next_file_(first), last_(last), max_bytes_(max_document_bytes), report_(report) {}
+      : files_(files),
+        next_file_(first),
+        last_(last),
+        max_bytes_(options.max_document_bytes),
+        batch_records_(std::max<size_t>(1, options.batch_records)),
+        report_(report) {}
 
   // Fills batch (cleared first); false when the inputs are exhausted and the batch is empty.
   bool next_batch(std::vector<Record>& batch) {
     batch.clear();
     size_t bytes = 0;
-    while (batch.size() < kBatchRecords && bytes < kBatchBytes) {
+    while (batch.size() < batch_records_ && bytes < kBatchBytes) {
       if (!open_next_if_needed()) break;
       const InputFile& file = files_[file_];
       Record record;
@@ -189,12 +198,40 @@ class RecordReader {
   const std::vector<InputFile>& files_;
   size_t next_file_, last_;
   uint64_t max_bytes_;
+  size_t batch_records_;
   PrepareReport* report_;
   size_t file_ = 0;
   uint64_t line_ = 0;
   uint64_t done_bytes_ = 0;
   std::unique_ptr<ByteStream> stream_;
   std::unique_ptr<LineReader> lines_;
+};
+
+// Reads the next batch on a second thread while the current one is processed, so that decompression and
+// line splitting overlap the parallel stages. Batches come out in the reader's order.
+class Prefetcher {
+ public:
+  explicit Prefetcher(RecordReader& reader) : reader_(reader) { start(); }
+  ~Prefetcher() {
+    if (pending_.valid()) pending_.wait();
+  }
+  bool next(std::vector<Record>& batch) {
+    const bool got = pending_.get();
+    consumed_ = reader_.bytes_consumed();
+    batch.swap(ahead_);
+    if (got) start();
+    return got;
+  }
+  uint64_t bytes_consumed() const { return consumed_; }  // up to the end of the batch last returned
+
+ private:
+  void start() {
+    pending_ = std::async(std::launch::async, [this] { return reader_.next_batch(ahead_); });
+  }
+  RecordReader& reader_;
+  std::vector<Record> ahead_;
+  std::future<bool> pending_;
+  uint64_t consumed_ = 0;
 };
 
 std::string where(const std::vector<InputFile>& files, const Record& r) {
@@ -277,12 +314,13 @@ uint64_t exact_hash(const Document& doc) {
   return XXH3_64bits_withSeed(doc.text.data(), doc.text.size(), XXH3_64bits(doc.prompt.data(), doc.prompt.size()));
 }
 
-// A progress line every few seconds on stderr: bytes (on disk), MB/s, documents/s, ETA of the pass.
+// A progress line every few seconds on stderr: bytes on disk (compressed, what the ETA is reckoned in) and
+// their rate, text bytes (decompressed) and their rate, documents/s, ETA of the pass.
 class Progress {
  public:
   Progress(bool enabled, std::string label, uint64_t total_bytes)
       : enabled_(enabled), label_(std::move(label)), total_(total_bytes), start_(clock::now()), last_(start_) {}
-  void update(uint64_t bytes, uint64_t documents, bool final = false) {
+  void update(uint64_t bytes, uint64_t text_bytes, uint64_t documents, bool final = false) {
     if (!enabled_) return;
     const auto now = clock::now();
     if (!final && now - last_ < std::chrono::seconds(2)) return;
@@ -297,9 +335,11 @@ class Progress {
                     static_cast<unsigned long long>(left / 60 % 60), static_cast<unsigned long long>(left % 60));
       eta = buf;
     }
-    std::fprintf(stderr, "prepare: %s %s / %s  %.1f MB/s  %.0f docs/s  ETA %s%s\n", label_.c_str(),
-                 human_bytes(static_cast<double>(bytes)).c_str(), human_bytes(static_cast<double>(total_)).c_str(),
-                 rate / 1e6, static_cast<double>(documents) / s, final ? "done" : eta.c_str(),
+    std::fprintf(stderr, "prepare: %s %s / %s on disk (%.1f MB/s), %s text (%.1f MB/s), %.0f docs/s, ETA %s%s\n",
+                 label_.c_str(), human_bytes(static_cast<double>(bytes)).c_str(),
+                 human_bytes(static_cast<double>(total_)).c_str(), rate / 1e6,
+                 human_bytes(static_cast<double>(text_bytes)).c_str(), static_cast<double>(text_bytes) / s / 1e6,
+                 static_cast<double>(documents) / s, final ? "done" : eta.c_str(),
                  final ? str(" in ", static_cast<int>(s), " s").c_str() : "");
   }
 
@@ -416,7 +456,7 @@ void train_tokenizer_on_inputs(const PrepareOptions& options, const std::vector<
   {
     std::ofstream sample(sample_path, std::ios::binary | std::ios::trunc);
     if (!sample) fail("prepare: cannot create ", sample_path);
-    RecordReader reader(files, 0, files.size(), options.max_document_bytes, nullptr);
+    RecordReader reader(files, 0, files.size(), options, nullptr);
     std::vector<Record> batch;
     std::vector<Document> docs;
     std::vector<Outcome> outcomes;
@@ -548,6 +588,8 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   if (!(options.val_fraction >= 0.0 && options.val_fraction <= 1.0))
     fail("prepare: --val-fraction must lie in [0, 1], found ", options.val_fraction);
   if (options.shard_tokens < 1) fail("prepare: --shard-tokens must be at least 1");
+  if (!(options.near_verify >= 0.0 && options.near_verify <= 1.0))
+    fail("prepare: --near-verify must lie in [0, 1], found ", options.near_verify);
   if (options.sft && (options.prompt_field.empty() || options.response_field.empty()))
     fail("prepare: --sft needs non-empty --prompt-field and --response-field");
   const int threads = options.threads > 0
@@ -560,7 +602,7 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   report.threads = threads;
   report.near_threshold = minhash_threshold(options.minhash);
   const std::vector<InputFile> files = list_inputs(options.inputs, report);
-  if (rank != 0) report.files_skipped = {};  // every rank lists the inputs; count the skipped files once
+  if (rank != 0) report.files_skipped = report.files_unreadable = {};  // every rank lists the inputs: count once
   if (!options.train_tokenizer) {
     Tokenizer check(options.tokenizer_path);  // a missing tokenizer fails before out_dir is touched
   }
@@ -584,35 +626,44 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   const std::string who = ranks > 1 ? str(" (rank 0 of ", ranks, ")") : std::string();
   const bool dedup = options.exact_dedup || options.near_dedup;
   const int bands = options.minhash.bands;
+  const bool verify = options.near_dedup && options.near_verify > 0;
+  const size_t sketch_bytes = verify ? hasher.sketch_bytes() : 0;
 
   // Pass 1: decode, clean, filter, hash. fate[i] is local document i's outcome so far.
   std::vector<Outcome> fate;
   std::unique_ptr<DedupSpill> spill;
   if (dedup)
     spill = std::make_unique<DedupSpill>(
-        (fs::path(options.out_dir) / str(".prepare-scratch-", rank, "-", ::getpid())).string(), bands);
+        (fs::path(options.out_dir) / str(".prepare-scratch-", rank, "-", ::getpid())).string(), bands,
+        verify ? hasher.permutations() : 0);
   {
-    RecordReader reader(files, first, last, options.max_document_bytes, &report);
+    RecordReader records(files, first, last, options, &report);
+    Prefetcher reader(records);
     Progress meter(progress, str("pass 1/2 (clean, filter, hash)", who), share_bytes);
     std::vector<Record> batch;
     std::vector<Outcome> outcomes;
     std::vector<CleanResult> flags;
     std::vector<uint64_t> exact, band_hashes;
+    std::vector<uint8_t> sketches;
     std::vector<uint8_t> has_bands;
-    while (reader.next_batch(batch)) {
+    uint64_t text_bytes = 0;
+    while (reader.next(batch)) {
+      for (const Record& record : batch) text_bytes += record.bytes.size();
       const size_t n = batch.size();
       outcomes.assign(n, Outcome::kept);
       flags.assign(n, CleanResult{});
       exact.assign(n, 0);
       has_bands.assign(n, 0);
       band_hashes.resize(n * static_cast<size_t>(bands));
+      sketches.resize(n * sketch_bytes);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
       for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
         Document doc;
         outcomes[i] = decode(files[batch[i].file], batch[i], options, &doc, &flags[i]);
         if (outcomes[i] != Outcome::kept || !dedup) continue;
         exact[i] = exact_hash(doc);
-        if (options.near_dedup) has_bands[i] = hasher.band_hashes(doc.whole(), &band_hashes[i * bands]);
+        if (options.near_dedup)
+          has_bands[i] = hasher.band_hashes(doc.whole(), &band_hashes[i * bands], verify ? &sketches[i * sketch_bytes] : nullptr);
       }
       for (size_t i = 0; i < n; ++i) {
         ++report.documents_read;
@@ -623,18 +674,19 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
         fate.push_back(outcomes[i]);
         if (spill)
           spill->add(options.exact_dedup && outcomes[i] == Outcome::kept, exact[i],
-                     outcomes[i] == Outcome::kept && has_bands[i] ? &band_hashes[i * bands] : nullptr);
+                     outcomes[i] == Outcome::kept && has_bands[i] ? &band_hashes[i * bands] : nullptr,
+                     verify ? &sketches[i * sketch_bytes] : nullptr);
       }
-      meter.update(reader.bytes_consumed(), report.documents_read);
+      meter.update(reader.bytes_consumed(), text_bytes, report.documents_read);
     }
-    meter.update(reader.bytes_consumed(), report.documents_read, /*final=*/true);
+    meter.update(reader.bytes_consumed(), text_bytes, report.documents_read, /*final=*/true);
   }
 
   // Join: global exact and near dedup (a collective).
   if (spill) {
     const auto join_started = std::chrono::steady_clock::now();
     const std::vector<DedupVerdict> verdicts =
-        spill->join(comm, options.near_dedup, options.dedup_memory_bytes, threads);
+        spill->join(comm, options.near_dedup, options.dedup_memory_bytes, threads, verify ? options.near_verify : 0);
     spill.reset();
     for (size_t i = 0; i < fate.size(); ++i)
       if (fate[i] == Outcome::kept && verdicts[i] != DedupVerdict::unique)
@@ -652,7 +704,8 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   SplitWriter train(options.out_dir, str("train", prefix), vocab, options.shard_tokens, options.sft, &report.train);
   SplitWriter val(options.out_dir, str("val", prefix), vocab, options.shard_tokens, options.sft, &report.val);
   {
-    RecordReader reader(files, first, last, options.max_document_bytes, nullptr);
+    RecordReader records(files, first, last, options, nullptr);
+    Prefetcher reader(records);
     Progress meter(progress, str("pass 2/2 (tokenize, write)", who), share_bytes);
     std::vector<Record> batch;
     struct Tokenized {
@@ -664,7 +717,9 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
     std::vector<Tokenized> out;
     size_t next = 0;  // local index of batch[0]
     uint64_t documents = 0;
-    while (reader.next_batch(batch)) {
+    uint64_t text_bytes = 0;
+    while (reader.next(batch)) {
+      for (const Record& record : batch) text_bytes += record.bytes.size();
       const size_t n = batch.size();
       if (next + n > fate.size())
         fail("prepare: the inputs changed during the run (pass 2 reads more documents than pass 1 did)");
@@ -713,11 +768,11 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
       }
       next += n;
       documents += n;
-      meter.update(reader.bytes_consumed(), documents);
+      meter.update(reader.bytes_consumed(), text_bytes, documents);
     }
     if (next != fate.size())
       fail("prepare: the inputs changed during the run (pass 2 reads ", next, " documents, pass 1 read ", fate.size(), ")");
-    meter.update(reader.bytes_consumed(), documents, /*final=*/true);
+    meter.update(reader.bytes_consumed(), text_bytes, documents, /*final=*/true);
   }
   train.finish();
   val.finish();
@@ -785,6 +840,7 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
         {"minhash_bands", o.minhash.bands},
         {"minhash_rows", o.minhash.rows},
         {"near_threshold", r.near_threshold},
+        {"near_verify", o.near_verify},
         {"shard_tokens", o.shard_tokens}}},
       {"ranks", r.ranks},
       {"threads", r.threads},
@@ -874,7 +930,7 @@ std::string report_summary(const PrepareReport& r) {
   char secs[32];
   std::snprintf(secs, sizeof secs, "%.1f", r.seconds);
   out += str("tokenizer: ", r.tokenizer_path, r.tokenizer_trained ? " (trained)" : "", ", vocab ", r.vocab_size,
-             ", bos ", r.bos_id, ", eos ", r.eos_id, "; near-dup threshold ~", r.near_threshold, "; ", r.ranks,
+             ", bos ", r.bos_id, ", eos ", r.eos_id, "; near-dup threshold ~", std::round(r.near_threshold * 100) / 100, "; ", r.ranks,
              " rank(s) x ", r.threads, " thread(s); ", secs, " s\n");
   return out;
 }

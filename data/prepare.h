@@ -54,9 +54,13 @@ struct PrepareOptions {
   bool exact_dedup = true;
   bool near_dedup = true;
   MinHashOptions minhash;
+  // LSH candidates are joined only when their signatures estimate a Jaccard similarity of at least this
+  // (0: every candidate is joined). See data/dedup.h.
+  double near_verify = 0.5;
   uint64_t dedup_memory_bytes = uint64_t{1} << 30;  // the join's partition budget (see data/dedup.h)
   uint64_t shard_tokens = 100'000'000;              // tokens per shard before a new one starts
   int threads = 0;                                  // 0: all hardware threads
+  size_t batch_records = 4096;  // records per batch (the output does not depend on it; tests make it small)
   bool overwrite = false;  // replace the outputs of an earlier run in out_dir (otherwise refused)
   bool quiet = false;      // no progress lines on stderr
   PrepareComm* comm = nullptr;  // the group of processes; null: this process alone

@@ -58,7 +58,9 @@ class Tokenizer {
 // A model that fails either check is encoded whole, document by document (exact() says which).
 class CachedEncoder {
  public:
-  explicit CachedEncoder(const Tokenizer& tokenizer, size_t max_words_per_thread = size_t{1} << 20);
+  // max_words_per_thread bounds each cache (about 150 bytes a word: 40 MB at the default); a full cache
+  // starts over.
+  explicit CachedEncoder(const Tokenizer& tokenizer, size_t max_words_per_thread = size_t{1} << 18);
   bool exact() const { return word_split_; }
   // Appends the ids of text to *out. Thread-safe (the caches are per thread).
   void encode(std::string_view text, std::vector<int32_t>* out) const;

@@ -84,7 +84,10 @@ void inject_fault_for_tests(int world_rank, int64_t step) {
   if (rank != world_rank || at != step) return;
   std::fprintf(stderr, "TUNA_FAULT: rank %d %s at step %lld\n", world_rank, std::strcmp(kind, "hang") ? "dies" : "hangs", at);
   std::fflush(stderr);
-  ::raise(std::strcmp(kind, "hang") == 0 ? SIGSTOP : SIGKILL);
+  if (std::strcmp(kind, "hang") == 0) ::raise(SIGSTOP);
+  // A second first, so the other ranks are surely waiting in the step's first collective (the case tested).
+  ::sleep(1);
+  ::raise(SIGKILL);
 }
 
 Mesh make_mesh(Comm& world, int64_t tp) {

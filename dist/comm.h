@@ -99,7 +99,7 @@ std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, void* stream, d
 void note_signal_in_collective(int signal);
 
 // Test hook: the environment variable TUNA_FAULT="kill:R:S" or "hang:R:S" makes world rank R end itself
-// with SIGKILL, or stop itself with SIGSTOP, when called with step S (train.cu calls it mid-step, after
+// with SIGKILL (after sleeping a second), or stop itself with SIGSTOP, when called with step S (train.cu calls it mid-step, after
 // the backward and before the step's collectives). Unset: nothing.
 void inject_fault_for_tests(int world_rank, int64_t step);
 

@@ -3,9 +3,10 @@
 // Every collective is issued non-blocking (MPI_Iallreduce, MPI_Ireduce_scatter, MPI_Iallgatherv, ...) and
 // completed by one wait loop that polls MPI_Test. Blocking MPI calls cannot be interrupted, so a peer that
 // hangs (a stuck kernel, a stopped process, a dead node whose TCP connection never resets) would hold the
-// job forever; polling lets us give up after --comm_timeout. The loop spins (yielding) for the first
-// milliseconds, which keeps small collectives fast, then sleeps with a growing interval: on an
-// oversubscribed CPU (tests run 4 ranks on 2 cores) a busy wait would steal the core the peer computes on.
+// job forever; polling lets us give up after --comm_timeout. The loop calls MPI_Test back to back (yielding
+// the core in between, for oversubscribed test runs) for the first second, because the library advances a
+// collective only inside MPI calls; after that it naps between polls: a peer that is a second late is
+// computing, not communicating, and a busy wait would steal its core.
 //
 // When the timeout expires, the rank asks every other rank over a private duplicate of MPI_COMM_WORLD
 // ("census") what it is doing. Ranks answer from inside their own wait loops, so a rank waiting in a
@@ -143,16 +144,20 @@ struct MpiProcess {
     g_is_waiting = 1;
     const auto start = Clock::now();
     auto nap = std::chrono::microseconds(20);
+    int64_t polls = 0;
     for (;;) {
       int done = 0;
       TUNA_MPI(MPI_Test(req, &done, MPI_STATUS_IGNORE));
       if (done) break;
-      serve();
+      if (++polls % 1024 == 0) serve();  // census questions are rare: do not probe for them every poll
       const double waited = std::chrono::duration<double>(Clock::now() - start).count();
       if (timeout_s > 0 && waited > timeout_s) timed_out(label, waited);
-      if (waited < 2e-3) {
-        sched_yield();
+      // Open MPI progresses a non-blocking collective only inside MPI calls, one round per call: keep
+      // calling for the first second (a large all-reduce is many rounds), then nap between polls.
+      if (waited < 1.0) {
+        if (polls % 64 == 0) sched_yield();
       } else {
+        serve();
         std::this_thread::sleep_for(nap);
         nap = std::min<std::chrono::microseconds>(nap * 2, std::chrono::microseconds(1000));
       }

@@ -18,25 +18,13 @@
 #include <map>
 #include <thread>
 
+#include "core/cuda_check.h"  // TUNA_CUDA_CHECK, TUNA_NCCL_CHECK
 #include "core/error.h"
 #include "dist/comm.h"
 
 namespace tuna {
 
 namespace {
-
-#define TUNA_NCCL_CHECK(call)                                                                           \
-  do {                                                                                                  \
-    ncclResult_t rc_ = (call);                                                                          \
-    if (rc_ != ncclSuccess) ::tuna::fail("NCCL ", #call, " failed: ", ncclGetErrorString(rc_), " at ",  \
-                                         __FILE__, ":", __LINE__);                                      \
-  } while (0)
-#define TUNA_CUDA_CHECK(call)                                                                           \
-  do {                                                                                                  \
-    cudaError_t rc_ = (call);                                                                           \
-    if (rc_ != cudaSuccess) ::tuna::fail("CUDA ", #call, " failed: ", cudaGetErrorString(rc_), " at ",  \
-                                         __FILE__, ":", __LINE__);                                      \
-  } while (0)
 
 ncclDataType_t nccl_type(CommType t) {
   switch (t) {

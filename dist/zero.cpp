@@ -196,7 +196,7 @@ void Zero::gather_into(UnitBuffer& b, int unit, bool async) {
 // Starts gathering the unit that the plan acquires next into a free buffer, if one is free and the unit
 // is not already there.
 void Zero::prefetch_next() {
-  if (order_pos_ >= order_.size()) return;
+  if (!prefetch_ || order_pos_ >= order_.size()) return;
   const int next = order_[order_pos_];
   for (const UnitBuffer& b : weight_buffers_)
     if (b.unit == next && b.valid) return;

@@ -50,6 +50,9 @@ class Zero final : public WeightStore {
   Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp);
 
   int stage() const { return stage_; }
+  // Stage 3: gather the next unit while the current one computes (default), or each unit only when used
+  // (to measure what prefetching buys).
+  void set_prefetch(bool on) { prefetch_ = on; }
   AdamW& optimizer() { return optimizer_; }
   // This rank's pieces of the flat layout (one per unit), in shard order.
   const std::vector<Segment>& segments() const { return segments_; }
@@ -109,6 +112,7 @@ class Zero final : public WeightStore {
   std::vector<float> scatter_out_;
   std::vector<int> order_;
   size_t order_pos_ = 0;
+  bool prefetch_ = true;
 };
 
 }  // namespace tuna

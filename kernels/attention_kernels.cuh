@@ -305,23 +305,27 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(AttentionParams p) 
 // block at or after its keys (causal). Per step, in the warp's transposed view (keys as rows):
 //   S^T = K Q^T;  P^T = exp2(S^T scale_log2 - lse2[q]) masked;  dP^T = V dO^T;  dS^T = P^T (dP^T - delta[q])
 //   dV += P^T dO;  dK += dS^T Q   (dK scaled by 1/sqrt(d) at the end)
+// Q, dO, lse and delta are double-buffered: step i+1's loads are issued right after the barrier that opens
+// step i, so they fly while step i computes. That barrier also proves every warp is done with step i-1's
+// buffer, the one being refilled.
 template <int kHd, int kQueries>
 __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   __nv_bfloat16* s_k = reinterpret_cast<__nv_bfloat16*>(smem_bytes);
   __nv_bfloat16* s_v = s_k + kBlockRows * kHd;
-  __nv_bfloat16* s_q = s_v + kBlockRows * kHd;
-  __nv_bfloat16* s_do = s_q + kQueries * kHd;
-  float* s_lse = reinterpret_cast<float*>(s_do + kQueries * kHd);
-  float* s_delta = s_lse + kQueries;
+  __nv_bfloat16* s_q = s_v + kBlockRows * kHd;    // [2][kQueries][kHd]
+  __nv_bfloat16* s_do = s_q + 2 * kQueries * kHd;  // [2][kQueries][kHd]
+  float* s_lse = reinterpret_cast<float*>(s_do + 2 * kQueries * kHd);  // [2][kQueries], log2 units
+  float* s_delta = s_lse + 2 * kQueries;                                // [2][kQueries]
   constexpr int kQTiles = kQueries / 8;
+  constexpr float kLog2e = 1.4426950408889634f;
 
   const int n_block = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int group = p.n_heads / p.n_kv_heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c = lane % 4;
   const int64_t q_stride = static_cast<int64_t>(p.n_heads) * kHd, kv_stride = static_cast<int64_t>(p.n_kv_heads) * kHd;
   const int key0 = n_block * kBlockRows;
-  const int key_lo = key0 + warp * kRowsPerWarp + g;  // this thread's keys: key_lo, key_lo + 8
+  const int key_lo = key0 + warp * kRowsPerWarp + lane / 4;  // this thread's keys: key_lo, key_lo + 8
 
   load_tile<kBlockRows, kHd>(s_k, p.k + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd, kv_stride, key0,
                              p.seq_len);
@@ -329,49 +333,56 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
                              p.seq_len);
   cp_async_commit();
 
-  float dk[kHd / 8][4] = {}, dv[kHd / 8][4] = {};
+  // Steps: (query head of the group, query block at or after key0), query blocks fastest.
   const int first_q_block = key0 / kQueries;  // earlier queries see none of these keys
-  const int n_q_blocks = (p.seq_len + kQueries - 1) / kQueries;
-  constexpr float kLog2e = 1.4426950408889634f;
-
-  for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-    const __nv_bfloat16* q_base = p.q + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd;
-    const __nv_bfloat16* do_base = p.dout + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd;
+  const int q_blocks = (p.seq_len + kQueries - 1) / kQueries - first_q_block;  // >= 1: key0 < seq_len
+  const int n_steps = group * q_blocks;
+  const auto step_q0 = [&](int step) { return (first_q_block + step % q_blocks) * kQueries; };
+  const auto issue = [&](int step, int buf) {
+    const int h = kvh * group + step / q_blocks, q0 = step_q0(step);
+    const int64_t head = static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd;
+    load_tile<kQueries, kHd>(s_q + buf * kQueries * kHd, p.q + head, q_stride, q0, p.seq_len);
+    load_tile<kQueries, kHd>(s_do + buf * kQueries * kHd, p.dout + head, q_stride, q0, p.seq_len);
+    cp_async_commit();
     const int64_t stat_base = (static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len;
-    for (int m_block = first_q_block; m_block < n_q_blocks; ++m_block) {
-      const int q0 = m_block * kQueries;
-      __syncthreads();  // the previous step is done with s_q, s_do, s_lse, s_delta
-      load_tile<kQueries, kHd>(s_q, q_base, q_stride, q0, p.seq_len);
-      load_tile<kQueries, kHd>(s_do, do_base, q_stride, q0, p.seq_len);
-      cp_async_commit();
-      for (int i = threadIdx.x; i < kQueries; i += kThreads) {
-        const int row = q0 + i;
-        // A query past the sequence gets lse = +inf: its probabilities are exactly 0.
-        s_lse[i] = row < p.seq_len ? p.lse[stat_base + row] * kLog2e : INFINITY;
-        s_delta[i] = row < p.seq_len ? p.delta[stat_base + row] : 0.0f;
-      }
-      cp_async_wait<0>();
-      __syncthreads();
-
-      float pt[kQTiles][4] = {};
-      gemm_rows_by_rows<kHd, kQTiles>(pt, s_k, warp * kRowsPerWarp, s_q, 0, lane);
-#pragma unroll
-      for (int nt = 0; nt < kQTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qi = nt * 8 + 2 * c + (e & 1);
-          const int key = key_lo + 8 * (e >> 1);
-          pt[nt][e] = key > q0 + qi ? 0.0f : exp2f(pt[nt][e] * p.scale_log2 - s_lse[qi]);
-        }
-      float dst[kQTiles][4] = {};
-      gemm_rows_by_rows<kHd, kQTiles>(dst, s_v, warp * kRowsPerWarp, s_do, 0, lane);
-#pragma unroll
-      for (int nt = 0; nt < kQTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dst[nt][e] - s_delta[nt * 8 + 2 * c + (e & 1)]);
-      gemm_regs_by_tile<kHd, kQTiles>(dv, pt, s_do, lane);
-      gemm_regs_by_tile<kHd, kQTiles>(dk, dst, s_q, lane);
+    for (int i = threadIdx.x; i < kQueries; i += kThreads) {
+      const int row = q0 + i;
+      // A query past the sequence gets lse = +inf: its probabilities are exactly 0.
+      s_lse[buf * kQueries + i] = row < p.seq_len ? p.lse[stat_base + row] * kLog2e : INFINITY;
+      s_delta[buf * kQueries + i] = row < p.seq_len ? p.delta[stat_base + row] : 0.0f;
     }
+  };
+
+  float dk[kHd / 8][4] = {}, dv[kHd / 8][4] = {};
+  issue(0, 0);
+  for (int step = 0; step < n_steps; ++step) {
+    const int buf = step & 1, q0 = step_q0(step);
+    cp_async_wait<0>();  // this step's tiles (and K, V on the first step) have landed for this thread
+    __syncthreads();     // ... for every thread; and every warp is done with the other buffer
+    if (step + 1 < n_steps) issue(step + 1, buf ^ 1);
+    const __nv_bfloat16* q_tile = s_q + buf * kQueries * kHd;
+    const __nv_bfloat16* do_tile = s_do + buf * kQueries * kHd;
+    const float* lse2 = s_lse + buf * kQueries;
+    const float* delta = s_delta + buf * kQueries;
+
+    float pt[kQTiles][4] = {};
+    gemm_rows_by_rows<kHd, kQTiles>(pt, s_k, warp * kRowsPerWarp, q_tile, 0, lane);
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = nt * 8 + 2 * c + (e & 1);
+        const int key = key_lo + 8 * (e >> 1);
+        pt[nt][e] = key > q0 + qi ? 0.0f : exp2f(pt[nt][e] * p.scale_log2 - lse2[qi]);
+      }
+    float dst[kQTiles][4] = {};
+    gemm_rows_by_rows<kHd, kQTiles>(dst, s_v, warp * kRowsPerWarp, do_tile, 0, lane);
+#pragma unroll
+    for (int nt = 0; nt < kQTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta[nt * 8 + 2 * c + (e & 1)]);
+    gemm_regs_by_tile<kHd, kQTiles>(dv, pt, do_tile, lane);
+    gemm_regs_by_tile<kHd, kQTiles>(dk, dst, q_tile, lane);
   }
   const int row0 = key0 + warp * kRowsPerWarp;
   store_rows<kHd>(p.dk + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd, kv_stride, row0, p.seq_len, dk,
@@ -384,13 +395,14 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
 // blocks up to the diagonal:  S = Q K^T; P = exp2(S scale_log2 - lse2) masked; dP = dO V^T;
 // dS = P (dP - delta);  dQ += dS K   (scaled by 1/sqrt(d) at the end). Recomputing S and dP here instead of
 // adding dQ atomically from the dK/dV kernel costs two extra products and buys a deterministic dQ.
+// K and V are double-buffered like Q and dO above.
 template <int kHd, int kKeys>
 __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(smem_bytes);
   __nv_bfloat16* s_do = s_q + kBlockRows * kHd;
-  __nv_bfloat16* s_k = s_do + kBlockRows * kHd;
-  __nv_bfloat16* s_v = s_k + kKeys * kHd;
+  __nv_bfloat16* s_k = s_do + kBlockRows * kHd;  // [2][kKeys][kHd]
+  __nv_bfloat16* s_v = s_k + 2 * kKeys * kHd;    // [2][kKeys][kHd]
   constexpr int kSTiles = kKeys / 8;
   constexpr float kLog2e = 1.4426950408889634f;
 
@@ -408,6 +420,11 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(AttentionParams p) {
                              p.seq_len);
   load_tile<kBlockRows, kHd>(s_do, p.dout + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd, q_stride, q0,
                              p.seq_len);
+  const auto issue = [&](int j, int buf) {
+    load_tile<kKeys, kHd>(s_k + buf * kKeys * kHd, k_base, kv_stride, j * kKeys, p.seq_len);
+    load_tile<kKeys, kHd>(s_v + buf * kKeys * kHd, v_base, kv_stride, j * kKeys, p.seq_len);
+    cp_async_commit();  // the first group also carries Q and dO
+  };
   float lse2[2], delta[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -418,17 +435,17 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(AttentionParams p) {
 
   float dq[kHd / 8][4] = {};
   const int n_steps = (min(p.seq_len, q0 + kBlockRows) + kKeys - 1) / kKeys;
+  issue(0, 0);
   for (int j = 0; j < n_steps; ++j) {
-    const int key0 = j * kKeys;
-    __syncthreads();  // the previous step is done with s_k, s_v
-    load_tile<kKeys, kHd>(s_k, k_base, kv_stride, key0, p.seq_len);
-    load_tile<kKeys, kHd>(s_v, v_base, kv_stride, key0, p.seq_len);
-    cp_async_commit();
+    const int key0 = j * kKeys, buf = j & 1;
     cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();  // tiles of step j visible to all; every warp is done with the other buffer
+    if (j + 1 < n_steps) issue(j + 1, buf ^ 1);
+    const __nv_bfloat16* k_tile = s_k + buf * kKeys * kHd;
+    const __nv_bfloat16* v_tile = s_v + buf * kKeys * kHd;
 
     float s[kSTiles][4] = {};
-    gemm_rows_by_rows<kHd, kSTiles>(s, s_q, warp * kRowsPerWarp, s_k, 0, lane);
+    gemm_rows_by_rows<kHd, kSTiles>(s, s_q, warp * kRowsPerWarp, k_tile, 0, lane);
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
@@ -438,12 +455,12 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(AttentionParams p) {
         s[nt][e] = key > row_lo + 8 * half || key >= p.seq_len ? 0.0f : exp2f(s[nt][e] * p.scale_log2 - lse2[half]);
       }
     float dp[kSTiles][4] = {};
-    gemm_rows_by_rows<kHd, kSTiles>(dp, s_do, warp * kRowsPerWarp, s_v, 0, lane);
+    gemm_rows_by_rows<kHd, kSTiles>(dp, s_do, warp * kRowsPerWarp, v_tile, 0, lane);
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - delta[e >> 1]);
-    gemm_regs_by_tile<kHd, kSTiles>(dq, dp, s_k, lane);
+    gemm_regs_by_tile<kHd, kSTiles>(dq, dp, k_tile, lane);
   }
   store_rows<kHd>(p.dq + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd, q_stride, q0 + warp * kRowsPerWarp,
                   p.seq_len, dq, p.scale, p.scale, lane);
@@ -455,12 +472,12 @@ constexpr int fwd_smem_bytes() {
   return 3 * kBlockRows * kHd * 2;
 }
 template <int kHd, int kQueries>
-constexpr int dkdv_smem_bytes() {
-  return 2 * kBlockRows * kHd * 2 + 2 * kQueries * kHd * 2 + 2 * kQueries * 4;
+constexpr int dkdv_smem_bytes() {  // K, V; two buffers of Q, dO, lse, delta
+  return 2 * kBlockRows * kHd * 2 + 2 * (2 * kQueries * kHd * 2 + 2 * kQueries * 4);
 }
 template <int kHd, int kKeys>
-constexpr int dq_smem_bytes() {
-  return 2 * kBlockRows * kHd * 2 + 2 * kKeys * kHd * 2;
+constexpr int dq_smem_bytes() {  // Q, dO; two buffers of K, V
+  return 2 * kBlockRows * kHd * 2 + 2 * (2 * kKeys * kHd * 2);
 }
 
 }  // namespace tuna::cuda::attention

@@ -24,7 +24,7 @@
 // read back by any world size, tensor-parallel degree and ZeRO stage (resharding on load): the reader
 // assembles each global tensor from the pieces of all rank files and keeps the part the new rank owns.
 // There is no merged model.safetensors (rank 0 would need the whole model in memory): load_weights (eval,
-// sample, --init) and build/convert read rank files directly, and `build/convert --to-hf` exports one.
+// sample, --init) and `build/convert tuna-to-hf` read rank files directly.
 #pragma once
 
 #include <nlohmann/json.hpp>

@@ -1,5 +1,6 @@
 #include "model/hf_convert.h"
 
+#include <optional>
 #include <fstream>
 #include <set>
 #include <vector>
@@ -131,17 +132,36 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
   json config_json = read_config_json(ckpt_dir);
   LlamaConfig config = LlamaConfig::from_json(config_json, (ckpt_dir / "config.json").string());
   ParamLayout layout(config);
-  HfCheckpointDir src(ckpt_dir);
-  std::vector<SourceTensor> tensors = collect(src, layout);
+  // The weights to export: straight from model.safetensors, or assembled from the rank files of a
+  // checkpoint written by several ranks (model/checkpoint.h) into one fp32 buffer.
+  struct Source {
+    const ParamTensor* param;
+    const std::byte* data;
+    DType dtype;
+    int64_t numel;
+  };
+  std::vector<Source> tensors;
+  std::optional<HfCheckpointDir> src;
+  std::vector<float> assembled;
+  if (is_sharded_checkpoint(ckpt_dir)) {
+    assembled.resize(layout.total());
+    load_weights(ckpt_dir, layout, assembled.data());
+    for (const ParamTensor& t : layout.tensors())
+      tensors.push_back({&t, reinterpret_cast<const std::byte*>(assembled.data() + t.offset), DType::F32, t.numel});
+  } else {
+    src.emplace(ckpt_dir);
+    for (const SourceTensor& s : collect(*src, layout))
+      tensors.push_back({s.param, s.entry.file->data(*s.entry.info), s.entry.info->dtype, s.entry.info->numel});
+  }
   const DType target = dtype == "auto" ? dtype_from_torch_name(config.torch_dtype, (ckpt_dir / "config.json").string() + ": field 'torch_dtype'")
                                        : dtype_from_torch_name(dtype, "option --dtype");
   make_out_dir(out_dir, ckpt_dir);
 
   // Group tensors into shards of at most max_shard_bytes (a single tensor larger than that gets its own).
-  std::vector<std::vector<const SourceTensor*>> shards(1);
+  std::vector<std::vector<const Source*>> shards(1);
   int64_t shard_bytes = 0;
-  for (const SourceTensor& s : tensors) {
-    const int64_t bytes = s.entry.info->numel * static_cast<int64_t>(dtype_size(target));
+  for (const Source& s : tensors) {
+    const int64_t bytes = s.numel * static_cast<int64_t>(dtype_size(target));
     if (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes) shards.emplace_back(), shard_bytes = 0;
     shards.back().push_back(&s);
     shard_bytes += bytes;
@@ -160,21 +180,20 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
     converted.reserve(shards[i].size());
     SafetensorsWriter w;
     w.add_metadata("format", "pt");
-    for (const SourceTensor* s : shards[i]) {
-      const TensorInfo& info = *s->entry.info;
-      const std::byte* data = s->entry.file->data(info);
-      if (info.dtype != target) {
-        std::vector<float> f32(info.numel);
-        convert_to_f32(data, info.dtype, f32.data(), info.numel);
-        converted.emplace_back(info.numel * dtype_size(target));
-        convert_from_f32(f32.data(), target, converted.back().data(), info.numel);
+    for (const Source* s : shards[i]) {
+      const std::byte* data = s->data;
+      if (s->dtype != target) {
+        std::vector<float> f32(s->numel);
+        convert_to_f32(data, s->dtype, f32.data(), s->numel);
+        converted.emplace_back(s->numel * dtype_size(target));
+        convert_from_f32(f32.data(), target, converted.back().data(), s->numel);
         data = converted.back().data();
       }
       w.add(s->param->name, target, s->param->shape, data);
       weight_map[s->param->name] = file;
       r.tensors++;
-      r.parameters += info.numel;
-      r.bytes_written += info.numel * static_cast<int64_t>(dtype_size(target));
+      r.parameters += s->numel;
+      r.bytes_written += s->numel * static_cast<int64_t>(dtype_size(target));
     }
     w.write(out_dir / file);
   }

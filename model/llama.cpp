@@ -118,8 +118,8 @@ void Llama::set_weight_store(WeightStore* store) {
   store_ = store;
 }
 
-void Llama::init_random(uint64_t seed, double std, float* out) const {
-  if (!out) out = const_cast<float*>(params.data());
+void Llama::init_random(uint64_t seed, double std, float* out) {
+  if (!out) out = params.data();
   TUNA_CHECK(out != nullptr, "no buffer to initialize");
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, std);

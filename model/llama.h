@@ -62,14 +62,14 @@ class Llama {
   // HF-style initialization for training from scratch: normal(0, std) for 2-D weights, ones for norms.
   // Draws the global tensors and keeps this rank's blocks, so every tp split starts from the same model.
   // Writes into `out` (ParamLayout order; params.data() by default).
-  void init_random(uint64_t seed, double std = 0.02, float* out = nullptr) const;
+  void init_random(uint64_t seed, double std = 0.02, float* out = nullptr);
   void zero_grads();
 
   // inputs, targets: [batch, seq] token ids; targets may hold kIgnoreIndex. Accumulates into grads.
   LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq);
   // The same loss without gradients (evaluation).
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq);
-  // Full logits [batch, seq, vocab] (tests, generation).
+  // Full logits [batch, seq, vocab] (tests, generation); not under tensor parallelism.
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits);
 
   // Activation bytes planned at construction (for logs and memory planning).

@@ -47,6 +47,8 @@ dedup:
   --shingle-words N         words per MinHash shingle (default 5)
   --minhash-bands B         LSH bands (default 14)
   --minhash-rows R          rows per band (default 8); B x R permutations; threshold ~ (1/B)^(1/R) = 0.72
+  --near-verify J           join an LSH candidate pair only if its signatures estimate Jaccard >= J
+                            (default 0.5; 0: join every candidate)
   --dedup-memory-mb N       memory for the dedup join's partitions, in MiB (default 1024)
 output:
   --shard-tokens N          tokens per shard before the next one starts (default 100000000)
@@ -145,6 +147,8 @@ int main(int argc, char** argv) {
       options.minhash.bands = parse_number<int>(arg, take());
     } else if (arg == "--minhash-rows") {
       options.minhash.rows = parse_number<int>(arg, take());
+    } else if (arg == "--near-verify") {
+      options.near_verify = parse_number<double>(arg, take());
     } else if (arg == "--dedup-memory-mb") {
       options.dedup_memory_bytes = parse_number<uint64_t>(arg, take()) << 20;
     } else if (arg == "--shard-tokens") {

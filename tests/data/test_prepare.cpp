@@ -124,6 +124,7 @@ TEST_F(PrepareTest, CountsEveryBadInputWithItsLocation) {
   o.inputs = {in};
   o.val_fraction = 0.0;
   o.near_dedup = false;  // the compressed records differ in a single number
+  o.batch_records = 5;   // many batches: records, damage and locations carried across batch ends
   PrepareReport r = prepare_corpus(o);
 
   EXPECT_EQ(r.files_skipped.count, 1u);
@@ -342,6 +343,7 @@ TEST_F(PrepareTest, OutputIsIdenticalWhateverTheThreadCountAndBudget) {
     o.inputs = {corpus};
     o.threads = run == 0 ? 1 : 2;
     o.dedup_memory_bytes = run == 2 ? 4096 : uint64_t{1} << 30;  // run 2: many partitions per column
+    o.batch_records = run == 2 ? 7 : 4096;                       // run 2: 40 batches, read ahead
     o.val_fraction = 0.3;
     o.shard_tokens = 6000;
     reports[run] = prepare_corpus(o);
@@ -454,6 +456,22 @@ TEST_F(PrepareTest, BadInvocations) {
   o.val_fraction = 0.1;
   o.minhash.bands = 0;
   expect_error([&] { prepare_corpus(o); }, {"--minhash-bands"});
+  // An output that cannot be a directory: a clear error, before anything is read.
+  o = base_options(dir.file("in/a.txt") + "/out");
+  o.inputs = {dir.file("in")};
+  expect_error([&] { prepare_corpus(o); }, {dir.file("in/a.txt") + "/out", "cannot create the directory"});
+}
+
+TEST_F(PrepareTest, CountsUnreadableFiles) {
+  TempDir dir;
+  write_file(dir.file("in/a.txt"), "Some readable text.");
+  std::filesystem::create_symlink(dir.file("in/nowhere.txt"), dir.file("in/b.txt"));
+  PrepareOptions o = base_options(dir.file("out"));
+  o.inputs = {dir.file("in")};
+  PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.documents_kept(), 1u);
+  EXPECT_EQ(r.files_unreadable.count, 1u);
+  EXPECT_EQ(r.files_unreadable.first, dir.file("in/b.txt") + ": broken symbolic link");
 }
 
 TEST_F(PrepareTest, TrainsTheTokenizerFirst) {

@@ -110,12 +110,15 @@ TEST_F(TokenizerTest, CachedEncoderIsExact) {
   texts.push_back("  two leading,  double  spaces\tand a tab  ");
   texts.push_back(" ");
   texts.push_back("\xC3\xBC" "ber \xE2\x82\xAC 12.50 caf\xC3\xA9 na\xC3\xAFve \xE6\x97\xA5\xE6\x9C\xAC");
+  CachedEncoder tiny(tok, /*max_words_per_thread=*/3);  // starts over every few words
   for (int round = 0; round < 2; ++round)
     for (const std::string& text : texts) {
-      std::vector<int32_t> cached;
+      std::vector<int32_t> cached, small;
       encoder.encode(text, &cached);
       ASSERT_EQ(cached, tok.encode(text)) << text.substr(0, 200);
       ASSERT_EQ(encoder.encode_by_words(text), tok.encode(text));
+      tiny.encode(text, &small);
+      ASSERT_EQ(small, cached);
     }
 }
 

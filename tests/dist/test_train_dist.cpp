@@ -105,6 +105,17 @@ TEST_F(DistTrain, TensorParallel2) { expect_matches_reference("llama32_tiny", 2,
 TEST_F(DistTrain, TensorParallel2Untied) { expect_matches_reference("llama2_tiny", 2, " --micro_batch 4 --tp 2", "tp2u"); }
 TEST_F(DistTrain, TensorParallel2xDataParallel2) {
   expect_matches_reference("llama32_tiny", 4, " --micro_batch 2 --tp 2 --zero 1", "tp2dp2");
+  // build/convert exports the rank files of a tp x dp checkpoint as one Hugging Face directory.
+  const fs::path ckpt = *tmp_ / "tp2dp2" / "ckpt" / "step_00000010", hf = *tmp_ / "tp2dp2_hf";
+  auto r = run_command(testing_util::build_dir() + "/convert tuna-to-hf " + ckpt.string() + " " + hf.string(),
+                       *tmp_ / "convert_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_TRUE(fs::exists(hf / "model.safetensors"));
+  LlamaConfig c = LlamaConfig::load("tests/fixtures/llama32_tiny/config.json");
+  ParamLayout layout(c);
+  std::vector<float> exported(layout.total());
+  load_weights(hf, layout, exported.data());
+  EXPECT_EQ(exported, final_weights(*tmp_ / "tp2dp2", "llama32_tiny", 10));
 }
 
 // A checkpoint of 4 ranks at ZeRO-3 (parameters sharded in 4) resumed by 2 ranks at ZeRO-1: the rank files

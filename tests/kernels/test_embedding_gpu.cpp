@@ -1,5 +1,5 @@
 // kernels/embedding.cu against kernels/cpu/embedding.cpp. Forward is a copy (exact); the backward sums bf16
-// gradients in fp32 in position order, so it matches the double reference to fp32 rounding, and is bitwise
+// gradients in fp32 in position order, so it matches the double reference to fp32 rounding (< 1e-5), and is bitwise
 // reproducible (determinism checked on a batch full of repeated tokens).
 #if TUNA_CUDA
 #include "kernels/cpu/embedding.h"
@@ -50,7 +50,7 @@ TEST(EmbeddingGpu, BackwardAccumulatesDeterministically) {
       cpu::embedding_bwd(expected.data(), dout_d.data(), tokens.data(), n, vocab, dim);
       const double err = rel_error_norm(got, expected);
       std::printf("  embedding_bwd fp32 err %.3e\n", err);
-      EXPECT_LE(err, 1e-6);
+      EXPECT_LE(err, 1e-5);  // fp32 sums of up to a few hundred rows (DESIGN.md: fp32 paths < 1e-5)
       first = got;
     } else {
       EXPECT_TRUE(bitwise_equal(first, got)) << "embedding_bwd is not deterministic";

@@ -1,0 +1,96 @@
+// Bus bandwidth of the collectives of dist/comm.h, as nccl-tests reports it, on the MPI backend (host
+// buffers). Run under a launcher; started directly it relaunches itself under `mpirun -np 2`:
+//
+//   mpirun -np 8 build/bench_comm            (one node)     build/bench_comm  (2 local ranks)
+//
+// For a collective over n ranks on a buffer of S bytes taking t seconds (the slowest rank's time):
+//   algbw = S / t
+//   busbw = algbw * factor, the factor (from nccl-tests' PERFORMANCE.md) making busbw comparable with the
+//   link bandwidth whatever n:
+//     all_reduce       2 (n - 1) / n     (S: the buffer every rank reduces)
+//     reduce_scatter   (n - 1) / n       (S: the whole input of one rank, n pieces)
+//     all_gather       (n - 1) / n       (S: the whole output, n pieces)
+// float32 elements; sizes 4 KB to 64 MB.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "dist/comm.h"
+
+namespace {
+
+using namespace tuna;
+using Clock = std::chrono::steady_clock;
+
+// Seconds per call of fn (slowest rank), after warmup, with enough calls to last ~0.2 s.
+template <typename Fn>
+double time_collective(Comm& c, Fn fn, int64_t bytes) {
+  for (int i = 0; i < 3; i++) fn();
+  const int iters = static_cast<int>(std::clamp<int64_t>((int64_t(1) << 28) / std::max<int64_t>(bytes, 1), 5, 200));
+  c.barrier("bench start");
+  const auto start = Clock::now();
+  for (int i = 0; i < iters; i++) fn();
+  double seconds = std::chrono::duration<double>(Clock::now() - start).count() / iters;
+  c.all_reduce(&seconds, 1, CommType::F64, ReduceOp::Max, "bench time");
+  return seconds;
+}
+
+int run() {
+  std::unique_ptr<Comm> world = make_world_comm(/*timeout_s=*/120);
+  const int n = world->size();
+  if (world->rank() == 0) {
+    std::printf("bench_comm: %d ranks, backend %s; busbw = algbw x factor (all_reduce 2(n-1)/n = %.3f, "
+                "reduce_scatter and all_gather (n-1)/n = %.3f)\n",
+                n, world->backend().c_str(), 2.0 * (n - 1) / n, double(n - 1) / n);
+    std::printf("%-15s %12s %12s %12s %12s\n", "collective", "bytes", "time (us)", "algbw GB/s", "busbw GB/s");
+  }
+  for (int64_t bytes = 4 << 10; bytes <= (int64_t(64) << 20); bytes *= 4) {
+    const int64_t count = bytes / 4;
+    std::vector<float> buf(count, 1.0f), piece(shard_range(count, 0, n).size(), 1.0f);
+    const Range mine = shard_range(count, world->rank(), n);
+    struct Row {
+      const char* name;
+      double factor;
+      double seconds;
+    } rows[] = {
+        {"all_reduce", 2.0 * (n - 1) / n,
+         time_collective(*world, [&] { world->all_reduce_sum(buf.data(), count, "bench"); }, bytes)},
+        {"reduce_scatter", double(n - 1) / n,
+         time_collective(*world, [&] { world->reduce_scatter(buf.data(), piece.data(), count, "bench"); }, bytes)},
+        {"all_gather", double(n - 1) / n,
+         time_collective(*world, [&] { world->all_gather(buf.data() + mine.begin, buf.data(), count, "bench"); }, bytes)},
+    };
+    if (world->rank() != 0) continue;
+    for (const Row& r : rows)
+      std::printf("%-15s %12lld %12.1f %12.3f %12.3f\n", r.name, (long long)bytes, r.seconds * 1e6,
+                  bytes / r.seconds / 1e9, bytes / r.seconds / 1e9 * r.factor);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (detect_launch().launcher == "none" && !std::getenv("TUNA_BENCH_COMM_SINGLE")) {
+    // Not under a launcher: relaunch under mpirun with 2 ranks (as root and on few cores too).
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 0);
+    execlp("mpirun", "mpirun", "--bind-to", "none", "-np", "2", argv[0], static_cast<char*>(nullptr));
+    std::fprintf(stderr, "bench_comm: cannot run mpirun; set TUNA_BENCH_COMM_SINGLE=1 to time one rank\n");
+    return 1;
+  }
+  try {
+    return run();
+  } catch (const tuna::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    abort_job(1);
+  }
+}
