@@ -214,17 +214,16 @@ int run(int argc, char** argv) {
               world->size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero, world->backend().c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
 
-  Llama model(model_cfg, cfg.micro_batch, cfg.seq_len, LlamaParallel{mesh.tp.get(), /*external_weights=*/cfg.zero == 3});
-  // Weights before Zero: stages 0-2 start from model.params; stage 3 takes its shard of a whole copy.
-  std::vector<float> staging;
-  float* initial = model.params.data();
-  if (cfg.zero == 3 && !resume_from) staging.resize(model.layout().total()), initial = staging.data();
-  if (resume_from) {
-    // below, from the checkpoint's shards
-  } else if (!cfg.init.empty()) {
+  Llama model(model_cfg, cfg.micro_batch, cfg.seq_len, LlamaParallel{mesh.tp.get(), /*external_weights=*/cfg.zero == 3,
+                                                                     /*external_grads=*/cfg.zero == 2});
+  // A fresh start fills the (tp-local) weights before Zero takes its share: stages 0-2 keep them in
+  // model.params, stage 3 keeps its shard of a temporary whole copy. A resume reads only this rank's shard.
+  std::vector<float> staging(cfg.zero == 3 && !resume_from ? model.layout().total() : 0);
+  float* initial = cfg.zero == 3 ? staging.data() : model.params.data();
+  if (!resume_from && !cfg.init.empty()) {
     load_weights(cfg.init, model.layout(), initial);
     std::printf("initialized from %s\n", cfg.init.c_str());
-  } else {
+  } else if (!resume_from) {
     model.init_random(static_cast<uint64_t>(cfg.seed), cfg.init_std, initial);
     std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
   }

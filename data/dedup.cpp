@@ -67,8 +67,12 @@ class UnionFind {
 // attribute); the clones pick the widest vectors the CPU has at run time (x86-64-v4: 64-bit lane multiplies).
 // Integer math: every clone gives the same minima.
 constexpr size_t kLanes = 8;
-[[gnu::optimize("tree-vectorize", "vect-cost-model=dynamic")]] [[gnu::target_clones(
-    "arch=x86-64-v4", "arch=x86-64-v3", "default")]] void
+#if defined(__x86_64__)
+#define TUNA_MINHASH_CLONES [[gnu::target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")]]
+#else
+#define TUNA_MINHASH_CLONES  // other architectures (aarch64 Grace nodes): the baseline vectors only
+#endif
+[[gnu::optimize("tree-vectorize", "vect-cost-model=dynamic")]] TUNA_MINHASH_CLONES void
 update_minima(const uint64_t* __restrict hashes, size_t count, const uint64_t* __restrict mul,
               const uint64_t* __restrict inc, uint32_t* __restrict mins, size_t padded) {
   for (size_t s = 0; s < count; ++s) {

@@ -37,7 +37,8 @@ Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* 
       segments_(unit_pieces(model.layout(), dp)),
       optimizer_(stage >= 1 ? AdamW(model.layout(), opt, segments_) : AdamW(model.layout(), opt)) {
   if (stage < 0 || stage > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", stage);
-  TUNA_CHECK(model.params.empty() == (stage == 3), "stage 3 needs a model built with external weights, others not");
+  TUNA_CHECK(model.params.empty() == (stage == 3) && model.grads.empty() == (stage >= 2),
+             "stage 3 needs a model built with external weights, stage 2 with external gradients, others neither");
   for (const Segment& s : segments_) unit_shard_offset_.push_back(shard_size_), shard_size_ += s.size;
   for (int u = 0; u < layout_.num_units(); u++)
     max_unit_ = std::max(max_unit_, layout_.unit_range(u).second - layout_.unit_range(u).first);
@@ -52,13 +53,15 @@ Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* 
   if (stage_ == 3) {
     weight_buffers_.resize(2);  // the pair: one computing, one arriving
     for (UnitBuffer& b : weight_buffers_) b.data.resize(max_unit_);
+  }
+  if (stage_ >= 2) {
     scatter_out_.resize(shard_range(max_unit_, 0, dp_.size()).size());
     model_.set_weight_store(this);
   }
 }
 
 void Zero::begin_step() {
-  if (stage_ == 3) std::fill(grad_shard_.begin(), grad_shard_.end(), 0.0f);
+  if (stage_ >= 2) std::fill(grad_shard_.begin(), grad_shard_.end(), 0.0f);
   else model_.zero_grads();
 }
 
@@ -97,16 +100,13 @@ StepResult Zero::finish_step(const LossSum& local, double lr) {
         std::copy_n(model_.grads.data() + segments_[i].begin, segments_[i].size, grad_shard_.data() + unit_shard_offset_[i]);
       grads = grad_shard_.data(), params = master_.data();
       break;
-    case 2:
-      for (int u = 0; u < layout_.num_units(); u++) {
-        const auto [begin, end] = layout_.unit_range(u);
-        dp_.reduce_scatter(model_.grads.data() + begin, grad_shard_.data() + unit_shard_offset_[u], end - begin,
-                           "gradients of a unit");
-      }
+    case 2:  // already reduce-scattered, unit by unit, during the backward
       grads = grad_shard_.data(), params = master_.data();
       break;
-    case 3:  // already reduce-scattered, unit by unit, during the backward
+    case 3:  // as stage 2
       grads = grad_shard_.data(), params = master_.data();
+      for (UnitBuffer& b : weight_buffers_)  // no gather may still read the weights the update rewrites
+        if (b.pending) dp_.wait(b.pending), b.pending = 0;
       break;
   }
   r.stats.grad_norm = global_norm(grads) * loss_scale;
@@ -177,7 +177,7 @@ int64_t Zero::state_bytes() const {
   return bytes;
 }
 
-// ---- stage 3: the WeightStore ----
+// ---- stages 2 and 3: the WeightStore (weights: stage 3 only) ----
 
 void Zero::plan(const std::vector<int>& order) {
   order_ = order;
@@ -205,7 +205,8 @@ void Zero::prefetch_next() {
 }
 
 const float* Zero::acquire(int unit) {
-  TUNA_CHECK(stage_ == 3, "acquire outside stage 3");
+  if (stage_ == 2) return model_.params.data() + layout_.unit_range(unit).first;  // whole weights, own gradients
+  TUNA_CHECK(stage_ == 3, "acquire outside stages 2-3");
   // Follow the plan (a unit off-plan still works, it just was not prefetched).
   while (order_pos_ < order_.size() && order_[order_pos_] != unit) order_pos_++;
   if (order_pos_ < order_.size()) order_pos_++;
@@ -233,6 +234,7 @@ const float* Zero::acquire(int unit) {
 }
 
 void Zero::release(int unit) {
+  if (stage_ != 3) return;
   for (UnitBuffer& b : weight_buffers_)
     if (b.unit == unit && b.in_use) b.in_use = false;
   prefetch_next();

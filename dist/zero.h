@@ -4,22 +4,25 @@
 //   stage 0  every rank holds everything; gradients are all-reduced.
 //   stage 1  AdamW state (moments, and the fp32 master weights the update writes) is sharded; gradients
 //            are all-reduced, each rank updates its shard, the new weights are all-gathered.
-//   stage 2  gradients are reduce-scattered into the shard instead; otherwise as stage 1.
+//   stage 2  gradients are sharded too: the model keeps no gradient buffer, Zero is its WeightStore for
+//            gradients; each unit's gradient lives in a unit-sized buffer until the backward is done with
+//            it, then is reduce-scattered and summed into the shard. Otherwise as stage 1.
 //   stage 3  parameters are sharded too (FSDP): the model keeps no weights, Zero is its WeightStore.
 //            Each unit (embedding, layer, head) is all-gathered into one of a pair of reused buffers just
 //            before the forward uses it and again before the backward, and the next unit in the pass's
 //            order is gathered into the other buffer while this one computes (all_gather_start: on NCCL a
-//            communication stream, on MPI a non-blocking collective). Each unit's gradient lives in a
+//            communication stream, on MPI a non-blocking collective; a unit still in a buffer from the
+//            forward, the last layer, is not gathered again). Each unit's gradient lives in a
 //            unit-sized buffer only until its backward is done, then is reduce-scattered into the shard.
 //
 // Shards. Every unit is split over the dp ranks by shard_range (so one all-gather or reduce-scatter per
 // unit moves it, and every rank has work in each): this rank's segments are its piece of each unit, in
 // unit order. Stage 0 uses the same segments to spread checkpoint writes.
 //
-// When communication happens. Stages 0-2 accumulate micro-batch gradients locally and communicate only after
-// the last micro-batch (finish_step). Stage 3 cannot: a whole gradient never exists on a rank, so each
-// micro-batch's unit gradients are reduce-scattered as the backward finishes them and summed into the
-// shard.
+// When communication happens. Stages 0-1 accumulate micro-batch gradients locally and communicate only after
+// the last micro-batch (finish_step). Stages 2-3 cannot: a whole gradient never exists on a rank (that is
+// their memory saving), so each micro-batch's unit gradients are reduce-scattered as the backward finishes
+// them and summed into the shard; on a GPU these overlap the backward of the layers below.
 //
 // Loss and norm. The step's loss is sum / count with both summed over dp ranks (llama.h's convention: one
 // division per step, so the result equals the single-rank mean over the same global batch). The gradient
@@ -44,7 +47,8 @@ struct StepResult {
 
 class Zero final : public WeightStore {
  public:
-  // model must be built with LlamaParallel::external_weights iff stage == 3. For stages 0-2 the model's
+  // model must be built with LlamaParallel::external_weights iff stage == 3 and external_grads iff stage == 2.
+  // For stages 0-2 the model's
   // params must already hold the initial weights (every rank the same); for stage 3, call
   // master_weights() and fill it (or import_shard) before the first step.
   Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp);

@@ -51,8 +51,8 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
   const LlamaConfig& c = config_;
   const TpDims& d = layout_.tp();
   const int64_t n = max_batch * max_seq;
-  if (!parallel.external_weights) {
-    params.assign(layout_.total(), 0.0f);
+  if (!parallel.external_weights) params.assign(layout_.total(), 0.0f);
+  if (!parallel.external_weights && !parallel.external_grads) {
     grads.assign(layout_.total(), 0.0f);
     own_store_ = std::make_unique<OwnWeights>(*this);
     store_ = own_store_.get();
@@ -114,7 +114,7 @@ int64_t Llama::activation_bytes() const {
 }
 
 void Llama::set_weight_store(WeightStore* store) {
-  TUNA_CHECK(store && params.empty(), "a weight store replaces external weights only");
+  TUNA_CHECK(store && grads.empty(), "a weight store replaces external weights or gradients only");
   store_ = store;
 }
 

@@ -38,6 +38,7 @@ class WeightStore {
 struct LlamaParallel {
   Comm* tp = nullptr;          // tensor-parallel group (null or size 1: none)
   bool external_weights = false;  // params and grads stay empty; set_weight_store() supplies them (ZeRO-3)
+  bool external_grads = false;    // grads stays empty; the weight store takes each unit's gradient (ZeRO-2)
 };
 
 struct LossSum {

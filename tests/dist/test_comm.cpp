@@ -20,5 +20,16 @@ TEST(DistComm, CollectivesOnTwoAndFourRanks) {
   }
 }
 
+// The NCCL backend's test, where the build has NCCL (it skips itself without a GPU per rank).
+TEST(DistComm, NcclCollectivesWhereGpusAre) {
+#if TUNA_NCCL
+  TempDir tmp("nccl");
+  auto r = run_command(mpirun(2) + kMpiTests + " --gtest_filter='NcclComm.*'", tmp / "log");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+#else
+  GTEST_SKIP() << "built without NCCL";
+#endif
+}
+
 }  // namespace
 }  // namespace tuna

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -41,10 +42,15 @@ std::map<int64_t, double> losses(const fs::path& metrics) {
   return out;
 }
 
+// A fixture's name (tests/fixtures/NAME) or a path to a config.json.
+std::string config_path(const std::string& model) {
+  return model.find('/') == std::string::npos ? "tests/fixtures/" + model + "/config.json" : model;
+}
+
 std::vector<float> final_weights(const fs::path& run, const std::string& model, int64_t step) {
   char name[32];
   std::snprintf(name, sizeof name, "step_%08lld", (long long)step);
-  LlamaConfig c = LlamaConfig::load("tests/fixtures/" + model + "/config.json");
+  LlamaConfig c = LlamaConfig::load(config_path(model));
   ParamLayout layout(c);
   std::vector<float> w(layout.total());
   load_weights(run / "ckpt" / name, layout, w.data());
@@ -60,23 +66,26 @@ class DistTrain : public ::testing::Test {
   static void TearDownTestSuite() { delete tmp_; }
 
   static std::string flags(const std::string& model) {
-    return " --model_config tests/fixtures/" + model + "/config.json --train_data '" +
+    return " --model_config " + config_path(model) + " --train_data '" +
            (*tmp_ / "data" / "train-*.bin").string() + "' --val_data " + (*tmp_ / "data" / "val-00000.bin").string() +
            " --seq_len 16 --steps 10 --lr 3e-3 --warmup_steps 2 --grad_clip 0.5 --ckpt_every 0 --val_every 5"
            " --threads 1 --seed 11 --comm_timeout 60";
   }
-  // The single-rank reference of `model`, trained once per suite.
-  static fs::path reference(const std::string& model) {
-    const fs::path out = *tmp_ / ("ref_" + model);
+  // The single-rank reference of `model` at a global batch of `batch` windows, trained once per suite.
+  static fs::path reference(const std::string& model, int batch = 4) {
+    const fs::path out = *tmp_ / ("ref_" + fs::path(model).parent_path().filename().string() + model.substr(model.rfind('/') + 1) +
+                                  "_" + std::to_string(batch));
     if (!fs::exists(out / "ckpt")) {
-      auto r = run_command(kTrain + flags(model) + " --micro_batch 4 --out_dir " + out.string(), *tmp_ / "ref_log");
+      auto r = run_command(kTrain + flags(model) + " --micro_batch " + std::to_string(batch) + " --out_dir " + out.string(),
+                           *tmp_ / "ref_log");
       EXPECT_EQ(r.exit_code, 0) << r.output;
     }
     return out;
   }
   // Runs build/train on np ranks with extra flags and compares it with the reference.
-  static void expect_matches_reference(const std::string& model, int np, const std::string& extra, const std::string& tag) {
-    const fs::path ref = reference(model), out = *tmp_ / tag;
+  static void expect_matches_reference(const std::string& model, int np, const std::string& extra, const std::string& tag,
+                                       int batch = 4) {
+    const fs::path ref = reference(model, batch), out = *tmp_ / tag;
     auto r = run_command(mpirun(np) + kTrain + flags(model) + extra + " --out_dir " + out.string(), *tmp_ / (tag + "_log"));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     expect_same_run(ref, out, model, 10);
@@ -116,6 +125,24 @@ TEST_F(DistTrain, TensorParallel2xDataParallel2) {
   std::vector<float> exported(layout.total());
   load_weights(hf, layout, exported.data());
   EXPECT_EQ(exported, final_weights(*tmp_ / "tp2dp2", "llama32_tiny", 10));
+}
+
+TEST_F(DistTrain, TensorParallel2xZero3) {
+  expect_matches_reference("llama2_tiny", 4, " --micro_batch 1 --grad_accum 2 --tp 2 --zero 3", "tp2z3");
+}
+
+// Splits that do not divide: 3 dp ranks cut every unit unevenly (ZeRO-3 pads nothing the caller sees), and
+// tp 4 on a model with 150 ffn columns and 131 vocabulary rows gives ranks 38/38/38/36 and 33/33/33/32.
+TEST_F(DistTrain, UnevenZero3ShardsOnThreeRanks) {
+  expect_matches_reference("llama2_tiny", 3, " --micro_batch 1 --zero 3", "z3np3", /*batch=*/3);
+}
+TEST_F(DistTrain, UnevenTensorParallel4) {
+  nlohmann::json c = nlohmann::json::parse(read_file(config_path("llama2_tiny")));
+  c["intermediate_size"] = 150;
+  c["vocab_size"] = 131;
+  fs::create_directories(*tmp_ / "uneven");
+  std::ofstream(*tmp_ / "uneven" / "config.json") << c.dump();
+  expect_matches_reference((*tmp_ / "uneven" / "config.json").string(), 4, " --micro_batch 4 --tp 4", "tp4uneven");
 }
 
 // A checkpoint of 4 ranks at ZeRO-3 (parameters sharded in 4) resumed by 2 ranks at ZeRO-1: the rank files

@@ -4,6 +4,7 @@
 // The single-rank figure is 16 bytes per parameter (weights, gradients, two moments). A ZeRO-3 rank holds
 // a quarter of each plus the gather buffers: two units of weights (the prefetch pair) and one unit of
 // gradient. With 32 layers those are ~3% of the model, so the rank's share is 0.25-0.28 of the single rank.
+// ZeRO-2 (whole weights, the rest sharded) is about half.
 #include <gtest/gtest.h>
 #include <malloc.h>
 
@@ -37,7 +38,7 @@ struct Measured {
 };
 Measured measure(const LlamaConfig& config, int stage, Comm& dp) {
   const int64_t before = heap_in_use();
-  Llama model(config, 1, 8, LlamaParallel{nullptr, /*external_weights=*/stage == 3});
+  Llama model(config, 1, 8, LlamaParallel{nullptr, /*external_weights=*/stage == 3, /*external_grads=*/stage == 2});
   Zero zero(model, OptimizerConfig{}, stage, dp, nullptr);
   const int64_t after = heap_in_use();
   return {after - before - model.activation_bytes(), zero.state_bytes()};
@@ -57,6 +58,10 @@ TEST(Zero, Stage3HoldsAQuarterOfTheStateAtFourRanks) {
   EXPECT_NEAR(double(single.heap), 16.0 * config.n_params(), 0.02 * single.heap);
   EXPECT_GT(ratio, 0.24);
   EXPECT_LT(ratio, 0.28);
+  // ZeRO-2 keeps whole weights (4 bytes per parameter) and a quarter of the rest: about half.
+  const Measured stage2 = measure(config, 2, world);
+  EXPECT_GT(double(stage2.heap) / single.heap, 0.49);
+  EXPECT_LT(double(stage2.heap) / single.heap, 0.52);
   // Zero's own accounting agrees with malloc's.
   EXPECT_NEAR(double(sharded.reported), double(sharded.heap), 0.02 * sharded.heap);
   EXPECT_NEAR(double(single.reported), double(single.heap), 0.02 * single.heap);
