@@ -8,7 +8,11 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <random>
 #include <string>
+#include <vector>
+
+#include "data/shard.h"
 
 namespace tuna::testing_util {
 
@@ -50,6 +54,24 @@ inline RunResult run_command(const std::string& command, const std::filesystem::
   const int status = std::system(full.c_str());
   const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return {code, read_file(log)};
+}
+
+// Token shards for trainer tests (vocab 128): a learnable stream, 62 training windows of 16
+// tokens in train-0000{0,1}.bin, 31 in val-00000.bin.
+inline void write_test_shards(const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  std::mt19937 rng(5);
+  for (const char* name : {"train-00000.bin", "train-00001.bin", "val-00000.bin"}) {
+    ShardWriter w((dir / name).string(), 128);
+    for (int doc = 0; doc < 12; doc++) {
+      std::vector<int32_t> tokens{1};
+      const int start = rng() % 100;
+      for (int i = 0; i < 40; i++) tokens.push_back(3 + (start + i * 7) % 120);
+      tokens.push_back(2);
+      w.add_document(tokens);
+    }
+    w.finish();
+  }
 }
 
 }  // namespace tuna::testing_util

@@ -20,22 +20,4 @@ inline std::string mpirun(int np) {
          "mpirun --bind-to none -np " + std::to_string(np) + " ";
 }
 
-// The shards of tests/tools/test_train.cpp (vocab 128): a learnable stream, 62 training windows of 16
-// tokens in train-0000{0,1}.bin, 31 in val-00000.bin.
-inline void write_test_shards(const std::filesystem::path& dir) {
-  std::filesystem::create_directories(dir);
-  std::mt19937 rng(5);
-  for (const char* name : {"train-00000.bin", "train-00001.bin", "val-00000.bin"}) {
-    ShardWriter w((dir / name).string(), 128);
-    for (int doc = 0; doc < 12; doc++) {
-      std::vector<int32_t> tokens{1};
-      const int start = rng() % 100;
-      for (int i = 0; i < 40; i++) tokens.push_back(3 + (start + i * 7) % 120);
-      tokens.push_back(2);
-      w.add_document(tokens);
-    }
-    w.finish();
-  }
-}
-
 }  // namespace tuna::testing_util

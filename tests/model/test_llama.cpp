@@ -19,46 +19,15 @@
 #include "model/llama.h"
 #include "model/optimizer.h"
 #include "model/safetensors.h"
+#include "tests/model/fixture.h"
 
 namespace tuna {
 namespace {
 
 namespace fs = std::filesystem;
 
-const fs::path kFixtures = "tests/fixtures";
-
-double rel_err_norm(const float* ours, const double* ref, int64_t n, double scale = 1.0) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; i++) {
-    const double d = double(ours[i]) * scale - ref[i];
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
-struct Fixture {
-  fs::path dir;
-  LlamaConfig config;
-  int64_t batch = 0, seq = 0;
-  std::vector<int32_t> inputs, targets;
-  nlohmann::json meta;
-
-  explicit Fixture(const std::string& name) : dir(kFixtures / name) {
-    config = LlamaConfig::load(dir.string());
-    SafetensorsFile ref(dir / "reference.safetensors");
-    const TensorInfo* info = ref.find("input_ids");
-    if (!info) throw std::runtime_error("fixture has no input_ids");
-    batch = info->shape[0];
-    seq = info->shape[1];
-    inputs.resize(batch * seq);
-    targets.resize(batch * seq);
-    ref.read_i32("input_ids", {batch, seq}, inputs.data());
-    ref.read_i32("targets", {batch, seq}, targets.data());
-    std::ifstream in(dir / "reference.json");
-    meta = nlohmann::json::parse(in);
-  }
-};
+using testing_util::Fixture;
+using testing_util::rel_err_norm;
 
 class LlamaParity : public testing::TestWithParam<std::string> {};
 
@@ -99,16 +68,7 @@ TEST_P(LlamaParity, TenAdamWStepsFollowTorch) {
   SafetensorsFile ref(f.dir / "reference.safetensors");
 
   const nlohmann::json& m = f.meta;
-  OptimizerConfig oc;
-  oc.lr = m.at("lr");
-  oc.min_lr = m.at("min_lr");
-  oc.warmup_steps = m.at("warmup_steps");
-  oc.schedule = m.at("schedule");
-  oc.beta1 = m.at("beta1");
-  oc.beta2 = m.at("beta2");
-  oc.eps = m.at("eps");
-  oc.weight_decay = m.at("weight_decay");
-  oc.grad_clip = m.at("grad_clip");
+  const OptimizerConfig oc = f.optimizer();
   const int64_t steps = m.at("steps");
   std::vector<double> ref_losses(steps), ref_norms(steps), ref_lrs(steps);
   ref.read_f64("train_losses", {steps}, ref_losses.data());

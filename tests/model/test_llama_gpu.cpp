@@ -24,6 +24,7 @@
 #include "model/llama_gpu.h"
 #include "model/optimizer.h"
 #include "model/safetensors.h"
+#include "tests/model/fixture.h"
 #include "tests/kernels/gpu_test_util.h"
 
 namespace tuna {
@@ -31,52 +32,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-double rel_err(const float* ours, const double* ref, int64_t n, double scale = 1.0) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; i++) {
-    const double d = double(ours[i]) * scale - ref[i];
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
-struct GpuFixture {
-  fs::path dir;
-  LlamaConfig config;
-  int64_t batch = 0, seq = 0;
-  std::vector<int32_t> inputs, targets;
-  nlohmann::json meta;
-
-  explicit GpuFixture(const std::string& name) : dir(fs::path("tests/fixtures") / name) {
-    config = LlamaConfig::load(dir.string());
-    SafetensorsFile ref(dir / "reference.safetensors");
-    const TensorInfo* info = ref.find("input_ids");
-    if (!info) throw std::runtime_error("fixture has no input_ids");
-    batch = info->shape[0];
-    seq = info->shape[1];
-    inputs.resize(batch * seq);
-    targets.resize(batch * seq);
-    ref.read_i32("input_ids", {batch, seq}, inputs.data());
-    ref.read_i32("targets", {batch, seq}, targets.data());
-    std::ifstream in(dir / "reference.json");
-    meta = nlohmann::json::parse(in);
-  }
-
-  OptimizerConfig optimizer() const {
-    OptimizerConfig oc;
-    oc.lr = meta.at("lr");
-    oc.min_lr = meta.at("min_lr");
-    oc.warmup_steps = meta.at("warmup_steps");
-    oc.schedule = meta.at("schedule");
-    oc.beta1 = meta.at("beta1");
-    oc.beta2 = meta.at("beta2");
-    oc.eps = meta.at("eps");
-    oc.weight_decay = meta.at("weight_decay");
-    oc.grad_clip = meta.at("grad_clip");
-    return oc;
-  }
-};
+using testing_util::rel_err_norm;
+using GpuFixture = testing_util::Fixture;
 
 class LlamaGpuParity : public testing::TestWithParam<std::string> {};
 
@@ -94,7 +51,7 @@ TEST_P(LlamaGpuParity, LogitsLossAndGradientsMatchTransformers) {
   model.forward_logits(f.inputs.data(), f.batch, f.seq, logits.data());
   std::vector<double> ref_logits(logits.size());
   ref.read_f64("logits", {f.batch, f.seq, V}, ref_logits.data());
-  const double logits_err = rel_err(logits.data(), ref_logits.data(), logits.size());
+  const double logits_err = rel_err_norm(logits.data(), ref_logits.data(), logits.size());
   std::printf("  %s logits rel err %.3e\n", GetParam().c_str(), logits_err);
   EXPECT_LE(logits_err, 3e-2);
 
@@ -111,7 +68,7 @@ TEST_P(LlamaGpuParity, LogitsLossAndGradientsMatchTransformers) {
   for (const ParamTensor& t : model.layout().tensors()) {
     std::vector<double> ref_grad(t.numel);
     ref.read_f64("grad." + t.name, t.shape, ref_grad.data());
-    const double err = rel_err(grads.data() + t.offset, ref_grad.data(), t.numel, 1.0 / loss.count);
+    const double err = rel_err_norm(grads.data() + t.offset, ref_grad.data(), t.numel, 1.0 / loss.count);
     std::printf("    grad %-45s rel err %.3e\n", t.name.c_str(), err);
     EXPECT_LE(err, 0.1) << t.name;
   }
@@ -177,7 +134,7 @@ TEST(LlamaGpu, GradientAccumulationOverMicroBatchesMatchesOneBatch) {
   whole.get_grads(ga.data());
   split.get_grads(gb.data());
   const std::vector<double> ref(ga.begin(), ga.end());
-  const double err = rel_err(gb.data(), ref.data(), static_cast<int64_t>(ref.size()));
+  const double err = rel_err_norm(gb.data(), ref.data(), static_cast<int64_t>(ref.size()));
   std::printf("  micro-batch split: loss %.6f vs %.6f, grad rel err %.3e\n", a.sum, b.sum, err);
   EXPECT_LE(err, 3e-2);
 }

@@ -62,7 +62,8 @@ TEST(Schedule, BadOptionsAreRefusedByName) {
   EXPECT_THROW(validate(c), Error);
 }
 
-TEST(AdamW, OneStepMatchesTheFormulaAndDecaysOnlyMatrices) {
+// The smallest model with every kind of tensor: matrices that decay and norm weights that do not.
+LlamaConfig one_layer_config() {
   LlamaConfig cfg;
   cfg.hidden_size = 2;
   cfg.intermediate_size = 2;
@@ -71,7 +72,11 @@ TEST(AdamW, OneStepMatchesTheFormulaAndDecaysOnlyMatrices) {
   cfg.num_key_value_heads = 1;
   cfg.head_dim = 2;
   cfg.vocab_size = 3;
-  ParamLayout layout(cfg);
+  return cfg;
+}
+
+TEST(AdamW, OneStepMatchesTheFormulaAndDecaysOnlyMatrices) {
+  ParamLayout layout(one_layer_config());
   OptimizerConfig oc;
   oc.lr = 0.1;
   oc.beta1 = 0.9;
@@ -92,15 +97,7 @@ TEST(AdamW, OneStepMatchesTheFormulaAndDecaysOnlyMatrices) {
 }
 
 TEST(AdamW, ClipsToTheMaxNorm) {
-  LlamaConfig cfg;
-  cfg.hidden_size = 2;
-  cfg.intermediate_size = 2;
-  cfg.num_hidden_layers = 1;
-  cfg.num_attention_heads = 1;
-  cfg.num_key_value_heads = 1;
-  cfg.head_dim = 2;
-  cfg.vocab_size = 3;
-  ParamLayout layout(cfg);
+  ParamLayout layout(one_layer_config());
   OptimizerConfig oc;
   oc.grad_clip = 1.0;
   AdamW opt(layout, oc);

@@ -21,23 +21,6 @@ using testing_util::TempDir;
 
 const std::string kTrain = testing_util::build_dir() + "/train";
 
-// Shards of a repetitive token stream (vocab 128) so that the loss has something to learn.
-void write_shards(const fs::path& dir) {
-  fs::create_directories(dir);
-  std::mt19937 rng(5);
-  for (const char* name : {"train-00000.bin", "train-00001.bin", "val-00000.bin"}) {
-    ShardWriter w((dir / name).string(), 128);
-    for (int doc = 0; doc < 12; doc++) {
-      std::vector<int32_t> tokens{1};
-      const int start = rng() % 100;
-      for (int i = 0; i < 40; i++) tokens.push_back(3 + (start + i * 7) % 120);
-      tokens.push_back(2);
-      w.add_document(tokens);
-    }
-    w.finish();
-  }
-}
-
 // step -> loss line (the last one logged for the step) from metrics.jsonl.
 std::map<int64_t, std::string> losses(const fs::path& metrics) {
   std::map<int64_t, std::string> out;
@@ -59,7 +42,7 @@ std::string common_flags(const fs::path& data) {
 
 TEST(Train, ResumeContinuesBitForBit) {
   TempDir tmp("train");
-  write_shards(tmp / "data");
+  testing_util::write_test_shards(tmp / "data");
   const std::string flags = common_flags(tmp / "data");
 
   auto r = run_command(kTrain + flags + " --out_dir " + (tmp / "straight").string(), tmp / "log_a");
@@ -88,7 +71,7 @@ TEST(Train, ResumeContinuesBitForBit) {
 
 TEST(Train, BadOptionsAndInputsFailClearly) {
   TempDir tmp("trainbad");
-  write_shards(tmp / "data");
+  testing_util::write_test_shards(tmp / "data");
   const std::string flags = common_flags(tmp / "data") + " --out_dir " + (tmp / "run").string();
   auto r = run_command(kTrain + flags + " --micro_bacth 2", tmp / "log1");
   EXPECT_EQ(r.exit_code, 1);
@@ -116,7 +99,7 @@ TEST(Train, BadOptionsAndInputsFailClearly) {
 
 TEST(Train, ConfigFileAndFlagsAgree) {
   TempDir tmp("traintoml");
-  write_shards(tmp / "data");
+  testing_util::write_test_shards(tmp / "data");
   std::ofstream(tmp / "run.toml") << "model_config = \"tests/fixtures/llama32_tiny/config.json\"\n"
                                   << "train_data = \"" << (tmp / "data" / "train-*.bin").string() << "\"\n"
                                   << "seq_len = 16\nmicro_batch = 2\nsteps = 3\nlr = 1e-3\nthreads = 1\n"
