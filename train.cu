@@ -24,6 +24,7 @@
 #include <sstream>
 
 #include "core/error.h"           // tuna::Error, fail
+#include "core/memory.h"          // host_memory: resident and peak MB for the log
 #include "core/options.h"         // Options: TOML + flags
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
@@ -351,16 +352,18 @@ int run(int argc, char** argv) {
     const double eta = elapsed / double(step - first_step) * double(cfg.steps - step);
     const double mean_loss = result.loss;
     const double tok_s = tokens_per_step / secs;
+    const HostMemory mem = host_memory();
     metrics << json{{"step", step},          {"loss", mean_loss},       {"lr", lr},
                     {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", result.tokens},
-                    {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"eta_s", eta}}
+                    {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"eta_s", eta},
+                    {"mem_mb", mem.resident_mb}, {"peak_mem_mb", mem.peak_mb}}
                    .dump()
             << "\n";
     metrics.flush();
     if (step % cfg.log_every == 0 || step == last_step || step == first_step + 1) {
-      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %.0f ms | ETA %s\n",
+      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %.0f ms | mem %.0f MB (peak %.0f) | ETA %s\n",
                   (long long)step, (long long)cfg.steps, mean_loss, lr, stats.grad_norm, tok_s, secs * 1e3,
-                  format_duration(eta).c_str());
+                  mem.resident_mb, mem.peak_mb, format_duration(eta).c_str());
       std::fflush(stdout);
     }
     if (val && cfg.val_every > 0 && step % cfg.val_every == 0 && step != cfg.steps) validate_now(step);
