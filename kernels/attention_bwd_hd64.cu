@@ -1,30 +1,10 @@
-// The attention backward for head_dim 64 (see attention_kernels.cuh): delta, then dK/dV with 64-query steps,
-// then dQ with 64-key steps.
-#include "core/cuda_check.h"
+// The attention backward for head_dim 64 (see attention_kernels.cuh).
 #include "kernels/attention_kernels.cuh"
 
 namespace tuna::cuda {
-namespace {
-constexpr int kHd = 64, kQueries = 64, kKeys = 64;
-}  // namespace
 
 void attention_bwd_hd64(const AttentionParams& p, cudaStream_t stream) {
-  using namespace attention;
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.seq_len * p.n_heads;
-  bwd_delta_kernel<kHd><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p);
-  TUNA_CUDA_CHECK_LAUNCH();
-  constexpr int kDkdvSmem = dkdv_smem_bytes<kHd, kQueries>();
-  TUNA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dkdv_kernel<kHd, kQueries>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       kDkdvSmem));
-  const dim3 kv_grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_kv_heads, p.batch);
-  bwd_dkdv_kernel<kHd, kQueries><<<kv_grid, kThreads, kDkdvSmem, stream>>>(p);
-  TUNA_CUDA_CHECK_LAUNCH();
-  constexpr int kDqSmem = dq_smem_bytes<kHd, kKeys>();
-  TUNA_CUDA_CHECK(
-      cudaFuncSetAttribute(bwd_dq_kernel<kHd, kKeys>, cudaFuncAttributeMaxDynamicSharedMemorySize, kDqSmem));
-  const dim3 q_grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_heads, p.batch);
-  bwd_dq_kernel<kHd, kKeys><<<q_grid, kThreads, kDqSmem, stream>>>(p);
-  TUNA_CUDA_CHECK_LAUNCH();
+  attention::launch_bwd</*head_dim=*/64, /*queries per step=*/64, /*keys per step=*/64>(p, stream);
 }
 
 }  // namespace tuna::cuda

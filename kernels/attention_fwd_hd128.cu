@@ -1,17 +1,8 @@
-// The attention forward for head_dim 128 (see attention_kernels.cuh). One file per head dim so that CI's
-// two cores compile the instantiations in parallel.
-#include "core/cuda_check.h"
+// The attention forward for head_dim 128 (see attention_kernels.cuh).
 #include "kernels/attention_kernels.cuh"
 
 namespace tuna::cuda {
 
-void attention_fwd_hd128(const AttentionParams& p, cudaStream_t stream) {
-  using namespace attention;
-  constexpr int kSmem = fwd_smem_bytes<128>();
-  TUNA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_heads, p.batch);
-  fwd_kernel<128><<<grid, kThreads, kSmem, stream>>>(p);
-  TUNA_CUDA_CHECK_LAUNCH();
-}
+void attention_fwd_hd128(const AttentionParams& p, cudaStream_t stream) { attention::launch_fwd</*head_dim=*/128>(p, stream); }
 
 }  // namespace tuna::cuda
