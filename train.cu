@@ -11,7 +11,6 @@
 // Every option is settable in the TOML file and as a flag (flags win). The effective config is printed
 // at start and saved in every checkpoint's state.json. SIGTERM/SIGINT/SIGUSR1 (a preemption notice) finish
 // the current step, write a checkpoint and exit 0, so `--resume` continues exactly where the job stopped.
-#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -26,6 +25,7 @@
 #include "core/error.h"           // tuna::Error, fail
 #include "core/memory.h"          // host_memory: resident and peak MB for the log
 #include "core/options.h"         // Options: TOML + flags
+#include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
 #include "dist/zero.h"            // Zero: ZeRO 0-3, the step's collectives and optimizer state
@@ -33,8 +33,6 @@
 #include "model/config.h"         // LlamaConfig
 #include "model/llama.h"          // Llama: forward_backward, forward_loss
 #include "model/optimizer.h"      // AdamW, OptimizerConfig, learning_rate
-
-extern "C" void openblas_set_num_threads(int);
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -192,10 +190,7 @@ int run(int argc, char** argv) {
   std::unique_ptr<Comm> world = make_world_comm(cfg.comm_timeout);
   Mesh mesh = make_mesh(*world, cfg.tp);
   if (world->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) fail("cannot silence stdout of rank ", world->rank());
-  const int threads = cfg.threads > 0 ? static_cast<int>(cfg.threads)
-                                      : std::max(1, omp_get_num_procs() / std::max(1, launch.local_size));
-  omp_set_num_threads(threads);
-  openblas_set_num_threads(threads);
+  const int threads = set_cpu_threads(cfg.threads, launch.local_size);
 
   const fs::path out_dir = cfg.out_dir, ckpt_root = out_dir / "ckpt";
   std::error_code ec;

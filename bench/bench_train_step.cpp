@@ -3,15 +3,13 @@
 // batch, so the two compare in one run:
 //   build/bench_train_step && python3 tools/reference/bench_torch.py --config demo/config.json --batch 8 --seq 128
 #include <benchmark/benchmark.h>
-#include <omp.h>
 
 #include <random>
 
+#include "core/threads.h"
 #include "model/config.h"
 #include "model/llama.h"
 #include "model/optimizer.h"
-
-extern "C" void openblas_set_num_threads(int);
 
 namespace tuna {
 namespace {
@@ -19,8 +17,7 @@ namespace {
 void BM_TrainStep(benchmark::State& state) {
   const int64_t batch = state.range(0), seq = state.range(1);
   const int threads = static_cast<int>(state.range(2));
-  omp_set_num_threads(threads);
-  openblas_set_num_threads(threads);
+  set_cpu_threads(threads);
   LlamaConfig config = LlamaConfig::load("demo/config.json");
   Llama model(config, batch, seq);
   model.init_random(1);

@@ -27,15 +27,23 @@ __device__ __forceinline__ float dot_row(const float (&a)[kHd], const bf16* b) {
   return sum;
 }
 
+// The sequence, position, query head and kv head of row `row` of q ([batch, seq, heads] order).
+struct QueryRow {
+  int b, t, h, kvh;
+};
+__device__ __forceinline__ QueryRow query_of_row(const AttentionParams& p, int64_t row) {
+  const int h = static_cast<int>(row % p.n_heads);
+  const int t = static_cast<int>((row / p.n_heads) % p.seq_len);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.n_heads) * p.seq_len));
+  return {b, t, h, h / (p.n_heads / p.n_kv_heads)};
+}
+
 // Thread per (b, t, h) in the [batch, seq, heads] order of q's rows.
 template <int kHd>
 __global__ void small_fwd_kernel(AttentionParams p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (row >= static_cast<int64_t>(p.batch) * p.seq_len * p.n_heads) return;
-  const int h = static_cast<int>(row % p.n_heads);
-  const int t = static_cast<int>((row / p.n_heads) % p.seq_len);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.n_heads) * p.seq_len));
-  const int kvh = h / (p.n_heads / p.n_kv_heads);
+  const auto [b, t, h, kvh] = query_of_row(p, row);
   float q[kHd], acc[kHd] = {};
   load_row<kHd>(q, p.q + row * kHd);
   float row_max = -INFINITY, row_sum = 0.0f;
@@ -59,10 +67,7 @@ template <int kHd>
 __global__ void small_dq_kernel(AttentionParams p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (row >= static_cast<int64_t>(p.batch) * p.seq_len * p.n_heads) return;
-  const int h = static_cast<int>(row % p.n_heads);
-  const int t = static_cast<int>((row / p.n_heads) % p.seq_len);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.n_heads) * p.seq_len));
-  const int kvh = h / (p.n_heads / p.n_kv_heads);
+  const auto [b, t, h, kvh] = query_of_row(p, row);
   const int64_t stat = (static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len + t;
   float q[kHd], g[kHd], dq[kHd] = {};
   load_row<kHd>(q, p.q + row * kHd);

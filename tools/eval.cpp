@@ -5,7 +5,6 @@
 //
 // Prints a human line and a JSON line. Every window of the shards is scored once, in order; the loss is
 // the mean over every predicted token (targets masked out by the shards' loss mask are not counted).
-#include <omp.h>
 
 #include <cmath>
 #include <cstdio>
@@ -14,12 +13,11 @@
 
 #include "core/error.h"
 #include "core/options.h"
+#include "core/threads.h"
 #include "data/loader.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/llama.h"
-
-extern "C" void openblas_set_num_threads(int);
 
 int main(int argc, char** argv) {
   using namespace tuna;
@@ -37,9 +35,7 @@ int main(int argc, char** argv) {
     if (checkpoint.empty() || data.empty()) fail("--checkpoint and --data are required (see --help)");
     if (seq_len < 1 || micro_batch < 1 || max_batches < 0 || threads < 0)
       fail("seq_len and micro_batch must be >= 1, max_batches and threads >= 0");
-    const int nthreads = threads > 0 ? static_cast<int>(threads) : omp_get_num_procs();
-    omp_set_num_threads(nthreads);
-    openblas_set_num_threads(nthreads);
+    set_cpu_threads(threads);
 
     LlamaConfig config = LlamaConfig::load(checkpoint);
     Llama model(config, micro_batch, seq_len);

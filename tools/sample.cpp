@@ -5,7 +5,6 @@
 //
 // Each new token reruns the forward over the whole context (no KV cache): the CPU backend exists to check
 // a model, not to serve it, and this keeps generation on exactly the code path that training tested.
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,12 +15,11 @@
 
 #include "core/error.h"
 #include "core/options.h"
+#include "core/threads.h"
 #include "data/tokenizer.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/llama.h"
-
-extern "C" void openblas_set_num_threads(int);
 
 namespace {
 
@@ -72,9 +70,7 @@ int main(int argc, char** argv) {
     if (!greedy && !(temperature > 0)) fail("option 'temperature': expected > 0, found ", temperature);
     if (!(top_p > 0 && top_p <= 1)) fail("option 'top_p': expected in (0, 1], found ", top_p);
     if (max_tokens < 1) fail("option 'max_tokens': expected >= 1, found ", max_tokens);
-    const int nthreads = threads > 0 ? static_cast<int>(threads) : omp_get_num_procs();
-    omp_set_num_threads(nthreads);
-    openblas_set_num_threads(nthreads);
+    set_cpu_threads(threads);
     if (tokenizer_path.empty()) tokenizer_path = (std::filesystem::path(checkpoint) / "tokenizer.model").string();
 
     Tokenizer tokenizer(tokenizer_path);
