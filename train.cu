@@ -4,9 +4,10 @@
 //   build/train --config run.toml [--option value ...]
 //   mpirun -np 8 build/train --config run.toml --zero 3 [--tp 2]      (see README: Launching)
 //
-// Ranks: world = dp x tp (dist/comm.h); the loader gives each dp rank disjoint windows, Zero (dist/zero.h)
-// does the data-parallel collectives and owns the optimizer state, the model does the tensor-parallel
-// ones. Rank 0 prints and writes metrics.jsonl; every rank writes its checkpoint shard.
+// Ranks: world = dp x tp (dist/comm.h); the loader gives each dp rank disjoint windows. The Engine
+// (model/engine.h) is the model on the chosen device: on cpu, Llama + Zero (every parallel mode); on cuda,
+// LlamaGpu on the rank's GPU with gradients all-reduced over NCCL. Rank 0 prints and writes metrics.jsonl;
+// every rank writes its checkpoint shard.
 //
 // Every option is settable in the TOML file and as a flag (flags win). The effective config is printed
 // at start and saved in every checkpoint's state.json. SIGTERM/SIGINT/SIGUSR1 (a preemption notice) finish
@@ -23,16 +24,15 @@
 #include <sstream>
 
 #include "core/error.h"           // tuna::Error, fail
-#include "core/memory.h"          // host_memory: resident and peak MB for the log
 #include "core/options.h"         // Options: TOML + flags
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
-#include "dist/zero.h"            // Zero: ZeRO 0-3, the step's collectives and optimizer state
-#include "model/checkpoint.h"     // load_weights, save_checkpoint, latest_checkpoint, load_optimizer
+#include "model/checkpoint.h"     // load_weights, save_checkpoint, latest_checkpoint, load_checkpoint_shard
 #include "model/config.h"         // LlamaConfig
-#include "model/llama.h"          // Llama: forward_backward, forward_loss
-#include "model/optimizer.h"      // AdamW, OptimizerConfig, learning_rate
+#include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
+#include "model/llama.h"          // init_random_weights
+#include "model/optimizer.h"      // OptimizerConfig, learning_rate
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -67,6 +67,9 @@ struct TrainConfig {
   int64_t zero = 0;
   bool zero_prefetch = true;
   double comm_timeout = 300;
+  bool bf16_moments = false;
+  bool stochastic_rounding = false;
+  double gpu_hour_cost = 0;
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -105,6 +108,9 @@ void declare(Options& o, TrainConfig& c) {
   o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters");
   o.add("zero_prefetch", &c.zero_prefetch, "ZeRO-3: gather the next layer while this one computes (false: when used)");
   o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever");
+  o.add("bf16_moments", &c.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
+  o.add("stochastic_rounding", &c.stochastic_rounding, "cuda: round bf16 weights (and bf16 moments) stochastically");
+  o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none");
 }
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -121,6 +127,12 @@ extern "C" void on_stop_signal(int signal) {
   g_stop_requested = true;
   // mpirun ends a job whose rank died with SIGTERM: say which collective this rank was left waiting in.
   if (signal == SIGTERM) note_signal_in_collective(signal);
+}
+
+std::string format_fixed(double x, int decimals) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, x);
+  return buf;
 }
 
 std::string format_duration(double seconds) {
@@ -147,8 +159,7 @@ void check(const TrainConfig& c) {
   if (c.tp < 1) fail("option 'tp': expected >= 1, found ", c.tp);
   if (c.zero < 0 || c.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", c.zero);
   if (c.comm_timeout < 0) fail("option 'comm_timeout': expected >= 0 seconds, found ", c.comm_timeout);
-  if (c.device == "cuda")
-    fail("option 'device' is cuda, but this build of tuna has no CUDA training step yet: use --device cpu");
+  if (c.gpu_hour_cost < 0) fail("option 'gpu_hour_cost': expected >= 0, found ", c.gpu_hour_cost);
   validate(c.opt);
 }
 
@@ -165,7 +176,7 @@ LoaderCursor reshard_cursor(LoaderCursor c, int64_t dp_size) {
   return c;
 }
 
-LossSum evaluate(Llama& model, DataLoader& val, int64_t max_batches, std::vector<int32_t>& inputs,
+LossSum evaluate(Engine& model, DataLoader& val, int64_t max_batches, std::vector<int32_t>& inputs,
                  std::vector<int32_t>& targets) {
   const LoaderOptions& o = val.options();
   val.reset();
@@ -206,35 +217,48 @@ int run(int argc, char** argv) {
                                               : LlamaConfig::from_json(config_json, (weights_dir / "config.json").string());
   if (weights_dir.empty()) config_json = LlamaConfig::load(cfg.model_config).to_json(), config_json["torch_dtype"] = "float32";
 
-  std::printf("tuna train | device cpu (%d threads per rank) | %d ranks = dp %d x tp %d | ZeRO-%lld (%s)\n", threads,
-              world->size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero, world->backend().c_str());
-  std::printf("config %s\n", options.to_json().dump().c_str());
+  EngineOptions eo;
+  eo.device = resolve_device(cfg.device);
+  eo.micro_batch = cfg.micro_batch, eo.seq_len = cfg.seq_len, eo.opt = cfg.opt;
+  eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
+  eo.bf16_moments = cfg.bf16_moments, eo.stochastic_rounding = cfg.stochastic_rounding;
+  eo.seed = static_cast<uint64_t>(cfg.seed);
+  eo.gpu = launch.local_rank;  // one GPU per rank: the rank's index on its node
+  if (eo.device == "cpu" && (cfg.bf16_moments || cfg.stochastic_rounding))
+    fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
 
-  Llama model(model_cfg, cfg.micro_batch, cfg.seq_len, LlamaParallel{mesh.tp.get(), /*external_weights=*/cfg.zero == 3,
-                                                                     /*external_grads=*/cfg.zero == 2});
-  // A fresh start fills the (tp-local) weights before Zero takes its share: stages 0-2 keep them in
-  // model.params, stage 3 keeps its shard of a temporary whole copy. A resume reads only this rank's shard.
-  std::vector<float> staging(cfg.zero == 3 && !resume_from ? model.layout().total() : 0);
-  float* initial = cfg.zero == 3 ? staging.data() : model.params.data();
+  // Where the starting weights come from (a resume restores them after construction instead).
+  WeightFill initial;
   if (!resume_from && !cfg.init.empty()) {
-    load_weights(cfg.init, model.layout(), initial);
-    std::printf("initialized from %s\n", cfg.init.c_str());
+    initial = [&](const ParamLayout& layout, float* out) { load_weights(cfg.init, layout, out); };
   } else if (!resume_from) {
-    model.init_random(static_cast<uint64_t>(cfg.seed), cfg.init_std, initial);
-    std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
+    initial = [&](const ParamLayout& layout, float* out) {
+      init_random_weights(layout, static_cast<uint64_t>(cfg.seed), cfg.init_std, out);
+    };
   }
-  Zero zero(model, cfg.opt, static_cast<int>(cfg.zero), *mesh.dp, mesh.tp.get());
-  zero.set_prefetch(cfg.zero_prefetch);
-  if (cfg.zero == 3 && !resume_from) zero.set_weights_from_full(initial);
-  staging = {};
+  DeviceCommFactory device_comm;
+#if TUNA_NCCL
+  device_comm = [&](void* stream) {
+    return make_nccl_comm(mesh.dp->split(0, mesh.dp_rank), stream, cfg.comm_timeout);
+  };
+#endif
+  std::unique_ptr<Engine> engine = make_engine(model_cfg, eo, mesh, initial, device_comm);
+  std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x tp %d | ZeRO-%lld (%s)\n",
+              engine->describe().c_str(), threads, world->size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero,
+              world->backend().c_str());
+  std::printf("config %s\n", options.to_json().dump().c_str());
+  if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", cfg.init.c_str());
+  else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
+
   json saved_cursor;
   int64_t step = 0;
   if (resume_from) {
     json state = read_state(*resume_from);
     step = state["step"].get<int64_t>();
     std::vector<float> p, m, v;
-    zero.optimizer().steps_taken = load_checkpoint_shard(*resume_from, model.layout(), zero.segments(), p, m, v);
-    zero.import_shard(p, m, v);
+    const int64_t steps_taken = load_checkpoint_shard(*resume_from, engine->layout(), engine->segments(), p, m, v);
+    engine->import_shard(p, m, v);
+    engine->set_steps_taken(steps_taken);
     if (state.contains("data_cursor")) saved_cursor = state["data_cursor"];
     if (state.contains("train_config")) {
       json old = state["train_config"], now = options.to_json();
@@ -264,8 +288,8 @@ int run(int argc, char** argv) {
   std::printf("model %lld parameters (%d layers, hidden %lld, %lld heads / %lld kv, vocab %lld); activations %.1f MB\n",
               (long long)model_cfg.n_params(), (int)model_cfg.num_hidden_layers, (long long)model_cfg.hidden_size,
               (long long)model_cfg.num_attention_heads, (long long)model_cfg.num_key_value_heads,
-              (long long)model_cfg.vocab_size, model.activation_bytes() / 1e6);
-  std::printf("state per rank: %.1f MB of parameters, gradients and optimizer state\n", zero.state_bytes() / 1e6);
+              (long long)model_cfg.vocab_size, engine->activation_bytes() / 1e6);
+  std::printf("state per rank: %.1f MB of parameters, gradients and optimizer state\n", engine->state_bytes() / 1e6);
   std::printf("data %llu windows of %lld tokens in %zu shards; %lld tokens per step; %.2f epochs over %lld steps\n",
               (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
               (long long)tokens_per_step,
@@ -288,18 +312,24 @@ int run(int argc, char** argv) {
                   {"data_cursor", train.cursor()},
                   {"rng", {{"seed", cfg.seed}}},
                   {"world", {{"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}}};
-    CheckpointContents contents{&config_json, model.params.data(), &zero.optimizer(), state, tokenizer_dir};
+    const ParamLayout& layout = engine->layout();
+    std::vector<float> sp, sm, sv;
     fs::path p;
     if (world->size() == 1) {  // one rank: the single-file format (also a Hugging Face model directory)
-      p = save_checkpoint(ckpt_root, at_step, model.layout(), contents, cfg.ckpt_keep);
+      engine->export_shard(sp, sm, sv);  // one rank's shard order is the layout's order
+      TUNA_CHECK(static_cast<int64_t>(sp.size()) == layout.total(), "one rank's shard is not the whole model");
+      CheckpointContents contents{&config_json, sp.data(), {sm.data(), sv.data(), engine->steps_taken()}, state,
+                                  tokenizer_dir};
+      p = save_checkpoint(ckpt_root, at_step, layout, contents, cfg.ckpt_keep);
     } else {  // one file per rank, written in parallel (model/checkpoint.h)
       if (world->rank() == 0) prepare_sharded_checkpoint(ckpt_root, at_step);
       world->barrier("checkpoint directory created");
-      std::vector<float> sp, sm, sv;
-      zero.export_shard(sp, sm, sv);
-      write_checkpoint_shard(checkpoint_tmp_dir(ckpt_root, at_step), world->rank(), model.layout(),
-                             ShardState{&zero.segments(), sp.data(), sm.data(), sv.data(), zero.optimizer().steps_taken,
+      engine->export_shard(sp, sm, sv);
+      write_checkpoint_shard(checkpoint_tmp_dir(ckpt_root, at_step), world->rank(), layout,
+                             ShardState{&engine->segments(), sp.data(), sm.data(), sv.data(), engine->steps_taken(),
                                         /*write_replicated=*/mesh.tp_rank == 0});
+      sp = {}, sm = {}, sv = {};
+      CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer_dir};
       world->barrier("checkpoint shards written");
       if (world->rank() == 0) p = finish_sharded_checkpoint(ckpt_root, at_step, contents, cfg.ckpt_keep);
       world->barrier("checkpoint renamed");
@@ -309,7 +339,7 @@ int run(int argc, char** argv) {
   };
   auto validate_now = [&](int64_t at_step) {
     std::vector<int32_t> vin(cfg.micro_batch * cfg.seq_len), vtg(cfg.micro_batch * cfg.seq_len);
-    LossSum v = zero.all_reduce_loss(evaluate(model, *val, cfg.val_batches, vin, vtg));
+    LossSum v = engine->all_reduce_loss(evaluate(*engine, *val, cfg.val_batches, vin, vtg));
     const double loss = v.count ? v.sum / v.count : NAN;
     std::printf("step %6lld | val loss %.4f | val ppl %.2f | %lld tokens\n", (long long)at_step, loss, std::exp(loss),
                 (long long)v.count);
@@ -322,24 +352,25 @@ int run(int argc, char** argv) {
   if (val && step == 0) validate_now(0);
 
   std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len);
+  const double flops_per_token = engine->flops_per_token(cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
   const int64_t first_step = step;
   const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
   bool stopped_early = false;
   while (step < last_step) {
     const auto t0 = std::chrono::steady_clock::now();
-    zero.begin_step();
+    engine->begin_step();
     LossSum loss;
     for (int64_t micro = 0; micro < cfg.grad_accum; micro++) {
       train.next(inputs.data(), targets.data());
-      LossSum l = model.forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len);
+      LossSum l = engine->forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len);
       loss.sum += l.sum;
       loss.count += l.count;
     }
     inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only
     const double lr = learning_rate(cfg.opt, step, cfg.steps);
-    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (dist/zero.h).
-    const StepResult result = zero.finish_step(loss, lr);
+    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (model/engine.h).
+    const StepResult result = engine->finish_step(loss, lr);
     const OptimizerStats& stats = result.stats;
     step++;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -347,18 +378,31 @@ int run(int argc, char** argv) {
     const double eta = elapsed / double(step - first_step) * double(cfg.steps - step);
     const double mean_loss = result.loss;
     const double tok_s = tokens_per_step / secs;
-    const HostMemory mem = host_memory();
-    metrics << json{{"step", step},          {"loss", mean_loss},       {"lr", lr},
-                    {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", result.tokens},
-                    {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"eta_s", eta},
-                    {"mem_mb", mem.resident_mb}, {"peak_mem_mb", mem.peak_mb}}
-                   .dump()
-            << "\n";
+    // MFU: model FLOPs of the step over what every rank's device could do in the same time.
+    const double mfu = tokens_per_step * flops_per_token / secs / (engine->peak_flops() * world->size());
+    const double cost = elapsed / 3600.0 * world->size() * cfg.gpu_hour_cost;  // this allocation's, so far
+    const EngineStatus dev = engine->status();
+    json record = {{"step", step},          {"loss", mean_loss},       {"lr", lr},
+                   {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", result.tokens},
+                   {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"eta_s", eta},
+                   {"mem_mb", dev.host_mb}, {"peak_mem_mb", dev.host_peak_mb}};
+    if (std::isfinite(mfu)) record["mfu"] = mfu;
+    if (std::isfinite(dev.gpu_mb)) record["gpu_mem_mb"] = dev.gpu_mb, record["gpu_peak_mem_mb"] = dev.gpu_peak_mb;
+    if (std::isfinite(dev.gpu_util)) record["gpu_util"] = dev.gpu_util;
+    if (cfg.gpu_hour_cost > 0) record["cost"] = cost;
+    metrics << record.dump() << "\n";
     metrics.flush();
     if (step % cfg.log_every == 0 || step == last_step || step == first_step + 1) {
-      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %.0f ms | mem %.0f MB (peak %.0f) | ETA %s\n",
+      std::string device_part;
+      if (std::isfinite(mfu)) device_part += str(" | MFU ", format_fixed(100 * mfu, 1), "%");
+      if (std::isfinite(dev.gpu_mb))
+        device_part += str(" | gpu mem ", format_fixed(dev.gpu_mb / 1e3, 1), "/", format_fixed(dev.gpu_total_mb / 1e3, 1),
+                           " GB (peak ", format_fixed(dev.gpu_peak_mb / 1e3, 1), ")");
+      if (std::isfinite(dev.gpu_util)) device_part += str(" | util ", format_fixed(dev.gpu_util, 0), "%");
+      const std::string cost_part = cfg.gpu_hour_cost > 0 ? str(" | cost ", format_fixed(cost, 2)) : "";
+      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %.0f ms%s | mem %.0f MB (peak %.0f)%s | ETA %s\n",
                   (long long)step, (long long)cfg.steps, mean_loss, lr, stats.grad_norm, tok_s, secs * 1e3,
-                  mem.resident_mb, mem.peak_mb, format_duration(eta).c_str());
+                  device_part.c_str(), dev.host_mb, dev.host_peak_mb, cost_part.c_str(), format_duration(eta).c_str());
       std::fflush(stdout);
     }
     if (val && cfg.val_every > 0 && step % cfg.val_every == 0 && step != cfg.steps) validate_now(step);

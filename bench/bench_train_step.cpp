@@ -32,10 +32,7 @@ void BM_TrainStep(benchmark::State& state) {
     benchmark::DoNotOptimize(model.params.data());
   }
   state.counters["tokens_per_s"] = benchmark::Counter(double(batch * seq), benchmark::Counter::kIsIterationInvariantRate);
-  // 6 FLOPs per parameter per token (forward 2, backward 4) plus causal attention (QK^T and PV: 2 * 2 * seq/2 *
-  // q_dim per token per layer forward, twice that backward): the usual model-FLOPs estimate.
-  const double attn = 6.0 * 2.0 * double(seq) / 2.0 * double(config.q_dim()) * double(config.num_hidden_layers);
-  const double flops_per_token = 6.0 * double(config.n_params()) + attn;
+  const double flops_per_token = model_flops_per_token(config, seq);  // model/config.h
   state.counters["GFLOP_per_s"] =
       benchmark::Counter(flops_per_token * double(batch * seq) / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }

@@ -8,18 +8,17 @@
 
 namespace tuna {
 
-namespace {
-
-// This rank's piece of every unit, in unit order.
-std::vector<Segment> unit_pieces(const ParamLayout& layout, const Comm& dp) {
+std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int dp_size) {
   std::vector<Segment> out;
   for (int u = 0; u < layout.num_units(); u++) {
     const auto [begin, end] = layout.unit_range(u);
-    const Range r = shard_range(end - begin, dp.rank(), dp.size());
+    const Range r = shard_range(end - begin, dp_rank, dp_size);
     out.push_back({begin + r.begin, r.size()});
   }
   return out;
 }
+
+namespace {
 
 template <typename T>
 int64_t bytes_of(const std::vector<T>& v) {
@@ -34,7 +33,7 @@ Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* 
       stage_(stage),
       dp_(dp),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
-      segments_(unit_pieces(model.layout(), dp)),
+      segments_(dp_unit_pieces(model.layout(), dp.rank(), dp.size())),
       optimizer_(stage >= 1 ? AdamW(model.layout(), opt, segments_) : AdamW(model.layout(), opt)) {
   if (stage < 0 || stage > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", stage);
   TUNA_CHECK(model.params.empty() == (stage == 3) && model.grads.empty() == (stage >= 2),

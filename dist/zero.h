@@ -45,6 +45,10 @@ struct StepResult {
   OptimizerStats stats;
 };
 
+// This rank's piece of every unit (shard_range of the unit over dp_size), in unit order: the segments every
+// stage shards state by (and stage 0 spreads checkpoint writes by).
+std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int dp_size);
+
 class Zero final : public WeightStore {
  public:
   // model must be built with LlamaParallel::external_weights iff stage == 3 and external_grads iff stage == 2.

@@ -322,13 +322,14 @@ fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& 
     for (const ParamTensor& t : layout.tensors()) w.add(t.name, DType::F32, t.shape, c.params + t.offset);
     w.write(tmp_dir / "model.safetensors");
   }
-  if (c.optimizer) {
+  if (c.optimizer.m) {
+    TUNA_CHECK(c.optimizer.v, "checkpoint moments incomplete");
     SafetensorsWriter w;
     w.add_metadata("producer", "tuna");
-    w.add_metadata("steps_taken", std::to_string(c.optimizer->steps_taken));
+    w.add_metadata("steps_taken", std::to_string(c.optimizer.steps_taken));
     for (const ParamTensor& t : layout.tensors()) {
-      w.add("exp_avg." + t.name, DType::F32, t.shape, c.optimizer->m.data() + t.offset);
-      w.add("exp_avg_sq." + t.name, DType::F32, t.shape, c.optimizer->v.data() + t.offset);
+      w.add("exp_avg." + t.name, DType::F32, t.shape, c.optimizer.m + t.offset);
+      w.add("exp_avg_sq." + t.name, DType::F32, t.shape, c.optimizer.v + t.offset);
     }
     w.write(tmp_dir / "optimizer.safetensors");
   }

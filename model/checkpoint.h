@@ -59,10 +59,17 @@ void refuse_foreign_tensors(const HfCheckpointDir& dir, const ParamLayout& layou
 // The HF config.json object of a model directory, verbatim (to carry unknown fields through export).
 nlohmann::json read_config_json(const std::filesystem::path& dir);
 
+// AdamW's state for a single-file checkpoint: moments in ParamLayout order; m null: weights only.
+struct MomentsView {
+  const float* m = nullptr;
+  const float* v = nullptr;
+  int64_t steps_taken = 0;
+};
+
 struct CheckpointContents {
   const nlohmann::json* config_json;  // HF config.json to write
   const float* params;                // ParamLayout order, fp32
-  const AdamW* optimizer;             // null: weights only (convert)
+  MomentsView optimizer;              // optimizer.m null: weights only (convert)
   nlohmann::json state;               // written as state.json; "step" must be set
   std::filesystem::path copy_tokenizer_from;  // directory with tokenizer files, or empty
 };

@@ -203,4 +203,12 @@ int64_t LlamaConfig::n_params() const {
   return vocab_size * c * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + c;
 }
 
+double model_flops_per_token(const LlamaConfig& c, int64_t seq) {
+  double matmul_params = static_cast<double>(c.n_params());
+  if (!c.tie_word_embeddings) matmul_params -= static_cast<double>(c.vocab_size * c.hidden_size);
+  const double attention = 6.0 * static_cast<double>(seq) * static_cast<double>(c.q_dim()) *
+                           static_cast<double>(c.num_hidden_layers);
+  return 6.0 * matmul_params + attention;
+}
+
 }  // namespace tuna

@@ -45,4 +45,10 @@ struct LlamaConfig {
   int64_t n_params() const;
 };
 
+// Model FLOPs of one trained token (forward + backward), the numerator of MFU: 6 per matmul weight (the
+// lm_head included; the embedding lookup not, unless tied, when the head's product counts it) plus causal
+// attention's 6 * seq * q_dim per layer (QK^T and PV over seq/2 keys on average, 2 FLOPs per multiply-add,
+// backward twice the forward).
+double model_flops_per_token(const LlamaConfig& config, int64_t seq);
+
 }  // namespace tuna

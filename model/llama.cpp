@@ -121,10 +121,14 @@ void Llama::set_weight_store(WeightStore* store) {
 void Llama::init_random(uint64_t seed, double std, float* out) {
   if (!out) out = params.data();
   TUNA_CHECK(out != nullptr, "no buffer to initialize");
+  init_random_weights(layout_, seed, std, out);
+}
+
+void init_random_weights(const ParamLayout& layout, uint64_t seed, double std, float* out) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, std);
   std::vector<float> global;
-  for (const ParamTensor& t : layout_.tensors()) {
+  for (const ParamTensor& t : layout.tensors()) {
     float* p = out + t.offset;
     if (t.shape.size() == 1) {
       std::fill(p, p + t.numel, 1.0f);  // RMSNorm weights start at identity

@@ -63,7 +63,7 @@ class Llama {
   // HF-style initialization for training from scratch: normal(0, std) for 2-D weights, ones for norms.
   // Draws the global tensors and keeps this rank's blocks, so every tp split starts from the same model.
   // Writes into `out` (ParamLayout order; params.data() by default).
-  void init_random(uint64_t seed, double std = 0.02, float* out = nullptr);
+  void init_random(uint64_t seed, double std = 0.02, float* out = nullptr);  // init_random_weights
   void zero_grads();
 
   // inputs, targets: [batch, seq] token ids; targets may hold kIgnoreIndex. Accumulates into grads.
@@ -108,5 +108,9 @@ class Llama {
   // backward scratch
   std::vector<float> d_resid_, d_norm_, d_q_, d_k_, d_v_, d_att_, d_gate_, d_up_, d_act_, d_final_norm_;
 };
+
+// HF-style initialization of a flat buffer laid out by `layout` (any tp rank's): normal(0, std) for 2-D
+// weights, drawn for the global tensor in order and cut to this rank's block; ones for norm weights.
+void init_random_weights(const ParamLayout& layout, uint64_t seed, double std, float* out);
 
 }  // namespace tuna

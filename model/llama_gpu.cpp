@@ -13,6 +13,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <dlfcn.h>
+#include <map>
+#include <mutex>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -88,6 +91,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     plan.add(reinterpret_cast<char**>(&m_), P * moment_bytes);
     plan.add(reinterpret_cast<char**>(&v_), P * moment_bytes);
   }
+  state_bytes_ = plan.bytes();
   plan.add(&segment_starts_, n_segments_);
   plan.add(&segment_decays_, n_segments_);
   plan.add(&rope_cos_, max_seq * c.head_dim / 2);
@@ -175,6 +179,8 @@ void LlamaGpu::set_params(const float* host) {
   cuda::f32_to_bf16(params_, master_, P, stream_);
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
+
+void LlamaGpu::refresh_params() { cuda::f32_to_bf16(params_, master_, layout_.total(), stream_); }
 
 void LlamaGpu::init_random(uint64_t seed, double std) {
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -406,7 +412,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr) {
   TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
   OptimizerStats stats;
   stats.grad_norm = std::sqrt(pinned_scalar_[1]) * loss_scale;
-  if (opt_.grad_clip > 0) stats.clip_scale = std::min(1.0, opt_.grad_clip / (stats.grad_norm + 1e-6));
+  stats.clip_scale = clip_scale(opt_, stats.grad_norm);
   ++steps_taken_;
   cuda::AdamWArgs args{lr,
                        opt_.beta1,
@@ -427,18 +433,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr) {
   return stats;
 }
 
-double LlamaGpu::flops_per_token(int64_t seq) const {
-  const LlamaConfig& c = config_;
-  // Matmul weights: every parameter except the embedding table, which is a lookup, unless it doubles as
-  // the lm_head (tied), when the head's product counts it once.
-  double matmul_params = static_cast<double>(c.n_params());
-  if (!c.tie_word_embeddings) matmul_params -= static_cast<double>(c.vocab_size * c.hidden_size);
-  // Causal attention per token per layer: QK^T and PV over seq/2 keys on average, 2 FLOPs per MAC, forward
-  // (2 * 2 * seq/2 * q_dim) and backward twice that.
-  const double attention = 6.0 * static_cast<double>(seq) * static_cast<double>(c.q_dim()) *
-                           static_cast<double>(c.num_hidden_layers);
-  return 6.0 * matmul_params + attention;
-}
+double LlamaGpu::flops_per_token(int64_t seq) const { return model_flops_per_token(config_, seq); }
 
 double gpu_peak_bf16_flops(int device) {
   if (const char* env = std::getenv("TUNA_PEAK_TFLOPS")) return std::atof(env) * 1e12;
@@ -460,6 +455,55 @@ GpuMemory gpu_memory(int device) {
   TUNA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   TUNA_CUDA_CHECK(cudaSetDevice(previous));
   return {static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes)};
+}
+
+// NVML's C ABI, the few calls used (nvml.h is not part of the CUDA toolkit here): every call returns 0 on
+// success; a device handle is an opaque pointer; utilization is two unsigned percentages.
+namespace {
+struct NvmlUtilization {
+  unsigned int gpu, memory;
+};
+struct Nvml {
+  int (*init)() = nullptr;
+  int (*handle_by_pci_bus_id)(const char*, void**) = nullptr;
+  int (*utilization_rates)(void*, NvmlUtilization*) = nullptr;
+  bool ready = false;
+  std::map<int, void*> handles;  // CUDA device index -> NVML handle (matched by PCI bus id, so that
+                                 // CUDA_VISIBLE_DEVICES renumbering does not pick the wrong card)
+};
+
+Nvml& nvml() {
+  static Nvml n = [] {
+    Nvml x;
+    void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) return x;
+    x.init = reinterpret_cast<int (*)()>(dlsym(lib, "nvmlInit_v2"));
+    x.handle_by_pci_bus_id = reinterpret_cast<int (*)(const char*, void**)>(dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+    x.utilization_rates = reinterpret_cast<int (*)(void*, NvmlUtilization*)>(dlsym(lib, "nvmlDeviceGetUtilizationRates"));
+    x.ready = x.init && x.handle_by_pci_bus_id && x.utilization_rates && x.init() == 0;
+    return x;
+  }();
+  return n;
+}
+}  // namespace
+
+double gpu_utilization_percent(int device) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  Nvml& n = nvml();
+  if (!n.ready) return NAN;
+  auto it = n.handles.find(device);
+  if (it == n.handles.end()) {
+    char bus_id[32] = {};
+    void* handle = nullptr;
+    if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, device) != cudaSuccess ||
+        n.handle_by_pci_bus_id(bus_id, &handle) != 0)
+      handle = nullptr;
+    it = n.handles.emplace(device, handle).first;
+  }
+  NvmlUtilization u{};
+  if (it->second == nullptr || n.utilization_rates(it->second, &u) != 0) return NAN;
+  return u.gpu;
 }
 
 }  // namespace tuna

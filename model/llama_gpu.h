@@ -15,6 +15,7 @@
 //             OptimizerStats s = model.adamw_step(1.0 / total_count, lr);
 //   checkpoints: model.get_params(host) / get_moments(m, v) and set_moments.
 //   logs: mfu = tokens_per_s * model.flops_per_token(seq) / gpu_peak_bf16_flops().
+// model/engine_gpu.cpp does exactly this for the trainer (with data parallelism over NCCL).
 #pragma once
 
 #if TUNA_CUDA
@@ -57,8 +58,18 @@ class LlamaGpu {
 
   // Device buffers in ParamLayout order (for collectives: all-reduce grads, broadcast params).
   float* master_params() { return master_; }   // fp32, what AdamW updates
+  const float* master_params() const { return master_; }
   __nv_bfloat16* params() { return params_; }  // bf16 copy the forward reads (refreshed by every update)
   float* grads() { return grads_; }            // fp32, accumulated by forward_backward
+  // AdamW moments: float, or __nv_bfloat16 with GpuOptions::bf16_moments; null without optimizer state.
+  void* moment_m() { return m_; }
+  void* moment_v() { return v_; }
+  const void* moment_m() const { return m_; }
+  const void* moment_v() const { return v_; }
+  bool bf16_moments() const { return options_.bf16_moments; }
+  // Rewrites the bf16 copy from the fp32 master weights (after writing master_params() directly). Queued on
+  // stream().
+  void refresh_params();
 
   // Host fp32 <-> device. set_params also refreshes the bf16 copy. Synchronous.
   void set_params(const float* host);
@@ -87,8 +98,10 @@ class LlamaGpu {
   // Model FLOPs per trained token at this sequence length (forward + backward): 6 per matmul weight (the
   // lm_head included, the embedding lookup not) plus causal attention's 6 * seq * q_dim per layer.
   double flops_per_token(int64_t seq) const;
-  // Device bytes allocated at construction.
+  // Device bytes allocated at construction: in all, and for parameters + gradients + moments (the rest is
+  // activations, their gradients and scratch).
   int64_t device_bytes() const { return arena_bytes_; }
+  int64_t state_bytes() const { return state_bytes_; }
 
  private:
   struct LayerActs {
@@ -109,7 +122,7 @@ class LlamaGpu {
   std::unique_ptr<cuda::MatmulContext> matmul_;
 
   char* arena_ = nullptr;
-  int64_t arena_bytes_ = 0;
+  int64_t arena_bytes_ = 0, state_bytes_ = 0;
   float *master_ = nullptr, *grads_ = nullptr;
   __nv_bfloat16* params_ = nullptr;
   void *m_ = nullptr, *v_ = nullptr;
@@ -142,6 +155,11 @@ struct GpuMemory {
   int64_t used_bytes = 0, total_bytes = 0;
 };
 GpuMemory gpu_memory(int device = 0);
+
+// Percent of the last sample period (about 1/6 s to 1 s, driver-chosen) in which a kernel ran on the device,
+// from NVML; NaN where NVML is not available. NVML is loaded at run time (libnvidia-ml.so.1 comes with the
+// driver), so binaries still start on machines without one.
+double gpu_utilization_percent(int device = 0);
 
 }  // namespace tuna
 

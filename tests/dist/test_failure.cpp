@@ -30,7 +30,7 @@ Outcome run_with_fault(int np, const std::string& fault, int timeout_s) {
   testing_util::write_test_shards(tmp / "data");
   const std::string flags = " --model_config tests/fixtures/llama32_tiny/config.json --train_data '" +
                             (tmp / "data" / "train-*.bin").string() +
-                            "' --seq_len 16 --micro_batch 1 --steps 1000 --ckpt_every 0 --log_every 1000 --threads 1"
+                            "' --seq_len 16 --micro_batch 1 --steps 1000 --ckpt_every 0 --log_every 1000 --threads 1 --device cpu"
                             " --comm_timeout " + std::to_string(timeout_s) + " --out_dir " + (tmp / "run").string();
   const auto start = Clock::now();
   auto r = run_command("TUNA_FAULT=" + fault + " " + mpirun(np) + kTrain + flags, tmp / "log");

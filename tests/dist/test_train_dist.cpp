@@ -69,7 +69,7 @@ class DistTrain : public ::testing::Test {
     return " --model_config " + config_path(model) + " --train_data '" +
            (*tmp_ / "data" / "train-*.bin").string() + "' --val_data " + (*tmp_ / "data" / "val-00000.bin").string() +
            " --seq_len 16 --steps 10 --lr 3e-3 --warmup_steps 2 --grad_clip 0.5 --ckpt_every 0 --val_every 5"
-           " --threads 1 --seed 11 --comm_timeout 60";
+           " --threads 1 --seed 11 --comm_timeout 60 --device cpu";
   }
   // The single-rank reference of `model` at a global batch of `batch` windows, trained once per suite.
   static fs::path reference(const std::string& model, int batch = 4) {

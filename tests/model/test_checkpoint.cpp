@@ -38,7 +38,7 @@ TEST(Checkpoint, SavesLoadsAndKeepsTheNewest) {
   opt.steps_taken = 3;
   nlohmann::json config_json = cfg.to_json();
   for (int64_t step : {10, 20, 30}) {
-    CheckpointContents c{&config_json, model.params.data(), &opt, {{"note", "x"}}, {}};
+    CheckpointContents c{&config_json, model.params.data(), {opt.m.data(), opt.v.data(), opt.steps_taken}, {{"note", "x"}}, {}};
     save_checkpoint(tmp.path, step, model.layout(), c, /*keep_last=*/2);
   }
   EXPECT_FALSE(fs::exists(tmp / "step_00000010"));

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "data/shard.h"
+#include "model/engine.h"  // resolve_device
 #include "tests/test_util.h"
 
 namespace tuna {
@@ -33,11 +34,11 @@ std::map<int64_t, std::string> losses(const fs::path& metrics) {
   return out;
 }
 
-std::string common_flags(const fs::path& data) {
+std::string common_flags(const fs::path& data, const std::string& device = "cpu") {
   return " --model_config tests/fixtures/llama32_tiny/config.json --train_data '" + (data / "train-*.bin").string() + "'" +
          " --val_data " + (data / "val-00000.bin").string() +
          " --seq_len 16 --micro_batch 2 --grad_accum 2 --steps 20 --lr 3e-3 --warmup_steps 3 --ckpt_every 5"
-         " --ckpt_keep 2 --val_every 5 --threads 2 --seed 11";
+         " --ckpt_keep 2 --val_every 5 --threads 2 --seed 11 --device " + device;
 }
 
 TEST(Train, ResumeContinuesBitForBit) {
@@ -102,7 +103,7 @@ TEST(Train, ConfigFileAndFlagsAgree) {
   testing_util::write_test_shards(tmp / "data");
   std::ofstream(tmp / "run.toml") << "model_config = \"tests/fixtures/llama32_tiny/config.json\"\n"
                                   << "train_data = \"" << (tmp / "data" / "train-*.bin").string() << "\"\n"
-                                  << "seq_len = 16\nmicro_batch = 2\nsteps = 3\nlr = 1e-3\nthreads = 1\n"
+                                  << "seq_len = 16\nmicro_batch = 2\nsteps = 3\nlr = 1e-3\nthreads = 1\ndevice = \"cpu\"\n"
                                   << "out_dir = \"" << (tmp / "run").string() << "\"\n";
   auto r = run_command(kTrain + " --config " + (tmp / "run.toml").string() + " --steps 2", tmp / "log");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -110,6 +111,41 @@ TEST(Train, ConfigFileAndFlagsAgree) {
   EXPECT_EQ(state["train_config"]["steps"], 2);  // the flag overrode the file
   EXPECT_EQ(state["train_config"]["seq_len"], 16);
   EXPECT_DOUBLE_EQ(state["train_config"]["lr"].get<double>(), 1e-3);
+}
+
+TEST(Train, DeviceOptionsAndTheCostColumn) {
+  TempDir tmp("traindevice");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string run = " --steps 2 --out_dir " + (tmp / "run").string();
+  if (resolve_device("auto") == "cpu") {  // cuda where none is visible: refused before any work, saying why
+    auto r = run_command(kTrain + common_flags(tmp / "data", "cuda") + run, tmp / "log1");
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_TRUE(r.output.find("no CUDA device is visible") != std::string::npos ||
+                r.output.find("this build of tuna has no CUDA") != std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("--device cpu"), std::string::npos) << r.output;
+  }
+  auto r = run_command(kTrain + common_flags(tmp / "data") + run + " --bf16_moments", tmp / "log2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("are for --device cuda"), std::string::npos) << r.output;
+
+  r = run_command(kTrain + common_flags(tmp / "data") + run + " --gpu_hour_cost 2.5 --log_every 1", tmp / "log3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tuna train | device cpu |"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" | cost "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("MFU"), std::string::npos) << r.output;  // no device peak on the CPU
+  std::istringstream in(read_file(tmp / "run" / "metrics.jsonl"));
+  std::string line;
+  int steps = 0;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    steps++;
+    ASSERT_TRUE(j.contains("cost")) << line;
+    EXPECT_GE(j["cost"].get<double>(), 0.0);
+    EXPECT_FALSE(j.contains("mfu")) << line;
+    EXPECT_FALSE(j.contains("gpu_mem_mb")) << line;
+  }
+  EXPECT_EQ(steps, 2);
 }
 
 }  // namespace

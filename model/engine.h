@@ -1,0 +1,109 @@
+// Engine: the model as the trainer drives it, on one backend. train.cu runs one loop (micro-batches, the
+// step's collectives and update, validation, checkpoints) over this interface, whichever device computes:
+//
+//   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3).
+//   cuda  LlamaGpu (model/llama_gpu.h), one GPU per rank (the rank's local index on its node): bf16 weights
+//         and activations, fp32 master weights, gradients and moments (bf16 moments as an option). Data
+//         parallel is ZeRO-0: each rank holds the whole model, gradients are all-reduced on the device
+//         (NCCL), and every rank applies the same update. Tensor parallelism and ZeRO 1-3 are CPU-only so far
+//         and refused on cuda with a message.
+//
+// Checkpoint exchange is in "shard order": the concatenation of segments() (runs of the flat ParamLayout
+// buffer), this rank's share of the writing. One rank's segments cover the whole layout in order, so shard
+// order is ParamLayout order there (the single-file checkpoint).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dist/comm.h"
+#include "dist/zero.h"  // StepResult
+#include "model/config.h"
+#include "model/layout.h"
+#include "model/llama.h"      // LossSum
+#include "model/optimizer.h"  // OptimizerConfig, Segment
+
+namespace tuna {
+
+struct EngineOptions {
+  std::string device = "cpu";  // "cpu" or "cuda" (resolve_device turns "auto" into one of them)
+  int64_t micro_batch = 1, seq_len = 1;
+  OptimizerConfig opt;
+  int zero = 0;                // ZeRO stage
+  bool zero_prefetch = true;   // ZeRO-3 on cpu: gather the next unit while this one computes
+  bool bf16_moments = false;   // cuda: AdamW moments in bf16
+  bool stochastic_rounding = false;  // cuda: bf16 weights (and bf16 moments) written with stochastic rounding
+  uint64_t seed = 0;           // cuda: stochastic rounding's stream
+  int gpu = 0;                 // cuda: the device index this rank uses
+};
+
+// The figures of the log line that depend on the backend. NaN: not known on this backend.
+struct EngineStatus {
+  double host_mb = 0, host_peak_mb = 0;  // resident memory of this process (both backends)
+  double gpu_mb = NAN, gpu_peak_mb = NAN, gpu_total_mb = NAN;  // device memory in use (all processes), total
+  double gpu_util = NAN;                 // percent of the last sample period with a kernel running (NVML)
+};
+
+// Writes the whole (tensor-parallel-local) model in ParamLayout order into `out`: a checkpoint's or a
+// fresh initialization's weights.
+using WeightFill = std::function<void(const ParamLayout& layout, float* out)>;
+// Makes the device-side data-parallel comm (NCCL) on the engine's CUDA stream. The trainer supplies it, so
+// that only binaries that need NCCL link it.
+using DeviceCommFactory = std::function<std::unique_ptr<Comm>(void* cuda_stream)>;
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  // For the banner: "cpu" or "cuda:0 (NVIDIA H200, 132 SMs, 140 GiB)".
+  virtual std::string describe() const = 0;
+  virtual const ParamLayout& layout() const = 0;
+
+  // The step: begin_step, forward_backward per micro-batch (sums; llama.h's loss convention), finish_step
+  // (loss over dp ranks, gradient synchronization, global-norm clip, AdamW).
+  virtual void begin_step() = 0;
+  virtual LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
+  virtual StepResult finish_step(const LossSum& local, double lr) = 0;
+  // Validation: this rank's loss, and the sum over dp ranks.
+  virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
+  virtual LossSum all_reduce_loss(const LossSum& local) = 0;
+
+  // Checkpoints: this rank's segments, and the master weights and AdamW moments in their shard order.
+  virtual const std::vector<Segment>& segments() const = 0;
+  virtual void export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const = 0;
+  virtual void import_shard(const std::vector<float>& params, const std::vector<float>& m,
+                            const std::vector<float>& v) = 0;
+  virtual int64_t steps_taken() const = 0;  // AdamW updates so far (bias correction)
+  virtual void set_steps_taken(int64_t steps) = 0;
+
+  // Memory planned at construction: activations, and parameters + gradients + optimizer state.
+  virtual int64_t activation_bytes() const = 0;
+  virtual int64_t state_bytes() const = 0;
+  // Model FLOPs per trained token at this sequence length (model_flops_per_token in config.h) and the
+  // device's dense bf16 peak in FLOP/s for MFU; NaN peak on cpu (no MFU there).
+  virtual double flops_per_token(int64_t seq) const = 0;
+  virtual double peak_flops() const = 0;
+  virtual EngineStatus status() = 0;
+};
+
+// "auto" -> "cuda" when this build has CUDA and a device is visible, else "cpu". "cuda" without a visible
+// device, or in a CPU-only build, fails with a message saying why.
+std::string resolve_device(const std::string& requested);
+
+// The model on the chosen backend for this rank of `mesh`. `initial` fills the starting weights (every rank
+// the same); null when the caller restores a checkpoint with import_shard before the first step.
+// `device_comm` makes the device dp comm (cuda with dp > 1 only; may be null otherwise).
+std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
+                                    const WeightFill& initial, const DeviceCommFactory& device_comm = nullptr);
+
+#if TUNA_CUDA
+// model/engine_gpu.cpp
+std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
+                                        const WeightFill& initial, const DeviceCommFactory& device_comm);
+#endif
+
+}  // namespace tuna

@@ -1,0 +1,215 @@
+// The CUDA engine (model/engine.h): LlamaGpu on this rank's GPU, data parallel as ZeRO-0 over NCCL.
+//
+// A step: forward_backward per micro-batch accumulates fp32 gradients on the device; finish_step sums the
+// loss over dp ranks (host comm), all-reduces the gradients on the device comm, then LlamaGpu::adamw_step
+// takes the global norm, clips and updates. Every rank then holds the same gradients and applies the same
+// update, so the weights stay identical without a broadcast.
+//
+// Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
+// uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and
+// copies the result into the master weights and moments: no rank ever holds the whole state in host memory.
+#if TUNA_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "core/memory.h"
+#include "kernels/adamw.cuh"  // f32_to_bf16
+#include "model/engine.h"
+#include "model/llama_gpu.h"
+
+namespace tuna {
+
+namespace {
+
+GpuOptions gpu_options(const EngineOptions& o) {
+  GpuOptions g;
+  g.bf16_moments = o.bf16_moments;
+  g.stochastic_rounding = o.stochastic_rounding;
+  g.seed = static_cast<uint32_t>(o.seed);
+  g.device = o.gpu;
+  return g;
+}
+
+// Refuses what the CUDA engine does not do yet, before any device memory is touched.
+void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_comm) {
+  if (mesh.tp_size > 1)
+    fail("--tp ", mesh.tp_size, " with --device cuda: tensor parallelism runs on the CPU backend only so far; "
+         "on cuda use --tp 1 (data parallel over all ranks)");
+  if (o.zero != 0 && mesh.dp_size > 1)
+    fail("--zero ", o.zero, " with --device cuda on ", mesh.dp_size, " ranks: the CUDA backend shards nothing yet "
+         "(ZeRO-0, every rank holds the whole model); use --zero 0, or --device cpu for ZeRO ", o.zero);
+  if (mesh.dp_size > 1 && !have_device_comm)
+    fail("data parallel on ", mesh.dp_size, " ranks with --device cuda needs NCCL, and this build has none "
+         "(nccl.h was not found at build time, or NCCL=0)");
+  int count = 0;
+  TUNA_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (o.gpu < 0 || o.gpu >= count)
+    fail("this rank wants GPU ", o.gpu, " (its index among the ranks of its node), but ", count,
+         " GPU(s) are visible: launch at most ", count, " ranks per node (mpirun --map-by ppr:", count,
+         ":node) or widen CUDA_VISIBLE_DEVICES");
+}
+
+class GpuEngine final : public Engine {
+ public:
+  GpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial,
+            const DeviceCommFactory& device_comm)
+      : options_(o),
+        mesh_(mesh),
+        model_(config, o.micro_batch, o.seq_len, o.opt, gpu_options(o)),
+        segments_(dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size)) {
+    if (mesh.dp_size > 1) dp_device_ = device_comm(model_.stream());
+    if (initial) {
+      std::vector<float> host(model_.layout().total());
+      initial(model_.layout(), host.data());
+      model_.set_params(host.data());
+    }
+    cudaDeviceProp prop{};
+    TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, o.gpu));
+    describe_ = str("cuda:", o.gpu, " (", prop.name, ", ", prop.multiProcessorCount, " SMs, ",
+                    static_cast<int64_t>(prop.totalGlobalMem >> 30), " GiB)");
+    peak_flops_ = gpu_peak_bf16_flops(o.gpu);
+  }
+
+  std::string describe() const override { return describe_; }
+  const ParamLayout& layout() const override { return model_.layout(); }
+
+  void begin_step() override { model_.zero_grads(); }
+  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
+    return model_.forward_backward(inputs, targets, batch, seq);
+  }
+  StepResult finish_step(const LossSum& local, double lr) override {
+    StepResult r;
+    const LossSum total = all_reduce_loss(local);
+    r.tokens = total.count;
+    r.loss = total.count ? total.sum / total.count : NAN;
+    if (dp_device_) {
+      dp_device_->all_reduce(model_.grads(), model_.layout().total(), CommType::F32, ReduceOp::Sum, "gradients");
+      dp_device_->barrier("gradients all-reduced");  // a bounded wait (--comm_timeout) instead of a blind sync
+    }
+    // Mean over every trained token of the step; a step of only ignored targets changes nothing but decay.
+    r.stats = model_.adamw_step(total.count ? 1.0 / total.count : 0.0, lr);
+    return r;
+  }
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
+    return model_.forward_loss(inputs, targets, batch, seq);
+  }
+  LossSum all_reduce_loss(const LossSum& local) override {
+    double both[2] = {local.sum, static_cast<double>(local.count)};
+    if (mesh_.dp_size > 1) mesh_.dp->all_reduce_sum(both, 2, "loss and token count");
+    return {both[0], static_cast<int64_t>(std::llround(both[1]))};
+  }
+
+  const std::vector<Segment>& segments() const override { return segments_; }
+
+  void export_shard(std::vector<float>& p, std::vector<float>& m, std::vector<float>& v) const override {
+    int64_t n = 0;
+    for (const Segment& s : segments_) n += s.size;
+    p.resize(n), m.resize(n), v.resize(n);
+    const LlamaGpu& model = model_;
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
+    std::vector<uint16_t> bits;
+    int64_t at = 0;
+    for (const Segment& s : segments_) {
+      TUNA_CUDA_CHECK(cudaMemcpy(p.data() + at, model.master_params() + s.begin, s.size * sizeof(float),
+                                 cudaMemcpyDeviceToHost));
+      for (auto [dst, src] : {std::pair{m.data() + at, model.moment_m()}, std::pair{v.data() + at, model.moment_v()}}) {
+        if (!model.bf16_moments()) {
+          TUNA_CUDA_CHECK(cudaMemcpy(dst, static_cast<const float*>(src) + s.begin, s.size * sizeof(float),
+                                     cudaMemcpyDeviceToHost));
+          continue;
+        }
+        bits.resize(s.size);
+        TUNA_CUDA_CHECK(cudaMemcpy(bits.data(), static_cast<const uint16_t*>(src) + s.begin, s.size * sizeof(uint16_t),
+                                   cudaMemcpyDeviceToHost));
+        for (int64_t i = 0; i < s.size; i++) {  // bf16 -> fp32: the bf16 bits are the float's upper half
+          const uint32_t word = uint32_t{bits[i]} << 16;
+          std::memcpy(dst + i, &word, sizeof(float));
+        }
+      }
+      at += s.size;
+    }
+  }
+
+  void import_shard(const std::vector<float>& p, const std::vector<float>& m, const std::vector<float>& v) override {
+    const ParamLayout& layout = model_.layout();
+    const int64_t P = layout.total();
+    cudaStream_t stream = model_.stream();
+    float* staging = model_.grads();  // P floats, unused between steps
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (int which = 0; which < 3; which++) {
+      const std::vector<float>& src = which == 0 ? p : which == 1 ? m : v;
+      int64_t at = 0;
+      for (const Segment& s : segments_) {
+        TUNA_CHECK(at + s.size <= static_cast<int64_t>(src.size()), "shard of ", src.size(), " elements is short");
+        TUNA_CUDA_CHECK(cudaMemcpyAsync(staging + s.begin, src.data() + at, s.size * sizeof(float),
+                                        cudaMemcpyHostToDevice, stream));
+        at += s.size;
+      }
+      if (dp_device_) {  // every rank holds everything (ZeRO-0): gather the pieces of each unit in place
+        for (int u = 0; u < layout.num_units(); u++) {
+          const auto [begin, end] = layout.unit_range(u);
+          dp_device_->all_gather(staging + segments_[u].begin, staging + begin, end - begin, "restored state of a unit");
+        }
+      }
+      void* dst = which == 0 ? static_cast<void*>(model_.master_params()) : which == 1 ? model_.moment_m() : model_.moment_v();
+      if (which > 0 && model_.bf16_moments())
+        cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(dst), staging, P, stream);
+      else
+        TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, staging, P * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    }
+    model_.refresh_params();
+    model_.zero_grads();
+    if (dp_device_) dp_device_->barrier("state restored");
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  int64_t steps_taken() const override { return model_.steps_taken(); }
+  void set_steps_taken(int64_t steps) override { model_.set_steps_taken(steps); }
+
+  int64_t activation_bytes() const override { return model_.device_bytes() - model_.state_bytes(); }
+  int64_t state_bytes() const override { return model_.state_bytes(); }
+  double flops_per_token(int64_t seq) const override { return model_.flops_per_token(seq); }
+  double peak_flops() const override { return peak_flops_; }
+
+  EngineStatus status() override {
+    EngineStatus s;
+    const HostMemory host = host_memory();
+    s.host_mb = host.resident_mb, s.host_peak_mb = host.peak_mb;
+    const GpuMemory mem = gpu_memory(options_.gpu);
+    // Everything is allocated at construction, so the peak is the largest use seen (cuBLASLt's workspace and
+    // NCCL's buffers arrive with the first step).
+    gpu_peak_mb_ = std::max(gpu_peak_mb_, mem.used_bytes / 1e6);
+    s.gpu_mb = mem.used_bytes / 1e6, s.gpu_peak_mb = gpu_peak_mb_, s.gpu_total_mb = mem.total_bytes / 1e6;
+    s.gpu_util = gpu_utilization_percent(options_.gpu);
+    return s;
+  }
+
+ private:
+  EngineOptions options_;
+  Mesh& mesh_;
+  LlamaGpu model_;
+  std::vector<Segment> segments_;
+  std::unique_ptr<Comm> dp_device_;  // NCCL over the dp group, on model_.stream(); null on one rank
+  std::string describe_;
+  double peak_flops_ = NAN, gpu_peak_mb_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
+                                        const WeightFill& initial, const DeviceCommFactory& device_comm) {
+  check_supported(options, mesh, static_cast<bool>(device_comm));
+  TUNA_CUDA_CHECK(cudaSetDevice(options.gpu));
+  return std::make_unique<GpuEngine>(config, options, mesh, initial, device_comm);
+}
+
+}  // namespace tuna
+
+#endif  // TUNA_CUDA

@@ -1,0 +1,123 @@
+// model/engine.h on the CPU backend: the engine the trainer drives follows the transformers fixtures over 10
+// AdamW steps, and a checkpoint exchange (export_shard -> import_shard) continues bit for bit at every ZeRO
+// stage; the device choice says why it cannot give cuda.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "dist/comm.h"
+#include "model/checkpoint.h"
+#include "model/engine.h"
+#include "model/safetensors.h"
+#include "tests/model/fixture.h"
+
+namespace tuna {
+namespace {
+
+using testing_util::Fixture;
+
+struct SingleRank {
+  std::unique_ptr<Comm> world = make_single_comm();
+  Mesh mesh = make_mesh(*world, 1);
+};
+
+EngineOptions cpu_options(const Fixture& f, int zero) {
+  EngineOptions o;
+  o.device = "cpu";
+  o.micro_batch = f.batch, o.seq_len = f.seq, o.opt = f.optimizer(), o.zero = zero;
+  return o;
+}
+
+WeightFill fixture_weights(const Fixture& f) {
+  return [&f](const ParamLayout& layout, float* out) { load_weights(f.dir, layout, out); };
+}
+
+class EngineParity : public testing::TestWithParam<std::string> {};
+
+TEST_P(EngineParity, TenStepsFollowTransformers) {
+  Fixture f(GetParam());
+  SingleRank r;
+  std::unique_ptr<Engine> engine = make_engine(f.config, cpu_options(f, 0), r.mesh, fixture_weights(f));
+  const int64_t steps = f.meta.at("steps");
+  SafetensorsFile ref(f.dir / "reference.safetensors");
+  std::vector<double> ref_losses(steps), ref_norms(steps);
+  ref.read_f64("train_losses", {steps}, ref_losses.data());
+  ref.read_f64("grad_norms", {steps}, ref_norms.data());
+  for (int64_t s = 0; s < steps; s++) {
+    engine->begin_step();
+    const LossSum local = engine->forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+    const StepResult result = engine->finish_step(local, learning_rate(f.optimizer(), s, steps));
+    EXPECT_EQ(result.tokens, local.count);
+    EXPECT_NEAR(result.loss, ref_losses[s], 1e-4 * ref_losses[s]) << "step " << s;
+    EXPECT_NEAR(result.stats.grad_norm, ref_norms[s], 1e-4 * ref_norms[s]) << "step " << s;
+  }
+  EXPECT_EQ(engine->steps_taken(), steps);
+  EXPECT_TRUE(std::isnan(engine->peak_flops()));  // no MFU on the CPU
+  EXPECT_GT(engine->flops_per_token(f.seq), 6.0 * f.config.n_params() - 6.0 * f.config.vocab_size * f.config.hidden_size);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, EngineParity, testing::Values("llama2_tiny", "llama32_tiny"));
+
+class EngineResume : public testing::TestWithParam<int> {};
+
+TEST_P(EngineResume, ExportImportContinuesBitForBit) {
+  Fixture f("llama32_tiny");
+  const int zero = GetParam();
+  const OptimizerConfig oc = f.optimizer();
+  auto step = [&](Engine& e, int64_t s) {
+    e.begin_step();
+    return e.finish_step(e.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq),
+                         learning_rate(oc, s, 10));
+  };
+  SingleRank ra, rb;
+  std::unique_ptr<Engine> a = make_engine(f.config, cpu_options(f, zero), ra.mesh, fixture_weights(f));
+  for (int64_t s = 0; s < 3; s++) step(*a, s);
+  std::vector<float> p, m, v;
+  a->export_shard(p, m, v);
+  ASSERT_EQ(static_cast<int64_t>(p.size()), a->layout().total());  // one rank: the whole model, in layout order
+
+  std::unique_ptr<Engine> b = make_engine(f.config, cpu_options(f, zero), rb.mesh, nullptr);
+  b->import_shard(p, m, v);
+  b->set_steps_taken(a->steps_taken());
+  const StepResult sa = step(*a, 3), sb = step(*b, 3);
+  EXPECT_EQ(sa.loss, sb.loss);
+  EXPECT_EQ(sa.stats.grad_norm, sb.stats.grad_norm);
+  std::vector<float> p2, m2, v2, p3, m3, v3;
+  a->export_shard(p2, m2, v2);
+  b->export_shard(p3, m3, v3);
+  EXPECT_EQ(p2, p3);
+  EXPECT_EQ(m2, m3);
+  EXPECT_EQ(v2, v3);
+  EXPECT_NE(p2, p);  // the step moved the weights
+}
+
+INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineResume, testing::Values(0, 1, 2, 3));
+
+TEST(Engine, DeviceChoiceExplainsItself) {
+  EXPECT_EQ(resolve_device("cpu"), "cpu");
+  try {
+    resolve_device("gpu");
+    ADD_FAILURE() << "'gpu' accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected auto, cpu or cuda, found 'gpu'"), std::string::npos) << e.what();
+  }
+  const std::string automatic = resolve_device("auto");
+  if (automatic == "cuda") GTEST_SKIP() << "a CUDA device is visible: --device cuda is available here";
+  EXPECT_EQ(automatic, "cpu");
+  try {
+    resolve_device("cuda");
+    ADD_FAILURE() << "cuda accepted without a device";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+#if TUNA_CUDA
+    EXPECT_NE(msg.find("no CUDA device is visible"), std::string::npos) << msg;
+#else
+    EXPECT_NE(msg.find("this build of tuna has no CUDA"), std::string::npos) << msg;
+#endif
+    EXPECT_NE(msg.find("--device cpu"), std::string::npos) << msg;
+  }
+}
+
+}  // namespace
+}  // namespace tuna

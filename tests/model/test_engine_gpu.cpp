@@ -1,0 +1,135 @@
+// model/engine.h on the CUDA backend (model/engine_gpu.cpp), single rank: the engine the trainer drives with
+// --device cuda follows the CPU engine over 10 AdamW steps, a checkpoint exchange (export_shard ->
+// import_shard into a fresh engine) continues bit for bit with fp32 and with bf16 moments, and the status the
+// log prints is the device's. Skipped without a device.
+//
+// Tolerances: those of tests/model/test_llama_gpu.cpp (TenAdamWStepsFollowTheCpuRun), where they are derived:
+// 5e-2 relative on each step's loss and 0.15 on its gradient norm for a bf16 trajectory against fp32.
+#if TUNA_CUDA
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "dist/comm.h"
+#include "model/checkpoint.h"
+#include "model/engine.h"
+#include "tests/kernels/gpu_test_util.h"
+#include "tests/model/fixture.h"
+
+namespace tuna {
+namespace {
+
+using testing_util::Fixture;
+
+struct SingleRank {
+  std::unique_ptr<Comm> world = make_single_comm();
+  Mesh mesh = make_mesh(*world, 1);
+};
+
+EngineOptions options_for(const Fixture& f, const std::string& device) {
+  EngineOptions o;
+  o.device = device;
+  o.micro_batch = f.batch, o.seq_len = f.seq, o.opt = f.optimizer();
+  return o;
+}
+
+WeightFill fixture_weights(const Fixture& f) {
+  return [&f](const ParamLayout& layout, float* out) { load_weights(f.dir, layout, out); };
+}
+
+StepResult train_step(Engine& e, const Fixture& f, int64_t s, int64_t steps) {
+  e.begin_step();
+  return e.finish_step(e.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq),
+                       learning_rate(f.optimizer(), s, steps));
+}
+
+class EngineGpuParity : public testing::TestWithParam<std::string> {};
+
+TEST_P(EngineGpuParity, TenStepsFollowTheCpuEngine) {
+  TUNA_REQUIRE_GPU();
+  Fixture f(GetParam());
+  SingleRank rc, rg;
+  std::unique_ptr<Engine> cpu = make_engine(f.config, options_for(f, "cpu"), rc.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> gpu = make_engine(f.config, options_for(f, "cuda"), rg.mesh, fixture_weights(f));
+  std::printf("  %s\n", gpu->describe().c_str());
+  const int64_t steps = f.meta.at("steps");
+  for (int64_t s = 0; s < steps; s++) {
+    const StepResult a = train_step(*cpu, f, s, steps), b = train_step(*gpu, f, s, steps);
+    std::printf("  step %2lld  loss cpu %.5f gpu %.5f   grad norm cpu %.4f gpu %.4f\n", static_cast<long long>(s), a.loss,
+                b.loss, a.stats.grad_norm, b.stats.grad_norm);
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_NEAR(b.loss, a.loss, 5e-2 * std::abs(a.loss)) << "step " << s;
+    EXPECT_NEAR(b.stats.grad_norm, a.stats.grad_norm, 0.15 * a.stats.grad_norm) << "step " << s;
+  }
+  EXPECT_EQ(gpu->steps_taken(), steps);
+  // Validation on the device agrees with the CPU engine's on the trained weights.
+  const LossSum vc = cpu->forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  const LossSum vg = gpu->forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  EXPECT_EQ(vc.count, vg.count);
+  EXPECT_NEAR(vg.sum / vg.count, vc.sum / vc.count, 5e-2 * vc.sum / vc.count);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, EngineGpuParity, testing::Values("llama2_tiny", "llama32_tiny"));
+
+class EngineGpuResume : public testing::TestWithParam<bool> {};
+
+TEST_P(EngineGpuResume, ExportImportContinuesBitForBit) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama32_tiny");
+  EngineOptions o = options_for(f, "cuda");
+  o.bf16_moments = GetParam();
+  SingleRank ra, rb;
+  std::unique_ptr<Engine> a = make_engine(f.config, o, ra.mesh, fixture_weights(f));
+  for (int64_t s = 0; s < 3; s++) train_step(*a, f, s, 10);
+  std::vector<float> p, m, v;
+  a->export_shard(p, m, v);
+  ASSERT_EQ(static_cast<int64_t>(p.size()), a->layout().total());
+  // Moments moved away from zero: the export read real state.
+  double m_norm = 0;
+  for (float x : m) m_norm += double(x) * x;
+  EXPECT_GT(m_norm, 0.0);
+
+  std::unique_ptr<Engine> b = make_engine(f.config, o, rb.mesh, nullptr);
+  b->import_shard(p, m, v);
+  b->set_steps_taken(a->steps_taken());
+  std::vector<float> pb, mb, vb;
+  b->export_shard(pb, mb, vb);
+  EXPECT_EQ(p, pb);
+  EXPECT_EQ(m, mb);
+  EXPECT_EQ(v, vb);
+  const StepResult sa = train_step(*a, f, 3, 10), sb = train_step(*b, f, 3, 10);
+  EXPECT_EQ(sa.loss, sb.loss);
+  EXPECT_EQ(sa.stats.grad_norm, sb.stats.grad_norm);
+  a->export_shard(p, m, v);
+  b->export_shard(pb, mb, vb);
+  EXPECT_EQ(p, pb);
+  EXPECT_EQ(m, mb);
+  EXPECT_EQ(v, vb);
+}
+
+INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuResume, testing::Values(false, true),
+                         [](const testing::TestParamInfo<bool>& i) { return i.param ? "bf16" : "fp32"; });
+
+TEST(EngineGpu, StatusIsTheDevices) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  SingleRank r;
+  std::unique_ptr<Engine> e = make_engine(f.config, options_for(f, "cuda"), r.mesh, fixture_weights(f));
+  train_step(*e, f, 0, 10);
+  const EngineStatus s = e->status();
+  std::printf("  %s: gpu %.0f / %.0f MB (peak %.0f), util %.0f%%, peak %.0f TFLOP/s, state %.2f MB, activations %.2f MB\n",
+              e->describe().c_str(), s.gpu_mb, s.gpu_total_mb, s.gpu_peak_mb, s.gpu_util, e->peak_flops() / 1e12,
+              e->state_bytes() / 1e6, e->activation_bytes() / 1e6);
+  EXPECT_GT(s.gpu_mb, e->state_bytes() / 1e6);  // the engine's arena is on the card
+  EXPECT_GE(s.gpu_total_mb, s.gpu_mb);
+  EXPECT_GE(s.gpu_peak_mb, s.gpu_mb);
+  EXPECT_TRUE(std::isnan(s.gpu_util) || (s.gpu_util >= 0 && s.gpu_util <= 100)) << s.gpu_util;
+  EXPECT_GT(e->peak_flops(), 1e13);
+  EXPECT_GT(e->activation_bytes(), 0);
+  // fp32 master, gradients and two moments, and the bf16 copy: 18 bytes per parameter.
+  EXPECT_GE(e->state_bytes(), 18 * e->layout().total());
+}
+
+}  // namespace
+}  // namespace tuna
+#endif  // TUNA_CUDA
