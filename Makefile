@@ -130,13 +130,13 @@ ifeq ($(CUDA),1)
 GPU_CHECK := $(BUILD)/gpu-check
 GPU_TEST_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,tests/main.cpp $(wildcard tests/*/*_gpu.cpp))
 GPU_BENCHES := $(patsubst bench/%.cpp,$(GPU_CHECK)/bin/%,$(wildcard bench/*_gpu.cpp))
-GPU_ARCHIVE_OBJS := $(filter $(BUILD)/obj/core/% $(BUILD)/obj/kernels/% $(BUILD)/obj/model/% $(BUILD)/obj/dist/%,\
-                      $(LIB_OBJS)) $(CU_OBJS)
+GPU_ARCHIVE_OBJS := $(filter $(BUILD)/obj/core/% $(BUILD)/obj/kernels/% $(BUILD)/obj/model/% $(BUILD)/obj/dist/% \
+                      $(BUILD)/obj/data/%,$(LIB_OBJS)) $(CU_OBJS)
 REFERENCE_BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/blas/libblas.a) -lopenblas)
 GPU_CHECK_LIBS := -Wl,-Bstatic $(REFERENCE_BLAS) -lgfortran -lquadmath -lgomp -Wl,-Bdynamic \
                   -L/usr/local/cuda/lib64 -lcudart_static -lcublasLt -lpthread -ldl -lrt -lm
 .PHONY: gpu-check-build
-gpu-check-build: $(GPU_CHECK)/bin/gpu_tests $(GPU_BENCHES)
+gpu-check-build: $(GPU_CHECK)/bin/gpu_tests $(GPU_BENCHES) $(GPU_CHECK)/bin/train $(GPU_CHECK)/bin/data/train-00000.bin
 
 $(GPU_CHECK)/libtuna_gpu.a: $(GPU_ARCHIVE_OBJS)
 	@mkdir -p $(dir $@)
@@ -152,6 +152,26 @@ $(GPU_CHECK)/bin/bench_%_gpu: $(BUILD)/obj/bench/bench_%_gpu.o $(GPU_CHECK)/libt
 	cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so.1debian $(GPU_CHECK)/bin/lib/
 	$(CXX) $^ -o $@ -lbenchmark -Wl,-rpath,'$$ORIGIN/lib' $(GPU_CHECK_LIBS)
 	strip --strip-debug $@
+
+# The trainer itself, for gpu-check's end-to-end runs on one GPU: train.cu compiled as the plain C++ it is,
+# without NCCL (one rank needs none, and the GPU machine's libnccl may not match this toolkit's); Open MPI's
+# shared libraries travel in bin/lib (one rank never initializes MPI, but the binary must load; libmpi's own
+# RUNPATH hides bin/lib from its dependencies, so gpu-check.sh puts bin/lib on LD_LIBRARY_PATH); the demo
+# corpus is tokenized here into bin/data (the GPU machine has no sentencepiece).
+$(BUILD)/obj/gpu-check/train.o: train.cu | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(filter-out -DTUNA_NCCL=1,$(CPPFLAGS)) $(CXXFLAGS) -x c++ -c $< -o $@
+
+$(GPU_CHECK)/bin/train: $(BUILD)/obj/gpu-check/train.o $(GPU_CHECK)/libtuna_gpu.a
+	@mkdir -p $(GPU_CHECK)/bin/lib
+	$(CXX) $^ -o $@ -Wl,-rpath,'$$ORIGIN/lib' $(GPU_CHECK_LIBS) -Wl,--as-needed $(MPI_LIBS)
+	strip --strip-debug $@
+	cp -L $$(ldd $@ | awk '/libmpi|libopen-|libhwloc|libevent|libudev/ && $$3 !~ /gpu-check/ {print $$3}') $(GPU_CHECK)/bin/lib/
+
+$(GPU_CHECK)/bin/data/train-00000.bin: $(BUILD)/prepare $(wildcard demo/corpus/text/*)
+	rm -rf $(GPU_CHECK)/bin/data
+	$(BUILD)/prepare --train-tokenizer --vocab-size 1024 --tokenizer $(GPU_CHECK)/bin/data/tokenizer.model \
+	  --out $(GPU_CHECK)/bin/data --val-fraction 0.05 --quiet demo/corpus/text
 endif
 
 clean:

@@ -6,15 +6,17 @@
 # The GPU machine has the CUDA toolkit and Python but no GoogleTest, Google Benchmark, BLAS, MPI or
 # sentencepiece, so the binaries are built HERE (the development machine, Debian 12, nvcc 13.0) and carried:
 #
-#   make -j2 gpu-check-build        # -> build/gpu-check/bin/{gpu_tests, bench_*_gpu, lib/libbenchmark.so.1debian}
-#                                   #    sm_90a + sm_80 machine code, ~24 MB, needs glibc >= 2.34 and
-#                                   #    libcublasLt.so.13 on the GPU machine (CUDA 13 toolkit or PyTorch's wheel)
+#   make -j2 gpu-check-build        # -> build/gpu-check/bin/{gpu_tests, bench_*_gpu, train, data/, lib/}
+#                                   #    sm_90a + sm_80 machine code, ~35 MB, needs glibc >= 2.34 and
+#                                   #    libcublasLt.so.13 on the GPU machine (CUDA 13 toolkit or PyTorch's wheel);
+#                                   #    lib/ holds Google Benchmark and Open MPI's libraries, data/ the demo corpus
+#                                   #    tokenized
 #   then, with the device tool:
 #   run(command="scripts/gpu-check.sh $OUT/check", carry=["build/gpu-check/bin"], timeout_s=600)
 #
 # What comes back from $OUT is limited to 8 files two folders deep: this script writes exactly these 8 into
-# OUTDIR: summary.log (machine, toolkit, the table), tests.log, sanitizer.log, benches.log and
-# bench_{attention,gemm,memory,train_step}.json (Google Benchmark JSON).
+# OUTDIR: summary.log (machine, toolkit, the table), tests.log (and the sanitizer's output), train.log,
+# benches.log and bench_{attention,gemm,memory,train_step}.json (Google Benchmark JSON).
 #
 # Checks, in order:
 #   1. gpu_tests: every op against its CPU twin on fresh random inputs (poisoned outputs, shapes off the tile
@@ -24,7 +26,11 @@
 #   2. benches: attention fwd/bwd TFLOP/s (causal, hd128, seq 2k/4k/8k), GEMM TFLOP/s at LLaMA 1B/8B/70B
 #      shapes, RMSNorm/RoPE/SwiGLU/AdamW GB/s against a device copy, the 1B-shaped training step's tokens/s and
 #      MFU (and its forward-only and AdamW-only parts).
-#   3. compute-sanitizer memcheck (attention, rmsnorm, classifier, embedding tests) and racecheck (attention);
+#   3. build/train --device cuda end to end on the demo model and corpus (demo/train.toml): 300 steps learn
+#      (validation loss under 4.8; the CPU run reaches 4.45), the first step's loss equals the CPU backend's
+#      within bf16 error (1e-2 relative), a run stopped at step 150 and resumed logs bit-for-bit the losses of
+#      the straight run, and the log has MFU and GPU memory.
+#   4. compute-sanitizer memcheck (attention, rmsnorm, classifier, embedding tests) and racecheck (attention);
 #      skipped if absent, reported as unavailable where the machine refuses it (gVisor).
 # Exit status: 0 when every test passed and every step ran; 1 otherwise (the table says which).
 set -u -o pipefail
@@ -106,31 +112,101 @@ run_bench attention 90
 run_bench gemm 90
 run_bench train_step 120
 
-# ---- 3. memory and race checker over the riskiest kernels (shared-memory tiling, double buffers, in-place rows)
-: >"$OUT/sanitizer.log"
+# ---- 3. the trainer end to end (single GPU; Open MPI's libraries from bin/lib: libmpi's RUNPATH needs this)
+log "== train end to end ($BIN/train, demo model)"
+RUNS=$(mktemp -d /tmp/tuna-gpu-check.XXXXXX)
+D="$BIN/data"
+TRAIN_ARGS=(--config demo/train.toml --train_data "$D/train-*.bin" --val_data "$D/val-*.bin"
+            --tokenizer "$D/tokenizer.model" --log_every 50 --ckpt_every 0)
+: >"$OUT/train.log"
+train_run() {  # name args...: one run, its output appended to train.log; returns its exit status
+  local name=$1; shift
+  echo "==== $name: train ${TRAIN_ARGS[*]} $*" >>"$OUT/train.log"
+  LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 120 "$BIN/train" "${TRAIN_ARGS[@]}" "$@" \
+    >>"$OUT/train.log" 2>&1
+}
+train_rc=0
+train_run straight --device cuda --out_dir "$RUNS/straight" || train_rc=1
+train_run stopped --device cuda --out_dir "$RUNS/split" --stop_at_step 150 || train_rc=1
+train_run resumed --device cuda --out_dir "$RUNS/split" --resume || train_rc=1
+train_run cpu-first-step --device cpu --steps 1 --out_dir "$RUNS/cpu" || train_rc=1
+if [ $train_rc -eq 0 ]; then STEP[train]="ok"; else STEP[train]="FAILED (a run exited non-zero: train.log)"; status=1; fi
+TRAIN_SUMMARY="$RUNS.summary"  # rows for the table; outside OUTDIR, which brings back at most 8 files
+python3 - "$RUNS" "$TRAIN_SUMMARY" <<'PY' || { STEP[train]="FAILED (train.log, table)"; status=1; }
+import json, sys
+runs, out = sys.argv[1], sys.argv[2]
+def records(name):
+    try:
+        return [json.loads(l) for l in open(f"{runs}/{name}/metrics.jsonl")]
+    except OSError:
+        return []
+straight, split, cpu = records("straight"), records("split"), records("cpu")
+loss = lambda rs: {r["step"]: r["loss"] for r in rs if "loss" in r}
+val = [r["val_loss"] for r in straight if "val_loss" in r]
+steps = [r for r in straight if "loss" in r]
+ok = True
+rows = []
+if val:
+    rows.append(("val loss (step 0 -> 300)", f"{val[0]:.3f} -> {val[-1]:.3f}", "bar: < 4.8 (cpu run: 4.45)"))
+    ok &= val[-1] < 4.8
+else:
+    rows.append(("val loss", "none", "")); ok = False
+if steps:
+    last = steps[-1]
+    tail = steps[len(steps) // 2:]
+    median = lambda xs: sorted(xs)[len(xs) // 2]
+    rows.append(("tokens/s (median, 2nd half)", f"{median([r['tokens_per_s'] for r in tail]):.0f}",
+                 f"MFU {100 * median([r.get('mfu', float('nan')) for r in tail]):.2f}% (a 1M-parameter model: launch-bound)"))
+    rows.append(("gpu memory (in use, peak)", f"{last.get('gpu_mem_mb', float('nan')):.0f} / {last.get('gpu_peak_mem_mb', float('nan')):.0f} MB",
+                 f"util {last.get('gpu_util', 'n/a')}"))
+    ok &= all(k in last for k in ("mfu", "gpu_mem_mb", "gpu_peak_mem_mb"))
+a, b = loss(straight), loss(split)
+same = bool(a) and a == b
+rows.append(("resume at 150 vs straight", "bit-identical losses" if same else "DIFFERENT", f"{len(b)} of {len(a)} steps compared"))
+ok &= same
+c = loss(cpu)
+if 1 in a and 1 in c:
+    rel = abs(a[1] - c[1]) / abs(c[1])
+    rows.append(("first step loss cuda vs cpu", f"{a[1]:.5f} vs {c[1]:.5f}", f"rel diff {rel:.1e} (bar 1e-2)"))
+    ok &= rel < 1e-2
+else:
+    rows.append(("first step loss cuda vs cpu", "missing", "")); ok = False
+with open(out, "w") as f:
+    for r in rows:
+        f.write("\t".join(r) + "\n")
+sys.exit(0 if ok else 1)
+PY
+cat "$TRAIN_SUMMARY" >>"$OUT/train.log" 2>/dev/null
+rm -rf "$RUNS"
+
+# ---- 4. memory and race checker over the riskiest kernels (shared-memory tiling, double buffers, in-place rows)
+SANITIZER_LOG="$OUT/sanitizer.tmp"
+: >"$SANITIZER_LOG"
 if command -v compute-sanitizer >/dev/null 2>&1; then
   log "== compute-sanitizer"
   filter='AttentionGpu.HeadDim64GroupedQuery:AttentionGpu.SmallHeadDimsOfTinyModels:RmsNormGpu.*:ClassifierGpu.*:EmbeddingGpu.*'
   timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/gpu_tests" --gtest_filter="$filter" \
-    >>"$OUT/sanitizer.log" 2>&1
+    >>"$SANITIZER_LOG" 2>&1
   rc_mem=$?
   timeout 100 compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/gpu_tests" \
-    --gtest_filter='AttentionGpu.HeadDim*' >>"$OUT/sanitizer.log" 2>&1
+    --gtest_filter='AttentionGpu.HeadDim*' >>"$SANITIZER_LOG" 2>&1
   rc_race=$?
   # rc 9: the sanitizer found errors; 1: a test failed under it; 124: timeout. gVisor machines refuse it.
-  if grep -q "Device not supported" "$OUT/sanitizer.log"; then STEP[sanitizer]="unavailable here (Device not supported)"
+  if grep -q "Device not supported" "$SANITIZER_LOG"; then STEP[sanitizer]="unavailable here (Device not supported)"
   elif [ $rc_mem -eq 0 ] && [ $rc_race -eq 0 ]; then STEP[sanitizer]="ok (memcheck, racecheck)"
   elif [ $rc_mem -eq 124 ] || [ $rc_race -eq 124 ]; then STEP[sanitizer]="timed out (memcheck rc $rc_mem, racecheck rc $rc_race)"
   else STEP[sanitizer]="FAILED (memcheck rc $rc_mem, racecheck rc $rc_race)"; status=1; fi
 else
   STEP[sanitizer]="skipped (no compute-sanitizer)"
 fi
+{ echo "==== compute-sanitizer"; cat "$SANITIZER_LOG"; } >>"$OUT/tests.log"
+rm -f "$SANITIZER_LOG"
 
 # ---- summary table (last)
 python3 - "$OUT" "$SUMMARY" "${STEP[tests]}" "${STEP[sanitizer]}" "${STEP[bench_memory]}" "${STEP[bench_attention]}" \
-  "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" <<'PY' | tee -a "$SUMMARY"
+  "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" <<'PY' | tee -a "$SUMMARY"
 import json, os, re, sys
-out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train = sys.argv[1:9]
+out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary = sys.argv[1:11]
 rows = []
 def add(section, what, value, note=""):
     rows.append((section, what, value, note))
@@ -173,6 +249,13 @@ for b in bench("train_step"):
     add("train step", b.get("label", b["name"]), value,
         note + f"{b.get('GiB', 0):.1f} GiB, {b.get('real_time', 0):.0f} {b.get('time_unit', '')}/iteration")
 if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", b_train)
+add("train e2e", "build/train --device cuda", train)
+try:
+    for line in open(train_summary):
+        what, value, note = (line.rstrip("\n").split("\t") + ["", ""])[:3]
+        add("train e2e", what, value, note)
+except OSError:
+    pass
 
 w = [max(len(str(r[i])) for r in rows) for i in range(4)]
 print("\n" + "=" * (sum(w) + 9))
@@ -184,4 +267,5 @@ for r in rows:
     section = r[0]
     print(f"{s:<{w[0]}} | {r[1]:<{w[1]}} | {r[2]:<{w[2]}} | {r[3]}")
 PY
+rm -f "$TRAIN_SUMMARY"
 exit $status
