@@ -69,6 +69,24 @@ class CpuEngine final : public Engine {
   std::unique_ptr<Zero> zero_;
 };
 
+class CpuForwardModel final : public ForwardModel {
+ public:
+  CpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
+      : model_(config, max_batch, max_seq) {
+    weights(model_.layout(), model_.params.data());
+  }
+  std::string describe() const override { return "cpu"; }
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
+    return model_.forward_loss(inputs, targets, batch, seq);
+  }
+  void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
+    model_.forward_logits(inputs, batch, seq, logits);
+  }
+
+ private:
+  Llama model_;
+};
+
 }  // namespace
 
 std::string resolve_device(const std::string& requested) {
@@ -99,6 +117,15 @@ std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptio
   if (options.device == "cuda") return make_gpu_engine(config, options, mesh, initial, device_comm);
 #endif
   fail("engine: unknown or unavailable device '", options.device, "' (resolve_device picks cpu or cuda)");
+}
+
+std::unique_ptr<ForwardModel> make_forward_model(const LlamaConfig& config, const std::string& device,
+                                                 int64_t max_batch, int64_t max_seq, const WeightFill& weights) {
+  if (device == "cpu") return std::make_unique<CpuForwardModel>(config, max_batch, max_seq, weights);
+#if TUNA_CUDA
+  if (device == "cuda") return make_gpu_forward_model(config, max_batch, max_seq, weights);
+#endif
+  fail("forward model: unknown or unavailable device '", device, "' (resolve_device picks cpu or cuda)");
 }
 
 }  // namespace tuna

@@ -90,6 +90,20 @@ class Engine {
   virtual EngineStatus status() = 0;
 };
 
+// The forward pass alone, for build/eval and build/sample: one rank, no optimizer state.
+class ForwardModel {
+ public:
+  virtual ~ForwardModel() = default;
+  virtual std::string describe() const = 0;
+  // Loss sums as Llama::forward_loss; logits [batch, seq, vocab] in fp32 on the host.
+  virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
+  virtual void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) = 0;
+};
+
+// `device` as resolve_device returns it; weights fills the whole model (ParamLayout order).
+std::unique_ptr<ForwardModel> make_forward_model(const LlamaConfig& config, const std::string& device,
+                                                 int64_t max_batch, int64_t max_seq, const WeightFill& weights);
+
 // "auto" -> "cuda" when this build has CUDA and a device is visible, else "cpu". "cuda" without a visible
 // device, or in a CPU-only build, fails with a message saying why.
 std::string resolve_device(const std::string& requested);
@@ -104,6 +118,8 @@ std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptio
 // model/engine_gpu.cpp
 std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                         const WeightFill& initial, const DeviceCommFactory& device_comm);
+std::unique_ptr<ForwardModel> make_gpu_forward_model(const LlamaConfig& config, int64_t max_batch, int64_t max_seq,
+                                                     const WeightFill& weights);
 #endif
 
 }  // namespace tuna

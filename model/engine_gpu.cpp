@@ -201,7 +201,41 @@ class GpuEngine final : public Engine {
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
 };
 
+class GpuForwardModel final : public ForwardModel {
+ public:
+  GpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
+      : model_(config, max_batch, max_seq, OptimizerConfig{}, forward_only()) {
+    std::vector<float> host(model_.layout().total());
+    weights(model_.layout(), host.data());
+    model_.set_params(host.data());
+    cudaDeviceProp prop{};
+    TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    describe_ = str("cuda:0 (", prop.name, ")");
+  }
+  std::string describe() const override { return describe_; }
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
+    return model_.forward_loss(inputs, targets, batch, seq);
+  }
+  void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
+    model_.forward_logits(inputs, batch, seq, logits);
+  }
+
+ private:
+  static GpuOptions forward_only() {
+    GpuOptions g;
+    g.with_optimizer = false;
+    return g;
+  }
+  LlamaGpu model_;
+  std::string describe_;
+};
+
 }  // namespace
+
+std::unique_ptr<ForwardModel> make_gpu_forward_model(const LlamaConfig& config, int64_t max_batch, int64_t max_seq,
+                                                     const WeightFill& weights) {
+  return std::make_unique<GpuForwardModel>(config, max_batch, max_seq, weights);
+}
 
 std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                         const WeightFill& initial, const DeviceCommFactory& device_comm) {

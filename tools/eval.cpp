@@ -1,7 +1,7 @@
 // build/eval — mean loss and perplexity of a checkpoint on token shards, so a user can compare the base
 // model with the fine-tuned one on held-out documents.
 //
-//   build/eval --checkpoint DIR --data 'prepared/val-*.bin' [--seq_len 1024] [--micro_batch 4]
+//   build/eval --checkpoint DIR --data 'prepared/val-*.bin' [--seq_len 1024] [--micro_batch 4] [--device cuda]
 //
 // Prints a human line and a JSON line. Every window of the shards is scored once, in order; the loss is
 // the mean over every predicted token (targets masked out by the shards' loss mask are not counted).
@@ -17,12 +17,12 @@
 #include "data/loader.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
-#include "model/llama.h"
+#include "model/engine.h"  // ForwardModel: the forward pass on cpu or cuda
 
 int main(int argc, char** argv) {
   using namespace tuna;
   try {
-    std::string checkpoint, data;
+    std::string checkpoint, data, device = "auto";
     int64_t seq_len = 1024, micro_batch = 4, max_batches = 0, threads = 0;
     Options options("build/eval", "Mean loss and perplexity of a model directory on token shards.");
     options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint or a Hugging Face download");
@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
     options.add("micro_batch", &micro_batch, "windows per forward pass");
     options.add("max_batches", &max_batches, "stop after this many batches; 0: all");
     options.add("threads", &threads, "CPU threads; 0: all cores");
+    options.add("device", &device, "auto | cpu | cuda (auto: cuda when a GPU is visible)");
     if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
     if (checkpoint.empty() || data.empty()) fail("--checkpoint and --data are required (see --help)");
     if (seq_len < 1 || micro_batch < 1 || max_batches < 0 || threads < 0)
@@ -38,8 +39,9 @@ int main(int argc, char** argv) {
     set_cpu_threads(threads);
 
     LlamaConfig config = LlamaConfig::load(checkpoint);
-    Llama model(config, micro_batch, seq_len);
-    load_weights(checkpoint, model.layout(), model.params.data());
+    std::unique_ptr<ForwardModel> model =
+        make_forward_model(config, resolve_device(device), micro_batch, seq_len,
+                           [&](const ParamLayout& layout, float* out) { load_weights(checkpoint, layout, out); });
     std::vector<std::string> specs;
     std::stringstream in(data);
     for (std::string item; std::getline(in, item, ',');)
@@ -55,18 +57,19 @@ int main(int argc, char** argv) {
     LossSum total;
     int64_t batches = 0;
     while ((max_batches == 0 || batches < max_batches) && loader.next(inputs.data(), targets.data())) {
-      LossSum l = model.forward_loss(inputs.data(), targets.data(), micro_batch, seq_len);
+      LossSum l = model->forward_loss(inputs.data(), targets.data(), micro_batch, seq_len);
       total.sum += l.sum;
       total.count += l.count;
       batches++;
     }
     if (total.count == 0) fail(data, ": no token to score (the shards hold fewer than seq_len + 1 tokens?)");
     const double loss = total.sum / total.count;
-    std::printf("%s on %s: loss %.4f, perplexity %.3f over %lld tokens (%lld windows of %lld)\n", checkpoint.c_str(),
-                data.c_str(), loss, std::exp(loss), (long long)total.count, (long long)(batches * micro_batch),
-                (long long)seq_len);
+    std::printf("%s on %s: loss %.4f, perplexity %.3f over %lld tokens (%lld windows of %lld; %s)\n",
+                checkpoint.c_str(), data.c_str(), loss, std::exp(loss), (long long)total.count,
+                (long long)(batches * micro_batch), (long long)seq_len, model->describe().c_str());
     std::printf("%s\n", nlohmann::json{{"checkpoint", checkpoint}, {"data", data}, {"loss", loss},
-                                       {"perplexity", std::exp(loss)}, {"tokens", total.count}, {"seq_len", seq_len}}
+                                       {"perplexity", std::exp(loss)}, {"tokens", total.count}, {"seq_len", seq_len},
+                                       {"device", model->describe()}}
                             .dump()
                             .c_str());
     return 0;

@@ -1,10 +1,10 @@
 // build/sample — generates text from a checkpoint with its sentencepiece tokenizer.
 //
 //   build/sample --checkpoint DIR --prompt "This Agreement" [--max_tokens 64] [--temperature 0.8]
-//                [--top_p 0.95] [--greedy] [--seed 1]
+//                [--top_p 0.95] [--greedy] [--seed 1] [--device cuda]
 //
-// Each new token reruns the forward over the whole context (no KV cache): the CPU backend exists to check
-// a model, not to serve it, and this keeps generation on exactly the code path that training tested.
+// Each new token reruns the forward over the whole context (no KV cache): this tool exists to check a model,
+// not to serve it, and this keeps generation on exactly the code path that training tested.
 
 #include <algorithm>
 #include <cmath>
@@ -19,7 +19,7 @@
 #include "data/tokenizer.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
-#include "model/llama.h"
+#include "model/engine.h"  // ForwardModel: the forward pass on cpu or cuda
 
 namespace {
 
@@ -50,7 +50,7 @@ int32_t sample_token(const float* logits, int64_t vocab, double temperature, dou
 int main(int argc, char** argv) {
   using namespace tuna;
   try {
-    std::string checkpoint, tokenizer_path, prompt;
+    std::string checkpoint, tokenizer_path, prompt, device = "auto";
     int64_t max_tokens = 64, seed = 1, threads = 0;
     double temperature = 0.8, top_p = 0.95;
     bool greedy = false, stop_at_eos = true;
@@ -65,6 +65,7 @@ int main(int argc, char** argv) {
     options.add("stop_at_eos", &stop_at_eos, "stop when the model emits an end-of-sequence token");
     options.add("seed", &seed, "sampling seed");
     options.add("threads", &threads, "CPU threads; 0: all cores");
+    options.add("device", &device, "auto | cpu | cuda (auto: cuda when a GPU is visible)");
     if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
     if (checkpoint.empty()) fail("--checkpoint is required (see --help)");
     if (!greedy && !(temperature > 0)) fail("option 'temperature': expected > 0, found ", temperature);
@@ -85,8 +86,9 @@ int main(int argc, char** argv) {
     if (static_cast<int64_t>(tokens.size()) >= context)
       fail("the prompt (", tokens.size(), " tokens) leaves no room under max_position_embeddings ",
            config.max_position_embeddings);
-    Llama model(config, 1, context);
-    load_weights(checkpoint, model.layout(), model.params.data());
+    std::unique_ptr<ForwardModel> model =
+        make_forward_model(config, resolve_device(device), 1, context,
+                           [&](const ParamLayout& layout, float* out) { load_weights(checkpoint, layout, out); });
 
     std::vector<int64_t> eos = config.eos_token_ids;
     if (tokenizer.eos_id() >= 0) eos.push_back(tokenizer.eos_id());
@@ -100,7 +102,7 @@ int main(int argc, char** argv) {
     std::printf("%s", printed.c_str());
     while (static_cast<int64_t>(tokens.size()) < context) {
       const int64_t n = static_cast<int64_t>(tokens.size());
-      model.forward_logits(tokens.data(), 1, n, logits.data());
+      model->forward_logits(tokens.data(), 1, n, logits.data());
       const float* last = logits.data() + (n - 1) * config.vocab_size;
       const int32_t next = greedy ? static_cast<int32_t>(std::max_element(last, last + config.vocab_size) - last)
                                   : sample_token(last, config.vocab_size, temperature, top_p, rng);

@@ -1,0 +1,89 @@
+// build/eval end to end: the loss it prints is the model's loss over every window of the shards (the same
+// numbers the CPU model computes in process), and bad input fails with a message naming it.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "data/loader.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/engine.h"  // resolve_device
+#include "model/llama.h"
+#include "tests/test_util.h"
+
+namespace tuna {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_util::run_command;
+using testing_util::TempDir;
+
+const std::string kEval = testing_util::build_dir() + "/eval";
+const fs::path kModel = "tests/fixtures/llama2_tiny";
+
+// The last line of build/eval's output: its JSON record.
+nlohmann::json json_line(const std::string& output) {
+  const size_t end = output.find_last_not_of('\n');
+  const size_t begin = output.rfind('\n', end);
+  return nlohmann::json::parse(output.substr(begin == std::string::npos ? 0 : begin + 1, end - begin));
+}
+
+TEST(Eval, LossIsTheModelsOverEveryWindow) {
+  TempDir tmp("eval");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string data = (tmp / "data" / "val-00000.bin").string();
+  auto r = run_command(kEval + " --checkpoint " + kModel.string() + " --data " + data +
+                           " --seq_len 16 --micro_batch 4 --threads 2 --device cpu",
+                       tmp / "log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json got = json_line(r.output);
+
+  const LlamaConfig config = LlamaConfig::load(kModel.string());
+  Llama model(config, 4, 16);
+  load_weights(kModel, model.layout(), model.params.data());
+  LoaderOptions lo;
+  lo.seq_len = 16, lo.micro_batch = 4, lo.vocab_size = config.vocab_size, lo.eval = true;
+  DataLoader loader({data}, lo);
+  std::vector<int32_t> inputs(64), targets(64);
+  LossSum total;
+  int windows = 0;
+  while (loader.next(inputs.data(), targets.data())) {
+    const LossSum l = model.forward_loss(inputs.data(), targets.data(), 4, 16);
+    total.sum += l.sum, total.count += l.count, windows += 4;
+  }
+  ASSERT_GT(total.count, 0);
+  EXPECT_EQ(got["tokens"].get<int64_t>(), total.count);
+  EXPECT_NEAR(got["loss"].get<double>(), total.sum / total.count, 1e-12 * total.sum / total.count);
+  EXPECT_NEAR(got["perplexity"].get<double>(), std::exp(total.sum / total.count), 1e-9);
+  EXPECT_EQ(got["device"], "cpu");
+  EXPECT_NE(r.output.find(std::to_string(windows) + " windows of 16"), std::string::npos) << r.output;
+}
+
+TEST(Eval, BadInputFailsNamingIt) {
+  TempDir tmp("evalbad");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string data = " --data " + (tmp / "data" / "val-00000.bin").string() + " --seq_len 16";
+  auto r = run_command(kEval + " --checkpoint " + (tmp / "nowhere").string() + data + " --device cpu", tmp / "log1");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find((tmp / "nowhere").string()), std::string::npos) << r.output;
+
+  r = run_command(kEval + " --checkpoint " + kModel.string() + data + " --device gpu", tmp / "log2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("expected auto, cpu or cuda, found 'gpu'"), std::string::npos) << r.output;
+
+  if (resolve_device("auto") == "cpu") {
+    r = run_command(kEval + " --checkpoint " + kModel.string() + data + " --device cuda", tmp / "log3");
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.output.find("--device cpu"), std::string::npos) << r.output;
+  }
+
+  // Windows longer than the shards hold: said so, with the sizes.
+  r = run_command(kEval + " --checkpoint " + kModel.string() + " --data " + (tmp / "data" / "val-00000.bin").string() +
+                      " --seq_len 1000 --device cpu",
+                  tmp / "log4");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("a window needs seq_len + 1 = 1001 tokens"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace tuna
