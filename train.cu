@@ -25,7 +25,7 @@
 
 #include "core/error.h"           // tuna::Error, fail
 #include "core/options.h"         // Options: TOML + flags
-#include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS
+#include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
 #include "model/checkpoint.h"     // load_weights, save_checkpoint, latest_checkpoint, load_checkpoint_shard
@@ -247,6 +247,7 @@ int run(int argc, char** argv) {
               engine->describe().c_str(), threads, world->size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero,
               world->backend().c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
+  if (eo.device == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
   if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", cfg.init.c_str());
   else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
 
