@@ -110,6 +110,15 @@ __global__ void f32_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
   if (i < n) out[i] = __float2bfloat16(in[i]);
 }
 
+// The parameters' stream of adamw_kernel (seed_p) for the same coefficients seed.
+__global__ void f32_to_bf16_stochastic_kernel(bf16* out, const float* in, int64_t n, uint32_t step_seed) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < n) out[i] = bf16_stochastic(in[i], hash_u32(step_seed * 3u + 0u, static_cast<uint64_t>(i)));
+}
+
+// The per-step seed of the stochastic rounding streams: a pure function of (seed, step).
+uint32_t step_seed(const AdamWArgs& a) { return a.seed * 0x9E3779B1u + static_cast<uint32_t>(a.step); }
+
 template <typename M>
 void adamw_launch(float* master, bf16* param_bf16, const float* grad, M* m, M* v, int64_t n,
                   const AdamWSegments& segments, const AdamWArgs& a, cudaStream_t stream) {
@@ -129,7 +138,7 @@ void adamw_launch(float* master, bf16* param_bf16, const float* grad, M* m, M* v
   c.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(a.beta2, static_cast<double>(a.step))));
   c.grad_scale = static_cast<float>(a.grad_scale);
   c.stochastic_rounding = a.stochastic_rounding;
-  c.seed = a.seed * 0x9E3779B1u + static_cast<uint32_t>(a.step);
+  c.seed = step_seed(a);
   adamw_kernel<M><<<static_cast<unsigned>(ceil_div(n / 4, kThreads)), kThreads, 0, stream>>>(
       master, param_bf16, grad, m, v, n, segments, c);
   TUNA_CUDA_CHECK_LAUNCH();
@@ -163,6 +172,16 @@ void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t stream) {
   TUNA_CHECK(n >= 0, "n ", n);
   if (n == 0) return;
   f32_to_bf16_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(out, in, n);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
+
+void bf16_params_as_updated(bf16* out, const float* master, int64_t n, const AdamWArgs& args, cudaStream_t stream) {
+  TUNA_CHECK(n >= 0, "n ", n);
+  if (!args.stochastic_rounding) return f32_to_bf16(out, master, n, stream);
+  TUNA_CHECK(args.step >= 1, "AdamW step is 1-based, got ", args.step);
+  if (n == 0) return;
+  f32_to_bf16_stochastic_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(
+      out, master, n, step_seed(args));
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

@@ -50,4 +50,10 @@ void sum_of_squares(double* total, const float* x, int64_t n, double* scratch, c
 // out[i] = bf16(in[i]) (round to nearest even): the bf16 working copy of fp32 master weights.
 void f32_to_bf16(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t stream);
 
+// The bf16 working copy of `master` exactly as adamw_update with these args (their step, seed and rounding
+// mode) wrote it: with stochastic rounding, the same random bits. What a resume needs to continue bit for
+// bit, since checkpoints keep only the fp32 master. OVERWRITES out.
+void bf16_params_as_updated(__nv_bfloat16* out, const float* master, int64_t n, const AdamWArgs& args,
+                            cudaStream_t stream);
+
 }  // namespace tuna::cuda

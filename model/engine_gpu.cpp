@@ -171,7 +171,11 @@ class GpuEngine final : public Engine {
   }
 
   int64_t steps_taken() const override { return model_.steps_taken(); }
-  void set_steps_taken(int64_t steps) override { model_.set_steps_taken(steps); }
+  void set_steps_taken(int64_t steps) override {
+    model_.set_steps_taken(steps);
+    model_.refresh_params();  // stochastic rounding: the bf16 copy as the update at `steps` rounded it
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
+  }
 
   int64_t activation_bytes() const override { return model_.device_bytes() - model_.state_bytes(); }
   int64_t state_bytes() const override { return model_.state_bytes(); }

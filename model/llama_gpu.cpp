@@ -172,15 +172,23 @@ LlamaGpu::~LlamaGpu() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
+// Host copies go through cudaMemcpyAsync on stream_: a plain cudaMemcpy runs on the legacy stream, which a
+// cudaStreamNonBlocking stream does not wait for, and from pageable memory it may return before the data has
+// landed, so a kernel on stream_ could read the old contents.
 void LlamaGpu::set_params(const float* host) {
   const int64_t P = layout_.total();
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));  // cudaMemcpy does not order with a non-blocking stream
-  TUNA_CUDA_CHECK(cudaMemcpy(master_, host, P * sizeof(float), cudaMemcpyHostToDevice));
-  cuda::f32_to_bf16(params_, master_, P, stream_);
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(master_, host, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  refresh_params();
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void LlamaGpu::refresh_params() { cuda::f32_to_bf16(params_, master_, layout_.total(), stream_); }
+void LlamaGpu::refresh_params() {
+  if (!options_.stochastic_rounding || steps_taken_ == 0)
+    return cuda::f32_to_bf16(params_, master_, layout_.total(), stream_);
+  cuda::AdamWArgs args{};
+  args.step = steps_taken_, args.stochastic_rounding = true, args.seed = options_.seed;
+  cuda::bf16_params_as_updated(params_, master_, layout_.total(), args, stream_);
+}
 
 void LlamaGpu::init_random(uint64_t seed, double std) {
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -205,17 +213,16 @@ void LlamaGpu::get_grads(float* host) const {
 void LlamaGpu::set_moments(const float* host_m, const float* host_v) {
   TUNA_CHECK(m_ != nullptr, "model built without optimizer state");
   const int64_t P = layout_.total();
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (!options_.bf16_moments) {
-    TUNA_CUDA_CHECK(cudaMemcpy(m_, host_m, P * sizeof(float), cudaMemcpyHostToDevice));
-    TUNA_CUDA_CHECK(cudaMemcpy(v_, host_v, P * sizeof(float), cudaMemcpyHostToDevice));
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(m_, host_m, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(v_, host_v, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
   }
   // bf16 moments: stage through the (not yet used) gradient buffer and round to nearest on the device.
-  TUNA_CUDA_CHECK(cudaMemcpy(grads_, host_m, P * sizeof(float), cudaMemcpyHostToDevice));
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(grads_, host_m, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
   cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(m_), grads_, P, stream_);
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  TUNA_CUDA_CHECK(cudaMemcpy(grads_, host_v, P * sizeof(float), cudaMemcpyHostToDevice));
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(grads_, host_v, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
   cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(v_), grads_, P, stream_);
   zero_grads();
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));

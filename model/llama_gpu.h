@@ -67,8 +67,9 @@ class LlamaGpu {
   const void* moment_m() const { return m_; }
   const void* moment_v() const { return v_; }
   bool bf16_moments() const { return options_.bf16_moments; }
-  // Rewrites the bf16 copy from the fp32 master weights (after writing master_params() directly). Queued on
-  // stream().
+  // Rewrites the bf16 copy from the fp32 master weights (after writing master_params() directly), rounded as
+  // the last AdamW update rounded it (stochastically with its bits when GpuOptions::stochastic_rounding and
+  // steps_taken() > 0), so that a restored model computes exactly what the saved one did. Queued on stream().
   void refresh_params();
 
   // Host fp32 <-> device. set_params also refreshes the bf16 copy. Synchronous.

@@ -1,7 +1,7 @@
 // model/engine.h on the CUDA backend (model/engine_gpu.cpp), single rank: the engine the trainer drives with
 // --device cuda follows the CPU engine over 10 AdamW steps, a checkpoint exchange (export_shard ->
-// import_shard into a fresh engine) continues bit for bit with fp32 and with bf16 moments, and the status the
-// log prints is the device's. Skipped without a device.
+// import_shard into a fresh engine) continues bit for bit with fp32 moments, bf16 moments and stochastic
+// rounding, and the status the log prints is the device's. Skipped without a device.
 //
 // Tolerances: those of tests/model/test_llama_gpu.cpp (TenAdamWStepsFollowTheCpuRun), where they are derived:
 // 5e-2 relative on each step's loss and 0.15 on its gradient norm for a bf16 trajectory against fp32.
@@ -71,13 +71,19 @@ TEST_P(EngineGpuParity, TenStepsFollowTheCpuEngine) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, EngineGpuParity, testing::Values("llama2_tiny", "llama32_tiny"));
 
-class EngineGpuResume : public testing::TestWithParam<bool> {};
+struct Rounding {
+  bool bf16_moments, stochastic_rounding;
+};
+
+class EngineGpuResume : public testing::TestWithParam<Rounding> {};
 
 TEST_P(EngineGpuResume, ExportImportContinuesBitForBit) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama32_tiny");
   EngineOptions o = options_for(f, "cuda");
-  o.bf16_moments = GetParam();
+  o.bf16_moments = GetParam().bf16_moments;
+  o.stochastic_rounding = GetParam().stochastic_rounding;
+  o.seed = 5;
   SingleRank ra, rb;
   std::unique_ptr<Engine> a = make_engine(f.config, o, ra.mesh, fixture_weights(f));
   for (int64_t s = 0; s < 3; s++) train_step(*a, f, s, 10);
@@ -107,8 +113,14 @@ TEST_P(EngineGpuResume, ExportImportContinuesBitForBit) {
   EXPECT_EQ(v, vb);
 }
 
-INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuResume, testing::Values(false, true),
-                         [](const testing::TestParamInfo<bool>& i) { return i.param ? "bf16" : "fp32"; });
+// Stochastic rounding: the restored bf16 weights must carry the random bits of the last update
+// (LlamaGpu::refresh_params), or the next step's loss differs.
+INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuResume,
+                         testing::Values(Rounding{false, false}, Rounding{true, false}, Rounding{true, true}),
+                         [](const testing::TestParamInfo<Rounding>& i) {
+                           return std::string(i.param.bf16_moments ? "bf16" : "fp32") +
+                                  (i.param.stochastic_rounding ? "_stochastic" : "");
+                         });
 
 TEST(EngineGpu, StatusIsTheDevices) {
   TUNA_REQUIRE_GPU();
