@@ -45,6 +45,11 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
   const int src_bytes = valid ? 16 : 0;  // 0: write 16 zero bytes, read nothing
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// The same for one 4-byte word (cp.async's .cg form takes only 16 bytes; .ca goes through L1).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
@@ -304,11 +309,14 @@ __global__ void __launch_bounds__(kThreads) bwd_delta_kernel(AttentionParams p) 
 // Backward, step 2: dK and dV. Grid (key blocks of 64, n_kv_heads, batch); each warp owns 16 keys and keeps
 // their dK, dV accumulators in registers while the block walks every query head of the group and every query
 // block at or after its keys (causal). Per step, in the warp's transposed view (keys as rows):
-//   S^T = K Q^T;  P^T = exp2(S^T scale_log2 - lse2[q]) masked;  dP^T = V dO^T;  dS^T = P^T (dP^T - delta[q])
+//   S^T = K Q^T;  P^T = exp2(S^T scale_log2 - lse[q] log2 e) masked;  dP^T = V dO^T;  dS^T = P^T (dP^T - delta[q])
 //   dV += P^T dO;  dK += dS^T Q   (dK scaled by 1/sqrt(d) at the end)
 // Q, dO, lse and delta are double-buffered: step i+1's loads are issued right after the barrier that opens
 // step i, so they fly while step i computes. That barrier also proves every warp is done with step i-1's
-// buffer, the one being refilled.
+// buffer, the one being refilled. All four travel by cp.async (lse and delta a word each): a plain load
+// would make the warp wait a global round trip before the step's first shared-memory read. A query past the
+// sequence reads lse = delta = 0 with Q and dO rows of zeros, so its terms of dV (P^T dO) and dK (dS^T Q,
+// dS = P (dO V^T - delta)) are exactly 0.
 template <int kHd, int kQueries>
 __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem_bytes[];
@@ -316,7 +324,7 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
   __nv_bfloat16* s_v = s_k + kBlockRows * kHd;
   __nv_bfloat16* s_q = s_v + kBlockRows * kHd;    // [2][kQueries][kHd]
   __nv_bfloat16* s_do = s_q + 2 * kQueries * kHd;  // [2][kQueries][kHd]
-  float* s_lse = reinterpret_cast<float*>(s_do + 2 * kQueries * kHd);  // [2][kQueries], log2 units
+  float* s_lse = reinterpret_cast<float*>(s_do + 2 * kQueries * kHd);  // [2][kQueries], natural log
   float* s_delta = s_lse + 2 * kQueries;                                // [2][kQueries]
   constexpr int kQTiles = kQueries / 8;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -344,14 +352,14 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
     const int64_t head = static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd;
     load_tile<kQueries, kHd>(s_q + buf * kQueries * kHd, p.q + head, q_stride, q0, p.seq_len);
     load_tile<kQueries, kHd>(s_do + buf * kQueries * kHd, p.dout + head, q_stride, q0, p.seq_len);
-    cp_async_commit();
     const int64_t stat_base = (static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len;
     for (int i = threadIdx.x; i < kQueries; i += kThreads) {
-      const int row = q0 + i;
-      // A query past the sequence gets lse = +inf: its probabilities are exactly 0.
-      s_lse[buf * kQueries + i] = row < p.seq_len ? p.lse[stat_base + row] * kLog2e : INFINITY;
-      s_delta[buf * kQueries + i] = row < p.seq_len ? p.delta[stat_base + row] : 0.0f;
+      const bool valid = q0 + i < p.seq_len;
+      const int64_t at = stat_base + (valid ? q0 + i : 0);
+      cp_async4(smem_address(s_lse + buf * kQueries + i), p.lse + at, valid);
+      cp_async4(smem_address(s_delta + buf * kQueries + i), p.delta + at, valid);
     }
+    cp_async_commit();
   };
 
   float dk[kHd / 8][4] = {}, dv[kHd / 8][4] = {};
@@ -363,7 +371,7 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
     if (step + 1 < n_steps) issue(step + 1, buf ^ 1);
     const __nv_bfloat16* q_tile = s_q + buf * kQueries * kHd;
     const __nv_bfloat16* do_tile = s_do + buf * kQueries * kHd;
-    const float* lse2 = s_lse + buf * kQueries;
+    const float* lse = s_lse + buf * kQueries;
     const float* delta = s_delta + buf * kQueries;
 
     float pt[kQTiles][4] = {};
@@ -374,7 +382,7 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
       for (int e = 0; e < 4; ++e) {
         const int qi = nt * 8 + 2 * c + (e & 1);
         const int key = key_lo + 8 * (e >> 1);
-        pt[nt][e] = key > q0 + qi ? 0.0f : exp2f(pt[nt][e] * p.scale_log2 - lse2[qi]);
+        pt[nt][e] = key > q0 + qi ? 0.0f : exp2f(pt[nt][e] * p.scale_log2 - lse[qi] * kLog2e);
       }
     float dst[kQTiles][4] = {};
     gemm_rows_by_rows<kHd, kQTiles>(dst, s_v, warp * kRowsPerWarp, do_tile, 0, lane);
