@@ -53,6 +53,10 @@ TEST_SRCS := $(filter-out tests/mpi/%,$(wildcard tests/*.cpp tests/*/*.cpp))
 TEST_OBJS := $(TEST_SRCS:%.cpp=$(BUILD)/obj/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/*.cpp)
 MPI_TESTS := $(if $(MPI_TEST_SRCS),$(BUILD)/mpi_tests)
+# The host emulator of the attention kernels (tests/kernels/attention_emulator), a third binary that
+# tests/kernels/test_attention_emulated.cpp runs. g++ only, so every build has it, CPU-only included.
+EMULATOR_DIR := tests/kernels/attention_emulator
+EMULATOR_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard $(EMULATOR_DIR)/*.cpp))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 BENCH_SRCS := $(wildcard bench/*.cpp)
 ifneq ($(CUDA),1)
@@ -64,7 +68,7 @@ DEPS_STAMP := $(BUILD)/.deps-installed
 # Objects of tools and benches are not intermediates to delete after linking.
 .SECONDARY:
 .PHONY: all test bench demo deps clean
-all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BENCHES)
+all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/attention_emulator_tests $(BENCHES)
 
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP): scripts/install-deps.sh
@@ -117,6 +121,19 @@ $(BUILD)/mpi_tests: $(MPI_TEST_SRCS:%.cpp=$(BUILD)/obj/%.o) $(LIB_OBJS) $(CU_OBJ
 
 $(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_OBJS) $(CU_OBJS)
 	$(CXX) $^ -o $@ $(BENCH_LIBS) $(LDLIBS)
+
+# The emulator compiles the kernels' device code (.cuh) as C++: shim/ comes first on the include path so that
+# <cuda_bf16.h> and <cuda_runtime*.h> are its host stand-ins, and nothing of CUDA's or MPI's is on it.
+# -Wno-unknown-pragmas: g++ ignores the kernels' `#pragma unroll`. -fno-strict-aliasing: device code
+# type-puns through reinterpret_cast (bf16 pairs as words, int4 as 8 bf16), which nvcc honours and g++ at -O2
+# would not. The CPU twin it checks against is the library's own object.
+EMULATOR_CPPFLAGS := -DTUNA_ATTENTION_EMULATOR -I$(EMULATOR_DIR)/shim -I. -MMD -MP
+$(BUILD)/obj/$(EMULATOR_DIR)/%.o: $(EMULATOR_DIR)/%.cpp | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(EMULATOR_CPPFLAGS) $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -c $< -o $@
+
+$(BUILD)/attention_emulator_tests: $(EMULATOR_OBJS) $(BUILD)/obj/kernels/cpu/attention.o
+	$(CXX) $^ -o $@ -fopenmp
 
 # ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit
 # and Python but none of the Debian -dev packages. `make gpu-check-build` links one GPU test binary (main +

@@ -1,5 +1,5 @@
 // The attention backward for head_dim 128 (see attention_kernels.cuh) (32-query steps: fewer live registers, dK and dV already hold 128 floats per thread).
-#include "kernels/attention_kernels.cuh"
+#include "kernels/attention_launch.cuh"
 
 namespace tuna::cuda {
 

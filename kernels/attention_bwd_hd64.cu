@@ -1,5 +1,5 @@
 // The attention backward for head_dim 64 (see attention_kernels.cuh).
-#include "kernels/attention_kernels.cuh"
+#include "kernels/attention_launch.cuh"
 
 namespace tuna::cuda {
 

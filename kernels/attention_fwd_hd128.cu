@@ -1,5 +1,5 @@
 // The attention forward for head_dim 128 (see attention_kernels.cuh).
-#include "kernels/attention_kernels.cuh"
+#include "kernels/attention_launch.cuh"
 
 namespace tuna::cuda {
 

@@ -1,5 +1,5 @@
 // FlashAttention-2 kernels (forward, backward dK/dV, backward dQ) as templates over the head dim; included
-// by attention_fwd_hd*.cu and attention_bwd_hd*.cu only. Internal to kernels/.
+// by attention_launch.cuh (and the host emulator) only. Internal to kernels/.
 //
 // Tensor cores through mma.sync.m16n8k16 (bf16 in, fp32 accumulate), operands staged in shared memory by
 // cp.async and read by ldmatrix. Shared tiles are [rows][head_dim] bf16 with the 16-byte chunks of each row
@@ -19,6 +19,13 @@
 // Masking: key > query (causal), and rows past seq_len: loads of rows >= seq_len are zero-filled (cp.async
 // with src-size 0), so no uninitialized value can meet a zero probability and make a NaN; their results are
 // never stored.
+//
+// Three headers, so that the device code can also run on the host: the PTX helpers (cp.async, ldmatrix, mma)
+// are in attention_ptx.cuh and the host launch sequences (cudaFuncSetAttribute, <<<>>>) in
+// attention_launch.cuh. This one holds only device code, which the host emulator of the kernels
+// (tests/kernels/attention_emulator, built with -DTUNA_ATTENTION_EMULATOR) compiles with g++ against its own
+// versions of the PTX helpers and of the CUDA headers: CI checks fragment layouts, swizzle, cp.async
+// ordering and barriers on every build, GPU or not.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,9 +33,14 @@
 #include <cmath>
 #include <cstdint>
 
-#include "core/cuda_check.h"
 #include "kernels/attention_params.cuh"
 #include "kernels/common.cuh"
+#ifdef TUNA_ATTENTION_EMULATOR
+#include "tests/kernels/attention_emulator/ptx.h"  // host versions of the helpers below
+#else
+#include "kernels/attention_ptx.cuh"  // smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait,
+                                      // ldmatrix_x4, ldmatrix_x4_trans, mma
+#endif
 
 namespace tuna::cuda::attention {
 
@@ -36,45 +48,6 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = 16;
 constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 64: queries (fwd, dQ) or keys (dK/dV) per block
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;  // 0: write 16 zero bytes, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-// The same for one 4-byte word (cp.async's .cg form takes only 16 bytes; .ca goes through L1).
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-// c += a b for one 16x8x16 tile.
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Two floats as a bf16 pair, the first in the low half (the lower column of a fragment).
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -487,37 +460,6 @@ constexpr int dkdv_smem_bytes() {  // K, V; two buffers of Q, dO, lse, delta
 template <int kHd, int kKeys>
 constexpr int dq_smem_bytes() {  // Q, dO; two buffers of K, V
   return 2 * kBlockRows * kHd * 2 + 2 * (2 * kKeys * kHd * 2);
-}
-
-// The launch sequences, instantiated once per head dim in attention_{fwd,bwd}_hdNN.cu (one file each, so
-// CI's two cores compile them in parallel).
-template <int kHd>
-void launch_fwd(const AttentionParams& p, cudaStream_t stream) {
-  constexpr int kSmem = fwd_smem_bytes<kHd>();
-  TUNA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_heads, p.batch);
-  fwd_kernel<kHd><<<grid, kThreads, kSmem, stream>>>(p);
-  TUNA_CUDA_CHECK_LAUNCH();
-}
-
-// delta, then dK/dV with kQueries-query steps, then dQ with kKeys-key steps.
-template <int kHd, int kQueries, int kKeys>
-void launch_bwd(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.seq_len * p.n_heads;
-  bwd_delta_kernel<kHd><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p);
-  TUNA_CUDA_CHECK_LAUNCH();
-  constexpr int kDkdvSmem = dkdv_smem_bytes<kHd, kQueries>();
-  TUNA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dkdv_kernel<kHd, kQueries>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       kDkdvSmem));
-  const dim3 kv_grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_kv_heads, p.batch);
-  bwd_dkdv_kernel<kHd, kQueries><<<kv_grid, kThreads, kDkdvSmem, stream>>>(p);
-  TUNA_CUDA_CHECK_LAUNCH();
-  constexpr int kDqSmem = dq_smem_bytes<kHd, kKeys>();
-  TUNA_CUDA_CHECK(
-      cudaFuncSetAttribute(bwd_dq_kernel<kHd, kKeys>, cudaFuncAttributeMaxDynamicSharedMemorySize, kDqSmem));
-  const dim3 q_grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_heads, p.batch);
-  bwd_dq_kernel<kHd, kKeys><<<q_grid, kThreads, kDqSmem, stream>>>(p);
-  TUNA_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace tuna::cuda::attention

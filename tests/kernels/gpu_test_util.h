@@ -69,15 +69,6 @@ class DeviceBuffer {
   size_t n_;
 };
 
-inline float round_bf16(double x) { return bf16_to_f32(f32_to_bf16(static_cast<float>(x))); }
-
-// Random values already representable in bf16 (so CPU and GPU read the same numbers).
-inline std::vector<float> random_bf16_values(TestRng& rng, size_t n, double lo = -1.0, double hi = 1.0) {
-  std::vector<float> v(n);
-  for (float& x : v) x = round_bf16(rng.uniform(lo, hi));
-  return v;
-}
-
 inline std::vector<uint16_t> to_bf16_bits(const std::vector<float>& v) {
   std::vector<uint16_t> bits(v.size());
   for (size_t i = 0; i < v.size(); ++i) bits[i] = f32_to_bf16(v[i]);

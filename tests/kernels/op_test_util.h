@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace tuna::test {
 
 // Every test draws fresh inputs. The seed comes from TUNA_TEST_SEED when set (to replay a failure), else
@@ -64,6 +66,15 @@ double rel_error_norm(const std::vector<A>& actual, const std::vector<B>& expect
 template <typename T>
 std::vector<double> to_double(const std::vector<T>& values) {
   return std::vector<double>(values.begin(), values.end());
+}
+
+inline float round_bf16(double x) { return bf16_to_f32(f32_to_bf16(static_cast<float>(x))); }
+
+// Random values already representable in bf16 (so CPU and GPU read the same numbers).
+inline std::vector<float> random_bf16_values(TestRng& rng, size_t n, double lo = -1.0, double hi = 1.0) {
+  std::vector<float> v(n);
+  for (float& x : v) x = round_bf16(rng.uniform(lo, hi));
+  return v;
 }
 
 // Runs fn with OpenMP limited to n_threads, then restores the previous limit.

@@ -1,0 +1,315 @@
+// tests/kernels/attention_emulator/emulator.h — CUDA's execution model on the host, enough of it for the
+// attention kernels' device code (kernels/attention_kernels.cuh, kernels/attention_small_kernels.cuh) to
+// compile with g++ and run unchanged. The shim/ headers (cuda_bf16.h, cuda_runtime.h, cuda_runtime_api.h)
+// stand in for CUDA's and include this one; ptx.h adds the PTX helpers (cp.async, ldmatrix, mma).
+//
+// Why it exists: what makes the tensor-core kernels right or wrong (fragment layouts, the swizzle, when
+// cp.async data may be read, which barrier protects which buffer) is invisible to the CPU twin and the CPU
+// build, and CI has no GPU. Here those kernels run on the host, block by block, against the twin.
+//
+// Model. One block at a time. Its threads are fibers (ucontext) on one OS thread: a thread runs until it
+// blocks at a barrier (__syncthreads, or a warp collective: shuffle, ldmatrix, mma) or returns, then the
+// next runnable thread runs. Scheduling is deterministic (a failure replays), a barrier costs a user-space
+// context switch instead of futex wake-ups of 128 OS threads (several times faster), and a barrier that can
+// never complete (a __syncthreads some threads skip, a shuffle after part of a warp returned) is reported
+// as a deadlock instead of hanging. Warp collectives require all 32 lanes at the same operation with the
+// same arguments where the hardware does (the full mask of the kernels' *_sync calls).
+//
+// Not modelled: memory ordering between threads beyond barriers, plain shared-memory stores (the kernels
+// write shared memory only by cp.async), warp divergence inside a collective (it is an error here).
+#pragma once
+
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <vector>
+
+#include "core/error.h"
+
+// ---- the language: qualifiers and built-in variables
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(max_threads)
+#define __shared__
+#define __align__(bytes)
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+// threadIdx is the running fiber's: the scheduler sets it before every switch.
+inline dim3 threadIdx, blockIdx, blockDim, gridDim;
+using std::max;
+using std::min;
+
+// ---- bf16 and the intrinsics the kernels and kernels/common.cuh call (same bits as CUDA's)
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+struct __nv_bfloat162 {
+  __nv_bfloat16 lo, hi;
+};
+struct alignas(16) int4 {
+  int x, y, z, w;
+};
+typedef struct CUstream_st* cudaStream_t;
+
+inline float __bfloat162float(__nv_bfloat16 b) {
+  const uint32_t bits = uint32_t{b.bits} << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// Round to nearest even, NaN kept quiet: the rounding of CUDA's __float2bfloat16_rn (and core/dtype.h's).
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((bits >> 16) | 0x0040u)};
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return {static_cast<uint16_t>(bits >> 16)};
+}
+inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
+inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
+  return {__float2bfloat16_rn(lo), __float2bfloat16_rn(hi)};
+}
+inline uint32_t __float_as_uint(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+}
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return {bits}; }
+template <typename T>
+T __ldcs(const T* p) {
+  return *p;
+}
+
+namespace tuna::emulator {
+
+constexpr int kWarpSize = 32;
+constexpr int kMaxThreadsPerBlock = 128;  // what the attention kernels launch; stacks are allocated for this many
+
+// A barrier of `expected` fibers. The last to arrive runs `on_complete` before any waiter resumes: what the
+// hardware does "at the barrier" (a warp's ldmatrix gathering every lane's row) happens there, once.
+class Barrier {
+ public:
+  explicit Barrier(int expected) : expected_(expected) {}
+  template <typename OnComplete>
+  void arrive_and_wait(OnComplete&& on_complete);
+  void reset() { arrived_ = 0, waiting_.clear(); }
+
+ private:
+  int expected_;
+  int arrived_ = 0;
+  std::vector<int> waiting_;  // thread indices
+};
+
+// Which runnable thread runs next. Both are schedules the hardware may pick; they differ in how far the warps
+// drift apart between block barriers, which decides whether a missing barrier shows in the numbers (the race
+// check of ptx.h sees it either way).
+enum class Schedule {
+  kRoundRobin,   // first blocked, first resumed: the warps advance in near lockstep
+  kWarpsInTurn,  // the lowest-numbered runnable thread: warp 0 runs to its next __syncthreads before warp 1 starts
+};
+
+// The threads of the running block, as fibers.
+class Block {
+ public:
+  Schedule schedule = Schedule::kRoundRobin;
+
+  Block();
+  ~Block();
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+
+  // Runs kernel() on `threads` fibers (threadIdx.x 0..threads-1) until all return. Throws what a thread
+  // threw, or tuna::Error on a deadlock.
+  void run(int threads, const std::function<void()>& kernel);
+
+  int current() const { return current_; }
+  // Suspends the running thread until wake() makes it runnable again.
+  void block_current();
+  void wake(int thread) { runnable_.push_back(thread); }
+
+ private:
+  struct Fiber {
+    ucontext_t context;
+    char* stack = nullptr;  // mmap'ed, the lowest page a guard
+    bool finished = false;
+  };
+  static void fiber_main();
+
+  static constexpr size_t kStackBytes = 256 * 1024;  // the deepest kernel frame is a few KiB
+  std::vector<Fiber> fibers_;
+  size_t page_bytes_;
+  ucontext_t scheduler_;
+  std::deque<int> runnable_;
+  int current_ = -1;
+  const std::function<void()>* kernel_ = nullptr;
+  std::exception_ptr error_;
+};
+
+inline Block& block() {
+  static Block instance;
+  return instance;
+}
+
+template <typename OnComplete>
+void Barrier::arrive_and_wait(OnComplete&& on_complete) {
+  if (++arrived_ < expected_) {
+    waiting_.push_back(block().current());
+    block().block_current();
+    return;
+  }
+  on_complete();
+  arrived_ = 0;
+  for (int thread : waiting_) block().wake(thread);
+  waiting_.clear();
+}
+
+inline Block::Block() : fibers_(kMaxThreadsPerBlock), page_bytes_(static_cast<size_t>(sysconf(_SC_PAGESIZE))) {
+  for (Fiber& f : fibers_) {
+    void* memory = mmap(nullptr, kStackBytes + page_bytes_, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    TUNA_CHECK(memory != MAP_FAILED, "fiber stack of ", kStackBytes, " bytes");
+    // A stack overflow then faults instead of silently writing into the neighbouring fiber's stack.
+    TUNA_CHECK(mprotect(memory, page_bytes_, PROT_NONE) == 0, "guard page");
+    f.stack = static_cast<char*>(memory);
+  }
+}
+
+inline Block::~Block() {
+  for (Fiber& f : fibers_) munmap(f.stack, kStackBytes + page_bytes_);
+}
+
+inline void Block::fiber_main() {
+  Block& b = block();
+  // Exceptions cannot cross a context switch: the thread's error is kept for run() to rethrow.
+  try {
+    (*b.kernel_)();
+  } catch (...) {
+    b.error_ = std::current_exception();
+  }
+  b.fibers_[b.current_].finished = true;
+}  // returns to uc_link: the scheduler
+
+inline void Block::run(int threads, const std::function<void()>& kernel) {
+  TUNA_CHECK(threads > 0 && threads <= kMaxThreadsPerBlock, "block of ", threads, " threads");
+  kernel_ = &kernel;
+  error_ = nullptr;
+  runnable_.clear();
+  for (int t = 0; t < threads; ++t) {
+    Fiber& f = fibers_[t];
+    f.finished = false;
+    TUNA_CHECK(getcontext(&f.context) == 0, "getcontext");
+    f.context.uc_stack.ss_sp = f.stack + page_bytes_;
+    f.context.uc_stack.ss_size = kStackBytes;
+    f.context.uc_link = &scheduler_;
+    makecontext(&f.context, &Block::fiber_main, 0);
+    runnable_.push_back(t);
+  }
+  while (!runnable_.empty() && !error_) {
+    const auto next = schedule == Schedule::kRoundRobin ? runnable_.begin()
+                                                         : std::min_element(runnable_.begin(), runnable_.end());
+    current_ = *next;
+    runnable_.erase(next);
+    threadIdx = dim3{static_cast<unsigned>(current_), 0, 0};
+    TUNA_CHECK(swapcontext(&scheduler_, &fibers_[current_].context) == 0, "swapcontext");
+  }
+  current_ = -1;
+  if (error_) std::rethrow_exception(error_);
+  for (int t = 0; t < threads; ++t)
+    TUNA_CHECK(fibers_[t].finished, "deadlock in block (", blockIdx.x, ", ", blockIdx.y, ", ", blockIdx.z,
+               "): thread ", t, " waits at a barrier that the other threads never reach");
+}
+
+inline void Block::block_current() {
+  TUNA_CHECK(swapcontext(&fibers_[current_].context, &scheduler_) == 0, "swapcontext");
+}
+
+// __syncthreads: every thread of the block. `epoch` counts the barriers the block has completed; two
+// accesses in the same epoch are unordered (ptx.h's race check works in epochs).
+struct BlockBarrier {
+  Barrier barrier{0};
+  long epoch = 0;
+};
+inline BlockBarrier g_block_barrier;
+
+// What each lane brings to a warp collective and what it takes away.
+struct LaneSlot {
+  const char* operation = nullptr;  // all lanes must be at the same one
+  uint32_t words[6] = {};
+  float floats[4] = {};
+  double value = 0.0;
+  int argument = 0;  // must be warp-uniform (a shuffle's lane mask)
+};
+
+struct Warp {
+  Barrier barrier{kWarpSize};
+  LaneSlot in[kWarpSize], out[kWarpSize];
+};
+inline Warp g_warps[kMaxThreadsPerBlock / kWarpSize];
+
+inline int lane_id() { return static_cast<int>(threadIdx.x) % kWarpSize; }
+
+// A warp collective: each lane deposits `mine`; once all 32 lanes of the warp have, `combine(in, out)` runs
+// once and each lane gets its out[lane]. A lane's out slot stays valid until it enters the next collective,
+// and combine runs only when all lanes have, so one barrier per collective suffices.
+template <typename Combine>
+LaneSlot warp_collective(const LaneSlot& mine, Combine&& combine) {
+  Warp& warp = g_warps[threadIdx.x / kWarpSize];
+  const int lane = lane_id();
+  warp.in[lane] = mine;
+  warp.barrier.arrive_and_wait([&warp, &combine] {
+    for (int l = 1; l < kWarpSize; ++l)
+      TUNA_CHECK(std::strcmp(warp.in[l].operation, warp.in[0].operation) == 0 &&
+                     warp.in[l].argument == warp.in[0].argument,
+                 "warp ", threadIdx.x / kWarpSize, " diverges: lane 0 at ", warp.in[0].operation, " (",
+                 warp.in[0].argument, "), lane ", l, " at ", warp.in[l].operation, " (", warp.in[l].argument, ")");
+    combine(warp.in, warp.out);
+  });
+  return warp.out[lane];
+}
+
+// Resets the barriers for a block of `threads` threads (whole warps, as the kernels launch).
+inline void reset_block_barriers(int threads) {
+  TUNA_CHECK(threads % kWarpSize == 0, "block of ", threads, " threads is not whole warps");
+  g_block_barrier.barrier = Barrier(threads);
+  g_block_barrier.epoch = 0;
+  for (Warp& w : g_warps) w.barrier.reset();
+}
+
+}  // namespace tuna::emulator
+
+inline void __syncthreads() {
+  tuna::emulator::g_block_barrier.barrier.arrive_and_wait([] { ++tuna::emulator::g_block_barrier.epoch; });
+}
+
+// The kernels shuffle with the full mask only: every lane takes part (the emulator checks that all do).
+template <typename T>
+T emulated_shfl_xor(unsigned mask, T x, int lane_mask) {
+  using tuna::emulator::LaneSlot;
+  TUNA_CHECK(mask == 0xffffffffu, "shuffle with a partial mask ", mask);
+  LaneSlot mine;
+  mine.operation = "shfl.xor";
+  mine.argument = lane_mask;
+  mine.value = x;
+  return static_cast<T>(tuna::emulator::warp_collective(mine, [](const LaneSlot* in, LaneSlot* out) {
+                          for (int l = 0; l < tuna::emulator::kWarpSize; ++l) {
+                            const int source = l ^ in[0].argument;  // past the warp: the lane's own value
+                            out[l].value = in[source < tuna::emulator::kWarpSize ? source : l].value;
+                          }
+                        }).value);
+}
+inline float __shfl_xor_sync(unsigned mask, float x, int lane_mask) { return emulated_shfl_xor(mask, x, lane_mask); }
+inline double __shfl_xor_sync(unsigned mask, double x, int lane_mask) {
+  return emulated_shfl_xor(mask, x, lane_mask);
+}
