@@ -10,35 +10,23 @@
 #include "model/checkpoint.h"
 #include "model/engine.h"
 #include "model/safetensors.h"
-#include "tests/model/fixture.h"
+#include "tests/model/engine_test_util.h"
 
 namespace tuna {
 namespace {
 
+using testing_util::engine_options;
 using testing_util::Fixture;
-
-struct SingleRank {
-  std::unique_ptr<Comm> world = make_single_comm();
-  Mesh mesh = make_mesh(*world, 1);
-};
-
-EngineOptions cpu_options(const Fixture& f, int zero) {
-  EngineOptions o;
-  o.device = "cpu";
-  o.micro_batch = f.batch, o.seq_len = f.seq, o.opt = f.optimizer(), o.zero = zero;
-  return o;
-}
-
-WeightFill fixture_weights(const Fixture& f) {
-  return [&f](const ParamLayout& layout, float* out) { load_weights(f.dir, layout, out); };
-}
+using testing_util::fixture_weights;
+using testing_util::SingleRank;
+using testing_util::train_step;
 
 class EngineParity : public testing::TestWithParam<std::string> {};
 
 TEST_P(EngineParity, TenStepsFollowTransformers) {
   Fixture f(GetParam());
   SingleRank r;
-  std::unique_ptr<Engine> engine = make_engine(f.config, cpu_options(f, 0), r.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> engine = make_engine(f.config, engine_options(f, "cpu"), r.mesh, fixture_weights(f));
   const int64_t steps = f.meta.at("steps");
   SafetensorsFile ref(f.dir / "reference.safetensors");
   std::vector<double> ref_losses(steps), ref_norms(steps);
@@ -64,20 +52,15 @@ class EngineResume : public testing::TestWithParam<int> {};
 TEST_P(EngineResume, ExportImportContinuesBitForBit) {
   Fixture f("llama32_tiny");
   const int zero = GetParam();
-  const OptimizerConfig oc = f.optimizer();
-  auto step = [&](Engine& e, int64_t s) {
-    e.begin_step();
-    return e.finish_step(e.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq),
-                         learning_rate(oc, s, 10));
-  };
+  auto step = [&](Engine& e, int64_t s) { return train_step(e, f, s, 10); };
   SingleRank ra, rb;
-  std::unique_ptr<Engine> a = make_engine(f.config, cpu_options(f, zero), ra.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> a = make_engine(f.config, engine_options(f, "cpu", zero), ra.mesh, fixture_weights(f));
   for (int64_t s = 0; s < 3; s++) step(*a, s);
   std::vector<float> p, m, v;
   a->export_shard(p, m, v);
   ASSERT_EQ(static_cast<int64_t>(p.size()), a->layout().total());  // one rank: the whole model, in layout order
 
-  std::unique_ptr<Engine> b = make_engine(f.config, cpu_options(f, zero), rb.mesh, nullptr);
+  std::unique_ptr<Engine> b = make_engine(f.config, engine_options(f, "cpu", zero), rb.mesh, nullptr);
   b->import_shard(p, m, v);
   b->set_steps_taken(a->steps_taken());
   const StepResult sa = step(*a, 3), sb = step(*b, 3);

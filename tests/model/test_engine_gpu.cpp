@@ -14,34 +14,16 @@
 #include "model/checkpoint.h"
 #include "model/engine.h"
 #include "tests/kernels/gpu_test_util.h"
-#include "tests/model/fixture.h"
+#include "tests/model/engine_test_util.h"
 
 namespace tuna {
 namespace {
 
+using testing_util::engine_options;
 using testing_util::Fixture;
-
-struct SingleRank {
-  std::unique_ptr<Comm> world = make_single_comm();
-  Mesh mesh = make_mesh(*world, 1);
-};
-
-EngineOptions options_for(const Fixture& f, const std::string& device) {
-  EngineOptions o;
-  o.device = device;
-  o.micro_batch = f.batch, o.seq_len = f.seq, o.opt = f.optimizer();
-  return o;
-}
-
-WeightFill fixture_weights(const Fixture& f) {
-  return [&f](const ParamLayout& layout, float* out) { load_weights(f.dir, layout, out); };
-}
-
-StepResult train_step(Engine& e, const Fixture& f, int64_t s, int64_t steps) {
-  e.begin_step();
-  return e.finish_step(e.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq),
-                       learning_rate(f.optimizer(), s, steps));
-}
+using testing_util::fixture_weights;
+using testing_util::SingleRank;
+using testing_util::train_step;
 
 class EngineGpuParity : public testing::TestWithParam<std::string> {};
 
@@ -49,8 +31,8 @@ TEST_P(EngineGpuParity, TenStepsFollowTheCpuEngine) {
   TUNA_REQUIRE_GPU();
   Fixture f(GetParam());
   SingleRank rc, rg;
-  std::unique_ptr<Engine> cpu = make_engine(f.config, options_for(f, "cpu"), rc.mesh, fixture_weights(f));
-  std::unique_ptr<Engine> gpu = make_engine(f.config, options_for(f, "cuda"), rg.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> cpu = make_engine(f.config, engine_options(f, "cpu"), rc.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> gpu = make_engine(f.config, engine_options(f, "cuda"), rg.mesh, fixture_weights(f));
   std::printf("  %s\n", gpu->describe().c_str());
   const int64_t steps = f.meta.at("steps");
   for (int64_t s = 0; s < steps; s++) {
@@ -80,7 +62,7 @@ class EngineGpuResume : public testing::TestWithParam<Rounding> {};
 TEST_P(EngineGpuResume, ExportImportContinuesBitForBit) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama32_tiny");
-  EngineOptions o = options_for(f, "cuda");
+  EngineOptions o = engine_options(f, "cuda");
   o.bf16_moments = GetParam().bf16_moments;
   o.stochastic_rounding = GetParam().stochastic_rounding;
   o.seed = 5;
@@ -126,7 +108,7 @@ TEST(EngineGpu, StatusIsTheDevices) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama2_tiny");
   SingleRank r;
-  std::unique_ptr<Engine> e = make_engine(f.config, options_for(f, "cuda"), r.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> e = make_engine(f.config, engine_options(f, "cuda"), r.mesh, fixture_weights(f));
   train_step(*e, f, 0, 10);
   const EngineStatus s = e->status();
   std::printf("  %s: gpu %.0f / %.0f MB (peak %.0f), util %.0f%%, peak %.0f TFLOP/s, state %.2f MB, activations %.2f MB\n",
