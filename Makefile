@@ -53,10 +53,15 @@ TEST_SRCS := $(filter-out tests/mpi/%,$(wildcard tests/*.cpp tests/*/*.cpp))
 TEST_OBJS := $(TEST_SRCS:%.cpp=$(BUILD)/obj/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/*.cpp)
 MPI_TESTS := $(if $(MPI_TEST_SRCS),$(BUILD)/mpi_tests)
-# The host emulator of the attention kernels (tests/kernels/attention_emulator), a third binary that
-# tests/kernels/test_attention_emulated.cpp runs. g++ only, so every build has it, CPU-only included.
-EMULATOR_DIR := tests/kernels/attention_emulator
-EMULATOR_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,$(wildcard $(EMULATOR_DIR)/*.cpp))
+# The GPU tests on the host emulator of tests/kernels/emulator: a third binary, build/emulated_gpu_tests, that
+# tests/kernels/test_gpu_emulated.cpp runs. It compiles the GPU tests and the real launchers of kernels/*.cu
+# with g++ against the emulator's CUDA runtime, so every build has it, CPU-only included. Not matmul: cuBLASLt
+# is not emulated.
+EMULATOR_DIR := tests/kernels/emulator
+EMULATED_SRCS := $(EMULATOR_DIR)/main.cpp \
+                 $(filter-out tests/kernels/test_matmul_gpu.cpp,$(wildcard tests/kernels/*_gpu.cpp)) \
+                 $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu))
+EMULATED_OBJS := $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(EMULATED_SRCS))))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 BENCH_SRCS := $(wildcard bench/*.cpp)
 ifneq ($(CUDA),1)
@@ -68,7 +73,7 @@ DEPS_STAMP := $(BUILD)/.deps-installed
 # Objects of tools and benches are not intermediates to delete after linking.
 .SECONDARY:
 .PHONY: all test bench demo deps clean
-all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/attention_emulator_tests $(BENCHES)
+all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/emulated_gpu_tests $(BENCHES)
 
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP): scripts/install-deps.sh
@@ -122,18 +127,24 @@ $(BUILD)/mpi_tests: $(MPI_TEST_SRCS:%.cpp=$(BUILD)/obj/%.o) $(LIB_OBJS) $(CU_OBJ
 $(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_OBJS) $(CU_OBJS)
 	$(CXX) $^ -o $@ $(BENCH_LIBS) $(LDLIBS)
 
-# The emulator compiles the kernels' device code (.cuh) as C++: shim/ comes first on the include path so that
-# <cuda_bf16.h> and <cuda_runtime*.h> are its host stand-ins, and nothing of CUDA's or MPI's is on it.
-# -Wno-unknown-pragmas: g++ ignores the kernels' `#pragma unroll`. -fno-strict-aliasing: device code
+# The emulated build compiles kernels/*.cu and the GPU tests as C++ with -DTUNA_EMULATOR (and -DTUNA_CUDA=1,
+# which the GPU tests are behind): shim/ comes first on the include path so that <cuda_bf16.h>,
+# <cuda_runtime*.h> and <cublasLt.h> are the emulator's host stand-ins, and nothing of CUDA's or MPI's is on
+# it. -Wno-unknown-pragmas: g++ ignores the kernels' `#pragma unroll`. -fno-strict-aliasing: device code
 # type-puns through reinterpret_cast (bf16 pairs as words, int4 as 8 bf16), which nvcc honours and g++ at -O2
-# would not. The CPU twin it checks against is the library's own object.
-EMULATOR_CPPFLAGS := -DTUNA_ATTENTION_EMULATOR -I$(EMULATOR_DIR)/shim -I. -MMD -MP
-$(BUILD)/obj/$(EMULATOR_DIR)/%.o: $(EMULATOR_DIR)/%.cpp | $(DEPS_STAMP)
+# would not. The CPU twins and core/ are the library's own objects (plain C++ in every build).
+EMULATOR_CPPFLAGS := -DTUNA_EMULATOR -DTUNA_CUDA=1 -I$(EMULATOR_DIR)/shim -I. -MMD -MP
+EMULATOR_CXXFLAGS := $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -fno-extern-tls-init
+$(BUILD)/obj/emulated/%.o: %.cpp | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CXX) $(EMULATOR_CPPFLAGS) $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -c $< -o $@
+	$(CXX) $(EMULATOR_CPPFLAGS) $(EMULATOR_CXXFLAGS) -c $< -o $@
 
-$(BUILD)/attention_emulator_tests: $(EMULATOR_OBJS) $(BUILD)/obj/kernels/cpu/attention.o
-	$(CXX) $^ -o $@ -fopenmp
+$(BUILD)/obj/emulated/%.o: %.cu | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(EMULATOR_CPPFLAGS) $(EMULATOR_CXXFLAGS) -x c++ -c $< -o $@
+
+$(BUILD)/emulated_gpu_tests: $(EMULATED_OBJS) $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/dtype.o,$(LIB_OBJS))
+	$(CXX) $^ -o $@ $(GTEST_LIBS) -lopenblas -fopenmp
 
 # ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit
 # and Python but none of the Debian -dev packages. `make gpu-check-build` links one GPU test binary (main +

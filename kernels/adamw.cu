@@ -139,8 +139,8 @@ void adamw_launch(float* master, bf16* param_bf16, const float* grad, M* m, M* v
   c.grad_scale = static_cast<float>(a.grad_scale);
   c.stochastic_rounding = a.stochastic_rounding;
   c.seed = step_seed(a);
-  adamw_kernel<M><<<static_cast<unsigned>(ceil_div(n / 4, kThreads)), kThreads, 0, stream>>>(
-      master, param_bf16, grad, m, v, n, segments, c);
+  launch_kernel(adamw_kernel<M>, static_cast<unsigned>(ceil_div(n / 4, kThreads)), kThreads, 0, stream, master,
+                param_bf16, grad, m, v, n, segments, c);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
@@ -162,16 +162,16 @@ void sum_of_squares(double* total, const float* x, int64_t n, double* scratch, c
   TUNA_CHECK(n >= 0, "n ", n);
   // Blocks: a function of n alone (at least 64k elements per block before the grid reaches its cap).
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kNormBlocks, ceil_div(n, 65536))));
-  sum_of_squares_partial_kernel<<<blocks, kThreads, 0, stream>>>(scratch, x, n);
+  launch_kernel(sum_of_squares_partial_kernel, blocks, kThreads, 0, stream, scratch, x, n);
   TUNA_CUDA_CHECK_LAUNCH();
-  sum_partials_kernel<<<1, kThreads, 0, stream>>>(total, scratch, blocks);
+  launch_kernel(sum_partials_kernel, 1, kThreads, 0, stream, total, scratch, blocks);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
 void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t stream) {
   TUNA_CHECK(n >= 0, "n ", n);
   if (n == 0) return;
-  f32_to_bf16_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(out, in, n);
+  launch_kernel(f32_to_bf16_kernel, static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream, out, in, n);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
@@ -180,8 +180,8 @@ void bf16_params_as_updated(bf16* out, const float* master, int64_t n, const Ada
   if (!args.stochastic_rounding) return f32_to_bf16(out, master, n, stream);
   TUNA_CHECK(args.step >= 1, "AdamW step is 1-based, got ", args.step);
   if (n == 0) return;
-  f32_to_bf16_stochastic_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(
-      out, master, n, step_seed(args));
+  launch_kernel(f32_to_bf16_stochastic_kernel, static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream, out,
+                master, n, step_seed(args));
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

@@ -23,9 +23,9 @@
 // Three headers, so that the device code can also run on the host: the PTX helpers (cp.async, ldmatrix, mma)
 // are in attention_ptx.cuh and the host launch sequences (cudaFuncSetAttribute, <<<>>>) in
 // attention_launch.cuh. This one holds only device code, which the host emulator of the kernels
-// (tests/kernels/attention_emulator, built with -DTUNA_ATTENTION_EMULATOR) compiles with g++ against its own
-// versions of the PTX helpers and of the CUDA headers: CI checks fragment layouts, swizzle, cp.async
-// ordering and barriers on every build, GPU or not.
+// (tests/kernels/emulator, built with -DTUNA_EMULATOR) compiles with g++ against its own versions of the PTX
+// helpers and of the CUDA headers: CI checks fragment layouts, swizzle, cp.async ordering and barriers on
+// every build, GPU or not.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,8 +35,8 @@
 
 #include "kernels/attention_params.cuh"
 #include "kernels/common.cuh"
-#ifdef TUNA_ATTENTION_EMULATOR
-#include "tests/kernels/attention_emulator/ptx.h"  // host versions of the helpers below
+#ifdef TUNA_EMULATOR
+#include "tests/kernels/emulator/ptx.h"  // host versions of the helpers below
 #else
 #include "kernels/attention_ptx.cuh"  // smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait,
                                       // ldmatrix_x4, ldmatrix_x4_trans, mma

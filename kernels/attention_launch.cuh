@@ -2,9 +2,8 @@
 // the dynamic shared memory each kernel needs. Included only by attention_{fwd,bwd}_hdNN.cu. Internal to
 // kernels/.
 //
-// Apart from the kernels because cudaFuncSetAttribute and <<<>>> take nvcc, and the host emulator of the
-// kernels (tests/kernels/attention_emulator) compiles attention_kernels.cuh with g++; it launches the same
-// grids itself (keep its driver.cpp in step when a grid or a head dim's step sizes change here).
+// The host emulator (tests/kernels/emulator) compiles these launchers too, with g++ against its CUDA runtime:
+// launch_kernel and cudaFuncSetAttribute run there on the host.
 #pragma once
 
 #include "core/cuda_check.h"
@@ -19,7 +18,7 @@ void launch_fwd(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kSmem = fwd_smem_bytes<kHd>();
   TUNA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_heads, p.batch);
-  fwd_kernel<kHd><<<grid, kThreads, kSmem, stream>>>(p);
+  launch_kernel(fwd_kernel<kHd>, grid, kThreads, kSmem, stream, p);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
@@ -27,19 +26,19 @@ void launch_fwd(const AttentionParams& p, cudaStream_t stream) {
 template <int kHd, int kQueries, int kKeys>
 void launch_bwd(const AttentionParams& p, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.seq_len * p.n_heads;
-  bwd_delta_kernel<kHd><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(p);
+  launch_kernel(bwd_delta_kernel<kHd>, static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream, p);
   TUNA_CUDA_CHECK_LAUNCH();
   constexpr int kDkdvSmem = dkdv_smem_bytes<kHd, kQueries>();
   TUNA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dkdv_kernel<kHd, kQueries>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        kDkdvSmem));
   const dim3 kv_grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_kv_heads, p.batch);
-  bwd_dkdv_kernel<kHd, kQueries><<<kv_grid, kThreads, kDkdvSmem, stream>>>(p);
+  launch_kernel(bwd_dkdv_kernel<kHd, kQueries>, kv_grid, kThreads, kDkdvSmem, stream, p);
   TUNA_CUDA_CHECK_LAUNCH();
   constexpr int kDqSmem = dq_smem_bytes<kHd, kKeys>();
   TUNA_CUDA_CHECK(
       cudaFuncSetAttribute(bwd_dq_kernel<kHd, kKeys>, cudaFuncAttributeMaxDynamicSharedMemorySize, kDqSmem));
   const dim3 q_grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_heads, p.batch);
-  bwd_dq_kernel<kHd, kKeys><<<q_grid, kThreads, kDqSmem, stream>>>(p);
+  launch_kernel(bwd_dq_kernel<kHd, kKeys>, q_grid, kThreads, kDqSmem, stream, p);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,10 +1,10 @@
 // The PTX the attention kernels (attention_kernels.cuh) issue: cp.async into shared memory, ldmatrix and
 // mma.sync.m16n8k16, each wrapped in a one-line device function. Internal to kernels/.
 //
-// Kept apart from the kernels so that the host emulator (tests/kernels/attention_emulator) can compile the
+// Kept apart from the kernels so that the host emulator (tests/kernels/emulator) can compile the
 // kernels' device code with g++ and put host versions of exactly these helpers in their place: inline asm is
 // the one part of the kernels a host compiler cannot take. Whatever PTX a kernel needs goes here, with its
-// host version in tests/kernels/attention_emulator/ptx.h, so that the emulator keeps covering every kernel.
+// host version in tests/kernels/emulator/ptx.h, so that the emulator keeps covering every kernel.
 #pragma once
 
 #include <cstdint>

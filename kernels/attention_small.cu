@@ -2,8 +2,7 @@
 // per key row (dK/dV), with the FlashAttention contract (online softmax, lse kept, no seq x seq storage).
 // It exists so that tiny models (the transformers fixtures have head_dim 8) run on the GPU backend end to
 // end; it makes no attempt at speed. The tensor-core kernels (attention_kernels.cuh) serve 64 and 128.
-// The kernels are in attention_small_kernels.cuh, apart from these launches, so that the host emulator of
-// the attention kernels (tests/kernels/attention_emulator) can compile them with g++.
+// The kernels are in attention_small_kernels.cuh, apart from these launches.
 #include "core/cuda_check.h"
 #include "kernels/attention_params.cuh"
 #include "kernels/attention_small_kernels.cuh"
@@ -19,13 +18,13 @@ void launch(const AttentionParams& p, bool backward, cudaStream_t stream) {
   const int64_t kv_rows = static_cast<int64_t>(p.batch) * p.seq_len * p.n_kv_heads;
   const unsigned q_grid = static_cast<unsigned>(ceil_div(q_rows, kThreads));
   if (!backward) {
-    small_fwd_kernel<kHd><<<q_grid, kThreads, 0, stream>>>(p);
+    launch_kernel(small_fwd_kernel<kHd>, q_grid, kThreads, 0, stream, p);
     TUNA_CUDA_CHECK_LAUNCH();
     return;
   }
-  small_dq_kernel<kHd><<<q_grid, kThreads, 0, stream>>>(p);  // also writes delta, which dK/dV reads
+  launch_kernel(small_dq_kernel<kHd>, q_grid, kThreads, 0, stream, p);  // also writes delta, which dK/dV reads
   TUNA_CUDA_CHECK_LAUNCH();
-  small_dkdv_kernel<kHd><<<static_cast<unsigned>(ceil_div(kv_rows, kThreads)), kThreads, 0, stream>>>(p);
+  launch_kernel(small_dkdv_kernel<kHd>, static_cast<unsigned>(ceil_div(kv_rows, kThreads)), kThreads, 0, stream, p);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

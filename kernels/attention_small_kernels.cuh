@@ -1,8 +1,8 @@
 // Attention for small head dims (8, 16, 32): the kernels, a plain fp32 kernel, one thread per query row
 // (forward, dQ) or per key row (dK/dV), with the FlashAttention contract (online softmax, lse kept, no
-// seq x seq storage). Launched by attention_small.cu; included there and by the host emulator of the
-// attention kernels (tests/kernels/attention_emulator), which compiles this device code with g++: that is
-// why the kernels live in a header of their own, apart from the <<<>>> launches. Internal to kernels/.
+// seq x seq storage). Launched by attention_small.cu, the only file that includes it; a header of its own
+// since the host emulator (tests/kernels/emulator) compiled the kernels alone, before it could compile the
+// launchers too. Internal to kernels/.
 #pragma once
 
 #include <cmath>

@@ -115,15 +115,17 @@ void classifier_fwd_bwd(bf16* logits, float* losses, const int32_t* targets, int
   TUNA_CHECK(n < (int64_t(1) << 31), "n ", n);
   const bool vec = vocab % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   if (vec)
-    classifier_kernel<true><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, losses, targets, vocab, dloss);
+    launch_kernel(classifier_kernel<true>, static_cast<unsigned>(n), kThreads, 0, stream, logits, losses, targets,
+                  vocab, dloss);
   else
-    classifier_kernel<false><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, losses, targets, vocab, dloss);
+    launch_kernel(classifier_kernel<false>, static_cast<unsigned>(n), kThreads, 0, stream, logits, losses, targets,
+                  vocab, dloss);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
 void loss_sum(double* total, const float* losses, int64_t n, cudaStream_t stream) {
   TUNA_CHECK(n >= 0, "n ", n);
-  loss_sum_kernel<<<1, kThreads, 0, stream>>>(total, losses, n);
+  launch_kernel(loss_sum_kernel, 1, kThreads, 0, stream, total, losses, n);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

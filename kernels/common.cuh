@@ -1,7 +1,7 @@
 // kernels/common.cuh — device helpers shared by the kernels of kernels/*.cu (not a launcher header).
 //
-// bf16 <-> fp32 conversions, 16-byte vector access, warp and block reductions, stochastic rounding.
-// Everything here is __device__ and header-only; launchers live in each op's .cu.
+// bf16 <-> fp32 conversions, 16-byte vector access, warp and block reductions, stochastic rounding; and
+// launch_kernel, through which every launcher launches. Header-only; launchers live in each op's .cu.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -83,6 +83,20 @@ __device__ __forceinline__ bf16 bf16_stochastic(float x, uint32_t random_bits) {
   bits += random_bits & 0xffffu;  // a carry into the kept bits is the round-up
   bits &= 0xffff0000u;
   return __ushort_as_bfloat16(static_cast<unsigned short>(bits >> 16));
+}
+
+// kernel<<<grid, block, dynamic_smem, stream>>>(args...), written as a call so that the same launchers also
+// compile with g++ against the host emulator of tests/kernels/emulator (built with -DTUNA_EMULATOR), which
+// runs the kernel there: CI runs the GPU tests through the real launchers without a GPU. A launcher still
+// checks the launch (TUNA_CUDA_CHECK_LAUNCH) after it.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream,
+                   Args&&... args) {
+#ifdef TUNA_EMULATOR
+  tuna::emulator::launch(kernel, grid, block, dynamic_smem, stream, static_cast<Args&&>(args)...);
+#else
+  kernel<<<grid, block, dynamic_smem, stream>>>(static_cast<Args&&>(args)...);
+#endif
 }
 
 }  // namespace tuna::cuda

@@ -69,7 +69,8 @@ void embedding_fwd(bf16* out, const int32_t* tokens, const bf16* table, int64_t 
              ", dim ", dim, " (dim must be a multiple of 8)");
   if (n_tokens == 0) return;
   TUNA_CHECK(n_tokens < (int64_t(1) << 31), "n_tokens ", n_tokens);
-  embedding_fwd_kernel<<<static_cast<unsigned>(n_tokens), kThreads, 0, stream>>>(out, tokens, table, vocab, dim);
+  launch_kernel(embedding_fwd_kernel, static_cast<unsigned>(n_tokens), kThreads, 0, stream, out, tokens, table, vocab,
+                dim);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
@@ -101,7 +102,7 @@ void embedding_bwd(float* dtable, const bf16* dout, const int32_t* positions, co
              " (dim must be a multiple of 8)");
   if (n_unique == 0) return;
   const dim3 grid(static_cast<unsigned>(n_unique), static_cast<unsigned>(ceil_div(dim, kThreads * 8)));
-  embedding_bwd_kernel<<<grid, kThreads, 0, stream>>>(dtable, dout, positions, unique_tokens, offsets, dim);
+  launch_kernel(embedding_bwd_kernel, grid, kThreads, 0, stream, dtable, dout, positions, unique_tokens, offsets, dim);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

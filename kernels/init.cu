@@ -34,15 +34,15 @@ __global__ void fill_constant_kernel(float* x, int64_t n, float value) {
 void fill_normal(float* x, int64_t n, uint64_t seed, float stddev, cudaStream_t stream) {
   TUNA_CHECK(n >= 0, "n ", n);
   if (n == 0) return;
-  fill_normal_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(
-      x, n, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), stddev);
+  launch_kernel(fill_normal_kernel, static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream, x, n,
+                static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), stddev);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
 void fill_constant(float* x, int64_t n, float value, cudaStream_t stream) {
   TUNA_CHECK(n >= 0, "n ", n);
   if (n == 0) return;
-  fill_constant_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(x, n, value);
+  launch_kernel(fill_constant_kernel, static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream, x, n, value);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

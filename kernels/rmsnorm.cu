@@ -139,8 +139,8 @@ void rmsnorm_fwd(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const
   TUNA_CHECK(n >= 0 && dim > 0 && dim % 8 == 0, "n ", n, ", dim ", dim, " (dim must be a multiple of 8)");
   TUNA_CHECK(residual_delta == nullptr || resid_out != nullptr, "a residual add needs resid_out");
   if (n == 0) return;
-  rmsnorm_fwd_kernel<<<static_cast<unsigned>(ceil_div(n, kFwdWarps)), kFwdWarps * 32, 0, stream>>>(
-      out, rstd, resid_out, inp, residual_delta, weight, n, dim, static_cast<float>(eps));
+  launch_kernel(rmsnorm_fwd_kernel, static_cast<unsigned>(ceil_div(n, kFwdWarps)), kFwdWarps * 32, 0, stream, out, rstd,
+                resid_out, inp, residual_delta, weight, n, dim, static_cast<float>(eps));
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
@@ -154,16 +154,16 @@ void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, 
   const int64_t vecs = ceil_div(dim, kBwdThreads * 8);
   const unsigned grid = static_cast<unsigned>(n_blocks);
   if (vecs <= 1)
-    rmsnorm_bwd_kernel<1><<<grid, kBwdThreads, 0, stream>>>(dinp, scratch, dout, inp, weight, rstd, n, dim);
+    launch_kernel(rmsnorm_bwd_kernel<1>, grid, kBwdThreads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
   else if (vecs <= 2)
-    rmsnorm_bwd_kernel<2><<<grid, kBwdThreads, 0, stream>>>(dinp, scratch, dout, inp, weight, rstd, n, dim);
+    launch_kernel(rmsnorm_bwd_kernel<2>, grid, kBwdThreads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
   else if (vecs <= 4)
-    rmsnorm_bwd_kernel<4><<<grid, kBwdThreads, 0, stream>>>(dinp, scratch, dout, inp, weight, rstd, n, dim);
+    launch_kernel(rmsnorm_bwd_kernel<4>, grid, kBwdThreads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
   else  // 8 vectors per thread (dim 16384, LLaMA 405B) would spill: needs a wider block first.
     fail("rmsnorm_bwd: dim ", dim, " exceeds the supported ", kBwdThreads * 8 * 4);
   TUNA_CUDA_CHECK_LAUNCH();
-  rmsnorm_dweight_kernel<<<static_cast<unsigned>(ceil_div(dim, 256)), 256, 0, stream>>>(dweight, scratch, n_blocks,
-                                                                                         dim);
+  launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, 256)), 256, 0, stream, dweight, scratch,
+                n_blocks, dim);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

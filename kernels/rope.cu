@@ -67,15 +67,15 @@ void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float
   if (head_dim % 16 != 0) {
     const int64_t pairs = n_rows * (head_dim / 2);
     if (pairs == 0) return;
-    rope_pair_kernel<<<static_cast<unsigned>(ceil_div(pairs, kThreads)), kThreads, 0, stream>>>(
-        out, inp, cos_table, sin_table, n_rows, seq_len, n_heads, head_dim / 2, sign);
+    launch_kernel(rope_pair_kernel, static_cast<unsigned>(ceil_div(pairs, kThreads)), kThreads, 0, stream, out, inp,
+                  cos_table, sin_table, n_rows, seq_len, n_heads, head_dim / 2, sign);
     TUNA_CUDA_CHECK_LAUNCH();
     return;
   }
   const int64_t work = n_rows * (head_dim / 16);
   if (work == 0) return;
-  rope_kernel<<<static_cast<unsigned>(ceil_div(work, kThreads)), kThreads, 0, stream>>>(
-      out, inp, cos_table, sin_table, n_rows, seq_len, n_heads, head_dim / 2, sign);
+  launch_kernel(rope_kernel, static_cast<unsigned>(ceil_div(work, kThreads)), kThreads, 0, stream, out, inp, cos_table,
+                sin_table, n_rows, seq_len, n_heads, head_dim / 2, sign);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

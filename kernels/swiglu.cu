@@ -75,7 +75,7 @@ unsigned grid_for(int64_t n) { return static_cast<unsigned>(ceil_div(ceil_div(n,
 void swiglu_fwd(bf16* out, const bf16* gate, const bf16* up, int64_t n, cudaStream_t stream) {
   TUNA_CHECK(n >= 0, "n ", n);
   if (n == 0) return;
-  swiglu_fwd_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, gate, up, n);
+  launch_kernel(swiglu_fwd_kernel, grid_for(n), kThreads, 0, stream, out, gate, up, n);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
@@ -83,7 +83,7 @@ void swiglu_bwd(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, cons
                 cudaStream_t stream) {
   TUNA_CHECK(n >= 0, "n ", n);
   if (n == 0) return;
-  swiglu_bwd_kernel<<<grid_for(n), kThreads, 0, stream>>>(dgate, dup, dout, gate, up, n);
+  launch_kernel(swiglu_bwd_kernel, grid_for(n), kThreads, 0, stream, dgate, dup, dout, gate, up, n);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

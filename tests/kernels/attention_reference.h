@@ -1,6 +1,6 @@
-// The shapes and the naive same-precision reference of the attention tests: the GPU tests
-// (test_attention_gpu.cpp) and the host emulator of the kernels (attention_emulator/driver.cpp) hold the
-// kernels to the same rule against it (gpu_test_util.h: err <= 2 x naive bf16 err + floor).
+// The shapes and the naive same-precision reference of the attention GPU test (test_attention_gpu.cpp, on a
+// GPU and on the host emulator), which holds the kernels to the rule of gpu_test_util.h against it:
+// err <= 2 x naive bf16 err + floor.
 //
 // The naive version computes scores and softmax in fp32 and rounds to bf16 where the kernels do: P before
 // P V (forward), P and dS before the dV, dK, dQ products, and each output.

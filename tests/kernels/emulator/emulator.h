@@ -1,22 +1,27 @@
-// tests/kernels/attention_emulator/emulator.h — CUDA's execution model on the host, enough of it for the
-// attention kernels' device code (kernels/attention_kernels.cuh, kernels/attention_small_kernels.cuh) to
-// compile with g++ and run unchanged. The shim/ headers (cuda_bf16.h, cuda_runtime.h, cuda_runtime_api.h)
-// stand in for CUDA's and include this one; ptx.h adds the PTX helpers (cp.async, ldmatrix, mma).
+// tests/kernels/emulator/emulator.h — CUDA's execution model on the host, enough of it for the device code
+// of kernels/*.cu (and the attention kernels' headers) to compile with g++ and run unchanged. The shim/
+// headers (cuda_bf16.h, cuda_runtime.h, cuda_runtime_api.h, cublasLt.h) stand in for CUDA's and include
+// runtime.h, which includes this one; ptx.h adds the PTX helpers (cp.async, ldmatrix, mma) and the grid launch.
 //
-// Why it exists: what makes the tensor-core kernels right or wrong (fragment layouts, the swizzle, when
-// cp.async data may be read, which barrier protects which buffer) is invisible to the CPU twin and the CPU
-// build, and CI has no GPU. Here those kernels run on the host, block by block, against the twin.
+// Why it exists: what makes a kernel right or wrong (an index, a barrier, the tensor-core kernels' fragment
+// layouts and swizzle, when cp.async data may be read) is invisible to the CPU twin and the CPU build, and CI
+// has no GPU. Here the kernels run on the host, block by block, launched by their real launchers from the
+// real GPU tests (build/emulated_gpu_tests), against the twins.
 //
-// Model. One block at a time. Its threads are fibers (ucontext) on one OS thread: a thread runs until it
-// blocks at a barrier (__syncthreads, or a warp collective: shuffle, ldmatrix, mma) or returns, then the
-// next runnable thread runs. Scheduling is deterministic (a failure replays), a barrier costs a user-space
-// context switch instead of futex wake-ups of 128 OS threads (several times faster), and a barrier that can
+// Model. One block at a time. Its threads are fibers (a stack each, switched in user space) on one OS
+// thread: a thread runs until it blocks at a barrier (__syncthreads, or a warp collective: shuffle, ldmatrix,
+// mma) or returns, then the next runnable thread runs. Scheduling is deterministic (a failure replays), a
+// barrier costs a user-space context switch instead of futex wake-ups of 128 OS threads, and a barrier that can
 // never complete (a __syncthreads some threads skip, a shuffle after part of a warp returned) is reported
 // as a deadlock instead of hanging. Warp collectives require all 32 lanes at the same operation with the
 // same arguments where the hardware does (the full mask of the kernels' *_sync calls).
 //
-// Not modelled: memory ordering between threads beyond barriers, plain shared-memory stores (the kernels
-// write shared memory only by cp.async), warp divergence inside a collective (it is an error here).
+// Shared memory. Dynamic shared memory is ptx.h's array; a kernel's static `__shared__` variables become
+// thread_local, i.e. static storage that all the block's fibers (one OS thread) share, as a block does.
+//
+// Not modelled: memory ordering between threads beyond barriers, races on plain shared or global stores
+// (only cp.async against ldmatrix is checked), warp divergence inside a collective (it is an error here),
+// the accuracy of the fast-math intrinsics (__expf, rsqrtf: the host's exact functions here).
 #pragma once
 
 #include <sys/mman.h>
@@ -40,11 +45,13 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(max_threads)
-#define __shared__
+// Block-scope thread_local is static: one variable for the whole block (see "Shared memory" above).
+#define __shared__ thread_local
 #define __align__(bytes)
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned vx = 1, unsigned vy = 1, unsigned vz = 1) : x(vx), y(vy), z(vz) {}
 };
 // threadIdx is the running fiber's: the scheduler sets it before every switch.
 inline dim3 threadIdx, blockIdx, blockDim, gridDim;
@@ -61,6 +68,10 @@ struct __nv_bfloat162 {
 struct alignas(16) int4 {
   int x, y, z, w;
 };
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 typedef struct CUstream_st* cudaStream_t;
 
 inline float __bfloat162float(__nv_bfloat16 b) {
@@ -91,11 +102,61 @@ template <typename T>
 T __ldcs(const T* p) {
   return *p;
 }
+template <typename T>
+T __ldg(const T* p) {
+  return *p;
+}
+// The fast-math intrinsics, exact here (the hardware's are within a few ulp).
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float cospif(float x) { return static_cast<float>(std::cos(3.14159265358979323846 * static_cast<double>(x))); }
 
 namespace tuna::emulator {
 
+// The switch between fibers. On x86-64 a few instructions that save and restore the callee-saved registers
+// and the stack pointer: swapcontext also saves the signal mask, a system call at every switch, which made
+// it most of the emulator's time. Elsewhere, ucontext.
+#if defined(__x86_64__)
+// switch_stack(save, load): pushes the callee-saved registers, stores the stack pointer in *save, loads `load`
+// (a stack that an earlier switch saved, or one that prepare_stack laid out) and pops and returns from it.
+// Weak: the definition is in every object that includes this header.
+asm(R"(
+  .text
+  .weak tuna_emulator_switch_stack
+  .type tuna_emulator_switch_stack, @function
+tuna_emulator_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size tuna_emulator_switch_stack, .-tuna_emulator_switch_stack
+)");
+extern "C" void tuna_emulator_switch_stack(void** save, void* load);
+
+// Lays out a fresh stack (its top 16-byte aligned) so that switching to it enters entry() as if called: six
+// zero registers to pop, entry's address for the ret, and a null return address below which unwinding stops.
+inline void* prepare_stack(char* top, void (*entry)()) {
+  auto* slot = reinterpret_cast<void**>(top);
+  slot[-1] = nullptr;
+  slot[-2] = reinterpret_cast<void*>(entry);
+  for (int r = 3; r <= 8; ++r) slot[-r] = nullptr;
+  return slot - 8;
+}
+#endif
+
 constexpr int kWarpSize = 32;
-constexpr int kMaxThreadsPerBlock = 128;  // what the attention kernels launch; stacks are allocated for this many
+constexpr int kMaxThreadsPerBlock = 1024;  // CUDA's limit; stacks are allocated as launches need them
 
 // A barrier of `expected` fibers. The last to arrive runs `on_complete` before any waiter resumes: what the
 // hardware does "at the barrier" (a warp's ldmatrix gathering every lane's row) happens there, once.
@@ -141,16 +202,25 @@ class Block {
 
  private:
   struct Fiber {
+#if defined(__x86_64__)
+    void* stack_pointer;  // where its registers were saved by the last switch away from it
+#else
     ucontext_t context;
+#endif
     char* stack = nullptr;  // mmap'ed, the lowest page a guard
     bool finished = false;
   };
   static void fiber_main();
+  void switch_to(int thread);
 
   static constexpr size_t kStackBytes = 256 * 1024;  // the deepest kernel frame is a few KiB
-  std::vector<Fiber> fibers_;
+  std::vector<Fiber> fibers_;  // grows to the largest block launched
   size_t page_bytes_;
+#if defined(__x86_64__)
+  void* scheduler_stack_pointer_ = nullptr;
+#else
   ucontext_t scheduler_;
+#endif
   std::deque<int> runnable_;
   int current_ = -1;
   const std::function<void()>* kernel_ = nullptr;
@@ -175,16 +245,7 @@ void Barrier::arrive_and_wait(OnComplete&& on_complete) {
   waiting_.clear();
 }
 
-inline Block::Block() : fibers_(kMaxThreadsPerBlock), page_bytes_(static_cast<size_t>(sysconf(_SC_PAGESIZE))) {
-  for (Fiber& f : fibers_) {
-    void* memory = mmap(nullptr, kStackBytes + page_bytes_, PROT_READ | PROT_WRITE,
-                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
-    TUNA_CHECK(memory != MAP_FAILED, "fiber stack of ", kStackBytes, " bytes");
-    // A stack overflow then faults instead of silently writing into the neighbouring fiber's stack.
-    TUNA_CHECK(mprotect(memory, page_bytes_, PROT_NONE) == 0, "guard page");
-    f.stack = static_cast<char*>(memory);
-  }
-}
+inline Block::Block() : page_bytes_(static_cast<size_t>(sysconf(_SC_PAGESIZE))) {}
 
 inline Block::~Block() {
   for (Fiber& f : fibers_) munmap(f.stack, kStackBytes + page_bytes_);
@@ -199,21 +260,46 @@ inline void Block::fiber_main() {
     b.error_ = std::current_exception();
   }
   b.fibers_[b.current_].finished = true;
-}  // returns to uc_link: the scheduler
+#if defined(__x86_64__)
+  tuna_emulator_switch_stack(&b.fibers_[b.current_].stack_pointer, b.scheduler_stack_pointer_);  // never resumed
+#endif
+}  // (ucontext) returns to uc_link: the scheduler
+
+inline void Block::switch_to(int thread) {
+#if defined(__x86_64__)
+  tuna_emulator_switch_stack(&scheduler_stack_pointer_, fibers_[thread].stack_pointer);
+#else
+  TUNA_CHECK(swapcontext(&scheduler_, &fibers_[thread].context) == 0, "swapcontext");
+#endif
+}
 
 inline void Block::run(int threads, const std::function<void()>& kernel) {
   TUNA_CHECK(threads > 0 && threads <= kMaxThreadsPerBlock, "block of ", threads, " threads");
+  while (static_cast<int>(fibers_.size()) < threads) {
+    Fiber f;
+    void* memory = mmap(nullptr, kStackBytes + page_bytes_, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    TUNA_CHECK(memory != MAP_FAILED, "fiber stack of ", kStackBytes, " bytes");
+    // A stack overflow then faults instead of silently writing into the neighbouring fiber's stack.
+    TUNA_CHECK(mprotect(memory, page_bytes_, PROT_NONE) == 0, "guard page");
+    f.stack = static_cast<char*>(memory);
+    fibers_.push_back(f);
+  }
   kernel_ = &kernel;
   error_ = nullptr;
   runnable_.clear();
   for (int t = 0; t < threads; ++t) {
     Fiber& f = fibers_[t];
     f.finished = false;
+#if defined(__x86_64__)
+    f.stack_pointer = prepare_stack(f.stack + page_bytes_ + kStackBytes, &Block::fiber_main);
+#else
     TUNA_CHECK(getcontext(&f.context) == 0, "getcontext");
     f.context.uc_stack.ss_sp = f.stack + page_bytes_;
     f.context.uc_stack.ss_size = kStackBytes;
     f.context.uc_link = &scheduler_;
     makecontext(&f.context, &Block::fiber_main, 0);
+#endif
     runnable_.push_back(t);
   }
   while (!runnable_.empty() && !error_) {
@@ -222,7 +308,7 @@ inline void Block::run(int threads, const std::function<void()>& kernel) {
     current_ = *next;
     runnable_.erase(next);
     threadIdx = dim3{static_cast<unsigned>(current_), 0, 0};
-    TUNA_CHECK(swapcontext(&scheduler_, &fibers_[current_].context) == 0, "swapcontext");
+    switch_to(current_);
   }
   current_ = -1;
   if (error_) std::rethrow_exception(error_);
@@ -232,7 +318,11 @@ inline void Block::run(int threads, const std::function<void()>& kernel) {
 }
 
 inline void Block::block_current() {
+#if defined(__x86_64__)
+  tuna_emulator_switch_stack(&fibers_[current_].stack_pointer, scheduler_stack_pointer_);
+#else
   TUNA_CHECK(swapcontext(&fibers_[current_].context, &scheduler_) == 0, "swapcontext");
+#endif
 }
 
 // __syncthreads: every thread of the block. `epoch` counts the barriers the block has completed; two

@@ -1,7 +1,8 @@
-// tests/kernels/attention_emulator/ptx.h — host versions of the PTX helpers of kernels/attention_ptx.cuh
+// tests/kernels/emulator/ptx.h — host versions of the PTX helpers of kernels/attention_ptx.cuh
 // (smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldmatrix_x4, ldmatrix_x4_trans, mma),
-// which kernels/attention_kernels.cuh includes in its place under TUNA_ATTENTION_EMULATOR; plus the block
-// launch that gives the kernels their shared memory and checks it for races.
+// which kernels/attention_kernels.cuh includes in its place under TUNA_EMULATOR; plus the run of a grid,
+// block by block, that gives the kernels their dynamic shared memory and checks it for races (runtime.h's
+// launch goes through it).
 //
 // Written from the PTX ISA's descriptions (cp.async, ldmatrix, the mma.m16n8k16 fragment figures), not from
 // the kernels' comments, so that a kernel built on a wrong reading of a layout fails here.
@@ -22,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/kernels/attention_emulator/emulator.h"
+#include "tests/kernels/emulator/emulator.h"
 
 namespace tuna::emulator {
 
@@ -34,9 +35,10 @@ constexpr int kMaxDynamicSharedBytes = 163 * 1024;
 
 namespace tuna::cuda::attention {
 
-// The kernels' `extern __shared__ unsigned char smem_bytes[]` (a block-scope extern declaration) names this
-// array: the entity of that name in the enclosing namespace.
-alignas(128) inline unsigned char smem_bytes[tuna::emulator::kMaxDynamicSharedBytes];
+// The kernels' `extern __shared__ unsigned char smem_bytes[]` (a block-scope extern declaration, thread_local
+// here as every __shared__ is: see emulator.h) names this array: the entity of that name in the enclosing
+// namespace.
+alignas(128) inline thread_local unsigned char smem_bytes[tuna::emulator::kMaxDynamicSharedBytes];
 
 }  // namespace tuna::cuda::attention
 
@@ -244,10 +246,9 @@ inline bool block_has_race() {
   return false;
 }
 
-// Runs kernel() (one instantiation called with its params) on every block of `grid`, `threads` threads a
-// block and `dynamic_smem` bytes of shared memory, as <<<grid, threads, dynamic_smem>>> would, one block
-// after another. Returns the number of blocks in which the race check found a race.
-inline int launch(dim3 grid, int threads, int dynamic_smem, const std::function<void()>& kernel) {
+// Runs kernel() on every block of `grid`, `threads` threads a block and `dynamic_smem` bytes of dynamic shared
+// memory, one block after another. Returns the number of blocks in which the race check found a race.
+inline int run_grid(dim3 grid, int threads, int dynamic_smem, const std::function<void()>& kernel) {
   TUNA_CHECK(dynamic_smem >= 0 && dynamic_smem <= kMaxDynamicSharedBytes, "launch asks for ", dynamic_smem,
              " bytes of dynamic shared memory; an sm_80 block may have ", kMaxDynamicSharedBytes);
   g_shared.launch_bytes = static_cast<uint32_t>(dynamic_smem);
@@ -260,7 +261,7 @@ inline int launch(dim3 grid, int threads, int dynamic_smem, const std::function<
         blockIdx = dim3{x, y, z};
         // Shared memory starts as 0xff bytes (NaN as bf16 or fp32): a read of what nothing wrote shows.
         std::memset(shared_bytes(), 0xff, dynamic_smem);
-        for (auto& t : g_shared.threads) t.open.clear(), t.committed.clear();
+        for (int t = 0; t < threads; ++t) g_shared.threads[t].open.clear(), g_shared.threads[t].committed.clear();
         g_shared.flights.clear(), g_shared.reads.clear();
         reset_block_barriers(threads);
         block().run(threads, kernel);
@@ -272,7 +273,7 @@ inline int launch(dim3 grid, int threads, int dynamic_smem, const std::function<
             for (const AsyncCopy& copy : group)
               g_shared.flights.push_back({copy.dst / 16, copy.issue_epoch, LONG_MAX, t});
         }
-        blocks_with_races += block_has_race();
+        if (!g_shared.flights.empty()) blocks_with_races += block_has_race();
       }
   return blocks_with_races;
 }

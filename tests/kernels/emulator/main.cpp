@@ -1,0 +1,49 @@
+// build/emulated_gpu_tests: the GPU tests (tests/kernels/*_gpu.cpp but matmul's) built with g++ against the
+// host emulator of this folder, with the real launchers of kernels/*.cu compiled as C++ (-DTUNA_EMULATOR):
+// the code a GPU runs, run on the host against the CPU twins, with the GPU tests' own checks and tolerances.
+// tests/kernels/test_emulated_gpu.cpp runs it in every build.
+//
+//   emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] [GoogleTest flags]
+//     --copies  when a cp.async lands: at its issue (the default) or at the wait that retires it (ptx.h)
+//     --warps   how the warps of a block interleave: in near lockstep (the default), or each running as far
+//               ahead as it can before the next starts (emulator.h)
+// A missing barrier (visible when one warp runs ahead) or a read of a tile before its wait (visible when data
+// lands late) shows in the numbers in one mode or the other; the race check (ptx.h) flags the latter in both.
+// Ends, as tests/main.cpp, with "tests: N passed, N failed, N skipped".
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+
+#include "tests/kernels/emulator/runtime.h"
+
+int main(int argc, char** argv) {
+  testing::InitGoogleTest(&argc, argv);
+  using tuna::emulator::CopyTiming;
+  using tuna::emulator::Schedule;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i], value = i + 1 < argc ? argv[i + 1] : "";
+    if (arg == "--copies" && (value == "at-issue" || value == "at-wait")) {
+      tuna::emulator::g_shared.timing = value == "at-issue" ? CopyTiming::kImmediate : CopyTiming::kDeferred;
+      ++i;
+    } else if (arg == "--warps" && (value == "lockstep" || value == "in-turn")) {
+      tuna::emulator::block().schedule = value == "lockstep" ? Schedule::kRoundRobin : Schedule::kWarpsInTurn;
+      ++i;
+    } else {
+      std::fprintf(stderr,
+                   "emulated_gpu_tests: unexpected argument '%s'\n"
+                   "usage: emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] "
+                   "[GoogleTest flags]\n",
+                   arg.c_str());
+      return 2;
+    }
+  }
+  std::printf("emulated GPU: cp.async lands %s, warps %s\n",
+              tuna::emulator::g_shared.timing == CopyTiming::kImmediate ? "at issue" : "at its wait",
+              tuna::emulator::block().schedule == Schedule::kRoundRobin ? "in lockstep" : "in turn");
+  const int rc = RUN_ALL_TESTS();
+  const testing::UnitTest& unit = *testing::UnitTest::GetInstance();
+  std::printf("tests: %d passed, %d failed, %d skipped\n", unit.successful_test_count(), unit.failed_test_count(),
+              unit.skipped_test_count());
+  return rc;
+}

@@ -1,0 +1,336 @@
+// tests/kernels/emulator/runtime.h — the CUDA runtime API on the host, for the emulated build of the kernels'
+// launchers (kernels/*.cu compiled as C++ with -DTUNA_EMULATOR) and of the GPU tests (tests/kernels/*_gpu.cpp):
+// the shim/ headers stand in for <cuda_runtime.h>, <cuda_runtime_api.h> and <cuda_bf16.h> and include this.
+//
+// One emulated device, H100-like in its description (cudaGetDeviceProperties). "Device" memory is host
+// memory (cudaMalloc is an aligned host allocation; emulated kernels read and write it through the same
+// pointers), fresh allocations read as 0xff bytes (NaN in bf16 and fp32) as shared memory does, and copies
+// are checked against the allocations they name. Streams and events exist but order nothing: every call,
+// launches included, completes before it returns, which is one order a stream may run in.
+//
+// A launch (tuna::emulator::launch, which kernels/common.cuh's launch_kernel calls in this build) reports a
+// bad configuration as the runtime does, through cudaGetLastError, so the launchers' TUNA_CUDA_CHECK_LAUNCH
+// sees it; what goes wrong while the kernel runs (a deadlock at a barrier, a race of ldmatrix with cp.async,
+// a diverged warp collective) throws tuna::Error at once, with what happened, instead of the hardware's
+// later "unspecified launch failure".
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "tests/kernels/emulator/emulator.h"
+#include "tests/kernels/emulator/ptx.h"
+
+// ---- types and constants (the values of CUDA's headers)
+enum cudaError {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevicePointer = 17,
+  cudaErrorInvalidMemcpyDirection = 21,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
+};
+typedef enum cudaError cudaError_t;
+
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+
+enum cudaFuncAttribute {
+  cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+};
+
+struct CUstream_st {
+  int unused;
+};
+typedef struct CUevent_st* cudaEvent_t;
+struct CUevent_st {
+  double milliseconds;  // host time at the last record
+};
+
+constexpr unsigned cudaStreamNonBlocking = 1;
+constexpr unsigned cudaEventDefault = 0;
+constexpr unsigned cudaEventDisableTiming = 2;
+constexpr unsigned cudaHostAllocDefault = 0;
+
+// The fields tuna reads, and the common ones; an H100 SXM's values.
+struct cudaDeviceProp {
+  char name[256];
+  size_t totalGlobalMem;
+  size_t sharedMemPerBlock;
+  int regsPerBlock;
+  int warpSize;
+  int maxThreadsPerBlock;
+  int maxThreadsDim[3];
+  int maxGridSize[3];
+  int clockRate;  // kHz
+  int major;
+  int minor;
+  int multiProcessorCount;
+  int memoryClockRate;  // kHz
+  int memoryBusWidth;   // bits
+  int l2CacheSize;
+  int maxThreadsPerMultiProcessor;
+  size_t sharedMemPerMultiprocessor;
+  size_t sharedMemPerBlockOptin;
+};
+
+namespace tuna::emulator {
+
+constexpr size_t kDeviceMemoryBytes = size_t{80} << 30;
+constexpr int kDefaultDynamicSharedBytes = 48 * 1024;  // without cudaFuncAttributeMaxDynamicSharedMemorySize
+constexpr int kOptInDynamicSharedBytes = 227 * 1024;   // sm_90's opt-in limit (ptx.h holds launches to sm_80's)
+
+struct Runtime {
+  cudaError_t last_error = cudaSuccess;
+  std::map<uintptr_t, size_t> allocations;  // device allocations: start -> bytes
+  size_t allocated_bytes = 0;
+  std::map<const void*, int> max_dynamic_smem;  // per kernel, from cudaFuncSetAttribute
+};
+
+inline Runtime& runtime() {
+  static Runtime instance;
+  return instance;
+}
+
+inline cudaError_t record(cudaError_t error) {
+  if (error != cudaSuccess) runtime().last_error = error;
+  return error;
+}
+
+// Whether [p, p + bytes) lies inside one device allocation.
+inline bool in_device_allocation(const void* p, size_t bytes) {
+  const auto& allocations = runtime().allocations;
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  auto next = allocations.upper_bound(address);
+  if (next == allocations.begin()) return false;
+  const auto& [start, size] = *std::prev(next);
+  return address + bytes <= start + size;
+}
+
+// Runs kernel<<<grid, block, dynamic_smem, stream>>>(args...) on the host, block after block (ptx.h's run_grid),
+// the arguments converted to the kernel's parameter types once and copied into every thread, as CUDA does.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t,
+            Args&&... args) {
+  static_assert(sizeof...(Params) == sizeof...(Args), "a kernel launch with the wrong number of arguments");
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535 ||
+      threads == 0 || threads > 1024 || block.z > 64) {
+    record(cudaErrorInvalidConfiguration);
+    return;
+  }
+  const auto attribute = runtime().max_dynamic_smem.find(reinterpret_cast<const void*>(kernel));
+  const int allowed = attribute == runtime().max_dynamic_smem.end() ? kDefaultDynamicSharedBytes : attribute->second;
+  if (dynamic_smem > static_cast<size_t>(allowed)) {
+    record(cudaErrorInvalidValue);
+    return;
+  }
+  TUNA_CHECK(block.y == 1 && block.z == 1, "the emulator runs 1-D blocks; a launch has (", block.x, ", ",
+             block.y, ", ", block.z, ")");
+  std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
+  const int races = run_grid(grid, static_cast<int>(threads), static_cast<int>(dynamic_smem),
+                             [&] { std::apply(kernel, params); });
+  TUNA_CHECK(races == 0, "race check: ", races, " blocks of a ", grid.x, "x", grid.y, "x", grid.z,
+             " grid read shared memory that a cp.async may still be writing (the first is printed above)");
+}
+
+}  // namespace tuna::emulator
+
+// ---- the runtime API
+inline const char* cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+  }
+  return "unknown error";
+}
+inline const char* cudaGetErrorName(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+  }
+  return "cudaErrorUnknown";
+}
+inline cudaError_t cudaGetLastError() {
+  const cudaError_t error = tuna::emulator::runtime().last_error;
+  tuna::emulator::runtime().last_error = cudaSuccess;
+  return error;
+}
+inline cudaError_t cudaPeekAtLastError() { return tuna::emulator::runtime().last_error; }
+
+// ---- the device
+inline cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+inline cudaError_t cudaSetDevice(int device) {
+  return device == 0 ? cudaSuccess : tuna::emulator::record(cudaErrorInvalidDevice);
+}
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (device != 0) return tuna::emulator::record(cudaErrorInvalidDevice);
+  *prop = cudaDeviceProp{};
+  std::strcpy(prop->name, "tuna host emulator (H100-like)");
+  prop->totalGlobalMem = tuna::emulator::kDeviceMemoryBytes;
+  prop->sharedMemPerBlock = tuna::emulator::kDefaultDynamicSharedBytes;
+  prop->regsPerBlock = 65536;
+  prop->warpSize = 32;
+  prop->maxThreadsPerBlock = 1024;
+  prop->maxThreadsDim[0] = 1024, prop->maxThreadsDim[1] = 1024, prop->maxThreadsDim[2] = 64;
+  prop->maxGridSize[0] = 0x7fffffff, prop->maxGridSize[1] = 65535, prop->maxGridSize[2] = 65535;
+  prop->clockRate = 1980000;
+  prop->major = 9, prop->minor = 0;
+  prop->multiProcessorCount = 132;
+  prop->memoryClockRate = 2619000;
+  prop->memoryBusWidth = 5120;
+  prop->l2CacheSize = 50 * 1024 * 1024;
+  prop->maxThreadsPerMultiProcessor = 2048;
+  prop->sharedMemPerMultiprocessor = 228 * 1024;
+  prop->sharedMemPerBlockOptin = tuna::emulator::kOptInDynamicSharedBytes;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  *total_bytes = tuna::emulator::kDeviceMemoryBytes;
+  *free_bytes = tuna::emulator::kDeviceMemoryBytes - tuna::emulator::runtime().allocated_bytes;
+  return cudaSuccess;
+}
+template <typename T>
+cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attribute, int value) {
+  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      value > tuna::emulator::kOptInDynamicSharedBytes)
+    return tuna::emulator::record(cudaErrorInvalidValue);
+  tuna::emulator::runtime().max_dynamic_smem[reinterpret_cast<const void*>(kernel)] = value;
+  return cudaSuccess;
+}
+
+// ---- memory
+inline cudaError_t cudaMalloc(void** p, size_t bytes) {
+  auto& rt = tuna::emulator::runtime();
+  if (bytes > tuna::emulator::kDeviceMemoryBytes - rt.allocated_bytes)
+    return tuna::emulator::record(cudaErrorMemoryAllocation);
+  const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;  // cudaMalloc aligns to 256 bytes
+  *p = std::aligned_alloc(256, rounded);
+  if (*p == nullptr) return tuna::emulator::record(cudaErrorMemoryAllocation);
+  std::memset(*p, 0xff, rounded);
+  rt.allocations[reinterpret_cast<uintptr_t>(*p)] = bytes;
+  rt.allocated_bytes += bytes;
+  return cudaSuccess;
+}
+template <typename T>
+cudaError_t cudaMalloc(T** p, size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(p), bytes);
+}
+inline cudaError_t cudaFree(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  auto& rt = tuna::emulator::runtime();
+  const auto it = rt.allocations.find(reinterpret_cast<uintptr_t>(p));
+  if (it == rt.allocations.end()) return tuna::emulator::record(cudaErrorInvalidDevicePointer);
+  rt.allocated_bytes -= it->second;
+  rt.allocations.erase(it);
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+  return *p != nullptr ? cudaSuccess : tuna::emulator::record(cudaErrorMemoryAllocation);
+}
+template <typename T>
+cudaError_t cudaMallocHost(T** p, size_t bytes) {
+  return cudaMallocHost(reinterpret_cast<void**>(p), bytes);
+}
+inline cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return cudaMallocHost(p, bytes); }
+inline cudaError_t cudaFreeHost(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  using tuna::emulator::in_device_allocation;
+  const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+  const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+  if (kind < cudaMemcpyHostToHost || kind > cudaMemcpyDefault)
+    return tuna::emulator::record(cudaErrorInvalidMemcpyDirection);
+  if (bytes == 0) return cudaSuccess;
+  if ((dst_device && !in_device_allocation(dst, bytes)) || (src_device && !in_device_allocation(src, bytes)))
+    return tuna::emulator::record(cudaErrorInvalidValue);
+  std::memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                                   cudaStream_t = nullptr) {
+  return cudaMemcpy(dst, src, bytes, kind);
+}
+inline cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  if (bytes == 0) return cudaSuccess;
+  if (!tuna::emulator::in_device_allocation(p, bytes)) return tuna::emulator::record(cudaErrorInvalidValue);
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t = nullptr) {
+  return cudaMemset(p, value, bytes);
+}
+
+// ---- streams and events: everything has completed by the time a call returns
+inline cudaError_t cudaStreamCreate(cudaStream_t* stream) {
+  *stream = new CUstream_st{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned) { return cudaStreamCreate(stream); }
+inline cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  delete stream;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned = 0) { return cudaSuccess; }
+inline cudaError_t cudaEventCreate(cudaEvent_t* event) {
+  *event = new CUevent_st{};
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) { return cudaEventCreate(event); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  delete event;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t = nullptr) {
+  event->milliseconds =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  *ms = static_cast<float>(end->milliseconds - start->milliseconds);
+  return cudaSuccess;
+}

@@ -1,0 +1,44 @@
+// The GPU tests on the host emulator (build/emulated_gpu_tests, from tests/kernels/emulator): every build runs
+// tests/kernels/*_gpu.cpp (but matmul's, which needs cuBLASLt) through the real launchers of kernels/*.cu and
+// the kernels' own device code, compiled with g++ against an emulated CUDA runtime, with the GPU tests' own
+// checks and tolerances against the CPU twins. A GPU is not needed; on a GPU machine the same tests also run
+// for real in this binary.
+//
+// Two runs at opposite ends of what the hardware may do (see emulator/main.cpp): cp.async data landing at
+// issue with the warps in near lockstep, and landing at the wait with each warp running ahead. A read too
+// early or a missing barrier shows as wrong numbers in one or the other, and a read of a tile that a cp.async
+// may still be writing fails the launch in both (the race check of emulator/ptx.h).
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <regex>
+#include <string>
+
+#include "tests/test_util.h"
+
+namespace tuna {
+namespace {
+
+using testing_util::run_command;
+using testing_util::TempDir;
+
+void run_emulated(const std::string& options) {
+  TempDir tmp("gpu_emulated");
+  const auto r = run_command(testing_util::build_dir() + "/emulated_gpu_tests " + options, tmp / "log");
+  std::printf("%s", r.output.c_str());  // each check's error against its bound, as on a GPU
+  EXPECT_EQ(r.exit_code, 0) << "see the emulated tests' output above";
+  // Every test ran (none skipped for want of a device) and none failed.
+  std::smatch counts;
+  ASSERT_TRUE(std::regex_search(r.output, counts, std::regex("tests: (\\d+) passed, (\\d+) failed, (\\d+) skipped")))
+      << "no closing line in the emulated tests' output above";
+  EXPECT_GT(std::stoi(counts[1]), 0);
+  EXPECT_EQ(counts[2], "0");
+  EXPECT_EQ(counts[3], "0");
+}
+
+TEST(GpuTestsEmulated, CopiesLandAtIssueWarpsInLockstep) { run_emulated("--copies at-issue --warps lockstep"); }
+
+TEST(GpuTestsEmulated, CopiesLandAtTheirWaitWarpsInTurn) { run_emulated("--copies at-wait --warps in-turn"); }
+
+}  // namespace
+}  // namespace tuna
