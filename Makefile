@@ -54,14 +54,24 @@ TEST_OBJS := $(TEST_SRCS:%.cpp=$(BUILD)/obj/%.o)
 MPI_TEST_SRCS := $(wildcard tests/mpi/*.cpp)
 MPI_TESTS := $(if $(MPI_TEST_SRCS),$(BUILD)/mpi_tests)
 # The GPU tests on the host emulator of tests/kernels/emulator: a third binary, build/emulated_gpu_tests, that
-# tests/kernels/test_gpu_emulated.cpp runs. It compiles the GPU tests and the real launchers of kernels/*.cu
-# with g++ against the emulator's CUDA runtime, so every build has it, CPU-only included. Not matmul: cuBLASLt
-# is not emulated.
+# tests/kernels/test_gpu_emulated.cpp runs. It compiles the GPU tests (the ops' and the GPU model's), the real
+# launchers of kernels/*.cu and the library's CUDA code (model/*_gpu.cpp, and model/engine.cpp, which picks
+# the device) with g++ against the emulator's CUDA runtime, so every build has it, CPU-only included. cuBLASLt
+# is not emulated: kernels/matmul.cu is replaced by a host test double of its contract (matmul_host.cpp), and
+# its test, which would then test the double, is left out (it runs on a GPU only).
 EMULATOR_DIR := tests/kernels/emulator
-EMULATED_SRCS := $(EMULATOR_DIR)/main.cpp \
+EMULATED_LIB_SRCS := model/llama_gpu.cpp model/engine_gpu.cpp model/engine.cpp
+EMULATED_SRCS := $(EMULATOR_DIR)/main.cpp $(EMULATOR_DIR)/matmul_host.cpp \
                  $(filter-out tests/kernels/test_matmul_gpu.cpp,$(wildcard tests/kernels/*_gpu.cpp)) \
-                 $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu))
+                 $(wildcard tests/model/*_gpu.cpp) \
+                 $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu)) $(EMULATED_LIB_SRCS)
 EMULATED_OBJS := $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(EMULATED_SRCS))))
+# The rest of the library that the tests reach is plain C++, the same in every build: its own objects. (A
+# file of it that comes to include a CUDA header belongs in EMULATED_LIB_SRCS; the link says so, as no CUDA
+# library is linked here.)
+EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o), \
+                        $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/% $(BUILD)/obj/model/% \
+                                 $(BUILD)/obj/dist/comm.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 BENCH_SRCS := $(wildcard bench/*.cpp)
 ifneq ($(CUDA),1)
@@ -132,7 +142,8 @@ $(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_OBJS) $(CU_OBJS)
 # <cuda_runtime*.h> and <cublasLt.h> are the emulator's host stand-ins, and nothing of CUDA's or MPI's is on
 # it. -Wno-unknown-pragmas: g++ ignores the kernels' `#pragma unroll`. -fno-strict-aliasing: device code
 # type-puns through reinterpret_cast (bf16 pairs as words, int4 as 8 bf16), which nvcc honours and g++ at -O2
-# would not. The CPU twins and core/ are the library's own objects (plain C++ in every build).
+# would not. The emulated objects live under obj/emulated/, apart from the library's own build of the same
+# model/*.cpp (against the real CUDA runtime, or without CUDA); EMULATED_HOST_OBJS are shared.
 EMULATOR_CPPFLAGS := -DTUNA_EMULATOR -DTUNA_CUDA=1 -I$(EMULATOR_DIR)/shim -I. -MMD -MP
 EMULATOR_CXXFLAGS := $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -fno-extern-tls-init
 $(BUILD)/obj/emulated/%.o: %.cpp | $(DEPS_STAMP)
@@ -143,7 +154,7 @@ $(BUILD)/obj/emulated/%.o: %.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(EMULATOR_CPPFLAGS) $(EMULATOR_CXXFLAGS) -x c++ -c $< -o $@
 
-$(BUILD)/emulated_gpu_tests: $(EMULATED_OBJS) $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/dtype.o,$(LIB_OBJS))
+$(BUILD)/emulated_gpu_tests: $(EMULATED_OBJS) $(EMULATED_HOST_OBJS)
 	$(CXX) $^ -o $@ $(GTEST_LIBS) -lopenblas -fopenmp
 
 # ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit

@@ -1,7 +1,14 @@
-// build/emulated_gpu_tests: the GPU tests (tests/kernels/*_gpu.cpp but matmul's) built with g++ against the
-// host emulator of this folder, with the real launchers of kernels/*.cu compiled as C++ (-DTUNA_EMULATOR):
+// build/emulated_gpu_tests: the GPU tests (tests/kernels/*_gpu.cpp but matmul's, and the GPU model's
+// tests/model/*_gpu.cpp) built with g++ against the host emulator of this folder, with the real launchers of
+// kernels/*.cu and the GPU model (model/llama_gpu.cpp, model/engine_gpu.cpp) compiled as C++ (-DTUNA_EMULATOR):
 // the code a GPU runs, run on the host against the CPU twins, with the GPU tests' own checks and tolerances.
-// tests/kernels/test_emulated_gpu.cpp runs it in every build.
+// cuBLASLt is replaced by a host test double of kernels/matmul.cuh (matmul_host.cpp).
+// tests/kernels/test_gpu_emulated.cpp runs it in every build.
+//
+// One OpenMP thread: the emulator runs every kernel on this thread, and the host code around it (the CPU
+// twins, the CPU model the GPU model is compared with) works on shapes of a few thousand elements, where
+// worker threads only spin at every parallel region; on a busy two-core CI machine that made the model tests
+// 15 times slower (10 s instead of 0.6 s for one engine test).
 //
 //   emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] [GoogleTest flags]
 //     --copies  when a cp.async lands: at its issue (the default) or at the wait that retires it (ptx.h)
@@ -11,6 +18,7 @@
 // lands late) shows in the numbers in one mode or the other; the race check (ptx.h) flags the latter in both.
 // Ends, as tests/main.cpp, with "tests: N passed, N failed, N skipped".
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cstdio>
 #include <string>
@@ -19,6 +27,7 @@
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
+  omp_set_num_threads(1);
   using tuna::emulator::CopyTiming;
   using tuna::emulator::Schedule;
   for (int i = 1; i < argc; ++i) {

@@ -1,6 +1,7 @@
 // tests/kernels/emulator/runtime.h — the CUDA runtime API on the host, for the emulated build of the kernels'
-// launchers (kernels/*.cu compiled as C++ with -DTUNA_EMULATOR) and of the GPU tests (tests/kernels/*_gpu.cpp):
-// the shim/ headers stand in for <cuda_runtime.h>, <cuda_runtime_api.h> and <cuda_bf16.h> and include this.
+// launchers (kernels/*.cu compiled as C++ with -DTUNA_EMULATOR), of the GPU model (model/llama_gpu.cpp,
+// model/engine_gpu.cpp) and of the GPU tests (tests/kernels/*_gpu.cpp, tests/model/*_gpu.cpp): the shim/
+// headers stand in for <cuda_runtime.h>, <cuda_runtime_api.h> and <cuda_bf16.h> and include this.
 //
 // One emulated device, H100-like in its description (cudaGetDeviceProperties). "Device" memory is host
 // memory (cudaMalloc is an aligned host allocation; emulated kernels read and write it through the same
@@ -53,6 +54,13 @@ enum cudaMemcpyKind {
 
 enum cudaFuncAttribute {
   cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+};
+
+enum cudaDeviceAttr {
+  cudaDevAttrClockRate = 13,
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrComputeCapabilityMinor = 76,
 };
 
 struct CUstream_st {
@@ -218,6 +226,24 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->maxThreadsPerMultiProcessor = 2048;
   prop->sharedMemPerMultiprocessor = 228 * 1024;
   prop->sharedMemPerBlockOptin = tuna::emulator::kOptInDynamicSharedBytes;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
+  cudaDeviceProp prop;
+  if (const cudaError_t error = cudaGetDeviceProperties(&prop, device); error != cudaSuccess) return error;
+  switch (attribute) {
+    case cudaDevAttrClockRate: *value = prop.clockRate; return cudaSuccess;
+    case cudaDevAttrMultiProcessorCount: *value = prop.multiProcessorCount; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = prop.major; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = prop.minor; return cudaSuccess;
+  }
+  return tuna::emulator::record(cudaErrorInvalidValue);
+}
+// "domain:bus:device.function" as the driver writes it; NVML (absent here) would match it to a card.
+inline cudaError_t cudaDeviceGetPCIBusId(char* bus_id, int length, int device) {
+  if (device != 0) return tuna::emulator::record(cudaErrorInvalidDevice);
+  if (length < 13) return tuna::emulator::record(cudaErrorInvalidValue);
+  std::strcpy(bus_id, "0000:00:00.0");
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }

@@ -1,6 +1,9 @@
 // Stands in for CUDA's <cublasLt.h> in the emulated build only: the status codes that core/cuda_check.h
-// names. cuBLASLt itself is not emulated (kernels/matmul.cu and its tests stay out of the emulated build).
+// names, and the types kernels/matmul.cuh declares MatmulContext with. cuBLASLt itself is not emulated:
+// the emulated build links tests/kernels/emulator/matmul_host.cpp, a host test double of kernels/matmul.cu.
 #pragma once
+#include <cstdint>
+
 typedef enum {
   CUBLAS_STATUS_SUCCESS = 0,
   CUBLAS_STATUS_NOT_INITIALIZED = 1,
@@ -13,3 +16,14 @@ typedef enum {
   CUBLAS_STATUS_NOT_SUPPORTED = 15,
   CUBLAS_STATUS_LICENSE_ERROR = 16,
 } cublasStatus_t;
+
+// library_types.h's element types (the two matmul.cuh uses), with CUDA's values.
+typedef enum cudaDataType_t {
+  CUDA_R_32F = 0,
+  CUDA_R_16BF = 14,
+} cudaDataType_t;
+
+typedef struct cublasLtContext* cublasLtHandle_t;
+typedef struct {
+  uint64_t data[8];
+} cublasLtMatmulAlgo_t;

@@ -1,0 +1,105 @@
+// tests/kernels/emulator/matmul_host.cpp — a TEST DOUBLE of cuBLASLt for the emulated build: the contract of
+// kernels/matmul.cuh (matmul_fwd, matmul_bwd, MatmulContext) in plain host loops, linked into
+// build/emulated_gpu_tests in place of kernels/matmul.cu, so that the GPU model (model/llama_gpu.cpp,
+// model/engine_gpu.cpp) runs there with every other op on the real launchers and kernels.
+//
+// It checks nothing about kernels/matmul.cu, which calls cuBLASLt (a closed library that cannot be emulated
+// faithfully): that file is tested only on a GPU, by tests/kernels/test_matmul_gpu.cpp against the CPU twin.
+// That test is left out of the emulated build, where it would compare this double with the twin and prove
+// nothing.
+//
+// What the double reproduces, because the model tests depend on it: bf16 operands widened to fp32, products
+// summed in fp32 (in index order; cuBLASLt's order differs, which only moves the last bits), one rounding to
+// bf16 (round to nearest even) of each bf16 output after the epilogue (out = acc + residual, dinp = acc + dinp
+// when accumulating: cuBLASLt's D = alpha AB + beta C with beta = 1), and the fp32 weight gradient ACCUMULATED
+// (dweight += acc). As with beta = 0 in cuBLASLt, an output that is overwritten is never read, so a NaN there
+// (fresh emulated memory reads as NaN) does not leak in. Every operand must lie inside one device allocation,
+// a check the emulated runtime adds (a wrong offset into the model's arena fails here instead of reading
+// a neighbouring buffer).
+//
+// Plain loops on one thread, as everything in this binary runs (emulator/main.cpp); the model tests' shapes are
+// tiny. MatmulContext::gemm (the raw cuBLASLt call) is not provided: nothing in the emulated build calls it outside
+// matmul.cu, and a new caller fails to link rather than run on a guess.
+#include <algorithm>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "kernels/matmul.cuh"
+
+namespace tuna::cuda {
+
+namespace {
+
+float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+void check_operand(const void* p, int64_t elements, int64_t element_bytes, const char* what) {
+  TUNA_CHECK(tuna::emulator::in_device_allocation(p, static_cast<size_t>(elements * element_bytes)), "matmul: ", what,
+             " (", elements, " elements at ", p, ") is not inside one device allocation");
+}
+
+}  // namespace
+
+// The real context holds a cuBLASLt handle and a device workspace; the double allocates the same workspace
+// (so the device memory the engine reports is the real one's) and no handle.
+MatmulContext::MatmulContext(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  if (workspace_bytes_ > 0) TUNA_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+}
+
+MatmulContext::~MatmulContext() {
+  if (workspace_ != nullptr) cudaFree(workspace_);
+}
+
+void matmul_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
+                const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+  if (n == 0) return;
+  check_operand(out, n * oc, 2, "out");
+  check_operand(inp, n * ic, 2, "inp");
+  check_operand(weight, oc * ic, 2, "weight");
+  if (residual != nullptr) check_operand(residual, n * oc, 2, "residual");
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t o = 0; o < oc; ++o) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < ic; ++i) acc += widen(inp[r * ic + i]) * widen(weight[o * ic + i]);
+      if (residual != nullptr) acc += widen(residual[r * oc + o]);  // read before the write: out may be residual
+      out[r * oc + o] = __float2bfloat16_rn(acc);
+    }
+}
+
+void matmul_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
+                const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
+                bool accumulate_dinp, cudaStream_t) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+  if (n == 0) return;
+  check_operand(dout, n * oc, 2, "dout");
+  if (dinp != nullptr) {
+    check_operand(dinp, n * ic, 2, "dinp");
+    check_operand(weight, oc * ic, 2, "weight");
+    std::vector<float> acc(ic);
+    for (int64_t r = 0; r < n; ++r) {  // dinp[r, :] (=|+=) sum over o of dout[r, o] weight[o, :]
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t o = 0; o < oc; ++o) {
+        const float d = widen(dout[r * oc + o]);
+        for (int64_t i = 0; i < ic; ++i) acc[i] += d * widen(weight[o * ic + i]);
+      }
+      for (int64_t i = 0; i < ic; ++i)
+        dinp[r * ic + i] = __float2bfloat16_rn(accumulate_dinp ? acc[i] + widen(dinp[r * ic + i]) : acc[i]);
+    }
+  }
+  if (dweight != nullptr) {
+    check_operand(dweight, oc * ic, 4, "dweight");
+    check_operand(inp, n * ic, 2, "inp");
+    std::vector<float> acc(ic);
+    for (int64_t o = 0; o < oc; ++o) {  // dweight[o, :] += sum over r of dout[r, o] inp[r, :]
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t r = 0; r < n; ++r) {
+        const float d = widen(dout[r * oc + o]);
+        for (int64_t i = 0; i < ic; ++i) acc[i] += d * widen(inp[r * ic + i]);
+      }
+      for (int64_t i = 0; i < ic; ++i) dweight[o * ic + i] += acc[i];
+    }
+  }
+}
+
+}  // namespace tuna::cuda
