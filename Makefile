@@ -51,8 +51,10 @@ TOOLS := $(patsubst tools/%.cpp,$(BUILD)/%,$(wildcard tools/*.cpp))
 # tests in the first launch under mpirun.
 TEST_SRCS := $(filter-out tests/mpi/%,$(wildcard tests/*.cpp tests/*/*.cpp))
 TEST_OBJS := $(TEST_SRCS:%.cpp=$(BUILD)/obj/%.o)
-MPI_TEST_SRCS := $(wildcard tests/mpi/*.cpp)
+# tests/mpi/*_emulated.cpp run on the host emulator only (build/emulated_gpu_mpi_tests, below).
+MPI_TEST_SRCS := $(filter-out tests/mpi/%_emulated.cpp,$(wildcard tests/mpi/*.cpp))
 MPI_TESTS := $(if $(MPI_TEST_SRCS),$(BUILD)/mpi_tests)
+EMULATED_MPI_TESTS := $(if $(wildcard tests/mpi/*_emulated.cpp),$(BUILD)/emulated_gpu_mpi_tests)
 # The GPU tests on the host emulator of tests/kernels/emulator: a third binary, build/emulated_gpu_tests, that
 # tests/kernels/test_gpu_emulated.cpp runs. It compiles the GPU tests (the ops' and the GPU model's), the real
 # launchers of kernels/*.cu and the library's CUDA code (model/*_gpu.cpp, and model/engine.cpp, which picks
@@ -61,11 +63,13 @@ MPI_TESTS := $(if $(MPI_TEST_SRCS),$(BUILD)/mpi_tests)
 # its test, which would then test the double, is left out (it runs on a GPU only).
 EMULATOR_DIR := tests/kernels/emulator
 EMULATED_LIB_SRCS := model/llama_gpu.cpp model/engine_gpu.cpp model/engine.cpp
-EMULATED_SRCS := $(EMULATOR_DIR)/main.cpp $(EMULATOR_DIR)/matmul_host.cpp \
-                 $(filter-out tests/kernels/test_matmul_gpu.cpp,$(wildcard tests/kernels/*_gpu.cpp)) \
-                 $(wildcard tests/model/*_gpu.cpp) \
-                 $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu)) $(EMULATED_LIB_SRCS)
-EMULATED_OBJS := $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(EMULATED_SRCS))))
+emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
+# The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
+EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
+                          $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu)) $(EMULATED_LIB_SRCS))
+EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp \
+                   $(filter-out tests/kernels/test_matmul_gpu.cpp,$(wildcard tests/kernels/*_gpu.cpp)) \
+                   $(wildcard tests/model/*_gpu.cpp)) $(EMULATED_DEVICE_OBJS)
 # The rest of the library that the tests reach is plain C++, the same in every build: its own objects. (A
 # file of it that comes to include a CUDA header belongs in EMULATED_LIB_SRCS; the link says so, as no CUDA
 # library is linked here.)
@@ -83,7 +87,8 @@ DEPS_STAMP := $(BUILD)/.deps-installed
 # Objects of tools and benches are not intermediates to delete after linking.
 .SECONDARY:
 .PHONY: all test bench demo deps clean
-all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/emulated_gpu_tests $(BENCHES)
+all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/emulated_gpu_tests $(EMULATED_MPI_TESTS) \
+     $(BENCHES)
 
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP): scripts/install-deps.sh
@@ -156,6 +161,17 @@ $(BUILD)/obj/emulated/%.o: %.cu | $(DEPS_STAMP)
 
 $(BUILD)/emulated_gpu_tests: $(EMULATED_OBJS) $(EMULATED_HOST_OBJS)
 	$(CXX) $^ -o $@ $(GTEST_LIBS) -lopenblas -fopenmp
+
+# build/emulated_gpu_mpi_tests: the CUDA engine's data-parallel code (model/engine_gpu.cpp at dp > 1) on the
+# emulator under mpirun, which tests/kernels/test_gpu_emulated.cpp launches: tests/mpi/*_emulated.cpp with the
+# MPI tests' main (tests/mpi/main.cpp: MPI_Init, the world comm) and an MpiComm (dist/comm_mpi.cpp) standing in
+# for NCCL as the device comm (device buffers are host memory here). Only those two objects see MPI's headers;
+# the emulated ones reach MPI through dist/comm.h. Named *_emulated.cpp, not *_gpu.cpp: neither mpi_tests nor
+# the gpu-check build (tests/*/*_gpu.cpp) may pick them up, as on a GPU the device comm must be NCCL.
+EMULATED_MPI_TEST_SRCS := $(wildcard tests/mpi/*_emulated.cpp)
+$(BUILD)/emulated_gpu_mpi_tests: $(BUILD)/obj/tests/mpi/main.o $(call emulated_objs,$(EMULATED_MPI_TEST_SRCS)) \
+                                 $(EMULATED_DEVICE_OBJS) $(EMULATED_HOST_OBJS) $(BUILD)/obj/dist/comm_mpi.o
+	$(CXX) $^ -o $@ $(GTEST_LIBS) -lopenblas -fopenmp $(MPI_LIBS)
 
 # ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit
 # and Python but none of the Debian -dev packages. `make gpu-check-build` links one GPU test binary (main +

@@ -13,12 +13,17 @@
 // may still be writing fails the launch in both (the race check of emulator/ptx.h). The model tests run in the
 // first only: what they add to the op tests is the orchestration (the arena plan, op order, accumulate flags,
 // checkpoint exchange), which does not depend on how the warps of a kernel interleave.
+//
+// The CUDA engine's data-parallel code (model/engine_gpu.cpp at dp > 1: the gradient all-reduce, the
+// checkpoint restore that gathers each unit on the device) runs in a fourth binary, build/emulated_gpu_mpi_tests
+// (tests/mpi/*_emulated.cpp), under `mpirun -np 2`, with an MpiComm standing in for NCCL.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <regex>
 #include <string>
 
+#include "tests/dist/dist_test_util.h"  // mpirun
 #include "tests/test_util.h"
 
 namespace tuna {
@@ -27,24 +32,36 @@ namespace {
 using testing_util::run_command;
 using testing_util::TempDir;
 
-void run_emulated(const std::string& options) {
+// `command` exits 0 and its closing line ("tests: N passed, N failed, N skipped", or under mpirun rank 0's
+// "mpi tests (rank 0): N passed, ...") says every test ran (none skipped for want of a device or of ranks)
+// and none failed.
+void expect_all_ran_and_passed(const std::string& command) {
   TempDir tmp("gpu_emulated");
-  const auto r = run_command(testing_util::build_dir() + "/emulated_gpu_tests " + options, tmp / "log");
+  const auto r = run_command(command, tmp / "log");
   std::printf("%s", r.output.c_str());  // each check's error against its bound, as on a GPU
   EXPECT_EQ(r.exit_code, 0) << "see the emulated tests' output above";
-  // Every test ran (none skipped for want of a device) and none failed.
   std::smatch counts;
-  ASSERT_TRUE(std::regex_search(r.output, counts, std::regex("tests: (\\d+) passed, (\\d+) failed, (\\d+) skipped")))
+  ASSERT_TRUE(std::regex_search(r.output, counts, std::regex("tests.*: (\\d+) passed, (\\d+) failed, (\\d+) skipped")))
       << "no closing line in the emulated tests' output above";
   EXPECT_GT(std::stoi(counts[1]), 0);
   EXPECT_EQ(counts[2], "0");
   EXPECT_EQ(counts[3], "0");
 }
 
+void run_emulated(const std::string& options) {
+  expect_all_ran_and_passed(testing_util::build_dir() + "/emulated_gpu_tests " + options);
+}
+
 TEST(GpuTestsEmulated, CopiesLandAtIssueWarpsInLockstep) { run_emulated("--copies at-issue --warps lockstep"); }
 
 TEST(GpuTestsEmulated, CopiesLandAtTheirWaitWarpsInTurn) {
   run_emulated("--copies at-wait --warps in-turn --gtest_filter=-*LlamaGpu*:*EngineGpu*");
+}
+
+// The engine at dp = 2 against one rank, and its sharded checkpoint restored at 2 ranks and at 1
+// (tests/mpi/test_engine_gpu_emulated.cpp).
+TEST(GpuTestsEmulated, DataParallelEngineOnTwoRanks) {
+  expect_all_ran_and_passed(testing_util::mpirun(2) + testing_util::build_dir() + "/emulated_gpu_mpi_tests");
 }
 
 }  // namespace

@@ -1,0 +1,278 @@
+// model/engine_gpu.cpp data parallel, under `mpirun -np 2` on the host emulator (build/emulated_gpu_mpi_tests,
+// which tests/kernels/test_gpu_emulated.cpp launches): the CUDA engine at dp = 2 follows the one-rank engine
+// on the whole batch, and its checkpoint (export_shard -> the sharded checkpoint writer -> load_checkpoint_shard
+// -> import_shard) restores at 2 ranks and at 1.
+//
+// The device comm. A real build all-reduces gradients and gathers restored units with NCCL on the engine's
+// stream (train.cu's DeviceCommFactory, dist/comm_nccl.cpp), whose own code runs only on GPUs. On the emulator
+// device memory is host memory, so an MpiComm over the same dp ranks stands in for it, ignoring the stream
+// (the emulator runs every launch to completion before returning, so there is nothing to order against).
+// What runs is the engine's own data-parallel code: which buffers it reduces or gathers, when, and where.
+//
+// Tolerance of dp = 2 against one rank on both rows: 1e-6 relative on each step's loss and gradient norm and
+// on the final master weights (error norm). The GPU model computes each row of a micro-batch on its own except
+// the weight gradients, which sum over every token of the micro-batch in the matmul: the one rank sums both
+// rows' tokens in one fp32 reduction, the two ranks each sum their own row and the all-reduce adds the two
+// sums. So the gradients agree up to fp32 summation order, and the updates with them; the bf16 weights that
+// the forward reads stay equal as long as no update moves a master weight across a bf16 rounding boundary on
+// one run and not the other (that would change the weight by one bf16 ulp, 2^-8 relative). Measured on
+// llama32_tiny over its 10 steps: the loss bit-equal at every step (so the bf16 weights never parted), the
+// gradient norm within 1.6e-9, the final master weights within 7.8e-9 and the moments within 6e-8. 1e-6 is a
+// hundred times the measured worst and ten times tighter than the CPU data-parallel tests' fp32 1e-5
+// (tests/dist/test_train_dist.cpp); a real mistake (a missing or doubled gradient reduction, the wrong row, the
+// wrong token count) moves the loss by percents from step 1.
+#ifndef TUNA_EMULATOR
+#error "runs on the host emulator only: its device comm is an MpiComm on host buffers (a GPU needs NCCL)"
+#endif
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+
+#include "core/error.h"
+#include "dist/comm.h"
+#include "model/checkpoint.h"
+#include "model/engine.h"
+#include "tests/model/engine_test_util.h"
+#include "tests/mpi/mpi_test_util.h"
+#include "tests/test_util.h"
+
+namespace tuna {
+namespace {
+
+using testing_util::engine_options;
+using testing_util::Fixture;
+using testing_util::fixture_weights;
+using testing_util::SingleRank;
+
+// See the file comment.
+constexpr double kLossTol = 1e-6;      // relative, each step's loss
+constexpr double kGradNormTol = 1e-6;  // relative, each step's gradient norm
+constexpr double kWeightTol = 1e-6;    // relative error norm of the final master weights
+
+// The dp mesh over the test's world (dp = world size, tp = 1) and its device comm.
+struct DataParallel {
+  Mesh mesh = make_mesh(test::world(), 1);
+  // Stands in for NCCL (dist/comm_nccl.cpp, GPUs only): an MpiComm over the same dp ranks; the emulated
+  // "device" buffers are host memory, and the emulator has completed every launch on the stream already.
+  DeviceCommFactory device_comm = [this](void* /*cuda_stream*/) { return mesh.dp->split(0, mesh.dp_rank); };
+};
+
+// One rank's row of the fixture's batch (dp rank r trains row r) at micro-batch 1.
+EngineOptions row_options(const Fixture& f) {
+  EngineOptions o = engine_options(f, "cuda");
+  o.micro_batch = 1;
+  return o;
+}
+
+StepResult whole_batch_step(Engine& e, const Fixture& f, int64_t s, int64_t steps) {
+  return testing_util::train_step(e, f, s, steps);
+}
+
+StepResult row_step(Engine& e, const Fixture& f, int row, int64_t s, int64_t steps) {
+  e.begin_step();
+  const LossSum local = e.forward_backward(f.inputs.data() + row * f.seq, f.targets.data() + row * f.seq, 1, f.seq);
+  return e.finish_step(local, learning_rate(f.optimizer(), s, steps));
+}
+
+// Bit-equal state; on a mismatch, how many elements differ and the first (the vectors are too long to print).
+void expect_bit_equal(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int64_t differ = 0, first = -1;
+  for (size_t i = 0; i < want.size(); i++)
+    if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0 && differ++ == 0) first = static_cast<int64_t>(i);
+  if (differ == 0) return;
+  ADD_FAILURE() << what << ": " << differ << " of " << want.size() << " elements differ, the first at shard index "
+                << first << " (" << got[first] << " instead of " << want[first] << ")";
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-300); }
+
+// The elements of `whole` (ParamLayout order) at `segments`, in shard order.
+std::vector<float> pick(const std::vector<float>& whole, const std::vector<Segment>& segments) {
+  std::vector<float> out;
+  for (const Segment& s : segments) out.insert(out.end(), whole.begin() + s.begin, whole.begin() + s.begin + s.size);
+  return out;
+}
+
+double rel_err_norm(const std::vector<float>& ours, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); i++) {
+    num += (double(ours[i]) - ref[i]) * (double(ours[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// Both dp replicas hold the same weights (ZeRO-0 keeps them identical without a broadcast): the loss of the
+// whole batch, evaluated on each rank, is bit-equal to rank 0's.
+void expect_replicas_identical(Engine& e, const Fixture& f, Comm& dp) {
+  double sum = 0;
+  for (int64_t row = 0; row < f.batch; row++)
+    sum += e.forward_loss(f.inputs.data() + row * f.seq, f.targets.data() + row * f.seq, 1, f.seq).sum;
+  double root = sum;
+  dp.broadcast(&root, sizeof root, 0, "rank 0's validation loss");
+  EXPECT_EQ(sum, root) << "rank " << dp.rank() << " drifted from rank 0";
+}
+
+TEST(EngineGpuDataParallel, TwoRanksFollowOneRankOnTheWholeBatch) {
+  if (test::world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  Fixture f("llama32_tiny");
+  ASSERT_EQ(f.batch, 2);
+  DataParallel dp;
+  const int row = dp.mesh.dp_rank;
+  SingleRank one;
+  std::unique_ptr<Engine> whole = make_engine(f.config, engine_options(f, "cuda"), one.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> rows = make_engine(f.config, row_options(f), dp.mesh, fixture_weights(f), dp.device_comm);
+  const int64_t steps = f.meta.at("steps");
+  double worst_loss = 0, worst_norm = 0;
+  for (int64_t s = 0; s < steps; s++) {
+    const StepResult a = whole_batch_step(*whole, f, s, steps), b = row_step(*rows, f, row, s, steps);
+    if (row == 0)
+      std::printf("  step %2lld  loss 1 rank %.7f 2 ranks %.7f   grad norm %.6f %.6f\n", static_cast<long long>(s),
+                  a.loss, b.loss, a.stats.grad_norm, b.stats.grad_norm);
+    EXPECT_EQ(a.tokens, b.tokens) << "step " << s;  // the token count is summed over the ranks
+    EXPECT_LE(rel(b.loss, a.loss), kLossTol) << "step " << s << ": " << b.loss << " vs " << a.loss;
+    EXPECT_LE(rel(b.stats.grad_norm, a.stats.grad_norm), kGradNormTol)
+        << "step " << s << ": " << b.stats.grad_norm << " vs " << a.stats.grad_norm;
+    worst_loss = std::max(worst_loss, rel(b.loss, a.loss));
+    worst_norm = std::max(worst_norm, rel(b.stats.grad_norm, a.stats.grad_norm));
+  }
+  EXPECT_EQ(rows->steps_taken(), steps);
+  expect_replicas_identical(*rows, f, *dp.mesh.dp);
+  // Final master weights and moments: this rank's pieces against the same elements of the one rank's.
+  std::vector<float> pw, mw, vw, pr, mr, vr;
+  whole->export_shard(pw, mw, vw);
+  rows->export_shard(pr, mr, vr);
+  const double weight_err = rel_err_norm(pr, pick(pw, rows->segments()));
+  if (row == 0)
+    std::printf("  worst relative difference: loss %.2e, grad norm %.2e; final weights %.2e, m %.2e, v %.2e\n",
+                worst_loss, worst_norm, weight_err, rel_err_norm(mr, pick(mw, rows->segments())),
+                rel_err_norm(vr, pick(vw, rows->segments())));
+  EXPECT_LE(weight_err, kWeightTol);
+}
+
+// A path every rank agrees on: rank 0 makes the directory (and removes it when the test ends).
+struct SharedTempDir {
+  std::optional<testing_util::TempDir> owned;
+  std::filesystem::path path;
+  explicit SharedTempDir(Comm& world) {
+    char buf[512] = {};
+    if (world.rank() == 0) {
+      owned.emplace("engine_gpu_dp");
+      std::strncpy(buf, owned->path.c_str(), sizeof buf - 1);
+    }
+    world.broadcast(buf, sizeof buf, 0, "temporary directory");
+    path = buf;
+  }
+};
+
+// As train.cu saves at several ranks: rank 0 prepares, every rank writes its shard, rank 0 finishes.
+std::filesystem::path save_sharded(Engine& e, const Fixture& f, Comm& world, const std::filesystem::path& root,
+                                   int64_t step) {
+  if (world.rank() == 0) prepare_sharded_checkpoint(root, step);
+  world.barrier("checkpoint directory created");
+  std::vector<float> p, m, v;
+  e.export_shard(p, m, v);
+  write_checkpoint_shard(checkpoint_tmp_dir(root, step), world.rank(), e.layout(),
+                         ShardState{&e.segments(), p.data(), m.data(), v.data(), e.steps_taken(), true});
+  world.barrier("checkpoint shards written");
+  const nlohmann::json config_json = read_config_json(f.dir);
+  if (world.rank() == 0)
+    finish_sharded_checkpoint(root, step, CheckpointContents{&config_json, nullptr, {}, {{"step", step}}, {}}, 0);
+  world.barrier("checkpoint renamed");
+  const std::optional<std::filesystem::path> dir = latest_checkpoint(root);
+  TUNA_CHECK(dir, "no checkpoint under ", root.string());
+  return *dir;
+}
+
+// As train.cu resumes: this rank's segments from the checkpoint, gathered into the engine.
+void restore(Engine& e, const std::filesystem::path& dir) {
+  std::vector<float> p, m, v;
+  const int64_t steps_taken = load_checkpoint_shard(dir, e.layout(), e.segments(), p, m, v);
+  e.import_shard(p, m, v);
+  e.set_steps_taken(steps_taken);
+}
+
+struct Rounding {
+  bool bf16_moments, stochastic_rounding;
+};
+
+class EngineGpuDataParallelResume : public testing::TestWithParam<Rounding> {};
+
+// bf16 moments: import_shard narrows the gathered fp32 moments on the device. Stochastic rounding: the bf16
+// weights of the restored engine must be rounded as the last update rounded them (set_steps_taken).
+TEST_P(EngineGpuDataParallelResume, CheckpointRestoresAtTwoRanksAndAtOne) {
+  Comm& world = test::world();
+  if (world.size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  Fixture f("llama32_tiny");
+  const int64_t steps = 10, saved_at = 3;
+  DataParallel dp;
+  const int row = dp.mesh.dp_rank;
+  EngineOptions rows = row_options(f), whole = engine_options(f, "cuda");
+  for (EngineOptions* o : {&rows, &whole}) {
+    o->bf16_moments = GetParam().bf16_moments;
+    o->stochastic_rounding = GetParam().stochastic_rounding;
+    o->seed = 5;
+  }
+  std::unique_ptr<Engine> a = make_engine(f.config, rows, dp.mesh, fixture_weights(f), dp.device_comm);
+  for (int64_t s = 0; s < saved_at; s++) row_step(*a, f, row, s, steps);
+  SharedTempDir tmp(world);
+  const std::filesystem::path dir = save_sharded(*a, f, world, tmp.path / "ckpt", saved_at);
+  ASSERT_TRUE(is_sharded_checkpoint(dir)) << dir;
+  std::vector<float> pa, ma, va;
+  a->export_shard(pa, ma, va);
+
+  // Two ranks, as the run that wrote it: the same state and the same next step, bit for bit.
+  std::unique_ptr<Engine> b = make_engine(f.config, rows, dp.mesh, nullptr, dp.device_comm);
+  restore(*b, dir);
+  EXPECT_EQ(b->steps_taken(), saved_at);
+  std::vector<float> pb, mb, vb;
+  b->export_shard(pb, mb, vb);
+  expect_bit_equal(pb, pa, "restored at 2 ranks: weights");
+  expect_bit_equal(mb, ma, "restored at 2 ranks: first moments");
+  expect_bit_equal(vb, va, "restored at 2 ranks: second moments");
+  // One rank on the whole batch: the same state bit for bit (each rank checks its pieces of it).
+  SingleRank one;
+  std::unique_ptr<Engine> c = make_engine(f.config, whole, one.mesh, nullptr);
+  restore(*c, dir);
+  std::vector<float> pc, mc, vc;
+  c->export_shard(pc, mc, vc);
+  expect_bit_equal(pick(pc, a->segments()), pa, "restored at 1 rank: weights");
+  expect_bit_equal(pick(mc, a->segments()), ma, "restored at 1 rank: first moments");
+  expect_bit_equal(pick(vc, a->segments()), va, "restored at 1 rank: second moments");
+
+  const StepResult sa = row_step(*a, f, row, saved_at, steps), sb = row_step(*b, f, row, saved_at, steps);
+  const StepResult sc = whole_batch_step(*c, f, saved_at, steps);
+  if (row == 0)
+    std::printf("  step %lld  loss uninterrupted %.7f restored at 2 ranks %.7f at 1 rank %.7f; grad norm %.7f %.7f "
+                "%.7f\n", static_cast<long long>(saved_at), sa.loss, sb.loss, sc.loss, sa.stats.grad_norm,
+                sb.stats.grad_norm, sc.stats.grad_norm);
+  EXPECT_EQ(sa.loss, sb.loss);
+  EXPECT_EQ(sa.stats.grad_norm, sb.stats.grad_norm);
+  a->export_shard(pa, ma, va);
+  b->export_shard(pb, mb, vb);
+  expect_bit_equal(pb, pa, "a step after the restore at 2 ranks: weights");
+  expect_bit_equal(mb, ma, "a step after the restore at 2 ranks: first moments");
+  expect_bit_equal(vb, va, "a step after the restore at 2 ranks: second moments");
+  // One rank: the step's gradient is summed in another order (the file comment), one step from equal states.
+  EXPECT_EQ(sa.tokens, sc.tokens);
+  EXPECT_LE(rel(sc.loss, sa.loss), kLossTol);
+  EXPECT_LE(rel(sc.stats.grad_norm, sa.stats.grad_norm), kGradNormTol);
+  c->export_shard(pc, mc, vc);
+  EXPECT_LE(rel_err_norm(pick(pc, a->segments()), pa), kWeightTol);
+  world.barrier("checkpoint read by every rank");  // before rank 0 removes it
+}
+
+INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuDataParallelResume,
+                         testing::Values(Rounding{false, false}, Rounding{true, true}),
+                         [](const testing::TestParamInfo<Rounding>& i) {
+                           return std::string(i.param.bf16_moments ? "bf16" : "fp32") +
+                                  (i.param.stochastic_rounding ? "_stochastic" : "");
+                         });
+
+}  // namespace
+}  // namespace tuna
