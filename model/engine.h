@@ -4,9 +4,9 @@
 //   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3).
 //   cuda  LlamaGpu (model/llama_gpu.h), one GPU per rank (the rank's local index on its node): bf16 weights
 //         and activations, fp32 master weights, gradients and moments (bf16 moments as an option). Data
-//         parallel is ZeRO-0: each rank holds the whole model, gradients are all-reduced on the device
-//         (NCCL), and every rank applies the same update. Tensor parallelism and ZeRO 1-3 are CPU-only so far
-//         and refused on cuda with a message.
+//         parallel over the device comm (NCCL): ZeRO-0 (gradients all-reduced, every rank applies the same
+//         update) or ZeRO-1 (master weights and moments sharded: reduce-scatter, update the shard, all-gather).
+//         Tensor parallelism and ZeRO 2-3 are CPU-only so far and refused on cuda with a message.
 //
 // Checkpoint exchange is in "shard order": the concatenation of segments() (runs of the flat ParamLayout
 // buffer), this rank's share of the writing. One rank's segments cover the whole layout in order, so shard

@@ -1,9 +1,16 @@
-// The CUDA engine (model/engine.h): LlamaGpu on this rank's GPU, data parallel as ZeRO-0 over NCCL.
+// The CUDA engine (model/engine.h): LlamaGpu on this rank's GPU, data parallel over NCCL as ZeRO-0 or ZeRO-1.
 //
-// A step: forward_backward per micro-batch accumulates fp32 gradients on the device; finish_step sums the
-// loss over dp ranks (host comm), all-reduces the gradients on the device comm, then LlamaGpu::adamw_step
+// ZeRO-0. A step: forward_backward per micro-batch accumulates fp32 gradients on the device; finish_step sums
+// the loss over dp ranks (host comm), all-reduces the gradients on the device comm, then LlamaGpu::adamw_step
 // takes the global norm, clips and updates. Every rank then holds the same gradients and applies the same
 // update, so the weights stay identical without a broadcast.
+//
+// ZeRO-1. The fp32 master weights and AdamW moments exist only for this rank's shard (OptimizerShard: its
+// piece of every unit, dp_unit_pieces, in shard order), 12 bytes per parameter divided by dp instead of 12.
+// finish_step reduce-scatters each unit's gradient into the shard, takes the norm over the shard and sums it
+// over dp, runs the fused AdamW over the shard, then all-gathers the updated master pieces into the model's
+// full fp32 copy and rewrites the bf16 weights from it (with the update's stochastic-rounding bits, so every
+// rank holds the same weights as ZeRO-0 would).
 //
 // Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
 // uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and
@@ -30,6 +37,7 @@ namespace {
 
 GpuOptions gpu_options(const EngineOptions& o) {
   GpuOptions g;
+  g.with_optimizer = o.zero == 0;  // ZeRO-1: the engine keeps the optimizer state, sharded
   g.bf16_moments = o.bf16_moments;
   g.stochastic_rounding = o.stochastic_rounding;
   g.seed = static_cast<uint32_t>(o.seed);
@@ -42,9 +50,9 @@ void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_
   if (mesh.tp_size > 1)
     fail("--tp ", mesh.tp_size, " with --device cuda: tensor parallelism runs on the CPU backend only so far; "
          "on cuda use --tp 1 (data parallel over all ranks)");
-  if (o.zero != 0 && mesh.dp_size > 1)
-    fail("--zero ", o.zero, " with --device cuda on ", mesh.dp_size, " ranks: the CUDA backend shards nothing yet "
-         "(ZeRO-0, every rank holds the whole model); use --zero 0, or --device cpu for ZeRO ", o.zero);
+  if (o.zero > 1)
+    fail("--zero ", o.zero, " with --device cuda: the CUDA backend shards the optimizer state (ZeRO-1) but not yet "
+         "the gradients or the weights; use --zero 1 or 0, or --device cpu for ZeRO ", o.zero);
   if (mesh.dp_size > 1 && !have_device_comm)
     fail("data parallel on ", mesh.dp_size, " ranks with --device cuda needs NCCL, and this build has none "
          "(nccl.h was not found at build time, or NCCL=0)");
@@ -56,6 +64,69 @@ void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_
          ":node) or widen CUDA_VISIBLE_DEVICES");
 }
 
+// ZeRO-1's state on the device: this rank's shard of the master weights, moments and reduced gradient, in
+// shard order, and the fused AdamW's segment table for that order (which tensor, hence which decay, each
+// element belongs to). One allocation, made at construction.
+class OptimizerShard {
+ public:
+  OptimizerShard(const ParamLayout& layout, const std::vector<Segment>& segments, bool bf16_moments)
+      : bf16_moments_(bf16_moments) {
+    std::vector<int64_t> starts;
+    std::vector<uint8_t> decays;
+    for (const Segment& seg : segments) {
+      unit_offset.push_back(size);
+      for (const ParamTensor& t : layout.tensors()) {  // the tensors this piece crosses, in order
+        const int64_t begin = std::max(t.offset, seg.begin), end = std::min(t.offset + t.numel, seg.begin + seg.size);
+        if (begin < end) starts.push_back(size + begin - seg.begin), decays.push_back(t.decays ? 1 : 0);
+      }
+      size += seg.size;
+    }
+    padded = (size + 3) / 4 * 4;  // the fused AdamW takes 4 elements per thread; the tail stays 0
+    if (starts.empty()) starts.push_back(0), decays.push_back(0);  // an empty shard (more ranks than elements)
+    n_segments = static_cast<int>(starts.size());
+    const size_t moment_bytes = bf16_moments ? 2 : 4;
+    const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+    const size_t sizes[] = {aligned(padded * 4), aligned(padded * 4), aligned(padded * moment_bytes),
+                            aligned(padded * moment_bytes), aligned(starts.size() * 8), aligned(decays.size()),
+                            aligned(8), aligned(cuda::sum_of_squares_scratch_doubles() * 8)};
+    for (size_t b : sizes) bytes_ += static_cast<int64_t>(b);
+    TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), static_cast<size_t>(bytes_)));
+    TUNA_CUDA_CHECK(cudaMemset(arena_, 0, static_cast<size_t>(bytes_)));
+    char* at = arena_;
+    void* ptrs[8];
+    for (int i = 0; i < 8; i++) ptrs[i] = at, at += sizes[i];
+    master = static_cast<float*>(ptrs[0]), grad = static_cast<float*>(ptrs[1]), m = ptrs[2], v = ptrs[3];
+    table_starts = static_cast<int64_t*>(ptrs[4]), table_decays = static_cast<uint8_t*>(ptrs[5]);
+    norm_total = static_cast<double*>(ptrs[6]), norm_scratch = static_cast<double*>(ptrs[7]);
+    TUNA_CUDA_CHECK(cudaMemcpy(table_starts, starts.data(), starts.size() * 8, cudaMemcpyHostToDevice));
+    TUNA_CUDA_CHECK(cudaMemcpy(table_decays, decays.data(), decays.size(), cudaMemcpyHostToDevice));
+    TUNA_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  ~OptimizerShard() {
+    if (arena_) cudaFree(arena_);
+  }
+  OptimizerShard(const OptimizerShard&) = delete;
+  OptimizerShard& operator=(const OptimizerShard&) = delete;
+
+  bool bf16_moments() const { return bf16_moments_; }
+  int64_t bytes() const { return bytes_; }
+  cuda::AdamWSegments table() const { return {table_starts, table_decays, n_segments}; }
+
+  int64_t size = 0, padded = 0;
+  std::vector<int64_t> unit_offset;  // where unit u's piece starts in shard order
+  float *master = nullptr, *grad = nullptr;
+  void *m = nullptr, *v = nullptr;  // float, or __nv_bfloat16 with bf16 moments
+  int64_t* table_starts = nullptr;
+  uint8_t* table_decays = nullptr;
+  int n_segments = 0;
+  double *norm_total = nullptr, *norm_scratch = nullptr;
+
+ private:
+  bool bf16_moments_;
+  char* arena_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
 class GpuEngine final : public Engine {
  public:
   GpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial,
@@ -65,10 +136,17 @@ class GpuEngine final : public Engine {
         model_(config, o.micro_batch, o.seq_len, o.opt, gpu_options(o)),
         segments_(dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size)) {
     if (mesh.dp_size > 1) dp_device_ = device_comm(model_.stream());
+    if (o.zero == 1) shard_ = std::make_unique<OptimizerShard>(model_.layout(), segments_, o.bf16_moments);
     if (initial) {
       std::vector<float> host(model_.layout().total());
       initial(model_.layout(), host.data());
       model_.set_params(host.data());
+      if (shard_) {  // every rank starts from the same whole model: keep this rank's pieces
+        for (size_t u = 0; u < segments_.size(); u++)
+          TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], model_.master_params() + segments_[u].begin,
+                                          segments_[u].size * sizeof(float), cudaMemcpyDeviceToDevice, model_.stream()));
+        TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
+      }
     }
     cudaDeviceProp prop{};
     TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, o.gpu));
@@ -89,12 +167,17 @@ class GpuEngine final : public Engine {
     const LossSum total = all_reduce_loss(local);
     r.tokens = total.count;
     r.loss = total.count ? total.sum / total.count : NAN;
+    // Mean over every trained token of the step; a step of only ignored targets changes nothing but decay.
+    const double loss_scale = total.count ? 1.0 / total.count : 0.0;
+    if (shard_) {
+      r.stats = sharded_update(loss_scale, lr);
+      return r;
+    }
     if (dp_device_) {
       dp_device_->all_reduce(model_.grads(), model_.layout().total(), CommType::F32, ReduceOp::Sum, "gradients");
       dp_device_->barrier("gradients all-reduced");  // a bounded wait (--comm_timeout) instead of a blind sync
     }
-    // Mean over every trained token of the step; a step of only ignored targets changes nothing but decay.
-    r.stats = model_.adamw_step(total.count ? 1.0 / total.count : 0.0, lr);
+    r.stats = model_.adamw_step(loss_scale, lr);
     return r;
   }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
@@ -109,6 +192,7 @@ class GpuEngine final : public Engine {
   const std::vector<Segment>& segments() const override { return segments_; }
 
   void export_shard(std::vector<float>& p, std::vector<float>& m, std::vector<float>& v) const override {
+    if (shard_) return export_optimizer_shard(p, m, v);
     int64_t n = 0;
     for (const Segment& s : segments_) n += s.size;
     p.resize(n), m.resize(n), v.resize(n);
@@ -138,6 +222,7 @@ class GpuEngine final : public Engine {
   }
 
   void import_shard(const std::vector<float>& p, const std::vector<float>& m, const std::vector<float>& v) override {
+    if (shard_) return import_optimizer_shard(p, m, v);
     const ParamLayout& layout = model_.layout();
     const int64_t P = layout.total();
     cudaStream_t stream = model_.stream();
@@ -178,7 +263,7 @@ class GpuEngine final : public Engine {
   }
 
   int64_t activation_bytes() const override { return model_.device_bytes() - model_.state_bytes(); }
-  int64_t state_bytes() const override { return model_.state_bytes(); }
+  int64_t state_bytes() const override { return model_.state_bytes() + (shard_ ? shard_->bytes() : 0); }
   double flops_per_token(int64_t seq) const override { return model_.flops_per_token(seq); }
   double peak_flops() const override { return peak_flops_; }
 
@@ -196,11 +281,106 @@ class GpuEngine final : public Engine {
   }
 
  private:
+  // ZeRO-1's update (see the top of this file). Returns the norm and clip as AdamW::step would.
+  OptimizerStats sharded_update(double loss_scale, double lr) {
+    OptimizerShard& sh = *shard_;
+    const ParamLayout& layout = model_.layout();
+    cudaStream_t stream = model_.stream();
+    for (int u = 0; u < layout.num_units(); u++) {  // this rank's piece of each unit's gradient, summed over dp
+      const auto [begin, end] = layout.unit_range(u);
+      float* piece = sh.grad + sh.unit_offset[u];
+      if (dp_device_) dp_device_->reduce_scatter(model_.grads() + begin, piece, end - begin, "gradients of a unit");
+      else
+        TUNA_CUDA_CHECK(cudaMemcpyAsync(piece, model_.grads() + segments_[u].begin, segments_[u].size * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream));
+    }
+    cuda::sum_of_squares(sh.norm_total, sh.grad, sh.size, sh.norm_scratch, stream);
+    if (dp_device_) dp_device_->all_reduce(sh.norm_total, 1, CommType::F64, ReduceOp::Sum, "grad norm");
+    double sum_sq = 0;
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(&sum_sq, sh.norm_total, sizeof(double), cudaMemcpyDeviceToHost, stream));
+    if (dp_device_) dp_device_->barrier("gradients reduced");  // a bounded wait (--comm_timeout)
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    OptimizerStats stats;
+    stats.grad_norm = std::sqrt(sum_sq) * loss_scale;
+    stats.clip_scale = clip_scale(options_.opt, stats.grad_norm);
+    const int64_t step = model_.steps_taken() + 1;
+    const OptimizerConfig& oc = options_.opt;
+    const cuda::AdamWArgs args{lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step, loss_scale * stats.clip_scale,
+                               options_.stochastic_rounding, static_cast<uint32_t>(options_.seed)};
+    if (sh.bf16_moments())
+      cuda::adamw_update(sh.master, nullptr, sh.grad, static_cast<__nv_bfloat16*>(sh.m), static_cast<__nv_bfloat16*>(sh.v),
+                         sh.padded, sh.table(), args, stream);
+    else
+      cuda::adamw_update(sh.master, nullptr, sh.grad, static_cast<float*>(sh.m), static_cast<float*>(sh.v), sh.padded,
+                         sh.table(), args, stream);
+    model_.set_steps_taken(step);
+    gather_master();
+    return stats;
+  }
+
+  // Every rank's updated master pieces into the model's whole fp32 copy, then the bf16 weights from it.
+  void gather_master() {
+    OptimizerShard& sh = *shard_;
+    const ParamLayout& layout = model_.layout();
+    for (int u = 0; u < layout.num_units(); u++) {
+      const auto [begin, end] = layout.unit_range(u);
+      if (dp_device_)
+        dp_device_->all_gather(sh.master + sh.unit_offset[u], model_.master_params() + begin, end - begin,
+                               "weights of a unit");
+      else
+        TUNA_CUDA_CHECK(cudaMemcpyAsync(model_.master_params() + segments_[u].begin, sh.master + sh.unit_offset[u],
+                                        segments_[u].size * sizeof(float), cudaMemcpyDeviceToDevice, model_.stream()));
+    }
+    model_.refresh_params();  // rounded as the update at steps_taken() rounds (stochastic rounding included)
+    if (dp_device_) dp_device_->barrier("weights gathered");
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
+  }
+
+  void export_optimizer_shard(std::vector<float>& p, std::vector<float>& m, std::vector<float>& v) const {
+    const OptimizerShard& sh = *shard_;
+    p.resize(sh.size), m.resize(sh.size), v.resize(sh.size);
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
+    TUNA_CUDA_CHECK(cudaMemcpy(p.data(), sh.master, sh.size * sizeof(float), cudaMemcpyDeviceToHost));
+    for (auto [dst, src] : {std::pair{&m, sh.m}, std::pair{&v, sh.v}}) {
+      if (!sh.bf16_moments()) {
+        TUNA_CUDA_CHECK(cudaMemcpy(dst->data(), src, sh.size * sizeof(float), cudaMemcpyDeviceToHost));
+        continue;
+      }
+      std::vector<uint16_t> bits(sh.size);
+      TUNA_CUDA_CHECK(cudaMemcpy(bits.data(), src, sh.size * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+      for (int64_t i = 0; i < sh.size; i++) {  // bf16 -> fp32: the bf16 bits are the float's upper half
+        const uint32_t word = uint32_t{bits[i]} << 16;
+        std::memcpy(dst->data() + i, &word, sizeof(float));
+      }
+    }
+  }
+
+  void import_optimizer_shard(const std::vector<float>& p, const std::vector<float>& m, const std::vector<float>& v) {
+    OptimizerShard& sh = *shard_;
+    cudaStream_t stream = model_.stream();
+    for (const std::vector<float>* src : {&p, &m, &v})
+      TUNA_CHECK(static_cast<int64_t>(src->size()) >= sh.size, "shard of ", src->size(), " elements, expected ", sh.size);
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(sh.master, p.data(), sh.size * sizeof(float), cudaMemcpyHostToDevice, stream));
+    for (auto [dst, src] : {std::pair{sh.m, &m}, std::pair{sh.v, &v}}) {
+      if (!sh.bf16_moments()) {
+        TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, src->data(), sh.size * sizeof(float), cudaMemcpyHostToDevice, stream));
+        continue;
+      }
+      // Through the (unused between steps) gradient shard, rounded to nearest: exact for values saved from bf16.
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(sh.grad, src->data(), sh.size * sizeof(float), cudaMemcpyHostToDevice, stream));
+      cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(dst), sh.grad, sh.size, stream);
+    }
+    TUNA_CUDA_CHECK(cudaMemsetAsync(sh.grad, 0, sh.padded * sizeof(float), stream));
+    model_.zero_grads();
+    gather_master();
+  }
+
   EngineOptions options_;
   Mesh& mesh_;
   LlamaGpu model_;
   std::vector<Segment> segments_;
   std::unique_ptr<Comm> dp_device_;  // NCCL over the dp group, on model_.stream(); null on one rank
+  std::unique_ptr<OptimizerShard> shard_;  // ZeRO-1's optimizer state; null for ZeRO-0
   std::string describe_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
 };

@@ -124,6 +124,54 @@ TEST(EngineGpu, StatusIsTheDevices) {
   EXPECT_GE(e->state_bytes(), 18 * e->layout().total());
 }
 
+// ZeRO-1 on one rank: the shard is the whole model in layout order, so the sharded update (its own segment
+// table, norm and AdamW launch, then the "gather" into the model's copy) must give ZeRO-0's results bit for bit,
+// stochastic rounding included; and its checkpoint exchange must continue bit for bit too.
+class EngineGpuZeroOne : public testing::TestWithParam<Rounding> {};
+
+TEST_P(EngineGpuZeroOne, OnOneRankEqualsZeroZeroBitForBit) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama32_tiny");
+  EngineOptions o0 = engine_options(f, "cuda", 0);
+  o0.bf16_moments = GetParam().bf16_moments, o0.stochastic_rounding = GetParam().stochastic_rounding, o0.seed = 5;
+  EngineOptions o1 = o0;
+  o1.zero = 1;
+  SingleRank r0, r1, r2;
+  std::unique_ptr<Engine> zero0 = make_engine(f.config, o0, r0.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> zero1 = make_engine(f.config, o1, r1.mesh, fixture_weights(f));
+  for (int64_t s = 0; s < 4; s++) {
+    const StepResult a = train_step(*zero0, f, s, 10), b = train_step(*zero1, f, s, 10);
+    EXPECT_EQ(a.loss, b.loss) << "step " << s;
+    EXPECT_EQ(a.stats.grad_norm, b.stats.grad_norm) << "step " << s;
+  }
+  std::vector<float> p0, m0, v0, p1, m1, v1;
+  zero0->export_shard(p0, m0, v0);
+  zero1->export_shard(p1, m1, v1);
+  EXPECT_EQ(p0, p1);
+  EXPECT_EQ(m0, m1);
+  EXPECT_EQ(v0, v1);
+
+  std::unique_ptr<Engine> restored = make_engine(f.config, o1, r2.mesh, nullptr);
+  restored->import_shard(p1, m1, v1);
+  restored->set_steps_taken(zero1->steps_taken());
+  const StepResult a = train_step(*zero1, f, 4, 10), b = train_step(*restored, f, 4, 10);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_EQ(a.stats.grad_norm, b.stats.grad_norm);
+  std::vector<float> p2, m2, v2;
+  zero1->export_shard(p1, m1, v1);
+  restored->export_shard(p2, m2, v2);
+  EXPECT_EQ(p1, p2);
+  EXPECT_EQ(m1, m2);
+  EXPECT_EQ(v1, v2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuZeroOne,
+                         testing::Values(Rounding{false, false}, Rounding{true, true}),
+                         [](const testing::TestParamInfo<Rounding>& i) {
+                           return std::string(i.param.bf16_moments ? "bf16" : "fp32") +
+                                  (i.param.stochastic_rounding ? "_stochastic" : "");
+                         });
+
 }  // namespace
 }  // namespace tuna
 #endif  // TUNA_CUDA
