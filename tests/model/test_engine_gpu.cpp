@@ -172,6 +172,25 @@ INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuZeroOne,
                                   (i.param.stochastic_rounding ? "_stochastic" : "");
                          });
 
+// The forward-only model of build/eval and build/sample on the device against the CPU's, with the
+// tolerances of test_llama_gpu.cpp (3e-2 on the logits' relative error norm, 1e-2 on the loss).
+TEST(EngineGpu, ForwardModelMatchesTheCpus) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  std::unique_ptr<ForwardModel> cpu = make_forward_model(f.config, "cpu", f.batch, f.seq, fixture_weights(f));
+  std::unique_ptr<ForwardModel> gpu = make_forward_model(f.config, "cuda", f.batch, f.seq, fixture_weights(f));
+  const LossSum a = cpu->forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  const LossSum b = gpu->forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  EXPECT_EQ(a.count, b.count);
+  EXPECT_NEAR(b.sum / b.count, a.sum / a.count, 1e-2 * a.sum / a.count);
+  const size_t n = static_cast<size_t>(f.batch * f.seq * f.config.vocab_size);
+  std::vector<float> la(n), lb(n, NAN);
+  cpu->forward_logits(f.inputs.data(), f.batch, f.seq, la.data());
+  gpu->forward_logits(f.inputs.data(), f.batch, f.seq, lb.data());
+  const std::vector<double> ref(la.begin(), la.end());
+  EXPECT_LE(testing_util::rel_err_norm(lb.data(), ref.data(), static_cast<int64_t>(n)), 3e-2);
+}
+
 }  // namespace
 }  // namespace tuna
 #endif  // TUNA_CUDA
