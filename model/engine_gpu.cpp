@@ -6,11 +6,11 @@
 // update, so the weights stay identical without a broadcast.
 //
 // ZeRO-1. The fp32 master weights and AdamW moments exist only for this rank's shard (OptimizerShard: its
-// piece of every unit, dp_unit_pieces, in shard order), 12 bytes per parameter divided by dp instead of 12.
-// finish_step reduce-scatters each unit's gradient into the shard, takes the norm over the shard and sums it
-// over dp, runs the fused AdamW over the shard, then all-gathers the updated master pieces into the model's
-// full fp32 copy and rewrites the bf16 weights from it (with the update's stochastic-rounding bits, so every
-// rank holds the same weights as ZeRO-0 would).
+// piece of every unit, dp_unit_pieces, in shard order), 12 bytes per parameter divided by dp instead of 12;
+// the model keeps only its bf16 weights and fp32 gradients. finish_step reduce-scatters each unit's gradient
+// into the shard, takes the norm over the shard and sums it over dp, runs the fused AdamW over the shard,
+// then all-gathers the updated master pieces into the (by then unused) gradient buffer and rewrites the bf16
+// weights from it (with the update's stochastic-rounding bits, so every rank holds the weights ZeRO-0 would).
 //
 // Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
 // uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and
@@ -37,7 +37,7 @@ namespace {
 
 GpuOptions gpu_options(const EngineOptions& o) {
   GpuOptions g;
-  g.with_optimizer = o.zero == 0;  // ZeRO-1: the engine keeps the optimizer state, sharded
+  g.with_optimizer = g.keep_master = o.zero == 0;  // ZeRO-1: the engine keeps master and moments, sharded
   g.bf16_moments = o.bf16_moments;
   g.stochastic_rounding = o.stochastic_rounding;
   g.seed = static_cast<uint32_t>(o.seed);
@@ -143,8 +143,8 @@ class GpuEngine final : public Engine {
       model_.set_params(host.data());
       if (shard_) {  // every rank starts from the same whole model: keep this rank's pieces
         for (size_t u = 0; u < segments_.size(); u++)
-          TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], model_.master_params() + segments_[u].begin,
-                                          segments_[u].size * sizeof(float), cudaMemcpyDeviceToDevice, model_.stream()));
+          TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data() + segments_[u].begin,
+                                          segments_[u].size * sizeof(float), cudaMemcpyHostToDevice, model_.stream()));
         TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
       }
     }
@@ -258,7 +258,9 @@ class GpuEngine final : public Engine {
   int64_t steps_taken() const override { return model_.steps_taken(); }
   void set_steps_taken(int64_t steps) override {
     model_.set_steps_taken(steps);
-    model_.refresh_params();  // stochastic rounding: the bf16 copy as the update at `steps` rounded it
+    // Stochastic rounding: the bf16 copy as the update at `steps` rounded it.
+    if (shard_) return gather_master();
+    model_.refresh_params();
     TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
   }
 
@@ -318,20 +320,22 @@ class GpuEngine final : public Engine {
     return stats;
   }
 
-  // Every rank's updated master pieces into the model's whole fp32 copy, then the bf16 weights from it.
+  // Every rank's master pieces, gathered whole into the gradient buffer (free between a step's update and the
+  // next step), then the bf16 weights from them; the buffer is zeroed again for the next step's gradients.
   void gather_master() {
     OptimizerShard& sh = *shard_;
     const ParamLayout& layout = model_.layout();
+    float* whole = model_.grads();
     for (int u = 0; u < layout.num_units(); u++) {
       const auto [begin, end] = layout.unit_range(u);
       if (dp_device_)
-        dp_device_->all_gather(sh.master + sh.unit_offset[u], model_.master_params() + begin, end - begin,
-                               "weights of a unit");
+        dp_device_->all_gather(sh.master + sh.unit_offset[u], whole + begin, end - begin, "weights of a unit");
       else
-        TUNA_CUDA_CHECK(cudaMemcpyAsync(model_.master_params() + segments_[u].begin, sh.master + sh.unit_offset[u],
+        TUNA_CUDA_CHECK(cudaMemcpyAsync(whole + segments_[u].begin, sh.master + sh.unit_offset[u],
                                         segments_[u].size * sizeof(float), cudaMemcpyDeviceToDevice, model_.stream()));
     }
-    model_.refresh_params();  // rounded as the update at steps_taken() rounds (stochastic rounding included)
+    model_.refresh_params_from(whole);  // rounded as the update at steps_taken() rounds (stochastic rounding too)
+    model_.zero_grads();
     if (dp_device_) dp_device_->barrier("weights gathered");
     TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
   }
@@ -371,7 +375,6 @@ class GpuEngine final : public Engine {
       cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(dst), sh.grad, sh.size, stream);
     }
     TUNA_CUDA_CHECK(cudaMemsetAsync(sh.grad, 0, sh.padded * sizeof(float), stream));
-    model_.zero_grads();
     gather_master();
   }
 

@@ -83,7 +83,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   n_segments_ = static_cast<int>(layout_.tensors().size());
 
   ArenaPlan plan;
-  plan.add(&master_, P);
+  if (options_.keep_master) plan.add(&master_, P);
   plan.add(&params_, P);
   plan.add(&grads_, P);
   if (options_.with_optimizer) {
@@ -153,7 +153,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   TUNA_CUDA_CHECK(cudaMemcpy(rope_cos_, cos_table.data(), cos_table.size() * sizeof(float), cudaMemcpyHostToDevice));
   TUNA_CUDA_CHECK(cudaMemcpy(rope_sin_, sin_table.data(), sin_table.size() * sizeof(float), cudaMemcpyHostToDevice));
 
-  TUNA_CUDA_CHECK(cudaMemset(master_, 0, P * sizeof(float)));
+  if (master_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(master_, 0, P * sizeof(float)));
   TUNA_CUDA_CHECK(cudaMemset(params_, 0, P * sizeof(__nv_bfloat16)));
   if (m_ != nullptr) {
     const size_t moment_bytes = static_cast<size_t>(P) * (options_.bf16_moments ? 2 : 4);
@@ -177,20 +177,29 @@ LlamaGpu::~LlamaGpu() {
 // landed, so a kernel on stream_ could read the old contents.
 void LlamaGpu::set_params(const float* host) {
   const int64_t P = layout_.total();
-  TUNA_CUDA_CHECK(cudaMemcpyAsync(master_, host, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  refresh_params();
+  // Without a master copy, the values pass through the gradient buffer (zeroed again after).
+  float* dst = master_ != nullptr ? master_ : grads_;
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, host, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  refresh_params_from(dst);
+  if (master_ == nullptr) zero_grads();
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void LlamaGpu::refresh_params() {
+  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (GpuOptions::keep_master)");
+  refresh_params_from(master_);
+}
+
+void LlamaGpu::refresh_params_from(const float* master_values) {
   if (!options_.stochastic_rounding || steps_taken_ == 0)
-    return cuda::f32_to_bf16(params_, master_, layout_.total(), stream_);
+    return cuda::f32_to_bf16(params_, master_values, layout_.total(), stream_);
   cuda::AdamWArgs args{};
   args.step = steps_taken_, args.stochastic_rounding = true, args.seed = options_.seed;
-  cuda::bf16_params_as_updated(params_, master_, layout_.total(), args, stream_);
+  cuda::bf16_params_as_updated(params_, master_values, layout_.total(), args, stream_);
 }
 
 void LlamaGpu::init_random(uint64_t seed, double std) {
+  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (GpuOptions::keep_master)");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (const ParamTensor& t : layout_.tensors()) {
     if (t.shape.size() == 1) cuda::fill_constant(master_ + t.offset, t.numel, 1.0f, stream_);
@@ -201,6 +210,7 @@ void LlamaGpu::init_random(uint64_t seed, double std) {
 }
 
 void LlamaGpu::get_params(float* host) const {
+  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (GpuOptions::keep_master)");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TUNA_CUDA_CHECK(cudaMemcpy(host, master_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
 }

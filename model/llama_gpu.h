@@ -40,7 +40,9 @@ struct GpuOptions {
   bool bf16_moments = false;         // AdamW m, v in bf16 (half the optimizer memory; for 70B on 80 GB cards)
   bool stochastic_rounding = false;  // bf16 params (and bf16 moments) written with stochastic rounding
   uint32_t seed = 0;                 // stochastic rounding's random stream
-  bool with_optimizer = true;        // false: no moments (evaluation, generation)
+  bool with_optimizer = true;        // false: no moments (evaluation, generation, ZeRO-1's engine)
+  bool keep_master = true;           // false: no fp32 master copy either (ZeRO-1 keeps it sharded in the
+                                     // engine, which writes the bf16 weights with refresh_params_from)
   int device = 0;
 };
 
@@ -57,7 +59,7 @@ class LlamaGpu {
   cudaStream_t stream() const { return stream_; }
 
   // Device buffers in ParamLayout order (for collectives: all-reduce grads, broadcast params).
-  float* master_params() { return master_; }   // fp32, what AdamW updates
+  float* master_params() { return master_; }   // fp32, what AdamW updates; null without keep_master
   const float* master_params() const { return master_; }
   __nv_bfloat16* params() { return params_; }  // bf16 copy the forward reads (refreshed by every update)
   float* grads() { return grads_; }            // fp32, accumulated by forward_backward
@@ -71,6 +73,8 @@ class LlamaGpu {
   // the last AdamW update rounded it (stochastically with its bits when GpuOptions::stochastic_rounding and
   // steps_taken() > 0), so that a restored model computes exactly what the saved one did. Queued on stream().
   void refresh_params();
+  // The same from a caller's fp32 values of the whole layout (device memory; ZeRO-1's gathered weights).
+  void refresh_params_from(const float* master_values);
 
   // Host fp32 <-> device. set_params also refreshes the bf16 copy. Synchronous.
   void set_params(const float* host);

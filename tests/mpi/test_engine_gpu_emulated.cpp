@@ -147,6 +147,13 @@ TEST_P(EngineGpuDataParallel, TwoRanksFollowOneRankOnTheWholeBatch) {
   }
   EXPECT_EQ(rows->steps_taken(), steps);
   expect_replicas_identical(*rows, f, *dp.mesh.dp);
+  // ZeRO-1 at 2 ranks holds bf16 weights and fp32 gradients (6 bytes per parameter) plus half of the 16 bytes
+  // of master, moments and reduced gradient: 14 of ZeRO-0's 18 (2 + 4 master + 4 gradients + 8 moments).
+  if (GetParam() == 1) {
+    const double ratio = double(rows->state_bytes()) / double(whole->state_bytes());
+    if (row == 0) std::printf("  ZeRO-1 state at 2 ranks: %.3f of ZeRO-0's\n", ratio);
+    EXPECT_LT(ratio, 14.0 / 18.0 + 0.02);
+  }
   // Final master weights and moments: this rank's pieces against the same elements of the one rank's.
   std::vector<float> pw, mw, vw, pr, mr, vr;
   whole->export_shard(pw, mw, vw);
