@@ -408,9 +408,9 @@ class GpuForwardModel final : public ForwardModel {
   }
 
  private:
-  static GpuOptions forward_only() {
+  static GpuOptions forward_only() {  // bf16 weights only: no moments, no fp32 master copy
     GpuOptions g;
-    g.with_optimizer = false;
+    g.with_optimizer = g.keep_master = false;
     return g;
   }
   LlamaGpu model_;
