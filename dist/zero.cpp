@@ -64,11 +64,13 @@ void Zero::begin_step() {
   else model_.zero_grads();
 }
 
-LossSum Zero::all_reduce_loss(const LossSum& local) {
+LossSum sum_over_ranks(Comm& dp, const LossSum& local) {
   double both[2] = {local.sum, static_cast<double>(local.count)};
-  dp_.all_reduce_sum(both, 2, "loss and token count");
+  dp.all_reduce_sum(both, 2, "loss and token count");
   return {both[0], static_cast<int64_t>(std::llround(both[1]))};
 }
+
+LossSum Zero::all_reduce_loss(const LossSum& local) { return sum_over_ranks(dp_, local); }
 
 double Zero::global_norm(const float* grad_shard) {
   const bool count_replicated = !tp_ || tp_->rank() == 0;

@@ -45,6 +45,9 @@ struct StepResult {
   OptimizerStats stats;
 };
 
+// A loss sum over the ranks of `dp` (the sum and the token count; one division per step, llama.h).
+LossSum sum_over_ranks(Comm& dp, const LossSum& local);
+
 // This rank's piece of every unit (shard_range of the unit over dp_size), in unit order: the segments every
 // stage shards state by (and stage 0 spreads checkpoint writes by).
 std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int dp_size);

@@ -22,9 +22,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "core/cuda_check.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "kernels/adamw.cuh"  // f32_to_bf16
@@ -71,35 +71,27 @@ class OptimizerShard {
  public:
   OptimizerShard(const ParamLayout& layout, const std::vector<Segment>& segments, bool bf16_moments)
       : bf16_moments_(bf16_moments) {
-    std::vector<int64_t> starts;
-    std::vector<uint8_t> decays;
-    for (const Segment& seg : segments) {
-      unit_offset.push_back(size);
-      for (const ParamTensor& t : layout.tensors()) {  // the tensors this piece crosses, in order
-        const int64_t begin = std::max(t.offset, seg.begin), end = std::min(t.offset + t.numel, seg.begin + seg.size);
-        if (begin < end) starts.push_back(size + begin - seg.begin), decays.push_back(t.decays ? 1 : 0);
-      }
-      size += seg.size;
-    }
+    for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
     padded = (size + 3) / 4 * 4;  // the fused AdamW takes 4 elements per thread; the tail stays 0
-    if (starts.empty()) starts.push_back(0), decays.push_back(0);  // an empty shard (more ranks than elements)
-    n_segments = static_cast<int>(starts.size());
-    const size_t moment_bytes = bf16_moments ? 2 : 4;
-    const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
-    const size_t sizes[] = {aligned(padded * 4), aligned(padded * 4), aligned(padded * moment_bytes),
-                            aligned(padded * moment_bytes), aligned(starts.size() * 8), aligned(decays.size()),
-                            aligned(8), aligned(cuda::sum_of_squares_scratch_doubles() * 8)};
-    for (size_t b : sizes) bytes_ += static_cast<int64_t>(b);
+    const AdamWTable table = adamw_table(layout, segments);
+    n_segments = static_cast<int>(table.starts.size());
+    DeviceArenaPlan plan;
+    plan.add(&master, padded);
+    plan.add(&grad, padded);
+    const int64_t moment_bytes = bf16_moments ? 2 : 4;
+    plan.add(reinterpret_cast<char**>(&m), padded * moment_bytes);
+    plan.add(reinterpret_cast<char**>(&v), padded * moment_bytes);
+    plan.add(&table_starts, n_segments);
+    plan.add(&table_decays, n_segments);
+    plan.add(&norm_total, 1);
+    plan.add(&norm_scratch, cuda::sum_of_squares_scratch_doubles());
+    bytes_ = plan.bytes();
     TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), static_cast<size_t>(bytes_)));
     TUNA_CUDA_CHECK(cudaMemset(arena_, 0, static_cast<size_t>(bytes_)));
-    char* at = arena_;
-    void* ptrs[8];
-    for (int i = 0; i < 8; i++) ptrs[i] = at, at += sizes[i];
-    master = static_cast<float*>(ptrs[0]), grad = static_cast<float*>(ptrs[1]), m = ptrs[2], v = ptrs[3];
-    table_starts = static_cast<int64_t*>(ptrs[4]), table_decays = static_cast<uint8_t*>(ptrs[5]);
-    norm_total = static_cast<double*>(ptrs[6]), norm_scratch = static_cast<double*>(ptrs[7]);
-    TUNA_CUDA_CHECK(cudaMemcpy(table_starts, starts.data(), starts.size() * 8, cudaMemcpyHostToDevice));
-    TUNA_CUDA_CHECK(cudaMemcpy(table_decays, decays.data(), decays.size(), cudaMemcpyHostToDevice));
+    plan.assign(arena_);
+    TUNA_CUDA_CHECK(cudaMemcpy(table_starts, table.starts.data(), table.starts.size() * sizeof(int64_t),
+                               cudaMemcpyHostToDevice));
+    TUNA_CUDA_CHECK(cudaMemcpy(table_decays, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
     TUNA_CUDA_CHECK(cudaDeviceSynchronize());
   }
   ~OptimizerShard() {
@@ -183,11 +175,7 @@ class GpuEngine final : public Engine {
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
     return model_.forward_loss(inputs, targets, batch, seq);
   }
-  LossSum all_reduce_loss(const LossSum& local) override {
-    double both[2] = {local.sum, static_cast<double>(local.count)};
-    if (mesh_.dp_size > 1) mesh_.dp->all_reduce_sum(both, 2, "loss and token count");
-    return {both[0], static_cast<int64_t>(std::llround(both[1]))};
-  }
+  LossSum all_reduce_loss(const LossSum& local) override { return sum_over_ranks(*mesh_.dp, local); }
 
   const std::vector<Segment>& segments() const override { return segments_; }
 
@@ -212,10 +200,7 @@ class GpuEngine final : public Engine {
         bits.resize(s.size);
         TUNA_CUDA_CHECK(cudaMemcpy(bits.data(), static_cast<const uint16_t*>(src) + s.begin, s.size * sizeof(uint16_t),
                                    cudaMemcpyDeviceToHost));
-        for (int64_t i = 0; i < s.size; i++) {  // bf16 -> fp32: the bf16 bits are the float's upper half
-          const uint32_t word = uint32_t{bits[i]} << 16;
-          std::memcpy(dst + i, &word, sizeof(float));
-        }
+        convert_to_f32(bits.data(), DType::BF16, dst, s.size);
       }
       at += s.size;
     }
@@ -352,10 +337,7 @@ class GpuEngine final : public Engine {
       }
       std::vector<uint16_t> bits(sh.size);
       TUNA_CUDA_CHECK(cudaMemcpy(bits.data(), src, sh.size * sizeof(uint16_t), cudaMemcpyDeviceToHost));
-      for (int64_t i = 0; i < sh.size; i++) {  // bf16 -> fp32: the bf16 bits are the float's upper half
-        const uint32_t word = uint32_t{bits[i]} << 16;
-        std::memcpy(dst->data() + i, &word, sizeof(float));
-      }
+      convert_to_f32(bits.data(), DType::BF16, dst->data(), sh.size);
     }
   }
 

@@ -18,6 +18,7 @@
 #include <mutex>
 
 #include "core/cuda_check.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/adamw.cuh"
 #include "kernels/attention.cuh"
@@ -36,28 +37,6 @@ namespace {
 // Rows of logits computed at once: [rows, vocab] bf16 near 64 MB whatever the vocabulary (a 128k vocabulary
 // gets 256 rows; the GEMM stays large enough to run near peak).
 constexpr int64_t kHeadChunkElements = int64_t(32) << 20;
-
-// Bump allocation from one cudaMalloc, every buffer 256-byte aligned (cuBLASLt's preferred alignment).
-class ArenaPlan {
- public:
-  template <typename T>
-  void add(T** ptr, int64_t count) {
-    entries_.push_back({reinterpret_cast<void**>(ptr), offset_});
-    offset_ += (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
-  }
-  int64_t bytes() const { return offset_; }
-  void assign(char* base) const {
-    for (const Entry& e : entries_) *e.ptr = base + e.offset;
-  }
-
- private:
-  struct Entry {
-    void** ptr;
-    int64_t offset;
-  };
-  std::vector<Entry> entries_;
-  int64_t offset_ = 0;
-};
 
 }  // namespace
 
@@ -82,7 +61,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   head_chunk_rows_ = std::clamp<int64_t>(kHeadChunkElements / c.vocab_size, 1, n);
   n_segments_ = static_cast<int>(layout_.tensors().size());
 
-  ArenaPlan plan;
+  DeviceArenaPlan plan;
   if (options_.keep_master) plan.add(&master_, P);
   plan.add(&params_, P);
   plan.add(&grads_, P);
@@ -138,12 +117,11 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(5 * n + 1) * sizeof(int32_t)));
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
 
-  // The segment table of the fused AdamW: one segment per tensor, in offset order.
-  std::vector<int64_t> starts;
-  std::vector<uint8_t> decays;
-  for (const ParamTensor& t : layout_.tensors()) starts.push_back(t.offset), decays.push_back(t.decays ? 1 : 0);
-  TUNA_CUDA_CHECK(cudaMemcpy(segment_starts_, starts.data(), starts.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
-  TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, decays.data(), decays.size(), cudaMemcpyHostToDevice));
+  // The segment table of the fused AdamW over the whole layout: one segment per tensor, in offset order.
+  const AdamWTable table = adamw_table(layout_, {Segment{0, P}});
+  TUNA_CUDA_CHECK(cudaMemcpy(segment_starts_, table.starts.data(), table.starts.size() * sizeof(int64_t),
+                             cudaMemcpyHostToDevice));
+  TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
 
   // RoPE tables from the CPU twin's functions (double math, llama3 scaling), so both backends agree exactly.
   std::vector<double> inv_freq(c.head_dim / 2);
@@ -218,43 +196,6 @@ void LlamaGpu::get_params(float* host) const {
 void LlamaGpu::get_grads(float* host) const {
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TUNA_CUDA_CHECK(cudaMemcpy(host, grads_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
-}
-
-void LlamaGpu::set_moments(const float* host_m, const float* host_v) {
-  TUNA_CHECK(m_ != nullptr, "model built without optimizer state");
-  const int64_t P = layout_.total();
-  if (!options_.bf16_moments) {
-    TUNA_CUDA_CHECK(cudaMemcpyAsync(m_, host_m, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    TUNA_CUDA_CHECK(cudaMemcpyAsync(v_, host_v, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return;
-  }
-  // bf16 moments: stage through the (not yet used) gradient buffer and round to nearest on the device.
-  TUNA_CUDA_CHECK(cudaMemcpyAsync(grads_, host_m, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(m_), grads_, P, stream_);
-  TUNA_CUDA_CHECK(cudaMemcpyAsync(grads_, host_v, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(v_), grads_, P, stream_);
-  zero_grads();
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-}
-
-void LlamaGpu::get_moments(float* host_m, float* host_v) const {
-  TUNA_CHECK(m_ != nullptr, "model built without optimizer state");
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  const int64_t P = layout_.total();
-  if (!options_.bf16_moments) {
-    TUNA_CUDA_CHECK(cudaMemcpy(host_m, m_, P * sizeof(float), cudaMemcpyDeviceToHost));
-    TUNA_CUDA_CHECK(cudaMemcpy(host_v, v_, P * sizeof(float), cudaMemcpyDeviceToHost));
-    return;
-  }
-  std::vector<uint16_t> bits(P);
-  for (auto [dst, src] : {std::pair{host_m, m_}, std::pair{host_v, v_}}) {
-    TUNA_CUDA_CHECK(cudaMemcpy(bits.data(), src, P * sizeof(uint16_t), cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < P; ++i) {
-      const uint32_t word = uint32_t{bits[i]} << 16;
-      std::memcpy(dst + i, &word, sizeof(float));
-    }
-  }
 }
 
 void LlamaGpu::zero_grads() {
@@ -332,10 +273,7 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
       TUNA_CUDA_CHECK(cudaMemcpyAsync(chunk_bits.data(), logits_chunk_, nr * V * sizeof(uint16_t),
                                       cudaMemcpyDeviceToHost, s));
       TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
-      for (int64_t i = 0; i < nr * V; ++i) {
-        const uint32_t word = uint32_t{chunk_bits[i]} << 16;
-        std::memcpy(host_logits + r0 * V + i, &word, sizeof(float));
-      }
+      convert_to_f32(chunk_bits.data(), DType::BF16, host_logits + r0 * V, nr * V);
     }
     if (host_targets == nullptr) continue;
     // dloss = 1: the gradient of the summed loss (see model/llama.h).
@@ -472,6 +410,14 @@ GpuMemory gpu_memory(int device) {
   TUNA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   TUNA_CUDA_CHECK(cudaSetDevice(previous));
   return {static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes)};
+}
+
+AdamWTable adamw_table(const ParamLayout& layout, const std::vector<Segment>& segments) {
+  AdamWTable table;
+  for (const ShardPiece& piece : shard_pieces(layout, segments))
+    table.starts.push_back(piece.shard_offset), table.decays.push_back(piece.tensor->decays ? 1 : 0);
+  if (table.starts.empty()) table.starts.push_back(0), table.decays.push_back(0);  // an empty shard
+  return table;
 }
 
 // NVML's C ABI, the few calls used (nvml.h is not part of the CUDA toolkit here): every call returns 0 on

@@ -13,7 +13,7 @@
 //             for each micro-batch: LossSum l = model.forward_backward(inputs, targets, batch, seq);  (host ids)
 //             (data parallel: all-reduce model.grads() over ranks here)
 //             OptimizerStats s = model.adamw_step(1.0 / total_count, lr);
-//   checkpoints: model.get_params(host) / get_moments(m, v) and set_moments.
+//   checkpoints: the engine (model/engine_gpu.cpp) reads and writes master_params() and the moments by segment.
 //   logs: mfu = tokens_per_s * model.flops_per_token(seq) / gpu_peak_bf16_flops().
 // model/engine_gpu.cpp does exactly this for the trainer (with data parallelism over NCCL).
 #pragma once
@@ -83,8 +83,6 @@ class LlamaGpu {
   // Training from scratch on the device: normal(0, std) for 2-D weights, ones for norm weights (as
   // Llama::init_random, with the GPU's own random stream: kernels/init.cuh).
   void init_random(uint64_t seed, double std = 0.02);
-  void set_moments(const float* host_m, const float* host_v);
-  void get_moments(float* host_m, float* host_v) const;
   void zero_grads();
 
   // inputs, targets: host [batch, seq] token ids (targets may hold cpu::kIgnoreIndex); validated here, so a
@@ -148,6 +146,37 @@ class LlamaGpu {
   double* pinned_scalar_ = nullptr;
   cuda::EmbeddingGroups groups_;
 };
+
+// Bump allocation from one cudaMalloc: add() every buffer first, then cudaMalloc bytes() and assign() the base.
+// Every buffer is 256-byte aligned (cuBLASLt's preferred alignment; 16 bytes would do for the vector kernels).
+class DeviceArenaPlan {
+ public:
+  template <typename T>
+  void add(T** ptr, int64_t count) {
+    entries_.push_back({reinterpret_cast<void**>(ptr), offset_});
+    offset_ += (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
+  }
+  int64_t bytes() const { return offset_; }
+  void assign(char* base) const {
+    for (const Entry& e : entries_) *e.ptr = base + e.offset;
+  }
+
+ private:
+  struct Entry {
+    void** ptr;
+    int64_t offset;
+  };
+  std::vector<Entry> entries_;
+  int64_t offset_ = 0;
+};
+
+// The fused AdamW's segment table (kernels/adamw.cuh) for `segments` of `layout`, in shard order: where each
+// piece (model/optimizer.h shard_pieces) starts and whether its tensor decays. Never empty.
+struct AdamWTable {
+  std::vector<int64_t> starts;
+  std::vector<uint8_t> decays;
+};
+AdamWTable adamw_table(const ParamLayout& layout, const std::vector<Segment>& segments);
 
 // Dense bf16 tensor-core peak of a device in FLOP/s, for MFU: TUNA_PEAK_TFLOPS when set (the bench measures
 // and reports its own), else the datasheet figure scaled by the multiprocessor count (sm_90: 989 TFLOP/s at

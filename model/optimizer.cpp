@@ -45,20 +45,27 @@ double clip_scale(const OptimizerConfig& c, double grad_norm) {
   return c.grad_clip > 0 ? std::min(1.0, c.grad_clip / (grad_norm + 1e-6)) : 1.0;
 }
 
+std::vector<ShardPiece> shard_pieces(const ParamLayout& layout, const std::vector<Segment>& segments) {
+  std::vector<ShardPiece> pieces;
+  int64_t shard = 0;
+  for (const Segment& s : segments) {
+    for (const ParamTensor& t : layout.tensors()) {
+      const int64_t begin = std::max(s.begin, t.offset), end = std::min(s.begin + s.size, t.offset + t.numel);
+      if (begin < end) pieces.push_back({shard + (begin - s.begin), begin, end - begin, &t});
+    }
+    shard += s.size;
+  }
+  return pieces;
+}
+
 AdamW::AdamW(const ParamLayout& layout, const OptimizerConfig& config)
     : AdamW(layout, config, {Segment{0, layout.total()}}) {}
 
 AdamW::AdamW(const ParamLayout& layout, const OptimizerConfig& config, std::vector<Segment> segments)
-    : layout_(layout), config_(config), segments_(std::move(segments)) {
+    : layout_(layout), config_(config), segments_(std::move(segments)), pieces_(shard_pieces(layout, segments_)) {
   validate(config_);
   int64_t shard = 0;
-  for (const Segment& s : segments_) {
-    for (const ParamTensor& t : layout_.tensors()) {
-      const int64_t begin = std::max(s.begin, t.offset), end = std::min(s.begin + s.size, t.offset + t.numel);
-      if (begin < end) pieces_.push_back({shard + (begin - s.begin), begin, end - begin, &t});
-    }
-    shard += s.size;
-  }
+  for (const Segment& s : segments_) shard += s.size;
   m.assign(shard, 0.0f);
   v.assign(shard, 0.0f);
 }
@@ -74,14 +81,14 @@ OptimizerStats AdamW::step(float* params, const float* grads, double loss_scale,
 
 double AdamW::grad_sum_of_squares(const float* grads, bool count_replicated) const {
   double sum = 0;
-  for (const Piece& p : pieces_)
+  for (const ShardPiece& p : pieces_)
     if (count_replicated || p.tensor->split_dim >= 0) sum += cpu::sum_of_squares(grads + p.shard_offset, p.size);
   return sum;
 }
 
 void AdamW::update(float* params, const float* grads, double grad_scale, double lr) {
   steps_taken++;
-  for (const Piece& p : pieces_) {
+  for (const ShardPiece& p : pieces_) {
     cpu::AdamWStep s{lr, config_.beta1, config_.beta2, config_.eps, p.tensor->decays ? config_.weight_decay : 0.0,
                      steps_taken, grad_scale};
     cpu::adamw_update(params + p.shard_offset, grads + p.shard_offset, m.data() + p.shard_offset,

@@ -47,6 +47,15 @@ struct Segment {
   int64_t begin = 0, size = 0;
 };
 
+// The intersection of one owned segment with one tensor: where it sits in shard order and in the flat layout.
+struct ShardPiece {
+  int64_t shard_offset, flat_offset, size;
+  const ParamTensor* tensor;
+};
+// Every non-empty intersection of `segments` (shard order) with the tensors of `layout`, in shard order: what a
+// sharded optimizer needs to know which decay and which tp split applies to each element it owns.
+std::vector<ShardPiece> shard_pieces(const ParamLayout& layout, const std::vector<Segment>& segments);
+
 // Clipping's factor for a global gradient norm: min(1, grad_clip / (norm + 1e-6)); 1 when clipping is off.
 double clip_scale(const OptimizerConfig& config, double grad_norm);
 
@@ -75,15 +84,10 @@ class AdamW {
   int64_t steps_taken = 0;  // updates applied so far (AdamW's t after the update)
 
  private:
-  // The intersection of one owned segment with one tensor.
-  struct Piece {
-    int64_t shard_offset, flat_offset, size;
-    const ParamTensor* tensor;
-  };
   const ParamLayout& layout_;
   OptimizerConfig config_;
   std::vector<Segment> segments_;
-  std::vector<Piece> pieces_;
+  std::vector<ShardPiece> pieces_;
 };
 
 }  // namespace tuna
