@@ -1,0 +1,61 @@
+// The memory model: what one rank allocates for a model, a parallel layout and a batch shape. One model serves
+// two readers, so that they cannot drift apart:
+//   * the trainer, which sizes its allocations from it and refuses a run that won't fit before allocating;
+//   * build/plan, which prices a cluster that isn't here.
+//
+// The contract, shared by both backends:
+//   plan_gpu_memory(config, layout) lists every device buffer the CUDA engine allocates for this layout, by
+//   name, each with its kind and byte count; the CUDA engine's arena is laid out from this same list (so the
+//   list is exact, not an estimate). plan_cpu_memory does the same for the CPU engine's host allocations
+//   (Llama + Zero), where the allocator adds its own overhead: the trainer's measured peak resident memory is
+//   compared against it in the tests.
+// Items are per rank. Transients (a buffer that lives only during a checkpoint save or a collective) are listed
+// with kind Transient, so that a plan's peak is honest.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace tuna {
+
+enum class Recompute { None, Selective, Full };
+// "none" | "selective" | "full"; anything else is a tuna::Error naming `source`.
+Recompute parse_recompute(const std::string& text, const std::string& source);
+const char* recompute_name(Recompute r);
+
+// What decides one rank's memory.
+struct MemoryLayout {
+  int64_t dp = 1, tp = 1;       // world = dp x tp
+  int zero = 0;                 // ZeRO stage over dp: 0..3
+  bool zero_prefetch = true;    // ZeRO-3: a second gather buffer so the next unit's gather overlaps
+  Recompute recompute = Recompute::None;
+  bool bf16_moments = false;    // cuda: AdamW moments in bf16
+  bool master_weights = true;   // cuda: an fp32 master copy (false: bf16 weights updated with stochastic rounding)
+  int64_t micro_batch = 1, seq_len = 1;
+};
+
+enum class MemoryKind { Weights, Gradients, Master, Moments, Activations, Communication, Workspace, Transient };
+const char* memory_kind_name(MemoryKind k);
+
+struct MemoryItem {
+  std::string name;  // e.g. "layer 3 activations", "bf16 weights (shard)", "all-gather buffer 0"
+  MemoryKind kind;
+  int64_t bytes = 0;
+};
+
+struct MemoryPlan {
+  std::vector<MemoryItem> items;
+  int64_t total() const;                 // every item but transients
+  int64_t peak() const;                  // total() + the largest transient
+  int64_t bytes(MemoryKind kind) const;  // the sum of one kind
+};
+
+// model/memory_plan_cpu.cpp
+MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& layout);
+// model/memory_plan_gpu.cpp: plain C++, in every build (build/plan prices GPUs on any machine)
+MemoryPlan plan_gpu_memory(const LlamaConfig& config, const MemoryLayout& layout);
+
+}  // namespace tuna
