@@ -3,8 +3,10 @@
 #include "model/memory_plan.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "core/error.h"
+#include "core/progress.h"
 
 namespace tuna {
 
@@ -57,6 +59,31 @@ int64_t MemoryPlan::bytes(MemoryKind kind) const {
   for (const MemoryItem& i : items)
     if (i.kind == kind) sum += i.bytes;
   return sum;
+}
+
+std::string format_memory_plan(const MemoryPlan& plan, const std::string& indent) {
+  size_t name_width = 0;
+  for (const MemoryItem& i : plan.items) name_width = std::max(name_width, i.name.size());
+  std::string out;
+  const MemoryItem* largest = nullptr;
+  for (const MemoryItem& i : plan.items) {
+    char line[512];
+    std::snprintf(line, sizeof line, "%s%-*s %10s  %s\n", indent.c_str(), static_cast<int>(name_width), i.name.c_str(),
+                  human_bytes(static_cast<double>(i.bytes)).c_str(), memory_kind_name(i.kind));
+    out += line;
+    if (i.kind == MemoryKind::Transient && (!largest || i.bytes > largest->bytes)) largest = &i;
+  }
+  out += str(indent, "total ", human_bytes(static_cast<double>(plan.total())), "; peak ",
+             human_bytes(static_cast<double>(plan.peak())));
+  if (largest) out += str(" (with ", largest->name, ")");
+  return out + "\n";
+}
+
+nlohmann::json memory_plan_json(const MemoryPlan& plan) {
+  nlohmann::json items = nlohmann::json::array();
+  for (const MemoryItem& i : plan.items)
+    items.push_back({{"name", i.name}, {"kind", memory_kind_name(i.kind)}, {"bytes", i.bytes}});
+  return {{"items", items}, {"total", plan.total()}, {"peak", plan.peak()}};
 }
 
 }  // namespace tuna

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "model/config.h"
 
 namespace tuna {
@@ -52,6 +54,12 @@ struct MemoryPlan {
   int64_t peak() const;                  // total() + the largest transient
   int64_t bytes(MemoryKind kind) const;  // the sum of one kind
 };
+
+// The plan as the trainer and build/plan print it: one line per item (its kind, bytes), the total and the peak
+// with the transient that makes it. Each line starts with `indent`.
+std::string format_memory_plan(const MemoryPlan& plan, const std::string& indent = "  ");
+// {"items": [{"name", "kind", "bytes"}...], "total": bytes, "peak": bytes}: the plan in metrics.jsonl.
+nlohmann::json memory_plan_json(const MemoryPlan& plan);
 
 // model/memory_plan_cpu.cpp
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& layout);
