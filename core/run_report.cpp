@@ -307,15 +307,17 @@ std::string Plot::svg() const {
       o << "</g>\n";
     }
   }
-  // Legend, top right, one row per series.
-  double ly = f.top + 12;
-  for (const Series& s : series_) {
-    const double lx = f.right - 150;
+  // Legend on the title's line, right-aligned; rows below it inside the frame when it would reach the title.
+  const double title_end = f.left + 7.5 * static_cast<double>(title_.size()) + 16;
+  double lx = f.right, ly = 18;
+  for (auto s = series_.rbegin(); s != series_.rend(); ++s) {
+    const double width = 26 + 6.2 * static_cast<double>(s->name.size());
+    if (lx - width < (ly == 18 ? title_end : f.left + 8)) lx = f.right, ly = ly == 18 ? f.top + 14 : ly + 14;
+    lx -= width;
     o << "<g class=\"legend\"><line x1=\"" << lx << "\" x2=\"" << lx + 16 << "\" y1=\"" << ly - 4 << "\" y2=\""
-      << ly - 4 << "\" stroke=\"" << s.color << "\"" << (s.dashed ? " stroke-dasharray=\"4,2\"" : "")
-      << (s.style == Series::Style::Marks ? " stroke-width=\"5\" stroke-linecap=\"round\"" : "") << "/><text x=\""
-      << lx + 20 << "\" y=\"" << ly << "\">" << html_escape(s.name) << "</text></g>\n";
-    ly += 14;
+      << ly - 4 << "\" stroke=\"" << s->color << "\"" << (s->dashed ? " stroke-dasharray=\"4,2\"" : "")
+      << (s->style == Series::Style::Marks ? " stroke-width=\"5\" stroke-linecap=\"round\"" : "") << "/><text x=\""
+      << lx + 20 << "\" y=\"" << ly << "\">" << html_escape(s->name) << "</text></g>\n";
   }
   o << "<text class=\"readout\" x=\"" << f.left + 6 << "\" y=\"" << f.top + 14 << "\"></text>\n";
   o << "</svg>\n";
@@ -419,6 +421,8 @@ svg.plot .readout { font-size: 11px; fill: #222; }
 table { border-collapse: collapse; margin: 4px 0 8px; } th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; }
 th { background: #f4f4f4; font-weight: 600; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.differs td { background: #fff7e0; }
+.config { columns: 3 300px; column-gap: 24px; font-size: 13px; } .config div { break-inside: avoid; padding: 1px 0; }
+.config .key { color: #666; display: inline-block; min-width: 150px; }
 )css";
 
 // Hover read-out: the nearest drawn point of each line at the pointer's step, inverted through the plot's frame.
@@ -555,6 +559,12 @@ std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportO
   if (keys.empty()) {
     o << "<p>No start record in metrics.jsonl (a run of an older build/train): the config is in the checkpoints' "
          "state.json.</p>\n";
+  } else if (!overlay) {  // one run: a compact list in columns
+    o << "<div class=\"config\">\n";
+    for (const std::string& k : keys)
+      o << "<div><span class=\"key\">" << html_escape(k) << "</span> " << html_escape(value_text(runs[0].start["config"][k]))
+        << "</div>\n";
+    o << "</div>\n";
   } else {
     std::vector<std::string> head{"option"};
     for (const RunMetrics& r : runs) head.push_back(html_escape(r.name));
