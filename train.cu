@@ -26,6 +26,7 @@
 #include "core/error.h"           // tuna::Error, fail
 #include "core/memory.h"          // host_memory, require_host_memory, return_large_frees_to_system
 #include "core/options.h"         // Options: TOML + flags
+#include "core/progress.h"        // ProgressLine: checkpoint writes
 #include "core/run_report.h"      // refresh_run_report: out_dir/report.html
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
@@ -351,16 +352,22 @@ int run(int argc, char** argv) {
     if (world->size() == 1) {  // one rank: the single-file format (also a Hugging Face model directory)
       engine->export_shard(sp, sm, sv);  // one rank's shard order is the layout's order
       TUNA_CHECK(static_cast<int64_t>(sp.size()) == layout.total(), "one rank's shard is not the whole model");
+      ProgressLine progress(str("checkpoint step ", at_step), 12.0 * double(sp.size()), ProgressLine::Unit::Bytes, stdout);
       CheckpointContents contents{&config_json, sp.data(), {sm.data(), sv.data(), engine->steps_taken()}, state,
-                                  tokenizer_dir};
+                                  tokenizer_dir, &progress};
       p = save_checkpoint(ckpt_root, at_step, layout, contents, cfg.ckpt_keep);
+      progress.finish();
     } else {  // one file per rank, written in parallel (model/checkpoint.h)
       if (world->rank() == 0) prepare_sharded_checkpoint(ckpt_root, at_step);
       world->barrier("checkpoint directory created");
       engine->export_shard(sp, sm, sv);
+      // Rank 0's file (ranks write theirs in parallel, of about the same size).
+      ProgressLine progress(str("checkpoint step ", at_step, ", rank 0's file"), 12.0 * double(sp.size()),
+                            ProgressLine::Unit::Bytes, world->rank() == 0 ? stdout : nullptr);
       write_checkpoint_shard(checkpoint_tmp_dir(ckpt_root, at_step), world->rank(), layout,
                              ShardState{&engine->segments(), sp.data(), sm.data(), sv.data(), engine->steps_taken(),
-                                        /*write_replicated=*/mesh.tp_rank == 0});
+                                        /*write_replicated=*/mesh.tp_rank == 0, &progress});
+      progress.finish();
       sp = {}, sm = {}, sv = {};
       CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer_dir};
       world->barrier("checkpoint shards written");
