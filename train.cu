@@ -24,7 +24,7 @@
 #include <sstream>
 
 #include "core/error.h"           // tuna::Error, fail
-#include "core/memory.h"          // host_memory, require_host_memory, return_large_frees_to_system
+#include "core/memory.h"          // host_memory, host_available_bytes, require_host_memory, return_large_frees_to_system
 #include "core/options.h"         // Options: TOML + flags
 #include "core/progress.h"        // ProgressLine: checkpoint writes
 #include "core/run_report.h"      // refresh_run_report: out_dir/report.html
@@ -35,7 +35,7 @@
 #include "model/config.h"         // LlamaConfig
 #include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
-#include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, format_memory_plan
+#include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, format_memory_table
 #include "model/optimizer.h"      // OptimizerConfig, learning_rate
 
 namespace fs = std::filesystem;
@@ -259,8 +259,9 @@ int run(int argc, char** argv) {
   nlohmann::json plan_record;
   if (eo.device == "cpu") {
     const MemoryPlan plan = plan_cpu_memory(model_cfg, memory_layout(cfg, mesh));
-    std::printf("memory plan per rank (host, above the %.0f MB at start):\n%s", at_start.resident_mb,
-                format_memory_plan(plan).c_str());
+    std::printf("%s", format_memory_table(plan, host_available_bytes(),
+                                          str("memory plan per rank (host, above the ", format_fixed(at_start.resident_mb, 0),
+                                              " MB resident at start; capacity: this node's available memory)")).c_str());
     std::fflush(stdout);
     plan_record = memory_plan_json(plan), plan_record["device"] = "cpu";
     require_host_memory(plan.peak(), launch.local_size, "the memory plan's peak per rank");

@@ -20,6 +20,7 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/common.cuh"
+#include "kernels/scratch.h"
 
 namespace tuna::cuda {
 namespace {
@@ -156,7 +157,10 @@ void adamw_update(float* master, bf16* param_bf16, const float* grad, bf16* m, b
   adamw_launch(master, param_bf16, grad, m, v, n, segments, args, stream);
 }
 
-int64_t sum_of_squares_scratch_doubles() { return kNormBlocks; }
+int64_t sum_of_squares_scratch_doubles() {
+  static_assert(kNormBlocks == 1024, "kernels/scratch.h sizes the scratch for 1024 blocks");
+  return gpu_scratch::sum_of_squares_doubles();
+}
 
 void sum_of_squares(double* total, const float* x, int64_t n, double* scratch, cudaStream_t stream) {
   TUNA_CHECK(n >= 0, "n ", n);

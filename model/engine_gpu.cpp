@@ -35,9 +35,10 @@ namespace tuna {
 
 namespace {
 
-GpuOptions gpu_options(const EngineOptions& o) {
+GpuOptions gpu_options(const EngineOptions& o, const Mesh& mesh) {
   GpuOptions g;
-  g.with_optimizer = g.keep_master = o.zero == 0;  // ZeRO-1: the engine keeps master and moments, sharded
+  g.zero = o.zero;  // ZeRO-1: the engine keeps master and moments, sharded, in the model's arena
+  g.dp = mesh.dp_size, g.dp_rank = mesh.dp_rank;
   g.bf16_moments = o.bf16_moments;
   g.stochastic_rounding = o.stochastic_rounding;
   g.seed = static_cast<uint32_t>(o.seed);
@@ -69,39 +70,35 @@ void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_
 // element belongs to). One allocation, made at construction.
 class OptimizerShard {
  public:
-  OptimizerShard(const ParamLayout& layout, const std::vector<Segment>& segments, bool bf16_moments)
+  // The buffers are the memory plan's "(shard)" items, in the model's arena.
+  OptimizerShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments,
+                 bool bf16_moments)
       : bf16_moments_(bf16_moments) {
     for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
     padded = (size + 3) / 4 * 4;  // the fused AdamW takes 4 elements per thread; the tail stays 0
     const AdamWTable table = adamw_table(layout, segments);
     n_segments = static_cast<int>(table.starts.size());
-    DeviceArenaPlan plan;
-    plan.add(&master, padded);
-    plan.add(&grad, padded);
+    master = arena.take<float>("fp32 master weights (shard)", padded);
+    grad = arena.take<float>("fp32 gradients (shard)", padded);
     const int64_t moment_bytes = bf16_moments ? 2 : 4;
-    plan.add(reinterpret_cast<char**>(&m), padded * moment_bytes);
-    plan.add(reinterpret_cast<char**>(&v), padded * moment_bytes);
-    plan.add(&table_starts, n_segments);
-    plan.add(&table_decays, n_segments);
-    plan.add(&norm_total, 1);
-    plan.add(&norm_scratch, cuda::sum_of_squares_scratch_doubles());
-    bytes_ = plan.bytes();
-    TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), static_cast<size_t>(bytes_)));
-    TUNA_CUDA_CHECK(cudaMemset(arena_, 0, static_cast<size_t>(bytes_)));
-    plan.assign(arena_);
+    m = arena.take<char>("AdamW m (shard)", padded * moment_bytes);
+    v = arena.take<char>("AdamW v (shard)", padded * moment_bytes);
+    table_starts = arena.take<int64_t>("AdamW segment starts (shard)", n_segments);
+    table_decays = arena.take<uint8_t>("AdamW segment decays (shard)", n_segments);
+    norm_scratch = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
+    norm_total = arena.take<double>("gradient norm", 1);
+    for (void* p : {static_cast<void*>(master), static_cast<void*>(grad)})
+      TUNA_CUDA_CHECK(cudaMemset(p, 0, padded * sizeof(float)));
+    for (void* p : {m, v}) TUNA_CUDA_CHECK(cudaMemset(p, 0, padded * moment_bytes));
     TUNA_CUDA_CHECK(cudaMemcpy(table_starts, table.starts.data(), table.starts.size() * sizeof(int64_t),
                                cudaMemcpyHostToDevice));
     TUNA_CUDA_CHECK(cudaMemcpy(table_decays, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
     TUNA_CUDA_CHECK(cudaDeviceSynchronize());
   }
-  ~OptimizerShard() {
-    if (arena_) cudaFree(arena_);
-  }
   OptimizerShard(const OptimizerShard&) = delete;
   OptimizerShard& operator=(const OptimizerShard&) = delete;
 
   bool bf16_moments() const { return bf16_moments_; }
-  int64_t bytes() const { return bytes_; }
   cuda::AdamWSegments table() const { return {table_starts, table_decays, n_segments}; }
 
   int64_t size = 0, padded = 0;
@@ -115,8 +112,6 @@ class OptimizerShard {
 
  private:
   bool bf16_moments_;
-  char* arena_ = nullptr;
-  int64_t bytes_ = 0;
 };
 
 class GpuEngine final : public Engine {
@@ -125,10 +120,12 @@ class GpuEngine final : public Engine {
             const DeviceCommFactory& device_comm)
       : options_(o),
         mesh_(mesh),
-        model_(config, o.micro_batch, o.seq_len, o.opt, gpu_options(o)),
+        model_(config, o.micro_batch, o.seq_len, o.opt, gpu_options(o, mesh)),
         segments_(dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size)) {
     if (mesh.dp_size > 1) dp_device_ = device_comm(model_.stream());
-    if (o.zero == 1) shard_ = std::make_unique<OptimizerShard>(model_.layout(), segments_, o.bf16_moments);
+    if (o.zero == 1)
+      shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.layout(), segments_, o.bf16_moments);
+    model_.arena().check_all_taken();
     if (initial) {
       std::vector<float> host(model_.layout().total());
       initial(model_.layout(), host.data());
@@ -250,7 +247,7 @@ class GpuEngine final : public Engine {
   }
 
   int64_t activation_bytes() const override { return model_.device_bytes() - model_.state_bytes(); }
-  int64_t state_bytes() const override { return model_.state_bytes() + (shard_ ? shard_->bytes() : 0); }
+  int64_t state_bytes() const override { return model_.state_bytes(); }  // the shard is in the model's arena
   double flops_per_token(int64_t seq) const override { return model_.flops_per_token(seq); }
   double peak_flops() const override { return peak_flops_; }
 
@@ -390,9 +387,9 @@ class GpuForwardModel final : public ForwardModel {
   }
 
  private:
-  static GpuOptions forward_only() {  // bf16 weights only: no moments, no fp32 master copy
+  static GpuOptions forward_only() {  // bf16 weights and activations only
     GpuOptions g;
-    g.with_optimizer = g.keep_master = false;
+    g.training = false;
     return g;
   }
   LlamaGpu model_;

@@ -32,13 +32,41 @@
 
 namespace tuna {
 
-namespace {
+DeviceArena::DeviceArena(const MemoryPlan& plan) : plan_(plan) {
+  for (const MemoryItem& item : plan_.items) {
+    if (!item.in_arena) continue;
+    TUNA_CHECK(item.bytes % 256 == 0, "plan item '", item.name, "' of ", item.bytes, " bytes is not 256-aligned");
+    TUNA_CHECK(slots_.emplace(item.name, Slot{bytes_, item.bytes}).second, "plan item '", item.name, "' repeats");
+    bytes_ += item.bytes;
+  }
+  TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&base_), static_cast<size_t>(std::max<int64_t>(bytes_, 256))));
+}
 
-// Rows of logits computed at once: [rows, vocab] bf16 near 64 MB whatever the vocabulary (a 128k vocabulary
-// gets 256 rows; the GEMM stays large enough to run near peak).
-constexpr int64_t kHeadChunkElements = int64_t(32) << 20;
+DeviceArena::~DeviceArena() {
+  if (base_) cudaFree(base_);
+}
 
-}  // namespace
+void* DeviceArena::take_bytes(const std::string& name, int64_t bytes) {
+  auto it = slots_.find(name);
+  TUNA_CHECK(it != slots_.end(), "device buffer '", name, "' is not in the memory plan (model/memory_plan_gpu.cpp)");
+  Slot& slot = it->second;
+  TUNA_CHECK(!slot.taken, "device buffer '", name, "' taken twice");
+  TUNA_CHECK(device_arena_bytes(bytes) == slot.bytes, "device buffer '", name, "': the memory plan has ", slot.bytes,
+             " bytes, the engine uses ", bytes);
+  slot.taken = true;
+  return base_ + slot.offset;
+}
+
+void DeviceArena::check_all_taken() const {
+  for (const auto& [name, slot] : slots_)
+    TUNA_CHECK(slot.taken, "device buffer '", name, "' is in the memory plan but the engine never uses it");
+}
+
+int64_t LlamaGpu::state_bytes() const {
+  const MemoryPlan& plan = arena_->plan();
+  return plan.bytes(MemoryKind::Weights) + plan.bytes(MemoryKind::Gradients) + plan.bytes(MemoryKind::Master) +
+         plan.bytes(MemoryKind::Moments);
+}
 
 LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const OptimizerConfig& optimizer,
                    const GpuOptions& options)
@@ -54,74 +82,94 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
          c.intermediate_size, ")");
   TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
   TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  matmul_ = std::make_unique<cuda::MatmulContext>();
 
   const int64_t n = max_batch * max_seq, C = c.hidden_size, F = c.intermediate_size, P = layout_.total();
   const int64_t qd = c.q_dim(), kvd = c.kv_dim(), H = c.num_attention_heads;
-  head_chunk_rows_ = std::clamp<int64_t>(kHeadChunkElements / c.vocab_size, 1, n);
+  head_chunk_rows_ = gpu_head_chunk_rows(c.vocab_size, n);
   n_segments_ = static_cast<int>(layout_.tensors().size());
+  const bool training = options_.training, own_optimizer = training && options_.zero == 0;
 
-  DeviceArenaPlan plan;
-  if (options_.keep_master) plan.add(&master_, P);
-  plan.add(&params_, P);
-  plan.add(&grads_, P);
-  if (options_.with_optimizer) {
+  // Every buffer from the memory plan (model/memory_plan_gpu.cpp), by its name there.
+  MemoryLayout ml;
+  ml.dp = options_.dp, ml.dp_rank = options_.dp_rank, ml.zero = options_.zero;
+  ml.bf16_moments = options_.bf16_moments, ml.training = training;
+  ml.micro_batch = max_batch, ml.seq_len = max_seq;
+  arena_ = std::make_unique<DeviceArena>(plan_gpu_memory(c, ml));
+  DeviceArena& arena = *arena_;
+  using bf16 = __nv_bfloat16;
+  if (own_optimizer) master_ = arena.take<float>("fp32 master weights", P);
+  params_ = arena.take<bf16>("bf16 weights", P);
+  if (training) grads_ = arena.take<float>("fp32 gradients", P);
+  if (own_optimizer) {
     const int64_t moment_bytes = options_.bf16_moments ? 2 : 4;
-    plan.add(reinterpret_cast<char**>(&m_), P * moment_bytes);
-    plan.add(reinterpret_cast<char**>(&v_), P * moment_bytes);
+    m_ = arena.take<char>("AdamW m", P * moment_bytes);
+    v_ = arena.take<char>("AdamW v", P * moment_bytes);
+    segment_starts_ = arena.take<int64_t>("AdamW segment starts", n_segments_);
+    segment_decays_ = arena.take<uint8_t>("AdamW segment decays", n_segments_);
+    norm_scratch_f64_ = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
+    norm_total_ = arena.take<double>("gradient norm", 1);
   }
-  state_bytes_ = plan.bytes();
-  plan.add(&segment_starts_, n_segments_);
-  plan.add(&segment_decays_, n_segments_);
-  plan.add(&rope_cos_, max_seq * c.head_dim / 2);
-  plan.add(&rope_sin_, max_seq * c.head_dim / 2);
+  rope_cos_ = arena.take<float>("RoPE cos", max_seq * c.head_dim / 2);
+  rope_sin_ = arena.take<float>("RoPE sin", max_seq * c.head_dim / 2);
   acts_.resize(c.num_hidden_layers);
-  for (LayerActs& a : acts_) {
-    plan.add(&a.resid_in, n * C);
-    plan.add(&a.norm1, n * C);
-    plan.add(&a.rstd1, n);
-    plan.add(&a.q, n * qd);
-    plan.add(&a.k, n * kvd);
-    plan.add(&a.v, n * kvd);
-    plan.add(&a.att, n * qd);
-    plan.add(&a.lse, n * H);
-    plan.add(&a.resid_mid, n * C);
-    plan.add(&a.norm2, n * C);
-    plan.add(&a.rstd2, n);
-    plan.add(&a.gate, n * F);
-    plan.add(&a.up, n * F);
-    plan.add(&a.act, n * F);
+  for (int64_t l = 0; l < c.num_hidden_layers; l++) {
+    LayerActs& a = acts_[l];
+    const auto act = [&](const char* what, int64_t count) { return arena.take<bf16>(str("layer ", l, " ", what), count); };
+    const auto stat = [&](const char* what, int64_t count) { return arena.take<float>(str("layer ", l, " ", what), count); };
+    a.resid_in = act("resid_in", n * C);
+    a.norm1 = act("norm1", n * C);
+    a.rstd1 = stat("rstd1", n);
+    a.q = act("q", n * qd);
+    a.k = act("k", n * kvd);
+    a.v = act("v", n * kvd);
+    a.att = act("att", n * qd);
+    a.lse = stat("lse", n * H);
+    a.resid_mid = act("resid_mid", n * C);
+    a.norm2 = act("norm2", n * C);
+    a.rstd2 = stat("rstd2", n);
+    a.gate = act("gate", n * F);
+    a.up = act("up", n * F);
+    a.act = act("act", n * F);
   }
-  plan.add(&resid_out_, n * C);
-  plan.add(&final_norm_out_, n * C);
-  plan.add(&final_rstd_, n);
-  plan.add(&logits_chunk_, head_chunk_rows_ * c.vocab_size);
-  plan.add(&losses_, n);
-  for (__nv_bfloat16** d : {&d_resid_, &d_norm_, &d_final_norm_}) plan.add(d, n * C);
-  for (__nv_bfloat16** d : {&d_q_, &d_att_}) plan.add(d, n * qd);
-  for (__nv_bfloat16** d : {&d_k_, &d_v_}) plan.add(d, n * kvd);
-  for (__nv_bfloat16** d : {&d_gate_, &d_up_, &d_act_}) plan.add(d, n * F);
-  plan.add(&norm_scratch_, cuda::rmsnorm_bwd_scratch_floats(n, C));
-  plan.add(&attn_scratch_, cuda::attention_bwd_scratch_floats(max_batch, max_seq, H));
-  plan.add(&loss_total_, 1);
-  plan.add(&norm_scratch_f64_, cuda::sum_of_squares_scratch_doubles());
-  plan.add(&norm_total_, 1);
-  plan.add(&tokens_, n);
-  plan.add(&targets_, n);
-  plan.add(&group_positions_, n);
-  plan.add(&group_unique_, n);
-  plan.add(&group_offsets_, n + 1);
-  arena_bytes_ = plan.bytes();
-  TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), static_cast<size_t>(arena_bytes_)));
-  plan.assign(arena_);
+  resid_out_ = arena.take<bf16>("final residual", n * C);
+  final_norm_out_ = arena.take<bf16>("final norm", n * C);
+  final_rstd_ = arena.take<float>("final rstd", n);
+  logits_chunk_ = arena.take<bf16>("logits chunk", head_chunk_rows_ * c.vocab_size);
+  losses_ = arena.take<float>("per-token losses", n);
+  if (training) {
+    d_resid_ = arena.take<bf16>("d_resid", n * C);
+    d_norm_ = arena.take<bf16>("d_norm", n * C);
+    d_final_norm_ = arena.take<bf16>("d_final_norm", n * C);
+    d_q_ = arena.take<bf16>("d_q", n * qd);
+    d_att_ = arena.take<bf16>("d_att", n * qd);
+    d_k_ = arena.take<bf16>("d_k", n * kvd);
+    d_v_ = arena.take<bf16>("d_v", n * kvd);
+    d_gate_ = arena.take<bf16>("d_gate", n * F);
+    d_up_ = arena.take<bf16>("d_up", n * F);
+    d_act_ = arena.take<bf16>("d_act", n * F);
+    norm_scratch_ = arena.take<float>("rmsnorm backward scratch", cuda::rmsnorm_bwd_scratch_floats(n, C));
+    attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H));
+  }
+  loss_total_ = arena.take<double>("loss total", 1);
+  tokens_ = arena.take<int32_t>("token ids", n);
+  targets_ = arena.take<int32_t>("targets", n);
+  group_positions_ = arena.take<int32_t>("embedding group positions", n);
+  group_unique_ = arena.take<int32_t>("embedding group tokens", n);
+  group_offsets_ = arena.take<int32_t>("embedding group offsets", n + 1);
+  constexpr int64_t kMatmulWorkspace = int64_t(32) << 20;
+  matmul_ = std::make_unique<cuda::MatmulContext>(arena.take<char>("cuBLASLt workspace", kMatmulWorkspace),
+                                                  static_cast<size_t>(kMatmulWorkspace));
+  if (options_.zero == 0) arena.check_all_taken();  // ZeRO-1: the engine takes the shard's buffers, then checks
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(5 * n + 1) * sizeof(int32_t)));
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
 
   // The segment table of the fused AdamW over the whole layout: one segment per tensor, in offset order.
-  const AdamWTable table = adamw_table(layout_, {Segment{0, P}});
-  TUNA_CUDA_CHECK(cudaMemcpy(segment_starts_, table.starts.data(), table.starts.size() * sizeof(int64_t),
-                             cudaMemcpyHostToDevice));
-  TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
+  if (segment_starts_ != nullptr) {
+    const AdamWTable table = adamw_table(layout_, {Segment{0, P}});
+    TUNA_CUDA_CHECK(cudaMemcpy(segment_starts_, table.starts.data(), table.starts.size() * sizeof(int64_t),
+                               cudaMemcpyHostToDevice));
+    TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
+  }
 
   // RoPE tables from the CPU twin's functions (double math, llama3 scaling), so both backends agree exactly.
   std::vector<double> inv_freq(c.head_dim / 2);
@@ -131,6 +179,8 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   TUNA_CUDA_CHECK(cudaMemcpy(rope_cos_, cos_table.data(), cos_table.size() * sizeof(float), cudaMemcpyHostToDevice));
   TUNA_CUDA_CHECK(cudaMemcpy(rope_sin_, sin_table.data(), sin_table.size() * sizeof(float), cudaMemcpyHostToDevice));
 
+  // The state starts at zero (a step before set_params trains from zero weights, not from garbage); activations
+  // are written before they are read, and stay poisoned where the emulator poisons fresh memory.
   if (master_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(master_, 0, P * sizeof(float)));
   TUNA_CUDA_CHECK(cudaMemset(params_, 0, P * sizeof(__nv_bfloat16)));
   if (m_ != nullptr) {
@@ -138,7 +188,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     TUNA_CUDA_CHECK(cudaMemset(m_, 0, moment_bytes));
     TUNA_CUDA_CHECK(cudaMemset(v_, 0, moment_bytes));
   }
-  zero_grads();
+  if (grads_ != nullptr) zero_grads();
   TUNA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -146,7 +196,7 @@ LlamaGpu::~LlamaGpu() {
   matmul_.reset();
   if (pinned_ids_) cudaFreeHost(pinned_ids_);
   if (pinned_scalar_) cudaFreeHost(pinned_scalar_);
-  if (arena_) cudaFree(arena_);
+  arena_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -155,6 +205,13 @@ LlamaGpu::~LlamaGpu() {
 // landed, so a kernel on stream_ could read the old contents.
 void LlamaGpu::set_params(const float* host) {
   const int64_t P = layout_.total();
+  if (master_ == nullptr && grads_ == nullptr) {  // forward only: rounded to nearest on the host, as f32_to_bf16
+    std::vector<uint16_t> bits(P);
+    convert_from_f32(host, DType::BF16, bits.data(), P);
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(params_, bits.data(), P * sizeof(uint16_t), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
   // Without a master copy, the values pass through the gradient buffer (zeroed again after).
   float* dst = master_ != nullptr ? master_ : grads_;
   TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, host, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
@@ -164,7 +221,7 @@ void LlamaGpu::set_params(const float* host) {
 }
 
 void LlamaGpu::refresh_params() {
-  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (GpuOptions::keep_master)");
+  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   refresh_params_from(master_);
 }
 
@@ -177,7 +234,7 @@ void LlamaGpu::refresh_params_from(const float* master_values) {
 }
 
 void LlamaGpu::init_random(uint64_t seed, double std) {
-  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (GpuOptions::keep_master)");
+  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (const ParamTensor& t : layout_.tensors()) {
     if (t.shape.size() == 1) cuda::fill_constant(master_ + t.offset, t.numel, 1.0f, stream_);
@@ -188,17 +245,19 @@ void LlamaGpu::init_random(uint64_t seed, double std) {
 }
 
 void LlamaGpu::get_params(float* host) const {
-  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (GpuOptions::keep_master)");
+  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TUNA_CUDA_CHECK(cudaMemcpy(host, master_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
 void LlamaGpu::get_grads(float* host) const {
+  TUNA_CHECK(grads_ != nullptr, "a forward-only model has no gradients");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TUNA_CUDA_CHECK(cudaMemcpy(host, grads_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
 void LlamaGpu::zero_grads() {
+  TUNA_CHECK(grads_ != nullptr, "a forward-only model has no gradients");
   TUNA_CUDA_CHECK(cudaMemsetAsync(grads_, 0, layout_.total() * sizeof(float), stream_));
 }
 
@@ -330,6 +389,7 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
 }
 
 LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
+  TUNA_CHECK(options_.training, "forward_backward on a forward-only model (GpuOptions::training)");
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, targets, batch * seq);
@@ -359,7 +419,7 @@ void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq,
 }
 
 OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr) {
-  TUNA_CHECK(m_ != nullptr, "model built without optimizer state (GpuOptions::with_optimizer)");
+  TUNA_CHECK(m_ != nullptr, "model built without optimizer state (forward only, or ZeRO-1's engine holds it)");
   const int64_t P = layout_.total();
   cudaStream_t s = stream_;
   cuda::sum_of_squares(norm_total_, grads_, P, norm_scratch_f64_, s);

@@ -24,15 +24,18 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "kernels/embedding.cuh"
 #include "kernels/matmul.cuh"
 #include "model/config.h"
 #include "model/layout.h"
-#include "model/llama.h"      // LossSum
-#include "model/optimizer.h"  // OptimizerConfig, OptimizerStats
+#include "model/llama.h"        // LossSum
+#include "model/memory_plan.h"  // MemoryPlan, plan_gpu_memory
+#include "model/optimizer.h"    // OptimizerConfig, OptimizerStats
 
 namespace tuna {
 
@@ -40,10 +43,44 @@ struct GpuOptions {
   bool bf16_moments = false;         // AdamW m, v in bf16 (half the optimizer memory; for 70B on 80 GB cards)
   bool stochastic_rounding = false;  // bf16 params (and bf16 moments) written with stochastic rounding
   uint32_t seed = 0;                 // stochastic rounding's random stream
-  bool with_optimizer = true;        // false: no moments (evaluation, generation, ZeRO-1's engine)
-  bool keep_master = true;           // false: no fp32 master copy either (ZeRO-1 keeps it sharded in the
-                                     // engine, which writes the bf16 weights with refresh_params_from)
+  bool training = true;              // false: the forward pass alone (eval, generation): bf16 weights and
+                                     // activations, no gradients, no fp32 master, no optimizer state
+  int zero = 0;                      // the engine's ZeRO stage. 0: this model holds the fp32 master and AdamW
+                                     // moments and runs adamw_step. 1: the engine keeps them sharded in this
+                                     // model's arena and writes the bf16 weights with refresh_params_from
+  int dp = 1, dp_rank = 0;           // the data-parallel group (sizes ZeRO's shard in the memory plan)
   int device = 0;
+};
+
+// One cudaMalloc laid out from a memory plan (model/memory_plan.h): every item with in_arena, in plan order, each
+// at a 256-byte aligned offset, zero-filled. The model and the engine take each buffer by its plan name with the
+// element count they use: take() fails when the name is not planned, is taken twice or its bytes differ, and
+// check_all_taken() when a planned buffer was never taken; so the plan is exactly what is allocated.
+class DeviceArena {
+ public:
+  explicit DeviceArena(const MemoryPlan& plan);
+  ~DeviceArena();
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+
+  template <typename T>
+  T* take(const std::string& name, int64_t count) {
+    return static_cast<T*>(take_bytes(name, count * static_cast<int64_t>(sizeof(T))));
+  }
+  void check_all_taken() const;
+  const MemoryPlan& plan() const { return plan_; }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void* take_bytes(const std::string& name, int64_t bytes);
+  struct Slot {
+    int64_t offset, bytes;
+    bool taken = false;
+  };
+  MemoryPlan plan_;
+  std::map<std::string, Slot> slots_;
+  char* base_ = nullptr;
+  int64_t bytes_ = 0;
 };
 
 class LlamaGpu {
@@ -59,10 +96,10 @@ class LlamaGpu {
   cudaStream_t stream() const { return stream_; }
 
   // Device buffers in ParamLayout order (for collectives: all-reduce grads, broadcast params).
-  float* master_params() { return master_; }   // fp32, what AdamW updates; null without keep_master
+  float* master_params() { return master_; }   // fp32, what AdamW updates; null unless ZeRO-0 training
   const float* master_params() const { return master_; }
   __nv_bfloat16* params() { return params_; }  // bf16 copy the forward reads (refreshed by every update)
-  float* grads() { return grads_; }            // fp32, accumulated by forward_backward
+  float* grads() { return grads_; }            // fp32, accumulated by forward_backward; null without training
   // AdamW moments: float, or __nv_bfloat16 with GpuOptions::bf16_moments; null without optimizer state.
   void* moment_m() { return m_; }
   void* moment_v() { return v_; }
@@ -101,10 +138,13 @@ class LlamaGpu {
   // Model FLOPs per trained token at this sequence length (forward + backward): 6 per matmul weight (the
   // lm_head included, the embedding lookup not) plus causal attention's 6 * seq * q_dim per layer.
   double flops_per_token(int64_t seq) const;
-  // Device bytes allocated at construction: in all, and for parameters + gradients + moments (the rest is
-  // activations, their gradients and scratch).
-  int64_t device_bytes() const { return arena_bytes_; }
-  int64_t state_bytes() const { return state_bytes_; }
+  // The device arena, laid out from plan_gpu_memory; the engine takes ZeRO's shard buffers from it.
+  DeviceArena& arena() { return *arena_; }
+  const MemoryPlan& memory_plan() const { return arena_->plan(); }
+  // Device bytes allocated at construction: in all, and for parameters + gradients + master + moments (the rest
+  // is activations, their gradients and scratch).
+  int64_t device_bytes() const { return arena_->bytes(); }
+  int64_t state_bytes() const;
 
  private:
   struct LayerActs {
@@ -124,8 +164,7 @@ class LlamaGpu {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<cuda::MatmulContext> matmul_;
 
-  char* arena_ = nullptr;
-  int64_t arena_bytes_ = 0, state_bytes_ = 0;
+  std::unique_ptr<DeviceArena> arena_;
   float *master_ = nullptr, *grads_ = nullptr;
   __nv_bfloat16* params_ = nullptr;
   void *m_ = nullptr, *v_ = nullptr;
@@ -136,38 +175,16 @@ class LlamaGpu {
   std::vector<LayerActs> acts_;
   __nv_bfloat16 *resid_out_, *final_norm_out_, *logits_chunk_;
   float *final_rstd_, *losses_;
-  __nv_bfloat16 *d_resid_, *d_norm_, *d_q_, *d_k_, *d_v_, *d_att_, *d_gate_, *d_up_, *d_act_, *d_final_norm_;
-  float *norm_scratch_, *attn_scratch_;
-  double *loss_total_, *norm_scratch_f64_, *norm_total_;
+  __nv_bfloat16 *d_resid_ = nullptr, *d_norm_ = nullptr, *d_q_ = nullptr, *d_k_ = nullptr, *d_v_ = nullptr,
+                *d_att_ = nullptr, *d_gate_ = nullptr, *d_up_ = nullptr, *d_act_ = nullptr, *d_final_norm_ = nullptr;
+  float *norm_scratch_ = nullptr, *attn_scratch_ = nullptr;
+  double *loss_total_ = nullptr, *norm_scratch_f64_ = nullptr, *norm_total_ = nullptr;
   int32_t *tokens_, *targets_, *group_positions_, *group_unique_, *group_offsets_;
   int64_t n_unique_ = 0;
   // Pinned staging for uploads and the two scalars read back per step.
   int32_t* pinned_ids_ = nullptr;  // 5 * n + 1 ints: inputs, targets, positions, unique, offsets
   double* pinned_scalar_ = nullptr;
   cuda::EmbeddingGroups groups_;
-};
-
-// Bump allocation from one cudaMalloc: add() every buffer first, then cudaMalloc bytes() and assign() the base.
-// Every buffer is 256-byte aligned (cuBLASLt's preferred alignment; 16 bytes would do for the vector kernels).
-class DeviceArenaPlan {
- public:
-  template <typename T>
-  void add(T** ptr, int64_t count) {
-    entries_.push_back({reinterpret_cast<void**>(ptr), offset_});
-    offset_ += (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
-  }
-  int64_t bytes() const { return offset_; }
-  void assign(char* base) const {
-    for (const Entry& e : entries_) *e.ptr = base + e.offset;
-  }
-
- private:
-  struct Entry {
-    void** ptr;
-    int64_t offset;
-  };
-  std::vector<Entry> entries_;
-  int64_t offset_ = 0;
 };
 
 // The fused AdamW's segment table (kernels/adamw.cuh) for `segments` of `layout`, in shard order: where each

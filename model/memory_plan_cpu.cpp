@@ -4,8 +4,8 @@
 // The persistent items are made of the figures Llama's and Zero's constructors check their allocations against
 // (llama_buffer_sizes, zero_buffer_sizes), so they are exact. The transients are what the trainer allocates for a
 // moment and frees (train.cu, model/checkpoint.cpp, the MPI library); the trainer's measured peak resident memory
-// is held against plan.peak() by tests/dist/test_memory_plan.cpp. The plan is for the rank that holds the most:
-// tp rank 0 and dp rank 0 get the larger pieces of an uneven split (shard_range).
+// is held against the plan by tests/dist/test_memory_plan.cpp. The plan is for the layout's dp_rank and tp_rank;
+// rank 0 of each holds the most (the larger pieces of an uneven split, shard_range), so its plan is the one to fit.
 #include <algorithm>
 
 #include "core/error.h"
@@ -24,6 +24,8 @@ constexpr int64_t kFloat = sizeof(float), kDouble = sizeof(double);
 
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (m.dp < 1 || m.tp < 1) fail("memory plan: dp and tp must be >= 1, found dp ", m.dp, ", tp ", m.tp);
+  TUNA_CHECK(m.dp_rank >= 0 && m.dp_rank < m.dp && m.tp_rank >= 0 && m.tp_rank < m.tp, "dp rank ", m.dp_rank, " of ",
+             m.dp, ", tp rank ", m.tp_rank, " of ", m.tp);
   if (m.zero < 0 || m.zero > 3) fail("memory plan: option 'zero': expected 0, 1, 2 or 3, found ", m.zero);
   if (m.micro_batch < 1 || m.seq_len < 1)
     fail("memory plan: micro_batch and seq_len must be >= 1, found ", m.micro_batch, " and ", m.seq_len);
@@ -34,9 +36,12 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (m.bf16_moments) fail("option 'bf16_moments' is for --device cuda (the CPU backend keeps fp32 moments)");
   if (!m.master_weights) fail("option 'master_weights' false is for --device cuda (the CPU backend trains fp32 weights)");
 
-  const ParamLayout layout(config, /*tp_rank=*/0, static_cast<int>(m.tp));
+  const ParamLayout layout(config, static_cast<int>(m.tp_rank), static_cast<int>(m.tp));
   const LlamaBufferSizes llama = llama_buffer_sizes(config, layout.tp(), m.micro_batch, m.seq_len);
-  const ZeroBufferSizes zero = zero_buffer_sizes(layout, m.zero, /*dp_rank=*/0, static_cast<int>(m.dp));
+  // The forward pass alone (build/eval, build/sample) is a Llama without Zero.
+  const ZeroBufferSizes zero = m.training ? zero_buffer_sizes(layout, m.zero, static_cast<int>(m.dp_rank),
+                                                              static_cast<int>(m.dp))
+                                          : ZeroBufferSizes{};
   const int64_t params = layout.total(), L = config.num_hidden_layers;
 
   MemoryPlan plan;
@@ -44,8 +49,9 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
     if (bytes > 0) plan.items.push_back({std::move(name), kind, bytes});
   };
   // Llama: whole (tp-local) weights below stage 3, whole gradients below stage 2 (Zero takes them over above).
-  if (m.zero < 3) add("weights (fp32, whole)", MemoryKind::Weights, params * kFloat);
-  if (m.zero < 2) add("gradients (fp32, whole)", MemoryKind::Gradients, params * kFloat);
+  const int stage = m.training ? m.zero : 0;
+  if (stage < 3) add("weights (fp32, whole)", MemoryKind::Weights, params * kFloat);
+  if (stage < 2) add("gradients (fp32, whole)", MemoryKind::Gradients, params * kFloat);
   add(str("activations kept for the backward (", L, " layers)"), MemoryKind::Activations,
       (llama.kept_per_layer * L + llama.final_norm) * kFloat);
   add(str("loss head: logits of ", llama.head_chunk_rows, " rows"), MemoryKind::Activations, llama.logits_chunk * kFloat);
@@ -62,6 +68,8 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   add(str("unit gradients (", zero.grad_buffers, " unit buffers)"), MemoryKind::Communication,
       zero.grad_buffers * zero.unit * kFloat);
   add("reduce-scatter output (one unit's piece)", MemoryKind::Communication, zero.scatter_out * kFloat);
+
+  if (!m.training) return plan;
 
   // Transients: each lives alone (start-up, a checkpoint, a collective), so the peak adds only the largest.
   int64_t largest_global = 0, largest_local = 0;

@@ -46,8 +46,11 @@ MatmulContext::MatmulContext(size_t workspace_bytes) : workspace_bytes_(workspac
   if (workspace_bytes_ > 0) TUNA_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
 }
 
+MatmulContext::MatmulContext(void* workspace, size_t workspace_bytes)
+    : workspace_(workspace), workspace_bytes_(workspace_bytes), owns_workspace_(false) {}
+
 MatmulContext::~MatmulContext() {
-  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (workspace_ != nullptr && owns_workspace_) cudaFree(workspace_);
 }
 
 void matmul_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
