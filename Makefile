@@ -191,7 +191,8 @@ REFERENCE_BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/blas/libblas.
 GPU_CHECK_LIBS := -Wl,-Bstatic $(REFERENCE_BLAS) -lgfortran -lquadmath -lgomp -Wl,-Bdynamic \
                   -L/usr/local/cuda/lib64 -lcudart_static -lcublasLt -lpthread -ldl -lrt -lm
 .PHONY: gpu-check-build
-gpu-check-build: $(GPU_CHECK)/bin/gpu_tests $(GPU_BENCHES) $(GPU_CHECK)/bin/train $(GPU_CHECK)/bin/data/train-00000.bin
+gpu-check-build: $(GPU_CHECK)/bin/gpu_tests $(GPU_BENCHES) $(GPU_CHECK)/bin/train $(GPU_CHECK)/bin/plan \
+                 $(GPU_CHECK)/bin/data/train-00000.bin
 
 $(GPU_CHECK)/libtuna_gpu.a: $(GPU_ARCHIVE_OBJS)
 	@mkdir -p $(dir $@)
@@ -213,6 +214,12 @@ $(GPU_CHECK)/bin/bench_%_gpu: $(BUILD)/obj/bench/bench_%_gpu.o $(GPU_CHECK)/libt
 # shared libraries travel in bin/lib (one rank never initializes MPI, but the binary must load; libmpi's own
 # RUNPATH hides bin/lib from its dependencies, so gpu-check.sh puts bin/lib on LD_LIBRARY_PATH); the demo
 # corpus is tokenized here into bin/data (the GPU machine has no sentencepiece).
+# build/plan, for gpu-check's planned-against-measured rows (plain C++: the planner and the memory plans).
+$(GPU_CHECK)/bin/plan: $(BUILD)/obj/tools/plan.o $(GPU_CHECK)/libtuna_gpu.a
+	@mkdir -p $(dir $@)
+	$(CXX) $^ -o $@ $(GPU_CHECK_LIBS)
+	strip --strip-debug $@
+
 $(BUILD)/obj/gpu-check/train.o: train.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(filter-out -DTUNA_NCCL=1,$(CPPFLAGS)) $(CXXFLAGS) -x c++ -c $< -o $@
