@@ -721,12 +721,29 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
   const bool good = p.fits && p.finishes && p.within_budget;
   if (!good) {
     o << "what would:\n";
-    const std::optional<Prediction> best = best_fit(job, rates);
+    const std::vector<Prediction> all = search_layouts(job, rates, SIZE_MAX);
+    const std::optional<Prediction> best = !all.empty() && all[0].fits ? std::optional<Prediction>(all[0]) : std::nullopt;
+    auto layout_line = [&](const char* what, const Prediction& b) {
+      o << "  - " << what << layout_text(b.layout, b.grad_accum) << ": " << format_number(b.tokens_per_s_per_gpu, 0)
+        << " tokens/s per GPU, " << human_duration(b.wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b.cost) : "")
+        << (b.memory_is_engines ? "" : " (as designed: not on cuda yet)") << "\n";
+    };
     if (best && (best->step_s / best->tokens_per_step < p.step_s / p.tokens_per_step || !p.fits))
-      o << "  - this cluster, layout " << layout_text(best->layout, best->grad_accum) << ": "
-        << format_number(best->tokens_per_s_per_gpu, 0) << " tokens/s per GPU, " << human_duration(best->wall_s)
-        << (job.price_per_gpu_hour > 0 ? ", " + dollars(best->cost) : "")
-        << (best->memory_is_engines ? "" : " (as designed: not on cuda yet)") << "\n";
+      layout_line("this cluster, layout ", *best);
+    // What the CUDA engine runs today, when the best is a design.
+    if (!best || !best->memory_is_engines) {
+      const Prediction* today = nullptr;
+      double least = INFINITY;
+      for (const Prediction& q : all)
+        if (q.memory_is_engines) {
+          if (q.fits && !today) today = &q;
+          least = std::min(least, q.gpu_bytes);
+        }
+      if (today) layout_line("on cuda today, layout ", *today);
+      else if (std::isfinite(least))
+        o << "  - on cuda today (ZeRO-0/1, tp 1, no recompute) no layout fits: the smallest needs " << gb(least)
+          << " per GPU\n";
+    }
     const Prediction& ref = best ? *best : p;
     if (ref.fits && job.hours > 0 && !ref.finishes) {
       const double in_time = job.hours * 3600 / ref.step_s * ref.tokens_per_step;
@@ -756,10 +773,17 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
       smaller.model = m, smaller.model_name = name;
       if (m.num_key_value_heads % smaller.layout.tp != 0) smaller.layout.tp = 1, smaller.layout.dp = k.gpus();
       const std::optional<Prediction> b = best_fit(smaller, rates);
-      if (b && b->finishes && b->within_budget)
-        o << "  - " << name << " (" << human_count(double(m.n_params())) << "), " << layout_text(b->layout, b->grad_accum)
-          << ": " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "")
-          << (b->memory_is_engines ? "" : " (as designed: not on cuda yet)") << "\n";
+      if (!b) continue;
+      o << "  - " << name << " (" << human_count(double(m.n_params())) << "), " << layout_text(b->layout, b->grad_accum)
+        << ": " << format_number(b->tokens_per_s_per_gpu, 0) << " tokens/s per GPU; ";
+      if (b->finishes && b->within_budget)
+        o << "all the tokens in " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "");
+      else if (job.hours > 0)
+        o << "in " << format_number(job.hours, 0) << " h " << human_count(job.hours * 3600 / b->step_s * b->tokens_per_step)
+          << " tokens (" << format_number(100 * job.hours * 3600 / b->step_s * b->tokens_per_step / job.tokens, 0) << "%)";
+      else
+        o << "all the tokens in " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "");
+      o << (b->memory_is_engines ? " (runs on cuda today)" : " (as designed: not on cuda yet)") << "\n";
     }
   }
   o << "\nrates: " << rates.device << "; gemm: " << rates.sources.at("gemm") << "\n  attention: " << rates.sources.at("attention")
@@ -770,7 +794,7 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
 std::string format_search(const JobSpec& job, const std::vector<Prediction>& ranked) {
   std::ostringstream o;
   o << "layouts of " << job.model_name << " on " << job.cluster.gpus() << " x " << job.cluster.gpu.name
-    << " with the same global batch, fastest first (those that fit):\n";
+    << " at the same global batch: those that fit first, fastest first:\n";
   char line[320];
   std::snprintf(line, sizeof line, "  %3s %4s %5s %3s %5s %-9s %-5s %9s %8s %6s %10s %10s  %s\n", "tp", "dp", "ZeRO", "mb",
                 "accum", "recompute", "mom.", "GB/GPU", "tok/s/GPU", "MFU", "wall", "cost", "on cuda today");
