@@ -234,7 +234,7 @@ double Rates::memory_rate(const std::string& kernel) const {
 
 namespace {
 
-json read_bench(const fs::path& path) {
+json read_json_file(const fs::path& path) {
   std::ifstream in(path);
   if (!in) return json();
   try {
@@ -242,6 +242,20 @@ json read_bench(const fs::path& path) {
   } catch (const json::parse_error& e) {
     fail(path.string(), ": not valid JSON: ", e.what());
   }
+}
+
+// One bench's Google Benchmark JSON from a gpu-check run: OUTDIR/benches.json (what comes back from the GPU
+// machine: {"gemm": ..., "attention": ..., ...}) or that file itself, or a directory of one file per bench
+// (NAME.json or bench_NAME.json, as gpu-check writes them while it runs). Null when absent.
+json read_bench(const fs::path& where, const std::string& name) {
+  const fs::path merged = fs::is_directory(where) ? where / "benches.json" : where;
+  if (fs::is_regular_file(merged)) {
+    const json all = read_json_file(merged);
+    return all.contains(name) ? all[name] : json();
+  }
+  for (const fs::path& p : {where / (name + ".json"), where / ("bench_" + name + ".json")})
+    if (fs::is_regular_file(p)) return read_json_file(p);
+  return json();
 }
 
 // "BM_Gemm/ic:2048/oc:512/pass:1/manual_time" -> the value of `arg`, -1 when absent.
@@ -265,7 +279,7 @@ json rates_from_bench(const json& base, const fs::path& dir) {
   json out = base;
   const std::string stamp = str("gpu-check in ", dir.string(), " (", today_utc(), ")");
   bool any = false;
-  const json gemm = read_bench(dir / "bench_gemm.json");
+  const json gemm = read_bench(dir, "gemm");
   if (gemm.contains("benchmarks")) {
     json shapes = json::array();
     double fwd_sum = 0, bwd_sum = 0;
@@ -289,7 +303,7 @@ json rates_from_bench(const json& base, const fs::path& dir) {
       any = true;
     }
   }
-  const json att = read_bench(dir / "bench_attention.json");
+  const json att = read_bench(dir, "attention");
   if (att.contains("benchmarks")) {
     std::map<std::pair<int64_t, int64_t>, json> rates;
     for (const json& b : att["benchmarks"]) {
@@ -308,7 +322,7 @@ json rates_from_bench(const json& base, const fs::path& dir) {
       any = true;
     }
   }
-  const json mem = read_bench(dir / "bench_memory.json");
+  const json mem = read_bench(dir, "memory");
   if (mem.contains("benchmarks")) {
     const std::map<std::string, std::string> kernels = {{"BM_RmsNormFwd", "rmsnorm_fwd"}, {"BM_RmsNormBwd", "rmsnorm_bwd"},
                                                         {"BM_Rope", "rope"},           {"BM_SwigluFwd", "swiglu_fwd"},
@@ -329,8 +343,8 @@ json rates_from_bench(const json& base, const fs::path& dir) {
     }
   }
   if (!any)
-    fail(dir.string(), ": no bench_gemm.json, bench_attention.json or bench_memory.json with results (gpu-check's "
-         "OUTDIR holds them after its benches ran)");
+    fail(dir.string(), ": no GEMM, attention or memory bench results (gpu-check's OUTDIR/benches.json, or a "
+         "directory of gemm.json, attention.json, memory.json)");
   parse_rates(out, "the refreshed rates table");
   return out;
 }

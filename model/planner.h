@@ -90,7 +90,8 @@ Rates load_rates(const std::filesystem::path& path);
 // model/plan_rates.json of this checkout: beside the running binary's build/ directory, else the working directory.
 std::filesystem::path default_rates_path();
 // The rates table `base` with the GEMM, attention and memory sections replaced by what gpu-check measured
-// (OUTDIR/bench_{gemm,attention,memory}.json, Google Benchmark JSON); sections without a bench keep theirs.
+// (OUTDIR/benches.json, or a directory of gemm.json, attention.json, memory.json: Google Benchmark JSON);
+// sections without a bench keep theirs.
 nlohmann::json rates_from_bench(const nlohmann::json& base, const std::filesystem::path& gpu_check_dir);
 
 // ---- one job ----

@@ -191,6 +191,19 @@ TEST(Planner, RatesRefreshFromGpuCheckBenchJson) {
                 {{"name", "BM_AdamW/1/manual_time"}, {"GB/s", 3000.0}, {"of_copy", 0.8}}})
              .dump();
   const nlohmann::json base = nlohmann::json::parse(std::ifstream("model/plan_rates.json"));
+  // What comes back from the GPU machine: OUTDIR/benches.json, every bench's JSON under its name.
+  testing_util::TempDir outdir("rates_outdir");
+  nlohmann::json merged;
+  for (const char* name : {"gemm", "attention", "memory"})
+    merged[name] = nlohmann::json::parse(std::ifstream(tmp / (std::string("bench_") + name + ".json")));
+  std::ofstream(outdir / "benches.json") << merged.dump();
+  auto without_sources = [](nlohmann::json j) {
+    for (auto& [key, section] : j.items())
+      if (section.is_object()) section.erase("source");
+    return j;
+  };
+  EXPECT_EQ(without_sources(rates_from_bench(base, outdir.path)), without_sources(rates_from_bench(base, tmp.path)))
+      << "benches.json and one file per bench give the same table";
   const Rates r = parse_rates(rates_from_bench(base, tmp.path), "refreshed");
   EXPECT_DOUBLE_EQ(r.gemm(8192, 8192, 28672, 0), 700e12);
   EXPECT_DOUBLE_EQ(r.gemm(8192, 2048, 512, 0), 400e12);
