@@ -69,6 +69,12 @@ int64_t device_arena_bytes(int64_t bytes);
 // vocabulary: at least 2048 rows (a GEMM that runs near peak), more while [rows, vocab] stays near 64 MB.
 int64_t gpu_head_chunk_rows(int64_t vocab, int64_t rows);
 
+// cuda: whether a recompute mode keeps one decoder layer's activation `field` for each layer (else one working
+// copy serves every layer, refilled by the backward's recompute). Fields, in forward order: resid_in, norm1,
+// rstd1, q, k, v, att, lse, resid_mid, norm2, rstd2, gate, up, act. none keeps all; selective all but the two
+// norms' outputs and SwiGLU's (cheap to recompute; the GEMM and attention outputs are not); full only resid_in.
+bool gpu_keeps_activation(const std::string& field, Recompute recompute);
+
 // The per-rank table the trainer prints at start: bytes per kind (and the largest items of each), the total,
 // the peak with transients, and, when capacity_bytes > 0, what is left of it.
 std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, const std::string& title);

@@ -39,19 +39,35 @@ void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
   if (l.micro_batch < 1 || l.seq_len < 1)
     fail("memory plan: micro_batch and seq_len must be >= 1 (found ", l.micro_batch, " and ", l.seq_len, ")");
   if (l.zero < 0 || l.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", l.zero);
-  if (l.zero > 1)
-    fail("--zero ", l.zero, " with --device cuda: the CUDA backend shards the optimizer state (ZeRO-1) but not yet "
-         "the gradients or the weights; use --zero 1 or 0, or --device cpu for ZeRO ", l.zero);
   if (l.tp > 1)
     fail("--tp ", l.tp, " with --device cuda: tensor parallelism runs on the CPU backend only so far; on cuda use "
          "--tp 1 (data parallel over all ranks)");
-  if (l.recompute != Recompute::None)
-    fail("--recompute ", recompute_name(l.recompute), " with --device cuda: not implemented yet (use none)");
   if (!l.master_weights) fail("the CUDA engine keeps an fp32 master copy of the weights (no master: not implemented)");
   (void)c;
 }
 
+// The largest unit of the (tensor-parallel-local) layout, in elements: what a gather or gradient buffer holds.
+int64_t largest_unit(const ParamLayout& layout) {
+  int64_t largest = 0;
+  for (int u = 0; u < layout.num_units(); u++)
+    largest = std::max(largest, layout.unit_range(u).second - layout.unit_range(u).first);
+  return largest;
+}
+
 }  // namespace
+
+bool gpu_keeps_activation(const std::string& field, Recompute recompute) {
+  static const char* const kFields[] = {"resid_in", "norm1", "rstd1", "q", "k", "v", "att", "lse",
+                                        "resid_mid", "norm2", "rstd2", "gate", "up", "act"};
+  TUNA_CHECK(std::find(std::begin(kFields), std::end(kFields), field) != std::end(kFields),
+             "unknown layer activation '", field, "'");
+  switch (recompute) {
+    case Recompute::None: return true;
+    case Recompute::Selective: return field != "norm1" && field != "norm2" && field != "act";
+    case Recompute::Full: return field == "resid_in";
+  }
+  return true;
+}
 
 int64_t gpu_head_chunk_rows(int64_t vocab, int64_t rows) {
   constexpr int64_t kMinRows = 2048, kChunkElements = int64_t(32) << 20;
@@ -69,10 +85,13 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   const bool optimizer = l.training;  // a training rank runs AdamW over what it owns
   PlanBuilder b;
 
-  // Parameters, gradients, optimizer state.
+  // Parameters, gradients, optimizer state. ZeRO-0 holds everything whole; 1 shards master and moments; 2 also the
+  // gradient (unit gradients live in a few unit-sized buffers until reduce-scattered); 3 also the bf16 weights
+  // (gathered a unit at a time into unit-sized buffers).
+  const bool tied = layout.lm_head_unit() == 0;
   if (optimizer && l.zero == 0) b.add("fp32 master weights", MemoryKind::Master, P, kF32);
-  b.add("bf16 weights", MemoryKind::Weights, P, kBf16);
-  if (l.training) b.add("fp32 gradients", MemoryKind::Gradients, P, kF32);
+  if (l.zero <= 2 || !l.training) b.add("bf16 weights", MemoryKind::Weights, P, kBf16);
+  if (l.training && l.zero <= 1) b.add("fp32 gradients", MemoryKind::Gradients, P, kF32);
   if (optimizer && l.zero == 0) {
     b.add("AdamW m", MemoryKind::Moments, P, moment_bytes);
     b.add("AdamW v", MemoryKind::Moments, P, moment_bytes);
@@ -83,8 +102,8 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   if (optimizer && l.zero >= 1) {
     // This rank's piece of every unit, padded to the fused AdamW's 4 elements per thread.
     const std::vector<Segment> pieces = dp_unit_pieces(layout, static_cast<int>(l.dp_rank), static_cast<int>(l.dp));
-    int64_t shard = 0;
-    for (const Segment& s : pieces) shard += s.size;
+    int64_t shard = 0, largest_piece = 0;
+    for (const Segment& s : pieces) shard += s.size, largest_piece = std::max(largest_piece, s.size);
     const int64_t padded = (shard + 3) / 4 * 4;
     const int64_t tables = std::max<int64_t>(1, static_cast<int64_t>(shard_pieces(layout, pieces).size()));
     b.add("fp32 master weights (shard)", MemoryKind::Master, padded, kF32);
@@ -93,34 +112,47 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     b.add("AdamW v (shard)", MemoryKind::Moments, padded, moment_bytes);
     b.add("AdamW segment starts (shard)", MemoryKind::Workspace, tables, kI64);
     b.add("AdamW segment decays (shard)", MemoryKind::Workspace, tables, 1);
+    if (l.zero >= 2) {
+      // The update writes the bf16 weights of the shard, which ZeRO-2 gathers whole and ZeRO-3 unit by unit.
+      b.add("bf16 weights (shard)", MemoryKind::Weights, padded, kBf16);
+      // Unit gradients until reduce-scattered: two alternate (one filling, one in flight); a tied head's
+      // embedding gradient stays open from the head to the embedding's backward, a third.
+      const int gradient_buffers = tied ? 3 : 2;
+      for (int i = 0; i < gradient_buffers; i++)
+        b.add(str("gradient buffer ", i), MemoryKind::Gradients, largest_unit(layout), kF32);
+      if (l.dp > 1) b.add("reduce-scatter output", MemoryKind::Communication, largest_piece, kF32);
+    }
+  }
+  if (l.training && l.zero == 3) {
+    // Gathered unit weights: the one computing and, with prefetch, the next arriving; a tied head needs the
+    // embedding and the head unit at once.
+    const int gather_buffers = l.zero_prefetch || tied ? 2 : 1;
+    for (int i = 0; i < gather_buffers; i++)
+      b.add(str("weight gather buffer ", i), MemoryKind::Communication, largest_unit(layout), kBf16);
   }
   if (optimizer) {
     b.add("gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
     b.add("gradient norm", MemoryKind::Workspace, 1, kF64);
   }
 
-  // Activations for (micro_batch, seq_len), every layer's kept for the backward.
+  // Activations for (micro_batch, seq_len): the layers' kept ones (by the recompute mode), one working set for
+  // the rest, the head's, and the backward's gradients of activations.
+  const Recompute recompute = l.training ? l.recompute : Recompute::Full;  // a forward alone keeps layer inputs
   b.add("RoPE cos", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
   b.add("RoPE sin", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
-  for (int64_t layer = 0; layer < c.num_hidden_layers; layer++) {
-    const auto add = [&](const char* what, int64_t count, int64_t bytes) {
-      b.add(str("layer ", layer, " ", what), MemoryKind::Activations, count, bytes);
-    };
-    add("resid_in", n * C, kBf16);
-    add("norm1", n * C, kBf16);
-    add("rstd1", n, kF32);
-    add("q", n * qd, kBf16);
-    add("k", n * kvd, kBf16);
-    add("v", n * kvd, kBf16);
-    add("att", n * qd, kBf16);
-    add("lse", n * H, kF32);
-    add("resid_mid", n * C, kBf16);
-    add("norm2", n * C, kBf16);
-    add("rstd2", n, kF32);
-    add("gate", n * F, kBf16);
-    add("up", n * F, kBf16);
-    add("act", n * F, kBf16);
-  }
+  const std::pair<const char*, std::pair<int64_t, int64_t>> fields[] = {
+      {"resid_in", {n * C, kBf16}},   {"norm1", {n * C, kBf16}}, {"rstd1", {n, kF32}},
+      {"q", {n * qd, kBf16}},         {"k", {n * kvd, kBf16}},   {"v", {n * kvd, kBf16}},
+      {"att", {n * qd, kBf16}},       {"lse", {n * H, kF32}},    {"resid_mid", {n * C, kBf16}},
+      {"norm2", {n * C, kBf16}},      {"rstd2", {n, kF32}},      {"gate", {n * F, kBf16}},
+      {"up", {n * F, kBf16}},         {"act", {n * F, kBf16}}};
+  for (int64_t layer = 0; layer < c.num_hidden_layers; layer++)
+    for (const auto& [field, size] : fields)
+      if (gpu_keeps_activation(field, recompute))
+        b.add(str("layer ", layer, " ", field), MemoryKind::Activations, size.first, size.second);
+  for (const auto& [field, size] : fields)
+    if (!gpu_keeps_activation(field, recompute))
+      b.add(str("working ", field), MemoryKind::Activations, size.first, size.second);
   b.add("final residual", MemoryKind::Activations, n * C, kBf16);
   b.add("final norm", MemoryKind::Activations, n * C, kBf16);
   b.add("final rstd", MemoryKind::Activations, n, kF32);
@@ -146,10 +178,7 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   // NCCL pads a unit it reduce-scatters or gathers to a multiple of dp in a scratch buffer of its own
   // (dist/comm_nccl.cpp), allocated on first use.
   if (l.dp > 1) {
-    int64_t largest = 0;
-    for (int u = 0; u < layout.num_units(); u++)
-      largest = std::max(largest, layout.unit_range(u).second - layout.unit_range(u).first);
-    const int64_t chunk = (largest + l.dp - 1) / l.dp;
+    const int64_t chunk = (largest_unit(layout) + l.dp - 1) / l.dp;
     b.add_outside_arena("NCCL padding scratch (the comm's own)", MemoryKind::Communication,
                         (chunk * l.dp + chunk) * kF32);
   }
