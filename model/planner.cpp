@@ -131,6 +131,17 @@ double positive(const json& j, const std::string& key, const std::string& where)
   return v.get<double>();
 }
 
+// A JSON file; null when it does not exist, an error naming it when it does not parse.
+json read_json_file(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) return json();
+  try {
+    return json::parse(in);
+  } catch (const json::parse_error& e) {
+    fail(path.string(), ": not valid JSON: ", e.what());
+  }
+}
+
 std::string source_of(const json& section) {
   return section.is_object() && section.contains("source") && section["source"].is_string()
              ? section["source"].get<std::string>()
@@ -184,14 +195,8 @@ Rates parse_rates(const json& j, const std::string& where) {
 }
 
 Rates load_rates(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) fail(path.string(), ": cannot open the rates table (model/plan_rates.json of the checkout; --rates FILE)");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
-    fail(path.string(), ": not valid JSON: ", e.what());
-  }
+  const json j = read_json_file(path);
+  if (j.is_null()) fail(path.string(), ": cannot open the rates table (model/plan_rates.json of the checkout; --rates FILE)");
   return parse_rates(j, path.string());
 }
 
@@ -233,16 +238,6 @@ double Rates::memory_rate(const std::string& kernel) const {
 }
 
 namespace {
-
-json read_json_file(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) return json();
-  try {
-    return json::parse(in);
-  } catch (const json::parse_error& e) {
-    fail(path.string(), ": not valid JSON: ", e.what());
-  }
-}
 
 // One bench's Google Benchmark JSON from a gpu-check run: OUTDIR/benches.json (what comes back from the GPU
 // machine: {"gemm": ..., "attention": ..., ...}) or that file itself, or a directory of one file per bench
@@ -365,57 +360,15 @@ LlamaConfig tp_local_model(const LlamaConfig& c, int64_t tp) {
   return local;
 }
 
-void replace_item(MemoryPlan& plan, const std::string& name, MemoryItem with) {
-  for (MemoryItem& i : plan.items)
-    if (i.name == name) {
-      i = std::move(with);
-      return;
-    }
-  TUNA_CHECK(false, "the CUDA engine's plan has no item '", name, "' (model/memory_plan_gpu.cpp changed: update design_gpu_memory)");
-}
-
-bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
-
 }  // namespace
 
 MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layout) {
-  // The engine's plan of the nearest layout it implements: one tp rank's dimensions, ZeRO-1 at most, no recompute.
+  // The engine's own plan of one tp rank's dimensions as a model of their own, at the same dp, ZeRO stage,
+  // recompute and batch: what a GPU holds under Megatron splits (heads, ffn and vocabulary split; hidden, the
+  // norms and the [tokens, hidden] activations whole: no sequence parallelism).
   MemoryLayout near = layout;
-  near.tp = 1, near.tp_rank = 0, near.zero = std::min(layout.zero, 1), near.recompute = Recompute::None;
-  const LlamaConfig local = tp_local_model(config, layout.tp);
-  MemoryPlan plan = plan_gpu_memory(local, near);
-  const ParamLayout units(local);
-  int64_t unit = 0;
-  for (int u = 0; u < units.num_units(); u++) unit = std::max(unit, units.unit_range(u).second - units.unit_range(u).first);
-  int64_t shard = 0;
-  for (const Segment& s : dp_unit_pieces(units, static_cast<int>(layout.dp_rank), static_cast<int>(layout.dp))) shard += s.size;
-  if (layout.zero >= 2)  // gradients only ever in unit buffers: the one being reduce-scattered and the next
-    replace_item(plan, "fp32 gradients",
-                 {"fp32 unit gradients (2 buffers, as designed)", MemoryKind::Communication, device_arena_bytes(2 * 4 * unit)});
-  if (layout.zero == 3) {  // weights sharded; a unit gathered into one of two buffers while the other computes
-    replace_item(plan, "bf16 weights", {"bf16 weights (shard)", MemoryKind::Weights, device_arena_bytes(2 * shard)});
-    plan.items.push_back({"bf16 gathered units (2 buffers, as designed)", MemoryKind::Communication,
-                          device_arena_bytes(2 * 2 * unit)});
-  }
-  if (layout.recompute == Recompute::Full) {  // only each layer's input is kept; one layer's set is recomputed
-    std::vector<MemoryItem> kept;
-    int64_t one_layer = 0;
-    for (MemoryItem& i : plan.items) {
-      if (!starts_with(i.name, "layer ") || i.name.find(" resid_in") != std::string::npos) kept.push_back(std::move(i));
-      else if (starts_with(i.name, "layer 0 ")) one_layer += i.bytes;
-    }
-    kept.push_back({"recomputed layer's activations (one layer, as designed)", MemoryKind::Activations, one_layer});
-    plan.items = std::move(kept);
-  } else if (layout.recompute == Recompute::Selective) {  // norms and the SwiGLU product recomputed, GEMM outputs kept
-    std::vector<MemoryItem> kept;
-    for (MemoryItem& i : plan.items) {
-      const bool cheap = starts_with(i.name, "layer ") &&
-                         (i.name.ends_with(" norm1") || i.name.ends_with(" norm2") || i.name.ends_with(" act"));
-      if (!cheap) kept.push_back(std::move(i));
-    }
-    plan.items = std::move(kept);
-  }
-  return plan;
+  near.tp = 1, near.tp_rank = 0;
+  return plan_gpu_memory(tp_local_model(config, layout.tp), near);
 }
 
 // ---- the step ----
@@ -584,7 +537,7 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
       break;
     case 2:
       dp_s = A * (g * 4.0 * double(P) / bw + latency * units) + g * 2.0 * double(P) / bw + latency * units;
-      dp_what = "per micro-batch a reduce-scatter of each unit's fp32 gradient; per step an all-gather of the bf16 weights";
+      dp_what = "per micro-batch a reduce-scatter of each unit's fp32 gradient; after the step an all-gather of the bf16 weights";
       break;
     default:
       dp_s = A * (g * (2.0 + 2.0 + 4.0) * double(P) / bw + 3 * latency * units);
@@ -593,11 +546,15 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   // What the engine hides behind compute: ZeRO-0/1 on cuda communicate after the backward (nothing hidden); ZeRO-2/3
   // as designed overlap every unit but the first gather and the last reduce-scatter.
   const double overlap = job.overlap ? *job.overlap : l.zero <= 1 ? 0.0 : 1.0 - 2.0 / (units + 2);
+  const char* overlap_source = job.overlap   ? " (--overlap)"
+                               : l.zero <= 1 ? " (ZeRO-0/1 communicate between passes: nothing hidden)"
+                                             : " (ZeRO-2/3 communicate on a stream of their own: all but the first "
+                                               "gather and the last reduce-scatter, assumed hidden)";
   const double dp_hidden = std::min(dp_s * overlap, kernels);
   if (l.dp > 1)
     p.communication.push_back({"data-parallel (ZeRO-" + std::to_string(l.zero) + ")", dp_s,
                                str(dp_what, "; ", link, "; ", format_number(100 * overlap, 0), "% hidden behind compute",
-                                   job.overlap ? " (--overlap)" : l.zero <= 1 ? " (the engine overlaps none today)" : " (as designed)")});
+                                   overlap_source)});
   p.communication_s = tp_s + dp_s;
   p.exposed_s = tp_s + dp_s - dp_hidden;
   p.step_s = p.compute_s + p.exposed_s;

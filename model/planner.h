@@ -2,9 +2,9 @@
 // cost, on a GPU cluster that isn't here.
 //
 //   memory per GPU   plan_gpu_memory (model/memory_plan.h): the same list the CUDA engine lays its arena out from.
-//                    For a layout the engine does not implement yet (ZeRO-2/3, tp, recompute on cuda: issue 9) the
+//                    For a layout the engine does not implement yet (tensor parallelism on cuda: issue 9) the
 //                    engine's plan refuses, and the planner says so and prices the layout as designed instead
-//                    (design_gpu_memory), marked as an estimate.
+//                    (design_gpu_memory), marked as such.
 //   step time        compute from measured rates (model/plan_rates.json: GEMM and attention TFLOP/s, memory-bound
 //                    kernels as a share of the measured copy bandwidth, launch gaps), never from datasheets alone;
 //                    communication from the bytes each collective moves over the bus bandwidth of the link it
@@ -142,8 +142,8 @@ std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, s
 std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& rates);
 std::string format_search(const JobSpec& job, const std::vector<Prediction>& ranked);
 
-// The layout as designed, for a layout the CUDA engine refuses (see the top of this file): derived from the
-// engine's own plan of the nearest layout it implements.
+// The layout as designed, for a tensor-parallel layout the CUDA engine refuses (see the top of this file): the
+// engine's own plan of one tp rank's dimensions taken as a model of their own.
 MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layout);
 
 // "130B", "7.5e9", "500M", "1,000,000" -> a count; fails naming `what`.

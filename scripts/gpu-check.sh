@@ -452,20 +452,17 @@ add("profile", "1B step, batch 2 (ncu)", profile_step,
     f"{prof['launches']} launches, {prof['kernel_ms']:.1f} ms of kernels" if prof else "")
 for op, n, ms in (prof.get("by_op") or [])[:14]:
     add("profile", f"  {op}", f"{ms:.2f} ms", f"{100 * ms / prof['kernel_ms']:.1f}%, {n} launches")
+def add_rows(section, path):  # a step's rows, tab-separated: what, value, note
+    try:
+        for line in open(path):
+            what, value, note = (line.rstrip("\n").split("\t") + ["", ""])[:3]
+            add(section, what, value, note)
+    except OSError:
+        pass
 add("train e2e", "build/train --device cuda", train)
-try:
-    for line in open(train_summary):
-        what, value, note = (line.rstrip("\n").split("\t") + ["", ""])[:3]
-        add("train e2e", what, value, note)
-except OSError:
-    pass
+add_rows("train e2e", train_summary)
 add("plan", "build/plan vs measured", plan)
-try:
-    for line in open(plan_summary):
-        what, value, note = (line.rstrip("\n").split("\t") + ["", ""])[:3]
-        add("plan", what, value, note)
-except OSError:
-    pass
+add_rows("plan", plan_summary)
 
 w = [max(len(str(r[i])) for r in rows) for i in range(4)]
 print("\n" + "=" * (sum(w) + 9))

@@ -18,14 +18,7 @@ const Rates& repository_rates() {
   return r;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing_util::error_of;
 
 JobSpec job_of(const std::string& model, const std::string& gpu, int64_t nodes, int64_t tp, int zero, int64_t mb,
                int64_t seq, int64_t accum) {
