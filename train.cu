@@ -35,7 +35,7 @@
 #include "model/config.h"         // LlamaConfig
 #include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
-#include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, format_memory_table
+#include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, plan_gpu_memory, format_memory_table
 #include "model/optimizer.h"      // OptimizerConfig, learning_rate
 
 namespace fs = std::filesystem;
@@ -174,6 +174,7 @@ MemoryLayout memory_layout(const TrainConfig& c, const Mesh& mesh) {
   MemoryLayout m;
   m.dp = mesh.dp_size, m.tp = mesh.tp_size, m.zero = static_cast<int>(c.zero), m.zero_prefetch = c.zero_prefetch;
   m.bf16_moments = c.bf16_moments, m.micro_batch = c.micro_batch, m.seq_len = c.seq_len;
+  m.recompute = parse_recompute(c.recompute, "option 'recompute'");
   return m;
 }
 
@@ -269,6 +270,8 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
     plan_record = memory_plan_json(plan), plan_record["device"] = "cpu";
     require_host_memory(plan.peak(), launch.local_size, "the memory plan's peak per rank");
+  } else {  // the device's plan, for the run report's memory plot (the CUDA engine checks the fit itself)
+    plan_record = memory_plan_json(plan_gpu_memory(model_cfg, memory_layout(cfg, mesh))), plan_record["device"] = "cuda";
   }
   std::unique_ptr<Engine> engine = make_engine(model_cfg, eo, mesh, initial, device_comm);
   std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x tp %d | ZeRO-%lld (%s)\n",
@@ -467,7 +470,7 @@ int run(int argc, char** argv) {
   // Measured against the plan: the largest rank's peak resident memory above its start-up (the plan's scope).
   double above_start = host_memory().peak_mb - at_start.resident_mb;
   if (world->size() > 1) world->all_reduce(&above_start, 1, CommType::F64, ReduceOp::Max, "peak memory");
-  if (!plan_record.is_null())
+  if (eo.device == "cpu")
     std::printf("memory: measured peak %.1f MB above the start-up's (largest rank), planned %.1f MB (%+.1f%%)\n",
                 above_start, plan_record["peak"].get<double>() / 1e6,
                 100.0 * (above_start / (plan_record["peak"].get<double>() / 1e6) - 1.0));

@@ -486,7 +486,8 @@ std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportO
       const json& plan = r.start["memory_plan"];
       const bool host = plan.value("device", "cpu") == "cpu";
       const double base = host ? r.start.value("host_mb_at_start", 0.0) : 0.0;
-      memory.hline({base + plan.value("peak", 0.0) / 1e6, host ? "planned peak (host)" : "planned peak (GPU)", "#555"});
+      memory.hline({base + plan.value("peak", 0.0) / 1e6,
+                    host ? "planned peak (host)" : "planned (GPU; the CUDA context comes on top)", "#555"});
     }
     const Points elapsed = cumulative_elapsed(r);
     time.add({label(i, "elapsed"), color(i, "#1f77b4"), scaled(elapsed, 1.0 / 3600)});
