@@ -304,7 +304,9 @@ class Progress {
     std::string eta = "ETA -";
     if (final) {
       eta = str("done in ", clock_time(s));
-    } else if (rate > 0 && total_ > bytes) {
+    } else if (bytes >= total_) {
+      eta = "ETA 0:00:00";
+    } else if (rate > 0) {
       eta = str("ETA ", clock_time(static_cast<double>(total_ - bytes) / rate));
     }
     char line[512];
