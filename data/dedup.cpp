@@ -235,15 +235,22 @@ bool MinHasher::band_hashes(std::string_view text, uint64_t* out, uint8_t* sketc
              1;
   if (sketch) {
     // Bottom-k: the sketch_size smallest distinct values (the top 32 bits of the shingle hashes), ascending.
-    thread_local std::vector<uint32_t> values;
+    // Selection, not a sort of every value: the smallest `take` moved to the front in linear time and
+    // sorted; `take` doubles in the rare case that repeats leave fewer than k distinct among them.
+    thread_local std::vector<uint32_t> values, smallest;
     values.resize(shingles);
     for (size_t s = 0; s < shingles; ++s) values[s] = static_cast<uint32_t>(hashes[s] >> 32);
-    std::sort(values.begin(), values.end());
-    values.erase(std::unique(values.begin(), values.end()), values.end());
-    if (!values.empty() && values.back() == kEmpty) values.pop_back();
     const size_t k = static_cast<size_t>(options_.sketch_size);
-    values.resize(k, kEmpty);
-    std::memcpy(sketch, values.data(), k * sizeof(uint32_t));
+    for (size_t take = std::min(values.size(), k + k / 4);; take = std::min(values.size(), 2 * take)) {
+      if (take < values.size()) std::nth_element(values.begin(), values.begin() + static_cast<int64_t>(take), values.end());
+      smallest.assign(values.begin(), values.begin() + static_cast<int64_t>(take));
+      std::sort(smallest.begin(), smallest.end());
+      smallest.erase(std::unique(smallest.begin(), smallest.end()), smallest.end());
+      if (smallest.size() >= k || take == values.size()) break;
+    }
+    if (!smallest.empty() && smallest.back() == kEmpty) smallest.pop_back();
+    smallest.resize(k, kEmpty);
+    std::memcpy(sketch, smallest.data(), k * sizeof(uint32_t));
   }
   return true;
 }
@@ -426,7 +433,7 @@ std::vector<DedupVerdict> DedupSpill::join(PrepareComm& comm, bool near, uint64_
           [&] {
             pass.assign(pairs.size(), 0);
             const int64_t n = static_cast<int64_t>(pairs.size());
-#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static, 1024)
+#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static, 1024) if (n > 4096)
             for (int64_t k = 0; k < n; ++k)
               pass[k] = estimated_jaccard(sketches->of(pairs[k].first), sketches->of(pairs[k].second), sketch_bytes_) >= verify;
             for (size_t k = 0; k < pairs.size(); ++k)
