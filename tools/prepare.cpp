@@ -3,6 +3,8 @@
 // --config FILE.toml, an unknown name answered with the nearest one.
 #include <cstdint>
 #include <cstdio>
+#include <deque>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -28,45 +30,58 @@ and counted unless --follow-symlinks. Every document becomes BOS + tokens + EOS.
 being counted: the report accounts for every document read (kept, malformed, filtered by which rule, exact or
 near duplicate). Option names take dashes or underscores alike (--val-fraction, --val_fraction).)";
 
-// Flags whose unit or integer type differs from the PrepareOptions field they set: read here, checked and
-// converted by apply().
-struct WideFlags {
-  int64_t vocab_size, tokenizer_sample_mb, max_document_mb, min_chars, max_chars, shingle_words, minhash_bands,
-      minhash_rows, dedup_memory_mb, shard_tokens, threads;
-  bool no_exact_dedup = false, no_near_dedup = false;  // PrepareOptions says it the other way round
+// Flags whose field has another unit or integer type than core/options' int64: each is read as an int64,
+// then checked (a whole number in [min, the field's largest]) and stored, scaled by 2^shift (MiB -> bytes).
+class WideFlags {
+ public:
+  template <typename T>
+  void add(tuna::Options& o, const char* name, T* field, const std::string& help, int64_t min = 0, int shift = 0) {
+    const uint64_t type_max = static_cast<uint64_t>(std::numeric_limits<T>::max());
+    const auto max = static_cast<int64_t>(std::min<uint64_t>(type_max, std::numeric_limits<int64_t>::max()) >> shift);
+    flags_.push_back({name, static_cast<int64_t>(*field >> shift), min, max,
+                      [field, shift](int64_t v) { *field = static_cast<T>(static_cast<T>(v) << shift); }});
+    o.add(name, &flags_.back().value, help);
+  }
+  void apply() const {
+    for (const Flag& f : flags_) {
+      if (f.value < f.min || f.value > f.max)
+        tuna::fail("command line: option '--", f.name, "': expected an integer in [", f.min, ", ", f.max, "], found ",
+                   f.value);
+      f.store(f.value);
+    }
+  }
+
+ private:
+  struct Flag {
+    const char* name;
+    int64_t value, min, max;
+    std::function<void(int64_t)> store;
+  };
+  std::deque<Flag> flags_;  // a deque: Options keeps a pointer to each value
 };
 
-// A whole non-negative flag value as the field's type; `shift` scales MiB to bytes.
-template <typename T>
-T checked(const char* flag, int64_t value, int64_t min = 0, int shift = 0) {
-  const uint64_t type_max = static_cast<uint64_t>(std::numeric_limits<T>::max());
-  const auto max = static_cast<int64_t>(std::min<uint64_t>(type_max, std::numeric_limits<int64_t>::max()) >> shift);
-  if (value < min || value > max)
-    tuna::fail("command line: option '--", flag, "': expected an integer in [", min, ", ", max, "], found ", value);
-  return static_cast<T>(value) << shift;
-}
-
-void declare(tuna::Options& o, tuna::PrepareOptions& p, WideFlags& w) {
+// Every flag of prepare. no_exact_dedup / no_near_dedup: PrepareOptions says it the other way round.
+void declare(tuna::Options& o, tuna::PrepareOptions& p, WideFlags& w, bool* no_exact_dedup, bool* no_near_dedup) {
   o.add("tokenizer", &p.tokenizer_path, "sentencepiece model to tokenize with (written first with --train-tokenizer); required");
   o.add("out", &p.out_dir, "output directory (created if missing); required");
   o.add("train_tokenizer", &p.train_tokenizer,
         "train --tokenizer on the inputs first (BPE, byte fallback), writing it and its .vocab");
-  o.add("vocab_size", &w.vocab_size, "vocabulary of the trained tokenizer");
-  o.add("tokenizer_sample_mb", &w.tokenizer_sample_mb, "text sampled for tokenizer training, in MiB");
+  w.add(o, "vocab_size", &p.vocab_size, "vocabulary of the trained tokenizer", 1);
+  w.add(o, "tokenizer_sample_mb", &p.tokenizer_sample_bytes, "text sampled for tokenizer training, in MiB", 1, 20);
   o.add("val_fraction", &p.val_fraction, "share of documents in the validation split, by a hash of the text, in [0, 1]");
   o.add("text_field", &p.text_field, "JSONL field that holds the document");
   o.add("sft", &p.sft, "JSONL records are {prompt, response}: the loss mask trains on the response only");
   o.add("prompt_field", &p.prompt_field, "SFT: JSONL field of the prompt");
   o.add("response_field", &p.response_field, "SFT: JSONL field of the response");
-  o.add("max_document_mb", &w.max_document_mb, "a longer line or file is counted as oversized and skipped, in MiB");
+  w.add(o, "max_document_mb", &p.max_document_bytes, "a longer line or file is counted as oversized and skipped, in MiB", 1, 20);
   o.add("follow_symlinks", &p.follow_symlinks,
         "inside an input directory, follow symbolic links that lead out of it (default: skip and count them)");
   // cleaning and filters
   o.add("drop_invalid_utf8", &p.clean.drop_invalid_utf8,
         "drop a document with invalid UTF-8 (default: replace each bad byte with U+FFFD)");
   o.add("keep_whitespace", &p.clean.keep_whitespace, "do not collapse spaces and blank lines (control characters still go)");
-  o.add("min_chars", &w.min_chars, "drop documents shorter than this many characters");
-  o.add("max_chars", &w.max_chars, "drop documents longer than this many characters (0: no limit)");
+  w.add(o, "min_chars", &p.quality.min_chars, "drop documents shorter than this many characters");
+  w.add(o, "max_chars", &p.quality.max_chars, "drop documents longer than this many characters (0: no limit)");
   o.add("min_alpha", &p.quality.min_alpha_fraction, "drop documents whose letters are under this share of their non-space characters");
   o.add("max_repeated_line_chars", &p.quality.max_repeated_line_chars,
         "drop documents whose repeated lines (each copy after the first) hold over this share of the characters (1: off)");
@@ -74,60 +89,37 @@ void declare(tuna::Options& o, tuna::PrepareOptions& p, WideFlags& w) {
         "drop documents whose repeated lines are over this share of their non-blank lines (1: off, the default:\n"
         "      a short line repeated, like a licence header, is what trips it; the character share weighs it)");
   // dedup
-  o.add("no_exact_dedup", &w.no_exact_dedup, "keep exact duplicates (of the cleaned text)");
-  o.add("no_near_dedup", &w.no_near_dedup, "keep near duplicates");
-  o.add("shingle_words", &w.shingle_words, "words per MinHash shingle");
-  o.add("minhash_bands", &w.minhash_bands, "LSH bands (candidates: documents that agree on every row of a band)");
-  o.add("minhash_rows", &w.minhash_rows, "rows per LSH band");
+  o.add("no_exact_dedup", no_exact_dedup, "keep exact duplicates (of the cleaned text)");
+  o.add("no_near_dedup", no_near_dedup, "keep near duplicates");
+  w.add(o, "shingle_words", &p.minhash.shingle_words, "words per MinHash shingle", 1);
+  w.add(o, "minhash_bands", &p.minhash.bands, "LSH bands (candidates: documents that agree on every row of a band)", 1);
+  w.add(o, "minhash_rows", &p.minhash.rows, "rows per LSH band", 1);
   o.add("near_verify", &p.near_verify,
         "the near-duplicate threshold: an LSH candidate pair is joined only when its signatures estimate a "
         "Jaccard similarity of at least this (0: join every candidate)");
-  o.add("dedup_memory_mb", &w.dedup_memory_mb, "memory for the dedup join's partitions, in MiB");
+  w.add(o, "dedup_memory_mb", &p.dedup_memory_bytes, "memory for the dedup join's partitions, in MiB", 1, 20);
   // output
-  o.add("shard_tokens", &w.shard_tokens, "tokens per shard before the next one starts");
-  o.add("threads", &w.threads, "threads (0: all cores); the output does not depend on it");
+  w.add(o, "shard_tokens", &p.shard_tokens, "tokens per shard before the next one starts", 1);
+  w.add(o, "threads", &p.threads, "threads (0: all cores); the output does not depend on it");
   o.add("overwrite", &p.overwrite, "replace the shards and report of an earlier run in --out");
   o.add("quiet", &p.quiet, "no progress lines");
   o.add("progress_seconds", &p.progress_seconds,
         "seconds between progress lines (0: one live line on a terminal, a line every 30 s in a log)");
 }
 
-void apply(const WideFlags& w, tuna::PrepareOptions& p) {
-  p.vocab_size = checked<int>("vocab_size", w.vocab_size, 1);
-  p.tokenizer_sample_bytes = checked<uint64_t>("tokenizer_sample_mb", w.tokenizer_sample_mb, 1, 20);
-  p.max_document_bytes = checked<uint64_t>("max_document_mb", w.max_document_mb, 1, 20);
-  p.quality.min_chars = checked<uint64_t>("min_chars", w.min_chars);
-  p.quality.max_chars = checked<uint64_t>("max_chars", w.max_chars);
-  p.minhash.shingle_words = checked<int>("shingle_words", w.shingle_words, 1);
-  p.minhash.bands = checked<int>("minhash_bands", w.minhash_bands, 1);
-  p.minhash.rows = checked<int>("minhash_rows", w.minhash_rows, 1);
-  p.dedup_memory_bytes = checked<uint64_t>("dedup_memory_mb", w.dedup_memory_mb, 1, 20);
-  p.shard_tokens = checked<uint64_t>("shard_tokens", w.shard_tokens, 1);
-  p.threads = checked<int>("threads", w.threads);
-  p.exact_dedup = !w.no_exact_dedup;
-  p.near_dedup = !w.no_near_dedup;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   tuna::PrepareOptions options;
-  WideFlags wide{options.vocab_size,
-                 static_cast<int64_t>(options.tokenizer_sample_bytes >> 20),
-                 static_cast<int64_t>(options.max_document_bytes >> 20),
-                 static_cast<int64_t>(options.quality.min_chars),
-                 static_cast<int64_t>(options.quality.max_chars),
-                 options.minhash.shingle_words,
-                 options.minhash.bands,
-                 options.minhash.rows,
-                 static_cast<int64_t>(options.dedup_memory_bytes >> 20),
-                 static_cast<int64_t>(options.shard_tokens),
-                 options.threads};
+  WideFlags wide;
+  bool no_exact_dedup = false, no_near_dedup = false;
   try {
     tuna::Options flags("build/prepare", kSummary);
-    declare(flags, options, wide);
+    declare(flags, options, wide, &no_exact_dedup, &no_near_dedup);
     options.inputs = flags.parse(argc, argv);  // --help prints the table and exits
-    apply(wide, options);
+    wide.apply();
+    options.exact_dedup = !no_exact_dedup;
+    options.near_dedup = !no_near_dedup;
     for (const std::string& input : options.inputs)
       if (input.size() > 1 && input[0] == '-')
         tuna::fail("command line: unknown option '", input, "' (options are --name value); run build/prepare --help for the list");
