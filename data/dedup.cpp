@@ -288,8 +288,8 @@ void DedupSpill::add(bool exact_eligible, uint64_t exact_hash, const uint64_t* b
   const uint64_t* bands = band_hashes ? band_hashes : zeros.data();
   for (int b = 0; b < bands_; ++b) ok &= std::fwrite(&bands[b], sizeof(uint64_t), 1, files_[1 + b]) == 1;
   if (sketch_bytes_ > 0) {
-    static const std::vector<uint8_t> no_sketch(4096, 0);
-    const void* bytes = band_hashes ? static_cast<const void*>(sketch) : static_cast<const void*>(no_sketch.data());
+    if (!band_hashes) no_sketch_.assign(sketch_bytes_, 0);  // never read: the document takes no part in near dedup
+    const void* bytes = band_hashes ? static_cast<const void*>(sketch) : static_cast<const void*>(no_sketch_.data());
     ok &= std::fwrite(bytes, 1, sketch_bytes_, files_[static_cast<size_t>(bands_) + 1]) == sketch_bytes_;
   }
   if (!ok) fail("prepare: cannot write the dedup spill in ", dir_, ": ", std::strerror(errno));

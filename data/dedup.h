@@ -123,6 +123,7 @@ class DedupSpill {
   size_t sketch_bytes_;
   std::vector<std::FILE*> files_;  // 0: exact, 1 + b: band b, 1 + bands: sketches (when kept)
   std::vector<uint8_t> flags_;     // bit 0: exact eligible, bit 1: has bands
+  std::vector<uint8_t> no_sketch_;  // what a document without words writes in the sketch column
 };
 
 }  // namespace tuna
