@@ -21,7 +21,7 @@
 // on the 440 distinct Debian copyright files (README, "Preparing a corpus"): the largest share is 0.61 (the
 // MIT licence repeated per holder), Gopher's 0.2 drops 59 of them and the old line share at 0.3 drops 42;
 // 0.7 drops none and still drops a text made mostly of copies of its own lines (a line or a block repeated
-// four times or more, a table of separators).
+// four times or more).
 #pragma once
 
 #include <cstdint>
