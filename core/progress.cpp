@@ -78,8 +78,8 @@ void ProgressLine::update(double done) {
   if (since < (live_ ? 0.25 : period_s_)) return;
   last_print_ = now;
   if (live_) {
-    // Rewrite the line; the trailing spaces clear what a longer previous line left.
-    std::fprintf(out_, "\r%s   ", text(false).c_str());
+    // Rewrite the line; \033[K clears what a longer previous line left.
+    std::fprintf(out_, "\r%s\033[K", text(false).c_str());
     pending_newline_ = true;
   } else {
     std::fprintf(out_, "%s\n", text(false).c_str());
@@ -91,7 +91,7 @@ void ProgressLine::finish() {
   if (finished_) return;
   finished_ = true;
   if (!out_) return;
-  if (live_) std::fprintf(out_, "\r%s   \n", text(true).c_str());
+  if (live_) std::fprintf(out_, "\r%s\033[K\n", text(true).c_str());
   else std::fprintf(out_, "%s\n", text(true).c_str());
   pending_newline_ = false;
   std::fflush(out_);
