@@ -11,8 +11,8 @@
 // 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor series to degree 7 (the truncation
 // error r^8 / 8! < 6e-9 is far below fp32's half ulp, 6e-8), 2^n put into the exponent bits. Error under
 // 1 ulp on [-87.3, 88.7] (tests/kernels/test_vector_math.cpp). Below -87.3 it returns exp(-87.3) (~1e-38, a
-// zero weight in any softmax); above 88.7, exp(88.7) (~3e38, finite: 1 / (1 + that) is a clean 0 in a
-// sigmoid). NaN in, NaN out. exp_lanes(double) is std::exp: the double instantiations of the ops are the
+// zero weight in any softmax); above 88.7, exp(88.7) (~3e38, finite: 1 / (1 + that), ~3e-39, is a sigmoid's
+// zero, never NaN). NaN in, NaN out. exp_lanes(double) is std::exp: the double instantiations of the ops are the
 // tests' references, not a fast path.
 #pragma once
 
