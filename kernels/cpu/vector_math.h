@@ -10,15 +10,16 @@
 // exp_lanes(float) is exp written as plain arithmetic (no libm call), so that a loop over it vectorizes:
 // 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor series to degree 7 (the truncation
 // error r^8 / 8! < 6e-9 is far below fp32's half ulp, 6e-8), 2^n put into the exponent bits. Error under
-// 1 ulp on [-87.3, 88.7] (tests/kernels/test_vector_math.cpp). Below -87.3 it returns exp(-87.3) (~1e-38, a
-// zero weight in any softmax); above 88.7, exp(88.7) (~3e38, finite: 1 / (1 + that), ~3e-39, is a sigmoid's
-// zero, never NaN). NaN in, NaN out. exp_lanes(double) is std::exp: the double instantiations of the ops are the
-// tests' references, not a fast path.
+// 1 ulp on [-87.3, 88.7] (tests/kernels/test_vector_math.cpp); below it 0 and above it +inf, as exp's
+// underflow and overflow give (so 1 / (1 + exp(1000)) is a sigmoid's clean 0). NaN in, NaN out.
+// exp_lanes(double) is std::exp: the double instantiations of the ops are the tests' references, not a
+// fast path.
 #pragma once
 
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #if defined(__x86_64__) && !defined(__clang__)
 #define TUNA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -34,8 +35,10 @@ inline float exp_lanes(float x) {
   constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
   // Adding 1.5 * 2^23 rounds to the nearest integer in the default rounding mode (no libm call to vectorize).
   constexpr float kRoundShift = 12582912.0f;
-  x = x < -87.3f ? -87.3f : x;  // written as selects (not std::min) so that NaN passes through
-  x = x > 88.7f ? 88.7f : x;
+  constexpr float kLowest = -87.3f, kHighest = 88.7f;  // 2^n stays a normal float in between
+  const float in = x;
+  x = x < kLowest ? kLowest : x;  // written as selects (not std::min) so that NaN passes through
+  x = x > kHighest ? kHighest : x;
   const float shifted = x * kLog2e + kRoundShift;
   const float n = shifted - kRoundShift;
   // The same n as an integer, read from the bits (1.5 * 2^23 + n is 0x4B400000 + n): no float-to-int
@@ -54,7 +57,8 @@ inline float exp_lanes(float x) {
   // the range is taken as 2 * 2^127.
   const int32_t clamped = exponent > 127 ? 127 : exponent;
   const float scale = std::bit_cast<float>((clamped + 127) << 23);
-  return p * scale * (exponent > 127 ? 2.0f : 1.0f);
+  const float value = p * scale * (exponent > 127 ? 2.0f : 1.0f);
+  return in < kLowest ? 0.0f : in > kHighest ? std::numeric_limits<float>::infinity() : value;
 }
 
 inline double exp_lanes(double x) { return std::exp(x); }
