@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vector_math.h"
 
 namespace tuna::cpu {
@@ -66,7 +67,7 @@ double classifier_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int3
 
   const bool backward = dloss != 0.0;
   std::vector<double> row_loss(n);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * vocab >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) {
     T* row = logits + i * vocab;
     const int32_t target = targets[i];

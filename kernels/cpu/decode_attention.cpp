@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vector_math.h"
 
 namespace tuna::cpu {
@@ -69,7 +70,7 @@ void decode_attention_fwd(T* out, const T* q, const T* k_cache, const T* v_cache
              " positions");
   const int64_t group = n_heads / n_kv_heads, stride = n_kv_heads * head_dim;
   const int64_t n_rows = batch * n_new * n_heads;
-#pragma omp parallel
+#pragma omp parallel if (n_rows * (past + n_new) * head_dim >= kMinParallelWork)
   {
     std::vector<double> scores(past + n_new);
     std::vector<T> weights(past + n_new), acc(head_dim);

@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vector_math.h"
 
 namespace tuna::cpu {
@@ -55,7 +56,7 @@ template <typename T>
 void swiglu_fwd(T* out, const T* gate, const T* up, int64_t n) {
   TUNA_CHECK(n >= 0, "n ", n);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kMinParallelWork)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t begin = b * kBlock, count = std::min(kBlock, n - begin);
     swiglu_fwd_block(out + begin, gate + begin, up + begin, count);

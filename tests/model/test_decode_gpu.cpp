@@ -88,23 +88,19 @@ TEST_P(DecodeGpuParity, GreedyTokensWithTheCacheEqualTheWholeContexts) {
   std::vector<float> weights(model.layout().total());
   init_random_weights(model.layout(), 7, 0.3, weights.data());
   model.set_params(weights.data());
-  auto argmax = [&](const float* row) { return static_cast<int32_t>(std::max_element(row, row + V) - row); };
-
-  std::vector<int32_t> whole = prompt;
   std::vector<float> logits(capacity * V);
-  while (static_cast<int64_t>(whole.size()) < capacity) {
-    const int64_t n = static_cast<int64_t>(whole.size());
-    model.forward_logits(whole.data(), 1, n, logits.data());
-    whole.push_back(argmax(logits.data() + (n - 1) * V));
-  }
+  const std::vector<int32_t> whole =
+      testing_util::greedy_tokens(prompt, capacity, V, [&](const std::vector<int32_t>& tokens, int64_t) {
+        const int64_t n = static_cast<int64_t>(tokens.size());
+        model.forward_logits(tokens.data(), 1, n, logits.data());
+        return logits.data() + (n - 1) * V;
+      });
   DecodeGpu decoder(weights_of(model), 1, capacity);
-  std::vector<int32_t> cached = prompt;
-  decoder.append(cached.data(), static_cast<int64_t>(cached.size()), logits.data());
-  while (true) {
-    cached.push_back(argmax(logits.data()));
-    if (static_cast<int64_t>(cached.size()) == capacity) break;
-    decoder.append(&cached.back(), 1, logits.data());
-  }
+  const std::vector<int32_t> cached =
+      testing_util::greedy_tokens(prompt, capacity, V, [&](const std::vector<int32_t>& tokens, int64_t n_new) {
+        decoder.append(tokens.data() + tokens.size() - n_new, n_new, logits.data());
+        return logits.data();
+      });
   EXPECT_EQ(cached, whole);
   EXPECT_GT(std::set<int32_t>(whole.begin() + prompt.size(), whole.end()).size(), 3u) << "a degenerate model";
 }

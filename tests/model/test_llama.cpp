@@ -155,23 +155,19 @@ TEST_P(LlamaParity, GreedyTokensWithTheCacheEqualTheWholeContexts) {
   const int64_t capacity = static_cast<int64_t>(prompt.size()) + steps;
   Llama model(f.config, 1, capacity);
   model.init_random(7, 0.3);
-  auto argmax = [&](const float* row) { return static_cast<int32_t>(std::max_element(row, row + V) - row); };
-
-  std::vector<int32_t> whole = prompt;
   std::vector<float> logits(capacity * V);
-  while (static_cast<int64_t>(whole.size()) < capacity) {
-    const int64_t n = static_cast<int64_t>(whole.size());
-    model.forward_logits(whole.data(), 1, n, logits.data());
-    whole.push_back(argmax(logits.data() + (n - 1) * V));
-  }
-  std::vector<int32_t> cached = prompt;
+  const std::vector<int32_t> whole =
+      testing_util::greedy_tokens(prompt, capacity, V, [&](const std::vector<int32_t>& tokens, int64_t) {
+        const int64_t n = static_cast<int64_t>(tokens.size());
+        model.forward_logits(tokens.data(), 1, n, logits.data());
+        return logits.data() + (n - 1) * V;
+      });
   KvCache cache = model.make_kv_cache(1, capacity);
-  model.forward_cached(cached.data(), 1, static_cast<int64_t>(cached.size()), cache, logits.data());
-  while (true) {
-    cached.push_back(argmax(logits.data()));
-    if (static_cast<int64_t>(cached.size()) == capacity) break;
-    model.forward_cached(&cached.back(), 1, 1, cache, logits.data());
-  }
+  const std::vector<int32_t> cached =
+      testing_util::greedy_tokens(prompt, capacity, V, [&](const std::vector<int32_t>& tokens, int64_t n_new) {
+        model.forward_cached(tokens.data() + tokens.size() - n_new, 1, n_new, cache, logits.data());
+        return logits.data();
+      });
   EXPECT_EQ(cached, whole);
   EXPECT_GT(std::set<int32_t>(whole.begin() + prompt.size(), whole.end()).size(), 3u) << "a degenerate model";
 }
