@@ -135,7 +135,7 @@ $(BUILD)/obj/train.o: train.cu | $(DEPS_STAMP)
 
 # Binaries link the library as an archive: each takes only the objects it reaches, and --as-needed then drops
 # the shared libraries nothing of those uses, so only the binaries that compute on a GPU load CUDA (build/prepare
-# --help peaked at 221 MB resident with cuBLASLt loaded, 9 MB without).
+# --help peaked at 221 MB resident with cuBLASLt loaded, 6 MB without).
 LIB_ARCHIVE := $(BUILD)/libtuna.a
 $(LIB_ARCHIVE): $(LIB_OBJS) $(CU_OBJS)
 	rm -f $@ && ar rcs $@ $^
