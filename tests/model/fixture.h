@@ -41,6 +41,17 @@ std::vector<int32_t> greedy_tokens(std::vector<int32_t> tokens, int64_t length, 
   return tokens;
 }
 
+// greedy_tokens' logits by rerunning the whole context: any model with forward_logits(tokens, batch, seq, out);
+// `logits` holds [length, vocab].
+template <typename Model>
+auto whole_context_logits(Model& model, std::vector<float>& logits, int64_t vocab) {
+  return [&model, &logits, vocab](const std::vector<int32_t>& tokens, int64_t) {
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    model.forward_logits(tokens.data(), 1, n, logits.data());
+    return logits.data() + (n - 1) * vocab;
+  };
+}
+
 // tests/fixtures/<name>: the HF model directory, its batch, and reference.json's hyperparameters.
 struct Fixture {
   std::filesystem::path dir;

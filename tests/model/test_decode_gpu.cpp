@@ -90,11 +90,7 @@ TEST_P(DecodeGpuParity, GreedyTokensWithTheCacheEqualTheWholeContexts) {
   model.set_params(weights.data());
   std::vector<float> logits(capacity * V);
   const std::vector<int32_t> whole =
-      testing_util::greedy_tokens(prompt, capacity, V, [&](const std::vector<int32_t>& tokens, int64_t) {
-        const int64_t n = static_cast<int64_t>(tokens.size());
-        model.forward_logits(tokens.data(), 1, n, logits.data());
-        return logits.data() + (n - 1) * V;
-      });
+      testing_util::greedy_tokens(prompt, capacity, V, testing_util::whole_context_logits(model, logits, V));
   DecodeGpu decoder(weights_of(model), 1, capacity);
   const std::vector<int32_t> cached =
       testing_util::greedy_tokens(prompt, capacity, V, [&](const std::vector<int32_t>& tokens, int64_t n_new) {

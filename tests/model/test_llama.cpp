@@ -157,11 +157,7 @@ TEST_P(LlamaParity, GreedyTokensWithTheCacheEqualTheWholeContexts) {
   model.init_random(7, 0.3);
   std::vector<float> logits(capacity * V);
   const std::vector<int32_t> whole =
-      testing_util::greedy_tokens(prompt, capacity, V, [&](const std::vector<int32_t>& tokens, int64_t) {
-        const int64_t n = static_cast<int64_t>(tokens.size());
-        model.forward_logits(tokens.data(), 1, n, logits.data());
-        return logits.data() + (n - 1) * V;
-      });
+      testing_util::greedy_tokens(prompt, capacity, V, testing_util::whole_context_logits(model, logits, V));
   KvCache cache = model.make_kv_cache(1, capacity);
   const std::vector<int32_t> cached =
       testing_util::greedy_tokens(prompt, capacity, V, [&](const std::vector<int32_t>& tokens, int64_t n_new) {
