@@ -15,6 +15,7 @@
 #include "dist/comm.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/classifier.h"
+#include "kernels/cpu/decode_attention.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/rmsnorm.h"
@@ -245,7 +246,7 @@ double Llama::parallel_cross_entropy(float* logits, const int32_t* targets, int6
   return total;
 }
 
-void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows) {
+void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache) {
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   TUNA_CHECK(store_, "no weights: set_weight_store() first");
@@ -254,6 +255,10 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
   const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn;
   const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
   const bool tied = layout_.lm_head_unit() == 0;
+  // Positions past .. past + seq - 1: the rotation tables start at row `past`.
+  const int64_t past = cache ? cache->length : 0;
+  const float* rope_cos = rope_cos_.data() + past * (c.head_dim / 2);
+  const float* rope_sin = rope_sin_.data() + past * (c.head_dim / 2);
 
   // The acquire order of this pass: embedding, layers, head (with the tied embedding), layers backwards.
   std::vector<int> order{0};
@@ -280,10 +285,20 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     cpu::matmul_fwd(a.q.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim);
     cpu::matmul_fwd(a.k.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim);
     cpu::matmul_fwd(a.v.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim);
-    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.heads, c.head_dim);
-    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim);
-    cpu::attention_fwd(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads,
-                       d.kv_heads, c.head_dim);
+    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim);
+    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim);
+    if (cache) {
+      for (int64_t b = 0; b < batch; b++) {  // rows b * seq .. of k, v -> positions past .. of sequence b
+        const int64_t from = b * seq * d.kv_dim, to = (b * cache->capacity + past) * d.kv_dim;
+        std::copy(a.k.begin() + from, a.k.begin() + from + seq * d.kv_dim, cache->keys[l].begin() + to);
+        std::copy(a.v.begin() + from, a.v.begin() + from + seq * d.kv_dim, cache->values[l].begin() + to);
+      }
+      cpu::decode_attention_fwd(a.att.data(), a.q.data(), cache->keys[l].data(), cache->values[l].data(), batch, seq,
+                                past, cache->capacity, d.heads, d.kv_heads, c.head_dim);
+    } else {
+      cpu::attention_fwd(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads,
+                         d.kv_heads, c.head_dim);
+    }
     cpu::matmul_fwd(a.resid_mid.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C);
     tp_all_reduce(a.resid_mid.data(), n * C, "tp o_proj");  // row-parallel: partial sums
     for (int64_t i = 0; i < n * C; i++) a.resid_mid[i] += a.resid_in[i];
@@ -403,6 +418,34 @@ void Llama::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, fl
   TUNA_CHECK(!tp_, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
   forward(inputs, batch, seq, /*backward_follows=*/false);
   head(nullptr, batch * seq, /*want_grad=*/false, logits);
+}
+
+KvCache Llama::make_kv_cache(int64_t batch, int64_t capacity) const {
+  if (batch < 1 || batch > max_batch_ || capacity < 1 || capacity > max_seq_)
+    fail("KV cache of ", batch, " x ", capacity, " positions: expected 1..", max_batch_, " sequences of 1..", max_seq_,
+         " positions (the model's planned batch and sequence length)");
+  KvCache cache;
+  cache.batch = batch, cache.capacity = capacity;
+  const int64_t floats = batch * capacity * layout_.tp().kv_dim;
+  cache.keys.assign(config_.num_hidden_layers, std::vector<float>(floats));
+  cache.values.assign(config_.num_hidden_layers, std::vector<float>(floats));
+  return cache;
+}
+
+void Llama::forward_cached(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache, float* last_logits) {
+  TUNA_CHECK(!tp_, "forward_cached returns whole-vocabulary logits: not with tensor parallelism");
+  TUNA_CHECK(static_cast<int64_t>(cache.keys.size()) == config_.num_hidden_layers, "a KV cache of another model");
+  if (batch != cache.batch) fail("forward_cached: ", batch, " sequences, but the KV cache holds ", cache.batch);
+  if (n < 1 || cache.length + n > cache.capacity)
+    fail("forward_cached: ", n, " new positions after ", cache.length, " do not fit the KV cache's ", cache.capacity);
+  forward(tokens, batch, n, /*backward_follows=*/false, &cache);
+  cache.length += n;
+  // The head reads only each sequence's last position: rows b * n + n - 1 move up to row b (never onto a
+  // row still to be read, since b <= b * n + n - 1).
+  const int64_t C = config_.hidden_size;
+  for (int64_t b = 0; b < batch; b++)
+    if (b * n + n - 1 != b) std::copy_n(final_norm_out_.begin() + (b * n + n - 1) * C, C, final_norm_out_.begin() + b * C);
+  head(nullptr, batch, /*want_grad=*/false, last_logits);
 }
 
 }  // namespace tuna

@@ -8,7 +8,7 @@
 # sentencepiece, so the binaries are built HERE (the development machine, Debian 12, nvcc 13.0) and carried:
 #
 #   make -j2 gpu-check-build        # -> build/gpu-check/bin/{gpu_tests, bench_*_gpu, train, plan, data/, lib/}
-#                                   #    sm_90a + sm_80 machine code, ~35 MB, needs glibc >= 2.34 and
+#                                   #    sm_90a machine code (SM="90a 80" adds sm_80), ~35 MB, needs glibc >= 2.34 and
 #                                   #    libcublasLt.so.13 on the GPU machine (CUDA 13 toolkit or PyTorch's wheel);
 #                                   #    lib/ holds Google Benchmark and Open MPI's libraries, data/ the demo corpus
 #                                   #    tokenized
@@ -25,10 +25,12 @@
 #   1. gpu_tests: every op against its CPU twin on fresh random inputs (poisoned outputs, shapes off the tile
 #      sizes, bf16 error within 2x of a naive same-precision version; determinism of the backward passes);
 #      attention fwd/bwd for head dims 64/128 (tensor cores) and 8/16/32; the GPU model against the
-#      transformers fixtures (logits, loss, every gradient) and 10 AdamW steps against the CPU model.
+#      transformers fixtures (logits, loss, every gradient) and 10 AdamW steps against the CPU model;
+#      generation's decode attention against its CPU twin, and the KV-cache decoder (model/decode_gpu) against
+#      the whole-context forward (logits at every position, greedy tokens equal).
 #   2. benches: attention fwd/bwd TFLOP/s (causal, hd128, seq 2k/4k/8k), GEMM TFLOP/s at LLaMA 1B/8B/70B
 #      shapes, RMSNorm/RoPE/SwiGLU/AdamW GB/s against a device copy, the 1B-shaped training step's tokens/s and
-#      MFU (and its forward-only and AdamW-only parts).
+#      MFU (and its forward-only and AdamW-only parts); generation's tokens/s with and without the KV cache.
 #   3. build/train --device cuda end to end on the demo model and corpus (demo/train.toml): 300 steps learn
 #      (validation loss under 4.8; the CPU run reaches 4.45), the first step's loss and gradient norm equal the
 #      CPU backend's within bf16 error (1e-2 and 5e-2 relative), a run stopped at step 150 and resumed logs
@@ -127,6 +129,7 @@ run_bench memory 90
 run_bench attention 90
 run_bench gemm 90
 run_bench train_step 120
+run_bench decode 40
 
 # ---- 3. the trainer end to end (single GPU; Open MPI's libraries from bin/lib: libmpi's RUNPATH needs this)
 log "== train end to end ($BIN/train, demo model)"
@@ -378,10 +381,10 @@ PY
 # ---- summary table (last)
 python3 - "$OUT" "$SUMMARY" "${STEP[tests]}" "${STEP[sanitizer]}" "${STEP[bench_memory]}" "${STEP[bench_attention]}" \
   "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" "${STEP[peers]}" "${STEP[profile]}" \
-  "${STEP[plan]}" "$PLAN_SUMMARY" <<'PY' | tee -a "$SUMMARY"
+  "${STEP[plan]}" "$PLAN_SUMMARY" "${STEP[bench_decode]}" <<'PY' | tee -a "$SUMMARY"
 import json, os, re, sys
 out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary, peers_step, profile_step, plan, \
-    plan_summary = sys.argv[1:15]
+    plan_summary, b_decode = sys.argv[1:16]
 rows = []
 def add(section, what, value, note=""):
     rows.append((section, what, value, note))
@@ -443,6 +446,9 @@ for b in bench("train_step"):
             add("train step", f"  peer {p['peer']}, batch {p['batch']} x seq {p['seq']}", f"{p['tokens_per_s']:.0f} tokens/s",
                 f"MFU {100*p['mfu']:.1f}%, {p['gib']:.1f} GiB; tuna x{b['tokens/s'] / p['tokens_per_s']:.2f}")
 if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", b_train)
+for b in bench("decode"):
+    add("generation", b.get("label", b["name"]), f"{b.get('tokens/s', 0):.0f} tokens/s", "")
+if not bench("decode"): add("generation", "bench_decode_gpu", "no results", b_decode)
 add("peers", "tools/reference/peers_gpu.py", peers_step)
 for p in benches.get("peers", []):
     if "version" in p: add("peers", "torch", p["version"], p.get("device", ""))
