@@ -16,7 +16,7 @@ endif
 
 CPPFLAGS := -I. -MMD -MP
 CXXFLAGS := -std=c++20 -O2 -g -fopenmp -Wall -Wextra -Werror -Wno-unused-parameter
-LDLIBS := -lopenblas -lsentencepiece -lsentencepiece_train -lzstd -lz -lxxhash -lpthread -fopenmp
+LDLIBS := -lopenblas -lsentencepiece -lsentencepiece_train -lpcre2-8 -lzstd -lz -lxxhash -lpthread -fopenmp
 GTEST_LIBS := -lgtest -lgmock -lpthread
 BENCH_LIBS := -lbenchmark -lpthread
 # The MPI C API only: Open MPI's C++ bindings do not compile under -Werror.
