@@ -3,12 +3,12 @@
 #include "data/byte_bpe.h"
 
 #include <pcre2.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstring>
 #include <queue>
-#include <unordered_map>
 
 #include "core/error.h"
 #include "data/clean.h"  // is_valid_utf8
@@ -19,19 +19,60 @@ namespace tuna {
 const char* const kLlama3Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
+void TokenIndex::reserve(size_t count) {
+  size_t capacity = 16;
+  while (capacity < count * 2) capacity *= 2;
+  if (capacity <= slots_.size()) return;
+  std::vector<Slot> old = std::move(slots_);
+  slots_.assign(capacity, Slot{});
+  size_ = 0;
+  for (const Slot& s : old)
+    if (s.id >= 0) insert(std::string_view(s.data, s.length), s.id);
+}
+
+void TokenIndex::grow() { reserve(std::max<size_t>(16, slots_.size())); }
+
+bool TokenIndex::insert(std::string_view text, int32_t id) {
+  if ((size_ + 1) * 2 > slots_.size()) grow();
+  const uint64_t hash = XXH3_64bits(text.data(), text.size());
+  const size_t mask = slots_.size() - 1;
+  for (size_t i = hash & mask;; i = (i + 1) & mask) {
+    Slot& s = slots_[i];
+    if (s.id < 0) {
+      s = {hash, text.data(), static_cast<uint32_t>(text.size()), id};
+      ++size_;
+      return true;
+    }
+    if (s.hash == hash && s.length == text.size() && std::memcmp(s.data, text.data(), text.size()) == 0) return false;
+  }
+}
+
+int32_t TokenIndex::find(std::string_view text) const {
+  if (slots_.empty()) return -1;
+  const uint64_t hash = XXH3_64bits(text.data(), text.size());
+  const size_t mask = slots_.size() - 1;
+  for (size_t i = hash & mask;; i = (i + 1) & mask) {
+    const Slot& s = slots_[i];
+    if (s.id < 0) return -1;
+    if (s.hash == hash && s.length == text.size() && std::memcmp(s.data, text.data(), text.size()) == 0) return s.id;
+  }
+}
+
 namespace {
 
 // --- The byte-level alphabet.
 
 struct ByteLevelAlphabet {
-  std::array<uint32_t, 256> code_point{};   // byte -> code point
-  std::unordered_map<uint32_t, uint8_t> byte;  // code point -> byte
+  static constexpr uint32_t kCodePoints = 256 + 68;  // the highest code point used is U+0143
+  std::array<uint32_t, 256> code_point{};           // byte -> code point
+  std::array<int16_t, kCodePoints> byte{};          // code point -> byte, -1 outside the alphabet
   ByteLevelAlphabet() {
+    byte.fill(-1);
     uint32_t next = 256;
     for (uint32_t b = 0; b < 256; ++b) {
       const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
       code_point[b] = printable ? b : next++;
-      byte[code_point[b]] = static_cast<uint8_t>(b);
+      byte[code_point[b]] = static_cast<int16_t>(b);
     }
   }
 };
@@ -126,22 +167,23 @@ class Regex {
 
 class PairTable {
  public:
-  void build(const std::vector<ByteBpeModel::Merge>& merges, const std::unordered_map<std::string, int32_t>& ids,
+  void build(const std::vector<ByteBpeModel::Merge>& merges, const TokenIndex& ids,
              const std::vector<std::string>& tokens, const std::string& path) {
     size_t capacity = 16;
     while (capacity < merges.size() * 2) capacity *= 2;
     slots_.assign(capacity, Slot{});
     mask_ = capacity - 1;
+    std::string joined;
     for (const ByteBpeModel::Merge& m : merges) {
-      const std::string joined = tokens[m.left] + tokens[m.right];
-      const auto it = ids.find(joined);
-      if (it == ids.end())
+      joined.assign(tokens[m.left]).append(tokens[m.right]);
+      const int32_t merged = ids.find(joined);
+      if (merged < 0)
         fail("tokenizer ", path, ": the merge of tokens ", m.left, " and ", m.right,
              " makes a token that is not in the vocabulary");
       Slot& s = find_slot(key(m.left, m.right));
       s.key = key(m.left, m.right);
       s.rank = m.rank;  // a pair listed twice takes its last rank, as Hugging Face's does
-      s.merged = it->second;
+      s.merged = merged;
     }
   }
   // The rank of merging left and right (INT32_MAX: they do not merge) and the merged id.
@@ -176,29 +218,30 @@ class ByteBpeTokenizer final : public TokenizerImpl {
   explicit ByteBpeTokenizer(ByteBpeModel model) : m_(std::move(model)) {
     const std::string& path = m_.path;
     TUNA_CHECK(m_.tokens.size() == m_.kinds.size(), "tokens and kinds differ in size");
+    normal_.reserve(m_.tokens.size());
     for (int32_t id = 0; id < static_cast<int32_t>(m_.tokens.size()); ++id) {
       const std::string& text = m_.tokens[id];
       switch (m_.kinds[id]) {
         case TokenKind::normal:
-          if (!normal_.emplace(text, id).second)
-            fail("tokenizer ", path, ": tokens ", normal_[text], " and ", id, " have the same bytes");
+          if (!normal_.insert(text, id))
+            fail("tokenizer ", path, ": tokens ", normal_.find(text), " and ", id, " have the same bytes");
           break;
         case TokenKind::special:
         case TokenKind::added:
           if (text.empty()) fail("tokenizer ", path, ": added token ", id, " is empty");
           added_.push_back({text, id, m_.kinds[id] == TokenKind::special});
-          named_.emplace(text, id);
+          named_.insert(text, id);
           break;
         default:
           break;
       }
     }
     for (int b = 0; b < 256; ++b) {
-      const auto it = normal_.find(std::string(1, static_cast<char>(b)));
-      if (it == normal_.end())
+      const char c = static_cast<char>(b);
+      byte_token_[b] = normal_.find(std::string_view(&c, 1));
+      if (byte_token_[b] < 0)
         fail("tokenizer ", path, ": not a byte-level vocabulary: byte 0x", "0123456789abcdef"[b >> 4],
              "0123456789abcdef"[b & 15], " has no token of its own");
-      byte_token_[b] = it->second;
     }
     pairs_.build(m_.merges, normal_, m_.tokens, path);
     m_.merges = {};
@@ -249,11 +292,9 @@ class ByteBpeTokenizer final : public TokenizerImpl {
   void encode_segment(std::string_view piece, std::vector<int32_t>* out) const override {
     if (piece.empty()) return;
     if (m_.ignore_merges || piece.size() == 1) {
-      thread_local std::string key;
-      key.assign(piece);
-      const auto it = normal_.find(key);
-      if (it != normal_.end()) {
-        out->push_back(it->second);
+      const int32_t id = normal_.find(piece);
+      if (id >= 0) {
+        out->push_back(id);
         return;
       }
     }
@@ -270,10 +311,8 @@ class ByteBpeTokenizer final : public TokenizerImpl {
   }
   int32_t vocab_size() const override { return static_cast<int32_t>(m_.tokens.size()); }
   int32_t token_id(std::string_view text) const override {
-    const std::string key(text);
-    if (auto it = named_.find(key); it != named_.end()) return it->second;
-    if (auto it = normal_.find(key); it != normal_.end()) return it->second;
-    return -1;
+    const int32_t named = named_.find(text);
+    return named >= 0 ? named : normal_.find(text);
   }
   TokenKind kind(int32_t id) const override { return m_.kinds[id]; }
   std::string token_text(int32_t id) const override { return m_.tokens[id]; }
@@ -370,8 +409,8 @@ class ByteBpeTokenizer final : public TokenizerImpl {
   }
 
   ByteBpeModel m_;
-  std::unordered_map<std::string, int32_t> normal_;  // bytes -> id of every normal token
-  std::unordered_map<std::string, int32_t> named_;   // text -> id of every special and added token
+  TokenIndex normal_;  // bytes -> id of every normal token (views into m_.tokens)
+  TokenIndex named_;   // text -> id of every special and added token
   std::array<int32_t, 256> byte_token_{};
   PairTable pairs_;
   std::vector<Added> added_;
@@ -406,9 +445,8 @@ bool byte_level_decode(std::string_view text, std::string* bytes) {
     else return false;  // every code point of the alphabet is below U+0800... U+0143 at most
     if (i + len > text.size()) return false;
     for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<uint8_t>(text[i + k]) & 0x3F);
-    const auto it = table.find(cp);
-    if (it == table.end()) return false;
-    bytes->push_back(static_cast<char>(it->second));
+    if (cp >= ByteLevelAlphabet::kCodePoints || table[cp] < 0) return false;
+    bytes->push_back(static_cast<char>(table[cp]));
     i += len;
   }
   return true;

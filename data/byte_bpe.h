@@ -12,11 +12,34 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "data/tokenizer_impl.h"
 
 namespace tuna {
+
+// text -> id over strings that live elsewhere (and outlive the index): open addressing on XXH3 hashes,
+// no allocation per lookup. A vocabulary of 128k tokens is indexed in milliseconds.
+class TokenIndex {
+ public:
+  void reserve(size_t count);
+  // False (and nothing changes) when text is already there.
+  bool insert(std::string_view text, int32_t id);
+  int32_t find(std::string_view text) const;  // -1 when absent
+  size_t size() const { return size_; }
+
+ private:
+  struct Slot {
+    uint64_t hash = 0;
+    const char* data = nullptr;
+    uint32_t length = 0;
+    int32_t id = -1;
+  };
+  void grow();
+  std::vector<Slot> slots_;
+  size_t size_ = 0;
+};
 
 struct ByteBpeModel {
   std::string path;  // the file, for errors

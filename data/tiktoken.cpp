@@ -8,7 +8,6 @@
 // own added_tokens_decoder, as Hugging Face's copy of the same model has them.
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <unordered_map>
 #include <xxhash.h>
 
 #include "core/error.h"
@@ -89,7 +88,6 @@ std::unique_ptr<TokenizerImpl> load_tiktoken(const std::string& path) {
   m.path = path;
   m.format = TokenizerFormat::tiktoken;
   std::string line, bytes;
-  std::unordered_map<std::string, int32_t> ids;
   for (size_t number = 1; std::getline(in, line); ++number) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.empty()) continue;
@@ -102,8 +100,6 @@ std::unique_ptr<TokenizerImpl> load_tiktoken(const std::string& path) {
       fail("tokenizer ", path, ":", number, ": expected 'base64 rank', found '", line.substr(0, 80), "'");
     if (rank != static_cast<int64_t>(m.tokens.size()))
       fail("tokenizer ", path, ":", number, ": rank ", rank, " where ", m.tokens.size(), " was expected (ranks 0, 1, ... in order)");
-    if (!ids.emplace(bytes, static_cast<int32_t>(rank)).second)
-      fail("tokenizer ", path, ":", number, ": the bytes of rank ", rank, " are those of rank ", ids[bytes], " too");
     m.tokens.push_back(bytes);
   }
   if (m.tokens.empty()) fail("tokenizer ", path, ": no ranks");
@@ -114,13 +110,16 @@ std::unique_ptr<TokenizerImpl> load_tiktoken(const std::string& path) {
   m.kinds.assign(m.tokens.size(), TokenKind::normal);
 
   // Every split of a token into two tokens merges into it, at its rank.
+  TokenIndex ids;
+  ids.reserve(m.tokens.size());
+  for (int32_t id = 0; id < static_cast<int32_t>(m.tokens.size()); ++id) ids.insert(m.tokens[id], id);
   for (int32_t id = 0; id < static_cast<int32_t>(m.tokens.size()); ++id) {
-    const std::string& t = m.tokens[id];
+    const std::string_view t = m.tokens[id];
     for (size_t k = 1; k < t.size(); ++k) {
-      const auto left = ids.find(t.substr(0, k));
-      if (left == ids.end()) continue;
-      const auto right = ids.find(t.substr(k));
-      if (right != ids.end()) m.merges.push_back({left->second, right->second, id});
+      const int32_t left = ids.find(t.substr(0, k));
+      if (left < 0) continue;
+      const int32_t right = ids.find(t.substr(k));
+      if (right >= 0) m.merges.push_back({left, right, id});
     }
   }
 

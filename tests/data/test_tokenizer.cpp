@@ -165,7 +165,7 @@ void expect_reference_ids(const Tokenizer& tok, const std::string& key, SpecialT
 }
 
 TEST(TokenizerFormats, HuggingFaceJsonGivesTokenizersIds) {
-  const Tokenizer tok(TokenizerFixtures::get().llama3_json());
+  const Tokenizer& tok = TokenizerFixtures::get().llama3();
   EXPECT_EQ(tok.format(), TokenizerFormat::hf_bpe);
   EXPECT_EQ(tok.vocab_size(), 128257);  // 128000 + 256 special tokens + <|image|> (Llama 3.2's json)
   expect_reference_ids(tok, "llama3_text", SpecialTokens::as_text);
@@ -173,22 +173,22 @@ TEST(TokenizerFormats, HuggingFaceJsonGivesTokenizersIds) {
 }
 
 TEST(TokenizerFormats, TiktokenFileGivesTheSameIds) {
-  const Tokenizer tok(TokenizerFixtures::get().llama3_tiktoken());
+  const Tokenizer& tok = TokenizerFixtures::get().llama3_from_tiktoken();
   EXPECT_EQ(tok.format(), TokenizerFormat::tiktoken);
   expect_reference_ids(tok, "llama3_text", SpecialTokens::as_text);
   // Its special tokens come from the tokenizer_config.json above original/, as the json's do.
   expect_reference_ids(tok, "llama3_special", SpecialTokens::parse);
-  EXPECT_EQ(tok.fingerprint(), Tokenizer(TokenizerFixtures::get().llama3_json()).fingerprint());
+  EXPECT_EQ(tok.fingerprint(), TokenizerFixtures::get().llama3().fingerprint());
 }
 
 TEST(TokenizerFormats, SentencepieceGivesItsLibrarysIds) {
-  const Tokenizer tok(TokenizerFixtures::get().spm_model());
+  const Tokenizer& tok = TokenizerFixtures::get().spm();
   EXPECT_EQ(tok.format(), TokenizerFormat::sentencepiece);
   expect_reference_ids(tok, "spm", SpecialTokens::as_text);
 }
 
 TEST(TokenizerFormats, SpecialTokensAsTextOrParsed) {
-  const Tokenizer tok(TokenizerFixtures::get().llama3_json());
+  const Tokenizer& tok = TokenizerFixtures::get().llama3();
   const int32_t eot = tok.token_id("<|eot_id|>");
   EXPECT_EQ(eot, 128009);
   EXPECT_EQ(tok.encode("<|eot_id|>", SpecialTokens::parse), std::vector<int32_t>{eot});
@@ -248,7 +248,7 @@ TEST(TokenizerFormats, DirectoriesFindTheirTokenizer) {
 
 TEST(TokenizerFormats, FingerprintsTellVocabulariesApart) {
   const TokenizerFixtures& f = TokenizerFixtures::get();
-  const uint64_t llama3 = Tokenizer(f.llama3_json()).fingerprint(), spm = Tokenizer(f.spm_model()).fingerprint();
+  const uint64_t llama3 = f.llama3().fingerprint(), spm = f.spm().fingerprint();
   EXPECT_NE(llama3, spm);
   EXPECT_EQ(Tokenizer(f.spm_model()).fingerprint(), spm);
   // The tiktoken file with Meta's 256 special tokens (no <|image|>) is another vocabulary than the json's 257.
@@ -262,7 +262,7 @@ TEST(TokenizerFormats, LongPiecesMergeAsShortOnesDo) {
   // halves' ids and a long run of punctuation, compared with the tiktoken file (a different merge table
   // built from the ranks).
   const TokenizerFixtures& f = TokenizerFixtures::get();
-  const Tokenizer json(f.llama3_json()), tiktoken(f.llama3_tiktoken());
+  const Tokenizer &json = f.llama3(), &tiktoken = f.llama3_from_tiktoken();
   for (const std::string& text :
        {std::string("Pneumonoultramicroscopicsilicovolcanoconiosis") + "antidisestablishmentarianism" +
             "supercalifragilisticexpialidocious",
@@ -318,7 +318,7 @@ TEST(TokenizerFormats, BadTiktokenFilesAreRefused) {
 }
 
 TEST(TokenizerFormats, InvalidUtf8IsAnErrorForBpe) {
-  const Tokenizer tok(TokenizerFixtures::get().llama3_json());
+  const Tokenizer& tok = TokenizerFixtures::get().llama3();
   expect_error([&] { tok.encode("caf\xE9"); }, {"not valid UTF-8"});
 }
 

@@ -8,12 +8,14 @@
 #include <zstd.h>
 
 #include <filesystem>
+#include <memory>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "data/tokenizer.h"
 #include "tests/data/data_test_util.h"
 
 namespace tuna::testing_data {
@@ -54,6 +56,10 @@ class TokenizerFixtures {
   std::string llama3_json() const { return (dir_.path() / "llama3/tokenizer.json").string(); }
   std::string llama3_tiktoken() const { return (dir_.path() / "llama3/original/tokenizer.model").string(); }
   std::string spm_model() const { return (dir_.path() / "spm/tokenizer.model").string(); }
+  // Loaded once per process (a Llama 3 tokenizer takes a fraction of a second to load).
+  const Tokenizer& llama3() const { return loaded(llama3_, llama3_json()); }
+  const Tokenizer& llama3_from_tiktoken() const { return loaded(tiktoken_, llama3_tiktoken()); }
+  const Tokenizer& spm() const { return loaded(spm_, spm_model()); }
   // Texts then probes, and the reference ids of each under `key` (llama3_text, llama3_special, spm).
   const std::vector<std::string>& texts() const { return texts_; }
   std::vector<std::vector<int32_t>> ids(const std::string& key) const {
@@ -72,7 +78,12 @@ class TokenizerFixtures {
     for (const auto& t : reference_.at("texts")) texts_.push_back(t.at("text").get<std::string>());
     for (const auto& p : reference_.at("probes")) texts_.push_back(p.get<std::string>());
   }
+  const Tokenizer& loaded(std::unique_ptr<Tokenizer>& slot, const std::string& path) const {
+    if (!slot) slot = std::make_unique<Tokenizer>(path);  // tests load from one thread
+    return *slot;
+  }
   TempDir dir_;
+  mutable std::unique_ptr<Tokenizer> llama3_, tiktoken_, spm_;
   nlohmann::json reference_;
   std::vector<std::string> texts_;
 };
