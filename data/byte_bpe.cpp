@@ -265,6 +265,7 @@ class ByteBpeTokenizer final : public TokenizerImpl {
   }
 
   bool segments_exact() const override { return true; }
+  const char* segment_encoder() const override { return "tuna's byte-level BPE"; }
 
   void segment(std::string_view text, SpecialTokens specials, const std::function<void(std::string_view)>& on_text,
                const std::function<void(int32_t)>& on_token) const override {

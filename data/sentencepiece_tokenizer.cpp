@@ -15,11 +15,15 @@
 #include <sentencepiece_trainer.h>
 
 #include <algorithm>
+#include <cstring>
+#include <queue>
 #include <filesystem>
 #include <thread>
 #include <unordered_map>
 
 #include "core/error.h"
+#include "data/byte_bpe.h"  // TokenIndex
+#include "data/clean.h"     // is_valid_utf8
 #include "data/tokenizer.h"
 #include "data/tokenizer_impl.h"
 
@@ -54,6 +58,7 @@ struct WireField {
   size_t begin = 0, end = 0;          // the whole field, tag included
   std::string_view payload;           // length-delimited fields
   uint64_t varint = 0;                // varint fields
+  uint32_t fixed32 = 0;               // 32-bit fields (a float's bits)
 };
 
 // The top-level fields of a message; false on malformed bytes.
@@ -81,6 +86,8 @@ bool parse_fields(std::string_view s, std::vector<WireField>* fields) {
         break;
       }
       case 5:
+        if (s.size() - pos < 4) return false;
+        std::memcpy(&f.fixed32, s.data() + pos, 4);
         pos += 4;
         break;
       default:
@@ -136,6 +143,179 @@ bool inspect_normalizer(std::string_view model, NormalizerFacts* facts, std::str
 
 const std::string kSpace = "\xE2\x96\x81";  // "▁", sentencepiece's space
 
+// sentencepiece's BPE encoding (bpe_model.cc), for the segments of the word cache: a library call costs
+// microseconds of bookkeeping per segment, this a fraction of one. The same algorithm, checked against the
+// library at load (the probe strings) and by the tests (the library's ids on real text):
+//   - text: spaces become "▁" (identity normalization; the segment carries no dummy prefix);
+//   - symbols: user-defined pieces where they match (longest; they never merge), else one UTF-8 character;
+//   - merge: the adjacent pair whose concatenation is a piece (normal, user-defined or unused) with the highest
+//     score, leftmost on ties, until none is left;
+//   - ids: a merged unused piece is split back into the pair it came from; a symbol that is no piece is
+//     <unk>, or its bytes' <0xNN> pieces with byte fallback.
+// Made only for BPE models with identity normalization and valid UTF-8 segments; the rest goes to the library.
+class SentencePieceBpe {
+ public:
+  // False (and nothing to use) when the model is not a BPE model tuna can encode this way.
+  bool init(std::string_view model) {
+    std::vector<WireField> fields;
+    if (!parse_fields(model, &fields)) return false;
+    bool bpe = false;
+    for (const WireField& f : fields) {
+      if (f.number == 1 && f.wire_type == 2) {
+        std::vector<WireField> inner;
+        if (!parse_fields(f.payload, &inner)) return false;
+        Piece piece;
+        for (const WireField& g : inner) {
+          if (g.number == 1 && g.wire_type == 2) piece.text = std::string(g.payload);
+          if (g.number == 2 && g.wire_type == 5) std::memcpy(&piece.score, &g.fixed32, 4);
+          if (g.number == 3 && g.wire_type == 0) piece.type = static_cast<int>(g.varint);
+        }
+        pieces_.push_back(std::move(piece));
+      }
+      if (f.number == 2 && f.wire_type == 2) {
+        std::vector<WireField> inner;
+        if (!parse_fields(f.payload, &inner)) return false;
+        for (const WireField& g : inner) {
+          if (g.number == 3 && g.wire_type == 0) bpe = g.varint == 2;  // ModelType BPE
+          if (g.number == 35 && g.wire_type == 0) byte_fallback_ = g.varint != 0;
+          if (g.number == 24 && g.wire_type == 0 && g.varint != 0) return false;  // treat_whitespace_as_suffix
+        }
+      }
+    }
+    if (!bpe || pieces_.empty()) return false;
+    mergeable_.reserve(pieces_.size());
+    for (int32_t id = 0; id < static_cast<int32_t>(pieces_.size()); ++id) {
+      const Piece& p = pieces_[id];
+      if (p.type == kNormal || p.type == kUserDefined || p.type == kUnused) mergeable_.insert(p.text, id);
+      if (p.type == kUserDefined) user_defined_.push_back(id);
+      if (p.type == kUnknown) unk_ = id;
+    }
+    std::sort(user_defined_.begin(), user_defined_.end(),
+              [&](int32_t a, int32_t b) { return pieces_[a].text.size() > pieces_[b].text.size(); });
+    if (byte_fallback_)
+      for (int b = 0; b < 256; ++b) {
+        char name[8];
+        std::snprintf(name, sizeof name, "<0x%02X>", b);
+        byte_[b] = -1;
+        for (int32_t id = 0; id < static_cast<int32_t>(pieces_.size()) && byte_[b] < 0; ++id)
+          if (pieces_[id].type == kByte && pieces_[id].text == name) byte_[b] = id;
+        if (byte_[b] < 0) return false;
+      }
+    return unk_ >= 0;
+  }
+
+  void encode(std::string_view segment, std::vector<int32_t>* out) const {
+    thread_local std::string text;
+    text.clear();
+    for (char c : segment) {
+      if (c == ' ')
+        text.append(kSpace);
+      else
+        text.push_back(c);
+    }
+    struct Symbol {
+      uint32_t begin, size;
+      int32_t prev, next;
+      bool frozen;
+    };
+    thread_local std::vector<Symbol> symbols;
+    symbols.clear();
+    for (size_t at = 0; at < text.size();) {
+      size_t size = 0;
+      bool frozen = false;
+      for (int32_t id : user_defined_)
+        if (text.compare(at, pieces_[id].text.size(), pieces_[id].text) == 0) {
+          size = pieces_[id].text.size(), frozen = true;
+          break;
+        }
+      if (!size) size = utf8_length(static_cast<uint8_t>(text[at]));
+      size = std::min(size, text.size() - at);
+      const int32_t index = static_cast<int32_t>(symbols.size());
+      symbols.push_back({static_cast<uint32_t>(at), static_cast<uint32_t>(size), index - 1, -1, frozen});
+      if (index > 0) symbols[index - 1].next = index;
+      at += size;
+    }
+    struct Pair {
+      float score;
+      int32_t left, right;
+      uint32_t size;
+    };
+    // sentencepiece's agenda: the highest score first, the leftmost on ties.
+    auto lower = [](const Pair& a, const Pair& b) { return a.score < b.score || (a.score == b.score && a.left > b.left); };
+    thread_local std::vector<Pair> heap;
+    heap.clear();
+    // (unused piece, size of its left half) of each merge into an unused piece: the last one is how the
+    // piece splits back (sentencepiece's rev_merge).
+    thread_local std::vector<std::pair<int32_t, uint32_t>> unused_merges;
+    unused_merges.clear();
+    auto view = [&](const Symbol& s) { return std::string_view(text).substr(s.begin, s.size); };
+    auto maybe_add = [&](int32_t left, int32_t right) {
+      if (left < 0 || right < 0 || symbols[left].frozen || symbols[right].frozen) return;
+      const uint32_t size = symbols[left].size + symbols[right].size;
+      const int32_t id = mergeable_.find(std::string_view(text).substr(symbols[left].begin, size));
+      if (id < 0) return;
+      heap.push_back({pieces_[id].score, left, right, size});
+      std::push_heap(heap.begin(), heap.end(), lower);
+      if (pieces_[id].type == kUnused) unused_merges.push_back({id, symbols[left].size});
+    };
+    for (int32_t i = 1; i < static_cast<int32_t>(symbols.size()); ++i) maybe_add(i - 1, i);
+    while (!heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end(), lower);
+      const Pair top = heap.back();
+      heap.pop_back();
+      Symbol &left = symbols[top.left], &right = symbols[top.right];
+      if (left.size == 0 || right.size == 0 || left.size + right.size != top.size) continue;
+      left.size += right.size;
+      left.next = right.next;
+      if (right.next >= 0) symbols[right.next].prev = top.left;
+      right.size = 0;
+      maybe_add(left.prev, top.left);
+      maybe_add(top.left, left.next);
+    }
+    for (int32_t i = 0; i >= 0 && !symbols.empty(); i = symbols[i].next) emit(view(symbols[i]), unused_merges, out);
+  }
+
+ private:
+  static constexpr int kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6;
+  struct Piece {
+    std::string text;
+    float score = 0;
+    int type = kNormal;
+  };
+  static size_t utf8_length(uint8_t c) { return c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1; }
+
+  // A final symbol's ids: its piece, an unused piece split back into the pair it was merged from, or
+  // <unk> (its bytes' pieces with byte fallback).
+  void emit(std::string_view symbol, const std::vector<std::pair<int32_t, uint32_t>>& unused_merges,
+            std::vector<int32_t>* out) const {
+    const int32_t id = mergeable_.find(symbol);
+    if (id >= 0 && pieces_[id].type == kUnused) {
+      for (auto it = unused_merges.rbegin(); it != unused_merges.rend(); ++it)
+        if (it->first == id) {
+          emit(symbol.substr(0, it->second), unused_merges, out);
+          emit(symbol.substr(it->second), unused_merges, out);
+          return;
+        }
+    }
+    if (id >= 0) {
+      out->push_back(id);
+      return;
+    }
+    if (!byte_fallback_) {
+      out->push_back(unk_);
+      return;
+    }
+    for (char c : symbol) out->push_back(byte_[static_cast<uint8_t>(c)]);
+  }
+
+  std::vector<Piece> pieces_;
+  TokenIndex mergeable_;  // views into pieces_
+  std::vector<int32_t> user_defined_;
+  int32_t unk_ = -1;
+  bool byte_fallback_ = false;
+  std::array<int32_t, 256> byte_{};
+};
+
 class SentencePieceTokenizer final : public TokenizerImpl {
  public:
   explicit SentencePieceTokenizer(const std::string& path) : path_(path) {
@@ -167,6 +347,10 @@ class SentencePieceTokenizer final : public TokenizerImpl {
   }
 
   bool segments_exact() const override { return exact_; }
+  const char* segment_encoder() const override {
+    return !exact_ ? "none (whole documents through sentencepiece)"
+                   : own_bpe_ ? "tuna's sentencepiece BPE" : "sentencepiece, segment by segment";
+  }
 
   void segment(std::string_view text, SpecialTokens, const std::function<void(std::string_view)>& on_text,
                const std::function<void(int32_t)>&) const override {
@@ -201,7 +385,10 @@ class SentencePieceTokenizer final : public TokenizerImpl {
   }
 
   void encode_segment(std::string_view segment, std::vector<int32_t>* out) const override {
-    library_encode(no_prefix_ ? *no_prefix_ : *processor_, segment, out);
+    if (own_bpe_ && is_valid_utf8(segment))
+      bpe_.encode(segment, out);
+    else
+      library_encode(no_prefix_ ? *no_prefix_ : *processor_, segment, out);
   }
 
   std::string decode(std::span<const int32_t> ids) const override {
@@ -250,6 +437,7 @@ class SentencePieceTokenizer final : public TokenizerImpl {
     auto no_prefix = std::make_unique<sentencepiece::SentencePieceProcessor>();
     if (!no_prefix->LoadFromSerializedProto(no_prefix_model).ok()) return;
     no_prefix_ = std::move(no_prefix);
+    own_bpe_ = bpe_.init(model);
 
     cut_words_ = cut_newlines_ = true;
     for (int32_t id = 0; id < vocab_size(); ++id) {
@@ -260,20 +448,26 @@ class SentencePieceTokenizer final : public TokenizerImpl {
       if (piece.find('\n') != std::string::npos && piece != "\n") cut_newlines_ = false;
     }
     if (!cut_words_ && !cut_newlines_) return;
+    // The probes: segments (through tuna's BPE, else through the library) against the library on the whole.
     exact_ = true;
+    if (own_bpe_ && !segments_match_library()) own_bpe_ = false;
+    exact_ = segments_match_library();
+  }
+
+  bool segments_match_library() const {
     for (const char* probe :
          {"Hello world", "a  b c", "x\ny z.\n\nNext para", " lead", "trail ", "two  ", "\nstarts with a newline",
           " \n \n ", "ends with newlines\n\n", "The  quick\tbrown fox, 1234.56 (b) \xC3\xBC" "ber stra\xC3\x9F" "e",
-          "tab\t\tand\n\tindent", "  ", "\n"}) {
+          "tab\t\tand\n\tindent", "  ", "\n", "Licensed under the Apache License, Version 2.0 (the \"License\");",
+          "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND", "\xE6\x97\xA5\xE6\x9C\xAC \xF0\x9F\x98\x80 caf\xC3\xA9",
+          "Copyright (c) 1999-2024 Free Software Foundation, Inc. <https://fsf.org/>"}) {
       std::vector<int32_t> whole, parts;
       encode(probe, SpecialTokens::as_text, &whole);
       segment(probe, SpecialTokens::as_text, [&](std::string_view s) { encode_segment(s, &parts); },
               [](int32_t) {});
-      if (whole != parts) {
-        exact_ = false;
-        return;
-      }
+      if (whole != parts) return false;
     }
+    return true;
   }
 
   std::string path_;
@@ -282,6 +476,8 @@ class SentencePieceTokenizer final : public TokenizerImpl {
   bool dummy_prefix_ = true;
   bool cut_words_ = false, cut_newlines_ = false;
   bool exact_ = false;
+  SentencePieceBpe bpe_;
+  bool own_bpe_ = false;  // segments encode with bpe_ (checked on the probes below), not the library
 };
 
 }  // namespace

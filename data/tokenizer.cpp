@@ -373,6 +373,7 @@ CachedEncoder::CachedEncoder(const Tokenizer& tokenizer, size_t max_words_per_th
     : tokenizer_(&tokenizer), max_words_(std::max<size_t>(1, max_words_per_thread)), id_(next_encoder_id++) {}
 
 bool CachedEncoder::exact() const { return tokenizer_->impl().segments_exact(); }
+const char* CachedEncoder::segment_encoder() const { return tokenizer_->impl().segment_encoder(); }
 
 void CachedEncoder::encode(std::string_view text, std::vector<int32_t>* out, SpecialTokens specials) const {
   const TokenizerImpl& impl = tokenizer_->impl();

@@ -118,6 +118,7 @@ class CachedEncoder {
   // starts over.
   explicit CachedEncoder(const Tokenizer& tokenizer, size_t max_words_per_thread = size_t{1} << 18);
   bool exact() const;
+  const char* segment_encoder() const;  // what encodes a segment missing from the cache
   // Appends the ids of text to *out. Thread-safe (the caches are per thread).
   void encode(std::string_view text, std::vector<int32_t>* out,
               SpecialTokens specials = SpecialTokens::as_text) const;

@@ -48,6 +48,7 @@ class TokenizerImpl {
   // and on_token(id) for a special token recognized in the text. segments_exact() is false when the model
   // failed the load-time checks: then segment() must not be used.
   virtual bool segments_exact() const = 0;
+  virtual const char* segment_encoder() const = 0;  // how encode_segment works, for logs and tests
   virtual void segment(std::string_view text, SpecialTokens specials,
                        const std::function<void(std::string_view)>& on_text,
                        const std::function<void(int32_t)>& on_token) const = 0;

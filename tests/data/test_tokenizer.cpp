@@ -112,6 +112,7 @@ TEST_F(TokenizerTest, CachedEncoderIsExact) {
   Tokenizer tok(model());
   CachedEncoder encoder(tok);
   ASSERT_TRUE(encoder.exact()) << "a BPE model trained by train_tokenizer splits at word starts";
+  EXPECT_STREQ(encoder.segment_encoder(), "tuna's sentencepiece BPE");
   std::vector<std::string> texts;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(testing_data::demo_corpus()))
     if (entry.is_regular_file()) texts.push_back(testing_data::read_file(entry.path().string()));
@@ -184,6 +185,7 @@ TEST(TokenizerFormats, TiktokenFileGivesTheSameIds) {
 TEST(TokenizerFormats, SentencepieceGivesItsLibrarysIds) {
   const Tokenizer& tok = TokenizerFixtures::get().spm();
   EXPECT_EQ(tok.format(), TokenizerFormat::sentencepiece);
+  EXPECT_STREQ(CachedEncoder(tok).segment_encoder(), "tuna's sentencepiece BPE");
   expect_reference_ids(tok, "spm", SpecialTokens::as_text);
 }
 
