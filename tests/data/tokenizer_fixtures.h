@@ -66,6 +66,15 @@ class TokenizerFixtures {
     return reference_.at("ids").at(key).get<std::vector<std::vector<int32_t>>>();
   }
   size_t real_texts() const { return reference_.at("texts").size(); }
+  // The conversations of the chat-template references (ids under chat_llama3, chat_llama2).
+  std::vector<std::vector<std::pair<std::string, std::string>>> chats() const {
+    std::vector<std::vector<std::pair<std::string, std::string>>> out;
+    for (const auto& chat : reference_.at("chats")) {
+      out.emplace_back();
+      for (const auto& m : chat) out.back().emplace_back(m.at("role").get<std::string>(), m.at("content").get<std::string>());
+    }
+    return out;
+  }
 
  private:
   TokenizerFixtures() {

