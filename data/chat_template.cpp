@@ -51,16 +51,10 @@ bool render_llama3(const CachedEncoder& encoder, const Tokenizer& tokenizer, con
   const int32_t end = required_token(tokenizer, "<|end_header_id|>", ChatFormat::llama3);
   const int32_t eot = required_token(tokenizer, "<|eot_id|>", ChatFormat::llama3);
   if (tokenizer.bos_id() >= 0) append(&out->tokens, &out->mask, {tokenizer.bos_id()}, 0);
-  bool trains = false;
   std::vector<int32_t> ids;
   for (size_t i = 0; i < messages.size(); ++i) {
     const ChatMessage& m = messages[i];
-    if (m.role != "system" && m.role != "user" && m.role != "assistant" && m.role != "ipython" && m.role != "tool") {
-      *why = str("messages[", i, "]: role '", m.role, "' (llama3 takes system, user, assistant, ipython, tool)");
-      return false;
-    }
     const uint8_t train = m.role == "assistant";
-    trains |= train;
     append(&out->tokens, &out->mask, {start}, 0);
     ids.clear();
     encoder.encode(m.role, &ids);
@@ -80,21 +74,39 @@ bool render_llama3(const CachedEncoder& encoder, const Tokenizer& tokenizer, con
     append(&out->tokens, &out->mask, std::vector<int32_t>(ids.begin() + static_cast<int64_t>(newlines.size()), ids.end()), train);
     append(&out->tokens, &out->mask, {eot}, train);
   }
+  return true;
+}
+
+bool validate_llama3(const std::vector<ChatMessage>& messages, std::string* why) {
+  bool trains = false;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string& role = messages[i].role;
+    if (role != "system" && role != "user" && role != "assistant" && role != "ipython" && role != "tool") {
+      *why = str("messages[", i, "]: role '", role, "' (llama3 takes system, user, assistant, ipython, tool)");
+      return false;
+    }
+    trains |= role == "assistant";
+  }
   if (!trains) *why = "no assistant message to train on";
   return trains;
 }
 
-bool render_llama2(const CachedEncoder& encoder, const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages,
-                   RenderedChat* out, std::string* why) {
+// Meta's chat_completion folds a system message into the first user turn.
+std::vector<ChatMessage> llama2_dialog(const std::vector<ChatMessage>& messages) {
   std::vector<ChatMessage> dialog = messages;
-  if (!dialog.empty() && dialog[0].role == "system") {
-    if (dialog.size() < 2 || dialog[1].role != "user") {
-      *why = "a system message must be followed by a user message (llama2)";
-      return false;
-    }
+  if (dialog.size() >= 2 && dialog[0].role == "system" && dialog[1].role == "user") {
     dialog[1].content = "<<SYS>>\n" + dialog[0].content + "\n<</SYS>>\n\n" + dialog[1].content;
     dialog.erase(dialog.begin());
   }
+  return dialog;
+}
+
+bool validate_llama2(const std::vector<ChatMessage>& messages, std::string* why) {
+  if (!messages.empty() && messages[0].role == "system" && (messages.size() < 2 || messages[1].role != "user")) {
+    *why = "a system message must be followed by a user message (llama2)";
+    return false;
+  }
+  const std::vector<ChatMessage> dialog = llama2_dialog(messages);
   for (size_t i = 0; i < dialog.size(); ++i) {
     const char* expected = i % 2 == 0 ? "user" : "assistant";
     if (dialog[i].role != expected) {
@@ -111,6 +123,12 @@ bool render_llama2(const CachedEncoder& encoder, const Tokenizer& tokenizer, con
     *why = "the conversation ends with a user turn, which llama2 cannot train on";
     return false;
   }
+  return true;
+}
+
+bool render_llama2(const CachedEncoder& encoder, const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages,
+                   RenderedChat* out, std::string* why) {
+  const std::vector<ChatMessage> dialog = llama2_dialog(messages);
   std::vector<int32_t> prompt, whole;
   for (size_t i = 0; i + 1 < dialog.size(); i += 2) {
     const std::string question = "[INST] " + strip_whitespace(dialog[i].content) + " [/INST]";
@@ -181,10 +199,15 @@ ChatFormat resolve_chat_format(const Tokenizer& tokenizer, const std::string& re
        "header tokens, not a sentencepiece model with BOS and EOS): pass --chat-template llama3 or llama2");
 }
 
+bool validate_chat(ChatFormat format, const std::vector<ChatMessage>& messages, std::string* why) {
+  return format == ChatFormat::llama3 ? validate_llama3(messages, why) : validate_llama2(messages, why);
+}
+
 bool render_chat(const CachedEncoder& encoder, const Tokenizer& tokenizer, ChatFormat format,
                  const std::vector<ChatMessage>& messages, RenderedChat* out, std::string* why) {
   out->tokens.clear();
   out->mask.clear();
+  if (!validate_chat(format, messages, why)) return false;
   return format == ChatFormat::llama3 ? render_llama3(encoder, tokenizer, messages, out, why)
                                       : render_llama2(encoder, tokenizer, messages, out, why);
 }

@@ -38,9 +38,12 @@ struct RenderedChat {
   std::vector<uint8_t> mask;  // one per token: 1 = trains (assistant content and its end of turn)
 };
 
-// Renders messages (contents already cleaned). False, with *why, for a conversation the format cannot take:
-// an unknown role, llama2 roles out of order (user/assistant alternating, after an optional system), no
-// assistant turn to train on. Encodes text through encoder (its cache), special tokens by id.
+// The checks of render_chat that need no tokenizer: false, with *why, for an unknown role, llama2 roles out of
+// order (user/assistant alternating, after an optional system), no assistant turn to train on.
+bool validate_chat(ChatFormat format, const std::vector<ChatMessage>& messages, std::string* why);
+
+// Renders messages (contents already cleaned). False, with *why, for a conversation the format cannot take
+// (validate_chat). Encodes text through encoder (its cache), special tokens by id.
 bool render_chat(const CachedEncoder& encoder, const Tokenizer& tokenizer, ChatFormat format,
                  const std::vector<ChatMessage>& messages, RenderedChat* out, std::string* why);
 

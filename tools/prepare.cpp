@@ -13,7 +13,7 @@
 
 namespace {
 
-constexpr const char* kUsage = R"(usage: build/prepare --tokenizer TOK.model --out DIR [options] INPUT...
+constexpr const char* kUsage = R"(usage: build/prepare --tokenizer TOKENIZER --out DIR [options] INPUT...
        mpirun -np N build/prepare ... (same options: each rank reads a share, dedup stays global)
 
 Cleans, filters, deduplicates and tokenizes text into shards for build/train: DIR/train-NNNNN.bin,
@@ -23,14 +23,20 @@ object per line. Any of them may be compressed (.gz, .zst). Every document becom
 Nothing is dropped without being counted: the report accounts for every document read (kept, malformed,
 filtered by which rule, exact or near duplicate) with the first location of each.
 
-  --tokenizer PATH          sentencepiece model to tokenize with (written first with --train-tokenizer)
+  --tokenizer PATH          the model's tokenizer: a model directory (tuna checkpoint or Hugging Face download)
+                            or a file: sentencepiece .model, Hugging Face tokenizer.json (Llama 3), tiktoken
+                            BPE ranks (Llama 3's original/tokenizer.model); BOS/EOS as its config names them
   --out DIR                 output directory (created if missing)
-  --train-tokenizer         train PATH on the inputs first (BPE, byte fallback), writing PATH and its .vocab
+  --train-tokenizer         train a sentencepiece model at PATH (a .model file) on the inputs first (BPE,
+                            byte fallback), writing PATH and its .vocab
   --vocab-size N            vocabulary of the trained tokenizer (default 32000)
   --tokenizer-sample-mb N   text sampled for tokenizer training, in MiB (default 1024)
   --val-fraction F          share of documents in the validation split, by a hash of the text (default 0.05)
   --text-field NAME         JSONL field that holds the document (default text)
-  --sft                     JSONL records are {prompt, response}: the loss mask trains on the response only
+  --sft                     JSONL records are {prompt, response} or {messages: [{role, content}, ...]}: the
+                            loss mask trains on the response, or on the assistant's turns, only
+  --chat-template NAME      how messages are rendered: llama3, llama2, or auto (default: the model's own,
+                            from its tokenizer_config.json or its special tokens; others are refused)
   --prompt-field NAME       (default prompt)
   --response-field NAME     (default response)
   --max-document-mb N       a longer line or file is counted as oversized and skipped (default 64)
@@ -119,6 +125,8 @@ int main(int argc, char** argv) {
       options.text_field = take();
     } else if (arg == "--sft") {
       options.sft = true;
+    } else if (arg == "--chat-template") {
+      options.chat_template = take();
     } else if (arg == "--prompt-field") {
       options.prompt_field = take();
     } else if (arg == "--response-field") {
