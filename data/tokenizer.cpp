@@ -30,8 +30,6 @@ namespace {
 // travel with them.
 const char* const kTokenizerModel = "tokenizer.model";
 const char* const kTokenizerJson = "tokenizer.json";
-const char* const kCarriedFiles[] = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                                     "special_tokens_map.json", "generation_config.json"};
 
 enum class Sniffed { json, tiktoken, other };
 
@@ -268,10 +266,12 @@ bool has_tokenizer(const fs::path& dir) {
   return is_file(dir / kTokenizerModel) || is_file(dir / kTokenizerJson) || is_file(dir / "original" / kTokenizerModel);
 }
 
-std::vector<TokenizerFile> tokenizer_files(const std::string& path, bool allow_none) {
+std::vector<TokenizerFile> tokenizer_files(const std::string& path, bool allow_none, Tokenizer* loaded) {
   std::error_code ec;
   if (allow_none && fs::is_directory(path, ec) && !has_tokenizer(path)) return {};
-  const Tokenizer tokenizer(path);  // exists and parses, or fails here
+  Tokenizer local;
+  Tokenizer& tokenizer = loaded ? *loaded : local;
+  tokenizer.load(path);  // exists and parses, or fails here
   const std::string& file = tokenizer.path();
   const std::string name = tokenizer.format() == TokenizerFormat::hf_bpe ? kTokenizerJson : kTokenizerModel;
   std::vector<TokenizerFile> files = {{file, name}};
@@ -281,7 +281,7 @@ std::vector<TokenizerFile> tokenizer_files(const std::string& path, bool allow_n
     files.push_back({source, as});
   };
   if (fs::is_directory(path, ec)) {
-    for (const char* carried : kCarriedFiles)
+    for (const char* carried : kTokenizerFileNames)
       if (is_file(fs::path(path) / carried)) add(fs::path(path) / carried, carried);
   }
   for (const char* config : {"tokenizer_config.json", "special_tokens_map.json"}) {
@@ -289,6 +289,36 @@ std::vector<TokenizerFile> tokenizer_files(const std::string& path, bool allow_n
     if (!found.empty()) add(found, config);
   }
   return files;
+}
+
+ModelTokenizer model_tokenizer(const std::string& named, const std::string& model_dir, int64_t model_vocab_size) {
+  ModelTokenizer m;
+  Tokenizer tokenizer;
+  std::error_code ec;
+  if (!named.empty()) {
+    m.files = tokenizer_files(named, /*allow_none=*/false, &tokenizer);
+  } else if (!model_dir.empty() && fs::is_directory(model_dir, ec) && has_tokenizer(model_dir)) {
+    try {
+      m.files = tokenizer_files(model_dir, /*allow_none=*/false, &tokenizer);
+    } catch (const Error& e) {
+      // A tokenizer tuna cannot read still travels with the model; shards are then not checked against it.
+      for (const char* name : kTokenizerFileNames)
+        if (is_file(fs::path(model_dir) / name)) m.files.push_back({fs::path(model_dir) / name, name});
+      m.description = str(model_dir, " (not read)");
+      m.note = str("the tokenizer of ", model_dir, " is carried into checkpoints but not read, so shards are not "
+                   "checked against it: ", e.what());
+      return m;
+    }
+  } else {
+    m.description = "none (checkpoints carry no tokenizer)";
+    return m;
+  }
+  if (tokenizer.vocab_size() > model_vocab_size)
+    fail("tokenizer ", tokenizer.path(), ": ", tokenizer.vocab_size(), " ids, more than the model's vocab_size ",
+         model_vocab_size, " (another model's tokenizer?)");
+  m.fingerprint = tokenizer.fingerprint();
+  m.description = tokenizer.describe();
+  return m;
 }
 
 void copy_tokenizer_files(const std::vector<TokenizerFile>& files, const fs::path& dir) {

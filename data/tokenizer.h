@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <span>
 #include <string>
 #include <string_view>
@@ -88,6 +89,11 @@ class Tokenizer {
   uint64_t fingerprint_ = 0;
 };
 
+// The files of a model directory that belong to its tokenizer (or its generation config), copied along
+// with the weights by checkpoints and conversions, in this order when present.
+inline constexpr const char* kTokenizerFileNames[] = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                                                      "special_tokens_map.json", "generation_config.json"};
+
 // A file a tokenizer needs, and the name it takes in a checkpoint or export directory.
 struct TokenizerFile {
   std::filesystem::path source;
@@ -98,13 +104,35 @@ struct TokenizerFile {
 // tokenizer.json as tokenizer.json, each with the model config files beside it that name its BOS/EOS
 // (tokenizer_config.json, special_tokens_map.json); for a directory, every tokenizer file in it (and its
 // generation_config.json). The tokenizer is loaded first: a path that does not exist or does not parse is a
-// tuna::Error. Empty for a directory that holds no tokenizer only when allow_none.
-std::vector<TokenizerFile> tokenizer_files(const std::string& path, bool allow_none = false);
+// tuna::Error. Empty for a directory that holds no tokenizer only when allow_none. loaded: receives the
+// tokenizer read on the way.
+std::vector<TokenizerFile> tokenizer_files(const std::string& path, bool allow_none = false, Tokenizer* loaded = nullptr);
+// The trainer's tokenizer: what its checkpoints carry, and the fingerprint its shards must have been written
+// with (data/shard.h). `named` (--tokenizer: a file or directory) must exist and parse; without it, the model
+// directory's tokenizer (none is fine: training from scratch), whose files are carried even when tuna cannot
+// read them (then nothing is checked, and note says why). A tokenizer with more ids than the model's
+// vocab_size is an error.
+struct ModelTokenizer {
+  std::vector<TokenizerFile> files;  // empty: no tokenizer
+  uint64_t fingerprint = 0;          // 0: nothing to check shards against
+  std::string description;           // Tokenizer::describe(), or what was found
+  std::string note;                  // why a carried tokenizer is not checked
+};
+ModelTokenizer model_tokenizer(const std::string& named, const std::string& model_dir, int64_t model_vocab_size);
+
 // Copies them into dir (overwriting), fsyncing nothing; fails naming the file that could not be copied.
 void copy_tokenizer_files(const std::vector<TokenizerFile>& files, const std::filesystem::path& dir);
 // True when a model directory holds a tokenizer file (tokenizer.model, tokenizer.json or
 // original/tokenizer.model), whether or not it parses.
 bool has_tokenizer(const std::filesystem::path& dir);
+
+// Completes the tokenizer files of an exported Hugging Face directory (its own, copied from the checkpoint,
+// are kept) so that transformers' AutoTokenizer loads it with as few packages as possible: tokenizer_config.json
+// (PreTrainedTokenizerFast over tokenizer.json: `tokenizers` only; LlamaTokenizer over a sentencepiece model:
+// the sentencepiece package), special_tokens_map.json, generation_config.json (BOS/EOS ids from config, the
+// model's config.json). A tiktoken file alone is refused (transformers would need the tiktoken package).
+// Returns the names of the files written.
+std::vector<std::string> complete_hf_tokenizer_files(const std::filesystem::path& dir, const nlohmann::json& config);
 
 // Encodes many documents fast and exactly as Tokenizer::encode would: text is cut into the segments the
 // tokenizer's own pre-tokenization makes (see data/tokenizer_impl.h: sentencepiece words and newlines,
