@@ -217,11 +217,14 @@ $(BUILD)/obj/gpu-check/train.o: train.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(filter-out -DTUNA_NCCL=1,$(CPPFLAGS)) $(CXXFLAGS) -x c++ -c $< -o $@
 
+# The trainer reads the model's tokenizer (to check the shards against it): PCRE2 and xxHash link statically,
+# sentencepiece's shared library travels in bin/lib like Open MPI's.
 $(GPU_CHECK)/bin/train: $(BUILD)/obj/gpu-check/train.o $(GPU_CHECK)/libtuna_gpu.a
 	@mkdir -p $(GPU_CHECK)/bin/lib
-	$(CXX) $^ -o $@ -Wl,-rpath,'$$ORIGIN/lib' $(GPU_CHECK_LIBS) -Wl,--as-needed $(MPI_LIBS)
+	$(CXX) $^ -o $@ -Wl,-rpath,'$$ORIGIN/lib' -Wl,-Bstatic -lpcre2-8 -lxxhash -Wl,-Bdynamic -lsentencepiece \
+	  $(GPU_CHECK_LIBS) -Wl,--as-needed $(MPI_LIBS)
 	strip --strip-debug $@
-	cp -L $$(ldd $@ | awk '/libmpi|libopen-|libhwloc|libevent|libudev/ && $$3 !~ /gpu-check/ {print $$3}') $(GPU_CHECK)/bin/lib/
+	cp -L $$(ldd $@ | awk '/libmpi|libopen-|libhwloc|libevent|libudev|libsentencepiece/ && $$3 !~ /gpu-check/ {print $$3}') $(GPU_CHECK)/bin/lib/
 
 $(GPU_CHECK)/bin/data/train-00000.bin: $(BUILD)/prepare $(wildcard demo/corpus/text/*)
 	rm -rf $(GPU_CHECK)/bin/data

@@ -10,8 +10,12 @@
 //   Llama3Tiktoken/T     the same tokenizer read from its tiktoken file
 // The sentencepiece model is an 8000-piece BPE trained on demo/corpus/text with LLaMA's settings. Each
 // encoder starts with a cold cache. MB_per_s counts the documents' bytes; the summary at the end prints the
-// per-core ratios (tuna on 1 thread over each peer on 1). Run from the repository root: build/bench_tokenize
+// per-core ratios (tuna on 1 thread over each peer on 1), by wall time and by CPU time (MB_per_cpu_s: the
+// bytes over the CPU seconds the encoder's process or thread spent, which a loaded machine disturbs less).
+// Run from the repository root: build/bench_tokenize
 #include <benchmark/benchmark.h>
+#include <sys/resource.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -94,16 +98,26 @@ Corpus& corpus() {
   return c;
 }
 
-std::map<std::string, double>& rates() {  // MB/s by benchmark name, for the summary
-  static std::map<std::string, double> r;
+struct Rate {
+  double wall = 0, cpu = 0;  // MB/s by wall time and by CPU time
+};
+std::map<std::string, Rate>& rates() {  // by benchmark, for the summary
+  static std::map<std::string, Rate> r;
   return r;
 }
 
-void set_rate(benchmark::State& state, const std::string& name, double seconds, uint64_t tokens) {
-  const double mb_per_s = static_cast<double>(corpus().bytes) * static_cast<double>(state.iterations()) / 1e6 / seconds;
-  state.counters["MB_per_s"] = benchmark::Counter(mb_per_s);
+double cpu_seconds(int who) {  // RUSAGE_SELF or RUSAGE_CHILDREN
+  rusage u{};
+  ::getrusage(who, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+void set_rate(benchmark::State& state, const std::string& name, double seconds, double cpu, uint64_t tokens) {
+  const double mb = static_cast<double>(corpus().bytes) * static_cast<double>(state.iterations()) / 1e6;
+  state.counters["MB_per_s"] = benchmark::Counter(mb / seconds);
+  state.counters["MB_per_cpu_s"] = benchmark::Counter(mb / cpu);
   state.counters["tokens"] = static_cast<double>(tokens);
-  rates()[name] = mb_per_s;
+  rates()[name] = {mb / seconds, mb / cpu};
 }
 
 // Runs a command, returns its standard output (empty on failure).
@@ -121,18 +135,20 @@ std::string run(const std::string& command) {
 void BM_SpmEncode(benchmark::State& state) {
   const std::string command =
       "spm_encode --model " + corpus().spm_model + " --output_format=id < " + (corpus().dir / "corpus.txt").string();
-  double total = 0;
+  double total = 0, cpu = 0;
   uint64_t tokens = 0;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
+    const double c0 = cpu_seconds(RUSAGE_CHILDREN);
     const std::string ids = run(command);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    cpu += cpu_seconds(RUSAGE_CHILDREN) - c0;
     if (ids.empty()) state.SkipWithError("spm_encode failed (is the sentencepiece package installed?)");
     tokens = static_cast<uint64_t>(std::count(ids.begin(), ids.end(), ' ') + std::count(ids.begin(), ids.end(), '\n'));
     state.SetIterationTime(s);
     total += s;
   }
-  set_rate(state, "spm_encode", total, tokens);
+  set_rate(state, "spm_encode", total, cpu, tokens);
 }
 
 void BM_HfTokenizers(benchmark::State& state) {
@@ -148,8 +164,9 @@ void BM_HfTokenizers(benchmark::State& state) {
     const nlohmann::json j = nlohmann::json::parse(line);
     state.SetIterationTime(j.at("seconds").get<double>());
     state.counters["MB_per_s"] = j.at("mb_per_s").get<double>();
+    state.counters["MB_per_cpu_s"] = j.at("mb_per_cpu_s").get<double>();
     state.counters["tokens"] = j.at("tokens").get<double>();
-    rates()["tokenizers"] = j.at("mb_per_s").get<double>();
+    rates()["tokenizers"] = {j.at("mb_per_s").get<double>(), j.at("mb_per_cpu_s").get<double>()};
   }
 }
 
@@ -160,12 +177,13 @@ void BM_Cached(benchmark::State& state) {
   const int threads = state.range(0) ? static_cast<int>(state.range(0)) : all_threads();
   const Corpus& c = corpus();
   const Tokenizer tok(kModel == Model::spm ? c.spm_model : kModel == Model::llama3_json ? c.llama3_json : c.llama3_tiktoken);
-  double total = 0;
+  double total = 0, cpu = 0;
   uint64_t tokens = 0;
   for (auto _ : state) {
     const CachedEncoder encoder(tok);  // a cold cache every iteration
     if (!encoder.exact()) state.SkipWithError("the segment cache is off for this model");
     const auto t0 = std::chrono::steady_clock::now();
+    const double c0 = cpu_seconds(RUSAGE_SELF);
     tokens = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4) reduction(+ : tokens)
     for (size_t d = 0; d < c.docs.size(); ++d) {
@@ -174,10 +192,11 @@ void BM_Cached(benchmark::State& state) {
       tokens += ids.size();
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    cpu += cpu_seconds(RUSAGE_SELF) - c0;
     state.SetIterationTime(s);
     total += s;
   }
-  set_rate(state, str(kModel == Model::spm ? "sentencepiece" : kModel == Model::llama3_json ? "llama3_json" : "llama3_tiktoken", "/", threads), total, tokens);
+  set_rate(state, str(kModel == Model::spm ? "sentencepiece" : kModel == Model::llama3_json ? "llama3_json" : "llama3_tiktoken", "/", threads), total, cpu, tokens);
 }
 
 // range 0 = all hardware threads.
@@ -198,9 +217,10 @@ int main(int argc, char** argv) {
   auto& r = tuna::rates();
   auto ratio = [&](const char* ours, const char* peer) {
     const auto a = r.find(ours), b = r.find(peer);
-    if (a == r.end() || b == r.end() || b->second <= 0) return;
-    std::printf("bench_tokenize: %s %.1f MB/s vs %s %.2f MB/s: %.1fx\n", ours, a->second, peer, b->second,
-                a->second / b->second);
+    if (a == r.end() || b == r.end() || b->second.wall <= 0 || b->second.cpu <= 0) return;
+    std::printf("bench_tokenize: %s %.1f MB/s vs %s %.2f MB/s: %.1fx by wall time; %.1f vs %.2f MB per CPU second: %.1fx\n",
+                ours, a->second.wall, peer, b->second.wall, a->second.wall / b->second.wall, a->second.cpu, b->second.cpu,
+                a->second.cpu / b->second.cpu);
   };
   ratio("sentencepiece/1", "spm_encode");
   ratio("llama3_json/1", "tokenizers");
