@@ -18,7 +18,7 @@ namespace fs = std::filesystem;
 const char* format_name(TokenizerFormat format) {
   switch (format) {
     case TokenizerFormat::sentencepiece: return "sentencepiece";
-    case TokenizerFormat::hf_bpe: return "tokenizer.json (byte-level BPE)";
+    case TokenizerFormat::hf_bpe: return "Hugging Face byte-level BPE";
     case TokenizerFormat::tiktoken: return "tiktoken BPE";
   }
   return "?";

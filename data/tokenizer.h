@@ -26,7 +26,7 @@ namespace tuna {
 class TokenizerImpl;
 
 enum class TokenizerFormat : uint8_t { sentencepiece, hf_bpe, tiktoken };
-const char* format_name(TokenizerFormat format);  // "sentencepiece", "tokenizer.json (byte-level BPE)", ...
+const char* format_name(TokenizerFormat format);  // "sentencepiece", "Hugging Face byte-level BPE", "tiktoken BPE"
 
 // What encode() does with a special token's name (<|eot_id|>, <s>) written in the text.
 enum class SpecialTokens : uint8_t {
@@ -54,7 +54,7 @@ class Tokenizer {
   bool loaded() const { return impl_ != nullptr; }
   const std::string& path() const;  // the tokenizer file read
   TokenizerFormat format() const;
-  std::string describe() const;  // "ckpt/base/tokenizer.json (tokenizer.json (byte-level BPE), 128256 tokens)"
+  std::string describe() const;  // "ckpt/base/tokenizer.json (Hugging Face byte-level BPE, 128256 tokens)"
 
   // Safe to call from several threads at once. Text must be valid UTF-8 for the BPE formats (a tuna::Error
   // otherwise); sentencepiece takes any bytes.

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
     }
     if (args[0] == "tuna-to-hf")
       for (const std::string& name : tuna::complete_hf_tokenizer_files(args[2], tuna::read_config_json(args[2])))
-        std::printf("wrote %s/%s (for transformers' AutoTokenizer)\n", args[2].c_str(), name.c_str());
+        std::printf("wrote %s/%s (for transformers)\n", args[2].c_str(), name.c_str());
     return 0;
   } catch (const tuna::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
