@@ -31,7 +31,8 @@ const char* format_name(TokenizerFormat format);  // "sentencepiece", "Hugging F
 // What encode() does with a special token's name (<|eot_id|>, <s>) written in the text.
 enum class SpecialTokens : uint8_t {
   as_text,  // encode it as ordinary text: a document cannot forge a control token (prepare, the default)
-  parse,    // emit the special token's id (Hugging Face's default; build/sample's prompts)
+  parse,    // emit the special token's id (Hugging Face's default; build/sample's prompts). Sentencepiece
+            // models encode as their library does, which never reads a control token from text.
 };
 
 class Tokenizer {
