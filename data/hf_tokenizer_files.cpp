@@ -28,7 +28,7 @@ bool is_file(const fs::path& p) {
 
 }  // namespace
 
-std::vector<std::string> complete_hf_tokenizer_files(const fs::path& dir, const json& config) {
+std::vector<std::string> complete_hf_tokenizer_files(const fs::path& dir, const json& config, std::string* warning) {
   std::vector<std::string> written;
   // generation_config.json: BOS and EOS ids as the model's config.json has them (Llama 3 instruct: a list).
   auto generation = [&](int32_t bos, int32_t eos) {
@@ -58,8 +58,9 @@ std::vector<std::string> complete_hf_tokenizer_files(const fs::path& dir, const 
       // tokenizer.json alone: transformers needs only its `tokenizers` dependency.
       c = {{"tokenizer_class", "PreTrainedTokenizerFast"}};
     } else {
-      fail(dir.string(), ": the tokenizer is a tiktoken file without a tokenizer.json; transformers cannot load it "
-           "without the tiktoken package: copy the model's tokenizer.json into the checkpoint");
+      *warning = str(dir.string(), " carries a tiktoken tokenizer.model without a tokenizer.json: transformers reads it "
+                     "only with the tiktoken package; copy the model's tokenizer.json beside it");
+      return written;
     }
     c["bos_token"] = token(tokenizer.bos_id());
     c["eos_token"] = token(tokenizer.eos_id());

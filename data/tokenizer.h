@@ -131,9 +131,10 @@ bool has_tokenizer(const std::filesystem::path& dir);
 // are kept) so that transformers' AutoTokenizer loads it with as few packages as possible: tokenizer_config.json
 // (PreTrainedTokenizerFast over tokenizer.json: `tokenizers` only; LlamaTokenizer over a sentencepiece model:
 // the sentencepiece package), special_tokens_map.json, generation_config.json (BOS/EOS ids from config, the
-// model's config.json). A tiktoken file alone is refused (transformers would need the tiktoken package).
-// Returns the names of the files written.
-std::vector<std::string> complete_hf_tokenizer_files(const std::filesystem::path& dir, const nlohmann::json& config);
+// model's config.json). A tiktoken file alone gets no tokenizer_config.json, and *warning says why (transformers
+// would need the tiktoken package). Returns the names of the files written.
+std::vector<std::string> complete_hf_tokenizer_files(const std::filesystem::path& dir, const nlohmann::json& config,
+                                                     std::string* warning);
 
 // Encodes many documents fast and exactly as Tokenizer::encode would: text is cut into the segments the
 // tokenizer's own pre-tokenization makes (see data/tokenizer_impl.h: sentencepiece words and newlines,

@@ -44,9 +44,12 @@ int main(int argc, char** argv) {
         std::printf("warning: the tokenizer files were copied, but tuna cannot read them: %s\n", e.what());
       }
     }
-    if (args[0] == "tuna-to-hf")
-      for (const std::string& name : tuna::complete_hf_tokenizer_files(args[2], tuna::read_config_json(args[2])))
+    if (args[0] == "tuna-to-hf") {
+      std::string warning;
+      for (const std::string& name : tuna::complete_hf_tokenizer_files(args[2], tuna::read_config_json(args[2]), &warning))
         std::printf("wrote %s/%s (for transformers)\n", args[2].c_str(), name.c_str());
+      if (!warning.empty()) std::printf("warning: %s\n", warning.c_str());
+    }
     return 0;
   } catch (const tuna::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

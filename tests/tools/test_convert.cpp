@@ -131,6 +131,21 @@ TEST(Convert, ExportCarriesWhatAutoTokenizerNeeds) {
     for (size_t i = 0; i < ids.size(); ++i) expected += (i ? ", " : "") + std::to_string(ids[i]);
     python_args += " " + out.string() + " '[" + expected + "]'";
   }
+  // A tiktoken file alone: the export goes through, with a warning instead of a tokenizer_config.json that
+  // transformers could only use with the tiktoken package.
+  {
+    const fs::path ckpt = tmp / "tuna-tiktoken";
+    fs::create_directories(ckpt);
+    for (const auto& e : fs::directory_iterator(tmp / "tuna")) fs::copy_file(e.path(), ckpt / e.path().filename());
+    ASSERT_EQ(std::system(("zstd -dq --long=27 tests/fixtures/tokenizers/llama3/original/tokenizer.model.zst -o " +
+                           (ckpt / "tokenizer.model").string()).c_str()), 0);
+    auto r = run_command(kConvert + " tuna-to-hf " + ckpt.string() + " " + (tmp / "hf-tiktoken").string(), tmp / "l5");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("warning: "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("tiktoken package"), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(tmp / "hf-tiktoken" / "tokenizer_config.json"));
+    EXPECT_TRUE(fs::exists(tmp / "hf-tiktoken" / "tokenizer.model"));
+  }
   if (python_args.empty()) return;
   // One Python process for every case (importing transformers is the slow part).
   auto r = run_command("python3 -c \"import sys; from transformers import AutoTokenizer\n"
