@@ -62,7 +62,7 @@ EMULATED_MPI_TESTS := $(if $(wildcard tests/mpi/*_emulated.cpp),$(BUILD)/emulate
 # is not emulated: kernels/matmul.cu is replaced by a host test double of its contract (matmul_host.cpp), and
 # its test, which would then test the double, is left out (it runs on a GPU only).
 EMULATOR_DIR := tests/kernels/emulator
-EMULATED_LIB_SRCS := model/llama_gpu.cpp model/engine_gpu.cpp model/engine.cpp
+EMULATED_LIB_SRCS := model/llama_gpu.cpp model/engine_gpu.cpp model/engine.cpp dist/comm_staged.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
 # The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
 EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
@@ -75,7 +75,7 @@ EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp \
 # library is linked here.)
 EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o), \
                         $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/% $(BUILD)/obj/model/% \
-                                 $(BUILD)/obj/dist/comm.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
+                                 $(BUILD)/obj/dist/comm.o $(BUILD)/obj/dist/comm_local.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 BENCH_SRCS := $(wildcard bench/*.cpp)
 ifneq ($(CUDA),1)
@@ -191,7 +191,8 @@ REFERENCE_BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/blas/libblas.
 GPU_CHECK_LIBS := -Wl,-Bstatic $(REFERENCE_BLAS) -lgfortran -lquadmath -lgomp -Wl,-Bdynamic \
                   -L/usr/local/cuda/lib64 -lcudart_static -lcublasLt -lpthread -ldl -lrt -lm
 .PHONY: gpu-check-build
-gpu-check-build: $(GPU_CHECK)/bin/gpu_tests $(GPU_BENCHES) $(GPU_CHECK)/bin/train $(GPU_CHECK)/bin/data/train-00000.bin
+gpu-check-build: $(GPU_CHECK)/bin/gpu_tests $(GPU_BENCHES) $(GPU_CHECK)/bin/train $(GPU_CHECK)/bin/plan \
+                 $(GPU_CHECK)/bin/data/train-00000.bin
 
 $(GPU_CHECK)/libtuna_gpu.a: $(GPU_ARCHIVE_OBJS)
 	@mkdir -p $(dir $@)
@@ -213,6 +214,12 @@ $(GPU_CHECK)/bin/bench_%_gpu: $(BUILD)/obj/bench/bench_%_gpu.o $(GPU_CHECK)/libt
 # shared libraries travel in bin/lib (one rank never initializes MPI, but the binary must load; libmpi's own
 # RUNPATH hides bin/lib from its dependencies, so gpu-check.sh puts bin/lib on LD_LIBRARY_PATH); the demo
 # corpus is tokenized here into bin/data (the GPU machine has no sentencepiece).
+# build/plan, for gpu-check's planned-against-measured rows (plain C++: the planner and the memory plans).
+$(GPU_CHECK)/bin/plan: $(BUILD)/obj/tools/plan.o $(GPU_CHECK)/libtuna_gpu.a
+	@mkdir -p $(dir $@)
+	$(CXX) $^ -o $@ $(GPU_CHECK_LIBS)
+	strip --strip-debug $@
+
 $(BUILD)/obj/gpu-check/train.o: train.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(filter-out -DTUNA_NCCL=1,$(CPPFLAGS)) $(CXXFLAGS) -x c++ -c $< -o $@

@@ -84,7 +84,8 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
   resid_out_.resize(n * c.hidden_size);
   final_norm_out_.resize(n * c.hidden_size);
   final_rstd_.resize(n);
-  head_chunk_rows_ = std::clamp<int64_t>(kHeadChunkFloats / d.vocab, 1, n);
+  const LlamaBufferSizes planned = llama_buffer_sizes(c, d, max_batch, max_seq);
+  head_chunk_rows_ = planned.head_chunk_rows;
   logits_chunk_.resize(head_chunk_rows_ * d.vocab);
   if (tp_) ce_stats_.resize(3 * head_chunk_rows_);
 
@@ -98,6 +99,28 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
   d_up_.resize(n * d.ffn);
   d_act_.resize(n * d.ffn);
   d_final_norm_.resize(n * c.hidden_size);
+  // The memory plan is made of llama_buffer_sizes: a buffer added here without it would make the plan wrong.
+  TUNA_CHECK(activation_bytes() == planned.activation_floats(c.num_hidden_layers) * int64_t(sizeof(float)) &&
+                 static_cast<int64_t>(rope_cos_.size() + rope_sin_.size()) == planned.rope_tables &&
+                 static_cast<int64_t>(inv_freq_.size()) == planned.rope_inv_freq &&
+                 static_cast<int64_t>(ce_stats_.size()) == planned.ce_stats,
+             "Llama's buffers differ from llama_buffer_sizes (update it with the constructor)");
+}
+
+LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& c, const TpDims& d, int64_t max_batch, int64_t max_seq) {
+  const int64_t n = max_batch * max_seq, C = c.hidden_size;
+  LlamaBufferSizes s;
+  // resid_in, norm1, resid_mid, norm2: C; rstd1, rstd2: 1; q, att: q_dim; k, v: kv_dim; lse: heads; gate, up, act: ffn.
+  s.kept_per_layer = n * (4 * C + 2 + 2 * d.q_dim + 2 * d.kv_dim + d.heads + 3 * d.ffn);
+  s.final_norm = n * (2 * C + 1);  // resid_out, final_norm_out, final_rstd
+  s.head_chunk_rows = std::clamp<int64_t>(kHeadChunkFloats / d.vocab, 1, n);
+  s.logits_chunk = s.head_chunk_rows * d.vocab;
+  // d_resid, d_norm, d_final_norm: C; d_q, d_att: q_dim; d_k, d_v: kv_dim; d_gate, d_up, d_act: ffn.
+  s.backward = n * (3 * C + 2 * d.q_dim + 2 * d.kv_dim + 3 * d.ffn);
+  s.rope_tables = 2 * max_seq * (c.head_dim / 2);
+  s.rope_inv_freq = c.head_dim / 2;
+  s.ce_stats = d.tp_size > 1 ? 3 * s.head_chunk_rows : 0;
+  return s;
 }
 
 int64_t Llama::activation_bytes() const {

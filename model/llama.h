@@ -109,6 +109,23 @@ class Llama {
   std::vector<float> d_resid_, d_norm_, d_q_, d_k_, d_v_, d_att_, d_gate_, d_up_, d_act_, d_final_norm_;
 };
 
+// The buffers a Llama allocates at construction for (max_batch, max_seq) on one tensor-parallel rank, in
+// floats (doubles where noted). Llama's constructor checks its allocations against these figures, and the
+// memory plan (model/memory_plan_cpu.cpp) is made of them, so the plan cannot drift from the model.
+struct LlamaBufferSizes {
+  int64_t kept_per_layer = 0;   // what one layer's forward keeps for its backward (inputs, norms, q/k/v, ...)
+  int64_t final_norm = 0;       // the last residual, the final norm's output and rstd
+  int64_t head_chunk_rows = 0;  // rows of logits computed at once
+  int64_t logits_chunk = 0;     // head_chunk_rows x vocab (this rank's)
+  int64_t backward = 0;         // the backward's scratch (gradients of one layer's activations)
+  int64_t rope_tables = 0;      // cos and sin for max_seq positions
+  int64_t rope_inv_freq = 0;    // doubles
+  int64_t ce_stats = 0;         // doubles: per-row statistics of the vocab-parallel loss (tp > 1)
+  // What activation_bytes() reports: kept activations of every layer, final norm, logits chunk, backward.
+  int64_t activation_floats(int64_t layers) const { return kept_per_layer * layers + final_norm + logits_chunk + backward; }
+};
+LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& config, const TpDims& tp, int64_t max_batch, int64_t max_seq);
+
 // HF-style initialization of a flat buffer laid out by `layout` (any tp rank's): normal(0, std) for 2-D
 // weights, drawn for the global tensor in order and cut to this rank's block; ones for norm weights.
 void init_random_weights(const ParamLayout& layout, uint64_t seed, double std, float* out);

@@ -15,6 +15,8 @@ packages=(
   libxxhash-dev            # content hashes for dedup
   libgtest-dev libgmock-dev  # tests
   libbenchmark-dev         # benches
+  chromium                 # renders the run report in tests/tools/test_report.cpp (headless); measured on Debian 12:
+                           # 24 packages, 395 MB installed, 15 s to install
 )
 
 missing=()
