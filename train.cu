@@ -30,6 +30,7 @@
 #include "core/run_report.h"      // refresh_run_report: out_dir/report.html
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
+#include "data/tokenizer.h"       // model_tokenizer: what checkpoints carry, what shards must match
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
 #include "model/checkpoint.h"     // load_weights, save_checkpoint, latest_checkpoint, load_checkpoint_shard
 #include "model/config.h"         // LlamaConfig
@@ -47,7 +48,7 @@ namespace {
 struct TrainConfig {
   std::string model_config;  // config.json for a model trained from scratch
   std::string init;          // checkpoint directory to start from (Hugging Face or tuna)
-  std::string tokenizer;     // tokenizer.model (or its directory), copied into checkpoints
+  std::string tokenizer;     // tokenizer file or directory carried in checkpoints; shards must match it
   std::string train_data;    // shard files, directories or globs, comma-separated
   std::string val_data;
   int64_t seq_len = 1024;
@@ -80,7 +81,9 @@ struct TrainConfig {
 void declare(Options& o, TrainConfig& c) {
   o.add("model_config", &c.model_config, "config.json of a model to train from scratch (instead of --init)");
   o.add("init", &c.init, "model directory to start from: a Hugging Face download or a tuna checkpoint");
-  o.add("tokenizer", &c.tokenizer, "tokenizer.model (or its directory) to carry in checkpoints; default: --init's");
+  o.add("tokenizer", &c.tokenizer,
+        "the model's tokenizer (a file of any format, or a model directory): carried in checkpoints, and the shards "
+        "must have been written with it; default: --init's");
   o.add("train_data", &c.train_data, "token shards: files, directories or globs, comma-separated");
   o.add("val_data", &c.val_data, "validation shards, same form; empty: no validation");
   o.add("seq_len", &c.seq_len, "tokens per sequence");
@@ -232,6 +235,9 @@ int run(int argc, char** argv) {
   LlamaConfig model_cfg = weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
                                               : LlamaConfig::from_json(config_json, (weights_dir / "config.json").string());
   if (weights_dir.empty()) config_json = LlamaConfig::load(cfg.model_config).to_json(), config_json["torch_dtype"] = "float32";
+  // The tokenizer checkpoints carry (exactly the one --tokenizer names, else the weights directory's), which
+  // the shards must have been written with.
+  const ModelTokenizer tokenizer = model_tokenizer(cfg.tokenizer, weights_dir.string(), model_cfg.vocab_size);
 
   EngineOptions eo;
   eo.device = resolve_device(cfg.device);
@@ -281,6 +287,8 @@ int run(int argc, char** argv) {
   if (eo.device == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
   if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", cfg.init.c_str());
   else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
+  std::printf("tokenizer %s\n", tokenizer.description.c_str());
+  if (!tokenizer.note.empty()) std::printf("note: %s\n", tokenizer.note.c_str());
 
   json saved_cursor;
   int64_t step = 0;
@@ -301,12 +309,8 @@ int run(int argc, char** argv) {
     }
     std::printf("resumed from %s at step %lld\n", resume_from->c_str(), (long long)step);
   }
-  fs::path tokenizer_dir = resume_from ? *resume_from : fs::path(cfg.init);
-  if (!cfg.tokenizer.empty())
-    tokenizer_dir = fs::is_directory(cfg.tokenizer) ? fs::path(cfg.tokenizer) : fs::path(cfg.tokenizer).parent_path();
-
   LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
-                           model_cfg.vocab_size, false};
+                           model_cfg.vocab_size, false, tokenizer.fingerprint, tokenizer.description};
   DataLoader train(expand_shard_paths(split_list(cfg.train_data)), train_opts);
   if (!saved_cursor.is_null()) train.set_cursor(reshard_cursor(saved_cursor.get<LoaderCursor>(), mesh.dp_size));
   std::unique_ptr<DataLoader> val;
@@ -362,7 +366,7 @@ int run(int argc, char** argv) {
       TUNA_CHECK(static_cast<int64_t>(sp.size()) == layout.total(), "one rank's shard is not the whole model");
       ProgressLine progress(str("checkpoint step ", at_step), 12.0 * double(sp.size()), ProgressLine::Unit::Bytes, stdout);
       CheckpointContents contents{&config_json, sp.data(), {sm.data(), sv.data(), engine->steps_taken()}, state,
-                                  tokenizer_dir, &progress};
+                                  tokenizer.files, &progress};
       p = save_checkpoint(ckpt_root, at_step, layout, contents, cfg.ckpt_keep);
       progress.finish();
     } else {  // one file per rank, written in parallel (model/checkpoint.h)
@@ -377,7 +381,7 @@ int run(int argc, char** argv) {
                                         /*write_replicated=*/mesh.tp_rank == 0, &progress});
       progress.finish();
       sp = {}, sm = {}, sv = {};
-      CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer_dir};
+      CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer.files};
       world->barrier("checkpoint shards written");
       if (world->rank() == 0) p = finish_sharded_checkpoint(ckpt_root, at_step, contents, cfg.ckpt_keep);
       world->barrier("checkpoint renamed");

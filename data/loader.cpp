@@ -4,7 +4,9 @@
 #include <glob.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -24,6 +26,24 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 bool is_glob(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+std::string hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// The tokenizer a prepare run names in the report.json beside its shards, if it is there.
+std::string tokenizer_of_prepare_run(const std::string& shard) {
+  const fs::path report = fs::path(shard).parent_path() / "report.json";
+  std::ifstream in(report);
+  if (!in) return {};
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("tokenizer") || !j["tokenizer"].is_object() ||
+      !j["tokenizer"].contains("path") || !j["tokenizer"]["path"].is_string())
+    return {};
+  return j["tokenizer"]["path"].get<std::string>();
+}
 
 }  // namespace
 
@@ -138,6 +158,13 @@ DataLoader::DataLoader(const std::vector<std::string>& shard_specs, const Loader
     if (shard.vocab_size() > static_cast<uint64_t>(options.vocab_size))
       fail("shard ", path, ": written by a tokenizer with vocab_size ", shard.vocab_size(),
            ", larger than the model's vocab_size ", options.vocab_size);
+    if (options.tokenizer_fingerprint != 0 && shard.tokenizer_fingerprint() != 0 &&
+        shard.tokenizer_fingerprint() != options.tokenizer_fingerprint) {
+      const std::string writer = tokenizer_of_prepare_run(path);
+      fail("shard ", path, ": written by another tokenizer (", writer.empty() ? std::string() : writer + ", ",
+           "fingerprint ", hex(shard.tokenizer_fingerprint()), ") than the model's, ", options.tokenizer_name,
+           " (fingerprint ", hex(options.tokenizer_fingerprint), "): prepare the data with the model's tokenizer");
+    }
     const uint64_t n = shard.token_count();
     const uint64_t windows = n >= T + 1 ? (n - 1) / T : 0;
     if (windows == 0) ++short_shards_;

@@ -17,8 +17,6 @@ namespace tuna {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-const char* const kTokenizerFiles[] = {"tokenizer.model",         "tokenizer.json", "tokenizer_config.json",
-                                       "special_tokens_map.json", "generation_config.json", nullptr};
 
 namespace {
 
@@ -286,14 +284,10 @@ fs::path finish_sharded_checkpoint(const fs::path& root, int64_t step, const Che
   const fs::path final_dir = root / step_dir_name(step);
   const fs::path tmp_dir = root / (".tmp-" + step_dir_name(step));
   write_text_file(tmp_dir / "config.json", c.config_json->dump(2) + "\n");
-  if (!c.copy_tokenizer_from.empty()) {
-    for (const char* const* f = kTokenizerFiles; *f; f++) {
-      const fs::path src = c.copy_tokenizer_from / *f;
-      if (!fs::exists(src)) continue;
-      fs::copy_file(src, tmp_dir / *f, fs::copy_options::overwrite_existing, ec);
-      if (ec) fail(src.string(), ": cannot copy into the checkpoint: ", ec.message());
-      fsync_path(tmp_dir / *f, false);
-    }
+  for (const TokenizerFile& f : c.tokenizer_files) {
+    fs::copy_file(f.source, tmp_dir / f.name, fs::copy_options::overwrite_existing, ec);
+    if (ec) fail(f.source.string(), ": cannot copy into the checkpoint: ", ec.message());
+    fsync_path(tmp_dir / f.name, false);
   }
   json state = c.state;
   state["step"] = step;

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "data/tokenizer.h"  // TokenizerFile (a plain struct: model/ calls nothing of data/)
 #include "model/layout.h"
 #include "model/optimizer.h"  // Segment
 
@@ -45,8 +46,6 @@ class ProgressLine;  // core/progress.h
 class AdamW;
 class HfCheckpointDir;
 
-// Files copied alongside weights so a checkpoint carries its tokenizer (those that exist).
-extern const char* const kTokenizerFiles[];
 
 // Reads every parameter of `layout` from a directory holding config.json + safetensors (a Hugging Face
 // download or a tuna checkpoint) into params (fp32), converting bf16/f16. Fails naming the directory and
@@ -73,7 +72,7 @@ struct CheckpointContents {
   const float* params;                // ParamLayout order, fp32
   MomentsView optimizer;              // optimizer.m null: weights only (convert)
   nlohmann::json state;               // written as state.json; "step" must be set
-  std::filesystem::path copy_tokenizer_from;  // directory with tokenizer files, or empty
+  std::vector<TokenizerFile> tokenizer_files;  // copied into the checkpoint (data/tokenizer.h)
   ProgressLine* progress = nullptr;           // advanced by the bytes of the weight files written, when given
 };
 

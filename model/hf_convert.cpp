@@ -44,12 +44,14 @@ void write_json(const fs::path& p, const json& j) {
   if (!out) fail(p.string(), ": write failed (disk full?)");
 }
 
+// The model directory's tokenizer files as they are (data/tokenizer.h: kTokenizerFileNames). Which tokenizer
+// they hold is read by the tools, which also write what an export lacks (tools/convert.cpp).
 void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
-  for (const char* const* f = kTokenizerFiles; *f; f++) {
+  for (const char* name : kTokenizerFileNames) {
     std::error_code ec;
-    if (!fs::exists(from / *f)) continue;
-    fs::copy_file(from / *f, to / *f, fs::copy_options::overwrite_existing, ec);
-    if (ec) fail((from / *f).string(), ": cannot copy to ", to.string(), ": ", ec.message());
+    if (!fs::is_regular_file(from / name, ec)) continue;
+    fs::copy_file(from / name, to / name, fs::copy_options::overwrite_existing, ec);
+    if (ec) fail((from / name).string(), ": cannot copy to ", to.string(), ": ", ec.message());
   }
 }
 

@@ -15,6 +15,7 @@
 #include "core/options.h"
 #include "core/threads.h"
 #include "data/loader.h"
+#include "data/tokenizer.h"  // model_tokenizer
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/engine.h"  // ForwardModel: the forward pass on cpu or cuda
@@ -51,6 +52,10 @@ int main(int argc, char** argv) {
     lo.micro_batch = micro_batch;
     lo.vocab_size = config.vocab_size;
     lo.eval = true;
+    // Shards written by another tokenizer than the checkpoint's are refused (when it has one tuna reads).
+    const ModelTokenizer tokenizer = model_tokenizer("", checkpoint, config.vocab_size);
+    lo.tokenizer_fingerprint = tokenizer.fingerprint;
+    lo.tokenizer_name = tokenizer.description;
     DataLoader loader(expand_shard_paths(specs), lo);
 
     std::vector<int32_t> inputs(micro_batch * seq_len), targets(micro_batch * seq_len);

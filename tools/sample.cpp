@@ -1,4 +1,4 @@
-// build/sample — generates text from a checkpoint with its sentencepiece tokenizer.
+// build/sample — generates text from a checkpoint with its tokenizer (sentencepiece, tokenizer.json or tiktoken).
 //
 //   build/sample --checkpoint DIR --prompt "This Agreement" [--max_tokens 64] [--temperature 0.8]
 //                [--top_p 0.95] [--greedy] [--seed 1] [--device cuda] [--kv_cache false]
@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
     bool greedy = false, stop_at_eos = true, kv_cache = true;
     Options options("build/sample", "Generates a continuation of a prompt from a model directory.");
     options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint or a Hugging Face download");
-    options.add("tokenizer", &tokenizer_path, "sentencepiece tokenizer.model; default: the checkpoint's");
+    options.add("tokenizer", &tokenizer_path,
+                "tokenizer file (sentencepiece, tokenizer.json, tiktoken) or model directory; default: the checkpoint's");
     options.add("prompt", &prompt, "text to continue");
     options.add("max_tokens", &max_tokens, "tokens to generate at most");
     options.add("temperature", &temperature, "softmax temperature (> 0)");
@@ -77,16 +78,17 @@ int main(int argc, char** argv) {
     if (!(top_p > 0 && top_p <= 1)) fail("option 'top_p': expected in (0, 1], found ", top_p);
     if (max_tokens < 1) fail("option 'max_tokens': expected >= 1, found ", max_tokens);
     set_cpu_threads(threads);
-    if (tokenizer_path.empty()) tokenizer_path = (std::filesystem::path(checkpoint) / "tokenizer.model").string();
+    if (tokenizer_path.empty()) tokenizer_path = checkpoint;  // the directory's own tokenizer
 
     Tokenizer tokenizer(tokenizer_path);
     LlamaConfig config = LlamaConfig::load(checkpoint);
     if (tokenizer.vocab_size() > config.vocab_size)
-      fail(tokenizer_path, ": the tokenizer has ", tokenizer.vocab_size(), " pieces, more than the model's vocab_size ",
+      fail(tokenizer.path(), ": the tokenizer has ", tokenizer.vocab_size(), " ids, more than the model's vocab_size ",
            config.vocab_size);
     std::vector<int32_t> tokens;
     if (tokenizer.bos_id() >= 0) tokens.push_back(tokenizer.bos_id());
-    for (int32_t t : tokenizer.encode(prompt)) tokens.push_back(t);
+    // Special tokens written in the prompt (<|start_header_id|>, <|eot_id|>) are the model's control tokens.
+    for (int32_t t : tokenizer.encode(prompt, SpecialTokens::parse)) tokens.push_back(t);
     const int64_t context = std::min<int64_t>(config.max_position_embeddings, tokens.size() + max_tokens);
     if (static_cast<int64_t>(tokens.size()) >= context)
       fail("the prompt (", tokens.size(), " tokens) leaves no room under max_position_embeddings ",

@@ -7,6 +7,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
+#include "data/tokenizer.h"
 #include "model/safetensors.h"
 #include "tests/test_util.h"
 
@@ -14,6 +17,7 @@ namespace tuna {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_util::read_file;
 using testing_util::run_command;
 using testing_util::TempDir;
 
@@ -80,6 +84,83 @@ TEST_P(ConvertRoundTrip, TransformersLoadsTheExport) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ConvertRoundTrip, testing::Values("llama2_tiny", "llama32_tiny"));
+
+// The export carries the checkpoint's tokenizer and writes what transformers' AutoTokenizer needs beside it
+// (tokenizer_config.json, special_tokens_map.json, generation_config.json), keeping the model's own files;
+// where transformers is installed, AutoTokenizer loads the export and gives tuna's ids.
+TEST(Convert, ExportCarriesWhatAutoTokenizerNeeds) {
+  TempDir tmp("exporttok");
+  ASSERT_EQ(run_command(kConvert + " hf-to-tuna tests/fixtures/llama2_tiny " + (tmp / "tuna").string(), tmp / "l1").exit_code, 0);
+  struct Case {
+    std::string tokenizer_file, expected_class, bos, eos;
+    int bos_id, eos_id;           // the model's config.json names them (BOS/EOS come from the model's config)
+    std::string python_packages;  // what transformers needs to load it
+  };
+  const std::string text = "The Licensee shall pay the fees within 30 days.";
+  std::string python_args;  // export directory, expected ids: for transformers, where it is installed
+  for (const Case& c : {Case{"spm/tokenizer.model", "LlamaTokenizer", "<s>", "</s>", 1, 2, "transformers, sentencepiece, google.protobuf"},
+                        Case{"llama3/tokenizer.json.zst", "PreTrainedTokenizerFast", "<|begin_of_text|>", "<|end_of_text|>",
+                             128000, 128001, "transformers"}}) {
+    const fs::path ckpt = tmp / ("tuna-" + c.expected_class), out = tmp / ("hf-" + c.expected_class);
+    fs::create_directories(ckpt);
+    for (const auto& e : fs::directory_iterator(tmp / "tuna")) fs::copy_file(e.path(), ckpt / e.path().filename());
+    auto model_config = nlohmann::json::parse(read_file(ckpt / "config.json"));
+    model_config["bos_token_id"] = c.bos_id, model_config["eos_token_id"] = c.eos_id;
+    std::ofstream(ckpt / "config.json") << model_config.dump();
+    const std::string source = "tests/fixtures/tokenizers/" + c.tokenizer_file;
+    if (source.ends_with(".zst"))
+      ASSERT_EQ(std::system(("zstd -dq --long=27 " + source + " -o " + (ckpt / "tokenizer.json").string()).c_str()), 0);
+    else
+      fs::copy_file(source, ckpt / "tokenizer.model");
+    auto r = run_command(kConvert + " tuna-to-hf " + ckpt.string() + " " + out.string(), tmp / "l2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("wrote " + out.string() + "/tokenizer_config.json"), std::string::npos) << r.output;
+    const auto config = nlohmann::json::parse(read_file(out / "tokenizer_config.json"));
+    EXPECT_EQ(config["tokenizer_class"], c.expected_class);
+    EXPECT_EQ(config["bos_token"], c.bos);
+    EXPECT_EQ(config["eos_token"], c.eos);
+    EXPECT_EQ(nlohmann::json::parse(read_file(out / "special_tokens_map.json"))["bos_token"], c.bos);
+    const auto generation = nlohmann::json::parse(read_file(out / "generation_config.json"));
+    EXPECT_EQ(generation["bos_token_id"], c.bos_id);
+    EXPECT_EQ(generation["eos_token_id"], c.eos_id);
+    // Exported again from a checkpoint that has them: the model's own files are kept as they are.
+    std::ofstream(ckpt / "tokenizer_config.json") << read_file(out / "tokenizer_config.json");
+    r = run_command(kConvert + " tuna-to-hf " + ckpt.string() + " " + (tmp / "again").string(), tmp / "l3");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("wrote " + (tmp / "again").string() + "/tokenizer_config.json"), std::string::npos) << r.output;
+    fs::remove_all(tmp / "again");
+    if (std::system(("python3 -c 'import " + c.python_packages + "' > /dev/null 2>&1").c_str()) != 0) continue;
+    const std::vector<int32_t> ids = Tokenizer(out.string()).encode(text);
+    std::string expected;
+    for (size_t i = 0; i < ids.size(); ++i) expected += (i ? ", " : "") + std::to_string(ids[i]);
+    python_args += " " + out.string() + " '[" + expected + "]'";
+  }
+  // A tiktoken file alone: the export goes through, with a warning instead of a tokenizer_config.json that
+  // transformers could only use with the tiktoken package.
+  {
+    const fs::path ckpt = tmp / "tuna-tiktoken";
+    fs::create_directories(ckpt);
+    for (const auto& e : fs::directory_iterator(tmp / "tuna")) fs::copy_file(e.path(), ckpt / e.path().filename());
+    ASSERT_EQ(std::system(("zstd -dq --long=27 tests/fixtures/tokenizers/llama3/original/tokenizer.model.zst -o " +
+                           (ckpt / "tokenizer.model").string()).c_str()), 0);
+    auto r = run_command(kConvert + " tuna-to-hf " + ckpt.string() + " " + (tmp / "hf-tiktoken").string(), tmp / "l5");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("warning: "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("tiktoken package"), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(tmp / "hf-tiktoken" / "tokenizer_config.json"));
+    EXPECT_TRUE(fs::exists(tmp / "hf-tiktoken" / "tokenizer.model"));
+  }
+  if (python_args.empty()) return;
+  // One Python process for every case (importing transformers is the slow part).
+  auto r = run_command("python3 -c \"import sys; from transformers import AutoTokenizer\n"
+                       "for d, want in zip(sys.argv[2::2], sys.argv[3::2]):\n"
+                       "    got = str(AutoTokenizer.from_pretrained(d).encode(sys.argv[1], add_special_tokens=False))\n"
+                       "    print(d, 'OK' if got == want else 'MISMATCH ' + got + ' != ' + want)\" '" + text + "'" + python_args,
+                       tmp / "l4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("MISMATCH"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("OK"), std::string::npos) << r.output;
+}
 
 TEST(Convert, RefusesPickleCheckpointsWithAWayOut) {
   TempDir tmp("pickle");

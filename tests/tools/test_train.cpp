@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "data/shard.h"
+#include "data/tokenizer.h"
 #include "model/engine.h"  // resolve_device
 #include "tests/test_util.h"
 
@@ -96,6 +97,48 @@ TEST(Train, BadOptionsAndInputsFailClearly) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("128"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("64"), std::string::npos) << r.output;
+}
+
+// --tokenizer names a file under any name: the checkpoints carry exactly it (as tokenizer.model), not what
+// else lies in its directory; a tokenizer that does not exist stops the run before training; shards written by
+// another tokenizer are refused, naming both.
+TEST(Train, CarriesExactlyTheNamedTokenizerAndChecksShards) {
+  TempDir tmp("traintok");
+  const fs::path toks = tmp / "toks";
+  fs::create_directories(toks);
+  fs::copy_file("tests/fixtures/tokenizers/spm/tokenizer.model", toks / "contracts-2k.model");
+  std::ofstream(toks / "tokenizer.model") << "another tokenizer's file, which must not travel";
+  const uint64_t fingerprint = Tokenizer((toks / "contracts-2k.model").string()).fingerprint();
+  testing_util::write_test_shards(tmp / "data", fingerprint);
+  nlohmann::json cfg = nlohmann::json::parse(read_file("tests/fixtures/llama32_tiny/config.json"));
+  cfg["vocab_size"] = 2000;  // the tokenizer's 2000 pieces
+  std::ofstream(tmp / "config.json") << cfg.dump();
+  const std::string flags = common_flags(tmp / "data") + " --model_config " + (tmp / "config.json").string() +
+                            " --steps 2 --val_every 0";
+
+  auto r = run_command(kTrain + flags + " --out_dir " + (tmp / "run").string() + " --tokenizer " +
+                           (toks / "contracts-2k.model").string(), tmp / "log1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tokenizer " + (toks / "contracts-2k.model").string() + " (sentencepiece, 2000 tokens)"),
+            std::string::npos) << r.output;
+  const fs::path ckpt = tmp / "run" / "ckpt" / "step_00000002";
+  EXPECT_EQ(read_file(ckpt / "tokenizer.model"), read_file(toks / "contracts-2k.model"));
+  EXPECT_FALSE(fs::exists(ckpt / "tokenizer.json"));
+  EXPECT_EQ(Tokenizer(ckpt.string()).fingerprint(), fingerprint);
+
+  r = run_command(kTrain + flags + " --out_dir " + (tmp / "run2").string() + " --tokenizer " +
+                      (toks / "missing.model").string(), tmp / "log2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find((toks / "missing.model").string() + ": no such file"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "run2" / "ckpt"));
+
+  testing_util::write_test_shards(tmp / "other", fingerprint ^ 1);
+  r = run_command(kTrain + common_flags(tmp / "other") + " --model_config " + (tmp / "config.json").string() +
+                      " --steps 2 --out_dir " + (tmp / "run3").string() + " --tokenizer " + (toks / "contracts-2k.model").string(),
+                  tmp / "log3");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("another tokenizer"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("contracts-2k.model"), std::string::npos) << r.output;
 }
 
 TEST(Train, ConfigFileAndFlagsAgree) {
