@@ -71,6 +71,8 @@ struct TrainConfig {
   bool bf16_moments = false;
   bool stochastic_rounding = false;
   double gpu_hour_cost = 0;
+  bool plan_only = false;
+  double gpu_memory_gb = 0;
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -112,6 +114,8 @@ void declare(Options& o, TrainConfig& c) {
   o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever");
   o.add("bf16_moments", &c.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
   o.add("stochastic_rounding", &c.stochastic_rounding, "cuda: round bf16 weights (and bf16 moments) stochastically");
+  o.add("plan_only", &c.plan_only, "cuda: print each rank's device memory plan and whether it fits, then exit without allocating (runs on any machine with --gpu_memory_gb)");
+  o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory");
   o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none");
 }
 
@@ -149,7 +153,7 @@ std::string format_duration(double seconds) {
 void check(const TrainConfig& c) {
   if (c.model_config.empty() == c.init.empty())
     fail("give exactly one of --init (a model directory) and --model_config (a config.json to train from scratch)");
-  if (c.train_data.empty()) fail("option 'train_data' is empty: give token shards (build/prepare writes them)");
+  if (c.train_data.empty() && !c.plan_only) fail("option 'train_data' is empty: give token shards (build/prepare writes them)");
   for (auto [name, v] : {std::pair{"seq_len", c.seq_len}, {"micro_batch", c.micro_batch}, {"grad_accum", c.grad_accum},
                          {"steps", c.steps}, {"log_every", c.log_every}})
     if (v < 1) fail("option '", name, "': expected >= 1, found ", v);
@@ -221,7 +225,8 @@ int run(int argc, char** argv) {
   if (weights_dir.empty()) config_json = LlamaConfig::load(cfg.model_config).to_json(), config_json["torch_dtype"] = "float32";
 
   EngineOptions eo;
-  eo.device = resolve_device(cfg.device);
+  if (cfg.plan_only && cfg.device != "cuda") fail("option 'plan_only' prints the CUDA engine's plan: use --device cuda");
+  eo.device = cfg.plan_only ? cfg.device : resolve_device(cfg.device);
   eo.micro_batch = cfg.micro_batch, eo.seq_len = cfg.seq_len, eo.opt = cfg.opt;
   eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
   eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
@@ -230,6 +235,14 @@ int run(int argc, char** argv) {
   eo.gpu = launch.local_rank;  // one GPU per rank: the rank's index on its node
   if (eo.device == "cpu" && (cfg.bf16_moments || cfg.stochastic_rounding))
     fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
+
+  if (cfg.plan_only) {  // every rank plans its own layout; rank 0 prints
+    const GpuFit fit = plan_gpu_run(model_cfg, eo, mesh, cfg.gpu_memory_gb);
+    std::printf("%s", fit.report.c_str());
+    int64_t all_fit = fit.fits ? 1 : 0;
+    if (world->size() > 1) world->all_reduce(&all_fit, 1, CommType::I64, ReduceOp::Sum, "plan verdicts");
+    return all_fit == world->size() ? 0 : 1;
+  }
 
   // Where the starting weights come from (a resume restores them after construction instead).
   WeightFill initial;
@@ -294,7 +307,7 @@ int run(int argc, char** argv) {
               (long long)model_cfg.n_params(), (int)model_cfg.num_hidden_layers, (long long)model_cfg.hidden_size,
               (long long)model_cfg.num_attention_heads, (long long)model_cfg.num_key_value_heads,
               (long long)model_cfg.vocab_size, engine->activation_bytes() / 1e6);
-  std::printf("state per rank: %.1f MB of parameters, gradients and optimizer state\n", engine->state_bytes() / 1e6);
+  std::printf("%s", engine->memory_report().c_str());
   std::printf("data %llu windows of %lld tokens in %zu shards; %lld tokens per step; %.2f epochs over %lld steps\n",
               (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
               (long long)tokens_per_step,

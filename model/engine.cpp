@@ -6,6 +6,8 @@
 
 #if TUNA_CUDA
 #include <cuda_runtime_api.h>
+
+#include "core/cuda_check.h"
 #endif
 
 namespace tuna {
@@ -52,6 +54,10 @@ class CpuEngine final : public Engine {
   int64_t steps_taken() const override { return zero_->optimizer().steps_taken; }
   void set_steps_taken(int64_t steps) override { zero_->optimizer().steps_taken = steps; }
 
+  std::string memory_report() const override {
+    return str("host memory per rank (planned): activations ", model_.activation_bytes() / 1e6, " MB, parameters, ",
+               "gradients and optimizer state ", zero_->state_bytes() / 1e6, " MB\n");
+  }
   int64_t activation_bytes() const override { return model_.activation_bytes(); }
   int64_t state_bytes() const override { return zero_->state_bytes(); }
   double flops_per_token(int64_t seq) const override { return model_flops_per_token(config_, seq); }
@@ -88,6 +94,34 @@ class CpuForwardModel final : public ForwardModel {
 };
 
 }  // namespace
+
+MemoryLayout engine_memory_layout(const EngineOptions& o, int dp_size, int dp_rank, int tp_size, int tp_rank) {
+  MemoryLayout l;
+  l.dp = dp_size, l.dp_rank = dp_rank, l.tp = tp_size, l.tp_rank = tp_rank;
+  l.zero = o.zero, l.zero_prefetch = o.zero_prefetch, l.recompute = o.recompute;
+  l.bf16_moments = o.bf16_moments;
+  l.micro_batch = o.micro_batch, l.seq_len = o.seq_len;
+  return l;
+}
+
+GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, double capacity_gb) {
+  int64_t capacity = static_cast<int64_t>(capacity_gb * 1e9);
+  if (capacity_gb <= 0) {
+#if TUNA_CUDA
+    if (resolve_device("cuda") == "cuda") {
+      TUNA_CUDA_CHECK(cudaSetDevice(options.gpu));
+      size_t free_bytes = 0, total_bytes = 0;
+      TUNA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+      capacity = static_cast<int64_t>(free_bytes);
+    }
+#else
+    fail("option 'gpu_memory_gb': this build has no CUDA, so there is no GPU to measure: give the card's memory in GB "
+         "(80 for an H100)");
+#endif
+  }
+  return check_gpu_fit(config, engine_memory_layout(options, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank),
+                       capacity);
+}
 
 std::string resolve_device(const std::string& requested) {
   if (requested != "auto" && requested != "cpu" && requested != "cuda")

@@ -85,6 +85,9 @@ class Engine {
   virtual int64_t steps_taken() const = 0;  // AdamW updates so far (bias correction)
   virtual void set_steps_taken(int64_t steps) = 0;
 
+  // What this rank's memory holds, for the log at start: on cuda the per-GPU table of the memory plan the
+  // engine allocated (model/memory_plan.h); on cpu the planned activation and state bytes.
+  virtual std::string memory_report() const = 0;
   // Memory planned at construction: activations, and parameters + gradients + optimizer state.
   virtual int64_t activation_bytes() const = 0;
   virtual int64_t state_bytes() const = 0;
@@ -108,6 +111,13 @@ class ForwardModel {
 // `device` as resolve_device returns it; weights fills the whole model (ParamLayout order).
 std::unique_ptr<ForwardModel> make_forward_model(const LlamaConfig& config, const std::string& device,
                                                  int64_t max_batch, int64_t max_seq, const WeightFill& weights);
+
+// One rank's memory layout (model/memory_plan.h) for these options on a dp x tp mesh.
+MemoryLayout engine_memory_layout(const EngineOptions& options, int dp_size, int dp_rank, int tp_size, int tp_rank);
+
+// The CUDA engine's plan for this rank of `mesh`, checked against a device of capacity_gb (0: the free memory of
+// this rank's visible GPU, which then must exist): what build/train --plan_only prints, without allocating.
+GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, double capacity_gb);
 
 // "auto" -> "cuda" when this build has CUDA and a device is visible, else "cpu". "cuda" without a visible
 // device, or in a CPU-only build, fails with a message saying why.

@@ -483,6 +483,10 @@ class GpuEngine final : public Engine {
     TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
   }
 
+  std::string memory_report() const override {
+    return format_memory_table(model_.memory_plan(), gpu_memory(options_.gpu).total_bytes,
+                               str("device memory per GPU (this rank's plan, allocated at start; ", describe_, ")"));
+  }
   int64_t activation_bytes() const override { return model_.memory_plan().bytes(MemoryKind::Activations); }
   int64_t state_bytes() const override { return model_.state_bytes(); }  // the shard is in the model's arena
   double flops_per_token(int64_t seq) const override { return model_.flops_per_token(seq); }
@@ -677,6 +681,9 @@ std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineO
                                         const WeightFill& initial, const DeviceCommFactory& device_comm) {
   check_supported(options, mesh, static_cast<bool>(device_comm));
   TUNA_CUDA_CHECK(cudaSetDevice(options.gpu));
+  // Refused before anything is allocated when the plan does not fit the device's free memory.
+  const GpuFit fit = plan_gpu_run(config, options, mesh, /*capacity_gb=*/0);
+  if (!fit.fits) fail("this run does not fit on GPU ", options.gpu, ":\n", fit.report);
   return std::make_unique<GpuEngine>(config, options, mesh, initial, device_comm);
 }
 

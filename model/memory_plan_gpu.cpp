@@ -5,6 +5,8 @@
 #include "model/memory_plan.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <functional>
 
 #include "core/error.h"
 #include "dist/zero.h"  // dp_unit_pieces
@@ -183,6 +185,68 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
                         (chunk * l.dp + chunk) * kF32);
   }
   return b.plan;
+}
+
+int64_t gpu_headroom_bytes(const MemoryLayout& l) {
+  const int64_t mib = int64_t(1) << 20;
+  return (l.dp > 1 || l.tp > 1) ? 1536 * mib : 512 * mib;
+}
+
+namespace {
+
+std::string describe_layout(const MemoryLayout& l) {
+  return str("dp ", l.dp, " x tp ", l.tp, ", ZeRO-", l.zero, l.zero == 3 && !l.zero_prefetch ? " (no prefetch)" : "",
+             ", recompute ", recompute_name(l.recompute), ", ", l.bf16_moments ? "bf16" : "fp32", " moments, ",
+             l.master_weights ? "fp32 master" : "no fp32 master", ", micro_batch ", l.micro_batch, " x seq_len ",
+             l.seq_len);
+}
+
+int64_t needed(const LlamaConfig& c, const MemoryLayout& l) {
+  return plan_gpu_memory(c, l).peak() + gpu_headroom_bytes(l);
+}
+
+}  // namespace
+
+GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capacity) {
+  const MemoryPlan plan = plan_gpu_memory(c, l);
+  GpuFit fit;
+  const int64_t need = plan.peak() + gpu_headroom_bytes(l);
+  fit.fits = need <= capacity;
+  fit.report = format_memory_table(plan, capacity,
+                                   str("device memory per GPU (dp rank ", l.dp_rank, ", tp rank ", l.tp_rank, " of ",
+                                       describe_layout(l), ")"),
+                                   gpu_headroom_bytes(l));
+  if (fit.fits) return fit;
+  fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");
+  // Cumulative changes, cheapest in speed first.
+  MemoryLayout t = l;
+  std::vector<std::string> changes;
+  const auto fits_now = [&] { return needed(c, t) <= capacity; };
+  const auto try_change = [&](bool applicable, const std::function<void()>& apply, const std::string& flag) {
+    if (!applicable || fits_now()) return;
+    apply();
+    changes.push_back(flag);
+  };
+  try_change(!t.bf16_moments, [&] { t.bf16_moments = true; }, "--bf16_moments true");
+  for (int z = t.zero + 1; z <= 3 && t.dp > 1; z++) try_change(true, [&, z] { t.zero = z; }, str("--zero ", z));
+  try_change(t.recompute == Recompute::None, [&] { t.recompute = Recompute::Selective; }, "--recompute selective");
+  if (!fits_now() && t.recompute == Recompute::Selective && !changes.empty() && changes.back() == "--recompute selective")
+    changes.pop_back();
+  try_change(t.recompute != Recompute::Full, [&] { t.recompute = Recompute::Full; }, "--recompute full");
+  while (!fits_now() && t.micro_batch > 1) {
+    t.micro_batch = (t.micro_batch + 1) / 2;
+    if (!changes.empty() && changes.back().rfind("--micro_batch", 0) == 0) changes.pop_back();
+    changes.push_back(str("--micro_batch ", t.micro_batch, " (raise grad_accum to keep the global batch)"));
+  }
+  if (fits_now()) {
+    std::string flags;
+    for (const std::string& f : changes) flags += " " + f;
+    fit.report += str("would fit with:", flags, " (", format_bytes(needed(c, t)), " with headroom: ", describe_layout(t), ")\n");
+  } else {
+    fit.report += str("no option of this layout fits (", describe_layout(t), " still needs ", format_bytes(needed(c, t)),
+                      "): more GPUs (a larger dp with ZeRO-3) or tensor parallelism (--tp) are needed\n");
+  }
+  return fit;
 }
 
 }  // namespace tuna
