@@ -255,8 +255,8 @@ int run(int argc, char** argv) {
   }
   DeviceCommFactory device_comm;
 #if TUNA_NCCL
-  device_comm = [&](void* stream) {
-    return make_nccl_comm(mesh.dp->split(0, mesh.dp_rank), stream, cfg.comm_timeout);
+  device_comm = [&](Comm& group, void* stream) {
+    return make_nccl_comm(group.split(0, group.rank()), stream, cfg.comm_timeout);
   };
 #endif
   std::unique_ptr<Engine> engine = make_engine(model_cfg, eo, mesh, initial, device_comm);

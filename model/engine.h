@@ -8,8 +8,8 @@
 //         update), ZeRO-1 (master weights and moments sharded: reduce-scatter, update the shard, all-gather),
 //         ZeRO-2 (gradients sharded too: each unit's reduce-scattered as its backward finishes) or ZeRO-3 (bf16
 //         weights sharded too: each unit gathered before use, the next one prefetched on a communication
-//         stream). Activation recompute (none, selective, full). Tensor parallelism is CPU-only so far and
-//         refused on cuda with a message.
+//         stream). Activation recompute (none, selective, full). Tensor parallelism (Megatron splits by kv
+//         groups, vocab-parallel embedding, lm_head and loss) with ZeRO over dp.
 //
 // Checkpoint exchange is in "shard order": the concatenation of segments() (runs of the flat ParamLayout
 // buffer), this rank's share of the writing. One rank's segments cover the whole layout in order, so shard
@@ -56,9 +56,10 @@ struct EngineStatus {
 // Writes the whole (tensor-parallel-local) model in ParamLayout order into `out`: a checkpoint's or a
 // fresh initialization's weights.
 using WeightFill = std::function<void(const ParamLayout& layout, float* out)>;
-// Makes the device-side data-parallel comm (NCCL) on the engine's CUDA stream. The trainer supplies it, so
-// that only binaries that need NCCL link it.
-using DeviceCommFactory = std::function<std::unique_ptr<Comm>(void* cuda_stream)>;
+// Makes a device comm (NCCL) over the ranks of a host group (the mesh's dp or tp comm) that enqueues on a CUDA
+// stream of the engine. The trainer supplies it, so that only binaries that need NCCL link it; tests supply the
+// staged device comm (dist/comm.h), with which several ranks share one GPU.
+using DeviceCommFactory = std::function<std::unique_ptr<Comm>(Comm& group, void* cuda_stream)>;
 
 class Engine {
  public:
@@ -125,7 +126,7 @@ std::string resolve_device(const std::string& requested);
 
 // The model on the chosen backend for this rank of `mesh`. `initial` fills the starting weights (every rank
 // the same); null when the caller restores a checkpoint with import_shard before the first step.
-// `device_comm` makes the device dp comm (cuda with dp > 1 only; may be null otherwise).
+// `device_comm` makes the device dp and tp comms (cuda with dp > 1 or tp > 1 only; may be null otherwise).
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm = nullptr);
 

@@ -56,6 +56,7 @@ GpuOptions gpu_options(const EngineOptions& o, const Mesh& mesh) {
   g.zero_prefetch = o.zero_prefetch;
   g.recompute = o.recompute;
   g.dp = mesh.dp_size, g.dp_rank = mesh.dp_rank;
+  g.tp = mesh.tp_size, g.tp_rank = mesh.tp_rank;
   g.bf16_moments = o.bf16_moments;
   g.stochastic_rounding = o.stochastic_rounding;
   g.seed = static_cast<uint32_t>(o.seed);
@@ -65,13 +66,10 @@ GpuOptions gpu_options(const EngineOptions& o, const Mesh& mesh) {
 
 // Refuses what the CUDA engine does not do yet, before any device memory is touched.
 void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_comm) {
-  if (mesh.tp_size > 1)
-    fail("--tp ", mesh.tp_size, " with --device cuda: tensor parallelism runs on the CPU backend only so far; "
-         "on cuda use --tp 1 (data parallel over all ranks)");
   if (o.zero < 0 || o.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", o.zero);
-  if (mesh.dp_size > 1 && !have_device_comm)
-    fail("data parallel on ", mesh.dp_size, " ranks with --device cuda needs NCCL, and this build has none "
-         "(nccl.h was not found at build time, or NCCL=0)");
+  if ((mesh.dp_size > 1 || mesh.tp_size > 1) && !have_device_comm)
+    fail(mesh.dp_size * mesh.tp_size, " ranks (dp ", mesh.dp_size, " x tp ", mesh.tp_size, ") with --device cuda need "
+         "NCCL, and this build has none (nccl.h was not found at build time, or NCCL=0)");
   int count = 0;
   TUNA_CUDA_CHECK(cudaGetDeviceCount(&count));
   if (o.gpu < 0 || o.gpu >= count)
@@ -89,7 +87,7 @@ class OptimizerShard {
   // with_bf16_weights (ZeRO-2 and 3): the update also writes the bf16 weights of the shard.
   OptimizerShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments,
                  bool bf16_moments, bool with_bf16_weights)
-      : bf16_moments_(bf16_moments) {
+      : pieces(shard_pieces(layout, segments)), bf16_moments_(bf16_moments) {
     for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
     padded = (size + 3) / 4 * 4;  // the fused AdamW takes 4 elements per thread; the tail stays 0
     const AdamWTable table = adamw_table(layout, segments);
@@ -104,6 +102,8 @@ class OptimizerShard {
     if (with_bf16_weights) weights = arena.take<__nv_bfloat16>("bf16 weights (shard)", padded);
     norm_scratch = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
     norm_total = arena.take<double>("gradient norm", 1);
+    if (layout.tp().tp_size > 1)
+      replicated_norms = arena.take<double>("replicated gradient norms", std::max<int64_t>(1, replicated_piece_count(pieces)));
     for (void* p : {static_cast<void*>(master), static_cast<void*>(grad)})
       TUNA_CUDA_CHECK(cudaMemset(p, 0, padded * sizeof(float)));
     for (void* p : {m, v}) TUNA_CUDA_CHECK(cudaMemset(p, 0, padded * moment_bytes));
@@ -119,6 +119,7 @@ class OptimizerShard {
   bool bf16_moments() const { return bf16_moments_; }
   cuda::AdamWSegments table() const { return {table_starts, table_decays, n_segments}; }
 
+  std::vector<ShardPiece> pieces;  // the shard's pieces of each tensor (which are replicated over tp)
   int64_t size = 0, padded = 0;
   std::vector<int64_t> unit_offset;  // where unit u's piece starts in shard order
   float *master = nullptr, *grad = nullptr;
@@ -127,7 +128,7 @@ class OptimizerShard {
   int64_t* table_starts = nullptr;
   uint8_t* table_decays = nullptr;
   int n_segments = 0;
-  double *norm_total = nullptr, *norm_scratch = nullptr;
+  double *norm_total = nullptr, *norm_scratch = nullptr, *replicated_norms = nullptr;
 
  private:
   bool bf16_moments_;
@@ -346,7 +347,11 @@ class GpuEngine final : public Engine {
     cudaStream_t stream = model_.stream();
     // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
     if (o.zero >= 2) TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
-    if (mesh.dp_size > 1) dp_device_ = device_comm(o.zero >= 2 ? comm_stream_ : stream);
+    if (mesh.dp_size > 1) dp_device_ = device_comm(*mesh.dp, o.zero >= 2 ? comm_stream_ : stream);
+    if (mesh.tp_size > 1) {  // the tensor-parallel all-reduces run on the compute stream, inside each layer
+      tp_device_ = device_comm(*mesh.tp, stream);
+      model_.set_tp_comm(tp_device_.get());
+    }
     if (o.zero >= 1)
       shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.layout(), segments_, o.bf16_moments, o.zero >= 2);
     if (o.zero >= 2)
@@ -374,6 +379,7 @@ class GpuEngine final : public Engine {
   ~GpuEngine() override {
     store_.reset();
     dp_device_.reset();
+    tp_device_.reset();
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
   }
 
@@ -523,16 +529,16 @@ class GpuEngine final : public Engine {
                                           cudaMemcpyDeviceToDevice, stream));
       }
     }
+    // The norm over the shards: this rank's squares (replicated tensors counted on tp rank 0 only), summed over
+    // dp and tp on the host comms (one double each).
     cuda::sum_of_squares(sh.norm_total, sh.grad, sh.size, sh.norm_scratch, stream);
-    if (dp_device_) {
-      if (store_) join(comm_stream_, stream, norm_event_);  // the device comm runs on the comm stream
-      dp_device_->all_reduce(sh.norm_total, 1, CommType::F64, ReduceOp::Sum, "grad norm");
-      if (store_) join(stream, comm_stream_, norm_event_);
-    }
     double sum_sq = 0;
     TUNA_CUDA_CHECK(cudaMemcpyAsync(&sum_sq, sh.norm_total, sizeof(double), cudaMemcpyDeviceToHost, stream));
     if (dp_device_) dp_device_->barrier("gradients reduced");  // a bounded wait (--comm_timeout)
     TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (mesh_.tp_rank > 0) sum_sq -= replicated_sum_of_squares(sh.grad, sh.pieces, sh.replicated_norms, sh.norm_scratch, stream);
+    if (mesh_.dp_size > 1) mesh_.dp->all_reduce_sum(&sum_sq, 1, "grad norm (dp)");
+    if (mesh_.tp_size > 1) mesh_.tp->all_reduce_sum(&sum_sq, 1, "grad norm (tp)");
     OptimizerStats stats;
     stats.grad_norm = std::sqrt(sum_sq) * loss_scale;
     stats.clip_scale = clip_scale(options_.opt, stats.grad_norm);
@@ -634,9 +640,9 @@ class GpuEngine final : public Engine {
   std::vector<Segment> segments_;
   cudaStream_t comm_stream_ = nullptr;     // ZeRO-2/3: where the dp device comm and the shard accumulation run
   std::unique_ptr<Comm> dp_device_;        // NCCL over the dp group; null on one rank
+  std::unique_ptr<Comm> tp_device_;        // NCCL over the tp group, on the compute stream; null without tp
   std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
   std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model
-  StreamEvent norm_event_;
   std::string describe_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
 };

@@ -150,29 +150,14 @@ void Llama::tp_all_reduce(float* x, int64_t n, const char* what) {
 // Vocab-parallel embedding: each rank looks up the tokens in its rows and writes zeros for the others;
 // the all-reduce sums the one non-zero row per token.
 void Llama::embed(float* out, const int32_t* tokens, int64_t n, const float* table) {
-  const int64_t C = config_.hidden_size;
-  if (!tp_) return cpu::embedding_fwd(out, tokens, table, n, config_.vocab_size, C);
   const TpDims& d = layout_.tp();
-  for (int64_t i = 0; i < n; i++) {
-    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size)
-      fail("embedding: token at position ", i, " is ", tokens[i], ", outside the vocabulary [0, ", config_.vocab_size, ")");
-    const int64_t row = tokens[i] - d.vocab_begin;
-    float* o = out + i * C;
-    if (row >= 0 && row < d.vocab) std::copy(table + row * C, table + (row + 1) * C, o);
-    else std::fill(o, o + C, 0.0f);
-  }
-  tp_all_reduce(out, n * C, "tp embedding");
+  cpu::embedding_fwd_slice(out, tokens, table, n, config_.vocab_size, d.vocab_begin, d.vocab, config_.hidden_size);
+  tp_all_reduce(out, n * config_.hidden_size, "tp embedding");
 }
 
 void Llama::embed_bwd(float* dtable, const float* dout, const int32_t* tokens, int64_t n) {
-  const int64_t C = config_.hidden_size;
-  if (!tp_) return cpu::embedding_bwd(dtable, dout, tokens, n, config_.vocab_size, C);
   const TpDims& d = layout_.tp();
-  for (int64_t i = 0; i < n; i++) {  // token order, as cpu::embedding_bwd sums
-    const int64_t row = tokens[i] - d.vocab_begin;
-    if (row < 0 || row >= d.vocab) continue;
-    for (int64_t j = 0; j < C; j++) dtable[row * C + j] += dout[i * C + j];
-  }
+  cpu::embedding_bwd_slice(dtable, dout, tokens, n, config_.vocab_size, d.vocab_begin, d.vocab, config_.hidden_size);
 }
 
 // Cross-entropy over logits split by vocabulary: the row max, the sum of exponentials and the target's

@@ -41,9 +41,19 @@ void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
   if (l.micro_batch < 1 || l.seq_len < 1)
     fail("memory plan: micro_batch and seq_len must be >= 1 (found ", l.micro_batch, " and ", l.seq_len, ")");
   if (l.zero < 0 || l.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", l.zero);
-  if (l.tp > 1)
-    fail("--tp ", l.tp, " with --device cuda: tensor parallelism runs on the CPU backend only so far; on cuda use "
-         "--tp 1 (data parallel over all ranks)");
+  // Tensor parallelism on cuda: every rank a whole share of each split dimension, the local widths the kernels'
+  // multiples of 8 (ParamLayout has already refused a tp that does not divide the kv heads).
+  if (l.tp > 1) {
+    if (c.vocab_size % l.tp != 0)
+      fail("--tp ", l.tp, " with --device cuda: the vocabulary (vocab_size ", c.vocab_size, " in config.json) must "
+           "divide into ", l.tp, " equal slices for the vocab-parallel embedding, lm_head and loss");
+    if (c.intermediate_size % (8 * l.tp) != 0)
+      fail("--tp ", l.tp, " with --device cuda: intermediate_size ", c.intermediate_size, " (config.json) must divide "
+           "into ", l.tp, " slices of a multiple of 8 columns (the GPU kernels' vector width)");
+    if (c.num_attention_heads % l.tp != 0)
+      fail("--tp ", l.tp, ": num_attention_heads ", c.num_attention_heads, " (config.json) must divide into ", l.tp,
+           " equal groups of heads");
+  }
   if (!l.master_weights) fail("the CUDA engine keeps an fp32 master copy of the weights (no master: not implemented)");
   (void)c;
 }
@@ -135,6 +145,14 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   if (optimizer) {
     b.add("gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
     b.add("gradient norm", MemoryKind::Workspace, 1, kF64);
+    if (l.tp > 1) {  // one sum of squares per piece of a replicated tensor (norm weights) that this rank updates
+      const std::vector<Segment> owned =
+          l.zero == 0 ? std::vector<Segment>{Segment{0, P}}
+                      : dp_unit_pieces(layout, static_cast<int>(l.dp_rank), static_cast<int>(l.dp));
+      int64_t replicated = 0;
+      for (const ShardPiece& p : shard_pieces(layout, owned)) replicated += p.tensor->split_dim < 0;
+      b.add("replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);
+    }
   }
 
   // Activations for (micro_batch, seq_len): the layers' kept ones (by the recompute mode), one working set for
@@ -160,6 +178,10 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   b.add("final rstd", MemoryKind::Activations, n, kF32);
   b.add("logits chunk", MemoryKind::Activations, gpu_head_chunk_rows(V, n) * V, kBf16);
   b.add("per-token losses", MemoryKind::Activations, n, kF32);
+  if (l.tp > 1) {  // the vocab-parallel loss: each chunk's row statistics and their max over the tp ranks
+    b.add("classifier statistics", MemoryKind::Workspace, 3 * gpu_head_chunk_rows(V, n), kF32);
+    b.add("classifier global max", MemoryKind::Workspace, gpu_head_chunk_rows(V, n), kF32);
+  }
   if (l.training) {
     for (const char* g : {"d_resid", "d_norm", "d_final_norm"}) b.add(g, MemoryKind::Activations, n * C, kBf16);
     for (const char* g : {"d_q", "d_att"}) b.add(g, MemoryKind::Activations, n * qd, kBf16);
