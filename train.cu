@@ -245,14 +245,9 @@ int run(int argc, char** argv) {
   }
 
   // Where the starting weights come from (a resume restores them after construction instead).
-  WeightFill initial;
-  if (!resume_from && !cfg.init.empty()) {
-    initial = [&](const ParamLayout& layout, float* out) { load_weights(cfg.init, layout, out); };
-  } else if (!resume_from) {
-    initial = [&](const ParamLayout& layout, float* out) {
-      init_random_weights(layout, static_cast<uint64_t>(cfg.seed), cfg.init_std, out);
-    };
-  }
+  WeightFill initial;  // each rank reads (or draws) only its own pieces
+  if (!resume_from && !cfg.init.empty()) initial = weights_from_directory(cfg.init);
+  else if (!resume_from) initial = random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std);
   DeviceCommFactory device_comm;
 #if TUNA_NCCL
   device_comm = [&](Comm& group, void* stream) {
@@ -267,6 +262,7 @@ int run(int argc, char** argv) {
   if (eo.device == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
   if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", cfg.init.c_str());
   else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
+  std::printf("host memory at init: %.0f MB peak on this rank\n", engine->status().host_peak_mb);
 
   json saved_cursor;
   int64_t step = 0;

@@ -103,10 +103,10 @@ void BM_EngineStep(benchmark::State& state) {
   size_t free_before = 0, total = 0;
   TUNA_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   // Weights: a counter hash, fast for a billion values (the step's speed does not depend on them).
-  const WeightFill weights = [](const ParamLayout& layout, float* out) {
+  const WeightFill weights = [](const ParamLayout&, const Segment& piece, float* out) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < layout.total(); i++) {
-      uint64_t x = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+    for (int64_t i = 0; i < piece.size; i++) {
+      uint64_t x = static_cast<uint64_t>(piece.begin + i) * 0x9E3779B97F4A7C15ull;
       x ^= x >> 31, x *= 0xBF58476D1CE4E5B9ull, x ^= x >> 29;
       out[i] = 0.02f * (static_cast<float>(x >> 40) / 8388608.0f - 1.0f);
     }

@@ -3,6 +3,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "model/checkpoint.h"
 
 #if TUNA_CUDA
 #include <cuda_runtime_api.h>
@@ -21,15 +22,12 @@ class CpuEngine final : public Engine {
         model_(config, o.micro_batch, o.seq_len,
                LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3, /*external_grads=*/o.zero == 2}) {
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
-    // only its shard, taken from a temporary whole copy.
-    std::vector<float> staging;
-    if (initial) {
-      if (o.zero == 3) staging.resize(model_.layout().total());
-      initial(model_.layout(), o.zero == 3 ? staging.data() : model_.params.data());
-    }
+    // only its shard, filled piece by piece.
+    if (initial && o.zero != 3) fill_whole(initial, model_.layout(), model_.params.data());
     zero_ = std::make_unique<Zero>(model_, o.opt, o.zero, *mesh.dp, mesh.tp.get());
     zero_->set_prefetch(o.zero_prefetch);
-    if (o.zero == 3 && initial) zero_->set_weights_from_full(staging.data());
+    if (o.zero == 3 && initial)
+      zero_->fill_weights([&](const Segment& piece, float* out) { initial(model_.layout(), piece, out); });
   }
 
   std::string describe() const override { return "cpu"; }
@@ -79,7 +77,7 @@ class CpuForwardModel final : public ForwardModel {
  public:
   CpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
       : model_(config, max_batch, max_seq) {
-    weights(model_.layout(), model_.params.data());
+    fill_whole(weights, model_.layout(), model_.params.data());
   }
   std::string describe() const override { return "cpu"; }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
@@ -121,6 +119,27 @@ GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, con
   }
   return check_gpu_fit(config, engine_memory_layout(options, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank),
                        capacity);
+}
+
+WeightFill weights_from_directory(const std::filesystem::path& dir) {
+  auto reader = std::make_shared<std::unique_ptr<WeightReader>>();
+  return [dir, reader](const ParamLayout& layout, const Segment& piece, float* out) {
+    if (!*reader) *reader = std::make_unique<WeightReader>(dir, layout);
+    (*reader)->read(piece, out);
+  };
+}
+
+WeightFill random_weights(uint64_t seed, double std) {
+  return [seed, std](const ParamLayout& layout, const Segment& piece, float* out) {
+    init_random_weights_piece(layout, seed, std, piece, out);
+  };
+}
+
+void fill_whole(const WeightFill& fill, const ParamLayout& layout, float* out) {
+  for (int u = 0; u < layout.num_units(); u++) {
+    const auto [begin, end] = layout.unit_range(u);
+    fill(layout, Segment{begin, end - begin}, out + begin);
+  }
 }
 
 std::string resolve_device(const std::string& requested) {

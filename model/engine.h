@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -53,9 +54,17 @@ struct EngineStatus {
   double gpu_util = NAN;                 // percent of the last sample period with a kernel running (NVML)
 };
 
-// Writes the whole (tensor-parallel-local) model in ParamLayout order into `out`: a checkpoint's or a
-// fresh initialization's weights.
-using WeightFill = std::function<void(const ParamLayout& layout, float* out)>;
+// Writes elements [piece.begin, piece.begin + piece.size) of the (tensor-parallel-local) model, ParamLayout
+// order, into out: a checkpoint's or a fresh initialization's weights, a piece at a time. Engines ask for their
+// own pieces (a unit, or their ZeRO piece of it), so no rank holds more of the model than its layout does.
+using WeightFill = std::function<void(const ParamLayout& layout, const Segment& piece, float* out)>;
+// A model directory's weights (checkpoint.h WeightReader, opened at the first piece: only each piece's bytes
+// are read) and a fresh initialization's (llama.h init_random_weights_piece).
+WeightFill weights_from_directory(const std::filesystem::path& dir);
+WeightFill random_weights(uint64_t seed, double std);
+// The whole layout through `fill`, a unit at a time, into out (ParamLayout order): for whoever holds the whole
+// (tp-local) model by design (ZeRO 0-2 on cpu, the forward model, tests).
+void fill_whole(const WeightFill& fill, const ParamLayout& layout, float* out);
 // Makes a device comm (NCCL) over the ranks of a host group (the mesh's dp or tp comm) that enqueues on a CUDA
 // stream of the engine. The trainer supplies it, so that only binaries that need NCCL link it; tests supply the
 // staged device comm (dist/comm.h), with which several ranks share one GPU.

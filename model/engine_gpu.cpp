@@ -358,18 +358,7 @@ class GpuEngine final : public Engine {
       store_ = std::make_unique<ShardedStore>(model_, *shard_, segments_, dp_device_.get(), comm_stream_, o.zero,
                                               o.zero_prefetch);
     model_.arena().check_all_taken();
-    if (initial) {
-      std::vector<float> host(model_.layout().total());
-      initial(model_.layout(), host.data());
-      if (o.zero <= 1) model_.set_params(host.data());
-      if (shard_) {  // every rank starts from the same whole model: keep this rank's pieces
-        for (size_t u = 0; u < segments_.size(); u++)
-          TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data() + segments_[u].begin,
-                                          segments_[u].size * sizeof(float), cudaMemcpyHostToDevice, stream));
-        if (store_) refresh_shard_weights();
-        TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
-      }
-    }
+    if (initial) fill_weights(initial);
     cudaDeviceProp prop{};
     TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, o.gpu));
     describe_ = str("cuda:", o.gpu, " (", prop.name, ", ", prop.multiProcessorCount, " SMs, ",
@@ -563,6 +552,32 @@ class GpuEngine final : public Engine {
     return stats;
   }
 
+  // The starting weights a unit at a time through one host buffer of the largest piece this rank fills: ZeRO-0
+  // fills the whole model (it holds it), ZeRO 1-3 this rank's piece of each unit into the master shard, whose
+  // bf16 weights are then made as a restore makes them.
+  void fill_weights(const WeightFill& initial) {
+    const ParamLayout& layout = model_.layout();
+    std::vector<Segment> pieces = segments_;
+    if (!shard_)
+      for (int u = 0; u < layout.num_units(); u++)
+        pieces[u] = Segment{layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first};
+    int64_t largest = 0;
+    for (const Segment& p : pieces) largest = std::max(largest, p.size);
+    std::vector<float> host(largest);
+    for (size_t u = 0; u < pieces.size(); u++) {
+      initial(layout, pieces[u], host.data());
+      if (!shard_) {
+        model_.set_params_piece(pieces[u], host.data());
+        continue;
+      }
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data(), pieces[u].size * sizeof(float),
+                                      cudaMemcpyHostToDevice, model_.stream()));
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));  // the host buffer is refilled next
+    }
+    if (store_) refresh_shard_weights();
+    else if (shard_) gather_master();
+  }
+
   // ZeRO-2/3: the shard's bf16 weights from its fp32 master, rounded as the update at steps_taken() rounded
   // them (the shard's positions draw the stochastic bits, as in adamw_update), then handed to the store.
   void refresh_shard_weights() {
@@ -651,9 +666,14 @@ class GpuForwardModel final : public ForwardModel {
  public:
   GpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
       : model_(config, max_batch, max_seq, OptimizerConfig{}, forward_only()) {
-    std::vector<float> host(model_.layout().total());
-    weights(model_.layout(), host.data());
-    model_.set_params(host.data());
+    const ParamLayout& layout = model_.layout();
+    std::vector<float> host;
+    for (int u = 0; u < layout.num_units(); u++) {  // a unit at a time through the host
+      const Segment piece{layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first};
+      host.resize(piece.size);
+      weights(layout, piece, host.data());
+      model_.set_params_piece(piece, host.data());
+    }
     cudaDeviceProp prop{};
     TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     describe_ = str("cuda:0 (", prop.name, ")");

@@ -270,6 +270,22 @@ void LlamaGpu::set_params(const float* host) {
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+void LlamaGpu::set_params_piece(const Segment& piece, const float* host) {
+  TUNA_CHECK(params_ != nullptr && piece.begin >= 0 && piece.begin + piece.size <= layout_.total(),
+             "piece [", piece.begin, ", +", piece.size, ") of ", layout_.total(), " weights (ZeRO-3 keeps no whole copy)");
+  if (master_ != nullptr) {
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(master_ + piece.begin, host, piece.size * sizeof(float), cudaMemcpyHostToDevice,
+                                    stream_));
+    cuda::f32_to_bf16(params_ + piece.begin, master_ + piece.begin, piece.size, stream_);
+  } else {  // rounded to nearest on the host, as f32_to_bf16
+    std::vector<uint16_t> bits(piece.size);
+    convert_from_f32(host, DType::BF16, bits.data(), piece.size);
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(params_ + piece.begin, bits.data(), piece.size * sizeof(uint16_t),
+                                    cudaMemcpyHostToDevice, stream_));
+  }
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 void LlamaGpu::refresh_params() {
   TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   refresh_params_from(master_);

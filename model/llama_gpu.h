@@ -158,6 +158,10 @@ class LlamaGpu {
 
   // Host fp32 <-> device. set_params also refreshes the bf16 copy. Synchronous.
   void set_params(const float* host);
+  // Elements [piece.begin, piece.begin + piece.size) of the weights from host fp32, before any update: into the
+  // fp32 master (ZeRO-0 training) and the bf16 copy rounded to nearest. Synchronous. How the engine fills a model
+  // a unit at a time.
+  void set_params_piece(const Segment& piece, const float* host);
   void get_params(float* host) const;
   void get_grads(float* host) const;
   // Training from scratch on the device: normal(0, std) for 2-D weights, ones for norm weights (as
