@@ -52,10 +52,7 @@ class CpuEngine final : public Engine {
   int64_t steps_taken() const override { return zero_->optimizer().steps_taken; }
   void set_steps_taken(int64_t steps) override { zero_->optimizer().steps_taken = steps; }
 
-  std::string memory_report() const override {
-    return str("host memory per rank (planned): activations ", model_.activation_bytes() / 1e6, " MB, parameters, ",
-               "gradients and optimizer state ", zero_->state_bytes() / 1e6, " MB\n");
-  }
+  std::string memory_report() const override { return ""; }  // the trainer prints the host plan itself
   int64_t activation_bytes() const override { return model_.activation_bytes(); }
   int64_t state_bytes() const override { return zero_->state_bytes(); }
   double flops_per_token(int64_t seq) const override { return model_flops_per_token(config_, seq); }
@@ -86,9 +83,15 @@ class CpuForwardModel final : public ForwardModel {
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
     model_.forward_logits(inputs, batch, seq, logits);
   }
+  void clear_cache(int64_t batch) override { cache_ = model_.make_kv_cache(batch, model_.max_seq()); }
+  void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) override {
+    if (cache_.keys.empty()) fail("forward_cached: no KV cache (clear_cache first)");
+    model_.forward_cached(tokens, cache_.batch, n, cache_, last_logits);
+  }
 
  private:
   Llama model_;
+  KvCache cache_;
 };
 
 }  // namespace

@@ -252,6 +252,30 @@ class LlamaGpu {
   cuda::EmbeddingGroups groups_;
 };
 
+// Bump allocation from one cudaMalloc: add() every buffer first, then cudaMalloc bytes() and assign() the base.
+// Every buffer is 256-byte aligned. What the KV-cache decoder (model/decode_gpu.h) lays its buffers out with; the
+// training engine's arena is laid out from its memory plan instead (DeviceArena above).
+class DeviceArenaPlan {
+ public:
+  template <typename T>
+  void add(T** ptr, int64_t count) {
+    entries_.push_back({reinterpret_cast<void**>(ptr), offset_});
+    offset_ += device_arena_bytes(count * static_cast<int64_t>(sizeof(T)));
+  }
+  int64_t bytes() const { return offset_; }
+  void assign(char* base) const {
+    for (const Entry& e : entries_) *e.ptr = base + e.offset;
+  }
+
+ private:
+  struct Entry {
+    void** ptr;
+    int64_t offset;
+  };
+  std::vector<Entry> entries_;
+  int64_t offset_ = 0;
+};
+
 // The fused AdamW's segment table (kernels/adamw.cuh) for `segments` of `layout`, in shard order: where each
 // piece (model/optimizer.h shard_pieces) starts and whether its tensor decays. Never empty.
 struct AdamWTable {

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "model/config.h"
 
 namespace tuna {
@@ -93,6 +95,9 @@ struct GpuFit {
 // moments, a higher ZeRO stage (at dp > 1), selective then full recompute, no fp32 master (with stochastic
 // rounding), a smaller micro-batch; or says that none does (more GPUs or tensor parallelism are needed).
 GpuFit check_gpu_fit(const LlamaConfig& config, const MemoryLayout& layout, int64_t capacity_bytes);
+// {"items": [{"name", "kind", "bytes"}...], "total": bytes, "peak": bytes}: the plan in metrics.jsonl (the run
+// report's memory table and planned line).
+nlohmann::json memory_plan_json(const MemoryPlan& plan);
 
 // model/memory_plan_cpu.cpp
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& layout);

@@ -14,6 +14,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "kernels/cpu/parallel.h"
 
 namespace tuna::cpu {
 namespace {
@@ -39,7 +40,7 @@ void embedding_fwd_slice(T* out, const int32_t* tokens, const T* table, int64_t 
                  vocab_begin + vocab_count <= vocab,
              "n_tokens ", n_tokens, ", vocab ", vocab, ", slice [", vocab_begin, ", +", vocab_count, "), dim ", dim);
   check_tokens(tokens, n_tokens, vocab);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_tokens * dim >= kMinParallelWork)
   for (int64_t i = 0; i < n_tokens; ++i) {
     const int64_t row = tokens[i] - vocab_begin;
     if (row >= 0 && row < vocab_count) std::copy(table + row * dim, table + (row + 1) * dim, out + i * dim);
