@@ -76,6 +76,8 @@ struct TrainConfig {
   bool bf16_moments = false;
   bool stochastic_rounding = false;
   double gpu_hour_cost = 0;
+  bool plan_only = false;
+  double gpu_memory_gb = 0;
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -119,6 +121,8 @@ void declare(Options& o, TrainConfig& c) {
   o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever");
   o.add("bf16_moments", &c.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
   o.add("stochastic_rounding", &c.stochastic_rounding, "cuda: round bf16 weights (and bf16 moments) stochastically");
+  o.add("plan_only", &c.plan_only, "cuda: print each rank's device memory plan and whether it fits, then exit without allocating (runs on any machine with --gpu_memory_gb)");
+  o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory");
   o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none");
 }
 
@@ -156,7 +160,7 @@ std::string format_duration(double seconds) {
 void check(const TrainConfig& c) {
   if (c.model_config.empty() == c.init.empty())
     fail("give exactly one of --init (a model directory) and --model_config (a config.json to train from scratch)");
-  if (c.train_data.empty()) fail("option 'train_data' is empty: give token shards (build/prepare writes them)");
+  if (c.train_data.empty() && !c.plan_only) fail("option 'train_data' is empty: give token shards (build/prepare writes them)");
   for (auto [name, v] : {std::pair{"seq_len", c.seq_len}, {"micro_batch", c.micro_batch}, {"grad_accum", c.grad_accum},
                          {"steps", c.steps}, {"log_every", c.log_every}})
     if (v < 1) fail("option '", name, "': expected >= 1, found ", v);
@@ -171,14 +175,6 @@ void check(const TrainConfig& c) {
   if (c.comm_timeout < 0) fail("option 'comm_timeout': expected >= 0 seconds, found ", c.comm_timeout);
   if (c.gpu_hour_cost < 0) fail("option 'gpu_hour_cost': expected >= 0, found ", c.gpu_hour_cost);
   validate(c.opt);
-}
-
-MemoryLayout memory_layout(const TrainConfig& c, const Mesh& mesh) {
-  MemoryLayout m;
-  m.dp = mesh.dp_size, m.tp = mesh.tp_size, m.zero = static_cast<int>(c.zero), m.zero_prefetch = c.zero_prefetch;
-  m.bf16_moments = c.bf16_moments, m.micro_batch = c.micro_batch, m.seq_len = c.seq_len;
-  m.recompute = parse_recompute(c.recompute, "option 'recompute'");
-  return m;
 }
 
 // A cursor saved by dp_size ranks, for this run's dp size: the windows consumed so far in the epoch are the
@@ -240,7 +236,8 @@ int run(int argc, char** argv) {
   const ModelTokenizer tokenizer = model_tokenizer(cfg.tokenizer, weights_dir.string(), model_cfg.vocab_size);
 
   EngineOptions eo;
-  eo.device = resolve_device(cfg.device);
+  if (cfg.plan_only && cfg.device != "cuda") fail("option 'plan_only' prints the CUDA engine's plan: use --device cuda");
+  eo.device = cfg.plan_only ? cfg.device : resolve_device(cfg.device);
   eo.micro_batch = cfg.micro_batch, eo.seq_len = cfg.seq_len, eo.opt = cfg.opt;
   eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
   eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
@@ -250,26 +247,29 @@ int run(int argc, char** argv) {
   if (eo.device == "cpu" && (cfg.bf16_moments || cfg.stochastic_rounding))
     fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
 
-  // Where the starting weights come from (a resume restores them after construction instead).
-  WeightFill initial;
-  if (!resume_from && !cfg.init.empty()) {
-    initial = [&](const ParamLayout& layout, float* out) { load_weights(cfg.init, layout, out); };
-  } else if (!resume_from) {
-    initial = [&](const ParamLayout& layout, float* out) {
-      init_random_weights(layout, static_cast<uint64_t>(cfg.seed), cfg.init_std, out);
-    };
+  if (cfg.plan_only) {  // every rank plans its own layout; rank 0 prints
+    const GpuFit fit = plan_gpu_run(model_cfg, eo, mesh, cfg.gpu_memory_gb);
+    std::printf("%s", fit.report.c_str());
+    int64_t all_fit = fit.fits ? 1 : 0;
+    if (world->size() > 1) world->all_reduce(&all_fit, 1, CommType::I64, ReduceOp::Sum, "plan verdicts");
+    return all_fit == world->size() ? 0 : 1;
   }
+
+  // Where the starting weights come from (a resume restores them after construction instead).
+  WeightFill initial;  // each rank reads (or draws) only its own pieces
+  if (!resume_from && !cfg.init.empty()) initial = weights_from_directory(cfg.init);
+  else if (!resume_from) initial = random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std);
   DeviceCommFactory device_comm;
 #if TUNA_NCCL
-  device_comm = [&](void* stream) {
-    return make_nccl_comm(mesh.dp->split(0, mesh.dp_rank), stream, cfg.comm_timeout);
+  device_comm = [&](Comm& group, void* stream) {
+    return make_nccl_comm(group.split(0, group.rank()), stream, cfg.comm_timeout);
   };
 #endif
   // The memory plan, before anything large is allocated: a run that cannot fit stops here (model/memory_plan.h).
   const HostMemory at_start = host_memory();
   nlohmann::json plan_record;
   if (eo.device == "cpu") {
-    const MemoryPlan plan = plan_cpu_memory(model_cfg, memory_layout(cfg, mesh));
+    const MemoryPlan plan = plan_cpu_memory(model_cfg, engine_memory_layout(eo, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank));
     std::printf("%s", format_memory_table(plan, host_available_bytes(),
                                           str("memory plan per rank (host, above the ", format_fixed(at_start.resident_mb, 0),
                                               " MB resident at start; capacity: this node's available memory)")).c_str());
@@ -277,7 +277,7 @@ int run(int argc, char** argv) {
     plan_record = memory_plan_json(plan), plan_record["device"] = "cpu";
     require_host_memory(plan.peak(), launch.local_size, "the memory plan's peak per rank");
   } else {  // the device's plan, for the run report's memory plot (the CUDA engine checks the fit itself)
-    plan_record = memory_plan_json(plan_gpu_memory(model_cfg, memory_layout(cfg, mesh))), plan_record["device"] = "cuda";
+    plan_record = memory_plan_json(plan_gpu_memory(model_cfg, engine_memory_layout(eo, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank))), plan_record["device"] = "cuda";
   }
   std::unique_ptr<Engine> engine = make_engine(model_cfg, eo, mesh, initial, device_comm);
   std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x tp %d | ZeRO-%lld (%s)\n",
@@ -289,6 +289,7 @@ int run(int argc, char** argv) {
   else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
   std::printf("tokenizer %s\n", tokenizer.description.c_str());
   if (!tokenizer.note.empty()) std::printf("note: %s\n", tokenizer.note.c_str());
+  std::printf("host memory at init: %.0f MB peak on this rank\n", engine->status().host_peak_mb);
 
   json saved_cursor;
   int64_t step = 0;
@@ -325,7 +326,7 @@ int run(int argc, char** argv) {
               (long long)model_cfg.n_params(), (int)model_cfg.num_hidden_layers, (long long)model_cfg.hidden_size,
               (long long)model_cfg.num_attention_heads, (long long)model_cfg.num_key_value_heads,
               (long long)model_cfg.vocab_size, engine->activation_bytes() / 1e6);
-  std::printf("state per rank: %.1f MB of parameters, gradients and optimizer state\n", engine->state_bytes() / 1e6);
+  std::printf("%s", engine->memory_report().c_str());
   std::printf("data %llu windows of %lld tokens in %zu shards; %lld tokens per step; %.2f epochs over %lld steps\n",
               (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
               (long long)tokens_per_step,

@@ -3,8 +3,16 @@
 // flops_per_token): 6 per matmul weight per token (lm_head included, embedding lookup not) plus causal
 // attention's 6 * seq * q_dim per layer. The peak is gpu_peak_bf16_flops() (datasheet dense bf16 scaled by SM
 // count; TUNA_PEAK_TFLOPS overrides, e.g. with the GEMM bench's measured best).
+#include <chrono>
+#include <memory>
+#include <vector>
+
 #include "bench/gpu_bench_util.h"
+#include "core/error.h"
+#include "dist/comm.h"
+#include "model/engine.h"
 #include "model/llama_gpu.h"
+#include "model/memory_plan.h"
 
 namespace tuna::bench {
 namespace {
@@ -75,6 +83,76 @@ BENCHMARK(BM_TrainStep)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(2.0);
+
+// The trainer's step through the engine (model/engine.h) on one GPU, by ZeRO stage and recompute mode, on the
+// same 1B shape at batch 2 x 4096: the overhead of ZeRO-3's code path at world 1 against ZeRO-0 (its gathers are
+// device copies into the rotating buffers, its gradients pass through unit buffers into the shard: aim <= 5%),
+// and of recompute against none (full: a second forward of every layer but the top one, aim <= 1.35x), with the
+// activation memory each mode plans and the device memory the step used (cudaMemGetInfo after a step, all of
+// this process's allocations) against the plan's total. Wall time per step: finish_step synchronizes the device.
+void BM_EngineStep(benchmark::State& state) {
+  const int zero = static_cast<int>(state.range(0));
+  const Recompute recompute = static_cast<Recompute>(state.range(1));
+  const int64_t batch = 2, seq = 4096;
+  const LlamaConfig config = llama32_1b();
+  std::unique_ptr<Comm> world = make_single_comm();
+  Mesh mesh = make_mesh(*world, 1);
+  EngineOptions o;
+  o.device = "cuda", o.micro_batch = batch, o.seq_len = seq, o.zero = zero, o.recompute = recompute;
+  o.bf16_moments = true;
+  size_t free_before = 0, total = 0;
+  TUNA_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  // Weights: a counter hash, fast for a billion values (the step's speed does not depend on them).
+  const WeightFill weights = [](const ParamLayout&, const Segment& piece, float* out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < piece.size; i++) {
+      uint64_t x = static_cast<uint64_t>(piece.begin + i) * 0x9E3779B97F4A7C15ull;
+      x ^= x >> 31, x *= 0xBF58476D1CE4E5B9ull, x ^= x >> 29;
+      out[i] = 0.02f * (static_cast<float>(x >> 40) / 8388608.0f - 1.0f);
+    }
+  };
+  std::unique_ptr<Engine> engine = make_engine(config, o, mesh, weights);
+  std::vector<int32_t> inputs(batch * seq), targets(batch * seq);
+  uint64_t x = 88172645463325252ull;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    inputs[i] = static_cast<int32_t>(x % config.vocab_size);
+    targets[i] = static_cast<int32_t>((x >> 20) % config.vocab_size);
+  }
+  const auto step = [&] {
+    engine->begin_step();
+    const LossSum loss = engine->forward_backward(inputs.data(), targets.data(), batch, seq);
+    engine->finish_step(loss, 1e-5);
+  };
+  step();  // warm-up: cuBLASLt heuristics, first touches
+  size_t free_after = 0;
+  TUNA_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  MemoryLayout l = engine_memory_layout(o, 1, 0, 1, 0);
+  const MemoryPlan plan = plan_gpu_memory(config, l);
+  const double tokens = static_cast<double>(batch * seq);
+  state.counters["tokens/s"] = rate(tokens);
+  state.counters["MFU"] = rate(tokens * engine->flops_per_token(seq) / gpu_peak_bf16_flops());
+  state.counters["GiB"] = static_cast<double>(free_before - free_after) / double(1 << 30);
+  state.counters["plan_GiB"] = static_cast<double>(plan.total()) / double(1 << 30);
+  state.counters["activations_GiB"] = static_cast<double>(plan.bytes(MemoryKind::Activations)) / double(1 << 30);
+  state.SetLabel(str("engine step, ZeRO-", zero, ", recompute ", recompute_name(recompute),
+                     ", LLaMA-3.2-1B shape, batch 2 x seq 4096 (device memory used vs plan: GiB / plan_GiB)"));
+}
+
+BENCHMARK(BM_EngineStep)
+    ->ArgNames({"zero", "recompute"})
+    ->Args({0, static_cast<int>(Recompute::None)})
+    ->Args({3, static_cast<int>(Recompute::None)})
+    ->Args({0, static_cast<int>(Recompute::Selective)})
+    ->Args({0, static_cast<int>(Recompute::Full)})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(1.0);
 
 }  // namespace
 }  // namespace tuna::bench

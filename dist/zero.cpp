@@ -187,10 +187,9 @@ void Zero::import_shard(const std::vector<float>& params, const std::vector<floa
   }
 }
 
-void Zero::set_weights_from_full(const float* full) {
+void Zero::fill_weights(const std::function<void(const Segment& piece, float* out)>& fill) {
   TUNA_CHECK(stage_ == 3, "stages 0-2 read weights into model.params");
-  for (size_t i = 0; i < segments_.size(); i++)
-    std::copy_n(full + segments_[i].begin, segments_[i].size, master_.data() + unit_shard_offset_[i]);
+  for (size_t i = 0; i < segments_.size(); i++) fill(segments_[i], master_.data() + unit_shard_offset_[i]);
   for (UnitBuffer& b : weight_buffers_) b.valid = false;
 }
 

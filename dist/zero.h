@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "dist/comm.h"
@@ -94,8 +95,9 @@ class Zero final : public WeightStore {
   void export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const;
   // The reverse, then refreshes whatever copies the stage keeps (gathers whole weights for stages 0-2).
   void import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v);
-  // Stage 3 initialization: the whole (tp-local) model from `full` (ParamLayout order), keeping the shard.
-  void set_weights_from_full(const float* full);
+  // Stage 3 initialization: fill(piece, out) writes each of this rank's pieces (segments()) of the (tp-local)
+  // model into its place in the shard; no rank holds more than its shard.
+  void fill_weights(const std::function<void(const Segment& piece, float* out)>& fill);
 
   // Bytes this rank holds for parameters, gradients and optimizer state (model buffers included), from
   // the allocated sizes; the same figure the test checks against malloc's own accounting.

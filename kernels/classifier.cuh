@@ -16,6 +16,22 @@ namespace tuna::cuda {
 void classifier_fwd_bwd(__nv_bfloat16* logits, float* losses, const int32_t* targets, int64_t n, int64_t vocab,
                         float dloss, cudaStream_t stream);
 
+// Vocab-parallel (tensor parallelism): each rank holds columns [vocab_begin, vocab_begin + count) of every row of
+// logits [n, count] bf16, out of a vocabulary of `vocab`. The contract of kernels/cpu/classifier.h's three steps,
+// with fp32 statistics [3, n] (device):
+//   classifier_partial_stats: stats = (row max, sum of exp(x - max), target logit if in this slice else 0) of
+//     this rank's columns; ignored rows 0. OVERWRITES stats. Then the caller: global_max = max over ranks of
+//     stats[0, n).
+//   classifier_rescale_sums: stats[n + i] *= exp(stats[i] - global_max[i]). Then the caller: sum stats[n, 3n)
+//     over the ranks (into sum_and_target).
+//   classifier_parallel_fwd_bwd: losses[i] = global_max + log(sum) - target logit (0 for ignored rows) OVERWRITTEN;
+//     with dloss != 0, logits OVERWRITTEN by (softmax - onehot) * dloss over this rank's columns.
+void classifier_partial_stats(const __nv_bfloat16* logits, float* stats, const int32_t* targets, int64_t n,
+                              int64_t count, int64_t vocab_begin, int64_t vocab, cudaStream_t stream);
+void classifier_rescale_sums(float* stats, const float* global_max, int64_t n, cudaStream_t stream);
+void classifier_parallel_fwd_bwd(__nv_bfloat16* logits, float* losses, const int32_t* targets,
+                                 const float* global_max, const float* sum_and_target, int64_t n, int64_t count,
+                                 int64_t vocab_begin, float dloss, cudaStream_t stream);
 // *total = sum_{i < n} losses[i] in double, in index order by one block: deterministic. OVERWRITES *total.
 void loss_sum(double* total, const float* losses, int64_t n, cudaStream_t stream);
 

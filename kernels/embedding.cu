@@ -2,6 +2,8 @@
 //
 //   forward:  out[i, :] = table[tokens[i], :]                          out: [n, dim] bf16, OVERWRITTEN
 //   backward: dtable[t, :] += sum_{i: tokens[i] = t} dout[i, :]         dtable: [vocab, dim] fp32, ACCUMULATED
+//   vocab-parallel: a rank's table holds rows [vocab_begin, vocab_begin + vocab_count); other tokens give zero rows
+//   (summed over the ranks, every token's row once) and, through embedding_groups_slice, no gradient.
 //
 // The backward is deterministic without atomics: the host groups positions by token (embedding_groups, a
 // stable counting sort, O(n) per step over a few thousand tokens), and one block owns each distinct token's
@@ -21,20 +23,22 @@ namespace {
 
 constexpr int kThreads = 128;
 
-// One block per token row; threads stride over the row's 8-wide vectors.
+// One block per token row; threads stride over the row's 8-wide vectors. The table holds rows
+// [vocab_begin, vocab_begin + vocab_count) (the whole vocabulary without tensor parallelism).
 __global__ void embedding_fwd_kernel(bf16* out, const int32_t* tokens, const bf16* table, int64_t vocab,
-                                     int64_t dim) {
+                                     int64_t vocab_begin, int64_t vocab_count, int64_t dim) {
   const int64_t i = blockIdx.x;
   const int64_t token = tokens[i];
+  const int64_t row = token - vocab_begin;
   bf16* row_out = out + i * dim;
-  const bool valid = token >= 0 && token < vocab;
+  const bool valid = token >= 0 && token < vocab, mine = row >= 0 && row < vocab_count;
   for (int64_t c = threadIdx.x * 8; c < dim; c += kThreads * 8) {
     Bf16x8 x;
-    if (valid) {
-      x = load8(table + token * dim + c);
+    if (valid && mine) {
+      x = load8(table + row * dim + c);
     } else {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) x.v[j] = __float2bfloat16(NAN);
+      for (int j = 0; j < 8; ++j) x.v[j] = __float2bfloat16(valid ? 0.0f : NAN);
     }
     store8(row_out + c, x);
   }
@@ -63,15 +67,38 @@ __global__ void embedding_bwd_kernel(float* dtable, const bf16* dout, const int3
 
 }  // namespace
 
-void embedding_fwd(bf16* out, const int32_t* tokens, const bf16* table, int64_t n_tokens, int64_t vocab,
-                   int64_t dim, cudaStream_t stream) {
+void embedding_fwd_slice(bf16* out, const int32_t* tokens, const bf16* table, int64_t n_tokens, int64_t vocab,
+                         int64_t vocab_begin, int64_t vocab_count, int64_t dim, cudaStream_t stream) {
   TUNA_CHECK(n_tokens >= 0 && vocab > 0 && dim > 0 && dim % 8 == 0, "n_tokens ", n_tokens, ", vocab ", vocab,
              ", dim ", dim, " (dim must be a multiple of 8)");
+  TUNA_CHECK(vocab_begin >= 0 && vocab_count > 0 && vocab_begin + vocab_count <= vocab, "slice [", vocab_begin, ", +",
+             vocab_count, ") of a vocabulary of ", vocab);
   if (n_tokens == 0) return;
   TUNA_CHECK(n_tokens < (int64_t(1) << 31), "n_tokens ", n_tokens);
   launch_kernel(embedding_fwd_kernel, static_cast<unsigned>(n_tokens), kThreads, 0, stream, out, tokens, table, vocab,
-                dim);
+                vocab_begin, vocab_count, dim);
   TUNA_CUDA_CHECK_LAUNCH();
+}
+
+void embedding_fwd(bf16* out, const int32_t* tokens, const bf16* table, int64_t n_tokens, int64_t vocab,
+                   int64_t dim, cudaStream_t stream) {
+  embedding_fwd_slice(out, tokens, table, n_tokens, vocab, 0, vocab, dim, stream);
+}
+
+void embedding_groups_slice(EmbeddingGroups& groups, const int32_t* host_tokens, int64_t n_tokens, int64_t vocab,
+                            int64_t vocab_begin, int64_t vocab_count) {
+  embedding_groups(groups, host_tokens, n_tokens, vocab);
+  // The groups are sorted by token: keep the run of tokens inside the slice, renumbered from its first row.
+  EmbeddingGroups slice;
+  for (size_t u = 0; u < groups.unique_tokens.size(); ++u) {
+    const int64_t row = groups.unique_tokens[u] - vocab_begin;
+    if (row < 0 || row >= vocab_count) continue;
+    slice.unique_tokens.push_back(static_cast<int32_t>(row));
+    slice.offsets.push_back(static_cast<int32_t>(slice.positions.size()));
+    for (int32_t p = groups.offsets[u]; p < groups.offsets[u + 1]; ++p) slice.positions.push_back(groups.positions[p]);
+  }
+  slice.offsets.push_back(static_cast<int32_t>(slice.positions.size()));
+  groups = std::move(slice);
 }
 
 void embedding_groups(EmbeddingGroups& groups, const int32_t* host_tokens, int64_t n_tokens, int64_t vocab) {

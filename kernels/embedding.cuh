@@ -15,6 +15,12 @@ namespace tuna::cuda {
 void embedding_fwd(__nv_bfloat16* out, const int32_t* tokens, const __nv_bfloat16* table, int64_t n_tokens,
                    int64_t vocab, int64_t dim, cudaStream_t stream);
 
+// Vocab-parallel: table holds rows [vocab_begin, vocab_begin + vocab_count) of the vocab-row embedding.
+// out[i, :] = table[tokens[i] - vocab_begin, :] for a token in the slice, ZEROS for any other token of [0, vocab)
+// (summed over the tensor-parallel ranks, every token's row once), NaN outside [0, vocab). OVERWRITES out.
+void embedding_fwd_slice(__nv_bfloat16* out, const int32_t* tokens, const __nv_bfloat16* table, int64_t n_tokens,
+                         int64_t vocab, int64_t vocab_begin, int64_t vocab_count, int64_t dim, cudaStream_t stream);
+
 // The token positions grouped by token id, built on the host from the host copy of the tokens: the plan
 // that makes the backward deterministic without atomics. positions lists 0..n-1 sorted stably by token;
 // unique_tokens[u] is the u-th distinct token; positions[offsets[u] .. offsets[u+1]) are its positions, in
@@ -23,6 +29,10 @@ struct EmbeddingGroups {
   std::vector<int32_t> positions, unique_tokens, offsets;
 };
 void embedding_groups(EmbeddingGroups& groups, const int32_t* host_tokens, int64_t n_tokens, int64_t vocab);
+// The groups of the tokens inside [vocab_begin, vocab_begin + vocab_count) only, their ids relative to
+// vocab_begin: embedding_bwd with them accumulates a vocab-parallel rank's slice of the table gradient.
+void embedding_groups_slice(EmbeddingGroups& groups, const int32_t* host_tokens, int64_t n_tokens, int64_t vocab,
+                            int64_t vocab_begin, int64_t vocab_count);
 
 // dtable[unique_tokens[u], :] += sum over that token's positions p (in increasing order) of dout[p, :].
 // ACCUMULATES (fp32). Deterministic: each row is owned by one thread block and summed in position order.

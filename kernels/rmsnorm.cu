@@ -8,7 +8,7 @@
 //             dweight[j] += sum_i g[i, j] x[i, j] r[i]                                 fp32, ACCUMULATED
 //
 // Forward: one warp per row, 16-byte accesses; the second pass re-reads the row from L1/L2. Backward: one
-// block per kRowsPerBlock rows; each thread owns fixed column vectors, so it keeps that block's dweight
+// block (256 or 512 threads, by dim) per kRowsPerBlock rows; each thread owns fixed column vectors, so it keeps that block's dweight
 // partial sums in registers across rows, writes them to scratch, and a second kernel adds the row blocks'
 // partials in block order: no atomics, the same rounding on every run.
 #include "kernels/rmsnorm.cuh"
@@ -22,8 +22,10 @@ namespace tuna::cuda {
 namespace {
 
 constexpr int kFwdWarps = 4;
-constexpr int kBwdThreads = 256;
 constexpr int kRowsPerBlock = 64;
+// The backward's threads own up to 4 vectors of 8 columns each (more would spill): 256 threads cover rows up to
+// 8192 wide (LLaMA 70B), 512 up to 16384 (405B).
+constexpr int kMaxBwdVecs = 4;
 
 __global__ void rmsnorm_fwd_kernel(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const bf16* delta,
                                    const bf16* weight, int64_t n, int64_t dim, float eps) {
@@ -62,60 +64,70 @@ __global__ void rmsnorm_fwd_kernel(bf16* out, float* rstd, bf16* resid_out, cons
   }
 }
 
-// kVecs: 8-wide column vectors per thread (dim <= kBwdThreads * 8 * kVecs).
-template <int kVecs>
+__device__ __forceinline__ void load_f32x8(const bf16* p, float (&out)[8]) {
+  const Bf16x8 v = load8(p);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) out[j] = __bfloat162float(v.v[j]);
+}
+
+// kVecs: 8-wide column vectors per thread (dim <= kBwdThreads * 8 * kVecs). kHold: keep the weight and the row's
+// g and x in registers between the two phases of a row (rows up to 8192 wide at 256 threads); without, re-read
+// them from L1/L2 (wider rows at 512 threads, which have half the registers per thread). Same arithmetic.
+template <int kVecs, int kBwdThreads, bool kHold>
 __global__ void __launch_bounds__(kBwdThreads) rmsnorm_bwd_kernel(bf16* dinp, float* partial, const bf16* dout,
                                                                   const bf16* inp, const bf16* weight,
                                                                   const float* rstd, int64_t n, int64_t dim) {
+  constexpr int kHeld = kHold ? kVecs : 1;
   __shared__ float scratch[kBwdThreads / 32];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
   const int64_t row_end = min(n, row0 + kRowsPerBlock);
+  const auto column = [](int v) { return (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8; };
   float dw[kVecs][8] = {};
-  float w[kVecs][8];
+  float w[kHeld][8], g[kHeld][8], x[kHeld][8];
+  if constexpr (kHold) {
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const int64_t c = (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8;
-    if (c < dim) {
-      const Bf16x8 wv = load8(weight + c);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) w[v][j] = __bfloat162float(wv.v[j]);
-    }
+    for (int v = 0; v < kVecs; ++v)
+      if (column(v) < dim) load_f32x8(weight + column(v), w[v]);
   }
   for (int64_t row = row0; row < row_end; ++row) {
     const float r = rstd[row];
-    float g[kVecs][8], x[kVecs][8];
     float dot = 0.0f;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
-      const int64_t c = (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8;
-      if (c < dim) {
-        const Bf16x8 gv = load8(dout + row * dim + c), xv = load8(inp + row * dim + c);
+      const int64_t c = column(v);
+      if (c >= dim) continue;
+      const int h = kHold ? v : 0;
+      if constexpr (!kHold) load_f32x8(weight + c, w[h]);
+      load_f32x8(dout + row * dim + c, g[h]);
+      load_f32x8(inp + row * dim + c, x[h]);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          g[v][j] = __bfloat162float(gv.v[j]);
-          x[v][j] = __bfloat162float(xv.v[j]);
-          dot += w[v][j] * g[v][j] * x[v][j];
-          dw[v][j] += g[v][j] * x[v][j] * r;
-        }
+      for (int j = 0; j < 8; ++j) {
+        dot += w[h][j] * g[h][j] * x[h][j];
+        dw[v][j] += g[h][j] * x[h][j] * r;
       }
     }
     dot = block_sum(dot, scratch);
     const float correction = r * r * dot / static_cast<float>(dim);
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
-      const int64_t c = (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8;
-      if (c < dim) {
-        Bf16x8 d = load8(dinp + row * dim + c);
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          d.v[j] = __float2bfloat16(__bfloat162float(d.v[j]) + r * (w[v][j] * g[v][j] - x[v][j] * correction));
-        store8(dinp + row * dim + c, d);
+      const int64_t c = column(v);
+      if (c >= dim) continue;
+      const int h = kHold ? v : 0;
+      if constexpr (!kHold) {
+        load_f32x8(weight + c, w[h]);
+        load_f32x8(dout + row * dim + c, g[h]);
+        load_f32x8(inp + row * dim + c, x[h]);
       }
+      Bf16x8 d = load8(dinp + row * dim + c);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        d.v[j] = __float2bfloat16(__bfloat162float(d.v[j]) + r * (w[h][j] * g[h][j] - x[h][j] * correction));
+      store8(dinp + row * dim + c, d);
     }
   }
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
-    const int64_t c = (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8;
+    const int64_t c = column(v);
     if (c < dim) {
       float4* dst = reinterpret_cast<float4*>(partial + blockIdx.x * dim + c);
       dst[0] = make_float4(dw[v][0], dw[v][1], dw[v][2], dw[v][3]);
@@ -155,16 +167,18 @@ void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, 
   TUNA_CHECK(n >= 0 && dim > 0 && dim % 8 == 0, "n ", n, ", dim ", dim, " (dim must be a multiple of 8)");
   if (n == 0) return;
   const int64_t n_blocks = ceil_div(n, kRowsPerBlock);
-  const int64_t vecs = ceil_div(dim, kBwdThreads * 8);
   const unsigned grid = static_cast<unsigned>(n_blocks);
-  if (vecs <= 1)
-    launch_kernel(rmsnorm_bwd_kernel<1>, grid, kBwdThreads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
-  else if (vecs <= 2)
-    launch_kernel(rmsnorm_bwd_kernel<2>, grid, kBwdThreads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
-  else if (vecs <= 4)
-    launch_kernel(rmsnorm_bwd_kernel<4>, grid, kBwdThreads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
-  else  // 8 vectors per thread (dim 16384, LLaMA 405B) would spill: needs a wider block first.
-    fail("rmsnorm_bwd: dim ", dim, " exceeds the supported ", kBwdThreads * 8 * 4);
+  // Up to 8192 columns: 256 threads holding 1, 2 or 4 vectors each in registers; up to 16384: 512 threads
+  // re-reading 4 vectors each.
+  const int64_t vecs = ceil_div(dim, 256 * 8);
+  const auto args = [&](auto kernel, int threads) {
+    launch_kernel(kernel, grid, threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
+  };
+  if (vecs <= 1) args(rmsnorm_bwd_kernel<1, 256, true>, 256);
+  else if (vecs <= 2) args(rmsnorm_bwd_kernel<2, 256, true>, 256);
+  else if (vecs <= 4) args(rmsnorm_bwd_kernel<4, 256, true>, 256);
+  else if (dim <= 512 * 8 * kMaxBwdVecs) args(rmsnorm_bwd_kernel<4, 512, false>, 512);
+  else fail("rmsnorm_bwd: dim ", dim, " exceeds the supported ", 512 * 8 * kMaxBwdVecs);
   TUNA_CUDA_CHECK_LAUNCH();
   launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, 256)), 256, 0, stream, dweight, scratch,
                 n_blocks, dim);

@@ -86,8 +86,9 @@ std::string rank_file_name(int rank) {
   return buf;
 }
 
-// Whole global tensors out of a tuna checkpoint: from model.safetensors / optimizer.safetensors, or
-// assembled from the pieces of every rank file (see checkpoint.h).
+// Elements of global tensors out of a model directory: a Hugging Face download or a tuna checkpoint
+// (model.safetensors / optimizer.safetensors, or the pieces of every rank file, see checkpoint.h). Only the
+// bytes asked for are read from the mapped files.
 class GlobalTensorReader {
  public:
   explicit GlobalTensorReader(const fs::path& dir) : dir_(dir) {
@@ -105,21 +106,40 @@ class GlobalTensorReader {
     }
   }
   bool sharded() const { return !ranks_.empty(); }
+  // The single-file model (opened on first use).
+  const HfCheckpointDir& model_dir() {
+    if (!model_) model_.emplace(dir_);
+    return *model_;
+  }
 
-  // Global tensor prefix + t.name into out (resized to the global element count).
-  void read(const ParamTensor& t, const std::string& prefix, std::vector<float>& out) {
-    int64_t numel = 1;
-    for (int64_t d : t.global_shape) numel *= d;
-    out.resize(numel);
+  // Elements [begin, begin + count) of global tensor prefix + t.name (row-major) into out.
+  void read_range(const ParamTensor& t, const std::string& prefix, int64_t begin, int64_t count, float* out) {
+    if (count == 0) return;
     if (!sharded()) {
+      const std::string name = prefix + t.name;
+      const SafetensorsFile* file = nullptr;
+      const TensorInfo* info = nullptr;
       if (prefix.empty()) {
-        if (!model_) model_.emplace(dir_);
-        model_->read_f32(t.name, t.global_shape, out.data());
+        const HfCheckpointDir::Entry e = model_dir().find(name);
+        if (!e) fail(dir_.string(), " has no tensor '", name, "'");
+        file = e.file, info = e.info;
       } else {
-        optimizer_file().read_f32(prefix + t.name, t.global_shape, out.data());
+        file = &optimizer_file();
+        info = file->find(name);
+        if (!info) fail(file->path().string(), " has no tensor '", name, "'");
       }
+      if (info->shape != t.global_shape)
+        fail("tensor '", name, "' in ", file->path().string(), ": expected shape ", format_shape(t.global_shape),
+             ", found ", format_shape(info->shape));
+      if (!is_floating(info->dtype))
+        fail("tensor '", name, "' in ", file->path().string(), ": expected a floating-point dtype, found ",
+             dtype_name(info->dtype));
+      convert_to_f32(file->data(*info) + begin * static_cast<int64_t>(dtype_size(info->dtype)), info->dtype, out,
+                     count);
       return;
     }
+    // Sharded: the elements of every rank file's piece that fall in the range.
+    const int64_t end = begin + count;
     int64_t covered = 0;
     for (const RankFile& f : ranks_) {
       if (!f.pieces.contains(t.name)) continue;
@@ -129,7 +149,7 @@ class GlobalTensorReader {
         fail(f.file.path().string(), ": tensor '", t.name, "' has global shape ", json(global_shape).dump(),
              ", the model's config.json says ", json(t.global_shape).dump());
       const int split_dim = p.at("split_dim").get<int>();
-      const int64_t split_begin = p.at("split_begin").get<int64_t>(), begin = p.at("begin").get<int64_t>();
+      const int64_t split_begin = p.at("split_begin").get<int64_t>(), piece_begin = p.at("begin").get<int64_t>();
       const std::vector<int64_t> shape = p.at("shape").get<std::vector<int64_t>>();
       const TensorInfo* info = f.file.find(prefix + t.name);
       if (!info || info->dtype != DType::F32 || info->shape.size() != 1)
@@ -137,16 +157,35 @@ class GlobalTensorReader {
       const int64_t n = info->shape[0];
       const float* src = reinterpret_cast<const float*>(f.file.data(*info));
       const int64_t cols = shape.size() == 2 ? shape[1] : 1, gcols = global_shape.size() == 2 ? global_shape[1] : 1;
+      const auto global = [&](int64_t i) {
+        const int64_t e = piece_begin + i, row = e / cols, col = e % cols;
+        return split_dim < 0 ? e : split_dim == 0 ? (split_begin + row) * cols + col : row * gcols + split_begin + col;
+      };
+      if (n == 0 || global(n - 1) < begin || global(0) >= end) continue;  // global() grows with i
       for (int64_t i = 0; i < n; i++) {
-        const int64_t e = begin + i, row = e / cols, col = e % cols;
-        const int64_t g = split_dim < 0 ? e : split_dim == 0 ? (split_begin + row) * cols + col : row * gcols + split_begin + col;
-        out[g] = src[i];
+        const int64_t g = global(i);
+        if (g >= begin && g < end) out[g - begin] = src[i], covered++;
       }
-      covered += n;
     }
-    if (covered != numel)
-      fail(dir_.string(), ": the rank files hold ", covered, " of the ", numel, " elements of '", prefix + t.name,
-           "' (a rank file is missing or from another run)");
+    if (covered != count)
+      fail(dir_.string(), ": the rank files hold ", covered, " of the ", count, " elements of '", prefix + t.name,
+           "' asked for (a rank file is missing or from another run)");
+  }
+
+  // Elements [local_begin, local_end) of tensor t's tensor-parallel block (row-major in the block) into out:
+  // one contiguous global range per block row for a column split, one range otherwise.
+  void read_block_range(const ParamTensor& t, const std::string& prefix, int64_t local_begin, int64_t local_end,
+                        float* out) {
+    if (t.split_dim < 0) return read_range(t, prefix, local_begin, local_end - local_begin, out);
+    const int64_t cols = t.numel / t.shape[0];
+    if (t.split_dim == 0)
+      return read_range(t, prefix, t.split_begin * cols + local_begin, local_end - local_begin, out);
+    const int64_t gcols = t.global_shape[1];
+    for (int64_t e = local_begin; e < local_end;) {
+      const int64_t row = e / cols, col = e % cols, n = std::min(local_end - e, cols - col);
+      read_range(t, prefix, row * gcols + t.split_begin + col, n, out + (e - local_begin));
+      e += n;
+    }
   }
 
   int64_t steps_taken() {
@@ -179,26 +218,42 @@ class GlobalTensorReader {
   std::vector<RankFile> ranks_;
 };
 
+// Calls f(tensor, local_begin, local_end, out_offset) for every intersection of `piece` (a run of the flat layout)
+// with a tensor of `layout`: the tensor's block elements [local_begin, local_end) go to out + out_offset.
+template <typename F>
+void for_each_tensor_of(const ParamLayout& layout, const Segment& piece, F&& f) {
+  for (const ParamTensor& t : layout.tensors()) {
+    const int64_t begin = std::max(piece.begin, t.offset), end = std::min(piece.begin + piece.size, t.offset + t.numel);
+    if (begin < end) f(t, begin - t.offset, end - t.offset, begin - piece.begin);
+  }
+}
+
 }  // namespace
+
+struct WeightReader::Reader {
+  explicit Reader(const fs::path& dir) : tensors(dir) {}
+  GlobalTensorReader tensors;
+};
+
+WeightReader::WeightReader(const fs::path& dir, const ParamLayout& layout)
+    : reader_(std::make_unique<Reader>(dir)), layout_(layout) {
+  if (!reader_->tensors.sharded()) refuse_foreign_tensors(reader_->tensors.model_dir(), layout);
+}
+
+WeightReader::~WeightReader() = default;
+
+void WeightReader::read(const Segment& piece, float* out) {
+  TUNA_CHECK(piece.begin >= 0 && piece.size >= 0 && piece.begin + piece.size <= layout_.total(), "piece [",
+             piece.begin, ", +", piece.size, ") of a layout of ", layout_.total());
+  for_each_tensor_of(layout_, piece, [&](const ParamTensor& t, int64_t lb, int64_t le, int64_t at) {
+    reader_->tensors.read_block_range(t, "", lb, le, out + at);
+  });
+}
 
 bool is_sharded_checkpoint(const fs::path& dir) { return fs::exists(dir / rank_file_name(0)); }
 
 void load_weights(const fs::path& dir, const ParamLayout& layout, float* params) {
-  bool split = false;
-  for (const ParamTensor& t : layout.tensors()) split |= t.split_dim >= 0;
-  if (!is_sharded_checkpoint(dir) && !split) {  // the common case: straight into place
-    HfCheckpointDir ckpt(dir);
-    for (const ParamTensor& t : layout.tensors()) ckpt.read_f32(t.name, t.shape, params + t.offset);
-    refuse_foreign_tensors(ckpt, layout);
-    return;
-  }
-  if (!is_sharded_checkpoint(dir)) refuse_foreign_tensors(HfCheckpointDir(dir), layout);
-  GlobalTensorReader reader(dir);
-  std::vector<float> global;
-  for (const ParamTensor& t : layout.tensors()) {
-    reader.read(t, "", global);
-    copy_block(t, global.data(), params + t.offset);
-  }
+  WeightReader(dir, layout).read(Segment{0, layout.total()}, params);
 }
 
 void write_checkpoint_shard(const fs::path& tmp_dir, int rank, const ParamLayout& layout, const ShardState& s) {
@@ -230,28 +285,36 @@ int64_t load_checkpoint_shard(const fs::path& dir, const ParamLayout& layout, co
   int64_t total = 0;
   for (const Segment& seg : segments) total += seg.size;
   params.assign(total, 0.0f), m.assign(total, 0.0f), v.assign(total, 0.0f);
-  GlobalTensorReader reader(dir);
-  std::vector<float> global, local;
-  for (const ParamTensor& t : layout.tensors()) {
-    bool needed = false;
-    for (const Segment& seg : segments) needed |= std::max(seg.begin, t.offset) < std::min(seg.begin + seg.size, t.offset + t.numel);
-    if (!needed) continue;
-    for (auto [prefix, out] : {std::pair{"", &params}, {"exp_avg.", &m}, {"exp_avg_sq.", &v}}) {
-      reader.read(t, prefix, global);
-      local.resize(t.numel);
-      copy_block(t, global.data(), local.data());
-      int64_t shard_offset = 0;
-      for (const Segment& seg : segments) {
-        const int64_t begin = std::max(seg.begin, t.offset), end = std::min(seg.begin + seg.size, t.offset + t.numel);
-        if (begin < end)
-          std::copy(local.begin() + (begin - t.offset), local.begin() + (end - t.offset),
-                    out->begin() + shard_offset + (begin - seg.begin));
-        shard_offset += seg.size;
-      }
-    }
+  CheckpointReader reader(dir, layout);
+  int64_t at = 0;
+  for (const Segment& seg : segments) {
+    reader.read(seg, params.data() + at, m.data() + at, v.data() + at);
+    at += seg.size;
   }
   return reader.steps_taken();
 }
+
+struct CheckpointReader::Reader {
+  explicit Reader(const fs::path& dir) : tensors(dir) {}
+  GlobalTensorReader tensors;
+};
+
+CheckpointReader::CheckpointReader(const fs::path& dir, const ParamLayout& layout)
+    : reader_(std::make_unique<Reader>(dir)), layout_(layout) {}
+
+CheckpointReader::~CheckpointReader() = default;
+
+void CheckpointReader::read(const Segment& piece, float* params, float* m, float* v) {
+  TUNA_CHECK(piece.begin >= 0 && piece.size >= 0 && piece.begin + piece.size <= layout_.total(), "piece [",
+             piece.begin, ", +", piece.size, ") of a layout of ", layout_.total());
+  for_each_tensor_of(layout_, piece, [&](const ParamTensor& t, int64_t lb, int64_t le, int64_t at) {
+    reader_->tensors.read_block_range(t, "", lb, le, params + at);
+    reader_->tensors.read_block_range(t, "exp_avg.", lb, le, m + at);
+    reader_->tensors.read_block_range(t, "exp_avg_sq.", lb, le, v + at);
+  });
+}
+
+int64_t CheckpointReader::steps_taken() { return reader_->tensors.steps_taken(); }
 
 void refuse_foreign_tensors(const HfCheckpointDir& dir, const ParamLayout& layout) {
   const bool tied = layout.lm_head() == layout.embed_tokens();

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -47,10 +48,27 @@ class AdamW;
 class HfCheckpointDir;
 
 
-// Reads every parameter of `layout` from a directory holding config.json + safetensors (a Hugging Face
-// download or a tuna checkpoint) into params (fp32), converting bf16/f16. Fails naming the directory and
-// tensor for a missing tensor, a wrong shape or dtype, and for tensors the model does not have (another
-// architecture); rotary inv_freq buffers and a duplicate lm_head of a tied model are skipped.
+// Reads pieces of a model's weights for `layout` (any tensor-parallel rank's) from a directory holding
+// config.json + safetensors (a Hugging Face download, single file or sharded with an index, or a tuna checkpoint,
+// single file or rank files), converting bf16/f16 to fp32. The files are mapped and only the bytes of each piece
+// are read: a rank that asks for its shard reads its shard, never the whole model (sharded init at scale). Fails
+// naming the directory and tensor for a missing tensor, a wrong shape or dtype, and (at construction) for tensors
+// the model does not have (another architecture); rotary inv_freq buffers and a duplicate lm_head of a tied model
+// are skipped.
+class WeightReader {
+ public:
+  WeightReader(const std::filesystem::path& dir, const ParamLayout& layout);
+  ~WeightReader();
+  // Elements [piece.begin, piece.begin + piece.size) of the flat layout into out.
+  void read(const Segment& piece, float* out);
+
+ private:
+  struct Reader;
+  std::unique_ptr<Reader> reader_;
+  const ParamLayout& layout_;
+};
+
+// Every parameter of `layout` into params (ParamLayout order): WeightReader over the whole layout.
 void load_weights(const std::filesystem::path& dir, const ParamLayout& layout, float* params);
 
 // Fails on a tensor of `dir` that is not in `layout` (another architecture, or a config.json that does not
@@ -111,6 +129,23 @@ void write_checkpoint_shard(const std::filesystem::path& tmp_dir, int rank, cons
                             const ShardState& shard);
 std::filesystem::path finish_sharded_checkpoint(const std::filesystem::path& root, int64_t step,
                                                 const CheckpointContents& contents, int64_t keep_last);  // rank 0
+
+// Pieces of the weights and AdamW moments of any tuna training checkpoint (single-file or sharded, any world
+// layout) for a model laid out by `layout` (any tp rank): only each piece's bytes are read, so a rank restores its
+// shard a unit at a time without holding it whole.
+class CheckpointReader {
+ public:
+  CheckpointReader(const std::filesystem::path& dir, const ParamLayout& layout);
+  ~CheckpointReader();
+  // Elements [piece.begin, piece.begin + piece.size) of the flat layout: weights, exp_avg, exp_avg_sq.
+  void read(const Segment& piece, float* params, float* m, float* v);
+  int64_t steps_taken();  // AdamW's, from the checkpoint's metadata
+
+ private:
+  struct Reader;
+  std::unique_ptr<Reader> reader_;
+  const ParamLayout& layout_;
+};
 
 // Reads the elements of `segments` (shard order) of the weights and AdamW moments from any tuna training
 // checkpoint (single-file or sharded, any world layout) for a model laid out by `layout` (any tp rank).

@@ -3,9 +3,12 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "model/checkpoint.h"
 
 #if TUNA_CUDA
 #include <cuda_runtime_api.h>
+
+#include "core/cuda_check.h"
 #endif
 
 namespace tuna {
@@ -19,15 +22,12 @@ class CpuEngine final : public Engine {
         model_(config, o.micro_batch, o.seq_len,
                LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3, /*external_grads=*/o.zero == 2}) {
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
-    // only its shard, taken from a temporary whole copy.
-    std::vector<float> staging;
-    if (initial) {
-      if (o.zero == 3) staging.resize(model_.layout().total());
-      initial(model_.layout(), o.zero == 3 ? staging.data() : model_.params.data());
-    }
+    // only its shard, filled piece by piece.
+    if (initial && o.zero != 3) fill_whole(initial, model_.layout(), model_.params.data());
     zero_ = std::make_unique<Zero>(model_, o.opt, o.zero, *mesh.dp, mesh.tp.get());
     zero_->set_prefetch(o.zero_prefetch);
-    if (o.zero == 3 && initial) zero_->set_weights_from_full(staging.data());
+    if (o.zero == 3 && initial)
+      zero_->fill_weights([&](const Segment& piece, float* out) { initial(model_.layout(), piece, out); });
   }
 
   std::string describe() const override { return "cpu"; }
@@ -52,6 +52,7 @@ class CpuEngine final : public Engine {
   int64_t steps_taken() const override { return zero_->optimizer().steps_taken; }
   void set_steps_taken(int64_t steps) override { zero_->optimizer().steps_taken = steps; }
 
+  std::string memory_report() const override { return ""; }  // the trainer prints the host plan itself
   int64_t activation_bytes() const override { return model_.activation_bytes(); }
   int64_t state_bytes() const override { return zero_->state_bytes(); }
   double flops_per_token(int64_t seq) const override { return model_flops_per_token(config_, seq); }
@@ -73,7 +74,7 @@ class CpuForwardModel final : public ForwardModel {
  public:
   CpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
       : model_(config, max_batch, max_seq) {
-    weights(model_.layout(), model_.params.data());
+    fill_whole(weights, model_.layout(), model_.params.data());
   }
   std::string describe() const override { return "cpu"; }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
@@ -94,6 +95,55 @@ class CpuForwardModel final : public ForwardModel {
 };
 
 }  // namespace
+
+MemoryLayout engine_memory_layout(const EngineOptions& o, int dp_size, int dp_rank, int tp_size, int tp_rank) {
+  MemoryLayout l;
+  l.dp = dp_size, l.dp_rank = dp_rank, l.tp = tp_size, l.tp_rank = tp_rank;
+  l.zero = o.zero, l.zero_prefetch = o.zero_prefetch, l.recompute = o.recompute;
+  l.bf16_moments = o.bf16_moments;
+  l.micro_batch = o.micro_batch, l.seq_len = o.seq_len;
+  return l;
+}
+
+GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, double capacity_gb) {
+  int64_t capacity = static_cast<int64_t>(capacity_gb * 1e9);
+  if (capacity_gb <= 0) {
+#if TUNA_CUDA
+    if (resolve_device("cuda") == "cuda") {
+      TUNA_CUDA_CHECK(cudaSetDevice(options.gpu));
+      size_t free_bytes = 0, total_bytes = 0;
+      TUNA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+      capacity = static_cast<int64_t>(free_bytes);
+    }
+#else
+    fail("option 'gpu_memory_gb': this build has no CUDA, so there is no GPU to measure: give the card's memory in GB "
+         "(80 for an H100)");
+#endif
+  }
+  return check_gpu_fit(config, engine_memory_layout(options, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank),
+                       capacity);
+}
+
+WeightFill weights_from_directory(const std::filesystem::path& dir) {
+  auto reader = std::make_shared<std::unique_ptr<WeightReader>>();
+  return [dir, reader](const ParamLayout& layout, const Segment& piece, float* out) {
+    if (!*reader) *reader = std::make_unique<WeightReader>(dir, layout);
+    (*reader)->read(piece, out);
+  };
+}
+
+WeightFill random_weights(uint64_t seed, double std) {
+  return [seed, std](const ParamLayout& layout, const Segment& piece, float* out) {
+    init_random_weights_piece(layout, seed, std, piece, out);
+  };
+}
+
+void fill_whole(const WeightFill& fill, const ParamLayout& layout, float* out) {
+  for (int u = 0; u < layout.num_units(); u++) {
+    const auto [begin, end] = layout.unit_range(u);
+    fill(layout, Segment{begin, end - begin}, out + begin);
+  }
+}
 
 std::string resolve_device(const std::string& requested) {
   if (requested != "auto" && requested != "cpu" && requested != "cuda")

@@ -8,8 +8,8 @@
 //         update), ZeRO-1 (master weights and moments sharded: reduce-scatter, update the shard, all-gather),
 //         ZeRO-2 (gradients sharded too: each unit's reduce-scattered as its backward finishes) or ZeRO-3 (bf16
 //         weights sharded too: each unit gathered before use, the next one prefetched on a communication
-//         stream). Activation recompute (none, selective, full). Tensor parallelism is CPU-only so far and
-//         refused on cuda with a message.
+//         stream). Activation recompute (none, selective, full). Tensor parallelism (Megatron splits by kv
+//         groups, vocab-parallel embedding, lm_head and loss) with ZeRO over dp.
 //
 // Checkpoint exchange is in "shard order": the concatenation of segments() (runs of the flat ParamLayout
 // buffer), this rank's share of the writing. One rank's segments cover the whole layout in order, so shard
@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -53,12 +54,21 @@ struct EngineStatus {
   double gpu_util = NAN;                 // percent of the last sample period with a kernel running (NVML)
 };
 
-// Writes the whole (tensor-parallel-local) model in ParamLayout order into `out`: a checkpoint's or a
-// fresh initialization's weights.
-using WeightFill = std::function<void(const ParamLayout& layout, float* out)>;
-// Makes the device-side data-parallel comm (NCCL) on the engine's CUDA stream. The trainer supplies it, so
-// that only binaries that need NCCL link it.
-using DeviceCommFactory = std::function<std::unique_ptr<Comm>(void* cuda_stream)>;
+// Writes elements [piece.begin, piece.begin + piece.size) of the (tensor-parallel-local) model, ParamLayout
+// order, into out: a checkpoint's or a fresh initialization's weights, a piece at a time. Engines ask for their
+// own pieces (a unit, or their ZeRO piece of it), so no rank holds more of the model than its layout does.
+using WeightFill = std::function<void(const ParamLayout& layout, const Segment& piece, float* out)>;
+// A model directory's weights (checkpoint.h WeightReader, opened at the first piece: only each piece's bytes
+// are read) and a fresh initialization's (llama.h init_random_weights_piece).
+WeightFill weights_from_directory(const std::filesystem::path& dir);
+WeightFill random_weights(uint64_t seed, double std);
+// The whole layout through `fill`, a unit at a time, into out (ParamLayout order): for whoever holds the whole
+// (tp-local) model by design (ZeRO 0-2 on cpu, the forward model, tests).
+void fill_whole(const WeightFill& fill, const ParamLayout& layout, float* out);
+// Makes a device comm (NCCL) over the ranks of a host group (the mesh's dp or tp comm) that enqueues on a CUDA
+// stream of the engine. The trainer supplies it, so that only binaries that need NCCL link it; tests supply the
+// staged device comm (dist/comm.h), with which several ranks share one GPU.
+using DeviceCommFactory = std::function<std::unique_ptr<Comm>(Comm& group, void* cuda_stream)>;
 
 class Engine {
  public:
@@ -85,6 +95,10 @@ class Engine {
   virtual int64_t steps_taken() const = 0;  // AdamW updates so far (bias correction)
   virtual void set_steps_taken(int64_t steps) = 0;
 
+  // What this rank's device memory holds, for the log at start: on cuda the per-GPU table of the memory plan
+  // the engine allocated (model/memory_plan.h); on cpu nothing (the trainer prints the host plan before the
+  // engine exists, model/memory_plan_cpu.cpp).
+  virtual std::string memory_report() const = 0;
   // Memory planned at construction: activations, and parameters + gradients + optimizer state.
   virtual int64_t activation_bytes() const = 0;
   virtual int64_t state_bytes() const = 0;
@@ -116,13 +130,20 @@ class ForwardModel {
 std::unique_ptr<ForwardModel> make_forward_model(const LlamaConfig& config, const std::string& device,
                                                  int64_t max_batch, int64_t max_seq, const WeightFill& weights);
 
+// One rank's memory layout (model/memory_plan.h) for these options on a dp x tp mesh.
+MemoryLayout engine_memory_layout(const EngineOptions& options, int dp_size, int dp_rank, int tp_size, int tp_rank);
+
+// The CUDA engine's plan for this rank of `mesh`, checked against a device of capacity_gb (0: the free memory of
+// this rank's visible GPU, which then must exist): what build/train --plan_only prints, without allocating.
+GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, double capacity_gb);
+
 // "auto" -> "cuda" when this build has CUDA and a device is visible, else "cpu". "cuda" without a visible
 // device, or in a CPU-only build, fails with a message saying why.
 std::string resolve_device(const std::string& requested);
 
 // The model on the chosen backend for this rank of `mesh`. `initial` fills the starting weights (every rank
 // the same); null when the caller restores a checkpoint with import_shard before the first step.
-// `device_comm` makes the device dp comm (cuda with dp > 1 only; may be null otherwise).
+// `device_comm` makes the device dp and tp comms (cuda with dp > 1 or tp > 1 only; may be null otherwise).
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm = nullptr);
 

@@ -57,6 +57,7 @@ GpuOptions gpu_options(const EngineOptions& o, const Mesh& mesh) {
   g.zero_prefetch = o.zero_prefetch;
   g.recompute = o.recompute;
   g.dp = mesh.dp_size, g.dp_rank = mesh.dp_rank;
+  g.tp = mesh.tp_size, g.tp_rank = mesh.tp_rank;
   g.bf16_moments = o.bf16_moments;
   g.stochastic_rounding = o.stochastic_rounding;
   g.seed = static_cast<uint32_t>(o.seed);
@@ -66,13 +67,10 @@ GpuOptions gpu_options(const EngineOptions& o, const Mesh& mesh) {
 
 // Refuses what the CUDA engine does not do yet, before any device memory is touched.
 void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_comm) {
-  if (mesh.tp_size > 1)
-    fail("--tp ", mesh.tp_size, " with --device cuda: tensor parallelism runs on the CPU backend only so far; "
-         "on cuda use --tp 1 (data parallel over all ranks)");
   if (o.zero < 0 || o.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", o.zero);
-  if (mesh.dp_size > 1 && !have_device_comm)
-    fail("data parallel on ", mesh.dp_size, " ranks with --device cuda needs NCCL, and this build has none "
-         "(nccl.h was not found at build time, or NCCL=0)");
+  if ((mesh.dp_size > 1 || mesh.tp_size > 1) && !have_device_comm)
+    fail(mesh.dp_size * mesh.tp_size, " ranks (dp ", mesh.dp_size, " x tp ", mesh.tp_size, ") with --device cuda need "
+         "NCCL, and this build has none (nccl.h was not found at build time, or NCCL=0)");
   int count = 0;
   TUNA_CUDA_CHECK(cudaGetDeviceCount(&count));
   if (o.gpu < 0 || o.gpu >= count)
@@ -90,7 +88,7 @@ class OptimizerShard {
   // with_bf16_weights (ZeRO-2 and 3): the update also writes the bf16 weights of the shard.
   OptimizerShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments,
                  bool bf16_moments, bool with_bf16_weights)
-      : bf16_moments_(bf16_moments) {
+      : pieces(shard_pieces(layout, segments)), bf16_moments_(bf16_moments) {
     for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
     padded = (size + 3) / 4 * 4;  // the fused AdamW takes 4 elements per thread; the tail stays 0
     const AdamWTable table = adamw_table(layout, segments);
@@ -105,6 +103,8 @@ class OptimizerShard {
     if (with_bf16_weights) weights = arena.take<__nv_bfloat16>("bf16 weights (shard)", padded);
     norm_scratch = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
     norm_total = arena.take<double>("gradient norm", 1);
+    if (layout.tp().tp_size > 1)
+      replicated_norms = arena.take<double>("replicated gradient norms", std::max<int64_t>(1, replicated_piece_count(pieces)));
     for (void* p : {static_cast<void*>(master), static_cast<void*>(grad)})
       TUNA_CUDA_CHECK(cudaMemset(p, 0, padded * sizeof(float)));
     for (void* p : {m, v}) TUNA_CUDA_CHECK(cudaMemset(p, 0, padded * moment_bytes));
@@ -120,6 +120,7 @@ class OptimizerShard {
   bool bf16_moments() const { return bf16_moments_; }
   cuda::AdamWSegments table() const { return {table_starts, table_decays, n_segments}; }
 
+  std::vector<ShardPiece> pieces;  // the shard's pieces of each tensor (which are replicated over tp)
   int64_t size = 0, padded = 0;
   std::vector<int64_t> unit_offset;  // where unit u's piece starts in shard order
   float *master = nullptr, *grad = nullptr;
@@ -128,7 +129,7 @@ class OptimizerShard {
   int64_t* table_starts = nullptr;
   uint8_t* table_decays = nullptr;
   int n_segments = 0;
-  double *norm_total = nullptr, *norm_scratch = nullptr;
+  double *norm_total = nullptr, *norm_scratch = nullptr, *replicated_norms = nullptr;
 
  private:
   bool bf16_moments_;
@@ -347,25 +348,18 @@ class GpuEngine final : public Engine {
     cudaStream_t stream = model_.stream();
     // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
     if (o.zero >= 2) TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
-    if (mesh.dp_size > 1) dp_device_ = device_comm(o.zero >= 2 ? comm_stream_ : stream);
+    if (mesh.dp_size > 1) dp_device_ = device_comm(*mesh.dp, o.zero >= 2 ? comm_stream_ : stream);
+    if (mesh.tp_size > 1) {  // the tensor-parallel all-reduces run on the compute stream, inside each layer
+      tp_device_ = device_comm(*mesh.tp, stream);
+      model_.set_tp_comm(tp_device_.get());
+    }
     if (o.zero >= 1)
       shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.layout(), segments_, o.bf16_moments, o.zero >= 2);
     if (o.zero >= 2)
       store_ = std::make_unique<ShardedStore>(model_, *shard_, segments_, dp_device_.get(), comm_stream_, o.zero,
                                               o.zero_prefetch);
     model_.arena().check_all_taken();
-    if (initial) {
-      std::vector<float> host(model_.layout().total());
-      initial(model_.layout(), host.data());
-      if (o.zero <= 1) model_.set_params(host.data());
-      if (shard_) {  // every rank starts from the same whole model: keep this rank's pieces
-        for (size_t u = 0; u < segments_.size(); u++)
-          TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data() + segments_[u].begin,
-                                          segments_[u].size * sizeof(float), cudaMemcpyHostToDevice, stream));
-        if (store_) refresh_shard_weights();
-        TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
-      }
-    }
+    if (initial) fill_weights(initial);
     cudaDeviceProp prop{};
     TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, o.gpu));
     describe_ = str("cuda:", o.gpu, " (", prop.name, ", ", prop.multiProcessorCount, " SMs, ",
@@ -375,6 +369,7 @@ class GpuEngine final : public Engine {
   ~GpuEngine() override {
     store_.reset();
     dp_device_.reset();
+    tp_device_.reset();
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
   }
 
@@ -484,6 +479,10 @@ class GpuEngine final : public Engine {
     TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
   }
 
+  std::string memory_report() const override {
+    return format_memory_table(model_.memory_plan(), gpu_memory(options_.gpu).total_bytes,
+                               str("device memory per GPU (this rank's plan, allocated at start; ", describe_, ")"));
+  }
   int64_t activation_bytes() const override { return model_.memory_plan().bytes(MemoryKind::Activations); }
   int64_t state_bytes() const override { return model_.state_bytes(); }  // the shard is in the model's arena
   double flops_per_token(int64_t seq) const override { return model_.flops_per_token(seq); }
@@ -520,16 +519,16 @@ class GpuEngine final : public Engine {
                                           cudaMemcpyDeviceToDevice, stream));
       }
     }
+    // The norm over the shards: this rank's squares (replicated tensors counted on tp rank 0 only), summed over
+    // dp and tp on the host comms (one double each).
     cuda::sum_of_squares(sh.norm_total, sh.grad, sh.size, sh.norm_scratch, stream);
-    if (dp_device_) {
-      if (store_) join(comm_stream_, stream, norm_event_);  // the device comm runs on the comm stream
-      dp_device_->all_reduce(sh.norm_total, 1, CommType::F64, ReduceOp::Sum, "grad norm");
-      if (store_) join(stream, comm_stream_, norm_event_);
-    }
     double sum_sq = 0;
     TUNA_CUDA_CHECK(cudaMemcpyAsync(&sum_sq, sh.norm_total, sizeof(double), cudaMemcpyDeviceToHost, stream));
     if (dp_device_) dp_device_->barrier("gradients reduced");  // a bounded wait (--comm_timeout)
     TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (mesh_.tp_rank > 0) sum_sq -= replicated_sum_of_squares(sh.grad, sh.pieces, sh.replicated_norms, sh.norm_scratch, stream);
+    if (mesh_.dp_size > 1) mesh_.dp->all_reduce_sum(&sum_sq, 1, "grad norm (dp)");
+    if (mesh_.tp_size > 1) mesh_.tp->all_reduce_sum(&sum_sq, 1, "grad norm (tp)");
     OptimizerStats stats;
     stats.grad_norm = std::sqrt(sum_sq) * loss_scale;
     stats.clip_scale = clip_scale(options_.opt, stats.grad_norm);
@@ -552,6 +551,32 @@ class GpuEngine final : public Engine {
       gather_master();
     }
     return stats;
+  }
+
+  // The starting weights a unit at a time through one host buffer of the largest piece this rank fills: ZeRO-0
+  // fills the whole model (it holds it), ZeRO 1-3 this rank's piece of each unit into the master shard, whose
+  // bf16 weights are then made as a restore makes them.
+  void fill_weights(const WeightFill& initial) {
+    const ParamLayout& layout = model_.layout();
+    std::vector<Segment> pieces = segments_;
+    if (!shard_)
+      for (int u = 0; u < layout.num_units(); u++)
+        pieces[u] = Segment{layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first};
+    int64_t largest = 0;
+    for (const Segment& p : pieces) largest = std::max(largest, p.size);
+    std::vector<float> host(largest);
+    for (size_t u = 0; u < pieces.size(); u++) {
+      initial(layout, pieces[u], host.data());
+      if (!shard_) {
+        model_.set_params_piece(pieces[u], host.data());
+        continue;
+      }
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data(), pieces[u].size * sizeof(float),
+                                      cudaMemcpyHostToDevice, model_.stream()));
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));  // the host buffer is refilled next
+    }
+    if (store_) refresh_shard_weights();
+    else if (shard_) gather_master();
   }
 
   // ZeRO-2/3: the shard's bf16 weights from its fp32 master, rounded as the update at steps_taken() rounded
@@ -631,9 +656,9 @@ class GpuEngine final : public Engine {
   std::vector<Segment> segments_;
   cudaStream_t comm_stream_ = nullptr;     // ZeRO-2/3: where the dp device comm and the shard accumulation run
   std::unique_ptr<Comm> dp_device_;        // NCCL over the dp group; null on one rank
+  std::unique_ptr<Comm> tp_device_;        // NCCL over the tp group, on the compute stream; null without tp
   std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
   std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model
-  StreamEvent norm_event_;
   std::string describe_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
 };
@@ -642,9 +667,14 @@ class GpuForwardModel final : public ForwardModel {
  public:
   GpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
       : model_(config, max_batch, max_seq, OptimizerConfig{}, forward_only()), max_seq_(max_seq) {
-    std::vector<float> host(model_.layout().total());
-    weights(model_.layout(), host.data());
-    model_.set_params(host.data());
+    const ParamLayout& layout = model_.layout();
+    std::vector<float> host;
+    for (int u = 0; u < layout.num_units(); u++) {  // a unit at a time through the host
+      const Segment piece{layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first};
+      host.resize(piece.size);
+      weights(layout, piece, host.data());
+      model_.set_params_piece(piece, host.data());
+    }
     cudaDeviceProp prop{};
     TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     describe_ = str("cuda:0 (", prop.name, ")");
@@ -691,6 +721,9 @@ std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineO
                                         const WeightFill& initial, const DeviceCommFactory& device_comm) {
   check_supported(options, mesh, static_cast<bool>(device_comm));
   TUNA_CUDA_CHECK(cudaSetDevice(options.gpu));
+  // Refused before anything is allocated when the plan does not fit the device's free memory.
+  const GpuFit fit = plan_gpu_run(config, options, mesh, /*capacity_gb=*/0);
+  if (!fit.fits) fail("this run does not fit on GPU ", options.gpu, ":\n", fit.report);
   return std::make_unique<GpuEngine>(config, options, mesh, initial, device_comm);
 }
 

@@ -149,19 +149,43 @@ void Llama::init_random(uint64_t seed, double std, float* out) {
 }
 
 void init_random_weights(const ParamLayout& layout, uint64_t seed, double std, float* out) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> normal(0.0, std);
-  std::vector<float> global;
-  for (const ParamTensor& t : layout.tensors()) {
-    float* p = out + t.offset;
+  init_random_weights_piece(layout, seed, std, Segment{0, layout.total()}, out);
+}
+
+void init_random_weights_piece(const ParamLayout& layout, uint64_t seed, double std, const Segment& piece, float* out) {
+  const std::vector<ParamTensor>& tensors = layout.tensors();
+  for (size_t index = 0; index < tensors.size(); index++) {
+    const ParamTensor& t = tensors[index];
+    const int64_t lb = std::max(piece.begin, t.offset) - t.offset;
+    const int64_t le = std::min(piece.begin + piece.size, t.offset + t.numel) - t.offset;
+    if (lb >= le) continue;
+    float* p = out + (t.offset + lb - piece.begin);
     if (t.shape.size() == 1) {
-      std::fill(p, p + t.numel, 1.0f);  // RMSNorm weights start at identity
+      std::fill(p, p + (le - lb), 1.0f);  // RMSNorm weights start at identity
       continue;
     }
-    // The global tensor's draws in order, so that the model does not depend on the tp split.
-    global.resize(t.global_shape[0] * t.global_shape[1]);
-    for (float& x : global) x = static_cast<float>(normal(rng));
-    copy_block(t, global.data(), p);
+    // The global tensor's draws in order from the tensor's own stream (so that a piece needs no draws of other
+    // tensors), each kept where it falls in this rank's block and the piece (so the model does not depend on the
+    // tp split or the ZeRO pieces), stopping at the last one needed.
+    std::mt19937_64 rng(seed + 0x9E3779B97F4A7C15ull * (index + 1));
+    std::normal_distribution<double> normal(0.0, std);
+    const int64_t rows = t.shape[0], cols = t.shape[1], gcols = t.global_shape[1];
+    const auto global_of = [&](int64_t local) {
+      const int64_t row = local / cols, col = local % cols;
+      return t.split_dim == 0 ? (t.split_begin + row) * gcols + col
+           : t.split_dim == 1 ? row * gcols + t.split_begin + col
+                              : local;
+    };
+    const int64_t last = global_of(le - 1);
+    for (int64_t g = 0; g <= last; g++) {
+      const float x = static_cast<float>(normal(rng));
+      int64_t local = -1;
+      const int64_t row = g / gcols, col = g % gcols;
+      if (t.split_dim == 0 && row >= t.split_begin && row < t.split_begin + rows) local = (row - t.split_begin) * cols + col;
+      else if (t.split_dim == 1 && col >= t.split_begin && col < t.split_begin + cols) local = row * cols + col - t.split_begin;
+      else if (t.split_dim < 0) local = g;
+      if (local >= lb && local < le) p[local - lb] = x;
+    }
   }
 }
 
@@ -174,29 +198,14 @@ void Llama::tp_all_reduce(float* x, int64_t n, const char* what) {
 // Vocab-parallel embedding: each rank looks up the tokens in its rows and writes zeros for the others;
 // the all-reduce sums the one non-zero row per token.
 void Llama::embed(float* out, const int32_t* tokens, int64_t n, const float* table) {
-  const int64_t C = config_.hidden_size;
-  if (!tp_) return cpu::embedding_fwd(out, tokens, table, n, config_.vocab_size, C);
   const TpDims& d = layout_.tp();
-  for (int64_t i = 0; i < n; i++) {
-    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size)
-      fail("embedding: token at position ", i, " is ", tokens[i], ", outside the vocabulary [0, ", config_.vocab_size, ")");
-    const int64_t row = tokens[i] - d.vocab_begin;
-    float* o = out + i * C;
-    if (row >= 0 && row < d.vocab) std::copy(table + row * C, table + (row + 1) * C, o);
-    else std::fill(o, o + C, 0.0f);
-  }
-  tp_all_reduce(out, n * C, "tp embedding");
+  cpu::embedding_fwd_slice(out, tokens, table, n, config_.vocab_size, d.vocab_begin, d.vocab, config_.hidden_size);
+  tp_all_reduce(out, n * config_.hidden_size, "tp embedding");
 }
 
 void Llama::embed_bwd(float* dtable, const float* dout, const int32_t* tokens, int64_t n) {
-  const int64_t C = config_.hidden_size;
-  if (!tp_) return cpu::embedding_bwd(dtable, dout, tokens, n, config_.vocab_size, C);
   const TpDims& d = layout_.tp();
-  for (int64_t i = 0; i < n; i++) {  // token order, as cpu::embedding_bwd sums
-    const int64_t row = tokens[i] - d.vocab_begin;
-    if (row < 0 || row >= d.vocab) continue;
-    for (int64_t j = 0; j < C; j++) dtable[row * C + j] += dout[i * C + j];
-  }
+  cpu::embedding_bwd_slice(dtable, dout, tokens, n, config_.vocab_size, d.vocab_begin, d.vocab, config_.hidden_size);
 }
 
 // Cross-entropy over logits split by vocabulary: the row max, the sum of exponentials and the target's

@@ -17,6 +17,7 @@
 
 #include "model/config.h"
 #include "model/layout.h"
+#include "model/optimizer.h"  // Segment
 
 namespace tuna {
 
@@ -145,7 +146,11 @@ struct LlamaBufferSizes {
 LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& config, const TpDims& tp, int64_t max_batch, int64_t max_seq);
 
 // HF-style initialization of a flat buffer laid out by `layout` (any tp rank's): normal(0, std) for 2-D
-// weights, drawn for the global tensor in order and cut to this rank's block; ones for norm weights.
+// weights, each tensor's global values drawn in order from its own random stream (seed, tensor index) and cut to
+// this rank's block; ones for norm weights.
 void init_random_weights(const ParamLayout& layout, uint64_t seed, double std, float* out);
+// The same values for elements [piece.begin, piece.begin + piece.size) of the flat layout only, into out: a
+// piece draws its tensors' streams up to its last element, never the rest of the model.
+void init_random_weights_piece(const ParamLayout& layout, uint64_t seed, double std, const Segment& piece, float* out);
 
 }  // namespace tuna

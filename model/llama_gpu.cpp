@@ -20,6 +20,7 @@
 #include "core/cuda_check.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "dist/comm.h"
 #include "kernels/adamw.cuh"
 #include "kernels/attention.cuh"
 #include "kernels/classifier.cuh"
@@ -75,6 +76,18 @@ class LlamaGpu::OwnWeights final : public GpuWeightStore {
   LlamaGpu& m_;
 };
 
+void LlamaGpu::set_tp_comm(Comm* tp) {
+  TUNA_CHECK(tp != nullptr && tp->size() == options_.tp && tp->rank() == options_.tp_rank, "tp comm of ",
+             tp ? tp->size() : 0, " ranks for a model of tp ", options_.tp);
+  tp_ = tp;
+}
+
+void LlamaGpu::tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what) {
+  if (options_.tp == 1) return;
+  TUNA_CHECK(tp_ != nullptr, "tensor parallelism without a tp comm (set_tp_comm)");
+  tp_->all_reduce(x, n, CommType::BF16, ReduceOp::Sum, what);
+}
+
 void LlamaGpu::set_weight_store(GpuWeightStore* store) {
   TUNA_CHECK(store != nullptr && own_store_ == nullptr,
              "an external weight store replaces the whole buffers of ZeRO-2 and 3 only");
@@ -89,7 +102,7 @@ int64_t LlamaGpu::state_bytes() const {
 
 LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const OptimizerConfig& optimizer,
                    const GpuOptions& options)
-    : config_(config), layout_(config), opt_(optimizer), options_(options), max_batch_(max_batch), max_seq_(max_seq) {
+    : config_(config), layout_(config, options.tp_rank, options.tp), opt_(optimizer), options_(options), max_batch_(max_batch), max_seq_(max_seq) {
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   validate(opt_);
   const LlamaConfig& c = config_;
@@ -112,6 +125,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   // Every buffer from the memory plan (model/memory_plan_gpu.cpp), by its name there.
   MemoryLayout ml;
   ml.dp = options_.dp, ml.dp_rank = options_.dp_rank, ml.zero = options_.zero;
+  ml.tp = options_.tp, ml.tp_rank = options_.tp_rank;
   ml.zero_prefetch = options_.zero_prefetch, ml.recompute = options_.recompute;
   ml.bf16_moments = options_.bf16_moments, ml.training = training;
   ml.micro_batch = max_batch, ml.seq_len = max_seq;
@@ -129,6 +143,10 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     segment_decays_ = arena.take<uint8_t>("AdamW segment decays", n_segments_);
     norm_scratch_f64_ = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
     norm_total_ = arena.take<double>("gradient norm", 1);
+    if (options_.tp > 1)
+      replicated_norms_ = arena.take<double>(
+          "replicated gradient norms",
+          std::max<int64_t>(1, replicated_piece_count(shard_pieces(layout_, {Segment{0, P}}))));
   }
   rope_cos_ = arena.take<float>("RoPE cos", max_seq * c.head_dim / 2);
   rope_sin_ = arena.take<float>("RoPE sin", max_seq * c.head_dim / 2);
@@ -159,6 +177,10 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   final_rstd_ = arena.take<float>("final rstd", n);
   logits_chunk_ = arena.take<bf16>("logits chunk", head_chunk_rows_ * d.vocab);
   losses_ = arena.take<float>("per-token losses", n);
+  if (options_.tp > 1) {
+    ce_stats_ = arena.take<float>("classifier statistics", 3 * head_chunk_rows_);
+    ce_max_ = arena.take<float>("classifier global max", head_chunk_rows_);
+  }
   if (training) {
     d_resid_ = arena.take<bf16>("d_resid", n * C);
     d_norm_ = arena.take<bf16>("d_norm", n * C);
@@ -248,6 +270,22 @@ void LlamaGpu::set_params(const float* host) {
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+void LlamaGpu::set_params_piece(const Segment& piece, const float* host) {
+  TUNA_CHECK(params_ != nullptr && piece.begin >= 0 && piece.begin + piece.size <= layout_.total(),
+             "piece [", piece.begin, ", +", piece.size, ") of ", layout_.total(), " weights (ZeRO-3 keeps no whole copy)");
+  if (master_ != nullptr) {
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(master_ + piece.begin, host, piece.size * sizeof(float), cudaMemcpyHostToDevice,
+                                    stream_));
+    cuda::f32_to_bf16(params_ + piece.begin, master_ + piece.begin, piece.size, stream_);
+  } else {  // rounded to nearest on the host, as f32_to_bf16
+    std::vector<uint16_t> bits(piece.size);
+    convert_from_f32(host, DType::BF16, bits.data(), piece.size);
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(params_ + piece.begin, bits.data(), piece.size * sizeof(uint16_t),
+                                    cudaMemcpyHostToDevice, stream_));
+  }
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 void LlamaGpu::refresh_params() {
   TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   refresh_params_from(master_);
@@ -295,7 +333,10 @@ void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int6
     for (int64_t i = 0; i < n; ++i)
       if (targets[i] != cpu::kIgnoreIndex && (targets[i] < 0 || targets[i] >= V))
         fail("target at position ", i, " is ", targets[i], ", outside the vocabulary [0, ", V, ")");
-  cuda::embedding_groups(groups_, inputs, n, V);  // also validates the inputs
+  const TpDims& d = layout_.tp();
+  // Also validates the inputs. Under tensor parallelism, only the tokens of this rank's vocabulary slice.
+  if (options_.tp > 1) cuda::embedding_groups_slice(groups_, inputs, n, V, d.vocab_begin, d.vocab);
+  else cuda::embedding_groups(groups_, inputs, n, V);
   n_unique_ = static_cast<int64_t>(groups_.unique_tokens.size());
   // The previous call ended with a synchronize, so the pinned staging is free to overwrite.
   int32_t* staged = pinned_ids_;
@@ -332,9 +373,12 @@ void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
   store_->plan(order);
 
   const __nv_bfloat16* embedding = store_->acquire(0);
-  cuda::embedding_fwd(acts_.empty() ? resid_out_ : acts_[0].resid_in, tokens_,
-                      embedding + (layout_.embed_tokens() - layout_.unit_range(0).first), n, c.vocab_size, C, s);
+  __nv_bfloat16* x0 = acts_.empty() ? resid_out_ : acts_[0].resid_in;
+  const TpDims& d = layout_.tp();
+  cuda::embedding_fwd_slice(x0, tokens_, embedding + (layout_.embed_tokens() - layout_.unit_range(0).first), n,
+                            c.vocab_size, d.vocab_begin, d.vocab, C, s);
   store_->release(0);
+  tp_all_reduce(x0, n * C, "tp embedding");  // one rank holds each token's row, the others add zeros: exact
   for (int l = 0; l < L; l++) {
     layer_forward(l, store_->acquire(1 + l), batch, seq, /*write_output=*/true);
     store_->release(1 + l);
@@ -362,14 +406,19 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cuda::rope_fwd(a.q, a.q, rope_cos_, rope_sin_, batch, seq, d.heads, D, s);
   cuda::rope_fwd(a.k, a.k, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, s);
   cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, s);
-  cuda::matmul_fwd(mm, a.resid_mid, a.att, w(o.o_proj), /*residual=*/a.resid_in, n, d.q_dim, C, s);
+  // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
+  // only, then summed over the ranks.
+  const bool adds_residual = d.tp_rank == 0;
+  cuda::matmul_fwd(mm, a.resid_mid, a.att, w(o.o_proj), adds_residual ? a.resid_in : nullptr, n, d.q_dim, C, s);
+  tp_all_reduce(a.resid_mid, n * C, "tp o_proj");
   cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, w(o.post_norm), n, C, c.rms_norm_eps, s);
   cuda::matmul_fwd(mm, a.gate, a.norm2, w(o.gate_proj), nullptr, n, C, F, s);
   cuda::matmul_fwd(mm, a.up, a.norm2, w(o.up_proj), nullptr, n, C, F, s);
   cuda::swiglu_fwd(a.act, a.gate, a.up, n * F, s);
   if (!write_output) return;
   __nv_bfloat16* resid_next = l + 1 < config_.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
-  cuda::matmul_fwd(mm, resid_next, a.act, w(o.down_proj), /*residual=*/a.resid_mid, n, F, C, s);
+  cuda::matmul_fwd(mm, resid_next, a.act, w(o.down_proj), adds_residual ? a.resid_mid : nullptr, n, F, C, s);
+  tp_all_reduce(resid_next, n * C, "tp down_proj");
 }
 
 // What the recompute mode dropped of layer l's activations, recomputed from what it kept, with the same kernels
@@ -414,12 +463,12 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
       convert_to_f32(chunk_bits.data(), DType::BF16, host_logits + r0 * V, nr * V);
     }
     if (host_targets == nullptr) continue;
-    // dloss = 1: the gradient of the summed loss (see model/llama.h).
-    cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, nr, V, want_grad ? 1.0f : 0.0f, s);
+    cross_entropy(r0, nr, want_grad);
     if (want_grad)
       cuda::matmul_bwd(*matmul_, d_final_norm_ + r0 * C, g_head, logits_chunk_, x, w_head, nr, C, V,
                        /*accumulate_dinp=*/false, s);
   }
+  if (want_grad) tp_all_reduce(d_final_norm_, rows * C, "tp lm_head input grad");  // vocab-parallel: partial sums
   if (lm_unit != H) store_->release(lm_unit);
   if (!want_grad) store_->release(H);  // no backward: the pass ends here
   LossSum loss;
@@ -430,6 +479,22 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
   loss.sum = pinned_scalar_[0];
   for (int64_t i = 0; i < rows; ++i) loss.count += host_targets[i] != cpu::kIgnoreIndex;
   return loss;
+}
+
+void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {
+  const TpDims& d = layout_.tp();
+  const float dloss = want_grad ? 1.0f : 0.0f;  // the gradient of the summed loss (see model/llama.h)
+  cudaStream_t s = stream_;
+  if (options_.tp == 1) return cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, rows, d.vocab, dloss, s);
+  // Vocab-parallel: three rows of statistics cross the tp group, not logits.
+  cuda::classifier_partial_stats(logits_chunk_, ce_stats_, targets_ + r0, rows, d.vocab, d.vocab_begin,
+                                 config_.vocab_size, s);
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(ce_max_, ce_stats_, rows * sizeof(float), cudaMemcpyDeviceToDevice, s));
+  tp_->all_reduce(ce_max_, rows, CommType::F32, ReduceOp::Max, "tp loss max");
+  cuda::classifier_rescale_sums(ce_stats_, ce_max_, rows, s);
+  tp_->all_reduce(ce_stats_ + rows, 2 * rows, CommType::F32, ReduceOp::Sum, "tp loss sums");
+  cuda::classifier_parallel_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, ce_max_, ce_stats_ + rows, rows,
+                                    d.vocab, d.vocab_begin, dloss, s);
 }
 
 void LlamaGpu::backward(int64_t batch, int64_t seq) {
@@ -477,6 +542,7 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   cuda::swiglu_bwd(d_gate_, d_up_, d_act_, a.gate, a.up, n * F, s);
   cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_, a.norm2, w(o.gate_proj), n, C, F, false, s);
   cuda::matmul_bwd(mm, d_norm_, g(o.up_proj), d_up_, a.norm2, w(o.up_proj), n, C, F, true, s);
+  tp_all_reduce(d_norm_, n * C, "tp gate/up input grad");  // column-parallel: each rank's part of the sum
   cuda::rmsnorm_bwd(d_resid_, g(o.post_norm), d_norm_, a.resid_mid, w(o.post_norm), a.rstd2, norm_scratch_, n, C, s);
   // Attention block: resid_mid = resid_in + o_proj(att)
   cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, false, s);
@@ -487,6 +553,7 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_q_, a.norm1, w(o.q_proj), n, C, d.q_dim, false, s);
   cuda::matmul_bwd(mm, d_norm_, g(o.k_proj), d_k_, a.norm1, w(o.k_proj), n, C, d.kv_dim, true, s);
   cuda::matmul_bwd(mm, d_norm_, g(o.v_proj), d_v_, a.norm1, w(o.v_proj), n, C, d.kv_dim, true, s);
+  tp_all_reduce(d_norm_, n * C, "tp q/k/v input grad");
   cuda::rmsnorm_bwd(d_resid_, g(o.input_norm), d_norm_, a.resid_in, w(o.input_norm), a.rstd1, norm_scratch_, n, C, s);
 }
 
@@ -512,6 +579,7 @@ LossSum LlamaGpu::forward_loss(const int32_t* inputs, const int32_t* targets, in
 }
 
 void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits) {
+  TUNA_CHECK(options_.tp == 1, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, nullptr, batch * seq);
@@ -527,6 +595,15 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr) {
   cuda::sum_of_squares(norm_total_, grads_, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
   TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (options_.tp > 1) {  // the tp ranks' squares summed, each replicated tensor (norm weights) counted once
+    if (options_.tp_rank > 0)
+      pinned_scalar_[1] -= replicated_sum_of_squares(grads_, shard_pieces(layout_, {Segment{0, P}}), replicated_norms_,
+                                                     norm_scratch_f64_, s);
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(norm_total_, pinned_scalar_ + 1, sizeof(double), cudaMemcpyHostToDevice, s));
+    tp_->all_reduce(norm_total_, 1, CommType::F64, ReduceOp::Sum, "tp grad norm");
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
   OptimizerStats stats;
   stats.grad_norm = std::sqrt(pinned_scalar_[1]) * loss_scale;
   stats.clip_scale = clip_scale(opt_, stats.grad_norm);
@@ -572,6 +649,26 @@ GpuMemory gpu_memory(int device) {
   TUNA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   TUNA_CUDA_CHECK(cudaSetDevice(previous));
   return {static_cast<int64_t>(total_bytes - free_bytes), static_cast<int64_t>(total_bytes)};
+}
+
+int64_t replicated_piece_count(const std::vector<ShardPiece>& pieces) {
+  int64_t count = 0;
+  for (const ShardPiece& p : pieces) count += p.tensor->split_dim < 0;
+  return count;
+}
+
+double replicated_sum_of_squares(const float* grad, const std::vector<ShardPiece>& pieces, double* parts,
+                                 double* scratch, cudaStream_t stream) {
+  int64_t count = 0;
+  for (const ShardPiece& p : pieces)
+    if (p.tensor->split_dim < 0) cuda::sum_of_squares(parts + count++, grad + p.shard_offset, p.size, scratch, stream);
+  std::vector<double> host(count);
+  if (count > 0)
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(host.data(), parts, count * sizeof(double), cudaMemcpyDeviceToHost, stream));
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  double sum = 0;
+  for (double x : host) sum += x;
+  return sum;
 }
 
 AdamWTable adamw_table(const ParamLayout& layout, const std::vector<Segment>& segments) {

@@ -43,7 +43,11 @@
 #include "model/layout.h"
 #include "model/llama.h"        // LossSum
 #include "model/memory_plan.h"  // MemoryPlan, plan_gpu_memory
-#include "model/optimizer.h"    // OptimizerConfig, OptimizerStats
+#include "model/optimizer.h"    // OptimizerConfig, OptimizerStats, ShardPiece
+
+namespace tuna {
+class Comm;
+}
 
 namespace tuna {
 
@@ -59,6 +63,7 @@ struct GpuOptions {
                                      // 2: no whole gradient; 3: no whole weights either (set_weight_store)
   bool zero_prefetch = true;         // ZeRO-3: plan a second gather buffer (the engine's prefetch)
   int dp = 1, dp_rank = 0;           // the data-parallel group (sizes ZeRO's shard in the memory plan)
+  int tp = 1, tp_rank = 0;           // tensor parallelism (Megatron splits; set_tp_comm before the first pass)
   Recompute recompute = Recompute::None;
   int device = 0;
 };
@@ -134,6 +139,10 @@ class LlamaGpu {
   // ZeRO-2/3: the engine's store of weights and gradients (before the first pass); until then, and at ZeRO-0/1,
   // the model's own buffers.
   void set_weight_store(GpuWeightStore* store);
+  // Tensor parallelism: the device comm over the tp group, enqueuing on stream() (NCCL; the staged comm when
+  // ranks share a GPU). The model all-reduces activations with it: after the row-parallel o_proj and down_proj
+  // forward, after the column-parallel input gradients, around the vocab-parallel embedding and loss.
+  void set_tp_comm(Comm* tp);
   // AdamW moments: float, or __nv_bfloat16 with GpuOptions::bf16_moments; null without optimizer state.
   void* moment_m() { return m_; }
   void* moment_v() { return v_; }
@@ -149,6 +158,10 @@ class LlamaGpu {
 
   // Host fp32 <-> device. set_params also refreshes the bf16 copy. Synchronous.
   void set_params(const float* host);
+  // Elements [piece.begin, piece.begin + piece.size) of the weights from host fp32, before any update: into the
+  // fp32 master (ZeRO-0 training) and the bf16 copy rounded to nearest. Synchronous. How the engine fills a model
+  // a unit at a time.
+  void set_params_piece(const Segment& piece, const float* host);
   void get_params(float* host) const;
   void get_grads(float* host) const;
   // Training from scratch on the device: normal(0, std) for 2-D weights, ones for norm weights (as
@@ -164,7 +177,8 @@ class LlamaGpu {
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits);
 
   // Global grad norm (deterministic), clipping as torch's clip_grad_norm_, then one fused AdamW launch.
-  // loss_scale = 1 / trained tokens of the step. Same semantics as AdamW::step in model/optimizer.h.
+  // loss_scale = 1 / trained tokens of the step. Same semantics as AdamW::step in model/optimizer.h. Under
+  // tensor parallelism the norm sums the tp ranks' squares, with the replicated tensors counted once.
   OptimizerStats adamw_step(double loss_scale, double lr);
   int64_t steps_taken() const { return steps_taken_; }
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
@@ -195,6 +209,10 @@ class LlamaGpu {
   void recompute_layer(int64_t l, const __nv_bfloat16* w, int64_t batch, int64_t seq);
   void layer_backward(int64_t l, const __nv_bfloat16* w, float* g, int64_t batch, int64_t seq);
   LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits);
+  // Cross-entropy of a chunk of logits, in place (dlogits with want_grad): the fused kernel, or under tensor
+  // parallelism the vocab-parallel steps around their two all-reduces.
+  void cross_entropy(int64_t r0, int64_t rows, bool want_grad);
+  void tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what);
   void backward(int64_t batch, int64_t seq);
 
   LlamaConfig config_;
@@ -206,6 +224,9 @@ class LlamaGpu {
   std::unique_ptr<cuda::MatmulContext> matmul_;
 
   std::unique_ptr<DeviceArena> arena_;
+  Comm* tp_ = nullptr;                        // the tp device comm; null without tensor parallelism
+  float *ce_stats_ = nullptr, *ce_max_ = nullptr;  // vocab-parallel loss statistics of a chunk
+  double* replicated_norms_ = nullptr;        // tp: sums of squares of the replicated tensors' gradients
   std::unique_ptr<GpuWeightStore> own_store_;
   GpuWeightStore* store_ = nullptr;
   const __nv_bfloat16* head_base_ = nullptr;  // the head unit, acquired from the final norm to its backward
@@ -238,6 +259,14 @@ struct AdamWTable {
   std::vector<uint8_t> decays;
 };
 AdamWTable adamw_table(const ParamLayout& layout, const std::vector<Segment>& segments);
+
+// The sum of squares of the gradient elements of `pieces` (of a buffer in shard order) that belong to tensors
+// replicated over the tensor-parallel ranks (the norm weights), one launch per piece into parts (device, a double
+// per replicated piece), added on the host in piece order: what tp ranks other than 0 subtract from their sum of
+// squares so that the sum over the tp group counts each replicated tensor once.
+int64_t replicated_piece_count(const std::vector<ShardPiece>& pieces);
+double replicated_sum_of_squares(const float* grad, const std::vector<ShardPiece>& pieces, double* parts,
+                                 double* scratch, cudaStream_t stream);
 
 // Dense bf16 tensor-core peak of a device in FLOP/s, for MFU: TUNA_PEAK_TFLOPS when set (the bench measures
 // and reports its own), else the datasheet figure scaled by the multiprocessor count (sm_90: 989 TFLOP/s at

@@ -3,6 +3,7 @@
 #include "model/memory_plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 
@@ -63,17 +64,15 @@ int64_t MemoryPlan::bytes(MemoryKind kind) const {
 
 int64_t device_arena_bytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
-namespace {
-
-std::string gigabytes(int64_t bytes) {
+std::string format_bytes(int64_t bytes) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  if (std::abs(bytes) >= 1000000000) std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  else std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
   return buf;
 }
 
-}  // namespace
-
-std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, const std::string& title) {
+std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, const std::string& title,
+                                int64_t headroom_bytes) {
   // Per kind: the sum, how many buffers, and the largest one (what to shrink first).
   struct Row {
     int64_t bytes = 0, count = 0;
@@ -89,20 +88,25 @@ std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, 
   char line[256];
   for (const auto& [kind, r] : rows) {
     std::snprintf(line, sizeof line, "  %-22s %12s  (%lld buffer%s; largest: %s, %s)\n", memory_kind_name(kind),
-                  gigabytes(r.bytes).c_str(), static_cast<long long>(r.count), r.count == 1 ? "" : "s",
-                  r.largest->name.c_str(), gigabytes(r.largest->bytes).c_str());
+                  format_bytes(r.bytes).c_str(), static_cast<long long>(r.count), r.count == 1 ? "" : "s",
+                  r.largest->name.c_str(), format_bytes(r.largest->bytes).c_str());
     out += line;
   }
-  std::snprintf(line, sizeof line, "  %-22s %12s\n", "total", gigabytes(plan.total()).c_str());
+  std::snprintf(line, sizeof line, "  %-22s %12s\n", "total", format_bytes(plan.total()).c_str());
   out += line;
   if (plan.peak() != plan.total()) {
     std::snprintf(line, sizeof line, "  %-22s %12s  (total + the largest transient)\n", "peak",
-                  gigabytes(plan.peak()).c_str());
+                  format_bytes(plan.peak()).c_str());
     out += line;
   }
   if (capacity_bytes > 0) {
-    std::snprintf(line, sizeof line, "  %-22s %12s  (%s left)\n", "device capacity", gigabytes(capacity_bytes).c_str(),
-                  gigabytes(capacity_bytes - plan.peak()).c_str());
+    if (headroom_bytes > 0) {
+      std::snprintf(line, sizeof line, "  %-22s %12s  (CUDA context, cuBLASLt, NCCL: an allowance)\n", "headroom",
+                    format_bytes(headroom_bytes).c_str());
+      out += line;
+    }
+    std::snprintf(line, sizeof line, "  %-22s %12s  (%s left)\n", "device capacity", format_bytes(capacity_bytes).c_str(),
+                  format_bytes(capacity_bytes - plan.peak() - headroom_bytes).c_str());
     out += line;
   }
   return out;

@@ -76,8 +76,25 @@ int64_t gpu_head_chunk_rows(int64_t vocab, int64_t rows);
 bool gpu_keeps_activation(const std::string& field, Recompute recompute);
 
 // The per-rank table the trainer prints at start: bytes per kind (and the largest items of each), the total,
-// the peak with transients, and, when capacity_bytes > 0, what is left of it.
-std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, const std::string& title);
+// the peak with transients, and, when capacity_bytes > 0, the headroom kept beside the plan and what is left.
+std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, const std::string& title,
+                                int64_t headroom_bytes = 0);
+// "61.23 GB", "512.0 MB": bytes as the tables print them.
+std::string format_bytes(int64_t bytes);
+
+// cuda: what one rank's plan needs on a device that has capacity_bytes free: the plan's peak plus headroom for
+// what no plan lists (the CUDA context's own allocations, cuBLASLt's handle, NCCL's internal buffers when there is
+// more than one rank): an allowance, not a measurement.
+int64_t gpu_headroom_bytes(const MemoryLayout& layout);
+struct GpuFit {
+  bool fits = false;
+  std::string report;  // the per-GPU table, the verdict, and when it does not fit, a layout that would
+};
+// The verdict the CUDA engine checks before it allocates (and build/train --plan_only prints). When the plan does
+// not fit, the report names the options that would make it fit, tried in this order and kept cumulatively: bf16
+// moments, a higher ZeRO stage (at dp > 1), selective then full recompute, no fp32 master (with stochastic
+// rounding), a smaller micro-batch; or says that none does (more GPUs or tensor parallelism are needed).
+GpuFit check_gpu_fit(const LlamaConfig& config, const MemoryLayout& layout, int64_t capacity_bytes);
 // {"items": [{"name", "kind", "bytes"}...], "total": bytes, "peak": bytes}: the plan in metrics.jsonl (the run
 // report's memory table and planned line).
 nlohmann::json memory_plan_json(const MemoryPlan& plan);

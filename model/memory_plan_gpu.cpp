@@ -5,6 +5,8 @@
 #include "model/memory_plan.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <functional>
 
 #include "core/error.h"
 #include "dist/zero.h"  // dp_unit_pieces
@@ -39,9 +41,19 @@ void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
   if (l.micro_batch < 1 || l.seq_len < 1)
     fail("memory plan: micro_batch and seq_len must be >= 1 (found ", l.micro_batch, " and ", l.seq_len, ")");
   if (l.zero < 0 || l.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", l.zero);
-  if (l.tp > 1)
-    fail("--tp ", l.tp, " with --device cuda: tensor parallelism runs on the CPU backend only so far; on cuda use "
-         "--tp 1 (data parallel over all ranks)");
+  // Tensor parallelism on cuda: every rank a whole share of each split dimension, the local widths the kernels'
+  // multiples of 8 (ParamLayout has already refused a tp that does not divide the kv heads).
+  if (l.tp > 1) {
+    if (c.vocab_size % l.tp != 0)
+      fail("--tp ", l.tp, " with --device cuda: the vocabulary (vocab_size ", c.vocab_size, " in config.json) must "
+           "divide into ", l.tp, " equal slices for the vocab-parallel embedding, lm_head and loss");
+    if (c.intermediate_size % (8 * l.tp) != 0)
+      fail("--tp ", l.tp, " with --device cuda: intermediate_size ", c.intermediate_size, " (config.json) must divide "
+           "into ", l.tp, " slices of a multiple of 8 columns (the GPU kernels' vector width)");
+    if (c.num_attention_heads % l.tp != 0)
+      fail("--tp ", l.tp, ": num_attention_heads ", c.num_attention_heads, " (config.json) must divide into ", l.tp,
+           " equal groups of heads");
+  }
   if (!l.master_weights) fail("the CUDA engine keeps an fp32 master copy of the weights (no master: not implemented)");
   (void)c;
 }
@@ -133,6 +145,14 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   if (optimizer) {
     b.add("gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
     b.add("gradient norm", MemoryKind::Workspace, 1, kF64);
+    if (l.tp > 1) {  // one sum of squares per piece of a replicated tensor (norm weights) that this rank updates
+      const std::vector<Segment> owned =
+          l.zero == 0 ? std::vector<Segment>{Segment{0, P}}
+                      : dp_unit_pieces(layout, static_cast<int>(l.dp_rank), static_cast<int>(l.dp));
+      int64_t replicated = 0;
+      for (const ShardPiece& p : shard_pieces(layout, owned)) replicated += p.tensor->split_dim < 0;
+      b.add("replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);
+    }
   }
 
   // Activations for (micro_batch, seq_len): the layers' kept ones (by the recompute mode), one working set for
@@ -158,6 +178,10 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   b.add("final rstd", MemoryKind::Activations, n, kF32);
   b.add("logits chunk", MemoryKind::Activations, gpu_head_chunk_rows(V, n) * V, kBf16);
   b.add("per-token losses", MemoryKind::Activations, n, kF32);
+  if (l.tp > 1) {  // the vocab-parallel loss: each chunk's row statistics and their max over the tp ranks
+    b.add("classifier statistics", MemoryKind::Workspace, 3 * gpu_head_chunk_rows(V, n), kF32);
+    b.add("classifier global max", MemoryKind::Workspace, gpu_head_chunk_rows(V, n), kF32);
+  }
   if (l.training) {
     for (const char* g : {"d_resid", "d_norm", "d_final_norm"}) b.add(g, MemoryKind::Activations, n * C, kBf16);
     for (const char* g : {"d_q", "d_att"}) b.add(g, MemoryKind::Activations, n * qd, kBf16);
@@ -206,6 +230,68 @@ MemoryPlan plan_gpu_decode_memory(const LlamaConfig& c, int64_t batch, int64_t c
   b.add("tokens", MemoryKind::Workspace, rows, kI32);
   b.add_outside_arena("cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes);
   return b.plan;
+}
+
+int64_t gpu_headroom_bytes(const MemoryLayout& l) {
+  const int64_t mib = int64_t(1) << 20;
+  return (l.dp > 1 || l.tp > 1) ? 1536 * mib : 512 * mib;
+}
+
+namespace {
+
+std::string describe_layout(const MemoryLayout& l) {
+  return str("dp ", l.dp, " x tp ", l.tp, ", ZeRO-", l.zero, l.zero == 3 && !l.zero_prefetch ? " (no prefetch)" : "",
+             ", recompute ", recompute_name(l.recompute), ", ", l.bf16_moments ? "bf16" : "fp32", " moments, ",
+             l.master_weights ? "fp32 master" : "no fp32 master", ", micro_batch ", l.micro_batch, " x seq_len ",
+             l.seq_len);
+}
+
+int64_t needed(const LlamaConfig& c, const MemoryLayout& l) {
+  return plan_gpu_memory(c, l).peak() + gpu_headroom_bytes(l);
+}
+
+}  // namespace
+
+GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capacity) {
+  const MemoryPlan plan = plan_gpu_memory(c, l);
+  GpuFit fit;
+  const int64_t need = plan.peak() + gpu_headroom_bytes(l);
+  fit.fits = need <= capacity;
+  fit.report = format_memory_table(plan, capacity,
+                                   str("device memory per GPU (dp rank ", l.dp_rank, ", tp rank ", l.tp_rank, " of ",
+                                       describe_layout(l), ")"),
+                                   gpu_headroom_bytes(l));
+  if (fit.fits) return fit;
+  fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");
+  // Cumulative changes, cheapest in speed first.
+  MemoryLayout t = l;
+  std::vector<std::string> changes;
+  const auto fits_now = [&] { return needed(c, t) <= capacity; };
+  const auto try_change = [&](bool applicable, const std::function<void()>& apply, const std::string& flag) {
+    if (!applicable || fits_now()) return;
+    apply();
+    changes.push_back(flag);
+  };
+  try_change(!t.bf16_moments, [&] { t.bf16_moments = true; }, "--bf16_moments true");
+  for (int z = t.zero + 1; z <= 3 && t.dp > 1; z++) try_change(true, [&, z] { t.zero = z; }, str("--zero ", z));
+  try_change(t.recompute == Recompute::None, [&] { t.recompute = Recompute::Selective; }, "--recompute selective");
+  if (!fits_now() && t.recompute == Recompute::Selective && !changes.empty() && changes.back() == "--recompute selective")
+    changes.pop_back();
+  try_change(t.recompute != Recompute::Full, [&] { t.recompute = Recompute::Full; }, "--recompute full");
+  while (!fits_now() && t.micro_batch > 1) {
+    t.micro_batch = (t.micro_batch + 1) / 2;
+    if (!changes.empty() && changes.back().rfind("--micro_batch", 0) == 0) changes.pop_back();
+    changes.push_back(str("--micro_batch ", t.micro_batch, " (raise grad_accum to keep the global batch)"));
+  }
+  if (fits_now()) {
+    std::string flags;
+    for (const std::string& f : changes) flags += " " + f;
+    fit.report += str("would fit with:", flags, " (", format_bytes(needed(c, t)), " with headroom: ", describe_layout(t), ")\n");
+  } else {
+    fit.report += str("no option of this layout fits (", describe_layout(t), " still needs ", format_bytes(needed(c, t)),
+                      "): more GPUs (a larger dp with ZeRO-3) or tensor parallelism (--tp) are needed\n");
+  }
+  return fit;
 }
 
 }  // namespace tuna

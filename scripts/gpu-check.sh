@@ -28,13 +28,23 @@
 #      transformers fixtures (logits, loss, every gradient) and 10 AdamW steps against the CPU model;
 #      generation's decode attention against its CPU twin, and the KV-cache decoder (model/decode_gpu) against
 #      the whole-context forward (logits at every position, greedy tokens equal).
+#      The multi-rank engine (tests/model/ranks_test_util.h): 2 and 4 ranks as threads sharing this one GPU (NCCL
+#      refuses two ranks per device; the staged device comm stands in), ZeRO-2, ZeRO-3 with and without prefetch,
+#      selective and full recompute, TP 2, TP 2 x ZeRO-3 over dp 2, each following the one-rank run within bf16
+#      error; every ZeRO stage and recompute mode equal to ZeRO-0 bit for bit on one rank; one LLaMA-2-70B-shaped
+#      layer (hidden 8192, ffn 28672, 64/8 heads) forward and backward against the CPU model; the engine's device
+#      memory equal to its plan.
 #   2. benches: attention fwd/bwd TFLOP/s (causal, hd128, seq 2k/4k/8k), GEMM TFLOP/s at LLaMA 1B/8B/70B
 #      shapes, RMSNorm/RoPE/SwiGLU/AdamW GB/s against a device copy, the 1B-shaped training step's tokens/s and
-#      MFU (and its forward-only and AdamW-only parts); generation's tokens/s with and without the KV cache.
+#      MFU (and its forward-only and AdamW-only parts); generation's tokens/s with and without the KV cache; the
+#      engine's step at ZeRO-0 and ZeRO-3 (world 1) and with selective and full recompute (overheads, activation
+#      memory against the plan).
 #   3. build/train --device cuda end to end on the demo model and corpus (demo/train.toml): 300 steps learn
 #      (validation loss under 4.8; the CPU run reaches 4.45), the first step's loss and gradient norm equal the
 #      CPU backend's within bf16 error (1e-2 and 5e-2 relative), a run stopped at step 150 and resumed logs
-#      bit-for-bit the losses of the straight run, so does a --zero 1 run, and the log has MFU and GPU memory.
+#      bit-for-bit the losses of the straight run, so do --zero 1, --zero 3 --recompute full and --zero 2
+#      --recompute selective runs, the log has MFU and GPU memory, and a 70B-shaped model is refused before
+#      allocating with its per-GPU table.
 #   3b. build/plan against measurement: the 1B step's planned time (rates refreshed from this run's benches, and
 #      the committed table) against bench_train_step's, within 15%; the planned arena against the bench model's
 #      device bytes; the demo run's GPU memory in use against its plan (the reserve build/plan assumes).
@@ -128,7 +138,7 @@ run_bench() {  # name timeout
 run_bench memory 90
 run_bench attention 90
 run_bench gemm 90
-run_bench train_step 120
+run_bench train_step 200
 run_bench decode 40
 
 # ---- 3. the trainer end to end (single GPU; Open MPI's libraries from bin/lib: libmpi's RUNPATH needs this)
@@ -150,11 +160,27 @@ train_run stopped --device cuda --out_dir "$RUNS/split" --stop_at_step 150 || tr
 train_run resumed --device cuda --out_dir "$RUNS/split" --resume || train_rc=1
 train_run cpu-first-step --device cpu --steps 1 --out_dir "$RUNS/cpu" || train_rc=1
 train_run zero1 --device cuda --zero 1 --out_dir "$RUNS/zero1" || train_rc=1
+# ZeRO-3 (gathers into rotating buffers, unit gradients through the shard) with full recompute, and ZeRO-2 with
+# selective recompute: on one GPU the same bits as ZeRO-0 without recompute (the tests hold it on the emulator).
+train_run zero3-full --device cuda --zero 3 --recompute full --out_dir "$RUNS/zero3" || train_rc=1
+train_run zero2-selective --device cuda --zero 2 --recompute selective --out_dir "$RUNS/zero2" || train_rc=1
+# A LLaMA-2-70B-shaped model on one GPU does not fit: refused before allocating, with the table and a way out.
+cat >"$RUNS/llama70b.json" <<'JSON'
+{"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+ "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+ "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": false, "model_type": "llama"}
+JSON
+echo "==== too-big: train --model_config llama70b.json (must be refused before allocating)" >>"$OUT/train.log"
+LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout "$(within 60)" "$BIN/train" --device cuda \
+  --model_config "$RUNS/llama70b.json" --train_data "$D/train-*.bin" --seq_len 4096 --micro_batch 1 \
+  --out_dir "$RUNS/too-big" >"$RUNS/too-big.log" 2>&1
+too_big_rc=$?
+cat "$RUNS/too-big.log" >>"$OUT/train.log"
 if [ $train_rc -eq 0 ]; then STEP[train]="ok"; else STEP[train]="FAILED (a run exited non-zero: train.log)"; status=1; fi
 TRAIN_SUMMARY="$RUNS.summary"  # rows for the table; outside OUTDIR, which brings back at most 8 files
-python3 - "$RUNS" "$TRAIN_SUMMARY" <<'PY' || { STEP[train]="FAILED (train.log, table)"; status=1; }
+python3 - "$RUNS" "$TRAIN_SUMMARY" "$too_big_rc" <<'PY' || { STEP[train]="FAILED (train.log, table)"; status=1; }
 import json, sys
-runs, out = sys.argv[1], sys.argv[2]
+runs, out, too_big_rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
 def records(name):
     try:
         return [json.loads(l) for l in open(f"{runs}/{name}/metrics.jsonl")]
@@ -189,6 +215,20 @@ z = loss(zero1)
 same_z = bool(a) and a == z
 rows.append(("--zero 1 vs --zero 0 (1 GPU)", "bit-identical losses" if same_z else "DIFFERENT", f"{len(z)} of {len(a)} steps compared"))
 ok &= same_z
+for name, what in (("zero3", "--zero 3 --recompute full"), ("zero2", "--zero 2 --recompute selective")):
+    z = loss(records(name))
+    same_z = bool(a) and a == z
+    rows.append((f"{what} vs --zero 0 (1 GPU)", "bit-identical losses" if same_z else "DIFFERENT",
+                 f"{len(z)} of {len(a)} steps compared"))
+    ok &= same_z
+try:
+    too_big = open(f"{runs}/too-big.log").read()
+except OSError:
+    too_big = ""
+refused = too_big_rc == 1 and "does not fit" in too_big and ("would fit with" in too_big or "no option" in too_big)
+rows.append(("70B on one GPU", "refused before allocating" if refused else f"NOT REFUSED (rc {too_big_rc})",
+             next((l for l in too_big.splitlines() if l.startswith("does not fit")), "")))
+ok &= refused
 # The first step from the same initial weights: its loss (near ln 1024 at any init, so a weak check alone)
 # and its gradient norm, which a wrong forward or backward moves by O(1).
 c = loss(cpu)
@@ -445,6 +485,19 @@ for b in bench("train_step"):
                          and p.get("seq") == int(m.group(2))), key=lambda p: p["peer"]):
             add("train step", f"  peer {p['peer']}, batch {p['batch']} x seq {p['seq']}", f"{p['tokens_per_s']:.0f} tokens/s",
                 f"MFU {100*p['mfu']:.1f}%, {p['gib']:.1f} GiB; tuna x{b['tokens/s'] / p['tokens_per_s']:.2f}")
+# The engine's overheads (bench BM_EngineStep, one GPU): ZeRO-3's code path and recompute against ZeRO-0 / none.
+engine = {m.group(1, 2): b for b in bench("train_step")
+          for m in [re.search(r"^engine step, ZeRO-(\d), recompute (\w+),", b.get("label", ""))] if m}
+if ("0", "none") in engine:
+    base = engine[("0", "none")]["real_time"]
+    for key, what, aim in ((("3", "none"), "ZeRO-3 at world 1 / ZeRO-0", "aim <= 1.05"),
+                           (("0", "selective"), "selective recompute / none", ""),
+                           (("0", "full"), "full recompute / none", "aim <= 1.35")):
+        if key in engine:
+            e = engine[key]
+            add("train step", what, f"x{e['real_time'] / base:.3f} step time",
+                f"{aim}{'; ' if aim else ''}activations {e.get('activations_GiB', 0):.2f} GiB planned, "
+                f"device {e.get('GiB', 0):.2f} GiB used of a {e.get('plan_GiB', 0):.2f} GiB plan")
 if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", b_train)
 for b in bench("decode"):
     add("generation", b.get("label", b["name"]), f"{b.get('tokens/s', 0):.0f} tokens/s", "")

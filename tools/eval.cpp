@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
     LlamaConfig config = LlamaConfig::load(checkpoint);
     std::unique_ptr<ForwardModel> model =
         make_forward_model(config, resolve_device(device), micro_batch, seq_len,
-                           [&](const ParamLayout& layout, float* out) { load_weights(checkpoint, layout, out); });
+                           weights_from_directory(checkpoint));
     std::vector<std::string> specs;
     std::stringstream in(data);
     for (std::string item; std::getline(in, item, ',');)

@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
            config.max_position_embeddings);
     std::unique_ptr<ForwardModel> model =
         make_forward_model(config, resolve_device(device), 1, context,
-                           [&](const ParamLayout& layout, float* out) { load_weights(checkpoint, layout, out); });
+                           weights_from_directory(checkpoint));
 
     std::vector<int64_t> eos = config.eos_token_ids;
     if (tokenizer.eos_id() >= 0) eos.push_back(tokenizer.eos_id());

@@ -7,6 +7,9 @@
 //                    OVERWRITTEN in place; all zeros for ignored rows. When dloss == 0 logits is untouched.
 //   returns sum_i losses[i] over rows that are not ignored, in double, summed in row order.
 //
+// The vocab-parallel steps (classifier_partial_stats, classifier_rescale_sums, classifier_parallel_fwd_bwd) compute
+// the same over a rank's columns, around the two reductions over the ranks that the caller does.
+//
 // Rows are independent and parallel; the loss total is summed serially from per-row doubles so it does not
 // depend on the thread count. Within a row: the max, exp(x - max) in T (exp_lanes: fp32 for the CPU backend,
 // within an ulp) summed in double, all vectorized for the CPU's vector units (kernels/cpu/vector_math.h).
@@ -87,7 +90,77 @@ double classifier_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int3
   return total;
 }
 
+template <typename T>
+void classifier_partial_stats(const T* logits, std::type_identity_t<T>* stats, const int32_t* targets, int64_t n,
+                              int64_t count, int64_t vocab_begin, int64_t vocab) {
+  TUNA_CHECK(n >= 0 && count > 0 && vocab_begin >= 0 && vocab_begin + count <= vocab, "n ", n, ", slice [",
+             vocab_begin, ", +", count, ") of ", vocab);
+  for (int64_t i = 0; i < n; ++i)
+    if (targets[i] != kIgnoreIndex && (targets[i] < 0 || targets[i] >= vocab))
+      fail("classifier: target of row ", i, " is ", targets[i], ", outside the vocabulary [0, ", vocab,
+           ") and not the ignore index ", kIgnoreIndex);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = logits + i * count;
+    if (targets[i] == kIgnoreIndex) {
+      stats[i] = stats[n + i] = stats[2 * n + i] = T(0);
+      continue;
+    }
+    const double max_logit = *std::max_element(row, row + count);
+    double sum_exp = 0.0;
+    for (int64_t j = 0; j < count; ++j) sum_exp += std::exp(row[j] - max_logit);
+    const int64_t t = targets[i] - vocab_begin;
+    stats[i] = static_cast<T>(max_logit);
+    stats[n + i] = static_cast<T>(sum_exp);
+    stats[2 * n + i] = t >= 0 && t < count ? row[t] : T(0);
+  }
+}
+
+template <typename T>
+void classifier_rescale_sums(T* stats, const std::type_identity_t<T>* global_max, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) stats[n + i] = static_cast<T>(stats[n + i] * std::exp(double(stats[i]) - global_max[i]));
+}
+
+template <typename T>
+double classifier_parallel_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int32_t* targets,
+                                   const std::type_identity_t<T>* global_max,
+                                   const std::type_identity_t<T>* sum_and_target, int64_t n, int64_t count,
+                                   int64_t vocab_begin, double dloss) {
+  TUNA_CHECK(n >= 0 && count > 0, "n ", n, ", count ", count);
+  std::vector<double> row_loss(n);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    T* row = logits + i * count;
+    if (targets[i] == kIgnoreIndex) {
+      row_loss[i] = 0.0;
+      if (dloss != 0.0) std::fill(row, row + count, T(0));
+      continue;
+    }
+    const double lse = global_max[i] + std::log(double(sum_and_target[i]));
+    row_loss[i] = lse - sum_and_target[n + i];
+    if (dloss == 0.0) continue;
+    const int64_t t = targets[i] - vocab_begin;
+    for (int64_t j = 0; j < count; ++j)
+      row[j] = static_cast<T>((std::exp(row[j] - lse) - (j == t ? 1.0 : 0.0)) * dloss);
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    total += row_loss[i];
+    if (losses != nullptr) losses[i] = static_cast<T>(row_loss[i]);
+  }
+  return total;
+}
+
 template double classifier_fwd_bwd<float>(float*, float*, const int32_t*, int64_t, int64_t, double);
+template void classifier_partial_stats<float>(const float*, float*, const int32_t*, int64_t, int64_t, int64_t, int64_t);
+template void classifier_partial_stats<double>(const double*, double*, const int32_t*, int64_t, int64_t, int64_t,
+                                               int64_t);
+template void classifier_rescale_sums<float>(float*, const float*, int64_t);
+template void classifier_rescale_sums<double>(double*, const double*, int64_t);
+template double classifier_parallel_fwd_bwd<float>(float*, float*, const int32_t*, const float*, const float*, int64_t,
+                                                   int64_t, int64_t, double);
+template double classifier_parallel_fwd_bwd<double>(double*, double*, const int32_t*, const double*, const double*,
+                                                    int64_t, int64_t, int64_t, double);
 template double classifier_fwd_bwd<double>(double*, double*, const int32_t*, int64_t, int64_t, double);
 
 }  // namespace tuna::cpu

@@ -20,4 +20,28 @@ template <typename T>
 double classifier_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int32_t* targets, int64_t n, int64_t vocab,
                           double dloss);
 
+// Vocab-parallel cross-entropy (tensor parallelism): each rank holds columns [vocab_begin, vocab_begin + count)
+// of every row's logits ([n, count]), out of a vocabulary of `vocab`. Three steps around two reductions over the
+// ranks give every rank the loss of classifier_fwd_bwd over the whole row and the gradient of its own columns:
+//   1. classifier_partial_stats: stats [3, n]: stats[i] = max_j logits[i, j]; stats[n + i] = sum_j
+//      exp(logits[i, j] - stats[i]); stats[2n + i] = the target's logit when the target is in this slice, else 0.
+//      Ignored rows: 0, 0, 0. OVERWRITES stats. A target outside [0, vocab) (not ignored) is an error.
+//      The caller then takes global_max[i] = the maximum of stats[i] over the ranks,
+//   2. classifier_rescale_sums: stats[n + i] *= exp(stats[i] - global_max[i]) (each rank's sum, relative to the
+//      global max); the caller then sums stats[n .. 3n) over the ranks: the row's sum of exponentials and its
+//      target logit (one rank holds it),
+//   3. classifier_parallel_fwd_bwd: with lse = global_max + log(sum): losses[i] = lse - target logit (0 for
+//      ignored rows; losses may be null); when dloss != 0, logits[i, j] = (exp(logits[i, j] - lse) - [j is the
+//      target]) * dloss, OVERWRITTEN (zeros for ignored rows). Returns the sum of the losses, as classifier_fwd_bwd.
+template <typename T>
+void classifier_partial_stats(const T* logits, std::type_identity_t<T>* stats, const int32_t* targets, int64_t n,
+                              int64_t count, int64_t vocab_begin, int64_t vocab);
+template <typename T>
+void classifier_rescale_sums(T* stats, const std::type_identity_t<T>* global_max, int64_t n);
+template <typename T>
+double classifier_parallel_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int32_t* targets,
+                                   const std::type_identity_t<T>* global_max,
+                                   const std::type_identity_t<T>* sum_and_target, int64_t n, int64_t count,
+                                   int64_t vocab_begin, double dloss);
+
 }  // namespace tuna::cpu

@@ -2,6 +2,8 @@
 //
 //   forward:  out[i, :] = table[tokens[i], :]             out: [n_tokens, dim], OVERWRITTEN
 //   backward: dtable[tokens[i], :] += dout[i, :]          dtable: [vocab, dim], ACCUMULATED
+//   (the _slice variants: a tensor-parallel rank's rows [vocab_begin, vocab_begin + vocab_count) of the table;
+//   other tokens give zero rows and no gradient)
 //
 // The backward is a scatter-add: two positions holding the same token add into the same table row. To stay
 // deterministic without atomics, threads split the table's COLUMNS, and each thread walks every token in
@@ -32,21 +34,26 @@ constexpr int64_t kColumnBlock = 64;
 }  // namespace
 
 template <typename T>
-void embedding_fwd(T* out, const int32_t* tokens, const T* table, int64_t n_tokens, int64_t vocab,
-                   int64_t dim) {
-  TUNA_CHECK(n_tokens >= 0 && vocab > 0 && dim > 0, "n_tokens ", n_tokens, ", vocab ", vocab, ", dim ", dim);
+void embedding_fwd_slice(T* out, const int32_t* tokens, const T* table, int64_t n_tokens, int64_t vocab,
+                         int64_t vocab_begin, int64_t vocab_count, int64_t dim) {
+  TUNA_CHECK(n_tokens >= 0 && vocab > 0 && dim > 0 && vocab_begin >= 0 && vocab_count > 0 &&
+                 vocab_begin + vocab_count <= vocab,
+             "n_tokens ", n_tokens, ", vocab ", vocab, ", slice [", vocab_begin, ", +", vocab_count, "), dim ", dim);
   check_tokens(tokens, n_tokens, vocab);
 #pragma omp parallel for schedule(static) if (n_tokens * dim >= kMinParallelWork)
   for (int64_t i = 0; i < n_tokens; ++i) {
-    const T* row = table + static_cast<int64_t>(tokens[i]) * dim;
-    std::copy(row, row + dim, out + i * dim);
+    const int64_t row = tokens[i] - vocab_begin;
+    if (row >= 0 && row < vocab_count) std::copy(table + row * dim, table + (row + 1) * dim, out + i * dim);
+    else std::fill(out + i * dim, out + (i + 1) * dim, T(0));
   }
 }
 
 template <typename T>
-void embedding_bwd(T* dtable, const T* dout, const int32_t* tokens, int64_t n_tokens, int64_t vocab,
-                   int64_t dim) {
-  TUNA_CHECK(n_tokens >= 0 && vocab > 0 && dim > 0, "n_tokens ", n_tokens, ", vocab ", vocab, ", dim ", dim);
+void embedding_bwd_slice(T* dtable, const T* dout, const int32_t* tokens, int64_t n_tokens, int64_t vocab,
+                         int64_t vocab_begin, int64_t vocab_count, int64_t dim) {
+  TUNA_CHECK(n_tokens >= 0 && vocab > 0 && dim > 0 && vocab_begin >= 0 && vocab_count > 0 &&
+                 vocab_begin + vocab_count <= vocab,
+             "n_tokens ", n_tokens, ", vocab ", vocab, ", slice [", vocab_begin, ", +", vocab_count, "), dim ", dim);
   check_tokens(tokens, n_tokens, vocab);
   const int64_t n_blocks = (dim + kColumnBlock - 1) / kColumnBlock;
 #pragma omp parallel for schedule(static)
@@ -54,16 +61,38 @@ void embedding_bwd(T* dtable, const T* dout, const int32_t* tokens, int64_t n_to
     const int64_t begin = block * kColumnBlock;
     const int64_t end = std::min(dim, begin + kColumnBlock);
     for (int64_t i = 0; i < n_tokens; ++i) {
-      T* table_row = dtable + static_cast<int64_t>(tokens[i]) * dim;
+      const int64_t row = tokens[i] - vocab_begin;
+      if (row < 0 || row >= vocab_count) continue;
+      T* table_row = dtable + row * dim;
       const T* grad_row = dout + i * dim;
       for (int64_t j = begin; j < end; ++j) table_row[j] += grad_row[j];
     }
   }
 }
 
+template <typename T>
+void embedding_fwd(T* out, const int32_t* tokens, const T* table, int64_t n_tokens, int64_t vocab,
+                   int64_t dim) {
+  embedding_fwd_slice(out, tokens, table, n_tokens, vocab, 0, vocab, dim);
+}
+
+template <typename T>
+void embedding_bwd(T* dtable, const T* dout, const int32_t* tokens, int64_t n_tokens, int64_t vocab,
+                   int64_t dim) {
+  embedding_bwd_slice(dtable, dout, tokens, n_tokens, vocab, 0, vocab, dim);
+}
+
 template void embedding_fwd<float>(float*, const int32_t*, const float*, int64_t, int64_t, int64_t);
 template void embedding_fwd<double>(double*, const int32_t*, const double*, int64_t, int64_t, int64_t);
 template void embedding_bwd<float>(float*, const float*, const int32_t*, int64_t, int64_t, int64_t);
 template void embedding_bwd<double>(double*, const double*, const int32_t*, int64_t, int64_t, int64_t);
+template void embedding_fwd_slice<float>(float*, const int32_t*, const float*, int64_t, int64_t, int64_t, int64_t,
+                                         int64_t);
+template void embedding_fwd_slice<double>(double*, const int32_t*, const double*, int64_t, int64_t, int64_t, int64_t,
+                                          int64_t);
+template void embedding_bwd_slice<float>(float*, const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                                         int64_t);
+template void embedding_bwd_slice<double>(double*, const double*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                                          int64_t);
 
 }  // namespace tuna::cpu

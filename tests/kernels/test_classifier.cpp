@@ -136,4 +136,43 @@ TEST(ClassifierTest, BadTargetIsAnErrorNamingRowAndValue) {
 }
 
 }  // namespace
+// The three vocab-parallel steps over a split of the columns, with the reductions done here, give the whole
+// row's loss and gradient (up to the float rounding of the statistics).
+TEST(ClassifierTest, VocabParallelStepsEqualTheWholeRow) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t n = 9, vocab = 23;
+  std::vector<double> logits = rng.vector<double>(n * vocab, -5.0, 5.0);
+  std::vector<int32_t> targets(n);
+  for (int64_t i = 0; i < n; ++i) targets[i] = i == 3 ? kIgnoreIndex : static_cast<int32_t>(rng.integer(0, vocab - 1));
+  std::vector<double> whole = logits, whole_losses(n);
+  const double whole_total = classifier_fwd_bwd(whole.data(), whole_losses.data(), targets.data(), n, vocab, 0.5);
+  const int64_t splits[] = {0, 8, 15, 23};
+  std::vector<std::vector<double>> parts(3), stats(3, std::vector<double>(3 * n));
+  std::vector<double> global_max(n, -INFINITY), sum_and_target(2 * n, 0.0);
+  for (int r = 0; r < 3; r++) {
+    const int64_t begin = splits[r], count = splits[r + 1] - begin;
+    for (int64_t i = 0; i < n; i++)
+      parts[r].insert(parts[r].end(), logits.begin() + i * vocab + begin, logits.begin() + i * vocab + begin + count);
+    classifier_partial_stats(parts[r].data(), stats[r].data(), targets.data(), n, count, begin, vocab);
+    for (int64_t i = 0; i < n; i++) global_max[i] = std::max(global_max[i], stats[r][i]);
+  }
+  for (int r = 0; r < 3; r++) {
+    classifier_rescale_sums(stats[r].data(), global_max.data(), n);
+    for (int64_t i = 0; i < 2 * n; i++) sum_and_target[i] += stats[r][n + i];
+  }
+  for (int r = 0; r < 3; r++) {
+    const int64_t begin = splits[r], count = splits[r + 1] - begin;
+    std::vector<double> losses(n);
+    const double total = classifier_parallel_fwd_bwd(parts[r].data(), losses.data(), targets.data(), global_max.data(),
+                                                     sum_and_target.data(), n, count, begin, 0.5);
+    EXPECT_NEAR(total, whole_total, 1e-12 * std::abs(whole_total));
+    for (int64_t i = 0; i < n; i++) {
+      EXPECT_NEAR(losses[i], whole_losses[i], 1e-12) << i;
+      for (int64_t j = 0; j < count; j++)
+        EXPECT_NEAR(parts[r][i * count + j], whole[i * vocab + begin + j], 1e-12) << i << ", " << begin + j;
+    }
+  }
+}
+
 }  // namespace tuna::cpu

@@ -41,6 +41,67 @@ TEST(ClassifierGpu, LossAndGradientInPlace) {
   }
 }
 
+// Vocab-parallel: the rows split over 2 or 3 "ranks" by columns, the two reductions done here on the host as the
+// tensor-parallel comm does them; the concatenated gradients and every rank's losses must be those of the whole
+// row (cpu::classifier_fwd_bwd in double), within the tolerances above.
+TEST(ClassifierGpu, VocabParallelStepsGiveTheWholeRowsLossAndGradient) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (int64_t vocab : {int64_t(4096), int64_t(1003)}) {
+    const int ranks = vocab == 4096 ? 2 : 3;
+    SCOPED_TRACE("vocab " + std::to_string(vocab) + " over " + std::to_string(ranks));
+    const int64_t n = 29 + rng.integer(0, 20);
+    std::vector<float> logits = random_bf16_values(rng, n * vocab, -8, 8);
+    std::vector<int32_t> targets(n);
+    for (auto& t : targets) t = rng.integer(0, 4) == 0 ? cpu::kIgnoreIndex : static_cast<int32_t>(rng.integer(0, vocab - 1));
+    DeviceBuffer<int32_t> d_targets(targets);
+    const double dloss = 0.37;
+    struct Slice {
+      int64_t begin, count;
+      std::unique_ptr<DeviceBf16> logits;
+      std::unique_ptr<DeviceBuffer<float>> stats;
+    };
+    std::vector<Slice> slices;
+    std::vector<float> global_max(n, -INFINITY);
+    for (int r = 0; r < ranks; r++) {
+      const int64_t begin = vocab * r / ranks, count = vocab * (r + 1) / ranks - begin;
+      std::vector<float> part(n * count);
+      for (int64_t i = 0; i < n; i++) std::copy_n(logits.begin() + i * vocab + begin, count, part.begin() + i * count);
+      Slice s{begin, count, std::make_unique<DeviceBf16>(part), std::make_unique<DeviceBuffer<float>>(3 * n)};
+      s.stats->poison();
+      cuda::classifier_partial_stats(s.logits->bf(), s.stats->get(), d_targets.get(), n, count, begin, vocab, nullptr);
+      const std::vector<float> stats = s.stats->download();
+      for (int64_t i = 0; i < n; i++) global_max[i] = std::max(global_max[i], stats[i]);
+      slices.push_back(std::move(s));
+    }
+    DeviceBuffer<float> d_max(global_max);
+    std::vector<float> sum_and_target(2 * n, 0.0f);
+    for (Slice& s : slices) {
+      cuda::classifier_rescale_sums(s.stats->get(), d_max.get(), n, nullptr);
+      const std::vector<float> stats = s.stats->download();
+      for (int64_t i = 0; i < 2 * n; i++) sum_and_target[i] += stats[n + i];
+    }
+    DeviceBuffer<float> d_sum(sum_and_target), d_losses(n);
+    std::vector<double> dlogits(n * vocab);
+    for (Slice& s : slices) {
+      d_losses.poison();
+      cuda::classifier_parallel_fwd_bwd(s.logits->bf(), d_losses.get(), d_targets.get(), d_max.get(), d_sum.get(), n,
+                                        s.count, s.begin, static_cast<float>(dloss), nullptr);
+      const std::vector<double> part = s.logits->values();
+      for (int64_t i = 0; i < n; i++) std::copy_n(part.begin() + i * s.count, s.count, dlogits.begin() + i * vocab + s.begin);
+      std::vector<double> ref(logits.begin(), logits.end()), ref_losses(n);
+      cpu::classifier_fwd_bwd(ref.data(), ref_losses.data(), targets.data(), n, vocab, dloss);
+      expect_close_to_naive("parallel classifier losses (fp32)", d_losses.download(), ref_losses, ref_losses);
+    }
+    std::vector<double> ref(logits.begin(), logits.end()), ref_losses(n);
+    cpu::classifier_fwd_bwd(ref.data(), ref_losses.data(), targets.data(), n, vocab, dloss);
+    std::vector<double> naive(n * vocab);
+    for (int64_t i = 0; i < n * vocab; ++i) naive[i] = round_bf16(ref[i]);
+    expect_close_to_naive("parallel classifier dlogits", dlogits, naive, ref);
+  }
+}
+
 }  // namespace
 }  // namespace tuna::test
 #endif  // TUNA_CUDA

@@ -30,6 +30,28 @@ TEST(EmbeddingTest, ForwardCopiesTableRows) {
     for (int64_t j = 0; j < dim; ++j) ASSERT_EQ(out[i * dim + j], table[tokens[i] * dim + j]) << i << ", " << j;
 }
 
+// A vocab slice [begin, begin + count): its rows for its tokens, zeros for the others; the backward adds only its
+// tokens' gradients. The slices of a split put together give the whole lookup and the whole gradient.
+TEST(EmbeddingTest, VocabSlicesSumToTheWholeLookupAndGradient) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t n_tokens = 23, vocab = 11, dim = 9;
+  const std::vector<int32_t> tokens = random_tokens(rng, n_tokens, vocab);
+  const std::vector<float> table = rng.vector<float>(vocab * dim), dout = rng.vector<float>(n_tokens * dim);
+  std::vector<float> whole(n_tokens * dim), whole_grad(vocab * dim, 0.0f);
+  embedding_fwd(whole.data(), tokens.data(), table.data(), n_tokens, vocab, dim);
+  embedding_bwd(whole_grad.data(), dout.data(), tokens.data(), n_tokens, vocab, dim);
+  std::vector<float> sum(n_tokens * dim, 0.0f);
+  for (const auto& [begin, count] : {std::pair<int64_t, int64_t>{0, 4}, {4, 4}, {8, 3}}) {
+    std::vector<float> out = test::nan_filled<float>(n_tokens * dim), grad(count * dim, 0.0f);
+    embedding_fwd_slice(out.data(), tokens.data(), table.data() + begin * dim, n_tokens, vocab, begin, count, dim);
+    for (size_t i = 0; i < sum.size(); i++) sum[i] += out[i];
+    embedding_bwd_slice(grad.data(), dout.data(), tokens.data(), n_tokens, vocab, begin, count, dim);
+    for (int64_t i = 0; i < count * dim; i++) EXPECT_EQ(grad[i], whole_grad[begin * dim + i]) << begin << ", " << i;
+  }
+  EXPECT_EQ(sum, whole);
+}
+
 TEST(EmbeddingTest, BackwardAddsEachPositionIntoItsTokensRow) {
   TestRng rng;
   SCOPED_TRACE(rng.describe());

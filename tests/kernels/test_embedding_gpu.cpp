@@ -26,6 +26,40 @@ TEST(EmbeddingGpu, ForwardCopiesRowsExactly) {
   EXPECT_EQ(rel_error_norm(d_out.values(), expected), 0.0);
 }
 
+// Vocab-parallel: each of 3 slices looks up its rows and zeros the rest, exactly as the CPU twin; the backward
+// through embedding_groups_slice accumulates each slice's rows as the twin does.
+TEST(EmbeddingGpu, VocabSlicesLookUpAndAccumulateTheirRows) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t vocab = 301, dim = 72, n = 500 + rng.integer(0, 37);
+  std::vector<int32_t> tokens(n);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng.integer(0, vocab - 1));
+  DeviceBuffer<int32_t> d_tokens(tokens);
+  const std::vector<float> dout = random_bf16_values(rng, n * dim);
+  DeviceBf16 d_dout(dout);
+  for (const auto& [begin, count] : {std::pair<int64_t, int64_t>{0, 101}, {101, 101}, {202, 99}}) {
+    std::vector<float> table = random_bf16_values(rng, count * dim);
+    DeviceBf16 d_table(table), d_out(n * dim);
+    d_out.poison();
+    cuda::embedding_fwd_slice(d_out.bf(), d_tokens.get(), d_table.bf(), n, vocab, begin, count, dim, nullptr);
+    std::vector<double> expected(n * dim), table_d(table.begin(), table.end());
+    cpu::embedding_fwd_slice(expected.data(), tokens.data(), table_d.data(), n, vocab, begin, count, dim);
+    EXPECT_EQ(rel_error_norm(d_out.values(), expected), 0.0) << "slice at " << begin;
+
+    cuda::EmbeddingGroups groups;
+    cuda::embedding_groups_slice(groups, tokens.data(), n, vocab, begin, count);
+    DeviceBuffer<int32_t> d_pos(groups.positions), d_unique(groups.unique_tokens), d_offsets(groups.offsets);
+    const std::vector<float> initial = rng.vector<float>(count * dim);
+    DeviceBuffer<float> d_grad(initial);
+    cuda::embedding_bwd(d_grad.get(), d_dout.bf(), d_pos.get(), d_unique.get(), d_offsets.get(),
+                        static_cast<int64_t>(groups.unique_tokens.size()), dim, nullptr);
+    std::vector<double> grad_expected(initial.begin(), initial.end()), dout_d(dout.begin(), dout.end());
+    cpu::embedding_bwd_slice(grad_expected.data(), dout_d.data(), tokens.data(), n, vocab, begin, count, dim);
+    EXPECT_LE(rel_error_norm(d_grad.download(), grad_expected), 1e-5) << "slice at " << begin;
+  }
+}
+
 TEST(EmbeddingGpu, BackwardAccumulatesDeterministically) {
   TUNA_REQUIRE_GPU();
   TestRng rng;

@@ -34,7 +34,7 @@ inline EngineOptions engine_options(const Fixture& f, const std::string& device,
 
 // The fixture's weights (the transformers model it was made from).
 inline WeightFill fixture_weights(const Fixture& f) {
-  return [&f](const ParamLayout& layout, float* out) { load_weights(f.dir, layout, out); };
+  return weights_from_directory(f.dir);
 }
 
 // Step s of `steps` on the fixture's batch, at the schedule's learning rate.

@@ -46,7 +46,10 @@ inline PlannedAndAllocated plan_and_allocate(const LlamaConfig& config, const Me
   init_random_weights(model.layout(), 7, 0.02, weights.data());
   if (layout.zero < 3) model.params = weights;
   Zero zero(model, OptimizerConfig{}, layout.zero, dp, tp);
-  if (layout.zero == 3) zero.set_weights_from_full(weights.data());
+  if (layout.zero == 3)
+    zero.fill_weights([&](const Segment& piece, float* out) {
+      std::copy_n(weights.data() + piece.begin, piece.size, out);
+    });
   const int64_t n = layout.micro_batch * layout.seq_len;
   std::vector<int32_t> inputs(n), targets(n);
   std::mt19937 rng(3);

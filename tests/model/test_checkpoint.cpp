@@ -2,8 +2,11 @@
 // wrong (missing tensor, wrong shape, tensor of another architecture).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
+#include <fstream>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "model/checkpoint.h"
 #include "model/llama.h"
@@ -103,6 +106,58 @@ TEST(Checkpoint, ResumeWithoutOptimizerStateIsAnError) {
   AdamW opt(layout, OptimizerConfig{});
   std::string msg = error_of([&] { load_optimizer(tmp.path, layout, opt); });
   EXPECT_NE(msg.find("optimizer.safetensors"), std::string::npos) << msg;
+}
+
+// Sharded init at scale: a Hugging Face directory with the weights split over two bf16 shard files and an index,
+// read by a tensor-parallel rank (tp 2, rank 1) a ZeRO piece at a time (dp 3, rank 2): every piece equals the
+// same elements of the whole model, cut to the rank's blocks. And the random initialization: any piece of any
+// layout equals the whole initialization's elements.
+TEST(Checkpoint, WeightReaderReadsPiecesOfShardedHfWeightsForAnyLayout) {
+  TempDir tmp("ckpt_pieces");
+  const LlamaConfig cfg = tiny();
+  const ParamLayout whole(cfg);
+  std::vector<float> values(whole.total());
+  init_random_weights(whole, 11, 0.5, values.data());
+  // Two shards, bf16 (as a published model), the index mapping each tensor to its file.
+  std::vector<std::vector<uint16_t>> bits(2);
+  nlohmann::json weight_map = nlohmann::json::object();
+  {
+    SafetensorsWriter shard[2];
+    for (size_t k = 0; k < whole.tensors().size(); k++) {
+      const ParamTensor& t = whole.tensors()[k];
+      std::vector<uint16_t> b(t.numel);
+      convert_from_f32(values.data() + t.offset, DType::BF16, b.data(), t.numel);
+      for (int64_t i = 0; i < t.numel; i++) values[t.offset + i] = bf16_to_f32(b[i]);  // what the files hold
+      bits.push_back(std::move(b));
+      const int which = k % 2;
+      shard[which].add(t.name, DType::BF16, t.shape, bits.back().data());
+      weight_map[t.name] = which == 0 ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+    }
+    shard[0].write(tmp / "model-00001-of-00002.safetensors");
+    shard[1].write(tmp / "model-00002-of-00002.safetensors");
+  }
+  std::ofstream(tmp / "model.safetensors.index.json") << nlohmann::json{{"weight_map", weight_map}}.dump();
+  std::ofstream(tmp / "config.json") << cfg.to_json().dump();
+
+  const ParamLayout rank(cfg, /*tp_rank=*/1, /*tp_size=*/2);
+  std::vector<float> expected(rank.total());
+  for (const ParamTensor& t : rank.tensors())
+    copy_block(t, values.data() + whole.find(t.name)->offset, expected.data() + t.offset);
+  std::vector<float> random_expected(rank.total());
+  init_random_weights(rank, 5, 0.02, random_expected.data());
+  WeightReader reader(tmp.path, rank);
+  for (int u = 0; u < rank.num_units(); u++) {
+    const auto [begin, end] = rank.unit_range(u);
+    const Range piece = shard_range(end - begin, /*rank=*/2, /*size=*/3);
+    const Segment seg{begin + piece.begin, piece.size()};
+    std::vector<float> got(seg.size, NAN), random(seg.size, NAN);
+    reader.read(seg, got.data());
+    init_random_weights_piece(rank, 5, 0.02, seg, random.data());
+    for (int64_t i = 0; i < seg.size; i++) {
+      ASSERT_EQ(got[i], expected[seg.begin + i]) << "unit " << u << " element " << i;
+      ASSERT_EQ(random[i], random_expected[seg.begin + i]) << "unit " << u << " element " << i;
+    }
+  }
 }
 
 }  // namespace

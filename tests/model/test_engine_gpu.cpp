@@ -15,6 +15,7 @@
 #include "model/engine.h"
 #include "tests/kernels/gpu_test_util.h"
 #include "tests/model/engine_test_util.h"
+#include "tests/model/ranks_test_util.h"
 
 namespace tuna {
 namespace {
@@ -248,105 +249,24 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // Several ranks on ONE device, as threads of this process (NCCL refuses two ranks on one GPU, and the GPU
-// machine has no MPI): each thread builds its engine on device 0 with a LocalComm world and a staged device comm
-// over its dp group (dist/comm_local.cpp, dist/comm_staged.cpp). The ranks split a batch of 4 rows (row r*4/W..
-// on rank r) and must follow one rank that trains all 4 rows at ZeRO-0, step by step.
-//
-// The bound. The ranks compute exactly the one rank's function; what differs is arithmetic order: each rank's
-// weight gradients sum its own rows in the GEMM and the reduce-scatter adds the ranks' sums (fp32 order), and on
-// a GPU, cuBLASLt may pick another algorithm for a GEMM of 16 rows than for one of 64, which can move a bf16
-// activation by one rounding (2^-8 relative) here and there. The loss is a mean over ~60 tokens of such values,
-// and Adam's update is close to sign(m): a difference in the last bits of a gradient moves the weights by far less
-// than one bf16 step, so after 3 steps the losses agree to ~1e-3 (1e-2 allowed, the bf16 tolerance of the GPU
-// model's tests); on the emulator, whose GEMM double computes each row alike whatever the row count, only the fp32
-// order differs: 1e-6, as the mpirun test (tests/mpi/test_engine_gpu_emulated.cpp) measured. A wrong reduction,
-// a missing or doubled unit, a gather of the wrong buffer moves the loss by percents at step 1.
-#ifdef TUNA_EMULATOR
-constexpr double kRanksLossTol = 1e-6, kRanksNormTol = 1e-6, kRanksWeightTol = 1e-6;
-#else
-constexpr double kRanksLossTol = 1e-2, kRanksNormTol = 2e-2, kRanksWeightTol = 1e-2;
-#endif
-
-struct RanksCase {
-  int ranks, zero;
-  bool prefetch;
-  Recompute recompute;
-};
-
-// 4 rows of 16 tokens over the fixture's vocabulary, targets the next token (the last ignored).
-struct FourRows {
-  static constexpr int64_t kRows = 4, kSeq = 16;
-  std::vector<int32_t> inputs, targets;
-  explicit FourRows(int64_t vocab) : inputs(kRows * kSeq), targets(kRows * kSeq) {
-    uint64_t x = 0x9E3779B97F4A7C15ull;
-    for (int32_t& t : inputs) x ^= x << 13, x ^= x >> 7, x ^= x << 17, t = static_cast<int32_t>(x % vocab);
-    for (int64_t i = 0; i < kRows * kSeq; i++) targets[i] = (i + 1) % kSeq == 0 ? -100 : inputs[i + 1];
-  }
-};
-
-class EngineGpuThreadRanks : public testing::TestWithParam<RanksCase> {};
+// machine has no MPI): each thread builds its engine on device 0 with a LocalComm world and staged device comms
+// over its dp and tp groups (dist/comm_local.cpp, dist/comm_staged.cpp), and must follow one rank on the whole
+// batch (tests/model/ranks_test_util.h, which also argues the bound). The same cases run under mpirun on the
+// emulator (tests/mpi/test_engine_gpu_emulated.cpp).
+class EngineGpuThreadRanks : public testing::TestWithParam<testing_util::RanksCase> {};
 
 TEST_P(EngineGpuThreadRanks, FollowOneRankOnTheWholeBatch) {
   TUNA_REQUIRE_GPU();
-  const RanksCase c = GetParam();
   Fixture f("llama32_tiny");
-  const FourRows data(f.config.vocab_size);
-  constexpr int64_t kSteps = 3;
-  const auto options = [&](int zero, int64_t rows) {
-    EngineOptions o = engine_options(f, "cuda", zero);
-    o.micro_batch = rows, o.seq_len = FourRows::kSeq;
-    return o;
-  };
-  const auto step = [&](Engine& e, int64_t first_row, int64_t rows, int64_t s) {
-    e.begin_step();
-    const LossSum l = e.forward_backward(data.inputs.data() + first_row * FourRows::kSeq,
-                                         data.targets.data() + first_row * FourRows::kSeq, rows, FourRows::kSeq);
-    return e.finish_step(l, learning_rate(f.optimizer(), s, 10));
-  };
-  SingleRank one;
-  std::unique_ptr<Engine> whole = make_engine(f.config, options(0, FourRows::kRows), one.mesh, fixture_weights(f));
-  std::vector<StepResult> expected;
-  for (int64_t s = 0; s < kSteps; s++) expected.push_back(step(*whole, 0, FourRows::kRows, s));
-  std::vector<float> pw, mw, vw;
-  whole->export_shard(pw, mw, vw);
-
-  testing_util::run_thread_ranks(c.ranks, [&](Comm& world) {
-    Mesh mesh = make_mesh(world, 1);
-    const DeviceCommFactory device_comm = [&](void* stream) {
-      return make_staged_device_comm(mesh.dp->split(0, mesh.dp_rank), stream);
-    };
-    EngineOptions o = options(c.zero, FourRows::kRows / mesh.dp_size);
-    o.zero_prefetch = c.prefetch, o.recompute = c.recompute;
-    std::unique_ptr<Engine> e = make_engine(f.config, o, mesh, fixture_weights(f), device_comm);
-    for (int64_t s = 0; s < kSteps; s++) {
-      const StepResult r = step(*e, mesh.dp_rank * o.micro_batch, o.micro_batch, s);
-      if (world.rank() == 0)
-        std::printf("  step %lld  loss 1 rank %.7f %d ranks %.7f   grad norm %.6f %.6f\n", static_cast<long long>(s),
-                    expected[s].loss, c.ranks, r.loss, expected[s].stats.grad_norm, r.stats.grad_norm);
-      EXPECT_EQ(r.tokens, expected[s].tokens);
-      EXPECT_NEAR(r.loss, expected[s].loss, kRanksLossTol * expected[s].loss) << "step " << s;
-      EXPECT_NEAR(r.stats.grad_norm, expected[s].stats.grad_norm, kRanksNormTol * expected[s].stats.grad_norm)
-          << "step " << s;
-    }
-    std::vector<float> p, m, v;
-    e->export_shard(p, m, v);
-    std::vector<float> mine;
-    for (const Segment& seg : e->segments()) mine.insert(mine.end(), pw.begin() + seg.begin, pw.begin() + seg.begin + seg.size);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < mine.size(); i++) num += (double(p[i]) - mine[i]) * (double(p[i]) - mine[i]), den += double(mine[i]) * mine[i];
-    EXPECT_LE(std::sqrt(num / den), kRanksWeightTol) << "rank " << world.rank() << "'s final master weights";
-  });
+  const testing_util::OneRankRun reference(f);
+  testing_util::run_thread_ranks(GetParam().ranks,
+                                 [&](Comm& world) { testing_util::follow_one_rank(world, f, GetParam(), reference); });
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, EngineGpuThreadRanks,
-    testing::Values(RanksCase{2, 0, true, Recompute::None}, RanksCase{2, 2, true, Recompute::None},
-                    RanksCase{2, 3, true, Recompute::None}, RanksCase{2, 3, false, Recompute::None},
-                    RanksCase{4, 3, true, Recompute::Full}, RanksCase{4, 2, true, Recompute::Selective}),
-    [](const testing::TestParamInfo<RanksCase>& i) {
-      return std::to_string(i.param.ranks) + "ranks_zero" + std::to_string(i.param.zero) +
-             (i.param.prefetch ? "" : "_no_prefetch") + "_recompute_" + recompute_name(i.param.recompute);
-    });
+    testing::ValuesIn(testing_util::kRanksCases),
+    [](const testing::TestParamInfo<testing_util::RanksCase>& i) { return testing_util::name(i.param); });
 
 // The forward-only model of build/eval and build/sample on the device against the CPU's, with the
 // tolerances of test_llama_gpu.cpp (3e-2 on the logits' relative error norm, 1e-2 on the loss).

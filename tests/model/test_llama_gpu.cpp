@@ -13,11 +13,15 @@
 #if TUNA_CUDA
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/cuda_check.h"
+#include "core/dtype.h"
+#include "kernels/cpu/classifier.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/llama.h"
@@ -173,6 +177,67 @@ TEST(LlamaGpu, RejectsOutOfRangeTokensWithAMessage) {
   const std::vector<int32_t> inputs = {1, 2, int32_t(f.config.vocab_size), 3}, targets = {1, 2, 3, 4};
   EXPECT_THROW(model.forward_backward(inputs.data(), targets.data(), 1, 4), Error);
 }
+
+#ifndef TUNA_EMULATOR  // 15 GB of device memory and ~50 GFLOP on the host: a GPU machine's test only
+// One LLaMA-2-70B-shaped decoder layer (hidden 8192, ffn 28672, 64 heads / 8 kv heads of 128) forward and
+// backward against the CPU model at 8 tokens, so that every kernel runs at the big model's widths (RMSNorm's
+// backward at 8192 takes its widest block; attention at head_dim 128 with 8 query heads per kv head; GEMMs of
+// 28672 columns). A small vocabulary (256) keeps the embedding and head cheap. The weights are bf16 values
+// (so both models read the same numbers) drawn by a counter hash: fast for 856M of them. Tolerances of the
+// fixture tests above: 1e-2 on the loss, 0.1 per gradient tensor (relative error norm).
+TEST(LlamaGpuWideLayer, Llama2_70bShapedLayerMatchesTheCpuModel) {
+  TUNA_REQUIRE_GPU();
+  LlamaConfig c;
+  c.hidden_size = 8192, c.intermediate_size = 28672, c.num_hidden_layers = 1;
+  c.num_attention_heads = 64, c.num_key_value_heads = 8, c.head_dim = 128, c.vocab_size = 256;
+  c.rms_norm_eps = 1e-5, c.rope_theta = 10000.0, c.max_position_embeddings = 4096;
+  const int64_t batch = 1, seq = 8;
+  const ParamLayout layout(c);
+  std::vector<float> weights(layout.total());
+  for (const ParamTensor& t : layout.tensors()) {
+    float* w = weights.data() + t.offset;
+    if (t.shape.size() == 1) {
+      std::fill(w, w + t.numel, 1.0f);
+      continue;
+    }
+    // Uniform in +-sqrt(3/fan_in): unit-variance outputs, so activations stay O(1) through the layer.
+    const float scale = static_cast<float>(std::sqrt(3.0 / static_cast<double>(t.shape[1])));
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < t.numel; i++) {
+      uint64_t x = static_cast<uint64_t>(t.offset + i) * 0x9E3779B97F4A7C15ull;
+      x ^= x >> 31, x *= 0xBF58476D1CE4E5B9ull, x ^= x >> 29;
+      w[i] = bf16_to_f32(f32_to_bf16(scale * (static_cast<float>(x >> 40) / 8388608.0f - 1.0f)));
+    }
+  }
+  std::vector<int32_t> inputs(batch * seq), targets(batch * seq);
+  for (int64_t i = 0; i < batch * seq; i++) inputs[i] = static_cast<int32_t>((i * 37 + 11) % c.vocab_size);
+  for (int64_t i = 0; i < batch * seq; i++) targets[i] = i + 1 < batch * seq ? inputs[i + 1] : cpu::kIgnoreIndex;
+
+  LlamaGpu gpu(c, batch, seq);
+  gpu.set_params(weights.data());
+  gpu.zero_grads();
+  const auto start = std::chrono::steady_clock::now();
+  const LossSum gpu_loss = gpu.forward_backward(inputs.data(), targets.data(), batch, seq);
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(gpu.stream()));
+  const double gpu_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  std::vector<float> gpu_grads(layout.total());
+  gpu.get_grads(gpu_grads.data());
+
+  Llama cpu_model(c, batch, seq);
+  cpu_model.params = std::move(weights);
+  const LossSum cpu_loss = cpu_model.forward_backward(inputs.data(), targets.data(), batch, seq);
+  std::printf("  70B-shaped layer: loss cpu %.6f gpu %.6f (gpu forward+backward %.1f ms, first call)\n",
+              cpu_loss.sum / cpu_loss.count, gpu_loss.sum / gpu_loss.count, gpu_ms);
+  EXPECT_EQ(cpu_loss.count, gpu_loss.count);
+  EXPECT_NEAR(gpu_loss.sum, cpu_loss.sum, 1e-2 * std::abs(cpu_loss.sum));
+  for (const ParamTensor& t : layout.tensors()) {
+    std::vector<double> ref(cpu_model.grads.begin() + t.offset, cpu_model.grads.begin() + t.offset + t.numel);
+    const double err = rel_err_norm(gpu_grads.data() + t.offset, ref.data(), t.numel);
+    std::printf("    grad %-45s rel err %.3e\n", t.name.c_str(), err);
+    EXPECT_LE(err, 0.1) << t.name;
+  }
+}
+#endif  // TUNA_EMULATOR
 
 }  // namespace
 }  // namespace tuna

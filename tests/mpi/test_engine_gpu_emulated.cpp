@@ -37,6 +37,7 @@
 #include "model/checkpoint.h"
 #include "model/engine.h"
 #include "tests/model/engine_test_util.h"
+#include "tests/model/ranks_test_util.h"
 #include "tests/mpi/mpi_test_util.h"
 #include "tests/test_util.h"
 
@@ -57,8 +58,8 @@ constexpr double kWeightTol = 1e-6;    // relative error norm of the final maste
 struct DataParallel {
   Mesh mesh = make_mesh(test::world(), 1);
   // Stands in for NCCL (dist/comm_nccl.cpp, GPUs only): the staged device comm over the same dp ranks.
-  DeviceCommFactory device_comm = [this](void* stream) {
-    return make_staged_device_comm(mesh.dp->split(0, mesh.dp_rank), stream);
+  DeviceCommFactory device_comm = [](Comm& group, void* stream) {
+    return make_staged_device_comm(group.split(0, group.rank()), stream);
   };
 };
 
@@ -295,6 +296,27 @@ INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuDataParallelResume,
                          [](const testing::TestParamInfo<Rounding>& i) {
                            return "zero" + std::to_string(i.param.zero) + (i.param.bf16_moments ? "_bf16" : "_fp32") +
                                   (i.param.stochastic_rounding ? "_stochastic" : "");
+                         });
+
+// The multi-rank layouts of gpu-check's threads on one GPU (tests/model/ranks_test_util.h), here as MPI
+// processes: each case at the world size it was written for.
+class EngineGpuMpiRanks : public testing::TestWithParam<testing_util::RanksCase> {};
+
+TEST_P(EngineGpuMpiRanks, FollowOneRankOnTheWholeBatch) {
+  if (test::world().size() != GetParam().ranks) GTEST_SKIP() << "runs at " << GetParam().ranks << " ranks";
+  Fixture f("llama32_tiny");
+  const testing_util::OneRankRun reference(f);
+  testing_util::follow_one_rank(test::world(), f, GetParam(), reference);
+}
+
+// At the 2 ranks CI runs this binary with: data parallel ZeRO-2/3 and tensor parallel (the 4-rank cases run on
+// threads in build/emulated_gpu_tests).
+INSTANTIATE_TEST_SUITE_P(Layouts, EngineGpuMpiRanks,
+                         testing::Values(testing_util::RanksCase{2, 1, 3, false, Recompute::None},
+                                         testing_util::RanksCase{2, 2, 0, true, Recompute::None},
+                                         testing_util::RanksCase{2, 2, 1, true, Recompute::Full}),
+                         [](const testing::TestParamInfo<testing_util::RanksCase>& i) {
+                           return testing_util::name(i.param);
                          });
 
 }  // namespace

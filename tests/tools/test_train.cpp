@@ -191,5 +191,31 @@ TEST(Train, DeviceOptionsAndTheCostColumn) {
   EXPECT_EQ(steps, 2);
 }
 
+// --plan_only: the CUDA engine's per-GPU memory plan without a GPU (the card's memory given), and the refusal of
+// a run that does not fit, with the options that would make it fit. The demo model at micro-batch 64 x 256.
+TEST(Train, PlanOnlyPrintsThePerGpuTableAndRefusesWhatDoesNotFit) {
+  TempDir tmp("trainplan");
+  const std::string base = kTrain + " --plan_only --device cuda --model_config demo/config.json --micro_batch 64 "
+                           "--seq_len 256 --out_dir " + (tmp / "run").string();
+  auto r = run_command(base + " --gpu_memory_gb 80", tmp / "log1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const char* what : {"device memory per GPU", "weights", "gradients", "AdamW moments", "activations", "total",
+                           "headroom"})
+    EXPECT_NE(r.output.find(what), std::string::npos) << what << " missing from\n" << r.output;
+  // Too small a card: refused with the table and what would fit (recompute shrinks the activations).
+  r = run_command(base + " --gpu_memory_gb 0.62", tmp / "log2");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("does not fit"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("would fit with:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--recompute"), std::string::npos) << r.output;
+  // Nothing fits a card of 1 MB.
+  r = run_command(base + " --gpu_memory_gb 0.001", tmp / "log3");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("no option of this layout fits"), std::string::npos) << r.output;
+  r = run_command(base + " --device cpu --gpu_memory_gb 80", tmp / "log4");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("use --device cuda"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace tuna
