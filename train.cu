@@ -23,7 +23,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/error.h"           // tuna::Error, fail
+#include "core/error.h"           // tuna::Error, fail, describe_current_exception
 #include "core/options.h"         // Options: TOML + flags
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
@@ -61,6 +61,7 @@ struct TrainConfig {
   int64_t log_every = 1;
   int64_t val_every = 0;
   int64_t val_batches = 0;
+  int64_t max_bad_steps = 5;
   std::string device = "auto";
   int64_t threads = 0;
   int64_t tp = 1;
@@ -73,44 +74,53 @@ struct TrainConfig {
 };
 
 void declare(Options& o, TrainConfig& c) {
+  // Upper bounds are far beyond any real run; they exist so that a typo (or 2^31) fails here, with the
+  // option's name, instead of as an allocation of petabytes or an overflow later.
+  constexpr double kMaxSteps = 1e12, kMaxTokens = 1 << 22, kMaxRanks = 1 << 16;
   o.add("model_config", &c.model_config, "config.json of a model to train from scratch (instead of --init)");
   o.add("init", &c.init, "model directory to start from: a Hugging Face download or a tuna checkpoint");
   o.add("tokenizer", &c.tokenizer, "tokenizer.model (or its directory) to carry in checkpoints; default: --init's");
   o.add("train_data", &c.train_data, "token shards: files, directories or globs, comma-separated");
   o.add("val_data", &c.val_data, "validation shards, same form; empty: no validation");
-  o.add("seq_len", &c.seq_len, "tokens per sequence");
-  o.add("micro_batch", &c.micro_batch, "sequences per forward/backward");
-  o.add("grad_accum", &c.grad_accum, "micro-batches per optimizer step");
-  o.add("steps", &c.steps, "optimizer steps of the whole run (the schedule spans them)");
-  o.add("lr", &c.opt.lr, "peak learning rate");
-  o.add("min_lr", &c.opt.min_lr, "final learning rate of cosine, linear and wsd schedules");
-  o.add("warmup_steps", &c.opt.warmup_steps, "linear warmup steps");
-  o.add("schedule", &c.opt.schedule, "cosine | linear | constant | wsd");
-  o.add("decay_fraction", &c.opt.decay_fraction, "wsd: fraction of steps in the final decay");
-  o.add("beta1", &c.opt.beta1, "AdamW beta1");
-  o.add("beta2", &c.opt.beta2, "AdamW beta2");
-  o.add("eps", &c.opt.eps, "AdamW epsilon");
-  o.add("weight_decay", &c.opt.weight_decay, "decoupled weight decay on 2-D weights");
-  o.add("grad_clip", &c.opt.grad_clip, "global gradient-norm clip; 0 disables");
-  o.add("seed", &c.seed, "seed of initialization and data order");
-  o.add("init_std", &c.init_std, "std of the normal init of 2-D weights (from scratch)");
+  o.add("seq_len", &c.seq_len, "tokens per sequence", Bounds::closed(1, kMaxTokens));
+  o.add("micro_batch", &c.micro_batch, "sequences per forward/backward", Bounds::closed(1, kMaxTokens));
+  o.add("grad_accum", &c.grad_accum, "micro-batches per optimizer step", Bounds::closed(1, kMaxTokens));
+  o.add("steps", &c.steps, "optimizer steps of the whole run (the schedule spans them)", Bounds::closed(1, kMaxSteps));
+  o.add("lr", &c.opt.lr, "peak learning rate", Bounds::open_closed(0, 1));
+  o.add("min_lr", &c.opt.min_lr, "final learning rate of cosine, linear and wsd schedules", Bounds::closed(0, 1));
+  o.add("warmup_steps", &c.opt.warmup_steps, "linear warmup steps", Bounds::closed(0, kMaxSteps));
+  o.add("schedule", &c.opt.schedule, "learning-rate schedule", {"cosine", "linear", "constant", "wsd"});
+  o.add("decay_fraction", &c.opt.decay_fraction, "wsd: fraction of steps in the final decay", Bounds::open_closed(0, 1));
+  o.add("beta1", &c.opt.beta1, "AdamW beta1", Bounds::half_open(0, 1));
+  o.add("beta2", &c.opt.beta2, "AdamW beta2", Bounds::half_open(0, 1));
+  o.add("eps", &c.opt.eps, "AdamW epsilon", Bounds::open_closed(0, 1));
+  o.add("weight_decay", &c.opt.weight_decay, "decoupled weight decay on 2-D weights", Bounds::closed(0, 1e3));
+  o.add("grad_clip", &c.opt.grad_clip, "global gradient-norm clip; 0 disables", Bounds::closed(0, 1e12));
+  o.add("seed", &c.seed, "seed of initialization and data order", Bounds::at_least(0));
+  o.add("init_std", &c.init_std, "std of the normal init of 2-D weights (from scratch)", Bounds::open_closed(0, 1));
   o.add("out_dir", &c.out_dir, "run directory: metrics.jsonl and ckpt/");
-  o.add("ckpt_every", &c.ckpt_every, "checkpoint every N steps (and at the end); 0: only at the end");
-  o.add("ckpt_keep", &c.ckpt_keep, "keep the newest K checkpoints; 0 keeps all");
+  o.add("ckpt_every", &c.ckpt_every, "checkpoint every N steps (and at the end); 0: only at the end", Bounds::closed(0, kMaxSteps));
+  o.add("ckpt_keep", &c.ckpt_keep, "keep the newest K checkpoints; 0 keeps all", Bounds::closed(0, kMaxSteps));
   o.add("resume", &c.resume, "continue from the newest complete checkpoint in out_dir/ckpt, if any");
-  o.add("stop_at_step", &c.stop_at_step, "checkpoint and stop after this step (a time-limited allocation); 0: run to the end");
-  o.add("log_every", &c.log_every, "print a log line every N steps (metrics.jsonl gets every step)");
-  o.add("val_every", &c.val_every, "validation loss every N steps; 0: only at the end when val_data is set");
-  o.add("val_batches", &c.val_batches, "micro-batches per validation; 0: the whole validation split");
-  o.add("device", &c.device, "auto | cpu | cuda");
-  o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks");
-  o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp");
-  o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters");
+  o.add("stop_at_step", &c.stop_at_step, "checkpoint and stop after this step (a time-limited allocation); 0: run to the end",
+        Bounds::closed(0, kMaxSteps));
+  o.add("log_every", &c.log_every, "print a log line every N steps (metrics.jsonl gets every step)", Bounds::closed(1, kMaxSteps));
+  o.add("val_every", &c.val_every, "validation loss every N steps; 0: only at the end when val_data is set", Bounds::closed(0, kMaxSteps));
+  o.add("val_batches", &c.val_batches, "micro-batches per validation; 0: the whole validation split", Bounds::closed(0, kMaxSteps));
+  o.add("max_bad_steps", &c.max_bad_steps,
+        "stop the run after this many steps in a row whose loss or gradient norm is not finite (each is skipped)",
+        Bounds::closed(1, 1e6));
+  o.add("device", &c.device, "cuda when a GPU is visible (auto), or the one named", {"auto", "cpu", "cuda"});
+  o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks", Bounds::closed(0, kMaxRanks));
+  o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp", Bounds::closed(1, kMaxRanks));
+  o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters", Bounds::closed(0, 3));
   o.add("zero_prefetch", &c.zero_prefetch, "ZeRO-3: gather the next layer while this one computes (false: when used)");
-  o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever");
+  o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever",
+        Bounds::closed(0, 1e9));
   o.add("bf16_moments", &c.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
   o.add("stochastic_rounding", &c.stochastic_rounding, "cuda: round bf16 weights (and bf16 moments) stochastically");
-  o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none");
+  o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none",
+        Bounds::closed(0, 1e9));
 }
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -144,22 +154,13 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
+// What the option declarations cannot say alone (each option's own range is checked as it is set).
 void check(const TrainConfig& c) {
   if (c.model_config.empty() == c.init.empty())
     fail("give exactly one of --init (a model directory) and --model_config (a config.json to train from scratch)");
   if (c.train_data.empty()) fail("option 'train_data' is empty: give token shards (build/prepare writes them)");
-  for (auto [name, v] : {std::pair{"seq_len", c.seq_len}, {"micro_batch", c.micro_batch}, {"grad_accum", c.grad_accum},
-                         {"steps", c.steps}, {"log_every", c.log_every}})
-    if (v < 1) fail("option '", name, "': expected >= 1, found ", v);
-  for (auto [name, v] : {std::pair{"ckpt_every", c.ckpt_every}, {"ckpt_keep", c.ckpt_keep}, {"val_every", c.val_every},
-                         {"val_batches", c.val_batches}, {"threads", c.threads}, {"stop_at_step", c.stop_at_step}})
-    if (v < 0) fail("option '", name, "': expected >= 0, found ", v);
-  if (c.device != "auto" && c.device != "cpu" && c.device != "cuda")
-    fail("option 'device': expected auto, cpu or cuda, found '", c.device, "'");
-  if (c.tp < 1) fail("option 'tp': expected >= 1, found ", c.tp);
-  if (c.zero < 0 || c.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", c.zero);
-  if (c.comm_timeout < 0) fail("option 'comm_timeout': expected >= 0 seconds, found ", c.comm_timeout);
-  if (c.gpu_hour_cost < 0) fail("option 'gpu_hour_cost': expected >= 0, found ", c.gpu_hour_cost);
+  if (c.micro_batch * c.seq_len > (int64_t{1} << 31))
+    fail("options 'micro_batch' x 'seq_len' = ", c.micro_batch * c.seq_len, " tokens per micro-batch: at most 2^31");
   validate(c.opt);
 }
 
@@ -429,10 +430,11 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     return run(argc, argv);
-  } catch (const tuna::Error& e) {
+  } catch (...) {  // every exception, not only tuna::Error: nothing ends the trainer with SIGABRT and no message
+    const std::string message = describe_current_exception();
     const LaunchInfo launch = detect_launch();
-    if (launch.size > 1) std::fprintf(stderr, "error: rank %d: %s\n", launch.rank, e.what());
-    else std::fprintf(stderr, "error: %s\n", e.what());
+    if (launch.size > 1) std::fprintf(stderr, "error: rank %d: %s\n", launch.rank, message.c_str());
+    else std::fprintf(stderr, "error: %s\n", message.c_str());
     std::fflush(stderr);
     abort_job(1);  // the other ranks must not wait for this one in their next collective
   }

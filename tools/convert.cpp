@@ -11,7 +11,7 @@
 #include "model/hf_convert.h"
 
 int main(int argc, char** argv) {
-  try {
+  return tuna::guarded_main([&] {
     std::string dtype;
     int64_t max_shard_bytes = int64_t(5) << 30;
     tuna::Options options("build/convert hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR",
@@ -19,8 +19,10 @@ int main(int argc, char** argv) {
                           "tuna-to-hf: a tuna checkpoint -> a directory transformers loads (AutoModelForCausalLM).");
     options.add("dtype", &dtype,
                 "weights dtype; hf-to-tuna: keep (default) | float32 | bfloat16 | float16; tuna-to-hf: auto (config.json's "
-                "torch_dtype, default) | float32 | bfloat16 | float16");
-    options.add("max_shard_bytes", &max_shard_bytes, "tuna-to-hf: start a new model-0000N-of-0000M.safetensors past this size");
+                "torch_dtype, default) | float32 | bfloat16 | float16",
+                {"keep", "auto", "float32", "bfloat16", "float16"});
+    options.add("max_shard_bytes", &max_shard_bytes, "tuna-to-hf: start a new model-0000N-of-0000M.safetensors past this size",
+                tuna::Bounds::closed(1, 1e15));
     std::vector<std::string> args = options.parse(argc, argv);
     if (args.size() != 3) tuna::fail("expected: hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR (see --help)");
     tuna::ConvertReport r;
@@ -30,8 +32,5 @@ int main(int argc, char** argv) {
     std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s)\n", args[1].c_str(), args[2].c_str(),
                 (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(), r.bytes_written / 1e6, (long long)r.shards);
     return 0;
-  } catch (const tuna::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

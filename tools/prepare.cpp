@@ -2,6 +2,7 @@
 // this file is the command line.
 #include "data/prepare.h"  // PrepareOptions, prepare_corpus, report_summary
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -67,8 +68,10 @@ T parse_number(const std::string& flag, const std::string& value) {
   try {
     size_t used = 0;
     T result;
-    if constexpr (std::is_floating_point_v<T>)
+    if constexpr (std::is_floating_point_v<T>) {
       result = static_cast<T>(std::stod(value, &used));
+      if (!std::isfinite(result)) throw std::invalid_argument(value);  // inf and nan are no setting
+    }
     else
       result = static_cast<T>(std::stoll(value, &used));
     if (used != value.size()) throw std::invalid_argument(value);
@@ -183,8 +186,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "warning: the validation split is empty (too few documents for --val-fraction %g)\n",
                    options.val_fraction);
-  } catch (const tuna::Error& e) {
-    std::fprintf(stderr, "error: %s%s\n", comm ? tuna::str("rank ", comm->rank(), ": ").c_str() : "", e.what());
+  } catch (...) {  // every exception, not only tuna::Error: nothing ends prepare with SIGABRT and no message
+    std::fprintf(stderr, "error: %s%s\n", comm ? tuna::str("rank ", comm->rank(), ": ").c_str() : "",
+                 tuna::describe_current_exception().c_str());
     // The other ranks may wait in a collective for this one: stop them all.
     if (comm && comm->size() > 1) comm->abort(1);
     return 1;

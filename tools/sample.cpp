@@ -49,7 +49,7 @@ int32_t sample_token(const float* logits, int64_t vocab, double temperature, dou
 
 int main(int argc, char** argv) {
   using namespace tuna;
-  try {
+  return guarded_main([&] {
     std::string checkpoint, tokenizer_path, prompt, device = "auto";
     int64_t max_tokens = 64, seed = 1, threads = 0;
     double temperature = 0.8, top_p = 0.95;
@@ -58,19 +58,18 @@ int main(int argc, char** argv) {
     options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint or a Hugging Face download");
     options.add("tokenizer", &tokenizer_path, "sentencepiece tokenizer.model; default: the checkpoint's");
     options.add("prompt", &prompt, "text to continue");
-    options.add("max_tokens", &max_tokens, "tokens to generate at most");
-    options.add("temperature", &temperature, "softmax temperature (> 0)");
-    options.add("top_p", &top_p, "nucleus sampling: keep the most likely tokens up to this probability");
+    options.add("max_tokens", &max_tokens, "tokens to generate at most", Bounds::closed(1, 1 << 22));
+    options.add("temperature", &temperature, "softmax temperature (> 0 unless --greedy)", Bounds::closed(0, 1e6));
+    options.add("top_p", &top_p, "nucleus sampling: keep the most likely tokens up to this probability",
+                Bounds::open_closed(0, 1));
     options.add("greedy", &greedy, "always take the most likely token (ignores temperature and top_p)");
     options.add("stop_at_eos", &stop_at_eos, "stop when the model emits an end-of-sequence token");
-    options.add("seed", &seed, "sampling seed");
-    options.add("threads", &threads, "CPU threads; 0: all cores");
-    options.add("device", &device, "auto | cpu | cuda (auto: cuda when a GPU is visible)");
+    options.add("seed", &seed, "sampling seed", Bounds::at_least(0));
+    options.add("threads", &threads, "CPU threads; 0: all cores", Bounds::closed(0, 1 << 16));
+    options.add("device", &device, "cuda when a GPU is visible (auto), or the one named", {"auto", "cpu", "cuda"});
     if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
     if (checkpoint.empty()) fail("--checkpoint is required (see --help)");
-    if (!greedy && !(temperature > 0)) fail("option 'temperature': expected > 0, found ", temperature);
-    if (!(top_p > 0 && top_p <= 1)) fail("option 'top_p': expected in (0, 1], found ", top_p);
-    if (max_tokens < 1) fail("option 'max_tokens': expected >= 1, found ", max_tokens);
+    if (!greedy && temperature == 0) fail("option 'temperature': expected > 0 (or --greedy), found 0");
     set_cpu_threads(threads);
     if (tokenizer_path.empty()) tokenizer_path = (std::filesystem::path(checkpoint) / "tokenizer.model").string();
 
@@ -117,8 +116,5 @@ int main(int argc, char** argv) {
     }
     std::printf("\n");
     return 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  });
 }
