@@ -28,7 +28,7 @@
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
-#include "model/checkpoint.h"     // load_weights, save_checkpoint, latest_checkpoint, load_checkpoint_shard
+#include "model/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_shard
 #include "model/config.h"         // LlamaConfig
 #include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
@@ -211,7 +211,8 @@ int run(int argc, char** argv) {
 
   // Where the weights come from: a resume checkpoint beats --init beats a fresh init.
   std::optional<fs::path> resume_from;
-  if (cfg.resume) resume_from = latest_checkpoint(ckpt_root);
+  if (cfg.resume)  // the newest checkpoint that verifies against its manifest, on every rank (model/checkpoint.h)
+    resume_from = resume_checkpoint(ckpt_root, *world, [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
   const fs::path weights_dir = resume_from ? *resume_from : fs::path(cfg.init);
   json config_json = weights_dir.empty() ? json() : read_config_json(weights_dir);
   LlamaConfig model_cfg = weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
@@ -253,15 +254,17 @@ int run(int argc, char** argv) {
   else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
 
   json saved_cursor;
-  int64_t step = 0;
+  int64_t step = 0, skipped_steps = 0;  // skipped: steps whose loss or gradient was not finite (no update)
   if (resume_from) {
-    json state = read_state(*resume_from);
-    step = state["step"].get<int64_t>();
+    const TrainingState resumed = read_training_state(*resume_from);  // step, cursor and counts checked
+    const json& state = resumed.state;
+    step = resumed.step, skipped_steps = resumed.skipped_steps;
     std::vector<float> p, m, v;
     const int64_t steps_taken = load_checkpoint_shard(*resume_from, engine->layout(), engine->segments(), p, m, v);
+    check_optimizer_steps(resumed, steps_taken, *resume_from);
     engine->import_shard(p, m, v);
     engine->set_steps_taken(steps_taken);
-    if (state.contains("data_cursor")) saved_cursor = state["data_cursor"];
+    saved_cursor = resumed.data_cursor;
     if (state.contains("train_config")) {
       json old = state["train_config"], now = options.to_json();
       for (auto& [k, v] : now.items())
@@ -310,6 +313,7 @@ int run(int argc, char** argv) {
 
   auto save = [&](int64_t at_step) {
     json state = {{"step", at_step},
+                  {"skipped_steps", skipped_steps},
                   {"train_config", options.to_json()},
                   {"data_cursor", train.cursor()},
                   {"rng", {{"seed", cfg.seed}}},
@@ -357,6 +361,7 @@ int run(int argc, char** argv) {
   const double flops_per_token = engine->flops_per_token(cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
   const int64_t first_step = step;
+  int64_t bad_in_a_row = 0;
   const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
   bool stopped_early = false;
   while (step < last_step) {
@@ -370,11 +375,24 @@ int run(int argc, char** argv) {
       loss.count += l.count;
     }
     inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only
+    if (nan_loss_for_tests(world->rank(), step)) loss.sum = NAN;
     const double lr = learning_rate(cfg.opt, step, cfg.steps);
-    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (model/engine.h).
+    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (model/engine.h); no update when
+    // the loss or the gradient norm is not finite (the same decision on every rank).
     const StepResult result = engine->finish_step(loss, lr);
     const OptimizerStats& stats = result.stats;
     step++;
+    bad_in_a_row = stats.applied ? 0 : bad_in_a_row + 1;
+    if (!stats.applied) {
+      skipped_steps++;
+      std::printf("step %6lld | loss %g | grad norm %g | not finite: update skipped (%lld in a row, %lld in all)\n",
+                  (long long)step, result.loss, stats.grad_norm, (long long)bad_in_a_row, (long long)skipped_steps);
+      std::fflush(stdout);
+      if (bad_in_a_row >= cfg.max_bad_steps)
+        fail("the loss or the gradient norm was not finite in ", bad_in_a_row, " steps in a row (up to step ", step,
+             ", --max_bad_steps ", cfg.max_bad_steps, "): the run diverged. Resume from the last checkpoint (",
+             ckpt_root.string(), ") with a lower --lr or a --grad_clip, or look for bad data near this step");
+    }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     const double eta = elapsed / double(step - first_step) * double(cfg.steps - step);
@@ -388,6 +406,7 @@ int run(int argc, char** argv) {
                    {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", result.tokens},
                    {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"eta_s", eta},
                    {"mem_mb", dev.host_mb}, {"peak_mem_mb", dev.host_peak_mb}};
+    if (!stats.applied) record["skipped"] = true, record["skipped_steps"] = skipped_steps;
     if (std::isfinite(mfu)) record["mfu"] = mfu;
     if (std::isfinite(dev.gpu_mb)) record["gpu_mem_mb"] = dev.gpu_mb, record["gpu_peak_mem_mb"] = dev.gpu_peak_mb;
     if (std::isfinite(dev.gpu_util)) record["gpu_util"] = dev.gpu_util;

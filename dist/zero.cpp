@@ -112,6 +112,9 @@ StepResult Zero::finish_step(const LossSum& local, double lr) {
   }
   r.stats.grad_norm = global_norm(grads) * loss_scale;
   r.stats.clip_scale = clip_scale(optimizer_.config(), r.stats.grad_norm);
+  // Not finite: no update, and the weights (hence any gathered copy of them) stay as they are.
+  r.stats.applied = step_is_finite(r.loss, r.tokens, r.stats.grad_norm);
+  if (!r.stats.applied) return r;
   optimizer_.update(params, grads, loss_scale * r.stats.clip_scale, lr);
   if (stage_ == 1 || stage_ == 2) gather_params_from_master();
   if (stage_ == 3)

@@ -161,15 +161,16 @@ class GpuEngine final : public Engine {
     r.loss = total.count ? total.sum / total.count : NAN;
     // Mean over every trained token of the step; a step of only ignored targets changes nothing but decay.
     const double loss_scale = total.count ? 1.0 / total.count : 0.0;
+    const bool loss_is_finite = step_is_finite(r.loss, r.tokens, 0.0);
     if (shard_) {
-      r.stats = sharded_update(loss_scale, lr);
+      r.stats = sharded_update(loss_scale, lr, loss_is_finite);
       return r;
     }
     if (dp_device_) {
       dp_device_->all_reduce(model_.grads(), model_.layout().total(), CommType::F32, ReduceOp::Sum, "gradients");
       dp_device_->barrier("gradients all-reduced");  // a bounded wait (--comm_timeout) instead of a blind sync
     }
-    r.stats = model_.adamw_step(loss_scale, lr);
+    r.stats = model_.adamw_step(loss_scale, lr, loss_is_finite);
     return r;
   }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
@@ -269,7 +270,7 @@ class GpuEngine final : public Engine {
 
  private:
   // ZeRO-1's update (see the top of this file). Returns the norm and clip as AdamW::step would.
-  OptimizerStats sharded_update(double loss_scale, double lr) {
+  OptimizerStats sharded_update(double loss_scale, double lr, bool loss_is_finite) {
     OptimizerShard& sh = *shard_;
     const ParamLayout& layout = model_.layout();
     cudaStream_t stream = model_.stream();
@@ -290,6 +291,10 @@ class GpuEngine final : public Engine {
     OptimizerStats stats;
     stats.grad_norm = std::sqrt(sum_sq) * loss_scale;
     stats.clip_scale = clip_scale(options_.opt, stats.grad_norm);
+    // Not finite: no update; the master shard and the bf16 weights stay as they are (begin_step zeroes the
+    // gradients of the next step). Decided from the norm already read back above: no extra sync.
+    stats.applied = loss_is_finite && std::isfinite(stats.grad_norm);
+    if (!stats.applied) return stats;
     const int64_t step = model_.steps_taken() + 1;
     const OptimizerConfig& oc = options_.opt;
     const cuda::AdamWArgs args{lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step, loss_scale * stats.clip_scale,
