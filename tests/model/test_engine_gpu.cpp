@@ -172,6 +172,39 @@ INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuZeroOne,
                                   (i.param.stochastic_rounding ? "_stochastic" : "");
                          });
 
+// A step whose loss is not finite changes nothing at ZeRO-0 and ZeRO-1 (the decision is made on the host from
+// values the step reads back anyway); the next finite step trains as if the bad one had not happened.
+class EngineGpuNonFinite : public testing::TestWithParam<int> {};
+
+TEST_P(EngineGpuNonFinite, StepIsSkippedAndTheNextOneTrains) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama32_tiny");
+  SingleRank ra, rb;
+  std::unique_ptr<Engine> a = make_engine(f.config, engine_options(f, "cuda", GetParam()), ra.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> b = make_engine(f.config, engine_options(f, "cuda", GetParam()), rb.mesh, fixture_weights(f));
+  train_step(*a, f, 0, 10), train_step(*b, f, 0, 10);
+  std::vector<float> p0, m0, v0, p1, m1, v1;
+  a->export_shard(p0, m0, v0);
+  a->begin_step();
+  LossSum local = a->forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  local.sum = NAN;
+  const StepResult bad = a->finish_step(local, 1e-3);
+  EXPECT_FALSE(bad.stats.applied);
+  EXPECT_EQ(a->steps_taken(), 1);
+  a->export_shard(p1, m1, v1);
+  EXPECT_EQ(p0, p1);
+  EXPECT_EQ(m0, m1);
+  EXPECT_EQ(v0, v1);
+  const StepResult sa = train_step(*a, f, 1, 10), sb = train_step(*b, f, 1, 10);
+  EXPECT_TRUE(sa.stats.applied);
+  EXPECT_EQ(sa.loss, sb.loss);
+  a->export_shard(p0, m0, v0);
+  b->export_shard(p1, m1, v1);
+  EXPECT_EQ(p0, p1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Zero, EngineGpuNonFinite, testing::Values(0, 1));
+
 // The forward-only model of build/eval and build/sample on the device against the CPU's, with the
 // tolerances of test_llama_gpu.cpp (3e-2 on the logits' relative error norm, 1e-2 on the loss).
 TEST(EngineGpu, ForwardModelMatchesTheCpus) {
