@@ -22,7 +22,9 @@ class CpuEngine final : public Engine {
     // only its shard, taken from a temporary whole copy.
     std::vector<float> staging;
     if (initial) {
-      if (o.zero == 3) staging.resize(model_.layout().total());
+      if (o.zero == 3)
+        allocate_host("a whole copy of the initial weights (ZeRO-3 keeps its shard of it)",
+                      uint64_t(model_.layout().total()) * sizeof(float), [&] { staging.resize(model_.layout().total()); });
       initial(model_.layout(), o.zero == 3 ? staging.data() : model_.params.data());
     }
     zero_ = std::make_unique<Zero>(model_, o.opt, o.zero, *mesh.dp, mesh.tp.get());

@@ -5,6 +5,7 @@
 #include <numbers>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "kernels/cpu/adamw.h"
 
 namespace tuna {
@@ -74,8 +75,10 @@ AdamW::AdamW(const ParamLayout& layout, const OptimizerConfig& config, std::vect
   validate(config_);
   int64_t shard = 0;
   for (const Segment& s : segments_) shard += s.size;
-  m.assign(shard, 0.0f);
-  v.assign(shard, 0.0f);
+  allocate_host(str("the AdamW moments (", shard, " parameters, fp32)"), uint64_t(shard) * 2 * sizeof(float), [&] {
+    m.assign(shard, 0.0f);
+    v.assign(shard, 0.0f);
+  });
 }
 
 OptimizerStats AdamW::step(float* params, const float* grads, double loss_scale, double lr) {

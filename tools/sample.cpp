@@ -14,6 +14,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "core/options.h"
 #include "core/threads.h"
 #include "data/tokenizer.h"
@@ -92,7 +93,9 @@ int main(int argc, char** argv) {
     std::vector<int64_t> eos = config.eos_token_ids;
     if (tokenizer.eos_id() >= 0) eos.push_back(tokenizer.eos_id());
     std::mt19937_64 rng(static_cast<uint64_t>(seed));
-    std::vector<float> logits(context * config.vocab_size);
+    std::vector<float> logits;
+    allocate_host(str("the logits of ", context, " positions x ", config.vocab_size, " tokens"),
+                  uint64_t(context) * config.vocab_size * sizeof(float), [&] { logits.resize(context * config.vocab_size); });
     // Decode the prompt and continuation together and print what is new: pieces can merge bytes across
     // tokens, and sentencepiece drops the leading space of a text's first piece.
     const size_t text_begin = tokenizer.bos_id() >= 0 ? 1 : 0;
