@@ -130,6 +130,9 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
 ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const std::string& dtype,
                         int64_t max_shard_bytes) {
   if (max_shard_bytes <= 0) fail("option --max-shard-bytes: expected > 0, found ", max_shard_bytes);
+  // What ships must be what training wrote: every file against the checkpoint's manifest first.
+  if (const std::string problem = verify_checkpoint(ckpt_dir); !problem.empty())
+    fail(ckpt_dir.string(), ": fails verification, nothing exported: ", problem);
   json config_json = read_config_json(ckpt_dir);
   LlamaConfig config = LlamaConfig::from_json(config_json, (ckpt_dir / "config.json").string());
   ParamLayout layout(config);
