@@ -1,15 +1,15 @@
 #include "core/memory.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <string>
 
 #include "core/error.h"
+#include "core/progress.h"
 
 namespace tuna {
 
@@ -29,55 +29,44 @@ HostMemory host_memory() {
   return m;
 }
 
-namespace {
+void return_large_frees_to_system(int64_t bytes) { mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)); }
 
-// A number from a one-line sysfs file; nullopt-like UINT64_MAX for "max", missing or unreadable.
-uint64_t read_limit(const char* path) {
-  std::ifstream in(path);
-  std::string text;
-  if (!(in >> text) || text == "max") return UINT64_MAX;
-  try {
-    return std::stoull(text);
-  } catch (const std::exception&) {
-    return UINT64_MAX;
-  }
-}
-
-std::string gigabytes(uint64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f GB", double(bytes) / 1e9);
-  return buf;
-}
-
-}  // namespace
-
-uint64_t host_memory_available() {
-  uint64_t available = UINT64_MAX;
-  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
-    char key[64];
-    unsigned long long kib = 0;
-    uint64_t mem = 0, swap = 0;
-    bool found = false;
-    while (std::fscanf(f, "%63s %llu kB", key, &kib) == 2) {
-      if (std::strcmp(key, "MemAvailable:") == 0) mem = kib * 1024, found = true;
-      if (std::strcmp(key, "SwapFree:") == 0) swap = kib * 1024;
+int64_t host_available_bytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return -1;
+  char line[256];
+  int64_t kib = -1;
+  while (std::fgets(line, sizeof line, f))
+    if (std::strncmp(line, "MemAvailable:", 13) == 0) {
+      long long v = 0;
+      if (std::sscanf(line + 13, "%lld", &v) == 1) kib = v;
+      break;
     }
-    std::fclose(f);
-    if (found) available = mem + swap;
-  }
-  const uint64_t limit = read_limit("/sys/fs/cgroup/memory.max"), used = read_limit("/sys/fs/cgroup/memory.current");
-  if (limit != UINT64_MAX && used != UINT64_MAX) available = std::min(available, limit > used ? limit - used : 0);
-  return available;
+  std::fclose(f);
+  return kib < 0 ? -1 : kib * 1024;
+}
+
+void require_host_memory(int64_t bytes_per_process, int processes_on_node, const std::string& what) {
+  const int64_t available = host_available_bytes();
+  const int64_t needed = bytes_per_process * processes_on_node;
+  if (available < 0 || needed <= available) return;
+  fail(what, " is ", human_bytes(double(bytes_per_process)),
+       processes_on_node > 1 ? str(" x ", processes_on_node, " processes on this node = ", human_bytes(double(needed)))
+                             : std::string(),
+       ", but this node has ", human_bytes(double(available)),
+       " available (MemAvailable of /proc/meminfo): the job would be killed or swap. Use fewer ranks per node, a "
+       "smaller micro_batch or seq_len, or a higher ZeRO stage");
 }
 
 void fail_out_of_memory(const std::string& what, uint64_t bytes) {
-  const uint64_t available = host_memory_available();
-  fail("out of memory: allocating ", what, " needs ", gigabytes(bytes),
-       available == UINT64_MAX ? std::string() : ", " + gigabytes(available) + " of host memory is available");
+  const int64_t available = host_available_bytes();
+  fail("out of memory: allocating ", what, " needs ", human_bytes(double(bytes)),
+       available < 0 ? std::string() : ", this node has " + human_bytes(double(available)) + " available");
 }
 
 void check_host_allocation(const std::string& what, uint64_t bytes) {
-  if (bytes > host_memory_available()) fail_out_of_memory(what, bytes);
+  const int64_t available = host_available_bytes();
+  if (available >= 0 && bytes > static_cast<uint64_t>(available)) fail_out_of_memory(what, bytes);
 }
 
 }  // namespace tuna

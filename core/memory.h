@@ -17,17 +17,29 @@ struct HostMemory {
 
 HostMemory host_memory();
 
-// Bytes this process could still allocate: MemAvailable + SwapFree (/proc/meminfo), lowered to the room
-// left under a cgroup v2 memory limit (a container's or a Slurm job's). UINT64_MAX when unknown.
-uint64_t host_memory_available();
+// Makes every allocation of `bytes` or more a mapping of its own, returned to the system when freed. glibc's
+// default raises that threshold to the size of the last large block freed (up to 32 MB), after which the
+// transients of a run (a checkpoint's copies, a collective's temporary) stay resident in the heap once freed:
+// the trainer calls this first, so that its resident memory is what its memory plan says.
+void return_large_frees_to_system(int64_t bytes = int64_t(1) << 20);
 
-// Fails, naming `what` and both sizes, when `bytes` exceed host_memory_available(): with Linux's overcommit
-// a too-large allocation succeeds and is killed later (SIGKILL, no message) as its pages are touched.
+// What the kernel says a new allocation can take without swapping (MemAvailable of /proc/meminfo); -1 when unknown.
+int64_t host_available_bytes();
+
+// Refuses, before anything is allocated, a job whose `bytes_per_process` times the processes of this node exceed
+// the memory available: the message names `what` (e.g. "the memory plan's peak per rank"), both figures, and the
+// processes counted.
+void require_host_memory(int64_t bytes_per_process, int processes_on_node, const std::string& what);
+
+// Refuses (naming `what`, its size and what is available) an allocation of `bytes` that exceeds
+// host_available_bytes(): with Linux's overcommit a too-large allocation succeeds and is killed later (SIGKILL, no
+// message) as its pages are touched.
 void check_host_allocation(const std::string& what, uint64_t bytes);
 [[noreturn]] void fail_out_of_memory(const std::string& what, uint64_t bytes);
 
 // Runs alloc() (which sizes the buffers that hold `what`, `bytes` in all) after check_host_allocation, turning
-// a std::bad_alloc or std::length_error of it into the same named error.
+// a std::bad_alloc or std::length_error of it into the same named error. Every large host allocation of tuna goes
+// through it, so that running out of memory names what was being allocated and how much.
 template <typename Alloc>
 void allocate_host(const std::string& what, uint64_t bytes, Alloc&& alloc) {
   check_host_allocation(what, bytes);

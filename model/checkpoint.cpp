@@ -343,7 +343,7 @@ void write_checkpoint_shard(const fs::path& tmp_dir, int rank, const ParamLayout
   w.add_metadata("producer", "tuna");
   w.add_metadata("steps_taken", std::to_string(s.steps_taken));
   w.add_metadata("pieces", pieces.dump());
-  const FileDigest d = w.write(tmp_dir / rank_file_name(rank));
+  const FileDigest d = w.write(tmp_dir / rank_file_name(rank), s.progress);
   write_text_file(tmp_dir / digest_note_name(rank), json{{"bytes", d.bytes}, {"xxh3_64", hex64(d.xxh3)}}.dump());
 }
 
@@ -482,7 +482,7 @@ fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& 
     w.add_metadata("format", "pt");  // transformers checks this key when loading
     w.add_metadata("producer", "tuna");
     for (const ParamTensor& t : layout.tensors()) w.add(t.name, DType::F32, t.shape, c.params + t.offset);
-    files["model.safetensors"] = entry(w.write(tmp_dir / "model.safetensors"));
+    files["model.safetensors"] = entry(w.write(tmp_dir / "model.safetensors", c.progress));
   }
   if (c.optimizer.m) {
     TUNA_CHECK(c.optimizer.v, "checkpoint moments incomplete");
@@ -493,7 +493,7 @@ fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& 
       w.add("exp_avg." + t.name, DType::F32, t.shape, c.optimizer.m + t.offset);
       w.add("exp_avg_sq." + t.name, DType::F32, t.shape, c.optimizer.v + t.offset);
     }
-    files["optimizer.safetensors"] = entry(w.write(tmp_dir / "optimizer.safetensors"));
+    files["optimizer.safetensors"] = entry(w.write(tmp_dir / "optimizer.safetensors", c.progress));
   }
   return finish_checkpoint(root, step, c, keep_last, files);
 }

@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/file.h"
 #include "core/json.h"
+#include "core/progress.h"
 
 namespace tuna {
 
@@ -387,7 +388,7 @@ void SafetensorsWriter::add_metadata(std::string key, std::string value) {
   metadata_.emplace_back(std::move(key), std::move(value));
 }
 
-FileDigest SafetensorsWriter::write(const fs::path& path) const {
+FileDigest SafetensorsWriter::write(const fs::path& path, ProgressLine* progress) const {
   const std::string target = path.string();
   const std::string tmp = target + ".tmp";
 
@@ -432,10 +433,15 @@ FileDigest SafetensorsWriter::write(const fs::path& path) const {
     give_up("writing the header to " + tmp);
   sum.update(length, 8);
   sum.update(text.data(), text.size());
-  for (const Pending& t : tensors_) {
-    if (!write_all(fd, t.data, t.nbytes)) give_up("writing tensor '" + t.name + "' to " + tmp);
-    sum.update(t.data, t.nbytes);
-  }
+  constexpr uint64_t kPiece = uint64_t(64) << 20;  // progress moves at least every 64 MB
+  for (const Pending& t : tensors_)
+    for (uint64_t done = 0; done < t.nbytes; done += kPiece) {  // an empty tensor has no bytes to write
+      const uint64_t n = std::min(kPiece, t.nbytes - done);
+      const char* piece = static_cast<const char*>(t.data) + done;
+      if (!write_all(fd, piece, n)) give_up("writing tensor '" + t.name + "' to " + tmp);
+      sum.update(piece, n);
+      if (progress) progress->add(static_cast<double>(n));
+    }
   if (::fsync(fd) != 0) give_up("fsync of " + tmp);
   int rc = ::close(fd);
   fd = -1;

@@ -33,6 +33,8 @@
 
 namespace tuna {
 
+class ProgressLine;  // core/progress.h
+
 // One tensor of a safetensors file, as its header describes it (already validated).
 struct TensorInfo {
   std::string name;
@@ -132,7 +134,8 @@ class SafetensorsWriter {
   // failure (unwritable directory, disk full: every write is checked) the message names path, the
   // temporary file is removed, and an existing file at path is left as it was. Returns the file's size and
   // XXH3-64, computed from the bytes as they are written (for a checkpoint's manifest).
-  FileDigest write(const std::filesystem::path& path) const;
+  // `progress`, when given, advances by the bytes of every piece written (a 140 GB file shows it moving).
+  FileDigest write(const std::filesystem::path& path, ProgressLine* progress = nullptr) const;
 
  private:
   struct Pending {
