@@ -128,36 +128,25 @@ void Options::assign(Entry& e, const Value& value, const std::string& source) {
           else if (value.kind == Kind::Text && (value.text == "true" || value.text == "1" || value.text == "yes")) *target = true;
           else if (value.kind == Kind::Text && (value.text == "false" || value.text == "0" || value.text == "no")) *target = false;
           else fail(where, ": expected true or false, found ", found());
-        } else if constexpr (std::is_same_v<T, int64_t>) {
-          int64_t x = 0;
+        } else {
+          // A number: an int64 option takes only integers, a double option integers and floats. Text is parsed
+          // whole with from_chars (no leading spaces, no hex); "inf" and "nan" parse and are refused by the bounds.
+          constexpr bool integer = std::is_same_v<T, int64_t>;
+          const char* expected = integer ? "an integer" : "a number";
+          T x = 0;
           if (value.kind == Kind::Integer) {
-            x = value.integer;
+            x = static_cast<T>(value.integer);
+          } else if (value.kind == Kind::Float && !integer) {
+            x = static_cast<T>(value.number);
           } else if (value.kind == Kind::Text) {
             auto [end, ec] = std::from_chars(value.text.data(), value.text.data() + value.text.size(), x);
             if (ec == std::errc::result_out_of_range) fail(where, ": expected ", e.bounds.describe(), ", found ", found());
             if (ec != std::errc() || end != value.text.data() + value.text.size())
-              fail(where, ": expected an integer, found ", found());
+              fail(where, ": expected ", expected, ", found ", found());
           } else {
-            fail(where, ": expected an integer, found ", found());
+            fail(where, ": expected ", expected, ", found ", found());
           }
           check_range(static_cast<double>(x));
-          *target = x;
-        } else {
-          double x = 0;
-          if (value.kind == Kind::Integer) {
-            x = static_cast<double>(value.integer);
-          } else if (value.kind == Kind::Float) {
-            x = value.number;
-          } else if (value.kind == Kind::Text) {
-            // from_chars: no leading spaces, no hex; "inf" and "nan" parse and are then refused by the range.
-            auto [end, ec] = std::from_chars(value.text.data(), value.text.data() + value.text.size(), x);
-            if (ec == std::errc::result_out_of_range) fail(where, ": expected ", e.bounds.describe(), ", found ", found());
-            if (ec != std::errc() || end != value.text.data() + value.text.size())
-              fail(where, ": expected a number, found ", found());
-          } else {
-            fail(where, ": expected a number, found ", found());
-          }
-          check_range(x);
           *target = x;
         }
       },
