@@ -86,15 +86,25 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& spec
       if (rc == 0)
         for (size_t i = 0; i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
       ::globfree(&g);
-    } else if (fs::is_directory(spec)) {
-      for (const auto& entry : fs::directory_iterator(spec))
-        if (entry.is_regular_file() && entry.path().extension() == kShardExtension)
-          found.push_back(entry.path().string());
-      std::sort(found.begin(), found.end());
-    } else if (fs::exists(spec)) {
-      found.push_back(spec);
     } else {
-      fail("data: shard path ", spec, " does not exist");
+      // Status calls with an error code: a symlink loop or an unreadable directory is an error naming the
+      // spec, not a filesystem_error thrown from deep inside.
+      std::error_code ec;
+      const fs::file_status status = fs::status(spec, ec);
+      if (ec && ec != std::errc::no_such_file_or_directory)
+        fail("data: shard path ", spec, ": ", ec.message());
+      if (fs::is_directory(status)) {
+        for (fs::directory_iterator it(spec, ec), end; !ec && it != end; it.increment(ec)) {
+          std::error_code kind;
+          if (it->is_regular_file(kind) && it->path().extension() == kShardExtension) found.push_back(it->path().string());
+        }
+        if (ec) fail("data: cannot list the directory ", spec, ": ", ec.message());
+        std::sort(found.begin(), found.end());
+      } else if (fs::exists(status)) {
+        found.push_back(spec);  // ShardReader refuses anything but a regular file, by name
+      } else {
+        fail("data: shard path ", spec, " does not exist");
+      }
     }
     if (found.empty())
       fail("data: no shards match ", spec,

@@ -14,6 +14,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/file.h"
 
 namespace tuna {
 
@@ -217,15 +218,8 @@ void ShardWriter::finish() {
 // ShardReader
 
 ShardReader::ShardReader(std::string path) : path_(std::move(path)) {
-  int fd = ::open(path_.c_str(), O_RDONLY);
-  if (fd < 0) fail("shard ", path_, ": cannot open: ", errno_text());
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    std::string why = errno_text();
-    ::close(fd);
-    fail("shard ", path_, ": cannot stat: ", why);
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  uint64_t size = 0;
+  const int fd = open_regular_file(path_, "token shard", &size);  // a FIFO would block forever: refused by name
   if (size < kShardHeaderBytes) {
     ::close(fd);
     fail("shard ", path_, ": file is too short to be a shard: ", size, " bytes, the header alone is ",

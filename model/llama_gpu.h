@@ -179,7 +179,8 @@ class LlamaGpu {
   // Global grad norm (deterministic), clipping as torch's clip_grad_norm_, then one fused AdamW launch.
   // loss_scale = 1 / trained tokens of the step. Same semantics as AdamW::step in model/optimizer.h. Under
   // tensor parallelism the norm sums the tp ranks' squares, with the replicated tensors counted once.
-  OptimizerStats adamw_step(double loss_scale, double lr);
+  // No update (stats.applied false) when the norm, read back here anyway, or the step's loss is not finite.
+  OptimizerStats adamw_step(double loss_scale, double lr, bool loss_is_finite = true);
   int64_t steps_taken() const { return steps_taken_; }
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
 

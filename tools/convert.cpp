@@ -15,7 +15,7 @@
 #include "model/hf_convert.h"
 
 int main(int argc, char** argv) {
-  try {
+  return tuna::guarded_main([&] {
     std::string dtype;
     int64_t max_shard_bytes = int64_t(5) << 30;
     tuna::Options options("build/convert hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR",
@@ -23,8 +23,10 @@ int main(int argc, char** argv) {
                           "tuna-to-hf: a tuna checkpoint -> a directory transformers loads (AutoModelForCausalLM).");
     options.add("dtype", &dtype,
                 "weights dtype; hf-to-tuna: keep (default) | float32 | bfloat16 | float16; tuna-to-hf: auto (config.json's "
-                "torch_dtype, default) | float32 | bfloat16 | float16");
-    options.add("max_shard_bytes", &max_shard_bytes, "tuna-to-hf: start a new model-0000N-of-0000M.safetensors past this size");
+                "torch_dtype, default) | float32 | bfloat16 | float16",
+                {"keep", "auto", "float32", "bfloat16", "float16"});
+    options.add("max_shard_bytes", &max_shard_bytes, "tuna-to-hf: start a new model-0000N-of-0000M.safetensors past this size",
+                tuna::Bounds::closed(1, 1e15));
     std::vector<std::string> args = options.parse(argc, argv);
     if (args.size() != 3) tuna::fail("expected: hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR (see --help)");
     tuna::ConvertReport r;
@@ -51,8 +53,5 @@ int main(int argc, char** argv) {
       if (!warning.empty()) std::printf("warning: %s\n", warning.c_str());
     }
     return 0;
-  } catch (const tuna::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

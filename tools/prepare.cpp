@@ -154,8 +154,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "warning: the validation split is empty (too few documents for --val-fraction %g)\n",
                    options.val_fraction);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s%s\n", comm ? tuna::str("rank ", comm->rank(), ": ").c_str() : "", e.what());
+  } catch (...) {  // every exception (core/error.h): a std::bad_alloc or a filesystem error too, with its message
+    std::fprintf(stderr, "error: %s%s\n", comm ? tuna::str("rank ", comm->rank(), ": ").c_str() : "",
+                 tuna::describe_current_exception().c_str());
     // The other ranks may wait in a collective for this one: stop them all.
     if (comm && comm->size() > 1) comm->abort(1);
     return 1;

@@ -1,5 +1,7 @@
 // data/loader: windows, rank disjointness, seeded order, exact resume, loss mask, bad tokens, eval pass.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -312,6 +314,19 @@ TEST(Loader, BadOptions) {
   Corpus c;
   expect_error([&] { DataLoader l(c.paths, options(0, 1)); }, {"'seq_len'", "found 0"});
   expect_error([&] { DataLoader l(c.paths, options(8, 1, 2, 2)); }, {"'dp_rank'", "found 2"});
+}
+
+TEST(Loader, OnlyRegularFilesAreShards) {
+  // A FIFO given as data used to block the trainer forever in open(); devices and loops fail by name too.
+  TempDir dir;
+  const std::string fifo = dir.file("train-00000.bin");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error([&] { DataLoader l({fifo}, options(4, 1)); }, {fifo, "is a FIFO (named pipe)", "token shard"});
+  expect_error([&] { DataLoader l({dir.path().string()}, options(4, 1)); }, {"no shards match"});  // a FIFO is no *.bin shard
+  expect_error([&] { DataLoader l({"/dev/zero"}, options(4, 1)); }, {"/dev/zero", "character device"});
+  const std::string loop = dir.file("loop.bin");
+  ASSERT_EQ(::symlink(loop.c_str(), loop.c_str()), 0);
+  expect_error([&] { DataLoader l({loop}, options(4, 1)); }, {loop, "symbolic links"});
 }
 
 TEST(Loader, ShardSpecs) {

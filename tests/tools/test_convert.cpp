@@ -3,6 +3,7 @@
 // exported directory and computes the same logits (tools/reference/check_export.py).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -181,6 +182,49 @@ TEST(Convert, RefusesWeightsThatDisagreeWithConfig) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("k_proj.weight"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("expected shape"), std::string::npos) << r.output;
+}
+
+// A NaN in the weights is refused naming the tensor and the index, in either direction; an export verifies the
+// checkpoint against its manifest first.
+TEST(Convert, RefusesNonFiniteWeightsAndDamagedCheckpoints) {
+  TempDir tmp("convertnan");
+  fs::create_directories(tmp / "hf");
+  fs::copy_file("tests/fixtures/llama32_tiny/config.json", tmp / "hf" / "config.json");
+  {
+    SafetensorsFile src("tests/fixtures/llama32_tiny/model.safetensors");
+    std::vector<std::vector<float>> copies;
+    SafetensorsWriter w;
+    for (const TensorInfo& t : src.tensors()) {
+      copies.emplace_back(t.numel);
+      src.read_f32(t.name, t.shape, copies.back().data());
+      if (t.name == "model.layers.1.mlp.down_proj.weight") copies.back()[37] = NAN;
+      w.add(t.name, DType::F32, t.shape, copies.back().data());
+    }
+    w.write(tmp / "hf" / "model.safetensors");
+  }
+  auto r = run_command(kConvert + " hf-to-tuna " + (tmp / "hf").string() + " " + (tmp / "out").string(), tmp / "log1");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("tensor 'model.layers.1.mlp.down_proj.weight'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("element 37 is nan"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "out" / "model.safetensors"));
+
+  // A training checkpoint with a damaged file: refused before anything is written.
+  testing_util::write_test_shards(tmp / "data");
+  r = run_command(testing_util::build_dir() + "/train --model_config tests/fixtures/llama32_tiny/config.json --steps 1"
+                  " --seq_len 16 --micro_batch 2 --device cpu --threads 1 --out_dir " + (tmp / "run").string() +
+                  " --train_data " + (tmp / "data").string(), tmp / "log2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path ckpt = tmp / "run" / "ckpt" / "step_00000001";
+  {
+    std::fstream f(ckpt / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1000);
+    f.put('\x55');
+  }
+  r = run_command(kConvert + " tuna-to-hf " + ckpt.string() + " " + (tmp / "export").string(), tmp / "log3");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("fails verification, nothing exported"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("model.safetensors: checksum"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "export"));
 }
 
 }  // namespace
