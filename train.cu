@@ -11,7 +11,10 @@
 //
 // Every option is settable in the TOML file and as a flag (flags win). The effective config is printed
 // at start and saved in every checkpoint's state.json. SIGTERM/SIGINT/SIGUSR1 (a preemption notice) finish
-// the current step, write a checkpoint and exit 0, so `--resume` continues exactly where the job stopped.
+// the current step, write a checkpoint and exit 75 (EX_TEMPFAIL: "stopped, not finished"; as does
+// --stop_at_step before --steps), so a job script requeues and `--resume` continues exactly where it stopped.
+// out_dir decides how a run starts (model/run_dir.h): an earlier run there is continued (--resume), replaced
+// (--overwrite) or refused.
 
 #include <algorithm>
 #include <atomic>
@@ -22,17 +25,20 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <sysexits.h>  // EX_TEMPFAIL
 
 #include "core/error.h"           // tuna::Error, fail
 #include "core/options.h"         // Options: TOML + flags
+#include "core/progress.h"        // TrainingEta, format_duration, periodic_events_left
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
-#include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
+#include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
 #include "model/checkpoint.h"     // load_weights, save_checkpoint, latest_checkpoint, load_checkpoint_shard
 #include "model/config.h"         // LlamaConfig
 #include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
 #include "model/optimizer.h"      // OptimizerConfig, learning_rate
+#include "model/run_dir.h"        // choose_resume_checkpoint, truncate_metrics, MetricsLog, check_checkpoint_space
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -56,7 +62,8 @@ struct TrainConfig {
   std::string out_dir = "runs/default";
   int64_t ckpt_every = 500;
   int64_t ckpt_keep = 3;
-  bool resume = false;
+  std::string resume = "false";
+  bool overwrite = false;
   int64_t stop_at_step = 0;
   int64_t log_every = 1;
   int64_t val_every = 0;
@@ -76,8 +83,8 @@ void declare(Options& o, TrainConfig& c) {
   o.add("model_config", &c.model_config, "config.json of a model to train from scratch (instead of --init)");
   o.add("init", &c.init, "model directory to start from: a Hugging Face download or a tuna checkpoint");
   o.add("tokenizer", &c.tokenizer, "tokenizer.model (or its directory) to carry in checkpoints; default: --init's");
-  o.add("train_data", &c.train_data, "token shards: files, directories or globs, comma-separated");
-  o.add("val_data", &c.val_data, "validation shards, same form; empty: no validation");
+  o.add("train_data", &c.train_data, "token shards: files, directories (their train-* shards) or globs, comma-separated");
+  o.add("val_data", &c.val_data, "validation shards, same form (a directory: its val-* shards); empty: no validation");
   o.add("seq_len", &c.seq_len, "tokens per sequence");
   o.add("micro_batch", &c.micro_batch, "sequences per forward/backward");
   o.add("grad_accum", &c.grad_accum, "micro-batches per optimizer step");
@@ -97,8 +104,12 @@ void declare(Options& o, TrainConfig& c) {
   o.add("out_dir", &c.out_dir, "run directory: metrics.jsonl and ckpt/");
   o.add("ckpt_every", &c.ckpt_every, "checkpoint every N steps (and at the end); 0: only at the end");
   o.add("ckpt_keep", &c.ckpt_keep, "keep the newest K checkpoints; 0 keeps all");
-  o.add("resume", &c.resume, "continue from the newest complete checkpoint in out_dir/ckpt, if any");
-  o.add("stop_at_step", &c.stop_at_step, "checkpoint and stop after this step (a time-limited allocation); 0: run to the end");
+  o.add_choice("resume", &c.resume, {"false", "true", "auto"}, "true",
+               "true (or a bare --resume): continue from the newest complete checkpoint in out_dir/ckpt, and fail "
+               "when there is none; auto: continue when there is one, else start a new run (for job scripts)");
+  o.add("overwrite", &c.overwrite, "delete an earlier run's checkpoints and metrics in out_dir and start again "
+        "(without it, an out_dir holding a run is refused)");
+  o.add("stop_at_step", &c.stop_at_step, "checkpoint and stop after this step (a time-limited allocation; exit code 75 as for a signal); 0: run to the end");
   o.add("log_every", &c.log_every, "print a log line every N steps (metrics.jsonl gets every step)");
   o.add("val_every", &c.val_every, "validation loss every N steps; 0: only at the end when val_data is set");
   o.add("val_batches", &c.val_batches, "micro-batches per validation; 0: the whole validation split");
@@ -135,13 +146,8 @@ std::string format_fixed(double x, int decimals) {
   return buf;
 }
 
-std::string format_duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  const int64_t s = static_cast<int64_t>(seconds);
-  char buf[32];
-  if (s >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
-  else std::snprintf(buf, sizeof buf, "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
-  return buf;
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
 void check(const TrainConfig& c) {
@@ -204,18 +210,25 @@ int run(int argc, char** argv) {
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
 
   const fs::path out_dir = cfg.out_dir, ckpt_root = out_dir / "ckpt";
+  // Where the weights come from: a resume checkpoint beats --init beats a fresh init. An earlier run in
+  // out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one.
+  std::optional<fs::path> resume_from = choose_resume_checkpoint(out_dir, parse_resume_mode(cfg.resume), cfg.overwrite);
   std::error_code ec;
-  if (world->rank() == 0) fs::create_directories(out_dir, ec);
+  if (world->rank() == 0) {
+    if (cfg.overwrite && inspect_run_dir(out_dir).any())
+      std::printf("--overwrite: deleted the earlier run in %s (%s)\n", out_dir.c_str(),
+                  remove_previous_run(out_dir).describe().c_str());
+    fs::create_directories(out_dir, ec);
+  }
   if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
-
-  // Where the weights come from: a resume checkpoint beats --init beats a fresh init.
-  std::optional<fs::path> resume_from;
-  if (cfg.resume) resume_from = latest_checkpoint(ckpt_root);
-  const fs::path weights_dir = resume_from ? *resume_from : fs::path(cfg.init);
+  const fs::path init_dir = cfg.init.empty() ? fs::path() : resolve_checkpoint(cfg.init);  // .../latest too
+  const fs::path weights_dir = resume_from ? *resume_from : init_dir;
   json config_json = weights_dir.empty() ? json() : read_config_json(weights_dir);
   LlamaConfig model_cfg = weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
                                               : LlamaConfig::from_json(config_json, (weights_dir / "config.json").string());
   if (weights_dir.empty()) config_json = LlamaConfig::load(cfg.model_config).to_json(), config_json["torch_dtype"] = "float32";
+  check_seq_len(model_cfg, cfg.seq_len, "seq_len",
+                weights_dir.empty() ? cfg.model_config : (weights_dir / "config.json").string());
 
   EngineOptions eo;
   eo.device = resolve_device(cfg.device);
@@ -230,7 +243,7 @@ int run(int argc, char** argv) {
   // Where the starting weights come from (a resume restores them after construction instead).
   WeightFill initial;
   if (!resume_from && !cfg.init.empty()) {
-    initial = [&](const ParamLayout& layout, float* out) { load_weights(cfg.init, layout, out); };
+    initial = [&](const ParamLayout& layout, float* out) { load_weights(init_dir, layout, out); };
   } else if (!resume_from) {
     initial = [&](const ParamLayout& layout, float* out) {
       init_random_weights(layout, static_cast<uint64_t>(cfg.seed), cfg.init_std, out);
@@ -248,7 +261,7 @@ int run(int argc, char** argv) {
               world->backend().c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
   if (eo.device == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
-  if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", cfg.init.c_str());
+  if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", init_dir.c_str());
   else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
 
   json saved_cursor;
@@ -270,19 +283,19 @@ int run(int argc, char** argv) {
     }
     std::printf("resumed from %s at step %lld\n", resume_from->c_str(), (long long)step);
   }
-  fs::path tokenizer_dir = resume_from ? *resume_from : fs::path(cfg.init);
+  fs::path tokenizer_dir = resume_from ? *resume_from : init_dir;
   if (!cfg.tokenizer.empty())
     tokenizer_dir = fs::is_directory(cfg.tokenizer) ? fs::path(cfg.tokenizer) : fs::path(cfg.tokenizer).parent_path();
 
   LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
                            model_cfg.vocab_size, false};
-  DataLoader train(expand_shard_paths(split_list(cfg.train_data)), train_opts);
+  DataLoader train(expand_shard_paths(split_list(cfg.train_data), ShardRole::Train), train_opts);
   if (!saved_cursor.is_null()) train.set_cursor(reshard_cursor(saved_cursor.get<LoaderCursor>(), mesh.dp_size));
   std::unique_ptr<DataLoader> val;
   if (!cfg.val_data.empty()) {
     LoaderOptions val_opts = train_opts;
     val_opts.eval = true;
-    val = std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data)), val_opts);
+    val = std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data), ShardRole::Val), val_opts);
   }
 
   const int64_t tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * mesh.dp_size;
@@ -301,13 +314,29 @@ int run(int argc, char** argv) {
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);  // mpirun forwards SIGUSR1 to every rank (SIGTERM to mpirun ends the job)
-  std::ofstream metrics;  // rank 0's; the others write to a closed stream, which discards
+  const int64_t first_step = step;
+  const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
+  // metrics.jsonl holds this run's rows only (a resume drops the rows logged after its checkpoint, keeping a
+  // backup); the checkpoint directory is proved writable and large enough now, not at the first checkpoint.
+  MetricsLog metrics;  // rank 0's; closed on the others
   if (world->rank() == 0) {
-    metrics.open(out_dir / "metrics.jsonl", std::ios::app);
-    if (!metrics) fail((out_dir / "metrics.jsonl").string(), ": cannot open for writing");
+    const MetricsTruncation cut = truncate_metrics(out_dir / "metrics.jsonl", step);
+    if (cut.dropped > 0)
+      std::printf("metrics.jsonl: kept the %lld rows up to step %lld, dropped %lld logged after it (the file as it was: %s)\n",
+                  (long long)cut.kept, (long long)step, (long long)cut.dropped, cut.backup.c_str());
+    const std::string space = check_checkpoint_space(
+        ckpt_root, checkpoint_bytes(model_cfg.n_params(), tokenizer_dir),
+        checkpoints_to_write(first_step, last_step, cfg.ckpt_every, resume_from.has_value()), cfg.ckpt_keep);
+    if (!space.empty()) std::printf("warning: %s\n", space.c_str());
+    metrics.open(out_dir / "metrics.jsonl");
   }
+  // The ETA counts the validations and checkpoints still to come, at their measured cost (core/progress.h).
+  TrainingEta eta_model(cfg.grad_accum, !val ? 0
+                                             : cfg.val_batches > 0 ? std::min<int64_t>(cfg.val_batches, val->batches_per_epoch())
+                                                                   : static_cast<int64_t>(val->batches_per_epoch()));
 
   auto save = [&](int64_t at_step) {
+    const auto started = std::chrono::steady_clock::now();
     json state = {{"step", at_step},
                   {"train_config", options.to_json()},
                   {"data_cursor", train.cursor()},
@@ -337,16 +366,17 @@ int run(int argc, char** argv) {
     }
     std::printf("checkpoint %s\n", p.c_str());
     std::fflush(stdout);
+    eta_model.checkpoint_done(seconds_since(started));
   };
   auto validate_now = [&](int64_t at_step) {
+    const auto started = std::chrono::steady_clock::now();
     std::vector<int32_t> vin(cfg.micro_batch * cfg.seq_len), vtg(cfg.micro_batch * cfg.seq_len);
     LossSum v = engine->all_reduce_loss(evaluate(*engine, *val, cfg.val_batches, vin, vtg));
     const double loss = v.count ? v.sum / v.count : NAN;
     std::printf("step %6lld | val loss %.4f | val ppl %.2f | %lld tokens\n", (long long)at_step, loss, std::exp(loss),
                 (long long)v.count);
-    metrics << json{{"step", at_step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", v.count}}.dump()
-            << "\n";
-    metrics.flush();
+    metrics.write({{"step", at_step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", v.count}});
+    eta_model.validation_done(seconds_since(started));
   };
 
   // The starting point, so the log shows how far training moved the held-out loss.
@@ -355,8 +385,6 @@ int run(int argc, char** argv) {
   std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len);
   const double flops_per_token = engine->flops_per_token(cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
-  const int64_t first_step = step;
-  const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
   bool stopped_early = false;
   while (step < last_step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -374,9 +402,10 @@ int run(int argc, char** argv) {
     const StepResult result = engine->finish_step(loss, lr);
     const OptimizerStats& stats = result.stats;
     step++;
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-    const double eta = elapsed / double(step - first_step) * double(cfg.steps - step);
+    const double secs = seconds_since(t0), elapsed = seconds_since(run_start);
+    eta_model.step_done(secs);
+    const double eta = eta_model.seconds_left(cfg.steps - step, val ? periodic_events_left(step, cfg.steps, cfg.val_every) : 0,
+                                              periodic_events_left(step, cfg.steps, cfg.ckpt_every));
     const double mean_loss = result.loss;
     const double tok_s = tokens_per_step / secs;
     // MFU: model FLOPs of the step over what every rank's device could do in the same time.
@@ -391,8 +420,7 @@ int run(int argc, char** argv) {
     if (std::isfinite(dev.gpu_mb)) record["gpu_mem_mb"] = dev.gpu_mb, record["gpu_peak_mem_mb"] = dev.gpu_peak_mb;
     if (std::isfinite(dev.gpu_util)) record["gpu_util"] = dev.gpu_util;
     if (cfg.gpu_hour_cost > 0) record["cost"] = cost;
-    metrics << record.dump() << "\n";
-    metrics.flush();
+    metrics.write(record);
     if (step % cfg.log_every == 0 || step == last_step || step == first_step + 1) {
       std::string device_part;
       if (std::isfinite(mfu)) device_part += str(" | MFU ", format_fixed(100 * mfu, 1), "%");
@@ -419,8 +447,14 @@ int run(int argc, char** argv) {
   }
   if (val && step == cfg.steps && !stopped_early) validate_now(step);
   if (step > first_step || !resume_from) save(step);
+  if (step < cfg.steps) {  // stopped, not finished: a distinct exit code, so a job script requeues
+    std::printf("stopped at step %lld of %lld (%s) after %s: exit code %d; rerun with --resume to continue\n",
+                (long long)step, (long long)cfg.steps, stopped_early ? "signal" : "--stop_at_step",
+                format_duration(seconds_since(run_start)).c_str(), EX_TEMPFAIL);
+    return EX_TEMPFAIL;
+  }
   std::printf("done: step %lld of %lld in %s\n", (long long)step, (long long)cfg.steps,
-              format_duration(std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count()).c_str());
+              format_duration(seconds_since(run_start)).c_str());
   return 0;
 }
 

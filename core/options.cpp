@@ -35,10 +35,14 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 Options::Options(std::string program, std::string summary)
     : program_(std::move(program)), summary_(std::move(summary)) {}
 
-void Options::add(const std::string& n, std::string* t, const std::string& h) { entries_.push_back({canonical(n), h, t}); }
-void Options::add(const std::string& n, int64_t* t, const std::string& h) { entries_.push_back({canonical(n), h, t}); }
-void Options::add(const std::string& n, double* t, const std::string& h) { entries_.push_back({canonical(n), h, t}); }
-void Options::add(const std::string& n, bool* t, const std::string& h) { entries_.push_back({canonical(n), h, t}); }
+void Options::add(const std::string& n, std::string* t, const std::string& h) { entries_.push_back({canonical(n), h, t, false, {}, {}}); }
+void Options::add(const std::string& n, int64_t* t, const std::string& h) { entries_.push_back({canonical(n), h, t, false, {}, {}}); }
+void Options::add(const std::string& n, double* t, const std::string& h) { entries_.push_back({canonical(n), h, t, false, {}, {}}); }
+void Options::add(const std::string& n, bool* t, const std::string& h) { entries_.push_back({canonical(n), h, t, false, {}, {}}); }
+void Options::add_choice(const std::string& n, std::string* t, std::vector<std::string> choices, std::string bare,
+                         const std::string& h) {
+  entries_.push_back({canonical(n), h, t, false, std::move(choices), std::move(bare)});
+}
 
 Options::Entry& Options::find(const std::string& raw, const std::string& source) {
   const std::string name = canonical(raw);
@@ -67,6 +71,11 @@ void Options::set(const std::string& name, const std::string& value, const std::
       [&](auto* target) {
         using T = std::remove_pointer_t<decltype(target)>;
         if constexpr (std::is_same_v<T, std::string>) {
+          if (!e.choices.empty() && std::find(e.choices.begin(), e.choices.end(), value) == e.choices.end()) {
+            std::string list;
+            for (const std::string& c : e.choices) list += (list.empty() ? "" : ", ") + c;
+            fail(where, ": expected one of ", list, ", found '", value, "'");
+          }
           *target = value;
         } else if constexpr (std::is_same_v<T, bool>) {
           if (value == "true" || value == "1" || value == "yes") *target = true;
@@ -153,8 +162,12 @@ std::vector<std::string> Options::parse(int argc, char** argv) {
       Entry& e = find(name, "command line");
       const bool is_bool = std::holds_alternative<bool*>(e.target);
       const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
+      const bool next_is_choice =
+          next_is_value && std::find(e.choices.begin(), e.choices.end(), args[i + 1]) != e.choices.end();
       if (is_bool && (!next_is_value || (args[i + 1] != "true" && args[i + 1] != "false"))) {
         value = "true";
+      } else if (!e.bare_value.empty() && !next_is_choice) {
+        value = e.bare_value;
       } else {
         if (!next_is_value) fail("command line: option '--", name, "' needs a value");
         value = args[++i];

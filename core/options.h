@@ -23,6 +23,10 @@ class Options {
   void add(const std::string& name, int64_t* target, const std::string& help);
   void add(const std::string& name, double* target, const std::string& help);
   void add(const std::string& name, bool* target, const std::string& help);
+  // A string that must be one of `choices`; a bare `--name` (no value, or one that is not a choice) means
+  // `bare_value`, as for a bool (`--resume` = `--resume true`, and `--resume auto`).
+  void add_choice(const std::string& name, std::string* target, std::vector<std::string> choices,
+                  std::string bare_value, const std::string& help);
 
   // Parses argv: `--config FILE` (TOML, flat keys or tables whose keys are joined with '_' is NOT done:
   // keys must match option names), then `--name value`, `--name=value`, and a bare `--flag` for bools.
@@ -43,6 +47,8 @@ class Options {
     std::string name, help;
     std::variant<std::string*, int64_t*, double*, bool*> target;
     bool set = false;
+    std::vector<std::string> choices;  // add_choice: the accepted values
+    std::string bare_value;            // add_choice: the value of a bare --name
   };
   Entry& find(const std::string& name, const std::string& source);
 

@@ -51,6 +51,21 @@ std::string step_dir_name(int64_t step) {
   return buf;
 }
 
+// ckpt/latest: a relative symlink to the newest step directory, replaced by rename so that a reader always
+// finds an old or a new link, never none. A filesystem without symlinks leaves no link; resolve_checkpoint
+// stands in for it.
+constexpr const char* kLatestLink = "latest";
+void update_latest_link(const fs::path& root, const fs::path& step_dir) {
+  std::error_code ec;
+  const fs::path tmp = root / ".latest.tmp";
+  fs::remove(tmp, ec);
+  fs::create_directory_symlink(step_dir.filename(), tmp, ec);
+  if (!ec) fs::rename(tmp, root / kLatestLink, ec);
+  if (ec) fs::remove(tmp, ec);
+}
+
+}  // namespace
+
 // step_* directories under root sorted by step, complete ones only.
 std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& root) {
   std::vector<std::pair<int64_t, fs::path>> found;
@@ -66,8 +81,6 @@ std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& root)
   std::sort(found.begin(), found.end());
   return found;
 }
-
-}  // namespace
 
 json read_config_json(const fs::path& dir) {
   const fs::path p = dir / "config.json";
@@ -303,6 +316,7 @@ fs::path finish_sharded_checkpoint(const fs::path& root, int64_t step, const Che
   if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);  // an older run's step of the same number
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) fail(final_dir.string(), ": cannot rename the finished checkpoint into place: ", ec.message());
+  update_latest_link(root, final_dir);
   fsync_path(root, true);
   if (keep_last > 0) {
     auto all = list_checkpoints(root);
@@ -342,6 +356,31 @@ std::optional<fs::path> latest_checkpoint(const fs::path& root) {
   return all.back().second;
 }
 
+fs::path resolve_checkpoint(const std::string& path) {
+  const fs::path p(path);
+  if (p.filename() != kLatestLink) return p;
+  std::error_code ec;
+  if (fs::is_symlink(p, ec)) {
+    const fs::path target = fs::read_symlink(p, ec);
+    if (!ec && fs::is_directory(p)) return target.is_absolute() ? target : p.parent_path() / target;
+  }
+  if (fs::is_directory(p) && !fs::is_symlink(p)) return p;  // a directory a user named "latest" themselves
+  std::optional<fs::path> newest = latest_checkpoint(p.parent_path());
+  if (!newest) fail(path, ": no complete checkpoint (step_* with state.json) in ", p.parent_path().string(), " for 'latest' to name");
+  return *newest;
+}
+
+int64_t checkpoint_bytes(int64_t n_params, const fs::path& tokenizer_dir) {
+  int64_t bytes = 12 * n_params + (int64_t(1) << 20);  // + headers, config.json, state.json
+  std::error_code ec;
+  if (!tokenizer_dir.empty())
+    for (const char* const* f = kTokenizerFiles; *f; f++) {
+      const uintmax_t size = fs::file_size(tokenizer_dir / *f, ec);
+      if (!ec) bytes += static_cast<int64_t>(size);
+    }
+  return bytes;
+}
+
 json read_state(const fs::path& dir) {
   const fs::path p = dir / "state.json";
   std::ifstream in(p);
@@ -355,6 +394,16 @@ json read_state(const fs::path& dir) {
   if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer())
     fail(p.string(), ": expected an object with an integer 'step'");
   return j;
+}
+
+std::optional<int64_t> training_seq_len(const fs::path& dir) {
+  if (!fs::exists(dir / "state.json")) return std::nullopt;  // a Hugging Face download
+  const json state = read_state(dir);
+  const auto config = state.find("train_config");
+  if (config == state.end() || !config->is_object() || !config->contains("seq_len") ||
+      !(*config)["seq_len"].is_number_integer())
+    return std::nullopt;  // an imported base model (build/convert) has not been trained
+  return (*config)["seq_len"].get<int64_t>();
 }
 
 void load_optimizer(const fs::path& dir, const ParamLayout& layout, AdamW& opt) {

@@ -10,7 +10,9 @@
 //   ckpt/step_00001000/   config.json model.safetensors optimizer.safetensors state.json tokenizer.model ...
 //
 // A checkpoint is written into ckpt/.tmp-step_00001000, every file fsynced, then renamed: a directory
-// named step_* is always complete. Only the newest keep_last are kept.
+// named step_* is always complete. Only the newest keep_last are kept. ckpt/latest is a symlink to the newest
+// (replaced atomically after each rename), so `runs/X/ckpt/latest` names a checkpoint for any tool; where the
+// filesystem has no symlinks, resolve_checkpoint gives the same answer to tuna's own tools.
 //
 // Several ranks (data / tensor parallel, ZeRO) write one file per rank instead of model.safetensors and
 // optimizer.safetensors, each rank its own piece of the state, in parallel:
@@ -80,9 +82,23 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, int64_t
 
 // The newest complete step_* directory under root, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
+// Every complete step_* directory under root, oldest first, with its step.
+std::vector<std::pair<int64_t, std::filesystem::path>> list_checkpoints(const std::filesystem::path& root);
+
+// The checkpoint a path given by a user names: the path itself, or for ".../latest" the step directory it
+// stands for (the symlink's target, or the newest complete checkpoint beside it where there is no symlink).
+// Fails when ".../latest" has no checkpoint to stand for.
+std::filesystem::path resolve_checkpoint(const std::string& path);
+
+// Bytes of one training checkpoint of a model with n_params parameters on disk: fp32 weights and two fp32
+// AdamW moments (12 bytes per parameter, summed over rank files) plus config, state and the tokenizer files
+// found in tokenizer_dir.
+int64_t checkpoint_bytes(int64_t n_params, const std::filesystem::path& tokenizer_dir);
 
 // Reads state.json of a checkpoint directory (fails naming the file when missing or malformed).
 nlohmann::json read_state(const std::filesystem::path& dir);
+// The seq_len a training checkpoint was trained with (state.json's train_config), if dir is one.
+std::optional<int64_t> training_seq_len(const std::filesystem::path& dir);
 
 // Restores AdamW moments and step count from dir/optimizer.safetensors.
 void load_optimizer(const std::filesystem::path& dir, const ParamLayout& layout, AdamW& optimizer);

@@ -51,14 +51,16 @@ int main(int argc, char** argv) {
   using namespace tuna;
   try {
     std::string checkpoint, tokenizer_path, prompt, device = "auto";
-    int64_t max_tokens = 64, seed = 1, threads = 0;
+    int64_t max_tokens = 64, seed = 1, threads = 0, seq_len = 0;
     double temperature = 0.8, top_p = 0.95;
     bool greedy = false, stop_at_eos = true;
     Options options("build/sample", "Generates a continuation of a prompt from a model directory.");
-    options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint or a Hugging Face download");
+    options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint (runs/X/ckpt/latest too) or a Hugging Face download");
     options.add("tokenizer", &tokenizer_path, "sentencepiece tokenizer.model; default: the checkpoint's");
     options.add("prompt", &prompt, "text to continue");
     options.add("max_tokens", &max_tokens, "tokens to generate at most");
+    options.add("seq_len", &seq_len, "longest context (prompt + generated tokens); 0: the checkpoint's training seq_len, "
+                "or max_position_embeddings for a model tuna did not train");
     options.add("temperature", &temperature, "softmax temperature (> 0)");
     options.add("top_p", &top_p, "nucleus sampling: keep the most likely tokens up to this probability");
     options.add("greedy", &greedy, "always take the most likely token (ignores temperature and top_p)");
@@ -71,7 +73,9 @@ int main(int argc, char** argv) {
     if (!greedy && !(temperature > 0)) fail("option 'temperature': expected > 0, found ", temperature);
     if (!(top_p > 0 && top_p <= 1)) fail("option 'top_p': expected in (0, 1], found ", top_p);
     if (max_tokens < 1) fail("option 'max_tokens': expected >= 1, found ", max_tokens);
+    if (seq_len < 0) fail("option 'seq_len': expected >= 0, found ", seq_len);
     set_cpu_threads(threads);
+    checkpoint = resolve_checkpoint(checkpoint).string();
     if (tokenizer_path.empty()) tokenizer_path = (std::filesystem::path(checkpoint) / "tokenizer.model").string();
 
     Tokenizer tokenizer(tokenizer_path);
@@ -82,10 +86,16 @@ int main(int argc, char** argv) {
     std::vector<int32_t> tokens;
     if (tokenizer.bos_id() >= 0) tokens.push_back(tokenizer.bos_id());
     for (int32_t t : tokenizer.encode(prompt)) tokens.push_back(t);
-    const int64_t context = std::min<int64_t>(config.max_position_embeddings, tokens.size() + max_tokens);
+    // The model is asked for no longer a context than it was trained on (a base model: what its config allows).
+    const std::optional<int64_t> trained = training_seq_len(checkpoint);
+    if (seq_len == 0) seq_len = trained ? *trained : config.max_position_embeddings;
+    check_seq_len(config, seq_len, "seq_len", checkpoint + "/config.json");
+    const int64_t context = std::min<int64_t>(seq_len, tokens.size() + max_tokens);
     if (static_cast<int64_t>(tokens.size()) >= context)
-      fail("the prompt (", tokens.size(), " tokens) leaves no room under max_position_embeddings ",
-           config.max_position_embeddings);
+      fail("the prompt (", tokens.size(), " tokens) leaves no room in a context of ", seq_len, " tokens (--seq_len; ",
+           trained ? "the checkpoint's training seq_len" : "max_position_embeddings", ")");
+    std::fprintf(stderr, "sample: loading %s (%lld parameters); prompt %zu tokens, context up to %lld\n",
+                 checkpoint.c_str(), (long long)config.n_params(), tokens.size(), (long long)context);
     std::unique_ptr<ForwardModel> model =
         make_forward_model(config, resolve_device(device), 1, context,
                            [&](const ParamLayout& layout, float* out) { load_weights(checkpoint, layout, out); });
@@ -116,6 +126,8 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("\n");
+    if (static_cast<int64_t>(tokens.size()) == seq_len)
+      std::fprintf(stderr, "sample: stopped at the context limit of %lld tokens (--seq_len)\n", (long long)seq_len);
     return 0;
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
