@@ -136,6 +136,7 @@ MetricsTruncation truncate_metrics(const fs::path& metrics_path, int64_t resumed
   MetricsTruncation t;
   std::error_code ec;
   if (!fs::exists(metrics_path, ec)) return t;
+  if (!fs::is_regular_file(metrics_path, ec)) fail(metrics_path.string(), ": not a regular file");
   std::string kept;
   {
     std::ifstream in(metrics_path, std::ios::binary);

@@ -98,5 +98,40 @@ TEST(Convert, RefusesWeightsThatDisagreeWithConfig) {
   EXPECT_NE(r.output.find("expected shape"), std::string::npos) << r.output;
 }
 
+// An existing model directory is replaced only with --overwrite (and then wholly: no stale shard stays);
+// a directory holding anything else is never deleted; CKPT_DIR may be runs/X/ckpt/latest.
+TEST(Convert, OverwritesOnlyWhenAskedAndReadsLatest) {
+  TempDir tmp("overwrite");
+  const std::string hf = "tests/fixtures/llama2_tiny", tuna = (tmp / "ckpt" / "step_00000007").string();
+  const std::string out = (tmp / "out").string();
+  ASSERT_EQ(run_command(kConvert + " hf-to-tuna " + hf + " " + tuna, tmp / "l1").exit_code, 0);
+  auto r = run_command(kConvert + " hf-to-tuna " + hf + " " + tuna, tmp / "l2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find(tuna + ": already holds a model (config.json): --overwrite to replace it"), std::string::npos)
+      << r.output;
+
+  // ckpt/latest without a symlink (written by build/convert, not the trainer): the newest step directory.
+  r = run_command(kConvert + " tuna-to-hf " + (tmp / "ckpt" / "latest").string() + " " + out, tmp / "l3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("step_00000007 -> "), std::string::npos) << r.output;
+  r = run_command(kConvert + " tuna-to-hf " + tuna + " " + out + " --max-shard-bytes 20000", tmp / "l4");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("--overwrite"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(fs::path(out) / "model.safetensors"));  // untouched
+  r = run_command(kConvert + " tuna-to-hf " + tuna + " " + out + " --max-shard-bytes 20000 --overwrite", tmp / "l5");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(fs::path(out) / "model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(fs::path(out) / "model.safetensors"));  // the earlier export's file went with it
+  expect_same_tensors(hf, out);
+
+  // Not a model directory: refused even with --overwrite, and nothing in it is touched.
+  fs::create_directories(tmp / "notes");
+  std::ofstream(tmp / "notes" / "todo.txt") << "keep me\n";
+  r = run_command(kConvert + " tuna-to-hf " + tuna + " " + (tmp / "notes").string() + " --overwrite", tmp / "l6");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("not a model directory (no config.json)"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(tmp / "notes" / "todo.txt"));
+}
+
 }  // namespace
 }  // namespace tuna

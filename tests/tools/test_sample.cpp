@@ -40,8 +40,7 @@ class SampleTest : public ::testing::Test {
     dir_ = nullptr;
   }
   static std::string sample(const std::string& flags) {
-    return kBuild + "/sample --checkpoint " + (dir_->path / "run" / "ckpt" / "step_00000001").string() +
-           " --threads 2 " + flags;
+    return kBuild + "/sample --checkpoint " + (dir_->path / "run" / "ckpt" / "latest").string() + " --threads 2 " + flags;
   }
   static TempDir* dir_;
 };
@@ -53,13 +52,32 @@ TEST_F(SampleTest, GreedyIsDeterministicAndSamplingFollowsTheSeed) {
   auto b = run_command(sample(prompt + " --greedy"), dir_->path / "b.log");
   ASSERT_EQ(a.exit_code, 0) << a.output;
   EXPECT_EQ(a.output, b.output);
-  EXPECT_EQ(a.output.rfind("This License", 0), 0u) << a.output;  // the prompt, then its continuation
-  EXPECT_GT(a.output.size(), std::string("This License\n").size()) << a.output;
+  ASSERT_EQ(a.output.rfind("sample: loading ", 0), 0u) << a.output;  // stderr first, then the text on stdout
+  const std::string text = a.output.substr(a.output.find('\n') + 1);
+  EXPECT_EQ(text.rfind("This License", 0), 0u) << a.output;  // the prompt, then its continuation
+  EXPECT_GT(text.size(), std::string("This License\n").size()) << a.output;
 
   auto s1 = run_command(sample(prompt + " --seed 3 --temperature 1.5"), dir_->path / "s1.log");
   auto s2 = run_command(sample(prompt + " --seed 3 --temperature 1.5"), dir_->path / "s2.log");
   ASSERT_EQ(s1.exit_code, 0) << s1.output;
   EXPECT_EQ(s1.output, s2.output);
+}
+
+// The context is the checkpoint's training seq_len (16 here) unless asked otherwise, and never more than
+// max_position_embeddings; flags take dashes as well as underscores.
+TEST_F(SampleTest, ContextIsTheTrainingSeqLen) {
+  auto r = run_command(sample("--prompt 'This License' --max-tokens 40 --stop-at-eos false --greedy --device cpu"),
+                       dir_->path / "c1.log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("context up to 16"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("stopped at the context limit of 16 tokens"), std::string::npos) << r.output;
+  r = run_command(sample("--prompt 'This License' --max-tokens 40 --seq-len 24 --greedy --device cpu"), dir_->path / "c2.log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("context up to 24"), std::string::npos) << r.output;
+  r = run_command(sample("--prompt x --seq_len 4096 --device cpu"), dir_->path / "c3.log");  // demo: 1024 positions
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("4096 tokens is more than the model's max_position_embeddings 1024"), std::string::npos)
+      << r.output;
 }
 
 TEST_F(SampleTest, BadRequestsFailClearly) {
