@@ -2,8 +2,9 @@
 // (master weights, gradients, AdamW moments) and does every data-parallel collective of a step.
 //
 //   stage 0  every rank holds everything; gradients are all-reduced.
-//   stage 1  AdamW state (moments, and the fp32 master weights the update writes) is sharded; gradients
-//            are all-reduced, each rank updates its shard, the new weights are all-gathered.
+//   stage 1  AdamW moments are sharded; gradients are all-reduced, each rank updates its shard of the weights,
+//            the new weights are all-gathered. The model's fp32 weights and gradients are the master copy and
+//            the reduced gradient (updated and read in place), so a rank holds 8 + 8/dp bytes per parameter.
 //   stage 2  gradients are sharded too: the model keeps no gradient buffer, Zero is its WeightStore for
 //            gradients; each unit's gradient lives in a unit-sized buffer until the backward is done with
 //            it, then is reduce-scattered and summed into the shard. Otherwise as stage 1.
@@ -103,8 +104,8 @@ class Zero final : public WeightStore {
   };
   void gather_into(UnitBuffer& b, int unit, bool async);
   void prefetch_next();
-  double global_norm(const float* grad_shard);
-  void gather_params_from_master();  // stages 1-2: model.params <- all-gather of master_
+  double global_norm(const float* grads, BufferOrder order);
+  void gather_params_in_place();  // stages 1-2: every rank's pieces of model.params to every rank
 
   Llama& model_;
   const ParamLayout& layout_;
@@ -115,8 +116,8 @@ class Zero final : public WeightStore {
   std::vector<int64_t> unit_shard_offset_;  // where unit u's piece starts in shard order
   int64_t shard_size_ = 0, max_unit_ = 0;
   AdamW optimizer_;
-  std::vector<float> master_;      // stages 1-3: this rank's weights, shard order
-  std::vector<float> grad_shard_;  // stages 1-3: this rank's gradient, shard order
+  std::vector<float> master_;      // stage 3: this rank's weights, shard order (stages 0-2: model.params)
+  std::vector<float> grad_shard_;  // stages 2-3: this rank's gradient, shard order (stages 0-1: model.grads)
   // Stage 3: the buffer pair for gathered weights, unit-sized gradient buffers, the reduce-scatter output.
   std::vector<UnitBuffer> weight_buffers_;
   std::vector<UnitBuffer> grad_buffers_;

@@ -2,7 +2,9 @@
 // in every type, on the world and on the dp x tp mesh's groups.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -11,13 +13,22 @@
 namespace tuna {
 namespace {
 
+// Peak resident memory of this process (VmHWM), in bytes.
+int64_t peak_resident_bytes() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return -1;
+}
+
 // Element i of rank r's input: distinct per rank and index, exact in fp32.
 float value(int r, int64_t i) { return static_cast<float>(r * 1000 + i % 997); }
 
 TEST(Comm, AllReduceSumAndMaxEveryType) {
   Comm& w = test::world();
   const int P = w.size();
-  for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(1001)}) {
+  // 2^20 + 1001: past the MPI backend's 4 MiB chunk (two f32 chunks, three f64 ones).
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(1001), (int64_t(1) << 20) + 1001}) {
     std::vector<float> f(n);
     std::vector<double> d(n);
     std::vector<int64_t> k(n);
@@ -38,10 +49,27 @@ TEST(Comm, AllReduceSumAndMaxEveryType) {
   }
 }
 
+// A gradient all-reduce in place and a unit's reduce-scatter need no scratch as large as the message (Open MPI
+// allocates one per call: a transient 4 bytes per parameter); the MPI backend chunks them (dist/comm_mpi.cpp).
+TEST(Comm, LargeCollectivesNeedNoScratchAsLargeAsTheMessage) {
+  Comm& w = test::world();
+  if (w.backend() != "mpi") GTEST_SKIP() << "the MPI backend's property";
+  const int64_t n = int64_t(16) << 20;  // 64 MB of floats
+  std::vector<float> grads(n, 1.0f), piece(shard_range(n, w.rank(), w.size()).size(), 0.0f);
+  w.all_reduce_sum(piece.data(), 1 << 20, "warm-up");  // the library's own setup, at the chunk size
+  const int64_t before = peak_resident_bytes();
+  w.all_reduce_sum(grads.data(), n, "test large all-reduce");
+  w.reduce_scatter(grads.data(), piece.data(), n, "test large reduce-scatter");
+  const int64_t grew = peak_resident_bytes() - before;
+  EXPECT_LT(grew, int64_t(16) << 20) << "peak resident memory grew by " << grew / 1e6 << " MB for a 64 MB message";
+  EXPECT_EQ(grads[n - 1], float(w.size()));
+  EXPECT_EQ(piece.back(), float(w.size() * w.size()));  // the all-reduced gradient, summed again
+}
+
 TEST(Comm, ReduceScatterAndAllGatherOnUnevenSizes) {
   Comm& w = test::world();
   const int P = w.size();
-  for (int64_t n : {int64_t(0), int64_t(1), int64_t(P - 1), int64_t(P + 1), int64_t(1003)}) {
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(P - 1), int64_t(P + 1), int64_t(1003), (int64_t(1) << 20) + 1003}) {
     std::vector<float> full(n);
     for (int64_t i = 0; i < n; i++) full[i] = value(w.rank(), i);
     const Range mine = shard_range(n, w.rank(), P);
