@@ -15,9 +15,11 @@
 #   then, with the device tool:
 #   run(command="scripts/gpu-check.sh $OUT/check", carry=["build/gpu-check/bin"], timeout_s=600)
 #
-# What comes back from $OUT is limited to 8 files two folders deep: this script writes exactly these 8 into
-# OUTDIR: summary.log (machine, toolkit, the table), tests.log (and the sanitizer's output), train.log,
-# benches.log and bench_{attention,gemm,memory,train_step}.json (Google Benchmark JSON).
+# What comes back from $OUT is limited to 8 files two folders deep: this script writes these 5 into OUTDIR:
+# summary.log (machine, toolkit, the table), tests.log (and the sanitizer's output), train.log, benches.log
+# (the benches', the peers' and the profiler's output) and benches.json: {"<bench>": its Google Benchmark JSON,
+# ..., "peers": [the peers' records], "profile": the step's kernel time by op}. A new bench adds a key to
+# benches.json, not a file.
 #
 # Checks, in order:
 #   1. gpu_tests: every op against its CPU twin on fresh random inputs (poisoned outputs, shapes off the tile
@@ -33,6 +35,10 @@
 #      bit-for-bit the losses of the straight run, so does a --zero 1 run, and the log has MFU and GPU memory.
 #   4. compute-sanitizer memcheck (attention, rmsnorm, classifier, embedding tests) and racecheck (attention);
 #      skipped if absent, reported as unavailable where the machine refuses it (gVisor).
+#   5. peers, timed on the same GPU in the same run (tools/reference/peers_gpu.py, torch and transformers as the
+#      machine has them): torch SDPA's flash and cuDNN attention at the attention bench's shapes, Hugging Face
+#      LlamaForCausalLM's 1B-shaped step eager and under torch.compile; the table prints tuna / best peer per row.
+#      And the step's kernel time by op (Nsight Compute, when ncu runs here).
 # Exit status: 0 when every test passed and every step ran; 1 otherwise (the table says which).
 set -u -o pipefail
 
@@ -104,11 +110,12 @@ fi
 
 # ---- 2. benches (before the sanitizer: the numbers matter more than its slow second opinion)
 : >"$OUT/benches.log"
+BENCH_JSON=$(mktemp -d /tmp/tuna-gpu-check-json.XXXXXX)  # one file per bench here; merged into benches.json last
 run_bench() {  # name timeout
   local name=$1 limit=$2
   log "== bench $name"
   echo "==== bench_${name}_gpu" >>"$OUT/benches.log"
-  timeout "$(within "$limit")" "$BIN/bench_${name}_gpu" --benchmark_out="$OUT/bench_${name}.json" --benchmark_out_format=json \
+  timeout "$(within "$limit")" "$BIN/bench_${name}_gpu" --benchmark_out="$BENCH_JSON/$name.json" --benchmark_out_format=json \
     --benchmark_counters_tabular=true >>"$OUT/benches.log" 2>&1
   local rc=$?
   if [ $rc -eq 0 ]; then STEP[bench_$name]="ok"; else STEP[bench_$name]="FAILED (rc $rc)"; status=1; fi
@@ -223,11 +230,86 @@ fi
 { echo "==== compute-sanitizer"; cat "$SANITIZER_LOG"; } >>"$OUT/tests.log"
 rm -f "$SANITIZER_LOG"
 
+# ---- 5. peers in the same run, and where the step's time goes. Neither decides the exit status: a peer that
+# cannot run here (no torch, a backend missing) is reported, not a failure of tuna.
+if python3 -c "import torch, transformers" >/dev/null 2>&1; then
+  log "== peers (tools/reference/peers_gpu.py)"
+  echo "==== peers: tools/reference/peers_gpu.py --attention --step --compile" >>"$OUT/benches.log"
+  PYTHONUNBUFFERED=1 timeout "$(within 240)" python3 tools/reference/peers_gpu.py --attention --step --compile \
+    --out "$BENCH_JSON/peers.jsonl" >>"$OUT/benches.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then STEP[peers]="ok"; else STEP[peers]="incomplete (rc $rc: benches.log)"; fi
+else
+  STEP[peers]="skipped (no torch and transformers in python3 here)"
+fi
+if command -v ncu >/dev/null 2>&1; then
+  # One metric, no replay, boost clocks: each kernel's duration in the 1B step at batch 2 (about 800 launches
+  # a step; the first 1700 cover the warmup step and a whole step after it).
+  log "== step profile (ncu, bench_train_step_gpu batch 2 x seq 4096)"
+  timeout "$(within 120)" ncu --metrics gpu__time_duration.sum --clock-control none --cache-control none --csv \
+    --print-units base --launch-count 1700 --log-file "$BENCH_JSON/ncu.csv" "$BIN/bench_train_step_gpu" \
+    --benchmark_filter='BM_TrainStep/batch:2/seq:4096/part:0' >>"$OUT/benches.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then STEP[profile]="ok"; else STEP[profile]="incomplete (rc $rc: benches.log)"; fi
+else
+  STEP[profile]="skipped (no ncu)"
+fi
+# benches.json: every bench's JSON, the peers' records and the profile's rows by op, one file.
+python3 - "$BENCH_JSON" "$OUT/benches.json" <<'PY' >>"$OUT/benches.log" 2>&1
+import csv, glob, json, os, re, sys
+src, dst = sys.argv[1:3]
+merged = {}
+for path in sorted(glob.glob(os.path.join(src, "*.json"))):
+    try:
+        merged[os.path.basename(path)[:-5]] = json.load(open(path))
+    except Exception as e:
+        merged[os.path.basename(path)[:-5]] = {"error": str(e)}
+try:
+    merged["peers"] = [json.loads(l) for l in open(os.path.join(src, "peers.jsonl")) if l.strip()]
+except OSError:
+    merged["peers"] = []
+# The profile: kernels of the last complete step (between the last two AdamW launches), by op.
+def op_of(kernel):
+    k = kernel.lower()
+    for op, pattern in (("attention bwd", r"bwd_dkdv|bwd_dq|bwd_delta|attention.*bwd"), ("attention fwd", r"fwd_kernel|attention.*fwd"),
+                        ("GEMM", r"gemm|nvjet|xmma|cutlass|splitk|cublas"), ("AdamW", r"adamw"),
+                        ("grad norm", r"sum_of_squares|sum_partials"), ("RMSNorm", r"rmsnorm"), ("SwiGLU", r"swiglu"),
+                        ("RoPE", r"rope"), ("classifier", r"classifier"), ("embedding", r"embedding"),
+                        ("memset/copy", r"memset|memcpy|fill|convert|f32_to_bf16")):
+        if re.search(pattern, k):
+            return op
+    return re.sub(r"[(<].*", "", kernel).split("::")[-1] or kernel
+rows = []
+try:
+    lines = [l for l in open(os.path.join(src, "ncu.csv")) if l.startswith('"')]
+    for r in csv.DictReader(lines):
+        if r.get("Metric Name") == "gpu__time_duration.sum":
+            to_ms = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
+            rows.append((r["Kernel Name"], float(r["Metric Value"].replace(",", "")) * to_ms[r["Metric Unit"]]))
+except (OSError, KeyError, ValueError):
+    pass
+adamw = [i for i, (k, _) in enumerate(rows) if "adamw" in k.lower()]
+profile = {}
+if len(adamw) >= 2:
+    step = rows[adamw[-2] + 1: adamw[-1] + 1]
+    total = sum(ms for _, ms in step)
+    by_op = {}
+    for k, ms in step:
+        op = op_of(k)
+        n, t = by_op.get(op, (0, 0.0))
+        by_op[op] = (n + 1, t + ms)
+    profile = {"launches": len(step), "kernel_ms": total,
+               "by_op": sorted(([op, n, t] for op, (n, t) in by_op.items()), key=lambda x: -x[2])}
+merged["profile"] = profile
+json.dump(merged, open(dst, "w"), indent=1)
+PY
+
 # ---- summary table (last)
 python3 - "$OUT" "$SUMMARY" "${STEP[tests]}" "${STEP[sanitizer]}" "${STEP[bench_memory]}" "${STEP[bench_attention]}" \
-  "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" <<'PY' | tee -a "$SUMMARY"
+  "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" "${STEP[peers]}" "${STEP[profile]}" \
+  <<'PY' | tee -a "$SUMMARY"
 import json, os, re, sys
-out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary = sys.argv[1:11]
+out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary, peers_step, profile_step = sys.argv[1:13]
 rows = []
 def add(section, what, value, note=""):
     rows.append((section, what, value, note))
@@ -247,15 +329,27 @@ if checks:
     add("tests", "error vs bound", f"{len(checks)} checks, worst {worst[0]:.2f} of its bound", worst[1])
 add("tests", "sanitizer", sanitizer)
 
+try:
+    benches = json.load(open(os.path.join(out, "benches.json")))
+except Exception:
+    benches = {}
 def bench(name):
-    path = os.path.join(out, f"bench_{name}.json")
-    try:
-        return json.load(open(path)).get("benchmarks", [])
-    except Exception:
-        return []
+    b = benches.get(name, {})
+    return b.get("benchmarks", []) if isinstance(b, dict) else []
+peers = [p for p in benches.get("peers", []) if "error" not in p]
 
+# Each attention row: tuna's rate, the best peer's at the same shape and direction, and tuna / best.
+def best_peer(**want):
+    rows = [p for p in peers if all(p.get(k) == v for k, v in want.items())]
+    return max(rows, key=lambda p: p.get("tflops", p.get("tokens_per_s", 0)), default=None)
 for b in bench("attention"):
-    add("attention", b.get("label", b["name"]), f"{b.get('TFLOP/s', 0)/1:.0f} TFLOP/s", f"{100*b.get('of_peak', 0):.0f}% of peak")
+    label = b.get("label", b["name"])
+    m = re.search(r"(fwd|bwd) causal hd(\d+) seq (\d+)", label)
+    note = f"{100*b.get('of_peak', 0):.0f}% of peak"
+    p = best_peer(what="attention", direction=m.group(1), hd=int(m.group(2)), seq=int(m.group(3))) if m else None
+    if p:
+        note += f"; best peer {p['peer']} {p['tflops']:.0f} TFLOP/s: tuna x{b.get('TFLOP/s', 0) / p['tflops']:.2f}"
+    add("attention", label, f"{b.get('TFLOP/s', 0)/1:.0f} TFLOP/s", note)
 if not bench("attention"): add("attention", "bench_attention_gpu", "no results", b_att)
 for b in bench("gemm"):
     add("gemm", b.get("label", b["name"]), f"{b.get('TFLOP/s', 0):.0f} TFLOP/s", f"{100*b.get('of_peak', 0):.0f}% of peak")
@@ -270,7 +364,22 @@ for b in bench("train_step"):
     note = f"MFU {100*b['MFU']:.1f}%, " if "MFU" in b else ""
     add("train step", b.get("label", b["name"]), value,
         note + f"{b.get('GiB', 0):.1f} GiB, {b.get('real_time', 0):.0f} {b.get('time_unit', '')}/iteration")
+    m = re.search(r"^step, .* batch (\d+) x seq (\d+)", b.get("label", ""))
+    if m and "tokens/s" in b:
+        for p in sorted((p for p in peers if p.get("what") == "step" and p.get("batch") == int(m.group(1))
+                         and p.get("seq") == int(m.group(2))), key=lambda p: p["peer"]):
+            add("train step", f"  peer {p['peer']}, batch {p['batch']} x seq {p['seq']}", f"{p['tokens_per_s']:.0f} tokens/s",
+                f"MFU {100*p['mfu']:.1f}%, {p['gib']:.1f} GiB; tuna x{b['tokens/s'] / p['tokens_per_s']:.2f}")
 if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", b_train)
+add("peers", "tools/reference/peers_gpu.py", peers_step)
+for p in benches.get("peers", []):
+    if "version" in p: add("peers", "torch", p["version"], p.get("device", ""))
+    if "error" in p: add("peers", f"  {p.get('peer')} {p.get('what', '')} {p.get('seq', '')} {p.get('hd', p.get('batch', ''))}", "error", p["error"][:90])
+prof = benches.get("profile") or {}
+add("profile", "1B step, batch 2 (ncu)", profile_step,
+    f"{prof['launches']} launches, {prof['kernel_ms']:.1f} ms of kernels" if prof else "")
+for op, n, ms in (prof.get("by_op") or [])[:14]:
+    add("profile", f"  {op}", f"{ms:.2f} ms", f"{100 * ms / prof['kernel_ms']:.1f}%, {n} launches")
 add("train e2e", "build/train --device cuda", train)
 try:
     for line in open(train_summary):
@@ -290,4 +399,5 @@ for r in rows:
     print(f"{s:<{w[0]}} | {r[1]:<{w[1]}} | {r[2]:<{w[2]}} | {r[3]}")
 PY
 rm -f "$TRAIN_SUMMARY"
+rm -rf "$BENCH_JSON"
 exit $status
