@@ -304,7 +304,7 @@ int run(int argc, char** argv) {
               (long long)model_cfg.num_attention_heads, (long long)model_cfg.num_key_value_heads,
               (long long)model_cfg.vocab_size, engine->activation_bytes() / 1e6);
   std::printf("state per rank: %.1f MB of parameters, gradients and optimizer state\n", engine->state_bytes() / 1e6);
-  std::printf("data %llu windows of %lld tokens in %zu shards; %lld tokens per step; %.2f epochs over %lld steps\n",
+  std::printf("data %llu windows of %lld tokens in %zu shard(s); %lld tokens per step; %.2f epochs over %lld steps\n",
               (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
               (long long)tokens_per_step,
               double(cfg.steps) * cfg.micro_batch * cfg.grad_accum / double(std::max<uint64_t>(1, train.windows_per_epoch())),

@@ -26,25 +26,6 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-void fsync_path(const fs::path& p, bool directory) {
-  int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  if (fd < 0) fail(p.string(), ": cannot open to fsync");
-  int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) fail(p.string(), ": fsync failed");
-}
-
-void write_text_file(const fs::path& p, const std::string& text) {
-  {
-    std::ofstream out(p, std::ios::binary | std::ios::trunc);
-    if (!out) fail(p.string(), ": cannot create file");
-    out << text;
-    out.flush();
-    if (!out) fail(p.string(), ": write failed (disk full?)");
-  }
-  fsync_path(p, false);
-}
-
 std::string step_dir_name(int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
@@ -65,6 +46,25 @@ void update_latest_link(const fs::path& root, const fs::path& step_dir) {
 }
 
 }  // namespace
+
+void fsync_path(const fs::path& p, bool directory) {
+  int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) fail(p.string(), ": cannot open to fsync");
+  int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) fail(p.string(), ": fsync failed");
+}
+
+void write_text_file(const fs::path& p, const std::string& text) {
+  {
+    std::ofstream out(p, std::ios::binary | std::ios::trunc);
+    if (!out) fail(p.string(), ": cannot create file");
+    out << text;
+    out.flush();
+    if (!out) fail(p.string(), ": write failed (disk full?)");
+  }
+  fsync_path(p, false);
+}
 
 // step_* directories under root sorted by step, complete ones only.
 std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& root) {

@@ -45,6 +45,11 @@ namespace tuna {
 class AdamW;
 class HfCheckpointDir;
 
+// Durable writes: fsync of a file or a directory, and a whole small file written and fsynced; failures (a full
+// disk, a read-only filesystem) are errors naming the path.
+void fsync_path(const std::filesystem::path& p, bool directory);
+void write_text_file(const std::filesystem::path& p, const std::string& text);
+
 // Files copied alongside weights so a checkpoint carries its tokenizer (those that exist).
 extern const char* const kTokenizerFiles[];
 

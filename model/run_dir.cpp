@@ -1,9 +1,7 @@
 // The run directory: see run_dir.h for the rules.
 #include "model/run_dir.h"
 
-#include <fcntl.h>
 #include <sys/statvfs.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -11,7 +9,7 @@
 
 #include "core/error.h"
 #include "core/progress.h"  // periodic_events_left
-#include "model/checkpoint.h"  // list_checkpoints
+#include "model/checkpoint.h"  // list_checkpoints, fsync_path, write_text_file
 
 namespace tuna {
 
@@ -33,25 +31,6 @@ std::string megabytes(int64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
   return buf;
-}
-
-void fsync_or_fail(const fs::path& p, bool directory) {
-  const int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_WRONLY);
-  if (fd < 0) fail(p.string(), ": cannot open to fsync");
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) fail(p.string(), ": fsync failed (disk full or a read-only filesystem?)");
-}
-
-void write_file_synced(const fs::path& p, const std::string& text) {
-  {
-    std::ofstream out(p, std::ios::binary | std::ios::trunc);
-    if (!out) fail(p.string(), ": cannot create (is the directory writable?)");
-    out << text;
-    out.flush();
-    if (!out) fail(p.string(), ": write failed (disk full?)");
-  }
-  fsync_or_fail(p, false);
 }
 
 int64_t count_lines(const fs::path& p) {
@@ -157,12 +136,12 @@ MetricsTruncation truncate_metrics(const fs::path& metrics_path, int64_t resumed
   t.backup = metrics_path.parent_path() / (kMetricsBackupPrefix + step_name(resumed_step) + ".jsonl");
   fs::copy_file(metrics_path, t.backup, fs::copy_options::overwrite_existing, ec);
   if (ec) fail(t.backup.string(), ": cannot back up ", metrics_path.string(), " before truncating it: ", ec.message());
-  fsync_or_fail(t.backup, false);
+  fsync_path(t.backup, false);
   const fs::path tmp = metrics_path.string() + ".tmp";
-  write_file_synced(tmp, kept);
+  write_text_file(tmp, kept);
   fs::rename(tmp, metrics_path, ec);
   if (ec) fail(metrics_path.string(), ": cannot replace it with its truncated copy: ", ec.message());
-  fsync_or_fail(metrics_path.parent_path().empty() ? fs::path(".") : metrics_path.parent_path(), true);
+  fsync_path(metrics_path.parent_path().empty() ? fs::path(".") : metrics_path.parent_path(), true);
   return t;
 }
 
@@ -191,7 +170,7 @@ std::string check_checkpoint_space(const fs::path& ckpt_root, int64_t checkpoint
   fs::create_directories(ckpt_root, ec);
   if (ec) fail(ckpt_root.string(), ": cannot create the checkpoint directory: ", ec.message());
   const fs::path probe = ckpt_root / ".write-probe";
-  write_file_synced(probe, "tuna checks at start that checkpoints can be written here\n");
+  write_text_file(probe, "tuna checks at start that checkpoints can be written here\n");
   fs::remove(probe, ec);
 
   struct statvfs fs_stat {};

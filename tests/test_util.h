@@ -6,12 +6,14 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <sstream>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "data/shard.h"
 
 namespace tuna::testing_util {
@@ -29,6 +31,16 @@ struct TempDir {
   }
   std::filesystem::path operator/(const std::string& name) const { return path / name; }
 };
+
+// The message of the tuna::Error that f throws; empty when it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 inline std::string read_file(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);

@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
     const int64_t planned = max_batches > 0 ? std::min<int64_t>(max_batches, loader.batches_per_epoch())
                                             : static_cast<int64_t>(loader.batches_per_epoch());
     if (!quiet)
-      std::fprintf(stderr, "eval: %llu windows in %zu shards, %lld batches of %lld on %s\n",
+      std::fprintf(stderr, "eval: %llu windows in %zu shard(s), %lld batches of %lld on %s\n",
                    (unsigned long long)loader.total_windows(), loader.shard_count(), (long long)planned,
                    (long long)micro_batch, model->describe().c_str());
     ProgressLine progress("eval", planned, "batches", quiet ? 0 : 5);
@@ -90,9 +90,11 @@ int main(int argc, char** argv) {
     }
     if (total.count == 0) fail(data, ": no token to score (the shards hold fewer than seq_len + 1 tokens?)");
     const double loss = total.sum / total.count;
+    // The last batch of the pass may be padded with empty rows: count windows, not rows.
+    const int64_t windows = std::min<int64_t>(batches * micro_batch, static_cast<int64_t>(loader.total_windows()));
     std::printf("%s on %s: loss %.4f, perplexity %.3f over %lld tokens (%lld windows of %lld; %s)\n",
-                checkpoint.c_str(), data.c_str(), loss, std::exp(loss), (long long)total.count,
-                (long long)(batches * micro_batch), (long long)seq_len, model->describe().c_str());
+                checkpoint.c_str(), data.c_str(), loss, std::exp(loss), (long long)total.count, (long long)windows,
+                (long long)seq_len, model->describe().c_str());
     std::printf("%s\n", nlohmann::json{{"checkpoint", checkpoint}, {"data", data}, {"loss", loss},
                                        {"perplexity", std::exp(loss)}, {"tokens", total.count}, {"seq_len", seq_len},
                                        {"device", model->describe()}}

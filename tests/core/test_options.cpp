@@ -14,14 +14,7 @@
 namespace tuna {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing_util::error_of;
 
 struct Parsed {
   std::string resume = "false";

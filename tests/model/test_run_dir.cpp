@@ -20,14 +20,7 @@ namespace fs = std::filesystem;
 using testing_util::read_file;
 using testing_util::TempDir;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing_util::error_of;
 
 // A complete checkpoint directory as list_checkpoints recognizes it (state.json marks completeness).
 void fake_checkpoint(const fs::path& out_dir, int64_t step) {

@@ -148,7 +148,7 @@ TEST(Train, AnEarlierRunIsContinuedReplacedOrRefused) {
                             " --out-dir " + out;
   auto r = run_command(kTrain + flags + " --steps 2", tmp / "log1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("in 2 shards"), std::string::npos) << r.output;  // train-0000{0,1}, not val-00000
+  EXPECT_NE(r.output.find("in 2 shard(s)"), std::string::npos) << r.output;  // train-0000{0,1}, not val-00000
   EXPECT_NE(r.output.find("| 496 tokens"), std::string::npos) << r.output;  // val-00000 only: 31 windows x 16
 
   r = run_command(kTrain + flags + " --steps 2", tmp / "log2");
