@@ -1,17 +1,100 @@
 #include "core/progress.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
-#include <cstdio>
+
+#include "core/error.h"
 
 namespace tuna {
 
-std::string format_duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  const int64_t s = static_cast<int64_t>(seconds);
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB", "PB"};
+  int u = 0;
+  while (std::abs(b) >= 1000 && u < 5) b /= 1000, u++;
   char buf[32];
-  if (s >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
-  else std::snprintf(buf, sizeof buf, "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
   return buf;
+}
+
+std::string human_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = std::llround(seconds);
+  char buf[32];
+  if (s >= 86400) std::snprintf(buf, sizeof buf, "%lldd%02lldh", (long long)(s / 86400), (long long)(s % 86400 / 3600));
+  else if (s >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
+  else if (s >= 60) std::snprintf(buf, sizeof buf, "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
+  else std::snprintf(buf, sizeof buf, "%.1fs", seconds);
+  return buf;
+}
+
+ProgressLine::ProgressLine(std::string label, double total, Unit unit, std::FILE* out, double period_s,
+                           std::string items_name)
+    : label_(std::move(label)),
+      items_name_(std::move(items_name)),
+      total_(total),
+      period_s_(period_s),
+      unit_(unit),
+      out_(out),
+      live_(out != nullptr && ::isatty(::fileno(out))),
+      start_(Clock::now()),
+      last_print_(start_) {}
+
+ProgressLine::~ProgressLine() {
+  if (pending_newline_ && out_) std::fputc('\n', out_), std::fflush(out_);
+}
+
+std::string ProgressLine::amount(double x) const {
+  if (unit_ == Unit::Bytes) return human_bytes(x);
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.0f", x);
+  return buf;
+}
+
+std::string ProgressLine::text(bool final) const {
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+  const double rate = elapsed > 0 ? done_ / elapsed : 0;
+  const std::string rate_text =
+      unit_ == Unit::Bytes ? str(human_bytes(rate), "/s") : str(amount(rate), " ", items_name_, "/s");
+  std::string line = label_ + ": " + amount(done_);
+  if (total_ > 0) line += " / " + amount(total_);
+  if (unit_ == Unit::Items) line += " " + items_name_;
+  line += " (" + rate_text + ")";
+  if (final) return line + " in " + human_duration(elapsed);
+  if (total_ > 0) {
+    char share[16];
+    std::snprintf(share, sizeof share, "%.0f%%", 100.0 * std::min(1.0, done_ / total_));
+    line += str(", ", share, ", ETA ", rate > 0 ? human_duration((total_ - done_) / rate) : std::string("?"));
+  }
+  return line;
+}
+
+void ProgressLine::update(double done) {
+  done_ = done;
+  if (!out_ || finished_) return;
+  const auto now = Clock::now();
+  const double since = std::chrono::duration<double>(now - last_print_).count();
+  if (since < (live_ ? 0.25 : period_s_)) return;
+  last_print_ = now;
+  if (live_) {
+    // Rewrite the line; \033[K clears what a longer previous line left.
+    std::fprintf(out_, "\r%s\033[K", text(false).c_str());
+    pending_newline_ = true;
+  } else {
+    std::fprintf(out_, "%s\n", text(false).c_str());
+  }
+  std::fflush(out_);
+}
+
+void ProgressLine::finish() {
+  if (finished_) return;
+  finished_ = true;
+  if (!out_) return;
+  if (live_) std::fprintf(out_, "\r%s\033[K\n", text(true).c_str());
+  else std::fprintf(out_, "%s\n", text(true).c_str());
+  pending_newline_ = false;
+  std::fflush(out_);
 }
 
 int64_t periodic_events_left(int64_t from, int64_t to, int64_t every) {
@@ -30,23 +113,6 @@ double TrainingEta::seconds_left(int64_t steps_left, int64_t validations_left, i
   const double per_checkpoint = checkpoint_seconds_ >= 0 ? checkpoint_seconds_ : 0.0;
   return per_step * double(steps_left) + per_validation * double(validations_left) +
          per_checkpoint * double(checkpoints_left);
-}
-
-ProgressLine::ProgressLine(std::string label, int64_t total, std::string unit, double interval_seconds)
-    : label_(std::move(label)), unit_(std::move(unit)), total_(total), interval_(interval_seconds),
-      start_(clock::now()), last_(start_) {}
-
-void ProgressLine::update(int64_t done) {
-  if (interval_ <= 0) return;
-  const auto now = clock::now();
-  if (std::chrono::duration<double>(now - last_).count() < interval_) return;
-  last_ = now;
-  const double elapsed = std::chrono::duration<double>(now - start_).count();
-  const double left = done > 0 ? elapsed / double(done) * double(total_ - done) : NAN;
-  std::fprintf(stderr, "%s: %lld/%lld %s (%.0f%%), %s, ETA %s\n", label_.c_str(), (long long)done, (long long)total_,
-               unit_.c_str(), total_ > 0 ? 100.0 * double(done) / double(total_) : 0.0, format_duration(elapsed).c_str(),
-               format_duration(left).c_str());
-  std::fflush(stderr);
 }
 
 }  // namespace tuna

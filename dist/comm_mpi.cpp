@@ -17,7 +17,7 @@
 // Memory. Open MPI's all-reduce in place and its reduce-scatter allocate a scratch buffer as large as the
 // message for the time of the call (measured: +256 MB of peak resident memory for an in-place all-reduce of
 // 256 MB at 2 ranks): for a ZeRO-0/1 gradient all-reduce, a transient 4 bytes per parameter. Both are
-// therefore issued in chunks of kChunkBytes, which bounds that scratch (and our own staging for a chunked
+// therefore issued in chunks of kMpiChunkBytes, which bounds that scratch (and our own staging for a chunked
 // reduce-scatter) to a few MB. Not slower: build/bench_comm at 2 ranks on the 2-core dev machine (loaded, two
 // alternating runs each) took 160-190 ms for a 64 MB all-reduce in chunks against 350-435 ms in one call.
 #include <mpi.h>
@@ -64,13 +64,11 @@ MPI_Datatype mpi_type(CommType t) {
     case CommType::F32: return MPI_FLOAT;
     case CommType::F64: return MPI_DOUBLE;
     case CommType::I64: return MPI_INT64_T;
+    case CommType::BF16: return MPI_UINT16_T;  // moved as bits: gathers only (see all_reduce)
   }
   return MPI_DATATYPE_NULL;
 }
 
-constexpr int64_t kChunkBytes = int64_t(4) << 20;
-
-int64_t type_size(CommType t) { return t == CommType::F32 ? 4 : 8; }
 
 int as_count(int64_t n) {
   TUNA_CHECK(n >= 0 && n <= INT32_MAX, "MPI counts are int: ", n, " elements in one piece");
@@ -190,13 +188,15 @@ class MpiComm final : public Comm {
   std::string backend() const override { return "mpi"; }
 
   void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) override {
+    // MPI has no bfloat16 arithmetic; device comms that stage through MPI widen bf16 to fp32 first.
+    TUNA_CHECK(type != CommType::BF16, "MpiComm does not reduce bf16 ('", what, "'): reduce fp32");
     const std::string label = str("all_reduce '", what, "' (", n, " elements)");
-    const int64_t chunk = kChunkBytes / type_size(type);  // elements reduce independently: chunks are exact
+    const int64_t bytes = comm_type_bytes(type);
+    const int64_t chunk = kMpiChunkBytes / bytes;  // elements reduce independently: chunks are exact
     for (int64_t at = 0; at < n; at += chunk) {
       MPI_Request req;
-      TUNA_MPI(MPI_Iallreduce(MPI_IN_PLACE, static_cast<char*>(buf) + at * type_size(type),
-                              as_count(std::min(chunk, n - at)), mpi_type(type), op == ReduceOp::Sum ? MPI_SUM : MPI_MAX,
-                              comm_, &req));
+      TUNA_MPI(MPI_Iallreduce(MPI_IN_PLACE, static_cast<char*>(buf) + at * bytes, as_count(std::min(chunk, n - at)),
+                              mpi_type(type), op == ReduceOp::Sum ? MPI_SUM : MPI_MAX, comm_, &req));
       process_->wait(&req, label);
     }
   }
@@ -207,7 +207,7 @@ class MpiComm final : public Comm {
     std::vector<Range> pieces(size());
     std::vector<int> counts(size());
     for (int r = 0; r < size(); r++) pieces[r] = shard_range(n, r, size()), counts[r] = as_count(pieces[r].size());
-    const int64_t per_rank = std::max<int64_t>(1, kChunkBytes / int64_t(sizeof(float)) / size());
+    const int64_t per_rank = std::max<int64_t>(1, kMpiChunkBytes / int64_t(sizeof(float)) / size());
     int64_t largest = 0;
     for (const Range& p : pieces) largest = std::max(largest, p.size());
     if (largest <= per_rank) {  // small enough for one call
@@ -217,28 +217,28 @@ class MpiComm final : public Comm {
       return;
     }
     // Chunk j: elements [j * per_rank, (j + 1) * per_rank) of every rank's piece, staged contiguously.
-    staging_.resize(per_rank * size());
+    std::vector<float> staging(per_rank * size());  // freed on return: a transient of the memory plan
     for (int64_t at = 0; at < largest; at += per_rank) {
       int64_t staged = 0;
       for (int r = 0; r < size(); r++) {
         const int64_t m = std::clamp<int64_t>(pieces[r].size() - at, 0, per_rank);
-        std::copy_n(send + pieces[r].begin + at, m, staging_.data() + staged);
+        std::copy_n(send + pieces[r].begin + at, m, staging.data() + staged);
         counts[r] = as_count(m);
         staged += m;
       }
       MPI_Request req;
-      TUNA_MPI(MPI_Ireduce_scatter(staging_.data(), recv + at, counts.data(), MPI_FLOAT, MPI_SUM, comm_, &req));
+      TUNA_MPI(MPI_Ireduce_scatter(staging.data(), recv + at, counts.data(), MPI_FLOAT, MPI_SUM, comm_, &req));
       process_->wait(&req, label);
     }
   }
 
-  void all_gather(const float* send, float* recv, int64_t n, const char* what) override {
-    wait(all_gather_start(send, recv, n, what));
+  void all_gather(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    wait(all_gather_start(send, recv, n, type, what));
   }
 
-  CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) override {
+  CommRequest all_gather_start(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
     Pending& p = pending_[++next_request_];
-    p.label = str("all_gather '", what, "' (", n, " floats)");
+    p.label = str("all_gather '", what, "' (", n, " elements)");
     p.counts.resize(size());
     p.displs.resize(size());
     for (int r = 0; r < size(); r++) {
@@ -246,9 +246,9 @@ class MpiComm final : public Comm {
       p.counts[r] = as_count(piece.size());
       p.displs[r] = as_count(piece.begin);
     }
-    const bool in_place = send == recv + p.displs[rank()];
-    TUNA_MPI(MPI_Iallgatherv(in_place ? MPI_IN_PLACE : send, p.counts[rank()], MPI_FLOAT, recv, p.counts.data(),
-                             p.displs.data(), MPI_FLOAT, comm_, &p.request));
+    const bool in_place = send == static_cast<const char*>(recv) + p.displs[rank()] * comm_type_bytes(type);
+    TUNA_MPI(MPI_Iallgatherv(in_place ? MPI_IN_PLACE : send, p.counts[rank()], mpi_type(type), recv, p.counts.data(),
+                             p.displs.data(), mpi_type(type), comm_, &p.request));
     return next_request_;
   }
 
@@ -299,7 +299,6 @@ class MpiComm final : public Comm {
   std::shared_ptr<MpiProcess> process_;
   std::map<CommRequest, Pending> pending_;
   CommRequest next_request_ = 0;
-  std::vector<float> staging_;  // a chunk of every rank's piece for reduce_scatter (kChunkBytes)
 };
 
 std::unique_ptr<Comm> world_comm(double timeout_s, bool owns_init) {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 
@@ -26,11 +27,13 @@ struct ConvertReport {
 };
 
 // dtype: "keep" (each tensor as found), "float32", "bfloat16" or "float16".
+// `progress`: where progress lines go (converted and written bytes, rate, ETA); null: nowhere.
 ConvertReport import_hf(const std::filesystem::path& hf_dir, const std::filesystem::path& out_dir,
-                        const std::string& dtype, bool overwrite = false);
+                        const std::string& dtype, std::FILE* progress = nullptr, bool overwrite = false);
 
 // dtype: "auto" (config.json's torch_dtype), "float32", "bfloat16" or "float16".
 ConvertReport export_hf(const std::filesystem::path& ckpt_dir, const std::filesystem::path& out_dir,
-                        const std::string& dtype, int64_t max_shard_bytes, bool overwrite = false);
+                        const std::string& dtype, int64_t max_shard_bytes, std::FILE* progress = nullptr,
+                        bool overwrite = false);
 
 }  // namespace tuna

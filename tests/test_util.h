@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <random>
 #include <string>
@@ -31,16 +32,6 @@ struct TempDir {
   }
   std::filesystem::path operator/(const std::string& name) const { return path / name; }
 };
-
-// The message of the tuna::Error that f throws; empty when it throws none.
-inline std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 inline std::string read_file(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -66,6 +57,16 @@ inline RunResult run_command(const std::string& command, const std::filesystem::
   const int status = std::system(full.c_str());
   const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return {code, read_file(log)};
+}
+
+// The message of the tuna::Error that f throws; empty when it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 // Token shards for trainer tests (vocab 128): a learnable stream, 62 training windows of 16

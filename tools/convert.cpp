@@ -31,10 +31,10 @@ int main(int argc, char** argv) {
     if (args.size() != 3) tuna::fail("expected: hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR (see --help)");
     tuna::ConvertReport r;
     if (args[0] == "hf-to-tuna") {
-      r = tuna::import_hf(args[1], args[2], dtype.empty() ? "keep" : dtype, overwrite);
+      r = tuna::import_hf(args[1], args[2], dtype.empty() ? "keep" : dtype, stderr, overwrite);
     } else if (args[0] == "tuna-to-hf") {
       args[1] = tuna::resolve_checkpoint(args[1]).string();
-      r = tuna::export_hf(args[1], args[2], dtype.empty() ? "auto" : dtype, max_shard_bytes, overwrite);
+      r = tuna::export_hf(args[1], args[2], dtype.empty() ? "auto" : dtype, max_shard_bytes, stderr, overwrite);
     } else {
       tuna::fail("unknown direction '", args[0], "': expected hf-to-tuna or tuna-to-hf");
     }
