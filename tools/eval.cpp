@@ -81,13 +81,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "eval: %llu windows in %zu shard(s), %lld batches of %lld on %s\n",
                    (unsigned long long)loader.total_windows(), loader.shard_count(), (long long)planned,
                    (long long)micro_batch, model->describe().c_str());
-    ProgressLine progress("eval", planned, "batches", quiet ? 0 : 5);
+    ProgressLine progress("eval", double(planned), ProgressLine::Unit::Items, quiet ? nullptr : stderr, 5.0, "batches");
     while ((max_batches == 0 || batches < max_batches) && loader.next(inputs.data(), targets.data())) {
       LossSum l = model->forward_loss(inputs.data(), targets.data(), micro_batch, seq_len);
       total.sum += l.sum;
       total.count += l.count;
-      progress.update(++batches);
+      progress.update(double(++batches));
     }
+    progress.finish();
     if (total.count == 0) fail(data, ": no token to score (the shards hold fewer than seq_len + 1 tokens?)");
     const double loss = total.sum / total.count;
     // The last batch of the pass may be padded with empty rows: count windows, not rows.
