@@ -89,10 +89,15 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   add("checkpoint save: weights and moments of the shard copied out", MemoryKind::Transient, 3 * zero.shard * kFloat);
   add("checkpoint resume: the shard read back, with one global tensor", MemoryKind::Transient,
       (3 * zero.shard + largest_global + largest_local) * kFloat);
-  // Stages 0-1 all-reduce the whole gradient in place; Open MPI's non-blocking all-reduce works through a
-  // temporary copy of the message.
+  // Stages 0-1 all-reduce the whole gradient in place, stages 2-3 reduce-scatter each unit's; Open MPI works
+  // through a scratch copy of the message, which the MPI backend bounds by sending chunks of kMpiChunkBytes
+  // (a chunked reduce-scatter also stages its chunk: dist/comm_mpi.cpp).
   if (m.dp > 1 && m.zero <= 1)
-    add("gradient all-reduce: MPI's temporary copy", MemoryKind::Transient, params * kFloat);
+    add("gradient all-reduce: MPI's scratch for one chunk", MemoryKind::Transient,
+        std::min(params * kFloat, kMpiChunkBytes));
+  if (m.dp > 1 && m.zero >= 2)
+    add("unit reduce-scatter: MPI's scratch (and staging) for one chunk", MemoryKind::Transient,
+        zero.unit * kFloat <= kMpiChunkBytes ? zero.unit * kFloat : 2 * kMpiChunkBytes);
   return plan;
 }
 

@@ -156,7 +156,7 @@ train_run() {  # name args...: one run, its output appended to train.log; return
 }
 train_rc=0
 train_run straight --device cuda --out_dir "$RUNS/straight" || train_rc=1
-train_run stopped --device cuda --out_dir "$RUNS/split" --stop_at_step 150 || train_rc=1
+train_run stopped --device cuda --out_dir "$RUNS/split" --stop_at_step 150; [ $? -eq 75 ] || train_rc=1  # 75: stopped
 train_run resumed --device cuda --out_dir "$RUNS/split" --resume || train_rc=1
 train_run cpu-first-step --device cpu --steps 1 --out_dir "$RUNS/cpu" || train_rc=1
 train_run zero1 --device cuda --zero 1 --out_dir "$RUNS/zero1" || train_rc=1

@@ -5,7 +5,7 @@
 //     which the trainer prints at the end) is within 5% of the plan's, for an 11.7M-parameter model (190 MB of
 //     training state at one rank) trained from scratch for two steps and checkpointed.
 // A fresh run meets every transient of the plan but a resume's, so its peak is the total plus the largest of the
-// others (the checkpoint's copies, or MPI's copy of the gradient at ZeRO-0 on 4 ranks). A resumed run also maps
+// others (the checkpoint's copies, or MPI's scratch for one chunk of a collective). A resumed run also maps
 // the checkpoint's files, whose pages count as resident while read: not planned, not compared.
 #include <gtest/gtest.h>
 
