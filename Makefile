@@ -62,7 +62,7 @@ EMULATED_MPI_TESTS := $(if $(wildcard tests/mpi/*_emulated.cpp),$(BUILD)/emulate
 # is not emulated: kernels/matmul.cu is replaced by a host test double of its contract (matmul_host.cpp), and
 # its test, which would then test the double, is left out (it runs on a GPU only).
 EMULATOR_DIR := tests/kernels/emulator
-EMULATED_LIB_SRCS := model/llama_gpu.cpp model/engine_gpu.cpp model/engine.cpp
+EMULATED_LIB_SRCS := model/llama_gpu.cpp model/engine_gpu.cpp model/engine.cpp dist/comm_staged.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
 # The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
 EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
@@ -75,7 +75,7 @@ EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp \
 # library is linked here.)
 EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o), \
                         $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/% $(BUILD)/obj/model/% \
-                                 $(BUILD)/obj/dist/comm.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
+                                 $(BUILD)/obj/dist/comm.o $(BUILD)/obj/dist/comm_local.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 BENCH_SRCS := $(wildcard bench/*.cpp)
 ifneq ($(CUDA),1)

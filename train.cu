@@ -66,6 +66,7 @@ struct TrainConfig {
   int64_t tp = 1;
   int64_t zero = 0;
   bool zero_prefetch = true;
+  std::string recompute = "none";
   double comm_timeout = 300;
   bool bf16_moments = false;
   bool stochastic_rounding = false;
@@ -107,6 +108,7 @@ void declare(Options& o, TrainConfig& c) {
   o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp");
   o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters");
   o.add("zero_prefetch", &c.zero_prefetch, "ZeRO-3: gather the next layer while this one computes (false: when used)");
+  o.add("recompute", &c.recompute, "cuda: activations the backward recomputes: none | selective (norms, SwiGLU) | full (each layer from its input)");
   o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever");
   o.add("bf16_moments", &c.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
   o.add("stochastic_rounding", &c.stochastic_rounding, "cuda: round bf16 weights (and bf16 moments) stochastically");
@@ -158,6 +160,7 @@ void check(const TrainConfig& c) {
     fail("option 'device': expected auto, cpu or cuda, found '", c.device, "'");
   if (c.tp < 1) fail("option 'tp': expected >= 1, found ", c.tp);
   if (c.zero < 0 || c.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", c.zero);
+  parse_recompute(c.recompute, "option 'recompute'");
   if (c.comm_timeout < 0) fail("option 'comm_timeout': expected >= 0 seconds, found ", c.comm_timeout);
   if (c.gpu_hour_cost < 0) fail("option 'gpu_hour_cost': expected >= 0, found ", c.gpu_hour_cost);
   validate(c.opt);
@@ -221,6 +224,7 @@ int run(int argc, char** argv) {
   eo.device = resolve_device(cfg.device);
   eo.micro_batch = cfg.micro_batch, eo.seq_len = cfg.seq_len, eo.opt = cfg.opt;
   eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
+  eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
   eo.bf16_moments = cfg.bf16_moments, eo.stochastic_rounding = cfg.stochastic_rounding;
   eo.seed = static_cast<uint64_t>(cfg.seed);
   eo.gpu = launch.local_rank;  // one GPU per rank: the rank's index on its node

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "kernels/attention_params.cuh"
+#include "kernels/scratch.h"
 
 namespace tuna::cuda {
 namespace {
@@ -49,7 +50,7 @@ void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const
 }
 
 int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_heads) {
-  return batch * seq_len * n_heads;
+  return gpu_scratch::attention_bwd_floats(batch, seq_len, n_heads);
 }
 
 void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,

@@ -112,6 +112,9 @@ std::string resolve_device(const std::string& requested) {
 
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm) {
+  if (options.device == "cpu" && options.recompute != Recompute::None)
+    fail("--recompute ", recompute_name(options.recompute), " with --device cpu: activation recompute is a CUDA "
+         "engine feature (GPU memory is what it saves); the CPU backend keeps every activation: use --recompute none");
   if (options.device == "cpu") return std::make_unique<CpuEngine>(config, options, mesh, initial);
 #if TUNA_CUDA
   if (options.device == "cuda") return make_gpu_engine(config, options, mesh, initial, device_comm);

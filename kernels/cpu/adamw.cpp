@@ -46,6 +46,12 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
   }
 }
 
+void accumulate(float* dst, const float* src, int64_t n) {
+  TUNA_CHECK(n >= 0, "n ", n);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
 double sum_of_squares(const float* x, int64_t n) {
   TUNA_CHECK(n >= 0, "n ", n);
   const int64_t n_chunks = (n + kSumChunk - 1) / kSumChunk;
