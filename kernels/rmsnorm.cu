@@ -7,11 +7,38 @@
 //   backward: dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k w[k] g[i, k] x[i, k])   bf16, ACCUMULATED
 //             dweight[j] += sum_i g[i, j] x[i, j] r[i]                                 fp32, ACCUMULATED
 //
-// Forward: one warp per row, 16-byte accesses; the second pass re-reads the row from L1/L2. Backward: one
-// block per kRowsPerBlock rows; each thread owns fixed column vectors, so it keeps that block's dweight
-// partial sums in registers across rows, writes them to scratch, and a second kernel adds the row blocks'
-// partials in block order: no atomics, the same rounding on every run.
+// Both are memory-bound: per element the forward moves 4 bytes (x read, out written; 8 with the residual
+// add), the backward 8 (g, x, dinp read, dinp written). Design, for Hopper at ~4.8 TB/s (unmeasured so far:
+// bench/bench_memory_gpu.cpp reports each against a device copy at dims 2048-16384):
+//
+// - A row is cached in registers. A block of `threads` (a multiple of 32, at most kMaxThreads) spans one
+//   row: thread t owns the 8-wide column vectors t, t + threads, ... (kVecs of them: 16-byte accesses, a
+//   warp's access one contiguous 512-byte run), so the row is read from memory exactly once; the old
+//   kernels re-read it (forward) or loaded dinp only after the reduction (backward: two memory latencies
+//   per row).
+// - Everything a row needs is loaded before its reduction, and kRows rows are loaded together: one batched
+//   block reduction (kernels/common.cuh, ONE barrier) per kRows rows, never a barrier pair per row.
+// - Bytes in flight. Little's law: 4.8 TB/s x ~0.7 us of loaded-DRAM latency is ~3.4 MB over 132 SMs, i.e.
+//   ~26 KB per SM must be outstanding. Forward: kVecs = 4 and kRows = 2 put 2 x 64 B per thread in flight;
+//   at ~60 registers a thread, an SM holds ~1000 threads (dim 4096: 7 blocks of 128), ~128 KB. Backward:
+//   kRows x 3 tensors x 64 B = 384 B per thread at ~160 registers; dim 4096 (128 threads) runs 3 blocks an
+//   SM, ~147 KB; dim 8192 one block of 256, ~98 KB; dim 16384 (kRows = 1 to stay under 128 registers with
+//   512 threads) one block, ~98 KB. Each is several times the ~26 KB needed, so a partly filled last wave
+//   still saturates memory.
+// - dweight stays deterministic without atomics: a fixed partition of the rows into slabs of kSlabRows (a
+//   function of n alone, so every device and launch sums alike); each block owns one slab, keeps its
+//   columns' sums in registers across the slab's rows in row order and writes them to scratch; a second
+//   kernel adds the slabs in slab order. That scratch costs 4 B x dim per 32 rows written and read back
+//   (from L2: it is written just before), 1/64 of the backward's bytes each way. The slab size is the
+//   trade: 64-row slabs left half the SMs idle at n = 4096 (70B, one sequence a rank); 32 gives 128 slabs there.
+// - The slab reduction reads its [slabs, dim] scratch with the whole grid: a block takes 32 columns, its 32
+//   slab lanes each sum a fixed strided subset (float4 loads, four in flight), and lane sums are added in
+//   lane order. (The old one-thread-per-column loop over every slab issued one 4-byte load at a time.)
+// - dim up to kMaxDim = 16384 (LLaMA-3 405B's hidden size): 512 threads x 4 vectors x 8. No register array
+//   is indexed at run time (every loop over kVecs / kRows is unrolled), so nothing spills (ptxas -warn-spills).
 #include "kernels/rmsnorm.cuh"
+
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -21,153 +48,290 @@
 namespace tuna::cuda {
 namespace {
 
-constexpr int kFwdWarps = 4;
-constexpr int kBwdThreads = 256;
-constexpr int kRowsPerBlock = 64;
+constexpr int kMaxThreads = 512;
+constexpr int kMaxVecs = 4;
+constexpr int64_t kMaxDim = int64_t(kMaxThreads) * kMaxVecs * 8;
+constexpr int kSlabRows = 32;          // rows per dweight partial sum (kernels/scratch.h sizes the scratch)
+constexpr int kFwdRows = 2;            // rows loaded together in the forward
+constexpr int kFwdRowsPerBlock = 8;    // rows per forward block (4 batches): amortizes the weight load
+constexpr int kReduceColumnLanes = 8;  // dweight reduction: float4 column groups per block (32 columns)
+constexpr int kReduceSlabLanes = 32;   // ... and slab lanes per column group
 
-__global__ void rmsnorm_fwd_kernel(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const bf16* delta,
-                                   const bf16* weight, int64_t n, int64_t dim, float eps) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kFwdWarps + threadIdx.x / 32;
-  if (row >= n) return;
-  const bf16* x_row = inp + row * dim;
-  float sum_sq = 0.0f;
-  for (int64_t c = lane * 8; c < dim; c += 32 * 8) {
-    Bf16x8 x = load8(x_row + c);
-    if (delta != nullptr) {
-      const Bf16x8 d = load8(delta + row * dim + c);
+// Block shape for a row of `dim`: kVecs 8-wide vectors per thread and a multiple of 32 threads covering them.
+struct RowShape {
+  int vecs, threads;
+};
+RowShape row_shape(int64_t dim) {
+  const int64_t vectors = dim / 8;
+  const int vecs = vectors <= 32 ? 1 : vectors <= 64 ? 2 : kMaxVecs;
+  return {vecs, static_cast<int>(ceil_div(ceil_div(vectors, vecs), 32) * 32)};
+}
+
+// Column of thread `t`'s vector v, or -1 past the row's end.
+__device__ __forceinline__ int vector_column(int v, int dim) {
+  const int c = (v * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * 8;
+  return c < dim ? c : -1;
+}
+
+// The row's vectors and the weight stay packed across the reduction (kernels/common.cuh: keep_packed).
+template <int kRows, int kVecs>
+__device__ __forceinline__ void keep_row_packed(Packed8 (&row)[kRows][kVecs], Packed8 (&w)[kVecs]) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) x.v[j] = __float2bfloat16(__bfloat162float(x.v[j]) + __bfloat162float(d.v[j]));
-      store8(resid_out + row * dim + c, x);
-    }
+  for (int r = 0; r < kRows; ++r)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float v = __bfloat162float(x.v[j]);
-      sum_sq += v * v;
-    }
-  }
-  sum_sq = warp_sum(sum_sq);
-  const float r = rsqrtf(sum_sq / static_cast<float>(dim) + eps);
-  if (lane == 0) rstd[row] = r;
-  // The row the norm reads is the one written above (the same thread wrote each vector it re-reads).
-  const bf16* src = delta != nullptr ? resid_out + row * dim : x_row;
-  for (int64_t c = lane * 8; c < dim; c += 32 * 8) {
-    const Bf16x8 x = load8(src + c);
-    const Bf16x8 w = load8(weight + c);
-    Bf16x8 y;
+    for (int v = 0; v < kVecs; ++v) keep_packed(row[r][v]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      y.v[j] = __float2bfloat16(__bfloat162float(w.v[j]) * (__bfloat162float(x.v[j]) * r));
-    store8(out + row * dim + c, y);
+  for (int v = 0; v < kVecs; ++v) keep_packed(w[v]);
+}
+
+template <int kVecs>
+__device__ __forceinline__ void load_weight(Packed8 (&w)[kVecs], const bf16* weight, int dim) {
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int c = vector_column(v, dim);
+    w[v] = c >= 0 ? load_packed(weight + c) : zeros_packed();
   }
 }
 
-// kVecs: 8-wide column vectors per thread (dim <= kBwdThreads * 8 * kVecs).
-template <int kVecs>
-__global__ void __launch_bounds__(kBwdThreads) rmsnorm_bwd_kernel(bf16* dinp, float* partial, const bf16* dout,
-                                                                  const bf16* inp, const bf16* weight,
-                                                                  const float* rstd, int64_t n, int64_t dim) {
-  __shared__ float scratch[kBwdThreads / 32];
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
-  const int64_t row_end = min(n, row0 + kRowsPerBlock);
-  float dw[kVecs][8] = {};
-  float w[kVecs][8];
+// kAdd: the fused residual add (x = bf16(inp + delta), written to resid_out).
+template <int kVecs, bool kAdd>
+__global__ void __launch_bounds__(kMaxThreads)
+    rmsnorm_fwd_kernel(bf16* __restrict__ out, float* __restrict__ rstd, bf16* __restrict__ resid_out,
+                       const bf16* __restrict__ inp, const bf16* __restrict__ delta, const bf16* __restrict__ weight,
+                       int64_t n, int dim, float eps) {
+  __shared__ float scratch[2 * kFwdRows * (kMaxThreads / 32)];
+  Packed8 w[kVecs];
+  load_weight(w, weight, dim);
+  const int64_t block_row0 = static_cast<int64_t>(blockIdx.x) * kFwdRowsPerBlock;
+  const int64_t block_rows_end = min(n, block_row0 + kFwdRowsPerBlock);
+  int parity = 0;
+  for (int64_t row0 = block_row0; row0 < block_rows_end; row0 += kFwdRows, parity ^= 1) {
+    // Every load of the kFwdRows rows first; a row past the block's end reads as zeros and stores nothing.
+    Packed8 x[kFwdRows][kVecs];
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const int64_t c = (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8;
-    if (c < dim) {
-      const Bf16x8 wv = load8(weight + c);
+    for (int r = 0; r < kFwdRows; ++r) {
+      const int64_t row = row0 + r;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) w[v][j] = __bfloat162float(wv.v[j]);
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = vector_column(v, dim);
+        x[r][v] = row < block_rows_end && c >= 0 ? load_packed_stream(inp + row * dim + c) : zeros_packed();
+      }
     }
-  }
-  for (int64_t row = row0; row < row_end; ++row) {
-    const float r = rstd[row];
-    float g[kVecs][8], x[kVecs][8];
-    float dot = 0.0f;
+    if constexpr (kAdd) {
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int64_t c = (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8;
-      if (c < dim) {
-        const Bf16x8 gv = load8(dout + row * dim + c), xv = load8(inp + row * dim + c);
+      for (int r = 0; r < kFwdRows; ++r) {
+        const int64_t row = row0 + r;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          g[v][j] = __bfloat162float(gv.v[j]);
-          x[v][j] = __bfloat162float(xv.v[j]);
-          dot += w[v][j] * g[v][j] * x[v][j];
-          dw[v][j] += g[v][j] * x[v][j] * r;
+        for (int v = 0; v < kVecs; ++v) {
+          const int c = vector_column(v, dim);
+          const Packed8 d = row < block_rows_end && c >= 0 ? load_packed_stream(delta + row * dim + c) : zeros_packed();
+          float sum[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) sum[j] = unpack(x[r][v], j) + unpack(d, j);
+          x[r][v] = pack8(sum);  // the bf16-rounded sum is the residual stream, and what the norm reads
         }
       }
     }
-    dot = block_sum(dot, scratch);
-    const float correction = r * r * dot / static_cast<float>(dim);
+    float sum_sq[kFwdRows];
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int64_t c = (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8;
-      if (c < dim) {
-        Bf16x8 d = load8(dinp + row * dim + c);
+    for (int r = 0; r < kFwdRows; ++r) {
+      sum_sq[r] = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum_sq[r] += unpack(x[r][v], j) * unpack(x[r][v], j);
+    }
+    block_sum_batched(sum_sq, scratch, parity);
+    keep_row_packed(x, w);
+#pragma unroll
+    for (int r = 0; r < kFwdRows; ++r) {
+      const int64_t row = row0 + r;
+      if (row >= block_rows_end) break;
+      const float rs = rsqrtf(sum_sq[r] / static_cast<float>(dim) + eps);
+      if (threadIdx.x == 0) rstd[row] = rs;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = vector_column(v, dim);
+        if (c < 0) continue;
+        if constexpr (kAdd) store_packed(resid_out + row * dim + c, x[r][v]);
+        float y[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) y[j] = unpack(w[v], j) * (unpack(x[r][v], j) * rs);
+        store_packed(out + row * dim + c, pack8(y));
+      }
+    }
+  }
+}
+
+// The backward's register budget decides kRows: two rows in flight fit 255 registers with up to 256
+// threads; 512 threads (dims above 8192) cap a thread at 128, so one row.
+constexpr int bwd_max_threads(int rows) { return rows == 2 ? 256 : kMaxThreads; }
+
+// One block per slab of kSlabRows rows; writes the slab's dweight sums to partial[slab, :].
+template <int kVecs, int kRows>
+__global__ void __launch_bounds__(bwd_max_threads(kRows))
+    rmsnorm_bwd_kernel(bf16* __restrict__ dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
+                       const bf16* __restrict__ inp, const bf16* __restrict__ weight, const float* __restrict__ rstd,
+                       int64_t n, int dim) {
+  __shared__ float scratch[2 * kRows * (kMaxThreads / 32)];
+  const int64_t slab_row0 = static_cast<int64_t>(blockIdx.x) * kSlabRows;
+  const int64_t slab_end = min(n, slab_row0 + kSlabRows);
+  Packed8 w[kVecs];
+  load_weight(w, weight, dim);
+  float dw[kVecs][8];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dw[v][j] = 0.0f;
+  int parity = 0;
+  for (int64_t row0 = slab_row0; row0 < slab_end; row0 += kRows, parity ^= 1) {
+    // All three tensors of the kRows rows are loaded before the reduction; a row past the slab reads as
+    // zeros (adding nothing to dweight) and stores nothing.
+    Packed8 g[kRows][kVecs], x[kRows][kVecs], d[kRows][kVecs];
+    float r[kRows];
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int64_t row = row0 + k;
+      r[k] = row < slab_end ? rstd[row] : 0.0f;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = vector_column(v, dim);
+        const bool live = row < slab_end && c >= 0;
+        g[k][v] = live ? load_packed_stream(dout + row * dim + c) : zeros_packed();
+        x[k][v] = live ? load_packed_stream(inp + row * dim + c) : zeros_packed();
+        d[k][v] = live ? load_packed_stream(dinp + row * dim + c) : zeros_packed();
+      }
+    }
+    float dot[kRows];
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      dot[k] = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float gj = unpack(g[k][v], j), xj = unpack(x[k][v], j);
+          dot[k] += unpack(w[v], j) * gj * xj;
+          dw[v][j] += gj * xj * r[k];  // rows in order: the slab's sum is fixed
+        }
+    }
+    block_sum_batched(dot, scratch, parity);
+    keep_row_packed(g, w);
+    keep_row_packed(x, w);
+    keep_row_packed(d, w);
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int64_t row = row0 + k;
+      if (row >= slab_end) break;
+      const float correction = r[k] * r[k] * dot[k] / static_cast<float>(dim);
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = vector_column(v, dim);
+        if (c < 0) continue;
+        float y[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          d.v[j] = __float2bfloat16(__bfloat162float(d.v[j]) + r * (w[v][j] * g[v][j] - x[v][j] * correction));
-        store8(dinp + row * dim + c, d);
+          y[j] = unpack(d[k][v], j) + r[k] * (unpack(w[v], j) * unpack(g[k][v], j) - unpack(x[k][v], j) * correction);
+        store_packed(dinp + row * dim + c, pack8(y));
       }
     }
   }
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
-    const int64_t c = (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8;
-    if (c < dim) {
-      float4* dst = reinterpret_cast<float4*>(partial + blockIdx.x * dim + c);
-      dst[0] = make_float4(dw[v][0], dw[v][1], dw[v][2], dw[v][3]);
-      dst[1] = make_float4(dw[v][4], dw[v][5], dw[v][6], dw[v][7]);
-    }
+    const int c = vector_column(v, dim);
+    if (c < 0) continue;
+    float4* dst = reinterpret_cast<float4*>(partial + static_cast<int64_t>(blockIdx.x) * dim + c);
+    dst[0] = make_float4(dw[v][0], dw[v][1], dw[v][2], dw[v][3]);
+    dst[1] = make_float4(dw[v][4], dw[v][5], dw[v][6], dw[v][7]);
   }
 }
 
-// dweight[j] += sum over row blocks b, in order, of partial[b, j].
-__global__ void rmsnorm_dweight_kernel(float* dweight, const float* partial, int64_t n_blocks, int64_t dim) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= dim) return;
-  float sum = 0.0f;
-  for (int64_t b = 0; b < n_blocks; ++b) sum += partial[b * dim + j];
-  dweight[j] += sum;
+// dweight[j] += sum over slabs s, in a fixed order, of partial[s, j]. Block: kReduceColumnLanes float4
+// column groups x kReduceSlabLanes slab lanes; lane l sums slabs l, l + 32, ... in order, then the lanes'
+// sums are added in lane order. dweight may sit at any float offset (a parameter of the flat gradient), so
+// it is updated one float at a time.
+__global__ void __launch_bounds__(kReduceColumnLanes* kReduceSlabLanes)
+    rmsnorm_dweight_kernel(float* __restrict__ dweight, const float* __restrict__ partial, int n_slabs, int dim) {
+  __shared__ float4 lane_sums[kReduceSlabLanes][kReduceColumnLanes];
+  const int group = static_cast<int>(threadIdx.x) % kReduceColumnLanes;
+  const int lane = static_cast<int>(threadIdx.x) / kReduceColumnLanes;
+  const int c = (static_cast<int>(blockIdx.x) * kReduceColumnLanes + group) * 4;
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (c < dim) {
+#pragma unroll 4
+    for (int s = lane; s < n_slabs; s += kReduceSlabLanes) {
+      const float4 p = *reinterpret_cast<const float4*>(partial + static_cast<int64_t>(s) * dim + c);
+      sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
+    }
+  }
+  lane_sums[lane][group] = sum;
+  __syncthreads();
+  if (lane != 0 || c >= dim) return;
+  float4 total = lane_sums[0][group];
+  for (int l = 1; l < kReduceSlabLanes; ++l) {
+    const float4 p = lane_sums[l][group];
+    total.x += p.x, total.y += p.y, total.z += p.z, total.w += p.w;
+  }
+  dweight[c] += total.x, dweight[c + 1] += total.y, dweight[c + 2] += total.z, dweight[c + 3] += total.w;
+}
+
+void check_dim(const char* op, int64_t n, int64_t dim) {
+  TUNA_CHECK(n >= 0 && dim > 0 && dim % 8 == 0, op, ": n ", n, ", dim ", dim, " (dim must be a multiple of 8)");
+  if (dim > kMaxDim) fail(op, ": dim ", dim, " exceeds the supported ", kMaxDim, " (", kMaxThreads, " threads x ",
+                          kMaxVecs * 8, " columns a row)");
 }
 
 }  // namespace
 
 void rmsnorm_fwd(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const bf16* residual_delta,
                  const bf16* weight, int64_t n, int64_t dim, double eps, cudaStream_t stream) {
-  TUNA_CHECK(n >= 0 && dim > 0 && dim % 8 == 0, "n ", n, ", dim ", dim, " (dim must be a multiple of 8)");
+  check_dim("rmsnorm_fwd", n, dim);
   TUNA_CHECK(residual_delta == nullptr || resid_out != nullptr, "a residual add needs resid_out");
   if (n == 0) return;
-  launch_kernel(rmsnorm_fwd_kernel, static_cast<unsigned>(ceil_div(n, kFwdWarps)), kFwdWarps * 32, 0, stream, out, rstd,
-                resid_out, inp, residual_delta, weight, n, dim, static_cast<float>(eps));
+  const RowShape shape = row_shape(dim);
+  const unsigned grid = static_cast<unsigned>(ceil_div(n, kFwdRowsPerBlock));
+  const int d = static_cast<int>(dim);
+  const float e = static_cast<float>(eps);
+  const auto launch = [&](auto vecs) {
+    constexpr int kVecs = decltype(vecs)::value;
+    if (residual_delta != nullptr)
+      launch_kernel(rmsnorm_fwd_kernel<kVecs, true>, grid, shape.threads, 0, stream, out, rstd, resid_out, inp,
+                    residual_delta, weight, n, d, e);
+    else
+      launch_kernel(rmsnorm_fwd_kernel<kVecs, false>, grid, shape.threads, 0, stream, out, rstd, resid_out, inp,
+                    residual_delta, weight, n, d, e);
+  };
+  if (shape.vecs == 1) launch(std::integral_constant<int, 1>{});
+  else if (shape.vecs == 2) launch(std::integral_constant<int, 2>{});
+  else launch(std::integral_constant<int, kMaxVecs>{});
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
 int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim) {
-  static_assert(kRowsPerBlock == 64, "kernels/scratch.h sizes the scratch for blocks of 64 rows");
+  static_assert(kSlabRows == gpu_scratch::kRmsnormSlabRows, "kernels/scratch.h sizes the scratch by the slab");
   return gpu_scratch::rmsnorm_bwd_floats(n, dim);
 }
 
 void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
                  const float* rstd, float* scratch, int64_t n, int64_t dim, cudaStream_t stream) {
-  TUNA_CHECK(n >= 0 && dim > 0 && dim % 8 == 0, "n ", n, ", dim ", dim, " (dim must be a multiple of 8)");
+  check_dim("rmsnorm_bwd", n, dim);
   if (n == 0) return;
-  const int64_t n_blocks = ceil_div(n, kRowsPerBlock);
-  const int64_t vecs = ceil_div(dim, kBwdThreads * 8);
-  const unsigned grid = static_cast<unsigned>(n_blocks);
-  if (vecs <= 1)
-    launch_kernel(rmsnorm_bwd_kernel<1>, grid, kBwdThreads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
-  else if (vecs <= 2)
-    launch_kernel(rmsnorm_bwd_kernel<2>, grid, kBwdThreads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
-  else if (vecs <= 4)
-    launch_kernel(rmsnorm_bwd_kernel<4>, grid, kBwdThreads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
-  else  // 8 vectors per thread (dim 16384, LLaMA 405B) would spill: needs a wider block first.
-    fail("rmsnorm_bwd: dim ", dim, " exceeds the supported ", kBwdThreads * 8 * 4);
+  const RowShape shape = row_shape(dim);
+  const int64_t n_slabs = ceil_div(n, kSlabRows);
+  TUNA_CHECK(n_slabs < (int64_t(1) << 31), "rmsnorm_bwd: n ", n);
+  const unsigned grid = static_cast<unsigned>(n_slabs);
+  const int d = static_cast<int>(dim);
+  if (shape.vecs == 1)
+    launch_kernel(rmsnorm_bwd_kernel<1, 2>, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
+  else if (shape.vecs == 2)
+    launch_kernel(rmsnorm_bwd_kernel<2, 2>, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
+  else if (shape.threads <= bwd_max_threads(2))
+    launch_kernel(rmsnorm_bwd_kernel<4, 2>, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
+  else
+    launch_kernel(rmsnorm_bwd_kernel<4, 1>, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
   TUNA_CUDA_CHECK_LAUNCH();
-  launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, 256)), 256, 0, stream, dweight, scratch,
-                n_blocks, dim);
+  launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, kReduceColumnLanes * 4)),
+                kReduceColumnLanes * kReduceSlabLanes, 0, stream, dweight, scratch, static_cast<int>(n_slabs), d);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

@@ -7,11 +7,9 @@
 namespace tuna::test {
 namespace {
 
-TEST(RmsNormGpu, ForwardWithAndWithoutResidualAdd) {
-  TUNA_REQUIRE_GPU();
-  TestRng rng;
-  SCOPED_TRACE(rng.describe());
-  const int64_t n = 300 + rng.integer(0, 50), dim = 8 * rng.integer(20, 300);  // not a multiple of 256
+// Forward against the twin on fresh inputs, plain and with the fused residual add.
+void check_forward(TestRng& rng, int64_t n, int64_t dim) {
+  SCOPED_TRACE("n " + std::to_string(n) + ", dim " + std::to_string(dim));
   const double eps = 1e-5;
   std::vector<float> inp = random_bf16_values(rng, n * dim, -2, 2), delta = random_bf16_values(rng, n * dim);
   std::vector<float> weight = random_bf16_values(rng, dim, 0.5, 1.5);
@@ -40,11 +38,10 @@ TEST(RmsNormGpu, ForwardWithAndWithoutResidualAdd) {
   }
 }
 
-TEST(RmsNormGpu, BackwardAccumulatesAndIsDeterministic) {
-  TUNA_REQUIRE_GPU();
-  TestRng rng;
-  SCOPED_TRACE(rng.describe());
-  const int64_t n = 200 + rng.integer(0, 100), dim = 8 * rng.integer(20, 500);
+// Backward against the twin (dinp and dweight accumulate onto random values), and bit for bit the same
+// when run again.
+void check_backward(TestRng& rng, int64_t n, int64_t dim) {
+  SCOPED_TRACE("n " + std::to_string(n) + ", dim " + std::to_string(dim));
   std::vector<float> inp = random_bf16_values(rng, n * dim, -2, 2), dout = random_bf16_values(rng, n * dim);
   std::vector<float> weight = random_bf16_values(rng, dim, 0.5, 1.5), dinp0 = random_bf16_values(rng, n * dim);
   std::vector<float> dweight0 = rng.vector<float>(dim);
@@ -87,6 +84,42 @@ TEST(RmsNormGpu, BackwardAccumulatesAndIsDeterministic) {
     expect_close_to_naive("rmsnorm dinp", bf16_bits_to_double(first_dinp), naive_dinp, ref_dinp);
     expect_close_to_naive("rmsnorm dweight (fp32)", first_dw, ref_dw, ref_dw);
   }
+}
+
+TEST(RmsNormGpu, ForwardWithAndWithoutResidualAdd) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check_forward(rng, 300 + rng.integer(0, 50), 8 * rng.integer(20, 300));  // dim not a multiple of 256
+}
+
+TEST(RmsNormGpu, BackwardAccumulatesAndIsDeterministic) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check_backward(rng, 200 + rng.integer(0, 100), 8 * rng.integer(20, 500));
+}
+
+// The model dims (LLaMA 1B/8B/70B hidden 2048/4096/8192, 405B's 16384) and one just off a block shape, on few
+// rows: odd counts that end inside a forward block, a backward batch of two rows and a dweight slab.
+TEST(RmsNormGpu, ModelDimsUpTo16384WithOddRowCounts) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (int64_t dim : {int64_t(2048), int64_t(4096 + 8), int64_t(8192), int64_t(16384)}) {
+    const int64_t n = 2 * rng.integer(0, 8) + 33;  // odd, past one 32-row slab
+    check_forward(rng, n, dim);
+    check_backward(rng, n, dim);
+  }
+  check_backward(rng, 1, 16384);
+}
+
+TEST(RmsNormGpu, RefusesDimsBeyondTheSupported) {
+  // Refused by the launchers before any device work, so this runs without a GPU too.
+  EXPECT_THROW(cuda::rmsnorm_fwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 16384 + 8, 1e-5, nullptr),
+               Error);
+  EXPECT_THROW(cuda::rmsnorm_bwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 16384 + 8, nullptr),
+               Error);
 }
 
 }  // namespace
