@@ -1,6 +1,8 @@
 // Memory-bound kernels' achieved GB/s against a device-to-device copy measured first in the same run
 // (`of_copy`), at LLaMA-3-8B activation sizes for 16k tokens. Bytes are the fewest each kernel must move (each
 // input read once, each output written once); the copy counts bytes read plus bytes written.
+#include <string>
+
 #include "bench/gpu_bench_util.h"
 #include "kernels/adamw.cuh"
 #include "kernels/rmsnorm.cuh"
@@ -51,8 +53,9 @@ void measure_copy_once() {
   std::printf("device-to-device copy: %.0f GB/s (read + write, best of 10 x 2 GiB)\n", g_copy_bytes_per_s / 1e9);
 }
 
+// RMSNorm at the hidden sizes of LLaMA 1B / 8B / 70B / 405B (state.range(0)), 16k tokens.
 void BM_RmsNormFwd(benchmark::State& state) {
-  const int64_t n = kTokens, dim = kHidden;
+  const int64_t n = kTokens, dim = state.range(0);
   DeviceMemory x(n * dim * 2), w(dim * 2), out(n * dim * 2), rstd(n * 4);
   fill_random_bf16(x.as<__nv_bfloat16>(), n * dim, 1);
   fill_random_bf16(w.as<__nv_bfloat16>(), dim, 2);
@@ -61,10 +64,11 @@ void BM_RmsNormFwd(benchmark::State& state) {
                       w.as<__nv_bfloat16>(), n, dim, 1e-5, nullptr);
   });
   report(state, 2.0 * n * dim * 2 + n * 4.0);
+  state.SetLabel("dim " + std::to_string(dim));  // gpu-check's table names a row by its label
 }
 
 void BM_RmsNormBwd(benchmark::State& state) {
-  const int64_t n = kTokens, dim = kHidden;
+  const int64_t n = kTokens, dim = state.range(0);
   DeviceMemory x(n * dim * 2), w(dim * 2), g(n * dim * 2), dx(n * dim * 2), rstd(n * 4), dw(dim * 4),
       scratch(cuda::rmsnorm_bwd_scratch_floats(n, dim) * 4);
   fill_random_bf16(x.as<__nv_bfloat16>(), n * dim, 1);
@@ -78,6 +82,7 @@ void BM_RmsNormBwd(benchmark::State& state) {
                       w.as<__nv_bfloat16>(), rstd.as<float>(), scratch.as<float>(), n, dim, nullptr);
   });
   report(state, 4.0 * n * dim * 2);  // read x, dout, dinp; write dinp
+  state.SetLabel("dim " + std::to_string(dim));
 }
 
 void BM_Rope(benchmark::State& state) {
@@ -149,8 +154,10 @@ void BM_AdamW(benchmark::State& state) {
 }
 
 BENCHMARK(BM_Copy)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
-BENCHMARK(BM_RmsNormFwd)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);
-BENCHMARK(BM_RmsNormBwd)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);
+BENCHMARK(BM_RmsNormFwd)->ArgName("dim")->Arg(2048)->Arg(4096)->Arg(8192)->Arg(16384)->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)->MinTime(0.2);
+BENCHMARK(BM_RmsNormBwd)->ArgName("dim")->Arg(2048)->Arg(4096)->Arg(8192)->Arg(16384)->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)->MinTime(0.2);
 BENCHMARK(BM_Rope)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);
 BENCHMARK(BM_SwigluFwd)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);
 BENCHMARK(BM_SwigluBwd)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.2);

@@ -161,6 +161,17 @@ __device__ __forceinline__ bf16 bf16_stochastic(float x, uint32_t random_bits) {
   return __ushort_as_bfloat16(static_cast<unsigned short>(bits >> 16));
 }
 
+// The block's dynamic shared memory (the launch's dynamic_smem bytes, 16-byte aligned). In the emulated build
+// the emulator's array, which it fills with 0xff bytes before each block, as the tests' poison does.
+__device__ __forceinline__ unsigned char* dynamic_shared_memory() {
+#ifdef TUNA_EMULATOR
+  return tuna::emulator::shared_bytes();
+#else
+  extern __shared__ __align__(16) unsigned char tuna_dynamic_shared[];
+  return tuna_dynamic_shared;
+#endif
+}
+
 // kernel<<<grid, block, dynamic_smem, stream>>>(args...), written as a call so that the same launchers also
 // compile with g++ against the host emulator of tests/kernels/emulator (built with -DTUNA_EMULATOR), which
 // runs the kernel there: CI runs the GPU tests through the real launchers without a GPU. A launcher still
