@@ -8,8 +8,10 @@
 //             dweight[j] += sum_i g[i, j] x[i, j] r[i]                                 fp32, ACCUMULATED
 //
 // Both are memory-bound: per element the forward moves 4 bytes (x read, out written; 8 with the residual
-// add), the backward 8 (g, x, dinp read, dinp written). Design, for Hopper at ~4.8 TB/s (unmeasured so far:
-// bench/bench_memory_gpu.cpp reports each against a device copy at dims 2048-16384):
+// add), the backward 8 (g, x, dinp read, dinp written). The kernels before these measured (H200, main
+// 39d364b) 59% / 54% of a device copy at 16k rows x 4096, and the backward ~30% in the 1B step (108 us a
+// launch at 8192 x 2048, for 134 MB). Design, for Hopper at ~4.8 TB/s, aiming at >= 85% of the copy
+// (unmeasured so far: bench/bench_memory_gpu.cpp reports each against a device copy at dims 2048-16384):
 //
 // - A row is cached in registers. A block of `threads` (a multiple of 32, at most kMaxThreads) spans one
 //   row: thread t owns the 8-wide column vectors t, t + threads, ... (kVecs of them: 16-byte accesses, a
@@ -19,18 +21,19 @@
 // - Everything a row needs is loaded before its reduction, and kRows rows are loaded together: one batched
 //   block reduction (kernels/common.cuh, ONE barrier) per kRows rows, never a barrier pair per row.
 // - Bytes in flight. Little's law: 4.8 TB/s x ~0.7 us of loaded-DRAM latency is ~3.4 MB over 132 SMs, i.e.
-//   ~26 KB per SM must be outstanding. Forward: kVecs = 4 and kRows = 2 put 2 x 64 B per thread in flight;
-//   at ~60 registers a thread, an SM holds ~1000 threads (dim 4096: 7 blocks of 128), ~128 KB. Backward:
-//   kRows x 3 tensors x 64 B = 384 B per thread at ~160 registers; dim 4096 (128 threads) runs 3 blocks an
-//   SM, ~147 KB; dim 8192 one block of 256, ~98 KB; dim 16384 (kRows = 1 to stay under 128 registers with
-//   512 threads) one block, ~98 KB. Each is several times the ~26 KB needed, so a partly filled last wave
-//   still saturates memory.
+//   ~26 KB per SM must be outstanding. Forward: 4 vectors x 2 rows = 128 B per thread; at 100 registers
+//   (ptxas, sm_90a) an SM holds ~640 threads, ~80 KB, from blocks of 8 rows (n / 8 of them, plenty).
+//   Backward: a block has rows x 3 tensors x dim x 2 B in flight (bwd_shape): dim 2048 48 KB (176
+//   registers, 2 blocks an SM), 4096 48 KB (255 registers, 2 blocks), 8192 96 KB (1 block), 16384 96 KB (1
+//   block), i.e. 96 KB an SM wherever there are as many slabs as blocks that fit (n >= 8192 at dim 2048,
+//   n >= 4096 from 8192 up): several times the ~26 KB needed, so the barrier phase of one block and a partly
+//   filled last wave still leave memory busy.
 // - dweight stays deterministic without atomics: a fixed partition of the rows into slabs of kSlabRows (a
 //   function of n alone, so every device and launch sums alike); each block owns one slab, keeps its
 //   columns' sums in registers across the slab's rows in row order and writes them to scratch; a second
 //   kernel adds the slabs in slab order. That scratch costs 4 B x dim per 32 rows written and read back
 //   (from L2: it is written just before), 1/64 of the backward's bytes each way. The slab size is the
-//   trade: 64-row slabs left half the SMs idle at n = 4096 (70B, one sequence a rank); 32 gives 128 slabs there.
+//   trade: 64-row slabs left half the SMs idle at n = 4096 (70B, one sequence a rank); 32 gives 128 there.
 // - The slab reduction reads its [slabs, dim] scratch with the whole grid: a block takes 32 columns, its 32
 //   slab lanes each sum a fixed strided subset (float4 loads, four in flight), and lane sums are added in
 //   lane order. (The old one-thread-per-column loop over every slab issued one 4-byte load at a time.)
@@ -57,14 +60,29 @@ constexpr int kFwdRowsPerBlock = 8;    // rows per forward block (4 batches): am
 constexpr int kReduceColumnLanes = 8;  // dweight reduction: float4 column groups per block (32 columns)
 constexpr int kReduceSlabLanes = 32;   // ... and slab lanes per column group
 
-// Block shape for a row of `dim`: kVecs 8-wide vectors per thread and a multiple of 32 threads covering them.
+// Block shape for a row of `dim`: `vecs` 8-wide vectors per thread, a multiple of 32 threads covering them,
+// and (backward) `rows` rows loaded together.
 struct RowShape {
-  int vecs, threads;
+  int vecs, threads, rows;
 };
-RowShape row_shape(int64_t dim) {
+RowShape row_shape(int64_t dim, int vecs, int rows) {
+  return {vecs, static_cast<int>(ceil_div(ceil_div(dim / 8, vecs), 32) * 32), rows};
+}
+// Forward: 4 vectors a thread from dim 520 up (fewer below, so a block is never less than a warp).
+RowShape fwd_shape(int64_t dim) {
   const int64_t vectors = dim / 8;
-  const int vecs = vectors <= 32 ? 1 : vectors <= 64 ? 2 : kMaxVecs;
-  return {vecs, static_cast<int>(ceil_div(ceil_div(vectors, vecs), 32) * 32)};
+  return row_shape(dim, vectors <= 32 ? 1 : vectors <= 64 ? 2 : kMaxVecs, kFwdRows);
+}
+// Backward: what one block has in flight is rows x 3 tensors x dim x 2 bytes whatever the vectors a thread,
+// so small dims load more rows at once (the slab count, n / 32, bounds the blocks: 256 at n = 8192). dim 2048
+// (LLaMA 1B): 2 vectors x 4 rows, 128 threads, 48 KB; 4096: 4 x 2, 128 threads, 48 KB; 8192: 4 x 2, 256
+// threads, 96 KB; 16384: 4 x 1 (512 threads allow 128 registers), 96 KB.
+RowShape bwd_shape(int64_t dim) {
+  const int64_t vectors = dim / 8;
+  if (vectors <= 32) return row_shape(dim, 1, 2);
+  if (vectors <= 256) return row_shape(dim, 2, 4);
+  if (vectors <= 1024) return row_shape(dim, kMaxVecs, 2);
+  return row_shape(dim, kMaxVecs, 1);
 }
 
 // Column of thread `t`'s vector v, or -1 past the row's end.
@@ -163,9 +181,9 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// The backward's register budget decides kRows: two rows in flight fit 255 registers with up to 256
-// threads; 512 threads (dims above 8192) cap a thread at 128, so one row.
-constexpr int bwd_max_threads(int rows) { return rows == 2 ? 256 : kMaxThreads; }
+// The backward's register budget decides kRows (bwd_shape): several rows in flight fit 255 registers with up
+// to 256 threads; 512 threads (dims above 8192) cap a thread at 128, so one row.
+constexpr int bwd_max_threads(int rows) { return rows > 1 ? 256 : kMaxThreads; }
 
 // One block per slab of kSlabRows rows; writes the slab's dweight sums to partial[slab, :].
 template <int kVecs, int kRows>
@@ -288,7 +306,7 @@ void rmsnorm_fwd(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const
   check_dim("rmsnorm_fwd", n, dim);
   TUNA_CHECK(residual_delta == nullptr || resid_out != nullptr, "a residual add needs resid_out");
   if (n == 0) return;
-  const RowShape shape = row_shape(dim);
+  const RowShape shape = fwd_shape(dim);
   const unsigned grid = static_cast<unsigned>(ceil_div(n, kFwdRowsPerBlock));
   const int d = static_cast<int>(dim);
   const float e = static_cast<float>(eps);
@@ -316,19 +334,18 @@ void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, 
                  const float* rstd, float* scratch, int64_t n, int64_t dim, cudaStream_t stream) {
   check_dim("rmsnorm_bwd", n, dim);
   if (n == 0) return;
-  const RowShape shape = row_shape(dim);
+  const RowShape shape = bwd_shape(dim);
   const int64_t n_slabs = ceil_div(n, kSlabRows);
   TUNA_CHECK(n_slabs < (int64_t(1) << 31), "rmsnorm_bwd: n ", n);
   const unsigned grid = static_cast<unsigned>(n_slabs);
   const int d = static_cast<int>(dim);
-  if (shape.vecs == 1)
-    launch_kernel(rmsnorm_bwd_kernel<1, 2>, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
-  else if (shape.vecs == 2)
-    launch_kernel(rmsnorm_bwd_kernel<2, 2>, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
-  else if (shape.threads <= bwd_max_threads(2))
-    launch_kernel(rmsnorm_bwd_kernel<4, 2>, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
-  else
-    launch_kernel(rmsnorm_bwd_kernel<4, 1>, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
+  const auto launch = [&](auto kernel) {
+    launch_kernel(kernel, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
+  };
+  if (shape.vecs == 1) launch(rmsnorm_bwd_kernel<1, 2>);
+  else if (shape.vecs == 2) launch(rmsnorm_bwd_kernel<2, 4>);
+  else if (shape.rows == 2) launch(rmsnorm_bwd_kernel<kMaxVecs, 2>);
+  else launch(rmsnorm_bwd_kernel<kMaxVecs, 1>);
   TUNA_CUDA_CHECK_LAUNCH();
   launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, kReduceColumnLanes * 4)),
                 kReduceColumnLanes * kReduceSlabLanes, 0, stream, dweight, scratch, static_cast<int>(n_slabs), d);

@@ -21,7 +21,8 @@ TEST(ClassifierGpu, LossAndGradientInPlace) {
     std::vector<float> logits = random_bf16_values(rng, n * vocab, -8, 8);
     std::vector<int32_t> targets(n);
     for (auto& t : targets) t = rng.integer(0, 4) == 0 ? cpu::kIgnoreIndex : static_cast<int32_t>(rng.integer(0, vocab - 1));
-    if (wide) targets[0] = static_cast<int32_t>(vocab - 1 - rng.integer(0, 100)), targets[1] = rng.integer(0, 1000);
+    if (wide)
+      targets[0] = static_cast<int32_t>(vocab - 1 - rng.integer(0, 100)), targets[1] = rng.integer(0, 1000);
     const double dloss = 0.37;
     DeviceBf16 d_logits(logits);
     DeviceBuffer<int32_t> d_targets(targets);
