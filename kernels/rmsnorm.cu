@@ -111,6 +111,22 @@ __device__ __forceinline__ void load_weight(Packed8 (&w)[kVecs], const bf16* wei
   }
 }
 
+// The kRows x kVecs vectors of this thread in rows row0, row0 + 1, ...; zeros for a row at or past row_end
+// and for a column past the row's end.
+template <int kRows, int kVecs>
+__device__ __forceinline__ void load_rows(Packed8 (&dst)[kRows][kVecs], const bf16* src, int64_t row0,
+                                          int64_t row_end, int dim) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = vector_column(v, dim);
+      dst[r][v] = row < row_end && c >= 0 ? load_packed_stream(src + row * dim + c) : zeros_packed();
+    }
+  }
+}
+
 // kAdd: the fused residual add (x = bf16(inp + delta), written to resid_out).
 template <int kVecs, bool kAdd>
 __global__ void __launch_bounds__(kMaxThreads)
@@ -126,29 +142,19 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int64_t row0 = block_row0; row0 < block_rows_end; row0 += kFwdRows, parity ^= 1) {
     // Every load of the kFwdRows rows first; a row past the block's end reads as zeros and stores nothing.
     Packed8 x[kFwdRows][kVecs];
-#pragma unroll
-    for (int r = 0; r < kFwdRows; ++r) {
-      const int64_t row = row0 + r;
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int c = vector_column(v, dim);
-        x[r][v] = row < block_rows_end && c >= 0 ? load_packed_stream(inp + row * dim + c) : zeros_packed();
-      }
-    }
+    load_rows(x, inp, row0, block_rows_end, dim);
     if constexpr (kAdd) {
+      Packed8 d[kFwdRows][kVecs];
+      load_rows(d, delta, row0, block_rows_end, dim);
 #pragma unroll
-      for (int r = 0; r < kFwdRows; ++r) {
-        const int64_t row = row0 + r;
+      for (int r = 0; r < kFwdRows; ++r)
 #pragma unroll
         for (int v = 0; v < kVecs; ++v) {
-          const int c = vector_column(v, dim);
-          const Packed8 d = row < block_rows_end && c >= 0 ? load_packed_stream(delta + row * dim + c) : zeros_packed();
           float sum[8];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) sum[j] = unpack(x[r][v], j) + unpack(d, j);
+          for (int j = 0; j < 8; ++j) sum[j] = unpack(x[r][v], j) + unpack(d[r][v], j);
           x[r][v] = pack8(sum);  // the bf16-rounded sum is the residual stream, and what the norm reads
         }
-      }
     }
     float sum_sq[kFwdRows];
 #pragma unroll
@@ -206,20 +212,12 @@ __global__ void __launch_bounds__(bwd_max_threads(kRows))
     // All three tensors of the kRows rows are loaded before the reduction; a row past the slab reads as
     // zeros (adding nothing to dweight) and stores nothing.
     Packed8 g[kRows][kVecs], x[kRows][kVecs], d[kRows][kVecs];
+    load_rows(g, dout, row0, slab_end, dim);
+    load_rows(x, inp, row0, slab_end, dim);
+    load_rows(d, dinp, row0, slab_end, dim);
     float r[kRows];
 #pragma unroll
-    for (int k = 0; k < kRows; ++k) {
-      const int64_t row = row0 + k;
-      r[k] = row < slab_end ? rstd[row] : 0.0f;
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int c = vector_column(v, dim);
-        const bool live = row < slab_end && c >= 0;
-        g[k][v] = live ? load_packed_stream(dout + row * dim + c) : zeros_packed();
-        x[k][v] = live ? load_packed_stream(inp + row * dim + c) : zeros_packed();
-        d[k][v] = live ? load_packed_stream(dinp + row * dim + c) : zeros_packed();
-      }
-    }
+    for (int k = 0; k < kRows; ++k) r[k] = row0 + k < slab_end ? rstd[row0 + k] : 0.0f;
     float dot[kRows];
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {

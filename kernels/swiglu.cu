@@ -43,6 +43,15 @@ __device__ __forceinline__ int64_t vector_index(int k) {
   return (static_cast<int64_t>(blockIdx.x) * kVecs + k) * kThreads + threadIdx.x;
 }
 
+// This thread's kVecs vectors of src (zeros past the n_vec whole vectors).
+__device__ __forceinline__ void load_vectors(Packed8 (&dst)[kVecs], const bf16* src, int64_t n_vec) {
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    const int64_t v = vector_index(k);
+    dst[k] = v < n_vec ? load_packed_stream(src + v * 8) : zeros_packed();
+  }
+}
+
 // The n % 8 trailing elements, one per thread of the grid's first threads.
 __device__ __forceinline__ int64_t tail_element(int64_t n) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -52,12 +61,8 @@ __device__ __forceinline__ int64_t tail_element(int64_t n) {
 __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const bf16* gate, const bf16* up, int64_t n) {
   const int64_t n_vec = n / 8;
   Packed8 g[kVecs], u[kVecs];
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = vector_index(k);
-    g[k] = v < n_vec ? load_packed_stream(gate + v * 8) : zeros_packed();
-    u[k] = v < n_vec ? load_packed_stream(up + v * 8) : zeros_packed();
-  }
+  load_vectors(g, gate, n_vec);
+  load_vectors(u, up, n_vec);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int64_t v = vector_index(k);
@@ -75,13 +80,9 @@ __global__ void __launch_bounds__(kThreads)
     swiglu_bwd_kernel(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, int64_t n) {
   const int64_t n_vec = n / 8;
   Packed8 d[kVecs], g[kVecs], u[kVecs];
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = vector_index(k);
-    d[k] = v < n_vec ? load_packed_stream(dout + v * 8) : zeros_packed();
-    g[k] = v < n_vec ? load_packed_stream(gate + v * 8) : zeros_packed();
-    u[k] = v < n_vec ? load_packed_stream(up + v * 8) : zeros_packed();
-  }
+  load_vectors(d, dout, n_vec);
+  load_vectors(g, gate, n_vec);
+  load_vectors(u, up, n_vec);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int64_t v = vector_index(k);

@@ -39,10 +39,18 @@ TEST(ClassifierGpu, LossAndGradientInPlace) {
     expect_close_to_naive("classifier losses (fp32)", d_losses.download(), ref_losses, ref_losses);
     EXPECT_NEAR(d_total.download()[0], ref_total, 1e-5 * std::abs(ref_total));
 
-    // dloss = 0: losses only, logits untouched.
+    // The same inputs again: bit for bit the same gradient and losses.
+    const std::vector<float> first_losses = d_losses.download();
+    DeviceBf16 d_again(logits);
+    cuda::classifier_fwd_bwd(d_again.bf(), d_losses.get(), d_targets.get(), n, vocab, static_cast<float>(dloss), nullptr);
+    EXPECT_TRUE(bitwise_equal(d_again.download(), d_logits.download())) << "the gradient is not deterministic";
+    EXPECT_TRUE(bitwise_equal(d_losses.download(), first_losses)) << "the losses are not deterministic";
+
+    // dloss = 0: losses only (the same ones: one code path for them), logits untouched.
     DeviceBf16 d_keep(logits);
     cuda::classifier_fwd_bwd(d_keep.bf(), d_losses.get(), d_targets.get(), n, vocab, 0.0f, nullptr);
     EXPECT_TRUE(bitwise_equal(d_keep.download(), to_bf16_bits(logits)));
+    EXPECT_TRUE(bitwise_equal(d_losses.download(), first_losses));
   }
 }
 
