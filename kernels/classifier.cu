@@ -73,8 +73,12 @@ __global__ void __launch_bounds__(kThreads) classifier_kernel(bf16* logits, floa
   const bool valid = !ignored && target >= 0 && target < vocab;
   if (ignored) {
     if (threadIdx.x == 0) losses[row] = 0.0f;
-    if (dloss != 0.0f)
+    if (dloss == 0.0f) return;
+    if constexpr (kVec) {
+      for (int64_t v = threadIdx.x; v < vocab / 8; v += kThreads) store_packed(x + v * 8, zeros_packed());
+    } else {
       for (int64_t j = threadIdx.x; j < vocab; j += kThreads) x[j] = __float2bfloat16(0.0f);
+    }
     return;
   }
   if (threadIdx.x == 0) target_logit = valid ? __bfloat162float(x[target]) : NAN;
