@@ -103,6 +103,13 @@ class ForwardModel {
   // Loss sums as Llama::forward_loss; logits [batch, seq, vocab] in fp32 on the host.
   virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
   virtual void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) = 0;
+
+  // Generation with a KV cache (Llama::forward_cached's contract). clear_cache starts an empty cache for
+  // `batch` sequences (at most max_batch) of up to max_seq positions; forward_cached appends n tokens to each
+  // (tokens [batch, n]) and writes the logits of each sequence's last new position, [batch, vocab] fp32 on
+  // the host: the logits forward_logits gives at those positions over the whole context.
+  virtual void clear_cache(int64_t batch) = 0;
+  virtual void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) = 0;
 };
 
 // `device` as resolve_device returns it; weights fills the whole model (ParamLayout order).

@@ -43,6 +43,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "kernels/adamw.cuh"  // f32_to_bf16
+#include "model/decode_gpu.h"
 #include "model/engine.h"
 #include "model/llama_gpu.h"
 
@@ -640,7 +641,7 @@ class GpuEngine final : public Engine {
 class GpuForwardModel final : public ForwardModel {
  public:
   GpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
-      : model_(config, max_batch, max_seq, OptimizerConfig{}, forward_only()) {
+      : model_(config, max_batch, max_seq, OptimizerConfig{}, forward_only()), max_seq_(max_seq) {
     std::vector<float> host(model_.layout().total());
     weights(model_.layout(), host.data());
     model_.set_params(host.data());
@@ -655,6 +656,17 @@ class GpuForwardModel final : public ForwardModel {
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
     model_.forward_logits(inputs, batch, seq, logits);
   }
+  // Generation: model/decode_gpu.h over this model's bf16 weights.
+  void clear_cache(int64_t batch) override {
+    if (decoder_ && decoder_->batch() == batch) return decoder_->clear();
+    decoder_.reset();
+    decoder_ = std::make_unique<DecodeGpu>(GpuWeights{&model_.config(), &model_.layout(), model_.params(), 0}, batch,
+                                           max_seq_);
+  }
+  void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) override {
+    if (!decoder_) fail("forward_cached: no KV cache (clear_cache first)");
+    decoder_->append(tokens, n, last_logits);
+  }
 
  private:
   static GpuOptions forward_only() {  // bf16 weights and activations only
@@ -664,6 +676,8 @@ class GpuForwardModel final : public ForwardModel {
   }
   LlamaGpu model_;
   std::string describe_;
+  int64_t max_seq_;
+  std::unique_ptr<DecodeGpu> decoder_;
 };
 
 }  // namespace

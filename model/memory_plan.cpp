@@ -108,4 +108,11 @@ std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, 
   return out;
 }
 
+nlohmann::json memory_plan_json(const MemoryPlan& plan) {
+  nlohmann::json items = nlohmann::json::array();
+  for (const MemoryItem& i : plan.items)
+    items.push_back({{"name", i.name}, {"kind", memory_kind_name(i.kind)}, {"bytes", i.bytes}});
+  return {{"items", items}, {"total", plan.total()}, {"peak", plan.peak()}};
+}
+
 }  // namespace tuna

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "model/config.h"
 
 namespace tuna {
@@ -76,6 +78,9 @@ bool gpu_keeps_activation(const std::string& field, Recompute recompute);
 // The per-rank table the trainer prints at start: bytes per kind (and the largest items of each), the total,
 // the peak with transients, and, when capacity_bytes > 0, what is left of it.
 std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, const std::string& title);
+// {"items": [{"name", "kind", "bytes"}...], "total": bytes, "peak": bytes}: the plan in metrics.jsonl (the run
+// report's memory table and planned line).
+nlohmann::json memory_plan_json(const MemoryPlan& plan);
 
 // model/memory_plan_cpu.cpp
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& layout);
