@@ -44,7 +44,8 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(max_threads)
+#define __launch_bounds__(...)
+#define __grid_constant__
 // Block-scope thread_local is static: one variable for the whole block (see "Shared memory" above).
 #define __shared__ thread_local
 #define __align__(bytes)
@@ -196,8 +197,9 @@ class Block {
   void run(int threads, const std::function<void()>& kernel);
 
   int current() const { return current_; }
-  // Suspends the running thread until wake() makes it runnable again.
-  void block_current();
+  // Suspends the running thread until wake() makes it runnable again. `reason` (what it waits for) names it
+  // in the deadlock report.
+  void block_current(const char* reason = "a barrier");
   void wake(int thread) { runnable_.push_back(thread); }
 
  private:
@@ -209,6 +211,7 @@ class Block {
 #endif
     char* stack = nullptr;  // mmap'ed, the lowest page a guard
     bool finished = false;
+    const char* waits_for = nullptr;  // while blocked
   };
   static void fiber_main();
   void switch_to(int thread);
@@ -314,10 +317,11 @@ inline void Block::run(int threads, const std::function<void()>& kernel) {
   if (error_) std::rethrow_exception(error_);
   for (int t = 0; t < threads; ++t)
     TUNA_CHECK(fibers_[t].finished, "deadlock in block (", blockIdx.x, ", ", blockIdx.y, ", ", blockIdx.z,
-               "): thread ", t, " waits at a barrier that the other threads never reach");
+               "): thread ", t, " waits at ", fibers_[t].waits_for, " that the other threads never complete");
 }
 
-inline void Block::block_current() {
+inline void Block::block_current(const char* reason) {
+  fibers_[current_].waits_for = reason;
 #if defined(__x86_64__)
   tuna_emulator_switch_stack(&fibers_[current_].stack_pointer, scheduler_stack_pointer_);
 #else
@@ -378,6 +382,9 @@ inline void reset_block_barriers(int threads) {
 }
 
 }  // namespace tuna::emulator
+
+// Memory fences order nothing here: one thread runs at a time and every access is immediate.
+inline void __threadfence() {}
 
 inline void __syncthreads() {
   tuna::emulator::g_block_barrier.barrier.arrive_and_wait([] { ++tuna::emulator::g_block_barrier.epoch; });

@@ -11,7 +11,9 @@
 // 15 times slower (10 s instead of 0.6 s for one engine test).
 //
 //   emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] [GoogleTest flags]
-//     --copies  when a cp.async lands: at its issue (the default) or at the wait that retires it (ptx.h)
+//     --copies  when asynchronous work takes effect: at its issue (the default) or as late as the hardware may
+//               defer it: a cp.async at the wait that retires it (ptx.h), a TMA copy when a thread waits on its
+//               mbarrier's phase, a wgmma at the wgmma.wait_group that retires it (ptx_sm90.h)
 //     --warps   how the warps of a block interleave: in near lockstep (the default), or each running as far
 //               ahead as it can before the next starts (emulator.h)
 // A missing barrier (visible when one warp runs ahead) or a read of a tile before its wait (visible when data
