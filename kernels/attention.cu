@@ -11,12 +11,37 @@
 #include "kernels/attention.cuh"
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
+#include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/attention_params.cuh"
+#include "kernels/rope.cuh"
 
 namespace tuna::cuda {
+
+// The switch to flip once a GPU run of scripts/gpu-check.sh has passed the hopper path's tests: with it set, the
+// default (TUNA_ATTENTION unset) is hopper on sm_90 devices and mma elsewhere.
+constexpr bool kHopperByDefault = false;
+
 namespace {
+
+AttentionPath path_from_environment() {
+  const char* value = std::getenv("TUNA_ATTENTION");
+  if (value == nullptr || *value == '\0') {
+    if (!kHopperByDefault) return AttentionPath::kMma;
+    int device = 0, major = 0, minor = 0;
+    TUNA_CUDA_CHECK(cudaGetDevice(&device));
+    TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return major == 9 && minor == 0 ? AttentionPath::kHopper : AttentionPath::kMma;
+  }
+  const std::string name = value;
+  if (name == "mma") return AttentionPath::kMma;
+  if (name == "hopper") return AttentionPath::kHopper;
+  fail("environment variable TUNA_ATTENTION: expected 'mma' or 'hopper', found '", name, "'");
+}
 
 AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
   TUNA_CHECK(batch >= 0 && seq_len >= 0 && n_heads > 0 && n_kv_heads > 0, "batch ", batch, ", seq_len ", seq_len,
@@ -37,34 +62,65 @@ AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int
 
 }  // namespace
 
+AttentionPath resolve_attention_path(AttentionPath path) {
+  if (path != AttentionPath::kDefault) return path;
+  static const AttentionPath from_environment = path_from_environment();
+  return from_environment;
+}
+
+const char* attention_path_name(AttentionPath path) {
+  switch (path) {
+    case AttentionPath::kDefault: return "default";
+    case AttentionPath::kMma: return "mma";
+    case AttentionPath::kHopper: return "hopper";
+  }
+  return "unknown";
+}
+
 void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
-                   int64_t head_dim, cudaStream_t stream) {
+                   int64_t head_dim, cudaStream_t stream, AttentionPath path) {
   AttentionParams p = make_params(batch, seq_len, n_heads, n_kv_heads, head_dim);
   if (batch == 0 || seq_len == 0) return;
   p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
-  if (head_dim == 64) attention_fwd_hd64(p, stream);
-  else if (head_dim == 128) attention_fwd_hd128(p, stream);
+  const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper;
+  if (head_dim == 64) hopper ? attention_sm90_fwd_hd64(p, stream) : attention_fwd_hd64(p, stream);
+  else if (head_dim == 128) hopper ? attention_sm90_fwd_hd128(p, stream) : attention_fwd_hd128(p, stream);
   else attention_small(p, static_cast<int>(head_dim), /*backward=*/false, stream);
 }
 
-int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_heads) {
+int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t head_dim,
+                                     AttentionPath path) {
+  if (resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128))
+    return Sm90BwdScratch::layout(batch, seq_len, n_heads, head_dim).floats;
   return batch * seq_len * n_heads;
 }
 
 void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
                    const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, float* scratch, int64_t batch, int64_t seq_len, int64_t n_heads,
-                   int64_t n_kv_heads, int64_t head_dim, cudaStream_t stream) {
+                   int64_t n_kv_heads, int64_t head_dim, cudaStream_t stream, AttentionPath path,
+                   AttentionRope rope) {
   AttentionParams p = make_params(batch, seq_len, n_heads, n_kv_heads, head_dim);
   if (batch == 0 || seq_len == 0) return;
   p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv, p.delta = scratch;
   // The kernels only read out and lse in the backward; the params struct is shared with the forward.
   p.out = const_cast<__nv_bfloat16*>(out);
   p.lse = const_cast<float*>(lse);
+  TUNA_CHECK((rope.cos_table == nullptr) == (rope.sin_table == nullptr), "attention_bwd: RoPE needs both tables");
+  const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128);
+  if (hopper) {
+    (head_dim == 64 ? attention_sm90_bwd_hd64 : attention_sm90_bwd_hd128)(p, scratch, rope.cos_table, rope.sin_table,
+                                                                          stream);
+    return;
+  }
   if (head_dim == 64) attention_bwd_hd64(p, stream);
   else if (head_dim == 128) attention_bwd_hd128(p, stream);
   else attention_small(p, static_cast<int>(head_dim), /*backward=*/true, stream);
+  if (rope.cos_table != nullptr) {
+    rope_bwd(dq, dq, rope.cos_table, rope.sin_table, batch, seq_len, n_heads, head_dim, stream);
+    rope_bwd(dk, dk, rope.cos_table, rope.sin_table, batch, seq_len, n_kv_heads, head_dim, stream);
+  }
 }
 
 }  // namespace tuna::cuda

@@ -17,11 +17,9 @@
 
 #include <cstdint>
 
-namespace tuna::cuda::attention {
+#include "kernels/attention_ptx.cuh"  // smem_address (and the sm_80 helpers, which sm_90 also runs)
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+namespace tuna::cuda::attention {
 
 // ---- mbarrier (PTX ISA 9.7.13.15): a phase completes when its pending arrivals and its tx-count reach zero.
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals) {

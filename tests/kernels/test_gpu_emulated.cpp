@@ -54,8 +54,9 @@ void run_emulated(const std::string& options) {
 
 TEST(GpuTestsEmulated, CopiesLandAtIssueWarpsInLockstep) { run_emulated("--copies at-issue --warps lockstep"); }
 
+// Also with 3 SMs: the persistent attention forward then runs several tiles per CTA.
 TEST(GpuTestsEmulated, CopiesLandAtTheirWaitWarpsInTurn) {
-  run_emulated("--copies at-wait --warps in-turn --gtest_filter=-*LlamaGpu*:*EngineGpu*");
+  run_emulated("--copies at-wait --warps in-turn --sms 3 --gtest_filter=-*LlamaGpu*:*EngineGpu*");
 }
 
 // The engine at dp = 2 against one rank, and its sharded checkpoint restored at 2 ranks and at 1

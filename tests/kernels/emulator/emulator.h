@@ -73,6 +73,10 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+struct alignas(8) float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
 typedef struct CUstream_st* cudaStream_t;
 
 inline float __bfloat162float(__nv_bfloat16 b) {
@@ -201,6 +205,12 @@ class Block {
   // in the deadlock report.
   void block_current(const char* reason = "a barrier");
   void wake(int thread) { runnable_.push_back(thread); }
+  // Lets the other runnable threads go first (the running thread stays runnable): a point where the hardware
+  // may switch, made one here where it exposes an ordering bug (after a release that woke someone).
+  void yield_current() {
+    runnable_.push_back(current_);
+    block_current("a yield");
+  }
 
  private:
   struct Fiber {

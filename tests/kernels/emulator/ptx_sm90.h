@@ -140,6 +140,7 @@ struct Sm90Block {
     long phase;
   };
   std::unordered_map<uint32_t, Write> tma_writes;       // 16-byte chunk -> the copy that last wrote it
+  std::unordered_map<uint32_t, uint32_t> tma_in_flight;  // 16-byte chunk -> the barrier of a copy not landed yet
   std::unordered_map<uint32_t, int> wgmma_reads;        // 16-byte chunk -> unretired wgmma reading it
   std::unordered_map<const float*, std::vector<uint32_t>> written;  // accumulators -> what the emulator left there
   std::vector<WarpGroupState> warpgroups;
@@ -153,7 +154,7 @@ inline void reset_sm90_block(int threads, bool sm90a) {
   g_sm90.launched_as_sm90a = sm90a;
   g_sm90.barriers.clear();
   g_sm90.seen.assign(threads, {});
-  g_sm90.tma_writes.clear(), g_sm90.wgmma_reads.clear(), g_sm90.written.clear();
+  g_sm90.tma_writes.clear(), g_sm90.tma_in_flight.clear(), g_sm90.wgmma_reads.clear(), g_sm90.written.clear();
   g_sm90.warpgroups = std::vector<WarpGroupState>((threads + kWarpGroupSize - 1) / kWarpGroupSize);
   // The launch's per-thread registers: what a kernel of this block size may have at one CTA per SM, a
   // multiple of 8 (setmaxnreg's unit) and at most 248 (the compiler's limit, 255, rounded down).
@@ -208,21 +209,32 @@ inline MBarrier& barrier_at(uint32_t address, const char* what) {
 }
 
 // The phase of `b` completes once its pending arrivals and tx-count are both zero (ISA 9.7.13.15.6): the next
-// phase starts with the expected arrivals, and every thread waiting on it resumes.
-inline void maybe_complete_phase(MBarrier& b) {
-  if (b.pending != 0 || b.tx != 0) return;
+// phase starts with the expected arrivals, and every thread waiting on it resumes. Returns whether it did.
+inline bool maybe_complete_phase(MBarrier& b) {
+  if (b.pending != 0 || b.tx != 0) return false;
   ++b.phase;
   b.pending = b.expected;
   for (int t : b.waiters) block().wake(t);
   b.waiters.clear();
+  return true;
+}
+
+// After an arrival that completed a phase, the threads it released run before the arriving thread goes on:
+// what the arriving thread does next (say, retire the wgmma that still reads a stage it has just released)
+// then comes after what the released threads do (the producer's copy into that stage), one of the orders the
+// hardware may take, and the one that shows an early release.
+inline void arrived(bool completed_phase) {
+  if (completed_phase) block().yield_current();
 }
 
 // Writes a copy's bytes into shared memory (its destination as the copy saw it: box order, swizzled by
 // address) and completes its bytes on the barrier, recording which phase each 16-byte chunk belongs to.
 inline void land_tma(uint32_t bar_address, MBarrier& b, uint32_t dst, const std::vector<unsigned char>& data) {
   std::memcpy(shared_bytes() + dst, data.data(), data.size());
-  for (uint32_t chunk = dst / 16; chunk < (dst + data.size()) / 16; ++chunk)
+  for (uint32_t chunk = dst / 16; chunk < (dst + data.size()) / 16; ++chunk) {
     g_sm90.tma_writes[chunk] = {bar_address, b.phase};
+    g_sm90.tma_in_flight.erase(chunk);
+  }
   b.tx -= static_cast<int64_t>(data.size());
   maybe_complete_phase(b);
 }
@@ -352,6 +364,15 @@ inline void retire_wgmma(WgmmaOp& op) {
 // warpgroup has seen complete.
 inline void check_tma_data_seen(const WgmmaOp& op, int group) {
   for (uint32_t chunk : op.chunks) {
+    const auto in_flight = g_sm90.tma_in_flight.find(chunk);
+    TUNA_CHECK(in_flight == g_sm90.tma_in_flight.end(), "RACE: warpgroup ", group,
+               " issues a wgmma reading shared bytes [", chunk * 16, ", ", chunk * 16 + 16,
+               ") that a TMA copy towards the mbarrier at ", in_flight->second,
+               " is still writing; its threads have seen only ",
+               g_sm90.seen[group * kWarpGroupSize].count(in_flight->second)
+                   ? g_sm90.seen[group * kWarpGroupSize].at(in_flight->second)
+                   : 0,
+               " phases of that barrier complete");
     const auto write = g_sm90.tma_writes.find(chunk);
     if (write == g_sm90.tma_writes.end()) continue;
     for (int t = group * kWarpGroupSize; t < (group + 1) * kWarpGroupSize; ++t) {
@@ -449,7 +470,7 @@ inline void mbarrier_arrive(uint32_t bar) {
   require_sm90a("mbarrier.arrive");
   MBarrier& b = barrier_at(bar, "mbarrier.arrive");
   --b.pending;
-  maybe_complete_phase(b);
+  arrived(maybe_complete_phase(b));
 }
 
 inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -459,7 +480,7 @@ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   b.tx += bytes;
   TUNA_CHECK(b.tx < (int64_t{1} << 20), "mbarrier tx-count ", b.tx, " past the ISA's 2^20 - 1");
   --b.pending;
-  maybe_complete_phase(b);
+  arrived(maybe_complete_phase(b));
 }
 
 // try_wait.parity: true when the phase of parity `parity` is the one before the current phase (complete);
@@ -514,10 +535,9 @@ inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, const i
   for (uint32_t chunk = dst / 16; chunk < (dst + bytes) / 16; ++chunk) {
     TUNA_CHECK(!g_sm90.wgmma_reads.count(chunk), "RACE: a TMA copy writes shared bytes [", chunk * 16, ", ",
                chunk * 16 + 16, ") that an unretired wgmma reads");
-    for (const auto& [address, other] : g_sm90.barriers)
-      for (const MBarrier::Copy& c : other.in_flight)
-        TUNA_CHECK(chunk * 16 < c.dst || chunk * 16 >= c.dst + c.bytes.size(), "RACE: a TMA copy writes shared bytes [",
-                   chunk * 16, ", ", chunk * 16 + 16, ") that another TMA copy (mbarrier ", address, ") is still writing");
+    const auto other = g_sm90.tma_in_flight.find(chunk);
+    TUNA_CHECK(other == g_sm90.tma_in_flight.end(), "RACE: a TMA copy writes shared bytes [", chunk * 16, ", ",
+               chunk * 16 + 16, ") that another TMA copy (mbarrier ", other->second, ") is still writing");
   }
   // The box, in its order in shared memory (dimension 0 fastest), each element placed at its swizzled address.
   std::vector<unsigned char> image(bytes);
@@ -544,6 +564,7 @@ inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, const i
     land_tma(bar, b, dst, image);
   } else {
     std::memset(shared_bytes() + dst, 0xff, bytes);  // in flight
+    for (uint32_t chunk = dst / 16; chunk < (dst + bytes) / 16; ++chunk) g_sm90.tma_in_flight[chunk] = bar;
     b.in_flight.push_back({dst, std::move(image)});
   }
 }
@@ -689,6 +710,7 @@ inline void named_barrier(int id, int threads, bool wait) {
     for (int t : b.waiters) block().wake(t);
     b.waiters.clear();
     b.arrived = 0;
+    arrived(/*completed_phase=*/true);
     return;
   }
   if (!wait) return;

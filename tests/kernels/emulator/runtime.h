@@ -106,6 +106,7 @@ constexpr int kDefaultDynamicSharedBytes = 48 * 1024;  // without cudaFuncAttrib
 constexpr int kOptInDynamicSharedBytes = 227 * 1024;   // sm_90's opt-in limit (ptx.h holds launches to sm_80's)
 
 struct Runtime {
+  int multiprocessors = 132;  // an H100 SXM's; emulated_gpu_tests --sms sets fewer (persistent grids then loop)
   cudaError_t last_error = cudaSuccess;
   std::map<uintptr_t, size_t> allocations;  // device allocations: start -> bytes
   size_t allocated_bytes = 0;
@@ -261,7 +262,7 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->maxGridSize[0] = 0x7fffffff, prop->maxGridSize[1] = 65535, prop->maxGridSize[2] = 65535;
   prop->clockRate = 1980000;
   prop->major = 9, prop->minor = 0;
-  prop->multiProcessorCount = 132;
+  prop->multiProcessorCount = tuna::emulator::runtime().multiprocessors;
   prop->memoryClockRate = 2619000;
   prop->memoryBusWidth = 5120;
   prop->l2CacheSize = 50 * 1024 * 1024;
@@ -300,6 +301,31 @@ cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attribute, int val
       value > tuna::emulator::kOptInDynamicSharedBytes)
     return tuna::emulator::record(cudaErrorInvalidValue);
   tuna::emulator::runtime().max_dynamic_smem[reinterpret_cast<const void*>(kernel)] = value;
+  return cudaSuccess;
+}
+
+// What the emulated device's "image" of a kernel is: every kernel compiles for it, the sm_90a ones included
+// (binaryVersion 90, as on an H100 running a build with sm_90a code).
+struct cudaFuncAttributes {
+  size_t sharedSizeBytes;
+  size_t constSizeBytes;
+  size_t localSizeBytes;
+  int maxThreadsPerBlock;
+  int numRegs;
+  int ptxVersion;
+  int binaryVersion;
+  int cacheModeCA;
+  int maxDynamicSharedSizeBytes;
+};
+template <typename T>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attributes, T* kernel) {
+  *attributes = cudaFuncAttributes{};
+  attributes->maxThreadsPerBlock = 1024;
+  attributes->ptxVersion = 90;
+  attributes->binaryVersion = 90;
+  const auto& set = tuna::emulator::runtime().max_dynamic_smem;
+  const auto it = set.find(reinterpret_cast<const void*>(kernel));
+  attributes->maxDynamicSharedSizeBytes = it == set.end() ? tuna::emulator::kDefaultDynamicSharedBytes : it->second;
   return cudaSuccess;
 }
 

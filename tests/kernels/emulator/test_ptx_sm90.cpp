@@ -586,7 +586,7 @@ TEST(EmulatorWgmma, MisuseIsReported) {
       {Misuse::kNoFence, "without a wgmma.fence"},
       {Misuse::kTouchAccumulator, "changed the accumulator registers"},
       {Misuse::kTouchFragment, "changed the A fragment registers"},
-      {Misuse::kReadBeforeWait, "has seen only 0 phases"},
+      {Misuse::kReadBeforeWait, "seen only 0 phases"},  // the copy landed (at issue) or is still writing
       {Misuse::kOverwriteWhileRead, "an unretired wgmma reads"},
       {Misuse::kNoRetire, "in flight"},
   };
