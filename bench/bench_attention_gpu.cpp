@@ -3,7 +3,7 @@
 // hopper (FlashAttention-3 style, sm_90a; skipped with an error row on other devices). scripts/gpu-check.sh
 // prints the two side by side. FLOPs by the FlashAttention convention: forward 4 * b * h * s^2/2
 // * d (QK^T and PV over the causal half), backward 2.5x the forward (5 products), whatever a kernel actually
-// recomputes (ours recomputes 2 extra products in the dQ pass: deterministic dQ). The `of_peak` counter is the
+// recomputes (the mma path recomputes 2 extra products in its dQ pass; the hopper path none). The `of_peak` counter is the
 // fraction of the device's dense bf16 peak (gpu_peak_bf16_flops; TUNA_PEAK_TFLOPS overrides).
 #include "bench/gpu_bench_util.h"
 #include "kernels/attention.cuh"

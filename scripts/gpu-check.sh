@@ -22,9 +22,12 @@
 # Checks, in order:
 #   1. gpu_tests: every op against its CPU twin on fresh random inputs (poisoned outputs, shapes off the tile
 #      sizes, bf16 error within 2x of a naive same-precision version; determinism of the backward passes);
-#      attention fwd/bwd for head dims 64/128 (tensor cores) and 8/16/32; the GPU model against the
+#      attention fwd/bwd for head dims 64/128 (tensor cores) on both paths (mma; hopper, sm_90a: verified on
+#      hardware by this script only, the table says whether its tests passed) and 8/16/32; the GPU model against the
 #      transformers fixtures (logits, loss, every gradient) and 10 AdamW steps against the CPU model.
-#   2. benches: attention fwd/bwd TFLOP/s (causal, hd128, seq 2k/4k/8k), GEMM TFLOP/s at LLaMA 1B/8B/70B
+#   2. benches: attention fwd/bwd TFLOP/s (causal, hd128 seq 2k/4k/8k, hd64 seq 4k; mma and hopper side by
+#      side, with the best of torch SDPA's flash and cuDNN backends at the same shapes, timed in the same run
+#      by tools/reference/bench_attention_peers.py, and tuna's ratio to it), GEMM TFLOP/s at LLaMA 1B/8B/70B
 #      shapes, RMSNorm/RoPE/SwiGLU/AdamW GB/s against a device copy, the 1B-shaped training step's tokens/s and
 #      MFU (and its forward-only and AdamW-only parts).
 #   3. build/train --device cuda end to end on the demo model and corpus (demo/train.toml): 300 steps learn
@@ -80,7 +83,7 @@ if command -v cuobjdump >/dev/null 2>&1; then
   arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
   [ "$arch" = "90" ] && arch=90a
   log "SASS (sm_${arch:-?}) of gpu_tests: $(cuobjdump -sass -arch "sm_${arch:-90a}" "$BIN/gpu_tests" 2>/dev/null |
-    grep -oE 'HMMA|LDSM|LDGSTS' | sort | uniq -c | tr '\n' ' ')"
+    grep -oE 'HMMA|HGMMA|LDSM|LDGSTS|UTMALDG|SYNCS' | sort | uniq -c | tr '\n' ' ')"
 fi
 
 # ---- 1. tests, one process per suite: a kernel fault (which poisons the CUDA context) then costs one suite only.
@@ -117,6 +120,18 @@ run_bench memory 90
 run_bench attention 90
 run_bench gemm 90
 run_bench train_step 120
+
+# The attention peers, torch SDPA's flash and cuDNN backends at the attention bench's shapes, in this same run
+# (tools/reference/bench_attention_peers.py; torch is on the GPU machine). Their rows go to benches.log and,
+# outside OUTDIR (which brings back at most 8 files), to a JSON the table reads.
+PEERS_JSON=$(mktemp /tmp/tuna-peers.XXXXXX.json)
+log "== attention peers (torch SDPA flash, cuDNN)"
+echo "==== tools/reference/bench_attention_peers.py" >>"$OUT/benches.log"
+if timeout "$(within 90)" python3 tools/reference/bench_attention_peers.py --json "$PEERS_JSON" >>"$OUT/benches.log" 2>&1; then
+  STEP[peers]="ok"
+else
+  STEP[peers]="FAILED (benches.log)"  # a missing peer does not fail the check: tuna's own numbers stand
+fi
 
 # ---- 3. the trainer end to end (single GPU; Open MPI's libraries from bin/lib: libmpi's RUNPATH needs this)
 log "== train end to end ($BIN/train, demo model)"
@@ -225,9 +240,10 @@ rm -f "$SANITIZER_LOG"
 
 # ---- summary table (last)
 python3 - "$OUT" "$SUMMARY" "${STEP[tests]}" "${STEP[sanitizer]}" "${STEP[bench_memory]}" "${STEP[bench_attention]}" \
-  "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" <<'PY' | tee -a "$SUMMARY"
+  "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" "$PEERS_JSON" "${STEP[peers]}" \
+  <<'PY' | tee -a "$SUMMARY"
 import json, os, re, sys
-out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary = sys.argv[1:11]
+out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary, peers_json, peers_step = sys.argv[1:13]
 rows = []
 def add(section, what, value, note=""):
     rows.append((section, what, value, note))
@@ -254,9 +270,47 @@ def bench(name):
     except Exception:
         return []
 
+# Attention: the two paths of kernels/attention.cuh side by side, mma (the default) and hopper (sm_90a), each
+# row a shape; and whether the hopper path's tests passed (the condition for flipping its default).
+hopper_tests = re.findall(r"^\[\s+(OK|FAILED)\s+\] (AttentionGpu\.\S*Hopper\S*|AttentionGpu\.BackwardAppliesRope\S*)", log, re.M)
+if hopper_tests:
+    bad = [n for r, n in hopper_tests if r != "OK"]
+    add("attention", "hopper path tests", f"{len(hopper_tests) - len(bad)} of {len(hopper_tests)} passed",
+        ("FAILED: " + ", ".join(bad)) if bad else "flip kHopperByDefault (kernels/attention.cu) once its speed is right")
+else:
+    add("attention", "hopper path tests", "not run", "")
+shapes = {}
 for b in bench("attention"):
-    add("attention", b.get("label", b["name"]), f"{b.get('TFLOP/s', 0)/1:.0f} TFLOP/s", f"{100*b.get('of_peak', 0):.0f}% of peak")
-if not bench("attention"): add("attention", "bench_attention_gpu", "no results", b_att)
+    m = re.match(r"(.*) (mma|hopper)$", b.get("label", ""))
+    if m: shapes.setdefault(m.group(1), {})[m.group(2)] = b
+def tflops(b):
+    if b is None: return None
+    if b.get("error_occurred") or b.get("skipped"): return None
+    return b.get("TFLOP/s")
+# The best peer of each shape (torch SDPA flash / cuDNN, same run, same FLOP convention).
+peers = {}
+try:
+    for r in json.load(open(peers_json)).get("rows", []):
+        if "TFLOP/s" in r and r["TFLOP/s"] > peers.get(r["label"], (0, ""))[0]:
+            peers[r["label"]] = (r["TFLOP/s"], r["backend"] + (" gqa expanded" if r.get("gqa") == "expanded" else ""))
+except Exception:
+    pass
+for shape, by in shapes.items():
+    mma, hopper = tflops(by.get("mma")), tflops(by.get("hopper"))
+    fmt = lambda x: "n/a" if x is None else f"{x:.0f}"
+    value = f"mma {fmt(mma)} | hopper {fmt(hopper)}"
+    peer, peer_name = peers.get(shape, (None, ""))
+    if peer:
+        value += f" | peer {peer:.0f} ({peer_name})"
+    value += " TFLOP/s"
+    notes = []
+    if mma and hopper: notes.append(f"hopper/mma {hopper / mma:.2f}")
+    elif by.get("hopper", {}).get("error_message"): notes.append(by["hopper"]["error_message"])
+    if peer:
+        notes.append("vs best peer: " + ", ".join(f"{n} {x / peer:.2f}" for n, x in (("mma", mma), ("hopper", hopper)) if x))
+    add("attention", shape, value, "; ".join(notes))
+if not shapes: add("attention", "bench_attention_gpu", "no results", b_att)
+if not peers: add("attention", "peers (torch SDPA)", "no results", peers_step or "not run")
 for b in bench("gemm"):
     add("gemm", b.get("label", b["name"]), f"{b.get('TFLOP/s', 0):.0f} TFLOP/s", f"{100*b.get('of_peak', 0):.0f}% of peak")
 if not bench("gemm"): add("gemm", "bench_gemm_gpu", "no results", b_gemm)
@@ -289,5 +343,5 @@ for r in rows:
     section = r[0]
     print(f"{s:<{w[0]}} | {r[1]:<{w[1]}} | {r[2]:<{w[2]}} | {r[3]}")
 PY
-rm -f "$TRAIN_SUMMARY"
+rm -f "$TRAIN_SUMMARY" "$PEERS_JSON"
 exit $status
