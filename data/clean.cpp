@@ -177,7 +177,11 @@ const char* quality_rule_name(QualityRule rule) {
   return "?";
 }
 
-QualityRule quality_check(std::string_view text, const QualityOptions& o) {
+QualityRule quality_check(std::string_view text, const QualityOptions& o, QualityMeasure* measure) {
+  auto failed = [&](QualityRule rule, const char* name, double value, double limit) {
+    if (measure) *measure = {name, value, limit};
+    return rule;
+  };
   uint64_t chars = 0, letters = 0, visible = 0;
   for (size_t i = 0; i < text.size();) {
     uint32_t cp;
@@ -189,13 +193,16 @@ QualityRule quality_check(std::string_view text, const QualityOptions& o) {
     ++visible;
     letters += is_letter(cp);
   }
-  if (chars < o.min_chars) return QualityRule::too_short;
-  if (o.max_chars > 0 && chars > o.max_chars) return QualityRule::too_long;
+  if (chars < o.min_chars)
+    return failed(QualityRule::too_short, "chars", static_cast<double>(chars), static_cast<double>(o.min_chars));
+  if (o.max_chars > 0 && chars > o.max_chars)
+    return failed(QualityRule::too_long, "chars", static_cast<double>(chars), static_cast<double>(o.max_chars));
   if (o.min_alpha_fraction > 0 && static_cast<double>(letters) < o.min_alpha_fraction * static_cast<double>(visible))
-    return QualityRule::low_alpha;
-  if (o.max_repeated_line_fraction < 1.0) {
+    return failed(QualityRule::low_alpha, "alpha_fraction", static_cast<double>(letters) / static_cast<double>(visible),
+                  o.min_alpha_fraction);
+  if (o.max_repeated_line_chars < 1.0 || o.max_repeated_line_fraction < 1.0) {
     std::unordered_set<uint64_t> seen;
-    uint64_t lines = 0, repeated = 0;
+    uint64_t lines = 0, repeated = 0, repeated_chars = 0;
     size_t begin = 0;
     while (begin < text.size()) {
       size_t end = text.find('\n', begin);
@@ -204,10 +211,17 @@ QualityRule quality_check(std::string_view text, const QualityOptions& o) {
       begin = end + 1;
       if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
       ++lines;
-      repeated += !seen.insert(XXH3_64bits(line.data(), line.size())).second;
+      if (seen.insert(XXH3_64bits(line.data(), line.size())).second) continue;
+      ++repeated;
+      // Code points: every byte that does not continue a UTF-8 sequence.
+      for (char c : line) repeated_chars += (static_cast<uint8_t>(c) & 0xC0) != 0x80;
     }
-    if (lines > 0 && static_cast<double>(repeated) > o.max_repeated_line_fraction * static_cast<double>(lines))
-      return QualityRule::repeated_lines;
+    const double char_share = static_cast<double>(repeated_chars) / static_cast<double>(std::max<uint64_t>(chars, 1));
+    if (o.max_repeated_line_chars < 1.0 && char_share > o.max_repeated_line_chars)
+      return failed(QualityRule::repeated_lines, "repeated_line_chars", char_share, o.max_repeated_line_chars);
+    const double line_share = static_cast<double>(repeated) / static_cast<double>(std::max<uint64_t>(lines, 1));
+    if (o.max_repeated_line_fraction < 1.0 && line_share > o.max_repeated_line_fraction)
+      return failed(QualityRule::repeated_lines, "repeated_lines", line_share, o.max_repeated_line_fraction);
   }
   return QualityRule::pass;
 }

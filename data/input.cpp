@@ -1,11 +1,18 @@
 // Input files: plain, gzip and zstd streams, and a line reader that bounds memory. See data/input.h.
 #include "data/input.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 #include <zstd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <set>
 
 #include "core/error.h"
 
@@ -13,7 +20,81 @@ namespace tuna {
 
 namespace {
 
+namespace fs = std::filesystem;
+
 constexpr size_t kChunk = size_t{1} << 20;
+
+// What a file that is neither regular nor a directory is, for messages.
+const char* special_kind(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// Whether canonical path `path` is `root` or lies under it.
+bool is_inside(const std::string& path, const std::string& root) {
+  if (root == "/") return true;
+  return path.compare(0, root.size(), root) == 0 && (path.size() == root.size() || path[root.size()] == '/');
+}
+
+using SkipFn = std::function<void(InputSkip, const std::string&)>;
+
+// One directory of an input, recursively: regular files into *found. root: the input directory, canonical.
+// visited: the directories read so far (device, inode), so that a link loop is read once.
+void walk(const fs::path& dir, const std::string& root, bool follow, std::set<std::pair<dev_t, ino_t>>& visited,
+          std::vector<fs::path>& found, const SkipFn& skipped) {
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) return skipped(InputSkip::unreadable, str(dir.string(), ": cannot list the directory: ", ec.message()));
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) return skipped(InputSkip::unreadable, str(dir.string(), ": cannot list the directory: ", ec.message()));
+    const fs::path path = it->path();
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) {
+      skipped(InputSkip::unreadable, str(path.string(), ": ", std::strerror(errno)));
+      continue;
+    }
+    const bool link = S_ISLNK(st.st_mode);
+    if (link) {
+      char* real = ::realpath(path.c_str(), nullptr);
+      if (!real) {
+        const int err = errno;
+        skipped(InputSkip::unreadable, str(path.string(), ": ", err == ELOOP    ? "symbolic link loop"
+                                                                 : err == ENOENT ? "broken symbolic link"
+                                                                                 : std::strerror(err)));
+        continue;
+      }
+      const std::string target = real;
+      std::free(real);
+      if (::stat(path.c_str(), &st) != 0) {
+        skipped(InputSkip::unreadable, str(path.string(), ": ", std::strerror(errno)));
+        continue;
+      }
+      if (!follow && S_ISDIR(st.st_mode)) {
+        skipped(InputSkip::symlink, str(path.string(), " -> ", target,
+                                        ": a symbolic link to a directory, not followed (--follow-symlinks)"));
+        continue;
+      }
+      if (!follow && !is_inside(target, root)) {
+        skipped(InputSkip::symlink, str(path.string(), " -> ", target,
+                                        ": a symbolic link out of the input directory, not followed (--follow-symlinks)"));
+        continue;
+      }
+    }
+    if (S_ISDIR(st.st_mode)) {
+      if (visited.insert({st.st_dev, st.st_ino}).second)
+        walk(path, root, follow, visited, found, skipped);
+      else if (link)
+        skipped(InputSkip::symlink, str(path.string(), ": a symbolic link to a directory already read (a loop)"));
+    } else if (S_ISREG(st.st_mode)) {
+      found.push_back(path);
+    } else {
+      skipped(InputSkip::not_regular, str(path.string(), ": ", special_kind(st.st_mode), ", not a regular file"));
+    }
+  }
+}
 
 bool ends_with(const std::string& s, const char* suffix) {
   const size_t n = std::strlen(suffix);
@@ -156,10 +237,76 @@ bool classify_input(const std::string& path, InputKind* kind, Compression* compr
   return false;
 }
 
+std::vector<InputFile> list_inputs(const std::vector<std::string>& inputs, bool follow_symlinks,
+                                   const SkipFn& skipped) {
+  if (inputs.empty()) fail("prepare: no inputs given (files or directories of .txt, .md, .jsonl, maybe .gz/.zst)");
+  std::vector<InputFile> files;
+  auto add = [&](const fs::path& p, InputKind kind, Compression compression) {
+    std::error_code ec;
+    const uint64_t size = fs::file_size(p, ec);
+    files.push_back({p.string(), kind, compression, ec ? 0 : size});
+  };
+  for (const std::string& input : inputs) {
+    struct stat st;
+    if (::lstat(input.c_str(), &st) != 0) {
+      if (errno == ENOENT) fail("prepare: input ", input, ": no such file or directory");
+      fail("prepare: input ", input, ": ", std::strerror(errno));
+    }
+    // A link named on the command line is followed: the user chose it. It must lead somewhere.
+    if (::stat(input.c_str(), &st) != 0) {
+      if (errno == ELOOP) fail("prepare: input ", input, ": a symbolic link loop (", std::strerror(ELOOP), ")");
+      if (errno == ENOENT) fail("prepare: input ", input, ": a broken symbolic link (its target does not exist)");
+      fail("prepare: input ", input, ": ", std::strerror(errno));
+    }
+    InputKind kind;
+    Compression compression;
+    if (S_ISDIR(st.st_mode)) {
+      char* real = ::realpath(input.c_str(), nullptr);
+      if (!real) fail("prepare: input ", input, ": ", std::strerror(errno));
+      const std::string root = real;
+      std::free(real);
+      std::set<std::pair<dev_t, ino_t>> visited{{st.st_dev, st.st_ino}};
+      std::vector<fs::path> found;
+      walk(input, root, follow_symlinks, visited, found, skipped);
+      std::sort(found.begin(), found.end());
+      for (const fs::path& p : found) {
+        if (classify_input(p.string(), &kind, &compression))
+          add(p, kind, compression);
+        else
+          skipped(InputSkip::name, p.string());
+      }
+    } else if (S_ISREG(st.st_mode)) {
+      if (!classify_input(input, &kind, &compression))
+        fail("prepare: input ", input, ": unsupported file type '", fs::path(input).extension().string(),
+             "' (expected .txt, .md or .jsonl, each maybe compressed as .gz or .zst)");
+      add(input, kind, compression);
+    } else {
+      fail("prepare: input ", input, ": ", special_kind(st.st_mode),
+           ", not a regular file: prepare reads every input twice, so inputs must be regular files (write the "
+           "stream to a file first)");
+    }
+  }
+  return files;
+}
+
 std::unique_ptr<ByteStream> open_input(const InputFile& file, std::string* why) {
-  std::FILE* f = std::fopen(file.path.c_str(), "rb");
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer. Regular files ignore it.
+  const int fd = ::open(file.path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    *why = std::strerror(errno);
+    return nullptr;
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    *why = ::fstat(fd, &st) != 0 ? std::strerror(errno) : str(special_kind(st.st_mode), ", not a regular file");
+    ::close(fd);
+    return nullptr;
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  std::FILE* f = flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0 ? nullptr : ::fdopen(fd, "rb");
   if (!f) {
     *why = std::strerror(errno);
+    ::close(fd);
     return nullptr;
   }
   switch (file.compression) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -60,47 +61,6 @@ std::string human_bytes(double b) {
   char buf[32];
   std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
   return buf;
-}
-
-std::vector<InputFile> list_inputs(const std::vector<std::string>& inputs, PrepareReport& report) {
-  if (inputs.empty()) fail("prepare: no inputs given (files or directories of .txt, .md, .jsonl, maybe .gz/.zst)");
-  std::vector<InputFile> files;
-  auto add = [&](const fs::path& p, InputKind kind, Compression compression) {
-    std::error_code ec;
-    const uint64_t size = fs::file_size(p, ec);
-    files.push_back({p.string(), kind, compression, ec ? 0 : size});
-  };
-  for (const std::string& input : inputs) {
-    std::error_code ec;
-    InputKind kind;
-    Compression compression;
-    if (fs::is_directory(input, ec)) {
-      std::vector<fs::path> found;
-      for (auto it =
-               fs::recursive_directory_iterator(input, fs::directory_options::skip_permission_denied, ec);
-           !ec && it != fs::recursive_directory_iterator(); it.increment(ec))
-        if (it->is_regular_file(ec))
-          found.push_back(it->path());
-        else if (it->is_symlink(ec) && !fs::exists(it->path(), ec))
-          report.files_unreadable.add(it->path().string() + ": broken symbolic link");
-      if (ec) fail("prepare: input directory ", input, ": cannot list: ", ec.message());
-      std::sort(found.begin(), found.end());
-      for (const fs::path& p : found) {
-        if (classify_input(p.string(), &kind, &compression))
-          add(p, kind, compression);
-        else
-          report.files_skipped.add(p.string());
-      }
-    } else if (fs::exists(input, ec)) {
-      if (!classify_input(input, &kind, &compression))
-        fail("prepare: input ", input, ": unsupported file type '", fs::path(input).extension().string(),
-             "' (expected .txt, .md or .jsonl, each maybe compressed as .gz or .zst)");
-      add(input, kind, compression);
-    } else {
-      fail("prepare: input ", input, ": no such file or directory");
-    }
-  }
-  return files;
 }
 
 // Rank r of `ranks` reads files [first, last): contiguous in input order (so that global document order is
@@ -271,8 +231,9 @@ Outcome extract(const InputFile& file, Record& record, const PrepareOptions& o, 
 
 // extract + clean + quality filters: the document as it will be tokenized, or why it is dropped.
 // filter: false in pass 2, which decodes only documents that passed every filter in pass 1.
+// measure: what a failing filter measured (for dropped.jsonl).
 Outcome decode(const InputFile& file, Record& record, const PrepareOptions& o, Document* doc, CleanResult* flags,
-               bool filter = true) {
+               bool filter = true, QualityMeasure* measure = nullptr) {
   *flags = CleanResult{};
   bool repaired = false;
   Outcome outcome = extract(file, record, o, doc, &repaired);
@@ -292,7 +253,7 @@ Outcome decode(const InputFile& file, Record& record, const PrepareOptions& o, D
   if (is_blank(doc->text)) return Outcome::empty;
   if (o.sft && file.kind == InputKind::jsonl) doc->joined = doc->prompt + "\n" + doc->text;
   if (!filter) return Outcome::kept;
-  switch (quality_check(doc->whole(), o.quality)) {
+  switch (quality_check(doc->whole(), o.quality, measure)) {
     case QualityRule::pass:
       return Outcome::kept;
     case QualityRule::too_short:
@@ -307,6 +268,10 @@ Outcome decode(const InputFile& file, Record& record, const PrepareOptions& o, D
   return Outcome::kept;
 }
 
+bool is_filter_outcome(Outcome o) {
+  return o == Outcome::too_short || o == Outcome::too_long || o == Outcome::low_alpha || o == Outcome::repeated_lines;
+}
+
 // The hash that exact dedup and the train/val split use. For SFT, the response hashed with the prompt's
 // hash as seed, so that moving text between prompt and response makes another record.
 uint64_t exact_hash(const Document& doc) {
@@ -314,41 +279,156 @@ uint64_t exact_hash(const Document& doc) {
   return XXH3_64bits_withSeed(doc.text.data(), doc.text.size(), XXH3_64bits(doc.prompt.data(), doc.prompt.size()));
 }
 
-// A progress line every few seconds on stderr: bytes on disk (compressed, what the ETA is reckoned in) and
-// their rate, text bytes (decompressed) and their rate, documents/s, ETA of the pass.
+// Progress of a pass on stderr: the share of the input done, bytes on disk (compressed: what the share and
+// the ETA are reckoned in) and their rate, text bytes (decompressed) and their rate, documents/s and the ETA.
+// On a terminal, one live line rewritten in place; otherwise (a log file, a batch job) a line every
+// `interval` seconds. Either way a last line when the pass ends.
 class Progress {
  public:
-  Progress(bool enabled, std::string label, uint64_t total_bytes)
-      : enabled_(enabled), label_(std::move(label)), total_(total_bytes), start_(clock::now()), last_(start_) {}
+  Progress(bool enabled, std::string label, uint64_t total_bytes, double interval)
+      : enabled_(enabled),
+        tty_(enabled && ::isatty(STDERR_FILENO) == 1),
+        label_(std::move(label)),
+        total_(total_bytes),
+        interval_(interval > 0 ? interval : tty_ ? 1.0 : 30.0),
+        start_(clock::now()),
+        last_(start_) {}
   void update(uint64_t bytes, uint64_t text_bytes, uint64_t documents, bool final = false) {
     if (!enabled_) return;
     const auto now = clock::now();
-    if (!final && now - last_ < std::chrono::seconds(2)) return;
+    if (!final && std::chrono::duration<double>(now - last_).count() < interval_) return;
     last_ = now;
     const double s = std::max(1e-9, std::chrono::duration<double>(now - start_).count());
     const double rate = static_cast<double>(bytes) / s;
-    std::string eta = "-";
-    if (rate > 0 && total_ > bytes) {
-      const auto left = static_cast<uint64_t>(static_cast<double>(total_ - bytes) / rate);
-      char buf[32];
-      std::snprintf(buf, sizeof buf, "%llu:%02llu:%02llu", static_cast<unsigned long long>(left / 3600),
-                    static_cast<unsigned long long>(left / 60 % 60), static_cast<unsigned long long>(left % 60));
-      eta = buf;
+    const double share = final || total_ == 0 ? 1.0 : std::min(1.0, static_cast<double>(bytes) / static_cast<double>(total_));
+    std::string eta = "ETA -";
+    if (final) {
+      eta = str("done in ", clock_time(s));
+    } else if (bytes >= total_) {
+      eta = "ETA 0:00:00";
+    } else if (rate > 0) {
+      eta = str("ETA ", clock_time(static_cast<double>(total_ - bytes) / rate));
     }
-    std::fprintf(stderr, "prepare: %s %s / %s on disk (%.1f MB/s), %s text (%.1f MB/s), %.0f docs/s, ETA %s%s\n",
-                 label_.c_str(), human_bytes(static_cast<double>(bytes)).c_str(),
-                 human_bytes(static_cast<double>(total_)).c_str(), rate / 1e6,
-                 human_bytes(static_cast<double>(text_bytes)).c_str(), static_cast<double>(text_bytes) / s / 1e6,
-                 static_cast<double>(documents) / s, final ? "done" : eta.c_str(),
-                 final ? str(" in ", static_cast<int>(s), " s").c_str() : "");
+    char line[512];
+    std::snprintf(line, sizeof line, "prepare: %s %5.1f%%  %s / %s on disk (%.1f MB/s), %s text (%.1f MB/s), %.0f docs/s, %s",
+                  label_.c_str(), 100.0 * share, human_bytes(static_cast<double>(bytes)).c_str(),
+                  human_bytes(static_cast<double>(total_)).c_str(), rate / 1e6,
+                  human_bytes(static_cast<double>(text_bytes)).c_str(), static_cast<double>(text_bytes) / s / 1e6,
+                  static_cast<double>(documents) / s, eta.c_str());
+    if (tty_)
+      std::fprintf(stderr, "\r%s\033[K%s", line, final ? "\n" : "");  // \033[K: clear what a longer line left
+    else
+      std::fprintf(stderr, "%s\n", line);
   }
 
  private:
   using clock = std::chrono::steady_clock;
-  bool enabled_;
+  static std::string clock_time(double seconds) {
+    const auto t = static_cast<unsigned long long>(seconds + 0.5);
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%llu:%02llu:%02llu", t / 3600, t / 60 % 60, t % 60);
+    return buf;
+  }
+  bool enabled_, tty_;
   std::string label_;
   uint64_t total_;
+  double interval_;
   clock::time_point start_, last_;
+};
+
+// Where each of this rank's documents was read, (file index, line) in input order, one 12-byte record per
+// document in a scratch file (not in memory: it grows with the corpus). A duplicate's line in dropped.jsonl
+// names the document kept in its place, which may be any earlier document of any rank.
+class LocationLog {
+ public:
+  explicit LocationLog(std::string path) : path_(std::move(path)) {
+    file_ = std::fopen(path_.c_str(), "w+b");
+    if (!file_) fail("prepare: cannot create ", path_, ": ", std::strerror(errno));
+  }
+  ~LocationLog() {
+    std::fclose(file_);
+    std::remove(path_.c_str());
+  }
+  LocationLog(const LocationLog&) = delete;
+  LocationLog& operator=(const LocationLog&) = delete;
+
+  void add(uint32_t file, uint64_t line) {
+    char record[kRecord];
+    std::memcpy(record, &file, 4);
+    std::memcpy(record + 4, &line, 8);
+    if (std::fwrite(record, 1, kRecord, file_) != kRecord)
+      fail("prepare: cannot write ", path_, ": ", std::strerror(errno));
+  }
+  std::pair<uint32_t, uint64_t> at(uint64_t index) {
+    char record[kRecord];
+    if (std::fflush(file_) != 0 || ::pread(::fileno(file_), record, kRecord, static_cast<off_t>(index * kRecord)) != kRecord)
+      fail("prepare: cannot read back ", path_, ": ", std::strerror(errno));
+    std::pair<uint32_t, uint64_t> out;
+    std::memcpy(&out.first, record, 4);
+    std::memcpy(&out.second, record + 4, 8);
+    return out;
+  }
+
+ private:
+  static constexpr size_t kRecord = 12;
+  std::string path_;
+  std::FILE* file_;
+};
+
+// The locations of the documents kept in place of this rank's duplicates: every rank asks for the ids it
+// needs, every rank answers for the ids it holds (collectives: all ranks call it). Sorted by id.
+struct KeptLocation {
+  uint32_t id, file;
+  uint64_t line;
+};
+std::vector<KeptLocation> locate_kept(PrepareComm& comm, const std::vector<uint32_t>& kept_as,
+                                      const std::vector<Outcome>& fate, LocationLog& log) {
+  const std::vector<uint64_t> counts = comm.all_gather_value<uint64_t>(fate.size());
+  uint64_t base = 0;
+  for (int r = 0; r < comm.rank(); ++r) base += counts[static_cast<size_t>(r)];
+  std::vector<uint32_t> wanted;
+  for (size_t i = 0; i < fate.size(); ++i)
+    if (fate[i] == Outcome::exact_duplicate || fate[i] == Outcome::near_duplicate) wanted.push_back(kept_as[i]);
+  std::sort(wanted.begin(), wanted.end());
+  wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
+  std::vector<uint32_t> asked = comm.size() == 1 ? wanted : comm.all_gather_values(wanted);
+  std::sort(asked.begin(), asked.end());
+  asked.erase(std::unique(asked.begin(), asked.end()), asked.end());
+  std::vector<KeptLocation> mine;
+  for (uint32_t id : asked)
+    if (id >= base && id < base + fate.size()) {
+      const auto [file, line] = log.at(id - base);
+      mine.push_back({id, file, line});
+    }
+  std::vector<KeptLocation> all = comm.size() == 1 ? std::move(mine) : comm.all_gather_values(mine);
+  std::sort(all.begin(), all.end(), [](const KeptLocation& a, const KeptLocation& b) { return a.id < b.id; });
+  std::vector<KeptLocation> out;  // only what this rank needs
+  for (const KeptLocation& k : all)
+    if (std::binary_search(wanted.begin(), wanted.end(), k.id)) out.push_back(k);
+  return out;
+}
+
+// OUT/dropped.jsonl (dropped-rRRRRR.jsonl for rank R of several): one JSON line per document not kept, in
+// input order; written as .tmp and renamed when the pass is done.
+class DroppedList {
+ public:
+  explicit DroppedList(std::string path) : path_(std::move(path)), out_(path_ + ".tmp", std::ios::binary | std::ios::trunc) {
+    if (!out_) fail("prepare: cannot create ", path_, ".tmp");
+  }
+  void add(const nlohmann::json& line) { out_ << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n'; }
+  std::string finish() {
+    out_.flush();
+    if (!out_) fail("prepare: cannot write ", path_, ".tmp");
+    out_.close();
+    std::error_code ec;
+    fs::rename(path_ + ".tmp", path_, ec);
+    if (ec) fail("prepare: cannot rename ", path_, ".tmp to ", path_, ": ", ec.message());
+    return path_;
+  }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
 };
 
 // One split's shards: train-00000.bin, ... (train-r00001-00000.bin, ... for rank 1 of several).
@@ -399,8 +479,9 @@ class SplitWriter {
 
 bool is_output_name(const std::string& name) {
   auto starts = [&](const char* p) { return name.rfind(p, 0) == 0; };
-  return name == "report.json" || ((starts("train-") || starts("val-")) &&
-                                   (name.ends_with(kShardExtension) || name.ends_with(".tmp")));
+  return name == "report.json" ||
+         ((starts("train-") || starts("val-")) && (name.ends_with(kShardExtension) || name.ends_with(".tmp"))) ||
+         (starts("dropped") && (name.ends_with(".jsonl") || name.ends_with(".jsonl.tmp")));
 }
 
 // An out_dir that holds an earlier run is refused, or emptied of that run's outputs with overwrite:
@@ -518,6 +599,8 @@ void merge_into(PrepareReport& into, const PrepareReport& from) {
   into.files_read += from.files_read;
   into.bytes_read += from.bytes_read;
   into.files_skipped.merge(from.files_skipped);
+  into.files_symlinks.merge(from.files_symlinks);
+  into.files_not_regular.merge(from.files_not_regular);
   into.files_unreadable.merge(from.files_unreadable);
   into.files_damaged.merge(from.files_damaged);
   into.documents_read += from.documents_read;
@@ -525,6 +608,7 @@ void merge_into(PrepareReport& into, const PrepareReport& from) {
   into.repaired_utf8.merge(from.repaired_utf8);
   into.removed_nul.merge(from.removed_nul);
   into.removed_control.merge(from.removed_control);
+  into.dropped_lists.insert(into.dropped_lists.end(), from.dropped_lists.begin(), from.dropped_lists.end());
   for (auto [a, b] : {std::pair{&into.train, &from.train}, std::pair{&into.val, &from.val}}) {
     a->documents += b->documents;
     a->tokens += b->tokens;
@@ -600,9 +684,18 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   PrepareReport report;
   report.ranks = ranks;
   report.threads = threads;
-  report.near_threshold = minhash_threshold(options.minhash);
-  const std::vector<InputFile> files = list_inputs(options.inputs, report);
-  if (rank != 0) report.files_skipped = report.files_unreadable = {};  // every rank lists the inputs: count once
+  report.lsh_threshold = minhash_threshold(options.minhash);
+  report.near_verify = options.near_dedup ? options.near_verify : 0;
+  const std::vector<InputFile> files =
+      list_inputs(options.inputs, options.follow_symlinks, [&](InputSkip why, const std::string& what) {
+        if (rank != 0) return;  // every rank lists the inputs: count once
+        switch (why) {
+          case InputSkip::name: return report.files_skipped.add(what);
+          case InputSkip::symlink: return report.files_symlinks.add(what);
+          case InputSkip::not_regular: return report.files_not_regular.add(what);
+          case InputSkip::unreadable: return report.files_unreadable.add(what);
+        }
+      });
   if (!options.train_tokenizer) {
     Tokenizer check(options.tokenizer_path);  // a missing tokenizer fails before out_dir is touched
   }
@@ -632,14 +725,16 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   // Pass 1: decode, clean, filter, hash. fate[i] is local document i's outcome so far.
   std::vector<Outcome> fate;
   std::unique_ptr<DedupSpill> spill;
-  if (dedup)
-    spill = std::make_unique<DedupSpill>(
-        (fs::path(options.out_dir) / str(".prepare-scratch-", rank, "-", ::getpid())).string(), bands,
-        verify ? hasher.permutations() : 0);
+  std::unique_ptr<LocationLog> locations;
+  if (dedup) {
+    const std::string scratch = (fs::path(options.out_dir) / str(".prepare-scratch-", rank, "-", ::getpid())).string();
+    spill = std::make_unique<DedupSpill>(scratch, bands, sketch_bytes);
+    locations = std::make_unique<LocationLog>(scratch + "-locations.bin");
+  }
   {
     RecordReader records(files, first, last, options, &report);
     Prefetcher reader(records);
-    Progress meter(progress, str("pass 1/2 (clean, filter, hash)", who), share_bytes);
+    Progress meter(progress, str("pass 1/2 (clean, filter, hash)", who), share_bytes, options.progress_seconds);
     std::vector<Record> batch;
     std::vector<Outcome> outcomes;
     std::vector<CleanResult> flags;
@@ -672,6 +767,7 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
         if (flags[i].control_chars) report.removed_control.add(where(files, batch[i]));
         if (outcomes[i] != Outcome::kept) report.outcome[static_cast<size_t>(outcomes[i])].add(where(files, batch[i]));
         fate.push_back(outcomes[i]);
+        if (locations) locations->add(batch[i].file, batch[i].line);
         if (spill)
           spill->add(options.exact_dedup && outcomes[i] == Outcome::kept, exact[i],
                      outcomes[i] == Outcome::kept && has_bands[i] ? &band_hashes[i * bands] : nullptr,
@@ -682,15 +778,27 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
     meter.update(reader.bytes_consumed(), text_bytes, report.documents_read, /*final=*/true);
   }
 
-  // Join: global exact and near dedup (a collective).
+  // Join: global exact and near dedup (a collective). duplicate_of: (local index, where the document kept
+  // in its place was read) for each duplicate, in input order.
+  std::vector<std::pair<uint64_t, std::string>> duplicate_of;
   if (spill) {
     const auto join_started = std::chrono::steady_clock::now();
-    const std::vector<DedupVerdict> verdicts =
-        spill->join(comm, options.near_dedup, options.dedup_memory_bytes, threads, verify ? options.near_verify : 0);
+    std::vector<uint32_t> kept_as;
+    const std::vector<DedupVerdict> verdicts = spill->join(comm, options.near_dedup, options.dedup_memory_bytes,
+                                                           threads, verify ? options.near_verify : 0, &kept_as);
     spill.reset();
     for (size_t i = 0; i < fate.size(); ++i)
       if (fate[i] == Outcome::kept && verdicts[i] != DedupVerdict::unique)
         fate[i] = verdicts[i] == DedupVerdict::exact_duplicate ? Outcome::exact_duplicate : Outcome::near_duplicate;
+    const std::vector<KeptLocation> kept = locate_kept(comm, kept_as, fate, *locations);
+    locations.reset();
+    for (size_t i = 0; i < fate.size(); ++i)
+      if (fate[i] == Outcome::exact_duplicate || fate[i] == Outcome::near_duplicate) {
+        auto it = std::lower_bound(kept.begin(), kept.end(), kept_as[i],
+                                   [](const KeptLocation& k, uint32_t id) { return k.id < id; });
+        TUNA_CHECK(it != kept.end() && it->id == kept_as[i], "no location for kept document ", kept_as[i]);
+        duplicate_of.emplace_back(i, it->line ? str(files[it->file].path, ":", it->line) : files[it->file].path);
+      }
     if (progress)
       std::fprintf(stderr, "prepare: dedup join%s done in %.1f s\n", who.c_str(),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - join_started).count());
@@ -706,13 +814,16 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   {
     RecordReader records(files, first, last, options, nullptr);
     Prefetcher reader(records);
-    Progress meter(progress, str("pass 2/2 (tokenize, write)", who), share_bytes);
+    Progress meter(progress, str("pass 2/2 (tokenize, write)", who), share_bytes, options.progress_seconds);
+    DroppedList dropped((fs::path(options.out_dir) / (ranks > 1 ? str("dropped", prefix, ".jsonl") : std::string("dropped.jsonl"))).string());
+    size_t next_duplicate = 0;  // into duplicate_of
     std::vector<Record> batch;
     struct Tokenized {
       Outcome outcome = Outcome::kept;
       std::vector<int32_t> tokens;
       std::vector<uint8_t> mask;
       uint64_t hash = 0;
+      QualityMeasure measure;  // of a filtered document, for dropped.jsonl
     };
     std::vector<Tokenized> out;
     size_t next = 0;  // local index of batch[0]
@@ -728,9 +839,10 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
       for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
         Tokenized& t = out[i];
         t.outcome = fate[next + i];
-        if (t.outcome != Outcome::kept) continue;
         Document doc;
         CleanResult flags;
+        if (is_filter_outcome(t.outcome)) decode(files[batch[i].file], batch[i], options, &doc, &flags, true, &t.measure);
+        if (t.outcome != Outcome::kept) continue;
         if (decode(files[batch[i].file], batch[i], options, &doc, &flags, /*filter=*/false) != Outcome::kept) {
           t.outcome = Outcome::count_;  // pass 1 kept it: the file changed under us
           continue;
@@ -764,6 +876,14 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
           // Decided after pass 1 read the record: counted here, where its location is at hand.
           report.outcome[static_cast<size_t>(t.outcome)].add(where(files, batch[i]));
         }
+        if (t.outcome != Outcome::kept) {
+          nlohmann::json line{{"where", where(files, batch[i])}, {"reason", outcome_name(t.outcome)}};
+          if (is_filter_outcome(t.outcome))
+            line.update({{"measure", t.measure.name}, {"value", t.measure.value}, {"limit", t.measure.limit}});
+          if (next_duplicate < duplicate_of.size() && duplicate_of[next_duplicate].first == next + i)
+            line["duplicate_of"] = duplicate_of[next_duplicate++].second;
+          dropped.add(line);
+        }
         t = Tokenized{};
       }
       next += n;
@@ -773,6 +893,7 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
     if (next != fate.size())
       fail("prepare: the inputs changed during the run (pass 2 reads ", next, " documents, pass 1 read ", fate.size(), ")");
     meter.update(reader.bytes_consumed(), text_bytes, documents, /*final=*/true);
+    report.dropped_lists.push_back(dropped.finish());
   }
   train.finish();
   val.finish();
@@ -801,9 +922,12 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
        {{"read", r.files_read},
         {"bytes", r.bytes_read},
         {"skipped", tally(r.files_skipped)},
+        {"symlinks_not_followed", tally(r.files_symlinks)},
+        {"not_regular", tally(r.files_not_regular)},
         {"unreadable", tally(r.files_unreadable)},
         {"damaged", tally(r.files_damaged)}}},
-      {"documents", {{"read", r.documents_read}, {"kept", r.documents_kept()}, {"outcomes", outcomes}}},
+      {"documents",
+       {{"read", r.documents_read}, {"kept", r.documents_kept()}, {"outcomes", outcomes}, {"dropped_lists", r.dropped_lists}}},
       {"repairs",
        {{"invalid_utf8", tally(r.repaired_utf8)},
         {"nul_bytes", tally(r.removed_nul)},
@@ -833,14 +957,17 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
         {"min_chars", o.quality.min_chars},
         {"max_chars", o.quality.max_chars},
         {"min_alpha_fraction", o.quality.min_alpha_fraction},
+        {"max_repeated_line_chars", o.quality.max_repeated_line_chars},
         {"max_repeated_line_fraction", o.quality.max_repeated_line_fraction},
+        {"follow_symlinks", o.follow_symlinks},
         {"exact_dedup", o.exact_dedup},
         {"near_dedup", o.near_dedup},
         {"shingle_words", o.minhash.shingle_words},
         {"minhash_bands", o.minhash.bands},
         {"minhash_rows", o.minhash.rows},
-        {"near_threshold", r.near_threshold},
-        {"near_verify", o.near_verify},
+        {"sketch_size", o.minhash.sketch_size},
+        {"lsh_threshold", r.lsh_threshold},
+        {"near_verify", r.near_verify},
         {"shard_tokens", o.shard_tokens}}},
       {"ranks", r.ranks},
       {"threads", r.threads},
@@ -868,9 +995,12 @@ PrepareReport report_from_json(const nlohmann::json& j) {
     r.files_read = files.at("read").get<uint64_t>();
     r.bytes_read = files.at("bytes").get<uint64_t>();
     r.files_skipped = tally(files.at("skipped"));
+    r.files_symlinks = tally(files.at("symlinks_not_followed"));
+    r.files_not_regular = tally(files.at("not_regular"));
     r.files_unreadable = tally(files.at("unreadable"));
     r.files_damaged = tally(files.at("damaged"));
     r.documents_read = j.at("documents").at("read").get<uint64_t>();
+    r.dropped_lists = j.at("documents").at("dropped_lists").get<std::vector<std::string>>();
     for (size_t k = 0; k < kOutcomes; ++k)
       r.outcome[k] = tally(j.at("documents").at("outcomes").at(outcome_name(static_cast<Outcome>(k))));
     r.repaired_utf8 = tally(j.at("repairs").at("invalid_utf8"));
@@ -884,7 +1014,8 @@ PrepareReport report_from_json(const nlohmann::json& j) {
     r.vocab_size = tok.at("vocab_size").get<int32_t>();
     r.bos_id = tok.at("bos_id").get<int32_t>();
     r.eos_id = tok.at("eos_id").get<int32_t>();
-    r.near_threshold = j.at("options").at("near_threshold").get<double>();
+    r.lsh_threshold = j.at("options").at("lsh_threshold").get<double>();
+    r.near_verify = j.at("options").at("near_verify").get<double>();
     r.ranks = j.at("ranks").get<int>();
     r.threads = j.at("threads").get<int>();
     r.seconds = j.at("seconds").get<double>();
@@ -923,6 +1054,8 @@ std::string report_summary(const PrepareReport& r) {
   out += line("control chars", r.removed_control);
   out += " files:\n";
   out += line("skipped", r.files_skipped);
+  out += line("symlinks", r.files_symlinks);
+  out += line("not regular", r.files_not_regular);
   out += line("unreadable", r.files_unreadable);
   out += line("damaged", r.files_damaged);
   out += str("tokens: train ", r.train.tokens, " in ", shards(r.train), "\n");
@@ -930,7 +1063,8 @@ std::string report_summary(const PrepareReport& r) {
   char secs[32];
   std::snprintf(secs, sizeof secs, "%.1f", r.seconds);
   out += str("tokenizer: ", r.tokenizer_path, r.tokenizer_trained ? " (trained)" : "", ", vocab ", r.vocab_size,
-             ", bos ", r.bos_id, ", eos ", r.eos_id, "; near-dup threshold ~", std::round(r.near_threshold * 100) / 100, "; ", r.ranks,
+             ", bos ", r.bos_id, ", eos ", r.eos_id, "; near duplicates: Jaccard >= ", r.near_verify, " (LSH ~",
+             std::round(r.lsh_threshold * 100) / 100, "); ", r.ranks,
              " rank(s) x ", r.threads, " thread(s); ", secs, " s\n");
   return out;
 }

@@ -49,13 +49,15 @@ struct PrepareOptions {
   bool sft = false;
   std::string prompt_field = "prompt", response_field = "response";
   uint64_t max_document_bytes = uint64_t{64} << 20;  // a longer line or file is counted 'oversized', skipped
+  // Inside an input directory, follow symbolic links that lead out of it or to a directory (data/input.h).
+  bool follow_symlinks = false;
   CleanOptions clean;
   QualityOptions quality;
   bool exact_dedup = true;
   bool near_dedup = true;
   MinHashOptions minhash;
-  // LSH candidates are joined only when their signatures estimate a Jaccard similarity of at least this
-  // (0: every candidate is joined). See data/dedup.h.
+  // The near-duplicate threshold: LSH candidates are joined only when their sketches estimate a Jaccard
+  // similarity of at least this (0: every candidate is joined). See data/dedup.h.
   double near_verify = 0.5;
   uint64_t dedup_memory_bytes = uint64_t{1} << 30;  // the join's partition budget (see data/dedup.h)
   uint64_t shard_tokens = 100'000'000;              // tokens per shard before a new one starts
@@ -63,10 +65,16 @@ struct PrepareOptions {
   size_t batch_records = 4096;  // records per batch (the output does not depend on it; tests make it small)
   bool overwrite = false;  // replace the outputs of an earlier run in out_dir (otherwise refused)
   bool quiet = false;      // no progress lines on stderr
+  // Seconds between progress lines; 0: 1 s on a terminal (one line rewritten in place), 30 s otherwise.
+  double progress_seconds = 0;
   PrepareComm* comm = nullptr;  // the group of processes; null: this process alone
 };
 
-// How many records fell in one category, and where the first one was ("file" or "file:line").
+// How many records fell in one category, and where the first one was ("file" or "file:line"). Every
+// document not kept is also listed, one JSON line each, in OUT/dropped.jsonl (OUT/dropped-rRRRRR.jsonl per
+// rank under mpirun), in input order: {"where": "file:line", "reason": "near_duplicate",
+// "duplicate_of": "file:line"} for a duplicate, {"where", "reason", "measure", "value", "limit"} for a
+// filter (e.g. "repeated_line_chars", 0.74, 0.7).
 struct Tally {
   uint64_t count = 0;
   std::string first;
@@ -108,7 +116,9 @@ struct PrepareReport {
   uint64_t files_read = 0;
   uint64_t bytes_read = 0;  // on disk (compressed)
   Tally files_skipped;      // inside an input directory, with a name prepare does not read
-  Tally files_unreadable;   // could not be opened
+  Tally files_symlinks;     // symbolic links out of an input directory (or to a directory), not followed
+  Tally files_not_regular;  // FIFOs, sockets, devices inside an input directory
+  Tally files_unreadable;   // could not be opened (or a broken link, a link loop)
   Tally files_damaged;      // a compressed file cut short or corrupt: read up to the damage
   // Documents: documents_read == sum of outcome[k] over every outcome k (checked on every run).
   uint64_t documents_read = 0;
@@ -128,7 +138,9 @@ struct PrepareReport {
   bool tokenizer_trained = false;
   int32_t vocab_size = 0, bos_id = -1, eos_id = -1;
   int ranks = 1, threads = 1;
-  double near_threshold = 0;
+  double near_verify = 0;    // the near-duplicate threshold (estimated Jaccard; 0: LSH candidates unchecked)
+  double lsh_threshold = 0;  // (1/bands)^(1/rows): where LSH finds a pair half the time
+  std::vector<std::string> dropped_lists;  // the dropped.jsonl file(s): one line per document not kept
   double seconds = 0;
 };
 

@@ -6,16 +6,18 @@
 //   master -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //   param_bf16 = bf16(master)                     master, m, v, param_bf16: UPDATED IN PLACE
 //
-// Memory-bound: per element it reads grad, master, m, v and writes master, m, v, param (28 bytes with fp32
-// moments, 20 with bf16). Each thread handles 4 consecutive elements with 16-byte accesses; the weight decay of
-// those elements comes from a binary search of the segment table (a few hundred sorted starts, cached in L1),
-// which is what lets one launch cover every tensor. Bias corrections are computed on the host in double.
+// Memory-bound: per element it reads grad, master, m, v and writes master, m, v, param (30 bytes with fp32
+// moments, 22 with bf16). Each thread handles 4 consecutive elements, each array as one vector access (16 bytes
+// of fp32, 8 of bf16), all loads before any store; the weight decay of those elements comes from one binary
+// search of the segment table (a few hundred sorted starts, cached in L1) per thread, which is what lets one
+// launch cover every tensor. Bias corrections are computed on the host in double.
 //
 // sum_of_squares: a fixed grid (a function of n only) of per-thread double sums, then one block adds the
 // block partials in order: the gradient norm is bit-identical across runs and devices.
 #include "kernels/adamw.cuh"
 
 #include <cmath>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -33,55 +35,84 @@ struct Coefficients {
   uint32_t seed;
 };
 
-__device__ __forceinline__ float load_moment(float x) { return x; }
-__device__ __forceinline__ float load_moment(bf16 x) { return __bfloat162float(x); }
+// Four consecutive elements as one access: 16 bytes of fp32, 8 bytes of bf16.
+struct alignas(8) Bf16x4 {
+  bf16 v[4];
+};
 
-__device__ __forceinline__ void store_bf16(bf16* p, float x, bool stochastic, uint32_t seed, uint64_t index) {
-  *p = stochastic ? bf16_stochastic(x, hash_u32(seed, index)) : __float2bfloat16(x);
+__device__ __forceinline__ void load4(const float* __restrict__ p, float out[4]) {
+  const float4 x = *reinterpret_cast<const float4*>(p);
+  out[0] = x.x, out[1] = x.y, out[2] = x.z, out[3] = x.w;
 }
-__device__ __forceinline__ void store_moment(float* p, float x, bool, uint32_t, uint64_t) { *p = x; }
-__device__ __forceinline__ void store_moment(bf16* p, float x, bool stochastic, uint32_t seed, uint64_t index) {
-  store_bf16(p, x, stochastic, seed, index);
+__device__ __forceinline__ void load4(const bf16* __restrict__ p, float out[4]) {
+  const Bf16x4 x = *reinterpret_cast<const Bf16x4*>(p);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) out[k] = __bfloat162float(x.v[k]);
 }
 
-__device__ __forceinline__ bool segment_decays(const AdamWSegments& segments, int64_t i) {
-  int lo = 0, hi = segments.n_segments - 1;  // the last start <= i
+__device__ __forceinline__ bf16 round_bf16(float x, bool stochastic, uint32_t seed, uint64_t index) {
+  return stochastic ? bf16_stochastic(x, hash_u32(seed, index)) : __float2bfloat16(x);
+}
+// Elements i0 .. i0 + 3; bf16 stores round each element with its own random bits (a function of its index).
+__device__ __forceinline__ void store4(float* __restrict__ p, const float x[4], bool, uint32_t, uint64_t) {
+  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+__device__ __forceinline__ void store4(bf16* __restrict__ p, const float x[4], bool stochastic, uint32_t seed,
+                                       uint64_t i0) {
+  Bf16x4 out;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) out.v[k] = round_bf16(x[k], stochastic, seed, i0 + k);
+  *reinterpret_cast<Bf16x4*>(p) = out;
+}
+
+// The segment holding element i: the last start <= i (binary search of a few hundred sorted starts, in L1).
+__device__ __forceinline__ int segment_of(const AdamWSegments& segments, int64_t i) {
+  int lo = 0, hi = segments.n_segments - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (__ldg(segments.starts + mid) <= i) lo = mid;
     else hi = mid - 1;
   }
-  return __ldg(segments.decays + lo) != 0;
+  return lo;
 }
 
+// One thread, four consecutive elements: every load is issued before any store (the moments, master and
+// gradient of the group are in flight together), and the segment table is searched once per thread; a tensor
+// boundary inside the group (a tensor whose size is not a multiple of 4) moves to the next segment by a step.
 template <typename M>
-__global__ void __launch_bounds__(kThreads) adamw_kernel(float* master, bf16* param_bf16, const float* grad, M* m,
-                                                         M* v, int64_t n, AdamWSegments segments, Coefficients c) {
+__global__ void __launch_bounds__(kThreads) adamw_kernel(float* __restrict__ master, bf16* __restrict__ param_bf16,
+                                                         const float* __restrict__ grad, M* __restrict__ m,
+                                                         M* __restrict__ v, int64_t n, AdamWSegments segments,
+                                                         Coefficients c) {
   const int64_t i0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * 4;
   if (i0 >= n) return;
-  const float4 g4 = __ldcs(reinterpret_cast<const float4*>(grad + i0));
-  float4 p4 = *reinterpret_cast<float4*>(master + i0);
-  float g[4] = {g4.x, g4.y, g4.z, g4.w}, p[4] = {p4.x, p4.y, p4.z, p4.w};
-  // A tensor boundary may fall inside these 4 elements only if a tensor's size is not a multiple of 4; then
-  // each element looks its own segment up.
-  const bool uniform = segment_decays(segments, i0) == segment_decays(segments, i0 + 3);
-  const bool decays0 = segment_decays(segments, i0);
+  float g[4], p[4], m4[4], v4[4];
+  const float4 g4 = __ldcs(reinterpret_cast<const float4*>(grad + i0));  // read once: evict first
+  g[0] = g4.x, g[1] = g4.y, g[2] = g4.z, g[3] = g4.w;
+  load4(master + i0, p);
+  load4(m + i0, m4);
+  load4(v + i0, v4);
+  int segment = segment_of(segments, i0);
+  int64_t next_start = segment + 1 < segments.n_segments ? __ldg(segments.starts + segment + 1) : INT64_MAX;
   // Distinct random streams for the parameters and the two moments, per step.
   const uint32_t seed_p = c.seed * 3u + 0u, seed_m = c.seed * 3u + 1u, seed_v = c.seed * 3u + 2u;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const bool decays = uniform ? decays0 : segment_decays(segments, i0 + k);
+    while (i0 + k >= next_start) {
+      segment++;
+      next_start = segment + 1 < segments.n_segments ? __ldg(segments.starts + segment + 1) : INT64_MAX;
+    }
     const float gk = g[k] * c.grad_scale;
-    const float m_new = c.beta1 * load_moment(m[i0 + k]) + (1.0f - c.beta1) * gk;
-    const float v_new = c.beta2 * load_moment(v[i0 + k]) + (1.0f - c.beta2) * gk * gk;
-    const float denom = sqrtf(v_new) / c.bias_correction2_sqrt + c.eps;
-    const float decay = decays ? 1.0f - c.lr * c.weight_decay : 1.0f;
-    p[k] = p[k] * decay - c.step_size * (m_new / denom);
-    store_moment(m + i0 + k, m_new, c.stochastic_rounding, seed_m, i0 + k);
-    store_moment(v + i0 + k, v_new, c.stochastic_rounding, seed_v, i0 + k);
-    if (param_bf16 != nullptr) store_bf16(param_bf16 + i0 + k, p[k], c.stochastic_rounding, seed_p, i0 + k);
+    m4[k] = c.beta1 * m4[k] + (1.0f - c.beta1) * gk;
+    v4[k] = c.beta2 * v4[k] + (1.0f - c.beta2) * gk * gk;
+    const float denom = sqrtf(v4[k]) / c.bias_correction2_sqrt + c.eps;
+    const float decay = __ldg(segments.decays + segment) != 0 ? 1.0f - c.lr * c.weight_decay : 1.0f;
+    p[k] = p[k] * decay - c.step_size * (m4[k] / denom);
   }
-  *reinterpret_cast<float4*>(master + i0) = make_float4(p[0], p[1], p[2], p[3]);
+  store4(m + i0, m4, c.stochastic_rounding, seed_m, i0);
+  store4(v + i0, v4, c.stochastic_rounding, seed_v, i0);
+  store4(master + i0, p, false, 0, i0);
+  if (param_bf16 != nullptr) store4(param_bf16 + i0, p, c.stochastic_rounding, seed_p, i0);
 }
 
 __global__ void __launch_bounds__(kThreads) sum_of_squares_partial_kernel(double* partial, const float* x,
@@ -125,8 +156,11 @@ void adamw_launch(float* master, bf16* param_bf16, const float* grad, M* m, M* v
   TUNA_CHECK(n >= 0 && n % 4 == 0, "n ", n, " (must be a multiple of 4)");
   TUNA_CHECK(a.step >= 1, "AdamW step is 1-based, got ", a.step);
   TUNA_CHECK(segments.n_segments >= 1, "no segments");
-  for (const void* p : {static_cast<const void*>(master), static_cast<const void*>(grad)})
-    TUNA_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "adamw buffers must be 16-byte aligned");
+  // Each array is read and written 4 elements at a time: aligned to 4 of its elements.
+  const std::pair<const void*, size_t> arrays[] = {
+      {master, 16}, {grad, 16}, {m, 4 * sizeof(M)}, {v, 4 * sizeof(M)}, {param_bf16, 8}};
+  for (const auto& [p, alignment] : arrays)
+    TUNA_CHECK(reinterpret_cast<uintptr_t>(p) % alignment == 0, "adamw buffers must be aligned to 4 elements");
   if (n == 0) return;
   Coefficients c;
   c.lr = static_cast<float>(a.lr);

@@ -15,19 +15,20 @@
 #   then, with the device tool:
 #   run(command="scripts/gpu-check.sh $OUT/check", carry=["build/gpu-check/bin"], timeout_s=600)
 #
-# What comes back from $OUT is limited to 8 files two folders deep: this script writes exactly these 8 into
-# OUTDIR: summary.log (machine, toolkit, the table), tests.log (and the sanitizer's output), train.log,
-# benches.log and bench_{attention,gemm,memory,train_step}.json (Google Benchmark JSON).
+# What comes back from $OUT is limited to 8 files two folders deep: this script writes these 5 into OUTDIR:
+# summary.log (machine, toolkit, the table), tests.log (and the sanitizer's output), train.log, benches.log
+# (the benches', the peers' and the profiler's output) and benches.json: {"<bench>": its Google Benchmark JSON,
+# ..., "peers": [the peers' records], "profile": the step's kernel time by op}. A new bench adds a key to
+# benches.json, not a file.
 #
 # Checks, in order:
 #   1. gpu_tests: every op against its CPU twin on fresh random inputs (poisoned outputs, shapes off the tile
 #      sizes, bf16 error within 2x of a naive same-precision version; determinism of the backward passes);
-#      attention fwd/bwd for head dims 64/128 (tensor cores) on both paths (mma; hopper, sm_90a: verified on
-#      hardware by this script only, the table says whether its tests passed) and 8/16/32; the GPU model against the
+#      attention fwd/bwd for head dims 64/128 (tensor cores) on both paths (mma, the default; hopper, sm_90a,
+#      verified on hardware only here: the table says whether its tests passed) and 8/16/32; the GPU model against the
 #      transformers fixtures (logits, loss, every gradient) and 10 AdamW steps against the CPU model.
-#   2. benches: attention fwd/bwd TFLOP/s (causal, hd128 seq 2k/4k/8k, hd64 seq 4k; mma and hopper side by
-#      side, with the best of torch SDPA's flash and cuDNN backends at the same shapes, timed in the same run
-#      by tools/reference/bench_attention_peers.py, and tuna's ratio to it), GEMM TFLOP/s at LLaMA 1B/8B/70B
+#   2. benches: attention fwd/bwd TFLOP/s (causal, hd128 seq 2k/4k/8k, hd64 seq 4k; the mma and hopper paths
+#      side by side, each against the best peer of step 5), GEMM TFLOP/s at LLaMA 1B/8B/70B
 #      shapes, RMSNorm/RoPE/SwiGLU/AdamW GB/s against a device copy, the 1B-shaped training step's tokens/s and
 #      MFU (and its forward-only and AdamW-only parts).
 #   3. build/train --device cuda end to end on the demo model and corpus (demo/train.toml): 300 steps learn
@@ -36,6 +37,10 @@
 #      bit-for-bit the losses of the straight run, so does a --zero 1 run, and the log has MFU and GPU memory.
 #   4. compute-sanitizer memcheck (attention, rmsnorm, classifier, embedding tests) and racecheck (attention);
 #      skipped if absent, reported as unavailable where the machine refuses it (gVisor).
+#   5. peers, timed on the same GPU in the same run (tools/reference/peers_gpu.py, torch and transformers as the
+#      machine has them): torch SDPA's flash and cuDNN attention at the attention bench's shapes, Hugging Face
+#      LlamaForCausalLM's 1B-shaped step eager and under torch.compile; the table prints tuna / best peer per row.
+#      And the step's kernel time by op (Nsight Compute, when ncu runs here).
 # Exit status: 0 when every test passed and every step ran; 1 otherwise (the table says which).
 set -u -o pipefail
 
@@ -107,11 +112,12 @@ fi
 
 # ---- 2. benches (before the sanitizer: the numbers matter more than its slow second opinion)
 : >"$OUT/benches.log"
+BENCH_JSON=$(mktemp -d /tmp/tuna-gpu-check-json.XXXXXX)  # one file per bench here; merged into benches.json last
 run_bench() {  # name timeout
   local name=$1 limit=$2
   log "== bench $name"
   echo "==== bench_${name}_gpu" >>"$OUT/benches.log"
-  timeout "$(within "$limit")" "$BIN/bench_${name}_gpu" --benchmark_out="$OUT/bench_${name}.json" --benchmark_out_format=json \
+  timeout "$(within "$limit")" "$BIN/bench_${name}_gpu" --benchmark_out="$BENCH_JSON/$name.json" --benchmark_out_format=json \
     --benchmark_counters_tabular=true >>"$OUT/benches.log" 2>&1
   local rc=$?
   if [ $rc -eq 0 ]; then STEP[bench_$name]="ok"; else STEP[bench_$name]="FAILED (rc $rc)"; status=1; fi
@@ -120,18 +126,6 @@ run_bench memory 90
 run_bench attention 90
 run_bench gemm 90
 run_bench train_step 120
-
-# The attention peers, torch SDPA's flash and cuDNN backends at the attention bench's shapes, in this same run
-# (tools/reference/bench_attention_peers.py; torch is on the GPU machine). Their rows go to benches.log and,
-# outside OUTDIR (which brings back at most 8 files), to a JSON the table reads.
-PEERS_JSON=$(mktemp /tmp/tuna-peers.XXXXXX.json)
-log "== attention peers (torch SDPA flash, cuDNN)"
-echo "==== tools/reference/bench_attention_peers.py" >>"$OUT/benches.log"
-if timeout "$(within 90)" python3 tools/reference/bench_attention_peers.py --json "$PEERS_JSON" >>"$OUT/benches.log" 2>&1; then
-  STEP[peers]="ok"
-else
-  STEP[peers]="FAILED (benches.log)"  # a missing peer does not fail the check: tuna's own numbers stand
-fi
 
 # ---- 3. the trainer end to end (single GPU; Open MPI's libraries from bin/lib: libmpi's RUNPATH needs this)
 log "== train end to end ($BIN/train, demo model)"
@@ -238,12 +232,86 @@ fi
 { echo "==== compute-sanitizer"; cat "$SANITIZER_LOG"; } >>"$OUT/tests.log"
 rm -f "$SANITIZER_LOG"
 
+# ---- 5. peers in the same run, and where the step's time goes. Neither decides the exit status: a peer that
+# cannot run here (no torch, a backend missing) is reported, not a failure of tuna.
+if python3 -c "import torch, transformers" >/dev/null 2>&1; then
+  log "== peers (tools/reference/peers_gpu.py)"
+  echo "==== peers: tools/reference/peers_gpu.py --attention --step --compile" >>"$OUT/benches.log"
+  PYTHONUNBUFFERED=1 timeout "$(within 240)" python3 tools/reference/peers_gpu.py --attention --step --compile \
+    --out "$BENCH_JSON/peers.jsonl" >>"$OUT/benches.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then STEP[peers]="ok"; else STEP[peers]="incomplete (rc $rc: benches.log)"; fi
+else
+  STEP[peers]="skipped (no torch and transformers in python3 here)"
+fi
+if command -v ncu >/dev/null 2>&1; then
+  # One metric, no replay, boost clocks: each kernel's duration in the 1B step at batch 2 (about 800 launches
+  # a step; the first 1700 cover the warmup step and a whole step after it).
+  log "== step profile (ncu, bench_train_step_gpu batch 2 x seq 4096)"
+  timeout "$(within 120)" ncu --metrics gpu__time_duration.sum --clock-control none --cache-control none --csv \
+    --print-units base --launch-count 1700 --log-file "$BENCH_JSON/ncu.csv" "$BIN/bench_train_step_gpu" \
+    --benchmark_filter='BM_TrainStep/batch:2/seq:4096/part:0' >>"$OUT/benches.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then STEP[profile]="ok"; else STEP[profile]="incomplete (rc $rc: benches.log)"; fi
+else
+  STEP[profile]="skipped (no ncu)"
+fi
+# benches.json: every bench's JSON, the peers' records and the profile's rows by op, one file.
+python3 - "$BENCH_JSON" "$OUT/benches.json" <<'PY' >>"$OUT/benches.log" 2>&1
+import csv, glob, json, os, re, sys
+src, dst = sys.argv[1:3]
+merged = {}
+for path in sorted(glob.glob(os.path.join(src, "*.json"))):
+    try:
+        merged[os.path.basename(path)[:-5]] = json.load(open(path))
+    except Exception as e:
+        merged[os.path.basename(path)[:-5]] = {"error": str(e)}
+try:
+    merged["peers"] = [json.loads(l) for l in open(os.path.join(src, "peers.jsonl")) if l.strip()]
+except OSError:
+    merged["peers"] = []
+# The profile: kernels of the last complete step (between the last two AdamW launches), by op.
+def op_of(kernel):
+    k = kernel.lower()
+    for op, pattern in (("attention bwd", r"bwd_dkdv|bwd_dq|bwd_delta|attention.*bwd"), ("attention fwd", r"fwd_kernel|attention.*fwd"),
+                        ("GEMM", r"gemm|nvjet|xmma|cutlass|splitk|cublas"), ("AdamW", r"adamw"),
+                        ("grad norm", r"sum_of_squares|sum_partials"), ("RMSNorm", r"rmsnorm"), ("SwiGLU", r"swiglu"),
+                        ("RoPE", r"rope"), ("classifier", r"classifier"), ("embedding", r"embedding"),
+                        ("memset/copy", r"memset|memcpy|fill|convert|f32_to_bf16")):
+        if re.search(pattern, k):
+            return op
+    return re.sub(r"[(<].*", "", kernel).split("::")[-1] or kernel
+rows = []
+try:
+    lines = [l for l in open(os.path.join(src, "ncu.csv")) if l.startswith('"')]
+    for r in csv.DictReader(lines):
+        if r.get("Metric Name") == "gpu__time_duration.sum":
+            to_ms = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
+            rows.append((r["Kernel Name"], float(r["Metric Value"].replace(",", "")) * to_ms[r["Metric Unit"]]))
+except (OSError, KeyError, ValueError):
+    pass
+adamw = [i for i, (k, _) in enumerate(rows) if "adamw" in k.lower()]
+profile = {}
+if len(adamw) >= 2:
+    step = rows[adamw[-2] + 1: adamw[-1] + 1]
+    total = sum(ms for _, ms in step)
+    by_op = {}
+    for k, ms in step:
+        op = op_of(k)
+        n, t = by_op.get(op, (0, 0.0))
+        by_op[op] = (n + 1, t + ms)
+    profile = {"launches": len(step), "kernel_ms": total,
+               "by_op": sorted(([op, n, t] for op, (n, t) in by_op.items()), key=lambda x: -x[2])}
+merged["profile"] = profile
+json.dump(merged, open(dst, "w"), indent=1)
+PY
+
 # ---- summary table (last)
 python3 - "$OUT" "$SUMMARY" "${STEP[tests]}" "${STEP[sanitizer]}" "${STEP[bench_memory]}" "${STEP[bench_attention]}" \
-  "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" "$PEERS_JSON" "${STEP[peers]}" \
+  "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" "${STEP[peers]}" "${STEP[profile]}" \
   <<'PY' | tee -a "$SUMMARY"
 import json, os, re, sys
-out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary, peers_json, peers_step = sys.argv[1:13]
+out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary, peers_step, profile_step = sys.argv[1:13]
 rows = []
 def add(section, what, value, note=""):
     rows.append((section, what, value, note))
@@ -263,54 +331,45 @@ if checks:
     add("tests", "error vs bound", f"{len(checks)} checks, worst {worst[0]:.2f} of its bound", worst[1])
 add("tests", "sanitizer", sanitizer)
 
+try:
+    benches = json.load(open(os.path.join(out, "benches.json")))
+except Exception:
+    benches = {}
 def bench(name):
-    path = os.path.join(out, f"bench_{name}.json")
-    try:
-        return json.load(open(path)).get("benchmarks", [])
-    except Exception:
-        return []
+    b = benches.get(name, {})
+    return b.get("benchmarks", []) if isinstance(b, dict) else []
+peers = [p for p in benches.get("peers", []) if "error" not in p]
 
-# Attention: the two paths of kernels/attention.cuh side by side, mma (the default) and hopper (sm_90a), each
-# row a shape; and whether the hopper path's tests passed (the condition for flipping its default).
-hopper_tests = re.findall(r"^\[\s+(OK|FAILED)\s+\] (AttentionGpu\.\S*Hopper\S*|AttentionGpu\.BackwardAppliesRope\S*)", log, re.M)
-if hopper_tests:
-    bad = [n for r, n in hopper_tests if r != "OK"]
-    add("attention", "hopper path tests", f"{len(hopper_tests) - len(bad)} of {len(hopper_tests)} passed",
-        ("FAILED: " + ", ".join(bad)) if bad else "flip kHopperByDefault (kernels/attention.cu) once its speed is right")
-else:
-    add("attention", "hopper path tests", "not run", "")
+# Each attention row: a shape, tuna's two paths side by side (mma, the default; hopper, sm_90a), the best
+# peer's rate at the same shape and direction, and each path / best. First, whether the hopper path's tests
+# passed: the condition, with its speed, for flipping its default (kHopperByDefault, kernels/attention.cu).
+def best_peer(**want):
+    rows = [p for p in peers if all(p.get(k) == v for k, v in want.items())]
+    return max(rows, key=lambda p: p.get("tflops", p.get("tokens_per_s", 0)), default=None)
+hopper_tests = re.findall(r"^\[\s+(OK|FAILED)\s+\] (AttentionGpu\.\S*Hopper\S*|AttentionGpu\.BackwardAppliesRope\S*)",
+                          log, re.M)
+bad = [n for r, n in hopper_tests if r != "OK"]
+add("attention", "hopper path tests", f"{len(hopper_tests) - len(bad)} of {len(hopper_tests)} passed" if hopper_tests
+    else "not run", ("FAILED: " + ", ".join(bad)) if bad else "")
 shapes = {}
 for b in bench("attention"):
     m = re.match(r"(.*) (mma|hopper)$", b.get("label", ""))
     if m: shapes.setdefault(m.group(1), {})[m.group(2)] = b
 def tflops(b):
-    if b is None: return None
-    if b.get("error_occurred") or b.get("skipped"): return None
-    return b.get("TFLOP/s")
-# The best peer of each shape (torch SDPA flash / cuDNN, same run, same FLOP convention).
-peers = {}
-try:
-    for r in json.load(open(peers_json)).get("rows", []):
-        if "TFLOP/s" in r and r["TFLOP/s"] > peers.get(r["label"], (0, ""))[0]:
-            peers[r["label"]] = (r["TFLOP/s"], r["backend"] + (" gqa expanded" if r.get("gqa") == "expanded" else ""))
-except Exception:
-    pass
+    return None if b is None or b.get("error_occurred") or b.get("skipped") else b.get("TFLOP/s")
 for shape, by in shapes.items():
-    mma, hopper = tflops(by.get("mma")), tflops(by.get("hopper"))
-    fmt = lambda x: "n/a" if x is None else f"{x:.0f}"
-    value = f"mma {fmt(mma)} | hopper {fmt(hopper)}"
-    peer, peer_name = peers.get(shape, (None, ""))
-    if peer:
-        value += f" | peer {peer:.0f} ({peer_name})"
-    value += " TFLOP/s"
+    rate = {path: tflops(by.get(path)) for path in ("mma", "hopper")}
+    value = " | ".join(f"{path} {'n/a' if x is None else f'{x:.0f}'}" for path, x in rate.items()) + " TFLOP/s"
     notes = []
-    if mma and hopper: notes.append(f"hopper/mma {hopper / mma:.2f}")
+    if rate["mma"] and rate["hopper"]: notes.append(f"hopper/mma {rate['hopper'] / rate['mma']:.2f}")
     elif by.get("hopper", {}).get("error_message"): notes.append(by["hopper"]["error_message"])
-    if peer:
-        notes.append("vs best peer: " + ", ".join(f"{n} {x / peer:.2f}" for n, x in (("mma", mma), ("hopper", hopper)) if x))
+    m = re.search(r"(fwd|bwd) causal hd(\d+) seq (\d+)", shape)
+    p = best_peer(what="attention", direction=m.group(1), hd=int(m.group(2)), seq=int(m.group(3))) if m else None
+    if p:
+        notes.append(f"best peer {p['peer']} {p['tflops']:.0f}: " +
+                     ", ".join(f"{path} x{x / p['tflops']:.2f}" for path, x in rate.items() if x))
     add("attention", shape, value, "; ".join(notes))
 if not shapes: add("attention", "bench_attention_gpu", "no results", b_att)
-if not peers: add("attention", "peers (torch SDPA)", "no results", peers_step or "not run")
 for b in bench("gemm"):
     add("gemm", b.get("label", b["name"]), f"{b.get('TFLOP/s', 0):.0f} TFLOP/s", f"{100*b.get('of_peak', 0):.0f}% of peak")
 if not bench("gemm"): add("gemm", "bench_gemm_gpu", "no results", b_gemm)
@@ -324,7 +383,22 @@ for b in bench("train_step"):
     note = f"MFU {100*b['MFU']:.1f}%, " if "MFU" in b else ""
     add("train step", b.get("label", b["name"]), value,
         note + f"{b.get('GiB', 0):.1f} GiB, {b.get('real_time', 0):.0f} {b.get('time_unit', '')}/iteration")
+    m = re.search(r"^step, .* batch (\d+) x seq (\d+)", b.get("label", ""))
+    if m and "tokens/s" in b:
+        for p in sorted((p for p in peers if p.get("what") == "step" and p.get("batch") == int(m.group(1))
+                         and p.get("seq") == int(m.group(2))), key=lambda p: p["peer"]):
+            add("train step", f"  peer {p['peer']}, batch {p['batch']} x seq {p['seq']}", f"{p['tokens_per_s']:.0f} tokens/s",
+                f"MFU {100*p['mfu']:.1f}%, {p['gib']:.1f} GiB; tuna x{b['tokens/s'] / p['tokens_per_s']:.2f}")
 if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", b_train)
+add("peers", "tools/reference/peers_gpu.py", peers_step)
+for p in benches.get("peers", []):
+    if "version" in p: add("peers", "torch", p["version"], p.get("device", ""))
+    if "error" in p: add("peers", f"  {p.get('peer')} {p.get('what', '')} {p.get('seq', '')} {p.get('hd', p.get('batch', ''))}", "error", p["error"][:90])
+prof = benches.get("profile") or {}
+add("profile", "1B step, batch 2 (ncu)", profile_step,
+    f"{prof['launches']} launches, {prof['kernel_ms']:.1f} ms of kernels" if prof else "")
+for op, n, ms in (prof.get("by_op") or [])[:14]:
+    add("profile", f"  {op}", f"{ms:.2f} ms", f"{100 * ms / prof['kernel_ms']:.1f}%, {n} launches")
 add("train e2e", "build/train --device cuda", train)
 try:
     for line in open(train_summary):
@@ -343,5 +417,6 @@ for r in rows:
     section = r[0]
     print(f"{s:<{w[0]}} | {r[1]:<{w[1]}} | {r[2]:<{w[2]}} | {r[3]}")
 PY
-rm -f "$TRAIN_SUMMARY" "$PEERS_JSON"
+rm -f "$TRAIN_SUMMARY"
+rm -rf "$BENCH_JSON"
 exit $status

@@ -1,173 +1,135 @@
 // build/prepare: text and JSONL corpora -> token shards for build/train. The pipeline is data/prepare.h;
-// this file is the command line.
-#include "data/prepare.h"  // PrepareOptions, prepare_corpus, report_summary
-
+// this file is the command line, on core/options like every tool: --a-b and --a_b alike, --name=value,
+// --config FILE.toml, an unknown name answered with the nearest one.
+#include <cstdint>
 #include <cstdio>
-#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "core/error.h"
+#include "core/options.h"   // Options
+#include "data/prepare.h"   // PrepareOptions, prepare_corpus, report_summary
 
 namespace {
 
-constexpr const char* kUsage = R"(usage: build/prepare --tokenizer TOK.model --out DIR [options] INPUT...
-       mpirun -np N build/prepare ... (same options: each rank reads a share, dedup stays global)
+constexpr const char* kSummary = R"(Cleans, filters, deduplicates and tokenizes text into shards for build/train.
 
-Cleans, filters, deduplicates and tokenizes text into shards for build/train: DIR/train-NNNNN.bin,
-DIR/val-NNNNN.bin (DIR/train-rRRRRR-NNNNN.bin under mpirun), DIR/report.json. INPUT is a file or a directory
-(searched recursively, in name order): .txt and .md files are one document each; .jsonl files one JSON
-object per line. Any of them may be compressed (.gz, .zst). Every document becomes BOS + tokens + EOS.
-Nothing is dropped without being counted: the report accounts for every document read (kept, malformed,
-filtered by which rule, exact or near duplicate) with the first location of each.
+  build/prepare --tokenizer TOK.model --out DIR [options] INPUT...
+  mpirun -np N build/prepare ... (same options: each rank reads a share, dedup stays global)
 
-  --tokenizer PATH          sentencepiece model to tokenize with (written first with --train-tokenizer)
-  --out DIR                 output directory (created if missing)
-  --train-tokenizer         train PATH on the inputs first (BPE, byte fallback), writing PATH and its .vocab
-  --vocab-size N            vocabulary of the trained tokenizer (default 32000)
-  --tokenizer-sample-mb N   text sampled for tokenizer training, in MiB (default 1024)
-  --val-fraction F          share of documents in the validation split, by a hash of the text (default 0.05)
-  --text-field NAME         JSONL field that holds the document (default text)
-  --sft                     JSONL records are {prompt, response}: the loss mask trains on the response only
-  --prompt-field NAME       (default prompt)
-  --response-field NAME     (default response)
-  --max-document-mb N       a longer line or file is counted as oversized and skipped (default 64)
-cleaning and filters:
-  --drop-invalid-utf8       drop a document with invalid UTF-8 (default: replace each bad byte with U+FFFD)
-  --keep-whitespace         do not collapse spaces and blank lines (control characters still go)
-  --min-chars N             drop documents shorter than N characters (default 1)
-  --max-chars N             drop documents longer than N characters (default 0: no limit)
-  --min-alpha F             drop documents whose letters are under F of their non-space characters (0.25)
-  --max-repeated-lines F    drop documents whose repeated lines are over F of their lines (default 0.3)
-dedup:
-  --no-exact-dedup          keep exact duplicates (of the cleaned text)
-  --no-near-dedup           keep near duplicates
-  --shingle-words N         words per MinHash shingle (default 5)
-  --minhash-bands B         LSH bands (default 14)
-  --minhash-rows R          rows per band (default 8); B x R permutations; threshold ~ (1/B)^(1/R) = 0.72
-  --near-verify J           join an LSH candidate pair only if its signatures estimate Jaccard >= J
-                            (default 0.5; 0: join every candidate)
-  --dedup-memory-mb N       memory for the dedup join's partitions, in MiB (default 1024)
-output:
-  --shard-tokens N          tokens per shard before the next one starts (default 100000000)
-  --threads N               threads (default: all cores); the output does not depend on it
-  --overwrite               replace the shards and report of an earlier run in DIR
-  --quiet                   no progress lines
-)";
+Writes DIR/train-NNNNN.bin, DIR/val-NNNNN.bin (DIR/train-rRRRRR-NNNNN.bin under mpirun), DIR/report.json and
+DIR/dropped.jsonl (one line per dropped document: where it was and why). INPUT is a file or a directory
+(searched recursively, in name order): .txt and .md files are one document each; .jsonl files one JSON object
+per line; any of them may be compressed (.gz, .zst). Inputs must be regular files: a FIFO, a device or a
+symbolic link loop is refused by name, and a symbolic link inside a directory that leads out of it is skipped
+and counted unless --follow-symlinks. Every document becomes BOS + tokens + EOS. Nothing is dropped without
+being counted: the report accounts for every document read (kept, malformed, filtered by which rule, exact or
+near duplicate). Option names take dashes or underscores alike (--val-fraction, --val_fraction).)";
 
-[[noreturn]] void usage_error(const std::string& message) {
-  std::fprintf(stderr, "error: %s\n\n%s", message.c_str(), kUsage);
-  std::exit(2);
-}
-
-template <typename T>
-T parse_number(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    T result;
-    if constexpr (std::is_floating_point_v<T>)
-      result = static_cast<T>(std::stod(value, &used));
-    else
-      result = static_cast<T>(std::stoll(value, &used));
-    if (used != value.size()) throw std::invalid_argument(value);
-    if constexpr (!std::is_floating_point_v<T>)
-      if (std::stoll(value) < 0) throw std::invalid_argument(value);
-    return result;
-  } catch (const std::exception&) {
-    usage_error(tuna::str(flag, ": expected a ",
-                          std::is_floating_point_v<T> ? "number" : "non-negative integer", ", found '", value,
-                          "'"));
+// Flags whose field has another unit or integer type than core/options' int64: each is read as an int64,
+// then checked (a whole number in [min, the field's largest]) and stored, scaled by 2^shift (MiB -> bytes).
+class WideFlags {
+ public:
+  template <typename T>
+  void add(tuna::Options& o, const char* name, T* field, const std::string& help, int64_t min = 0, int shift = 0) {
+    const uint64_t type_max = static_cast<uint64_t>(std::numeric_limits<T>::max());
+    const auto max = static_cast<int64_t>(std::min<uint64_t>(type_max, std::numeric_limits<int64_t>::max()) >> shift);
+    flags_.push_back({name, static_cast<int64_t>(*field >> shift), min, max,
+                      [field, shift](int64_t v) { *field = static_cast<T>(static_cast<T>(v) << shift); }});
+    o.add(name, &flags_.back().value, help);
   }
+  void apply() const {
+    for (const Flag& f : flags_) {
+      if (f.value < f.min || f.value > f.max)
+        tuna::fail("command line: option '--", f.name, "': expected an integer in [", f.min, ", ", f.max, "], found ",
+                   f.value);
+      f.store(f.value);
+    }
+  }
+
+ private:
+  struct Flag {
+    const char* name;
+    int64_t value, min, max;
+    std::function<void(int64_t)> store;
+  };
+  std::deque<Flag> flags_;  // a deque: Options keeps a pointer to each value
+};
+
+// Every flag of prepare. no_exact_dedup / no_near_dedup: PrepareOptions says it the other way round.
+void declare(tuna::Options& o, tuna::PrepareOptions& p, WideFlags& w, bool* no_exact_dedup, bool* no_near_dedup) {
+  o.add("tokenizer", &p.tokenizer_path, "sentencepiece model to tokenize with (written first with --train-tokenizer); required");
+  o.add("out", &p.out_dir, "output directory (created if missing); required");
+  o.add("train_tokenizer", &p.train_tokenizer,
+        "train --tokenizer on the inputs first (BPE, byte fallback), writing it and its .vocab");
+  w.add(o, "vocab_size", &p.vocab_size, "vocabulary of the trained tokenizer", 1);
+  w.add(o, "tokenizer_sample_mb", &p.tokenizer_sample_bytes, "text sampled for tokenizer training, in MiB", 1, 20);
+  o.add("val_fraction", &p.val_fraction, "share of documents in the validation split, by a hash of the text, in [0, 1]");
+  o.add("text_field", &p.text_field, "JSONL field that holds the document");
+  o.add("sft", &p.sft, "JSONL records are {prompt, response}: the loss mask trains on the response only");
+  o.add("prompt_field", &p.prompt_field, "SFT: JSONL field of the prompt");
+  o.add("response_field", &p.response_field, "SFT: JSONL field of the response");
+  w.add(o, "max_document_mb", &p.max_document_bytes, "a longer line or file is counted as oversized and skipped, in MiB", 1, 20);
+  o.add("follow_symlinks", &p.follow_symlinks,
+        "inside an input directory, follow symbolic links that lead out of it (default: skip and count them)");
+  // cleaning and filters
+  o.add("drop_invalid_utf8", &p.clean.drop_invalid_utf8,
+        "drop a document with invalid UTF-8 (default: replace each bad byte with U+FFFD)");
+  o.add("keep_whitespace", &p.clean.keep_whitespace, "do not collapse spaces and blank lines (control characters still go)");
+  w.add(o, "min_chars", &p.quality.min_chars, "drop documents shorter than this many characters");
+  w.add(o, "max_chars", &p.quality.max_chars, "drop documents longer than this many characters (0: no limit)");
+  o.add("min_alpha", &p.quality.min_alpha_fraction, "drop documents whose letters are under this share of their non-space characters");
+  o.add("max_repeated_line_chars", &p.quality.max_repeated_line_chars,
+        "drop documents whose repeated lines (each copy after the first) hold over this share of the characters (1: off)");
+  o.add("max_repeated_lines", &p.quality.max_repeated_line_fraction,
+        "drop documents whose repeated lines are over this share of their non-blank lines (1: off, the default:\n"
+        "      a short line repeated, like a licence header, is what trips it; the character share weighs it)");
+  // dedup
+  o.add("no_exact_dedup", no_exact_dedup, "keep exact duplicates (of the cleaned text)");
+  o.add("no_near_dedup", no_near_dedup, "keep near duplicates");
+  w.add(o, "shingle_words", &p.minhash.shingle_words, "words per MinHash shingle", 1);
+  w.add(o, "minhash_bands", &p.minhash.bands, "LSH bands (candidates: documents that agree on every row of a band)", 1);
+  w.add(o, "minhash_rows", &p.minhash.rows, "rows per LSH band", 1);
+  o.add("near_verify", &p.near_verify,
+        "the near-duplicate threshold: an LSH candidate pair is joined only when its signatures estimate a "
+        "Jaccard similarity of at least this (0: join every candidate)");
+  w.add(o, "dedup_memory_mb", &p.dedup_memory_bytes, "memory for the dedup join's partitions, in MiB", 1, 20);
+  // output
+  w.add(o, "shard_tokens", &p.shard_tokens, "tokens per shard before the next one starts", 1);
+  w.add(o, "threads", &p.threads, "threads (0: all cores); the output does not depend on it");
+  o.add("overwrite", &p.overwrite, "replace the shards and report of an earlier run in --out");
+  o.add("quiet", &p.quiet, "no progress lines");
+  o.add("progress_seconds", &p.progress_seconds,
+        "seconds between progress lines (0: one live line on a terminal, a line every 30 s in a log)");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   tuna::PrepareOptions options;
-  std::vector<std::string> args(argv + 1, argv + argc);
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string arg = args[i], value;
-    bool has_inline_value = false;
-    if (arg.rfind("--", 0) == 0 && arg.find('=') != std::string::npos) {
-      value = arg.substr(arg.find('=') + 1);
-      arg = arg.substr(0, arg.find('='));
-      has_inline_value = true;
-    }
-    auto take = [&]() -> std::string {
-      if (has_inline_value) return value;
-      if (i + 1 >= args.size()) usage_error(arg + " needs a value");
-      return args[++i];
-    };
-    if (arg == "-h" || arg == "--help") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    } else if (arg == "--tokenizer") {
-      options.tokenizer_path = take();
-    } else if (arg == "--out") {
-      options.out_dir = take();
-    } else if (arg == "--train-tokenizer") {
-      options.train_tokenizer = true;
-    } else if (arg == "--vocab-size") {
-      options.vocab_size = parse_number<int>(arg, take());
-    } else if (arg == "--tokenizer-sample-mb") {
-      options.tokenizer_sample_bytes = parse_number<uint64_t>(arg, take()) << 20;
-    } else if (arg == "--val-fraction") {
-      options.val_fraction = parse_number<double>(arg, take());
-    } else if (arg == "--text-field") {
-      options.text_field = take();
-    } else if (arg == "--sft") {
-      options.sft = true;
-    } else if (arg == "--prompt-field") {
-      options.prompt_field = take();
-    } else if (arg == "--response-field") {
-      options.response_field = take();
-    } else if (arg == "--max-document-mb") {
-      options.max_document_bytes = parse_number<uint64_t>(arg, take()) << 20;
-    } else if (arg == "--drop-invalid-utf8") {
-      options.clean.drop_invalid_utf8 = true;
-    } else if (arg == "--keep-whitespace") {
-      options.clean.keep_whitespace = true;
-    } else if (arg == "--min-chars") {
-      options.quality.min_chars = parse_number<uint64_t>(arg, take());
-    } else if (arg == "--max-chars") {
-      options.quality.max_chars = parse_number<uint64_t>(arg, take());
-    } else if (arg == "--min-alpha") {
-      options.quality.min_alpha_fraction = parse_number<double>(arg, take());
-    } else if (arg == "--max-repeated-lines") {
-      options.quality.max_repeated_line_fraction = parse_number<double>(arg, take());
-    } else if (arg == "--no-exact-dedup") {
-      options.exact_dedup = false;
-    } else if (arg == "--no-near-dedup") {
-      options.near_dedup = false;
-    } else if (arg == "--shingle-words") {
-      options.minhash.shingle_words = parse_number<int>(arg, take());
-    } else if (arg == "--minhash-bands") {
-      options.minhash.bands = parse_number<int>(arg, take());
-    } else if (arg == "--minhash-rows") {
-      options.minhash.rows = parse_number<int>(arg, take());
-    } else if (arg == "--near-verify") {
-      options.near_verify = parse_number<double>(arg, take());
-    } else if (arg == "--dedup-memory-mb") {
-      options.dedup_memory_bytes = parse_number<uint64_t>(arg, take()) << 20;
-    } else if (arg == "--shard-tokens") {
-      options.shard_tokens = parse_number<uint64_t>(arg, take());
-    } else if (arg == "--threads") {
-      options.threads = parse_number<int>(arg, take());
-    } else if (arg == "--overwrite") {
-      options.overwrite = true;
-    } else if (arg == "--quiet") {
-      options.quiet = true;
-    } else if (arg.rfind("-", 0) == 0 && arg != "-") {
-      usage_error("unknown option " + arg);
-    } else {
-      options.inputs.push_back(arg);
-    }
+  WideFlags wide;
+  bool no_exact_dedup = false, no_near_dedup = false;
+  try {
+    tuna::Options flags("build/prepare", kSummary);
+    declare(flags, options, wide, &no_exact_dedup, &no_near_dedup);
+    options.inputs = flags.parse(argc, argv);  // --help prints the table and exits
+    wide.apply();
+    options.exact_dedup = !no_exact_dedup;
+    options.near_dedup = !no_near_dedup;
+    for (const std::string& input : options.inputs)
+      if (input.size() > 1 && input[0] == '-')
+        tuna::fail("command line: unknown option '", input, "' (options are --name value); run build/prepare --help for the list");
+    if (options.tokenizer_path.empty()) tuna::fail("command line: --tokenizer is required");
+    if (options.out_dir.empty()) tuna::fail("command line: --out is required");
+    if (options.inputs.empty()) tuna::fail("command line: no INPUT given (files or directories to prepare)");
+  } catch (const tuna::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
   }
-  if (options.tokenizer_path.empty()) usage_error("--tokenizer is required");
-  if (options.out_dir.empty()) usage_error("--out is required");
-  if (options.inputs.empty()) usage_error("no INPUT given");
 
   // Under mpirun: MPI up before anything else; every rank runs the same pipeline on its share.
   std::unique_ptr<tuna::PrepareComm> comm = tuna::world_prepare_comm_if_launched();
@@ -183,7 +145,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "warning: the validation split is empty (too few documents for --val-fraction %g)\n",
                    options.val_fraction);
-  } catch (const tuna::Error& e) {
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s%s\n", comm ? tuna::str("rank ", comm->rank(), ": ").c_str() : "", e.what());
     // The other ranks may wait in a collective for this one: stop them all.
     if (comm && comm->size() > 1) comm->abort(1);

@@ -75,5 +75,38 @@ TEST(Quality, EachRuleIsNamed) {
   EXPECT_STREQ(quality_rule_name(QualityRule::low_alpha), "low_alpha");
 }
 
+// The repeated-lines rule weighs repeated lines by their characters: a short line that recurs (a copyright
+// file's "License: GPL-2+" once per stanza) does not trip it where the line count would; a text made mostly
+// of copies of its own lines does, and the measure says by how much.
+TEST(Quality, RepeatedLinesCountTheirCharacters) {
+  std::string stanzas;
+  for (int i = 0; i < 20; ++i)
+    stanzas += "Files: src/module" + std::to_string(i) + ".c\nCopyright: 2001-2024 Author Number " + std::to_string(i) +
+               " of the project\nLicense: GPL-2+\n\n";
+  QualityOptions defaults;
+  QualityMeasure m;
+  EXPECT_EQ(quality_check(stanzas, defaults, &m), QualityRule::pass);
+  QualityOptions by_lines;
+  by_lines.max_repeated_line_fraction = 0.3;  // the old rule: 19 of 60 lines repeat
+  EXPECT_EQ(quality_check(stanzas, by_lines, &m), QualityRule::repeated_lines);
+  EXPECT_STREQ(m.name, "repeated_lines");
+  EXPECT_NEAR(m.value, 19.0 / 60.0, 1e-12);
+
+  std::string table = "Totals by quarter\n";
+  for (int i = 0; i < 10; ++i) table += "Amount due under this agreement for the quarter\n";
+  EXPECT_EQ(quality_check(table, defaults, &m), QualityRule::repeated_lines);
+  EXPECT_STREQ(m.name, "repeated_line_chars");
+  const double chars = static_cast<double>(table.size());
+  EXPECT_NEAR(m.value, 9 * 47 / chars, 1e-12);  // 9 copies of a 47-character line
+  EXPECT_DOUBLE_EQ(m.limit, 0.7);
+  // A text pasted three times is 2/3 repeats: under 0.7, kept; four times, dropped.
+  const std::string body = "First line of a contract.\nSecond line, with the terms.\n";
+  EXPECT_EQ(quality_check(body + body + body, defaults), QualityRule::pass);
+  EXPECT_EQ(quality_check(body + body + body + body, defaults), QualityRule::repeated_lines);
+  QualityOptions off;
+  off.max_repeated_line_chars = 1.0;
+  EXPECT_EQ(quality_check(table, off), QualityRule::pass);
+}
+
 }  // namespace
 }  // namespace tuna

@@ -3,7 +3,10 @@
 // over ranks (ranks simulated by threads sharing an in-process PrepareComm).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <barrier>
+#include <cstring>
+#include <iterator>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -58,16 +61,17 @@ std::string words(std::mt19937_64& rng, int n) {
 
 TEST(MinHash, SameTextSameBandsUnrelatedTextNone) {
   MinHasher hasher({});
-  EXPECT_NEAR(minhash_threshold({}), 0.719, 0.001);
+  ASSERT_EQ(hasher.bands(), 32);
+  EXPECT_NEAR(minhash_threshold({}), 0.315, 0.001);
   std::mt19937_64 rng(1);
   const std::string a = words(rng, 400), b = words(rng, 400);
-  std::vector<uint64_t> ha(14), ha2(14), hb(14);
+  std::vector<uint64_t> ha(32), ha2(32), hb(32);
   ASSERT_TRUE(hasher.band_hashes(a, ha.data()));
   ASSERT_TRUE(hasher.band_hashes("  " + a + "!!", ha2.data())) << "punctuation and spacing are not words";
   ASSERT_TRUE(hasher.band_hashes(b, hb.data()));
   EXPECT_EQ(ha, ha2);
-  for (int i = 0; i < 14; ++i) EXPECT_NE(ha[i], hb[i]);
-  std::vector<uint64_t> none(14, 7);
+  for (int i = 0; i < 32; ++i) EXPECT_NE(ha[i], hb[i]);
+  std::vector<uint64_t> none(32, 7);
   EXPECT_FALSE(hasher.band_hashes(" -- ... ", none.data()));
   EXPECT_EQ(none[0], 7u);
   ASSERT_TRUE(hasher.band_hashes("two words", none.data())) << "shorter than a shingle: one shingle";
@@ -77,15 +81,103 @@ TEST(MinHash, SameTextSameBandsUnrelatedTextNone) {
 // runs): ranks on different nodes must agree. Golden values from the first run.
 TEST(MinHash, SignatureIsTheSameEverywhere) {
   MinHasher hasher({});
-  std::vector<uint64_t> bands(14);
+  std::vector<uint64_t> bands(32);
   std::vector<uint8_t> sketch(hasher.sketch_bytes());
-  ASSERT_EQ(sketch.size(), 28u);
+  ASSERT_EQ(sketch.size(), 1024u);
   ASSERT_TRUE(hasher.band_hashes("The Lessee shall pay the rent monthly to the Lessor under this Lease.", bands.data(),
                                  sketch.data()));
-  EXPECT_EQ(bands[0], 13447320111937343703ull);
-  EXPECT_EQ(bands[13], 1926744827517364333ull);
-  EXPECT_EQ(sketch[0], 196);
-  EXPECT_EQ(sketch[27], 60);
+  EXPECT_EQ(bands[0], 13236737746548932515ull);
+  EXPECT_EQ(bands[31], 1982016232151186045ull);
+  // The sketch: the 9 distinct shingles' values, ascending, then padding.
+  std::vector<uint32_t> values(256);
+  std::memcpy(values.data(), sketch.data(), sketch.size());
+  EXPECT_EQ(values[0], 13819889u);
+  EXPECT_TRUE(std::is_sorted(values.begin(), values.end()));
+  EXPECT_NE(values[8], 0xffffffffu);
+  EXPECT_EQ(values[9], 0xffffffffu);
+}
+
+// The bottom-k estimate is the exact Jaccard similarity of the shingle sets when both documents have fewer
+// than sketch_size distinct shingles, and within a few standard errors of it when they have more.
+TEST(MinHash, SketchEstimatesTheJaccardSimilarity) {
+  std::mt19937_64 rng(3);
+  auto exact = [](const std::string& a, const std::string& b) {
+    std::vector<uint64_t> x, y;
+    shingle_hashes(a, 5, &x);
+    shingle_hashes(b, 5, &y);
+    std::sort(x.begin(), x.end());
+    x.erase(std::unique(x.begin(), x.end()), x.end());
+    std::sort(y.begin(), y.end());
+    y.erase(std::unique(y.begin(), y.end()), y.end());
+    std::vector<uint64_t> both;
+    std::set_intersection(x.begin(), x.end(), y.begin(), y.end(), std::back_inserter(both));
+    return static_cast<double>(both.size()) / static_cast<double>(x.size() + y.size() - both.size());
+  };
+  auto estimate = [](const MinHasher& h, const std::string& a, const std::string& b) {
+    std::vector<uint64_t> bands(static_cast<size_t>(h.bands()));
+    std::vector<uint8_t> x(h.sketch_bytes()), y(h.sketch_bytes());
+    EXPECT_TRUE(h.band_hashes(a, bands.data(), x.data()));
+    EXPECT_TRUE(h.band_hashes(b, bands.data(), y.data()));
+    return estimated_jaccard(x.data(), y.data(), x.size());
+  };
+  const MinHasher hasher({});
+  for (int words_in : {100, 200}) {  // under 256 shingles: exact
+    const std::string common = words(rng, words_in / 2);
+    const std::string a = common + " " + words(rng, words_in / 2), b = common + " " + words(rng, words_in / 2);
+    EXPECT_DOUBLE_EQ(estimate(hasher, a, b), exact(a, b));
+    EXPECT_DOUBLE_EQ(estimate(hasher, a, a), 1.0);
+  }
+  for (int trial = 0; trial < 5; ++trial) {  // 3000 words: sampled, standard error ~0.03
+    const std::string common = words(rng, 1500);
+    const std::string a = common + " " + words(rng, 1500), b = common + " " + words(rng, 1500);
+    const double j = exact(a, b);
+    EXPECT_NEAR(j, 1.0 / 3.0, 0.02);
+    EXPECT_NEAR(estimate(hasher, a, b), j, 0.12);
+  }
+}
+
+// Shared boilerplate alone: two documents that hold the same long licence, each with its own text besides,
+// share LSH bands through the licence, but their Jaccard similarity is under the threshold: verification
+// keeps them apart. A copy of one with a few words changed is joined.
+TEST(Dedup, SharedLicenceAloneDoesNotMakeDuplicates) {
+  const auto corpus = testing_data::demo_corpus();
+  auto cat = [&](const std::string& licence, int first, int last) {
+    std::string text;
+    for (int i = first; i <= last; ++i) {
+      char name[16];
+      std::snprintf(name, sizeof name, "/%03d.txt", i);
+      text += testing_data::read_file((corpus / licence).string() + name) + "\n";
+    }
+    return text;
+  };
+  const std::string licence = cat("GPL-3", 1, 20);
+  const std::string a = cat("Apache-2.0", 1, 9) + licence, b = cat("MPL-2.0", 1, 12) + licence;
+  std::string copy = a;
+  for (size_t at = 100; at < copy.size(); at += 400) copy.insert(copy.find(' ', at) + 1, "changed ");
+  const MinHasher hasher({});
+  const size_t bands = static_cast<size_t>(hasher.bands());
+  std::vector<std::vector<uint64_t>> band(3, std::vector<uint64_t>(bands));
+  std::vector<std::vector<uint8_t>> sketch(3, std::vector<uint8_t>(hasher.sketch_bytes()));
+  const std::string* docs[3] = {&a, &b, &copy};
+  for (int d = 0; d < 3; ++d) ASSERT_TRUE(hasher.band_hashes(*docs[d], band[d].data(), sketch[d].data()));
+  int shared = 0;
+  for (size_t k = 0; k < bands; ++k) shared += band[0][k] == band[1][k];
+  ASSERT_GE(shared, 1) << "the licence makes them LSH candidates";
+  const double j = estimated_jaccard(sketch[0].data(), sketch[1].data(), sketch[0].size());
+  EXPECT_GT(j, 0.2);
+  EXPECT_LT(j, 0.5);
+  EXPECT_GT(estimated_jaccard(sketch[0].data(), sketch[2].data(), sketch[0].size()), 0.6);
+  TempDir dir;
+  for (double verify : {0.0, 0.5}) {
+    LocalComm comm;
+    DedupSpill spill(dir.file(str("s", verify)), static_cast<int>(bands), hasher.sketch_bytes());
+    for (int d = 0; d < 3; ++d) spill.add(true, static_cast<uint64_t>(d), band[d].data(), sketch[d].data());
+    std::vector<uint32_t> kept_as;
+    const std::vector<DedupVerdict> v = spill.join(comm, true, 1 << 20, 2, verify, &kept_as);
+    EXPECT_EQ(v[1], verify > 0 ? DedupVerdict::unique : DedupVerdict::near_duplicate) << "verify " << verify;
+    EXPECT_EQ(v[2], DedupVerdict::near_duplicate);
+    EXPECT_EQ(kept_as, (std::vector<uint32_t>{0, verify > 0 ? 1u : 0u, 0}));
+  }
 }
 
 TEST(MinHash, ALightlyEditedCopyMatchesSomeBand) {
@@ -100,11 +192,11 @@ TEST(MinHash, ALightlyEditedCopyMatchesSomeBand) {
     for (size_t i = 0; i < copy.size(); ++i)
       if (copy[i] == ' ') starts.push_back(i + 1);
     for (int e = 0; e < 5; ++e) copy.insert(starts[rng() % starts.size()], "edited ");
-    std::vector<uint64_t> ht(14), hc(14);
+    std::vector<uint64_t> ht(32), hc(32);
     hasher.band_hashes(text, ht.data());
     hasher.band_hashes(copy, hc.data());
     bool any = false;
-    for (int i = 0; i < 14; ++i) any |= ht[i] == hc[i];
+    for (int i = 0; i < 32; ++i) any |= ht[i] == hc[i];
     matched += any;
   }
   EXPECT_GE(matched, 19);
@@ -143,18 +235,22 @@ void add(DedupSpill& spill, const Doc& d, size_t index) {
   spill.add(d.eligible, d.exact, d.has_bands && d.eligible ? bands.data() : nullptr);
 }
 
-std::vector<DedupVerdict> join_all(const std::vector<Doc>& docs, uint64_t memory, const std::string& dir) {
+std::vector<DedupVerdict> join_all(const std::vector<Doc>& docs, uint64_t memory, const std::string& dir,
+                                   std::vector<uint32_t>* kept_as = nullptr) {
   LocalComm comm;
   DedupSpill spill(dir, 14);
   for (size_t i = 0; i < docs.size(); ++i) add(spill, docs[i], i);
-  return spill.join(comm, /*near=*/true, memory, 2);
+  return spill.join(comm, /*near=*/true, memory, 2, 0, kept_as);
 }
 
 TEST(Dedup, EarliestKeptClustersJoinedThroughChains) {
   TempDir dir;
-  std::vector<DedupVerdict> v = join_all(crafted(), 1 << 20, dir.file("s"));
+  std::vector<uint32_t> kept_as;
+  std::vector<DedupVerdict> v = join_all(crafted(), 1 << 20, dir.file("s"), &kept_as);
   // Ineligible documents get 'unique' (the caller already dropped them).
   EXPECT_EQ(v, kExpected);
+  // Each duplicate names the document kept in its place: 5 joined 2's cluster through 4.
+  EXPECT_EQ(kept_as, (std::vector<uint32_t>{0, 0, 2, 3, 2, 2, 6, 2, 8}));
   EXPECT_FALSE(std::filesystem::exists(dir.file("s"))) << "the spill removes its files";
 }
 
@@ -187,28 +283,29 @@ TEST(Dedup, SameVerdictsWhateverTheRankSplit) {
   }
 }
 
-// Verification: three documents share a band; the second's sketch equals the first's, the third's differs
-// in every field, the fourth differs in a quarter of the fields (estimated Jaccard 1 - 0.25 / 0.75 = 0.67).
+// Verification: four documents share a band. Their sketches (bottom-k, k = 8): the second's equals the
+// first's, the third shares nothing with it, the fourth shares 6 of the 8 smallest values of their union
+// (estimated Jaccard 0.75).
 std::vector<DedupVerdict> verified(int ranks, double verify, const std::string& dir) {
-  const int fields = 112;
-  const size_t bytes = 28;
-  std::vector<std::vector<uint8_t>> sketches(4, std::vector<uint8_t>(bytes, 0x1B));
-  for (uint8_t& b : sketches[2]) b ^= 0x55;                  // every 2-bit field differs
-  for (size_t k = 0; k < bytes; ++k) sketches[3][k] ^= 0x01;  // one field of four differs
+  const std::vector<std::vector<uint32_t>> sketches = {{10, 20, 30, 40, 50, 60, 70, 80},
+                                                       {10, 20, 30, 40, 50, 60, 70, 80},
+                                                       {11, 21, 31, 41, 51, 61, 71, 81},
+                                                       {10, 20, 30, 40, 50, 60, 75, 85}};
+  const size_t bytes = 8 * sizeof(uint32_t);
   ThreadGroup group(ranks);
   std::vector<std::vector<DedupVerdict>> out(static_cast<size_t>(ranks));
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r)
     threads.emplace_back([&, r] {
       ThreadComm comm(&group, r);
-      DedupSpill spill(dir + "/s" + std::to_string(r), 14, fields);
+      DedupSpill spill(dir + "/s" + std::to_string(r), 14, bytes);
       for (size_t i = 0; i < 4; ++i) {
         const int owner = ranks == 1 || i < 2 ? 0 : 1;
         if (owner != r) continue;
         std::vector<uint64_t> bands(14);
         for (int b = 0; b < 14; ++b) bands[static_cast<size_t>(b)] = (i + 1) * 1000 + static_cast<uint64_t>(b) * 2 + 1;
         bands[0] = 77;
-        spill.add(true, i + 1, bands.data(), sketches[i].data());
+        spill.add(true, i + 1, bands.data(), reinterpret_cast<const uint8_t*>(sketches[i].data()));
       }
       out[static_cast<size_t>(r)] = spill.join(comm, true, 1 << 20, 1, verify);
     });
@@ -223,9 +320,11 @@ TEST(Dedup, VerificationJoinsOnlySimilarSketches) {
   const auto U = DedupVerdict::unique, N = DedupVerdict::near_duplicate;
   EXPECT_EQ(verified(1, 0.0, dir.file("a")), (std::vector<DedupVerdict>{U, N, N, N})) << "no verification";
   EXPECT_EQ(verified(1, 0.5, dir.file("b")), (std::vector<DedupVerdict>{U, N, U, N}));
-  EXPECT_EQ(verified(1, 0.7, dir.file("c")), (std::vector<DedupVerdict>{U, N, U, U}));
+  EXPECT_EQ(verified(1, 0.8, dir.file("c")), (std::vector<DedupVerdict>{U, N, U, U}));
   // Documents 0-1 on rank 0, 2-3 on rank 1: the sketches cross ranks, the verdicts do not change.
   EXPECT_EQ(verified(2, 0.5, dir.file("d")), (std::vector<DedupVerdict>{U, N, U, N}));
+  const uint32_t a[] = {10, 20, 30, 40, 50, 60, 70, 80}, b[] = {10, 20, 30, 40, 50, 60, 75, 85};
+  EXPECT_DOUBLE_EQ(estimated_jaccard(reinterpret_cast<const uint8_t*>(a), reinterpret_cast<const uint8_t*>(b), 32), 0.75);
 }
 
 TEST(Dedup, NearCanBeOff) {

@@ -1,7 +1,12 @@
 // data/input: plain, gzip and zstd streams (several members/frames), damage reported with its place, the
-// line reader's bounded memory and line ends.
+// line reader's bounded memory and line ends; the listing of inputs: regular files only (a FIFO, a device or
+// a link loop named as an input is refused by name, found in a directory it is skipped and counted), links
+// out of an input directory not followed unless asked, loops cut when they are.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <filesystem>
+#include <map>
 #include <string>
 
 #include "data/input.h"
@@ -10,6 +15,7 @@
 namespace tuna {
 namespace {
 
+using testing_data::expect_error;
 using testing_data::gzip_bytes;
 using testing_data::TempDir;
 using testing_data::write_file;
@@ -130,6 +136,81 @@ TEST(Input, ReadAllRefusesWhatIsTooLong) {
   stream = open_input(input(dir.file("big.txt")), &why);
   EXPECT_TRUE(read_all(stream.get(), 5000, &out));
   EXPECT_EQ(out.size(), 5000u);
+}
+
+// The listing of `inputs`: file paths relative to `root`, and what was skipped, by reason.
+struct Listing {
+  std::vector<std::string> files;
+  std::map<InputSkip, std::vector<std::string>> skipped;
+};
+Listing listing(const std::vector<std::string>& inputs, bool follow, const std::filesystem::path& root) {
+  Listing out;
+  for (const InputFile& f : list_inputs(inputs, follow, [&](InputSkip why, const std::string& what) {
+         out.skipped[why].push_back(what);
+       }))
+    out.files.push_back(std::filesystem::path(f.path).lexically_relative(root).string());
+  return out;
+}
+
+TEST(Input, NamedInputsMustBeRegularFiles) {
+  TempDir dir;
+  namespace fs = std::filesystem;
+  ASSERT_EQ(::mkfifo(dir.file("pipe.txt").c_str(), 0600), 0);
+  fs::create_symlink(dir.file("loop-b.txt"), dir.file("loop-a.txt"));
+  fs::create_symlink(dir.file("loop-a.txt"), dir.file("loop-b.txt"));
+  fs::create_symlink(dir.file("gone.txt"), dir.file("broken.txt"));
+  expect_error([&] { list_inputs({dir.file("pipe.txt")}, false, {}); }, {dir.file("pipe.txt"), "a FIFO (named pipe)", "regular files"});
+  expect_error([&] { list_inputs({"/dev/null"}, false, {}); }, {"/dev/null", "a character device"});
+  expect_error([&] { list_inputs({dir.file("loop-a.txt")}, false, {}); }, {dir.file("loop-a.txt"), "symbolic link loop"});
+  expect_error([&] { list_inputs({dir.file("broken.txt")}, false, {}); }, {dir.file("broken.txt"), "broken symbolic link"});
+  expect_error([&] { list_inputs({dir.file("nothing.txt")}, false, {}); }, {dir.file("nothing.txt"), "no such file"});
+  // A FIFO opened for reading does not block: it is refused.
+  InputFile fifo{dir.file("pipe.txt"), InputKind::text, Compression::none, 0};
+  std::string why;
+  EXPECT_FALSE(open_input(fifo, &why));
+  EXPECT_EQ(why, "a FIFO (named pipe), not a regular file");
+}
+
+TEST(Input, DirectoriesKeepToThemselvesUnlessAsked) {
+  TempDir dir;
+  namespace fs = std::filesystem;
+  const fs::path in = dir.path() / "in", outside = dir.path() / "outside";
+  write_file((in / "a.txt").string(), "a");
+  write_file((in / "sub/b.jsonl").string(), "{}");
+  write_file((in / "table.csv").string(), "x,y");
+  write_file((outside / "secret.txt").string(), "not corpus text");
+  write_file((outside / "more/c.txt").string(), "c");
+  fs::create_symlink(in / "a.txt", in / "inside-link.txt");           // stays inside: followed
+  fs::create_symlink(outside / "secret.txt", in / "escape.txt");       // leads out: skipped
+  fs::create_symlink(outside / "more", in / "dir-link");               // a directory: skipped
+  fs::create_symlink(in, in / "sub/loop");                             // a loop back to the input
+  fs::create_symlink(in / "missing.txt", in / "dangling.txt");
+  ASSERT_EQ(::mkfifo((in / "pipe.txt").c_str(), 0600), 0);
+
+  Listing plain = listing({in.string()}, false, in);
+  EXPECT_EQ(plain.files, (std::vector<std::string>{"a.txt", "inside-link.txt", "sub/b.jsonl"}));
+  ASSERT_EQ(plain.skipped[InputSkip::symlink].size(), 3u);
+  EXPECT_NE(plain.skipped[InputSkip::symlink][0].find("a symbolic link"), std::string::npos);
+  std::string all_links;
+  for (const std::string& s : plain.skipped[InputSkip::symlink]) all_links += s + "\n";
+  EXPECT_NE(all_links.find((in / "escape.txt").string() + " -> " + (outside / "secret.txt").string() +
+                           ": a symbolic link out of the input directory, not followed (--follow-symlinks)"),
+            std::string::npos)
+      << all_links;
+  EXPECT_NE(all_links.find((in / "dir-link").string() + " -> "), std::string::npos) << all_links;
+  EXPECT_NE(all_links.find((in / "sub/loop").string() + " -> "), std::string::npos) << all_links;
+  EXPECT_EQ(plain.skipped[InputSkip::not_regular],
+            (std::vector<std::string>{(in / "pipe.txt").string() + ": a FIFO (named pipe), not a regular file"}));
+  EXPECT_EQ(plain.skipped[InputSkip::unreadable],
+            (std::vector<std::string>{(in / "dangling.txt").string() + ": broken symbolic link"}));
+  EXPECT_EQ(plain.skipped[InputSkip::name], (std::vector<std::string>{(in / "table.csv").string()}));
+
+  // Asked to follow: the links out are read, and the loop back to the input is read once.
+  Listing followed = listing({in.string()}, true, in);
+  EXPECT_EQ(followed.files, (std::vector<std::string>{"a.txt", "dir-link/c.txt", "escape.txt", "inside-link.txt",
+                                                      "sub/b.jsonl"}));
+  ASSERT_EQ(followed.skipped[InputSkip::symlink].size(), 1u);
+  EXPECT_NE(followed.skipped[InputSkip::symlink][0].find("already read (a loop)"), std::string::npos);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sys/stat.h>
 #include <sstream>
 
 #include "data/loader.h"
@@ -261,6 +262,59 @@ TEST_F(PrepareTest, DedupKeepsTheEarliestOfEachCluster) {
   EXPECT_EQ(prepare_corpus(o).documents_kept(), 5u);
 }
 
+// dropped.jsonl: one line per document not kept, in input order, with its reason; a filter's line says what
+// it measured, a duplicate's names the document kept in its place. What the listing skipped is counted.
+TEST_F(PrepareTest, ListsEveryDroppedDocumentWithItsReason) {
+  TempDir dir;
+  std::mt19937_64 rng(7);
+  const std::string a = synthetic_line(rng, 300), b = synthetic_line(rng, 300);
+  std::string b_near = b;
+  b_near.replace(b_near.find(' '), 1, " inserted ");
+  auto line = [](const std::string& t) { return "{\"text\": \"" + t + "\"}\n"; };
+  std::string repeated;
+  for (int i = 0; i < 8; ++i) repeated += "Amount due under this agreement for the quarter\\n";
+  write_file(dir.file("in/1.jsonl"), line(a) + line(b) + "{not json\n" + line("tiny") + line(repeated));
+  write_file(dir.file("in/2.jsonl"), line(a) + line("b") + line(b_near));
+  write_file(dir.file("elsewhere/secret.txt"), "Not corpus text.");
+  std::filesystem::create_symlink(dir.file("elsewhere/secret.txt"), dir.file("in/3.txt"));
+  ASSERT_EQ(::mkfifo(dir.file("in/4.txt").c_str(), 0600), 0);  // read, it would block: skipped
+  PrepareOptions o = base_options(dir.file("out"));
+  o.inputs = {dir.file("in")};
+  o.quality.min_chars = 5;
+  PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.documents_read, 8u);
+  EXPECT_EQ(r.documents_kept(), 2u);
+  EXPECT_EQ(r.files_symlinks.count, 1u);
+  EXPECT_EQ(r.files_not_regular.count, 1u);
+  EXPECT_EQ(r.files_not_regular.first, dir.file("in/4.txt") + ": a FIFO (named pipe), not a regular file");
+  ASSERT_EQ(r.dropped_lists, (std::vector<std::string>{dir.file("out/dropped.jsonl")}));
+  std::vector<nlohmann::json> lines;
+  std::istringstream in(read_file(dir.file("out/dropped.jsonl")));
+  for (std::string l; std::getline(in, l);) lines.push_back(nlohmann::json::parse(l));
+  ASSERT_EQ(lines.size(), 6u);
+  auto expect_line = [&](size_t k, const std::string& where, const std::string& reason) {
+    EXPECT_EQ(lines[k].at("where"), where) << k;
+    EXPECT_EQ(lines[k].at("reason"), reason) << k;
+  };
+  expect_line(0, dir.file("in/1.jsonl:3"), "malformed_json");
+  expect_line(1, dir.file("in/1.jsonl:4"), "too_short");
+  EXPECT_EQ(lines[1].at("measure"), "chars");
+  EXPECT_EQ(lines[1].at("value"), 4.0);
+  EXPECT_EQ(lines[1].at("limit"), 5.0);
+  expect_line(2, dir.file("in/1.jsonl:5"), "repeated_lines");
+  EXPECT_EQ(lines[2].at("measure"), "repeated_line_chars");
+  EXPECT_GT(lines[2].at("value").get<double>(), 0.7);
+  expect_line(3, dir.file("in/2.jsonl:1"), "exact_duplicate");
+  EXPECT_EQ(lines[3].at("duplicate_of"), dir.file("in/1.jsonl:1"));
+  expect_line(4, dir.file("in/2.jsonl:2"), "too_short");
+  expect_line(5, dir.file("in/2.jsonl:3"), "near_duplicate");
+  EXPECT_EQ(lines[5].at("duplicate_of"), dir.file("in/1.jsonl:2"));
+  // The report counts the same drops: every line is one of them.
+  uint64_t dropped = 0;
+  for (size_t k = 1; k < kOutcomes; ++k) dropped += r.outcome[k].count;
+  EXPECT_EQ(dropped, lines.size());
+}
+
 TEST_F(PrepareTest, CompressedInputsGiveTheSameTokens) {
   TempDir dir;
   const auto corpus = testing_data::demo_corpus() / "LGPL-3";
@@ -422,6 +476,12 @@ TEST_F(PrepareTest, TwoRanksUnderMpirunMatchOneProcess) {
   EXPECT_GT(b.train.shards.size(), 2u);
   EXPECT_EQ(documents_of(a.train.shards), documents_of(b.train.shards));
   EXPECT_EQ(documents_of(a.val.shards), documents_of(b.val.shards));
+  // The ranks' dropped lists, in rank order, are the single process's, duplicates naming the same documents.
+  ASSERT_EQ(b.dropped_lists, (std::vector<std::string>{dir.file("two/dropped-r00000.jsonl"), dir.file("two/dropped-r00001.jsonl")}));
+  EXPECT_EQ(read_file(dir.file("two/dropped-r00000.jsonl")) + read_file(dir.file("two/dropped-r00001.jsonl")),
+            read_file(dir.file("one/dropped.jsonl")));
+  EXPECT_NE(read_file(dir.file("one/dropped.jsonl")).find("\"duplicate_of\":\"" + corpus + "/Apache-2.0/001.txt\""),
+            std::string::npos);
 }
 
 TEST_F(PrepareTest, RefusesToMixWithAnEarlierRun) {

@@ -17,8 +17,10 @@ struct Problem {
 
 Problem make_problem(TestRng& rng) {
   Problem p;
-  p.starts = {0, 1000, 1064, 5000};  // decay, no decay (a norm weight), decay, no decay
-  p.decays = {1, 0, 1, 0};
+  // decay, no decay (a norm weight), decay, ...: boundaries on and off the kernel's 4-element groups, and
+  // tensors of 1 to 3 elements (several boundaries inside one group), as a tensor-parallel slice may have.
+  p.starts = {0, 1000, 1064, 1065, 1067, 1070, 2001, 5000};
+  p.decays = {1, 0, 1, 0, 1, 0, 1, 0};
   p.n = 5000 + 4 * rng.integer(1, 300);
   p.param = rng.vector<float>(p.n);
   p.grad = rng.vector<float>(p.n, -3, 3);
@@ -49,7 +51,7 @@ TEST(AdamWGpu, FusedUpdateMatchesCpuTwin) {
   DeviceBuffer<uint8_t> d_decays(p.decays);
   DeviceBf16 d_bf16(p.n);
   d_bf16.poison();
-  const cuda::AdamWSegments seg{d_starts.get(), d_decays.get(), 4};
+  const cuda::AdamWSegments seg{d_starts.get(), d_decays.get(), static_cast<int>(p.starts.size())};
   cuda::adamw_update(d_param.get(), d_bf16.bf(), d_grad.get(), d_m.get(), d_v.get(), p.n, seg, args(false), nullptr);
   const std::vector<float> before = p.param;
   cpu_update(p, args(false));
@@ -79,7 +81,7 @@ TEST(AdamWGpu, Bf16MomentsAndStochasticRounding) {
   DeviceBf16 d_m(p.m), d_v(p.v), d_bf16(p.n);
   DeviceBuffer<int64_t> d_starts(p.starts);
   DeviceBuffer<uint8_t> d_decays(p.decays);
-  const cuda::AdamWSegments seg{d_starts.get(), d_decays.get(), 4};
+  const cuda::AdamWSegments seg{d_starts.get(), d_decays.get(), static_cast<int>(p.starts.size())};
   cuda::adamw_update(d_param.get(), d_bf16.bf(), d_grad.get(), d_m.bf(), d_v.bf(), p.n, seg, args(true), nullptr);
   cpu_update(p, args(true));
   // bf16 moments: within 2x of one rounding (stochastic rounding's error is at most one bf16 spacing).
