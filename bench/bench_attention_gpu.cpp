@@ -1,9 +1,9 @@
 // Attention forward and backward TFLOP/s, causal, head_dim 128 (and 64), seq 2k/4k/8k, LLaMA-3-8B heads
 // (32 query, 8 kv), 16k tokens per launch, for both paths of attention.cuh: mma (FlashAttention-2 style) and
 // hopper (FlashAttention-3 style, sm_90a; skipped with an error row on other devices). scripts/gpu-check.sh
-// prints the two side by side. FLOPs by the FlashAttention convention: forward 4 * b * h * s^2/2
-// * d (QK^T and PV over the causal half), backward 2.5x the forward (5 products), whatever a kernel actually
-// recomputes (the mma path recomputes 2 extra products in its dQ pass; the hopper path none). The `of_peak` counter is the
+// prints the two side by side. FLOPs by the FlashAttention convention: forward 4 * b * h * s^2/2 * d (QK^T and
+// PV over the causal half), backward 2.5x the forward (5 products), whatever a kernel actually recomputes (the
+// mma path recomputes 2 extra products in its dQ pass; the hopper path none). The `of_peak` counter is the
 // fraction of the device's dense bf16 peak (gpu_peak_bf16_flops; TUNA_PEAK_TFLOPS overrides).
 #include "bench/gpu_bench_util.h"
 #include "kernels/attention.cuh"

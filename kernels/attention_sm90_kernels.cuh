@@ -143,7 +143,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[kRegs], SoftmaxRows& r
   for (int half = 0; half < 2; ++half) {
     float block_max = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < kRegs / 4; ++i) block_max = fmaxf(block_max, fmaxf(s[4 * i + 2 * half], s[4 * i + 2 * half + 1]));
+    for (int i = 0; i < kRegs / 4; ++i)
+      block_max = fmaxf(block_max, fmaxf(s[4 * i + 2 * half], s[4 * i + 2 * half + 1]));
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
     // Key 0 is in every row's first block, so the running max is finite from the first block on.
@@ -221,7 +222,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
         tma_load_4d(base + C::kQ + panel * C::kPanelBytes, &args.q_map, base + C::kQFull, panel * kPanelCols, h,
                     m_block * C::kBlockM, b);
       for (int j = 0; j <= m_block; ++j, kv.advance()) {
-        const uint32_t k_stage = base + C::kK + kv.stage * C::kTileBytes, v_stage = base + C::kV + kv.stage * C::kTileBytes;
+        const uint32_t k_stage = base + C::kK + kv.stage * C::kTileBytes;
+        const uint32_t v_stage = base + C::kV + kv.stage * C::kTileBytes;
         mbarrier_wait(base + C::kKEmpty + 8 * kv.stage, kv.phase ^ 1);
         mbarrier_arrive_expect_tx(base + C::kKFull + 8 * kv.stage, C::kTileBytes);
         for (int panel = 0; panel < C::kPanels; ++panel)
@@ -379,12 +381,13 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
 //   dS^T = P^T (dP^T - delta);  dV += P^T dO;  dK += dS^T Q;  dQ_c = dS_c K_c
 // P^T feeds dV from registers; dS^T goes through shared memory, the A of dK (K-major) and of dQ (MN-major):
 // registers stay for the three accumulators. The two warpgroups' dQ partials meet in shared memory and are
-// added, warpgroup 0's then warpgroup 1's, into the fp32 accumulator of the query block. Determinism: the additions into a query block are
-// ordered by key block, a flag per (batch, head, query block) holding the next key block to add; key block 0
-// stores instead of adding, so the accumulator needs no clearing. A CTA waits only for CTAs of lower key blocks
-// of its (kv head, batch), which have lower block indices (blockIdx.x = key block) and so were dispatched
-// before it; walking the query blocks last first, each CTA trails the one before it by one addition, not by a
-// block's whole work. dQ is finished (scaled, rounded, RoPE's backward) by a separate pass.
+// added, warpgroup 0's then warpgroup 1's, into the fp32 accumulator of the query block.
+// Determinism: the additions into a query block are ordered by key block, a flag per (batch, head, query block)
+// holding the next key block to add; key block 0 stores instead of adding, so the accumulator needs no
+// clearing. A CTA waits only for CTAs of lower key blocks of its (kv head, batch), which have lower block
+// indices (blockIdx.x = key block) and so were dispatched before it; walking the query blocks last first, each
+// CTA trails the one before it by one addition, not by a block's whole work. A separate pass finishes dQ
+// (scaled, rounded, RoPE's backward).
 template <int kHd>
 struct Sm90Bwd {
   static constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer warpgroup
@@ -505,7 +508,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
   PipelineState<C::kStages> q;
   for (int step = 0; step < n_steps; ++step, q.advance()) {
     const int h = step_head(step), m_block = step_m(step), q0 = m_block * C::kBlockM;
-    const uint32_t q_tile = base + C::kQ + q.stage * C::kQTileBytes, do_tile = base + C::kDout + q.stage * C::kQTileBytes;
+    const uint32_t q_tile = base + C::kQ + q.stage * C::kQTileBytes;
+    const uint32_t do_tile = base + C::kDout + q.stage * C::kQTileBytes;
     mbarrier_wait(base + C::kQFull + 8 * q.stage, q.phase);
 
     float st[C::kSRegs], dpt[C::kSRegs];
@@ -634,8 +638,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
   for (int r = 0; r < C::kDRegs; r += 2) {
     const int key = key_lo + 8 * ((r / 2) % 2), col = 8 * (r / 4) + 2 * t;
     if (key >= p.seq_len) continue;
-    *reinterpret_cast<__nv_bfloat162*>(p.dk + kv_base + key * kv_stride + col) = __floats2bfloat162_rn(dk[r], dk[r + 1]);
-    *reinterpret_cast<__nv_bfloat162*>(p.dv + kv_base + key * kv_stride + col) = __floats2bfloat162_rn(dv[r], dv[r + 1]);
+    const int64_t at = kv_base + key * kv_stride + col;
+    *reinterpret_cast<__nv_bfloat162*>(p.dk + at) = __floats2bfloat162_rn(dk[r], dk[r + 1]);
+    *reinterpret_cast<__nv_bfloat162*>(p.dv + at) = __floats2bfloat162_rn(dv[r], dv[r + 1]);
   }
 #endif  // TUNA_SM90A_DEVICE
 }

@@ -519,7 +519,8 @@ inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, const i
   require_sm90a("cp.async.bulk.tensor");
   TensorMap m;
   std::memcpy(&m, map, sizeof(m));
-  TUNA_CHECK(m.magic == TensorMap::kMagic, "cp.async.bulk.tensor with a tensor map cuTensorMapEncodeTiled did not make");
+  TUNA_CHECK(m.magic == TensorMap::kMagic,
+             "cp.async.bulk.tensor with a tensor map cuTensorMapEncodeTiled did not make");
   TUNA_CHECK(static_cast<int>(m.rank) == rank, "cp.async.bulk.tensor.", rank, "d with a rank-", m.rank, " tensor map");
   const uint32_t alignment = m.swizzle_bytes == 0 ? 128 : m.swizzle_bytes * 8;
   TUNA_CHECK(dst % alignment == 0, "cp.async.bulk.tensor into shared address ", dst, ": needs ", alignment,
@@ -553,7 +554,8 @@ inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, const i
     const uint32_t address = swizzle_address(dst + static_cast<uint32_t>(e * m.element_bytes), m.swizzle_bytes);
     unsigned char* out = image.data() + (address - dst);
     if (inside) {
-      TUNA_CHECK(in_device_allocation(source, m.element_bytes), "cp.async.bulk.tensor reads outside a device allocation");
+      TUNA_CHECK(in_device_allocation(source, m.element_bytes),
+                 "cp.async.bulk.tensor reads outside a device allocation");
       std::memcpy(out, source, m.element_bytes);
     } else {
       std::memset(out, 0, m.element_bytes);  // out of bounds: zero fill

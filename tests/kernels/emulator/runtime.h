@@ -430,7 +430,8 @@ inline CUresult encode_tensor_map_tiled(CUtensorMap* tensor_map, CUtensorMapData
   if (reinterpret_cast<uintptr_t>(tensor_map) % 64 != 0 || rank < 1 || rank > 5 ||
       reinterpret_cast<uintptr_t>(address) % 16 != 0)
     return CUDA_ERROR_INVALID_VALUE;
-  TUNA_CHECK(interleave == CU_TENSOR_MAP_INTERLEAVE_NONE, "cuTensorMapEncodeTiled: interleaved layouts are not modelled");
+  TUNA_CHECK(interleave == CU_TENSOR_MAP_INTERLEAVE_NONE,
+             "cuTensorMapEncodeTiled: interleaved layouts are not modelled");
   TUNA_CHECK(oob_fill == CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE, "cuTensorMapEncodeTiled: the NaN fill is not modelled");
   uint32_t swizzle_bytes = 0;
   switch (swizzle) {
@@ -449,7 +450,8 @@ inline CUresult encode_tensor_map_tiled(CUtensorMap* tensor_map, CUtensorMapData
     if (dims[i] == 0 || dims[i] > (uint64_t{1} << 32) || box[i] == 0 || box[i] > 256 || element_strides[i] == 0 ||
         element_strides[i] > 8)
       return CUDA_ERROR_INVALID_VALUE;
-    TUNA_CHECK(element_strides[i] == 1 || i == 0, "cuTensorMapEncodeTiled: element strides other than 1 are not modelled");
+    TUNA_CHECK(element_strides[i] == 1 || i == 0,
+               "cuTensorMapEncodeTiled: element strides other than 1 are not modelled");
     m.dims[i] = dims[i], m.box[i] = box[i];
     if (i > 0) {
       if (strides[i - 1] % 16 != 0 || strides[i - 1] >= (uint64_t{1} << 40)) return CUDA_ERROR_INVALID_VALUE;

@@ -51,7 +51,8 @@ uint32_t table_position(uint32_t offset, int swizzle_bytes) {
 PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   void* function = nullptr;
   cudaDriverEntryPointQueryResult status;
-  TUNA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &status));
+  TUNA_CUDA_CHECK(
+      cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &status));
   TUNA_CHECK(status == cudaDriverEntryPointSuccess && function, "no cuTensorMapEncodeTiled");
   return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
 }
@@ -386,7 +387,8 @@ std::vector<float> run_wgmma(const WgmmaRun& run) {
                             kData + run.image.size(), nullptr, args);
   TUNA_CUDA_CHECK(cudaGetLastError());
   std::vector<float> got = host_copy(out, 128 * 32);
-  for (void* p : {static_cast<void*>(image), static_cast<void*>(init), static_cast<void*>(regs), static_cast<void*>(out)})
+  for (void* p : {static_cast<void*>(image), static_cast<void*>(init), static_cast<void*>(regs),
+                  static_cast<void*>(out)})
     TUNA_CUDA_CHECK(cudaFree(p));
   return got;
 }
@@ -532,12 +534,14 @@ TEST(EmulatorWgmma, TmaSwizzledTilesKMajorAndMnMajor) {
       for (int col = 0; col < 64; ++col) {
         double want = 0;
         for (int i = 0; i < 64; ++i) want += double(q[row * 64 + i]) * k[col * 64 + i];
-        ASSERT_EQ(s[d_thread(row, col) * 32 + d_register(row, col)], static_cast<float>(want)) << "S " << row << "," << col;
+        ASSERT_EQ(s[d_thread(row, col) * 32 + d_register(row, col)], static_cast<float>(want))
+            << "S " << row << "," << col;
       }
       for (int col = 0; col < 128; ++col) {
         double want = 0;
         for (int i = 0; i < 64; ++i) want += double(k[row * 64 + i]) * v[i * 128 + col];
-        ASSERT_EQ(o[d_thread(row, col) * 64 + d_register(row, col)], static_cast<float>(want)) << "O " << row << "," << col;
+        ASSERT_EQ(o[d_thread(row, col) * 64 + d_register(row, col)], static_cast<float>(want))
+            << "O " << row << "," << col;
       }
     }
     for (void* p : {static_cast<void*>(d_q), static_cast<void*>(d_k), static_cast<void*>(d_v),
