@@ -30,7 +30,7 @@
 #   2. benches: attention fwd/bwd TFLOP/s (causal, hd128 seq 2k/4k/8k, hd64 seq 4k; the mma and hopper paths
 #      side by side, each against the best peer of step 5), GEMM TFLOP/s at LLaMA 1B/8B/70B
 #      shapes, RMSNorm/RoPE/SwiGLU/AdamW GB/s against a device copy, the 1B-shaped training step's tokens/s and
-#      MFU (and its forward-only and AdamW-only parts).
+#      MFU (and its forward-only and AdamW-only parts; batch 4 also with TUNA_ATTENTION=hopper).
 #   3. build/train --device cuda end to end on the demo model and corpus (demo/train.toml): 300 steps learn
 #      (validation loss under 4.8; the CPU run reaches 4.45), the first step's loss and gradient norm equal the
 #      CPU backend's within bf16 error (1e-2 and 5e-2 relative), a run stopped at step 150 and resumed logs
@@ -126,6 +126,14 @@ run_bench memory 90
 run_bench attention 90
 run_bench gemm 90
 run_bench train_step 120
+# The 1B step at the issue's shape once more with the hopper attention path (TUNA_ATTENTION=hopper), to set
+# beside the default's row: the model-level view of flipping kHopperByDefault.
+log "== bench train_step, TUNA_ATTENTION=hopper"
+echo "==== bench_train_step_gpu (TUNA_ATTENTION=hopper)" >>"$OUT/benches.log"
+TUNA_ATTENTION=hopper timeout "$(within 60)" "$BIN/bench_train_step_gpu" --benchmark_filter='BM_TrainStep/batch:4/seq:4096/part:0' \
+  --benchmark_out="$BENCH_JSON/train_step_hopper.json" --benchmark_out_format=json >>"$OUT/benches.log" 2>&1
+rc=$?
+if [ $rc -eq 0 ]; then STEP[bench_train_step_hopper]="ok"; else STEP[bench_train_step_hopper]="FAILED (rc $rc)"; status=1; fi
 
 # ---- 3. the trainer end to end (single GPU; Open MPI's libraries from bin/lib: libmpi's RUNPATH needs this)
 log "== train end to end ($BIN/train, demo model)"
@@ -309,9 +317,10 @@ PY
 # ---- summary table (last)
 python3 - "$OUT" "$SUMMARY" "${STEP[tests]}" "${STEP[sanitizer]}" "${STEP[bench_memory]}" "${STEP[bench_attention]}" \
   "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" "${STEP[peers]}" "${STEP[profile]}" \
-  <<'PY' | tee -a "$SUMMARY"
+  "${STEP[bench_train_step_hopper]}" <<'PY' | tee -a "$SUMMARY"
 import json, os, re, sys
-out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary, peers_step, profile_step = sys.argv[1:13]
+out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary, peers_step, profile_step, \
+    b_train_hopper = sys.argv[1:14]
 rows = []
 def add(section, what, value, note=""):
     rows.append((section, what, value, note))
@@ -390,6 +399,11 @@ for b in bench("train_step"):
             add("train step", f"  peer {p['peer']}, batch {p['batch']} x seq {p['seq']}", f"{p['tokens_per_s']:.0f} tokens/s",
                 f"MFU {100*p['mfu']:.1f}%, {p['gib']:.1f} GiB; tuna x{b['tokens/s'] / p['tokens_per_s']:.2f}")
 if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", b_train)
+for b in bench("train_step_hopper"):
+    if "tokens/s" in b:
+        add("train step", "  TUNA_ATTENTION=hopper: " + b.get("label", b["name"]), f"{b['tokens/s']:.0f} tokens/s",
+            f"MFU {100*b.get('MFU', 0):.1f}%, {b.get('GiB', 0):.1f} GiB")
+if not bench("train_step_hopper"): add("train step", "  TUNA_ATTENTION=hopper", "no results", b_train_hopper)
 add("peers", "tools/reference/peers_gpu.py", peers_step)
 for p in benches.get("peers", []):
     if "version" in p: add("peers", "torch", p["version"], p.get("device", ""))
