@@ -13,20 +13,12 @@ namespace {
 
 constexpr int64_t kTokens = 16384, kHeads = 32, kKvHeads = 8;
 
-bool sm90_device() {
-  int device = 0, major = 0, minor = 0;
-  TUNA_CUDA_CHECK(cudaGetDevice(&device));
-  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
-}
-
 void BM_Attention(benchmark::State& state) {
   const int64_t seq = state.range(0), head_dim = state.range(1);
   const bool backward = state.range(2) != 0;
   const cuda::AttentionPath path = state.range(3) != 0 ? cuda::AttentionPath::kHopper : cuda::AttentionPath::kMma;
-  if (path == cuda::AttentionPath::kHopper && !sm90_device()) {
-    state.SkipWithError("the hopper path needs an sm_90 device");
+  if (path == cuda::AttentionPath::kHopper && !cuda::attention_hopper_available()) {
+    state.SkipWithError("the hopper path needs an sm_90 device and sm_90a code");
     return;
   }
   const int64_t batch = std::max<int64_t>(1, kTokens / seq);

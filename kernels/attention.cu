@@ -29,14 +29,8 @@ namespace {
 
 AttentionPath path_from_environment() {
   const char* value = std::getenv("TUNA_ATTENTION");
-  if (value == nullptr || *value == '\0') {
-    if (!kHopperByDefault) return AttentionPath::kMma;
-    int device = 0, major = 0, minor = 0;
-    TUNA_CUDA_CHECK(cudaGetDevice(&device));
-    TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    return major == 9 && minor == 0 ? AttentionPath::kHopper : AttentionPath::kMma;
-  }
+  if (value == nullptr || *value == '\0')
+    return kHopperByDefault && attention_hopper_available() ? AttentionPath::kHopper : AttentionPath::kMma;
   const std::string name = value;
   if (name == "mma") return AttentionPath::kMma;
   if (name == "hopper") return AttentionPath::kHopper;
@@ -61,6 +55,14 @@ AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int
 }
 
 }  // namespace
+
+bool attention_hopper_available() {
+  int device = 0, major = 0, minor = 0;
+  TUNA_CUDA_CHECK(cudaGetDevice(&device));
+  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0 && attention_sm90_image_present();
+}
 
 AttentionPath resolve_attention_path(AttentionPath path) {
   if (path != AttentionPath::kDefault) return path;

@@ -24,6 +24,8 @@ enum class AttentionPath {
 // other paths as given.
 AttentionPath resolve_attention_path(AttentionPath path);
 const char* attention_path_name(AttentionPath path);
+// Whether the hopper path can run here: the current device is sm_90 and this build has sm_90a code.
+bool attention_hopper_available();
 
 // q, out: [batch, seq_len, n_heads, head_dim]; k, v: [batch, seq_len, n_kv_heads, head_dim] (query head h
 // reads kv head h / (n_heads / n_kv_heads), no copies); lse: [batch, n_heads, seq_len] fp32, the natural-log

@@ -45,6 +45,8 @@ struct Sm90BwdScratch {
     return s;
   }
 };
+// Whether this build's image of the sm_90a kernels, on the current device, is sm_90a code.
+bool attention_sm90_image_present();
 void attention_sm90_fwd_hd64(const AttentionParams& p, cudaStream_t stream);
 void attention_sm90_fwd_hd128(const AttentionParams& p, cudaStream_t stream);
 // rope_cos, rope_sin: null, or the tables whose backward to apply to dQ and dK (attention.cuh's AttentionRope).

@@ -245,9 +245,12 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
   const int64_t q_stride = static_cast<int64_t>(p.n_heads) * kHd;
   PipelineState<C::kStages> kv;
   uint32_t tile_parity = 0;
-  // S = Q K^T for the K stage `stage`: kHd / 16 k-steps, 4 per panel.
+  // S = Q K^T for the K stage `stage`: kHd / 16 k-steps, 4 per panel. The operand fences keep the compiler
+  // from moving accesses of the registers a wgmma uses across its issue (or the wait that retires it).
   const auto issue_s = [&](float (&s)[C::kSRegs], int stage) {
     const uint32_t q_rows = base + C::kQ + cw * 64 * 128, k_tile = base + C::kK + stage * C::kTileBytes;
+    fence_operand(s);
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHd / 16; ++kk) {
       const uint32_t offset = (kk / 4) * C::kPanelBytes + (kk % 4) * 32;
@@ -256,13 +259,24 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     }
     wgmma_commit();
   };
-  // O += P V for the V stage `stage`: 8 k-steps of 16 keys, A from registers, V read MN-major.
-  const auto issue_pv = [&](float (&o)[C::kORegs], const uint32_t (&pa)[C::kBlockN / 16][4], int stage) {
+  // O += P V for the V stage `stage`: 8 k-steps of 16 keys, A from registers, V read MN-major; and once a
+  // wait has retired it, the stage released.
+  const auto issue_pv = [&](float (&o)[C::kORegs], uint32_t (&pa)[C::kBlockN / 16][4], int stage) {
     const uint32_t v_tile = base + C::kV + stage * C::kTileBytes;
+    fence_operand(o);
+#pragma unroll
+    for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operand(pa[kk]);
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < C::kBlockN / 16; ++kk)
       wgmma_rs<kHd, 1>(o, pa[kk], sw128_descriptor(v_tile + kk * 2048, C::kPanelBytes, 1024), true);
     wgmma_commit();
+  };
+  const auto retire_pv = [&](float (&o)[C::kORegs], uint32_t (&pa)[C::kBlockN / 16][4], int stage) {
+    fence_operand(o);
+#pragma unroll
+    for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operand(pa[kk]);
+    mbarrier_arrive(base + C::kVEmpty + 8 * stage);
   };
 
   // Turns: warpgroup c waits for its turn (bar.sync kBarTurn + c), issues, and hands the turn over (bar.arrive
@@ -278,7 +292,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     const int row = m_block * C::kBlockM + cw * 64 + warp * 16 + lane / 4;  // this thread's rows: row, row + 8
     const int n_blocks = m_block + 1;  // blocks of kBlockN keys up to the diagonal (kBlockN == kBlockM)
 
-    float s[C::kSRegs], o[C::kORegs];
+    float s[C::kSRegs] = {}, o[C::kORegs];
     uint32_t pa[C::kBlockN / 16][4];
     SoftmaxRows rows{{-INFINITY, -INFINITY}, {0.0f, 0.0f}};
     float correction[2];
@@ -288,7 +302,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     mbarrier_wait(base + C::kQFull, tile_parity);
     mbarrier_wait(base + C::kKFull + 8 * kv.stage, kv.phase);
     take_turn();
-    wgmma_fence();
     issue_s(s, kv.stage);
     hand_over();
     wgmma_wait<0>();
@@ -306,13 +319,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
       mbarrier_wait(base + C::kKFull + 8 * next.stage, next.phase);
       mbarrier_wait(base + C::kVFull + 8 * kv.stage, kv.phase);
       take_turn();
-      fence_operand(s);
-      wgmma_fence();
       issue_s(s, next.stage);
-      fence_operand(o);
-#pragma unroll
-      for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operand(pa[kk]);
-      wgmma_fence();
       issue_pv(o, pa, kv.stage);
       hand_over();
       wgmma_wait<1>();  // S of block j + 1 is done; P_j V_j may still run
@@ -322,10 +329,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
       online_softmax(s, rows, correction, /*mask=*/j + 2 == n_blocks, row, (j + 1) * C::kBlockN, p.seq_len,
                      p.scale_log2);
       wgmma_wait<0>();
-      fence_operand(o);
-#pragma unroll
-      for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operand(pa[kk]);
-      mbarrier_arrive(base + C::kVEmpty + 8 * kv.stage);
+      retire_pv(o, pa, kv.stage);
       scale_rows(o, correction);
       to_a_fragments(pa, s);
       kv = next;
@@ -333,17 +337,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     // The last block's P V.
     mbarrier_wait(base + C::kVFull + 8 * kv.stage, kv.phase);
     take_turn();
-    fence_operand(o);
-#pragma unroll
-    for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operand(pa[kk]);
-    wgmma_fence();
     issue_pv(o, pa, kv.stage);
     hand_over();
     wgmma_wait<0>();
-    fence_operand(o);
-#pragma unroll
-    for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operand(pa[kk]);
-    mbarrier_arrive(base + C::kVEmpty + 8 * kv.stage);
+    retire_pv(o, pa, kv.stage);
     kv.advance();
 
     // Epilogue: O / rowsum as bf16, lse = max + log2(sum) in natural log; rows past the sequence are not stored.

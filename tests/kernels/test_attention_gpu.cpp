@@ -17,18 +17,10 @@
 namespace tuna::test {
 namespace {
 
-bool sm90_device() {
-  int device = 0, major = 0, minor = 0;
-  TUNA_CUDA_CHECK(cudaGetDevice(&device));
-  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
-}
-
-#define TUNA_REQUIRE_SM90()                                                                   \
-  do {                                                                                        \
-    TUNA_REQUIRE_GPU();                                                                       \
-    if (!sm90_device()) GTEST_SKIP() << "the hopper attention path needs an sm_90 device"; \
+#define TUNA_REQUIRE_SM90()                                                                           \
+  do {                                                                                                \
+    TUNA_REQUIRE_GPU();                                                                               \
+    if (!cuda::attention_hopper_available()) GTEST_SKIP() << "no sm_90 device or no sm_90a code"; \
   } while (0)
 
 // With `rope`, the backward also applies RoPE's backward to dq and dk (attention.cuh's AttentionRope): the
@@ -143,7 +135,7 @@ TEST(AttentionGpu, BackwardAppliesRopeBackward) {
   TestRng rng;
   SCOPED_TRACE(rng.describe());
   check({1, 70, 2, 1, 64}, rng, cuda::AttentionPath::kMma, /*rope=*/true);
-  if (!sm90_device()) GTEST_SKIP() << "the hopper attention path needs an sm_90 device";
+  if (!cuda::attention_hopper_available()) GTEST_SKIP() << "no sm_90 device or no sm_90a code";
   check({1, 70, 2, 1, 64}, rng, cuda::AttentionPath::kHopper, /*rope=*/true);
   check({1, 70, 2, 2, 128}, rng, cuda::AttentionPath::kHopper, /*rope=*/true);
 }
