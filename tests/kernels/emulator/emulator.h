@@ -1,7 +1,8 @@
 // tests/kernels/emulator/emulator.h — CUDA's execution model on the host, enough of it for the device code
 // of kernels/*.cu (and the attention kernels' headers) to compile with g++ and run unchanged. The shim/
-// headers (cuda_bf16.h, cuda_runtime.h, cuda_runtime_api.h, cublasLt.h) stand in for CUDA's and include
-// runtime.h, which includes this one; ptx.h adds the PTX helpers (cp.async, ldmatrix, mma) and the grid launch.
+// headers (cuda_bf16.h, cuda_runtime.h, cuda_runtime_api.h, cublasLt.h, cuda.h, cudaTypedefs.h) stand in for
+// CUDA's and include runtime.h (the grid launch), which includes this one; ptx.h adds the PTX helpers of the
+// sm_80 kernels (cp.async, ldmatrix, mma), ptx_sm90.h those of the sm_90a ones (TMA, mbarrier, wgmma, ...).
 //
 // Why it exists: what makes a kernel right or wrong (an index, a barrier, the tensor-core kernels' fragment
 // layouts and swizzle, when cp.async data may be read) is invisible to the CPU twin and the CPU build, and CI
