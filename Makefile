@@ -3,7 +3,7 @@
 #   make test       install missing dependencies, build, run every test
 #   make bench      build and run the benches
 #   make demo       install, build, train a tiny LLaMA on the bundled corpus (scripts/demo.sh)
-# SM=90a or SM=80 picks one GPU architecture; the default builds both.
+# SM=90a or SM=80 picks the GPU architecture(s); the default is the visible GPU's, or sm_90a alone without one.
 
 BUILD := build
 CXX ?= g++
@@ -16,7 +16,14 @@ endif
 
 CPPFLAGS := -I. -MMD -MP
 CXXFLAGS := -std=c++20 -O2 -g -fopenmp -Wall -Wextra -Werror -Wno-unused-parameter
-LDLIBS := -lopenblas -lsentencepiece -lsentencepiece_train -lzstd -lz -lxxhash -lpthread -fopenmp
+# OpenBLAS's OpenMP build when installed (scripts/install-deps.sh installs it): its GEMMs then run on the same
+# OpenMP threads as tuna's own loops. With the pthreads build (Debian's default alternative) two pools of
+# spinning threads compete for the cores between a GEMM and the next loop. The rpath keeps that choice
+# whatever the system's libopenblas.so.0 alternative points to.
+OPENBLAS_OPENMP := /usr/lib/x86_64-linux-gnu/openblas-openmp
+comma := ,
+BLAS_LIBS := $(if $(wildcard $(OPENBLAS_OPENMP)/libopenblas.so),-L$(OPENBLAS_OPENMP) -Wl$(comma)-rpath$(comma)$(OPENBLAS_OPENMP)) -lopenblas
+LDLIBS := $(BLAS_LIBS) -lsentencepiece -lsentencepiece_train -lzstd -lz -lxxhash -lpthread -fopenmp
 GTEST_LIBS := -lgtest -lgmock -lpthread
 BENCH_LIBS := -lbenchmark -lpthread
 # The MPI C API only: Open MPI's C++ bindings do not compile under -Werror.
@@ -30,7 +37,11 @@ LIB_SRCS := $(wildcard core/*.cpp kernels/cpu/*.cpp model/*.cpp data/*.cpp dist/
 LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o)
 
 ifeq ($(CUDA),1)
-  SM ?= 90a 80
+  # The visible GPU's architecture (compute capability 9.0 -> sm_90a, the H100/H200 kernels' target; 8.0 -> 80);
+  # without a GPU (CI, a build machine) sm_90a alone: every CUDA file is still compiled, and checked for
+  # spills, once instead of once per architecture. SM="90a 80" builds both (a fat binary for mixed clusters).
+  GPU_SM := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '. ')
+  SM ?= $(if $(GPU_SM),$(if $(filter 90,$(GPU_SM)),90a,$(GPU_SM)),90a)
   GENCODE := $(foreach s,$(SM),-gencode arch=compute_$(s),code=sm_$(s))
   NVCCFLAGS := -std=c++20 -O2 -g -lineinfo $(GENCODE) -Xcompiler -fopenmp,-Wall,-Wno-unused-parameter \
                -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage -DTUNA_CUDA=1
@@ -62,7 +73,7 @@ EMULATED_MPI_TESTS := $(if $(wildcard tests/mpi/*_emulated.cpp),$(BUILD)/emulate
 # is not emulated: kernels/matmul.cu is replaced by a host test double of its contract (matmul_host.cpp), and
 # its test, which would then test the double, is left out (it runs on a GPU only).
 EMULATOR_DIR := tests/kernels/emulator
-EMULATED_LIB_SRCS := model/llama_gpu.cpp model/engine_gpu.cpp model/engine.cpp
+EMULATED_LIB_SRCS := model/llama_gpu.cpp model/engine_gpu.cpp model/engine.cpp model/decode_gpu.cpp dist/comm_staged.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
 # The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
 EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
@@ -75,7 +86,7 @@ EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp $(wildcard $(EMUL
 # library is linked here.)
 EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o), \
                         $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/% $(BUILD)/obj/model/% \
-                                 $(BUILD)/obj/dist/comm.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
+                                 $(BUILD)/obj/dist/comm.o $(BUILD)/obj/dist/comm_local.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 BENCH_SRCS := $(wildcard bench/*.cpp)
 ifneq ($(CUDA),1)
@@ -116,31 +127,34 @@ $(BUILD)/obj/%.o: %.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 
-# train.cu holds the trainer's main; without CUDA it is plain C++.
-ifeq ($(CUDA),1)
-$(BUILD)/obj/train.o: train.cu | $(DEPS_STAMP)
-	@mkdir -p $(dir $@)
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
-else
+# train.cu holds the trainer's main: plain C++ (the kernels live in kernels/*.cu), so g++ compiles it in
+# every build; nvcc took 20 s of CPU for it.
 $(BUILD)/obj/train.o: train.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -x c++ -c $< -o $@
-endif
 
-$(BUILD)/train: $(BUILD)/obj/train.o $(LIB_OBJS) $(CU_OBJS)
-	$(CXX) $^ -o $@ $(LDLIBS)
+# Binaries link the library as an archive: each takes only the objects it reaches, and --as-needed then drops
+# the shared libraries nothing of those uses, so only the binaries that compute on a GPU load CUDA (build/prepare
+# --help peaked at 221 MB resident with cuBLASLt loaded, 6 MB without).
+LIB_ARCHIVE := $(BUILD)/libtuna.a
+$(LIB_ARCHIVE): $(LIB_OBJS) $(CU_OBJS)
+	rm -f $@ && ar rcs $@ $^
+LINK_LIBS = -Wl,--as-needed $(LDLIBS) -Wl,--no-as-needed
 
-$(BUILD)/%: $(BUILD)/obj/tools/%.o $(LIB_OBJS) $(CU_OBJS)
-	$(CXX) $^ -o $@ $(LDLIBS)
+$(BUILD)/train: $(BUILD)/obj/train.o $(LIB_ARCHIVE)
+	$(CXX) $^ -o $@ $(LINK_LIBS)
 
-$(BUILD)/tuna_tests: $(TEST_OBJS) $(LIB_OBJS) $(CU_OBJS)
-	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
+$(BUILD)/%: $(BUILD)/obj/tools/%.o $(LIB_ARCHIVE)
+	$(CXX) $^ -o $@ $(LINK_LIBS)
 
-$(BUILD)/mpi_tests: $(MPI_TEST_SRCS:%.cpp=$(BUILD)/obj/%.o) $(LIB_OBJS) $(CU_OBJS)
-	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
+$(BUILD)/tuna_tests: $(TEST_OBJS) $(LIB_ARCHIVE)
+	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LINK_LIBS)
 
-$(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_OBJS) $(CU_OBJS)
-	$(CXX) $^ -o $@ $(BENCH_LIBS) $(LDLIBS)
+$(BUILD)/mpi_tests: $(MPI_TEST_SRCS:%.cpp=$(BUILD)/obj/%.o) $(LIB_ARCHIVE)
+	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LINK_LIBS)
+
+$(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_ARCHIVE)
+	$(CXX) $^ -o $@ $(BENCH_LIBS) $(LINK_LIBS)
 
 # The emulated build compiles kernels/*.cu and the GPU tests as C++ with -DTUNA_EMULATOR (and -DTUNA_CUDA=1,
 # which the GPU tests are behind): shim/ comes first on the include path so that <cuda_bf16.h>,
@@ -160,7 +174,7 @@ $(BUILD)/obj/emulated/%.o: %.cu | $(DEPS_STAMP)
 	$(CXX) $(EMULATOR_CPPFLAGS) $(EMULATOR_CXXFLAGS) -x c++ -c $< -o $@
 
 $(BUILD)/emulated_gpu_tests: $(EMULATED_OBJS) $(EMULATED_HOST_OBJS)
-	$(CXX) $^ -o $@ $(GTEST_LIBS) -lopenblas -fopenmp
+	$(CXX) $^ -o $@ $(GTEST_LIBS) $(BLAS_LIBS) -fopenmp
 
 # build/emulated_gpu_mpi_tests: the CUDA engine's data-parallel code (model/engine_gpu.cpp at dp > 1) on the
 # emulator under mpirun, which tests/kernels/test_gpu_emulated.cpp launches: tests/mpi/*_emulated.cpp with the
@@ -171,7 +185,7 @@ $(BUILD)/emulated_gpu_tests: $(EMULATED_OBJS) $(EMULATED_HOST_OBJS)
 EMULATED_MPI_TEST_SRCS := $(wildcard tests/mpi/*_emulated.cpp)
 $(BUILD)/emulated_gpu_mpi_tests: $(BUILD)/obj/tests/mpi/main.o $(call emulated_objs,$(EMULATED_MPI_TEST_SRCS)) \
                                  $(EMULATED_DEVICE_OBJS) $(EMULATED_HOST_OBJS) $(BUILD)/obj/dist/comm_mpi.o
-	$(CXX) $^ -o $@ $(GTEST_LIBS) -lopenblas -fopenmp $(MPI_LIBS)
+	$(CXX) $^ -o $@ $(GTEST_LIBS) $(BLAS_LIBS) -fopenmp $(MPI_LIBS)
 
 # ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit
 # and Python but none of the Debian -dev packages. `make gpu-check-build` links one GPU test binary (main +
@@ -191,7 +205,8 @@ REFERENCE_BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/blas/libblas.
 GPU_CHECK_LIBS := -Wl,-Bstatic $(REFERENCE_BLAS) -lgfortran -lquadmath -lgomp -Wl,-Bdynamic \
                   -L/usr/local/cuda/lib64 -lcudart_static -lcublasLt -lpthread -ldl -lrt -lm
 .PHONY: gpu-check-build
-gpu-check-build: $(GPU_CHECK)/bin/gpu_tests $(GPU_BENCHES) $(GPU_CHECK)/bin/train $(GPU_CHECK)/bin/data/train-00000.bin
+gpu-check-build: $(GPU_CHECK)/bin/gpu_tests $(GPU_BENCHES) $(GPU_CHECK)/bin/train $(GPU_CHECK)/bin/plan \
+                 $(GPU_CHECK)/bin/data/train-00000.bin
 
 $(GPU_CHECK)/libtuna_gpu.a: $(GPU_ARCHIVE_OBJS)
 	@mkdir -p $(dir $@)
@@ -213,6 +228,12 @@ $(GPU_CHECK)/bin/bench_%_gpu: $(BUILD)/obj/bench/bench_%_gpu.o $(GPU_CHECK)/libt
 # shared libraries travel in bin/lib (one rank never initializes MPI, but the binary must load; libmpi's own
 # RUNPATH hides bin/lib from its dependencies, so gpu-check.sh puts bin/lib on LD_LIBRARY_PATH); the demo
 # corpus is tokenized here into bin/data (the GPU machine has no sentencepiece).
+# build/plan, for gpu-check's planned-against-measured rows (plain C++: the planner and the memory plans).
+$(GPU_CHECK)/bin/plan: $(BUILD)/obj/tools/plan.o $(GPU_CHECK)/libtuna_gpu.a
+	@mkdir -p $(dir $@)
+	$(CXX) $^ -o $@ $(GPU_CHECK_LIBS)
+	strip --strip-debug $@
+
 $(BUILD)/obj/gpu-check/train.o: train.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(filter-out -DTUNA_NCCL=1,$(CPPFLAGS)) $(CXXFLAGS) -x c++ -c $< -o $@

@@ -24,7 +24,10 @@
 #include <sstream>
 
 #include "core/error.h"           // tuna::Error, fail
+#include "core/memory.h"          // host_memory, host_available_bytes, require_host_memory, return_large_frees_to_system
 #include "core/options.h"         // Options: TOML + flags
+#include "core/progress.h"        // ProgressLine: checkpoint writes
+#include "core/run_report.h"      // refresh_run_report: out_dir/report.html
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
@@ -32,6 +35,7 @@
 #include "model/config.h"         // LlamaConfig
 #include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
+#include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, plan_gpu_memory, format_memory_table
 #include "model/optimizer.h"      // OptimizerConfig, learning_rate
 
 namespace fs = std::filesystem;
@@ -66,6 +70,7 @@ struct TrainConfig {
   int64_t tp = 1;
   int64_t zero = 0;
   bool zero_prefetch = true;
+  std::string recompute = "none";
   double comm_timeout = 300;
   bool bf16_moments = false;
   bool stochastic_rounding = false;
@@ -107,6 +112,7 @@ void declare(Options& o, TrainConfig& c) {
   o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp");
   o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters");
   o.add("zero_prefetch", &c.zero_prefetch, "ZeRO-3: gather the next layer while this one computes (false: when used)");
+  o.add("recompute", &c.recompute, "cuda: activations the backward recomputes: none | selective (norms, SwiGLU) | full (each layer from its input)");
   o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever");
   o.add("bf16_moments", &c.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
   o.add("stochastic_rounding", &c.stochastic_rounding, "cuda: round bf16 weights (and bf16 moments) stochastically");
@@ -158,9 +164,18 @@ void check(const TrainConfig& c) {
     fail("option 'device': expected auto, cpu or cuda, found '", c.device, "'");
   if (c.tp < 1) fail("option 'tp': expected >= 1, found ", c.tp);
   if (c.zero < 0 || c.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", c.zero);
+  parse_recompute(c.recompute, "option 'recompute'");
   if (c.comm_timeout < 0) fail("option 'comm_timeout': expected >= 0 seconds, found ", c.comm_timeout);
   if (c.gpu_hour_cost < 0) fail("option 'gpu_hour_cost': expected >= 0, found ", c.gpu_hour_cost);
   validate(c.opt);
+}
+
+MemoryLayout memory_layout(const TrainConfig& c, const Mesh& mesh) {
+  MemoryLayout m;
+  m.dp = mesh.dp_size, m.tp = mesh.tp_size, m.zero = static_cast<int>(c.zero), m.zero_prefetch = c.zero_prefetch;
+  m.bf16_moments = c.bf16_moments, m.micro_batch = c.micro_batch, m.seq_len = c.seq_len;
+  m.recompute = parse_recompute(c.recompute, "option 'recompute'");
+  return m;
 }
 
 // A cursor saved by dp_size ranks, for this run's dp size: the windows consumed so far in the epoch are the
@@ -196,6 +211,7 @@ int run(int argc, char** argv) {
   const std::vector<std::string> positional = options.parse(argc, argv);
   if (!positional.empty()) fail("unexpected argument '", positional[0], "' (options are --name value)");
   check(cfg);
+  return_large_frees_to_system();  // freed transients leave the resident set: the measured peak is the planned one
 
   const LaunchInfo launch = detect_launch();
   std::unique_ptr<Comm> world = make_world_comm(cfg.comm_timeout);
@@ -221,6 +237,7 @@ int run(int argc, char** argv) {
   eo.device = resolve_device(cfg.device);
   eo.micro_batch = cfg.micro_batch, eo.seq_len = cfg.seq_len, eo.opt = cfg.opt;
   eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
+  eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
   eo.bf16_moments = cfg.bf16_moments, eo.stochastic_rounding = cfg.stochastic_rounding;
   eo.seed = static_cast<uint64_t>(cfg.seed);
   eo.gpu = launch.local_rank;  // one GPU per rank: the rank's index on its node
@@ -242,6 +259,20 @@ int run(int argc, char** argv) {
     return make_nccl_comm(mesh.dp->split(0, mesh.dp_rank), stream, cfg.comm_timeout);
   };
 #endif
+  // The memory plan, before anything large is allocated: a run that cannot fit stops here (model/memory_plan.h).
+  const HostMemory at_start = host_memory();
+  nlohmann::json plan_record;
+  if (eo.device == "cpu") {
+    const MemoryPlan plan = plan_cpu_memory(model_cfg, memory_layout(cfg, mesh));
+    std::printf("%s", format_memory_table(plan, host_available_bytes(),
+                                          str("memory plan per rank (host, above the ", format_fixed(at_start.resident_mb, 0),
+                                              " MB resident at start; capacity: this node's available memory)")).c_str());
+    std::fflush(stdout);
+    plan_record = memory_plan_json(plan), plan_record["device"] = "cpu";
+    require_host_memory(plan.peak(), launch.local_size, "the memory plan's peak per rank");
+  } else {  // the device's plan, for the run report's memory plot (the CUDA engine checks the fit itself)
+    plan_record = memory_plan_json(plan_gpu_memory(model_cfg, memory_layout(cfg, mesh))), plan_record["device"] = "cuda";
+  }
   std::unique_ptr<Engine> engine = make_engine(model_cfg, eo, mesh, initial, device_comm);
   std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x tp %d | ZeRO-%lld (%s)\n",
               engine->describe().c_str(), threads, world->size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero,
@@ -306,6 +337,16 @@ int run(int argc, char** argv) {
     metrics.open(out_dir / "metrics.jsonl", std::ios::app);
     if (!metrics) fail((out_dir / "metrics.jsonl").string(), ": cannot open for writing");
   }
+  // What the run report needs besides the steps (core/run_report.h): the effective config, the world, the plan.
+  metrics << json{{"step", step}, {"event", "start"}, {"config", options.to_json()}, {"device", engine->describe()},
+                  {"world", {{"size", world->size()}, {"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
+                  {"model", {{"parameters", model_cfg.n_params()}, {"layers", model_cfg.num_hidden_layers},
+                             {"hidden", model_cfg.hidden_size}, {"vocab", model_cfg.vocab_size}}},
+                  {"tokens_per_step", cfg.micro_batch * cfg.seq_len * cfg.grad_accum * mesh.dp_size},
+                  {"memory_plan", plan_record}, {"host_mb_at_start", at_start.resident_mb}}
+                 .dump()
+          << "\n";
+  metrics.flush();
 
   auto save = [&](int64_t at_step) {
     json state = {{"step", at_step},
@@ -319,16 +360,22 @@ int run(int argc, char** argv) {
     if (world->size() == 1) {  // one rank: the single-file format (also a Hugging Face model directory)
       engine->export_shard(sp, sm, sv);  // one rank's shard order is the layout's order
       TUNA_CHECK(static_cast<int64_t>(sp.size()) == layout.total(), "one rank's shard is not the whole model");
+      ProgressLine progress(str("checkpoint step ", at_step), 12.0 * double(sp.size()), ProgressLine::Unit::Bytes, stdout);
       CheckpointContents contents{&config_json, sp.data(), {sm.data(), sv.data(), engine->steps_taken()}, state,
-                                  tokenizer_dir};
+                                  tokenizer_dir, &progress};
       p = save_checkpoint(ckpt_root, at_step, layout, contents, cfg.ckpt_keep);
+      progress.finish();
     } else {  // one file per rank, written in parallel (model/checkpoint.h)
       if (world->rank() == 0) prepare_sharded_checkpoint(ckpt_root, at_step);
       world->barrier("checkpoint directory created");
       engine->export_shard(sp, sm, sv);
+      // Rank 0's file (ranks write theirs in parallel, of about the same size).
+      ProgressLine progress(str("checkpoint step ", at_step, ", rank 0's file"), 12.0 * double(sp.size()),
+                            ProgressLine::Unit::Bytes, world->rank() == 0 ? stdout : nullptr);
       write_checkpoint_shard(checkpoint_tmp_dir(ckpt_root, at_step), world->rank(), layout,
                              ShardState{&engine->segments(), sp.data(), sm.data(), sv.data(), engine->steps_taken(),
-                                        /*write_replicated=*/mesh.tp_rank == 0});
+                                        /*write_replicated=*/mesh.tp_rank == 0, &progress});
+      progress.finish();
       sp = {}, sm = {}, sv = {};
       CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer_dir};
       world->barrier("checkpoint shards written");
@@ -347,6 +394,7 @@ int run(int argc, char** argv) {
     metrics << json{{"step", at_step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", v.count}}.dump()
             << "\n";
     metrics.flush();
+    if (world->rank() == 0) refresh_run_report(out_dir);
   };
 
   // The starting point, so the log shows how far training moved the held-out loss.
@@ -385,7 +433,7 @@ int run(int argc, char** argv) {
     const EngineStatus dev = engine->status();
     json record = {{"step", step},          {"loss", mean_loss},       {"lr", lr},
                    {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", result.tokens},
-                   {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"eta_s", eta},
+                   {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"elapsed_s", elapsed}, {"eta_s", eta},
                    {"mem_mb", dev.host_mb}, {"peak_mem_mb", dev.host_peak_mb}};
     if (std::isfinite(mfu)) record["mfu"] = mfu;
     if (std::isfinite(dev.gpu_mb)) record["gpu_mem_mb"] = dev.gpu_mb, record["gpu_peak_mem_mb"] = dev.gpu_peak_mb;
@@ -419,6 +467,19 @@ int run(int argc, char** argv) {
   }
   if (val && step == cfg.steps && !stopped_early) validate_now(step);
   if (step > first_step || !resume_from) save(step);
+  // Measured against the plan: the largest rank's peak resident memory above its start-up (the plan's scope).
+  double above_start = host_memory().peak_mb - at_start.resident_mb;
+  if (world->size() > 1) world->all_reduce(&above_start, 1, CommType::F64, ReduceOp::Max, "peak memory");
+  if (eo.device == "cpu")
+    std::printf("memory: measured peak %.1f MB above the start-up's (largest rank), planned %.1f MB (%+.1f%%)\n",
+                above_start, plan_record["peak"].get<double>() / 1e6,
+                100.0 * (above_start / (plan_record["peak"].get<double>() / 1e6) - 1.0));
+  metrics << json{{"step", step}, {"event", "end"}, {"status", stopped_early ? "stopped" : "finished"},
+                  {"host_peak_above_start_mb", above_start}}
+                 .dump()
+          << "\n";
+  metrics.flush();
+  if (world->rank() == 0) refresh_run_report(out_dir);
   std::printf("done: step %lld of %lld in %s\n", (long long)step, (long long)cfg.steps,
               format_duration(std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count()).c_str());
   return 0;

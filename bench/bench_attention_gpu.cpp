@@ -16,8 +16,8 @@ constexpr int64_t kTokens = 16384, kHeads = 32, kKvHeads = 8;
 void BM_Attention(benchmark::State& state) {
   const int64_t seq = state.range(0), head_dim = state.range(1);
   const bool backward = state.range(2) != 0;
-  const cuda::AttentionPath path = state.range(3) != 0 ? cuda::AttentionPath::kHopper : cuda::AttentionPath::kMma;
-  if (path == cuda::AttentionPath::kHopper && !cuda::attention_hopper_available()) {
+  const AttentionPath path = state.range(3) != 0 ? AttentionPath::kHopper : AttentionPath::kMma;
+  if (path == AttentionPath::kHopper && !cuda::attention_hopper_available()) {
     state.SkipWithError("the hopper path needs an sm_90 device and sm_90a code");
     return;
   }

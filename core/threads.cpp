@@ -1,15 +1,16 @@
 #include "core/threads.h"
 
+#include "core/blas.h"
+
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
+#include <string>
 
 // Weak: binaries linked against another BLAS (the gpu-check build uses the reference BLAS, single-threaded)
 // have no such function, and then there is no BLAS thread pool to size.
 extern "C" void openblas_set_num_threads(int) __attribute__((weak));
-extern "C" char* openblas_get_corename() __attribute__((weak));
 
 namespace tuna {
 
@@ -21,18 +22,13 @@ int set_cpu_threads(long threads, int ranks_on_node) {
 }
 
 const char* blas_hint() {
-  if (openblas_get_corename == nullptr || std::getenv("OPENBLAS_CORETYPE") != nullptr) return "";
-  const char* core = openblas_get_corename();
-  if (core == nullptr || std::strcmp(core, "Prescott") != 0) return "";
-#if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx512f"))
-    return "OpenBLAS uses its generic Prescott kernels on this CPU; OPENBLAS_CORETYPE=SkylakeX selects its "
-           "AVX-512 kernels (the demo's CPU step took half the time with them)";
-  if (__builtin_cpu_supports("avx2"))
-    return "OpenBLAS uses its generic Prescott kernels on this CPU; OPENBLAS_CORETYPE=Haswell selects its AVX2 "
-           "kernels (the demo's CPU step took two thirds of the time with them)";
-#endif
-  return "";
+  static const std::string hint = [] {
+    const BlasKernels& k = ensure_blas_kernels();
+    if (k.replaced.empty()) return std::string();
+    return "OpenBLAS did not recognise this CPU and chose its generic " + k.replaced + " kernels; tuna selected its " +
+           k.core + " kernels for the CPU's vector units instead (OPENBLAS_CORETYPE=NAME picks another)";
+  }();
+  return hint.c_str();
 }
 
 }  // namespace tuna

@@ -8,9 +8,8 @@ namespace tuna {
 // Returns the count set.
 int set_cpu_threads(long threads, int ranks_on_node = 1);
 
-// A hint for the log when OpenBLAS runs its generic SSE3 ("Prescott") kernels on a CPU with AVX2: Debian's
-// OpenBLAS 0.3.21 does not recognise some newer CPU models and falls back to them, which halves the CPU
-// step (README, "Measured"); OPENBLAS_CORETYPE names the core instead. Empty when there is nothing to say.
+// A note for the log when tuna replaced OpenBLAS's generic fallback kernels with ones for this CPU
+// (core/blas.h). Empty when there is nothing to say.
 const char* blas_hint();
 
 }  // namespace tuna

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/progress.h"  // human_bytes
 #include "data/input.h"
 #include "data/shard.h"
 
@@ -53,15 +54,6 @@ bool is_blank(std::string_view s) {
 
 // Uniform in [0, 1) from a 64-bit hash.
 double unit(uint64_t hash) { return static_cast<double>(hash >> 11) * 0x1.0p-53; }
-
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
-  int u = 0;
-  while (b >= 1000 && u < 4) b /= 1000, ++u;
-  char buf[32];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
-  return buf;
-}
 
 // Rank r of `ranks` reads files [first, last): contiguous in input order (so that global document order is
 // rank order), balanced by bytes on disk. A file goes to the rank whose byte range holds its middle.

@@ -20,6 +20,16 @@ Range shard_range(int64_t n, int rank, int size) {
   return {begin, std::min(n, begin + chunk)};
 }
 
+int64_t comm_type_bytes(CommType type) {
+  switch (type) {
+    case CommType::F32: return 4;
+    case CommType::F64: return 8;
+    case CommType::I64: return 8;
+    case CommType::BF16: return 2;
+  }
+  return 0;
+}
+
 namespace {
 
 class SingleComm final : public Comm {
@@ -30,11 +40,11 @@ class SingleComm final : public Comm {
   void reduce_scatter(const float* send, float* recv, int64_t n, const char*) override {
     if (send != recv) std::memmove(recv, send, n * sizeof(float));
   }
-  void all_gather(const float* send, float* recv, int64_t n, const char*) override {
-    if (send != recv) std::memmove(recv, send, n * sizeof(float));
+  void all_gather(const void* send, void* recv, int64_t n, CommType type, const char*) override {
+    if (send != recv) std::memmove(recv, send, n * comm_type_bytes(type));
   }
-  CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) override {
-    all_gather(send, recv, n, what);
+  CommRequest all_gather_start(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    all_gather(send, recv, n, type, what);
     return 0;
   }
   void wait(CommRequest) override {}

@@ -1,7 +1,9 @@
 // Comm: the collectives tuna needs, over one group of ranks, behind one small interface.
 //
-// Three implementations: SingleComm (one rank; collectives are copies), MpiComm (host buffers, Open MPI or
-// any MPI-3 library) and NcclComm (device buffers, on the comm's CUDA stream; built with CUDA only).
+// Implementations: SingleComm (one rank; collectives are copies), MpiComm (host buffers, Open MPI or any MPI-3
+// library), LocalComm (ranks as threads of one process, host buffers: dist/comm_local.cpp), NcclComm (device
+// buffers, on the comm's CUDA stream; built with CUDA only) and the staged device comm (device buffers through
+// any host comm: dist/comm_staged.cpp, for ranks that share one GPU, where NCCL refuses to run).
 // model/ and dist/zero use only this interface, so every parallel mode runs and is tested on CPU under
 // `mpirun -np 2/4` against the single-rank run.
 //
@@ -17,10 +19,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace tuna {
 
-enum class CommType { F32, F64, I64 };
+// BF16: 2-byte bfloat16 elements (gathers move them as they are; sums of bf16 round the fp32 sum once).
+enum class CommType { F32, F64, I64, BF16 };
+int64_t comm_type_bytes(CommType type);
 enum class ReduceOp { Sum, Max };
 
 // [begin, end) of one rank's piece of n elements split over `size` ranks.
@@ -44,10 +49,10 @@ class Comm {
   virtual void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) = 0;
   // send: n elements from every rank; recv: the sum over ranks of this rank's piece (shard_range(n)).
   virtual void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) = 0;
-  // send: this rank's piece of n elements; recv: all n, pieces in rank order. send may point into recv.
-  virtual void all_gather(const float* send, float* recv, int64_t n, const char* what) = 0;
+  // send: this rank's piece of n elements of `type`; recv: all n, pieces in rank order. send may point into recv.
+  virtual void all_gather(const void* send, void* recv, int64_t n, CommType type, const char* what) = 0;
   // The same, returning before completion (prefetch); buffers must stay alive until wait().
-  virtual CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) = 0;
+  virtual CommRequest all_gather_start(const void* send, void* recv, int64_t n, CommType type, const char* what) = 0;
   virtual void wait(CommRequest request) = 0;
   virtual void broadcast(void* buf, int64_t bytes, int root, const char* what) = 0;
   virtual void barrier(const char* what) = 0;
@@ -58,6 +63,12 @@ class Comm {
   void all_reduce_sum(double* buf, int64_t n, const char* what) { all_reduce(buf, n, CommType::F64, ReduceOp::Sum, what); }
   void all_reduce_sum(int64_t* buf, int64_t n, const char* what) { all_reduce(buf, n, CommType::I64, ReduceOp::Sum, what); }
   void all_reduce_max(float* buf, int64_t n, const char* what) { all_reduce(buf, n, CommType::F32, ReduceOp::Max, what); }
+  void all_gather(const float* send, float* recv, int64_t n, const char* what) {
+    all_gather(send, recv, n, CommType::F32, what);
+  }
+  CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) {
+    return all_gather_start(send, recv, n, CommType::F32, what);
+  }
 
  protected:
   Comm(int rank, int size) : rank_(rank), size_(size) {}
@@ -83,6 +94,18 @@ LaunchInfo detect_launch();
 std::unique_ptr<Comm> make_world_comm(double timeout_s);
 // The same on an already initialized MPI (tests' main calls MPI_Init itself).
 std::unique_ptr<Comm> make_mpi_world_comm(double timeout_s);
+
+// Ranks as threads of one process (dist/comm_local.cpp): `size` comms of one group, comm r for the thread that is
+// rank r. Collectives on host buffers; every wait bounded by timeout_s (0: forever), failing with an error that
+// names the collective and the ranks that did not arrive.
+std::vector<std::unique_ptr<Comm>> make_local_comms(int size, double timeout_s);
+
+// A device comm through host staging (dist/comm_staged.cpp, CUDA builds): each collective copies its device
+// buffers to pinned host memory on `stream` (a cudaStream_t), runs on `host` (any comm over the same ranks:
+// LocalComm, MpiComm), copies the result back and waits for the copies. What several ranks sharing one GPU use
+// instead of NCCL (which refuses two ranks on one device), and what the emulated tests use under mpirun.
+// Synchronous: nothing overlaps; for verification, not speed.
+std::unique_ptr<Comm> make_staged_device_comm(std::unique_ptr<Comm> host, void* stream);
 
 // NCCL on device buffers, enqueued on `stream` (a cudaStream_t); builds with TUNA_NCCL only. `host` (an
 // MpiComm over the same ranks) carries the NCCL unique id from rank 0 and builds split() groups. The

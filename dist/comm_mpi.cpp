@@ -57,6 +57,7 @@ MPI_Datatype mpi_type(CommType t) {
     case CommType::F32: return MPI_FLOAT;
     case CommType::F64: return MPI_DOUBLE;
     case CommType::I64: return MPI_INT64_T;
+    case CommType::BF16: return MPI_UINT16_T;  // moved as bits: gathers only (see all_reduce)
   }
   return MPI_DATATYPE_NULL;
 }
@@ -179,6 +180,8 @@ class MpiComm final : public Comm {
   std::string backend() const override { return "mpi"; }
 
   void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) override {
+    // MPI has no bfloat16 arithmetic; device comms that stage through MPI widen bf16 to fp32 first.
+    TUNA_CHECK(type != CommType::BF16, "MpiComm does not reduce bf16 ('", what, "'): reduce fp32");
     MPI_Request req;
     TUNA_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, as_count(n), mpi_type(type), op == ReduceOp::Sum ? MPI_SUM : MPI_MAX,
                             comm_, &req));
@@ -194,13 +197,13 @@ class MpiComm final : public Comm {
     process_->wait(&req, str("reduce_scatter '", what, "' (", n, " floats)"));
   }
 
-  void all_gather(const float* send, float* recv, int64_t n, const char* what) override {
-    wait(all_gather_start(send, recv, n, what));
+  void all_gather(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    wait(all_gather_start(send, recv, n, type, what));
   }
 
-  CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) override {
+  CommRequest all_gather_start(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
     Pending& p = pending_[++next_request_];
-    p.label = str("all_gather '", what, "' (", n, " floats)");
+    p.label = str("all_gather '", what, "' (", n, " elements)");
     p.counts.resize(size());
     p.displs.resize(size());
     for (int r = 0; r < size(); r++) {
@@ -208,9 +211,9 @@ class MpiComm final : public Comm {
       p.counts[r] = as_count(piece.size());
       p.displs[r] = as_count(piece.begin);
     }
-    const bool in_place = send == recv + p.displs[rank()];
-    TUNA_MPI(MPI_Iallgatherv(in_place ? MPI_IN_PLACE : send, p.counts[rank()], MPI_FLOAT, recv, p.counts.data(),
-                             p.displs.data(), MPI_FLOAT, comm_, &p.request));
+    const bool in_place = send == static_cast<const char*>(recv) + p.displs[rank()] * comm_type_bytes(type);
+    TUNA_MPI(MPI_Iallgatherv(in_place ? MPI_IN_PLACE : send, p.counts[rank()], mpi_type(type), recv, p.counts.data(),
+                             p.displs.data(), mpi_type(type), comm_, &p.request));
     return next_request_;
   }
 

@@ -31,6 +31,7 @@ ncclDataType_t nccl_type(CommType t) {
     case CommType::F32: return ncclFloat32;
     case CommType::F64: return ncclFloat64;
     case CommType::I64: return ncclInt64;
+    case CommType::BF16: return ncclBfloat16;
   }
   return ncclFloat32;
 }
@@ -73,24 +74,24 @@ class NcclComm final : public Comm {
     last_ = str("reduce_scatter '", what, "'");
   }
 
-  void all_gather(const float* send, float* recv, int64_t n, const char* what) override {
-    const int64_t chunk = (n + size() - 1) / size();
+  void all_gather(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    const int64_t chunk = (n + size() - 1) / size(), bytes = comm_type_bytes(type);
     const Range mine = shard_range(n, rank(), size());
     if (chunk * size() == n) {
-      TUNA_NCCL_CHECK(ncclAllGather(send, recv, chunk, ncclFloat32, comm_, stream_));
+      TUNA_NCCL_CHECK(ncclAllGather(send, recv, chunk, nccl_type(type), comm_, stream_));
     } else {  // gather padded pieces into scratch, then copy the n real elements out
-      float* padded = scratch(chunk * size());
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(padded + chunk * rank(), send, mine.size() * sizeof(float),
+      char* padded = reinterpret_cast<char*>(scratch((chunk * size() * bytes + 3) / 4));
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(padded + chunk * rank() * bytes, send, mine.size() * bytes,
                                       cudaMemcpyDeviceToDevice, stream_));
-      TUNA_NCCL_CHECK(ncclAllGather(padded + chunk * rank(), padded, chunk, ncclFloat32, comm_, stream_));
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(recv, padded, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      TUNA_NCCL_CHECK(ncclAllGather(padded + chunk * rank() * bytes, padded, chunk, nccl_type(type), comm_, stream_));
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(recv, padded, n * bytes, cudaMemcpyDeviceToDevice, stream_));
     }
     last_ = str("all_gather '", what, "'");
   }
 
   // Enqueued on the stream like every op; the request is an event the caller's compute waits on.
-  CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) override {
-    all_gather(send, recv, n, what);
+  CommRequest all_gather_start(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    all_gather(send, recv, n, type, what);
     Event& e = events_[++next_request_];
     TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&e.event, cudaEventDisableTiming));
     TUNA_CUDA_CHECK(cudaEventRecord(e.event, stream_));

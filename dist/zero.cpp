@@ -18,6 +18,21 @@ std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int 
   return out;
 }
 
+ZeroBufferSizes zero_buffer_sizes(const ParamLayout& layout, int stage, int dp_rank, int dp_size) {
+  ZeroBufferSizes z;
+  for (const Segment& s : dp_unit_pieces(layout, dp_rank, dp_size)) z.shard += s.size;
+  for (int u = 0; u < layout.num_units(); u++)
+    z.unit = std::max(z.unit, layout.unit_range(u).second - layout.unit_range(u).first);
+  z.moments = stage == 0 ? layout.total() : z.shard;
+  z.master = z.grad_shard = stage >= 1 ? z.shard : 0;
+  z.weight_buffers = stage == 3 ? 2 : 0;
+  // Llama's backward finishes one unit's gradient before it starts the next, except a tied embedding's: the
+  // head takes it first and the embedding's backward finishes it last, so two are alive through the layers.
+  z.grad_buffers = stage >= 2 ? (layout.lm_head_unit() == 0 ? 2 : 1) : 0;
+  z.scatter_out = stage >= 2 ? shard_range(z.unit, 0, dp_size).size() : 0;
+  return z;
+}
+
 namespace {
 
 template <typename T>
@@ -57,6 +72,15 @@ Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* 
     scatter_out_.resize(shard_range(max_unit_, 0, dp_.size()).size());
     model_.set_weight_store(this);
   }
+  // The memory plan is made of zero_buffer_sizes: an allocation added here without it would make the plan wrong.
+  const ZeroBufferSizes planned = zero_buffer_sizes(layout_, stage_, dp_.rank(), dp_.size());
+  TUNA_CHECK(planned.shard == shard_size_ && planned.unit == max_unit_ &&
+                 planned.master == static_cast<int64_t>(master_.size()) &&
+                 planned.grad_shard == static_cast<int64_t>(grad_shard_.size()) &&
+                 planned.moments == optimizer_.size() &&
+                 planned.scatter_out == static_cast<int64_t>(scatter_out_.size()) &&
+                 planned.weight_buffers == static_cast<int>(weight_buffers_.size()),
+             "Zero's buffers differ from zero_buffer_sizes (update it with the constructor)");
 }
 
 void Zero::begin_step() {

@@ -52,6 +52,21 @@ LossSum sum_over_ranks(Comm& dp, const LossSum& local);
 // stage shards state by (and stage 0 spreads checkpoint writes by).
 std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int dp_size);
 
+// What Zero holds on dp rank `dp_rank` of `dp_size`, besides the model's own weights and gradients, in floats.
+// The memory plan (model/memory_plan_cpu.cpp) is made of these figures; Zero's constructor checks its
+// allocations against them, and state_bytes() reports what it allocated.
+struct ZeroBufferSizes {
+  int64_t shard = 0;          // this rank's piece of every unit: the size of the master weights and gradient shard
+  int64_t moments = 0;        // each of the two AdamW moments (the whole layout at stage 0)
+  int64_t master = 0;         // fp32 master weights (stages 1-3; stage 0 updates the model's weights)
+  int64_t grad_shard = 0;     // stages 1-3
+  int64_t unit = 0;           // the largest unit, the size of a gather or gradient buffer
+  int weight_buffers = 0;     // stage 3: gathered units (the pair: one computing, one arriving)
+  int grad_buffers = 0;       // stages 2-3: unit gradients alive at once in the backward
+  int64_t scatter_out = 0;    // stages 2-3: one unit's reduce-scatter output
+};
+ZeroBufferSizes zero_buffer_sizes(const ParamLayout& layout, int stage, int dp_rank, int dp_size);
+
 class Zero final : public WeightStore {
  public:
   // model must be built with LlamaParallel::external_weights iff stage == 3 and external_grads iff stage == 2.

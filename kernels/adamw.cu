@@ -22,6 +22,7 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/common.cuh"
+#include "kernels/scratch.h"
 
 namespace tuna::cuda {
 namespace {
@@ -136,6 +137,11 @@ __global__ void __launch_bounds__(kThreads) sum_partials_kernel(double* total, c
   if (threadIdx.x == 0) *total = sum;
 }
 
+__global__ void accumulate_kernel(float* dst, const float* src, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < n) dst[i] += src[i];
+}
+
 __global__ void f32_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i < n) out[i] = __float2bfloat16(in[i]);
@@ -190,7 +196,10 @@ void adamw_update(float* master, bf16* param_bf16, const float* grad, bf16* m, b
   adamw_launch(master, param_bf16, grad, m, v, n, segments, args, stream);
 }
 
-int64_t sum_of_squares_scratch_doubles() { return kNormBlocks; }
+int64_t sum_of_squares_scratch_doubles() {
+  static_assert(kNormBlocks == 1024, "kernels/scratch.h sizes the scratch for 1024 blocks");
+  return gpu_scratch::sum_of_squares_doubles();
+}
 
 void sum_of_squares(double* total, const float* x, int64_t n, double* scratch, cudaStream_t stream) {
   TUNA_CHECK(n >= 0, "n ", n);
@@ -199,6 +208,13 @@ void sum_of_squares(double* total, const float* x, int64_t n, double* scratch, c
   launch_kernel(sum_of_squares_partial_kernel, blocks, kThreads, 0, stream, scratch, x, n);
   TUNA_CUDA_CHECK_LAUNCH();
   launch_kernel(sum_partials_kernel, 1, kThreads, 0, stream, total, scratch, blocks);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
+
+void accumulate(float* dst, const float* src, int64_t n, cudaStream_t stream) {
+  TUNA_CHECK(n >= 0, "n ", n);
+  if (n == 0) return;
+  launch_kernel(accumulate_kernel, static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream, dst, src, n);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

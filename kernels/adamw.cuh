@@ -47,6 +47,9 @@ int64_t sum_of_squares_scratch_doubles();
 // device), and the partials are added in order by one block. OVERWRITES *total (device memory).
 void sum_of_squares(double* total, const float* x, int64_t n, double* scratch, cudaStream_t stream);
 
+// dst[i] += src[i] in fp32 over n elements: sharded gradient accumulation (ZeRO-2/3 add each micro-batch's
+// reduce-scattered unit gradient into the shard). ACCUMULATES dst.
+void accumulate(float* dst, const float* src, int64_t n, cudaStream_t stream);
 // out[i] = bf16(in[i]) (round to nearest even): the bf16 working copy of fp32 master weights.
 void f32_to_bf16(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t stream);
 

@@ -11,31 +11,16 @@
 #include "kernels/attention.cuh"
 
 #include <cmath>
-#include <cstdlib>
-#include <string>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/attention_params.cuh"
 #include "kernels/rope.cuh"
+#include "kernels/scratch.h"
 
 namespace tuna::cuda {
 
-// The switch to flip once a GPU run of scripts/gpu-check.sh has passed the hopper path's tests: with it set, the
-// default (TUNA_ATTENTION unset) is hopper on sm_90 devices and mma elsewhere.
-constexpr bool kHopperByDefault = false;
-
 namespace {
-
-AttentionPath path_from_environment() {
-  const char* value = std::getenv("TUNA_ATTENTION");
-  if (value == nullptr || *value == '\0')
-    return kHopperByDefault && attention_hopper_available() ? AttentionPath::kHopper : AttentionPath::kMma;
-  const std::string name = value;
-  if (name == "mma") return AttentionPath::kMma;
-  if (name == "hopper") return AttentionPath::kHopper;
-  fail("environment variable TUNA_ATTENTION: expected 'mma' or 'hopper', found '", name, "'");
-}
 
 AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
   TUNA_CHECK(batch >= 0 && seq_len >= 0 && n_heads > 0 && n_kv_heads > 0, "batch ", batch, ", seq_len ", seq_len,
@@ -65,9 +50,10 @@ bool attention_hopper_available() {
 }
 
 AttentionPath resolve_attention_path(AttentionPath path) {
+  if (path == AttentionPath::kDefault) path = attention_path_requested();
   if (path != AttentionPath::kDefault) return path;
-  static const AttentionPath from_environment = path_from_environment();
-  return from_environment;
+  static const bool hopper = kHopperByDefault && attention_hopper_available();
+  return hopper ? AttentionPath::kHopper : AttentionPath::kMma;
 }
 
 const char* attention_path_name(AttentionPath path) {
@@ -93,9 +79,7 @@ void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const
 
 int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t head_dim,
                                      AttentionPath path) {
-  if (resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128))
-    return Sm90BwdScratch::layout(batch, seq_len, n_heads, head_dim).floats;
-  return batch * seq_len * n_heads;
+  return gpu_scratch::attention_bwd_floats(batch, seq_len, n_heads, head_dim, path);
 }
 
 void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,

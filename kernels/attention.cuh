@@ -4,7 +4,8 @@
 //   mma:    FlashAttention-2 style, tensor cores through mma.sync, cp.async (sm_80 and later). The default.
 //   hopper: FlashAttention-3 style, wgmma, TMA, mbarrier pipelines, warp specialisation (sm_90a only).
 //           Verified on the host emulator only so far: scripts/gpu-check.sh runs the GPU tests and the bench
-//           of both paths side by side; once a GPU run passes, kHopperByDefault (attention.cu) flips the default.
+//           of both paths side by side; once a GPU run passes, kHopperByDefault (attention_path.h) flips the
+//           default.
 // The trainer takes the process default, TUNA_ATTENTION=mma|hopper in the environment (read once); tests and
 // benches name the path explicitly.
 #pragma once
@@ -13,13 +14,10 @@
 
 #include <cstdint>
 
+#include "kernels/attention_path.h"  // AttentionPath, kHopperByDefault
+
 namespace tuna::cuda {
 
-enum class AttentionPath {
-  kDefault,  // the process default (TUNA_ATTENTION; unset: mma, or hopper on sm_90 once kHopperByDefault is set)
-  kMma,
-  kHopper,
-};
 // kDefault resolved (the first call reads TUNA_ATTENTION; a value other than "mma" or "hopper" is an error);
 // other paths as given.
 AttentionPath resolve_attention_path(AttentionPath path);

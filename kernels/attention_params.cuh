@@ -26,25 +26,7 @@ void attention_fwd_hd64(const AttentionParams& p, cudaStream_t stream);
 void attention_fwd_hd128(const AttentionParams& p, cudaStream_t stream);
 void attention_bwd_hd64(const AttentionParams& p, cudaStream_t stream);
 void attention_bwd_hd128(const AttentionParams& p, cudaStream_t stream);
-// The sm_90a kernels (attention_sm90_*.cu). The backward's scratch: delta, then the fp32 dQ accumulator
-// [batch, n_heads, seq_pad, head_dim] (seq_pad: seq_len rounded up to the 64-query step), then an int flag per
-// (batch, head, query block) ordering the additions into it (attention_sm90_kernels.cuh).
-struct Sm90BwdScratch {
-  static constexpr int64_t kBlockM = 64;  // queries per backward step
-  int64_t m_blocks, seq_pad, delta, accum, flags, floats;  // offsets and the total, in floats
-
-  __host__ __device__ static Sm90BwdScratch layout(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t head_dim) {
-    Sm90BwdScratch s;
-    const auto aligned = [](int64_t floats) { return (floats + 63) / 64 * 64; };  // 256-byte sections
-    s.m_blocks = (seq_len + kBlockM - 1) / kBlockM;
-    s.seq_pad = s.m_blocks * kBlockM;
-    s.delta = 0;
-    s.accum = aligned(batch * n_heads * seq_len);
-    s.flags = s.accum + aligned(batch * n_heads * s.seq_pad * head_dim);
-    s.floats = s.flags + aligned(batch * n_heads * s.m_blocks);
-    return s;
-  }
-};
+// The sm_90a kernels (attention_sm90_*.cu).
 // Whether this build's image of the sm_90a kernels, on the current device, is sm_90a code.
 bool attention_sm90_image_present();
 void attention_sm90_fwd_hd64(const AttentionParams& p, cudaStream_t stream);

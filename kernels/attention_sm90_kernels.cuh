@@ -35,6 +35,7 @@
 
 #include "kernels/attention_params.cuh"
 #include "kernels/common.cuh"
+#include "kernels/scratch.h"  // AttentionBwdScratch
 #ifdef TUNA_EMULATOR
 #include "tests/kernels/emulator/ptx_sm90.h"  // host versions of the helpers below
 #else
@@ -388,7 +389,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
 template <int kHd>
 struct Sm90Bwd {
   static constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer warpgroup
-  static constexpr int kBlockM = static_cast<int>(Sm90BwdScratch::kBlockM);  // queries per step
+  static constexpr int kBlockM = static_cast<int>(gpu_scratch::AttentionBwdScratch::kHopperBlockM);  // queries a step
   static constexpr int kStages = 2;
   static constexpr int kPanels = kHd / kPanelCols;
   static constexpr uint32_t kKvPanelBytes = kBlockN * 128, kKvTileBytes = kPanels * kKvPanelBytes;
@@ -655,7 +656,8 @@ __global__ void __launch_bounds__(256) sm90_dq_finish_kernel(const __grid_consta
   const int64_t row = i / (kHalf / 8);  // (b, t, h)
   const int h = static_cast<int>(row % p.n_heads), t = static_cast<int>((row / p.n_heads) % p.seq_len);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.n_heads) * p.seq_len));
-  const int64_t seq_pad = Sm90BwdScratch::layout(p.batch, p.seq_len, p.n_heads, kHd).seq_pad;
+  constexpr int kBlockM = Sm90Bwd<kHd>::kBlockM;
+  const int64_t seq_pad = (p.seq_len + kBlockM - 1) / kBlockM * kBlockM;
   const float* src = args.dq_accum + ((static_cast<int64_t>(b) * p.n_heads + h) * seq_pad + t) * kHd + d;
   Bf16x8 first, second;
 #pragma unroll

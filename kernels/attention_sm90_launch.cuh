@@ -102,7 +102,8 @@ void launch_sm90_bwd(const AttentionParams& p_in, float* scratch, const float* r
                      cudaStream_t stream) {
   using C = Sm90Bwd<kHd>;
   require_sm90a_image(sm90_bwd_kernel<kHd>);
-  const Sm90BwdScratch layout = Sm90BwdScratch::layout(p_in.batch, p_in.seq_len, p_in.n_heads, kHd);
+  const gpu_scratch::AttentionBwdScratch layout =
+      gpu_scratch::attention_bwd_layout(p_in.batch, p_in.seq_len, p_in.n_heads, kHd, /*hopper=*/true);
   Sm90Params args{};
   args.p = p_in;
   args.p.delta = scratch + layout.delta;

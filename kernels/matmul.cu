@@ -24,8 +24,13 @@ MatmulContext::MatmulContext(size_t workspace_bytes) : workspace_bytes_(workspac
   if (workspace_bytes_ > 0) TUNA_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
 }
 
+MatmulContext::MatmulContext(void* workspace, size_t workspace_bytes)
+    : workspace_(workspace), workspace_bytes_(workspace_bytes), owns_workspace_(false) {
+  TUNA_CUBLAS_CHECK(cublasLtCreate(&handle_));
+}
+
 MatmulContext::~MatmulContext() {
-  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (workspace_ != nullptr && owns_workspace_) cudaFree(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 

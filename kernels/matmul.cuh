@@ -17,6 +17,8 @@ namespace tuna::cuda {
 class MatmulContext {
  public:
   explicit MatmulContext(size_t workspace_bytes = size_t(32) << 20);
+  // With a workspace the caller owns (a buffer of the engine's planned arena); it must outlive the context.
+  MatmulContext(void* workspace, size_t workspace_bytes);
   ~MatmulContext();
   MatmulContext(const MatmulContext&) = delete;
   MatmulContext& operator=(const MatmulContext&) = delete;
@@ -31,6 +33,7 @@ class MatmulContext {
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  bool owns_workspace_ = true;
   // key: trans_a, trans_b, m, n, k, lda, ldb, ldd, d_type, beta != 0, pointer alignments (packed)
   using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, uint64_t>;
   std::map<Key, cublasLtMatmulAlgo_t> algos_;

@@ -16,6 +16,7 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/common.cuh"
+#include "kernels/scratch.h"
 
 namespace tuna::cuda {
 namespace {
@@ -144,7 +145,10 @@ void rmsnorm_fwd(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
-int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim) { return ceil_div(n, kRowsPerBlock) * dim; }
+int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim) {
+  static_assert(kRowsPerBlock == 64, "kernels/scratch.h sizes the scratch for blocks of 64 rows");
+  return gpu_scratch::rmsnorm_bwd_floats(n, dim);
+}
 
 void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
                  const float* rstd, float* scratch, int64_t n, int64_t dim, cudaStream_t stream) {

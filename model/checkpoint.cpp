@@ -224,7 +224,7 @@ void write_checkpoint_shard(const fs::path& tmp_dir, int rank, const ParamLayout
   w.add_metadata("producer", "tuna");
   w.add_metadata("steps_taken", std::to_string(s.steps_taken));
   w.add_metadata("pieces", pieces.dump());
-  w.write(tmp_dir / rank_file_name(rank));
+  w.write(tmp_dir / rank_file_name(rank), s.progress);
 }
 
 int64_t load_checkpoint_shard(const fs::path& dir, const ParamLayout& layout, const std::vector<Segment>& segments,
@@ -320,7 +320,7 @@ fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& 
     w.add_metadata("format", "pt");  // transformers checks this key when loading
     w.add_metadata("producer", "tuna");
     for (const ParamTensor& t : layout.tensors()) w.add(t.name, DType::F32, t.shape, c.params + t.offset);
-    w.write(tmp_dir / "model.safetensors");
+    w.write(tmp_dir / "model.safetensors", c.progress);
   }
   if (c.optimizer.m) {
     TUNA_CHECK(c.optimizer.v, "checkpoint moments incomplete");
@@ -331,7 +331,7 @@ fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& 
       w.add("exp_avg." + t.name, DType::F32, t.shape, c.optimizer.m + t.offset);
       w.add("exp_avg_sq." + t.name, DType::F32, t.shape, c.optimizer.v + t.offset);
     }
-    w.write(tmp_dir / "optimizer.safetensors");
+    w.write(tmp_dir / "optimizer.safetensors", c.progress);
   }
   return finish_sharded_checkpoint(root, step, c, keep_last);
 }

@@ -40,6 +40,8 @@
 
 namespace tuna {
 
+class ProgressLine;  // core/progress.h
+
 class AdamW;
 class HfCheckpointDir;
 
@@ -72,6 +74,7 @@ struct CheckpointContents {
   MomentsView optimizer;              // optimizer.m null: weights only (convert)
   nlohmann::json state;               // written as state.json; "step" must be set
   std::filesystem::path copy_tokenizer_from;  // directory with tokenizer files, or empty
+  ProgressLine* progress = nullptr;           // advanced by the bytes of the weight files written, when given
 };
 
 // Writes root/step_<step> atomically and deletes the oldest step_* beyond keep_last (0 keeps all).
@@ -98,6 +101,7 @@ struct ShardState {
   const float* v;
   int64_t steps_taken = 0;
   bool write_replicated = true;  // false on tp ranks > 0: tensors every tp rank holds are written once
+  ProgressLine* progress = nullptr;  // advanced by the bytes written, when given
 };
 
 // Sharded writing, in three phases separated by barriers (train.cu): rank 0 prepares the temporary

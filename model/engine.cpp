@@ -82,9 +82,15 @@ class CpuForwardModel final : public ForwardModel {
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
     model_.forward_logits(inputs, batch, seq, logits);
   }
+  void clear_cache(int64_t batch) override { cache_ = model_.make_kv_cache(batch, model_.max_seq()); }
+  void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) override {
+    if (cache_.keys.empty()) fail("forward_cached: no KV cache (clear_cache first)");
+    model_.forward_cached(tokens, cache_.batch, n, cache_, last_logits);
+  }
 
  private:
   Llama model_;
+  KvCache cache_;
 };
 
 }  // namespace
@@ -112,6 +118,9 @@ std::string resolve_device(const std::string& requested) {
 
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm) {
+  if (options.device == "cpu" && options.recompute != Recompute::None)
+    fail("--recompute ", recompute_name(options.recompute), " with --device cpu: activation recompute is a CUDA "
+         "engine feature (GPU memory is what it saves); the CPU backend keeps every activation: use --recompute none");
   if (options.device == "cpu") return std::make_unique<CpuEngine>(config, options, mesh, initial);
 #if TUNA_CUDA
   if (options.device == "cuda") return make_gpu_engine(config, options, mesh, initial, device_comm);

@@ -5,8 +5,11 @@
 //   cuda  LlamaGpu (model/llama_gpu.h), one GPU per rank (the rank's local index on its node): bf16 weights
 //         and activations, fp32 master weights, gradients and moments (bf16 moments as an option). Data
 //         parallel over the device comm (NCCL): ZeRO-0 (gradients all-reduced, every rank applies the same
-//         update) or ZeRO-1 (master weights and moments sharded: reduce-scatter, update the shard, all-gather).
-//         Tensor parallelism and ZeRO 2-3 are CPU-only so far and refused on cuda with a message.
+//         update), ZeRO-1 (master weights and moments sharded: reduce-scatter, update the shard, all-gather),
+//         ZeRO-2 (gradients sharded too: each unit's reduce-scattered as its backward finishes) or ZeRO-3 (bf16
+//         weights sharded too: each unit gathered before use, the next one prefetched on a communication
+//         stream). Activation recompute (none, selective, full). Tensor parallelism is CPU-only so far and
+//         refused on cuda with a message.
 //
 // Checkpoint exchange is in "shard order": the concatenation of segments() (runs of the flat ParamLayout
 // buffer), this rank's share of the writing. One rank's segments cover the whole layout in order, so shard
@@ -25,6 +28,7 @@
 #include "model/config.h"
 #include "model/layout.h"
 #include "model/llama.h"      // LossSum
+#include "model/memory_plan.h"  // Recompute
 #include "model/optimizer.h"  // OptimizerConfig, Segment
 
 namespace tuna {
@@ -34,7 +38,8 @@ struct EngineOptions {
   int64_t micro_batch = 1, seq_len = 1;
   OptimizerConfig opt;
   int zero = 0;                // ZeRO stage
-  bool zero_prefetch = true;   // ZeRO-3 on cpu: gather the next unit while this one computes
+  bool zero_prefetch = true;   // ZeRO-3: gather the next unit while this one computes
+  Recompute recompute = Recompute::None;  // cuda: which activations the backward recomputes (cpu: none only)
   bool bf16_moments = false;   // cuda: AdamW moments in bf16
   bool stochastic_rounding = false;  // cuda: bf16 weights (and bf16 moments) written with stochastic rounding
   uint64_t seed = 0;           // cuda: stochastic rounding's stream
@@ -98,6 +103,13 @@ class ForwardModel {
   // Loss sums as Llama::forward_loss; logits [batch, seq, vocab] in fp32 on the host.
   virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
   virtual void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) = 0;
+
+  // Generation with a KV cache (Llama::forward_cached's contract). clear_cache starts an empty cache for
+  // `batch` sequences (at most max_batch) of up to max_seq positions; forward_cached appends n tokens to each
+  // (tokens [batch, n]) and writes the logits of each sequence's last new position, [batch, vocab] fp32 on
+  // the host: the logits forward_logits gives at those positions over the whole context.
+  virtual void clear_cache(int64_t batch) = 0;
+  virtual void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) = 0;
 };
 
 // `device` as resolve_device returns it; weights fills the whole model (ParamLayout order).

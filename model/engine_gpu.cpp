@@ -1,4 +1,5 @@
-// The CUDA engine (model/engine.h): LlamaGpu on this rank's GPU, data parallel over NCCL as ZeRO-0 or ZeRO-1.
+// The CUDA engine (model/engine.h): LlamaGpu on this rank's GPU, data parallel over the device comm (NCCL) as
+// ZeRO-0, 1, 2 or 3.
 //
 // ZeRO-0. A step: forward_backward per micro-batch accumulates fp32 gradients on the device; finish_step sums
 // the loss over dp ranks (host comm), all-reduces the gradients on the device comm, then LlamaGpu::adamw_step
@@ -11,6 +12,20 @@
 // into the shard, takes the norm over the shard and sums it over dp, runs the fused AdamW over the shard,
 // then all-gathers the updated master pieces into the (by then unused) gradient buffer and rewrites the bf16
 // weights from it (with the update's stochastic-rounding bits, so every rank holds the weights ZeRO-0 would).
+//
+// ZeRO-2 and 3 (ShardedStore, the model's GpuWeightStore). No whole gradient exists: the backward writes each
+// unit's gradient into one of a few unit-sized buffers, and as soon as the unit's backward is done the buffer is
+// reduce-scattered on a communication stream and this rank's piece added into the fp32 gradient shard
+// (sharded accumulation over micro-batches), while the compute stream goes on with the next unit. ZeRO-3 keeps
+// only the bf16 weights of the shard: each unit is all-gathered into a rotating gather buffer on the
+// communication stream just before the model uses it, the next unit of the pass gathered into the other buffer
+// while this one computes (prefetch), in the forward and again in the backward. Events order the two streams
+// (a buffer is regathered only after the compute that read it, and computed on only after its gather), so the
+// host never waits inside the pass. The update runs over the shard and writes the shard's bf16 weights, which
+// ZeRO-2 gathers whole after the step and ZeRO-3 gathers unit by unit in the next pass.
+//
+// The clip norm is over the shards (squares summed over this rank's shard, then over dp). At one rank the
+// shard is the whole layout in layout order, so every stage computes ZeRO-0's bits.
 //
 // Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
 // uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and
@@ -28,6 +43,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "kernels/adamw.cuh"  // f32_to_bf16
+#include "model/decode_gpu.h"
 #include "model/engine.h"
 #include "model/llama_gpu.h"
 
@@ -35,9 +51,12 @@ namespace tuna {
 
 namespace {
 
-GpuOptions gpu_options(const EngineOptions& o) {
+GpuOptions gpu_options(const EngineOptions& o, const Mesh& mesh) {
   GpuOptions g;
-  g.with_optimizer = g.keep_master = o.zero == 0;  // ZeRO-1: the engine keeps master and moments, sharded
+  g.zero = o.zero;  // ZeRO 1-3: the engine keeps master and moments, sharded, in the model's arena
+  g.zero_prefetch = o.zero_prefetch;
+  g.recompute = o.recompute;
+  g.dp = mesh.dp_size, g.dp_rank = mesh.dp_rank;
   g.bf16_moments = o.bf16_moments;
   g.stochastic_rounding = o.stochastic_rounding;
   g.seed = static_cast<uint32_t>(o.seed);
@@ -50,9 +69,7 @@ void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_
   if (mesh.tp_size > 1)
     fail("--tp ", mesh.tp_size, " with --device cuda: tensor parallelism runs on the CPU backend only so far; "
          "on cuda use --tp 1 (data parallel over all ranks)");
-  if (o.zero > 1)
-    fail("--zero ", o.zero, " with --device cuda: the CUDA backend shards the optimizer state (ZeRO-1) but not yet "
-         "the gradients or the weights; use --zero 1 or 0, or --device cpu for ZeRO ", o.zero);
+  if (o.zero < 0 || o.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", o.zero);
   if (mesh.dp_size > 1 && !have_device_comm)
     fail("data parallel on ", mesh.dp_size, " ranks with --device cuda needs NCCL, and this build has none "
          "(nccl.h was not found at build time, or NCCL=0)");
@@ -69,45 +86,45 @@ void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_
 // element belongs to). One allocation, made at construction.
 class OptimizerShard {
  public:
-  OptimizerShard(const ParamLayout& layout, const std::vector<Segment>& segments, bool bf16_moments)
+  // The buffers are the memory plan's "(shard)" items, in the model's arena.
+  // with_bf16_weights (ZeRO-2 and 3): the update also writes the bf16 weights of the shard.
+  OptimizerShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments,
+                 bool bf16_moments, bool with_bf16_weights)
       : bf16_moments_(bf16_moments) {
     for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
     padded = (size + 3) / 4 * 4;  // the fused AdamW takes 4 elements per thread; the tail stays 0
     const AdamWTable table = adamw_table(layout, segments);
     n_segments = static_cast<int>(table.starts.size());
-    DeviceArenaPlan plan;
-    plan.add(&master, padded);
-    plan.add(&grad, padded);
+    master = arena.take<float>("fp32 master weights (shard)", padded);
+    grad = arena.take<float>("fp32 gradients (shard)", padded);
     const int64_t moment_bytes = bf16_moments ? 2 : 4;
-    plan.add(reinterpret_cast<char**>(&m), padded * moment_bytes);
-    plan.add(reinterpret_cast<char**>(&v), padded * moment_bytes);
-    plan.add(&table_starts, n_segments);
-    plan.add(&table_decays, n_segments);
-    plan.add(&norm_total, 1);
-    plan.add(&norm_scratch, cuda::sum_of_squares_scratch_doubles());
-    bytes_ = plan.bytes();
-    TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), static_cast<size_t>(bytes_)));
-    TUNA_CUDA_CHECK(cudaMemset(arena_, 0, static_cast<size_t>(bytes_)));
-    plan.assign(arena_);
+    m = arena.take<char>("AdamW m (shard)", padded * moment_bytes);
+    v = arena.take<char>("AdamW v (shard)", padded * moment_bytes);
+    table_starts = arena.take<int64_t>("AdamW segment starts (shard)", n_segments);
+    table_decays = arena.take<uint8_t>("AdamW segment decays (shard)", n_segments);
+    if (with_bf16_weights) weights = arena.take<__nv_bfloat16>("bf16 weights (shard)", padded);
+    norm_scratch = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
+    norm_total = arena.take<double>("gradient norm", 1);
+    for (void* p : {static_cast<void*>(master), static_cast<void*>(grad)})
+      TUNA_CUDA_CHECK(cudaMemset(p, 0, padded * sizeof(float)));
+    for (void* p : {m, v}) TUNA_CUDA_CHECK(cudaMemset(p, 0, padded * moment_bytes));
+    if (weights != nullptr) TUNA_CUDA_CHECK(cudaMemset(weights, 0, padded * sizeof(__nv_bfloat16)));
     TUNA_CUDA_CHECK(cudaMemcpy(table_starts, table.starts.data(), table.starts.size() * sizeof(int64_t),
                                cudaMemcpyHostToDevice));
     TUNA_CUDA_CHECK(cudaMemcpy(table_decays, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
     TUNA_CUDA_CHECK(cudaDeviceSynchronize());
   }
-  ~OptimizerShard() {
-    if (arena_) cudaFree(arena_);
-  }
   OptimizerShard(const OptimizerShard&) = delete;
   OptimizerShard& operator=(const OptimizerShard&) = delete;
 
   bool bf16_moments() const { return bf16_moments_; }
-  int64_t bytes() const { return bytes_; }
   cuda::AdamWSegments table() const { return {table_starts, table_decays, n_segments}; }
 
   int64_t size = 0, padded = 0;
   std::vector<int64_t> unit_offset;  // where unit u's piece starts in shard order
   float *master = nullptr, *grad = nullptr;
   void *m = nullptr, *v = nullptr;  // float, or __nv_bfloat16 with bf16 moments
+  __nv_bfloat16* weights = nullptr;  // ZeRO-2 and 3: the bf16 weights of the shard
   int64_t* table_starts = nullptr;
   uint8_t* table_decays = nullptr;
   int n_segments = 0;
@@ -115,8 +132,208 @@ class OptimizerShard {
 
  private:
   bool bf16_moments_;
-  char* arena_ = nullptr;
-  int64_t bytes_ = 0;
+};
+
+// An event recorded on one stream and waited on by another: the only way the compute and communication streams
+// order each other. Reusable: a wait takes the event's state at the time it is issued.
+class StreamEvent {
+ public:
+  StreamEvent() { TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+  ~StreamEvent() {
+    if (event_) cudaEventDestroy(event_);
+  }
+  StreamEvent(StreamEvent&& other) noexcept : event_(other.event_) { other.event_ = nullptr; }
+  StreamEvent(const StreamEvent&) = delete;
+  StreamEvent& operator=(const StreamEvent&) = delete;
+  void record(cudaStream_t on) { TUNA_CUDA_CHECK(cudaEventRecord(event_, on)); }
+  void wait(cudaStream_t by) const { TUNA_CUDA_CHECK(cudaStreamWaitEvent(by, event_, 0)); }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// `waiter` runs what it is given next only after what `producer` has been given so far.
+void join(cudaStream_t waiter, cudaStream_t producer, StreamEvent& event) {
+  event.record(producer);
+  event.wait(waiter);
+}
+
+// ZeRO-2 and 3's weights and gradients for the model, unit by unit (see the top of this file). Gathers,
+// reduce-scatters and shard accumulation run on `comm_stream` (where the dp device comm enqueues); the model
+// computes on `compute`.
+class ShardedStore final : public GpuWeightStore {
+ public:
+  ShardedStore(LlamaGpu& model, OptimizerShard& shard, const std::vector<Segment>& segments, Comm* dp_device,
+               cudaStream_t comm_stream, int stage, bool prefetch)
+      : model_(model), layout_(model.layout()), shard_(shard), segments_(segments), dp_(dp_device),
+        comm_(comm_stream), compute_(model.stream()), stage_(stage), prefetch_(prefetch) {
+    const bool tied = layout_.lm_head_unit() == 0;
+    for (int u = 0; u < layout_.num_units(); u++)
+      max_unit_ = std::max(max_unit_, layout_.unit_range(u).second - layout_.unit_range(u).first);
+    DeviceArena& arena = model.arena();
+    // The buffers of the memory plan (model/memory_plan_gpu.cpp), as many as it planned.
+    for (int i = 0; i < (tied ? 3 : 2); i++)
+      gradients_.emplace_back().data = arena.take<float>(str("gradient buffer ", i), max_unit_);
+    if (dp_ != nullptr) {
+      int64_t largest_piece = 0;
+      for (const Segment& s : segments_) largest_piece = std::max(largest_piece, s.size);
+      scatter_out_ = arena.take<float>("reduce-scatter output", largest_piece);
+    }
+    if (stage_ == 3)
+      for (int i = 0; i < (prefetch || tied ? 2 : 1); i++)
+        gathered_.emplace_back().data = arena.take<__nv_bfloat16>(str("weight gather buffer ", i), max_unit_);
+    model.set_weight_store(this);
+  }
+
+  // A step begins: the gradient shard is zeroed on the compute stream, and accumulated into on the comm stream.
+  void begin_step() {
+    TUNA_CUDA_CHECK(cudaMemsetAsync(shard_.grad, 0, shard_.padded * sizeof(float), compute_));
+    join(comm_, compute_, compute_to_comm_);
+  }
+  // Every unit's gradient is in the shard: the compute stream may read it.
+  void gradients_ready() { join(compute_, comm_, comm_to_compute_); }
+  // The shard's bf16 weights were rewritten (an update, a restore) on the compute stream: ZeRO-2 gathers them
+  // into the whole weights; ZeRO-3's gathered units are stale.
+  void weights_updated() {
+    join(comm_, compute_, compute_to_comm_);
+    for (Gathered& b : gathered_) {
+      TUNA_CHECK(!b.in_use, "unit ", b.unit, " still acquired at the update");
+      b.unit = -1;
+    }
+    if (stage_ != 2) return;
+    for (int u = 0; u < layout_.num_units(); u++)
+      gather(u, model_.params() + layout_.unit_range(u).first, "weights of a unit");
+    join(compute_, comm_, comm_to_compute_);
+  }
+
+  void plan(const std::vector<int>& order) override {
+    order_ = order;
+    position_ = 0;
+  }
+
+  const __nv_bfloat16* acquire(int unit) override {
+    if (stage_ == 2) return model_.params() + layout_.unit_range(unit).first;
+    // Follow the plan (a unit off the plan still works: it just was not prefetched).
+    while (position_ < order_.size() && order_[position_] != unit) position_++;
+    if (position_ < order_.size()) position_++;
+    Gathered* found = nullptr;
+    for (Gathered& b : gathered_)
+      if (b.unit == unit) found = &b;
+    if (found == nullptr) {
+      // A free buffer, preferring one that does not hold the next planned unit.
+      const int next = position_ < order_.size() ? order_[position_] : -1;
+      for (Gathered& b : gathered_)
+        if (!b.in_use && (found == nullptr || found->unit == next)) found = &b;
+      TUNA_CHECK(found != nullptr, "ZeRO-3: every gather buffer is in use when unit ", unit, " is acquired");
+      gather_into(*found, unit);
+    }
+    found->ready.wait(compute_);
+    found->in_use = true;
+    prefetch_next();
+    return found->data;
+  }
+
+  void release(int unit) override {
+    if (stage_ == 2) return;
+    for (Gathered& b : gathered_)
+      if (b.unit == unit && b.in_use) {
+        b.released.record(compute_);  // a later gather into b waits for the compute that read it
+        b.in_use = false;
+      }
+    prefetch_next();
+  }
+
+  float* grads(int unit) override {
+    for (Gradient& b : gradients_)
+      if (b.unit == unit) return b.data;
+    Gradient* free = nullptr;
+    for (Gradient& b : gradients_)  // the least recently drained free buffer
+      if (b.unit < 0 && (free == nullptr || b.last_use < free->last_use)) free = &b;
+    TUNA_CHECK(free != nullptr, "ZeRO-", stage_, ": every gradient buffer is in use when unit ", unit, " needs one");
+    free->drained.wait(compute_);  // its last reduce-scatter has read it
+    const auto [begin, end] = layout_.unit_range(unit);
+    TUNA_CUDA_CHECK(cudaMemsetAsync(free->data, 0, (end - begin) * sizeof(float), compute_));
+    free->unit = unit;
+    free->last_use = ++uses_;
+    return free->data;
+  }
+
+  void grads_done(int unit) override {
+    for (Gradient& b : gradients_) {
+      if (b.unit != unit) continue;
+      join(comm_, compute_, b.filled);
+      const auto [begin, end] = layout_.unit_range(unit);
+      float* piece = shard_.grad + shard_.unit_offset[unit];
+      if (dp_ != nullptr) {  // this rank's piece of the sum over dp, added into the shard
+        dp_->reduce_scatter(b.data, scatter_out_, end - begin, "gradients of a unit");
+        cuda::accumulate(piece, scatter_out_, segments_[unit].size, comm_);
+      } else {
+        cuda::accumulate(piece, b.data, end - begin, comm_);
+      }
+      b.drained.record(comm_);
+      b.unit = -1;
+      return;
+    }
+    TUNA_CHECK(false, "grads_done for unit ", unit, " without grads()");
+  }
+
+ private:
+  struct Gathered {
+    __nv_bfloat16* data = nullptr;
+    int unit = -1;        // the unit it holds or receives (its gather is queued on the comm stream)
+    bool in_use = false;  // acquired and not released
+    StreamEvent ready, released;
+  };
+  struct Gradient {
+    float* data = nullptr;
+    int unit = -1;  // the unit whose gradient it collects; -1: free
+    int64_t last_use = 0;
+    StreamEvent filled, drained;
+  };
+
+  // The bf16 weights of `unit` from every rank's shard into dst, on the comm stream.
+  void gather(int unit, __nv_bfloat16* dst, const char* what) {
+    const auto [begin, end] = layout_.unit_range(unit);
+    const __nv_bfloat16* piece = shard_.weights + shard_.unit_offset[unit];
+    if (dp_ != nullptr)
+      dp_->all_gather(piece, dst, end - begin, CommType::BF16, what);
+    else
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, piece, (end - begin) * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice,
+                                      comm_));
+  }
+
+  void gather_into(Gathered& b, int unit) {
+    b.released.wait(comm_);  // the compute that last read the buffer is done
+    gather(unit, b.data, "weights of a unit");
+    b.ready.record(comm_);
+    b.unit = unit;
+  }
+
+  // Starts the gather of the unit the plan acquires next into a free buffer, unless it is there already.
+  void prefetch_next() {
+    if (!prefetch_ || position_ >= order_.size()) return;
+    const int next = order_[position_];
+    for (const Gathered& b : gathered_)
+      if (b.unit == next) return;
+    for (Gathered& b : gathered_)
+      if (!b.in_use) return gather_into(b, next);
+  }
+
+  LlamaGpu& model_;
+  const ParamLayout& layout_;
+  OptimizerShard& shard_;
+  const std::vector<Segment>& segments_;
+  Comm* dp_;
+  cudaStream_t comm_, compute_;
+  int stage_;
+  bool prefetch_;
+  int64_t max_unit_ = 0, uses_ = 0;
+  float* scatter_out_ = nullptr;
+  std::vector<Gathered> gathered_;
+  std::vector<Gradient> gradients_;
+  StreamEvent compute_to_comm_, comm_to_compute_;
+  std::vector<int> order_;
+  size_t position_ = 0;
 };
 
 class GpuEngine final : public Engine {
@@ -125,19 +342,28 @@ class GpuEngine final : public Engine {
             const DeviceCommFactory& device_comm)
       : options_(o),
         mesh_(mesh),
-        model_(config, o.micro_batch, o.seq_len, o.opt, gpu_options(o)),
+        model_(config, o.micro_batch, o.seq_len, o.opt, gpu_options(o, mesh)),
         segments_(dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size)) {
-    if (mesh.dp_size > 1) dp_device_ = device_comm(model_.stream());
-    if (o.zero == 1) shard_ = std::make_unique<OptimizerShard>(model_.layout(), segments_, o.bf16_moments);
+    cudaStream_t stream = model_.stream();
+    // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
+    if (o.zero >= 2) TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+    if (mesh.dp_size > 1) dp_device_ = device_comm(o.zero >= 2 ? comm_stream_ : stream);
+    if (o.zero >= 1)
+      shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.layout(), segments_, o.bf16_moments, o.zero >= 2);
+    if (o.zero >= 2)
+      store_ = std::make_unique<ShardedStore>(model_, *shard_, segments_, dp_device_.get(), comm_stream_, o.zero,
+                                              o.zero_prefetch);
+    model_.arena().check_all_taken();
     if (initial) {
       std::vector<float> host(model_.layout().total());
       initial(model_.layout(), host.data());
-      model_.set_params(host.data());
+      if (o.zero <= 1) model_.set_params(host.data());
       if (shard_) {  // every rank starts from the same whole model: keep this rank's pieces
         for (size_t u = 0; u < segments_.size(); u++)
           TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data() + segments_[u].begin,
-                                          segments_[u].size * sizeof(float), cudaMemcpyHostToDevice, model_.stream()));
-        TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
+                                          segments_[u].size * sizeof(float), cudaMemcpyHostToDevice, stream));
+        if (store_) refresh_shard_weights();
+        TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
       }
     }
     cudaDeviceProp prop{};
@@ -146,11 +372,19 @@ class GpuEngine final : public Engine {
                     static_cast<int64_t>(prop.totalGlobalMem >> 30), " GiB)");
     peak_flops_ = gpu_peak_bf16_flops(o.gpu);
   }
+  ~GpuEngine() override {
+    store_.reset();
+    dp_device_.reset();
+    if (comm_stream_) cudaStreamDestroy(comm_stream_);
+  }
 
   std::string describe() const override { return describe_; }
   const ParamLayout& layout() const override { return model_.layout(); }
 
-  void begin_step() override { model_.zero_grads(); }
+  void begin_step() override {
+    if (store_) store_->begin_step();
+    else model_.zero_grads();
+  }
   LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
     return model_.forward_backward(inputs, targets, batch, seq);
   }
@@ -243,14 +477,15 @@ class GpuEngine final : public Engine {
   int64_t steps_taken() const override { return model_.steps_taken(); }
   void set_steps_taken(int64_t steps) override {
     model_.set_steps_taken(steps);
-    // Stochastic rounding: the bf16 copy as the update at `steps` rounded it.
+    // Stochastic rounding: the bf16 weights as the update at `steps` rounded them.
+    if (store_) return refresh_shard_weights();
     if (shard_) return gather_master();
     model_.refresh_params();
     TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
   }
 
-  int64_t activation_bytes() const override { return model_.device_bytes() - model_.state_bytes(); }
-  int64_t state_bytes() const override { return model_.state_bytes() + (shard_ ? shard_->bytes() : 0); }
+  int64_t activation_bytes() const override { return model_.memory_plan().bytes(MemoryKind::Activations); }
+  int64_t state_bytes() const override { return model_.state_bytes(); }  // the shard is in the model's arena
   double flops_per_token(int64_t seq) const override { return model_.flops_per_token(seq); }
   double peak_flops() const override { return peak_flops_; }
 
@@ -259,8 +494,8 @@ class GpuEngine final : public Engine {
     const HostMemory host = host_memory();
     s.host_mb = host.resident_mb, s.host_peak_mb = host.peak_mb;
     const GpuMemory mem = gpu_memory(options_.gpu);
-    // Everything is allocated at construction, so the peak is the largest use seen (cuBLASLt's workspace and
-    // NCCL's buffers arrive with the first step).
+    // Everything is allocated at construction, so the peak is the largest use seen (NCCL's buffers arrive with
+    // the first step).
     gpu_peak_mb_ = std::max(gpu_peak_mb_, mem.used_bytes / 1e6);
     s.gpu_mb = mem.used_bytes / 1e6, s.gpu_peak_mb = gpu_peak_mb_, s.gpu_total_mb = mem.total_bytes / 1e6;
     s.gpu_util = gpu_utilization_percent(options_.gpu);
@@ -268,21 +503,29 @@ class GpuEngine final : public Engine {
   }
 
  private:
-  // ZeRO-1's update (see the top of this file). Returns the norm and clip as AdamW::step would.
+  // The sharded update of ZeRO 1-3 (see the top of this file). Returns the norm and clip as AdamW::step would.
   OptimizerStats sharded_update(double loss_scale, double lr) {
     OptimizerShard& sh = *shard_;
     const ParamLayout& layout = model_.layout();
     cudaStream_t stream = model_.stream();
-    for (int u = 0; u < layout.num_units(); u++) {  // this rank's piece of each unit's gradient, summed over dp
-      const auto [begin, end] = layout.unit_range(u);
-      float* piece = sh.grad + sh.unit_offset[u];
-      if (dp_device_) dp_device_->reduce_scatter(model_.grads() + begin, piece, end - begin, "gradients of a unit");
-      else
-        TUNA_CUDA_CHECK(cudaMemcpyAsync(piece, model_.grads() + segments_[u].begin, segments_[u].size * sizeof(float),
-                                        cudaMemcpyDeviceToDevice, stream));
+    if (store_) {
+      store_->gradients_ready();  // ZeRO-2/3: reduce-scattered and accumulated during the backward
+    } else {
+      for (int u = 0; u < layout.num_units(); u++) {  // this rank's piece of each unit's gradient, summed over dp
+        const auto [begin, end] = layout.unit_range(u);
+        float* piece = sh.grad + sh.unit_offset[u];
+        if (dp_device_) dp_device_->reduce_scatter(model_.grads() + begin, piece, end - begin, "gradients of a unit");
+        else
+          TUNA_CUDA_CHECK(cudaMemcpyAsync(piece, model_.grads() + segments_[u].begin, segments_[u].size * sizeof(float),
+                                          cudaMemcpyDeviceToDevice, stream));
+      }
     }
     cuda::sum_of_squares(sh.norm_total, sh.grad, sh.size, sh.norm_scratch, stream);
-    if (dp_device_) dp_device_->all_reduce(sh.norm_total, 1, CommType::F64, ReduceOp::Sum, "grad norm");
+    if (dp_device_) {
+      if (store_) join(comm_stream_, stream, norm_event_);  // the device comm runs on the comm stream
+      dp_device_->all_reduce(sh.norm_total, 1, CommType::F64, ReduceOp::Sum, "grad norm");
+      if (store_) join(stream, comm_stream_, norm_event_);
+    }
     double sum_sq = 0;
     TUNA_CUDA_CHECK(cudaMemcpyAsync(&sum_sq, sh.norm_total, sizeof(double), cudaMemcpyDeviceToHost, stream));
     if (dp_device_) dp_device_->barrier("gradients reduced");  // a bounded wait (--comm_timeout)
@@ -295,18 +538,39 @@ class GpuEngine final : public Engine {
     const cuda::AdamWArgs args{lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step, loss_scale * stats.clip_scale,
                                options_.stochastic_rounding, static_cast<uint32_t>(options_.seed)};
     if (sh.bf16_moments())
-      cuda::adamw_update(sh.master, nullptr, sh.grad, static_cast<__nv_bfloat16*>(sh.m), static_cast<__nv_bfloat16*>(sh.v),
-                         sh.padded, sh.table(), args, stream);
+      cuda::adamw_update(sh.master, sh.weights, sh.grad, static_cast<__nv_bfloat16*>(sh.m),
+                         static_cast<__nv_bfloat16*>(sh.v), sh.padded, sh.table(), args, stream);
     else
-      cuda::adamw_update(sh.master, nullptr, sh.grad, static_cast<float*>(sh.m), static_cast<float*>(sh.v), sh.padded,
+      cuda::adamw_update(sh.master, sh.weights, sh.grad, static_cast<float*>(sh.m), static_cast<float*>(sh.v), sh.padded,
                          sh.table(), args, stream);
     model_.set_steps_taken(step);
-    gather_master();
+    if (store_) {
+      store_->weights_updated();
+      if (dp_device_) dp_device_->barrier("weights updated");
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    } else {
+      gather_master();
+    }
     return stats;
   }
 
-  // Every rank's master pieces, gathered whole into the gradient buffer (free between a step's update and the
-  // next step), then the bf16 weights from them; the buffer is zeroed again for the next step's gradients.
+  // ZeRO-2/3: the shard's bf16 weights from its fp32 master, rounded as the update at steps_taken() rounded
+  // them (the shard's positions draw the stochastic bits, as in adamw_update), then handed to the store.
+  void refresh_shard_weights() {
+    OptimizerShard& sh = *shard_;
+    cudaStream_t stream = model_.stream();
+    cuda::AdamWArgs args{};
+    args.step = std::max<int64_t>(1, model_.steps_taken());
+    args.stochastic_rounding = options_.stochastic_rounding && model_.steps_taken() > 0;
+    args.seed = static_cast<uint32_t>(options_.seed);
+    cuda::bf16_params_as_updated(sh.weights, sh.master, sh.padded, args, stream);
+    store_->weights_updated();
+    if (dp_device_) dp_device_->barrier("weights restored");
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  // ZeRO-1: every rank's master pieces, gathered whole into the gradient buffer (free between a step's update and
+  // the next step), then the bf16 weights from them; the buffer is zeroed again for the next step's gradients.
   void gather_master() {
     OptimizerShard& sh = *shard_;
     const ParamLayout& layout = model_.layout();
@@ -357,6 +621,7 @@ class GpuEngine final : public Engine {
       cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(dst), sh.grad, sh.size, stream);
     }
     TUNA_CUDA_CHECK(cudaMemsetAsync(sh.grad, 0, sh.padded * sizeof(float), stream));
+    if (store_) return refresh_shard_weights();
     gather_master();
   }
 
@@ -364,8 +629,11 @@ class GpuEngine final : public Engine {
   Mesh& mesh_;
   LlamaGpu model_;
   std::vector<Segment> segments_;
-  std::unique_ptr<Comm> dp_device_;  // NCCL over the dp group, on model_.stream(); null on one rank
-  std::unique_ptr<OptimizerShard> shard_;  // ZeRO-1's optimizer state; null for ZeRO-0
+  cudaStream_t comm_stream_ = nullptr;     // ZeRO-2/3: where the dp device comm and the shard accumulation run
+  std::unique_ptr<Comm> dp_device_;        // NCCL over the dp group; null on one rank
+  std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
+  std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model
+  StreamEvent norm_event_;
   std::string describe_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
 };
@@ -373,7 +641,7 @@ class GpuEngine final : public Engine {
 class GpuForwardModel final : public ForwardModel {
  public:
   GpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
-      : model_(config, max_batch, max_seq, OptimizerConfig{}, forward_only()) {
+      : model_(config, max_batch, max_seq, OptimizerConfig{}, forward_only()), max_seq_(max_seq) {
     std::vector<float> host(model_.layout().total());
     weights(model_.layout(), host.data());
     model_.set_params(host.data());
@@ -388,15 +656,28 @@ class GpuForwardModel final : public ForwardModel {
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
     model_.forward_logits(inputs, batch, seq, logits);
   }
+  // Generation: model/decode_gpu.h over this model's bf16 weights.
+  void clear_cache(int64_t batch) override {
+    if (decoder_ && decoder_->batch() == batch) return decoder_->clear();
+    decoder_.reset();
+    decoder_ = std::make_unique<DecodeGpu>(GpuWeights{&model_.config(), &model_.layout(), model_.params(), 0}, batch,
+                                           max_seq_);
+  }
+  void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) override {
+    if (!decoder_) fail("forward_cached: no KV cache (clear_cache first)");
+    decoder_->append(tokens, n, last_logits);
+  }
 
  private:
-  static GpuOptions forward_only() {  // bf16 weights only: no moments, no fp32 master copy
+  static GpuOptions forward_only() {  // bf16 weights and activations only
     GpuOptions g;
-    g.with_optimizer = g.keep_master = false;
+    g.training = false;
     return g;
   }
   LlamaGpu model_;
   std::string describe_;
+  int64_t max_seq_;
+  std::unique_ptr<DecodeGpu> decoder_;
 };
 
 }  // namespace

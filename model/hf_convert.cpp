@@ -7,6 +7,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/progress.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/layout.h"
@@ -83,7 +84,7 @@ std::vector<SourceTensor> collect(const HfCheckpointDir& src, const ParamLayout&
 
 }  // namespace
 
-ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const std::string& dtype) {
+ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const std::string& dtype, std::FILE* progress) {
   json config_json = read_config_json(hf_dir);
   LlamaConfig config = LlamaConfig::from_json(config_json, (hf_dir / "config.json").string());
   ParamLayout layout(config);
@@ -101,6 +102,11 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
   w.add_metadata("producer", "tuna");
   ConvertReport r;
   std::set<DType> written;
+  int64_t to_convert = 0;  // source bytes whose dtype changes: converted in memory before the write
+  for (const SourceTensor& s : tensors)
+    if (!keep && s.entry.info->dtype != target) to_convert += s.entry.info->numel * int64_t(dtype_size(s.entry.info->dtype));
+  ProgressLine converting("convert: converting to " + dtype, double(to_convert), ProgressLine::Unit::Bytes,
+                          to_convert > 0 ? progress : nullptr);
   for (const SourceTensor& s : tensors) {
     const TensorInfo& info = *s.entry.info;
     const std::byte* data = s.entry.file->data(info);
@@ -111,6 +117,7 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
       converted.emplace_back(info.numel * dtype_size(out_dtype));
       convert_from_f32(f32.data(), out_dtype, converted.back().data(), info.numel);
       data = converted.back().data();
+      converting.add(double(info.numel * int64_t(dtype_size(info.dtype))));
     }
     w.add(s.param->name, out_dtype, s.param->shape, data);
     written.insert(out_dtype);
@@ -118,7 +125,11 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
     r.parameters += info.numel;
     r.bytes_written += info.numel * static_cast<int64_t>(dtype_size(out_dtype));
   }
-  w.write(out_dir / "model.safetensors");
+  if (to_convert > 0) converting.finish();
+  ProgressLine writing("convert: writing " + (out_dir / "model.safetensors").string(), double(r.bytes_written),
+                       ProgressLine::Unit::Bytes, progress);
+  w.write(out_dir / "model.safetensors", &writing);
+  writing.finish();
   write_json(out_dir / "config.json", config_json);
   copy_tokenizer_files(hf_dir, out_dir);
   write_json(out_dir / "state.json", json{{"step", 0}, {"source", fs::absolute(hf_dir).string()}, {"producer", "tuna convert"}});
@@ -127,7 +138,7 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
 }
 
 ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const std::string& dtype,
-                        int64_t max_shard_bytes) {
+                        int64_t max_shard_bytes, std::FILE* progress) {
   if (max_shard_bytes <= 0) fail("option --max-shard-bytes: expected > 0, found ", max_shard_bytes);
   json config_json = read_config_json(ckpt_dir);
   LlamaConfig config = LlamaConfig::from_json(config_json, (ckpt_dir / "config.json").string());
@@ -170,6 +181,10 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
   r.dtype = torch_name(target);
   r.shards = static_cast<int64_t>(shards.size());
   json weight_map = json::object();
+  int64_t total_bytes = 0;
+  for (const Source& s : tensors) total_bytes += s.numel * static_cast<int64_t>(dtype_size(target));
+  ProgressLine writing(str("convert: writing ", shards.size(), " file(s) to ", out_dir.string()), double(total_bytes),
+                       ProgressLine::Unit::Bytes, progress);
   for (size_t i = 0; i < shards.size(); i++) {
     const std::string file = shards.size() == 1
                                  ? std::string("model.safetensors")
@@ -195,8 +210,9 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
       r.parameters += s->numel;
       r.bytes_written += s->numel * static_cast<int64_t>(dtype_size(target));
     }
-    w.write(out_dir / file);
+    w.write(out_dir / file, &writing);
   }
+  writing.finish();
   if (shards.size() > 1)
     write_json(out_dir / "model.safetensors.index.json",
                json{{"metadata", {{"total_size", r.bytes_written}}}, {"weight_map", weight_map}});

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 
@@ -24,11 +25,12 @@ struct ConvertReport {
 };
 
 // dtype: "keep" (each tensor as found), "float32", "bfloat16" or "float16".
+// `progress`: where progress lines go (converted and written bytes, rate, ETA); null: nowhere.
 ConvertReport import_hf(const std::filesystem::path& hf_dir, const std::filesystem::path& out_dir,
-                        const std::string& dtype);
+                        const std::string& dtype, std::FILE* progress = nullptr);
 
 // dtype: "auto" (config.json's torch_dtype), "float32", "bfloat16" or "float16".
 ConvertReport export_hf(const std::filesystem::path& ckpt_dir, const std::filesystem::path& out_dir,
-                        const std::string& dtype, int64_t max_shard_bytes);
+                        const std::string& dtype, int64_t max_shard_bytes, std::FILE* progress = nullptr);
 
 }  // namespace tuna

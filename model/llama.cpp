@@ -15,6 +15,7 @@
 #include "dist/comm.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/classifier.h"
+#include "kernels/cpu/decode_attention.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/rmsnorm.h"
@@ -84,7 +85,8 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
   resid_out_.resize(n * c.hidden_size);
   final_norm_out_.resize(n * c.hidden_size);
   final_rstd_.resize(n);
-  head_chunk_rows_ = std::clamp<int64_t>(kHeadChunkFloats / d.vocab, 1, n);
+  const LlamaBufferSizes planned = llama_buffer_sizes(c, d, max_batch, max_seq);
+  head_chunk_rows_ = planned.head_chunk_rows;
   logits_chunk_.resize(head_chunk_rows_ * d.vocab);
   if (tp_) ce_stats_.resize(3 * head_chunk_rows_);
 
@@ -98,6 +100,28 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
   d_up_.resize(n * d.ffn);
   d_act_.resize(n * d.ffn);
   d_final_norm_.resize(n * c.hidden_size);
+  // The memory plan is made of llama_buffer_sizes: a buffer added here without it would make the plan wrong.
+  TUNA_CHECK(activation_bytes() == planned.activation_floats(c.num_hidden_layers) * int64_t(sizeof(float)) &&
+                 static_cast<int64_t>(rope_cos_.size() + rope_sin_.size()) == planned.rope_tables &&
+                 static_cast<int64_t>(inv_freq_.size()) == planned.rope_inv_freq &&
+                 static_cast<int64_t>(ce_stats_.size()) == planned.ce_stats,
+             "Llama's buffers differ from llama_buffer_sizes (update it with the constructor)");
+}
+
+LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& c, const TpDims& d, int64_t max_batch, int64_t max_seq) {
+  const int64_t n = max_batch * max_seq, C = c.hidden_size;
+  LlamaBufferSizes s;
+  // resid_in, norm1, resid_mid, norm2: C; rstd1, rstd2: 1; q, att: q_dim; k, v: kv_dim; lse: heads; gate, up, act: ffn.
+  s.kept_per_layer = n * (4 * C + 2 + 2 * d.q_dim + 2 * d.kv_dim + d.heads + 3 * d.ffn);
+  s.final_norm = n * (2 * C + 1);  // resid_out, final_norm_out, final_rstd
+  s.head_chunk_rows = std::clamp<int64_t>(kHeadChunkFloats / d.vocab, 1, n);
+  s.logits_chunk = s.head_chunk_rows * d.vocab;
+  // d_resid, d_norm, d_final_norm: C; d_q, d_att: q_dim; d_k, d_v: kv_dim; d_gate, d_up, d_act: ffn.
+  s.backward = n * (3 * C + 2 * d.q_dim + 2 * d.kv_dim + 3 * d.ffn);
+  s.rope_tables = 2 * max_seq * (c.head_dim / 2);
+  s.rope_inv_freq = c.head_dim / 2;
+  s.ce_stats = d.tp_size > 1 ? 3 * s.head_chunk_rows : 0;
+  return s;
 }
 
 int64_t Llama::activation_bytes() const {
@@ -222,7 +246,7 @@ double Llama::parallel_cross_entropy(float* logits, const int32_t* targets, int6
   return total;
 }
 
-void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows) {
+void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache) {
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   TUNA_CHECK(store_, "no weights: set_weight_store() first");
@@ -231,6 +255,10 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
   const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn;
   const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
   const bool tied = layout_.lm_head_unit() == 0;
+  // Positions past .. past + seq - 1: the rotation tables start at row `past`.
+  const int64_t past = cache ? cache->length : 0;
+  const float* rope_cos = rope_cos_.data() + past * (c.head_dim / 2);
+  const float* rope_sin = rope_sin_.data() + past * (c.head_dim / 2);
 
   // The acquire order of this pass: embedding, layers, head (with the tied embedding), layers backwards.
   std::vector<int> order{0};
@@ -257,10 +285,20 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     cpu::matmul_fwd(a.q.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim);
     cpu::matmul_fwd(a.k.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim);
     cpu::matmul_fwd(a.v.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim);
-    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.heads, c.head_dim);
-    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim);
-    cpu::attention_fwd(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads,
-                       d.kv_heads, c.head_dim);
+    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim);
+    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim);
+    if (cache) {
+      for (int64_t b = 0; b < batch; b++) {  // rows b * seq .. of k, v -> positions past .. of sequence b
+        const int64_t from = b * seq * d.kv_dim, to = (b * cache->capacity + past) * d.kv_dim;
+        std::copy(a.k.begin() + from, a.k.begin() + from + seq * d.kv_dim, cache->keys[l].begin() + to);
+        std::copy(a.v.begin() + from, a.v.begin() + from + seq * d.kv_dim, cache->values[l].begin() + to);
+      }
+      cpu::decode_attention_fwd(a.att.data(), a.q.data(), cache->keys[l].data(), cache->values[l].data(), batch, seq,
+                                past, cache->capacity, d.heads, d.kv_heads, c.head_dim);
+    } else {
+      cpu::attention_fwd(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads,
+                         d.kv_heads, c.head_dim);
+    }
     cpu::matmul_fwd(a.resid_mid.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C);
     tp_all_reduce(a.resid_mid.data(), n * C, "tp o_proj");  // row-parallel: partial sums
     for (int64_t i = 0; i < n * C; i++) a.resid_mid[i] += a.resid_in[i];
@@ -380,6 +418,34 @@ void Llama::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, fl
   TUNA_CHECK(!tp_, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
   forward(inputs, batch, seq, /*backward_follows=*/false);
   head(nullptr, batch * seq, /*want_grad=*/false, logits);
+}
+
+KvCache Llama::make_kv_cache(int64_t batch, int64_t capacity) const {
+  if (batch < 1 || batch > max_batch_ || capacity < 1 || capacity > max_seq_)
+    fail("KV cache of ", batch, " x ", capacity, " positions: expected 1..", max_batch_, " sequences of 1..", max_seq_,
+         " positions (the model's planned batch and sequence length)");
+  KvCache cache;
+  cache.batch = batch, cache.capacity = capacity;
+  const int64_t floats = batch * capacity * layout_.tp().kv_dim;
+  cache.keys.assign(config_.num_hidden_layers, std::vector<float>(floats));
+  cache.values.assign(config_.num_hidden_layers, std::vector<float>(floats));
+  return cache;
+}
+
+void Llama::forward_cached(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache, float* last_logits) {
+  TUNA_CHECK(!tp_, "forward_cached returns whole-vocabulary logits: not with tensor parallelism");
+  TUNA_CHECK(static_cast<int64_t>(cache.keys.size()) == config_.num_hidden_layers, "a KV cache of another model");
+  if (batch != cache.batch) fail("forward_cached: ", batch, " sequences, but the KV cache holds ", cache.batch);
+  if (n < 1 || cache.length + n > cache.capacity)
+    fail("forward_cached: ", n, " new positions after ", cache.length, " do not fit the KV cache's ", cache.capacity);
+  forward(tokens, batch, n, /*backward_follows=*/false, &cache);
+  cache.length += n;
+  // The head reads only each sequence's last position: rows b * n + n - 1 move up to row b (never onto a
+  // row still to be read, since b <= b * n + n - 1).
+  const int64_t C = config_.hidden_size;
+  for (int64_t b = 0; b < batch; b++)
+    if (b * n + n - 1 != b) std::copy_n(final_norm_out_.begin() + (b * n + n - 1) * C, C, final_norm_out_.begin() + b * C);
+  head(nullptr, batch, /*want_grad=*/false, last_logits);
 }
 
 }  // namespace tuna

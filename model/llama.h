@@ -46,6 +46,14 @@ struct LossSum {
   int64_t count = 0;  // tokens whose target is not the ignore index
 };
 
+// Generation's memory of the past: the keys and values (after RoPE) of every layer at every position decoded
+// so far, so that each new token costs one position's forward instead of the whole context's.
+struct KvCache {
+  int64_t batch = 0, capacity = 0;  // sequences; positions each can hold
+  int64_t length = 0;               // positions filled (the same for every sequence)
+  std::vector<std::vector<float>> keys, values;  // per layer: [batch, capacity, kv_dim] (tp-local kv heads)
+};
+
 class Llama {
  public:
   Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel = {});
@@ -73,6 +81,15 @@ class Llama {
   // Full logits [batch, seq, vocab] (tests, generation); not under tensor parallelism.
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits);
 
+  // Generation with a KV cache. make_kv_cache: an empty cache for `batch` sequences of up to `capacity`
+  // positions (capacity <= max_seq). forward_cached: appends `n` tokens to each sequence (tokens [batch, n],
+  // positions cache.length .. cache.length + n - 1), attending to the cached positions and to each other
+  // causally, stores their keys and values in the cache, and writes the logits of each sequence's last new
+  // position: [batch, vocab]. The function forward_logits computes at those positions over the whole context;
+  // batch x n within the planned max_batch x max_seq. Not under tensor parallelism.
+  KvCache make_kv_cache(int64_t batch, int64_t capacity) const;
+  void forward_cached(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache, float* last_logits);
+
   // Activation bytes planned at construction (for logs and memory planning).
   int64_t activation_bytes() const;
 
@@ -81,7 +98,8 @@ class Llama {
     std::vector<float> resid_in, norm1, rstd1, q, k, v, att, lse, resid_mid, norm2, rstd2, gate, up, act;
   };
   class OwnWeights;  // the WeightStore over params / grads
-  void forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows);
+  // With a cache: positions cache->length.., keys and values appended to it, attention over it too.
+  void forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache = nullptr);
   // Runs the head over rows in chunks; with targets computes the loss and (if want_grad) writes
   // d(final norm output) into d_final_norm_ and accumulates the head's weight gradient.
   LossSum head(const int32_t* targets, int64_t rows, bool want_grad, float* logits_out);
@@ -108,6 +126,23 @@ class Llama {
   // backward scratch
   std::vector<float> d_resid_, d_norm_, d_q_, d_k_, d_v_, d_att_, d_gate_, d_up_, d_act_, d_final_norm_;
 };
+
+// The buffers a Llama allocates at construction for (max_batch, max_seq) on one tensor-parallel rank, in
+// floats (doubles where noted). Llama's constructor checks its allocations against these figures, and the
+// memory plan (model/memory_plan_cpu.cpp) is made of them, so the plan cannot drift from the model.
+struct LlamaBufferSizes {
+  int64_t kept_per_layer = 0;   // what one layer's forward keeps for its backward (inputs, norms, q/k/v, ...)
+  int64_t final_norm = 0;       // the last residual, the final norm's output and rstd
+  int64_t head_chunk_rows = 0;  // rows of logits computed at once
+  int64_t logits_chunk = 0;     // head_chunk_rows x vocab (this rank's)
+  int64_t backward = 0;         // the backward's scratch (gradients of one layer's activations)
+  int64_t rope_tables = 0;      // cos and sin for max_seq positions
+  int64_t rope_inv_freq = 0;    // doubles
+  int64_t ce_stats = 0;         // doubles: per-row statistics of the vocab-parallel loss (tp > 1)
+  // What activation_bytes() reports: kept activations of every layer, final norm, logits chunk, backward.
+  int64_t activation_floats(int64_t layers) const { return kept_per_layer * layers + final_norm + logits_chunk + backward; }
+};
+LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& config, const TpDims& tp, int64_t max_batch, int64_t max_seq);
 
 // HF-style initialization of a flat buffer laid out by `layout` (any tp rank's): normal(0, std) for 2-D
 // weights, drawn for the global tensor in order and cut to this rank's block; ones for norm weights.

@@ -32,13 +32,60 @@
 
 namespace tuna {
 
-namespace {
+DeviceArena::DeviceArena(const MemoryPlan& plan) : plan_(plan) {
+  for (const MemoryItem& item : plan_.items) {
+    if (!item.in_arena) continue;
+    TUNA_CHECK(item.bytes % 256 == 0, "plan item '", item.name, "' of ", item.bytes, " bytes is not 256-aligned");
+    TUNA_CHECK(slots_.emplace(item.name, Slot{bytes_, item.bytes}).second, "plan item '", item.name, "' repeats");
+    bytes_ += item.bytes;
+  }
+  TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&base_), static_cast<size_t>(std::max<int64_t>(bytes_, 256))));
+}
 
-// Rows of logits computed at once: [rows, vocab] bf16 near 64 MB whatever the vocabulary (a 128k vocabulary
-// gets 256 rows; the GEMM stays large enough to run near peak).
-constexpr int64_t kHeadChunkElements = int64_t(32) << 20;
+DeviceArena::~DeviceArena() {
+  if (base_) cudaFree(base_);
+}
 
-}  // namespace
+void* DeviceArena::take_bytes(const std::string& name, int64_t bytes) {
+  auto it = slots_.find(name);
+  TUNA_CHECK(it != slots_.end(), "device buffer '", name, "' is not in the memory plan (model/memory_plan_gpu.cpp)");
+  Slot& slot = it->second;
+  TUNA_CHECK(!slot.taken, "device buffer '", name, "' taken twice");
+  TUNA_CHECK(device_arena_bytes(bytes) == slot.bytes, "device buffer '", name, "': the memory plan has ", slot.bytes,
+             " bytes, the engine uses ", bytes);
+  slot.taken = true;
+  return base_ + slot.offset;
+}
+
+void DeviceArena::check_all_taken() const {
+  for (const auto& [name, slot] : slots_)
+    TUNA_CHECK(slot.taken, "device buffer '", name, "' is in the memory plan but the engine never uses it");
+}
+
+// The GpuWeightStore of a model that holds its whole weights and gradient (ZeRO-0 and 1, forward only).
+class LlamaGpu::OwnWeights final : public GpuWeightStore {
+ public:
+  explicit OwnWeights(LlamaGpu& model) : m_(model) {}
+  const __nv_bfloat16* acquire(int unit) override { return m_.params_ + m_.layout_.unit_range(unit).first; }
+  void release(int) override {}
+  float* grads(int unit) override { return m_.grads_ + m_.layout_.unit_range(unit).first; }
+  void grads_done(int) override {}
+
+ private:
+  LlamaGpu& m_;
+};
+
+void LlamaGpu::set_weight_store(GpuWeightStore* store) {
+  TUNA_CHECK(store != nullptr && own_store_ == nullptr,
+             "an external weight store replaces the whole buffers of ZeRO-2 and 3 only");
+  store_ = store;
+}
+
+int64_t LlamaGpu::state_bytes() const {
+  const MemoryPlan& plan = arena_->plan();
+  return plan.bytes(MemoryKind::Weights) + plan.bytes(MemoryKind::Gradients) + plan.bytes(MemoryKind::Master) +
+         plan.bytes(MemoryKind::Moments);
+}
 
 LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const OptimizerConfig& optimizer,
                    const GpuOptions& options)
@@ -54,74 +101,102 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
          c.intermediate_size, ")");
   TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
   TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  matmul_ = std::make_unique<cuda::MatmulContext>();
 
-  const int64_t n = max_batch * max_seq, C = c.hidden_size, F = c.intermediate_size, P = layout_.total();
-  const int64_t qd = c.q_dim(), kvd = c.kv_dim(), H = c.num_attention_heads;
-  head_chunk_rows_ = std::clamp<int64_t>(kHeadChunkElements / c.vocab_size, 1, n);
+  const int64_t n = max_batch * max_seq, C = c.hidden_size, P = layout_.total();
+  const TpDims& d = layout_.tp();
+  const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads;
+  head_chunk_rows_ = gpu_head_chunk_rows(d.vocab, n);
   n_segments_ = static_cast<int>(layout_.tensors().size());
+  const bool training = options_.training, own_optimizer = training && options_.zero == 0;
 
-  DeviceArenaPlan plan;
-  if (options_.keep_master) plan.add(&master_, P);
-  plan.add(&params_, P);
-  plan.add(&grads_, P);
-  if (options_.with_optimizer) {
+  // Every buffer from the memory plan (model/memory_plan_gpu.cpp), by its name there.
+  MemoryLayout ml;
+  ml.dp = options_.dp, ml.dp_rank = options_.dp_rank, ml.zero = options_.zero;
+  ml.zero_prefetch = options_.zero_prefetch, ml.recompute = options_.recompute;
+  ml.bf16_moments = options_.bf16_moments, ml.training = training;
+  ml.micro_batch = max_batch, ml.seq_len = max_seq;
+  arena_ = std::make_unique<DeviceArena>(plan_gpu_memory(c, ml));
+  DeviceArena& arena = *arena_;
+  using bf16 = __nv_bfloat16;
+  if (own_optimizer) master_ = arena.take<float>("fp32 master weights", P);
+  if (options_.zero <= 2 || !training) params_ = arena.take<bf16>("bf16 weights", P);
+  if (training && options_.zero <= 1) grads_ = arena.take<float>("fp32 gradients", P);
+  if (own_optimizer) {
     const int64_t moment_bytes = options_.bf16_moments ? 2 : 4;
-    plan.add(reinterpret_cast<char**>(&m_), P * moment_bytes);
-    plan.add(reinterpret_cast<char**>(&v_), P * moment_bytes);
+    m_ = arena.take<char>("AdamW m", P * moment_bytes);
+    v_ = arena.take<char>("AdamW v", P * moment_bytes);
+    segment_starts_ = arena.take<int64_t>("AdamW segment starts", n_segments_);
+    segment_decays_ = arena.take<uint8_t>("AdamW segment decays", n_segments_);
+    norm_scratch_f64_ = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
+    norm_total_ = arena.take<double>("gradient norm", 1);
   }
-  state_bytes_ = plan.bytes();
-  plan.add(&segment_starts_, n_segments_);
-  plan.add(&segment_decays_, n_segments_);
-  plan.add(&rope_cos_, max_seq * c.head_dim / 2);
-  plan.add(&rope_sin_, max_seq * c.head_dim / 2);
+  rope_cos_ = arena.take<float>("RoPE cos", max_seq * c.head_dim / 2);
+  rope_sin_ = arena.take<float>("RoPE sin", max_seq * c.head_dim / 2);
+  // Each layer's activations: its own buffer where the recompute mode keeps the field, else the working one.
+  const Recompute recompute = training ? options_.recompute : Recompute::Full;
   acts_.resize(c.num_hidden_layers);
-  for (LayerActs& a : acts_) {
-    plan.add(&a.resid_in, n * C);
-    plan.add(&a.norm1, n * C);
-    plan.add(&a.rstd1, n);
-    plan.add(&a.q, n * qd);
-    plan.add(&a.k, n * kvd);
-    plan.add(&a.v, n * kvd);
-    plan.add(&a.att, n * qd);
-    plan.add(&a.lse, n * H);
-    plan.add(&a.resid_mid, n * C);
-    plan.add(&a.norm2, n * C);
-    plan.add(&a.rstd2, n);
-    plan.add(&a.gate, n * F);
-    plan.add(&a.up, n * F);
-    plan.add(&a.act, n * F);
+  const auto field = [&]<typename T>(T* LayerActs::*member, const char* name, int64_t count) {
+    T* working = gpu_keeps_activation(name, recompute) ? nullptr : arena.take<T>(str("working ", name), count);
+    for (int64_t l = 0; l < c.num_hidden_layers; l++)
+      acts_[l].*member = working != nullptr ? working : arena.take<T>(str("layer ", l, " ", name), count);
+  };
+  field(&LayerActs::resid_in, "resid_in", n * C);
+  field(&LayerActs::norm1, "norm1", n * C);
+  field(&LayerActs::rstd1, "rstd1", n);
+  field(&LayerActs::q, "q", n * qd);
+  field(&LayerActs::k, "k", n * kvd);
+  field(&LayerActs::v, "v", n * kvd);
+  field(&LayerActs::att, "att", n * qd);
+  field(&LayerActs::lse, "lse", n * H);
+  field(&LayerActs::resid_mid, "resid_mid", n * C);
+  field(&LayerActs::norm2, "norm2", n * C);
+  field(&LayerActs::rstd2, "rstd2", n);
+  field(&LayerActs::gate, "gate", n * F);
+  field(&LayerActs::up, "up", n * F);
+  field(&LayerActs::act, "act", n * F);
+  resid_out_ = arena.take<bf16>("final residual", n * C);
+  final_norm_out_ = arena.take<bf16>("final norm", n * C);
+  final_rstd_ = arena.take<float>("final rstd", n);
+  logits_chunk_ = arena.take<bf16>("logits chunk", head_chunk_rows_ * d.vocab);
+  losses_ = arena.take<float>("per-token losses", n);
+  if (training) {
+    d_resid_ = arena.take<bf16>("d_resid", n * C);
+    d_norm_ = arena.take<bf16>("d_norm", n * C);
+    d_final_norm_ = arena.take<bf16>("d_final_norm", n * C);
+    d_q_ = arena.take<bf16>("d_q", n * qd);
+    d_att_ = arena.take<bf16>("d_att", n * qd);
+    d_k_ = arena.take<bf16>("d_k", n * kvd);
+    d_v_ = arena.take<bf16>("d_v", n * kvd);
+    d_gate_ = arena.take<bf16>("d_gate", n * F);
+    d_up_ = arena.take<bf16>("d_up", n * F);
+    d_act_ = arena.take<bf16>("d_act", n * F);
+    norm_scratch_ = arena.take<float>("rmsnorm backward scratch", cuda::rmsnorm_bwd_scratch_floats(n, C));
+    attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H));
   }
-  plan.add(&resid_out_, n * C);
-  plan.add(&final_norm_out_, n * C);
-  plan.add(&final_rstd_, n);
-  plan.add(&logits_chunk_, head_chunk_rows_ * c.vocab_size);
-  plan.add(&losses_, n);
-  for (__nv_bfloat16** d : {&d_resid_, &d_norm_, &d_final_norm_}) plan.add(d, n * C);
-  for (__nv_bfloat16** d : {&d_q_, &d_att_}) plan.add(d, n * qd);
-  for (__nv_bfloat16** d : {&d_k_, &d_v_}) plan.add(d, n * kvd);
-  for (__nv_bfloat16** d : {&d_gate_, &d_up_, &d_act_}) plan.add(d, n * F);
-  plan.add(&norm_scratch_, cuda::rmsnorm_bwd_scratch_floats(n, C));
-  plan.add(&attn_scratch_, cuda::attention_bwd_scratch_floats(max_batch, max_seq, H));
-  plan.add(&loss_total_, 1);
-  plan.add(&norm_scratch_f64_, cuda::sum_of_squares_scratch_doubles());
-  plan.add(&norm_total_, 1);
-  plan.add(&tokens_, n);
-  plan.add(&targets_, n);
-  plan.add(&group_positions_, n);
-  plan.add(&group_unique_, n);
-  plan.add(&group_offsets_, n + 1);
-  arena_bytes_ = plan.bytes();
-  TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), static_cast<size_t>(arena_bytes_)));
-  plan.assign(arena_);
+  loss_total_ = arena.take<double>("loss total", 1);
+  tokens_ = arena.take<int32_t>("token ids", n);
+  targets_ = arena.take<int32_t>("targets", n);
+  group_positions_ = arena.take<int32_t>("embedding group positions", n);
+  group_unique_ = arena.take<int32_t>("embedding group tokens", n);
+  group_offsets_ = arena.take<int32_t>("embedding group offsets", n + 1);
+  constexpr int64_t kMatmulWorkspace = int64_t(32) << 20;
+  matmul_ = std::make_unique<cuda::MatmulContext>(arena.take<char>("cuBLASLt workspace", kMatmulWorkspace),
+                                                  static_cast<size_t>(kMatmulWorkspace));
+  if (options_.zero == 0) arena.check_all_taken();  // ZeRO 1-3: the engine takes the shard's buffers, then checks
+  if (options_.zero <= 1 || !training) {
+    own_store_ = std::make_unique<OwnWeights>(*this);
+    store_ = own_store_.get();
+  }
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(5 * n + 1) * sizeof(int32_t)));
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
 
   // The segment table of the fused AdamW over the whole layout: one segment per tensor, in offset order.
-  const AdamWTable table = adamw_table(layout_, {Segment{0, P}});
-  TUNA_CUDA_CHECK(cudaMemcpy(segment_starts_, table.starts.data(), table.starts.size() * sizeof(int64_t),
-                             cudaMemcpyHostToDevice));
-  TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
+  if (segment_starts_ != nullptr) {
+    const AdamWTable table = adamw_table(layout_, {Segment{0, P}});
+    TUNA_CUDA_CHECK(cudaMemcpy(segment_starts_, table.starts.data(), table.starts.size() * sizeof(int64_t),
+                               cudaMemcpyHostToDevice));
+    TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
+  }
 
   // RoPE tables from the CPU twin's functions (double math, llama3 scaling), so both backends agree exactly.
   std::vector<double> inv_freq(c.head_dim / 2);
@@ -131,14 +206,16 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   TUNA_CUDA_CHECK(cudaMemcpy(rope_cos_, cos_table.data(), cos_table.size() * sizeof(float), cudaMemcpyHostToDevice));
   TUNA_CUDA_CHECK(cudaMemcpy(rope_sin_, sin_table.data(), sin_table.size() * sizeof(float), cudaMemcpyHostToDevice));
 
+  // The state starts at zero (a step before set_params trains from zero weights, not from garbage); activations
+  // are written before they are read, and stay poisoned where the emulator poisons fresh memory.
   if (master_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(master_, 0, P * sizeof(float)));
-  TUNA_CUDA_CHECK(cudaMemset(params_, 0, P * sizeof(__nv_bfloat16)));
+  if (params_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(params_, 0, P * sizeof(__nv_bfloat16)));
   if (m_ != nullptr) {
     const size_t moment_bytes = static_cast<size_t>(P) * (options_.bf16_moments ? 2 : 4);
     TUNA_CUDA_CHECK(cudaMemset(m_, 0, moment_bytes));
     TUNA_CUDA_CHECK(cudaMemset(v_, 0, moment_bytes));
   }
-  zero_grads();
+  if (grads_ != nullptr) zero_grads();
   TUNA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -146,7 +223,7 @@ LlamaGpu::~LlamaGpu() {
   matmul_.reset();
   if (pinned_ids_) cudaFreeHost(pinned_ids_);
   if (pinned_scalar_) cudaFreeHost(pinned_scalar_);
-  if (arena_) cudaFree(arena_);
+  arena_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -154,7 +231,15 @@ LlamaGpu::~LlamaGpu() {
 // cudaStreamNonBlocking stream does not wait for, and from pageable memory it may return before the data has
 // landed, so a kernel on stream_ could read the old contents.
 void LlamaGpu::set_params(const float* host) {
+  TUNA_CHECK(params_ != nullptr, "ZeRO-3 keeps no whole weights: the engine writes its shard");
   const int64_t P = layout_.total();
+  if (master_ == nullptr && grads_ == nullptr) {  // forward only: rounded to nearest on the host, as f32_to_bf16
+    std::vector<uint16_t> bits(P);
+    convert_from_f32(host, DType::BF16, bits.data(), P);
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(params_, bits.data(), P * sizeof(uint16_t), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
   // Without a master copy, the values pass through the gradient buffer (zeroed again after).
   float* dst = master_ != nullptr ? master_ : grads_;
   TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, host, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
@@ -164,7 +249,7 @@ void LlamaGpu::set_params(const float* host) {
 }
 
 void LlamaGpu::refresh_params() {
-  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (GpuOptions::keep_master)");
+  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   refresh_params_from(master_);
 }
 
@@ -177,7 +262,7 @@ void LlamaGpu::refresh_params_from(const float* master_values) {
 }
 
 void LlamaGpu::init_random(uint64_t seed, double std) {
-  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (GpuOptions::keep_master)");
+  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (const ParamTensor& t : layout_.tensors()) {
     if (t.shape.size() == 1) cuda::fill_constant(master_ + t.offset, t.numel, 1.0f, stream_);
@@ -188,17 +273,19 @@ void LlamaGpu::init_random(uint64_t seed, double std) {
 }
 
 void LlamaGpu::get_params(float* host) const {
-  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (GpuOptions::keep_master)");
+  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TUNA_CUDA_CHECK(cudaMemcpy(host, master_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
 void LlamaGpu::get_grads(float* host) const {
+  TUNA_CHECK(grads_ != nullptr, "a forward-only model has no gradients");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TUNA_CUDA_CHECK(cudaMemcpy(host, grads_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
 void LlamaGpu::zero_grads() {
+  TUNA_CHECK(grads_ != nullptr, "a forward-only model has no gradients");
   TUNA_CUDA_CHECK(cudaMemsetAsync(grads_, 0, layout_.total() * sizeof(float), stream_));
 }
 
@@ -227,41 +314,92 @@ void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int6
   up(group_offsets_, staged + 4 * n, n_unique_ + 1);
 }
 
-void LlamaGpu::forward(int64_t batch, int64_t seq) {
+void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
+  TUNA_CHECK(store_ != nullptr, "no weights: the engine sets the weight store of ZeRO-2 and 3 (set_weight_store)");
   const LlamaConfig& c = config_;
-  const int64_t n = batch * seq, C = c.hidden_size, F = c.intermediate_size;
-  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
-  const __nv_bfloat16* w = params_;
+  const int64_t n = batch * seq, C = c.hidden_size;
+  const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
+  const bool tied = layout_.lm_head_unit() == 0;
+  cudaStream_t s = stream_;
+
+  // The acquire order of this pass: embedding, layers, head (with the tied embedding), layers backwards.
+  std::vector<int> order{0};
+  for (int l = 0; l < L; l++) order.push_back(1 + l);
+  order.push_back(H);
+  if (tied) order.push_back(0);
+  if (backward_follows)
+    for (int l = L - 1; l >= 0; l--) order.push_back(1 + l);
+  store_->plan(order);
+
+  const __nv_bfloat16* embedding = store_->acquire(0);
+  cuda::embedding_fwd(acts_.empty() ? resid_out_ : acts_[0].resid_in, tokens_,
+                      embedding + (layout_.embed_tokens() - layout_.unit_range(0).first), n, c.vocab_size, C, s);
+  store_->release(0);
+  for (int l = 0; l < L; l++) {
+    layer_forward(l, store_->acquire(1 + l), batch, seq, /*write_output=*/true);
+    store_->release(1 + l);
+  }
+  // The head unit stays acquired through head() and, when a backward follows, the final norm's backward.
+  head_base_ = store_->acquire(H);
+  cuda::rmsnorm_fwd(final_norm_out_, final_rstd_, nullptr, resid_out_, nullptr,
+                    head_base_ + (layout_.final_norm() - layout_.unit_range(H).first), n, C, c.rms_norm_eps, s);
+}
+
+void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, int64_t seq, bool write_output) {
+  const LlamaConfig& c = config_;
+  const TpDims& d = layout_.tp();
+  const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn, D = c.head_dim;
+  const LayerOffsets& o = layout_.layer(l);
+  const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
+  const auto w = [&](int64_t offset) { return wb + (offset - begin); };
+  LayerActs& a = acts_[l];
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
+  cuda::rmsnorm_fwd(a.norm1, a.rstd1, nullptr, a.resid_in, nullptr, w(o.input_norm), n, C, c.rms_norm_eps, s);
+  cuda::matmul_fwd(mm, a.q, a.norm1, w(o.q_proj), nullptr, n, C, d.q_dim, s);
+  cuda::matmul_fwd(mm, a.k, a.norm1, w(o.k_proj), nullptr, n, C, d.kv_dim, s);
+  cuda::matmul_fwd(mm, a.v, a.norm1, w(o.v_proj), nullptr, n, C, d.kv_dim, s);
+  cuda::rope_fwd(a.q, a.q, rope_cos_, rope_sin_, batch, seq, d.heads, D, s);
+  cuda::rope_fwd(a.k, a.k, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, s);
+  cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, s);
+  cuda::matmul_fwd(mm, a.resid_mid, a.att, w(o.o_proj), /*residual=*/a.resid_in, n, d.q_dim, C, s);
+  cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, w(o.post_norm), n, C, c.rms_norm_eps, s);
+  cuda::matmul_fwd(mm, a.gate, a.norm2, w(o.gate_proj), nullptr, n, C, F, s);
+  cuda::matmul_fwd(mm, a.up, a.norm2, w(o.up_proj), nullptr, n, C, F, s);
+  cuda::swiglu_fwd(a.act, a.gate, a.up, n * F, s);
+  if (!write_output) return;
+  __nv_bfloat16* resid_next = l + 1 < config_.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
+  cuda::matmul_fwd(mm, resid_next, a.act, w(o.down_proj), /*residual=*/a.resid_mid, n, F, C, s);
+}
 
-  cuda::embedding_fwd(acts_.empty() ? resid_out_ : acts_[0].resid_in, tokens_, w + layout_.embed_tokens(), n,
-                      c.vocab_size, C, s);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    LayerActs& a = acts_[l];
-    const LayerOffsets& o = layout_.layer(l);
-    __nv_bfloat16* resid_next = l + 1 < c.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
-    cuda::rmsnorm_fwd(a.norm1, a.rstd1, nullptr, a.resid_in, nullptr, w + o.input_norm, n, C, c.rms_norm_eps, s);
-    cuda::matmul_fwd(mm, a.q, a.norm1, w + o.q_proj, nullptr, n, C, c.q_dim(), s);
-    cuda::matmul_fwd(mm, a.k, a.norm1, w + o.k_proj, nullptr, n, C, c.kv_dim(), s);
-    cuda::matmul_fwd(mm, a.v, a.norm1, w + o.v_proj, nullptr, n, C, c.kv_dim(), s);
-    cuda::rope_fwd(a.q, a.q, rope_cos_, rope_sin_, batch, seq, H, D, s);
-    cuda::rope_fwd(a.k, a.k, rope_cos_, rope_sin_, batch, seq, KV, D, s);
-    cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, H, KV, D, s);
-    cuda::matmul_fwd(mm, a.resid_mid, a.att, w + o.o_proj, /*residual=*/a.resid_in, n, c.q_dim(), C, s);
-    cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, w + o.post_norm, n, C, c.rms_norm_eps, s);
-    cuda::matmul_fwd(mm, a.gate, a.norm2, w + o.gate_proj, nullptr, n, C, F, s);
-    cuda::matmul_fwd(mm, a.up, a.norm2, w + o.up_proj, nullptr, n, C, F, s);
-    cuda::swiglu_fwd(a.act, a.gate, a.up, n * F, s);
-    cuda::matmul_fwd(mm, resid_next, a.act, w + o.down_proj, /*residual=*/a.resid_mid, n, F, C, s);
+// What the recompute mode dropped of layer l's activations, recomputed from what it kept, with the same kernels
+// on the same inputs: the same bits as the forward wrote.
+void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch, int64_t seq) {
+  switch (options_.recompute) {
+    case Recompute::None: return;
+    case Recompute::Full: return layer_forward(l, wb, batch, seq, /*write_output=*/false);
+    case Recompute::Selective: {
+      const LlamaConfig& c = config_;
+      const int64_t n = batch * seq, C = c.hidden_size, F = layout_.tp().ffn;
+      const LayerOffsets& o = layout_.layer(l);
+      const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
+      LayerActs& a = acts_[l];
+      cuda::rmsnorm_fwd(a.norm1, a.rstd1, nullptr, a.resid_in, nullptr, wb + (o.input_norm - begin), n, C,
+                        c.rms_norm_eps, stream_);
+      cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, wb + (o.post_norm - begin), n, C,
+                        c.rms_norm_eps, stream_);
+      cuda::swiglu_fwd(a.act, a.gate, a.up, n * F, stream_);
+      return;
+    }
   }
-  cuda::rmsnorm_fwd(final_norm_out_, final_rstd_, nullptr, resid_out_, nullptr, w + layout_.final_norm(), n, C,
-                    c.rms_norm_eps, s);
 }
 
 LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits) {
-  const int64_t C = config_.hidden_size, V = config_.vocab_size;
-  const __nv_bfloat16* w_head = params_ + layout_.lm_head();
+  const int64_t C = config_.hidden_size, V = layout_.tp().vocab;
+  const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
+  const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
+  const __nv_bfloat16* w_head = (lm_unit == H ? head_base_ : store_->acquire(lm_unit)) + lm_offset;
+  float* g_head = want_grad ? store_->grads(lm_unit) + lm_offset : nullptr;
   cudaStream_t s = stream_;
   std::vector<uint16_t> chunk_bits;
   for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
@@ -279,9 +417,11 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
     // dloss = 1: the gradient of the summed loss (see model/llama.h).
     cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, nr, V, want_grad ? 1.0f : 0.0f, s);
     if (want_grad)
-      cuda::matmul_bwd(*matmul_, d_final_norm_ + r0 * C, grads_ + layout_.lm_head(), logits_chunk_, x, w_head, nr, C,
-                       V, /*accumulate_dinp=*/false, s);
+      cuda::matmul_bwd(*matmul_, d_final_norm_ + r0 * C, g_head, logits_chunk_, x, w_head, nr, C, V,
+                       /*accumulate_dinp=*/false, s);
   }
+  if (lm_unit != H) store_->release(lm_unit);
+  if (!want_grad) store_->release(H);  // no backward: the pass ends here
   LossSum loss;
   if (host_targets == nullptr) return loss;
   cuda::loss_sum(loss_total_, losses_, rows, s);
@@ -294,46 +434,68 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
 
 void LlamaGpu::backward(int64_t batch, int64_t seq) {
   const LlamaConfig& c = config_;
-  const int64_t n = batch * seq, C = c.hidden_size, F = c.intermediate_size;
-  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
-  const __nv_bfloat16* w = params_;
-  float* g = grads_;
+  const int64_t n = batch * seq, C = c.hidden_size;
+  const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
   cudaStream_t s = stream_;
-  cuda::MatmulContext& mm = *matmul_;
 
   // d_resid_ carries the residual stream's gradient from the top down; the rmsnorm backwards add into it.
   TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, n * C * sizeof(__nv_bfloat16), s));
-  cuda::rmsnorm_bwd(d_resid_, g + layout_.final_norm(), d_final_norm_, resid_out_, w + layout_.final_norm(),
-                    final_rstd_, norm_scratch_, n, C, s);
-  for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
-    LayerActs& a = acts_[l];
-    const LayerOffsets& o = layout_.layer(l);
-    cuda::matmul_bwd(mm, d_act_, g + o.down_proj, d_resid_, a.act, w + o.down_proj, n, F, C, false, s);
-    cuda::swiglu_bwd(d_gate_, d_up_, d_act_, a.gate, a.up, n * F, s);
-    cuda::matmul_bwd(mm, d_norm_, g + o.gate_proj, d_gate_, a.norm2, w + o.gate_proj, n, C, F, false, s);
-    cuda::matmul_bwd(mm, d_norm_, g + o.up_proj, d_up_, a.norm2, w + o.up_proj, n, C, F, true, s);
-    cuda::rmsnorm_bwd(d_resid_, g + o.post_norm, d_norm_, a.resid_mid, w + o.post_norm, a.rstd2, norm_scratch_, n, C,
-                      s);
-    cuda::matmul_bwd(mm, d_att_, g + o.o_proj, d_resid_, a.att, w + o.o_proj, n, c.q_dim(), C, false, s);
-    cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, H, KV, D,
-                        s);
-    cuda::rope_bwd(d_q_, d_q_, rope_cos_, rope_sin_, batch, seq, H, D, s);
-    cuda::rope_bwd(d_k_, d_k_, rope_cos_, rope_sin_, batch, seq, KV, D, s);
-    cuda::matmul_bwd(mm, d_norm_, g + o.q_proj, d_q_, a.norm1, w + o.q_proj, n, C, c.q_dim(), false, s);
-    cuda::matmul_bwd(mm, d_norm_, g + o.k_proj, d_k_, a.norm1, w + o.k_proj, n, C, c.kv_dim(), true, s);
-    cuda::matmul_bwd(mm, d_norm_, g + o.v_proj, d_v_, a.norm1, w + o.v_proj, n, C, c.kv_dim(), true, s);
-    cuda::rmsnorm_bwd(d_resid_, g + o.input_norm, d_norm_, a.resid_in, w + o.input_norm, a.rstd1, norm_scratch_, n, C,
-                      s);
+  {
+    const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
+    cuda::rmsnorm_bwd(d_resid_, store_->grads(H) + norm, d_final_norm_, resid_out_, head_base_ + norm, final_rstd_,
+                      norm_scratch_, n, C, s);
+    store_->release(H);
+    store_->grads_done(H);
   }
-  cuda::embedding_bwd(g + layout_.embed_tokens(), d_resid_, group_positions_, group_unique_, group_offsets_, n_unique_,
-                      C, s);
+  for (int l = L - 1; l >= 0; l--) {
+    const __nv_bfloat16* wb = store_->acquire(1 + l);
+    float* gb = store_->grads(1 + l);
+    // The top layer's working activations are still the forward's.
+    if (l != L - 1) recompute_layer(l, wb, batch, seq);
+    layer_backward(l, wb, gb, batch, seq);
+    store_->release(1 + l);
+    store_->grads_done(1 + l);
+  }
+  cuda::embedding_bwd(store_->grads(0) + (layout_.embed_tokens() - layout_.unit_range(0).first), d_resid_,
+                      group_positions_, group_unique_, group_offsets_, n_unique_, C, s);
+  store_->grads_done(0);
+}
+
+void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int64_t batch, int64_t seq) {
+  const LlamaConfig& c = config_;
+  const TpDims& d = layout_.tp();
+  const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn, D = c.head_dim;
+  const LayerOffsets& o = layout_.layer(l);
+  const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
+  const auto w = [&](int64_t offset) { return wb + (offset - begin); };
+  const auto g = [&](int64_t offset) { return gb + (offset - begin); };
+  const LayerActs& a = acts_[l];
+  cudaStream_t s = stream_;
+  cuda::MatmulContext& mm = *matmul_;
+  // MLP block: x_out = resid_mid + down(act)
+  cuda::matmul_bwd(mm, d_act_, g(o.down_proj), d_resid_, a.act, w(o.down_proj), n, F, C, false, s);
+  cuda::swiglu_bwd(d_gate_, d_up_, d_act_, a.gate, a.up, n * F, s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_, a.norm2, w(o.gate_proj), n, C, F, false, s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.up_proj), d_up_, a.norm2, w(o.up_proj), n, C, F, true, s);
+  cuda::rmsnorm_bwd(d_resid_, g(o.post_norm), d_norm_, a.resid_mid, w(o.post_norm), a.rstd2, norm_scratch_, n, C, s);
+  // Attention block: resid_mid = resid_in + o_proj(att)
+  cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, false, s);
+  cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, d.heads,
+                      d.kv_heads, D, s);
+  cuda::rope_bwd(d_q_, d_q_, rope_cos_, rope_sin_, batch, seq, d.heads, D, s);
+  cuda::rope_bwd(d_k_, d_k_, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_q_, a.norm1, w(o.q_proj), n, C, d.q_dim, false, s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.k_proj), d_k_, a.norm1, w(o.k_proj), n, C, d.kv_dim, true, s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.v_proj), d_v_, a.norm1, w(o.v_proj), n, C, d.kv_dim, true, s);
+  cuda::rmsnorm_bwd(d_resid_, g(o.input_norm), d_norm_, a.resid_in, w(o.input_norm), a.rstd1, norm_scratch_, n, C, s);
 }
 
 LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
+  TUNA_CHECK(options_.training, "forward_backward on a forward-only model (GpuOptions::training)");
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, targets, batch * seq);
-  forward(batch, seq);
+  forward(batch, seq, /*backward_follows=*/true);
   // head() synchronizes to read the loss; the backward is queued after it (its cost hides the sync only
   // partly; overlapping it is a later optimization).
   LossSum loss = head(targets, batch * seq, /*want_grad=*/true, nullptr);
@@ -345,7 +507,7 @@ LossSum LlamaGpu::forward_loss(const int32_t* inputs, const int32_t* targets, in
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, targets, batch * seq);
-  forward(batch, seq);
+  forward(batch, seq, /*backward_follows=*/false);
   return head(targets, batch * seq, /*want_grad=*/false, nullptr);
 }
 
@@ -353,13 +515,13 @@ void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq,
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, nullptr, batch * seq);
-  forward(batch, seq);
+  forward(batch, seq, /*backward_follows=*/false);
   head(nullptr, batch * seq, /*want_grad=*/false, host_logits);
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr) {
-  TUNA_CHECK(m_ != nullptr, "model built without optimizer state (GpuOptions::with_optimizer)");
+  TUNA_CHECK(m_ != nullptr, "model built without optimizer state (forward only, or ZeRO-1's engine holds it)");
   const int64_t P = layout_.total();
   cudaStream_t s = stream_;
   cuda::sum_of_squares(norm_total_, grads_, P, norm_scratch_f64_, s);

@@ -2,9 +2,17 @@
 // loss as a SUM with one division per step), bf16 activations and weights, fp32 gradients and AdamW state, on
 // one device. Only in CUDA builds (TUNA_CUDA).
 //
-// Memory: parameters (fp32 master + bf16 working copy), gradients (fp32), AdamW moments (fp32 or bf16) and
-// every activation for (max_batch, max_seq) are allocated once, at construction, from one device arena;
-// forward_backward and adamw_step allocate nothing. Activations of every layer are kept (no recompute yet).
+// Memory: every buffer is planned by plan_gpu_memory (model/memory_plan_gpu.cpp) for (max_batch, max_seq) and
+// taken from one device arena at construction; forward_backward and adamw_step allocate nothing. Which
+// activations are kept for the backward is GpuOptions::recompute: none keeps every layer's; selective keeps the
+// GEMM and attention outputs and recomputes the two norms and SwiGLU in the backward; full keeps each layer's
+// input only and recomputes the layer (all but its down projection) just before its backward. The kernels are
+// deterministic, so every mode computes the same bits.
+//
+// Weights and gradients come unit by unit (embedding, each layer, head: model/layout.h) from a GpuWeightStore, as
+// the CPU model's from its WeightStore: the model's own whole buffers (ZeRO-0 and 1), or the engine's sharded
+// store (ZeRO-2: whole bf16 weights, unit gradients reduce-scattered as the backward finishes them; ZeRO-3: unit
+// weights all-gathered before use, model/engine_gpu.cpp).
 //
 // Wiring into the trainer (train.cu, --device cuda), mirroring the CPU loop:
 //   LlamaGpu model(config, micro_batch, seq, opt_config);          // + GpuOptions for bf16 moments / SR
@@ -15,7 +23,7 @@
 //             OptimizerStats s = model.adamw_step(1.0 / total_count, lr);
 //   checkpoints: the engine (model/engine_gpu.cpp) reads and writes master_params() and the moments by segment.
 //   logs: mfu = tokens_per_s * model.flops_per_token(seq) / gpu_peak_bf16_flops().
-// model/engine_gpu.cpp does exactly this for the trainer (with data parallelism over NCCL).
+// model/engine_gpu.cpp does exactly this for the trainer (with data parallelism over NCCL and ZeRO 0-3).
 #pragma once
 
 #if TUNA_CUDA
@@ -24,15 +32,18 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "kernels/embedding.cuh"
 #include "kernels/matmul.cuh"
 #include "model/config.h"
 #include "model/layout.h"
-#include "model/llama.h"      // LossSum
-#include "model/optimizer.h"  // OptimizerConfig, OptimizerStats
+#include "model/llama.h"        // LossSum
+#include "model/memory_plan.h"  // MemoryPlan, plan_gpu_memory
+#include "model/optimizer.h"    // OptimizerConfig, OptimizerStats
 
 namespace tuna {
 
@@ -40,10 +51,65 @@ struct GpuOptions {
   bool bf16_moments = false;         // AdamW m, v in bf16 (half the optimizer memory; for 70B on 80 GB cards)
   bool stochastic_rounding = false;  // bf16 params (and bf16 moments) written with stochastic rounding
   uint32_t seed = 0;                 // stochastic rounding's random stream
-  bool with_optimizer = true;        // false: no moments (evaluation, generation, ZeRO-1's engine)
-  bool keep_master = true;           // false: no fp32 master copy either (ZeRO-1 keeps it sharded in the
-                                     // engine, which writes the bf16 weights with refresh_params_from)
+  bool training = true;              // false: the forward pass alone (eval, generation): bf16 weights and
+                                     // activations, no gradients, no fp32 master, no optimizer state
+  int zero = 0;                      // the engine's ZeRO stage. 0: this model holds the fp32 master and AdamW
+                                     // moments and runs adamw_step. 1: the engine keeps them sharded in this
+                                     // model's arena and writes the bf16 weights with refresh_params_from.
+                                     // 2: no whole gradient; 3: no whole weights either (set_weight_store)
+  bool zero_prefetch = true;         // ZeRO-3: plan a second gather buffer (the engine's prefetch)
+  int dp = 1, dp_rank = 0;           // the data-parallel group (sizes ZeRO's shard in the memory plan)
+  Recompute recompute = Recompute::None;
   int device = 0;
+};
+
+// Where the GPU model finds a unit's bf16 weights and puts its fp32 gradient (units: model/layout.h), the GPU
+// counterpart of model/llama.h's WeightStore. Pointers address the unit's range of the flat layout (element
+// `offset` at ptr[offset - unit begin]); each is valid for work the model queues on its stream after the call
+// that returned it and before the matching release / grads_done. A store orders its own copies and collectives
+// against that stream (events), so the model never waits on the host for it.
+class GpuWeightStore {
+ public:
+  virtual ~GpuWeightStore() = default;
+  // The order in which the next pass acquires units (a prefetch schedule); called before each pass.
+  virtual void plan(const std::vector<int>& order) {}
+  virtual const __nv_bfloat16* acquire(int unit) = 0;
+  virtual void release(int unit) = 0;
+  // Accumulate the unit's gradient here (zeroed by the store when it hands a fresh buffer out).
+  virtual float* grads(int unit) = 0;
+  // The backward will not touch the unit's gradient again in this pass.
+  virtual void grads_done(int unit) = 0;
+};
+
+// One cudaMalloc laid out from a memory plan (model/memory_plan.h): every item with in_arena, in plan order, each
+// at a 256-byte aligned offset, zero-filled. The model and the engine take each buffer by its plan name with the
+// element count they use: take() fails when the name is not planned, is taken twice or its bytes differ, and
+// check_all_taken() when a planned buffer was never taken; so the plan is exactly what is allocated.
+class DeviceArena {
+ public:
+  explicit DeviceArena(const MemoryPlan& plan);
+  ~DeviceArena();
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+
+  template <typename T>
+  T* take(const std::string& name, int64_t count) {
+    return static_cast<T*>(take_bytes(name, count * static_cast<int64_t>(sizeof(T))));
+  }
+  void check_all_taken() const;
+  const MemoryPlan& plan() const { return plan_; }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void* take_bytes(const std::string& name, int64_t bytes);
+  struct Slot {
+    int64_t offset, bytes;
+    bool taken = false;
+  };
+  MemoryPlan plan_;
+  std::map<std::string, Slot> slots_;
+  char* base_ = nullptr;
+  int64_t bytes_ = 0;
 };
 
 class LlamaGpu {
@@ -59,10 +125,15 @@ class LlamaGpu {
   cudaStream_t stream() const { return stream_; }
 
   // Device buffers in ParamLayout order (for collectives: all-reduce grads, broadcast params).
-  float* master_params() { return master_; }   // fp32, what AdamW updates; null without keep_master
+  float* master_params() { return master_; }   // fp32, what AdamW updates; null unless ZeRO-0 training
   const float* master_params() const { return master_; }
-  __nv_bfloat16* params() { return params_; }  // bf16 copy the forward reads (refreshed by every update)
-  float* grads() { return grads_; }            // fp32, accumulated by forward_backward
+  __nv_bfloat16* params() { return params_; }  // bf16 copy the forward reads (refreshed by every update);
+                                               // null at ZeRO-3
+  float* grads() { return grads_; }            // fp32, accumulated by forward_backward; null without training
+                                               // and at ZeRO-2 and 3
+  // ZeRO-2/3: the engine's store of weights and gradients (before the first pass); until then, and at ZeRO-0/1,
+  // the model's own buffers.
+  void set_weight_store(GpuWeightStore* store);
   // AdamW moments: float, or __nv_bfloat16 with GpuOptions::bf16_moments; null without optimizer state.
   void* moment_m() { return m_; }
   void* moment_v() { return v_; }
@@ -101,18 +172,28 @@ class LlamaGpu {
   // Model FLOPs per trained token at this sequence length (forward + backward): 6 per matmul weight (the
   // lm_head included, the embedding lookup not) plus causal attention's 6 * seq * q_dim per layer.
   double flops_per_token(int64_t seq) const;
-  // Device bytes allocated at construction: in all, and for parameters + gradients + moments (the rest is
-  // activations, their gradients and scratch).
-  int64_t device_bytes() const { return arena_bytes_; }
-  int64_t state_bytes() const { return state_bytes_; }
+  // The device arena, laid out from plan_gpu_memory; the engine takes ZeRO's shard buffers from it.
+  DeviceArena& arena() { return *arena_; }
+  const MemoryPlan& memory_plan() const { return arena_->plan(); }
+  // Device bytes allocated at construction: in all, and for parameters + gradients + master + moments (the rest
+  // is activations, their gradients and scratch).
+  int64_t device_bytes() const { return arena_->bytes(); }
+  int64_t state_bytes() const;
 
  private:
+  // Pointers into the arena; with recompute, the buffers not kept per layer point at one shared working set.
   struct LayerActs {
     __nv_bfloat16 *resid_in, *norm1, *q, *k, *v, *att, *resid_mid, *norm2, *gate, *up, *act;
     float *rstd1, *lse, *rstd2;
   };
+  class OwnWeights;  // the GpuWeightStore over params_ and grads_
   void upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t n);
-  void forward(int64_t batch, int64_t seq);
+  void forward(int64_t batch, int64_t seq, bool backward_follows);
+  // One layer's forward into acts_[l] from its weights (unit base w); with write_output its down projection
+  // writes the next layer's input, without (recomputing for the backward) it is skipped.
+  void layer_forward(int64_t l, const __nv_bfloat16* w, int64_t batch, int64_t seq, bool write_output);
+  void recompute_layer(int64_t l, const __nv_bfloat16* w, int64_t batch, int64_t seq);
+  void layer_backward(int64_t l, const __nv_bfloat16* w, float* g, int64_t batch, int64_t seq);
   LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits);
   void backward(int64_t batch, int64_t seq);
 
@@ -124,8 +205,10 @@ class LlamaGpu {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<cuda::MatmulContext> matmul_;
 
-  char* arena_ = nullptr;
-  int64_t arena_bytes_ = 0, state_bytes_ = 0;
+  std::unique_ptr<DeviceArena> arena_;
+  std::unique_ptr<GpuWeightStore> own_store_;
+  GpuWeightStore* store_ = nullptr;
+  const __nv_bfloat16* head_base_ = nullptr;  // the head unit, acquired from the final norm to its backward
   float *master_ = nullptr, *grads_ = nullptr;
   __nv_bfloat16* params_ = nullptr;
   void *m_ = nullptr, *v_ = nullptr;
@@ -136,38 +219,16 @@ class LlamaGpu {
   std::vector<LayerActs> acts_;
   __nv_bfloat16 *resid_out_, *final_norm_out_, *logits_chunk_;
   float *final_rstd_, *losses_;
-  __nv_bfloat16 *d_resid_, *d_norm_, *d_q_, *d_k_, *d_v_, *d_att_, *d_gate_, *d_up_, *d_act_, *d_final_norm_;
-  float *norm_scratch_, *attn_scratch_;
-  double *loss_total_, *norm_scratch_f64_, *norm_total_;
+  __nv_bfloat16 *d_resid_ = nullptr, *d_norm_ = nullptr, *d_q_ = nullptr, *d_k_ = nullptr, *d_v_ = nullptr,
+                *d_att_ = nullptr, *d_gate_ = nullptr, *d_up_ = nullptr, *d_act_ = nullptr, *d_final_norm_ = nullptr;
+  float *norm_scratch_ = nullptr, *attn_scratch_ = nullptr;
+  double *loss_total_ = nullptr, *norm_scratch_f64_ = nullptr, *norm_total_ = nullptr;
   int32_t *tokens_, *targets_, *group_positions_, *group_unique_, *group_offsets_;
   int64_t n_unique_ = 0;
   // Pinned staging for uploads and the two scalars read back per step.
   int32_t* pinned_ids_ = nullptr;  // 5 * n + 1 ints: inputs, targets, positions, unique, offsets
   double* pinned_scalar_ = nullptr;
   cuda::EmbeddingGroups groups_;
-};
-
-// Bump allocation from one cudaMalloc: add() every buffer first, then cudaMalloc bytes() and assign() the base.
-// Every buffer is 256-byte aligned (cuBLASLt's preferred alignment; 16 bytes would do for the vector kernels).
-class DeviceArenaPlan {
- public:
-  template <typename T>
-  void add(T** ptr, int64_t count) {
-    entries_.push_back({reinterpret_cast<void**>(ptr), offset_});
-    offset_ += (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
-  }
-  int64_t bytes() const { return offset_; }
-  void assign(char* base) const {
-    for (const Entry& e : entries_) *e.ptr = base + e.offset;
-  }
-
- private:
-  struct Entry {
-    void** ptr;
-    int64_t offset;
-  };
-  std::vector<Entry> entries_;
-  int64_t offset_ = 0;
 };
 
 // The fused AdamW's segment table (kernels/adamw.cuh) for `segments` of `layout`, in shard order: where each

@@ -3,6 +3,8 @@
 #include "model/memory_plan.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <map>
 
 #include "core/error.h"
 
@@ -57,6 +59,60 @@ int64_t MemoryPlan::bytes(MemoryKind kind) const {
   for (const MemoryItem& i : items)
     if (i.kind == kind) sum += i.bytes;
   return sum;
+}
+
+int64_t device_arena_bytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+namespace {
+
+std::string gigabytes(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  return buf;
+}
+
+}  // namespace
+
+std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, const std::string& title) {
+  // Per kind: the sum, how many buffers, and the largest one (what to shrink first).
+  struct Row {
+    int64_t bytes = 0, count = 0;
+    const MemoryItem* largest = nullptr;
+  };
+  std::map<MemoryKind, Row> rows;
+  for (const MemoryItem& i : plan.items) {
+    Row& r = rows[i.kind];
+    r.bytes += i.bytes, r.count++;
+    if (!r.largest || i.bytes > r.largest->bytes) r.largest = &i;
+  }
+  std::string out = title + "\n";
+  char line[256];
+  for (const auto& [kind, r] : rows) {
+    std::snprintf(line, sizeof line, "  %-22s %12s  (%lld buffer%s; largest: %s, %s)\n", memory_kind_name(kind),
+                  gigabytes(r.bytes).c_str(), static_cast<long long>(r.count), r.count == 1 ? "" : "s",
+                  r.largest->name.c_str(), gigabytes(r.largest->bytes).c_str());
+    out += line;
+  }
+  std::snprintf(line, sizeof line, "  %-22s %12s\n", "total", gigabytes(plan.total()).c_str());
+  out += line;
+  if (plan.peak() != plan.total()) {
+    std::snprintf(line, sizeof line, "  %-22s %12s  (total + the largest transient)\n", "peak",
+                  gigabytes(plan.peak()).c_str());
+    out += line;
+  }
+  if (capacity_bytes > 0) {
+    std::snprintf(line, sizeof line, "  %-22s %12s  (%s left)\n", "device capacity", gigabytes(capacity_bytes).c_str(),
+                  gigabytes(capacity_bytes - plan.peak()).c_str());
+    out += line;
+  }
+  return out;
+}
+
+nlohmann::json memory_plan_json(const MemoryPlan& plan) {
+  nlohmann::json items = nlohmann::json::array();
+  for (const MemoryItem& i : plan.items)
+    items.push_back({{"name", i.name}, {"kind", memory_kind_name(i.kind)}, {"bytes", i.bytes}});
+  return {{"items", items}, {"total", plan.total()}, {"peak", plan.peak()}};
 }
 
 }  // namespace tuna

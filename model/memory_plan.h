@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "model/config.h"
 
 namespace tuna {
@@ -29,11 +31,14 @@ const char* recompute_name(Recompute r);
 // What decides one rank's memory.
 struct MemoryLayout {
   int64_t dp = 1, tp = 1;       // world = dp x tp
+  int64_t dp_rank = 0, tp_rank = 0;  // whose plan: rank 0's pieces are the largest (shard_range), so its plan
+                                     // is the one to print and to fit
   int zero = 0;                 // ZeRO stage over dp: 0..3
   bool zero_prefetch = true;    // ZeRO-3: a second gather buffer so the next unit's gather overlaps
   Recompute recompute = Recompute::None;
   bool bf16_moments = false;    // cuda: AdamW moments in bf16
   bool master_weights = true;   // cuda: an fp32 master copy (false: bf16 weights updated with stochastic rounding)
+  bool training = true;         // false: the forward pass alone (eval, sample): weights and activations only
   int64_t micro_batch = 1, seq_len = 1;
 };
 
@@ -44,6 +49,9 @@ struct MemoryItem {
   std::string name;  // e.g. "layer 3 activations", "bf16 weights (shard)", "all-gather buffer 0"
   MemoryKind kind;
   int64_t bytes = 0;
+  // cuda: true for the buffers of the engine's one device arena (bytes as laid out there, 256-byte aligned);
+  // false for a buffer a library allocates itself at most this size (NCCL's padding scratch).
+  bool in_arena = true;
 };
 
 struct MemoryPlan {
@@ -52,6 +60,27 @@ struct MemoryPlan {
   int64_t peak() const;                  // total() + the largest transient
   int64_t bytes(MemoryKind kind) const;  // the sum of one kind
 };
+
+// The bytes one buffer takes in a device arena: rounded up to 256 (cuBLASLt's preferred alignment; every
+// buffer starts aligned). plan_gpu_memory's items and the arena (model/llama_gpu.h DeviceArena) both use it.
+int64_t device_arena_bytes(int64_t bytes);
+
+// cuda: rows of logits the loss head computes at once over `rows` tokens of a (tensor-parallel-local)
+// vocabulary: at least 2048 rows (a GEMM that runs near peak), more while [rows, vocab] stays near 64 MB.
+int64_t gpu_head_chunk_rows(int64_t vocab, int64_t rows);
+
+// cuda: whether a recompute mode keeps one decoder layer's activation `field` for each layer (else one working
+// copy serves every layer, refilled by the backward's recompute). Fields, in forward order: resid_in, norm1,
+// rstd1, q, k, v, att, lse, resid_mid, norm2, rstd2, gate, up, act. none keeps all; selective all but the two
+// norms' outputs and SwiGLU's (cheap to recompute; the GEMM and attention outputs are not); full only resid_in.
+bool gpu_keeps_activation(const std::string& field, Recompute recompute);
+
+// The per-rank table the trainer prints at start: bytes per kind (and the largest items of each), the total,
+// the peak with transients, and, when capacity_bytes > 0, what is left of it.
+std::string format_memory_table(const MemoryPlan& plan, int64_t capacity_bytes, const std::string& title);
+// {"items": [{"name", "kind", "bytes"}...], "total": bytes, "peak": bytes}: the plan in metrics.jsonl (the run
+// report's memory table and planned line).
+nlohmann::json memory_plan_json(const MemoryPlan& plan);
 
 // model/memory_plan_cpu.cpp
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& layout);

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/progress.h"
 
 namespace tuna {
 
@@ -386,7 +387,7 @@ void SafetensorsWriter::add_metadata(std::string key, std::string value) {
   metadata_.emplace_back(std::move(key), std::move(value));
 }
 
-void SafetensorsWriter::write(const fs::path& path) const {
+void SafetensorsWriter::write(const fs::path& path, ProgressLine* progress) const {
   const std::string target = path.string();
   const std::string tmp = target + ".tmp";
 
@@ -427,8 +428,13 @@ void SafetensorsWriter::write(const fs::path& path) const {
   };
   if (!write_all(fd, length, 8) || !write_all(fd, text.data(), text.size()))
     give_up("writing the header to " + tmp);
+  constexpr uint64_t kPiece = uint64_t(64) << 20;  // progress moves at least every 64 MB
   for (const Pending& t : tensors_)
-    if (!write_all(fd, t.data, t.nbytes)) give_up("writing tensor '" + t.name + "' to " + tmp);
+    for (uint64_t done = 0; done < t.nbytes; done += kPiece) {  // an empty tensor has no bytes to write
+      const uint64_t n = std::min(kPiece, t.nbytes - done);
+      if (!write_all(fd, static_cast<const char*>(t.data) + done, n)) give_up("writing tensor '" + t.name + "' to " + tmp);
+      if (progress) progress->add(static_cast<double>(n));
+    }
   if (::fsync(fd) != 0) give_up("fsync of " + tmp);
   int rc = ::close(fd);
   fd = -1;

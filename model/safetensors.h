@@ -32,6 +32,8 @@
 
 namespace tuna {
 
+class ProgressLine;  // core/progress.h
+
 // One tensor of a safetensors file, as its header describes it (already validated).
 struct TensorInfo {
   std::string name;
@@ -125,7 +127,8 @@ class SafetensorsWriter {
   // 8 bytes, then the tensors; into path + ".tmp", fsync, rename over path, fsync the directory. On any
   // failure (unwritable directory, disk full: every write is checked) the message names path, the
   // temporary file is removed, and an existing file at path is left as it was.
-  void write(const std::filesystem::path& path) const;
+  // `progress`, when given, advances by the bytes of every piece written (a 140 GB file shows it moving).
+  void write(const std::filesystem::path& path, ProgressLine* progress = nullptr) const;
 
  private:
   struct Pending {

@@ -7,8 +7,8 @@
 # The GPU machine has the CUDA toolkit and Python but no GoogleTest, Google Benchmark, BLAS, MPI or
 # sentencepiece, so the binaries are built HERE (the development machine, Debian 12, nvcc 13.0) and carried:
 #
-#   make -j2 gpu-check-build        # -> build/gpu-check/bin/{gpu_tests, bench_*_gpu, train, data/, lib/}
-#                                   #    sm_90a + sm_80 machine code, ~35 MB, needs glibc >= 2.34 and
+#   make -j2 gpu-check-build        # -> build/gpu-check/bin/{gpu_tests, bench_*_gpu, train, plan, data/, lib/}
+#                                   #    sm_90a machine code (SM="90a 80" adds sm_80), ~35 MB, needs glibc >= 2.34 and
 #                                   #    libcublasLt.so.13 on the GPU machine (CUDA 13 toolkit or PyTorch's wheel);
 #                                   #    lib/ holds Google Benchmark and Open MPI's libraries, data/ the demo corpus
 #                                   #    tokenized
@@ -25,16 +25,22 @@
 #   1. gpu_tests: every op against its CPU twin on fresh random inputs (poisoned outputs, shapes off the tile
 #      sizes, bf16 error within 2x of a naive same-precision version; determinism of the backward passes);
 #      attention fwd/bwd for head dims 64/128 (tensor cores) on both paths (mma, the default; hopper, sm_90a,
-#      verified on hardware only here: the table says whether its tests passed) and 8/16/32; the GPU model against the
-#      transformers fixtures (logits, loss, every gradient) and 10 AdamW steps against the CPU model.
+#      verified on hardware only here: the table says whether its tests passed) and 8/16/32; the GPU model
+#      against the transformers fixtures (logits, loss, every gradient) and 10 AdamW steps against the CPU model;
+#      generation's decode attention against its CPU twin, and the KV-cache decoder (model/decode_gpu) against
+#      the whole-context forward (logits at every position, greedy tokens equal).
 #   2. benches: attention fwd/bwd TFLOP/s (causal, hd128 seq 2k/4k/8k, hd64 seq 4k; the mma and hopper paths
 #      side by side, each against the best peer of step 5), GEMM TFLOP/s at LLaMA 1B/8B/70B
 #      shapes, RMSNorm/RoPE/SwiGLU/AdamW GB/s against a device copy, the 1B-shaped training step's tokens/s and
-#      MFU (and its forward-only and AdamW-only parts; batch 4 also with TUNA_ATTENTION=hopper).
+#      MFU (and its forward-only and AdamW-only parts; batch 4 also with TUNA_ATTENTION=hopper); generation's
+#      tokens/s with and without the KV cache.
 #   3. build/train --device cuda end to end on the demo model and corpus (demo/train.toml): 300 steps learn
 #      (validation loss under 4.8; the CPU run reaches 4.45), the first step's loss and gradient norm equal the
 #      CPU backend's within bf16 error (1e-2 and 5e-2 relative), a run stopped at step 150 and resumed logs
 #      bit-for-bit the losses of the straight run, so does a --zero 1 run, and the log has MFU and GPU memory.
+#   3b. build/plan against measurement: the 1B step's planned time (rates refreshed from this run's benches, and
+#      the committed table) against bench_train_step's, within 15%; the planned arena against the bench model's
+#      device bytes; the demo run's GPU memory in use against its plan (the reserve build/plan assumes).
 #   4. compute-sanitizer memcheck (attention, rmsnorm, classifier, embedding tests) and racecheck (attention);
 #      skipped if absent, reported as unavailable where the machine refuses it (gVisor).
 #   5. peers, timed on the same GPU in the same run (tools/reference/peers_gpu.py, torch and transformers as the
@@ -134,6 +140,7 @@ TUNA_ATTENTION=hopper timeout "$(within 60)" "$BIN/bench_train_step_gpu" --bench
   --benchmark_out="$BENCH_JSON/train_step_hopper.json" --benchmark_out_format=json >>"$OUT/benches.log" 2>&1
 rc=$?
 if [ $rc -eq 0 ]; then STEP[bench_train_step_hopper]="ok"; else STEP[bench_train_step_hopper]="FAILED (rc $rc)"; status=1; fi
+run_bench decode 40
 
 # ---- 3. the trainer end to end (single GPU; Open MPI's libraries from bin/lib: libmpi's RUNPATH needs this)
 log "== train end to end ($BIN/train, demo model)"
@@ -212,6 +219,74 @@ with open(out, "w") as f:
 sys.exit(0 if ok else 1)
 PY
 cat "$TRAIN_SUMMARY" >>"$OUT/train.log" 2>/dev/null
+
+# ---- 3b. the planner against measurement (model/planner.h, build/plan): the 1B step's time planned with the rates
+# this run's benches measured (and with the committed model/plan_rates.json) against bench_train_step's; the
+# planned arena against the bench model's device bytes; the demo run's GPU memory in use against its plan, which
+# measures the reserve outside the plan (CUDA context, cuBLASLt, NCCL) that build/plan assumes (--reserve_gib).
+log "== plan vs measured ($BIN/plan)"
+PLAN_SUMMARY="$RUNS.plan"  # rows for the table, like TRAIN_SUMMARY
+STEP[plan]="ok"
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
+  *H200*) PLAN_GPU=h200 ;; *H100*) PLAN_GPU=h100-80gb ;; *A100*) PLAN_GPU=a100-80gb ;; *) PLAN_GPU=h200 ;;
+esac
+if [ ! -x "$BIN/plan" ]; then
+  STEP[plan]="FAILED ($BIN/plan missing: make gpu-check-build)"; status=1
+else
+  plan_run() { timeout "$(within 60)" "$BIN/plan" --gpu "$PLAN_GPU" --gpus_per_node 1 --tokens 1M --json "$@"; }
+  "$BIN/plan" --refresh_rates "$BENCH_JSON" --rates model/plan_rates.json --rates_out "$RUNS/rates.json" \
+    >>"$OUT/benches.log" 2>&1 || STEP[plan]="FAILED (rates refresh: benches.log)"
+  for b in 2 4; do
+    plan_run --model llama-3.2-1b --micro_batch $b --seq_len 4096 --rates "$RUNS/rates.json" >"$RUNS/plan_b$b.json" 2>>"$OUT/benches.log"
+    plan_run --model llama-3.2-1b --micro_batch $b --seq_len 4096 --rates model/plan_rates.json >"$RUNS/plan_b${b}_committed.json" 2>>"$OUT/benches.log"
+  done
+  plan_run --model demo/config.json --micro_batch 8 --seq_len 128 --rates model/plan_rates.json >"$RUNS/plan_demo.json" 2>>"$OUT/benches.log"
+  python3 - "$BENCH_JSON" "$RUNS" "$PLAN_SUMMARY" <<'PY' || { STEP[plan]="FAILED (plan vs measured: see the table)"; status=1; }
+import json, sys
+bench_dir, runs, summary = sys.argv[1:4]
+def load(path):
+    try:
+        return json.load(open(path))
+    except Exception:
+        return None
+rows, ok = [], True
+benches = (load(f"{bench_dir}/train_step.json") or {}).get("benchmarks", [])
+for b in (2, 4):
+    measured = next((x for x in benches if x["name"].startswith(f"BM_TrainStep/batch:{b}/seq:4096/part:0")), None)
+    for tag, note in (("", "rates of this run's benches"), ("_committed", "rates of model/plan_rates.json")):
+        plan = load(f"{runs}/plan_b{b}{tag}.json")
+        if not plan or not measured:
+            rows.append((f"1B step {b}x4096 ({note})", "missing", "plan or bench_train_step result absent")); ok = False
+            continue
+        ms, planned = measured["real_time"], plan["step_s"] * 1e3
+        err = planned / ms - 1
+        rows.append((f"1B step {b}x4096 planned vs measured", f"{planned:.1f} vs {ms:.1f} ms ({100 * err:+.1f}%)",
+                     f"{note}; aim within 15%"))
+        if tag == "":
+            ok &= abs(err) <= 0.15
+    plan = load(f"{runs}/plan_b{b}.json")
+    if plan and measured and "GiB" in measured:
+        arena = plan["memory_plan"]["total"] / 2**30
+        rows.append((f"1B {b}x4096 GPU memory planned vs model", f"{arena:.2f} vs {measured['GiB']:.2f} GiB",
+                     "plan_gpu_memory against LlamaGpu's device bytes"))
+        ok &= abs(arena - measured["GiB"]) <= 0.01 * measured["GiB"] + 0.01
+demo = load(f"{runs}/plan_demo.json")
+try:
+    steps = [json.loads(l) for l in open(f"{runs}/straight/metrics.jsonl")]
+    used = max(r.get("gpu_peak_mem_mb", 0) for r in steps if "loss" in r)
+except Exception:
+    used = None
+if demo and used:
+    plan_mb = demo["memory_plan"]["peak"] / 1e6
+    rows.append(("demo run GPU memory: in use vs plan", f"{used:.0f} vs {plan_mb:.0f} MB",
+                 f"the reserve outside the plan measures {(used - plan_mb) / 1024:.2f} GiB (build/plan assumes 1.5)"))
+with open(summary, "w") as f:
+    for r in rows:
+        f.write("\t".join(r) + "\n")
+sys.exit(0 if ok else 1)
+PY
+  cat "$PLAN_SUMMARY" >>"$OUT/benches.log" 2>/dev/null
+fi
 rm -rf "$RUNS"
 
 # ---- 4. memory and race checker over the riskiest kernels (shared-memory tiling, double buffers, in-place rows);
@@ -317,10 +392,10 @@ PY
 # ---- summary table (last)
 python3 - "$OUT" "$SUMMARY" "${STEP[tests]}" "${STEP[sanitizer]}" "${STEP[bench_memory]}" "${STEP[bench_attention]}" \
   "${STEP[bench_gemm]}" "${STEP[bench_train_step]}" "${STEP[train]}" "$TRAIN_SUMMARY" "${STEP[peers]}" "${STEP[profile]}" \
-  "${STEP[bench_train_step_hopper]}" <<'PY' | tee -a "$SUMMARY"
+  "${STEP[plan]}" "$PLAN_SUMMARY" "${STEP[bench_decode]}" "${STEP[bench_train_step_hopper]}" <<'PY' | tee -a "$SUMMARY"
 import json, os, re, sys
-out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary, peers_step, profile_step, \
-    b_train_hopper = sys.argv[1:14]
+out, _, tests, sanitizer, b_mem, b_att, b_gemm, b_train, train, train_summary, peers_step, profile_step, plan, \
+    plan_summary, b_decode, b_train_hopper = sys.argv[1:17]
 rows = []
 def add(section, what, value, note=""):
     rows.append((section, what, value, note))
@@ -351,7 +426,7 @@ peers = [p for p in benches.get("peers", []) if "error" not in p]
 
 # Each attention row: a shape, tuna's two paths side by side (mma, the default; hopper, sm_90a), the best
 # peer's rate at the same shape and direction, and each path / best. First, whether the hopper path's tests
-# passed: the condition, with its speed, for flipping its default (kHopperByDefault, kernels/attention.cu).
+# passed: the condition, with its speed, for flipping its default (kHopperByDefault, kernels/attention_path.h).
 def best_peer(**want):
     rows = [p for p in peers if all(p.get(k) == v for k, v in want.items())]
     return max(rows, key=lambda p: p.get("tflops", p.get("tokens_per_s", 0)), default=None)
@@ -404,6 +479,9 @@ for b in bench("train_step_hopper"):
         add("train step", "  TUNA_ATTENTION=hopper: " + b.get("label", b["name"]), f"{b['tokens/s']:.0f} tokens/s",
             f"MFU {100*b.get('MFU', 0):.1f}%, {b.get('GiB', 0):.1f} GiB")
 if not bench("train_step_hopper"): add("train step", "  TUNA_ATTENTION=hopper", "no results", b_train_hopper)
+for b in bench("decode"):
+    add("generation", b.get("label", b["name"]), f"{b.get('tokens/s', 0):.0f} tokens/s", "")
+if not bench("decode"): add("generation", "bench_decode_gpu", "no results", b_decode)
 add("peers", "tools/reference/peers_gpu.py", peers_step)
 for p in benches.get("peers", []):
     if "version" in p: add("peers", "torch", p["version"], p.get("device", ""))
@@ -413,13 +491,17 @@ add("profile", "1B step, batch 2 (ncu)", profile_step,
     f"{prof['launches']} launches, {prof['kernel_ms']:.1f} ms of kernels" if prof else "")
 for op, n, ms in (prof.get("by_op") or [])[:14]:
     add("profile", f"  {op}", f"{ms:.2f} ms", f"{100 * ms / prof['kernel_ms']:.1f}%, {n} launches")
+def add_rows(section, path):  # a step's rows, tab-separated: what, value, note
+    try:
+        for line in open(path):
+            what, value, note = (line.rstrip("\n").split("\t") + ["", ""])[:3]
+            add(section, what, value, note)
+    except OSError:
+        pass
 add("train e2e", "build/train --device cuda", train)
-try:
-    for line in open(train_summary):
-        what, value, note = (line.rstrip("\n").split("\t") + ["", ""])[:3]
-        add("train e2e", what, value, note)
-except OSError:
-    pass
+add_rows("train e2e", train_summary)
+add("plan", "build/plan vs measured", plan)
+add_rows("plan", plan_summary)
 
 w = [max(len(str(r[i])) for r in rows) for i in range(4)]
 print("\n" + "=" * (sum(w) + 9))
@@ -431,6 +513,6 @@ for r in rows:
     section = r[0]
     print(f"{s:<{w[0]}} | {r[1]:<{w[1]}} | {r[2]:<{w[2]}} | {r[3]}")
 PY
-rm -f "$TRAIN_SUMMARY"
+rm -f "$TRAIN_SUMMARY" "$PLAN_SUMMARY"
 rm -rf "$BENCH_JSON"
 exit $status

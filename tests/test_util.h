@@ -7,11 +7,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "data/shard.h"
 
 namespace tuna::testing_util {
@@ -54,6 +56,16 @@ inline RunResult run_command(const std::string& command, const std::filesystem::
   const int status = std::system(full.c_str());
   const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return {code, read_file(log)};
+}
+
+// The message of the tuna::Error that f throws; empty when it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 // Token shards for trainer tests (vocab 128): a learnable stream, 62 training windows of 16

@@ -1,12 +1,15 @@
 // build/sample — generates text from a checkpoint with its sentencepiece tokenizer.
 //
 //   build/sample --checkpoint DIR --prompt "This Agreement" [--max_tokens 64] [--temperature 0.8]
-//                [--top_p 0.95] [--greedy] [--seed 1] [--device cuda]
+//                [--top_p 0.95] [--greedy] [--seed 1] [--device cuda] [--kv_cache false]
 //
-// Each new token reruns the forward over the whole context (no KV cache): this tool exists to check a model,
-// not to serve it, and this keeps generation on exactly the code path that training tested.
+// The prompt runs through the model once, filling a KV cache (each layer's keys and values per position);
+// each new token then costs one position's forward (ForwardModel::forward_cached). --kv_cache false reruns
+// the whole context per token instead, the code path training tests, which the cached one equals (tests).
+// The last line, on stderr, gives the time and tokens/s.
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -53,7 +56,7 @@ int main(int argc, char** argv) {
     std::string checkpoint, tokenizer_path, prompt, device = "auto";
     int64_t max_tokens = 64, seed = 1, threads = 0;
     double temperature = 0.8, top_p = 0.95;
-    bool greedy = false, stop_at_eos = true;
+    bool greedy = false, stop_at_eos = true, kv_cache = true;
     Options options("build/sample", "Generates a continuation of a prompt from a model directory.");
     options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint or a Hugging Face download");
     options.add("tokenizer", &tokenizer_path, "sentencepiece tokenizer.model; default: the checkpoint's");
@@ -66,6 +69,8 @@ int main(int argc, char** argv) {
     options.add("seed", &seed, "sampling seed");
     options.add("threads", &threads, "CPU threads; 0: all cores");
     options.add("device", &device, "auto | cpu | cuda (auto: cuda when a GPU is visible)");
+    options.add("kv_cache", &kv_cache, "keep each layer's keys and values, so a token costs one position's forward; "
+                "false reruns the whole context per token");
     if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
     if (checkpoint.empty()) fail("--checkpoint is required (see --help)");
     if (!greedy && !(temperature > 0)) fail("option 'temperature': expected > 0, found ", temperature);
@@ -93,17 +98,31 @@ int main(int argc, char** argv) {
     std::vector<int64_t> eos = config.eos_token_ids;
     if (tokenizer.eos_id() >= 0) eos.push_back(tokenizer.eos_id());
     std::mt19937_64 rng(static_cast<uint64_t>(seed));
-    std::vector<float> logits(context * config.vocab_size);
+    // Without the cache, logits of the whole context per token; with it, of the last position only.
+    std::vector<float> logits((kv_cache ? 1 : context) * config.vocab_size);
     // Decode the prompt and continuation together and print what is new: pieces can merge bytes across
     // tokens, and sentencepiece drops the leading space of a text's first piece.
     const size_t text_begin = tokenizer.bos_id() >= 0 ? 1 : 0;
     auto decode_all = [&] { return tokenizer.decode(std::span<const int32_t>(tokens).subspan(text_begin)); };
     std::string printed = decode_all();
     std::printf("%s", printed.c_str());
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point start = Clock::now();
+    Clock::time_point prompt_done = start;
+    const int64_t prompt_tokens = static_cast<int64_t>(tokens.size());
+    if (kv_cache) model->clear_cache(1);
     while (static_cast<int64_t>(tokens.size()) < context) {
       const int64_t n = static_cast<int64_t>(tokens.size());
-      model->forward_logits(tokens.data(), 1, n, logits.data());
-      const float* last = logits.data() + (n - 1) * config.vocab_size;
+      const float* last = logits.data();
+      if (!kv_cache) {
+        model->forward_logits(tokens.data(), 1, n, logits.data());
+        last = logits.data() + (n - 1) * config.vocab_size;
+      } else if (n == prompt_tokens) {
+        model->forward_cached(tokens.data(), n, logits.data());  // the prompt, all at once
+      } else {
+        model->forward_cached(&tokens.back(), 1, logits.data());  // the token drawn last
+      }
+      if (n == prompt_tokens) prompt_done = Clock::now();
       const int32_t next = greedy ? static_cast<int32_t>(std::max_element(last, last + config.vocab_size) - last)
                                   : sample_token(last, config.vocab_size, temperature, top_p, rng);
       if (stop_at_eos && std::find(eos.begin(), eos.end(), next) != eos.end()) break;
@@ -115,7 +134,17 @@ int main(int argc, char** argv) {
         printed = text;
       }
     }
+    const Clock::time_point end = Clock::now();
     std::printf("\n");
+    std::fflush(stdout);
+    // The first token comes from the prompt's forward; each later one from a forward of its own.
+    const int64_t generated = static_cast<int64_t>(tokens.size()) - prompt_tokens;
+    const double prompt_s = std::chrono::duration<double>(prompt_done - start).count();
+    const double decode_s = std::chrono::duration<double>(end - prompt_done).count();
+    std::fprintf(stderr, "%lld tokens in %.2f s: prompt of %lld tokens %.3f s, then %.1f tokens/s (%s, %s)\n",
+                 (long long)generated, prompt_s + decode_s, (long long)prompt_tokens, prompt_s,
+                 generated > 1 ? (generated - 1) / decode_s : 0.0, model->describe().c_str(),
+                 kv_cache ? "KV cache" : "no KV cache: whole context per token");
     return 0;
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -18,6 +18,9 @@ struct AdamWStep {
 // param -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). Updates param, m, v in place.
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& s);
 
+// dst[i] += src[i] over n elements (sharded gradient accumulation). Accumulates dst.
+void accumulate(float* dst, const float* src, int64_t n);
+
 // Sum of squares of x in double, deterministic for a given n whatever the thread count.
 double sum_of_squares(const float* x, int64_t n);
 

@@ -12,11 +12,20 @@
 //             dq_t = scale sum_j ds[t, j] k_j;   dk_j = scale sum_t ds[t, j] q_t;   dv_j = sum_t p[t, j] dout_t
 //             dq, dk, dv: OVERWRITTEN; dk and dv sum over all query heads of their group.
 //
-// Scores, softmax and every accumulation are in double. The forward parallelizes over (batch, query head);
-// the backward over (batch, kv head): one thread owns a kv head and visits its query heads and positions in
-// a fixed order, so dk/dv need no atomics and do not depend on the thread count. `omp simd` marks only
-// loops over independent outputs (never a reduction), so vectorizing them changes no rounding. Scratch per
-// thread: about 6 * seq_len * head_dim doubles (25 MB at seq 4096, head_dim 128), never seq x seq.
+// How. Per (sequence, head) and per block of kBlock queries, the products are small GEMMs (scores = Q K^T,
+// out = P V; backward dP = dO V^T, dQ = dS K, dK += dS^T Q, dV += P^T dO) over the causal columns only, done
+// by one register-tiled kernel (tile_product: 4 rows x 64 bytes of columns held in vector registers while it
+// walks the shared dimension) in functions compiled for the CPU's vector units (TUNA_CPU_CLONES,
+// kernels/cpu/vector_math.h), with exp_lanes for the exponentials. Operands are copied into zero-padded
+// panels (rows to a multiple of 4, columns to a multiple of 64 bytes), so the kernel never needs a tail.
+//
+// Numbers. Arithmetic is in T (fp32 for the CPU backend, double for the tests' float64 references), except
+// the scores q . k, which are taken in double: the softmax turns a score's absolute error into a relative
+// error of its weight, and scores grow with the norms of q and k (at |s| ~ 100 an fp32 score is off by ~1e-5).
+// Every output element is one sum in a fixed order (the tile kernel's k loop, then blocks and query heads in
+// order), so results do not depend on the thread count. The forward parallelizes over (batch, query head),
+// the backward over (batch, kv head): one thread owns a kv head's dk, dv and visits its query heads in order.
+// Scratch per thread: O(seq_len x head_dim + kBlock x seq_len), never seq x seq.
 #include "kernels/cpu/attention.h"
 
 #include <algorithm>
@@ -24,6 +33,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/vector_math.h"
 
 namespace tuna::cpu {
 namespace {
@@ -54,60 +64,232 @@ AttentionShape make_shape(int64_t batch, int64_t seq_len, int64_t n_heads, int64
   return {batch, seq_len, n_heads, n_kv_heads, head_dim};
 }
 
-// One kv head of one sequence copied to double, in the layouts the inner loops want: every innermost loop
-// below runs over independent outputs with unit stride (so the compiler can vectorize it and the CPU can
-// overlap its iterations), and each output still sums its terms in the plain sequential order.
+// Queries per block: the causal mask wastes at most half a block x block square per block.
+constexpr int64_t kBlock = 32;
+
+template <typename E>
+constexpr int64_t kLanes = 64 / static_cast<int64_t>(sizeof(E));  // elements in 64 bytes: a tile's width
+
+int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// C[r][c] (+)= sum_k A[r * a_row + k * a_k] * B[k * ldb + c] for r < 4, c < kLanes<E>: the tile kept in
+// registers while k runs (each sum in k order).
+template <typename E>
+[[gnu::always_inline]] inline void tile_product(E* C, int64_t ldc, const E* A, int64_t a_row, int64_t a_k, const E* B, int64_t ldb, int64_t K,
+                         bool accumulate) {
+  constexpr int64_t L = kLanes<E>;
+  E acc[4][L] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const E* b = B + k * ldb;
+    const E* a = A + k * a_k;
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const E a_r = a[r * a_row];
+#pragma omp simd
+      for (int64_t c = 0; c < L; ++c) acc[r][c] += a_r * b[c];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    E* c_r = C + r * ldc;
+    if (accumulate) {
+#pragma omp simd
+      for (int64_t c = 0; c < L; ++c) c_r[c] += acc[r][c];
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < L; ++c) c_r[c] = acc[r][c];
+    }
+  }
+}
+
+// C[M x N] (+)= A[M x K] B[K x N] with A's element (r, k) at A[r * a_row + k * a_k], B and C row-major.
+// M a multiple of 4, N of kLanes<E>: the callers' panels are padded so.
+template <typename E>
+[[gnu::always_inline]] inline void panel_product(E* C, int64_t ldc, const E* A, int64_t a_row, int64_t a_k, const E* B, int64_t ldb,
+                          int64_t M, int64_t N, int64_t K, bool accumulate) {
+  for (int64_t c = 0; c < N; c += kLanes<E>)  // a column strip of B stays in cache across the rows
+    for (int64_t r = 0; r < M; r += 4)
+      tile_product(C + r * ldc + c, ldc, A + r * a_row, a_row, a_k, B + c, ldb, K, accumulate);
+}
+
+// One kv head of one sequence in zero-padded panels: positions padded to `cols` (a multiple of 64 bytes of
+// both T and double), features to `dim` (64 bytes of T).
+template <typename T>
 struct KvPanel {
-  int64_t seq_len = 0, head_dim = 0;
-  std::vector<double> keys;             // [seq_len, head_dim]
-  std::vector<double> keys_by_dim;      // [head_dim, seq_len], keys transposed
-  std::vector<double> values;           // [seq_len, head_dim]
-  std::vector<double> values_by_dim;    // [head_dim, seq_len], values transposed
+  int64_t cols, dim;
+  std::vector<double> keys_by_dim;  // [head_dim, cols]: K^T for the scores, in double
+  std::vector<T> keys;              // [cols, dim]: K for dQ = dS K (backward)
+  std::vector<T> values;            // [cols, dim]: V for out = P V
+  std::vector<T> values_by_dim;     // [head_dim, cols]: V^T for dP = dO V^T (backward)
 
-  KvPanel(int64_t seq_len, int64_t head_dim)
-      : seq_len(seq_len), head_dim(head_dim), keys(seq_len * head_dim), keys_by_dim(seq_len * head_dim),
-        values(seq_len * head_dim), values_by_dim(seq_len * head_dim) {}
+  KvPanel(const AttentionShape& shape, bool backward)
+      : cols(round_up(shape.seq_len, kLanes<float>)),
+        dim(round_up(shape.head_dim, kLanes<T>)),
+        keys_by_dim(shape.head_dim * cols),
+        keys(backward ? cols * dim : 0),
+        values(cols * dim),
+        values_by_dim(backward ? shape.head_dim * cols : 0) {}
 
-  template <typename T>
   void load(const T* k, const T* v, const AttentionShape& shape, int64_t b, int64_t kvh) {
-    for (int64_t j = 0; j < seq_len; ++j) {
+    const int64_t head_dim = shape.head_dim;
+    for (int64_t j = 0; j < shape.seq_len; ++j) {
       const T* k_j = k + shape.kv_row(b, j, kvh);
       const T* v_j = v + shape.kv_row(b, j, kvh);
+      std::copy(v_j, v_j + head_dim, values.data() + j * dim);
+      if (!keys.empty()) std::copy(k_j, k_j + head_dim, keys.data() + j * dim);
       for (int64_t d = 0; d < head_dim; ++d) {
-        keys[j * head_dim + d] = keys_by_dim[d * seq_len + j] = k_j[d];
-        values[j * head_dim + d] = values_by_dim[d * seq_len + j] = v_j[d];
+        keys_by_dim[d * cols + j] = k_j[d];
+        if (!values_by_dim.empty()) values_by_dim[d * cols + j] = v_j[d];
       }
-    }
-  }
-
-  // scores[j] = scale * (query . key_j) for the causal range j <= t.
-  void causal_scores(double* scores, const double* query, int64_t t, double scale) const {
-    std::fill(scores, scores + t + 1, 0.0);
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const double q_d = query[d];
-      const double* key_column = keys_by_dim.data() + d * seq_len;
-#pragma omp simd
-      for (int64_t j = 0; j <= t; ++j) scores[j] += q_d * key_column[j];
-    }
-#pragma omp simd
-    for (int64_t j = 0; j <= t; ++j) scores[j] *= scale;
-  }
-
-  // dots[j] = row . value_j for j <= t.
-  void causal_value_dots(double* dots, const double* row, int64_t t) const {
-    std::fill(dots, dots + t + 1, 0.0);
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const double r_d = row[d];
-      const double* value_column = values_by_dim.data() + d * seq_len;
-#pragma omp simd
-      for (int64_t j = 0; j <= t; ++j) dots[j] += r_d * value_column[j];
     }
   }
 };
 
+// Per-thread buffers of one block of queries, rows padded to a multiple of 4 (the padding rows stay zero).
 template <typename T>
-void to_double(double* dst, const T* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+struct BlockScratch {
+  int64_t rows, cols, dim;
+  std::vector<double> queries;  // [rows, head_dim] in double, for the scores
+  std::vector<double> scores;   // [rows, cols]
+  std::vector<T> probs;         // [rows, cols]: softmax weights (0 where masked)
+  std::vector<T> dprobs;        // [rows, cols]: dP, then dS (backward)
+  std::vector<T> queries_t;     // [rows, dim]: Q in T, for dK (backward)
+  std::vector<T> grad_out;      // [rows, dim]: dO, for dP and dV (backward)
+  std::vector<T> product;       // [rows, dim]: P V (forward) or dS K (backward)
+  std::vector<T> sums;          // [rows]: the softmax denominators (forward)
+
+  BlockScratch(const KvPanel<T>& panel, int64_t head_dim, bool backward)
+      : rows(round_up(kBlock, 4)),
+        cols(panel.cols),
+        dim(panel.dim),
+        queries(rows * head_dim),
+        scores(rows * cols),
+        probs(rows * cols),
+        dprobs(backward ? rows * cols : 0),
+        queries_t(backward ? rows * dim : 0),
+        grad_out(backward ? rows * dim : 0),
+        product(rows * dim),
+        sums(rows) {}
+};
+
+// Rows t0 .. t0 + n - 1 of the causal block: their scores against keys 0 .. t0 + n - 1 into scratch.scores.
+template <typename T>
+[[gnu::always_inline]] inline void block_scores(BlockScratch<T>& s, const T* q, const KvPanel<T>& panel, const AttentionShape& shape,
+                         int64_t b, int64_t h, int64_t t0, int64_t n) {
+  const int64_t head_dim = shape.head_dim;
+  for (int64_t r = 0; r < n; ++r) {
+    const T* q_t = q + shape.q_row(b, t0 + r, h);
+    std::copy(q_t, q_t + head_dim, s.queries.data() + r * head_dim);
+  }
+  std::fill(s.queries.begin() + n * head_dim, s.queries.end(), 0.0);
+  panel_product(s.scores.data(), s.cols, s.queries.data(), head_dim, int64_t(1), panel.keys_by_dim.data(), panel.cols,
+                round_up(n, 4), round_up(t0 + n, kLanes<double>), head_dim, /*accumulate=*/false);
+}
+
+// One query head h of sequence b, every position: out and lse.
+template <typename T>
+TUNA_CPU_CLONES void forward_head(T* out, T* lse, const T* q, const KvPanel<T>& panel, BlockScratch<T>& s,
+                                  const AttentionShape& shape, int64_t b, int64_t h) {
+  const int64_t head_dim = shape.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  for (int64_t t0 = 0; t0 < shape.seq_len; t0 += kBlock) {
+    const int64_t n = std::min(kBlock, shape.seq_len - t0), end = t0 + n;
+    block_scores(s, q, panel, shape, b, h, t0, n);
+    T* sums = s.sums.data();
+    for (int64_t r = 0; r < round_up(n, 4); ++r) {
+      T* p = s.probs.data() + r * s.cols;
+      const int64_t count = r < n ? t0 + r + 1 : 0;  // causal: keys 0 .. t0 + r; padding rows stay zero
+      const double* score = s.scores.data() + r * s.cols;
+      double max_score = count > 0 ? score[0] : 0.0;
+#pragma omp simd reduction(max : max_score)
+      for (int64_t j = 0; j < count; ++j) max_score = std::max(max_score, score[j]);
+      T sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < count; ++j) {
+        p[j] = exp_lanes(static_cast<T>((score[j] - max_score) * scale));
+        sum += p[j];
+      }
+      std::fill(p + count, p + end, T(0));
+      if (r < n) {
+        sums[r] = sum;
+        lse[shape.lse_index(b, h, t0 + r)] = static_cast<T>(max_score * scale + std::log(static_cast<double>(sum)));
+      }
+    }
+    panel_product(s.product.data(), s.dim, s.probs.data(), s.cols, int64_t(1), panel.values.data(), panel.dim,
+                  round_up(n, 4), s.dim, end, /*accumulate=*/false);
+    for (int64_t r = 0; r < n; ++r) {
+      T* out_t = out + shape.q_row(b, t0 + r, h);
+      const T* o = s.product.data() + r * s.dim;
+      const T inv_sum = T(1) / sums[r];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) out_t[d] = o[d] * inv_sum;
+    }
+  }
+}
+
+// One kv head kvh of sequence b: dq of its query heads, and dk, dv (summed over them) into dk_acc, dv_acc
+// ([cols, dim] panels, overwritten), dk unscaled.
+template <typename T>
+TUNA_CPU_CLONES void backward_kv_head(T* dq, T* dk_acc, T* dv_acc, const T* dout, const T* out, const T* lse,
+                                      const T* q, const KvPanel<T>& panel, BlockScratch<T>& s,
+                                      const AttentionShape& shape, int64_t b, int64_t kvh) {
+  const int64_t head_dim = shape.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const T scale_t = static_cast<T>(scale);
+  std::fill(dk_acc, dk_acc + panel.cols * panel.dim, T(0));
+  std::fill(dv_acc, dv_acc + panel.cols * panel.dim, T(0));
+  for (int64_t h = kvh * shape.group(); h < (kvh + 1) * shape.group(); ++h) {
+    for (int64_t t0 = 0; t0 < shape.seq_len; t0 += kBlock) {
+      const int64_t n = std::min(kBlock, shape.seq_len - t0), end = t0 + n, rows = round_up(n, 4);
+      const int64_t cols = round_up(end, kLanes<float>);  // the causal columns, padded (multiple of both widths)
+      block_scores(s, q, panel, shape, b, h, t0, n);
+      std::fill(s.queries_t.begin(), s.queries_t.end(), T(0));
+      std::fill(s.grad_out.begin(), s.grad_out.end(), T(0));
+      for (int64_t r = 0; r < n; ++r) {
+        const T* q_t = q + shape.q_row(b, t0 + r, h);
+        const T* g_t = dout + shape.q_row(b, t0 + r, h);
+        std::copy(q_t, q_t + head_dim, s.queries_t.data() + r * s.dim);
+        std::copy(g_t, g_t + head_dim, s.grad_out.data() + r * s.dim);
+      }
+      // dP = dO V^T over the block's causal columns.
+      panel_product(s.dprobs.data(), s.cols, s.grad_out.data(), s.dim, int64_t(1), panel.values_by_dim.data(),
+                    panel.cols, rows, cols, head_dim, /*accumulate=*/false);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* p = s.probs.data() + r * s.cols;
+        T* ds = s.dprobs.data() + r * s.cols;
+        const int64_t count = r < n ? t0 + r + 1 : 0;
+        if (r < n) {
+          const double* score = s.scores.data() + r * s.cols;
+          const double lse_t = lse[shape.lse_index(b, h, t0 + r)];
+          const T* g_t = s.grad_out.data() + r * s.dim;
+          const T* o_t = out + shape.q_row(b, t0 + r, h);
+          T d_t = 0;  // dout_t . out_t
+          for (int64_t d = 0; d < head_dim; ++d) d_t += g_t[d] * o_t[d];
+#pragma omp simd
+          for (int64_t j = 0; j < count; ++j) {
+            p[j] = exp_lanes(static_cast<T>(score[j] * scale - lse_t));
+            ds[j] = p[j] * (ds[j] - d_t);
+          }
+        }
+        std::fill(p + count, p + cols, T(0));  // masked and padding: no weight, no gradient
+        std::fill(ds + count, ds + cols, T(0));
+      }
+      // dQ = dS K (scaled below); dK += dS^T Q; dV += P^T dO.
+      panel_product(s.product.data(), s.dim, s.dprobs.data(), s.cols, int64_t(1), panel.keys.data(), panel.dim, rows,
+                    s.dim, end, /*accumulate=*/false);
+      for (int64_t r = 0; r < n; ++r) {
+        T* dq_t = dq + shape.q_row(b, t0 + r, h);
+        const T* g = s.product.data() + r * s.dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) dq_t[d] = scale_t * g[d];
+      }
+      const int64_t key_rows = round_up(end, 4);
+      panel_product(dk_acc, panel.dim, s.dprobs.data(), int64_t(1), s.cols, s.queries_t.data(), s.dim, key_rows,
+                    s.dim, rows, /*accumulate=*/true);
+      panel_product(dv_acc, panel.dim, s.probs.data(), int64_t(1), s.cols, s.grad_out.data(), s.dim, key_rows, s.dim,
+                    rows, /*accumulate=*/true);
+    }
+  }
 }
 
 }  // namespace
@@ -116,33 +298,16 @@ template <typename T>
 void attention_fwd(T* out, T* lse, const T* q, const T* k, const T* v, int64_t batch, int64_t seq_len,
                    int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
   const AttentionShape shape = make_shape(batch, seq_len, n_heads, n_kv_heads, head_dim);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const int64_t n_units = batch * n_heads;
 #pragma omp parallel
   {
-    KvPanel panel(seq_len, head_dim);
-    std::vector<double> query(head_dim), scores(seq_len), acc(head_dim);
+    KvPanel<T> panel(shape, /*backward=*/false);
+    BlockScratch<T> scratch(panel, head_dim, /*backward=*/false);
 #pragma omp for schedule(static)
     for (int64_t unit = 0; unit < n_units; ++unit) {
       const int64_t b = unit / n_heads, h = unit % n_heads;
       panel.load(k, v, shape, b, h / shape.group());
-      for (int64_t t = 0; t < seq_len; ++t) {
-        to_double(query.data(), q + shape.q_row(b, t, h), head_dim);
-        panel.causal_scores(scores.data(), query.data(), t, scale);
-        const double max_score = *std::max_element(scores.begin(), scores.begin() + t + 1);
-        double sum_exp = 0.0;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t j = 0; j <= t; ++j) {
-          const double weight = std::exp(scores[j] - max_score);
-          sum_exp += weight;
-          const double* value = panel.values.data() + j * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) acc[d] += weight * value[d];
-        }
-        T* out_t = out + shape.q_row(b, t, h);
-        for (int64_t d = 0; d < head_dim; ++d) out_t[d] = static_cast<T>(acc[d] / sum_exp);
-        lse[shape.lse_index(b, h, t)] = static_cast<T>(max_score + std::log(sum_exp));
-      }
+      forward_head(out, lse, q, panel, scratch, shape, b, h);
     }
   }
 }
@@ -152,57 +317,25 @@ void attention_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* ls
                    const T* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
                    int64_t head_dim) {
   const AttentionShape shape = make_shape(batch, seq_len, n_heads, n_kv_heads, head_dim);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   const int64_t n_units = batch * n_kv_heads;
 #pragma omp parallel
   {
-    KvPanel panel(seq_len, head_dim);
-    std::vector<double> query(head_dim), grad_out(head_dim), dq_acc(head_dim);
-    std::vector<double> probs(seq_len), dprobs(seq_len);
-    // dk (unscaled) and dv of this unit's kv head over all positions, [seq_len, head_dim].
-    std::vector<double> dk_acc(seq_len * head_dim), dv_acc(seq_len * head_dim);
+    KvPanel<T> panel(shape, /*backward=*/true);
+    BlockScratch<T> scratch(panel, head_dim, /*backward=*/true);
+    // dk (unscaled) and dv of this unit's kv head over all positions, panels like the keys'.
+    std::vector<T> dk_acc(panel.cols * panel.dim), dv_acc(panel.cols * panel.dim);
 #pragma omp for schedule(static)
     for (int64_t unit = 0; unit < n_units; ++unit) {
       const int64_t b = unit / n_kv_heads, kvh = unit % n_kv_heads;
       panel.load(k, v, shape, b, kvh);
-      std::fill(dk_acc.begin(), dk_acc.end(), 0.0);
-      std::fill(dv_acc.begin(), dv_acc.end(), 0.0);
-      for (int64_t h = kvh * shape.group(); h < (kvh + 1) * shape.group(); ++h) {
-        for (int64_t t = 0; t < seq_len; ++t) {
-          to_double(query.data(), q + shape.q_row(b, t, h), head_dim);
-          to_double(grad_out.data(), dout + shape.q_row(b, t, h), head_dim);
-          const T* out_t = out + shape.q_row(b, t, h);
-          double d_t = 0.0;  // dout_t . out_t
-          for (int64_t d = 0; d < head_dim; ++d) d_t += grad_out[d] * out_t[d];
-          const double lse_t = lse[shape.lse_index(b, h, t)];
-
-          panel.causal_scores(probs.data(), query.data(), t, scale);
-          for (int64_t j = 0; j <= t; ++j) probs[j] = std::exp(probs[j] - lse_t);
-          panel.causal_value_dots(dprobs.data(), grad_out.data(), t);
-          std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
-          for (int64_t j = 0; j <= t; ++j) {
-            const double p = probs[j];
-            const double ds = p * (dprobs[j] - d_t);
-            const double* key = panel.keys.data() + j * head_dim;
-            double* dk_j = dk_acc.data() + j * head_dim;
-            double* dv_j = dv_acc.data() + j * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) {
-              dq_acc[d] += ds * key[d];
-              dk_j[d] += ds * query[d];
-              dv_j[d] += p * grad_out[d];
-            }
-          }
-          T* dq_t = dq + shape.q_row(b, t, h);
-          for (int64_t d = 0; d < head_dim; ++d) dq_t[d] = static_cast<T>(scale * dq_acc[d]);
-        }
-      }
+      backward_kv_head(dq, dk_acc.data(), dv_acc.data(), dout, out, lse, q, panel, scratch, shape, b, kvh);
       for (int64_t j = 0; j < seq_len; ++j) {
         T* dk_j = dk + shape.kv_row(b, j, kvh);
         T* dv_j = dv + shape.kv_row(b, j, kvh);
         for (int64_t d = 0; d < head_dim; ++d) {
-          dk_j[d] = static_cast<T>(scale * dk_acc[j * head_dim + d]);
-          dv_j[d] = static_cast<T>(dv_acc[j * head_dim + d]);
+          dk_j[d] = scale * dk_acc[j * panel.dim + d];
+          dv_j[d] = dv_acc[j * panel.dim + d];
         }
       }
     }

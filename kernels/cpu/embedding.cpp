@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "kernels/cpu/parallel.h"
 
 namespace tuna::cpu {
 namespace {
@@ -35,7 +36,7 @@ void embedding_fwd(T* out, const int32_t* tokens, const T* table, int64_t n_toke
                    int64_t dim) {
   TUNA_CHECK(n_tokens >= 0 && vocab > 0 && dim > 0, "n_tokens ", n_tokens, ", vocab ", vocab, ", dim ", dim);
   check_tokens(tokens, n_tokens, vocab);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_tokens * dim >= kMinParallelWork)
   for (int64_t i = 0; i < n_tokens; ++i) {
     const T* row = table + static_cast<int64_t>(tokens[i]) * dim;
     std::copy(row, row + dim, out + i * dim);

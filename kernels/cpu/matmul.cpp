@@ -12,6 +12,7 @@
 
 #include <climits>
 
+#include "core/blas.h"
 #include "core/error.h"
 
 namespace tuna::cpu {
@@ -25,11 +26,13 @@ int blas_dim(int64_t value, const char* name) {
 
 void gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k, const float* a, int lda,
           const float* b, int ldb, float beta, float* c, int ldc) {
+  ensure_blas_kernels();  // done at load already; this keeps the object that does it linked (core/blas.h)
   cblas_sgemm(CblasRowMajor, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
 }
 
 void gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k, const double* a, int lda,
           const double* b, int ldb, double beta, double* c, int ldc) {
+  ensure_blas_kernels();
   cblas_dgemm(CblasRowMajor, trans_a, trans_b, m, n, k, 1.0, a, lda, b, ldb, beta, c, ldc);
 }
 

@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cpu/parallel.h"
 
 namespace tuna::cpu {
 namespace {
@@ -27,7 +28,7 @@ constexpr int64_t kColumnBlock = 64;
 template <typename T>
 void rmsnorm_fwd(T* out, T* rstd, const T* inp, const T* weight, int64_t n, int64_t dim, double eps) {
   TUNA_CHECK(n >= 0 && dim > 0, "n ", n, ", dim ", dim);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * dim >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) {
     const T* x = inp + i * dim;
     double sum_sq = 0.0;

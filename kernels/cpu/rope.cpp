@@ -15,6 +15,7 @@
 #include <numbers>
 
 #include "core/error.h"
+#include "kernels/cpu/parallel.h"
 
 namespace tuna::cpu {
 namespace {
@@ -57,7 +58,7 @@ void rotate_rows(T* out, const T* inp, const T* cos_table, const T* sin_table, i
              batch, ", seq_len ", seq_len, ", n_heads ", n_heads, ", head_dim ", head_dim);
   const int64_t half = head_dim / 2;
   const int64_t n_rows = batch * seq_len * n_heads;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_rows * head_dim >= kMinParallelWork)
   for (int64_t row = 0; row < n_rows; ++row) {
     const int64_t t = (row / n_heads) % seq_len;
     const T* c = cos_table + t * half;

@@ -1,15 +1,12 @@
-// core/threads.h: the thread count is what was asked (or cores / ranks), and the BLAS hint names the
-// variable only when OpenBLAS really runs its Prescott fallback and the user has not chosen a core.
+// core/threads.h: the thread count is what was asked (or cores / ranks), and the BLAS note appears exactly
+// when tuna replaced OpenBLAS's kernels.
 #include <gtest/gtest.h>
 #include <omp.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
+#include "core/blas.h"
 #include "core/threads.h"
-
-extern "C" char* openblas_get_corename() __attribute__((weak));
 
 namespace tuna {
 namespace {
@@ -23,22 +20,14 @@ TEST(Threads, CountIsWhatWasAskedOrCoresPerRank) {
   set_cpu_threads(0);
 }
 
-TEST(Threads, BlasHintOnlyForThePrescottFallback) {
+TEST(Threads, BlasHintOnlyWhenTunaReplacedTheKernels) {
+  const BlasKernels& k = ensure_blas_kernels();
   const std::string hint = blas_hint();
-  const bool prescott = openblas_get_corename && std::strcmp(openblas_get_corename(), "Prescott") == 0;
-  if (!prescott || std::getenv("OPENBLAS_CORETYPE")) {
-    EXPECT_EQ(hint, "");
-  }
+  EXPECT_EQ(hint.empty(), k.replaced.empty()) << hint;
   if (!hint.empty()) {
-    EXPECT_NE(hint.find("OPENBLAS_CORETYPE="), std::string::npos) << hint;
+    EXPECT_NE(hint.find(k.replaced), std::string::npos) << hint;
+    EXPECT_NE(hint.find(k.core), std::string::npos) << hint;
   }
-  // A core chosen by the user silences it.
-  const char* before = std::getenv("OPENBLAS_CORETYPE");
-  const std::string saved = before ? before : "";
-  ::setenv("OPENBLAS_CORETYPE", "Haswell", 1);
-  EXPECT_STREQ(blas_hint(), "");
-  if (before) ::setenv("OPENBLAS_CORETYPE", saved.c_str(), 1);
-  else ::unsetenv("OPENBLAS_CORETYPE");
 }
 
 }  // namespace

@@ -93,5 +93,15 @@ TEST(SumOfSquaresTest, IsBitIdenticalAcrossThreadCounts) {
   }
 }
 
+TEST(AccumulateTest, AddsElementwise) {
+  test::TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t n = 1001;
+  std::vector<float> dst = rng.vector<float>(n, -2.0, 2.0);
+  const std::vector<float> src = rng.vector<float>(n, -2.0, 2.0), before = dst;
+  accumulate(dst.data(), src.data(), n);
+  for (int64_t i = 0; i < n; i++) EXPECT_EQ(dst[i], before[i] + src[i]) << i;
+}
+
 }  // namespace
 }  // namespace tuna::cpu

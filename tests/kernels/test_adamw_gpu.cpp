@@ -111,6 +111,19 @@ TEST(AdamWGpu, Bf16MomentsAndStochasticRounding) {
   EXPECT_GT(up, p.n / 10);
 }
 
+// Sharded gradient accumulation: one fp32 add per element, so the GPU equals the CPU twin bit for bit.
+TEST(AdamWGpu, AccumulateMatchesCpuTwinExactly) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t n = 100000 + rng.integer(0, 1000);
+  std::vector<float> dst = rng.vector<float>(n, -2, 2), src = rng.vector<float>(n, -2, 2);
+  DeviceBuffer<float> d_dst(dst), d_src(src);
+  cuda::accumulate(d_dst.get(), d_src.get(), n, nullptr);
+  cpu::accumulate(dst.data(), src.data(), n);
+  EXPECT_EQ(d_dst.download(), dst);
+}
+
 TEST(AdamWGpu, SumOfSquaresIsDeterministicAndExact) {
   TUNA_REQUIRE_GPU();
   TestRng rng;

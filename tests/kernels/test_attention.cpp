@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 
 #include "kernels/cpu/attention.h"
 #include "tests/kernels/op_test_util.h"
@@ -125,6 +126,35 @@ TEST(AttentionTest, BackwardMatchesFiniteDifferences) {
     EXPECT_LT(test::rel_error_norm(dq, test::numeric_gradient(q, objective)), test::kFiniteDifferenceTolerance);
     EXPECT_LT(test::rel_error_norm(dk, test::numeric_gradient(k, objective)), test::kFiniteDifferenceTolerance);
     EXPECT_LT(test::rel_error_norm(dv, test::numeric_gradient(v, objective)), test::kFiniteDifferenceTolerance);
+  }
+}
+
+// The fp32 backward (the CPU backend's) against the double one on the same inputs: fp32 products summed over
+// up to seq_len x group terms, a few fp32 roundings each (~1e-7), while a wrong term is O(1).
+TEST(AttentionTest, FloatBackwardFollowsDouble) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (const AttentionProblem& p : {AttentionProblem{2, 45, 8, 2, 32}, AttentionProblem{1, 70, 4, 4, 10}}) {
+    SCOPED_TRACE(describe(p));
+    const std::vector<float> q = rng.vector<float>(p.q_size(), -3, 3), k = rng.vector<float>(p.kv_size(), -3, 3),
+                             v = rng.vector<float>(p.kv_size()), dout = rng.vector<float>(p.q_size());
+    const std::vector<double> qd = test::to_double(q), kd = test::to_double(k), vd = test::to_double(v),
+                              doutd = test::to_double(dout);
+    std::vector<float> out, lse;
+    std::vector<double> outd, lsed;
+    forward(p, out, lse, q, k, v);
+    forward(p, outd, lsed, qd, kd, vd);
+    std::vector<float> dq(p.q_size()), dk(p.kv_size()), dv(p.kv_size());
+    std::vector<double> dqd(p.q_size()), dkd(p.kv_size()), dvd(p.kv_size());
+    attention_bwd(dq.data(), dk.data(), dv.data(), dout.data(), out.data(), lse.data(), q.data(), k.data(), v.data(),
+                  p.batch, p.seq_len, p.n_heads, p.n_kv_heads, p.head_dim);
+    attention_bwd(dqd.data(), dkd.data(), dvd.data(), doutd.data(), outd.data(), lsed.data(), qd.data(), kd.data(),
+                  vd.data(), p.batch, p.seq_len, p.n_heads, p.n_kv_heads, p.head_dim);
+    EXPECT_LT(test::rel_error_norm(dq, dqd), 1e-5);
+    EXPECT_LT(test::rel_error_norm(dk, dkd), 1e-5);
+    EXPECT_LT(test::rel_error_norm(dv, dvd), 1e-5);
+    std::printf("  %s: dq %.2e dk %.2e dv %.2e\n", describe(p).c_str(), test::rel_error_norm(dq, dqd),
+                test::rel_error_norm(dk, dkd), test::rel_error_norm(dv, dvd));
   }
 }
 

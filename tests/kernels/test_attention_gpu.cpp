@@ -25,7 +25,7 @@ namespace {
 
 // With `rope`, the backward also applies RoPE's backward to dq and dk (attention.cuh's AttentionRope): the
 // references then rotate theirs, the naive version in fp32 from its bf16 dq, dk, rounding again.
-void check(const AttentionShape& s, TestRng& rng, cuda::AttentionPath path = cuda::AttentionPath::kMma,
+void check(const AttentionShape& s, TestRng& rng, AttentionPath path = AttentionPath::kMma,
            bool rope = false) {
   SCOPED_TRACE(s.describe() + " path " + cuda::attention_path_name(path) + (rope ? " with RoPE" : ""));
   std::printf(" %s, %s path%s\n", s.describe().c_str(), cuda::attention_path_name(path), rope ? ", RoPE" : "");
@@ -117,16 +117,16 @@ TEST(AttentionGpu, HeadDim64HopperPath) {
   TUNA_REQUIRE_SM90();
   TestRng rng;
   SCOPED_TRACE(rng.describe());
-  check({2, 260 + rng.integer(0, 27), 4, 2, 64}, rng, cuda::AttentionPath::kHopper);
-  check({1, 1, 2, 1, 64}, rng, cuda::AttentionPath::kHopper);
+  check({2, 260 + rng.integer(0, 27), 4, 2, 64}, rng, AttentionPath::kHopper);
+  check({1, 1, 2, 1, 64}, rng, AttentionPath::kHopper);
 }
 
 TEST(AttentionGpu, HeadDim128HopperPath) {
   TUNA_REQUIRE_SM90();
   TestRng rng;
   SCOPED_TRACE(rng.describe());
-  check({1, 150 + rng.integer(0, 27), 4, 1, 128}, rng, cuda::AttentionPath::kHopper);
-  check({1, 128, 2, 2, 128}, rng, cuda::AttentionPath::kHopper);
+  check({1, 150 + rng.integer(0, 27), 4, 1, 128}, rng, AttentionPath::kHopper);
+  check({1, 128, 2, 2, 128}, rng, AttentionPath::kHopper);
 }
 
 // RoPE's backward applied by attention_bwd: fused into the hopper path's epilogues, after the mma path's kernels.
@@ -134,10 +134,10 @@ TEST(AttentionGpu, BackwardAppliesRopeBackward) {
   TUNA_REQUIRE_GPU();
   TestRng rng;
   SCOPED_TRACE(rng.describe());
-  check({1, 70, 2, 1, 64}, rng, cuda::AttentionPath::kMma, /*rope=*/true);
+  check({1, 70, 2, 1, 64}, rng, AttentionPath::kMma, /*rope=*/true);
   if (!cuda::attention_hopper_available()) GTEST_SKIP() << "no sm_90 device or no sm_90a code";
-  check({1, 70, 2, 1, 64}, rng, cuda::AttentionPath::kHopper, /*rope=*/true);
-  check({1, 70, 2, 2, 128}, rng, cuda::AttentionPath::kHopper, /*rope=*/true);
+  check({1, 70, 2, 1, 64}, rng, AttentionPath::kHopper, /*rope=*/true);
+  check({1, 70, 2, 2, 128}, rng, AttentionPath::kHopper, /*rope=*/true);
 }
 
 TEST(AttentionGpu, SmallHeadDimsOfTinyModels) {

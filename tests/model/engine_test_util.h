@@ -2,8 +2,14 @@
 // single-rank mesh, engine options and starting weights from a transformers fixture, and one training step.
 #pragma once
 
+#include <exception>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
 
 #include "dist/comm.h"
 #include "model/checkpoint.h"
@@ -36,6 +42,26 @@ inline StepResult train_step(Engine& e, const Fixture& f, int64_t s, int64_t ste
   e.begin_step();
   return e.finish_step(e.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq),
                        learning_rate(f.optimizer(), s, steps));
+}
+
+// Ranks as threads of this process (dist/comm_local.cpp): body(world) on `ranks` threads, each with its own
+// world comm of one group. A rank's exception becomes a test failure naming the rank (the others then stop at
+// their next collective within `timeout_s`).
+inline void run_thread_ranks(int ranks, const std::function<void(Comm& world)>& body, double timeout_s = 120) {
+  std::vector<std::unique_ptr<Comm>> worlds = make_local_comms(ranks, timeout_s);
+  std::vector<std::string> errors(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; r++)
+    threads.emplace_back([&, r] {
+      try {
+        body(*worlds[r]);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < ranks; r++)
+    if (!errors[r].empty()) ADD_FAILURE() << "rank " << r << ": " << errors[r];
 }
 
 }  // namespace tuna::testing_util

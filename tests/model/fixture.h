@@ -27,6 +27,31 @@ inline double rel_err_norm(const float* ours, const double* ref, int64_t n, doub
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
+// Greedy decoding: extends `tokens` to `length` tokens, each the argmax of the logits that
+// last_logits(tokens, n_new) returns for the last position after the sequence grew by n_new tokens (the whole
+// prompt first, then 1 at a time). The model tests run it with and without a KV cache.
+template <typename LastLogits>
+std::vector<int32_t> greedy_tokens(std::vector<int32_t> tokens, int64_t length, int64_t vocab, LastLogits&& last_logits) {
+  int64_t n_new = static_cast<int64_t>(tokens.size());
+  while (static_cast<int64_t>(tokens.size()) < length) {
+    const float* row = last_logits(tokens, n_new);
+    tokens.push_back(static_cast<int32_t>(std::max_element(row, row + vocab) - row));
+    n_new = 1;
+  }
+  return tokens;
+}
+
+// greedy_tokens' logits by rerunning the whole context: any model with forward_logits(tokens, batch, seq, out);
+// `logits` holds [length, vocab].
+template <typename Model>
+auto whole_context_logits(Model& model, std::vector<float>& logits, int64_t vocab) {
+  return [&model, &logits, vocab](const std::vector<int32_t>& tokens, int64_t) {
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    model.forward_logits(tokens.data(), 1, n, logits.data());
+    return logits.data() + (n - 1) * vocab;
+  };
+}
+
 // tests/fixtures/<name>: the HF model directory, its batch, and reference.json's hyperparameters.
 struct Fixture {
   std::filesystem::path dir;

@@ -19,14 +19,7 @@ using testing_util::TempDir;
 
 LlamaConfig tiny() { return LlamaConfig::load("tests/fixtures/llama32_tiny"); }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing_util::error_of;
 
 TEST(Checkpoint, SavesLoadsAndKeepsTheNewest) {
   TempDir tmp("ckpt");

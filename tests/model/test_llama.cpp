@@ -13,7 +13,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
+#include "core/error.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/llama.h"
@@ -109,6 +111,61 @@ TEST(Llama, GradientAccumulationOverMicroBatchesEqualsOneBatch) {
   EXPECT_NEAR(a.sum, b.sum, 1e-5 * std::abs(a.sum));
   std::vector<double> ref(whole.grads.begin(), whole.grads.end());
   EXPECT_LE(rel_err_norm(split.grads.data(), ref.data(), ref.size()), 1e-6);
+}
+
+// Generation with a KV cache: a prompt of 5 positions, then one position at a time to the fixture's length,
+// both sequences of the batch at once; every step's last logits equal the whole-context forward's at that
+// position. Both are fp32 computations of the same function differing in summation order (GEMMs of other
+// shapes, attention rows read from the cache): the fp32 parity bound of this file, 1e-5, holds with margin.
+TEST_P(LlamaParity, CachedForwardEqualsTheWholeContext) {
+  Fixture f(GetParam());
+  Llama model(f.config, f.batch, f.seq);
+  load_weights(f.dir, model.layout(), model.params.data());
+  const int64_t V = f.config.vocab_size, prompt = 5;
+  std::vector<float> whole(f.batch * f.seq * V);
+  model.forward_logits(f.inputs.data(), f.batch, f.seq, whole.data());
+
+  KvCache cache = model.make_kv_cache(f.batch, f.seq);
+  std::vector<float> last(f.batch * V);
+  for (int64_t pos = 0; pos < f.seq;) {
+    const int64_t n = pos == 0 ? prompt : 1;
+    std::vector<int32_t> tokens(f.batch * n);
+    for (int64_t b = 0; b < f.batch; b++)
+      std::copy_n(f.inputs.begin() + b * f.seq + pos, n, tokens.begin() + b * n);
+    model.forward_cached(tokens.data(), f.batch, n, cache, last.data());
+    pos += n;
+    EXPECT_EQ(cache.length, pos);
+    for (int64_t b = 0; b < f.batch; b++) {
+      const float* expected = whole.data() + (b * f.seq + pos - 1) * V;
+      const std::vector<double> ref(expected, expected + V);
+      EXPECT_LE(rel_err_norm(last.data() + b * V, ref.data(), V), 1e-5) << "sequence " << b << ", position " << pos - 1;
+    }
+  }
+  std::vector<int32_t> one(f.batch, 3);
+  EXPECT_THROW(model.forward_cached(one.data(), f.batch, 1, cache, last.data()), Error);  // the cache is full
+}
+
+// Greedy decoding with the cache produces exactly the tokens of greedy decoding over the whole context
+// (build/sample's two paths). Weights drawn with std 0.3 give decisive logits, as a trained model has, so an
+// argmax is not decided by the last bits that the two paths may round differently.
+TEST_P(LlamaParity, GreedyTokensWithTheCacheEqualTheWholeContexts) {
+  Fixture f(GetParam());
+  const int64_t steps = 40, V = f.config.vocab_size;
+  const std::vector<int32_t> prompt{1, 17, 42, 5};
+  const int64_t capacity = static_cast<int64_t>(prompt.size()) + steps;
+  Llama model(f.config, 1, capacity);
+  model.init_random(7, 0.3);
+  std::vector<float> logits(capacity * V);
+  const std::vector<int32_t> whole =
+      testing_util::greedy_tokens(prompt, capacity, V, testing_util::whole_context_logits(model, logits, V));
+  KvCache cache = model.make_kv_cache(1, capacity);
+  const std::vector<int32_t> cached =
+      testing_util::greedy_tokens(prompt, capacity, V, [&](const std::vector<int32_t>& tokens, int64_t n_new) {
+        model.forward_cached(tokens.data() + tokens.size() - n_new, 1, n_new, cache, logits.data());
+        return logits.data();
+      });
+  EXPECT_EQ(cached, whole);
+  EXPECT_GT(std::set<int32_t>(whole.begin() + prompt.size(), whole.end()).size(), 3u) << "a degenerate model";
 }
 
 }  // namespace

@@ -4,10 +4,10 @@
 // -> import_shard) restores at 2 ranks and at 1.
 //
 // The device comm. A real build all-reduces gradients and gathers restored units with NCCL on the engine's
-// stream (train.cu's DeviceCommFactory, dist/comm_nccl.cpp), whose own code runs only on GPUs. On the emulator
-// device memory is host memory, so an MpiComm over the same dp ranks stands in for it, ignoring the stream
-// (the emulator runs every launch to completion before returning, so there is nothing to order against).
-// What runs is the engine's own data-parallel code: which buffers it reduces or gathers, when, and where.
+// stream (train.cu's DeviceCommFactory, dist/comm_nccl.cpp), whose own code runs only on GPUs. Here the staged
+// device comm (dist/comm_staged.cpp: device buffers copied through pinned host memory on the stream) carries them
+// over an MpiComm of the same dp ranks, as it carries a LocalComm when ranks share one GPU in gpu-check. What
+// runs is the engine's own data-parallel code: which buffers it reduces or gathers, when, and where.
 //
 // Tolerance of dp = 2 against one rank on both rows: 1e-6 relative on each step's loss and gradient norm and
 // on the final master weights (error norm). The GPU model computes each row of a micro-batch on its own except
@@ -56,9 +56,10 @@ constexpr double kWeightTol = 1e-6;    // relative error norm of the final maste
 // The dp mesh over the test's world (dp = world size, tp = 1) and its device comm.
 struct DataParallel {
   Mesh mesh = make_mesh(test::world(), 1);
-  // Stands in for NCCL (dist/comm_nccl.cpp, GPUs only): an MpiComm over the same dp ranks; the emulated
-  // "device" buffers are host memory, and the emulator has completed every launch on the stream already.
-  DeviceCommFactory device_comm = [this](void* /*cuda_stream*/) { return mesh.dp->split(0, mesh.dp_rank); };
+  // Stands in for NCCL (dist/comm_nccl.cpp, GPUs only): the staged device comm over the same dp ranks.
+  DeviceCommFactory device_comm = [this](void* stream) {
+    return make_staged_device_comm(mesh.dp->split(0, mesh.dp_rank), stream);
+  };
 };
 
 // One rank's row of the fixture's batch (dp rank r trains row r) at micro-batch 1, ZeRO stage `zero`.
@@ -118,7 +119,9 @@ void expect_replicas_identical(Engine& e, const Fixture& f, Comm& dp) {
   EXPECT_EQ(sum, root) << "rank " << dp.rank() << " drifted from rank 0";
 }
 
-// ZeRO-0 all-reduces the gradients; ZeRO-1 reduce-scatters them, updates its shard and all-gathers the weights.
+// ZeRO-0 all-reduces the gradients; ZeRO-1 reduce-scatters them, updates its shard and all-gathers the weights;
+// ZeRO-2 reduce-scatters each unit's gradient as the backward finishes it; ZeRO-3 also gathers each unit's
+// weights before use.
 class EngineGpuDataParallel : public testing::TestWithParam<int> {};
 
 TEST_P(EngineGpuDataParallel, TwoRanksFollowOneRankOnTheWholeBatch) {
@@ -166,7 +169,7 @@ TEST_P(EngineGpuDataParallel, TwoRanksFollowOneRankOnTheWholeBatch) {
   EXPECT_LE(weight_err, kWeightTol);
 }
 
-INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineGpuDataParallel, testing::Values(0, 1),
+INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineGpuDataParallel, testing::Values(0, 1, 2, 3),
                          [](const testing::TestParamInfo<int>& i) { return "zero" + std::to_string(i.param); });
 
 // A path every rank agrees on: rank 0 makes the directory (and removes it when the test ends).
@@ -287,7 +290,8 @@ INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuDataParallelResume,
                          // bits by position in the moment buffer, which is shard order under ZeRO-1, so the
                          // one-rank ZeRO-0 comparison would differ by design (not by error).
                          testing::Values(Rounding{0, false, false}, Rounding{0, true, true},
-                                         Rounding{1, false, false}, Rounding{1, true, false}),
+                                         Rounding{1, false, false}, Rounding{1, true, false},
+                                         Rounding{2, true, false}, Rounding{3, false, false}),
                          [](const testing::TestParamInfo<Rounding>& i) {
                            return "zero" + std::to_string(i.param.zero) + (i.param.bf16_moments ? "_bf16" : "_fp32") +
                                   (i.param.stochastic_rounding ? "_stochastic" : "");

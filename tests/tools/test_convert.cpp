@@ -41,8 +41,12 @@ TEST_P(ConvertRoundTrip, HfToTunaToHfIsBitExact) {
   auto r = run_command(kConvert + " hf-to-tuna " + hf.string() + " " + (tmp / "tuna").string(), tmp / "log1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(fs::exists(tmp / "tuna" / "state.json"));
+  // A progress line (the closing one, for a file this small) names what was written, its size and the time.
+  EXPECT_NE(r.output.find("convert: writing " + (tmp / "tuna" / "model.safetensors").string() + ": "), std::string::npos)
+      << r.output;
   r = run_command(kConvert + " tuna-to-hf " + (tmp / "tuna").string() + " " + (tmp / "hf").string(), tmp / "log2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(" in "), std::string::npos) << r.output;
   expect_same_tensors(hf, tmp / "hf");
 
   // bf16: export as bf16, import keeps bf16, export (auto: config says bfloat16) gives the same bytes.

@@ -16,6 +16,14 @@ using testing_util::TempDir;
 
 const std::string kBuild = testing_util::build_dir();
 
+// The generated text: the output without the closing timing line ("N tokens in T s: ... tokens/s ...").
+std::string generated_text(const std::string& output) {
+  const size_t stats = output.rfind(" tokens in ");
+  if (stats == std::string::npos) return output;
+  const size_t line = output.rfind('\n', stats);
+  return output.substr(0, line == std::string::npos ? 0 : line + 1);
+}
+
 // A demo-sized model (vocab 1024) after one training step, with a 1024-piece tokenizer in its checkpoint.
 class SampleTest : public ::testing::Test {
  protected:
@@ -52,14 +60,27 @@ TEST_F(SampleTest, GreedyIsDeterministicAndSamplingFollowsTheSeed) {
   auto a = run_command(sample(prompt + " --greedy"), dir_->path / "a.log");
   auto b = run_command(sample(prompt + " --greedy"), dir_->path / "b.log");
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  EXPECT_EQ(a.output, b.output);
+  EXPECT_EQ(generated_text(a.output), generated_text(b.output));
   EXPECT_EQ(a.output.rfind("This License", 0), 0u) << a.output;  // the prompt, then its continuation
-  EXPECT_GT(a.output.size(), std::string("This License\n").size()) << a.output;
+  EXPECT_GT(generated_text(a.output).size(), std::string("This License\n").size()) << a.output;
+  EXPECT_NE(a.output.find("tokens/s (cpu, KV cache)"), std::string::npos) << a.output;
 
   auto s1 = run_command(sample(prompt + " --seed 3 --temperature 1.5"), dir_->path / "s1.log");
   auto s2 = run_command(sample(prompt + " --seed 3 --temperature 1.5"), dir_->path / "s2.log");
   ASSERT_EQ(s1.exit_code, 0) << s1.output;
-  EXPECT_EQ(s1.output, s2.output);
+  EXPECT_EQ(generated_text(s1.output), generated_text(s2.output));
+}
+
+TEST_F(SampleTest, TheKvCacheGivesTheWholeContextsText) {
+  const std::string prompt = " --prompt 'This License' --max_tokens 24 --stop_at_eos false --device cpu";
+  for (const std::string mode : {" --greedy", " --seed 5 --temperature 1.2"}) {
+    auto cached = run_command(sample(prompt + mode), dir_->path / "cached.log");
+    auto whole = run_command(sample(prompt + mode + " --kv_cache false"), dir_->path / "whole.log");
+    ASSERT_EQ(cached.exit_code, 0) << cached.output;
+    ASSERT_EQ(whole.exit_code, 0) << whole.output;
+    EXPECT_EQ(generated_text(cached.output), generated_text(whole.output)) << mode;
+    EXPECT_NE(whole.output.find("no KV cache"), std::string::npos) << whole.output;
+  }
 }
 
 TEST_F(SampleTest, BadRequestsFailClearly) {

@@ -46,13 +46,17 @@ MatmulContext::MatmulContext(size_t workspace_bytes) : workspace_bytes_(workspac
   if (workspace_bytes_ > 0) TUNA_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
 }
 
+MatmulContext::MatmulContext(void* workspace, size_t workspace_bytes)
+    : workspace_(workspace), workspace_bytes_(workspace_bytes), owns_workspace_(false) {}
+
 MatmulContext::~MatmulContext() {
-  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (workspace_ != nullptr && owns_workspace_) cudaFree(workspace_);
 }
 
 void matmul_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
                 const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
   TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());  // one device for every host thread (runtime.h)
   if (n == 0) return;
   check_operand(out, n * oc, 2, "out");
   check_operand(inp, n * ic, 2, "inp");
@@ -71,6 +75,7 @@ void matmul_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_
                 const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
                 bool accumulate_dinp, cudaStream_t) {
   TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());  // one device for every host thread (runtime.h)
   if (n == 0) return;
   check_operand(dout, n * oc, 2, "dout");
   if (dinp != nullptr) {

@@ -14,6 +14,11 @@
 // sees it; what goes wrong while the kernel runs (a deadlock at a barrier, a race of ldmatrix with cp.async,
 // a diverged warp collective) throws tuna::Error at once, with what happened, instead of the hardware's
 // later "unspecified launch failure".
+//
+// Host threads. Several threads of one process may drive the device at once (ranks as threads, dist/comm_local.h):
+// every call that touches the emulated device, kernel launches included, holds one process-wide lock, so the
+// calls of different threads run one at a time, each to completion (one interleaving of their streams a device
+// may run). The last error is per host thread, as CUDA's is.
 #pragma once
 
 #include <algorithm>
@@ -24,6 +29,7 @@
 #include <cstring>
 #include <iterator>
 #include <map>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -107,7 +113,6 @@ constexpr int kOptInDynamicSharedBytes = 227 * 1024;   // sm_90's opt-in limit (
 
 struct Runtime {
   int multiprocessors = 132;  // an H100 SXM's; emulated_gpu_tests --sms sets fewer (persistent grids then loop)
-  cudaError_t last_error = cudaSuccess;
   std::map<uintptr_t, size_t> allocations;  // device allocations: start -> bytes
   size_t allocated_bytes = 0;
   std::map<const void*, int> max_dynamic_smem;  // per kernel, from cudaFuncSetAttribute
@@ -118,13 +123,27 @@ inline Runtime& runtime() {
   return instance;
 }
 
+// Held by every call that touches the emulated device (see the file comment). Recursive: an API call may make
+// another (cudaMemcpyAsync calls cudaMemcpy).
+inline std::recursive_mutex& api_lock() {
+  static std::recursive_mutex mutex;
+  return mutex;
+}
+using ApiGuard = std::lock_guard<std::recursive_mutex>;
+
+inline cudaError_t& last_error() {
+  static thread_local cudaError_t error = cudaSuccess;
+  return error;
+}
+
 inline cudaError_t record(cudaError_t error) {
-  if (error != cudaSuccess) runtime().last_error = error;
+  if (error != cudaSuccess) last_error() = error;
   return error;
 }
 
 // Whether [p, p + bytes) lies inside one device allocation.
 inline bool in_device_allocation(const void* p, size_t bytes) {
+  ApiGuard guard(api_lock());
   const auto& allocations = runtime().allocations;
   const auto address = reinterpret_cast<uintptr_t>(p);
   auto next = allocations.upper_bound(address);
@@ -180,6 +199,7 @@ template <typename... Params, typename... Args>
 void launch(Target target, void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t,
             Args&&... args) {
   static_assert(sizeof...(Params) == sizeof...(Args), "a kernel launch with the wrong number of arguments");
+  ApiGuard guard(api_lock());
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535 ||
       threads == 0 || threads > 1024 || block.z > 64) {
@@ -231,11 +251,11 @@ inline const char* cudaGetErrorName(cudaError_t error) {
   return "cudaErrorUnknown";
 }
 inline cudaError_t cudaGetLastError() {
-  const cudaError_t error = tuna::emulator::runtime().last_error;
-  tuna::emulator::runtime().last_error = cudaSuccess;
+  const cudaError_t error = tuna::emulator::last_error();
+  tuna::emulator::last_error() = cudaSuccess;
   return error;
 }
-inline cudaError_t cudaPeekAtLastError() { return tuna::emulator::runtime().last_error; }
+inline cudaError_t cudaPeekAtLastError() { return tuna::emulator::last_error(); }
 
 // ---- the device
 inline cudaError_t cudaGetDeviceCount(int* count) {
@@ -291,12 +311,14 @@ inline cudaError_t cudaDeviceGetPCIBusId(char* bus_id, int length, int device) {
 }
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   *total_bytes = tuna::emulator::kDeviceMemoryBytes;
   *free_bytes = tuna::emulator::kDeviceMemoryBytes - tuna::emulator::runtime().allocated_bytes;
   return cudaSuccess;
 }
 template <typename T>
 cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attribute, int value) {
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
       value > tuna::emulator::kOptInDynamicSharedBytes)
     return tuna::emulator::record(cudaErrorInvalidValue);
@@ -331,6 +353,7 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attributes, T* kernel) {
 
 // ---- memory
 inline cudaError_t cudaMalloc(void** p, size_t bytes) {
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   auto& rt = tuna::emulator::runtime();
   if (bytes > tuna::emulator::kDeviceMemoryBytes - rt.allocated_bytes)
     return tuna::emulator::record(cudaErrorMemoryAllocation);
@@ -348,6 +371,7 @@ cudaError_t cudaMalloc(T** p, size_t bytes) {
 }
 inline cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   auto& rt = tuna::emulator::runtime();
   const auto it = rt.allocations.find(reinterpret_cast<uintptr_t>(p));
   if (it == rt.allocations.end()) return tuna::emulator::record(cudaErrorInvalidDevicePointer);
@@ -372,6 +396,7 @@ inline cudaError_t cudaFreeHost(void* p) {
 
 inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   using tuna::emulator::in_device_allocation;
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
   if (kind < cudaMemcpyHostToHost || kind > cudaMemcpyDefault)
@@ -388,6 +413,7 @@ inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cud
 }
 inline cudaError_t cudaMemset(void* p, int value, size_t bytes) {
   if (bytes == 0) return cudaSuccess;
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   if (!tuna::emulator::in_device_allocation(p, bytes)) return tuna::emulator::record(cudaErrorInvalidValue);
   std::memset(p, value, bytes);
   return cudaSuccess;

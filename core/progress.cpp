@@ -1,0 +1,100 @@
+#include "core/progress.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace tuna {
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB", "PB"};
+  int u = 0;
+  while (std::abs(b) >= 1000 && u < 5) b /= 1000, u++;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
+  return buf;
+}
+
+std::string human_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = std::llround(seconds);
+  char buf[32];
+  if (s >= 86400) std::snprintf(buf, sizeof buf, "%lldd%02lldh", (long long)(s / 86400), (long long)(s % 86400 / 3600));
+  else if (s >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
+  else if (s >= 60) std::snprintf(buf, sizeof buf, "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
+  else std::snprintf(buf, sizeof buf, "%.1fs", seconds);
+  return buf;
+}
+
+ProgressLine::ProgressLine(std::string label, double total, Unit unit, std::FILE* out, double period_s,
+                           std::string items_name)
+    : label_(std::move(label)),
+      items_name_(std::move(items_name)),
+      total_(total),
+      period_s_(period_s),
+      unit_(unit),
+      out_(out),
+      live_(out != nullptr && ::isatty(::fileno(out))),
+      start_(Clock::now()),
+      last_print_(start_) {}
+
+ProgressLine::~ProgressLine() {
+  if (pending_newline_ && out_) std::fputc('\n', out_), std::fflush(out_);
+}
+
+std::string ProgressLine::amount(double x) const {
+  if (unit_ == Unit::Bytes) return human_bytes(x);
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.0f", x);
+  return buf;
+}
+
+std::string ProgressLine::text(bool final) const {
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+  const double rate = elapsed > 0 ? done_ / elapsed : 0;
+  const std::string rate_text =
+      unit_ == Unit::Bytes ? str(human_bytes(rate), "/s") : str(amount(rate), " ", items_name_, "/s");
+  std::string line = label_ + ": " + amount(done_);
+  if (total_ > 0) line += " / " + amount(total_);
+  if (unit_ == Unit::Items) line += " " + items_name_;
+  line += " (" + rate_text + ")";
+  if (final) return line + " in " + human_duration(elapsed);
+  if (total_ > 0) {
+    char share[16];
+    std::snprintf(share, sizeof share, "%.0f%%", 100.0 * std::min(1.0, done_ / total_));
+    line += str(", ", share, ", ETA ", rate > 0 ? human_duration((total_ - done_) / rate) : std::string("?"));
+  }
+  return line;
+}
+
+void ProgressLine::update(double done) {
+  done_ = done;
+  if (!out_ || finished_) return;
+  const auto now = Clock::now();
+  const double since = std::chrono::duration<double>(now - last_print_).count();
+  if (since < (live_ ? 0.25 : period_s_)) return;
+  last_print_ = now;
+  if (live_) {
+    // Rewrite the line; \033[K clears what a longer previous line left.
+    std::fprintf(out_, "\r%s\033[K", text(false).c_str());
+    pending_newline_ = true;
+  } else {
+    std::fprintf(out_, "%s\n", text(false).c_str());
+  }
+  std::fflush(out_);
+}
+
+void ProgressLine::finish() {
+  if (finished_) return;
+  finished_ = true;
+  if (!out_) return;
+  if (live_) std::fprintf(out_, "\r%s\033[K\n", text(true).c_str());
+  else std::fprintf(out_, "%s\n", text(true).c_str());
+  pending_newline_ = false;
+  std::fflush(out_);
+}
+
+}  // namespace tuna

@@ -1,0 +1,211 @@
+// LocalComm: ranks as threads of one process, collectives on host memory. What lets several ranks of the CUDA
+// engine share one GPU in a test (NCCL refuses two ranks on one device, and the GPU machine has no MPI): each
+// thread is a rank, with a LocalComm world (and its dp / tp splits) as host comm and a staged device comm over
+// it (dist/comm_staged.cpp).
+//
+// Every collective is two rendezvous of the group: at the first every rank has posted its buffers; between the
+// two each rank reads the others' buffers and writes only its own output (or a private temporary, for in-place
+// reductions); after the second every read is done, so buffers may change again. Sums run over ranks in rank
+// order, so every rank gets the same bits. Each wait is bounded by the timeout: a rank that died or hangs
+// makes the others fail with an error naming the collective and the ranks that did not arrive.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "dist/comm.h"
+
+namespace tuna {
+
+namespace {
+
+struct LocalGroup {
+  explicit LocalGroup(int n, double timeout) : size(n), timeout_s(timeout), send(n), recv(n), labels(n), split_keys(n), children(n) {}
+  const int size;
+  const double timeout_s;
+  std::mutex mutex;
+  std::condition_variable changed;
+  int64_t generation = 0;  // rendezvous completed so far
+  int arrived = 0;
+  std::vector<bool> present = std::vector<bool>(size, false);  // arrived at the current rendezvous
+  // Posted by each rank before the first rendezvous of a collective.
+  std::vector<const void*> send;
+  std::vector<void*> recv;
+  std::vector<std::string> labels;
+  std::vector<std::pair<int, int>> split_keys;  // (color, key)
+  struct Child {
+    std::shared_ptr<LocalGroup> group;
+    int rank = 0;
+  };
+  std::vector<Child> children;
+
+  // Blocks until every rank arrived; `what` names the collective in a timeout's error.
+  void rendezvous(int rank, const std::string& what) {
+    std::unique_lock<std::mutex> lock(mutex);
+    const int64_t mine = generation;
+    present[rank] = true;
+    if (++arrived == size) {
+      arrived = 0;
+      std::fill(present.begin(), present.end(), false);
+      generation++;
+      changed.notify_all();
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (generation == mine) {
+      if (timeout_s <= 0) {
+        changed.wait(lock);
+      } else if (changed.wait_until(lock, deadline) == std::cv_status::timeout && generation == mine) {
+        std::string missing;
+        for (int r = 0; r < size; r++)
+          if (!present[r]) missing += str(missing.empty() ? "" : ", ", r);
+        fail("rank ", rank, " of ", size, " (threads): ", what, " did not complete within ", timeout_s,
+             " s (--comm_timeout): rank(s) ", missing, " did not arrive (died, hung, or called another collective)");
+      }
+    }
+  }
+};
+
+template <typename T>
+void sum_into(T* acc, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) acc[i] += x[i];
+}
+
+template <typename T>
+void max_into(T* acc, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) acc[i] = std::max(acc[i], x[i]);
+}
+
+class LocalComm final : public Comm {
+ public:
+  LocalComm(std::shared_ptr<LocalGroup> group, int rank) : Comm(rank, group->size), group_(std::move(group)) {}
+  std::string backend() const override { return "threads"; }
+
+  void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) override {
+    const std::string label = str("all_reduce '", what, "' (", n, " elements)");
+    post(buf, buf, label);
+    // Into a private temporary in rank order, so every rank computes the same bits; written back after the
+    // second rendezvous, when no rank reads buf any more.
+    std::vector<char> result;
+    switch (type) {
+      case CommType::F32: result = reduce<float>(n, op); break;
+      case CommType::F64: result = reduce<double>(n, op); break;
+      case CommType::I64: result = reduce<int64_t>(n, op); break;
+      case CommType::BF16: {  // in fp32, rounded once
+        std::vector<float> acc(n), x(n);
+        convert_to_f32(group_->send[0], DType::BF16, acc.data(), n);
+        for (int r = 1; r < size(); r++) {
+          convert_to_f32(group_->send[r], DType::BF16, x.data(), n);
+          op == ReduceOp::Sum ? sum_into(acc.data(), x.data(), n) : max_into(acc.data(), x.data(), n);
+        }
+        result.resize(n * 2);
+        convert_from_f32(acc.data(), DType::BF16, result.data(), n);
+        break;
+      }
+    }
+    group_->rendezvous(rank(), label);
+    std::memcpy(buf, result.data(), result.size());
+  }
+
+  void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) override {
+    const std::string label = str("reduce_scatter '", what, "' (", n, " floats)");
+    post(send, recv, label);
+    const Range mine = shard_range(n, rank(), size());
+    std::vector<float> acc(static_cast<const float*>(group_->send[0]) + mine.begin,
+                           static_cast<const float*>(group_->send[0]) + mine.end);
+    for (int r = 1; r < size(); r++) sum_into(acc.data(), static_cast<const float*>(group_->send[r]) + mine.begin, mine.size());
+    group_->rendezvous(rank(), label);  // recv may alias this rank's send, which others read until here
+    std::copy(acc.begin(), acc.end(), recv);
+  }
+
+  void all_gather(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    const std::string label = str("all_gather '", what, "' (", n, " elements)");
+    post(send, recv, label);
+    const int64_t bytes = comm_type_bytes(type);
+    for (int r = 0; r < size(); r++) {
+      const Range piece = shard_range(n, r, size());
+      char* dst = static_cast<char*>(recv) + piece.begin * bytes;
+      if (group_->send[r] != dst) std::memcpy(dst, group_->send[r], piece.size() * bytes);
+    }
+    group_->rendezvous(rank(), label);
+  }
+
+  CommRequest all_gather_start(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    all_gather(send, recv, n, type, what);  // completes here: nothing to overlap on host threads
+    return 0;
+  }
+  void wait(CommRequest) override {}
+
+  void broadcast(void* buf, int64_t bytes, int root, const char* what) override {
+    const std::string label = str("broadcast '", what, "' (", bytes, " bytes from rank ", root, ")");
+    post(buf, buf, label);
+    if (rank() != root) std::memcpy(buf, group_->send[root], bytes);
+    group_->rendezvous(rank(), label);
+  }
+
+  void barrier(const char* what) override { group_->rendezvous(rank(), str("barrier '", what, "'")); }
+
+  std::unique_ptr<Comm> split(int color, int key) override {
+    const std::string label = str("split (color ", color, ", key ", key, ")");
+    {
+      std::lock_guard<std::mutex> lock(group_->mutex);
+      group_->split_keys[rank()] = {color, key};
+    }
+    group_->rendezvous(rank(), label);
+    if (rank() == 0) {  // rank 0 forms every sub-group; the others read their slot after the next rendezvous
+      std::map<int, std::vector<std::pair<int, int>>> members;  // color -> (key, parent rank)
+      for (int r = 0; r < size(); r++) members[group_->split_keys[r].first].push_back({group_->split_keys[r].second, r});
+      for (auto& [c, list] : members) {
+        std::sort(list.begin(), list.end());
+        auto child = std::make_shared<LocalGroup>(static_cast<int>(list.size()), group_->timeout_s);
+        for (size_t i = 0; i < list.size(); i++) group_->children[list[i].second] = {child, static_cast<int>(i)};
+      }
+    }
+    group_->rendezvous(rank(), label);
+    LocalGroup::Child mine = group_->children[rank()];
+    group_->rendezvous(rank(), label);  // every rank has its slot: rank 0 may overwrite them at the next split
+    return std::make_unique<LocalComm>(mine.group, mine.rank);
+  }
+
+ private:
+  void post(const void* send, void* recv, const std::string& label) {
+    {
+      std::lock_guard<std::mutex> lock(group_->mutex);
+      group_->send[rank()] = send;
+      group_->recv[rank()] = recv;
+      group_->labels[rank()] = label;
+    }
+    group_->rendezvous(rank(), label);
+  }
+
+  template <typename T>
+  std::vector<char> reduce(int64_t n, ReduceOp op) {
+    std::vector<T> acc(static_cast<const T*>(group_->send[0]), static_cast<const T*>(group_->send[0]) + n);
+    for (int r = 1; r < size(); r++) {
+      const T* x = static_cast<const T*>(group_->send[r]);
+      op == ReduceOp::Sum ? sum_into(acc.data(), x, n) : max_into(acc.data(), x, n);
+    }
+    std::vector<char> out(n * sizeof(T));
+    std::memcpy(out.data(), acc.data(), out.size());
+    return out;
+  }
+
+  std::shared_ptr<LocalGroup> group_;
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Comm>> make_local_comms(int size, double timeout_s) {
+  TUNA_CHECK(size >= 1, "a group of ", size, " ranks");
+  auto group = std::make_shared<LocalGroup>(size, timeout_s);
+  std::vector<std::unique_ptr<Comm>> comms;
+  for (int r = 0; r < size; r++) comms.push_back(std::make_unique<LocalComm>(group, r));
+  return comms;
+}
+
+}  // namespace tuna

@@ -1,0 +1,128 @@
+// DecodeGpu: LlamaGpu's forward (model/llama_gpu.cpp, same ops in the same order) for the positions appended
+// to a KV cache. Per layer, for the n new positions of each sequence:
+//   norm = rmsnorm(x);  q, k, v = norm @ Wq, Wk, Wv;  rope(q, k) at positions length..length+n-1
+//   k, v -> cache[length..];  att = decode_attention(q, cache);  h = x + att @ Wo
+//   norm = rmsnorm(h);  x = h + down(silu(norm @ Wgate) * (norm @ Wup))
+// then logits = lm_head(rmsnorm(x)) at each sequence's last new position only.
+#if TUNA_CUDA
+
+#include "model/decode_gpu.h"
+
+#include <algorithm>
+
+#include "core/cuda_check.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/decode_attention.cuh"
+#include "kernels/embedding.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/rope.cuh"
+#include "kernels/swiglu.cuh"
+#include "model/llama_gpu.h"  // DeviceArenaPlan
+
+namespace tuna {
+
+DecodeGpu::DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity)
+    : config_(*weights.config), layout_(*weights.layout), params_(weights.params), batch_(batch), capacity_(capacity) {
+  const LlamaConfig& c = config_;
+  if (batch < 1 || capacity < 1 || capacity > c.max_position_embeddings)
+    fail("KV cache of ", batch, " x ", capacity, " positions: expected >= 1 sequence of 1..", c.max_position_embeddings,
+         " positions (max_position_embeddings)");
+  if (c.head_dim % 8 != 0 || c.head_dim > 128)
+    fail("--device cuda generation: decode attention supports head_dim a multiple of 8 up to 128; this model has ",
+         c.head_dim);
+  TUNA_CUDA_CHECK(cudaSetDevice(weights.device));
+  TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  matmul_ = std::make_unique<cuda::MatmulContext>();
+
+  const int64_t rows = batch * capacity, C = c.hidden_size, F = c.intermediate_size;
+  const int64_t cache_elems = batch * capacity * c.kv_dim();
+  DeviceArenaPlan plan;
+  keys_.resize(c.num_hidden_layers), values_.resize(c.num_hidden_layers);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) plan.add(&keys_[l], cache_elems), plan.add(&values_[l], cache_elems);
+  plan.add(&rope_cos_, capacity * c.head_dim / 2);
+  plan.add(&rope_sin_, capacity * c.head_dim / 2);
+  plan.add(&rstd_, rows);
+  for (__nv_bfloat16** p : {&x_, &h_, &norm_}) plan.add(p, rows * C);
+  for (__nv_bfloat16** p : {&q_, &att_}) plan.add(p, rows * c.q_dim());
+  for (__nv_bfloat16** p : {&k_, &v_}) plan.add(p, rows * c.kv_dim());
+  for (__nv_bfloat16** p : {&gate_, &up_, &act_}) plan.add(p, rows * F);
+  plan.add(&last_, batch * C);
+  plan.add(&logits_, batch * c.vocab_size);
+  plan.add(&tokens_, rows);
+  TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), static_cast<size_t>(plan.bytes())));
+  plan.assign(arena_);
+
+  // The rotation tables from the CPU twin's functions, as LlamaGpu uploads them.
+  std::vector<double> inv_freq(c.head_dim / 2);
+  cpu::rope_inv_freq(inv_freq.data(), c.head_dim, c.rope_theta, c.rope_scaling);
+  std::vector<float> cos_table(capacity * c.head_dim / 2), sin_table(capacity * c.head_dim / 2);
+  cpu::rope_table(cos_table.data(), sin_table.data(), inv_freq.data(), capacity, c.head_dim);
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(rope_cos_, cos_table.data(), cos_table.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice, stream_));
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(rope_sin_, sin_table.data(), sin_table.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice, stream_));
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+DecodeGpu::~DecodeGpu() {
+  matmul_.reset();
+  if (arena_) cudaFree(arena_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void DecodeGpu::append(const int32_t* tokens, int64_t n, float* host_last_logits) {
+  const LlamaConfig& c = config_;
+  if (n < 1 || length_ + n > capacity_)
+    fail("generation: ", n, " new positions after ", length_, " do not fit the KV cache's ", capacity_);
+  const int64_t rows = batch_ * n, C = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
+  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim, kvd = c.kv_dim();
+  for (int64_t i = 0; i < rows; ++i)
+    if (tokens[i] < 0 || tokens[i] >= V)
+      fail("generation: token at position ", i, " is ", tokens[i], ", outside the vocabulary [0, ", V, ")");
+  cudaStream_t s = stream_;
+  cuda::MatmulContext& mm = *matmul_;
+  const __nv_bfloat16* w = params_;
+  const float* cos = rope_cos_ + length_ * (D / 2);
+  const float* sin = rope_sin_ + length_ * (D / 2);
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(tokens_, tokens, rows * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+
+  cuda::embedding_fwd(x_, tokens_, w + layout_.embed_tokens(), rows, V, C, s);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerOffsets& o = layout_.layer(l);
+    cuda::rmsnorm_fwd(norm_, rstd_, nullptr, x_, nullptr, w + o.input_norm, rows, C, c.rms_norm_eps, s);
+    cuda::matmul_fwd(mm, q_, norm_, w + o.q_proj, nullptr, rows, C, c.q_dim(), s);
+    cuda::matmul_fwd(mm, k_, norm_, w + o.k_proj, nullptr, rows, C, kvd, s);
+    cuda::matmul_fwd(mm, v_, norm_, w + o.v_proj, nullptr, rows, C, kvd, s);
+    cuda::rope_fwd(q_, q_, cos, sin, batch_, n, H, D, s);
+    cuda::rope_fwd(k_, k_, cos, sin, batch_, n, KV, D, s);
+    for (int64_t b = 0; b < batch_; ++b) {  // rows b * n .. of k, v -> positions length_ .. of sequence b
+      const size_t bytes = static_cast<size_t>(n * kvd) * sizeof(__nv_bfloat16);
+      const int64_t to = (b * capacity_ + length_) * kvd, from = b * n * kvd;
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(keys_[l] + to, k_ + from, bytes, cudaMemcpyDeviceToDevice, s));
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(values_[l] + to, v_ + from, bytes, cudaMemcpyDeviceToDevice, s));
+    }
+    cuda::decode_attention_fwd(att_, q_, keys_[l], values_[l], batch_, n, length_, capacity_, H, KV, D, s);
+    cuda::matmul_fwd(mm, h_, att_, w + o.o_proj, /*residual=*/x_, rows, c.q_dim(), C, s);
+    cuda::rmsnorm_fwd(norm_, rstd_, nullptr, h_, nullptr, w + o.post_norm, rows, C, c.rms_norm_eps, s);
+    cuda::matmul_fwd(mm, gate_, norm_, w + o.gate_proj, nullptr, rows, C, F, s);
+    cuda::matmul_fwd(mm, up_, norm_, w + o.up_proj, nullptr, rows, C, F, s);
+    cuda::swiglu_fwd(act_, gate_, up_, rows * F, s);
+    cuda::matmul_fwd(mm, x_, act_, w + o.down_proj, /*residual=*/h_, rows, F, C, s);
+  }
+  cuda::rmsnorm_fwd(norm_, rstd_, nullptr, x_, nullptr, w + layout_.final_norm(), rows, C, c.rms_norm_eps, s);
+  for (int64_t b = 0; b < batch_; ++b)  // each sequence's last new position
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(last_ + b * C, norm_ + (b * n + n - 1) * C, C * sizeof(__nv_bfloat16),
+                                    cudaMemcpyDeviceToDevice, s));
+  cuda::matmul_fwd(mm, logits_, last_, w + layout_.lm_head(), nullptr, batch_, C, V, s);
+  std::vector<uint16_t> bits(batch_ * V);
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(bits.data(), logits_, bits.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost, s));
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+  convert_to_f32(bits.data(), DType::BF16, host_last_logits, batch_ * V);
+  length_ += n;
+}
+
+}  // namespace tuna
+
+#endif  // TUNA_CUDA

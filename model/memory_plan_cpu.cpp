@@ -1,0 +1,99 @@
+// The CPU engine's memory plan (model/memory_plan.h): what one rank of the CPU backend (Llama + Zero, fp32)
+// allocates on the host for a model, a dp x tp x ZeRO layout and a batch shape.
+//
+// The persistent items are made of the figures Llama's and Zero's constructors check their allocations against
+// (llama_buffer_sizes, zero_buffer_sizes), so they are exact. The transients are what the trainer allocates for a
+// moment and frees (train.cu, model/checkpoint.cpp, the MPI library); the trainer's measured peak resident memory
+// is held against the plan by tests/dist/test_memory_plan.cpp. The plan is for the layout's dp_rank and tp_rank;
+// rank 0 of each holds the most (the larger pieces of an uneven split, shard_range), so its plan is the one to fit.
+#include <algorithm>
+
+#include "core/error.h"
+#include "dist/zero.h"
+#include "model/layout.h"
+#include "model/llama.h"
+#include "model/memory_plan.h"
+
+namespace tuna {
+
+namespace {
+
+constexpr int64_t kFloat = sizeof(float), kDouble = sizeof(double);
+
+}  // namespace
+
+MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
+  if (m.dp < 1 || m.tp < 1) fail("memory plan: dp and tp must be >= 1, found dp ", m.dp, ", tp ", m.tp);
+  TUNA_CHECK(m.dp_rank >= 0 && m.dp_rank < m.dp && m.tp_rank >= 0 && m.tp_rank < m.tp, "dp rank ", m.dp_rank, " of ",
+             m.dp, ", tp rank ", m.tp_rank, " of ", m.tp);
+  if (m.zero < 0 || m.zero > 3) fail("memory plan: option 'zero': expected 0, 1, 2 or 3, found ", m.zero);
+  if (m.micro_batch < 1 || m.seq_len < 1)
+    fail("memory plan: micro_batch and seq_len must be >= 1, found ", m.micro_batch, " and ", m.seq_len);
+  // The CPU backend is fp32 throughout and keeps every activation: the options that change that are cuda's.
+  if (m.recompute != Recompute::None)
+    fail("option 'recompute' is ", recompute_name(m.recompute), ", but the CPU backend keeps every activation "
+         "(recompute is a --device cuda option)");
+  if (m.bf16_moments) fail("option 'bf16_moments' is for --device cuda (the CPU backend keeps fp32 moments)");
+  if (!m.master_weights) fail("option 'master_weights' false is for --device cuda (the CPU backend trains fp32 weights)");
+
+  const ParamLayout layout(config, static_cast<int>(m.tp_rank), static_cast<int>(m.tp));
+  const LlamaBufferSizes llama = llama_buffer_sizes(config, layout.tp(), m.micro_batch, m.seq_len);
+  // The forward pass alone (build/eval, build/sample) is a Llama without Zero.
+  const ZeroBufferSizes zero = m.training ? zero_buffer_sizes(layout, m.zero, static_cast<int>(m.dp_rank),
+                                                              static_cast<int>(m.dp))
+                                          : ZeroBufferSizes{};
+  const int64_t params = layout.total(), L = config.num_hidden_layers;
+
+  MemoryPlan plan;
+  auto add = [&](std::string name, MemoryKind kind, int64_t bytes) {
+    if (bytes > 0) plan.items.push_back({std::move(name), kind, bytes});
+  };
+  // Llama: whole (tp-local) weights below stage 3, whole gradients below stage 2 (Zero takes them over above).
+  const int stage = m.training ? m.zero : 0;
+  if (stage < 3) add("weights (fp32, whole)", MemoryKind::Weights, params * kFloat);
+  if (stage < 2) add("gradients (fp32, whole)", MemoryKind::Gradients, params * kFloat);
+  add(str("activations kept for the backward (", L, " layers)"), MemoryKind::Activations,
+      (llama.kept_per_layer * L + llama.final_norm) * kFloat);
+  add(str("loss head: logits of ", llama.head_chunk_rows, " rows"), MemoryKind::Activations, llama.logits_chunk * kFloat);
+  add("backward scratch (one layer's activation gradients)", MemoryKind::Activations, llama.backward * kFloat);
+  add("rotary tables", MemoryKind::Workspace, llama.rope_tables * kFloat + llama.rope_inv_freq * kDouble);
+  add("vocab-parallel loss statistics", MemoryKind::Workspace, llama.ce_stats * kDouble);
+  // Zero.
+  add("master weights (fp32, shard)", MemoryKind::Master, zero.master * kFloat);
+  add("gradient shard (fp32)", MemoryKind::Gradients, zero.grad_shard * kFloat);
+  add(m.zero == 0 ? "AdamW moments (fp32, whole)" : "AdamW moments (fp32, shard)", MemoryKind::Moments,
+      2 * zero.moments * kFloat);
+  add(str("gathered weights (", zero.weight_buffers, " unit buffers)"), MemoryKind::Communication,
+      zero.weight_buffers * zero.unit * kFloat);
+  add(str("unit gradients (", zero.grad_buffers, " unit buffers)"), MemoryKind::Communication,
+      zero.grad_buffers * zero.unit * kFloat);
+  add("reduce-scatter output (one unit's piece)", MemoryKind::Communication, zero.scatter_out * kFloat);
+
+  if (!m.training) return plan;
+
+  // Transients: each lives alone (start-up, a checkpoint, a collective), so the peak adds only the largest.
+  int64_t largest_global = 0, largest_local = 0;
+  for (const ParamTensor& t : layout.tensors()) {
+    int64_t global = 1;
+    for (int64_t d : t.global_shape) global *= d;
+    largest_global = std::max(largest_global, global);
+    largest_local = std::max(largest_local, t.numel);
+  }
+  // Start-up: one global tensor drawn (or read and cut to this rank's block), and at stage 3 the whole
+  // (tp-local) model staged before Zero keeps its shard (model/engine.cpp).
+  add(m.zero == 3 ? "start-up: the whole model staged for the shard, and one global tensor"
+                  : "start-up: one global tensor drawn or read",
+      MemoryKind::Transient, ((m.zero == 3 ? params : 0) + largest_global) * kFloat);
+  // A checkpoint: the rank's shard of weights and both moments copied out (Engine::export_shard); a resume reads
+  // the same three and one global tensor with its local block (model/checkpoint.cpp).
+  add("checkpoint save: weights and moments of the shard copied out", MemoryKind::Transient, 3 * zero.shard * kFloat);
+  add("checkpoint resume: the shard read back, with one global tensor", MemoryKind::Transient,
+      (3 * zero.shard + largest_global + largest_local) * kFloat);
+  // Stages 0-1 all-reduce the whole gradient in place; Open MPI's non-blocking all-reduce works through a
+  // temporary copy of the message.
+  if (m.dp > 1 && m.zero <= 1)
+    add("gradient all-reduce: MPI's temporary copy", MemoryKind::Transient, params * kFloat);
+  return plan;
+}
+
+}  // namespace tuna

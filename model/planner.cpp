@@ -1,0 +1,808 @@
+// The planner (model/planner.h): hardware and model catalogues, measured rates, the step-time model, the job's
+// verdict and the layout search.
+#include "model/planner.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <ctime>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/progress.h"
+#include "dist/comm.h"  // shard_range
+#include "dist/zero.h"  // dp_unit_pieces
+#include "model/layout.h"
+
+namespace tuna {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string format_number(double x, int decimals) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, x);
+  return buf;
+}
+
+// 1.23B, 45.6M: parameter and token counts.
+std::string human_count(double x) {
+  char buf[32];
+  if (x >= 1e12) std::snprintf(buf, sizeof buf, "%.2fT", x / 1e12);
+  else if (x >= 1e9) std::snprintf(buf, sizeof buf, "%.2fB", x / 1e9);
+  else if (x >= 1e6) std::snprintf(buf, sizeof buf, "%.1fM", x / 1e6);
+  else if (x >= 1e3) std::snprintf(buf, sizeof buf, "%.1fk", x / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f", x);
+  return buf;
+}
+
+}  // namespace
+
+// ---- hardware ----
+
+const std::vector<GpuKind>& gpu_catalogue() {
+  // Peaks and HBM from NVIDIA's datasheets (SXM boards, dense bf16); hbm_bytes as nvidia-smi reports memory.total.
+  // Bus bandwidths are nominal per-direction link rates at 80% (what nccl-tests commonly reach): the planner
+  // says so, and build/bench_comm on the cluster measures the real figure (--intra_gbps overrides).
+  static const std::vector<GpuKind> kinds = {
+      {"h100-80gb", "NVIDIA H100 SXM 80 GB", 989.4e12, 81559.0 * (1 << 20), 3.35e12, 0.8 * 450e9,
+       "NVLink 4: 450 GB/s per direction per GPU, 80% assumed reached"},
+      {"h200", "NVIDIA H200 SXM 141 GB", 989.4e12, 143771.0 * (1 << 20), 4.8e12, 0.8 * 450e9,
+       "NVLink 4: 450 GB/s per direction per GPU, 80% assumed reached"},
+      {"a100-80gb", "NVIDIA A100 SXM 80 GB", 312e12, 81920.0 * (1 << 20), 2.039e12, 0.8 * 300e9,
+       "NVLink 3: 300 GB/s per direction per GPU, 80% assumed reached"},
+  };
+  return kinds;
+}
+
+const GpuKind& find_gpu(const std::string& name) {
+  std::string known;
+  for (const GpuKind& g : gpu_catalogue()) {
+    if (g.name == name) return g;
+    known += (known.empty() ? "" : ", ") + g.name;
+  }
+  fail("unknown GPU kind '", name, "': the planner knows ", known,
+       " (add one to gpu_catalogue in model/planner.cpp with its peak, memory and bandwidth)");
+}
+
+// ---- models ----
+
+const std::vector<std::pair<std::string, json>>& model_catalogue() {
+  auto llama2 = [](int64_t hidden, int64_t ffn, int64_t layers, int64_t heads, int64_t kv) {
+    return json{{"hidden_size", hidden}, {"intermediate_size", ffn}, {"num_hidden_layers", layers},
+                {"num_attention_heads", heads}, {"num_key_value_heads", kv}, {"vocab_size", 32000},
+                {"max_position_embeddings", 4096}, {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0},
+                {"tie_word_embeddings", false}, {"torch_dtype", "bfloat16"}};
+  };
+  auto llama3 = [](int64_t hidden, int64_t ffn, int64_t layers, int64_t heads, bool tied) {
+    return json{{"hidden_size", hidden}, {"intermediate_size", ffn}, {"num_hidden_layers", layers},
+                {"num_attention_heads", heads}, {"num_key_value_heads", 8}, {"vocab_size", 128256},
+                {"max_position_embeddings", 131072}, {"rms_norm_eps", 1e-5}, {"rope_theta", 500000.0},
+                {"rope_scaling", {{"rope_type", "llama3"}, {"factor", tied ? 32.0 : 8.0}, {"low_freq_factor", 1.0},
+                                  {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}}},
+                {"tie_word_embeddings", tied}, {"torch_dtype", "bfloat16"}};
+  };
+  static const std::vector<std::pair<std::string, json>> models = {
+      {"llama-3.2-1b", llama3(2048, 8192, 16, 32, true)},   {"llama-3.2-3b", llama3(3072, 8192, 28, 24, true)},
+      {"llama-2-7b", llama2(4096, 11008, 32, 32, 32)},     {"llama-3.1-8b", llama3(4096, 14336, 32, 32, false)},
+      {"llama-2-13b", llama2(5120, 13824, 40, 40, 40)},    {"llama-2-70b", llama2(8192, 28672, 80, 64, 8)},
+      {"llama-3.1-70b", llama3(8192, 28672, 80, 64, false)},
+  };
+  return models;
+}
+
+LlamaConfig load_model_for_plan(const std::string& spec, std::string* name) {
+  for (const auto& [n, j] : model_catalogue())
+    if (n == spec) {
+      if (name) *name = n;
+      return LlamaConfig::from_json(j, "the planner's catalogue: " + n);
+    }
+  if (!fs::exists(spec)) {
+    std::string known;
+    for (const auto& [n, j] : model_catalogue()) known += (known.empty() ? "" : ", ") + n;
+    fail("--model '", spec, "': no such file or directory, and not a model the planner knows (", known,
+         "); give a config.json, a Hugging Face download or a tuna checkpoint directory");
+  }
+  if (name) *name = fs::path(spec).filename() == "config.json" ? fs::path(spec).parent_path().filename().string()
+                                                               : fs::path(spec).filename().string();
+  return LlamaConfig::load(spec);
+}
+
+// ---- rates ----
+
+namespace {
+
+const json& field(const json& j, const std::string& key, const std::string& where) {
+  if (!j.is_object() || !j.contains(key)) fail(where, ": missing field '", key, "'");
+  return j[key];
+}
+
+double positive(const json& j, const std::string& key, const std::string& where) {
+  const json& v = field(j, key, where);
+  if (!v.is_number() || v.get<double>() <= 0)
+    fail(where, ": field '", key, "': expected a positive number, found ", v.dump());
+  return v.get<double>();
+}
+
+// A JSON file; null when it does not exist, an error naming it when it does not parse.
+json read_json_file(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) return json();
+  try {
+    return json::parse(in);
+  } catch (const json::parse_error& e) {
+    fail(path.string(), ": not valid JSON: ", e.what());
+  }
+}
+
+std::string source_of(const json& section) {
+  return section.is_object() && section.contains("source") && section["source"].is_string()
+             ? section["source"].get<std::string>()
+             : "(no source given)";
+}
+
+}  // namespace
+
+Rates parse_rates(const json& j, const std::string& where) {
+  Rates r;
+  const json& device = field(j, "device", where);
+  if (!device.is_string()) fail(where, ": field 'device': expected a GPU kind, found ", device.dump());
+  r.device = device.get<std::string>();
+  find_gpu(r.device);  // a table of an unknown card cannot be scaled to another
+  const json& gemm = field(j, "gemm", where);
+  const std::string gw = where + ": gemm";
+  r.gemm_fwd = positive(gemm, "layer_fwd_tflops", gw) * 1e12;
+  r.gemm_bwd = positive(gemm, "layer_bwd_tflops", gw) * 1e12;
+  r.lm_head = positive(gemm, "lm_head_tflops", gw) * 1e12;
+  if (gemm.contains("shapes"))
+    for (const json& s : gemm["shapes"]) {
+      const std::string sw = gw + ": shapes";
+      const json& pass = field(s, "pass", sw);
+      const int p = pass == "fwd" ? 0 : pass == "dinp" ? 1 : pass == "dweight" ? 2 : -1;
+      if (p < 0) fail(sw, ": field 'pass': expected fwd, dinp or dweight, found ", pass.dump());
+      r.gemm_shapes.push_back({static_cast<int64_t>(positive(s, "tokens", sw)), static_cast<int64_t>(positive(s, "in", sw)),
+                               static_cast<int64_t>(positive(s, "out", sw)), p, positive(s, "tflops", sw) * 1e12});
+    }
+  r.sources["gemm"] = source_of(gemm);
+  const json& att = field(j, "attention", where);
+  for (const json& a : field(att, "rates", where + ": attention")) {
+    const std::string aw = where + ": attention: rates";
+    r.attention.push_back({static_cast<int64_t>(positive(a, "head_dim", aw)), static_cast<int64_t>(positive(a, "seq", aw)),
+                           positive(a, "fwd_tflops", aw) * 1e12, positive(a, "bwd_tflops", aw) * 1e12});
+  }
+  if (r.attention.empty()) fail(where, ": attention: rates: expected at least one measured shape");
+  r.sources["attention"] = source_of(att);
+  const json& mem = field(j, "memory", where);
+  r.copy_bytes_per_s = positive(mem, "copy_gbps", where + ": memory") * 1e9;
+  for (const char* k : {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "swiglu_bwd", "classifier", "grad_norm",
+                        "adamw_fp32", "adamw_bf16"})
+    r.of_copy[k] = positive(field(mem, "of_copy", where + ": memory"), k, where + ": memory: of_copy");
+  r.sources["memory"] = source_of(mem);
+  const json& over = field(j, "step_overhead", where);
+  const json& fraction = field(over, "fraction", where + ": step_overhead");
+  if (!fraction.is_number() || fraction.get<double>() < 0)
+    fail(where, ": step_overhead: field 'fraction': expected a number >= 0, found ", fraction.dump());
+  r.overhead = fraction.get<double>();
+  r.sources["step_overhead"] = source_of(over);
+  return r;
+}
+
+Rates load_rates(const fs::path& path) {
+  const json j = read_json_file(path);
+  if (j.is_null()) fail(path.string(), ": cannot open the rates table (model/plan_rates.json of the checkout; --rates FILE)");
+  return parse_rates(j, path.string());
+}
+
+fs::path default_rates_path() {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {  // build/plan -> build/../model/plan_rates.json; build/gpu-check/bin/plan -> ../../../model/...
+    for (fs::path dir = exe.parent_path(); !dir.empty() && dir != dir.root_path(); dir = dir.parent_path())
+      if (fs::exists(dir / "model" / "plan_rates.json")) return dir / "model" / "plan_rates.json";
+  }
+  return fs::path("model") / "plan_rates.json";
+}
+
+double Rates::gemm(int64_t tokens, int64_t in, int64_t out, int pass) const {
+  // The nearest measured shape of the same pass, by log distance in tokens and in weight size.
+  double best = INFINITY, rate = pass == 0 ? gemm_fwd : gemm_bwd;
+  for (const GemmShape& s : gemm_shapes) {
+    if (s.pass != pass) continue;
+    const double d = std::abs(std::log(double(s.tokens) / tokens)) + std::abs(std::log(double(s.in * s.out) / double(in * out)));
+    if (d < best) best = d, rate = s.flops;
+  }
+  return rate;
+}
+
+double Rates::attention_rate(int64_t head_dim, int64_t seq, bool backward) const {
+  const Attention* best = nullptr;
+  double best_d = INFINITY;
+  for (const Attention& a : attention) {
+    const double d = std::abs(std::log(double(a.head_dim) / head_dim)) * 4 + std::abs(std::log(double(a.seq) / seq));
+    if (d < best_d) best_d = d, best = &a;
+  }
+  return backward ? best->bwd : best->fwd;
+}
+
+double Rates::memory_rate(const std::string& kernel) const {
+  auto it = of_copy.find(kernel);
+  TUNA_CHECK(it != of_copy.end(), "no rate for kernel ", kernel);
+  return it->second * copy_bytes_per_s;
+}
+
+namespace {
+
+// One bench's Google Benchmark JSON from a gpu-check run: OUTDIR/benches.json (what comes back from the GPU
+// machine: {"gemm": ..., "attention": ..., ...}) or that file itself, or a directory of one file per bench
+// (NAME.json or bench_NAME.json, as gpu-check writes them while it runs). Null when absent.
+json read_bench(const fs::path& where, const std::string& name) {
+  const fs::path merged = fs::is_directory(where) ? where / "benches.json" : where;
+  if (fs::is_regular_file(merged)) {
+    const json all = read_json_file(merged);
+    return all.contains(name) ? all[name] : json();
+  }
+  for (const fs::path& p : {where / (name + ".json"), where / ("bench_" + name + ".json")})
+    if (fs::is_regular_file(p)) return read_json_file(p);
+  return json();
+}
+
+// "BM_Gemm/ic:2048/oc:512/pass:1/manual_time" -> the value of `arg`, -1 when absent.
+int64_t bench_arg(const std::string& name, const std::string& arg) {
+  const size_t at = name.find("/" + arg + ":");
+  if (at == std::string::npos) return -1;
+  return std::stoll(name.substr(at + arg.size() + 2));
+}
+
+std::string today_utc() {
+  char buf[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
+  return buf;
+}
+
+}  // namespace
+
+json rates_from_bench(const json& base, const fs::path& dir) {
+  parse_rates(base, "the rates table to refresh");
+  json out = base;
+  const std::string stamp = str("gpu-check in ", dir.string(), " (", today_utc(), ")");
+  bool any = false;
+  const json gemm = read_bench(dir, "gemm");
+  if (gemm.contains("benchmarks")) {
+    json shapes = json::array();
+    double fwd_sum = 0, bwd_sum = 0;
+    int fwd_n = 0, bwd_n = 0;
+    for (const json& b : gemm["benchmarks"]) {
+      const std::string name = b.value("name", "");
+      const int64_t in = bench_arg(name, "ic"), oc = bench_arg(name, "oc"), pass = bench_arg(name, "pass");
+      if (in < 0 || oc < 0 || pass < 0 || !b.contains("TFLOP/s")) continue;
+      const double tf = b["TFLOP/s"].get<double>();
+      shapes.push_back({{"tokens", 8192}, {"in", in}, {"out", oc}, {"pass", pass == 0 ? "fwd" : pass == 1 ? "dinp" : "dweight"},
+                        {"tflops", tf}});
+      (pass == 0 ? fwd_sum : bwd_sum) += tf;
+      (pass == 0 ? fwd_n : bwd_n)++;
+    }
+    if (!shapes.empty()) {
+      out["gemm"]["shapes"] = shapes;
+      if (fwd_n) out["gemm"]["layer_fwd_tflops"] = fwd_sum / fwd_n;
+      if (bwd_n) out["gemm"]["layer_bwd_tflops"] = bwd_sum / bwd_n;
+      out["gemm"]["source"] = "layer GEMMs: bench_gemm_gpu of " + stamp + " (per shape; the means for other shapes); lm_head: " +
+                              base["gemm"].value("source", "");
+      any = true;
+    }
+  }
+  const json att = read_bench(dir, "attention");
+  if (att.contains("benchmarks")) {
+    std::map<std::pair<int64_t, int64_t>, json> rates;
+    for (const json& b : att["benchmarks"]) {
+      const std::string name = b.value("name", "");
+      const int64_t seq = bench_arg(name, "seq"), hd = bench_arg(name, "hd"), bwd = bench_arg(name, "bwd");
+      if (seq < 0 || hd < 0 || bwd < 0 || !b.contains("TFLOP/s")) continue;
+      json& r = rates[{hd, seq}];
+      r["head_dim"] = hd, r["seq"] = seq;
+      r[bwd ? "bwd_tflops" : "fwd_tflops"] = b["TFLOP/s"].get<double>();
+    }
+    json list = json::array();
+    for (auto& [key, r] : rates)
+      if (r.contains("fwd_tflops") && r.contains("bwd_tflops")) list.push_back(r);
+    if (!list.empty()) {
+      out["attention"] = {{"source", "bench_attention_gpu of " + stamp}, {"rates", list}};
+      any = true;
+    }
+  }
+  const json mem = read_bench(dir, "memory");
+  if (mem.contains("benchmarks")) {
+    const std::map<std::string, std::string> kernels = {{"BM_RmsNormFwd", "rmsnorm_fwd"}, {"BM_RmsNormBwd", "rmsnorm_bwd"},
+                                                        {"BM_Rope", "rope"},           {"BM_SwigluFwd", "swiglu_fwd"},
+                                                        {"BM_SwigluBwd", "swiglu_bwd"}, {"BM_AdamW/0", "adamw_fp32"},
+                                                        {"BM_AdamW/1", "adamw_bf16"}};
+    int found = 0;
+    for (const json& b : mem["benchmarks"]) {
+      const std::string name = b.value("name", "");
+      if (name.rfind("BM_Copy", 0) == 0 && b.contains("GB/s")) out["memory"]["copy_gbps"] = b["GB/s"].get<double>(), found++;
+      for (const auto& [prefix, key] : kernels)
+        if ((name == prefix || name.rfind(prefix + "/", 0) == 0) && b.contains("of_copy"))
+          out["memory"]["of_copy"][key] = b["of_copy"].get<double>(), found++;
+    }
+    if (found) {
+      out["memory"]["source"] = "bench_memory_gpu of " + stamp + "; kernels it does not bench (classifier, gradient norm): " +
+                                base["memory"].value("source", "");
+      any = true;
+    }
+  }
+  if (!any)
+    fail(dir.string(), ": no GEMM, attention or memory bench results (gpu-check's OUTDIR/benches.json, or a "
+         "directory of gemm.json, attention.json, memory.json)");
+  parse_rates(out, "the refreshed rates table");
+  return out;
+}
+
+// ---- memory ----
+
+namespace {
+
+// The dimensions of tp rank 0 as a model of their own: a tp-local model is what one tp rank holds (hidden and
+// the norms whole; heads, ffn and vocabulary split).
+LlamaConfig tp_local_model(const LlamaConfig& c, int64_t tp) {
+  const ParamLayout split(c, 0, static_cast<int>(tp));  // refuses a tp that splits kv groups, naming it
+  LlamaConfig local = c;
+  local.num_attention_heads = split.tp().heads;
+  local.num_key_value_heads = split.tp().kv_heads;
+  local.intermediate_size = split.tp().ffn;
+  local.vocab_size = split.tp().vocab;
+  return local;
+}
+
+}  // namespace
+
+MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layout) {
+  // The engine's own plan of one tp rank's dimensions as a model of their own, at the same dp, ZeRO stage,
+  // recompute and batch: what a GPU holds under Megatron splits (heads, ffn and vocabulary split; hidden, the
+  // norms and the [tokens, hidden] activations whole: no sequence parallelism).
+  MemoryLayout near = layout;
+  near.tp = 1, near.tp_rank = 0;
+  return plan_gpu_memory(tp_local_model(config, layout.tp), near);
+}
+
+// ---- the step ----
+
+namespace {
+
+// The memory of one layout: the engine's own plan, or, for a layout it refuses, the design. Memoized: a search
+// and its suggestions ask for the same plans many times (an 80-layer plan has a thousand items).
+struct GpuMemory {
+  MemoryPlan plan;
+  bool engines = true;
+  std::string refusal;
+};
+
+const GpuMemory& gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
+  static std::map<std::string, GpuMemory> cache;
+  static std::mutex mutex;
+  const std::string key = str(c.to_json().dump(), "|", l.dp, ",", l.tp, ",", l.dp_rank, ",", l.tp_rank, ",", l.zero,
+                              ",", l.zero_prefetch, ",", recompute_name(l.recompute), ",", l.bf16_moments, ",",
+                              l.master_weights, ",", l.training, ",", l.micro_batch, ",", l.seq_len);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  GpuMemory m;
+  try {
+    m.plan = plan_gpu_memory(c, l);
+  } catch (const Error& e) {
+    m.engines = false, m.refusal = e.what();
+    m.plan = design_gpu_memory(c, l);
+  }
+  return cache.emplace(key, std::move(m)).first->second;
+}
+
+// Rates measured on one card, applied to another: compute-bound rates by the ratio of bf16 peaks, memory-bound
+// ones by the ratio of HBM bandwidths.
+struct Scaling {
+  double compute = 1, memory = 1;
+  std::string note;
+};
+
+Scaling scaling_for(const Rates& r, const GpuKind& gpu) {
+  Scaling s;
+  if (gpu.name == r.device) return s;
+  const GpuKind& measured = find_gpu(r.device);
+  s.compute = gpu.peak_bf16_flops / measured.peak_bf16_flops;
+  s.memory = gpu.hbm_bytes_per_s / measured.hbm_bytes_per_s;
+  s.note = str("rates measured on ", r.device, ", scaled to ", gpu.name, " (compute x", format_number(s.compute, 2),
+               " by bf16 peak, memory-bound x", format_number(s.memory, 2), " by HBM bandwidth): unmeasured on ", gpu.name);
+  return s;
+}
+
+double ring_factor_all_reduce(int64_t n) { return n > 1 ? 2.0 * double(n - 1) / double(n) : 0.0; }
+double ring_factor_gather(int64_t n) { return n > 1 ? double(n - 1) / double(n) : 0.0; }
+
+}  // namespace
+
+Prediction predict(const JobSpec& job, const Rates& rates) {
+  const LlamaConfig& c = job.model;
+  const MemoryLayout& l = job.layout;
+  const Cluster& k = job.cluster;
+  if (l.dp * l.tp != k.gpus())
+    fail("layout dp ", l.dp, " x tp ", l.tp, " is ", l.dp * l.tp, " ranks, but the cluster has ", k.gpus(), " GPUs (",
+         k.nodes, " nodes x ", k.gpus_per_node, ")");
+  if (l.tp > k.gpus_per_node || k.gpus_per_node % l.tp != 0)
+    fail("--tp ", l.tp, ": tensor-parallel ranks must sit inside a node and divide its ", k.gpus_per_node, " GPUs");
+  if (l.seq_len > c.max_position_embeddings)
+    fail("--seq_len ", l.seq_len, " exceeds the model's max_position_embeddings ", c.max_position_embeddings);
+  if (job.grad_accum < 1) fail("--grad_accum: expected >= 1, found ", job.grad_accum);
+
+  Prediction p;
+  p.layout = l, p.grad_accum = job.grad_accum;
+  const GpuMemory& memory = gpu_memory(c, l);
+  p.memory = memory.plan, p.memory_is_engines = memory.engines, p.not_implemented = memory.refusal;
+  p.gpu_bytes = double(p.memory.peak()) + k.reserve_bytes;
+  p.fits = p.gpu_bytes <= k.gpu.hbm_bytes;
+
+  const Scaling scale = scaling_for(rates, k.gpu);
+  if (!scale.note.empty()) p.notes.push_back(scale.note);
+  const ParamLayout layout(c, 0, static_cast<int>(l.tp));
+  const TpDims& d = layout.tp();
+  const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size, L = c.num_hidden_layers;
+  const int64_t qd = d.q_dim, kvd = d.kv_dim, F = d.ffn, V = d.vocab, P = layout.total();
+  auto gemm_time = [&](int64_t in, int64_t out, int pass) {
+    return 2.0 * double(n) * double(in) * double(out) / (rates.gemm(n, in, out, pass) * scale.compute);
+  };
+  auto mem_time = [&](double bytes, const char* kernel) { return bytes / (rates.memory_rate(kernel) * scale.memory); };
+
+  // One micro-batch, one layer.
+  const std::vector<std::pair<int64_t, int64_t>> gemms = {{C, qd}, {C, kvd}, {C, kvd}, {qd, C}, {C, F}, {C, F}, {F, C}};
+  double layer_fwd_gemm = 0, layer_bwd_gemm = 0;
+  for (const auto& [in, out] : gemms) {
+    layer_fwd_gemm += gemm_time(in, out, 0);
+    layer_bwd_gemm += gemm_time(in, out, 1) + gemm_time(in, out, 2);
+  }
+  const double att_flops = 4.0 * double(l.micro_batch) * double(d.heads) * double(l.seq_len) * double(l.seq_len) / 2 *
+                           double(c.head_dim);
+  const double att_fwd = att_flops / (rates.attention_rate(c.head_dim, l.seq_len, false) * scale.compute);
+  const double att_bwd = 2.5 * att_flops / (rates.attention_rate(c.head_dim, l.seq_len, true) * scale.compute);
+  const double norm_fwd = mem_time(double(n) * (4.0 * C + 4), "rmsnorm_fwd");
+  const double norm_bwd = mem_time(double(n) * 8.0 * C, "rmsnorm_bwd");
+  const double rope = mem_time(4.0 * double(n) * double(qd + kvd), "rope");
+  const double swiglu_fwd = mem_time(6.0 * double(n) * F, "swiglu_fwd"), swiglu_bwd = mem_time(10.0 * double(n) * F, "swiglu_bwd");
+  const double layer_mem_fwd = 2 * norm_fwd + rope + swiglu_fwd, layer_mem_bwd = 2 * norm_bwd + rope + swiglu_bwd;
+  double recompute = 0;
+  if (l.recompute == Recompute::Full) recompute = layer_fwd_gemm + att_fwd + layer_mem_fwd;
+  if (l.recompute == Recompute::Selective) recompute = 2 * norm_fwd + swiglu_fwd;
+  // The loss head, once per micro-batch (vocab-parallel under tp).
+  const double head_flops = 2.0 * double(n) * double(C) * double(V);
+  const double head = 3 * head_flops / (rates.lm_head * scale.compute) + mem_time(4.0 * double(n) * V, "classifier") +
+                      norm_fwd + norm_bwd;
+  const double A = double(job.grad_accum);
+  // The optimizer over what this rank owns.
+  int64_t owned = P;
+  if (l.zero >= 1) {
+    owned = 0;
+    for (const Segment& s : dp_unit_pieces(layout, 0, static_cast<int>(l.dp))) owned += s.size;
+  }
+  const double adamw = mem_time(double(owned) * (4 + 2 * 4 + 4 * (l.bf16_moments ? 2 : 4) + 2),
+                                l.bf16_moments ? "adamw_bf16" : "adamw_fp32");
+  const double grad_norm = mem_time(4.0 * double(owned), "grad_norm");
+
+  const double kernels = A * (L * (layer_fwd_gemm + layer_bwd_gemm + att_fwd + att_bwd + layer_mem_fwd + layer_mem_bwd +
+                                   recompute) +
+                              head) +
+                         adamw + grad_norm;
+  p.compute = {
+      {"layer GEMMs", A * L * (layer_fwd_gemm + layer_bwd_gemm),
+       str(rates.gemm_shapes.empty() ? "at the measured layer rates, " : "at the nearest measured shapes, ",
+           format_number(rates.gemm_fwd / 1e12, 0), "/", format_number(rates.gemm_bwd / 1e12, 0), " TFLOP/s fwd/bwd")},
+      {"attention", A * L * (att_fwd + att_bwd),
+       str("hd ", c.head_dim, ", seq ", l.seq_len, ": ", format_number(rates.attention_rate(c.head_dim, l.seq_len, false) / 1e12, 0),
+           "/", format_number(rates.attention_rate(c.head_dim, l.seq_len, true) / 1e12, 0), " TFLOP/s fwd/bwd")},
+      {"norms, RoPE, SwiGLU", A * L * (layer_mem_fwd + layer_mem_bwd), "memory-bound, at their measured share of the copy bandwidth"},
+      {"loss head", A * head, str("lm_head at ", format_number(rates.lm_head / 1e12, 0), " TFLOP/s, cross-entropy")},
+      {"recompute", A * L * recompute, l.recompute == Recompute::None ? "none" : str(recompute_name(l.recompute), " recompute")},
+      {"AdamW and gradient norm", adamw + grad_norm, str(human_count(double(owned)), " parameters owned")},
+      {"launch gaps", kernels * rates.overhead, str(format_number(100 * rates.overhead, 1), "% of kernel time, measured")},
+  };
+  p.compute_s = kernels * (1 + rates.overhead);
+
+  // Communication. Tensor parallel: all-reduces of the activations inside a node, on the critical path.
+  const double tp_bytes = 2.0 * double(n) * double(C);  // one bf16 [tokens, hidden] tensor
+  const double tp_per_micro = l.tp > 1 ? double(4 * L + 2 + (l.recompute == Recompute::Full ? 2 * L : 0)) : 0.0;
+  const double tp_s = A * tp_per_micro * (ring_factor_all_reduce(l.tp) * tp_bytes / k.intra_busbw + 10e-6);
+  if (l.tp > 1)
+    p.communication.push_back({"tensor-parallel all-reduces", tp_s,
+                               str(format_number(tp_per_micro, 0), " per micro-batch over ", l.tp, " GPUs, ",
+                                   human_bytes(tp_bytes), " each, ", k.intra_note)});
+  // Data parallel: the ZeRO stage's collectives over the dp group (across nodes when there are several).
+  const bool across = k.nodes > 1 && l.dp > 1;
+  const double bw = across ? k.inter_busbw : k.intra_busbw;
+  const std::string link = across ? k.inter_note : k.intra_note;
+  const double latency = (across ? 25e-6 : 10e-6) * (l.dp > 1 ? 1 : 0);
+  double dp_s = 0;
+  std::string dp_what;
+  const double g = ring_factor_gather(l.dp), ar = ring_factor_all_reduce(l.dp);
+  const double units = double(layout.num_units());
+  switch (l.zero) {
+    case 0:
+      dp_s = ar * 4.0 * double(P) / bw + latency * units;
+      dp_what = "all-reduce of the fp32 gradients after the backward";
+      break;
+    case 1:
+      dp_s = g * (4.0 + 4.0) * double(P) / bw + 2 * latency * units;
+      dp_what = "reduce-scatter of the fp32 gradients, all-gather of the weights (fp32, through the gradient buffer)";
+      break;
+    case 2:
+      dp_s = A * (g * 4.0 * double(P) / bw + latency * units) + g * 2.0 * double(P) / bw + latency * units;
+      dp_what = "per micro-batch a reduce-scatter of each unit's fp32 gradient; after the step an all-gather of the bf16 weights";
+      break;
+    default:
+      dp_s = A * (g * (2.0 + 2.0 + 4.0) * double(P) / bw + 3 * latency * units);
+      dp_what = "per micro-batch two all-gathers of each unit's bf16 weights and a reduce-scatter of its fp32 gradient";
+  }
+  // What the engine hides behind compute: ZeRO-0/1 on cuda communicate after the backward (nothing hidden); ZeRO-2/3
+  // as designed overlap every unit but the first gather and the last reduce-scatter.
+  const double overlap = job.overlap ? *job.overlap : l.zero <= 1 ? 0.0 : 1.0 - 2.0 / (units + 2);
+  const char* overlap_source = job.overlap   ? " (--overlap)"
+                               : l.zero <= 1 ? " (ZeRO-0/1 communicate between passes: nothing hidden)"
+                                             : " (ZeRO-2/3 communicate on a stream of their own: all but the first "
+                                               "gather and the last reduce-scatter, assumed hidden)";
+  const double dp_hidden = std::min(dp_s * overlap, kernels);
+  if (l.dp > 1)
+    p.communication.push_back({"data-parallel (ZeRO-" + std::to_string(l.zero) + ")", dp_s,
+                               str(dp_what, "; ", link, "; ", format_number(100 * overlap, 0), "% hidden behind compute",
+                                   overlap_source)});
+  p.communication_s = tp_s + dp_s;
+  p.exposed_s = tp_s + dp_s - dp_hidden;
+  p.step_s = p.compute_s + p.exposed_s;
+
+  // The job.
+  p.tokens_per_step = double(l.micro_batch * l.seq_len) * A * double(l.dp);
+  p.tokens_per_s_per_gpu = p.tokens_per_step / p.step_s / double(k.gpus());
+  p.mfu = p.tokens_per_s_per_gpu * model_flops_per_token(c, l.seq_len) / k.gpu.peak_bf16_flops;
+  p.steps = std::ceil(job.tokens / p.tokens_per_step);
+  p.wall_s = p.steps * p.step_s;
+  p.cost = p.wall_s / 3600 * double(k.gpus()) * job.price_per_gpu_hour;
+  p.finishes = job.hours <= 0 || p.wall_s <= job.hours * 3600;
+  p.within_budget = job.budget <= 0 || p.cost <= job.budget;
+  if (!p.memory_is_engines)
+    p.notes.push_back("memory as designed, not the engine's plan: the CUDA engine refuses this layout today (" +
+                      p.not_implemented + ")");
+  return p;
+}
+
+// ---- search ----
+
+namespace {
+
+std::vector<JobSpec> layouts_of(const JobSpec& job) {
+  // The global batch stays the user's: micro_batch x grad_accum x dp sequences.
+  const int64_t global = job.layout.micro_batch * job.grad_accum * job.layout.dp;
+  std::vector<JobSpec> out;
+  for (int64_t tp = 1; tp <= job.cluster.gpus_per_node; tp *= 2) {
+    if (job.model.num_key_value_heads % tp != 0 || job.cluster.gpus() % tp != 0) continue;
+    const int64_t dp = job.cluster.gpus() / tp;
+    for (int zero = 0; zero <= 3; zero++)
+      for (int64_t mb : {1, 2, 4, 8, 16}) {
+        if (global % (mb * dp) != 0) continue;
+        for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
+          for (bool bf16 : {false, true}) {
+            JobSpec j = job;
+            j.layout.tp = tp, j.layout.dp = dp, j.layout.zero = zero, j.layout.micro_batch = mb;
+            j.layout.recompute = rc, j.layout.bf16_moments = bf16, j.layout.dp_rank = j.layout.tp_rank = 0;
+            j.grad_accum = global / (mb * dp);
+            out.push_back(j);
+          }
+      }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, size_t limit) {
+  std::vector<Prediction> all;
+  for (const JobSpec& j : layouts_of(job)) all.push_back(predict(j, rates));
+  std::stable_sort(all.begin(), all.end(), [](const Prediction& a, const Prediction& b) {
+    if (a.fits != b.fits) return a.fits;
+    return a.step_s / a.tokens_per_step < b.step_s / b.tokens_per_step;
+  });
+  if (all.size() > limit) all.resize(limit);
+  return all;
+}
+
+// ---- printing ----
+
+
+namespace {
+
+std::string gb(double bytes) { return format_number(bytes / 1e9, 2) + " GB"; }
+std::string dollars(double x) {
+  if (x >= 1e4) return "$" + human_count(x);
+  return "$" + format_number(x, x >= 100 ? 0 : 2);
+}
+
+std::string layout_text(const MemoryLayout& l, int64_t accum) {
+  return str("dp ", l.dp, " x tp ", l.tp, ", ZeRO-", l.zero, ", micro_batch ", l.micro_batch, " x seq ", l.seq_len,
+             ", grad_accum ", accum, ", recompute ", recompute_name(l.recompute), l.bf16_moments ? ", bf16 moments" : "");
+}
+
+// The best layout of `job` on its cluster (fitting, fastest), if any fits.
+std::optional<Prediction> best_fit(const JobSpec& job, const Rates& rates) {
+  const std::vector<Prediction> ranked = search_layouts(job, rates, 1);
+  if (ranked.empty() || !ranked[0].fits) return std::nullopt;
+  return ranked[0];
+}
+
+}  // namespace
+
+std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& rates) {
+  const Cluster& k = job.cluster;
+  std::ostringstream o;
+  o << "tuna plan: " << job.model_name << " (" << human_count(double(job.model.n_params())) << " parameters) on "
+    << k.gpus() << " x " << k.gpu.name << " (" << k.nodes << " node" << (k.nodes > 1 ? "s" : "") << " x "
+    << k.gpus_per_node << "), " << human_count(job.tokens) << " tokens"
+    << (job.hours > 0 ? str(", ", format_number(job.hours, 0), " h") : "")
+    << (job.price_per_gpu_hour > 0 ? str(", $", format_number(job.price_per_gpu_hour, 2), " per GPU-hour") : "")
+    << (job.budget > 0 ? str(", budget ", dollars(job.budget)) : "") << "\n";
+  o << "layout: " << layout_text(p.layout, p.grad_accum) << " (global batch "
+    << p.layout.micro_batch * p.grad_accum * p.layout.dp << " sequences, " << human_count(p.tokens_per_step)
+    << " tokens)\n\n";
+
+  o << format_memory_table(p.memory, 0,
+                           str("memory per GPU (rank 0)", p.memory_is_engines ? ", the CUDA engine's own plan:"
+                                                                              : ", AS DESIGNED (the CUDA engine does not implement this layout yet):"));
+  o << "  " << std::left;
+  o << str("reserve outside the plan (CUDA context, cuBLASLt, NCCL): ", gb(k.reserve_bytes),
+           " (an estimate; gpu-check measures it)\n");
+  o << "  needs " << gb(p.gpu_bytes) << " of the card's " << gb(k.gpu.hbm_bytes) << " ("
+    << format_number(k.gpu.hbm_bytes / double(1 << 30), 1) << " GiB): "
+    << (p.fits ? str("FITS (", gb(k.gpu.hbm_bytes - p.gpu_bytes), " left)") : "DOES NOT FIT") << "\n\n";
+
+  o << "step time (one optimizer step; every GPU the same):\n";
+  for (const TimeItem& t : p.compute)
+    if (t.seconds > 0) o << "  " << str(t.name, ": ") << format_number(t.seconds * 1e3, 1) << " ms  (" << t.note << ")\n";
+  o << "  compute " << format_number(p.compute_s * 1e3, 1) << " ms\n";
+  for (const TimeItem& t : p.communication)
+    o << "  " << t.name << ": " << format_number(t.seconds * 1e3, 1) << " ms  (" << t.note << ")\n";
+  o << "  communication " << format_number(p.communication_s * 1e3, 1) << " ms, of which exposed "
+    << format_number(p.exposed_s * 1e3, 1) << " ms\n";
+  o << "  step " << format_number(p.step_s * 1e3, 1) << " ms -> " << format_number(p.tokens_per_s_per_gpu, 0)
+    << " tokens/s per GPU, MFU " << format_number(100 * p.mfu, 1) << "%\n\n";
+
+  o << "job: " << human_count(job.tokens) << " tokens = " << human_count(p.steps) << " steps = "
+    << human_duration(p.wall_s) << " on " << k.gpus() << " GPUs";
+  if (job.price_per_gpu_hour > 0) o << " = " << dollars(p.cost);
+  o << "\n";
+  for (const std::string& note : p.notes) o << "note: " << note << "\n";
+
+  // The verdict, then what would fit or finish instead.
+  o << "\nverdict: " << (p.fits ? "it fits" : "it DOES NOT FIT");
+  if (p.fits) {
+    if (job.hours > 0)
+      o << (p.finishes ? str("; it finishes in ", human_duration(p.wall_s), " (limit ", format_number(job.hours, 0), " h)")
+                       : str("; it does NOT finish in ", format_number(job.hours, 0), " h (it needs ",
+                             human_duration(p.wall_s), ")"));
+    if (job.budget > 0) o << (p.within_budget ? "; within the budget" : str("; it costs ", dollars(p.cost), ", over the budget"));
+  }
+  o << "\n";
+  const bool good = p.fits && p.finishes && p.within_budget;
+  if (!good) {
+    o << "what would:\n";
+    const std::vector<Prediction> all = search_layouts(job, rates, SIZE_MAX);
+    const std::optional<Prediction> best = !all.empty() && all[0].fits ? std::optional<Prediction>(all[0]) : std::nullopt;
+    auto layout_line = [&](const char* what, const Prediction& b) {
+      o << "  - " << what << layout_text(b.layout, b.grad_accum) << ": " << format_number(b.tokens_per_s_per_gpu, 0)
+        << " tokens/s per GPU, " << human_duration(b.wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b.cost) : "")
+        << (b.memory_is_engines ? "" : " (as designed: not on cuda yet)") << "\n";
+    };
+    if (best && (best->step_s / best->tokens_per_step < p.step_s / p.tokens_per_step || !p.fits))
+      layout_line("this cluster, layout ", *best);
+    // What the CUDA engine runs today, when the best is a design.
+    if (!best || !best->memory_is_engines) {
+      const Prediction* today = nullptr;
+      double least = INFINITY;
+      for (const Prediction& q : all)
+        if (q.memory_is_engines) {
+          if (q.fits && !today) today = &q;
+          least = std::min(least, q.gpu_bytes);
+        }
+      if (today) layout_line("on cuda today, layout ", *today);
+      else if (std::isfinite(least))
+        o << "  - on cuda today (ZeRO-0/1, tp 1, no recompute) no layout fits: the smallest needs " << gb(least)
+          << " per GPU\n";
+    }
+    const Prediction& ref = best ? *best : p;
+    if (ref.fits && job.hours > 0 && !ref.finishes) {
+      const double in_time = job.hours * 3600 / ref.step_s * ref.tokens_per_step;
+      o << "  - a token budget of " << human_count(in_time) << " (" << format_number(100 * in_time / job.tokens, 1)
+        << "% of these tokens) finishes in " << format_number(job.hours, 0) << " h"
+        << (job.price_per_gpu_hour > 0 ? " for " + dollars(job.hours * double(k.gpus()) * job.price_per_gpu_hour) : "")
+        << "\n";
+    }
+    // More nodes of the same kind, doubling.
+    for (int64_t nodes = k.nodes * 2; nodes <= k.nodes * 64; nodes *= 2) {
+      JobSpec more = job;
+      more.cluster.nodes = nodes;
+      more.layout.dp = more.cluster.gpus() / more.layout.tp;
+      const std::optional<Prediction> b = best_fit(more, rates);
+      if (b && b->finishes && b->within_budget) {
+        o << "  - " << nodes << " nodes (" << more.cluster.gpus() << " GPUs), " << layout_text(b->layout, b->grad_accum)
+          << ": " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "")
+          << (b->memory_is_engines ? "" : " (as designed: not on cuda yet)") << "\n";
+        break;
+      }
+    }
+    // A smaller model of the catalogue that fits and finishes on this cluster.
+    for (const auto& [name, config] : model_catalogue()) {
+      const LlamaConfig m = LlamaConfig::from_json(config, name);
+      if (m.n_params() >= job.model.n_params() || p.layout.seq_len > m.max_position_embeddings) continue;
+      JobSpec smaller = job;
+      smaller.model = m, smaller.model_name = name;
+      if (m.num_key_value_heads % smaller.layout.tp != 0) smaller.layout.tp = 1, smaller.layout.dp = k.gpus();
+      const std::optional<Prediction> b = best_fit(smaller, rates);
+      if (!b) continue;
+      o << "  - " << name << " (" << human_count(double(m.n_params())) << "), " << layout_text(b->layout, b->grad_accum)
+        << ": " << format_number(b->tokens_per_s_per_gpu, 0) << " tokens/s per GPU; ";
+      if (b->finishes && b->within_budget)
+        o << "all the tokens in " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "");
+      else if (job.hours > 0)
+        o << "in " << format_number(job.hours, 0) << " h " << human_count(job.hours * 3600 / b->step_s * b->tokens_per_step)
+          << " tokens (" << format_number(100 * job.hours * 3600 / b->step_s * b->tokens_per_step / job.tokens, 0) << "%)";
+      else
+        o << "all the tokens in " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "");
+      o << (b->memory_is_engines ? " (runs on cuda today)" : " (as designed: not on cuda yet)") << "\n";
+    }
+  }
+  o << "\nrates: " << rates.device << "; gemm: " << rates.sources.at("gemm") << "\n  attention: " << rates.sources.at("attention")
+    << "\n  memory-bound: " << rates.sources.at("memory") << "\n  launch gaps: " << rates.sources.at("step_overhead") << "\n";
+  return o.str();
+}
+
+std::string format_search(const JobSpec& job, const std::vector<Prediction>& ranked) {
+  std::ostringstream o;
+  o << "layouts of " << job.model_name << " on " << job.cluster.gpus() << " x " << job.cluster.gpu.name
+    << " at the same global batch: those that fit first, fastest first:\n";
+  char line[320];
+  std::snprintf(line, sizeof line, "  %3s %4s %5s %3s %5s %-9s %-5s %9s %8s %6s %10s %10s  %s\n", "tp", "dp", "ZeRO", "mb",
+                "accum", "recompute", "mom.", "GB/GPU", "tok/s/GPU", "MFU", "wall", "cost", "on cuda today");
+  o << line;
+  for (const Prediction& p : ranked) {
+    std::snprintf(line, sizeof line, "  %3lld %4lld %5d %3lld %5lld %-9s %-5s %9.1f %8.0f %5.1f%% %10s %10s  %s%s\n",
+                  (long long)p.layout.tp, (long long)p.layout.dp, p.layout.zero, (long long)p.layout.micro_batch,
+                  (long long)p.grad_accum, recompute_name(p.layout.recompute), p.layout.bf16_moments ? "bf16" : "fp32",
+                  p.gpu_bytes / 1e9, p.tokens_per_s_per_gpu, 100 * p.mfu, human_duration(p.wall_s).c_str(),
+                  job.price_per_gpu_hour > 0 ? dollars(p.cost).c_str() : "-", p.memory_is_engines ? "yes" : "no (design)",
+                  p.fits ? "" : ", DOES NOT FIT");
+    o << line;
+  }
+  return o.str();
+}
+
+double parse_count(const std::string& text, const std::string& what) {
+  std::string digits;
+  for (char ch : text)
+    if (ch != ',' && ch != '_') digits += ch;
+  double scale = 1;
+  if (!digits.empty()) {
+    const char last = static_cast<char>(std::toupper(static_cast<unsigned char>(digits.back())));
+    const std::string suffixes = "KMBT";
+    const size_t at = suffixes.find(last);
+    if (at != std::string::npos) scale = std::pow(1e3, double(at + 1)), digits.pop_back();
+  }
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(digits, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != digits.size() || !(v >= 0))
+    fail(what, ": expected a count such as 130B, 7.5e9 or 500M, found '", text, "'");
+  return v * scale;
+}
+
+}  // namespace tuna

@@ -1,0 +1,89 @@
+// ProgressLine: periodic lines into a file (a batch job's log), the share and ETA while going, the total time at
+// the end; the human formats of sizes and durations. The safetensors writer moves a line by the bytes written.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <thread>
+#include <vector>
+
+#include "core/progress.h"
+#include "model/safetensors.h"
+#include "tests/test_util.h"
+
+namespace tuna {
+namespace {
+
+std::string contents(std::FILE* f) {
+  std::fflush(f);
+  std::rewind(f);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.append(buf, n);
+  return out;
+}
+
+TEST(Progress, HumanSizesAndDurations) {
+  EXPECT_EQ(human_bytes(512), "512 B");
+  EXPECT_EQ(human_bytes(1536), "1.5 KB");
+  EXPECT_EQ(human_bytes(140e9), "140.0 GB");
+  EXPECT_EQ(human_duration(4.25), "4.2s");
+  EXPECT_EQ(human_duration(75), "1m15s");
+  EXPECT_EQ(human_duration(7300), "2h01m");
+  EXPECT_EQ(human_duration(200000), "2d07h");
+  EXPECT_EQ(human_duration(-1), "?");
+}
+
+TEST(Progress, PeriodicLinesIntoAFileThenTheClosingLine) {
+  std::FILE* f = std::tmpfile();
+  ASSERT_TRUE(f);
+  {
+    ProgressLine line("convert: writing model.safetensors", 4e9, ProgressLine::Unit::Bytes, f, /*period_s=*/0.0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    line.update(1e9);
+    const std::string going = line.text(false);
+    EXPECT_NE(going.find("1.0 GB / 4.0 GB"), std::string::npos) << going;
+    EXPECT_NE(going.find("25%"), std::string::npos) << going;
+    EXPECT_NE(going.find("ETA "), std::string::npos) << going;
+    line.add(3e9);
+    line.finish();
+    line.finish();  // once
+  }
+  const std::string out = contents(f);
+  std::fclose(f);
+  // Not a terminal: whole lines, no carriage returns.
+  EXPECT_EQ(out.find('\r'), std::string::npos) << out;
+  EXPECT_NE(out.find("convert: writing model.safetensors: 1.0 GB / 4.0 GB"), std::string::npos) << out;
+  EXPECT_NE(out.find("4.0 GB / 4.0 GB ("), std::string::npos) << out;
+  EXPECT_NE(out.find(" in "), std::string::npos) << out;
+  size_t lines = 0;
+  for (char c : out) lines += c == '\n';
+  EXPECT_EQ(lines, 3u) << out;  // two updates and the closing line
+}
+
+TEST(Progress, AQuietPeriodPrintsOnlyTheClosingLine) {
+  std::FILE* f = std::tmpfile();
+  ASSERT_TRUE(f);
+  {
+    ProgressLine line("checkpoint step 10", 100, ProgressLine::Unit::Items, f, /*period_s=*/3600, "tensors");
+    for (int i = 1; i <= 100; i++) line.update(i);
+    line.finish();
+  }
+  const std::string out = contents(f);
+  std::fclose(f);
+  EXPECT_EQ(out.rfind("checkpoint step 10: 100 / 100 tensors (", 0), 0u) << out;
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;
+}
+
+TEST(Progress, TheSafetensorsWriterMovesItByTheBytesWritten) {
+  testing_util::TempDir tmp("progress");
+  std::vector<float> a(1000, 1.0f), b(24, 2.0f);
+  SafetensorsWriter w;
+  w.add("a", DType::F32, {1000}, a.data());
+  w.add("b", DType::F32, {4, 6}, b.data());
+  ProgressLine line("writing", 4096, ProgressLine::Unit::Bytes, nullptr);
+  w.write(tmp / "x.safetensors", &line);
+  EXPECT_EQ(line.done(), 4096.0);
+}
+
+}  // namespace
+}  // namespace tuna

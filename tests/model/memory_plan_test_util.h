@@ -1,0 +1,64 @@
+// The CPU memory plan against what Llama + Zero really allocate, to the byte: shared by the single-rank tests
+// (tests/model/test_memory_plan_cpu.cpp) and the multi-rank ones under mpirun (tests/mpi/test_memory_plan.cpp).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "dist/comm.h"
+#include "dist/zero.h"
+#include "model/config.h"
+#include "model/llama.h"
+#include "model/memory_plan.h"
+
+namespace tuna::testing_util {
+
+// The llama2_tiny fixture (untied, 4 heads of 16) reshaped: `layers` layers, tied or not, 2 kv heads (so tp 2
+// keeps whole groups), an ffn and a vocabulary that tp 2 or 4 and dp 3 split unevenly.
+inline LlamaConfig plan_test_config(int layers, bool tied) {
+  std::ifstream in("tests/fixtures/llama2_tiny/config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["num_hidden_layers"] = layers;
+  j["tie_word_embeddings"] = tied;
+  j["num_key_value_heads"] = 2;
+  j["intermediate_size"] = 170;
+  j["vocab_size"] = 131;
+  return LlamaConfig::from_json(j, "plan test config");
+}
+
+struct PlannedAndAllocated {
+  int64_t planned_activations, planned_state, allocated_activations, allocated_state;
+};
+
+// Builds this rank's Llama + Zero for the layout, runs one step (ZeRO-2/3 allocate their unit buffers in the
+// backward), and returns the plan's activations and training state beside the allocations.
+inline PlannedAndAllocated plan_and_allocate(const LlamaConfig& config, const MemoryLayout& layout, Comm& dp, Comm* tp) {
+  const MemoryPlan plan = plan_cpu_memory(config, layout);
+  Llama model(config, layout.micro_batch, layout.seq_len,
+              LlamaParallel{tp, /*external_weights=*/layout.zero == 3, /*external_grads=*/layout.zero == 2});
+  std::vector<float> weights(model.layout().total());
+  init_random_weights(model.layout(), 7, 0.02, weights.data());
+  if (layout.zero < 3) model.params = weights;
+  Zero zero(model, OptimizerConfig{}, layout.zero, dp, tp);
+  if (layout.zero == 3) zero.set_weights_from_full(weights.data());
+  const int64_t n = layout.micro_batch * layout.seq_len;
+  std::vector<int32_t> inputs(n), targets(n);
+  std::mt19937 rng(3);
+  for (int64_t i = 0; i < n; i++)
+    inputs[i] = static_cast<int32_t>(rng() % config.vocab_size), targets[i] = static_cast<int32_t>(rng() % config.vocab_size);
+  zero.begin_step();
+  const LossSum loss = model.forward_backward(inputs.data(), targets.data(), layout.micro_batch, layout.seq_len);
+  zero.finish_step(loss, 1e-3);
+  const int64_t state = plan.bytes(MemoryKind::Weights) + plan.bytes(MemoryKind::Gradients) +
+                        plan.bytes(MemoryKind::Master) + plan.bytes(MemoryKind::Moments) +
+                        plan.bytes(MemoryKind::Communication);
+  return {plan.bytes(MemoryKind::Activations), state, model.activation_bytes(), zero.state_bytes()};
+}
+
+}  // namespace tuna::testing_util

@@ -1,0 +1,91 @@
+// plan_cpu_memory on one rank: its items are what Llama + Zero allocate, to the byte, at every ZeRO stage, tied
+// and untied; the stages shift bytes between kinds as zero.h says; options of the CUDA backend are refused by
+// name. (Several ranks: tests/mpi/test_memory_plan.cpp; the trainer's measured peak: tests/dist/test_memory_plan.cpp.)
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "model/memory_plan.h"
+#include "tests/model/memory_plan_test_util.h"
+
+namespace tuna {
+namespace {
+
+using testing_util::plan_and_allocate;
+using testing_util::plan_test_config;
+
+MemoryLayout layout_of(int zero, int64_t micro_batch = 2, int64_t seq = 12) {
+  MemoryLayout m;
+  m.zero = zero, m.micro_batch = micro_batch, m.seq_len = seq;
+  return m;
+}
+
+TEST(MemoryPlanCpu, ItemsAreTheAllocationsOfOneRankAtEveryStage) {
+  std::unique_ptr<Comm> alone = make_single_comm();
+  for (bool tied : {false, true})
+    for (int zero = 0; zero <= 3; zero++) {
+      const auto r = plan_and_allocate(plan_test_config(3, tied), layout_of(zero), *alone, nullptr);
+      EXPECT_EQ(r.planned_activations, r.allocated_activations) << "zero " << zero << " tied " << tied;
+      EXPECT_EQ(r.planned_state, r.allocated_state) << "zero " << zero << " tied " << tied;
+    }
+}
+
+TEST(MemoryPlanCpu, StagesMoveBytesBetweenKindsAsZeroSays) {
+  const LlamaConfig c = plan_test_config(4, false);
+  const int64_t P = c.n_params();
+  MemoryLayout m = layout_of(0);
+  m.dp = 4;
+  const MemoryPlan z0 = plan_cpu_memory(c, m);
+  EXPECT_EQ(z0.bytes(MemoryKind::Weights), 4 * P);
+  EXPECT_EQ(z0.bytes(MemoryKind::Gradients), 4 * P);
+  EXPECT_EQ(z0.bytes(MemoryKind::Moments), 8 * P);
+  EXPECT_EQ(z0.bytes(MemoryKind::Master), 0);
+  m.zero = 3;
+  const MemoryPlan z3 = plan_cpu_memory(c, m);
+  EXPECT_EQ(z3.bytes(MemoryKind::Weights), 0);  // only the gathered units, counted as communication buffers
+  // Each unit split in 4 pieces of ceil(size / 4): rank 0's shard is a quarter of the model, rounded up per unit.
+  EXPECT_GE(z3.bytes(MemoryKind::Master), P);
+  EXPECT_LT(z3.bytes(MemoryKind::Master), P + 4 * 4 * (c.num_hidden_layers + 2));
+  EXPECT_EQ(z3.bytes(MemoryKind::Moments), 2 * z3.bytes(MemoryKind::Master));
+  EXPECT_GT(z3.bytes(MemoryKind::Communication), 0);
+  EXPECT_EQ(z0.bytes(MemoryKind::Activations), z3.bytes(MemoryKind::Activations));  // dp does not touch them
+  // The peak adds the largest transient only; stage 0's is MPI's copy of the whole gradient at dp 4.
+  EXPECT_EQ(z0.peak(), z0.total() + 4 * P);
+  // A larger micro-batch grows the activations and nothing else.
+  m.micro_batch = 4;
+  const MemoryPlan z3b = plan_cpu_memory(c, m);
+  EXPECT_GT(z3b.bytes(MemoryKind::Activations), z3.bytes(MemoryKind::Activations));
+  EXPECT_EQ(z3b.bytes(MemoryKind::Moments), z3.bytes(MemoryKind::Moments));
+}
+
+TEST(MemoryPlanCpu, RefusesTheCudaBackendsOptionsByName) {
+  const LlamaConfig c = plan_test_config(2, false);
+  MemoryLayout m = layout_of(1);
+  m.recompute = Recompute::Full;
+  try {
+    plan_cpu_memory(c, m);
+    FAIL() << "recompute accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("recompute"), std::string::npos) << e.what();
+  }
+  m.recompute = Recompute::None, m.bf16_moments = true;
+  EXPECT_THROW(plan_cpu_memory(c, m), Error);
+  m.bf16_moments = false, m.zero = 4;
+  EXPECT_THROW(plan_cpu_memory(c, m), Error);
+  m.zero = 0, m.tp = 3;  // does not divide the 2 kv heads
+  EXPECT_THROW(plan_cpu_memory(c, m), Error);
+}
+
+TEST(MemoryPlan, TheRunReportsRecordHasEveryItemTheTotalAndThePeak) {
+  const MemoryPlan plan = plan_cpu_memory(plan_test_config(2, true), layout_of(2));
+  const nlohmann::json j = memory_plan_json(plan);
+  ASSERT_EQ(j["items"].size(), plan.items.size());
+  for (size_t i = 0; i < plan.items.size(); i++) {
+    EXPECT_EQ(j["items"][i]["name"], plan.items[i].name);
+    EXPECT_EQ(j["items"][i]["bytes"].get<int64_t>(), plan.items[i].bytes);
+  }
+  EXPECT_EQ(j["total"].get<int64_t>(), plan.total());
+  EXPECT_EQ(j["peak"].get<int64_t>(), plan.peak());
+}
+
+}  // namespace
+}  // namespace tuna

@@ -1,0 +1,217 @@
+// The planner: catalogues and their errors, the rates table and its refresh from gpu-check's bench JSON, the
+// step-time model against the measured H200 step it is seeded from, communication as ring arithmetic, layouts
+// the CUDA engine does not implement priced as designed and said so, the search, and the verdict's advice.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "core/error.h"
+#include "model/layout.h"
+#include "model/planner.h"
+#include "tests/test_util.h"
+
+namespace tuna {
+namespace {
+
+const Rates& repository_rates() {
+  static const Rates r = load_rates("model/plan_rates.json");
+  return r;
+}
+
+using testing_util::error_of;
+
+JobSpec job_of(const std::string& model, const std::string& gpu, int64_t nodes, int64_t tp, int zero, int64_t mb,
+               int64_t seq, int64_t accum) {
+  JobSpec j;
+  j.model = load_model_for_plan(model, &j.model_name);
+  j.cluster.gpu = find_gpu(gpu);
+  j.cluster.nodes = nodes, j.cluster.gpus_per_node = 8;
+  j.cluster.intra_busbw = j.cluster.gpu.nvlink_busbw, j.cluster.inter_busbw = 40e9;
+  j.layout.tp = tp, j.layout.dp = j.cluster.gpus() / tp, j.layout.zero = zero;
+  j.layout.micro_batch = mb, j.layout.seq_len = seq;
+  j.grad_accum = accum;
+  j.tokens = 130e9, j.hours = 72, j.price_per_gpu_hour = 4.34;
+  return j;
+}
+
+TEST(Planner, UnknownGpuAndModelNameTheKnownOnes) {
+  const std::string gpu = error_of([] { find_gpu("h100-pcie"); });
+  EXPECT_NE(gpu.find("'h100-pcie'"), std::string::npos) << gpu;
+  for (const char* known : {"h100-80gb", "h200", "a100-80gb"}) EXPECT_NE(gpu.find(known), std::string::npos) << gpu;
+  const std::string model = error_of([] { load_model_for_plan("llama-4-giant"); });
+  EXPECT_NE(model.find("llama-2-70b"), std::string::npos) << model;
+  // The catalogue's shapes are the published models'.
+  EXPECT_NEAR(double(load_model_for_plan("llama-2-70b").n_params()), 68.98e9, 0.01e9);
+  EXPECT_NEAR(double(load_model_for_plan("llama-3.1-8b").n_params()), 8.03e9, 0.01e9);
+  EXPECT_NEAR(double(load_model_for_plan("llama-3.2-1b").n_params()), 1.236e9, 0.001e9);
+}
+
+TEST(Planner, RatesTableParsesAndAMissingFieldIsNamed) {
+  const Rates& r = repository_rates();
+  EXPECT_EQ(r.device, "h200");
+  EXPECT_GT(r.gemm_fwd, 100e12);
+  EXPECT_NE(r.sources.at("gemm").find("profile"), std::string::npos);
+  std::ifstream in("model/plan_rates.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["memory"]["of_copy"].erase("rope");
+  const std::string e = error_of([&] { parse_rates(j, "rates.json"); });
+  EXPECT_NE(e.find("rates.json: memory: of_copy: missing field 'rope'"), std::string::npos) << e;
+  j = nlohmann::json::parse(std::ifstream("model/plan_rates.json"));
+  j["device"] = "tpu-v5";
+  EXPECT_NE(error_of([&] { parse_rates(j, "rates.json"); }).find("h100-80gb"), std::string::npos);
+}
+
+// The table is seeded from the H200 profile of the 1B step (batch 2 x 4096: 203 ms, of which layer GEMMs 62.6 ms,
+// lm_head 37.5 ms, attention 67 ms, AdamW 17 ms): the model built from its parts must give the step back.
+TEST(Planner, TheOneBStepOnTheH200IsTheProfiledOne) {
+  JobSpec j = job_of("llama-3.2-1b", "h200", 1, 1, 0, 2, 4096, 1);
+  j.cluster.gpus_per_node = 1;
+  j.layout.dp = 1;
+  const Prediction p = predict(j, repository_rates());
+  EXPECT_TRUE(p.memory_is_engines);
+  EXPECT_TRUE(p.fits);
+  EXPECT_NEAR(p.step_s, 0.203, 0.203 * 0.10);
+  std::map<std::string, double> part;
+  for (const TimeItem& t : p.compute) part[t.name] = t.seconds;
+  EXPECT_NEAR(part["layer GEMMs"], 0.0626, 0.0626 * 0.02);
+  EXPECT_NEAR(part["AdamW and gradient norm"], 0.0181, 0.0181 * 0.1);
+  EXPECT_TRUE(p.communication.empty());
+  // MFU from tokens/s: 8192 tokens in the step, the model's FLOPs per token over the H200's peak.
+  EXPECT_NEAR(p.mfu, 8192 / p.step_s * model_flops_per_token(j.model, 4096) / 989.4e12, 1e-9);
+}
+
+TEST(Planner, DataParallelTimeIsTheRingsBytesOverTheBusBandwidth) {
+  JobSpec j = job_of("llama-3.1-8b", "h100-80gb", 2, 1, 0, 1, 4096, 1);
+  const int64_t P = ParamLayout(j.model).total();
+  const Prediction p = predict(j, repository_rates());
+  ASSERT_EQ(p.communication.size(), 1u);
+  // ZeRO-0 on 16 ranks across 2 nodes: all-reduce of 4P bytes moves 2 x 15/16 of it through each GPU's link.
+  const double ring = 2.0 * 15 / 16 * 4.0 * double(P) / 40e9;
+  EXPECT_NEAR(p.communication[0].seconds, ring, ring * 0.01);
+  EXPECT_NEAR(p.exposed_s, p.communication_s, 1e-12);  // the engine overlaps nothing at ZeRO-0
+  j.cluster.inter_busbw = 20e9;
+  EXPECT_NEAR(predict(j, repository_rates()).communication[0].seconds, 2 * ring, 2 * ring * 0.01);
+  // One node: the ring stays on NVLink.
+  j.cluster.nodes = 1, j.layout.dp = 8;
+  EXPECT_NEAR(predict(j, repository_rates()).communication[0].seconds,
+              2.0 * 7 / 8 * 4.0 * double(P) / j.cluster.intra_busbw, ring * 0.01);
+}
+
+TEST(Planner, LayoutsTheEngineRefusesArePricedAsDesignedAndSaySo) {
+  const JobSpec j = job_of("llama-2-70b", "h100-80gb", 2, 8, 3, 1, 4096, 32);
+  const Prediction p = predict(j, repository_rates());
+  bool engine_has_it = true;
+  try {
+    plan_gpu_memory(j.model, j.layout);
+  } catch (const Error&) {
+    engine_has_it = false;
+  }
+  EXPECT_EQ(p.memory_is_engines, engine_has_it);
+  if (!engine_has_it) {
+    bool said = false;
+    for (const std::string& n : p.notes) said |= n.find("refuses this layout today") != std::string::npos;
+    EXPECT_TRUE(said);
+    EXPECT_NE(format_plan(j, p, repository_rates()).find("AS DESIGNED"), std::string::npos);
+  }
+  // As designed: ZeRO-3 over dp 2 of tp 8 keeps a 16th of the weights (bf16), the master and both moments.
+  const MemoryPlan d = design_gpu_memory(j.model, j.layout);
+  const double P = double(j.model.n_params());
+  EXPECT_NEAR(double(d.bytes(MemoryKind::Weights)), 2 * P / 16, 2 * P / 16 * 0.02);
+  EXPECT_NEAR(double(d.bytes(MemoryKind::Master)), 4 * P / 16, 4 * P / 16 * 0.02);
+  EXPECT_NEAR(double(d.bytes(MemoryKind::Moments)), 8 * P / 16, 8 * P / 16 * 0.02);
+  // Full recompute keeps one [tokens, hidden] bf16 input per layer (of a layer's 4 such tensors and its q, k, v,
+  // attention and three ffn-wide ones), plus one layer's whole set.
+  MemoryLayout full = j.layout;
+  full.recompute = Recompute::Full;
+  const MemoryPlan r = design_gpu_memory(j.model, full);
+  EXPECT_LT(r.bytes(MemoryKind::Activations), d.bytes(MemoryKind::Activations) / 4);
+  EXPECT_GT(r.bytes(MemoryKind::Activations), int64_t(80) * 4096 * 8192 * 2);
+}
+
+TEST(Planner, SearchRanksLayoutsThatFitFastestFirstAtTheSameGlobalBatch) {
+  const JobSpec j = job_of("llama-2-70b", "h100-80gb", 2, 8, 3, 1, 4096, 32);
+  const std::vector<Prediction> ranked = search_layouts(j, repository_rates(), 8);
+  ASSERT_FALSE(ranked.empty());
+  for (size_t i = 0; i < ranked.size(); i++) {
+    const Prediction& p = ranked[i];
+    EXPECT_EQ(p.layout.micro_batch * p.grad_accum * p.layout.dp, 1 * 32 * 2);
+    if (i > 0 && ranked[i - 1].fits == p.fits) {
+      EXPECT_LE(ranked[i - 1].step_s / ranked[i - 1].tokens_per_step, p.step_s / p.tokens_per_step);
+    }
+  }
+  EXPECT_TRUE(ranked[0].fits);  // something fits 70B on 16 x 80 GB (as designed: ZeRO-3, tp, recompute)
+  EXPECT_NE(format_search(j, ranked).find("tok/s/GPU"), std::string::npos);
+}
+
+TEST(Planner, TheSeedJobsVerdictSaysWhatWouldFinish) {
+  JobSpec j = job_of("llama-2-70b", "h100-80gb", 2, 8, 3, 1, 4096, 32);
+  j.layout.recompute = Recompute::Full, j.layout.bf16_moments = true;
+  const Prediction p = predict(j, repository_rates());
+  EXPECT_TRUE(p.fits);
+  EXPECT_FALSE(p.finishes);  // 130B tokens at ~1-2k tokens/s per GPU is months on 16 GPUs
+  const std::string text = format_plan(j, p, repository_rates());
+  EXPECT_NE(text.find("does NOT finish in 72 h"), std::string::npos) << text;
+  EXPECT_NE(text.find("a token budget of"), std::string::npos) << text;
+  EXPECT_NE(text.find(" nodes ("), std::string::npos) << text;
+  EXPECT_NE(text.find("llama-"), std::string::npos) << text;  // a smaller model that finishes
+  // The cost is hours x GPUs x price.
+  EXPECT_NEAR(p.cost, p.wall_s / 3600 * 16 * 4.34, 1e-6 * p.cost);
+}
+
+TEST(Planner, CountsTakeSuffixes) {
+  EXPECT_DOUBLE_EQ(parse_count("130B", "x"), 130e9);
+  EXPECT_DOUBLE_EQ(parse_count("7.5e9", "x"), 7.5e9);
+  EXPECT_DOUBLE_EQ(parse_count("500m", "x"), 500e6);
+  EXPECT_DOUBLE_EQ(parse_count("1,000,000", "x"), 1e6);
+  EXPECT_NE(error_of([] { parse_count("lots", "option 'tokens'"); }).find("option 'tokens'"), std::string::npos);
+}
+
+TEST(Planner, RatesRefreshFromGpuCheckBenchJson) {
+  testing_util::TempDir tmp("rates");
+  auto bench = [](std::initializer_list<nlohmann::json> list) { return nlohmann::json{{"benchmarks", list}}; };
+  std::ofstream(tmp / "bench_gemm.json")
+      << bench({{{"name", "BM_Gemm/ic:8192/oc:28672/pass:0/manual_time"}, {"TFLOP/s", 700.0}},
+                {{"name", "BM_Gemm/ic:2048/oc:512/pass:0/manual_time"}, {"TFLOP/s", 400.0}},
+                {{"name", "BM_Gemm/ic:8192/oc:28672/pass:2/manual_time"}, {"TFLOP/s", 650.0}}})
+             .dump();
+  std::ofstream(tmp / "bench_attention.json")
+      << bench({{{"name", "BM_Attention/seq:8192/hd:128/bwd:0/manual_time"}, {"TFLOP/s", 500.0}},
+                {{"name", "BM_Attention/seq:8192/hd:128/bwd:1/manual_time"}, {"TFLOP/s", 400.0}}})
+             .dump();
+  std::ofstream(tmp / "bench_memory.json")
+      << bench({{{"name", "BM_Copy/manual_time"}, {"GB/s", 4000.0}},
+                {{"name", "BM_RmsNormFwd/manual_time"}, {"GB/s", 3000.0}, {"of_copy", 0.75}},
+                {{"name", "BM_AdamW/1/manual_time"}, {"GB/s", 3000.0}, {"of_copy", 0.8}}})
+             .dump();
+  const nlohmann::json base = nlohmann::json::parse(std::ifstream("model/plan_rates.json"));
+  // What comes back from the GPU machine: OUTDIR/benches.json, every bench's JSON under its name.
+  testing_util::TempDir outdir("rates_outdir");
+  nlohmann::json merged;
+  for (const char* name : {"gemm", "attention", "memory"})
+    merged[name] = nlohmann::json::parse(std::ifstream(tmp / (std::string("bench_") + name + ".json")));
+  std::ofstream(outdir / "benches.json") << merged.dump();
+  auto without_sources = [](nlohmann::json j) {
+    for (auto& [key, section] : j.items())
+      if (section.is_object()) section.erase("source");
+    return j;
+  };
+  EXPECT_EQ(without_sources(rates_from_bench(base, outdir.path)), without_sources(rates_from_bench(base, tmp.path)))
+      << "benches.json and one file per bench give the same table";
+  const Rates r = parse_rates(rates_from_bench(base, tmp.path), "refreshed");
+  EXPECT_DOUBLE_EQ(r.gemm(8192, 8192, 28672, 0), 700e12);
+  EXPECT_DOUBLE_EQ(r.gemm(8192, 2048, 512, 0), 400e12);
+  EXPECT_DOUBLE_EQ(r.gemm(8192, 8192, 8192, 2), 650e12);  // the nearest measured weight-gradient shape
+  EXPECT_DOUBLE_EQ(r.attention_rate(128, 8192, true), 400e12);
+  EXPECT_DOUBLE_EQ(r.copy_bytes_per_s, 4000e9);
+  EXPECT_DOUBLE_EQ(r.of_copy.at("rmsnorm_fwd"), 0.75);
+  EXPECT_DOUBLE_EQ(r.of_copy.at("adamw_bf16"), 0.8);
+  EXPECT_DOUBLE_EQ(r.of_copy.at("rope"), repository_rates().of_copy.at("rope"));  // not benched: kept
+  EXPECT_DOUBLE_EQ(r.lm_head, repository_rates().lm_head);
+  EXPECT_NE(r.sources.at("attention").find(tmp.path.string()), std::string::npos);
+  // A directory without benches is an error naming it.
+  testing_util::TempDir empty("rates_empty");
+  EXPECT_NE(error_of([&] { rates_from_bench(base, empty.path); }).find(empty.path.string()), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tuna
