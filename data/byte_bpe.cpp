@@ -144,15 +144,20 @@ class Regex {
       if (rc == PCRE2_ERROR_NOMATCH) break;
       if (rc < 0)
         fail("tokenizer ", path_, ": the pre-tokenizer regex failed at byte ", at, ": ", pcre2_message(rc));
+      // Copied out: fn may split the piece with the next regex, which reuses this thread's match data.
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(state.data);
-      if (ov[1] == ov[0]) {  // an empty match: step over one character, which joins the gap
-        at = ov[0] + 1;
+      const size_t begin = ov[0], end = ov[1];
+      if (begin < at || end < begin || end > text.size())
+        fail("tokenizer ", path_, ": the pre-tokenizer regex reported a match at bytes [", begin, ", ", end,
+             ") from byte ", at, " (a \\K inside a lookaround?)");
+      if (end == begin) {  // an empty match: step over one character, which joins the gap
+        at = begin + 1;
         while (at < text.size() && (static_cast<uint8_t>(text[at]) & 0xC0) == 0x80) ++at;
         continue;
       }
-      if (ov[0] > gap) fn(text.substr(gap, ov[0] - gap));
-      fn(text.substr(ov[0], ov[1] - ov[0]));
-      gap = at = ov[1];
+      if (begin > gap) fn(text.substr(gap, begin - gap));
+      fn(text.substr(begin, end - begin));
+      gap = at = end;
     }
     if (gap < text.size()) fn(text.substr(gap));
   }
@@ -421,6 +426,12 @@ class ByteBpeTokenizer final : public TokenizerImpl {
 };
 
 }  // namespace
+
+void check_token_id_space(int64_t ids, int64_t defined, const std::string& path, const char* field) {
+  if (ids - defined > kMaxUnusedTokenIds)
+    fail("tokenizer ", path, ": ", field, " define ", defined, " tokens but name ids up to ", ids - 1,
+         ": more than ", kMaxUnusedTokenIds, " ids would have no token");
+}
 
 std::unique_ptr<TokenizerImpl> make_byte_bpe(ByteBpeModel model) {
   return std::make_unique<ByteBpeTokenizer>(std::move(model));

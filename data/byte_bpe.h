@@ -67,6 +67,12 @@ extern const char* const kLlama3Pattern;
 
 std::unique_ptr<TokenizerImpl> make_byte_bpe(ByteBpeModel model);
 
+// Ids no token has are allowed (a hole in the id space), up to kMaxUnusedTokenIds of them: a file that names
+// id 2^30 - 1 beside a few hundred tokens is refused before a table of 2^30 tokens is allocated. `ids` is one
+// more than the largest id, `defined` how many tokens the file defines; `field` names where the ids are.
+inline constexpr int64_t kMaxUnusedTokenIds = int64_t{1} << 16;
+void check_token_id_space(int64_t ids, int64_t defined, const std::string& path, const char* field);
+
 // The byte-level alphabet of GPT-2 and Llama 3's tokenizer.json: byte b is written as one printable code
 // point (printable ASCII and Latin-1 bytes as themselves, the other 68 bytes as U+0100 + k).
 std::string byte_level_encode(std::string_view bytes);

@@ -11,6 +11,7 @@
 #include <xxhash.h>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "data/byte_bpe.h"
 #include "data/tokenizer.h"
 
@@ -132,20 +133,27 @@ std::unique_ptr<TokenizerImpl> load_tiktoken(const std::string& path) {
   };
   std::vector<Special> specials;
   if (!config.empty()) {
-    try {
-      std::ifstream cin(config);
-      const nlohmann::json c = nlohmann::json::parse(cin);
-      for (const auto& [id, token] : c.at("added_tokens_decoder").items()) {
-        const int64_t n = std::stoll(id);
-        if (n < static_cast<int64_t>(m.tokens.size()) || n >= (int64_t{1} << 30))
-          fail("tokenizer ", config, ": added_tokens_decoder id ", id, " overlaps the ranks of ", path);
-        specials.push_back({n, token.at("content").get<std::string>(), token.value("special", true)});
-      }
-    } catch (const nlohmann::json::exception& e) {
-      fail("tokenizer ", config, ": cannot read its added tokens: ", e.what());
-    } catch (const std::logic_error& e) {
-      fail("tokenizer ", config, ": cannot read its added tokens: ", e.what());
+    const nlohmann::json c = read_json_file(config, config);  // depth, size and repeated keys bounded
+    auto decoder = c.is_object() ? c.find("added_tokens_decoder") : c.end();
+    if (decoder == c.end() || !decoder->is_object())
+      fail("tokenizer ", config, ": field 'added_tokens_decoder': expected an object of id -> token, the special "
+           "tokens of ", path);
+    for (const auto& [id, token] : decoder->items()) {
+      const std::string where = str("tokenizer ", config, ": added_tokens_decoder['", id, "']");
+      if (id.empty() || id.size() > 10 || id.find_first_not_of("0123456789") != std::string::npos)
+        fail(where, ": expected a decimal id");
+      const int64_t n = std::stoll(id);
+      if (n < static_cast<int64_t>(m.tokens.size())) fail(where, ": the id overlaps the ranks of ", path);
+      if (n >= (int64_t{1} << 30)) fail(where, ": expected an id below 2^30");
+      if (!token.is_object() || !token.contains("content") || !token["content"].is_string() ||
+          (token.contains("special") && !token["special"].is_boolean()))
+        fail(where, ": expected {\"content\": string, \"special\": bool}, found ", token.dump());
+      specials.push_back({n, token["content"].get<std::string>(), token.value("special", true)});
     }
+    int64_t ids = static_cast<int64_t>(m.tokens.size());
+    for (const Special& s : specials) ids = std::max(ids, s.id + 1);
+    check_token_id_space(ids, static_cast<int64_t>(m.tokens.size() + specials.size()), config,
+                         "the ranks and added_tokens_decoder");
   } else {
     const std::vector<std::string> names = llama3_special_tokens();
     for (size_t i = 0; i < names.size(); ++i) specials.push_back({static_cast<int64_t>(kLlama3Ranks + i), names[i], true});

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "data/tokenizer_impl.h"
 
 namespace tuna {
@@ -95,16 +96,6 @@ std::unique_ptr<TokenizerImpl> load_file(const std::string& path) {
   }
 }
 
-nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, ": cannot open");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": not valid JSON: ", e.what());
-  }
-}
-
 // BOS and EOS as the model's config names them (see Tokenizer::load).
 void ids_from_model_config(const std::string& path, const TokenizerImpl& impl, int32_t* bos, int32_t* eos) {
   *bos = impl.default_bos();
@@ -112,7 +103,7 @@ void ids_from_model_config(const std::string& path, const TokenizerImpl& impl, i
   bool bos_set = false, eos_set = false;
   const std::string tokenizer_config = model_config_file(path, "tokenizer_config.json");
   if (!tokenizer_config.empty()) {
-    const nlohmann::json c = read_json_file(tokenizer_config);
+    const nlohmann::json c = read_json_file(tokenizer_config, tokenizer_config);  // core/json.h: bounded
     auto token = [&](const char* key, int32_t* id, bool* set) {
       if (!c.is_object() || !c.contains(key)) return;
       const nlohmann::json& v = c[key];
@@ -133,7 +124,7 @@ void ids_from_model_config(const std::string& path, const TokenizerImpl& impl, i
   }
   const std::string config = model_config_file(path, "config.json");
   if ((!bos_set || !eos_set) && !config.empty()) {
-    const nlohmann::json c = read_json_file(config);
+    const nlohmann::json c = read_json_file(config, config);
     auto id_of = [&](const char* key, int32_t* id, bool set) {
       if (set || !c.is_object() || !c.contains(key) || c[key].is_null()) return;
       const nlohmann::json& v = c[key].is_array() && !c[key].empty() ? c[key][0] : c[key];

@@ -194,7 +194,11 @@ class TokenizerJsonReader : public nlohmann::json_sax<json> {
       return &root;
     }
     json& parent = *frames_.back().node;
-    if (parent.is_object()) return &(parent[key_] = std::move(v));
+    if (parent.is_object()) {
+      // JSON would silently keep one of the two values (core/json.h refuses the same)
+      if (parent.contains(key_)) fail("tokenizer ", path_, ": key '", key_, "' appears twice in one object");
+      return &(parent[key_] = std::move(v));
+    }
     parent.push_back(std::move(v));
     return &parent.back();
   }
@@ -247,7 +251,8 @@ std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
       fail("tokenizer ", path, ": a BPE without a ByteLevel pre-tokenizer (sentencepiece-style?); tuna reads byte-level "
            "BPE tokenizer.json (Llama 3's), and sentencepiece models as tokenizer.model");
 
-    // Vocabulary: byte-level strings -> bytes.
+    // Vocabulary: byte-level strings -> bytes. The id space is bounded by the tokens the file defines (checked
+    // before it is allocated: one id of 2^30 - 1 would otherwise cost 32 GB).
     int64_t size = 0;
     for (const auto& [text, id] : reader.vocab) {
       if (id < 0 || id >= (int64_t{1} << 30))
@@ -262,6 +267,8 @@ std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
         fail("tokenizer ", path, ": added token id ", id.dump(), ": expected an integer in [0, 2^30)");
       size = std::max<int64_t>(size, id.get<int64_t>() + 1);
     }
+    check_token_id_space(size, static_cast<int64_t>(reader.vocab.size() + added.size()), path,
+                         "model.vocab and added_tokens");
     m.tokens.assign(size, std::string());
     m.kinds.assign(size, TokenKind::unused);
     for (const auto& [text, id] : reader.vocab) {
@@ -271,20 +278,28 @@ std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
              ") holds a character outside the byte-level alphabet: not a byte-level BPE");
       m.kinds[id] = TokenKind::normal;
     }
-    TokenIndex index;
-    index.reserve(reader.vocab.size());
-    for (size_t id = 0; id < m.tokens.size(); ++id)
-      if (m.kinds[id] == TokenKind::normal) index.insert(m.tokens[id], static_cast<int32_t>(id));
     reader.vocab = {};
+    // An added token may repeat a vocabulary entry (GPT-2's <|endoftext|> is in both), with the same text.
+    std::vector<bool> is_added(m.tokens.size());
     for (const json& a : added) {
       const int32_t id = a["id"].get<int32_t>();
       const std::string content = field(a, "content", path, "added token").get<std::string>();
       for (const char* flag : {"lstrip", "rstrip", "single_word"})
         if (a.value(flag, false))
           fail("tokenizer ", path, ": added token '", content, "' has ", flag, " = true, which tuna does not implement");
+      if (is_added[id]) fail("tokenizer ", path, ": added_tokens gives id ", id, " to two tokens");
+      if (m.kinds[id] == TokenKind::normal && m.tokens[id] != content)
+        fail("tokenizer ", path, ": added token '", content, "' has id ", id, ", which model.vocab gives to '",
+             byte_level_encode(m.tokens[id]), "'");
+      is_added[id] = true;
       m.tokens[id] = content;
       m.kinds[id] = a.value("special", false) ? TokenKind::special : TokenKind::added;
     }
+    // Indexed once every text is final (the index holds views of them).
+    TokenIndex index;
+    index.reserve(m.tokens.size());
+    for (size_t id = 0; id < m.tokens.size(); ++id)
+      if (m.kinds[id] == TokenKind::normal) index.insert(m.tokens[id], static_cast<int32_t>(id));
 
     // Merges, in rank order.
     m.merges.reserve(reader.merges.size());

@@ -6,7 +6,9 @@
 
 #include <memory>
 
+#include "data/byte_bpe.h"
 #include "data/tokenizer.h"
+#include "data/tokenizer_impl.h"
 #include "tests/data/data_test_util.h"
 #include "tests/data/tokenizer_fixtures.h"
 
@@ -308,6 +310,55 @@ TEST(TokenizerFormats, BadTokenizerJsonIsRefusedByName) {
   expect_error([&] { Tokenizer t(missing_byte); }, {missing_byte, "not a byte-level vocabulary"});
 }
 
+// Ids and texts a crafted tokenizer.json gets wrong (issue 13; tests/fuzz/corpus/tokenizer_json): each refused
+// by name before it is allocated or indexed.
+TEST(TokenizerFormats, InconsistentTokenizerJsonIsRefused) {
+  TempDir dir;
+  auto tokenizer = [&](const std::string& name, const std::string& vocab, const std::string& added) {
+    testing_data::write_file(dir.file(name), R"({"pre_tokenizer": {"type": "ByteLevel", "use_regex": true},
+        "added_tokens": [)" + added + R"(], "model": {"type": "BPE", "vocab": {)" + vocab + R"(}, "merges": []}})");
+    return dir.file(name);
+  };
+  // One id of 2^30 - 1 would have allocated a table of 2^30 tokens (32 GB).
+  const std::string far_vocab = tokenizer("far_vocab.json", R"("a": 0, "b": 1073741823)", "");
+  expect_error([&] { Tokenizer t(far_vocab); }, {far_vocab, "model.vocab and added_tokens", "ids up to 1073741823",
+                                                 "more than 65536 ids would have no token"});
+  const std::string far_added = tokenizer("far_added.json", R"("a": 0)", R"({"id": 70000, "content": "<x>"})");
+  expect_error([&] { Tokenizer t(far_added); }, {far_added, "ids up to 70000"});
+  // An added token on a vocabulary id with other text: the index of the vocabulary held a view of the text it
+  // replaced (a use after free when that text was longer than 15 bytes).
+  const std::string replaced = tokenizer("replaced.json", R"("abcdefghijklmnopqrstuvwxyz": 0)",
+                                         R"({"id": 0, "content": "<|a special token longer than the one it replaces|>"})");
+  expect_error([&] { Tokenizer t(replaced); },
+               {replaced, "added token '<|a special token", "has id 0", "model.vocab gives to 'abcdefghijklmnopqrstuvwxyz'"});
+  const std::string twice = tokenizer("twice.json", R"("a": 0)",
+                                      R"({"id": 1, "content": "<x>"}, {"id": 1, "content": "<y>"})");
+  expect_error([&] { Tokenizer t(twice); }, {twice, "added_tokens gives id 1 to two tokens"});
+  testing_data::write_file(dir.file("repeated.json"), R"({"model": {"type": "BPE", "vocab": {}, "merges": []},
+      "model": {"type": "BPE", "vocab": {}, "merges": []}})");
+  expect_error([&] { Tokenizer t(dir.file("repeated.json")); }, {dir.file("repeated.json"), "key 'model' appears twice"});
+}
+
+// Several pre-tokenizer regexes (Split steps before a ByteLevel with its own regex) split each other's pieces;
+// the inner split reused the thread's match data and corrupted the outer one's position: wrong pieces or an
+// endless loop.
+TEST(TokenizerFormats, NestedPreTokenizerRegexes) {
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; b++) vocab[byte_level_encode(std::string(1, static_cast<char>(b)))] = b;
+  const nlohmann::json split = {{"type", "Split"}, {"pattern", {{"Regex", "\\d"}}}, {"behavior", "Isolated"}};
+  const nlohmann::json t = {
+      {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", {split, {{"type", "ByteLevel"}, {"use_regex", true}}}}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+  TempDir dir;
+  testing_data::write_file(dir.file("tokenizer.json"), t.dump());
+  const Tokenizer tok(dir.file("tokenizer.json"));
+  std::vector<std::string> pieces;
+  tok.impl().segment("hello 12 world", SpecialTokens::as_text, [&](std::string_view s) { pieces.emplace_back(s); },
+                     [](int32_t) {});
+  EXPECT_EQ(pieces, (std::vector<std::string>{"hello", " ", "1", "2", " world"}));
+  EXPECT_EQ(tok.decode(tok.encode("hello 12 world")), "hello 12 world");
+}
+
 TEST(TokenizerFormats, BadTiktokenFilesAreRefused) {
   TempDir dir;
   testing_data::write_file(dir.file("small.tiktoken"), "IQ== 0\nIg== 1\n");
@@ -317,6 +368,18 @@ TEST(TokenizerFormats, BadTiktokenFilesAreRefused) {
   expect_error([&] { Tokenizer t(dir.file("gap.tiktoken")); }, {dir.file("gap.tiktoken") + ":2", "rank 2", "1 was expected"});
   testing_data::write_file(dir.file("bad.tiktoken"), "IQ== 0\n!!!! 1\n");
   expect_error([&] { Tokenizer t(dir.file("bad.tiktoken")); }, {dir.file("bad.tiktoken") + ":2", "base64 rank"});
+  // Llama 3's ranks with a tokenizer_config.json whose added tokens are far from them, or not ids at all.
+  std::filesystem::create_directories(dir.path() / "original");
+  std::filesystem::copy_file(TokenizerFixtures::get().llama3_tiktoken(), dir.path() / "original/tokenizer.model");
+  const std::string ranks = (dir.path() / "original/tokenizer.model").string(), config = dir.file("tokenizer_config.json");
+  testing_data::write_file(config, R"({"added_tokens_decoder": {"1073741823": {"content": "<|far|>", "special": true}}})");
+  expect_error([&] { Tokenizer t(ranks); }, {config, "ids up to 1073741823", "would have no token"});
+  testing_data::write_file(config, R"({"added_tokens_decoder": {"128000x": {"content": "<|x|>"}}})");
+  expect_error([&] { Tokenizer t(ranks); }, {config, "added_tokens_decoder['128000x']", "expected a decimal id"});
+  testing_data::write_file(config, R"({"added_tokens_decoder": {"128000": {"content": 7}}})");
+  expect_error([&] { Tokenizer t(ranks); }, {config, "added_tokens_decoder['128000']", "expected {\"content\": string"});
+  testing_data::write_file(config, R"({"added_tokens_decoder": )" + std::string(1000, '[') + std::string(1000, ']') + "}");
+  expect_error([&] { Tokenizer t(ranks); }, {config, "nested deeper than 64"});
 }
 
 TEST(TokenizerFormats, InvalidUtf8IsAnErrorForBpe) {

@@ -26,12 +26,15 @@
 #include <string>
 #include <typeinfo>
 #include <vector>
+#include <zstd.h>
 
 #include "core/error.h"
 #include "core/json.h"
 #include "core/options.h"
+#include "data/byte_bpe.h"
 #include "data/loader.h"
 #include "data/shard.h"
+#include "data/tokenizer.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/layout.h"
@@ -266,6 +269,183 @@ void copy_dir(const fs::path& from, const fs::path& to) {
   fs::copy(from, to, fs::copy_options::recursive);
 }
 
+
+// ---- tokenizers -------------------------------------------------------------------------------------------------
+
+// A zstd file's content (the committed tokenizer fixtures).
+std::string read_zstd(const fs::path& p) {
+  const std::string packed = read_bytes(p);
+  ZSTD_DCtx* ctx = ZSTD_createDCtx();
+  ZSTD_DCtx_setParameter(ctx, ZSTD_d_windowLogMax, 27);
+  std::string out, buffer(1 << 20, '\0');
+  ZSTD_inBuffer in{packed.data(), packed.size(), 0};
+  while (in.pos < in.size) {
+    ZSTD_outBuffer o{buffer.data(), buffer.size(), 0};
+    const size_t rc = ZSTD_decompressStream(ctx, &o, &in);
+    if (ZSTD_isError(rc)) {
+      ZSTD_freeDCtx(ctx);
+      throw std::runtime_error(p.string() + ": " + ZSTD_getErrorName(rc));
+    }
+    out.append(buffer.data(), o.pos);
+  }
+  ZSTD_freeDCtx(ctx);
+  return out;
+}
+
+// A byte-level BPE tokenizer.json small enough to mutate a few hundred times a second: the 256 byte tokens, the
+// merges that build a few words, two special tokens and an added one. Two shapes: Llama 3's (a Split regex then
+// ByteLevel without its regex, merges as "a b" strings, a TemplateProcessing BOS) and GPT-2's (ByteLevel with
+// its regex and add_prefix_space, merges as pairs, ignore_merges).
+std::string tiny_tokenizer_json(bool llama3_shape) {
+  json vocab = json::object(), merges = json::array();
+  int32_t next = 0;
+  for (int b = 0; b < 256; b++) vocab[byte_level_encode(std::string(1, static_cast<char>(b)))] = next++;
+  for (const char* word : {"hello", " world", "the", " the", "ing", "123", "\n\n"}) {
+    std::string left(word, 1);
+    for (const char* c = word + 1; *c; ++c) {  // merges grow each word from its left end
+      const std::string right(c, 1), l = byte_level_encode(left), r = byte_level_encode(right);
+      if (!vocab.contains(byte_level_encode(left + right))) {
+        vocab[byte_level_encode(left + right)] = next++;
+        merges.push_back(llama3_shape ? json(l + " " + r) : json::array({l, r}));
+      }
+      left += right;
+    }
+  }
+  const json added = json::array({{{"id", next}, {"content", "<|begin_of_text|>"}, {"special", true}},
+                                  {{"id", next + 1}, {"content", "<|eot_id|>"}, {"special", true}},
+                                  {{"id", next + 2}, {"content", "<extra>"}, {"special", false}}});
+  json pre = llama3_shape
+                 ? json{{"type", "Sequence"},
+                        {"pretokenizers", {{{"type", "Split"}, {"pattern", {{"Regex", kLlama3Pattern}}},
+                                            {"behavior", "Isolated"}, {"invert", false}},
+                                           {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}}
+                 : json{{"type", "ByteLevel"}, {"add_prefix_space", true}, {"use_regex", true}};
+  json t = {{"version", "1.0"}, {"added_tokens", added}, {"normalizer", nullptr}, {"pre_tokenizer", pre},
+            {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"ignore_merges", !llama3_shape},
+                       {"byte_fallback", false}, {"vocab", vocab}, {"merges", merges}}}};
+  if (llama3_shape)
+    t["post_processor"] = {{"type", "TemplateProcessing"},
+                           {"single", {{{"SpecialToken", {{"id", "<|begin_of_text|>"}, {"type_id", 0}}}},
+                                       {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}}};
+  return t.dump(1);
+}
+
+// A tiktoken file of the 256 byte tokens and a few merged ones (not Llama 3's: refused after the parse).
+std::string tiny_tiktoken() {
+  static const char* digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  auto base64 = [](const std::string& bytes) {
+    std::string out;
+    for (size_t i = 0; i < bytes.size(); i += 3) {
+      uint32_t v = 0;
+      const size_t n = std::min<size_t>(3, bytes.size() - i);
+      for (size_t k = 0; k < 3; k++) v = v << 8 | (k < n ? static_cast<uint8_t>(bytes[i + k]) : 0);
+      for (size_t k = 0; k < 4; k++) out += k <= n ? digits[(v >> (18 - 6 * k)) & 63] : '=';
+    }
+    return out;
+  };
+  std::string out;
+  int rank = 0;
+  for (int b = 0; b < 256; b++) out += base64(std::string(1, static_cast<char>(b))) + " " + std::to_string(rank++) + "\n";
+  for (const char* t : {"he", "hel", "hell", "hello", " w", " wo", "in", "ing"}) out += base64(t) + " " + std::to_string(rank++) + "\n";
+  return out;
+}
+
+// Mutations that keep a tokenizer.json parseable and aim at its meaning: ids duplicated, huge or missing,
+// merges of unknown tokens, malformed merges, added tokens on vocabulary ids, pre-tokenizer regexes that match
+// empty strings or do not compile, a BOS that names no token. Half the time, the text mutations instead.
+std::string mutate_tokenizer_json(std::string s, Rng& rng) {
+  json t;
+  try {
+    t = json::parse(s);
+  } catch (const json::exception&) {
+    return mutate_text(std::move(s), rng);
+  }
+  if (rng.below(2) || !t.is_object() || !t.contains("model") || !t["model"].is_object() ||
+      !t["model"].contains("vocab") || !t["model"]["vocab"].is_object() || t["model"]["vocab"].empty() ||
+      !t["model"].contains("merges") || !t["model"]["merges"].is_array() || !t.contains("added_tokens") ||
+      !t["added_tokens"].is_array())
+    return mutate_text(std::move(s), rng);
+  json& vocab = t["model"]["vocab"];
+  json& merges = t["model"]["merges"];
+  json& added = t["added_tokens"];
+  auto any_key = [&]() {
+    auto it = vocab.begin();
+    std::advance(it, rng.below(vocab.size()));
+    return it.key();
+  };
+  const int64_t ids[] = {-1, 0, 255, 256, 300, 65535 + 300, 65537 + 300, (int64_t{1} << 30) - 1, int64_t{1} << 31};
+  auto any_id = [&]() -> json { return rng.below(2) ? json(vocab[any_key()]) : json(ids[rng.below(std::size(ids))]); };
+  const char* const regexes[] = {"(", "", "(?=)", "a*", "\\K", "(?<=a)\\Kb", "(a|b)*c", "[\\s\\S]", "\\p{L}+|\\p{N}",
+                                 "(?i)", ".", "\\X", "(?:(?:a*)*)*b", "\\b"};
+  const char* const strings[] = {"", "a", "a b", "a b c", " ", "<|eot_id|>", "\xC4\xA0", "\xC4\xA0t", "<|begin_of_text|>",
+                                 "hello", "\xC3\xBF\xC3\xBF", "\xE2\x96\x81"};
+  switch (rng.below(12)) {
+    case 0: vocab[any_key()] = any_id(); break;
+    case 1: vocab.erase(any_key()); break;
+    case 2: vocab[strings[rng.below(std::size(strings))]] = any_id(); break;
+    case 3: merges.push_back(rng.below(2) ? json(any_key() + " " + any_key()) : json::array({any_key(), any_key()})); break;
+    case 4:
+      if (!merges.empty()) {
+        const json bad[] = {"a", "a b c", "", json::array({"a"}), json::array({1, 2}), json::array(), nullptr};
+        merges[rng.below(merges.size())] = bad[rng.below(std::size(bad))];
+      }
+      break;
+    case 5: std::reverse(merges.begin(), merges.end()); break;
+    case 6:
+      if (!added.empty()) {
+        json& a = added[rng.below(added.size())];
+        if (rng.below(2)) a["id"] = any_id();
+        else a["content"] = rng.below(2) ? json(strings[rng.below(std::size(strings))]) : json(any_key());
+      }
+      break;
+    case 7:
+      added.push_back({{"id", any_id()}, {"content", strings[rng.below(std::size(strings))]}, {"special", rng.below(2) == 0},
+                       {"lstrip", rng.below(4) == 0}});
+      break;
+    case 8: {
+      json& pre = t["pre_tokenizer"];
+      const json split = {{"type", "Split"}, {"pattern", {{"Regex", regexes[rng.below(std::size(regexes))]}}},
+                          {"behavior", "Isolated"}, {"invert", false}};
+      const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", rng.below(2) == 0}, {"use_regex", rng.below(2) == 0}};
+      pre = rng.below(2) ? json{{"type", "Sequence"}, {"pretokenizers", {split, byte_level}}}
+                         : json{{"type", "Sequence"}, {"pretokenizers", {byte_level, split, byte_level}}};
+      break;
+    }
+    case 9:
+      t["post_processor"] = {{"type", "TemplateProcessing"},
+                             {"single", {{{"SpecialToken", {{"id", strings[rng.below(std::size(strings))]}}}}}}};
+      break;
+    case 10: t["model"]["ignore_merges"] = !t["model"].value("ignore_merges", false); break;
+    default: {  // two tokens trade ids (a valid vocabulary, other ids)
+      const std::string a = any_key(), b = any_key();
+      std::swap(vocab[a], vocab[b]);
+      break;
+    }
+  }
+  return t.dump(1);
+}
+
+// What a caller does with a tokenizer once loaded: every id's text (the fingerprint already read them), encode
+// with special tokens as text and parsed, the word cache, decode. For the byte-level formats decoding must give
+// the text back (a space before it with add_prefix_space): a loaded vocabulary that cannot is not a valid result.
+void use_tokenizer(const Tokenizer& t) {
+  const std::string text = "hello world, the thing 123456 <|eot_id|> <extra>\n\n  tabs\tand caf\xC3\xA9 \xF0\x9F\x98\x80!";
+  for (int32_t id : {t.bos_id(), t.eos_id(), t.unk_id(), t.pad_id()})
+    if (id >= 0) (void)t.piece(id);
+  (void)t.describe();
+  for (SpecialTokens specials : {SpecialTokens::as_text, SpecialTokens::parse}) {
+    const std::vector<int32_t> ids = t.encode(text, specials);
+    const std::string back = t.decode(ids);
+    auto without_spaces = [](std::string s) { return std::erase(s, ' '), s; };  // add_prefix_space adds some
+    if (t.format() != TokenizerFormat::sentencepiece && without_spaces(back) != without_spaces(text))
+      throw std::logic_error("decode(encode(text)) gave '" + back + "'");
+    std::vector<int32_t> cached;
+    CachedEncoder(t).encode(text, &cached, specials);
+    if (t.impl().segments_exact() && cached != ids) throw std::logic_error("the word cache encodes differently");
+  }
+  (void)t.encode_continuation("continued text");
+}
+
 // ---- readers --------------------------------------------------------------------------------------------------
 
 struct Reader {
@@ -273,6 +453,9 @@ struct Reader {
   bool text;                                  // mutate as text (JSON, TOML) or as bytes
   std::vector<std::string> seeds;             // valid inputs
   std::function<void(const std::string&)> read;  // places the bytes where the reader reads them, and reads
+  bool seeds_load = true;  // false: the seeds are refused past the parse (a tiktoken file not Llama 3's)
+  int case_divisor = 1;    // runs --cases / case_divisor mutations (a reader that takes a fifth of a second a case)
+  std::string (*mutate)(std::string, Rng&) = nullptr;  // a reader's own mutations, instead of text's or bytes'
 };
 
 std::vector<Reader> make_readers(const fs::path& work) {
@@ -444,6 +627,54 @@ std::vector<Reader> make_readers(const fs::path& work) {
                        (void)list_checkpoints(root);
                        (void)latest_checkpoint(root);
                      }});
+
+  {  // tokenizer files: a tokenizer.json, the model config files that name its BOS/EOS, a tiktoken file, a
+     // sentencepiece model; each loaded, then used (use_tokenizer)
+    const fs::path tok = work / "tokenizer";
+    fs::create_directories(tok / "bpe");
+    const std::string tokenizer_json = tiny_tokenizer_json(true);
+    write_bytes(tok / "bpe" / "tokenizer.json", tokenizer_json);
+    readers.push_back({"tokenizer_json", true, {tokenizer_json, tiny_tokenizer_json(false)}, [case_dir](const std::string& bytes) {
+                         fs::create_directories(case_dir / "tokenizer_json");
+                         write_bytes(case_dir / "tokenizer_json" / "tokenizer.json", bytes);
+                         use_tokenizer(Tokenizer((case_dir / "tokenizer_json" / "tokenizer.json").string()));
+                       }, true, 1, mutate_tokenizer_json});
+    const std::string tokenizer_config =
+        json{{"bos_token", "<|begin_of_text|>"}, {"eos_token", {{"content", "<|eot_id|>"}, {"special", true}}},
+             {"clean_up_tokenization_spaces", true}, {"model_max_length", 131072},
+             {"tokenizer_class", "PreTrainedTokenizerFast"}}.dump(2);
+    readers.push_back({"tokenizer_config", true, {tokenizer_config}, [tok](const std::string& bytes) {
+                         write_bytes(tok / "bpe" / "tokenizer_config.json", bytes);
+                         use_tokenizer(Tokenizer((tok / "bpe").string()));
+                       }});
+    readers.push_back({"tokenizer_model_config", true, {kTinyConfig}, [tok](const std::string& bytes) {
+                         fs::remove(tok / "bpe" / "tokenizer_config.json");
+                         write_bytes(tok / "bpe" / "config.json", bytes);
+                         use_tokenizer(Tokenizer((tok / "bpe" / "tokenizer.json").string()));
+                       }});
+    readers.push_back({"tiktoken", false, {tiny_tiktoken()}, [case_dir](const std::string& bytes) {
+                         fs::create_directories(case_dir / "tiktoken");
+                         write_bytes(case_dir / "tiktoken" / "tokenizer.model", bytes);
+                         use_tokenizer(Tokenizer((case_dir / "tiktoken" / "tokenizer.model").string()));
+                       }, /*seeds_load=*/false});
+    {  // Llama 3's real ranks (tiktoken files of other vocabularies are refused) and the tokenizer_config.json whose
+       // added_tokens_decoder names their special tokens
+      fs::create_directories(tok / "llama3" / "original");
+      write_bytes(tok / "llama3" / "original" / "tokenizer.model",
+                  read_zstd("tests/fixtures/tokenizers/llama3/original/tokenizer.model.zst"));
+      readers.push_back({"tiktoken_config", true, {read_zstd("tests/fixtures/tokenizers/llama3/tokenizer_config.json.zst")},
+                         [tok](const std::string& bytes) {
+                           write_bytes(tok / "llama3" / "tokenizer_config.json", bytes);
+                           use_tokenizer(Tokenizer((tok / "llama3" / "original" / "tokenizer.model").string()));
+                         }, true, /*case_divisor=*/10});
+    }
+    readers.push_back({"sentencepiece", false, {read_bytes("tests/fixtures/tokenizers/spm/tokenizer.model")},
+                       [case_dir](const std::string& bytes) {
+                         fs::create_directories(case_dir / "sentencepiece");
+                         write_bytes(case_dir / "sentencepiece" / "tokenizer.model", bytes);
+                         use_tokenizer(Tokenizer((case_dir / "sentencepiece" / "tokenizer.model").string()));
+                       }});
+  }
   return readers;
 }
 
@@ -472,6 +703,7 @@ bool run_case(const Reader& r, const std::string& bytes, const std::string& labe
     return true;
   } catch (const Error& e) {
     counts.errors++;
+    if (std::getenv("FUZZ_VERBOSE")) std::fprintf(stderr, "%s %s: %s\n", r.name.c_str(), label.c_str(), e.what());
     if (!must_be_valid) return true;
     std::fprintf(stderr, "FAIL: reader %s %s: a valid seed was refused: %s\n", r.name.c_str(), label.c_str(), e.what());
   } catch (const std::exception& e) {
@@ -488,7 +720,8 @@ std::string mutated_input(const Reader& r, uint64_t seed, long k) {
   Rng rng{seed * 0x100000001b3ull ^ std::hash<std::string>{}(r.name) ^ static_cast<uint64_t>(k) * 0x9e3779b97f4a7c15ull};
   std::string bytes = r.seeds[rng.below(r.seeds.size())];
   for (int m = 0, rounds = 1 + static_cast<int>(rng.below(3)); m < rounds; m++)
-    bytes = r.text ? mutate_text(std::move(bytes), rng) : mutate_bytes(std::move(bytes), rng);
+    bytes = r.mutate ? r.mutate(std::move(bytes), rng)
+            : r.text ? mutate_text(std::move(bytes), rng) : mutate_bytes(std::move(bytes), rng);
   return bytes;
 }
 
@@ -542,10 +775,11 @@ int main(int argc, char** argv) {
         }
         for (size_t s = 0; s < r.seeds.size(); s++) {
           alarm(case_seconds);
-          run_case(r, r.seeds[s], "seed " + std::to_string(s), counts, true);
+          run_case(r, r.seeds[s], "seed " + std::to_string(s), counts, r.seeds_load);
         }
       }
-      for (long k = only_case < 0 ? 0 : only_case; k < (only_case < 0 ? cases : only_case + 1); k++) {
+      const long reader_cases = std::max<long>(1, cases / r.case_divisor);
+      for (long k = only_case < 0 ? 0 : only_case; k < (only_case < 0 ? reader_cases : only_case + 1); k++) {
         g_case = k;
         const std::string bytes = mutated_input(r, seed, k);
         if (!dump.empty()) write_bytes(dump, bytes);
