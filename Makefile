@@ -267,7 +267,8 @@ FUZZ_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-f
 FUZZ_SRCS := tests/fuzz/fuzz_readers.cpp $(addprefix core/,checksum.cpp dtype.cpp error.cpp file.cpp json.cpp memory.cpp \
                options.cpp progress.cpp) model/safetensors.cpp model/config.cpp \
              model/checkpoint.cpp model/layout.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
-             $(addprefix data/,tokenizer.cpp tokenizer_json.cpp tiktoken.cpp byte_bpe.cpp sentencepiece_tokenizer.cpp)
+             $(addprefix data/,tokenizer.cpp tokenizer_json.cpp tiktoken.cpp byte_bpe.cpp sentencepiece_tokenizer.cpp \
+               input.cpp prepare.cpp clean.cpp dedup.cpp chat_template.cpp)
 FUZZ_OBJS := $(FUZZ_SRCS:%.cpp=$(BUILD)/obj/fuzz/%.o)
 
 $(BUILD)/obj/fuzz/%.o: %.cpp | $(DEPS_STAMP)

@@ -26,6 +26,7 @@
 #include <string>
 #include <typeinfo>
 #include <vector>
+#include <zlib.h>
 #include <zstd.h>
 
 #include "core/error.h"
@@ -33,6 +34,7 @@
 #include "core/options.h"
 #include "data/byte_bpe.h"
 #include "data/loader.h"
+#include "data/prepare.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "model/checkpoint.h"
@@ -446,6 +448,73 @@ void use_tokenizer(const Tokenizer& t) {
   (void)t.encode_continuation("continued text");
 }
 
+// ---- prepare's corpus inputs --------------------------------------------------------------------------------------
+
+std::string gzip(const std::string& bytes) {
+  z_stream z{};
+  if (deflateInit2(&z, 6, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) != Z_OK) throw std::runtime_error("deflateInit2");
+  std::string out(deflateBound(&z, bytes.size()), '\0');
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(bytes.data()));
+  z.avail_in = static_cast<uInt>(bytes.size());
+  z.next_out = reinterpret_cast<Bytef*>(out.data());
+  z.avail_out = static_cast<uInt>(out.size());
+  if (deflate(&z, Z_FINISH) != Z_STREAM_END) throw std::runtime_error("deflate");
+  out.resize(z.total_out);
+  deflateEnd(&z);
+  return out;
+}
+
+std::string zstd(const std::string& bytes) {
+  std::string out(ZSTD_compressBound(bytes.size()), '\0');
+  const size_t n = ZSTD_compress(out.data(), out.size(), bytes.data(), bytes.size(), 3);
+  if (ZSTD_isError(n)) throw std::runtime_error(ZSTD_getErrorName(n));
+  out.resize(n);
+  return out;
+}
+
+// JSONL records as a corpus has them: documents to keep, an exact duplicate, a near-empty one, unicode, other
+// fields, a record without the text field, a line that is not JSON, a blank line, no final newline.
+std::string corpus_jsonl() {
+  std::string out;
+  for (int i = 0; i < 6; i++)
+    out += json{{"id", i}, {"text", "Document " + std::to_string(i) + ": Licensed under the Apache License, Version 2.0; "
+                                    "you may not use this file except in compliance with the License.\nSee the NOTICE "
+                                    "file distributed with this work for additional information. caf\xC3\xA9 \xE6\x97\xA5"},
+                 {"meta", {{"source", "fuzz"}, {"score", 0.5}}}}.dump() + "\n";
+  out += json{{"text", "Document 1: Licensed under the Apache License, Version 2.0; you may not use this file except in "
+                       "compliance with the License.\nSee the NOTICE file distributed with this work for additional "
+                       "information. caf\xC3\xA9 \xE6\x97\xA5"}}.dump() + "\n";
+  out += "{\"text\": \" \"}\n{\"content\": \"no text field\"}\nnot json at all\n\n";
+  out += json{{"text", "The last record, without a final newline: THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT "
+                       "WARRANTY OF ANY KIND."}}.dump();
+  return out;
+}
+
+// Runs build/prepare's pipeline on one input file with the tiny tokenizer and reads back what it wrote: every
+// document accounted for (prepare checks that itself), every shard readable with ids inside the vocabulary.
+void prepare_one(const fs::path& input, const fs::path& tokenizer, const fs::path& out) {
+  PrepareOptions o;
+  o.inputs = {input.string()};
+  o.tokenizer_path = tokenizer.string();
+  o.out_dir = out.string();
+  o.threads = 1;
+  o.batch_records = 4;
+  o.shard_tokens = 256;
+  o.overwrite = true;
+  o.quiet = true;
+  o.val_fraction = 0.2;
+  o.dedup_memory_bytes = 1 << 20;
+  const PrepareReport r = prepare_corpus(o);
+  uint64_t outcomes = 0;
+  for (const Tally& t : r.outcome) outcomes += t.count;
+  if (outcomes != r.documents_read) throw std::logic_error("prepare lost track of a document");
+  for (const PrepareReport::Split* split : {&r.train, &r.val})
+    for (const std::string& shard : split->shards) {
+      ShardReader reader(shard);
+      for (uint64_t d = 0; d < reader.document_count(); d++) (void)reader.document(d);
+    }
+}
+
 // ---- readers --------------------------------------------------------------------------------------------------
 
 struct Reader {
@@ -674,6 +743,25 @@ std::vector<Reader> make_readers(const fs::path& work) {
                          write_bytes(case_dir / "sentencepiece" / "tokenizer.model", bytes);
                          use_tokenizer(Tokenizer((case_dir / "sentencepiece" / "tokenizer.model").string()));
                        }});
+  }
+
+  {  // prepare's corpus inputs: a .jsonl (text mutations: records, lines, fields), and the same records as
+     // .jsonl.gz and .jsonl.zst (byte mutations of the compressed streams), through the whole pipeline
+    const fs::path tokenizer = work / "tokenizer" / "prepare" / "tokenizer.json";
+    fs::create_directories(tokenizer.parent_path());
+    write_bytes(tokenizer, tiny_tokenizer_json(true));
+    const std::string jsonl = corpus_jsonl();
+    const std::pair<const char*, std::string> inputs[] = {{"in.jsonl", jsonl}, {"in.jsonl.gz", gzip(jsonl)},
+                                                          {"in.jsonl.zst", zstd(jsonl)}};
+    for (const auto& [name, seed] : inputs) {
+      const std::string file = name, reader = "prepare_" + fs::path(file).extension().string().substr(1);
+      readers.push_back({reader, file == "in.jsonl", {seed}, [case_dir, tokenizer, file](const std::string& bytes) {
+                           fs::create_directories(case_dir / "prepare_in");
+                           write_bytes(case_dir / "prepare_in" / file, bytes);
+                           prepare_one(case_dir / "prepare_in" / file, tokenizer, case_dir / "prepare_out");
+                           fs::remove(case_dir / "prepare_in" / file);
+                         }, true, /*case_divisor=*/file == "in.jsonl" ? 1 : 2});
+    }
   }
   return readers;
 }
