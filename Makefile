@@ -255,11 +255,13 @@ $(GPU_CHECK)/bin/data/train-00000.bin: $(BUILD)/prepare $(wildcard demo/corpus/t
 endif
 
 # ---- make fuzz: every reader of untrusted bytes (safetensors, index.json, config.json, state.json, pieces
-# metadata, rank files, manifests, token shards, TOML, checkpoint names) fed seeded mutations of valid inputs and
-# the regression corpus tests/fuzz/corpus under AddressSanitizer and UBSan (tests/fuzz/fuzz_readers.cpp): every
-# case must end in a clean error or a valid result. The readers' sources are compiled instrumented into
-# obj/fuzz/ and linked first; what else they call (communication, kernels) comes uninstrumented from libtuna.a.
-# FUZZ_CASES mutated inputs per reader (300 by default: about 3,300 cases, a minute on 2 cores), FUZZ_SEED picks
+# metadata, rank files, manifests, token shards, TOML, checkpoint names, tokenizer files and the model config files
+# beside them, prepare's .jsonl/.gz/.zst inputs) fed seeded mutations of valid inputs and the regression corpus
+# tests/fuzz/corpus under AddressSanitizer and UBSan (tests/fuzz/fuzz_readers.cpp): every case must end in a clean
+# error or a valid result. The readers' sources are compiled instrumented into obj/fuzz/ and linked first; what
+# else they call (communication, kernels, libsentencepiece) comes uninstrumented. An allocation over 2 GB is a
+# failure too: a reader bounds what a few kilobytes of input can make it allocate.
+# FUZZ_CASES mutated inputs per reader (300 by default: about 5,000 cases, a minute on 2 cores), FUZZ_SEED picks
 # them.
 FUZZ_CASES ?= 300
 FUZZ_SEED ?= 1
@@ -279,7 +281,7 @@ $(BUILD)/fuzz_readers: $(FUZZ_OBJS) $(LIB_ARCHIVE)
 	$(CXX) $(FUZZ_FLAGS) $^ -o $@ $(LINK_LIBS)
 
 fuzz: $(BUILD)/fuzz_readers
-	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:max_allocation_size_mb=2048 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ./$(BUILD)/fuzz_readers --cases $(FUZZ_CASES) --seed $(FUZZ_SEED) --corpus tests/fuzz/corpus
 
 clean:

@@ -1,6 +1,7 @@
-// build/fuzz_readers (make fuzz): every reader of untrusted bytes, fed mutated inputs under AddressSanitizer and
-// UBSan. Deterministic: a seed and a case number name every input, so a failure reproduces exactly
-// (--reader R --case K --dump FILE writes the input that failed).
+// build/fuzz_readers (make fuzz): every reader of untrusted bytes (checkpoints, configs, shards, TOML, tokenizer
+// files, prepare's corpus inputs), fed mutated inputs under AddressSanitizer and UBSan. Deterministic: a seed and
+// a case number name every input, so a failure reproduces exactly (--reader R --case K --dump FILE writes the input
+// that failed; FUZZ_VERBOSE=1 prints every clean error).
 //
 // For each reader: the regression corpus first (tests/fuzz/corpus/<reader>/*: the inputs that crashed, hung or
 // trained garbage before issue 13), then its valid seed inputs (which must be read without an error), then
@@ -760,7 +761,7 @@ std::vector<Reader> make_readers(const fs::path& work) {
                            write_bytes(case_dir / "prepare_in" / file, bytes);
                            prepare_one(case_dir / "prepare_in" / file, tokenizer, case_dir / "prepare_out");
                            fs::remove(case_dir / "prepare_in" / file);
-                         }, true, /*case_divisor=*/file == "in.jsonl" ? 1 : 2});
+                         }, true, /*case_divisor=*/3});  // a tenth of a second a case, mostly fsyncs
     }
   }
   return readers;
