@@ -428,6 +428,134 @@ std::string mutate_tokenizer_json(std::string s, Rng& rng) {
   return t.dump(1);
 }
 
+// Mutations of a sentencepiece model that keep it a well-formed protobuf and aim at its meaning: a piece's
+// type, score or text (empty, another piece's, invalid UTF-8), pieces dropped, repeated or swapped, the
+// trainer spec's model type, byte fallback and special ids, the normalizer's flags and name. (ModelProto: 1
+// pieces {1 text, 2 score, 3 type}, 2 trainer_spec {3 model_type, 35 byte_fallback, 40-43 unk/bos/eos/pad
+// ids}, 3 normalizer_spec {1 name, 3 add_dummy_prefix, 4 remove_extra_whitespaces, 5 escape_whitespaces}; a
+// scalar field written twice takes its last value.) Half the time, the byte mutations instead.
+struct ProtoField {
+  uint64_t tag;          // number << 3 | wire type
+  std::string payload;   // length-delimited: the bytes; varint: the value's encoding; fixed: the bytes
+};
+
+void put_varint(uint64_t v, std::string* out) {
+  for (; v >= 0x80; v >>= 7) out->push_back(static_cast<char>((v & 0x7f) | 0x80));
+  out->push_back(static_cast<char>(v));
+}
+
+bool split_proto(const std::string& s, std::vector<ProtoField>* fields) {
+  size_t at = 0;
+  auto varint = [&](uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; at < s.size() && shift < 64; shift += 7) {
+      const uint8_t b = static_cast<uint8_t>(s[at++]);
+      *v |= uint64_t{b & 0x7fu} << shift;
+      if (b < 0x80) return true;
+    }
+    return false;
+  };
+  while (at < s.size()) {
+    ProtoField f;
+    uint64_t length = 0;
+    if (!varint(&f.tag)) return false;
+    const size_t value = at;
+    switch (f.tag & 7) {
+      case 0:
+        if (!varint(&length)) return false;
+        f.payload = s.substr(value, at - value);
+        break;
+      case 1:
+      case 5:
+      case 2:
+        length = (f.tag & 7) == 1 ? 8 : 4;
+        if ((f.tag & 7) == 2 && !varint(&length)) return false;
+        if (length > s.size() - at) return false;
+        f.payload = s.substr(at, length);
+        at += length;
+        break;
+      default:
+        return false;
+    }
+    fields->push_back(std::move(f));
+  }
+  return true;
+}
+
+std::string join_proto(const std::vector<ProtoField>& fields) {
+  std::string out;
+  for (const ProtoField& f : fields) {
+    put_varint(f.tag, &out);
+    if ((f.tag & 7) == 2) put_varint(f.payload.size(), &out);
+    out += f.payload;
+  }
+  return out;
+}
+
+ProtoField varint_field(uint32_t number, uint64_t value) {
+  ProtoField f{uint64_t{number} << 3, ""};
+  put_varint(value, &f.payload);
+  return f;
+}
+
+std::string mutate_sentencepiece(std::string s, Rng& rng) {
+  std::vector<ProtoField> top;
+  if (rng.below(2) || !split_proto(s, &top)) return mutate_bytes(std::move(s), rng);
+  std::vector<size_t> pieces;
+  ProtoField* trainer = nullptr;
+  ProtoField* normalizer = nullptr;
+  for (size_t i = 0; i < top.size(); i++) {
+    if (top[i].tag == (1 << 3 | 2)) pieces.push_back(i);
+    if (top[i].tag == (2 << 3 | 2)) trainer = &top[i];
+    if (top[i].tag == (3 << 3 | 2)) normalizer = &top[i];
+  }
+  if (pieces.empty() || !trainer || !normalizer) return mutate_bytes(std::move(s), rng);
+  auto append = [](ProtoField* message, const ProtoField& f) { message->payload += join_proto({f}); };
+  ProtoField& piece = top[pieces[rng.below(pieces.size())]];
+  const uint64_t ids[] = {~uint64_t{0}, 0, 1, 2, 3, 5, 258, 1000000, uint64_t{1} << 31};
+  switch (rng.below(9)) {
+    case 0: append(&piece, varint_field(3, rng.below(8))); break;  // type (1 normal ... 6 byte; 0, 7 unknown)
+    case 1: {  // score: NaN, inf, a huge or negative one
+      const float scores[] = {std::nanf(""), INFINITY, -INFINITY, 1e30f, -1e30f, 0.0f};
+      const float score = scores[rng.below(std::size(scores))];
+      ProtoField f{2 << 3 | 5, std::string(4, '\0')};
+      std::memcpy(f.payload.data(), &score, 4);
+      append(&piece, f);
+      break;
+    }
+    case 2: {  // text: empty, another piece's, invalid UTF-8, a space run, a byte piece's name
+      const std::string texts[] = {"", "\xE2\x96\x81\xE2\x96\x81", "\xFF\xFE", "<0x41>", "\n", "a\nb", "<unk>", "<s>"};
+      std::string text = texts[rng.below(std::size(texts))];
+      if (rng.below(2)) {
+        std::vector<ProtoField> other;
+        if (split_proto(top[pieces[rng.below(pieces.size())]].payload, &other) && !other.empty()) text = other[0].payload;
+      }
+      append(&piece, ProtoField{1 << 3 | 2, text});
+      break;
+    }
+    case 3: top.erase(top.begin() + static_cast<long>(pieces[rng.below(pieces.size())])); break;
+    case 4: {
+      const ProtoField copy = piece;
+      top.insert(top.begin() + static_cast<long>(pieces[rng.below(pieces.size())]), copy);
+      break;
+    }
+    case 5: std::swap(top[pieces[rng.below(pieces.size())]], top[pieces[rng.below(pieces.size())]]); break;
+    case 6: append(trainer, varint_field(3, rng.below(6))); break;  // model_type
+    case 7: append(trainer, rng.below(3) ? varint_field(40 + static_cast<uint32_t>(rng.below(4)), ids[rng.below(std::size(ids))])
+                                         : varint_field(35, rng.below(2)));
+            break;
+    default:
+      if (rng.below(3)) {
+        append(normalizer, varint_field(3 + static_cast<uint32_t>(rng.below(3)), rng.below(2)));
+      } else {
+        const char* names[] = {"identity", "nfkc", "nmt_nfkc", "bogus", ""};
+        append(normalizer, ProtoField{1 << 3 | 2, names[rng.below(std::size(names))]});
+      }
+      break;
+  }
+  return join_proto(top);
+}
+
 // What a caller does with a tokenizer once loaded: every id's text (the fingerprint already read them), encode
 // with special tokens as text and parsed, the word cache, decode. For the byte-level formats decoding must give
 // the text back (a space before it with add_prefix_space): a loaded vocabulary that cannot is not a valid result.
@@ -743,7 +871,7 @@ std::vector<Reader> make_readers(const fs::path& work) {
                          fs::create_directories(case_dir / "sentencepiece");
                          write_bytes(case_dir / "sentencepiece" / "tokenizer.model", bytes);
                          use_tokenizer(Tokenizer((case_dir / "sentencepiece" / "tokenizer.model").string()));
-                       }});
+                       }, true, 1, mutate_sentencepiece});
   }
 
   {  // prepare's corpus inputs: a .jsonl (text mutations: records, lines, fields), and the same records as
