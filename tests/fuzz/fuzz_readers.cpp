@@ -296,7 +296,7 @@ std::string read_zstd(const fs::path& p) {
 }
 
 // A byte-level BPE tokenizer.json small enough to mutate a few hundred times a second: the 256 byte tokens, the
-// merges that build a few words, two special tokens and an added one. Two shapes: Llama 3's (a Split regex then
+// merges that build a few words, Llama 3's special tokens of its chat format and an added one. Two shapes: Llama 3's (a Split regex then
 // ByteLevel without its regex, merges as "a b" strings, a TemplateProcessing BOS) and GPT-2's (ByteLevel with
 // its regex and add_prefix_space, merges as pairs, ignore_merges).
 std::string tiny_tokenizer_json(bool llama3_shape) {
@@ -316,7 +316,9 @@ std::string tiny_tokenizer_json(bool llama3_shape) {
   }
   const json added = json::array({{{"id", next}, {"content", "<|begin_of_text|>"}, {"special", true}},
                                   {{"id", next + 1}, {"content", "<|eot_id|>"}, {"special", true}},
-                                  {{"id", next + 2}, {"content", "<extra>"}, {"special", false}}});
+                                  {{"id", next + 2}, {"content", "<extra>"}, {"special", false}},
+                                  {{"id", next + 3}, {"content", "<|start_header_id|>"}, {"special", true}},
+                                  {{"id", next + 4}, {"content", "<|end_header_id|>"}, {"special", true}}});
   json pre = llama3_shape
                  ? json{{"type", "Sequence"},
                         {"pretokenizers", {{{"type", "Split"}, {"pattern", {{"Regex", kLlama3Pattern}}},
@@ -619,10 +621,29 @@ std::string corpus_jsonl() {
   return out;
 }
 
+// SFT records: conversations (system, user, assistant turns; a tool turn; an unknown role; no assistant turn)
+// and prompt/response pairs.
+std::string sft_jsonl() {
+  auto turn = [](const char* role, const std::string& content) { return json{{"role", role}, {"content", content}}; };
+  std::string out;
+  for (int i = 0; i < 4; i++)
+    out += json{{"messages", {turn("system", "You answer questions about licenses."),
+                              turn("user", "Which license is document " + std::to_string(i) + " under?"),
+                              turn("assistant", "  The Apache License, Version 2.0.\n\nSee the NOTICE file. caf\u00e9 "),
+                              turn("user", "And may I redistribute it?"), turn("assistant", "Yes, with the notice.")}}}
+               .dump() + "\n";
+  out += json{{"messages", {turn("user", "Run it."), turn("ipython", "{\"ok\": true}"), turn("assistant", "Done.")}}}.dump() + "\n";
+  out += json{{"messages", {turn("narrator", "Once upon a time"), turn("assistant", "...")}}}.dump() + "\n";
+  out += json{{"messages", {turn("user", "No answer follows.")}}}.dump() + "\n";
+  out += json{{"prompt", "What does the warranty cover?"}, {"response", "Nothing: THE SOFTWARE IS PROVIDED \"AS IS\"."}}.dump() + "\n";
+  return out;
+}
+
 // Runs build/prepare's pipeline on one input file with the tiny tokenizer and reads back what it wrote: every
 // document accounted for (prepare checks that itself), every shard readable with ids inside the vocabulary.
-void prepare_one(const fs::path& input, const fs::path& tokenizer, const fs::path& out) {
+void prepare_one(const fs::path& input, const fs::path& tokenizer, const fs::path& out, bool sft) {
   PrepareOptions o;
+  o.sft = sft;  // conversations rendered through Llama 3's chat format (the tokenizer has its special tokens)
   o.inputs = {input.string()};
   o.tokenizer_path = tokenizer.string();
   o.out_dir = out.string();
@@ -880,14 +901,20 @@ std::vector<Reader> make_readers(const fs::path& work) {
     fs::create_directories(tokenizer.parent_path());
     write_bytes(tokenizer, tiny_tokenizer_json(true));
     const std::string jsonl = corpus_jsonl();
-    const std::pair<const char*, std::string> inputs[] = {{"in.jsonl", jsonl}, {"in.jsonl.gz", gzip(jsonl)},
-                                                          {"in.jsonl.zst", zstd(jsonl)}};
-    for (const auto& [name, seed] : inputs) {
-      const std::string file = name, reader = "prepare_" + fs::path(file).extension().string().substr(1);
-      readers.push_back({reader, file == "in.jsonl", {seed}, [case_dir, tokenizer, file](const std::string& bytes) {
+    struct Input {
+      const char* reader;
+      const char* file;
+      std::string seed;
+      bool sft;
+    };
+    const Input inputs[] = {{"prepare_jsonl", "in.jsonl", jsonl, false}, {"prepare_gz", "in.jsonl.gz", gzip(jsonl), false},
+                            {"prepare_zst", "in.jsonl.zst", zstd(jsonl), false}, {"prepare_sft", "in.jsonl", sft_jsonl(), true}};
+    for (const auto& [reader, name, seed, sft] : inputs) {
+      const std::string file = name;
+      readers.push_back({reader, file == "in.jsonl", {seed}, [case_dir, tokenizer, file, sft](const std::string& bytes) {
                            fs::create_directories(case_dir / "prepare_in");
                            write_bytes(case_dir / "prepare_in" / file, bytes);
-                           prepare_one(case_dir / "prepare_in" / file, tokenizer, case_dir / "prepare_out");
+                           prepare_one(case_dir / "prepare_in" / file, tokenizer, case_dir / "prepare_out", sft);
                            fs::remove(case_dir / "prepare_in" / file);
                          }, true, /*case_divisor=*/3});  // a tenth of a second a case, mostly fsyncs
     }
