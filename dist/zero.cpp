@@ -150,40 +150,39 @@ void Zero::gather_params_from_master() {
   }
 }
 
-void Zero::export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const {
-  params.resize(shard_size_), m.resize(shard_size_), v.resize(shard_size_);
+void Zero::export_state(const std::function<void(size_t, const float*, const float*, const float*)>& sink) const {
   for (size_t i = 0; i < segments_.size(); i++) {
-    const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin, n = segments_[i].size;
-    if (stage_ == 0) {  // whole copies everywhere: this rank writes its piece
-      std::copy_n(model_.params.data() + begin, n, params.data() + at);
-      std::copy_n(optimizer_.m.data() + begin, n, m.data() + at);
-      std::copy_n(optimizer_.v.data() + begin, n, v.data() + at);
+    if (stage_ == 0) {  // whole copies everywhere: this rank hands out its piece of them
+      const int64_t begin = segments_[i].begin;
+      sink(i, model_.params.data() + begin, optimizer_.m.data() + begin, optimizer_.v.data() + begin);
     } else {
-      std::copy_n(master_.data() + at, n, params.data() + at);
-      std::copy_n(optimizer_.m.data() + at, n, m.data() + at);
-      std::copy_n(optimizer_.v.data() + at, n, v.data() + at);
+      const int64_t at = unit_shard_offset_[i];
+      sink(i, master_.data() + at, optimizer_.m.data() + at, optimizer_.v.data() + at);
     }
   }
 }
 
-void Zero::import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v) {
-  TUNA_CHECK(static_cast<int64_t>(params.size()) == shard_size_ && m.size() == params.size() && v.size() == params.size(),
-             "shard of ", params.size(), " elements, expected ", shard_size_);
+void Zero::import_state(const std::function<void(size_t, float*, float*, float*)>& source) {
   if (stage_ >= 1) {
-    master_ = params;
-    optimizer_.m = m;
-    optimizer_.v = v;
+    for (size_t i = 0; i < segments_.size(); i++) {
+      const int64_t at = unit_shard_offset_[i];
+      source(i, master_.data() + at, optimizer_.m.data() + at, optimizer_.v.data() + at);
+    }
     if (stage_ <= 2) gather_params_from_master();
     for (UnitBuffer& b : weight_buffers_) b.valid = false;
     return;
   }
-  // Stage 0 keeps whole copies: gather every rank's piece of the weights and both moments.
+  // Stage 0 keeps whole copies: each rank reads its piece in place, then every unit is gathered in place.
+  for (size_t i = 0; i < segments_.size(); i++) {
+    const int64_t begin = segments_[i].begin;
+    source(i, model_.params.data() + begin, optimizer_.m.data() + begin, optimizer_.v.data() + begin);
+  }
   for (int u = 0; u < layout_.num_units(); u++) {
     const auto [begin, end] = layout_.unit_range(u);
-    const int64_t at = unit_shard_offset_[u];
-    dp_.all_gather(params.data() + at, model_.params.data() + begin, end - begin, "checkpoint weights");
-    dp_.all_gather(m.data() + at, optimizer_.m.data() + begin, end - begin, "checkpoint exp_avg");
-    dp_.all_gather(v.data() + at, optimizer_.v.data() + begin, end - begin, "checkpoint exp_avg_sq");
+    const int64_t mine = segments_[u].begin;
+    dp_.all_gather(model_.params.data() + mine, model_.params.data() + begin, end - begin, "checkpoint weights");
+    dp_.all_gather(optimizer_.m.data() + mine, optimizer_.m.data() + begin, end - begin, "checkpoint exp_avg");
+    dp_.all_gather(optimizer_.v.data() + mine, optimizer_.v.data() + begin, end - begin, "checkpoint exp_avg_sq");
   }
 }
 

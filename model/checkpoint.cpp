@@ -230,6 +230,29 @@ void for_each_tensor_of(const ParamLayout& layout, const Segment& piece, F&& f) 
   }
 }
 
+// A sink that checks an export hands its pieces in segment order (the files' bytes follow that order) and gives
+// f each piece with its segment.
+template <typename F>
+StateSink in_segment_order(const std::vector<Segment>& segments, F&& f) {
+  return [&segments, f, next = size_t(0)](size_t i, const float* p, const float* m, const float* v) mutable {
+    TUNA_CHECK(i == next && i < segments.size(), "checkpoint export handed piece ", i, ", expected piece ", next, " of ",
+               segments.size());
+    next++;
+    f(segments[i], p, m, v);
+  };
+}
+
+// Runs `export_state` into `append` and checks that it handed out every one of `segments`.
+void export_all(const StateExport& export_state, const std::vector<Segment>& segments,
+                const std::function<void(const Segment&, const float*, const float*, const float*)>& f) {
+  size_t handed = 0;
+  export_state(in_segment_order(segments, [&](const Segment& seg, const float* p, const float* m, const float* v) {
+    f(seg, p, m, v);
+    handed++;
+  }));
+  TUNA_CHECK(handed == segments.size(), "checkpoint export handed ", handed, " of ", segments.size(), " pieces");
+}
+
 }  // namespace
 
 struct WeightReader::Reader {
@@ -259,41 +282,61 @@ void load_weights(const fs::path& dir, const ParamLayout& layout, float* params)
 }
 
 void write_checkpoint_shard(const fs::path& tmp_dir, int rank, const ParamLayout& layout, const ShardState& s) {
+  TUNA_CHECK(s.segments && s.export_state, "checkpoint shard incomplete");
   SafetensorsWriter w;
   json pieces = json::object();
-  int64_t shard_offset = 0;
-  for (const Segment& seg : *s.segments) {
-    for (const ParamTensor& t : layout.tensors()) {
-      if (!s.write_replicated && t.split_dim < 0) continue;
-      const int64_t begin = std::max(seg.begin, t.offset), end = std::min(seg.begin + seg.size, t.offset + t.numel);
-      if (begin >= end) continue;
-      const int64_t at = shard_offset + (begin - seg.begin), n = end - begin;
+  const auto tensors_written = [&](const Segment& seg, auto&& f) {
+    for_each_tensor_of(layout, seg, [&](const ParamTensor& t, int64_t lb, int64_t le, int64_t at) {
+      if (s.write_replicated || t.split_dim >= 0) f(t, lb, le, at);
+    });
+  };
+  for (const Segment& seg : *s.segments)
+    tensors_written(seg, [&](const ParamTensor& t, int64_t lb, int64_t le, int64_t) {
       pieces[t.name] = {{"global_shape", t.global_shape}, {"split_dim", t.split_dim}, {"split_begin", t.split_begin},
-                        {"shape", t.shape}, {"begin", begin - t.offset}};
-      w.add(t.name, DType::F32, {n}, s.params + at);
-      w.add("exp_avg." + t.name, DType::F32, {n}, s.m + at);
-      w.add("exp_avg_sq." + t.name, DType::F32, {n}, s.v + at);
-    }
-    shard_offset += seg.size;
-  }
+                        {"shape", t.shape}, {"begin", lb}};
+      const int64_t n = le - lb;
+      w.add_streamed(t.name, DType::F32, {&n, 1});
+      w.add_streamed("exp_avg." + t.name, DType::F32, {&n, 1});
+      w.add_streamed("exp_avg_sq." + t.name, DType::F32, {&n, 1});
+    });
   w.add_metadata("producer", "tuna");
   w.add_metadata("steps_taken", std::to_string(s.steps_taken));
   w.add_metadata("pieces", pieces.dump());
-  w.write(tmp_dir / rank_file_name(rank), s.progress);
+  w.write_streamed(
+      tmp_dir / rank_file_name(rank),
+      [&](const SafetensorsWriter::Append& append) {
+        export_all(s.export_state, *s.segments, [&](const Segment& seg, const float* p, const float* m, const float* v) {
+          tensors_written(seg, [&](const ParamTensor&, int64_t lb, int64_t le, int64_t at) {
+            const uint64_t bytes = uint64_t(le - lb) * sizeof(float);
+            append(p + at, bytes), append(m + at, bytes), append(v + at, bytes);
+          });
+        });
+      },
+      s.progress);
+}
+
+int64_t load_checkpoint_state(const fs::path& dir, const ParamLayout& layout, const std::vector<Segment>& segments,
+                              const StateImport& import_state) {
+  CheckpointReader reader(dir, layout);
+  size_t next = 0;
+  import_state([&](size_t i, float* p, float* m, float* v) {
+    TUNA_CHECK(i < segments.size(), "restore asked for piece ", i, " of ", segments.size());
+    reader.read(segments[i], p, m, v);
+    next++;
+  });
+  TUNA_CHECK(next == segments.size(), "restore read ", next, " of ", segments.size(), " pieces");
+  return reader.steps_taken();
 }
 
 int64_t load_checkpoint_shard(const fs::path& dir, const ParamLayout& layout, const std::vector<Segment>& segments,
                               std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) {
+  std::vector<int64_t> at;
   int64_t total = 0;
-  for (const Segment& seg : segments) total += seg.size;
+  for (const Segment& seg : segments) at.push_back(total), total += seg.size;
   params.assign(total, 0.0f), m.assign(total, 0.0f), v.assign(total, 0.0f);
-  CheckpointReader reader(dir, layout);
-  int64_t at = 0;
-  for (const Segment& seg : segments) {
-    reader.read(seg, params.data() + at, m.data() + at, v.data() + at);
-    at += seg.size;
-  }
-  return reader.steps_taken();
+  return load_checkpoint_state(dir, layout, segments, [&](const StateSource& source) {
+    for (size_t i = 0; i < segments.size(); i++) source(i, params.data() + at[i], m.data() + at[i], v.data() + at[i]);
+  });
 }
 
 struct CheckpointReader::Reader {
@@ -376,25 +419,59 @@ fs::path finish_sharded_checkpoint(const fs::path& root, int64_t step, const Che
 
 fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& layout,
                          const CheckpointContents& c, int64_t keep_last) {
-  TUNA_CHECK(c.config_json && c.params, "checkpoint contents incomplete");
+  TUNA_CHECK(c.config_json && (c.params || (c.export_state && c.segments)), "checkpoint contents incomplete");
+  // The state a piece at a time: the caller's export, or one piece that is the whole layout.
+  const std::vector<Segment> whole{Segment{0, layout.total()}};
+  const std::vector<Segment>& segments = c.export_state ? *c.segments : whole;
+  const StateExport export_state =
+      c.export_state ? c.export_state : [&](const StateSink& sink) { sink(0, c.params, c.optimizer.m, c.optimizer.v); };
+  const bool with_optimizer = c.export_state || c.optimizer.m;
+  TUNA_CHECK(c.export_state || !c.optimizer.m || c.optimizer.v, "checkpoint moments incomplete");
+  // The files hold whole tensors in layout order: the pieces must come in that order, and (for the optimizer's
+  // interleaved moments) each tensor within one piece.
+  int64_t next = 0;
+  const auto tensors_of = [&](const Segment& seg, bool whole_tensors, auto&& f) {
+    for_each_tensor_of(layout, seg, [&](const ParamTensor& t, int64_t lb, int64_t le, int64_t at) {
+      TUNA_CHECK(t.offset + lb == next, "single-file checkpoint: piece at ", seg.begin, " is out of layout order");
+      TUNA_CHECK(!whole_tensors || (lb == 0 && le == t.numel), "single-file checkpoint: tensor '", t.name,
+                 "' is split between pieces");
+      next = t.offset + le;
+      f(at, uint64_t(le - lb) * sizeof(float));
+    });
+  };
   const fs::path tmp_dir = prepare_sharded_checkpoint(root, step);
   {
     SafetensorsWriter w;
     w.add_metadata("format", "pt");  // transformers checks this key when loading
     w.add_metadata("producer", "tuna");
-    for (const ParamTensor& t : layout.tensors()) w.add(t.name, DType::F32, t.shape, c.params + t.offset);
-    w.write(tmp_dir / "model.safetensors", c.progress);
+    for (const ParamTensor& t : layout.tensors()) w.add_streamed(t.name, DType::F32, t.shape);
+    next = 0;
+    w.write_streamed(
+        tmp_dir / "model.safetensors",
+        [&](const SafetensorsWriter::Append& append) {
+          export_all(export_state, segments, [&](const Segment& seg, const float* p, const float*, const float*) {
+            tensors_of(seg, false, [&](int64_t at, uint64_t bytes) { append(p + at, bytes); });
+          });
+        },
+        c.progress);
   }
-  if (c.optimizer.m) {
-    TUNA_CHECK(c.optimizer.v, "checkpoint moments incomplete");
+  if (with_optimizer) {
     SafetensorsWriter w;
     w.add_metadata("producer", "tuna");
     w.add_metadata("steps_taken", std::to_string(c.optimizer.steps_taken));
     for (const ParamTensor& t : layout.tensors()) {
-      w.add("exp_avg." + t.name, DType::F32, t.shape, c.optimizer.m + t.offset);
-      w.add("exp_avg_sq." + t.name, DType::F32, t.shape, c.optimizer.v + t.offset);
+      w.add_streamed("exp_avg." + t.name, DType::F32, t.shape);
+      w.add_streamed("exp_avg_sq." + t.name, DType::F32, t.shape);
     }
-    w.write(tmp_dir / "optimizer.safetensors", c.progress);
+    next = 0;
+    w.write_streamed(
+        tmp_dir / "optimizer.safetensors",
+        [&](const SafetensorsWriter::Append& append) {
+          export_all(export_state, segments, [&](const Segment& seg, const float*, const float* m, const float* v) {
+            tensors_of(seg, true, [&](int64_t at, uint64_t bytes) { append(m + at, bytes), append(v + at, bytes); });
+          });
+        },
+        c.progress);
   }
   return finish_sharded_checkpoint(root, step, c, keep_last);
 }

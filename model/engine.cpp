@@ -43,12 +43,8 @@ class CpuEngine final : public Engine {
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
 
   const std::vector<Segment>& segments() const override { return zero_->segments(); }
-  void export_shard(std::vector<float>& p, std::vector<float>& m, std::vector<float>& v) const override {
-    zero_->export_shard(p, m, v);
-  }
-  void import_shard(const std::vector<float>& p, const std::vector<float>& m, const std::vector<float>& v) override {
-    zero_->import_shard(p, m, v);
-  }
+  void export_state(const StateSink& sink) const override { zero_->export_state(sink); }
+  void import_state(const StateSource& source) override { zero_->import_state(source); }
   int64_t steps_taken() const override { return zero_->optimizer().steps_taken; }
   void set_steps_taken(int64_t steps) override { zero_->optimizer().steps_taken = steps; }
 
@@ -95,6 +91,29 @@ class CpuForwardModel final : public ForwardModel {
 };
 
 }  // namespace
+
+void Engine::export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const {
+  std::vector<int64_t> at;
+  int64_t total = 0;
+  for (const Segment& s : segments()) at.push_back(total), total += s.size;
+  params.resize(total), m.resize(total), v.resize(total);
+  export_state([&](size_t i, const float* p, const float* mi, const float* vi) {
+    const int64_t n = segments()[i].size;
+    std::copy_n(p, n, params.data() + at[i]), std::copy_n(mi, n, m.data() + at[i]), std::copy_n(vi, n, v.data() + at[i]);
+  });
+}
+
+void Engine::import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v) {
+  std::vector<int64_t> at;
+  int64_t total = 0;
+  for (const Segment& s : segments()) at.push_back(total), total += s.size;
+  for (const std::vector<float>* x : {&params, &m, &v})
+    TUNA_CHECK(static_cast<int64_t>(x->size()) == total, "shard of ", x->size(), " elements, expected ", total);
+  import_state([&](size_t i, float* p, float* mi, float* vi) {
+    const int64_t n = segments()[i].size;
+    std::copy_n(params.data() + at[i], n, p), std::copy_n(m.data() + at[i], n, mi), std::copy_n(v.data() + at[i], n, vi);
+  });
+}
 
 MemoryLayout engine_memory_layout(const EngineOptions& o, int dp_size, int dp_rank, int tp_size, int tp_rank) {
   MemoryLayout l;

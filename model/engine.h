@@ -87,11 +87,15 @@ class Engine {
   virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
   virtual LossSum all_reduce_loss(const LossSum& local) = 0;
 
-  // Checkpoints: this rank's segments, and the master weights and AdamW moments in their shard order.
+  // Checkpoints: this rank's segments, and its master weights and AdamW moments (fp32) a segment at a time, in
+  // segments() order: export_state hands each piece to sink, import_state asks source for each (then makes the
+  // copies the stage keeps). A rank never holds more than one piece of its shard in host memory for them.
   virtual const std::vector<Segment>& segments() const = 0;
-  virtual void export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const = 0;
-  virtual void import_shard(const std::vector<float>& params, const std::vector<float>& m,
-                            const std::vector<float>& v) = 0;
+  virtual void export_state(const StateSink& sink) const = 0;
+  virtual void import_state(const StateSource& source) = 0;
+  // The same for the whole shard at once, in shard order (tests, small models).
+  void export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const;
+  void import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v);
   virtual int64_t steps_taken() const = 0;  // AdamW updates so far (bias correction)
   virtual void set_steps_taken(int64_t steps) = 0;
 
@@ -142,7 +146,7 @@ GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, con
 std::string resolve_device(const std::string& requested);
 
 // The model on the chosen backend for this rank of `mesh`. `initial` fills the starting weights (every rank
-// the same); null when the caller restores a checkpoint with import_shard before the first step.
+// the same); null when the caller restores a checkpoint with import_state before the first step.
 // `device_comm` makes the device dp and tp comms (cuda with dp > 1 or tp > 1 only; may be null otherwise).
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm = nullptr);

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -129,6 +130,14 @@ class SafetensorsWriter {
   // temporary file is removed, and an existing file at path is left as it was.
   // `progress`, when given, advances by the bytes of every piece written (a 140 GB file shows it moving).
   void write(const std::filesystem::path& path, ProgressLine* progress = nullptr) const;
+
+  // Streaming: tensors registered with add_streamed() carry no data; write_streamed() writes the header, then
+  // calls produce(append), which must append exactly the bytes of every tensor, in the order added (checked),
+  // so that no caller holds the whole file's data at once. Then fsync and rename as write().
+  void add_streamed(std::string name, DType dtype, std::span<const int64_t> shape);
+  using Append = std::function<void(const void* data, uint64_t bytes)>;
+  void write_streamed(const std::filesystem::path& path, const std::function<void(const Append& append)>& produce,
+                      ProgressLine* progress = nullptr) const;
 
  private:
   struct Pending {
