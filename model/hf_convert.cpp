@@ -97,13 +97,13 @@ class RunConverter {
               const std::function<void(int64_t at, int64_t n, float* out)>& read) {
     for (int64_t at = 0; at < numel; at += kRun) {
       const int64_t n = std::min(kRun, numel - at);
-      f32_.resize(std::max<size_t>(f32_.size(), n));
+      if (static_cast<int64_t>(f32_.size()) < n) f32_ = std::vector<float>(n);  // exactly: no growth slack
       read(at, n, f32_.data());
       if (target == DType::F32) {
         append(f32_.data(), uint64_t(n) * sizeof(float));
         continue;
       }
-      converted_.resize(std::max<size_t>(converted_.size(), n * dtype_size(target)));
+      if (converted_.size() < n * dtype_size(target)) converted_ = std::vector<std::byte>(n * dtype_size(target));
       convert_from_f32(f32_.data(), target, converted_.data(), n);
       append(converted_.data(), uint64_t(n) * dtype_size(target));
     }

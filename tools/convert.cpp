@@ -27,8 +27,9 @@ int main(int argc, char** argv) {
     if (args[0] == "hf-to-tuna") r = tuna::import_hf(args[1], args[2], dtype.empty() ? "keep" : dtype, stderr);
     else if (args[0] == "tuna-to-hf") r = tuna::export_hf(args[1], args[2], dtype.empty() ? "auto" : dtype, max_shard_bytes, stderr);
     else tuna::fail("unknown direction '", args[0], "': expected hf-to-tuna or tuna-to-hf");
-    std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s)\n", args[1].c_str(), args[2].c_str(),
-                (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(), r.bytes_written / 1e6, (long long)r.shards);
+    std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s), through %.1f MB of host buffers\n",
+                args[1].c_str(), args[2].c_str(), (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(),
+                r.bytes_written / 1e6, (long long)r.shards, r.host_staging_bytes / 1e6);
     return 0;
   } catch (const tuna::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -57,6 +57,64 @@ TEST(Checkpoint, SavesLoadsAndKeepsTheNewest) {
   EXPECT_EQ(opt2.steps_taken, 3);
 }
 
+// Whole buffers as one rank's engine hands them out: a unit at a time, in order.
+std::vector<Segment> unit_pieces(const ParamLayout& layout) {
+  std::vector<Segment> units;
+  for (int u = 0; u < layout.num_units(); u++)
+    units.push_back({layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first});
+  return units;
+}
+
+// The state handed a unit at a time becomes the same files, byte for byte, as the whole buffers written tensor by
+// tensor (what the writer did before it streamed), and pieces out of order are refused, not written misplaced.
+TEST(Checkpoint, StreamedPiecesWriteTheBytesOfTheWholeBuffers) {
+  TempDir tmp("ckpt_stream");
+  LlamaConfig cfg = tiny();
+  Llama model(cfg, 1, 4);
+  model.init_random(7);
+  AdamW opt(model.layout(), OptimizerConfig{});
+  for (size_t i = 0; i < opt.m.size(); i++) opt.m[i] = 0.5f * i, opt.v[i] = 0.25f * i;
+  const ParamLayout& layout = model.layout();
+  const nlohmann::json config_json = cfg.to_json();
+  std::vector<Segment> units = unit_pieces(layout);
+  ASSERT_GT(units.size(), 2u);
+  size_t handed = 0;
+  auto export_of = [&](const std::vector<Segment>& pieces) {
+    return [&, pieces](const StateSink& sink) {
+      for (size_t i = 0; i < pieces.size(); i++, handed++)
+        sink(i, model.params.data() + pieces[i].begin, opt.m.data() + pieces[i].begin, opt.v.data() + pieces[i].begin);
+    };
+  };
+  CheckpointContents c{&config_json, nullptr, {nullptr, nullptr, 3}, {{"note", "x"}}, {}, nullptr, &units,
+                       export_of(units)};
+  const fs::path dir = save_checkpoint(tmp.path, 1, layout, c, 0);
+  EXPECT_EQ(handed, 2 * units.size());  // once for the weights' file, once for the moments'
+
+  SafetensorsWriter weights, moments;
+  weights.add_metadata("format", "pt");
+  weights.add_metadata("producer", "tuna");
+  moments.add_metadata("producer", "tuna");
+  moments.add_metadata("steps_taken", "3");
+  for (const ParamTensor& t : layout.tensors()) {
+    weights.add(t.name, DType::F32, t.shape, model.params.data() + t.offset);
+    moments.add("exp_avg." + t.name, DType::F32, t.shape, opt.m.data() + t.offset);
+    moments.add("exp_avg_sq." + t.name, DType::F32, t.shape, opt.v.data() + t.offset);
+  }
+  weights.write(tmp / "weights.safetensors");
+  moments.write(tmp / "moments.safetensors");
+  EXPECT_TRUE(testing_util::read_file(dir / "model.safetensors") == testing_util::read_file(tmp / "weights.safetensors"));
+  EXPECT_TRUE(testing_util::read_file(dir / "optimizer.safetensors") ==
+              testing_util::read_file(tmp / "moments.safetensors"));
+
+  const std::vector<Segment> reversed(units.rbegin(), units.rend());
+  CheckpointContents bad = c;
+  bad.segments = &reversed;
+  bad.export_state = export_of(reversed);
+  EXPECT_NE(error_of([&] { save_checkpoint(tmp.path, 2, layout, bad, 0); }).find("out of layout order"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(tmp / "step_00000002"));
+}
+
 TEST(Checkpoint, LoadWeightsNamesMissingWrongAndForeignTensors) {
   TempDir tmp("weights");
   LlamaConfig cfg = tiny();
