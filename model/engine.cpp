@@ -1,6 +1,8 @@
 // The CPU engine (Llama + Zero), the device choice and the factory; the CUDA engine is model/engine_gpu.cpp.
 #include "model/engine.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "core/memory.h"
 #include "model/checkpoint.h"
@@ -139,8 +141,31 @@ GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, con
          "(80 for an H100)");
 #endif
   }
-  return check_gpu_fit(config, engine_memory_layout(options, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank),
-                       capacity);
+  GpuFit fit = check_gpu_fit(config, engine_memory_layout(options, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank),
+                             capacity);
+  fit.report += format_host_staging(
+      plan_gpu_host_staging(config, options, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank));
+  return fit;
+}
+
+HostStaging plan_gpu_host_staging(const LlamaConfig& config, const EngineOptions& options, int dp_size, int dp_rank,
+                                  int tp_size, int tp_rank) {
+  const ParamLayout layout(config, tp_rank, tp_size);
+  int64_t largest_piece = 0, largest_unit = 0;
+  for (const Segment& s : dp_unit_pieces(layout, dp_rank, dp_size)) largest_piece = std::max(largest_piece, s.size);
+  for (int u = 0; u < layout.num_units(); u++)
+    largest_unit = std::max(largest_unit, layout.unit_range(u).second - layout.unit_range(u).first);
+  HostStaging h;
+  h.init_bytes = (options.zero >= 1 ? largest_piece : largest_unit) * int64_t(sizeof(float));
+  h.checkpoint_bytes = largest_piece * int64_t(3 * sizeof(float) + sizeof(uint16_t));
+  return h;
+}
+
+std::string format_host_staging(const HostStaging& h) {
+  return str("host memory per rank beyond the process's own: start-up ", format_bytes(h.init_bytes),
+             " (one piece of the starting weights), checkpoint save or resume ", format_bytes(h.checkpoint_bytes),
+             " (one piece of the weights and both moments); weight and checkpoint files are mapped and read a piece "
+             "at a time\n");
 }
 
 WeightFill weights_from_directory(const std::filesystem::path& dir) {

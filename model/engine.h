@@ -141,6 +141,18 @@ MemoryLayout engine_memory_layout(const EngineOptions& options, int dp_size, int
 // this rank's visible GPU, which then must exist): what build/train --plan_only prints, without allocating.
 GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, double capacity_gb);
 
+// The CUDA engine's host memory per rank beyond the process's own (model/engine_gpu.cpp): the starting weights go
+// through one fp32 buffer of the largest piece the rank fills (its piece of each unit at ZeRO 1-3, each whole unit
+// at ZeRO-0); a checkpoint save or resume through one piece of the weights and both moments (fp32) and a moment's
+// bf16 bits. Weight and checkpoint files are mapped and read a piece at a time, never copied whole.
+struct HostStaging {
+  int64_t init_bytes = 0, checkpoint_bytes = 0;
+};
+HostStaging plan_gpu_host_staging(const LlamaConfig& config, const EngineOptions& options, int dp_size, int dp_rank,
+                                  int tp_size, int tp_rank);
+// One line for the logs: "host memory per rank ...".
+std::string format_host_staging(const HostStaging& staging);
+
 // "auto" -> "cuda" when this build has CUDA and a device is visible, else "cpu". "cuda" without a visible
 // device, or in a CPU-only build, fails with a message saying why.
 std::string resolve_device(const std::string& requested);

@@ -512,7 +512,9 @@ class GpuEngine final : public Engine {
 
   std::string memory_report() const override {
     return format_memory_table(model_.memory_plan(), gpu_memory(options_.gpu).total_bytes,
-                               str("device memory per GPU (this rank's plan, allocated at start; ", describe_, ")"));
+                               str("device memory per GPU (this rank's plan, allocated at start; ", describe_, ")")) +
+           format_host_staging(plan_gpu_host_staging(model_.config(), options_, mesh_.dp_size, mesh_.dp_rank,
+                                                     mesh_.tp_size, mesh_.tp_rank));
   }
   int64_t activation_bytes() const override { return model_.memory_plan().bytes(MemoryKind::Activations); }
   int64_t state_bytes() const override { return model_.state_bytes(); }  // the shard is in the model's arena
