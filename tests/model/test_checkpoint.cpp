@@ -24,14 +24,24 @@ LlamaConfig tiny() { return LlamaConfig::load("tests/fixtures/llama32_tiny"); }
 
 using testing_util::error_of;
 
+// A model with random weights and distinct moments at step 3: a checkpoint's state.
+struct TrainedState {
+  LlamaConfig cfg = tiny();
+  Llama model{cfg, 1, 4};
+  AdamW opt{model.layout(), OptimizerConfig{}};
+  TrainedState() {
+    model.init_random(7);
+    for (size_t i = 0; i < opt.m.size(); i++) opt.m[i] = 0.5f * i, opt.v[i] = 0.25f * i;
+    opt.steps_taken = 3;
+  }
+};
+
 TEST(Checkpoint, SavesLoadsAndKeepsTheNewest) {
   TempDir tmp("ckpt");
-  LlamaConfig cfg = tiny();
-  Llama model(cfg, 1, 4);
-  model.init_random(7);
-  AdamW opt(model.layout(), OptimizerConfig{});
-  for (size_t i = 0; i < opt.m.size(); i++) opt.m[i] = 0.5f * i, opt.v[i] = 0.25f * i;
-  opt.steps_taken = 3;
+  TrainedState state;
+  const LlamaConfig& cfg = state.cfg;
+  const Llama& model = state.model;
+  const AdamW& opt = state.opt;
   nlohmann::json config_json = cfg.to_json();
   for (int64_t step : {10, 20, 30}) {
     CheckpointContents c{&config_json, model.params.data(), {opt.m.data(), opt.v.data(), opt.steps_taken}, {{"note", "x"}}, {}};
@@ -69,11 +79,10 @@ std::vector<Segment> unit_pieces(const ParamLayout& layout) {
 // tensor (what the writer did before it streamed), and pieces out of order are refused, not written misplaced.
 TEST(Checkpoint, StreamedPiecesWriteTheBytesOfTheWholeBuffers) {
   TempDir tmp("ckpt_stream");
-  LlamaConfig cfg = tiny();
-  Llama model(cfg, 1, 4);
-  model.init_random(7);
-  AdamW opt(model.layout(), OptimizerConfig{});
-  for (size_t i = 0; i < opt.m.size(); i++) opt.m[i] = 0.5f * i, opt.v[i] = 0.25f * i;
+  TrainedState state;
+  const LlamaConfig& cfg = state.cfg;
+  const Llama& model = state.model;
+  const AdamW& opt = state.opt;
   const ParamLayout& layout = model.layout();
   const nlohmann::json config_json = cfg.to_json();
   std::vector<Segment> units = unit_pieces(layout);
