@@ -23,15 +23,16 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/error.h"           // tuna::Error, fail
+#include "core/error.h"           // tuna::Error, fail, describe_current_exception
 #include "core/memory.h"          // host_memory, host_available_bytes, require_host_memory, return_large_frees_to_system
 #include "core/options.h"         // Options: TOML + flags
 #include "core/progress.h"        // ProgressLine: checkpoint writes
 #include "core/run_report.h"      // refresh_run_report: out_dir/report.html
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
+#include "data/tokenizer.h"       // model_tokenizer: what checkpoints carry, what shards must match
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
-#include "model/checkpoint.h"     // load_weights, save_checkpoint, latest_checkpoint, load_checkpoint_state
+#include "model/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
 #include "model/config.h"         // LlamaConfig
 #include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
@@ -47,7 +48,7 @@ namespace {
 struct TrainConfig {
   std::string model_config;  // config.json for a model trained from scratch
   std::string init;          // checkpoint directory to start from (Hugging Face or tuna)
-  std::string tokenizer;     // tokenizer.model (or its directory), copied into checkpoints
+  std::string tokenizer;     // tokenizer file or directory carried in checkpoints; shards must match it
   std::string train_data;    // shard files, directories or globs, comma-separated
   std::string val_data;
   int64_t seq_len = 1024;
@@ -65,6 +66,7 @@ struct TrainConfig {
   int64_t log_every = 1;
   int64_t val_every = 0;
   int64_t val_batches = 0;
+  int64_t max_bad_steps = 5;
   std::string device = "auto";
   int64_t threads = 0;
   int64_t tp = 1;
@@ -80,47 +82,60 @@ struct TrainConfig {
 };
 
 void declare(Options& o, TrainConfig& c) {
+  // Upper bounds are far beyond any real run; they exist so that a typo (or 2^31) fails here, with the
+  // option's name, instead of as an allocation of petabytes or an overflow later.
+  constexpr double kMaxSteps = 1e12, kMaxTokens = 1 << 22, kMaxRanks = 1 << 16;
   o.add("model_config", &c.model_config, "config.json of a model to train from scratch (instead of --init)");
   o.add("init", &c.init, "model directory to start from: a Hugging Face download or a tuna checkpoint");
-  o.add("tokenizer", &c.tokenizer, "tokenizer.model (or its directory) to carry in checkpoints; default: --init's");
+  o.add("tokenizer", &c.tokenizer,
+        "the model's tokenizer (a file of any format, or a model directory): carried in checkpoints, and the shards "
+        "must have been written with it; default: --init's");
   o.add("train_data", &c.train_data, "token shards: files, directories or globs, comma-separated");
   o.add("val_data", &c.val_data, "validation shards, same form; empty: no validation");
-  o.add("seq_len", &c.seq_len, "tokens per sequence");
-  o.add("micro_batch", &c.micro_batch, "sequences per forward/backward");
-  o.add("grad_accum", &c.grad_accum, "micro-batches per optimizer step");
-  o.add("steps", &c.steps, "optimizer steps of the whole run (the schedule spans them)");
-  o.add("lr", &c.opt.lr, "peak learning rate");
-  o.add("min_lr", &c.opt.min_lr, "final learning rate of cosine, linear and wsd schedules");
-  o.add("warmup_steps", &c.opt.warmup_steps, "linear warmup steps");
-  o.add("schedule", &c.opt.schedule, "cosine | linear | constant | wsd");
-  o.add("decay_fraction", &c.opt.decay_fraction, "wsd: fraction of steps in the final decay");
-  o.add("beta1", &c.opt.beta1, "AdamW beta1");
-  o.add("beta2", &c.opt.beta2, "AdamW beta2");
-  o.add("eps", &c.opt.eps, "AdamW epsilon");
-  o.add("weight_decay", &c.opt.weight_decay, "decoupled weight decay on 2-D weights");
-  o.add("grad_clip", &c.opt.grad_clip, "global gradient-norm clip; 0 disables");
-  o.add("seed", &c.seed, "seed of initialization and data order");
-  o.add("init_std", &c.init_std, "std of the normal init of 2-D weights (from scratch)");
+  o.add("seq_len", &c.seq_len, "tokens per sequence", Bounds::closed(1, kMaxTokens));
+  o.add("micro_batch", &c.micro_batch, "sequences per forward/backward", Bounds::closed(1, kMaxTokens));
+  o.add("grad_accum", &c.grad_accum, "micro-batches per optimizer step", Bounds::closed(1, kMaxTokens));
+  o.add("steps", &c.steps, "optimizer steps of the whole run (the schedule spans them)", Bounds::closed(1, kMaxSteps));
+  o.add("lr", &c.opt.lr, "peak learning rate", Bounds::open_closed(0, 1));
+  o.add("min_lr", &c.opt.min_lr, "final learning rate of cosine, linear and wsd schedules", Bounds::closed(0, 1));
+  o.add("warmup_steps", &c.opt.warmup_steps, "linear warmup steps", Bounds::closed(0, kMaxSteps));
+  o.add("schedule", &c.opt.schedule, "learning-rate schedule", {"cosine", "linear", "constant", "wsd"});
+  o.add("decay_fraction", &c.opt.decay_fraction, "wsd: fraction of steps in the final decay", Bounds::open_closed(0, 1));
+  o.add("beta1", &c.opt.beta1, "AdamW beta1", Bounds::half_open(0, 1));
+  o.add("beta2", &c.opt.beta2, "AdamW beta2", Bounds::half_open(0, 1));
+  o.add("eps", &c.opt.eps, "AdamW epsilon", Bounds::open_closed(0, 1));
+  o.add("weight_decay", &c.opt.weight_decay, "decoupled weight decay on 2-D weights", Bounds::closed(0, 1e3));
+  o.add("grad_clip", &c.opt.grad_clip, "global gradient-norm clip; 0 disables", Bounds::closed(0, 1e12));
+  o.add("seed", &c.seed, "seed of initialization and data order", Bounds::at_least(0));
+  o.add("init_std", &c.init_std, "std of the normal init of 2-D weights (from scratch)", Bounds::open_closed(0, 1));
   o.add("out_dir", &c.out_dir, "run directory: metrics.jsonl and ckpt/");
-  o.add("ckpt_every", &c.ckpt_every, "checkpoint every N steps (and at the end); 0: only at the end");
-  o.add("ckpt_keep", &c.ckpt_keep, "keep the newest K checkpoints; 0 keeps all");
+  o.add("ckpt_every", &c.ckpt_every, "checkpoint every N steps (and at the end); 0: only at the end", Bounds::closed(0, kMaxSteps));
+  o.add("ckpt_keep", &c.ckpt_keep, "keep the newest K checkpoints; 0 keeps all", Bounds::closed(0, kMaxSteps));
   o.add("resume", &c.resume, "continue from the newest complete checkpoint in out_dir/ckpt, if any");
-  o.add("stop_at_step", &c.stop_at_step, "checkpoint and stop after this step (a time-limited allocation); 0: run to the end");
-  o.add("log_every", &c.log_every, "print a log line every N steps (metrics.jsonl gets every step)");
-  o.add("val_every", &c.val_every, "validation loss every N steps; 0: only at the end when val_data is set");
-  o.add("val_batches", &c.val_batches, "micro-batches per validation; 0: the whole validation split");
-  o.add("device", &c.device, "auto | cpu | cuda");
-  o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks");
-  o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp");
-  o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters");
+  o.add("stop_at_step", &c.stop_at_step, "checkpoint and stop after this step (a time-limited allocation); 0: run to the end",
+        Bounds::closed(0, kMaxSteps));
+  o.add("log_every", &c.log_every, "print a log line every N steps (metrics.jsonl gets every step)", Bounds::closed(1, kMaxSteps));
+  o.add("val_every", &c.val_every, "validation loss every N steps; 0: only at the end when val_data is set", Bounds::closed(0, kMaxSteps));
+  o.add("val_batches", &c.val_batches, "micro-batches per validation; 0: the whole validation split", Bounds::closed(0, kMaxSteps));
+  o.add("max_bad_steps", &c.max_bad_steps,
+        "stop the run after this many steps in a row whose loss or gradient norm is not finite (each is skipped)",
+        Bounds::closed(1, 1e6));
+  o.add("device", &c.device, "cuda when a GPU is visible (auto), or the one named", {"auto", "cpu", "cuda"});
+  o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks", Bounds::closed(0, kMaxRanks));
+  o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp", Bounds::closed(1, kMaxRanks));
+  o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters", Bounds::closed(0, 3));
   o.add("zero_prefetch", &c.zero_prefetch, "ZeRO-3: gather the next layer while this one computes (false: when used)");
-  o.add("recompute", &c.recompute, "cuda: activations the backward recomputes: none | selective (norms, SwiGLU) | full (each layer from its input)");
-  o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever");
+  o.add("recompute", &c.recompute, "cuda: activations the backward recomputes: none, selective (norms, SwiGLU) or full (each layer from its input)",
+        {"none", "selective", "full"});
+  o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever",
+        Bounds::closed(0, 1e9));
   o.add("bf16_moments", &c.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
   o.add("stochastic_rounding", &c.stochastic_rounding, "cuda: round bf16 weights (and bf16 moments) stochastically");
   o.add("plan_only", &c.plan_only, "cuda: print each rank's device memory plan and whether it fits, then exit without allocating (runs on any machine with --gpu_memory_gb)");
-  o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory");
-  o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none");
+  o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory",
+        Bounds::closed(0, 1e6));
+  o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none",
+        Bounds::closed(0, 1e9));
 }
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -154,23 +169,13 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
+// What the option declarations cannot say alone (each option's own range is checked as it is set).
 void check(const TrainConfig& c) {
   if (c.model_config.empty() == c.init.empty())
     fail("give exactly one of --init (a model directory) and --model_config (a config.json to train from scratch)");
   if (c.train_data.empty() && !c.plan_only) fail("option 'train_data' is empty: give token shards (build/prepare writes them)");
-  for (auto [name, v] : {std::pair{"seq_len", c.seq_len}, {"micro_batch", c.micro_batch}, {"grad_accum", c.grad_accum},
-                         {"steps", c.steps}, {"log_every", c.log_every}})
-    if (v < 1) fail("option '", name, "': expected >= 1, found ", v);
-  for (auto [name, v] : {std::pair{"ckpt_every", c.ckpt_every}, {"ckpt_keep", c.ckpt_keep}, {"val_every", c.val_every},
-                         {"val_batches", c.val_batches}, {"threads", c.threads}, {"stop_at_step", c.stop_at_step}})
-    if (v < 0) fail("option '", name, "': expected >= 0, found ", v);
-  if (c.device != "auto" && c.device != "cpu" && c.device != "cuda")
-    fail("option 'device': expected auto, cpu or cuda, found '", c.device, "'");
-  if (c.tp < 1) fail("option 'tp': expected >= 1, found ", c.tp);
-  if (c.zero < 0 || c.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", c.zero);
-  parse_recompute(c.recompute, "option 'recompute'");
-  if (c.comm_timeout < 0) fail("option 'comm_timeout': expected >= 0 seconds, found ", c.comm_timeout);
-  if (c.gpu_hour_cost < 0) fail("option 'gpu_hour_cost': expected >= 0, found ", c.gpu_hour_cost);
+  if (c.micro_batch * c.seq_len > (int64_t{1} << 31))
+    fail("options 'micro_batch' x 'seq_len' = ", c.micro_batch * c.seq_len, " tokens per micro-batch: at most 2^31");
   validate(c.opt);
 }
 
@@ -222,12 +227,16 @@ int run(int argc, char** argv) {
 
   // Where the weights come from: a resume checkpoint beats --init beats a fresh init.
   std::optional<fs::path> resume_from;
-  if (cfg.resume) resume_from = latest_checkpoint(ckpt_root);
+  if (cfg.resume)  // the newest checkpoint that verifies against its manifest, on every rank (model/checkpoint.h)
+    resume_from = resume_checkpoint(ckpt_root, *world, [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
   const fs::path weights_dir = resume_from ? *resume_from : fs::path(cfg.init);
   json config_json = weights_dir.empty() ? json() : read_config_json(weights_dir);
   LlamaConfig model_cfg = weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
                                               : LlamaConfig::from_json(config_json, (weights_dir / "config.json").string());
   if (weights_dir.empty()) config_json = LlamaConfig::load(cfg.model_config).to_json(), config_json["torch_dtype"] = "float32";
+  // The tokenizer checkpoints carry (exactly the one --tokenizer names, else the weights directory's), which
+  // the shards must have been written with.
+  const ModelTokenizer tokenizer = model_tokenizer(cfg.tokenizer, weights_dir.string(), model_cfg.vocab_size);
 
   EngineOptions eo;
   if (cfg.plan_only && cfg.device != "cuda") fail("option 'plan_only' prints the CUDA engine's plan: use --device cuda");
@@ -281,17 +290,22 @@ int run(int argc, char** argv) {
   if (eo.device == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
   if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", cfg.init.c_str());
   else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
+  std::printf("tokenizer %s\n", tokenizer.description.c_str());
+  if (!tokenizer.note.empty()) std::printf("note: %s\n", tokenizer.note.c_str());
   std::printf("host memory at init: %.0f MB peak on this rank\n", engine->status().host_peak_mb);
 
   json saved_cursor;
-  int64_t step = 0;
+  int64_t step = 0, skipped_steps = 0;  // skipped: steps whose loss or gradient was not finite (no update)
   if (resume_from) {
-    json state = read_state(*resume_from);
-    step = state["step"].get<int64_t>();
+    const TrainingState resumed = read_training_state(*resume_from);  // step, cursor and counts checked
+    const json& state = resumed.state;
+    step = resumed.step, skipped_steps = resumed.skipped_steps;
     // A piece at a time from the files into the engine: no rank holds its shard on the host.
-    engine->set_steps_taken(load_checkpoint_state(*resume_from, engine->layout(), engine->segments(),
-                                                  [&](const StateSource& source) { engine->import_state(source); }));
-    if (state.contains("data_cursor")) saved_cursor = state["data_cursor"];
+    const int64_t steps_taken = load_checkpoint_state(*resume_from, engine->layout(), engine->segments(),
+                                                      [&](const StateSource& source) { engine->import_state(source); });
+    check_optimizer_steps(resumed, steps_taken, *resume_from);
+    engine->set_steps_taken(steps_taken);
+    saved_cursor = resumed.data_cursor;
     if (state.contains("train_config")) {
       json old = state["train_config"], now = options.to_json();
       for (auto& [k, v] : now.items())
@@ -301,12 +315,8 @@ int run(int argc, char** argv) {
     }
     std::printf("resumed from %s at step %lld\n", resume_from->c_str(), (long long)step);
   }
-  fs::path tokenizer_dir = resume_from ? *resume_from : fs::path(cfg.init);
-  if (!cfg.tokenizer.empty())
-    tokenizer_dir = fs::is_directory(cfg.tokenizer) ? fs::path(cfg.tokenizer) : fs::path(cfg.tokenizer).parent_path();
-
   LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
-                           model_cfg.vocab_size, false};
+                           model_cfg.vocab_size, false, tokenizer.fingerprint, tokenizer.description};
   DataLoader train(expand_shard_paths(split_list(cfg.train_data)), train_opts);
   if (!saved_cursor.is_null()) train.set_cursor(reshard_cursor(saved_cursor.get<LoaderCursor>(), mesh.dp_size));
   std::unique_ptr<DataLoader> val;
@@ -350,6 +360,7 @@ int run(int argc, char** argv) {
 
   auto save = [&](int64_t at_step) {
     json state = {{"step", at_step},
+                  {"skipped_steps", skipped_steps},
                   {"train_config", options.to_json()},
                   {"data_cursor", train.cursor()},
                   {"rng", {{"seed", cfg.seed}}},
@@ -365,7 +376,7 @@ int run(int argc, char** argv) {
       ProgressLine progress(str("checkpoint step ", at_step), 12.0 * double(shard_elements), ProgressLine::Unit::Bytes,
                             stdout);
       CheckpointContents contents{&config_json, nullptr, {nullptr, nullptr, engine->steps_taken()}, state,
-                                  tokenizer_dir, &progress, &engine->segments(), export_state};
+                                  tokenizer.files, &progress, &engine->segments(), export_state};
       p = save_checkpoint(ckpt_root, at_step, layout, contents, cfg.ckpt_keep);
       progress.finish();
     } else {  // one file per rank, written in parallel (model/checkpoint.h)
@@ -378,7 +389,7 @@ int run(int argc, char** argv) {
                              ShardState{&engine->segments(), export_state, engine->steps_taken(),
                                         /*write_replicated=*/mesh.tp_rank == 0, &progress});
       progress.finish();
-      CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer_dir};
+      CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer.files};
       world->barrier("checkpoint shards written");
       if (world->rank() == 0) p = finish_sharded_checkpoint(ckpt_root, at_step, contents, cfg.ckpt_keep);
       world->barrier("checkpoint renamed");
@@ -405,6 +416,7 @@ int run(int argc, char** argv) {
   const double flops_per_token = engine->flops_per_token(cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
   const int64_t first_step = step;
+  int64_t bad_in_a_row = 0;
   const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
   bool stopped_early = false;
   while (step < last_step) {
@@ -418,11 +430,24 @@ int run(int argc, char** argv) {
       loss.count += l.count;
     }
     inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only
+    if (nan_loss_for_tests(world->rank(), step)) loss.sum = NAN;
     const double lr = learning_rate(cfg.opt, step, cfg.steps);
-    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (model/engine.h).
+    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (model/engine.h); no update when
+    // the loss or the gradient norm is not finite (the same decision on every rank).
     const StepResult result = engine->finish_step(loss, lr);
     const OptimizerStats& stats = result.stats;
     step++;
+    bad_in_a_row = stats.applied ? 0 : bad_in_a_row + 1;
+    if (!stats.applied) {
+      skipped_steps++;
+      std::printf("step %6lld | loss %g | grad norm %g | not finite: update skipped (%lld in a row, %lld in all)\n",
+                  (long long)step, result.loss, stats.grad_norm, (long long)bad_in_a_row, (long long)skipped_steps);
+      std::fflush(stdout);
+      if (bad_in_a_row >= cfg.max_bad_steps)
+        fail("the loss or the gradient norm was not finite in ", bad_in_a_row, " steps in a row (up to step ", step,
+             ", --max_bad_steps ", cfg.max_bad_steps, "): the run diverged. Resume from the last checkpoint (",
+             ckpt_root.string(), ") with a lower --lr or a --grad_clip, or look for bad data near this step");
+    }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     const double eta = elapsed / double(step - first_step) * double(cfg.steps - step);
@@ -436,6 +461,7 @@ int run(int argc, char** argv) {
                    {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", result.tokens},
                    {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"elapsed_s", elapsed}, {"eta_s", eta},
                    {"mem_mb", dev.host_mb}, {"peak_mem_mb", dev.host_peak_mb}};
+    if (!stats.applied) record["skipped"] = true, record["skipped_steps"] = skipped_steps;
     if (std::isfinite(mfu)) record["mfu"] = mfu;
     if (std::isfinite(dev.gpu_mb)) record["gpu_mem_mb"] = dev.gpu_mb, record["gpu_peak_mem_mb"] = dev.gpu_peak_mb;
     if (std::isfinite(dev.gpu_util)) record["gpu_util"] = dev.gpu_util;
@@ -491,10 +517,11 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     return run(argc, argv);
-  } catch (const tuna::Error& e) {
+  } catch (...) {  // every exception, not only tuna::Error: nothing ends the trainer with SIGABRT and no message
+    const std::string message = describe_current_exception();
     const LaunchInfo launch = detect_launch();
-    if (launch.size > 1) std::fprintf(stderr, "error: rank %d: %s\n", launch.rank, e.what());
-    else std::fprintf(stderr, "error: %s\n", e.what());
+    if (launch.size > 1) std::fprintf(stderr, "error: rank %d: %s\n", launch.rank, message.c_str());
+    else std::fprintf(stderr, "error: %s\n", message.c_str());
     std::fflush(stderr);
     abort_job(1);  // the other ranks must not wait for this one in their next collective
   }

@@ -18,7 +18,7 @@ void BM_Generate(benchmark::State& state) {
   const bool cached = state.range(0) != 0;
   const LlamaConfig config = LlamaConfig::load("demo/config.json");
   GpuOptions forward_only;
-  forward_only.training = false;
+  forward_only.training = false;  // bf16 weights only
   LlamaGpu model(config, 1, kContext, OptimizerConfig{}, forward_only);
   std::vector<float> weights(model.layout().total());
   init_random_weights(model.layout(), 1, 0.3, weights.data());

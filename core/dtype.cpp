@@ -1,6 +1,7 @@
 // core/dtype.cpp — dtype names and sizes, bulk conversions.
 #include "core/dtype.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
@@ -107,6 +108,57 @@ void convert_from_f32(const float* src, DType dst_dtype, void* dst, int64_t n) {
     default:
       return;
   }
+}
+
+namespace {
+
+// Non-finite means all exponent bits set (inf or NaN), whatever the sign and mantissa.
+template <typename Bits>
+bool exponent_all_ones(const void* src, int64_t i, Bits mask) {
+  return (load<Bits>(src, i) & mask) == mask;
+}
+
+template <typename Bits>
+int64_t first_with_exponent_all_ones(const void* src, int64_t n, Bits mask) {
+  // Blocks so that threads can stop looking early within their block; the minimum over blocks is the first.
+  constexpr int64_t kBlock = 1 << 16;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  int64_t first = n;
+#pragma omp parallel for reduction(min : first) if (n >= kParallelThreshold)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t end = std::min(n, (b + 1) * kBlock);
+    for (int64_t i = b * kBlock; i < end; ++i)
+      if (exponent_all_ones<Bits>(src, i, mask)) {
+        first = std::min(first, i);
+        break;
+      }
+  }
+  return first == n ? -1 : first;
+}
+
+}  // namespace
+
+int64_t first_non_finite(const void* src, DType dtype, int64_t n) {
+  TUNA_CHECK(n >= 0, "n = ", n);
+  switch (dtype) {
+    case DType::F64: return first_with_exponent_all_ones<uint64_t>(src, n, 0x7ff0000000000000ull);
+    case DType::F32: return first_with_exponent_all_ones<uint32_t>(src, n, 0x7f800000u);
+    case DType::F16: return first_with_exponent_all_ones<uint16_t>(src, n, uint16_t{0x7c00});
+    case DType::BF16: return first_with_exponent_all_ones<uint16_t>(src, n, uint16_t{0x7f80});
+    default: TUNA_CHECK(false, "first_non_finite of ", dtype_name(dtype));
+  }
+  return -1;
+}
+
+double element_as_double(const void* src, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::F64: return load<double>(src, i);
+    case DType::F32: return load<float>(src, i);
+    case DType::F16: return f16_to_f32(load<uint16_t>(src, i));
+    case DType::BF16: return bf16_to_f32(load<uint16_t>(src, i));
+    default: TUNA_CHECK(false, "element_as_double of ", dtype_name(dtype));
+  }
+  return 0;
 }
 
 }  // namespace tuna

@@ -95,4 +95,12 @@ void convert_to_f32(const void* src, DType src_dtype, float* dst, int64_t n);
 // dst[i] = src[i] rounded to dst_dtype, for dst_dtype in F64, F32, F16, BF16.
 void convert_from_f32(const float* src, DType dst_dtype, void* dst, int64_t n);
 
+// The index of the first element of src (dtype F64, F32, F16 or BF16; any alignment) that is NaN or
+// infinite, or -1 when all n are finite. Read by the exponent bits, without converting; all OpenMP threads
+// for large arrays. Loaders refuse non-finite weights and moments with it (a NaN in a checkpoint trains on as
+// NaN and turns every later loss into NaN).
+int64_t first_non_finite(const void* src, DType dtype, int64_t n);
+// The element as a double (for the message that names it).
+double element_as_double(const void* src, DType dtype, int64_t i);
+
 }  // namespace tuna

@@ -5,9 +5,13 @@
 //     The message is for the user; it names what was read, what was expected and what was found.
 //   * a broken internal precondition: TUNA_CHECK(cond, "what") adds the source location, because the
 //     reader of that message is a developer.
-// Mains catch tuna::Error, print "error: <message>" and exit 1. Nothing calls abort() on user input.
+// Mains run through guarded_main (or call describe_current_exception in their own catch-all), which prints
+// "error: <message>" and exits 1 for every exception, not only tuna::Error: a std::bad_alloc, a JSON type
+// error or a filesystem error deep in a library must never end a tool with SIGABRT and no message. Nothing
+// calls abort() on user input.
 #pragma once
 
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -30,6 +34,15 @@ template <typename... Parts>
 [[noreturn]] void fail(const Parts&... parts) {
   throw Error(str(parts...));
 }
+
+// Inside a catch block: the message of the exception being handled. tuna::Error's own text; the rest
+// translated for the user: std::bad_alloc as "out of memory", nlohmann's JSON errors as a malformed value, a
+// filesystem error with its path, anything else with its what() or as "unknown exception".
+std::string describe_current_exception();
+
+// A tool's main: runs body and returns its exit code; any exception becomes "error: <message>" on stderr
+// and exit code 1.
+int guarded_main(const std::function<int()>& body);
 
 }  // namespace tuna
 

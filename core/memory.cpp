@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
@@ -55,6 +56,17 @@ void require_host_memory(int64_t bytes_per_process, int processes_on_node, const
        ", but this node has ", human_bytes(double(available)),
        " available (MemAvailable of /proc/meminfo): the job would be killed or swap. Use fewer ranks per node, a "
        "smaller micro_batch or seq_len, or a higher ZeRO stage");
+}
+
+void fail_out_of_memory(const std::string& what, uint64_t bytes) {
+  const int64_t available = host_available_bytes();
+  fail("out of memory: allocating ", what, " needs ", human_bytes(double(bytes)),
+       available < 0 ? std::string() : ", this node has " + human_bytes(double(available)) + " available");
+}
+
+void check_host_allocation(const std::string& what, uint64_t bytes) {
+  const int64_t available = host_available_bytes();
+  if (available >= 0 && bytes > static_cast<uint64_t>(available)) fail_out_of_memory(what, bytes);
 }
 
 }  // namespace tuna

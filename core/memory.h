@@ -1,7 +1,11 @@
-// Host memory of this process, for the trainer's log line: what is resident now and the peak so far.
+// Host memory of this process, for the trainer's log line: what is resident now and the peak so far; and the
+// guard every large host allocation goes through, so that running out of memory is a message that names
+// what was being allocated and its size, not a std::bad_alloc without one or the kernel's OOM killer.
 #pragma once
 
 #include <cstdint>
+#include <new>
+#include <stdexcept>
 #include <string>
 
 namespace tuna {
@@ -26,5 +30,26 @@ int64_t host_available_bytes();
 // the memory available: the message names `what` (e.g. "the memory plan's peak per rank"), both figures, and the
 // processes counted.
 void require_host_memory(int64_t bytes_per_process, int processes_on_node, const std::string& what);
+
+// Refuses (naming `what`, its size and what is available) an allocation of `bytes` that exceeds
+// host_available_bytes(): with Linux's overcommit a too-large allocation succeeds and is killed later (SIGKILL, no
+// message) as its pages are touched.
+void check_host_allocation(const std::string& what, uint64_t bytes);
+[[noreturn]] void fail_out_of_memory(const std::string& what, uint64_t bytes);
+
+// Runs alloc() (which sizes the buffers that hold `what`, `bytes` in all) after check_host_allocation, turning
+// a std::bad_alloc or std::length_error of it into the same named error. Every large host allocation of tuna goes
+// through it, so that running out of memory names what was being allocated and how much.
+template <typename Alloc>
+void allocate_host(const std::string& what, uint64_t bytes, Alloc&& alloc) {
+  check_host_allocation(what, bytes);
+  try {
+    alloc();
+  } catch (const std::bad_alloc&) {
+    fail_out_of_memory(what, bytes);
+  } catch (const std::length_error&) {
+    fail_out_of_memory(what, bytes);
+  }
+}
 
 }  // namespace tuna

@@ -9,9 +9,12 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file.h"
 
 namespace tuna {
 namespace {
+
+constexpr uint64_t kMaxTomlBytes = uint64_t{16} << 20;
 
 std::string canonical(std::string name) {
   std::replace(name.begin(), name.end(), '-', '_');
@@ -30,15 +33,50 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   return prev[b.size()];
 }
 
+// Shortest text that reads back as the same double.
+std::string format_number(double x) {
+  char buf[32];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, x);
+  return ec == std::errc() ? std::string(buf, end) : std::to_string(x);
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); i++) out += (i ? (i + 1 == items.size() ? " or " : ", ") : "") + items[i];
+  return out;
+}
+
 }  // namespace
+
+bool Bounds::contains(double x) const {
+  if (!std::isfinite(x)) return false;
+  if (exclusive_min ? !(x > min) : !(x >= min)) return false;
+  if (exclusive_max ? !(x < max) : !(x <= max)) return false;
+  return true;
+}
+
+std::string Bounds::describe() const {
+  const bool low = std::isfinite(min), high = std::isfinite(max);
+  if (low && high)
+    return str(exclusive_min ? "(" : "[", format_number(min), ", ", format_number(max), exclusive_max ? ")" : "]");
+  if (low) return str(exclusive_min ? "> " : ">= ", format_number(min));
+  if (high) return str(exclusive_max ? "< " : "<= ", format_number(max));
+  return "any finite number";
+}
 
 Options::Options(std::string program, std::string summary)
     : program_(std::move(program)), summary_(std::move(summary)) {}
 
-void Options::add(const std::string& n, std::string* t, const std::string& h) { entries_.push_back({canonical(n), h, t}); }
-void Options::add(const std::string& n, int64_t* t, const std::string& h) { entries_.push_back({canonical(n), h, t}); }
-void Options::add(const std::string& n, double* t, const std::string& h) { entries_.push_back({canonical(n), h, t}); }
-void Options::add(const std::string& n, bool* t, const std::string& h) { entries_.push_back({canonical(n), h, t}); }
+void Options::add(const std::string& n, std::string* t, const std::string& h, std::vector<std::string> choices) {
+  entries_.push_back({canonical(n), h, t, {}, std::move(choices)});
+}
+void Options::add(const std::string& n, int64_t* t, const std::string& h, Bounds bounds) {
+  entries_.push_back({canonical(n), h, t, bounds, {}});
+}
+void Options::add(const std::string& n, double* t, const std::string& h, Bounds bounds) {
+  entries_.push_back({canonical(n), h, t, bounds, {}});
+}
+void Options::add(const std::string& n, bool* t, const std::string& h) { entries_.push_back({canonical(n), h, t, {}, {}}); }
 
 Options::Entry& Options::find(const std::string& raw, const std::string& source) {
   const std::string name = canonical(raw);
@@ -60,29 +98,55 @@ bool Options::was_set(const std::string& name) const {
   return false;
 }
 
-void Options::set(const std::string& name, const std::string& value, const std::string& source) {
-  Entry& e = find(name, source);
+void Options::assign(Entry& e, const Value& value, const std::string& source) {
+  using Kind = Value::Kind;
   const std::string where = str(source, ": option '", e.name, "'");
+  auto found = [&]() -> std::string {
+    switch (value.kind) {
+      case Kind::Text: return "'" + value.text + "'";
+      case Kind::String: return "the string \"" + value.text + "\"";
+      case Kind::Integer: return "the integer " + std::to_string(value.integer);
+      case Kind::Float: return "the number " + format_number(value.number);
+      case Kind::Bool: return value.boolean ? "true" : "false";
+    }
+    return "?";
+  };
+  auto check_range = [&](double x) {
+    if (!e.bounds.contains(x)) fail(where, ": expected ", e.bounds.describe(), ", found ", found());
+  };
   std::visit(
       [&](auto* target) {
         using T = std::remove_pointer_t<decltype(target)>;
         if constexpr (std::is_same_v<T, std::string>) {
-          *target = value;
+          if (value.kind != Kind::Text && value.kind != Kind::String)
+            fail(where, ": expected a string, found ", found());
+          if (!e.choices.empty() && std::find(e.choices.begin(), e.choices.end(), value.text) == e.choices.end())
+            fail(where, ": expected ", join(e.choices), ", found '", value.text, "'");
+          *target = value.text;
         } else if constexpr (std::is_same_v<T, bool>) {
-          if (value == "true" || value == "1" || value == "yes") *target = true;
-          else if (value == "false" || value == "0" || value == "no") *target = false;
-          else fail(where, ": expected true or false, found '", value, "'");
-        } else if constexpr (std::is_same_v<T, int64_t>) {
-          int64_t x = 0;
-          auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), x);
-          if (ec != std::errc() || end != value.data() + value.size())
-            fail(where, ": expected an integer, found '", value, "'");
-          *target = x;
+          if (value.kind == Kind::Bool) *target = value.boolean;
+          else if (value.kind == Kind::Text && (value.text == "true" || value.text == "1" || value.text == "yes")) *target = true;
+          else if (value.kind == Kind::Text && (value.text == "false" || value.text == "0" || value.text == "no")) *target = false;
+          else fail(where, ": expected true or false, found ", found());
         } else {
-          char* end = nullptr;
-          double x = std::strtod(value.c_str(), &end);
-          if (value.empty() || end != value.c_str() + value.size())
-            fail(where, ": expected a number, found '", value, "'");
+          // A number: an int64 option takes only integers, a double option integers and floats. Text is parsed
+          // whole with from_chars (no leading spaces, no hex); "inf" and "nan" parse and are refused by the bounds.
+          constexpr bool integer = std::is_same_v<T, int64_t>;
+          const char* expected = integer ? "an integer" : "a number";
+          T x = 0;
+          if (value.kind == Kind::Integer) {
+            x = static_cast<T>(value.integer);
+          } else if (value.kind == Kind::Float && !integer) {
+            x = static_cast<T>(value.number);
+          } else if (value.kind == Kind::Text) {
+            auto [end, ec] = std::from_chars(value.text.data(), value.text.data() + value.text.size(), x);
+            if (ec == std::errc::result_out_of_range) fail(where, ": expected ", e.bounds.describe(), ", found ", found());
+            if (ec != std::errc() || end != value.text.data() + value.text.size())
+              fail(where, ": expected ", expected, ", found ", found());
+          } else {
+            fail(where, ": expected ", expected, ", found ", found());
+          }
+          check_range(static_cast<double>(x));
           *target = x;
         }
       },
@@ -90,33 +154,32 @@ void Options::set(const std::string& name, const std::string& value, const std::
   e.set = true;
 }
 
+void Options::set(const std::string& name, const std::string& value, const std::string& source) {
+  assign(find(name, source), Value{Value::Kind::Text, value}, source);
+}
+
 void Options::load_toml(const std::string& path) {
+  const std::string text = read_regular_file(path, "config file (TOML)", kMaxTomlBytes);
   toml::table table;
   try {
-    table = toml::parse_file(path);
+    table = toml::parse(text, path);
   } catch (const toml::parse_error& err) {
     std::ostringstream msg;
     msg << err.description() << " (line " << err.source().begin.line << ", column " << err.source().begin.column
         << ")";
     fail(path, ": not valid TOML: ", msg.str());
-  } catch (const std::exception& err) {
-    fail(path, ": cannot read the config file: ", err.what());
   }
   for (auto&& [key, node] : table) {
     const std::string name(key.str());
     const std::string where = str(path, ":", key.source().begin.line);
-    std::string text;
-    if (auto s = node.value_exact<std::string>()) text = *s;
-    else if (auto i = node.value_exact<int64_t>()) text = std::to_string(*i);
-    else if (auto d = node.value_exact<double>()) {
-      std::ostringstream o;
-      o.precision(17);
-      o << *d;
-      text = o.str();
-    } else if (auto b = node.value_exact<bool>()) text = *b ? "true" : "false";
-    else fail(where, ": option '", name, "': expected a string, number or boolean");
-    // An integer written as 3e-4 style float for an int option is caught by set().
-    set(name, text, where);
+    Entry& e = find(name, where);
+    Value v{Value::Kind::String, {}};
+    if (auto s = node.value_exact<std::string>()) v.text = *s;
+    else if (auto i = node.value_exact<int64_t>()) v.kind = Value::Kind::Integer, v.integer = *i;
+    else if (auto d = node.value_exact<double>()) v.kind = Value::Kind::Float, v.number = *d;
+    else if (auto b = node.value_exact<bool>()) v.kind = Value::Kind::Bool, v.boolean = *b;
+    else fail(where, ": option '", name, "': expected a string, number or boolean, found a TOML ", node.type());
+    assign(e, v, where);
   }
 }
 
@@ -172,16 +235,17 @@ nlohmann::json Options::to_json() const {
 }
 
 void Options::from_json(const nlohmann::json& j, const std::string& source) {
+  if (!j.is_object()) fail(source, ": expected an object of options, found ", j.type_name());
   for (auto& [key, value] : j.items()) {
-    if (value.is_string()) set(key, value.get<std::string>(), source);
-    else if (value.is_boolean()) set(key, value.get<bool>() ? "true" : "false", source);
-    else if (value.is_number_integer()) set(key, std::to_string(value.get<int64_t>()), source);
-    else if (value.is_number()) {
-      std::ostringstream o;
-      o.precision(17);
-      o << value.get<double>();
-      set(key, o.str(), source);
-    } else fail(source, ": option '", key, "': expected a string, number or boolean");
+    Entry& e = find(key, source);
+    Value v{Value::Kind::String, {}};
+    if (value.is_string()) v.text = value.get<std::string>();
+    else if (value.is_boolean()) v.kind = Value::Kind::Bool, v.boolean = value.get<bool>();
+    else if (value.is_number_integer() && !(value.is_number_unsigned() && value.get<uint64_t>() > INT64_MAX))
+      v.kind = Value::Kind::Integer, v.integer = value.get<int64_t>();
+    else if (value.is_number()) v.kind = Value::Kind::Float, v.number = value.get<double>();
+    else fail(source, ": option '", key, "': expected a string, number or boolean, found ", value.type_name());
+    assign(e, v, source);
   }
 }
 
@@ -201,7 +265,12 @@ std::string Options::usage() const {
           }
         },
         e.target);
-    out << "  --" << e.name << " (default " << current << ")\n      " << e.help << "\n";
+    std::string accepts;
+    if (!e.choices.empty()) accepts = "; one of " + join(e.choices);
+    else if (!std::holds_alternative<std::string*>(e.target) && !std::holds_alternative<bool*>(e.target) &&
+             (std::isfinite(e.bounds.min) || std::isfinite(e.bounds.max)))
+      accepts = "; " + e.bounds.describe();
+    out << "  --" << e.name << " (default " << current << accepts << ")\n      " << e.help << "\n";
   }
   return out.str();
 }

@@ -4,7 +4,9 @@
 #include <glob.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -24,6 +26,24 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 bool is_glob(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+std::string hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// The tokenizer a prepare run names in the report.json beside its shards, if it is there.
+std::string tokenizer_of_prepare_run(const std::string& shard) {
+  const fs::path report = fs::path(shard).parent_path() / "report.json";
+  std::ifstream in(report);
+  if (!in) return {};
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("tokenizer") || !j["tokenizer"].is_object() ||
+      !j["tokenizer"].contains("path") || !j["tokenizer"]["path"].is_string())
+    return {};
+  return j["tokenizer"]["path"].get<std::string>();
+}
 
 }  // namespace
 
@@ -66,15 +86,25 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& spec
       if (rc == 0)
         for (size_t i = 0; i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
       ::globfree(&g);
-    } else if (fs::is_directory(spec)) {
-      for (const auto& entry : fs::directory_iterator(spec))
-        if (entry.is_regular_file() && entry.path().extension() == kShardExtension)
-          found.push_back(entry.path().string());
-      std::sort(found.begin(), found.end());
-    } else if (fs::exists(spec)) {
-      found.push_back(spec);
     } else {
-      fail("data: shard path ", spec, " does not exist");
+      // Status calls with an error code: a symlink loop or an unreadable directory is an error naming the
+      // spec, not a filesystem_error thrown from deep inside.
+      std::error_code ec;
+      const fs::file_status status = fs::status(spec, ec);
+      if (ec && ec != std::errc::no_such_file_or_directory)
+        fail("data: shard path ", spec, ": ", ec.message());
+      if (fs::is_directory(status)) {
+        for (fs::directory_iterator it(spec, ec), end; !ec && it != end; it.increment(ec)) {
+          std::error_code kind;
+          if (it->is_regular_file(kind) && it->path().extension() == kShardExtension) found.push_back(it->path().string());
+        }
+        if (ec) fail("data: cannot list the directory ", spec, ": ", ec.message());
+        std::sort(found.begin(), found.end());
+      } else if (fs::exists(status)) {
+        found.push_back(spec);  // ShardReader refuses anything but a regular file, by name
+      } else {
+        fail("data: shard path ", spec, " does not exist");
+      }
     }
     if (found.empty())
       fail("data: no shards match ", spec,
@@ -138,6 +168,13 @@ DataLoader::DataLoader(const std::vector<std::string>& shard_specs, const Loader
     if (shard.vocab_size() > static_cast<uint64_t>(options.vocab_size))
       fail("shard ", path, ": written by a tokenizer with vocab_size ", shard.vocab_size(),
            ", larger than the model's vocab_size ", options.vocab_size);
+    if (options.tokenizer_fingerprint != 0 && shard.tokenizer_fingerprint() != 0 &&
+        shard.tokenizer_fingerprint() != options.tokenizer_fingerprint) {
+      const std::string writer = tokenizer_of_prepare_run(path);
+      fail("shard ", path, ": written by another tokenizer (", writer.empty() ? std::string() : writer + ", ",
+           "fingerprint ", hex(shard.tokenizer_fingerprint()), ") than the model's, ", options.tokenizer_name,
+           " (fingerprint ", hex(options.tokenizer_fingerprint), "): prepare the data with the model's tokenizer");
+    }
     const uint64_t n = shard.token_count();
     const uint64_t windows = n >= T + 1 ? (n - 1) / T : 0;
     if (windows == 0) ++short_shards_;

@@ -45,6 +45,10 @@ struct LoaderOptions {
   uint64_t seed = 0;
   int64_t vocab_size = 0;  // the model's: every shard's vocabulary and every token must fit under it
   bool eval = false;       // windows once, in order, no shuffle (see above)
+  // The model's tokenizer (Tokenizer::fingerprint) and its name for messages; 0: not checked. A shard that
+  // records another fingerprint is refused (shards of version 1 record none and pass).
+  uint64_t tokenizer_fingerprint = 0;
+  std::string tokenizer_name;
 };
 
 struct LoaderCursor {
@@ -74,7 +78,7 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& spec
 class DataLoader {
  public:
   // Opens and validates every shard (see ShardReader), refuses a shard whose vocab_size exceeds
-  // options.vocab_size, and fails when there is no window at all (saying how many tokens were found
+  // options.vocab_size or that another tokenizer wrote (options.tokenizer_fingerprint), and fails when there is no window at all (saying how many tokens were found
   // against the T + 1 needed) or fewer windows than ranks.
   DataLoader(const std::vector<std::string>& shard_specs, const LoaderOptions& options);
 

@@ -42,8 +42,17 @@ struct Record {
 // A document once decoded and cleaned: `text` is the document or, for SFT, the response.
 struct Document {
   std::string prompt, text;
-  std::string joined;  // SFT only: prompt + '\n' + response, what filters and dedup see
+  std::string joined;  // SFT only: prompt + '\n' + response (or the conversation), what filters and dedup see
+  std::vector<ChatMessage> messages;  // SFT conversations; then text is empty
+  bool no_template = false;           // a conversation, but the model's chat template is unknown
   std::string_view whole() const { return joined.empty() ? std::string_view(text) : std::string_view(joined); }
+};
+
+// The chat format SFT conversations render with, once resolved from the tokenizer (or why it could not be).
+struct ChatSetup {
+  bool resolved = false;
+  ChatFormat format = ChatFormat::llama3;
+  std::string error;
 };
 
 bool is_blank(std::string_view s) {
@@ -212,7 +221,16 @@ Outcome extract(const InputFile& file, Record& record, const PrepareOptions& o, 
     *out = it->get<std::string>();
     return true;
   };
-  if (o.sft) {
+  if (o.sft && j.contains("messages")) {
+    const nlohmann::json& messages = j["messages"];
+    if (!messages.is_array() || messages.empty()) return Outcome::missing_field;
+    for (const nlohmann::json& m : messages) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+          !m["content"].is_string())
+        return Outcome::missing_field;
+      doc->messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    }
+  } else if (o.sft) {
     if (!string_field(o.prompt_field, &doc->prompt) || !string_field(o.response_field, &doc->text))
       return Outcome::missing_field;
   } else if (!string_field(o.text_field, &doc->text)) {
@@ -221,31 +239,9 @@ Outcome extract(const InputFile& file, Record& record, const PrepareOptions& o, 
   return Outcome::kept;
 }
 
-// extract + clean + quality filters: the document as it will be tokenized, or why it is dropped.
-// filter: false in pass 2, which decodes only documents that passed every filter in pass 1.
-// measure: what a failing filter measured (for dropped.jsonl).
-Outcome decode(const InputFile& file, Record& record, const PrepareOptions& o, Document* doc, CleanResult* flags,
-               bool filter = true, QualityMeasure* measure = nullptr) {
-  *flags = CleanResult{};
-  bool repaired = false;
-  Outcome outcome = extract(file, record, o, doc, &repaired);
-  record.bytes = {};
-  if (outcome != Outcome::kept) return outcome;
-  std::string cleaned;
-  CleanResult f;
-  if (!clean_text(doc->text, o.clean, &cleaned, &f)) return flags->invalid_utf8 = true, Outcome::invalid_utf8;
-  doc->text = std::move(cleaned);
-  *flags = f;
-  flags->invalid_utf8 |= repaired;
-  if (!doc->prompt.empty()) {
-    if (!clean_text(doc->prompt, o.clean, &cleaned, &f)) return flags->invalid_utf8 = true, Outcome::invalid_utf8;
-    doc->prompt = std::move(cleaned);
-    flags->invalid_utf8 |= f.invalid_utf8, flags->nul_bytes |= f.nul_bytes, flags->control_chars |= f.control_chars;
-  }
-  if (is_blank(doc->text)) return Outcome::empty;
-  if (o.sft && file.kind == InputKind::jsonl) doc->joined = doc->prompt + "\n" + doc->text;
-  if (!filter) return Outcome::kept;
-  switch (quality_check(doc->whole(), o.quality, measure)) {
+// The outcome of a quality rule.
+Outcome quality_outcome(QualityRule rule) {
+  switch (rule) {
     case QualityRule::pass:
       return Outcome::kept;
     case QualityRule::too_short:
@@ -260,6 +256,62 @@ Outcome decode(const InputFile& file, Record& record, const PrepareOptions& o, D
   return Outcome::kept;
 }
 
+// A conversation cleaned message by message; filters and dedup see "role\ncontent\n" per message.
+Outcome clean_conversation(const PrepareOptions& o, const ChatSetup* chat, Document* doc, CleanResult* flags) {
+  std::string cleaned;
+  bool blank = true;
+  for (ChatMessage& m : doc->messages) {
+    CleanResult f;
+    if (!clean_text(m.content, o.clean, &cleaned, &f)) return flags->invalid_utf8 = true, Outcome::invalid_utf8;
+    m.content = std::move(cleaned);
+    flags->invalid_utf8 |= f.invalid_utf8, flags->nul_bytes |= f.nul_bytes, flags->control_chars |= f.control_chars;
+    blank &= is_blank(m.content);
+    doc->joined += m.role + "\n" + m.content + "\n";
+  }
+  if (blank) return Outcome::empty;
+  if (chat && !chat->resolved) {
+    doc->no_template = true;
+    return Outcome::bad_chat;
+  }
+  std::string why;
+  if (chat && !validate_chat(chat->format, doc->messages, &why)) return Outcome::bad_chat;
+  return Outcome::kept;
+}
+
+// extract + clean + quality filters: the document as it will be tokenized, or why it is dropped.
+// filter: false in pass 2, which decodes only documents that passed every filter in pass 1. chat: the
+// template conversations are checked against (null: not checked, in the tokenizer-training pass).
+// measure: what a failing filter measured (for dropped.jsonl).
+Outcome decode(const InputFile& file, Record& record, const PrepareOptions& o, Document* doc, CleanResult* flags,
+               bool filter = true, const ChatSetup* chat = nullptr, QualityMeasure* measure = nullptr) {
+  *flags = CleanResult{};
+  bool repaired = false;
+  Outcome outcome = extract(file, record, o, doc, &repaired);
+  record.bytes = {};
+  if (outcome != Outcome::kept) return outcome;
+  if (!doc->messages.empty()) {
+    flags->invalid_utf8 = repaired;
+    outcome = clean_conversation(o, filter ? chat : nullptr, doc, flags);
+    if (outcome != Outcome::kept || !filter) return outcome;
+    return quality_outcome(quality_check(doc->whole(), o.quality, measure));
+  }
+  std::string cleaned;
+  CleanResult f;
+  if (!clean_text(doc->text, o.clean, &cleaned, &f)) return flags->invalid_utf8 = true, Outcome::invalid_utf8;
+  doc->text = std::move(cleaned);
+  *flags = f;
+  flags->invalid_utf8 |= repaired;
+  if (!doc->prompt.empty()) {
+    if (!clean_text(doc->prompt, o.clean, &cleaned, &f)) return flags->invalid_utf8 = true, Outcome::invalid_utf8;
+    doc->prompt = std::move(cleaned);
+    flags->invalid_utf8 |= f.invalid_utf8, flags->nul_bytes |= f.nul_bytes, flags->control_chars |= f.control_chars;
+  }
+  if (is_blank(doc->text)) return Outcome::empty;
+  if (o.sft && file.kind == InputKind::jsonl) doc->joined = doc->prompt + "\n" + doc->text;
+  if (!filter) return Outcome::kept;
+  return quality_outcome(quality_check(doc->whole(), o.quality, measure));
+}
+
 bool is_filter_outcome(Outcome o) {
   return o == Outcome::too_short || o == Outcome::too_long || o == Outcome::low_alpha || o == Outcome::repeated_lines;
 }
@@ -267,6 +319,7 @@ bool is_filter_outcome(Outcome o) {
 // The hash that exact dedup and the train/val split use. For SFT, the response hashed with the prompt's
 // hash as seed, so that moving text between prompt and response makes another record.
 uint64_t exact_hash(const Document& doc) {
+  if (!doc.messages.empty()) return XXH3_64bits(doc.joined.data(), doc.joined.size());
   if (doc.joined.empty()) return XXH3_64bits(doc.text.data(), doc.text.size());
   return XXH3_64bits_withSeed(doc.text.data(), doc.text.size(), XXH3_64bits(doc.prompt.data(), doc.prompt.size()));
 }
@@ -426,11 +479,12 @@ class DroppedList {
 // One split's shards: train-00000.bin, ... (train-r00001-00000.bin, ... for rank 1 of several).
 class SplitWriter {
  public:
-  SplitWriter(std::string dir, std::string name, uint32_t vocab_size, uint64_t shard_tokens, bool with_mask,
-              PrepareReport::Split* split)
+  SplitWriter(std::string dir, std::string name, uint32_t vocab_size, uint64_t fingerprint, uint64_t shard_tokens,
+              bool with_mask, PrepareReport::Split* split)
       : dir_(std::move(dir)),
         name_(std::move(name)),
         vocab_size_(vocab_size),
+        fingerprint_(fingerprint),
         shard_tokens_(shard_tokens),
         with_mask_(with_mask),
         split_(split) {}
@@ -441,7 +495,7 @@ class SplitWriter {
     if (!writer_) {
       char file[96];
       std::snprintf(file, sizeof file, "%s-%05zu%s", name_.c_str(), shards_, kShardExtension);
-      writer_ = std::make_unique<ShardWriter>((fs::path(dir_) / file).string(), vocab_size_, with_mask_);
+      writer_ = std::make_unique<ShardWriter>((fs::path(dir_) / file).string(), vocab_size_, with_mask_, fingerprint_);
       ++shards_;
     }
     if (with_mask_)
@@ -462,6 +516,7 @@ class SplitWriter {
  private:
   std::string dir_, name_;
   uint32_t vocab_size_;
+  uint64_t fingerprint_;
   uint64_t shard_tokens_;
   bool with_mask_;
   size_t shards_ = 0;
@@ -517,7 +572,8 @@ void train_tokenizer_on_inputs(const PrepareOptions& options, const std::vector<
                                int threads) {
   const std::string& model = options.tokenizer_path;
   if (!model.ends_with(".model"))
-    fail("prepare: --tokenizer ", model, ": with --train-tokenizer it must name the .model file to write");
+    fail("prepare: --tokenizer ", model, ": --train-tokenizer trains a sentencepiece model, and --tokenizer must name "
+         "the .model file to write (a Llama 3 tokenizer.json or tiktoken file is used as it is, not trained)");
   uint64_t total_bytes = 0;
   for (const InputFile& f : files) total_bytes += f.bytes;
   const double rate =
@@ -641,6 +697,7 @@ const char* outcome_name(Outcome outcome) {
     case Outcome::truncated: return "truncated";
     case Outcome::oversized: return "oversized";
     case Outcome::invalid_utf8: return "invalid_utf8";
+    case Outcome::bad_chat: return "bad_chat";
     case Outcome::empty: return "empty";
     case Outcome::too_short: return "too_short";
     case Outcome::too_long: return "too_long";
@@ -699,10 +756,25 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   comm.all_gather(nullptr, 0);
   report.tokenizer_trained = options.train_tokenizer;
   const Tokenizer tokenizer(options.tokenizer_path);
-  report.tokenizer_path = options.tokenizer_path;
+  report.tokenizer_path = tokenizer.path();
+  report.tokenizer_format = format_name(tokenizer.format());
+  report.tokenizer_fingerprint = tokenizer.fingerprint();
   report.vocab_size = tokenizer.vocab_size();
   report.bos_id = tokenizer.bos_id();
   report.eos_id = tokenizer.eos_id();
+  // SFT conversations: the chat format, named (refused here when unknown) or the model's own (a failure is
+  // reported at the first conversation, since a run of prompt/response records needs none).
+  ChatSetup chat;
+  if (options.sft) {
+    try {
+      chat.format = resolve_chat_format(tokenizer, options.chat_template);
+      chat.resolved = true;
+      report.chat_template = chat_format_name(chat.format);
+    } catch (const Error& e) {
+      if (options.chat_template != "auto") throw;
+      chat.error = e.what();
+    }
+  }
 
   const auto [first, last] = share_of(files, rank, ranks);
   uint64_t share_bytes = 0;
@@ -733,6 +805,7 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
     std::vector<uint64_t> exact, band_hashes;
     std::vector<uint8_t> sketches;
     std::vector<uint8_t> has_bands;
+    std::vector<uint8_t> no_template;
     uint64_t text_bytes = 0;
     while (reader.next(batch)) {
       for (const Record& record : batch) text_bytes += record.bytes.size();
@@ -741,18 +814,22 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
       flags.assign(n, CleanResult{});
       exact.assign(n, 0);
       has_bands.assign(n, 0);
+      no_template.assign(n, 0);
       band_hashes.resize(n * static_cast<size_t>(bands));
       sketches.resize(n * sketch_bytes);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
       for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
         Document doc;
-        outcomes[i] = decode(files[batch[i].file], batch[i], options, &doc, &flags[i]);
+        outcomes[i] = decode(files[batch[i].file], batch[i], options, &doc, &flags[i], /*filter=*/true, &chat);
+        no_template[i] = doc.no_template;
         if (outcomes[i] != Outcome::kept || !dedup) continue;
         exact[i] = exact_hash(doc);
         if (options.near_dedup)
           has_bands[i] = hasher.band_hashes(doc.whole(), &band_hashes[i * bands], verify ? &sketches[i * sketch_bytes] : nullptr);
       }
       for (size_t i = 0; i < n; ++i) {
+        if (no_template[i])
+          fail("prepare: ", where(files, batch[i]), " is a conversation (\"messages\"), but ", chat.error);
         ++report.documents_read;
         if (flags[i].invalid_utf8 && outcomes[i] != Outcome::invalid_utf8) report.repaired_utf8.add(where(files, batch[i]));
         if (flags[i].nul_bytes) report.removed_nul.add(where(files, batch[i]));
@@ -801,8 +878,10 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   const uint32_t vocab = static_cast<uint32_t>(tokenizer.vocab_size());
   char prefix[16] = "";
   if (ranks > 1) std::snprintf(prefix, sizeof prefix, "-r%05d", rank);
-  SplitWriter train(options.out_dir, str("train", prefix), vocab, options.shard_tokens, options.sft, &report.train);
-  SplitWriter val(options.out_dir, str("val", prefix), vocab, options.shard_tokens, options.sft, &report.val);
+  const uint64_t fingerprint = tokenizer.fingerprint();
+  SplitWriter train(options.out_dir, str("train", prefix), vocab, fingerprint, options.shard_tokens, options.sft,
+                    &report.train);
+  SplitWriter val(options.out_dir, str("val", prefix), vocab, fingerprint, options.shard_tokens, options.sft, &report.val);
   {
     RecordReader records(files, first, last, options, nullptr);
     Prefetcher reader(records);
@@ -833,7 +912,8 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
         t.outcome = fate[next + i];
         Document doc;
         CleanResult flags;
-        if (is_filter_outcome(t.outcome)) decode(files[batch[i].file], batch[i], options, &doc, &flags, true, &t.measure);
+        if (is_filter_outcome(t.outcome))
+          decode(files[batch[i].file], batch[i], options, &doc, &flags, /*filter=*/true, &chat, &t.measure);
         if (t.outcome != Outcome::kept) continue;
         if (decode(files[batch[i].file], batch[i], options, &doc, &flags, /*filter=*/false) != Outcome::kept) {
           t.outcome = Outcome::count_;  // pass 1 kept it: the file changed under us
@@ -841,6 +921,15 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
         }
         t.hash = exact_hash(doc);
         try {
+          if (!doc.messages.empty()) {
+            RenderedChat chat_tokens;
+            std::string why;
+            if (!render_chat(encoder, tokenizer, chat.format, doc.messages, &chat_tokens, &why))
+              throw Error(why);
+            t.tokens = std::move(chat_tokens.tokens);
+            t.mask = std::move(chat_tokens.mask);
+            continue;
+          }
           if (tokenizer.bos_id() >= 0) t.tokens.push_back(tokenizer.bos_id());
           if (!doc.prompt.empty()) encoder.encode(doc.prompt, &t.tokens);
           const size_t prompt_end = t.tokens.size();
@@ -902,6 +991,12 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   return merged;
 }
 
+static std::string fingerprint_hex(uint64_t fingerprint) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(fingerprint));
+  return buf;
+}
+
 nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
   auto tally = [](const Tally& t) { return nlohmann::json{{"count", t.count}, {"first", t.first}}; };
   auto split = [](const PrepareReport::Split& s) {
@@ -928,6 +1023,9 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
       {"val", split(r.val)},
       {"tokenizer",
        {{"path", r.tokenizer_path},
+        {"format", r.tokenizer_format},
+        {"fingerprint", fingerprint_hex(r.tokenizer_fingerprint)},
+        {"chat_template", r.chat_template},
         {"trained", r.tokenizer_trained},
         {"vocab_size", r.vocab_size},
         {"bos_id", r.bos_id},
@@ -941,6 +1039,7 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
         {"val_fraction", o.val_fraction},
         {"text_field", o.text_field},
         {"sft", o.sft},
+        {"chat_template", o.chat_template},
         {"prompt_field", o.prompt_field},
         {"response_field", o.response_field},
         {"max_document_bytes", o.max_document_bytes},
@@ -1003,6 +1102,9 @@ PrepareReport report_from_json(const nlohmann::json& j) {
     const auto& tok = j.at("tokenizer");
     r.tokenizer_path = tok.at("path").get<std::string>();
     r.tokenizer_trained = tok.at("trained").get<bool>();
+    r.tokenizer_format = tok.at("format").get<std::string>();
+    r.tokenizer_fingerprint = std::stoull(tok.at("fingerprint").get<std::string>(), nullptr, 16);
+    r.chat_template = tok.at("chat_template").get<std::string>();
     r.vocab_size = tok.at("vocab_size").get<int32_t>();
     r.bos_id = tok.at("bos_id").get<int32_t>();
     r.eos_id = tok.at("eos_id").get<int32_t>();
@@ -1054,8 +1156,8 @@ std::string report_summary(const PrepareReport& r) {
   out += str("        val   ", r.val.tokens, " in ", shards(r.val), "\n");
   char secs[32];
   std::snprintf(secs, sizeof secs, "%.1f", r.seconds);
-  out += str("tokenizer: ", r.tokenizer_path, r.tokenizer_trained ? " (trained)" : "", ", vocab ", r.vocab_size,
-             ", bos ", r.bos_id, ", eos ", r.eos_id, "; near duplicates: Jaccard >= ", r.near_verify, " (LSH ~",
+  out += str("tokenizer: ", r.tokenizer_path, r.tokenizer_trained ? " (trained)" : "", " (", r.tokenizer_format, "), vocab ",
+             r.vocab_size, ", bos ", r.bos_id, ", eos ", r.eos_id, "; near duplicates: Jaccard >= ", r.near_verify, " (LSH ~",
              std::round(r.lsh_threshold * 100) / 100, "); ", r.ranks,
              " rank(s) x ", r.threads, " thread(s); ", secs, " s\n");
   return out;

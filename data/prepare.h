@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "data/chat_template.h"
 #include "data/clean.h"
 #include "data/dedup.h"
 #include "data/prepare_comm.h"
@@ -34,9 +35,11 @@ namespace tuna {
 
 struct PrepareOptions {
   std::vector<std::string> inputs;  // files or directories (searched recursively)
-  std::string tokenizer_path;       // sentencepiece .model to read (or to write with train_tokenizer)
+  // A tokenizer file of any format, or a model directory holding one (data/tokenizer.h); with
+  // train_tokenizer, the sentencepiece .model file to write.
+  std::string tokenizer_path;
   std::string out_dir;
-  bool train_tokenizer = false;  // train tokenizer_path on the inputs first (also writes its .vocab)
+  bool train_tokenizer = false;  // train a sentencepiece tokenizer_path on the inputs first (also writes its .vocab)
   int vocab_size = 32000;        // of the tokenizer to train
   TokenizerTrainOptions tokenizer_options;
   // Text handed to tokenizer training: documents are sampled (by a hash, so repeatably) at the rate that
@@ -44,10 +47,12 @@ struct PrepareOptions {
   uint64_t tokenizer_sample_bytes = uint64_t{1} << 30;
   double val_fraction = 0.05;
   std::string text_field = "text";  // JSONL field holding the document
-  // SFT: JSONL records hold prompt_field and response_field; the shards carry a loss mask (response only).
-  // Plain-text inputs of an SFT run train on every token.
+  // SFT: JSONL records hold prompt_field and response_field, or a "messages" list of {role, content}
+  // rendered through the model's chat template (data/chat_template.h); the shards carry a loss mask
+  // (response, or assistant turns, only). Plain-text inputs of an SFT run train on every token.
   bool sft = false;
   std::string prompt_field = "prompt", response_field = "response";
+  std::string chat_template = "auto";  // llama3 | llama2 | auto (the model's, see resolve_chat_format)
   uint64_t max_document_bytes = uint64_t{64} << 20;  // a longer line or file is counted 'oversized', skipped
   // Inside an input directory, follow symbolic links that lead out of it or to a directory (data/input.h).
   bool follow_symlinks = false;
@@ -92,10 +97,11 @@ enum class Outcome : uint8_t {
   kept,
   // malformed
   malformed_json,  // a JSONL line that does not parse
-  missing_field,   // parses, but lacks the text field (or, for SFT, prompt or response) as a string
+  missing_field,   // parses, but lacks the text field (or, for SFT, prompt and response or messages) as strings
   truncated,       // cut short by a damaged compressed file
   oversized,       // longer than max_document_bytes (a 100 MB line)
   invalid_utf8,    // invalid UTF-8 with clean.drop_invalid_utf8
+  bad_chat,        // SFT messages the chat template cannot render (a role it does not know, turns out of order)
   // filtered
   empty,           // nothing left after cleaning
   too_short,
@@ -134,7 +140,10 @@ struct PrepareReport {
   };
   Split train, val;
   // Tokenizer.
-  std::string tokenizer_path;
+  std::string tokenizer_path;  // the file read
+  std::string tokenizer_format;
+  uint64_t tokenizer_fingerprint = 0;
+  std::string chat_template;  // SFT runs: the format conversations were rendered with
   bool tokenizer_trained = false;
   int32_t vocab_size = 0, bos_id = -1, eos_id = -1;
   int ranks = 1, threads = 1;

@@ -14,6 +14,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/file.h"
 
 namespace tuna {
 
@@ -80,11 +81,12 @@ uint32_t shard_token_width(uint32_t vocab_size) { return vocab_size <= 65536 ? 2
 // ---------------------------------------------------------------------------------------------------
 // ShardWriter
 
-ShardWriter::ShardWriter(std::string path, uint32_t vocab_size, bool with_mask)
+ShardWriter::ShardWriter(std::string path, uint32_t vocab_size, bool with_mask, uint64_t tokenizer_fingerprint)
     : path_(std::move(path)),
       vocab_size_(vocab_size),
       width_(shard_token_width(vocab_size)),
-      with_mask_(with_mask) {
+      with_mask_(with_mask),
+      fingerprint_(tokenizer_fingerprint) {
   if (vocab_size == 0) fail("shard ", path_, ": vocab_size must be at least 1, found 0");
   std::string tmp = path_ + ".tmp";
   out_ = std::fopen(tmp.c_str(), "wb");
@@ -196,6 +198,7 @@ void ShardWriter::finish() {
   put<uint32_t>(header + 20, vocab_size_);
   put<uint64_t>(header + 24, token_count());
   put<uint64_t>(header + 32, document_count());
+  put<uint64_t>(header + 40, fingerprint_);
   if (std::fseek(out_, 0, SEEK_SET) != 0) fail("shard ", path_, ": seek failed: ", errno_text());
   write_all(out_, header, sizeof header, path_);
   if (std::fflush(out_) != 0 || ::fsync(fileno(out_)) != 0)
@@ -215,15 +218,8 @@ void ShardWriter::finish() {
 // ShardReader
 
 ShardReader::ShardReader(std::string path) : path_(std::move(path)) {
-  int fd = ::open(path_.c_str(), O_RDONLY);
-  if (fd < 0) fail("shard ", path_, ": cannot open: ", errno_text());
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    std::string why = errno_text();
-    ::close(fd);
-    fail("shard ", path_, ": cannot stat: ", why);
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  uint64_t size = 0;
+  const int fd = open_regular_file(path_, "token shard", &size);  // a FIFO would block forever: refused by name
   if (size < kShardHeaderBytes) {
     ::close(fd);
     fail("shard ", path_, ": file is too short to be a shard: ", size, " bytes, the header alone is ",
@@ -248,9 +244,11 @@ ShardReader::ShardReader(std::string path) : path_(std::move(path)) {
     header_.vocab_size = get<uint32_t>(base + 20);
     header_.token_count = get<uint64_t>(base + 24);
     header_.document_count = get<uint64_t>(base + 32);
-    if (header_.version != kShardVersion)
-      fail("shard ", path_, ": unsupported format version ", header_.version, " (this build reads version ",
-           kShardVersion, ")");
+    if (header_.version < kOldestShardVersion || header_.version > kShardVersion)
+      fail("shard ", path_, ": unsupported format version ", header_.version, " (this build reads versions ",
+           kOldestShardVersion, " to ", kShardVersion, ")");
+    // Version 1 reserved these bytes (zeros): its fingerprint reads as 0, unknown.
+    header_.tokenizer_fingerprint = header_.version >= 2 ? get<uint64_t>(base + 40) : 0;
     if (header_.token_width != 2 && header_.token_width != 4)
       fail("shard ", path_, ": bad token width: expected 2 or 4 bytes, found ", header_.token_width);
     if (header_.flags & ~kShardFlagLossMask)

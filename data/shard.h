@@ -4,13 +4,15 @@
 //
 //   offset  size                     field
 //   0       8                        magic "TUNATOKS"
-//   8       4  u32                   format version, 1
+//   8       4  u32                   format version: 2 (version 1 is read too; it has no fingerprint)
 //   12      4  u32                   token width in bytes: 2 (uint16 tokens) or 4 (uint32 tokens)
 //   16      4  u32                   flags; bit 0 = the shard carries a loss mask; other bits are 0
 //   20      4  u32                   vocab_size of the tokenizer that wrote it (every token is below it)
 //   24      8  u64                   token_count
 //   32      8  u64                   document_count
-//   40      24                       reserved, zeros
+//   40      8  u64                   fingerprint of the tokenizer that wrote it (Tokenizer::fingerprint, an
+//                                    XXH3-64 of its vocabulary); 0: unknown (version 1, or written without one)
+//   48      16                       reserved, zeros
 //   64      token_count * width      tokens, every document back to back (BOS ... EOS as prepare writes them)
 //           0..7                     zeros, so that the next section starts at a multiple of 8
 //           (document_count + 1) * 8 document start offsets, u64, in tokens: first 0, non-decreasing,
@@ -23,7 +25,8 @@
 // come first so the hot data is one contiguous mmapped array at a 64-byte offset (aligned for any width);
 // uint16 halves the bytes of every vocabulary up to 65536 (LLaMA-2's 32000); the document index lets the
 // loader and tools find boundaries without scanning for EOS; the mask lives apart from the tokens so
-// pretraining shards pay nothing for it.
+// pretraining shards pay nothing for it. Version 2 added the fingerprint so that the trainer can refuse shards
+// of another tokenizer with the same vocabulary size (version 1 caught only a larger one).
 #pragma once
 
 #include <cstdint>
@@ -36,7 +39,8 @@
 namespace tuna {
 
 inline constexpr char kShardMagic[8] = {'T', 'U', 'N', 'A', 'T', 'O', 'K', 'S'};
-inline constexpr uint32_t kShardVersion = 1;
+inline constexpr uint32_t kShardVersion = 2;  // what ShardWriter writes
+inline constexpr uint32_t kOldestShardVersion = 1;
 inline constexpr uint64_t kShardHeaderBytes = 64;
 inline constexpr uint32_t kShardFlagLossMask = 1u << 0;
 inline constexpr const char* kShardExtension = ".bin";
@@ -49,6 +53,7 @@ struct ShardHeader {
   uint32_t vocab_size = 0;
   uint64_t token_count = 0;
   uint64_t document_count = 0;
+  uint64_t tokenizer_fingerprint = 0;  // 0: unknown
 };
 
 // Token width a shard of this vocabulary uses: 2 when every id fits in uint16 (vocab_size <= 65536), else 4.
@@ -61,8 +66,9 @@ uint32_t shard_token_width(uint32_t vocab_size);
 // Destroying an unfinished writer removes its temporary files.
 class ShardWriter {
  public:
-  // with_mask: the shard carries a loss mask, and every add_document must pass one.
-  ShardWriter(std::string path, uint32_t vocab_size, bool with_mask = false);
+  // with_mask: the shard carries a loss mask, and every add_document must pass one. tokenizer_fingerprint:
+  // Tokenizer::fingerprint() of the tokenizer that made the tokens (0: unknown).
+  ShardWriter(std::string path, uint32_t vocab_size, bool with_mask = false, uint64_t tokenizer_fingerprint = 0);
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
@@ -90,6 +96,7 @@ class ShardWriter {
   uint32_t vocab_size_;
   uint32_t width_;
   bool with_mask_;
+  uint64_t fingerprint_;
   bool finished_ = false;
   std::FILE* out_ = nullptr;     // path.tmp: header placeholder, then tokens
   std::FILE* mask_ = nullptr;    // path.mask.tmp
@@ -112,6 +119,7 @@ class ShardReader {
   const std::string& path() const { return path_; }
   const ShardHeader& header() const { return header_; }
   uint32_t vocab_size() const { return header_.vocab_size; }
+  uint64_t tokenizer_fingerprint() const { return header_.tokenizer_fingerprint; }  // 0: unknown
   uint32_t token_width() const { return header_.token_width; }
   uint64_t token_count() const { return header_.token_count; }
   uint64_t document_count() const { return header_.document_count; }

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/memory.h"
 
 namespace tuna {
 
@@ -56,10 +57,12 @@ Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* 
   for (const Segment& s : segments_) unit_shard_offset_.push_back(shard_size_), shard_size_ += s.size;
   for (int u = 0; u < layout_.num_units(); u++)
     max_unit_ = std::max(max_unit_, layout_.unit_range(u).second - layout_.unit_range(u).first);
-  if (stage_ >= 1) {
-    master_.assign(shard_size_, 0.0f);
-    grad_shard_.assign(shard_size_, 0.0f);
-  }
+  if (stage_ >= 1)
+    allocate_host(str("ZeRO-", stage_, "'s master weights and gradient shard (", shard_size_, " parameters, fp32)"),
+                  uint64_t(shard_size_) * 2 * sizeof(float), [&] {
+                    master_.assign(shard_size_, 0.0f);
+                    grad_shard_.assign(shard_size_, 0.0f);
+                  });
   if (stage_ >= 1 && stage_ <= 2) {
     for (size_t i = 0; i < segments_.size(); i++)
       std::copy_n(model_.params.data() + segments_[i].begin, segments_[i].size, master_.data() + unit_shard_offset_[i]);
@@ -136,6 +139,9 @@ StepResult Zero::finish_step(const LossSum& local, double lr) {
   }
   r.stats.grad_norm = global_norm(grads) * loss_scale;
   r.stats.clip_scale = clip_scale(optimizer_.config(), r.stats.grad_norm);
+  // Not finite: no update, and the weights (hence any gathered copy of them) stay as they are.
+  r.stats.applied = step_is_finite(r.loss, r.tokens, r.stats.grad_norm);
+  if (!r.stats.applied) return r;
   optimizer_.update(params, grads, loss_scale * r.stats.clip_scale, lr);
   if (stage_ == 1 || stage_ == 2) gather_params_from_master();
   if (stage_ == 3)

@@ -4,11 +4,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
+#include <cstring>
 #include <fstream>
 #include <set>
 #include <vector>
 
 #include "core/error.h"
+#include "core/file.h"
+#include "core/json.h"
+#include "core/memory.h"
+#include "dist/comm.h"
 #include "model/optimizer.h"
 #include "model/safetensors.h"
 
@@ -17,10 +23,11 @@ namespace tuna {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-const char* const kTokenizerFiles[] = {"tokenizer.model",         "tokenizer.json", "tokenizer_config.json",
-                                       "special_tokens_map.json", "generation_config.json", nullptr};
 
 namespace {
+
+// Steps and update counts are bounded far beyond any run, so that sums and products of them never overflow.
+constexpr int64_t kMaxStep = int64_t{1} << 62;
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -34,7 +41,7 @@ void fsync_path(const fs::path& p, bool directory) {
   if (rc != 0) fail(p.string(), ": fsync failed");
 }
 
-void write_text_file(const fs::path& p, const std::string& text) {
+FileDigest write_text_file(const fs::path& p, const std::string& text) {
   {
     std::ofstream out(p, std::ios::binary | std::ios::trunc);
     if (!out) fail(p.string(), ": cannot create file");
@@ -43,6 +50,9 @@ void write_text_file(const fs::path& p, const std::string& text) {
     if (!out) fail(p.string(), ": write failed (disk full?)");
   }
   fsync_path(p, false);
+  Checksum sum;
+  sum.update(text.data(), text.size());
+  return sum.digest();
 }
 
 std::string step_dir_name(int64_t step) {
@@ -51,46 +61,112 @@ std::string step_dir_name(int64_t step) {
   return buf;
 }
 
-// step_* directories under root sorted by step, complete ones only.
-std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& root) {
-  std::vector<std::pair<int64_t, fs::path>> found;
-  if (!fs::is_directory(root)) return found;
-  for (const fs::directory_entry& e : fs::directory_iterator(root)) {
-    const std::string name = e.path().filename().string();
-    if (!e.is_directory() || name.rfind("step_", 0) != 0) continue;
-    const std::string digits = name.substr(5);
-    if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) continue;
-    if (!fs::exists(e.path() / "state.json")) continue;
-    found.emplace_back(std::stoll(digits), e.path());
-  }
-  std::sort(found.begin(), found.end());
-  return found;
-}
-
-}  // namespace
-
-json read_config_json(const fs::path& dir) {
-  const fs::path p = dir / "config.json";
-  std::ifstream in(p);
-  if (!in) fail(p.string(), ": cannot open (a model directory needs config.json)");
-  try {
-    return json::parse(in);
-  } catch (const json::parse_error& e) {
-    fail(p.string(), ": not valid JSON: ", e.what());
-  }
-}
-
-namespace {
-
 std::string rank_file_name(int rank) {
   char buf[40];
   std::snprintf(buf, sizeof buf, "rank_%05d.safetensors", rank);
   return buf;
 }
 
+// Each rank's file digest travels to rank 0 (which writes the manifest) in a small file beside it.
+std::string digest_note_name(int rank) { return "." + rank_file_name(rank) + ".digest"; }
+
+// An integer metadata value of a safetensors file (all digits, in [0, kMaxStep]).
+int64_t metadata_int(const SafetensorsFile& f, const char* key) {
+  auto it = f.metadata().find(key);
+  if (it == f.metadata().end()) fail(f.path().string(), ": metadata '", key, "' is missing");
+  const std::string& text = it->second;
+  int64_t value = -1;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value < 0 || value > kMaxStep)
+    fail(f.path().string(), ": metadata '", key, "': expected an integer in [0, 2^62], found '", text, "'");
+  return value;
+}
+
+// A JSON array of dimensions, each an integer in [1, 2^48] (a 0 would divide by zero in the placement below).
+std::vector<int64_t> json_dims(const json& piece, const char* key, const std::string& where) {
+  auto it = piece.find(key);
+  if (it == piece.end() || !it->is_array() || it->empty() || it->size() > 2)
+    fail(where, ": field '", key, "': expected an array of 1 or 2 dimensions, found ",
+         it == piece.end() ? std::string("nothing") : it->dump());
+  std::vector<int64_t> dims;
+  for (size_t d = 0; d < it->size(); d++) {
+    json holder = {{"dim", (*it)[d]}};
+    dims.push_back(json_int(holder, "dim", str(where, ": field '", key, "' element ", d), 1, int64_t{1} << 48));
+  }
+  return dims;
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;  // bounded by the config's limits (model/config.cpp)
+  return n;
+}
+
+// The name of the tensor that holds element i of the shard order of `segments` (for error messages).
+std::string tensor_at(const ParamLayout& layout, const std::vector<Segment>& segments, int64_t i) {
+  for (const Segment& seg : segments) {
+    if (i < seg.size) {
+      const int64_t flat = seg.begin + i;
+      for (const ParamTensor& t : layout.tensors())
+        if (flat >= t.offset && flat < t.offset + t.numel) return str("'", t.name, "' element ", flat - t.offset);
+      return str("flat element ", flat);
+    }
+    i -= seg.size;
+  }
+  return "?";
+}
+
+// A checkpoint written from NaN or inf would be the only one the rotation keeps: refuse to write it.
+void require_finite_state(const std::string& checkpoint, const char* what, const float* data, int64_t n,
+                          const ParamLayout& layout, const std::vector<Segment>& segments) {
+  if (!data) return;
+  const int64_t bad = first_non_finite(data, DType::F32, n);
+  if (bad >= 0)
+    fail("refusing to write ", checkpoint, ": ", what, " ", tensor_at(layout, segments, bad), " is ", data[bad],
+         " (the run diverged; the checkpoints already written are kept)");
+}
+
+}  // namespace
+
+int64_t checkpoint_step(const fs::path& dir) {
+  const std::string name = dir.filename().string();
+  if (name.size() < 6 || name.rfind("step_", 0) != 0) return -1;
+  int64_t step = -1;
+  auto [end, ec] = std::from_chars(name.data() + 5, name.data() + name.size(), step);
+  if (ec != std::errc() || end != name.data() + name.size() || step < 0 || step > kMaxStep) return -1;
+  return name == step_dir_name(step) ? step : -1;
+}
+
+std::vector<fs::path> list_checkpoints(const fs::path& root) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return {};
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path& p = it->path();
+    const int64_t step = checkpoint_step(p);
+    std::error_code kind;
+    if (step < 0 || !it->is_directory(kind) || !fs::is_regular_file(p / "state.json", kind)) continue;
+    found.emplace_back(step, p);
+  }
+  if (ec) fail(root.string(), ": cannot list the checkpoints: ", ec.message());
+  std::sort(found.begin(), found.end());
+  std::vector<fs::path> out;
+  for (auto& [step, p] : found) out.push_back(p);
+  return out;
+}
+
+json read_config_json(const fs::path& dir) {
+  return read_json_file(dir / "config.json", "model config (a model directory needs config.json)");
+}
+
+namespace {
+
 // Elements of global tensors out of a model directory: a Hugging Face download or a tuna checkpoint
 // (model.safetensors / optimizer.safetensors, or the pieces of every rank file, see checkpoint.h). Only the
-// bytes asked for are read from the mapped files.
+// bytes asked for are read from the mapped files, and only they are checked to be finite. Every piece's
+// metadata is checked against
+// the model before one element is placed: a piece that would land outside its tensor, overlap another or
+// leave a hole is an error naming the rank file.
 class GlobalTensorReader {
  public:
   explicit GlobalTensorReader(const fs::path& dir) : dir_(dir) {
@@ -99,11 +175,10 @@ class GlobalTensorReader {
       RankFile f{SafetensorsFile(dir / rank_file_name(r)), json()};
       auto it = f.file.metadata().find("pieces");
       if (it == f.file.metadata().end()) fail(f.file.path().string(), ": metadata 'pieces' is missing");
-      try {
-        f.pieces = json::parse(it->second);
-      } catch (const json::parse_error& e) {
-        fail(f.file.path().string(), ": metadata 'pieces' is not valid JSON: ", e.what());
-      }
+      f.pieces = parse_json(it->second, f.file.path().string() + ": metadata 'pieces'");
+      if (!f.pieces.is_object())
+        fail(f.file.path().string(), ": metadata 'pieces': expected an object (tensor name -> piece), found ",
+             f.pieces.type_name());
       ranks_.push_back(std::move(f));
     }
   }
@@ -138,35 +213,49 @@ class GlobalTensorReader {
              dtype_name(info->dtype));
       convert_to_f32(file->data(*info) + begin * static_cast<int64_t>(dtype_size(info->dtype)), info->dtype, out,
                      count);
+      const int64_t bad = first_non_finite(out, DType::F32, count);
+      if (bad >= 0)
+        fail("tensor '", name, "' in ", file->path().string(), ": element ", begin + bad, " is ", out[bad],
+             " (weights and optimizer state must be finite; the checkpoint is damaged or was saved from a diverged "
+             "run)");
       return;
     }
-    // Sharded: the elements of every rank file's piece that fall in the range.
+    // Sharded: the elements of every rank file's piece that fall in the range, each placed once.
     const int64_t end = begin + count;
+    std::vector<bool> placed(count, false);
     int64_t covered = 0;
     for (const RankFile& f : ranks_) {
-      if (!f.pieces.contains(t.name)) continue;
-      const json& p = f.pieces[t.name];
-      const std::vector<int64_t> global_shape = p.at("global_shape").get<std::vector<int64_t>>();
-      if (global_shape != t.global_shape)
-        fail(f.file.path().string(), ": tensor '", t.name, "' has global shape ", json(global_shape).dump(),
-             ", the model's config.json says ", json(t.global_shape).dump());
-      const int split_dim = p.at("split_dim").get<int>();
-      const int64_t split_begin = p.at("split_begin").get<int64_t>(), piece_begin = p.at("begin").get<int64_t>();
-      const std::vector<int64_t> shape = p.at("shape").get<std::vector<int64_t>>();
+      auto entry = f.pieces.find(t.name);
+      if (entry == f.pieces.end()) continue;
+      const std::string where = str(f.file.path().string(), ": metadata 'pieces' of '", t.name, "'");
       const TensorInfo* info = f.file.find(prefix + t.name);
       if (!info || info->dtype != DType::F32 || info->shape.size() != 1)
         fail(f.file.path().string(), ": piece '", prefix + t.name, "' is missing or not a 1-D float32 tensor");
-      const int64_t n = info->shape[0];
+      const Piece p = parse_piece(*entry, t, where, info->shape[0]);
       const float* src = reinterpret_cast<const float*>(f.file.data(*info));
-      const int64_t cols = shape.size() == 2 ? shape[1] : 1, gcols = global_shape.size() == 2 ? global_shape[1] : 1;
+      const int64_t cols = p.shape.size() == 2 ? p.shape[1] : 1;
+      const int64_t gcols = t.global_shape.size() == 2 ? t.global_shape[1] : 1;
       const auto global = [&](int64_t i) {
-        const int64_t e = piece_begin + i, row = e / cols, col = e % cols;
-        return split_dim < 0 ? e : split_dim == 0 ? (split_begin + row) * cols + col : row * gcols + split_begin + col;
+        const int64_t e = p.begin + i, row = e / cols, col = e % cols;
+        return p.split_dim < 0    ? e
+               : p.split_dim == 0 ? (p.split_begin + row) * cols + col
+                                  : row * gcols + p.split_begin + col;
       };
-      if (n == 0 || global(n - 1) < begin || global(0) >= end) continue;  // global() grows with i
-      for (int64_t i = 0; i < n; i++) {
+      if (p.n == 0 || global(p.n - 1) < begin || global(0) >= end) continue;  // global() grows with i
+      for (int64_t i = 0; i < p.n; i++) {
         const int64_t g = global(i);
-        if (g >= begin && g < end) out[g - begin] = src[i], covered++;
+        if (g < begin || g >= end) continue;
+        if (placed[g - begin])
+          fail(where, ": global element ", g, " is also in another piece (the rank files overlap: from different runs?)");
+        placed[g - begin] = true;
+        float value;
+        std::memcpy(&value, src + i, sizeof(float));  // the mapping is only as aligned as its writer made it
+        if (!std::isfinite(value))
+          fail("tensor '", prefix + t.name, "' in ", f.file.path().string(), ": element ", i, " is ", value,
+               " (weights and optimizer state must be finite; the checkpoint is damaged or was saved from a diverged "
+               "run)");
+        out[g - begin] = value;
+        covered++;
       }
     }
     if (covered != count)
@@ -190,18 +279,51 @@ class GlobalTensorReader {
     }
   }
 
+  // AdamW's update count: every rank file must say the same.
   int64_t steps_taken() {
-    const SafetensorsFile& f = sharded() ? ranks_[0].file : optimizer_file();
-    auto it = f.metadata().find("steps_taken");
-    if (it == f.metadata().end()) fail(f.path().string(), ": metadata 'steps_taken' is missing");
-    try {
-      return std::stoll(it->second);
-    } catch (const std::exception&) {
-      fail(f.path().string(), ": metadata 'steps_taken': expected an integer, found '", it->second, "'");
-    }
+    if (!sharded()) return metadata_int(optimizer_file(), "steps_taken");
+    const int64_t steps = metadata_int(ranks_[0].file, "steps_taken");
+    for (const RankFile& f : ranks_)
+      if (metadata_int(f.file, "steps_taken") != steps)
+        fail(f.file.path().string(), ": metadata 'steps_taken' is ", metadata_int(f.file, "steps_taken"), ", ",
+             ranks_[0].file.path().string(), " says ", steps, " (rank files of different steps)");
+    return steps;
   }
 
  private:
+  // Where a piece of n elements sits: elements [begin, begin + n) of the block `shape` of the global tensor,
+  // the block starting at split_begin along split_dim (-1: the block is the whole tensor).
+  struct Piece {
+    int split_dim;
+    int64_t split_begin, begin, n;
+    std::vector<int64_t> shape;
+  };
+  static Piece parse_piece(const json& j, const ParamTensor& t, const std::string& where, int64_t n) {
+    if (!j.is_object()) fail(where, ": expected an object, found ", j.type_name());
+    const std::vector<int64_t> global_shape = json_dims(j, "global_shape", where);
+    if (global_shape != t.global_shape)
+      fail(where, ": global shape ", json(global_shape).dump(), ", the model's config.json says ",
+           json(t.global_shape).dump());
+    const int rank = static_cast<int>(global_shape.size());
+    Piece p;
+    p.split_dim = static_cast<int>(json_int(j, "split_dim", where, -1, rank - 1));
+    p.shape = json_dims(j, "shape", where);
+    if (static_cast<int>(p.shape.size()) != rank)
+      fail(where, ": shape ", json(p.shape).dump(), " has another rank than the global shape ", json(global_shape).dump());
+    for (int d = 0; d < rank; d++)
+      if (d == p.split_dim ? p.shape[d] > global_shape[d] : p.shape[d] != global_shape[d])
+        fail(where, ": shape ", json(p.shape).dump(), " is not a block of the global shape ", json(global_shape).dump(),
+             " split along dimension ", p.split_dim);
+    const int64_t room = p.split_dim < 0 ? 0 : global_shape[p.split_dim] - p.shape[p.split_dim];
+    p.split_begin = json_int(j, "split_begin", where, 0, room);
+    const int64_t block = numel_of(p.shape);
+    p.begin = json_int(j, "begin", where, 0, block);
+    p.n = n;
+    if (n > block - p.begin)
+      fail(where, ": ", n, " elements from element ", p.begin, " run past the ", block, "-element block");
+    return p;
+  }
+
   const SafetensorsFile& optimizer_file() {
     if (!optimizer_) {
       const fs::path p = dir_ / "optimizer.safetensors";
@@ -242,11 +364,18 @@ StateSink in_segment_order(const std::vector<Segment>& segments, F&& f) {
   };
 }
 
-// Runs `export_state` into `append` and checks that it handed out every one of `segments`.
-void export_all(const StateExport& export_state, const std::vector<Segment>& segments,
+// Runs `export_state` into f and checks that it handed out every one of `segments`, each piece finite (a checkpoint
+// written from NaN or inf would be the only one the rotation keeps: `checkpoint` is refused, before its files are
+// complete, naming the element).
+void export_all(const std::string& checkpoint, const ParamLayout& layout, const StateExport& export_state,
+                const std::vector<Segment>& segments,
                 const std::function<void(const Segment&, const float*, const float*, const float*)>& f) {
   size_t handed = 0;
   export_state(in_segment_order(segments, [&](const Segment& seg, const float* p, const float* m, const float* v) {
+    const std::vector<Segment> piece{seg};
+    require_finite_state(checkpoint, "weight", p, seg.size, layout, piece);
+    require_finite_state(checkpoint, "AdamW first moment", m, seg.size, layout, piece);
+    require_finite_state(checkpoint, "AdamW second moment", v, seg.size, layout, piece);
     f(seg, p, m, v);
     handed++;
   }));
@@ -275,7 +404,10 @@ void WeightReader::read(const Segment& piece, float* out) {
   });
 }
 
-bool is_sharded_checkpoint(const fs::path& dir) { return fs::exists(dir / rank_file_name(0)); }
+bool is_sharded_checkpoint(const fs::path& dir) {
+  std::error_code ec;
+  return fs::exists(dir / rank_file_name(0), ec);
+}
 
 void load_weights(const fs::path& dir, const ParamLayout& layout, float* params) {
   WeightReader(dir, layout).read(Segment{0, layout.total()}, params);
@@ -283,6 +415,7 @@ void load_weights(const fs::path& dir, const ParamLayout& layout, float* params)
 
 void write_checkpoint_shard(const fs::path& tmp_dir, int rank, const ParamLayout& layout, const ShardState& s) {
   TUNA_CHECK(s.segments && s.export_state, "checkpoint shard incomplete");
+  const std::string file = (tmp_dir / rank_file_name(rank)).string();
   SafetensorsWriter w;
   json pieces = json::object();
   const auto tensors_written = [&](const Segment& seg, auto&& f) {
@@ -302,17 +435,30 @@ void write_checkpoint_shard(const fs::path& tmp_dir, int rank, const ParamLayout
   w.add_metadata("producer", "tuna");
   w.add_metadata("steps_taken", std::to_string(s.steps_taken));
   w.add_metadata("pieces", pieces.dump());
-  w.write_streamed(
+  const FileDigest d = w.write_streamed(
       tmp_dir / rank_file_name(rank),
       [&](const SafetensorsWriter::Append& append) {
-        export_all(s.export_state, *s.segments, [&](const Segment& seg, const float* p, const float* m, const float* v) {
-          tensors_written(seg, [&](const ParamTensor&, int64_t lb, int64_t le, int64_t at) {
-            const uint64_t bytes = uint64_t(le - lb) * sizeof(float);
-            append(p + at, bytes), append(m + at, bytes), append(v + at, bytes);
-          });
-        });
+        export_all(file, layout, s.export_state, *s.segments,
+                   [&](const Segment& seg, const float* p, const float* m, const float* v) {
+                     tensors_written(seg, [&](const ParamTensor&, int64_t lb, int64_t le, int64_t at) {
+                       const uint64_t bytes = uint64_t(le - lb) * sizeof(float);
+                       append(p + at, bytes), append(m + at, bytes), append(v + at, bytes);
+                     });
+                   });
       },
       s.progress);
+  write_text_file(tmp_dir / digest_note_name(rank), json{{"bytes", d.bytes}, {"xxh3_64", hex64(d.xxh3)}}.dump());
+}
+
+StateExport shard_buffers_export(const std::vector<Segment>& segments, const float* params, const float* m,
+                                 const float* v) {
+  return [&segments, params, m, v](const StateSink& sink) {
+    int64_t at = 0;
+    for (size_t i = 0; i < segments.size(); i++) {
+      sink(i, params + at, m ? m + at : nullptr, v ? v + at : nullptr);
+      at += segments[i].size;
+    }
+  };
 }
 
 int64_t load_checkpoint_state(const fs::path& dir, const ParamLayout& layout, const std::vector<Segment>& segments,
@@ -333,7 +479,8 @@ int64_t load_checkpoint_shard(const fs::path& dir, const ParamLayout& layout, co
   std::vector<int64_t> at;
   int64_t total = 0;
   for (const Segment& seg : segments) at.push_back(total), total += seg.size;
-  params.assign(total, 0.0f), m.assign(total, 0.0f), v.assign(total, 0.0f);
+  allocate_host(str("this rank's share of ", dir.string(), " (weights and two AdamW moments)"), 3 * total * sizeof(float),
+                [&] { params.assign(total, 0.0f), m.assign(total, 0.0f), v.assign(total, 0.0f); });
   return load_checkpoint_state(dir, layout, segments, [&](const StateSource& source) {
     for (size_t i = 0; i < segments.size(); i++) source(i, params.data() + at[i], m.data() + at[i], v.data() + at[i]);
   });
@@ -386,24 +533,45 @@ fs::path prepare_sharded_checkpoint(const fs::path& root, int64_t step) {
   return tmp_dir;
 }
 
-fs::path finish_sharded_checkpoint(const fs::path& root, int64_t step, const CheckpointContents& c, int64_t keep_last) {
+namespace {
+
+// Adds the rank files' digests (left beside them by write_checkpoint_shard) to the manifest, removing the notes.
+void collect_rank_digests(const fs::path& tmp_dir, json& files) {
+  for (int r = 0;; r++) {
+    const fs::path note = tmp_dir / digest_note_name(r);
+    std::error_code ec;
+    if (!fs::exists(tmp_dir / rank_file_name(r), ec)) break;
+    const json d = read_json_file(note, "digest of a rank file");
+    const std::string hash = d.contains("xxh3_64") && d["xxh3_64"].is_string() ? d["xxh3_64"].get<std::string>() : "";
+    files[rank_file_name(r)] = {{"bytes", json_int(d, "bytes", note.string(), 0, INT64_MAX)},
+                                {"xxh3_64", hex64(parse_hex64(hash, note.string()))}};
+    fs::remove(note, ec);
+  }
+}
+
+FileDigest copy_file_digest(const fs::path& src, const fs::path& dst) {
+  std::error_code ec;
+  fs::copy_file(src, dst, fs::copy_options::overwrite_existing, ec);
+  if (ec) fail(src.string(), ": cannot copy into the checkpoint: ", ec.message());
+  fsync_path(dst, false);
+  return digest_file(dst);
+}
+
+fs::path finish_checkpoint(const fs::path& root, int64_t step, const CheckpointContents& c, int64_t keep_last,
+                           json files) {
   TUNA_CHECK(c.config_json, "checkpoint contents incomplete");
   std::error_code ec;
   const fs::path final_dir = root / step_dir_name(step);
   const fs::path tmp_dir = root / (".tmp-" + step_dir_name(step));
-  write_text_file(tmp_dir / "config.json", c.config_json->dump(2) + "\n");
-  if (!c.copy_tokenizer_from.empty()) {
-    for (const char* const* f = kTokenizerFiles; *f; f++) {
-      const fs::path src = c.copy_tokenizer_from / *f;
-      if (!fs::exists(src)) continue;
-      fs::copy_file(src, tmp_dir / *f, fs::copy_options::overwrite_existing, ec);
-      if (ec) fail(src.string(), ": cannot copy into the checkpoint: ", ec.message());
-      fsync_path(tmp_dir / *f, false);
-    }
-  }
+  collect_rank_digests(tmp_dir, files);
+  auto entry = [](const FileDigest& d) { return json{{"bytes", d.bytes}, {"xxh3_64", hex64(d.xxh3)}}; };
+  files["config.json"] = entry(write_text_file(tmp_dir / "config.json", c.config_json->dump(2) + "\n"));
+  for (const TokenizerFile& f : c.tokenizer_files) files[f.name] = entry(copy_file_digest(f.source, tmp_dir / f.name));
   json state = c.state;
   state["step"] = step;
-  write_text_file(tmp_dir / "state.json", state.dump(2) + "\n");  // last: its presence marks completeness
+  files["state.json"] = entry(write_text_file(tmp_dir / "state.json", state.dump(2) + "\n"));
+  write_text_file(tmp_dir / kManifestFile,
+                  json{{"format", "tuna checkpoint manifest"}, {"version", 1}, {"files", files}}.dump(2) + "\n");
   fsync_path(tmp_dir, true);
 
   if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);  // an older run's step of the same number
@@ -411,10 +579,18 @@ fs::path finish_sharded_checkpoint(const fs::path& root, int64_t step, const Che
   if (ec) fail(final_dir.string(), ": cannot rename the finished checkpoint into place: ", ec.message());
   fsync_path(root, true);
   if (keep_last > 0) {
+    // Only after the new checkpoint is in place, and never the newest keep_last: the one just written is the
+    // newest (resume_checkpoint moved any newer, rejected one aside).
     auto all = list_checkpoints(root);
-    for (size_t i = 0; i + keep_last < all.size(); i++) fs::remove_all(all[i].second, ec);
+    for (size_t i = 0; i + keep_last < all.size(); i++) fs::remove_all(all[i], ec);
   }
   return final_dir;
+}
+
+}  // namespace
+
+fs::path finish_sharded_checkpoint(const fs::path& root, int64_t step, const CheckpointContents& c, int64_t keep_last) {
+  return finish_checkpoint(root, step, c, keep_last, json::object());
 }
 
 fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& layout,
@@ -439,62 +615,169 @@ fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& 
       f(at, uint64_t(le - lb) * sizeof(float));
     });
   };
+  const std::string checkpoint = str("the checkpoint of step ", step);
   const fs::path tmp_dir = prepare_sharded_checkpoint(root, step);
-  {
-    SafetensorsWriter w;
-    w.add_metadata("format", "pt");  // transformers checks this key when loading
-    w.add_metadata("producer", "tuna");
-    for (const ParamTensor& t : layout.tensors()) w.add_streamed(t.name, DType::F32, t.shape);
+  json files = json::object();
+  auto entry = [](const FileDigest& d) { return json{{"bytes", d.bytes}, {"xxh3_64", hex64(d.xxh3)}}; };
+  // The weights' file (p of each piece) or the moments' (m then v of each whole tensor).
+  const auto write_file = [&](const std::string& name, const SafetensorsWriter& w) {
     next = 0;
-    w.write_streamed(
-        tmp_dir / "model.safetensors",
+    files[name] = entry(w.write_streamed(
+        tmp_dir / name,
         [&](const SafetensorsWriter::Append& append) {
-          export_all(export_state, segments, [&](const Segment& seg, const float* p, const float*, const float*) {
-            tensors_of(seg, false, [&](int64_t at, uint64_t bytes) { append(p + at, bytes); });
-          });
+          export_all(checkpoint, layout, export_state, segments,
+                     [&](const Segment& seg, const float* p, const float* m, const float* v) {
+                       tensors_of(seg, name == "optimizer.safetensors", [&](int64_t at, uint64_t bytes) {
+                         if (name == "model.safetensors") return append(p + at, bytes);
+                         append(m + at, bytes), append(v + at, bytes);
+                       });
+                     });
         },
-        c.progress);
-  }
-  if (with_optimizer) {
-    SafetensorsWriter w;
-    w.add_metadata("producer", "tuna");
-    w.add_metadata("steps_taken", std::to_string(c.optimizer.steps_taken));
-    for (const ParamTensor& t : layout.tensors()) {
-      w.add_streamed("exp_avg." + t.name, DType::F32, t.shape);
-      w.add_streamed("exp_avg_sq." + t.name, DType::F32, t.shape);
+        c.progress));
+  };
+  try {
+    SafetensorsWriter weights;
+    weights.add_metadata("format", "pt");  // transformers checks this key when loading
+    weights.add_metadata("producer", "tuna");
+    for (const ParamTensor& t : layout.tensors()) weights.add_streamed(t.name, DType::F32, t.shape);
+    write_file("model.safetensors", weights);
+    if (with_optimizer) {
+      SafetensorsWriter moments;
+      moments.add_metadata("producer", "tuna");
+      moments.add_metadata("steps_taken", std::to_string(c.optimizer.steps_taken));
+      for (const ParamTensor& t : layout.tensors()) {
+        moments.add_streamed("exp_avg." + t.name, DType::F32, t.shape);
+        moments.add_streamed("exp_avg_sq." + t.name, DType::F32, t.shape);
+      }
+      write_file("optimizer.safetensors", moments);
     }
-    next = 0;
-    w.write_streamed(
-        tmp_dir / "optimizer.safetensors",
-        [&](const SafetensorsWriter::Append& append) {
-          export_all(export_state, segments, [&](const Segment& seg, const float*, const float* m, const float* v) {
-            tensors_of(seg, true, [&](int64_t at, uint64_t bytes) { append(m + at, bytes), append(v + at, bytes); });
-          });
-        },
-        c.progress);
+  } catch (...) {  // a refused (non-finite) or failed write leaves no temporary directory behind
+    std::error_code ec;
+    fs::remove_all(tmp_dir, ec);
+    throw;
   }
-  return finish_sharded_checkpoint(root, step, c, keep_last);
+  return finish_checkpoint(root, step, c, keep_last, files);
 }
 
 std::optional<fs::path> latest_checkpoint(const fs::path& root) {
   auto all = list_checkpoints(root);
   if (all.empty()) return std::nullopt;
-  return all.back().second;
+  return all.back();
 }
 
 json read_state(const fs::path& dir) {
   const fs::path p = dir / "state.json";
-  std::ifstream in(p);
-  if (!in) fail(p.string(), ": cannot open (not a complete tuna checkpoint)");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
-    fail(p.string(), ": not valid JSON: ", e.what());
-  }
-  if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer())
-    fail(p.string(), ": expected an object with an integer 'step'");
+  json j = read_json_file(p, "checkpoint state (not a complete tuna checkpoint?)");
+  if (!j.is_object()) fail(p.string(), ": expected an object, found ", j.type_name());
+  json_int(j, "step", p.string(), 0, kMaxStep);
   return j;
+}
+
+TrainingState read_training_state(const fs::path& dir) {
+  const fs::path p = dir / "state.json";
+  TrainingState s;
+  s.state = read_state(dir);
+  s.step = s.state["step"].get<int64_t>();
+  const int64_t named = checkpoint_step(dir);
+  if (named != s.step)
+    fail(p.string(), ": step ", s.step, " disagrees with the directory's name ", dir.filename().string(),
+         " (a damaged or hand-edited checkpoint)");
+  if (s.state.contains("skipped_steps")) s.skipped_steps = json_int(s.state, "skipped_steps", p.string(), 0, s.step);
+  auto cursor = s.state.find("data_cursor");
+  if (cursor == s.state.end() || !cursor->is_object())
+    fail(p.string(), ": field 'data_cursor' is ", cursor == s.state.end() ? "missing" : cursor->dump(),
+         ": without it the run would start the data order again instead of continuing it");
+  s.data_cursor = *cursor;
+  return s;
+}
+
+void check_optimizer_steps(const TrainingState& state, int64_t steps_taken, const fs::path& dir) {
+  if (steps_taken != state.step - state.skipped_steps)
+    fail(dir.string(), ": the optimizer state has taken ", steps_taken, " updates, but state.json says step ",
+         state.step, " with ", state.skipped_steps, " skipped (expected ", state.step - state.skipped_steps,
+         "): files of different checkpoints?");
+}
+
+std::string verify_checkpoint(const fs::path& dir, int part, int parts, bool* unverified) {
+  if (unverified) *unverified = false;
+  const fs::path manifest_path = dir / kManifestFile;
+  std::error_code ec;
+  if (!fs::exists(manifest_path, ec)) {
+    if (unverified) *unverified = true;
+    return "";
+  }
+  try {
+    const json manifest = read_json_file(manifest_path, "checkpoint manifest");
+    const std::string where = manifest_path.string();
+    if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object())
+      fail(where, ": expected an object with 'files'");
+    const json& files = manifest["files"];
+    std::set<std::string> listed;
+    int index = 0;
+    for (const auto& [name, entry] : files.items()) {  // nlohmann::json keeps keys sorted: the same order everywhere
+      listed.insert(name);
+      if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+        fail(where, ": '", name, "' is not a plain file name");
+      const std::string what = str(where, ": file '", name, "'");
+      if (!entry.is_object() || !entry.contains("xxh3_64") || !entry["xxh3_64"].is_string())
+        fail(what, ": expected {bytes, xxh3_64}");
+      const int64_t bytes = json_int(entry, "bytes", what, 0, INT64_MAX);
+      const fs::path p = dir / name;
+      std::error_code size_ec;
+      const uintmax_t size = fs::file_size(p, size_ec);
+      if (size_ec) fail(p.string(), ": listed in the manifest, but ", size_ec.message());
+      if (size != static_cast<uintmax_t>(bytes))
+        fail(p.string(), ": ", size, " bytes, the manifest says ", bytes, " (truncated or replaced)");
+      if (index++ % parts != part) continue;
+      const uint64_t expected = parse_hex64(entry["xxh3_64"].get<std::string>(), what);
+      const FileDigest d = digest_file(p);
+      if (d.xxh3 != expected)
+        fail(p.string(), ": checksum ", hex64(d.xxh3), ", the manifest says ", hex64(expected), " (the file is damaged)");
+    }
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (name != kManifestFile && !listed.count(name))
+        fail(it->path().string(), ": not in the manifest (a file of another checkpoint?)");
+    }
+    if (ec) fail(dir.string(), ": cannot list: ", ec.message());
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::optional<fs::path> resume_checkpoint(const fs::path& root, Comm& world,
+                                          const std::function<void(const std::string&)>& warn) {
+  const std::vector<fs::path> all = list_checkpoints(root);
+  std::vector<fs::path> rejected;
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    bool unverified = false;
+    const std::string problem = verify_checkpoint(*it, world.rank(), world.size(), &unverified);
+    int64_t failed = problem.empty() ? 0 : 1;
+    world.all_reduce_sum(&failed, 1, "checkpoint verification");
+    if (failed == 0) {
+      if (unverified && world.rank() == 0)
+        warn(str(it->string(), " has no ", kManifestFile, " (written before checkpoints carried checksums): resuming unverified"));
+      if (!rejected.empty() && world.rank() == 0) {
+        for (const fs::path& r : rejected) {  // out of the rotation's way, kept for a post-mortem
+          std::error_code ec;
+          const fs::path aside = r.parent_path() / ("rejected-" + r.filename().string());
+          fs::remove_all(aside, ec);
+          fs::rename(r, aside, ec);
+          if (ec) fail(r.string(), ": cannot move the rejected checkpoint aside: ", ec.message());
+        }
+        warn(str("resuming from ", it->string(), " instead (rejected checkpoints renamed to rejected-step_*)"));
+      }
+      world.barrier("rejected checkpoints moved aside");
+      return *it;
+    }
+    if (!problem.empty()) warn(str(it->string(), " fails verification: ", problem));
+    else if (world.rank() == 0) warn(str(it->string(), " fails verification on another rank (see its message)"));
+    rejected.push_back(*it);
+  }
+  if (!all.empty())
+    fail(root.string(), ": none of the ", all.size(), " checkpoints verifies (see the warnings above); nothing to resume from");
+  return std::nullopt;
 }
 
 void load_optimizer(const fs::path& dir, const ParamLayout& layout, AdamW& opt) {
@@ -505,13 +788,7 @@ void load_optimizer(const fs::path& dir, const ParamLayout& layout, AdamW& opt) 
     f.read_f32("exp_avg." + t.name, t.shape, opt.m.data() + t.offset);
     f.read_f32("exp_avg_sq." + t.name, t.shape, opt.v.data() + t.offset);
   }
-  auto it = f.metadata().find("steps_taken");
-  if (it == f.metadata().end()) fail(p.string(), ": metadata 'steps_taken' is missing");
-  try {
-    opt.steps_taken = std::stoll(it->second);
-  } catch (const std::exception&) {
-    fail(p.string(), ": metadata 'steps_taken': expected an integer, found '", it->second, "'");
-  }
+  opt.steps_taken = metadata_int(f, "steps_taken");
 }
 
 }  // namespace tuna

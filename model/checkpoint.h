@@ -12,6 +12,15 @@
 // A checkpoint is written into ckpt/.tmp-step_00001000, every file fsynced, then renamed: a directory
 // named step_* is always complete. Only the newest keep_last are kept.
 //
+// Checkpoints check themselves. manifest.json lists every file of the directory with its size and XXH3-64
+// (taken as the bytes are written, so it costs no second read); verify_checkpoint compares the directory
+// against it, and resume_checkpoint (the trainer's --resume) takes the newest checkpoint that verifies on
+// every rank, saying why it skipped any newer one and renaming those to rejected-step_* so that the
+// rotation of later checkpoints cannot delete the good one it resumed from. state.json must agree with its
+// directory's step and with the optimizer's update count (read_training_state, check_optimizer_steps).
+// Weights and moments are never written when one of them is NaN or infinite (the save fails naming the
+// tensor), and never loaded either (every reader refuses them, naming the tensor and the index).
+//
 // Several ranks (data / tensor parallel, ZeRO) write one file per rank instead of model.safetensors and
 // optimizer.safetensors, each rank its own piece of the state, in parallel:
 //
@@ -32,22 +41,24 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "data/tokenizer.h"  // TokenizerFile (a plain struct: model/ calls nothing of data/)
+#include "core/checksum.h"    // FileDigest
 #include "model/layout.h"
 #include "model/optimizer.h"  // Segment
 
 namespace tuna {
 
+class Comm;
 class ProgressLine;  // core/progress.h
 
 class AdamW;
 class HfCheckpointDir;
 
-// Files copied alongside weights so a checkpoint carries its tokenizer (those that exist).
-extern const char* const kTokenizerFiles[];
 
 // Reads pieces of a model's weights for `layout` (any tensor-parallel rank's) from a directory holding
 // config.json + safetensors (a Hugging Face download, single file or sharded with an index, or a tuna checkpoint,
@@ -91,7 +102,7 @@ struct CheckpointContents {
   const float* params;                // ParamLayout order, fp32 (or null with `state`)
   MomentsView optimizer;              // optimizer.m null: weights only (convert)
   nlohmann::json state;               // written as state.json; "step" must be set
-  std::filesystem::path copy_tokenizer_from;  // directory with tokenizer files, or empty
+  std::vector<TokenizerFile> tokenizer_files;  // copied into the checkpoint (data/tokenizer.h)
   ProgressLine* progress = nullptr;           // advanced by the bytes of the weight files written, when given
   // Instead of params and optimizer: the whole model's weights and moments a piece at a time (one rank's
   // Engine::export_state, whose `segments` cover the layout in order), AdamW's steps in optimizer.steps_taken.
@@ -100,15 +111,53 @@ struct CheckpointContents {
   StateExport export_state = nullptr;
 };
 
-// Writes root/step_<step> atomically and deletes the oldest step_* beyond keep_last (0 keeps all).
+// Writes root/step_<step> atomically (with its manifest) and deletes the oldest step_* beyond keep_last (0
+// keeps all). Fails, writing nothing, when a weight or moment is not finite.
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, int64_t step, const ParamLayout& layout,
                                       const CheckpointContents& contents, int64_t keep_last);
 
-// The newest complete step_* directory under root, if any.
+// The step in a checkpoint directory's name (step_00001000 -> 1000); -1 when the name is not exactly one that
+// save_checkpoint writes (a name of 20 digits, or "step_12", is not a checkpoint of tuna's).
+int64_t checkpoint_step(const std::filesystem::path& dir);
+
+// The complete step_* directories under root (those with a state.json), oldest first.
+std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path& root);
+
+// The newest complete step_* directory under root, if any (not verified: see resume_checkpoint).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
 
-// Reads state.json of a checkpoint directory (fails naming the file when missing or malformed).
+// Reads state.json of a checkpoint directory (fails naming the file when missing or malformed, or when
+// 'step' is not an integer in [0, 2^62]).
 nlohmann::json read_state(const std::filesystem::path& dir);
+
+// A training checkpoint's state.json, checked for a resume: 'step' equals the step in the directory's name
+// (state.json of step_00000010 saying 417 is a damaged checkpoint, not a finished run), 'data_cursor' is an
+// object (without it the data order would silently restart), 'skipped_steps' (steps whose loss or gradient
+// was not finite, so AdamW did not count them) lies in [0, step].
+struct TrainingState {
+  int64_t step = 0;
+  int64_t skipped_steps = 0;
+  nlohmann::json data_cursor;  // the loader's cursor (data/loader.h)
+  nlohmann::json state;        // the whole state.json (train_config, world, ...)
+};
+TrainingState read_training_state(const std::filesystem::path& dir);
+// AdamW's update count, as the checkpoint's optimizer state holds it, must be step - skipped_steps.
+void check_optimizer_steps(const TrainingState& state, int64_t steps_taken, const std::filesystem::path& dir);
+
+// manifest.json of a checkpoint: file name -> size and XXH3-64.
+inline constexpr const char* kManifestFile = "manifest.json";
+// Compares dir with its manifest: every listed file present with its size, no file of the directory left out,
+// and the checksum of files part, part + parts, ... of the list (in name order), so that `parts` ranks share
+// the reading. Returns what is wrong, naming the file; empty when it verifies. A directory written before
+// checkpoints carried a manifest verifies with *unverified set (sizes and checksums unknown).
+std::string verify_checkpoint(const std::filesystem::path& dir, int part = 0, int parts = 1, bool* unverified = nullptr);
+
+// --resume: the newest checkpoint under root that verifies on every rank of `world` (each checks its share of
+// the files, then all agree), or none when root holds none. A newer one that fails is reported through
+// `warn` (what failed, and which step the run falls back to) and renamed to rejected-step_* by rank 0. Fails
+// when checkpoints exist but none verifies. Collective over world.
+std::optional<std::filesystem::path> resume_checkpoint(const std::filesystem::path& root, Comm& world,
+                                                       const std::function<void(const std::string&)>& warn);
 
 // Restores AdamW moments and step count from dir/optimizer.safetensors.
 void load_optimizer(const std::filesystem::path& dir, const ParamLayout& layout, AdamW& optimizer);
@@ -125,6 +174,11 @@ struct ShardState {
   bool write_replicated = true;  // false on tp ranks > 0: tensors every tp rank holds are written once
   ProgressLine* progress = nullptr;  // advanced by the bytes written, when given
 };
+
+// The export of a state held whole in shard order (params, m and v each the concatenation of `segments`): for
+// tests and small models; the pointers must outlive the export.
+StateExport shard_buffers_export(const std::vector<Segment>& segments, const float* params, const float* m,
+                                 const float* v);
 
 // Sharded writing, in three phases separated by barriers (train.cu): rank 0 prepares the temporary
 // directory, every rank writes its file, rank 0 adds config, state and tokenizer and renames.

@@ -2,10 +2,11 @@
 // refused by name. Unknown harmless fields (architectures, transformers_version, ...) are ignored.
 #include "model/config.h"
 
+#include <cmath>
 #include <filesystem>
-#include <fstream>
 
 #include "core/error.h"
+#include "core/json.h"
 
 namespace tuna {
 namespace {
@@ -17,25 +18,29 @@ std::string describe(const json& v) {
   return s.size() > 60 ? s.substr(0, 57) + "..." : s;
 }
 
-int64_t get_int(const json& j, const char* key, const std::string& src, int64_t fallback,
-                bool required, int64_t min_value) {
+// Upper bounds on the model's dimensions: several times the largest published LLaMA's (hidden 16384, ffn
+// 53248, 126 layers, vocab 202048), so no real config meets them; they keep every product of dimensions
+// (parameter counts, buffer sizes) far inside int64, so that a typo fails here, by name, and not as an
+// overflow or an allocation of petabytes.
+constexpr int64_t kMaxWidth = int64_t{1} << 20;     // hidden_size, intermediate_size
+constexpr int64_t kMaxCount = int64_t{1} << 14;     // layers, heads, head_dim
+constexpr int64_t kMaxVocab = int64_t{1} << 26;
+constexpr int64_t kMaxPositions = int64_t{1} << 30;
+
+int64_t get_int(const json& j, const char* key, const std::string& src, int64_t fallback, bool required,
+                int64_t min_value, int64_t max_value) {
   if (!j.contains(key) || j[key].is_null()) {
     if (required) fail(src, ": missing field '", key, "' (expected an integer)");
     return fallback;
   }
-  const json& v = j[key];
-  if (!v.is_number_integer())
-    fail(src, ": field '", key, "': expected an integer, found ", describe(v));
-  int64_t x = v.get<int64_t>();
-  if (x < min_value) fail(src, ": field '", key, "': expected an integer >= ", min_value, ", found ", x);
-  return x;
+  return json_int(j, key, src, min_value, max_value);
 }
 
-double get_number(const json& j, const char* key, const std::string& src, double fallback) {
+// A finite number in [min_value, max_value] (nlohmann cannot hold inf or nan, but the bounds are the point).
+double get_number(const json& j, const char* key, const std::string& src, double fallback, double min_value,
+                  double max_value) {
   if (!j.contains(key) || j[key].is_null()) return fallback;
-  const json& v = j[key];
-  if (!v.is_number()) fail(src, ": field '", key, "': expected a number, found ", describe(v));
-  return v.get<double>();
+  return json_number(j, key, src, min_value, max_value);
 }
 
 bool get_bool(const json& j, const char* key, const std::string& src, bool fallback) {
@@ -64,7 +69,7 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
       break;
     }
   }
-  if (r.contains("rope_theta")) c.rope_theta = get_number(r, "rope_theta", where, c.rope_theta);
+  if (r.contains("rope_theta")) c.rope_theta = get_number(r, "rope_theta", where, c.rope_theta, 1e-3, 1e15);
   if (type.empty() || type == "default") return;
   if (type != "llama3")
     fail(where, ": rope type '", type,
@@ -74,30 +79,36 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
   s.type = "llama3";
   for (const char* k : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
     if (!r.contains(k)) fail(where, ": llama3 rope needs '", k, "', which is missing");
-  s.factor = get_number(r, "factor", where, 1.0);
-  s.low_freq_factor = get_number(r, "low_freq_factor", where, 1.0);
-  s.high_freq_factor = get_number(r, "high_freq_factor", where, 4.0);
-  s.original_max_position_embeddings = get_int(r, "original_max_position_embeddings", where, 0, true, 1);
-  if (s.factor <= 0) fail(where, ".factor: expected > 0, found ", s.factor);
+  s.factor = get_number(r, "factor", where, 1.0, 1e-6, 1e6);
+  s.low_freq_factor = get_number(r, "low_freq_factor", where, 1.0, 1e-6, 1e6);
+  s.high_freq_factor = get_number(r, "high_freq_factor", where, 4.0, 1e-6, 1e6);
+  s.original_max_position_embeddings = get_int(r, "original_max_position_embeddings", where, 0, true, 1, kMaxPositions);
   if (!(s.high_freq_factor > s.low_freq_factor))
     fail(where, ": expected high_freq_factor > low_freq_factor, found ", s.high_freq_factor, " and ",
          s.low_freq_factor);
 }
 
-std::vector<int64_t> read_token_ids(const json& j, const char* key, const std::string& src) {
+// Token ids, each in [0, vocab_size): the trainer and the sampler index the vocabulary with them.
+std::vector<int64_t> read_token_ids(const json& j, const char* key, const std::string& src, int64_t vocab_size) {
   if (!j.contains(key) || j[key].is_null()) return {};
   const json& v = j[key];
-  if (v.is_number_integer()) return {v.get<int64_t>()};
-  if (v.is_array()) {
-    std::vector<int64_t> ids;
-    for (const json& e : v) {
-      if (!e.is_number_integer())
-        fail(src, ": field '", key, "': expected integers, found ", describe(e));
-      ids.push_back(e.get<int64_t>());
-    }
-    return ids;
+  std::vector<int64_t> ids;
+  auto take = [&](const json& e) {
+    if (!e.is_number_integer()) fail(src, ": field '", key, "': expected integers, found ", describe(e));
+    const int64_t id = e.is_number_unsigned() && e.get<uint64_t>() > INT64_MAX ? -1 : e.get<int64_t>();
+    if (id < 0 || id >= vocab_size)
+      fail(src, ": field '", key, "': token id ", describe(e), " is outside the vocabulary [0, ", vocab_size, ")");
+    ids.push_back(id);
+  };
+  if (v.is_number_integer()) {
+    take(v);
+  } else if (v.is_array()) {
+    if (v.size() > 1024) fail(src, ": field '", key, "': ", v.size(), " token ids, expected at most 1024");
+    for (const json& e : v) take(e);
+  } else {
+    fail(src, ": field '", key, "': expected an integer or a list of integers, found ", describe(v));
   }
-  fail(src, ": field '", key, "': expected an integer or a list of integers, found ", describe(v));
+  return ids;
 }
 
 }  // namespace
@@ -115,34 +126,45 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
            " projections are not supported");
 
   LlamaConfig c;
-  c.hidden_size = get_int(j, "hidden_size", src, 0, true, 1);
-  c.intermediate_size = get_int(j, "intermediate_size", src, 0, true, 1);
-  c.num_hidden_layers = get_int(j, "num_hidden_layers", src, 0, true, 1);
-  c.num_attention_heads = get_int(j, "num_attention_heads", src, 0, true, 1);
-  c.num_key_value_heads = get_int(j, "num_key_value_heads", src, c.num_attention_heads, false, 1);
-  c.vocab_size = get_int(j, "vocab_size", src, 0, true, 1);
-  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, 2048, false, 1);
+  c.hidden_size = get_int(j, "hidden_size", src, 0, true, 1, kMaxWidth);
+  c.intermediate_size = get_int(j, "intermediate_size", src, 0, true, 1, kMaxWidth);
+  c.num_hidden_layers = get_int(j, "num_hidden_layers", src, 0, true, 1, kMaxCount);
+  c.num_attention_heads = get_int(j, "num_attention_heads", src, 0, true, 1, kMaxCount);
+  c.num_key_value_heads = get_int(j, "num_key_value_heads", src, c.num_attention_heads, false, 1, kMaxCount);
+  c.vocab_size = get_int(j, "vocab_size", src, 0, true, 1, kMaxVocab);
+  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, 2048, false, 1, kMaxPositions);
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-    c.head_dim = get_int(j, "head_dim", src, 0, true, 2);
+    c.head_dim = get_int(j, "head_dim", src, 0, true, 2, kMaxCount);
   } else {
     if (c.hidden_size % c.num_attention_heads != 0)
       fail(src, ": no 'head_dim', and hidden_size ", c.hidden_size,
            " is not a multiple of num_attention_heads ", c.num_attention_heads);
     c.head_dim = c.hidden_size / c.num_attention_heads;
+    if (c.head_dim > kMaxCount)
+      fail(src, ": hidden_size / num_attention_heads = ", c.head_dim, ": expected a head_dim of at most ", kMaxCount);
   }
   if (c.head_dim % 2 != 0) fail(src, ": head_dim must be even for rotary embeddings, found ", c.head_dim);
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     fail(src, ": num_attention_heads ", c.num_attention_heads,
          " must be a multiple of num_key_value_heads ", c.num_key_value_heads);
-  c.rms_norm_eps = get_number(j, "rms_norm_eps", src, 1e-6);
-  if (!(c.rms_norm_eps > 0)) fail(src, ": field 'rms_norm_eps': expected > 0, found ", c.rms_norm_eps);
-  c.rope_theta = get_number(j, "rope_theta", src, 10000.0);
+  // eps is added to the mean square of activations: published models use 1e-5 or 1e-6, and a value near 1
+  // or above stops the norm from normalizing (1e308 makes it divide by a constant).
+  c.rms_norm_eps = get_number(j, "rms_norm_eps", src, 1e-6, 1e-30, 0.1);
+  c.rope_theta = get_number(j, "rope_theta", src, 10000.0, 1e-3, 1e15);
   read_rope(j, src, c);
-  if (!(c.rope_theta > 0)) fail(src, ": field 'rope_theta': expected > 0, found ", c.rope_theta);
+  // Every dimension is bounded above, but their products are not yet: 2^48 parameters (280 trillion) is past
+  // any model, and keeps every element count and byte size of tuna's buffers inside int64.
+  const __int128 per_layer = __int128(2) * c.hidden_size + __int128(c.hidden_size) * c.q_dim() * 2 +
+                             __int128(2) * c.hidden_size * c.kv_dim() + __int128(3) * c.hidden_size * c.intermediate_size;
+  const __int128 params = __int128(c.vocab_size) * c.hidden_size * 2 + per_layer * c.num_hidden_layers;
+  if (params > (__int128(1) << 48))
+    fail(src, ": the model would have ~", static_cast<double>(params), " parameters (hidden_size ", c.hidden_size,
+         ", intermediate_size ", c.intermediate_size, ", ", c.num_hidden_layers, " layers, ", c.num_attention_heads,
+         " heads of ", c.head_dim, ", vocab ", c.vocab_size, "): at most 2^48 are supported");
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, false);
-  std::vector<int64_t> bos = read_token_ids(j, "bos_token_id", src);
+  std::vector<int64_t> bos = read_token_ids(j, "bos_token_id", src, c.vocab_size);
   c.bos_token_id = bos.empty() ? -1 : bos[0];
-  c.eos_token_ids = read_token_ids(j, "eos_token_id", src);
+  c.eos_token_ids = read_token_ids(j, "eos_token_id", src, c.vocab_size);
   if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) c.torch_dtype = j["torch_dtype"];
   else if (j.contains("dtype") && j["dtype"].is_string()) c.torch_dtype = j["dtype"];
   return c;
@@ -150,16 +172,9 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
 
 LlamaConfig LlamaConfig::load(const std::string& path) {
   std::filesystem::path p(path);
-  if (std::filesystem::is_directory(p)) p /= "config.json";
-  std::ifstream in(p);
-  if (!in) fail(p.string(), ": cannot open the model config (expected a Hugging Face config.json)");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
-    fail(p.string(), ": not valid JSON: ", e.what());
-  }
-  return from_json(j, p.string());
+  std::error_code ec;
+  if (std::filesystem::is_directory(p, ec)) p /= "config.json";
+  return from_json(read_json_file(p, "model config (a Hugging Face config.json)"), p.string());
 }
 
 json LlamaConfig::to_json() const {

@@ -19,7 +19,8 @@
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/swiglu.cuh"
-#include "model/llama_gpu.h"  // DeviceArenaPlan
+#include "model/llama_gpu.h"  // DeviceArena
+#include "model/memory_plan.h"
 
 namespace tuna {
 
@@ -38,21 +39,31 @@ DecodeGpu::DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity)
 
   const int64_t rows = batch * capacity, C = c.hidden_size, F = c.intermediate_size;
   const int64_t cache_elems = batch * capacity * c.kv_dim();
-  DeviceArenaPlan plan;
+  // The cache and activations from one arena laid out by the decoder's memory plan (model/memory_plan_gpu.cpp).
+  arena_ = std::make_unique<DeviceArena>(plan_gpu_decode_memory(c, batch, capacity));
+  DeviceArena& a = *arena_;
   keys_.resize(c.num_hidden_layers), values_.resize(c.num_hidden_layers);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) plan.add(&keys_[l], cache_elems), plan.add(&values_[l], cache_elems);
-  plan.add(&rope_cos_, capacity * c.head_dim / 2);
-  plan.add(&rope_sin_, capacity * c.head_dim / 2);
-  plan.add(&rstd_, rows);
-  for (__nv_bfloat16** p : {&x_, &h_, &norm_}) plan.add(p, rows * C);
-  for (__nv_bfloat16** p : {&q_, &att_}) plan.add(p, rows * c.q_dim());
-  for (__nv_bfloat16** p : {&k_, &v_}) plan.add(p, rows * c.kv_dim());
-  for (__nv_bfloat16** p : {&gate_, &up_, &act_}) plan.add(p, rows * F);
-  plan.add(&last_, batch * C);
-  plan.add(&logits_, batch * c.vocab_size);
-  plan.add(&tokens_, rows);
-  TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), static_cast<size_t>(plan.bytes())));
-  plan.assign(arena_);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    keys_[l] = a.take<__nv_bfloat16>(str("layer ", l, " cached keys"), cache_elems);
+    values_[l] = a.take<__nv_bfloat16>(str("layer ", l, " cached values"), cache_elems);
+  }
+  rope_cos_ = a.take<float>("RoPE cos", capacity * c.head_dim / 2);
+  rope_sin_ = a.take<float>("RoPE sin", capacity * c.head_dim / 2);
+  rstd_ = a.take<float>("rstd", rows);
+  x_ = a.take<__nv_bfloat16>("residual", rows * C);
+  h_ = a.take<__nv_bfloat16>("residual mid", rows * C);
+  norm_ = a.take<__nv_bfloat16>("norm", rows * C);
+  q_ = a.take<__nv_bfloat16>("q", rows * c.q_dim());
+  att_ = a.take<__nv_bfloat16>("attention out", rows * c.q_dim());
+  k_ = a.take<__nv_bfloat16>("k", rows * c.kv_dim());
+  v_ = a.take<__nv_bfloat16>("v", rows * c.kv_dim());
+  gate_ = a.take<__nv_bfloat16>("gate", rows * F);
+  up_ = a.take<__nv_bfloat16>("up", rows * F);
+  act_ = a.take<__nv_bfloat16>("swiglu", rows * F);
+  last_ = a.take<__nv_bfloat16>("last positions", batch * C);
+  logits_ = a.take<__nv_bfloat16>("logits", batch * c.vocab_size);
+  tokens_ = a.take<int32_t>("tokens", rows);
+  a.check_all_taken();
 
   // The rotation tables from the CPU twin's functions, as LlamaGpu uploads them.
   std::vector<double> inv_freq(c.head_dim / 2);
@@ -68,7 +79,7 @@ DecodeGpu::DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity)
 
 DecodeGpu::~DecodeGpu() {
   matmul_.reset();
-  if (arena_) cudaFree(arena_);
+  arena_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
 

@@ -23,6 +23,8 @@
 
 namespace tuna {
 
+class DeviceArena;  // model/llama_gpu.h
+
 // What decoding needs of a GPU model: its configuration, parameter layout and bf16 weights on `device`.
 struct GpuWeights {
   const LlamaConfig* config;
@@ -55,7 +57,7 @@ class DecodeGpu {
   int64_t batch_, capacity_, length_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<cuda::MatmulContext> matmul_;
-  char* arena_ = nullptr;
+  std::unique_ptr<DeviceArena> arena_;  // the cache and activations (plan_gpu_decode_memory)
   std::vector<__nv_bfloat16*> keys_, values_;  // per layer: [batch, capacity, kv_dim]
   float *rope_cos_ = nullptr, *rope_sin_ = nullptr, *rstd_ = nullptr;
   // Activations of up to batch x capacity new positions, reused by every layer.

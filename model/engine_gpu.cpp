@@ -402,15 +402,16 @@ class GpuEngine final : public Engine {
     r.loss = total.count ? total.sum / total.count : NAN;
     // Mean over every trained token of the step; a step of only ignored targets changes nothing but decay.
     const double loss_scale = total.count ? 1.0 / total.count : 0.0;
+    const bool loss_is_finite = step_is_finite(r.loss, r.tokens, 0.0);
     if (shard_) {
-      r.stats = sharded_update(loss_scale, lr);
+      r.stats = sharded_update(loss_scale, lr, loss_is_finite);
       return r;
     }
     if (dp_device_) {
       dp_device_->all_reduce(model_.grads(), model_.layout().total(), CommType::F32, ReduceOp::Sum, "gradients");
       dp_device_->barrier("gradients all-reduced");  // a bounded wait (--comm_timeout) instead of a blind sync
     }
-    r.stats = model_.adamw_step(loss_scale, lr);
+    r.stats = model_.adamw_step(loss_scale, lr, loss_is_finite);
     return r;
   }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
@@ -535,8 +536,9 @@ class GpuEngine final : public Engine {
   }
 
  private:
-  // The sharded update of ZeRO 1-3 (see the top of this file). Returns the norm and clip as AdamW::step would.
-  OptimizerStats sharded_update(double loss_scale, double lr) {
+  // The sharded update of ZeRO 1-3 (see the top of this file). Returns the norm and clip as AdamW::step would;
+  // no update when the step's loss or the norm is not finite.
+  OptimizerStats sharded_update(double loss_scale, double lr, bool loss_is_finite) {
     OptimizerShard& sh = *shard_;
     const ParamLayout& layout = model_.layout();
     cudaStream_t stream = model_.stream();
@@ -565,22 +567,27 @@ class GpuEngine final : public Engine {
     OptimizerStats stats;
     stats.grad_norm = std::sqrt(sum_sq) * loss_scale;
     stats.clip_scale = clip_scale(options_.opt, stats.grad_norm);
-    const int64_t step = model_.steps_taken() + 1;
-    const OptimizerConfig& oc = options_.opt;
-    const cuda::AdamWArgs args{lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step, loss_scale * stats.clip_scale,
-                               options_.stochastic_rounding, static_cast<uint32_t>(options_.seed)};
-    if (sh.bf16_moments())
-      cuda::adamw_update(sh.master, sh.weights, sh.grad, static_cast<__nv_bfloat16*>(sh.m),
-                         static_cast<__nv_bfloat16*>(sh.v), sh.padded, sh.table(), args, stream);
-    else
-      cuda::adamw_update(sh.master, sh.weights, sh.grad, static_cast<float*>(sh.m), static_cast<float*>(sh.v), sh.padded,
-                         sh.table(), args, stream);
-    model_.set_steps_taken(step);
-    if (store_) {
+    // Not finite: no update; the master shard and the bf16 weights stay as they are (begin_step zeroes the
+    // gradients of the next step). Decided from the norm already read back above: no extra sync.
+    stats.applied = loss_is_finite && std::isfinite(stats.grad_norm);
+    if (stats.applied) {
+      const int64_t step = model_.steps_taken() + 1;
+      const OptimizerConfig& oc = options_.opt;
+      const cuda::AdamWArgs args{lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step, loss_scale * stats.clip_scale,
+                                 options_.stochastic_rounding, static_cast<uint32_t>(options_.seed)};
+      if (sh.bf16_moments())
+        cuda::adamw_update(sh.master, sh.weights, sh.grad, static_cast<__nv_bfloat16*>(sh.m),
+                           static_cast<__nv_bfloat16*>(sh.v), sh.padded, sh.table(), args, stream);
+      else
+        cuda::adamw_update(sh.master, sh.weights, sh.grad, static_cast<float*>(sh.m), static_cast<float*>(sh.v),
+                           sh.padded, sh.table(), args, stream);
+      model_.set_steps_taken(step);
+    }
+    if (store_) {  // the weight store's step ends the same way, updated or not
       store_->weights_updated();
       if (dp_device_) dp_device_->barrier("weights updated");
       TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    } else {
+    } else if (stats.applied) {
       gather_master();
     }
     return stats;

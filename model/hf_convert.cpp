@@ -46,12 +46,14 @@ void write_json(const fs::path& p, const json& j) {
   if (!out) fail(p.string(), ": write failed (disk full?)");
 }
 
+// The model directory's tokenizer files as they are (data/tokenizer.h: kTokenizerFileNames). Which tokenizer
+// they hold is read by the tools, which also write what an export lacks (tools/convert.cpp).
 void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
-  for (const char* const* f = kTokenizerFiles; *f; f++) {
+  for (const char* name : kTokenizerFileNames) {
     std::error_code ec;
-    if (!fs::exists(from / *f)) continue;
-    fs::copy_file(from / *f, to / *f, fs::copy_options::overwrite_existing, ec);
-    if (ec) fail((from / *f).string(), ": cannot copy to ", to.string(), ": ", ec.message());
+    if (!fs::is_regular_file(from / name, ec)) continue;
+    fs::copy_file(from / name, to / name, fs::copy_options::overwrite_existing, ec);
+    if (ec) fail((from / name).string(), ": cannot copy to ", to.string(), ": ", ec.message());
   }
 }
 
@@ -78,6 +80,7 @@ std::vector<SourceTensor> collect(const HfCheckpointDir& src, const ParamLayout&
            format_shape(e.info->shape));
     if (e.info->dtype != DType::F32 && e.info->dtype != DType::BF16 && e.info->dtype != DType::F16)
       fail(src.dir().string(), ": tensor '", t.name, "': expected dtype F32, BF16 or F16, found ", dtype_name(e.info->dtype));
+    e.file->require_finite(*e.info);  // a NaN passed through conversion would train (or ship) as NaN
     out.push_back({&t, e});
   }
   refuse_foreign_tensors(src, layout);
@@ -172,6 +175,9 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
 ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const std::string& dtype,
                         int64_t max_shard_bytes, std::FILE* progress) {
   if (max_shard_bytes <= 0) fail("option --max-shard-bytes: expected > 0, found ", max_shard_bytes);
+  // What ships must be what training wrote: every file against the checkpoint's manifest first.
+  if (const std::string problem = verify_checkpoint(ckpt_dir); !problem.empty())
+    fail(ckpt_dir.string(), ": fails verification, nothing exported: ", problem);
   json config_json = read_config_json(ckpt_dir);
   LlamaConfig config = LlamaConfig::from_json(config_json, (ckpt_dir / "config.json").string());
   ParamLayout layout(config);

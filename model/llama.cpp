@@ -12,6 +12,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "dist/comm.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/classifier.h"
@@ -52,54 +53,69 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
   const LlamaConfig& c = config_;
   const TpDims& d = layout_.tp();
   const int64_t n = max_batch * max_seq;
-  if (!parallel.external_weights) params.assign(layout_.total(), 0.0f);
+  // The large buffers are checked against the host's memory before they are allocated, by name and size, so
+  // that a model or batch too big for this machine is an error that says so (core/memory.h), not the OOM killer.
+  const int64_t weight_copies = (parallel.external_weights ? 0 : 1) + (parallel.external_weights || parallel.external_grads ? 0 : 1);
+  allocate_host(str("the model's weights", weight_copies == 2 ? " and gradients" : "", " (", layout_.total(),
+                    " parameters, fp32)"),
+                static_cast<uint64_t>(weight_copies) * layout_.total() * sizeof(float), [&] {
+                  if (!parallel.external_weights) params.assign(layout_.total(), 0.0f);
+                  if (weight_copies == 2) grads.assign(layout_.total(), 0.0f);
+                });
   if (!parallel.external_weights && !parallel.external_grads) {
-    grads.assign(layout_.total(), 0.0f);
     own_store_ = std::make_unique<OwnWeights>(*this);
     store_ = own_store_.get();
   }
 
   inv_freq_.resize(c.head_dim / 2);
   cpu::rope_inv_freq(inv_freq_.data(), c.head_dim, c.rope_theta, c.rope_scaling);
-  rope_cos_.resize(max_seq * c.head_dim / 2);
-  rope_sin_.resize(max_seq * c.head_dim / 2);
+  allocate_host(str("the rotary tables for ", max_seq, " positions"), uint64_t(max_seq) * c.head_dim * sizeof(float), [&] {
+    rope_cos_.resize(max_seq * c.head_dim / 2);
+    rope_sin_.resize(max_seq * c.head_dim / 2);
+  });
   cpu::rope_table(rope_cos_.data(), rope_sin_.data(), inv_freq_.data(), max_seq, c.head_dim);
 
   acts_.resize(c.num_hidden_layers);
-  for (LayerActs& a : acts_) {
-    a.resid_in.resize(n * c.hidden_size);
-    a.norm1.resize(n * c.hidden_size);
-    a.rstd1.resize(n);
-    a.q.resize(n * d.q_dim);
-    a.k.resize(n * d.kv_dim);
-    a.v.resize(n * d.kv_dim);
-    a.att.resize(n * d.q_dim);
-    a.lse.resize(n * d.heads);
-    a.resid_mid.resize(n * c.hidden_size);
-    a.norm2.resize(n * c.hidden_size);
-    a.rstd2.resize(n);
-    a.gate.resize(n * d.ffn);
-    a.up.resize(n * d.ffn);
-    a.act.resize(n * d.ffn);
-  }
-  resid_out_.resize(n * c.hidden_size);
-  final_norm_out_.resize(n * c.hidden_size);
-  final_rstd_.resize(n);
   const LlamaBufferSizes planned = llama_buffer_sizes(c, d, max_batch, max_seq);
   head_chunk_rows_ = planned.head_chunk_rows;
-  logits_chunk_.resize(head_chunk_rows_ * d.vocab);
-  if (tp_) ce_stats_.resize(3 * head_chunk_rows_);
+  // Checked against the host's memory before anything is allocated, by name (the sizes are the plan's).
+  allocate_host(str("the activations of ", max_batch, " x ", max_seq, " tokens through ", c.num_hidden_layers,
+                    " layers (lower micro_batch or seq_len)"),
+                uint64_t(planned.activation_floats(c.num_hidden_layers)) * sizeof(float) + planned.ce_stats * sizeof(double),
+                [&] {
+    for (LayerActs& a : acts_) {
+      a.resid_in.resize(n * c.hidden_size);
+      a.norm1.resize(n * c.hidden_size);
+      a.rstd1.resize(n);
+      a.q.resize(n * d.q_dim);
+      a.k.resize(n * d.kv_dim);
+      a.v.resize(n * d.kv_dim);
+      a.att.resize(n * d.q_dim);
+      a.lse.resize(n * d.heads);
+      a.resid_mid.resize(n * c.hidden_size);
+      a.norm2.resize(n * c.hidden_size);
+      a.rstd2.resize(n);
+      a.gate.resize(n * d.ffn);
+      a.up.resize(n * d.ffn);
+      a.act.resize(n * d.ffn);
+    }
+    resid_out_.resize(n * c.hidden_size);
+    final_norm_out_.resize(n * c.hidden_size);
+    final_rstd_.resize(n);
+    logits_chunk_.resize(head_chunk_rows_ * d.vocab);
+    if (tp_) ce_stats_.resize(3 * head_chunk_rows_);
 
-  d_resid_.resize(n * c.hidden_size);
-  d_norm_.resize(n * c.hidden_size);
-  d_q_.resize(n * d.q_dim);
-  d_k_.resize(n * d.kv_dim);
-  d_v_.resize(n * d.kv_dim);
-  d_att_.resize(n * d.q_dim);
-  d_gate_.resize(n * d.ffn);
-  d_up_.resize(n * d.ffn);
-  d_act_.resize(n * d.ffn);
-  d_final_norm_.resize(n * c.hidden_size);
+    d_resid_.resize(n * c.hidden_size);
+    d_norm_.resize(n * c.hidden_size);
+    d_q_.resize(n * d.q_dim);
+    d_k_.resize(n * d.kv_dim);
+    d_v_.resize(n * d.kv_dim);
+    d_att_.resize(n * d.q_dim);
+    d_gate_.resize(n * d.ffn);
+    d_up_.resize(n * d.ffn);
+    d_act_.resize(n * d.ffn);
+    d_final_norm_.resize(n * c.hidden_size);
+                });
   // The memory plan is made of llama_buffer_sizes: a buffer added here without it would make the plan wrong.
   TUNA_CHECK(activation_bytes() == planned.activation_floats(c.num_hidden_layers) * int64_t(sizeof(float)) &&
                  static_cast<int64_t>(rope_cos_.size() + rope_sin_.size()) == planned.rope_tables &&

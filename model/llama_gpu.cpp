@@ -588,7 +588,7 @@ void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq,
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr) {
+OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_finite) {
   TUNA_CHECK(m_ != nullptr, "model built without optimizer state (forward only, or ZeRO-1's engine holds it)");
   const int64_t P = layout_.total();
   cudaStream_t s = stream_;
@@ -607,6 +607,8 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr) {
   OptimizerStats stats;
   stats.grad_norm = std::sqrt(pinned_scalar_[1]) * loss_scale;
   stats.clip_scale = clip_scale(opt_, stats.grad_norm);
+  stats.applied = loss_is_finite && std::isfinite(stats.grad_norm);
+  if (!stats.applied) return stats;  // decided on the host from the norm the step reads back anyway: no extra sync
   ++steps_taken_;
   cuda::AdamWArgs args{lr,
                        opt_.beta1,

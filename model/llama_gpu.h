@@ -179,7 +179,8 @@ class LlamaGpu {
   // Global grad norm (deterministic), clipping as torch's clip_grad_norm_, then one fused AdamW launch.
   // loss_scale = 1 / trained tokens of the step. Same semantics as AdamW::step in model/optimizer.h. Under
   // tensor parallelism the norm sums the tp ranks' squares, with the replicated tensors counted once.
-  OptimizerStats adamw_step(double loss_scale, double lr);
+  // No update (stats.applied false) when the norm, read back here anyway, or the step's loss is not finite.
+  OptimizerStats adamw_step(double loss_scale, double lr, bool loss_is_finite = true);
   int64_t steps_taken() const { return steps_taken_; }
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
 
@@ -250,30 +251,6 @@ class LlamaGpu {
   int32_t* pinned_ids_ = nullptr;  // 5 * n + 1 ints: inputs, targets, positions, unique, offsets
   double* pinned_scalar_ = nullptr;
   cuda::EmbeddingGroups groups_;
-};
-
-// Bump allocation from one cudaMalloc: add() every buffer first, then cudaMalloc bytes() and assign() the base.
-// Every buffer is 256-byte aligned. What the KV-cache decoder (model/decode_gpu.h) lays its buffers out with; the
-// training engine's arena is laid out from its memory plan instead (DeviceArena above).
-class DeviceArenaPlan {
- public:
-  template <typename T>
-  void add(T** ptr, int64_t count) {
-    entries_.push_back({reinterpret_cast<void**>(ptr), offset_});
-    offset_ += device_arena_bytes(count * static_cast<int64_t>(sizeof(T)));
-  }
-  int64_t bytes() const { return offset_; }
-  void assign(char* base) const {
-    for (const Entry& e : entries_) *e.ptr = base + e.offset;
-  }
-
- private:
-  struct Entry {
-    void** ptr;
-    int64_t offset;
-  };
-  std::vector<Entry> entries_;
-  int64_t offset_ = 0;
 };
 
 // The fused AdamW's segment table (kernels/adamw.cuh) for `segments` of `layout`, in shard order: where each

@@ -103,5 +103,8 @@ nlohmann::json memory_plan_json(const MemoryPlan& plan);
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& layout);
 // model/memory_plan_gpu.cpp: plain C++, in every build (build/plan prices GPUs on any machine)
 MemoryPlan plan_gpu_memory(const LlamaConfig& config, const MemoryLayout& layout);
+// Generation's KV-cache decoder (model/decode_gpu.h) for `batch` sequences of up to `capacity` positions: the
+// cache and one position-set's activations, laid out the same way (the weights are the model's, not listed).
+MemoryPlan plan_gpu_decode_memory(const LlamaConfig& config, int64_t batch, int64_t capacity);
 
 }  // namespace tuna

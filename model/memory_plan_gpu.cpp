@@ -209,6 +209,29 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   return b.plan;
 }
 
+MemoryPlan plan_gpu_decode_memory(const LlamaConfig& c, int64_t batch, int64_t capacity) {
+  TUNA_CHECK(batch >= 1 && capacity >= 1, "batch ", batch, ", capacity ", capacity);
+  const int64_t rows = batch * capacity, C = c.hidden_size, F = c.intermediate_size;
+  const int64_t cache = batch * capacity * c.kv_dim();
+  PlanBuilder b;
+  for (int64_t layer = 0; layer < c.num_hidden_layers; layer++) {
+    b.add(str("layer ", layer, " cached keys"), MemoryKind::Activations, cache, kBf16);
+    b.add(str("layer ", layer, " cached values"), MemoryKind::Activations, cache, kBf16);
+  }
+  b.add("RoPE cos", MemoryKind::Workspace, capacity * c.head_dim / 2, kF32);
+  b.add("RoPE sin", MemoryKind::Workspace, capacity * c.head_dim / 2, kF32);
+  b.add("rstd", MemoryKind::Activations, rows, kF32);
+  for (const char* name : {"residual", "residual mid", "norm"}) b.add(name, MemoryKind::Activations, rows * C, kBf16);
+  for (const char* name : {"q", "attention out"}) b.add(name, MemoryKind::Activations, rows * c.q_dim(), kBf16);
+  for (const char* name : {"k", "v"}) b.add(name, MemoryKind::Activations, rows * c.kv_dim(), kBf16);
+  for (const char* name : {"gate", "up", "swiglu"}) b.add(name, MemoryKind::Activations, rows * F, kBf16);
+  b.add("last positions", MemoryKind::Activations, batch * C, kBf16);
+  b.add("logits", MemoryKind::Activations, batch * c.vocab_size, kBf16);
+  b.add("tokens", MemoryKind::Workspace, rows, kI32);
+  b.add_outside_arena("cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes);
+  return b.plan;
+}
+
 int64_t gpu_headroom_bytes(const MemoryLayout& l) {
   const int64_t mib = int64_t(1) << 20;
   return (l.dp > 1 || l.tp > 1) ? 1536 * mib : 512 * mib;

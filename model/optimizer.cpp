@@ -5,6 +5,7 @@
 #include <numbers>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "kernels/cpu/adamw.h"
 
 namespace tuna {
@@ -29,16 +30,24 @@ double learning_rate(const OptimizerConfig& c, int64_t step, int64_t total_steps
 void validate(const OptimizerConfig& c) {
   if (c.schedule != "cosine" && c.schedule != "linear" && c.schedule != "constant" && c.schedule != "wsd")
     fail("option 'schedule': expected cosine, linear, constant or wsd, found '", c.schedule, "'");
-  if (!(c.lr > 0)) fail("option 'lr': expected > 0, found ", c.lr);
-  if (c.min_lr < 0 || c.min_lr > c.lr) fail("option 'min_lr': expected 0 <= min_lr <= lr, found ", c.min_lr);
+  // Written so that NaN fails every test (a NaN compares false): inf and nan are refused like any bad value.
+  if (!(c.lr > 0 && std::isfinite(c.lr))) fail("option 'lr': expected a finite number > 0, found ", c.lr);
+  if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) fail("option 'min_lr': expected 0 <= min_lr <= lr, found ", c.min_lr);
   if (c.warmup_steps < 0) fail("option 'warmup_steps': expected >= 0, found ", c.warmup_steps);
   if (!(c.decay_fraction > 0 && c.decay_fraction <= 1))
     fail("option 'decay_fraction': expected in (0, 1], found ", c.decay_fraction);
   if (!(c.beta1 >= 0 && c.beta1 < 1)) fail("option 'beta1': expected in [0, 1), found ", c.beta1);
   if (!(c.beta2 >= 0 && c.beta2 < 1)) fail("option 'beta2': expected in [0, 1), found ", c.beta2);
-  if (!(c.eps > 0)) fail("option 'eps': expected > 0, found ", c.eps);
-  if (c.weight_decay < 0) fail("option 'weight_decay': expected >= 0, found ", c.weight_decay);
-  if (c.grad_clip < 0) fail("option 'grad_clip': expected >= 0 (0 disables), found ", c.grad_clip);
+  if (!(c.eps > 0 && std::isfinite(c.eps))) fail("option 'eps': expected a finite number > 0, found ", c.eps);
+  if (!(c.weight_decay >= 0 && std::isfinite(c.weight_decay)))
+    fail("option 'weight_decay': expected a finite number >= 0, found ", c.weight_decay);
+  if (!(c.grad_clip >= 0 && std::isfinite(c.grad_clip)))
+    fail("option 'grad_clip': expected a finite number >= 0 (0 disables), found ", c.grad_clip);
+}
+
+bool step_is_finite(double loss, int64_t tokens, double grad_norm) {
+  // A step of only ignored targets has no mean loss (NaN by convention, llama.h); its gradient decides alone.
+  return (tokens == 0 || std::isfinite(loss)) && std::isfinite(grad_norm);
 }
 
 double clip_scale(const OptimizerConfig& c, double grad_norm) {
@@ -66,8 +75,10 @@ AdamW::AdamW(const ParamLayout& layout, const OptimizerConfig& config, std::vect
   validate(config_);
   int64_t shard = 0;
   for (const Segment& s : segments_) shard += s.size;
-  m.assign(shard, 0.0f);
-  v.assign(shard, 0.0f);
+  allocate_host(str("the AdamW moments (", shard, " parameters, fp32)"), uint64_t(shard) * 2 * sizeof(float), [&] {
+    m.assign(shard, 0.0f);
+    v.assign(shard, 0.0f);
+  });
 }
 
 OptimizerStats AdamW::step(float* params, const float* grads, double loss_scale, double lr) {
@@ -75,7 +86,8 @@ OptimizerStats AdamW::step(float* params, const float* grads, double loss_scale,
   OptimizerStats stats;
   stats.grad_norm = std::sqrt(cpu::sum_of_squares(grads, layout_.total())) * loss_scale;
   stats.clip_scale = clip_scale(config_, stats.grad_norm);
-  update(params, grads, loss_scale * stats.clip_scale, lr);
+  stats.applied = std::isfinite(stats.grad_norm);
+  if (stats.applied) update(params, grads, loss_scale * stats.clip_scale, lr);
   return stats;
 }
 

@@ -40,7 +40,14 @@ void validate(const OptimizerConfig& config);
 struct OptimizerStats {
   double grad_norm = 0;    // global L2 norm of the (loss-scaled) gradient, before clipping
   double clip_scale = 1;   // factor applied by clipping (1 when not clipped)
+  bool applied = true;     // false: the step's loss or gradient norm was not finite, so nothing was updated
 };
+
+// Whether a step may update the weights: its loss (when it trained any token) and its global gradient norm are
+// finite. A NaN or inf update would poison every weight and every later step; such a step is skipped instead
+// (AdamW's update count does not advance), and the trainer counts the skips (--max_bad_steps). Every rank
+// decides alike: the loss and the norm are global.
+bool step_is_finite(double loss, int64_t tokens, double grad_norm);
 
 // A run [begin, begin + size) of the flat layout. A sharded optimizer (ZeRO) owns a list of them and keeps
 // its state for their concatenation ("shard order").
@@ -77,7 +84,7 @@ class AdamW {
   AdamW(const ParamLayout& layout, const OptimizerConfig& config, std::vector<Segment> segments);
 
   // Whole layout: grads hold gradients of the summed loss; loss_scale (1 / trained tokens) turns them into
-  // the mean's; the norm, the clip and the update in one call.
+  // the mean's; the norm, the clip and the update in one call (no update when the norm is not finite).
   OptimizerStats step(float* params, const float* grads, double loss_scale, double lr);
 
   // Sharded use, params and grads in shard order; the caller reduces the norm across ranks.

@@ -16,7 +16,10 @@
 #include <set>
 #include <utility>
 
+#include "core/checksum.h"
 #include "core/error.h"
+#include "core/file.h"
+#include "core/json.h"
 #include "core/progress.h"
 
 namespace tuna {
@@ -30,28 +33,16 @@ constexpr std::string_view kMetadataKey = "__metadata__";
 
 std::string errno_text(int err) { return std::strerror(err); }
 
-// Parses JSON, reporting a key that repeats at the top level instead of silently keeping one of them:
-// in a safetensors header that would hide a tensor, in an index a shard assignment.
+// The header or the index as a JSON object: depth-limited, a repeated key refused (core/json.h): in a header
+// a repeat would hide a tensor, in an index a shard assignment.
 ordered_json parse_json_object(std::string_view text, const std::string& what) {
-  std::string duplicate;
-  std::set<std::string, std::less<>> seen;
-  auto callback = [&](int depth, nlohmann::json::parse_event_t event, ordered_json& parsed) {
-    if (depth == 1 && event == nlohmann::json::parse_event_t::key && duplicate.empty()) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!seen.insert(key).second) duplicate = key;
-    }
-    return true;
-  };
-  ordered_json json;
-  try {
-    json = ordered_json::parse(text.begin(), text.end(), callback);
-  } catch (const nlohmann::json::exception& e) {
-    fail(what, " is not valid JSON: ", e.what());
-  }
+  ordered_json json = parse_ordered_json(text, what);
   if (!json.is_object()) fail(what, " is not a JSON object (found ", json.type_name(), ")");
-  if (!duplicate.empty()) fail(what, ": key '", duplicate, "' appears more than once");
   return json;
 }
+
+// The safetensors format's own limit on the header (the reference implementation refuses larger ones).
+constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 
 // A JSON integer that fits in int64 (nlohmann stores big positives as unsigned, fractions as float).
 bool as_int64(const ordered_json& value, int64_t* out) {
@@ -173,19 +164,8 @@ std::string format_shape(std::span<const int64_t> shape) {
 
 SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
   const std::string name = path.string();
-  int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open safetensors file ", name, ": ", errno_text(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    fail("cannot stat ", name, ": ", errno_text(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(name, ": not a regular file (expected a .safetensors file)");
-  }
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  uint64_t file_size = 0;
+  const int fd = open_regular_file(path, "safetensors file", &file_size);  // a FIFO or device is refused by name
   if (file_size < 8) {
     ::close(fd);
     fail(name, ": file is ", file_size,
@@ -205,6 +185,8 @@ SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
     if (header_size > file_size - 8)
       fail(name, ": header length ", header_size, " runs past the end of the file (", file_size,
            " bytes, so at most ", file_size - 8, " bytes of header)");
+    if (header_size > kMaxHeaderBytes)
+      fail(name, ": header length ", header_size, " is more than the format's limit of ", kMaxHeaderBytes, " bytes");
     const uint64_t data_size = file_size - 8 - header_size;
     data_section_ = map_ + 8 + header_size;
 
@@ -230,16 +212,25 @@ SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
     // (zero-byte tensors), so listing is deterministic.
     std::stable_sort(tensors_.begin(), tensors_.end(),
                      [](const TensorInfo& a, const TensorInfo& b) { return a.begin < b.begin; });
-    // Sorted by begin, a tensor overlaps an earlier one exactly when it starts before the furthest end
-    // seen so far. Zero-byte tensors occupy nothing and cannot overlap.
-    const TensorInfo* furthest = nullptr;
+    // The format's rule: the tensors cover the data section exactly, each starting where the previous ends,
+    // with no hole and no trailing byte (zero-byte tensors aside). Bytes that belong to no tensor are how a damaged or tampered file
+    // shows (an insertion shifts every later tensor, which would then load as garbage), so they are refused.
+    uint64_t covered = 0;
+    const TensorInfo* previous = nullptr;
     for (const TensorInfo& t : tensors_) {
-      if (t.nbytes() == 0) continue;
-      if (furthest && t.begin < furthest->end)
-        fail(name, ": tensors '", furthest->name, "' (bytes [", furthest->begin, ", ", furthest->end,
-             ")) and '", t.name, "' (bytes [", t.begin, ", ", t.end, ")) overlap");
-      if (!furthest || t.end > furthest->end) furthest = &t;
+      if (t.nbytes() == 0) continue;  // holds no byte, hides none: accepted wherever it points inside the data
+      if (t.begin > covered)
+        fail(name, ": bytes [", covered, ", ", t.begin, ") of the data section belong to no tensor (before '", t.name,
+             "'): a safetensors file has no holes; the file is damaged");
+      if (t.begin < covered)
+        fail(name, ": tensors '", previous->name, "' (bytes [", previous->begin, ", ", previous->end, ")) and '",
+             t.name, "' (bytes [", t.begin, ", ", t.end, ")) overlap");
+      covered = t.end;
+      previous = &t;
     }
+    if (covered != data_size)
+      fail(name, ": the tensors end at byte ", covered, " of the ", data_size, "-byte data section: ",
+           data_size - covered, " trailing bytes belong to no tensor; the file is damaged");
     for (size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
   } catch (...) {
     release();
@@ -300,12 +291,21 @@ const TensorInfo& SafetensorsFile::require(std::string_view name,
   return *info;
 }
 
+void SafetensorsFile::require_finite(const TensorInfo& info) const {
+  const int64_t bad = first_non_finite(data(info), info.dtype, info.numel);
+  if (bad >= 0)
+    fail("tensor '", info.name, "' in ", path_.string(), ": element ", bad, " is ",
+         element_as_double(data(info), info.dtype, bad),
+         " (weights and optimizer state must be finite; the checkpoint is damaged or was saved from a diverged run)");
+}
+
 void SafetensorsFile::read_f32(std::string_view name, std::span<const int64_t> expected_shape,
                                float* dst) const {
   const TensorInfo& info = require(name, expected_shape);
   if (!is_floating(info.dtype))
     fail("tensor '", name, "' in ", path_.string(), ": dtype ", dtype_name(info.dtype),
          " cannot be read as float (expected F32, BF16, F16 or F64)");
+  require_finite(info);
   convert_to_f32(data(info), info.dtype, dst, info.numel);
 }
 
@@ -313,6 +313,7 @@ void SafetensorsFile::read_f64(std::string_view name, std::span<const int64_t> e
                                double* dst) const {
   const TensorInfo& info = require(name, expected_shape);
   const std::byte* src = data(info);
+  if (is_floating(info.dtype)) require_finite(info);
   switch (info.dtype) {
     case DType::F64:
       if (info.numel > 0) std::memcpy(dst, src, info.nbytes());
@@ -393,10 +394,10 @@ void SafetensorsWriter::add_metadata(std::string key, std::string value) {
   metadata_.emplace_back(std::move(key), std::move(value));
 }
 
-void SafetensorsWriter::write(const fs::path& path, ProgressLine* progress) const {
+FileDigest SafetensorsWriter::write(const fs::path& path, ProgressLine* progress) const {
   for (const Pending& t : tensors_)
     TUNA_CHECK(t.data != nullptr || t.nbytes == 0, "tensor '", t.name, "' was added for streaming: write_streamed");
-  write_streamed(
+  return write_streamed(
       path,
       [&](const Append& append) {
         for (const Pending& t : tensors_) append(t.data, t.nbytes);
@@ -404,8 +405,9 @@ void SafetensorsWriter::write(const fs::path& path, ProgressLine* progress) cons
       progress);
 }
 
-void SafetensorsWriter::write_streamed(const fs::path& path, const std::function<void(const Append& append)>& produce,
-                                       ProgressLine* progress) const {
+FileDigest SafetensorsWriter::write_streamed(const fs::path& path,
+                                             const std::function<void(const Append& append)>& produce,
+                                             ProgressLine* progress) const {
   const std::string target = path.string();
   const std::string tmp = target + ".tmp";
 
@@ -445,8 +447,12 @@ void SafetensorsWriter::write_streamed(const fs::path& path, const std::function
     ::unlink(tmp.c_str());
     fail("cannot write ", target, ": ", what, ": ", errno_text(err));
   };
+  // The checksum is taken from the bytes as they go out, so a manifest costs no second read of the file.
+  Checksum sum;
   if (!write_all(fd, length, 8) || !write_all(fd, text.data(), text.size()))
     give_up("writing the header to " + tmp);
+  sum.update(length, 8);
+  sum.update(text.data(), text.size());
   constexpr uint64_t kPiece = uint64_t(64) << 20;  // progress moves at least every 64 MB
   // The appended bytes must be the tensors' in order: `tensor` is the one being filled, `filled` its bytes so far.
   size_t tensor = 0;
@@ -459,8 +465,9 @@ void SafetensorsWriter::write_streamed(const fs::path& path, const std::function
         give_up(str("more bytes than the header's ", tensors_.size(), " tensors hold"));
       }
       const uint64_t n = std::min({kPiece, bytes - done, tensors_[tensor].nbytes - filled});
-      if (!write_all(fd, static_cast<const char*>(data) + done, n))
-        give_up("writing tensor '" + tensors_[tensor].name + "' to " + tmp);
+      const char* piece = static_cast<const char*>(data) + done;
+      if (!write_all(fd, piece, n)) give_up("writing tensor '" + tensors_[tensor].name + "' to " + tmp);
+      sum.update(piece, n);
       if (progress) progress->add(static_cast<double>(n));
       done += n, filled += n;
     }
@@ -494,6 +501,7 @@ void SafetensorsWriter::write_streamed(const fs::path& path, const std::function
     if (sync_rc != 0 && err != EINVAL && err != ENOTSUP)
       fail("cannot write ", target, ": fsync of directory ", parent.string(), ": ", errno_text(err));
   }
+  return sum.digest();
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -537,10 +545,7 @@ HfCheckpointDir::HfCheckpointDir(const fs::path& dir) : dir_(dir) {
   if (fs::is_regular_file(dir / kIndexFile, ec)) {
     index_path_ = dir / kIndexFile;
     const std::string index_name = index_path_.string();
-    std::ifstream in(index_path_, std::ios::binary);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (!in && !in.eof()) fail("cannot read ", index_name);
-    ordered_json index = parse_json_object(text, index_name);
+    ordered_json index = parse_json_object(read_regular_file(index_path_, "safetensors index", kMaxJsonFileBytes), index_name);
     if (!index.contains("weight_map"))
       fail(index_name, ": missing field 'weight_map' (tensor name -> shard file)");
     const ordered_json& weight_map = index["weight_map"];
@@ -553,6 +558,11 @@ HfCheckpointDir::HfCheckpointDir(const fs::path& dir) : dir_(dir) {
         fail(index_name, ": weight_map entry '", tensor, "': expected a shard file name, found ",
              file.type_name());
       const std::string& shard_file = file.get_ref<const std::string&>();
+      // A plain file name inside this directory: "../x", "/etc/x" or "sub/x" would read outside the model.
+      if (shard_file.empty() || shard_file == "." || shard_file == ".." ||
+          shard_file.find_first_of(std::string("/\\\0", 3)) != std::string::npos)
+        fail(index_name, ": weight_map entry '", tensor, "': shard '", shard_file,
+             "' is not a plain file name (a shard must sit in the model directory itself)");
       auto [it, inserted] = shard_number.emplace(shard_file, shard_paths_.size());
       if (inserted) {
         fs::path shard_path = dir / shard_file;

@@ -29,6 +29,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/checksum.h"  // FileDigest
 #include "core/dtype.h"
 
 namespace tuna {
@@ -56,8 +57,9 @@ class SafetensorsFile {
   // not a JSON object, an entry lacks dtype/shape/data_offsets or has the wrong JSON types, a dtype is
   // unknown, a dimension is negative, data_offsets is not [begin, end] with begin <= end, a tensor runs
   // past the end of the data section (truncated file), a byte size differs from numel * dtype size,
-  // two tensors overlap, a name repeats, or __metadata__ is not a map of strings.
-  // Gaps between tensors are accepted (they are harmless to a reader).
+  // two tensors overlap, the tensors leave a hole or trailing bytes in the data section (the format requires
+  // them to cover it exactly), a name repeats, or __metadata__ is not a map of strings; a FIFO or device is
+  // refused by name (core/file.h), a header nested too deep or over 100 MB too (core/json.h).
   explicit SafetensorsFile(const std::filesystem::path& path);
   ~SafetensorsFile();
   SafetensorsFile(SafetensorsFile&& other) noexcept;
@@ -79,8 +81,12 @@ class SafetensorsFile {
 
   // Copies tensor `name`, converted to float, into dst (expected_shape's numel elements). Fails when
   // the tensor is missing ("file X has no tensor 'name'"), its shape differs ("tensor 'name' in X:
-  // expected shape [64, 128], found [64, 127]"), or its dtype is not F32, BF16, F16 or F64.
+  // expected shape [64, 128], found [64, 127]"), its dtype is not F32, BF16, F16 or F64, or an element is
+  // NaN or infinite (require_finite).
   void read_f32(std::string_view name, std::span<const int64_t> expected_shape, float* dst) const;
+  // Fails naming the file, the tensor, the index of its first non-finite element and its value, for a
+  // floating tensor holding a NaN or an infinity.
+  void require_finite(const TensorInfo& info) const;
   // As read_f32, into double: F64 exactly, F32/BF16/F16 widened exactly (test fixtures are F64).
   void read_f64(std::string_view name, std::span<const int64_t> expected_shape, double* dst) const;
   // As read_f32, into int32: I32 exactly, I64 when every element fits in int32 (else fails naming it).
@@ -127,17 +133,18 @@ class SafetensorsWriter {
   // Writes path atomically: header JSON padded with spaces so the data section starts at a multiple of
   // 8 bytes, then the tensors; into path + ".tmp", fsync, rename over path, fsync the directory. On any
   // failure (unwritable directory, disk full: every write is checked) the message names path, the
-  // temporary file is removed, and an existing file at path is left as it was.
+  // temporary file is removed, and an existing file at path is left as it was. Returns the file's size and
+  // XXH3-64, computed from the bytes as they are written (for a checkpoint's manifest).
   // `progress`, when given, advances by the bytes of every piece written (a 140 GB file shows it moving).
-  void write(const std::filesystem::path& path, ProgressLine* progress = nullptr) const;
+  FileDigest write(const std::filesystem::path& path, ProgressLine* progress = nullptr) const;
 
   // Streaming: tensors registered with add_streamed() carry no data; write_streamed() writes the header, then
   // calls produce(append), which must append exactly the bytes of every tensor, in the order added (checked),
   // so that no caller holds the whole file's data at once. Then fsync and rename as write().
   void add_streamed(std::string name, DType dtype, std::span<const int64_t> shape);
   using Append = std::function<void(const void* data, uint64_t bytes)>;
-  void write_streamed(const std::filesystem::path& path, const std::function<void(const Append& append)>& produce,
-                      ProgressLine* progress = nullptr) const;
+  FileDigest write_streamed(const std::filesystem::path& path, const std::function<void(const Append& append)>& produce,
+                            ProgressLine* progress = nullptr) const;
 
  private:
   struct Pending {

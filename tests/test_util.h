@@ -70,11 +70,12 @@ inline std::string error_of(const std::function<void()>& f) {
 
 // Token shards for trainer tests (vocab 128): a learnable stream, 62 training windows of 16
 // tokens in train-0000{0,1}.bin, 31 in val-00000.bin.
-inline void write_test_shards(const std::filesystem::path& dir) {
+// tokenizer_fingerprint: what the shards record of the tokenizer that wrote them (0: unknown).
+inline void write_test_shards(const std::filesystem::path& dir, uint64_t tokenizer_fingerprint = 0) {
   std::filesystem::create_directories(dir);
   std::mt19937 rng(5);
   for (const char* name : {"train-00000.bin", "train-00001.bin", "val-00000.bin"}) {
-    ShardWriter w((dir / name).string(), 128);
+    ShardWriter w((dir / name).string(), 128, /*with_mask=*/false, tokenizer_fingerprint);
     for (int doc = 0; doc < 12; doc++) {
       std::vector<int32_t> tokens{1};
       const int start = rng() % 100;

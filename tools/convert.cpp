@@ -6,12 +6,16 @@
 // Only safetensors are read; PyTorch pickle checkpoints (.bin/.pth) are refused with a way out.
 #include <cstdio>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 #include "core/options.h"
+#include "data/tokenizer.h"  // the tokenizer the model carries; the files transformers needs beside it
+#include "model/checkpoint.h"  // read_config_json
 #include "model/hf_convert.h"
 
 int main(int argc, char** argv) {
-  try {
+  return tuna::guarded_main([&] {
     std::string dtype;
     int64_t max_shard_bytes = int64_t(5) << 30;
     tuna::Options options("build/convert hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR",
@@ -19,8 +23,10 @@ int main(int argc, char** argv) {
                           "tuna-to-hf: a tuna checkpoint -> a directory transformers loads (AutoModelForCausalLM).");
     options.add("dtype", &dtype,
                 "weights dtype; hf-to-tuna: keep (default) | float32 | bfloat16 | float16; tuna-to-hf: auto (config.json's "
-                "torch_dtype, default) | float32 | bfloat16 | float16");
-    options.add("max_shard_bytes", &max_shard_bytes, "tuna-to-hf: start a new model-0000N-of-0000M.safetensors past this size");
+                "torch_dtype, default) | float32 | bfloat16 | float16",
+                {"keep", "auto", "float32", "bfloat16", "float16"});
+    options.add("max_shard_bytes", &max_shard_bytes, "tuna-to-hf: start a new model-0000N-of-0000M.safetensors past this size",
+                tuna::Bounds::closed(1, 1e15));
     std::vector<std::string> args = options.parse(argc, argv);
     if (args.size() != 3) tuna::fail("expected: hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR (see --help)");
     tuna::ConvertReport r;
@@ -30,9 +36,23 @@ int main(int argc, char** argv) {
     std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s), through %.1f MB of host buffers\n",
                 args[1].c_str(), args[2].c_str(), (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(),
                 r.bytes_written / 1e6, (long long)r.shards, r.host_staging_bytes / 1e6);
+    // The tokenizer travelled with the weights: say which one, or why it will not serve build/prepare.
+    if (!tuna::has_tokenizer(args[2])) {
+      std::printf("note: %s has no tokenizer file; give build/prepare and build/train one with --tokenizer\n",
+                  args[1].c_str());
+    } else {
+      try {
+        std::printf("tokenizer %s\n", tuna::Tokenizer(args[2]).describe().c_str());
+      } catch (const tuna::Error& e) {
+        std::printf("warning: the tokenizer files were copied, but tuna cannot read them: %s\n", e.what());
+      }
+    }
+    if (args[0] == "tuna-to-hf") {
+      std::string warning;
+      for (const std::string& name : tuna::complete_hf_tokenizer_files(args[2], tuna::read_config_json(args[2]), &warning))
+        std::printf("wrote %s/%s (for transformers)\n", args[2].c_str(), name.c_str());
+      if (!warning.empty()) std::printf("warning: %s\n", warning.c_str());
+    }
     return 0;
-  } catch (const tuna::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -15,27 +15,28 @@
 #include "core/options.h"
 #include "core/threads.h"
 #include "data/loader.h"
+#include "data/tokenizer.h"  // model_tokenizer
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/engine.h"  // ForwardModel: the forward pass on cpu or cuda
 
 int main(int argc, char** argv) {
   using namespace tuna;
-  try {
+  return guarded_main([&] {
     std::string checkpoint, data, device = "auto";
     int64_t seq_len = 1024, micro_batch = 4, max_batches = 0, threads = 0;
     Options options("build/eval", "Mean loss and perplexity of a model directory on token shards.");
     options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint or a Hugging Face download");
     options.add("data", &data, "token shards: files, directories or globs, comma-separated");
-    options.add("seq_len", &seq_len, "tokens per window (windows do not overlap)");
-    options.add("micro_batch", &micro_batch, "windows per forward pass");
-    options.add("max_batches", &max_batches, "stop after this many batches; 0: all");
-    options.add("threads", &threads, "CPU threads; 0: all cores");
-    options.add("device", &device, "auto | cpu | cuda (auto: cuda when a GPU is visible)");
+    options.add("seq_len", &seq_len, "tokens per window (windows do not overlap)", Bounds::closed(1, 1 << 22));
+    options.add("micro_batch", &micro_batch, "windows per forward pass", Bounds::closed(1, 1 << 22));
+    options.add("max_batches", &max_batches, "stop after this many batches; 0: all", Bounds::at_least(0));
+    options.add("threads", &threads, "CPU threads; 0: all cores", Bounds::closed(0, 1 << 16));
+    options.add("device", &device, "cuda when a GPU is visible (auto), or the one named", {"auto", "cpu", "cuda"});
     if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
     if (checkpoint.empty() || data.empty()) fail("--checkpoint and --data are required (see --help)");
-    if (seq_len < 1 || micro_batch < 1 || max_batches < 0 || threads < 0)
-      fail("seq_len and micro_batch must be >= 1, max_batches and threads >= 0");
+    if (micro_batch * seq_len > (int64_t{1} << 31))
+      fail("options 'micro_batch' x 'seq_len' = ", micro_batch * seq_len, " tokens per batch: at most 2^31");
     set_cpu_threads(threads);
 
     LlamaConfig config = LlamaConfig::load(checkpoint);
@@ -51,6 +52,10 @@ int main(int argc, char** argv) {
     lo.micro_batch = micro_batch;
     lo.vocab_size = config.vocab_size;
     lo.eval = true;
+    // Shards written by another tokenizer than the checkpoint's are refused (when it has one tuna reads).
+    const ModelTokenizer tokenizer = model_tokenizer("", checkpoint, config.vocab_size);
+    lo.tokenizer_fingerprint = tokenizer.fingerprint;
+    lo.tokenizer_name = tokenizer.description;
     DataLoader loader(expand_shard_paths(specs), lo);
 
     std::vector<int32_t> inputs(micro_batch * seq_len), targets(micro_batch * seq_len);
@@ -73,8 +78,5 @@ int main(int argc, char** argv) {
                             .dump()
                             .c_str());
     return 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -18,7 +18,7 @@ namespace {
 
 constexpr const char* kSummary = R"(Cleans, filters, deduplicates and tokenizes text into shards for build/train.
 
-  build/prepare --tokenizer TOK.model --out DIR [options] INPUT...
+  build/prepare --tokenizer TOKENIZER --out DIR [options] INPUT...
   mpirun -np N build/prepare ... (same options: each rank reads a share, dedup stays global)
 
 Writes DIR/train-NNNNN.bin, DIR/val-NNNNN.bin (DIR/train-rRRRRR-NNNNN.bin under mpirun), DIR/report.json and
@@ -62,15 +62,24 @@ class WideFlags {
 
 // Every flag of prepare. no_exact_dedup / no_near_dedup: PrepareOptions says it the other way round.
 void declare(tuna::Options& o, tuna::PrepareOptions& p, WideFlags& w, bool* no_exact_dedup, bool* no_near_dedup) {
-  o.add("tokenizer", &p.tokenizer_path, "sentencepiece model to tokenize with (written first with --train-tokenizer); required");
+  o.add("tokenizer", &p.tokenizer_path,
+        "the model's tokenizer, required: a model directory (tuna checkpoint or Hugging Face download) or a file: "
+        "sentencepiece .model, Hugging Face tokenizer.json (Llama 3), tiktoken ranks (Llama 3's "
+        "original/tokenizer.model); BOS/EOS as its config names them");
   o.add("out", &p.out_dir, "output directory (created if missing); required");
   o.add("train_tokenizer", &p.train_tokenizer,
-        "train --tokenizer on the inputs first (BPE, byte fallback), writing it and its .vocab");
+        "train a sentencepiece model at --tokenizer (a .model file) on the inputs first (BPE, byte fallback), writing "
+        "it and its .vocab");
   w.add(o, "vocab_size", &p.vocab_size, "vocabulary of the trained tokenizer", 1);
   w.add(o, "tokenizer_sample_mb", &p.tokenizer_sample_bytes, "text sampled for tokenizer training, in MiB", 1, 20);
   o.add("val_fraction", &p.val_fraction, "share of documents in the validation split, by a hash of the text, in [0, 1]");
   o.add("text_field", &p.text_field, "JSONL field that holds the document");
-  o.add("sft", &p.sft, "JSONL records are {prompt, response}: the loss mask trains on the response only");
+  o.add("sft", &p.sft,
+        "JSONL records are {prompt, response} or {messages: [{role, content}, ...]}: the loss mask trains on the "
+        "response, or on the assistant's turns, only");
+  o.add("chat_template", &p.chat_template,
+        "SFT messages: llama3, llama2, or auto (the model's own, from its tokenizer_config.json or its special "
+        "tokens; other templates are refused)");
   o.add("prompt_field", &p.prompt_field, "SFT: JSONL field of the prompt");
   o.add("response_field", &p.response_field, "SFT: JSONL field of the response");
   w.add(o, "max_document_mb", &p.max_document_bytes, "a longer line or file is counted as oversized and skipped, in MiB", 1, 20);
@@ -145,8 +154,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "warning: the validation split is empty (too few documents for --val-fraction %g)\n",
                    options.val_fraction);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s%s\n", comm ? tuna::str("rank ", comm->rank(), ": ").c_str() : "", e.what());
+  } catch (...) {  // every exception (core/error.h): a std::bad_alloc or a filesystem error too, with its message
+    std::fprintf(stderr, "error: %s%s\n", comm ? tuna::str("rank ", comm->rank(), ": ").c_str() : "",
+                 tuna::describe_current_exception().c_str());
     // The other ranks may wait in a collective for this one: stop them all.
     if (comm && comm->size() > 1) comm->abort(1);
     return 1;

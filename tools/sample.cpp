@@ -1,4 +1,4 @@
-// build/sample — generates text from a checkpoint with its sentencepiece tokenizer.
+// build/sample — generates text from a checkpoint with its tokenizer (sentencepiece, tokenizer.json or tiktoken).
 //
 //   build/sample --checkpoint DIR --prompt "This Agreement" [--max_tokens 64] [--temperature 0.8]
 //                [--top_p 0.95] [--greedy] [--seed 1] [--device cuda] [--kv_cache false]
@@ -17,6 +17,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "core/options.h"
 #include "core/threads.h"
 #include "data/tokenizer.h"
@@ -52,41 +53,42 @@ int32_t sample_token(const float* logits, int64_t vocab, double temperature, dou
 
 int main(int argc, char** argv) {
   using namespace tuna;
-  try {
+  return guarded_main([&] {
     std::string checkpoint, tokenizer_path, prompt, device = "auto";
     int64_t max_tokens = 64, seed = 1, threads = 0;
     double temperature = 0.8, top_p = 0.95;
     bool greedy = false, stop_at_eos = true, kv_cache = true;
     Options options("build/sample", "Generates a continuation of a prompt from a model directory.");
     options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint or a Hugging Face download");
-    options.add("tokenizer", &tokenizer_path, "sentencepiece tokenizer.model; default: the checkpoint's");
+    options.add("tokenizer", &tokenizer_path,
+                "tokenizer file (sentencepiece, tokenizer.json, tiktoken) or model directory; default: the checkpoint's");
     options.add("prompt", &prompt, "text to continue");
-    options.add("max_tokens", &max_tokens, "tokens to generate at most");
-    options.add("temperature", &temperature, "softmax temperature (> 0)");
-    options.add("top_p", &top_p, "nucleus sampling: keep the most likely tokens up to this probability");
+    options.add("max_tokens", &max_tokens, "tokens to generate at most", Bounds::closed(1, 1 << 22));
+    options.add("temperature", &temperature, "softmax temperature (> 0 unless --greedy)", Bounds::closed(0, 1e6));
+    options.add("top_p", &top_p, "nucleus sampling: keep the most likely tokens up to this probability",
+                Bounds::open_closed(0, 1));
     options.add("greedy", &greedy, "always take the most likely token (ignores temperature and top_p)");
     options.add("stop_at_eos", &stop_at_eos, "stop when the model emits an end-of-sequence token");
-    options.add("seed", &seed, "sampling seed");
-    options.add("threads", &threads, "CPU threads; 0: all cores");
-    options.add("device", &device, "auto | cpu | cuda (auto: cuda when a GPU is visible)");
+    options.add("seed", &seed, "sampling seed", Bounds::at_least(0));
+    options.add("threads", &threads, "CPU threads; 0: all cores", Bounds::closed(0, 1 << 16));
+    options.add("device", &device, "cuda when a GPU is visible (auto), or the one named", {"auto", "cpu", "cuda"});
     options.add("kv_cache", &kv_cache, "keep each layer's keys and values, so a token costs one position's forward; "
                 "false reruns the whole context per token");
     if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
     if (checkpoint.empty()) fail("--checkpoint is required (see --help)");
-    if (!greedy && !(temperature > 0)) fail("option 'temperature': expected > 0, found ", temperature);
-    if (!(top_p > 0 && top_p <= 1)) fail("option 'top_p': expected in (0, 1], found ", top_p);
-    if (max_tokens < 1) fail("option 'max_tokens': expected >= 1, found ", max_tokens);
+    if (!greedy && temperature == 0) fail("option 'temperature': expected > 0 (or --greedy), found 0");
     set_cpu_threads(threads);
-    if (tokenizer_path.empty()) tokenizer_path = (std::filesystem::path(checkpoint) / "tokenizer.model").string();
+    if (tokenizer_path.empty()) tokenizer_path = checkpoint;  // the directory's own tokenizer
 
     Tokenizer tokenizer(tokenizer_path);
     LlamaConfig config = LlamaConfig::load(checkpoint);
     if (tokenizer.vocab_size() > config.vocab_size)
-      fail(tokenizer_path, ": the tokenizer has ", tokenizer.vocab_size(), " pieces, more than the model's vocab_size ",
+      fail(tokenizer.path(), ": the tokenizer has ", tokenizer.vocab_size(), " ids, more than the model's vocab_size ",
            config.vocab_size);
     std::vector<int32_t> tokens;
     if (tokenizer.bos_id() >= 0) tokens.push_back(tokenizer.bos_id());
-    for (int32_t t : tokenizer.encode(prompt)) tokens.push_back(t);
+    // Special tokens written in the prompt (<|start_header_id|>, <|eot_id|>) are the model's control tokens.
+    for (int32_t t : tokenizer.encode(prompt, SpecialTokens::parse)) tokens.push_back(t);
     const int64_t context = std::min<int64_t>(config.max_position_embeddings, tokens.size() + max_tokens);
     if (static_cast<int64_t>(tokens.size()) >= context)
       fail("the prompt (", tokens.size(), " tokens) leaves no room under max_position_embeddings ",
@@ -99,7 +101,10 @@ int main(int argc, char** argv) {
     if (tokenizer.eos_id() >= 0) eos.push_back(tokenizer.eos_id());
     std::mt19937_64 rng(static_cast<uint64_t>(seed));
     // Without the cache, logits of the whole context per token; with it, of the last position only.
-    std::vector<float> logits((kv_cache ? 1 : context) * config.vocab_size);
+    const int64_t logit_rows = kv_cache ? 1 : context;
+    std::vector<float> logits;
+    allocate_host(str("the logits of ", logit_rows, " positions x ", config.vocab_size, " tokens"),
+                  uint64_t(logit_rows) * config.vocab_size * sizeof(float), [&] { logits.resize(logit_rows * config.vocab_size); });
     // Decode the prompt and continuation together and print what is new: pieces can merge bytes across
     // tokens, and sentencepiece drops the leading space of a text's first piece.
     const size_t text_begin = tokenizer.bos_id() >= 0 ? 1 : 0;
@@ -146,8 +151,5 @@ int main(int argc, char** argv) {
                  generated > 1 ? (generated - 1) / decode_s : 0.0, model->describe().c_str(),
                  kv_cache ? "KV cache" : "no KV cache: whole context per token");
     return 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -1,5 +1,7 @@
 // data/loader: windows, rank disjointness, seeded order, exact resume, loss mask, bad tokens, eval pass.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -257,6 +259,31 @@ TEST(Loader, RefusesAShardOfALargerVocabulary) {
   expect_error([&] { DataLoader l({path}, o); }, {path, "vocab_size 50000", "model's vocab_size 32000"});
 }
 
+// A shard of another tokenizer with the same vocabulary size is refused, naming both tokenizers (the one
+// from prepare's report.json beside the shard); a shard without a fingerprint (version 1) passes.
+TEST(Loader, RefusesAShardOfAnotherTokenizer) {
+  TempDir dir;
+  const std::string path = dir.file("train-00000.bin");
+  {
+    ShardWriter w(path, 1000, false, /*tokenizer_fingerprint=*/0xaaaa);
+    w.add_document(std::vector<int32_t>(40, 7));
+    w.finish();
+  }
+  testing_data::write_file(dir.file("report.json"), R"({"tokenizer": {"path": "toks/contracts-8k.model"}})");
+  LoaderOptions o = options(8, 1);
+  o.vocab_size = 1000;
+  o.tokenizer_fingerprint = 0xbbbb;
+  o.tokenizer_name = "ckpt/base/tokenizer.json";
+  expect_error([&] { DataLoader l({path}, o); },
+               {path, "another tokenizer", "toks/contracts-8k.model", "000000000000aaaa", "ckpt/base/tokenizer.json",
+                "000000000000bbbb"});
+  o.tokenizer_fingerprint = 0xaaaa;
+  EXPECT_NO_THROW(DataLoader({path}, o));
+  const std::string old = make_shard(dir, "old.bin", 0, 40, 1000);  // fingerprint 0: unknown
+  o.tokenizer_fingerprint = 0xbbbb;
+  EXPECT_NO_THROW(DataLoader({old}, o));
+}
+
 TEST(Loader, RefusesATokenOutsideTheVocabulary) {
   TempDir dir;
   const std::string path = make_shard(dir, "corrupt.bin", 0, 40, 500);
@@ -287,6 +314,19 @@ TEST(Loader, BadOptions) {
   Corpus c;
   expect_error([&] { DataLoader l(c.paths, options(0, 1)); }, {"'seq_len'", "found 0"});
   expect_error([&] { DataLoader l(c.paths, options(8, 1, 2, 2)); }, {"'dp_rank'", "found 2"});
+}
+
+TEST(Loader, OnlyRegularFilesAreShards) {
+  // A FIFO given as data used to block the trainer forever in open(); devices and loops fail by name too.
+  TempDir dir;
+  const std::string fifo = dir.file("train-00000.bin");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error([&] { DataLoader l({fifo}, options(4, 1)); }, {fifo, "is a FIFO (named pipe)", "token shard"});
+  expect_error([&] { DataLoader l({dir.path().string()}, options(4, 1)); }, {"no shards match"});  // a FIFO is no *.bin shard
+  expect_error([&] { DataLoader l({"/dev/zero"}, options(4, 1)); }, {"/dev/zero", "character device"});
+  const std::string loop = dir.file("loop.bin");
+  ASSERT_EQ(::symlink(loop.c_str(), loop.c_str()), 0);
+  expect_error([&] { DataLoader l({loop}, options(4, 1)); }, {loop, "symbolic links"});
 }
 
 TEST(Loader, ShardSpecs) {

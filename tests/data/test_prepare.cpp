@@ -15,6 +15,7 @@
 #include "data/shard.h"
 #include "kernels/cpu/classifier.h"  // kIgnoreIndex
 #include "tests/data/data_test_util.h"
+#include "tests/data/tokenizer_fixtures.h"
 #include "tests/test_util.h"
 
 namespace tuna {
@@ -386,6 +387,102 @@ TEST_F(PrepareTest, SftMasksThePromptAndTheLoaderIgnoresIt) {
     EXPECT_EQ(tg[j] == cpu::kIgnoreIndex, shard.mask(target) == 0) << j;
     EXPECT_EQ(pos[j], static_cast<uint64_t>(j) < end ? j : static_cast<int64_t>(j - end)) << j;
   }
+}
+
+// A Llama 3 tokenizer named by its model directory: its tokenizer.json, BOS/EOS from tokenizer_config.json,
+// 4-byte tokens, and the shards carry its fingerprint.
+TEST_F(PrepareTest, Llama3TokenizerByDirectory) {
+  const testing_data::TokenizerFixtures& f = testing_data::TokenizerFixtures::get();
+  TempDir dir;
+  const std::vector<std::string> texts = {"The Licensee shall pay the fees set out in Schedule 2.",
+                                          "Copyright \u00a9 2024 \u2014 all rights reserved. Section 4(b)(ii)."};
+  std::string jsonl;
+  for (const std::string& t : texts) jsonl += "{\"text\": \"" + t + "\"}\n";
+  write_file(dir.file("in/docs.jsonl"), jsonl);
+  PrepareOptions o = base_options(dir.file("out"));
+  o.tokenizer_path = f.llama3_dir();
+  o.inputs = {dir.file("in")};
+  o.val_fraction = 0;
+  const PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.tokenizer_path, f.llama3_json());
+  EXPECT_EQ(r.tokenizer_format, "Hugging Face byte-level BPE");
+  EXPECT_EQ(r.bos_id, 128000);
+  EXPECT_EQ(r.eos_id, 128001);
+  const Tokenizer& tok = f.llama3();
+  EXPECT_EQ(r.tokenizer_fingerprint, tok.fingerprint());
+  ASSERT_EQ(r.train.shards.size(), 1u);
+  const ShardReader shard(r.train.shards[0]);
+  EXPECT_EQ(shard.token_width(), 4u);
+  EXPECT_EQ(shard.tokenizer_fingerprint(), tok.fingerprint());
+  const auto docs = documents_of(r.train.shards);
+  ASSERT_EQ(docs.size(), 2u);
+  const std::vector<std::string> decoded = {"The Licensee shall pay the fees set out in Schedule 2.",
+                                            "Copyright \xC2\xA9 2024 \xE2\x80\x94 all rights reserved. Section 4(b)(ii)."};
+  for (size_t d = 0; d < docs.size(); ++d) {
+    std::vector<int32_t> expected = {128000};
+    for (int32_t id : tok.encode(decoded[d])) expected.push_back(id);
+    expected.push_back(128001);
+    EXPECT_EQ(docs[d], expected) << d;
+  }
+  const nlohmann::json report = nlohmann::json::parse(read_file(dir.file("out/report.json")));
+  EXPECT_EQ(report["tokenizer"]["path"], f.llama3_json());
+  EXPECT_EQ(report["shard_format"]["version"], 2);
+}
+
+// SFT conversations render through the model's chat template; the mask trains on the assistant's turns;
+// a conversation the template cannot take is counted, with its location.
+TEST_F(PrepareTest, SftConversationsThroughTheChatTemplate) {
+  const testing_data::TokenizerFixtures& f = testing_data::TokenizerFixtures::get();
+  TempDir dir;
+  write_file(dir.file("in/chat.jsonl"),
+             R"({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Term?"}, {"role": "assistant", "content": "Twelve  months."}]})" "\n"
+             R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "robot", "content": "Hello"}]})" "\n"
+             R"({"messages": "not a list"})" "\n"
+             R"({"prompt": "Governing law?", "response": "The laws of Delaware."})" "\n");
+  for (const std::string& format : {std::string("llama3"), std::string("llama2")}) {
+    const bool llama3 = format == "llama3";
+    PrepareOptions o = base_options(dir.file("out-" + format));
+    o.tokenizer_path = llama3 ? f.llama3_dir() : tokenizer();
+    o.inputs = {dir.file("in")};
+    o.sft = true;
+    o.val_fraction = 0;
+    const PrepareReport r = prepare_corpus(o);
+    EXPECT_EQ(r.chat_template, format);
+    EXPECT_EQ(r.documents_kept(), 2u) << format;
+    EXPECT_EQ(r.of(Outcome::bad_chat).count, 1u) << format;
+    EXPECT_EQ(r.of(Outcome::bad_chat).first, dir.file("in/chat.jsonl:2"));
+    EXPECT_EQ(r.of(Outcome::missing_field).first, dir.file("in/chat.jsonl:3"));
+    const Tokenizer tok(o.tokenizer_path);
+    const CachedEncoder encoder(tok);
+    RenderedChat expected;
+    std::string why;
+    // Cleaning collapses the double space before the conversation is rendered.
+    ASSERT_TRUE(render_chat(encoder, tok, llama3 ? ChatFormat::llama3 : ChatFormat::llama2,
+                            {{"system", "Be brief."}, {"user", "Term?"}, {"assistant", "Twelve months."}}, &expected, &why))
+        << why;
+    const ShardReader shard(r.train.shards.at(0));
+    ASSERT_TRUE(shard.has_mask());
+    auto [begin, end] = shard.document(0);
+    ASSERT_EQ(end - begin, expected.tokens.size()) << format;
+    for (uint64_t i = begin; i < end; ++i) {
+      EXPECT_EQ(shard.token(i), expected.tokens[i - begin]) << format << " token " << i;
+      EXPECT_EQ(shard.mask(i), expected.mask[i - begin]) << format << " token " << i;
+    }
+    EXPECT_EQ(documents_of(r.train.shards).size(), 2u) << "the prompt/response record stays as it was";
+  }
+  // A model whose chat template tuna does not render: the first conversation stops the run, naming it and
+  // the template; an explicit --chat-template overrides.
+  write_file(dir.file("chatml/tokenizer_config.json"), R"({"chat_template": "<|im_start|>{{ role }}"})");
+  std::filesystem::copy_file(tokenizer(), dir.file("chatml/tokenizer.model"));
+  PrepareOptions o = base_options(dir.file("out-chatml"));
+  o.tokenizer_path = dir.file("chatml");
+  o.inputs = {dir.file("in")};
+  o.sft = true;
+  expect_error([&] { prepare_corpus(o); },
+               {dir.file("in/chat.jsonl:1"), "conversation", "neither Llama 3's", "--chat-template"});
+  o.chat_template = "llama2";
+  o.overwrite = true;
+  EXPECT_EQ(prepare_corpus(o).documents_kept(), 2u);
 }
 
 TEST_F(PrepareTest, OutputIsIdenticalWhateverTheThreadCountAndBudget) {

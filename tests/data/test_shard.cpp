@@ -199,8 +199,34 @@ TEST(Shard, BadMagic) {
 TEST(Shard, UnsupportedVersion) {
   TempDir dir;
   const std::string path = valid_shard(dir);
-  patch(path, 8, uint32_t{2});
-  expect_error([&] { ShardReader r(path); }, {path, "unsupported format version 2"});
+  patch(path, 8, uint32_t{3});
+  expect_error([&] { ShardReader r(path); }, {path, "unsupported format version 3", "versions 1 to 2"});
+  patch(path, 8, uint32_t{0});
+  expect_error([&] { ShardReader r(path); }, {path, "unsupported format version 0"});
+}
+
+// Version 2 records the tokenizer's fingerprint; a version-1 shard (the same layout, those bytes reserved)
+// still reads, its fingerprint unknown.
+TEST(Shard, TokenizerFingerprintAndVersionOne) {
+  TempDir dir;
+  const std::string path = dir.file("fp.bin");
+  {
+    ShardWriter w(path, 1000, /*with_mask=*/false, /*tokenizer_fingerprint=*/0x1234'5678'9abc'def0ull);
+    w.add_document(std::vector<int32_t>{1, 2, 3});
+    w.finish();
+  }
+  {
+    ShardReader r(path);
+    EXPECT_EQ(r.header().version, 2u);
+    EXPECT_EQ(r.tokenizer_fingerprint(), 0x1234'5678'9abc'def0ull);
+  }
+  patch(path, 8, uint32_t{1});  // as an old build wrote it: version 1, reserved bytes zero
+  patch(path, 40, uint64_t{0});
+  ShardReader old(path);
+  EXPECT_EQ(old.header().version, 1u);
+  EXPECT_EQ(old.tokenizer_fingerprint(), 0u);
+  EXPECT_EQ(old.token_count(), 3u);
+  EXPECT_EQ(old.token(2), 3);
 }
 
 TEST(Shard, BadWidth) {

@@ -1,10 +1,14 @@
-// data/tokenizer: train a tiny model on demo text, then encode/decode round trips and bad model files.
+// data/tokenizer: the three formats against their reference libraries' ids on real text (Debian copyright
+// files; tests/fixtures/tokenizers), decoding round trips, the word cache, directories, BOS/EOS from the
+// model's config, fingerprints, the files a checkpoint carries, and bad tokenizer files; plus sentencepiece
+// training on demo text.
 #include <gtest/gtest.h>
 
 #include <memory>
 
 #include "data/tokenizer.h"
 #include "tests/data/data_test_util.h"
+#include "tests/data/tokenizer_fixtures.h"
 
 namespace tuna {
 namespace {
@@ -83,8 +87,12 @@ TEST(Tokenizer, MissingAndInvalidModels) {
   TempDir dir;
   expect_error([&] { Tokenizer t(dir.file("missing.model")); }, {dir.file("missing.model"), "no such file"});
   testing_data::write_file(dir.file("junk.model"), "this is not a protobuf, just text\n");
+  // A file in none of the formats: the error names each format tried.
   expect_error([&] { Tokenizer t(dir.file("junk.model")); },
-               {dir.file("junk.model"), "not a valid sentencepiece model"});
+               {dir.file("junk.model"), "not a tokenizer in any format", "tokenizer.json", "tiktoken",
+                "not a valid sentencepiece model"});
+  expect_error([&] { Tokenizer t(dir.path().string()); },
+               {dir.path().string(), "holds no tokenizer", "tokenizer.model", "tokenizer.json", "original/tokenizer.model"});
 }
 
 TEST(Tokenizer, TrainingErrors) {
@@ -104,6 +112,7 @@ TEST_F(TokenizerTest, CachedEncoderIsExact) {
   Tokenizer tok(model());
   CachedEncoder encoder(tok);
   ASSERT_TRUE(encoder.exact()) << "a BPE model trained by train_tokenizer splits at word starts";
+  EXPECT_STREQ(encoder.segment_encoder(), "tuna's sentencepiece BPE");
   std::vector<std::string> texts;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(testing_data::demo_corpus()))
     if (entry.is_regular_file()) texts.push_back(testing_data::read_file(entry.path().string()));
@@ -120,6 +129,234 @@ TEST_F(TokenizerTest, CachedEncoderIsExact) {
       tiny.encode(text, &small);
       ASSERT_EQ(small, cached);
     }
+}
+
+}  // namespace
+}  // namespace tuna
+
+namespace tuna {
+namespace {
+
+using testing_data::expect_error;
+using testing_data::TempDir;
+using testing_data::TokenizerFixtures;
+
+// Every reference text and probe: the ids `key` holds, through Tokenizer::encode and through the cached
+// encoder (twice, so that the second round comes from the cache), and decode gives the text back.
+void expect_reference_ids(const Tokenizer& tok, const std::string& key, SpecialTokens specials) {
+  const TokenizerFixtures& f = TokenizerFixtures::get();
+  const auto expected = f.ids(key);
+  ASSERT_EQ(expected.size(), f.texts().size());
+  CachedEncoder cached(tok);
+  ASSERT_TRUE(cached.exact());
+  size_t tokens = 0;
+  for (int round = 0; round < 2; ++round)
+    for (size_t i = 0; i < f.texts().size(); ++i) {
+      const std::string& text = f.texts()[i];
+      if (round == 0) {
+        ASSERT_EQ(tok.encode(text, specials), expected[i]) << key << " text " << i << ": " << text.substr(0, 120);
+        EXPECT_EQ(tok.decode(expected[i]), text) << key << " text " << i;
+        tokens += expected[i].size();
+      }
+      std::vector<int32_t> ids;
+      cached.encode(text, &ids, specials);
+      ASSERT_EQ(ids, expected[i]) << key << " (cached, round " << round << ") text " << i << ": " << text.substr(0, 120);
+    }
+  EXPECT_GT(tokens, 90'000u) << "the reference is real text, not a few probes";
+}
+
+TEST(TokenizerFormats, HuggingFaceJsonGivesTokenizersIds) {
+  const Tokenizer& tok = TokenizerFixtures::get().llama3();
+  EXPECT_EQ(tok.format(), TokenizerFormat::hf_bpe);
+  EXPECT_EQ(tok.vocab_size(), 128257);  // 128000 + 256 special tokens + <|image|> (Llama 3.2's json)
+  expect_reference_ids(tok, "llama3_text", SpecialTokens::as_text);
+  expect_reference_ids(tok, "llama3_special", SpecialTokens::parse);
+}
+
+TEST(TokenizerFormats, TiktokenFileGivesTheSameIds) {
+  const Tokenizer& tok = TokenizerFixtures::get().llama3_from_tiktoken();
+  EXPECT_EQ(tok.format(), TokenizerFormat::tiktoken);
+  expect_reference_ids(tok, "llama3_text", SpecialTokens::as_text);
+  // Its special tokens come from the tokenizer_config.json above original/, as the json's do.
+  expect_reference_ids(tok, "llama3_special", SpecialTokens::parse);
+  EXPECT_EQ(tok.fingerprint(), TokenizerFixtures::get().llama3().fingerprint());
+}
+
+TEST(TokenizerFormats, SentencepieceGivesItsLibrarysIds) {
+  const Tokenizer& tok = TokenizerFixtures::get().spm();
+  EXPECT_EQ(tok.format(), TokenizerFormat::sentencepiece);
+  EXPECT_STREQ(CachedEncoder(tok).segment_encoder(), "tuna's sentencepiece BPE");
+  expect_reference_ids(tok, "spm", SpecialTokens::as_text);
+}
+
+TEST(TokenizerFormats, SpecialTokensAsTextOrParsed) {
+  const Tokenizer& tok = TokenizerFixtures::get().llama3();
+  const int32_t eot = tok.token_id("<|eot_id|>");
+  EXPECT_EQ(eot, 128009);
+  EXPECT_EQ(tok.encode("<|eot_id|>", SpecialTokens::parse), std::vector<int32_t>{eot});
+  const std::vector<int32_t> as_text = tok.encode("<|eot_id|>");
+  EXPECT_GT(as_text.size(), 1u);
+  for (int32_t id : as_text) EXPECT_LT(id, 128000) << "a document cannot forge a control token";
+  EXPECT_EQ(tok.decode(as_text), "<|eot_id|>");
+}
+
+TEST(TokenizerFormats, BosAndEosFromTheModelsConfig) {
+  const TokenizerFixtures& f = TokenizerFixtures::get();
+  for (const std::string& path : {f.llama3_dir(), f.llama3_json(), f.llama3_tiktoken()}) {
+    const Tokenizer tok(path);
+    EXPECT_EQ(tok.bos_id(), 128000) << path;  // tokenizer_config.json: <|begin_of_text|>
+    EXPECT_EQ(tok.eos_id(), 128001) << path;  // <|end_of_text|>
+  }
+  // An instruct model's config names <|eot_id|> as EOS; a config.json's id list is read when
+  // tokenizer_config.json names none.
+  TempDir dir;
+  std::filesystem::copy_file(f.llama3_json(), dir.file("tokenizer.json"));
+  testing_data::write_file(dir.file("tokenizer_config.json"), R"({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})");
+  EXPECT_EQ(Tokenizer(dir.path().string()).eos_id(), 128009);
+  testing_data::write_file(dir.file("tokenizer_config.json"), R"({"tokenizer_class": "PreTrainedTokenizerFast"})");
+  testing_data::write_file(dir.file("config.json"), R"({"bos_token_id": 128000, "eos_token_id": [128008, 128009]})");
+  EXPECT_EQ(Tokenizer(dir.path().string()).eos_id(), 128008);
+  testing_data::write_file(dir.file("tokenizer_config.json"), R"({"eos_token": "<|no_such_token|>"})");
+  expect_error([&] { Tokenizer t(dir.path().string()); },
+               {dir.file("tokenizer_config.json"), "eos_token", "<|no_such_token|>", "is not a token"});
+  // Without any config: the json's post-processor names BOS; the tiktoken file has Llama 3's own.
+  std::filesystem::remove(dir.file("tokenizer_config.json"));
+  std::filesystem::remove(dir.file("config.json"));
+  const Tokenizer bare(dir.file("tokenizer.json"));
+  EXPECT_EQ(bare.bos_id(), 128000);
+  EXPECT_EQ(bare.eos_id(), -1);
+  std::filesystem::copy_file(f.llama3_tiktoken(), dir.file("llama3.tiktoken"));
+  const Tokenizer tiktoken(dir.file("llama3.tiktoken"));
+  EXPECT_EQ(tiktoken.bos_id(), 128000);
+  EXPECT_EQ(tiktoken.eos_id(), 128001);
+  EXPECT_EQ(tiktoken.vocab_size(), 128256);  // Meta's 256 special tokens, no <|image|>
+  EXPECT_EQ(tiktoken.token_id("<|eot_id|>"), 128009);
+  EXPECT_EQ(tiktoken.token_id("<|start_header_id|>"), 128006);
+}
+
+TEST(TokenizerFormats, DirectoriesFindTheirTokenizer) {
+  const TokenizerFixtures& f = TokenizerFixtures::get();
+  EXPECT_EQ(Tokenizer(f.llama3_dir()).path(), f.llama3_json());
+  TempDir dir;
+  // Only original/tokenizer.model (tiktoken) and the config above it.
+  std::filesystem::create_directories(dir.path() / "original");
+  std::filesystem::copy_file(f.llama3_tiktoken(), dir.path() / "original/tokenizer.model");
+  EXPECT_EQ(Tokenizer(dir.path().string()).format(), TokenizerFormat::tiktoken);
+  // A sentencepiece tokenizer.model wins over a tokenizer.json (LLaMA 2's downloads have both).
+  std::filesystem::copy_file(f.spm_model(), dir.file("tokenizer.model"));
+  std::filesystem::copy_file(f.llama3_json(), dir.file("tokenizer.json"));
+  EXPECT_EQ(Tokenizer(dir.path().string()).format(), TokenizerFormat::sentencepiece);
+}
+
+TEST(TokenizerFormats, FingerprintsTellVocabulariesApart) {
+  const TokenizerFixtures& f = TokenizerFixtures::get();
+  const uint64_t llama3 = f.llama3().fingerprint(), spm = f.spm().fingerprint();
+  EXPECT_NE(llama3, spm);
+  EXPECT_EQ(Tokenizer(f.spm_model()).fingerprint(), spm);
+  // The tiktoken file with Meta's 256 special tokens (no <|image|>) is another vocabulary than the json's 257.
+  TempDir dir;
+  std::filesystem::copy_file(f.llama3_tiktoken(), dir.file("tokenizer.model"));
+  EXPECT_NE(Tokenizer(dir.file("tokenizer.model")).fingerprint(), llama3);
+}
+
+TEST(TokenizerFormats, LongPiecesMergeAsShortOnesDo) {
+  // Pieces over 48 bytes merge through a heap, shorter ones by rescans: the same order. A long word, its
+  // halves' ids and a long run of punctuation, compared with the tiktoken file (a different merge table
+  // built from the ranks).
+  const TokenizerFixtures& f = TokenizerFixtures::get();
+  const Tokenizer &json = f.llama3(), &tiktoken = f.llama3_from_tiktoken();
+  for (const std::string& text :
+       {std::string("Pneumonoultramicroscopicsilicovolcanoconiosis") + "antidisestablishmentarianism" +
+            "supercalifragilisticexpialidocious",
+        std::string(200, '='), std::string("http://") + std::string(100, 'w') + ".example.org",
+        std::string("Mississippi") + std::string(60, 's') + "ippi"}) {
+    const auto ids = json.encode(text);
+    EXPECT_EQ(tiktoken.encode(text), ids) << text;
+    EXPECT_EQ(json.decode(ids), text);
+  }
+}
+
+TEST(TokenizerFormats, BadTokenizerJsonIsRefusedByName) {
+  TempDir dir;
+  auto write = [&](const std::string& name, const std::string& json) {
+    testing_data::write_file(dir.file(name), json);
+    return dir.file(name);
+  };
+  const std::string wordpiece =
+      write("wordpiece.json", R"({"version": "1.0", "normalizer": null, "pre_tokenizer": null,
+        "model": {"type": "WordPiece", "unk_token": "[UNK]", "vocab": {"[UNK]": 0, "a": 1}}})");
+  expect_error([&] { Tokenizer t(wordpiece); }, {wordpiece, "WordPiece", "byte-level BPE"});
+  const std::string unigram = write("unigram.json", R"({"model": {"type": "Unigram", "vocab": [["a", -1.0]]}})");
+  expect_error([&] { Tokenizer t(unigram); }, {unigram, "Unigram", "byte-level BPE"});
+  const std::string spm_style =
+      write("llama2.json", R"({"normalizer": {"type": "Sequence", "normalizers": []}, "pre_tokenizer": null,
+        "model": {"type": "BPE", "byte_fallback": true, "vocab": {"a": 0}, "merges": []}})");
+  expect_error([&] { Tokenizer t(spm_style); }, {spm_style, "normalizer", "tokenizer.model"});
+  const std::string not_tokenizer = write("config.json", R"({"hidden_size": 64})");
+  expect_error([&] { Tokenizer t(not_tokenizer); }, {not_tokenizer, "not a Hugging Face tokenizer.json"});
+  const std::string broken = write("broken.json", R"({"model": {"type": "BPE", )");
+  expect_error([&] { Tokenizer t(broken); }, {broken, "not valid JSON"});
+  const std::string flags = write(
+      "flags.json", R"({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "use_regex": true},
+        "added_tokens": [{"id": 0, "content": "<x>", "lstrip": true, "special": true}],
+        "model": {"type": "BPE", "vocab": {}, "merges": []}})");
+  expect_error([&] { Tokenizer t(flags); }, {flags, "<x>", "lstrip"});
+  // A byte-level BPE whose vocabulary lacks a byte cannot encode every text.
+  const std::string missing_byte =
+      write("bytes.json", R"({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "use_regex": true},
+        "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": ["a b"]}})");
+  expect_error([&] { Tokenizer t(missing_byte); }, {missing_byte, "not a byte-level vocabulary"});
+}
+
+TEST(TokenizerFormats, BadTiktokenFilesAreRefused) {
+  TempDir dir;
+  testing_data::write_file(dir.file("small.tiktoken"), "IQ== 0\nIg== 1\n");
+  expect_error([&] { Tokenizer t(dir.file("small.tiktoken")); },
+               {dir.file("small.tiktoken"), "2 ranks", "not Llama 3's vocabulary", "tokenizer.json"});
+  testing_data::write_file(dir.file("gap.tiktoken"), "IQ== 0\nIg== 2\n");
+  expect_error([&] { Tokenizer t(dir.file("gap.tiktoken")); }, {dir.file("gap.tiktoken") + ":2", "rank 2", "1 was expected"});
+  testing_data::write_file(dir.file("bad.tiktoken"), "IQ== 0\n!!!! 1\n");
+  expect_error([&] { Tokenizer t(dir.file("bad.tiktoken")); }, {dir.file("bad.tiktoken") + ":2", "base64 rank"});
+}
+
+TEST(TokenizerFormats, InvalidUtf8IsAnErrorForBpe) {
+  const Tokenizer& tok = TokenizerFixtures::get().llama3();
+  expect_error([&] { tok.encode("caf\xE9"); }, {"not valid UTF-8"});
+}
+
+// What a checkpoint carries is exactly the tokenizer named, and loads back the same.
+TEST(TokenizerFiles, CarryExactlyTheNamedTokenizer) {
+  const TokenizerFixtures& f = TokenizerFixtures::get();
+  TempDir dir;
+  // A sentencepiece file under another name, beside a tokenizer.model of another tokenizer.
+  std::filesystem::create_directories(dir.path() / "toks");
+  std::filesystem::copy_file(f.spm_model(), dir.path() / "toks/contracts-8k.model");
+  std::filesystem::copy_file(f.llama3_tiktoken(), dir.path() / "toks/tokenizer.model");
+  auto carried = [&](const std::string& source) {
+    const std::filesystem::path out = dir.path() / ("ckpt-" + std::to_string(std::hash<std::string>()(source)));
+    std::filesystem::create_directories(out);
+    const auto files = tokenizer_files(source);
+    copy_tokenizer_files(files, out);
+    std::vector<std::string> names;
+    for (const auto& file : files) names.push_back(file.name);
+    const Tokenizer original(source), copy(out.string());
+    EXPECT_EQ(copy.fingerprint(), original.fingerprint()) << source;
+    EXPECT_EQ(copy.bos_id(), original.bos_id()) << source;
+    EXPECT_EQ(copy.eos_id(), original.eos_id()) << source;
+    return names;
+  };
+  EXPECT_EQ(carried((dir.path() / "toks/contracts-8k.model").string()), std::vector<std::string>{"tokenizer.model"});
+  EXPECT_EQ(carried(f.llama3_json()), (std::vector<std::string>{"tokenizer.json", "tokenizer_config.json"}));
+  EXPECT_EQ(carried(f.llama3_tiktoken()), (std::vector<std::string>{"tokenizer.model", "tokenizer_config.json"}));
+  EXPECT_EQ(carried(f.llama3_dir()), (std::vector<std::string>{"tokenizer.json", "tokenizer_config.json"}));
+  // A path that does not exist or does not parse is an error, not an empty checkpoint.
+  expect_error([&] { tokenizer_files(dir.file("nope.model")); }, {dir.file("nope.model"), "no such file"});
+  testing_data::write_file(dir.file("junk.model"), "junk");
+  expect_error([&] { tokenizer_files(dir.file("junk.model")); }, {dir.file("junk.model"), "not a tokenizer"});
+  // A model directory without a tokenizer carries none when allowed (training from scratch).
+  std::filesystem::create_directories(dir.path() / "bare");
+  EXPECT_TRUE(tokenizer_files((dir.path() / "bare").string(), /*allow_none=*/true).empty());
+  expect_error([&] { tokenizer_files((dir.path() / "bare").string()); }, {"holds no tokenizer"});
 }
 
 }  // namespace

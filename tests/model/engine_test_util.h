@@ -5,6 +5,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <cmath>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -45,6 +46,35 @@ inline StepResult train_step(Engine& e, const Fixture& f, int64_t s, int64_t ste
   e.begin_step();
   return e.finish_step(e.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq),
                        learning_rate(f.optimizer(), s, steps));
+}
+
+// On `device` at ZeRO stage `zero`: a step whose loss is NaN or infinite changes nothing (weights, moments, update
+// count), and the next finite step equals that of an engine that never saw the bad one.
+inline void expect_non_finite_steps_skipped(const Fixture& f, const std::string& device, int zero) {
+  SingleRank ra, rb;
+  std::unique_ptr<Engine> a = make_engine(f.config, engine_options(f, device, zero), ra.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> b = make_engine(f.config, engine_options(f, device, zero), rb.mesh, fixture_weights(f));
+  train_step(*a, f, 0, 10), train_step(*b, f, 0, 10);
+  std::vector<float> p0, m0, v0, p1, m1, v1;
+  a->export_shard(p0, m0, v0);
+  for (double poison : {double(NAN), double(INFINITY)}) {
+    a->begin_step();
+    LossSum local = a->forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+    local.sum = poison;
+    EXPECT_FALSE(a->finish_step(local, 1e-3).stats.applied);
+    EXPECT_EQ(a->steps_taken(), 1);
+    a->export_shard(p1, m1, v1);
+    EXPECT_EQ(p0, p1);
+    EXPECT_EQ(m0, m1);
+    EXPECT_EQ(v0, v1);
+  }
+  const StepResult sa = train_step(*a, f, 1, 10), sb = train_step(*b, f, 1, 10);
+  EXPECT_TRUE(sa.stats.applied);
+  EXPECT_EQ(sa.loss, sb.loss);
+  a->export_shard(p0, m0, v0);
+  b->export_shard(p1, m1, v1);
+  EXPECT_EQ(p0, p1);
+  EXPECT_EQ(m0, m1);
 }
 
 // Ranks as threads of this process (dist/comm_local.cpp): body(world) on `ranks` threads, each with its own

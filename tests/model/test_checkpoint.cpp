@@ -12,7 +12,13 @@
 #include "model/llama.h"
 #include "model/optimizer.h"
 #include "model/safetensors.h"
+#include "dist/comm.h"
+#include "dist/zero.h"  // dp_unit_pieces
 #include "tests/test_util.h"
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 namespace tuna {
 namespace {
@@ -225,6 +231,250 @@ TEST(Checkpoint, WeightReaderReadsPiecesOfShardedHfWeightsForAnyLayout) {
       ASSERT_EQ(random[i], random_expected[seg.begin + i]) << "unit " << u << " element " << i;
     }
   }
+}
+
+// ---- checkpoints that check themselves ----------------------------------------------------------------
+
+using nlohmann::json;
+
+struct SingleRankRun {
+  LlamaConfig cfg = tiny();
+  Llama model{cfg, 1, 4};
+  AdamW opt{model.layout(), OptimizerConfig{}};
+  json config_json = cfg.to_json();
+  SingleRankRun() {
+    model.init_random(3);
+    for (size_t i = 0; i < opt.m.size(); i++) opt.m[i] = 0.001f * i, opt.v[i] = 0.002f * i;
+  }
+  fs::path save(const fs::path& root, int64_t step, int64_t keep = 0) {
+    opt.steps_taken = step;
+    CheckpointContents c{&config_json, model.params.data(), {opt.m.data(), opt.v.data(), opt.steps_taken},
+                         {{"data_cursor", {{"epoch", 0}}}}, {}};
+    return save_checkpoint(root, step, model.layout(), c, keep);
+  }
+};
+
+void flip_byte(const fs::path& p, uint64_t at) {
+  std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(at);
+  char c = 0;
+  f.read(&c, 1);
+  c ^= 0x10;
+  f.seekp(at);
+  f.write(&c, 1);
+}
+
+TEST(Checkpoint, ManifestListsEveryFileAndVerifies) {
+  TempDir tmp("manifest");
+  SingleRankRun run;
+  const fs::path dir = run.save(tmp.path, 10);
+  const json manifest = json::parse(testing_util::read_file(dir / kManifestFile));
+  for (const char* f : {"model.safetensors", "optimizer.safetensors", "config.json", "state.json"}) {
+    ASSERT_TRUE(manifest["files"].contains(f)) << f;
+    EXPECT_EQ(manifest["files"][f]["bytes"].get<uint64_t>(), fs::file_size(dir / f)) << f;
+    EXPECT_EQ(manifest["files"][f]["xxh3_64"].get<std::string>(), hex64(digest_file(dir / f).xxh3)) << f;
+  }
+  EXPECT_EQ(verify_checkpoint(dir), "");
+  // Split over 3 "ranks": each checks its share, together all.
+  for (int part = 0; part < 3; part++) EXPECT_EQ(verify_checkpoint(dir, part, 3), "");
+
+  flip_byte(dir / "optimizer.safetensors", fs::file_size(dir / "optimizer.safetensors") - 3);
+  std::string problem = verify_checkpoint(dir);
+  EXPECT_NE(problem.find("optimizer.safetensors: checksum"), std::string::npos) << problem;
+  fs::resize_file(dir / "model.safetensors", 100);
+  problem = verify_checkpoint(dir);
+  EXPECT_NE(problem.find("model.safetensors: 100 bytes, the manifest says"), std::string::npos) << problem;
+  const fs::path other = run.save(tmp.path, 20);
+  std::ofstream(other / "rank_00003.safetensors") << "x";
+  EXPECT_NE(verify_checkpoint(other).find("rank_00003.safetensors: not in the manifest"), std::string::npos);
+  fs::remove(other / kManifestFile);
+  bool unverified = false;
+  EXPECT_EQ(verify_checkpoint(other, 0, 1, &unverified), "");  // written before manifests: accepted, flagged
+  EXPECT_TRUE(unverified);
+}
+
+TEST(Checkpoint, ResumeFallsBackToTheNewestThatVerifies) {
+  TempDir tmp("fallback");
+  SingleRankRun run;
+  for (int64_t step : {10, 20, 30}) run.save(tmp.path, step);
+  flip_byte(tmp / "step_00000030" / "model.safetensors", 200);
+  std::unique_ptr<Comm> world = make_single_comm();
+  std::vector<std::string> warnings;
+  auto warn = [&](const std::string& m) { warnings.push_back(m); };
+  std::optional<fs::path> dir = resume_checkpoint(tmp.path, *world, warn);
+  ASSERT_TRUE(dir);
+  EXPECT_EQ(dir->filename(), "step_00000020");
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[0].find("step_00000030 fails verification"), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[1].find("resuming from"), std::string::npos) << warnings[1];
+  // Out of the rotation's way: a later save with keep 1 keeps the good checkpoint it resumed from's successor,
+  // not the rejected one.
+  EXPECT_FALSE(fs::exists(tmp / "step_00000030"));
+  EXPECT_TRUE(fs::exists(tmp / "rejected-step_00000030"));
+  run.save(tmp.path, 25, /*keep=*/1);
+  EXPECT_EQ(list_checkpoints(tmp.path), std::vector<fs::path>{tmp / "step_00000025"});
+  // Nothing verifies: an error, not a silent fresh start.
+  flip_byte(tmp / "step_00000025" / "state.json", 3);
+  EXPECT_NE(error_of([&] { resume_checkpoint(tmp.path, *world, warn); }).find("none of the 1 checkpoints verifies"),
+            std::string::npos);
+  TempDir empty("fallback_empty");
+  EXPECT_FALSE(resume_checkpoint(empty.path, *world, warn));
+}
+
+TEST(Checkpoint, DirectoryNamesThatAreNotCheckpointsAreIgnored) {
+  EXPECT_EQ(checkpoint_step("ckpt/step_00000010"), 10);
+  EXPECT_EQ(checkpoint_step("ckpt/step_123456789"), 123456789);
+  for (const char* bad : {"step_99999999999999999999", "step_10", "step_-0000001", "step_", "step_0000001x", "rejected-step_00000010"})
+    EXPECT_EQ(checkpoint_step(bad), -1) << bad;
+  TempDir tmp("names");
+  SingleRankRun run;
+  run.save(tmp.path, 10);
+  fs::create_directories(tmp / "step_99999999999999999999");
+  std::ofstream(tmp / "step_99999999999999999999" / "state.json") << "{\"step\": 1}";
+  EXPECT_EQ(latest_checkpoint(tmp.path), tmp / "step_00000010");
+}
+
+TEST(Checkpoint, StateMustAgreeWithItsDirectoryAndTheOptimizer) {
+  TempDir tmp("state");
+  SingleRankRun run;
+  const fs::path dir = run.save(tmp.path, 10);
+  TrainingState state = read_training_state(dir);
+  EXPECT_EQ(state.step, 10);
+  EXPECT_NO_THROW(check_optimizer_steps(state, 10, dir));
+  EXPECT_NE(error_of([&] { check_optimizer_steps(state, 7, dir); }).find("taken 7 updates"), std::string::npos);
+  state.skipped_steps = 3;  // three non-finite steps that AdamW did not count
+  EXPECT_NO_THROW(check_optimizer_steps(state, 7, dir));
+
+  auto with_state = [&](const std::string& text) {
+    std::ofstream(dir / "state.json") << text;
+    return error_of([&] { read_training_state(dir); });
+  };
+  EXPECT_NE(with_state(R"({"step": 417, "data_cursor": {}})").find("step 417 disagrees with the directory's name"),
+            std::string::npos);
+  EXPECT_NE(with_state(R"({"step": -9223372036854775808, "data_cursor": {}})").find("field 'step'"), std::string::npos);
+  EXPECT_NE(with_state(R"({"step": 10})").find("field 'data_cursor' is missing"), std::string::npos);
+  EXPECT_NE(with_state(R"({"step": 10, "data_cursor": null})").find("field 'data_cursor' is null"), std::string::npos);
+  EXPECT_NE(with_state(R"({"step": 10, "data_cursor": {}, "skipped_steps": 11})").find("field 'skipped_steps'"),
+            std::string::npos);
+  EXPECT_NE(with_state(R"({"step": "10", "data_cursor": {}})").find("field 'step': expected an integer"),
+            std::string::npos);
+  EXPECT_NE(with_state(std::string(5000, '{')).find("nested deeper"), std::string::npos);
+}
+
+TEST(Checkpoint, NonFiniteStateIsNeverWritten) {
+  TempDir tmp("nonfinite");
+  SingleRankRun run;
+  run.save(tmp.path, 10, /*keep=*/1);
+  run.model.params[run.model.layout().find("model.layers.1.mlp.up_proj.weight")->offset + 5] = NAN;
+  const std::string msg = error_of([&] { run.save(tmp.path, 20, 1); });
+  EXPECT_NE(msg.find("refusing to write the checkpoint of step 20: weight 'model.layers.1.mlp.up_proj.weight' element 5 is nan"),
+            std::string::npos)
+      << msg;
+  EXPECT_EQ(list_checkpoints(tmp.path), std::vector<fs::path>{tmp / "step_00000010"});  // the last good one stays
+  // And never read: a NaN that got into a file some other way is refused by tensor and index.
+  run.model.params[run.model.layout().find("model.layers.1.mlp.up_proj.weight")->offset + 5] = 1.0f;
+  run.opt.v[17] = INFINITY;
+  EXPECT_NE(error_of([&] { run.save(tmp.path, 20, 1); }).find("AdamW second moment"), std::string::npos);
+}
+
+// A checkpoint of 2 data-parallel ranks (one file per rank) whose pieces metadata can be tampered with.
+struct ShardedRun {
+  TempDir tmp{"pieces"};
+  LlamaConfig cfg = tiny();
+  ParamLayout layout{cfg};
+  std::vector<float> params, m, v;
+  fs::path dir;
+  ShardedRun() {
+    params.resize(layout.total()), m.resize(layout.total()), v.resize(layout.total());
+    for (int64_t i = 0; i < layout.total(); i++) params[i] = 0.01f * (i % 97), m[i] = 1e-3f, v[i] = 1e-6f;
+    json config_json = cfg.to_json();
+    prepare_sharded_checkpoint(tmp.path, 5);
+    for (int r = 0; r < 2; r++) {
+      const std::vector<Segment> segs = dp_unit_pieces(layout, r, 2);
+      std::vector<float> sp, sm, sv;
+      for (const Segment& s : segs)
+        for (int64_t i = s.begin; i < s.begin + s.size; i++) sp.push_back(params[i]), sm.push_back(m[i]), sv.push_back(v[i]);
+      write_checkpoint_shard(checkpoint_tmp_dir(tmp.path, 5), r, layout,
+                             ShardState{&segs, shard_buffers_export(segs, sp.data(), sm.data(), sv.data()), 5});
+    }
+    CheckpointContents c{&config_json, nullptr, {}, {{"data_cursor", json::object()}}, {}};
+    dir = finish_sharded_checkpoint(tmp.path, 5, c, 0);
+  }
+  std::string load() {
+    return error_of([&] {
+      std::vector<float> p, mm, vv;
+      load_checkpoint_shard(dir, layout, {Segment{0, layout.total()}}, p, mm, vv);
+      EXPECT_EQ(p, params);
+    });
+  }
+  // Rewrites rank 1's file with its pieces metadata edited.
+  void edit_rank1(const std::function<void(json&)>& edit, const std::string& steps_taken = "5") {
+    const fs::path file = dir / "rank_00001.safetensors";
+    SafetensorsWriter w;
+    std::vector<std::vector<std::byte>> copies;
+    {
+      SafetensorsFile f(file);
+      json pieces = json::parse(f.metadata().at("pieces"));
+      edit(pieces);
+      w.add_metadata("pieces", pieces.dump());
+      w.add_metadata("steps_taken", steps_taken);
+      for (const TensorInfo& t : f.tensors()) {
+        copies.emplace_back(f.data(t), f.data(t) + t.nbytes());
+        w.add(t.name, t.dtype, t.shape, copies.back().data());
+      }
+    }
+    w.write(file);
+  }
+};
+
+TEST(Checkpoint, PiecesMetadataIsCheckedBeforeAnyElementIsPlaced) {
+  ShardedRun run;
+  EXPECT_EQ(run.load(), "");
+  EXPECT_EQ(verify_checkpoint(run.dir), "");
+  // A 2-D tensor that rank 1 holds part of, from an element past its start (so a begin of 0 overlaps rank 0's).
+  std::string q;
+  for (const ParamTensor& t : run.layout.tensors())
+    for (const Segment& s : dp_unit_pieces(run.layout, 1, 2))
+      if (q.empty() && t.shape.size() == 2 && s.begin > t.offset && s.begin < t.offset + t.numel) q = t.name;
+  ASSERT_FALSE(q.empty());
+  const std::vector<int64_t> shape = run.layout.find(q)->shape;
+  struct Case {
+    std::function<void(json&)> edit;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      // The heap overflow of the issue: a begin or split_begin far outside the tensor.
+      {[&](json& p) { p[q]["begin"] = int64_t{1} << 40; }, "field 'begin': expected an integer in [0, "},
+      {[&](json& p) { p[q]["begin"] = -1; }, "field 'begin'"},
+      {[&](json& p) { p[q]["split_begin"] = 1000000; }, "field 'split_begin'"},
+      {[&](json& p) { p[q]["split_dim"] = 0, p[q]["split_begin"] = 3; }, "field 'split_begin'"},
+      // A zero dimension used to divide by zero (SIGFPE).
+      {[&](json& p) { p[q]["shape"] = {0, 64}; }, "field 'shape' element 0"},
+      {[&](json& p) { p[q]["global_shape"] = {64, 0}; }, "field 'global_shape' element 1"},
+      {[&](json& p) { p[q].erase("shape"); }, "field 'shape'"},
+      {[&](json& p) { p[q]["split_dim"] = "0"; }, "field 'split_dim': expected an integer"},
+      {[&](json& p) { p[q]["split_dim"] = 7; }, "field 'split_dim'"},
+      {[&](json& p) { p[q]["begin"] = 1.5; }, "field 'begin': expected an integer"},
+      {[&](json& p) { p[q] = 3; }, "expected an object"},
+      {[&](json& p) { p[q]["shape"] = {shape[0], shape[1] / 2}; }, "is not a block of the global shape"},
+      {[&](json& p) { p[q]["shape"] = {shape[0] / 2, shape[1]}; }, "run past the"},
+      {[&](json& p) { p[q]["begin"] = 0; }, "also in another piece"},
+      {[&](json& p) { p[q]["global_shape"] = {shape[0] + 1, shape[1]}; }, "global shape ["},
+      {[&](json& p) { p = json::array(); }, "metadata 'pieces': expected an object"},
+      {[&](json& p) { p.erase(q); }, "hold"},
+  };
+  for (const Case& c : cases) {
+    ShardedRun fresh;
+    fresh.edit_rank1(c.edit);
+    const std::string msg = fresh.load();
+    EXPECT_NE(msg.find(c.expected), std::string::npos) << "expected \"" << c.expected << "\", got: " << msg;
+    EXPECT_NE(verify_checkpoint(fresh.dir), "");  // and the manifest sees the file changed
+  }
+  ShardedRun steps;
+  steps.edit_rank1([](json&) {}, "4");
+  EXPECT_NE(steps.load().find("metadata 'steps_taken' is 4"), std::string::npos) << steps.load();
+  steps.edit_rank1([](json&) {}, "-9223372036854775808");
+  EXPECT_NE(steps.load().find("expected an integer in [0, 2^62]"), std::string::npos) << steps.load();
 }
 
 }  // namespace

@@ -173,3 +173,54 @@ TEST(ParamLayout, IsLayerMajorWithContiguousLayers) {
 
 }  // namespace
 }  // namespace tuna
+
+namespace tuna {
+namespace {
+
+// Crafted or damaged values: each a clean error naming the field, never an overflow, a crash or a model that
+// trains on nonsense.
+TEST(LlamaConfig, RefusesValuesOutsideTheirRanges) {
+  auto with = [](const char* key, json value) {
+    json j = llama32_1b();
+    j[key] = std::move(value);
+    return error_of(j);
+  };
+  EXPECT_NE(with("hidden_size", int64_t{1} << 40).find("field 'hidden_size': expected an integer in [1, 1048576]"),
+            std::string::npos);
+  EXPECT_NE(with("vocab_size", uint64_t{1} << 63).find("field 'vocab_size'"), std::string::npos);
+  EXPECT_NE(with("num_hidden_layers", -3).find("field 'num_hidden_layers'"), std::string::npos);
+  EXPECT_NE(with("rms_norm_eps", 1e308).find("field 'rms_norm_eps': expected a number in [1e-30, 0.1]"),
+            std::string::npos);
+  EXPECT_NE(with("rms_norm_eps", 0).find("field 'rms_norm_eps'"), std::string::npos);
+  EXPECT_NE(with("rope_theta", -1).find("field 'rope_theta'"), std::string::npos);
+  EXPECT_NE(with("eos_token_id", 128256).find("token id 128256 is outside the vocabulary"), std::string::npos);
+  EXPECT_NE(with("bos_token_id", -1).find("field 'bos_token_id'"), std::string::npos);
+  // Each dimension within bounds, the product not: 2^48 parameters at most.
+  json j = llama32_1b();
+  j["hidden_size"] = 1 << 20, j["intermediate_size"] = 1 << 20, j["num_hidden_layers"] = 1 << 14;
+  j["num_attention_heads"] = 1 << 10, j["num_key_value_heads"] = 1 << 10, j["head_dim"] = 1 << 10;
+  EXPECT_NE(error_of(j).find("at most 2^48 are supported"), std::string::npos) << error_of(j);
+}
+
+TEST(LlamaConfig, FileThatCannotBeParsedFailsNamingIt) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "tuna_config_1e400";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"hidden_size": 1e400, "intermediate_size": 64})";
+  try {
+    LlamaConfig::load(dir.string());
+    ADD_FAILURE() << "1e400 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find((dir / "config.json").string() + ": not valid JSON"), std::string::npos) << e.what();
+  }
+  std::ofstream(dir / "config.json") << std::string(100000, '[') + std::string(100000, ']');
+  try {
+    LlamaConfig::load(dir.string());
+    ADD_FAILURE() << "deep nesting accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("nested deeper"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace tuna

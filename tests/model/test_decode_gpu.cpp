@@ -30,7 +30,7 @@ using testing_util::rel_err_norm;
 
 GpuOptions forward_only() {
   GpuOptions g;
-  g.training = false;
+  g.training = false;  // bf16 weights only: no gradients, master copy or moments
   return g;
 }
 

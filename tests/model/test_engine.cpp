@@ -11,6 +11,7 @@
 #include "model/checkpoint.h"
 #include "model/engine.h"
 #include "model/safetensors.h"
+#include "dist/zero.h"
 #include "tests/model/engine_test_util.h"
 
 namespace tuna {
@@ -97,6 +98,44 @@ TEST_P(EngineResume, StateMovesAPieceAtATimeWithoutAHostCopy) {
 }
 
 INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineResume, testing::Values(0, 1, 2, 3));
+
+// A step whose loss or gradient is not finite updates nothing at any ZeRO stage, and the next finite step
+// continues as if it had not happened (the same step on an engine that never saw the bad one).
+class EngineNonFinite : public testing::TestWithParam<int> {};
+
+TEST_P(EngineNonFinite, StepIsSkippedAndTheNextOneTrains) {
+  testing_util::expect_non_finite_steps_skipped(Fixture("llama32_tiny"), "cpu", GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineNonFinite, testing::Values(0, 1, 2, 3));
+
+// The gradient's half of the decision, where the gradient can be reached: AdamW over the whole layout and ZeRO-0/1.
+TEST(Engine, NonFiniteGradientSkipsTheUpdate) {
+  Fixture f("llama32_tiny");
+  for (int stage : {0, 1}) {
+    std::unique_ptr<Comm> dp = make_single_comm();
+    Llama model(f.config, f.batch, f.seq);
+    load_weights(f.dir, model.layout(), model.params.data());
+    Zero zero(model, f.optimizer(), stage, *dp, nullptr);
+    zero.begin_step();
+    const LossSum local = model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+    model.grads[77] = INFINITY;
+    const std::vector<float> before = model.params;
+    const StepResult r = zero.finish_step(local, 1e-3);
+    EXPECT_FALSE(r.stats.applied) << "stage " << stage;
+    EXPECT_TRUE(std::isfinite(r.loss));
+    EXPECT_EQ(model.params, before);
+    EXPECT_EQ(zero.optimizer().steps_taken, 0);
+  }
+  Llama model(f.config, f.batch, f.seq);
+  AdamW adamw(model.layout(), f.optimizer());
+  model.grads.assign(model.grads.size(), 0.0f);
+  model.grads[3] = NAN;
+  const std::vector<float> before = model.params;
+  EXPECT_FALSE(adamw.step(model.params.data(), model.grads.data(), 1.0, 1e-3).applied);
+  EXPECT_EQ(model.params, before);
+  EXPECT_EQ(adamw.steps_taken, 0);
+}
 
 TEST(Engine, DeviceChoiceExplainsItself) {
   EXPECT_EQ(resolve_device("cpu"), "cpu");

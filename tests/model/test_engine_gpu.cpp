@@ -311,6 +311,17 @@ INSTANTIATE_TEST_SUITE_P(
     testing::ValuesIn(testing_util::kRanksCases),
     [](const testing::TestParamInfo<testing_util::RanksCase>& i) { return testing_util::name(i.param); });
 
+// A step whose loss is not finite changes nothing at every ZeRO stage (the decision is made on the host from
+// values the step reads back anyway); the next finite step trains as if the bad one had not happened.
+class EngineGpuNonFinite : public testing::TestWithParam<int> {};
+
+TEST_P(EngineGpuNonFinite, StepIsSkippedAndTheNextOneTrains) {
+  TUNA_REQUIRE_GPU();
+  testing_util::expect_non_finite_steps_skipped(Fixture("llama32_tiny"), "cuda", GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Zero, EngineGpuNonFinite, testing::Values(0, 1, 2, 3));
+
 // The forward-only model of build/eval and build/sample on the device against the CPU's, with the
 // tolerances of test_llama_gpu.cpp (3e-2 on the logits' relative error norm, 1e-2 on the loss).
 TEST(EngineGpu, ForwardModelMatchesTheCpus) {

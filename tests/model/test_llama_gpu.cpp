@@ -170,6 +170,46 @@ TEST(LlamaGpu, Bf16MomentsWithStochasticRoundingTrain) {
   EXPECT_LT(last, 0.6 * first);
 }
 
+// A non-finite gradient norm (read back for clipping anyway) skips the update: master weights, bf16 weights and
+// the update count stay as they were, and the next finite step trains normally.
+TEST(LlamaGpu, NonFiniteGradientSkipsTheUpdate) {
+  TUNA_REQUIRE_GPU();
+  GpuFixture f("llama32_tiny");
+  const OptimizerConfig oc = f.optimizer();
+  const ParamLayout layout(f.config);
+  std::vector<float> weights(layout.total());
+  load_weights(f.dir, layout, weights.data());
+  LlamaGpu model(f.config, f.batch, f.seq, oc, GpuOptions{});
+  model.set_params(weights.data());
+  auto master = [&] {
+    std::vector<float> host(layout.total());
+    TUNA_CUDA_CHECK(cudaDeviceSynchronize());
+    TUNA_CUDA_CHECK(cudaMemcpy(host.data(), model.master_params(), host.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return host;
+  };
+  for (float poison : {NAN, INFINITY}) {
+    model.zero_grads();
+    const LossSum loss = model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+    TUNA_CUDA_CHECK(cudaMemcpy(model.grads() + 123, &poison, sizeof(float), cudaMemcpyHostToDevice));
+    const std::vector<float> before = master();
+    const int64_t steps = model.steps_taken();
+    const OptimizerStats stats = model.adamw_step(1.0 / loss.count, 1e-3);
+    EXPECT_FALSE(stats.applied);
+    EXPECT_FALSE(std::isfinite(stats.grad_norm));
+    EXPECT_EQ(model.steps_taken(), steps);
+    EXPECT_EQ(master(), before);
+  }
+  model.zero_grads();
+  const LossSum loss = model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  const std::vector<float> before = master();
+  // A non-finite loss (the engine's part of the decision) skips as well, with a finite gradient.
+  EXPECT_FALSE(model.adamw_step(1.0 / loss.count, 1e-3, /*loss_is_finite=*/false).applied);
+  EXPECT_EQ(master(), before);
+  EXPECT_TRUE(model.adamw_step(1.0 / loss.count, 1e-3).applied);
+  EXPECT_EQ(model.steps_taken(), 1);
+  EXPECT_NE(master(), before);
+}
+
 TEST(LlamaGpu, RejectsOutOfRangeTokensWithAMessage) {
   TUNA_REQUIRE_GPU();
   GpuFixture f("llama2_tiny");

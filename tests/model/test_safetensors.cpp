@@ -8,10 +8,12 @@
 #include <stdlib.h>
 #include <sys/resource.h>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <functional>
 #include <initializer_list>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -192,13 +194,12 @@ TEST_F(Safetensors, DataSectionIsEightByteAlignedAndHeaderPaddedWithSpaces) {
   }
 }
 
-TEST_F(Safetensors, ReadsHandWrittenFileWithUnsortedHeaderAndGaps) {
-  // Another writer may order the header differently from the data and leave gaps; file order is data
-  // order.
+TEST_F(Safetensors, ReadsHandWrittenFileWithUnsortedHeader) {
+  // Another writer may order the header differently from the data; file order is data order.
   std::string header =
-      R"({"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]},)"
+      R"({"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]},)"
       R"("a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})";
-  std::string bytes = le64(header.size()) + header + std::string("\x01\x02\x00\x00\x05\x06", 6);
+  std::string bytes = le64(header.size()) + header + std::string("\x01\x02\x05\x06", 4);
   write_bytes(dir_ / "h.safetensors", bytes);
   SafetensorsFile file(dir_ / "h.safetensors");
   ASSERT_EQ(file.tensors().size(), 2u);
@@ -312,11 +313,13 @@ TEST_F(BadSafetensors, HeaderLengthPastEndOfFile) {
 }
 
 TEST_F(BadSafetensors, HeaderNotJsonOrNotObject) {
-  expect_bad(raw_file("{\"t\": ", 0), {"header is not valid JSON"});
-  expect_bad(raw_file("hello", 0), {"header is not valid JSON"});
+  expect_bad(raw_file("{\"t\": ", 0), {"header: not valid JSON"});
+  expect_bad(raw_file("hello", 0), {"header: not valid JSON"});
   expect_bad(raw_file("[1, 2]", 0), {"header is not a JSON object", "array"});
   expect_bad(raw_file("\"s\"", 0), {"header is not a JSON object", "string"});
-  expect_bad(raw_file("", 0), {"header is not valid JSON"});
+  expect_bad(raw_file("", 0), {"header: not valid JSON"});
+  // Nesting that would overflow the parser's stack is refused before parsing.
+  expect_bad(raw_file(std::string(100000, '[') + std::string(100000, ']'), 0), {"nested deeper than 64"});
 }
 
 TEST_F(BadSafetensors, EntryMissingFields) {
@@ -395,6 +398,36 @@ TEST_F(BadSafetensors, OverlappingTensors) {
       R"("z":{"dtype":"F32","shape":[0],"data_offsets":[8,8]}})";
   write_bytes(dir_ / "ok.safetensors", raw_file(header, 16));
   EXPECT_NO_THROW(SafetensorsFile(dir_ / "ok.safetensors"));
+}
+
+TEST_F(BadSafetensors, HolesAndTrailingBytesAreRefused) {
+  // The format requires the tensors to cover the data section exactly. Bytes inserted into a file shift every
+  // later tensor (which would then load as garbage): the hole or the trailing bytes they leave are refused.
+  std::string header =
+      R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
+      R"("b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}})";
+  expect_bad(raw_file(header, 6), {"bytes [2, 4) of the data section belong to no tensor", "'b'"});
+  header = R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})";
+  expect_bad(raw_file(header, 5), {"3 trailing bytes"});
+  header = R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})";
+  expect_bad(raw_file(header, 3), {"bytes [0, 1)"});
+}
+
+TEST_F(BadSafetensors, NonFiniteValuesAreRefusedAtRead) {
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    std::vector<float> w = {1, 2, bad, 4, bad};
+    SafetensorsWriter writer;
+    writer.add("w", DType::F32, {5}, w.data());
+    std::vector<uint16_t> b16 = {0x3f80, 0x7fc0};  // bf16 1.0, NaN
+    writer.add("b", DType::BF16, {2}, b16.data());
+    writer.write(dir_ / "nan.safetensors");
+    SafetensorsFile file(dir_ / "nan.safetensors");
+    std::vector<float> out(5);
+    expect_error([&] { file.read_f32("w", {5}, out.data()); }, {"tensor 'w'", "element 2 is"});
+    expect_error([&] { file.read_f32("b", {2}, out.data()); }, {"tensor 'b'", "element 1 is nan"});
+    std::vector<double> out64(5);
+    expect_error([&] { file.read_f64("w", {5}, out64.data()); }, {"element 2"});
+  }
 }
 
 TEST_F(BadSafetensors, DuplicateTensorName) {
@@ -537,6 +570,21 @@ TEST_F(Safetensors, HfIndexNamesMissingShard) {
   expect_error([&] { HfCheckpointDir ckpt(dir_); },
                {"model.safetensors.index.json", "'lm_head.weight'", "model-00002-of-00002.safetensors",
                 "does not exist"});
+}
+
+TEST_F(Safetensors, HfIndexShardsArePlainFileNamesInTheDirectory) {
+  // An index must not make the reader open files outside the model directory.
+  fs::create_directories(dir_ / "model");
+  write_tensor_file(dir_ / "outside.safetensors", {{"a", 1.0f}});
+  write_tensor_file(dir_ / "model" / "inside.safetensors", {{"a", 1.0f}});
+  for (const std::string& shard : std::vector<std::string>{"../outside.safetensors", (dir_ / "outside.safetensors").string(),
+                                  "sub/inside.safetensors", "..", ".", ""}) {
+    write_bytes(dir_ / "model" / "model.safetensors.index.json",
+                nlohmann::json{{"weight_map", {{"a", shard}}}}.dump());
+    expect_error([&] { HfCheckpointDir ckpt(dir_ / "model"); }, {"weight_map entry 'a'", "not a plain file name"});
+  }
+  write_bytes(dir_ / "model" / "model.safetensors.index.json", R"({"weight_map": {"a": "inside.safetensors"}})");
+  EXPECT_NO_THROW(HfCheckpointDir(dir_ / "model").verify());
 }
 
 TEST_F(Safetensors, HfIndexNamesTensorNotInShard) {

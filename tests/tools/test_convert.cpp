@@ -3,10 +3,14 @@
 // exported directory and computes the same logits (tools/reference/check_export.py).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
+#include "data/tokenizer.h"
 #include "model/safetensors.h"
 #include "tests/test_util.h"
 
@@ -14,6 +18,7 @@ namespace tuna {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_util::read_file;
 using testing_util::run_command;
 using testing_util::TempDir;
 
@@ -81,6 +86,83 @@ TEST_P(ConvertRoundTrip, TransformersLoadsTheExport) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ConvertRoundTrip, testing::Values("llama2_tiny", "llama32_tiny"));
 
+// The export carries the checkpoint's tokenizer and writes what transformers' AutoTokenizer needs beside it
+// (tokenizer_config.json, special_tokens_map.json, generation_config.json), keeping the model's own files;
+// where transformers is installed, AutoTokenizer loads the export and gives tuna's ids.
+TEST(Convert, ExportCarriesWhatAutoTokenizerNeeds) {
+  TempDir tmp("exporttok");
+  ASSERT_EQ(run_command(kConvert + " hf-to-tuna tests/fixtures/llama2_tiny " + (tmp / "tuna").string(), tmp / "l1").exit_code, 0);
+  struct Case {
+    std::string tokenizer_file, expected_class, bos, eos;
+    int bos_id, eos_id;           // the model's config.json names them (BOS/EOS come from the model's config)
+    std::string python_packages;  // what transformers needs to load it
+  };
+  const std::string text = "The Licensee shall pay the fees within 30 days.";
+  std::string python_args;  // export directory, expected ids: for transformers, where it is installed
+  for (const Case& c : {Case{"spm/tokenizer.model", "LlamaTokenizer", "<s>", "</s>", 1, 2, "transformers, sentencepiece, google.protobuf"},
+                        Case{"llama3/tokenizer.json.zst", "PreTrainedTokenizerFast", "<|begin_of_text|>", "<|end_of_text|>",
+                             128000, 128001, "transformers"}}) {
+    const fs::path ckpt = tmp / ("tuna-" + c.expected_class), out = tmp / ("hf-" + c.expected_class);
+    fs::create_directories(ckpt);
+    for (const auto& e : fs::directory_iterator(tmp / "tuna")) fs::copy_file(e.path(), ckpt / e.path().filename());
+    auto model_config = nlohmann::json::parse(read_file(ckpt / "config.json"));
+    model_config["bos_token_id"] = c.bos_id, model_config["eos_token_id"] = c.eos_id;
+    std::ofstream(ckpt / "config.json") << model_config.dump();
+    const std::string source = "tests/fixtures/tokenizers/" + c.tokenizer_file;
+    if (source.ends_with(".zst"))
+      ASSERT_EQ(std::system(("zstd -dq --long=27 " + source + " -o " + (ckpt / "tokenizer.json").string()).c_str()), 0);
+    else
+      fs::copy_file(source, ckpt / "tokenizer.model");
+    auto r = run_command(kConvert + " tuna-to-hf " + ckpt.string() + " " + out.string(), tmp / "l2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("wrote " + out.string() + "/tokenizer_config.json"), std::string::npos) << r.output;
+    const auto config = nlohmann::json::parse(read_file(out / "tokenizer_config.json"));
+    EXPECT_EQ(config["tokenizer_class"], c.expected_class);
+    EXPECT_EQ(config["bos_token"], c.bos);
+    EXPECT_EQ(config["eos_token"], c.eos);
+    EXPECT_EQ(nlohmann::json::parse(read_file(out / "special_tokens_map.json"))["bos_token"], c.bos);
+    const auto generation = nlohmann::json::parse(read_file(out / "generation_config.json"));
+    EXPECT_EQ(generation["bos_token_id"], c.bos_id);
+    EXPECT_EQ(generation["eos_token_id"], c.eos_id);
+    // Exported again from a checkpoint that has them: the model's own files are kept as they are.
+    std::ofstream(ckpt / "tokenizer_config.json") << read_file(out / "tokenizer_config.json");
+    r = run_command(kConvert + " tuna-to-hf " + ckpt.string() + " " + (tmp / "again").string(), tmp / "l3");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("wrote " + (tmp / "again").string() + "/tokenizer_config.json"), std::string::npos) << r.output;
+    fs::remove_all(tmp / "again");
+    if (std::system(("python3 -c 'import " + c.python_packages + "' > /dev/null 2>&1").c_str()) != 0) continue;
+    const std::vector<int32_t> ids = Tokenizer(out.string()).encode(text);
+    std::string expected;
+    for (size_t i = 0; i < ids.size(); ++i) expected += (i ? ", " : "") + std::to_string(ids[i]);
+    python_args += " " + out.string() + " '[" + expected + "]'";
+  }
+  // A tiktoken file alone: the export goes through, with a warning instead of a tokenizer_config.json that
+  // transformers could only use with the tiktoken package.
+  {
+    const fs::path ckpt = tmp / "tuna-tiktoken";
+    fs::create_directories(ckpt);
+    for (const auto& e : fs::directory_iterator(tmp / "tuna")) fs::copy_file(e.path(), ckpt / e.path().filename());
+    ASSERT_EQ(std::system(("zstd -dq --long=27 tests/fixtures/tokenizers/llama3/original/tokenizer.model.zst -o " +
+                           (ckpt / "tokenizer.model").string()).c_str()), 0);
+    auto r = run_command(kConvert + " tuna-to-hf " + ckpt.string() + " " + (tmp / "hf-tiktoken").string(), tmp / "l5");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("warning: "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("tiktoken package"), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(tmp / "hf-tiktoken" / "tokenizer_config.json"));
+    EXPECT_TRUE(fs::exists(tmp / "hf-tiktoken" / "tokenizer.model"));
+  }
+  if (python_args.empty()) return;
+  // One Python process for every case (importing transformers is the slow part).
+  auto r = run_command("python3 -c \"import sys; from transformers import AutoTokenizer\n"
+                       "for d, want in zip(sys.argv[2::2], sys.argv[3::2]):\n"
+                       "    got = str(AutoTokenizer.from_pretrained(d).encode(sys.argv[1], add_special_tokens=False))\n"
+                       "    print(d, 'OK' if got == want else 'MISMATCH ' + got + ' != ' + want)\" '" + text + "'" + python_args,
+                       tmp / "l4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("MISMATCH"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("OK"), std::string::npos) << r.output;
+}
+
 TEST(Convert, RefusesPickleCheckpointsWithAWayOut) {
   TempDir tmp("pickle");
   fs::copy_file("tests/fixtures/llama2_tiny/config.json", tmp / "config.json");
@@ -100,6 +182,49 @@ TEST(Convert, RefusesWeightsThatDisagreeWithConfig) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("k_proj.weight"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("expected shape"), std::string::npos) << r.output;
+}
+
+// A NaN in the weights is refused naming the tensor and the index, in either direction; an export verifies the
+// checkpoint against its manifest first.
+TEST(Convert, RefusesNonFiniteWeightsAndDamagedCheckpoints) {
+  TempDir tmp("convertnan");
+  fs::create_directories(tmp / "hf");
+  fs::copy_file("tests/fixtures/llama32_tiny/config.json", tmp / "hf" / "config.json");
+  {
+    SafetensorsFile src("tests/fixtures/llama32_tiny/model.safetensors");
+    std::vector<std::vector<float>> copies;
+    SafetensorsWriter w;
+    for (const TensorInfo& t : src.tensors()) {
+      copies.emplace_back(t.numel);
+      src.read_f32(t.name, t.shape, copies.back().data());
+      if (t.name == "model.layers.1.mlp.down_proj.weight") copies.back()[37] = NAN;
+      w.add(t.name, DType::F32, t.shape, copies.back().data());
+    }
+    w.write(tmp / "hf" / "model.safetensors");
+  }
+  auto r = run_command(kConvert + " hf-to-tuna " + (tmp / "hf").string() + " " + (tmp / "out").string(), tmp / "log1");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("tensor 'model.layers.1.mlp.down_proj.weight'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("element 37 is nan"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "out" / "model.safetensors"));
+
+  // A training checkpoint with a damaged file: refused before anything is written.
+  testing_util::write_test_shards(tmp / "data");
+  r = run_command(testing_util::build_dir() + "/train --model_config tests/fixtures/llama32_tiny/config.json --steps 1"
+                  " --seq_len 16 --micro_batch 2 --device cpu --threads 1 --out_dir " + (tmp / "run").string() +
+                  " --train_data " + (tmp / "data").string(), tmp / "log2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path ckpt = tmp / "run" / "ckpt" / "step_00000001";
+  {
+    std::fstream f(ckpt / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1000);
+    f.put('\x55');
+  }
+  r = run_command(kConvert + " tuna-to-hf " + ckpt.string() + " " + (tmp / "export").string(), tmp / "log3");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("fails verification, nothing exported"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("model.safetensors: checksum"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "export"));
 }
 
 }  // namespace

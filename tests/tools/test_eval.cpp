@@ -1,6 +1,9 @@
 // build/eval end to end: the loss it prints is the model's loss over every window of the shards (the same
 // numbers the CPU model computes in process), and bad input fails with a message naming it.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -83,6 +86,26 @@ TEST(Eval, BadInputFailsNamingIt) {
                   tmp / "log4");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("a window needs seq_len + 1 = 1001 tokens"), std::string::npos) << r.output;
+
+  // A FIFO as data: refused by name instead of blocking forever in open().
+  ASSERT_EQ(::mkfifo((tmp / "pipe.bin").c_str(), 0600), 0);
+  r = run_command("timeout 60 " + kEval + " --checkpoint " + kModel.string() + " --data " + (tmp / "pipe.bin").string() +
+                      " --seq_len 16 --device cpu",
+                  tmp / "log5");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("is a FIFO (named pipe), not a regular file"), std::string::npos) << r.output;
+
+  // A model far larger than this machine: the allocation is refused before it is made, named with its size
+  // (instead of std::bad_alloc without a message, or the OOM killer).
+  nlohmann::json cfg = nlohmann::json::parse(testing_util::read_file(kModel / "config.json"));
+  cfg["hidden_size"] = 1 << 18, cfg["intermediate_size"] = 1 << 18, cfg["num_hidden_layers"] = 64;
+  cfg["num_attention_heads"] = 1 << 10, cfg["num_key_value_heads"] = 1 << 10, cfg["head_dim"] = 1 << 8;
+  fs::create_directories(tmp / "huge");
+  std::ofstream(tmp / "huge" / "config.json") << cfg.dump();
+  r = run_command(kEval + " --checkpoint " + (tmp / "huge").string() + data + " --device cpu", tmp / "log6");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: out of memory: allocating the model's weights"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("available"), std::string::npos) << r.output;
 }
 
 }  // namespace

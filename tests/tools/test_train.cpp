@@ -1,14 +1,17 @@
 // build/train end to end on the CPU: 20 steps straight equal 10 steps + resume + 10 steps, bit for bit
 // (weights, optimizer state and every logged loss), and bad options fail with a message naming them.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 
 #include "data/shard.h"
+#include "data/tokenizer.h"
 #include "model/engine.h"  // resolve_device
 #include "tests/test_util.h"
 
@@ -98,6 +101,48 @@ TEST(Train, BadOptionsAndInputsFailClearly) {
   EXPECT_NE(r.output.find("64"), std::string::npos) << r.output;
 }
 
+// --tokenizer names a file under any name: the checkpoints carry exactly it (as tokenizer.model), not what
+// else lies in its directory; a tokenizer that does not exist stops the run before training; shards written by
+// another tokenizer are refused, naming both.
+TEST(Train, CarriesExactlyTheNamedTokenizerAndChecksShards) {
+  TempDir tmp("traintok");
+  const fs::path toks = tmp / "toks";
+  fs::create_directories(toks);
+  fs::copy_file("tests/fixtures/tokenizers/spm/tokenizer.model", toks / "contracts-2k.model");
+  std::ofstream(toks / "tokenizer.model") << "another tokenizer's file, which must not travel";
+  const uint64_t fingerprint = Tokenizer((toks / "contracts-2k.model").string()).fingerprint();
+  testing_util::write_test_shards(tmp / "data", fingerprint);
+  nlohmann::json cfg = nlohmann::json::parse(read_file("tests/fixtures/llama32_tiny/config.json"));
+  cfg["vocab_size"] = 2000;  // the tokenizer's 2000 pieces
+  std::ofstream(tmp / "config.json") << cfg.dump();
+  const std::string flags = common_flags(tmp / "data") + " --model_config " + (tmp / "config.json").string() +
+                            " --steps 2 --val_every 0";
+
+  auto r = run_command(kTrain + flags + " --out_dir " + (tmp / "run").string() + " --tokenizer " +
+                           (toks / "contracts-2k.model").string(), tmp / "log1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tokenizer " + (toks / "contracts-2k.model").string() + " (sentencepiece, 2000 tokens)"),
+            std::string::npos) << r.output;
+  const fs::path ckpt = tmp / "run" / "ckpt" / "step_00000002";
+  EXPECT_EQ(read_file(ckpt / "tokenizer.model"), read_file(toks / "contracts-2k.model"));
+  EXPECT_FALSE(fs::exists(ckpt / "tokenizer.json"));
+  EXPECT_EQ(Tokenizer(ckpt.string()).fingerprint(), fingerprint);
+
+  r = run_command(kTrain + flags + " --out_dir " + (tmp / "run2").string() + " --tokenizer " +
+                      (toks / "missing.model").string(), tmp / "log2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find((toks / "missing.model").string() + ": no such file"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "run2" / "ckpt"));
+
+  testing_util::write_test_shards(tmp / "other", fingerprint ^ 1);
+  r = run_command(kTrain + common_flags(tmp / "other") + " --model_config " + (tmp / "config.json").string() +
+                      " --steps 2 --out_dir " + (tmp / "run3").string() + " --tokenizer " + (toks / "contracts-2k.model").string(),
+                  tmp / "log3");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("another tokenizer"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("contracts-2k.model"), std::string::npos) << r.output;
+}
+
 TEST(Train, ConfigFileAndFlagsAgree) {
   TempDir tmp("traintoml");
   testing_util::write_test_shards(tmp / "data");
@@ -172,6 +217,164 @@ TEST(Train, PlanOnlyPrintsThePerGpuTableAndRefusesWhatDoesNotFit) {
   r = run_command(base + " --device cpu --gpu_memory_gb 80", tmp / "log4");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("use --device cuda"), std::string::npos) << r.output;
+}
+
+// ---- no input crashes the trainer, no bad value trains silently (issue 13) --------------------------------
+
+// The flags of a short run (8 steps, a checkpoint every 2, all kept).
+std::string short_run(const fs::path& data, const fs::path& out) {
+  return " --model_config tests/fixtures/llama32_tiny/config.json --train_data '" + (data / "train-*.bin").string() +
+         "' --seq_len 16 --micro_batch 2 --steps 8 --lr 3e-3 --ckpt_every 2 --ckpt_keep 0 --threads 1 --seed 3"
+         " --device cpu --out_dir " + out.string();
+}
+
+TEST(Train, BadValuesAreRefusedByName) {
+  TempDir tmp("trainvalues");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string flags = short_run(tmp / "data", tmp / "run");
+  struct Case {
+    std::string extra, expected;
+  };
+  const std::vector<Case> cases = {
+      {" --lr inf", "option 'lr': expected (0, 1], found 'inf'"},
+      {" --weight_decay nan", "option 'weight_decay'"},
+      {" --grad_clip nan", "option 'grad_clip'"},  // would have disabled clipping
+      {" --comm_timeout nan", "option 'comm_timeout'"},  // would have disabled every timeout
+      {" --seq_len 2147483648", "option 'seq_len': expected [1, 4194304]"},
+      {" --steps 99999999999999999999", "option 'steps'"},
+      {" --device gpu", "expected auto, cpu or cuda"},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    auto r = run_command(kTrain + flags + c.extra, tmp / ("log" + std::to_string(i++)));
+    EXPECT_EQ(r.exit_code, 1) << c.extra << ": " << r.output;
+    EXPECT_NE(r.output.find("error: command line: " + c.expected.substr(0, 0)), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.extra << ": " << r.output;
+  }
+  // TOML values must have the option's type: a number for a string option is not converted.
+  std::ofstream(tmp / "typed.toml") << "tokenizer = 5\n";
+  auto r = run_command(kTrain + flags + " --config " + (tmp / "typed.toml").string(), tmp / "log_toml");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("typed.toml:1: option 'tokenizer': expected a string, found the integer 5"), std::string::npos)
+      << r.output;
+  // config.json values that used to abort (std::bad_alloc, a JSON exception) or train nonsense.
+  nlohmann::json cfg = nlohmann::json::parse(read_file("tests/fixtures/llama32_tiny/config.json"));
+  for (auto [key, value] : {std::pair{"hidden_size", std::string("1e400")}, {"hidden_size", "4611686018427387904"},
+                            {"rms_norm_eps", "1e308"}, {"num_hidden_layers", "\"2\""}}) {
+    std::string text = cfg.dump();
+    const std::string field = "\"" + std::string(key) + "\":";
+    const size_t at = text.find(field) + field.size();
+    text.replace(at, text.find_first_of(",}", at) - at, value);
+    std::ofstream(tmp / "cfg.json") << text;
+    r = run_command(kTrain + flags + " --model_config " + (tmp / "cfg.json").string(), tmp / "log_cfg");
+    EXPECT_EQ(r.exit_code, 1) << key << " = " << value << ": " << r.output;
+    EXPECT_NE(r.output.find("error: " + (tmp / "cfg.json").string()), std::string::npos) << r.output;
+  }
+}
+
+// A model or batch that cannot fit this machine's memory is refused before anything is allocated: the trainer
+// by its memory plan (model/memory_plan.h), each item named with its size.
+TEST(Train, MemoryExhaustionNamesTheAllocation) {
+  TempDir tmp("trainoom");
+  testing_util::write_test_shards(tmp / "data");
+  nlohmann::json cfg = nlohmann::json::parse(read_file("tests/fixtures/llama32_tiny/config.json"));
+  cfg["hidden_size"] = 1 << 18, cfg["intermediate_size"] = 1 << 18, cfg["num_hidden_layers"] = 64;
+  cfg["num_attention_heads"] = 1 << 10, cfg["num_key_value_heads"] = 1 << 10, cfg["head_dim"] = 1 << 8;
+  std::ofstream(tmp / "huge.json") << cfg.dump();  // ~3e13 parameters: 123 TB of fp32 weights
+  std::string flags = short_run(tmp / "data", tmp / "run");
+  flags.replace(flags.find("tests/fixtures/llama32_tiny/config.json"), std::string("tests/fixtures/llama32_tiny/config.json").size(),
+                (tmp / "huge.json").string());
+  auto r = run_command(kTrain + flags, tmp / "log1");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: the memory plan's peak per rank is"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("weights (fp32, whole)"), std::string::npos) << r.output;
+  // The activations of an enormous batch on a small model: named, with the way out.
+  r = run_command(kTrain + short_run(tmp / "data", tmp / "run") + " --seq_len 4194304 --micro_batch 256", tmp / "log2");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("activations kept for the backward"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("a smaller micro_batch or seq_len"), std::string::npos) << r.output;
+}
+
+TEST(Train, FifoAsDataIsRefusedInsteadOfHanging) {
+  TempDir tmp("trainfifo");
+  testing_util::write_test_shards(tmp / "data");
+  ASSERT_EQ(::mkfifo((tmp / "pipe.bin").c_str(), 0600), 0);
+  std::string flags = short_run(tmp / "data", tmp / "run");
+  flags.replace(flags.find("--train_data '"), std::string("--train_data '").size() + (tmp / "data" / "train-*.bin").string().size() + 1,
+                "--train_data " + (tmp / "pipe.bin").string());
+  auto r = run_command("timeout 120 " + kTrain + flags, tmp / "log");
+  EXPECT_EQ(r.exit_code, 1) << r.output;  // 124 would be the hang
+  EXPECT_NE(r.output.find("pipe.bin: is a FIFO (named pipe), not a regular file"), std::string::npos) << r.output;
+}
+
+// A run whose loss goes NaN for two steps skips them (no update), logs them, and goes on; the skipped steps are
+// counted in the checkpoint, so that the resume's cross-check (AdamW's updates + skipped = step) holds.
+TEST(Train, NonFiniteStepsAreSkippedCountedAndResumable) {
+  TempDir tmp("trainnan");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string flags = short_run(tmp / "data", tmp / "run");
+  auto r = run_command("TUNA_FAULT=nan:0:2-3 " + kTrain + flags + " --stop_at_step 6", tmp / "log1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("step      3 | loss nan"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("not finite: update skipped (2 in a row, 2 in all)"), std::string::npos) << r.output;
+  auto state = nlohmann::json::parse(read_file(tmp / "run" / "ckpt" / "step_00000006" / "state.json"));
+  EXPECT_EQ(state["skipped_steps"], 2);
+  int skipped = 0;
+  std::istringstream in(read_file(tmp / "run" / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) skipped += nlohmann::json::parse(line).value("skipped", false);
+  EXPECT_EQ(skipped, 2);
+  r = run_command(kTrain + flags + " --resume", tmp / "log2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(tmp / "run" / "ckpt" / "step_00000008"));
+}
+
+// A run that diverges for good stops after --max_bad_steps, with an error, and leaves the last good checkpoint.
+TEST(Train, ARunThatStaysNonFiniteStops) {
+  TempDir tmp("traindiverge");
+  testing_util::write_test_shards(tmp / "data");
+  auto r = run_command("TUNA_FAULT=nan:0:3 " + kTrain + short_run(tmp / "data", tmp / "run") + " --max_bad_steps 3",
+                       tmp / "log");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("not finite in 3 steps in a row (up to step 6"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(tmp / "run" / "ckpt" / "step_00000002"));
+  EXPECT_FALSE(fs::exists(tmp / "run" / "ckpt" / "step_00000006"));
+  EXPECT_FALSE(fs::exists(tmp / "run" / "ckpt" / "step_00000008"));
+}
+
+// --resume verifies the newest checkpoint against its manifest and falls back when it is damaged; state.json
+// that disagrees with its directory stops the run instead of silently ending it or restarting the data.
+TEST(Train, ResumeVerifiesAndFallsBack) {
+  TempDir tmp("trainverify");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string flags = short_run(tmp / "data", tmp / "run");
+  auto r = run_command(kTrain + flags + " --stop_at_step 4", tmp / "log1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path ckpt = tmp / "run" / "ckpt";
+  {  // one flipped byte in the newest checkpoint's weights
+    std::fstream f(ckpt / "step_00000004" / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4000);
+    f.put('\x7f');
+  }
+  r = run_command(kTrain + flags + " --resume --stop_at_step 6", tmp / "log2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("step_00000004 fails verification"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("model.safetensors: checksum"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("resumed from " + (ckpt / "step_00000002").string() + " at step 2"), std::string::npos)
+      << r.output;
+  EXPECT_TRUE(fs::exists(ckpt / "rejected-step_00000004"));
+
+  // state.json's step disagrees with the directory, or its data cursor is gone: refused, even where no manifest
+  // (a checkpoint of an older tuna, resumed unverified) would catch the edit.
+  fs::remove(ckpt / "step_00000006" / "manifest.json");
+  for (const std::string& state : {std::string("{\"step\": 417, \"data_cursor\": {}}"), std::string("{\"step\": 6}")}) {
+    std::ofstream(ckpt / "step_00000006" / "state.json") << state;
+    r = run_command(kTrain + flags + " --resume", tmp / "log3");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_TRUE(r.output.find("disagrees with the directory's name") != std::string::npos ||
+                r.output.find("field 'data_cursor' is missing") != std::string::npos)
+        << r.output;
+  }
 }
 
 }  // namespace

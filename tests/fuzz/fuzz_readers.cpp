@@ -1,0 +1,573 @@
+// build/fuzz_readers (make fuzz): every reader of untrusted bytes, fed mutated inputs under AddressSanitizer and
+// UBSan. Deterministic: a seed and a case number name every input, so a failure reproduces exactly
+// (--reader R --case K --dump FILE writes the input that failed).
+//
+// For each reader: the regression corpus first (tests/fuzz/corpus/<reader>/*: the inputs that crashed, hung or
+// trained garbage before issue 13), then its valid seed inputs (which must be read without an error), then
+// --cases mutations of them: bit flips, byte overwrites with boundary values, truncations, insertions,
+// deletions and duplicated chunks; for text formats also numbers replaced by 1e400, -1, 2^63, NaN..., deep
+// nesting, repeated keys and removed fields. The expected outcome of every case is a clean error (a
+// tuna::Error) or a valid result. Anything else fails the run: another exception type (printed with the case),
+// a sanitizer report or a signal (the process dies with it; -fno-sanitize-recover), or a hang (a case that runs
+// longer than --case_seconds ends the run naming it).
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "core/error.h"
+#include "core/json.h"
+#include "core/options.h"
+#include "data/loader.h"
+#include "data/shard.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/layout.h"
+#include "model/safetensors.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace tuna;
+
+namespace {
+
+// ---- deterministic randomness -----------------------------------------------------------------------------
+
+struct Rng {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  uint64_t below(uint64_t n) { return n ? next() % n : 0; }
+};
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void write_bytes(const fs::path& p, const std::string& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// ---- mutations ----------------------------------------------------------------------------------------------
+
+const char* const kNumbers[] = {"1e400",  "-1e400", "-1", "0", "1", "9223372036854775807", "9223372036854775808",
+                                "-9223372036854775808", "18446744073709551616", "4294967296", "2147483648",
+                                "1e-400", "0.5", "-0", "1e308", "65536", "NaN", "inf", "\"7\"", "null", "true",
+                                "[]", "{}", "2.5e9"};
+
+std::string mutate_bytes(std::string s, Rng& rng) {
+  const int kind = static_cast<int>(rng.below(7));
+  const size_t n = s.size();
+  switch (kind) {
+    case 0:  // flip a few bits
+      for (int i = 0, k = 1 + rng.below(8); i < k && n; i++) s[rng.below(n)] ^= static_cast<char>(1 << rng.below(8));
+      break;
+    case 1: {  // boundary bytes
+      static const unsigned char values[] = {0x00, 0xff, 0x7f, 0x80, 0x01, 0xfe};
+      for (int i = 0, k = 1 + rng.below(4); i < k && n; i++) s[rng.below(n)] = static_cast<char>(values[rng.below(6)]);
+      break;
+    }
+    case 2:  // truncate
+      s.resize(rng.below(n + 1));
+      break;
+    case 3: {  // insert random bytes
+      std::string extra(1 + rng.below(64), '\0');
+      for (char& c : extra) c = static_cast<char>(rng.next());
+      s.insert(rng.below(n + 1), extra);
+      break;
+    }
+    case 4: {  // delete a range
+      const size_t at = rng.below(n + 1);
+      s.erase(at, rng.below(std::min<size_t>(n - at, 256) + 1));
+      break;
+    }
+    case 5: {  // duplicate a chunk
+      const size_t at = rng.below(n + 1), len = rng.below(std::min<size_t>(n - at, 256) + 1);
+      s.insert(rng.below(n + 1), s.substr(at, len));
+      break;
+    }
+    default: {  // an 8-byte little-endian field (a length, a count, an offset) set to a boundary value
+      if (n < 8) break;
+      static const uint64_t values[] = {0, 1, ~uint64_t{0}, uint64_t{1} << 63, uint64_t{1} << 32, 0x7fffffff, 4096};
+      const uint64_t v = values[rng.below(7)];
+      const size_t at = rng.below(std::min<size_t>(n - 7, 64)) & ~size_t{3};  // mostly the headers
+      std::memcpy(&s[at], &v, 8);
+      break;
+    }
+  }
+  return s;
+}
+
+// Positions of the numbers in JSON or TOML text (outside strings).
+std::vector<std::pair<size_t, size_t>> number_spans(const std::string& s) {
+  std::vector<std::pair<size_t, size_t>> spans;
+  bool in_string = false;
+  for (size_t i = 0; i < s.size(); i++) {
+    if (s[i] == '"' && (i == 0 || s[i - 1] != '\\')) in_string = !in_string;
+    if (in_string || !(std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '-')) continue;
+    size_t j = i;
+    while (j < s.size() && std::strchr("0123456789+-.eE", s[j])) j++;
+    spans.emplace_back(i, j - i);
+    i = j;
+  }
+  return spans;
+}
+
+std::string mutate_text(std::string s, Rng& rng) {
+  const int kind = static_cast<int>(rng.below(8));
+  switch (kind) {
+    case 0: case 1: {  // a number becomes a boundary value or another type
+      auto spans = number_spans(s);
+      if (spans.empty()) break;
+      const auto [at, len] = spans[rng.below(spans.size())];
+      s.replace(at, len, kNumbers[rng.below(std::size(kNumbers))]);
+      break;
+    }
+    case 2: {  // deep nesting where a value starts
+      const size_t at = s.find(':', rng.below(s.size() + 1));
+      if (at == std::string::npos) break;
+      const size_t depth = 1 + rng.below(200000);
+      s.insert(at + 1, std::string(depth, '[') + "1" + std::string(depth, ']'));
+      break;
+    }
+    case 3: {  // repeat a line (a key twice)
+      const size_t begin = s.rfind('\n', rng.below(s.size() + 1));
+      const size_t from = begin == std::string::npos ? 0 : begin + 1, end = s.find('\n', from);
+      if (end == std::string::npos) break;
+      s.insert(from, s.substr(from, end - from + 1));
+      break;
+    }
+    case 4: {  // drop a line (a field goes missing)
+      const size_t begin = s.rfind('\n', rng.below(s.size() + 1));
+      const size_t from = begin == std::string::npos ? 0 : begin + 1, end = s.find('\n', from);
+      s.erase(from, end == std::string::npos ? std::string::npos : end - from + 1);
+      break;
+    }
+    case 5: {  // a string value becomes a number
+      const size_t open = s.find(": \"", rng.below(s.size() + 1));
+      if (open == std::string::npos) break;
+      const size_t close = s.find('"', open + 3);
+      if (close == std::string::npos) break;
+      s.replace(open + 2, close - open - 1, kNumbers[rng.below(std::size(kNumbers))]);
+      break;
+    }
+    default:
+      return mutate_bytes(std::move(s), rng);
+  }
+  return s;
+}
+
+// ---- fixtures -----------------------------------------------------------------------------------------------
+
+// A LLaMA small enough that a checkpoint of it is a few kilobytes.
+const char* kTinyConfig = R"({
+  "model_type": "llama",
+  "hidden_size": 16,
+  "intermediate_size": 24,
+  "num_hidden_layers": 1,
+  "num_attention_heads": 2,
+  "num_key_value_heads": 1,
+  "head_dim": 8,
+  "vocab_size": 32,
+  "max_position_embeddings": 64,
+  "rms_norm_eps": 1e-05,
+  "rope_theta": 10000.0,
+  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 32},
+  "tie_word_embeddings": false,
+  "bos_token_id": 1,
+  "eos_token_id": [2, 3],
+  "torch_dtype": "float32"
+})";
+
+std::string safetensors_seed(const fs::path& dir) {
+  std::vector<float> f32(12);
+  for (size_t i = 0; i < f32.size(); i++) f32[i] = 0.25f * static_cast<float>(i) - 1.0f;
+  const std::vector<uint16_t> bf16 = {0x3f80, 0xbf80, 0x4000, 0x0000, 0x3e00}, f16 = {0x3c00, 0xbc00, 0x4000, 0x0001};
+  const std::vector<int64_t> i64 = {1, -2, 3};
+  SafetensorsWriter w;
+  w.add_metadata("format", "pt");
+  w.add("w", DType::F32, {4, 3}, f32.data());
+  w.add("b", DType::BF16, {5}, bf16.data());
+  w.add("h", DType::F16, {2, 2}, f16.data());
+  w.add("ids", DType::I64, {3}, i64.data());
+  w.add("empty", DType::U8, {0}, nullptr);
+  w.write(dir / "seed.safetensors");
+  return read_bytes(dir / "seed.safetensors");
+}
+
+void read_every_tensor(const SafetensorsFile& f) {
+  for (const TensorInfo& t : f.tensors()) {
+    if (is_floating(t.dtype)) {
+      std::vector<float> out(static_cast<size_t>(t.numel));
+      f.read_f32(t.name, t.shape, out.data());
+    } else if (t.dtype == DType::I32 || t.dtype == DType::I64) {
+      std::vector<int32_t> out(static_cast<size_t>(t.numel));
+      f.read_i32(t.name, t.shape, out.data());
+    }
+  }
+}
+
+// A training checkpoint of the tiny model written by 2 data-parallel ranks, and one written by 1.
+struct CheckpointFixture {
+  LlamaConfig config;
+  ParamLayout layout;
+  fs::path sharded, single;
+  std::vector<Segment> whole;
+  explicit CheckpointFixture(const fs::path& root)
+      : config(LlamaConfig::from_json(json::parse(kTinyConfig), "tiny config")), layout(config) {
+    whole = {Segment{0, layout.total()}};
+    std::vector<float> p(layout.total()), m(layout.total()), v(layout.total());
+    for (int64_t i = 0; i < layout.total(); i++) p[i] = 0.01f * static_cast<float>(i % 89), m[i] = 1e-3f, v[i] = 1e-6f;
+    json config_json = config.to_json();
+    const json state = {{"data_cursor", {{"epoch", 0}, {"position", 0}, {"seed", 1}, {"seq_len", 8}, {"dp_size", 1},
+                                         {"total_windows", 3}}}};
+    prepare_sharded_checkpoint(root / "sharded", 6);
+    // Two ranks, each a half of the flat layout (a split inside a tensor, as ZeRO makes them).
+    const std::vector<std::vector<Segment>> halves = {{Segment{0, layout.total() / 2}},
+                                                      {Segment{layout.total() / 2, layout.total() - layout.total() / 2}}};
+    for (int r = 0; r < 2; r++) {
+      const std::vector<Segment>& segs = halves[r];
+      std::vector<float> sp, sm, sv;
+      for (const Segment& s : segs)
+        for (int64_t i = s.begin; i < s.begin + s.size; i++) sp.push_back(p[i]), sm.push_back(m[i]), sv.push_back(v[i]);
+      write_checkpoint_shard(checkpoint_tmp_dir(root / "sharded", 6), r, layout,
+                             ShardState{&segs, shard_buffers_export(segs, sp.data(), sm.data(), sv.data()), 6});
+    }
+    sharded = finish_sharded_checkpoint(root / "sharded", 6, CheckpointContents{&config_json, nullptr, {}, state, {}}, 0);
+    single = save_checkpoint(root / "single", 6, layout,
+                             CheckpointContents{&config_json, p.data(), {m.data(), v.data(), 6}, state, {}}, 0);
+  }
+};
+
+void copy_dir(const fs::path& from, const fs::path& to) {
+  fs::remove_all(to);
+  fs::create_directories(to.parent_path());
+  fs::copy(from, to, fs::copy_options::recursive);
+}
+
+// ---- readers --------------------------------------------------------------------------------------------------
+
+struct Reader {
+  std::string name;
+  bool text;                                  // mutate as text (JSON, TOML) or as bytes
+  std::vector<std::string> seeds;             // valid inputs
+  std::function<void(const std::string&)> read;  // places the bytes where the reader reads them, and reads
+};
+
+std::vector<Reader> make_readers(const fs::path& work) {
+  std::vector<Reader> readers;
+  auto fixture = std::make_shared<CheckpointFixture>(work / "fixture");
+  const fs::path case_dir = work / "case";
+
+  readers.push_back({"safetensors", false, {safetensors_seed(work), read_bytes("tests/fixtures/llama32_tiny/model.safetensors")},
+                     [case_dir](const std::string& bytes) {
+                       write_bytes(case_dir / "x.safetensors", bytes);
+                       read_every_tensor(SafetensorsFile(case_dir / "x.safetensors"));
+                     }});
+
+  {  // model.safetensors.index.json over two valid shards
+    SafetensorsWriter a, b;
+    const float one = 1, two = 2;
+    a.add("x", DType::F32, {1}, &one);
+    b.add("y", DType::F32, {1}, &two);
+    fs::create_directories(work / "index");
+    a.write(work / "index" / "model-00001-of-00002.safetensors");
+    b.write(work / "index" / "model-00002-of-00002.safetensors");
+    const std::string seed = json{{"metadata", {{"total_size", 8}}},
+                                  {"weight_map", {{"x", "model-00001-of-00002.safetensors"},
+                                                  {"y", "model-00002-of-00002.safetensors"}}}}.dump(2);
+    readers.push_back({"hf_index", true, {seed}, [work](const std::string& bytes) {
+                         write_bytes(work / "index" / "model.safetensors.index.json", bytes);
+                         HfCheckpointDir dir(work / "index");
+                         dir.verify();
+                         for (const std::string& name : dir.tensor_names()) {
+                           float out = 0;
+                           dir.read_f32(name, {1}, &out);
+                         }
+                       }});
+  }
+
+  readers.push_back({"config", true, {kTinyConfig, read_bytes("tests/fixtures/llama2_tiny/config.json")},
+                     [case_dir](const std::string& bytes) {
+                       write_bytes(case_dir / "config.json", bytes);
+                       const LlamaConfig c = LlamaConfig::load(case_dir.string());
+                       const ParamLayout layout(c);
+                       (void)model_flops_per_token(c, 16);
+                     }});
+
+  readers.push_back({"state", true, {read_bytes(fixture->single / "state.json")},
+                     [case_dir](const std::string& bytes) {
+                       const fs::path dir = case_dir / "step_00000006";
+                       fs::create_directories(dir);
+                       write_bytes(dir / "state.json", bytes);
+                       const TrainingState s = read_training_state(dir);
+                       check_optimizer_steps(s, 6, dir);
+                       const LoaderCursor cursor = s.data_cursor.get<LoaderCursor>();
+                       (void)cursor;
+                     }});
+
+  {  // the pieces metadata of rank 1 of a sharded checkpoint, as text, wrapped back into its rank file
+    SafetensorsFile rank1(fixture->sharded / "rank_00001.safetensors");
+    const std::string seed = json::parse(rank1.metadata().at("pieces")).dump(1);
+    readers.push_back({"pieces", true, {seed}, [fixture, case_dir](const std::string& bytes) {
+                         const fs::path dir = case_dir / "pieces" / "step_00000006";
+                         copy_dir(fixture->sharded, dir);
+                         {
+                           SafetensorsFile src(fixture->sharded / "rank_00001.safetensors");
+                           SafetensorsWriter w;
+                           w.add_metadata("steps_taken", "6");
+                           w.add_metadata("pieces", bytes);
+                           for (const TensorInfo& t : src.tensors()) w.add(t.name, t.dtype, t.shape, src.data(t));
+                           try {
+                             w.write(dir / "rank_00001.safetensors");
+                           } catch (const Error&) {
+                             return;  // bytes that no JSON string holds (invalid UTF-8): no such file can exist
+                           }
+                         }
+                         std::vector<float> p, m, v;
+                         load_checkpoint_shard(dir, fixture->layout, fixture->whole, p, m, v);
+                         std::vector<float> weights(fixture->layout.total());
+                         load_weights(dir, fixture->layout, weights.data());
+                       }});
+  }
+
+  readers.push_back({"rank_file", false, {read_bytes(fixture->sharded / "rank_00000.safetensors")},
+                     [fixture, case_dir](const std::string& bytes) {
+                       const fs::path dir = case_dir / "rank" / "step_00000006";
+                       copy_dir(fixture->sharded, dir);
+                       write_bytes(dir / "rank_00000.safetensors", bytes);
+                       const std::string problem = verify_checkpoint(dir);  // the resume would stop here
+                       std::vector<float> p, m, v;
+                       load_checkpoint_shard(dir, fixture->layout, fixture->whole, p, m, v);  // eval, --init would not
+                       if (!problem.empty()) throw Error(problem);
+                     }});
+
+  readers.push_back({"manifest", true, {read_bytes(fixture->single / kManifestFile)},
+                     [fixture, case_dir](const std::string& bytes) {
+                       const fs::path dir = case_dir / "manifest" / "step_00000006";
+                       copy_dir(fixture->single, dir);
+                       write_bytes(dir / kManifestFile, bytes);
+                       bool unverified = false;
+                       (void)verify_checkpoint(dir, 1, 2, &unverified);
+                       const std::string problem = verify_checkpoint(dir, 0, 1, &unverified);
+                       if (!problem.empty()) throw Error(problem);
+                     }});
+
+  {  // a token shard with a loss mask, read whole by the training and the evaluation loader
+    fs::create_directories(work / "shard");
+    ShardWriter w((work / "shard" / "seed.bin").string(), 32, /*with_mask=*/true);
+    for (int d = 0; d < 5; d++) {
+      std::vector<int32_t> tokens(3 + 5 * d);
+      std::vector<uint8_t> mask(tokens.size());
+      for (size_t i = 0; i < tokens.size(); i++) tokens[i] = static_cast<int32_t>((d * 7 + i) % 32), mask[i] = i % 3 != 0;
+      w.add_document(tokens, mask);
+    }
+    w.finish();
+    readers.push_back({"shard", false, {read_bytes(work / "shard" / "seed.bin")}, [case_dir](const std::string& bytes) {
+                         const std::string path = (case_dir / "x.bin").string();
+                         write_bytes(path, bytes);
+                         for (bool eval : {false, true}) {
+                           LoaderOptions o;
+                           o.seq_len = 4, o.micro_batch = 2, o.vocab_size = 32, o.seed = 5, o.eval = eval;
+                           DataLoader loader({path}, o);
+                           std::vector<int32_t> in(8), tg(8), pos(8);
+                           for (int b = 0; b < 40 && loader.next(in.data(), tg.data(), pos.data()); b++) {
+                           }
+                           const ShardReader& s = loader.shard(0);
+                           for (uint64_t d = 0; d < s.document_count(); d++) (void)s.document(d);
+                         }
+                       }});
+  }
+
+  {  // a run.toml against options declared like the trainer's
+    const std::string seed =
+        "model_config = \"config.json\"\ntrain_data = \"data/train-*.bin\"\nseq_len = 16\nmicro_batch = 2\n"
+        "steps = 100\nlr = 3e-4\nweight_decay = 0.1\ngrad_clip = 1.0\nschedule = \"cosine\"\ndevice = \"cpu\"\n"
+        "zero = 1\nresume = true\ncomm_timeout = 300.0\n";
+    readers.push_back({"toml", true, {seed}, [case_dir](const std::string& bytes) {
+                         write_bytes(case_dir / "run.toml", bytes);
+                         std::string model_config, train_data, schedule = "cosine", device = "auto";
+                         int64_t seq_len = 1, micro_batch = 1, steps = 1, zero = 0;
+                         double lr = 1e-3, weight_decay = 0, grad_clip = 1, comm_timeout = 300;
+                         bool resume = false;
+                         Options o("fuzz", "options like build/train's");
+                         o.add("model_config", &model_config, "");
+                         o.add("train_data", &train_data, "");
+                         o.add("seq_len", &seq_len, "", Bounds::closed(1, 1 << 22));
+                         o.add("micro_batch", &micro_batch, "", Bounds::closed(1, 1 << 22));
+                         o.add("steps", &steps, "", Bounds::closed(1, 1e12));
+                         o.add("lr", &lr, "", Bounds::open_closed(0, 1));
+                         o.add("weight_decay", &weight_decay, "", Bounds::closed(0, 1e3));
+                         o.add("grad_clip", &grad_clip, "", Bounds::closed(0, 1e12));
+                         o.add("schedule", &schedule, "", {"cosine", "linear", "constant", "wsd"});
+                         o.add("device", &device, "", {"auto", "cpu", "cuda"});
+                         o.add("zero", &zero, "", Bounds::closed(0, 3));
+                         o.add("resume", &resume, "");
+                         o.add("comm_timeout", &comm_timeout, "", Bounds::closed(0, 1e9));
+                         o.load_toml((case_dir / "run.toml").string());
+                         Options back("fuzz", "round trip");  // what a checkpoint saves reads back
+                         back.add("seq_len", &seq_len, "", Bounds::closed(1, 1 << 22));
+                         back.from_json(json{{"seq_len", seq_len}}, "round trip");
+                       }});
+  }
+
+  readers.push_back({"checkpoint_names", false, {"step_00000006"}, [fixture, case_dir](const std::string& bytes) {
+                       (void)checkpoint_step(fs::path("ckpt") / bytes);
+                       const std::string name(bytes.begin(), std::find(bytes.begin(), bytes.end(), '\0'));
+                       if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") return;
+                       const fs::path root = case_dir / "names";
+                       std::error_code ec;  // a name the file system refuses (too long) is not the reader's case
+                       fs::remove_all(root, ec);
+                       if (!fs::create_directories(root / name, ec) || ec) return;
+                       write_bytes(root / name / "state.json", "{\"step\": 6}");
+                       (void)list_checkpoints(root);
+                       (void)latest_checkpoint(root);
+                     }});
+  return readers;
+}
+
+// ---- the run ----------------------------------------------------------------------------------------------------
+
+const char* g_reader = "";
+long g_case = -1;
+
+extern "C" void on_alarm(int) {
+  char msg[256];
+  const int n = std::snprintf(msg, sizeof msg, "\nFAIL: reader %s case %ld hangs (ran past --case_seconds)\n", g_reader, g_case);
+  if (n > 0) (void)!::write(2, msg, static_cast<size_t>(n));
+  ::_exit(3);
+}
+
+struct Counts {
+  int cases = 0, errors = 0, valid = 0, failures = 0;
+};
+
+// Runs one input: true unless it ended in anything but a tuna::Error or a valid result.
+bool run_case(const Reader& r, const std::string& bytes, const std::string& label, Counts& counts, bool must_be_valid) {
+  counts.cases++;
+  try {
+    r.read(bytes);
+    counts.valid++;
+    return true;
+  } catch (const Error& e) {
+    counts.errors++;
+    if (!must_be_valid) return true;
+    std::fprintf(stderr, "FAIL: reader %s %s: a valid seed was refused: %s\n", r.name.c_str(), label.c_str(), e.what());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "FAIL: reader %s %s: %s instead of a tuna::Error: %s\n", r.name.c_str(), label.c_str(),
+                 typeid(e).name(), e.what());
+  } catch (...) {
+    std::fprintf(stderr, "FAIL: reader %s %s: a non-standard exception\n", r.name.c_str(), label.c_str());
+  }
+  counts.failures++;
+  return false;
+}
+
+std::string mutated_input(const Reader& r, uint64_t seed, long k) {
+  Rng rng{seed * 0x100000001b3ull ^ std::hash<std::string>{}(r.name) ^ static_cast<uint64_t>(k) * 0x9e3779b97f4a7c15ull};
+  std::string bytes = r.seeds[rng.below(r.seeds.size())];
+  for (int m = 0, rounds = 1 + static_cast<int>(rng.below(3)); m < rounds; m++)
+    bytes = r.text ? mutate_text(std::move(bytes), rng) : mutate_bytes(std::move(bytes), rng);
+  return bytes;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  long cases = 300, only_case = -1;
+  uint64_t seed = 1;
+  unsigned case_seconds = 30;
+  std::string only, corpus = "tests/fuzz/corpus", dump, dump_seeds;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--cases") cases = std::stol(value);
+    else if (flag == "--seed") seed = std::stoull(value);
+    else if (flag == "--reader") only = value;
+    else if (flag == "--case") only_case = std::stol(value);
+    else if (flag == "--corpus") corpus = value;
+    else if (flag == "--dump") dump = value;
+    else if (flag == "--case_seconds") case_seconds = static_cast<unsigned>(std::stoul(value));
+    else if (flag == "--dump_seeds") dump_seeds = value;
+    else {
+      std::fprintf(stderr, "usage: fuzz_readers [--cases N] [--seed S] [--reader R [--case K [--dump FILE]]] "
+                           "[--corpus DIR] [--case_seconds T] [--dump_seeds DIR]\n");
+      return 2;
+    }
+  }
+  std::signal(SIGALRM, on_alarm);
+  char tmpl[] = "/tmp/tuna_fuzz_XXXXXX";
+  const fs::path work = ::mkdtemp(tmpl);
+  fs::create_directories(work / "case");
+  int failures = 0;
+  try {
+    for (const Reader& r : make_readers(work)) {
+      if (!only.empty() && r.name != only) continue;
+      g_reader = r.name.c_str();
+      if (!dump_seeds.empty()) {  // the valid inputs, to start a regression case from
+        fs::create_directories(fs::path(dump_seeds) / r.name);
+        for (size_t i = 0; i < r.seeds.size(); i++) write_bytes(fs::path(dump_seeds) / r.name / ("seed_" + std::to_string(i)), r.seeds[i]);
+        continue;
+      }
+      Counts counts;
+      if (only_case < 0) {
+        std::vector<fs::path> regressions;
+        std::error_code ec;
+        for (fs::directory_iterator it(fs::path(corpus) / r.name, ec), end; !ec && it != end; it.increment(ec))
+          regressions.push_back(it->path());
+        std::sort(regressions.begin(), regressions.end());
+        for (const fs::path& p : regressions) {
+          alarm(case_seconds);
+          run_case(r, read_bytes(p), "corpus " + p.filename().string(), counts, false);
+        }
+        for (size_t s = 0; s < r.seeds.size(); s++) {
+          alarm(case_seconds);
+          run_case(r, r.seeds[s], "seed " + std::to_string(s), counts, true);
+        }
+      }
+      for (long k = only_case < 0 ? 0 : only_case; k < (only_case < 0 ? cases : only_case + 1); k++) {
+        g_case = k;
+        const std::string bytes = mutated_input(r, seed, k);
+        if (!dump.empty()) write_bytes(dump, bytes);
+        alarm(case_seconds);
+        if (!run_case(r, bytes, "case " + std::to_string(k), counts, false))
+          std::fprintf(stderr, "  reproduce: build/fuzz_readers --seed %llu --reader %s --case %ld --dump input.bin\n",
+                       static_cast<unsigned long long>(seed), r.name.c_str(), k);
+      }
+      alarm(0);
+      g_case = -1;
+      std::printf("%-17s %5d cases: %5d clean errors, %5d valid, %d failures\n", r.name.c_str(), counts.cases,
+                  counts.errors, counts.valid, counts.failures);
+      std::fflush(stdout);
+      failures += counts.failures;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "FAIL: the harness itself: %s\n", e.what());
+    failures++;
+  }
+  std::error_code ec;
+  fs::remove_all(work, ec);
+  std::printf("fuzz: %s (seed %llu, %ld mutated cases per reader)\n", failures ? "FAILED" : "passed",
+              static_cast<unsigned long long>(seed), cases);
+  return failures ? 1 : 0;
+}
