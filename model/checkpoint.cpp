@@ -242,9 +242,17 @@ class GlobalTensorReader {
                                   : row * gcols + p.split_begin + col;
       };
       if (p.n == 0 || global(p.n - 1) < begin || global(0) >= end) continue;  // global() grows with i
-      for (int64_t i = 0; i < p.n; i++) {
+      // So the piece's elements in the range are one run: found by bisection, not by a scan of the piece (a column
+      // block is read a row at a time, and a scan per row would be rows x piece at 70B).
+      int64_t first = 0;
+      for (int64_t hi = p.n; first < hi;) {
+        const int64_t mid = first + (hi - first) / 2;
+        if (global(mid) < begin) first = mid + 1;
+        else hi = mid;
+      }
+      for (int64_t i = first; i < p.n; i++) {
         const int64_t g = global(i);
-        if (g < begin || g >= end) continue;
+        if (g >= end) break;
         if (placed[g - begin])
           fail(where, ": global element ", g, " is also in another piece (the rank files overlap: from different runs?)");
         placed[g - begin] = true;
@@ -357,8 +365,8 @@ void for_each_tensor_of(const ParamLayout& layout, const Segment& piece, F&& f) 
 template <typename F>
 StateSink in_segment_order(const std::vector<Segment>& segments, F&& f) {
   return [&segments, f, next = size_t(0)](size_t i, const float* p, const float* m, const float* v) mutable {
-    TUNA_CHECK(i == next && i < segments.size(), "checkpoint export handed piece ", i, ", expected piece ", next, " of ",
-               segments.size());
+    TUNA_CHECK(i == next && i < segments.size(), "checkpoint export handed piece ", i, ", expected piece ", next,
+               " of ", segments.size());
     next++;
     f(segments[i], p, m, v);
   };

@@ -130,6 +130,48 @@ TEST(Checkpoint, StreamedPiecesWriteTheBytesOfTheWholeBuffers) {
   EXPECT_FALSE(fs::exists(tmp / "step_00000002"));
 }
 
+// Rank files of a tp 2 x dp 2 run (column and row blocks, each cut in two ZeRO pieces) read back whole at tp 1 and as
+// the other layout's blocks at tp 2: every element where it belongs (column blocks are read a row at a time, each
+// row found in the piece by bisection).
+TEST(Checkpoint, RankFilesOfATensorParallelRunReadBackAtAnyLayout) {
+  TempDir tmp("ckpt_tp");
+  TrainedState state;
+  const ParamLayout& whole = state.model.layout();
+  const nlohmann::json config_json = state.cfg.to_json();
+  const CheckpointContents contents{&config_json, state.model.params.data(),
+                                    {state.opt.m.data(), state.opt.v.data(), 3}, {}, {}};
+  const fs::path single = save_checkpoint(tmp / "single", 1, whole, contents, 0);
+  prepare_sharded_checkpoint(tmp / "tp", 1);
+  for (int tp_rank = 0; tp_rank < 2; tp_rank++) {
+    const ParamLayout block(state.cfg, tp_rank, 2);
+    std::vector<float> p(block.total()), m(block.total()), v(block.total());
+    CheckpointReader(single, block).read(Segment{0, block.total()}, p.data(), m.data(), v.data());
+    for (int dp_rank = 0; dp_rank < 2; dp_rank++) {
+      const std::vector<Segment> pieces = dp_unit_pieces(block, dp_rank, 2);
+      write_checkpoint_shard(checkpoint_tmp_dir(tmp / "tp", 1), dp_rank * 2 + tp_rank, block,
+                             ShardState{&pieces,
+                                        [&](const StateSink& sink) {
+                                          for (size_t i = 0; i < pieces.size(); i++) {
+                                            const int64_t at = pieces[i].begin;
+                                            sink(i, p.data() + at, m.data() + at, v.data() + at);
+                                          }
+                                        },
+                                        3, /*write_replicated=*/tp_rank == 0});
+    }
+  }
+  const fs::path sharded = finish_sharded_checkpoint(tmp / "tp", 1, {&config_json, nullptr, {}, {}, {}}, 0);
+  std::vector<float> p(whole.total()), m(whole.total()), v(whole.total());
+  CheckpointReader(sharded, whole).read(Segment{0, whole.total()}, p.data(), m.data(), v.data());
+  EXPECT_EQ(p, state.model.params);
+  EXPECT_EQ(m, state.opt.m);
+  EXPECT_EQ(v, state.opt.v);
+  const ParamLayout block(state.cfg, 1, 2);
+  std::vector<float> from_tp(block.total()), from_single(block.total()), unused(block.total());
+  CheckpointReader(sharded, block).read(Segment{0, block.total()}, from_tp.data(), unused.data(), unused.data());
+  CheckpointReader(single, block).read(Segment{0, block.total()}, from_single.data(), unused.data(), unused.data());
+  EXPECT_EQ(from_tp, from_single);
+}
+
 TEST(Checkpoint, LoadWeightsNamesMissingWrongAndForeignTensors) {
   TempDir tmp("weights");
   LlamaConfig cfg = tiny();
