@@ -211,8 +211,9 @@ class GlobalTensorReader {
       if (!is_floating(info->dtype))
         fail("tensor '", name, "' in ", file->path().string(), ": expected a floating-point dtype, found ",
              dtype_name(info->dtype));
-      convert_to_f32(file->data(*info) + begin * static_cast<int64_t>(dtype_size(info->dtype)), info->dtype, out,
-                     count);
+      const std::byte* src = file->data(*info) + begin * static_cast<int64_t>(dtype_size(info->dtype));
+      convert_to_f32(src, info->dtype, out, count);
+      file->release(src, uint64_t(count) * dtype_size(info->dtype));  // copied out: not this rank's memory any more
       const int64_t bad = first_non_finite(out, DType::F32, count);
       if (bad >= 0)
         fail("tensor '", name, "' in ", file->path().string(), ": element ", begin + bad, " is ", out[bad],
@@ -250,7 +251,8 @@ class GlobalTensorReader {
         if (global(mid) < begin) first = mid + 1;
         else hi = mid;
       }
-      for (int64_t i = first; i < p.n; i++) {
+      int64_t i = first;
+      for (; i < p.n; i++) {
         const int64_t g = global(i);
         if (g >= end) break;
         if (placed[g - begin])
@@ -265,6 +267,7 @@ class GlobalTensorReader {
         out[g - begin] = value;
         covered++;
       }
+      f.file.release(reinterpret_cast<const std::byte*>(src + first), uint64_t(i - first) * sizeof(float));
     }
     if (covered != count)
       fail(dir_.string(), ": the rank files hold ", covered, " of the ", count, " elements of '", prefix + t.name,

@@ -111,11 +111,23 @@ class RunConverter {
       append(converted_.data(), uint64_t(n) * dtype_size(target));
     }
   }
-  // Mapped bytes of `dtype` into `target`: as they are when the dtypes agree.
-  void append(const SafetensorsWriter::Append& append, const std::byte* data, DType dtype, int64_t numel, DType target) {
-    if (dtype == target) return append(data, uint64_t(numel) * dtype_size(dtype));
-    this->append(append, numel, target, [&](int64_t at, int64_t n, float* out) {
-      convert_to_f32(data + at * int64_t(dtype_size(dtype)), dtype, out, n);
+  // Tensor `info` of a mapped file into `target`: its bytes as they are when the dtypes agree. Each run's mapped
+  // pages are released once written (the page cache keeps them), so the file is not counted in this process.
+  void append(const SafetensorsWriter::Append& append, const SafetensorsFile& file, const TensorInfo& info,
+              DType target) {
+    const std::byte* data = file.data(info);
+    const int64_t size = int64_t(dtype_size(info.dtype));
+    if (info.dtype == target) {
+      for (int64_t at = 0; at < info.numel; at += kRun) {
+        const int64_t n = std::min(kRun, info.numel - at);
+        append(data + at * size, uint64_t(n * size));
+        file.release(data + at * size, uint64_t(n * size));
+      }
+      return;
+    }
+    this->append(append, info.numel, target, [&](int64_t at, int64_t n, float* out) {
+      convert_to_f32(data + at * size, info.dtype, out, n);
+      file.release(data + at * size, uint64_t(n * size));
     });
   }
   int64_t staging_bytes() const { return int64_t(f32_.capacity() * sizeof(float) + converted_.capacity()); }
@@ -159,7 +171,7 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
       [&](const SafetensorsWriter::Append& append) {
         for (const SourceTensor& s : tensors) {
           const TensorInfo& info = *s.entry.info;
-          runs.append(append, s.entry.file->data(info), info.dtype, info.numel, keep ? info.dtype : target);
+          runs.append(append, *s.entry.file, info, keep ? info.dtype : target);
         }
       },
       &writing);
@@ -186,8 +198,8 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
   // ever held on the host (a 70B model is 280 GB in fp32).
   struct Source {
     const ParamTensor* param;
-    const std::byte* data;  // null: read through `pieces`
-    DType dtype;
+    const SafetensorsFile* file;  // null: read through `pieces`
+    const TensorInfo* info;
     int64_t numel;
   };
   std::vector<Source> tensors;
@@ -195,11 +207,11 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
   std::optional<WeightReader> pieces;
   if (is_sharded_checkpoint(ckpt_dir)) {
     pieces.emplace(ckpt_dir, layout);
-    for (const ParamTensor& t : layout.tensors()) tensors.push_back({&t, nullptr, DType::F32, t.numel});
+    for (const ParamTensor& t : layout.tensors()) tensors.push_back({&t, nullptr, nullptr, t.numel});
   } else {
     src.emplace(ckpt_dir);
     for (const SourceTensor& s : collect(*src, layout))
-      tensors.push_back({s.param, s.entry.file->data(*s.entry.info), s.entry.info->dtype, s.entry.info->numel});
+      tensors.push_back({s.param, s.entry.file, s.entry.info, s.entry.info->numel});
   }
   const DType target = dtype == "auto" ? dtype_from_torch_name(config.torch_dtype, (ckpt_dir / "config.json").string() + ": field 'torch_dtype'")
                                        : dtype_from_torch_name(dtype, "option --dtype");
@@ -242,8 +254,8 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
         out_dir / file,
         [&](const SafetensorsWriter::Append& append) {
           for (const Source* s : shards[i]) {
-            if (s->data) {
-              runs.append(append, s->data, s->dtype, s->numel, target);
+            if (s->file) {
+              runs.append(append, *s->file, *s->info, target);
               continue;
             }
             runs.append(append, s->numel, target, [&](int64_t at, int64_t n, float* out) {

@@ -83,7 +83,7 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   add("start-up: one global tensor drawn or read", MemoryKind::Transient, largest_global * kFloat);
   // A checkpoint adds nothing: the engine hands its own weights and moments a piece at a time to the file writer,
   // and a resume reads each piece's bytes straight into the engine's state (Engine::export_state/import_state).
-  // A resume maps the checkpoint's files, whose pages count as resident while read (page cache, not a copy).
+  // A resume maps the checkpoint's files and releases each piece's pages once it is read (page cache, not a copy).
   // Stages 0-1 all-reduce the whole gradient in place; Open MPI's non-blocking all-reduce works through a
   // temporary copy of the message.
   if (m.dp > 1 && m.zero <= 1)

@@ -281,6 +281,17 @@ const std::byte* SafetensorsFile::data(const TensorInfo& info) const {
   return data_section_ + info.begin;
 }
 
+void SafetensorsFile::release(const std::byte* p, uint64_t bytes) const {
+  if (bytes == 0) return;
+  TUNA_CHECK(p >= map_ && bytes <= map_size_ && uint64_t(p - map_) <= map_size_ - bytes, "release of ", bytes,
+             " bytes outside the mapping of ", path_.string());
+  // Whole pages around the range (the mapping starts on a page): a neighbouring piece's bytes in the first or last
+  // page are only faulted in again if read. The pages were never written (PROT_READ), so none is lost.
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t begin = uint64_t(p - map_) / page * page, end = (uint64_t(p - map_) + bytes + page - 1) / page * page;
+  ::madvise(const_cast<std::byte*>(map_) + begin, end - begin, MADV_DONTNEED);  // advice: a refusal changes nothing
+}
+
 const TensorInfo& SafetensorsFile::require(std::string_view name,
                                            std::span<const int64_t> expected_shape) const {
   const TensorInfo* info = find(name);

@@ -76,6 +76,10 @@ class SafetensorsFile {
   // Aligned only as the writer aligned it: tuna's writer puts the data section on 8 bytes, and offsets
   // are whatever the writer chose, so read through memcpy or convert_to_f32 unless you know the file.
   const std::byte* data(const TensorInfo& info) const;
+  // Drops the mapping's pages that hold bytes [p, p + bytes) from this process's resident memory: the page cache
+  // keeps them (shared by the ranks of a node) and a later read faults them back in. Readers of pieces call it once
+  // a piece is copied out, so that a rank reading its share of a 140 GB model is not counted as holding the file.
+  void release(const std::byte* p, uint64_t bytes) const;
   // The "__metadata__" map; empty when the file has none.
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
