@@ -11,7 +11,10 @@
 //
 // Every option is settable in the TOML file and as a flag (flags win). The effective config is printed
 // at start and saved in every checkpoint's state.json. SIGTERM/SIGINT/SIGUSR1 (a preemption notice) finish
-// the current step, write a checkpoint and exit 0, so `--resume` continues exactly where the job stopped.
+// the current step, write a checkpoint and exit 75 (EX_TEMPFAIL: "stopped, not finished"; as does
+// --stop_at_step before --steps), so a job script requeues and `--resume` continues exactly where it stopped.
+// out_dir decides how a run starts (model/run_dir.h): an earlier run there is continued (--resume), replaced
+// (--overwrite) or refused.
 
 #include <algorithm>
 #include <atomic>
@@ -22,14 +25,15 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <sysexits.h>  // EX_TEMPFAIL
 
 #include "core/error.h"           // tuna::Error, fail, describe_current_exception
 #include "core/memory.h"          // host_memory, host_available_bytes, require_host_memory, return_large_frees_to_system
 #include "core/options.h"         // Options: TOML + flags
-#include "core/progress.h"        // ProgressLine: checkpoint writes
+#include "core/progress.h"        // ProgressLine (checkpoint writes), TrainingEta, human_duration, periodic_events_left
 #include "core/run_report.h"      // refresh_run_report: out_dir/report.html
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
-#include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths
+#include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
 #include "data/tokenizer.h"       // model_tokenizer: what checkpoints carry, what shards must match
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
 #include "model/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
@@ -38,6 +42,7 @@
 #include "model/llama.h"          // init_random_weights
 #include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, plan_gpu_memory, format_memory_table
 #include "model/optimizer.h"      // OptimizerConfig, learning_rate
+#include "model/run_dir.h"        // choose_resume_checkpoint, truncate_metrics, MetricsLog, check_checkpoint_space
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -61,7 +66,8 @@ struct TrainConfig {
   std::string out_dir = "runs/default";
   int64_t ckpt_every = 500;
   int64_t ckpt_keep = 3;
-  bool resume = false;
+  std::string resume = "false";
+  bool overwrite = false;
   int64_t stop_at_step = 0;
   int64_t log_every = 1;
   int64_t val_every = 0;
@@ -90,8 +96,8 @@ void declare(Options& o, TrainConfig& c) {
   o.add("tokenizer", &c.tokenizer,
         "the model's tokenizer (a file of any format, or a model directory): carried in checkpoints, and the shards "
         "must have been written with it; default: --init's");
-  o.add("train_data", &c.train_data, "token shards: files, directories or globs, comma-separated");
-  o.add("val_data", &c.val_data, "validation shards, same form; empty: no validation");
+  o.add("train_data", &c.train_data, "token shards: files, directories (their train-* shards) or globs, comma-separated");
+  o.add("val_data", &c.val_data, "validation shards, same form (a directory: its val-* shards); empty: no validation");
   o.add("seq_len", &c.seq_len, "tokens per sequence", Bounds::closed(1, kMaxTokens));
   o.add("micro_batch", &c.micro_batch, "sequences per forward/backward", Bounds::closed(1, kMaxTokens));
   o.add("grad_accum", &c.grad_accum, "micro-batches per optimizer step", Bounds::closed(1, kMaxTokens));
@@ -111,8 +117,12 @@ void declare(Options& o, TrainConfig& c) {
   o.add("out_dir", &c.out_dir, "run directory: metrics.jsonl and ckpt/");
   o.add("ckpt_every", &c.ckpt_every, "checkpoint every N steps (and at the end); 0: only at the end", Bounds::closed(0, kMaxSteps));
   o.add("ckpt_keep", &c.ckpt_keep, "keep the newest K checkpoints; 0 keeps all", Bounds::closed(0, kMaxSteps));
-  o.add("resume", &c.resume, "continue from the newest complete checkpoint in out_dir/ckpt, if any");
-  o.add("stop_at_step", &c.stop_at_step, "checkpoint and stop after this step (a time-limited allocation); 0: run to the end",
+  o.add_choice("resume", &c.resume, {"false", "true", "auto"}, "true",
+               "true (or a bare --resume): continue from the newest complete checkpoint in out_dir/ckpt that verifies, "
+               "and fail when there is none; auto: continue when there is one, else start a new run (for job scripts)");
+  o.add("overwrite", &c.overwrite, "delete an earlier run's checkpoints and metrics in out_dir and start again "
+        "(without it, an out_dir holding a run is refused)");
+  o.add("stop_at_step", &c.stop_at_step, "checkpoint and stop after this step (a time-limited allocation; exit code 75 as for a signal); 0: run to the end",
         Bounds::closed(0, kMaxSteps));
   o.add("log_every", &c.log_every, "print a log line every N steps (metrics.jsonl gets every step)", Bounds::closed(1, kMaxSteps));
   o.add("val_every", &c.val_every, "validation loss every N steps; 0: only at the end when val_data is set", Bounds::closed(0, kMaxSteps));
@@ -160,13 +170,8 @@ std::string format_fixed(double x, int decimals) {
   return buf;
 }
 
-std::string format_duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  const int64_t s = static_cast<int64_t>(seconds);
-  char buf[32];
-  if (s >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
-  else std::snprintf(buf, sizeof buf, "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
-  return buf;
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
 // What the option declarations cannot say alone (each option's own range is checked as it is set).
@@ -221,15 +226,24 @@ int run(int argc, char** argv) {
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
 
   const fs::path out_dir = cfg.out_dir, ckpt_root = out_dir / "ckpt";
+  // Where the weights come from: a resume checkpoint beats --init beats a fresh init. An earlier run in
+  // out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one.
+  std::optional<fs::path> resume_from = choose_resume_checkpoint(out_dir, parse_resume_mode(cfg.resume), cfg.overwrite);
   std::error_code ec;
-  if (world->rank() == 0) fs::create_directories(out_dir, ec);
+  if (world->rank() == 0) {
+    if (cfg.overwrite && inspect_run_dir(out_dir).any())
+      std::printf("--overwrite: deleted the earlier run in %s (%s)\n", out_dir.c_str(),
+                  remove_previous_run(out_dir).describe().c_str());
+    fs::create_directories(out_dir, ec);
+  }
   if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
 
-  // Where the weights come from: a resume checkpoint beats --init beats a fresh init.
-  std::optional<fs::path> resume_from;
-  if (cfg.resume)  // the newest checkpoint that verifies against its manifest, on every rank (model/checkpoint.h)
+  // A resume takes the newest checkpoint that verifies against its manifest on every rank, falling back past a
+  // damaged one (model/checkpoint.h).
+  if (resume_from)
     resume_from = resume_checkpoint(ckpt_root, *world, [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
-  const fs::path weights_dir = resume_from ? *resume_from : fs::path(cfg.init);
+  const fs::path init_dir = cfg.init.empty() ? fs::path() : resolve_checkpoint(cfg.init);  // .../latest too
+  const fs::path weights_dir = resume_from ? *resume_from : init_dir;
   json config_json = weights_dir.empty() ? json() : read_config_json(weights_dir);
   LlamaConfig model_cfg = weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
                                               : LlamaConfig::from_json(config_json, (weights_dir / "config.json").string());
@@ -237,6 +251,8 @@ int run(int argc, char** argv) {
   // The tokenizer checkpoints carry (exactly the one --tokenizer names, else the weights directory's), which
   // the shards must have been written with.
   const ModelTokenizer tokenizer = model_tokenizer(cfg.tokenizer, weights_dir.string(), model_cfg.vocab_size);
+  check_seq_len(model_cfg, cfg.seq_len, "seq_len",
+                weights_dir.empty() ? cfg.model_config : (weights_dir / "config.json").string());
 
   EngineOptions eo;
   if (cfg.plan_only && cfg.device != "cuda") fail("option 'plan_only' prints the CUDA engine's plan: use --device cuda");
@@ -260,7 +276,7 @@ int run(int argc, char** argv) {
 
   // Where the starting weights come from (a resume restores them after construction instead).
   WeightFill initial;  // each rank reads (or draws) only its own pieces
-  if (!resume_from && !cfg.init.empty()) initial = weights_from_directory(cfg.init);
+  if (!resume_from && !cfg.init.empty()) initial = weights_from_directory(init_dir.string());
   else if (!resume_from) initial = random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std);
   DeviceCommFactory device_comm;
 #if TUNA_NCCL
@@ -288,7 +304,7 @@ int run(int argc, char** argv) {
               world->backend().c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
   if (eo.device == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
-  if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", cfg.init.c_str());
+  if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", init_dir.c_str());
   else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
   std::printf("tokenizer %s\n", tokenizer.description.c_str());
   if (!tokenizer.note.empty()) std::printf("note: %s\n", tokenizer.note.c_str());
@@ -317,13 +333,13 @@ int run(int argc, char** argv) {
   }
   LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
                            model_cfg.vocab_size, false, tokenizer.fingerprint, tokenizer.description};
-  DataLoader train(expand_shard_paths(split_list(cfg.train_data)), train_opts);
+  DataLoader train(expand_shard_paths(split_list(cfg.train_data), ShardRole::Train), train_opts);
   if (!saved_cursor.is_null()) train.set_cursor(reshard_cursor(saved_cursor.get<LoaderCursor>(), mesh.dp_size));
   std::unique_ptr<DataLoader> val;
   if (!cfg.val_data.empty()) {
     LoaderOptions val_opts = train_opts;
     val_opts.eval = true;
-    val = std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data)), val_opts);
+    val = std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data), ShardRole::Val), val_opts);
   }
 
   const int64_t tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * mesh.dp_size;
@@ -332,7 +348,7 @@ int run(int argc, char** argv) {
               (long long)model_cfg.num_attention_heads, (long long)model_cfg.num_key_value_heads,
               (long long)model_cfg.vocab_size, engine->activation_bytes() / 1e6);
   std::printf("%s", engine->memory_report().c_str());
-  std::printf("data %llu windows of %lld tokens in %zu shards; %lld tokens per step; %.2f epochs over %lld steps\n",
+  std::printf("data %llu windows of %lld tokens in %zu shard(s); %lld tokens per step; %.2f epochs over %lld steps\n",
               (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
               (long long)tokens_per_step,
               double(cfg.steps) * cfg.micro_batch * cfg.grad_accum / double(std::max<uint64_t>(1, train.windows_per_epoch())),
@@ -342,23 +358,36 @@ int run(int argc, char** argv) {
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);  // mpirun forwards SIGUSR1 to every rank (SIGTERM to mpirun ends the job)
-  std::ofstream metrics;  // rank 0's; the others write to a closed stream, which discards
+  const int64_t first_step = step;
+  const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
+  // metrics.jsonl holds this run's rows only (a resume drops the rows logged after its checkpoint, keeping a
+  // backup); the checkpoint directory is proved writable and large enough now, not at the first checkpoint.
+  MetricsLog metrics;  // rank 0's; closed on the others
   if (world->rank() == 0) {
-    metrics.open(out_dir / "metrics.jsonl", std::ios::app);
-    if (!metrics) fail((out_dir / "metrics.jsonl").string(), ": cannot open for writing");
+    const MetricsTruncation cut = truncate_metrics(out_dir / "metrics.jsonl", step);
+    if (cut.dropped > 0)
+      std::printf("metrics.jsonl: kept the %lld rows up to step %lld, dropped %lld logged after it (the file as it was: %s)\n",
+                  (long long)cut.kept, (long long)step, (long long)cut.dropped, cut.backup.c_str());
+    const std::string space = check_checkpoint_space(
+        ckpt_root, checkpoint_bytes(model_cfg.n_params(), tokenizer.files),
+        checkpoints_to_write(first_step, last_step, cfg.ckpt_every, resume_from.has_value()), cfg.ckpt_keep);
+    if (!space.empty()) std::printf("warning: %s\n", space.c_str());
+    metrics.open(out_dir / "metrics.jsonl");
   }
   // What the run report needs besides the steps (core/run_report.h): the effective config, the world, the plan.
-  metrics << json{{"step", step}, {"event", "start"}, {"config", options.to_json()}, {"device", engine->describe()},
-                  {"world", {{"size", world->size()}, {"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
-                  {"model", {{"parameters", model_cfg.n_params()}, {"layers", model_cfg.num_hidden_layers},
-                             {"hidden", model_cfg.hidden_size}, {"vocab", model_cfg.vocab_size}}},
-                  {"tokens_per_step", cfg.micro_batch * cfg.seq_len * cfg.grad_accum * mesh.dp_size},
-                  {"memory_plan", plan_record}, {"host_mb_at_start", at_start.resident_mb}}
-                 .dump()
-          << "\n";
-  metrics.flush();
+  metrics.write({{"step", step}, {"event", "start"}, {"config", options.to_json()}, {"device", engine->describe()},
+                 {"world", {{"size", world->size()}, {"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
+                 {"model", {{"parameters", model_cfg.n_params()}, {"layers", model_cfg.num_hidden_layers},
+                            {"hidden", model_cfg.hidden_size}, {"vocab", model_cfg.vocab_size}}},
+                 {"tokens_per_step", cfg.micro_batch * cfg.seq_len * cfg.grad_accum * mesh.dp_size},
+                 {"memory_plan", plan_record}, {"host_mb_at_start", at_start.resident_mb}});
+  // The ETA counts the validations and checkpoints still to come, at their measured cost (core/progress.h).
+  TrainingEta eta_model(cfg.grad_accum, !val ? 0
+                                             : cfg.val_batches > 0 ? std::min<int64_t>(cfg.val_batches, val->batches_per_epoch())
+                                                                   : static_cast<int64_t>(val->batches_per_epoch()));
 
   auto save = [&](int64_t at_step) {
+    const auto started = std::chrono::steady_clock::now();
     json state = {{"step", at_step},
                   {"skipped_steps", skipped_steps},
                   {"train_config", options.to_json()},
@@ -396,17 +425,18 @@ int run(int argc, char** argv) {
     }
     std::printf("checkpoint %s\n", p.c_str());
     std::fflush(stdout);
+    eta_model.checkpoint_done(seconds_since(started));
   };
   auto validate_now = [&](int64_t at_step) {
+    const auto started = std::chrono::steady_clock::now();
     std::vector<int32_t> vin(cfg.micro_batch * cfg.seq_len), vtg(cfg.micro_batch * cfg.seq_len);
     LossSum v = engine->all_reduce_loss(evaluate(*engine, *val, cfg.val_batches, vin, vtg));
     const double loss = v.count ? v.sum / v.count : NAN;
     std::printf("step %6lld | val loss %.4f | val ppl %.2f | %lld tokens\n", (long long)at_step, loss, std::exp(loss),
                 (long long)v.count);
-    metrics << json{{"step", at_step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", v.count}}.dump()
-            << "\n";
-    metrics.flush();
+    metrics.write({{"step", at_step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", v.count}});
     if (world->rank() == 0) refresh_run_report(out_dir);
+    eta_model.validation_done(seconds_since(started));
   };
 
   // The starting point, so the log shows how far training moved the held-out loss.
@@ -415,9 +445,7 @@ int run(int argc, char** argv) {
   std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len);
   const double flops_per_token = engine->flops_per_token(cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
-  const int64_t first_step = step;
   int64_t bad_in_a_row = 0;
-  const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
   bool stopped_early = false;
   while (step < last_step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -448,9 +476,10 @@ int run(int argc, char** argv) {
              ", --max_bad_steps ", cfg.max_bad_steps, "): the run diverged. Resume from the last checkpoint (",
              ckpt_root.string(), ") with a lower --lr or a --grad_clip, or look for bad data near this step");
     }
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-    const double eta = elapsed / double(step - first_step) * double(cfg.steps - step);
+    const double secs = seconds_since(t0), elapsed = seconds_since(run_start);
+    eta_model.step_done(secs);
+    const double eta = eta_model.seconds_left(cfg.steps - step, val ? periodic_events_left(step, cfg.steps, cfg.val_every) : 0,
+                                              periodic_events_left(step, cfg.steps, cfg.ckpt_every));
     const double mean_loss = result.loss;
     const double tok_s = tokens_per_step / secs;
     // MFU: model FLOPs of the step over what every rank's device could do in the same time.
@@ -466,8 +495,7 @@ int run(int argc, char** argv) {
     if (std::isfinite(dev.gpu_mb)) record["gpu_mem_mb"] = dev.gpu_mb, record["gpu_peak_mem_mb"] = dev.gpu_peak_mb;
     if (std::isfinite(dev.gpu_util)) record["gpu_util"] = dev.gpu_util;
     if (cfg.gpu_hour_cost > 0) record["cost"] = cost;
-    metrics << record.dump() << "\n";
-    metrics.flush();
+    metrics.write(record);
     if (step % cfg.log_every == 0 || step == last_step || step == first_step + 1) {
       std::string device_part;
       if (std::isfinite(mfu)) device_part += str(" | MFU ", format_fixed(100 * mfu, 1), "%");
@@ -478,7 +506,7 @@ int run(int argc, char** argv) {
       const std::string cost_part = cfg.gpu_hour_cost > 0 ? str(" | cost ", format_fixed(cost, 2)) : "";
       std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %.0f ms%s | mem %.0f MB (peak %.0f)%s | ETA %s\n",
                   (long long)step, (long long)cfg.steps, mean_loss, lr, stats.grad_norm, tok_s, secs * 1e3,
-                  device_part.c_str(), dev.host_mb, dev.host_peak_mb, cost_part.c_str(), format_duration(eta).c_str());
+                  device_part.c_str(), dev.host_mb, dev.host_peak_mb, cost_part.c_str(), human_duration(eta).c_str());
       std::fflush(stdout);
     }
     if (val && cfg.val_every > 0 && step % cfg.val_every == 0 && step != cfg.steps) validate_now(step);
@@ -501,14 +529,18 @@ int run(int argc, char** argv) {
     std::printf("memory: measured peak %.1f MB above the start-up's (largest rank), planned %.1f MB (%+.1f%%)\n",
                 above_start, plan_record["peak"].get<double>() / 1e6,
                 100.0 * (above_start / (plan_record["peak"].get<double>() / 1e6) - 1.0));
-  metrics << json{{"step", step}, {"event", "end"}, {"status", stopped_early ? "stopped" : "finished"},
-                  {"host_peak_above_start_mb", above_start}}
-                 .dump()
-          << "\n";
-  metrics.flush();
+  const bool finished = step >= cfg.steps;
+  metrics.write({{"step", step}, {"event", "end"}, {"status", finished ? "finished" : "stopped"},
+                 {"host_peak_above_start_mb", above_start}});
   if (world->rank() == 0) refresh_run_report(out_dir);
+  if (!finished) {  // stopped, not finished: a distinct exit code, so a job script requeues
+    std::printf("stopped at step %lld of %lld (%s) after %s: exit code %d; rerun with --resume to continue\n",
+                (long long)step, (long long)cfg.steps, stopped_early ? "signal" : "--stop_at_step",
+                human_duration(seconds_since(run_start)).c_str(), EX_TEMPFAIL);
+    return EX_TEMPFAIL;
+  }
   std::printf("done: step %lld of %lld in %s\n", (long long)step, (long long)cfg.steps,
-              format_duration(std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count()).c_str());
+              human_duration(seconds_since(run_start)).c_str());
   return 0;
 }
 

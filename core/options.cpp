@@ -68,15 +68,20 @@ Options::Options(std::string program, std::string summary)
     : program_(std::move(program)), summary_(std::move(summary)) {}
 
 void Options::add(const std::string& n, std::string* t, const std::string& h, std::vector<std::string> choices) {
-  entries_.push_back({canonical(n), h, t, {}, std::move(choices)});
+  entries_.push_back({canonical(n), h, t, {}, std::move(choices), false, {}});
 }
 void Options::add(const std::string& n, int64_t* t, const std::string& h, Bounds bounds) {
-  entries_.push_back({canonical(n), h, t, bounds, {}});
+  entries_.push_back({canonical(n), h, t, bounds, {}, false, {}});
 }
 void Options::add(const std::string& n, double* t, const std::string& h, Bounds bounds) {
-  entries_.push_back({canonical(n), h, t, bounds, {}});
+  entries_.push_back({canonical(n), h, t, bounds, {}, false, {}});
 }
-void Options::add(const std::string& n, bool* t, const std::string& h) { entries_.push_back({canonical(n), h, t, {}, {}}); }
+void Options::add(const std::string& n, bool* t, const std::string& h) { entries_.push_back({canonical(n), h, t, {}, {}, false, {}}); }
+void Options::add_choice(const std::string& n, std::string* t, std::vector<std::string> choices, std::string bare,
+                         const std::string& h) {
+  add(n, t, h, std::move(choices));
+  entries_.back().bare_value = std::move(bare);
+}
 
 Options::Entry& Options::find(const std::string& raw, const std::string& source) {
   const std::string name = canonical(raw);
@@ -118,11 +123,14 @@ void Options::assign(Entry& e, const Value& value, const std::string& source) {
       [&](auto* target) {
         using T = std::remove_pointer_t<decltype(target)>;
         if constexpr (std::is_same_v<T, std::string>) {
-          if (value.kind != Kind::Text && value.kind != Kind::String)
+          // A choice among "true", "false", ... (--resume true|false|auto) takes a TOML/JSON boolean as its text.
+          const bool boolean_choice = value.kind == Kind::Bool && !e.choices.empty();
+          if (value.kind != Kind::Text && value.kind != Kind::String && !boolean_choice)
             fail(where, ": expected a string, found ", found());
-          if (!e.choices.empty() && std::find(e.choices.begin(), e.choices.end(), value.text) == e.choices.end())
-            fail(where, ": expected ", join(e.choices), ", found '", value.text, "'");
-          *target = value.text;
+          const std::string text = boolean_choice ? (value.boolean ? "true" : "false") : value.text;
+          if (!e.choices.empty() && std::find(e.choices.begin(), e.choices.end(), text) == e.choices.end())
+            fail(where, ": expected ", join(e.choices), ", found '", text, "'");
+          *target = text;
         } else if constexpr (std::is_same_v<T, bool>) {
           if (value.kind == Kind::Bool) *target = value.boolean;
           else if (value.kind == Kind::Text && (value.text == "true" || value.text == "1" || value.text == "yes")) *target = true;
@@ -216,8 +224,12 @@ std::vector<std::string> Options::parse(int argc, char** argv) {
       Entry& e = find(name, "command line");
       const bool is_bool = std::holds_alternative<bool*>(e.target);
       const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
+      const bool next_is_choice =
+          next_is_value && std::find(e.choices.begin(), e.choices.end(), args[i + 1]) != e.choices.end();
       if (is_bool && (!next_is_value || (args[i + 1] != "true" && args[i + 1] != "false"))) {
         value = "true";
+      } else if (!e.bare_value.empty() && !next_is_choice) {
+        value = e.bare_value;
       } else {
         if (!next_is_value) fail("command line: option '--", name, "' needs a value");
         value = args[++i];

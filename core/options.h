@@ -47,6 +47,10 @@ class Options {
   void add(const std::string& name, int64_t* target, const std::string& help, Bounds bounds = {});
   void add(const std::string& name, double* target, const std::string& help, Bounds bounds = {});
   void add(const std::string& name, bool* target, const std::string& help);
+  // A string that must be one of `choices`; a bare `--name` (no value, or one that is not a choice) means
+  // `bare_value`, as for a bool (`--resume` = `--resume true`, and `--resume auto`).
+  void add_choice(const std::string& name, std::string* target, std::vector<std::string> choices,
+                  std::string bare_value, const std::string& help);
 
   // Parses argv: `--config FILE` (TOML, flat keys or tables whose keys are joined with '_' is NOT done:
   // keys must match option names), then `--name value`, `--name=value`, and a bare `--flag` for bools.
@@ -78,6 +82,7 @@ class Options {
     Bounds bounds;
     std::vector<std::string> choices;
     bool set = false;
+    std::string bare_value;  // add_choice: the value of a bare --name
   };
   Entry& find(const std::string& name, const std::string& source);
   void assign(Entry& e, const Value& value, const std::string& source);

@@ -97,4 +97,22 @@ void ProgressLine::finish() {
   std::fflush(out_);
 }
 
+int64_t periodic_events_left(int64_t from, int64_t to, int64_t every) {
+  if (to <= from) return 0;
+  int64_t n = 1;  // at `to`
+  if (every > 0) n += (to - 1) / every - from / every;
+  return n;
+}
+
+double TrainingEta::seconds_left(int64_t steps_left, int64_t validations_left, int64_t checkpoints_left) const {
+  if (steps_ == 0) return NAN;
+  const double per_step = step_seconds_ / double(steps_);
+  const double per_validation =
+      validation_seconds_ >= 0 ? validation_seconds_
+                               : per_step / double(micro_batches_per_step_) / 3.0 * double(batches_per_validation_);
+  const double per_checkpoint = checkpoint_seconds_ >= 0 ? checkpoint_seconds_ : 0.0;
+  return per_step * double(steps_left) + per_validation * double(validations_left) +
+         per_checkpoint * double(checkpoints_left);
+}
+
 }  // namespace tuna

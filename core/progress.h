@@ -4,7 +4,8 @@
 // On a terminal the line is rewritten in place (carriage return) a few times a second; into a file or a pipe
 // (a batch job's log) it is a new line every `period_s` seconds, so a log shows the job moving without
 // thousands of lines. Either way finish() prints the closing line with the total time and the mean rate.
-// Also the formatting of sizes and durations every human-facing line of tuna uses.
+// Also the formatting of sizes and durations every human-facing line of tuna uses, and the trainer's ETA
+// (TrainingEta: the steps left plus the validations and checkpoints still to come).
 #pragma once
 
 #include <chrono>
@@ -47,6 +48,31 @@ class ProgressLine {
   std::FILE* out_;
   bool live_, finished_ = false, pending_newline_ = false;
   Clock::time_point start_, last_print_;
+};
+
+// How many of a periodic event fall in a run from step `from` (done) to step `to`: one at each multiple of
+// `every` (0: none) strictly between them, and one at `to` itself when from < to (the trainer validates
+// and checkpoints at the end as well).
+int64_t periodic_events_left(int64_t from, int64_t to, int64_t every);
+
+// The trainer's ETA: training steps at their mean measured time, plus every validation and checkpoint still
+// to come at the last one's measured time. A validation not yet measured (a resumed run) is guessed from the
+// training steps: a validation batch is a forward only, about a third of a micro-batch's forward + backward.
+// A checkpoint not yet measured counts nothing (its cost is the disk's, not the model's).
+class TrainingEta {
+ public:
+  TrainingEta(int64_t micro_batches_per_step, int64_t batches_per_validation)
+      : micro_batches_per_step_(micro_batches_per_step), batches_per_validation_(batches_per_validation) {}
+  void step_done(double seconds) { step_seconds_ += seconds, steps_++; }
+  void validation_done(double seconds) { validation_seconds_ = seconds; }
+  void checkpoint_done(double seconds) { checkpoint_seconds_ = seconds; }
+  double seconds_left(int64_t steps_left, int64_t validations_left, int64_t checkpoints_left) const;
+
+ private:
+  int64_t micro_batches_per_step_, batches_per_validation_;
+  double step_seconds_ = 0;
+  int64_t steps_ = 0;
+  double validation_seconds_ = -1, checkpoint_seconds_ = -1;  // -1: not measured yet
 };
 
 }  // namespace tuna

@@ -76,7 +76,47 @@ void from_json(const nlohmann::json& j, LoaderCursor& c) {
 // ---------------------------------------------------------------------------------------------------
 // Shard list
 
-std::vector<std::string> expand_shard_paths(const std::vector<std::string>& specs) {
+const char* shard_role_prefix(ShardRole role) {
+  switch (role) {
+    case ShardRole::Train: return "train-";
+    case ShardRole::Val: return "val-";
+    case ShardRole::Any: break;
+  }
+  return "";
+}
+
+namespace {
+
+// The shards of a directory, in name order: all of them, or for a role, that role's when the directory
+// names its shards by split (see loader.h).
+std::vector<std::string> directory_shards(const std::string& dir, ShardRole role) {
+  std::vector<std::string> all, of_role;
+  bool named_by_split = false;
+  const std::string prefix = shard_role_prefix(role);
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::directory_entry& entry = *it;
+    std::error_code kind;
+    if (!entry.is_regular_file(kind) || entry.path().extension() != kShardExtension) continue;
+    const std::string name = entry.path().filename().string();
+    all.push_back(entry.path().string());
+    named_by_split |= name.rfind(shard_role_prefix(ShardRole::Train), 0) == 0 ||
+                      name.rfind(shard_role_prefix(ShardRole::Val), 0) == 0;
+    if (role != ShardRole::Any && name.rfind(prefix, 0) == 0) of_role.push_back(entry.path().string());
+  }
+  if (ec) fail("data: cannot list the directory ", dir, ": ", ec.message());
+  std::vector<std::string>& found = role != ShardRole::Any && named_by_split ? of_role : all;
+  std::sort(found.begin(), found.end());
+  if (found.empty() && named_by_split)
+    fail("data: directory ", dir, " holds shards of the other split but no ", prefix, "*", kShardExtension,
+         " (a directory given as ", role == ShardRole::Train ? "training" : "validation",
+         " data is read for its ", prefix, "* shards; name the files or a glob to use others)");
+  return found;
+}
+
+}  // namespace
+
+std::vector<std::string> expand_shard_paths(const std::vector<std::string>& specs, ShardRole role) {
   std::vector<std::string> paths;
   for (const std::string& spec : specs) {
     std::vector<std::string> found;
@@ -94,12 +134,7 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& spec
       if (ec && ec != std::errc::no_such_file_or_directory)
         fail("data: shard path ", spec, ": ", ec.message());
       if (fs::is_directory(status)) {
-        for (fs::directory_iterator it(spec, ec), end; !ec && it != end; it.increment(ec)) {
-          std::error_code kind;
-          if (it->is_regular_file(kind) && it->path().extension() == kShardExtension) found.push_back(it->path().string());
-        }
-        if (ec) fail("data: cannot list the directory ", spec, ": ", ec.message());
-        std::sort(found.begin(), found.end());
+        found = directory_shards(spec, role);
       } else if (fs::exists(status)) {
         found.push_back(spec);  // ShardReader refuses anything but a regular file, by name
       } else {

@@ -69,11 +69,17 @@ struct LoaderCursor {
 void to_json(nlohmann::json& j, const LoaderCursor& c);
 void from_json(const nlohmann::json& j, LoaderCursor& c);
 
-// Expands shard specs in the order given: a file is itself; a directory is every "*.bin" file directly
-// inside it, in name order; anything with * ? or [ is a glob pattern, matches in name order
-// ("data/train-*.bin" picks the training split of a prepare output directory, which also holds val-*.bin). A
-// spec that matches nothing is an error.
-std::vector<std::string> expand_shard_paths(const std::vector<std::string>& specs);
+// Which split a list of shards is for. build/prepare writes both splits into one directory (train-*.bin,
+// val-*.bin), so a directory given for one role must not take the other's shards.
+enum class ShardRole { Any, Train, Val };
+const char* shard_role_prefix(ShardRole role);  // "train-", "val-", "" for Any
+
+// Expands shard specs in the order given: a file is itself; anything with * ? or [ is a glob pattern, matches
+// in name order; a directory is its "*.bin" files (directly inside it, in name order), and for a role, only
+// that role's: a directory holding train-*.bin or val-*.bin files (a prepare output) gives its train-* shards
+// for ShardRole::Train and its val-* shards for ShardRole::Val, and fails when it has none of the role's; a
+// directory with neither prefix gives all its shards. A spec that matches nothing is an error.
+std::vector<std::string> expand_shard_paths(const std::vector<std::string>& specs, ShardRole role = ShardRole::Any);
 
 class DataLoader {
  public:

@@ -28,6 +28,10 @@ enum class CommType { F32, F64, I64, BF16 };
 int64_t comm_type_bytes(CommType type);
 enum class ReduceOp { Sum, Max };
 
+// The MPI backend issues all-reduce and reduce-scatter in chunks of this many bytes: in one call, Open MPI
+// allocates a scratch buffer as large as the message (dist/comm_mpi.cpp), which chunks bound.
+inline constexpr int64_t kMpiChunkBytes = int64_t(4) << 20;
+
 // [begin, end) of one rank's piece of n elements split over `size` ranks.
 struct Range {
   int64_t begin = 0, end = 0;

@@ -25,7 +25,10 @@ ZeroBufferSizes zero_buffer_sizes(const ParamLayout& layout, int stage, int dp_r
   for (int u = 0; u < layout.num_units(); u++)
     z.unit = std::max(z.unit, layout.unit_range(u).second - layout.unit_range(u).first);
   z.moments = stage == 0 ? layout.total() : z.shard;
-  z.master = z.grad_shard = stage >= 1 ? z.shard : 0;
+  // Stages 1-2 update the model's whole fp32 weights in place (no master copy); stage 1 reads the all-reduced
+  // whole gradient in place (no gradient shard).
+  z.master = stage == 3 ? z.shard : 0;
+  z.grad_shard = stage >= 2 ? z.shard : 0;
   z.weight_buffers = stage == 3 ? 2 : 0;
   // Llama's backward finishes one unit's gradient before it starts the next, except a tied embedding's: the
   // head takes it first and the embedding's backward finishes it last, so two are alive through the layers.
@@ -57,16 +60,15 @@ Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* 
   for (const Segment& s : segments_) unit_shard_offset_.push_back(shard_size_), shard_size_ += s.size;
   for (int u = 0; u < layout_.num_units(); u++)
     max_unit_ = std::max(max_unit_, layout_.unit_range(u).second - layout_.unit_range(u).first);
-  if (stage_ >= 1)
-    allocate_host(str("ZeRO-", stage_, "'s master weights and gradient shard (", shard_size_, " parameters, fp32)"),
-                  uint64_t(shard_size_) * 2 * sizeof(float), [&] {
-                    master_.assign(shard_size_, 0.0f);
-                    grad_shard_.assign(shard_size_, 0.0f);
-                  });
-  if (stage_ >= 1 && stage_ <= 2) {
-    for (size_t i = 0; i < segments_.size(); i++)
-      std::copy_n(model_.params.data() + segments_[i].begin, segments_[i].size, master_.data() + unit_shard_offset_[i]);
-  }
+  // Stages 1-2 keep whole fp32 weights in the model, which are the master weights: the update writes this
+  // rank's pieces in place and an in-place all-gather brings the others' (no second copy of the shard). Stage 1
+  // updates from the all-reduced whole gradient in place too; stages 2-3 own a gradient shard.
+  if (stage_ >= 2)
+    allocate_host(str("ZeRO-", stage_, "'s gradient shard (", shard_size_, " parameters, fp32)"),
+                  uint64_t(shard_size_) * sizeof(float), [&] { grad_shard_.assign(shard_size_, 0.0f); });
+  if (stage_ == 3)
+    allocate_host(str("ZeRO-3's master weight shard (", shard_size_, " parameters, fp32)"),
+                  uint64_t(shard_size_) * sizeof(float), [&] { master_.assign(shard_size_, 0.0f); });
   if (stage_ == 3) {
     weight_buffers_.resize(2);  // the pair: one computing, one arriving
     for (UnitBuffer& b : weight_buffers_) b.data.resize(max_unit_);
@@ -99,9 +101,9 @@ LossSum sum_over_ranks(Comm& dp, const LossSum& local) {
 
 LossSum Zero::all_reduce_loss(const LossSum& local) { return sum_over_ranks(dp_, local); }
 
-double Zero::global_norm(const float* grad_shard) {
+double Zero::global_norm(const float* grads, BufferOrder order) {
   const bool count_replicated = !tp_ || tp_->rank() == 0;
-  double sq = optimizer_.grad_sum_of_squares(grad_shard, count_replicated);
+  double sq = optimizer_.grad_sum_of_squares(grads, count_replicated, order);
   if (stage_ >= 1) dp_.all_reduce_sum(&sq, 1, "grad norm (dp)");
   if (tp_) tp_->all_reduce_sum(&sq, 1, "grad norm (tp)");
   return std::sqrt(sq);
@@ -117,19 +119,21 @@ StepResult Zero::finish_step(const LossSum& local, double lr) {
 
   float* grads = nullptr;
   float* params = nullptr;
+  // Stage 0's optimizer owns the whole layout, where shard order is the flat order.
+  BufferOrder params_order = BufferOrder::Shard, grads_order = BufferOrder::Shard;
   switch (stage_) {
     case 0:
       dp_.all_reduce_sum(model_.grads.data(), layout_.total(), "gradients");
       grads = model_.grads.data(), params = model_.params.data();
       break;
-    case 1:
+    case 1:  // this rank's pieces of the reduced gradient and of the weights, in place
       dp_.all_reduce_sum(model_.grads.data(), layout_.total(), "gradients");
-      for (size_t i = 0; i < segments_.size(); i++)
-        std::copy_n(model_.grads.data() + segments_[i].begin, segments_[i].size, grad_shard_.data() + unit_shard_offset_[i]);
-      grads = grad_shard_.data(), params = master_.data();
+      grads = model_.grads.data(), params = model_.params.data();
+      params_order = grads_order = BufferOrder::Flat;
       break;
     case 2:  // already reduce-scattered, unit by unit, during the backward
-      grads = grad_shard_.data(), params = master_.data();
+      grads = grad_shard_.data(), params = model_.params.data();
+      params_order = BufferOrder::Flat;
       break;
     case 3:  // as stage 2
       grads = grad_shard_.data(), params = master_.data();
@@ -137,45 +141,48 @@ StepResult Zero::finish_step(const LossSum& local, double lr) {
         if (b.pending) dp_.wait(b.pending), b.pending = 0;
       break;
   }
-  r.stats.grad_norm = global_norm(grads) * loss_scale;
+  r.stats.grad_norm = global_norm(grads, grads_order) * loss_scale;
   r.stats.clip_scale = clip_scale(optimizer_.config(), r.stats.grad_norm);
   // Not finite: no update, and the weights (hence any gathered copy of them) stay as they are.
   r.stats.applied = step_is_finite(r.loss, r.tokens, r.stats.grad_norm);
   if (!r.stats.applied) return r;
-  optimizer_.update(params, grads, loss_scale * r.stats.clip_scale, lr);
-  if (stage_ == 1 || stage_ == 2) gather_params_from_master();
+  optimizer_.update(params, grads, loss_scale * r.stats.clip_scale, lr, params_order, grads_order);
+  if (stage_ == 1 || stage_ == 2) gather_params_in_place();
   if (stage_ == 3)
     for (UnitBuffer& b : weight_buffers_) b.valid = false;  // gathered weights are stale now
   return r;
 }
 
-void Zero::gather_params_from_master() {
+void Zero::gather_params_in_place() {
   for (int u = 0; u < layout_.num_units(); u++) {
     const auto [begin, end] = layout_.unit_range(u);
-    dp_.all_gather(master_.data() + unit_shard_offset_[u], model_.params.data() + begin, end - begin, "weights of a unit");
+    dp_.all_gather(model_.params.data() + segments_[u].begin, model_.params.data() + begin, end - begin, "weights of a unit");
   }
 }
 
 void Zero::export_state(const std::function<void(size_t, const float*, const float*, const float*)>& sink) const {
   for (size_t i = 0; i < segments_.size(); i++) {
-    if (stage_ == 0) {  // whole copies everywhere: this rank hands out its piece of them
-      const int64_t begin = segments_[i].begin;
-      sink(i, model_.params.data() + begin, optimizer_.m.data() + begin, optimizer_.v.data() + begin);
-    } else {
-      const int64_t at = unit_shard_offset_[i];
-      sink(i, master_.data() + at, optimizer_.m.data() + at, optimizer_.v.data() + at);
-    }
+    const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin;
+    // Stages 0-2 hold whole weights (stage 0 whole moments too): this rank hands out its piece of them, in place.
+    const int64_t moments_at = stage_ == 0 ? begin : at;
+    sink(i, stage_ == 3 ? master_.data() + at : model_.params.data() + begin, optimizer_.m.data() + moments_at,
+         optimizer_.v.data() + moments_at);
   }
 }
 
 void Zero::import_state(const std::function<void(size_t, float*, float*, float*)>& source) {
   if (stage_ >= 1) {
+    // Each piece in place: stage 3's into its master shard, stages 1-2's into their piece of the whole weights.
     for (size_t i = 0; i < segments_.size(); i++) {
-      const int64_t at = unit_shard_offset_[i];
-      source(i, master_.data() + at, optimizer_.m.data() + at, optimizer_.v.data() + at);
+      const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin;
+      source(i, stage_ == 3 ? master_.data() + at : model_.params.data() + begin, optimizer_.m.data() + at,
+             optimizer_.v.data() + at);
     }
-    if (stage_ <= 2) gather_params_from_master();
-    for (UnitBuffer& b : weight_buffers_) b.valid = false;
+    if (stage_ == 3) {
+      for (UnitBuffer& b : weight_buffers_) b.valid = false;
+    } else {
+      gather_params_in_place();  // everyone's pieces
+    }
     return;
   }
   // Stage 0 keeps whole copies: each rank reads its piece in place, then every unit is gathered in place.

@@ -2,8 +2,9 @@
 // (master weights, gradients, AdamW moments) and does every data-parallel collective of a step.
 //
 //   stage 0  every rank holds everything; gradients are all-reduced.
-//   stage 1  AdamW state (moments, and the fp32 master weights the update writes) is sharded; gradients
-//            are all-reduced, each rank updates its shard, the new weights are all-gathered.
+//   stage 1  AdamW moments are sharded; gradients are all-reduced, each rank updates its shard of the weights,
+//            the new weights are all-gathered. The model's fp32 weights and gradients are the master copy and
+//            the reduced gradient (updated and read in place), so a rank holds 8 + 8/dp bytes per parameter.
 //   stage 2  gradients are sharded too: the model keeps no gradient buffer, Zero is its WeightStore for
 //            gradients; each unit's gradient lives in a unit-sized buffer until the backward is done with
 //            it, then is reduce-scattered and summed into the shard. Otherwise as stage 1.
@@ -57,10 +58,10 @@ std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int 
 // The memory plan (model/memory_plan_cpu.cpp) is made of these figures; Zero's constructor checks its
 // allocations against them, and state_bytes() reports what it allocated.
 struct ZeroBufferSizes {
-  int64_t shard = 0;          // this rank's piece of every unit: the size of the master weights and gradient shard
+  int64_t shard = 0;          // this rank's piece of every unit: the size of the moments, master and gradient shard
   int64_t moments = 0;        // each of the two AdamW moments (the whole layout at stage 0)
-  int64_t master = 0;         // fp32 master weights (stages 1-3; stage 0 updates the model's weights)
-  int64_t grad_shard = 0;     // stages 1-3
+  int64_t master = 0;         // fp32 master weights: stage 3 (stages 0-2 update the model's fp32 weights in place)
+  int64_t grad_shard = 0;     // stages 2-3 (stages 0-1 read the model's all-reduced gradient)
   int64_t unit = 0;           // the largest unit, the size of a gather or gradient buffer
   int weight_buffers = 0;     // stage 3: gathered units (the pair: one computing, one arriving)
   int grad_buffers = 0;       // stages 2-3: unit gradients alive at once in the backward
@@ -121,8 +122,8 @@ class Zero final : public WeightStore {
   };
   void gather_into(UnitBuffer& b, int unit, bool async);
   void prefetch_next();
-  double global_norm(const float* grad_shard);
-  void gather_params_from_master();  // stages 1-2: model.params <- all-gather of master_
+  double global_norm(const float* grads, BufferOrder order);
+  void gather_params_in_place();  // stages 1-2: every rank's pieces of model.params to every rank
 
   Llama& model_;
   const ParamLayout& layout_;
@@ -133,8 +134,8 @@ class Zero final : public WeightStore {
   std::vector<int64_t> unit_shard_offset_;  // where unit u's piece starts in shard order
   int64_t shard_size_ = 0, max_unit_ = 0;
   AdamW optimizer_;
-  std::vector<float> master_;      // stages 1-3: this rank's weights, shard order
-  std::vector<float> grad_shard_;  // stages 1-3: this rank's gradient, shard order
+  std::vector<float> master_;      // stage 3: this rank's weights, shard order (stages 0-2: model.params)
+  std::vector<float> grad_shard_;  // stages 2-3: this rank's gradient, shard order (stages 0-1: model.grads)
   // Stage 3: the buffer pair for gathered weights, unit-sized gradient buffers, the reduce-scatter output.
   std::vector<UnitBuffer> weight_buffers_;
   std::vector<UnitBuffer> grad_buffers_;

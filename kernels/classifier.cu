@@ -5,10 +5,22 @@
 //   losses[i] = lse_i - logits[i, targets[i]]                              OVERWRITTEN; 0 for ignored rows
 //   when dloss != 0: logits[i, j] = (exp(logits[i, j] - lse_i) - [j == t_i]) dloss     OVERWRITTEN in place
 //
-// One block per row, two passes over the row (the second mostly from L2: a 128k-vocabulary row is 256 KB):
-// pass 1 keeps a running (max, sum of exp) per thread and merges them across the block; the target's logit
-// is read into shared memory before the block barrier that precedes pass 2, so overwriting cannot race it.
-// The caller chunks rows (model/llama_gpu), so a 128k vocabulary never needs batch x seq x vocab values.
+// Memory-bound: the fewest bytes are 4 per logit (read once, gradient written once). One block per row, two
+// passes (the softmax needs the row's logsumexp before any gradient). The old kernel re-read the whole row
+// in pass 2 from DRAM: at 4 blocks an SM, 528 rows of a 128k vocabulary (256 KB each, 135 MB) were in flight,
+// far past the 50 MB L2, so it moved 6 bytes a logit. Now:
+// - pass 1 keeps the first `cached` logits of the row in dynamic shared memory as it reads them (as much as
+//   the device lets a block have: 226 KB on Hopper, 90% of a LLaMA-3 row, 65% on an A100; all of LLaMA-2's
+//   32k), and pass 2 reads those from there; the rest (the row's tail, read last in pass 1: 25 KB on
+//   Hopper) it reads first, while it is still in L2 (one row a block and one block an SM: ~132 x 25 KB in
+//   flight). So ~4.2 bytes a logit. Losses only (dloss = 0) caches nothing: one pass, more blocks an SM.
+// - each thread loads kUnroll 16-byte vectors before using any (64 KB in flight per 512-thread block, the one
+//   block an SM holds at a full cache; 2-3 blocks an SM for smaller vocabularies), and folds them into its
+//   running (max, sum of exp) with one merge per kUnroll x 8 logits instead of one per 8.
+// - pass 2 overwrites each logit with its gradient: the row is first read whole (pass 1) and the target's
+//   logit saved in shared memory before the barrier between the passes, so overwriting cannot race a read.
+// Unmeasured on hardware so far: bench/bench_memory_gpu.cpp reports it against a device copy. The caller
+// chunks rows (model/llama_gpu), so a 128k vocabulary never needs batch x seq x vocab values.
 //
 // Vocab-parallel (tensor parallelism, each rank holding columns of every row): the same two passes split around
 // two reductions over the ranks (classifier.cuh): pass 1 writes each row's (max, sum of exp) of the rank's
@@ -16,6 +28,7 @@
 // its sums to that max, the caller sums them (and the target logits); pass 2 writes the loss and the gradient.
 #include "kernels/classifier.cuh"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/cuda_check.h"
@@ -28,6 +41,8 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 8;                 // vectors a thread loads before using any
+constexpr int kStaticSharedBytes = 1024;   // headroom for the kernel's static shared variables
 
 // Merges two (max, sum of exp(x - max)) pairs.
 __device__ __forceinline__ void merge(float& m, float& s, float other_m, float other_s) {
@@ -37,9 +52,23 @@ __device__ __forceinline__ void merge(float& m, float& s, float other_m, float o
   m = new_m;
 }
 
+// The gradient of 8 logits starting at column j0.
+__device__ __forceinline__ Packed8 gradient8(const Packed8& x, int64_t j0, float lse, int32_t target, float dloss,
+                                             float bad) {
+  float g[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float p = __expf(unpack(x, k) - lse);
+    g[k] = (p - (j0 + k == target ? 1.0f : 0.0f)) * dloss + bad;
+  }
+  return pack8(g);
+}
+
+// kVec: vocab % 8 == 0 and 16-byte aligned rows (the vector path, with `cached` leading logits, a multiple
+// of 8, kept in dynamic shared memory); otherwise one logit at a time, nothing cached.
 template <bool kVec>
 __global__ void __launch_bounds__(kThreads) classifier_kernel(bf16* logits, float* losses, const int32_t* targets,
-                                                              int64_t vocab, float dloss) {
+                                                              int64_t vocab, float dloss, int64_t cached) {
   __shared__ float shared_m[kWarps], shared_s[kWarps];
   __shared__ float target_logit;
   const int64_t row = blockIdx.x;
@@ -49,22 +78,42 @@ __global__ void __launch_bounds__(kThreads) classifier_kernel(bf16* logits, floa
   const bool valid = !ignored && target >= 0 && target < vocab;
   if (ignored) {
     if (threadIdx.x == 0) losses[row] = 0.0f;
-    if (dloss != 0.0f)
+    if (dloss == 0.0f) return;
+    if constexpr (kVec) {
+      for (int64_t v = threadIdx.x; v < vocab / 8; v += kThreads) store_packed(x + v * 8, zeros_packed());
+    } else {
       for (int64_t j = threadIdx.x; j < vocab; j += kThreads) x[j] = __float2bfloat16(0.0f);
+    }
     return;
   }
   if (threadIdx.x == 0) target_logit = valid ? __bfloat162float(x[target]) : NAN;
 
+  Packed8* cache = reinterpret_cast<Packed8*>(dynamic_shared_memory());
+  const int64_t n_vec = vocab / 8, cached_vec = cached / 8;
   float m = -INFINITY, s = 0.0f;
   if constexpr (kVec) {
-    for (int64_t j = threadIdx.x * 8; j < vocab; j += kThreads * 8) {
-      const Bf16x8 v = load8(x + j);
+    for (int64_t v0 = 0; v0 < n_vec; v0 += kThreads * kUnroll) {
+      Packed8 chunk[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * kThreads + threadIdx.x;
+        chunk[u] = v < n_vec ? load_packed(x + v * 8) : zeros_packed();
+      }
       float local_m = -INFINITY;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) local_m = fmaxf(local_m, __bfloat162float(v.v[k]));
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * kThreads + threadIdx.x < n_vec)
+#pragma unroll
+          for (int k = 0; k < 8; ++k) local_m = fmaxf(local_m, unpack(chunk[u], k));
       float local_s = 0.0f;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) local_s += __expf(__bfloat162float(v.v[k]) - local_m);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * kThreads + threadIdx.x;
+        if (v >= n_vec) continue;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) local_s += __expf(unpack(chunk[u], k) - local_m);
+        if (v < cached_vec) cache[v] = chunk[u];
+      }
       merge(m, s, local_m, local_s);
     }
   } else {
@@ -77,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) classifier_kernel(bf16* logits, floa
     merge(m, s, other_m, other_s);
   }
   if (threadIdx.x % 32 == 0) shared_m[threadIdx.x / 32] = m, shared_s[threadIdx.x / 32] = s;
-  __syncthreads();  // also publishes target_logit before pass 2 overwrites the row
+  __syncthreads();  // also publishes target_logit (and the cached row) before pass 2 overwrites the row
   m = shared_m[0], s = shared_s[0];
   for (int w = 1; w < kWarps; ++w) merge(m, s, shared_m[w], shared_s[w]);
   const float lse = m + logf(s);
@@ -85,16 +134,22 @@ __global__ void __launch_bounds__(kThreads) classifier_kernel(bf16* logits, floa
   if (dloss == 0.0f) return;
   const float bad = valid ? 0.0f : NAN;  // an invalid target poisons its row's gradient too
   if constexpr (kVec) {
-    for (int64_t j = threadIdx.x * 8; j < vocab; j += kThreads * 8) {
-      const Bf16x8 v = load8(x + j);
-      Bf16x8 g;
+    // The uncached tail first, from L2 while it is fresh; then the cached head from shared memory.
+    for (int64_t v0 = cached_vec; v0 < n_vec; v0 += kThreads * kUnroll) {
+      Packed8 chunk[kUnroll];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float p = __expf(__bfloat162float(v.v[k]) - lse);
-        g.v[k] = __float2bfloat16((p - (j + k == target ? 1.0f : 0.0f)) * dloss + bad);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * kThreads + threadIdx.x;
+        chunk[u] = v < n_vec ? load_packed(x + v * 8) : zeros_packed();
       }
-      store8(x + j, g);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * kThreads + threadIdx.x;
+        if (v < n_vec) store_packed(x + v * 8, gradient8(chunk[u], v * 8, lse, target, dloss, bad));
+      }
     }
+    for (int64_t v = threadIdx.x; v < cached_vec; v += kThreads)
+      store_packed(x + v * 8, gradient8(cache[v], v * 8, lse, target, dloss, bad));
   } else {
     for (int64_t j = threadIdx.x; j < vocab; j += kThreads) {
       const float p = __expf(__bfloat162float(x[j]) - lse);
@@ -215,12 +270,21 @@ void classifier_fwd_bwd(bf16* logits, float* losses, const int32_t* targets, int
   if (n == 0) return;
   TUNA_CHECK(n < (int64_t(1) << 31), "n ", n);
   const bool vec = vocab % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  if (vec)
-    launch_kernel(classifier_kernel<true>, static_cast<unsigned>(n), kThreads, 0, stream, logits, losses, targets,
-                  vocab, dloss);
-  else
+  if (vec) {
+    // As much of the row as the device lets one block keep (the attribute is per device: ask each time).
+    int device = 0, optin_bytes = 0;
+    TUNA_CUDA_CHECK(cudaGetDevice(&device));
+    TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&optin_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    const int64_t cached =
+        dloss == 0.0f ? 0 : std::min<int64_t>(vocab, (optin_bytes - kStaticSharedBytes) / 2 / 8 * 8);
+    const int smem = static_cast<int>(cached * 2);
+    TUNA_CUDA_CHECK(cudaFuncSetAttribute(classifier_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    launch_kernel(classifier_kernel<true>, static_cast<unsigned>(n), kThreads, smem, stream, logits, losses, targets,
+                  vocab, dloss, cached);
+  } else {
     launch_kernel(classifier_kernel<false>, static_cast<unsigned>(n), kThreads, 0, stream, logits, losses, targets,
-                  vocab, dloss);
+                  vocab, dloss, int64_t{0});
+  }
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

@@ -33,6 +33,55 @@ __device__ __forceinline__ Bf16x8 load8_stream(const bf16* p) {
   return *reinterpret_cast<const Bf16x8*>(&raw);
 }
 
+// The same 8 bf16 values as four 32-bit words, two values a word (element 2k in the low half of word k):
+// the form in which a kernel caches a row in registers. Held as a Bf16x8, the compiler splits the struct
+// into eight 16-bit values, one register each; as words, 8 values take 4 registers, and each converts to
+// fp32 with one integer op (bf16 is the high half of an fp32).
+struct alignas(16) Packed8 {
+  uint32_t w[4];
+};
+__device__ __forceinline__ Packed8 load_packed(const bf16* p) {
+  const int4 raw = *reinterpret_cast<const int4*>(p);
+  return {{static_cast<uint32_t>(raw.x), static_cast<uint32_t>(raw.y), static_cast<uint32_t>(raw.z),
+           static_cast<uint32_t>(raw.w)}};
+}
+// Evict-first: for tensors read exactly once.
+__device__ __forceinline__ Packed8 load_packed_stream(const bf16* p) {
+  const int4 raw = __ldcs(reinterpret_cast<const int4*>(p));
+  return {{static_cast<uint32_t>(raw.x), static_cast<uint32_t>(raw.y), static_cast<uint32_t>(raw.z),
+           static_cast<uint32_t>(raw.w)}};
+}
+__device__ __forceinline__ void store_packed(bf16* p, const Packed8& x) {
+  int4 raw;
+  raw.x = static_cast<int>(x.w[0]), raw.y = static_cast<int>(x.w[1]), raw.z = static_cast<int>(x.w[2]),
+  raw.w = static_cast<int>(x.w[3]);
+  *reinterpret_cast<int4*>(p) = raw;
+}
+__device__ __forceinline__ Packed8 zeros_packed() { return {{0u, 0u, 0u, 0u}}; }
+// Element j (a compile-time index in the kernels' unrolled loops) as fp32.
+__device__ __forceinline__ float unpack(const Packed8& x, int j) {
+  const uint32_t word = x.w[j / 2];
+  return __uint_as_float(j % 2 == 0 ? word << 16 : word & 0xffff0000u);
+}
+// Rounds 8 fp32 values to bf16 (to nearest even) into words.
+__device__ __forceinline__ Packed8 pack8(const float (&v)[8]) {
+  Packed8 x;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+    x.w[k] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  return x;
+}
+// Keeps a vector packed across a phase of a kernel: an empty asm that "may modify" its words makes the
+// compiler forget the fp32 values it already unpacked from them, so a row cached in registers across a
+// reduction holds 4 registers per 8 values, not 8 (the values are unpacked again after it, one integer op
+// each). Without it the compiler keeps both forms alive and a 16384-wide row spills.
+__device__ __forceinline__ void keep_packed(Packed8& x) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(x.w[k]));
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
@@ -63,6 +112,33 @@ __device__ __forceinline__ T block_sum(T x, T* scratch) {
   return total;
 }
 
+// Sums each of kValues per-thread values over the whole block, every total returned to every thread, with ONE
+// barrier: the memory-bound kernels batch the reductions of several rows into one call instead of a barrier
+// pair per row. `scratch` holds 2 * kValues * (blockDim.x / 32) values; successive calls of a loop pass
+// parity 0, 1, 0, ... so that a call writes the half the previous call did not read (a thread can only write
+// half p again after every thread passed the barrier of the call in between, hence finished reading it).
+// Fixed order (butterfly in the warp, then warps 0, 1, ... in turn): deterministic for a given block shape.
+// A one-warp block needs no shared memory and no barrier.
+template <int kValues>
+__device__ __forceinline__ void block_sum_batched(float (&x)[kValues], float* scratch, int parity) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) x[i] = warp_sum(x[i]);
+  if (n_warps == 1) return;
+  float* half = scratch + parity * kValues * n_warps;
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) half[i * n_warps + warp] = x[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) {
+    float total = half[i * n_warps];
+    for (int w = 1; w < n_warps; ++w) total += half[i * n_warps + w];
+    x[i] = total;
+  }
+}
+
 // Counter-based hash (a SplitMix-like finalizer over a 32-bit state): the random bits of stochastic
 // rounding are a pure function of (seed, index), so a run and its resumed twin round alike.
 __device__ __forceinline__ uint32_t hash_u32(uint32_t seed, uint64_t index) {
@@ -83,6 +159,17 @@ __device__ __forceinline__ bf16 bf16_stochastic(float x, uint32_t random_bits) {
   bits += random_bits & 0xffffu;  // a carry into the kept bits is the round-up
   bits &= 0xffff0000u;
   return __ushort_as_bfloat16(static_cast<unsigned short>(bits >> 16));
+}
+
+// The block's dynamic shared memory (the launch's dynamic_smem bytes, 16-byte aligned). In the emulated build
+// the emulator's array, which it fills with 0xff bytes before each block, as the tests' poison does.
+__device__ __forceinline__ unsigned char* dynamic_shared_memory() {
+#ifdef TUNA_EMULATOR
+  return tuna::emulator::shared_bytes();
+#else
+  extern __shared__ __align__(16) unsigned char tuna_dynamic_shared[];
+  return tuna_dynamic_shared;
+#endif
 }
 
 // kernel<<<grid, block, dynamic_smem, stream>>>(args...), written as a call so that the same launchers also

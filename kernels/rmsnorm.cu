@@ -7,11 +7,41 @@
 //   backward: dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k w[k] g[i, k] x[i, k])   bf16, ACCUMULATED
 //             dweight[j] += sum_i g[i, j] x[i, j] r[i]                                 fp32, ACCUMULATED
 //
-// Forward: one warp per row, 16-byte accesses; the second pass re-reads the row from L1/L2. Backward: one
-// block (256 or 512 threads, by dim) per kRowsPerBlock rows; each thread owns fixed column vectors, so it keeps that block's dweight
-// partial sums in registers across rows, writes them to scratch, and a second kernel adds the row blocks'
-// partials in block order: no atomics, the same rounding on every run.
+// Both are memory-bound: per element the forward moves 4 bytes (x read, out written; 8 with the residual
+// add), the backward 8 (g, x, dinp read, dinp written). The kernels before these measured (H200, main
+// 39d364b) 59% / 54% of a device copy at 16k rows x 4096, and the backward ~30% in the 1B step (108 us a
+// launch at 8192 x 2048, for 134 MB). Design, for Hopper at ~4.8 TB/s, aiming at >= 85% of the copy
+// (unmeasured so far: bench/bench_memory_gpu.cpp reports each against a device copy at dims 2048-16384):
+//
+// - A row is cached in registers. A block of `threads` (a multiple of 32, at most kMaxThreads) spans one
+//   row: thread t owns the 8-wide column vectors t, t + threads, ... (kVecs of them: 16-byte accesses, a
+//   warp's access one contiguous 512-byte run), so the row is read from memory exactly once; the old
+//   kernels re-read it (forward) or loaded dinp only after the reduction (backward: two memory latencies
+//   per row).
+// - Everything a row needs is loaded before its reduction, and kRows rows are loaded together: one batched
+//   block reduction (kernels/common.cuh, ONE barrier) per kRows rows, never a barrier pair per row.
+// - Bytes in flight. Little's law: 4.8 TB/s x ~0.7 us of loaded-DRAM latency is ~3.4 MB over 132 SMs, i.e.
+//   ~26 KB per SM must be outstanding. Forward: 4 vectors x 2 rows = 128 B per thread; at 100 registers
+//   (ptxas, sm_90a) an SM holds ~640 threads, ~80 KB, from blocks of 8 rows (n / 8 of them, plenty).
+//   Backward: a block has rows x 3 tensors x dim x 2 B in flight (bwd_shape): dim 2048 48 KB (176
+//   registers, 2 blocks an SM), 4096 48 KB (255 registers, 2 blocks), 8192 96 KB (1 block), 16384 96 KB (1
+//   block), i.e. 96 KB an SM wherever there are as many slabs as blocks that fit (n >= 8192 at dim 2048,
+//   n >= 4096 from 8192 up): several times the ~26 KB needed, so the barrier phase of one block and a partly
+//   filled last wave still leave memory busy.
+// - dweight stays deterministic without atomics: a fixed partition of the rows into slabs of kSlabRows (a
+//   function of n alone, so every device and launch sums alike); each block owns one slab, keeps its
+//   columns' sums in registers across the slab's rows in row order and writes them to scratch; a second
+//   kernel adds the slabs in slab order. That scratch costs 4 B x dim per 32 rows written and read back
+//   (from L2: it is written just before), 1/64 of the backward's bytes each way. The slab size is the
+//   trade: 64-row slabs left half the SMs idle at n = 4096 (70B, one sequence a rank); 32 gives 128 there.
+// - The slab reduction reads its [slabs, dim] scratch with the whole grid: a block takes 32 columns, its 32
+//   slab lanes each sum a fixed strided subset (float4 loads, four in flight), and lane sums are added in
+//   lane order. (The old one-thread-per-column loop over every slab issued one 4-byte load at a time.)
+// - dim up to kMaxDim = 16384 (LLaMA-3 405B's hidden size): 512 threads x 4 vectors x 8. No register array
+//   is indexed at run time (every loop over kVecs / kRows is unrolled), so nothing spills (ptxas -warn-spills).
 #include "kernels/rmsnorm.cuh"
+
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -21,167 +51,302 @@
 namespace tuna::cuda {
 namespace {
 
-constexpr int kFwdWarps = 4;
-constexpr int kRowsPerBlock = 64;
-// The backward's threads own up to 4 vectors of 8 columns each (more would spill): 256 threads cover rows up to
-// 8192 wide (LLaMA 70B), 512 up to 16384 (405B).
-constexpr int kMaxBwdVecs = 4;
+constexpr int kMaxThreads = 512;
+constexpr int kMaxVecs = 4;
+constexpr int64_t kMaxDim = int64_t(kMaxThreads) * kMaxVecs * 8;
+constexpr int kSlabRows = 32;          // rows per dweight partial sum (kernels/scratch.h sizes the scratch)
+constexpr int kFwdRows = 2;            // rows loaded together in the forward
+constexpr int kFwdRowsPerBlock = 8;    // rows per forward block (4 batches): amortizes the weight load
+constexpr int kReduceColumnLanes = 8;  // dweight reduction: float4 column groups per block (32 columns)
+constexpr int kReduceSlabLanes = 32;   // ... and slab lanes per column group
 
-__global__ void rmsnorm_fwd_kernel(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const bf16* delta,
-                                   const bf16* weight, int64_t n, int64_t dim, float eps) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kFwdWarps + threadIdx.x / 32;
-  if (row >= n) return;
-  const bf16* x_row = inp + row * dim;
-  float sum_sq = 0.0f;
-  for (int64_t c = lane * 8; c < dim; c += 32 * 8) {
-    Bf16x8 x = load8(x_row + c);
-    if (delta != nullptr) {
-      const Bf16x8 d = load8(delta + row * dim + c);
+// Block shape for a row of `dim`: `vecs` 8-wide vectors per thread, a multiple of 32 threads covering them,
+// and (backward) `rows` rows loaded together.
+struct RowShape {
+  int vecs, threads, rows;
+};
+RowShape row_shape(int64_t dim, int vecs, int rows) {
+  return {vecs, static_cast<int>(ceil_div(ceil_div(dim / 8, vecs), 32) * 32), rows};
+}
+// Forward: 4 vectors a thread from dim 520 up (fewer below, so a block is never less than a warp).
+RowShape fwd_shape(int64_t dim) {
+  const int64_t vectors = dim / 8;
+  return row_shape(dim, vectors <= 32 ? 1 : vectors <= 64 ? 2 : kMaxVecs, kFwdRows);
+}
+// Backward: what one block has in flight is rows x 3 tensors x dim x 2 bytes whatever the vectors a thread,
+// so small dims load more rows at once (the slab count, n / 32, bounds the blocks: 256 at n = 8192). dim 2048
+// (LLaMA 1B): 2 vectors x 4 rows, 128 threads, 48 KB; 4096: 4 x 2, 128 threads, 48 KB; 8192: 4 x 2, 256
+// threads, 96 KB; 16384: 4 x 1 (512 threads allow 128 registers), 96 KB.
+RowShape bwd_shape(int64_t dim) {
+  const int64_t vectors = dim / 8;
+  if (vectors <= 32) return row_shape(dim, 1, 2);
+  if (vectors <= 256) return row_shape(dim, 2, 4);
+  if (vectors <= 1024) return row_shape(dim, kMaxVecs, 2);
+  return row_shape(dim, kMaxVecs, 1);
+}
+
+// Column of thread `t`'s vector v, or -1 past the row's end.
+__device__ __forceinline__ int vector_column(int v, int dim) {
+  const int c = (v * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * 8;
+  return c < dim ? c : -1;
+}
+
+// The row's vectors and the weight stay packed across the reduction (kernels/common.cuh: keep_packed).
+template <int kRows, int kVecs>
+__device__ __forceinline__ void keep_row_packed(Packed8 (&row)[kRows][kVecs], Packed8 (&w)[kVecs]) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) x.v[j] = __float2bfloat16(__bfloat162float(x.v[j]) + __bfloat162float(d.v[j]));
-      store8(resid_out + row * dim + c, x);
-    }
+  for (int r = 0; r < kRows; ++r)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float v = __bfloat162float(x.v[j]);
-      sum_sq += v * v;
-    }
-  }
-  sum_sq = warp_sum(sum_sq);
-  const float r = rsqrtf(sum_sq / static_cast<float>(dim) + eps);
-  if (lane == 0) rstd[row] = r;
-  // The row the norm reads is the one written above (the same thread wrote each vector it re-reads).
-  const bf16* src = delta != nullptr ? resid_out + row * dim : x_row;
-  for (int64_t c = lane * 8; c < dim; c += 32 * 8) {
-    const Bf16x8 x = load8(src + c);
-    const Bf16x8 w = load8(weight + c);
-    Bf16x8 y;
+    for (int v = 0; v < kVecs; ++v) keep_packed(row[r][v]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      y.v[j] = __float2bfloat16(__bfloat162float(w.v[j]) * (__bfloat162float(x.v[j]) * r));
-    store8(out + row * dim + c, y);
+  for (int v = 0; v < kVecs; ++v) keep_packed(w[v]);
+}
+
+template <int kVecs>
+__device__ __forceinline__ void load_weight(Packed8 (&w)[kVecs], const bf16* weight, int dim) {
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int c = vector_column(v, dim);
+    w[v] = c >= 0 ? load_packed(weight + c) : zeros_packed();
   }
 }
 
-__device__ __forceinline__ void load_f32x8(const bf16* p, float (&out)[8]) {
-  const Bf16x8 v = load8(p);
+// The kRows x kVecs vectors of this thread in rows row0, row0 + 1, ...; zeros for a row at or past row_end
+// and for a column past the row's end.
+template <int kRows, int kVecs>
+__device__ __forceinline__ void load_rows(Packed8 (&dst)[kRows][kVecs], const bf16* src, int64_t row0,
+                                          int64_t row_end, int dim) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) out[j] = __bfloat162float(v.v[j]);
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = vector_column(v, dim);
+      dst[r][v] = row < row_end && c >= 0 ? load_packed_stream(src + row * dim + c) : zeros_packed();
+    }
+  }
 }
 
-// kVecs: 8-wide column vectors per thread (dim <= kBwdThreads * 8 * kVecs). kHold: keep the weight and the row's
-// g and x in registers between the two phases of a row (rows up to 8192 wide at 256 threads); without, re-read
-// them from L1/L2 (wider rows at 512 threads, which have half the registers per thread). Same arithmetic.
-template <int kVecs, int kBwdThreads, bool kHold>
-__global__ void __launch_bounds__(kBwdThreads) rmsnorm_bwd_kernel(bf16* dinp, float* partial, const bf16* dout,
-                                                                  const bf16* inp, const bf16* weight,
-                                                                  const float* rstd, int64_t n, int64_t dim) {
-  constexpr int kHeld = kHold ? kVecs : 1;
-  __shared__ float scratch[kBwdThreads / 32];
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
-  const int64_t row_end = min(n, row0 + kRowsPerBlock);
-  const auto column = [](int v) { return (static_cast<int64_t>(v) * kBwdThreads + threadIdx.x) * 8; };
-  float dw[kVecs][8] = {};
-  float w[kHeld][8], g[kHeld][8], x[kHeld][8];
-  if constexpr (kHold) {
+// kAdd: the fused residual add (x = bf16(inp + delta), written to resid_out).
+template <int kVecs, bool kAdd>
+__global__ void __launch_bounds__(kMaxThreads)
+    rmsnorm_fwd_kernel(bf16* __restrict__ out, float* __restrict__ rstd, bf16* __restrict__ resid_out,
+                       const bf16* __restrict__ inp, const bf16* __restrict__ delta, const bf16* __restrict__ weight,
+                       int64_t n, int dim, float eps) {
+  __shared__ float scratch[2 * kFwdRows * (kMaxThreads / 32)];
+  Packed8 w[kVecs];
+  load_weight(w, weight, dim);
+  const int64_t block_row0 = static_cast<int64_t>(blockIdx.x) * kFwdRowsPerBlock;
+  const int64_t block_rows_end = min(n, block_row0 + kFwdRowsPerBlock);
+  int parity = 0;
+  for (int64_t row0 = block_row0; row0 < block_rows_end; row0 += kFwdRows, parity ^= 1) {
+    // Every load of the kFwdRows rows first; a row past the block's end reads as zeros and stores nothing.
+    Packed8 x[kFwdRows][kVecs];
+    load_rows(x, inp, row0, block_rows_end, dim);
+    if constexpr (kAdd) {
+      Packed8 d[kFwdRows][kVecs];
+      load_rows(d, delta, row0, block_rows_end, dim);
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v)
-      if (column(v) < dim) load_f32x8(weight + column(v), w[v]);
-  }
-  for (int64_t row = row0; row < row_end; ++row) {
-    const float r = rstd[row];
-    float dot = 0.0f;
+      for (int r = 0; r < kFwdRows; ++r)
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int64_t c = column(v);
-      if (c >= dim) continue;
-      const int h = kHold ? v : 0;
-      if constexpr (!kHold) load_f32x8(weight + c, w[h]);
-      load_f32x8(dout + row * dim + c, g[h]);
-      load_f32x8(inp + row * dim + c, x[h]);
+        for (int v = 0; v < kVecs; ++v) {
+          float sum[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        dot += w[h][j] * g[h][j] * x[h][j];
-        dw[v][j] += g[h][j] * x[h][j] * r;
+          for (int j = 0; j < 8; ++j) sum[j] = unpack(x[r][v], j) + unpack(d[r][v], j);
+          x[r][v] = pack8(sum);  // the bf16-rounded sum is the residual stream, and what the norm reads
+        }
+    }
+    float sum_sq[kFwdRows];
+#pragma unroll
+    for (int r = 0; r < kFwdRows; ++r) {
+      sum_sq[r] = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum_sq[r] += unpack(x[r][v], j) * unpack(x[r][v], j);
+    }
+    block_sum_batched(sum_sq, scratch, parity);
+    keep_row_packed(x, w);
+#pragma unroll
+    for (int r = 0; r < kFwdRows; ++r) {
+      const int64_t row = row0 + r;
+      if (row >= block_rows_end) break;
+      const float rs = rsqrtf(sum_sq[r] / static_cast<float>(dim) + eps);
+      if (threadIdx.x == 0) rstd[row] = rs;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = vector_column(v, dim);
+        if (c < 0) continue;
+        if constexpr (kAdd) store_packed(resid_out + row * dim + c, x[r][v]);
+        float y[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) y[j] = unpack(w[v], j) * (unpack(x[r][v], j) * rs);
+        store_packed(out + row * dim + c, pack8(y));
       }
     }
-    dot = block_sum(dot, scratch);
-    const float correction = r * r * dot / static_cast<float>(dim);
+  }
+}
+
+// The backward's register budget decides kRows (bwd_shape): several rows in flight fit 255 registers with up
+// to 256 threads; 512 threads (dims above 8192) cap a thread at 128, so one row.
+constexpr int bwd_max_threads(int rows) { return rows > 1 ? 256 : kMaxThreads; }
+
+// One block per slab of kSlabRows rows; writes the slab's dweight sums to partial[slab, :].
+template <int kVecs, int kRows>
+__global__ void __launch_bounds__(bwd_max_threads(kRows))
+    rmsnorm_bwd_kernel(bf16* __restrict__ dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
+                       const bf16* __restrict__ inp, const bf16* __restrict__ weight, const float* __restrict__ rstd,
+                       int64_t n, int dim) {
+  __shared__ float scratch[2 * kRows * (kMaxThreads / 32)];
+  const int64_t slab_row0 = static_cast<int64_t>(blockIdx.x) * kSlabRows;
+  const int64_t slab_end = min(n, slab_row0 + kSlabRows);
+  Packed8 w[kVecs];
+  load_weight(w, weight, dim);
+  float dw[kVecs][8];
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int64_t c = column(v);
-      if (c >= dim) continue;
-      const int h = kHold ? v : 0;
-      if constexpr (!kHold) {
-        load_f32x8(weight + c, w[h]);
-        load_f32x8(dout + row * dim + c, g[h]);
-        load_f32x8(inp + row * dim + c, x[h]);
+  for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dw[v][j] = 0.0f;
+  int parity = 0;
+  for (int64_t row0 = slab_row0; row0 < slab_end; row0 += kRows, parity ^= 1) {
+    // All three tensors of the kRows rows are loaded before the reduction; a row past the slab reads as
+    // zeros (adding nothing to dweight) and stores nothing.
+    Packed8 g[kRows][kVecs], x[kRows][kVecs], d[kRows][kVecs];
+    load_rows(g, dout, row0, slab_end, dim);
+    load_rows(x, inp, row0, slab_end, dim);
+    load_rows(d, dinp, row0, slab_end, dim);
+    float r[kRows];
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) r[k] = row0 + k < slab_end ? rstd[row0 + k] : 0.0f;
+    float dot[kRows];
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      dot[k] = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float gj = unpack(g[k][v], j), xj = unpack(x[k][v], j);
+          dot[k] += unpack(w[v], j) * gj * xj;
+          dw[v][j] += gj * xj * r[k];  // rows in order: the slab's sum is fixed
+        }
+    }
+    block_sum_batched(dot, scratch, parity);
+    keep_row_packed(g, w);
+    keep_row_packed(x, w);
+    keep_row_packed(d, w);
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const int64_t row = row0 + k;
+      if (row >= slab_end) break;
+      const float correction = r[k] * r[k] * dot[k] / static_cast<float>(dim);
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = vector_column(v, dim);
+        if (c < 0) continue;
+        float y[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          y[j] = unpack(d[k][v], j) + r[k] * (unpack(w[v], j) * unpack(g[k][v], j) - unpack(x[k][v], j) * correction);
+        store_packed(dinp + row * dim + c, pack8(y));
       }
-      Bf16x8 d = load8(dinp + row * dim + c);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        d.v[j] = __float2bfloat16(__bfloat162float(d.v[j]) + r * (w[h][j] * g[h][j] - x[h][j] * correction));
-      store8(dinp + row * dim + c, d);
     }
   }
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
-    const int64_t c = column(v);
-    if (c < dim) {
-      float4* dst = reinterpret_cast<float4*>(partial + blockIdx.x * dim + c);
-      dst[0] = make_float4(dw[v][0], dw[v][1], dw[v][2], dw[v][3]);
-      dst[1] = make_float4(dw[v][4], dw[v][5], dw[v][6], dw[v][7]);
-    }
+    const int c = vector_column(v, dim);
+    if (c < 0) continue;
+    float4* dst = reinterpret_cast<float4*>(partial + static_cast<int64_t>(blockIdx.x) * dim + c);
+    dst[0] = make_float4(dw[v][0], dw[v][1], dw[v][2], dw[v][3]);
+    dst[1] = make_float4(dw[v][4], dw[v][5], dw[v][6], dw[v][7]);
   }
 }
 
-// dweight[j] += sum over row blocks b, in order, of partial[b, j].
-__global__ void rmsnorm_dweight_kernel(float* dweight, const float* partial, int64_t n_blocks, int64_t dim) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= dim) return;
-  float sum = 0.0f;
-  for (int64_t b = 0; b < n_blocks; ++b) sum += partial[b * dim + j];
-  dweight[j] += sum;
+// dweight[j] += sum over slabs s, in a fixed order, of partial[s, j]. Block: kReduceColumnLanes float4
+// column groups x kReduceSlabLanes slab lanes; lane l sums slabs l, l + 32, ... in order, then the lanes'
+// sums are added in lane order. dweight may sit at any float offset (a parameter of the flat gradient), so
+// it is updated one float at a time.
+__global__ void __launch_bounds__(kReduceColumnLanes* kReduceSlabLanes)
+    rmsnorm_dweight_kernel(float* __restrict__ dweight, const float* __restrict__ partial, int n_slabs, int dim) {
+  __shared__ float4 lane_sums[kReduceSlabLanes][kReduceColumnLanes];
+  const int group = static_cast<int>(threadIdx.x) % kReduceColumnLanes;
+  const int lane = static_cast<int>(threadIdx.x) / kReduceColumnLanes;
+  const int c = (static_cast<int>(blockIdx.x) * kReduceColumnLanes + group) * 4;
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (c < dim) {
+#pragma unroll 4
+    for (int s = lane; s < n_slabs; s += kReduceSlabLanes) {
+      const float4 p = *reinterpret_cast<const float4*>(partial + static_cast<int64_t>(s) * dim + c);
+      sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
+    }
+  }
+  lane_sums[lane][group] = sum;
+  __syncthreads();
+  if (lane != 0 || c >= dim) return;
+  float4 total = lane_sums[0][group];
+  for (int l = 1; l < kReduceSlabLanes; ++l) {
+    const float4 p = lane_sums[l][group];
+    total.x += p.x, total.y += p.y, total.z += p.z, total.w += p.w;
+  }
+  dweight[c] += total.x, dweight[c + 1] += total.y, dweight[c + 2] += total.z, dweight[c + 3] += total.w;
+}
+
+void check_dim(const char* op, int64_t n, int64_t dim) {
+  TUNA_CHECK(n >= 0 && dim > 0 && dim % 8 == 0, op, ": n ", n, ", dim ", dim, " (dim must be a multiple of 8)");
+  if (dim > kMaxDim) fail(op, ": dim ", dim, " exceeds the supported ", kMaxDim, " (", kMaxThreads, " threads x ",
+                          kMaxVecs * 8, " columns a row)");
 }
 
 }  // namespace
 
 void rmsnorm_fwd(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const bf16* residual_delta,
                  const bf16* weight, int64_t n, int64_t dim, double eps, cudaStream_t stream) {
-  TUNA_CHECK(n >= 0 && dim > 0 && dim % 8 == 0, "n ", n, ", dim ", dim, " (dim must be a multiple of 8)");
+  check_dim("rmsnorm_fwd", n, dim);
   TUNA_CHECK(residual_delta == nullptr || resid_out != nullptr, "a residual add needs resid_out");
   if (n == 0) return;
-  launch_kernel(rmsnorm_fwd_kernel, static_cast<unsigned>(ceil_div(n, kFwdWarps)), kFwdWarps * 32, 0, stream, out, rstd,
-                resid_out, inp, residual_delta, weight, n, dim, static_cast<float>(eps));
+  const RowShape shape = fwd_shape(dim);
+  const unsigned grid = static_cast<unsigned>(ceil_div(n, kFwdRowsPerBlock));
+  const int d = static_cast<int>(dim);
+  const float e = static_cast<float>(eps);
+  const auto launch = [&](auto vecs) {
+    constexpr int kVecs = decltype(vecs)::value;
+    if (residual_delta != nullptr)
+      launch_kernel(rmsnorm_fwd_kernel<kVecs, true>, grid, shape.threads, 0, stream, out, rstd, resid_out, inp,
+                    residual_delta, weight, n, d, e);
+    else
+      launch_kernel(rmsnorm_fwd_kernel<kVecs, false>, grid, shape.threads, 0, stream, out, rstd, resid_out, inp,
+                    residual_delta, weight, n, d, e);
+  };
+  if (shape.vecs == 1) launch(std::integral_constant<int, 1>{});
+  else if (shape.vecs == 2) launch(std::integral_constant<int, 2>{});
+  else launch(std::integral_constant<int, kMaxVecs>{});
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
 int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim) {
-  static_assert(kRowsPerBlock == 64, "kernels/scratch.h sizes the scratch for blocks of 64 rows");
+  static_assert(kSlabRows == gpu_scratch::kRmsnormSlabRows, "kernels/scratch.h sizes the scratch by the slab");
   return gpu_scratch::rmsnorm_bwd_floats(n, dim);
 }
 
 void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
                  const float* rstd, float* scratch, int64_t n, int64_t dim, cudaStream_t stream) {
-  TUNA_CHECK(n >= 0 && dim > 0 && dim % 8 == 0, "n ", n, ", dim ", dim, " (dim must be a multiple of 8)");
+  check_dim("rmsnorm_bwd", n, dim);
   if (n == 0) return;
-  const int64_t n_blocks = ceil_div(n, kRowsPerBlock);
-  const unsigned grid = static_cast<unsigned>(n_blocks);
-  // Up to 8192 columns: 256 threads holding 1, 2 or 4 vectors each in registers; up to 16384: 512 threads
-  // re-reading 4 vectors each.
-  const int64_t vecs = ceil_div(dim, 256 * 8);
-  const auto args = [&](auto kernel, int threads) {
-    launch_kernel(kernel, grid, threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, dim);
+  const RowShape shape = bwd_shape(dim);
+  const int64_t n_slabs = ceil_div(n, kSlabRows);
+  TUNA_CHECK(n_slabs < (int64_t(1) << 31), "rmsnorm_bwd: n ", n);
+  const unsigned grid = static_cast<unsigned>(n_slabs);
+  const int d = static_cast<int>(dim);
+  const auto launch = [&](auto kernel) {
+    launch_kernel(kernel, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
   };
-  if (vecs <= 1) args(rmsnorm_bwd_kernel<1, 256, true>, 256);
-  else if (vecs <= 2) args(rmsnorm_bwd_kernel<2, 256, true>, 256);
-  else if (vecs <= 4) args(rmsnorm_bwd_kernel<4, 256, true>, 256);
-  else if (dim <= 512 * 8 * kMaxBwdVecs) args(rmsnorm_bwd_kernel<4, 512, false>, 512);
-  else fail("rmsnorm_bwd: dim ", dim, " exceeds the supported ", 512 * 8 * kMaxBwdVecs);
+  if (shape.vecs == 1) launch(rmsnorm_bwd_kernel<1, 2>);
+  else if (shape.vecs == 2) launch(rmsnorm_bwd_kernel<2, 4>);
+  else if (shape.rows == 2) launch(rmsnorm_bwd_kernel<kMaxVecs, 2>);
+  else launch(rmsnorm_bwd_kernel<kMaxVecs, 1>);
   TUNA_CUDA_CHECK_LAUNCH();
-  launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, 256)), 256, 0, stream, dweight, scratch,
-                n_blocks, dim);
+  launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, kReduceColumnLanes * 4)),
+                kReduceColumnLanes * kReduceSlabLanes, 0, stream, dweight, scratch, static_cast<int>(n_slabs), d);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

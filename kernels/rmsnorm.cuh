@@ -11,7 +11,8 @@ namespace tuna::cuda {
 // With x = inp (+ residual_delta when it is not null):
 //   resid_out[i, :] = x (only when residual_delta is not null; the bf16-rounded sum, which is what the norm
 //   and the backward then read),  rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps),  out[i, j] = w[j] (x[i, j] rstd[i]).
-// Overwrites out, rstd (and resid_out). Sums of squares in fp32. dim % 8 == 0.
+// Overwrites out, rstd (and resid_out); the outputs must not overlap the inputs. Sums of squares in fp32.
+// dim % 8 == 0 and dim <= 16384.
 void rmsnorm_fwd(__nv_bfloat16* out, float* rstd, __nv_bfloat16* resid_out, const __nv_bfloat16* inp,
                  const __nv_bfloat16* residual_delta, const __nv_bfloat16* weight, int64_t n, int64_t dim,
                  double eps, cudaStream_t stream);
@@ -22,7 +23,8 @@ int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim);
 // dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k(w[k] g[i, k] x[i, k]))   ACCUMULATES (bf16: the residual
 //                                                                            stream's gradient)
 // dweight[j] += sum_i g[i, j] x[i, j] r[i]                                   ACCUMULATES (fp32)
-// Deterministic: dweight sums fixed row blocks into scratch, then the blocks in order. dim % 8 == 0.
+// Deterministic: dweight sums fixed 32-row slabs into scratch, then the slabs in a fixed order. dinp must not
+// overlap dout or inp. dim % 8 == 0 and dim <= 16384.
 void rmsnorm_bwd(__nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout, const __nv_bfloat16* inp,
                  const __nv_bfloat16* weight, const float* rstd, float* scratch, int64_t n, int64_t dim,
                  cudaStream_t stream);

@@ -4,9 +4,16 @@
 //   forward:  out[i] = x[i] c - x[i+h] s;   out[i+h] = x[i+h] c + x[i] s          OVERWRITTEN, may alias
 //   backward: the same with s -> -s (a rotation's transpose)                      OVERWRITTEN, may alias
 //
-// One thread rotates 8 pairs: 16-byte loads of x[i..i+8) and x[i+h..i+h+8) and 32-byte table loads, all
-// read before anything is written (so in-place is safe). Rotation math in fp32. A head_dim that is not a
-// multiple of 16 (tiny test models) takes a one-pair-per-thread kernel.
+// Memory-bound: 4 bytes per element (x read, out written); the fp32 tables are [seq, head_dim / 2] and hit
+// in L1/L2 (one position's row serves every head and batch). A thread rotates 8 pairs of kHeads consecutive
+// heads of one position: it loads the 8 cosines and sines once (32-byte table reads) and all 2 x kHeads
+// 16-byte vectors of x before any math, so 128 B of x are in flight per thread and the table traffic through
+// L1 is a quarter of x's (the old kernel, one head a thread, read 64 B of tables per 32 B of x). Threads
+// 0..7 of a group take a head's 8 column blocks (hd 128), so a warp access is 128-byte runs. ~60 registers
+// (ptxas) allow ~1000 threads an SM, ~128 KB in flight against the ~26 KB Little's law asks at 4.8 TB/s.
+// Unmeasured on hardware so far (bench/bench_memory_gpu.cpp). Rotation math in fp32. Everything a thread
+// writes it read first, so in place is safe. A head_dim that is not a multiple of 16 (tiny test models)
+// takes a one-pair-per-thread kernel.
 #include "kernels/rope.cuh"
 
 #include "core/cuda_check.h"
@@ -17,33 +24,49 @@ namespace tuna::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kHeads = 4;  // heads a thread rotates with one load of the tables
 
-__global__ void rope_kernel(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table,
-                            int64_t n_rows, int64_t seq_len, int64_t n_heads, int64_t half, float sign) {
-  const int64_t vecs_per_row = half / 8;
+// idx -> (position p = b * seq_len + t, head group, column block i of the half); heads past n_heads are
+// skipped (n_heads need not divide by kHeads: 3-head test models, 8 kv heads).
+__global__ void __launch_bounds__(kThreads)
+    rope_kernel(bf16* out, const bf16* inp, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+                int64_t n_positions, int64_t seq_len, int64_t n_heads, int64_t half, float sign) {
+  const int64_t vecs_per_half = half / 8, groups = (n_heads + kHeads - 1) / kHeads;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (idx >= n_rows * vecs_per_row) return;
-  const int64_t row = idx / vecs_per_row;
-  const int64_t i = (idx % vecs_per_row) * 8;
-  const int64_t t = (row / n_heads) % seq_len;
-  const bf16* x = inp + row * 2 * half;
-  const Bf16x8 first = load8(x + i), second = load8(x + i + half);
+  if (idx >= n_positions * groups * vecs_per_half) return;
+  const int64_t i = (idx % vecs_per_half) * 8;
+  const int64_t group = (idx / vecs_per_half) % groups;
+  const int64_t position = idx / vecs_per_half / groups;
+  const int64_t t = position % seq_len;
+  Packed8 first[kHeads], second[kHeads];
+#pragma unroll
+  for (int k = 0; k < kHeads; ++k) {
+    const int64_t head = group * kHeads + k;
+    const bf16* x = inp + (position * n_heads + head) * 2 * half;
+    first[k] = head < n_heads ? load_packed_stream(x + i) : zeros_packed();
+    second[k] = head < n_heads ? load_packed_stream(x + i + half) : zeros_packed();
+  }
   const float4* c4 = reinterpret_cast<const float4*>(cos_table + t * half + i);
   const float4* s4 = reinterpret_cast<const float4*>(sin_table + t * half + i);
   const float4 c_lo = c4[0], c_hi = c4[1], s_lo = s4[0], s_hi = s4[1];
   const float c[8] = {c_lo.x, c_lo.y, c_lo.z, c_lo.w, c_hi.x, c_hi.y, c_hi.z, c_hi.w};
   const float s[8] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
-  Bf16x8 y_first, y_second;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float a = __bfloat162float(first.v[j]), b = __bfloat162float(second.v[j]);
-    const float signed_sin = sign * s[j];
-    y_first.v[j] = __float2bfloat16(a * c[j] - b * signed_sin);
-    y_second.v[j] = __float2bfloat16(b * c[j] + a * signed_sin);
+  for (int k = 0; k < kHeads; ++k) {
+    const int64_t head = group * kHeads + k;
+    if (head >= n_heads) break;
+    float y_first[8], y_second[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float a = unpack(first[k], j), b = unpack(second[k], j);
+      const float signed_sin = sign * s[j];
+      y_first[j] = a * c[j] - b * signed_sin;
+      y_second[j] = b * c[j] + a * signed_sin;
+    }
+    bf16* y = out + (position * n_heads + head) * 2 * half;
+    store_packed(y + i, pack8(y_first));
+    store_packed(y + i + half, pack8(y_second));
   }
-  bf16* y = out + row * 2 * half;
-  store8(y + i, y_first);
-  store8(y + i + half, y_second);
 }
 
 // Any even head_dim (tiny test models): one thread per pair.
@@ -72,10 +95,11 @@ void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float
     TUNA_CUDA_CHECK_LAUNCH();
     return;
   }
-  const int64_t work = n_rows * (head_dim / 16);
+  const int64_t n_positions = batch * seq_len;
+  const int64_t work = n_positions * ceil_div(n_heads, kHeads) * (head_dim / 16);
   if (work == 0) return;
   launch_kernel(rope_kernel, static_cast<unsigned>(ceil_div(work, kThreads)), kThreads, 0, stream, out, inp, cos_table,
-                sin_table, n_rows, seq_len, n_heads, head_dim / 2, sign);
+                sin_table, n_positions, seq_len, n_heads, head_dim / 2, sign);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

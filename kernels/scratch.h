@@ -7,8 +7,11 @@
 
 namespace tuna::gpu_scratch {
 
-// rmsnorm_bwd: per-row-block partial sums of dweight, blocks of 64 rows (kernels/rmsnorm.cu).
-inline int64_t rmsnorm_bwd_floats(int64_t n, int64_t dim) { return (n + 63) / 64 * dim; }
+// rmsnorm_bwd: per-slab partial sums of dweight, slabs of 32 rows (kernels/rmsnorm.cu says why 32).
+constexpr int64_t kRmsnormSlabRows = 32;
+inline int64_t rmsnorm_bwd_floats(int64_t n, int64_t dim) {
+  return (n + kRmsnormSlabRows - 1) / kRmsnormSlabRows * dim;
+}
 // attention_bwd: D = rowsum(dout * out), [batch, n_heads, seq_len] (kernels/attention.cu).
 inline int64_t attention_bwd_floats(int64_t batch, int64_t seq_len, int64_t n_heads) {
   return batch * seq_len * n_heads;

@@ -33,6 +33,27 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+std::string step_dir_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+// ckpt/latest: a relative symlink to the newest step directory, replaced by rename so that a reader always
+// finds an old or a new link, never none. A filesystem without symlinks leaves no link; resolve_checkpoint
+// stands in for it.
+constexpr const char* kLatestLink = "latest";
+void update_latest_link(const fs::path& root, const fs::path& step_dir) {
+  std::error_code ec;
+  const fs::path tmp = root / ".latest.tmp";
+  fs::remove(tmp, ec);
+  fs::create_directory_symlink(step_dir.filename(), tmp, ec);
+  if (!ec) fs::rename(tmp, root / kLatestLink, ec);
+  if (ec) fs::remove(tmp, ec);
+}
+
+}  // namespace
+
 void fsync_path(const fs::path& p, bool directory) {
   int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
   if (fd < 0) fail(p.string(), ": cannot open to fsync");
@@ -55,11 +76,7 @@ FileDigest write_text_file(const fs::path& p, const std::string& text) {
   return sum.digest();
 }
 
-std::string step_dir_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
-  return buf;
-}
+namespace {
 
 std::string rank_file_name(int rank) {
   char buf[40];
@@ -588,6 +605,7 @@ fs::path finish_checkpoint(const fs::path& root, int64_t step, const CheckpointC
   if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);  // an older run's step of the same number
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) fail(final_dir.string(), ": cannot rename the finished checkpoint into place: ", ec.message());
+  update_latest_link(root, final_dir);
   fsync_path(root, true);
   if (keep_last > 0) {
     // Only after the new checkpoint is in place, and never the newest keep_last: the one just written is the
@@ -674,6 +692,30 @@ std::optional<fs::path> latest_checkpoint(const fs::path& root) {
   auto all = list_checkpoints(root);
   if (all.empty()) return std::nullopt;
   return all.back();
+}
+
+fs::path resolve_checkpoint(const std::string& path) {
+  const fs::path p(path);
+  if (p.filename() != kLatestLink) return p;
+  std::error_code ec;
+  if (fs::is_symlink(p, ec)) {
+    const fs::path target = fs::read_symlink(p, ec);
+    if (!ec && fs::is_directory(p)) return target.is_absolute() ? target : p.parent_path() / target;
+  }
+  if (fs::is_directory(p) && !fs::is_symlink(p)) return p;  // a directory a user named "latest" themselves
+  std::optional<fs::path> newest = latest_checkpoint(p.parent_path());
+  if (!newest) fail(path, ": no complete checkpoint (step_* with state.json) in ", p.parent_path().string(), " for 'latest' to name");
+  return *newest;
+}
+
+int64_t checkpoint_bytes(int64_t n_params, const std::vector<TokenizerFile>& tokenizer_files) {
+  int64_t bytes = 12 * n_params + (int64_t(1) << 20);  // + headers, config.json, state.json, manifest.json
+  for (const TokenizerFile& f : tokenizer_files) {
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(f.source, ec);
+    if (!ec) bytes += static_cast<int64_t>(size);
+  }
+  return bytes;
 }
 
 json read_state(const fs::path& dir) {
@@ -789,6 +831,16 @@ std::optional<fs::path> resume_checkpoint(const fs::path& root, Comm& world,
   if (!all.empty())
     fail(root.string(), ": none of the ", all.size(), " checkpoints verifies (see the warnings above); nothing to resume from");
   return std::nullopt;
+}
+
+std::optional<int64_t> training_seq_len(const fs::path& dir) {
+  if (!fs::exists(dir / "state.json")) return std::nullopt;  // a Hugging Face download
+  const json state = read_state(dir);
+  const auto config = state.find("train_config");
+  if (config == state.end() || !config->is_object() || !config->contains("seq_len") ||
+      !(*config)["seq_len"].is_number_integer())
+    return std::nullopt;  // an imported base model (build/convert) has not been trained
+  return (*config)["seq_len"].get<int64_t>();
 }
 
 void load_optimizer(const fs::path& dir, const ParamLayout& layout, AdamW& opt) {

@@ -10,7 +10,9 @@
 //   ckpt/step_00001000/   config.json model.safetensors optimizer.safetensors state.json tokenizer.model ...
 //
 // A checkpoint is written into ckpt/.tmp-step_00001000, every file fsynced, then renamed: a directory
-// named step_* is always complete. Only the newest keep_last are kept.
+// named step_* is always complete. Only the newest keep_last are kept. ckpt/latest is a symlink to the newest
+// (replaced atomically after each rename), so `runs/X/ckpt/latest` names a checkpoint for any tool; where the
+// filesystem has no symlinks, resolve_checkpoint gives the same answer to tuna's own tools.
 //
 // Checkpoints check themselves. manifest.json lists every file of the directory with its size and XXH3-64
 // (taken as the bytes are written, so it costs no second read); verify_checkpoint compares the directory
@@ -59,6 +61,10 @@ class ProgressLine;  // core/progress.h
 class AdamW;
 class HfCheckpointDir;
 
+// Durable writes: fsync of a file or a directory, and a whole small file written and fsynced (returning its
+// size and XXH3, for a manifest); failures (a full disk, a read-only filesystem) are errors naming the path.
+void fsync_path(const std::filesystem::path& p, bool directory);
+FileDigest write_text_file(const std::filesystem::path& p, const std::string& text);
 
 // Reads pieces of a model's weights for `layout` (any tensor-parallel rank's) from a directory holding
 // config.json + safetensors (a Hugging Face download, single file or sharded with an index, or a tuna checkpoint,
@@ -126,9 +132,21 @@ std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path&
 // The newest complete step_* directory under root, if any (not verified: see resume_checkpoint).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
 
+// The checkpoint a path given by a user names: the path itself, or for ".../latest" the step directory it
+// stands for (the symlink's target, or the newest complete checkpoint beside it where there is no symlink).
+// Fails when ".../latest" has no checkpoint to stand for.
+std::filesystem::path resolve_checkpoint(const std::string& path);
+
+// Bytes of one training checkpoint of a model with n_params parameters on disk: fp32 weights and two fp32
+// AdamW moments (12 bytes per parameter, summed over rank files) plus config, state, manifest and the tokenizer
+// files it carries.
+int64_t checkpoint_bytes(int64_t n_params, const std::vector<TokenizerFile>& tokenizer_files);
+
 // Reads state.json of a checkpoint directory (fails naming the file when missing or malformed, or when
 // 'step' is not an integer in [0, 2^62]).
 nlohmann::json read_state(const std::filesystem::path& dir);
+// The seq_len a training checkpoint was trained with (state.json's train_config), if dir is one.
+std::optional<int64_t> training_seq_len(const std::filesystem::path& dir);
 
 // A training checkpoint's state.json, checked for a resume: 'step' equals the step in the directory's name
 // (state.json of step_00000010 saying 417 is a damaged checkpoint, not a finished run), 'data_cursor' is an

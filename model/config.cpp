@@ -218,6 +218,15 @@ int64_t LlamaConfig::n_params() const {
   return vocab_size * c * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + c;
 }
 
+void check_seq_len(const LlamaConfig& config, int64_t seq_len, const std::string& option,
+                   const std::string& config_path) {
+  if (seq_len <= config.max_position_embeddings) return;
+  fail("option '", option, "': ", seq_len, " tokens is more than the model's max_position_embeddings ",
+       config.max_position_embeddings, " (", config_path,
+       "); use a seq_len up to it, or, to train a longer context, raise max_position_embeddings (and, for a llama3 "
+       "rope, rope_scaling) in that config.json: checkpoints and the export then carry the new length");
+}
+
 double model_flops_per_token(const LlamaConfig& c, int64_t seq) {
   double matmul_params = static_cast<double>(c.n_params());
   if (!c.tie_word_embeddings) matmul_params -= static_cast<double>(c.vocab_size * c.hidden_size);

@@ -45,6 +45,13 @@ struct LlamaConfig {
   int64_t n_params() const;
 };
 
+// Fails when seq_len (option `option`) exceeds max_position_embeddings: positions the model was never trained
+// on. A run that extends the context raises max_position_embeddings (and the llama3 rope_scaling) in the
+// config.json it starts from instead of overriding it here, so that every checkpoint and the export say
+// what the model was trained for (servers such as vLLM take their maximum length from it).
+void check_seq_len(const LlamaConfig& config, int64_t seq_len, const std::string& option,
+                   const std::string& config_path);
+
 // Model FLOPs of one trained token (forward + backward), the numerator of MFU: 6 per matmul weight (the
 // lm_head included; the embedding lookup not, unless tied, when the head's product counts it) plus causal
 // attention's 6 * seq * q_dim per layer (QK^T and PV over seq/2 keys on average, 2 FLOPs per multiply-add,

@@ -57,9 +57,27 @@ void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
   }
 }
 
-void make_out_dir(const fs::path& out, const fs::path& src) {
+// A new or empty directory to write into. An earlier model directory there is deleted with overwrite only;
+// a directory holding anything else is never deleted (a mistyped path must not cost a user their files).
+void make_out_dir(const fs::path& out, const fs::path& src, bool overwrite) {
   std::error_code ec;
   if (fs::exists(out) && fs::equivalent(out, src, ec)) fail(out.string(), ": output directory is the input directory");
+  if (fs::exists(out) && !fs::is_directory(out)) fail(out.string(), ": exists and is not a directory");
+  if (fs::is_directory(out) && !fs::is_empty(out)) {
+    if (!fs::exists(out / "config.json"))
+      fail(out.string(), ": exists and is not empty, and it is not a model directory (no config.json): not writing "
+           "into it; choose a new output directory");
+    if (!overwrite)
+      fail(out.string(), ": already holds a model (config.json): --overwrite to replace it, or choose a new output "
+           "directory");
+    fs::path out_abs = fs::weakly_canonical(out), src_abs = fs::weakly_canonical(src);
+    if (out_abs.filename().empty()) out_abs = out_abs.parent_path();  // "out/"
+    if (std::distance(out_abs.begin(), out_abs.end()) <= std::distance(src_abs.begin(), src_abs.end()) &&
+        std::equal(out_abs.begin(), out_abs.end(), src_abs.begin()))
+      fail(out.string(), ": the input ", src.string(), " is inside it; not deleting it");
+    fs::remove_all(out, ec);
+    if (ec) fail(out.string(), ": cannot delete the earlier model directory (--overwrite): ", ec.message());
+  }
   fs::create_directories(out, ec);
   if (ec) fail(out.string(), ": cannot create the output directory: ", ec.message());
 }
@@ -139,14 +157,15 @@ class RunConverter {
 
 }  // namespace
 
-ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const std::string& dtype, std::FILE* progress) {
+ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const std::string& dtype, std::FILE* progress,
+                        bool overwrite) {
   json config_json = read_config_json(hf_dir);
   LlamaConfig config = LlamaConfig::from_json(config_json, (hf_dir / "config.json").string());
   ParamLayout layout(config);
   HfCheckpointDir src(hf_dir);
   src.verify();
   std::vector<SourceTensor> tensors = collect(src, layout);
-  make_out_dir(out_dir, hf_dir);
+  make_out_dir(out_dir, hf_dir, overwrite);
 
   const bool keep = dtype == "keep";
   const DType target = keep ? DType::F32 : dtype_from_torch_name(dtype, "option --dtype");
@@ -185,7 +204,7 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
 }
 
 ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const std::string& dtype,
-                        int64_t max_shard_bytes, std::FILE* progress) {
+                        int64_t max_shard_bytes, std::FILE* progress, bool overwrite) {
   if (max_shard_bytes <= 0) fail("option --max-shard-bytes: expected > 0, found ", max_shard_bytes);
   // What ships must be what training wrote: every file against the checkpoint's manifest first.
   if (const std::string problem = verify_checkpoint(ckpt_dir); !problem.empty())
@@ -215,7 +234,7 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
   }
   const DType target = dtype == "auto" ? dtype_from_torch_name(config.torch_dtype, (ckpt_dir / "config.json").string() + ": field 'torch_dtype'")
                                        : dtype_from_torch_name(dtype, "option --dtype");
-  make_out_dir(out_dir, ckpt_dir);
+  make_out_dir(out_dir, ckpt_dir, overwrite);
 
   // Group tensors into shards of at most max_shard_bytes (a single tensor larger than that gets its own).
   std::vector<std::vector<const Source*>> shards(1);

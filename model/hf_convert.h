@@ -7,6 +7,8 @@
 // export: tuna checkpoint -> HF directory that transformers loads: weights in the dtype of config.json's
 // torch_dtype (or the one asked for), sharded with model.safetensors.index.json past max_shard_bytes.
 // bf16 -> f32 -> bf16 and every same-dtype copy are exact, so import then export returns the same bytes.
+// Both write into a new or empty out_dir; an existing model directory (one with config.json) is replaced only
+// with overwrite (deleted once the source has been checked), and anything else in the way is refused.
 #pragma once
 
 #include <cstdint>
@@ -28,10 +30,11 @@ struct ConvertReport {
 // dtype: "keep" (each tensor as found), "float32", "bfloat16" or "float16".
 // `progress`: where progress lines go (converted and written bytes, rate, ETA); null: nowhere.
 ConvertReport import_hf(const std::filesystem::path& hf_dir, const std::filesystem::path& out_dir,
-                        const std::string& dtype, std::FILE* progress = nullptr);
+                        const std::string& dtype, std::FILE* progress = nullptr, bool overwrite = false);
 
 // dtype: "auto" (config.json's torch_dtype), "float32", "bfloat16" or "float16".
 ConvertReport export_hf(const std::filesystem::path& ckpt_dir, const std::filesystem::path& out_dir,
-                        const std::string& dtype, int64_t max_shard_bytes, std::FILE* progress = nullptr);
+                        const std::string& dtype, int64_t max_shard_bytes, std::FILE* progress = nullptr,
+                        bool overwrite = false);
 
 }  // namespace tuna

@@ -84,14 +84,15 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   // A checkpoint adds nothing: the engine hands its own weights and moments a piece at a time to the file writer,
   // and a resume reads each piece's bytes straight into the engine's state (Engine::export_state/import_state).
   // A resume maps the checkpoint's files and releases each piece's pages once it is read (page cache, not a copy).
-  // Stages 0-1 all-reduce the whole gradient in place; Open MPI's non-blocking all-reduce works through a
-  // temporary copy of the message.
+  // Stages 0-1 all-reduce the whole gradient in place, stages 2-3 reduce-scatter each unit's; Open MPI works
+  // through a scratch copy of the message, which the MPI backend bounds by sending chunks of kMpiChunkBytes
+  // (a chunked reduce-scatter also stages its chunk: dist/comm_mpi.cpp).
   if (m.dp > 1 && m.zero <= 1)
-    add("gradient all-reduce: MPI's temporary copy", MemoryKind::Transient, params * kFloat);
-  // Stages 2-3 reduce-scatter each unit's gradient; Open MPI's non-blocking reduce-scatter works through a
-  // temporary copy of the unit.
+    add("gradient all-reduce: MPI's scratch for one chunk", MemoryKind::Transient,
+        std::min(params * kFloat, kMpiChunkBytes));
   if (m.dp > 1 && m.zero >= 2)
-    add("gradient reduce-scatter: MPI's temporary copy of a unit", MemoryKind::Transient, zero.unit * kFloat);
+    add("unit reduce-scatter: MPI's scratch (and staging) for one chunk", MemoryKind::Transient,
+        zero.unit * kFloat <= kMpiChunkBytes ? zero.unit * kFloat : 2 * kMpiChunkBytes);
   return plan;
 }
 

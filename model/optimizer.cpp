@@ -91,19 +91,25 @@ OptimizerStats AdamW::step(float* params, const float* grads, double loss_scale,
   return stats;
 }
 
-double AdamW::grad_sum_of_squares(const float* grads, bool count_replicated) const {
+namespace {
+int64_t offset_in(BufferOrder order, const ShardPiece& p) { return order == BufferOrder::Flat ? p.flat_offset : p.shard_offset; }
+}  // namespace
+
+double AdamW::grad_sum_of_squares(const float* grads, bool count_replicated, BufferOrder grads_order) const {
   double sum = 0;
   for (const ShardPiece& p : pieces_)
-    if (count_replicated || p.tensor->split_dim >= 0) sum += cpu::sum_of_squares(grads + p.shard_offset, p.size);
+    if (count_replicated || p.tensor->split_dim >= 0)
+      sum += cpu::sum_of_squares(grads + offset_in(grads_order, p), p.size);
   return sum;
 }
 
-void AdamW::update(float* params, const float* grads, double grad_scale, double lr) {
+void AdamW::update(float* params, const float* grads, double grad_scale, double lr, BufferOrder params_order,
+                   BufferOrder grads_order) {
   steps_taken++;
   for (const ShardPiece& p : pieces_) {
     cpu::AdamWStep s{lr, config_.beta1, config_.beta2, config_.eps, p.tensor->decays ? config_.weight_decay : 0.0,
                      steps_taken, grad_scale};
-    cpu::adamw_update(params + p.shard_offset, grads + p.shard_offset, m.data() + p.shard_offset,
+    cpu::adamw_update(params + offset_in(params_order, p), grads + offset_in(grads_order, p), m.data() + p.shard_offset,
                       v.data() + p.shard_offset, p.size, s);
   }
 }

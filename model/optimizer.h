@@ -73,6 +73,11 @@ struct ShardPiece {
 // sharded optimizer needs to know which decay and which tp split applies to each element it owns.
 std::vector<ShardPiece> shard_pieces(const ParamLayout& layout, const std::vector<Segment>& segments);
 
+// How a sharded optimizer's caller lays out params or grads: Shard, the owned elements concatenated (shard
+// order); Flat, the whole flat layout, of which the owned elements are read and written in place (a CPU ZeRO-1
+// or -2 rank's fp32 model weights are its master weights, so it keeps no second copy of its shard).
+enum class BufferOrder { Shard, Flat };
+
 // Clipping's factor for a global gradient norm: min(1, grad_clip / (norm + 1e-6)); 1 when clipping is off.
 double clip_scale(const OptimizerConfig& config, double grad_norm);
 
@@ -90,9 +95,10 @@ class AdamW {
   // Sharded use, params and grads in shard order; the caller reduces the norm across ranks.
   // Sum of squares of the owned gradient; tensors replicated across tensor-parallel ranks (norm weights)
   // count only when count_replicated (on tp rank 0), so the tp sum counts them once.
-  double grad_sum_of_squares(const float* grads, bool count_replicated) const;
+  double grad_sum_of_squares(const float* grads, bool count_replicated, BufferOrder grads_order = BufferOrder::Shard) const;
   // One AdamW update of the owned elements with gradient grads * grad_scale.
-  void update(float* params, const float* grads, double grad_scale, double lr);
+  void update(float* params, const float* grads, double grad_scale, double lr,
+              BufferOrder params_order = BufferOrder::Shard, BufferOrder grads_order = BufferOrder::Shard);
 
   const OptimizerConfig& config() const { return config_; }
   const std::vector<Segment>& segments() const { return segments_; }

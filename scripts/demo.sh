@@ -17,10 +17,10 @@ echo
 echo "== 2/5 train: demo/train.toml (tiny LLaMA from scratch, CPU)"
 "$B/train" --config demo/train.toml
 
-CKPT=$(ls -d "$RUN"/ckpt/step_* | sort | tail -n 1)
+CKPT="$RUN/ckpt/latest"  # the newest checkpoint
 echo
-echo "== 3/5 eval: the trained model on the held-out documents"
-"$B/eval" --checkpoint "$CKPT" --data "$RUN/data/val-*.bin" --seq_len 128 | head -n 1
+echo "== 3/5 eval: the trained model on the held-out documents (the directory's val-* shards, the run's seq_len)"
+"$B/eval" --checkpoint "$CKPT" --data "$RUN/data" | head -n 1
 
 echo
 echo "== 4/5 sample"

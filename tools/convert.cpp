@@ -1,7 +1,10 @@
 // build/convert — Hugging Face <-> tuna checkpoints.
 //
-//   build/convert hf-to-tuna HF_DIR OUT_DIR [--dtype keep|float32|bfloat16|float16]
-//   build/convert tuna-to-hf CKPT_DIR OUT_DIR [--dtype auto|float32|bfloat16|float16] [--max-shard-bytes N]
+//   build/convert hf-to-tuna HF_DIR OUT_DIR [--dtype keep|float32|bfloat16|float16] [--overwrite]
+//   build/convert tuna-to-hf CKPT_DIR OUT_DIR [--dtype auto|float32|bfloat16|float16] [--max-shard-bytes N] [--overwrite]
+//
+// CKPT_DIR may be runs/X/ckpt/latest. OUT_DIR must be new or empty; a model directory there is replaced
+// only with --overwrite.
 //
 // Only safetensors are read; PyTorch pickle checkpoints (.bin/.pth) are refused with a way out.
 #include <cstdio>
@@ -11,13 +14,14 @@
 #include "core/error.h"
 #include "core/options.h"
 #include "data/tokenizer.h"  // the tokenizer the model carries; the files transformers needs beside it
-#include "model/checkpoint.h"  // read_config_json
+#include "model/checkpoint.h"  // read_config_json, resolve_checkpoint
 #include "model/hf_convert.h"
 
 int main(int argc, char** argv) {
   return tuna::guarded_main([&] {
     std::string dtype;
     int64_t max_shard_bytes = int64_t(5) << 30;
+    bool overwrite = false;
     tuna::Options options("build/convert hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR",
                           "hf-to-tuna: a Hugging Face LLaMA directory (config.json + safetensors) -> a tuna checkpoint.\n"
                           "tuna-to-hf: a tuna checkpoint -> a directory transformers loads (AutoModelForCausalLM).");
@@ -27,12 +31,18 @@ int main(int argc, char** argv) {
                 {"keep", "auto", "float32", "bfloat16", "float16"});
     options.add("max_shard_bytes", &max_shard_bytes, "tuna-to-hf: start a new model-0000N-of-0000M.safetensors past this size",
                 tuna::Bounds::closed(1, 1e15));
+    options.add("overwrite", &overwrite, "replace a model directory already at OUT_DIR (default: refuse)");
     std::vector<std::string> args = options.parse(argc, argv);
     if (args.size() != 3) tuna::fail("expected: hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR (see --help)");
     tuna::ConvertReport r;
-    if (args[0] == "hf-to-tuna") r = tuna::import_hf(args[1], args[2], dtype.empty() ? "keep" : dtype, stderr);
-    else if (args[0] == "tuna-to-hf") r = tuna::export_hf(args[1], args[2], dtype.empty() ? "auto" : dtype, max_shard_bytes, stderr);
-    else tuna::fail("unknown direction '", args[0], "': expected hf-to-tuna or tuna-to-hf");
+    if (args[0] == "hf-to-tuna") {
+      r = tuna::import_hf(args[1], args[2], dtype.empty() ? "keep" : dtype, stderr, overwrite);
+    } else if (args[0] == "tuna-to-hf") {
+      args[1] = tuna::resolve_checkpoint(args[1]).string();
+      r = tuna::export_hf(args[1], args[2], dtype.empty() ? "auto" : dtype, max_shard_bytes, stderr, overwrite);
+    } else {
+      tuna::fail("unknown direction '", args[0], "': expected hf-to-tuna or tuna-to-hf");
+    }
     std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s), through %.1f MB of host buffers\n",
                 args[1].c_str(), args[2].c_str(), (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(),
                 r.bytes_written / 1e6, (long long)r.shards, r.host_staging_bytes / 1e6);

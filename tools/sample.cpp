@@ -55,15 +55,17 @@ int main(int argc, char** argv) {
   using namespace tuna;
   return guarded_main([&] {
     std::string checkpoint, tokenizer_path, prompt, device = "auto";
-    int64_t max_tokens = 64, seed = 1, threads = 0;
+    int64_t max_tokens = 64, seed = 1, threads = 0, seq_len = 0;
     double temperature = 0.8, top_p = 0.95;
     bool greedy = false, stop_at_eos = true, kv_cache = true;
     Options options("build/sample", "Generates a continuation of a prompt from a model directory.");
-    options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint or a Hugging Face download");
+    options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint (runs/X/ckpt/latest too) or a Hugging Face download");
     options.add("tokenizer", &tokenizer_path,
                 "tokenizer file (sentencepiece, tokenizer.json, tiktoken) or model directory; default: the checkpoint's");
     options.add("prompt", &prompt, "text to continue");
     options.add("max_tokens", &max_tokens, "tokens to generate at most", Bounds::closed(1, 1 << 22));
+    options.add("seq_len", &seq_len, "longest context (prompt + generated tokens); 0: the checkpoint's training seq_len, "
+                "or max_position_embeddings for a model tuna did not train", Bounds::closed(0, 1 << 22));
     options.add("temperature", &temperature, "softmax temperature (> 0 unless --greedy)", Bounds::closed(0, 1e6));
     options.add("top_p", &top_p, "nucleus sampling: keep the most likely tokens up to this probability",
                 Bounds::open_closed(0, 1));
@@ -78,6 +80,7 @@ int main(int argc, char** argv) {
     if (checkpoint.empty()) fail("--checkpoint is required (see --help)");
     if (!greedy && temperature == 0) fail("option 'temperature': expected > 0 (or --greedy), found 0");
     set_cpu_threads(threads);
+    checkpoint = resolve_checkpoint(checkpoint).string();
     if (tokenizer_path.empty()) tokenizer_path = checkpoint;  // the directory's own tokenizer
 
     Tokenizer tokenizer(tokenizer_path);
@@ -89,10 +92,16 @@ int main(int argc, char** argv) {
     if (tokenizer.bos_id() >= 0) tokens.push_back(tokenizer.bos_id());
     // Special tokens written in the prompt (<|start_header_id|>, <|eot_id|>) are the model's control tokens.
     for (int32_t t : tokenizer.encode(prompt, SpecialTokens::parse)) tokens.push_back(t);
-    const int64_t context = std::min<int64_t>(config.max_position_embeddings, tokens.size() + max_tokens);
+    // The model is asked for no longer a context than it was trained on (a base model: what its config allows).
+    const std::optional<int64_t> trained = training_seq_len(checkpoint);
+    if (seq_len == 0) seq_len = trained ? *trained : config.max_position_embeddings;
+    check_seq_len(config, seq_len, "seq_len", checkpoint + "/config.json");
+    const int64_t context = std::min<int64_t>(seq_len, tokens.size() + max_tokens);
     if (static_cast<int64_t>(tokens.size()) >= context)
-      fail("the prompt (", tokens.size(), " tokens) leaves no room under max_position_embeddings ",
-           config.max_position_embeddings);
+      fail("the prompt (", tokens.size(), " tokens) leaves no room in a context of ", seq_len, " tokens (--seq_len; ",
+           trained ? "the checkpoint's training seq_len" : "max_position_embeddings", ")");
+    std::fprintf(stderr, "sample: loading %s (%lld parameters); prompt %zu tokens, context up to %lld\n",
+                 checkpoint.c_str(), (long long)config.n_params(), tokens.size(), (long long)context);
     std::unique_ptr<ForwardModel> model =
         make_forward_model(config, resolve_device(device), 1, context,
                            weights_from_directory(checkpoint));
@@ -150,6 +159,8 @@ int main(int argc, char** argv) {
                  (long long)generated, prompt_s + decode_s, (long long)prompt_tokens, prompt_s,
                  generated > 1 ? (generated - 1) / decode_s : 0.0, model->describe().c_str(),
                  kv_cache ? "KV cache" : "no KV cache: whole context per token");
+    if (static_cast<int64_t>(tokens.size()) == seq_len)
+      std::fprintf(stderr, "sample: stopped at the context limit of %lld tokens (--seq_len)\n", (long long)seq_len);
     return 0;
   });
 }

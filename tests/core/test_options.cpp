@@ -120,5 +120,57 @@ TEST(Options, UsageShowsWhatEachOptionAccepts) {
   EXPECT_NE(u.find("one of auto, cpu or cuda"), std::string::npos) << u;
 }
 
+// ---- a choice option with a bare form (--resume = --resume true, --resume auto) ----
+
+struct Parsed {
+  std::string resume = "false";
+  int64_t micro_batch = 1;
+  bool overwrite = false;
+  std::vector<std::string> positional;
+};
+
+Parsed parse_choice(std::vector<std::string> args) {
+  Parsed p;
+  Options o("prog", "test");
+  o.add_choice("resume", &p.resume, {"false", "true", "auto"}, "true", "resume");
+  o.add("micro_batch", &p.micro_batch, "batch");
+  o.add("overwrite", &p.overwrite, "overwrite");
+  args.insert(args.begin(), "prog");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  p.positional = o.parse(static_cast<int>(argv.size()), argv.data());
+  return p;
+}
+
+TEST(Options, DashesAndUnderscoresAlike) {
+  EXPECT_EQ(parse_choice({"--micro-batch", "3"}).micro_batch, 3);
+  EXPECT_EQ(parse_choice({"--micro_batch=4"}).micro_batch, 4);
+  EXPECT_EQ(parse_choice({"--micro-batch=5"}).micro_batch, 5);
+}
+
+TEST(Options, ChoiceWithABareForm) {
+  EXPECT_EQ(parse_choice({}).resume, "false");
+  EXPECT_EQ(parse_choice({"--resume"}).resume, "true");
+  EXPECT_EQ(parse_choice({"--resume", "--micro_batch", "2"}).resume, "true");
+  EXPECT_EQ(parse_choice({"--resume", "auto"}).resume, "auto");
+  EXPECT_EQ(parse_choice({"--resume=auto"}).resume, "auto");
+  EXPECT_EQ(parse_choice({"--resume", "false"}).resume, "false");
+  // A bare choice does not swallow a positional argument.
+  const Parsed p = parse_choice({"--resume", "dir"});
+  EXPECT_EQ(p.resume, "true");
+  EXPECT_EQ(p.positional, std::vector<std::string>{"dir"});
+  const std::string e = error_of([] { parse_choice({"--resume=sometimes"}); });
+  EXPECT_NE(e.find("option 'resume': expected false, true or auto, found 'sometimes'"), std::string::npos) << e;
+}
+
+TEST(Options, ChoiceFromToml) {
+  testing_util::TempDir tmp("options");
+  std::ofstream(tmp / "a.toml") << "resume = \"auto\"\n";
+  std::ofstream(tmp / "b.toml") << "resume = true\n";
+  EXPECT_EQ(parse_choice({"--config", (tmp / "a.toml").string()}).resume, "auto");
+  EXPECT_EQ(parse_choice({"--config", (tmp / "b.toml").string()}).resume, "true");
+  EXPECT_EQ(parse_choice({"--config", (tmp / "b.toml").string(), "--resume", "false"}).resume, "false");
+}
+
 }  // namespace
 }  // namespace tuna

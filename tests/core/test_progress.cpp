@@ -2,6 +2,7 @@
 // the end; the human formats of sizes and durations. The safetensors writer moves a line by the bytes written.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <thread>
 #include <vector>
@@ -83,6 +84,29 @@ TEST(Progress, TheSafetensorsWriterMovesItByTheBytesWritten) {
   ProgressLine line("writing", 4096, ProgressLine::Unit::Bytes, nullptr);
   w.write(tmp / "x.safetensors", &line);
   EXPECT_EQ(line.done(), 4096.0);
+}
+
+// The trainer's ETA counts the validations and checkpoints still to come.
+TEST(Progress, PeriodicEventsLeft) {
+  EXPECT_EQ(periodic_events_left(0, 100, 25), 4);   // 25, 50, 75 and the end (100)
+  EXPECT_EQ(periodic_events_left(25, 100, 25), 3);  // 50, 75, 100
+  EXPECT_EQ(periodic_events_left(99, 100, 25), 1);  // the end
+  EXPECT_EQ(periodic_events_left(10, 100, 0), 1);   // the end only
+  EXPECT_EQ(periodic_events_left(100, 100, 25), 0);
+  EXPECT_EQ(periodic_events_left(0, 101, 25), 5);   // 25, 50, 75, 100, 101
+}
+
+TEST(Progress, TrainingEtaCountsValidationsAndCheckpoints) {
+  TrainingEta eta(/*micro_batches_per_step=*/2, /*batches_per_validation=*/12);
+  EXPECT_TRUE(std::isnan(eta.seconds_left(10, 1, 1)));  // nothing measured yet
+  eta.step_done(1.0);
+  eta.step_done(3.0);  // mean 2 s
+  // No validation measured: 12 forward-only batches at a third of a micro-batch's 1 s each.
+  EXPECT_DOUBLE_EQ(eta.seconds_left(10, 2, 3), 10 * 2.0 + 2 * 4.0);
+  eta.validation_done(7.0);
+  eta.checkpoint_done(5.0);
+  EXPECT_DOUBLE_EQ(eta.seconds_left(10, 2, 3), 10 * 2.0 + 2 * 7.0 + 3 * 5.0);
+  EXPECT_DOUBLE_EQ(eta.seconds_left(0, 0, 0), 0.0);
 }
 
 }  // namespace

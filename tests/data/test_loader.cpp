@@ -346,6 +346,34 @@ TEST(Loader, ShardSpecs) {
   expect_error([&] { expand_shard_paths({dir.file("missing.bin")}); }, {"missing.bin", "does not exist"});
 }
 
+// A prepare output directory holds both splits: given for one role, it gives that role's shards only.
+TEST(Loader, DirectorySelectsTheSplitOfItsRole) {
+  TempDir dir;
+  make_shard(dir, "train-r00001-00000.bin", 1, 30);
+  make_shard(dir, "train-r00000-00000.bin", 0, 30);
+  make_shard(dir, "val-00000.bin", 2, 30);
+  EXPECT_EQ(expand_shard_paths({dir.path().string()}, ShardRole::Train),
+            (std::vector<std::string>{dir.file("train-r00000-00000.bin"), dir.file("train-r00001-00000.bin")}));
+  EXPECT_EQ(expand_shard_paths({dir.path().string()}, ShardRole::Val),
+            (std::vector<std::string>{dir.file("val-00000.bin")}));
+  // Files and globs are taken as given, whatever the role.
+  EXPECT_EQ(expand_shard_paths({dir.file("train-r00000-00000.bin")}, ShardRole::Val),
+            (std::vector<std::string>{dir.file("train-r00000-00000.bin")}));
+
+  // A directory with one split only: the other role is refused, naming what is missing.
+  TempDir train_only;
+  make_shard(train_only, "train-00000.bin", 0, 30);
+  expect_error([&] { expand_shard_paths({train_only.path().string()}, ShardRole::Val); },
+               {train_only.path().string(), "no val-*.bin", "validation"});
+
+  // Shards not named by split: a directory gives all of them for any role.
+  TempDir own;
+  make_shard(own, "b.bin", 0, 30);
+  make_shard(own, "a.bin", 1, 30);
+  EXPECT_EQ(expand_shard_paths({own.path().string()}, ShardRole::Val),
+            (std::vector<std::string>{own.file("a.bin"), own.file("b.bin")}));
+}
+
 TEST(Loader, EvalVisitsEveryWindowOnceInOrder) {
   Corpus c;
   std::vector<int32_t> starts;

@@ -20,7 +20,8 @@ inline float value(int r, int64_t i) { return static_cast<float>(r * 1000 + i % 
 
 inline void all_reduce_sum_and_max_every_type(Comm& w) {
   const int P = w.size();
-  for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(1001)}) {
+  // 2^20 + 1001: past the MPI backend's chunk (kMpiChunkBytes: two f32 chunks, three f64 ones).
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(1001), (int64_t(1) << 20) + 1001}) {
     std::vector<float> f(n);
     std::vector<double> d(n);
     std::vector<int64_t> k(n);
@@ -51,7 +52,7 @@ inline void all_reduce_sum_and_max_every_type(Comm& w) {
 
 inline void reduce_scatter_and_all_gather_on_uneven_sizes(Comm& w) {
   const int P = w.size();
-  for (int64_t n : {int64_t(0), int64_t(1), int64_t(P - 1), int64_t(P + 1), int64_t(1003)}) {
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(P - 1), int64_t(P + 1), int64_t(1003), (int64_t(1) << 20) + 1003}) {
     std::vector<float> full(n);
     for (int64_t i = 0; i < n; i++) full[i] = value(w.rank(), i);
     const Range mine = shard_range(n, w.rank(), P);

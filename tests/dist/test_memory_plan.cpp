@@ -5,9 +5,9 @@
 //     which the trainer prints at the end) is within 5% of the plan's, for an 11.7M-parameter model (190 MB of
 //     training state at one rank) trained from scratch for two steps and checkpointed.
 // A fresh run meets every transient of the plan, so its peak is the total plus the largest of them (start-up, or
-// MPI's copy of the gradient at ZeRO-0 on 4 ranks). The checkpoint plans none: the engine streams its own state
-// into the files a piece at a time, so a whole-shard copy coming back would show here as a measured peak above
-// the plan. A resumed run (its files mapped, each piece's pages released once read) is not compared here.
+// MPI's scratch for one chunk of a collective). The checkpoint plans none: the engine streams its own state into
+// the files a piece at a time, so a whole-shard copy coming back would show here as a measured peak above the
+// plan. A resumed run (its files mapped, each piece's pages released once read) is not compared here.
 #include <gtest/gtest.h>
 
 #include <cstdio>

@@ -1,4 +1,4 @@
-// ZeRO-3's memory at 4 ranks (the test itself is tests/mpi/test_zero.cpp); its training runs against the
+// ZeRO-1, -2 and -3's memory at 4 ranks (the test itself is tests/mpi/test_zero.cpp); its training runs against the
 // single rank are in test_train_dist.cpp.
 #include <gtest/gtest.h>
 
@@ -15,7 +15,7 @@ using testing_util::TempDir;
 
 const std::string kMpiTests = testing_util::build_dir() + "/mpi_tests";
 
-TEST(DistZero, Stage3MemoryAtFourRanks) {
+TEST(DistZero, MemoryOfEachStageAtFourRanks) {
   TempDir tmp("zero_mem");
   auto r = run_command(mpirun(4) + kMpiTests + " --gtest_filter='Zero.*'", tmp / "log");
   EXPECT_EQ(r.exit_code, 0) << r.output;

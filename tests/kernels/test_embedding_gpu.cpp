@@ -9,11 +9,8 @@
 namespace tuna::test {
 namespace {
 
-TEST(EmbeddingGpu, ForwardCopiesRowsExactly) {
-  TUNA_REQUIRE_GPU();
-  TestRng rng;
-  SCOPED_TRACE(rng.describe());
-  const int64_t vocab = 301, dim = 200, n = 1000 + rng.integer(0, 37);
+void check_forward(TestRng& rng, int64_t vocab, int64_t dim, int64_t n) {
+  SCOPED_TRACE("dim " + std::to_string(dim));
   std::vector<float> table = random_bf16_values(rng, vocab * dim);
   std::vector<int32_t> tokens(n);
   for (auto& t : tokens) t = static_cast<int32_t>(rng.integer(0, vocab - 1));
@@ -60,11 +57,9 @@ TEST(EmbeddingGpu, VocabSlicesLookUpAndAccumulateTheirRows) {
   }
 }
 
-TEST(EmbeddingGpu, BackwardAccumulatesDeterministically) {
-  TUNA_REQUIRE_GPU();
-  TestRng rng;
-  SCOPED_TRACE(rng.describe());
-  const int64_t vocab = 97, dim = 136, n = 2048 + rng.integer(0, 100);
+// Token 5 is a tenth of the batch: a group much longer than the kernel's batches of positions.
+void check_backward(TestRng& rng, int64_t vocab, int64_t dim, int64_t n) {
+  SCOPED_TRACE("dim " + std::to_string(dim));
   std::vector<float> dout = random_bf16_values(rng, n * dim);
   std::vector<int32_t> tokens(n);
   for (auto& t : tokens) t = static_cast<int32_t>(rng.integer(0, 9) == 0 ? 5 : rng.integer(0, vocab - 1));
@@ -90,6 +85,22 @@ TEST(EmbeddingGpu, BackwardAccumulatesDeterministically) {
       EXPECT_TRUE(bitwise_equal(first, got)) << "embedding_bwd is not deterministic";
     }
   }
+}
+
+TEST(EmbeddingGpu, ForwardCopiesRowsExactly) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check_forward(rng, 301, 200, 1000 + rng.integer(0, 37));
+  check_forward(rng, 13, 16384, 5 + rng.integer(0, 6));  // LLaMA-3 405B's width, a row of vectors per thread
+}
+
+TEST(EmbeddingGpu, BackwardAccumulatesDeterministically) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check_backward(rng, 97, 136, 2048 + rng.integer(0, 100));
+  check_backward(rng, 7, 16384, 41 + rng.integer(0, 6));
 }
 
 TEST(EmbeddingGpu, GroupsRejectOutOfRangeTokens) {

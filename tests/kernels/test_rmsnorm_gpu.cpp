@@ -7,11 +7,9 @@
 namespace tuna::test {
 namespace {
 
-TEST(RmsNormGpu, ForwardWithAndWithoutResidualAdd) {
-  TUNA_REQUIRE_GPU();
-  TestRng rng;
-  SCOPED_TRACE(rng.describe());
-  const int64_t n = 300 + rng.integer(0, 50), dim = 8 * rng.integer(20, 300);  // not a multiple of 256
+// Forward against the twin on fresh inputs, plain and with the fused residual add.
+void check_forward(TestRng& rng, int64_t n, int64_t dim) {
+  SCOPED_TRACE("n " + std::to_string(n) + ", dim " + std::to_string(dim));
   const double eps = 1e-5;
   std::vector<float> inp = random_bf16_values(rng, n * dim, -2, 2), delta = random_bf16_values(rng, n * dim);
   std::vector<float> weight = random_bf16_values(rng, dim, 0.5, 1.5);
@@ -40,9 +38,10 @@ TEST(RmsNormGpu, ForwardWithAndWithoutResidualAdd) {
   }
 }
 
-// The backward at (n, dim) against the CPU twin, and run twice for determinism.
+// Backward against the twin (dinp and dweight accumulate onto random values), and bit for bit the same
+// when run again.
 void check_backward(TestRng& rng, int64_t n, int64_t dim) {
-  SCOPED_TRACE("dim " + std::to_string(dim));
+  SCOPED_TRACE("n " + std::to_string(n) + ", dim " + std::to_string(dim));
   std::vector<float> inp = random_bf16_values(rng, n * dim, -2, 2), dout = random_bf16_values(rng, n * dim);
   std::vector<float> weight = random_bf16_values(rng, dim, 0.5, 1.5), dinp0 = random_bf16_values(rng, n * dim);
   std::vector<float> dweight0 = rng.vector<float>(dim);
@@ -87,6 +86,13 @@ void check_backward(TestRng& rng, int64_t n, int64_t dim) {
   }
 }
 
+TEST(RmsNormGpu, ForwardWithAndWithoutResidualAdd) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check_forward(rng, 300 + rng.integer(0, 50), 8 * rng.integer(20, 300));  // dim not a multiple of 256
+}
+
 TEST(RmsNormGpu, BackwardAccumulatesAndIsDeterministic) {
   TUNA_REQUIRE_GPU();
   TestRng rng;
@@ -94,12 +100,27 @@ TEST(RmsNormGpu, BackwardAccumulatesAndIsDeterministic) {
   check_backward(rng, 200 + rng.integer(0, 100), 8 * rng.integer(20, 500));
 }
 
-// Widths past 8192, where the backward takes a wider block: LLaMA 405B's 16384 and one that is not a power of 2.
-TEST(RmsNormGpu, BackwardOfWideRows) {
+// The model dims (LLaMA 1B/8B/70B hidden 2048/4096/8192, 405B's 16384) and one just off a block shape, on few
+// rows: odd counts that end inside a forward block, a backward batch of two rows and a dweight slab.
+TEST(RmsNormGpu, ModelDimsUpTo16384WithOddRowCounts) {
   TUNA_REQUIRE_GPU();
   TestRng rng;
   SCOPED_TRACE(rng.describe());
-  for (int64_t dim : {int64_t(16384), int64_t(12296), int64_t(8192 + 8)}) check_backward(rng, 20 + rng.integer(0, 10), dim);
+  for (int64_t dim : {int64_t(2048), int64_t(4096 + 8), int64_t(8192), int64_t(16384)}) {
+    const int64_t n = 2 * rng.integer(0, 8) + 33;  // odd, past one 32-row slab
+    check_forward(rng, n, dim);
+    check_backward(rng, n, dim);
+  }
+  check_backward(rng, 1, 16384);
+  check_backward(rng, 20 + rng.integer(0, 10), 12296);  // past 8192, not a power of 2
+}
+
+TEST(RmsNormGpu, RefusesDimsBeyondTheSupported) {
+  // Refused by the launchers before any device work, so this runs without a GPU too.
+  EXPECT_THROW(cuda::rmsnorm_fwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 16384 + 8, 1e-5, nullptr),
+               Error);
+  EXPECT_THROW(cuda::rmsnorm_bwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 16384 + 8, nullptr),
+               Error);
 }
 
 }  // namespace

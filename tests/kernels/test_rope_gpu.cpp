@@ -11,8 +11,10 @@ TEST(RopeGpu, ForwardAndBackwardInPlaceWithLlama3Scaling) {
   TUNA_REQUIRE_GPU();
   TestRng rng;
   SCOPED_TRACE(rng.describe());
-  for (int64_t head_dim : {8, 64, 128}) {
-    const int64_t batch = 2, seq = 300 + rng.integer(0, 33), heads = 3;
+  // 3 heads: not a multiple of the heads a thread rotates together (4); 8: LLaMA's kv heads.
+  for (auto [head_dim, heads] : {std::pair<int64_t, int64_t>{8, 3}, {64, 3}, {128, 3}, {128, 8}}) {
+    SCOPED_TRACE("head_dim " + std::to_string(head_dim) + ", heads " + std::to_string(heads));
+    const int64_t batch = 2, seq = 300 + rng.integer(0, 33);
     cpu::RopeScaling scaling;
     scaling.type = "llama3", scaling.factor = 32, scaling.low_freq_factor = 1, scaling.high_freq_factor = 4;
     scaling.original_max_position_embeddings = 128;

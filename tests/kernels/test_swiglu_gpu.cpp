@@ -7,11 +7,8 @@
 namespace tuna::test {
 namespace {
 
-TEST(SwigluGpu, ForwardAndBackward) {
-  TUNA_REQUIRE_GPU();
-  TestRng rng;
-  SCOPED_TRACE(rng.describe());
-  const int64_t n = 100003 + rng.integer(0, 6);
+void check_swiglu(TestRng& rng, int64_t n) {
+  SCOPED_TRACE("n " + std::to_string(n));
   std::vector<float> gate = random_bf16_values(rng, n, -6, 6), up = random_bf16_values(rng, n, -2, 2),
                      dout = random_bf16_values(rng, n);
   DeviceBf16 d_gate(gate), d_up(up), d_dout(dout), d_out(n), d_dgate(n), d_dup(n);
@@ -27,6 +24,17 @@ TEST(SwigluGpu, ForwardAndBackward) {
   expect_close_to_naive("swiglu out", d_out.values(), n_out, out);
   expect_close_to_naive("swiglu dgate", d_dgate.values(), n_dg, dg);
   expect_close_to_naive("swiglu dup", d_dup.values(), n_du, du);
+}
+
+TEST(SwigluGpu, ForwardAndBackward) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check_swiglu(rng, 100003 + rng.integer(0, 6));
+  // Three rows of LLaMA-2/3 70B's ffn width (28672), and sizes below one vector and one block of vectors.
+  check_swiglu(rng, 3 * 28672);
+  check_swiglu(rng, 5);
+  check_swiglu(rng, 8 * 1000 + 3);
 }
 
 }  // namespace

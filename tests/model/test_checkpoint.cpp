@@ -42,6 +42,35 @@ struct TrainedState {
   }
 };
 
+// ckpt/latest follows every save (a symlink, replaced atomically), and resolve_checkpoint gives the same step
+// directory with or without the link (a filesystem without symlinks); "latest" with no checkpoint is an error.
+TEST(Checkpoint, LatestNamesTheNewestCheckpoint) {
+  TempDir tmp("ckpt_latest");
+  LlamaConfig cfg = tiny();
+  Llama model(cfg, 1, 4);
+  model.init_random(3);
+  nlohmann::json config_json = cfg.to_json();
+  const std::string latest = (tmp / "latest").string();
+  EXPECT_NE(error_of([&] { resolve_checkpoint(latest); }).find("no complete checkpoint"), std::string::npos);
+  for (int64_t step : {5, 10}) {
+    CheckpointContents c{&config_json, model.params.data(), {}, {{"train_config", {{"seq_len", 64}}}}, {}};
+    save_checkpoint(tmp.path, step, model.layout(), c, /*keep_last=*/1);
+    ASSERT_TRUE(fs::is_symlink(tmp / "latest"));
+    EXPECT_EQ(fs::read_symlink(tmp / "latest"), fs::path(step == 5 ? "step_00000005" : "step_00000010"));
+    EXPECT_EQ(resolve_checkpoint(latest), tmp / (step == 5 ? "step_00000005" : "step_00000010"));
+  }
+  EXPECT_TRUE(fs::exists(tmp / "latest" / "model.safetensors"));  // any tool can open it
+  fs::remove(tmp / "latest");
+  EXPECT_EQ(resolve_checkpoint(latest), tmp / "step_00000010");
+  // Other paths are what they say; a training checkpoint knows its seq_len, a model directory does not.
+  EXPECT_EQ(resolve_checkpoint("tests/fixtures/llama32_tiny"), fs::path("tests/fixtures/llama32_tiny"));
+  EXPECT_EQ(training_seq_len(tmp / "step_00000010"), std::optional<int64_t>(64));
+  EXPECT_EQ(training_seq_len("tests/fixtures/llama32_tiny"), std::nullopt);
+  // 12 bytes per parameter (weights and two moments in fp32) and a little more.
+  EXPECT_GE(checkpoint_bytes(cfg.n_params(), std::vector<TokenizerFile>{}), 12 * cfg.n_params());
+  EXPECT_LE(checkpoint_bytes(cfg.n_params(), std::vector<TokenizerFile>{}), 12 * cfg.n_params() + (int64_t(2) << 20));
+}
+
 TEST(Checkpoint, SavesLoadsAndKeepsTheNewest) {
   TempDir tmp("ckpt");
   TrainedState state;

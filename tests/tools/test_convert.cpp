@@ -11,6 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer.h"
+#include "model/config.h"
+#include "model/layout.h"
+#include "model/llama.h"  // init_random_weights
 #include "model/safetensors.h"
 #include "tests/test_util.h"
 
@@ -86,6 +89,24 @@ TEST_P(ConvertRoundTrip, TransformersLoadsTheExport) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ConvertRoundTrip, testing::Values("llama2_tiny", "llama32_tiny"));
 
+// A Hugging Face model directory of llama2_tiny's width with one layer, `vocab` tokens and the given BOS/EOS ids,
+// its fp32 weights drawn at random: a model whose vocabulary holds a real tokenizer's special ids (the llama3
+// tokenizer's 128000/128001 need 128256 rows), which the config check requires.
+void write_model_with_vocab(const fs::path& dir, int64_t vocab, int bos_id, int eos_id) {
+  auto config_json = nlohmann::json::parse(read_file("tests/fixtures/llama2_tiny/config.json"));
+  config_json["vocab_size"] = vocab, config_json["num_hidden_layers"] = 1;
+  config_json["bos_token_id"] = bos_id, config_json["eos_token_id"] = eos_id;
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << config_json.dump();
+  const LlamaConfig config = LlamaConfig::from_json(config_json, (dir / "config.json").string());
+  const ParamLayout layout(config);
+  std::vector<float> weights(layout.total());
+  init_random_weights(layout, 7, 0.02, weights.data());
+  SafetensorsWriter w;
+  for (const ParamTensor& t : layout.tensors()) w.add(t.name, DType::F32, t.global_shape, weights.data() + t.offset);
+  w.write(dir / "model.safetensors");
+}
+
 // The export carries the checkpoint's tokenizer and writes what transformers' AutoTokenizer needs beside it
 // (tokenizer_config.json, special_tokens_map.json, generation_config.json), keeping the model's own files;
 // where transformers is installed, AutoTokenizer loads the export and gives tuna's ids.
@@ -103,11 +124,9 @@ TEST(Convert, ExportCarriesWhatAutoTokenizerNeeds) {
                         Case{"llama3/tokenizer.json.zst", "PreTrainedTokenizerFast", "<|begin_of_text|>", "<|end_of_text|>",
                              128000, 128001, "transformers"}}) {
     const fs::path ckpt = tmp / ("tuna-" + c.expected_class), out = tmp / ("hf-" + c.expected_class);
-    fs::create_directories(ckpt);
-    for (const auto& e : fs::directory_iterator(tmp / "tuna")) fs::copy_file(e.path(), ckpt / e.path().filename());
-    auto model_config = nlohmann::json::parse(read_file(ckpt / "config.json"));
-    model_config["bos_token_id"] = c.bos_id, model_config["eos_token_id"] = c.eos_id;
-    std::ofstream(ckpt / "config.json") << model_config.dump();
+    write_model_with_vocab(tmp / ("model-" + c.expected_class), std::max(128, c.eos_id + 1), c.bos_id, c.eos_id);
+    ASSERT_EQ(run_command(kConvert + " hf-to-tuna " + (tmp / ("model-" + c.expected_class)).string() + " " + ckpt.string(),
+                          tmp / "l1b").exit_code, 0);
     const std::string source = "tests/fixtures/tokenizers/" + c.tokenizer_file;
     if (source.ends_with(".zst"))
       ASSERT_EQ(std::system(("zstd -dq --long=27 " + source + " -o " + (ckpt / "tokenizer.json").string()).c_str()), 0);
@@ -225,6 +244,41 @@ TEST(Convert, RefusesNonFiniteWeightsAndDamagedCheckpoints) {
   EXPECT_NE(r.output.find("fails verification, nothing exported"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("model.safetensors: checksum"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(tmp / "export"));
+}
+
+// An existing model directory is replaced only with --overwrite (and then wholly: no stale shard stays);
+// a directory holding anything else is never deleted; CKPT_DIR may be runs/X/ckpt/latest.
+TEST(Convert, OverwritesOnlyWhenAskedAndReadsLatest) {
+  TempDir tmp("overwrite");
+  const std::string hf = "tests/fixtures/llama2_tiny", tuna = (tmp / "ckpt" / "step_00000007").string();
+  const std::string out = (tmp / "out").string();
+  ASSERT_EQ(run_command(kConvert + " hf-to-tuna " + hf + " " + tuna, tmp / "l1").exit_code, 0);
+  auto r = run_command(kConvert + " hf-to-tuna " + hf + " " + tuna, tmp / "l2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find(tuna + ": already holds a model (config.json): --overwrite to replace it"), std::string::npos)
+      << r.output;
+
+  // ckpt/latest without a symlink (written by build/convert, not the trainer): the newest step directory.
+  r = run_command(kConvert + " tuna-to-hf " + (tmp / "ckpt" / "latest").string() + " " + out, tmp / "l3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("step_00000007 -> "), std::string::npos) << r.output;
+  r = run_command(kConvert + " tuna-to-hf " + tuna + " " + out + " --max-shard-bytes 20000", tmp / "l4");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("--overwrite"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(fs::path(out) / "model.safetensors"));  // untouched
+  r = run_command(kConvert + " tuna-to-hf " + tuna + " " + out + " --max-shard-bytes 20000 --overwrite", tmp / "l5");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(fs::path(out) / "model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(fs::path(out) / "model.safetensors"));  // the earlier export's file went with it
+  expect_same_tensors(hf, out);
+
+  // Not a model directory: refused even with --overwrite, and nothing in it is touched.
+  fs::create_directories(tmp / "notes");
+  std::ofstream(tmp / "notes" / "todo.txt") << "keep me\n";
+  r = run_command(kConvert + " tuna-to-hf " + tuna + " " + (tmp / "notes").string() + " --overwrite", tmp / "l6");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("not a model directory (no config.json)"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(tmp / "notes" / "todo.txt"));
 }
 
 }  // namespace

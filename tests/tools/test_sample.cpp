@@ -16,12 +16,14 @@ using testing_util::TempDir;
 
 const std::string kBuild = testing_util::build_dir();
 
-// The generated text: the output without the closing timing line ("N tokens in T s: ... tokens/s ...").
+// The generated text: the output without the loading line (stderr, first) and the closing timing line
+// ("N tokens in T s: ... tokens/s ...").
 std::string generated_text(const std::string& output) {
+  const size_t begin = output.rfind("sample: loading ", 0) == 0 ? output.find('\n') + 1 : 0;  // stderr's first line
   const size_t stats = output.rfind(" tokens in ");
-  if (stats == std::string::npos) return output;
+  if (stats == std::string::npos) return output.substr(begin);
   const size_t line = output.rfind('\n', stats);
-  return output.substr(0, line == std::string::npos ? 0 : line + 1);
+  return output.substr(begin, line == std::string::npos || line < begin ? 0 : line + 1 - begin);
 }
 
 // A demo-sized model (vocab 1024) after one training step, with a 1024-piece tokenizer in its checkpoint.
@@ -48,8 +50,7 @@ class SampleTest : public ::testing::Test {
     dir_ = nullptr;
   }
   static std::string sample(const std::string& flags) {
-    return kBuild + "/sample --checkpoint " + (dir_->path / "run" / "ckpt" / "step_00000001").string() +
-           " --threads 2 " + flags;
+    return kBuild + "/sample --checkpoint " + (dir_->path / "run" / "ckpt" / "latest").string() + " --threads 2 " + flags;
   }
   static TempDir* dir_;
 };
@@ -61,7 +62,8 @@ TEST_F(SampleTest, GreedyIsDeterministicAndSamplingFollowsTheSeed) {
   auto b = run_command(sample(prompt + " --greedy"), dir_->path / "b.log");
   ASSERT_EQ(a.exit_code, 0) << a.output;
   EXPECT_EQ(generated_text(a.output), generated_text(b.output));
-  EXPECT_EQ(a.output.rfind("This License", 0), 0u) << a.output;  // the prompt, then its continuation
+  EXPECT_EQ(a.output.rfind("sample: loading ", 0), 0u) << a.output;  // on stderr, before any work
+  EXPECT_EQ(generated_text(a.output).rfind("This License", 0), 0u) << a.output;  // the prompt, then its continuation
   EXPECT_GT(generated_text(a.output).size(), std::string("This License\n").size()) << a.output;
   EXPECT_NE(a.output.find("tokens/s (cpu, KV cache)"), std::string::npos) << a.output;
 
@@ -81,6 +83,23 @@ TEST_F(SampleTest, TheKvCacheGivesTheWholeContextsText) {
     EXPECT_EQ(generated_text(cached.output), generated_text(whole.output)) << mode;
     EXPECT_NE(whole.output.find("no KV cache"), std::string::npos) << whole.output;
   }
+}
+
+// The context is the checkpoint's training seq_len (16 here) unless asked otherwise, and never more than
+// max_position_embeddings; flags take dashes as well as underscores.
+TEST_F(SampleTest, ContextIsTheTrainingSeqLen) {
+  auto r = run_command(sample("--prompt 'This License' --max-tokens 40 --stop-at-eos false --greedy --device cpu"),
+                       dir_->path / "c1.log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("context up to 16"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("stopped at the context limit of 16 tokens"), std::string::npos) << r.output;
+  r = run_command(sample("--prompt 'This License' --max-tokens 40 --seq-len 24 --greedy --device cpu"), dir_->path / "c2.log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("context up to 24"), std::string::npos) << r.output;
+  r = run_command(sample("--prompt x --seq_len 4096 --device cpu"), dir_->path / "c3.log");  // demo: 1024 positions
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("4096 tokens is more than the model's max_position_embeddings 1024"), std::string::npos)
+      << r.output;
 }
 
 TEST_F(SampleTest, BadRequestsFailClearly) {

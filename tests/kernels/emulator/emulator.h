@@ -97,6 +97,11 @@ inline uint32_t __float_as_uint(float f) {
   std::memcpy(&bits, &f, 4);
   return bits;
 }
+inline float __uint_as_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return {bits}; }
 template <typename T>
 T __ldcs(const T* p) {

@@ -67,6 +67,7 @@ enum cudaDeviceAttr {
   cudaDevAttrMultiProcessorCount = 16,
   cudaDevAttrComputeCapabilityMajor = 75,
   cudaDevAttrComputeCapabilityMinor = 76,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
 };
 
 struct CUstream_st {
@@ -256,6 +257,9 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, 
     case cudaDevAttrMultiProcessorCount: *value = prop.multiProcessorCount; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMajor: *value = prop.major; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = prop.minor; return cudaSuccess;
+    // What a launch may ask for here: ptx.h holds launches to sm_80's limit, so that kernels sized by this
+    // attribute run on both targets.
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = tuna::emulator::kMaxDynamicSharedBytes; return cudaSuccess;
   }
   return tuna::emulator::record(cudaErrorInvalidValue);
 }

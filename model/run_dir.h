@@ -1,0 +1,87 @@
+// The run directory of build/train (--out_dir): metrics.jsonl and ckpt/. What a new run, a resume and an
+// overwrite do with what an earlier run left there, so that no run silently starts over, overwrites another
+// run's checkpoints or mixes its log rows with another's; and the checks, at start, that the directory can
+// take the run's checkpoints (so a full disk is found before the first hours of training, not at the first
+// checkpoint).
+//
+//   out_dir/metrics.jsonl                              one JSON object per line, each with its "step"
+//   out_dir/metrics.before_resume_step_NNNNNNNN.jsonl  the rows a resume dropped (the killed segment's)
+//   out_dir/ckpt/step_NNNNNNNN/ ... and ckpt/latest    (model/checkpoint.h)
+//
+// An "earlier run" is what build/train writes: a non-empty metrics.jsonl or anything under ckpt/. Other files
+// in out_dir (a run.toml, the prepared data) are not a run and are never touched.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+
+namespace tuna {
+
+// --resume: false (a new run), true (continue; fail when there is nothing to continue), auto (continue when
+// there is a checkpoint, else a new run: what a job script that is requeued after preemption wants).
+enum class ResumeMode { Never, Required, Auto };
+ResumeMode parse_resume_mode(const std::string& text);  // "false" | "true" | "auto"
+
+// What an earlier run left in out_dir.
+struct PreviousRun {
+  int64_t metrics_rows = 0;     // lines of metrics.jsonl
+  int64_t checkpoints = 0;      // complete step_* directories under ckpt/
+  int64_t newest_step = -1;     // the newest of them; -1: none
+  bool ckpt_has_files = false;  // anything under ckpt/ (an unfinished .tmp-step_* counts)
+  bool any() const { return metrics_rows > 0 || ckpt_has_files; }
+  std::string describe() const;  // "metrics.jsonl with 104 rows, 2 checkpoints up to step 80"
+};
+PreviousRun inspect_run_dir(const std::filesystem::path& out_dir);
+
+// The checkpoint this run continues from, or none: a new run. Fails with what to do instead when out_dir holds
+// an earlier run and neither --resume nor --overwrite was given, when --resume (true) finds no complete
+// checkpoint, and when --overwrite is given with --resume. Only reads, so every rank can call it.
+std::optional<std::filesystem::path> choose_resume_checkpoint(const std::filesystem::path& out_dir, ResumeMode mode,
+                                                              bool overwrite);
+
+// --overwrite (rank 0): deletes what an earlier run wrote (ckpt/, metrics.jsonl and its resume backups);
+// returns what was there.
+PreviousRun remove_previous_run(const std::filesystem::path& out_dir);
+
+// On resume (rank 0): metrics.jsonl keeps the rows of steps up to the resumed step (all of them, validation
+// rows included, when resumed_step > 0; none for a new start at step 0, which logs step 0 again) and drops the
+// rest (the rows the killed segment logged after its last checkpoint, and a torn last line). Dropped rows
+// are kept in metrics.before_resume_step_NNNNNNNN.jsonl beside it (the whole file before truncation); the new
+// file replaces the old by rename, so a crash leaves one or the other whole.
+struct MetricsTruncation {
+  int64_t kept = 0, dropped = 0;
+  std::filesystem::path backup;  // empty when nothing was dropped
+};
+MetricsTruncation truncate_metrics(const std::filesystem::path& metrics_path, int64_t resumed_step);
+
+// metrics.jsonl as the trainer appends to it: one line per record, flushed, and a failed write (disk full,
+// a vanished mount) is an error naming the file instead of a log that silently stops. Closed (on ranks other
+// than 0), write() does nothing.
+class MetricsLog {
+ public:
+  MetricsLog() = default;
+  void open(const std::filesystem::path& path);  // appends
+  void write(const nlohmann::json& record);
+
+ private:
+  std::filesystem::path path_;
+  std::ofstream out_;
+};
+
+// How many checkpoints a run from first_step to last_step writes: one every ckpt_every steps (0: none) before
+// last_step, and one at the end (a resumed run that has nothing left to do writes none).
+int64_t checkpoints_to_write(int64_t first_step, int64_t last_step, int64_t ckpt_every, bool resumed);
+
+// At start (rank 0): proves ckpt_root writable (a probe file written, fsynced and removed) and checks its
+// filesystem's free space against the checkpoints this run will have on disk at once: `to_write` more of
+// `checkpoint_bytes` each, the oldest pruned beyond keep_last (0 keeps all) after each is written. Fails
+// when not even one checkpoint fits; returns a warning (empty: none) when the first fits but the peak does not.
+std::string check_checkpoint_space(const std::filesystem::path& ckpt_root, int64_t checkpoint_bytes,
+                                   int64_t to_write, int64_t keep_last);
+
+}  // namespace tuna
