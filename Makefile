@@ -78,7 +78,7 @@ emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1
 # The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
 EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
                           $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu)) $(EMULATED_LIB_SRCS))
-EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp \
+EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp $(wildcard $(EMULATOR_DIR)/test_*.cpp) \
                    $(filter-out tests/kernels/test_matmul_gpu.cpp,$(wildcard tests/kernels/*_gpu.cpp)) \
                    $(wildcard tests/model/*_gpu.cpp)) $(EMULATED_DEVICE_OBJS)
 # The rest of the library that the tests reach is plain C++, the same in every build: its own objects. (A

@@ -1,7 +1,9 @@
 // Attention forward and backward TFLOP/s, causal, head_dim 128 (and 64), seq 2k/4k/8k, LLaMA-3-8B heads
-// (32 query, 8 kv), 16k tokens per launch. FLOPs by the FlashAttention convention: forward 4 * b * h * s^2/2
-// * d (QK^T and PV over the causal half), backward 2.5x the forward (5 products), whatever a kernel actually
-// recomputes (ours recomputes 2 extra products in the dQ pass: deterministic dQ). The `of_peak` counter is the
+// (32 query, 8 kv), 16k tokens per launch, for both paths of attention.cuh: mma (FlashAttention-2 style) and
+// hopper (FlashAttention-3 style, sm_90a; skipped with an error row on other devices). scripts/gpu-check.sh
+// prints the two side by side. FLOPs by the FlashAttention convention: forward 4 * b * h * s^2/2 * d (QK^T and
+// PV over the causal half), backward 2.5x the forward (5 products), whatever a kernel actually recomputes (the
+// mma path recomputes 2 extra products in its dQ pass; the hopper path none). The `of_peak` counter is the
 // fraction of the device's dense bf16 peak (gpu_peak_bf16_flops; TUNA_PEAK_TFLOPS overrides).
 #include "bench/gpu_bench_util.h"
 #include "kernels/attention.cuh"
@@ -14,41 +16,45 @@ constexpr int64_t kTokens = 16384, kHeads = 32, kKvHeads = 8;
 void BM_Attention(benchmark::State& state) {
   const int64_t seq = state.range(0), head_dim = state.range(1);
   const bool backward = state.range(2) != 0;
+  const AttentionPath path = state.range(3) != 0 ? AttentionPath::kHopper : AttentionPath::kMma;
+  if (path == AttentionPath::kHopper && !cuda::attention_hopper_available()) {
+    state.SkipWithError("the hopper path needs an sm_90 device and sm_90a code");
+    return;
+  }
   const int64_t batch = std::max<int64_t>(1, kTokens / seq);
   const int64_t q_count = batch * seq * kHeads * head_dim, kv_count = batch * seq * kKvHeads * head_dim;
   DeviceMemory q(q_count * 2), k(kv_count * 2), v(kv_count * 2), out(q_count * 2), dout(q_count * 2),
       dq(q_count * 2), dk(kv_count * 2), dv(kv_count * 2), lse(batch * kHeads * seq * 4),
-      scratch(cuda::attention_bwd_scratch_floats(batch, seq, kHeads) * 4);
+      scratch(cuda::attention_bwd_scratch_floats(batch, seq, kHeads, head_dim, path) * 4);
   fill_random_bf16(q.as<__nv_bfloat16>(), q_count, 1);
   fill_random_bf16(k.as<__nv_bfloat16>(), kv_count, 2);
   fill_random_bf16(v.as<__nv_bfloat16>(), kv_count, 3);
   fill_random_bf16(dout.as<__nv_bfloat16>(), q_count, 4);
   cudaStream_t stream = nullptr;
   cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
-                      v.as<__nv_bfloat16>(), batch, seq, kHeads, kKvHeads, head_dim, stream);
+                      v.as<__nv_bfloat16>(), batch, seq, kHeads, kKvHeads, head_dim, stream, path);
   run_timed(state, stream, [&] {
     if (!backward)
       cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
-                          v.as<__nv_bfloat16>(), batch, seq, kHeads, kKvHeads, head_dim, stream);
+                          v.as<__nv_bfloat16>(), batch, seq, kHeads, kKvHeads, head_dim, stream, path);
     else
       cuda::attention_bwd(dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
                           dout.as<__nv_bfloat16>(), out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(),
                           k.as<__nv_bfloat16>(), v.as<__nv_bfloat16>(), scratch.as<float>(), batch, seq, kHeads,
-                          kKvHeads, head_dim, stream);
+                          kKvHeads, head_dim, stream, path);
   });
   const double fwd_flops = 4.0 * batch * kHeads * double(seq) * double(seq) / 2.0 * head_dim;
   const double flops = backward ? 2.5 * fwd_flops : fwd_flops;
   state.counters["TFLOP/s"] = rate(flops / 1e12);
   state.counters["of_peak"] = rate(flops / gpu_peak_bf16_flops());
   state.SetLabel(std::string(backward ? "bwd" : "fwd") + " causal hd" + std::to_string(head_dim) + " seq " +
-                 std::to_string(seq) + " batch " + std::to_string(batch));
+                 std::to_string(seq) + " batch " + std::to_string(batch) + " " + cuda::attention_path_name(path));
 }
 
 BENCHMARK(BM_Attention)
-    ->ArgNames({"seq", "hd", "bwd"})
-    ->ArgsProduct({{2048, 4096, 8192}, {128}, {0, 1}})
-    ->Args({4096, 64, 0})
-    ->Args({4096, 64, 1})
+    ->ArgNames({"seq", "hd", "bwd", "hopper"})
+    ->ArgsProduct({{2048, 4096, 8192}, {128}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{4096}, {64}, {0, 1}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.3);

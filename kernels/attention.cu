@@ -12,11 +12,14 @@
 
 #include <cmath>
 
+#include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/attention_params.cuh"
+#include "kernels/rope.cuh"
 #include "kernels/scratch.h"
 
 namespace tuna::cuda {
+
 namespace {
 
 AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
@@ -38,34 +41,72 @@ AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int
 
 }  // namespace
 
+bool attention_hopper_available() {
+  int device = 0, major = 0, minor = 0;
+  TUNA_CUDA_CHECK(cudaGetDevice(&device));
+  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0 && attention_sm90_image_present();
+}
+
+AttentionPath resolve_attention_path(AttentionPath path) {
+  if (path == AttentionPath::kDefault) path = attention_path_requested();
+  if (path != AttentionPath::kDefault) return path;
+  static const bool hopper = kHopperByDefault && attention_hopper_available();
+  return hopper ? AttentionPath::kHopper : AttentionPath::kMma;
+}
+
+const char* attention_path_name(AttentionPath path) {
+  switch (path) {
+    case AttentionPath::kDefault: return "default";
+    case AttentionPath::kMma: return "mma";
+    case AttentionPath::kHopper: return "hopper";
+  }
+  return "unknown";
+}
+
 void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
-                   int64_t head_dim, cudaStream_t stream) {
+                   int64_t head_dim, cudaStream_t stream, AttentionPath path) {
   AttentionParams p = make_params(batch, seq_len, n_heads, n_kv_heads, head_dim);
   if (batch == 0 || seq_len == 0) return;
   p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
-  if (head_dim == 64) attention_fwd_hd64(p, stream);
-  else if (head_dim == 128) attention_fwd_hd128(p, stream);
+  const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper;
+  if (head_dim == 64) hopper ? attention_sm90_fwd_hd64(p, stream) : attention_fwd_hd64(p, stream);
+  else if (head_dim == 128) hopper ? attention_sm90_fwd_hd128(p, stream) : attention_fwd_hd128(p, stream);
   else attention_small(p, static_cast<int>(head_dim), /*backward=*/false, stream);
 }
 
-int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_heads) {
-  return gpu_scratch::attention_bwd_floats(batch, seq_len, n_heads);
+int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t head_dim,
+                                     AttentionPath path) {
+  return gpu_scratch::attention_bwd_floats(batch, seq_len, n_heads, head_dim, path);
 }
 
 void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
                    const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, float* scratch, int64_t batch, int64_t seq_len, int64_t n_heads,
-                   int64_t n_kv_heads, int64_t head_dim, cudaStream_t stream) {
+                   int64_t n_kv_heads, int64_t head_dim, cudaStream_t stream, AttentionPath path,
+                   AttentionRope rope) {
   AttentionParams p = make_params(batch, seq_len, n_heads, n_kv_heads, head_dim);
   if (batch == 0 || seq_len == 0) return;
   p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv, p.delta = scratch;
   // The kernels only read out and lse in the backward; the params struct is shared with the forward.
   p.out = const_cast<__nv_bfloat16*>(out);
   p.lse = const_cast<float*>(lse);
+  TUNA_CHECK((rope.cos_table == nullptr) == (rope.sin_table == nullptr), "attention_bwd: RoPE needs both tables");
+  const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128);
+  if (hopper) {
+    (head_dim == 64 ? attention_sm90_bwd_hd64 : attention_sm90_bwd_hd128)(p, scratch, rope.cos_table, rope.sin_table,
+                                                                          stream);
+    return;
+  }
   if (head_dim == 64) attention_bwd_hd64(p, stream);
   else if (head_dim == 128) attention_bwd_hd128(p, stream);
   else attention_small(p, static_cast<int>(head_dim), /*backward=*/true, stream);
+  if (rope.cos_table != nullptr) {
+    rope_bwd(dq, dq, rope.cos_table, rope.sin_table, batch, seq_len, n_heads, head_dim, stream);
+    rope_bwd(dk, dk, rope.cos_table, rope.sin_table, batch, seq_len, n_kv_heads, head_dim, stream);
+  }
 }
 
 }  // namespace tuna::cuda

@@ -1,12 +1,29 @@
-// Causal grouped-query attention on the GPU, FlashAttention-2 style (tensor cores through mma.sync, sm_80+).
-// Contract of kernels/cpu/attention.h with bf16 tensors and an fp32 lse.
+// Causal grouped-query attention on the GPU. Contract of kernels/cpu/attention.h with bf16 tensors and an fp32
+// lse. Two implementations of head dims 64 and 128 (8, 16, 32 always take the plain kernels of
+// attention_small.cu):
+//   mma:    FlashAttention-2 style, tensor cores through mma.sync, cp.async (sm_80 and later). The default.
+//   hopper: FlashAttention-3 style, wgmma, TMA, mbarrier pipelines, warp specialisation (sm_90a only).
+//           Verified on the host emulator only so far: scripts/gpu-check.sh runs the GPU tests and the bench
+//           of both paths side by side; once a GPU run passes, kHopperByDefault (attention_path.h) flips the
+//           default.
+// The trainer takes the process default, TUNA_ATTENTION=mma|hopper in the environment (read once); tests and
+// benches name the path explicitly.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "kernels/attention_path.h"  // AttentionPath, kHopperByDefault
+
 namespace tuna::cuda {
+
+// kDefault resolved (the first call reads TUNA_ATTENTION; a value other than "mma" or "hopper" is an error);
+// other paths as given.
+AttentionPath resolve_attention_path(AttentionPath path);
+const char* attention_path_name(AttentionPath path);
+// Whether the hopper path can run here: the current device is sm_90 and this build has sm_90a code.
+bool attention_hopper_available();
 
 // q, out: [batch, seq_len, n_heads, head_dim]; k, v: [batch, seq_len, n_kv_heads, head_dim] (query head h
 // reads kv head h / (n_heads / n_kv_heads), no copies); lse: [batch, n_heads, seq_len] fp32, the natural-log
@@ -14,17 +31,29 @@ namespace tuna::cuda {
 // head_dim 64 or 128 (tensor cores), or 8, 16, 32 (a plain fp32 kernel for tiny models); any seq_len.
 void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
-                   int64_t head_dim, cudaStream_t stream);
+                   int64_t head_dim, cudaStream_t stream, AttentionPath path = AttentionPath::kDefault);
 
-// Floats of scratch attention_bwd needs: D = rowsum(dout * out), [batch, n_heads, seq_len].
-int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_heads);
+// Floats of scratch attention_bwd needs. mma: D = rowsum(dout * out), [batch, n_heads, seq_len]. hopper: also
+// the fp32 dQ accumulator and its ordering flags, which depend on head_dim (the default, 128, bounds 64).
+int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t head_dim = 128,
+                                     AttentionPath path = AttentionPath::kDefault);
+
+// RoPE tables ([>= seq_len, head_dim / 2] fp32, as kernels/rope.cuh takes them) whose backward attention_bwd
+// applies to dq and dk on the way out, so that they are the gradients of q and k before rotation (what
+// rope_bwd after attention_bwd gives). hopper fuses it into its dQ and dK epilogues; mma runs rope_bwd after.
+struct AttentionRope {
+  const float* cos_table = nullptr;  // null: no rotation
+  const float* sin_table = nullptr;
+};
 
 // Gradients given dout and the forward's out and lse. OVERWRITES dq, dk, dv (dk, dv sum over the query heads
-// of their group). Deterministic: no atomics (dk/dv and dq are computed by separate kernels, each output
-// element owned by one thread).
+// of their group). Deterministic, bit for bit run to run: mma computes dK/dV and dQ in separate kernels, each
+// output element owned by one thread; hopper adds each key block's dQ share in a fixed order (attention_sm90_
+// kernels.cuh).
 void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
                    const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, float* scratch, int64_t batch, int64_t seq_len, int64_t n_heads,
-                   int64_t n_kv_heads, int64_t head_dim, cudaStream_t stream);
+                   int64_t n_kv_heads, int64_t head_dim, cudaStream_t stream,
+                   AttentionPath path = AttentionPath::kDefault, AttentionRope rope = {});
 
 }  // namespace tuna::cuda

@@ -26,6 +26,16 @@ void attention_fwd_hd64(const AttentionParams& p, cudaStream_t stream);
 void attention_fwd_hd128(const AttentionParams& p, cudaStream_t stream);
 void attention_bwd_hd64(const AttentionParams& p, cudaStream_t stream);
 void attention_bwd_hd128(const AttentionParams& p, cudaStream_t stream);
+// The sm_90a kernels (attention_sm90_*.cu).
+// Whether this build's image of the sm_90a kernels, on the current device, is sm_90a code.
+bool attention_sm90_image_present();
+void attention_sm90_fwd_hd64(const AttentionParams& p, cudaStream_t stream);
+void attention_sm90_fwd_hd128(const AttentionParams& p, cudaStream_t stream);
+// rope_cos, rope_sin: null, or the tables whose backward to apply to dQ and dK (attention.cuh's AttentionRope).
+void attention_sm90_bwd_hd64(const AttentionParams& p, float* scratch, const float* rope_cos, const float* rope_sin,
+                             cudaStream_t stream);
+void attention_sm90_bwd_hd128(const AttentionParams& p, float* scratch, const float* rope_cos, const float* rope_sin,
+                              cudaStream_t stream);
 // head_dim 8, 16 or 32 (attention_small.cu): forward, or the whole backward (delta included).
 void attention_small(const AttentionParams& p, int head_dim, bool backward, cudaStream_t stream);
 

@@ -180,7 +180,21 @@ template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream,
                    Args&&... args) {
 #ifdef TUNA_EMULATOR
-  tuna::emulator::launch(kernel, grid, block, dynamic_smem, stream, static_cast<Args&&>(args)...);
+  tuna::emulator::launch(tuna::emulator::Target::kSm80, kernel, grid, block, dynamic_smem, stream,
+                         static_cast<Args&&>(args)...);
+#else
+  kernel<<<grid, block, dynamic_smem, stream>>>(static_cast<Args&&>(args)...);
+#endif
+}
+
+// The same for a kernel that exists only in the sm_90a image (wgmma, TMA, setmaxnreg): the host emulator then
+// allows it sm_90's shared memory and the Hopper instructions. The caller has checked the device runs sm_90a.
+template <typename... Params, typename... Args>
+void launch_kernel_sm90a(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream,
+                         Args&&... args) {
+#ifdef TUNA_EMULATOR
+  tuna::emulator::launch(tuna::emulator::Target::kSm90a, kernel, grid, block, dynamic_smem, stream,
+                         static_cast<Args&&>(args)...);
 #else
   kernel<<<grid, block, dynamic_smem, stream>>>(static_cast<Args&&>(args)...);
 #endif

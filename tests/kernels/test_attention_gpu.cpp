@@ -1,6 +1,8 @@
-// kernels/attention*.cu (FlashAttention-2 style) against kernels/cpu/attention.cpp in double: forward out and
-// lse, backward dq, dk, dv; head dims 64 and 128, grouped-query heads, sequence lengths that are not multiples
-// of the 64-row tiles (and 1), determinism of the backward.
+// kernels/attention*.cu against kernels/cpu/attention.cpp in double: forward out and lse, backward dq, dk, dv;
+// head dims 64 and 128, grouped-query heads, sequence lengths that are not multiples of the tiles (and 1),
+// determinism of the backward. Both paths of head dims 64 and 128 (attention.cuh) pass the same checks with the
+// same tolerances: mma (FlashAttention-2 style) and hopper (FlashAttention-3 style, sm_90a: on a GPU these run
+// on an sm_90 device only; the host emulator runs them everywhere).
 //
 // The naive same-precision version is attention_reference.h's (see gpu_test_util.h for the rule).
 #if TUNA_CUDA
@@ -8,15 +10,25 @@
 
 #include "kernels/attention.cuh"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/rope.h"
 #include "tests/kernels/attention_reference.h"
 #include "tests/kernels/gpu_test_util.h"
 
 namespace tuna::test {
 namespace {
 
-void check(const AttentionShape& s, TestRng& rng) {
-  SCOPED_TRACE(s.describe());
-  std::printf(" %s\n", s.describe().c_str());
+#define TUNA_REQUIRE_SM90()                                                                           \
+  do {                                                                                                \
+    TUNA_REQUIRE_GPU();                                                                               \
+    if (!cuda::attention_hopper_available()) GTEST_SKIP() << "no sm_90 device or no sm_90a code"; \
+  } while (0)
+
+// With `rope`, the backward also applies RoPE's backward to dq and dk (attention.cuh's AttentionRope): the
+// references then rotate theirs, the naive version in fp32 from its bf16 dq, dk, rounding again.
+void check(const AttentionShape& s, TestRng& rng, AttentionPath path = AttentionPath::kMma,
+           bool rope = false) {
+  SCOPED_TRACE(s.describe() + " path " + cuda::attention_path_name(path) + (rope ? " with RoPE" : ""));
+  std::printf(" %s, %s path%s\n", s.describe().c_str(), cuda::attention_path_name(path), rope ? ", RoPE" : "");
   std::vector<float> q = random_bf16_values(rng, s.q_count(), -2, 2), k = random_bf16_values(rng, s.kv_count(), -2, 2),
                      v = random_bf16_values(rng, s.kv_count()), dout = random_bf16_values(rng, s.q_count());
   const std::vector<double> qd(q.begin(), q.end()), kd(k.begin(), k.end()), vd(v.begin(), v.end()),
@@ -34,14 +46,30 @@ void check(const AttentionShape& s, TestRng& rng) {
   std::vector<double> ref_dq(s.q_count()), ref_dk(s.kv_count()), ref_dv(s.kv_count());
   cpu::attention_bwd(ref_dq.data(), ref_dk.data(), ref_dv.data(), gd.data(), out_d.data(), lse_d.data(), qd.data(),
                      kd.data(), vd.data(), s.batch, s.seq, s.heads, s.kv_heads, s.dim);
-  const NaiveAttention naive = naive_attention(s, qd, kd, vd, gd, out_d, lse_d);
+  NaiveAttention naive = naive_attention(s, qd, kd, vd, gd, out_d, lse_d);
+  std::vector<float> cos_table(s.seq * s.dim / 2), sin_table(s.seq * s.dim / 2);
+  if (rope) {
+    std::vector<double> inv_freq(s.dim / 2);
+    cpu::rope_inv_freq(inv_freq.data(), s.dim, 10000.0, cpu::RopeScaling{});
+    cpu::rope_table(cos_table.data(), sin_table.data(), inv_freq.data(), s.seq, s.dim);
+    const std::vector<double> cos_d(cos_table.begin(), cos_table.end()), sin_d(sin_table.begin(), sin_table.end());
+    cpu::rope_bwd(ref_dq.data(), ref_dq.data(), cos_d.data(), sin_d.data(), s.batch, s.seq, s.heads, s.dim);
+    cpu::rope_bwd(ref_dk.data(), ref_dk.data(), cos_d.data(), sin_d.data(), s.batch, s.seq, s.kv_heads, s.dim);
+    for (auto [grad, heads] : {std::pair{&naive.dq, s.heads}, std::pair{&naive.dk, s.kv_heads}}) {
+      std::vector<float> g(grad->begin(), grad->end());
+      cpu::rope_bwd(g.data(), g.data(), cos_table.data(), sin_table.data(), s.batch, s.seq, heads, s.dim);
+      for (size_t i = 0; i < g.size(); ++i) (*grad)[i] = round_bf16(g[i]);
+    }
+  }
+  DeviceBuffer<float> d_cos(cos_table), d_sin(sin_table);
+  const cuda::AttentionRope tables = rope ? cuda::AttentionRope{d_cos.get(), d_sin.get()} : cuda::AttentionRope{};
 
   DeviceBf16 d_q(q), d_k(k), d_v(v), d_dout(dout), d_out(s.q_count()), d_out_in(out_bf);
   DeviceBuffer<float> d_lse(ref_lse.size()), d_lse_in(lse_f),
-      d_scratch(cuda::attention_bwd_scratch_floats(s.batch, s.seq, s.heads));
+      d_scratch(cuda::attention_bwd_scratch_floats(s.batch, s.seq, s.heads, s.dim, path));
   d_out.poison(), d_lse.poison();
   cuda::attention_fwd(d_out.bf(), d_lse.get(), d_q.bf(), d_k.bf(), d_v.bf(), s.batch, s.seq, s.heads, s.kv_heads,
-                      s.dim, nullptr);
+                      s.dim, nullptr, path);
   expect_close_to_naive("attention out", d_out.values(), naive.out, ref_out);
   expect_close_to_naive("attention lse (fp32)", d_lse.download(), naive.lse, ref_lse);
 
@@ -50,7 +78,7 @@ void check(const AttentionShape& s, TestRng& rng) {
     DeviceBf16 d_dq(s.q_count()), d_dk(s.kv_count()), d_dv(s.kv_count());
     d_dq.poison(), d_dk.poison(), d_dv.poison();
     cuda::attention_bwd(d_dq.bf(), d_dk.bf(), d_dv.bf(), d_dout.bf(), d_out_in.bf(), d_lse_in.get(), d_q.bf(), d_k.bf(),
-                        d_v.bf(), d_scratch.get(), s.batch, s.seq, s.heads, s.kv_heads, s.dim, nullptr);
+                        d_v.bf(), d_scratch.get(), s.batch, s.seq, s.heads, s.kv_heads, s.dim, nullptr, path, tables);
     if (run == 0) {
       first[0] = d_dq.download(), first[1] = d_dk.download(), first[2] = d_dv.download();
       expect_close_to_naive("attention dq", bf16_bits_to_double(first[0]), naive.dq, ref_dq);
@@ -80,6 +108,36 @@ TEST(AttentionGpu, HeadDim128GroupedQuery) {
   check({2, 150 + rng.integer(0, 27), 4, 1, 128}, rng);
   check({1, 33, 2, 2, 128}, rng);
   check({1, 257, 8, 2, 128}, rng);
+}
+
+// The hopper path's tiles are 128 queries (two warpgroups of 64) by 128 keys forward and 128 keys by 64
+// queries backward: these shapes take several key blocks, the diagonal block, a partial last tile, grouped-query
+// heads and a single row; the emulator's cost keeps them small.
+TEST(AttentionGpu, HeadDim64HopperPath) {
+  TUNA_REQUIRE_SM90();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check({2, 260 + rng.integer(0, 27), 4, 2, 64}, rng, AttentionPath::kHopper);
+  check({1, 1, 2, 1, 64}, rng, AttentionPath::kHopper);
+}
+
+TEST(AttentionGpu, HeadDim128HopperPath) {
+  TUNA_REQUIRE_SM90();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check({1, 150 + rng.integer(0, 27), 4, 1, 128}, rng, AttentionPath::kHopper);
+  check({1, 128, 2, 2, 128}, rng, AttentionPath::kHopper);
+}
+
+// RoPE's backward applied by attention_bwd: fused into the hopper path's epilogues, after the mma path's kernels.
+TEST(AttentionGpu, BackwardAppliesRopeBackward) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check({1, 70, 2, 1, 64}, rng, AttentionPath::kMma, /*rope=*/true);
+  if (!cuda::attention_hopper_available()) GTEST_SKIP() << "no sm_90 device or no sm_90a code";
+  check({1, 70, 2, 1, 64}, rng, AttentionPath::kHopper, /*rope=*/true);
+  check({1, 70, 2, 2, 128}, rng, AttentionPath::kHopper, /*rope=*/true);
 }
 
 TEST(AttentionGpu, SmallHeadDimsOfTinyModels) {

@@ -7,8 +7,9 @@
 // (emulator/matmul_host.cpp). A GPU is not needed; on a GPU machine the same tests also run for real in the
 // tuna_tests binary.
 //
-// Two runs at opposite ends of what the hardware may do (see emulator/main.cpp): cp.async data landing at
-// issue with the warps in near lockstep, and landing at the wait with each warp running ahead. A read too
+// Two runs at opposite ends of what the hardware may do (see emulator/main.cpp): cp.async data (and TMA copies,
+// and wgmma results) landing at issue with the warps in near lockstep, and landing as late as allowed with each
+// warp running ahead (and 3 SMs, so that the persistent attention forward loops over tiles). A read too
 // early or a missing barrier shows as wrong numbers in one or the other, and a read of a tile that a cp.async
 // may still be writing fails the launch in both (the race check of emulator/ptx.h). The model tests run in the
 // first only: what they add to the op tests is the orchestration (the arena plan, op order, accumulate flags,
@@ -54,8 +55,9 @@ void run_emulated(const std::string& options) {
 
 TEST(GpuTestsEmulated, CopiesLandAtIssueWarpsInLockstep) { run_emulated("--copies at-issue --warps lockstep"); }
 
+// Also with 3 SMs: the persistent attention forward then runs several tiles per CTA.
 TEST(GpuTestsEmulated, CopiesLandAtTheirWaitWarpsInTurn) {
-  run_emulated("--copies at-wait --warps in-turn --gtest_filter=-*LlamaGpu*:*EngineGpu*");
+  run_emulated("--copies at-wait --warps in-turn --sms 3 --gtest_filter=-*LlamaGpu*:*EngineGpu*");
 }
 
 // The engine at dp = 2 against one rank, and its sharded checkpoint restored at 2 ranks and at 1

@@ -1,7 +1,8 @@
 // tests/kernels/emulator/emulator.h — CUDA's execution model on the host, enough of it for the device code
 // of kernels/*.cu (and the attention kernels' headers) to compile with g++ and run unchanged. The shim/
-// headers (cuda_bf16.h, cuda_runtime.h, cuda_runtime_api.h, cublasLt.h) stand in for CUDA's and include
-// runtime.h, which includes this one; ptx.h adds the PTX helpers (cp.async, ldmatrix, mma) and the grid launch.
+// headers (cuda_bf16.h, cuda_runtime.h, cuda_runtime_api.h, cublasLt.h, cuda.h, cudaTypedefs.h) stand in for
+// CUDA's and include runtime.h (the grid launch), which includes this one; ptx.h adds the PTX helpers of the
+// sm_80 kernels (cp.async, ldmatrix, mma), ptx_sm90.h those of the sm_90a ones (TMA, mbarrier, wgmma, ...).
 //
 // Why it exists: what makes a kernel right or wrong (an index, a barrier, the tensor-core kernels' fragment
 // layouts and swizzle, when cp.async data may be read) is invisible to the CPU twin and the CPU build, and CI
@@ -44,7 +45,8 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(max_threads)
+#define __launch_bounds__(...)
+#define __grid_constant__
 // Block-scope thread_local is static: one variable for the whole block (see "Shared memory" above).
 #define __shared__ thread_local
 #define __align__(bytes)
@@ -72,6 +74,10 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+struct alignas(8) float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
 typedef struct CUstream_st* cudaStream_t;
 
 inline float __bfloat162float(__nv_bfloat16 b) {
@@ -201,9 +207,16 @@ class Block {
   void run(int threads, const std::function<void()>& kernel);
 
   int current() const { return current_; }
-  // Suspends the running thread until wake() makes it runnable again.
-  void block_current();
+  // Suspends the running thread until wake() makes it runnable again. `reason` (what it waits for) names it
+  // in the deadlock report.
+  void block_current(const char* reason = "a barrier");
   void wake(int thread) { runnable_.push_back(thread); }
+  // Lets the other runnable threads go first (the running thread stays runnable): a point where the hardware
+  // may switch, made one here where it exposes an ordering bug (after a release that woke someone).
+  void yield_current() {
+    runnable_.push_back(current_);
+    block_current("a yield");
+  }
 
  private:
   struct Fiber {
@@ -214,6 +227,7 @@ class Block {
 #endif
     char* stack = nullptr;  // mmap'ed, the lowest page a guard
     bool finished = false;
+    const char* waits_for = nullptr;  // while blocked
   };
   static void fiber_main();
   void switch_to(int thread);
@@ -319,10 +333,11 @@ inline void Block::run(int threads, const std::function<void()>& kernel) {
   if (error_) std::rethrow_exception(error_);
   for (int t = 0; t < threads; ++t)
     TUNA_CHECK(fibers_[t].finished, "deadlock in block (", blockIdx.x, ", ", blockIdx.y, ", ", blockIdx.z,
-               "): thread ", t, " waits at a barrier that the other threads never reach");
+               "): thread ", t, " waits at ", fibers_[t].waits_for, " that the other threads never complete");
 }
 
-inline void Block::block_current() {
+inline void Block::block_current(const char* reason) {
+  fibers_[current_].waits_for = reason;
 #if defined(__x86_64__)
   tuna_emulator_switch_stack(&fibers_[current_].stack_pointer, scheduler_stack_pointer_);
 #else
@@ -383,6 +398,9 @@ inline void reset_block_barriers(int threads) {
 }
 
 }  // namespace tuna::emulator
+
+// Memory fences order nothing here: one thread runs at a time and every access is immediate.
+inline void __threadfence() {}
 
 inline void __syncthreads() {
   tuna::emulator::g_block_barrier.barrier.arrive_and_wait([] { ++tuna::emulator::g_block_barrier.epoch; });

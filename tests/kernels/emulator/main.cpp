@@ -10,10 +10,14 @@
 // worker threads only spin at every parallel region; on a busy two-core CI machine that made the model tests
 // 15 times slower (10 s instead of 0.6 s for one engine test).
 //
-//   emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] [GoogleTest flags]
-//     --copies  when a cp.async lands: at its issue (the default) or at the wait that retires it (ptx.h)
+//   emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] [--sms N] [GoogleTest flags]
+//     --copies  when asynchronous work takes effect: at its issue (the default) or as late as the hardware may
+//               defer it: a cp.async at the wait that retires it (ptx.h), a TMA copy when a thread waits on its
+//               mbarrier's phase, a wgmma at the wgmma.wait_group that retires it (ptx_sm90.h)
 //     --warps   how the warps of a block interleave: in near lockstep (the default), or each running as far
 //               ahead as it can before the next starts (emulator.h)
+//     --sms     the multiprocessors the device reports (132 by default, an H100's): fewer make the persistent
+//               kernels (one CTA per SM) loop over several tiles per CTA on the tests' small shapes
 // A missing barrier (visible when one warp runs ahead) or a read of a tile before its wait (visible when data
 // lands late) shows in the numbers in one mode or the other; the race check (ptx.h) flags the latter in both.
 // Ends, as tests/main.cpp, with "tests: N passed, N failed, N skipped".
@@ -35,21 +39,26 @@ int main(int argc, char** argv) {
     if (arg == "--copies" && (value == "at-issue" || value == "at-wait")) {
       tuna::emulator::g_shared.timing = value == "at-issue" ? CopyTiming::kImmediate : CopyTiming::kDeferred;
       ++i;
+    } else if (arg == "--sms" && !value.empty() && value.find_first_not_of("0123456789") == std::string::npos &&
+               std::stoi(value) > 0) {
+      tuna::emulator::runtime().multiprocessors = std::stoi(value);
+      ++i;
     } else if (arg == "--warps" && (value == "lockstep" || value == "in-turn")) {
       tuna::emulator::block().schedule = value == "lockstep" ? Schedule::kRoundRobin : Schedule::kWarpsInTurn;
       ++i;
     } else {
       std::fprintf(stderr,
                    "emulated_gpu_tests: unexpected argument '%s'\n"
-                   "usage: emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] "
+                   "usage: emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] [--sms N] "
                    "[GoogleTest flags]\n",
                    arg.c_str());
       return 2;
     }
   }
-  std::printf("emulated GPU: cp.async lands %s, warps %s\n",
+  std::printf("emulated GPU: cp.async lands %s, warps %s, %d SMs\n",
               tuna::emulator::g_shared.timing == CopyTiming::kImmediate ? "at issue" : "at its wait",
-              tuna::emulator::block().schedule == Schedule::kRoundRobin ? "in lockstep" : "in turn");
+              tuna::emulator::block().schedule == Schedule::kRoundRobin ? "in lockstep" : "in turn",
+              tuna::emulator::runtime().multiprocessors);
   const int rc = RUN_ALL_TESTS();
   const testing::UnitTest& unit = *testing::UnitTest::GetInstance();
   std::printf("tests: %d passed, %d failed, %d skipped\n", unit.successful_test_count(), unit.failed_test_count(),

@@ -1,8 +1,8 @@
 // tests/kernels/emulator/ptx.h — host versions of the PTX helpers of kernels/attention_ptx.cuh
 // (smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldmatrix_x4, ldmatrix_x4_trans, mma),
-// which kernels/attention_kernels.cuh includes in its place under TUNA_EMULATOR; plus the run of a grid,
-// block by block, that gives the kernels their dynamic shared memory and checks it for races (runtime.h's
-// launch goes through it).
+// which kernels/attention_kernels.cuh includes in its place under TUNA_EMULATOR; the block's dynamic shared
+// memory, and the race check of cp.async against ldmatrix (runtime.h's run of a grid calls it per block). The
+// Hopper instructions are in ptx_sm90.h.
 //
 // Written from the PTX ISA's descriptions (cp.async, ldmatrix, the mma.m16n8k16 fragment figures), not from
 // the kernels' comments, so that a kernel built on a wrong reading of a layout fails here.
@@ -27,9 +27,11 @@
 
 namespace tuna::emulator {
 
-// The most dynamic shared memory a block may have on sm_80 (163 KiB; sm_90 allows 227 KiB): the kernels are
-// built for both, so a launch asking for more fails here as cudaFuncSetAttribute would on an A100.
-constexpr int kMaxDynamicSharedBytes = 163 * 1024;
+// The most dynamic shared memory a block may have: 163 KiB on sm_80, 227 KiB on sm_90. The kernels built for
+// both are held to sm_80's limit (a launch asking for more fails here as it would on an A100); the sm_90a-only
+// kernels (launched by launch_kernel_sm90a) to sm_90's.
+constexpr int kSm80MaxDynamicSharedBytes = 163 * 1024;
+constexpr int kSm90MaxDynamicSharedBytes = 227 * 1024;
 
 }  // namespace tuna::emulator
 
@@ -38,7 +40,7 @@ namespace tuna::cuda::attention {
 // The kernels' `extern __shared__ unsigned char smem_bytes[]` (a block-scope extern declaration, thread_local
 // here as every __shared__ is: see emulator.h) names this array: the entity of that name in the enclosing
 // namespace.
-alignas(128) inline thread_local unsigned char smem_bytes[tuna::emulator::kMaxDynamicSharedBytes];
+alignas(1024) inline thread_local unsigned char smem_bytes[tuna::emulator::kSm90MaxDynamicSharedBytes];
 
 }  // namespace tuna::cuda::attention
 
@@ -244,38 +246,6 @@ inline bool block_has_race() {
         return true;
       }
   return false;
-}
-
-// Runs kernel() on every block of `grid`, `threads` threads a block and `dynamic_smem` bytes of dynamic shared
-// memory, one block after another. Returns the number of blocks in which the race check found a race.
-inline int run_grid(dim3 grid, int threads, int dynamic_smem, const std::function<void()>& kernel) {
-  TUNA_CHECK(dynamic_smem >= 0 && dynamic_smem <= kMaxDynamicSharedBytes, "launch asks for ", dynamic_smem,
-             " bytes of dynamic shared memory; an sm_80 block may have ", kMaxDynamicSharedBytes);
-  g_shared.launch_bytes = static_cast<uint32_t>(dynamic_smem);
-  gridDim = grid;
-  blockDim = dim3{static_cast<unsigned>(threads), 1, 1};
-  int blocks_with_races = 0;
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = dim3{x, y, z};
-        // Shared memory starts as 0xff bytes (NaN as bf16 or fp32): a read of what nothing wrote shows.
-        std::memset(shared_bytes(), 0xff, dynamic_smem);
-        for (int t = 0; t < threads; ++t) g_shared.threads[t].open.clear(), g_shared.threads[t].committed.clear();
-        g_shared.flights.clear(), g_shared.reads.clear();
-        reset_block_barriers(threads);
-        block().run(threads, kernel);
-        // A copy never waited for may land at any time up to the block's end.
-        for (int t = 0; t < threads; ++t) {
-          auto& copies = g_shared.threads[t];
-          copies.committed.push_back(std::move(copies.open));
-          for (const auto& group : copies.committed)
-            for (const AsyncCopy& copy : group)
-              g_shared.flights.push_back({copy.dst / 16, copy.issue_epoch, LONG_MAX, t});
-        }
-        if (!g_shared.flights.empty()) blocks_with_races += block_has_race();
-      }
-  return blocks_with_races;
 }
 
 }  // namespace tuna::emulator

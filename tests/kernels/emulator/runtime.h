@@ -36,6 +36,7 @@
 
 #include "tests/kernels/emulator/emulator.h"
 #include "tests/kernels/emulator/ptx.h"
+#include "tests/kernels/emulator/ptx_sm90.h"
 
 // ---- types and constants (the values of CUDA's headers)
 enum cudaError {
@@ -112,6 +113,7 @@ constexpr int kDefaultDynamicSharedBytes = 48 * 1024;  // without cudaFuncAttrib
 constexpr int kOptInDynamicSharedBytes = 227 * 1024;   // sm_90's opt-in limit (ptx.h holds launches to sm_80's)
 
 struct Runtime {
+  int multiprocessors = 132;  // an H100 SXM's; emulated_gpu_tests --sms sets fewer (persistent grids then loop)
   std::map<uintptr_t, size_t> allocations;  // device allocations: start -> bytes
   size_t allocated_bytes = 0;
   std::map<const void*, int> max_dynamic_smem;  // per kernel, from cudaFuncSetAttribute
@@ -151,10 +153,51 @@ inline bool in_device_allocation(const void* p, size_t bytes) {
   return address + bytes <= start + size;
 }
 
-// Runs kernel<<<grid, block, dynamic_smem, stream>>>(args...) on the host, block after block (ptx.h's run_grid),
+// What a launch targets: a kernel built for sm_80 and sm_90a alike (launch_kernel), held to sm_80's limits, or
+// an sm_90a-only kernel (launch_kernel_sm90a), which may use sm_90's shared memory and the Hopper instructions.
+enum class Target { kSm80, kSm90a };
+
+// Runs kernel() on every block of `grid`, `threads` threads a block and `dynamic_smem` bytes of dynamic shared
+// memory, one block after another (blockIdx.x fastest, as a GPU dispatches them). Returns the number of blocks
+// in which the race check of cp.async found a race (the Hopper checks of ptx_sm90.h throw at once).
+inline int run_grid(dim3 grid, int threads, int dynamic_smem, Target target, const std::function<void()>& kernel) {
+  const int limit = target == Target::kSm90a ? kSm90MaxDynamicSharedBytes : kSm80MaxDynamicSharedBytes;
+  TUNA_CHECK(dynamic_smem >= 0 && dynamic_smem <= limit, "launch asks for ", dynamic_smem,
+             " bytes of dynamic shared memory; an ", target == Target::kSm90a ? "sm_90" : "sm_80",
+             " block may have ", limit);
+  g_shared.launch_bytes = static_cast<uint32_t>(dynamic_smem);
+  gridDim = grid;
+  blockDim = dim3{static_cast<unsigned>(threads), 1, 1};
+  int blocks_with_races = 0;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = dim3{x, y, z};
+        // Shared memory starts as 0xff bytes (NaN as bf16 or fp32): a read of what nothing wrote shows.
+        std::memset(shared_bytes(), 0xff, dynamic_smem);
+        for (int t = 0; t < threads; ++t) g_shared.threads[t].open.clear(), g_shared.threads[t].committed.clear();
+        g_shared.flights.clear(), g_shared.reads.clear();
+        reset_block_barriers(threads);
+        reset_sm90_block(threads, target == Target::kSm90a);
+        block().run(threads, kernel);
+        finish_sm90_block();
+        // A copy never waited for may land at any time up to the block's end.
+        for (int t = 0; t < threads; ++t) {
+          auto& copies = g_shared.threads[t];
+          copies.committed.push_back(std::move(copies.open));
+          for (const auto& group : copies.committed)
+            for (const AsyncCopy& copy : group)
+              g_shared.flights.push_back({copy.dst / 16, copy.issue_epoch, LONG_MAX, t});
+        }
+        if (!g_shared.flights.empty()) blocks_with_races += block_has_race();
+      }
+  return blocks_with_races;
+}
+
+// Runs kernel<<<grid, block, dynamic_smem, stream>>>(args...) on the host, block after block (run_grid above),
 // the arguments converted to the kernel's parameter types once and copied into every thread, as CUDA does.
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t,
+void launch(Target target, void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t,
             Args&&... args) {
   static_assert(sizeof...(Params) == sizeof...(Args), "a kernel launch with the wrong number of arguments");
   ApiGuard guard(api_lock());
@@ -173,7 +216,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_sme
   TUNA_CHECK(block.y == 1 && block.z == 1, "the emulator runs 1-D blocks; a launch has (", block.x, ", ",
              block.y, ", ", block.z, ")");
   std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-  const int races = run_grid(grid, static_cast<int>(threads), static_cast<int>(dynamic_smem),
+  const int races = run_grid(grid, static_cast<int>(threads), static_cast<int>(dynamic_smem), target,
                              [&] { std::apply(kernel, params); });
   TUNA_CHECK(races == 0, "race check: ", races, " blocks of a ", grid.x, "x", grid.y, "x", grid.z,
              " grid read shared memory that a cp.async may still be writing (the first is printed above)");
@@ -240,7 +283,7 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->maxGridSize[0] = 0x7fffffff, prop->maxGridSize[1] = 65535, prop->maxGridSize[2] = 65535;
   prop->clockRate = 1980000;
   prop->major = 9, prop->minor = 0;
-  prop->multiProcessorCount = 132;
+  prop->multiProcessorCount = tuna::emulator::runtime().multiprocessors;
   prop->memoryClockRate = 2619000;
   prop->memoryBusWidth = 5120;
   prop->l2CacheSize = 50 * 1024 * 1024;
@@ -257,9 +300,9 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, 
     case cudaDevAttrMultiProcessorCount: *value = prop.multiProcessorCount; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMajor: *value = prop.major; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = prop.minor; return cudaSuccess;
-    // What a launch may ask for here: ptx.h holds launches to sm_80's limit, so that kernels sized by this
-    // attribute run on both targets.
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = tuna::emulator::kMaxDynamicSharedBytes; return cudaSuccess;
+    // What a kernel built for both targets may ask for: run_grid holds their launches to sm_80's limit, so
+    // that kernels sized by this attribute (the classifier's row cache) run on both targets.
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = tuna::emulator::kSm80MaxDynamicSharedBytes; return cudaSuccess;
   }
   return tuna::emulator::record(cudaErrorInvalidValue);
 }
@@ -284,6 +327,31 @@ cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attribute, int val
       value > tuna::emulator::kOptInDynamicSharedBytes)
     return tuna::emulator::record(cudaErrorInvalidValue);
   tuna::emulator::runtime().max_dynamic_smem[reinterpret_cast<const void*>(kernel)] = value;
+  return cudaSuccess;
+}
+
+// What the emulated device's "image" of a kernel is: every kernel compiles for it, the sm_90a ones included
+// (binaryVersion 90, as on an H100 running a build with sm_90a code).
+struct cudaFuncAttributes {
+  size_t sharedSizeBytes;
+  size_t constSizeBytes;
+  size_t localSizeBytes;
+  int maxThreadsPerBlock;
+  int numRegs;
+  int ptxVersion;
+  int binaryVersion;
+  int cacheModeCA;
+  int maxDynamicSharedSizeBytes;
+};
+template <typename T>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attributes, T* kernel) {
+  *attributes = cudaFuncAttributes{};
+  attributes->maxThreadsPerBlock = 1024;
+  attributes->ptxVersion = 90;
+  attributes->binaryVersion = 90;
+  const auto& set = tuna::emulator::runtime().max_dynamic_smem;
+  const auto it = set.find(reinterpret_cast<const void*>(kernel));
+  attributes->maxDynamicSharedSizeBytes = it == set.end() ? tuna::emulator::kDefaultDynamicSharedBytes : it->second;
   return cudaSuccess;
 }
 
@@ -356,6 +424,89 @@ inline cudaError_t cudaMemset(void* p, int value, size_t bytes) {
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t = nullptr) {
   return cudaMemset(p, value, bytes);
+}
+
+// ---- the driver entry point and the tensor maps of TMA (cp.async.bulk.tensor, ptx_sm90.h)
+enum cudaDriverEntryPointQueryResult {
+  cudaDriverEntryPointSuccess = 0,
+  cudaDriverEntryPointSymbolNotFound = 1,
+  cudaDriverEntryPointVersionNotSufficent = 2,
+};
+constexpr unsigned long long cudaEnableDefault = 0;
+
+namespace tuna::emulator {
+
+// cuTensorMapEncodeTiled with the requirements of CUDA's documentation (cuda.h): CUDA_ERROR_INVALID_VALUE for
+// what the driver rejects; a tuna::Error for what the driver accepts but the emulator's TMA does not model
+// (interleaved layouts, element strides other than 1, the 32B/64B-atom 128B swizzles, the NaN fill).
+inline CUresult encode_tensor_map_tiled(CUtensorMap* tensor_map, CUtensorMapDataType data_type, cuuint32_t rank,
+                                        void* address, const cuuint64_t* dims, const cuuint64_t* strides,
+                                        const cuuint32_t* box, const cuuint32_t* element_strides,
+                                        CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
+                                        CUtensorMapL2promotion, CUtensorMapFloatOOBfill oob_fill) {
+  uint32_t element_bytes = 0;
+  switch (data_type) {
+    case CU_TENSOR_MAP_DATA_TYPE_UINT8: element_bytes = 1; break;
+    case CU_TENSOR_MAP_DATA_TYPE_UINT16: case CU_TENSOR_MAP_DATA_TYPE_FLOAT16: case CU_TENSOR_MAP_DATA_TYPE_BFLOAT16:
+      element_bytes = 2; break;
+    case CU_TENSOR_MAP_DATA_TYPE_UINT32: case CU_TENSOR_MAP_DATA_TYPE_INT32: case CU_TENSOR_MAP_DATA_TYPE_FLOAT32:
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT32_FTZ: case CU_TENSOR_MAP_DATA_TYPE_TFLOAT32:
+    case CU_TENSOR_MAP_DATA_TYPE_TFLOAT32_FTZ:
+      element_bytes = 4; break;
+    case CU_TENSOR_MAP_DATA_TYPE_UINT64: case CU_TENSOR_MAP_DATA_TYPE_INT64: case CU_TENSOR_MAP_DATA_TYPE_FLOAT64:
+      element_bytes = 8; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (reinterpret_cast<uintptr_t>(tensor_map) % 64 != 0 || rank < 1 || rank > 5 ||
+      reinterpret_cast<uintptr_t>(address) % 16 != 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  TUNA_CHECK(interleave == CU_TENSOR_MAP_INTERLEAVE_NONE,
+             "cuTensorMapEncodeTiled: interleaved layouts are not modelled");
+  TUNA_CHECK(oob_fill == CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE, "cuTensorMapEncodeTiled: the NaN fill is not modelled");
+  uint32_t swizzle_bytes = 0;
+  switch (swizzle) {
+    case CU_TENSOR_MAP_SWIZZLE_NONE: swizzle_bytes = 0; break;
+    case CU_TENSOR_MAP_SWIZZLE_32B: swizzle_bytes = 32; break;
+    case CU_TENSOR_MAP_SWIZZLE_64B: swizzle_bytes = 64; break;
+    case CU_TENSOR_MAP_SWIZZLE_128B: swizzle_bytes = 128; break;
+    default: fail("cuTensorMapEncodeTiled: swizzle mode ", static_cast<int>(swizzle), " is not modelled");
+  }
+  TensorMap m{};
+  m.magic = TensorMap::kMagic;
+  m.address = reinterpret_cast<uintptr_t>(address);
+  m.rank = rank, m.element_bytes = element_bytes, m.swizzle_bytes = swizzle_bytes;
+  m.strides[0] = element_bytes;
+  for (uint32_t i = 0; i < rank; ++i) {
+    if (dims[i] == 0 || dims[i] > (uint64_t{1} << 32) || box[i] == 0 || box[i] > 256 || element_strides[i] == 0 ||
+        element_strides[i] > 8)
+      return CUDA_ERROR_INVALID_VALUE;
+    TUNA_CHECK(element_strides[i] == 1 || i == 0,
+               "cuTensorMapEncodeTiled: element strides other than 1 are not modelled");
+    m.dims[i] = dims[i], m.box[i] = box[i];
+    if (i > 0) {
+      if (strides[i - 1] % 16 != 0 || strides[i - 1] >= (uint64_t{1} << 40)) return CUDA_ERROR_INVALID_VALUE;
+      m.strides[i] = strides[i - 1];
+    }
+  }
+  const uint64_t inner_bytes = uint64_t{box[0]} * element_bytes;
+  if (inner_bytes % 16 != 0 || (swizzle_bytes != 0 && inner_bytes > swizzle_bytes)) return CUDA_ERROR_INVALID_VALUE;
+  std::memset(tensor_map, 0, sizeof(CUtensorMap));
+  std::memcpy(tensor_map, &m, sizeof(m));
+  return CUDA_SUCCESS;
+}
+
+}  // namespace tuna::emulator
+
+// The driver's cuTensorMapEncodeTiled, the one symbol tuna asks for (version 12000, the first with it).
+inline cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** function, unsigned int version,
+                                                    unsigned long long,
+                                                    cudaDriverEntryPointQueryResult* status = nullptr) {
+  const bool found = std::strcmp(symbol, "cuTensorMapEncodeTiled") == 0;
+  if (status) *status = !found ? cudaDriverEntryPointSymbolNotFound
+                        : version < 12000 ? cudaDriverEntryPointVersionNotSufficent
+                                          : cudaDriverEntryPointSuccess;
+  *function = found && version >= 12000 ? reinterpret_cast<void*>(&tuna::emulator::encode_tensor_map_tiled) : nullptr;
+  return cudaSuccess;
 }
 
 // ---- streams and events: everything has completed by the time a call returns

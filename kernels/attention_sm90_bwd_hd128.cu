@@ -1,0 +1,11 @@
+// The sm_90a attention backward for head_dim 128 (see attention_sm90_kernels.cuh).
+#include "kernels/attention_sm90_launch.cuh"
+
+namespace tuna::cuda {
+
+void attention_sm90_bwd_hd128(const AttentionParams& p, float* scratch, const float* rope_cos, const float* rope_sin,
+                            cudaStream_t stream) {
+  attention::launch_sm90_bwd</*head_dim=*/128>(p, scratch, rope_cos, rope_sin, stream);
+}
+
+}  // namespace tuna::cuda

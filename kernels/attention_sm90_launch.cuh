@@ -1,0 +1,135 @@
+// The host side of the sm_90a attention kernels (attention_sm90_kernels.cuh): the tensor maps of their TMA
+// copies, the check that this device and this build can run them, and the launch sequences. Included only by
+// attention_sm90_{fwd,bwd}_hdNN.cu. Internal to kernels/.
+//
+// The tensor maps come from the driver's cuTensorMapEncodeTiled, reached through the runtime's driver entry
+// point (no link against libcuda); the host emulator answers that entry point with its own encoder.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/cuda_check.h"
+#include "kernels/attention_kernels.cuh"  // bwd_delta_kernel, shared with the sm_80 path
+#include "kernels/attention_sm90_kernels.cuh"
+
+namespace tuna::cuda::attention {
+
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    TUNA_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &status));
+    TUNA_CHECK(status == cudaDriverEntryPointSuccess && function != nullptr,
+               "the CUDA driver has no cuTensorMapEncodeTiled: the sm_90a attention kernels need a CUDA 12+ driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encode;
+}
+
+// A bf16 [batch, seq, heads, head_dim] tensor as TMA sees it: (head_dim, heads, seq, batch), innermost first,
+// boxes of one 64-column panel of `rows` rows of one head, 128B swizzle; rows past seq read as zeros.
+inline CUtensorMap rows_tensor_map(const __nv_bfloat16* base, int batch, int seq, int heads, int head_dim, int rows) {
+  TUNA_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "attention tensors must be 16-byte aligned for TMA");
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(seq), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t row_bytes = static_cast<cuuint64_t>(heads) * head_dim * 2;
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim) * 2, row_bytes, row_bytes * seq};
+  const cuuint32_t box[4] = {kPanelCols, 1, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult result = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<__nv_bfloat16*>(base), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TUNA_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(result),
+             ") for an attention tensor [", batch, ", ", seq, ", ", heads, ", ", head_dim, "]");
+  return map;
+}
+
+// The sm_90a kernels run only on a compute capability 9.0 device, from a build whose image has sm_90a code
+// (SM containing 90a): anything else is an error that says so, never a silent fallback.
+template <typename Kernel>
+void require_sm90a_image(Kernel* kernel) {
+  int device = 0, major = 0, minor = 0;
+  TUNA_CUDA_CHECK(cudaGetDevice(&device));
+  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  TUNA_CHECK(major == 9 && minor == 0, "the Hopper attention path (TUNA_ATTENTION=hopper) needs an sm_90 GPU; this ",
+             "device is sm_", major, minor, " (use TUNA_ATTENTION=mma)");
+  cudaFuncAttributes attributes;
+  TUNA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  TUNA_CHECK(attributes.binaryVersion == 90, "the Hopper attention path needs a build with sm_90a code (make SM=90a, ",
+             "or the default SM); this binary runs sm_", attributes.binaryVersion, " code here");
+}
+
+inline int multiprocessor_count() {
+  int device = 0, sms = 0;
+  TUNA_CUDA_CHECK(cudaGetDevice(&device));
+  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// The forward: one persistent CTA per SM (at most one per tile).
+template <int kHd>
+void launch_sm90_fwd(const AttentionParams& p, cudaStream_t stream) {
+  using C = Sm90Fwd<kHd>;
+  require_sm90a_image(sm90_fwd_kernel<kHd>);
+  Sm90Params args{};
+  args.p = p;
+  args.q_map = rows_tensor_map(p.q, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
+  args.k_map = rows_tensor_map(p.k, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
+  args.v_map = rows_tensor_map(p.v, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
+  const int64_t tiles = ceil_div(p.seq_len, C::kBlockM) * p.batch * p.n_heads;
+  TUNA_CHECK(tiles < (int64_t{1} << 31), "attention forward: ", tiles, " tiles");
+  args.n_tiles = static_cast<int>(tiles);
+  const int grid = static_cast<int>(std::min<int64_t>(tiles, multiprocessor_count()));
+  TUNA_CUDA_CHECK(
+      cudaFuncSetAttribute(sm90_fwd_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+  launch_kernel_sm90a(sm90_fwd_kernel<kHd>, dim3(grid), dim3(kSm90Threads), C::kSmemBytes, stream, args);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
+
+// The backward: delta = rowsum(dO * O) and the flags cleared, then one CTA per (key block, kv head, batch) in
+// launch order (the ordered dQ additions rely on lower key blocks being dispatched first), then dQ finished.
+template <int kHd>
+void launch_sm90_bwd(const AttentionParams& p_in, float* scratch, const float* rope_cos, const float* rope_sin,
+                     cudaStream_t stream) {
+  using C = Sm90Bwd<kHd>;
+  require_sm90a_image(sm90_bwd_kernel<kHd>);
+  const gpu_scratch::AttentionBwdScratch layout =
+      gpu_scratch::attention_bwd_layout(p_in.batch, p_in.seq_len, p_in.n_heads, kHd, /*hopper=*/true);
+  Sm90Params args{};
+  args.p = p_in;
+  args.p.delta = scratch + layout.delta;
+  args.dq_accum = scratch + layout.accum;
+  args.dq_flags = reinterpret_cast<int*>(scratch + layout.flags);
+  args.rope_cos = rope_cos, args.rope_sin = rope_sin;
+  const AttentionParams& p = args.p;
+
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.seq_len * p.n_heads;
+  launch_kernel(bwd_delta_kernel<kHd>, static_cast<unsigned>(ceil_div(rows, kWarps)), kThreads, 0, stream, p);
+  TUNA_CUDA_CHECK_LAUNCH();
+  TUNA_CUDA_CHECK(cudaMemsetAsync(args.dq_flags, 0, sizeof(int) * p.batch * p.n_heads * layout.m_blocks, stream));
+
+  args.q_map = rows_tensor_map(p.q, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
+  args.dout_map = rows_tensor_map(p.dout, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
+  args.k_map = rows_tensor_map(p.k, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
+  args.v_map = rows_tensor_map(p.v, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
+  TUNA_CUDA_CHECK(
+      cudaFuncSetAttribute(sm90_bwd_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.seq_len, C::kBlockN)), p.n_kv_heads, p.batch);
+  launch_kernel_sm90a(sm90_bwd_kernel<kHd>, grid, dim3(kSm90Threads), C::kSmemBytes, stream, args);
+  TUNA_CUDA_CHECK_LAUNCH();
+
+  const int64_t chunks = rows * (kHd / 16);
+  launch_kernel(sm90_dq_finish_kernel<kHd>, static_cast<unsigned>(ceil_div(chunks, 256)), 256, 0, stream, args);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace tuna::cuda::attention
