@@ -36,7 +36,7 @@
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
 #include "data/tokenizer.h"       // model_tokenizer: what checkpoints carry, what shards must match
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
-#include "model/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_shard
+#include "model/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
 #include "model/config.h"         // LlamaConfig
 #include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
@@ -316,10 +316,10 @@ int run(int argc, char** argv) {
     const TrainingState resumed = read_training_state(*resume_from);  // step, cursor and counts checked
     const json& state = resumed.state;
     step = resumed.step, skipped_steps = resumed.skipped_steps;
-    std::vector<float> p, m, v;
-    const int64_t steps_taken = load_checkpoint_shard(*resume_from, engine->layout(), engine->segments(), p, m, v);
+    // A piece at a time from the files into the engine: no rank holds its shard on the host.
+    const int64_t steps_taken = load_checkpoint_state(*resume_from, engine->layout(), engine->segments(),
+                                                      [&](const StateSource& source) { engine->import_state(source); });
     check_optimizer_steps(resumed, steps_taken, *resume_from);
-    engine->import_shard(p, m, v);
     engine->set_steps_taken(steps_taken);
     saved_cursor = resumed.data_cursor;
     if (state.contains("train_config")) {
@@ -395,28 +395,29 @@ int run(int argc, char** argv) {
                   {"rng", {{"seed", cfg.seed}}},
                   {"world", {{"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}}};
     const ParamLayout& layout = engine->layout();
-    std::vector<float> sp, sm, sv;
+    // The engine hands its weights and moments a piece at a time straight into the files (no host copy).
+    const StateExport export_state = [&](const StateSink& sink) { engine->export_state(sink); };
+    int64_t shard_elements = 0;
+    for (const Segment& s : engine->segments()) shard_elements += s.size;
     fs::path p;
     if (world->size() == 1) {  // one rank: the single-file format (also a Hugging Face model directory)
-      engine->export_shard(sp, sm, sv);  // one rank's shard order is the layout's order
-      TUNA_CHECK(static_cast<int64_t>(sp.size()) == layout.total(), "one rank's shard is not the whole model");
-      ProgressLine progress(str("checkpoint step ", at_step), 12.0 * double(sp.size()), ProgressLine::Unit::Bytes, stdout);
-      CheckpointContents contents{&config_json, sp.data(), {sm.data(), sv.data(), engine->steps_taken()}, state,
-                                  tokenizer.files, &progress};
+      TUNA_CHECK(shard_elements == layout.total(), "one rank's shard is not the whole model");
+      ProgressLine progress(str("checkpoint step ", at_step), 12.0 * double(shard_elements), ProgressLine::Unit::Bytes,
+                            stdout);
+      CheckpointContents contents{&config_json, nullptr, {nullptr, nullptr, engine->steps_taken()}, state,
+                                  tokenizer.files, &progress, &engine->segments(), export_state};
       p = save_checkpoint(ckpt_root, at_step, layout, contents, cfg.ckpt_keep);
       progress.finish();
     } else {  // one file per rank, written in parallel (model/checkpoint.h)
       if (world->rank() == 0) prepare_sharded_checkpoint(ckpt_root, at_step);
       world->barrier("checkpoint directory created");
-      engine->export_shard(sp, sm, sv);
       // Rank 0's file (ranks write theirs in parallel, of about the same size).
-      ProgressLine progress(str("checkpoint step ", at_step, ", rank 0's file"), 12.0 * double(sp.size()),
+      ProgressLine progress(str("checkpoint step ", at_step, ", rank 0's file"), 12.0 * double(shard_elements),
                             ProgressLine::Unit::Bytes, world->rank() == 0 ? stdout : nullptr);
       write_checkpoint_shard(checkpoint_tmp_dir(ckpt_root, at_step), world->rank(), layout,
-                             ShardState{&engine->segments(), sp.data(), sm.data(), sv.data(), engine->steps_taken(),
+                             ShardState{&engine->segments(), export_state, engine->steps_taken(),
                                         /*write_replicated=*/mesh.tp_rank == 0, &progress});
       progress.finish();
-      sp = {}, sm = {}, sv = {};
       CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer.files};
       world->barrier("checkpoint shards written");
       if (world->rank() == 0) p = finish_sharded_checkpoint(ckpt_root, at_step, contents, cfg.ckpt_keep);
