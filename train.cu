@@ -42,7 +42,7 @@
 #include "model/llama.h"          // init_random_weights
 #include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, plan_gpu_memory, format_memory_table
 #include "model/optimizer.h"      // OptimizerConfig, learning_rate
-#include "model/run_dir.h"        // choose_resume_checkpoint, truncate_metrics, MetricsLog, check_checkpoint_space
+#include "model/run_dir.h"        // open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -227,21 +227,14 @@ int run(int argc, char** argv) {
 
   const fs::path out_dir = cfg.out_dir, ckpt_root = out_dir / "ckpt";
   // Where the weights come from: a resume checkpoint beats --init beats a fresh init. An earlier run in
-  // out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one.
-  std::optional<fs::path> resume_from = choose_resume_checkpoint(out_dir, parse_resume_mode(cfg.resume), cfg.overwrite);
-  std::error_code ec;
-  if (world->rank() == 0) {
-    if (cfg.overwrite && inspect_run_dir(out_dir).any())
-      std::printf("--overwrite: deleted the earlier run in %s (%s)\n", out_dir.c_str(),
-                  remove_previous_run(out_dir).describe().c_str());
-    fs::create_directories(out_dir, ec);
-  }
-  if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
-
-  // A resume takes the newest checkpoint that verifies against its manifest on every rank, falling back past a
-  // damaged one (model/checkpoint.h).
-  if (resume_from)
-    resume_from = resume_checkpoint(ckpt_root, *world, [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
+  // out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one; a resume takes
+  // the newest checkpoint that verifies on every rank (model/run_dir.h). A plan touches nothing on disk.
+  std::optional<fs::path> resume_from;
+  if (!cfg.plan_only)
+    resume_from = open_run_dir(
+        out_dir, parse_resume_mode(cfg.resume), cfg.overwrite, *world,
+        [](const std::string& m) { std::printf("%s\n", m.c_str()); },
+        [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
   const fs::path init_dir = cfg.init.empty() ? fs::path() : resolve_checkpoint(cfg.init);  // .../latest too
   const fs::path weights_dir = resume_from ? *resume_from : init_dir;
   json config_json = weights_dir.empty() ? json() : read_config_json(weights_dir);

@@ -33,12 +33,6 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::string step_dir_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
-  return buf;
-}
-
 // ckpt/latest: a relative symlink to the newest step directory, replaced by rename so that a reader always
 // finds an old or a new link, never none. A filesystem without symlinks leaves no link; resolve_checkpoint
 // stands in for it.
@@ -53,6 +47,12 @@ void update_latest_link(const fs::path& root, const fs::path& step_dir) {
 }
 
 }  // namespace
+
+std::string step_dir_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
 
 void fsync_path(const fs::path& p, bool directory) {
   int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
@@ -180,10 +180,10 @@ namespace {
 
 // Elements of global tensors out of a model directory: a Hugging Face download or a tuna checkpoint
 // (model.safetensors / optimizer.safetensors, or the pieces of every rank file, see checkpoint.h). Only the
-// bytes asked for are read from the mapped files, and only they are checked to be finite. Every piece's
-// metadata is checked against
-// the model before one element is placed: a piece that would land outside its tensor, overlap another or
-// leave a hole is an error naming the rank file.
+// bytes asked for are read from the mapped files, and only they are checked to be finite. Each piece's
+// metadata is checked against the model before any of its elements is placed (a piece that would land outside
+// its tensor is an error naming the rank file), and the range read must be covered exactly once: an overlap or
+// a hole inside it is an error too.
 class GlobalTensorReader {
  public:
   explicit GlobalTensorReader(const fs::path& dir) : dir_(dir) {

@@ -32,8 +32,8 @@
 // "exp_avg_sq.<name>": elements [begin, begin + n) of this rank's tensor-parallel block of the global
 // tensor (row-major), with the block and begin in the metadata "pieces" (JSON: name -> {global_shape,
 // split_dim, split_begin, shape, begin}). Pieces are placed in global coordinates, so a checkpoint is
-// read back by any world size, tensor-parallel degree and ZeRO stage (resharding on load): the reader
-// assembles each global tensor from the pieces of all rank files and keeps the part the new rank owns.
+// read back by any world size, tensor-parallel degree and ZeRO stage (resharding on load): a reader asks for
+// the ranges of global elements the new rank owns and reads only the parts of the pieces that cover them.
 // There is no merged model.safetensors (rank 0 would need the whole model in memory): load_weights (eval,
 // sample, --init) and `build/convert tuna-to-hf` read rank files directly.
 #pragma once
@@ -122,6 +122,8 @@ struct CheckpointContents {
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, int64_t step, const ParamLayout& layout,
                                       const CheckpointContents& contents, int64_t keep_last);
 
+// A checkpoint directory's name for a step (1000 -> step_00001000), also in the names of files that refer to one.
+std::string step_dir_name(int64_t step);
 // The step in a checkpoint directory's name (step_00001000 -> 1000); -1 when the name is not exactly one that
 // save_checkpoint writes (a name of 20 digits, or "step_12", is not a checkpoint of tuna's).
 int64_t checkpoint_step(const std::filesystem::path& dir);

@@ -99,6 +99,7 @@ std::vector<SourceTensor> collect(const HfCheckpointDir& src, const ParamLayout&
     if (e.info->dtype != DType::F32 && e.info->dtype != DType::BF16 && e.info->dtype != DType::F16)
       fail(src.dir().string(), ": tensor '", t.name, "': expected dtype F32, BF16 or F16, found ", dtype_name(e.info->dtype));
     e.file->require_finite(*e.info);  // a NaN passed through conversion would train (or ship) as NaN
+    e.file->release(e.file->data(*e.info), e.info->nbytes());  // the scan does not keep the model resident
     out.push_back({&t, e});
   }
   refuse_foreign_tensors(src, layout);

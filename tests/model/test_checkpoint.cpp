@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -16,8 +17,6 @@
 #include "dist/zero.h"  // dp_unit_pieces
 #include "tests/test_util.h"
 
-#include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 namespace tuna {
@@ -442,7 +441,7 @@ TEST(Checkpoint, NonFiniteStateIsNeverWritten) {
             std::string::npos)
       << msg;
   EXPECT_EQ(list_checkpoints(tmp.path), std::vector<fs::path>{tmp / "step_00000010"});  // the last good one stays
-  // And never read: a NaN that got into a file some other way is refused by tensor and index.
+  // Nor are the moments (NonFiniteStateIsNeverRead: nor is either read back).
   run.model.params[run.model.layout().find("model.layers.1.mlp.up_proj.weight")->offset + 5] = 1.0f;
   run.opt.v[17] = INFINITY;
   EXPECT_NE(error_of([&] { run.save(tmp.path, 20, 1); }).find("AdamW second moment"), std::string::npos);
@@ -497,6 +496,58 @@ struct ShardedRun {
     w.write(file);
   }
 };
+
+// Rewrites a float32 safetensors file with element `index` of tensor `name` set to NaN (as damage, or a writer
+// other than tuna's, would leave it).
+void set_element_nan(const fs::path& file, const std::string& name, int64_t index) {
+  SafetensorsWriter w;
+  std::vector<std::vector<std::byte>> copies;
+  {
+    SafetensorsFile f(file);
+    for (const auto& [key, value] : f.metadata()) w.add_metadata(key, value);
+    for (const TensorInfo& t : f.tensors()) {
+      copies.emplace_back(f.data(t), f.data(t) + t.nbytes());
+      if (t.name == name) {
+        ASSERT_EQ(t.dtype, DType::F32);
+        const float nan = NAN;
+        std::memcpy(copies.back().data() + index * sizeof(float), &nan, sizeof(float));
+      }
+      w.add(t.name, t.dtype, t.shape, copies.back().data());
+    }
+  }
+  w.write(file);
+}
+
+// The read side of NonFiniteStateIsNeverWritten: a NaN that got into a file some other way is refused by file,
+// tensor and index, from a single-file checkpoint (load_weights: eval, sample, --init) and from rank files
+// (load_checkpoint_shard: --resume), on exactly the elements read.
+TEST(Checkpoint, NonFiniteStateIsNeverRead) {
+  TempDir tmp("nonfiniteread");
+  SingleRankRun run;
+  const fs::path dir = run.save(tmp.path, 10);
+  set_element_nan(dir / "model.safetensors", "model.layers.1.mlp.up_proj.weight", 5);
+  std::vector<float> weights(run.model.layout().total());
+  std::string msg = error_of([&] { load_weights(dir, run.model.layout(), weights.data()); });
+  EXPECT_NE(msg.find("tensor 'model.layers.1.mlp.up_proj.weight' in " + (dir / "model.safetensors").string() +
+                     ": element 5 is nan"),
+            std::string::npos)
+      << msg;
+
+  ShardedRun sharded;
+  std::string piece;
+  {
+    SafetensorsFile f(sharded.dir / "rank_00001.safetensors");
+    for (const TensorInfo& t : f.tensors())
+      if (piece.empty() && t.name.rfind("exp_avg", 0) != 0 && t.shape[0] > 3) piece = t.name;
+  }
+  ASSERT_FALSE(piece.empty());
+  set_element_nan(sharded.dir / "rank_00001.safetensors", piece, 3);
+  msg = sharded.load();
+  EXPECT_NE(msg.find("tensor '" + piece + "' in " + (sharded.dir / "rank_00001.safetensors").string() +
+                     ": element 3 is nan"),
+            std::string::npos)
+      << msg;
+}
 
 TEST(Checkpoint, PiecesMetadataIsCheckedBeforeAnyElementIsPlaced) {
   ShardedRun run;
