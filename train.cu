@@ -36,13 +36,13 @@
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
 #include "data/tokenizer.h"       // model_tokenizer: what checkpoints carry, what shards must match
 #include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
-#include "model/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_shard
+#include "model/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
 #include "model/config.h"         // LlamaConfig
 #include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
 #include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, plan_gpu_memory, format_memory_table
 #include "model/optimizer.h"      // OptimizerConfig, learning_rate
-#include "model/run_dir.h"        // choose_resume_checkpoint, truncate_metrics, MetricsLog, check_checkpoint_space
+#include "model/run_dir.h"        // open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -227,21 +227,14 @@ int run(int argc, char** argv) {
 
   const fs::path out_dir = cfg.out_dir, ckpt_root = out_dir / "ckpt";
   // Where the weights come from: a resume checkpoint beats --init beats a fresh init. An earlier run in
-  // out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one.
-  std::optional<fs::path> resume_from = choose_resume_checkpoint(out_dir, parse_resume_mode(cfg.resume), cfg.overwrite);
-  std::error_code ec;
-  if (world->rank() == 0) {
-    if (cfg.overwrite && inspect_run_dir(out_dir).any())
-      std::printf("--overwrite: deleted the earlier run in %s (%s)\n", out_dir.c_str(),
-                  remove_previous_run(out_dir).describe().c_str());
-    fs::create_directories(out_dir, ec);
-  }
-  if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
-
-  // A resume takes the newest checkpoint that verifies against its manifest on every rank, falling back past a
-  // damaged one (model/checkpoint.h).
-  if (resume_from)
-    resume_from = resume_checkpoint(ckpt_root, *world, [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
+  // out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one; a resume takes
+  // the newest checkpoint that verifies on every rank (model/run_dir.h). A plan touches nothing on disk.
+  std::optional<fs::path> resume_from;
+  if (!cfg.plan_only)
+    resume_from = open_run_dir(
+        out_dir, parse_resume_mode(cfg.resume), cfg.overwrite, *world,
+        [](const std::string& m) { std::printf("%s\n", m.c_str()); },
+        [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
   const fs::path init_dir = cfg.init.empty() ? fs::path() : resolve_checkpoint(cfg.init);  // .../latest too
   const fs::path weights_dir = resume_from ? *resume_from : init_dir;
   json config_json = weights_dir.empty() ? json() : read_config_json(weights_dir);
@@ -316,10 +309,10 @@ int run(int argc, char** argv) {
     const TrainingState resumed = read_training_state(*resume_from);  // step, cursor and counts checked
     const json& state = resumed.state;
     step = resumed.step, skipped_steps = resumed.skipped_steps;
-    std::vector<float> p, m, v;
-    const int64_t steps_taken = load_checkpoint_shard(*resume_from, engine->layout(), engine->segments(), p, m, v);
+    // A piece at a time from the files into the engine: no rank holds its shard on the host.
+    const int64_t steps_taken = load_checkpoint_state(*resume_from, engine->layout(), engine->segments(),
+                                                      [&](const StateSource& source) { engine->import_state(source); });
     check_optimizer_steps(resumed, steps_taken, *resume_from);
-    engine->import_shard(p, m, v);
     engine->set_steps_taken(steps_taken);
     saved_cursor = resumed.data_cursor;
     if (state.contains("train_config")) {
@@ -395,28 +388,29 @@ int run(int argc, char** argv) {
                   {"rng", {{"seed", cfg.seed}}},
                   {"world", {{"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}}};
     const ParamLayout& layout = engine->layout();
-    std::vector<float> sp, sm, sv;
+    // The engine hands its weights and moments a piece at a time straight into the files (no host copy).
+    const StateExport export_state = [&](const StateSink& sink) { engine->export_state(sink); };
+    int64_t shard_elements = 0;
+    for (const Segment& s : engine->segments()) shard_elements += s.size;
     fs::path p;
     if (world->size() == 1) {  // one rank: the single-file format (also a Hugging Face model directory)
-      engine->export_shard(sp, sm, sv);  // one rank's shard order is the layout's order
-      TUNA_CHECK(static_cast<int64_t>(sp.size()) == layout.total(), "one rank's shard is not the whole model");
-      ProgressLine progress(str("checkpoint step ", at_step), 12.0 * double(sp.size()), ProgressLine::Unit::Bytes, stdout);
-      CheckpointContents contents{&config_json, sp.data(), {sm.data(), sv.data(), engine->steps_taken()}, state,
-                                  tokenizer.files, &progress};
+      TUNA_CHECK(shard_elements == layout.total(), "one rank's shard is not the whole model");
+      ProgressLine progress(str("checkpoint step ", at_step), 12.0 * double(shard_elements), ProgressLine::Unit::Bytes,
+                            stdout);
+      CheckpointContents contents{&config_json, nullptr, {nullptr, nullptr, engine->steps_taken()}, state,
+                                  tokenizer.files, &progress, &engine->segments(), export_state};
       p = save_checkpoint(ckpt_root, at_step, layout, contents, cfg.ckpt_keep);
       progress.finish();
     } else {  // one file per rank, written in parallel (model/checkpoint.h)
       if (world->rank() == 0) prepare_sharded_checkpoint(ckpt_root, at_step);
       world->barrier("checkpoint directory created");
-      engine->export_shard(sp, sm, sv);
       // Rank 0's file (ranks write theirs in parallel, of about the same size).
-      ProgressLine progress(str("checkpoint step ", at_step, ", rank 0's file"), 12.0 * double(sp.size()),
+      ProgressLine progress(str("checkpoint step ", at_step, ", rank 0's file"), 12.0 * double(shard_elements),
                             ProgressLine::Unit::Bytes, world->rank() == 0 ? stdout : nullptr);
       write_checkpoint_shard(checkpoint_tmp_dir(ckpt_root, at_step), world->rank(), layout,
-                             ShardState{&engine->segments(), sp.data(), sm.data(), sv.data(), engine->steps_taken(),
+                             ShardState{&engine->segments(), export_state, engine->steps_taken(),
                                         /*write_replicated=*/mesh.tp_rank == 0, &progress});
       progress.finish();
-      sp = {}, sm = {}, sv = {};
       CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer.files};
       world->barrier("checkpoint shards written");
       if (world->rank() == 0) p = finish_sharded_checkpoint(ckpt_root, at_step, contents, cfg.ckpt_keep);

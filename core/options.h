@@ -9,7 +9,8 @@
 // is checked against its declaration wherever it comes from: a flag, the TOML file or a checkpoint's saved
 // config. Numbers must be finite (inf and nan are refused for every option), and a TOML or JSON value must
 // have the option's type: a number for a string option, a string for a number option or a float for an
-// integer option is an error naming the option, not a conversion.
+// integer option is an error naming the option, not a conversion. (One exception: a choice among "true",
+// "false", ... such as --resume true|false|auto takes a TOML/JSON boolean as its text.)
 #pragma once
 
 #include <nlohmann/json.hpp>

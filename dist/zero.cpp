@@ -160,40 +160,42 @@ void Zero::gather_params_in_place() {
   }
 }
 
-void Zero::export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const {
-  params.resize(shard_size_), m.resize(shard_size_), v.resize(shard_size_);
+void Zero::export_state(const std::function<void(size_t, const float*, const float*, const float*)>& sink) const {
   for (size_t i = 0; i < segments_.size(); i++) {
-    const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin, n = segments_[i].size;
-    // Stages 0-2 hold whole weights (stage 0 whole moments too): this rank writes its piece.
-    std::copy_n(stage_ == 3 ? master_.data() + at : model_.params.data() + begin, n, params.data() + at);
-    std::copy_n(optimizer_.m.data() + (stage_ == 0 ? begin : at), n, m.data() + at);
-    std::copy_n(optimizer_.v.data() + (stage_ == 0 ? begin : at), n, v.data() + at);
+    const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin;
+    // Stages 0-2 hold whole weights (stage 0 whole moments too): this rank hands out its piece of them, in place.
+    const int64_t moments_at = stage_ == 0 ? begin : at;
+    sink(i, stage_ == 3 ? master_.data() + at : model_.params.data() + begin, optimizer_.m.data() + moments_at,
+         optimizer_.v.data() + moments_at);
   }
 }
 
-void Zero::import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v) {
-  TUNA_CHECK(static_cast<int64_t>(params.size()) == shard_size_ && m.size() == params.size() && v.size() == params.size(),
-             "shard of ", params.size(), " elements, expected ", shard_size_);
+void Zero::import_state(const std::function<void(size_t, float*, float*, float*)>& source) {
   if (stage_ >= 1) {
-    optimizer_.m = m;
-    optimizer_.v = v;
+    // Each piece in place: stage 3's into its master shard, stages 1-2's into their piece of the whole weights.
+    for (size_t i = 0; i < segments_.size(); i++) {
+      const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin;
+      source(i, stage_ == 3 ? master_.data() + at : model_.params.data() + begin, optimizer_.m.data() + at,
+             optimizer_.v.data() + at);
+    }
     if (stage_ == 3) {
-      master_ = params;
       for (UnitBuffer& b : weight_buffers_) b.valid = false;
-    } else {  // this rank's pieces into the whole weights, then everyone's
-      for (size_t i = 0; i < segments_.size(); i++)
-        std::copy_n(params.data() + unit_shard_offset_[i], segments_[i].size, model_.params.data() + segments_[i].begin);
-      gather_params_in_place();
+    } else {
+      gather_params_in_place();  // everyone's pieces
     }
     return;
   }
-  // Stage 0 keeps whole copies: gather every rank's piece of the weights and both moments.
+  // Stage 0 keeps whole copies: each rank reads its piece in place, then every unit is gathered in place.
+  for (size_t i = 0; i < segments_.size(); i++) {
+    const int64_t begin = segments_[i].begin;
+    source(i, model_.params.data() + begin, optimizer_.m.data() + begin, optimizer_.v.data() + begin);
+  }
   for (int u = 0; u < layout_.num_units(); u++) {
     const auto [begin, end] = layout_.unit_range(u);
-    const int64_t at = unit_shard_offset_[u];
-    dp_.all_gather(params.data() + at, model_.params.data() + begin, end - begin, "checkpoint weights");
-    dp_.all_gather(m.data() + at, optimizer_.m.data() + begin, end - begin, "checkpoint exp_avg");
-    dp_.all_gather(v.data() + at, optimizer_.v.data() + begin, end - begin, "checkpoint exp_avg_sq");
+    const int64_t mine = segments_[u].begin;
+    dp_.all_gather(model_.params.data() + mine, model_.params.data() + begin, end - begin, "checkpoint weights");
+    dp_.all_gather(optimizer_.m.data() + mine, optimizer_.m.data() + begin, end - begin, "checkpoint exp_avg");
+    dp_.all_gather(optimizer_.v.data() + mine, optimizer_.v.data() + begin, end - begin, "checkpoint exp_avg_sq");
   }
 }
 

@@ -74,7 +74,7 @@ class Zero final : public WeightStore {
   // model must be built with LlamaParallel::external_weights iff stage == 3 and external_grads iff stage == 2.
   // For stages 0-2 the model's
   // params must already hold the initial weights (every rank the same); for stage 3, call
-  // master_weights() and fill it (or import_shard) before the first step.
+  // master_weights() and fill it (or import_state) before the first step.
   Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp);
 
   int stage() const { return stage_; }
@@ -92,10 +92,11 @@ class Zero final : public WeightStore {
   // Sums an evaluation loss over dp (each dp rank evaluated its part of the split).
   LossSum all_reduce_loss(const LossSum& local);
 
-  // Checkpoint exchange in shard order (segments()): the master weights and the AdamW moments.
-  void export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const;
-  // The reverse, then refreshes whatever copies the stage keeps (gathers whole weights for stages 0-2).
-  void import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v);
+  // Checkpoint exchange a piece at a time (segments() order): each piece's master weights and AdamW moments,
+  // handed out in place (no copy) by export_state, and written in place by import_state's source, which then
+  // refreshes whatever copies the stage keeps (gathers whole weights for stages 0-2, moments for stage 0).
+  void export_state(const std::function<void(size_t, const float*, const float*, const float*)>& sink) const;
+  void import_state(const std::function<void(size_t, float*, float*, float*)>& source);
   // Stage 3 initialization: fill(piece, out) writes each of this rank's pieces (segments()) of the (tp-local)
   // model into its place in the shard; no rank holds more than its shard.
   void fill_weights(const std::function<void(const Segment& piece, float* out)>& fill);

@@ -52,6 +52,21 @@ __device__ __forceinline__ void merge(float& m, float& s, float other_m, float o
   m = new_m;
 }
 
+// Every thread's (max, sum of exp) merged over the block, in a fixed order (warp shuffles, then the warps in
+// order), into every thread's m and s. Its barrier also publishes what the block wrote to shared memory before.
+__device__ __forceinline__ void block_merge(float& m, float& s, float* shared_m, float* shared_s) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other_m = __shfl_xor_sync(0xffffffffu, m, offset);
+    const float other_s = __shfl_xor_sync(0xffffffffu, s, offset);
+    merge(m, s, other_m, other_s);
+  }
+  if (threadIdx.x % 32 == 0) shared_m[threadIdx.x / 32] = m, shared_s[threadIdx.x / 32] = s;
+  __syncthreads();
+  m = shared_m[0], s = shared_s[0];
+  for (int w = 1; w < kWarps; ++w) merge(m, s, shared_m[w], shared_s[w]);
+}
+
 // The gradient of 8 logits starting at column j0.
 __device__ __forceinline__ Packed8 gradient8(const Packed8& x, int64_t j0, float lse, int32_t target, float dloss,
                                              float bad) {
@@ -119,16 +134,7 @@ __global__ void __launch_bounds__(kThreads) classifier_kernel(bf16* logits, floa
   } else {
     for (int64_t j = threadIdx.x; j < vocab; j += kThreads) merge(m, s, __bfloat162float(x[j]), 1.0f);
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other_m = __shfl_xor_sync(0xffffffffu, m, offset);
-    const float other_s = __shfl_xor_sync(0xffffffffu, s, offset);
-    merge(m, s, other_m, other_s);
-  }
-  if (threadIdx.x % 32 == 0) shared_m[threadIdx.x / 32] = m, shared_s[threadIdx.x / 32] = s;
-  __syncthreads();  // also publishes target_logit (and the cached row) before pass 2 overwrites the row
-  m = shared_m[0], s = shared_s[0];
-  for (int w = 1; w < kWarps; ++w) merge(m, s, shared_m[w], shared_s[w]);
+  block_merge(m, s, shared_m, shared_s);  // also publishes target_logit (and the cached row) before pass 2
   const float lse = m + logf(s);
   if (threadIdx.x == 0) losses[row] = valid ? lse - target_logit : NAN;
   if (dloss == 0.0f) return;
@@ -176,16 +182,7 @@ __device__ void row_max_and_sum(const bf16* x, int64_t count, float* shared_m, f
   } else {
     for (int64_t j = threadIdx.x; j < count; j += kThreads) merge(m, s, __bfloat162float(x[j]), 1.0f);
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other_m = __shfl_xor_sync(0xffffffffu, m, offset);
-    const float other_s = __shfl_xor_sync(0xffffffffu, s, offset);
-    merge(m, s, other_m, other_s);
-  }
-  if (threadIdx.x % 32 == 0) shared_m[threadIdx.x / 32] = m, shared_s[threadIdx.x / 32] = s;
-  __syncthreads();
-  m = shared_m[0], s = shared_s[0];
-  for (int w = 1; w < kWarps; ++w) merge(m, s, shared_m[w], shared_s[w]);
+  block_merge(m, s, shared_m, shared_s);
 }
 
 // Vocab-parallel step 1 (classifier.cuh): stats [3, n] of this rank's columns.

@@ -33,12 +33,6 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::string step_dir_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
-  return buf;
-}
-
 // ckpt/latest: a relative symlink to the newest step directory, replaced by rename so that a reader always
 // finds an old or a new link, never none. A filesystem without symlinks leaves no link; resolve_checkpoint
 // stands in for it.
@@ -53,6 +47,12 @@ void update_latest_link(const fs::path& root, const fs::path& step_dir) {
 }
 
 }  // namespace
+
+std::string step_dir_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
 
 void fsync_path(const fs::path& p, bool directory) {
   int fd = ::open(p.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
@@ -180,10 +180,10 @@ namespace {
 
 // Elements of global tensors out of a model directory: a Hugging Face download or a tuna checkpoint
 // (model.safetensors / optimizer.safetensors, or the pieces of every rank file, see checkpoint.h). Only the
-// bytes asked for are read from the mapped files, and only they are checked to be finite. Every piece's
-// metadata is checked against
-// the model before one element is placed: a piece that would land outside its tensor, overlap another or
-// leave a hole is an error naming the rank file.
+// bytes asked for are read from the mapped files, and only they are checked to be finite. Each piece's
+// metadata is checked against the model before any of its elements is placed (a piece that would land outside
+// its tensor is an error naming the rank file), and the range read must be covered exactly once: an overlap or
+// a hole inside it is an error too.
 class GlobalTensorReader {
  public:
   explicit GlobalTensorReader(const fs::path& dir) : dir_(dir) {
@@ -228,8 +228,9 @@ class GlobalTensorReader {
       if (!is_floating(info->dtype))
         fail("tensor '", name, "' in ", file->path().string(), ": expected a floating-point dtype, found ",
              dtype_name(info->dtype));
-      convert_to_f32(file->data(*info) + begin * static_cast<int64_t>(dtype_size(info->dtype)), info->dtype, out,
-                     count);
+      const std::byte* src = file->data(*info) + begin * static_cast<int64_t>(dtype_size(info->dtype));
+      convert_to_f32(src, info->dtype, out, count);
+      file->release(src, uint64_t(count) * dtype_size(info->dtype));  // copied out: not this rank's memory any more
       const int64_t bad = first_non_finite(out, DType::F32, count);
       if (bad >= 0)
         fail("tensor '", name, "' in ", file->path().string(), ": element ", begin + bad, " is ", out[bad],
@@ -259,9 +260,18 @@ class GlobalTensorReader {
                                   : row * gcols + p.split_begin + col;
       };
       if (p.n == 0 || global(p.n - 1) < begin || global(0) >= end) continue;  // global() grows with i
-      for (int64_t i = 0; i < p.n; i++) {
+      // So the piece's elements in the range are one run: found by bisection, not by a scan of the piece (a column
+      // block is read a row at a time, and a scan per row would be rows x piece at 70B).
+      int64_t first = 0;
+      for (int64_t hi = p.n; first < hi;) {
+        const int64_t mid = first + (hi - first) / 2;
+        if (global(mid) < begin) first = mid + 1;
+        else hi = mid;
+      }
+      int64_t i = first;
+      for (; i < p.n; i++) {
         const int64_t g = global(i);
-        if (g < begin || g >= end) continue;
+        if (g >= end) break;
         if (placed[g - begin])
           fail(where, ": global element ", g, " is also in another piece (the rank files overlap: from different runs?)");
         placed[g - begin] = true;
@@ -274,6 +284,7 @@ class GlobalTensorReader {
         out[g - begin] = value;
         covered++;
       }
+      f.file.release(reinterpret_cast<const std::byte*>(src + first), uint64_t(i - first) * sizeof(float));
     }
     if (covered != count)
       fail(dir_.string(), ": the rank files hold ", covered, " of the ", count, " elements of '", prefix + t.name,
@@ -369,6 +380,36 @@ void for_each_tensor_of(const ParamLayout& layout, const Segment& piece, F&& f) 
   }
 }
 
+// A sink that checks an export hands its pieces in segment order (the files' bytes follow that order) and gives
+// f each piece with its segment.
+template <typename F>
+StateSink in_segment_order(const std::vector<Segment>& segments, F&& f) {
+  return [&segments, f, next = size_t(0)](size_t i, const float* p, const float* m, const float* v) mutable {
+    TUNA_CHECK(i == next && i < segments.size(), "checkpoint export handed piece ", i, ", expected piece ", next,
+               " of ", segments.size());
+    next++;
+    f(segments[i], p, m, v);
+  };
+}
+
+// Runs `export_state` into f and checks that it handed out every one of `segments`, each piece finite (a checkpoint
+// written from NaN or inf would be the only one the rotation keeps: `checkpoint` is refused, before its files are
+// complete, naming the element).
+void export_all(const std::string& checkpoint, const ParamLayout& layout, const StateExport& export_state,
+                const std::vector<Segment>& segments,
+                const std::function<void(const Segment&, const float*, const float*, const float*)>& f) {
+  size_t handed = 0;
+  export_state(in_segment_order(segments, [&](const Segment& seg, const float* p, const float* m, const float* v) {
+    const std::vector<Segment> piece{seg};
+    require_finite_state(checkpoint, "weight", p, seg.size, layout, piece);
+    require_finite_state(checkpoint, "AdamW first moment", m, seg.size, layout, piece);
+    require_finite_state(checkpoint, "AdamW second moment", v, seg.size, layout, piece);
+    f(seg, p, m, v);
+    handed++;
+  }));
+  TUNA_CHECK(handed == segments.size(), "checkpoint export handed ", handed, " of ", segments.size(), " pieces");
+}
+
 }  // namespace
 
 struct WeightReader::Reader {
@@ -401,49 +442,76 @@ void load_weights(const fs::path& dir, const ParamLayout& layout, float* params)
 }
 
 void write_checkpoint_shard(const fs::path& tmp_dir, int rank, const ParamLayout& layout, const ShardState& s) {
-  int64_t total = 0;
-  for (const Segment& seg : *s.segments) total += seg.size;
+  TUNA_CHECK(s.segments && s.export_state, "checkpoint shard incomplete");
   const std::string file = (tmp_dir / rank_file_name(rank)).string();
-  require_finite_state(file, "weight", s.params, total, layout, *s.segments);
-  require_finite_state(file, "AdamW first moment", s.m, total, layout, *s.segments);
-  require_finite_state(file, "AdamW second moment", s.v, total, layout, *s.segments);
   SafetensorsWriter w;
   json pieces = json::object();
-  int64_t shard_offset = 0;
-  for (const Segment& seg : *s.segments) {
-    for (const ParamTensor& t : layout.tensors()) {
-      if (!s.write_replicated && t.split_dim < 0) continue;
-      const int64_t begin = std::max(seg.begin, t.offset), end = std::min(seg.begin + seg.size, t.offset + t.numel);
-      if (begin >= end) continue;
-      const int64_t at = shard_offset + (begin - seg.begin), n = end - begin;
+  const auto tensors_written = [&](const Segment& seg, auto&& f) {
+    for_each_tensor_of(layout, seg, [&](const ParamTensor& t, int64_t lb, int64_t le, int64_t at) {
+      if (s.write_replicated || t.split_dim >= 0) f(t, lb, le, at);
+    });
+  };
+  for (const Segment& seg : *s.segments)
+    tensors_written(seg, [&](const ParamTensor& t, int64_t lb, int64_t le, int64_t) {
       pieces[t.name] = {{"global_shape", t.global_shape}, {"split_dim", t.split_dim}, {"split_begin", t.split_begin},
-                        {"shape", t.shape}, {"begin", begin - t.offset}};
-      w.add(t.name, DType::F32, {n}, s.params + at);
-      w.add("exp_avg." + t.name, DType::F32, {n}, s.m + at);
-      w.add("exp_avg_sq." + t.name, DType::F32, {n}, s.v + at);
-    }
-    shard_offset += seg.size;
-  }
+                        {"shape", t.shape}, {"begin", lb}};
+      const int64_t n = le - lb;
+      w.add_streamed(t.name, DType::F32, {&n, 1});
+      w.add_streamed("exp_avg." + t.name, DType::F32, {&n, 1});
+      w.add_streamed("exp_avg_sq." + t.name, DType::F32, {&n, 1});
+    });
   w.add_metadata("producer", "tuna");
   w.add_metadata("steps_taken", std::to_string(s.steps_taken));
   w.add_metadata("pieces", pieces.dump());
-  const FileDigest d = w.write(tmp_dir / rank_file_name(rank), s.progress);
+  const FileDigest d = w.write_streamed(
+      tmp_dir / rank_file_name(rank),
+      [&](const SafetensorsWriter::Append& append) {
+        export_all(file, layout, s.export_state, *s.segments,
+                   [&](const Segment& seg, const float* p, const float* m, const float* v) {
+                     tensors_written(seg, [&](const ParamTensor&, int64_t lb, int64_t le, int64_t at) {
+                       const uint64_t bytes = uint64_t(le - lb) * sizeof(float);
+                       append(p + at, bytes), append(m + at, bytes), append(v + at, bytes);
+                     });
+                   });
+      },
+      s.progress);
   write_text_file(tmp_dir / digest_note_name(rank), json{{"bytes", d.bytes}, {"xxh3_64", hex64(d.xxh3)}}.dump());
+}
+
+StateExport shard_buffers_export(const std::vector<Segment>& segments, const float* params, const float* m,
+                                 const float* v) {
+  return [&segments, params, m, v](const StateSink& sink) {
+    int64_t at = 0;
+    for (size_t i = 0; i < segments.size(); i++) {
+      sink(i, params + at, m ? m + at : nullptr, v ? v + at : nullptr);
+      at += segments[i].size;
+    }
+  };
+}
+
+int64_t load_checkpoint_state(const fs::path& dir, const ParamLayout& layout, const std::vector<Segment>& segments,
+                              const StateImport& import_state) {
+  CheckpointReader reader(dir, layout);
+  size_t next = 0;
+  import_state([&](size_t i, float* p, float* m, float* v) {
+    TUNA_CHECK(i < segments.size(), "restore asked for piece ", i, " of ", segments.size());
+    reader.read(segments[i], p, m, v);
+    next++;
+  });
+  TUNA_CHECK(next == segments.size(), "restore read ", next, " of ", segments.size(), " pieces");
+  return reader.steps_taken();
 }
 
 int64_t load_checkpoint_shard(const fs::path& dir, const ParamLayout& layout, const std::vector<Segment>& segments,
                               std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) {
+  std::vector<int64_t> at;
   int64_t total = 0;
-  for (const Segment& seg : segments) total += seg.size;
+  for (const Segment& seg : segments) at.push_back(total), total += seg.size;
   allocate_host(str("this rank's share of ", dir.string(), " (weights and two AdamW moments)"), 3 * total * sizeof(float),
                 [&] { params.assign(total, 0.0f), m.assign(total, 0.0f), v.assign(total, 0.0f); });
-  CheckpointReader reader(dir, layout);
-  int64_t at = 0;
-  for (const Segment& seg : segments) {
-    reader.read(seg, params.data() + at, m.data() + at, v.data() + at);
-    at += seg.size;
-  }
-  return reader.steps_taken();
+  return load_checkpoint_state(dir, layout, segments, [&](const StateSource& source) {
+    for (size_t i = 0; i < segments.size(); i++) source(i, params.data() + at[i], m.data() + at[i], v.data() + at[i]);
+  });
 }
 
 struct CheckpointReader::Reader {
@@ -556,32 +624,66 @@ fs::path finish_sharded_checkpoint(const fs::path& root, int64_t step, const Che
 
 fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& layout,
                          const CheckpointContents& c, int64_t keep_last) {
-  TUNA_CHECK(c.config_json && c.params, "checkpoint contents incomplete");
-  const std::vector<Segment> whole = {Segment{0, layout.total()}};
+  TUNA_CHECK(c.config_json && (c.params || (c.export_state && c.segments)), "checkpoint contents incomplete");
+  // The state a piece at a time: the caller's export, or one piece that is the whole layout.
+  const std::vector<Segment> whole{Segment{0, layout.total()}};
+  const std::vector<Segment>& segments = c.export_state ? *c.segments : whole;
+  const StateExport export_state =
+      c.export_state ? c.export_state : [&](const StateSink& sink) { sink(0, c.params, c.optimizer.m, c.optimizer.v); };
+  const bool with_optimizer = c.export_state || c.optimizer.m;
+  TUNA_CHECK(c.export_state || !c.optimizer.m || c.optimizer.v, "checkpoint moments incomplete");
+  // The files hold whole tensors in layout order: the pieces must come in that order, and (for the optimizer's
+  // interleaved moments) each tensor within one piece.
+  int64_t next = 0;
+  const auto tensors_of = [&](const Segment& seg, bool whole_tensors, auto&& f) {
+    for_each_tensor_of(layout, seg, [&](const ParamTensor& t, int64_t lb, int64_t le, int64_t at) {
+      TUNA_CHECK(t.offset + lb == next, "single-file checkpoint: piece at ", seg.begin, " is out of layout order");
+      TUNA_CHECK(!whole_tensors || (lb == 0 && le == t.numel), "single-file checkpoint: tensor '", t.name,
+                 "' is split between pieces");
+      next = t.offset + le;
+      f(at, uint64_t(le - lb) * sizeof(float));
+    });
+  };
   const std::string checkpoint = str("the checkpoint of step ", step);
-  require_finite_state(checkpoint, "weight", c.params, layout.total(), layout, whole);
-  require_finite_state(checkpoint, "AdamW first moment", c.optimizer.m, layout.total(), layout, whole);
-  require_finite_state(checkpoint, "AdamW second moment", c.optimizer.v, layout.total(), layout, whole);
   const fs::path tmp_dir = prepare_sharded_checkpoint(root, step);
   json files = json::object();
   auto entry = [](const FileDigest& d) { return json{{"bytes", d.bytes}, {"xxh3_64", hex64(d.xxh3)}}; };
-  {
-    SafetensorsWriter w;
-    w.add_metadata("format", "pt");  // transformers checks this key when loading
-    w.add_metadata("producer", "tuna");
-    for (const ParamTensor& t : layout.tensors()) w.add(t.name, DType::F32, t.shape, c.params + t.offset);
-    files["model.safetensors"] = entry(w.write(tmp_dir / "model.safetensors", c.progress));
-  }
-  if (c.optimizer.m) {
-    TUNA_CHECK(c.optimizer.v, "checkpoint moments incomplete");
-    SafetensorsWriter w;
-    w.add_metadata("producer", "tuna");
-    w.add_metadata("steps_taken", std::to_string(c.optimizer.steps_taken));
-    for (const ParamTensor& t : layout.tensors()) {
-      w.add("exp_avg." + t.name, DType::F32, t.shape, c.optimizer.m + t.offset);
-      w.add("exp_avg_sq." + t.name, DType::F32, t.shape, c.optimizer.v + t.offset);
+  // The weights' file (p of each piece) or the moments' (m then v of each whole tensor).
+  const auto write_file = [&](const std::string& name, const SafetensorsWriter& w) {
+    next = 0;
+    files[name] = entry(w.write_streamed(
+        tmp_dir / name,
+        [&](const SafetensorsWriter::Append& append) {
+          export_all(checkpoint, layout, export_state, segments,
+                     [&](const Segment& seg, const float* p, const float* m, const float* v) {
+                       tensors_of(seg, name == "optimizer.safetensors", [&](int64_t at, uint64_t bytes) {
+                         if (name == "model.safetensors") return append(p + at, bytes);
+                         append(m + at, bytes), append(v + at, bytes);
+                       });
+                     });
+        },
+        c.progress));
+  };
+  try {
+    SafetensorsWriter weights;
+    weights.add_metadata("format", "pt");  // transformers checks this key when loading
+    weights.add_metadata("producer", "tuna");
+    for (const ParamTensor& t : layout.tensors()) weights.add_streamed(t.name, DType::F32, t.shape);
+    write_file("model.safetensors", weights);
+    if (with_optimizer) {
+      SafetensorsWriter moments;
+      moments.add_metadata("producer", "tuna");
+      moments.add_metadata("steps_taken", std::to_string(c.optimizer.steps_taken));
+      for (const ParamTensor& t : layout.tensors()) {
+        moments.add_streamed("exp_avg." + t.name, DType::F32, t.shape);
+        moments.add_streamed("exp_avg_sq." + t.name, DType::F32, t.shape);
+      }
+      write_file("optimizer.safetensors", moments);
     }
-    files["optimizer.safetensors"] = entry(w.write(tmp_dir / "optimizer.safetensors", c.progress));
+  } catch (...) {  // a refused (non-finite) or failed write leaves no temporary directory behind
+    std::error_code ec;
+    fs::remove_all(tmp_dir, ec);
+    throw;
   }
   return finish_checkpoint(root, step, c, keep_last, files);
 }

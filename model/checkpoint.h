@@ -32,8 +32,8 @@
 // "exp_avg_sq.<name>": elements [begin, begin + n) of this rank's tensor-parallel block of the global
 // tensor (row-major), with the block and begin in the metadata "pieces" (JSON: name -> {global_shape,
 // split_dim, split_begin, shape, begin}). Pieces are placed in global coordinates, so a checkpoint is
-// read back by any world size, tensor-parallel degree and ZeRO stage (resharding on load): the reader
-// assembles each global tensor from the pieces of all rank files and keeps the part the new rank owns.
+// read back by any world size, tensor-parallel degree and ZeRO stage (resharding on load): a reader asks for
+// the ranges of global elements the new rank owns and reads only the parts of the pieces that cover them.
 // There is no merged model.safetensors (rank 0 would need the whole model in memory): load_weights (eval,
 // sample, --init) and `build/convert tuna-to-hf` read rank files directly.
 #pragma once
@@ -105,11 +105,16 @@ struct MomentsView {
 
 struct CheckpointContents {
   const nlohmann::json* config_json;  // HF config.json to write
-  const float* params;                // ParamLayout order, fp32
+  const float* params;                // ParamLayout order, fp32 (or null with `state`)
   MomentsView optimizer;              // optimizer.m null: weights only (convert)
   nlohmann::json state;               // written as state.json; "step" must be set
   std::vector<TokenizerFile> tokenizer_files;  // copied into the checkpoint (data/tokenizer.h)
   ProgressLine* progress = nullptr;           // advanced by the bytes of the weight files written, when given
+  // Instead of params and optimizer: the whole model's weights and moments a piece at a time (one rank's
+  // Engine::export_state, whose `segments` cover the layout in order), AdamW's steps in optimizer.steps_taken.
+  // The files are the same bytes; no copy of the model is made on the host.
+  const std::vector<Segment>* segments = nullptr;
+  StateExport export_state = nullptr;
 };
 
 // Writes root/step_<step> atomically (with its manifest) and deletes the oldest step_* beyond keep_last (0
@@ -117,6 +122,8 @@ struct CheckpointContents {
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, int64_t step, const ParamLayout& layout,
                                       const CheckpointContents& contents, int64_t keep_last);
 
+// A checkpoint directory's name for a step (1000 -> step_00001000), also in the names of files that refer to one.
+std::string step_dir_name(int64_t step);
 // The step in a checkpoint directory's name (step_00001000 -> 1000); -1 when the name is not exactly one that
 // save_checkpoint writes (a name of 20 digits, or "step_12", is not a checkpoint of tuna's).
 int64_t checkpoint_step(const std::filesystem::path& dir);
@@ -178,16 +185,20 @@ void load_optimizer(const std::filesystem::path& dir, const ParamLayout& layout,
 // True when dir holds rank_*.safetensors (a checkpoint written by several ranks).
 bool is_sharded_checkpoint(const std::filesystem::path& dir);
 
-// One rank's piece of a checkpoint, in shard order of `segments` (runs of layout's flat buffer).
+// One rank's piece of a checkpoint: its `segments` (runs of the layout's flat buffer), handed out a piece at a
+// time by export_state (Engine::export_state), which the writer streams into the rank file.
 struct ShardState {
   const std::vector<Segment>* segments;
-  const float* params;
-  const float* m;
-  const float* v;
+  StateExport export_state = nullptr;
   int64_t steps_taken = 0;
   bool write_replicated = true;  // false on tp ranks > 0: tensors every tp rank holds are written once
   ProgressLine* progress = nullptr;  // advanced by the bytes written, when given
 };
+
+// The export of a state held whole in shard order (params, m and v each the concatenation of `segments`): for
+// tests and small models; the pointers must outlive the export.
+StateExport shard_buffers_export(const std::vector<Segment>& segments, const float* params, const float* m,
+                                 const float* v);
 
 // Sharded writing, in three phases separated by barriers (train.cu): rank 0 prepares the temporary
 // directory, every rank writes its file, rank 0 adds config, state and tokenizer and renames.
@@ -215,9 +226,13 @@ class CheckpointReader {
   const ParamLayout& layout_;
 };
 
-// Reads the elements of `segments` (shard order) of the weights and AdamW moments from any tuna training
-// checkpoint (single-file or sharded, any world layout) for a model laid out by `layout` (any tp rank).
-// Returns AdamW's steps_taken.
+// Restores a rank's weights and AdamW moments from any tuna training checkpoint (single-file or sharded, any world
+// layout) for a model laid out by `layout` (any tp rank): import_state (Engine::import_state) asks for each of
+// `segments` in turn and gets only that piece's bytes read. Returns AdamW's steps_taken.
+int64_t load_checkpoint_state(const std::filesystem::path& dir, const ParamLayout& layout,
+                              const std::vector<Segment>& segments, const StateImport& import_state);
+
+// The same into whole-shard vectors, in shard order of `segments` (tests, small models).
 int64_t load_checkpoint_shard(const std::filesystem::path& dir, const ParamLayout& layout,
                               const std::vector<Segment>& segments, std::vector<float>& params,
                               std::vector<float>& m, std::vector<float>& v);

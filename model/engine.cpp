@@ -1,6 +1,8 @@
 // The CPU engine (Llama + Zero), the device choice and the factory; the CUDA engine is model/engine_gpu.cpp.
 #include "model/engine.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "core/memory.h"
 #include "model/checkpoint.h"
@@ -43,12 +45,8 @@ class CpuEngine final : public Engine {
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
 
   const std::vector<Segment>& segments() const override { return zero_->segments(); }
-  void export_shard(std::vector<float>& p, std::vector<float>& m, std::vector<float>& v) const override {
-    zero_->export_shard(p, m, v);
-  }
-  void import_shard(const std::vector<float>& p, const std::vector<float>& m, const std::vector<float>& v) override {
-    zero_->import_shard(p, m, v);
-  }
+  void export_state(const StateSink& sink) const override { zero_->export_state(sink); }
+  void import_state(const StateSource& source) override { zero_->import_state(source); }
   int64_t steps_taken() const override { return zero_->optimizer().steps_taken; }
   void set_steps_taken(int64_t steps) override { zero_->optimizer().steps_taken = steps; }
 
@@ -96,6 +94,29 @@ class CpuForwardModel final : public ForwardModel {
 
 }  // namespace
 
+void Engine::export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const {
+  std::vector<int64_t> at;
+  int64_t total = 0;
+  for (const Segment& s : segments()) at.push_back(total), total += s.size;
+  params.resize(total), m.resize(total), v.resize(total);
+  export_state([&](size_t i, const float* p, const float* mi, const float* vi) {
+    const int64_t n = segments()[i].size;
+    std::copy_n(p, n, params.data() + at[i]), std::copy_n(mi, n, m.data() + at[i]), std::copy_n(vi, n, v.data() + at[i]);
+  });
+}
+
+void Engine::import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v) {
+  std::vector<int64_t> at;
+  int64_t total = 0;
+  for (const Segment& s : segments()) at.push_back(total), total += s.size;
+  for (const std::vector<float>* x : {&params, &m, &v})
+    TUNA_CHECK(static_cast<int64_t>(x->size()) == total, "shard of ", x->size(), " elements, expected ", total);
+  import_state([&](size_t i, float* p, float* mi, float* vi) {
+    const int64_t n = segments()[i].size;
+    std::copy_n(params.data() + at[i], n, p), std::copy_n(m.data() + at[i], n, mi), std::copy_n(v.data() + at[i], n, vi);
+  });
+}
+
 MemoryLayout engine_memory_layout(const EngineOptions& o, int dp_size, int dp_rank, int tp_size, int tp_rank) {
   MemoryLayout l;
   l.dp = dp_size, l.dp_rank = dp_rank, l.tp = tp_size, l.tp_rank = tp_rank;
@@ -120,8 +141,31 @@ GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, con
          "(80 for an H100)");
 #endif
   }
-  return check_gpu_fit(config, engine_memory_layout(options, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank),
-                       capacity);
+  GpuFit fit = check_gpu_fit(config, engine_memory_layout(options, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank),
+                             capacity);
+  fit.report += format_host_staging(
+      plan_gpu_host_staging(config, options, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank));
+  return fit;
+}
+
+HostStaging plan_gpu_host_staging(const LlamaConfig& config, const EngineOptions& options, int dp_size, int dp_rank,
+                                  int tp_size, int tp_rank) {
+  const ParamLayout layout(config, tp_rank, tp_size);
+  int64_t largest_piece = 0, largest_unit = 0;
+  for (const Segment& s : dp_unit_pieces(layout, dp_rank, dp_size)) largest_piece = std::max(largest_piece, s.size);
+  for (int u = 0; u < layout.num_units(); u++)
+    largest_unit = std::max(largest_unit, layout.unit_range(u).second - layout.unit_range(u).first);
+  HostStaging h;
+  h.init_bytes = (options.zero >= 1 ? largest_piece : largest_unit) * int64_t(sizeof(float));
+  h.checkpoint_bytes = largest_piece * int64_t(3 * sizeof(float) + sizeof(uint16_t));
+  return h;
+}
+
+std::string format_host_staging(const HostStaging& h) {
+  return str("host memory per rank beyond the process's own: start-up ", format_bytes(h.init_bytes),
+             " (one piece of the starting weights), checkpoint save or resume ", format_bytes(h.checkpoint_bytes),
+             " (one piece of the weights and both moments); weight and checkpoint files are mapped and read a piece "
+             "at a time\n");
 }
 
 WeightFill weights_from_directory(const std::filesystem::path& dir) {

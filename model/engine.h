@@ -87,11 +87,15 @@ class Engine {
   virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
   virtual LossSum all_reduce_loss(const LossSum& local) = 0;
 
-  // Checkpoints: this rank's segments, and the master weights and AdamW moments in their shard order.
+  // Checkpoints: this rank's segments, and its master weights and AdamW moments (fp32) a segment at a time, in
+  // segments() order: export_state hands each piece to sink, import_state asks source for each (then makes the
+  // copies the stage keeps). A rank never holds more than one piece of its shard in host memory for them.
   virtual const std::vector<Segment>& segments() const = 0;
-  virtual void export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const = 0;
-  virtual void import_shard(const std::vector<float>& params, const std::vector<float>& m,
-                            const std::vector<float>& v) = 0;
+  virtual void export_state(const StateSink& sink) const = 0;
+  virtual void import_state(const StateSource& source) = 0;
+  // The same for the whole shard at once, in shard order (tests, small models).
+  void export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const;
+  void import_shard(const std::vector<float>& params, const std::vector<float>& m, const std::vector<float>& v);
   virtual int64_t steps_taken() const = 0;  // AdamW updates so far (bias correction)
   virtual void set_steps_taken(int64_t steps) = 0;
 
@@ -137,12 +141,24 @@ MemoryLayout engine_memory_layout(const EngineOptions& options, int dp_size, int
 // this rank's visible GPU, which then must exist): what build/train --plan_only prints, without allocating.
 GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, double capacity_gb);
 
+// The CUDA engine's host memory per rank beyond the process's own (model/engine_gpu.cpp): the starting weights go
+// through one fp32 buffer of the largest piece the rank fills (its piece of each unit at ZeRO 1-3, each whole unit
+// at ZeRO-0); a checkpoint save or resume through one piece of the weights and both moments (fp32) and a moment's
+// bf16 bits. Weight and checkpoint files are mapped and read a piece at a time, never copied whole.
+struct HostStaging {
+  int64_t init_bytes = 0, checkpoint_bytes = 0;
+};
+HostStaging plan_gpu_host_staging(const LlamaConfig& config, const EngineOptions& options, int dp_size, int dp_rank,
+                                  int tp_size, int tp_rank);
+// One line for the logs: "host memory per rank ...".
+std::string format_host_staging(const HostStaging& staging);
+
 // "auto" -> "cuda" when this build has CUDA and a device is visible, else "cpu". "cuda" without a visible
 // device, or in a CPU-only build, fails with a message saying why.
 std::string resolve_device(const std::string& requested);
 
 // The model on the chosen backend for this rank of `mesh`. `initial` fills the starting weights (every rank
-// the same); null when the caller restores a checkpoint with import_shard before the first step.
+// the same); null when the caller restores a checkpoint with import_state before the first step.
 // `device_comm` makes the device dp and tp comms (cuda with dp > 1 or tp > 1 only; may be null otherwise).
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm = nullptr);

@@ -337,6 +337,18 @@ class ShardedStore final : public GpuWeightStore {
   size_t position_ = 0;
 };
 
+// The host buffers of a checkpoint exchange: one piece (the largest of `segments`) of the weights and both
+// moments, and its bf16 bits for a moment's device copy.
+struct StateStaging {
+  explicit StateStaging(const std::vector<Segment>& segments) {
+    int64_t largest = 0;
+    for (const Segment& s : segments) largest = std::max(largest, s.size);
+    p.resize(largest), m.resize(largest), v.resize(largest), bits.resize(largest);
+  }
+  std::vector<float> p, m, v;
+  std::vector<uint16_t> bits;
+};
+
 class GpuEngine final : public Engine {
  public:
   GpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial,
@@ -409,60 +421,79 @@ class GpuEngine final : public Engine {
 
   const std::vector<Segment>& segments() const override { return segments_; }
 
-  void export_shard(std::vector<float>& p, std::vector<float>& m, std::vector<float>& v) const override {
-    if (shard_) return export_optimizer_shard(p, m, v);
-    int64_t n = 0;
-    for (const Segment& s : segments_) n += s.size;
-    p.resize(n), m.resize(n), v.resize(n);
+  // A piece at a time through one host buffer of the largest piece (weights and both moments): a rank never holds
+  // its shard on the host. ZeRO-0 hands out this rank's piece of each unit of its whole copy, ZeRO 1-3 its shard.
+  void export_state(const StateSink& sink) const override {
     const LlamaGpu& model = model_;
+    StateStaging host(segments_);
     TUNA_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
-    std::vector<uint16_t> bits;
-    int64_t at = 0;
-    for (const Segment& s : segments_) {
-      TUNA_CUDA_CHECK(cudaMemcpy(p.data() + at, model.master_params() + s.begin, s.size * sizeof(float),
-                                 cudaMemcpyDeviceToHost));
-      for (auto [dst, src] : {std::pair{m.data() + at, model.moment_m()}, std::pair{v.data() + at, model.moment_v()}}) {
+    for (size_t i = 0; i < segments_.size(); i++) {
+      const int64_t at = shard_ ? shard_->unit_offset[i] : segments_[i].begin, n = segments_[i].size;
+      const float* master = shard_ ? shard_->master : model.master_params();
+      const void* moments[2] = {shard_ ? shard_->m : model.moment_m(), shard_ ? shard_->v : model.moment_v()};
+      TUNA_CUDA_CHECK(cudaMemcpy(host.p.data(), master + at, n * sizeof(float), cudaMemcpyDeviceToHost));
+      for (int k = 0; k < 2; k++) {
+        float* dst = k == 0 ? host.m.data() : host.v.data();
         if (!model.bf16_moments()) {
-          TUNA_CUDA_CHECK(cudaMemcpy(dst, static_cast<const float*>(src) + s.begin, s.size * sizeof(float),
+          TUNA_CUDA_CHECK(cudaMemcpy(dst, static_cast<const float*>(moments[k]) + at, n * sizeof(float),
                                      cudaMemcpyDeviceToHost));
           continue;
         }
-        bits.resize(s.size);
-        TUNA_CUDA_CHECK(cudaMemcpy(bits.data(), static_cast<const uint16_t*>(src) + s.begin, s.size * sizeof(uint16_t),
-                                   cudaMemcpyDeviceToHost));
-        convert_to_f32(bits.data(), DType::BF16, dst, s.size);
+        TUNA_CUDA_CHECK(cudaMemcpy(host.bits.data(), static_cast<const uint16_t*>(moments[k]) + at,
+                                   n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+        convert_to_f32(host.bits.data(), DType::BF16, dst, n);
       }
-      at += s.size;
+      sink(i, host.p.data(), host.m.data(), host.v.data());
     }
   }
 
-  void import_shard(const std::vector<float>& p, const std::vector<float>& m, const std::vector<float>& v) override {
-    if (shard_) return import_optimizer_shard(p, m, v);
-    const ParamLayout& layout = model_.layout();
-    const int64_t P = layout.total();
+  // The reverse, a piece at a time: each piece goes to its place (ZeRO-0: this rank's piece of each unit in the
+  // whole copy, ZeRO 1-3: the shard); bf16 moments are rounded to nearest on the device through the (unused
+  // between steps) fp32 gradients. ZeRO-0 with dp then gathers every unit in place; then the copies the stage
+  // keeps are made.
+  void import_state(const StateSource& source) override {
     cudaStream_t stream = model_.stream();
-    float* staging = model_.grads();  // P floats, unused between steps
+    StateStaging host(segments_);
     TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    for (int which = 0; which < 3; which++) {
-      const std::vector<float>& src = which == 0 ? p : which == 1 ? m : v;
-      int64_t at = 0;
-      for (const Segment& s : segments_) {
-        TUNA_CHECK(at + s.size <= static_cast<int64_t>(src.size()), "shard of ", src.size(), " elements is short");
-        TUNA_CUDA_CHECK(cudaMemcpyAsync(staging + s.begin, src.data() + at, s.size * sizeof(float),
-                                        cudaMemcpyHostToDevice, stream));
-        at += s.size;
+    float* master = shard_ ? shard_->master : model_.master_params();
+    void* moments[2] = {shard_ ? shard_->m : model_.moment_m(), shard_ ? shard_->v : model_.moment_v()};
+    float* staging = shard_ ? shard_->grad : model_.grads();  // fp32, the shard's (or the model's) size
+    const bool bf16 = model_.bf16_moments();
+    for (size_t i = 0; i < segments_.size(); i++) {
+      const int64_t at = shard_ ? shard_->unit_offset[i] : segments_[i].begin, n = segments_[i].size;
+      source(i, host.p.data(), host.m.data(), host.v.data());
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(master + at, host.p.data(), n * sizeof(float), cudaMemcpyHostToDevice, stream));
+      for (int k = 0; k < 2; k++) {
+        const float* src = k == 0 ? host.m.data() : host.v.data();
+        if (!bf16) {
+          TUNA_CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(moments[k]) + at, src, n * sizeof(float),
+                                          cudaMemcpyHostToDevice, stream));
+          continue;
+        }
+        TUNA_CUDA_CHECK(cudaMemcpyAsync(staging + at, src, n * sizeof(float), cudaMemcpyHostToDevice, stream));
+        cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(moments[k]) + at, staging + at, n, stream);
       }
-      if (dp_device_) {  // every rank holds everything (ZeRO-0): gather the pieces of each unit in place
-        for (int u = 0; u < layout.num_units(); u++) {
-          const auto [begin, end] = layout.unit_range(u);
-          dp_device_->all_gather(staging + segments_[u].begin, staging + begin, end - begin, "restored state of a unit");
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host buffers are refilled next
+    }
+    if (shard_) {
+      TUNA_CUDA_CHECK(cudaMemsetAsync(shard_->grad, 0, shard_->padded * sizeof(float), stream));
+      if (store_) return refresh_shard_weights();
+      return gather_master();
+    }
+    if (dp_device_) {  // every rank holds everything (ZeRO-0): gather the pieces of each unit in place
+      const ParamLayout& layout = model_.layout();
+      const CommType moment_type = bf16 ? CommType::BF16 : CommType::F32;
+      const int64_t moment_bytes = bf16 ? 2 : 4;
+      for (int u = 0; u < layout.num_units(); u++) {
+        const auto [begin, end] = layout.unit_range(u);
+        const int64_t mine = segments_[u].begin;
+        dp_device_->all_gather(master + mine, master + begin, end - begin, "restored weights of a unit");
+        for (void* moment : moments) {
+          char* base = static_cast<char*>(moment);
+          dp_device_->all_gather(base + mine * moment_bytes, base + begin * moment_bytes, end - begin, moment_type,
+                                 "restored AdamW moments of a unit");
         }
       }
-      void* dst = which == 0 ? static_cast<void*>(model_.master_params()) : which == 1 ? model_.moment_m() : model_.moment_v();
-      if (which > 0 && model_.bf16_moments())
-        cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(dst), staging, P, stream);
-      else
-        TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, staging, P * sizeof(float), cudaMemcpyDeviceToDevice, stream));
     }
     model_.refresh_params();
     model_.zero_grads();
@@ -482,7 +513,9 @@ class GpuEngine final : public Engine {
 
   std::string memory_report() const override {
     return format_memory_table(model_.memory_plan(), gpu_memory(options_.gpu).total_bytes,
-                               str("device memory per GPU (this rank's plan, allocated at start; ", describe_, ")"));
+                               str("device memory per GPU (this rank's plan, allocated at start; ", describe_, ")")) +
+           format_host_staging(plan_gpu_host_staging(model_.config(), options_, mesh_.dp_size, mesh_.dp_rank,
+                                                     mesh_.tp_size, mesh_.tp_rank));
   }
   int64_t activation_bytes() const override { return model_.memory_plan().bytes(MemoryKind::Activations); }
   int64_t state_bytes() const override { return model_.state_bytes(); }  // the shard is in the model's arena
@@ -619,42 +652,6 @@ class GpuEngine final : public Engine {
     model_.zero_grads();
     if (dp_device_) dp_device_->barrier("weights gathered");
     TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
-  }
-
-  void export_optimizer_shard(std::vector<float>& p, std::vector<float>& m, std::vector<float>& v) const {
-    const OptimizerShard& sh = *shard_;
-    p.resize(sh.size), m.resize(sh.size), v.resize(sh.size);
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
-    TUNA_CUDA_CHECK(cudaMemcpy(p.data(), sh.master, sh.size * sizeof(float), cudaMemcpyDeviceToHost));
-    for (auto [dst, src] : {std::pair{&m, sh.m}, std::pair{&v, sh.v}}) {
-      if (!sh.bf16_moments()) {
-        TUNA_CUDA_CHECK(cudaMemcpy(dst->data(), src, sh.size * sizeof(float), cudaMemcpyDeviceToHost));
-        continue;
-      }
-      std::vector<uint16_t> bits(sh.size);
-      TUNA_CUDA_CHECK(cudaMemcpy(bits.data(), src, sh.size * sizeof(uint16_t), cudaMemcpyDeviceToHost));
-      convert_to_f32(bits.data(), DType::BF16, dst->data(), sh.size);
-    }
-  }
-
-  void import_optimizer_shard(const std::vector<float>& p, const std::vector<float>& m, const std::vector<float>& v) {
-    OptimizerShard& sh = *shard_;
-    cudaStream_t stream = model_.stream();
-    for (const std::vector<float>* src : {&p, &m, &v})
-      TUNA_CHECK(static_cast<int64_t>(src->size()) >= sh.size, "shard of ", src->size(), " elements, expected ", sh.size);
-    TUNA_CUDA_CHECK(cudaMemcpyAsync(sh.master, p.data(), sh.size * sizeof(float), cudaMemcpyHostToDevice, stream));
-    for (auto [dst, src] : {std::pair{sh.m, &m}, std::pair{sh.v, &v}}) {
-      if (!sh.bf16_moments()) {
-        TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, src->data(), sh.size * sizeof(float), cudaMemcpyHostToDevice, stream));
-        continue;
-      }
-      // Through the (unused between steps) gradient shard, rounded to nearest: exact for values saved from bf16.
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(sh.grad, src->data(), sh.size * sizeof(float), cudaMemcpyHostToDevice, stream));
-      cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(dst), sh.grad, sh.size, stream);
-    }
-    TUNA_CUDA_CHECK(cudaMemsetAsync(sh.grad, 0, sh.padded * sizeof(float), stream));
-    if (store_) return refresh_shard_weights();
-    gather_master();
   }
 
   EngineOptions options_;

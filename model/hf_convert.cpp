@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <set>
 #include <vector>
@@ -98,11 +99,62 @@ std::vector<SourceTensor> collect(const HfCheckpointDir& src, const ParamLayout&
     if (e.info->dtype != DType::F32 && e.info->dtype != DType::BF16 && e.info->dtype != DType::F16)
       fail(src.dir().string(), ": tensor '", t.name, "': expected dtype F32, BF16 or F16, found ", dtype_name(e.info->dtype));
     e.file->require_finite(*e.info);  // a NaN passed through conversion would train (or ship) as NaN
+    e.file->release(e.file->data(*e.info), e.info->nbytes());  // the scan does not keep the model resident
     out.push_back({&t, e});
   }
   refuse_foreign_tensors(src, layout);
   return out;
 }
+
+// Writes tensors into a streamed safetensors file in another dtype, a bounded run of elements at a time, through
+// two host buffers reused for every run: a conversion never holds a whole tensor, let alone the model.
+class RunConverter {
+ public:
+  // Elements a tensor is converted by at most at a time (256 MB in fp32): the buffers stay bounded whatever the
+  // model, and each write is large enough to stream at disk speed.
+  static constexpr int64_t kRun = int64_t(64) << 20;
+
+  // Appends `numel` elements in `target`; read(at, n, out) gives elements [at, at + n) in fp32.
+  void append(const SafetensorsWriter::Append& append, int64_t numel, DType target,
+              const std::function<void(int64_t at, int64_t n, float* out)>& read) {
+    for (int64_t at = 0; at < numel; at += kRun) {
+      const int64_t n = std::min(kRun, numel - at);
+      if (static_cast<int64_t>(f32_.size()) < n) f32_ = std::vector<float>(n);  // exactly: no growth slack
+      read(at, n, f32_.data());
+      if (target == DType::F32) {
+        append(f32_.data(), uint64_t(n) * sizeof(float));
+        continue;
+      }
+      if (converted_.size() < n * dtype_size(target)) converted_ = std::vector<std::byte>(n * dtype_size(target));
+      convert_from_f32(f32_.data(), target, converted_.data(), n);
+      append(converted_.data(), uint64_t(n) * dtype_size(target));
+    }
+  }
+  // Tensor `info` of a mapped file into `target`: its bytes as they are when the dtypes agree. Each run's mapped
+  // pages are released once written (the page cache keeps them), so the file is not counted in this process.
+  void append(const SafetensorsWriter::Append& append, const SafetensorsFile& file, const TensorInfo& info,
+              DType target) {
+    const std::byte* data = file.data(info);
+    const int64_t size = int64_t(dtype_size(info.dtype));
+    if (info.dtype == target) {
+      for (int64_t at = 0; at < info.numel; at += kRun) {
+        const int64_t n = std::min(kRun, info.numel - at);
+        append(data + at * size, uint64_t(n * size));
+        file.release(data + at * size, uint64_t(n * size));
+      }
+      return;
+    }
+    this->append(append, info.numel, target, [&](int64_t at, int64_t n, float* out) {
+      convert_to_f32(data + at * size, info.dtype, out, n);
+      file.release(data + at * size, uint64_t(n * size));
+    });
+  }
+  int64_t staging_bytes() const { return int64_t(f32_.capacity() * sizeof(float) + converted_.capacity()); }
+
+ private:
+  std::vector<float> f32_;            // one run in fp32
+  std::vector<std::byte> converted_;  // the same run in the target dtype
+};
 
 }  // namespace
 
@@ -118,41 +170,33 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
 
   const bool keep = dtype == "keep";
   const DType target = keep ? DType::F32 : dtype_from_torch_name(dtype, "option --dtype");
-  std::vector<std::vector<std::byte>> converted;  // only tensors whose dtype changes are copied
-  converted.reserve(tensors.size());
   SafetensorsWriter w;
   w.add_metadata("format", "pt");
   w.add_metadata("producer", "tuna");
   ConvertReport r;
   std::set<DType> written;
-  int64_t to_convert = 0;  // source bytes whose dtype changes: converted in memory before the write
-  for (const SourceTensor& s : tensors)
-    if (!keep && s.entry.info->dtype != target) to_convert += s.entry.info->numel * int64_t(dtype_size(s.entry.info->dtype));
-  ProgressLine converting("convert: converting to " + dtype, double(to_convert), ProgressLine::Unit::Bytes,
-                          to_convert > 0 ? progress : nullptr);
   for (const SourceTensor& s : tensors) {
-    const TensorInfo& info = *s.entry.info;
-    const std::byte* data = s.entry.file->data(info);
-    DType out_dtype = keep ? info.dtype : target;
-    if (out_dtype != info.dtype) {
-      std::vector<float> f32(info.numel);
-      convert_to_f32(data, info.dtype, f32.data(), info.numel);
-      converted.emplace_back(info.numel * dtype_size(out_dtype));
-      convert_from_f32(f32.data(), out_dtype, converted.back().data(), info.numel);
-      data = converted.back().data();
-      converting.add(double(info.numel * int64_t(dtype_size(info.dtype))));
-    }
-    w.add(s.param->name, out_dtype, s.param->shape, data);
+    const DType out_dtype = keep ? s.entry.info->dtype : target;
+    w.add_streamed(s.param->name, out_dtype, s.param->shape);
     written.insert(out_dtype);
     r.tensors++;
-    r.parameters += info.numel;
-    r.bytes_written += info.numel * static_cast<int64_t>(dtype_size(out_dtype));
+    r.parameters += s.entry.info->numel;
+    r.bytes_written += s.entry.info->numel * static_cast<int64_t>(dtype_size(out_dtype));
   }
-  if (to_convert > 0) converting.finish();
   ProgressLine writing("convert: writing " + (out_dir / "model.safetensors").string(), double(r.bytes_written),
                        ProgressLine::Unit::Bytes, progress);
-  w.write(out_dir / "model.safetensors", &writing);
+  RunConverter runs;  // tensors whose dtype changes go through it a run at a time
+  w.write_streamed(
+      out_dir / "model.safetensors",
+      [&](const SafetensorsWriter::Append& append) {
+        for (const SourceTensor& s : tensors) {
+          const TensorInfo& info = *s.entry.info;
+          runs.append(append, *s.entry.file, info, keep ? info.dtype : target);
+        }
+      },
+      &writing);
   writing.finish();
+  r.host_staging_bytes = runs.staging_bytes();
   write_json(out_dir / "config.json", config_json);
   copy_tokenizer_files(hf_dir, out_dir);
   write_json(out_dir / "state.json", json{{"step", 0}, {"source", fs::absolute(hf_dir).string()}, {"producer", "tuna convert"}});
@@ -169,26 +213,25 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
   json config_json = read_config_json(ckpt_dir);
   LlamaConfig config = LlamaConfig::from_json(config_json, (ckpt_dir / "config.json").string());
   ParamLayout layout(config);
-  // The weights to export: straight from model.safetensors, or assembled from the rank files of a
-  // checkpoint written by several ranks (model/checkpoint.h) into one fp32 buffer.
+  // The weights to export: straight from the mapped model.safetensors, or read from the rank files of a checkpoint
+  // written by several ranks (model/checkpoint.h), a bounded run of elements at a time: no copy of the model is
+  // ever held on the host (a 70B model is 280 GB in fp32).
   struct Source {
     const ParamTensor* param;
-    const std::byte* data;
-    DType dtype;
+    const SafetensorsFile* file;  // null: read through `pieces`
+    const TensorInfo* info;
     int64_t numel;
   };
   std::vector<Source> tensors;
   std::optional<HfCheckpointDir> src;
-  std::vector<float> assembled;
+  std::optional<WeightReader> pieces;
   if (is_sharded_checkpoint(ckpt_dir)) {
-    assembled.resize(layout.total());
-    load_weights(ckpt_dir, layout, assembled.data());
-    for (const ParamTensor& t : layout.tensors())
-      tensors.push_back({&t, reinterpret_cast<const std::byte*>(assembled.data() + t.offset), DType::F32, t.numel});
+    pieces.emplace(ckpt_dir, layout);
+    for (const ParamTensor& t : layout.tensors()) tensors.push_back({&t, nullptr, nullptr, t.numel});
   } else {
     src.emplace(ckpt_dir);
     for (const SourceTensor& s : collect(*src, layout))
-      tensors.push_back({s.param, s.entry.file->data(*s.entry.info), s.entry.info->dtype, s.entry.info->numel});
+      tensors.push_back({s.param, s.entry.file, s.entry.info, s.entry.info->numel});
   }
   const DType target = dtype == "auto" ? dtype_from_torch_name(config.torch_dtype, (ckpt_dir / "config.json").string() + ": field 'torch_dtype'")
                                        : dtype_from_torch_name(dtype, "option --dtype");
@@ -211,33 +254,38 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
   for (const Source& s : tensors) total_bytes += s.numel * static_cast<int64_t>(dtype_size(target));
   ProgressLine writing(str("convert: writing ", shards.size(), " file(s) to ", out_dir.string()), double(total_bytes),
                        ProgressLine::Unit::Bytes, progress);
+  RunConverter runs;
   for (size_t i = 0; i < shards.size(); i++) {
     const std::string file = shards.size() == 1
                                  ? std::string("model.safetensors")
                                  : str("model-", std::string(5 - std::to_string(i + 1).size(), '0'), i + 1, "-of-",
                                        std::string(5 - std::to_string(shards.size()).size(), '0'), shards.size(),
                                        ".safetensors");
-    std::vector<std::vector<std::byte>> converted;
-    converted.reserve(shards[i].size());
     SafetensorsWriter w;
     w.add_metadata("format", "pt");
     for (const Source* s : shards[i]) {
-      const std::byte* data = s->data;
-      if (s->dtype != target) {
-        std::vector<float> f32(s->numel);
-        convert_to_f32(data, s->dtype, f32.data(), s->numel);
-        converted.emplace_back(s->numel * dtype_size(target));
-        convert_from_f32(f32.data(), target, converted.back().data(), s->numel);
-        data = converted.back().data();
-      }
-      w.add(s->param->name, target, s->param->shape, data);
+      w.add_streamed(s->param->name, target, s->param->shape);
       weight_map[s->param->name] = file;
       r.tensors++;
       r.parameters += s->numel;
       r.bytes_written += s->numel * static_cast<int64_t>(dtype_size(target));
     }
-    w.write(out_dir / file, &writing);
+    w.write_streamed(
+        out_dir / file,
+        [&](const SafetensorsWriter::Append& append) {
+          for (const Source* s : shards[i]) {
+            if (s->file) {
+              runs.append(append, *s->file, *s->info, target);
+              continue;
+            }
+            runs.append(append, s->numel, target, [&](int64_t at, int64_t n, float* out) {
+              pieces->read(Segment{s->param->offset + at, n}, out);
+            });
+          }
+        },
+        &writing);
   }
+  r.host_staging_bytes = runs.staging_bytes();
   writing.finish();
   if (shards.size() > 1)
     write_json(out_dir / "model.safetensors.index.json",

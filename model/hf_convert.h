@@ -24,6 +24,7 @@ struct ConvertReport {
   int64_t bytes_written = 0;
   std::string dtype;  // what was written
   int64_t shards = 1;
+  int64_t host_staging_bytes = 0;  // the host buffers the weights went through (bounded by a run, not the model)
 };
 
 // dtype: "keep" (each tensor as found), "float32", "bfloat16" or "float16".

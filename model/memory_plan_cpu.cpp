@@ -72,23 +72,18 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (!m.training) return plan;
 
   // Transients: each lives alone (start-up, a checkpoint, a collective), so the peak adds only the largest.
-  int64_t largest_global = 0, largest_local = 0;
+  int64_t largest_global = 0;
   for (const ParamTensor& t : layout.tensors()) {
     int64_t global = 1;
     for (int64_t d : t.global_shape) global *= d;
     largest_global = std::max(largest_global, global);
-    largest_local = std::max(largest_local, t.numel);
   }
-  // Start-up: one global tensor drawn (or read and cut to this rank's block), and at stage 3 the whole
-  // (tp-local) model staged before Zero keeps its shard (model/engine.cpp).
-  add(m.zero == 3 ? "start-up: the whole model staged for the shard, and one global tensor"
-                  : "start-up: one global tensor drawn or read",
-      MemoryKind::Transient, ((m.zero == 3 ? params : 0) + largest_global) * kFloat);
-  // A checkpoint: the rank's shard of weights and both moments copied out (Engine::export_shard); a resume reads
-  // the same three and one global tensor with its local block (model/checkpoint.cpp).
-  add("checkpoint save: weights and moments of the shard copied out", MemoryKind::Transient, 3 * zero.shard * kFloat);
-  add("checkpoint resume: the shard read back, with one global tensor", MemoryKind::Transient,
-      (3 * zero.shard + largest_global + largest_local) * kFloat);
+  // Start-up: one global tensor drawn (or read and cut to this rank's block); every stage fills its own pieces in
+  // place (stage 3 its shard), with no staging of the whole model (model/engine.cpp).
+  add("start-up: one global tensor drawn or read", MemoryKind::Transient, largest_global * kFloat);
+  // A checkpoint adds nothing: the engine hands its own weights and moments a piece at a time to the file writer,
+  // and a resume reads each piece's bytes straight into the engine's state (Engine::export_state/import_state).
+  // A resume maps the checkpoint's files and releases each piece's pages once it is read (page cache, not a copy).
   // Stages 0-1 all-reduce the whole gradient in place, stages 2-3 reduce-scatter each unit's; Open MPI works
   // through a scratch copy of the message, which the MPI backend bounds by sending chunks of kMpiChunkBytes
   // (a chunked reduce-scatter also stages its chunk: dist/comm_mpi.cpp).

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,15 @@ bool step_is_finite(double loss, int64_t tokens, double grad_norm);
 struct Segment {
   int64_t begin = 0, size = 0;
 };
+
+// One piece of a rank's checkpoint state: piece `index` of its segments, the fp32 master weights and AdamW
+// moments (segments[index].size elements each). Engines hand them out (export) or take them in (import) a piece
+// at a time, in segment order, so that no rank holds its whole shard twice on the host (model/engine.h).
+using StateSink = std::function<void(size_t index, const float* params, const float* m, const float* v)>;
+using StateSource = std::function<void(size_t index, float* params, float* m, float* v)>;
+// Runs an export: calls the sink once per segment, in order (Engine::export_state bound to its engine).
+using StateExport = std::function<void(const StateSink& sink)>;
+using StateImport = std::function<void(const StateSource& source)>;
 
 // The intersection of one owned segment with one tensor: where it sits in shard order and in the flat layout.
 struct ShardPiece {

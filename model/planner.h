@@ -2,9 +2,9 @@
 // cost, on a GPU cluster that isn't here.
 //
 //   memory per GPU   plan_gpu_memory (model/memory_plan.h): the same list the CUDA engine lays its arena out from.
-//                    For a layout the engine does not implement yet (tensor parallelism on cuda: issue 9) the
-//                    engine's plan refuses, and the planner says so and prices the layout as designed instead
-//                    (design_gpu_memory), marked as such.
+//                    For a layout the engine's plan refuses (tensor parallelism was one until issue 9 brought it
+//                    to cuda), the planner says so and prices the layout as designed instead (design_gpu_memory),
+//                    marked as such.
 //   step time        compute from measured rates (model/plan_rates.json: GEMM and attention TFLOP/s, memory-bound
 //                    kernels as a share of the measured copy bandwidth, launch gaps), never from datasheets alone;
 //                    communication from the bytes each collective moves over the bus bandwidth of the link it
@@ -142,7 +142,7 @@ std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, s
 std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& rates);
 std::string format_search(const JobSpec& job, const std::vector<Prediction>& ranked);
 
-// The layout as designed, for a tensor-parallel layout the CUDA engine refuses (see the top of this file): the
+// The layout as designed, for a layout the CUDA engine's plan refuses (see the top of this file): the
 // engine's own plan of one tp rank's dimensions taken as a model of their own.
 MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layout);
 

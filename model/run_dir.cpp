@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/progress.h"  // periodic_events_left
+#include "dist/comm.h"      // Comm: open_run_dir agrees over the ranks
 #include "model/checkpoint.h"  // list_checkpoints, fsync_path, write_text_file
 
 namespace tuna {
@@ -21,11 +22,6 @@ namespace {
 constexpr const char* kMetricsFile = "metrics.jsonl";
 constexpr const char* kMetricsBackupPrefix = "metrics.before_resume_";
 
-std::string step_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
-  return buf;
-}
 
 std::string megabytes(int64_t bytes) {
   char buf[32];
@@ -95,6 +91,35 @@ std::optional<fs::path> choose_resume_checkpoint(const fs::path& out_dir, Resume
   return newest;
 }
 
+std::optional<fs::path> open_run_dir(const fs::path& out_dir, ResumeMode mode, bool overwrite, Comm& world,
+                                     const std::function<void(const std::string&)>& say,
+                                     const std::function<void(const std::string&)>& warn) {
+  std::string refusal;
+  std::optional<fs::path> newest;
+  try {
+    newest = choose_resume_checkpoint(out_dir, mode, overwrite);
+  } catch (const Error& e) {
+    refusal = e.what();
+  }
+  // [ranks that refused, ranks that found a checkpoint]: after this, every rank has looked.
+  int64_t seen[2] = {refusal.empty() ? 0 : 1, newest ? 1 : 0};
+  world.all_reduce_sum(seen, 2, "run directory inspected");
+  if (seen[0] > 0)
+    fail(refusal.empty() ? str(out_dir.string(), ": refused on ", seen[0], " other rank(s), whose view of the directory "
+                                                 "differs from this one's (see their message)")
+                         : refusal);
+  if (world.rank() == 0) {
+    if (overwrite && inspect_run_dir(out_dir).any())
+      say(str("--overwrite: deleted the earlier run in ", out_dir.string(), " (", remove_previous_run(out_dir).describe(), ")"));
+    std::error_code ec;
+    fs::create_directories(out_dir, ec);
+    if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
+  }
+  world.barrier("run directory ready");
+  if (seen[1] == 0) return std::nullopt;
+  return resume_checkpoint(out_dir / "ckpt", world, warn);
+}
+
 PreviousRun remove_previous_run(const fs::path& out_dir) {
   const PreviousRun previous = inspect_run_dir(out_dir);
   std::error_code ec;
@@ -133,7 +158,7 @@ MetricsTruncation truncate_metrics(const fs::path& metrics_path, int64_t resumed
     }
   }
   if (t.dropped == 0) return t;
-  t.backup = metrics_path.parent_path() / (kMetricsBackupPrefix + step_name(resumed_step) + ".jsonl");
+  t.backup = metrics_path.parent_path() / (kMetricsBackupPrefix + step_dir_name(resumed_step) + ".jsonl");
   fs::copy_file(metrics_path, t.backup, fs::copy_options::overwrite_existing, ec);
   if (ec) fail(t.backup.string(), ": cannot back up ", metrics_path.string(), " before truncating it: ", ec.message());
   fsync_path(t.backup, false);

@@ -17,10 +17,13 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <string>
 
 namespace tuna {
+
+class Comm;  // dist/comm.h
 
 // --resume: false (a new run), true (continue; fail when there is nothing to continue), auto (continue when
 // there is a checkpoint, else a new run: what a job script that is requeued after preemption wants).
@@ -43,6 +46,18 @@ PreviousRun inspect_run_dir(const std::filesystem::path& out_dir);
 // checkpoint, and when --overwrite is given with --resume. Only reads, so every rank can call it.
 std::optional<std::filesystem::path> choose_resume_checkpoint(const std::filesystem::path& out_dir, ResumeMode mode,
                                                               bool overwrite);
+
+// build/train's start on every rank of `world` (collective): the rules of choose_resume_checkpoint applied to
+// what every rank saw BEFORE rank 0 changes anything (--overwrite deletes the earlier run, rank 0 creates
+// out_dir and, later, metrics.jsonl), so that a slower rank never takes rank 0's new files for an earlier run;
+// a refusal on any rank is an error on every rank. Then, when any rank found a checkpoint, the newest one that
+// verifies on every rank (resume_checkpoint, model/checkpoint.h). Every rank gets the same answer or an error,
+// whatever its view of a shared filesystem. `say` gets what rank 0 did (the deletion), `warn` the checkpoints
+// skipped.
+std::optional<std::filesystem::path> open_run_dir(const std::filesystem::path& out_dir, ResumeMode mode,
+                                                  bool overwrite, Comm& world,
+                                                  const std::function<void(const std::string&)>& say,
+                                                  const std::function<void(const std::string&)>& warn);
 
 // --overwrite (rank 0): deletes what an earlier run wrote (ckpt/, metrics.jsonl and its resume backups);
 // returns what was there.

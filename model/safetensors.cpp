@@ -281,6 +281,17 @@ const std::byte* SafetensorsFile::data(const TensorInfo& info) const {
   return data_section_ + info.begin;
 }
 
+void SafetensorsFile::release(const std::byte* p, uint64_t bytes) const {
+  if (bytes == 0) return;
+  TUNA_CHECK(p >= map_ && bytes <= map_size_ && uint64_t(p - map_) <= map_size_ - bytes, "release of ", bytes,
+             " bytes outside the mapping of ", path_.string());
+  // Whole pages around the range (the mapping starts on a page): a neighbouring piece's bytes in the first or last
+  // page are only faulted in again if read. The pages were never written (PROT_READ), so none is lost.
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t begin = uint64_t(p - map_) / page * page, end = (uint64_t(p - map_) + bytes + page - 1) / page * page;
+  ::madvise(const_cast<std::byte*>(map_) + begin, end - begin, MADV_DONTNEED);  // advice: a refusal changes nothing
+}
+
 const TensorInfo& SafetensorsFile::require(std::string_view name,
                                            std::span<const int64_t> expected_shape) const {
   const TensorInfo* info = find(name);
@@ -382,6 +393,12 @@ void SafetensorsWriter::add(std::string name, DType dtype, std::span<const int64
   tensors_.push_back(Pending{std::move(name), dtype, {shape.begin(), shape.end()}, data, nbytes});
 }
 
+void SafetensorsWriter::add_streamed(std::string name, DType dtype, std::span<const int64_t> shape) {
+  static const char kNoData = 0;  // a non-null marker; write_streamed never reads it
+  add(std::move(name), dtype, shape, &kNoData);
+  tensors_.back().data = nullptr;
+}
+
 void SafetensorsWriter::add_metadata(std::string key, std::string value) {
   for (const auto& [k, v] : metadata_)
     if (k == key) fail("safetensors writer: metadata key '", key, "' added twice");
@@ -389,6 +406,19 @@ void SafetensorsWriter::add_metadata(std::string key, std::string value) {
 }
 
 FileDigest SafetensorsWriter::write(const fs::path& path, ProgressLine* progress) const {
+  for (const Pending& t : tensors_)
+    TUNA_CHECK(t.data != nullptr || t.nbytes == 0, "tensor '", t.name, "' was added for streaming: write_streamed");
+  return write_streamed(
+      path,
+      [&](const Append& append) {
+        for (const Pending& t : tensors_) append(t.data, t.nbytes);
+      },
+      progress);
+}
+
+FileDigest SafetensorsWriter::write_streamed(const fs::path& path,
+                                             const std::function<void(const Append& append)>& produce,
+                                             ProgressLine* progress) const {
   const std::string target = path.string();
   const std::string tmp = target + ".tmp";
 
@@ -424,6 +454,7 @@ FileDigest SafetensorsWriter::write(const fs::path& path, ProgressLine* progress
   auto give_up = [&](const std::string& what) {
     int err = errno;
     if (fd >= 0) ::close(fd);
+    fd = -1;
     ::unlink(tmp.c_str());
     fail("cannot write ", target, ": ", what, ": ", errno_text(err));
   };
@@ -434,14 +465,36 @@ FileDigest SafetensorsWriter::write(const fs::path& path, ProgressLine* progress
   sum.update(length, 8);
   sum.update(text.data(), text.size());
   constexpr uint64_t kPiece = uint64_t(64) << 20;  // progress moves at least every 64 MB
-  for (const Pending& t : tensors_)
-    for (uint64_t done = 0; done < t.nbytes; done += kPiece) {  // an empty tensor has no bytes to write
-      const uint64_t n = std::min(kPiece, t.nbytes - done);
-      const char* piece = static_cast<const char*>(t.data) + done;
-      if (!write_all(fd, piece, n)) give_up("writing tensor '" + t.name + "' to " + tmp);
+  // The appended bytes must be the tensors' in order: `tensor` is the one being filled, `filled` its bytes so far.
+  size_t tensor = 0;
+  uint64_t filled = 0;
+  const Append append = [&](const void* data, uint64_t bytes) {
+    for (uint64_t done = 0; done < bytes;) {
+      while (tensor < tensors_.size() && filled == tensors_[tensor].nbytes) tensor++, filled = 0;
+      if (tensor == tensors_.size()) {
+        errno = 0;
+        give_up(str("more bytes than the header's ", tensors_.size(), " tensors hold"));
+      }
+      const uint64_t n = std::min({kPiece, bytes - done, tensors_[tensor].nbytes - filled});
+      const char* piece = static_cast<const char*>(data) + done;
+      if (!write_all(fd, piece, n)) give_up("writing tensor '" + tensors_[tensor].name + "' to " + tmp);
       sum.update(piece, n);
       if (progress) progress->add(static_cast<double>(n));
+      done += n, filled += n;
     }
+  };
+  try {
+    produce(append);
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  while (tensor < tensors_.size() && filled == tensors_[tensor].nbytes) tensor++, filled = 0;
+  if (tensor != tensors_.size()) {
+    errno = 0;
+    give_up(str("tensor '", tensors_[tensor].name, "' got ", filled, " of its ", tensors_[tensor].nbytes, " bytes"));
+  }
   if (::fsync(fd) != 0) give_up("fsync of " + tmp);
   int rc = ::close(fd);
   fd = -1;

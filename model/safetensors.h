@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -75,6 +76,10 @@ class SafetensorsFile {
   // Aligned only as the writer aligned it: tuna's writer puts the data section on 8 bytes, and offsets
   // are whatever the writer chose, so read through memcpy or convert_to_f32 unless you know the file.
   const std::byte* data(const TensorInfo& info) const;
+  // Drops the mapping's pages that hold bytes [p, p + bytes) from this process's resident memory: the page cache
+  // keeps them (shared by the ranks of a node) and a later read faults them back in. Readers of pieces call it once
+  // a piece is copied out, so that a rank reading its share of a 140 GB model is not counted as holding the file.
+  void release(const std::byte* p, uint64_t bytes) const;
   // The "__metadata__" map; empty when the file has none.
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
@@ -136,6 +141,14 @@ class SafetensorsWriter {
   // XXH3-64, computed from the bytes as they are written (for a checkpoint's manifest).
   // `progress`, when given, advances by the bytes of every piece written (a 140 GB file shows it moving).
   FileDigest write(const std::filesystem::path& path, ProgressLine* progress = nullptr) const;
+
+  // Streaming: tensors registered with add_streamed() carry no data; write_streamed() writes the header, then
+  // calls produce(append), which must append exactly the bytes of every tensor, in the order added (checked),
+  // so that no caller holds the whole file's data at once. Then fsync and rename as write().
+  void add_streamed(std::string name, DType dtype, std::span<const int64_t> shape);
+  using Append = std::function<void(const void* data, uint64_t bytes)>;
+  FileDigest write_streamed(const std::filesystem::path& path, const std::function<void(const Append& append)>& produce,
+                            ProgressLine* progress = nullptr) const;
 
  private:
   struct Pending {

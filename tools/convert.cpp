@@ -43,8 +43,9 @@ int main(int argc, char** argv) {
     } else {
       tuna::fail("unknown direction '", args[0], "': expected hf-to-tuna or tuna-to-hf");
     }
-    std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s)\n", args[1].c_str(), args[2].c_str(),
-                (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(), r.bytes_written / 1e6, (long long)r.shards);
+    std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s), through %.1f MB of host buffers\n",
+                args[1].c_str(), args[2].c_str(), (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(),
+                r.bytes_written / 1e6, (long long)r.shards, r.host_staging_bytes / 1e6);
     // The tokenizer travelled with the weights: say which one, or why it will not serve build/prepare.
     if (!tuna::has_tokenizer(args[2])) {
       std::printf("note: %s has no tokenizer file; give build/prepare and build/train one with --tokenizer\n",

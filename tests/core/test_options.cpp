@@ -34,14 +34,7 @@ Options declare(Settings& s) {
   return o;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing_util::error_of;
 
 TEST(Options, FlagsAreParsedByTypeAndChecked) {
   Settings s;

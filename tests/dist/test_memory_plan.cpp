@@ -4,9 +4,10 @@
 //   * here: build/train's measured peak resident memory per rank (the largest rank's peak above its start-up,
 //     which the trainer prints at the end) is within 5% of the plan's, for an 11.7M-parameter model (190 MB of
 //     training state at one rank) trained from scratch for two steps and checkpointed.
-// A fresh run meets every transient of the plan but a resume's, so its peak is the total plus the largest of the
-// others (the checkpoint's copies, or MPI's scratch for one chunk of a collective). A resumed run also maps
-// the checkpoint's files, whose pages count as resident while read: not planned, not compared.
+// A fresh run meets every transient of the plan, so its peak is the total plus the largest of them (start-up, or
+// MPI's scratch for one chunk of a collective). The checkpoint plans none: the engine streams its own state into
+// the files a piece at a time, so a whole-shard copy coming back would show here as a measured peak above the
+// plan. A resumed run (its files mapped, each piece's pages released once read) is not compared here.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -81,7 +82,7 @@ TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
   const MemoryPlan plan = plan_cpu_memory(LlamaConfig::load((*tmp_ / "config.json").string()), layout);
   int64_t largest = 0;
   for (const MemoryItem& i : plan.items)
-    if (i.kind == MemoryKind::Transient && i.name.rfind("checkpoint resume", 0) != 0) largest = std::max(largest, i.bytes);
+    if (i.kind == MemoryKind::Transient) largest = std::max(largest, i.bytes);
   const double planned = double(plan.total() + largest);
   std::printf("  np %d ZeRO-%lld tp %lld: planned %.1f MB (total %.1f + transient %.1f), measured %.1f MB (%+.1f%%)\n",
               t.np, (long long)t.zero, (long long)t.tp, planned / 1e6, plan.total() / 1e6, largest / 1e6, measured / 1e6,

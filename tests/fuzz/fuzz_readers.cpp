@@ -258,7 +258,7 @@ struct CheckpointFixture {
       for (const Segment& s : segs)
         for (int64_t i = s.begin; i < s.begin + s.size; i++) sp.push_back(p[i]), sm.push_back(m[i]), sv.push_back(v[i]);
       write_checkpoint_shard(checkpoint_tmp_dir(root / "sharded", 6), r, layout,
-                             ShardState{&segs, sp.data(), sm.data(), sv.data(), 6});
+                             ShardState{&segs, shard_buffers_export(segs, sp.data(), sm.data(), sv.data()), 6});
     }
     sharded = finish_sharded_checkpoint(root / "sharded", 6, CheckpointContents{&config_json, nullptr, {}, state, {}}, 0);
     single = save_checkpoint(root / "single", 6, layout,

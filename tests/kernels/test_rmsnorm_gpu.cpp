@@ -112,7 +112,9 @@ TEST(RmsNormGpu, ModelDimsUpTo16384WithOddRowCounts) {
     check_backward(rng, n, dim);
   }
   check_backward(rng, 1, 16384);
-  check_backward(rng, 20 + rng.integer(0, 10), 12296);  // past 8192, not a power of 2
+  const int64_t n = 2 * rng.integer(0, 8) + 33;  // past 8192 and not a power of 2, over two dweight slabs
+  check_forward(rng, n, 12296);
+  check_backward(rng, n, 12296);
 }
 
 TEST(RmsNormGpu, RefusesDimsBeyondTheSupported) {

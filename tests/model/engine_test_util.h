@@ -2,6 +2,9 @@
 // single-rank mesh, engine options and starting weights from a transformers fixture, and one training step.
 #pragma once
 
+#include <malloc.h>
+
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <functional>
@@ -92,6 +95,65 @@ inline void run_thread_ranks(int ranks, const std::function<void(Comm& world)>& 
   for (std::thread& t : threads) t.join();
   for (int r = 0; r < ranks; r++)
     if (!errors[r].empty()) ADD_FAILURE() << "rank " << r << ": " << errors[r];
+}
+
+// Bytes of the host heap in use now (glibc: chunks of every arena and mmapped blocks): what a std::vector copy
+// of a shard would add.
+inline int64_t host_heap_in_use() {
+  const struct mallinfo2 info = mallinfo2();
+  return static_cast<int64_t>(info.uordblks + info.hblkhd);
+}
+
+// A checkpoint exchange of `from`'s state into `to` a piece at a time (Engine::export_state -> import_state), with
+// the most host heap either engine held above its start while it handed out or asked for a piece: a whole-shard
+// copy held meanwhile shows up there. The pieces must come in segment order, each of its segment's size; the
+// state arrives bit for bit (`to` exports what `from` did).
+struct StateExchange {
+  int64_t shard_elements = 0, largest_piece = 0;
+  int64_t export_heap_growth = 0, import_heap_growth = 0;  // bytes
+};
+inline StateExchange exchange_state_piecewise(const Engine& from, Engine& to) {
+  StateExchange x;
+  const std::vector<Segment>& segments = from.segments();
+  std::vector<int64_t> at;
+  for (const Segment& s : segments) at.push_back(x.shard_elements), x.shard_elements += s.size;
+  for (const Segment& s : segments) x.largest_piece = std::max(x.largest_piece, s.size);
+  // The test's own copy, made before the measurement starts.
+  std::vector<float> p(x.shard_elements), m(x.shard_elements), v(x.shard_elements);
+  size_t next = 0;
+  int64_t base = host_heap_in_use();
+  from.export_state([&](size_t i, const float* pi, const float* mi, const float* vi) {
+    x.export_heap_growth = std::max(x.export_heap_growth, host_heap_in_use() - base);
+    EXPECT_EQ(i, next++) << "pieces out of order";
+    std::copy_n(pi, segments[i].size, p.data() + at[i]);
+    std::copy_n(mi, segments[i].size, m.data() + at[i]);
+    std::copy_n(vi, segments[i].size, v.data() + at[i]);
+  });
+  EXPECT_EQ(next, segments.size());
+  next = 0;
+  base = host_heap_in_use();
+  to.import_state([&](size_t i, float* pi, float* mi, float* vi) {
+    x.import_heap_growth = std::max(x.import_heap_growth, host_heap_in_use() - base);
+    EXPECT_EQ(i, next++) << "pieces out of order";
+    std::copy_n(p.data() + at[i], segments[i].size, pi);
+    std::copy_n(m.data() + at[i], segments[i].size, mi);
+    std::copy_n(v.data() + at[i], segments[i].size, vi);
+  });
+  EXPECT_EQ(next, segments.size());
+  to.set_steps_taken(from.steps_taken());
+  std::vector<float> p2, m2, v2;
+  to.export_shard(p2, m2, v2);
+  EXPECT_EQ(p2, p);
+  EXPECT_EQ(m2, m);
+  EXPECT_EQ(v2, v);
+  return x;
+}
+
+// A model of many small units (16 layers of the fixture's shape), so that one piece is a small part of a shard.
+inline LlamaConfig many_layers(const Fixture& f) {
+  LlamaConfig c = f.config;
+  c.num_hidden_layers = 16;
+  return c;
 }
 
 }  // namespace tuna::testing_util

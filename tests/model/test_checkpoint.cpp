@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -16,8 +17,6 @@
 #include "dist/zero.h"  // dp_unit_pieces
 #include "tests/test_util.h"
 
-#include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 namespace tuna {
@@ -29,6 +28,18 @@ using testing_util::TempDir;
 LlamaConfig tiny() { return LlamaConfig::load("tests/fixtures/llama32_tiny"); }
 
 using testing_util::error_of;
+
+// A model with random weights and distinct moments at step 3: a checkpoint's state.
+struct TrainedState {
+  LlamaConfig cfg = tiny();
+  Llama model{cfg, 1, 4};
+  AdamW opt{model.layout(), OptimizerConfig{}};
+  TrainedState() {
+    model.init_random(7);
+    for (size_t i = 0; i < opt.m.size(); i++) opt.m[i] = 0.5f * i, opt.v[i] = 0.25f * i;
+    opt.steps_taken = 3;
+  }
+};
 
 // ckpt/latest follows every save (a symlink, replaced atomically), and resolve_checkpoint gives the same step
 // directory with or without the link (a filesystem without symlinks); "latest" with no checkpoint is an error.
@@ -61,12 +72,10 @@ TEST(Checkpoint, LatestNamesTheNewestCheckpoint) {
 
 TEST(Checkpoint, SavesLoadsAndKeepsTheNewest) {
   TempDir tmp("ckpt");
-  LlamaConfig cfg = tiny();
-  Llama model(cfg, 1, 4);
-  model.init_random(7);
-  AdamW opt(model.layout(), OptimizerConfig{});
-  for (size_t i = 0; i < opt.m.size(); i++) opt.m[i] = 0.5f * i, opt.v[i] = 0.25f * i;
-  opt.steps_taken = 3;
+  TrainedState state;
+  const LlamaConfig& cfg = state.cfg;
+  const Llama& model = state.model;
+  const AdamW& opt = state.opt;
   nlohmann::json config_json = cfg.to_json();
   for (int64_t step : {10, 20, 30}) {
     CheckpointContents c{&config_json, model.params.data(), {opt.m.data(), opt.v.data(), opt.steps_taken}, {{"note", "x"}}, {}};
@@ -90,6 +99,105 @@ TEST(Checkpoint, SavesLoadsAndKeepsTheNewest) {
   EXPECT_EQ(opt2.m, opt.m);
   EXPECT_EQ(opt2.v, opt.v);
   EXPECT_EQ(opt2.steps_taken, 3);
+}
+
+// Whole buffers as one rank's engine hands them out: a unit at a time, in order.
+std::vector<Segment> unit_pieces(const ParamLayout& layout) {
+  std::vector<Segment> units;
+  for (int u = 0; u < layout.num_units(); u++)
+    units.push_back({layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first});
+  return units;
+}
+
+// The state handed a unit at a time becomes the same files, byte for byte, as the whole buffers written tensor by
+// tensor (what the writer did before it streamed), and pieces out of order are refused, not written misplaced.
+TEST(Checkpoint, StreamedPiecesWriteTheBytesOfTheWholeBuffers) {
+  TempDir tmp("ckpt_stream");
+  TrainedState state;
+  const LlamaConfig& cfg = state.cfg;
+  const Llama& model = state.model;
+  const AdamW& opt = state.opt;
+  const ParamLayout& layout = model.layout();
+  const nlohmann::json config_json = cfg.to_json();
+  std::vector<Segment> units = unit_pieces(layout);
+  ASSERT_GT(units.size(), 2u);
+  size_t handed = 0;
+  auto export_of = [&](const std::vector<Segment>& pieces) {
+    return [&, pieces](const StateSink& sink) {
+      for (size_t i = 0; i < pieces.size(); i++, handed++)
+        sink(i, model.params.data() + pieces[i].begin, opt.m.data() + pieces[i].begin, opt.v.data() + pieces[i].begin);
+    };
+  };
+  CheckpointContents c{&config_json, nullptr, {nullptr, nullptr, 3}, {{"note", "x"}}, {}, nullptr, &units,
+                       export_of(units)};
+  const fs::path dir = save_checkpoint(tmp.path, 1, layout, c, 0);
+  EXPECT_EQ(handed, 2 * units.size());  // once for the weights' file, once for the moments'
+
+  SafetensorsWriter weights, moments;
+  weights.add_metadata("format", "pt");
+  weights.add_metadata("producer", "tuna");
+  moments.add_metadata("producer", "tuna");
+  moments.add_metadata("steps_taken", "3");
+  for (const ParamTensor& t : layout.tensors()) {
+    weights.add(t.name, DType::F32, t.shape, model.params.data() + t.offset);
+    moments.add("exp_avg." + t.name, DType::F32, t.shape, opt.m.data() + t.offset);
+    moments.add("exp_avg_sq." + t.name, DType::F32, t.shape, opt.v.data() + t.offset);
+  }
+  weights.write(tmp / "weights.safetensors");
+  moments.write(tmp / "moments.safetensors");
+  EXPECT_TRUE(testing_util::read_file(dir / "model.safetensors") == testing_util::read_file(tmp / "weights.safetensors"));
+  EXPECT_TRUE(testing_util::read_file(dir / "optimizer.safetensors") ==
+              testing_util::read_file(tmp / "moments.safetensors"));
+
+  const std::vector<Segment> reversed(units.rbegin(), units.rend());
+  CheckpointContents bad = c;
+  bad.segments = &reversed;
+  bad.export_state = export_of(reversed);
+  EXPECT_NE(error_of([&] { save_checkpoint(tmp.path, 2, layout, bad, 0); }).find("out of layout order"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(tmp / "step_00000002"));
+}
+
+// Rank files of a tp 2 x dp 2 run (column and row blocks, each cut in two ZeRO pieces) read back whole at tp 1 and as
+// the other layout's blocks at tp 2: every element where it belongs (column blocks are read a row at a time, each
+// row found in the piece by bisection).
+TEST(Checkpoint, RankFilesOfATensorParallelRunReadBackAtAnyLayout) {
+  TempDir tmp("ckpt_tp");
+  TrainedState state;
+  const ParamLayout& whole = state.model.layout();
+  const nlohmann::json config_json = state.cfg.to_json();
+  const CheckpointContents contents{&config_json, state.model.params.data(),
+                                    {state.opt.m.data(), state.opt.v.data(), 3}, {}, {}};
+  const fs::path single = save_checkpoint(tmp / "single", 1, whole, contents, 0);
+  prepare_sharded_checkpoint(tmp / "tp", 1);
+  for (int tp_rank = 0; tp_rank < 2; tp_rank++) {
+    const ParamLayout block(state.cfg, tp_rank, 2);
+    std::vector<float> p(block.total()), m(block.total()), v(block.total());
+    CheckpointReader(single, block).read(Segment{0, block.total()}, p.data(), m.data(), v.data());
+    for (int dp_rank = 0; dp_rank < 2; dp_rank++) {
+      const std::vector<Segment> pieces = dp_unit_pieces(block, dp_rank, 2);
+      write_checkpoint_shard(checkpoint_tmp_dir(tmp / "tp", 1), dp_rank * 2 + tp_rank, block,
+                             ShardState{&pieces,
+                                        [&](const StateSink& sink) {
+                                          for (size_t i = 0; i < pieces.size(); i++) {
+                                            const int64_t at = pieces[i].begin;
+                                            sink(i, p.data() + at, m.data() + at, v.data() + at);
+                                          }
+                                        },
+                                        3, /*write_replicated=*/tp_rank == 0});
+    }
+  }
+  const fs::path sharded = finish_sharded_checkpoint(tmp / "tp", 1, {&config_json, nullptr, {}, {}, {}}, 0);
+  std::vector<float> p(whole.total()), m(whole.total()), v(whole.total());
+  CheckpointReader(sharded, whole).read(Segment{0, whole.total()}, p.data(), m.data(), v.data());
+  EXPECT_EQ(p, state.model.params);
+  EXPECT_EQ(m, state.opt.m);
+  EXPECT_EQ(v, state.opt.v);
+  const ParamLayout block(state.cfg, 1, 2);
+  std::vector<float> from_tp(block.total()), from_single(block.total()), unused(block.total());
+  CheckpointReader(sharded, block).read(Segment{0, block.total()}, from_tp.data(), unused.data(), unused.data());
+  CheckpointReader(single, block).read(Segment{0, block.total()}, from_single.data(), unused.data(), unused.data());
+  EXPECT_EQ(from_tp, from_single);
 }
 
 TEST(Checkpoint, LoadWeightsNamesMissingWrongAndForeignTensors) {
@@ -333,7 +441,7 @@ TEST(Checkpoint, NonFiniteStateIsNeverWritten) {
             std::string::npos)
       << msg;
   EXPECT_EQ(list_checkpoints(tmp.path), std::vector<fs::path>{tmp / "step_00000010"});  // the last good one stays
-  // And never read: a NaN that got into a file some other way is refused by tensor and index.
+  // Nor are the moments (NonFiniteStateIsNeverRead: nor is either read back).
   run.model.params[run.model.layout().find("model.layers.1.mlp.up_proj.weight")->offset + 5] = 1.0f;
   run.opt.v[17] = INFINITY;
   EXPECT_NE(error_of([&] { run.save(tmp.path, 20, 1); }).find("AdamW second moment"), std::string::npos);
@@ -356,7 +464,8 @@ struct ShardedRun {
       std::vector<float> sp, sm, sv;
       for (const Segment& s : segs)
         for (int64_t i = s.begin; i < s.begin + s.size; i++) sp.push_back(params[i]), sm.push_back(m[i]), sv.push_back(v[i]);
-      write_checkpoint_shard(checkpoint_tmp_dir(tmp.path, 5), r, layout, ShardState{&segs, sp.data(), sm.data(), sv.data(), 5});
+      write_checkpoint_shard(checkpoint_tmp_dir(tmp.path, 5), r, layout,
+                             ShardState{&segs, shard_buffers_export(segs, sp.data(), sm.data(), sv.data()), 5});
     }
     CheckpointContents c{&config_json, nullptr, {}, {{"data_cursor", json::object()}}, {}};
     dir = finish_sharded_checkpoint(tmp.path, 5, c, 0);
@@ -387,6 +496,58 @@ struct ShardedRun {
     w.write(file);
   }
 };
+
+// Rewrites a float32 safetensors file with element `index` of tensor `name` set to NaN (as damage, or a writer
+// other than tuna's, would leave it).
+void set_element_nan(const fs::path& file, const std::string& name, int64_t index) {
+  SafetensorsWriter w;
+  std::vector<std::vector<std::byte>> copies;
+  {
+    SafetensorsFile f(file);
+    for (const auto& [key, value] : f.metadata()) w.add_metadata(key, value);
+    for (const TensorInfo& t : f.tensors()) {
+      copies.emplace_back(f.data(t), f.data(t) + t.nbytes());
+      if (t.name == name) {
+        ASSERT_EQ(t.dtype, DType::F32);
+        const float nan = NAN;
+        std::memcpy(copies.back().data() + index * sizeof(float), &nan, sizeof(float));
+      }
+      w.add(t.name, t.dtype, t.shape, copies.back().data());
+    }
+  }
+  w.write(file);
+}
+
+// The read side of NonFiniteStateIsNeverWritten: a NaN that got into a file some other way is refused by file,
+// tensor and index, from a single-file checkpoint (load_weights: eval, sample, --init) and from rank files
+// (load_checkpoint_shard: --resume), on exactly the elements read.
+TEST(Checkpoint, NonFiniteStateIsNeverRead) {
+  TempDir tmp("nonfiniteread");
+  SingleRankRun run;
+  const fs::path dir = run.save(tmp.path, 10);
+  set_element_nan(dir / "model.safetensors", "model.layers.1.mlp.up_proj.weight", 5);
+  std::vector<float> weights(run.model.layout().total());
+  std::string msg = error_of([&] { load_weights(dir, run.model.layout(), weights.data()); });
+  EXPECT_NE(msg.find("tensor 'model.layers.1.mlp.up_proj.weight' in " + (dir / "model.safetensors").string() +
+                     ": element 5 is nan"),
+            std::string::npos)
+      << msg;
+
+  ShardedRun sharded;
+  std::string piece;
+  {
+    SafetensorsFile f(sharded.dir / "rank_00001.safetensors");
+    for (const TensorInfo& t : f.tensors())
+      if (piece.empty() && t.name.rfind("exp_avg", 0) != 0 && t.shape[0] > 3) piece = t.name;
+  }
+  ASSERT_FALSE(piece.empty());
+  set_element_nan(sharded.dir / "rank_00001.safetensors", piece, 3);
+  msg = sharded.load();
+  EXPECT_NE(msg.find("tensor '" + piece + "' in " + (sharded.dir / "rank_00001.safetensors").string() +
+                     ": element 3 is nan"),
+            std::string::npos)
+      << msg;
+}
 
 TEST(Checkpoint, PiecesMetadataIsCheckedBeforeAnyElementIsPlaced) {
   ShardedRun run;

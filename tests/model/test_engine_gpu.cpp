@@ -1,7 +1,8 @@
 // model/engine.h on the CUDA backend (model/engine_gpu.cpp), single rank: the engine the trainer drives with
 // --device cuda follows the CPU engine over 10 AdamW steps, a checkpoint exchange (export_shard ->
 // import_shard into a fresh engine) continues bit for bit with fp32 moments, bf16 moments and stochastic
-// rounding, and the status the log prints is the device's. Skipped without a device.
+// rounding, the exchange goes a piece at a time through one host buffer, and the status the log prints is the
+// device's. Skipped without a device.
 //
 // Tolerances: those of tests/model/test_llama_gpu.cpp (TenAdamWStepsFollowTheCpuRun), where they are derived:
 // 5e-2 relative on each step's loss and 0.15 on its gradient norm for a bf16 trajectory against fp32.
@@ -103,6 +104,48 @@ INSTANTIATE_TEST_SUITE_P(Moments, EngineGpuResume,
                          [](const testing::TestParamInfo<Rounding>& i) {
                            return std::string(i.param.bf16_moments ? "bf16" : "fp32") +
                                   (i.param.stochastic_rounding ? "_stochastic" : "");
+                         });
+
+// A checkpoint exchange goes through one host buffer of the largest piece (weights, both moments and a moment's
+// bf16 bits: 14 bytes an element), never a copy of the shard, at every ZeRO stage and with bf16 moments.
+struct StateCase {
+  int zero;
+  bool bf16_moments;
+};
+
+class EngineGpuState : public testing::TestWithParam<StateCase> {};
+
+TEST_P(EngineGpuState, MovesAPieceAtATimeThroughOneHostBuffer) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  const LlamaConfig config = testing_util::many_layers(f);
+  EngineOptions o = engine_options(f, "cuda", GetParam().zero);
+  o.bf16_moments = GetParam().bf16_moments;
+  SingleRank ra, rb;
+  std::unique_ptr<Engine> a = make_engine(config, o, ra.mesh, random_weights(3, 0.02));
+  std::unique_ptr<Engine> b = make_engine(config, o, rb.mesh, nullptr);
+  {  // once unmeasured, so that whatever the CUDA runtime sets up for pageable copies each way is there already
+    std::vector<float> p, m, v;
+    a->export_shard(p, m, v);
+    b->import_shard(p, m, v);
+  }
+  const testing_util::StateExchange x = testing_util::exchange_state_piecewise(*a, *b);
+  // The plan the trainer prints (model/engine.h) is what the exchange holds.
+  const int64_t staging = plan_gpu_host_staging(config, o, 1, 0, 1, 0).checkpoint_bytes;
+  const int64_t shard_bytes = x.shard_elements * int64_t(sizeof(float));
+  std::printf("  shard %.2f MB per array, largest piece %.2f MB; heap growth export %.3f MB, import %.3f MB, planned "
+              "%.3f MB\n", shard_bytes / 1e6, x.largest_piece * 4 / 1e6, x.export_heap_growth / 1e6,
+              x.import_heap_growth / 1e6, staging / 1e6);
+  ASSERT_GT(shard_bytes, 2 * staging);  // a shard copy would not fit under the bound below
+  EXPECT_NEAR(double(x.export_heap_growth), double(staging), 64 << 10);
+  EXPECT_NEAR(double(x.import_heap_growth), double(staging), 64 << 10);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, EngineGpuState,
+                         testing::Values(StateCase{0, false}, StateCase{1, true}, StateCase{2, false},
+                                         StateCase{3, true}),
+                         [](const testing::TestParamInfo<StateCase>& i) {
+                           return "zero" + std::to_string(i.param.zero) + (i.param.bf16_moments ? "_bf16" : "");
                          });
 
 TEST(EngineGpu, StatusIsTheDevices) {

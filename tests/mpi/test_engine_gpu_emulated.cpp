@@ -1,7 +1,7 @@
 // model/engine_gpu.cpp data parallel, under `mpirun -np 2` on the host emulator (build/emulated_gpu_mpi_tests,
 // which tests/kernels/test_gpu_emulated.cpp launches): the CUDA engine at dp = 2 follows the one-rank engine
-// on the whole batch, and its checkpoint (export_shard -> the sharded checkpoint writer -> load_checkpoint_shard
-// -> import_shard) restores at 2 ranks and at 1.
+// on the whole batch, and its checkpoint (export_state -> the sharded checkpoint writer -> load_checkpoint_state
+// -> import_state) restores at 2 ranks and at 1.
 //
 // The device comm. A real build all-reduces gradients and gathers restored units with NCCL on the engine's
 // stream (train.cu's DeviceCommFactory, dist/comm_nccl.cpp), whose own code runs only on GPUs. Here the staged
@@ -193,10 +193,9 @@ std::filesystem::path save_sharded(Engine& e, const Fixture& f, Comm& world, con
                                    int64_t step) {
   if (world.rank() == 0) prepare_sharded_checkpoint(root, step);
   world.barrier("checkpoint directory created");
-  std::vector<float> p, m, v;
-  e.export_shard(p, m, v);
   write_checkpoint_shard(checkpoint_tmp_dir(root, step), world.rank(), e.layout(),
-                         ShardState{&e.segments(), p.data(), m.data(), v.data(), e.steps_taken(), true});
+                         ShardState{&e.segments(), [&](const StateSink& sink) { e.export_state(sink); },
+                                    e.steps_taken(), true});
   world.barrier("checkpoint shards written");
   const nlohmann::json config_json = read_config_json(f.dir);
   if (world.rank() == 0)
@@ -207,12 +206,10 @@ std::filesystem::path save_sharded(Engine& e, const Fixture& f, Comm& world, con
   return *dir;
 }
 
-// As train.cu resumes: this rank's segments from the checkpoint, gathered into the engine.
+// As train.cu resumes: this rank's segments from the checkpoint, a piece at a time into the engine.
 void restore(Engine& e, const std::filesystem::path& dir) {
-  std::vector<float> p, m, v;
-  const int64_t steps_taken = load_checkpoint_shard(dir, e.layout(), e.segments(), p, m, v);
-  e.import_shard(p, m, v);
-  e.set_steps_taken(steps_taken);
+  e.set_steps_taken(load_checkpoint_state(dir, e.layout(), e.segments(),
+                                          [&](const StateSource& source) { e.import_state(source); }));
 }
 
 struct Rounding {

@@ -124,7 +124,7 @@ TEST(Convert, ExportCarriesWhatAutoTokenizerNeeds) {
                         Case{"llama3/tokenizer.json.zst", "PreTrainedTokenizerFast", "<|begin_of_text|>", "<|end_of_text|>",
                              128000, 128001, "transformers"}}) {
     const fs::path ckpt = tmp / ("tuna-" + c.expected_class), out = tmp / ("hf-" + c.expected_class);
-    write_model_with_vocab(tmp / ("model-" + c.expected_class), std::max(128, c.eos_id + 1), c.bos_id, c.eos_id);
+    write_model_with_vocab(tmp / ("model-" + c.expected_class), c.eos_id < 128 ? 128 : 128256, c.bos_id, c.eos_id);
     ASSERT_EQ(run_command(kConvert + " hf-to-tuna " + (tmp / ("model-" + c.expected_class)).string() + " " + ckpt.string(),
                           tmp / "l1b").exit_code, 0);
     const std::string source = "tests/fixtures/tokenizers/" + c.tokenizer_file;

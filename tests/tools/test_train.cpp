@@ -337,6 +337,21 @@ TEST(Train, PlanOnlyPrintsThePerGpuTableAndRefusesWhatDoesNotFit) {
   r = run_command(base + " --device cpu --gpu_memory_gb 80", tmp / "log4");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("use --device cuda"), std::string::npos) << r.output;
+  // A plan touches nothing on disk: an out_dir holding a run is neither refused, deleted (--overwrite) nor
+  // verified (--resume auto), and a missing one is not created.
+  fs::create_directories(tmp / "run" / "ckpt" / "step_00000002");
+  std::ofstream(tmp / "run" / "ckpt" / "step_00000002" / "state.json") << "{\"step\": 2}";
+  std::ofstream(tmp / "run" / "metrics.jsonl") << "{\"step\": 1, \"loss\": 4.5}\n";
+  for (const char* extra : {"", " --overwrite", " --resume auto"}) {
+    r = run_command(base + " --gpu_memory_gb 80" + extra, tmp / "log5");
+    EXPECT_EQ(r.exit_code, 0) << extra << "\n" << r.output;
+    EXPECT_TRUE(fs::exists(tmp / "run" / "ckpt" / "step_00000002" / "state.json")) << extra;
+    EXPECT_EQ(read_file(tmp / "run" / "metrics.jsonl"), "{\"step\": 1, \"loss\": 4.5}\n") << extra;
+  }
+  r = run_command(kTrain + " --plan_only --device cuda --model_config demo/config.json --gpu_memory_gb 80 --out_dir " +
+                      (tmp / "nowhere").string(), tmp / "log6");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "nowhere"));
 }
 
 // ---- no input crashes the trainer, no bad value trains silently (issue 13) --------------------------------
