@@ -3,10 +3,10 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "data/tokenizer_impl.h"  // model_config_file
 
 namespace tuna {
@@ -171,18 +171,27 @@ ChatFormat resolve_chat_format(const Tokenizer& tokenizer, const std::string& re
     fail("chat template '", requested, "': tuna renders llama3 and llama2 (or auto: the model's own, if it is one of them)");
   const std::string config = model_config_file(tokenizer.path(), "tokenizer_config.json");
   if (!config.empty()) {
-    std::ifstream in(config);
-    const nlohmann::json c = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (c.is_object() && c.contains("chat_template")) {
+    const nlohmann::json c = read_json_file(config, config);  // core/json.h: bounded, repeated keys refused
+    if (c.is_object() && c.contains("chat_template") && !c["chat_template"].is_null()) {
       const nlohmann::json& t = c["chat_template"];
       // A string, or a list of named templates ({"name": "default", "template": ...}).
       std::string text;
-      if (t.is_string()) text = t.get<std::string>();
-      if (t.is_array())
-        for (const auto& named : t)
-          if (named.is_object() && named.value("name", "") == "default" && named.contains("template") &&
-              named["template"].is_string())
-            text = named["template"].get<std::string>();
+      auto refuse = [&](const nlohmann::json& found) {
+        fail("chat template of ", config, ": field 'chat_template': expected a string or a list of {\"name\": string, "
+             "\"template\": string}, found ", found.dump().substr(0, 200));
+      };
+      if (t.is_string()) {
+        text = t.get<std::string>();
+      } else if (t.is_array()) {
+        for (const auto& named : t) {
+          if (!named.is_object() || !named.contains("name") || !named["name"].is_string() ||
+              !named.contains("template") || !named["template"].is_string())
+            refuse(named);
+          if (named["name"] == "default") text = named["template"].get<std::string>();
+        }
+      } else {
+        refuse(t);
+      }
       const bool llama3 = text.find("<|start_header_id|>") != std::string::npos;
       const bool llama2 = text.find("[INST]") != std::string::npos;
       if (llama3 != llama2) return llama3 ? ChatFormat::llama3 : ChatFormat::llama2;

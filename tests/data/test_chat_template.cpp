@@ -99,6 +99,19 @@ TEST(ChatTemplate, FormatFromTheModelsConfig) {
   EXPECT_EQ(resolve_chat_format(chatml, "llama2"), ChatFormat::llama2) << "an explicit choice overrides";
   expect_error([&] { resolve_chat_format(chatml, "chatml"); }, {"chat template 'chatml'", "llama3 and llama2"});
   expect_error([&] { resolve_chat_format(f.llama3(), "mistral"); }, {"'mistral'"});
+  // A list of named templates: the default one is read; a name or template that is not a string is an error
+  // naming the file (it was a json::type_error with no file named; found by make fuzz).
+  testing_data::write_file(dir.file("tokenizer_config.json"),
+                           R"({"chat_template": [{"name": "tool_use", "template": "[INST]"},
+                                                 {"name": "default", "template": "<|start_header_id|>"}]})");
+  EXPECT_EQ(resolve_chat_format(Tokenizer(dir.path().string()), "auto"), ChatFormat::llama3);
+  for (const char* bad : {R"([{"name": 5, "template": "[INST]"}])", R"([{"name": "default", "template": null}])",
+                          R"(["[INST]"])", "7"}) {
+    testing_data::write_file(dir.file("tokenizer_config.json"), str(R"({"chat_template": )", bad, "}"));
+    const Tokenizer tok(dir.path().string());
+    expect_error([&] { resolve_chat_format(tok, "auto"); },
+                 {dir.file("tokenizer_config.json"), "field 'chat_template'", "expected a string or a list"});
+  }
 }
 
 TEST(ChatTemplate, RefusedConversations) {

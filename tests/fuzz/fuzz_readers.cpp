@@ -34,6 +34,7 @@
 #include "core/json.h"
 #include "core/options.h"
 #include "data/byte_bpe.h"
+#include "data/chat_template.h"
 #include "data/loader.h"
 #include "data/prepare.h"
 #include "data/shard.h"
@@ -861,10 +862,14 @@ std::vector<Reader> make_readers(const fs::path& work) {
     const std::string tokenizer_config =
         json{{"bos_token", "<|begin_of_text|>"}, {"eos_token", {{"content", "<|eot_id|>"}, {"special", true}}},
              {"clean_up_tokenization_spaces", true}, {"model_max_length", 131072},
-             {"tokenizer_class", "PreTrainedTokenizerFast"}}.dump(2);
+             {"tokenizer_class", "PreTrainedTokenizerFast"},
+             {"chat_template", {{{"name", "default"}, {"template", "{{ '<|start_header_id|>' + role + '<|end_header_id|>' }}"}},
+                                {{"name", "tool_use"}, {"template", "{{ '[INST]' }}"}}}}}.dump(2);
     readers.push_back({"tokenizer_config", true, {tokenizer_config}, [tok](const std::string& bytes) {
                          write_bytes(tok / "bpe" / "tokenizer_config.json", bytes);
-                         use_tokenizer(Tokenizer((tok / "bpe").string()));
+                         const Tokenizer t((tok / "bpe").string());
+                         use_tokenizer(t);
+                         (void)resolve_chat_format(t, "auto");  // its chat_template
                        }});
     readers.push_back({"tokenizer_model_config", true, {kTinyConfig}, [tok](const std::string& bytes) {
                          fs::remove(tok / "bpe" / "tokenizer_config.json");
