@@ -2,6 +2,10 @@
 // overwrite/accumulate semantics of dinp and dweight, and a null dinp.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include "kernels/cpu/matmul.h"
 #include "tests/kernels/op_test_util.h"
 
@@ -85,6 +89,42 @@ TEST(MatmulTest, BackwardAccumulatesWhereAsked) {
   matmul_bwd<double>(nullptr, dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
                      /*accumulate_dinp=*/false);
   EXPECT_LT(test::rel_error_norm(dweight, expected_dweight), 1e-14);
+}
+
+// The rows of each GEMM are split over the OpenMP threads (kernels/cpu/matmul.cpp): forward, dinp (overwritten
+// and accumulated) and dweight (accumulated) bit for bit the same at any thread count, on shapes large enough to
+// be split, with row counts that do not divide into the 16-row blocks.
+TEST(MatmulTest, BitIdenticalAcrossThreadCounts) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (const auto& [n, ic, oc] : {std::tuple<int64_t, int64_t, int64_t>{1000, 136, 120}, {77, 520, 300}, {4099, 64, 40}}) {
+    SCOPED_TRACE("n " + std::to_string(n) + ", ic " + std::to_string(ic) + ", oc " + std::to_string(oc));
+    const std::vector<float> inp = rng.vector<float>(n * ic), weight = rng.vector<float>(oc * ic);
+    const std::vector<float> dout = rng.vector<float>(n * oc), prior_dinp = rng.vector<float>(n * ic);
+    const std::vector<float> prior_dweight = rng.vector<float>(oc * ic);
+    struct Result {
+      std::vector<float> out, dinp_overwritten, dinp_accumulated, dweight;
+    };
+    auto run = [&](int threads) {
+      Result r{std::vector<float>(n * oc), std::vector<float>(n * ic), prior_dinp, prior_dweight};
+      test::with_omp_threads(threads, [&] {
+        matmul_fwd(r.out.data(), inp.data(), weight.data(), n, ic, oc);
+        std::vector<float> dweight_unused = prior_dweight;
+        matmul_bwd(r.dinp_overwritten.data(), dweight_unused.data(), dout.data(), inp.data(), weight.data(), n, ic, oc,
+                   false);
+        matmul_bwd(r.dinp_accumulated.data(), r.dweight.data(), dout.data(), inp.data(), weight.data(), n, ic, oc, true);
+      });
+      return r;
+    };
+    const Result reference = run(1);
+    for (int threads : test::determinism_thread_counts()) {
+      const Result r = run(threads);
+      EXPECT_TRUE(test::bitwise_equal(r.out, reference.out)) << threads << " threads";
+      EXPECT_TRUE(test::bitwise_equal(r.dinp_overwritten, reference.dinp_overwritten)) << threads << " threads";
+      EXPECT_TRUE(test::bitwise_equal(r.dinp_accumulated, reference.dinp_accumulated)) << threads << " threads";
+      EXPECT_TRUE(test::bitwise_equal(r.dweight, reference.dweight)) << threads << " threads";
+    }
+  }
 }
 
 }  // namespace
