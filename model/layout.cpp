@@ -107,4 +107,15 @@ void place_block(const ParamTensor& t, const float* local, float* global) {
   }
 }
 
+std::vector<int> ParamLayout::unit_pass_order(bool backward_follows) const {
+  const int layers = head_unit() - 1;
+  std::vector<int> order{0};
+  for (int l = 0; l < layers; l++) order.push_back(1 + l);
+  order.push_back(head_unit());
+  if (lm_head_unit() == 0) order.push_back(0);
+  if (backward_follows)
+    for (int l = layers - 1; l >= 0; l--) order.push_back(1 + l);
+  return order;
+}
+
 }  // namespace tuna

@@ -59,6 +59,9 @@ class ParamLayout {
   std::pair<int64_t, int64_t> unit_range(int unit) const { return unit_ranges_[unit]; }
   int head_unit() const { return num_units() - 1; }
   int lm_head_unit() const { return lm_head_ == embed_tokens_ ? 0 : head_unit(); }
+  // The units a forward pass uses, in order (embedding, layers, head, the tied embedding again for lm_head),
+  // then the layers backwards when a backward follows: the order ZeRO-3 gathers (and prefetches) them in.
+  std::vector<int> unit_pass_order(bool backward_follows) const;
 
   int64_t embed_tokens() const { return embed_tokens_; }
   int64_t final_norm() const { return final_norm_; }

@@ -279,20 +279,12 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
   const TpDims& d = layout_.tp();
   const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn;
   const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
-  const bool tied = layout_.lm_head_unit() == 0;
   // Positions past .. past + seq - 1: the rotation tables start at row `past`.
   const int64_t past = cache ? cache->length : 0;
   const float* rope_cos = rope_cos_.data() + past * (c.head_dim / 2);
   const float* rope_sin = rope_sin_.data() + past * (c.head_dim / 2);
 
-  // The acquire order of this pass: embedding, layers, head (with the tied embedding), layers backwards.
-  std::vector<int> order{0};
-  for (int l = 0; l < L; l++) order.push_back(1 + l);
-  order.push_back(H);
-  if (tied) order.push_back(0);
-  if (backward_follows)
-    for (int l = L - 1; l >= 0; l--) order.push_back(1 + l);
-  store_->plan(order);
+  store_->plan(layout_.unit_pass_order(backward_follows));
 
   const float* embedding = store_->acquire(0);
   embed(acts_.empty() ? resid_out_.data() : acts_[0].resid_in.data(), inputs, n,

@@ -360,17 +360,9 @@ void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
   const LlamaConfig& c = config_;
   const int64_t n = batch * seq, C = c.hidden_size;
   const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
-  const bool tied = layout_.lm_head_unit() == 0;
   cudaStream_t s = stream_;
 
-  // The acquire order of this pass: embedding, layers, head (with the tied embedding), layers backwards.
-  std::vector<int> order{0};
-  for (int l = 0; l < L; l++) order.push_back(1 + l);
-  order.push_back(H);
-  if (tied) order.push_back(0);
-  if (backward_follows)
-    for (int l = L - 1; l >= 0; l--) order.push_back(1 + l);
-  store_->plan(order);
+  store_->plan(layout_.unit_pass_order(backward_follows));
 
   const __nv_bfloat16* embedding = store_->acquire(0);
   __nv_bfloat16* x0 = acts_.empty() ? resid_out_ : acts_[0].resid_in;
