@@ -37,11 +37,17 @@
 //   - a wgmma needs a wgmma.fence since its warpgroup's last wgmma.wait_group (the ISA requires one before the
 //     first wgmma and between register accesses and a wgmma; this is the part of that rule the emulator sees);
 //   - warpgroup instructions (wgmma.*, setmaxnreg) are executed by all 128 threads with the same operands;
+//   - the proxies (ISA: the memory model's proxies, wgmma's "async proxy" section, membar/fence's
+//     fence.proxy.async): wgmma reads shared memory through the async proxy, threads' stores write it through
+//     the generic proxy, and a generic write reaches an async read only through a fence.proxy.async after it. The emulator keeps, per 16-byte chunk, the bytes the async proxy
+//     last saw there (a TMA landing, an earlier wgmma read; the 0xff fill at the block's start): a wgmma reading a
+//     chunk whose bytes have changed since, with no fence.proxy.async executed in the block since, is a race;
+//   - a wgmma's shared operands may not change (by a thread's store) between its issue and its retirement;
 //   - nothing is left in flight at the block's end.
-// Not modelled: the proxy fences (generic writes to shared memory read by wgmma are not tracked: only the
-// numbers of the --copies at-wait run watch them), clusters and multicast, TMA stores and reductions, im2col,
-// interleaved layouts, element strides other than 1, the NaN out-of-bounds fill, the fp32 rounding inside
-// the tensor core, timing.
+// Not modelled: which thread executed a proxy fence (any thread's fence since the async proxy last saw a chunk
+// counts, so a fence by the wrong thread, or before the stores it should follow, passes here when some fence
+// lies between two reads), clusters and multicast, TMA stores and reductions, im2col, interleaved layouts,
+// element strides other than 1, the NaN out-of-bounds fill, the fp32 rounding inside the tensor core, timing.
 #pragma once
 
 #include <cuda.h>  // the emulator's shim: CUtensorMap and the driver enums
@@ -110,6 +116,7 @@ struct WgmmaOp {
   std::array<uint32_t, 4> a_snapshot[kWarpGroupSize] = {};
   std::vector<float> input;  // [thread][n / 2]: the accumulators at issue (unless chained)
   std::vector<uint32_t> chunks;  // 16-byte shared chunks it reads
+  std::vector<unsigned char> chunk_bytes;  // their bytes at issue, 16 per chunk
 };
 
 struct WarpGroupState {
@@ -142,6 +149,14 @@ struct Sm90Block {
   std::unordered_map<uint32_t, Write> tma_writes;       // 16-byte chunk -> the copy that last wrote it
   std::unordered_map<uint32_t, uint32_t> tma_in_flight;  // 16-byte chunk -> the barrier of a copy not landed yet
   std::unordered_map<uint32_t, int> wgmma_reads;        // 16-byte chunk -> unretired wgmma reading it
+  // The async proxy's view of shared memory: per 16-byte chunk, the bytes it last saw there and the count of
+  // fence.proxy.async the block had executed then (absent: the 0xff fill of the block's start, no fences).
+  struct AsyncView {
+    std::array<unsigned char, 16> bytes;
+    long fences;
+  };
+  std::unordered_map<uint32_t, AsyncView> async_view;
+  long proxy_fences = 0;  // fence.proxy.async executed in this block
   std::unordered_map<const float*, std::vector<uint32_t>> written;  // accumulators -> what the emulator left there
   std::vector<WarpGroupState> warpgroups;
   int register_pool = 0;  // registers released by setmaxnreg.dec, not yet taken
@@ -155,6 +170,7 @@ inline void reset_sm90_block(int threads, bool sm90a) {
   g_sm90.barriers.clear();
   g_sm90.seen.assign(threads, {});
   g_sm90.tma_writes.clear(), g_sm90.tma_in_flight.clear(), g_sm90.wgmma_reads.clear(), g_sm90.written.clear();
+  g_sm90.async_view.clear(), g_sm90.proxy_fences = 0;
   g_sm90.warpgroups = std::vector<WarpGroupState>((threads + kWarpGroupSize - 1) / kWarpGroupSize);
   // The launch's per-thread registers: what a kernel of this block size may have at one CTA per SM, a
   // multiple of 8 (setmaxnreg's unit) and at most 248 (the compiler's limit, 255, rounded down).
@@ -227,6 +243,30 @@ inline void arrived(bool completed_phase) {
   if (completed_phase) block().yield_current();
 }
 
+// ---- the proxies
+inline std::array<unsigned char, 16> chunk_now(uint32_t chunk) {
+  std::array<unsigned char, 16> bytes;
+  std::memcpy(bytes.data(), shared_bytes() + chunk * 16, 16);
+  return bytes;
+}
+// The async proxy sees `chunk` as it is now.
+inline void note_async_view(uint32_t chunk) { g_sm90.async_view[chunk] = {chunk_now(chunk), g_sm90.proxy_fences}; }
+
+// An async-proxy read (`reader`) of `chunk`: bytes that changed since the async proxy last saw them were written
+// by threads (generic proxy), and reach the async proxy only through a fence.proxy.async after the writes.
+inline void check_async_read(const char* reader, uint32_t chunk) {
+  std::array<unsigned char, 16> seen;
+  seen.fill(0xff);  // the block's start (run_grid's fill)
+  long fences_then = 0;
+  if (const auto it = g_sm90.async_view.find(chunk); it != g_sm90.async_view.end())
+    seen = it->second.bytes, fences_then = it->second.fences;
+  TUNA_CHECK(chunk_now(chunk) == seen || g_sm90.proxy_fences > fences_then, "RACE: ", reader,
+             " (async proxy) reads shared bytes [", chunk * 16, ", ", chunk * 16 + 16,
+             ") that threads wrote (generic proxy) with no fence.proxy.async since: the ISA requires the writing ",
+             "threads to execute fence.proxy.async.shared::cta after their stores, then a barrier, before the read");
+  note_async_view(chunk);
+}
+
 // Writes a copy's bytes into shared memory (its destination as the copy saw it: box order, swizzled by
 // address) and completes its bytes on the barrier, recording which phase each 16-byte chunk belongs to.
 inline void land_tma(uint32_t bar_address, MBarrier& b, uint32_t dst, const std::vector<unsigned char>& data) {
@@ -234,6 +274,7 @@ inline void land_tma(uint32_t bar_address, MBarrier& b, uint32_t dst, const std:
   for (uint32_t chunk = dst / 16; chunk < (dst + data.size()) / 16; ++chunk) {
     g_sm90.tma_writes[chunk] = {bar_address, b.phase};
     g_sm90.tma_in_flight.erase(chunk);
+    note_async_view(chunk);  // the async proxy wrote it
   }
   b.tx -= static_cast<int64_t>(data.size());
   maybe_complete_phase(b);
@@ -355,6 +396,11 @@ inline void retire_wgmma(WgmmaOp& op) {
                  warpgroup_of_current() * kWarpGroupSize + thread,
                  " changed the A fragment registers of a wgmma before a wgmma.wait_group retired it");
   }
+  for (size_t i = 0; i < op.chunks.size(); ++i)
+    TUNA_CHECK(std::memcmp(shared_bytes() + op.chunks[i] * 16, op.chunk_bytes.data() + 16 * i, 16) == 0,
+               "RACE: shared bytes [", op.chunks[i] * 16, ", ", op.chunks[i] * 16 + 16,
+               ") that an unretired wgmma reads were overwritten before the wgmma.wait_group that retires it (the ",
+               "tensor cores may read its operands until then)");
   if (g_shared.timing == CopyTiming::kDeferred) compute_wgmma(op);
   for (uint32_t chunk : op.chunks)
     if (--g_sm90.wgmma_reads[chunk] == 0) g_sm90.wgmma_reads.erase(chunk);
@@ -431,7 +477,12 @@ inline void issue_wgmma(WgmmaOp op_template, float* acc, const uint32_t* a_regis
     std::sort(op.chunks.begin(), op.chunks.end());
     op.chunks.erase(std::unique(op.chunks.begin(), op.chunks.end()), op.chunks.end());
     check_tma_data_seen(op, group);
-    for (uint32_t chunk : op.chunks) ++g_sm90.wgmma_reads[chunk];
+    op.chunk_bytes.resize(16 * op.chunks.size());
+    for (size_t i = 0; i < op.chunks.size(); ++i) {
+      check_async_read("a wgmma", op.chunks[i]);
+      std::memcpy(op.chunk_bytes.data() + 16 * i, shared_bytes() + op.chunks[i] * 16, 16);
+      ++g_sm90.wgmma_reads[op.chunks[i]];
+    }
     if (g_shared.timing == CopyTiming::kImmediate) {
       compute_wgmma(op);
     } else {  // in flight: no value a reader could rely on until the wait
@@ -579,7 +630,10 @@ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int 
   tma_load(dst, map, bar, coords, 2);
 }
 
-inline void fence_proxy_async_shared() { tuna::emulator::require_sm90a("fence.proxy.async"); }
+inline void fence_proxy_async_shared() {
+  tuna::emulator::require_sm90a("fence.proxy.async");
+  ++tuna::emulator::g_sm90.proxy_fences;
+}
 
 // ---- wgmma
 inline void wgmma_fence() {

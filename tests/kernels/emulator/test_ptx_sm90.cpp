@@ -310,6 +310,7 @@ struct WgmmaArgs {
 template <int kTransA, int kTransB, bool kRegisterA>
 void wgmma_kernel(WgmmaArgs args) {
   for (uint32_t i = threadIdx.x; i < args.image_bytes; i += blockDim.x) shared_bytes()[kData + i] = args.image[i];
+  fence_proxy_async_shared();  // the stores (generic proxy) before the tensor cores' reads (async proxy)
   __syncthreads();
   float d[32];
   for (int r = 0; r < 32; ++r) d[r] = args.init[threadIdx.x * 32 + r];
@@ -551,7 +552,17 @@ TEST(EmulatorWgmma, TmaSwizzledTilesKMajorAndMnMajor) {
 }
 
 // ---- misuse the emulator must report
-enum class Misuse { kNoFence, kTouchAccumulator, kTouchFragment, kReadBeforeWait, kOverwriteWhileRead, kNoRetire };
+enum class Misuse {
+  kNoFence,
+  kTouchAccumulator,
+  kTouchFragment,
+  kReadBeforeWait,
+  kOverwriteWhileRead,
+  kNoRetire,
+  kStoreWithoutProxyFence,  // a thread's store into the tile, then a barrier, then the wgmma: no fence.proxy.async
+  kStoreWhileRead,          // a thread's store into the tile while the wgmma that reads it is in flight
+  kStoreThenProxyFence,     // no misuse: the store, fence.proxy.async by the storing thread, a barrier, the wgmma
+};
 
 void misuse_kernel(const __grid_constant__ CUtensorMap map, Misuse misuse) {
   constexpr uint32_t kTile = kData;
@@ -562,6 +573,13 @@ void misuse_kernel(const __grid_constant__ CUtensorMap map, Misuse misuse) {
   }
   __syncthreads();
   if (misuse != Misuse::kReadBeforeWait) mbarrier_wait(kBar, 0);
+  if (misuse == Misuse::kStoreWithoutProxyFence || misuse == Misuse::kStoreThenProxyFence) {
+    if (threadIdx.x == 5) {
+      shared_bytes()[kTile + 2] ^= 0x40;  // row 0, k 1: an operand byte
+      if (misuse == Misuse::kStoreThenProxyFence) fence_proxy_async_shared();
+    }
+    __syncthreads();  // without the fence, this orders the store for the generic proxy only
+  }
   float d[32] = {};
   uint32_t a[4] = {0, 0, 0, 0};
   if (misuse != Misuse::kNoFence) wgmma_fence();
@@ -571,6 +589,7 @@ void misuse_kernel(const __grid_constant__ CUtensorMap map, Misuse misuse) {
   wgmma_commit();
   if (misuse == Misuse::kTouchAccumulator) d[3] = 1.0f;
   if (misuse == Misuse::kTouchFragment) a[1] = 5;
+  if (misuse == Misuse::kStoreWhileRead && threadIdx.x == 7) shared_bytes()[kTile + 130] ^= 0x40;  // row 1, k 9
   if (misuse == Misuse::kOverwriteWhileRead && threadIdx.x == 0) {
     mbarrier_arrive_expect_tx(kBar, 8192);
     tma_load_2d(kTile, &map, kBar, 0, 0);
@@ -593,6 +612,8 @@ TEST(EmulatorWgmma, MisuseIsReported) {
       {Misuse::kReadBeforeWait, "seen only 0 phases"},  // the copy landed (at issue) or is still writing
       {Misuse::kOverwriteWhileRead, "an unretired wgmma reads"},
       {Misuse::kNoRetire, "in flight"},
+      {Misuse::kStoreWithoutProxyFence, "with no fence.proxy.async since"},
+      {Misuse::kStoreWhileRead, "were overwritten before the wgmma.wait_group"},
   };
   for (const auto& [misuse, message] : cases) {
     SCOPED_TRACE(message);
@@ -603,12 +624,16 @@ TEST(EmulatorWgmma, MisuseIsReported) {
       EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
     }
   }
+  // The store made visible to the async proxy as the ISA asks passes.
+  cuda::launch_kernel_sm90a(misuse_kernel, dim3(1), dim3(128), kData + 8192, nullptr, map,
+                            Misuse::kStoreThenProxyFence);
   TUNA_CUDA_CHECK(cudaFree(d));
 }
 
 // In the at-wait timing the accumulators hold no value until the wait: a kernel that reads them early sees NaN.
 void early_read_kernel(float* out) {
   for (uint32_t i = threadIdx.x; i < 4096; i += blockDim.x) shared_bytes()[kData + i] = 0;
+  fence_proxy_async_shared();
   __syncthreads();
   float d[32] = {};
   wgmma_fence();
