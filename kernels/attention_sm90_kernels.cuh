@@ -23,8 +23,10 @@
 // of 8-column tile i in registers 4i..4i+3 of lane 4g + t of warp w; two adjacent 8-column tiles are exactly
 // the A fragment of a 16-wide k-step, so P feeds P V from registers (as in FlashAttention-2 with mma.sync).
 //
-// Compiled into the sm_90a image only (TUNA_SM90A_DEVICE): the sm_80 image gets empty kernels, which the
-// launchers never start on a device without sm_90a (attention_sm90_launch.cuh checks).
+// Compiled into the sm_90a image only (TUNA_SM90A_DEVICE): the sm_80 image gets kernels that trap, which the
+// launchers never start on a device without sm_90a (attention_sm90_launch.cuh checks). A plain sm_90 build
+// (SM=90, no "a") reports binaryVersion 90 like an sm_90a one, so the launchers' check passes it: the trap
+// turns what would be a silently empty kernel into a launch error.
 #pragma once
 
 #include <cuda.h>
@@ -367,6 +369,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     }
   }
   if (cw == 0) take_turn();  // warpgroup 1's last hand-over
+#elif defined(__CUDA_ARCH__)
+  __trap();  // an image without sm_90a code (sm_80, or a plain sm_90 build): never a silent empty kernel
 #endif  // TUNA_SM90A_DEVICE
 }
 
@@ -640,6 +644,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
     *reinterpret_cast<__nv_bfloat162*>(p.dk + at) = __floats2bfloat162_rn(dk[r], dk[r + 1]);
     *reinterpret_cast<__nv_bfloat162*>(p.dv + at) = __floats2bfloat162_rn(dv[r], dv[r + 1]);
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // as the forward's
 #endif  // TUNA_SM90A_DEVICE
 }
 

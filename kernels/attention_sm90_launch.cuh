@@ -66,6 +66,15 @@ void require_sm90a_image(Kernel* kernel) {
   TUNA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
   TUNA_CHECK(attributes.binaryVersion == 90, "the Hopper attention path needs a build with sm_90a code (make SM=90a, ",
              "or the default SM); this binary runs sm_", attributes.binaryVersion, " code here");
+#ifndef TUNA_EMULATOR  // the emulator has no compiled register count; its setmaxnreg model checks the pool itself
+  // setmaxnreg moves registers within the CTA's pool, which holds what ptxas gave each of the 384 threads at
+  // launch (168 under __launch_bounds__(384, 1)). If the producer's and the consumers' counts did not fit it,
+  // the consumers' setmaxnreg.inc would wait forever: a hang on the GPU, so an error here instead.
+  constexpr int kPool = kWarpGroupThreads * kProducerRegisters + kConsumerThreads * kConsumerRegisters;
+  TUNA_CHECK(attributes.numRegs * kSm90Threads >= kPool, "the Hopper attention kernel was compiled to ",
+             attributes.numRegs, " registers a thread: ", kSm90Threads, " threads then own ",
+             attributes.numRegs * kSm90Threads, ", fewer than the ", kPool, " its setmaxnreg counts redistribute");
+#endif
 }
 
 inline int multiprocessor_count() {

@@ -129,6 +129,22 @@ TEST(AttentionGpu, HeadDim128HopperPath) {
   check({1, 128, 2, 2, 128}, rng, AttentionPath::kHopper);
 }
 
+// The hopper path across waves of CTAs, on a GPU: 384 forward tiles over at most 132 persistent CTAs (an
+// H100/H200's SMs), so each walks several (the Q barrier's later phases, the K/V ring and the turn barriers
+// across tiles, which the small shapes above, one tile per CTA there, never reach on hardware), and 192
+// backward CTAs, so the ordered dQ additions also wait on CTAs of an earlier wave. On the emulator the
+// `--sms 3` run (test_gpu_emulated.cpp) walks several tiles per CTA at the shapes above; this one would take
+// it minutes.
+TEST(AttentionGpu, HopperPathAcrossWavesOfCtas) {
+  TUNA_REQUIRE_SM90();
+#ifdef TUNA_EMULATOR
+  GTEST_SKIP() << "a GPU-sized shape: the emulator covers the persistent loop with --sms 3";
+#endif
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check({4, 260, 32, 16, 64}, rng, AttentionPath::kHopper);
+}
+
 // RoPE's backward applied by attention_bwd: fused into the hopper path's epilogues, after the mma path's kernels.
 TEST(AttentionGpu, BackwardAppliesRopeBackward) {
   TUNA_REQUIRE_GPU();
