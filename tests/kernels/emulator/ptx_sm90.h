@@ -43,7 +43,8 @@
 //     last saw there (a TMA landing, an earlier wgmma read; the 0xff fill at the block's start): a wgmma reading a
 //     chunk whose bytes have changed since, with no fence.proxy.async executed in the block since, is a race;
 //   - a wgmma's shared operands may not change (by a thread's store) between its issue and its retirement;
-//   - nothing is left in flight at the block's end.
+//   - nothing is left in flight at the block's end, and every mbarrier's tx-count is back to zero there (the
+//     copies' bytes equal the expect_tx announcements).
 // Not modelled: which thread executed a proxy fence (any thread's fence since the async proxy last saw a chunk
 // counts, so a fence by the wrong thread, or before the stores it should follow, passes here when some fence
 // lies between two reads), clusters and multicast, TMA stores and reductions, im2col, interleaved layouts,
@@ -796,9 +797,16 @@ inline void finish_sm90_block() {
     TUNA_CHECK(wg.uncommitted.empty() && wg.committed.empty(), "block (", blockIdx.x, ", ", blockIdx.y, ", ",
                blockIdx.z, ") ends with wgmma of warpgroup ", g, " in flight (no wgmma.wait_group retired them)");
   }
-  for (const auto& [address, b] : g_sm90.barriers)
+  for (const auto& [address, b] : g_sm90.barriers) {
     TUNA_CHECK(b.in_flight.empty(), "block (", blockIdx.x, ", ", blockIdx.y, ", ", blockIdx.z,
                ") ends with TMA copies towards the mbarrier at ", address, " that no thread waited for");
+    // A phase completes when the tx-count is zero, so the bytes of each phase's copies must equal what its
+    // expect_tx announced (TMA counts a box's whole bytes, out-of-bounds ones included): a remainder at the end
+    // is a mismatch, the bytes of one phase counted in another.
+    TUNA_CHECK(b.tx == 0, "block (", blockIdx.x, ", ", blockIdx.y, ", ", blockIdx.z, ") ends with tx-count ", b.tx,
+               " on the mbarrier at ", address, ": its expect_tx announced ", b.tx > 0 ? "more" : "fewer",
+               " bytes than its copies completed");
+  }
   for (int id = 1; id < 16; ++id)
     TUNA_CHECK(g_sm90.named[id].arrived == 0, "block (", blockIdx.x, ", ", blockIdx.y, ", ", blockIdx.z,
                ") ends with named barrier ", id, " holding ", g_sm90.named[id].arrived, " of its ",

@@ -283,6 +283,35 @@ TEST(EmulatorMbarrier, PhaseThatNeverCompletesIsADeadlock) {
   }
 }
 
+// expect_tx announcing one box while two copies complete on the barrier: the first box completes phase 0, the
+// second's bytes fall into phase 1, which no expect_tx announced. Nobody waits there, so nothing deadlocks; the
+// tx-count left at the block's end shows the mismatch.
+void two_boxes_one_announced_kernel(const __grid_constant__ CUtensorMap map, uint32_t box_bytes) {
+  if (threadIdx.x == 0) {
+    mbarrier_init(kBar, 1);
+    mbarrier_arrive_expect_tx(kBar, box_bytes);
+    tma_load_2d(kData, &map, kBar, 0, 0);
+    tma_load_2d(kData + 1024 * ((box_bytes + 1023) / 1024), &map, kBar, 0, 0);
+  }
+  __syncthreads();
+  mbarrier_wait(kBar, 0);
+}
+
+TEST(EmulatorMbarrier, ExpectTxMustEqualTheBytesCopied) {
+  std::vector<uint16_t> tensor(64 * 64, 0x3f80);
+  uint16_t* d = device_copy(tensor);
+  const uint64_t dims[2] = {64, 64}, strides[1] = {128};
+  const uint32_t box[2] = {64, 16};
+  const CUtensorMap map = make_map(d, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+  try {
+    cuda::launch_kernel_sm90a(two_boxes_one_announced_kernel, dim3(1), dim3(32), kData + 4096, nullptr, map, 2048u);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ends with tx-count -2048"), std::string::npos) << e.what();
+  }
+  TUNA_CUDA_CHECK(cudaFree(d));
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // wgmma
 
