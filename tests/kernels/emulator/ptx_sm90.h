@@ -27,7 +27,7 @@
 //              leaving NaN in the accumulators until then.
 //   setmaxnreg the CTA's register pool: .dec returns registers, .inc blocks until the pool has them.
 //   named bar  bar.sync / bar.arrive with a thread count; a barrier left with arrivals at the block's end is
-//              reported (an unbalanced protocol).
+//              reported (an unbalanced protocol), and so is one completed by part of a warp (.aligned).
 // What is checked, beyond the numbers:
 //   - a wgmma reading shared memory that a TMA wrote must be issued by a warpgroup whose every thread has seen
 //     (try_wait returned true) the mbarrier phase that copy completed in;
@@ -137,6 +137,7 @@ struct WarpGroupState {
 struct NamedBarrier {
   int count = 0, arrived = 0;
   std::vector<int> waiters;
+  std::map<int, int> warp_arrivals;  // warp -> its threads arrived in this use
 };
 
 struct Sm90Block {
@@ -763,7 +764,16 @@ inline void named_barrier(int id, int threads, bool wait) {
   TUNA_CHECK(b.arrived == 0 || b.count == threads, "named barrier ", id, " used with ", threads,
              " threads while ", b.arrived, " arrived expecting ", b.count);
   b.count = threads;
+  ++b.warp_arrivals[static_cast<int>(threadIdx.x) / kWarpSize];
   if (++b.arrived == b.count) {
+    // bar.sync and bar.arrive are barrier.*.aligned (ISA 9.7.13.1): every thread of a warp executes the same
+    // barrier instruction, and the hardware counts the warp's threads together; a warp partly at it is undefined.
+    for (const auto& [warp, arrived] : b.warp_arrivals) {
+      const int warp_threads = std::min<int>(kWarpSize, static_cast<int>(blockDim.x) - warp * kWarpSize);
+      TUNA_CHECK(arrived == warp_threads, "named barrier ", id, " completed with ", arrived, " of warp ", warp,
+                 "'s ", warp_threads, " threads at it: bar.sync / bar.arrive are .aligned, whole warps only");
+    }
+    b.warp_arrivals.clear();
     for (int t : b.waiters) block().wake(t);
     b.waiters.clear();
     b.arrived = 0;

@@ -758,6 +758,21 @@ TEST(EmulatorNamedBarrier, ArriveOrdersAProducerBeforeTheSyncingConsumers) {
   TUNA_CUDA_CHECK(cudaFree(out));
 }
 
+// Half of warp 1 and half of warp 2 make up the second warp's worth of a 64-thread barrier: the count is
+// reached, but bar.sync is .aligned (whole warps), so the emulator reports it.
+void partial_warp_barrier_kernel() {
+  if (threadIdx.x < 32 || threadIdx.x % 32 < 16) named_barrier_sync(3, 64);
+}
+
+TEST(EmulatorNamedBarrier, WholeWarpsOnly) {
+  try {
+    cuda::launch_kernel_sm90a(partial_warp_barrier_kernel, dim3(1), dim3(96), 0, nullptr);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("16 of warp 1's 32 threads"), std::string::npos) << e.what();
+  }
+}
+
 // Block x waits until the flag reads x, then releases x + 1: in launch order every wait is satisfied; waiting
 // for a later block is an error here (a hang, or reliance on scheduling, on a GPU).
 void flag_kernel(int* flag, int offset) {
