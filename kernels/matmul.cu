@@ -92,19 +92,53 @@ void MatmulContext::gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
     for (const auto& [attribute, bytes] : alignments)
       TUNA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof(bytes)));
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t results[kMaxTimedCandidates] = {};
     int n_results = 0;
-    const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(handle_, desc.op, desc.a, desc.b, desc.c, desc.d, pref, 1, &result, &n_results);
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, desc.op, desc.a, desc.b, desc.c, desc.d,
+                                                                 pref, timed_candidates_, results, &n_results);
     cublasLtMatmulPreferenceDestroy(pref);
     TUNA_CUBLAS_CHECK(status);
     if (n_results == 0)
       fail("cuBLASLt has no algorithm for m ", m, " n ", n, " k ", k, " (trans ", trans_a, trans_b, ")");
-    found = algos_.emplace(key, result.algo).first;
+    // Timed candidates: each runs once to warm up, then kTimedRuns times between two events; the smallest total
+    // wins (ties: the heuristic's earlier answer). One that fails to launch is skipped.
+    int best = 0;
+    if (n_results > 1) {
+      constexpr int kTimedRuns = 3;
+      const float alpha = 1.0f;
+      cudaEvent_t start = nullptr, stop = nullptr;
+      TUNA_CUDA_CHECK(cudaEventCreate(&start));
+      TUNA_CUDA_CHECK(cudaEventCreate(&stop));
+      float best_ms = -1;
+      for (int i = 0; i < n_results; i++) {
+        const auto run = [&] {
+          return cublasLtMatmul(handle_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, c, desc.c, d, desc.d,
+                                &results[i].algo, workspace_, workspace_bytes_, stream);
+        };
+        if (run() != CUBLAS_STATUS_SUCCESS) continue;
+        TUNA_CUDA_CHECK(cudaEventRecord(start, stream));
+        for (int r = 0; r < kTimedRuns; r++) TUNA_CUBLAS_CHECK(run());
+        TUNA_CUDA_CHECK(cudaEventRecord(stop, stream));
+        TUNA_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0;
+        TUNA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        if (best_ms < 0 || ms < best_ms) best = i, best_ms = ms;
+      }
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+    }
+    found = algos_.emplace(key, results[best].algo).first;
   }
   const float alpha = 1.0f;
   TUNA_CUBLAS_CHECK(cublasLtMatmul(handle_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, c, desc.c, d, desc.d,
                                    &found->second, workspace_, workspace_bytes_, stream));
+}
+
+void MatmulContext::set_timed_candidates(int candidates) {
+  TUNA_CHECK(candidates >= 1 && candidates <= kMaxTimedCandidates, "timed candidates ", candidates, ", expected 1 to ",
+             kMaxTimedCandidates);
+  timed_candidates_ = candidates;
+  algos_.clear();
 }
 
 void matmul_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
