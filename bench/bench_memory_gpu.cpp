@@ -100,30 +100,31 @@ void BM_Rope(benchmark::State& state) {
   cuda::fill_normal(sin_t.as<float>(), seq * kHeadDim / 2, 3, 0.5f, nullptr);
   run_timed(state, nullptr, [&] {
     cuda::rope_fwd(x.as<__nv_bfloat16>(), x.as<__nv_bfloat16>(), cos_t.as<float>(), sin_t.as<float>(), batch, seq,
-                   kHeads, kHeadDim, nullptr);
+                   kHeads, kHeadDim, kHeads * kHeadDim, kHeads * kHeadDim, nullptr);
   });
   report(state, 2.0 * count * 2);
 }
 
+// SwiGLU as the model runs it: gate and up the two halves of the fused gate|up GEMM output [tokens, 2 ffn].
 void BM_SwigluFwd(benchmark::State& state) {
   const int64_t n = kTokens * kFfn;
-  DeviceMemory gate(n * 2), up(n * 2), out(n * 2);
-  fill_random_bf16(gate.as<__nv_bfloat16>(), n, 1);
-  fill_random_bf16(up.as<__nv_bfloat16>(), n, 2);
+  DeviceMemory gate_up(2 * n * 2), out(n * 2);
+  __nv_bfloat16* gate = gate_up.as<__nv_bfloat16>();
+  fill_random_bf16(gate, 2 * n, 1);
   run_timed(state, nullptr,
-            [&] { cuda::swiglu_fwd(out.as<__nv_bfloat16>(), gate.as<__nv_bfloat16>(), up.as<__nv_bfloat16>(), n, nullptr); });
+            [&] { cuda::swiglu_fwd(out.as<__nv_bfloat16>(), gate, gate + kFfn, kTokens, kFfn, 2 * kFfn, nullptr); });
   report(state, 3.0 * n * 2);
 }
 
+// In place over gate|up, as the model's backward writes d_gate|d_up.
 void BM_SwigluBwd(benchmark::State& state) {
   const int64_t n = kTokens * kFfn;
-  DeviceMemory gate(n * 2), up(n * 2), dout(n * 2), dgate(n * 2), dup(n * 2);
-  fill_random_bf16(gate.as<__nv_bfloat16>(), n, 1);
-  fill_random_bf16(up.as<__nv_bfloat16>(), n, 2);
+  DeviceMemory gate_up(2 * n * 2), dout(n * 2);
+  __nv_bfloat16* gate = gate_up.as<__nv_bfloat16>();
+  fill_random_bf16(gate, 2 * n, 1);
   fill_random_bf16(dout.as<__nv_bfloat16>(), n, 3);
   run_timed(state, nullptr, [&] {
-    cuda::swiglu_bwd(dgate.as<__nv_bfloat16>(), dup.as<__nv_bfloat16>(), dout.as<__nv_bfloat16>(),
-                     gate.as<__nv_bfloat16>(), up.as<__nv_bfloat16>(), n, nullptr);
+    cuda::swiglu_bwd(gate, gate + kFfn, dout.as<__nv_bfloat16>(), gate, gate + kFfn, kTokens, kFfn, 2 * kFfn, nullptr);
   });
   report(state, 5.0 * n * 2);
 }

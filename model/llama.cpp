@@ -302,8 +302,9 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     cpu::matmul_fwd(a.q.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim);
     cpu::matmul_fwd(a.k.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim);
     cpu::matmul_fwd(a.v.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim);
-    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim);
-    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim);
+    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim, d.q_dim, d.q_dim);
+    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim, d.kv_dim,
+                  d.kv_dim);
     if (cache) {
       for (int64_t b = 0; b < batch; b++) {  // rows b * seq .. of k, v -> positions past .. of sequence b
         const int64_t from = b * seq * d.kv_dim, to = (b * cache->capacity + past) * d.kv_dim;
@@ -323,7 +324,7 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     cpu::rmsnorm_fwd(a.norm2.data(), a.rstd2.data(), a.resid_mid.data(), w(o.post_norm), n, C, c.rms_norm_eps);
     cpu::matmul_fwd(a.gate.data(), a.norm2.data(), w(o.gate_proj), n, C, F);
     cpu::matmul_fwd(a.up.data(), a.norm2.data(), w(o.up_proj), n, C, F);
-    cpu::swiglu_fwd(a.act.data(), a.gate.data(), a.up.data(), n * F);
+    cpu::swiglu_fwd(a.act.data(), a.gate.data(), a.up.data(), n, F, F);
     cpu::matmul_fwd(resid_next, a.act.data(), w(o.down_proj), n, F, C);
     tp_all_reduce(resid_next, n * C, "tp down_proj");
     for (int64_t i = 0; i < n * C; i++) resid_next[i] += a.resid_mid[i];
@@ -388,7 +389,7 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     // MLP block: x_out = resid_mid + down(act)
     cpu::matmul_bwd(d_act_.data(), g(o.down_proj), d_resid_.data(), a.act.data(), w(o.down_proj), n, F, C,
                     /*accumulate_dinp=*/false);
-    cpu::swiglu_bwd(d_gate_.data(), d_up_.data(), d_act_.data(), a.gate.data(), a.up.data(), n * F);
+    cpu::swiglu_bwd(d_gate_.data(), d_up_.data(), d_act_.data(), a.gate.data(), a.up.data(), n, F, F);
     cpu::matmul_bwd(d_norm_.data(), g(o.gate_proj), d_gate_.data(), a.norm2.data(), w(o.gate_proj), n, C, F,
                     /*accumulate_dinp=*/false);
     cpu::matmul_bwd(d_norm_.data(), g(o.up_proj), d_up_.data(), a.norm2.data(), w(o.up_proj), n, C, F,
@@ -401,8 +402,10 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
                     /*accumulate_dinp=*/false);
     cpu::attention_bwd(d_q_.data(), d_k_.data(), d_v_.data(), d_att_.data(), a.att.data(), a.lse.data(),
                        a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads, d.kv_heads, c.head_dim);
-    cpu::rope_bwd(d_q_.data(), d_q_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.heads, c.head_dim);
-    cpu::rope_bwd(d_k_.data(), d_k_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim);
+    cpu::rope_bwd(d_q_.data(), d_q_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.heads, c.head_dim,
+                  d.q_dim, d.q_dim);
+    cpu::rope_bwd(d_k_.data(), d_k_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim,
+                  d.kv_dim, d.kv_dim);
     cpu::matmul_bwd(d_norm_.data(), g(o.q_proj), d_q_.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim,
                     /*accumulate_dinp=*/false);
     cpu::matmul_bwd(d_norm_.data(), g(o.k_proj), d_k_.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim,

@@ -3,6 +3,10 @@
 //   per layer: h = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))  with n1 = rmsnorm(x)
 //              x = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                      with n2 = rmsnorm(h)
 //   logits = lm_head(rmsnorm(x)), chunked over rows; softmax -> loss -> dlogits in place.
+// q_proj, k_proj, v_proj are adjacent in every tp rank's layout, and so are gate_proj, up_proj (model/layout.cpp,
+// checked at construction): each group is one [out, C] weight block, so q|k|v and gate|up are one GEMM each, forward
+// (one wider output) and backward (one dX GEMM with K = the block's rows, one dW GEMM over the block): fewer,
+// larger GEMMs, and the second dX GEMM's re-read and re-write of d_norm gone.
 // The residual adds ride in the o_proj and down_proj GEMMs' epilogues (beta = 1 with the residual as C), so
 // the residual stream costs no separate pass. Everything runs on one stream; the host syncs once per
 // forward_backward (to read the loss) and once per adamw_step (to read the gradient norm).
@@ -63,6 +67,19 @@ void DeviceArena::check_all_taken() const {
     TUNA_CHECK(slot.taken, "device buffer '", name, "' is in the memory plan but the engine never uses it");
 }
 
+namespace {
+
+// rows x cols bf16 values from rows src_stride apart to rows dst_stride apart (v out of the fused q|k|v rows, d_v
+// into them), queued on the stream.
+void copy_rows(__nv_bfloat16* dst, int64_t dst_stride, const __nv_bfloat16* src, int64_t src_stride, int64_t rows,
+               int64_t cols, cudaStream_t stream) {
+  constexpr size_t kBytes = sizeof(__nv_bfloat16);
+  TUNA_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_stride * kBytes, src, src_stride * kBytes, cols * kBytes, rows,
+                                    cudaMemcpyDeviceToDevice, stream));
+}
+
+}  // namespace
+
 // The GpuWeightStore of a model that holds its whole weights and gradient (ZeRO-0 and 1, forward only).
 class LlamaGpu::OwnWeights final : public GpuWeightStore {
  public:
@@ -112,12 +129,19 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0)
     fail("--device cuda: hidden_size and intermediate_size must be multiples of 8 (found ", c.hidden_size, ", ",
          c.intermediate_size, ")");
-  TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
-  TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-
   const int64_t n = max_batch * max_seq, C = c.hidden_size, P = layout_.total();
   const TpDims& d = layout_.tp();
   const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads;
+  // The fused GEMMs read q|k|v and gate|up as single weight (and gradient) blocks.
+  for (int64_t l = 0; l < c.num_hidden_layers; l++) {
+    const LayerOffsets& o = layout_.layer(l);
+    TUNA_CHECK(o.k_proj == o.q_proj + qd * C && o.v_proj == o.k_proj + kvd * C && o.up_proj == o.gate_proj + F * C,
+               "layer ", l, ": q/k/v or gate/up weights are not adjacent in the parameter layout (tp rank ",
+               d.tp_rank, " of ", d.tp_size, ")");
+  }
+  TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
+  TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
   head_chunk_rows_ = gpu_head_chunk_rows(d.vocab, n);
   n_segments_ = static_cast<int>(layout_.tensors().size());
   const bool training = options_.training, own_optimizer = training && options_.zero == 0;
@@ -169,9 +193,9 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   field(&LayerActs::resid_mid, "resid_mid", n * C);
   field(&LayerActs::norm2, "norm2", n * C);
   field(&LayerActs::rstd2, "rstd2", n);
-  field(&LayerActs::gate, "gate", n * F);
-  field(&LayerActs::up, "up", n * F);
+  field(&LayerActs::gate_up, "gate_up", n * 2 * F);
   field(&LayerActs::act, "act", n * F);
+  qkv_ = arena.take<bf16>("qkv", n * (qd + 2 * kvd));
   resid_out_ = arena.take<bf16>("final residual", n * C);
   final_norm_out_ = arena.take<bf16>("final norm", n * C);
   final_rstd_ = arena.take<float>("final rstd", n);
@@ -189,8 +213,6 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     d_att_ = arena.take<bf16>("d_att", n * qd);
     d_k_ = arena.take<bf16>("d_k", n * kvd);
     d_v_ = arena.take<bf16>("d_v", n * kvd);
-    d_gate_ = arena.take<bf16>("d_gate", n * F);
-    d_up_ = arena.take<bf16>("d_up", n * F);
     d_act_ = arena.take<bf16>("d_act", n * F);
     norm_scratch_ = arena.take<float>("rmsnorm backward scratch", cuda::rmsnorm_bwd_scratch_floats(n, C));
     attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H));
@@ -392,11 +414,13 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
   cuda::rmsnorm_fwd(a.norm1, a.rstd1, nullptr, a.resid_in, nullptr, w(o.input_norm), n, C, c.rms_norm_eps, s);
-  cuda::matmul_fwd(mm, a.q, a.norm1, w(o.q_proj), nullptr, n, C, d.q_dim, s);
-  cuda::matmul_fwd(mm, a.k, a.norm1, w(o.k_proj), nullptr, n, C, d.kv_dim, s);
-  cuda::matmul_fwd(mm, a.v, a.norm1, w(o.v_proj), nullptr, n, C, d.kv_dim, s);
-  cuda::rope_fwd(a.q, a.q, rope_cos_, rope_sin_, batch, seq, d.heads, D, s);
-  cuda::rope_fwd(a.k, a.k, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, s);
+  // One GEMM over the q|k|v weight block into qkv_; RoPE reads q and k out of its rows into the contiguous a.q, a.k
+  // the attention kernels take, and v is copied out (a strided copy).
+  const int64_t qkv = d.q_dim + 2 * d.kv_dim;
+  cuda::matmul_fwd(mm, qkv_, a.norm1, w(o.q_proj), nullptr, n, C, qkv, s);
+  cuda::rope_fwd(a.q, qkv_, rope_cos_, rope_sin_, batch, seq, d.heads, D, d.q_dim, qkv, s);
+  cuda::rope_fwd(a.k, qkv_ + d.q_dim, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, d.kv_dim, qkv, s);
+  copy_rows(a.v, d.kv_dim, qkv_ + d.q_dim + d.kv_dim, qkv, n, d.kv_dim, s);
   cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, s);
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks.
@@ -404,9 +428,8 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cuda::matmul_fwd(mm, a.resid_mid, a.att, w(o.o_proj), adds_residual ? a.resid_in : nullptr, n, d.q_dim, C, s);
   tp_all_reduce(a.resid_mid, n * C, "tp o_proj");
   cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, w(o.post_norm), n, C, c.rms_norm_eps, s);
-  cuda::matmul_fwd(mm, a.gate, a.norm2, w(o.gate_proj), nullptr, n, C, F, s);
-  cuda::matmul_fwd(mm, a.up, a.norm2, w(o.up_proj), nullptr, n, C, F, s);
-  cuda::swiglu_fwd(a.act, a.gate, a.up, n * F, s);
+  cuda::matmul_fwd(mm, a.gate_up, a.norm2, w(o.gate_proj), nullptr, n, C, 2 * F, s);  // the gate|up block
+  cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
   if (!write_output) return;
   __nv_bfloat16* resid_next = l + 1 < config_.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
   cuda::matmul_fwd(mm, resid_next, a.act, w(o.down_proj), adds_residual ? a.resid_mid : nullptr, n, F, C, s);
@@ -429,7 +452,7 @@ void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch
                         c.rms_norm_eps, stream_);
       cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, wb + (o.post_norm - begin), n, C,
                         c.rms_norm_eps, stream_);
-      cuda::swiglu_fwd(a.act, a.gate, a.up, n * F, stream_);
+      cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, stream_);
       return;
     }
   }
@@ -531,20 +554,24 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   cuda::MatmulContext& mm = *matmul_;
   // MLP block: x_out = resid_mid + down(act)
   cuda::matmul_bwd(mm, d_act_, g(o.down_proj), d_resid_, a.act, w(o.down_proj), n, F, C, false, s);
-  cuda::swiglu_bwd(d_gate_, d_up_, d_act_, a.gate, a.up, n * F, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_, a.norm2, w(o.gate_proj), n, C, F, false, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.up_proj), d_up_, a.norm2, w(o.up_proj), n, C, F, true, s);
+  // d_gate|d_up in place over gate|up (dead after this), then one dX and one dW GEMM over the gate|up block.
+  __nv_bfloat16* d_gate_up = a.gate_up;
+  cuda::swiglu_bwd(d_gate_up, d_gate_up + F, d_act_, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_up, a.norm2, w(o.gate_proj), n, C, 2 * F, false, s);
   tp_all_reduce(d_norm_, n * C, "tp gate/up input grad");  // column-parallel: each rank's part of the sum
   cuda::rmsnorm_bwd(d_resid_, g(o.post_norm), d_norm_, a.resid_mid, w(o.post_norm), a.rstd2, norm_scratch_, n, C, s);
   // Attention block: resid_mid = resid_in + o_proj(att)
   cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, false, s);
   cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, d.heads,
                       d.kv_heads, D, s);
-  cuda::rope_bwd(d_q_, d_q_, rope_cos_, rope_sin_, batch, seq, d.heads, D, s);
-  cuda::rope_bwd(d_k_, d_k_, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_q_, a.norm1, w(o.q_proj), n, C, d.q_dim, false, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.k_proj), d_k_, a.norm1, w(o.k_proj), n, C, d.kv_dim, true, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.v_proj), d_v_, a.norm1, w(o.v_proj), n, C, d.kv_dim, true, s);
+  // RoPE's backward writes d_q, d_k into the rows of d_qkv (qkv_, free since the forward's copies), d_v is
+  // copied in; then one dX and one dW GEMM over the q|k|v block.
+  const int64_t qkv = d.q_dim + 2 * d.kv_dim;
+  __nv_bfloat16* d_qkv = qkv_;
+  cuda::rope_bwd(d_qkv, d_q_, rope_cos_, rope_sin_, batch, seq, d.heads, D, qkv, d.q_dim, s);
+  cuda::rope_bwd(d_qkv + d.q_dim, d_k_, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, qkv, d.kv_dim, s);
+  copy_rows(d_qkv + d.q_dim + d.kv_dim, qkv, d_v_, d.kv_dim, n, d.kv_dim, s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_qkv, a.norm1, w(o.q_proj), n, C, qkv, false, s);
   tp_all_reduce(d_norm_, n * C, "tp q/k/v input grad");
   cuda::rmsnorm_bwd(d_resid_, g(o.input_norm), d_norm_, a.resid_in, w(o.input_norm), a.rstd1, norm_scratch_, n, C, s);
 }

@@ -197,8 +197,10 @@ class LlamaGpu {
 
  private:
   // Pointers into the arena; with recompute, the buffers not kept per layer point at one shared working set.
+  // gate_up: [n, 2 ffn], the fused gate|up GEMM's output, gate in columns [0, ffn) of a row and up in [ffn, 2 ffn);
+  // the backward overwrites it with d_gate|d_up.
   struct LayerActs {
-    __nv_bfloat16 *resid_in, *norm1, *q, *k, *v, *att, *resid_mid, *norm2, *gate, *up, *act;
+    __nv_bfloat16 *resid_in, *norm1, *q, *k, *v, *att, *resid_mid, *norm2, *gate_up, *act;
     float *rstd1, *lse, *rstd2;
   };
   class OwnWeights;  // the GpuWeightStore over params_ and grads_
@@ -241,8 +243,12 @@ class LlamaGpu {
   std::vector<LayerActs> acts_;
   __nv_bfloat16 *resid_out_, *final_norm_out_, *logits_chunk_;
   float *final_rstd_, *losses_;
+  // qkv_: [n, q_dim + 2 kv_dim], the fused q|k|v GEMM's output in the forward (rope_fwd reads q and k out of it,
+  // v is copied out), and d_q|d_k|d_v, the fused dX and dW GEMMs' input, in the backward: a full-recompute
+  // layer_forward runs before, never during, its layer_backward, so the two uses never overlap.
+  __nv_bfloat16* qkv_ = nullptr;
   __nv_bfloat16 *d_resid_ = nullptr, *d_norm_ = nullptr, *d_q_ = nullptr, *d_k_ = nullptr, *d_v_ = nullptr,
-                *d_att_ = nullptr, *d_gate_ = nullptr, *d_up_ = nullptr, *d_act_ = nullptr, *d_final_norm_ = nullptr;
+                *d_att_ = nullptr, *d_act_ = nullptr, *d_final_norm_ = nullptr;
   float *norm_scratch_ = nullptr, *attn_scratch_ = nullptr;
   double *loss_total_ = nullptr, *norm_scratch_f64_ = nullptr, *norm_total_ = nullptr;
   int32_t *tokens_, *targets_, *group_positions_, *group_unique_, *group_offsets_;
