@@ -401,23 +401,6 @@ inline cudaError_t cudaFreeHost(void* p) {
   return cudaSuccess;
 }
 
-inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
-  using tuna::emulator::in_device_allocation;
-  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
-  const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
-  const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
-  if (kind < cudaMemcpyHostToHost || kind > cudaMemcpyDefault)
-    return tuna::emulator::record(cudaErrorInvalidMemcpyDirection);
-  if (bytes == 0) return cudaSuccess;
-  if ((dst_device && !in_device_allocation(dst, bytes)) || (src_device && !in_device_allocation(src, bytes)))
-    return tuna::emulator::record(cudaErrorInvalidValue);
-  std::memmove(dst, src, bytes);
-  return cudaSuccess;
-}
-inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                                   cudaStream_t = nullptr) {
-  return cudaMemcpy(dst, src, bytes, kind);
-}
 // height rows of width bytes, dpitch and spitch bytes apart; as CUDA, a row wider than a pitch is refused.
 inline cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
                                 cudaMemcpyKind kind) {
@@ -435,6 +418,13 @@ inline cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_
   for (size_t r = 0; r < height; ++r)
     std::memmove(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, width);
   return cudaSuccess;
+}
+inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  return cudaMemcpy2D(dst, bytes, src, bytes, bytes, 1, kind);
+}
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                                   cudaStream_t = nullptr) {
+  return cudaMemcpy(dst, src, bytes, kind);
 }
 inline cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                                      size_t height, cudaMemcpyKind kind, cudaStream_t = nullptr) {
