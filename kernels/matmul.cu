@@ -31,13 +31,22 @@ MatmulContext::MatmulContext(void* workspace, size_t workspace_bytes)
 }
 
 MatmulContext::~MatmulContext() {
+  destroy_shapes();
   if (workspace_ != nullptr && owns_workspace_) cudaFree(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
+void MatmulContext::destroy_shapes() {
+  for (auto& [key, shape] : shapes_) {
+    cublasLtMatmulDescDestroy(shape.op);
+    for (cublasLtMatrixLayout_t layout : {shape.a, shape.b, shape.c, shape.d}) cublasLtMatrixLayoutDestroy(layout);
+  }
+  shapes_.clear();
+}
+
 namespace {
 
-// RAII for the descriptor objects of one call (created per call: host-only and cheap).
+// RAII for a shape's descriptors while they are made (an error on the way frees them); kept once complete.
 struct LtDescriptors {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
@@ -63,25 +72,26 @@ uint32_t pointer_alignment(const void* p) {
 void MatmulContext::gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
                          const void* b, int64_t ldb, float beta, const void* c, void* d, int64_t ldd,
                          cudaDataType_t d_type, cudaStream_t stream) {
-  LtDescriptors desc;
-  TUNA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  TUNA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-  TUNA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  // Stored shapes: A is [m, k] (or [k, m] when transposed), B is [k, n] (or [n, k]), column-major.
-  TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, trans_a ? k : m, trans_a ? m : k, lda));
-  TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, trans_b ? n : k, trans_b ? k : n, ldb));
-  TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.c, d_type, m, n, ldd));
-  TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, d_type, m, n, ldd));
-
   // The heuristic assumes 256-byte aligned pointers unless told otherwise, and may pick a kernel that needs
   // them; views into flat buffers (a tensor at an odd offset, a chunk of logits) are often less aligned.
   const uint32_t align_a = pointer_alignment(a), align_b = pointer_alignment(b), align_c = pointer_alignment(c),
                  align_d = pointer_alignment(d);
   const Key key{trans_a, trans_b, m, n, k, lda, ldb, ldd, static_cast<int>(d_type), beta != 0.0f,
                 align_a | (align_b << 9) | (uint64_t(align_c) << 18) | (uint64_t(align_d) << 27)};
-  auto found = algos_.find(key);
-  if (found == algos_.end()) {
+  const float alpha = 1.0f;
+  auto found = shapes_.find(key);
+  if (found == shapes_.end()) {
+    LtDescriptors desc;
+    TUNA_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    TUNA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+    TUNA_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    // Stored shapes: A is [m, k] (or [k, m] when transposed), B is [k, n] (or [n, k]), column-major.
+    TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, trans_a ? k : m, trans_a ? m : k, lda));
+    TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, trans_b ? n : k, trans_b ? k : n, ldb));
+    TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.c, d_type, m, n, ldd));
+    TUNA_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, d_type, m, n, ldd));
+
     cublasLtMatmulPreference_t pref = nullptr;
     TUNA_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     TUNA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -93,19 +103,54 @@ void MatmulContext::gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
     for (const auto& [attribute, bytes] : alignments)
       TUNA_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &bytes, sizeof(bytes)));
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t results[kMaxTimedCandidates] = {};
     int n_results = 0;
-    const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(handle_, desc.op, desc.a, desc.b, desc.c, desc.d, pref, 1, &result, &n_results);
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, desc.op, desc.a, desc.b, desc.c, desc.d,
+                                                                 pref, timed_candidates_, results, &n_results);
     cublasLtMatmulPreferenceDestroy(pref);
     TUNA_CUBLAS_CHECK(status);
     if (n_results == 0)
       fail("cuBLASLt has no algorithm for m ", m, " n ", n, " k ", k, " (trans ", trans_a, trans_b, ")");
-    found = algos_.emplace(key, result.algo).first;
+    // Timed candidates: each runs once to warm up, then kTimedRuns times between two events; the smallest total
+    // wins (ties: the heuristic's earlier answer). One that fails to launch is skipped.
+    int best = 0;
+    if (n_results > 1) {
+      constexpr int kTimedRuns = 3;
+      cudaEvent_t start = nullptr, stop = nullptr;
+      TUNA_CUDA_CHECK(cudaEventCreate(&start));
+      TUNA_CUDA_CHECK(cudaEventCreate(&stop));
+      float best_ms = -1;
+      for (int i = 0; i < n_results; i++) {
+        const auto run = [&] {
+          return cublasLtMatmul(handle_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, c, desc.c, d, desc.d,
+                                &results[i].algo, workspace_, workspace_bytes_, stream);
+        };
+        if (run() != CUBLAS_STATUS_SUCCESS) continue;
+        TUNA_CUDA_CHECK(cudaEventRecord(start, stream));
+        for (int r = 0; r < kTimedRuns; r++) TUNA_CUBLAS_CHECK(run());
+        TUNA_CUDA_CHECK(cudaEventRecord(stop, stream));
+        TUNA_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0;
+        TUNA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        if (best_ms < 0 || ms < best_ms) best = i, best_ms = ms;
+      }
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+    }
+    Shape shape{desc.op, desc.a, desc.b, desc.c, desc.d, results[best].algo};
+    desc.op = nullptr, desc.a = desc.b = desc.c = desc.d = nullptr;  // the cache owns them now
+    found = shapes_.emplace(key, shape).first;
   }
-  const float alpha = 1.0f;
-  TUNA_CUBLAS_CHECK(cublasLtMatmul(handle_, desc.op, &alpha, a, desc.a, b, desc.b, &beta, c, desc.c, d, desc.d,
-                                   &found->second, workspace_, workspace_bytes_, stream));
+  const Shape& shape = found->second;
+  TUNA_CUBLAS_CHECK(cublasLtMatmul(handle_, shape.op, &alpha, a, shape.a, b, shape.b, &beta, c, shape.c, d, shape.d,
+                                   &shape.algo, workspace_, workspace_bytes_, stream));
+}
+
+void MatmulContext::set_timed_candidates(int candidates) {
+  TUNA_CHECK(candidates >= 1 && candidates <= kMaxTimedCandidates, "timed candidates ", candidates, ", expected 1 to ",
+             kMaxTimedCandidates);
+  timed_candidates_ = candidates;
+  destroy_shapes();
 }
 
 void matmul_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,

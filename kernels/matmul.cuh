@@ -13,9 +13,10 @@
 
 namespace tuna::cuda {
 
-// One per device and stream user: the cuBLASLt handle, its workspace (device memory planned once), and
-// the algorithm chosen for each shape (the heuristic query costs tens of microseconds, so it runs once per
-// shape, not per call). Not thread-safe.
+// One per device and stream user: the cuBLASLt handle, its workspace (device memory planned once), and for
+// each shape its descriptors and chosen algorithm, made at the shape's first call (the heuristic query costs
+// tens of microseconds and the five descriptors a few more; a step or a decoded token calls the same few shapes
+// hundreds of times, so a call costs only cublasLtMatmul's own host time). Not thread-safe.
 class MatmulContext {
  public:
   explicit MatmulContext(size_t workspace_bytes = size_t(32) << 20);
@@ -31,14 +32,29 @@ class MatmulContext {
             const void* b, int64_t ldb, float beta, const void* c, void* d, int64_t ldd, cudaDataType_t d_type,
             cudaStream_t stream);
 
+  // How each shape's algorithm is chosen at its first call. 1 (the default, and what the trainer uses): the
+  // heuristic's first answer, the same in every process, so a resumed run computes the same bits. N > 1: the
+  // fastest of the heuristic's first N answers, timed there and then by running the product a few times on the
+  // call's own buffers; for benches only (an accumulating product's output is clobbered, and the choice may
+  // differ between runs). bench_gemm_gpu reports both, to measure what timing would gain.
+  static constexpr int kMaxTimedCandidates = 16;
+  void set_timed_candidates(int candidates);
+
  private:
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  int timed_candidates_ = 1;
   bool owns_workspace_ = true;
   // key: trans_a, trans_b, m, n, k, lda, ldb, ldd, d_type, beta != 0, pointer alignments (packed)
   using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, uint64_t>;
-  std::map<Key, cublasLtMatmulAlgo_t> algos_;
+  struct Shape {  // made at a shape's first call, destroyed with the context
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  std::map<Key, Shape> shapes_;
+  void destroy_shapes();
 };
 
 // out[n, oc] = inp[n, ic] @ weight[oc, ic]^T (+ residual[n, oc] when residual is not null: the residual

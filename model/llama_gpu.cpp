@@ -4,8 +4,9 @@
 //              x = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                      with n2 = rmsnorm(h)
 //   logits = lm_head(rmsnorm(x)), chunked over rows; softmax -> loss -> dlogits in place.
 // The residual adds ride in the o_proj and down_proj GEMMs' epilogues (beta = 1 with the residual as C), so
-// the residual stream costs no separate pass. Everything runs on one stream; the host syncs once per
-// forward_backward (to read the loss) and once per adamw_step (to read the gradient norm).
+// the residual stream costs no separate pass. Everything runs on one stream. The host waits for the loss once
+// per forward_backward, after the backward is queued (so the device never idles for it), and once per
+// adamw_step for the gradient norm.
 #if TUNA_CUDA
 
 #include "model/llama_gpu.h"
@@ -273,6 +274,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   grad_writes_ = std::make_unique<GradWrites>(layout_);
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(5 * n + 1) * sizeof(int32_t)));
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
+  TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&loss_copied_, cudaEventDisableTiming));
 
   // The segment table of the fused AdamW over the whole layout: one segment per tensor, in offset order.
   if (segment_starts_ != nullptr) {
@@ -308,6 +310,7 @@ LlamaGpu::~LlamaGpu() {
   matmul_.reset();
   if (pinned_ids_) cudaFreeHost(pinned_ids_);
   if (pinned_scalar_) cudaFreeHost(pinned_scalar_);
+  if (loss_copied_) cudaEventDestroy(loss_copied_);
   arena_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -413,7 +416,8 @@ void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int6
   if (options_.tp > 1) cuda::embedding_groups_slice(groups_, inputs, n, V, d.vocab_begin, d.vocab);
   else cuda::embedding_groups(groups_, inputs, n, V);
   n_unique_ = static_cast<int64_t>(groups_.unique_tokens.size());
-  // The previous call ended with a synchronize, so the pinned staging is free to overwrite.
+  // The previous call waited for its loss (or synchronized), which the stream orders after that call's uploads,
+  // so the pinned staging is free to overwrite.
   int32_t* staged = pinned_ids_;
   std::memcpy(staged, inputs, n * sizeof(int32_t));
   if (targets != nullptr) std::memcpy(staged + n, targets, n * sizeof(int32_t));
@@ -542,10 +546,14 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
   if (host_targets == nullptr) return loss;
   cuda::loss_sum(loss_total_, losses_, rows, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_, loss_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
-  loss.sum = pinned_scalar_[0];
+  TUNA_CUDA_CHECK(cudaEventRecord(loss_copied_, s));
   for (int64_t i = 0; i < rows; ++i) loss.count += host_targets[i] != cpu::kIgnoreIndex;
   return loss;
+}
+
+double LlamaGpu::queued_loss_sum() {
+  TUNA_CUDA_CHECK(cudaEventSynchronize(loss_copied_));
+  return pinned_scalar_[0];
 }
 
 void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {
@@ -574,9 +582,9 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
   TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, n * C * sizeof(__nv_bfloat16), s));
   {
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
-    float* g_head = grad_writes_->unit(H);
-    cuda::rmsnorm_bwd(d_resid_, g_head + norm, d_final_norm_, resid_out_, head_base_ + norm, final_rstd_, norm_scratch_,
-                      n, C, grad_writes_->write(layout_.final_norm()), s);
+    float* g_head_unit = grad_writes_->unit(H);
+    cuda::rmsnorm_bwd(d_resid_, g_head_unit + norm, d_final_norm_, resid_out_, head_base_ + norm, final_rstd_,
+                      norm_scratch_, n, C, grad_writes_->write(layout_.final_norm()), s);
     store_->release(H);
     store_->grads_done(H);
   }
@@ -648,10 +656,11 @@ LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets
   upload_tokens(inputs, targets, batch * seq);
   forward(batch, seq, /*backward_follows=*/true);
   grad_writes_->begin_pass(*store_);
-  // head() synchronizes to read the loss; the backward is queued after it (its cost hides the sync only
-  // partly; overlapping it is a later optimization).
   LossSum loss = head(targets, batch * seq, /*want_grad=*/true, nullptr);
   backward(batch, seq);
+  // Waited for only now: the device runs the backward queued behind the loss's copy meanwhile, and the caller
+  // prepares the next micro-batch while that backward runs.
+  loss.sum = queued_loss_sum();
   return loss;
 }
 
@@ -660,7 +669,9 @@ LossSum LlamaGpu::forward_loss(const int32_t* inputs, const int32_t* targets, in
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, targets, batch * seq);
   forward(batch, seq, /*backward_follows=*/false);
-  return head(targets, batch * seq, /*want_grad=*/false, nullptr);
+  LossSum loss = head(targets, batch * seq, /*want_grad=*/false, nullptr);
+  loss.sum = queued_loss_sum();
+  return loss;
 }
 
 void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits) {

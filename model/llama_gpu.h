@@ -223,7 +223,10 @@ class LlamaGpu {
   void layer_forward(int64_t l, const __nv_bfloat16* w, int64_t batch, int64_t seq, bool write_output);
   void recompute_layer(int64_t l, const __nv_bfloat16* w, int64_t batch, int64_t seq);
   void layer_backward(int64_t l, const __nv_bfloat16* w, float* g, int64_t batch, int64_t seq);
+  // The lm_head and loss. With targets, the loss sum's copy to the host is queued, not waited for: the returned
+  // LossSum has its count only, and queued_loss_sum() gives the sum once that copy has landed.
   LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits);
+  double queued_loss_sum();
   // Cross-entropy of a chunk of logits, in place (dlogits with want_grad): the fused kernel, or under tensor
   // parallelism the vocab-parallel steps around their two all-reduces.
   void cross_entropy(int64_t r0, int64_t rows, bool want_grad);
@@ -269,6 +272,7 @@ class LlamaGpu {
   // Pinned staging for uploads and the two scalars read back per step.
   int32_t* pinned_ids_ = nullptr;  // 5 * n + 1 ints: inputs, targets, positions, unique, offsets
   double* pinned_scalar_ = nullptr;
+  cudaEvent_t loss_copied_ = nullptr;  // recorded after head() queues the loss sum's copy into pinned_scalar_[0]
   cuda::EmbeddingGroups groups_;
 };
 

@@ -24,6 +24,8 @@ typedef enum cudaDataType_t {
 } cudaDataType_t;
 
 typedef struct cublasLtContext* cublasLtHandle_t;
+typedef struct cublasLtMatmulDescOpaque_t* cublasLtMatmulDesc_t;
+typedef struct cublasLtMatrixLayoutOpaque_t* cublasLtMatrixLayout_t;
 typedef struct {
   uint64_t data[8];
 } cublasLtMatmulAlgo_t;
