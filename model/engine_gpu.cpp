@@ -656,7 +656,8 @@ class GpuEngine final : public Engine {
   }
 
   // ZeRO-1: every rank's master pieces, gathered whole into the gradient buffer (free between a step's update and
-  // the next step), then the bf16 weights from them; the buffer is zeroed again for the next step's gradients.
+  // the next step), then the bf16 weights from them; the buffer then reads as zero again (zero_grads: the next
+  // backward overwrites it).
   void gather_master() {
     OptimizerShard& sh = *shard_;
     const ParamLayout& layout = model_.layout();
