@@ -86,7 +86,8 @@ void BM_RmsNormBwd(benchmark::State& state) {
   cuda::fill_constant(dw.as<float>(), dim, 0.0f, nullptr);
   run_timed(state, nullptr, [&] {
     cuda::rmsnorm_bwd(dx.as<__nv_bfloat16>(), dw.as<float>(), g.as<__nv_bfloat16>(), x.as<__nv_bfloat16>(),
-                      w.as<__nv_bfloat16>(), rstd.as<float>(), scratch.as<float>(), n, dim, nullptr);
+                      w.as<__nv_bfloat16>(), rstd.as<float>(), scratch.as<float>(), n, dim, GradWrite::Accumulate,
+                      nullptr);
   });
   report(state, 4.0 * n * dim * 2);  // read x, dout, dinp; write dinp
   state.SetLabel("dim " + std::to_string(dim));

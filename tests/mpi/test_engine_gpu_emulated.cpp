@@ -1,7 +1,7 @@
 // model/engine_gpu.cpp data parallel, under `mpirun -np 2` on the host emulator (build/emulated_gpu_mpi_tests,
 // which tests/kernels/test_gpu_emulated.cpp launches): the CUDA engine at dp = 2 follows the one-rank engine
 // on the whole batch, and its checkpoint (export_state -> the sharded checkpoint writer -> load_checkpoint_state
-// -> import_state) restores at 2 ranks and at 1.
+// -> import_state) restores at 2 ranks and at 1; with two micro-batches a step too.
 //
 // The device comm. A real build all-reduces gradients and gathers restored units with NCCL on the engine's
 // stream (train.cu's DeviceCommFactory, dist/comm_nccl.cpp), whose own code runs only on GPUs. Here the staged
@@ -186,6 +186,47 @@ TEST_P(EngineGpuDataParallel, TwoRanksFollowOneRankOnTheWholeBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineGpuDataParallel, testing::Values(0, 1, 2, 3),
+                         [](const testing::TestParamInfo<int>& i) { return "zero" + std::to_string(i.param); });
+
+// Gradient accumulation at dp = 2: each rank runs two micro-batches a step (its own row, then the other rank's), so
+// that every ZeRO stage takes its second path: the step's first micro-batch overwrites each gradient (ZeRO-2/3:
+// its reduce-scatter writes the shard), the second adds (ZeRO-2/3: reduce-scattered, then added to the shard).
+// Each rank's local sum is both rows' gradient, the dp sum twice that over twice the tokens: the same mean as one
+// rank's on the whole batch, up to fp32 summation order, with the tolerances of the file comment.
+class EngineGpuDataParallelAccumulation : public testing::TestWithParam<int> {};
+
+TEST_P(EngineGpuDataParallelAccumulation, TwoMicroBatchesOnTwoRanksFollowOneRank) {
+  if (test::world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  Fixture f("llama32_tiny");
+  ASSERT_EQ(f.batch, 2);
+  DataParallel dp;
+  const int row = dp.mesh.dp_rank;
+  SingleRank one;
+  std::unique_ptr<Engine> whole = make_engine(f.config, engine_options(f, "cuda"), one.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> rows =
+      make_engine(f.config, row_options(f, GetParam()), dp.mesh, fixture_weights(f), dp.device_comm);
+  const int64_t steps = 3;
+  for (int64_t s = 0; s < steps; s++) {
+    const StepResult a = whole_batch_step(*whole, f, s, steps);
+    rows->begin_step();
+    LossSum local;
+    for (int r : {row, 1 - row}) {
+      const LossSum l = rows->forward_backward(f.inputs.data() + r * f.seq, f.targets.data() + r * f.seq, 1, f.seq);
+      local.sum += l.sum, local.count += l.count;
+    }
+    const StepResult b = rows->finish_step(local, learning_rate(f.optimizer(), s, steps));
+    EXPECT_EQ(2 * a.tokens, b.tokens) << "step " << s;
+    EXPECT_LE(rel(b.loss, a.loss), kLossTol) << "step " << s << ": " << b.loss << " vs " << a.loss;
+    EXPECT_LE(rel(b.stats.grad_norm, a.stats.grad_norm), kGradNormTol)  // of the mean: twice the sum, twice the tokens
+        << "step " << s << ": " << b.stats.grad_norm << " vs " << a.stats.grad_norm;
+  }
+  std::vector<float> pw, mw, vw, pr, mr, vr;
+  whole->export_shard(pw, mw, vw);
+  rows->export_shard(pr, mr, vr);
+  EXPECT_LE(rel_err_norm(pr, pick(pw, rows->segments())), kWeightTol);
+}
+
+INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineGpuDataParallelAccumulation, testing::Values(0, 1, 2, 3),
                          [](const testing::TestParamInfo<int>& i) { return "zero" + std::to_string(i.param); });
 
 // A path every rank agrees on: rank 0 makes the directory (and removes it when the test ends).
