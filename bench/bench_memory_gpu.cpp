@@ -86,7 +86,8 @@ void BM_RmsNormBwd(benchmark::State& state) {
   cuda::fill_constant(dw.as<float>(), dim, 0.0f, nullptr);
   run_timed(state, nullptr, [&] {
     cuda::rmsnorm_bwd(dx.as<__nv_bfloat16>(), dw.as<float>(), g.as<__nv_bfloat16>(), x.as<__nv_bfloat16>(),
-                      w.as<__nv_bfloat16>(), rstd.as<float>(), scratch.as<float>(), n, dim, nullptr);
+                      w.as<__nv_bfloat16>(), rstd.as<float>(), scratch.as<float>(), n, dim, GradWrite::Accumulate,
+                      nullptr);
   });
   report(state, 4.0 * n * dim * 2);  // read x, dout, dinp; write dinp
   state.SetLabel("dim " + std::to_string(dim));
@@ -100,30 +101,31 @@ void BM_Rope(benchmark::State& state) {
   cuda::fill_normal(sin_t.as<float>(), seq * kHeadDim / 2, 3, 0.5f, nullptr);
   run_timed(state, nullptr, [&] {
     cuda::rope_fwd(x.as<__nv_bfloat16>(), x.as<__nv_bfloat16>(), cos_t.as<float>(), sin_t.as<float>(), batch, seq,
-                   kHeads, kHeadDim, nullptr);
+                   kHeads, kHeadDim, kHeads * kHeadDim, kHeads * kHeadDim, nullptr);
   });
   report(state, 2.0 * count * 2);
 }
 
+// SwiGLU as the model runs it: gate and up the two halves of the fused gate|up GEMM output [tokens, 2 ffn].
 void BM_SwigluFwd(benchmark::State& state) {
   const int64_t n = kTokens * kFfn;
-  DeviceMemory gate(n * 2), up(n * 2), out(n * 2);
-  fill_random_bf16(gate.as<__nv_bfloat16>(), n, 1);
-  fill_random_bf16(up.as<__nv_bfloat16>(), n, 2);
+  DeviceMemory gate_up(2 * n * 2), out(n * 2);
+  __nv_bfloat16* gate = gate_up.as<__nv_bfloat16>();
+  fill_random_bf16(gate, 2 * n, 1);
   run_timed(state, nullptr,
-            [&] { cuda::swiglu_fwd(out.as<__nv_bfloat16>(), gate.as<__nv_bfloat16>(), up.as<__nv_bfloat16>(), n, nullptr); });
+            [&] { cuda::swiglu_fwd(out.as<__nv_bfloat16>(), gate, gate + kFfn, kTokens, kFfn, 2 * kFfn, nullptr); });
   report(state, 3.0 * n * 2);
 }
 
+// In place over gate|up, as the model's backward writes d_gate|d_up.
 void BM_SwigluBwd(benchmark::State& state) {
   const int64_t n = kTokens * kFfn;
-  DeviceMemory gate(n * 2), up(n * 2), dout(n * 2), dgate(n * 2), dup(n * 2);
-  fill_random_bf16(gate.as<__nv_bfloat16>(), n, 1);
-  fill_random_bf16(up.as<__nv_bfloat16>(), n, 2);
+  DeviceMemory gate_up(2 * n * 2), dout(n * 2);
+  __nv_bfloat16* gate = gate_up.as<__nv_bfloat16>();
+  fill_random_bf16(gate, 2 * n, 1);
   fill_random_bf16(dout.as<__nv_bfloat16>(), n, 3);
   run_timed(state, nullptr, [&] {
-    cuda::swiglu_bwd(dgate.as<__nv_bfloat16>(), dup.as<__nv_bfloat16>(), dout.as<__nv_bfloat16>(),
-                     gate.as<__nv_bfloat16>(), up.as<__nv_bfloat16>(), n, nullptr);
+    cuda::swiglu_bwd(gate, gate + kFfn, dout.as<__nv_bfloat16>(), gate, gate + kFfn, kTokens, kFfn, 2 * kFfn, nullptr);
   });
   report(state, 5.0 * n * 2);
 }

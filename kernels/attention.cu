@@ -104,8 +104,10 @@ void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, cons
   else if (head_dim == 128) attention_bwd_hd128(p, stream);
   else attention_small(p, static_cast<int>(head_dim), /*backward=*/true, stream);
   if (rope.cos_table != nullptr) {
-    rope_bwd(dq, dq, rope.cos_table, rope.sin_table, batch, seq_len, n_heads, head_dim, stream);
-    rope_bwd(dk, dk, rope.cos_table, rope.sin_table, batch, seq_len, n_kv_heads, head_dim, stream);
+    rope_bwd(dq, dq, rope.cos_table, rope.sin_table, batch, seq_len, n_heads, head_dim, n_heads * head_dim,
+             n_heads * head_dim, stream);
+    rope_bwd(dk, dk, rope.cos_table, rope.sin_table, batch, seq_len, n_kv_heads, head_dim, n_kv_heads * head_dim,
+             n_kv_heads * head_dim, stream);
   }
 }
 

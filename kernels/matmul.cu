@@ -2,14 +2,15 @@
 //
 //   forward:  out[n, oc] = inp[n, ic] @ W[oc, ic]^T (+ residual)          bf16 out, OVERWRITTEN
 //   backward: dinp[n, ic] (=|+=) dout[n, oc] @ W                           bf16
-//             dW[oc, ic] += dout^T @ inp                                    fp32, ACCUMULATED
+//             dW[oc, ic] (=|+=) dout^T @ inp                                fp32, by dweight_write
 //
 // cuBLASLt is column-major; a row-major [r, c] matrix is the column-major [c, r] matrix, so each product is
 // written transposed:  out^T = W op inp^T  ->  D[oc, n] = op_T(W as [ic, oc]) x inp as [ic, n];
 // dinp^T = W^T dout^T  ->  D[ic, n] = (W as [ic, oc]) x (dout as [oc, n]);
 // dW^T = inp^T dout    ->  D[ic, oc] = (inp as [ic, n]) x op_T(dout as [oc, n]).
 // Compute type fp32 (CUBLAS_COMPUTE_32F) for every product: bf16 inputs, fp32 accumulation; the fp32 weight
-// gradient is accumulated with beta = 1 into an fp32 C = D.
+// gradient is accumulated with beta = 1 into an fp32 C = D, or overwritten with beta = 0 (the first write of a
+// step, kernels/grad_write.h), where cuBLASLt does not read C, so a stale or NaN gradient cannot leak in.
 #include "kernels/matmul.cuh"
 
 #include <utility>
@@ -162,15 +163,20 @@ void matmul_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp
 
 void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
                 const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
-                bool accumulate_dinp, cudaStream_t stream) {
+                bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream) {
   TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
-  if (n == 0) return;
+  const bool overwrite_dweight = dweight_write == GradWrite::Overwrite;
+  if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
+    if (dweight != nullptr && overwrite_dweight)
+      TUNA_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<size_t>(oc * ic) * sizeof(float), stream));
+    return;
+  }
   if (dinp != nullptr)
     ctx.gemm(/*trans_a=*/false, /*trans_b=*/false, ic, n, oc, weight, ic, dout, oc, accumulate_dinp ? 1.0f : 0.0f,
              dinp, dinp, ic, CUDA_R_16BF, stream);
   if (dweight != nullptr)
-    ctx.gemm(/*trans_a=*/false, /*trans_b=*/true, ic, oc, n, inp, ic, dout, oc, 1.0f, dweight, dweight, ic,
-             CUDA_R_32F, stream);
+    ctx.gemm(/*trans_a=*/false, /*trans_b=*/true, ic, oc, n, inp, ic, dout, oc, overwrite_dweight ? 0.0f : 1.0f,
+             dweight, dweight, ic, CUDA_R_32F, stream);
 }
 
 }  // namespace tuna::cuda

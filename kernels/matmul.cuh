@@ -9,6 +9,8 @@
 #include <map>
 #include <tuple>
 
+#include "kernels/grad_write.h"
+
 namespace tuna::cuda {
 
 // One per device and stream user: the cuBLASLt handle, its workspace (device memory planned once), and for
@@ -61,9 +63,10 @@ void matmul_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp
                 const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream);
 
 // dinp[n, ic] (= or +=, by accumulate_dinp) dout[n, oc] @ weight[oc, ic]; skipped when dinp is null.
-// dweight[oc, ic] += dout^T @ inp in fp32 (ACCUMULATES: gradient accumulation over micro-batches).
+// dweight[oc, ic] (= or +=, by dweight_write) dout^T @ inp in fp32; skipped when dweight is null. Overwrite
+// (kernels/grad_write.h) never reads dweight, and with n == 0 writes zeros.
 void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
                 const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
-                bool accumulate_dinp, cudaStream_t stream);
+                bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream);
 
 }  // namespace tuna::cuda

@@ -5,7 +5,8 @@
 //             rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps)                  rstd: [n] fp32, OVERWRITTEN
 //             out[i, j] = w[j] * (x[i, j] * rstd[i])                       out: [n, dim] bf16, OVERWRITTEN
 //   backward: dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k w[k] g[i, k] x[i, k])   bf16, ACCUMULATED
-//             dweight[j] += sum_i g[i, j] x[i, j] r[i]                                 fp32, ACCUMULATED
+//             dweight[j] (=|+=) sum_i g[i, j] x[i, j] r[i]                             fp32, by dweight_write
+//             (the first write of a step overwrites: kernels/grad_write.h)
 //
 // Both are memory-bound: per element the forward moves 4 bytes (x read, out written; 8 with the residual
 // add), the backward 8 (g, x, dinp read, dinp written). The kernels before these measured (H200, main
@@ -262,12 +263,13 @@ __global__ void __launch_bounds__(bwd_max_threads(kRows))
   }
 }
 
-// dweight[j] += sum over slabs s, in a fixed order, of partial[s, j]. Block: kReduceColumnLanes float4
-// column groups x kReduceSlabLanes slab lanes; lane l sums slabs l, l + 32, ... in order, then the lanes'
-// sums are added in lane order. dweight may sit at any float offset (a parameter of the flat gradient), so
-// it is updated one float at a time.
+// dweight[j] (= or +=, by overwrite) the sum over slabs s, in a fixed order, of partial[s, j]. Block:
+// kReduceColumnLanes float4 column groups x kReduceSlabLanes slab lanes; lane l sums slabs l, l + 32, ... in
+// order, then the lanes' sums are added in lane order. dweight may sit at any float offset (a parameter of the
+// flat gradient), so it is written one float at a time.
 __global__ void __launch_bounds__(kReduceColumnLanes* kReduceSlabLanes)
-    rmsnorm_dweight_kernel(float* __restrict__ dweight, const float* __restrict__ partial, int n_slabs, int dim) {
+    rmsnorm_dweight_kernel(float* __restrict__ dweight, const float* __restrict__ partial, int n_slabs, int dim,
+                           bool overwrite) {
   __shared__ float4 lane_sums[kReduceSlabLanes][kReduceColumnLanes];
   const int group = static_cast<int>(threadIdx.x) % kReduceColumnLanes;
   const int lane = static_cast<int>(threadIdx.x) / kReduceColumnLanes;
@@ -288,7 +290,11 @@ __global__ void __launch_bounds__(kReduceColumnLanes* kReduceSlabLanes)
     const float4 p = lane_sums[l][group];
     total.x += p.x, total.y += p.y, total.z += p.z, total.w += p.w;
   }
-  dweight[c] += total.x, dweight[c + 1] += total.y, dweight[c + 2] += total.z, dweight[c + 3] += total.w;
+  if (overwrite) {
+    dweight[c] = total.x, dweight[c + 1] = total.y, dweight[c + 2] = total.z, dweight[c + 3] = total.w;
+  } else {
+    dweight[c] += total.x, dweight[c + 1] += total.y, dweight[c + 2] += total.z, dweight[c + 3] += total.w;
+  }
 }
 
 void check_dim(const char* op, int64_t n, int64_t dim) {
@@ -329,9 +335,14 @@ int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim) {
 }
 
 void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
-                 const float* rstd, float* scratch, int64_t n, int64_t dim, cudaStream_t stream) {
+                 const float* rstd, float* scratch, int64_t n, int64_t dim, GradWrite dweight_write,
+                 cudaStream_t stream) {
   check_dim("rmsnorm_bwd", n, dim);
-  if (n == 0) return;
+  const bool overwrite = dweight_write == GradWrite::Overwrite;
+  if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
+    if (overwrite) TUNA_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<size_t>(dim) * sizeof(float), stream));
+    return;
+  }
   const RowShape shape = bwd_shape(dim);
   const int64_t n_slabs = ceil_div(n, kSlabRows);
   TUNA_CHECK(n_slabs < (int64_t(1) << 31), "rmsnorm_bwd: n ", n);
@@ -346,7 +357,8 @@ void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, 
   else launch(rmsnorm_bwd_kernel<kMaxVecs, 1>);
   TUNA_CUDA_CHECK_LAUNCH();
   launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, kReduceColumnLanes * 4)),
-                kReduceColumnLanes * kReduceSlabLanes, 0, stream, dweight, scratch, static_cast<int>(n_slabs), d);
+                kReduceColumnLanes * kReduceSlabLanes, 0, stream, dweight, scratch, static_cast<int>(n_slabs), d,
+                overwrite);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

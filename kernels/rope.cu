@@ -1,6 +1,8 @@
 // Rotary position embedding (HF rotate-half pairing) on the GPU, the twin of kernels/cpu/rope.cpp.
 //
-//   x: [batch, seq_len, n_heads, head_dim] bf16, row t at position t; tables [seq, head_dim/2] fp32.
+//   x: [batch, seq_len, n_heads, head_dim] bf16, row t at position t; tables [seq, head_dim/2] fp32. A position's
+//   heads start a row stride apart, in and out each their own (q and k read from, and their gradients written
+//   into, the model's fused q|k|v rows).
 //   forward:  out[i] = x[i] c - x[i+h] s;   out[i+h] = x[i+h] c + x[i] s          OVERWRITTEN, may alias
 //   backward: the same with s -> -s (a rotation's transpose)                      OVERWRITTEN, may alias
 //
@@ -12,8 +14,8 @@
 // 0..7 of a group take a head's 8 column blocks (hd 128), so a warp access is 128-byte runs. ~60 registers
 // (ptxas) allow ~1000 threads an SM, ~128 KB in flight against the ~26 KB Little's law asks at 4.8 TB/s.
 // Unmeasured on hardware so far (bench/bench_memory_gpu.cpp). Rotation math in fp32. Everything a thread
-// writes it read first, so in place is safe. A head_dim that is not a multiple of 16 (tiny test models)
-// takes a one-pair-per-thread kernel.
+// writes it read first, so in place is safe. A head_dim that is not a multiple of 16 (tiny test models), or a
+// stride or pointer that breaks the 16-byte alignment (tests), takes a one-pair-per-thread kernel.
 #include "kernels/rope.cuh"
 
 #include "core/cuda_check.h"
@@ -30,7 +32,8 @@ constexpr int kHeads = 4;  // heads a thread rotates with one load of the tables
 // skipped (n_heads need not divide by kHeads: 3-head test models, 8 kv heads).
 __global__ void __launch_bounds__(kThreads)
     rope_kernel(bf16* out, const bf16* inp, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-                int64_t n_positions, int64_t seq_len, int64_t n_heads, int64_t half, float sign) {
+                int64_t n_positions, int64_t seq_len, int64_t n_heads, int64_t half, int64_t out_stride,
+                int64_t inp_stride, float sign) {
   const int64_t vecs_per_half = half / 8, groups = (n_heads + kHeads - 1) / kHeads;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= n_positions * groups * vecs_per_half) return;
@@ -42,7 +45,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int k = 0; k < kHeads; ++k) {
     const int64_t head = group * kHeads + k;
-    const bf16* x = inp + (position * n_heads + head) * 2 * half;
+    const bf16* x = inp + position * inp_stride + head * 2 * half;
     first[k] = head < n_heads ? load_packed_stream(x + i) : zeros_packed();
     second[k] = head < n_heads ? load_packed_stream(x + i + half) : zeros_packed();
   }
@@ -63,35 +66,45 @@ __global__ void __launch_bounds__(kThreads)
       y_first[j] = a * c[j] - b * signed_sin;
       y_second[j] = b * c[j] + a * signed_sin;
     }
-    bf16* y = out + (position * n_heads + head) * 2 * half;
+    bf16* y = out + position * out_stride + head * 2 * half;
     store_packed(y + i, pack8(y_first));
     store_packed(y + i + half, pack8(y_second));
   }
 }
 
-// Any even head_dim (tiny test models): one thread per pair.
+// Any even head_dim and stride (tiny test models, unaligned rows): one thread per pair.
 __global__ void rope_pair_kernel(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table,
-                                 int64_t n_rows, int64_t seq_len, int64_t n_heads, int64_t half, float sign) {
+                                 int64_t n_rows, int64_t seq_len, int64_t n_heads, int64_t half, int64_t out_stride,
+                                 int64_t inp_stride, float sign) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= n_rows * half) return;
   const int64_t row = idx / half, i = idx % half;
-  const int64_t t = (row / n_heads) % seq_len;
+  const int64_t position = row / n_heads, head = row % n_heads, t = position % seq_len;
   const float c = cos_table[t * half + i], signed_sin = sign * sin_table[t * half + i];
-  const float a = __bfloat162float(inp[row * 2 * half + i]), b = __bfloat162float(inp[row * 2 * half + i + half]);
-  out[row * 2 * half + i] = __float2bfloat16(a * c - b * signed_sin);
-  out[row * 2 * half + i + half] = __float2bfloat16(b * c + a * signed_sin);
+  const bf16* x = inp + position * inp_stride + head * 2 * half;
+  bf16* y = out + position * out_stride + head * 2 * half;
+  const float a = __bfloat162float(x[i]), b = __bfloat162float(x[i + half]);
+  y[i] = __float2bfloat16(a * c - b * signed_sin);
+  y[i + half] = __float2bfloat16(b * c + a * signed_sin);
 }
 
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table, int64_t batch,
-                 int64_t seq_len, int64_t n_heads, int64_t head_dim, float sign, cudaStream_t stream) {
-  TUNA_CHECK(batch >= 0 && seq_len >= 0 && n_heads > 0 && head_dim > 0 && head_dim % 2 == 0, "batch ", batch,
-             ", seq_len ", seq_len, ", n_heads ", n_heads, ", head_dim ", head_dim);
+                 int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride,
+                 float sign, cudaStream_t stream) {
+  TUNA_CHECK(batch >= 0 && seq_len >= 0 && n_heads > 0 && head_dim > 0 && head_dim % 2 == 0 &&
+                 out_stride >= n_heads * head_dim && inp_stride >= n_heads * head_dim,
+             "batch ", batch, ", seq_len ", seq_len, ", n_heads ", n_heads, ", head_dim ", head_dim, ", out_stride ",
+             out_stride, ", inp_stride ", inp_stride);
   const int64_t n_rows = batch * seq_len * n_heads;
-  if (head_dim % 16 != 0) {
+  const bool vectors = head_dim % 16 == 0 && out_stride % 8 == 0 && inp_stride % 8 == 0 && aligned16(out) &&
+                       aligned16(inp);
+  if (!vectors) {
     const int64_t pairs = n_rows * (head_dim / 2);
     if (pairs == 0) return;
     launch_kernel(rope_pair_kernel, static_cast<unsigned>(ceil_div(pairs, kThreads)), kThreads, 0, stream, out, inp,
-                  cos_table, sin_table, n_rows, seq_len, n_heads, head_dim / 2, sign);
+                  cos_table, sin_table, n_rows, seq_len, n_heads, head_dim / 2, out_stride, inp_stride, sign);
     TUNA_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -99,20 +112,23 @@ void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float
   const int64_t work = n_positions * ceil_div(n_heads, kHeads) * (head_dim / 16);
   if (work == 0) return;
   launch_kernel(rope_kernel, static_cast<unsigned>(ceil_div(work, kThreads)), kThreads, 0, stream, out, inp, cos_table,
-                sin_table, n_positions, seq_len, n_heads, head_dim / 2, sign);
+                sin_table, n_positions, seq_len, n_heads, head_dim / 2, out_stride, inp_stride, sign);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
 void rope_fwd(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table, int64_t batch,
-              int64_t seq_len, int64_t n_heads, int64_t head_dim, cudaStream_t stream) {
-  rope_launch(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, 1.0f, stream);
+              int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride,
+              cudaStream_t stream) {
+  rope_launch(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, out_stride, inp_stride, 1.0f, stream);
 }
 
 void rope_bwd(bf16* dinp, const bf16* dout, const float* cos_table, const float* sin_table, int64_t batch,
-              int64_t seq_len, int64_t n_heads, int64_t head_dim, cudaStream_t stream) {
-  rope_launch(dinp, dout, cos_table, sin_table, batch, seq_len, n_heads, head_dim, -1.0f, stream);
+              int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t dinp_stride, int64_t dout_stride,
+              cudaStream_t stream) {
+  rope_launch(dinp, dout, cos_table, sin_table, batch, seq_len, n_heads, head_dim, dinp_stride, dout_stride, -1.0f,
+              stream);
 }
 
 }  // namespace tuna::cuda

@@ -1,4 +1,6 @@
-// SwiGLU gating of the LLaMA MLP on the GPU, the twin of kernels/cpu/swiglu.cpp. Elementwise over n.
+// SwiGLU gating of the LLaMA MLP on the GPU, the twin of kernels/cpu/swiglu.cpp. Elementwise over rows x cols;
+// gate, up, dgate, dup rows `stride` apart (the model passes the two halves of its fused gate|up GEMM output,
+// stride 2F), out and dout contiguous.
 //
 //   forward:  out = silu(gate) * up,  silu(x) = x sigmoid(x)                        out: OVERWRITTEN
 //   backward: dup = dout silu(gate);  dgate = dout up sigmoid(gate) (1 + gate (1 - sigmoid(gate)))
@@ -8,14 +10,18 @@
 // gate, up read; dgate, dup written). A thread owns kVecs 8-wide vectors (16-byte accesses; vector k of a
 // block's thread t is block_vector0 + k * kThreads + t, so each warp access is one 512-byte run) and issues
 // every load before any math: 64 B of each input in flight per thread (128 B forward, 192 B backward). At
-// 58 / 72 registers (ptxas, sm_90a) an SM holds 4 / 3 blocks of 256, ~130 / ~150 KB in flight, five times the
+// 58 / 75 registers (ptxas, sm_90a) an SM holds 4 / 3 blocks of 256, ~130 / ~150 KB in flight, five times the
 // ~26 KB per SM that Little's law asks at 4.8 TB/s and ~0.7 us (the old kernel had one vector per thread
 // and tensor in flight, ~48-96 KB a full SM, with no slack for the tail of a wave). Unmeasured
 // on hardware so far: bench/bench_memory_gpu.cpp reports both against a device copy. The math per element
-// (an exp and a divide) is far below the issue rate at these byte counts. A tail of n % 8 elements is done
-// one by one by the first threads. sigmoid(x) = 1 / (1 + exp(-x)) in fp32 saturates cleanly at both ends
-// (exp overflow gives 0). out may alias gate or up (and dgate, dup may alias dout): each thread reads its
-// elements before it writes the same elements.
+// (an exp and a divide) is far below the issue rate at these byte counts. Contiguous rows (stride == cols) are
+// one long row whose n % 8 tail elements are done one by one. With strided rows a vector never crosses a row
+// end: its row is its index / (cols / 8), one 64-bit division per vector, cheap beside its 48 bytes. Rows that
+// do not start 16-byte aligned (strides not a multiple of 8: tests) take the element-wise path, the whole
+// tensor as the "tail", in a grid-stride loop. sigmoid(x) = 1 / (1 + exp(-x)) in fp32 saturates cleanly at
+// both ends (exp overflow gives 0). out may alias gate or up when stride == cols; dgate and dup may alias gate
+// and up (in place), and dout when stride == cols: each thread reads its elements before it writes the same
+// elements.
 #include "kernels/swiglu.cuh"
 
 #include "core/cuda_check.h"
@@ -38,86 +44,131 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg
   dg = d * u * sig * (1.0f + g * (1.0f - sig));
 }
 
-// Index of this thread's vector k.
-__device__ __forceinline__ int64_t vector_index(int k) {
-  return (static_cast<int64_t>(blockIdx.x) * kVecs + k) * kThreads + threadIdx.x;
+// Where the kernels work: rows x cols, gate/up/dgate/dup rows `stride` apart, out/dout rows `cols` apart. The
+// first vecs_per_row * 8 columns of each row go as 16-byte vectors (none on the element-wise path), the
+// tail_cols after them one element a thread.
+struct Shape {
+  int64_t cols, stride, vecs_per_row, n_vec, tail_cols, n_tail;
+};
+
+// Offsets (in gate/up, in out/dout) of this thread's vector k, or -1 past the last vector.
+struct VectorAt {
+  int64_t in, out;
+};
+__device__ __forceinline__ VectorAt vector_at(const Shape& sh, int k) {
+  const int64_t v = (static_cast<int64_t>(blockIdx.x) * kVecs + k) * kThreads + threadIdx.x;
+  if (v >= sh.n_vec) return {-1, -1};
+  const int64_t row = v / sh.vecs_per_row, col = (v - row * sh.vecs_per_row) * 8;
+  return {row * sh.stride + col, row * sh.cols + col};
 }
 
-// This thread's kVecs vectors of src (zeros past the n_vec whole vectors).
-__device__ __forceinline__ void load_vectors(Packed8 (&dst)[kVecs], const bf16* src, int64_t n_vec) {
+// This thread's kVecs vectors of src (zeros past the last vector).
+__device__ __forceinline__ void load_vectors(Packed8 (&dst)[kVecs], const bf16* src, const VectorAt (&at)[kVecs],
+                                             bool out_side) {
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = vector_index(k);
-    dst[k] = v < n_vec ? load_packed_stream(src + v * 8) : zeros_packed();
+    const int64_t offset = out_side ? at[k].out : at[k].in;
+    dst[k] = offset >= 0 ? load_packed_stream(src + offset) : zeros_packed();
   }
 }
 
-// The n % 8 trailing elements, one per thread of the grid's first threads.
-__device__ __forceinline__ int64_t tail_element(int64_t n) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  return t < n % 8 ? n / 8 * 8 + t : -1;
+// The elements past the vectors, a grid-stride loop (the element-wise path has no vectors, so the whole tensor
+// comes this way): f(in offset, out offset).
+template <typename F>
+__device__ __forceinline__ void for_tail_elements(const Shape& sh, F f) {
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; t < sh.n_tail; t += threads) {
+    const int64_t row = t / sh.tail_cols, col = sh.vecs_per_row * 8 + (t - row * sh.tail_cols);
+    f(row * sh.stride + col, row * sh.cols + col);
+  }
 }
 
-__global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const bf16* gate, const bf16* up, int64_t n) {
-  const int64_t n_vec = n / 8;
+__global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const bf16* gate, const bf16* up, Shape sh) {
+  VectorAt at[kVecs];
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) at[k] = vector_at(sh, k);
   Packed8 g[kVecs], u[kVecs];
-  load_vectors(g, gate, n_vec);
-  load_vectors(u, up, n_vec);
+  load_vectors(g, gate, at, false);
+  load_vectors(u, up, at, false);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = vector_index(k);
-    if (v >= n_vec) break;
+    if (at[k].in < 0) break;
     float y[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) y[j] = swiglu_value(unpack(g[k], j), unpack(u[k], j));
-    store_packed(out + v * 8, pack8(y));
+    store_packed(out + at[k].out, pack8(y));
   }
-  const int64_t tail = tail_element(n);
-  if (tail >= 0) out[tail] = __float2bfloat16(swiglu_value(__bfloat162float(gate[tail]), __bfloat162float(up[tail])));
+  for_tail_elements(sh, [&](int64_t in, int64_t o) {
+    out[o] = __float2bfloat16(swiglu_value(__bfloat162float(gate[in]), __bfloat162float(up[in])));
+  });
 }
 
 __global__ void __launch_bounds__(kThreads)
-    swiglu_bwd_kernel(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, int64_t n) {
-  const int64_t n_vec = n / 8;
+    swiglu_bwd_kernel(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, Shape sh) {
+  VectorAt at[kVecs];
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) at[k] = vector_at(sh, k);
   Packed8 d[kVecs], g[kVecs], u[kVecs];
-  load_vectors(d, dout, n_vec);
-  load_vectors(g, gate, n_vec);
-  load_vectors(u, up, n_vec);
+  load_vectors(d, dout, at, true);
+  load_vectors(g, gate, at, false);
+  load_vectors(u, up, at, false);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = vector_index(k);
-    if (v >= n_vec) break;
+    if (at[k].in < 0) break;
     float dg[8], du[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) swiglu_grad(unpack(d[k], j), unpack(g[k], j), unpack(u[k], j), dg[j], du[j]);
-    store_packed(dgate + v * 8, pack8(dg));
-    store_packed(dup + v * 8, pack8(du));
+    store_packed(dgate + at[k].in, pack8(dg));
+    store_packed(dup + at[k].in, pack8(du));
   }
-  const int64_t tail = tail_element(n);
-  if (tail >= 0) {
+  for_tail_elements(sh, [&](int64_t in, int64_t o) {
     float a, b;
-    swiglu_grad(__bfloat162float(dout[tail]), __bfloat162float(gate[tail]), __bfloat162float(up[tail]), a, b);
-    dgate[tail] = __float2bfloat16(a);
-    dup[tail] = __float2bfloat16(b);
-  }
+    swiglu_grad(__bfloat162float(dout[o]), __bfloat162float(gate[in]), __bfloat162float(up[in]), a, b);
+    dgate[in] = __float2bfloat16(a);
+    dup[in] = __float2bfloat16(b);
+  });
 }
 
-unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::max<int64_t>(1, ceil_div(n / 8, kThreads * kVecs))); }
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The shape the kernels see: contiguous rows become one long row (vectors across row ends, a tail at the very
+// end only); strided rows take vectors when every row starts 16-byte aligned.
+Shape make_shape(int64_t rows, int64_t cols, int64_t stride, bool pointers_aligned) {
+  TUNA_CHECK(rows >= 0 && cols >= 0 && stride >= cols, "swiglu: rows ", rows, ", cols ", cols, ", stride ", stride);
+  if (stride == cols) cols *= rows, rows = 1, stride = cols;
+  Shape sh{};
+  sh.cols = cols, sh.stride = stride;
+  const bool vectors = pointers_aligned && stride % 8 == 0 && (cols % 8 == 0 || rows == 1);
+  sh.vecs_per_row = vectors ? cols / 8 : 0;
+  sh.n_vec = rows * sh.vecs_per_row;
+  sh.tail_cols = cols - sh.vecs_per_row * 8;
+  sh.n_tail = rows * sh.tail_cols;
+  return sh;
+}
+
+// Enough blocks for the vectors, and at least enough threads for the tail up to a cap (the tail loop strides).
+unsigned grid_for(const Shape& sh) {
+  const int64_t vector_blocks = ceil_div(sh.n_vec, kThreads * kVecs);
+  const int64_t tail_blocks = std::min<int64_t>(ceil_div(sh.n_tail, kThreads), int64_t(1) << 16);
+  return static_cast<unsigned>(std::max<int64_t>(1, std::max(vector_blocks, tail_blocks)));
+}
 
 }  // namespace
 
-void swiglu_fwd(bf16* out, const bf16* gate, const bf16* up, int64_t n, cudaStream_t stream) {
-  TUNA_CHECK(n >= 0, "n ", n);
-  if (n == 0) return;
-  launch_kernel(swiglu_fwd_kernel, grid_for(n), kThreads, 0, stream, out, gate, up, n);
+void swiglu_fwd(bf16* out, const bf16* gate, const bf16* up, int64_t rows, int64_t cols, int64_t stride,
+                cudaStream_t stream) {
+  const Shape sh = make_shape(rows, cols, stride, aligned16(out) && aligned16(gate) && aligned16(up));
+  if (sh.n_vec == 0 && sh.n_tail == 0) return;
+  launch_kernel(swiglu_fwd_kernel, grid_for(sh), kThreads, 0, stream, out, gate, up, sh);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
-void swiglu_bwd(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, int64_t n,
-                cudaStream_t stream) {
-  TUNA_CHECK(n >= 0, "n ", n);
-  if (n == 0) return;
-  launch_kernel(swiglu_bwd_kernel, grid_for(n), kThreads, 0, stream, dgate, dup, dout, gate, up, n);
+void swiglu_bwd(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, int64_t rows,
+                int64_t cols, int64_t stride, cudaStream_t stream) {
+  const bool aligned = aligned16(dgate) && aligned16(dup) && aligned16(dout) && aligned16(gate) && aligned16(up);
+  const Shape sh = make_shape(rows, cols, stride, aligned);
+  if (sh.n_vec == 0 && sh.n_tail == 0) return;
+  launch_kernel(swiglu_bwd_kernel, grid_for(sh), kThreads, 0, stream, dgate, dup, dout, gate, up, sh);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

@@ -7,13 +7,19 @@
 
 namespace tuna::cuda {
 
-// out[i] = gate[i] sigmoid(gate[i]) up[i] over n elements. OVERWRITES out (out may alias gate or up).
-void swiglu_fwd(__nv_bfloat16* out, const __nv_bfloat16* gate, const __nv_bfloat16* up, int64_t n,
-                cudaStream_t stream);
+// Over rows x cols: gate, up (and dgate, dup) rows `stride` elements apart (the halves of a fused gate|up GEMM
+// output: stride = 2 cols, up = gate + cols; or stride = cols), out and dout contiguous [rows, cols]; stride >= cols.
+// The 16-byte path needs cols and stride multiples of 8 (or stride == cols) and 16-byte aligned pointers; any
+// other shape takes an element-wise path.
+//
+// out = gate sigmoid(gate) up. OVERWRITES out; out may alias gate or up only when stride == cols.
+void swiglu_fwd(__nv_bfloat16* out, const __nv_bfloat16* gate, const __nv_bfloat16* up, int64_t rows, int64_t cols,
+                int64_t stride, cudaStream_t stream);
 
 // dup = dout silu(gate); dgate = dout up sigmoid(gate) (1 + gate (1 - sigmoid(gate))). OVERWRITES dgate and
-// dup; either may alias dout (each element is read before it is written).
+// dup; dgate may alias gate and dup up (in place), either may alias dout only when stride == cols (each element
+// is read before it is written).
 void swiglu_bwd(__nv_bfloat16* dgate, __nv_bfloat16* dup, const __nv_bfloat16* dout, const __nv_bfloat16* gate,
-                const __nv_bfloat16* up, int64_t n, cudaStream_t stream);
+                const __nv_bfloat16* up, int64_t rows, int64_t cols, int64_t stride, cudaStream_t stream);
 
 }  // namespace tuna::cuda

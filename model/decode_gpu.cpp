@@ -106,8 +106,8 @@ void DecodeGpu::append(const int32_t* tokens, int64_t n, float* host_last_logits
     cuda::matmul_fwd(mm, q_, norm_, w + o.q_proj, nullptr, rows, C, c.q_dim(), s);
     cuda::matmul_fwd(mm, k_, norm_, w + o.k_proj, nullptr, rows, C, kvd, s);
     cuda::matmul_fwd(mm, v_, norm_, w + o.v_proj, nullptr, rows, C, kvd, s);
-    cuda::rope_fwd(q_, q_, cos, sin, batch_, n, H, D, s);
-    cuda::rope_fwd(k_, k_, cos, sin, batch_, n, KV, D, s);
+    cuda::rope_fwd(q_, q_, cos, sin, batch_, n, H, D, H * D, H * D, s);
+    cuda::rope_fwd(k_, k_, cos, sin, batch_, n, KV, D, KV * D, KV * D, s);
     for (int64_t b = 0; b < batch_; ++b) {  // rows b * n .. of k, v -> positions length_ .. of sequence b
       const size_t bytes = static_cast<size_t>(n * kvd) * sizeof(__nv_bfloat16);
       const int64_t to = (b * capacity_ + length_) * kvd, from = b * n * kvd;
@@ -119,7 +119,7 @@ void DecodeGpu::append(const int32_t* tokens, int64_t n, float* host_last_logits
     cuda::rmsnorm_fwd(norm_, rstd_, nullptr, h_, nullptr, w + o.post_norm, rows, C, c.rms_norm_eps, s);
     cuda::matmul_fwd(mm, gate_, norm_, w + o.gate_proj, nullptr, rows, C, F, s);
     cuda::matmul_fwd(mm, up_, norm_, w + o.up_proj, nullptr, rows, C, F, s);
-    cuda::swiglu_fwd(act_, gate_, up_, rows * F, s);
+    cuda::swiglu_fwd(act_, gate_, up_, rows, F, F, s);
     cuda::matmul_fwd(mm, x_, act_, w + o.down_proj, /*residual=*/h_, rows, F, C, s);
   }
   cuda::rmsnorm_fwd(norm_, rstd_, nullptr, x_, nullptr, w + layout_.final_norm(), rows, C, c.rms_norm_eps, s);

@@ -14,9 +14,10 @@
 // weights from it (with the update's stochastic-rounding bits, so every rank holds the weights ZeRO-0 would).
 //
 // ZeRO-2 and 3 (ShardedStore, the model's GpuWeightStore). No whole gradient exists: the backward writes each
-// unit's gradient into one of a few unit-sized buffers, and as soon as the unit's backward is done the buffer is
-// reduce-scattered on a communication stream and this rank's piece added into the fp32 gradient shard
-// (sharded accumulation over micro-batches), while the compute stream goes on with the next unit. ZeRO-3 keeps
+// unit's gradient into one of a few unit-sized buffers (handed out fresh: the pass's first writes overwrite, so
+// none is zeroed), and as soon as the unit's backward is done the buffer is reduce-scattered on a communication
+// stream and this rank's piece written into the fp32 gradient shard on the step's first micro-batch, added to it
+// on the others (sharded accumulation), while the compute stream goes on with the next unit. ZeRO-3 keeps
 // only the bf16 weights of the shard: each unit is all-gathered into a rotating gather buffer on the
 // communication stream just before the model uses it, the next unit of the pass gathered into the other buffer
 // while this one computes (prefetch), in the forward and again in the backward. Events order the two streams
@@ -183,16 +184,25 @@ class ShardedStore final : public GpuWeightStore {
     if (stage_ == 3)
       for (int i = 0; i < (prefetch || tied ? 2 : 1); i++)
         gathered_.emplace_back().data = arena.take<__nv_bfloat16>(str("weight gather buffer ", i), max_unit_);
+    shard_written_.assign(layout_.num_units(), true);  // the shard starts zeroed (OptimizerShard)
     model.set_weight_store(this);
   }
 
-  // A step begins: the gradient shard is zeroed on the compute stream, and accumulated into on the comm stream.
+  // A step begins: the gradient shard holds nothing of it. Not zeroed: each unit's piece is written by the step's
+  // first reduce-scatter of the unit (grads_done), on the comm stream, after what the compute stream did so far.
   void begin_step() {
-    TUNA_CUDA_CHECK(cudaMemsetAsync(shard_.grad, 0, shard_.padded * sizeof(float), compute_));
+    std::fill(shard_written_.begin(), shard_written_.end(), false);
     join(comm_, compute_, compute_to_comm_);
   }
-  // Every unit's gradient is in the shard: the compute stream may read it.
-  void gradients_ready() { join(compute_, comm_, comm_to_compute_); }
+  // Every unit's gradient is in the shard: the compute stream may read it. A unit that no backward of the step
+  // reached (a step without micro-batches) has a zero gradient.
+  void gradients_ready() {
+    for (int u = 0; u < layout_.num_units(); u++)
+      if (!shard_written_[u])
+        TUNA_CUDA_CHECK(
+            cudaMemsetAsync(shard_.grad + shard_.unit_offset[u], 0, segments_[u].size * sizeof(float), comm_));
+    join(compute_, comm_, comm_to_compute_);
+  }
   // The shard's bf16 weights were rewritten (an update, a restore) on the compute stream: ZeRO-2 gathers them
   // into the whole weights; ZeRO-3's gathered units are stale.
   void weights_updated() {
@@ -244,19 +254,19 @@ class ShardedStore final : public GpuWeightStore {
     prefetch_next();
   }
 
-  float* grads(int unit) override {
+  // A buffer holds one unit for one pass, so it is always handed out fresh: the pass overwrites what an earlier
+  // unit left in it (LlamaGpu::GradWrites), no memset.
+  UnitGrads grads(int unit) override {
     for (Gradient& b : gradients_)
-      if (b.unit == unit) return b.data;
+      if (b.unit == unit) return {b.data, /*fresh=*/true};
     Gradient* free = nullptr;
     for (Gradient& b : gradients_)  // the least recently drained free buffer
       if (b.unit < 0 && (free == nullptr || b.last_use < free->last_use)) free = &b;
     TUNA_CHECK(free != nullptr, "ZeRO-", stage_, ": every gradient buffer is in use when unit ", unit, " needs one");
     free->drained.wait(compute_);  // its last reduce-scatter has read it
-    const auto [begin, end] = layout_.unit_range(unit);
-    TUNA_CUDA_CHECK(cudaMemsetAsync(free->data, 0, (end - begin) * sizeof(float), compute_));
     free->unit = unit;
     free->last_use = ++uses_;
-    return free->data;
+    return {free->data, /*fresh=*/true};
   }
 
   void grads_done(int unit) override {
@@ -265,11 +275,21 @@ class ShardedStore final : public GpuWeightStore {
       join(comm_, compute_, b.filled);
       const auto [begin, end] = layout_.unit_range(unit);
       float* piece = shard_.grad + shard_.unit_offset[unit];
-      if (dp_ != nullptr) {  // this rank's piece of the sum over dp, added into the shard
+      const int64_t piece_size = segments_[unit].size;
+      // This rank's piece of the sum over dp: written into the shard by the step's first micro-batch, added to it
+      // by the others (the same fp32 sum as ZeRO-0's, whose first GEMM overwrites and the next add).
+      if (!shard_written_[unit]) {
+        if (dp_ != nullptr)
+          dp_->reduce_scatter(b.data, piece, end - begin, "gradients of a unit");
+        else
+          TUNA_CUDA_CHECK(
+              cudaMemcpyAsync(piece, b.data, piece_size * sizeof(float), cudaMemcpyDeviceToDevice, comm_));
+        shard_written_[unit] = true;
+      } else if (dp_ != nullptr) {
         dp_->reduce_scatter(b.data, scatter_out_, end - begin, "gradients of a unit");
-        cuda::accumulate(piece, scatter_out_, segments_[unit].size, comm_);
+        cuda::accumulate(piece, scatter_out_, piece_size, comm_);
       } else {
-        cuda::accumulate(piece, b.data, end - begin, comm_);
+        cuda::accumulate(piece, b.data, piece_size, comm_);
       }
       b.drained.record(comm_);
       b.unit = -1;
@@ -332,6 +352,7 @@ class ShardedStore final : public GpuWeightStore {
   float* scatter_out_ = nullptr;
   std::vector<Gathered> gathered_;
   std::vector<Gradient> gradients_;
+  std::vector<bool> shard_written_;  // per unit: its piece of the shard holds this step's gradient
   StreamEvent compute_to_comm_, comm_to_compute_;
   std::vector<int> order_;
   size_t position_ = 0;
@@ -567,8 +588,8 @@ class GpuEngine final : public Engine {
     OptimizerStats stats;
     stats.grad_norm = std::sqrt(sum_sq) * loss_scale;
     stats.clip_scale = clip_scale(options_.opt, stats.grad_norm);
-    // Not finite: no update; the master shard and the bf16 weights stay as they are (begin_step zeroes the
-    // gradients of the next step). Decided from the norm already read back above: no extra sync.
+    // Not finite: no update; the master shard and the bf16 weights stay as they are (the next step's first
+    // writes overwrite the gradients). Decided from the norm already read back above: no extra sync.
     stats.applied = loss_is_finite && std::isfinite(stats.grad_norm);
     if (stats.applied) {
       const int64_t step = model_.steps_taken() + 1;
@@ -635,7 +656,8 @@ class GpuEngine final : public Engine {
   }
 
   // ZeRO-1: every rank's master pieces, gathered whole into the gradient buffer (free between a step's update and
-  // the next step), then the bf16 weights from them; the buffer is zeroed again for the next step's gradients.
+  // the next step), then the bf16 weights from them; the buffer then reads as zero again (zero_grads: the next
+  // backward overwrites it).
   void gather_master() {
     OptimizerShard& sh = *shard_;
     const ParamLayout& layout = model_.layout();

@@ -302,8 +302,9 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     cpu::matmul_fwd(a.q.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim);
     cpu::matmul_fwd(a.k.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim);
     cpu::matmul_fwd(a.v.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim);
-    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim);
-    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim);
+    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim, d.q_dim, d.q_dim);
+    cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim, d.kv_dim,
+                  d.kv_dim);
     if (cache) {
       for (int64_t b = 0; b < batch; b++) {  // rows b * seq .. of k, v -> positions past .. of sequence b
         const int64_t from = b * seq * d.kv_dim, to = (b * cache->capacity + past) * d.kv_dim;
@@ -323,7 +324,7 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     cpu::rmsnorm_fwd(a.norm2.data(), a.rstd2.data(), a.resid_mid.data(), w(o.post_norm), n, C, c.rms_norm_eps);
     cpu::matmul_fwd(a.gate.data(), a.norm2.data(), w(o.gate_proj), n, C, F);
     cpu::matmul_fwd(a.up.data(), a.norm2.data(), w(o.up_proj), n, C, F);
-    cpu::swiglu_fwd(a.act.data(), a.gate.data(), a.up.data(), n * F);
+    cpu::swiglu_fwd(a.act.data(), a.gate.data(), a.up.data(), n, F, F);
     cpu::matmul_fwd(resid_next, a.act.data(), w(o.down_proj), n, F, C);
     tp_all_reduce(resid_next, n * C, "tp down_proj");
     for (int64_t i = 0; i < n * C; i++) resid_next[i] += a.resid_mid[i];
@@ -353,7 +354,8 @@ LossSum Llama::head(const int32_t* targets, int64_t rows, bool want_grad, float*
                     : cpu::classifier_fwd_bwd(logits, nullptr, targets + r0, nr, V, want_grad ? 1.0 : 0.0);
     for (int64_t i = 0; i < nr; i++) loss.count += targets[r0 + i] != cpu::kIgnoreIndex;
     if (want_grad)
-      cpu::matmul_bwd(d_final_norm_.data() + r0 * C, g_head, logits, x, w_head, nr, C, V, /*accumulate_dinp=*/false);
+      cpu::matmul_bwd(d_final_norm_.data() + r0 * C, g_head, logits, x, w_head, nr, C, V, /*accumulate_dinp=*/false,
+                      GradWrite::Accumulate);
   }
   if (want_grad) tp_all_reduce(d_final_norm_.data(), rows * C, "tp lm_head input grad");
   if (lm_unit != H) store_->release(lm_unit);
@@ -372,7 +374,7 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
   {
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
     cpu::rmsnorm_bwd(d_resid_.data(), store_->grads(H) + norm, d_final_norm_.data(), resid_out_.data(),
-                     head_base_ + norm, final_rstd_.data(), n, C);
+                     head_base_ + norm, final_rstd_.data(), n, C, GradWrite::Accumulate);
     store_->release(H);
     store_->grads_done(H);
   }
@@ -387,31 +389,33 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     auto g = [&](int64_t offset) { return gb + (offset - begin); };
     // MLP block: x_out = resid_mid + down(act)
     cpu::matmul_bwd(d_act_.data(), g(o.down_proj), d_resid_.data(), a.act.data(), w(o.down_proj), n, F, C,
-                    /*accumulate_dinp=*/false);
-    cpu::swiglu_bwd(d_gate_.data(), d_up_.data(), d_act_.data(), a.gate.data(), a.up.data(), n * F);
+                    /*accumulate_dinp=*/false, GradWrite::Accumulate);
+    cpu::swiglu_bwd(d_gate_.data(), d_up_.data(), d_act_.data(), a.gate.data(), a.up.data(), n, F, F);
     cpu::matmul_bwd(d_norm_.data(), g(o.gate_proj), d_gate_.data(), a.norm2.data(), w(o.gate_proj), n, C, F,
-                    /*accumulate_dinp=*/false);
+                    /*accumulate_dinp=*/false, GradWrite::Accumulate);
     cpu::matmul_bwd(d_norm_.data(), g(o.up_proj), d_up_.data(), a.norm2.data(), w(o.up_proj), n, C, F,
-                    /*accumulate_dinp=*/true);
+                    /*accumulate_dinp=*/true, GradWrite::Accumulate);
     tp_all_reduce(d_norm_.data(), n * C, "tp gate/up input grad");  // column-parallel: partial input grads
     cpu::rmsnorm_bwd(d_resid_.data(), g(o.post_norm), d_norm_.data(), a.resid_mid.data(), w(o.post_norm),
-                     a.rstd2.data(), n, C);
+                     a.rstd2.data(), n, C, GradWrite::Accumulate);
     // Attention block: resid_mid = resid_in + o_proj(att)
     cpu::matmul_bwd(d_att_.data(), g(o.o_proj), d_resid_.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C,
-                    /*accumulate_dinp=*/false);
+                    /*accumulate_dinp=*/false, GradWrite::Accumulate);
     cpu::attention_bwd(d_q_.data(), d_k_.data(), d_v_.data(), d_att_.data(), a.att.data(), a.lse.data(),
                        a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads, d.kv_heads, c.head_dim);
-    cpu::rope_bwd(d_q_.data(), d_q_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.heads, c.head_dim);
-    cpu::rope_bwd(d_k_.data(), d_k_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim);
+    cpu::rope_bwd(d_q_.data(), d_q_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.heads, c.head_dim,
+                  d.q_dim, d.q_dim);
+    cpu::rope_bwd(d_k_.data(), d_k_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim,
+                  d.kv_dim, d.kv_dim);
     cpu::matmul_bwd(d_norm_.data(), g(o.q_proj), d_q_.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim,
-                    /*accumulate_dinp=*/false);
+                    /*accumulate_dinp=*/false, GradWrite::Accumulate);
     cpu::matmul_bwd(d_norm_.data(), g(o.k_proj), d_k_.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim,
-                    /*accumulate_dinp=*/true);
+                    /*accumulate_dinp=*/true, GradWrite::Accumulate);
     cpu::matmul_bwd(d_norm_.data(), g(o.v_proj), d_v_.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim,
-                    /*accumulate_dinp=*/true);
+                    /*accumulate_dinp=*/true, GradWrite::Accumulate);
     tp_all_reduce(d_norm_.data(), n * C, "tp q/k/v input grad");
     cpu::rmsnorm_bwd(d_resid_.data(), g(o.input_norm), d_norm_.data(), a.resid_in.data(), w(o.input_norm),
-                     a.rstd1.data(), n, C);
+                     a.rstd1.data(), n, C, GradWrite::Accumulate);
     store_->release(unit);
     store_->grads_done(unit);
   }

@@ -3,6 +3,10 @@
 //   per layer: h = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1)))  with n1 = rmsnorm(x)
 //              x = h + down_proj(silu(gate_proj(n2)) * up_proj(n2))                      with n2 = rmsnorm(h)
 //   logits = lm_head(rmsnorm(x)), chunked over rows; softmax -> loss -> dlogits in place.
+// q_proj, k_proj, v_proj are adjacent in every tp rank's layout, and so are gate_proj, up_proj (model/layout.cpp,
+// checked at construction): each group is one [out, C] weight block, so q|k|v and gate|up are one GEMM each, forward
+// (one wider output) and backward (one dX GEMM with K = the block's rows, one dW GEMM over the block): fewer,
+// larger GEMMs, and the second dX GEMM's re-read and re-write of d_norm gone.
 // The residual adds ride in the o_proj and down_proj GEMMs' epilogues (beta = 1 with the residual as C), so
 // the residual stream costs no separate pass. Everything runs on one stream. The host waits for the loss once
 // per forward_backward, after the backward is queued (so the device never idles for it), and once per
@@ -64,17 +68,99 @@ void DeviceArena::check_all_taken() const {
     TUNA_CHECK(slot.taken, "device buffer '", name, "' is in the memory plan but the engine never uses it");
 }
 
-// The GpuWeightStore of a model that holds its whole weights and gradient (ZeRO-0 and 1, forward only).
+namespace {
+
+// rows x cols bf16 values from rows src_stride apart to rows dst_stride apart (v out of the fused q|k|v rows, d_v
+// into them), queued on the stream.
+void copy_rows(__nv_bfloat16* dst, int64_t dst_stride, const __nv_bfloat16* src, int64_t src_stride, int64_t rows,
+               int64_t cols, cudaStream_t stream) {
+  constexpr size_t kBytes = sizeof(__nv_bfloat16);
+  TUNA_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_stride * kBytes, src, src_stride * kBytes, cols * kBytes, rows,
+                                    cudaMemcpyDeviceToDevice, stream));
+}
+
+}  // namespace
+
+// The GpuWeightStore of a model that holds its whole weights and gradient (ZeRO-0 and 1, forward only). Its
+// gradient is fresh from zero_grads() to the end of the next backward, which writes all of it.
 class LlamaGpu::OwnWeights final : public GpuWeightStore {
  public:
   explicit OwnWeights(LlamaGpu& model) : m_(model) {}
   const __nv_bfloat16* acquire(int unit) override { return m_.params_ + m_.layout_.unit_range(unit).first; }
   void release(int) override {}
-  float* grads(int unit) override { return m_.grads_ + m_.layout_.unit_range(unit).first; }
+  UnitGrads grads(int unit) override {
+    return {m_.grads_ + m_.layout_.unit_range(unit).first, m_.grads_unwritten_};
+  }
   void grads_done(int) override {}
 
  private:
   LlamaGpu& m_;
+};
+
+// The weight-gradient writes of one backward pass, so that which call overwrites is decided in one place. A
+// unit's buffer comes from the store, fresh or not (GpuWeightStore::UnitGrads); the first write of each tensor
+// into a fresh buffer overwrites it (kernels/grad_write.h), every other write adds. Within a pass each tensor
+// has one writer, except:
+//   - the lm_head: a dW GEMM per row chunk (LlamaGpu::head), of which the first overwrites;
+//   - the tied embedding: the lm_head's chunks write the whole [vocab, hidden] block first, then the lookup's
+//     backward adds its rows;
+//   - an untied embedding: the lookup's backward touches only the rows of the batch's tokens, so its first write
+//     zeroes the tensor and then adds (LlamaGpu::backward).
+// So a pass writes every element of every unit it takes, and a fresh buffer needs no zeroing. Host bookkeeping
+// only: a flag per tensor and per unit, cleared per pass.
+class LlamaGpu::GradWrites {
+ public:
+  explicit GradWrites(const ParamLayout& layout) {
+    for (int u = 0; u < layout.num_units(); u++)
+      for (const ParamTensor& t : layout.tensors())
+        if (t.offset >= layout.unit_range(u).first && t.offset < layout.unit_range(u).second)
+          tensors_.push_back({t.offset, u});
+    std::sort(tensors_.begin(), tensors_.end(), [](const Tensor& a, const Tensor& b) { return a.offset < b.offset; });
+    unit_fresh_.resize(layout.num_units());
+  }
+
+  void begin_pass(GpuWeightStore& store) {
+    store_ = &store;
+    for (Tensor& t : tensors_) t.written = false;
+    std::fill(unit_fresh_.begin(), unit_fresh_.end(), Unit::NotTaken);
+  }
+  // The unit's gradient buffer (the store's answer to the pass's first request says whether it is fresh).
+  float* unit(int unit) {
+    const GpuWeightStore::UnitGrads g = store_->grads(unit);
+    unit_fresh_[unit] = g.fresh ? Unit::Fresh : Unit::Holding;
+    return g.data;
+  }
+  // How this write of the tensor at layout offset `offset` goes: Overwrite if it is the pass's first write of the
+  // tensor and the unit's buffer is fresh, else Accumulate.
+  GradWrite write(int64_t offset) {
+    const auto it = std::lower_bound(tensors_.begin(), tensors_.end(), offset,
+                                     [](const Tensor& t, int64_t o) { return t.offset < o; });
+    TUNA_CHECK(it != tensors_.end() && it->offset == offset, "no parameter tensor starts at offset ", offset);
+    TUNA_CHECK(unit_fresh_[it->unit] != Unit::NotTaken, "a gradient write into unit ", it->unit,
+               " before its buffer was taken in this pass");
+    const bool first = !it->written;
+    it->written = true;
+    return first && unit_fresh_[it->unit] == Unit::Fresh ? GradWrite::Overwrite : GradWrite::Accumulate;
+  }
+  // One write of adjacent tensors at once (a fused GEMM's weight-gradient block): their one mode.
+  GradWrite write_block(std::initializer_list<int64_t> offsets) {
+    const GradWrite mode = write(*offsets.begin());
+    for (const int64_t* o = offsets.begin() + 1; o != offsets.end(); o++)
+      TUNA_CHECK(write(*o) == mode, "the tensors at offsets ", *offsets.begin(), " and ", *o,
+                 " of one fused gradient write disagree on overwriting");
+    return mode;
+  }
+
+ private:
+  struct Tensor {
+    int64_t offset;
+    int unit;
+    bool written = false;
+  };
+  enum class Unit { NotTaken, Fresh, Holding };
+  std::vector<Tensor> tensors_;  // by offset
+  std::vector<Unit> unit_fresh_;
+  GpuWeightStore* store_ = nullptr;
 };
 
 void LlamaGpu::set_tp_comm(Comm* tp) {
@@ -113,12 +199,19 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0)
     fail("--device cuda: hidden_size and intermediate_size must be multiples of 8 (found ", c.hidden_size, ", ",
          c.intermediate_size, ")");
-  TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
-  TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-
   const int64_t n = max_batch * max_seq, C = c.hidden_size, P = layout_.total();
   const TpDims& d = layout_.tp();
   const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads;
+  // The fused GEMMs read q|k|v and gate|up as single weight (and gradient) blocks.
+  for (int64_t l = 0; l < c.num_hidden_layers; l++) {
+    const LayerOffsets& o = layout_.layer(l);
+    TUNA_CHECK(o.k_proj == o.q_proj + qd * C && o.v_proj == o.k_proj + kvd * C && o.up_proj == o.gate_proj + F * C,
+               "layer ", l, ": q/k/v or gate/up weights are not adjacent in the parameter layout (tp rank ",
+               d.tp_rank, " of ", d.tp_size, ")");
+  }
+  TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
+  TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
   head_chunk_rows_ = gpu_head_chunk_rows(d.vocab, n);
   n_segments_ = static_cast<int>(layout_.tensors().size());
   const bool training = options_.training, own_optimizer = training && options_.zero == 0;
@@ -170,9 +263,9 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   field(&LayerActs::resid_mid, "resid_mid", n * C);
   field(&LayerActs::norm2, "norm2", n * C);
   field(&LayerActs::rstd2, "rstd2", n);
-  field(&LayerActs::gate, "gate", n * F);
-  field(&LayerActs::up, "up", n * F);
+  field(&LayerActs::gate_up, "gate_up", n * 2 * F);
   field(&LayerActs::act, "act", n * F);
+  qkv_ = arena.take<bf16>("qkv", n * (qd + 2 * kvd));
   resid_out_ = arena.take<bf16>("final residual", n * C);
   final_norm_out_ = arena.take<bf16>("final norm", n * C);
   final_rstd_ = arena.take<float>("final rstd", n);
@@ -190,8 +283,6 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     d_att_ = arena.take<bf16>("d_att", n * qd);
     d_k_ = arena.take<bf16>("d_k", n * kvd);
     d_v_ = arena.take<bf16>("d_v", n * kvd);
-    d_gate_ = arena.take<bf16>("d_gate", n * F);
-    d_up_ = arena.take<bf16>("d_up", n * F);
     d_act_ = arena.take<bf16>("d_act", n * F);
     norm_scratch_ = arena.take<float>("rmsnorm backward scratch", cuda::rmsnorm_bwd_scratch_floats(n, C));
     attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H));
@@ -210,6 +301,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     own_store_ = std::make_unique<OwnWeights>(*this);
     store_ = own_store_.get();
   }
+  grad_writes_ = std::make_unique<GradWrites>(layout_);
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(5 * n + 1) * sizeof(int32_t)));
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
   TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&loss_copied_, cudaEventDisableTiming));
@@ -231,7 +323,8 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   TUNA_CUDA_CHECK(cudaMemcpy(rope_sin_, sin_table.data(), sin_table.size() * sizeof(float), cudaMemcpyHostToDevice));
 
   // The state starts at zero (a step before set_params trains from zero weights, not from garbage); activations
-  // are written before they are read, and stay poisoned where the emulator poisons fresh memory.
+  // are written before they are read, and stay poisoned where the emulator poisons fresh memory, as does the
+  // gradient until the first backward overwrites it (zero_grads).
   if (master_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(master_, 0, P * sizeof(float)));
   if (params_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(params_, 0, P * sizeof(__nv_bfloat16)));
   if (m_ != nullptr) {
@@ -265,7 +358,7 @@ void LlamaGpu::set_params(const float* host) {
     TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
   }
-  // Without a master copy, the values pass through the gradient buffer (zeroed again after).
+  // Without a master copy, the values pass through the gradient buffer (which reads as zero again after).
   float* dst = master_ != nullptr ? master_ : grads_;
   TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, host, P * sizeof(float), cudaMemcpyHostToDevice, stream_));
   refresh_params_from(dst);
@@ -321,13 +414,25 @@ void LlamaGpu::get_params(float* host) const {
 
 void LlamaGpu::get_grads(float* host) const {
   TUNA_CHECK(grads_ != nullptr, "a forward-only model has no gradients");
+  if (grads_unwritten_) return std::fill(host, host + layout_.total(), 0.0f);
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TUNA_CUDA_CHECK(cudaMemcpy(host, grads_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
+float* LlamaGpu::grads() {
+  if (grads_ != nullptr) zero_unwritten_grads();
+  return grads_;
+}
+
 void LlamaGpu::zero_grads() {
   TUNA_CHECK(grads_ != nullptr, "a forward-only model has no gradients");
+  grads_unwritten_ = true;
+}
+
+void LlamaGpu::zero_unwritten_grads() {
+  if (!grads_unwritten_) return;
   TUNA_CUDA_CHECK(cudaMemsetAsync(grads_, 0, layout_.total() * sizeof(float), stream_));
+  grads_unwritten_ = false;
 }
 
 void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) {
@@ -396,11 +501,13 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
   cuda::rmsnorm_fwd(a.norm1, a.rstd1, nullptr, a.resid_in, nullptr, w(o.input_norm), n, C, c.rms_norm_eps, s);
-  cuda::matmul_fwd(mm, a.q, a.norm1, w(o.q_proj), nullptr, n, C, d.q_dim, s);
-  cuda::matmul_fwd(mm, a.k, a.norm1, w(o.k_proj), nullptr, n, C, d.kv_dim, s);
-  cuda::matmul_fwd(mm, a.v, a.norm1, w(o.v_proj), nullptr, n, C, d.kv_dim, s);
-  cuda::rope_fwd(a.q, a.q, rope_cos_, rope_sin_, batch, seq, d.heads, D, s);
-  cuda::rope_fwd(a.k, a.k, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, s);
+  // One GEMM over the q|k|v weight block into qkv_; RoPE reads q and k out of its rows into the contiguous a.q, a.k
+  // the attention kernels take, and v is copied out (a strided copy).
+  const int64_t qkv = d.q_dim + 2 * d.kv_dim;
+  cuda::matmul_fwd(mm, qkv_, a.norm1, w(o.q_proj), nullptr, n, C, qkv, s);
+  cuda::rope_fwd(a.q, qkv_, rope_cos_, rope_sin_, batch, seq, d.heads, D, d.q_dim, qkv, s);
+  cuda::rope_fwd(a.k, qkv_ + d.q_dim, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, d.kv_dim, qkv, s);
+  copy_rows(a.v, d.kv_dim, qkv_ + d.q_dim + d.kv_dim, qkv, n, d.kv_dim, s);
   cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, s);
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks.
@@ -408,9 +515,8 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cuda::matmul_fwd(mm, a.resid_mid, a.att, w(o.o_proj), adds_residual ? a.resid_in : nullptr, n, d.q_dim, C, s);
   tp_all_reduce(a.resid_mid, n * C, "tp o_proj");
   cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, w(o.post_norm), n, C, c.rms_norm_eps, s);
-  cuda::matmul_fwd(mm, a.gate, a.norm2, w(o.gate_proj), nullptr, n, C, F, s);
-  cuda::matmul_fwd(mm, a.up, a.norm2, w(o.up_proj), nullptr, n, C, F, s);
-  cuda::swiglu_fwd(a.act, a.gate, a.up, n * F, s);
+  cuda::matmul_fwd(mm, a.gate_up, a.norm2, w(o.gate_proj), nullptr, n, C, 2 * F, s);  // the gate|up block
+  cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
   if (!write_output) return;
   __nv_bfloat16* resid_next = l + 1 < config_.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
   cuda::matmul_fwd(mm, resid_next, a.act, w(o.down_proj), adds_residual ? a.resid_mid : nullptr, n, F, C, s);
@@ -433,7 +539,7 @@ void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch
                         c.rms_norm_eps, stream_);
       cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, wb + (o.post_norm - begin), n, C,
                         c.rms_norm_eps, stream_);
-      cuda::swiglu_fwd(a.act, a.gate, a.up, n * F, stream_);
+      cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, stream_);
       return;
     }
   }
@@ -444,7 +550,7 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
   const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
   const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
   const __nv_bfloat16* w_head = (lm_unit == H ? head_base_ : store_->acquire(lm_unit)) + lm_offset;
-  float* g_head = want_grad ? store_->grads(lm_unit) + lm_offset : nullptr;
+  float* g_head = want_grad ? grad_writes_->unit(lm_unit) + lm_offset : nullptr;
   cudaStream_t s = stream_;
   std::vector<uint16_t> chunk_bits;
   for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
@@ -460,9 +566,9 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
     }
     if (host_targets == nullptr) continue;
     cross_entropy(r0, nr, want_grad);
-    if (want_grad)
+    if (want_grad)  // the first chunk's dW overwrites a fresh lm_head gradient, the others add
       cuda::matmul_bwd(*matmul_, d_final_norm_ + r0 * C, g_head, logits_chunk_, x, w_head, nr, C, V,
-                       /*accumulate_dinp=*/false, s);
+                       /*accumulate_dinp=*/false, grad_writes_->write(layout_.lm_head()), s);
   }
   if (want_grad) tp_all_reduce(d_final_norm_, rows * C, "tp lm_head input grad");  // vocab-parallel: partial sums
   if (lm_unit != H) store_->release(lm_unit);
@@ -507,23 +613,28 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
   TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, n * C * sizeof(__nv_bfloat16), s));
   {
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
-    cuda::rmsnorm_bwd(d_resid_, store_->grads(H) + norm, d_final_norm_, resid_out_, head_base_ + norm, final_rstd_,
-                      norm_scratch_, n, C, s);
+    float* g_head_unit = grad_writes_->unit(H);
+    cuda::rmsnorm_bwd(d_resid_, g_head_unit + norm, d_final_norm_, resid_out_, head_base_ + norm, final_rstd_,
+                      norm_scratch_, n, C, grad_writes_->write(layout_.final_norm()), s);
     store_->release(H);
     store_->grads_done(H);
   }
   for (int l = L - 1; l >= 0; l--) {
     const __nv_bfloat16* wb = store_->acquire(1 + l);
-    float* gb = store_->grads(1 + l);
+    float* gb = grad_writes_->unit(1 + l);
     // The top layer's working activations are still the forward's.
     if (l != L - 1) recompute_layer(l, wb, batch, seq);
     layer_backward(l, wb, gb, batch, seq);
     store_->release(1 + l);
     store_->grads_done(1 + l);
   }
-  cuda::embedding_bwd(store_->grads(0) + (layout_.embed_tokens() - layout_.unit_range(0).first), d_resid_,
-                      group_positions_, group_unique_, group_offsets_, n_unique_, C, s);
+  // The lookup's backward adds the batch's rows only: a first write zeroes the whole (tp-local) table first.
+  float* g_embed = grad_writes_->unit(0) + (layout_.embed_tokens() - layout_.unit_range(0).first);
+  if (grad_writes_->write(layout_.embed_tokens()) == GradWrite::Overwrite)
+    TUNA_CUDA_CHECK(cudaMemsetAsync(g_embed, 0, layout_.tp().vocab * C * sizeof(float), s));
+  cuda::embedding_bwd(g_embed, d_resid_, group_positions_, group_unique_, group_offsets_, n_unique_, C, s);
   store_->grads_done(0);
+  grads_unwritten_ = false;  // the pass wrote every element (GradWrites)
 }
 
 void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int64_t batch, int64_t seq) {
@@ -534,35 +645,50 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
   const auto w = [&](int64_t offset) { return wb + (offset - begin); };
   const auto g = [&](int64_t offset) { return gb + (offset - begin); };
+  // Overwrite on the step's first micro-batch, else add: each tensor of a layer has this one writer.
+  const auto grad_write = [&](int64_t offset) { return grad_writes_->write(offset); };
   const LayerActs& a = acts_[l];
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
   // MLP block: x_out = resid_mid + down(act)
-  cuda::matmul_bwd(mm, d_act_, g(o.down_proj), d_resid_, a.act, w(o.down_proj), n, F, C, false, s);
-  cuda::swiglu_bwd(d_gate_, d_up_, d_act_, a.gate, a.up, n * F, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_, a.norm2, w(o.gate_proj), n, C, F, false, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.up_proj), d_up_, a.norm2, w(o.up_proj), n, C, F, true, s);
+  cuda::matmul_bwd(mm, d_act_, g(o.down_proj), d_resid_, a.act, w(o.down_proj), n, F, C, false,
+                   grad_write(o.down_proj), s);
+  // d_gate|d_up in place over gate|up (dead after this), then one dX and one dW GEMM over the gate|up block.
+  __nv_bfloat16* d_gate_up = a.gate_up;
+  cuda::swiglu_bwd(d_gate_up, d_gate_up + F, d_act_, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_up, a.norm2, w(o.gate_proj), n, C, 2 * F, false,
+                   grad_writes_->write_block({o.gate_proj, o.up_proj}), s);
   tp_all_reduce(d_norm_, n * C, "tp gate/up input grad");  // column-parallel: each rank's part of the sum
-  cuda::rmsnorm_bwd(d_resid_, g(o.post_norm), d_norm_, a.resid_mid, w(o.post_norm), a.rstd2, norm_scratch_, n, C, s);
+  cuda::rmsnorm_bwd(d_resid_, g(o.post_norm), d_norm_, a.resid_mid, w(o.post_norm), a.rstd2, norm_scratch_, n, C,
+                    grad_write(o.post_norm), s);
   // Attention block: resid_mid = resid_in + o_proj(att)
-  cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, false, s);
+  cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, false, grad_write(o.o_proj),
+                   s);
   cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, d.heads,
                       d.kv_heads, D, s);
-  cuda::rope_bwd(d_q_, d_q_, rope_cos_, rope_sin_, batch, seq, d.heads, D, s);
-  cuda::rope_bwd(d_k_, d_k_, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_q_, a.norm1, w(o.q_proj), n, C, d.q_dim, false, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.k_proj), d_k_, a.norm1, w(o.k_proj), n, C, d.kv_dim, true, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.v_proj), d_v_, a.norm1, w(o.v_proj), n, C, d.kv_dim, true, s);
+  // RoPE's backward writes d_q, d_k into the rows of d_qkv (qkv_, free since the forward's copies), d_v is
+  // copied in; then one dX and one dW GEMM over the q|k|v block.
+  const int64_t qkv = d.q_dim + 2 * d.kv_dim;
+  __nv_bfloat16* d_qkv = qkv_;
+  cuda::rope_bwd(d_qkv, d_q_, rope_cos_, rope_sin_, batch, seq, d.heads, D, qkv, d.q_dim, s);
+  cuda::rope_bwd(d_qkv + d.q_dim, d_k_, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, qkv, d.kv_dim, s);
+  copy_rows(d_qkv + d.q_dim + d.kv_dim, qkv, d_v_, d.kv_dim, n, d.kv_dim, s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_qkv, a.norm1, w(o.q_proj), n, C, qkv, false,
+                   grad_writes_->write_block({o.q_proj, o.k_proj, o.v_proj}), s);
   tp_all_reduce(d_norm_, n * C, "tp q/k/v input grad");
-  cuda::rmsnorm_bwd(d_resid_, g(o.input_norm), d_norm_, a.resid_in, w(o.input_norm), a.rstd1, norm_scratch_, n, C, s);
+  cuda::rmsnorm_bwd(d_resid_, g(o.input_norm), d_norm_, a.resid_in, w(o.input_norm), a.rstd1, norm_scratch_, n, C,
+                    grad_write(o.input_norm), s);
 }
 
 LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
   TUNA_CHECK(options_.training, "forward_backward on a forward-only model (GpuOptions::training)");
+  // At least one row: the lm_head's dW is written by its row chunks (GradWrites).
+  TUNA_CHECK(batch > 0 && seq > 0, "forward_backward of batch ", batch, " x seq ", seq);
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, targets, batch * seq);
   forward(batch, seq, /*backward_follows=*/true);
+  grad_writes_->begin_pass(*store_);
   LossSum loss = head(targets, batch * seq, /*want_grad=*/true, nullptr);
   backward(batch, seq);
   // Waited for only now: the device runs the backward queued behind the loss's copy meanwhile, and the caller
@@ -595,6 +721,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
   TUNA_CHECK(m_ != nullptr, "model built without optimizer state (forward only, or ZeRO-1's engine holds it)");
   const int64_t P = layout_.total();
   cudaStream_t s = stream_;
+  zero_unwritten_grads();  // a step without a backward: its gradient is zero
   cuda::sum_of_squares(norm_total_, grads_, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
   TUNA_CUDA_CHECK(cudaStreamSynchronize(s));

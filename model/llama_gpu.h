@@ -17,7 +17,7 @@
 // Wiring into the trainer (train.cu, --device cuda), mirroring the CPU loop:
 //   LlamaGpu model(config, micro_batch, seq, opt_config);          // + GpuOptions for bf16 moments / SR
 //   model.set_params(cpu_params.data());                           // from a checkpoint or init_random
-//   per step: model.zero_grads();
+//   per step: model.zero_grads();                                  // no memset: the first backward overwrites
 //             for each micro-batch: LossSum l = model.forward_backward(inputs, targets, batch, seq);  (host ids)
 //             (data parallel: all-reduce model.grads() over ranks here)
 //             OptimizerStats s = model.adamw_step(1.0 / total_count, lr);
@@ -80,8 +80,16 @@ class GpuWeightStore {
   virtual void plan(const std::vector<int>& order) {}
   virtual const __nv_bfloat16* acquire(int unit) = 0;
   virtual void release(int unit) = 0;
-  // Accumulate the unit's gradient here (zeroed by the store when it hands a fresh buffer out).
-  virtual float* grads(int unit) = 0;
+  // The unit's fp32 gradient buffer for this pass. fresh: it holds nothing of this step yet, and its bytes may be
+  // anything (no store zeroes one): the pass's first write of each of the unit's tensors overwrites it, and the
+  // pass writes every element of the unit (LlamaGpu::GradWrites). Not fresh: it holds the step's earlier
+  // micro-batches, and every write adds. Asked again in the same pass (the head's unit, the tied embedding's), a
+  // store returns the same buffer and the same answer.
+  struct UnitGrads {
+    float* data;
+    bool fresh;
+  };
+  virtual UnitGrads grads(int unit) = 0;
   // The backward will not touch the unit's gradient again in this pass.
   virtual void grads_done(int unit) = 0;
 };
@@ -134,8 +142,9 @@ class LlamaGpu {
   const float* master_params() const { return master_; }
   __nv_bfloat16* params() { return params_; }  // bf16 copy the forward reads (refreshed by every update);
                                                // null at ZeRO-3
-  float* grads() { return grads_; }            // fp32, accumulated by forward_backward; null without training
-                                               // and at ZeRO-2 and 3
+  float* grads();                              // fp32, accumulated by forward_backward; null without training
+                                               // and at ZeRO-2 and 3. Zero after zero_grads() until a backward
+                                               // writes it (zeroed here when nothing has since)
   // ZeRO-2/3: the engine's store of weights and gradients (before the first pass); until then, and at ZeRO-0/1,
   // the model's own buffers.
   void set_weight_store(GpuWeightStore* store);
@@ -167,10 +176,14 @@ class LlamaGpu {
   // Training from scratch on the device: normal(0, std) for 2-D weights, ones for norm weights (as
   // Llama::init_random, with the GPU's own random stream: kernels/init.cuh).
   void init_random(uint64_t seed, double std = 0.02);
+  // The gradient is zero from here on, without a memset: the next backward's first write of each tensor
+  // overwrites it (GpuWeightStore::UnitGrads::fresh), and grads(), get_grads() and adamw_step() zero it first
+  // when they come before any backward.
   void zero_grads();
 
   // inputs, targets: host [batch, seq] token ids (targets may hold cpu::kIgnoreIndex); validated here, so a
-  // bad id is a tuna::Error naming its position. Accumulates into grads(). Waits for the loss (8 bytes).
+  // bad id is a tuna::Error naming its position. Adds into grads() (the step's first call, after zero_grads(),
+  // overwrites it instead). Waits for the loss (8 bytes).
   LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq);
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq);
   // Full logits [batch, seq, vocab] to host fp32 (tests, generation).
@@ -197,11 +210,14 @@ class LlamaGpu {
 
  private:
   // Pointers into the arena; with recompute, the buffers not kept per layer point at one shared working set.
+  // gate_up: [n, 2 ffn], the fused gate|up GEMM's output, gate in columns [0, ffn) of a row and up in [ffn, 2 ffn);
+  // the backward overwrites it with d_gate|d_up.
   struct LayerActs {
-    __nv_bfloat16 *resid_in, *norm1, *q, *k, *v, *att, *resid_mid, *norm2, *gate, *up, *act;
+    __nv_bfloat16 *resid_in, *norm1, *q, *k, *v, *att, *resid_mid, *norm2, *gate_up, *act;
     float *rstd1, *lse, *rstd2;
   };
   class OwnWeights;  // the GpuWeightStore over params_ and grads_
+  class GradWrites;  // which weight-gradient write of a backward pass overwrites and which adds
   void upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t n);
   void forward(int64_t batch, int64_t seq, bool backward_follows);
   // One layer's forward into acts_[l] from its weights (unit base w); with write_output its down projection
@@ -218,6 +234,8 @@ class LlamaGpu {
   void cross_entropy(int64_t r0, int64_t rows, bool want_grad);
   void tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what);
   void backward(int64_t batch, int64_t seq);
+  // The memset zero_grads() skipped, for a reader that comes before any backward has written the gradient.
+  void zero_unwritten_grads();
 
   LlamaConfig config_;
   ParamLayout layout_;
@@ -233,6 +251,9 @@ class LlamaGpu {
   double* replicated_norms_ = nullptr;        // tp: sums of squares of the replicated tensors' gradients
   std::unique_ptr<GpuWeightStore> own_store_;
   GpuWeightStore* store_ = nullptr;
+  std::unique_ptr<GradWrites> grad_writes_;   // of the running backward pass
+  bool grads_unwritten_ = false;              // zero_grads() was called and no backward has written grads_ since:
+                                              // it is zero, its bytes are stale
   const __nv_bfloat16* head_base_ = nullptr;  // the head unit, acquired from the final norm to its backward
   float *master_ = nullptr, *grads_ = nullptr;
   __nv_bfloat16* params_ = nullptr;
@@ -244,8 +265,12 @@ class LlamaGpu {
   std::vector<LayerActs> acts_;
   __nv_bfloat16 *resid_out_, *final_norm_out_, *logits_chunk_;
   float *final_rstd_, *losses_;
+  // qkv_: [n, q_dim + 2 kv_dim], the fused q|k|v GEMM's output in the forward (rope_fwd reads q and k out of it,
+  // v is copied out), and d_q|d_k|d_v, the fused dX and dW GEMMs' input, in the backward: a full-recompute
+  // layer_forward runs before, never during, its layer_backward, so the two uses never overlap.
+  __nv_bfloat16* qkv_ = nullptr;
   __nv_bfloat16 *d_resid_ = nullptr, *d_norm_ = nullptr, *d_q_ = nullptr, *d_k_ = nullptr, *d_v_ = nullptr,
-                *d_att_ = nullptr, *d_gate_ = nullptr, *d_up_ = nullptr, *d_act_ = nullptr, *d_final_norm_ = nullptr;
+                *d_att_ = nullptr, *d_act_ = nullptr, *d_final_norm_ = nullptr;
   float *norm_scratch_ = nullptr, *attn_scratch_ = nullptr;
   double *loss_total_ = nullptr, *norm_scratch_f64_ = nullptr, *norm_total_ = nullptr;
   int32_t *tokens_, *targets_, *group_positions_, *group_unique_, *group_offsets_;

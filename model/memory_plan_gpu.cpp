@@ -69,8 +69,8 @@ int64_t largest_unit(const ParamLayout& layout) {
 }  // namespace
 
 bool gpu_keeps_activation(const std::string& field, Recompute recompute) {
-  static const char* const kFields[] = {"resid_in", "norm1", "rstd1", "q", "k", "v", "att", "lse",
-                                        "resid_mid", "norm2", "rstd2", "gate", "up", "act"};
+  static const char* const kFields[] = {"resid_in", "norm1", "rstd1", "q",     "k",       "v",  "att",
+                                        "lse",      "resid_mid", "norm2", "rstd2", "gate_up", "act"};
   TUNA_CHECK(std::find(std::begin(kFields), std::end(kFields), field) != std::end(kFields),
              "unknown layer activation '", field, "'");
   switch (recompute) {
@@ -164,8 +164,8 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
       {"resid_in", {n * C, kBf16}},   {"norm1", {n * C, kBf16}}, {"rstd1", {n, kF32}},
       {"q", {n * qd, kBf16}},         {"k", {n * kvd, kBf16}},   {"v", {n * kvd, kBf16}},
       {"att", {n * qd, kBf16}},       {"lse", {n * H, kF32}},    {"resid_mid", {n * C, kBf16}},
-      {"norm2", {n * C, kBf16}},      {"rstd2", {n, kF32}},      {"gate", {n * F, kBf16}},
-      {"up", {n * F, kBf16}},         {"act", {n * F, kBf16}}};
+      {"norm2", {n * C, kBf16}},      {"rstd2", {n, kF32}},      {"gate_up", {n * 2 * F, kBf16}},
+      {"act", {n * F, kBf16}}};
   for (int64_t layer = 0; layer < c.num_hidden_layers; layer++)
     for (const auto& [field, size] : fields)
       if (gpu_keeps_activation(field, recompute))
@@ -173,6 +173,8 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   for (const auto& [field, size] : fields)
     if (!gpu_keeps_activation(field, recompute))
       b.add(str("working ", field), MemoryKind::Activations, size.first, size.second);
+  // The fused q|k|v GEMM's output, read into q, k, v at once; the backward's d_q|d_k|d_v in the same buffer.
+  b.add("qkv", MemoryKind::Activations, n * (qd + 2 * kvd), kBf16);
   b.add("final residual", MemoryKind::Activations, n * C, kBf16);
   b.add("final norm", MemoryKind::Activations, n * C, kBf16);
   b.add("final rstd", MemoryKind::Activations, n, kF32);
@@ -186,7 +188,8 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     for (const char* g : {"d_resid", "d_norm", "d_final_norm"}) b.add(g, MemoryKind::Activations, n * C, kBf16);
     for (const char* g : {"d_q", "d_att"}) b.add(g, MemoryKind::Activations, n * qd, kBf16);
     for (const char* g : {"d_k", "d_v"}) b.add(g, MemoryKind::Activations, n * kvd, kBf16);
-    for (const char* g : {"d_gate", "d_up", "d_act"}) b.add(g, MemoryKind::Activations, n * F, kBf16);
+    // d_gate|d_up overwrite each layer's gate_up in place (model/llama_gpu.cpp layer_backward).
+    b.add("d_act", MemoryKind::Activations, n * F, kBf16);
     b.add("rmsnorm backward scratch", MemoryKind::Workspace, gpu_scratch::rmsnorm_bwd_floats(n, C), kF32);
     b.add("attention backward scratch", MemoryKind::Workspace,
           gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, H), kF32);

@@ -457,7 +457,8 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   auto mem_time = [&](double bytes, const char* kernel) { return bytes / (rates.memory_rate(kernel) * scale.memory); };
 
   // One micro-batch, one layer.
-  const std::vector<std::pair<int64_t, int64_t>> gemms = {{C, qd}, {C, kvd}, {C, kvd}, {qd, C}, {C, F}, {C, F}, {F, C}};
+  // The GPU model's GEMMs: q|k|v and gate|up fused (one GEMM over each adjacent weight block), o_proj, down_proj.
+  const std::vector<std::pair<int64_t, int64_t>> gemms = {{C, qd + 2 * kvd}, {qd, C}, {C, 2 * F}, {F, C}};
   double layer_fwd_gemm = 0, layer_bwd_gemm = 0;
   for (const auto& [in, out] : gemms) {
     layer_fwd_gemm += gemm_time(in, out, 0);

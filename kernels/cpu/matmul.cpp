@@ -3,7 +3,7 @@
 //
 //   forward:  out[n, oc]     = inp[n, ic] @ weight[oc, ic]^T          OVERWRITTEN
 //   backward: dinp[n, ic]    = or += dout[n, oc] @ weight[oc, ic]     by accumulate_dinp; skipped if null
-//             dweight[oc, ic] += dout[n, oc]^T @ inp[n, ic]           always ACCUMULATED (micro-batches)
+//             dweight[oc, ic] = or += dout[n, oc]^T @ inp[n, ic]      by dweight_write; skipped if null
 //
 // With beta = 0 BLAS does not read C, so an overwritten output may hold anything (even NaN) beforehand.
 #include "kernels/cpu/matmul.h"
@@ -82,22 +82,28 @@ void matmul_fwd(T* out, const T* inp, const T* weight, int64_t n, int64_t ic, in
 
 template <typename T>
 void matmul_bwd(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, int64_t n, int64_t ic,
-                int64_t oc, bool accumulate_dinp) {
+                int64_t oc, bool accumulate_dinp, GradWrite dweight_write) {
   const int rows = blas_dim(n, "n"), in = blas_dim(ic, "ic"), out_features = blas_dim(oc, "oc");
   if (in == 0) return;
   const int ld_out = out_features > 0 ? out_features : 1;
   if (dinp != nullptr && rows > 0)
     gemm(CblasNoTrans, CblasNoTrans, rows, in, out_features, dout, ld_out, weight, in,
          accumulate_dinp ? T(1) : T(0), dinp, in);
-  if (out_features > 0 && rows > 0)
-    gemm(CblasTrans, CblasNoTrans, out_features, in, rows, dout, out_features, inp, in, T(1), dweight, in);
+  if (dweight == nullptr || out_features == 0) return;
+  const bool overwrite = dweight_write == GradWrite::Overwrite;
+  if (rows == 0) {  // a sum over no rows: an overwritten gradient is zero
+    if (overwrite) std::fill(dweight, dweight + static_cast<int64_t>(out_features) * in, T(0));
+    return;
+  }
+  gemm(CblasTrans, CblasNoTrans, out_features, in, rows, dout, out_features, inp, in, overwrite ? T(0) : T(1),
+       dweight, in);
 }
 
 template void matmul_fwd<float>(float*, const float*, const float*, int64_t, int64_t, int64_t);
 template void matmul_fwd<double>(double*, const double*, const double*, int64_t, int64_t, int64_t);
 template void matmul_bwd<float>(float*, float*, const float*, const float*, const float*, int64_t, int64_t,
-                                int64_t, bool);
+                                int64_t, bool, GradWrite);
 template void matmul_bwd<double>(double*, double*, const double*, const double*, const double*, int64_t,
-                                 int64_t, int64_t, bool);
+                                 int64_t, int64_t, bool, GradWrite);
 
 }  // namespace tuna::cpu

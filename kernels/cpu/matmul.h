@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/grad_write.h"
+
 namespace tuna::cpu {
 
 // out[n, oc] = inp[n, ic] @ weight[oc, ic]^T. Overwrites out.
@@ -10,9 +12,10 @@ template <typename T>
 void matmul_fwd(T* out, const T* inp, const T* weight, int64_t n, int64_t ic, int64_t oc);
 
 // dinp[n, ic] (= or +=, by accumulate_dinp) dout[n, oc] @ weight[oc, ic]; skipped when dinp is null.
-// dweight[oc, ic] += dout^T @ inp (always accumulates: gradient accumulation over micro-batches).
+// dweight[oc, ic] (= or +=, by dweight_write) dout^T @ inp; skipped when dweight is null. Overwrite
+// (kernels/grad_write.h) never reads dweight, and with n == 0 writes zeros.
 template <typename T>
 void matmul_bwd(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, int64_t n,
-                int64_t ic, int64_t oc, bool accumulate_dinp);
+                int64_t ic, int64_t oc, bool accumulate_dinp, GradWrite dweight_write);
 
 }  // namespace tuna::cpu

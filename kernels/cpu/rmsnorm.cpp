@@ -4,9 +4,10 @@
 //             out[i, j] = weight[j] * (inp[i, j] * rstd[i])            out:  [n, dim], OVERWRITTEN
 //   backward: with g = dout, x = inp, r = rstd[i]:
 //             dinp[i, j]  += r * (w[j] g[i, j] - x[i, j] * r^2 * mean_k(w[k] g[i, k] x[i, k]))   ACCUMULATED
-//             dweight[j]  += sum_i g[i, j] x[i, j] r[i]                                         ACCUMULATED
+//             dweight[j]  = or += sum_i g[i, j] x[i, j] r[i]                                    by dweight_write
 //
-// dinp accumulates because it is the residual stream's gradient; dweight accumulates over micro-batches.
+// dinp accumulates because it is the residual stream's gradient; dweight accumulates over micro-batches after
+// the step's first write, which overwrites (kernels/grad_write.h).
 // Row sums are taken in double. dweight is a reduction over rows: threads split its columns and each
 // sums its rows in order, so the result does not depend on the thread count.
 #include "kernels/cpu/rmsnorm.h"
@@ -43,7 +44,7 @@ void rmsnorm_fwd(T* out, T* rstd, const T* inp, const T* weight, int64_t n, int6
 
 template <typename T>
 void rmsnorm_bwd(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const T* rstd,
-                 int64_t n, int64_t dim) {
+                 int64_t n, int64_t dim, GradWrite dweight_write) {
   TUNA_CHECK(n >= 0 && dim > 0, "n ", n, ", dim ", dim);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
@@ -72,15 +73,19 @@ void rmsnorm_bwd(T* dinp, T* dweight, const T* dout, const T* inp, const T* weig
       const double r = rstd[i];
       for (int64_t j = 0; j < width; ++j) sums[j] += static_cast<double>(g[j]) * x[j] * r;
     }
-    for (int64_t j = 0; j < width; ++j) dweight[begin + j] = static_cast<T>(dweight[begin + j] + sums[j]);
+    T* dw = dweight + begin;
+    if (dweight_write == GradWrite::Overwrite)
+      for (int64_t j = 0; j < width; ++j) dw[j] = static_cast<T>(sums[j]);
+    else
+      for (int64_t j = 0; j < width; ++j) dw[j] = static_cast<T>(dw[j] + sums[j]);
   }
 }
 
 template void rmsnorm_fwd<float>(float*, float*, const float*, const float*, int64_t, int64_t, double);
 template void rmsnorm_fwd<double>(double*, double*, const double*, const double*, int64_t, int64_t, double);
 template void rmsnorm_bwd<float>(float*, float*, const float*, const float*, const float*, const float*,
-                                 int64_t, int64_t);
+                                 int64_t, int64_t, GradWrite);
 template void rmsnorm_bwd<double>(double*, double*, const double*, const double*, const double*,
-                                  const double*, int64_t, int64_t);
+                                  const double*, int64_t, int64_t, GradWrite);
 
 }  // namespace tuna::cpu

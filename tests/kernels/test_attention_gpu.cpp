@@ -53,11 +53,14 @@ void check(const AttentionShape& s, TestRng& rng, AttentionPath path = Attention
     cpu::rope_inv_freq(inv_freq.data(), s.dim, 10000.0, cpu::RopeScaling{});
     cpu::rope_table(cos_table.data(), sin_table.data(), inv_freq.data(), s.seq, s.dim);
     const std::vector<double> cos_d(cos_table.begin(), cos_table.end()), sin_d(sin_table.begin(), sin_table.end());
-    cpu::rope_bwd(ref_dq.data(), ref_dq.data(), cos_d.data(), sin_d.data(), s.batch, s.seq, s.heads, s.dim);
-    cpu::rope_bwd(ref_dk.data(), ref_dk.data(), cos_d.data(), sin_d.data(), s.batch, s.seq, s.kv_heads, s.dim);
+    cpu::rope_bwd(ref_dq.data(), ref_dq.data(), cos_d.data(), sin_d.data(), s.batch, s.seq, s.heads, s.dim,
+                  s.heads * s.dim, s.heads * s.dim);
+    cpu::rope_bwd(ref_dk.data(), ref_dk.data(), cos_d.data(), sin_d.data(), s.batch, s.seq, s.kv_heads, s.dim,
+                  s.kv_heads * s.dim, s.kv_heads * s.dim);
     for (auto [grad, heads] : {std::pair{&naive.dq, s.heads}, std::pair{&naive.dk, s.kv_heads}}) {
       std::vector<float> g(grad->begin(), grad->end());
-      cpu::rope_bwd(g.data(), g.data(), cos_table.data(), sin_table.data(), s.batch, s.seq, heads, s.dim);
+      cpu::rope_bwd(g.data(), g.data(), cos_table.data(), sin_table.data(), s.batch, s.seq, heads, s.dim, heads * s.dim,
+                    heads * s.dim);
       for (size_t i = 0; i < g.size(); ++i) (*grad)[i] = round_bf16(g[i]);
     }
   }

@@ -1,5 +1,5 @@
 // kernels/cpu/matmul: nn.Linear forward against a float64 loop, backward against finite differences,
-// overwrite/accumulate semantics of dinp and dweight, and a null dinp.
+// overwrite/accumulate semantics of dinp and dweight, a null dinp or dweight, and no rows.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -47,9 +47,9 @@ TEST(MatmulTest, BackwardMatchesFiniteDifferences) {
     matmul_fwd(out.data(), inp.data(), weight.data(), kRows, kIn, kOut);
     return test::weighted_sum(out, dout);
   };
-  std::vector<double> dinp = test::nan_filled<double>(kRows * kIn), dweight(kOut * kIn, 0.0);
+  std::vector<double> dinp = test::nan_filled<double>(kRows * kIn), dweight = test::nan_filled<double>(kOut * kIn);
   matmul_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
-             /*accumulate_dinp=*/false);
+             /*accumulate_dinp=*/false, GradWrite::Overwrite);
   EXPECT_LT(test::rel_error_norm(dinp, test::numeric_gradient(inp, objective)), test::kFiniteDifferenceTolerance);
   EXPECT_LT(test::rel_error_norm(dweight, test::numeric_gradient(weight, objective)),
             test::kFiniteDifferenceTolerance);
@@ -60,40 +60,64 @@ TEST(MatmulTest, BackwardAccumulatesWhereAsked) {
   SCOPED_TRACE(rng.describe());
   const std::vector<double> inp = rng.vector<double>(kRows * kIn), weight = rng.vector<double>(kOut * kIn),
                             dout = rng.vector<double>(kRows * kOut);
-  // Fresh gradients: dinp overwritten over NaN, dweight added to zeros.
+  // Fresh gradients: dinp overwritten over NaN, dweight added to zeros, and dweight overwritten over NaN.
   std::vector<double> fresh_dinp = test::nan_filled<double>(kRows * kIn), fresh_dweight(kOut * kIn, 0.0);
   matmul_bwd(fresh_dinp.data(), fresh_dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
-             /*accumulate_dinp=*/false);
+             /*accumulate_dinp=*/false, GradWrite::Accumulate);
   ASSERT_TRUE(test::all_finite(fresh_dinp));
+  std::vector<double> overwritten_dweight = test::nan_filled<double>(kOut * kIn);
+  matmul_bwd<double>(nullptr, overwritten_dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
+                     /*accumulate_dinp=*/false, GradWrite::Overwrite);
+  EXPECT_EQ(overwritten_dweight, fresh_dweight);
 
   const std::vector<double> prior_dinp = rng.vector<double>(kRows * kIn), prior_dweight = rng.vector<double>(kOut * kIn);
   std::vector<double> dinp = prior_dinp, dweight = prior_dweight;
   matmul_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
-             /*accumulate_dinp=*/true);
+             /*accumulate_dinp=*/true, GradWrite::Accumulate);
   std::vector<double> expected_dinp(kRows * kIn), expected_dweight(kOut * kIn);
   for (size_t i = 0; i < expected_dinp.size(); ++i) expected_dinp[i] = prior_dinp[i] + fresh_dinp[i];
   for (size_t i = 0; i < expected_dweight.size(); ++i) expected_dweight[i] = prior_dweight[i] + fresh_dweight[i];
   EXPECT_LT(test::rel_error_norm(dinp, expected_dinp), 1e-14);
   EXPECT_LT(test::rel_error_norm(dweight, expected_dweight), 1e-14);
 
-  // accumulate_dinp = false overwrites dinp but still accumulates dweight.
+  // accumulate_dinp = false overwrites dinp whatever dweight does; and the reverse.
   dinp = prior_dinp;
   dweight = prior_dweight;
   matmul_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
-             /*accumulate_dinp=*/false);
+             /*accumulate_dinp=*/false, GradWrite::Accumulate);
   EXPECT_LT(test::rel_error_norm(dinp, fresh_dinp), 1e-14);
   EXPECT_LT(test::rel_error_norm(dweight, expected_dweight), 1e-14);
+  dinp = prior_dinp;
+  dweight = prior_dweight;
+  matmul_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
+             /*accumulate_dinp=*/true, GradWrite::Overwrite);
+  EXPECT_LT(test::rel_error_norm(dinp, expected_dinp), 1e-14);
+  EXPECT_EQ(dweight, fresh_dweight);
 
-  // A null dinp (a layer whose input needs no gradient) skips it.
+  // A null dinp (a layer whose input needs no gradient) skips it; a null dweight skips that.
   dweight = prior_dweight;
   matmul_bwd<double>(nullptr, dweight.data(), dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
-                     /*accumulate_dinp=*/false);
+                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
   EXPECT_LT(test::rel_error_norm(dweight, expected_dweight), 1e-14);
+  dinp = test::nan_filled<double>(kRows * kIn);
+  matmul_bwd<double>(dinp.data(), nullptr, dout.data(), inp.data(), weight.data(), kRows, kIn, kOut,
+                     /*accumulate_dinp=*/false, GradWrite::Overwrite);
+  EXPECT_LT(test::rel_error_norm(dinp, fresh_dinp), 1e-14);
+
+  // No rows: an overwritten dweight is zero, an accumulated one unchanged.
+  std::vector<double> empty_overwritten = test::nan_filled<double>(kOut * kIn);
+  dweight = prior_dweight;
+  matmul_bwd<double>(nullptr, empty_overwritten.data(), dout.data(), inp.data(), weight.data(), 0, kIn, kOut,
+                     /*accumulate_dinp=*/false, GradWrite::Overwrite);
+  matmul_bwd<double>(nullptr, dweight.data(), dout.data(), inp.data(), weight.data(), 0, kIn, kOut,
+                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
+  EXPECT_EQ(empty_overwritten, std::vector<double>(kOut * kIn, 0.0));
+  EXPECT_EQ(dweight, prior_dweight);
 }
 
-// The rows of each GEMM are split over the OpenMP threads (kernels/cpu/matmul.cpp): forward, dinp (overwritten
-// and accumulated) and dweight (accumulated) bit for bit the same at any thread count, on shapes large enough to
-// be split, with row counts that do not divide into the 16-row blocks.
+// The rows of each GEMM are split over the OpenMP threads (kernels/cpu/matmul.cpp): forward, dinp and dweight
+// (each overwritten and accumulated) bit for bit the same at any thread count, on shapes large enough to be
+// split, with row counts that do not divide into the 16-row blocks.
 TEST(MatmulTest, BitIdenticalAcrossThreadCounts) {
   TestRng rng;
   SCOPED_TRACE(rng.describe());
@@ -103,16 +127,17 @@ TEST(MatmulTest, BitIdenticalAcrossThreadCounts) {
     const std::vector<float> dout = rng.vector<float>(n * oc), prior_dinp = rng.vector<float>(n * ic);
     const std::vector<float> prior_dweight = rng.vector<float>(oc * ic);
     struct Result {
-      std::vector<float> out, dinp_overwritten, dinp_accumulated, dweight;
+      std::vector<float> out, dinp_overwritten, dinp_accumulated, dweight_overwritten, dweight_accumulated;
     };
     auto run = [&](int threads) {
-      Result r{std::vector<float>(n * oc), std::vector<float>(n * ic), prior_dinp, prior_dweight};
+      Result r{std::vector<float>(n * oc), std::vector<float>(n * ic), prior_dinp, std::vector<float>(oc * ic),
+               prior_dweight};
       test::with_omp_threads(threads, [&] {
         matmul_fwd(r.out.data(), inp.data(), weight.data(), n, ic, oc);
-        std::vector<float> dweight_unused = prior_dweight;
-        matmul_bwd(r.dinp_overwritten.data(), dweight_unused.data(), dout.data(), inp.data(), weight.data(), n, ic, oc,
-                   false);
-        matmul_bwd(r.dinp_accumulated.data(), r.dweight.data(), dout.data(), inp.data(), weight.data(), n, ic, oc, true);
+        matmul_bwd(r.dinp_overwritten.data(), r.dweight_overwritten.data(), dout.data(), inp.data(), weight.data(), n,
+                   ic, oc, false, GradWrite::Overwrite);
+        matmul_bwd(r.dinp_accumulated.data(), r.dweight_accumulated.data(), dout.data(), inp.data(), weight.data(), n,
+                   ic, oc, true, GradWrite::Accumulate);
       });
       return r;
     };
@@ -122,7 +147,8 @@ TEST(MatmulTest, BitIdenticalAcrossThreadCounts) {
       EXPECT_TRUE(test::bitwise_equal(r.out, reference.out)) << threads << " threads";
       EXPECT_TRUE(test::bitwise_equal(r.dinp_overwritten, reference.dinp_overwritten)) << threads << " threads";
       EXPECT_TRUE(test::bitwise_equal(r.dinp_accumulated, reference.dinp_accumulated)) << threads << " threads";
-      EXPECT_TRUE(test::bitwise_equal(r.dweight, reference.dweight)) << threads << " threads";
+      EXPECT_TRUE(test::bitwise_equal(r.dweight_overwritten, reference.dweight_overwritten)) << threads << " threads";
+      EXPECT_TRUE(test::bitwise_equal(r.dweight_accumulated, reference.dweight_accumulated)) << threads << " threads";
     }
   }
 }

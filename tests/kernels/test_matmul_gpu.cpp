@@ -1,5 +1,6 @@
 // kernels/matmul.cu (cuBLASLt) against kernels/cpu/matmul.cpp (double). Shapes are not multiples of any
-// tile; the forward's residual epilogue and both accumulate modes of the backward are covered.
+// tile; the forward's residual epilogue and both write modes of the backward's dinp and of its dweight are
+// covered, each overwrite over a NaN-filled destination (beta = 0 must not read it).
 #if TUNA_CUDA
 #include "kernels/cpu/matmul.h"
 #include "kernels/matmul.cuh"
@@ -56,21 +57,39 @@ TEST(MatmulGpu, ForwardWithResidualAndBackward) {
     expect_close_to_naive(with_residual ? "matmul fwd + residual" : "matmul fwd", d_out.values(), naive, ref);
   }
 
+  // dinp and dweight in the four pairings of their modes (each pairing a distinct cuBLASLt call for dweight's
+  // beta, cached by shape and beta).
   for (bool accumulate : {false, true}) {
-    SCOPED_TRACE(accumulate ? "accumulate dinp" : "overwrite dinp");
-    DeviceBf16 d_dinp(dinp0);
-    if (!accumulate) d_dinp.poison();
-    DeviceBuffer<float> d_dw(dw0);
-    cuda::matmul_bwd(ctx, d_dinp.bf(), d_dw.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), n, ic, oc, accumulate, nullptr);
-    std::vector<double> ref_dinp(dinp0.begin(), dinp0.end()), ref_dw(dw0.begin(), dw0.end());
-    cpu::matmul_bwd(ref_dinp.data(), ref_dw.data(), g.data(), x.data(), wd.data(), n, ic, oc, accumulate);
-    // naive dinp = dout @ w: as naive_nt with b = w^T ([ic, oc])
-    std::vector<double> naive_dinp = naive_nt(g, transpose(wd, oc, ic), n, oc, ic);
-    for (int64_t i = 0; i < n * ic; ++i)
-      naive_dinp[i] = round_bf16(accumulate ? float(naive_dinp[i]) + dinp0[i] : naive_dinp[i]);
-    expect_close_to_naive("matmul dinp", d_dinp.values(), naive_dinp, ref_dinp);
-    expect_close_to_naive("matmul dweight (fp32)", d_dw.download(), ref_dw, ref_dw);
+    for (GradWrite dweight_write : {GradWrite::Overwrite, GradWrite::Accumulate}) {
+      SCOPED_TRACE(accumulate ? "accumulate dinp" : "overwrite dinp");
+      SCOPED_TRACE(dweight_write == GradWrite::Overwrite ? "overwrite dweight" : "accumulate dweight");
+      DeviceBf16 d_dinp(dinp0);
+      if (!accumulate) d_dinp.poison();
+      DeviceBuffer<float> d_dw(dw0);
+      if (dweight_write == GradWrite::Overwrite) d_dw.poison();
+      cuda::matmul_bwd(ctx, d_dinp.bf(), d_dw.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), n, ic, oc, accumulate,
+                       dweight_write, nullptr);
+      std::vector<double> ref_dinp(dinp0.begin(), dinp0.end()), ref_dw(dw0.begin(), dw0.end());
+      cpu::matmul_bwd(ref_dinp.data(), ref_dw.data(), g.data(), x.data(), wd.data(), n, ic, oc, accumulate,
+                      dweight_write);
+      // naive dinp = dout @ w: as naive_nt with b = w^T ([ic, oc])
+      std::vector<double> naive_dinp = naive_nt(g, transpose(wd, oc, ic), n, oc, ic);
+      for (int64_t i = 0; i < n * ic; ++i)
+        naive_dinp[i] = round_bf16(accumulate ? float(naive_dinp[i]) + dinp0[i] : naive_dinp[i]);
+      expect_close_to_naive("matmul dinp", d_dinp.values(), naive_dinp, ref_dinp);
+      expect_close_to_naive("matmul dweight (fp32)", d_dw.download(), ref_dw, ref_dw);
+    }
   }
+
+  // No rows: an overwritten dweight is zeros (a sum over nothing), an accumulated one is left alone.
+  DeviceBuffer<float> d_overwritten(dw0), d_accumulated(dw0);
+  d_overwritten.poison();
+  cuda::matmul_bwd(ctx, nullptr, d_overwritten.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), 0, ic, oc, false,
+                   GradWrite::Overwrite, nullptr);
+  cuda::matmul_bwd(ctx, nullptr, d_accumulated.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), 0, ic, oc, false,
+                   GradWrite::Accumulate, nullptr);
+  EXPECT_EQ(d_overwritten.download(), std::vector<float>(oc * ic, 0.0f));
+  EXPECT_EQ(d_accumulated.download(), dw0);
 }
 
 }  // namespace

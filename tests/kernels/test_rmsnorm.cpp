@@ -1,5 +1,5 @@
-// kernels/cpu/rmsnorm: forward against a float64 loop, backward against finite differences, accumulate
-// semantics and thread-count determinism.
+// kernels/cpu/rmsnorm: forward against a float64 loop, backward against finite differences, its overwrite and
+// accumulate semantics, and thread-count determinism.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -67,15 +67,17 @@ TEST(RmsnormTest, BackwardMatchesFiniteDifferences) {
     return test::weighted_sum(out, dout);
   };
   objective();
-  std::vector<double> dinp(n * dim, 0.0), dweight(dim, 0.0);
-  rmsnorm_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), n, dim);
+  std::vector<double> dinp(n * dim, 0.0), dweight = test::nan_filled<double>(dim);
+  rmsnorm_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), n, dim,
+              GradWrite::Overwrite);
 
   EXPECT_LT(test::rel_error_norm(dinp, test::numeric_gradient(inp, objective)), test::kFiniteDifferenceTolerance);
   EXPECT_LT(test::rel_error_norm(dweight, test::numeric_gradient(weight, objective)),
             test::kFiniteDifferenceTolerance);
 }
 
-TEST(RmsnormTest, BackwardAccumulatesIntoBothGradients) {
+// dinp always accumulates; dweight accumulates or is overwritten (over NaN: never read) by its GradWrite.
+TEST(RmsnormTest, BackwardAccumulatesDinpAndOverwritesOrAccumulatesDweight) {
   TestRng rng;
   SCOPED_TRACE(rng.describe());
   const int64_t n = 13, dim = 37;
@@ -87,10 +89,11 @@ TEST(RmsnormTest, BackwardAccumulatesIntoBothGradients) {
 
   std::vector<float> fresh_dinp(n * dim, 0.0f), fresh_dweight(dim, 0.0f);
   rmsnorm_bwd(fresh_dinp.data(), fresh_dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), n,
-              dim);
+              dim, GradWrite::Accumulate);
   const std::vector<float> prior_dinp = rng.vector<float>(n * dim), prior_dweight = rng.vector<float>(dim);
   std::vector<float> dinp = prior_dinp, dweight = prior_dweight;
-  rmsnorm_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), n, dim);
+  rmsnorm_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), n, dim,
+              GradWrite::Accumulate);
 
   std::vector<double> expected_dinp(n * dim), expected_dweight(dim);
   for (int64_t i = 0; i < n * dim; ++i) expected_dinp[i] = double(prior_dinp[i]) + fresh_dinp[i];
@@ -98,6 +101,24 @@ TEST(RmsnormTest, BackwardAccumulatesIntoBothGradients) {
   // One extra fp32 rounding of the sum, plus the fresh gradient's own rounding: a few ulps.
   EXPECT_LT(test::rel_error_norm(dinp, expected_dinp), 1e-6);
   EXPECT_LT(test::rel_error_norm(dweight, expected_dweight), 1e-6);
+
+  // Overwrite: the same sums as accumulating onto zeros, whatever dweight held.
+  dinp = prior_dinp;
+  std::vector<float> overwritten = test::nan_filled<float>(dim);
+  rmsnorm_bwd(dinp.data(), overwritten.data(), dout.data(), inp.data(), weight.data(), rstd.data(), n, dim,
+              GradWrite::Overwrite);
+  EXPECT_EQ(overwritten, fresh_dweight);
+  EXPECT_LT(test::rel_error_norm(dinp, expected_dinp), 1e-6);
+
+  // No rows: an overwritten dweight is zero, an accumulated one unchanged.
+  overwritten = test::nan_filled<float>(dim);
+  dweight = prior_dweight;
+  rmsnorm_bwd(dinp.data(), overwritten.data(), dout.data(), inp.data(), weight.data(), rstd.data(), 0, dim,
+              GradWrite::Overwrite);
+  rmsnorm_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), 0, dim,
+              GradWrite::Accumulate);
+  EXPECT_EQ(overwritten, std::vector<float>(dim, 0.0f));
+  EXPECT_EQ(dweight, prior_dweight);
 }
 
 TEST(RmsnormTest, BackwardIsBitIdenticalAcrossThreadCounts) {
@@ -115,7 +136,8 @@ TEST(RmsnormTest, BackwardIsBitIdenticalAcrossThreadCounts) {
     dinp = prior_dinp;
     dweight = prior_dweight;
     test::with_omp_threads(threads, [&] {
-      rmsnorm_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), n, dim);
+      rmsnorm_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), n, dim,
+                  GradWrite::Accumulate);
     });
   };
   std::vector<float> reference_dinp, reference_dweight;

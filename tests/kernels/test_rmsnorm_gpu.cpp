@@ -38,8 +38,8 @@ void check_forward(TestRng& rng, int64_t n, int64_t dim) {
   }
 }
 
-// Backward against the twin (dinp and dweight accumulate onto random values), and bit for bit the same
-// when run again.
+// Backward against the twin, dinp accumulating onto random values and dweight written both ways (accumulated onto
+// random values, or overwritten over NaN, which must never be read), and bit for bit the same when run again.
 void check_backward(TestRng& rng, int64_t n, int64_t dim) {
   SCOPED_TRACE("n " + std::to_string(n) + ", dim " + std::to_string(dim));
   std::vector<float> inp = random_bf16_values(rng, n * dim, -2, 2), dout = random_bf16_values(rng, n * dim);
@@ -53,36 +53,42 @@ void check_backward(TestRng& rng, int64_t n, int64_t dim) {
   }
   DeviceBf16 d_inp(inp), d_dout(dout), d_w(weight);
   DeviceBuffer<float> d_rstd(rstd), d_scratch(cuda::rmsnorm_bwd_scratch_floats(n, dim));
-  std::vector<uint16_t> first_dinp;
-  std::vector<float> first_dw;
-  for (int run = 0; run < 2; ++run) {
-    DeviceBf16 d_dinp(dinp0);
-    DeviceBuffer<float> d_dw(dweight0);
-    cuda::rmsnorm_bwd(d_dinp.bf(), d_dw.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), d_rstd.get(), d_scratch.get(), n, dim,
-                      nullptr);
-    if (run == 1) {
-      EXPECT_TRUE(bitwise_equal(first_dinp, d_dinp.download()));
-      EXPECT_TRUE(bitwise_equal(first_dw, d_dw.download()));
-      break;
+  for (GradWrite dweight_write : {GradWrite::Accumulate, GradWrite::Overwrite}) {
+    const bool overwrite = dweight_write == GradWrite::Overwrite;
+    SCOPED_TRACE(overwrite ? "dweight overwritten" : "dweight accumulated");
+    std::vector<uint16_t> first_dinp;
+    std::vector<float> first_dw;
+    for (int run = 0; run < 2; ++run) {
+      DeviceBf16 d_dinp(dinp0);
+      DeviceBuffer<float> d_dw(dweight0);
+      if (overwrite) d_dw.poison();
+      cuda::rmsnorm_bwd(d_dinp.bf(), d_dw.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), d_rstd.get(), d_scratch.get(), n,
+                        dim, dweight_write, nullptr);
+      if (run == 1) {
+        EXPECT_TRUE(bitwise_equal(first_dinp, d_dinp.download()));
+        EXPECT_TRUE(bitwise_equal(first_dw, d_dw.download()));
+        break;
+      }
+      first_dinp = d_dinp.download();
+      first_dw = d_dw.download();
+      std::vector<double> ref_dinp(dinp0.begin(), dinp0.end()), ref_dw(dim, std::nan(""));
+      if (!overwrite) ref_dw.assign(dweight0.begin(), dweight0.end());
+      std::vector<double> x(inp.begin(), inp.end()), g(dout.begin(), dout.end()), w(weight.begin(), weight.end()),
+          r(rstd.begin(), rstd.end());
+      cpu::rmsnorm_bwd(ref_dinp.data(), ref_dw.data(), g.data(), x.data(), w.data(), r.data(), n, dim, dweight_write);
+      // Naive bf16: fp32 math, the accumulated dinp rounded to bf16 once.
+      std::vector<double> naive_dinp(n * dim);
+      for (int64_t i = 0; i < n; ++i) {
+        float dot = 0;
+        for (int64_t j = 0; j < dim; ++j) dot += w[j] * float(g[i * dim + j]) * float(x[i * dim + j]);
+        const float corr = rstd[i] * rstd[i] * dot / dim;
+        for (int64_t j = 0; j < dim; ++j)
+          naive_dinp[i * dim + j] = round_bf16(
+              dinp0[i * dim + j] + rstd[i] * (float(w[j]) * float(g[i * dim + j]) - float(x[i * dim + j]) * corr));
+      }
+      expect_close_to_naive("rmsnorm dinp", bf16_bits_to_double(first_dinp), naive_dinp, ref_dinp);
+      expect_close_to_naive("rmsnorm dweight (fp32)", first_dw, ref_dw, ref_dw);
     }
-    first_dinp = d_dinp.download();
-    first_dw = d_dw.download();
-    std::vector<double> ref_dinp(dinp0.begin(), dinp0.end()), ref_dw(dweight0.begin(), dweight0.end());
-    std::vector<double> x(inp.begin(), inp.end()), g(dout.begin(), dout.end()), w(weight.begin(), weight.end()),
-        r(rstd.begin(), rstd.end());
-    cpu::rmsnorm_bwd(ref_dinp.data(), ref_dw.data(), g.data(), x.data(), w.data(), r.data(), n, dim);
-    // Naive bf16: fp32 math, the accumulated dinp rounded to bf16 once.
-    std::vector<double> naive_dinp(n * dim);
-    for (int64_t i = 0; i < n; ++i) {
-      float dot = 0;
-      for (int64_t j = 0; j < dim; ++j) dot += w[j] * float(g[i * dim + j]) * float(x[i * dim + j]);
-      const float corr = rstd[i] * rstd[i] * dot / dim;
-      for (int64_t j = 0; j < dim; ++j)
-        naive_dinp[i * dim + j] =
-            round_bf16(dinp0[i * dim + j] + rstd[i] * (float(w[j]) * float(g[i * dim + j]) - float(x[i * dim + j]) * corr));
-    }
-    expect_close_to_naive("rmsnorm dinp", bf16_bits_to_double(first_dinp), naive_dinp, ref_dinp);
-    expect_close_to_naive("rmsnorm dweight (fp32)", first_dw, ref_dw, ref_dw);
   }
 }
 
@@ -93,11 +99,28 @@ TEST(RmsNormGpu, ForwardWithAndWithoutResidualAdd) {
   check_forward(rng, 300 + rng.integer(0, 50), 8 * rng.integer(20, 300));  // dim not a multiple of 256
 }
 
-TEST(RmsNormGpu, BackwardAccumulatesAndIsDeterministic) {
+TEST(RmsNormGpu, BackwardOverwritesOrAccumulatesAndIsDeterministic) {
   TUNA_REQUIRE_GPU();
   TestRng rng;
   SCOPED_TRACE(rng.describe());
   check_backward(rng, 200 + rng.integer(0, 100), 8 * rng.integer(20, 500));
+}
+
+// No rows: an overwritten dweight is zeros (a sum over nothing), an accumulated one is left alone.
+TEST(RmsNormGpu, BackwardOverNoRowsZeroesAnOverwrittenDweight) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t dim = 8 * rng.integer(1, 100);
+  const std::vector<float> dweight0 = rng.vector<float>(dim);
+  DeviceBuffer<float> overwritten(dweight0), accumulated(dweight0), scratch(1);
+  overwritten.poison();
+  cuda::rmsnorm_bwd(nullptr, overwritten.get(), nullptr, nullptr, nullptr, nullptr, scratch.get(), 0, dim,
+                    GradWrite::Overwrite, nullptr);
+  cuda::rmsnorm_bwd(nullptr, accumulated.get(), nullptr, nullptr, nullptr, nullptr, scratch.get(), 0, dim,
+                    GradWrite::Accumulate, nullptr);
+  EXPECT_EQ(overwritten.download(), std::vector<float>(dim, 0.0f));
+  EXPECT_EQ(accumulated.download(), dweight0);
 }
 
 // The model dims (LLaMA 1B/8B/70B hidden 2048/4096/8192, 405B's 16384) and one just off a block shape, on few
@@ -121,7 +144,8 @@ TEST(RmsNormGpu, RefusesDimsBeyondTheSupported) {
   // Refused by the launchers before any device work, so this runs without a GPU too.
   EXPECT_THROW(cuda::rmsnorm_fwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 16384 + 8, 1e-5, nullptr),
                Error);
-  EXPECT_THROW(cuda::rmsnorm_bwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 16384 + 8, nullptr),
+  EXPECT_THROW(cuda::rmsnorm_bwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, 16384 + 8,
+                                 GradWrite::Accumulate, nullptr),
                Error);
 }
 

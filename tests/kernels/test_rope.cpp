@@ -136,6 +136,7 @@ TEST(RopeTest, TablesHoldCosAndSinOfPositionTimesFrequency) {
 struct RopeProblem {
   int64_t batch = 2, seq_len = 13, n_heads = 3, head_dim = 10;
   int64_t size() const { return batch * seq_len * n_heads * head_dim; }
+  int64_t width() const { return n_heads * head_dim; }  // one position's values: the contiguous row stride
   int64_t half() const { return head_dim / 2; }
 };
 
@@ -156,7 +157,8 @@ void check_forward(TestRng& rng, double tolerance) {
   make_tables(p, cos_table, sin_table);
   const std::vector<T> inp = rng.vector<T>(p.size());
   std::vector<T> out = test::nan_filled<T>(p.size());
-  rope_fwd(out.data(), inp.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim);
+  rope_fwd(out.data(), inp.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim,
+           p.width(), p.width());
 
   std::vector<double> expected(p.size());
   for (int64_t b = 0; b < p.batch; ++b)
@@ -191,12 +193,12 @@ TEST(RopeTest, BackwardMatchesFiniteDifferences) {
   std::vector<double> out(p.size());
   auto objective = [&] {
     rope_fwd(out.data(), inp.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads,
-             p.head_dim);
+             p.head_dim, p.width(), p.width());
     return test::weighted_sum(out, dout);
   };
   std::vector<double> dinp = test::nan_filled<double>(p.size());
   rope_bwd(dinp.data(), dout.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads,
-           p.head_dim);
+           p.head_dim, p.width(), p.width());
   EXPECT_LT(test::rel_error_norm(dinp, test::numeric_gradient(inp, objective)), test::kFiniteDifferenceTolerance);
 }
 
@@ -209,15 +211,17 @@ TEST(RopeTest, InPlaceEqualsOutOfPlace) {
   const std::vector<float> x = rng.vector<float>(p.size());
 
   std::vector<float> out(p.size()), in_place = x;
-  rope_fwd(out.data(), x.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim);
+  rope_fwd(out.data(), x.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim,
+           p.width(), p.width());
   rope_fwd(in_place.data(), in_place.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads,
-           p.head_dim);
+           p.head_dim, p.width(), p.width());
   EXPECT_TRUE(test::bitwise_equal(in_place, out));
 
   std::vector<float> dinp(p.size()), dinp_in_place = x;
-  rope_bwd(dinp.data(), x.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim);
+  rope_bwd(dinp.data(), x.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim,
+           p.width(), p.width());
   rope_bwd(dinp_in_place.data(), dinp_in_place.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len,
-           p.n_heads, p.head_dim);
+           p.n_heads, p.head_dim, p.width(), p.width());
   EXPECT_TRUE(test::bitwise_equal(dinp_in_place, dinp));
 }
 
@@ -230,9 +234,64 @@ TEST(RopeTest, BackwardUndoesForward) {
   make_tables(p, cos_table, sin_table);
   const std::vector<double> x = rng.vector<double>(p.size());
   std::vector<double> y = x;
-  rope_fwd(y.data(), y.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim);
-  rope_bwd(y.data(), y.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim);
+  rope_fwd(y.data(), y.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim,
+           p.width(), p.width());
+  rope_bwd(y.data(), y.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim,
+           p.width(), p.width());
   EXPECT_LT(test::rel_error_norm(y, x), 1e-14);
+}
+
+// Rows of p.width() values placed `stride` apart from `offset` in a buffer of NaN (what a strided call must
+// neither read nor write), and back.
+std::vector<float> spread_rows(const std::vector<float>& x, const RopeProblem& p, int64_t stride, int64_t offset) {
+  const int64_t positions = p.batch * p.seq_len;
+  std::vector<float> wide = test::nan_filled<float>(positions * stride + offset);
+  for (int64_t r = 0; r < positions; ++r)
+    std::copy(x.begin() + r * p.width(), x.begin() + (r + 1) * p.width(), wide.begin() + offset + r * stride);
+  return wide;
+}
+std::vector<float> gather_rows(const std::vector<float>& wide, const RopeProblem& p, int64_t stride, int64_t offset) {
+  std::vector<float> x(p.size());
+  for (int64_t r = 0; r < p.batch * p.seq_len; ++r)
+    std::copy(wide.begin() + offset + r * stride, wide.begin() + offset + r * stride + p.width(),
+              x.begin() + r * p.width());
+  return x;
+}
+
+TEST(RopeTest, StridedRowsEqualContiguousRows) {
+  // The model reads q and k out of a fused q|k|v row and writes their gradients back into one: the same bits
+  // as the contiguous rotation, whatever the strides (odd ones included), and nothing between the rows touched.
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const RopeProblem p;
+  std::vector<float> cos_table, sin_table;
+  make_tables(p, cos_table, sin_table);
+  const std::vector<float> x = rng.vector<float>(p.size());
+  for (bool backward : {false, true}) {
+    SCOPED_TRACE(backward ? "backward" : "forward");
+    const auto rotate = [&](float* out, const float* inp, int64_t out_stride, int64_t inp_stride) {
+      (backward ? rope_bwd<float> : rope_fwd<float>)(out, inp, cos_table.data(), sin_table.data(), p.batch,
+                                                     p.seq_len, p.n_heads, p.head_dim, out_stride, inp_stride);
+    };
+    std::vector<float> contiguous(p.size());
+    rotate(contiguous.data(), x.data(), p.width(), p.width());
+    const int64_t in_stride = p.width() + 7, out_stride = 3 * p.width() + 1, offset = 5;
+    // Strided in, contiguous out (the forward's read of q from q|k|v).
+    const std::vector<float> wide_in = spread_rows(x, p, in_stride, offset);
+    std::vector<float> out(p.size());
+    rotate(out.data(), wide_in.data() + offset, p.width(), in_stride);
+    EXPECT_TRUE(test::bitwise_equal(out, contiguous));
+    // Contiguous in, strided out (the backward's write into d_qkv); the gaps stay NaN.
+    std::vector<float> wide_out = test::nan_filled<float>(p.batch * p.seq_len * out_stride + offset);
+    rotate(wide_out.data() + offset, x.data(), out_stride, p.width());
+    EXPECT_TRUE(test::bitwise_equal(gather_rows(wide_out, p, out_stride, offset), contiguous));
+    const std::vector<float> untouched = spread_rows(contiguous, p, out_stride, offset);
+    EXPECT_TRUE(test::bitwise_equal(wide_out, untouched));  // NaN == NaN bitwise: the gaps were not written
+    // In place with equal strides.
+    std::vector<float> in_place = wide_in;
+    rotate(in_place.data() + offset, in_place.data() + offset, in_stride, in_stride);
+    EXPECT_TRUE(test::bitwise_equal(gather_rows(in_place, p, in_stride, offset), contiguous));
+  }
 }
 
 }  // namespace

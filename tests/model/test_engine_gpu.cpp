@@ -322,6 +322,27 @@ TEST_P(EngineGpuNonFinite, StepIsSkippedAndTheNextOneTrains) {
 
 INSTANTIATE_TEST_SUITE_P(Zero, EngineGpuNonFinite, testing::Values(0, 1, 2, 3));
 
+// No stage zeroes the gradient at the start of a step (the step's first writes overwrite it); a step in which no
+// backward ran must still see a zero gradient, not the previous step's: norm 0, as on the CPU engine.
+class EngineGpuEmptyStep : public testing::TestWithParam<int> {};
+
+TEST_P(EngineGpuEmptyStep, HasAZeroGradient) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama32_tiny");
+  SingleRank rc, rg;
+  std::unique_ptr<Engine> cpu = make_engine(f.config, engine_options(f, "cpu", GetParam()), rc.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> gpu = make_engine(f.config, engine_options(f, "cuda", GetParam()), rg.mesh, fixture_weights(f));
+  train_step(*cpu, f, 0, 10), train_step(*gpu, f, 0, 10);
+  for (Engine* e : {cpu.get(), gpu.get()}) {
+    e->begin_step();
+    const StepResult r = e->finish_step(LossSum{0.0, 1}, 1e-3);
+    EXPECT_TRUE(r.stats.applied);
+    EXPECT_EQ(r.stats.grad_norm, 0.0) << e->describe();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Zero, EngineGpuEmptyStep, testing::Values(0, 1, 2, 3));
+
 // The forward-only model of build/eval and build/sample on the device against the CPU's, with the
 // tolerances of test_llama_gpu.cpp (3e-2 on the logits' relative error norm, 1e-2 on the loss).
 TEST(EngineGpu, ForwardModelMatchesTheCpus) {

@@ -17,7 +17,9 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/cuda_check.h"
 #include "core/dtype.h"
@@ -26,6 +28,7 @@
 #include "model/config.h"
 #include "model/llama.h"
 #include "model/llama_gpu.h"
+#include "model/memory_plan.h"  // gpu_head_chunk_rows
 #include "model/optimizer.h"
 #include "model/safetensors.h"
 #include "tests/model/fixture.h"
@@ -209,6 +212,188 @@ TEST(LlamaGpu, NonFiniteGradientSkipsTheUpdate) {
   EXPECT_EQ(model.steps_taken(), 1);
   EXPECT_NE(master(), before);
 }
+
+// The gradient is never zeroed: zero_grads() only marks it, and the first write of each tensor in the step
+// overwrites (beta = 0 in the GEMMs; kernels/grad_write.h). Whatever the buffer held before (here NaN everywhere,
+// left by a step whose update was skipped for it), the gradients of the next step equal bit for bit those of a
+// model whose buffer was clean, after one micro-batch and after two (the second adds). Tied (llama32_tiny: the
+// lm_head's chunks write the embedding's gradient first, the lookup adds) and untied (llama2_tiny: the lookup's
+// rows alone, so the embedding gradient is zeroed before them).
+class LlamaGpuFreshGradients : public testing::TestWithParam<std::string> {};
+
+// The fixture's rows as `micro_batches` micro-batches of one step, after zero_grads(); the gradients read back.
+std::vector<float> step_gradients(LlamaGpu& model, const GpuFixture& f, int64_t micro_batches) {
+  model.zero_grads();
+  const int64_t rows = f.batch / micro_batches;
+  for (int64_t m = 0; m < micro_batches; ++m)
+    model.forward_backward(f.inputs.data() + m * rows * f.seq, f.targets.data() + m * rows * f.seq, rows, f.seq);
+  std::vector<float> grads(model.layout().total());
+  model.get_grads(grads.data());
+  return grads;
+}
+
+// Every byte of the model's gradient buffer 0xff (NaN), ordered before what the model queues next.
+void poison_gradient(LlamaGpu& model) {
+  float* grads = model.grads();
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
+  TUNA_CUDA_CHECK(cudaMemset(grads, 0xff, model.layout().total() * sizeof(float)));
+  TUNA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST_P(LlamaGpuFreshGradients, NanInTheBufferBeforeAStepDoesNotReachItsGradients) {
+  TUNA_REQUIRE_GPU();
+  GpuFixture f(GetParam());
+  ASSERT_EQ(f.batch % 2, 0);
+  std::vector<float> weights(ParamLayout(f.config).total());
+  load_weights(f.dir, ParamLayout(f.config), weights.data());
+  LlamaGpu clean(f.config, f.batch, f.seq, f.optimizer()), poisoned(f.config, f.batch, f.seq, f.optimizer());
+  clean.set_params(weights.data());
+  poisoned.set_params(weights.data());
+  const int64_t P = poisoned.layout().total();
+  for (int64_t micro_batches : {1, 2}) {
+    SCOPED_TRACE(std::to_string(micro_batches) + " micro-batch(es)");
+    const std::vector<float> expected = step_gradients(clean, f, micro_batches);
+    ASSERT_TRUE(test::all_finite_values(expected));
+    // A step whose gradient is NaN throughout: its update is skipped, and the NaN stays in the buffer.
+    step_gradients(poisoned, f, 1);
+    poison_gradient(poisoned);
+    ASSERT_FALSE(poisoned.adamw_step(1e-2, 1e-3).applied);
+    EXPECT_TRUE(test::bitwise_equal(step_gradients(poisoned, f, micro_batches), expected));
+  }
+  // Read before any backward, the gradient is zero: on the host, on the device, and to the update (norm 0).
+  poison_gradient(poisoned);
+  poisoned.zero_grads();
+  std::vector<float> host(P, NAN);
+  poisoned.get_grads(host.data());
+  EXPECT_EQ(host, std::vector<float>(P, 0.0f));
+  std::fill(host.begin(), host.end(), NAN);
+  const float* device_grads = poisoned.grads();
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(poisoned.stream()));
+  TUNA_CUDA_CHECK(cudaMemcpy(host.data(), device_grads, P * sizeof(float), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(host, std::vector<float>(P, 0.0f));
+  poison_gradient(poisoned);
+  poisoned.zero_grads();
+  const OptimizerStats stats = poisoned.adamw_step(1e-2, 1e-3);
+  EXPECT_TRUE(stats.applied);
+  EXPECT_EQ(stats.grad_norm, 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaGpuFreshGradients, testing::Values("llama2_tiny", "llama32_tiny"));
+
+// A GpuWeightStore (the contract ZeRO-2 and 3 use, model/engine_gpu.cpp) whose gradient buffers hold NaN every
+// time it hands one out fresh: the backward must overwrite every element of every unit. Each unit's gradient is
+// added, in fp32 and in micro-batch order, into a host sum when the backward is done with it.
+class NanGradientStore final : public GpuWeightStore {
+ public:
+  explicit NanGradientStore(LlamaGpu& model) : model_(model), sum_(model.layout().total(), 0.0f) {
+    for (int u = 0; u < model.layout().num_units(); u++)
+      buffers_.push_back(std::make_unique<test::DeviceBuffer<float>>(unit_size(u)));
+    model.set_weight_store(this);
+  }
+  const __nv_bfloat16* acquire(int unit) override { return model_.params() + model_.layout().unit_range(unit).first; }
+  void release(int) override {}
+  UnitGrads grads(int unit) override {
+    if (!taken_.contains(unit)) {  // the pass's first request: a fresh buffer, full of NaN
+      TUNA_CUDA_CHECK(cudaMemsetAsync(buffers_[unit]->get(), 0xff, unit_size(unit) * sizeof(float), model_.stream()));
+      taken_.insert(unit);
+    }
+    return {buffers_[unit]->get(), /*fresh=*/true};
+  }
+  void grads_done(int unit) override {
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
+    const std::vector<float> g = buffers_[unit]->download();
+    float* dst = sum_.data() + model_.layout().unit_range(unit).first;
+    for (size_t i = 0; i < g.size(); i++) dst[i] += g[i];
+    taken_.erase(unit);
+  }
+  const std::vector<float>& sum() const { return sum_; }
+
+ private:
+  int64_t unit_size(int unit) const {
+    return model_.layout().unit_range(unit).second - model_.layout().unit_range(unit).first;
+  }
+  LlamaGpu& model_;
+  std::vector<std::unique_ptr<test::DeviceBuffer<float>>> buffers_;
+  std::set<int> taken_;
+  std::vector<float> sum_;
+};
+
+// The backward into such a store equals, bit for bit, the backward into the model's own (once zeroed) gradient:
+// untied over two micro-batches (the sums are the same fp32 adds in the same order), tied over one (over two the
+// tied embedding's head and lookup terms would be summed in another order, as at ZeRO-2: test_engine_gpu.cpp).
+TEST(LlamaGpu, FreshStoreBuffersFullOfNanAreOverwritten) {
+  TUNA_REQUIRE_GPU();
+  for (const char* name : {"llama2_tiny", "llama32_tiny"}) {
+    SCOPED_TRACE(name);
+    GpuFixture f(name);
+    const int64_t micro_batches = f.config.tie_word_embeddings ? 1 : 2;
+    ASSERT_EQ(f.batch % micro_batches, 0);
+    std::vector<float> weights(ParamLayout(f.config).total());
+    load_weights(f.dir, ParamLayout(f.config), weights.data());
+    LlamaGpu own(f.config, f.batch, f.seq, f.optimizer());
+    own.set_params(weights.data());
+    const std::vector<float> expected = step_gradients(own, f, micro_batches);
+    GpuOptions options;
+    options.zero = 2;  // whole bf16 weights, gradients through the store
+    LlamaGpu stored(f.config, f.batch, f.seq, f.optimizer(), options);
+    stored.set_params(weights.data());
+    NanGradientStore store(stored);
+    const int64_t rows = f.batch / micro_batches;
+    for (int64_t m = 0; m < micro_batches; ++m)
+      stored.forward_backward(f.inputs.data() + m * rows * f.seq, f.targets.data() + m * rows * f.seq, rows, f.seq);
+    ASSERT_TRUE(test::all_finite_values(store.sum()));
+    EXPECT_TRUE(test::bitwise_equal(store.sum(), expected));
+  }
+}
+
+// The lm_head's dW is written a row chunk at a time (at least 2048 rows a chunk: model/memory_plan_gpu.cpp), the
+// first chunk of a step overwriting the gradient and the others adding to it; the fixtures' few rows make one
+// chunk. Here a model with a 16384-token vocabulary runs 2056 rows a micro-batch (a chunk of 2048 and one of 8),
+// two micro-batches, over a gradient buffer full of NaN, tied and untied, against the CPU model (fp32, one GEMM
+// over all rows) with the tolerances of the fixture tests: 1e-2 on the loss, 0.1 per gradient tensor.
+class LlamaGpuHeadChunks : public testing::TestWithParam<bool> {};
+
+TEST_P(LlamaGpuHeadChunks, GradientsOverSeveralRowChunksMatchTheCpuModel) {
+  TUNA_REQUIRE_GPU();
+  LlamaConfig c;
+  c.hidden_size = 16, c.intermediate_size = 32, c.num_hidden_layers = 1;
+  c.num_attention_heads = 2, c.num_key_value_heads = 1, c.head_dim = 8, c.vocab_size = 16384;
+  c.rms_norm_eps = 1e-5, c.tie_word_embeddings = GetParam();
+  const int64_t batch = 257, seq = 8, n = batch * seq;
+  ASSERT_EQ(gpu_head_chunk_rows(c.vocab_size, n), 2048);
+  Llama cpu_model(c, batch, seq);
+  cpu_model.init_random(11, 0.5);  // large enough that the lm_head's gradient is not lost in rounding
+  for (float& w : cpu_model.params) w = bf16_to_f32(f32_to_bf16(w));  // both models read the same numbers
+  LlamaGpu gpu(c, batch, seq);
+  gpu.set_params(cpu_model.params.data());
+  poison_gradient(gpu);
+  gpu.zero_grads();
+  cpu_model.zero_grads();
+  std::vector<int32_t> inputs(n), targets(n);
+  LossSum cpu_loss, gpu_loss;
+  for (int64_t m = 0; m < 2; m++) {
+    for (int64_t i = 0; i < n; i++) inputs[i] = static_cast<int32_t>((i * 7919 + m * 104729 + 13) % c.vocab_size);
+    for (int64_t i = 0; i < n; i++) targets[i] = static_cast<int32_t>((i * 4099 + m * 7 + 5) % c.vocab_size);
+    const LossSum a = cpu_model.forward_backward(inputs.data(), targets.data(), batch, seq);
+    const LossSum b = gpu.forward_backward(inputs.data(), targets.data(), batch, seq);
+    cpu_loss.sum += a.sum, cpu_loss.count += a.count, gpu_loss.sum += b.sum, gpu_loss.count += b.count;
+  }
+  std::vector<float> gpu_grads(gpu.layout().total());
+  gpu.get_grads(gpu_grads.data());
+  std::printf("  %s, two chunks a micro-batch: loss cpu %.6f gpu %.6f\n", c.tie_word_embeddings ? "tied" : "untied",
+              cpu_loss.sum / cpu_loss.count, gpu_loss.sum / gpu_loss.count);
+  EXPECT_EQ(cpu_loss.count, gpu_loss.count);
+  EXPECT_NEAR(gpu_loss.sum, cpu_loss.sum, 1e-2 * std::abs(cpu_loss.sum));
+  for (const ParamTensor& t : gpu.layout().tensors()) {
+    std::vector<double> ref(cpu_model.grads.begin() + t.offset, cpu_model.grads.begin() + t.offset + t.numel);
+    const double err = rel_err_norm(gpu_grads.data() + t.offset, ref.data(), t.numel);
+    std::printf("    grad %-45s rel err %.3e\n", t.name.c_str(), err);
+    EXPECT_LE(err, 0.1) << t.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Embeddings, LlamaGpuHeadChunks, testing::Bool(),
+                         [](const testing::TestParamInfo<bool>& i) { return i.param ? "tied" : "untied"; });
 
 TEST(LlamaGpu, RejectsOutOfRangeTokensWithAMessage) {
   TUNA_REQUIRE_GPU();

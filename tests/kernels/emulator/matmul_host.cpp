@@ -11,11 +11,11 @@
 // What the double reproduces, because the model tests depend on it: bf16 operands widened to fp32, products
 // summed in fp32 (in index order; cuBLASLt's order differs, which only moves the last bits), one rounding to
 // bf16 (round to nearest even) of each bf16 output after the epilogue (out = acc + residual, dinp = acc + dinp
-// when accumulating: cuBLASLt's D = alpha AB + beta C with beta = 1), and the fp32 weight gradient ACCUMULATED
-// (dweight += acc). As with beta = 0 in cuBLASLt, an output that is overwritten is never read, so a NaN there
-// (fresh emulated memory reads as NaN) does not leak in. Every operand must lie inside one device allocation,
-// a check the emulated runtime adds (a wrong offset into the model's arena fails here instead of reading
-// a neighbouring buffer).
+// when accumulating: cuBLASLt's D = alpha AB + beta C with beta = 1), and the fp32 weight gradient accumulated
+// (dweight += acc) or overwritten (dweight = acc), by dweight_write. As with beta = 0 in cuBLASLt, an output that
+// is overwritten is never read, so a NaN there (fresh emulated memory reads as NaN) does not leak in. Every
+// operand must lie inside one device allocation, a check the emulated runtime adds (a wrong offset into the
+// model's arena fails here instead of reading a neighbouring buffer).
 //
 // Plain loops on one thread, as everything in this binary runs (emulator/main.cpp); the model tests' shapes are
 // tiny. MatmulContext::gemm (the raw cuBLASLt call) is not provided: nothing in the emulated build calls it outside
@@ -73,10 +73,17 @@ void matmul_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, co
 
 void matmul_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
                 const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
-                bool accumulate_dinp, cudaStream_t) {
+                bool accumulate_dinp, GradWrite dweight_write, cudaStream_t) {
   TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
   tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());  // one device for every host thread (runtime.h)
-  if (n == 0) return;
+  const bool overwrite_dweight = dweight_write == GradWrite::Overwrite;
+  if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
+    if (dweight != nullptr && overwrite_dweight) {
+      check_operand(dweight, oc * ic, 4, "dweight");
+      std::fill(dweight, dweight + oc * ic, 0.0f);
+    }
+    return;
+  }
   check_operand(dout, n * oc, 2, "dout");
   if (dinp != nullptr) {
     check_operand(dinp, n * ic, 2, "dinp");
@@ -96,13 +103,13 @@ void matmul_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_
     check_operand(dweight, oc * ic, 4, "dweight");
     check_operand(inp, n * ic, 2, "inp");
     std::vector<float> acc(ic);
-    for (int64_t o = 0; o < oc; ++o) {  // dweight[o, :] += sum over r of dout[r, o] inp[r, :]
+    for (int64_t o = 0; o < oc; ++o) {  // dweight[o, :] (=|+=) sum over r of dout[r, o] inp[r, :]
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t r = 0; r < n; ++r) {
         const float d = widen(dout[r * oc + o]);
         for (int64_t i = 0; i < ic; ++i) acc[i] += d * widen(inp[r * ic + i]);
       }
-      for (int64_t i = 0; i < ic; ++i) dweight[o * ic + i] += acc[i];
+      for (int64_t i = 0; i < ic; ++i) dweight[o * ic + i] = overwrite_dweight ? acc[i] : dweight[o * ic + i] + acc[i];
     }
   }
 }

@@ -44,6 +44,7 @@ enum cudaError {
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidPitchValue = 12,
   cudaErrorInvalidDevicePointer = 17,
   cudaErrorInvalidMemcpyDirection = 21,
   cudaErrorInvalidDevice = 101,
@@ -231,6 +232,7 @@ inline const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidPitchValue: return "invalid pitch argument";
     case cudaErrorInvalidDevicePointer: return "invalid device pointer";
     case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
@@ -244,6 +246,7 @@ inline const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidPitchValue: return "cudaErrorInvalidPitchValue";
     case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
     case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
@@ -398,22 +401,34 @@ inline cudaError_t cudaFreeHost(void* p) {
   return cudaSuccess;
 }
 
-inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+// height rows of width bytes, dpitch and spitch bytes apart; as CUDA, a row wider than a pitch is refused.
+inline cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                                cudaMemcpyKind kind) {
   using tuna::emulator::in_device_allocation;
   tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
   if (kind < cudaMemcpyHostToHost || kind > cudaMemcpyDefault)
     return tuna::emulator::record(cudaErrorInvalidMemcpyDirection);
-  if (bytes == 0) return cudaSuccess;
-  if ((dst_device && !in_device_allocation(dst, bytes)) || (src_device && !in_device_allocation(src, bytes)))
+  if (width > dpitch || width > spitch) return tuna::emulator::record(cudaErrorInvalidPitchValue);
+  if (width == 0 || height == 0) return cudaSuccess;
+  if ((dst_device && !in_device_allocation(dst, (height - 1) * dpitch + width)) ||
+      (src_device && !in_device_allocation(src, (height - 1) * spitch + width)))
     return tuna::emulator::record(cudaErrorInvalidValue);
-  std::memmove(dst, src, bytes);
+  for (size_t r = 0; r < height; ++r)
+    std::memmove(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, width);
   return cudaSuccess;
+}
+inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  return cudaMemcpy2D(dst, bytes, src, bytes, bytes, 1, kind);
 }
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                                    cudaStream_t = nullptr) {
   return cudaMemcpy(dst, src, bytes, kind);
+}
+inline cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                                     size_t height, cudaMemcpyKind kind, cudaStream_t = nullptr) {
+  return cudaMemcpy2D(dst, dpitch, src, spitch, width, height, kind);
 }
 inline cudaError_t cudaMemset(void* p, int value, size_t bytes) {
   if (bytes == 0) return cudaSuccess;
