@@ -60,6 +60,7 @@ struct Sm90Params {
   CUtensorMap q_map, k_map, v_map, dout_map;
   float* dq_accum;          // backward: [batch, n_heads, seq_pad, head_dim] fp32, the dQ partial sums
   int* dq_flags;            // backward: [batch, n_heads, m_blocks], the next key block to add into each dQ block
+  int* bwd_tickets;         // backward: zeroed before the launch; each CTA takes the next as its work's index
   const float* rope_cos;    // backward: [>= seq_len, head_dim / 2] or null: apply RoPE's backward to dQ, dK
   const float* rope_sin;
   int n_tiles;              // forward: query blocks x batch x heads
@@ -386,10 +387,12 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
 // added, warpgroup 0's then warpgroup 1's, into the fp32 accumulator of the query block.
 // Determinism: the additions into a query block are ordered by key block, a flag per (batch, head, query block)
 // holding the next key block to add; key block 0 stores instead of adding, so the accumulator needs no
-// clearing. A CTA waits only for CTAs of lower key blocks of its (kv head, batch), which have lower block
-// indices (blockIdx.x = key block) and so were dispatched before it; walking the query blocks last first, each
-// CTA trails the one before it by one addition, not by a block's whole work. A separate pass finishes dQ
-// (scaled, rounded, RoPE's backward).
+// clearing. A CTA waits only for the CTA of the key block before it in its (kv head, batch). Which (key block,
+// kv head, batch) a CTA does is the ticket it takes when it starts (an atomic counter), in grid order, not its
+// blockIdx: CUDA does not promise to dispatch blocks in blockIdx order, and a CTA waiting on one not yet
+// resident could wait forever. With tickets, the CTA waited for took a lower ticket, so it is already running.
+// Walking the query blocks last first, each CTA trails the one before it by one addition, not by a block's whole
+// work. A separate pass finishes dQ (scaled, rounded, RoPE's backward).
 template <int kHd>
 struct Sm90Bwd {
   static constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer warpgroup
@@ -427,7 +430,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
   unsigned char* const smem = smem_bytes + (base - smem_address(smem_bytes));  // the same bytes, generic
   float* const lse_stage = reinterpret_cast<float*>(smem + C::kStats);
   float* const delta_stage = lse_stage + C::kStages * C::kBlockM;
-  const int n_block = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  __shared__ int ticket;  // this CTA's work, in grid order: key block fastest, then kv head, then batch
+  if (threadIdx.x == 0) ticket = atomicAdd(args.bwd_tickets, 1);
+  __syncthreads();
+  const int n_block = ticket % gridDim.x, kvh = ticket / gridDim.x % gridDim.y, b = ticket / (gridDim.x * gridDim.y);
   const int group_size = p.n_heads / p.n_kv_heads, m_blocks = (p.seq_len + C::kBlockM - 1) / C::kBlockM;
   const int key0 = n_block * C::kBlockN;
   const int first_m = key0 / C::kBlockM;  // earlier query blocks see none of these keys

@@ -104,8 +104,9 @@ void launch_sm90_fwd(const AttentionParams& p, cudaStream_t stream) {
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
-// The backward: delta = rowsum(dO * O) and the flags cleared, then one CTA per (key block, kv head, batch) in
-// launch order (the ordered dQ additions rely on lower key blocks being dispatched first), then dQ finished.
+// The backward: delta = rowsum(dO * O), the flags and the ticket counter cleared, then one CTA per (key block,
+// kv head, batch), each taking its work by ticket (the ordered dQ additions wait only on lower tickets), then dQ
+// finished.
 template <int kHd>
 void launch_sm90_bwd(const AttentionParams& p_in, float* scratch, const float* rope_cos, const float* rope_sin,
                      cudaStream_t stream) {
@@ -118,13 +119,15 @@ void launch_sm90_bwd(const AttentionParams& p_in, float* scratch, const float* r
   args.p.delta = scratch + layout.delta;
   args.dq_accum = scratch + layout.accum;
   args.dq_flags = reinterpret_cast<int*>(scratch + layout.flags);
+  const int64_t n_flags = static_cast<int64_t>(p_in.batch) * p_in.n_heads * layout.m_blocks;
+  args.bwd_tickets = args.dq_flags + n_flags;
   args.rope_cos = rope_cos, args.rope_sin = rope_sin;
   const AttentionParams& p = args.p;
 
   const int64_t rows = static_cast<int64_t>(p.batch) * p.seq_len * p.n_heads;
   launch_kernel(bwd_delta_kernel<kHd>, static_cast<unsigned>(ceil_div(rows, kWarps)), kThreads, 0, stream, p);
   TUNA_CUDA_CHECK_LAUNCH();
-  TUNA_CUDA_CHECK(cudaMemsetAsync(args.dq_flags, 0, sizeof(int) * p.batch * p.n_heads * layout.m_blocks, stream));
+  TUNA_CUDA_CHECK(cudaMemsetAsync(args.dq_flags, 0, sizeof(int) * (n_flags + 1), stream));  // flags and tickets
 
   args.q_map = rows_tensor_map(p.q, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
   args.dout_map = rows_tensor_map(p.dout, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);

@@ -16,8 +16,9 @@ inline int64_t rmsnorm_bwd_floats(int64_t n, int64_t dim) {
 }
 // attention_bwd: D = rowsum(dout * out), [batch, n_heads, seq_len] (kernels/attention.cu); and for the hopper
 // path (kernels/attention_sm90_kernels.cuh) the fp32 dQ accumulator [batch, n_heads, seq_pad, head_dim]
-// (seq_pad: seq_len rounded up to its 64-query step) and an int flag per (batch, head, query block) ordering
-// the additions into it. Offsets and the total in floats, each section 256-byte aligned.
+// (seq_pad: seq_len rounded up to its 64-query step), an int flag per (batch, head, query block) ordering
+// the additions into it, and after the flags one int: the launch's ticket counter (which CTA does which key
+// block). Offsets and the total in floats, each section 256-byte aligned.
 struct AttentionBwdScratch {
   static constexpr int64_t kHopperBlockM = 64;  // queries per step of the hopper backward
   int64_t m_blocks, seq_pad, delta, accum, flags, floats;
@@ -31,7 +32,7 @@ inline AttentionBwdScratch attention_bwd_layout(int64_t batch, int64_t seq_len, 
   s.delta = 0;
   s.accum = aligned(batch * n_heads * seq_len);
   s.flags = s.accum + aligned(batch * n_heads * s.seq_pad * head_dim);
-  s.floats = hopper ? s.flags + aligned(batch * n_heads * s.m_blocks) : batch * seq_len * n_heads;
+  s.floats = hopper ? s.flags + aligned(batch * n_heads * s.m_blocks + 1) : batch * seq_len * n_heads;
   return s;
 }
 // The hopper parts only where the path may be hopper (TUNA_ATTENTION, kHopperByDefault: attention_path.h) and

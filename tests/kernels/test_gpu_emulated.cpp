@@ -9,7 +9,9 @@
 //
 // Two runs at opposite ends of what the hardware may do (see emulator/main.cpp): cp.async data (and TMA copies,
 // and wgmma results) landing at issue with the warps in near lockstep, and landing as late as allowed with each
-// warp running ahead (and 3 SMs, so that the persistent attention forward loops over tiles). A read too
+// warp running ahead (and 3 SMs, so that the persistent attention forward loops over tiles, and the blocks of
+// each grid last first, which CUDA allows as much as blockIdx order: the hopper attention backward's blocks wait
+// on each other, so they must not rely on the order they were dispatched in). A read too
 // early or a missing barrier shows as wrong numbers in one or the other, and a read of a tile that a cp.async
 // may still be writing fails the launch in both (the race check of emulator/ptx.h). The model tests run in the
 // first only: what they add to the op tests is the orchestration (the arena plan, op order, accumulate flags,
@@ -55,9 +57,9 @@ void run_emulated(const std::string& options) {
 
 TEST(GpuTestsEmulated, CopiesLandAtIssueWarpsInLockstep) { run_emulated("--copies at-issue --warps lockstep"); }
 
-// Also with 3 SMs: the persistent attention forward then runs several tiles per CTA.
+// Also with 3 SMs (the persistent attention forward then runs several tiles per CTA), and blocks last first.
 TEST(GpuTestsEmulated, CopiesLandAtTheirWaitWarpsInTurn) {
-  run_emulated("--copies at-wait --warps in-turn --sms 3 --gtest_filter=-*LlamaGpu*:*EngineGpu*");
+  run_emulated("--copies at-wait --warps in-turn --sms 3 --blocks reversed --gtest_filter=-*LlamaGpu*:*EngineGpu*");
 }
 
 // The engine at dp = 2 against one rank, and its sharded checkpoint restored at 2 ranks and at 1

@@ -402,6 +402,13 @@ inline void reset_block_barriers(int threads) {
 // Memory fences order nothing here: one thread runs at a time and every access is immediate.
 inline void __threadfence() {}
 
+// For the same reason a read-modify-write is indivisible as written.
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;
+  *address = old + value;
+  return old;
+}
+
 inline void __syncthreads() {
   tuna::emulator::g_block_barrier.barrier.arrive_and_wait([] { ++tuna::emulator::g_block_barrier.epoch; });
 }

@@ -10,7 +10,8 @@
 // worker threads only spin at every parallel region; on a busy two-core CI machine that made the model tests
 // 15 times slower (10 s instead of 0.6 s for one engine test).
 //
-//   emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] [--sms N] [GoogleTest flags]
+//   emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] [--sms N]
+//                      [--blocks in-order|reversed] [GoogleTest flags]
 //     --copies  when asynchronous work takes effect: at its issue (the default) or as late as the hardware may
 //               defer it: a cp.async at the wait that retires it (ptx.h), a TMA copy when a thread waits on its
 //               mbarrier's phase, a wgmma at the wgmma.wait_group that retires it (ptx_sm90.h)
@@ -18,6 +19,8 @@
 //               ahead as it can before the next starts (emulator.h)
 //     --sms     the multiprocessors the device reports (132 by default, an H100's): fewer make the persistent
 //               kernels (one CTA per SM) loop over several tiles per CTA on the tests' small shapes
+//     --blocks  the order a grid's blocks run in: blockIdx order (the default, what GPUs do in practice) or last
+//               first; CUDA promises neither, so blocks that wait on each other must not rely on it (runtime.h)
 // A missing barrier (visible when one warp runs ahead) or a read of a tile before its wait (visible when data
 // lands late) shows in the numbers in one mode or the other; the race check (ptx.h) flags the latter in both.
 // Ends, as tests/main.cpp, with "tests: N passed, N failed, N skipped".
@@ -43,6 +46,9 @@ int main(int argc, char** argv) {
                std::stoi(value) > 0) {
       tuna::emulator::runtime().multiprocessors = std::stoi(value);
       ++i;
+    } else if (arg == "--blocks" && (value == "in-order" || value == "reversed")) {
+      tuna::emulator::runtime().blocks_reversed = value == "reversed";
+      ++i;
     } else if (arg == "--warps" && (value == "lockstep" || value == "in-turn")) {
       tuna::emulator::block().schedule = value == "lockstep" ? Schedule::kRoundRobin : Schedule::kWarpsInTurn;
       ++i;
@@ -50,15 +56,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "emulated_gpu_tests: unexpected argument '%s'\n"
                    "usage: emulated_gpu_tests [--copies at-issue|at-wait] [--warps lockstep|in-turn] [--sms N] "
-                   "[GoogleTest flags]\n",
+                   "[--blocks in-order|reversed] [GoogleTest flags]\n",
                    arg.c_str());
       return 2;
     }
   }
-  std::printf("emulated GPU: cp.async lands %s, warps %s, %d SMs\n",
+  std::printf("emulated GPU: cp.async lands %s, warps %s, %d SMs, blocks %s\n",
               tuna::emulator::g_shared.timing == CopyTiming::kImmediate ? "at issue" : "at its wait",
               tuna::emulator::block().schedule == Schedule::kRoundRobin ? "in lockstep" : "in turn",
-              tuna::emulator::runtime().multiprocessors);
+              tuna::emulator::runtime().multiprocessors,
+              tuna::emulator::runtime().blocks_reversed ? "last first" : "in blockIdx order");
   const int rc = RUN_ALL_TESTS();
   const testing::UnitTest& unit = *testing::UnitTest::GetInstance();
   std::printf("tests: %d passed, %d failed, %d skipped\n", unit.successful_test_count(), unit.failed_test_count(),

@@ -787,12 +787,12 @@ inline void named_barrier(int id, int threads, bool wait) {
 inline void named_barrier_sync(int id, int threads) { named_barrier(id, threads, true); }
 inline void named_barrier_arrive(int id, int threads) { named_barrier(id, threads, false); }
 
-// ---- flags between blocks. The emulator runs blocks one at a time in launch order (x fastest): a flag can
-// only be waited for if an earlier block released it; otherwise the GPU would spin on it forever or until a
-// later block ran, which the kernels must not rely on.
+// ---- flags between blocks. The emulator runs blocks one at a time, in blockIdx order or last first
+// (runtime.h, --blocks): a flag can only be waited for if a block that ran earlier released it; otherwise the GPU
+// would spin on it forever or until a later block ran, which the kernels must not rely on.
 inline void flag_wait(const int* flag, int value) {
   TUNA_CHECK(*flag == value, "flag_wait for value ", value, " at ", static_cast<const void*>(flag), ", which holds ",
-             *flag, ": no earlier block released it (blocks run one at a time here, in launch order)");
+             *flag, ": no block that ran earlier released it (blocks run one at a time here, one after another)");
 }
 inline void flag_release(int* flag, int value) { *flag = value; }
 

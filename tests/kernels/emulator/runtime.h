@@ -115,6 +115,10 @@ constexpr int kOptInDynamicSharedBytes = 227 * 1024;   // sm_90's opt-in limit (
 
 struct Runtime {
   int multiprocessors = 132;  // an H100 SXM's; emulated_gpu_tests --sms sets fewer (persistent grids then loop)
+  // The order blocks run in: blockIdx order (x fastest, as GPUs dispatch in practice), or last first
+  // (emulated_gpu_tests --blocks reversed). CUDA promises no order, so a kernel whose blocks wait on each other
+  // must work in both.
+  bool blocks_reversed = false;
   std::map<uintptr_t, size_t> allocations;  // device allocations: start -> bytes
   size_t allocated_bytes = 0;
   std::map<const void*, int> max_dynamic_smem;  // per kernel, from cudaFuncSetAttribute
@@ -159,8 +163,9 @@ inline bool in_device_allocation(const void* p, size_t bytes) {
 enum class Target { kSm80, kSm90a };
 
 // Runs kernel() on every block of `grid`, `threads` threads a block and `dynamic_smem` bytes of dynamic shared
-// memory, one block after another (blockIdx.x fastest, as a GPU dispatches them). Returns the number of blocks
-// in which the race check of cp.async found a race (the Hopper checks of ptx_sm90.h throw at once).
+// memory, one block after another: in blockIdx order (x fastest, as a GPU dispatches them in practice), or last
+// first with Runtime::blocks_reversed. Returns the number of blocks in which the race check of cp.async found a
+// race (the Hopper checks of ptx_sm90.h throw at once).
 inline int run_grid(dim3 grid, int threads, int dynamic_smem, Target target, const std::function<void()>& kernel) {
   const int limit = target == Target::kSm90a ? kSm90MaxDynamicSharedBytes : kSm80MaxDynamicSharedBytes;
   TUNA_CHECK(dynamic_smem >= 0 && dynamic_smem <= limit, "launch asks for ", dynamic_smem,
@@ -170,28 +175,29 @@ inline int run_grid(dim3 grid, int threads, int dynamic_smem, Target target, con
   gridDim = grid;
   blockDim = dim3{static_cast<unsigned>(threads), 1, 1};
   int blocks_with_races = 0;
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = dim3{x, y, z};
-        // Shared memory starts as 0xff bytes (NaN as bf16 or fp32): a read of what nothing wrote shows.
-        std::memset(shared_bytes(), 0xff, dynamic_smem);
-        for (int t = 0; t < threads; ++t) g_shared.threads[t].open.clear(), g_shared.threads[t].committed.clear();
-        g_shared.flights.clear(), g_shared.reads.clear();
-        reset_block_barriers(threads);
-        reset_sm90_block(threads, target == Target::kSm90a);
-        block().run(threads, kernel);
-        finish_sm90_block();
-        // A copy never waited for may land at any time up to the block's end.
-        for (int t = 0; t < threads; ++t) {
-          auto& copies = g_shared.threads[t];
-          copies.committed.push_back(std::move(copies.open));
-          for (const auto& group : copies.committed)
-            for (const AsyncCopy& copy : group)
-              g_shared.flights.push_back({copy.dst / 16, copy.issue_epoch, LONG_MAX, t});
-        }
-        if (!g_shared.flights.empty()) blocks_with_races += block_has_race();
-      }
+  const int64_t n_blocks = int64_t{grid.x} * grid.y * grid.z;
+  for (int64_t i = 0; i < n_blocks; ++i) {
+    const int64_t linear = runtime().blocks_reversed ? n_blocks - 1 - i : i;
+    blockIdx = dim3{static_cast<unsigned>(linear % grid.x), static_cast<unsigned>(linear / grid.x % grid.y),
+                    static_cast<unsigned>(linear / (int64_t{grid.x} * grid.y))};
+    // Shared memory starts as 0xff bytes (NaN as bf16 or fp32): a read of what nothing wrote shows.
+    std::memset(shared_bytes(), 0xff, dynamic_smem);
+    for (int t = 0; t < threads; ++t) g_shared.threads[t].open.clear(), g_shared.threads[t].committed.clear();
+    g_shared.flights.clear(), g_shared.reads.clear();
+    reset_block_barriers(threads);
+    reset_sm90_block(threads, target == Target::kSm90a);
+    block().run(threads, kernel);
+    finish_sm90_block();
+    // A copy never waited for may land at any time up to the block's end.
+    for (int t = 0; t < threads; ++t) {
+      auto& copies = g_shared.threads[t];
+      copies.committed.push_back(std::move(copies.open));
+      for (const auto& group : copies.committed)
+        for (const AsyncCopy& copy : group)
+          g_shared.flights.push_back({copy.dst / 16, copy.issue_epoch, LONG_MAX, t});
+    }
+    if (!g_shared.flights.empty()) blocks_with_races += block_has_race();
+  }
   return blocks_with_races;
 }
 

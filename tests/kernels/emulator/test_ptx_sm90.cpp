@@ -773,25 +773,73 @@ TEST(EmulatorNamedBarrier, WholeWarpsOnly) {
   }
 }
 
-// Block x waits until the flag reads x, then releases x + 1: in launch order every wait is satisfied; waiting
-// for a later block is an error here (a hang, or reliance on scheduling, on a GPU).
-void flag_kernel(int* flag, int offset) {
+// Each block takes a ticket t (atomicAdd), waits until the flag reads t + offset, then releases t + 1: in
+// whatever order the blocks run, each wait is for a block that took a lower ticket and so is running already.
+// Waiting for a flag no block that ran earlier released is an error here (a hang, or reliance on scheduling, on
+// a GPU).
+void flag_kernel(int* flag, int* tickets, int offset) {
   if (threadIdx.x == 0) {
-    flag_wait(flag, static_cast<int>(blockIdx.x) + offset);
+    const int ticket = atomicAdd(tickets, 1);
+    flag_wait(flag, ticket + offset);
+    flag_release(flag, ticket + 1);
+  }
+}
+
+// The same chain by blockIdx instead of tickets: it holds only while blocks run in blockIdx order.
+void flag_kernel_by_block_index(int* flag) {
+  if (threadIdx.x == 0) {
+    flag_wait(flag, static_cast<int>(blockIdx.x));
     flag_release(flag, static_cast<int>(blockIdx.x) + 1);
   }
 }
 
-TEST(EmulatorFlags, ReleasedInLaunchOrder) {
-  int* flag = device_copy(std::vector<int>{0});
-  cuda::launch_kernel_sm90a(flag_kernel, dim3(5), dim3(32), 0, nullptr, flag, 0);
-  EXPECT_EQ(host_copy(flag, 1)[0], 5);
+// Runs f with the emulated blocks in the given order, then restores the run's order.
+template <typename F>
+void with_blocks_reversed(bool reversed, F f) {
+  const bool saved = emulator::runtime().blocks_reversed;
+  emulator::runtime().blocks_reversed = reversed;
   try {
-    cuda::launch_kernel_sm90a(flag_kernel, dim3(2), dim3(32), 0, nullptr, flag, 1);  // waits for 6: nobody
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("no earlier block released it"), std::string::npos) << e.what();
+    f();
+  } catch (...) {
+    emulator::runtime().blocks_reversed = saved;
+    throw;
   }
+  emulator::runtime().blocks_reversed = saved;
+}
+
+TEST(EmulatorFlags, ReleasedByBlocksThatRanEarlier) {
+  for (const bool reversed : {false, true}) {
+    int* flag = device_copy(std::vector<int>{0, 0});
+    with_blocks_reversed(reversed, [&] {
+      cuda::launch_kernel_sm90a(flag_kernel, dim3(5), dim3(32), 0, nullptr, flag, flag + 1, 0);
+      EXPECT_EQ(host_copy(flag, 1)[0], 5);
+      try {
+        cuda::launch_kernel_sm90a(flag_kernel, dim3(2), dim3(32), 0, nullptr, flag, flag + 1, 2);  // waits for 7
+        ADD_FAILURE() << "no error";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("no block that ran earlier released it"), std::string::npos) << e.what();
+      }
+    });
+    TUNA_CUDA_CHECK(cudaFree(flag));
+  }
+}
+
+// CUDA does not promise blockIdx order: with the blocks last first, a chain by blockIdx fails at its first wait.
+TEST(EmulatorFlags, BlockIndexOrderIsNotPromised) {
+  int* flag = device_copy(std::vector<int>{0});
+  with_blocks_reversed(false, [&] {
+    cuda::launch_kernel_sm90a(flag_kernel_by_block_index, dim3(3), dim3(32), 0, nullptr, flag);
+  });
+  EXPECT_EQ(host_copy(flag, 1)[0], 3);
+  TUNA_CUDA_CHECK(cudaMemset(flag, 0, sizeof(int)));
+  with_blocks_reversed(true, [&] {
+    try {
+      cuda::launch_kernel_sm90a(flag_kernel_by_block_index, dim3(3), dim3(32), 0, nullptr, flag);
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("flag_wait for value 2"), std::string::npos) << e.what();
+    }
+  });
   TUNA_CUDA_CHECK(cudaFree(flag));
 }
 
