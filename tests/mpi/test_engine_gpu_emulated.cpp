@@ -135,6 +135,21 @@ void expect_replicas_identical(Engine& e, const Fixture& f, Comm& dp) {
   EXPECT_EQ(sum, root) << "rank " << dp.rank() << " drifted from rank 0";
 }
 
+// llama32_tiny's two rows on one rank (the whole batch) and over two (dp rank r trains row r) at ZeRO stage `zero`,
+// from the same weights.
+struct OneRankAndTwo {
+  Fixture f{"llama32_tiny"};
+  DataParallel dp;
+  int row = dp.mesh.dp_rank;
+  SingleRank one;
+  std::unique_ptr<Engine> whole, rows;
+  explicit OneRankAndTwo(int zero) {
+    TUNA_CHECK(f.batch == 2, "llama32_tiny has ", f.batch, " rows, these tests take 2");
+    whole = make_engine(f.config, engine_options(f, "cuda"), one.mesh, fixture_weights(f));
+    rows = make_engine(f.config, row_options(f, zero), dp.mesh, fixture_weights(f), dp.device_comm);
+  }
+};
+
 // ZeRO-0 all-reduces the gradients; ZeRO-1 reduce-scatters them, updates its shard and all-gathers the weights;
 // ZeRO-2 reduce-scatters each unit's gradient as the backward finishes it; ZeRO-3 also gathers each unit's
 // weights before use.
@@ -142,18 +157,14 @@ class EngineGpuDataParallel : public testing::TestWithParam<int> {};
 
 TEST_P(EngineGpuDataParallel, TwoRanksFollowOneRankOnTheWholeBatch) {
   if (test::world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
-  Fixture f("llama32_tiny");
-  ASSERT_EQ(f.batch, 2);
-  DataParallel dp;
-  const int row = dp.mesh.dp_rank;
-  SingleRank one;
-  std::unique_ptr<Engine> whole = make_engine(f.config, engine_options(f, "cuda"), one.mesh, fixture_weights(f));
-  std::unique_ptr<Engine> rows =
-      make_engine(f.config, row_options(f, GetParam()), dp.mesh, fixture_weights(f), dp.device_comm);
+  OneRankAndTwo t(GetParam());
+  const Fixture& f = t.f;
+  const int row = t.row;
+  Engine &whole = *t.whole, &rows = *t.rows;
   const int64_t steps = f.meta.at("steps");
   double worst_loss = 0, worst_norm = 0;
   for (int64_t s = 0; s < steps; s++) {
-    const StepResult a = whole_batch_step(*whole, f, s, steps), b = row_step(*rows, f, row, s, steps);
+    const StepResult a = whole_batch_step(whole, f, s, steps), b = row_step(rows, f, row, s, steps);
     if (row == 0)
       std::printf("  step %2lld  loss 1 rank %.7f 2 ranks %.7f   grad norm %.6f %.6f\n", static_cast<long long>(s),
                   a.loss, b.loss, a.stats.grad_norm, b.stats.grad_norm);
@@ -164,24 +175,24 @@ TEST_P(EngineGpuDataParallel, TwoRanksFollowOneRankOnTheWholeBatch) {
     worst_loss = std::max(worst_loss, rel(b.loss, a.loss));
     worst_norm = std::max(worst_norm, rel(b.stats.grad_norm, a.stats.grad_norm));
   }
-  EXPECT_EQ(rows->steps_taken(), steps);
-  expect_replicas_identical(*rows, f, *dp.mesh.dp);
+  EXPECT_EQ(rows.steps_taken(), steps);
+  expect_replicas_identical(rows, f, *t.dp.mesh.dp);
   // ZeRO-1 at 2 ranks holds bf16 weights and fp32 gradients (6 bytes per parameter) plus half of the 16 bytes
   // of master, moments and reduced gradient: 14 of ZeRO-0's 18 (2 + 4 master + 4 gradients + 8 moments).
   if (GetParam() == 1) {
-    const double ratio = double(rows->state_bytes()) / double(whole->state_bytes());
+    const double ratio = double(rows.state_bytes()) / double(whole.state_bytes());
     if (row == 0) std::printf("  ZeRO-1 state at 2 ranks: %.3f of ZeRO-0's\n", ratio);
     EXPECT_LT(ratio, 14.0 / 18.0 + 0.02);
   }
   // Final master weights and moments: this rank's pieces against the same elements of the one rank's.
   std::vector<float> pw, mw, vw, pr, mr, vr;
-  whole->export_shard(pw, mw, vw);
-  rows->export_shard(pr, mr, vr);
-  const double weight_err = rel_err_norm(pr, pick(pw, rows->segments()));
+  whole.export_shard(pw, mw, vw);
+  rows.export_shard(pr, mr, vr);
+  const double weight_err = rel_err_norm(pr, pick(pw, rows.segments()));
   if (row == 0)
     std::printf("  worst relative difference: loss %.2e, grad norm %.2e; final weights %.2e, m %.2e, v %.2e\n",
-                worst_loss, worst_norm, weight_err, rel_err_norm(mr, pick(mw, rows->segments())),
-                rel_err_norm(vr, pick(vw, rows->segments())));
+                worst_loss, worst_norm, weight_err, rel_err_norm(mr, pick(mw, rows.segments())),
+                rel_err_norm(vr, pick(vw, rows.segments())));
   EXPECT_LE(weight_err, kWeightTol);
 }
 
@@ -197,33 +208,29 @@ class EngineGpuDataParallelAccumulation : public testing::TestWithParam<int> {};
 
 TEST_P(EngineGpuDataParallelAccumulation, TwoMicroBatchesOnTwoRanksFollowOneRank) {
   if (test::world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
-  Fixture f("llama32_tiny");
-  ASSERT_EQ(f.batch, 2);
-  DataParallel dp;
-  const int row = dp.mesh.dp_rank;
-  SingleRank one;
-  std::unique_ptr<Engine> whole = make_engine(f.config, engine_options(f, "cuda"), one.mesh, fixture_weights(f));
-  std::unique_ptr<Engine> rows =
-      make_engine(f.config, row_options(f, GetParam()), dp.mesh, fixture_weights(f), dp.device_comm);
+  OneRankAndTwo t(GetParam());
+  const Fixture& f = t.f;
+  const int row = t.row;
+  Engine &whole = *t.whole, &rows = *t.rows;
   const int64_t steps = 3;
   for (int64_t s = 0; s < steps; s++) {
-    const StepResult a = whole_batch_step(*whole, f, s, steps);
-    rows->begin_step();
+    const StepResult a = whole_batch_step(whole, f, s, steps);
+    rows.begin_step();
     LossSum local;
     for (int r : {row, 1 - row}) {
-      const LossSum l = rows->forward_backward(f.inputs.data() + r * f.seq, f.targets.data() + r * f.seq, 1, f.seq);
+      const LossSum l = rows.forward_backward(f.inputs.data() + r * f.seq, f.targets.data() + r * f.seq, 1, f.seq);
       local.sum += l.sum, local.count += l.count;
     }
-    const StepResult b = rows->finish_step(local, learning_rate(f.optimizer(), s, steps));
+    const StepResult b = rows.finish_step(local, learning_rate(f.optimizer(), s, steps));
     EXPECT_EQ(2 * a.tokens, b.tokens) << "step " << s;
     EXPECT_LE(rel(b.loss, a.loss), kLossTol) << "step " << s << ": " << b.loss << " vs " << a.loss;
     EXPECT_LE(rel(b.stats.grad_norm, a.stats.grad_norm), kGradNormTol)  // of the mean: twice the sum, twice the tokens
         << "step " << s << ": " << b.stats.grad_norm << " vs " << a.stats.grad_norm;
   }
   std::vector<float> pw, mw, vw, pr, mr, vr;
-  whole->export_shard(pw, mw, vw);
-  rows->export_shard(pr, mr, vr);
-  EXPECT_LE(rel_err_norm(pr, pick(pw, rows->segments())), kWeightTol);
+  whole.export_shard(pw, mw, vw);
+  rows.export_shard(pr, mr, vr);
+  EXPECT_LE(rel_err_norm(pr, pick(pw, rows.segments())), kWeightTol);
 }
 
 INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineGpuDataParallelAccumulation, testing::Values(0, 1, 2, 3),
