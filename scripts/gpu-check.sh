@@ -38,7 +38,8 @@
 #      layer (hidden 8192, ffn 28672, 64/8 heads) forward and backward against the CPU model; the engine's device
 #      memory equal to its plan.
 #   2. benches: attention fwd/bwd TFLOP/s (causal, hd128 seq 2k/4k/8k, hd64 seq 4k; the mma and hopper paths
-#      side by side, each against the best peer of step 5), GEMM TFLOP/s at LLaMA 1B/8B/70B shapes, RMSNorm
+#      side by side, each against the best peer of step 5), GEMM TFLOP/s at LLaMA 1B/8B/70B shapes (the
+#      trainer's algorithm, the heuristic's first, beside the fastest of its first 8 timed in place), RMSNorm
 #      (dims 2048-16384)/RoPE/SwiGLU/classifier/embedding backward/AdamW GB/s against a device copy (`of_copy`;
 #      issue 10 aims at >= 85%), the 1B-shaped training step's tokens/s and MFU (and its forward-only and
 #      AdamW-only parts; batch 4 also with TUNA_ATTENTION=hopper); generation's tokens/s with and without the KV
