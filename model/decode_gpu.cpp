@@ -1,8 +1,10 @@
 // DecodeGpu: LlamaGpu's forward (model/llama_gpu.cpp, same ops in the same order) for the positions appended
 // to a KV cache. Per layer, for the n new positions of each sequence:
-//   norm = rmsnorm(x);  q, k, v = norm @ Wq, Wk, Wv;  rope(q, k) at positions length..length+n-1
-//   k, v -> cache[length..];  att = decode_attention(q, cache);  h = x + att @ Wo
-//   norm = rmsnorm(h);  x = h + down(silu(norm @ Wgate) * (norm @ Wup))
+//   norm = rmsnorm(x);  q|k|v = norm @ W[q|k|v] (one GEMM);  rope(q), rope(k) -> cache[length..] at positions
+//   length..length+n-1, v -> cache[length..];  att = decode_attention(q, cache);  h = x + att @ Wo
+//   norm = rmsnorm(h);  gate|up = norm @ W[gate|up] (one GEMM);  x = h + down(silu(gate) * up)
+// RoPE writes k straight into the cache and v is copied there from the fused rows: generation runs a few rows
+// per call, where each launch's cost shows, so a layer makes as few as it can.
 // then logits = lm_head(rmsnorm(x)) at each sequence's last new position only.
 #if TUNA_CUDA
 
@@ -33,6 +35,9 @@ DecodeGpu::DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity)
   if (c.head_dim % 8 != 0 || c.head_dim > 128)
     fail("--device cuda generation: decode attention supports head_dim a multiple of 8 up to 128; this model has ",
          c.head_dim);
+  TUNA_CHECK(layout_.tp().tp_size == 1, "generation runs the whole model on one device (tp 1), not tp ",
+             layout_.tp().tp_size);
+  require_fused_weight_blocks(layout_, c.hidden_size);
   TUNA_CUDA_CHECK(cudaSetDevice(weights.device));
   TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   matmul_ = std::make_unique<cuda::MatmulContext>();
@@ -53,12 +58,10 @@ DecodeGpu::DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity)
   x_ = a.take<__nv_bfloat16>("residual", rows * C);
   h_ = a.take<__nv_bfloat16>("residual mid", rows * C);
   norm_ = a.take<__nv_bfloat16>("norm", rows * C);
+  qkv_ = a.take<__nv_bfloat16>("q|k|v", rows * (c.q_dim() + 2 * c.kv_dim()));
   q_ = a.take<__nv_bfloat16>("q", rows * c.q_dim());
   att_ = a.take<__nv_bfloat16>("attention out", rows * c.q_dim());
-  k_ = a.take<__nv_bfloat16>("k", rows * c.kv_dim());
-  v_ = a.take<__nv_bfloat16>("v", rows * c.kv_dim());
-  gate_ = a.take<__nv_bfloat16>("gate", rows * F);
-  up_ = a.take<__nv_bfloat16>("up", rows * F);
+  gate_up_ = a.take<__nv_bfloat16>("gate|up", rows * 2 * F);
   act_ = a.take<__nv_bfloat16>("swiglu", rows * F);
   last_ = a.take<__nv_bfloat16>("last positions", batch * C);
   logits_ = a.take<__nv_bfloat16>("logits", batch * c.vocab_size);
@@ -89,6 +92,7 @@ void DecodeGpu::append(const int32_t* tokens, int64_t n, float* host_last_logits
     fail("generation: ", n, " new positions after ", length_, " do not fit the KV cache's ", capacity_);
   const int64_t rows = batch_ * n, C = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
   const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim, kvd = c.kv_dim();
+  const int64_t qkv = c.q_dim() + 2 * kvd;  // a row of the fused q|k|v activation
   for (int64_t i = 0; i < rows; ++i)
     if (tokens[i] < 0 || tokens[i] >= V)
       fail("generation: token at position ", i, " is ", tokens[i], ", outside the vocabulary [0, ", V, ")");
@@ -103,23 +107,18 @@ void DecodeGpu::append(const int32_t* tokens, int64_t n, float* host_last_logits
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerOffsets& o = layout_.layer(l);
     cuda::rmsnorm_fwd(norm_, rstd_, nullptr, x_, nullptr, w + o.input_norm, rows, C, c.rms_norm_eps, s);
-    cuda::matmul_fwd(mm, q_, norm_, w + o.q_proj, nullptr, rows, C, c.q_dim(), s);
-    cuda::matmul_fwd(mm, k_, norm_, w + o.k_proj, nullptr, rows, C, kvd, s);
-    cuda::matmul_fwd(mm, v_, norm_, w + o.v_proj, nullptr, rows, C, kvd, s);
-    cuda::rope_fwd(q_, q_, cos, sin, batch_, n, H, D, H * D, H * D, s);
-    cuda::rope_fwd(k_, k_, cos, sin, batch_, n, KV, D, KV * D, KV * D, s);
+    cuda::matmul_fwd(mm, qkv_, norm_, w + o.q_proj, nullptr, rows, C, qkv, s);  // the q|k|v block
+    cuda::rope_fwd(q_, qkv_, cos, sin, batch_, n, H, D, H * D, qkv, s);
     for (int64_t b = 0; b < batch_; ++b) {  // rows b * n .. of k, v -> positions length_ .. of sequence b
-      const size_t bytes = static_cast<size_t>(n * kvd) * sizeof(__nv_bfloat16);
-      const int64_t to = (b * capacity_ + length_) * kvd, from = b * n * kvd;
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(keys_[l] + to, k_ + from, bytes, cudaMemcpyDeviceToDevice, s));
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(values_[l] + to, v_ + from, bytes, cudaMemcpyDeviceToDevice, s));
+      const int64_t to = (b * capacity_ + length_) * kvd, from = b * n * qkv + c.q_dim();
+      cuda::rope_fwd(keys_[l] + to, qkv_ + from, cos, sin, 1, n, KV, D, kvd, qkv, s);
+      copy_rows(values_[l] + to, kvd, qkv_ + from + kvd, qkv, n, kvd, s);
     }
     cuda::decode_attention_fwd(att_, q_, keys_[l], values_[l], batch_, n, length_, capacity_, H, KV, D, s);
     cuda::matmul_fwd(mm, h_, att_, w + o.o_proj, /*residual=*/x_, rows, c.q_dim(), C, s);
     cuda::rmsnorm_fwd(norm_, rstd_, nullptr, h_, nullptr, w + o.post_norm, rows, C, c.rms_norm_eps, s);
-    cuda::matmul_fwd(mm, gate_, norm_, w + o.gate_proj, nullptr, rows, C, F, s);
-    cuda::matmul_fwd(mm, up_, norm_, w + o.up_proj, nullptr, rows, C, F, s);
-    cuda::swiglu_fwd(act_, gate_, up_, rows, F, F, s);
+    cuda::matmul_fwd(mm, gate_up_, norm_, w + o.gate_proj, nullptr, rows, C, 2 * F, s);  // the gate|up block
+    cuda::swiglu_fwd(act_, gate_up_, gate_up_ + F, rows, F, 2 * F, s);
     cuda::matmul_fwd(mm, x_, act_, w + o.down_proj, /*residual=*/h_, rows, F, C, s);
   }
   cuda::rmsnorm_fwd(norm_, rstd_, nullptr, x_, nullptr, w + layout_.final_norm(), rows, C, c.rms_norm_eps, s);

@@ -61,9 +61,8 @@ class DecodeGpu {
   std::vector<__nv_bfloat16*> keys_, values_;  // per layer: [batch, capacity, kv_dim]
   float *rope_cos_ = nullptr, *rope_sin_ = nullptr, *rstd_ = nullptr;
   // Activations of up to batch x capacity new positions, reused by every layer.
-  __nv_bfloat16 *x_ = nullptr, *h_ = nullptr, *norm_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
-                *att_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *act_ = nullptr, *last_ = nullptr,
-                *logits_ = nullptr;
+  __nv_bfloat16 *x_ = nullptr, *h_ = nullptr, *norm_ = nullptr, *qkv_ = nullptr, *q_ = nullptr, *att_ = nullptr,
+                *gate_up_ = nullptr, *act_ = nullptr, *last_ = nullptr, *logits_ = nullptr;
   int32_t* tokens_ = nullptr;
 };
 

@@ -67,6 +67,7 @@ class ParamLayout {
   int64_t final_norm() const { return final_norm_; }
   int64_t lm_head() const { return lm_head_; }  // == embed_tokens() when tied
   const LayerOffsets& layer(int64_t l) const { return layers_[l]; }
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // [begin, end) of layer l in the flat buffer.
   std::pair<int64_t, int64_t> layer_range(int64_t l) const { return layer_ranges_[l]; }
 

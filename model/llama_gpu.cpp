@@ -68,10 +68,6 @@ void DeviceArena::check_all_taken() const {
     TUNA_CHECK(slot.taken, "device buffer '", name, "' is in the memory plan but the engine never uses it");
 }
 
-namespace {
-
-// rows x cols bf16 values from rows src_stride apart to rows dst_stride apart (v out of the fused q|k|v rows, d_v
-// into them), queued on the stream.
 void copy_rows(__nv_bfloat16* dst, int64_t dst_stride, const __nv_bfloat16* src, int64_t src_stride, int64_t rows,
                int64_t cols, cudaStream_t stream) {
   constexpr size_t kBytes = sizeof(__nv_bfloat16);
@@ -79,7 +75,17 @@ void copy_rows(__nv_bfloat16* dst, int64_t dst_stride, const __nv_bfloat16* src,
                                     cudaMemcpyDeviceToDevice, stream));
 }
 
-}  // namespace
+void require_fused_weight_blocks(const ParamLayout& layout, int64_t hidden_size) {
+  const TpDims& d = layout.tp();
+  const int64_t C = hidden_size;
+  for (int64_t l = 0; l < layout.num_layers(); l++) {
+    const LayerOffsets& o = layout.layer(l);
+    TUNA_CHECK(o.k_proj == o.q_proj + d.q_dim * C && o.v_proj == o.k_proj + d.kv_dim * C &&
+                   o.up_proj == o.gate_proj + d.ffn * C,
+               "layer ", l, ": q/k/v or gate/up weights are not adjacent in the parameter layout (tp rank ",
+               d.tp_rank, " of ", d.tp_size, ")");
+  }
+}
 
 // The GpuWeightStore of a model that holds its whole weights and gradient (ZeRO-0 and 1, forward only). Its
 // gradient is fresh from zero_grads() to the end of the next backward, which writes all of it.
@@ -202,13 +208,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   const int64_t n = max_batch * max_seq, C = c.hidden_size, P = layout_.total();
   const TpDims& d = layout_.tp();
   const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads;
-  // The fused GEMMs read q|k|v and gate|up as single weight (and gradient) blocks.
-  for (int64_t l = 0; l < c.num_hidden_layers; l++) {
-    const LayerOffsets& o = layout_.layer(l);
-    TUNA_CHECK(o.k_proj == o.q_proj + qd * C && o.v_proj == o.k_proj + kvd * C && o.up_proj == o.gate_proj + F * C,
-               "layer ", l, ": q/k/v or gate/up weights are not adjacent in the parameter layout (tp rank ",
-               d.tp_rank, " of ", d.tp_size, ")");
-  }
+  require_fused_weight_blocks(layout_, C);  // and their gradients: one block each
   TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
   TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 

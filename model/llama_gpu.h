@@ -303,6 +303,15 @@ double replicated_sum_of_squares(const float* grad, const std::vector<ShardPiece
 // 132 SMs; sm_80: 312 at 108), else a clock x SM estimate.
 double gpu_peak_bf16_flops(int device = 0);
 
+// The fused GEMMs (LlamaGpu, DecodeGpu) read each layer's q|k|v and gate|up as one weight block: fails, naming
+// the layer, unless k_proj follows q_proj, v_proj k_proj, and up_proj gate_proj in `layout`.
+void require_fused_weight_blocks(const ParamLayout& layout, int64_t hidden_size);
+
+// rows x cols bf16 values from rows src_stride apart to rows dst_stride apart (v out of the fused q|k|v rows, d_v
+// into them, v into the KV cache), queued on the stream.
+void copy_rows(__nv_bfloat16* dst, int64_t dst_stride, const __nv_bfloat16* src, int64_t src_stride, int64_t rows,
+               int64_t cols, cudaStream_t stream);
+
 // Device memory for the log line: in use now (cudaMemGetInfo: total - free, all processes) and the card's total.
 // LlamaGpu allocates everything at construction, so its peak equals its use after construction.
 struct GpuMemory {

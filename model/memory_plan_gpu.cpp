@@ -225,9 +225,10 @@ MemoryPlan plan_gpu_decode_memory(const LlamaConfig& c, int64_t batch, int64_t c
   b.add("RoPE sin", MemoryKind::Workspace, capacity * c.head_dim / 2, kF32);
   b.add("rstd", MemoryKind::Activations, rows, kF32);
   for (const char* name : {"residual", "residual mid", "norm"}) b.add(name, MemoryKind::Activations, rows * C, kBf16);
+  b.add("q|k|v", MemoryKind::Activations, rows * (c.q_dim() + 2 * c.kv_dim()), kBf16);
   for (const char* name : {"q", "attention out"}) b.add(name, MemoryKind::Activations, rows * c.q_dim(), kBf16);
-  for (const char* name : {"k", "v"}) b.add(name, MemoryKind::Activations, rows * c.kv_dim(), kBf16);
-  for (const char* name : {"gate", "up", "swiglu"}) b.add(name, MemoryKind::Activations, rows * F, kBf16);
+  b.add("gate|up", MemoryKind::Activations, rows * 2 * F, kBf16);
+  b.add("swiglu", MemoryKind::Activations, rows * F, kBf16);
   b.add("last positions", MemoryKind::Activations, batch * C, kBf16);
   b.add("logits", MemoryKind::Activations, batch * c.vocab_size, kBf16);
   b.add("tokens", MemoryKind::Workspace, rows, kI32);
