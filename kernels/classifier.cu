@@ -266,7 +266,7 @@ void classifier_fwd_bwd(bf16* logits, float* losses, const int32_t* targets, int
   TUNA_CHECK(n >= 0 && vocab > 0 && losses != nullptr, "n ", n, ", vocab ", vocab);
   if (n == 0) return;
   TUNA_CHECK(n < (int64_t(1) << 31), "n ", n);
-  const bool vec = vocab % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  const bool vec = vocab % 8 == 0 && aligned16(logits);
   if (vec) {
     // As much of the row as the device lets one block keep (the attribute is per device: ask each time).
     int device = 0, optin_bytes = 0;
@@ -291,7 +291,7 @@ void classifier_partial_stats(const bf16* logits, float* stats, const int32_t* t
              vocab_begin, ", +", count, ") of ", vocab);
   if (n == 0) return;
   TUNA_CHECK(n < (int64_t(1) << 31), "n ", n);
-  if (count % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0)
+  if (count % 8 == 0 && aligned16(logits))
     launch_kernel(partial_stats_kernel<true>, static_cast<unsigned>(n), kThreads, 0, stream, logits, stats, targets, n,
                   count, vocab_begin, vocab);
   else
@@ -314,7 +314,7 @@ void classifier_parallel_fwd_bwd(bf16* logits, float* losses, const int32_t* tar
   TUNA_CHECK(n >= 0 && count > 0 && losses != nullptr, "n ", n, ", count ", count);
   if (n == 0) return;
   TUNA_CHECK(n < (int64_t(1) << 31), "n ", n);
-  if (count % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0)
+  if (count % 8 == 0 && aligned16(logits))
     launch_kernel(parallel_fwd_bwd_kernel<true>, static_cast<unsigned>(n), kThreads, 0, stream, logits, losses,
                   targets, global_max, sum_and_target, n, count, vocab_begin, dloss);
   else

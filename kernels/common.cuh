@@ -33,6 +33,10 @@ __device__ __forceinline__ Bf16x8 load8_stream(const bf16* p) {
   return *reinterpret_cast<const Bf16x8*>(&raw);
 }
 
+// Whether a pointer can take the 16-byte Packed8 accesses below (host side: a launcher's choice of its vector
+// path or an element-wise one).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // The same 8 bf16 values as four 32-bit words, two values a word (element 2k in the low half of word k):
 // the form in which a kernel caches a row in registers. Held as a Bf16x8, the compiler splits the struct
 // into eight 16-bit values, one register each; as words, 8 values take 4 registers, and each converts to

@@ -88,8 +88,6 @@ __global__ void rope_pair_kernel(bf16* out, const bf16* inp, const float* cos_ta
   y[i + half] = __float2bfloat16(b * c + a * signed_sin);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table, int64_t batch,
                  int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride,
                  float sign, cudaStream_t stream) {

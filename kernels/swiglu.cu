@@ -16,7 +16,7 @@
 // on hardware so far: bench/bench_memory_gpu.cpp reports both against a device copy. The math per element
 // (an exp and a divide) is far below the issue rate at these byte counts. Contiguous rows (stride == cols) are
 // one long row whose n % 8 tail elements are done one by one. With strided rows a vector never crosses a row
-// end: its row is its index / (cols / 8), one 64-bit division per vector, cheap beside its 48 bytes. Rows that
+// end: its row is its index / (cols / 8), one 32-bit division per vector, cheap beside its 48 bytes. Rows that
 // do not start 16-byte aligned (strides not a multiple of 8: tests) take the element-wise path, the whole
 // tensor as the "tail", in a grid-stride loop. sigmoid(x) = 1 / (1 + exp(-x)) in fp32 saturates cleanly at
 // both ends (exp overflow gives 0). out may alias gate or up when stride == cols; dgate and dup may alias gate
@@ -58,7 +58,11 @@ struct VectorAt {
 __device__ __forceinline__ VectorAt vector_at(const Shape& sh, int k) {
   const int64_t v = (static_cast<int64_t>(blockIdx.x) * kVecs + k) * kThreads + threadIdx.x;
   if (v >= sh.n_vec) return {-1, -1};
-  const int64_t row = v / sh.vecs_per_row, col = (v - row * sh.vecs_per_row) * 8;
+  // One long row has no row to find; strided rows take a 32-bit division (make_shape checks n_vec < 2^32): a
+  // few instructions per vector where a 64-bit one costs dozens, in a kernel that should run at copy speed.
+  const int64_t row =
+      sh.vecs_per_row == sh.n_vec ? 0 : static_cast<uint32_t>(v) / static_cast<uint32_t>(sh.vecs_per_row);
+  const int64_t col = (v - row * sh.vecs_per_row) * 8;
   return {row * sh.stride + col, row * sh.cols + col};
 }
 
@@ -129,8 +133,6 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // The shape the kernels see: contiguous rows become one long row (vectors across row ends, a tail at the very
 // end only); strided rows take vectors when every row starts 16-byte aligned.
 Shape make_shape(int64_t rows, int64_t cols, int64_t stride, bool pointers_aligned) {
@@ -141,6 +143,8 @@ Shape make_shape(int64_t rows, int64_t cols, int64_t stride, bool pointers_align
   const bool vectors = pointers_aligned && stride % 8 == 0 && (cols % 8 == 0 || rows == 1);
   sh.vecs_per_row = vectors ? cols / 8 : 0;
   sh.n_vec = rows * sh.vecs_per_row;
+  TUNA_CHECK(rows == 1 || sh.n_vec < (int64_t{1} << 32), "swiglu: ", sh.n_vec, " vectors over ", rows,
+             " rows (the kernel's row arithmetic is 32-bit)");
   sh.tail_cols = cols - sh.vecs_per_row * 8;
   sh.n_tail = rows * sh.tail_cols;
   return sh;
