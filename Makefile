@@ -33,7 +33,8 @@ CPPFLAGS += $(MPI_CFLAGS)
 LDLIBS += $(MPI_LIBS)
 
 # Library: everything under these folders except mains.
-LIB_SRCS := $(wildcard core/*.cpp kernels/cpu/*.cpp model/*.cpp data/*.cpp dist/*.cpp)
+LIB_DIRS := core comm kernels/cpu data model dist plan ckpt engine
+LIB_SRCS := $(wildcard $(LIB_DIRS:%=%/*.cpp))
 LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/obj/%.o)
 
 ifeq ($(CUDA),1)
@@ -49,7 +50,7 @@ ifeq ($(CUDA),1)
   CU_OBJS := $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
   LDLIBS += -L/usr/local/cuda/lib64 -lcudart -lcublasLt -lcublas
   CPPFLAGS += -DTUNA_CUDA=1 -I/usr/local/cuda/include
-  # NCCL (dist/comm_nccl.cpp) when its header is found; NCCL=0 leaves it out.
+  # NCCL (comm/comm_nccl.cpp) when its header is found; NCCL=0 leaves it out.
   NCCL ?= $(if $(wildcard /usr/local/cuda/include/nccl.h /usr/include/nccl.h),1,0)
   ifeq ($(NCCL),1)
     CPPFLAGS += -DTUNA_NCCL=1
@@ -68,25 +69,26 @@ MPI_TESTS := $(if $(MPI_TEST_SRCS),$(BUILD)/mpi_tests)
 EMULATED_MPI_TESTS := $(if $(wildcard tests/mpi/*_emulated.cpp),$(BUILD)/emulated_gpu_mpi_tests)
 # The GPU tests on the host emulator of tests/kernels/emulator: a third binary, build/emulated_gpu_tests, that
 # tests/kernels/test_gpu_emulated.cpp runs. It compiles the GPU tests (the ops' and the GPU model's), the real
-# launchers of kernels/*.cu and the library's CUDA code (model/*_gpu.cpp, and model/engine.cpp, which picks
+# launchers of kernels/*.cu and the library's CUDA code (model/*_gpu.cpp, and engine/engine.cpp, which picks
 # the device) with g++ against the emulator's CUDA runtime, so every build has it, CPU-only included. cuBLASLt
 # is not emulated: kernels/matmul.cu is replaced by a host test double of its contract (matmul_host.cpp), and
 # its test, which would then test the double, is left out (it runs on a GPU only).
 EMULATOR_DIR := tests/kernels/emulator
-EMULATED_LIB_SRCS := model/llama_gpu.cpp model/engine_gpu.cpp model/engine.cpp model/decode_gpu.cpp dist/comm_staged.cpp
+EMULATED_LIB_SRCS := model/llama_gpu.cpp engine/engine_gpu.cpp engine/engine.cpp model/decode_gpu.cpp comm/comm_staged.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
 # The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
 EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
                           $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu)) $(EMULATED_LIB_SRCS))
 EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp $(wildcard $(EMULATOR_DIR)/test_*.cpp) \
                    $(filter-out tests/kernels/test_matmul_gpu.cpp,$(wildcard tests/kernels/*_gpu.cpp)) \
-                   $(wildcard tests/model/*_gpu.cpp)) $(EMULATED_DEVICE_OBJS)
+                   $(filter-out tests/kernels/%,$(wildcard tests/*/*_gpu.cpp))) $(EMULATED_DEVICE_OBJS)
 # The rest of the library that the tests reach is plain C++, the same in every build: its own objects. (A
 # file of it that comes to include a CUDA header belongs in EMULATED_LIB_SRCS; the link says so, as no CUDA
 # library is linked here.)
 EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o), \
                         $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/% $(BUILD)/obj/model/% \
-                                 $(BUILD)/obj/dist/comm.o $(BUILD)/obj/dist/comm_local.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
+                                 $(BUILD)/obj/ckpt/% $(BUILD)/obj/plan/% $(BUILD)/obj/engine/% \
+                                 $(BUILD)/obj/comm/comm.o $(BUILD)/obj/comm/comm_local.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 BENCH_SRCS := $(wildcard bench/*.cpp)
 ifneq ($(CUDA),1)
@@ -177,15 +179,15 @@ $(BUILD)/obj/emulated/%.o: %.cu | $(DEPS_STAMP)
 $(BUILD)/emulated_gpu_tests: $(EMULATED_OBJS) $(EMULATED_HOST_OBJS)
 	$(CXX) $^ -o $@ $(GTEST_LIBS) $(BLAS_LIBS) -fopenmp
 
-# build/emulated_gpu_mpi_tests: the CUDA engine's data-parallel code (model/engine_gpu.cpp at dp > 1) on the
+# build/emulated_gpu_mpi_tests: the CUDA engine's data-parallel code (engine/engine_gpu.cpp at dp > 1) on the
 # emulator under mpirun, which tests/kernels/test_gpu_emulated.cpp launches: tests/mpi/*_emulated.cpp with the
-# MPI tests' main (tests/mpi/main.cpp: MPI_Init, the world comm) and an MpiComm (dist/comm_mpi.cpp) standing in
+# MPI tests' main (tests/mpi/main.cpp: MPI_Init, the world comm) and an MpiComm (comm/comm_mpi.cpp) standing in
 # for NCCL as the device comm (device buffers are host memory here). Only those two objects see MPI's headers;
-# the emulated ones reach MPI through dist/comm.h. Named *_emulated.cpp, not *_gpu.cpp: neither mpi_tests nor
+# the emulated ones reach MPI through comm/comm.h. Named *_emulated.cpp, not *_gpu.cpp: neither mpi_tests nor
 # the gpu-check build (tests/*/*_gpu.cpp) may pick them up, as on a GPU the device comm must be NCCL.
 EMULATED_MPI_TEST_SRCS := $(wildcard tests/mpi/*_emulated.cpp)
 $(BUILD)/emulated_gpu_mpi_tests: $(BUILD)/obj/tests/mpi/main.o $(call emulated_objs,$(EMULATED_MPI_TEST_SRCS)) \
-                                 $(EMULATED_DEVICE_OBJS) $(EMULATED_HOST_OBJS) $(BUILD)/obj/dist/comm_mpi.o
+                                 $(EMULATED_DEVICE_OBJS) $(EMULATED_HOST_OBJS) $(BUILD)/obj/comm/comm_mpi.o
 	$(CXX) $^ -o $@ $(GTEST_LIBS) $(BLAS_LIBS) -fopenmp $(MPI_LIBS)
 
 # ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit
@@ -200,8 +202,7 @@ ifeq ($(CUDA),1)
 GPU_CHECK := $(BUILD)/gpu-check
 GPU_TEST_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,tests/main.cpp $(wildcard tests/*/*_gpu.cpp))
 GPU_BENCHES := $(patsubst bench/%.cpp,$(GPU_CHECK)/bin/%,$(wildcard bench/*_gpu.cpp))
-GPU_ARCHIVE_OBJS := $(filter $(BUILD)/obj/core/% $(BUILD)/obj/kernels/% $(BUILD)/obj/model/% $(BUILD)/obj/dist/% \
-                      $(BUILD)/obj/data/%,$(LIB_OBJS)) $(CU_OBJS)
+GPU_ARCHIVE_OBJS := $(LIB_OBJS) $(CU_OBJS)
 REFERENCE_BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/blas/libblas.a) -lopenblas)
 GPU_CHECK_LIBS := -Wl,-Bstatic $(REFERENCE_BLAS) -lgfortran -lquadmath -lgomp -Wl,-Bdynamic \
                   -L/usr/local/cuda/lib64 -lcudart_static -lcublasLt -lpthread -ldl -lrt -lm
@@ -267,8 +268,8 @@ FUZZ_CASES ?= 300
 FUZZ_SEED ?= 1
 FUZZ_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_SRCS := tests/fuzz/fuzz_readers.cpp $(addprefix core/,checksum.cpp dtype.cpp error.cpp file.cpp json.cpp memory.cpp \
-               options.cpp progress.cpp) model/safetensors.cpp model/config.cpp \
-             model/checkpoint.cpp model/layout.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
+               options.cpp progress.cpp) ckpt/safetensors.cpp model/config.cpp \
+             ckpt/checkpoint.cpp model/layout.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
              $(addprefix data/,tokenizer.cpp tokenizer_json.cpp tiktoken.cpp byte_bpe.cpp sentencepiece_tokenizer.cpp \
                input.cpp prepare.cpp clean.cpp dedup.cpp chat_template.cpp)
 FUZZ_OBJS := $(FUZZ_SRCS:%.cpp=$(BUILD)/obj/fuzz/%.o)

@@ -4,8 +4,8 @@
 //   build/train --config run.toml [--option value ...]
 //   mpirun -np 8 build/train --config run.toml --zero 3 [--tp 2]      (see README: Launching)
 //
-// Ranks: world = dp x tp (dist/comm.h); the loader gives each dp rank disjoint windows. The Engine
-// (model/engine.h) is the model on the chosen device: on cpu, Llama + Zero (every parallel mode); on cuda,
+// Ranks: world = dp x tp (comm/comm.h); the loader gives each dp rank disjoint windows. The Engine
+// (engine/engine.h) is the model on the chosen device: on cpu, Llama + Zero (every parallel mode); on cuda,
 // LlamaGpu on the rank's GPU with gradients all-reduced over NCCL. Rank 0 prints and writes metrics.jsonl;
 // every rank writes its checkpoint shard.
 //
@@ -13,7 +13,7 @@
 // at start and saved in every checkpoint's state.json. SIGTERM/SIGINT/SIGUSR1 (a preemption notice) finish
 // the current step, write a checkpoint and exit 75 (EX_TEMPFAIL: "stopped, not finished"; as does
 // --stop_at_step before --steps), so a job script requeues and `--resume` continues exactly where it stopped.
-// out_dir decides how a run starts (model/run_dir.h): an earlier run there is continued (--resume), replaced
+// out_dir decides how a run starts (ckpt/run_dir.h): an earlier run there is continued (--resume), replaced
 // (--overwrite) or refused.
 
 #include <algorithm>
@@ -35,14 +35,14 @@
 #include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
 #include "data/tokenizer.h"       // model_tokenizer: what checkpoints carry, what shards must match
-#include "dist/comm.h"            // Comm, Mesh, make_world_comm, abort_job
-#include "model/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
+#include "comm/comm.h"            // Comm, Mesh, make_world_comm, abort_job
+#include "ckpt/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
 #include "model/config.h"         // LlamaConfig
-#include "model/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
+#include "engine/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
 #include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, plan_gpu_memory, format_memory_table
 #include "model/optimizer.h"      // OptimizerConfig, learning_rate
-#include "model/run_dir.h"        // open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
+#include "ckpt/run_dir.h"        // open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -228,7 +228,7 @@ int run(int argc, char** argv) {
   const fs::path out_dir = cfg.out_dir, ckpt_root = out_dir / "ckpt";
   // Where the weights come from: a resume checkpoint beats --init beats a fresh init. An earlier run in
   // out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one; a resume takes
-  // the newest checkpoint that verifies on every rank (model/run_dir.h). A plan touches nothing on disk.
+  // the newest checkpoint that verifies on every rank (ckpt/run_dir.h). A plan touches nothing on disk.
   std::optional<fs::path> resume_from;
   if (!cfg.plan_only)
     resume_from = open_run_dir(
@@ -401,7 +401,7 @@ int run(int argc, char** argv) {
                                   tokenizer.files, &progress, &engine->segments(), export_state};
       p = save_checkpoint(ckpt_root, at_step, layout, contents, cfg.ckpt_keep);
       progress.finish();
-    } else {  // one file per rank, written in parallel (model/checkpoint.h)
+    } else {  // one file per rank, written in parallel (ckpt/checkpoint.h)
       if (world->rank() == 0) prepare_sharded_checkpoint(ckpt_root, at_step);
       world->barrier("checkpoint directory created");
       // Rank 0's file (ranks write theirs in parallel, of about the same size).
@@ -453,7 +453,7 @@ int run(int argc, char** argv) {
     inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only
     if (nan_loss_for_tests(world->rank(), step)) loss.sum = NAN;
     const double lr = learning_rate(cfg.opt, step, cfg.steps);
-    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (model/engine.h); no update when
+    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (engine/engine.h); no update when
     // the loss or the gradient norm is not finite (the same decision on every rank).
     const StepResult result = engine->finish_step(loss, lr);
     const OptimizerStats& stats = result.stats;

@@ -1,4 +1,4 @@
-// Bus bandwidth of the collectives of dist/comm.h, as nccl-tests reports it: the MPI backend on host
+// Bus bandwidth of the collectives of comm/comm.h, as nccl-tests reports it: the MPI backend on host
 // buffers, or with --nccl (CUDA builds with NCCL) the NCCL backend on device buffers, one GPU per rank.
 // Run under a launcher; started directly it relaunches itself under `mpirun -np 2`:
 //
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 #if TUNA_NCCL
 #include <cuda_runtime.h>

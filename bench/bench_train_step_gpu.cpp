@@ -9,8 +9,8 @@
 
 #include "bench/gpu_bench_util.h"
 #include "core/error.h"
-#include "dist/comm.h"
-#include "model/engine.h"
+#include "comm/comm.h"
+#include "engine/engine.h"
 #include "model/llama_gpu.h"
 #include "model/memory_plan.h"
 
@@ -84,7 +84,7 @@ BENCHMARK(BM_TrainStep)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(2.0);
 
-// The trainer's step through the engine (model/engine.h) on one GPU, by ZeRO stage and recompute mode, on the
+// The trainer's step through the engine (engine/engine.h) on one GPU, by ZeRO stage and recompute mode, on the
 // same 1B shape at batch 2 x 4096: the overhead of ZeRO-3's code path at world 1 against ZeRO-0 (its gathers are
 // device copies into the rotating buffers, its gradients pass through unit buffers into the shard: aim <= 5%),
 // and of recompute against none (full: a second forward of every layer but the top one, aim <= 1.35x), with the

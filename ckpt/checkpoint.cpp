@@ -1,4 +1,4 @@
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -14,9 +14,9 @@
 #include "core/file.h"
 #include "core/json.h"
 #include "core/memory.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 #include "model/optimizer.h"
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 
 namespace tuna {
 

@@ -1,4 +1,4 @@
-#include "model/hf_convert.h"
+#include "ckpt/hf_convert.h"
 
 #include <algorithm>
 #include <fstream>
@@ -10,10 +10,10 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/progress.h"
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/config.h"
 #include "model/layout.h"
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 
 namespace tuna {
 
@@ -214,7 +214,7 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
   LlamaConfig config = LlamaConfig::from_json(config_json, (ckpt_dir / "config.json").string());
   ParamLayout layout(config);
   // The weights to export: straight from the mapped model.safetensors, or read from the rank files of a checkpoint
-  // written by several ranks (model/checkpoint.h), a bounded run of elements at a time: no copy of the model is
+  // written by several ranks (ckpt/checkpoint.h), a bounded run of elements at a time: no copy of the model is
   // ever held on the host (a 70B model is 280 GB in fp32).
   struct Source {
     const ParamTensor* param;

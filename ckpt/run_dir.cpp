@@ -1,5 +1,5 @@
 // The run directory: see run_dir.h for the rules.
-#include "model/run_dir.h"
+#include "ckpt/run_dir.h"
 
 #include <sys/statvfs.h>
 
@@ -9,8 +9,8 @@
 
 #include "core/error.h"
 #include "core/progress.h"  // periodic_events_left
-#include "dist/comm.h"      // Comm: open_run_dir agrees over the ranks
-#include "model/checkpoint.h"  // list_checkpoints, fsync_path, write_text_file
+#include "comm/comm.h"      // Comm: open_run_dir agrees over the ranks
+#include "ckpt/checkpoint.h"  // list_checkpoints, fsync_path, write_text_file
 
 namespace tuna {
 

@@ -6,7 +6,7 @@
 //
 //   out_dir/metrics.jsonl                              one JSON object per line, each with its "step"
 //   out_dir/metrics.before_resume_step_NNNNNNNN.jsonl  the rows a resume dropped (the killed segment's)
-//   out_dir/ckpt/step_NNNNNNNN/ ... and ckpt/latest    (model/checkpoint.h)
+//   out_dir/ckpt/step_NNNNNNNN/ ... and ckpt/latest    (ckpt/checkpoint.h)
 //
 // An "earlier run" is what build/train writes: a non-empty metrics.jsonl or anything under ckpt/. Other files
 // in out_dir (a run.toml, the prepared data) are not a run and are never touched.
@@ -23,7 +23,7 @@
 
 namespace tuna {
 
-class Comm;  // dist/comm.h
+class Comm;  // comm/comm.h
 
 // --resume: false (a new run), true (continue; fail when there is nothing to continue), auto (continue when
 // there is a checkpoint, else a new run: what a job script that is requeued after preemption wants).
@@ -51,7 +51,7 @@ std::optional<std::filesystem::path> choose_resume_checkpoint(const std::filesys
 // what every rank saw BEFORE rank 0 changes anything (--overwrite deletes the earlier run, rank 0 creates
 // out_dir and, later, metrics.jsonl), so that a slower rank never takes rank 0's new files for an earlier run;
 // a refusal on any rank is an error on every rank. Then, when any rank found a checkpoint, the newest one that
-// verifies on every rank (resume_checkpoint, model/checkpoint.h). Every rank gets the same answer or an error,
+// verifies on every rank (resume_checkpoint, ckpt/checkpoint.h). Every rank gets the same answer or an error,
 // whatever its view of a shared filesystem. `say` gets what rank 0 did (the deletion), `warn` the checkpoints
 // skipped.
 std::optional<std::filesystem::path> open_run_dir(const std::filesystem::path& out_dir, ResumeMode mode,

@@ -1,6 +1,6 @@
-// model/safetensors.cpp — safetensors reader (mmap + full header validation), atomic writer, and
+// ckpt/safetensors.cpp — safetensors reader (mmap + full header validation), atomic writer, and
 // Hugging Face checkpoint directories.
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

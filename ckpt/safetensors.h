@@ -1,4 +1,4 @@
-// model/safetensors.h — reading and writing safetensors files, and Hugging Face checkpoint directories.
+// ckpt/safetensors.h — reading and writing safetensors files, and Hugging Face checkpoint directories.
 //
 // Format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length N, N bytes
 // of JSON, then the data section. The JSON maps each tensor name to {"dtype", "shape", "data_offsets":

@@ -1,5 +1,5 @@
 // Comm pieces shared by every backend: the split rule, the single-rank comm, launcher detection, the mesh.
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 #include <signal.h>
 #include <unistd.h>

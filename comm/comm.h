@@ -1,9 +1,9 @@
 // Comm: the collectives tuna needs, over one group of ranks, behind one small interface.
 //
 // Implementations: SingleComm (one rank; collectives are copies), MpiComm (host buffers, Open MPI or any MPI-3
-// library), LocalComm (ranks as threads of one process, host buffers: dist/comm_local.cpp), NcclComm (device
+// library), LocalComm (ranks as threads of one process, host buffers: comm/comm_local.cpp), NcclComm (device
 // buffers, on the comm's CUDA stream; built with CUDA only) and the staged device comm (device buffers through
-// any host comm: dist/comm_staged.cpp, for ranks that share one GPU, where NCCL refuses to run).
+// any host comm: comm/comm_staged.cpp, for ranks that share one GPU, where NCCL refuses to run).
 // model/ and dist/zero use only this interface, so every parallel mode runs and is tested on CPU under
 // `mpirun -np 2/4` against the single-rank run.
 //
@@ -29,7 +29,7 @@ int64_t comm_type_bytes(CommType type);
 enum class ReduceOp { Sum, Max };
 
 // The MPI backend issues all-reduce and reduce-scatter in chunks of this many bytes: in one call, Open MPI
-// allocates a scratch buffer as large as the message (dist/comm_mpi.cpp), which chunks bound.
+// allocates a scratch buffer as large as the message (comm/comm_mpi.cpp), which chunks bound.
 inline constexpr int64_t kMpiChunkBytes = int64_t(4) << 20;
 
 // [begin, end) of one rank's piece of n elements split over `size` ranks.
@@ -99,12 +99,12 @@ std::unique_ptr<Comm> make_world_comm(double timeout_s);
 // The same on an already initialized MPI (tests' main calls MPI_Init itself).
 std::unique_ptr<Comm> make_mpi_world_comm(double timeout_s);
 
-// Ranks as threads of one process (dist/comm_local.cpp): `size` comms of one group, comm r for the thread that is
+// Ranks as threads of one process (comm/comm_local.cpp): `size` comms of one group, comm r for the thread that is
 // rank r. Collectives on host buffers; every wait bounded by timeout_s (0: forever), failing with an error that
 // names the collective and the ranks that did not arrive.
 std::vector<std::unique_ptr<Comm>> make_local_comms(int size, double timeout_s);
 
-// A device comm through host staging (dist/comm_staged.cpp, CUDA builds): each collective copies its device
+// A device comm through host staging (comm/comm_staged.cpp, CUDA builds): each collective copies its device
 // buffers to pinned host memory on `stream` (a cudaStream_t), runs on `host` (any comm over the same ranks:
 // LocalComm, MpiComm), copies the result back and waits for the copies. What several ranks sharing one GPU use
 // instead of NCCL (which refuses two ranks on one device), and what the emulated tests use under mpirun.

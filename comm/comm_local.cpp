@@ -1,7 +1,7 @@
 // LocalComm: ranks as threads of one process, collectives on host memory. What lets several ranks of the CUDA
 // engine share one GPU in a test (NCCL refuses two ranks on one device, and the GPU machine has no MPI): each
 // thread is a rank, with a LocalComm world (and its dp / tp splits) as host comm and a staged device comm over
-// it (dist/comm_staged.cpp).
+// it (comm/comm_staged.cpp).
 //
 // Every collective is two rendezvous of the group: at the first every rank has posted its buffers; between the
 // two each rank reads the others' buffers and writes only its own output (or a private temporary, for in-place
@@ -18,7 +18,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 namespace tuna {
 

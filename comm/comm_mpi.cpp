@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 namespace tuna {
 

@@ -20,7 +20,7 @@
 
 #include "core/cuda_check.h"  // TUNA_CUDA_CHECK, TUNA_NCCL_CHECK
 #include "core/error.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 namespace tuna {
 

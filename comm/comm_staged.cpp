@@ -1,4 +1,4 @@
-// The staged device comm (dist/comm.h make_staged_device_comm): device collectives carried by a host comm. Each
+// The staged device comm (comm/comm.h make_staged_device_comm): device collectives carried by a host comm. Each
 // call waits for the stream (the work that produced the device buffers), copies them to pinned host memory,
 // runs the host collective, copies the result back and waits again, so when it returns the device buffers hold
 // the result and the stream is idle. bf16 sums are widened to fp32 on the host (MPI has no bf16 arithmetic) and
@@ -13,7 +13,7 @@
 #include "core/cuda_check.h"
 #include "core/dtype.h"
 #include "core/error.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 namespace tuna {
 

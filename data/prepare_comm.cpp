@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "dist/comm.h"  // Comm, make_world_comm, detect_launch, abort_job
+#include "comm/comm.h"  // Comm, make_world_comm, detect_launch, abort_job
 
 namespace tuna {
 

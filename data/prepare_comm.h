@@ -1,6 +1,6 @@
 // What prepare needs from its peers when it runs as several processes (mpirun): one collective, a gather
 // to all of byte strings of uneven lengths. Kept this small so that the single-process run is the same code
-// with a one-member group. The implementation for mpirun (data/prepare_comm.cpp) sits on dist/comm.h's
+// with a one-member group. The implementation for mpirun (data/prepare_comm.cpp) sits on comm/comm.h's
 // Comm, which owns MPI: no MPI call in data/.
 #pragma once
 
@@ -48,7 +48,7 @@ class LocalComm : public PrepareComm {
   }
 };
 
-// When this process is one of several started by mpirun or srun (dist/comm.h: detect_launch), the world as a
+// When this process is one of several started by mpirun or srun (comm/comm.h: detect_launch), the world as a
 // PrepareComm (MPI initialized now, finalized when it is destroyed); otherwise null.
 std::unique_ptr<PrepareComm> world_prepare_comm_if_launched();
 

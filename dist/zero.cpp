@@ -6,36 +6,9 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "model/memory_plan.h"  // zero_buffer_sizes
 
 namespace tuna {
-
-std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int dp_size) {
-  std::vector<Segment> out;
-  for (int u = 0; u < layout.num_units(); u++) {
-    const auto [begin, end] = layout.unit_range(u);
-    const Range r = shard_range(end - begin, dp_rank, dp_size);
-    out.push_back({begin + r.begin, r.size()});
-  }
-  return out;
-}
-
-ZeroBufferSizes zero_buffer_sizes(const ParamLayout& layout, int stage, int dp_rank, int dp_size) {
-  ZeroBufferSizes z;
-  for (const Segment& s : dp_unit_pieces(layout, dp_rank, dp_size)) z.shard += s.size;
-  for (int u = 0; u < layout.num_units(); u++)
-    z.unit = std::max(z.unit, layout.unit_range(u).second - layout.unit_range(u).first);
-  z.moments = stage == 0 ? layout.total() : z.shard;
-  // Stages 1-2 update the model's whole fp32 weights in place (no master copy); stage 1 reads the all-reduced
-  // whole gradient in place (no gradient shard).
-  z.master = stage == 3 ? z.shard : 0;
-  z.grad_shard = stage >= 2 ? z.shard : 0;
-  z.weight_buffers = stage == 3 ? 2 : 0;
-  // Llama's backward finishes one unit's gradient before it starts the next, except a tied embedding's: the
-  // head takes it first and the embedding's backward finishes it last, so two are alive through the layers.
-  z.grad_buffers = stage >= 2 ? (layout.lm_head_unit() == 0 ? 2 : 1) : 0;
-  z.scatter_out = stage >= 2 ? shard_range(z.unit, 0, dp_size).size() : 0;
-  return z;
-}
 
 namespace {
 

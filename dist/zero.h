@@ -35,7 +35,7 @@
 #include <functional>
 #include <vector>
 
-#include "dist/comm.h"
+#include "comm/comm.h"
 #include "model/llama.h"
 #include "model/optimizer.h"
 
@@ -49,25 +49,6 @@ struct StepResult {
 
 // A loss sum over the ranks of `dp` (the sum and the token count; one division per step, llama.h).
 LossSum sum_over_ranks(Comm& dp, const LossSum& local);
-
-// This rank's piece of every unit (shard_range of the unit over dp_size), in unit order: the segments every
-// stage shards state by (and stage 0 spreads checkpoint writes by).
-std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int dp_size);
-
-// What Zero holds on dp rank `dp_rank` of `dp_size`, besides the model's own weights and gradients, in floats.
-// The memory plan (model/memory_plan_cpu.cpp) is made of these figures; Zero's constructor checks its
-// allocations against them, and state_bytes() reports what it allocated.
-struct ZeroBufferSizes {
-  int64_t shard = 0;          // this rank's piece of every unit: the size of the moments, master and gradient shard
-  int64_t moments = 0;        // each of the two AdamW moments (the whole layout at stage 0)
-  int64_t master = 0;         // fp32 master weights: stage 3 (stages 0-2 update the model's fp32 weights in place)
-  int64_t grad_shard = 0;     // stages 2-3 (stages 0-1 read the model's all-reduced gradient)
-  int64_t unit = 0;           // the largest unit, the size of a gather or gradient buffer
-  int weight_buffers = 0;     // stage 3: gathered units (the pair: one computing, one arriving)
-  int grad_buffers = 0;       // stages 2-3: unit gradients alive at once in the backward
-  int64_t scatter_out = 0;    // stages 2-3: one unit's reduce-scatter output
-};
-ZeroBufferSizes zero_buffer_sizes(const ParamLayout& layout, int stage, int dp_rank, int dp_size);
 
 class Zero final : public WeightStore {
  public:

@@ -1,11 +1,11 @@
-// The CPU engine (Llama + Zero), the device choice and the factory; the CUDA engine is model/engine_gpu.cpp.
-#include "model/engine.h"
+// The CPU engine (Llama + Zero), the device choice and the factory; the CUDA engine is engine/engine_gpu.cpp.
+#include "engine/engine.h"
 
 #include <algorithm>
 
 #include "core/error.h"
 #include "core/memory.h"
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 
 #if TUNA_CUDA
 #include <cuda_runtime_api.h>

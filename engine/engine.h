@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/comm.h"
+#include "comm/comm.h"
 #include "dist/zero.h"  // StepResult
 #include "model/config.h"
 #include "model/layout.h"
@@ -67,7 +67,7 @@ WeightFill random_weights(uint64_t seed, double std);
 void fill_whole(const WeightFill& fill, const ParamLayout& layout, float* out);
 // Makes a device comm (NCCL) over the ranks of a host group (the mesh's dp or tp comm) that enqueues on a CUDA
 // stream of the engine. The trainer supplies it, so that only binaries that need NCCL link it; tests supply the
-// staged device comm (dist/comm.h), with which several ranks share one GPU.
+// staged device comm (comm/comm.h), with which several ranks share one GPU.
 using DeviceCommFactory = std::function<std::unique_ptr<Comm>(Comm& group, void* cuda_stream)>;
 
 class Engine {
@@ -141,7 +141,7 @@ MemoryLayout engine_memory_layout(const EngineOptions& options, int dp_size, int
 // this rank's visible GPU, which then must exist): what build/train --plan_only prints, without allocating.
 GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, double capacity_gb);
 
-// The CUDA engine's host memory per rank beyond the process's own (model/engine_gpu.cpp): the starting weights go
+// The CUDA engine's host memory per rank beyond the process's own (engine/engine_gpu.cpp): the starting weights go
 // through one fp32 buffer of the largest piece the rank fills (its piece of each unit at ZeRO 1-3, each whole unit
 // at ZeRO-0); a checkpoint save or resume through one piece of the weights and both moments (fp32) and a moment's
 // bf16 bits. Weight and checkpoint files are mapped and read a piece at a time, never copied whole.
@@ -164,7 +164,7 @@ std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptio
                                     const WeightFill& initial, const DeviceCommFactory& device_comm = nullptr);
 
 #if TUNA_CUDA
-// model/engine_gpu.cpp
+// engine/engine_gpu.cpp
 std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                         const WeightFill& initial, const DeviceCommFactory& device_comm);
 std::unique_ptr<ForwardModel> make_gpu_forward_model(const LlamaConfig& config, int64_t max_batch, int64_t max_seq,

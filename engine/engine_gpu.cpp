@@ -1,4 +1,4 @@
-// The CUDA engine (model/engine.h): LlamaGpu on this rank's GPU, data parallel over the device comm (NCCL) as
+// The CUDA engine (engine/engine.h): LlamaGpu on this rank's GPU, data parallel over the device comm (NCCL) as
 // ZeRO-0, 1, 2 or 3.
 //
 // ZeRO-0. A step: forward_backward per micro-batch accumulates fp32 gradients on the device; finish_step sums
@@ -45,7 +45,7 @@
 #include "core/memory.h"
 #include "kernels/adamw.cuh"  // f32_to_bf16
 #include "model/decode_gpu.h"
-#include "model/engine.h"
+#include "engine/engine.h"
 #include "model/llama_gpu.h"
 
 namespace tuna {

@@ -10,7 +10,7 @@
 // dW^T = inp^T dout    ->  D[ic, oc] = (inp as [ic, n]) x op_T(dout as [oc, n]).
 // Compute type fp32 (CUBLAS_COMPUTE_32F) for every product: bf16 inputs, fp32 accumulation; the fp32 weight
 // gradient is accumulated with beta = 1 into an fp32 C = D, or overwritten with beta = 0 (the first write of a
-// step, kernels/grad_write.h), where cuBLASLt does not read C, so a stale or NaN gradient cannot leak in.
+// step, kernels/cpu/grad_write.h), where cuBLASLt does not read C, so a stale or NaN gradient cannot leak in.
 #include "kernels/matmul.cuh"
 
 #include <utility>

@@ -9,7 +9,7 @@
 #include <map>
 #include <tuple>
 
-#include "kernels/grad_write.h"
+#include "kernels/cpu/grad_write.h"
 
 namespace tuna::cuda {
 
@@ -64,7 +64,7 @@ void matmul_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp
 
 // dinp[n, ic] (= or +=, by accumulate_dinp) dout[n, oc] @ weight[oc, ic]; skipped when dinp is null.
 // dweight[oc, ic] (= or +=, by dweight_write) dout^T @ inp in fp32; skipped when dweight is null. Overwrite
-// (kernels/grad_write.h) never reads dweight, and with n == 0 writes zeros.
+// (kernels/cpu/grad_write.h) never reads dweight, and with n == 0 writes zeros.
 void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
                 const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
                 bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream);

@@ -6,7 +6,7 @@
 //             out[i, j] = w[j] * (x[i, j] * rstd[i])                       out: [n, dim] bf16, OVERWRITTEN
 //   backward: dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k w[k] g[i, k] x[i, k])   bf16, ACCUMULATED
 //             dweight[j] (=|+=) sum_i g[i, j] x[i, j] r[i]                             fp32, by dweight_write
-//             (the first write of a step overwrites: kernels/grad_write.h)
+//             (the first write of a step overwrites: kernels/cpu/grad_write.h)
 //
 // Both are memory-bound: per element the forward moves 4 bytes (x read, out written; 8 with the residual
 // add), the backward 8 (g, x, dinp read, dinp written). The kernels before these measured (H200, main

@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "dist/comm.h"  // shard_range
+#include "comm/comm.h"  // shard_range
 #include "model/config.h"
 
 namespace tuna {

@@ -13,7 +13,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/classifier.h"
 #include "kernels/cpu/decode_attention.h"

@@ -25,7 +25,7 @@
 #include "core/cuda_check.h"
 #include "core/dtype.h"
 #include "core/error.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 #include "kernels/adamw.cuh"
 #include "kernels/attention.cuh"
 #include "kernels/classifier.cuh"
@@ -105,7 +105,7 @@ class LlamaGpu::OwnWeights final : public GpuWeightStore {
 
 // The weight-gradient writes of one backward pass, so that which call overwrites is decided in one place. A
 // unit's buffer comes from the store, fresh or not (GpuWeightStore::UnitGrads); the first write of each tensor
-// into a fresh buffer overwrites it (kernels/grad_write.h), every other write adds. Within a pass each tensor
+// into a fresh buffer overwrites it (kernels/cpu/grad_write.h), every other write adds. Within a pass each tensor
 // has one writer, except:
 //   - the lm_head: a dW GEMM per row chunk (LlamaGpu::head), of which the first overwrites;
 //   - the tied embedding: the lm_head's chunks write the whole [vocab, hidden] block first, then the lookup's

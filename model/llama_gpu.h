@@ -12,7 +12,7 @@
 // Weights and gradients come unit by unit (embedding, each layer, head: model/layout.h) from a GpuWeightStore, as
 // the CPU model's from its WeightStore: the model's own whole buffers (ZeRO-0 and 1), or the engine's sharded
 // store (ZeRO-2: whole bf16 weights, unit gradients reduce-scattered as the backward finishes them; ZeRO-3: unit
-// weights all-gathered before use, model/engine_gpu.cpp).
+// weights all-gathered before use, engine/engine_gpu.cpp).
 //
 // Wiring into the trainer (train.cu, --device cuda), mirroring the CPU loop:
 //   LlamaGpu model(config, micro_batch, seq, opt_config);          // + GpuOptions for bf16 moments / SR
@@ -21,9 +21,9 @@
 //             for each micro-batch: LossSum l = model.forward_backward(inputs, targets, batch, seq);  (host ids)
 //             (data parallel: all-reduce model.grads() over ranks here)
 //             OptimizerStats s = model.adamw_step(1.0 / total_count, lr);
-//   checkpoints: the engine (model/engine_gpu.cpp) reads and writes master_params() and the moments by segment.
+//   checkpoints: the engine (engine/engine_gpu.cpp) reads and writes master_params() and the moments by segment.
 //   logs: mfu = tokens_per_s * model.flops_per_token(seq) / gpu_peak_bf16_flops().
-// model/engine_gpu.cpp does exactly this for the trainer (with data parallelism over NCCL and ZeRO 0-3).
+// engine/engine_gpu.cpp does exactly this for the trainer (with data parallelism over NCCL and ZeRO 0-3).
 #pragma once
 
 #if TUNA_CUDA

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
+#include "model/layout.h"
 
 namespace tuna {
 
@@ -98,6 +99,21 @@ GpuFit check_gpu_fit(const LlamaConfig& config, const MemoryLayout& layout, int6
 // {"items": [{"name", "kind", "bytes"}...], "total": bytes, "peak": bytes}: the plan in metrics.jsonl (the run
 // report's memory table and planned line).
 nlohmann::json memory_plan_json(const MemoryPlan& plan);
+
+// What Zero holds on dp rank `dp_rank` of `dp_size`, besides the model's own weights and gradients, in floats.
+// The CPU memory plan is made of these figures; Zero's constructor (dist/zero.cpp) checks its
+// allocations against them, and state_bytes() reports what it allocated.
+struct ZeroBufferSizes {
+  int64_t shard = 0;          // this rank's piece of every unit: the size of the moments, master and gradient shard
+  int64_t moments = 0;        // each of the two AdamW moments (the whole layout at stage 0)
+  int64_t master = 0;         // fp32 master weights: stage 3 (stages 0-2 update the model's fp32 weights in place)
+  int64_t grad_shard = 0;     // stages 2-3 (stages 0-1 read the model's all-reduced gradient)
+  int64_t unit = 0;           // the largest unit, the size of a gather or gradient buffer
+  int weight_buffers = 0;     // stage 3: gathered units (the pair: one computing, one arriving)
+  int grad_buffers = 0;       // stages 2-3: unit gradients alive at once in the backward
+  int64_t scatter_out = 0;    // stages 2-3: one unit's reduce-scatter output
+};
+ZeroBufferSizes zero_buffer_sizes(const ParamLayout& layout, int stage, int dp_rank, int dp_size);
 
 // model/memory_plan_cpu.cpp
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& layout);

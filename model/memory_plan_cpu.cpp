@@ -3,18 +3,36 @@
 //
 // The persistent items are made of the figures Llama's and Zero's constructors check their allocations against
 // (llama_buffer_sizes, zero_buffer_sizes), so they are exact. The transients are what the trainer allocates for a
-// moment and frees (train.cu, model/checkpoint.cpp, the MPI library); the trainer's measured peak resident memory
+// moment and frees (train.cu, ckpt/checkpoint.cpp, the MPI library); the trainer's measured peak resident memory
 // is held against the plan by tests/dist/test_memory_plan.cpp. The plan is for the layout's dp_rank and tp_rank;
 // rank 0 of each holds the most (the larger pieces of an uneven split, shard_range), so its plan is the one to fit.
 #include <algorithm>
 
 #include "core/error.h"
-#include "dist/zero.h"
+#include "model/optimizer.h"  // dp_unit_pieces
 #include "model/layout.h"
 #include "model/llama.h"
 #include "model/memory_plan.h"
 
 namespace tuna {
+
+ZeroBufferSizes zero_buffer_sizes(const ParamLayout& layout, int stage, int dp_rank, int dp_size) {
+  ZeroBufferSizes z;
+  for (const Segment& s : dp_unit_pieces(layout, dp_rank, dp_size)) z.shard += s.size;
+  for (int u = 0; u < layout.num_units(); u++)
+    z.unit = std::max(z.unit, layout.unit_range(u).second - layout.unit_range(u).first);
+  z.moments = stage == 0 ? layout.total() : z.shard;
+  // Stages 1-2 update the model's whole fp32 weights in place (no master copy); stage 1 reads the all-reduced
+  // whole gradient in place (no gradient shard).
+  z.master = stage == 3 ? z.shard : 0;
+  z.grad_shard = stage >= 2 ? z.shard : 0;
+  z.weight_buffers = stage == 3 ? 2 : 0;
+  // Llama's backward finishes one unit's gradient before it starts the next, except a tied embedding's: the
+  // head takes it first and the embedding's backward finishes it last, so two are alive through the layers.
+  z.grad_buffers = stage >= 2 ? (layout.lm_head_unit() == 0 ? 2 : 1) : 0;
+  z.scatter_out = stage >= 2 ? shard_range(z.unit, 0, dp_size).size() : 0;
+  return z;
+}
 
 namespace {
 
@@ -79,14 +97,14 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
     largest_global = std::max(largest_global, global);
   }
   // Start-up: one global tensor drawn (or read and cut to this rank's block); every stage fills its own pieces in
-  // place (stage 3 its shard), with no staging of the whole model (model/engine.cpp).
+  // place (stage 3 its shard), with no staging of the whole model (engine/engine.cpp).
   add("start-up: one global tensor drawn or read", MemoryKind::Transient, largest_global * kFloat);
   // A checkpoint adds nothing: the engine hands its own weights and moments a piece at a time to the file writer,
   // and a resume reads each piece's bytes straight into the engine's state (Engine::export_state/import_state).
   // A resume maps the checkpoint's files and releases each piece's pages once it is read (page cache, not a copy).
   // Stages 0-1 all-reduce the whole gradient in place, stages 2-3 reduce-scatter each unit's; Open MPI works
   // through a scratch copy of the message, which the MPI backend bounds by sending chunks of kMpiChunkBytes
-  // (a chunked reduce-scatter also stages its chunk: dist/comm_mpi.cpp).
+  // (a chunked reduce-scatter also stages its chunk: comm/comm_mpi.cpp).
   if (m.dp > 1 && m.zero <= 1)
     add("gradient all-reduce: MPI's scratch for one chunk", MemoryKind::Transient,
         std::min(params * kFloat, kMpiChunkBytes));

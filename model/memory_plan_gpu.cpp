@@ -1,4 +1,4 @@
-// plan_gpu_memory: every device buffer of the CUDA engine (model/llama_gpu.cpp, model/engine_gpu.cpp) for one
+// plan_gpu_memory: every device buffer of the CUDA engine (model/llama_gpu.cpp, engine/engine_gpu.cpp) for one
 // rank, by name, in the order of its one device arena. The engine lays its arena out from this list and takes
 // each buffer by name with its element count (DeviceArena::take checks the bytes), and fails at construction if
 // a listed buffer is not taken: the plan is the allocation, not an estimate of it. Plain C++, in every build.
@@ -9,7 +9,6 @@
 #include <functional>
 
 #include "core/error.h"
-#include "dist/zero.h"  // dp_unit_pieces
 #include "kernels/scratch.h"
 #include "model/layout.h"
 #include "model/optimizer.h"  // shard_pieces
@@ -203,7 +202,7 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   b.add("cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes, 1);
 
   // NCCL pads a unit it reduce-scatters or gathers to a multiple of dp in a scratch buffer of its own
-  // (dist/comm_nccl.cpp), allocated on first use.
+  // (comm/comm_nccl.cpp), allocated on first use.
   if (l.dp > 1) {
     const int64_t chunk = (largest_unit(layout) + l.dp - 1) / l.dp;
     b.add_outside_arena("NCCL padding scratch (the comm's own)", MemoryKind::Communication,

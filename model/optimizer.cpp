@@ -54,6 +54,16 @@ double clip_scale(const OptimizerConfig& c, double grad_norm) {
   return c.grad_clip > 0 ? std::min(1.0, c.grad_clip / (grad_norm + 1e-6)) : 1.0;
 }
 
+std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int dp_size) {
+  std::vector<Segment> out;
+  for (int u = 0; u < layout.num_units(); u++) {
+    const auto [begin, end] = layout.unit_range(u);
+    const Range r = shard_range(end - begin, dp_rank, dp_size);
+    out.push_back({begin + r.begin, r.size()});
+  }
+  return out;
+}
+
 std::vector<ShardPiece> shard_pieces(const ParamLayout& layout, const std::vector<Segment>& segments) {
   std::vector<ShardPiece> pieces;
   int64_t shard = 0;

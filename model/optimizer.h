@@ -57,7 +57,7 @@ struct Segment {
 
 // One piece of a rank's checkpoint state: piece `index` of its segments, the fp32 master weights and AdamW
 // moments (segments[index].size elements each). Engines hand them out (export) or take them in (import) a piece
-// at a time, in segment order, so that no rank holds its whole shard twice on the host (model/engine.h).
+// at a time, in segment order, so that no rank holds its whole shard twice on the host (engine/engine.h).
 using StateSink = std::function<void(size_t index, const float* params, const float* m, const float* v)>;
 using StateSource = std::function<void(size_t index, float* params, float* m, float* v)>;
 // Runs an export: calls the sink once per segment, in order (Engine::export_state bound to its engine).
@@ -72,6 +72,10 @@ struct ShardPiece {
 // Every non-empty intersection of `segments` (shard order) with the tensors of `layout`, in shard order: what a
 // sharded optimizer needs to know which decay and which tp split applies to each element it owns.
 std::vector<ShardPiece> shard_pieces(const ParamLayout& layout, const std::vector<Segment>& segments);
+
+// This rank's piece of every unit (shard_range of the unit over dp_size), in unit order: the segments every
+// stage shards state by (and stage 0 spreads checkpoint writes by).
+std::vector<Segment> dp_unit_pieces(const ParamLayout& layout, int dp_rank, int dp_size);
 
 // How a sharded optimizer's caller lays out params or grads: Shard, the owned elements concatenated (shard
 // order); Flat, the whole flat layout, of which the owned elements are read and written in place (a CPU ZeRO-1

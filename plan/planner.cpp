@@ -1,6 +1,6 @@
-// The planner (model/planner.h): hardware and model catalogues, measured rates, the step-time model, the job's
+// The planner (plan/planner.h): hardware and model catalogues, measured rates, the step-time model, the job's
 // verdict and the layout search.
-#include "model/planner.h"
+#include "plan/planner.h"
 
 #include <unistd.h>
 
@@ -15,8 +15,8 @@
 
 #include "core/error.h"
 #include "core/progress.h"
-#include "dist/comm.h"  // shard_range
-#include "dist/zero.h"  // dp_unit_pieces
+#include "comm/comm.h"  // shard_range
+#include "model/optimizer.h"  // dp_unit_pieces
 #include "model/layout.h"
 
 namespace tuna {
@@ -69,7 +69,7 @@ const GpuKind& find_gpu(const std::string& name) {
     known += (known.empty() ? "" : ", ") + g.name;
   }
   fail("unknown GPU kind '", name, "': the planner knows ", known,
-       " (add one to gpu_catalogue in model/planner.cpp with its peak, memory and bandwidth)");
+       " (add one to gpu_catalogue in plan/planner.cpp with its peak, memory and bandwidth)");
 }
 
 // ---- models ----
@@ -196,14 +196,14 @@ Rates parse_rates(const json& j, const std::string& where) {
 
 Rates load_rates(const fs::path& path) {
   const json j = read_json_file(path);
-  if (j.is_null()) fail(path.string(), ": cannot open the rates table (model/plan_rates.json of the checkout; --rates FILE)");
+  if (j.is_null()) fail(path.string(), ": cannot open the rates table (plan/plan_rates.json of the checkout; --rates FILE)");
   return parse_rates(j, path.string());
 }
 
 fs::path default_rates_path() {
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {  // build/plan -> build/../model/plan_rates.json; build/gpu-check/bin/plan -> ../../../model/...
+  if (!ec) {  // build/plan -> build/../plan/plan_rates.json; build/gpu-check/bin/plan -> ../../../model/...
     for (fs::path dir = exe.parent_path(); !dir.empty() && dir != dir.root_path(); dir = dir.parent_path())
       if (fs::exists(dir / "model" / "plan_rates.json")) return dir / "model" / "plan_rates.json";
   }

@@ -5,7 +5,7 @@
 //                    For a layout the engine's plan refuses (tensor parallelism was one until issue 9 brought it
 //                    to cuda), the planner says so and prices the layout as designed instead (design_gpu_memory),
 //                    marked as such.
-//   step time        compute from measured rates (model/plan_rates.json: GEMM and attention TFLOP/s, memory-bound
+//   step time        compute from measured rates (plan/plan_rates.json: GEMM and attention TFLOP/s, memory-bound
 //                    kernels as a share of the measured copy bandwidth, launch gaps), never from datasheets alone;
 //                    communication from the bytes each collective moves over the bus bandwidth of the link it
 //                    crosses (nccl-tests' busbw convention), exposed where the engine does not overlap it.
@@ -84,10 +84,10 @@ struct Rates {
   double attention_rate(int64_t head_dim, int64_t seq, bool backward) const;
   double memory_rate(const std::string& kernel) const;  // bytes/s
 };
-// Parses model/plan_rates.json's format; `source` names the file in errors (a missing field is named).
+// Parses plan/plan_rates.json's format; `source` names the file in errors (a missing field is named).
 Rates parse_rates(const nlohmann::json& j, const std::string& source);
 Rates load_rates(const std::filesystem::path& path);
-// model/plan_rates.json of this checkout: beside the running binary's build/ directory, else the working directory.
+// plan/plan_rates.json of this checkout: beside the running binary's build/ directory, else the working directory.
 std::filesystem::path default_rates_path();
 // The rates table `base` with the GEMM, attention and memory sections replaced by what gpu-check measured
 // (OUTDIR/benches.json, or a directory of gemm.json, attention.json, memory.json: Google Benchmark JSON);

@@ -290,8 +290,8 @@ sys.exit(0 if ok else 1)
 PY
 cat "$TRAIN_SUMMARY" >>"$OUT/train.log" 2>/dev/null
 
-# ---- 3b. the planner against measurement (model/planner.h, build/plan): the 1B step's time planned with the rates
-# this run's benches measured (and with the committed model/plan_rates.json) against bench_train_step's; the
+# ---- 3b. the planner against measurement (plan/planner.h, build/plan): the 1B step's time planned with the rates
+# this run's benches measured (and with the committed plan/plan_rates.json) against bench_train_step's; the
 # planned arena against the bench model's device bytes; the demo run's GPU memory in use against its plan, which
 # measures the reserve outside the plan (CUDA context, cuBLASLt, NCCL) that build/plan assumes (--reserve_gib).
 log "== plan vs measured ($BIN/plan)"
@@ -304,13 +304,13 @@ if [ ! -x "$BIN/plan" ]; then
   STEP[plan]="FAILED ($BIN/plan missing: make gpu-check-build)"; status=1
 else
   plan_run() { timeout "$(within 60)" "$BIN/plan" --gpu "$PLAN_GPU" --gpus_per_node 1 --tokens 1M --json "$@"; }
-  "$BIN/plan" --refresh_rates "$BENCH_JSON" --rates model/plan_rates.json --rates_out "$RUNS/rates.json" \
+  "$BIN/plan" --refresh_rates "$BENCH_JSON" --rates plan/plan_rates.json --rates_out "$RUNS/rates.json" \
     >>"$OUT/benches.log" 2>&1 || STEP[plan]="FAILED (rates refresh: benches.log)"
   for b in 2 4; do
     plan_run --model llama-3.2-1b --micro_batch $b --seq_len 4096 --rates "$RUNS/rates.json" >"$RUNS/plan_b$b.json" 2>>"$OUT/benches.log"
-    plan_run --model llama-3.2-1b --micro_batch $b --seq_len 4096 --rates model/plan_rates.json >"$RUNS/plan_b${b}_committed.json" 2>>"$OUT/benches.log"
+    plan_run --model llama-3.2-1b --micro_batch $b --seq_len 4096 --rates plan/plan_rates.json >"$RUNS/plan_b${b}_committed.json" 2>>"$OUT/benches.log"
   done
-  plan_run --model demo/config.json --micro_batch 8 --seq_len 128 --rates model/plan_rates.json >"$RUNS/plan_demo.json" 2>>"$OUT/benches.log"
+  plan_run --model demo/config.json --micro_batch 8 --seq_len 128 --rates plan/plan_rates.json >"$RUNS/plan_demo.json" 2>>"$OUT/benches.log"
   python3 - "$BENCH_JSON" "$RUNS" "$PLAN_SUMMARY" <<'PY' || { STEP[plan]="FAILED (plan vs measured: see the table)"; status=1; }
 import json, sys
 bench_dir, runs, summary = sys.argv[1:4]
@@ -323,7 +323,7 @@ rows, ok = [], True
 benches = (load(f"{bench_dir}/train_step.json") or {}).get("benchmarks", [])
 for b in (2, 4):
     measured = next((x for x in benches if x["name"].startswith(f"BM_TrainStep/batch:{b}/seq:4096/part:0")), None)
-    for tag, note in (("", "rates of this run's benches"), ("_committed", "rates of model/plan_rates.json")):
+    for tag, note in (("", "rates of this run's benches"), ("_committed", "rates of plan/plan_rates.json")):
         plan = load(f"{runs}/plan_b{b}{tag}.json")
         if not plan or not measured:
             rows.append((f"1B step {b}x4096 ({note})", "missing", "plan or bench_train_step result absent")); ok = False

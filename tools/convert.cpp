@@ -14,8 +14,8 @@
 #include "core/error.h"
 #include "core/options.h"
 #include "data/tokenizer.h"  // the tokenizer the model carries; the files transformers needs beside it
-#include "model/checkpoint.h"  // read_config_json, resolve_checkpoint
-#include "model/hf_convert.h"
+#include "ckpt/checkpoint.h"  // read_config_json, resolve_checkpoint
+#include "ckpt/hf_convert.h"
 
 int main(int argc, char** argv) {
   return tuna::guarded_main([&] {

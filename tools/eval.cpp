@@ -21,9 +21,9 @@
 #include "core/threads.h"
 #include "data/loader.h"
 #include "data/tokenizer.h"  // model_tokenizer
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/config.h"
-#include "model/engine.h"  // ForwardModel: the forward pass on cpu or cuda
+#include "engine/engine.h"  // ForwardModel: the forward pass on cpu or cuda
 
 int main(int argc, char** argv) {
   using namespace tuna;

@@ -1,9 +1,9 @@
-// build/plan — before a run: will it fit, how fast, how long, at what cost (model/planner.h).
+// build/plan — before a run: will it fit, how fast, how long, at what cost (plan/planner.h).
 //
 //   build/plan --model llama-2-70b --gpu h100-80gb --nodes 2 --tokens 130B --hours 72 --price 4.34
 //              --tp 8 --zero 3 --micro_batch 1 --seq_len 4096 --grad_accum 32 [--search]    (one line)
 //   build/plan --model ~/models/Llama-3.2-1B --gpu h200 --data 'data/contracts/train-*.bin' --json
-//   build/plan --refresh_rates GPU_CHECK_OUTDIR [--rates_out model/plan_rates.json]
+//   build/plan --refresh_rates GPU_CHECK_OUTDIR [--rates_out plan/plan_rates.json]
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -12,7 +12,7 @@
 #include "core/options.h"
 #include "data/loader.h"  // expand_shard_paths
 #include "data/shard.h"   // ShardReader
-#include "model/planner.h"
+#include "plan/planner.h"
 
 namespace {
 
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
     o.add("overlap", &overlap, "share of the ZeRO collectives hidden behind compute, 0-1 (default: what the engine does)");
     o.add("search", &search, "rank every layout that fits by predicted time");
     o.add("json", &as_json, "print the prediction as one JSON object (scripts)");
-    o.add("rates", &rates_path, "measured rates table (default: model/plan_rates.json of this checkout)");
+    o.add("rates", &rates_path, "measured rates table (default: plan/plan_rates.json of this checkout)");
     o.add("refresh_rates", &refresh, "a gpu-check OUTDIR: write the rates table refreshed from its bench JSON and stop");
     o.add("rates_out", &rates_out, "where --refresh_rates writes (default: the table it read)");
     if (!o.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value; see --help)");

@@ -21,9 +21,9 @@
 #include "core/options.h"
 #include "core/threads.h"
 #include "data/tokenizer.h"
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/config.h"
-#include "model/engine.h"  // ForwardModel: the forward pass on cpu or cuda
+#include "engine/engine.h"  // ForwardModel: the forward pass on cpu or cuda
 
 namespace {
 

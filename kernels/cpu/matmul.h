@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "kernels/grad_write.h"
+#include "kernels/cpu/grad_write.h"
 
 namespace tuna::cpu {
 
@@ -13,7 +13,7 @@ void matmul_fwd(T* out, const T* inp, const T* weight, int64_t n, int64_t ic, in
 
 // dinp[n, ic] (= or +=, by accumulate_dinp) dout[n, oc] @ weight[oc, ic]; skipped when dinp is null.
 // dweight[oc, ic] (= or +=, by dweight_write) dout^T @ inp; skipped when dweight is null. Overwrite
-// (kernels/grad_write.h) never reads dweight, and with n == 0 writes zeros.
+// (kernels/cpu/grad_write.h) never reads dweight, and with n == 0 writes zeros.
 template <typename T>
 void matmul_bwd(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, int64_t n,
                 int64_t ic, int64_t oc, bool accumulate_dinp, GradWrite dweight_write);

@@ -7,7 +7,7 @@
 //             dweight[j]  = or += sum_i g[i, j] x[i, j] r[i]                                    by dweight_write
 //
 // dinp accumulates because it is the residual stream's gradient; dweight accumulates over micro-batches after
-// the step's first write, which overwrites (kernels/grad_write.h).
+// the step's first write, which overwrites (kernels/cpu/grad_write.h).
 // Row sums are taken in double. dweight is a reduction over rows: threads split its columns and each
 // sums its rows in order, so the result does not depend on the thread count.
 #include "kernels/cpu/rmsnorm.h"

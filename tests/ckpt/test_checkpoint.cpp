@@ -9,12 +9,11 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/llama.h"
 #include "model/optimizer.h"
-#include "model/safetensors.h"
-#include "dist/comm.h"
-#include "dist/zero.h"  // dp_unit_pieces
+#include "ckpt/safetensors.h"
+#include "comm/comm.h"
 #include "tests/test_util.h"
 
 #include <nlohmann/json.hpp>

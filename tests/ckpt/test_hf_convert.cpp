@@ -1,4 +1,4 @@
-// model/hf_convert.h's export from a checkpoint written by several ranks: the rank files are read a bounded run
+// ckpt/hf_convert.h's export from a checkpoint written by several ranks: the rank files are read a bounded run
 // at a time (no copy of the model on the host), and the export is the same bytes as from the single-file
 // checkpoint of the same weights. (The round trips through transformers are tests/tools/test_convert.cpp's.)
 #include <gtest/gtest.h>
@@ -6,9 +6,8 @@
 #include <algorithm>
 #include <filesystem>
 
-#include "dist/zero.h"  // dp_unit_pieces
-#include "model/checkpoint.h"
-#include "model/hf_convert.h"
+#include "ckpt/checkpoint.h"
+#include "ckpt/hf_convert.h"
 #include "model/llama.h"
 #include "model/optimizer.h"
 #include "tests/test_util.h"

@@ -1,4 +1,4 @@
-// The run directory's rules (model/run_dir.h): an earlier run is continued, replaced or refused, never mixed;
+// The run directory's rules (ckpt/run_dir.h): an earlier run is continued, replaced or refused, never mixed;
 // a resume truncates metrics.jsonl to its step and keeps the file as it was; the disk is checked at start.
 // (tests/tools/test_train.cpp runs the same rules through build/train.)
 #include <gtest/gtest.h>
@@ -10,7 +10,7 @@
 #include <functional>
 
 #include "core/error.h"
-#include "model/run_dir.h"
+#include "ckpt/run_dir.h"
 #include "tests/test_util.h"
 
 namespace tuna {

@@ -1,7 +1,7 @@
-// Tests for model/safetensors.h: round trips through the writer and reader, the layout the spec
+// Tests for ckpt/safetensors.h: round trips through the writer and reader, the layout the spec
 // requires, every kind of bad file (built byte by byte in a temporary directory) and Hugging Face
 // checkpoint directories (single file, sharded index, pickle refusal).
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>

@@ -1,5 +1,5 @@
 // The semantics of every Comm, checked the same way whatever carries it: MpiComm under mpirun
-// (tests/mpi/test_comm.cpp) and LocalComm's threads (tests/dist/test_comm_local.cpp). Each function is one rank's
+// (tests/mpi/test_comm.cpp) and LocalComm's threads (tests/comm/test_comm_local.cpp). Each function is one rank's
 // side of a check; every rank of the group calls it. Uneven sizes (n not a multiple of the ranks, n < ranks, 0),
 // every type, the world and the dp x tp mesh's groups.
 #pragma once
@@ -11,7 +11,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 namespace tuna::comm_checks {
 

@@ -1,4 +1,4 @@
-// dist/comm's collectives under `mpirun -np 2` and `-np 4` (the tests themselves are in tests/mpi/test_comm.cpp).
+// comm/comm's collectives under `mpirun -np 2` and `-np 4` (the tests themselves are in tests/mpi/test_comm.cpp).
 #include <gtest/gtest.h>
 
 #include "tests/dist/dist_test_util.h"

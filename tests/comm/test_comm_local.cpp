@@ -1,4 +1,4 @@
-// dist/comm_local.cpp: ranks as threads of one process. The checks every comm passes (tests/dist/comm_checks.h) at
+// comm/comm_local.cpp: ranks as threads of one process. The checks every comm passes (tests/comm/comm_checks.h) at
 // 1 to 4 threads, the mesh's splits, and a rank that never arrives: the others stop within the timeout with an
 // error naming the collective and the missing rank.
 #include <gtest/gtest.h>
@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "core/error.h"
-#include "dist/comm.h"
-#include "tests/dist/comm_checks.h"
+#include "comm/comm.h"
+#include "tests/comm/comm_checks.h"
 
 namespace tuna {
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/progress.h"
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 #include "tests/test_util.h"
 
 namespace tuna {

@@ -1,6 +1,6 @@
 // A rank that dies or hangs mid-step stops the whole job, within --comm_timeout, with an error naming the
-// rank and the collective (dist/comm_mpi.cpp). The fault is injected by build/train itself (TUNA_FAULT, see
-// dist/comm.h) after the rank's backward of step 3, so the others are already waiting in the step's first
+// rank and the collective (comm/comm_mpi.cpp). The fault is injected by build/train itself (TUNA_FAULT, see
+// comm/comm.h) after the rank's backward of step 3, so the others are already waiting in the step's first
 // collective.
 #include <gtest/gtest.h>
 

@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/config.h"
 #include "model/layout.h"
 #include "tests/dist/dist_test_util.h"

@@ -1,4 +1,4 @@
-// Helpers of the engine tests (tests/model/test_engine.cpp on the CPU, test_engine_gpu.cpp on a GPU): a
+// Helpers of the engine tests (tests/engine/test_engine.cpp on the CPU, test_engine_gpu.cpp on a GPU): a
 // single-rank mesh, engine options and starting weights from a transformers fixture, and one training step.
 #pragma once
 
@@ -15,9 +15,9 @@
 
 #include <gtest/gtest.h>
 
-#include "dist/comm.h"
-#include "model/checkpoint.h"
-#include "model/engine.h"
+#include "comm/comm.h"
+#include "ckpt/checkpoint.h"
+#include "engine/engine.h"
 #include "tests/model/fixture.h"
 
 namespace tuna::testing_util {
@@ -77,7 +77,7 @@ inline void expect_non_finite_steps_skipped(const Fixture& f, const std::string&
   EXPECT_EQ(m0, m1);
 }
 
-// Ranks as threads of this process (dist/comm_local.cpp): body(world) on `ranks` threads, each with its own
+// Ranks as threads of this process (comm/comm_local.cpp): body(world) on `ranks` threads, each with its own
 // world comm of one group. A rank's exception becomes a test failure naming the rank (the others then stop at
 // their next collective within `timeout_s`).
 inline void run_thread_ranks(int ranks, const std::function<void(Comm& world)>& body, double timeout_s = 120) {

@@ -1,4 +1,4 @@
-// model/engine.h on the CPU backend: the engine the trainer drives follows the transformers fixtures over 10
+// engine/engine.h on the CPU backend: the engine the trainer drives follows the transformers fixtures over 10
 // AdamW steps, and a checkpoint exchange (export_shard -> import_shard) continues bit for bit at every ZeRO
 // stage, a piece at a time without a host copy of the shard; the device choice says why it cannot give cuda.
 #include <gtest/gtest.h>
@@ -7,12 +7,12 @@
 #include <cstdio>
 
 #include "core/error.h"
-#include "dist/comm.h"
-#include "model/checkpoint.h"
-#include "model/engine.h"
-#include "model/safetensors.h"
+#include "comm/comm.h"
+#include "ckpt/checkpoint.h"
+#include "engine/engine.h"
+#include "ckpt/safetensors.h"
 #include "dist/zero.h"
-#include "tests/model/engine_test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace tuna {
 namespace {

@@ -1,4 +1,4 @@
-// model/engine.h on the CUDA backend (model/engine_gpu.cpp), single rank: the engine the trainer drives with
+// engine/engine.h on the CUDA backend (engine/engine_gpu.cpp), single rank: the engine the trainer drives with
 // --device cuda follows the CPU engine over 10 AdamW steps, a checkpoint exchange (export_shard ->
 // import_shard into a fresh engine) continues bit for bit with fp32 moments, bf16 moments and stochastic
 // rounding, the exchange goes a piece at a time through one host buffer, and the status the log prints is the
@@ -11,11 +11,11 @@
 
 #include <cmath>
 
-#include "dist/comm.h"
-#include "model/checkpoint.h"
-#include "model/engine.h"
+#include "comm/comm.h"
+#include "ckpt/checkpoint.h"
+#include "engine/engine.h"
 #include "tests/kernels/gpu_test_util.h"
-#include "tests/model/engine_test_util.h"
+#include "tests/engine/engine_test_util.h"
 #include "tests/model/ranks_test_util.h"
 
 namespace tuna {
@@ -130,7 +130,7 @@ TEST_P(EngineGpuState, MovesAPieceAtATimeThroughOneHostBuffer) {
     b->import_shard(p, m, v);
   }
   const testing_util::StateExchange x = testing_util::exchange_state_piecewise(*a, *b);
-  // The plan the trainer prints (model/engine.h) is what the exchange holds.
+  // The plan the trainer prints (engine/engine.h) is what the exchange holds.
   const int64_t staging = plan_gpu_host_staging(config, o, 1, 0, 1, 0).checkpoint_bytes;
   const int64_t shard_bytes = x.shard_elements * int64_t(sizeof(float));
   std::printf("  shard %.2f MB per array, largest piece %.2f MB; heap growth export %.3f MB, import %.3f MB, planned "
@@ -293,7 +293,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Several ranks on ONE device, as threads of this process (NCCL refuses two ranks on one GPU, and the GPU
 // machine has no MPI): each thread builds its engine on device 0 with a LocalComm world and staged device comms
-// over its dp and tp groups (dist/comm_local.cpp, dist/comm_staged.cpp), and must follow one rank on the whole
+// over its dp and tp groups (comm/comm_local.cpp, comm/comm_staged.cpp), and must follow one rank on the whole
 // batch (tests/model/ranks_test_util.h, which also argues the bound). The same cases run under mpirun on the
 // emulator (tests/mpi/test_engine_gpu_emulated.cpp).
 class EngineGpuThreadRanks : public testing::TestWithParam<testing_util::RanksCase> {};

@@ -39,10 +39,10 @@
 #include "data/prepare.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/config.h"
 #include "model/layout.h"
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;

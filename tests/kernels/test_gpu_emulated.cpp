@@ -3,7 +3,7 @@
 // the kernels' own device code, compiled with g++ against an emulated CUDA runtime, with the GPU tests' own
 // checks and tolerances against the CPU twins; and the GPU model's tests (tests/model/*_gpu.cpp: LlamaGpu and
 // the CUDA engine against the transformers fixtures and the CPU model), which run model/llama_gpu.cpp and
-// model/engine_gpu.cpp on those kernels, with a host test double standing in for cuBLASLt
+// engine/engine_gpu.cpp on those kernels, with a host test double standing in for cuBLASLt
 // (emulator/matmul_host.cpp). A GPU is not needed; on a GPU machine the same tests also run for real in the
 // tuna_tests binary.
 //
@@ -17,7 +17,7 @@
 // first only: what they add to the op tests is the orchestration (the arena plan, op order, accumulate flags,
 // checkpoint exchange), which does not depend on how the warps of a kernel interleave.
 //
-// The CUDA engine's data-parallel code (model/engine_gpu.cpp at dp > 1: the gradient all-reduce, the
+// The CUDA engine's data-parallel code (engine/engine_gpu.cpp at dp > 1: the gradient all-reduce, the
 // checkpoint restore that gathers each unit on the device) runs in a fourth binary, build/emulated_gpu_mpi_tests
 // (tests/mpi/*_emulated.cpp), under `mpirun -np 2`, with an MpiComm standing in for NCCL.
 #include <gtest/gtest.h>

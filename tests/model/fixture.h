@@ -12,7 +12,7 @@
 
 #include "model/config.h"
 #include "model/optimizer.h"
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 
 namespace tuna::testing_util {
 

@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dist/comm.h"
+#include "comm/comm.h"
 #include "dist/zero.h"
 #include "model/config.h"
 #include "model/llama.h"

@@ -1,5 +1,5 @@
 // Several ranks of the CUDA engine against one rank: the check that runs on threads sharing one device
-// (tests/model/test_engine_gpu.cpp, on a GPU in gpu-check and on the emulator in CI) and under mpirun on the
+// (tests/engine/test_engine_gpu.cpp, on a GPU in gpu-check and on the emulator in CI) and under mpirun on the
 // emulator (tests/mpi/test_engine_gpu_emulated.cpp). The ranks split a batch of 4 rows (dp rank r trains rows
 // r*4/dp ..; the tp ranks of a dp rank the same rows) and must follow one rank that trains all 4 rows at ZeRO-0,
 // step by step: the same token count, the loss and gradient norm within the bound below, and at the end each
@@ -32,10 +32,10 @@
 #include <string>
 #include <vector>
 
-#include "dist/comm.h"
-#include "model/engine.h"
+#include "comm/comm.h"
+#include "engine/engine.h"
 #include "model/layout.h"
-#include "tests/model/engine_test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace tuna::testing_util {
 

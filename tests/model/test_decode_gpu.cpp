@@ -15,7 +15,7 @@
 #include <set>
 
 #include "core/error.h"
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/decode_gpu.h"
 #include "model/llama.h"
 #include "model/llama_gpu.h"

@@ -16,11 +16,11 @@
 #include <set>
 
 #include "core/error.h"
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/config.h"
 #include "model/llama.h"
 #include "model/optimizer.h"
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 #include "tests/model/fixture.h"
 
 namespace tuna {

@@ -24,13 +24,13 @@
 #include "core/cuda_check.h"
 #include "core/dtype.h"
 #include "kernels/cpu/classifier.h"
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/config.h"
 #include "model/llama.h"
 #include "model/llama_gpu.h"
 #include "model/memory_plan.h"  // gpu_head_chunk_rows
 #include "model/optimizer.h"
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 #include "tests/model/fixture.h"
 #include "tests/kernels/gpu_test_util.h"
 
@@ -214,7 +214,7 @@ TEST(LlamaGpu, NonFiniteGradientSkipsTheUpdate) {
 }
 
 // The gradient is never zeroed: zero_grads() only marks it, and the first write of each tensor in the step
-// overwrites (beta = 0 in the GEMMs; kernels/grad_write.h). Whatever the buffer held before (here NaN everywhere,
+// overwrites (beta = 0 in the GEMMs; kernels/cpu/grad_write.h). Whatever the buffer held before (here NaN everywhere,
 // left by a step whose update was skipped for it), the gradients of the next step equal bit for bit those of a
 // model whose buffer was clean, after one micro-batch and after two (the second adds). Tied (llama32_tiny: the
 // lm_head's chunks write the embedding's gradient first, the lookup adds) and untied (llama2_tiny: the lookup's
@@ -280,7 +280,7 @@ TEST_P(LlamaGpuFreshGradients, NanInTheBufferBeforeAStepDoesNotReachItsGradients
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaGpuFreshGradients, testing::Values("llama2_tiny", "llama32_tiny"));
 
-// A GpuWeightStore (the contract ZeRO-2 and 3 use, model/engine_gpu.cpp) whose gradient buffers hold NaN every
+// A GpuWeightStore (the contract ZeRO-2 and 3 use, engine/engine_gpu.cpp) whose gradient buffers hold NaN every
 // time it hands one out fresh: the backward must overwrite every element of every unit. Each unit's gradient is
 // added, in fp32 and in micro-batch order, into a host sum when the backward is done with it.
 class NanGradientStore final : public GpuWeightStore {

@@ -12,10 +12,10 @@
 #include "tests/model/fixture.h"
 
 #if TUNA_CUDA
-#include "model/engine.h"
+#include "engine/engine.h"
 #include "model/llama_gpu.h"
 #include "tests/kernels/gpu_test_util.h"
-#include "tests/model/engine_test_util.h"
+#include "tests/engine/engine_test_util.h"
 #endif
 
 namespace tuna {

@@ -1,7 +1,7 @@
 // Shared by the tests of build/mpi_tests, which run under mpirun (tests/dist launches them).
 #pragma once
 
-#include "dist/comm.h"
+#include "comm/comm.h"
 
 namespace tuna::test {
 

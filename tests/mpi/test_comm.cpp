@@ -1,4 +1,4 @@
-// dist/comm under mpirun: the checks of tests/dist/comm_checks.h on MPI_COMM_WORLD (bf16 sums excepted: MPI has
+// comm/comm under mpirun: the checks of tests/comm/comm_checks.h on MPI_COMM_WORLD (bf16 sums excepted: MPI has
 // no bf16 arithmetic, and device comms widen them before they reach MPI).
 #include <gtest/gtest.h>
 
@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/dist/comm_checks.h"
+#include "tests/comm/comm_checks.h"
 #include "tests/mpi/mpi_test_util.h"
 
 namespace tuna {
@@ -27,7 +27,7 @@ int64_t peak_resident_bytes() {
 }
 
 // A gradient all-reduce in place and a unit's reduce-scatter need no scratch as large as the message (Open MPI
-// allocates one per call: a transient 4 bytes per parameter); the MPI backend chunks them (dist/comm_mpi.cpp).
+// allocates one per call: a transient 4 bytes per parameter); the MPI backend chunks them (comm/comm_mpi.cpp).
 TEST(Comm, LargeCollectivesNeedNoScratchAsLargeAsTheMessage) {
   Comm& w = test::world();
   const int64_t n = int64_t(16) << 20;  // 64 MB of floats

@@ -1,4 +1,4 @@
-// dist/comm_nccl.cpp under mpirun, one GPU per rank: the collectives of test_comm.cpp on device buffers,
+// comm/comm_nccl.cpp under mpirun, one GPU per rank: the collectives of test_comm.cpp on device buffers,
 // including the padded uneven reduce-scatter and all-gather. Skipped without NCCL in the build or without a
 // GPU for every local rank (NCCL refuses two ranks on one device).
 #include <gtest/gtest.h>

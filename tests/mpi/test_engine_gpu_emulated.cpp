@@ -1,11 +1,11 @@
-// model/engine_gpu.cpp data parallel, under `mpirun -np 2` on the host emulator (build/emulated_gpu_mpi_tests,
+// engine/engine_gpu.cpp data parallel, under `mpirun -np 2` on the host emulator (build/emulated_gpu_mpi_tests,
 // which tests/kernels/test_gpu_emulated.cpp launches): the CUDA engine at dp = 2 follows the one-rank engine
 // on the whole batch, and its checkpoint (export_state -> the sharded checkpoint writer -> load_checkpoint_state
 // -> import_state) restores at 2 ranks and at 1; with two micro-batches a step too.
 //
 // The device comm. A real build all-reduces gradients and gathers restored units with NCCL on the engine's
-// stream (train.cu's DeviceCommFactory, dist/comm_nccl.cpp), whose own code runs only on GPUs. Here the staged
-// device comm (dist/comm_staged.cpp: device buffers copied through pinned host memory on the stream) carries them
+// stream (train.cu's DeviceCommFactory, comm/comm_nccl.cpp), whose own code runs only on GPUs. Here the staged
+// device comm (comm/comm_staged.cpp: device buffers copied through pinned host memory on the stream) carries them
 // over an MpiComm of the same dp ranks, as it carries a LocalComm when ranks share one GPU in gpu-check. What
 // runs is the engine's own data-parallel code: which buffers it reduces or gathers, when, and where.
 //
@@ -41,10 +41,10 @@
 #include <optional>
 
 #include "core/error.h"
-#include "dist/comm.h"
-#include "model/checkpoint.h"
-#include "model/engine.h"
-#include "tests/model/engine_test_util.h"
+#include "comm/comm.h"
+#include "ckpt/checkpoint.h"
+#include "engine/engine.h"
+#include "tests/engine/engine_test_util.h"
 #include "tests/model/ranks_test_util.h"
 #include "tests/mpi/mpi_test_util.h"
 #include "tests/test_util.h"
@@ -65,7 +65,7 @@ constexpr double kWeightTol = 1e-6;    // relative error norm of the final maste
 // The dp mesh over the test's world (dp = world size, tp = 1) and its device comm.
 struct DataParallel {
   Mesh mesh = make_mesh(test::world(), 1);
-  // Stands in for NCCL (dist/comm_nccl.cpp, GPUs only): the staged device comm over the same dp ranks.
+  // Stands in for NCCL (comm/comm_nccl.cpp, GPUs only): the staged device comm over the same dp ranks.
   DeviceCommFactory device_comm = [](Comm& group, void* stream) {
     return make_staged_device_comm(group.split(0, group.rank()), stream);
   };

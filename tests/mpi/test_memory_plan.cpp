@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "core/error.h"
-#include "dist/comm.h"
+#include "comm/comm.h"
 #include "tests/model/memory_plan_test_util.h"
 #include "tests/mpi/mpi_test_util.h"
 

@@ -7,14 +7,14 @@
 
 #include "core/error.h"
 #include "model/layout.h"
-#include "model/planner.h"
+#include "plan/planner.h"
 #include "tests/test_util.h"
 
 namespace tuna {
 namespace {
 
 const Rates& repository_rates() {
-  static const Rates r = load_rates("model/plan_rates.json");
+  static const Rates r = load_rates("plan/plan_rates.json");
   return r;
 }
 
@@ -51,12 +51,12 @@ TEST(Planner, RatesTableParsesAndAMissingFieldIsNamed) {
   EXPECT_EQ(r.device, "h200");
   EXPECT_GT(r.gemm_fwd, 100e12);
   EXPECT_NE(r.sources.at("gemm").find("profile"), std::string::npos);
-  std::ifstream in("model/plan_rates.json");
+  std::ifstream in("plan/plan_rates.json");
   nlohmann::json j = nlohmann::json::parse(in);
   j["memory"]["of_copy"].erase("rope");
   const std::string e = error_of([&] { parse_rates(j, "rates.json"); });
   EXPECT_NE(e.find("rates.json: memory: of_copy: missing field 'rope'"), std::string::npos) << e;
-  j = nlohmann::json::parse(std::ifstream("model/plan_rates.json"));
+  j = nlohmann::json::parse(std::ifstream("plan/plan_rates.json"));
   j["device"] = "tpu-v5";
   EXPECT_NE(error_of([&] { parse_rates(j, "rates.json"); }).find("h100-80gb"), std::string::npos);
 }
@@ -183,7 +183,7 @@ TEST(Planner, RatesRefreshFromGpuCheckBenchJson) {
                 {{"name", "BM_RmsNormFwd/manual_time"}, {"GB/s", 3000.0}, {"of_copy", 0.75}},
                 {{"name", "BM_AdamW/1/manual_time"}, {"GB/s", 3000.0}, {"of_copy", 0.8}}})
              .dump();
-  const nlohmann::json base = nlohmann::json::parse(std::ifstream("model/plan_rates.json"));
+  const nlohmann::json base = nlohmann::json::parse(std::ifstream("plan/plan_rates.json"));
   // What comes back from the GPU machine: OUTDIR/benches.json, every bench's JSON under its name.
   testing_util::TempDir outdir("rates_outdir");
   nlohmann::json merged;

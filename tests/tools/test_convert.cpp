@@ -14,7 +14,7 @@
 #include "model/config.h"
 #include "model/layout.h"
 #include "model/llama.h"  // init_random_weights
-#include "model/safetensors.h"
+#include "ckpt/safetensors.h"
 #include "tests/test_util.h"
 
 namespace tuna {

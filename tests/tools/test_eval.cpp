@@ -10,9 +10,9 @@
 #include <sstream>
 
 #include "data/loader.h"
-#include "model/checkpoint.h"
+#include "ckpt/checkpoint.h"
 #include "model/config.h"
-#include "model/engine.h"  // resolve_device
+#include "engine/engine.h"  // resolve_device
 #include "model/llama.h"
 #include "tests/test_util.h"
 

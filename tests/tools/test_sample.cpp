@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "data/tokenizer.h"
-#include "model/engine.h"  // resolve_device
+#include "engine/engine.h"  // resolve_device
 #include "tests/data/data_test_util.h"
 #include "tests/test_util.h"
 

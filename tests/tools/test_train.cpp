@@ -13,7 +13,7 @@
 
 #include "data/shard.h"
 #include "data/tokenizer.h"
-#include "model/engine.h"  // resolve_device
+#include "engine/engine.h"  // resolve_device
 #include "tests/test_util.h"
 
 namespace tuna {

@@ -1,6 +1,6 @@
 // build/emulated_gpu_tests: the GPU tests (tests/kernels/*_gpu.cpp but matmul's, and the GPU model's
 // tests/model/*_gpu.cpp) built with g++ against the host emulator of this folder, with the real launchers of
-// kernels/*.cu and the GPU model (model/llama_gpu.cpp, model/engine_gpu.cpp) compiled as C++ (-DTUNA_EMULATOR):
+// kernels/*.cu and the GPU model (model/llama_gpu.cpp, engine/engine_gpu.cpp) compiled as C++ (-DTUNA_EMULATOR):
 // the code a GPU runs, run on the host against the CPU twins, with the GPU tests' own checks and tolerances.
 // cuBLASLt is replaced by a host test double of kernels/matmul.cuh (matmul_host.cpp).
 // tests/kernels/test_gpu_emulated.cpp runs it in every build.

@@ -1,7 +1,7 @@
 // tests/kernels/emulator/matmul_host.cpp — a TEST DOUBLE of cuBLASLt for the emulated build: the contract of
 // kernels/matmul.cuh (matmul_fwd, matmul_bwd, MatmulContext) in plain host loops, linked into
 // build/emulated_gpu_tests in place of kernels/matmul.cu, so that the GPU model (model/llama_gpu.cpp,
-// model/engine_gpu.cpp) runs there with every other op on the real launchers and kernels.
+// engine/engine_gpu.cpp) runs there with every other op on the real launchers and kernels.
 //
 // It checks nothing about kernels/matmul.cu, which calls cuBLASLt (a closed library that cannot be emulated
 // faithfully): that file is tested only on a GPU, by tests/kernels/test_matmul_gpu.cpp against the CPU twin.

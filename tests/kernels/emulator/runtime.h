@@ -1,6 +1,6 @@
 // tests/kernels/emulator/runtime.h — the CUDA runtime API on the host, for the emulated build of the kernels'
 // launchers (kernels/*.cu compiled as C++ with -DTUNA_EMULATOR), of the GPU model (model/llama_gpu.cpp,
-// model/engine_gpu.cpp) and of the GPU tests (tests/kernels/*_gpu.cpp, tests/model/*_gpu.cpp): the shim/
+// engine/engine_gpu.cpp) and of the GPU tests (tests/kernels/*_gpu.cpp, tests/model/*_gpu.cpp): the shim/
 // headers stand in for <cuda_runtime.h>, <cuda_runtime_api.h> and <cuda_bf16.h> and include this.
 //
 // One emulated device, H100-like in its description (cudaGetDeviceProperties). "Device" memory is host
@@ -15,7 +15,7 @@
 // a diverged warp collective) throws tuna::Error at once, with what happened, instead of the hardware's
 // later "unspecified launch failure".
 //
-// Host threads. Several threads of one process may drive the device at once (ranks as threads, dist/comm_local.h):
+// Host threads. Several threads of one process may drive the device at once (ranks as threads, comm/comm_local.h):
 // every call that touches the emulated device, kernel launches included, holds one process-wide lock, so the
 // calls of different threads run one at a time, each to completion (one interleaving of their streams a device
 // may run). The last error is per host thread, as CUDA's is.
