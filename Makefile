@@ -271,7 +271,7 @@ FUZZ_SRCS := tests/fuzz/fuzz_readers.cpp $(addprefix core/,checksum.cpp dtype.cp
                options.cpp progress.cpp) ckpt/safetensors.cpp model/config.cpp \
              ckpt/checkpoint.cpp model/layout.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
              $(addprefix data/,tokenizer.cpp tokenizer_json.cpp tiktoken.cpp byte_bpe.cpp sentencepiece_tokenizer.cpp \
-               input.cpp prepare.cpp clean.cpp dedup.cpp chat_template.cpp)
+               input.cpp prepare.cpp prepare_output.cpp prepare_report.cpp clean.cpp dedup.cpp chat_template.cpp)
 FUZZ_OBJS := $(FUZZ_SRCS:%.cpp=$(BUILD)/obj/fuzz/%.o)
 
 $(BUILD)/obj/fuzz/%.o: %.cpp | $(DEPS_STAMP)
