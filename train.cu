@@ -24,25 +24,27 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <sysexits.h>  // EX_TEMPFAIL
 
-#include "core/error.h"           // tuna::Error, fail, describe_current_exception
-#include "core/memory.h"          // host_memory, host_available_bytes, require_host_memory, return_large_frees_to_system
-#include "core/options.h"         // Options: TOML + flags
-#include "core/progress.h"        // ProgressLine (checkpoint writes), TrainingEta, human_duration, periodic_events_left
-#include "core/run_report.h"      // refresh_run_report: out_dir/report.html
-#include "core/threads.h"         // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
-#include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
-#include "data/tokenizer.h"       // model_tokenizer: what checkpoints carry, what shards must match
-#include "comm/comm.h"            // Comm, Mesh, make_world_comm, abort_job
-#include "ckpt/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
-#include "model/config.h"         // LlamaConfig
-#include "engine/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
-#include "model/llama.h"          // init_random_weights
-#include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, plan_gpu_memory, format_memory_table
-#include "model/optimizer.h"      // OptimizerConfig, learning_rate
-#include "ckpt/run_dir.h"        // open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
+#include "ckpt/checkpoint.h"   // resolve_checkpoint, read_config_json, checkpoint_bytes
+#include "ckpt/run_dir.h"      // open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
+#include "comm/comm.h"         // Comm, Mesh, make_world_comm, abort_job
+#include "core/error.h"        // tuna::Error, fail, describe_current_exception
+#include "core/memory.h"       // host_memory, return_large_frees_to_system
+#include "core/options.h"      // Options: TOML + flags
+#include "core/progress.h"     // TrainingEta, human_duration, periodic_events_left
+#include "core/run_report.h"   // refresh_run_report: out_dir/report.html
+#include "core/threads.h"      // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
+#include "data/loader.h"       // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
+#include "data/tokenizer.h"    // model_tokenizer: what checkpoints carry, what shards must match
+#include "engine/checkpointer.h"  // Checkpointer: every / keep / last, save and restore
+#include "engine/engine.h"     // Engine: the model on cpu or cuda, the step's collectives and optimizer
+#include "engine/step_record.h"   // StepRecord: one step's jsonl row and log line
+#include "engine/validator.h"  // Validator: when to validate, and the held-out loss
+#include "model/config.h"      // LlamaConfig
+#include "model/optimizer.h"   // OptimizerConfig, learning_rate
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -82,6 +84,7 @@ struct TrainConfig {
   double comm_timeout = 300;
   bool bf16_moments = false;
   bool stochastic_rounding = false;
+  std::string attention = "auto";
   double gpu_hour_cost = 0;
   bool plan_only = false;
   double gpu_memory_gb = 0;
@@ -139,6 +142,9 @@ void declare(Options& o, TrainConfig& c) {
         {"none", "selective", "full"});
   o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever",
         Bounds::closed(0, 1e9));
+  o.add("attention", &c.attention, "cuda: the attention kernels: mma (FlashAttention-2 style, sm_80+), hopper "
+        "(FlashAttention-3 style, sm_90a) or auto (mma today); a resume with auto keeps the checkpoint's",
+        {"auto", "mma", "hopper"});
   o.add("bf16_moments", &c.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
   o.add("stochastic_rounding", &c.stochastic_rounding, "cuda: round bf16 weights (and bf16 moments) stochastically");
   o.add("plan_only", &c.plan_only, "cuda: print each rank's device memory plan and whether it fits, then exit without allocating (runs on any machine with --gpu_memory_gb)");
@@ -162,12 +168,6 @@ extern "C" void on_stop_signal(int signal) {
   g_stop_requested = true;
   // mpirun ends a job whose rank died with SIGTERM: say which collective this rank was left waiting in.
   if (signal == SIGTERM) note_signal_in_collective(signal);
-}
-
-std::string format_fixed(double x, int decimals) {
-  char buf[48];
-  std::snprintf(buf, sizeof buf, "%.*f", decimals, x);
-  return buf;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
@@ -197,17 +197,156 @@ LoaderCursor reshard_cursor(LoaderCursor c, int64_t dp_size) {
   return c;
 }
 
-LossSum evaluate(Engine& model, DataLoader& val, int64_t max_batches, std::vector<int32_t>& inputs,
-                 std::vector<int32_t>& targets) {
-  const LoaderOptions& o = val.options();
-  val.reset();
-  LossSum total;
-  for (int64_t b = 0; (max_batches == 0 || b < max_batches) && val.next(inputs.data(), targets.data()); b++) {
-    LossSum l = model.forward_loss(inputs.data(), targets.data(), o.micro_batch, o.seq_len);
-    total.sum += l.sum;
-    total.count += l.count;
+// Measured against the plan: the largest rank's peak resident memory above its start-up (the plan's scope). Then
+// the end row and the exit code: stopped, not finished, is EX_TEMPFAIL, so a job script requeues.
+int finish_run(const TrainConfig& cfg, Comm& world, MetricsLog& metrics, const json& plan_record,
+               const HostMemory& at_start, Device device, int64_t step, bool stopped_early, double seconds) {
+  double above_start = host_memory().peak_mb - at_start.resident_mb;
+  if (world.size() > 1) world.all_reduce(&above_start, 1, CommType::F64, ReduceOp::Max, "peak memory");
+  if (device == Device::Cpu)
+    std::printf("memory: measured peak %.1f MB above the start-up's (largest rank), planned %.1f MB (%+.1f%%)\n",
+                above_start, plan_record["peak"].get<double>() / 1e6,
+                100.0 * (above_start / (plan_record["peak"].get<double>() / 1e6) - 1.0));
+  const bool finished = step >= cfg.steps;
+  metrics.write({{"step", step}, {"event", "end"}, {"status", finished ? "finished" : "stopped"},
+                 {"host_peak_above_start_mb", above_start}});
+  if (world.rank() == 0) refresh_run_report(cfg.out_dir);
+  if (!finished) {
+    std::printf("stopped at step %lld of %lld (%s) after %s: exit code %d; rerun with --resume to continue\n",
+                (long long)step, (long long)cfg.steps, stopped_early ? "signal" : "--stop_at_step",
+                human_duration(seconds).c_str(), EX_TEMPFAIL);
+    return EX_TEMPFAIL;
   }
-  return total;
+  std::printf("done: step %lld of %lld in %s\n", (long long)step, (long long)cfg.steps, human_duration(seconds).c_str());
+  return 0;
+}
+
+// Where a run's weights, model and tokenizer come from. A resume checkpoint beats --init beats a fresh init. An
+// earlier run in out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one; a
+// resume takes the newest checkpoint that verifies on every rank (ckpt/run_dir.h). A plan touches nothing on disk.
+struct RunStart {
+  std::optional<fs::path> resume_from;
+  fs::path init_dir, weights_dir;
+  json config_json, checkpoint_state;  // checkpoint_state: a resume's state.json (what its run chose)
+  LlamaConfig model;
+  ModelTokenizer tokenizer;
+};
+
+RunStart open_run(const TrainConfig& cfg, Comm& world) {
+  RunStart r;
+  if (!cfg.plan_only)
+    r.resume_from = open_run_dir(
+        cfg.out_dir, parse_resume_mode(cfg.resume), cfg.overwrite, world,
+        [](const std::string& m) { std::printf("%s\n", m.c_str()); },
+        [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
+  r.init_dir = cfg.init.empty() ? fs::path() : resolve_checkpoint(cfg.init);  // .../latest too
+  r.weights_dir = r.resume_from ? *r.resume_from : r.init_dir;
+  if (r.resume_from) r.checkpoint_state = read_training_state(*r.resume_from).state;
+  r.config_json = r.weights_dir.empty() ? json() : read_config_json(r.weights_dir);
+  r.model = r.weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
+                                  : LlamaConfig::from_json(r.config_json, (r.weights_dir / "config.json").string());
+  if (r.weights_dir.empty()) r.config_json = r.model.to_json(), r.config_json["torch_dtype"] = "float32";
+  // The tokenizer checkpoints carry (exactly the one --tokenizer names, else the weights directory's), which
+  // the shards must have been written with.
+  r.tokenizer = model_tokenizer(cfg.tokenizer, r.weights_dir.string(), r.model.vocab_size);
+  check_seq_len(r.model, cfg.seq_len, "seq_len",
+                r.weights_dir.empty() ? cfg.model_config : (r.weights_dir / "config.json").string());
+  return r;
+}
+
+EngineOptions engine_options(const TrainConfig& cfg, const RunStart& start, const LaunchInfo& launch) {
+  if (cfg.plan_only && cfg.device != "cuda") fail("option 'plan_only' prints the CUDA engine's plan: use --device cuda");
+  EngineOptions eo;
+  eo.device = cfg.plan_only ? Device::Cuda : resolve_device(cfg.device);
+  eo.micro_batch = cfg.micro_batch, eo.seq_len = cfg.seq_len, eo.opt = cfg.opt;
+  eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
+  eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
+  eo.bf16_moments = cfg.bf16_moments;
+  std::string note;
+  eo.attention = choose_attention(cfg.attention, start.checkpoint_state, &note);
+  if (!note.empty()) std::printf("note: %s\n", note.c_str());
+  eo.gpu.stochastic_rounding = cfg.stochastic_rounding, eo.gpu.seed = static_cast<uint32_t>(cfg.seed);
+  eo.gpu.device = launch.local_rank;  // one GPU per rank: the rank's index on its node
+  if (eo.device == Device::Cpu && (cfg.bf16_moments || cfg.stochastic_rounding))
+    fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
+  return eo;
+}
+
+// What state.json holds besides the engine's state: where the run is, and what it chose.
+json training_state(const Options& options, const TrainConfig& cfg, const Mesh& mesh, const Engine& engine,
+                    const DataLoader& train, int64_t step, int64_t skipped_steps) {
+  json state = {{"step", step},
+                {"skipped_steps", skipped_steps},
+                {"train_config", options.to_json()},
+                {"data_cursor", train.cursor()},
+                {"rng", {{"seed", cfg.seed}}},
+                {"world", {{"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}}};
+  if (!engine.attention_kernels().empty()) state["kernels"] = {{"attention", engine.attention_kernels()}};
+  return state;
+}
+
+// The options a resume changed against its checkpoint's run, one note each.
+void note_changed_options(const json& state, const json& now) {
+  if (!state.contains("train_config")) return;
+  const json& old = state["train_config"];
+  for (auto& [k, v] : now.items())
+    if (old.contains(k) && old[k] != v && k != "resume" && k != "stop_at_step")
+      std::printf("note: option %s was %s in the checkpoint, now %s\n", k.c_str(), old[k].dump().c_str(),
+                  v.dump().c_str());
+}
+
+void print_banner(const TrainConfig& cfg, const Options& options, const RunStart& start, const Engine& engine,
+                  const Comm& world, const Mesh& mesh, int threads) {
+  std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x tp %d | ZeRO-%lld (%s)\n",
+              engine.describe().c_str(), threads, world.size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero,
+              world.backend().c_str());
+  std::printf("config %s\n", options.to_json().dump().c_str());
+  if (engine.describe() == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
+  if (!start.resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", start.init_dir.c_str());
+  else if (!start.resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
+  std::printf("tokenizer %s\n", start.tokenizer.description.c_str());
+  if (!start.tokenizer.note.empty()) std::printf("note: %s\n", start.tokenizer.note.c_str());
+}
+
+void print_run_shape(const TrainConfig& cfg, const LlamaConfig& m, Engine& engine, const DataLoader& train,
+                     int64_t tokens_per_step) {
+  std::printf("model %lld parameters (%d layers, hidden %lld, %lld heads / %lld kv, vocab %lld); activations %.1f MB\n",
+              (long long)m.n_params(), (int)m.num_hidden_layers, (long long)m.hidden_size,
+              (long long)m.num_attention_heads, (long long)m.num_key_value_heads, (long long)m.vocab_size,
+              engine.activation_bytes() / 1e6);
+  std::printf("%s", engine.memory_report().c_str());
+  std::printf("data %llu windows of %lld tokens in %zu shard(s); %lld tokens per step; %.2f epochs over %lld steps\n",
+              (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
+              (long long)tokens_per_step,
+              double(cfg.steps) * cfg.micro_batch * cfg.grad_accum / double(std::max<uint64_t>(1, train.windows_per_epoch())),
+              (long long)cfg.steps);
+  std::fflush(stdout);
+}
+
+// metrics.jsonl holds this run's rows only (a resume drops the rows logged after its checkpoint, keeping a
+// backup); the checkpoint directory is proved writable and large enough now, not at the first checkpoint.
+void open_metrics(MetricsLog& metrics, const TrainConfig& cfg, const RunStart& start, int64_t step, int64_t last_step) {
+  const fs::path out_dir = cfg.out_dir;
+  const MetricsTruncation cut = truncate_metrics(out_dir / "metrics.jsonl", step);
+  if (cut.dropped > 0)
+    std::printf("metrics.jsonl: kept the %lld rows up to step %lld, dropped %lld logged after it (the file as it was: %s)\n",
+                (long long)cut.kept, (long long)step, (long long)cut.dropped, cut.backup.c_str());
+  const std::string space = check_checkpoint_space(
+      out_dir / "ckpt", checkpoint_bytes(start.model.n_params(), start.tokenizer.files),
+      checkpoints_to_write(step, last_step, cfg.ckpt_every, start.resume_from.has_value()), cfg.ckpt_keep);
+  if (!space.empty()) std::printf("warning: %s\n", space.c_str());
+  metrics.open(out_dir / "metrics.jsonl");
+}
+
+// A step whose loss or gradient was not finite made no update; too many in a row stop the run.
+void report_skipped_step(const StepResult& r, int64_t step, int64_t in_a_row, int64_t skipped, const TrainConfig& cfg) {
+  std::printf("step %6lld | loss %g | grad norm %g | not finite: update skipped (%lld in a row, %lld in all)\n",
+              (long long)step, r.loss, r.stats.grad_norm, (long long)in_a_row, (long long)skipped);
+  std::fflush(stdout);
+  if (in_a_row >= cfg.max_bad_steps)
+    fail("the loss or the gradient norm was not finite in ", in_a_row, " steps in a row (up to step ", step,
+         ", --max_bad_steps ", cfg.max_bad_steps, "): the run diverged. Resume from the last checkpoint (",
+         (fs::path(cfg.out_dir) / "ckpt").string(), ") with a lower --lr or a --grad_clip, or look for bad data near this step");
 }
 
 int run(int argc, char** argv) {
@@ -219,222 +358,89 @@ int run(int argc, char** argv) {
   check(cfg);
   return_large_frees_to_system();  // freed transients leave the resident set: the measured peak is the planned one
 
+  // Start-up: ranks, the run directory, the model and its tokenizer, the memory plan, the engine.
   const LaunchInfo launch = detect_launch();
   std::unique_ptr<Comm> world = make_world_comm(cfg.comm_timeout);
   Mesh mesh = make_mesh(*world, cfg.tp);
   if (world->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) fail("cannot silence stdout of rank ", world->rank());
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
-
-  const fs::path out_dir = cfg.out_dir, ckpt_root = out_dir / "ckpt";
-  // Where the weights come from: a resume checkpoint beats --init beats a fresh init. An earlier run in
-  // out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one; a resume takes
-  // the newest checkpoint that verifies on every rank (ckpt/run_dir.h). A plan touches nothing on disk.
-  std::optional<fs::path> resume_from;
-  if (!cfg.plan_only)
-    resume_from = open_run_dir(
-        out_dir, parse_resume_mode(cfg.resume), cfg.overwrite, *world,
-        [](const std::string& m) { std::printf("%s\n", m.c_str()); },
-        [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
-  const fs::path init_dir = cfg.init.empty() ? fs::path() : resolve_checkpoint(cfg.init);  // .../latest too
-  const fs::path weights_dir = resume_from ? *resume_from : init_dir;
-  json config_json = weights_dir.empty() ? json() : read_config_json(weights_dir);
-  LlamaConfig model_cfg = weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
-                                              : LlamaConfig::from_json(config_json, (weights_dir / "config.json").string());
-  if (weights_dir.empty()) config_json = LlamaConfig::load(cfg.model_config).to_json(), config_json["torch_dtype"] = "float32";
-  // The tokenizer checkpoints carry (exactly the one --tokenizer names, else the weights directory's), which
-  // the shards must have been written with.
-  const ModelTokenizer tokenizer = model_tokenizer(cfg.tokenizer, weights_dir.string(), model_cfg.vocab_size);
-  check_seq_len(model_cfg, cfg.seq_len, "seq_len",
-                weights_dir.empty() ? cfg.model_config : (weights_dir / "config.json").string());
-
-  EngineOptions eo;
-  if (cfg.plan_only && cfg.device != "cuda") fail("option 'plan_only' prints the CUDA engine's plan: use --device cuda");
-  eo.device = cfg.plan_only ? cfg.device : resolve_device(cfg.device);
-  eo.micro_batch = cfg.micro_batch, eo.seq_len = cfg.seq_len, eo.opt = cfg.opt;
-  eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
-  eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
-  eo.bf16_moments = cfg.bf16_moments, eo.stochastic_rounding = cfg.stochastic_rounding;
-  eo.seed = static_cast<uint64_t>(cfg.seed);
-  eo.gpu = launch.local_rank;  // one GPU per rank: the rank's index on its node
-  if (eo.device == "cpu" && (cfg.bf16_moments || cfg.stochastic_rounding))
-    fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
-
+  const RunStart start = open_run(cfg, *world);
+  const EngineOptions eo = engine_options(cfg, start, launch);
   if (cfg.plan_only) {  // every rank plans its own layout; rank 0 prints
-    const GpuFit fit = plan_gpu_run(model_cfg, eo, mesh, cfg.gpu_memory_gb);
+    const GpuFit fit = plan_gpu_run(start.model, eo, mesh, cfg.gpu_memory_gb);
     std::printf("%s", fit.report.c_str());
     int64_t all_fit = fit.fits ? 1 : 0;
     if (world->size() > 1) world->all_reduce(&all_fit, 1, CommType::I64, ReduceOp::Sum, "plan verdicts");
     return all_fit == world->size() ? 0 : 1;
   }
-
-  // Where the starting weights come from (a resume restores them after construction instead).
-  WeightFill initial;  // each rank reads (or draws) only its own pieces
-  if (!resume_from && !cfg.init.empty()) initial = weights_from_directory(init_dir.string());
-  else if (!resume_from) initial = random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std);
+  WeightFill initial;  // each rank reads (or draws) only its own pieces; a resume restores after construction
+  if (!start.resume_from) initial = cfg.init.empty() ? random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std)
+                                                     : weights_from_directory(start.init_dir.string());
   DeviceCommFactory device_comm;
 #if TUNA_NCCL
   device_comm = [&](Comm& group, void* stream) {
     return make_nccl_comm(group.split(0, group.rank()), stream, cfg.comm_timeout);
   };
 #endif
-  // The memory plan, before anything large is allocated: a run that cannot fit stops here (model/memory_plan.h).
   const HostMemory at_start = host_memory();
-  nlohmann::json plan_record;
-  if (eo.device == "cpu") {
-    const MemoryPlan plan = plan_cpu_memory(model_cfg, engine_memory_layout(eo, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank));
-    std::printf("%s", format_memory_table(plan, host_available_bytes(),
-                                          str("memory plan per rank (host, above the ", format_fixed(at_start.resident_mb, 0),
-                                              " MB resident at start; capacity: this node's available memory)")).c_str());
-    std::fflush(stdout);
-    plan_record = memory_plan_json(plan), plan_record["device"] = "cpu";
-    require_host_memory(plan.peak(), launch.local_size, "the memory plan's peak per rank");
-  } else {  // the device's plan, for the run report's memory plot (the CUDA engine checks the fit itself)
-    plan_record = memory_plan_json(plan_gpu_memory(model_cfg, engine_memory_layout(eo, mesh.dp_size, mesh.dp_rank, mesh.tp_size, mesh.tp_rank))), plan_record["device"] = "cuda";
-  }
-  std::unique_ptr<Engine> engine = make_engine(model_cfg, eo, mesh, initial, device_comm);
-  std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x tp %d | ZeRO-%lld (%s)\n",
-              engine->describe().c_str(), threads, world->size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero,
-              world->backend().c_str());
-  std::printf("config %s\n", options.to_json().dump().c_str());
-  if (eo.device == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
-  if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", init_dir.c_str());
-  else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
-  std::printf("tokenizer %s\n", tokenizer.description.c_str());
-  if (!tokenizer.note.empty()) std::printf("note: %s\n", tokenizer.note.c_str());
+  const json plan_record = check_memory_plan(start.model, eo, mesh, at_start.resident_mb, launch.local_size);
+  std::unique_ptr<Engine> engine = make_engine(start.model, eo, mesh, initial, device_comm);
+  print_banner(cfg, options, start, *engine, *world, mesh, threads);
   std::printf("host memory at init: %.0f MB peak on this rank\n", engine->status().host_peak_mb);
 
-  json saved_cursor;
+  // Resume: the engine's state a piece at a time from the files, the step, the data cursor.
   int64_t step = 0, skipped_steps = 0;  // skipped: steps whose loss or gradient was not finite (no update)
-  if (resume_from) {
-    const TrainingState resumed = read_training_state(*resume_from);  // step, cursor and counts checked
-    const json& state = resumed.state;
-    step = resumed.step, skipped_steps = resumed.skipped_steps;
-    // A piece at a time from the files into the engine: no rank holds its shard on the host.
-    const int64_t steps_taken = load_checkpoint_state(*resume_from, engine->layout(), engine->segments(),
-                                                      [&](const StateSource& source) { engine->import_state(source); });
-    check_optimizer_steps(resumed, steps_taken, *resume_from);
-    engine->set_steps_taken(steps_taken);
-    saved_cursor = resumed.data_cursor;
-    if (state.contains("train_config")) {
-      json old = state["train_config"], now = options.to_json();
-      for (auto& [k, v] : now.items())
-        if (old.contains(k) && old[k] != v && k != "resume" && k != "stop_at_step")
-          std::printf("note: option %s was %s in the checkpoint, now %s\n", k.c_str(), old[k].dump().c_str(),
-                      v.dump().c_str());
-    }
-    std::printf("resumed from %s at step %lld\n", resume_from->c_str(), (long long)step);
+  json saved_cursor;
+  if (start.resume_from) {
+    const TrainingState resumed = Checkpointer::restore(*engine, *start.resume_from);
+    step = resumed.step, skipped_steps = resumed.skipped_steps, saved_cursor = resumed.data_cursor;
+    note_changed_options(resumed.state, options.to_json());
+    std::printf("resumed from %s at step %lld\n", start.resume_from->c_str(), (long long)step);
   }
+
+  // Data, and the components the loop calls: the checkpointer, the validator, the metrics and the ETA.
   LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
-                           model_cfg.vocab_size, false, tokenizer.fingerprint, tokenizer.description};
+                           start.model.vocab_size, false, start.tokenizer.fingerprint, start.tokenizer.description};
   DataLoader train(expand_shard_paths(split_list(cfg.train_data), ShardRole::Train), train_opts);
   if (!saved_cursor.is_null()) train.set_cursor(reshard_cursor(saved_cursor.get<LoaderCursor>(), mesh.dp_size));
-  std::unique_ptr<DataLoader> val;
-  if (!cfg.val_data.empty()) {
-    LoaderOptions val_opts = train_opts;
-    val_opts.eval = true;
-    val = std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data), ShardRole::Val), val_opts);
-  }
-
+  LoaderOptions val_opts = train_opts;
+  val_opts.eval = true;
+  Validator validator(cfg.val_data.empty() ? nullptr
+                                           : std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data), ShardRole::Val), val_opts),
+                      cfg.val_every, cfg.val_batches);
   const int64_t tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * mesh.dp_size;
-  std::printf("model %lld parameters (%d layers, hidden %lld, %lld heads / %lld kv, vocab %lld); activations %.1f MB\n",
-              (long long)model_cfg.n_params(), (int)model_cfg.num_hidden_layers, (long long)model_cfg.hidden_size,
-              (long long)model_cfg.num_attention_heads, (long long)model_cfg.num_key_value_heads,
-              (long long)model_cfg.vocab_size, engine->activation_bytes() / 1e6);
-  std::printf("%s", engine->memory_report().c_str());
-  std::printf("data %llu windows of %lld tokens in %zu shard(s); %lld tokens per step; %.2f epochs over %lld steps\n",
-              (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
-              (long long)tokens_per_step,
-              double(cfg.steps) * cfg.micro_batch * cfg.grad_accum / double(std::max<uint64_t>(1, train.windows_per_epoch())),
-              (long long)cfg.steps);
-  std::fflush(stdout);
-
+  print_run_shape(cfg, start.model, *engine, train, tokens_per_step);
+  Checkpointer checkpointer(fs::path(cfg.out_dir) / "ckpt", cfg.ckpt_every, cfg.ckpt_keep, *world, mesh,
+                            start.config_json, start.tokenizer.files);
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);  // mpirun forwards SIGUSR1 to every rank (SIGTERM to mpirun ends the job)
   const int64_t first_step = step;
   const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
-  // metrics.jsonl holds this run's rows only (a resume drops the rows logged after its checkpoint, keeping a
-  // backup); the checkpoint directory is proved writable and large enough now, not at the first checkpoint.
   MetricsLog metrics;  // rank 0's; closed on the others
-  if (world->rank() == 0) {
-    const MetricsTruncation cut = truncate_metrics(out_dir / "metrics.jsonl", step);
-    if (cut.dropped > 0)
-      std::printf("metrics.jsonl: kept the %lld rows up to step %lld, dropped %lld logged after it (the file as it was: %s)\n",
-                  (long long)cut.kept, (long long)step, (long long)cut.dropped, cut.backup.c_str());
-    const std::string space = check_checkpoint_space(
-        ckpt_root, checkpoint_bytes(model_cfg.n_params(), tokenizer.files),
-        checkpoints_to_write(first_step, last_step, cfg.ckpt_every, resume_from.has_value()), cfg.ckpt_keep);
-    if (!space.empty()) std::printf("warning: %s\n", space.c_str());
-    metrics.open(out_dir / "metrics.jsonl");
-  }
+  if (world->rank() == 0) open_metrics(metrics, cfg, start, step, last_step);
   // What the run report needs besides the steps (core/run_report.h): the effective config, the world, the plan.
   metrics.write({{"step", step}, {"event", "start"}, {"config", options.to_json()}, {"device", engine->describe()},
                  {"world", {{"size", world->size()}, {"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
-                 {"model", {{"parameters", model_cfg.n_params()}, {"layers", model_cfg.num_hidden_layers},
-                            {"hidden", model_cfg.hidden_size}, {"vocab", model_cfg.vocab_size}}},
-                 {"tokens_per_step", cfg.micro_batch * cfg.seq_len * cfg.grad_accum * mesh.dp_size},
-                 {"memory_plan", plan_record}, {"host_mb_at_start", at_start.resident_mb}});
+                 {"model", {{"parameters", start.model.n_params()}, {"layers", start.model.num_hidden_layers},
+                            {"hidden", start.model.hidden_size}, {"vocab", start.model.vocab_size}}},
+                 {"tokens_per_step", tokens_per_step}, {"memory_plan", plan_record}, {"host_mb_at_start", at_start.resident_mb}});
   // The ETA counts the validations and checkpoints still to come, at their measured cost (core/progress.h).
-  TrainingEta eta_model(cfg.grad_accum, !val ? 0
-                                             : cfg.val_batches > 0 ? std::min<int64_t>(cfg.val_batches, val->batches_per_epoch())
-                                                                   : static_cast<int64_t>(val->batches_per_epoch()));
-
-  auto save = [&](int64_t at_step) {
-    const auto started = std::chrono::steady_clock::now();
-    json state = {{"step", at_step},
-                  {"skipped_steps", skipped_steps},
-                  {"train_config", options.to_json()},
-                  {"data_cursor", train.cursor()},
-                  {"rng", {{"seed", cfg.seed}}},
-                  {"world", {{"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}}};
-    const ParamLayout& layout = engine->layout();
-    // The engine hands its weights and moments a piece at a time straight into the files (no host copy).
-    const StateExport export_state = [&](const StateSink& sink) { engine->export_state(sink); };
-    int64_t shard_elements = 0;
-    for (const Segment& s : engine->segments()) shard_elements += s.size;
-    fs::path p;
-    if (world->size() == 1) {  // one rank: the single-file format (also a Hugging Face model directory)
-      TUNA_CHECK(shard_elements == layout.total(), "one rank's shard is not the whole model");
-      ProgressLine progress(str("checkpoint step ", at_step), 12.0 * double(shard_elements), ProgressLine::Unit::Bytes,
-                            stdout);
-      CheckpointContents contents{&config_json, nullptr, {nullptr, nullptr, engine->steps_taken()}, state,
-                                  tokenizer.files, &progress, &engine->segments(), export_state};
-      p = save_checkpoint(ckpt_root, at_step, layout, contents, cfg.ckpt_keep);
-      progress.finish();
-    } else {  // one file per rank, written in parallel (ckpt/checkpoint.h)
-      if (world->rank() == 0) prepare_sharded_checkpoint(ckpt_root, at_step);
-      world->barrier("checkpoint directory created");
-      // Rank 0's file (ranks write theirs in parallel, of about the same size).
-      ProgressLine progress(str("checkpoint step ", at_step, ", rank 0's file"), 12.0 * double(shard_elements),
-                            ProgressLine::Unit::Bytes, world->rank() == 0 ? stdout : nullptr);
-      write_checkpoint_shard(checkpoint_tmp_dir(ckpt_root, at_step), world->rank(), layout,
-                             ShardState{&engine->segments(), export_state, engine->steps_taken(),
-                                        /*write_replicated=*/mesh.tp_rank == 0, &progress});
-      progress.finish();
-      CheckpointContents contents{&config_json, nullptr, {}, state, tokenizer.files};
-      world->barrier("checkpoint shards written");
-      if (world->rank() == 0) p = finish_sharded_checkpoint(ckpt_root, at_step, contents, cfg.ckpt_keep);
-      world->barrier("checkpoint renamed");
-    }
-    std::printf("checkpoint %s\n", p.c_str());
-    std::fflush(stdout);
-    eta_model.checkpoint_done(seconds_since(started));
+  TrainingEta eta(cfg.grad_accum, validator.batches());
+  auto save = [&](int64_t at) {
+    eta.checkpoint_done(checkpointer.save(*engine, at, training_state(options, cfg, mesh, *engine, train, at, skipped_steps)));
   };
-  auto validate_now = [&](int64_t at_step) {
-    const auto started = std::chrono::steady_clock::now();
-    std::vector<int32_t> vin(cfg.micro_batch * cfg.seq_len), vtg(cfg.micro_batch * cfg.seq_len);
-    LossSum v = engine->all_reduce_loss(evaluate(*engine, *val, cfg.val_batches, vin, vtg));
-    const double loss = v.count ? v.sum / v.count : NAN;
-    std::printf("step %6lld | val loss %.4f | val ppl %.2f | %lld tokens\n", (long long)at_step, loss, std::exp(loss),
-                (long long)v.count);
-    metrics.write({{"step", at_step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", v.count}});
-    if (world->rank() == 0) refresh_run_report(out_dir);
-    eta_model.validation_done(seconds_since(started));
+  auto validate = [&](int64_t at) {
+    const Validator::Result v = validator.run(*engine, at);
+    std::printf("%s\n", v.line().c_str());
+    metrics.write(v.record());
+    if (world->rank() == 0) refresh_run_report(cfg.out_dir);
+    eta.validation_done(v.seconds);
   };
+  if (validator.due_at_start(step)) validate(0);  // the starting point: how far training moves the held-out loss
 
-  // The starting point, so the log shows how far training moved the held-out loss.
-  if (val && step == 0) validate_now(0);
-
+  // The loop: micro-batches, the step (loss over ranks, gradient sync, clip, AdamW), the record, then whatever
+  // is due.
   std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len);
   const double flops_per_token = engine->flops_per_token(cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
@@ -446,63 +452,34 @@ int run(int argc, char** argv) {
     LossSum loss;
     for (int64_t micro = 0; micro < cfg.grad_accum; micro++) {
       train.next(inputs.data(), targets.data());
-      LossSum l = engine->forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len);
-      loss.sum += l.sum;
-      loss.count += l.count;
+      const LossSum l = engine->forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len);
+      loss.sum += l.sum, loss.count += l.count;
     }
     inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only
     if (nan_loss_for_tests(world->rank(), step)) loss.sum = NAN;
     const double lr = learning_rate(cfg.opt, step, cfg.steps);
-    // Loss over all ranks, gradient synchronization, global-norm clip and AdamW (engine/engine.h); no update when
-    // the loss or the gradient norm is not finite (the same decision on every rank).
-    const StepResult result = engine->finish_step(loss, lr);
-    const OptimizerStats& stats = result.stats;
+    const StepResult result = engine->finish_step(loss, lr);  // no update when not finite, on every rank alike
     step++;
-    bad_in_a_row = stats.applied ? 0 : bad_in_a_row + 1;
-    if (!stats.applied) {
-      skipped_steps++;
-      std::printf("step %6lld | loss %g | grad norm %g | not finite: update skipped (%lld in a row, %lld in all)\n",
-                  (long long)step, result.loss, stats.grad_norm, (long long)bad_in_a_row, (long long)skipped_steps);
-      std::fflush(stdout);
-      if (bad_in_a_row >= cfg.max_bad_steps)
-        fail("the loss or the gradient norm was not finite in ", bad_in_a_row, " steps in a row (up to step ", step,
-             ", --max_bad_steps ", cfg.max_bad_steps, "): the run diverged. Resume from the last checkpoint (",
-             ckpt_root.string(), ") with a lower --lr or a --grad_clip, or look for bad data near this step");
-    }
-    const double secs = seconds_since(t0), elapsed = seconds_since(run_start);
-    eta_model.step_done(secs);
-    const double eta = eta_model.seconds_left(cfg.steps - step, val ? periodic_events_left(step, cfg.steps, cfg.val_every) : 0,
-                                              periodic_events_left(step, cfg.steps, cfg.ckpt_every));
-    const double mean_loss = result.loss;
-    const double tok_s = tokens_per_step / secs;
+    bad_in_a_row = result.stats.applied ? 0 : bad_in_a_row + 1;
+    if (!result.stats.applied) report_skipped_step(result, step, bad_in_a_row, ++skipped_steps, cfg);
+    StepRecord r;
+    r.step = step, r.total_steps = cfg.steps, r.loss = result.loss, r.lr = lr, r.stats = result.stats;
+    r.tokens = result.tokens, r.skipped_steps = skipped_steps;
+    r.seconds = seconds_since(t0), r.elapsed_s = seconds_since(run_start);
+    eta.step_done(r.seconds);
+    r.eta_s = eta.seconds_left(cfg.steps - step, validator.left(step, cfg.steps),
+                               periodic_events_left(step, cfg.steps, cfg.ckpt_every));
+    r.tokens_per_s = tokens_per_step / r.seconds;
     // MFU: model FLOPs of the step over what every rank's device could do in the same time.
-    const double mfu = tokens_per_step * flops_per_token / secs / (engine->peak_flops() * world->size());
-    const double cost = elapsed / 3600.0 * world->size() * cfg.gpu_hour_cost;  // this allocation's, so far
-    const EngineStatus dev = engine->status();
-    json record = {{"step", step},          {"loss", mean_loss},       {"lr", lr},
-                   {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", result.tokens},
-                   {"tokens_per_s", tok_s}, {"ms_per_step", secs * 1e3}, {"elapsed_s", elapsed}, {"eta_s", eta},
-                   {"mem_mb", dev.host_mb}, {"peak_mem_mb", dev.host_peak_mb}};
-    if (!stats.applied) record["skipped"] = true, record["skipped_steps"] = skipped_steps;
-    if (std::isfinite(mfu)) record["mfu"] = mfu;
-    if (std::isfinite(dev.gpu_mb)) record["gpu_mem_mb"] = dev.gpu_mb, record["gpu_peak_mem_mb"] = dev.gpu_peak_mb;
-    if (std::isfinite(dev.gpu_util)) record["gpu_util"] = dev.gpu_util;
-    if (cfg.gpu_hour_cost > 0) record["cost"] = cost;
-    metrics.write(record);
+    r.mfu = tokens_per_step * flops_per_token / r.seconds / (engine->peak_flops() * world->size());
+    if (cfg.gpu_hour_cost > 0) r.cost = r.elapsed_s / 3600.0 * world->size() * cfg.gpu_hour_cost;  // so far
+    r.status = engine->status();
+    metrics.write(r.json());
     if (step % cfg.log_every == 0 || step == last_step || step == first_step + 1) {
-      std::string device_part;
-      if (std::isfinite(mfu)) device_part += str(" | MFU ", format_fixed(100 * mfu, 1), "%");
-      if (std::isfinite(dev.gpu_mb))
-        device_part += str(" | gpu mem ", format_fixed(dev.gpu_mb / 1e3, 1), "/", format_fixed(dev.gpu_total_mb / 1e3, 1),
-                           " GB (peak ", format_fixed(dev.gpu_peak_mb / 1e3, 1), ")");
-      if (std::isfinite(dev.gpu_util)) device_part += str(" | util ", format_fixed(dev.gpu_util, 0), "%");
-      const std::string cost_part = cfg.gpu_hour_cost > 0 ? str(" | cost ", format_fixed(cost, 2)) : "";
-      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %.0f ms%s | mem %.0f MB (peak %.0f)%s | ETA %s\n",
-                  (long long)step, (long long)cfg.steps, mean_loss, lr, stats.grad_norm, tok_s, secs * 1e3,
-                  device_part.c_str(), dev.host_mb, dev.host_peak_mb, cost_part.c_str(), human_duration(eta).c_str());
+      std::printf("%s\n", r.line().c_str());
       std::fflush(stdout);
     }
-    if (val && cfg.val_every > 0 && step % cfg.val_every == 0 && step != cfg.steps) validate_now(step);
+    if (validator.due(step, cfg.steps)) validate(step);
     // A signal reaches ranks at different moments: stop together, at the first step any rank saw it.
     int64_t stop = g_stop_requested ? 1 : 0;
     if (world->size() > 1) world->all_reduce_sum(&stop, 1, "stop request");
@@ -511,30 +488,14 @@ int run(int argc, char** argv) {
       stopped_early = true;
       break;
     }
-    if (cfg.ckpt_every > 0 && step % cfg.ckpt_every == 0 && step != last_step) save(step);
+    if (checkpointer.due(step, last_step)) save(step);
   }
-  if (val && step == cfg.steps && !stopped_early) validate_now(step);
-  if (step > first_step || !resume_from) save(step);
-  // Measured against the plan: the largest rank's peak resident memory above its start-up (the plan's scope).
-  double above_start = host_memory().peak_mb - at_start.resident_mb;
-  if (world->size() > 1) world->all_reduce(&above_start, 1, CommType::F64, ReduceOp::Max, "peak memory");
-  if (eo.device == "cpu")
-    std::printf("memory: measured peak %.1f MB above the start-up's (largest rank), planned %.1f MB (%+.1f%%)\n",
-                above_start, plan_record["peak"].get<double>() / 1e6,
-                100.0 * (above_start / (plan_record["peak"].get<double>() / 1e6) - 1.0));
-  const bool finished = step >= cfg.steps;
-  metrics.write({{"step", step}, {"event", "end"}, {"status", finished ? "finished" : "stopped"},
-                 {"host_peak_above_start_mb", above_start}});
-  if (world->rank() == 0) refresh_run_report(out_dir);
-  if (!finished) {  // stopped, not finished: a distinct exit code, so a job script requeues
-    std::printf("stopped at step %lld of %lld (%s) after %s: exit code %d; rerun with --resume to continue\n",
-                (long long)step, (long long)cfg.steps, stopped_early ? "signal" : "--stop_at_step",
-                human_duration(seconds_since(run_start)).c_str(), EX_TEMPFAIL);
-    return EX_TEMPFAIL;
-  }
-  std::printf("done: step %lld of %lld in %s\n", (long long)step, (long long)cfg.steps,
-              human_duration(seconds_since(run_start)).c_str());
-  return 0;
+
+  // The end: the last validation and checkpoint, memory against the plan, the exit code.
+  if (validator.due_at_end(step, cfg.steps, stopped_early)) validate(step);
+  if (step > first_step || !start.resume_from) save(step);
+  return finish_run(cfg, *world, metrics, plan_record, at_start, eo.device, step, stopped_early,
+                    seconds_since(run_start));
 }
 
 }  // namespace

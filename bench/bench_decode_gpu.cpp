@@ -17,9 +17,7 @@ constexpr int64_t kPrompt = 16, kContext = 128;
 void BM_Generate(benchmark::State& state) {
   const bool cached = state.range(0) != 0;
   const LlamaConfig config = LlamaConfig::load("demo/config.json");
-  GpuOptions forward_only;
-  forward_only.training = false;  // bf16 weights only
-  LlamaGpu model(config, 1, kContext, OptimizerConfig{}, forward_only);
+  LlamaGpu model(config, single_rank_layout(1, kContext, /*training=*/false));  // bf16 weights only
   std::vector<float> weights(model.layout().total());
   init_random_weights(model.layout(), 1, 0.3, weights.data());
   model.set_params(weights.data());

@@ -39,11 +39,15 @@ LlamaConfig llama32_1b() {
 }
 
 // part 0: the whole step; 1: forward and loss only; 2: AdamW only. The parts show where a step's time goes
-// (the forward is a third of the model FLOPs; AdamW is memory-bound: 30 bytes per parameter).
+// (the forward is a third of the model FLOPs; AdamW is memory-bound: 30 bytes per parameter). hopper 1: the sm_90a
+// attention kernels (--attention hopper), else mma.
 void BM_TrainStep(benchmark::State& state) {
   const int64_t batch = state.range(0), seq = state.range(1), part = state.range(2);
+  const AttentionPath path = state.range(3) != 0 ? AttentionPath::kHopper : AttentionPath::kMma;
   const LlamaConfig config = llama32_1b();
-  LlamaGpu model(config, batch, seq);
+  MemoryLayout run;
+  run.micro_batch = batch, run.seq_len = seq, run.attention = path;
+  LlamaGpu model(config, run);
   model.init_random(1);
   std::vector<int32_t> inputs(batch * seq), targets(batch * seq);
   uint64_t x = 88172645463325252ull;  // xorshift: random tokens, not zeros
@@ -71,15 +75,16 @@ void BM_TrainStep(benchmark::State& state) {
   }
   state.counters["GiB"] = static_cast<double>(model.device_bytes()) / double(1 << 30);
   state.SetLabel(std::string(kPart[part]) + ", LLaMA-3.2-1B shape, batch " + std::to_string(batch) + " x seq " +
-                 std::to_string(seq));
+                 std::to_string(seq) + ", " + attention_path_option(path) + " attention");
 }
 
 BENCHMARK(BM_TrainStep)
-    ->ArgNames({"batch", "seq", "part"})
-    ->Args({2, 4096, 0})
-    ->Args({4, 4096, 0})
-    ->Args({2, 4096, 1})
-    ->Args({2, 4096, 2})
+    ->ArgNames({"batch", "seq", "part", "hopper"})
+    ->Args({2, 4096, 0, 0})
+    ->Args({4, 4096, 0, 0})
+    ->Args({2, 4096, 1, 0})
+    ->Args({2, 4096, 2, 0})
+    ->Args({4, 4096, 0, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(2.0);
@@ -98,7 +103,7 @@ void BM_EngineStep(benchmark::State& state) {
   std::unique_ptr<Comm> world = make_single_comm();
   Mesh mesh = make_mesh(*world, 1);
   EngineOptions o;
-  o.device = "cuda", o.micro_batch = batch, o.seq_len = seq, o.zero = zero, o.recompute = recompute;
+  o.device = Device::Cuda, o.micro_batch = batch, o.seq_len = seq, o.zero = zero, o.recompute = recompute;
   o.bf16_moments = true;
   size_t free_before = 0, total = 0;
   TUNA_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
@@ -132,7 +137,7 @@ void BM_EngineStep(benchmark::State& state) {
     step();
     state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  MemoryLayout l = engine_memory_layout(o, 1, 0, 1, 0);
+  const MemoryLayout l = engine_memory_layout(o, mesh);
   const MemoryPlan plan = plan_gpu_memory(config, l);
   const double tokens = static_cast<double>(batch * seq);
   state.counters["tokens/s"] = rate(tokens);

@@ -1,5 +1,6 @@
-// Engine: the model as the trainer drives it, on one backend. train.cu runs one loop (micro-batches, the
-// step's collectives and update, validation, checkpoints) over this interface, whichever device computes:
+// Engine: the model as the trainer drives it, on one backend. train.cu runs one loop (micro-batches, the step's
+// collectives and update, validation, checkpoints) over this interface, whichever device computes. Files: the
+// backends engine_cpu.cpp and engine_gpu.cpp, the device choice and factory device.cpp, shared helpers engine.cpp.
 //
 //   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3).
 //   cuda  LlamaGpu (model/llama_gpu.h), one GPU per rank (the rank's local index on its node): bf16 weights
@@ -27,6 +28,7 @@
 #include "comm/comm.h"
 #include "dist/zero.h"  // StepResult
 #include "model/config.h"
+#include "model/gpu_options.h"
 #include "model/layout.h"
 #include "model/llama.h"      // LossSum
 #include "model/memory_plan.h"  // Recompute
@@ -34,17 +36,22 @@
 
 namespace tuna {
 
+enum class Device { Cpu, Cuda };
+const char* device_name(Device device);  // "cpu" | "cuda"
+
+// One run's engine settings, as the trainer's options give them. The parallel layout is the mesh's; the two
+// together make the run's MemoryLayout (engine_memory_layout), built once and taken whole by the memory plan and
+// the model.
 struct EngineOptions {
-  std::string device = "cpu";  // "cpu" or "cuda" (resolve_device turns "auto" into one of them)
+  Device device = Device::Cpu;
   int64_t micro_batch = 1, seq_len = 1;
   OptimizerConfig opt;
   int zero = 0;                // ZeRO stage
   bool zero_prefetch = true;   // ZeRO-3: gather the next unit while this one computes
   Recompute recompute = Recompute::None;  // cuda: which activations the backward recomputes (cpu: none only)
   bool bf16_moments = false;   // cuda: AdamW moments in bf16
-  bool stochastic_rounding = false;  // cuda: bf16 weights (and bf16 moments) written with stochastic rounding
-  uint64_t seed = 0;           // cuda: stochastic rounding's stream
-  int gpu = 0;                 // cuda: the device index this rank uses
+  AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (--attention)
+  GpuOptions gpu;              // cuda only: the device index, stochastic rounding
 };
 
 // The figures of the log line that depend on the backend. NaN: not known on this backend.
@@ -77,6 +84,8 @@ class Engine {
   // For the banner: "cpu" or "cuda:0 (NVIDIA H200, 132 SMs, 140 GiB)".
   virtual std::string describe() const = 0;
   virtual const ParamLayout& layout() const = 0;
+  // The attention kernels this engine runs ("mma", "hopper"); empty on cpu (one attention). Saved in state.json.
+  virtual std::string attention_kernels() const { return ""; }
 
   // The step: begin_step, forward_backward per micro-batch (sums; llama.h's loss convention), finish_step
   // (loss over dp ranks, gradient synchronization, global-norm clip, AdamW).
@@ -131,15 +140,18 @@ class ForwardModel {
 };
 
 // `device` as resolve_device returns it; weights fills the whole model (ParamLayout order).
-std::unique_ptr<ForwardModel> make_forward_model(const LlamaConfig& config, const std::string& device,
+std::unique_ptr<ForwardModel> make_forward_model(const LlamaConfig& config, Device device,
                                                  int64_t max_batch, int64_t max_seq, const WeightFill& weights);
 
-// One rank's memory layout (model/memory_plan.h) for these options on a dp x tp mesh.
-MemoryLayout engine_memory_layout(const EngineOptions& options, int dp_size, int dp_rank, int tp_size, int tp_rank);
+// This rank's layout (model/memory_plan.h) for these options on `mesh`: the one place a run's parallel layout,
+// batch shape and buffer switches come together.
+MemoryLayout engine_memory_layout(const EngineOptions& options, const Mesh& mesh);
 
 // The CUDA engine's plan for this rank of `mesh`, checked against a device of capacity_gb (0: the free memory of
 // this rank's visible GPU, which then must exist): what build/train --plan_only prints, without allocating.
 GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, double capacity_gb);
+// The same against capacity_bytes, with no device query (the CUDA engine's check before it allocates).
+GpuFit plan_gpu_fit(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, int64_t capacity_bytes);
 
 // The CUDA engine's host memory per rank beyond the process's own (engine/engine_gpu.cpp): the starting weights go
 // through one fp32 buffer of the largest piece the rank fills (its piece of each unit at ZeRO 1-3, each whole unit
@@ -148,27 +160,30 @@ GpuFit plan_gpu_run(const LlamaConfig& config, const EngineOptions& options, con
 struct HostStaging {
   int64_t init_bytes = 0, checkpoint_bytes = 0;
 };
-HostStaging plan_gpu_host_staging(const LlamaConfig& config, const EngineOptions& options, int dp_size, int dp_rank,
-                                  int tp_size, int tp_rank);
+HostStaging plan_gpu_host_staging(const LlamaConfig& config, const MemoryLayout& run);
 // One line for the logs: "host memory per rank ...".
 std::string format_host_staging(const HostStaging& staging);
 
-// "auto" -> "cuda" when this build has CUDA and a device is visible, else "cpu". "cuda" without a visible
-// device, or in a CPU-only build, fails with a message saying why.
-std::string resolve_device(const std::string& requested);
+// The attention kernels a run uses (cuda): --attention when it names them; with auto, a resume keeps those its
+// checkpoint's run used (state.json "kernels"), so that a resumed run computes what the run before it did. `note`
+// gets a line when the choice differs from the checkpoint's, or follows it. The environment variable of earlier
+// versions (TUNA_ATTENTION) is refused rather than ignored.
+AttentionPath choose_attention(const std::string& option, const nlohmann::json& checkpoint_state, std::string* note);
+
+// This rank's memory plan before anything large is allocated, as metrics.jsonl records it. On cpu it is printed
+// and checked against the node's available memory (a run that cannot fit stops here); the CUDA engine checks its
+// device plan itself when it is made.
+nlohmann::json check_memory_plan(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh,
+                                 double resident_mb_at_start, int ranks_on_node);
+
+// "auto" -> cuda when this build has CUDA and a device is visible, else cpu. "cuda" without a visible device, or
+// in a CPU-only build, fails with a message saying why.
+Device resolve_device(const std::string& requested);
 
 // The model on the chosen backend for this rank of `mesh`. `initial` fills the starting weights (every rank
 // the same); null when the caller restores a checkpoint with import_state before the first step.
 // `device_comm` makes the device dp and tp comms (cuda with dp > 1 or tp > 1 only; may be null otherwise).
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm = nullptr);
-
-#if TUNA_CUDA
-// engine/engine_gpu.cpp
-std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
-                                        const WeightFill& initial, const DeviceCommFactory& device_comm);
-std::unique_ptr<ForwardModel> make_gpu_forward_model(const LlamaConfig& config, int64_t max_batch, int64_t max_seq,
-                                                     const WeightFill& weights);
-#endif
 
 }  // namespace tuna

@@ -44,27 +44,14 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "kernels/adamw.cuh"  // f32_to_bf16
+#include "kernels/attention.cuh"  // resolve_attention_path
 #include "model/decode_gpu.h"
-#include "engine/engine.h"
+#include "engine/backends.h"
 #include "model/llama_gpu.h"
 
 namespace tuna {
 
 namespace {
-
-GpuOptions gpu_options(const EngineOptions& o, const Mesh& mesh) {
-  GpuOptions g;
-  g.zero = o.zero;  // ZeRO 1-3: the engine keeps master and moments, sharded, in the model's arena
-  g.zero_prefetch = o.zero_prefetch;
-  g.recompute = o.recompute;
-  g.dp = mesh.dp_size, g.dp_rank = mesh.dp_rank;
-  g.tp = mesh.tp_size, g.tp_rank = mesh.tp_rank;
-  g.bf16_moments = o.bf16_moments;
-  g.stochastic_rounding = o.stochastic_rounding;
-  g.seed = static_cast<uint32_t>(o.seed);
-  g.device = o.gpu;
-  return g;
-}
 
 // Refuses what the CUDA engine does not do yet, before any device memory is touched.
 void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_comm) {
@@ -74,8 +61,8 @@ void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_
          "NCCL, and this build has none (nccl.h was not found at build time, or NCCL=0)");
   int count = 0;
   TUNA_CUDA_CHECK(cudaGetDeviceCount(&count));
-  if (o.gpu < 0 || o.gpu >= count)
-    fail("this rank wants GPU ", o.gpu, " (its index among the ranks of its node), but ", count,
+  if (o.gpu.device < 0 || o.gpu.device >= count)
+    fail("this rank wants GPU ", o.gpu.device, " (its index among the ranks of its node), but ", count,
          " GPU(s) are visible: launch at most ", count, " ranks per node (mpirun --map-by ppr:", count,
          ":node) or widen CUDA_VISIBLE_DEVICES");
 }
@@ -376,7 +363,7 @@ class GpuEngine final : public Engine {
             const DeviceCommFactory& device_comm)
       : options_(o),
         mesh_(mesh),
-        model_(config, o.micro_batch, o.seq_len, o.opt, gpu_options(o, mesh)),
+        model_(config, engine_memory_layout(o, mesh), o.opt, o.gpu),
         segments_(dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size)) {
     cudaStream_t stream = model_.stream();
     // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
@@ -394,10 +381,11 @@ class GpuEngine final : public Engine {
     model_.arena().check_all_taken();
     if (initial) fill_weights(initial);
     cudaDeviceProp prop{};
-    TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, o.gpu));
-    describe_ = str("cuda:", o.gpu, " (", prop.name, ", ", prop.multiProcessorCount, " SMs, ",
+    TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, o.gpu.device));
+    describe_ = str("cuda:", o.gpu.device, " (", prop.name, ", ", prop.multiProcessorCount, " SMs, ",
                     static_cast<int64_t>(prop.totalGlobalMem >> 30), " GiB)");
-    peak_flops_ = gpu_peak_bf16_flops(o.gpu);
+    peak_flops_ = gpu_peak_bf16_flops(o.gpu.device);
+    attention_ = cuda::attention_path_name(cuda::resolve_attention_path(o.attention));
   }
   ~GpuEngine() override {
     store_.reset();
@@ -407,6 +395,7 @@ class GpuEngine final : public Engine {
   }
 
   std::string describe() const override { return describe_; }
+  std::string attention_kernels() const override { return attention_; }
   const ParamLayout& layout() const override { return model_.layout(); }
 
   void begin_step() override {
@@ -533,10 +522,9 @@ class GpuEngine final : public Engine {
   }
 
   std::string memory_report() const override {
-    return format_memory_table(model_.memory_plan(), gpu_memory(options_.gpu).total_bytes,
+    return format_memory_table(model_.memory_plan(), gpu_memory(options_.gpu.device).total_bytes,
                                str("device memory per GPU (this rank's plan, allocated at start; ", describe_, ")")) +
-           format_host_staging(plan_gpu_host_staging(model_.config(), options_, mesh_.dp_size, mesh_.dp_rank,
-                                                     mesh_.tp_size, mesh_.tp_rank));
+           format_host_staging(plan_gpu_host_staging(model_.config(), engine_memory_layout(options_, mesh_)));
   }
   int64_t activation_bytes() const override { return model_.memory_plan().bytes(MemoryKind::Activations); }
   int64_t state_bytes() const override { return model_.state_bytes(); }  // the shard is in the model's arena
@@ -547,12 +535,12 @@ class GpuEngine final : public Engine {
     EngineStatus s;
     const HostMemory host = host_memory();
     s.host_mb = host.resident_mb, s.host_peak_mb = host.peak_mb;
-    const GpuMemory mem = gpu_memory(options_.gpu);
+    const GpuMemory mem = gpu_memory(options_.gpu.device);
     // Everything is allocated at construction, so the peak is the largest use seen (NCCL's buffers arrive with
     // the first step).
     gpu_peak_mb_ = std::max(gpu_peak_mb_, mem.used_bytes / 1e6);
     s.gpu_mb = mem.used_bytes / 1e6, s.gpu_peak_mb = gpu_peak_mb_, s.gpu_total_mb = mem.total_bytes / 1e6;
-    s.gpu_util = gpu_utilization_percent(options_.gpu);
+    s.gpu_util = gpu_utilization_percent(options_.gpu.device);
     return s;
   }
 
@@ -595,7 +583,7 @@ class GpuEngine final : public Engine {
       const int64_t step = model_.steps_taken() + 1;
       const OptimizerConfig& oc = options_.opt;
       const cuda::AdamWArgs args{lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step, loss_scale * stats.clip_scale,
-                                 options_.stochastic_rounding, static_cast<uint32_t>(options_.seed)};
+                                 options_.gpu.stochastic_rounding, options_.gpu.seed};
       if (sh.bf16_moments())
         cuda::adamw_update(sh.master, sh.weights, sh.grad, static_cast<__nv_bfloat16*>(sh.m),
                            static_cast<__nv_bfloat16*>(sh.v), sh.padded, sh.table(), args, stream);
@@ -647,8 +635,8 @@ class GpuEngine final : public Engine {
     cudaStream_t stream = model_.stream();
     cuda::AdamWArgs args{};
     args.step = std::max<int64_t>(1, model_.steps_taken());
-    args.stochastic_rounding = options_.stochastic_rounding && model_.steps_taken() > 0;
-    args.seed = static_cast<uint32_t>(options_.seed);
+    args.stochastic_rounding = options_.gpu.stochastic_rounding && model_.steps_taken() > 0;
+    args.seed = options_.gpu.seed;
     cuda::bf16_params_as_updated(sh.weights, sh.master, sh.padded, args, stream);
     store_->weights_updated();
     if (dp_device_) dp_device_->barrier("weights restored");
@@ -685,14 +673,14 @@ class GpuEngine final : public Engine {
   std::unique_ptr<Comm> tp_device_;        // NCCL over the tp group, on the compute stream; null without tp
   std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
   std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model
-  std::string describe_;
+  std::string describe_, attention_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
 };
 
 class GpuForwardModel final : public ForwardModel {
  public:
   GpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
-      : model_(config, max_batch, max_seq, OptimizerConfig{}, forward_only()), max_seq_(max_seq) {
+      : model_(config, single_rank_layout(max_batch, max_seq, /*training=*/false)), max_seq_(max_seq) {
     const ParamLayout& layout = model_.layout();
     std::vector<float> host;
     for (int u = 0; u < layout.num_units(); u++) {  // a unit at a time through the host
@@ -725,11 +713,6 @@ class GpuForwardModel final : public ForwardModel {
   }
 
  private:
-  static GpuOptions forward_only() {  // bf16 weights and activations only
-    GpuOptions g;
-    g.training = false;
-    return g;
-  }
   LlamaGpu model_;
   std::string describe_;
   int64_t max_seq_;
@@ -746,10 +729,12 @@ std::unique_ptr<ForwardModel> make_gpu_forward_model(const LlamaConfig& config, 
 std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                         const WeightFill& initial, const DeviceCommFactory& device_comm) {
   check_supported(options, mesh, static_cast<bool>(device_comm));
-  TUNA_CUDA_CHECK(cudaSetDevice(options.gpu));
+  TUNA_CUDA_CHECK(cudaSetDevice(options.gpu.device));
   // Refused before anything is allocated when the plan does not fit the device's free memory.
-  const GpuFit fit = plan_gpu_run(config, options, mesh, /*capacity_gb=*/0);
-  if (!fit.fits) fail("this run does not fit on GPU ", options.gpu, ":\n", fit.report);
+  size_t free_bytes = 0, total_bytes = 0;
+  TUNA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const GpuFit fit = plan_gpu_fit(config, options, mesh, static_cast<int64_t>(free_bytes));
+  if (!fit.fits) fail("this run does not fit on GPU ", options.gpu.device, ":\n", fit.report);
   return std::make_unique<GpuEngine>(config, options, mesh, initial, device_comm);
 }
 

@@ -50,7 +50,6 @@ bool attention_hopper_available() {
 }
 
 AttentionPath resolve_attention_path(AttentionPath path) {
-  if (path == AttentionPath::kDefault) path = attention_path_requested();
   if (path != AttentionPath::kDefault) return path;
   static const bool hopper = kHopperByDefault && attention_hopper_available();
   return hopper ? AttentionPath::kHopper : AttentionPath::kMma;

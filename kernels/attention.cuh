@@ -3,11 +3,8 @@
 // attention_small.cu):
 //   mma:    FlashAttention-2 style, tensor cores through mma.sync, cp.async (sm_80 and later). The default.
 //   hopper: FlashAttention-3 style, wgmma, TMA, mbarrier pipelines, warp specialisation (sm_90a only).
-//           Verified on the host emulator only so far: scripts/gpu-check.sh runs the GPU tests and the bench
-//           of both paths side by side; once a GPU run passes, kHopperByDefault (attention_path.h) flips the
-//           default.
-// The trainer takes the process default, TUNA_ATTENTION=mma|hopper in the environment (read once); tests and
-// benches name the path explicitly.
+//           Off by default until a GPU run passes (kHopperByDefault, attention_path.h).
+// The trainer passes its --attention option; tests and benches name the path explicitly.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -18,8 +15,7 @@
 
 namespace tuna::cuda {
 
-// kDefault resolved (the first call reads TUNA_ATTENTION; a value other than "mma" or "hopper" is an error);
-// other paths as given.
+// kDefault (auto) resolved for the current device; other paths as given.
 AttentionPath resolve_attention_path(AttentionPath path);
 const char* attention_path_name(AttentionPath path);
 // Whether the hopper path can run here: the current device is sm_90 and this build has sm_90a code.

@@ -1,12 +1,12 @@
 // Which implementation serves attention's head dims 64 and 128 on the GPU (kernels/attention.cuh), in plain
 // C++: the launchers choose by it, and the scratch sizes of kernels/scratch.h (which the memory plan uses in
 // every build) follow it, so the plan and the allocation agree on either path.
-//   mma:    FlashAttention-2 style (mma.sync, cp.async; sm_80 and later). The default.
+//   mma:    FlashAttention-2 style (mma.sync, cp.async; sm_80 and later). What auto picks today.
 //   hopper: FlashAttention-3 style (wgmma, TMA, warp specialisation; sm_90a only).
-// The process default comes from the environment, TUNA_ATTENTION=mma|hopper, read once.
+// The trainer's --attention option chooses (saved with the run like every option, so a resume runs the kernels
+// the checkpoint's run used); no environment variable does.
 #pragma once
 
-#include <cstdlib>
 #include <string>
 
 #include "core/error.h"
@@ -14,32 +14,28 @@
 namespace tuna {
 
 enum class AttentionPath {
-  kDefault,  // the process default (TUNA_ATTENTION; unset: mma, or hopper on sm_90 once kHopperByDefault is set)
+  kDefault,  // auto: hopper on sm_90 devices once kHopperByDefault is set, mma elsewhere
   kMma,
   kHopper,
 };
 
 // The one switch to flip once a GPU run of scripts/gpu-check.sh has passed the hopper path's tests (and its
-// speed is right): then TUNA_ATTENTION unset means hopper on sm_90 devices, mma elsewhere.
+// speed is right): then auto means hopper on sm_90 devices, mma elsewhere.
 constexpr bool kHopperByDefault = false;
 
-// What TUNA_ATTENTION asks for: kMma, kHopper, or kDefault when unset or empty; any other value is an error.
-inline AttentionPath attention_path_requested() {
-  static const AttentionPath requested = [] {
-    const char* value = std::getenv("TUNA_ATTENTION");
-    if (value == nullptr || *value == '\0') return AttentionPath::kDefault;
-    const std::string name = value;
-    if (name == "mma") return AttentionPath::kMma;
-    if (name == "hopper") return AttentionPath::kHopper;
-    fail("environment variable TUNA_ATTENTION: expected 'mma' or 'hopper', found '", name, "'");
-  }();
-  return requested;
+// The --attention option's words: auto, mma, hopper; anything else is an error naming `source`.
+inline AttentionPath parse_attention_path(const std::string& name, const std::string& source) {
+  if (name == "auto") return AttentionPath::kDefault;
+  if (name == "mma") return AttentionPath::kMma;
+  if (name == "hopper") return AttentionPath::kHopper;
+  fail(source, ": expected auto, mma or hopper, found '", name, "'");
+}
+inline const char* attention_path_option(AttentionPath path) {
+  return path == AttentionPath::kMma ? "mma" : path == AttentionPath::kHopper ? "hopper" : "auto";
 }
 
-// Whether `path` may turn out to be hopper, before the device is known (kDefault: what TUNA_ATTENTION asks, or
-// kHopperByDefault when it asks nothing).
+// Whether `path` may turn out to be hopper, before the device is known.
 inline bool attention_hopper_possible(AttentionPath path) {
-  if (path == AttentionPath::kDefault) path = attention_path_requested();
   return path == AttentionPath::kHopper || (path == AttentionPath::kDefault && kHopperByDefault);
 }
 

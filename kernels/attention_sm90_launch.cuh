@@ -60,8 +60,8 @@ void require_sm90a_image(Kernel* kernel) {
   TUNA_CUDA_CHECK(cudaGetDevice(&device));
   TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  TUNA_CHECK(major == 9 && minor == 0, "the Hopper attention path (TUNA_ATTENTION=hopper) needs an sm_90 GPU; this ",
-             "device is sm_", major, minor, " (use TUNA_ATTENTION=mma)");
+  TUNA_CHECK(major == 9 && minor == 0, "the Hopper attention path (--attention hopper) needs an sm_90 GPU; this ",
+             "device is sm_", major, minor, " (use --attention mma)");
   cudaFuncAttributes attributes;
   TUNA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
   TUNA_CHECK(attributes.binaryVersion == 90, "the Hopper attention path needs a build with sm_90a code (make SM=90a, ",

@@ -35,7 +35,7 @@ inline AttentionBwdScratch attention_bwd_layout(int64_t batch, int64_t seq_len, 
   s.floats = hopper ? s.flags + aligned(batch * n_heads * s.m_blocks + 1) : batch * seq_len * n_heads;
   return s;
 }
-// The hopper parts only where the path may be hopper (TUNA_ATTENTION, kHopperByDefault: attention_path.h) and
+// The hopper parts only where the path may be hopper (attention_path.h) and
 // the head dim is one it serves; head_dim 128 (the default) bounds 64.
 inline int64_t attention_bwd_floats(int64_t batch, int64_t seq_len, int64_t n_heads, int64_t head_dim = 128,
                                     AttentionPath path = AttentionPath::kDefault) {

@@ -170,13 +170,13 @@ class LlamaGpu::GradWrites {
 };
 
 void LlamaGpu::set_tp_comm(Comm* tp) {
-  TUNA_CHECK(tp != nullptr && tp->size() == options_.tp && tp->rank() == options_.tp_rank, "tp comm of ",
-             tp ? tp->size() : 0, " ranks for a model of tp ", options_.tp);
+  TUNA_CHECK(tp != nullptr && tp->size() == run_.tp && tp->rank() == run_.tp_rank, "tp comm of ",
+             tp ? tp->size() : 0, " ranks for a model of tp ", run_.tp);
   tp_ = tp;
 }
 
 void LlamaGpu::tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what) {
-  if (options_.tp == 1) return;
+  if (run_.tp == 1) return;
   TUNA_CHECK(tp_ != nullptr, "tensor parallelism without a tp comm (set_tp_comm)");
   tp_->all_reduce(x, n, CommType::BF16, ReduceOp::Sum, what);
 }
@@ -195,7 +195,13 @@ int64_t LlamaGpu::state_bytes() const {
 
 LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const OptimizerConfig& optimizer,
                    const GpuOptions& options)
-    : config_(config), layout_(config, options.tp_rank, options.tp), opt_(optimizer), options_(options), max_batch_(max_batch), max_seq_(max_seq) {
+    : LlamaGpu(config, single_rank_layout(max_batch, max_seq), optimizer, options) {}
+
+LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const OptimizerConfig& optimizer,
+                   const GpuOptions& options)
+    : config_(config), layout_(config, static_cast<int>(run.tp_rank), static_cast<int>(run.tp)), opt_(optimizer),
+      run_(run), options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len) {
+  const int64_t max_batch = max_batch_, max_seq = max_seq_;
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   validate(opt_);
   const LlamaConfig& c = config_;
@@ -214,30 +220,24 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
 
   head_chunk_rows_ = gpu_head_chunk_rows(d.vocab, n);
   n_segments_ = static_cast<int>(layout_.tensors().size());
-  const bool training = options_.training, own_optimizer = training && options_.zero == 0;
+  const bool training = run_.training, own_optimizer = training && run_.zero == 0;
 
   // Every buffer from the memory plan (model/memory_plan_gpu.cpp), by its name there.
-  MemoryLayout ml;
-  ml.dp = options_.dp, ml.dp_rank = options_.dp_rank, ml.zero = options_.zero;
-  ml.tp = options_.tp, ml.tp_rank = options_.tp_rank;
-  ml.zero_prefetch = options_.zero_prefetch, ml.recompute = options_.recompute;
-  ml.bf16_moments = options_.bf16_moments, ml.training = training;
-  ml.micro_batch = max_batch, ml.seq_len = max_seq;
-  arena_ = std::make_unique<DeviceArena>(plan_gpu_memory(c, ml));
+  arena_ = std::make_unique<DeviceArena>(plan_gpu_memory(c, run_));
   DeviceArena& arena = *arena_;
   using bf16 = __nv_bfloat16;
   if (own_optimizer) master_ = arena.take<float>("fp32 master weights", P);
-  if (options_.zero <= 2 || !training) params_ = arena.take<bf16>("bf16 weights", P);
-  if (training && options_.zero <= 1) grads_ = arena.take<float>("fp32 gradients", P);
+  if (run_.zero <= 2 || !training) params_ = arena.take<bf16>("bf16 weights", P);
+  if (training && run_.zero <= 1) grads_ = arena.take<float>("fp32 gradients", P);
   if (own_optimizer) {
-    const int64_t moment_bytes = options_.bf16_moments ? 2 : 4;
+    const int64_t moment_bytes = run_.bf16_moments ? 2 : 4;
     m_ = arena.take<char>("AdamW m", P * moment_bytes);
     v_ = arena.take<char>("AdamW v", P * moment_bytes);
     segment_starts_ = arena.take<int64_t>("AdamW segment starts", n_segments_);
     segment_decays_ = arena.take<uint8_t>("AdamW segment decays", n_segments_);
     norm_scratch_f64_ = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
     norm_total_ = arena.take<double>("gradient norm", 1);
-    if (options_.tp > 1)
+    if (run_.tp > 1)
       replicated_norms_ = arena.take<double>(
           "replicated gradient norms",
           std::max<int64_t>(1, replicated_piece_count(shard_pieces(layout_, {Segment{0, P}}))));
@@ -245,7 +245,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   rope_cos_ = arena.take<float>("RoPE cos", max_seq * c.head_dim / 2);
   rope_sin_ = arena.take<float>("RoPE sin", max_seq * c.head_dim / 2);
   // Each layer's activations: its own buffer where the recompute mode keeps the field, else the working one.
-  const Recompute recompute = training ? options_.recompute : Recompute::Full;
+  const Recompute recompute = training ? run_.recompute : Recompute::Full;
   acts_.resize(c.num_hidden_layers);
   const auto field = [&]<typename T>(T* LayerActs::*member, const char* name, int64_t count) {
     T* working = gpu_keeps_activation(name, recompute) ? nullptr : arena.take<T>(str("working ", name), count);
@@ -271,7 +271,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   final_rstd_ = arena.take<float>("final rstd", n);
   logits_chunk_ = arena.take<bf16>("logits chunk", head_chunk_rows_ * d.vocab);
   losses_ = arena.take<float>("per-token losses", n);
-  if (options_.tp > 1) {
+  if (run_.tp > 1) {
     ce_stats_ = arena.take<float>("classifier statistics", 3 * head_chunk_rows_);
     ce_max_ = arena.take<float>("classifier global max", head_chunk_rows_);
   }
@@ -285,7 +285,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     d_v_ = arena.take<bf16>("d_v", n * kvd);
     d_act_ = arena.take<bf16>("d_act", n * F);
     norm_scratch_ = arena.take<float>("rmsnorm backward scratch", cuda::rmsnorm_bwd_scratch_floats(n, C));
-    attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H));
+    attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H, /*head_dim=*/128, run_.attention));
   }
   loss_total_ = arena.take<double>("loss total", 1);
   tokens_ = arena.take<int32_t>("token ids", n);
@@ -296,8 +296,8 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   constexpr int64_t kMatmulWorkspace = int64_t(32) << 20;
   matmul_ = std::make_unique<cuda::MatmulContext>(arena.take<char>("cuBLASLt workspace", kMatmulWorkspace),
                                                   static_cast<size_t>(kMatmulWorkspace));
-  if (options_.zero == 0) arena.check_all_taken();  // ZeRO 1-3: the engine takes the shard's buffers, then checks
-  if (options_.zero <= 1 || !training) {
+  if (run_.zero == 0) arena.check_all_taken();  // ZeRO 1-3: the engine takes the shard's buffers, then checks
+  if (run_.zero <= 1 || !training) {
     own_store_ = std::make_unique<OwnWeights>(*this);
     store_ = own_store_.get();
   }
@@ -328,7 +328,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
   if (master_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(master_, 0, P * sizeof(float)));
   if (params_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(params_, 0, P * sizeof(__nv_bfloat16)));
   if (m_ != nullptr) {
-    const size_t moment_bytes = static_cast<size_t>(P) * (options_.bf16_moments ? 2 : 4);
+    const size_t moment_bytes = static_cast<size_t>(P) * (run_.bf16_moments ? 2 : 4);
     TUNA_CUDA_CHECK(cudaMemset(m_, 0, moment_bytes));
     TUNA_CUDA_CHECK(cudaMemset(v_, 0, moment_bytes));
   }
@@ -443,7 +443,7 @@ void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int6
         fail("target at position ", i, " is ", targets[i], ", outside the vocabulary [0, ", V, ")");
   const TpDims& d = layout_.tp();
   // Also validates the inputs. Under tensor parallelism, only the tokens of this rank's vocabulary slice.
-  if (options_.tp > 1) cuda::embedding_groups_slice(groups_, inputs, n, V, d.vocab_begin, d.vocab);
+  if (run_.tp > 1) cuda::embedding_groups_slice(groups_, inputs, n, V, d.vocab_begin, d.vocab);
   else cuda::embedding_groups(groups_, inputs, n, V);
   n_unique_ = static_cast<int64_t>(groups_.unique_tokens.size());
   // The previous call waited for its loss (or synchronized), which the stream orders after that call's uploads,
@@ -508,7 +508,7 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cuda::rope_fwd(a.q, qkv_, rope_cos_, rope_sin_, batch, seq, d.heads, D, d.q_dim, qkv, s);
   cuda::rope_fwd(a.k, qkv_ + d.q_dim, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, d.kv_dim, qkv, s);
   copy_rows(a.v, d.kv_dim, qkv_ + d.q_dim + d.kv_dim, qkv, n, d.kv_dim, s);
-  cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, s);
+  cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, s, run_.attention);
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks.
   const bool adds_residual = d.tp_rank == 0;
@@ -526,7 +526,7 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
 // What the recompute mode dropped of layer l's activations, recomputed from what it kept, with the same kernels
 // on the same inputs: the same bits as the forward wrote.
 void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch, int64_t seq) {
-  switch (options_.recompute) {
+  switch (run_.recompute) {
     case Recompute::None: return;
     case Recompute::Full: return layer_forward(l, wb, batch, seq, /*write_output=*/false);
     case Recompute::Selective: {
@@ -591,7 +591,7 @@ void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {
   const TpDims& d = layout_.tp();
   const float dloss = want_grad ? 1.0f : 0.0f;  // the gradient of the summed loss (see model/llama.h)
   cudaStream_t s = stream_;
-  if (options_.tp == 1) return cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, rows, d.vocab, dloss, s);
+  if (run_.tp == 1) return cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, rows, d.vocab, dloss, s);
   // Vocab-parallel: three rows of statistics cross the tp group, not logits.
   cuda::classifier_partial_stats(logits_chunk_, ce_stats_, targets_ + r0, rows, d.vocab, d.vocab_begin,
                                  config_.vocab_size, s);
@@ -665,7 +665,7 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, false, grad_write(o.o_proj),
                    s);
   cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, d.heads,
-                      d.kv_heads, D, s);
+                      d.kv_heads, D, s, run_.attention);
   // RoPE's backward writes d_q, d_k into the rows of d_qkv (qkv_, free since the forward's copies), d_v is
   // copied in; then one dX and one dW GEMM over the q|k|v block.
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
@@ -681,7 +681,7 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
 }
 
 LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
-  TUNA_CHECK(options_.training, "forward_backward on a forward-only model (GpuOptions::training)");
+  TUNA_CHECK(run_.training, "forward_backward on a forward-only model (MemoryLayout::training)");
   // At least one row: the lm_head's dW is written by its row chunks (GradWrites).
   TUNA_CHECK(batch > 0 && seq > 0, "forward_backward of batch ", batch, " x seq ", seq);
   if (batch > max_batch_ || seq > max_seq_)
@@ -708,7 +708,7 @@ LossSum LlamaGpu::forward_loss(const int32_t* inputs, const int32_t* targets, in
 }
 
 void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits) {
-  TUNA_CHECK(options_.tp == 1, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
+  TUNA_CHECK(run_.tp == 1, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, nullptr, batch * seq);
@@ -725,8 +725,8 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
   cuda::sum_of_squares(norm_total_, grads_, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
   TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (options_.tp > 1) {  // the tp ranks' squares summed, each replicated tensor (norm weights) counted once
-    if (options_.tp_rank > 0)
+  if (run_.tp > 1) {  // the tp ranks' squares summed, each replicated tensor (norm weights) counted once
+    if (run_.tp_rank > 0)
       pinned_scalar_[1] -= replicated_sum_of_squares(grads_, shard_pieces(layout_, {Segment{0, P}}), replicated_norms_,
                                                      norm_scratch_f64_, s);
     TUNA_CUDA_CHECK(cudaMemcpyAsync(norm_total_, pinned_scalar_ + 1, sizeof(double), cudaMemcpyHostToDevice, s));
@@ -750,7 +750,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
                        options_.stochastic_rounding,
                        options_.seed};
   const cuda::AdamWSegments segments{segment_starts_, segment_decays_, n_segments_};
-  if (options_.bf16_moments)
+  if (run_.bf16_moments)
     cuda::adamw_update(master_, params_, grads_, static_cast<__nv_bfloat16*>(m_), static_cast<__nv_bfloat16*>(v_), P,
                        segments, args, s);
   else

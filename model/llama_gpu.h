@@ -4,7 +4,7 @@
 //
 // Memory: every buffer is planned by plan_gpu_memory (model/memory_plan_gpu.cpp) for (max_batch, max_seq) and
 // taken from one device arena at construction; forward_backward and adamw_step allocate nothing. Which
-// activations are kept for the backward is GpuOptions::recompute: none keeps every layer's; selective keeps the
+// activations are kept for the backward is MemoryLayout::recompute: none keeps every layer's; selective keeps the
 // GEMM and attention outputs and recomputes the two norms and SwiGLU in the backward; full keeps each layer's
 // input only and recomputes the layer (all but its down projection) just before its backward. The kernels are
 // deterministic, so every mode computes the same bits.
@@ -40,6 +40,7 @@
 #include "kernels/embedding.cuh"
 #include "kernels/matmul.cuh"
 #include "model/config.h"
+#include "model/gpu_options.h"
 #include "model/layout.h"
 #include "model/llama.h"        // LossSum
 #include "model/memory_plan.h"  // MemoryPlan, plan_gpu_memory
@@ -50,23 +51,6 @@ class Comm;
 }
 
 namespace tuna {
-
-struct GpuOptions {
-  bool bf16_moments = false;         // AdamW m, v in bf16 (half the optimizer memory; for 70B on 80 GB cards)
-  bool stochastic_rounding = false;  // bf16 params (and bf16 moments) written with stochastic rounding
-  uint32_t seed = 0;                 // stochastic rounding's random stream
-  bool training = true;              // false: the forward pass alone (eval, generation): bf16 weights and
-                                     // activations, no gradients, no fp32 master, no optimizer state
-  int zero = 0;                      // the engine's ZeRO stage. 0: this model holds the fp32 master and AdamW
-                                     // moments and runs adamw_step. 1: the engine keeps them sharded in this
-                                     // model's arena and writes the bf16 weights with refresh_params_from.
-                                     // 2: no whole gradient; 3: no whole weights either (set_weight_store)
-  bool zero_prefetch = true;         // ZeRO-3: plan a second gather buffer (the engine's prefetch)
-  int dp = 1, dp_rank = 0;           // the data-parallel group (sizes ZeRO's shard in the memory plan)
-  int tp = 1, tp_rank = 0;           // tensor parallelism (Megatron splits; set_tp_comm before the first pass)
-  Recompute recompute = Recompute::None;
-  int device = 0;
-};
 
 // Where the GPU model finds a unit's bf16 weights and puts its fp32 gradient (units: model/layout.h), the GPU
 // counterpart of model/llama.h's WeightStore. Pointers address the unit's range of the flat layout (element
@@ -127,6 +111,14 @@ class DeviceArena {
 
 class LlamaGpu {
  public:
+  // One rank of `run` (its parallel layout, batch shape, ZeRO stage, recompute and attention path: the layout the
+  // memory plan is made for). training false: the forward pass alone (eval, generation): bf16 weights and
+  // activations, no gradients, no fp32 master, no optimizer state. ZeRO 0: this model holds the fp32 master and
+  // AdamW moments and runs adamw_step; 1: the engine keeps them sharded in this model's arena and writes the bf16
+  // weights with refresh_params_from; 2: no whole gradient; 3: no whole weights either (set_weight_store).
+  LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const OptimizerConfig& optimizer = {},
+           const GpuOptions& options = {});
+  // One rank training alone on batches of up to max_batch x max_seq.
   LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const OptimizerConfig& optimizer = {},
            const GpuOptions& options = {});
   ~LlamaGpu();
@@ -157,7 +149,7 @@ class LlamaGpu {
   void* moment_v() { return v_; }
   const void* moment_m() const { return m_; }
   const void* moment_v() const { return v_; }
-  bool bf16_moments() const { return options_.bf16_moments; }
+  bool bf16_moments() const { return run_.bf16_moments; }
   // Rewrites the bf16 copy from the fp32 master weights (after writing master_params() directly), rounded as
   // the last AdamW update rounded it (stochastically with its bits when GpuOptions::stochastic_rounding and
   // steps_taken() > 0), so that a restored model computes exactly what the saved one did. Queued on stream().
@@ -240,6 +232,7 @@ class LlamaGpu {
   LlamaConfig config_;
   ParamLayout layout_;
   OptimizerConfig opt_;
+  MemoryLayout run_;
   GpuOptions options_;
   int64_t max_batch_, max_seq_, head_chunk_rows_, steps_taken_ = 0;
   cudaStream_t stream_ = nullptr;

@@ -11,6 +11,12 @@
 
 namespace tuna {
 
+MemoryLayout single_rank_layout(int64_t micro_batch, int64_t seq_len, bool training) {
+  MemoryLayout l;
+  l.micro_batch = micro_batch, l.seq_len = seq_len, l.training = training;
+  return l;
+}
+
 Recompute parse_recompute(const std::string& text, const std::string& source) {
   if (text == "none") return Recompute::None;
   if (text == "selective") return Recompute::Selective;

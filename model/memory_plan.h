@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/attention_path.h"  // AttentionPath (plain C++)
 #include "model/config.h"
 #include "model/layout.h"
 
@@ -29,7 +30,9 @@ enum class Recompute { None, Selective, Full };
 Recompute parse_recompute(const std::string& text, const std::string& source);
 const char* recompute_name(Recompute r);
 
-// What decides one rank's memory.
+// What decides one rank's memory, and so what one rank computes: the parallel layout, the batch shape and the
+// switches that change buffers. engine_memory_layout (engine/engine.h) builds it once from the run's options and
+// mesh; the memory plan and the CUDA model both take it whole.
 struct MemoryLayout {
   int64_t dp = 1, tp = 1;       // world = dp x tp
   int64_t dp_rank = 0, tp_rank = 0;  // whose plan: rank 0's pieces are the largest (shard_range), so its plan
@@ -40,8 +43,12 @@ struct MemoryLayout {
   bool bf16_moments = false;    // cuda: AdamW moments in bf16
   bool master_weights = true;   // cuda: an fp32 master copy (false: bf16 weights updated with stochastic rounding)
   bool training = true;         // false: the forward pass alone (eval, sample): weights and activations only
+  AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (their scratch differs)
   int64_t micro_batch = 1, seq_len = 1;
 };
+
+// One rank alone, on batches of up to micro_batch x seq_len; training false: the forward pass alone.
+MemoryLayout single_rank_layout(int64_t micro_batch, int64_t seq_len, bool training = true);
 
 enum class MemoryKind { Weights, Gradients, Master, Moments, Activations, Communication, Workspace, Transient };
 const char* memory_kind_name(MemoryKind k);

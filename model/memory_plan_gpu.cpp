@@ -191,7 +191,7 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     b.add("d_act", MemoryKind::Activations, n * F, kBf16);
     b.add("rmsnorm backward scratch", MemoryKind::Workspace, gpu_scratch::rmsnorm_bwd_floats(n, C), kF32);
     b.add("attention backward scratch", MemoryKind::Workspace,
-          gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, H), kF32);
+          gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, H, /*head_dim=*/128, l.attention), kF32);
   }
   b.add("loss total", MemoryKind::Workspace, 1, kF64);
   b.add("token ids", MemoryKind::Workspace, n, kI32);

@@ -29,7 +29,7 @@ struct SingleRank {
 };
 
 // The fixture's batch and optimizer on `device`, ZeRO stage `zero`.
-inline EngineOptions engine_options(const Fixture& f, const std::string& device, int zero = 0) {
+inline EngineOptions engine_options(const Fixture& f, Device device, int zero = 0) {
   EngineOptions o;
   o.device = device;
   o.micro_batch = f.batch, o.seq_len = f.seq, o.opt = f.optimizer(), o.zero = zero;
@@ -50,7 +50,7 @@ inline StepResult train_step(Engine& e, const Fixture& f, int64_t s, int64_t ste
 
 // On `device` at ZeRO stage `zero`: a step whose loss is NaN or infinite changes nothing (weights, moments, update
 // count), and the next finite step equals that of an engine that never saw the bad one.
-inline void expect_non_finite_steps_skipped(const Fixture& f, const std::string& device, int zero) {
+inline void expect_non_finite_steps_skipped(const Fixture& f, Device device, int zero) {
   SingleRank ra, rb;
   std::unique_ptr<Engine> a = make_engine(f.config, engine_options(f, device, zero), ra.mesh, fixture_weights(f));
   std::unique_ptr<Engine> b = make_engine(f.config, engine_options(f, device, zero), rb.mesh, fixture_weights(f));

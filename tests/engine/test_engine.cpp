@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "comm/comm.h"
@@ -28,7 +29,7 @@ class EngineParity : public testing::TestWithParam<std::string> {};
 TEST_P(EngineParity, TenStepsFollowTransformers) {
   Fixture f(GetParam());
   SingleRank r;
-  std::unique_ptr<Engine> engine = make_engine(f.config, engine_options(f, "cpu"), r.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> engine = make_engine(f.config, engine_options(f, Device::Cpu), r.mesh, fixture_weights(f));
   const int64_t steps = f.meta.at("steps");
   SafetensorsFile ref(f.dir / "reference.safetensors");
   std::vector<double> ref_losses(steps), ref_norms(steps);
@@ -56,13 +57,13 @@ TEST_P(EngineResume, ExportImportContinuesBitForBit) {
   const int zero = GetParam();
   auto step = [&](Engine& e, int64_t s) { return train_step(e, f, s, 10); };
   SingleRank ra, rb;
-  std::unique_ptr<Engine> a = make_engine(f.config, engine_options(f, "cpu", zero), ra.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> a = make_engine(f.config, engine_options(f, Device::Cpu, zero), ra.mesh, fixture_weights(f));
   for (int64_t s = 0; s < 3; s++) step(*a, s);
   std::vector<float> p, m, v;
   a->export_shard(p, m, v);
   ASSERT_EQ(static_cast<int64_t>(p.size()), a->layout().total());  // one rank: the whole model, in layout order
 
-  std::unique_ptr<Engine> b = make_engine(f.config, engine_options(f, "cpu", zero), rb.mesh, nullptr);
+  std::unique_ptr<Engine> b = make_engine(f.config, engine_options(f, Device::Cpu, zero), rb.mesh, nullptr);
   b->import_shard(p, m, v);
   b->set_steps_taken(a->steps_taken());
   const StepResult sa = step(*a, 3), sb = step(*b, 3);
@@ -83,9 +84,9 @@ TEST_P(EngineResume, StateMovesAPieceAtATimeWithoutAHostCopy) {
   Fixture f("llama2_tiny");
   const LlamaConfig config = testing_util::many_layers(f);
   SingleRank ra, rb;
-  std::unique_ptr<Engine> a = make_engine(config, engine_options(f, "cpu", GetParam()), ra.mesh, random_weights(3, 0.02));
+  std::unique_ptr<Engine> a = make_engine(config, engine_options(f, Device::Cpu, GetParam()), ra.mesh, random_weights(3, 0.02));
   train_step(*a, f, 0, 10);  // moments away from zero
-  std::unique_ptr<Engine> b = make_engine(config, engine_options(f, "cpu", GetParam()), rb.mesh, nullptr);
+  std::unique_ptr<Engine> b = make_engine(config, engine_options(f, Device::Cpu, GetParam()), rb.mesh, nullptr);
   const testing_util::StateExchange x = testing_util::exchange_state_piecewise(*a, *b);
   const int64_t shard_bytes = x.shard_elements * int64_t(sizeof(float));
   std::printf("  ZeRO-%d: shard %.2f MB per array, largest piece %.2f MB; heap growth export %.3f MB, import %.3f MB\n",
@@ -104,7 +105,7 @@ INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineResume, testing::Values(0, 1, 2, 3));
 class EngineNonFinite : public testing::TestWithParam<int> {};
 
 TEST_P(EngineNonFinite, StepIsSkippedAndTheNextOneTrains) {
-  testing_util::expect_non_finite_steps_skipped(Fixture("llama32_tiny"), "cpu", GetParam());
+  testing_util::expect_non_finite_steps_skipped(Fixture("llama32_tiny"), Device::Cpu, GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(ZeroStages, EngineNonFinite, testing::Values(0, 1, 2, 3));
@@ -137,17 +138,49 @@ TEST(Engine, NonFiniteGradientSkipsTheUpdate) {
   EXPECT_EQ(adamw.steps_taken, 0);
 }
 
+// The attention kernels of a run: the option as given on a fresh run; with auto, a resume keeps the kernels its
+// checkpoint's run recorded; an explicit other choice wins and says the bits will differ; the environment variable
+// of earlier versions is refused, not silently ignored or obeyed.
+TEST(Engine, AttentionChoice) {
+  ::unsetenv("TUNA_ATTENTION");
+  std::string note;
+  EXPECT_EQ(choose_attention("auto", nlohmann::json(), &note), AttentionPath::kDefault);
+  EXPECT_EQ(choose_attention("hopper", nlohmann::json(), &note), AttentionPath::kHopper);
+  EXPECT_EQ(choose_attention("mma", nlohmann::json{{"step", 5}}, &note), AttentionPath::kMma);
+  EXPECT_TRUE(note.empty()) << note;
+  const nlohmann::json hopper_run = {{"step", 5}, {"kernels", {{"attention", "hopper"}}}};
+  EXPECT_EQ(choose_attention("auto", hopper_run, &note), AttentionPath::kHopper);
+  EXPECT_NE(note.find("attention kernels: hopper, as the checkpoint's run"), std::string::npos) << note;
+  note.clear();
+  EXPECT_EQ(choose_attention("hopper", hopper_run, &note), AttentionPath::kHopper);
+  EXPECT_TRUE(note.empty()) << note;
+  EXPECT_EQ(choose_attention("mma", hopper_run, &note), AttentionPath::kMma);
+  EXPECT_NE(note.find("the checkpoint's run used the hopper attention kernels; this run uses mma"), std::string::npos)
+      << note;
+  EXPECT_THROW(choose_attention("flash", nlohmann::json(), &note), Error);
+  EXPECT_THROW(choose_attention("auto", nlohmann::json{{"kernels", {{"attention", "cudnn"}}}}, &note), Error);
+  ::setenv("TUNA_ATTENTION", "hopper", 1);
+  try {
+    choose_attention("auto", nlohmann::json(), &note);
+    ADD_FAILURE() << "TUNA_ATTENTION obeyed or ignored";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is not read: choose the attention kernels with --attention mma|hopper"),
+              std::string::npos) << e.what();
+  }
+  ::unsetenv("TUNA_ATTENTION");
+}
+
 TEST(Engine, DeviceChoiceExplainsItself) {
-  EXPECT_EQ(resolve_device("cpu"), "cpu");
+  EXPECT_EQ(resolve_device("cpu"), Device::Cpu);
   try {
     resolve_device("gpu");
     ADD_FAILURE() << "'gpu' accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("expected auto, cpu or cuda, found 'gpu'"), std::string::npos) << e.what();
   }
-  const std::string automatic = resolve_device("auto");
-  if (automatic == "cuda") GTEST_SKIP() << "a CUDA device is visible: --device cuda is available here";
-  EXPECT_EQ(automatic, "cpu");
+  const Device automatic = resolve_device("auto");
+  if (automatic == Device::Cuda) GTEST_SKIP() << "a CUDA device is visible: --device cuda is available here";
+  EXPECT_EQ(automatic, Device::Cpu);
   try {
     resolve_device("cuda");
     ADD_FAILURE() << "cuda accepted without a device";

@@ -33,8 +33,8 @@ TEST_P(EngineGpuParity, TenStepsFollowTheCpuEngine) {
   TUNA_REQUIRE_GPU();
   Fixture f(GetParam());
   SingleRank rc, rg;
-  std::unique_ptr<Engine> cpu = make_engine(f.config, engine_options(f, "cpu"), rc.mesh, fixture_weights(f));
-  std::unique_ptr<Engine> gpu = make_engine(f.config, engine_options(f, "cuda"), rg.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> cpu = make_engine(f.config, engine_options(f, Device::Cpu), rc.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> gpu = make_engine(f.config, engine_options(f, Device::Cuda), rg.mesh, fixture_weights(f));
   std::printf("  %s\n", gpu->describe().c_str());
   const int64_t steps = f.meta.at("steps");
   for (int64_t s = 0; s < steps; s++) {
@@ -64,10 +64,10 @@ class EngineGpuResume : public testing::TestWithParam<Rounding> {};
 TEST_P(EngineGpuResume, ExportImportContinuesBitForBit) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama32_tiny");
-  EngineOptions o = engine_options(f, "cuda");
+  EngineOptions o = engine_options(f, Device::Cuda);
   o.bf16_moments = GetParam().bf16_moments;
-  o.stochastic_rounding = GetParam().stochastic_rounding;
-  o.seed = 5;
+  o.gpu.stochastic_rounding = GetParam().stochastic_rounding;
+  o.gpu.seed = 5;
   SingleRank ra, rb;
   std::unique_ptr<Engine> a = make_engine(f.config, o, ra.mesh, fixture_weights(f));
   for (int64_t s = 0; s < 3; s++) train_step(*a, f, s, 10);
@@ -119,7 +119,7 @@ TEST_P(EngineGpuState, MovesAPieceAtATimeThroughOneHostBuffer) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama2_tiny");
   const LlamaConfig config = testing_util::many_layers(f);
-  EngineOptions o = engine_options(f, "cuda", GetParam().zero);
+  EngineOptions o = engine_options(f, Device::Cuda, GetParam().zero);
   o.bf16_moments = GetParam().bf16_moments;
   SingleRank ra, rb;
   std::unique_ptr<Engine> a = make_engine(config, o, ra.mesh, random_weights(3, 0.02));
@@ -131,7 +131,7 @@ TEST_P(EngineGpuState, MovesAPieceAtATimeThroughOneHostBuffer) {
   }
   const testing_util::StateExchange x = testing_util::exchange_state_piecewise(*a, *b);
   // The plan the trainer prints (engine/engine.h) is what the exchange holds.
-  const int64_t staging = plan_gpu_host_staging(config, o, 1, 0, 1, 0).checkpoint_bytes;
+  const int64_t staging = plan_gpu_host_staging(config, engine_memory_layout(o, ra.mesh)).checkpoint_bytes;
   const int64_t shard_bytes = x.shard_elements * int64_t(sizeof(float));
   std::printf("  shard %.2f MB per array, largest piece %.2f MB; heap growth export %.3f MB, import %.3f MB, planned "
               "%.3f MB\n", shard_bytes / 1e6, x.largest_piece * 4 / 1e6, x.export_heap_growth / 1e6,
@@ -152,7 +152,7 @@ TEST(EngineGpu, StatusIsTheDevices) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama2_tiny");
   SingleRank r;
-  std::unique_ptr<Engine> e = make_engine(f.config, engine_options(f, "cuda"), r.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> e = make_engine(f.config, engine_options(f, Device::Cuda), r.mesh, fixture_weights(f));
   train_step(*e, f, 0, 10);
   const EngineStatus s = e->status();
   std::printf("  %s: gpu %.0f / %.0f MB (peak %.0f), util %.0f%%, peak %.0f TFLOP/s, state %.2f MB, activations %.2f MB\n",
@@ -176,8 +176,8 @@ class EngineGpuZeroOne : public testing::TestWithParam<Rounding> {};
 TEST_P(EngineGpuZeroOne, OnOneRankEqualsZeroZeroBitForBit) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama32_tiny");
-  EngineOptions o0 = engine_options(f, "cuda", 0);
-  o0.bf16_moments = GetParam().bf16_moments, o0.stochastic_rounding = GetParam().stochastic_rounding, o0.seed = 5;
+  EngineOptions o0 = engine_options(f, Device::Cuda, 0);
+  o0.bf16_moments = GetParam().bf16_moments, o0.gpu.stochastic_rounding = GetParam().stochastic_rounding, o0.gpu.seed = 5;
   EngineOptions o1 = o0;
   o1.zero = 1;
   SingleRank r0, r1, r2;
@@ -237,8 +237,8 @@ TEST_P(EngineGpuStages, OnOneRankEqualZeroZeroBitForBit) {
     Fixture f(name);
     const bool two_micro_batches = !f.config.tie_word_embeddings;
     SCOPED_TRACE(name);
-    EngineOptions base = engine_options(f, "cuda", 0);
-    base.bf16_moments = true, base.stochastic_rounding = true, base.seed = 7;
+    EngineOptions base = engine_options(f, Device::Cuda, 0);
+    base.bf16_moments = true, base.gpu.stochastic_rounding = true, base.gpu.seed = 7;
     if (two_micro_batches) base.micro_batch = 1;
     EngineOptions o = base;
     o.zero = GetParam().zero, o.zero_prefetch = GetParam().prefetch, o.recompute = GetParam().recompute;
@@ -317,7 +317,7 @@ class EngineGpuNonFinite : public testing::TestWithParam<int> {};
 
 TEST_P(EngineGpuNonFinite, StepIsSkippedAndTheNextOneTrains) {
   TUNA_REQUIRE_GPU();
-  testing_util::expect_non_finite_steps_skipped(Fixture("llama32_tiny"), "cuda", GetParam());
+  testing_util::expect_non_finite_steps_skipped(Fixture("llama32_tiny"), Device::Cuda, GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(Zero, EngineGpuNonFinite, testing::Values(0, 1, 2, 3));
@@ -330,8 +330,8 @@ TEST_P(EngineGpuEmptyStep, HasAZeroGradient) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama32_tiny");
   SingleRank rc, rg;
-  std::unique_ptr<Engine> cpu = make_engine(f.config, engine_options(f, "cpu", GetParam()), rc.mesh, fixture_weights(f));
-  std::unique_ptr<Engine> gpu = make_engine(f.config, engine_options(f, "cuda", GetParam()), rg.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> cpu = make_engine(f.config, engine_options(f, Device::Cpu, GetParam()), rc.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> gpu = make_engine(f.config, engine_options(f, Device::Cuda, GetParam()), rg.mesh, fixture_weights(f));
   train_step(*cpu, f, 0, 10), train_step(*gpu, f, 0, 10);
   for (Engine* e : {cpu.get(), gpu.get()}) {
     e->begin_step();
@@ -348,8 +348,8 @@ INSTANTIATE_TEST_SUITE_P(Zero, EngineGpuEmptyStep, testing::Values(0, 1, 2, 3));
 TEST(EngineGpu, ForwardModelMatchesTheCpus) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama2_tiny");
-  std::unique_ptr<ForwardModel> cpu = make_forward_model(f.config, "cpu", f.batch, f.seq, fixture_weights(f));
-  std::unique_ptr<ForwardModel> gpu = make_forward_model(f.config, "cuda", f.batch, f.seq, fixture_weights(f));
+  std::unique_ptr<ForwardModel> cpu = make_forward_model(f.config, Device::Cpu, f.batch, f.seq, fixture_weights(f));
+  std::unique_ptr<ForwardModel> gpu = make_forward_model(f.config, Device::Cuda, f.batch, f.seq, fixture_weights(f));
   const LossSum a = cpu->forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq);
   const LossSum b = gpu->forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq);
   EXPECT_EQ(a.count, b.count);

@@ -78,7 +78,7 @@ struct FourRows {
 constexpr int64_t kRanksSteps = 3;
 
 inline EngineOptions rows_options(const Fixture& f, int zero, int64_t rows) {
-  EngineOptions o = engine_options(f, "cuda", zero);
+  EngineOptions o = engine_options(f, Device::Cuda, zero);
   o.micro_batch = rows, o.seq_len = FourRows::kSeq;
   return o;
 }

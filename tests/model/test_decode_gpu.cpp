@@ -28,11 +28,8 @@ namespace {
 using testing_util::Fixture;
 using testing_util::rel_err_norm;
 
-GpuOptions forward_only() {
-  GpuOptions g;
-  g.training = false;  // bf16 weights only: no gradients, master copy or moments
-  return g;
-}
+// bf16 weights only: no gradients, master copy or moments.
+MemoryLayout forward_only(int64_t batch, int64_t seq) { return single_rank_layout(batch, seq, /*training=*/false); }
 
 GpuWeights weights_of(LlamaGpu& model) { return {&model.config(), &model.layout(), model.params(), 0}; }
 
@@ -41,7 +38,7 @@ class DecodeGpuParity : public testing::TestWithParam<std::string> {};
 TEST_P(DecodeGpuParity, CachedLogitsFollowTheWholeContextForward) {
   TUNA_REQUIRE_GPU();
   Fixture f(GetParam());
-  LlamaGpu model(f.config, f.batch, f.seq, OptimizerConfig{}, forward_only());
+  LlamaGpu model(f.config, forward_only(f.batch, f.seq));
   std::vector<float> weights(model.layout().total());
   load_weights(f.dir, model.layout(), weights.data());
   model.set_params(weights.data());
@@ -84,7 +81,7 @@ TEST_P(DecodeGpuParity, GreedyTokensWithTheCacheEqualTheWholeContexts) {
   const int64_t steps = 24, V = f.config.vocab_size;
   const std::vector<int32_t> prompt{1, 17, 42, 5};
   const int64_t capacity = static_cast<int64_t>(prompt.size()) + steps;
-  LlamaGpu model(f.config, 1, capacity, OptimizerConfig{}, forward_only());
+  LlamaGpu model(f.config, forward_only(1, capacity));
   std::vector<float> weights(model.layout().total());
   init_random_weights(model.layout(), 7, 0.3, weights.data());
   model.set_params(weights.data());

@@ -154,11 +154,12 @@ TEST(LlamaGpu, Bf16MomentsWithStochasticRoundingTrain) {
   const OptimizerConfig oc = f.optimizer();
   std::vector<float> weights(ParamLayout(f.config).total());
   load_weights(f.dir, ParamLayout(f.config), weights.data());
+  MemoryLayout run = single_rank_layout(f.batch, f.seq);
+  run.bf16_moments = true;
   GpuOptions options;
-  options.bf16_moments = true;
   options.stochastic_rounding = true;
   options.seed = 17;
-  LlamaGpu model(f.config, f.batch, f.seq, oc, options);
+  LlamaGpu model(f.config, run, oc, options);
   model.set_params(weights.data());
   const int64_t steps = f.meta.at("steps");
   double first = 0, last = 0;
@@ -333,9 +334,9 @@ TEST(LlamaGpu, FreshStoreBuffersFullOfNanAreOverwritten) {
     LlamaGpu own(f.config, f.batch, f.seq, f.optimizer());
     own.set_params(weights.data());
     const std::vector<float> expected = step_gradients(own, f, micro_batches);
-    GpuOptions options;
-    options.zero = 2;  // whole bf16 weights, gradients through the store
-    LlamaGpu stored(f.config, f.batch, f.seq, f.optimizer(), options);
+    MemoryLayout run = single_rank_layout(f.batch, f.seq);
+    run.zero = 2;  // whole bf16 weights, gradients through the store
+    LlamaGpu stored(f.config, run, f.optimizer());
     stored.set_params(weights.data());
     NanGradientStore store(stored);
     const int64_t rows = f.batch / micro_batches;

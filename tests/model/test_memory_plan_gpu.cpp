@@ -138,7 +138,7 @@ TEST(MemoryPlanGpu, TheEngineAllocatesItsPlan) {
   for (int zero : {0, 1}) {
     for (bool bf16 : {false, true}) {
       testing_util::SingleRank rank;
-      EngineOptions o = testing_util::engine_options(f, "cuda", zero);
+      EngineOptions o = testing_util::engine_options(f, Device::Cuda, zero);
       o.bf16_moments = bf16;
       const int64_t before = device_used();
       std::unique_ptr<Engine> e = make_engine(f.config, o, rank.mesh, testing_util::fixture_weights(f));
@@ -154,7 +154,7 @@ TEST(MemoryPlanGpu, TheForwardModelAllocatesItsPlan) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama2_tiny");
   const int64_t before = device_used();
-  std::unique_ptr<ForwardModel> m = make_forward_model(f.config, "cuda", f.batch, f.seq, testing_util::fixture_weights(f));
+  std::unique_ptr<ForwardModel> m = make_forward_model(f.config, Device::Cuda, f.batch, f.seq, testing_util::fixture_weights(f));
   MemoryLayout l;
   l.training = false, l.micro_batch = f.batch, l.seq_len = f.seq;
   expect_allocation_is_the_plan(device_used() - before, plan_gpu_memory(f.config, l));

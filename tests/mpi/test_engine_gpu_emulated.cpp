@@ -73,7 +73,7 @@ struct DataParallel {
 
 // One rank's row of the fixture's batch (dp rank r trains row r) at micro-batch 1, ZeRO stage `zero`.
 EngineOptions row_options(const Fixture& f, int zero) {
-  EngineOptions o = engine_options(f, "cuda", zero);
+  EngineOptions o = engine_options(f, Device::Cuda, zero);
   o.micro_batch = 1;
   return o;
 }
@@ -145,7 +145,7 @@ struct OneRankAndTwo {
   std::unique_ptr<Engine> whole, rows;
   explicit OneRankAndTwo(int zero) {
     TUNA_CHECK(f.batch == 2, "llama32_tiny has ", f.batch, " rows, these tests take 2");
-    whole = make_engine(f.config, engine_options(f, "cuda"), one.mesh, fixture_weights(f));
+    whole = make_engine(f.config, engine_options(f, Device::Cuda), one.mesh, fixture_weights(f));
     rows = make_engine(f.config, row_options(f, zero), dp.mesh, fixture_weights(f), dp.device_comm);
   }
 };
@@ -291,11 +291,11 @@ TEST_P(EngineGpuDataParallelResume, CheckpointRestoresAtTwoRanksAndAtOne) {
   const int64_t steps = 10, saved_at = 3;
   DataParallel dp;
   const int row = dp.mesh.dp_rank;
-  EngineOptions rows = row_options(f, GetParam().zero), whole = engine_options(f, "cuda");
+  EngineOptions rows = row_options(f, GetParam().zero), whole = engine_options(f, Device::Cuda);
   for (EngineOptions* o : {&rows, &whole}) {
     o->bf16_moments = GetParam().bf16_moments;
-    o->stochastic_rounding = GetParam().stochastic_rounding;
-    o->seed = 5;
+    o->gpu.stochastic_rounding = GetParam().stochastic_rounding;
+    o->gpu.seed = 5;
   }
   std::unique_ptr<Engine> a = make_engine(f.config, rows, dp.mesh, fixture_weights(f), dp.device_comm);
   for (int64_t s = 0; s < saved_at; s++) row_step(*a, f, row, s, steps);

@@ -77,7 +77,7 @@ TEST(Eval, BadInputFailsNamingIt) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("expected auto, cpu or cuda, found 'gpu'"), std::string::npos) << r.output;
 
-  if (resolve_device("auto") == "cpu") {
+  if (resolve_device("auto") == Device::Cpu) {
     r = run_command(kEval + " --checkpoint " + kModel.string() + data + " --device cuda", tmp / "log3");
     EXPECT_EQ(r.exit_code, 1);
     EXPECT_NE(r.output.find("--device cpu"), std::string::npos) << r.output;

@@ -109,7 +109,7 @@ TEST_F(SampleTest, BadRequestsFailClearly) {
   r = run_command(sample("--prompt x --device tpu"), dir_->path / "e2.log");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("expected auto, cpu or cuda, found 'tpu'"), std::string::npos) << r.output;
-  if (resolve_device("auto") == "cpu") {
+  if (resolve_device("auto") == Device::Cpu) {
     r = run_command(sample("--prompt x --device cuda"), dir_->path / "e3.log");
     EXPECT_EQ(r.exit_code, 1);
     EXPECT_NE(r.output.find("--device cpu"), std::string::npos) << r.output;

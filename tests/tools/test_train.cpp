@@ -95,6 +95,31 @@ TEST(Train, ResumeContinuesBitForBit) {
   EXPECT_TRUE(fs::exists(tmp / "straight" / "ckpt" / "step_00000015"));
 }
 
+// A resume computes what its checkpoint's run computed, or says where it does not: a changed option is named
+// with both values, the attention kernels follow the checkpoint's choice (tests/engine/test_engine.cpp,
+// AttentionChoice), and no environment variable changes kernels behind the saved options.
+TEST(Train, AResumeRunsItsCheckpointsKernelsOrSaysWhy) {
+  TempDir tmp("trainkernels");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string flags = common_flags(tmp / "data") + " --out_dir " + (tmp / "run").string();
+  auto r = run_command(kTrain + flags + " --stop_at_step 5", tmp / "log_a");
+  ASSERT_EQ(r.exit_code, 75) << r.output;
+  const nlohmann::json state =
+      nlohmann::json::parse(read_file(tmp / "run" / "ckpt" / "step_00000005" / "state.json"));
+  EXPECT_EQ(state["train_config"]["attention"], "auto");
+  EXPECT_FALSE(state.contains("kernels")) << "cpu has one attention: nothing to record";
+  r = run_command("TUNA_ATTENTION=hopper " + kTrain + flags + " --resume", tmp / "log_b");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("TUNA_ATTENTION=hopper is not read: choose the attention kernels with --attention"),
+            std::string::npos) << r.output;
+  r = run_command(kTrain + flags + " --resume --attention mma", tmp / "log_c");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("--attention mma with --device cpu"), std::string::npos) << r.output;
+  r = run_command(kTrain + flags + " --resume --lr 1e-3 --stop_at_step 6", tmp / "log_d");
+  EXPECT_EQ(r.exit_code, 75) << r.output;
+  EXPECT_NE(r.output.find("note: option lr was 0.003 in the checkpoint, now 0.001"), std::string::npos) << r.output;
+}
+
 TEST(Train, BadOptionsAndInputsFailClearly) {
   TempDir tmp("trainbad");
   testing_util::write_test_shards(tmp / "data");
@@ -282,7 +307,7 @@ TEST(Train, DeviceOptionsAndTheCostColumn) {
   TempDir tmp("traindevice");
   testing_util::write_test_shards(tmp / "data");
   const std::string run = " --steps 2 --out_dir " + (tmp / "run").string();
-  if (resolve_device("auto") == "cpu") {  // cuda where none is visible: refused before any work, saying why
+  if (resolve_device("auto") == Device::Cpu) {  // cuda where none is visible: refused before any work, saying why
     auto r = run_command(kTrain + common_flags(tmp / "data", "cuda") + run, tmp / "log1");
     EXPECT_EQ(r.exit_code, 1);
     EXPECT_TRUE(r.output.find("no CUDA device is visible") != std::string::npos ||

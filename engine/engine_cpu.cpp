@@ -1,0 +1,99 @@
+// The CPU engine: Llama (model/llama.h) + Zero (dist/zero.h), fp32, every parallel mode; and the CPU forward model.
+#include <cmath>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "engine/backends.h"
+
+namespace tuna {
+
+namespace {
+
+class CpuEngine final : public Engine {
+ public:
+  CpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial)
+      : config_(config),
+        model_(config, o.micro_batch, o.seq_len,
+               LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3, /*external_grads=*/o.zero == 2}) {
+    // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
+    // only its shard, filled piece by piece.
+    if (initial && o.zero != 3) fill_whole(initial, model_.layout(), model_.params.data());
+    zero_ = std::make_unique<Zero>(model_, o.opt, o.zero, *mesh.dp, mesh.tp.get());
+    zero_->set_prefetch(o.zero_prefetch);
+    if (o.zero == 3 && initial)
+      zero_->fill_weights([&](const Segment& piece, float* out) { initial(model_.layout(), piece, out); });
+  }
+
+  std::string describe() const override { return "cpu"; }
+  const ParamLayout& layout() const override { return model_.layout(); }
+  void begin_step() override { zero_->begin_step(); }
+  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
+    return model_.forward_backward(inputs, targets, batch, seq);
+  }
+  StepResult finish_step(const LossSum& local, double lr) override { return zero_->finish_step(local, lr); }
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
+    return model_.forward_loss(inputs, targets, batch, seq);
+  }
+  LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
+
+  const std::vector<Segment>& segments() const override { return zero_->segments(); }
+  void export_state(const StateSink& sink) const override { zero_->export_state(sink); }
+  void import_state(const StateSource& source) override { zero_->import_state(source); }
+  int64_t steps_taken() const override { return zero_->optimizer().steps_taken; }
+  void set_steps_taken(int64_t steps) override { zero_->optimizer().steps_taken = steps; }
+
+  std::string memory_report() const override { return ""; }  // the trainer prints the host plan itself
+  int64_t activation_bytes() const override { return model_.activation_bytes(); }
+  int64_t state_bytes() const override { return zero_->state_bytes(); }
+  double flops_per_token(int64_t seq) const override { return model_flops_per_token(config_, seq); }
+  double peak_flops() const override { return NAN; }
+  EngineStatus status() override {
+    const HostMemory mem = host_memory();
+    EngineStatus s;
+    s.host_mb = mem.resident_mb, s.host_peak_mb = mem.peak_mb;
+    return s;
+  }
+
+ private:
+  LlamaConfig config_;
+  Llama model_;
+  std::unique_ptr<Zero> zero_;
+};
+
+class CpuForwardModel final : public ForwardModel {
+ public:
+  CpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
+      : model_(config, max_batch, max_seq) {
+    fill_whole(weights, model_.layout(), model_.params.data());
+  }
+  std::string describe() const override { return "cpu"; }
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
+    return model_.forward_loss(inputs, targets, batch, seq);
+  }
+  void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
+    model_.forward_logits(inputs, batch, seq, logits);
+  }
+  void clear_cache(int64_t batch) override { cache_ = model_.make_kv_cache(batch, model_.max_seq()); }
+  void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) override {
+    if (cache_.keys.empty()) fail("forward_cached: no KV cache (clear_cache first)");
+    model_.forward_cached(tokens, cache_.batch, n, cache_, last_logits);
+  }
+
+ private:
+  Llama model_;
+  KvCache cache_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_cpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
+                                        const WeightFill& initial) {
+  return std::make_unique<CpuEngine>(config, options, mesh, initial);
+}
+
+std::unique_ptr<ForwardModel> make_cpu_forward_model(const LlamaConfig& config, int64_t max_batch, int64_t max_seq,
+                                                     const WeightFill& weights) {
+  return std::make_unique<CpuForwardModel>(config, max_batch, max_seq, weights);
+}
+
+}  // namespace tuna

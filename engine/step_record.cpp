@@ -1,0 +1,48 @@
+// StepRecord (engine/step_record.h).
+#include "engine/step_record.h"
+
+#include <cstdio>
+
+#include "core/error.h"     // str
+#include "core/progress.h"  // human_duration
+
+namespace tuna {
+
+namespace {
+std::string fixed(double x, int decimals) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, x);
+  return buf;
+}
+}  // namespace
+
+nlohmann::json StepRecord::json() const {
+  nlohmann::json r = {{"step", step},          {"loss", loss},          {"lr", lr},
+                      {"grad_norm", stats.grad_norm}, {"clip_scale", stats.clip_scale}, {"tokens", tokens},
+                      {"tokens_per_s", tokens_per_s}, {"ms_per_step", seconds * 1e3}, {"elapsed_s", elapsed_s},
+                      {"eta_s", eta_s}, {"mem_mb", status.host_mb}, {"peak_mem_mb", status.host_peak_mb}};
+  if (!stats.applied) r["skipped"] = true, r["skipped_steps"] = skipped_steps;
+  if (std::isfinite(mfu)) r["mfu"] = mfu;
+  if (std::isfinite(status.gpu_mb)) r["gpu_mem_mb"] = status.gpu_mb, r["gpu_peak_mem_mb"] = status.gpu_peak_mb;
+  if (std::isfinite(status.gpu_util)) r["gpu_util"] = status.gpu_util;
+  if (std::isfinite(cost)) r["cost"] = cost;
+  return r;
+}
+
+std::string StepRecord::line() const {
+  std::string device;
+  if (std::isfinite(mfu)) device += str(" | MFU ", fixed(100 * mfu, 1), "%");
+  if (std::isfinite(status.gpu_mb))
+    device += str(" | gpu mem ", fixed(status.gpu_mb / 1e3, 1), "/", fixed(status.gpu_total_mb / 1e3, 1), " GB (peak ",
+                  fixed(status.gpu_peak_mb / 1e3, 1), ")");
+  if (std::isfinite(status.gpu_util)) device += str(" | util ", fixed(status.gpu_util, 0), "%");
+  const std::string priced = std::isfinite(cost) ? str(" | cost ", fixed(cost, 2)) : "";
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %.0f ms%s | mem %.0f MB (peak %.0f)%s | ETA %s",
+                (long long)step, (long long)total_steps, loss, lr, stats.grad_norm, tokens_per_s, seconds * 1e3,
+                device.c_str(), status.host_mb, status.host_peak_mb, priced.c_str(), human_duration(eta_s).c_str());
+  return buf;
+}
+
+}  // namespace tuna

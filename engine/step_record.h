@@ -1,0 +1,30 @@
+// One training step as the run reports it: the same record is the metrics.jsonl row (json) and the log line
+// (line), so the two never disagree.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "engine/engine.h"  // EngineStatus
+#include "model/optimizer.h"  // OptimizerStats
+
+namespace tuna {
+
+struct StepRecord {
+  int64_t step = 0, total_steps = 0;
+  double loss = 0, lr = 0;
+  OptimizerStats stats;
+  int64_t tokens = 0;          // trained tokens of the step, all ranks
+  int64_t skipped_steps = 0;   // so far; reported on a skipped step
+  double tokens_per_s = 0, seconds = 0, elapsed_s = 0, eta_s = 0;
+  double mfu = NAN;            // NaN: no device peak (cpu)
+  double cost = NAN;           // NaN: no --gpu_hour_cost
+  EngineStatus status;
+
+  nlohmann::json json() const;
+  std::string line() const;
+};
+
+}  // namespace tuna

@@ -1,0 +1,60 @@
+// Validator (engine/validator.h).
+#include "engine/validator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "core/progress.h"  // periodic_events_left
+
+namespace tuna {
+
+Validator::Validator(std::unique_ptr<DataLoader> data, int64_t every, int64_t max_batches)
+    : data_(std::move(data)), every_(every), max_batches_(max_batches) {
+  if (data_) {
+    const LoaderOptions& o = data_->options();
+    inputs_.resize(o.micro_batch * o.seq_len), targets_.resize(o.micro_batch * o.seq_len);
+  }
+}
+
+int64_t Validator::batches() const {
+  if (!data_) return 0;
+  const int64_t all = static_cast<int64_t>(data_->batches_per_epoch());
+  return max_batches_ > 0 ? std::min(max_batches_, all) : all;
+}
+
+int64_t Validator::left(int64_t step, int64_t total_steps) const {
+  return enabled() ? periodic_events_left(step, total_steps, every_) : 0;
+}
+
+Validator::Result Validator::run(Engine& engine, int64_t step) {
+  const auto started = std::chrono::steady_clock::now();
+  const LoaderOptions& o = data_->options();
+  data_->reset();
+  LossSum local;
+  for (int64_t b = 0; (max_batches_ == 0 || b < max_batches_) && data_->next(inputs_.data(), targets_.data()); b++) {
+    const LossSum l = engine.forward_loss(inputs_.data(), targets_.data(), o.micro_batch, o.seq_len);
+    local.sum += l.sum;
+    local.count += l.count;
+  }
+  const LossSum all = engine.all_reduce_loss(local);
+  Result r;
+  r.step = step, r.tokens = all.count;
+  r.loss = all.count ? all.sum / all.count : NAN;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return r;
+}
+
+nlohmann::json Validator::Result::record() const {
+  return {{"step", step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", tokens}};
+}
+
+std::string Validator::Result::line() const {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "step %6lld | val loss %.4f | val ppl %.2f | %lld tokens", (long long)step, loss,
+                std::exp(loss), (long long)tokens);
+  return buf;
+}
+
+}  // namespace tuna

@@ -1,0 +1,51 @@
+// Validator: when a run measures its held-out loss, and the measurement. It owns the validation data and the
+// --val_every / --val_batches policy, so the trainer's loop only asks and calls.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "data/loader.h"
+#include "engine/engine.h"
+
+namespace tuna {
+
+class Validator {
+ public:
+  // data: null for a run without validation. every: each `every` steps (0: at the start and the end only);
+  // max_batches: micro-batches per validation (0: the whole split).
+  Validator(std::unique_ptr<DataLoader> data, int64_t every, int64_t max_batches);
+
+  bool enabled() const { return data_ != nullptr; }
+  // At the start of a fresh run (the loss before training), every `every` steps, and at the end of a run
+  // that finished (not one stopped early).
+  bool due_at_start(int64_t step) const { return enabled() && step == 0; }
+  bool due(int64_t step, int64_t total_steps) const {
+    return enabled() && every_ > 0 && step % every_ == 0 && step != total_steps;
+  }
+  bool due_at_end(int64_t step, int64_t total_steps, bool stopped) const {
+    return enabled() && step == total_steps && !stopped;
+  }
+  // For the ETA: micro-batches per validation, and validations still to come after `step`.
+  int64_t batches() const;
+  int64_t left(int64_t step, int64_t total_steps) const;
+
+  struct Result {
+    int64_t step = 0, tokens = 0;
+    double loss = 0, seconds = 0;
+    nlohmann::json record() const;  // the metrics.jsonl row
+    std::string line() const;       // the printed line
+  };
+  // The loss over the validation split on every rank (all ranks call it).
+  Result run(Engine& engine, int64_t step);
+
+ private:
+  std::unique_ptr<DataLoader> data_;
+  int64_t every_, max_batches_;
+  std::vector<int32_t> inputs_, targets_;
+};
+
+}  // namespace tuna
