@@ -338,6 +338,32 @@ void open_metrics(MetricsLog& metrics, const TrainConfig& cfg, const RunStart& s
   metrics.open(out_dir / "metrics.jsonl");
 }
 
+// --plan_only: every rank plans its own layout; rank 0 prints. Exit 0 when every rank's plan fits.
+int print_plan(const LlamaConfig& model, const EngineOptions& eo, const Mesh& mesh, Comm& world, double gpu_memory_gb) {
+  const GpuFit fit = plan_gpu_run(model, eo, mesh, gpu_memory_gb);
+  std::printf("%s", fit.report.c_str());
+  int64_t all_fit = fit.fits ? 1 : 0;
+  if (world.size() > 1) world.all_reduce(&all_fit, 1, CommType::I64, ReduceOp::Sum, "plan verdicts");
+  return all_fit == world.size() ? 0 : 1;
+}
+
+void install_stop_signals() {
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);  // mpirun forwards SIGUSR1 to every rank (SIGTERM to mpirun ends the job)
+}
+
+// metrics.jsonl's first row: what the run report needs besides the steps (core/run_report.h).
+json start_row(const Options& options, const TrainConfig& cfg, const LlamaConfig& m, const Engine& engine,
+               const Comm& world, const Mesh& mesh, int64_t step, int64_t tokens_per_step, const json& plan_record,
+               double resident_mb_at_start) {
+  return {{"step", step}, {"event", "start"}, {"config", options.to_json()}, {"device", engine.describe()},
+          {"world", {{"size", world.size()}, {"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
+          {"model", {{"parameters", m.n_params()}, {"layers", m.num_hidden_layers}, {"hidden", m.hidden_size},
+                     {"vocab", m.vocab_size}}},
+          {"tokens_per_step", tokens_per_step}, {"memory_plan", plan_record}, {"host_mb_at_start", resident_mb_at_start}};
+}
+
 // A step whose loss or gradient was not finite made no update; too many in a row stop the run.
 void report_skipped_step(const StepResult& r, int64_t step, int64_t in_a_row, int64_t skipped, const TrainConfig& cfg) {
   std::printf("step %6lld | loss %g | grad norm %g | not finite: update skipped (%lld in a row, %lld in all)\n",
@@ -366,13 +392,7 @@ int run(int argc, char** argv) {
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
   const RunStart start = open_run(cfg, *world);
   const EngineOptions eo = engine_options(cfg, start, launch);
-  if (cfg.plan_only) {  // every rank plans its own layout; rank 0 prints
-    const GpuFit fit = plan_gpu_run(start.model, eo, mesh, cfg.gpu_memory_gb);
-    std::printf("%s", fit.report.c_str());
-    int64_t all_fit = fit.fits ? 1 : 0;
-    if (world->size() > 1) world->all_reduce(&all_fit, 1, CommType::I64, ReduceOp::Sum, "plan verdicts");
-    return all_fit == world->size() ? 0 : 1;
-  }
+  if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
   WeightFill initial;  // each rank reads (or draws) only its own pieces; a resume restores after construction
   if (!start.resume_from) initial = cfg.init.empty() ? random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std)
                                                      : weights_from_directory(start.init_dir.string());
@@ -412,19 +432,13 @@ int run(int argc, char** argv) {
   print_run_shape(cfg, start.model, *engine, train, tokens_per_step);
   Checkpointer checkpointer(fs::path(cfg.out_dir) / "ckpt", cfg.ckpt_every, cfg.ckpt_keep, *world, mesh,
                             start.config_json, start.tokenizer.files);
-  std::signal(SIGTERM, on_stop_signal);
-  std::signal(SIGINT, on_stop_signal);
-  std::signal(SIGUSR1, on_stop_signal);  // mpirun forwards SIGUSR1 to every rank (SIGTERM to mpirun ends the job)
+  install_stop_signals();
   const int64_t first_step = step;
   const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
   MetricsLog metrics;  // rank 0's; closed on the others
   if (world->rank() == 0) open_metrics(metrics, cfg, start, step, last_step);
-  // What the run report needs besides the steps (core/run_report.h): the effective config, the world, the plan.
-  metrics.write({{"step", step}, {"event", "start"}, {"config", options.to_json()}, {"device", engine->describe()},
-                 {"world", {{"size", world->size()}, {"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
-                 {"model", {{"parameters", start.model.n_params()}, {"layers", start.model.num_hidden_layers},
-                            {"hidden", start.model.hidden_size}, {"vocab", start.model.vocab_size}}},
-                 {"tokens_per_step", tokens_per_step}, {"memory_plan", plan_record}, {"host_mb_at_start", at_start.resident_mb}});
+  metrics.write(start_row(options, cfg, start.model, *engine, *world, mesh, step, tokens_per_step, plan_record,
+                          at_start.resident_mb));
   // The ETA counts the validations and checkpoints still to come, at their measured cost (core/progress.h).
   TrainingEta eta(cfg.grad_accum, validator.batches());
   auto save = [&](int64_t at) {
