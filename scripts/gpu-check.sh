@@ -76,6 +76,11 @@ TIER_SECS=(0 0 0 0 0)
 TIER=0
 TIER_T0=$SECONDS
 MIN_STEP_SECONDS=5  # less than this left: the step is skipped, not started to be killed
+# Emulated, the steps run on a CPU that other builds may share (10x slower here than a GPU is fine): every
+# limit and tier end is scaled by TUNA_GPU_CHECK_TIME_SCALE (10 unless set), their plumbing unchanged.
+TIME_SCALE=${TUNA_GPU_CHECK_TIME_SCALE:-$([ $EMULATED -eq 1 ] && echo 10 || echo 1)}
+DEADLINE=$((DEADLINE * TIME_SCALE))
+for t in 1 2 3 4; do TIER_END[$t]=$((TIER_END[t] * TIME_SCALE)); done
 
 log() { echo "$*" | tee -a "$SUMMARY"; }
 
@@ -105,14 +110,15 @@ verdict() {  # name verdict seconds
 # step NAME LIMIT LOG COMMAND...: runs COMMAND (a program, not a shell function) with a timeout of LIMIT
 # seconds cut to what is left of the tier and the run, its output appended to OUTDIR/LOG under a header. ok
 # when it exits EXPECT (0 unless set: EXPECT=75 step ...); ADVISORY=1 (a peer, the profile) reports a failure
-# without failing a GPU run. Leaves STEP_RC (-1 when skipped) and STEP_OUT (its output) for further checks.
+# without failing a GPU run; UNAVAILABLE_IF=TEXT in its output means this machine cannot run it (no failure).
+# Leaves STEP_RC (-1 when skipped) and STEP_OUT (its output) for further checks.
 CHILD=""  # the step running now: its process, name and log, for finish() on a signal
 CHILD_STEP=""
 CHILD_LOG=""
 step() {
   local name=$1 limit=$2 logfile=$3; shift 3
   local end=${TIER_END[$TIER]}; [ "$DEADLINE" -lt "$end" ] && end=$DEADLINE
-  local left=$((end - SECONDS)) t=$limit
+  local left=$((end - SECONDS)) t=$((limit * TIME_SCALE))
   [ "$left" -lt "$t" ] && t=$left
   STEP_OUT="$SCRATCH/step.out"
   : >"$STEP_OUT"
@@ -133,7 +139,9 @@ step() {
   CHILD=""
   local secs=$((SECONDS - t0))
   { echo "==== $name (rc $STEP_RC, $secs s of its $t): $*"; cat "$STEP_OUT"; } >>"$OUT/$logfile"
-  if [ "$STEP_RC" -eq "${EXPECT:-0}" ]; then
+  if [ -n "${UNAVAILABLE_IF:-}" ] && grep -q "$UNAVAILABLE_IF" "$STEP_OUT"; then
+    verdict "$name" "unavailable here ($UNAVAILABLE_IF)" "$secs"
+  elif [ "$STEP_RC" -eq "${EXPECT:-0}" ]; then
     verdict "$name" ok "$secs"
   elif [ "$STEP_RC" -eq 124 ] || [ "$STEP_RC" -eq 137 ]; then
     verdict "$name" "$( [ "${ADVISORY:-0}" -eq 1 ] && echo incomplete || echo FAILED ) (timed out after $t s: $logfile)" "$secs"
@@ -172,7 +180,7 @@ finish() {
   for t in 1 2 3 4; do printf '%s\t%s\t%s\t%s\n' "$t" "${TIER_TITLE[$t]}" "${TIER_SECS[$t]}" "${TIER_END[$t]}" >>"$tiers"; done
   timeout -k 5 60 python3 "$SCRATCH/table.py" "$OUT" "$STEPS_TSV" "$tiers" "$RUNS" "$EMULATED" 2>&1 | tee -a "$SUMMARY"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { log "gpu-check: the table failed (above)"; status=1; }
-  log "seconds per tier: $(for t in 1 2 3 4; do printf '%s: %s s; ' "$t" "${TIER_SECS[$t]}"; done)total $SECONDS s of 480"
+  log "seconds per tier: $(for t in 1 2 3 4; do printf '%s: %s s; ' "$t" "${TIER_SECS[$t]}"; done)total $SECONDS s of $((480 * TIME_SCALE))"
   if [ $status -ne 0 ]; then
     log "gpu-check: FAILED: $(awk -F'\t' '$5 == 1 {printf "%s%s: %s", sep, $2, $3; sep="; "}' "$STEPS_TSV")"
   else
@@ -271,6 +279,7 @@ def section(fn):  # a section that fails prints its error as a row; the rest of 
 
 # The sanitizer's runs are appended to tests.log after the suites: count the suites' results only.
 log = open(os.path.join(out, "tests.log"), errors="replace").read().split("\n==== sanitizer/")[0]
+log = re.sub(r"==== tests/list .*?(?=\n==== |\Z)", "", log, flags=re.S)  # a listing's closing line counts nothing
 try:
     benches = json.load(open(os.path.join(out, "benches.json")))
 except Exception:
@@ -290,7 +299,7 @@ def tests():
     counts = [tuple(map(int, m)) for m in re.findall(r"tests: (\d+) passed, (\d+) failed, (\d+) skipped", log)]
     total = [sum(c[i] for c in counts) for i in range(3)]
     add("tests", "gpu_tests", f"{total[0]} passed, {total[1]} failed, {total[2]} skipped" if counts else "no result line",
-        f"{sum(1 for s in steps if s[1].startswith('tests/'))} suites")
+        f"{sum(1 for s in steps if s[1].startswith('tests/') and s[1] != 'tests/list')} suites and filters")
     failed = [n for n in dict.fromkeys(re.findall(r"^\[  FAILED  \] (\S+)", log, re.M)) if "." in n]
     for name in failed[:12]:
         add("tests", "  failed", name)
@@ -450,6 +459,7 @@ PY
 
 # ---- the machine
 log "== gpu-check$([ $EMULATED -eq 1 ] && echo ' --emulated') $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(pwd), binaries from $BIN"
+[ "$TIME_SCALE" -eq 1 ] || log "every limit x$TIME_SCALE (TUNA_GPU_CHECK_TIME_SCALE)"
 log "git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | wc -l) changed files"
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 || true; } | tee -a "$SUMMARY"
 { nvcc --version 2>&1 | tail -1 || true; } | tee -a "$SUMMARY"
@@ -754,9 +764,8 @@ tier 4
 # the sanitizer found errors; 1: a test failed under it. gVisor machines refuse it ("Device not supported").
 if command -v compute-sanitizer >/dev/null 2>&1; then
   sanitize() {  # name tool filter
-    step "sanitizer/$1" 60 tests.log compute-sanitizer --tool "$2" --error-exitcode 9 "$BIN/gpu_tests" \
-      --gtest_color=no --gtest_filter="$3"
-    if grep -q "Device not supported" "$STEP_OUT"; then verdict "sanitizer/$1" "unavailable here (Device not supported)" 0; fi
+    UNAVAILABLE_IF="Device not supported" step "sanitizer/$1" 60 tests.log compute-sanitizer --tool "$2" \
+      --error-exitcode 9 "$BIN/gpu_tests" --gtest_color=no --gtest_filter="$3"
   }
   sanitize memcheck memcheck 'AttentionGpu.HeadDim64GroupedQuery:AttentionGpu.SmallHeadDimsOfTinyModels:RmsNormGpu.*:ClassifierGpu.*:EmbeddingGpu.*'
   race_filter='AttentionGpu.HeadDim*'
@@ -769,7 +778,7 @@ fi
 # Each kernel's duration in the 1B step at batch 2 (one metric, no replay, boost clocks; about 800 launches a
 # step: the first 1700 cover the warmup step and a whole step after it).
 if command -v ncu >/dev/null 2>&1; then
-  ADVISORY=1 step profile 90 benches.log ncu --metrics gpu__time_duration.sum --clock-control none \
+  ADVISORY=1 step profile 60 benches.log ncu --metrics gpu__time_duration.sum --clock-control none \
     --cache-control none --csv --print-units base --launch-count 1700 --log-file "$BENCH_JSON/ncu.csv" \
     "$BIN/bench_train_step_gpu" --benchmark_filter='BM_TrainStep/batch:2/seq:4096/part:0'
 else
