@@ -11,8 +11,9 @@
 #
 # carried beside the repository as build/gpu-check/bin (TUNA_GPU_BIN names another place).
 #
-# The whole run fits 480 s: the steps run in four tiers, most important first, and each tier may run until a
-# fixed second of the run (TIER_END below), so a slow tier leaves the later ones their share:
+# The run stops at 440 s (TUNA_GPU_CHECK_SECONDS), inside a 480 s limit: the steps run in four tiers, most
+# important first, each allowed until a fixed second of the run (TIER_END below: estimates until a GPU run
+# prints the seconds each tier took), so a slow tier leaves the later ones their share:
 #   1. correctness of the default paths: every GPU test suite (ops against their CPU twins, the GPU model against
 #      the transformers fixtures and the CPU model, generation), one suite per process (a kernel fault poisons
 #      its CUDA context only); build/train --device cuda on the demo (learns, resumes bit for bit, first step =
@@ -96,15 +97,15 @@ tier() {  # tier N: the steps below belong to tier N
 STEPS_TSV="$SCRATCH/steps.tsv"
 : >"$STEPS_TSV"
 verdict() {  # name verdict seconds
-  local fails=0
+  local fails=0 v=${2//$'\t'/ }
   case "$2" in
     "skipped (no time"*) [ $TIER -le 3 ] && fails=1 ;;
     ok*|unavailable*|skipped*) ;;
     *) if [ "${ADVISORY:-0}" -eq 0 ] || [ $EMULATED -eq 1 ]; then fails=1; fi ;;
   esac
   [ $fails -eq 1 ] && status=1
-  printf '%s\t%s\t%s\t%s\t%s\n' "$TIER" "$1" "$2" "$3" "$fails" >>"$STEPS_TSV"
-  log "  [$TIER] $1: $2 (${3} s)"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$TIER" "$1" "$v" "$3" "$fails" >>"$STEPS_TSV"
+  log "  [$TIER] $1: $v (${3} s)"
 }
 
 # step NAME LIMIT LOG COMMAND...: runs COMMAND (a program, not a shell function) with a timeout of LIMIT
@@ -166,6 +167,8 @@ bench() {
 finish() {
   trap - EXIT
   trap '' INT TERM  # a second signal must not cut the table short
+  # An exit before the last step that no signal caused is an error in this script (set -u, a typo): a failure.
+  [ "$COMPLETED" -eq 0 ] && verdict gpu-check "FAILED (stopped early, at second $SECONDS: the script's error is above)" 0
   if [ -n "$CHILD" ]; then
     kill -TERM "$CHILD" 2>/dev/null
     wait "$CHILD" 2>/dev/null
@@ -189,8 +192,9 @@ finish() {
   rm -rf "$SCRATCH"
   exit $status
 }
+COMPLETED=0
 trap finish EXIT
-trap 'verdict gpu-check "FAILED (interrupted by a signal at second $SECONDS)" 0; finish' INT TERM
+trap 'COMPLETED=2; verdict gpu-check "FAILED (interrupted by a signal at second $SECONDS)" 0; finish' INT TERM
 
 # The scripts finish() runs are written first, so that they exist whatever happens next.
 cat >"$SCRATCH/merge_benches.py" <<'PY'
@@ -263,19 +267,21 @@ def status(name, default="not run"):
 def fine(v):
     return v.startswith("ok")
 
-for t, title, secs, end in (l.rstrip("\n").split("\t") for l in open(tiers_tsv) if l.strip()):
-    mine = [s for s in steps if s[0] == t]
-    ok = sum(1 for s in mine if fine(s[2]))
-    add("tiers", f"{t}. {title}", f"{ok} of {len(mine)} steps ok", f"{secs} s (until second {end})")
-    for _, name, v, s, fails in mine:
-        if not fine(v):
-            add("tiers", f"  {name}", v, f"{s} s" + ("" if fails == "1" else ", not a failure"))
-
 def section(fn):  # a section that fails prints its error as a row; the rest of the table still comes out
     try:
         fn()
     except Exception as e:
         add(fn.__name__, "table error", f"{type(e).__name__}: {e}", traceback.format_exc().strip().splitlines()[-2][:100])
+
+def tiers():
+    for t, title, secs, end in (l.rstrip("\n").split("\t") for l in open(tiers_tsv) if l.strip()):
+        mine = [s for s in steps if s[0] == t]
+        ok = sum(1 for s in mine if fine(s[2]))
+        add("tiers", f"{t}. {title}", f"{ok} of {len(mine)} steps ok", f"{secs} s (until second {end})")
+        for _, name, v, s, fails in mine:
+            if not fine(v):
+                add("tiers", f"  {name}", v, f"{s} s" + ("" if fails == "1" else ", not a failure"))
+section(tiers)
 
 # The sanitizer's runs are appended to tests.log after the suites: count the suites' results only.
 log = open(os.path.join(out, "tests.log"), errors="replace").read().split("\n==== sanitizer/")[0]
@@ -490,6 +496,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   log "ERROR: not in $BIN or not loadable: ${missing[*]}. Build them on the development machine"
   log "       ($([ $EMULATED -eq 1 ] && echo 'make gpu-check-emulated' || echo 'make -j2 gpu-check-build, then carry build/gpu-check/bin'))."
   status=1
+  COMPLETED=2
   exit 1
 fi
 
@@ -587,17 +594,21 @@ val = [r["val_loss"] for r in straight if "val_loss" in r]
 steps = [r for r in straight if "loss" in r]
 ok = True
 rows = []
-# A measurement's bar decides a GPU run only: emulated, the CPU backend runs a few steps in the device's place.
-def bar(passed):
+failed = []
+def check(name, passed):  # a check that decides the run
     global ok
+    ok &= passed
+    if not passed: failed.append(name)
+# A measurement's bar decides a GPU run only: emulated, the CPU backend runs a few steps in the device's place.
+def bar(name, passed):
     if not emulated:
-        ok &= passed
+        check(name, passed)
 if val:
     rows.append((f"val loss (step 0 -> {steps[-1]['step'] if steps else '?'})", f"{val[0]:.3f} -> {val[-1]:.3f}",
                  "bar: < 4.8 at 300 (cpu run: 4.45)"))
-    bar(val[-1] < 4.8)
+    bar("val loss", val[-1] < 4.8)
 else:
-    rows.append(("val loss", "none", "")); ok = False
+    rows.append(("val loss", "none", "")); check("val loss", False)
 if steps:
     last = steps[-1]
     tail = steps[len(steps) // 2:]
@@ -606,20 +617,20 @@ if steps:
                  f"MFU {100 * median([r.get('mfu', float('nan')) for r in tail]):.2f}% (a 1M-parameter model: launch-bound)"))
     rows.append(("gpu memory (in use, peak)", f"{last.get('gpu_mem_mb', float('nan')):.0f} / {last.get('gpu_peak_mem_mb', float('nan')):.0f} MB",
                  f"util {last.get('gpu_util', 'n/a')}"))
-    bar(all(k in last for k in ("mfu", "gpu_mem_mb", "gpu_peak_mem_mb")))
+    bar("mfu and gpu memory logged", all(k in last for k in ("mfu", "gpu_mem_mb", "gpu_peak_mem_mb")))
 else:
-    ok = False
+    check("straight run's loss rows", False)
 a, b = loss(straight), loss(split)
 same = bool(a) and a == b
 rows.append(("resume vs straight", "bit-identical losses" if same else "DIFFERENT", f"{len(b)} of {len(a)} steps compared"))
-ok &= same
+check("resume vs straight", same)
 # ZeRO-1 on one GPU: the shard is the whole model, so the sharded update must give ZeRO-0's run exactly.
 for name, what in (("zero1", "--zero 1"), ("zero3", "--zero 3 --recompute full"), ("zero2", "--zero 2 --recompute selective")):
     z = loss(records(name))
     same_z = bool(a) and a == z
     rows.append((f"{what} vs --zero 0 (1 GPU)", "bit-identical losses" if same_z else "DIFFERENT",
                  f"{len(z)} of {len(a)} steps compared"))
-    ok &= same_z
+    check(f"{what} vs --zero 0", same_z)
 try:
     too_big = open(f"{runs}/too-big.log").read()
 except OSError:
@@ -627,7 +638,7 @@ except OSError:
 refused = too_big_rc == 1 and "does not fit" in too_big and ("would fit with" in too_big or "no option" in too_big)
 rows.append(("70B on one GPU", "refused before allocating" if refused else f"NOT REFUSED (rc {too_big_rc})",
              next((l for l in too_big.splitlines() if l.startswith("does not fit")), "")))
-ok &= refused
+check("70B refused", refused)
 # The first step from the same initial weights: its loss (near ln 1024 at any init, so a weak check alone)
 # and its gradient norm, which a wrong forward or backward moves by O(1).
 c = loss(cpu)
@@ -638,13 +649,15 @@ if 1 in a and 1 in c and 1 in na and 1 in nc:
     rows.append(("first step loss cuda vs cpu", f"{a[1]:.5f} vs {c[1]:.5f}", f"rel diff {rel:.1e} (bar 1e-2)"))
     rel_norm = abs(na[1] - nc[1]) / abs(nc[1])
     rows.append(("first step grad norm cuda vs cpu", f"{na[1]:.4f} vs {nc[1]:.4f}", f"rel diff {rel_norm:.1e} (bar 5e-2)"))
-    bar(rel < 1e-2 and rel_norm < 5e-2)
+    bar("first step cuda vs cpu", rel < 1e-2 and rel_norm < 5e-2)
 else:
-    rows.append(("first step cuda vs cpu", "missing", "")); ok = False
+    rows.append(("first step cuda vs cpu", "missing", "")); check("first step cuda vs cpu", False)
 with open(out, "w") as f:
     for r in rows:
         f.write("\t".join(r) + "\n")
         print("\t".join(r))
+if not ok:
+    print("error: failed: " + ", ".join(failed))
 sys.exit(0 if ok else 1)
 PY
 step train/summary 30 train.log python3 "$SCRATCH/train_summary.py" "$RUNS" "$RUNS/train_summary.tsv" "$too_big_rc" "$EMULATED"
@@ -746,6 +759,8 @@ with open(summary, "w") as f:
     for r in rows:
         f.write("\t".join(r) + "\n")
         print("\t".join(r))
+if not ok:
+    print("error: failed: " + ", ".join(r[0] for r in rows if "missing" in r[1] or "MISSING" in r[2]) + " (or a bar above)")
 sys.exit(0 if ok else 1)
 PY
 step plan/summary 30 benches.log python3 "$SCRATCH/plan_summary.py" "$BENCH_JSON" "$RUNS" "$RUNS/plan_summary.tsv" "$EMULATED"
@@ -784,4 +799,5 @@ if command -v ncu >/dev/null 2>&1; then
 else
   verdict profile "skipped (no ncu)" 0
 fi
+COMPLETED=1
 # finish (the EXIT trap) writes benches.json and the table.
