@@ -768,7 +768,7 @@ step plan/summary 30 benches.log python3 "$SCRATCH/plan_summary.py" "$BENCH_JSON
 # reported, not a failure of tuna.
 if [ $EMULATED -eq 1 ] || python3 -c "import torch, transformers" >/dev/null 2>&1; then
   ADVISORY=1 step peers 150 benches.log env PYTHONUNBUFFERED=1 python3 tools/reference/peers_gpu.py \
-    --attention --step --compile --out "$BENCH_JSON/peers.jsonl" "${PEERS_FLAGS[@]}"
+    --attention --step --compile --out "$BENCH_JSON/peers.jsonl" ${PEERS_FLAGS[@]+"${PEERS_FLAGS[@]}"}
 else
   verdict peers "skipped (no torch and transformers in python3 here)" 0
 fi
