@@ -101,7 +101,7 @@ DEPS_STAMP := $(BUILD)/.deps-installed
 .SECONDARY:
 .PHONY: all test bench demo deps clean fuzz
 all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/emulated_gpu_tests $(EMULATED_MPI_TESTS) \
-     $(BENCHES)
+     $(BENCHES) gpu-check-emulated
 
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP): scripts/install-deps.sh
@@ -190,6 +190,34 @@ $(BUILD)/emulated_gpu_mpi_tests: $(BUILD)/obj/tests/mpi/main.o $(call emulated_o
                                  $(EMULATED_DEVICE_OBJS) $(EMULATED_HOST_OBJS) $(BUILD)/obj/comm/comm_mpi.o
 	$(CXX) $^ -o $@ $(GTEST_LIBS) $(BLAS_LIBS) -fopenmp $(MPI_LIBS)
 
+# ---- gpu-check's emulated mode (scripts/gpu-check.sh --emulated, which tests/tools/test_gpu_check.cpp runs in
+# every build, CPU-only included): gpu-check-build's bin/ with the stand-ins of tests/gpu_check/ over the
+# emulator's builds: the GPU tests (build/emulated_gpu_tests), the GPU benches built on the emulator (they list
+# what a filter selects; nothing is timed), build/train and build/plan themselves, the demo corpus tokenized.
+EMULATED_CHECK := $(BUILD)/gpu-check-emulated
+EMULATED_BENCHES := $(patsubst bench/%.cpp,$(EMULATED_CHECK)/benches/%,$(wildcard bench/*_gpu.cpp))
+$(EMULATED_CHECK)/benches/bench_%_gpu: $(BUILD)/obj/emulated/bench/bench_%_gpu.o $(EMULATED_DEVICE_OBJS) $(EMULATED_HOST_OBJS)
+	@mkdir -p $(dir $@)
+	$(CXX) $^ -o $@ -lbenchmark -lpthread $(BLAS_LIBS) -fopenmp
+
+$(EMULATED_CHECK)/bin/data/train-00000.bin: $(BUILD)/prepare $(wildcard demo/corpus/text/*)
+	$(tokenize_demo)
+
+.PHONY: gpu-check-emulated
+gpu-check-emulated: $(EMULATED_BENCHES) $(BUILD)/emulated_gpu_tests $(BUILD)/train $(BUILD)/plan \
+                    $(EMULATED_CHECK)/bin/data/train-00000.bin
+	@mkdir -p $(EMULATED_CHECK)/bin/lib
+	ln -sf $(CURDIR)/tests/gpu_check/gpu_tests $(CURDIR)/tests/gpu_check/train $(EMULATED_CHECK)/bin/
+	ln -sf $(CURDIR)/$(BUILD)/plan $(EMULATED_CHECK)/bin/plan
+	for b in $(notdir $(EMULATED_BENCHES)); do ln -sf $(CURDIR)/tests/gpu_check/bench $(EMULATED_CHECK)/bin/$$b; done
+
+# The demo corpus tokenized beside gpu-check's binaries (the GPU machine has no sentencepiece).
+define tokenize_demo
+rm -rf $(dir $@)
+$(BUILD)/prepare --train-tokenizer --vocab-size 1024 --tokenizer $(dir $@)tokenizer.model \
+  --out $(dir $@) --val-fraction 0.05 --quiet demo/corpus/text
+endef
+
 # ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit
 # and Python but none of the Debian -dev packages. `make gpu-check-build` links one GPU test binary (main +
 # tests/*/*_gpu.cpp) and the GPU benches into $(GPU_CHECK)/bin, debug info stripped (the machine takes at most
@@ -250,9 +278,7 @@ $(GPU_CHECK)/bin/train: $(BUILD)/obj/gpu-check/train.o $(GPU_CHECK)/libtuna_gpu.
 	cp -L $$(ldd $@ | awk '/libmpi|libopen-|libhwloc|libevent|libudev|libsentencepiece/ && $$3 !~ /gpu-check/ {print $$3}') $(GPU_CHECK)/bin/lib/
 
 $(GPU_CHECK)/bin/data/train-00000.bin: $(BUILD)/prepare $(wildcard demo/corpus/text/*)
-	rm -rf $(GPU_CHECK)/bin/data
-	$(BUILD)/prepare --train-tokenizer --vocab-size 1024 --tokenizer $(GPU_CHECK)/bin/data/tokenizer.model \
-	  --out $(GPU_CHECK)/bin/data --val-fraction 0.05 --quiet demo/corpus/text
+	$(tokenize_demo)
 endif
 
 # ---- make fuzz: every reader of untrusted bytes (safetensors, index.json, config.json, state.json, pieces

@@ -66,7 +66,8 @@ inline benchmark::Counter rate(double per_iteration) {
 // main() of a GPU bench: Google Benchmark's, plus the trainer's error convention (a tuna::Error, such as a
 // CUDA failure, prints "error: ..." and exits 1 instead of aborting). Without a visible device it says so and
 // exits 0, so `make bench` on a CUDA build machine without a GPU still runs the CPU benches. `before` runs after
-// flag parsing.
+// flag parsing. A flag Google Benchmark does not know fails (as BENCHMARK_MAIN's does): a misspelled filter
+// would otherwise run every benchmark.
 #define TUNA_GPU_BENCH_MAIN(before)                          \
   int main(int argc, char** argv) {                          \
     int devices = 0;                                         \
@@ -76,6 +77,7 @@ inline benchmark::Counter rate(double per_iteration) {
     }                                                        \
     try {                                                    \
       benchmark::Initialize(&argc, argv);                    \
+      if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1; \
       before;                                                \
       benchmark::RunSpecifiedBenchmarks();                   \
       benchmark::Shutdown();                                 \

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The peers tuna's GPU benches are compared with, timed on the same GPU in the same gpu-check run.
 
-Usage: peers_gpu.py [--attention] [--step] [--compile] [--out FILE]
+Usage: peers_gpu.py [--attention] [--step] [--compile] [--out FILE] [--emulated]
 
 --attention  torch SDPA's flash (FA2) and cuDNN backends at bench/bench_attention_gpu.cpp's shapes: causal,
              32 query / 8 kv heads (GQA), 16k tokens per launch, head_dim 128 at seq 2k/4k/8k and 64 at 4k,
@@ -14,6 +14,10 @@ Usage: peers_gpu.py [--attention] [--step] [--compile] [--out FILE]
              peak memory from torch.cuda.max_memory_allocated.
 --compile    also the step with torch.compile(model) at batch 4 (compiling takes a minute or more; timed after
              warmup).
+
+--emulated   no torch: for `scripts/gpu-check.sh --emulated` on a machine without a GPU. Parses the same
+             flags and writes the same files, one record per section asked for, each {"emulated": true} and
+             without a number, so that gpu-check's plumbing is checked, never its figures.
 
 Each measurement is one JSON line on stdout (and appended to --out). A backend a machine lacks is one line
 with "error" instead of numbers, never a crash of the whole script.
@@ -172,7 +176,14 @@ def main():
     ap.add_argument("--step", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--out", default="")
+    ap.add_argument("--emulated", action="store_true")
     args = ap.parse_args()
+    if args.emulated:
+        emit({"peer": "torch", "emulated": True, "version": "none (emulated)", "device": "none"}, args.out)
+        for section, asked in (("attention", args.attention), ("step", args.step), ("step-compile", args.compile)):
+            if asked:
+                emit({"peer": "emulated", "what": section, "emulated": True}, args.out)
+        return 0
     try:
         import torch
     except ImportError as e:

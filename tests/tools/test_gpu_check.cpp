@@ -1,0 +1,116 @@
+// scripts/gpu-check.sh --emulated: every step of the GPU machine's check walked without a GPU (the GPU tests on
+// the host emulator, stand-ins for the benches, the device, nvidia-smi, ncu, compute-sanitizer and the peers:
+// tests/gpu_check/), so that a wrong path, a misspelled flag, a filter that selects nothing or a table that
+// cannot be read fails here, not on a GPU. And the same run with two steps broken on purpose must fail, name
+// both, and still print its table and return its files.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <string>
+
+#include "tests/test_util.h"
+
+namespace tuna {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_util::read_file;
+using testing_util::run_command;
+using testing_util::TempDir;
+
+// The files a GPU run returns; all five must come out, failed steps or not.
+const char* const kReturned[] = {"summary.log", "tests.log", "train.log", "benches.log", "benches.json"};
+
+testing_util::RunResult run_check(const std::string& script, const fs::path& out) {
+  return run_command("TUNA_GPU_BIN=" + testing_util::build_dir() + "/gpu-check-emulated/bin " + script +
+                         " --emulated '" + out.string() + "'",
+                     out.parent_path() / "check.log");
+}
+
+void expect_returned_files(const fs::path& out) {
+  for (const char* f : kReturned) EXPECT_TRUE(fs::is_regular_file(out / f)) << f;
+  const std::string summary = read_file(out / "summary.log");
+  EXPECT_NE(summary.find("gpu-check summary"), std::string::npos) << "no table in summary.log";
+  EXPECT_NE(summary.find("EMULATED RUN"), std::string::npos);
+  EXPECT_TRUE(std::regex_search(summary, std::regex("seconds per tier: 1: \\d+ s; 2: \\d+ s; 3: \\d+ s; 4: \\d+ s;")))
+      << summary;
+}
+
+TEST(GpuCheckEmulated, WalksEveryStep) {
+  TempDir tmp("gpu_check");
+  const fs::path out = tmp / "out";
+  const auto r = run_check("scripts/gpu-check.sh", out);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  expect_returned_files(out);
+  const std::string summary = read_file(out / "summary.log");
+  EXPECT_NE(summary.find("gpu-check: every step of tiers 1-3 passed (emulated"), std::string::npos) << summary;
+  // Every tier ran steps, and every step passed (tier 4's sanitizers and profile too: their stand-ins are on PATH).
+  for (int t = 1; t <= 4; t++)
+    EXPECT_TRUE(std::regex_search(summary, std::regex("\\n  \\[" + std::to_string(t) + "\\] \\S+: ok"))) << "tier " << t;
+  EXPECT_EQ(summary.find(": FAILED"), std::string::npos) << summary;
+  EXPECT_EQ(summary.find(": skipped"), std::string::npos) << summary;
+  // No value in the table passes for a measurement: every row past the tiers says it is emulated.
+  const std::string table = summary.substr(summary.find("gpu-check summary"));
+  std::istringstream lines(table);
+  std::string section;
+  int rows = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const size_t bar = line.find(" | "), value = bar == std::string::npos ? bar : line.find(" | ", bar + 3);
+    if (value == std::string::npos) continue;
+    const std::string first = line.substr(0, line.find_last_not_of(' ', bar) + 1);
+    if (!first.empty() && first.find_first_not_of(' ') != std::string::npos) section = first;
+    if (section == "tiers") continue;
+    rows++;
+    EXPECT_EQ(line.substr(value + 3, 10), "emulated: ") << line;
+  }
+  EXPECT_GT(rows, 10);
+  // benches.json: each bench's benchmarks listed (none run), the peers' records, the profile's CSV read.
+  const auto benches = nlohmann::json::parse(read_file(out / "benches.json"));
+  for (const char* b : {"memory", "attention", "gemm", "train_step", "train_step_hopper", "decode"}) {
+    ASSERT_TRUE(benches.contains(b)) << b;
+    ASSERT_FALSE(benches[b]["benchmarks"].empty()) << b;
+    for (const auto& x : benches[b]["benchmarks"]) {
+      EXPECT_TRUE(x.value("emulated", false)) << x.dump();
+      EXPECT_FALSE(x.contains("real_time") || x.contains("TFLOP/s") || x.contains("tokens/s")) << x.dump();
+    }
+  }
+  EXPECT_EQ(benches["peers"].size(), 4u) << benches["peers"].dump();
+  EXPECT_FALSE(benches["profile"].contains("error")) << benches["profile"].dump();
+}
+
+// A step broken on purpose, as a typo would break it: a misspelled trainer flag and a bench that does not
+// exist. The run fails, names both steps and why, and still returns its table and files; the other steps pass.
+TEST(GpuCheckEmulated, FailsOnABrokenStepAndNamesIt) {
+  TempDir tmp("gpu_check_broken");
+  std::string script = read_file("scripts/gpu-check.sh");
+  for (const auto& [from, to] : {std::pair<std::string, std::string>{"--stop_at_step 150", "--stop_at_stepp 150"},
+                                 {"bench gemm 60", "bench gemmm 60"}}) {
+    const size_t at = script.find(from);
+    ASSERT_NE(at, std::string::npos) << "gpu-check.sh no longer has '" << from << "': update this test";
+    script.replace(at, from.size(), to);
+  }
+  const fs::path broken = tmp / "gpu-check.sh";
+  std::ofstream(broken) << script;
+  fs::permissions(broken, fs::perms::owner_all);
+  const fs::path out = tmp / "out";
+  const auto r = run_check(broken.string(), out);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_returned_files(out);
+  const std::string summary = read_file(out / "summary.log");
+  std::smatch failed;
+  ASSERT_TRUE(std::regex_search(summary, failed, std::regex("gpu-check: FAILED: (.*)"))) << summary;
+  const std::string why = failed[1];
+  EXPECT_NE(why.find("train/stopped: FAILED (rc 1, expected 75"), std::string::npos) << why;
+  EXPECT_NE(why.find("stop_at_stepp"), std::string::npos) << why;
+  EXPECT_NE(why.find("bench/gemmm: FAILED (rc 127"), std::string::npos) << why;
+  // Those two, and what reads their results (the resumed run and the runs' comparison): nothing else.
+  EXPECT_TRUE(std::regex_search(summary, std::regex("\\[1\\] train/straight: ok")));
+  EXPECT_TRUE(std::regex_search(summary, std::regex("\\[3\\] bench/train_step: ok")));
+}
+
+}  // namespace
+}  // namespace tuna
