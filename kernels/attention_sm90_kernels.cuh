@@ -34,6 +34,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/attention_params.cuh"
 #include "kernels/common.cuh"
@@ -131,17 +132,20 @@ struct SoftmaxRows {
   float max[2], sum[2];
 };
 
-// Scales S (in place) into log2 units, masks the diagonal block (key > query, or key past the sequence), and
-// exponentiates against the updated running max. Returns the factor each row's earlier output must be scaled
-// by. `row` is the thread's first row, `key0` the block's first key.
-template <int kRegs>
-__device__ __forceinline__ void online_softmax(float (&s)[kRegs], SoftmaxRows& rows, float (&correction)[2],
-                                               bool mask, int row, int key0, int seq_len, float scale_log2) {
-  const int t = threadIdx.x % 4;
+// Masks the diagonal block (kMask: key > query, or key past the sequence; every other block needs no mask),
+// takes each row's max on the raw scores, and exponentiates as exp2(s * scale_log2 - max * scale_log2): one FFMA
+// and one MUFU.EX2 per score. The running max stays in raw units. Returns the factor each row's earlier output
+// must be scaled by. `row` is the thread's first row, `key0` the block's first key.
+template <bool kMask, int kRegs>
+__device__ __forceinline__ void online_softmax(float (&s)[kRegs], SoftmaxRows& rows, float (&correction)[2], int row,
+                                               int key0, int seq_len, float scale_log2) {
+  if constexpr (kMask) {
+    const int t = threadIdx.x % 4;
 #pragma unroll
-  for (int r = 0; r < kRegs; ++r) {
-    const int key = key0 + 8 * (r / 4) + 2 * t + r % 2, q = row + 8 * ((r / 2) % 2);
-    s[r] = mask && (key > q || key >= seq_len) ? -INFINITY : s[r] * scale_log2;
+    for (int r = 0; r < kRegs; ++r) {
+      const int key = key0 + 8 * (r / 4) + 2 * t + r % 2, q = row + 8 * ((r / 2) % 2);
+      if (key > q || key >= seq_len) s[r] = -INFINITY;
+    }
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -151,15 +155,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[kRegs], SoftmaxRows& r
       block_max = fmaxf(block_max, fmaxf(s[4 * i + 2 * half], s[4 * i + 2 * half + 1]));
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-    // Key 0 is in every row's first block, so the running max is finite from the first block on.
+    // Key 0 is in every row's first block, so the running max is finite from the first block on (and the first
+    // block's correction, exp2(-inf), is 0).
     const float new_max = fmaxf(rows.max[half], block_max);
-    correction[half] = exp2f(rows.max[half] - new_max);
+    correction[half] = ex2_approx_ftz((rows.max[half] - new_max) * scale_log2);
     rows.max[half] = new_max;
+    const float max_scaled = new_max * scale_log2;
     float block_sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < kRegs / 4; ++i) {
-      s[4 * i + 2 * half] = exp2f(s[4 * i + 2 * half] - new_max);
-      s[4 * i + 2 * half + 1] = exp2f(s[4 * i + 2 * half + 1] - new_max);
+      s[4 * i + 2 * half] = ex2_approx_ftz(fmaf(s[4 * i + 2 * half], scale_log2, -max_scaled));
+      s[4 * i + 2 * half + 1] = ex2_approx_ftz(fmaf(s[4 * i + 2 * half + 1], scale_log2, -max_scaled));
       block_sum += s[4 * i + 2 * half] + s[4 * i + 2 * half + 1];
     }
     rows.sum[half] = rows.sum[half] * correction[half] + block_sum;  // this thread's share; the quad sums at the end
@@ -312,12 +318,14 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     fence_operand(s);
     mbarrier_arrive(base + C::kKEmpty + 8 * kv.stage);
     if (n_blocks == 1) mbarrier_arrive(base + C::kQEmpty);  // the tile's last read of Q has retired
-    online_softmax(s, rows, correction, /*mask=*/n_blocks == 1, row, 0, p.seq_len, p.scale_log2);
+    if (n_blocks == 1) online_softmax<true>(s, rows, correction, row, 0, p.seq_len, p.scale_log2);
+    else online_softmax<false>(s, rows, correction, row, 0, p.seq_len, p.scale_log2);
     to_a_fragments(pa, s);
 
-    // Blocks 0 .. n - 2: S of the next block and P V of this one in flight together, the softmax of the next
-    // block between them.
-    for (int j = 0; j + 1 < n_blocks; ++j) {
+    // Block j + 1's S and block j's P V in flight together, block j + 1's softmax between them. Only the last
+    // (diagonal) block is masked: its step is a separate instance, so the others carry no mask code.
+    const auto step = [&](int j, auto diagonal) {
+      constexpr bool kDiagonal = decltype(diagonal)::value;
       PipelineState<C::kStages> next = kv;
       next.advance();
       mbarrier_wait(base + C::kKFull + 8 * next.stage, next.phase);
@@ -329,15 +337,16 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
       wgmma_wait<1>();  // S of block j + 1 is done; P_j V_j may still run
       fence_operand(s);
       mbarrier_arrive(base + C::kKEmpty + 8 * next.stage);
-      if (j + 2 == n_blocks) mbarrier_arrive(base + C::kQEmpty);
-      online_softmax(s, rows, correction, /*mask=*/j + 2 == n_blocks, row, (j + 1) * C::kBlockN, p.seq_len,
-                     p.scale_log2);
+      if constexpr (kDiagonal) mbarrier_arrive(base + C::kQEmpty);  // the tile's last read of Q has retired
+      online_softmax<kDiagonal>(s, rows, correction, row, (j + 1) * C::kBlockN, p.seq_len, p.scale_log2);
       wgmma_wait<0>();
       retire_pv(o, pa, kv.stage);
       scale_rows(o, correction);
       to_a_fragments(pa, s);
       kv = next;
-    }
+    };
+    for (int j = 0; j + 2 < n_blocks; ++j) step(j, std::false_type{});
+    if (n_blocks > 1) step(n_blocks - 2, std::true_type{});
     // The last block's P V.
     mbarrier_wait(base + C::kVFull + 8 * kv.stage, kv.phase);
     take_turn();
@@ -347,7 +356,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     retire_pv(o, pa, kv.stage);
     kv.advance();
 
-    // Epilogue: O / rowsum as bf16, lse = max + log2(sum) in natural log; rows past the sequence are not stored.
+    // Epilogue: O / rowsum as bf16, lse = max * scale + log(sum) (from log2 units); rows past the sequence are not
+    // stored.
     float inv_sum[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -358,7 +368,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
       const int q = row + 8 * half;
       if (lane % 4 == 0 && q < p.seq_len)
         p.lse[(static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len + q] =
-            (rows.max[half] + log2f(total)) * 0.69314718055994531f;
+            (rows.max[half] * p.scale_log2 + log2f(total)) * 0.69314718055994531f;
     }
     __nv_bfloat16* out = p.out + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd;
 #pragma unroll
@@ -546,14 +556,21 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
     // P^T and dS^T. Only a block reaching past the diagonal (some key after some query) is masked.
     const float* lse2 = lse_stage + q.stage * C::kBlockM;
     const float* delta = delta_stage + q.stage * C::kBlockM;
-    const bool mask = key0 + cw * 64 + 63 > q0;
+    // One FFMA and one MUFU.EX2 a score; the mask's compares only in the instance for such blocks.
+    const auto probabilities = [&](auto masked) {
 #pragma unroll
-    for (int r = 0; r < C::kSRegs; ++r) {
-      const int qi = 8 * (r / 4) + 2 * t + r % 2, key = key_lo + 8 * ((r / 2) % 2);
-      const float pr = mask && key > q0 + qi ? 0.0f : exp2f(st[r] * p.scale_log2 - lse2[qi]);
-      st[r] = pr;
-      dpt[r] = pr * (dpt[r] - delta[qi]);
-    }
+      for (int r = 0; r < C::kSRegs; ++r) {
+        const int qi = 8 * (r / 4) + 2 * t + r % 2;
+        float pr = ex2_approx_ftz(fmaf(st[r], p.scale_log2, -lse2[qi]));
+        if constexpr (decltype(masked)::value) {
+          if (key_lo + 8 * ((r / 2) % 2) > q0 + qi) pr = 0.0f;
+        }
+        st[r] = pr;
+        dpt[r] = pr * (dpt[r] - delta[qi]);
+      }
+    };
+    if (key0 + cw * 64 + 63 > q0) probabilities(std::true_type{});
+    else probabilities(std::false_type{});
     uint32_t pt_a[C::kBlockM / 16][4];
     to_a_fragments(pt_a, st);
     // dS^T into this warpgroup's [64 keys][64 queries] tile, swizzled as the 128B mode reads it: the A of dK

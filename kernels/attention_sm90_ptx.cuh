@@ -195,6 +195,16 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// ---- ex2.approx.ftz.f32 (PTX ISA, floating-point instructions: ex2): 2^x as one MUFU.EX2, subnormal inputs and
+// results flushed to zero. exp2f compiles to the same instruction wrapped in a fix-up for subnormal results (a
+// compare and two predicated multiplies per call); a softmax term under 2^-126 is far below what the fp32 row
+// sums and the bf16 P resolve, so flushing it is free.
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- flags in global memory between CTAs (the backward's ordered dQ accumulation)
 // Spins until *flag == value, with acquire semantics at gpu scope: what the CTA that released `value` wrote
 // before releasing it is visible after this returns.
