@@ -401,8 +401,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
 // kv head, batch) a CTA does is the ticket it takes when it starts (an atomic counter), in grid order, not its
 // blockIdx: CUDA does not promise to dispatch blocks in blockIdx order, and a CTA waiting on one not yet
 // resident could wait forever. With tickets, the CTA waited for took a lower ticket, so it is already running.
-// Walking the query blocks last first, each CTA trails the one before it by one addition, not by a block's whole
-// work. A separate pass finishes dQ (scaled, rounded, RoPE's backward).
+// Walking the query blocks last first (and the heads of the group inside each), a CTA reaches each (query block,
+// head) at the same step as the CTA before it, so it trails that one by about one addition, not by a block's
+// whole work, whatever the group size. A separate pass finishes dQ (scaled, rounded, RoPE's backward).
 template <int kHd>
 struct Sm90Bwd {
   static constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer warpgroup
@@ -412,9 +413,10 @@ struct Sm90Bwd {
   static constexpr uint32_t kKvPanelBytes = kBlockN * 128, kKvTileBytes = kPanels * kKvPanelBytes;
   static constexpr uint32_t kQPanelBytes = kBlockM * 128, kQTileBytes = kPanels * kQPanelBytes;
   static constexpr uint32_t kDsBytes = 64 * 128;  // per warpgroup: [64 keys][64 queries] bf16, 128B-swizzled
-  // Each warpgroup's dQ partial, fp32 [64 queries][kHd], rows padded by 4 floats so that the fragments' 8-byte
-  // stores (8 rows x 4 column pairs a warp) fall in distinct banks.
-  static constexpr int kDqStride = kHd + 4;
+  // Each warpgroup's dQ partial, fp32 [64 queries][kHd], rows padded by 8 floats so that the fragments' 8-byte
+  // stores fall in distinct banks: a half-warp's 4 rows x 4 column pairs then start 8 words apart (4 would
+  // overlap neighbouring rows' pairs: 2-way conflicts).
+  static constexpr int kDqStride = kHd + 8;
   static constexpr uint32_t kDqTileBytes = kBlockM * kDqStride * 4;
   // Shared layout from a 1024-byte aligned base.
   static constexpr uint32_t kK = 0, kV = kKvTileBytes, kQ = 2 * kKvTileBytes;
@@ -447,11 +449,12 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
   const int group_size = p.n_heads / p.n_kv_heads, m_blocks = (p.seq_len + C::kBlockM - 1) / C::kBlockM;
   const int key0 = n_block * C::kBlockN;
   const int first_m = key0 / C::kBlockM;  // earlier query blocks see none of these keys
-  const int steps_per_head = m_blocks - first_m;
-  // Step i: query head of the group i / steps_per_head, query block m_blocks - 1 - i % steps_per_head.
-  const auto step_head = [&](int step) { return kvh * group_size + step / steps_per_head; };
-  const auto step_m = [&](int step) { return m_blocks - 1 - step % steps_per_head; };
-  const int n_steps = group_size * steps_per_head;
+  // Step i: query block m_blocks - 1 - i / group_size, query head i % group_size of the group. Query blocks
+  // outer, heads inner: the step of (query block, head) is then the same in every CTA that reaches it, so a CTA
+  // and the one it waits for (the key block before, which has more steps only at its end) stay in step.
+  const auto step_head = [&](int step) { return kvh * group_size + step % group_size; };
+  const auto step_m = [&](int step) { return m_blocks - 1 - step / group_size; };
+  const int n_steps = group_size * (m_blocks - first_m);
 
   if (threadIdx.x == 0) {
     mbarrier_init(base + C::kKvFull, 1);
@@ -624,21 +627,28 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
     named_barrier_sync(kBarConsumers, kConsumerThreads);
     const float* const tile0 = reinterpret_cast<const float*>(smem + C::kDqTiles);
     const float* const tile1 = reinterpret_cast<const float*>(smem + C::kDqTiles + C::kDqTileBytes);
-    float* const accum = args.dq_accum + ((static_cast<int64_t>(b) * p.n_heads + h) * seq_pad + q0) * kHd;
-    for (int i = threadIdx.x - kWarpGroupThreads; i < C::kBlockM * kHd / 4; i += kConsumerThreads) {
-      const int row = i / (kHd / 4), col = (i % (kHd / 4)) * 4;
+    float4* const accum =
+        reinterpret_cast<float4*>(args.dq_accum + ((static_cast<int64_t>(b) * p.n_heads + h) * seq_pad + q0) * kHd);
+    // Every old value loaded before any store: the stores could alias the loads as far as the compiler knows, so
+    // a load-add-store loop would wait one L2 round trip per piece.
+    constexpr int kPieces = C::kBlockM * kHd / 4 / kConsumerThreads;
+    const int first = threadIdx.x - kWarpGroupThreads;
+    float4 old[kPieces];
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k)
+      old[k] = n_block != 0 ? accum[first + k * kConsumerThreads] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k) {
+      const int i = first + k * kConsumerThreads, row = i / (kHd / 4), col = (i % (kHd / 4)) * 4;
       const float4 a = *reinterpret_cast<const float4*>(tile0 + row * C::kDqStride + col);
       const float4 c = *reinterpret_cast<const float4*>(tile1 + row * C::kDqStride + col);
       float4 sum = make_float4(a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
-      float4* const at = reinterpret_cast<float4*>(accum + row * kHd + col);
-      if (n_block != 0) {
-        const float4 old = *at;
-        sum = make_float4(old.x + sum.x, old.y + sum.y, old.z + sum.z, old.w + sum.w);
-      }
-      *at = sum;
+      if (n_block != 0) sum = make_float4(old[k].x + sum.x, old[k].y + sum.y, old[k].z + sum.z, old[k].w + sum.w);
+      accum[i] = sum;
     }
-    __threadfence();
-    named_barrier_sync(kBarConsumers, kConsumerThreads);  // all added, and the tiles free again
+    // All added (and the tiles free again); then one thread's release store publishes every consumer's additions
+    // (the barrier orders them before it; the release is the one gpu-scope fence of the step).
+    named_barrier_sync(kBarConsumers, kConsumerThreads);
     if (threadIdx.x == kWarpGroupThreads) flag_release(flag, n_block + 1);
   }
 

@@ -206,13 +206,15 @@ __device__ __forceinline__ float ex2_approx_ftz(float x) {
 }
 
 // ---- flags in global memory between CTAs (the backward's ordered dQ accumulation)
-// Spins until *flag == value, with acquire semantics at gpu scope: what the CTA that released `value` wrote
-// before releasing it is visible after this returns.
+// Spins until *flag == value, then acquires at gpu scope: what the CTA that released `value` wrote before
+// releasing it is visible after this returns. The spin reads relaxed (an acquire load invalidates L1 each time);
+// one acquire load follows, which sees `value` again: a flag changes only when the waiter itself releases it.
 __device__ __forceinline__ void flag_wait(const int* flag, int value) {
   int seen;
   do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
   } while (seen != value);
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
 }
 // Stores `value` with release semantics at gpu scope: after this thread's earlier writes (and, through the
 // barrier before it, the CTA's) are visible.
