@@ -166,6 +166,23 @@ run_bench() {  # name timeout [bench flags]
 }
 run_bench memory 90
 if [ $HOPPER_OK -eq 1 ]; then run_bench attention 90; else run_bench attention 90 --benchmark_filter='hopper:0'; fi
+# -- attention backward at G = 1 against G = 4, equal FLOPs (32 query heads over 32 or 8 kv heads: the attention
+# bench's "bwd G=1" rows beside its plain bwd rows). G=4 / G=1 well under 1 means the hopper path's ordered dQ
+# additions stall under grouped-query attention. Lines into the summary log and benches.log; decides nothing.
+if [ -s "$BENCH_JSON/attention.json" ]; then
+  python3 - "$BENCH_JSON/attention.json" <<'PY' 2>&1 | tee -a "$OUT/benches.log" | while IFS= read -r line; do log "$line"; done
+import json, re, sys
+rates = {}
+for b in json.load(open(sys.argv[1])).get("benchmarks", []):
+    m = re.match(r"bwd( G=1)? causal hd(\d+) seq (\d+) batch \d+ (mma|hopper)$", b.get("label", ""))
+    if m and b.get("TFLOP/s") and not b.get("error_occurred"):
+        rates[(m.group(2), m.group(3), m.group(4), "G=1" if m.group(1) else "G=4")] = b["TFLOP/s"]
+for (hd, seq, path, g), g1 in sorted(rates.items()):
+    g4 = rates.get((hd, seq, path, "G=4"))
+    if g == "G=1" and g4:
+        print(f"attention bwd hd{hd} seq {seq} {path}: G=1 {g1:.0f}, G=4 {g4:.0f} TFLOP/s, G=4/G=1 {g4 / g1:.2f}")
+PY
+fi
 run_bench gemm 120
 run_bench train_step 200
 # The 1B step at the issue's shape once more with the hopper attention path (TUNA_ATTENTION=hopper), to set
