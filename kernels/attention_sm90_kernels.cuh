@@ -10,8 +10,10 @@
 //     runs up to kStages blocks ahead and consumers never wait on a __syncthreads;
 //   - the consumers overlap the softmax of block j with the QK^T of block j+1 and the PV of block j (both
 //     issued before the softmax starts; wgmma.wait_group 1 retires the first);
-//   - a persistent grid (one CTA per SM) walks the (query block, head) tiles longest-first: the causal rows
-//     of the last query blocks see the most keys; only the diagonal block is masked.
+//   - a persistent grid (one CTA per SM) takes the (query block, head) tiles longest-first (the causal rows
+//     of the last query blocks see the most keys) from an atomic counter, so that a CTA started late (its SM
+//     busy with another kernel, e.g. a collective overlapping the layer) takes fewer tiles instead of carrying
+//     a fixed share into a tail; only the diagonal block is masked.
 //
 // Shared tiles: a [rows][head_dim] tile is head_dim / 64 "panels" of [rows][64] bf16, each row 128 bytes and
 // swizzled as TMA's 128B mode writes it (16-byte chunk c of row r at c ^ (r % 8)). wgmma reads a panel:
@@ -65,6 +67,7 @@ struct Sm90Params {
   const float* rope_cos;    // backward: [>= seq_len, head_dim / 2] or null: apply RoPE's backward to dQ, dK
   const float* rope_sin;
   int n_tiles;              // forward: query blocks x batch x heads
+  int* tile_counter;        // forward: the tiles handed out past the first wave; 0 at launch, left 0 at exit
 };
 
 constexpr int kWarpGroupThreads = 128;
@@ -188,8 +191,14 @@ __device__ __forceinline__ void scale_rows(float (&o)[kRegs], const float (&fact
 }
 #endif  // TUNA_SM90A_DEVICE
 
-// Grid: min(tiles, SMs) persistent CTAs of 384 threads. Tile t (in steps of gridDim.x from blockIdx.x) is
-// query block m_blocks - 1 - t / (batch x heads) of (batch, head) t % (batch x heads).
+// Grid: min(tiles, SMs) persistent CTAs of 384 threads. Tile t is query block m_blocks - 1 - t / (batch x heads)
+// of (batch, head) t % (batch x heads). CTA i's first tile is i; each later one is gridDim.x + the value its
+// producer draws from args.tile_counter (atomicAdd) while the current tile's K and V stream in, handed to the
+// consumers through shared memory with the Q barrier: the producer writes it once the consumers have released
+// the previous tile's Q, and its arrival on kQFull publishes it. A tile past the end, with a bare arrival, tells
+// the consumers to stop. Every CTA draws until it gets a tile past the end, so the draws are exactly n_tiles,
+// valued 0 .. n_tiles - 1: the CTA that draws n_tiles - 1 draws last and puts the counter back to 0 for the
+// next launch on the stream. Which CTA computes a tile changes from run to run; what it computes does not.
 template <int kHd>
 __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_constant__ Sm90Params args) {
 #if TUNA_SM90A_DEVICE
@@ -199,6 +208,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
   const uint32_t base = (smem_address(smem_bytes) + 1023) & ~1023u;
   const int bh_count = p.batch * p.n_heads, m_blocks = (p.seq_len + C::kBlockM - 1) / C::kBlockM;
   const int group_size = p.n_heads / p.n_kv_heads;
+  __shared__ int scheduled_tile;  // the tile whose Q the current phase of kQFull brings (n_tiles or more: none)
 
   if (threadIdx.x == 0) {
     mbarrier_init(base + C::kQFull, 1);
@@ -223,14 +233,21 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     tma_prefetch_descriptor(&args.v_map);
     PipelineState<C::kStages> kv;
     uint32_t tile_parity = 0;
-    for (int tile = blockIdx.x; tile < args.n_tiles; tile += gridDim.x, tile_parity ^= 1) {
+    for (int tile = blockIdx.x;; tile_parity ^= 1) {
+      mbarrier_wait(base + C::kQEmpty, tile_parity ^ 1);  // the consumers have read the previous tile's index
+      scheduled_tile = tile;
+      if (tile >= args.n_tiles) {
+        mbarrier_arrive(base + C::kQFull);
+        break;
+      }
       const int m_block = m_blocks - 1 - tile / bh_count, bh = tile % bh_count;
       const int b = bh / p.n_heads, h = bh % p.n_heads, kvh = h / group_size;
-      mbarrier_wait(base + C::kQEmpty, tile_parity ^ 1);
       mbarrier_arrive_expect_tx(base + C::kQFull, C::kTileBytes);
       for (int panel = 0; panel < C::kPanels; ++panel)
         tma_load_4d(base + C::kQ + panel * C::kPanelBytes, &args.q_map, base + C::kQFull, panel * kPanelCols, h,
                     m_block * C::kBlockM, b);
+      const int drawn = atomicAdd(args.tile_counter, 1);  // its latency hidden behind this tile's K/V issue
+      if (drawn == args.n_tiles - 1) *args.tile_counter = 0;
       for (int j = 0; j <= m_block; ++j, kv.advance()) {
         const uint32_t k_stage = base + C::kK + kv.stage * C::kTileBytes;
         const uint32_t v_stage = base + C::kV + kv.stage * C::kTileBytes;
@@ -245,6 +262,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
           tma_load_4d(v_stage + panel * C::kPanelBytes, &args.v_map, base + C::kVFull + 8 * kv.stage,
                       panel * kPanelCols, kvh, j * C::kBlockN, b);
       }
+      tile = drawn + static_cast<int>(gridDim.x);
     }
     return;
   }
@@ -296,7 +314,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
   const auto hand_over = [&] { named_barrier_arrive(kBarTurn + 1 - cw, kConsumerThreads); };
   if (cw == 1) hand_over();
 
-  for (int tile = blockIdx.x; tile < args.n_tiles; tile += gridDim.x, tile_parity ^= 1) {
+  for (;; tile_parity ^= 1) {
+    mbarrier_wait(base + C::kQFull, tile_parity);
+    const int tile = scheduled_tile;
+    if (tile >= args.n_tiles) break;
     const int m_block = m_blocks - 1 - tile / bh_count, bh = tile % bh_count;
     const int b = bh / p.n_heads, h = bh % p.n_heads;
     const int row = m_block * C::kBlockM + cw * 64 + warp * 16 + lane / 4;  // this thread's rows: row, row + 8
@@ -309,7 +330,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
 #pragma unroll
     for (int r = 0; r < C::kORegs; ++r) o[r] = 0.0f;
 
-    mbarrier_wait(base + C::kQFull, tile_parity);
     mbarrier_wait(base + C::kKFull + 8 * kv.stage, kv.phase);
     take_turn();
     issue_s(s, kv.stage);

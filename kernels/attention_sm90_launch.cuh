@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "kernels/attention_kernels.cuh"  // bwd_delta_kernel, shared with the sm_80 path
@@ -77,6 +79,23 @@ void require_sm90a_image(Kernel* kernel) {
 #endif
 }
 
+// The forward's tile counter for launches from this thread on `stream` of the current device: one int, zeroed
+// once (in stream order), which every launch leaves at 0 again (sm90_fwd_kernel). One per stream, because
+// launches on different streams may run at once and must not share it; one per thread as well, so that no lock
+// is needed (two threads launching on one stream get two counters, which is as safe). A few bytes a stream,
+// kept for the process's life.
+inline int* fwd_tile_counter(cudaStream_t stream) {
+  int device = 0;
+  TUNA_CUDA_CHECK(cudaGetDevice(&device));
+  thread_local std::map<std::pair<int, cudaStream_t>, int*> counters;
+  int*& counter = counters[{device, stream}];
+  if (counter == nullptr) {
+    TUNA_CUDA_CHECK(cudaMalloc(&counter, sizeof(int)));
+    TUNA_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(int), stream));
+  }
+  return counter;
+}
+
 inline int multiprocessor_count() {
   int device = 0, sms = 0;
   TUNA_CUDA_CHECK(cudaGetDevice(&device));
@@ -84,7 +103,8 @@ inline int multiprocessor_count() {
   return sms;
 }
 
-// The forward: one persistent CTA per SM (at most one per tile).
+// The forward: one persistent CTA per SM (at most one per tile: each CTA's first tile is its blockIdx), the
+// later tiles handed out by the counter.
 template <int kHd>
 void launch_sm90_fwd(const AttentionParams& p, cudaStream_t stream) {
   using C = Sm90Fwd<kHd>;
@@ -97,6 +117,7 @@ void launch_sm90_fwd(const AttentionParams& p, cudaStream_t stream) {
   const int64_t tiles = ceil_div(p.seq_len, C::kBlockM) * p.batch * p.n_heads;
   TUNA_CHECK(tiles < (int64_t{1} << 31), "attention forward: ", tiles, " tiles");
   args.n_tiles = static_cast<int>(tiles);
+  args.tile_counter = fwd_tile_counter(stream);
   const int grid = static_cast<int>(std::min<int64_t>(tiles, multiprocessor_count()));
   TUNA_CUDA_CHECK(
       cudaFuncSetAttribute(sm90_fwd_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
