@@ -533,7 +533,11 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
     return;
   }
 
-  // ---- consumers
+  // ---- consumers. Registers: while the dV, dK and dQ products run, a thread holds their accumulators (3 x
+  // kHd / 2 floats) and P^T's A fragments (16), 208 of its 240 at hd128; with the addresses and indices that
+  // leaves almost nothing: at hd128 any more state live across the step (a second dQ buffer, operands kept in
+  // registers) spills, which the build's -warn-spills (-Werror) turns into a compile error. hd64's accumulators
+  // take 96 fewer.
   setmaxnreg_inc<kConsumerRegisters>();
   const int cw = warpgroup - 1, tid = threadIdx.x % kWarpGroupThreads, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int key_lo = key0 + cw * 64 + warp * 16 + g;  // this thread's keys: key_lo, key_lo + 8
@@ -702,6 +706,13 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
 #endif  // TUNA_SM90A_DEVICE
 }
 
+// Eight floats from a 16-byte aligned address, as two 16-byte loads.
+__device__ __forceinline__ void load_floats8(float (&out)[8], const float* src) {
+  const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
+  out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
+  out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
+}
+
 // dQ = (the fp32 accumulator) / sqrt(d), then RoPE's backward if asked, as bf16: [batch, n_heads, seq_pad,
 // kHd] -> [batch, seq, n_heads, kHd]. One thread per 8 columns of the first half and the 8 they pair with.
 template <int kHd>
@@ -717,19 +728,27 @@ __global__ void __launch_bounds__(256) sm90_dq_finish_kernel(const __grid_consta
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.n_heads) * p.seq_len));
   constexpr int kBlockM = Sm90Bwd<kHd>::kBlockM;
   const int64_t seq_pad = (p.seq_len + kBlockM - 1) / kBlockM * kBlockM;
+  // 16-byte loads: the accumulator is 16-byte aligned (the backward's float4 stores rely on it too), and so are
+  // the RoPE tables (attention_bwd checks).
   const float* src = args.dq_accum + ((static_cast<int64_t>(b) * p.n_heads + h) * seq_pad + t) * kHd + d;
+  float x[8], y[8];
+  load_floats8(x, src);
+  load_floats8(y, src + kHalf);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) x[j] *= p.scale, y[j] *= p.scale;
+  if (args.rope_cos != nullptr) {
+    float c[8], sn[8];
+    load_floats8(c, args.rope_cos + static_cast<int64_t>(t) * kHalf + d);
+    load_floats8(sn, args.rope_sin + static_cast<int64_t>(t) * kHalf + d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float rx = x[j] * c[j] + y[j] * sn[j], ry = y[j] * c[j] - x[j] * sn[j];
+      x[j] = rx, y[j] = ry;
+    }
+  }
   Bf16x8 first, second;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    float x = src[j] * p.scale, y = src[j + kHalf] * p.scale;
-    if (args.rope_cos != nullptr) {
-      const float c = args.rope_cos[static_cast<int64_t>(t) * kHalf + d + j];
-      const float s = args.rope_sin[static_cast<int64_t>(t) * kHalf + d + j];
-      const float rx = x * c + y * s, ry = y * c - x * s;
-      x = rx, y = ry;
-    }
-    first.v[j] = __float2bfloat16_rn(x), second.v[j] = __float2bfloat16_rn(y);
-  }
+  for (int j = 0; j < 8; ++j) first.v[j] = __float2bfloat16_rn(x[j]), second.v[j] = __float2bfloat16_rn(y[j]);
   store8(p.dq + row * kHd + d, first);
   store8(p.dq + row * kHd + kHalf + d, second);
 }
