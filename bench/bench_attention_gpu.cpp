@@ -5,24 +5,29 @@
 // PV over the causal half), backward 2.5x the forward (5 products), whatever a kernel actually recomputes (the
 // mma path recomputes 2 extra products in its dQ pass; the hopper path none). The `of_peak` counter is the
 // fraction of the device's dense bf16 peak (gpu_peak_bf16_flops; TUNA_PEAK_TFLOPS overrides).
+// The backward also runs with 32 kv heads (G = 1, no grouping) at the same query heads, hence the same FLOPs:
+// its rate beside the 8-kv-head one (G = 4) shows what grouped-query attention costs the backward's ordered
+// dQ additions (a CTA per kv head walks every query head of its group). Labelled "bwd G=1 ...", apart from the
+// rows the peers are matched to (they run G = 4).
 #include "bench/gpu_bench_util.h"
 #include "kernels/attention.cuh"
 
 namespace tuna::bench {
 namespace {
 
-constexpr int64_t kTokens = 16384, kHeads = 32, kKvHeads = 8;
+constexpr int64_t kTokens = 16384, kHeads = 32;
 
 void BM_Attention(benchmark::State& state) {
   const int64_t seq = state.range(0), head_dim = state.range(1);
   const bool backward = state.range(2) != 0;
   const AttentionPath path = state.range(3) != 0 ? AttentionPath::kHopper : AttentionPath::kMma;
+  const int64_t kv_heads = state.range(4);
   if (path == AttentionPath::kHopper && !cuda::attention_hopper_available()) {
     state.SkipWithError("the hopper path needs an sm_90 device and sm_90a code");
     return;
   }
   const int64_t batch = std::max<int64_t>(1, kTokens / seq);
-  const int64_t q_count = batch * seq * kHeads * head_dim, kv_count = batch * seq * kKvHeads * head_dim;
+  const int64_t q_count = batch * seq * kHeads * head_dim, kv_count = batch * seq * kv_heads * head_dim;
   DeviceMemory q(q_count * 2), k(kv_count * 2), v(kv_count * 2), out(q_count * 2), dout(q_count * 2),
       dq(q_count * 2), dk(kv_count * 2), dv(kv_count * 2), lse(batch * kHeads * seq * 4),
       scratch(cuda::attention_bwd_scratch_floats(batch, seq, kHeads, head_dim, path) * 4);
@@ -32,29 +37,31 @@ void BM_Attention(benchmark::State& state) {
   fill_random_bf16(dout.as<__nv_bfloat16>(), q_count, 4);
   cudaStream_t stream = nullptr;
   cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
-                      v.as<__nv_bfloat16>(), batch, seq, kHeads, kKvHeads, head_dim, stream, path);
+                      v.as<__nv_bfloat16>(), batch, seq, kHeads, kv_heads, head_dim, stream, path);
   run_timed(state, stream, [&] {
     if (!backward)
       cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
-                          v.as<__nv_bfloat16>(), batch, seq, kHeads, kKvHeads, head_dim, stream, path);
+                          v.as<__nv_bfloat16>(), batch, seq, kHeads, kv_heads, head_dim, stream, path);
     else
       cuda::attention_bwd(dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
                           dout.as<__nv_bfloat16>(), out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(),
                           k.as<__nv_bfloat16>(), v.as<__nv_bfloat16>(), scratch.as<float>(), batch, seq, kHeads,
-                          kKvHeads, head_dim, stream, path);
+                          kv_heads, head_dim, stream, path);
   });
   const double fwd_flops = 4.0 * batch * kHeads * double(seq) * double(seq) / 2.0 * head_dim;
   const double flops = backward ? 2.5 * fwd_flops : fwd_flops;
   state.counters["TFLOP/s"] = rate(flops / 1e12);
   state.counters["of_peak"] = rate(flops / gpu_peak_bf16_flops());
-  state.SetLabel(std::string(backward ? "bwd" : "fwd") + " causal hd" + std::to_string(head_dim) + " seq " +
-                 std::to_string(seq) + " batch " + std::to_string(batch) + " " + cuda::attention_path_name(path));
+  state.SetLabel(std::string(backward ? "bwd" : "fwd") + (kv_heads == kHeads ? " G=1" : "") + " causal hd" +
+                 std::to_string(head_dim) + " seq " + std::to_string(seq) + " batch " + std::to_string(batch) + " " +
+                 cuda::attention_path_name(path));
 }
 
 BENCHMARK(BM_Attention)
-    ->ArgNames({"seq", "hd", "bwd", "hopper"})
-    ->ArgsProduct({{2048, 4096, 8192}, {128}, {0, 1}, {0, 1}})
-    ->ArgsProduct({{4096}, {64}, {0, 1}, {0, 1}})
+    ->ArgNames({"seq", "hd", "bwd", "hopper", "kv"})
+    ->ArgsProduct({{2048, 4096, 8192}, {128}, {0, 1}, {0, 1}, {8}})
+    ->ArgsProduct({{4096}, {64}, {0, 1}, {0, 1}, {8}})
+    ->ArgsProduct({{4096, 8192}, {128}, {1}, {0, 1}, {32}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.3);

@@ -15,6 +15,7 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "kernels/attention_params.cuh"
+#include "kernels/common.cuh"  // aligned16
 #include "kernels/rope.cuh"
 #include "kernels/scratch.h"
 
@@ -93,6 +94,11 @@ void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, cons
   p.out = const_cast<__nv_bfloat16*>(out);
   p.lse = const_cast<float*>(lse);
   TUNA_CHECK((rope.cos_table == nullptr) == (rope.sin_table == nullptr), "attention_bwd: RoPE needs both tables");
+  // The hopper dQ finish reads the tables 16 bytes at a time, and so does rope.cu's vector kernel, which the mma
+  // path's rope_bwd picks by the rows' alignment alone.
+  TUNA_CHECK(rope.cos_table == nullptr || (aligned16(rope.cos_table) && aligned16(rope.sin_table)),
+             "attention_bwd: the RoPE tables must be 16-byte aligned; found cos_table at ",
+             static_cast<const void*>(rope.cos_table), ", sin_table at ", static_cast<const void*>(rope.sin_table));
   const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128);
   if (hopper) {
     (head_dim == 64 ? attention_sm90_bwd_hd64 : attention_sm90_bwd_hd128)(p, scratch, rope.cos_table, rope.sin_table,

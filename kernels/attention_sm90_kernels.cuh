@@ -10,8 +10,10 @@
 //     runs up to kStages blocks ahead and consumers never wait on a __syncthreads;
 //   - the consumers overlap the softmax of block j with the QK^T of block j+1 and the PV of block j (both
 //     issued before the softmax starts; wgmma.wait_group 1 retires the first);
-//   - a persistent grid (one CTA per SM) walks the (query block, head) tiles longest-first: the causal rows
-//     of the last query blocks see the most keys; only the diagonal block is masked.
+//   - a persistent grid (one CTA per SM) takes the (query block, head) tiles longest-first (the causal rows
+//     of the last query blocks see the most keys) from an atomic counter, so that a CTA started late (its SM
+//     busy with another kernel, e.g. a collective overlapping the layer) takes fewer tiles instead of carrying
+//     a fixed share into a tail; only the diagonal block is masked.
 //
 // Shared tiles: a [rows][head_dim] tile is head_dim / 64 "panels" of [rows][64] bf16, each row 128 bytes and
 // swizzled as TMA's 128B mode writes it (16-byte chunk c of row r at c ^ (r % 8)). wgmma reads a panel:
@@ -34,6 +36,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/attention_params.cuh"
 #include "kernels/common.cuh"
@@ -64,6 +67,7 @@ struct Sm90Params {
   const float* rope_cos;    // backward: [>= seq_len, head_dim / 2] or null: apply RoPE's backward to dQ, dK
   const float* rope_sin;
   int n_tiles;              // forward: query blocks x batch x heads
+  int* tile_counter;        // forward: the tiles handed out past the first wave; 0 at launch, left 0 at exit
 };
 
 constexpr int kWarpGroupThreads = 128;
@@ -131,17 +135,20 @@ struct SoftmaxRows {
   float max[2], sum[2];
 };
 
-// Scales S (in place) into log2 units, masks the diagonal block (key > query, or key past the sequence), and
-// exponentiates against the updated running max. Returns the factor each row's earlier output must be scaled
-// by. `row` is the thread's first row, `key0` the block's first key.
-template <int kRegs>
-__device__ __forceinline__ void online_softmax(float (&s)[kRegs], SoftmaxRows& rows, float (&correction)[2],
-                                               bool mask, int row, int key0, int seq_len, float scale_log2) {
-  const int t = threadIdx.x % 4;
+// Masks the diagonal block (kMask: key > query, or key past the sequence; every other block needs no mask),
+// takes each row's max on the raw scores, and exponentiates as exp2(s * scale_log2 - max * scale_log2): one FFMA
+// and one MUFU.EX2 per score. The running max stays in raw units. Returns the factor each row's earlier output
+// must be scaled by. `row` is the thread's first row, `key0` the block's first key.
+template <bool kMask, int kRegs>
+__device__ __forceinline__ void online_softmax(float (&s)[kRegs], SoftmaxRows& rows, float (&correction)[2], int row,
+                                               int key0, int seq_len, float scale_log2) {
+  if constexpr (kMask) {
+    const int t = threadIdx.x % 4;
 #pragma unroll
-  for (int r = 0; r < kRegs; ++r) {
-    const int key = key0 + 8 * (r / 4) + 2 * t + r % 2, q = row + 8 * ((r / 2) % 2);
-    s[r] = mask && (key > q || key >= seq_len) ? -INFINITY : s[r] * scale_log2;
+    for (int r = 0; r < kRegs; ++r) {
+      const int key = key0 + 8 * (r / 4) + 2 * t + r % 2, q = row + 8 * ((r / 2) % 2);
+      if (key > q || key >= seq_len) s[r] = -INFINITY;
+    }
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -151,15 +158,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[kRegs], SoftmaxRows& r
       block_max = fmaxf(block_max, fmaxf(s[4 * i + 2 * half], s[4 * i + 2 * half + 1]));
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-    // Key 0 is in every row's first block, so the running max is finite from the first block on.
+    // Key 0 is in every row's first block, so the running max is finite from the first block on (and the first
+    // block's correction, exp2(-inf), is 0).
     const float new_max = fmaxf(rows.max[half], block_max);
-    correction[half] = exp2f(rows.max[half] - new_max);
+    correction[half] = ex2_approx_ftz((rows.max[half] - new_max) * scale_log2);
     rows.max[half] = new_max;
+    const float max_scaled = new_max * scale_log2;
     float block_sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < kRegs / 4; ++i) {
-      s[4 * i + 2 * half] = exp2f(s[4 * i + 2 * half] - new_max);
-      s[4 * i + 2 * half + 1] = exp2f(s[4 * i + 2 * half + 1] - new_max);
+      s[4 * i + 2 * half] = ex2_approx_ftz(fmaf(s[4 * i + 2 * half], scale_log2, -max_scaled));
+      s[4 * i + 2 * half + 1] = ex2_approx_ftz(fmaf(s[4 * i + 2 * half + 1], scale_log2, -max_scaled));
       block_sum += s[4 * i + 2 * half] + s[4 * i + 2 * half + 1];
     }
     rows.sum[half] = rows.sum[half] * correction[half] + block_sum;  // this thread's share; the quad sums at the end
@@ -182,8 +191,14 @@ __device__ __forceinline__ void scale_rows(float (&o)[kRegs], const float (&fact
 }
 #endif  // TUNA_SM90A_DEVICE
 
-// Grid: min(tiles, SMs) persistent CTAs of 384 threads. Tile t (in steps of gridDim.x from blockIdx.x) is
-// query block m_blocks - 1 - t / (batch x heads) of (batch, head) t % (batch x heads).
+// Grid: min(tiles, SMs) persistent CTAs of 384 threads. Tile t is query block m_blocks - 1 - t / (batch x heads)
+// of (batch, head) t % (batch x heads). CTA i's first tile is i; each later one is gridDim.x + the value its
+// producer draws from args.tile_counter (atomicAdd) while the current tile's K and V stream in, handed to the
+// consumers through shared memory with the Q barrier: the producer writes it once the consumers have released
+// the previous tile's Q, and its arrival on kQFull publishes it. A tile past the end, with a bare arrival, tells
+// the consumers to stop. Every CTA draws until it gets a tile past the end, so the draws are exactly n_tiles,
+// valued 0 .. n_tiles - 1: the CTA that draws n_tiles - 1 draws last and puts the counter back to 0 for the
+// next launch on the stream. Which CTA computes a tile changes from run to run; what it computes does not.
 template <int kHd>
 __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_constant__ Sm90Params args) {
 #if TUNA_SM90A_DEVICE
@@ -193,6 +208,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
   const uint32_t base = (smem_address(smem_bytes) + 1023) & ~1023u;
   const int bh_count = p.batch * p.n_heads, m_blocks = (p.seq_len + C::kBlockM - 1) / C::kBlockM;
   const int group_size = p.n_heads / p.n_kv_heads;
+  __shared__ int scheduled_tile;  // the tile whose Q the current phase of kQFull brings (n_tiles or more: none)
 
   if (threadIdx.x == 0) {
     mbarrier_init(base + C::kQFull, 1);
@@ -217,14 +233,21 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     tma_prefetch_descriptor(&args.v_map);
     PipelineState<C::kStages> kv;
     uint32_t tile_parity = 0;
-    for (int tile = blockIdx.x; tile < args.n_tiles; tile += gridDim.x, tile_parity ^= 1) {
+    for (int tile = blockIdx.x;; tile_parity ^= 1) {
+      mbarrier_wait(base + C::kQEmpty, tile_parity ^ 1);  // the consumers have read the previous tile's index
+      scheduled_tile = tile;
+      if (tile >= args.n_tiles) {
+        mbarrier_arrive(base + C::kQFull);
+        break;
+      }
       const int m_block = m_blocks - 1 - tile / bh_count, bh = tile % bh_count;
       const int b = bh / p.n_heads, h = bh % p.n_heads, kvh = h / group_size;
-      mbarrier_wait(base + C::kQEmpty, tile_parity ^ 1);
       mbarrier_arrive_expect_tx(base + C::kQFull, C::kTileBytes);
       for (int panel = 0; panel < C::kPanels; ++panel)
         tma_load_4d(base + C::kQ + panel * C::kPanelBytes, &args.q_map, base + C::kQFull, panel * kPanelCols, h,
                     m_block * C::kBlockM, b);
+      const int drawn = atomicAdd(args.tile_counter, 1);  // its latency hidden behind this tile's K/V issue
+      if (drawn == args.n_tiles - 1) *args.tile_counter = 0;
       for (int j = 0; j <= m_block; ++j, kv.advance()) {
         const uint32_t k_stage = base + C::kK + kv.stage * C::kTileBytes;
         const uint32_t v_stage = base + C::kV + kv.stage * C::kTileBytes;
@@ -239,6 +262,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
           tma_load_4d(v_stage + panel * C::kPanelBytes, &args.v_map, base + C::kVFull + 8 * kv.stage,
                       panel * kPanelCols, kvh, j * C::kBlockN, b);
       }
+      tile = drawn + static_cast<int>(gridDim.x);
     }
     return;
   }
@@ -290,7 +314,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
   const auto hand_over = [&] { named_barrier_arrive(kBarTurn + 1 - cw, kConsumerThreads); };
   if (cw == 1) hand_over();
 
-  for (int tile = blockIdx.x; tile < args.n_tiles; tile += gridDim.x, tile_parity ^= 1) {
+  for (;; tile_parity ^= 1) {
+    mbarrier_wait(base + C::kQFull, tile_parity);
+    const int tile = scheduled_tile;
+    if (tile >= args.n_tiles) break;
     const int m_block = m_blocks - 1 - tile / bh_count, bh = tile % bh_count;
     const int b = bh / p.n_heads, h = bh % p.n_heads;
     const int row = m_block * C::kBlockM + cw * 64 + warp * 16 + lane / 4;  // this thread's rows: row, row + 8
@@ -303,7 +330,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
 #pragma unroll
     for (int r = 0; r < C::kORegs; ++r) o[r] = 0.0f;
 
-    mbarrier_wait(base + C::kQFull, tile_parity);
     mbarrier_wait(base + C::kKFull + 8 * kv.stage, kv.phase);
     take_turn();
     issue_s(s, kv.stage);
@@ -312,12 +338,14 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     fence_operand(s);
     mbarrier_arrive(base + C::kKEmpty + 8 * kv.stage);
     if (n_blocks == 1) mbarrier_arrive(base + C::kQEmpty);  // the tile's last read of Q has retired
-    online_softmax(s, rows, correction, /*mask=*/n_blocks == 1, row, 0, p.seq_len, p.scale_log2);
+    if (n_blocks == 1) online_softmax<true>(s, rows, correction, row, 0, p.seq_len, p.scale_log2);
+    else online_softmax<false>(s, rows, correction, row, 0, p.seq_len, p.scale_log2);
     to_a_fragments(pa, s);
 
-    // Blocks 0 .. n - 2: S of the next block and P V of this one in flight together, the softmax of the next
-    // block between them.
-    for (int j = 0; j + 1 < n_blocks; ++j) {
+    // Block j + 1's S and block j's P V in flight together, block j + 1's softmax between them. Only the last
+    // (diagonal) block is masked: its step is a separate instance, so the others carry no mask code.
+    const auto step = [&](int j, auto diagonal) {
+      constexpr bool kDiagonal = decltype(diagonal)::value;
       PipelineState<C::kStages> next = kv;
       next.advance();
       mbarrier_wait(base + C::kKFull + 8 * next.stage, next.phase);
@@ -329,15 +357,16 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
       wgmma_wait<1>();  // S of block j + 1 is done; P_j V_j may still run
       fence_operand(s);
       mbarrier_arrive(base + C::kKEmpty + 8 * next.stage);
-      if (j + 2 == n_blocks) mbarrier_arrive(base + C::kQEmpty);
-      online_softmax(s, rows, correction, /*mask=*/j + 2 == n_blocks, row, (j + 1) * C::kBlockN, p.seq_len,
-                     p.scale_log2);
+      if constexpr (kDiagonal) mbarrier_arrive(base + C::kQEmpty);  // the tile's last read of Q has retired
+      online_softmax<kDiagonal>(s, rows, correction, row, (j + 1) * C::kBlockN, p.seq_len, p.scale_log2);
       wgmma_wait<0>();
       retire_pv(o, pa, kv.stage);
       scale_rows(o, correction);
       to_a_fragments(pa, s);
       kv = next;
-    }
+    };
+    for (int j = 0; j + 2 < n_blocks; ++j) step(j, std::false_type{});
+    if (n_blocks > 1) step(n_blocks - 2, std::true_type{});
     // The last block's P V.
     mbarrier_wait(base + C::kVFull + 8 * kv.stage, kv.phase);
     take_turn();
@@ -347,7 +376,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     retire_pv(o, pa, kv.stage);
     kv.advance();
 
-    // Epilogue: O / rowsum as bf16, lse = max + log2(sum) in natural log; rows past the sequence are not stored.
+    // Epilogue: O / rowsum as bf16, lse = max * scale + log(sum) (from log2 units); rows past the sequence are not
+    // stored.
     float inv_sum[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -358,7 +388,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
       const int q = row + 8 * half;
       if (lane % 4 == 0 && q < p.seq_len)
         p.lse[(static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len + q] =
-            (rows.max[half] + log2f(total)) * 0.69314718055994531f;
+            (rows.max[half] * p.scale_log2 + log2f(total)) * 0.69314718055994531f;
     }
     __nv_bfloat16* out = p.out + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd;
 #pragma unroll
@@ -391,8 +421,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
 // kv head, batch) a CTA does is the ticket it takes when it starts (an atomic counter), in grid order, not its
 // blockIdx: CUDA does not promise to dispatch blocks in blockIdx order, and a CTA waiting on one not yet
 // resident could wait forever. With tickets, the CTA waited for took a lower ticket, so it is already running.
-// Walking the query blocks last first, each CTA trails the one before it by one addition, not by a block's whole
-// work. A separate pass finishes dQ (scaled, rounded, RoPE's backward).
+// Walking the query blocks last first (and the heads of the group inside each), a CTA reaches each (query block,
+// head) at the same step as the CTA before it, so it trails that one by about one addition, not by a block's
+// whole work, whatever the group size. A separate pass finishes dQ (scaled, rounded, RoPE's backward).
 template <int kHd>
 struct Sm90Bwd {
   static constexpr int kBlockN = 128;  // keys per CTA: 64 per consumer warpgroup
@@ -402,9 +433,10 @@ struct Sm90Bwd {
   static constexpr uint32_t kKvPanelBytes = kBlockN * 128, kKvTileBytes = kPanels * kKvPanelBytes;
   static constexpr uint32_t kQPanelBytes = kBlockM * 128, kQTileBytes = kPanels * kQPanelBytes;
   static constexpr uint32_t kDsBytes = 64 * 128;  // per warpgroup: [64 keys][64 queries] bf16, 128B-swizzled
-  // Each warpgroup's dQ partial, fp32 [64 queries][kHd], rows padded by 4 floats so that the fragments' 8-byte
-  // stores (8 rows x 4 column pairs a warp) fall in distinct banks.
-  static constexpr int kDqStride = kHd + 4;
+  // Each warpgroup's dQ partial, fp32 [64 queries][kHd], rows padded by 8 floats so that the fragments' 8-byte
+  // stores fall in distinct banks: a half-warp's 4 rows x 4 column pairs then start 8 words apart (4 would
+  // overlap neighbouring rows' pairs: 2-way conflicts).
+  static constexpr int kDqStride = kHd + 8;
   static constexpr uint32_t kDqTileBytes = kBlockM * kDqStride * 4;
   // Shared layout from a 1024-byte aligned base.
   static constexpr uint32_t kK = 0, kV = kKvTileBytes, kQ = 2 * kKvTileBytes;
@@ -437,11 +469,12 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
   const int group_size = p.n_heads / p.n_kv_heads, m_blocks = (p.seq_len + C::kBlockM - 1) / C::kBlockM;
   const int key0 = n_block * C::kBlockN;
   const int first_m = key0 / C::kBlockM;  // earlier query blocks see none of these keys
-  const int steps_per_head = m_blocks - first_m;
-  // Step i: query head of the group i / steps_per_head, query block m_blocks - 1 - i % steps_per_head.
-  const auto step_head = [&](int step) { return kvh * group_size + step / steps_per_head; };
-  const auto step_m = [&](int step) { return m_blocks - 1 - step % steps_per_head; };
-  const int n_steps = group_size * steps_per_head;
+  // Step i: query block m_blocks - 1 - i / group_size, query head i % group_size of the group. Query blocks
+  // outer, heads inner: the step of (query block, head) is then the same in every CTA that reaches it, so a CTA
+  // and the one it waits for (the key block before, which has more steps only at its end) stay in step.
+  const auto step_head = [&](int step) { return kvh * group_size + step % group_size; };
+  const auto step_m = [&](int step) { return m_blocks - 1 - step / group_size; };
+  const int n_steps = group_size * (m_blocks - first_m);
 
   if (threadIdx.x == 0) {
     mbarrier_init(base + C::kKvFull, 1);
@@ -500,7 +533,11 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
     return;
   }
 
-  // ---- consumers
+  // ---- consumers. Registers: while the dV, dK and dQ products run, a thread holds their accumulators (3 x
+  // kHd / 2 floats) and P^T's A fragments (16), 208 of its 240 at hd128; with the addresses and indices that
+  // leaves almost nothing: at hd128 any more state live across the step (a second dQ buffer, operands kept in
+  // registers) spills, which the build's -warn-spills (-Werror) turns into a compile error. hd64's accumulators
+  // take 96 fewer.
   setmaxnreg_inc<kConsumerRegisters>();
   const int cw = warpgroup - 1, tid = threadIdx.x % kWarpGroupThreads, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int key_lo = key0 + cw * 64 + warp * 16 + g;  // this thread's keys: key_lo, key_lo + 8
@@ -546,14 +583,21 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
     // P^T and dS^T. Only a block reaching past the diagonal (some key after some query) is masked.
     const float* lse2 = lse_stage + q.stage * C::kBlockM;
     const float* delta = delta_stage + q.stage * C::kBlockM;
-    const bool mask = key0 + cw * 64 + 63 > q0;
+    // One FFMA and one MUFU.EX2 a score; the mask's compares only in the instance for such blocks.
+    const auto probabilities = [&](auto masked) {
 #pragma unroll
-    for (int r = 0; r < C::kSRegs; ++r) {
-      const int qi = 8 * (r / 4) + 2 * t + r % 2, key = key_lo + 8 * ((r / 2) % 2);
-      const float pr = mask && key > q0 + qi ? 0.0f : exp2f(st[r] * p.scale_log2 - lse2[qi]);
-      st[r] = pr;
-      dpt[r] = pr * (dpt[r] - delta[qi]);
-    }
+      for (int r = 0; r < C::kSRegs; ++r) {
+        const int qi = 8 * (r / 4) + 2 * t + r % 2;
+        float pr = ex2_approx_ftz(fmaf(st[r], p.scale_log2, -lse2[qi]));
+        if constexpr (decltype(masked)::value) {
+          if (key_lo + 8 * ((r / 2) % 2) > q0 + qi) pr = 0.0f;
+        }
+        st[r] = pr;
+        dpt[r] = pr * (dpt[r] - delta[qi]);
+      }
+    };
+    if (key0 + cw * 64 + 63 > q0) probabilities(std::true_type{});
+    else probabilities(std::false_type{});
     uint32_t pt_a[C::kBlockM / 16][4];
     to_a_fragments(pt_a, st);
     // dS^T into this warpgroup's [64 keys][64 queries] tile, swizzled as the 128B mode reads it: the A of dK
@@ -607,21 +651,28 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
     named_barrier_sync(kBarConsumers, kConsumerThreads);
     const float* const tile0 = reinterpret_cast<const float*>(smem + C::kDqTiles);
     const float* const tile1 = reinterpret_cast<const float*>(smem + C::kDqTiles + C::kDqTileBytes);
-    float* const accum = args.dq_accum + ((static_cast<int64_t>(b) * p.n_heads + h) * seq_pad + q0) * kHd;
-    for (int i = threadIdx.x - kWarpGroupThreads; i < C::kBlockM * kHd / 4; i += kConsumerThreads) {
-      const int row = i / (kHd / 4), col = (i % (kHd / 4)) * 4;
+    float4* const accum =
+        reinterpret_cast<float4*>(args.dq_accum + ((static_cast<int64_t>(b) * p.n_heads + h) * seq_pad + q0) * kHd);
+    // Every old value loaded before any store: the stores could alias the loads as far as the compiler knows, so
+    // a load-add-store loop would wait one L2 round trip per piece.
+    constexpr int kPieces = C::kBlockM * kHd / 4 / kConsumerThreads;
+    const int first = threadIdx.x - kWarpGroupThreads;
+    float4 old[kPieces];
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k)
+      old[k] = n_block != 0 ? accum[first + k * kConsumerThreads] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k) {
+      const int i = first + k * kConsumerThreads, row = i / (kHd / 4), col = (i % (kHd / 4)) * 4;
       const float4 a = *reinterpret_cast<const float4*>(tile0 + row * C::kDqStride + col);
       const float4 c = *reinterpret_cast<const float4*>(tile1 + row * C::kDqStride + col);
       float4 sum = make_float4(a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
-      float4* const at = reinterpret_cast<float4*>(accum + row * kHd + col);
-      if (n_block != 0) {
-        const float4 old = *at;
-        sum = make_float4(old.x + sum.x, old.y + sum.y, old.z + sum.z, old.w + sum.w);
-      }
-      *at = sum;
+      if (n_block != 0) sum = make_float4(old[k].x + sum.x, old[k].y + sum.y, old[k].z + sum.z, old[k].w + sum.w);
+      accum[i] = sum;
     }
-    __threadfence();
-    named_barrier_sync(kBarConsumers, kConsumerThreads);  // all added, and the tiles free again
+    // All added (and the tiles free again); then one thread's release store publishes every consumer's additions
+    // (the barrier orders them before it; the release is the one gpu-scope fence of the step).
+    named_barrier_sync(kBarConsumers, kConsumerThreads);
     if (threadIdx.x == kWarpGroupThreads) flag_release(flag, n_block + 1);
   }
 
@@ -655,6 +706,13 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
 #endif  // TUNA_SM90A_DEVICE
 }
 
+// Eight floats from a 16-byte aligned address, as two 16-byte loads.
+__device__ __forceinline__ void load_floats8(float (&out)[8], const float* src) {
+  const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
+  out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
+  out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
+}
+
 // dQ = (the fp32 accumulator) / sqrt(d), then RoPE's backward if asked, as bf16: [batch, n_heads, seq_pad,
 // kHd] -> [batch, seq, n_heads, kHd]. One thread per 8 columns of the first half and the 8 they pair with.
 template <int kHd>
@@ -670,19 +728,27 @@ __global__ void __launch_bounds__(256) sm90_dq_finish_kernel(const __grid_consta
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.n_heads) * p.seq_len));
   constexpr int kBlockM = Sm90Bwd<kHd>::kBlockM;
   const int64_t seq_pad = (p.seq_len + kBlockM - 1) / kBlockM * kBlockM;
+  // 16-byte loads: the accumulator is 16-byte aligned (the backward's float4 stores rely on it too), and so are
+  // the RoPE tables (attention_bwd checks).
   const float* src = args.dq_accum + ((static_cast<int64_t>(b) * p.n_heads + h) * seq_pad + t) * kHd + d;
+  float x[8], y[8];
+  load_floats8(x, src);
+  load_floats8(y, src + kHalf);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) x[j] *= p.scale, y[j] *= p.scale;
+  if (args.rope_cos != nullptr) {
+    float c[8], sn[8];
+    load_floats8(c, args.rope_cos + static_cast<int64_t>(t) * kHalf + d);
+    load_floats8(sn, args.rope_sin + static_cast<int64_t>(t) * kHalf + d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float rx = x[j] * c[j] + y[j] * sn[j], ry = y[j] * c[j] - x[j] * sn[j];
+      x[j] = rx, y[j] = ry;
+    }
+  }
   Bf16x8 first, second;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    float x = src[j] * p.scale, y = src[j + kHalf] * p.scale;
-    if (args.rope_cos != nullptr) {
-      const float c = args.rope_cos[static_cast<int64_t>(t) * kHalf + d + j];
-      const float s = args.rope_sin[static_cast<int64_t>(t) * kHalf + d + j];
-      const float rx = x * c + y * s, ry = y * c - x * s;
-      x = rx, y = ry;
-    }
-    first.v[j] = __float2bfloat16_rn(x), second.v[j] = __float2bfloat16_rn(y);
-  }
+  for (int j = 0; j < 8; ++j) first.v[j] = __float2bfloat16_rn(x[j]), second.v[j] = __float2bfloat16_rn(y[j]);
   store8(p.dq + row * kHd + d, first);
   store8(p.dq + row * kHd + kHalf + d, second);
 }

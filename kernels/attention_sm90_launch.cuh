@@ -12,6 +12,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <set>
+#include <tuple>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "kernels/attention_kernels.cuh"  // bwd_delta_kernel, shared with the sm_80 path
@@ -52,6 +56,21 @@ inline CUtensorMap rows_tensor_map(const __nv_bfloat16* base, int batch, int seq
   return map;
 }
 
+// rows_tensor_map's result for these arguments, encoded once per thread: a map is a pure function of them (the
+// address, the shape, the box), so a cached one is the map a new encoding would give, whatever was freed or
+// allocated at that address since. Training calls the attention of each layer with the same tensors every step.
+inline CUtensorMap cached_rows_tensor_map(const __nv_bfloat16* base, int batch, int seq, int heads, int head_dim,
+                                          int rows) {
+  using Key = std::tuple<const void*, int, int, int, int, int>;
+  thread_local std::map<Key, CUtensorMap> maps;
+  const Key key{base, batch, seq, heads, head_dim, rows};
+  if (const auto it = maps.find(key); it != maps.end()) return it->second;
+  const CUtensorMap map = rows_tensor_map(base, batch, seq, heads, head_dim, rows);
+  if (maps.size() >= 4096) maps.clear();  // a bound for callers whose tensors move every call
+  maps.emplace(key, map);
+  return map;
+}
+
 // The sm_90a kernels run only on a compute capability 9.0 device, from a build whose image has sm_90a code
 // (SM containing 90a): anything else is an error that says so, never a silent fallback.
 template <typename Kernel>
@@ -77,29 +96,62 @@ void require_sm90a_image(Kernel* kernel) {
 #endif
 }
 
-inline int multiprocessor_count() {
-  int device = 0, sms = 0;
+// The forward's tile counter for launches from this thread on `stream` of the current device: one int, zeroed
+// once (in stream order), which every launch leaves at 0 again (sm90_fwd_kernel). One per stream, because
+// launches on different streams may run at once and must not share it; one per thread as well, so that no lock
+// is needed (two threads launching on one stream get two counters, which is as safe). A few bytes a stream,
+// kept for the process's life.
+inline int* fwd_tile_counter(cudaStream_t stream) {
+  int device = 0;
   TUNA_CUDA_CHECK(cudaGetDevice(&device));
-  TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  thread_local std::map<std::pair<int, cudaStream_t>, int*> counters;
+  int*& counter = counters[{device, stream}];
+  if (counter == nullptr) {
+    TUNA_CUDA_CHECK(cudaMalloc(&counter, sizeof(int)));
+    TUNA_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(int), stream));
+  }
+  return counter;
+}
+
+inline int multiprocessor_count() {
+  int device = 0;
+  TUNA_CUDA_CHECK(cudaGetDevice(&device));
+  thread_local std::map<int, int> sms_by_device;
+  int& sms = sms_by_device[device];
+  if (sms == 0) TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return sms;
 }
 
-// The forward: one persistent CTA per SM (at most one per tile).
+// The checks of require_sm90a_image and the shared-memory attribute, once per thread, device and kernel: both
+// hold for the process's life once they have.
+template <typename Kernel>
+void prepare_sm90a_kernel(Kernel* kernel, int smem_bytes) {
+  int device = 0;
+  TUNA_CUDA_CHECK(cudaGetDevice(&device));
+  thread_local std::set<std::pair<int, const void*>> prepared;
+  const std::pair<int, const void*> key{device, reinterpret_cast<const void*>(kernel)};
+  if (prepared.count(key) != 0) return;
+  require_sm90a_image(kernel);
+  TUNA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  prepared.insert(key);
+}
+
+// The forward: one persistent CTA per SM (at most one per tile: each CTA's first tile is its blockIdx), the
+// later tiles handed out by the counter.
 template <int kHd>
 void launch_sm90_fwd(const AttentionParams& p, cudaStream_t stream) {
   using C = Sm90Fwd<kHd>;
-  require_sm90a_image(sm90_fwd_kernel<kHd>);
+  prepare_sm90a_kernel(sm90_fwd_kernel<kHd>, C::kSmemBytes);
   Sm90Params args{};
   args.p = p;
-  args.q_map = rows_tensor_map(p.q, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
-  args.k_map = rows_tensor_map(p.k, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
-  args.v_map = rows_tensor_map(p.v, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
+  args.q_map = cached_rows_tensor_map(p.q, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
+  args.k_map = cached_rows_tensor_map(p.k, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
+  args.v_map = cached_rows_tensor_map(p.v, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
   const int64_t tiles = ceil_div(p.seq_len, C::kBlockM) * p.batch * p.n_heads;
   TUNA_CHECK(tiles < (int64_t{1} << 31), "attention forward: ", tiles, " tiles");
   args.n_tiles = static_cast<int>(tiles);
+  args.tile_counter = fwd_tile_counter(stream);
   const int grid = static_cast<int>(std::min<int64_t>(tiles, multiprocessor_count()));
-  TUNA_CUDA_CHECK(
-      cudaFuncSetAttribute(sm90_fwd_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
   launch_kernel_sm90a(sm90_fwd_kernel<kHd>, dim3(grid), dim3(kSm90Threads), C::kSmemBytes, stream, args);
   TUNA_CUDA_CHECK_LAUNCH();
 }
@@ -111,7 +163,7 @@ template <int kHd>
 void launch_sm90_bwd(const AttentionParams& p_in, float* scratch, const float* rope_cos, const float* rope_sin,
                      cudaStream_t stream) {
   using C = Sm90Bwd<kHd>;
-  require_sm90a_image(sm90_bwd_kernel<kHd>);
+  prepare_sm90a_kernel(sm90_bwd_kernel<kHd>, C::kSmemBytes);
   const gpu_scratch::AttentionBwdScratch layout =
       gpu_scratch::attention_bwd_layout(p_in.batch, p_in.seq_len, p_in.n_heads, kHd, /*hopper=*/true);
   Sm90Params args{};
@@ -129,12 +181,10 @@ void launch_sm90_bwd(const AttentionParams& p_in, float* scratch, const float* r
   TUNA_CUDA_CHECK_LAUNCH();
   TUNA_CUDA_CHECK(cudaMemsetAsync(args.dq_flags, 0, sizeof(int) * (n_flags + 1), stream));  // flags and tickets
 
-  args.q_map = rows_tensor_map(p.q, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
-  args.dout_map = rows_tensor_map(p.dout, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
-  args.k_map = rows_tensor_map(p.k, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
-  args.v_map = rows_tensor_map(p.v, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
-  TUNA_CUDA_CHECK(
-      cudaFuncSetAttribute(sm90_bwd_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+  args.q_map = cached_rows_tensor_map(p.q, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
+  args.dout_map = cached_rows_tensor_map(p.dout, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
+  args.k_map = cached_rows_tensor_map(p.k, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
+  args.v_map = cached_rows_tensor_map(p.v, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
   const dim3 grid(static_cast<unsigned>(ceil_div(p.seq_len, C::kBlockN)), p.n_kv_heads, p.batch);
   launch_kernel_sm90a(sm90_bwd_kernel<kHd>, grid, dim3(kSm90Threads), C::kSmemBytes, stream, args);
   TUNA_CUDA_CHECK_LAUNCH();

@@ -195,14 +195,26 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// ---- ex2.approx.ftz.f32 (PTX ISA, floating-point instructions: ex2): 2^x as one MUFU.EX2, subnormal inputs and
+// results flushed to zero. exp2f compiles to the same instruction wrapped in a fix-up for subnormal results (a
+// compare and two predicated multiplies per call); a softmax term under 2^-126 is far below what the fp32 row
+// sums and the bf16 P resolve, so flushing it is free.
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- flags in global memory between CTAs (the backward's ordered dQ accumulation)
-// Spins until *flag == value, with acquire semantics at gpu scope: what the CTA that released `value` wrote
-// before releasing it is visible after this returns.
+// Spins until *flag == value, then acquires at gpu scope: what the CTA that released `value` wrote before
+// releasing it is visible after this returns. The spin reads relaxed (an acquire load invalidates L1 each time);
+// one acquire load follows, which sees `value` again: a flag changes only when the waiter itself releases it.
 __device__ __forceinline__ void flag_wait(const int* flag, int value) {
   int seen;
   do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
   } while (seen != value);
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
 }
 // Stores `value` with release semantics at gpu scope: after this thread's earlier writes (and, through the
 // barrier before it, the CTA's) are visible.

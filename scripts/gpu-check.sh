@@ -405,10 +405,10 @@ def train_step():
     if not listed_only("train_step_hopper", "train step"):
         for b in bench("train_step_hopper"):
             if "tokens/s" in b:
-                add("train step", "  TUNA_ATTENTION=hopper: " + b.get("label", b["name"]), f"{b['tokens/s']:.0f} tokens/s",
+                add("train step", "  --attention hopper: " + b.get("label", b["name"]), f"{b['tokens/s']:.0f} tokens/s",
                     f"MFU {100*b.get('MFU', 0):.1f}%, {b.get('GiB', 0):.1f} GiB")
         if not bench("train_step_hopper"):
-            add("train step", "  TUNA_ATTENTION=hopper", "no results", status("bench/train_step_hopper"))
+            add("train step", "  --attention hopper", "no results", status("bench/train_step_hopper"))
 
 def generation():
     if listed_only("decode", "generation"): return
@@ -666,12 +666,29 @@ step train/summary 30 train.log python3 "$SCRATCH/train_summary.py" "$RUNS" "$RU
 tier 3
 bench memory 60
 if [ $HOPPER_OK -eq 1 ]; then bench attention 60; else bench attention 60 --benchmark_filter='hopper:0'; fi
+# The attention backward at G = 1 against G = 4, equal FLOPs (32 query heads over 32 or 8 kv heads: the bench's
+# "bwd G=1" rows beside its plain bwd rows). G=4 / G=1 well under 1 means the hopper path's ordered dQ additions
+# stall under grouped-query attention. Lines into the summary log; decides nothing.
+cat >"$SCRATCH/attention_gqa.py" <<'PY'
+import json, re, sys
+rates = {}
+for b in json.load(open(sys.argv[1])).get("benchmarks", []):
+    m = re.match(r"bwd( G=1)? causal hd(\d+) seq (\d+) batch \d+ (mma|hopper)$", b.get("label", ""))
+    if m and b.get("TFLOP/s") and not b.get("error_occurred"):
+        rates[(m.group(2), m.group(3), m.group(4), "G=1" if m.group(1) else "G=4")] = b["TFLOP/s"]
+for (hd, seq, path, g), g1 in sorted(rates.items()):
+    g4 = rates.get((hd, seq, path, "G=4"))
+    if g == "G=1" and g4:
+        print(f"attention bwd hd{hd} seq {seq} {path}: G=1 {g1:.0f}, G=4 {g4:.0f} TFLOP/s, G=4/G=1 {g4 / g1:.2f}")
+PY
+ADVISORY=1 step bench/attention_gqa 20 benches.log python3 "$SCRATCH/attention_gqa.py" "$BENCH_JSON/attention.json"
+while IFS= read -r line; do log "$line"; done <"$STEP_OUT"
 bench gemm 60
-bench train_step 100
-# The 1B step at batch 4 x 4096 once more on the hopper attention path, beside the default's row.
+bench train_step 100 --benchmark_filter='-hopper:1'
+# The 1B step at batch 4 x 4096 once more on the hopper attention path (--attention hopper), beside the default's.
 if [ $HOPPER_OK -eq 1 ]; then
-  step bench/train_step_hopper 40 benches.log env TUNA_ATTENTION=hopper "$BIN/bench_train_step_gpu" \
-    --benchmark_filter='BM_TrainStep/batch:4/seq:4096/part:0' \
+  step bench/train_step_hopper 40 benches.log "$BIN/bench_train_step_gpu" \
+    --benchmark_filter='BM_TrainStep/batch:4/seq:4096/part:0/hopper:1' \
     --benchmark_out="$BENCH_JSON/train_step_hopper.json" --benchmark_out_format=json
 else
   verdict bench/train_step_hopper "skipped (the hopper path hung or crashed in tier 2)" 0
@@ -716,7 +733,7 @@ def load(path):  # build/plan's --json output (its step's log, stderr included: 
 rows, ok = [], True
 benches = (load(f"{bench_dir}/train_step.json") or {}).get("benchmarks", [])
 for b in (2, 4):
-    measured = next((x for x in benches if x["name"].startswith(f"BM_TrainStep/batch:{b}/seq:4096/part:0")), None)
+    measured = next((x for x in benches if x["name"].startswith(f"BM_TrainStep/batch:{b}/seq:4096/part:0/hopper:0")), None)
     for tag, note in (("", "rates of this run's benches"), ("_committed", "rates of plan/plan_rates.json")):
         plan = load(f"{runs}/plan_b{b}{tag}.json")
         if not plan:
@@ -795,7 +812,7 @@ fi
 if command -v ncu >/dev/null 2>&1; then
   ADVISORY=1 step profile 60 benches.log ncu --metrics gpu__time_duration.sum --clock-control none \
     --cache-control none --csv --print-units base --launch-count 1700 --log-file "$BENCH_JSON/ncu.csv" \
-    "$BIN/bench_train_step_gpu" --benchmark_filter='BM_TrainStep/batch:2/seq:4096/part:0'
+    "$BIN/bench_train_step_gpu" --benchmark_filter='BM_TrainStep/batch:2/seq:4096/part:0/hopper:0'
 else
   verdict profile "skipped (no ncu)" 0
 fi

@@ -7,6 +7,7 @@
 // The naive same-precision version is attention_reference.h's (see gpu_test_util.h for the rule).
 #if TUNA_CUDA
 #include <cmath>
+#include <string>
 
 #include "kernels/attention.cuh"
 #include "kernels/cpu/attention.h"
@@ -156,6 +157,21 @@ TEST(AttentionGpu, BackwardAppliesRopeBackward) {
   if (!cuda::attention_hopper_available()) GTEST_SKIP() << "no sm_90 device or no sm_90a code";
   check({1, 70, 2, 1, 64}, rng, AttentionPath::kHopper, /*rope=*/true);
   check({1, 70, 2, 2, 128}, rng, AttentionPath::kHopper, /*rope=*/true);
+}
+
+// Tables that are not 16-byte aligned (a slice of a larger table) are refused before any launch, on either path.
+TEST(AttentionGpu, BackwardRefusesUnalignedRopeTables) {
+  TUNA_REQUIRE_GPU();
+  DeviceBuffer<float> table(std::vector<float>(1 + 70 * 32, 0.5f));
+  for (AttentionPath path : {AttentionPath::kMma, AttentionPath::kHopper}) {
+    try {
+      cuda::attention_bwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1,
+                          70, 2, 1, 64, nullptr, path, cuda::AttentionRope{table.get() + 1, table.get() + 1});
+      ADD_FAILURE() << "no error on the " << cuda::attention_path_name(path) << " path";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("RoPE tables must be 16-byte aligned"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(AttentionGpu, SmallHeadDimsOfTinyModels) {

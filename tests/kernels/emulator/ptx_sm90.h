@@ -2,7 +2,8 @@
 // kernels/attention_sm90_ptx.cuh, which the sm_90a attention kernels include in its place under
 // TUNA_EMULATOR: mbarriers, TMA tensor loads (and the tensor maps cuTensorMapEncodeTiled makes, through the
 // driver entry point of runtime.h), wgmma with shared-memory matrix descriptors and its swizzle modes,
-// setmaxnreg, elect.sync, named barriers, proxy fences, and the acquire/release flags of the backward.
+// setmaxnreg, elect.sync, named barriers, proxy fences, ex2.approx.ftz, and the acquire/release flags of the
+// backward.
 //
 // Written from the PTX ISA (9.1: sections 5.5 "Tensors", 9.7.9.27 cp.async.bulk.tensor, 9.7.13.15 mbarrier,
 // 9.7.13.14 elect.sync, 9.7.13.1 bar, 9.7.15 wgmma, 9.7.19.5 setmaxnreg) and the CUDA driver API's
@@ -786,6 +787,15 @@ inline void named_barrier(int id, int threads, bool wait) {
 }
 inline void named_barrier_sync(int id, int threads) { named_barrier(id, threads, true); }
 inline void named_barrier_arrive(int id, int threads) { named_barrier(id, threads, false); }
+
+// ---- ex2.approx.ftz.f32: 2^x with subnormal inputs read as zero (so 2^x = 1) and subnormal results written as
+// +0; -inf gives +0, +inf +inf, NaN NaN. The hardware's approximation may differ from the host's exp2f in the
+// last bits (the ISA bounds only its relative error): the kernels' tolerances, not exact values, must cover it.
+inline float ex2_approx_ftz(float x) {
+  if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.0f;
+  const float y = std::exp2f(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
+}
 
 // ---- flags between blocks. The emulator runs blocks one at a time, in blockIdx order or last first
 // (runtime.h, --blocks): a flag can only be waited for if a block that ran earlier released it; otherwise the GPU

@@ -4,7 +4,8 @@
 // (transcribed below, not computed), out-of-bounds fill; wgmma with operands laid out by the ISA's
 // descriptions (core matrices, its exact-layout examples, TMA-swizzled tiles) against a plain product, its
 // accumulator fragment placed per the ISA figure; mbarrier phases and tx-counts; setmaxnreg's register pool;
-// elect.sync; named barriers; the flags between blocks; and each misuse the emulator promises to report.
+// elect.sync; named barriers; the flags between blocks; ex2.approx.ftz's special values; and each misuse the
+// emulator promises to report.
 //
 // Built only into build/emulated_gpu_tests (it launches kernels on the emulator directly).
 #include <cuda.h>
@@ -841,6 +842,26 @@ TEST(EmulatorFlags, BlockIndexOrderIsNotPromised) {
     }
   });
   TUNA_CUDA_CHECK(cudaFree(flag));
+}
+
+// ex2.approx.ftz.f32 per the ISA's table of special values and its .ftz rule: subnormal inputs count as zero,
+// subnormal results are flushed to +0 (2^-126 is the smallest normal result, 2^-127 a subnormal one).
+TEST(EmulatorEx2, FlushesSubnormalsAndFollowsTheSpecialValues) {
+  EXPECT_EQ(ex2_approx_ftz(3.0f), 8.0f);
+  EXPECT_EQ(ex2_approx_ftz(-126.0f), std::ldexp(1.0f, -126));
+  EXPECT_EQ(ex2_approx_ftz(-127.0f), 0.0f);
+  EXPECT_EQ(ex2_approx_ftz(-140.5f), 0.0f);
+  EXPECT_FALSE(std::signbit(ex2_approx_ftz(-127.0f)));
+  EXPECT_EQ(ex2_approx_ftz(std::ldexp(1.0f, -140)), 1.0f);   // a subnormal input reads as +0
+  EXPECT_EQ(ex2_approx_ftz(-std::ldexp(1.0f, -140)), 1.0f);  // and -0
+  EXPECT_EQ(ex2_approx_ftz(-0.0f), 1.0f);
+  EXPECT_EQ(ex2_approx_ftz(-INFINITY), 0.0f);
+  EXPECT_FALSE(std::signbit(ex2_approx_ftz(-INFINITY)));
+  EXPECT_EQ(ex2_approx_ftz(INFINITY), INFINITY);
+  EXPECT_EQ(ex2_approx_ftz(200.0f), INFINITY);
+  EXPECT_TRUE(std::isnan(ex2_approx_ftz(NAN)));
+  EXPECT_NEAR(ex2_approx_ftz(0.5f), 1.41421356f, 1.41421356f * 0x1p-22f);
+  EXPECT_NEAR(ex2_approx_ftz(-10.25f), 0.000821187906f, 0.000821187906f * 0x1p-22f);
 }
 
 TEST(EmulatorSm90, HopperInstructionsNeedAnSm90aLaunch) {
