@@ -203,11 +203,11 @@ Rates load_rates(const fs::path& path) {
 fs::path default_rates_path() {
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {  // build/plan -> build/../plan/plan_rates.json; build/gpu-check/bin/plan -> ../../../model/...
+  if (!ec) {  // build/plan -> build/../plan/plan_rates.json; build/gpu-check/bin/plan -> ../../../plan/...
     for (fs::path dir = exe.parent_path(); !dir.empty() && dir != dir.root_path(); dir = dir.parent_path())
-      if (fs::exists(dir / "model" / "plan_rates.json")) return dir / "model" / "plan_rates.json";
+      if (fs::is_regular_file(dir / "plan" / "plan_rates.json")) return dir / "plan" / "plan_rates.json";
   }
-  return fs::path("model") / "plan_rates.json";
+  return fs::path("plan") / "plan_rates.json";
 }
 
 double Rates::gemm(int64_t tokens, int64_t in, int64_t out, int pass) const {
