@@ -73,6 +73,11 @@ struct GpuOptions {
 // `offset` at ptr[offset - unit begin]); each is valid for work the model queues on its stream after the call
 // that returned it and before the matching release / grads_done. A store orders its own copies and collectives
 // against that stream (events), so the model never waits on the host for it.
+// Not one interface with model/llama.h's WeightStore: the weights differ in type (bf16 here, fp32 there), the
+// gradient contract differs (here a fresh buffer is overwritten by the pass's first writes, so no store zeroes
+// one; there every write adds), and so does when a pointer is valid (for work queued on a stream, not until a
+// host call). Nothing handles both kinds (each model takes its own), so a shared base would join them in name
+// only.
 class GpuWeightStore {
  public:
   virtual ~GpuWeightStore() = default;
