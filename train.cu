@@ -36,6 +36,7 @@
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
 #include "data/tokenizer.h"       // model_tokenizer: what checkpoints carry, what shards must match
 #include "comm/comm.h"            // Comm, Mesh, make_world_comm, abort_job
+#include "comm/fault_injection.h" // TUNA_FAULT: inject_fault_for_tests, nan_loss_for_tests
 #include "ckpt/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
 #include "model/config.h"         // LlamaConfig
 #include "engine/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer

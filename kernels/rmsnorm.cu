@@ -1,15 +1,14 @@
-// RMSNorm (HF LlamaRMSNorm) on the GPU, the twin of kernels/cpu/rmsnorm.cpp, with the residual add fused
-// into the forward.
+// RMSNorm (HF LlamaRMSNorm) on the GPU, the twin of kernels/cpu/rmsnorm.cpp.
 //
-//   forward:  x = inp + delta (delta optional; then resid_out = x, OVERWRITTEN)
+//   forward:  x = inp
 //             rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps)                  rstd: [n] fp32, OVERWRITTEN
 //             out[i, j] = w[j] * (x[i, j] * rstd[i])                       out: [n, dim] bf16, OVERWRITTEN
 //   backward: dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k w[k] g[i, k] x[i, k])   bf16, ACCUMULATED
 //             dweight[j] (=|+=) sum_i g[i, j] x[i, j] r[i]                             fp32, by dweight_write
 //             (the first write of a step overwrites: kernels/cpu/grad_write.h)
 //
-// Both are memory-bound: per element the forward moves 4 bytes (x read, out written; 8 with the residual
-// add), the backward 8 (g, x, dinp read, dinp written). The kernels before these measured (H200, main
+// Both are memory-bound: per element the forward moves 4 bytes (x read, out written), the backward 8 (g, x,
+// dinp read, dinp written). The kernels before these measured (H200, main
 // 39d364b) 59% / 54% of a device copy at 16k rows x 4096, and the backward ~30% in the 1B step (108 us a
 // launch at 8192 x 2048, for 134 MB). Design, for Hopper at ~4.8 TB/s, aiming at >= 85% of the copy
 // (unmeasured so far: bench/bench_memory_gpu.cpp reports each against a device copy at dims 2048-16384):
@@ -128,12 +127,10 @@ __device__ __forceinline__ void load_rows(Packed8 (&dst)[kRows][kVecs], const bf
   }
 }
 
-// kAdd: the fused residual add (x = bf16(inp + delta), written to resid_out).
-template <int kVecs, bool kAdd>
+template <int kVecs>
 __global__ void __launch_bounds__(kMaxThreads)
-    rmsnorm_fwd_kernel(bf16* __restrict__ out, float* __restrict__ rstd, bf16* __restrict__ resid_out,
-                       const bf16* __restrict__ inp, const bf16* __restrict__ delta, const bf16* __restrict__ weight,
-                       int64_t n, int dim, float eps) {
+    rmsnorm_fwd_kernel(bf16* __restrict__ out, float* __restrict__ rstd, const bf16* __restrict__ inp,
+                       const bf16* __restrict__ weight, int64_t n, int dim, float eps) {
   __shared__ float scratch[2 * kFwdRows * (kMaxThreads / 32)];
   Packed8 w[kVecs];
   load_weight(w, weight, dim);
@@ -144,19 +141,6 @@ __global__ void __launch_bounds__(kMaxThreads)
     // Every load of the kFwdRows rows first; a row past the block's end reads as zeros and stores nothing.
     Packed8 x[kFwdRows][kVecs];
     load_rows(x, inp, row0, block_rows_end, dim);
-    if constexpr (kAdd) {
-      Packed8 d[kFwdRows][kVecs];
-      load_rows(d, delta, row0, block_rows_end, dim);
-#pragma unroll
-      for (int r = 0; r < kFwdRows; ++r)
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-          float sum[8];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) sum[j] = unpack(x[r][v], j) + unpack(d[r][v], j);
-          x[r][v] = pack8(sum);  // the bf16-rounded sum is the residual stream, and what the norm reads
-        }
-    }
     float sum_sq[kFwdRows];
 #pragma unroll
     for (int r = 0; r < kFwdRows; ++r) {
@@ -178,7 +162,6 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int v = 0; v < kVecs; ++v) {
         const int c = vector_column(v, dim);
         if (c < 0) continue;
-        if constexpr (kAdd) store_packed(resid_out + row * dim + c, x[r][v]);
         float y[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) y[j] = unpack(w[v], j) * (unpack(x[r][v], j) * rs);
@@ -305,10 +288,9 @@ void check_dim(const char* op, int64_t n, int64_t dim) {
 
 }  // namespace
 
-void rmsnorm_fwd(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const bf16* residual_delta,
-                 const bf16* weight, int64_t n, int64_t dim, double eps, cudaStream_t stream) {
+void rmsnorm_fwd(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int64_t n, int64_t dim, double eps,
+                 cudaStream_t stream) {
   check_dim("rmsnorm_fwd", n, dim);
-  TUNA_CHECK(residual_delta == nullptr || resid_out != nullptr, "a residual add needs resid_out");
   if (n == 0) return;
   const RowShape shape = fwd_shape(dim);
   const unsigned grid = static_cast<unsigned>(ceil_div(n, kFwdRowsPerBlock));
@@ -316,12 +298,7 @@ void rmsnorm_fwd(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const
   const float e = static_cast<float>(eps);
   const auto launch = [&](auto vecs) {
     constexpr int kVecs = decltype(vecs)::value;
-    if (residual_delta != nullptr)
-      launch_kernel(rmsnorm_fwd_kernel<kVecs, true>, grid, shape.threads, 0, stream, out, rstd, resid_out, inp,
-                    residual_delta, weight, n, d, e);
-    else
-      launch_kernel(rmsnorm_fwd_kernel<kVecs, false>, grid, shape.threads, 0, stream, out, rstd, resid_out, inp,
-                    residual_delta, weight, n, d, e);
+    launch_kernel(rmsnorm_fwd_kernel<kVecs>, grid, shape.threads, 0, stream, out, rstd, inp, weight, n, d, e);
   };
   if (shape.vecs == 1) launch(std::integral_constant<int, 1>{});
   else if (shape.vecs == 2) launch(std::integral_constant<int, 2>{});

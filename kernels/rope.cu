@@ -119,14 +119,15 @@ void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float
 void rope_fwd(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table, int64_t batch,
               int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride,
               cudaStream_t stream) {
-  rope_launch(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, out_stride, inp_stride, 1.0f, stream);
+  rope_launch(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, out_stride, inp_stride, /*sign=*/1.0f,
+              stream);
 }
 
 void rope_bwd(bf16* dinp, const bf16* dout, const float* cos_table, const float* sin_table, int64_t batch,
               int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t dinp_stride, int64_t dout_stride,
               cudaStream_t stream) {
-  rope_launch(dinp, dout, cos_table, sin_table, batch, seq_len, n_heads, head_dim, dinp_stride, dout_stride, -1.0f,
-              stream);
+  rope_launch(dinp, dout, cos_table, sin_table, batch, seq_len, n_heads, head_dim, dinp_stride, dout_stride,
+              /*sign=*/-1.0f, stream);
 }
 
 }  // namespace tuna::cuda

@@ -92,8 +92,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const b
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) at[k] = vector_at(sh, k);
   Packed8 g[kVecs], u[kVecs];
-  load_vectors(g, gate, at, false);
-  load_vectors(u, up, at, false);
+  load_vectors(g, gate, at, /*out_side=*/false);
+  load_vectors(u, up, at, /*out_side=*/false);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     if (at[k].in < 0) break;
@@ -113,9 +113,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) at[k] = vector_at(sh, k);
   Packed8 d[kVecs], g[kVecs], u[kVecs];
-  load_vectors(d, dout, at, true);
-  load_vectors(g, gate, at, false);
-  load_vectors(u, up, at, false);
+  load_vectors(d, dout, at, /*out_side=*/true);
+  load_vectors(g, gate, at, /*out_side=*/false);
+  load_vectors(u, up, at, /*out_side=*/false);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     if (at[k].in < 0) break;
