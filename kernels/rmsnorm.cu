@@ -1,44 +1,13 @@
-// RMSNorm (HF LlamaRMSNorm) on the GPU, the twin of kernels/cpu/rmsnorm.cpp.
+// RMSNorm (HF LlamaRMSNorm) on the GPU, the twin of kernels/cpu/rmsnorm.cpp; the contract is rmsnorm.cuh's.
 //
-//   forward:  x = inp
-//             rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps)                  rstd: [n] fp32, OVERWRITTEN
-//             out[i, j] = w[j] * (x[i, j] * rstd[i])                       out: [n, dim] bf16, OVERWRITTEN
-//   backward: dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k w[k] g[i, k] x[i, k])   bf16, ACCUMULATED
-//             dweight[j] (=|+=) sum_i g[i, j] x[i, j] r[i]                             fp32, by dweight_write
-//             (the first write of a step overwrites: kernels/cpu/grad_write.h)
-//
-// Both are memory-bound: per element the forward moves 4 bytes (x read, out written), the backward 8 (g, x,
-// dinp read, dinp written). The kernels before these measured (H200, main
-// 39d364b) 59% / 54% of a device copy at 16k rows x 4096, and the backward ~30% in the 1B step (108 us a
-// launch at 8192 x 2048, for 134 MB). Design, for Hopper at ~4.8 TB/s, aiming at >= 85% of the copy
-// (unmeasured so far: bench/bench_memory_gpu.cpp reports each against a device copy at dims 2048-16384):
-//
-// - A row is cached in registers. A block of `threads` (a multiple of 32, at most kMaxThreads) spans one
-//   row: thread t owns the 8-wide column vectors t, t + threads, ... (kVecs of them: 16-byte accesses, a
-//   warp's access one contiguous 512-byte run), so the row is read from memory exactly once; the old
-//   kernels re-read it (forward) or loaded dinp only after the reduction (backward: two memory latencies
-//   per row).
-// - Everything a row needs is loaded before its reduction, and kRows rows are loaded together: one batched
-//   block reduction (kernels/common.cuh, ONE barrier) per kRows rows, never a barrier pair per row.
-// - Bytes in flight. Little's law: 4.8 TB/s x ~0.7 us of loaded-DRAM latency is ~3.4 MB over 132 SMs, i.e.
-//   ~26 KB per SM must be outstanding. Forward: 4 vectors x 2 rows = 128 B per thread; at 100 registers
-//   (ptxas, sm_90a) an SM holds ~640 threads, ~80 KB, from blocks of 8 rows (n / 8 of them, plenty).
-//   Backward: a block has rows x 3 tensors x dim x 2 B in flight (bwd_shape): dim 2048 48 KB (176
-//   registers, 2 blocks an SM), 4096 48 KB (255 registers, 2 blocks), 8192 96 KB (1 block), 16384 96 KB (1
-//   block), i.e. 96 KB an SM wherever there are as many slabs as blocks that fit (n >= 8192 at dim 2048,
-//   n >= 4096 from 8192 up): several times the ~26 KB needed, so the barrier phase of one block and a partly
-//   filled last wave still leave memory busy.
-// - dweight stays deterministic without atomics: a fixed partition of the rows into slabs of kSlabRows (a
-//   function of n alone, so every device and launch sums alike); each block owns one slab, keeps its
-//   columns' sums in registers across the slab's rows in row order and writes them to scratch; a second
-//   kernel adds the slabs in slab order. That scratch costs 4 B x dim per 32 rows written and read back
-//   (from L2: it is written just before), 1/64 of the backward's bytes each way. The slab size is the
-//   trade: 64-row slabs left half the SMs idle at n = 4096 (70B, one sequence a rank); 32 gives 128 there.
-// - The slab reduction reads its [slabs, dim] scratch with the whole grid: a block takes 32 columns, its 32
-//   slab lanes each sum a fixed strided subset (float4 loads, four in flight), and lane sums are added in
-//   lane order. (The old one-thread-per-column loop over every slab issued one 4-byte load at a time.)
-// - dim up to kMaxDim = 16384 (LLaMA-3 405B's hidden size): 512 threads x 4 vectors x 8. No register array
-//   is indexed at run time (every loop over kVecs / kRows is unrolled), so nothing spills (ptxas -warn-spills).
+// Memory-bound (per element the forward moves 4 bytes, the backward 8), so the rule is one read of each row and
+// enough bytes in flight to cover DRAM latency (~26 KB per SM on an H200, by Little's law):
+// - A block spans a row; each thread keeps its 8-wide vectors of the row in registers (16-byte loads, a warp's
+//   access one contiguous 512-byte run), loaded before the row's reduction, kRows rows per batched reduction
+//   (one barrier). Row and vector counts per dim: fwd_shape, bwd_shape; every register array is unrolled, so
+//   nothing spills.
+// - dweight is deterministic without atomics: each block sums a fixed slab of kSlabRows rows (a function of n
+//   alone) into scratch, and a second kernel adds the slabs in slab order.
 #include "kernels/rmsnorm.cuh"
 
 #include <type_traits>
@@ -54,7 +23,9 @@ namespace {
 constexpr int kMaxThreads = 512;
 constexpr int kMaxVecs = 4;
 constexpr int64_t kMaxDim = int64_t(kMaxThreads) * kMaxVecs * 8;
-constexpr int kSlabRows = 32;          // rows per dweight partial sum (kernels/scratch.h sizes the scratch)
+// Rows per dweight partial sum (kernels/scratch.h sizes the scratch): 32, as 64-row slabs would leave half of an
+// H200's SMs without a block at n = 4096 (70B, one sequence a rank).
+constexpr int kSlabRows = 32;
 constexpr int kFwdRows = 2;            // rows loaded together in the forward
 constexpr int kFwdRowsPerBlock = 8;    // rows per forward block (4 batches): amortizes the weight load
 constexpr int kReduceColumnLanes = 8;  // dweight reduction: float4 column groups per block (32 columns)
