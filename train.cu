@@ -31,6 +31,7 @@
 #include "ckpt/checkpoint.h"   // resolve_checkpoint, read_config_json, checkpoint_bytes
 #include "ckpt/run_dir.h"      // open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
 #include "comm/comm.h"         // Comm, Mesh, make_world_comm, abort_job
+#include "comm/fault_injection.h"  // TUNA_FAULT: inject_fault_for_tests, nan_loss_for_tests
 #include "core/error.h"        // tuna::Error, fail, describe_current_exception
 #include "core/memory.h"       // host_memory, return_large_frees_to_system
 #include "core/options.h"      // Options: TOML + flags

@@ -35,14 +35,14 @@ void BM_Gemm(benchmark::State& state) {
   cudaStream_t stream = nullptr;
   run_timed(state, stream, [&] {
     if (pass == 0)
-      cuda::matmul_fwd(ctx, out.as<__nv_bfloat16>(), inp.as<__nv_bfloat16>(), w.as<__nv_bfloat16>(), nullptr, n,
-                       ic, oc, stream);
+      cuda::matmul_fwd(ctx, out.as<__nv_bfloat16>(), inp.as<__nv_bfloat16>(), w.as<__nv_bfloat16>(), n, ic, oc,
+                       stream);
     else if (pass == 1)
       cuda::matmul_bwd(ctx, dinp.as<__nv_bfloat16>(), nullptr, out.as<__nv_bfloat16>(), inp.as<__nv_bfloat16>(),
-                       w.as<__nv_bfloat16>(), n, ic, oc, false, GradWrite::Accumulate, stream);
+                       w.as<__nv_bfloat16>(), n, ic, oc, /*accumulate_dinp=*/false, GradWrite::Accumulate, stream);
     else  // accumulating (beta = 1: C read), as every micro-batch of a step after its first
       cuda::matmul_bwd(ctx, nullptr, dw.as<float>(), out.as<__nv_bfloat16>(), inp.as<__nv_bfloat16>(),
-                       w.as<__nv_bfloat16>(), n, ic, oc, false, GradWrite::Accumulate, stream);
+                       w.as<__nv_bfloat16>(), n, ic, oc, /*accumulate_dinp=*/false, GradWrite::Accumulate, stream);
   });
   const double flops = 2.0 * n * ic * oc;
   state.counters["TFLOP/s"] = rate(flops / 1e12);

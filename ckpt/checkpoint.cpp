@@ -70,7 +70,7 @@ FileDigest write_text_file(const fs::path& p, const std::string& text) {
     out.flush();
     if (!out) fail(p.string(), ": write failed (disk full?)");
   }
-  fsync_path(p, false);
+  fsync_path(p, /*directory=*/false);
   Checksum sum;
   sum.update(text.data(), text.size());
   return sum.digest();
@@ -581,7 +581,7 @@ FileDigest copy_file_digest(const fs::path& src, const fs::path& dst) {
   std::error_code ec;
   fs::copy_file(src, dst, fs::copy_options::overwrite_existing, ec);
   if (ec) fail(src.string(), ": cannot copy into the checkpoint: ", ec.message());
-  fsync_path(dst, false);
+  fsync_path(dst, /*directory=*/false);
   return digest_file(dst);
 }
 
@@ -600,13 +600,13 @@ fs::path finish_checkpoint(const fs::path& root, int64_t step, const CheckpointC
   files["state.json"] = entry(write_text_file(tmp_dir / "state.json", state.dump(2) + "\n"));
   write_text_file(tmp_dir / kManifestFile,
                   json{{"format", "tuna checkpoint manifest"}, {"version", 1}, {"files", files}}.dump(2) + "\n");
-  fsync_path(tmp_dir, true);
+  fsync_path(tmp_dir, /*directory=*/true);
 
   if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);  // an older run's step of the same number
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) fail(final_dir.string(), ": cannot rename the finished checkpoint into place: ", ec.message());
   update_latest_link(root, final_dir);
-  fsync_path(root, true);
+  fsync_path(root, /*directory=*/true);
   if (keep_last > 0) {
     // Only after the new checkpoint is in place, and never the newest keep_last: the one just written is the
     // newest (resume_checkpoint moved any newer, rejected one aside).

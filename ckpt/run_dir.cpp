@@ -161,12 +161,12 @@ MetricsTruncation truncate_metrics(const fs::path& metrics_path, int64_t resumed
   t.backup = metrics_path.parent_path() / (kMetricsBackupPrefix + step_dir_name(resumed_step) + ".jsonl");
   fs::copy_file(metrics_path, t.backup, fs::copy_options::overwrite_existing, ec);
   if (ec) fail(t.backup.string(), ": cannot back up ", metrics_path.string(), " before truncating it: ", ec.message());
-  fsync_path(t.backup, false);
+  fsync_path(t.backup, /*directory=*/false);
   const fs::path tmp = metrics_path.string() + ".tmp";
   write_text_file(tmp, kept);
   fs::rename(tmp, metrics_path, ec);
   if (ec) fail(metrics_path.string(), ": cannot replace it with its truncated copy: ", ec.message());
-  fsync_path(metrics_path.parent_path().empty() ? fs::path(".") : metrics_path.parent_path(), true);
+  fsync_path(metrics_path.parent_path().empty() ? fs::path(".") : metrics_path.parent_path(), /*directory=*/true);
   return t;
 }
 

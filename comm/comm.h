@@ -125,14 +125,6 @@ std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, void* stream, d
 // survivors get SIGTERM inside the collective the dead rank never joined; this names it.
 void note_signal_in_collective(int signal);
 
-// Test hook: the environment variable TUNA_FAULT="kill:R:S" or "hang:R:S" makes world rank R end itself
-// with SIGKILL (after sleeping a second), or stop itself with SIGSTOP, when called with step S (train.cu calls it mid-step, after
-// the backward and before the step's collectives). Unset: nothing.
-void inject_fault_for_tests(int world_rank, int64_t step);
-// Test hook of the same variable: TUNA_FAULT="nan:R:F" (or "nan:R:F-L") makes world rank R's loss of every step
-// from F on (to L) NaN: a run that diverges, for the trainer's non-finite step handling. Unset: false.
-bool nan_loss_for_tests(int world_rank, int64_t step);
-
 // The rank mesh: world = dp x tp, tensor-parallel ranks contiguous (world rank = dp_rank * tp + tp_rank),
 // so that a tp group sits inside one node when ranks are placed by node (mpirun's default, srun's block).
 struct Mesh {

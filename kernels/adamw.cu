@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(float* __restrict__ mas
   }
   store4(m + i0, m4, c.stochastic_rounding, seed_m, i0);
   store4(v + i0, v4, c.stochastic_rounding, seed_v, i0);
-  store4(master + i0, p, false, 0, i0);
+  store4(master + i0, p, /*stochastic=*/false, /*seed=*/0, i0);
   if (param_bf16 != nullptr) store4(param_bf16 + i0, p, c.stochastic_rounding, seed_p, i0);
 }
 

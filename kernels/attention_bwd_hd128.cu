@@ -1,4 +1,5 @@
-// The attention backward for head_dim 128 (see attention_kernels.cuh) (32-query steps: fewer live registers, dK and dV already hold 128 floats per thread).
+// The attention backward for head_dim 128 (see attention_kernels.cuh), in 32-query steps: fewer live registers,
+// as dK and dV already hold 128 floats per thread.
 #include "kernels/attention_launch.cuh"
 
 namespace tuna::cuda {

@@ -35,9 +35,9 @@
 
 #include "kernels/attention_params.cuh"
 #include "kernels/common.cuh"
-#ifdef TUNA_EMULATOR
-#include "tests/kernels/emulator/ptx.h"  // host versions of the helpers below
-#else
+// Under TUNA_EMULATOR, <cuda_bf16.h> above is the emulator's (its shim/ comes first on that build's include
+// path) and already declares host versions of these helpers, so this header names no file of tests/.
+#ifndef TUNA_EMULATOR
 #include "kernels/attention_ptx.cuh"  // smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait,
                                       // ldmatrix_x4, ldmatrix_x4_trans, mma
 #endif

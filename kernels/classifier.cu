@@ -5,22 +5,16 @@
 //   losses[i] = lse_i - logits[i, targets[i]]                              OVERWRITTEN; 0 for ignored rows
 //   when dloss != 0: logits[i, j] = (exp(logits[i, j] - lse_i) - [j == t_i]) dloss     OVERWRITTEN in place
 //
-// Memory-bound: the fewest bytes are 4 per logit (read once, gradient written once). One block per row, two
-// passes (the softmax needs the row's logsumexp before any gradient). The old kernel re-read the whole row
-// in pass 2 from DRAM: at 4 blocks an SM, 528 rows of a 128k vocabulary (256 KB each, 135 MB) were in flight,
-// far past the 50 MB L2, so it moved 6 bytes a logit. Now:
-// - pass 1 keeps the first `cached` logits of the row in dynamic shared memory as it reads them (as much as
-//   the device lets a block have: 226 KB on Hopper, 90% of a LLaMA-3 row, 65% on an A100; all of LLaMA-2's
-//   32k), and pass 2 reads those from there; the rest (the row's tail, read last in pass 1: 25 KB on
-//   Hopper) it reads first, while it is still in L2 (one row a block and one block an SM: ~132 x 25 KB in
-//   flight). So ~4.2 bytes a logit. Losses only (dloss = 0) caches nothing: one pass, more blocks an SM.
-// - each thread loads kUnroll 16-byte vectors before using any (64 KB in flight per 512-thread block, the one
-//   block an SM holds at a full cache; 2-3 blocks an SM for smaller vocabularies), and folds them into its
-//   running (max, sum of exp) with one merge per kUnroll x 8 logits instead of one per 8.
-// - pass 2 overwrites each logit with its gradient: the row is first read whole (pass 1) and the target's
-//   logit saved in shared memory before the barrier between the passes, so overwriting cannot race a read.
-// Unmeasured on hardware so far: bench/bench_memory_gpu.cpp reports it against a device copy. The caller
-// chunks rows (model/llama_gpu), so a 128k vocabulary never needs batch x seq x vocab values.
+// Memory-bound, at best 4 bytes a logit (read once, gradient written once); but the gradient needs the row's
+// logsumexp first, so one block per row makes two passes, and the second must not reread the row from DRAM:
+// - pass 1 keeps the row's first `cached` logits in dynamic shared memory (as much as a block may have: 226 KB
+//   on Hopper, 90% of a LLaMA-3 row), and pass 2 reads the rest first, while it is still in L2. Losses only
+//   (dloss = 0) caches nothing: one pass, more blocks an SM.
+// - each thread loads kUnroll 16-byte vectors before using any, and merges them into its running (max, sum of
+//   exp) once per kUnroll x 8 logits.
+// - pass 2 overwrites each logit with its gradient: the target's logit is saved in shared memory before the
+//   barrier between the passes, so no overwrite races a read.
+// The caller chunks rows (model/llama_gpu), so a 128k vocabulary never needs batch x seq x vocab values.
 //
 // Vocab-parallel (tensor parallelism, each rank holding columns of every row): the same two passes split around
 // two reductions over the ranks (classifier.cuh): pass 1 writes each row's (max, sum of exp) of the rank's

@@ -6,17 +6,12 @@
 //   (summed over the ranks, every token's row once) and, through embedding_groups_slice, no gradient.
 //
 // The backward is deterministic without atomics: the host groups positions by token (embedding_groups, a
-// stable counting sort, O(n) per step over a few thousand tokens), and one block owns each distinct token's
-// row and sums its positions in increasing order. A repeated token (the same id many times in a batch) is
-// then one serial fp32 sum, never a race.
+// stable counting sort), and one block owns each distinct token's row and sums its positions in increasing
+// order, so a repeated token is one serial fp32 sum, never a race.
 //
-// Memory-bound: the forward copies 4 bytes an element; the backward reads dout once (2 bytes an element of
-// every position) and reads and writes each touched fp32 row (8 bytes an element of every distinct token).
-// A forward thread loads kUnroll 16-byte vectors of its row before storing any. A backward thread loads the
-// rows of kUnroll positions (16 bytes each) before adding them, still in position order, so the sum is
-// bitwise the old one's; its dtable row is read before those loads, not after. That bounds the chain of a
-// frequent token (a comma: ~4% of 16k tokens, ~650 positions) at ~40 memory round trips instead of ~650,
-// which otherwise outlasts the rest of the kernel. Unmeasured on hardware so far.
+// Memory-bound. A thread loads kUnroll 16-byte vectors before storing or adding any (the backward still adds
+// them in position order, and reads its dtable row before them), so a frequent token's chain of dependent
+// loads (a comma: ~4% of 16k positions) is ~40 memory round trips, not ~650.
 #include "kernels/embedding.cuh"
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // Linear layers through cuBLASLt, the twin of kernels/cpu/matmul.cpp.
 //
-//   forward:  out[n, oc] = inp[n, ic] @ W[oc, ic]^T (+ residual)          bf16 out, OVERWRITTEN
+//   forward:  out[n, oc] = inp[n, ic] @ W[oc, ic]^T (matmul_residual_fwd: + residual)   bf16, OVERWRITTEN
 //   backward: dinp[n, ic] (=|+=) dout[n, oc] @ W                           bf16
 //             dW[oc, ic] (=|+=) dout^T @ inp                                fp32, by dweight_write
 //
@@ -154,11 +154,21 @@ void MatmulContext::set_timed_candidates(int candidates) {
 }
 
 void matmul_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
-                const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream) {
+                int64_t n, int64_t ic, int64_t oc, cudaStream_t stream) {
   TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
   if (n == 0) return;
-  ctx.gemm(/*trans_a=*/true, /*trans_b=*/false, oc, n, ic, weight, ic, inp, ic, residual ? 1.0f : 0.0f,
-           residual ? static_cast<const void*>(residual) : out, out, oc, CUDA_R_16BF, stream);
+  ctx.gemm(/*trans_a=*/true, /*trans_b=*/false, oc, n, ic, weight, ic, inp, ic, /*beta=*/0.0f, /*c=*/out, out, oc,
+           CUDA_R_16BF, stream);
+}
+
+void matmul_residual_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp,
+                         const __nv_bfloat16* weight, const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc,
+                         cudaStream_t stream) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+  TUNA_CHECK(residual != nullptr, "matmul_residual_fwd: no residual (matmul_fwd is the product alone)");
+  if (n == 0) return;
+  ctx.gemm(/*trans_a=*/true, /*trans_b=*/false, oc, n, ic, weight, ic, inp, ic, /*beta=*/1.0f, /*c=*/residual, out,
+           oc, CUDA_R_16BF, stream);
 }
 
 void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,

@@ -57,10 +57,15 @@ class MatmulContext {
   void destroy_shapes();
 };
 
-// out[n, oc] = inp[n, ic] @ weight[oc, ic]^T (+ residual[n, oc] when residual is not null: the residual
-// add of a LLaMA block done in the GEMM's epilogue, saving a pass). OVERWRITES out; out may equal residual.
+// out[n, oc] = inp[n, ic] @ weight[oc, ic]^T. OVERWRITES out.
 void matmul_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
-                const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream);
+                int64_t n, int64_t ic, int64_t oc, cudaStream_t stream);
+
+// out[n, oc] = inp[n, ic] @ weight[oc, ic]^T + residual[n, oc]: the residual add of a LLaMA block in the GEMM's
+// epilogue, which saves a pass over the residual stream. OVERWRITES out; out may equal residual.
+void matmul_residual_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* inp,
+                         const __nv_bfloat16* weight, const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc,
+                         cudaStream_t stream);
 
 // dinp[n, ic] (= or +=, by accumulate_dinp) dout[n, oc] @ weight[oc, ic]; skipped when dinp is null.
 // dweight[oc, ic] (= or +=, by dweight_write) dout^T @ inp in fp32; skipped when dweight is null. Overwrite

@@ -1,45 +1,13 @@
-// RMSNorm (HF LlamaRMSNorm) on the GPU, the twin of kernels/cpu/rmsnorm.cpp, with the residual add fused
-// into the forward.
+// RMSNorm (HF LlamaRMSNorm) on the GPU, the twin of kernels/cpu/rmsnorm.cpp; the contract is rmsnorm.cuh's.
 //
-//   forward:  x = inp + delta (delta optional; then resid_out = x, OVERWRITTEN)
-//             rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps)                  rstd: [n] fp32, OVERWRITTEN
-//             out[i, j] = w[j] * (x[i, j] * rstd[i])                       out: [n, dim] bf16, OVERWRITTEN
-//   backward: dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k w[k] g[i, k] x[i, k])   bf16, ACCUMULATED
-//             dweight[j] (=|+=) sum_i g[i, j] x[i, j] r[i]                             fp32, by dweight_write
-//             (the first write of a step overwrites: kernels/cpu/grad_write.h)
-//
-// Both are memory-bound: per element the forward moves 4 bytes (x read, out written; 8 with the residual
-// add), the backward 8 (g, x, dinp read, dinp written). The kernels before these measured (H200, main
-// 39d364b) 59% / 54% of a device copy at 16k rows x 4096, and the backward ~30% in the 1B step (108 us a
-// launch at 8192 x 2048, for 134 MB). Design, for Hopper at ~4.8 TB/s, aiming at >= 85% of the copy
-// (unmeasured so far: bench/bench_memory_gpu.cpp reports each against a device copy at dims 2048-16384):
-//
-// - A row is cached in registers. A block of `threads` (a multiple of 32, at most kMaxThreads) spans one
-//   row: thread t owns the 8-wide column vectors t, t + threads, ... (kVecs of them: 16-byte accesses, a
-//   warp's access one contiguous 512-byte run), so the row is read from memory exactly once; the old
-//   kernels re-read it (forward) or loaded dinp only after the reduction (backward: two memory latencies
-//   per row).
-// - Everything a row needs is loaded before its reduction, and kRows rows are loaded together: one batched
-//   block reduction (kernels/common.cuh, ONE barrier) per kRows rows, never a barrier pair per row.
-// - Bytes in flight. Little's law: 4.8 TB/s x ~0.7 us of loaded-DRAM latency is ~3.4 MB over 132 SMs, i.e.
-//   ~26 KB per SM must be outstanding. Forward: 4 vectors x 2 rows = 128 B per thread; at 100 registers
-//   (ptxas, sm_90a) an SM holds ~640 threads, ~80 KB, from blocks of 8 rows (n / 8 of them, plenty).
-//   Backward: a block has rows x 3 tensors x dim x 2 B in flight (bwd_shape): dim 2048 48 KB (176
-//   registers, 2 blocks an SM), 4096 48 KB (255 registers, 2 blocks), 8192 96 KB (1 block), 16384 96 KB (1
-//   block), i.e. 96 KB an SM wherever there are as many slabs as blocks that fit (n >= 8192 at dim 2048,
-//   n >= 4096 from 8192 up): several times the ~26 KB needed, so the barrier phase of one block and a partly
-//   filled last wave still leave memory busy.
-// - dweight stays deterministic without atomics: a fixed partition of the rows into slabs of kSlabRows (a
-//   function of n alone, so every device and launch sums alike); each block owns one slab, keeps its
-//   columns' sums in registers across the slab's rows in row order and writes them to scratch; a second
-//   kernel adds the slabs in slab order. That scratch costs 4 B x dim per 32 rows written and read back
-//   (from L2: it is written just before), 1/64 of the backward's bytes each way. The slab size is the
-//   trade: 64-row slabs left half the SMs idle at n = 4096 (70B, one sequence a rank); 32 gives 128 there.
-// - The slab reduction reads its [slabs, dim] scratch with the whole grid: a block takes 32 columns, its 32
-//   slab lanes each sum a fixed strided subset (float4 loads, four in flight), and lane sums are added in
-//   lane order. (The old one-thread-per-column loop over every slab issued one 4-byte load at a time.)
-// - dim up to kMaxDim = 16384 (LLaMA-3 405B's hidden size): 512 threads x 4 vectors x 8. No register array
-//   is indexed at run time (every loop over kVecs / kRows is unrolled), so nothing spills (ptxas -warn-spills).
+// Memory-bound (per element the forward moves 4 bytes, the backward 8), so the rule is one read of each row and
+// enough bytes in flight to cover DRAM latency (~26 KB per SM on an H200, by Little's law):
+// - A block spans a row; each thread keeps its 8-wide vectors of the row in registers (16-byte loads, a warp's
+//   access one contiguous 512-byte run), loaded before the row's reduction, kRows rows per batched reduction
+//   (one barrier). Row and vector counts per dim: fwd_shape, bwd_shape; every register array is unrolled, so
+//   nothing spills.
+// - dweight is deterministic without atomics: each block sums a fixed slab of kSlabRows rows (a function of n
+//   alone) into scratch, and a second kernel adds the slabs in slab order.
 #include "kernels/rmsnorm.cuh"
 
 #include <type_traits>
@@ -55,7 +23,9 @@ namespace {
 constexpr int kMaxThreads = 512;
 constexpr int kMaxVecs = 4;
 constexpr int64_t kMaxDim = int64_t(kMaxThreads) * kMaxVecs * 8;
-constexpr int kSlabRows = 32;          // rows per dweight partial sum (kernels/scratch.h sizes the scratch)
+// Rows per dweight partial sum (kernels/scratch.h sizes the scratch): 32, as 64-row slabs would leave half of an
+// H200's SMs without a block at n = 4096 (70B, one sequence a rank).
+constexpr int kSlabRows = 32;
 constexpr int kFwdRows = 2;            // rows loaded together in the forward
 constexpr int kFwdRowsPerBlock = 8;    // rows per forward block (4 batches): amortizes the weight load
 constexpr int kReduceColumnLanes = 8;  // dweight reduction: float4 column groups per block (32 columns)
@@ -128,12 +98,10 @@ __device__ __forceinline__ void load_rows(Packed8 (&dst)[kRows][kVecs], const bf
   }
 }
 
-// kAdd: the fused residual add (x = bf16(inp + delta), written to resid_out).
-template <int kVecs, bool kAdd>
+template <int kVecs>
 __global__ void __launch_bounds__(kMaxThreads)
-    rmsnorm_fwd_kernel(bf16* __restrict__ out, float* __restrict__ rstd, bf16* __restrict__ resid_out,
-                       const bf16* __restrict__ inp, const bf16* __restrict__ delta, const bf16* __restrict__ weight,
-                       int64_t n, int dim, float eps) {
+    rmsnorm_fwd_kernel(bf16* __restrict__ out, float* __restrict__ rstd, const bf16* __restrict__ inp,
+                       const bf16* __restrict__ weight, int64_t n, int dim, float eps) {
   __shared__ float scratch[2 * kFwdRows * (kMaxThreads / 32)];
   Packed8 w[kVecs];
   load_weight(w, weight, dim);
@@ -144,19 +112,6 @@ __global__ void __launch_bounds__(kMaxThreads)
     // Every load of the kFwdRows rows first; a row past the block's end reads as zeros and stores nothing.
     Packed8 x[kFwdRows][kVecs];
     load_rows(x, inp, row0, block_rows_end, dim);
-    if constexpr (kAdd) {
-      Packed8 d[kFwdRows][kVecs];
-      load_rows(d, delta, row0, block_rows_end, dim);
-#pragma unroll
-      for (int r = 0; r < kFwdRows; ++r)
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-          float sum[8];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) sum[j] = unpack(x[r][v], j) + unpack(d[r][v], j);
-          x[r][v] = pack8(sum);  // the bf16-rounded sum is the residual stream, and what the norm reads
-        }
-    }
     float sum_sq[kFwdRows];
 #pragma unroll
     for (int r = 0; r < kFwdRows; ++r) {
@@ -178,7 +133,6 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int v = 0; v < kVecs; ++v) {
         const int c = vector_column(v, dim);
         if (c < 0) continue;
-        if constexpr (kAdd) store_packed(resid_out + row * dim + c, x[r][v]);
         float y[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) y[j] = unpack(w[v], j) * (unpack(x[r][v], j) * rs);
@@ -305,10 +259,9 @@ void check_dim(const char* op, int64_t n, int64_t dim) {
 
 }  // namespace
 
-void rmsnorm_fwd(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const bf16* residual_delta,
-                 const bf16* weight, int64_t n, int64_t dim, double eps, cudaStream_t stream) {
+void rmsnorm_fwd(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int64_t n, int64_t dim, double eps,
+                 cudaStream_t stream) {
   check_dim("rmsnorm_fwd", n, dim);
-  TUNA_CHECK(residual_delta == nullptr || resid_out != nullptr, "a residual add needs resid_out");
   if (n == 0) return;
   const RowShape shape = fwd_shape(dim);
   const unsigned grid = static_cast<unsigned>(ceil_div(n, kFwdRowsPerBlock));
@@ -316,12 +269,7 @@ void rmsnorm_fwd(bf16* out, float* rstd, bf16* resid_out, const bf16* inp, const
   const float e = static_cast<float>(eps);
   const auto launch = [&](auto vecs) {
     constexpr int kVecs = decltype(vecs)::value;
-    if (residual_delta != nullptr)
-      launch_kernel(rmsnorm_fwd_kernel<kVecs, true>, grid, shape.threads, 0, stream, out, rstd, resid_out, inp,
-                    residual_delta, weight, n, d, e);
-    else
-      launch_kernel(rmsnorm_fwd_kernel<kVecs, false>, grid, shape.threads, 0, stream, out, rstd, resid_out, inp,
-                    residual_delta, weight, n, d, e);
+    launch_kernel(rmsnorm_fwd_kernel<kVecs>, grid, shape.threads, 0, stream, out, rstd, inp, weight, n, d, e);
   };
   if (shape.vecs == 1) launch(std::integral_constant<int, 1>{});
   else if (shape.vecs == 2) launch(std::integral_constant<int, 2>{});

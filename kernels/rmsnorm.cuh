@@ -1,5 +1,4 @@
-// RMSNorm on the GPU, fused with the residual add. Contract of kernels/cpu/rmsnorm.h: bf16 activations,
-// fp32 rstd and fp32 weight gradient.
+// RMSNorm on the GPU. Contract of kernels/cpu/rmsnorm.h: bf16 activations, fp32 rstd and fp32 weight gradient.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -10,14 +9,11 @@
 
 namespace tuna::cuda {
 
-// With x = inp (+ residual_delta when it is not null):
-//   resid_out[i, :] = x (only when residual_delta is not null; the bf16-rounded sum, which is what the norm
-//   and the backward then read),  rstd[i] = 1 / sqrt(mean_j x[i, j]^2 + eps),  out[i, j] = w[j] (x[i, j] rstd[i]).
-// Overwrites out, rstd (and resid_out); the outputs must not overlap the inputs. Sums of squares in fp32.
+// rstd[i] = 1 / sqrt(mean_j inp[i, j]^2 + eps),  out[i, j] = w[j] (inp[i, j] rstd[i]).
+// Overwrites out and rstd; the outputs must not overlap the inputs. Sums of squares in fp32.
 // dim % 8 == 0 and dim <= 16384.
-void rmsnorm_fwd(__nv_bfloat16* out, float* rstd, __nv_bfloat16* resid_out, const __nv_bfloat16* inp,
-                 const __nv_bfloat16* residual_delta, const __nv_bfloat16* weight, int64_t n, int64_t dim,
-                 double eps, cudaStream_t stream);
+void rmsnorm_fwd(__nv_bfloat16* out, float* rstd, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n,
+                 int64_t dim, double eps, cudaStream_t stream);
 
 // Floats of scratch rmsnorm_bwd needs for (n, dim): the per-row-block partial sums of dweight.
 int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim);

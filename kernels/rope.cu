@@ -6,16 +6,12 @@
 //   forward:  out[i] = x[i] c - x[i+h] s;   out[i+h] = x[i+h] c + x[i] s          OVERWRITTEN, may alias
 //   backward: the same with s -> -s (a rotation's transpose)                      OVERWRITTEN, may alias
 //
-// Memory-bound: 4 bytes per element (x read, out written); the fp32 tables are [seq, head_dim / 2] and hit
-// in L1/L2 (one position's row serves every head and batch). A thread rotates 8 pairs of kHeads consecutive
-// heads of one position: it loads the 8 cosines and sines once (32-byte table reads) and all 2 x kHeads
-// 16-byte vectors of x before any math, so 128 B of x are in flight per thread and the table traffic through
-// L1 is a quarter of x's (the old kernel, one head a thread, read 64 B of tables per 32 B of x). Threads
-// 0..7 of a group take a head's 8 column blocks (hd 128), so a warp access is 128-byte runs. ~60 registers
-// (ptxas) allow ~1000 threads an SM, ~128 KB in flight against the ~26 KB Little's law asks at 4.8 TB/s.
-// Unmeasured on hardware so far (bench/bench_memory_gpu.cpp). Rotation math in fp32. Everything a thread
-// writes it read first, so in place is safe. A head_dim that is not a multiple of 16 (tiny test models), or a
-// stride or pointer that breaks the 16-byte alignment (tests), takes a one-pair-per-thread kernel.
+// Memory-bound (4 bytes an element); the tables hit in L1/L2. A thread rotates 8 pairs of kHeads consecutive
+// heads of one position: it loads their 8 cosines and sines once and all 2 x kHeads 16-byte vectors of x before
+// any math, so table traffic is a quarter of x's and 128 B of x are in flight per thread. Threads 0..7 of a
+// group take a head's 8 column blocks, so a warp's access is 128-byte runs. Rotation math in fp32. A thread
+// reads everything it writes first, so in place is safe. A head_dim that is not a multiple of 16 (tiny test
+// models), or a stride or pointer off 16-byte alignment (tests), takes a one-pair-per-thread kernel.
 #include "kernels/rope.cuh"
 
 #include "core/cuda_check.h"
@@ -119,14 +115,15 @@ void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float
 void rope_fwd(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table, int64_t batch,
               int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride,
               cudaStream_t stream) {
-  rope_launch(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, out_stride, inp_stride, 1.0f, stream);
+  rope_launch(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, out_stride, inp_stride, /*sign=*/1.0f,
+              stream);
 }
 
 void rope_bwd(bf16* dinp, const bf16* dout, const float* cos_table, const float* sin_table, int64_t batch,
               int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t dinp_stride, int64_t dout_stride,
               cudaStream_t stream) {
-  rope_launch(dinp, dout, cos_table, sin_table, batch, seq_len, n_heads, head_dim, dinp_stride, dout_stride, -1.0f,
-              stream);
+  rope_launch(dinp, dout, cos_table, sin_table, batch, seq_len, n_heads, head_dim, dinp_stride, dout_stride,
+              /*sign=*/-1.0f, stream);
 }
 
 }  // namespace tuna::cuda

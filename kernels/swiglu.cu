@@ -6,22 +6,13 @@
 //   backward: dup = dout silu(gate);  dgate = dout up sigmoid(gate) (1 + gate (1 - sigmoid(gate)))
 //                                                                                   dgate, dup: OVERWRITTEN
 //
-// Memory-bound: per element the forward moves 6 bytes (gate, up read; out written), the backward 10 (dout,
-// gate, up read; dgate, dup written). A thread owns kVecs 8-wide vectors (16-byte accesses; vector k of a
-// block's thread t is block_vector0 + k * kThreads + t, so each warp access is one 512-byte run) and issues
-// every load before any math: 64 B of each input in flight per thread (128 B forward, 192 B backward). At
-// 58 / 75 registers (ptxas, sm_90a) an SM holds 4 / 3 blocks of 256, ~130 / ~150 KB in flight, five times the
-// ~26 KB per SM that Little's law asks at 4.8 TB/s and ~0.7 us (the old kernel had one vector per thread
-// and tensor in flight, ~48-96 KB a full SM, with no slack for the tail of a wave). Unmeasured
-// on hardware so far: bench/bench_memory_gpu.cpp reports both against a device copy. The math per element
-// (an exp and a divide) is far below the issue rate at these byte counts. Contiguous rows (stride == cols) are
-// one long row whose n % 8 tail elements are done one by one. With strided rows a vector never crosses a row
-// end: its row is its index / (cols / 8), one 32-bit division per vector, cheap beside its 48 bytes. Rows that
-// do not start 16-byte aligned (strides not a multiple of 8: tests) take the element-wise path, the whole
-// tensor as the "tail", in a grid-stride loop. sigmoid(x) = 1 / (1 + exp(-x)) in fp32 saturates cleanly at
-// both ends (exp overflow gives 0). out may alias gate or up when stride == cols; dgate and dup may alias gate
-// and up (in place), and dout when stride == cols: each thread reads its elements before it writes the same
-// elements.
+// Memory-bound (6 bytes an element forward, 10 backward; an exp and a divide are far below the issue rate). A
+// thread owns kVecs 8-wide vectors (16-byte accesses, a warp's access one 512-byte run) and issues every load
+// before any math, so each SM has several times the bytes in flight that DRAM latency asks. With strided rows a
+// vector never crosses a row end (its row: one 32-bit division per vector); contiguous rows are one long row
+// with an element-wise tail; rows off 16-byte alignment (tests) take the element-wise path. sigmoid(x) =
+// 1 / (1 + exp(-x)) in fp32 saturates cleanly at both ends. out may alias gate or up when stride == cols; dgate
+// and dup may alias gate and up, and dout when stride == cols: a thread reads its elements before writing them.
 #include "kernels/swiglu.cuh"
 
 #include "core/cuda_check.h"
@@ -92,8 +83,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const b
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) at[k] = vector_at(sh, k);
   Packed8 g[kVecs], u[kVecs];
-  load_vectors(g, gate, at, false);
-  load_vectors(u, up, at, false);
+  load_vectors(g, gate, at, /*out_side=*/false);
+  load_vectors(u, up, at, /*out_side=*/false);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     if (at[k].in < 0) break;
@@ -113,9 +104,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) at[k] = vector_at(sh, k);
   Packed8 d[kVecs], g[kVecs], u[kVecs];
-  load_vectors(d, dout, at, true);
-  load_vectors(g, gate, at, false);
-  load_vectors(u, up, at, false);
+  load_vectors(d, dout, at, /*out_side=*/true);
+  load_vectors(g, gate, at, /*out_side=*/false);
+  load_vectors(u, up, at, /*out_side=*/false);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     if (at[k].in < 0) break;

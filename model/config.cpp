@@ -26,6 +26,7 @@ constexpr int64_t kMaxWidth = int64_t{1} << 20;     // hidden_size, intermediate
 constexpr int64_t kMaxCount = int64_t{1} << 14;     // layers, heads, head_dim
 constexpr int64_t kMaxVocab = int64_t{1} << 26;
 constexpr int64_t kMaxPositions = int64_t{1} << 30;
+constexpr bool kRequired = true, kOptional = false;  // get_int's `required`
 
 int64_t get_int(const json& j, const char* key, const std::string& src, int64_t fallback, bool required,
                 int64_t min_value, int64_t max_value) {
@@ -82,7 +83,8 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
   s.factor = get_number(r, "factor", where, 1.0, 1e-6, 1e6);
   s.low_freq_factor = get_number(r, "low_freq_factor", where, 1.0, 1e-6, 1e6);
   s.high_freq_factor = get_number(r, "high_freq_factor", where, 4.0, 1e-6, 1e6);
-  s.original_max_position_embeddings = get_int(r, "original_max_position_embeddings", where, 0, true, 1, kMaxPositions);
+  s.original_max_position_embeddings =
+      get_int(r, "original_max_position_embeddings", where, 0, kRequired, 1, kMaxPositions);
   if (!(s.high_freq_factor > s.low_freq_factor))
     fail(where, ": expected high_freq_factor > low_freq_factor, found ", s.high_freq_factor, " and ",
          s.low_freq_factor);
@@ -121,20 +123,20 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
   if (j.contains("hidden_act") && j["hidden_act"] != "silu")
     fail(src, ": field 'hidden_act': expected \"silu\" (SwiGLU), found ", describe(j["hidden_act"]));
   for (const char* k : {"attention_bias", "mlp_bias"})
-    if (get_bool(j, k, src, false))
+    if (get_bool(j, k, src, /*fallback=*/false))
       fail(src, ": field '", k, "' is true: biases in the ", k[0] == 'a' ? "attention" : "MLP",
            " projections are not supported");
 
   LlamaConfig c;
-  c.hidden_size = get_int(j, "hidden_size", src, 0, true, 1, kMaxWidth);
-  c.intermediate_size = get_int(j, "intermediate_size", src, 0, true, 1, kMaxWidth);
-  c.num_hidden_layers = get_int(j, "num_hidden_layers", src, 0, true, 1, kMaxCount);
-  c.num_attention_heads = get_int(j, "num_attention_heads", src, 0, true, 1, kMaxCount);
-  c.num_key_value_heads = get_int(j, "num_key_value_heads", src, c.num_attention_heads, false, 1, kMaxCount);
-  c.vocab_size = get_int(j, "vocab_size", src, 0, true, 1, kMaxVocab);
-  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, 2048, false, 1, kMaxPositions);
+  c.hidden_size = get_int(j, "hidden_size", src, 0, kRequired, 1, kMaxWidth);
+  c.intermediate_size = get_int(j, "intermediate_size", src, 0, kRequired, 1, kMaxWidth);
+  c.num_hidden_layers = get_int(j, "num_hidden_layers", src, 0, kRequired, 1, kMaxCount);
+  c.num_attention_heads = get_int(j, "num_attention_heads", src, 0, kRequired, 1, kMaxCount);
+  c.num_key_value_heads = get_int(j, "num_key_value_heads", src, c.num_attention_heads, kOptional, 1, kMaxCount);
+  c.vocab_size = get_int(j, "vocab_size", src, 0, kRequired, 1, kMaxVocab);
+  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, 2048, kOptional, 1, kMaxPositions);
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-    c.head_dim = get_int(j, "head_dim", src, 0, true, 2, kMaxCount);
+    c.head_dim = get_int(j, "head_dim", src, 0, kRequired, 2, kMaxCount);
   } else {
     if (c.hidden_size % c.num_attention_heads != 0)
       fail(src, ": no 'head_dim', and hidden_size ", c.hidden_size,
@@ -161,7 +163,7 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
     fail(src, ": the model would have ~", static_cast<double>(params), " parameters (hidden_size ", c.hidden_size,
          ", intermediate_size ", c.intermediate_size, ", ", c.num_hidden_layers, " layers, ", c.num_attention_heads,
          " heads of ", c.head_dim, ", vocab ", c.vocab_size, "): at most 2^48 are supported");
-  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, false);
+  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, /*fallback=*/false);
   std::vector<int64_t> bos = read_token_ids(j, "bos_token_id", src, c.vocab_size);
   c.bos_token_id = bos.empty() ? -1 : bos[0];
   c.eos_token_ids = read_token_ids(j, "eos_token_id", src, c.vocab_size);

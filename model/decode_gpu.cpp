@@ -106,8 +106,8 @@ void DecodeGpu::append(const int32_t* tokens, int64_t n, float* host_last_logits
   cuda::embedding_fwd(x_, tokens_, w + layout_.embed_tokens(), rows, V, C, s);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerOffsets& o = layout_.layer(l);
-    cuda::rmsnorm_fwd(norm_, rstd_, nullptr, x_, nullptr, w + o.input_norm, rows, C, c.rms_norm_eps, s);
-    cuda::matmul_fwd(mm, qkv_, norm_, w + o.q_proj, nullptr, rows, C, qkv, s);  // the q|k|v block
+    cuda::rmsnorm_fwd(norm_, rstd_, x_, w + o.input_norm, rows, C, c.rms_norm_eps, s);
+    cuda::matmul_fwd(mm, qkv_, norm_, w + o.q_proj, rows, C, qkv, s);  // the q|k|v block
     cuda::rope_fwd(q_, qkv_, cos, sin, batch_, n, H, D, H * D, qkv, s);
     for (int64_t b = 0; b < batch_; ++b) {  // rows b * n .. of k, v -> positions length_ .. of sequence b
       const int64_t to = (b * capacity_ + length_) * kvd, from = b * n * qkv + c.q_dim();
@@ -115,17 +115,17 @@ void DecodeGpu::append(const int32_t* tokens, int64_t n, float* host_last_logits
       copy_rows(values_[l] + to, kvd, qkv_ + from + kvd, qkv, n, kvd, s);
     }
     cuda::decode_attention_fwd(att_, q_, keys_[l], values_[l], batch_, n, length_, capacity_, H, KV, D, s);
-    cuda::matmul_fwd(mm, h_, att_, w + o.o_proj, /*residual=*/x_, rows, c.q_dim(), C, s);
-    cuda::rmsnorm_fwd(norm_, rstd_, nullptr, h_, nullptr, w + o.post_norm, rows, C, c.rms_norm_eps, s);
-    cuda::matmul_fwd(mm, gate_up_, norm_, w + o.gate_proj, nullptr, rows, C, 2 * F, s);  // the gate|up block
+    cuda::matmul_residual_fwd(mm, h_, att_, w + o.o_proj, x_, rows, c.q_dim(), C, s);
+    cuda::rmsnorm_fwd(norm_, rstd_, h_, w + o.post_norm, rows, C, c.rms_norm_eps, s);
+    cuda::matmul_fwd(mm, gate_up_, norm_, w + o.gate_proj, rows, C, 2 * F, s);  // the gate|up block
     cuda::swiglu_fwd(act_, gate_up_, gate_up_ + F, rows, F, 2 * F, s);
-    cuda::matmul_fwd(mm, x_, act_, w + o.down_proj, /*residual=*/h_, rows, F, C, s);
+    cuda::matmul_residual_fwd(mm, x_, act_, w + o.down_proj, h_, rows, F, C, s);
   }
-  cuda::rmsnorm_fwd(norm_, rstd_, nullptr, x_, nullptr, w + layout_.final_norm(), rows, C, c.rms_norm_eps, s);
+  cuda::rmsnorm_fwd(norm_, rstd_, x_, w + layout_.final_norm(), rows, C, c.rms_norm_eps, s);
   for (int64_t b = 0; b < batch_; ++b)  // each sequence's last new position
     TUNA_CUDA_CHECK(cudaMemcpyAsync(last_ + b * C, norm_ + (b * n + n - 1) * C, C * sizeof(__nv_bfloat16),
                                     cudaMemcpyDeviceToDevice, s));
-  cuda::matmul_fwd(mm, logits_, last_, w + layout_.lm_head(), nullptr, batch_, C, V, s);
+  cuda::matmul_fwd(mm, logits_, last_, w + layout_.lm_head(), batch_, C, V, s);
   std::vector<uint16_t> bits(batch_ * V);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(bits.data(), logits_, bits.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost, s));
   TUNA_CUDA_CHECK(cudaStreamSynchronize(s));

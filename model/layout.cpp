@@ -43,33 +43,37 @@ ParamLayout::ParamLayout(const LlamaConfig& c, int tp_rank, int tp_size) {
     fail("option 'tp': ", tp_size, " ranks leave rank ", tp_rank, " no ffn columns or vocabulary rows (intermediate_size ",
          c.intermediate_size, ", vocab_size ", c.vocab_size, ")");
   const int64_t hidden = c.hidden_size, ffn_all = c.intermediate_size;
+  // Norm weights do not decay; a matrix is split over tp by rows (column-parallel) or by columns (row-parallel).
+  constexpr bool kDecays = true, kNoDecay = false;
+  constexpr int kByRows = 0, kByColumns = 1;
   const int64_t q_begin = tp_rank * d.q_dim, kv_begin = tp_rank * d.kv_dim;
 
-  embed_tokens_ = add("model.embed_tokens.weight", {c.vocab_size, hidden}, -1, true, 0, d.vocab_begin, d.vocab);
+  embed_tokens_ =
+      add("model.embed_tokens.weight", {c.vocab_size, hidden}, -1, kDecays, kByRows, d.vocab_begin, d.vocab);
   unit_ranges_.emplace_back(0, total_);
   for (int64_t l = 0; l < c.num_hidden_layers; l++) {
     const std::string p = str("model.layers.", l, ".");
     const int li = static_cast<int>(l);
     const int64_t begin = total_;
     LayerOffsets o;
-    o.input_norm = add(p + "input_layernorm.weight", {hidden}, li, false);
-    o.q_proj = add(p + "self_attn.q_proj.weight", {c.q_dim(), hidden}, li, true, 0, q_begin, d.q_dim);
-    o.k_proj = add(p + "self_attn.k_proj.weight", {c.kv_dim(), hidden}, li, true, 0, kv_begin, d.kv_dim);
-    o.v_proj = add(p + "self_attn.v_proj.weight", {c.kv_dim(), hidden}, li, true, 0, kv_begin, d.kv_dim);
-    o.o_proj = add(p + "self_attn.o_proj.weight", {hidden, c.q_dim()}, li, true, 1, q_begin, d.q_dim);
-    o.post_norm = add(p + "post_attention_layernorm.weight", {hidden}, li, false);
-    o.gate_proj = add(p + "mlp.gate_proj.weight", {ffn_all, hidden}, li, true, 0, d.ffn_begin, d.ffn);
-    o.up_proj = add(p + "mlp.up_proj.weight", {ffn_all, hidden}, li, true, 0, d.ffn_begin, d.ffn);
-    o.down_proj = add(p + "mlp.down_proj.weight", {hidden, ffn_all}, li, true, 1, d.ffn_begin, d.ffn);
+    o.input_norm = add(p + "input_layernorm.weight", {hidden}, li, kNoDecay);
+    o.q_proj = add(p + "self_attn.q_proj.weight", {c.q_dim(), hidden}, li, kDecays, kByRows, q_begin, d.q_dim);
+    o.k_proj = add(p + "self_attn.k_proj.weight", {c.kv_dim(), hidden}, li, kDecays, kByRows, kv_begin, d.kv_dim);
+    o.v_proj = add(p + "self_attn.v_proj.weight", {c.kv_dim(), hidden}, li, kDecays, kByRows, kv_begin, d.kv_dim);
+    o.o_proj = add(p + "self_attn.o_proj.weight", {hidden, c.q_dim()}, li, kDecays, kByColumns, q_begin, d.q_dim);
+    o.post_norm = add(p + "post_attention_layernorm.weight", {hidden}, li, kNoDecay);
+    o.gate_proj = add(p + "mlp.gate_proj.weight", {ffn_all, hidden}, li, kDecays, kByRows, d.ffn_begin, d.ffn);
+    o.up_proj = add(p + "mlp.up_proj.weight", {ffn_all, hidden}, li, kDecays, kByRows, d.ffn_begin, d.ffn);
+    o.down_proj = add(p + "mlp.down_proj.weight", {hidden, ffn_all}, li, kDecays, kByColumns, d.ffn_begin, d.ffn);
     layers_.push_back(o);
     layer_ranges_.emplace_back(begin, total_);
     unit_ranges_.emplace_back(begin, total_);
   }
   const int64_t head_begin = total_;
-  final_norm_ = add("model.norm.weight", {hidden}, -1, false);
+  final_norm_ = add("model.norm.weight", {hidden}, -1, kNoDecay);
   lm_head_ = c.tie_word_embeddings
                  ? embed_tokens_
-                 : add("lm_head.weight", {c.vocab_size, hidden}, -1, true, 0, d.vocab_begin, d.vocab);
+                 : add("lm_head.weight", {c.vocab_size, hidden}, -1, kDecays, kByRows, d.vocab_begin, d.vocab);
   unit_ranges_.emplace_back(head_begin, total_);
   if (tp_size == 1)
     TUNA_CHECK(total_ == c.n_params(), "layout holds ", total_, " parameters, config says ", c.n_params());

@@ -25,6 +25,7 @@ class Comm;
 
 // Where the decoder finds weights and puts gradients, a unit at a time (units: see layout.h). Pointers
 // address the unit's range of the flat layout: element `offset` of the layout is at ptr[offset - begin].
+// The GPU model's store (GpuWeightStore, model/llama_gpu.h) is a separate interface: it says why.
 class WeightStore {
  public:
   virtual ~WeightStore() = default;

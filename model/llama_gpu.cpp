@@ -486,7 +486,7 @@ void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
   }
   // The head unit stays acquired through head() and, when a backward follows, the final norm's backward.
   head_base_ = store_->acquire(H);
-  cuda::rmsnorm_fwd(final_norm_out_, final_rstd_, nullptr, resid_out_, nullptr,
+  cuda::rmsnorm_fwd(final_norm_out_, final_rstd_, resid_out_,
                     head_base_ + (layout_.final_norm() - layout_.unit_range(H).first), n, C, c.rms_norm_eps, s);
 }
 
@@ -500,26 +500,30 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   LayerActs& a = acts_[l];
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
-  cuda::rmsnorm_fwd(a.norm1, a.rstd1, nullptr, a.resid_in, nullptr, w(o.input_norm), n, C, c.rms_norm_eps, s);
+  cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), n, C, c.rms_norm_eps, s);
   // One GEMM over the q|k|v weight block into qkv_; RoPE reads q and k out of its rows into the contiguous a.q, a.k
   // the attention kernels take, and v is copied out (a strided copy).
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
-  cuda::matmul_fwd(mm, qkv_, a.norm1, w(o.q_proj), nullptr, n, C, qkv, s);
+  cuda::matmul_fwd(mm, qkv_, a.norm1, w(o.q_proj), n, C, qkv, s);
   cuda::rope_fwd(a.q, qkv_, rope_cos_, rope_sin_, batch, seq, d.heads, D, d.q_dim, qkv, s);
   cuda::rope_fwd(a.k, qkv_ + d.q_dim, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, d.kv_dim, qkv, s);
   copy_rows(a.v, d.kv_dim, qkv_ + d.q_dim + d.kv_dim, qkv, n, d.kv_dim, s);
   cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, s, run_.attention);
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks.
-  const bool adds_residual = d.tp_rank == 0;
-  cuda::matmul_fwd(mm, a.resid_mid, a.att, w(o.o_proj), adds_residual ? a.resid_in : nullptr, n, d.q_dim, C, s);
+  const auto row_parallel = [&](__nv_bfloat16* out, const __nv_bfloat16* inp, int64_t weight,
+                                const __nv_bfloat16* residual, int64_t ic) {
+    if (d.tp_rank == 0) cuda::matmul_residual_fwd(mm, out, inp, w(weight), residual, n, ic, C, s);
+    else cuda::matmul_fwd(mm, out, inp, w(weight), n, ic, C, s);
+  };
+  row_parallel(a.resid_mid, a.att, o.o_proj, a.resid_in, d.q_dim);
   tp_all_reduce(a.resid_mid, n * C, "tp o_proj");
-  cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, w(o.post_norm), n, C, c.rms_norm_eps, s);
-  cuda::matmul_fwd(mm, a.gate_up, a.norm2, w(o.gate_proj), nullptr, n, C, 2 * F, s);  // the gate|up block
+  cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), n, C, c.rms_norm_eps, s);
+  cuda::matmul_fwd(mm, a.gate_up, a.norm2, w(o.gate_proj), n, C, 2 * F, s);  // the gate|up block
   cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
   if (!write_output) return;
   __nv_bfloat16* resid_next = l + 1 < config_.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
-  cuda::matmul_fwd(mm, resid_next, a.act, w(o.down_proj), adds_residual ? a.resid_mid : nullptr, n, F, C, s);
+  row_parallel(resid_next, a.act, o.down_proj, a.resid_mid, F);
   tp_all_reduce(resid_next, n * C, "tp down_proj");
 }
 
@@ -535,10 +539,8 @@ void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch
       const LayerOffsets& o = layout_.layer(l);
       const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
       LayerActs& a = acts_[l];
-      cuda::rmsnorm_fwd(a.norm1, a.rstd1, nullptr, a.resid_in, nullptr, wb + (o.input_norm - begin), n, C,
-                        c.rms_norm_eps, stream_);
-      cuda::rmsnorm_fwd(a.norm2, a.rstd2, nullptr, a.resid_mid, nullptr, wb + (o.post_norm - begin), n, C,
-                        c.rms_norm_eps, stream_);
+      cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, wb + (o.input_norm - begin), n, C, c.rms_norm_eps, stream_);
+      cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, wb + (o.post_norm - begin), n, C, c.rms_norm_eps, stream_);
       cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, stream_);
       return;
     }
@@ -556,7 +558,7 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
   for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
     const int64_t nr = std::min(head_chunk_rows_, rows - r0);
     const __nv_bfloat16* x = final_norm_out_ + r0 * C;
-    cuda::matmul_fwd(*matmul_, logits_chunk_, x, w_head, nullptr, nr, C, V, s);
+    cuda::matmul_fwd(*matmul_, logits_chunk_, x, w_head, nr, C, V, s);
     if (host_logits != nullptr) {
       chunk_bits.resize(nr * V);
       TUNA_CUDA_CHECK(cudaMemcpyAsync(chunk_bits.data(), logits_chunk_, nr * V * sizeof(uint16_t),
@@ -651,19 +653,19 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
   // MLP block: x_out = resid_mid + down(act)
-  cuda::matmul_bwd(mm, d_act_, g(o.down_proj), d_resid_, a.act, w(o.down_proj), n, F, C, false,
+  cuda::matmul_bwd(mm, d_act_, g(o.down_proj), d_resid_, a.act, w(o.down_proj), n, F, C, /*accumulate_dinp=*/false,
                    grad_write(o.down_proj), s);
   // d_gate|d_up in place over gate|up (dead after this), then one dX and one dW GEMM over the gate|up block.
   __nv_bfloat16* d_gate_up = a.gate_up;
   cuda::swiglu_bwd(d_gate_up, d_gate_up + F, d_act_, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_up, a.norm2, w(o.gate_proj), n, C, 2 * F, false,
-                   grad_writes_->write_block({o.gate_proj, o.up_proj}), s);
+  cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_up, a.norm2, w(o.gate_proj), n, C, 2 * F,
+                   /*accumulate_dinp=*/false, grad_writes_->write_block({o.gate_proj, o.up_proj}), s);
   tp_all_reduce(d_norm_, n * C, "tp gate/up input grad");  // column-parallel: each rank's part of the sum
   cuda::rmsnorm_bwd(d_resid_, g(o.post_norm), d_norm_, a.resid_mid, w(o.post_norm), a.rstd2, norm_scratch_, n, C,
                     grad_write(o.post_norm), s);
   // Attention block: resid_mid = resid_in + o_proj(att)
-  cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, false, grad_write(o.o_proj),
-                   s);
+  cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, /*accumulate_dinp=*/false,
+                   grad_write(o.o_proj), s);
   cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, d.heads,
                       d.kv_heads, D, s, run_.attention);
   // RoPE's backward writes d_q, d_k into the rows of d_qkv (qkv_, free since the forward's copies), d_v is
@@ -673,7 +675,7 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   cuda::rope_bwd(d_qkv, d_q_, rope_cos_, rope_sin_, batch, seq, d.heads, D, qkv, d.q_dim, s);
   cuda::rope_bwd(d_qkv + d.q_dim, d_k_, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, qkv, d.kv_dim, s);
   copy_rows(d_qkv + d.q_dim + d.kv_dim, qkv, d_v_, d.kv_dim, n, d.kv_dim, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_qkv, a.norm1, w(o.q_proj), n, C, qkv, false,
+  cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_qkv, a.norm1, w(o.q_proj), n, C, qkv, /*accumulate_dinp=*/false,
                    grad_writes_->write_block({o.q_proj, o.k_proj, o.v_proj}), s);
   tp_all_reduce(d_norm_, n * C, "tp q/k/v input grad");
   cuda::rmsnorm_bwd(d_resid_, g(o.input_norm), d_norm_, a.resid_in, w(o.input_norm), a.rstd1, norm_scratch_, n, C,

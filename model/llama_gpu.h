@@ -10,20 +10,8 @@
 // deterministic, so every mode computes the same bits.
 //
 // Weights and gradients come unit by unit (embedding, each layer, head: model/layout.h) from a GpuWeightStore, as
-// the CPU model's from its WeightStore: the model's own whole buffers (ZeRO-0 and 1), or the engine's sharded
-// store (ZeRO-2: whole bf16 weights, unit gradients reduce-scattered as the backward finishes them; ZeRO-3: unit
-// weights all-gathered before use, engine/engine_gpu.cpp).
-//
-// Wiring into the trainer (train.cu, --device cuda), mirroring the CPU loop:
-//   LlamaGpu model(config, micro_batch, seq, opt_config);          // + GpuOptions for bf16 moments / SR
-//   model.set_params(cpu_params.data());                           // from a checkpoint or init_random
-//   per step: model.zero_grads();                                  // no memset: the first backward overwrites
-//             for each micro-batch: LossSum l = model.forward_backward(inputs, targets, batch, seq);  (host ids)
-//             (data parallel: all-reduce model.grads() over ranks here)
-//             OptimizerStats s = model.adamw_step(1.0 / total_count, lr);
-//   checkpoints: the engine (engine/engine_gpu.cpp) reads and writes master_params() and the moments by segment.
-//   logs: mfu = tokens_per_s * model.flops_per_token(seq) / gpu_peak_bf16_flops().
-// engine/engine_gpu.cpp does exactly this for the trainer (with data parallelism over NCCL and ZeRO 0-3).
+// the CPU model's from its WeightStore: the model's own whole buffers (ZeRO-0 and 1), or ZeRO-2/3's sharded store
+// (dist/zero_gpu.h). The CUDA engine (engine/engine_gpu.cpp) is what drives a LlamaGpu for the trainer.
 #pragma once
 
 #if TUNA_CUDA
@@ -57,6 +45,11 @@ namespace tuna {
 // `offset` at ptr[offset - unit begin]); each is valid for work the model queues on its stream after the call
 // that returned it and before the matching release / grads_done. A store orders its own copies and collectives
 // against that stream (events), so the model never waits on the host for it.
+// Not one interface with model/llama.h's WeightStore: the weights differ in type (bf16 here, fp32 there), the
+// gradient contract differs (here a fresh buffer is overwritten by the pass's first writes, so no store zeroes
+// one; there every write adds), and so does when a pointer is valid (for work queued on a stream, not until a
+// host call). Nothing handles both kinds (each model takes its own), so a shared base would join them in name
+// only.
 class GpuWeightStore {
  public:
   virtual ~GpuWeightStore() = default;

@@ -1,5 +1,5 @@
-// plan_gpu_memory: every device buffer of the CUDA engine (model/llama_gpu.cpp, engine/engine_gpu.cpp) for one
-// rank, by name, in the order of its one device arena. The engine lays its arena out from this list and takes
+// plan_gpu_memory: every device buffer of the CUDA engine (model/llama_gpu.cpp, dist/zero_gpu.cpp) for one rank,
+// by name, in the order of its one device arena. The engine lays its arena out from this list and takes
 // each buffer by name with its element count (DeviceArena::take checks the bytes), and fails at construction if
 // a listed buffer is not taken: the plan is the allocation, not an estimate of it. Plain C++, in every build.
 #include "model/memory_plan.h"

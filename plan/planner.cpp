@@ -466,8 +466,10 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   }
   const double att_flops = 4.0 * double(l.micro_batch) * double(d.heads) * double(l.seq_len) * double(l.seq_len) / 2 *
                            double(c.head_dim);
-  const double att_fwd = att_flops / (rates.attention_rate(c.head_dim, l.seq_len, false) * scale.compute);
-  const double att_bwd = 2.5 * att_flops / (rates.attention_rate(c.head_dim, l.seq_len, true) * scale.compute);
+  const double att_rate_fwd = rates.attention_rate(c.head_dim, l.seq_len, /*backward=*/false);
+  const double att_rate_bwd = rates.attention_rate(c.head_dim, l.seq_len, /*backward=*/true);
+  const double att_fwd = att_flops / (att_rate_fwd * scale.compute);
+  const double att_bwd = 2.5 * att_flops / (att_rate_bwd * scale.compute);
   const double norm_fwd = mem_time(double(n) * (4.0 * C + 4), "rmsnorm_fwd");
   const double norm_bwd = mem_time(double(n) * 8.0 * C, "rmsnorm_bwd");
   const double rope = mem_time(4.0 * double(n) * double(qd + kvd), "rope");
@@ -500,8 +502,8 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
        str(rates.gemm_shapes.empty() ? "at the measured layer rates, " : "at the nearest measured shapes, ",
            format_number(rates.gemm_fwd / 1e12, 0), "/", format_number(rates.gemm_bwd / 1e12, 0), " TFLOP/s fwd/bwd")},
       {"attention", A * L * (att_fwd + att_bwd),
-       str("hd ", c.head_dim, ", seq ", l.seq_len, ": ", format_number(rates.attention_rate(c.head_dim, l.seq_len, false) / 1e12, 0),
-           "/", format_number(rates.attention_rate(c.head_dim, l.seq_len, true) / 1e12, 0), " TFLOP/s fwd/bwd")},
+       str("hd ", c.head_dim, ", seq ", l.seq_len, ": ", format_number(att_rate_fwd / 1e12, 0), "/",
+           format_number(att_rate_bwd / 1e12, 0), " TFLOP/s fwd/bwd")},
       {"norms, RoPE, SwiGLU", A * L * (layer_mem_fwd + layer_mem_bwd), "memory-bound, at their measured share of the copy bandwidth"},
       {"loss head", A * head, str("lm_head at ", format_number(rates.lm_head / 1e12, 0), " TFLOP/s, cross-entropy")},
       {"recompute", A * L * recompute, l.recompute == Recompute::None ? "none" : str(recompute_name(l.recompute), " recompute")},

@@ -52,9 +52,10 @@ TEST(AdamWGpu, FusedUpdateMatchesCpuTwin) {
   DeviceBf16 d_bf16(p.n);
   d_bf16.poison();
   const cuda::AdamWSegments seg{d_starts.get(), d_decays.get(), static_cast<int>(p.starts.size())};
-  cuda::adamw_update(d_param.get(), d_bf16.bf(), d_grad.get(), d_m.get(), d_v.get(), p.n, seg, args(false), nullptr);
+  const cuda::AdamWArgs nearest = args(/*stochastic=*/false);
+  cuda::adamw_update(d_param.get(), d_bf16.bf(), d_grad.get(), d_m.get(), d_v.get(), p.n, seg, nearest, nullptr);
   const std::vector<float> before = p.param;
-  cpu_update(p, args(false));
+  cpu_update(p, nearest);
   // Compare the updates (new - old), not the parameters: the parameters barely move, so comparing them
   // would hide a wrong update. fp32 math against double: ~1e-6 relative; the subtraction adds ~6e-8 / 1e-2.
   std::vector<float> got = d_param.download();
@@ -82,8 +83,9 @@ TEST(AdamWGpu, Bf16MomentsAndStochasticRounding) {
   DeviceBuffer<int64_t> d_starts(p.starts);
   DeviceBuffer<uint8_t> d_decays(p.decays);
   const cuda::AdamWSegments seg{d_starts.get(), d_decays.get(), static_cast<int>(p.starts.size())};
-  cuda::adamw_update(d_param.get(), d_bf16.bf(), d_grad.get(), d_m.bf(), d_v.bf(), p.n, seg, args(true), nullptr);
-  cpu_update(p, args(true));
+  const cuda::AdamWArgs stochastic = args(/*stochastic=*/true);
+  cuda::adamw_update(d_param.get(), d_bf16.bf(), d_grad.get(), d_m.bf(), d_v.bf(), p.n, seg, stochastic, nullptr);
+  cpu_update(p, stochastic);
   // bf16 moments: within 2x of one rounding (stochastic rounding's error is at most one bf16 spacing).
   std::vector<double> naive_m(p.n), naive_v(p.n);
   for (int64_t i = 0; i < p.n; ++i) naive_m[i] = round_bf16(p.m[i]), naive_v[i] = round_bf16(p.v[i]);

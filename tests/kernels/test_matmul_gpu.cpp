@@ -46,7 +46,10 @@ TEST(MatmulGpu, ForwardWithResidualAndBackward) {
   for (bool with_residual : {false, true}) {
     SCOPED_TRACE(with_residual ? "residual epilogue" : "plain");
     d_out.poison();
-    cuda::matmul_fwd(ctx, d_out.bf(), d_inp.bf(), d_w.bf(), with_residual ? d_resid.bf() : nullptr, n, ic, oc, nullptr);
+    if (with_residual)
+      cuda::matmul_residual_fwd(ctx, d_out.bf(), d_inp.bf(), d_w.bf(), d_resid.bf(), n, ic, oc, nullptr);
+    else
+      cuda::matmul_fwd(ctx, d_out.bf(), d_inp.bf(), d_w.bf(), n, ic, oc, nullptr);
     std::vector<double> ref(n * oc);
     cpu::matmul_fwd(ref.data(), x.data(), wd.data(), n, ic, oc);
     std::vector<double> naive = naive_nt(x, wd, n, ic, oc);
@@ -84,10 +87,10 @@ TEST(MatmulGpu, ForwardWithResidualAndBackward) {
   // No rows: an overwritten dweight is zeros (a sum over nothing), an accumulated one is left alone.
   DeviceBuffer<float> d_overwritten(dw0), d_accumulated(dw0);
   d_overwritten.poison();
-  cuda::matmul_bwd(ctx, nullptr, d_overwritten.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), 0, ic, oc, false,
-                   GradWrite::Overwrite, nullptr);
-  cuda::matmul_bwd(ctx, nullptr, d_accumulated.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), 0, ic, oc, false,
-                   GradWrite::Accumulate, nullptr);
+  cuda::matmul_bwd(ctx, nullptr, d_overwritten.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), 0, ic, oc,
+                   /*accumulate_dinp=*/false, GradWrite::Overwrite, nullptr);
+  cuda::matmul_bwd(ctx, nullptr, d_accumulated.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), 0, ic, oc,
+                   /*accumulate_dinp=*/false, GradWrite::Accumulate, nullptr);
   EXPECT_EQ(d_overwritten.download(), std::vector<float>(oc * ic, 0.0f));
   EXPECT_EQ(d_accumulated.download(), dw0);
 }

@@ -281,7 +281,7 @@ TEST_P(LlamaGpuFreshGradients, NanInTheBufferBeforeAStepDoesNotReachItsGradients
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaGpuFreshGradients, testing::Values("llama2_tiny", "llama32_tiny"));
 
-// A GpuWeightStore (the contract ZeRO-2 and 3 use, engine/engine_gpu.cpp) whose gradient buffers hold NaN every
+// A GpuWeightStore (the contract ZeRO-2 and 3 use, dist/zero_gpu.h) whose gradient buffers hold NaN every
 // time it hands one out fresh: the backward must overwrite every element of every unit. Each unit's gradient is
 // added, in fp32 and in micro-batch order, into a host sum when the backward is done with it.
 class NanGradientStore final : public GpuWeightStore {

@@ -38,6 +38,25 @@ void check_operand(const void* p, int64_t elements, int64_t element_bytes, const
              " (", elements, " elements at ", p, ") is not inside one device allocation");
 }
 
+// Both forwards: with a residual, it is added in fp32 before the one rounding, as the GEMM's epilogue does.
+void matmul_fwd_host(__nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
+                     const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());  // one device for every host thread (runtime.h)
+  if (n == 0) return;
+  check_operand(out, n * oc, 2, "out");
+  check_operand(inp, n * ic, 2, "inp");
+  check_operand(weight, oc * ic, 2, "weight");
+  if (residual != nullptr) check_operand(residual, n * oc, 2, "residual");
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t o = 0; o < oc; ++o) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < ic; ++i) acc += widen(inp[r * ic + i]) * widen(weight[o * ic + i]);
+      if (residual != nullptr) acc += widen(residual[r * oc + o]);  // read before the write: out may be residual
+      out[r * oc + o] = __float2bfloat16_rn(acc);
+    }
+}
+
 }  // namespace
 
 // The real context holds a cuBLASLt handle and a device workspace; the double allocates the same workspace
@@ -61,22 +80,15 @@ void MatmulContext::set_timed_candidates(int candidates) {
   timed_candidates_ = candidates;
 }
 
-void matmul_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
-                const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
-  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
-  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());  // one device for every host thread (runtime.h)
-  if (n == 0) return;
-  check_operand(out, n * oc, 2, "out");
-  check_operand(inp, n * ic, 2, "inp");
-  check_operand(weight, oc * ic, 2, "weight");
-  if (residual != nullptr) check_operand(residual, n * oc, 2, "residual");
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t o = 0; o < oc; ++o) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < ic; ++i) acc += widen(inp[r * ic + i]) * widen(weight[o * ic + i]);
-      if (residual != nullptr) acc += widen(residual[r * oc + o]);  // read before the write: out may be residual
-      out[r * oc + o] = __float2bfloat16_rn(acc);
-    }
+void matmul_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n,
+                int64_t ic, int64_t oc, cudaStream_t) {
+  matmul_fwd_host(out, inp, weight, nullptr, n, ic, oc);
+}
+
+void matmul_residual_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
+                         const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
+  TUNA_CHECK(residual != nullptr, "matmul_residual_fwd: no residual (matmul_fwd is the product alone)");
+  matmul_fwd_host(out, inp, weight, residual, n, ic, oc);
 }
 
 void matmul_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,

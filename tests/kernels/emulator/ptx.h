@@ -1,6 +1,7 @@
 // tests/kernels/emulator/ptx.h — host versions of the PTX helpers of kernels/attention_ptx.cuh
 // (smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldmatrix_x4, ldmatrix_x4_trans, mma),
-// which kernels/attention_kernels.cuh includes in its place under TUNA_EMULATOR; the block's dynamic shared
+// which kernels/attention_kernels.cuh finds in their place under TUNA_EMULATOR (through the shim's <cuda_bf16.h>
+// and runtime.h, which include this header); the block's dynamic shared
 // memory, and the race check of cp.async against ldmatrix (runtime.h's run of a grid calls it per block). The
 // Hopper instructions are in ptx_sm90.h.
 //

@@ -1,0 +1,152 @@
+// ZeRO 1-3 on the GPU: the device state and the weight store that the CUDA engine (engine/engine_gpu.cpp) wires
+// around LlamaGpu; the CPU's ZeRO is dist/zero.h. Only in CUDA builds (TUNA_CUDA).
+//
+// ZeRO-1 (OptimizerShard). The fp32 master weights and AdamW moments exist only for this rank's shard (its piece
+// of every unit, dp_unit_pieces, in shard order), 12 bytes per parameter divided by dp instead of 12; the model
+// keeps only its bf16 weights and fp32 gradients.
+//
+// ZeRO-2 and 3 (ShardedStore, the model's GpuWeightStore). No whole gradient exists: the backward writes each
+// unit's gradient into one of a few unit-sized buffers (handed out fresh: the pass's first writes overwrite, so
+// none is zeroed), and as soon as the unit's backward is done the buffer is reduce-scattered on a communication
+// stream and this rank's piece written into the fp32 gradient shard on the step's first micro-batch, added to it
+// on the others (sharded accumulation), while the compute stream goes on with the next unit. ZeRO-3 keeps
+// only the bf16 weights of the shard: each unit is all-gathered into a rotating gather buffer on the
+// communication stream just before the model uses it, the next unit of the pass gathered into the other buffer
+// while this one computes (prefetch), in the forward and again in the backward. Events order the two streams
+// (a buffer is regathered only after the compute that read it, and computed on only after its gather), so the
+// host never waits inside the pass. The update runs over the shard and writes the shard's bf16 weights, which
+// ZeRO-2 gathers whole after the step and ZeRO-3 gathers unit by unit in the next pass.
+#pragma once
+
+#if TUNA_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/comm.h"
+#include "kernels/adamw.cuh"  // AdamWSegments
+#include "model/layout.h"
+#include "model/llama_gpu.h"
+#include "model/optimizer.h"  // Segment, ShardPiece
+
+namespace tuna {
+
+// ZeRO-1's state on the device: this rank's shard of the master weights, moments and reduced gradient, in
+// shard order, and the fused AdamW's segment table for that order (which tensor, hence which decay, each
+// element belongs to). One allocation, made at construction.
+class OptimizerShard {
+ public:
+  // The buffers are the memory plan's "(shard)" items, in the model's arena.
+  // with_bf16_weights (ZeRO-2 and 3): the update also writes the bf16 weights of the shard.
+  OptimizerShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments,
+                 bool bf16_moments, bool with_bf16_weights);
+  OptimizerShard(const OptimizerShard&) = delete;
+  OptimizerShard& operator=(const OptimizerShard&) = delete;
+
+  bool bf16_moments() const { return bf16_moments_; }
+  cuda::AdamWSegments table() const { return {table_starts, table_decays, n_segments}; }
+
+  std::vector<ShardPiece> pieces;  // the shard's pieces of each tensor (which are replicated over tp)
+  int64_t size = 0, padded = 0;
+  std::vector<int64_t> unit_offset;  // where unit u's piece starts in shard order
+  float *master = nullptr, *grad = nullptr;
+  void *m = nullptr, *v = nullptr;  // float, or __nv_bfloat16 with bf16 moments
+  __nv_bfloat16* weights = nullptr;  // ZeRO-2 and 3: the bf16 weights of the shard
+  int64_t* table_starts = nullptr;
+  uint8_t* table_decays = nullptr;
+  int n_segments = 0;
+  double *norm_total = nullptr, *norm_scratch = nullptr, *replicated_norms = nullptr;
+
+ private:
+  bool bf16_moments_;
+};
+
+// An event recorded on one stream and waited on by another: the only way the compute and communication streams
+// order each other. Reusable: a wait takes the event's state at the time it is issued.
+class StreamEvent {
+ public:
+  StreamEvent();
+  ~StreamEvent();
+  StreamEvent(StreamEvent&& other) noexcept : event_(other.event_) { other.event_ = nullptr; }
+  StreamEvent(const StreamEvent&) = delete;
+  StreamEvent& operator=(const StreamEvent&) = delete;
+  void record(cudaStream_t on);
+  void wait(cudaStream_t by) const;
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// `waiter` runs what it is given next only after what `producer` has been given so far.
+void join(cudaStream_t waiter, cudaStream_t producer, StreamEvent& event);
+
+// ZeRO-2 and 3's weights and gradients for the model, unit by unit (see the top of this file). Gathers,
+// reduce-scatters and shard accumulation run on `comm_stream` (where the dp device comm enqueues; dp_device is
+// null on one rank); the model computes on its own stream. Installs itself as the model's weight store.
+class ShardedStore final : public GpuWeightStore {
+ public:
+  ShardedStore(LlamaGpu& model, OptimizerShard& shard, const std::vector<Segment>& segments, Comm* dp_device,
+               cudaStream_t comm_stream, int stage, bool prefetch);
+
+  // A step begins: the gradient shard holds nothing of it. Not zeroed: each unit's piece is written by the step's
+  // first reduce-scatter of the unit (grads_done), on the comm stream, after what the compute stream did so far.
+  void begin_step();
+  // Every unit's gradient is in the shard: the compute stream may read it. A unit that no backward of the step
+  // reached (a step without micro-batches) has a zero gradient.
+  void gradients_ready();
+  // The shard's bf16 weights were rewritten (an update, a restore) on the compute stream: ZeRO-2 gathers them
+  // into the whole weights; ZeRO-3's gathered units are stale.
+  void weights_updated();
+
+  void plan(const std::vector<int>& order) override;
+  const __nv_bfloat16* acquire(int unit) override;
+  void release(int unit) override;
+  // A buffer holds one unit for one pass, so it is always handed out fresh: the pass overwrites what an earlier
+  // unit left in it (LlamaGpu::GradWrites), no memset.
+  UnitGrads grads(int unit) override;
+  void grads_done(int unit) override;
+
+ private:
+  struct Gathered {
+    __nv_bfloat16* data = nullptr;
+    int unit = -1;        // the unit it holds or receives (its gather is queued on the comm stream)
+    bool in_use = false;  // acquired and not released
+    StreamEvent ready, released;
+  };
+  struct Gradient {
+    float* data = nullptr;
+    int unit = -1;  // the unit whose gradient it collects; -1: free
+    int64_t last_use = 0;
+    StreamEvent filled, drained;
+  };
+
+  // The bf16 weights of `unit` from every rank's shard into dst, on the comm stream.
+  void gather(int unit, __nv_bfloat16* dst, const char* what);
+  void gather_into(Gathered& b, int unit);
+  // Starts the gather of the unit the plan acquires next into a free buffer, unless it is there already.
+  void prefetch_next();
+
+  LlamaGpu& model_;
+  const ParamLayout& layout_;
+  OptimizerShard& shard_;
+  const std::vector<Segment>& segments_;
+  Comm* dp_;
+  cudaStream_t comm_, compute_;
+  int stage_;
+  bool prefetch_;
+  int64_t max_unit_ = 0, uses_ = 0;
+  float* scatter_out_ = nullptr;
+  std::vector<Gathered> gathered_;
+  std::vector<Gradient> gradients_;
+  std::vector<bool> shard_written_;  // per unit: its piece of the shard holds this step's gradient
+  StreamEvent compute_to_comm_, comm_to_compute_;
+  std::vector<int> order_;
+  size_t position_ = 0;
+};
+
+}  // namespace tuna
+
+#endif  // TUNA_CUDA
