@@ -41,9 +41,9 @@
 #include "kernels/attention_params.cuh"
 #include "kernels/common.cuh"
 #include "kernels/scratch.h"  // AttentionBwdScratch
-#ifdef TUNA_EMULATOR
-#include "tests/kernels/emulator/ptx_sm90.h"  // host versions of the helpers below
-#else
+// Under TUNA_EMULATOR, <cuda_bf16.h> above is the emulator's (its shim/ comes first on that build's include
+// path) and already declares host versions of these helpers, so this header names no file of tests/.
+#ifndef TUNA_EMULATOR
 #include "kernels/attention_sm90_ptx.cuh"  // mbarrier_*, tma_load_*, wgmma_*, setmaxnreg_*, elect_one, ...
 #endif
 
