@@ -1,7 +1,7 @@
 // tests/kernels/emulator/ptx_sm90.h — host versions of the Hopper (sm_90a) PTX helpers of
 // kernels/attention_sm90_ptx.cuh, which the sm_90a attention kernels find in its place under TUNA_EMULATOR
-// (through the shim's <cuda_bf16.h> and runtime.h, which include this header): mbarriers, TMA tensor loads (and the tensor maps cuTensorMapEncodeTiled makes, through the
-// driver entry point of runtime.h), wgmma with shared-memory matrix descriptors and its swizzle modes,
+// (through the shim's <cuda_bf16.h> and runtime.h, which include this header): mbarriers, TMA tensor loads
+// (and the tensor maps cuTensorMapEncodeTiled makes, through the driver entry point of runtime.h), wgmma with shared-memory matrix descriptors and its swizzle modes,
 // setmaxnreg, elect.sync, named barriers, proxy fences, ex2.approx.ftz, and the acquire/release flags of the
 // backward.
 //
