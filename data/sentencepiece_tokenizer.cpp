@@ -462,6 +462,7 @@ class SentencePieceNormalizer {
     add_dummy_prefix_ = add_dummy_prefix;
     remove_extra_whitespaces_ = remove_extra_whitespaces;
     plain_.fill(true);
+    for (int b = 0; b < 128; ++b) single_[b] = std::string_view(&kAscii[b], 1);
     if (charsmap.empty()) return true;
     uint32_t trie_bytes;
     if (charsmap.size() <= 4) return false;
@@ -470,10 +471,24 @@ class SentencePieceNormalizer {
     trie_.resize(trie_bytes / 4);
     std::memcpy(trie_.data(), charsmap.data() + 4, trie_bytes);
     replacements_.assign(charsmap.substr(4 + trie_bytes));
-    // An ASCII byte that starts no rule is copied as itself without a trie walk.
+    // An ASCII byte followed by another ASCII byte (or the end) needs no trie walk when no rule starts with
+    // it and an ASCII byte: its own rule applies (NFKC has rules for letters, such as "A" + a combining
+    // accent, but none made of two ASCII bytes in nmt_nfkc), else it is copied.
     for (int b = 0; b < 128; ++b) {
+      single_[b] = std::string_view(&kAscii[b], 1);
       const uint32_t node = offset(trie_[0]) ^ static_cast<uint32_t>(b);
-      plain_[b] = node >= trie_.size() || label(trie_[node]) != static_cast<uint32_t>(b);
+      if (node >= trie_.size() || label(trie_[node]) != static_cast<uint32_t>(b)) continue;
+      const uint32_t unit = trie_[node], children = node ^ offset(unit);
+      bool ascii_child = false;
+      for (uint32_t c = 0; c < 128 && !ascii_child; ++c)
+        ascii_child = (children ^ c) < trie_.size() && label(trie_[children ^ c]) == c;
+      if (ascii_child) {
+        plain_[b] = false;
+      } else if (has_leaf(unit)) {
+        if (children >= trie_.size() || value(trie_[children]) >= replacements_.size()) return false;
+        const char* s = replacements_.data() + value(trie_[children]);
+        single_[b] = std::string_view(s, strnlen(s, replacements_.size() - value(trie_[children])));
+      }
     }
     return true;
   }
@@ -522,8 +537,8 @@ class SentencePieceNormalizer {
   // The replacement of the longest rule at in[at], or one character as itself; returns the bytes used.
   size_t prefix(std::string_view in, size_t at, std::string_view* piece) const {
     const uint8_t lead = static_cast<uint8_t>(in[at]);
-    if (lead < 0x80 && plain_[lead]) {
-      *piece = in.substr(at, 1);
+    if (lead < 0x80 && plain_[lead] && (at + 1 == in.size() || static_cast<uint8_t>(in[at + 1]) < 0x80)) {
+      *piece = single_[lead];
       return 1;
     }
     size_t longest = 0;
@@ -558,9 +573,15 @@ class SentencePieceNormalizer {
     return length;
   }
 
+  static constexpr std::array<char, 128> kAscii = [] {
+    std::array<char, 128> a{};
+    for (int b = 0; b < 128; ++b) a[b] = static_cast<char>(b);
+    return a;
+  }();
   std::vector<uint32_t> trie_;
   std::string replacements_;
-  std::array<bool, 128> plain_{};
+  std::array<bool, 128> plain_{};             // no rule of two ASCII bytes starts with this byte
+  std::array<std::string_view, 128> single_;  // then: the byte's own rule, or itself
   bool add_dummy_prefix_ = true, remove_extra_whitespaces_ = true;
 };
 
@@ -680,18 +701,22 @@ class SentencePieceTokenizer final : public TokenizerImpl {
     thread_local std::string normalized;
     normalizer_.normalize(text, &normalized);
     const std::string_view n = normalized;
-    auto space_at = [&](size_t i) { return n.compare(i, kSpace.size(), kSpace) == 0; };
-    size_t start = 0;
-    for (size_t i = 1; i < n.size(); ++i) {
-      const char c = n[i], prev = n[i - 1];
-      const bool cut = (cut_words_ && c == kSpace[0] && space_at(i) && !(i >= kSpace.size() && space_at(i - kSpace.size()))) ||
-                       (cut_newlines_ && ((c == '\n') != (prev == '\n')));
-      if (cut) {
-        on_text(n.substr(start, i - start));
-        start = i;
+    size_t start = 0, space_end = std::string_view::npos;  // where the last "▁" ended
+    auto cut = [&](size_t i) {
+      if (i > start) on_text(n.substr(start, i - start));
+      start = i;
+    };
+    for (size_t i = 0; i < n.size(); ++i) {
+      const char c = n[i];
+      if (c == kSpace[0] && n.compare(i, kSpace.size(), kSpace) == 0) {
+        if ((cut_words_ && space_end != i) || (cut_newlines_ && i > 0 && n[i - 1] == '\n')) cut(i);
+        space_end = i + kSpace.size();
+        i = space_end - 1;
+      } else if (cut_newlines_ && i > 0 && (c == '\n') != (n[i - 1] == '\n')) {
+        cut(i);
       }
     }
-    if (start < n.size()) on_text(n.substr(start));
+    cut(n.size());
   }
 
   void library_encode(const sentencepiece::SentencePieceProcessor& p, std::string_view text,
