@@ -260,7 +260,7 @@ class SentencePieceBpe {
 
  private:
   static constexpr int kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6;
-  static constexpr size_t kShortSymbols = 32;  // longer segments merge through a heap (n log n)
+  static constexpr size_t kShortSymbols = 48;  // longer segments merge through a heap (n log n)
   struct Piece {
     std::string text;
     float score = 0;
@@ -463,7 +463,7 @@ class SentencePieceNormalizer {
     remove_extra_whitespaces_ = remove_extra_whitespaces;
     plain_.fill(true);
     for (int b = 0; b < 128; ++b) single_[b] = std::string_view(&kAscii[b], 1);
-    if (charsmap.empty()) return true;
+    if (charsmap.empty()) return finish();
     uint32_t trie_bytes;
     if (charsmap.size() <= 4) return false;
     std::memcpy(&trie_bytes, charsmap.data(), 4);
@@ -490,7 +490,7 @@ class SentencePieceNormalizer {
         single_[b] = std::string_view(s, strnlen(s, replacements_.size() - value(trie_[children])));
       }
     }
-    return true;
+    return finish();
   }
 
   void normalize(std::string_view in, std::string* out) const {
@@ -507,6 +507,17 @@ class SentencePieceNormalizer {
     if (add_dummy_prefix_) out->append(kSpace);
     bool prev_space = remove_extra_whitespaces_;
     while (at < in.size()) {
+      // A run of ASCII bytes that map to themselves (not spaces) is copied whole.
+      size_t end = at;
+      while (end < in.size() && copied_[static_cast<uint8_t>(in[end])] &&
+             (end + 1 == in.size() || static_cast<uint8_t>(in[end + 1]) < 0x80))
+        ++end;
+      if (end > at) {
+        out->append(in.substr(at, end - at));
+        prev_space = false;
+        at = end;
+        continue;
+      }
       const size_t used = prefix(in, at, &piece);
       if (prev_space)
         while (!piece.empty() && piece[0] == ' ') piece.remove_prefix(1);
@@ -528,6 +539,12 @@ class SentencePieceNormalizer {
   }
 
  private:
+  bool finish() {
+    copied_.fill(false);
+    for (int b = 0; b < 128; ++b) copied_[b] = b != ' ' && plain_[b] && single_[b] == std::string_view(&kAscii[b], 1);
+    return true;
+  }
+
   // darts-clone's unit: a label, an offset to the children, a leaf flag, a value.
   static uint32_t offset(uint32_t unit) { return (unit >> 10) << ((unit & (1u << 9)) >> 6); }
   static uint32_t label(uint32_t unit) { return unit & ((1u << 31) | 0xFF); }
@@ -582,6 +599,7 @@ class SentencePieceNormalizer {
   std::string replacements_;
   std::array<bool, 128> plain_{};             // no rule of two ASCII bytes starts with this byte
   std::array<std::string_view, 128> single_;  // then: the byte's own rule, or itself
+  std::array<bool, 256> copied_{};            // then: the byte itself, not a space
   bool add_dummy_prefix_ = true, remove_extra_whitespaces_ = true;
 };
 
