@@ -453,6 +453,13 @@ class SentencepieceCache : public ::testing::Test {
           " --model_type=" + type + " --vocab_size=1500 --byte_fallback=true --num_threads=2 --minloglevel=2");
       ASSERT_TRUE(status.ok()) << status.ToString();
     }
+    // LLaMA-style (identity, whitespace kept) with user-defined pieces, which match first and never merge.
+    const auto status = sentencepiece::SentencePieceTrainer::Train(
+        std::string("--input=") + dir_->file("corpus.txt") + " --model_prefix=" + dir_->file("user") +
+        " --model_type=bpe --vocab_size=1500 --byte_fallback=true --num_threads=2 --minloglevel=2"
+        " --normalization_rule_name=identity --remove_extra_whitespaces=false --split_digits=true"
+        " --user_defined_symbols=License,<br>,Licen");
+    ASSERT_TRUE(status.ok()) << status.ToString();
   }
   static void TearDownTestSuite() {
     delete dir_;
@@ -496,7 +503,7 @@ TEST_F(SentencepieceCache, NormalizingUnigramEncodesWholeDocuments) {
 
 TEST_F(SentencepieceCache, RandomSlicesOfRealTextMatchTheLibrary) {
   const auto& texts = TokenizerFixtures::get().texts();
-  for (const std::string& path : {model("bpe"), TokenizerFixtures::get().spm_model()}) {
+  for (const std::string& path : {model("bpe"), model("user"), TokenizerFixtures::get().spm_model()}) {
     const Tokenizer tok(path);
     const CachedEncoder encoder(tok);
     ASSERT_TRUE(encoder.exact()) << path;
@@ -517,10 +524,11 @@ TEST_F(SentencepieceCache, RandomSlicesOfRealTextMatchTheLibrary) {
 }
 
 TEST_F(SentencepieceCache, LongWordsAndNormalizedCharactersMatchTheLibrary) {
-  for (const std::string& path : {model("bpe"), TokenizerFixtures::get().spm_model()}) {
+  for (const std::string& path : {model("bpe"), model("user"), TokenizerFixtures::get().spm_model()}) {
     const Tokenizer tok(path);
     const CachedEncoder encoder(tok);
     ASSERT_TRUE(encoder.exact()) << path;
+    EXPECT_NE(std::string(encoder.segment_encoder()).find("tuna's"), std::string::npos) << path;
     for (const std::string& text :
          {std::string("Pneumonoultramicroscopicsilicovolcanoconiosis antidisestablishmentarianism"),
           std::string(500, 'a'), std::string(200, '='), std::string(" ") + std::string(300, ' ') + "x",
@@ -532,7 +540,8 @@ TEST_F(SentencepieceCache, LongWordsAndNormalizedCharactersMatchTheLibrary) {
           std::string("\xEF\xAC\x81le \xEF\xBC\xA1\xEF\xBC\xA2\xEF\xBC\xA3 \xE2\x91\xA0 x\xC2\xB2 \xC2\xBD\xC2\xA0n "
                       "\xE3\x80\x80i e\xCC\x81t\xC3\xA9 \x01\x7F\r\n\xE2\x96\x81 \xE2\x96\x81\xE2\x96\x81w"),
           std::string("invalid \xFF bytes \xC3( and \xE2\x82 cut"), std::string("\xE2\x96\x81"),
-          std::string(" \n \t "), std::string("\xEF\xAC\x81")}) {
+          std::string(" \n \t "), std::string("\xEF\xAC\x81"),
+          std::string("the License<br>Licensed, LicenseLicense Licen<br><br>")}) {
       expect_library_ids(tok, encoder, text);
       if (HasFatalFailure()) return;
     }
