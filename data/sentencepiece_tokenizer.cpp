@@ -315,6 +315,8 @@ class SentencePieceBpe {
       PairSlot& s = slot(key(left, right));
       s.key = key(left, right);
       s.piece = piece;
+      s.score = pieces_[piece].score;
+      any_unused_ |= pieces_[piece].type == kUnused;
     }
     for (int c = 0; c < 128; ++c) {
       const char ch = static_cast<char>(c);
@@ -322,9 +324,10 @@ class SentencePieceBpe {
     }
   }
 
-  struct PairSlot {
+  struct PairSlot {  // the merge's score beside its piece: a lookup touches one cache line
     uint64_t key = ~uint64_t{0};
     int32_t piece = -1;
+    float score = 0;
   };
   static uint64_t key(int32_t l, int32_t r) { return (uint64_t(uint32_t(l)) << 32) | uint32_t(r); }
   const PairSlot& slot(uint64_t k) const {
@@ -336,12 +339,13 @@ class SentencePieceBpe {
   PairSlot& slot(uint64_t k) { return const_cast<PairSlot&>(static_cast<const SentencePieceBpe*>(this)->slot(k)); }
 
   // The merge of two adjacent symbols, recording a merge into an unused piece.
-  Merge pair(const Symbol& left, const Symbol& right, std::vector<std::pair<int32_t, uint32_t>>* unused) const {
+  [[gnu::always_inline]] Merge pair(const Symbol& left, const Symbol& right,
+                                    std::vector<std::pair<int32_t, uint32_t>>* unused) const {
     if (left.id < 0 || right.id < 0) return {};
-    const int32_t piece = slot(key(left.id, right.id)).piece;
-    if (piece < 0) return {};
-    if (pieces_[piece].type == kUnused) unused->push_back({piece, left.size});
-    return {pieces_[piece].score, piece};
+    const PairSlot& s = slot(key(left.id, right.id));
+    if (s.piece < 0) return {};
+    if (any_unused_ && pieces_[s.piece].type == kUnused) unused->push_back({s.piece, left.size});
+    return {s.score, s.piece};
   }
 
   // Array rescan: the merge of each symbol with the next; a merge removes the right symbol from the array
@@ -414,7 +418,7 @@ class SentencePieceBpe {
   void emit(std::string_view symbol, int32_t id, const std::vector<std::pair<int32_t, uint32_t>>& unused_merges,
             std::vector<int32_t>* out) const {
     if (id < 0 || id >= static_cast<int32_t>(pieces_.size())) id = mergeable_.find(symbol);
-    if (id >= 0 && pieces_[id].type == kUnused) {
+    if (id >= 0 && any_unused_ && pieces_[id].type == kUnused) {
       for (auto it = unused_merges.rbegin(); it != unused_merges.rend(); ++it)
         if (it->first == id) {
           emit(symbol.substr(0, it->second), -1, unused_merges, out);
@@ -440,6 +444,7 @@ class SentencePieceBpe {
   std::vector<PairSlot> slots_;
   size_t mask_ = 0;
   int shift_ = 60;
+  bool any_unused_ = false;  // some merge makes an unused piece
   std::array<int32_t, 128> ascii_{};
   std::vector<int32_t> user_defined_;
   int32_t unk_ = -1;
