@@ -6,6 +6,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <bit>
 #include <climits>
 #include <cstring>
 #include <queue>
@@ -178,6 +179,7 @@ class PairTable {
     while (capacity < merges.size() * 2) capacity *= 2;
     slots_.assign(capacity, Slot{});
     mask_ = capacity - 1;
+    shift_ = 64 - std::countr_zero(capacity);
     std::string joined;
     for (const ByteBpeModel::Merge& m : merges) {
       joined.assign(tokens[m.left]).append(tokens[m.right]);
@@ -207,13 +209,15 @@ class PairTable {
   };
   static uint64_t key(int32_t l, int32_t r) { return (uint64_t(uint32_t(l)) << 32) | uint32_t(r); }
   const Slot& find_slot(uint64_t k) const {
-    size_t i = (k * 0x9E3779B97F4A7C15ull) >> 20 & mask_;
+    // The product's top bits: every bit of both ids reaches them (low bits would hash the right id alone).
+    size_t i = (k * 0x9E3779B97F4A7C15ull) >> shift_;
     while (slots_[i].key != kEmpty && slots_[i].key != k) i = (i + 1) & mask_;
     return slots_[i];
   }
   Slot& find_slot(uint64_t k) { return const_cast<Slot&>(static_cast<const PairTable*>(this)->find_slot(k)); }
   std::vector<Slot> slots_;
   size_t mask_ = 0;
+  int shift_ = 60;
 };
 
 // --- The tokenizer.

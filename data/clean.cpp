@@ -9,10 +9,6 @@
 
 namespace tuna {
 
-namespace {
-
-// Decodes one UTF-8 code point at s[i]; returns its length, or 0 when the bytes there are not valid UTF-8
-// (overlong forms, surrogates and values above U+10FFFF are invalid).
 size_t decode_utf8(std::string_view s, size_t i, uint32_t* cp) {
   const auto b = [&](size_t k) { return static_cast<uint8_t>(s[i + k]); };
   const uint8_t c = b(0);
@@ -38,6 +34,8 @@ size_t decode_utf8(std::string_view s, size_t i, uint32_t* cp) {
   }
   return 0;
 }
+
+namespace {
 
 bool is_horizontal_space(uint32_t cp) {
   return cp == ' ' || cp == '\t' || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||

@@ -48,6 +48,9 @@ bool clean_text(std::string_view in, const CleanOptions& options, std::string* o
 // Whether bytes are valid UTF-8, and a copy with each invalid byte replaced by U+FFFD (JSON lines are
 // repaired before parsing, since a JSON parser refuses invalid UTF-8).
 bool is_valid_utf8(std::string_view s);
+// Decodes one UTF-8 code point at s[i]; returns its length, or 0 when the bytes there are not valid UTF-8
+// (overlong forms, surrogates and values above U+10FFFF are invalid).
+size_t decode_utf8(std::string_view s, size_t i, uint32_t* cp);
 std::string repair_utf8(std::string_view s);
 
 struct QualityOptions {

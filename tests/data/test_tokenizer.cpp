@@ -424,3 +424,129 @@ TEST(TokenizerFiles, CarryExactlyTheNamedTokenizer) {
 
 }  // namespace
 }  // namespace tuna
+
+#include <sentencepiece_trainer.h>
+
+#include <random>
+
+namespace tuna {
+namespace {
+
+using testing_data::TempDir;
+using testing_data::TokenizerFixtures;
+
+// Sentencepiece models as spm_train makes them by default (the nmt_nfkc normalization rule, extra
+// whitespace removed: tuna normalizes the document itself and caches the normalized words) besides the
+// LLaMA-style fixture (identity, whitespace kept): the cached encoder against the library's ids on the real
+// reference texts, on random slices of them (cut anywhere, even inside a UTF-8 character, with whitespace
+// runs inserted), on long words that merge through the heap, and on characters that normalization changes.
+class SentencepieceCache : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    std::string lines;
+    for (const std::string& text : TokenizerFixtures::get().texts()) lines += text + "\n";
+    testing_data::write_file(dir_->file("corpus.txt"), lines);
+    for (const char* type : {"bpe", "unigram"}) {
+      const auto status = sentencepiece::SentencePieceTrainer::Train(
+          std::string("--input=") + dir_->file("corpus.txt") + " --model_prefix=" + dir_->file(type) +
+          " --model_type=" + type + " --vocab_size=1500 --byte_fallback=true --num_threads=2 --minloglevel=2");
+      ASSERT_TRUE(status.ok()) << status.ToString();
+    }
+    // LLaMA-style (identity, whitespace kept) with user-defined pieces, which match first and never merge.
+    const auto status = sentencepiece::SentencePieceTrainer::Train(
+        std::string("--input=") + dir_->file("corpus.txt") + " --model_prefix=" + dir_->file("user") +
+        " --model_type=bpe --vocab_size=1500 --byte_fallback=true --num_threads=2 --minloglevel=2"
+        " --normalization_rule_name=identity --remove_extra_whitespaces=false --split_digits=true"
+        " --user_defined_symbols=License,<br>,Licen");
+    ASSERT_TRUE(status.ok()) << status.ToString();
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static std::string model(const char* type) { return dir_->file(std::string(type) + ".model"); }
+  static TempDir* dir_;
+
+  // Cached ids (twice: the second time from the cache) and segment-by-segment ids equal the library's.
+  static void expect_library_ids(const Tokenizer& tok, const CachedEncoder& encoder, const std::string& text) {
+    const std::vector<int32_t> expected = tok.encode(text);
+    for (int round = 0; round < 2; ++round) {
+      std::vector<int32_t> ids;
+      encoder.encode(text, &ids);
+      ASSERT_EQ(ids, expected) << tok.path() << " round " << round << ": " << testing::PrintToString(text);
+    }
+    ASSERT_EQ(encoder.encode_by_words(text), expected) << tok.path() << ": " << testing::PrintToString(text);
+  }
+};
+TempDir* SentencepieceCache::dir_ = nullptr;
+
+TEST_F(SentencepieceCache, NormalizingBpeIsCachedAndExactOnRealText) {
+  const Tokenizer tok(model("bpe"));
+  const CachedEncoder encoder(tok);
+  ASSERT_TRUE(encoder.exact());
+  EXPECT_STREQ(encoder.segment_encoder(), "tuna's sentencepiece normalizer and BPE");
+  size_t tokens = 0;
+  for (const std::string& text : TokenizerFixtures::get().texts()) {
+    expect_library_ids(tok, encoder, text);
+    tokens += tok.encode(text).size();
+  }
+  EXPECT_GT(tokens, 90'000u);
+}
+
+TEST_F(SentencepieceCache, NormalizingUnigramEncodesWholeDocuments) {
+  const Tokenizer tok(model("unigram"));
+  const CachedEncoder encoder(tok);
+  EXPECT_FALSE(encoder.exact());
+  expect_library_ids(tok, encoder, TokenizerFixtures::get().texts()[0]);
+}
+
+TEST_F(SentencepieceCache, RandomSlicesOfRealTextMatchTheLibrary) {
+  const auto& texts = TokenizerFixtures::get().texts();
+  for (const std::string& path : {model("bpe"), model("user"), TokenizerFixtures::get().spm_model()}) {
+    const Tokenizer tok(path);
+    const CachedEncoder encoder(tok);
+    ASSERT_TRUE(encoder.exact()) << path;
+    std::mt19937 rng(7);
+    for (int i = 0; i < 1500; ++i) {
+      const std::string& text = texts[rng() % texts.size()];
+      if (text.empty()) continue;
+      const size_t begin = rng() % text.size();
+      std::string slice = text.substr(begin, 1 + rng() % 400);
+      for (int k = 0; k < 3; ++k) {  // whitespace runs the cleaner would have collapsed
+        static const char* const kRuns[] = {"  ", "\t", "\n\n", " \n ", "   \t"};
+        slice.insert(rng() % (slice.size() + 1), kRuns[rng() % 5]);
+      }
+      expect_library_ids(tok, encoder, slice);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST_F(SentencepieceCache, LongWordsAndNormalizedCharactersMatchTheLibrary) {
+  for (const std::string& path : {model("bpe"), model("user"), TokenizerFixtures::get().spm_model()}) {
+    const Tokenizer tok(path);
+    const CachedEncoder encoder(tok);
+    ASSERT_TRUE(encoder.exact()) << path;
+    EXPECT_NE(std::string(encoder.segment_encoder()).find("tuna's"), std::string::npos) << path;
+    for (const std::string& text :
+         {std::string("Pneumonoultramicroscopicsilicovolcanoconiosis antidisestablishmentarianism"),
+          std::string(500, 'a'), std::string(200, '='), std::string(" ") + std::string(300, ' ') + "x",
+          std::string("libs/geometry/include/boost/geometry/algorithms/detail/overlay/get_turn_info_helpers.hpp"),
+          std::string("https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/") + std::string(80, '-'),
+          std::string("the the the the the the the the the the the the the the the the the the the"),
+          // Ligatures, full-width letters, circled and superscript digits, fractions, no-break and
+          // ideographic spaces, a combining accent, control characters, CRLF, a written "▁".
+          std::string("\xEF\xAC\x81le \xEF\xBC\xA1\xEF\xBC\xA2\xEF\xBC\xA3 \xE2\x91\xA0 x\xC2\xB2 \xC2\xBD\xC2\xA0n "
+                      "\xE3\x80\x80i e\xCC\x81t\xC3\xA9 \x01\x7F\r\n\xE2\x96\x81 \xE2\x96\x81\xE2\x96\x81w"),
+          std::string("invalid \xFF bytes \xC3( and \xE2\x82 cut"), std::string("\xE2\x96\x81"),
+          std::string(" \n \t "), std::string("\xEF\xAC\x81"),
+          std::string("the License<br>Licensed, LicenseLicense Licen<br><br>")}) {
+      expect_library_ids(tok, encoder, text);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tuna

@@ -2,8 +2,10 @@
 """Peer timing for build/bench_tokenize: Hugging Face `tokenizers` encoding a corpus with a tokenizer.json.
 
   python3 tools/reference/bench_tokenizers.py --tokenizer tokenizer.json --corpus docs.jsonl [--threads 1]
+  python3 tools/reference/bench_tokenizers.py --tokenizer tokenizer.json --docs DIR [--threads 1]
 
-docs.jsonl holds one {"text": ...} per line (bench_tokenize writes it). The documents are encoded with
+docs.jsonl holds one {"text": ...} per line (bench_tokenize writes it); --docs takes every file of DIR as one
+document, in name order, invalid UTF-8 replaced by U+FFFD (scripts/bench-prepare.sh). The documents are encoded with
 Tokenizer.encode_batch(docs, add_special_tokens=False) on --threads threads (RAYON_NUM_THREADS, set before
 the library loads), after one untimed warm-up over the first 50 documents; the best of --repeat runs counts.
 Prints one JSON line: {"bench": "hf_tokenizers", "threads", "bytes", "documents", "tokens", "seconds",
@@ -20,7 +22,8 @@ import time
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--corpus", required=True)
+    ap.add_argument("--corpus")
+    ap.add_argument("--docs")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
@@ -31,8 +34,17 @@ def main():
     except ImportError:
         print("bench_tokenizers: the Python package 'tokenizers' is missing (pip install tokenizers)", file=sys.stderr)
         return 1
-    with open(args.corpus, encoding="utf-8") as f:
-        docs = [json.loads(line)["text"] for line in f]
+    if bool(args.corpus) == bool(args.docs):
+        print("bench_tokenizers: give one of --corpus and --docs", file=sys.stderr)
+        return 1
+    if args.corpus:
+        with open(args.corpus, encoding="utf-8") as f:
+            docs = [json.loads(line)["text"] for line in f]
+    else:
+        docs = []
+        for name in sorted(os.listdir(args.docs)):
+            with open(os.path.join(args.docs, name), "rb") as f:
+                docs.append(f.read().decode("utf-8", errors="replace"))
     size = sum(len(d.encode("utf-8")) for d in docs)
     tok = tokenizers.Tokenizer.from_file(args.tokenizer)
     tok.encode_batch(docs[:50], add_special_tokens=False)
