@@ -348,6 +348,14 @@ int print_plan(const LlamaConfig& model, const EngineOptions& eo, const Mesh& me
   return all_fit == world.size() ? 0 : 1;
 }
 
+// A signal reaches ranks at different moments: they stop together, at the first step any rank saw it.
+bool stop_requested(Comm& world, int64_t step) {
+  int64_t stop = g_stop_requested ? 1 : 0;
+  if (world.size() > 1) world.all_reduce_sum(&stop, 1, "stop request");
+  if (stop) std::printf("stop requested (signal): checkpointing at step %lld\n", (long long)step);
+  return stop != 0;
+}
+
 void install_stop_signals() {
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
@@ -495,14 +503,7 @@ int run(int argc, char** argv) {
       std::fflush(stdout);
     }
     if (validator.due(step, cfg.steps)) validate(step);
-    // A signal reaches ranks at different moments: stop together, at the first step any rank saw it.
-    int64_t stop = g_stop_requested ? 1 : 0;
-    if (world->size() > 1) world->all_reduce_sum(&stop, 1, "stop request");
-    if (stop) {
-      std::printf("stop requested (signal): checkpointing at step %lld\n", (long long)step);
-      stopped_early = true;
-      break;
-    }
+    if ((stopped_early = stop_requested(*world, step))) break;
     if (checkpointer.due(step, last_step)) save(step);
   }
 
