@@ -85,6 +85,8 @@ struct TrainConfig {
   double gpu_hour_cost = 0;
   bool plan_only = false;
   double gpu_memory_gb = 0;
+  bool document_mask = true;                 // attention stays inside each token's document
+  std::string document_positions = "restart";  // RoPE positions restart at each document (or continue)
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -131,6 +133,12 @@ void declare(Options& o, TrainConfig& c) {
         "stop the run after this many steps in a row whose loss or gradient norm is not finite (each is skipped)",
         Bounds::closed(1, 1e6));
   o.add("device", &c.device, "cuda when a GPU is visible (auto), or the one named", {"auto", "cpu", "cuda"});
+  o.add("document_mask", &c.document_mask,
+        "attention stays inside each token's document in packed windows (training and validation); false: "
+        "tokens attend across document boundaries");
+  o.add("document_positions", &c.document_positions,
+        "RoPE positions of packed windows: restart at 0 at each document (as transformers with packed position_ids) "
+        "or continue along the window", {"restart", "continue"});
   o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks", Bounds::closed(0, kMaxRanks));
   o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp", Bounds::closed(1, kMaxRanks));
   o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters", Bounds::closed(0, 3));
@@ -202,8 +210,10 @@ LossSum evaluate(Engine& model, DataLoader& val, int64_t max_batches, std::vecto
   const LoaderOptions& o = val.options();
   val.reset();
   LossSum total;
-  for (int64_t b = 0; (max_batches == 0 || b < max_batches) && val.next(inputs.data(), targets.data()); b++) {
-    LossSum l = model.forward_loss(inputs.data(), targets.data(), o.micro_batch, o.seq_len);
+  std::vector<int32_t> positions(inputs.size());  // document boundaries (the engine's DocumentMode uses them)
+  for (int64_t b = 0; (max_batches == 0 || b < max_batches) && val.next(inputs.data(), targets.data(), positions.data());
+       b++) {
+    LossSum l = model.forward_loss(inputs.data(), targets.data(), o.micro_batch, o.seq_len, positions.data());
     total.sum += l.sum;
     total.count += l.count;
   }
@@ -256,6 +266,7 @@ int run(int argc, char** argv) {
   eo.bf16_moments = cfg.bf16_moments, eo.stochastic_rounding = cfg.stochastic_rounding;
   eo.seed = static_cast<uint64_t>(cfg.seed);
   eo.gpu = launch.local_rank;  // one GPU per rank: the rank's index on its node
+  eo.documents = DocumentMode{cfg.document_mask, parse_document_positions(cfg.document_positions)};
   if (eo.device == "cpu" && (cfg.bf16_moments || cfg.stochastic_rounding))
     fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
 
@@ -435,7 +446,8 @@ int run(int argc, char** argv) {
   // The starting point, so the log shows how far training moved the held-out loss.
   if (val && step == 0) validate_now(0);
 
-  std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len);
+  std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len),
+      positions(cfg.micro_batch * cfg.seq_len);
   const double flops_per_token = engine->flops_per_token(cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
   int64_t bad_in_a_row = 0;
@@ -445,8 +457,8 @@ int run(int argc, char** argv) {
     engine->begin_step();
     LossSum loss;
     for (int64_t micro = 0; micro < cfg.grad_accum; micro++) {
-      train.next(inputs.data(), targets.data());
-      LossSum l = engine->forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len);
+      train.next(inputs.data(), targets.data(), positions.data());
+      LossSum l = engine->forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len, positions.data());
       loss.sum += l.sum;
       loss.count += l.count;
     }
