@@ -472,7 +472,8 @@ def main():
             total += size
             print(f"  {os.path.join(d, name)}  {size} bytes")
     print(f"total {total} bytes")
-    assert total < 3 * 1024 * 1024, "fixtures must stay small"
+    # ~4.2 MB: half of it the float64 gradients, once for the plain batch and once packed.
+    assert total < 4.5 * 1024 * 1024, "fixtures must stay small"
 
 
 if __name__ == "__main__":
