@@ -470,9 +470,10 @@ LossSum Llama::forward_loss(const int32_t* inputs, const int32_t* targets, int64
   return head(targets, batch * seq, /*want_grad=*/false, nullptr);
 }
 
-void Llama::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) {
+void Llama::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits,
+                           const int32_t* positions) {
   TUNA_CHECK(!tp_, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
-  forward(inputs, batch, seq, /*backward_follows=*/false);
+  forward(inputs, batch, seq, /*backward_follows=*/false, nullptr, positions);
   head(nullptr, batch * seq, /*want_grad=*/false, logits);
 }
 

@@ -100,8 +100,9 @@ class Llama {
   // The same loss without gradients (evaluation).
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions = nullptr);
-  // Full logits [batch, seq, vocab] (tests, generation); not under tensor parallelism.
-  void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits);
+  // Full logits [batch, seq, vocab] (tests, generation); not under tensor parallelism. positions as above.
+  void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits,
+                      const int32_t* positions = nullptr);
 
   // Generation with a KV cache. make_kv_cache: an empty cache for `batch` sequences of up to `capacity`
   // positions (capacity <= max_seq). forward_cached: appends `n` tokens to each sequence (tokens [batch, n],

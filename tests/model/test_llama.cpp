@@ -63,6 +63,38 @@ TEST_P(LlamaParity, LogitsLossAndEveryGradientMatchTransformers) {
   }
 }
 
+// The same batch as packed documents (tools/reference/make_fixtures.py: transformers with position_ids restarting
+// at each document and a block-diagonal causal mask, float64): logits, loss and every gradient at the bound above.
+// Its position_ids are valid loader positions (0 where a document begins), which the model turns into the same
+// document starts and RoPE positions.
+TEST_P(LlamaParity, PackedDocumentsMatchTransformers) {
+  Fixture f(GetParam());
+  Llama model(f.config, f.batch, f.seq);
+  load_weights(f.dir, model.layout(), model.params.data());
+  SafetensorsFile ref(f.dir / "packed.safetensors");
+  const int64_t V = f.config.vocab_size;
+  std::vector<int32_t> positions(f.batch * f.seq);
+  ref.read_i32("position_ids", {f.batch, f.seq}, positions.data());
+
+  std::vector<float> logits(f.batch * f.seq * V);
+  model.forward_logits(f.inputs.data(), f.batch, f.seq, logits.data(), positions.data());
+  std::vector<double> ref_logits(logits.size());
+  ref.read_f64("logits", {f.batch, f.seq, V}, ref_logits.data());
+  EXPECT_LE(rel_err_norm(logits.data(), ref_logits.data(), logits.size()), 1e-5);
+
+  model.zero_grads();
+  const LossSum loss = model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data());
+  double ref_loss = 0;
+  ref.read_f64("loss", {1}, &ref_loss);
+  ASSERT_GT(loss.count, 0);
+  EXPECT_NEAR(loss.sum / loss.count, ref_loss, 1e-5);
+  for (const ParamTensor& t : model.layout().tensors()) {
+    std::vector<double> ref_grad(t.numel);
+    ref.read_f64("grad." + t.name, t.shape, ref_grad.data());
+    EXPECT_LE(rel_err_norm(model.grads.data() + t.offset, ref_grad.data(), t.numel, 1.0 / loss.count), 1e-5) << t.name;
+  }
+}
+
 TEST_P(LlamaParity, TenAdamWStepsFollowTorch) {
   Fixture f(GetParam());
   Llama model(f.config, f.batch, f.seq);
