@@ -89,6 +89,8 @@ struct TrainConfig {
   double gpu_hour_cost = 0;
   bool plan_only = false;
   double gpu_memory_gb = 0;
+  bool document_mask = true;                 // attention stays inside each token's document
+  std::string document_positions = "restart";  // RoPE positions restart at each document (or continue)
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -135,6 +137,12 @@ void declare(Options& o, TrainConfig& c) {
         "stop the run after this many steps in a row whose loss or gradient norm is not finite (each is skipped)",
         Bounds::closed(1, 1e6));
   o.add("device", &c.device, "cuda when a GPU is visible (auto), or the one named", {"auto", "cpu", "cuda"});
+  o.add("document_mask", &c.document_mask,
+        "attention stays inside each token's document in packed windows (training and validation); false: "
+        "tokens attend across document boundaries");
+  o.add("document_positions", &c.document_positions,
+        "RoPE positions of packed windows: restart at 0 at each document (as transformers with packed position_ids) "
+        "or continue along the window", {"restart", "continue"});
   o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks", Bounds::closed(0, kMaxRanks));
   o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp", Bounds::closed(1, kMaxRanks));
   o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters", Bounds::closed(0, 3));
@@ -263,6 +271,7 @@ EngineOptions engine_options(const TrainConfig& cfg, const RunStart& start, cons
   eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
   eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
   eo.bf16_moments = cfg.bf16_moments;
+  eo.documents = DocumentMode{cfg.document_mask, parse_document_positions(cfg.document_positions)};
   std::string note;
   eo.attention = choose_attention(cfg.attention, start.checkpoint_state, &note);
   if (!note.empty()) std::printf("note: %s\n", note.c_str());
@@ -464,7 +473,8 @@ int run(int argc, char** argv) {
 
   // The loop: micro-batches, the step (loss over ranks, gradient sync, clip, AdamW), the record, then whatever
   // is due.
-  std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len);
+  std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len),
+      positions(cfg.micro_batch * cfg.seq_len);  // each token's place in its document (the masks, RoPE)
   const double flops_per_token = engine->flops_per_token(cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
   int64_t bad_in_a_row = 0;
@@ -474,8 +484,9 @@ int run(int argc, char** argv) {
     engine->begin_step();
     LossSum loss;
     for (int64_t micro = 0; micro < cfg.grad_accum; micro++) {
-      train.next(inputs.data(), targets.data());
-      const LossSum l = engine->forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len);
+      train.next(inputs.data(), targets.data(), positions.data());
+      const LossSum l = engine->forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len,
+                                                 positions.data());
       loss.sum += l.sum, loss.count += l.count;
     }
     inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only

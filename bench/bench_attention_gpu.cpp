@@ -9,7 +9,17 @@
 // its rate beside the 8-kv-head one (G = 4) shows what grouped-query attention costs the backward's ordered
 // dQ additions (a CTA per kv head walks every query head of its group). Labelled "bwd G=1 ...", apart from the
 // rows the peers are matched to (they run G = 4).
+//
+// BM_AttentionDocuments: packed windows of 4,096 tokens made of documents of 256, 1,024 or 4,096 tokens, mma
+// path, hd128, with the document mask (masked:1) and without it (masked:0, attention across the documents, as
+// before masks). Both report `useful TFLOP/s`: the FLOPs of causal attention inside each document (what the
+// masked run must compute) over the time taken. A masked kernel that skips the key blocks outside the documents
+// keeps that rate near the plain causal rate at every document length (time proportional to the useful FLOPs);
+// the unmasked one spends 4096 / doc_tokens times the work, and its useful rate drops by that factor.
+#include <vector>
+
 #include "bench/gpu_bench_util.h"
+#include "core/cuda_check.h"
 #include "kernels/attention.cuh"
 
 namespace tuna::bench {
@@ -37,16 +47,17 @@ void BM_Attention(benchmark::State& state) {
   fill_random_bf16(dout.as<__nv_bfloat16>(), q_count, 4);
   cudaStream_t stream = nullptr;
   cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
-                      v.as<__nv_bfloat16>(), batch, seq, kHeads, kv_heads, head_dim, stream, path);
+                      v.as<__nv_bfloat16>(), batch, seq, kHeads, kv_heads, head_dim, /*doc_start=*/nullptr, stream,
+                      path);
   run_timed(state, stream, [&] {
     if (!backward)
       cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
-                          v.as<__nv_bfloat16>(), batch, seq, kHeads, kv_heads, head_dim, stream, path);
+                          v.as<__nv_bfloat16>(), batch, seq, kHeads, kv_heads, head_dim, /*doc_start=*/nullptr, stream, path);
     else
       cuda::attention_bwd(dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
                           dout.as<__nv_bfloat16>(), out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(),
                           k.as<__nv_bfloat16>(), v.as<__nv_bfloat16>(), scratch.as<float>(), batch, seq, kHeads,
-                          kv_heads, head_dim, stream, path);
+                          kv_heads, head_dim, /*doc_start=*/nullptr, stream, path);
   });
   const double fwd_flops = 4.0 * batch * kHeads * double(seq) * double(seq) / 2.0 * head_dim;
   const double flops = backward ? 2.5 * fwd_flops : fwd_flops;
@@ -62,6 +73,55 @@ BENCHMARK(BM_Attention)
     ->ArgsProduct({{2048, 4096, 8192}, {128}, {0, 1}, {0, 1}, {8}})
     ->ArgsProduct({{4096}, {64}, {0, 1}, {0, 1}, {8}})
     ->ArgsProduct({{4096, 8192}, {128}, {1}, {0, 1}, {32}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.3);
+
+void BM_AttentionDocuments(benchmark::State& state) {
+  constexpr int64_t kSeq = 4096, kHeadDim = 128, kKvHeads = 8;  // G = 4, as the peers' rows
+  const int64_t doc_tokens = state.range(0);
+  const bool masked = state.range(1) != 0, backward = state.range(2) != 0;
+  const int64_t batch = kTokens / kSeq;
+  const int64_t q_count = batch * kSeq * kHeads * kHeadDim, kv_count = batch * kSeq * kKvHeads * kHeadDim;
+  DeviceMemory q(q_count * 2), k(kv_count * 2), v(kv_count * 2), out(q_count * 2), dout(q_count * 2),
+      dq(q_count * 2), dk(kv_count * 2), dv(kv_count * 2), lse(batch * kHeads * kSeq * 4),
+      scratch(cuda::attention_bwd_scratch_floats(batch, kSeq, kHeads, kHeadDim, AttentionPath::kMma) * 4),
+      docs(batch * kSeq * 4);
+  fill_random_bf16(q.as<__nv_bfloat16>(), q_count, 1);
+  fill_random_bf16(k.as<__nv_bfloat16>(), kv_count, 2);
+  fill_random_bf16(v.as<__nv_bfloat16>(), kv_count, 3);
+  fill_random_bf16(dout.as<__nv_bfloat16>(), q_count, 4);
+  std::vector<int32_t> doc_start(batch * kSeq);
+  for (int64_t i = 0; i < batch * kSeq; ++i) doc_start[i] = static_cast<int32_t>(i % kSeq / doc_tokens * doc_tokens);
+  TUNA_CUDA_CHECK(cudaMemcpy(docs.as<int32_t>(), doc_start.data(), doc_start.size() * 4, cudaMemcpyHostToDevice));
+  const int32_t* doc = masked ? docs.as<int32_t>() : nullptr;
+  cudaStream_t stream = nullptr;
+  cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
+                      v.as<__nv_bfloat16>(), batch, kSeq, kHeads, kKvHeads, kHeadDim, doc, stream, AttentionPath::kMma);
+  run_timed(state, stream, [&] {
+    if (!backward)
+      cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
+                          v.as<__nv_bfloat16>(), batch, kSeq, kHeads, kKvHeads, kHeadDim, doc, stream,
+                          AttentionPath::kMma);
+    else
+      cuda::attention_bwd(dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
+                          dout.as<__nv_bfloat16>(), out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(),
+                          k.as<__nv_bfloat16>(), v.as<__nv_bfloat16>(), scratch.as<float>(), batch, kSeq, kHeads,
+                          kKvHeads, kHeadDim, doc, stream, AttentionPath::kMma);
+  });
+  // Causal attention inside each document: kSeq / doc_tokens documents of doc_tokens^2 / 2 scores each.
+  const double useful_fwd = 4.0 * batch * kHeads * double(kSeq / doc_tokens) * double(doc_tokens) *
+                            double(doc_tokens) / 2.0 * kHeadDim;
+  const double useful = backward ? 2.5 * useful_fwd : useful_fwd;
+  state.counters["useful TFLOP/s"] = rate(useful / 1e12);
+  state.counters["of_peak"] = rate(useful / gpu_peak_bf16_flops());
+  state.SetLabel(std::string(backward ? "bwd" : "fwd") + " hd128 seq 4096 documents of " + std::to_string(doc_tokens) +
+                 (masked ? " masked" : " unmasked") + " batch " + std::to_string(batch));
+}
+
+BENCHMARK(BM_AttentionDocuments)
+    ->ArgNames({"doc", "masked", "bwd"})
+    ->ArgsProduct({{256, 1024, 4096}, {1, 0}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.3);

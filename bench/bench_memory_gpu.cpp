@@ -101,7 +101,7 @@ void BM_Rope(benchmark::State& state) {
   cuda::fill_normal(sin_t.as<float>(), seq * kHeadDim / 2, 3, 0.5f, nullptr);
   run_timed(state, nullptr, [&] {
     cuda::rope_fwd(x.as<__nv_bfloat16>(), x.as<__nv_bfloat16>(), cos_t.as<float>(), sin_t.as<float>(), batch, seq,
-                   kHeads, kHeadDim, kHeads * kHeadDim, kHeads * kHeadDim, nullptr);
+                   kHeads, kHeadDim, kHeads * kHeadDim, kHeads * kHeadDim, /*positions=*/nullptr, nullptr);
   });
   report(state, 2.0 * count * 2);
 }

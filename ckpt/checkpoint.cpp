@@ -843,6 +843,28 @@ std::optional<int64_t> training_seq_len(const fs::path& dir) {
   return (*config)["seq_len"].get<int64_t>();
 }
 
+std::optional<TrainedDocumentMode> training_document_mode(const fs::path& dir) {
+  if (!fs::exists(dir / "state.json")) return std::nullopt;
+  const json state = read_state(dir);
+  const auto config = state.find("train_config");
+  if (config == state.end() || !config->is_object() || !config->contains("seq_len")) return std::nullopt;
+  TrainedDocumentMode mode{false, false};
+  if (config->contains("document_mask")) {
+    const json& v = (*config)["document_mask"];
+    if (!v.is_boolean())
+      fail(dir.string(), "/state.json: field 'train_config.document_mask': expected true or false, found ", v.dump());
+    mode.mask = v.get<bool>();
+  }
+  if (config->contains("document_positions")) {
+    const json& v = (*config)["document_positions"];
+    if (!v.is_string() || (v != "restart" && v != "continue"))
+      fail(dir.string(), "/state.json: field 'train_config.document_positions': expected \"restart\" or \"continue\", "
+           "found ", v.dump());
+    mode.restart_positions = v == "restart";
+  }
+  return mode;
+}
+
 void load_optimizer(const fs::path& dir, const ParamLayout& layout, AdamW& opt) {
   const fs::path p = dir / "optimizer.safetensors";
   if (!fs::exists(p)) fail(p.string(), ": missing (a checkpoint to resume from needs the optimizer state)");

@@ -149,6 +149,15 @@ int64_t checkpoint_bytes(int64_t n_params, const std::vector<TokenizerFile>& tok
 nlohmann::json read_state(const std::filesystem::path& dir);
 // The seq_len a training checkpoint was trained with (state.json's train_config), if dir is one.
 std::optional<int64_t> training_seq_len(const std::filesystem::path& dir);
+// How the run that wrote a checkpoint treated packed documents (its train_config's document_mask and
+// document_positions), so that build/eval scores windows as validation did: nullopt for a model tuna did not
+// train (a Hugging Face download, an import); a tuna run from before these options had neither, so
+// {mask false, positions continue}, what it trained with.
+struct TrainedDocumentMode {
+  bool mask = true;
+  bool restart_positions = true;
+};
+std::optional<TrainedDocumentMode> training_document_mode(const std::filesystem::path& dir);
 
 // A training checkpoint's state.json, checked for a resume: 'step' equals the step in the directory's name
 // (state.json of step_00000010 saying 417 is a damaged checkpoint, not a finished run), 'data_cursor' is an

@@ -69,10 +69,11 @@ std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptio
 }
 
 std::unique_ptr<ForwardModel> make_forward_model(const LlamaConfig& config, Device device, int64_t max_batch,
-                                                 int64_t max_seq, const WeightFill& weights) {
-  if (device == Device::Cpu) return make_cpu_forward_model(config, max_batch, max_seq, weights);
+                                                 int64_t max_seq, const WeightFill& weights,
+                                                 const DocumentMode& documents) {
+  if (device == Device::Cpu) return make_cpu_forward_model(config, max_batch, max_seq, weights, documents);
 #if TUNA_CUDA
-  return make_gpu_forward_model(config, max_batch, max_seq, weights);
+  return make_gpu_forward_model(config, max_batch, max_seq, weights, documents);
 #else
   fail("forward model: device cuda is not in this build (resolve_device says so first)");
 #endif

@@ -52,6 +52,7 @@ struct EngineOptions {
   bool bf16_moments = false;   // cuda: AdamW moments in bf16
   AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (--attention)
   GpuOptions gpu;              // cuda only: the device index, stochastic rounding
+  DocumentMode documents;      // packed windows: attention inside documents, positions restarted (llama.h)
 };
 
 // The figures of the log line that depend on the backend. NaN: not known on this backend.
@@ -90,10 +91,13 @@ class Engine {
   // The step: begin_step, forward_backward per micro-batch (sums; llama.h's loss convention), finish_step
   // (loss over dp ranks, gradient synchronization, global-norm clip, AdamW).
   virtual void begin_step() = 0;
-  virtual LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
+  // positions: the loader's document positions of the batch ([batch, seq]), or null: one document per row.
+  virtual LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                                   const int32_t* positions = nullptr) = 0;
   virtual StepResult finish_step(const LossSum& local, double lr) = 0;
   // Validation: this rank's loss, and the sum over dp ranks.
-  virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
+  virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                               const int32_t* positions = nullptr) = 0;
   virtual LossSum all_reduce_loss(const LossSum& local) = 0;
 
   // Checkpoints: this rank's segments, and its master weights and AdamW moments (fp32) a segment at a time, in
@@ -127,8 +131,9 @@ class ForwardModel {
  public:
   virtual ~ForwardModel() = default;
   virtual std::string describe() const = 0;
-  // Loss sums as Llama::forward_loss; logits [batch, seq, vocab] in fp32 on the host.
-  virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) = 0;
+  // Loss sums as Llama::forward_loss (positions as Engine's); logits [batch, seq, vocab] in fp32 on the host.
+  virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                               const int32_t* positions = nullptr) = 0;
   virtual void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) = 0;
 
   // Generation with a KV cache (Llama::forward_cached's contract). clear_cache starts an empty cache for
@@ -139,9 +144,11 @@ class ForwardModel {
   virtual void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) = 0;
 };
 
-// `device` as resolve_device returns it; weights fills the whole model (ParamLayout order).
+// `device` as resolve_device returns it; weights fills the whole model (ParamLayout order); documents: how
+// forward_loss treats the documents of a window given with positions.
 std::unique_ptr<ForwardModel> make_forward_model(const LlamaConfig& config, Device device,
-                                                 int64_t max_batch, int64_t max_seq, const WeightFill& weights);
+                                                 int64_t max_batch, int64_t max_seq, const WeightFill& weights,
+                                                 const DocumentMode& documents = {});
 
 // This rank's layout (model/memory_plan.h) for these options on `mesh`: the one place a run's parallel layout,
 // batch shape and buffer switches come together.

@@ -17,6 +17,7 @@ class CpuEngine final : public Engine {
                LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3, /*external_grads=*/o.zero == 2}) {
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
     // only its shard, filled piece by piece.
+    model_.set_document_mode(o.documents);
     if (initial && o.zero != 3) fill_whole(initial, model_.layout(), model_.params.data());
     zero_ = std::make_unique<Zero>(model_, o.opt, o.zero, *mesh.dp, mesh.tp.get());
     zero_->set_prefetch(o.zero_prefetch);
@@ -27,12 +28,14 @@ class CpuEngine final : public Engine {
   std::string describe() const override { return "cpu"; }
   const ParamLayout& layout() const override { return model_.layout(); }
   void begin_step() override { zero_->begin_step(); }
-  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
-    return model_.forward_backward(inputs, targets, batch, seq);
+  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                           const int32_t* positions) override {
+    return model_.forward_backward(inputs, targets, batch, seq, positions);
   }
   StepResult finish_step(const LossSum& local, double lr) override { return zero_->finish_step(local, lr); }
-  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
-    return model_.forward_loss(inputs, targets, batch, seq);
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                       const int32_t* positions) override {
+    return model_.forward_loss(inputs, targets, batch, seq, positions);
   }
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
 
@@ -62,13 +65,16 @@ class CpuEngine final : public Engine {
 
 class CpuForwardModel final : public ForwardModel {
  public:
-  CpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
+  CpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights,
+                  const DocumentMode& documents)
       : model_(config, max_batch, max_seq) {
+    model_.set_document_mode(documents);
     fill_whole(weights, model_.layout(), model_.params.data());
   }
   std::string describe() const override { return "cpu"; }
-  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
-    return model_.forward_loss(inputs, targets, batch, seq);
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                       const int32_t* positions) override {
+    return model_.forward_loss(inputs, targets, batch, seq, positions);
   }
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
     model_.forward_logits(inputs, batch, seq, logits);
@@ -86,14 +92,15 @@ class CpuForwardModel final : public ForwardModel {
 
 }  // namespace
 
+
 std::unique_ptr<Engine> make_cpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                         const WeightFill& initial) {
   return std::make_unique<CpuEngine>(config, options, mesh, initial);
 }
 
 std::unique_ptr<ForwardModel> make_cpu_forward_model(const LlamaConfig& config, int64_t max_batch, int64_t max_seq,
-                                                     const WeightFill& weights) {
-  return std::make_unique<CpuForwardModel>(config, max_batch, max_seq, weights);
+                                                     const WeightFill& weights, const DocumentMode& documents) {
+  return std::make_unique<CpuForwardModel>(config, max_batch, max_seq, weights, documents);
 }
 
 }  // namespace tuna

@@ -80,6 +80,7 @@ class GpuEngine final : public Engine {
         mesh_(mesh),
         model_(config, engine_memory_layout(o, mesh), o.opt, o.gpu),
         segments_(dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size)) {
+    model_.set_document_mode(o.documents);
     cudaStream_t stream = model_.stream();
     // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
     if (o.zero >= 2) TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
@@ -117,8 +118,9 @@ class GpuEngine final : public Engine {
     if (store_) store_->begin_step();
     else model_.zero_grads();
   }
-  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
-    return model_.forward_backward(inputs, targets, batch, seq);
+  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                           const int32_t* positions) override {
+    return model_.forward_backward(inputs, targets, batch, seq, positions);
   }
   StepResult finish_step(const LossSum& local, double lr) override {
     StepResult r;
@@ -139,8 +141,9 @@ class GpuEngine final : public Engine {
     r.stats = model_.adamw_step(loss_scale, lr, loss_is_finite);
     return r;
   }
-  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
-    return model_.forward_loss(inputs, targets, batch, seq);
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                       const int32_t* positions) override {
+    return model_.forward_loss(inputs, targets, batch, seq, positions);
   }
   LossSum all_reduce_loss(const LossSum& local) override { return sum_over_ranks(*mesh_.dp, local); }
 
@@ -394,8 +397,10 @@ class GpuEngine final : public Engine {
 
 class GpuForwardModel final : public ForwardModel {
  public:
-  GpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights)
+  GpuForwardModel(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const WeightFill& weights,
+                  const DocumentMode& documents)
       : model_(config, single_rank_layout(max_batch, max_seq, /*training=*/false)), max_seq_(max_seq) {
+    model_.set_document_mode(documents);
     const ParamLayout& layout = model_.layout();
     std::vector<float> host;
     for (int u = 0; u < layout.num_units(); u++) {  // a unit at a time through the host
@@ -409,8 +414,9 @@ class GpuForwardModel final : public ForwardModel {
     describe_ = str("cuda:0 (", prop.name, ")");
   }
   std::string describe() const override { return describe_; }
-  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) override {
-    return model_.forward_loss(inputs, targets, batch, seq);
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                       const int32_t* positions) override {
+    return model_.forward_loss(inputs, targets, batch, seq, positions);
   }
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
     model_.forward_logits(inputs, batch, seq, logits);
@@ -437,8 +443,8 @@ class GpuForwardModel final : public ForwardModel {
 }  // namespace
 
 std::unique_ptr<ForwardModel> make_gpu_forward_model(const LlamaConfig& config, int64_t max_batch, int64_t max_seq,
-                                                     const WeightFill& weights) {
-  return std::make_unique<GpuForwardModel>(config, max_batch, max_seq, weights);
+                                                     const WeightFill& weights, const DocumentMode& documents) {
+  return std::make_unique<GpuForwardModel>(config, max_batch, max_seq, weights, documents);
 }
 
 std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,

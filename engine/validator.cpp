@@ -15,6 +15,7 @@ Validator::Validator(std::unique_ptr<DataLoader> data, int64_t every, int64_t ma
   if (data_) {
     const LoaderOptions& o = data_->options();
     inputs_.resize(o.micro_batch * o.seq_len), targets_.resize(o.micro_batch * o.seq_len);
+    positions_.resize(o.micro_batch * o.seq_len);
   }
 }
 
@@ -33,8 +34,9 @@ Validator::Result Validator::run(Engine& engine, int64_t step) {
   const LoaderOptions& o = data_->options();
   data_->reset();
   LossSum local;
-  for (int64_t b = 0; (max_batches_ == 0 || b < max_batches_) && data_->next(inputs_.data(), targets_.data()); b++) {
-    const LossSum l = engine.forward_loss(inputs_.data(), targets_.data(), o.micro_batch, o.seq_len);
+  for (int64_t b = 0;
+       (max_batches_ == 0 || b < max_batches_) && data_->next(inputs_.data(), targets_.data(), positions_.data()); b++) {
+    const LossSum l = engine.forward_loss(inputs_.data(), targets_.data(), o.micro_batch, o.seq_len, positions_.data());
     local.sum += l.sum;
     local.count += l.count;
   }

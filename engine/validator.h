@@ -45,7 +45,7 @@ class Validator {
  private:
   std::unique_ptr<DataLoader> data_;
   int64_t every_, max_batches_;
-  std::vector<int32_t> inputs_, targets_;
+  std::vector<int32_t> inputs_, targets_, positions_;  // positions: the document boundaries (the engine's masks)
 };
 
 }  // namespace tuna

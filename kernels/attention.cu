@@ -40,6 +40,17 @@ AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int
   return p;
 }
 
+// The hopper kernels (attention_sm90_*) take neither document starts nor RoPE positions yet: rather than
+// silently attend across documents, the call fails and says how to get the mma path.
+void refuse_hopper_documents(const int32_t* doc_start, const int32_t* rope_positions) {
+  if (doc_start != nullptr)
+    fail("attention: the hopper path (TUNA_ATTENTION=hopper) does not implement document masks yet; use "
+         "TUNA_ATTENTION=mma (the default) or --document_mask false");
+  if (rope_positions != nullptr)
+    fail("attention: the hopper path (TUNA_ATTENTION=hopper) does not implement restarted RoPE positions in its "
+         "fused backward yet; use TUNA_ATTENTION=mma (the default) or --document_positions continue");
+}
+
 }  // namespace
 
 bool attention_hopper_available() {
@@ -67,11 +78,12 @@ const char* attention_path_name(AttentionPath path) {
 
 void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
-                   int64_t head_dim, cudaStream_t stream, AttentionPath path) {
+                   int64_t head_dim, const int32_t* doc_start, cudaStream_t stream, AttentionPath path) {
   AttentionParams p = make_params(batch, seq_len, n_heads, n_kv_heads, head_dim);
   if (batch == 0 || seq_len == 0) return;
-  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
-  const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper;
+  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse, p.doc_start = doc_start;
+  const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128);
+  if (hopper) refuse_hopper_documents(doc_start, nullptr);
   if (head_dim == 64) hopper ? attention_sm90_fwd_hd64(p, stream) : attention_fwd_hd64(p, stream);
   else if (head_dim == 128) hopper ? attention_sm90_fwd_hd128(p, stream) : attention_fwd_hd128(p, stream);
   else attention_small(p, static_cast<int>(head_dim), /*backward=*/false, stream);
@@ -85,11 +97,12 @@ int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_h
 void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
                    const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, float* scratch, int64_t batch, int64_t seq_len, int64_t n_heads,
-                   int64_t n_kv_heads, int64_t head_dim, cudaStream_t stream, AttentionPath path,
-                   AttentionRope rope) {
+                   int64_t n_kv_heads, int64_t head_dim, const int32_t* doc_start, cudaStream_t stream,
+                   AttentionPath path, AttentionRope rope) {
   AttentionParams p = make_params(batch, seq_len, n_heads, n_kv_heads, head_dim);
   if (batch == 0 || seq_len == 0) return;
   p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv, p.delta = scratch;
+  p.doc_start = doc_start;
   // The kernels only read out and lse in the backward; the params struct is shared with the forward.
   p.out = const_cast<__nv_bfloat16*>(out);
   p.lse = const_cast<float*>(lse);
@@ -101,6 +114,7 @@ void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, cons
              static_cast<const void*>(rope.cos_table), ", sin_table at ", static_cast<const void*>(rope.sin_table));
   const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128);
   if (hopper) {
+    refuse_hopper_documents(doc_start, rope.positions);
     (head_dim == 64 ? attention_sm90_bwd_hd64 : attention_sm90_bwd_hd128)(p, scratch, rope.cos_table, rope.sin_table,
                                                                           stream);
     return;
@@ -110,9 +124,9 @@ void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, cons
   else attention_small(p, static_cast<int>(head_dim), /*backward=*/true, stream);
   if (rope.cos_table != nullptr) {
     rope_bwd(dq, dq, rope.cos_table, rope.sin_table, batch, seq_len, n_heads, head_dim, n_heads * head_dim,
-             n_heads * head_dim, stream);
+             n_heads * head_dim, rope.positions, stream);
     rope_bwd(dk, dk, rope.cos_table, rope.sin_table, batch, seq_len, n_kv_heads, head_dim, n_kv_heads * head_dim,
-             n_kv_heads * head_dim, stream);
+             n_kv_heads * head_dim, rope.positions, stream);
   }
 }
 

@@ -23,11 +23,15 @@ bool attention_hopper_available();
 
 // q, out: [batch, seq_len, n_heads, head_dim]; k, v: [batch, seq_len, n_kv_heads, head_dim] (query head h
 // reads kv head h / (n_heads / n_kv_heads), no copies); lse: [batch, n_heads, seq_len] fp32, the natural-log
-// logsumexp of each query's scaled scores. Scores (q . k) / sqrt(head_dim), causal. OVERWRITES out and lse.
-// head_dim 64 or 128 (tensor cores), or 8, 16, 32 (a plain fp32 kernel for tiny models); any seq_len.
+// logsumexp of each query's scaled scores. Scores (q . k) / sqrt(head_dim), causal and inside each query's
+// document: doc_start [batch, seq_len] device int32 (kernels/cpu/attention.h: each row's document start, checked
+// by the caller on the host), or null for one document per row. Key blocks outside a query block's documents are
+// skipped. OVERWRITES out and lse. head_dim 64 or 128 (tensor cores), or 8, 16, 32 (a plain fp32 kernel for tiny
+// models); any seq_len. The hopper path takes no documents yet (an error says so).
 void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
-                   int64_t head_dim, cudaStream_t stream, AttentionPath path = AttentionPath::kDefault);
+                   int64_t head_dim, const int32_t* doc_start, cudaStream_t stream,
+                   AttentionPath path = AttentionPath::kDefault);
 
 // Floats of scratch attention_bwd needs. mma: D = rowsum(dout * out), [batch, n_heads, seq_len]. hopper: also
 // the fp32 dQ accumulator and its ordering flags, which depend on head_dim (the default, 128, bounds 64).
@@ -40,16 +44,17 @@ int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_h
 struct AttentionRope {
   const float* cos_table = nullptr;  // null: no rotation
   const float* sin_table = nullptr;
+  const int32_t* positions = nullptr;  // rope_bwd's positions (null: t); mma only
 };
 
-// Gradients given dout and the forward's out and lse. OVERWRITES dq, dk, dv (dk, dv sum over the query heads
+// Gradients given dout and the forward's out and lse (and the forward's doc_start). OVERWRITES dq, dk, dv (dk, dv sum over the query heads
 // of their group). Deterministic, bit for bit run to run: mma computes dK/dV and dQ in separate kernels, each
 // output element owned by one thread; hopper adds each key block's dQ share in a fixed order (attention_sm90_
 // kernels.cuh).
 void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* dout,
                    const __nv_bfloat16* out, const float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, float* scratch, int64_t batch, int64_t seq_len, int64_t n_heads,
-                   int64_t n_kv_heads, int64_t head_dim, cudaStream_t stream,
+                   int64_t n_kv_heads, int64_t head_dim, const int32_t* doc_start, cudaStream_t stream,
                    AttentionPath path = AttentionPath::kDefault, AttentionRope rope = {});
 
 }  // namespace tuna::cuda

@@ -16,9 +16,15 @@
 // kernel) and never exchanges accumulators with other warps: rows are complete within a warp, so the row
 // reductions of the softmax are 4-lane shuffles.
 //
-// Masking: key > query (causal), and rows past seq_len: loads of rows >= seq_len are zero-filled (cp.async
-// with src-size 0), so no uninitialized value can meet a zero probability and make a NaN; their results are
-// never stored.
+// Documents (p.doc_start, a per-row document start): query t sees keys doc_start[t] <= j <= t. doc_start never
+// decreases along a row, so a query block starts its key loop at the block holding doc_start[first row] and a
+// key block's queries end where a document starting after its last key begins: key blocks wholly outside the
+// documents a block touches are never loaded, and a window of short documents costs about seq_len x document
+// length. Inside the visited blocks the element mask adds key < doc_start[query].
+//
+// Masking: key > query (causal), key before the query's document, and rows past seq_len: loads of rows >=
+// seq_len are zero-filled (cp.async with src-size 0), so no uninitialized value can meet a zero probability and
+// make a NaN; their results are never stored.
 //
 // Three headers, so that the device code can also run on the host: the PTX helpers (cp.async, ldmatrix, mma)
 // are in attention_ptx.cuh and the host launch sequences (cudaFuncSetAttribute, <<<>>>) in
@@ -178,18 +184,29 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(AttentionParams p) {
   const __nv_bfloat16* v_base = p.v + static_cast<int64_t>(b) * p.seq_len * kv_stride + kvh * kHd;
   const int q0 = m_block * kBlockRows;
   const int n_steps = (min(p.seq_len, q0 + kBlockRows) + kKeys - 1) / kKeys;
+  const int row_lo = q0 + warp * kRowsPerWarp + g;  // this thread's rows: row_lo, row_lo + 8
+  // Documents: the first key step, this thread's rows' first keys, the last first key of the warp's rows (rows
+  // past the sequence take the last row's document: they are never stored).
+  const int32_t* doc = p.doc_start ? p.doc_start + static_cast<int64_t>(b) * p.seq_len : nullptr;
+  const int first_step = doc ? doc[q0] / kKeys : 0;
+  int row_first_key[2] = {0, 0};
+  int warp_first_key = 0;
+  if (doc) {
+    row_first_key[0] = doc[min(row_lo, p.seq_len - 1)];
+    row_first_key[1] = doc[min(row_lo + 8, p.seq_len - 1)];
+    warp_first_key = doc[min(q0 + warp * kRowsPerWarp + kRowsPerWarp - 1, p.seq_len - 1)];
+  }
 
   load_tile<kBlockRows, kHd>(s_q, q_base, q_stride, q0, p.seq_len);
-  load_tile<kKeys, kHd>(s_k, k_base, kv_stride, 0, p.seq_len);
+  load_tile<kKeys, kHd>(s_k, k_base, kv_stride, first_step * kKeys, p.seq_len);
   cp_async_commit();
-  load_tile<kKeys, kHd>(s_v, v_base, kv_stride, 0, p.seq_len);
+  load_tile<kKeys, kHd>(s_v, v_base, kv_stride, first_step * kKeys, p.seq_len);
   cp_async_commit();
 
   float o[kHd / 8][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-  const int row_lo = q0 + warp * kRowsPerWarp + g;  // this thread's rows: row_lo, row_lo + 8
 
-  for (int j = 0; j < n_steps; ++j) {
+  for (int j = first_step; j < n_steps; ++j) {
     const int key0 = j * kKeys;
     cp_async_wait<1>();  // Q and K_j have landed (V_j may still be in flight)
     __syncthreads();
@@ -199,14 +216,17 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(AttentionParams p) {
     if (j + 1 < n_steps) load_tile<kKeys, kHd>(s_k, k_base, kv_stride, key0 + kKeys, p.seq_len);
     cp_async_commit();
 
-    // Scale into log2 units and mask: causal (key > query) and keys past the sequence.
-    const bool needs_mask = key0 + kKeys > q0 + warp * kRowsPerWarp || key0 + kKeys > p.seq_len;
+    // Scale into log2 units and mask: causal (key > query), keys past the sequence, keys of earlier documents.
+    const bool needs_mask =
+        key0 + kKeys > q0 + warp * kRowsPerWarp || key0 + kKeys > p.seq_len || key0 < warp_first_key;
 #pragma unroll
     for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + nt * 8 + 2 * c + (e & 1), row = row_lo + 8 * (e >> 1);
-        s[nt][e] = needs_mask && (key > row || key >= p.seq_len) ? -INFINITY : s[nt][e] * p.scale_log2;
+        s[nt][e] = needs_mask && (key > row || key >= p.seq_len || key < row_first_key[e >> 1])
+                       ? -INFINITY
+                       : s[nt][e] * p.scale_log2;
       }
     // Online softmax: new running max, rescale what was accumulated, exponentiate this step's scores.
 #pragma unroll
@@ -216,15 +236,17 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(AttentionParams p) {
       for (int nt = 0; nt < kSTiles; ++nt) step_max = fmaxf(step_max, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
       step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
       step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
-      // Key 0 is visible to every row, so after step 0 the max is finite and exp2(-inf - max) = 0 is safe.
+      // A row whose document starts in a later step has seen only masked keys (max -inf): subtracting 0 then keeps
+      // exp2(-inf - max) = 0 and the correction 0 instead of NaN. Once a visible key is seen the max is finite.
       const float new_max = fmaxf(row_max[half], step_max);
-      const float correction = exp2f(row_max[half] - new_max);
+      const float max_used = new_max == -INFINITY ? 0.0f : new_max;
+      const float correction = exp2f(row_max[half] - max_used);
       row_max[half] = new_max;
       float step_sum = 0.0f;
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) {
-        s[nt][2 * half] = exp2f(s[nt][2 * half] - new_max);
-        s[nt][2 * half + 1] = exp2f(s[nt][2 * half + 1] - new_max);
+        s[nt][2 * half] = exp2f(s[nt][2 * half] - max_used);
+        s[nt][2 * half + 1] = exp2f(s[nt][2 * half + 1] - max_used);
         step_sum += s[nt][2 * half] + s[nt][2 * half + 1];
       }
       row_sum[half] = row_sum[half] * correction + step_sum;  // this thread's share; summed over the quad at the end
@@ -299,6 +321,7 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
   __nv_bfloat16* s_do = s_q + 2 * kQueries * kHd;  // [2][kQueries][kHd]
   float* s_lse = reinterpret_cast<float*>(s_do + 2 * kQueries * kHd);  // [2][kQueries], natural log
   float* s_delta = s_lse + 2 * kQueries;                                // [2][kQueries]
+  int32_t* s_doc = reinterpret_cast<int32_t*>(s_delta + 2 * kQueries);  // [2][kQueries]: queries' document starts
   constexpr int kQTiles = kQueries / 8;
   constexpr float kLog2e = 1.4426950408889634f;
 
@@ -315,9 +338,23 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
                              p.seq_len);
   cp_async_commit();
 
-  // Steps: (query head of the group, query block at or after key0), query blocks fastest.
+  // Steps: (query head of the group, query block at or after key0), query blocks fastest. With documents the
+  // queries end where a document that starts after this block's last key begins (binary search: doc_start never
+  // decreases): later queries see none of these keys.
+  const int32_t* doc = p.doc_start ? p.doc_start + static_cast<int64_t>(b) * p.seq_len : nullptr;
+  int q_end = p.seq_len;
+  if (doc) {
+    const int last_key = min(key0 + kBlockRows, p.seq_len) - 1;
+    int lo = last_key + 1, hi = p.seq_len;  // the first t in [lo, hi) with doc[t] > last_key, or hi
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (doc[mid] > last_key) hi = mid;
+      else lo = mid + 1;
+    }
+    q_end = lo;
+  }
   const int first_q_block = key0 / kQueries;  // earlier queries see none of these keys
-  const int q_blocks = (p.seq_len + kQueries - 1) / kQueries - first_q_block;  // >= 1: key0 < seq_len
+  const int q_blocks = (q_end + kQueries - 1) / kQueries - first_q_block;  // >= 1: key0 < q_end
   const int n_steps = group * q_blocks;
   const auto step_q0 = [&](int step) { return (first_q_block + step % q_blocks) * kQueries; };
   const auto issue = [&](int step, int buf) {
@@ -331,6 +368,7 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
       const int64_t at = stat_base + (valid ? q0 + i : 0);
       cp_async4(smem_address(s_lse + buf * kQueries + i), p.lse + at, valid);
       cp_async4(smem_address(s_delta + buf * kQueries + i), p.delta + at, valid);
+      if (doc) cp_async4(smem_address(s_doc + buf * kQueries + i), doc + (valid ? q0 + i : 0), valid);
     }
     cp_async_commit();
   };
@@ -346,6 +384,7 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
     const __nv_bfloat16* do_tile = s_do + buf * kQueries * kHd;
     const float* lse = s_lse + buf * kQueries;
     const float* delta = s_delta + buf * kQueries;
+    const int32_t* first_key = s_doc + buf * kQueries;  // read only with documents
 
     float pt[kQTiles][4] = {};
     gemm_rows_by_rows<kHd, kQTiles>(pt, s_k, warp * kRowsPerWarp, q_tile, 0, lane);
@@ -355,7 +394,8 @@ __global__ void __launch_bounds__(kThreads) bwd_dkdv_kernel(AttentionParams p) {
       for (int e = 0; e < 4; ++e) {
         const int qi = nt * 8 + 2 * c + (e & 1);
         const int key = key_lo + 8 * (e >> 1);
-        pt[nt][e] = key > q0 + qi ? 0.0f : exp2f(pt[nt][e] * p.scale_log2 - lse[qi] * kLog2e);
+        const bool masked = key > q0 + qi || (doc != nullptr && key < first_key[qi]);
+        pt[nt][e] = masked ? 0.0f : exp2f(pt[nt][e] * p.scale_log2 - lse[qi] * kLog2e);
       }
     float dst[kQTiles][4] = {};
     gemm_rows_by_rows<kHd, kQTiles>(dst, s_v, warp * kRowsPerWarp, do_tile, 0, lane);
@@ -397,6 +437,14 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(AttentionParams p) {
   const int q0 = m_block * kBlockRows;
   const int row_lo = q0 + warp * kRowsPerWarp + g;
   const int64_t stat_base = (static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len;
+  // Documents, as in the forward: the first key step and this thread's rows' first keys.
+  const int32_t* doc = p.doc_start ? p.doc_start + static_cast<int64_t>(b) * p.seq_len : nullptr;
+  const int first_step = doc ? doc[q0] / kKeys : 0;
+  int row_first_key[2] = {0, 0};
+  if (doc) {
+    row_first_key[0] = doc[min(row_lo, p.seq_len - 1)];
+    row_first_key[1] = doc[min(row_lo + 8, p.seq_len - 1)];
+  }
 
   load_tile<kBlockRows, kHd>(s_q, p.q + static_cast<int64_t>(b) * p.seq_len * q_stride + h * kHd, q_stride, q0,
                              p.seq_len);
@@ -417,9 +465,9 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(AttentionParams p) {
 
   float dq[kHd / 8][4] = {};
   const int n_steps = (min(p.seq_len, q0 + kBlockRows) + kKeys - 1) / kKeys;
-  issue(0, 0);
-  for (int j = 0; j < n_steps; ++j) {
-    const int key0 = j * kKeys, buf = j & 1;
+  issue(first_step, 0);
+  for (int j = first_step; j < n_steps; ++j) {
+    const int key0 = j * kKeys, buf = (j - first_step) & 1;
     cp_async_wait<0>();
     __syncthreads();  // tiles of step j visible to all; every warp is done with the other buffer
     if (j + 1 < n_steps) issue(j + 1, buf ^ 1);
@@ -434,7 +482,8 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(AttentionParams p) {
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + nt * 8 + 2 * c + (e & 1);
         const int half = e >> 1;
-        s[nt][e] = key > row_lo + 8 * half || key >= p.seq_len ? 0.0f : exp2f(s[nt][e] * p.scale_log2 - lse2[half]);
+        const bool masked = key > row_lo + 8 * half || key >= p.seq_len || key < row_first_key[half];
+        s[nt][e] = masked ? 0.0f : exp2f(s[nt][e] * p.scale_log2 - lse2[half]);
       }
     float dp[kSTiles][4] = {};
     gemm_rows_by_rows<kHd, kSTiles>(dp, s_do, warp * kRowsPerWarp, v_tile, 0, lane);
@@ -454,8 +503,8 @@ constexpr int fwd_smem_bytes() {
   return 3 * kBlockRows * kHd * 2;
 }
 template <int kHd, int kQueries>
-constexpr int dkdv_smem_bytes() {  // K, V; two buffers of Q, dO, lse, delta
-  return 2 * kBlockRows * kHd * 2 + 2 * (2 * kQueries * kHd * 2 + 2 * kQueries * 4);
+constexpr int dkdv_smem_bytes() {  // K, V; two buffers of Q, dO, lse, delta, document starts
+  return 2 * kBlockRows * kHd * 2 + 2 * (2 * kQueries * kHd * 2 + 3 * kQueries * 4);
 }
 template <int kHd, int kKeys>
 constexpr int dq_smem_bytes() {  // Q, dO; two buffers of K, V

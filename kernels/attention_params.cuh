@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 namespace tuna::cuda {
 
 struct AttentionParams {
@@ -20,6 +22,10 @@ struct AttentionParams {
   int batch, seq_len, n_heads, n_kv_heads;
   float scale;                // 1 / sqrt(head_dim)
   float scale_log2;           // scale * log2(e): scores go straight into exp2
+  // [batch, seq_len]: the first position of each row's document (kernels/cpu/attention.h), or null: one
+  // document per row. Query t sees keys doc_start[t] <= j <= t. Never decreases along a row, so a query block's
+  // first row bounds the whole block's keys.
+  const int32_t* doc_start;
 };
 
 void attention_fwd_hd64(const AttentionParams& p, cudaStream_t stream);

@@ -2,7 +2,8 @@
 // (forward, dQ) or per key row (dK/dV), with the FlashAttention contract (online softmax, lse kept, no
 // seq x seq storage). Launched by attention_small.cu, the only file that includes it; a header of its own
 // since the host emulator (tests/kernels/emulator) compiled the kernels alone, before it could compile the
-// launchers too. Internal to kernels/.
+// launchers too. Internal to kernels/. Documents (p.doc_start): a query walks keys from its document's start,
+// a key walks queries until the first one of a later document.
 #pragma once
 
 #include <cmath>
@@ -48,7 +49,8 @@ __global__ void small_fwd_kernel(AttentionParams p) {
   float q[kHd], acc[kHd] = {};
   load_row<kHd>(q, p.q + row * kHd);
   float row_max = -INFINITY, row_sum = 0.0f;
-  for (int j = 0; j <= t; ++j) {
+  const int first = p.doc_start ? p.doc_start[static_cast<int64_t>(b) * p.seq_len + t] : 0;
+  for (int j = first; j <= t; ++j) {
     const int64_t kv = ((static_cast<int64_t>(b) * p.seq_len + j) * p.n_kv_heads + kvh) * kHd;
     const float s = dot_row<kHd>(q, p.k + kv) * p.scale;
     const float new_max = fmaxf(row_max, s);
@@ -76,7 +78,8 @@ __global__ void small_dq_kernel(AttentionParams p) {
   const float delta = dot_row<kHd>(g, p.out + row * kHd);
   p.delta[stat] = delta;
   const float lse = p.lse[stat];
-  for (int j = 0; j <= t; ++j) {
+  const int first = p.doc_start ? p.doc_start[static_cast<int64_t>(b) * p.seq_len + t] : 0;
+  for (int j = first; j <= t; ++j) {
     const int64_t kv = ((static_cast<int64_t>(b) * p.seq_len + j) * p.n_kv_heads + kvh) * kHd;
     const float prob = expf(dot_row<kHd>(q, p.k + kv) * p.scale - lse);
     const float ds = prob * (dot_row<kHd>(g, p.v + kv) - delta);
@@ -99,8 +102,12 @@ __global__ void small_dkdv_kernel(AttentionParams p) {
   float k[kHd], v[kHd], dk[kHd] = {}, dv[kHd] = {};
   load_row<kHd>(k, p.k + row * kHd);
   load_row<kHd>(v, p.v + row * kHd);
+  // Queries t >= j of j's document: up to the first one whose document starts after j.
+  const int32_t* doc = p.doc_start ? p.doc_start + static_cast<int64_t>(b) * p.seq_len : nullptr;
+  int end = j + 1;
+  while (end < p.seq_len && (doc == nullptr || doc[end] <= j)) ++end;
   for (int h = kvh * group; h < (kvh + 1) * group; ++h)
-    for (int t = j; t < p.seq_len; ++t) {
+    for (int t = j; t < end; ++t) {
       const int64_t qrow = ((static_cast<int64_t>(b) * p.seq_len + t) * p.n_heads + h) * kHd;
       const int64_t stat = (static_cast<int64_t>(b) * p.n_heads + h) * p.seq_len + t;
       const float prob = expf(dot_row<kHd>(k, p.q + qrow) * p.scale - p.lse[stat]);

@@ -1,6 +1,7 @@
 // Rotary position embedding (HF rotate-half pairing) on the GPU, the twin of kernels/cpu/rope.cpp.
 //
-//   x: [batch, seq_len, n_heads, head_dim] bf16, row t at position t; tables [seq, head_dim/2] fp32. A position's
+//   x: [batch, seq_len, n_heads, head_dim] bf16, row (b, t) at position positions[b seq_len + t] (t when null:
+//   packed documents restart theirs); tables [seq, head_dim/2] fp32. A position's
 //   heads start a row stride apart, in and out each their own (q and k read from, and their gradients written
 //   into, the model's fused q|k|v rows).
 //   forward:  out[i] = x[i] c - x[i+h] s;   out[i+h] = x[i+h] c + x[i] s          OVERWRITTEN, may alias
@@ -29,14 +30,14 @@ constexpr int kHeads = 4;  // heads a thread rotates with one load of the tables
 __global__ void __launch_bounds__(kThreads)
     rope_kernel(bf16* out, const bf16* inp, const float* __restrict__ cos_table, const float* __restrict__ sin_table,
                 int64_t n_positions, int64_t seq_len, int64_t n_heads, int64_t half, int64_t out_stride,
-                int64_t inp_stride, float sign) {
+                int64_t inp_stride, float sign, const int32_t* __restrict__ positions) {
   const int64_t vecs_per_half = half / 8, groups = (n_heads + kHeads - 1) / kHeads;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= n_positions * groups * vecs_per_half) return;
   const int64_t i = (idx % vecs_per_half) * 8;
   const int64_t group = (idx / vecs_per_half) % groups;
   const int64_t position = idx / vecs_per_half / groups;
-  const int64_t t = position % seq_len;
+  const int64_t t = positions ? positions[position] : position % seq_len;
   Packed8 first[kHeads], second[kHeads];
 #pragma unroll
   for (int k = 0; k < kHeads; ++k) {
@@ -71,11 +72,12 @@ __global__ void __launch_bounds__(kThreads)
 // Any even head_dim and stride (tiny test models, unaligned rows): one thread per pair.
 __global__ void rope_pair_kernel(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table,
                                  int64_t n_rows, int64_t seq_len, int64_t n_heads, int64_t half, int64_t out_stride,
-                                 int64_t inp_stride, float sign) {
+                                 int64_t inp_stride, float sign, const int32_t* positions) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= n_rows * half) return;
   const int64_t row = idx / half, i = idx % half;
-  const int64_t position = row / n_heads, head = row % n_heads, t = position % seq_len;
+  const int64_t position = row / n_heads, head = row % n_heads;
+  const int64_t t = positions ? positions[position] : position % seq_len;
   const float c = cos_table[t * half + i], signed_sin = sign * sin_table[t * half + i];
   const bf16* x = inp + position * inp_stride + head * 2 * half;
   bf16* y = out + position * out_stride + head * 2 * half;
@@ -86,7 +88,7 @@ __global__ void rope_pair_kernel(bf16* out, const bf16* inp, const float* cos_ta
 
 void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table, int64_t batch,
                  int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride,
-                 float sign, cudaStream_t stream) {
+                 float sign, const int32_t* positions, cudaStream_t stream) {
   TUNA_CHECK(batch >= 0 && seq_len >= 0 && n_heads > 0 && head_dim > 0 && head_dim % 2 == 0 &&
                  out_stride >= n_heads * head_dim && inp_stride >= n_heads * head_dim,
              "batch ", batch, ", seq_len ", seq_len, ", n_heads ", n_heads, ", head_dim ", head_dim, ", out_stride ",
@@ -98,7 +100,8 @@ void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float
     const int64_t pairs = n_rows * (head_dim / 2);
     if (pairs == 0) return;
     launch_kernel(rope_pair_kernel, static_cast<unsigned>(ceil_div(pairs, kThreads)), kThreads, 0, stream, out, inp,
-                  cos_table, sin_table, n_rows, seq_len, n_heads, head_dim / 2, out_stride, inp_stride, sign);
+                  cos_table, sin_table, n_rows, seq_len, n_heads, head_dim / 2, out_stride, inp_stride, sign,
+                  positions);
     TUNA_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -106,7 +109,7 @@ void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float
   const int64_t work = n_positions * ceil_div(n_heads, kHeads) * (head_dim / 16);
   if (work == 0) return;
   launch_kernel(rope_kernel, static_cast<unsigned>(ceil_div(work, kThreads)), kThreads, 0, stream, out, inp, cos_table,
-                sin_table, n_positions, seq_len, n_heads, head_dim / 2, out_stride, inp_stride, sign);
+                sin_table, n_positions, seq_len, n_heads, head_dim / 2, out_stride, inp_stride, sign, positions);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
@@ -114,16 +117,16 @@ void rope_launch(bf16* out, const bf16* inp, const float* cos_table, const float
 
 void rope_fwd(bf16* out, const bf16* inp, const float* cos_table, const float* sin_table, int64_t batch,
               int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride,
-              cudaStream_t stream) {
-  rope_launch(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, out_stride, inp_stride, /*sign=*/1.0f,
-              stream);
+              const int32_t* positions, cudaStream_t stream) {
+  rope_launch(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, out_stride, inp_stride,
+              /*sign=*/1.0f, positions, stream);
 }
 
 void rope_bwd(bf16* dinp, const bf16* dout, const float* cos_table, const float* sin_table, int64_t batch,
               int64_t seq_len, int64_t n_heads, int64_t head_dim, int64_t dinp_stride, int64_t dout_stride,
-              cudaStream_t stream) {
+              const int32_t* positions, cudaStream_t stream) {
   rope_launch(dinp, dout, cos_table, sin_table, batch, seq_len, n_heads, head_dim, dinp_stride, dout_stride,
-              /*sign=*/-1.0f, stream);
+              /*sign=*/-1.0f, positions, stream);
 }
 
 }  // namespace tuna::cuda

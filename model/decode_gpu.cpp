@@ -108,10 +108,10 @@ void DecodeGpu::append(const int32_t* tokens, int64_t n, float* host_last_logits
     const LayerOffsets& o = layout_.layer(l);
     cuda::rmsnorm_fwd(norm_, rstd_, x_, w + o.input_norm, rows, C, c.rms_norm_eps, s);
     cuda::matmul_fwd(mm, qkv_, norm_, w + o.q_proj, rows, C, qkv, s);  // the q|k|v block
-    cuda::rope_fwd(q_, qkv_, cos, sin, batch_, n, H, D, H * D, qkv, s);
+    cuda::rope_fwd(q_, qkv_, cos, sin, batch_, n, H, D, H * D, qkv, /*positions=*/nullptr, s);
     for (int64_t b = 0; b < batch_; ++b) {  // rows b * n .. of k, v -> positions length_ .. of sequence b
       const int64_t to = (b * capacity_ + length_) * kvd, from = b * n * qkv + c.q_dim();
-      cuda::rope_fwd(keys_[l] + to, qkv_ + from, cos, sin, 1, n, KV, D, kvd, qkv, s);
+      cuda::rope_fwd(keys_[l] + to, qkv_ + from, cos, sin, 1, n, KV, D, kvd, qkv, /*positions=*/nullptr, s);
       copy_rows(values_[l] + to, kvd, qkv_ + from + kvd, qkv, n, kvd, s);
     }
     cuda::decode_attention_fwd(att_, q_, keys_[l], values_[l], batch_, n, length_, capacity_, H, KV, D, s);

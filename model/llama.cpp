@@ -74,6 +74,11 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
     rope_sin_.resize(max_seq * c.head_dim / 2);
   });
   cpu::rope_table(rope_cos_.data(), rope_sin_.data(), inv_freq_.data(), max_seq, c.head_dim);
+  allocate_host(str("the document boundaries of ", max_batch, " x ", max_seq, " tokens"),
+                uint64_t(2) * n * sizeof(int32_t), [&] {
+                  doc_start_.resize(n);
+                  rope_positions_.resize(n);
+                });
 
   acts_.resize(c.num_hidden_layers);
   const LlamaBufferSizes planned = llama_buffer_sizes(c, d, max_batch, max_seq);
@@ -120,7 +125,8 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
   TUNA_CHECK(activation_bytes() == planned.activation_floats(c.num_hidden_layers) * int64_t(sizeof(float)) &&
                  static_cast<int64_t>(rope_cos_.size() + rope_sin_.size()) == planned.rope_tables &&
                  static_cast<int64_t>(inv_freq_.size()) == planned.rope_inv_freq &&
-                 static_cast<int64_t>(ce_stats_.size()) == planned.ce_stats,
+                 static_cast<int64_t>(ce_stats_.size()) == planned.ce_stats &&
+                 static_cast<int64_t>(doc_start_.size() + rope_positions_.size()) == planned.documents,
              "Llama's buffers differ from llama_buffer_sizes (update it with the constructor)");
 }
 
@@ -137,6 +143,7 @@ LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& c, const TpDims& d, int64
   s.rope_tables = 2 * max_seq * (c.head_dim / 2);
   s.rope_inv_freq = c.head_dim / 2;
   s.ce_stats = d.tp_size > 1 ? 3 * s.head_chunk_rows : 0;
+  s.documents = 2 * n;
   return s;
 }
 
@@ -271,9 +278,33 @@ double Llama::parallel_cross_entropy(float* logits, const int32_t* targets, int6
   return total;
 }
 
-void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache) {
+const char* document_positions_name(bool restart) { return restart ? "restart" : "continue"; }
+
+bool parse_document_positions(const std::string& value) {
+  if (value == "restart") return true;
+  if (value == "continue") return false;
+  fail("option 'document_positions': expected restart or continue, found '", value, "'");
+}
+
+void Llama::set_documents(const int32_t* positions, int64_t batch, int64_t seq) {
+  attention_doc_start_ = nullptr, rope_position_ids_ = nullptr;
+  if (!positions || !(documents_.mask || documents_.restart_positions)) return;
+  const int64_t n = batch * seq;
+  cpu::doc_starts_from_positions(doc_start_.data(), positions, batch, seq);
+  if (documents_.mask) attention_doc_start_ = doc_start_.data();
+  if (documents_.restart_positions) {
+    // Position inside the document as far as this window sees it: a document that began in an earlier window
+    // counts from the window's start (as a packed example would), so positions stay below seq_len.
+    for (int64_t i = 0; i < n; ++i) rope_positions_[i] = static_cast<int32_t>(i % seq - doc_start_[i]);
+    rope_position_ids_ = rope_positions_.data();
+  }
+}
+
+void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache,
+                    const int32_t* positions) {
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
+  set_documents(positions, batch, seq);
   TUNA_CHECK(store_, "no weights: set_weight_store() first");
   const LlamaConfig& c = config_;
   const TpDims& d = layout_.tp();
@@ -302,9 +333,10 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     cpu::matmul_fwd(a.q.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim);
     cpu::matmul_fwd(a.k.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim);
     cpu::matmul_fwd(a.v.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim);
-    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim, d.q_dim, d.q_dim);
+    cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim, d.q_dim, d.q_dim,
+                  rope_position_ids_);
     cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim, d.kv_dim,
-                  d.kv_dim);
+                  d.kv_dim, rope_position_ids_);
     if (cache) {
       for (int64_t b = 0; b < batch; b++) {  // rows b * seq .. of k, v -> positions past .. of sequence b
         const int64_t from = b * seq * d.kv_dim, to = (b * cache->capacity + past) * d.kv_dim;
@@ -315,7 +347,7 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
                                 past, cache->capacity, d.heads, d.kv_heads, c.head_dim);
     } else {
       cpu::attention_fwd(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads,
-                         d.kv_heads, c.head_dim);
+                         d.kv_heads, c.head_dim, attention_doc_start_);
     }
     cpu::matmul_fwd(a.resid_mid.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C);
     tp_all_reduce(a.resid_mid.data(), n * C, "tp o_proj");  // row-parallel: partial sums
@@ -402,11 +434,12 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     cpu::matmul_bwd(d_att_.data(), g(o.o_proj), d_resid_.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C,
                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
     cpu::attention_bwd(d_q_.data(), d_k_.data(), d_v_.data(), d_att_.data(), a.att.data(), a.lse.data(),
-                       a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads, d.kv_heads, c.head_dim);
+                       a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads, d.kv_heads, c.head_dim,
+                       attention_doc_start_);
     cpu::rope_bwd(d_q_.data(), d_q_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.heads, c.head_dim,
-                  d.q_dim, d.q_dim);
+                  d.q_dim, d.q_dim, rope_position_ids_);
     cpu::rope_bwd(d_k_.data(), d_k_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim,
-                  d.kv_dim, d.kv_dim);
+                  d.kv_dim, d.kv_dim, rope_position_ids_);
     cpu::matmul_bwd(d_norm_.data(), g(o.q_proj), d_q_.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim,
                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
     cpu::matmul_bwd(d_norm_.data(), g(o.k_proj), d_k_.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim,
@@ -423,21 +456,24 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
   store_->grads_done(0);
 }
 
-LossSum Llama::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
-  forward(inputs, batch, seq, /*backward_follows=*/true);
+LossSum Llama::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                                const int32_t* positions) {
+  forward(inputs, batch, seq, /*backward_follows=*/true, nullptr, positions);
   LossSum loss = head(targets, batch * seq, /*want_grad=*/true, nullptr);
   backward(inputs, batch, seq);
   return loss;
 }
 
-LossSum Llama::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
-  forward(inputs, batch, seq, /*backward_follows=*/false);
+LossSum Llama::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                            const int32_t* positions) {
+  forward(inputs, batch, seq, /*backward_follows=*/false, nullptr, positions);
   return head(targets, batch * seq, /*want_grad=*/false, nullptr);
 }
 
-void Llama::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) {
+void Llama::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits,
+                           const int32_t* positions) {
   TUNA_CHECK(!tp_, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
-  forward(inputs, batch, seq, /*backward_follows=*/false);
+  forward(inputs, batch, seq, /*backward_follows=*/false, nullptr, positions);
   head(nullptr, batch * seq, /*want_grad=*/false, logits);
 }
 

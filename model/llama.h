@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
@@ -42,6 +43,18 @@ struct LlamaParallel {
   bool external_weights = false;  // params and grads stay empty; set_weight_store() supplies them (ZeRO-3)
   bool external_grads = false;    // grads stays empty; the weight store takes each unit's gradient (ZeRO-2)
 };
+
+// How a packed window treats the documents in it (options --document_mask and --document_positions). The
+// boundaries come with each batch as the loader's positions (DataLoader::next: each token's position inside its
+// document); a batch given without them is one document per row, as before.
+struct DocumentMode {
+  bool mask = true;               // attention stays inside each token's document (Llama 3, packed SFT)
+  bool restart_positions = true;  // RoPE positions restart at 0 where a document starts in the window (what
+                                  // transformers does with packed position_ids); false: the window's index
+};
+// The mode's option values: "restart" / "continue".
+const char* document_positions_name(bool restart);
+bool parse_document_positions(const std::string& value);  // fails naming the option unless restart|continue
 
 struct LossSum {
   double sum = 0;     // sum of cross-entropy over trained tokens
@@ -76,12 +89,21 @@ class Llama {
   void init_random(uint64_t seed, double std = 0.02, float* out = nullptr);  // init_random_weights
   void zero_grads();
 
+  // How windows treat their documents (DocumentMode); the default masks and restarts.
+  void set_document_mode(const DocumentMode& mode) { documents_ = mode; }
+  const DocumentMode& document_mode() const { return documents_; }
+
   // inputs, targets: [batch, seq] token ids; targets may hold kIgnoreIndex. Accumulates into grads.
-  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq);
+  // positions: [batch, seq], each token's position inside its document (the loader's), or null (one document
+  // per row); the document mode says what they change.
+  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                           const int32_t* positions = nullptr);
   // The same loss without gradients (evaluation).
-  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq);
-  // Full logits [batch, seq, vocab] (tests, generation); not under tensor parallelism.
-  void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits);
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                       const int32_t* positions = nullptr);
+  // Full logits [batch, seq, vocab] (tests, generation); not under tensor parallelism. positions as above.
+  void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits,
+                      const int32_t* positions = nullptr);
 
   // Generation with a KV cache. make_kv_cache: an empty cache for `batch` sequences of up to `capacity`
   // positions (capacity <= max_seq). forward_cached: appends `n` tokens to each sequence (tokens [batch, n],
@@ -101,7 +123,11 @@ class Llama {
   };
   class OwnWeights;  // the WeightStore over params / grads
   // With a cache: positions cache->length.., keys and values appended to it, attention over it too.
-  void forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache = nullptr);
+  void forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache = nullptr,
+               const int32_t* positions = nullptr);
+  // From the loader's positions and the document mode: doc_start_ and rope_positions_ for this batch, and the
+  // pointers attention and RoPE take (null: plain causal, positions 0..seq-1).
+  void set_documents(const int32_t* positions, int64_t batch, int64_t seq);
   // Runs the head over rows in chunks; with targets computes the loss and (if want_grad) writes
   // d(final norm output) into d_final_norm_ and accumulates the head's weight gradient.
   LossSum head(const int32_t* targets, int64_t rows, bool want_grad, float* logits_out);
@@ -124,6 +150,10 @@ class Llama {
   std::vector<double> inv_freq_;
   std::vector<float> rope_cos_, rope_sin_;
   std::vector<LayerActs> acts_;
+  DocumentMode documents_;
+  std::vector<int32_t> doc_start_, rope_positions_;  // [max_batch, max_seq] each
+  const int32_t* attention_doc_start_ = nullptr;      // this batch's: doc_start_ or null
+  const int32_t* rope_position_ids_ = nullptr;        // rope_positions_ or null
   std::vector<float> resid_out_, final_norm_out_, final_rstd_, logits_chunk_;
   // backward scratch
   std::vector<float> d_resid_, d_norm_, d_q_, d_k_, d_v_, d_att_, d_gate_, d_up_, d_act_, d_final_norm_;
@@ -141,6 +171,7 @@ struct LlamaBufferSizes {
   int64_t rope_tables = 0;      // cos and sin for max_seq positions
   int64_t rope_inv_freq = 0;    // doubles
   int64_t ce_stats = 0;         // doubles: per-row statistics of the vocab-parallel loss (tp > 1)
+  int64_t documents = 0;        // int32s: each token's document start and RoPE position (packed documents)
   // What activation_bytes() reports: kept activations of every layer, final norm, logits chunk, backward.
   int64_t activation_floats(int64_t layers) const { return kept_per_layer * layers + final_norm + logits_chunk + backward; }
 };

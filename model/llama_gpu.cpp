@@ -29,6 +29,7 @@
 #include "kernels/adamw.cuh"
 #include "kernels/attention.cuh"
 #include "kernels/classifier.cuh"
+#include "kernels/cpu/attention.h"  // doc_starts_from_positions
 #include "kernels/cpu/classifier.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/init.cuh"
@@ -293,6 +294,8 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   group_positions_ = arena.take<int32_t>("embedding group positions", n);
   group_unique_ = arena.take<int32_t>("embedding group tokens", n);
   group_offsets_ = arena.take<int32_t>("embedding group offsets", n + 1);
+  doc_start_ = arena.take<int32_t>("document starts", n);
+  rope_positions_ = arena.take<int32_t>("RoPE positions", n);
   constexpr int64_t kMatmulWorkspace = int64_t(32) << 20;
   matmul_ = std::make_unique<cuda::MatmulContext>(arena.take<char>("cuBLASLt workspace", kMatmulWorkspace),
                                                   static_cast<size_t>(kMatmulWorkspace));
@@ -302,7 +305,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     store_ = own_store_.get();
   }
   grad_writes_ = std::make_unique<GradWrites>(layout_);
-  TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(5 * n + 1) * sizeof(int32_t)));
+  TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(7 * n + 1) * sizeof(int32_t)));
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
   TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&loss_copied_, cudaEventDisableTiming));
 
@@ -435,8 +438,9 @@ void LlamaGpu::zero_unwritten_grads() {
   grads_unwritten_ = false;
 }
 
-void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t n) {
-  const int64_t V = config_.vocab_size;
+void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                             const int32_t* positions) {
+  const int64_t V = config_.vocab_size, n = batch * seq;
   if (targets != nullptr)
     for (int64_t i = 0; i < n; ++i)
       if (targets[i] != cpu::kIgnoreIndex && (targets[i] < 0 || targets[i] >= V))
@@ -462,6 +466,22 @@ void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int6
   up(group_positions_, staged + 2 * n, n);
   up(group_unique_, staged + 3 * n, n_unique_);
   up(group_offsets_, staged + 4 * n, n_unique_ + 1);
+  // Documents: derived and checked on the host (cpu::doc_starts_from_positions), as the CPU model does.
+  attention_doc_start_ = nullptr, rope_position_ids_ = nullptr;
+  if (positions != nullptr && (documents_.mask || documents_.restart_positions)) {
+    int32_t* starts = staged + 5 * n + 1;
+    cpu::doc_starts_from_positions(starts, positions, batch, seq);
+    if (documents_.mask) {
+      up(doc_start_, starts, n);
+      attention_doc_start_ = doc_start_;
+    }
+    if (documents_.restart_positions) {
+      int32_t* rope = starts + n;
+      for (int64_t i = 0; i < n; ++i) rope[i] = static_cast<int32_t>(i % seq - starts[i]);
+      up(rope_positions_, rope, n);
+      rope_position_ids_ = rope_positions_;
+    }
+  }
 }
 
 void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
@@ -505,10 +525,12 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   // the attention kernels take, and v is copied out (a strided copy).
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
   cuda::matmul_fwd(mm, qkv_, a.norm1, w(o.q_proj), n, C, qkv, s);
-  cuda::rope_fwd(a.q, qkv_, rope_cos_, rope_sin_, batch, seq, d.heads, D, d.q_dim, qkv, s);
-  cuda::rope_fwd(a.k, qkv_ + d.q_dim, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, d.kv_dim, qkv, s);
+  cuda::rope_fwd(a.q, qkv_, rope_cos_, rope_sin_, batch, seq, d.heads, D, d.q_dim, qkv, rope_position_ids_, s);
+  cuda::rope_fwd(a.k, qkv_ + d.q_dim, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, d.kv_dim, qkv,
+                 rope_position_ids_, s);
   copy_rows(a.v, d.kv_dim, qkv_ + d.q_dim + d.kv_dim, qkv, n, d.kv_dim, s);
-  cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, s, run_.attention);
+  cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, attention_doc_start_, s,
+                      run_.attention);
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks.
   const auto row_parallel = [&](__nv_bfloat16* out, const __nv_bfloat16* inp, int64_t weight,
@@ -667,13 +689,14 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, /*accumulate_dinp=*/false,
                    grad_write(o.o_proj), s);
   cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, d.heads,
-                      d.kv_heads, D, s, run_.attention);
+                      d.kv_heads, D, attention_doc_start_, s, run_.attention);
   // RoPE's backward writes d_q, d_k into the rows of d_qkv (qkv_, free since the forward's copies), d_v is
   // copied in; then one dX and one dW GEMM over the q|k|v block.
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
   __nv_bfloat16* d_qkv = qkv_;
-  cuda::rope_bwd(d_qkv, d_q_, rope_cos_, rope_sin_, batch, seq, d.heads, D, qkv, d.q_dim, s);
-  cuda::rope_bwd(d_qkv + d.q_dim, d_k_, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, qkv, d.kv_dim, s);
+  cuda::rope_bwd(d_qkv, d_q_, rope_cos_, rope_sin_, batch, seq, d.heads, D, qkv, d.q_dim, rope_position_ids_, s);
+  cuda::rope_bwd(d_qkv + d.q_dim, d_k_, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, qkv, d.kv_dim,
+                 rope_position_ids_, s);
   copy_rows(d_qkv + d.q_dim + d.kv_dim, qkv, d_v_, d.kv_dim, n, d.kv_dim, s);
   cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_qkv, a.norm1, w(o.q_proj), n, C, qkv, /*accumulate_dinp=*/false,
                    grad_writes_->write_block({o.q_proj, o.k_proj, o.v_proj}), s);
@@ -682,13 +705,14 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
                     grad_write(o.input_norm), s);
 }
 
-LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
+LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                                   const int32_t* positions) {
   TUNA_CHECK(run_.training, "forward_backward on a forward-only model (MemoryLayout::training)");
   // At least one row: the lm_head's dW is written by its row chunks (GradWrites).
   TUNA_CHECK(batch > 0 && seq > 0, "forward_backward of batch ", batch, " x seq ", seq);
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
-  upload_tokens(inputs, targets, batch * seq);
+  upload_tokens(inputs, targets, batch, seq, positions);
   forward(batch, seq, /*backward_follows=*/true);
   grad_writes_->begin_pass(*store_);
   LossSum loss = head(targets, batch * seq, /*want_grad=*/true, nullptr);
@@ -699,10 +723,11 @@ LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets
   return loss;
 }
 
-LossSum LlamaGpu::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq) {
+LossSum LlamaGpu::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                               const int32_t* positions) {
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
-  upload_tokens(inputs, targets, batch * seq);
+  upload_tokens(inputs, targets, batch, seq, positions);
   forward(batch, seq, /*backward_follows=*/false);
   LossSum loss = head(targets, batch * seq, /*want_grad=*/false, nullptr);
   loss.sum = queued_loss_sum();
@@ -713,7 +738,7 @@ void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq,
   TUNA_CHECK(run_.tp == 1, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
-  upload_tokens(inputs, nullptr, batch * seq);
+  upload_tokens(inputs, nullptr, batch, seq);
   forward(batch, seq, /*backward_follows=*/false);
   head(nullptr, batch * seq, /*want_grad=*/false, host_logits);
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -169,8 +169,13 @@ class LlamaGpu {
   // inputs, targets: host [batch, seq] token ids (targets may hold cpu::kIgnoreIndex); validated here, so a
   // bad id is a tuna::Error naming its position. Adds into grads() (the step's first call, after zero_grads(),
   // overwrites it instead). Waits for the loss (8 bytes).
-  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq);
-  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq);
+  // positions: host [batch, seq], each token's position inside its document (the loader's), or null: one document
+  // per row; the document mode (Llama's DocumentMode, set_document_mode) says what they change.
+  LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                           const int32_t* positions = nullptr);
+  LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                       const int32_t* positions = nullptr);
+  void set_document_mode(const DocumentMode& mode) { documents_ = mode; }
   // Full logits [batch, seq, vocab] to host fp32 (tests, generation).
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits);
 
@@ -203,7 +208,9 @@ class LlamaGpu {
   };
   class OwnWeights;  // the GpuWeightStore over params_ and grads_
   class GradWrites;  // which weight-gradient write of a backward pass overwrites and which adds
-  void upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t n);
+  // Also the batch's document starts and RoPE positions (from the loader's positions and the document mode).
+  void upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                     const int32_t* positions = nullptr);
   void forward(int64_t batch, int64_t seq, bool backward_follows);
   // One layer's forward into acts_[l] from its weights (unit base w); with write_output its down projection
   // writes the next layer's input, without (recomputing for the backward) it is skipped.
@@ -261,8 +268,14 @@ class LlamaGpu {
   double *loss_total_ = nullptr, *norm_scratch_f64_ = nullptr, *norm_total_ = nullptr;
   int32_t *tokens_, *targets_, *group_positions_, *group_unique_, *group_offsets_;
   int64_t n_unique_ = 0;
+  // Packed documents: this batch's document starts and RoPE positions on the device, and the pointers the kernels
+  // take (null: plain causal attention, positions 0..seq-1).
+  DocumentMode documents_;
+  int32_t *doc_start_ = nullptr, *rope_positions_ = nullptr;
+  const int32_t* attention_doc_start_ = nullptr;
+  const int32_t* rope_position_ids_ = nullptr;
   // Pinned staging for uploads and the two scalars read back per step.
-  int32_t* pinned_ids_ = nullptr;  // 5 * n + 1 ints: inputs, targets, positions, unique, offsets
+  int32_t* pinned_ids_ = nullptr;  // 7 * n + 1 ints: inputs, targets, positions, unique, offsets, doc starts, RoPE
   double* pinned_scalar_ = nullptr;
   cudaEvent_t loss_copied_ = nullptr;  // recorded after head() queues the loss sum's copy into pinned_scalar_[0]
   cuda::EmbeddingGroups groups_;

@@ -76,6 +76,7 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   add("backward scratch (one layer's activation gradients)", MemoryKind::Activations, llama.backward * kFloat);
   add("rotary tables", MemoryKind::Workspace, llama.rope_tables * kFloat + llama.rope_inv_freq * kDouble);
   add("vocab-parallel loss statistics", MemoryKind::Workspace, llama.ce_stats * kDouble);
+  add("document boundaries (mask starts, RoPE positions)", MemoryKind::Workspace, llama.documents * int64_t(sizeof(int32_t)));
   // Zero.
   add("master weights (fp32, shard)", MemoryKind::Master, zero.master * kFloat);
   add("gradient shard (fp32)", MemoryKind::Gradients, zero.grad_shard * kFloat);

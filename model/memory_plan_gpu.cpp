@@ -199,6 +199,9 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   b.add("embedding group positions", MemoryKind::Workspace, n, kI32);
   b.add("embedding group tokens", MemoryKind::Workspace, n, kI32);
   b.add("embedding group offsets", MemoryKind::Workspace, n + 1, kI32);
+  // Packed documents: each token's document start (the attention mask, as a per-row start) and RoPE position.
+  b.add("document starts", MemoryKind::Workspace, n, kI32);
+  b.add("RoPE positions", MemoryKind::Workspace, n, kI32);
   b.add("cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes, 1);
 
   // NCCL pads a unit it reduce-scatters or gathers to a multiple of dp in a scratch buffer of its own

@@ -464,12 +464,15 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
     layer_fwd_gemm += gemm_time(in, out, 0);
     layer_bwd_gemm += gemm_time(in, out, 1) + gemm_time(in, out, 2);
   }
-  const double att_flops = 4.0 * double(l.micro_batch) * double(d.heads) * double(l.seq_len) * double(l.seq_len) / 2 *
+  // Causal attention inside documents of `span` tokens: each query sees span / 2 keys on average, and the kernels
+  // run at the rate measured for causal attention of that length (their blocks are those of a span-long row).
+  const double doc_tokens = job.mean_doc_tokens > 0 ? std::min<double>(job.mean_doc_tokens, double(l.seq_len))
+                                                    : double(l.seq_len);
+  const int64_t span = std::max<int64_t>(1, std::llround(doc_tokens));
+  const double att_flops = 4.0 * double(l.micro_batch) * double(d.heads) * double(l.seq_len) * doc_tokens / 2 *
                            double(c.head_dim);
-  const double att_rate_fwd = rates.attention_rate(c.head_dim, l.seq_len, /*backward=*/false);
-  const double att_rate_bwd = rates.attention_rate(c.head_dim, l.seq_len, /*backward=*/true);
-  const double att_fwd = att_flops / (att_rate_fwd * scale.compute);
-  const double att_bwd = 2.5 * att_flops / (att_rate_bwd * scale.compute);
+  const double att_fwd = att_flops / (rates.attention_rate(c.head_dim, span, false) * scale.compute);
+  const double att_bwd = 2.5 * att_flops / (rates.attention_rate(c.head_dim, span, true) * scale.compute);
   const double norm_fwd = mem_time(double(n) * (4.0 * C + 4), "rmsnorm_fwd");
   const double norm_bwd = mem_time(double(n) * 8.0 * C, "rmsnorm_bwd");
   const double rope = mem_time(4.0 * double(n) * double(qd + kvd), "rope");
@@ -502,8 +505,10 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
        str(rates.gemm_shapes.empty() ? "at the measured layer rates, " : "at the nearest measured shapes, ",
            format_number(rates.gemm_fwd / 1e12, 0), "/", format_number(rates.gemm_bwd / 1e12, 0), " TFLOP/s fwd/bwd")},
       {"attention", A * L * (att_fwd + att_bwd),
-       str("hd ", c.head_dim, ", seq ", l.seq_len, ": ", format_number(att_rate_fwd / 1e12, 0), "/",
-           format_number(att_rate_bwd / 1e12, 0), " TFLOP/s fwd/bwd")},
+       str("hd ", c.head_dim, ", seq ", l.seq_len,
+           span < l.seq_len ? str(", documents of ", format_number(doc_tokens, 0), " tokens (masked)") : std::string(),
+           ": ", format_number(rates.attention_rate(c.head_dim, span, false) / 1e12, 0), "/",
+           format_number(rates.attention_rate(c.head_dim, span, true) / 1e12, 0), " TFLOP/s fwd/bwd")},
       {"norms, RoPE, SwiGLU", A * L * (layer_mem_fwd + layer_mem_bwd), "memory-bound, at their measured share of the copy bandwidth"},
       {"loss head", A * head, str("lm_head at ", format_number(rates.lm_head / 1e12, 0), " TFLOP/s, cross-entropy")},
       {"recompute", A * L * recompute, l.recompute == Recompute::None ? "none" : str(recompute_name(l.recompute), " recompute")},
@@ -565,7 +570,8 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   // The job.
   p.tokens_per_step = double(l.micro_batch * l.seq_len) * A * double(l.dp);
   p.tokens_per_s_per_gpu = p.tokens_per_step / p.step_s / double(k.gpus());
-  p.mfu = p.tokens_per_s_per_gpu * model_flops_per_token(c, l.seq_len) / k.gpu.peak_bf16_flops;
+  // Model FLOPs count the attention a token does: over its document (the mask), not the whole window.
+  p.mfu = p.tokens_per_s_per_gpu * model_flops_per_token(c, span) / k.gpu.peak_bf16_flops;
   p.steps = std::ceil(job.tokens / p.tokens_per_step);
   p.wall_s = p.steps * p.step_s;
   p.cost = p.wall_s / 3600 * double(k.gpus()) * job.price_per_gpu_hour;

@@ -107,6 +107,11 @@ struct JobSpec {
   double price_per_gpu_hour = 0;
   double budget = 0;         // dollars; 0: none
   std::optional<double> overlap;  // fraction of the ZeRO collectives hidden behind compute (default: the engine's)
+  // Mean tokens per document in the packed windows (the trainer masks attention at document boundaries by
+  // default): attention's FLOPs and time per window are those of documents of this length, seq_len x
+  // mean_doc_tokens / 2 scores instead of seq_len^2 / 2 (the kernels skip key blocks outside a document). 0, or at
+  // least seq_len: one document per window.
+  double mean_doc_tokens = 0;
 };
 
 struct TimeItem {

@@ -7,7 +7,9 @@
 // once, in order; the loss is the mean over every predicted token (targets masked out by the shards' loss
 // mask are not counted). Windows are as long as the checkpoint's training windows unless --seq_len says
 // otherwise, so that eval reproduces the trainer's validation loss; a model that was not trained by tuna has
-// no such length and gets 1024 (compare two models on the same --seq_len).
+// no such length and gets 1024 (compare two models on the same --seq_len). Packed documents likewise: attention
+// masked at document boundaries and RoPE positions restarted as the checkpoint's run trained (the defaults,
+// true and restart, for a model tuna did not train), unless --document_mask / --document_positions say.
 
 #include <algorithm>
 #include <cmath>
@@ -28,7 +30,7 @@
 int main(int argc, char** argv) {
   using namespace tuna;
   return guarded_main([&] {
-    std::string checkpoint, data, device = "auto";
+    std::string checkpoint, data, device = "auto", document_mask = "auto", document_positions = "auto";
     int64_t seq_len = 0, micro_batch = 4, max_batches = 0, threads = 0;
     bool quiet = false;
     Options options("build/eval", "Mean loss and perplexity of a model directory on token shards.");
@@ -41,6 +43,12 @@ int main(int argc, char** argv) {
     options.add("threads", &threads, "CPU threads; 0: all cores", Bounds::closed(0, 1 << 16));
     options.add("device", &device, "cuda when a GPU is visible (auto), or the one named", {"auto", "cpu", "cuda"});
     options.add("quiet", &quiet, "no progress lines on stderr");
+    options.add("document_mask", &document_mask,
+                "attention inside each document of a window: true, false, or auto (as the checkpoint's run trained; "
+                "true for a model tuna did not train)", {"auto", "true", "false"});
+    options.add("document_positions", &document_positions,
+                "RoPE positions of packed windows: restart, continue, or auto (as the checkpoint's run trained; "
+                "restart for a model tuna did not train)", {"auto", "restart", "continue"});
     if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
     if (checkpoint.empty() || data.empty()) fail("--checkpoint and --data are required (see --help)");
     set_cpu_threads(threads);
@@ -59,9 +67,14 @@ int main(int argc, char** argv) {
     if (!quiet)
       std::fprintf(stderr, "eval: loading %s (%lld parameters); windows of %lld tokens (%s)\n", checkpoint.c_str(),
                    (long long)config.n_params(), (long long)seq_len, seq_len_source.c_str());
+    const std::optional<TrainedDocumentMode> trained_documents = training_document_mode(checkpoint);
+    DocumentMode documents;
+    if (trained_documents) documents = {trained_documents->mask, trained_documents->restart_positions};
+    if (document_mask != "auto") documents.mask = document_mask == "true";
+    if (document_positions != "auto") documents.restart_positions = parse_document_positions(document_positions);
     std::unique_ptr<ForwardModel> model =
         make_forward_model(config, resolve_device(device), micro_batch, seq_len,
-                           weights_from_directory(checkpoint));
+                           weights_from_directory(checkpoint), documents);
     std::vector<std::string> specs;
     std::stringstream in(data);
     for (std::string item; std::getline(in, item, ',');)
@@ -77,7 +90,7 @@ int main(int argc, char** argv) {
     lo.tokenizer_name = tokenizer.description;
     DataLoader loader(expand_shard_paths(specs, ShardRole::Val), lo);
 
-    std::vector<int32_t> inputs(micro_batch * seq_len), targets(micro_batch * seq_len);
+    std::vector<int32_t> inputs(micro_batch * seq_len), targets(micro_batch * seq_len), positions(micro_batch * seq_len);
     LossSum total;
     int64_t batches = 0;
     const int64_t planned = max_batches > 0 ? std::min<int64_t>(max_batches, loader.batches_per_epoch())
@@ -87,8 +100,8 @@ int main(int argc, char** argv) {
                    (unsigned long long)loader.total_windows(), loader.shard_count(), (long long)planned,
                    (long long)micro_batch, model->describe().c_str());
     ProgressLine progress("eval", double(planned), ProgressLine::Unit::Items, quiet ? nullptr : stderr, 5.0, "batches");
-    while ((max_batches == 0 || batches < max_batches) && loader.next(inputs.data(), targets.data())) {
-      LossSum l = model->forward_loss(inputs.data(), targets.data(), micro_batch, seq_len);
+    while ((max_batches == 0 || batches < max_batches) && loader.next(inputs.data(), targets.data(), positions.data())) {
+      LossSum l = model->forward_loss(inputs.data(), targets.data(), micro_batch, seq_len, positions.data());
       total.sum += l.sum;
       total.count += l.count;
       progress.update(double(++batches));
@@ -103,6 +116,8 @@ int main(int argc, char** argv) {
                 (long long)seq_len, model->describe().c_str());
     std::printf("%s\n", nlohmann::json{{"checkpoint", checkpoint}, {"data", data}, {"loss", loss},
                                        {"perplexity", std::exp(loss)}, {"tokens", total.count}, {"seq_len", seq_len},
+                                       {"document_mask", documents.mask},
+                                       {"document_positions", document_positions_name(documents.restart_positions)},
                                        {"device", model->describe()}}
                             .dump()
                             .c_str());

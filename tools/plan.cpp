@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
     int64_t gpus_per_node = 8, nodes = 1, tp = 1, zero = 0, micro_batch = 1, seq_len = 4096, grad_accum = 1;
     int64_t nics_per_node = 8;
     double intra_gbps = 0, inter_gbps = 0, nic_gbit = 400, hours = 0, price = 0, budget = 0, text_gb = 0;
-    double bytes_per_token = 3.85, reserve_gib = 1.5, overlap = -1;
+    double bytes_per_token = 3.85, reserve_gib = 1.5, overlap = -1, mean_doc_tokens = 0;
     bool bf16_moments = false, search = false, as_json = false;
     Options o("build/plan", "Plans a training job before it runs: memory per GPU, step time, tokens/s, MFU, wall time, "
                             "cost, and a verdict with what would fit or finish instead.");
@@ -58,6 +58,9 @@ int main(int argc, char** argv) {
     o.add("micro_batch", &micro_batch, "sequences per GPU per forward/backward");
     o.add("seq_len", &seq_len, "tokens per sequence");
     o.add("grad_accum", &grad_accum, "micro-batches per optimizer step");
+    o.add("mean_doc_tokens", &mean_doc_tokens,
+          "mean tokens per document in the packed windows: attention (masked at document boundaries, the trainer's "
+          "default) costs seq_len x mean_doc_tokens / 2 scores per window; 0: one document per window", Bounds::at_least(0));
     o.add("tokens", &tokens_text, "token budget: 130B, 7.5e9, 500M (or --data, or --text_gb)");
     o.add("data", &data, "token shards (build/prepare's): the budget is their token count");
     o.add("text_gb", &text_gb, "the budget as GB of text, at --bytes_per_token");
@@ -108,6 +111,7 @@ int main(int argc, char** argv) {
     job.layout.recompute = parse_recompute(recompute, "option 'recompute'");
     job.layout.bf16_moments = bf16_moments, job.layout.micro_batch = micro_batch, job.layout.seq_len = seq_len;
     job.grad_accum = grad_accum;
+    job.mean_doc_tokens = mean_doc_tokens;
     const int budgets = !tokens_text.empty() + !data.empty() + (text_gb > 0);
     if (budgets != 1) fail("give the token budget once: --tokens, --data or --text_gb");
     job.tokens = !tokens_text.empty() ? parse_count(tokens_text, "option 'tokens'")

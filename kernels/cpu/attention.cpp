@@ -5,7 +5,7 @@
 //   q, out, dq, dout: [batch, seq_len, n_heads, head_dim];  k, v, dk, dv: [batch, seq_len, n_kv_heads, head_dim]
 //   lse: [batch, n_heads, seq_len];  query head h reads kv head h / group, group = n_heads / n_kv_heads.
 //
-//   forward:  s[t, j] = (q_t . k_j) / sqrt(head_dim) for j <= t (causal);  lse_t = log sum_j exp(s[t, j])
+//   forward:  s[t, j] = (q_t . k_j) / sqrt(head_dim) for doc_start[t] <= j <= t (causal, in t's document);  lse_t = log sum_j exp(s[t, j])
 //             p[t, j] = exp(s[t, j] - lse_t);  out_t = sum_j p[t, j] v_j                  out, lse: OVERWRITTEN
 //   backward: D_t = dout_t . out_t   (= sum_j p[t, j] (dout_t . v_j), so no pass over dp is needed for it)
 //             ds[t, j] = p[t, j] (dout_t . v_j - D_t)
@@ -26,6 +26,12 @@
 // order), so results do not depend on the thread count. The forward parallelizes over (batch, query head),
 // the backward over (batch, kv head): one thread owns a kv head's dk, dv and visits its query heads in order.
 // Scratch per thread: O(seq_len x head_dim + kBlock x seq_len), never seq x seq.
+//
+// Documents. A block of queries [t0, t0 + n) needs keys from doc_start[t0] on (doc_start never decreases), so
+// every product of the block starts at that column (rounded down to a panel strip): key blocks wholly before
+// the block's first document are never touched, and a window of short documents costs about
+// seq_len x document length, not seq_len^2 / 2. Within the block each row's weights outside
+// [doc_start[t], t] are exact zeros.
 #include "kernels/cpu/attention.h"
 
 #include <algorithm>
@@ -172,51 +178,60 @@ struct BlockScratch {
         sums(rows) {}
 };
 
-// Rows t0 .. t0 + n - 1 of the causal block: their scores against keys 0 .. t0 + n - 1 into scratch.scores.
+// The first key column a block of queries starting at t0 needs: its first row's document start, rounded down
+// to a strip of kLanes<float> columns (a multiple of both panel widths). doc_start: this sequence's row.
+int64_t first_column(const int32_t* doc_start, int64_t t0) {
+  return doc_start ? doc_start[t0] / kLanes<float> * kLanes<float> : 0;
+}
+
+// Rows t0 .. t0 + n - 1 of the causal block: their scores against keys c0 .. t0 + n - 1 into scratch.scores
+// (columns c0.. of it; c0 a multiple of kLanes<float>).
 template <typename T>
 [[gnu::always_inline]] inline void block_scores(BlockScratch<T>& s, const T* q, const KvPanel<T>& panel, const AttentionShape& shape,
-                         int64_t b, int64_t h, int64_t t0, int64_t n) {
+                         int64_t b, int64_t h, int64_t t0, int64_t n, int64_t c0) {
   const int64_t head_dim = shape.head_dim;
   for (int64_t r = 0; r < n; ++r) {
     const T* q_t = q + shape.q_row(b, t0 + r, h);
     std::copy(q_t, q_t + head_dim, s.queries.data() + r * head_dim);
   }
   std::fill(s.queries.begin() + n * head_dim, s.queries.end(), 0.0);
-  panel_product(s.scores.data(), s.cols, s.queries.data(), head_dim, int64_t(1), panel.keys_by_dim.data(), panel.cols,
-                round_up(n, 4), round_up(t0 + n, kLanes<double>), head_dim, /*accumulate=*/false);
+  panel_product(s.scores.data() + c0, s.cols, s.queries.data(), head_dim, int64_t(1), panel.keys_by_dim.data() + c0,
+                panel.cols, round_up(n, 4), round_up(t0 + n, kLanes<double>) - c0, head_dim, /*accumulate=*/false);
 }
 
-// One query head h of sequence b, every position: out and lse.
+// One query head h of sequence b, every position: out and lse. doc_start: sequence b's row, or null.
 template <typename T>
 TUNA_CPU_CLONES void forward_head(T* out, T* lse, const T* q, const KvPanel<T>& panel, BlockScratch<T>& s,
-                                  const AttentionShape& shape, int64_t b, int64_t h) {
+                                  const AttentionShape& shape, const int32_t* doc_start, int64_t b, int64_t h) {
   const int64_t head_dim = shape.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   for (int64_t t0 = 0; t0 < shape.seq_len; t0 += kBlock) {
-    const int64_t n = std::min(kBlock, shape.seq_len - t0), end = t0 + n;
-    block_scores(s, q, panel, shape, b, h, t0, n);
+    const int64_t n = std::min(kBlock, shape.seq_len - t0), end = t0 + n, c0 = first_column(doc_start, t0);
+    block_scores(s, q, panel, shape, b, h, t0, n, c0);
     T* sums = s.sums.data();
     for (int64_t r = 0; r < round_up(n, 4); ++r) {
       T* p = s.probs.data() + r * s.cols;
-      const int64_t count = r < n ? t0 + r + 1 : 0;  // causal: keys 0 .. t0 + r; padding rows stay zero
+      // Keys first .. last - 1: the row's document up to itself; padding rows none (they stay zero).
+      const int64_t first = r < n && doc_start ? doc_start[t0 + r] : c0, last = r < n ? t0 + r + 1 : c0;
       const double* score = s.scores.data() + r * s.cols;
-      double max_score = count > 0 ? score[0] : 0.0;
+      double max_score = last > first ? score[first] : 0.0;
 #pragma omp simd reduction(max : max_score)
-      for (int64_t j = 0; j < count; ++j) max_score = std::max(max_score, score[j]);
+      for (int64_t j = first; j < last; ++j) max_score = std::max(max_score, score[j]);
       T sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < count; ++j) {
+      for (int64_t j = first; j < last; ++j) {
         p[j] = exp_lanes(static_cast<T>((score[j] - max_score) * scale));
         sum += p[j];
       }
-      std::fill(p + count, p + end, T(0));
+      std::fill(p + c0, p + first, T(0));
+      std::fill(p + last, p + end, T(0));
       if (r < n) {
         sums[r] = sum;
         lse[shape.lse_index(b, h, t0 + r)] = static_cast<T>(max_score * scale + std::log(static_cast<double>(sum)));
       }
     }
-    panel_product(s.product.data(), s.dim, s.probs.data(), s.cols, int64_t(1), panel.values.data(), panel.dim,
-                  round_up(n, 4), s.dim, end, /*accumulate=*/false);
+    panel_product(s.product.data(), s.dim, s.probs.data() + c0, s.cols, int64_t(1), panel.values.data() + c0 * panel.dim,
+                  panel.dim, round_up(n, 4), s.dim, end - c0, /*accumulate=*/false);
     for (int64_t r = 0; r < n; ++r) {
       T* out_t = out + shape.q_row(b, t0 + r, h);
       const T* o = s.product.data() + r * s.dim;
@@ -228,11 +243,11 @@ TUNA_CPU_CLONES void forward_head(T* out, T* lse, const T* q, const KvPanel<T>& 
 }
 
 // One kv head kvh of sequence b: dq of its query heads, and dk, dv (summed over them) into dk_acc, dv_acc
-// ([cols, dim] panels, overwritten), dk unscaled.
+// ([cols, dim] panels, overwritten), dk unscaled. doc_start: sequence b's row, or null.
 template <typename T>
 TUNA_CPU_CLONES void backward_kv_head(T* dq, T* dk_acc, T* dv_acc, const T* dout, const T* out, const T* lse,
                                       const T* q, const KvPanel<T>& panel, BlockScratch<T>& s,
-                                      const AttentionShape& shape, int64_t b, int64_t kvh) {
+                                      const AttentionShape& shape, const int32_t* doc_start, int64_t b, int64_t kvh) {
   const int64_t head_dim = shape.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const T scale_t = static_cast<T>(scale);
@@ -242,7 +257,8 @@ TUNA_CPU_CLONES void backward_kv_head(T* dq, T* dk_acc, T* dv_acc, const T* dout
     for (int64_t t0 = 0; t0 < shape.seq_len; t0 += kBlock) {
       const int64_t n = std::min(kBlock, shape.seq_len - t0), end = t0 + n, rows = round_up(n, 4);
       const int64_t cols = round_up(end, kLanes<float>);  // the causal columns, padded (multiple of both widths)
-      block_scores(s, q, panel, shape, b, h, t0, n);
+      const int64_t c0 = first_column(doc_start, t0);    // ... from the block's first document on
+      block_scores(s, q, panel, shape, b, h, t0, n, c0);
       std::fill(s.queries_t.begin(), s.queries_t.end(), T(0));
       std::fill(s.grad_out.begin(), s.grad_out.end(), T(0));
       for (int64_t r = 0; r < n; ++r) {
@@ -251,13 +267,13 @@ TUNA_CPU_CLONES void backward_kv_head(T* dq, T* dk_acc, T* dv_acc, const T* dout
         std::copy(q_t, q_t + head_dim, s.queries_t.data() + r * s.dim);
         std::copy(g_t, g_t + head_dim, s.grad_out.data() + r * s.dim);
       }
-      // dP = dO V^T over the block's causal columns.
-      panel_product(s.dprobs.data(), s.cols, s.grad_out.data(), s.dim, int64_t(1), panel.values_by_dim.data(),
-                    panel.cols, rows, cols, head_dim, /*accumulate=*/false);
+      // dP = dO V^T over the block's columns.
+      panel_product(s.dprobs.data() + c0, s.cols, s.grad_out.data(), s.dim, int64_t(1),
+                    panel.values_by_dim.data() + c0, panel.cols, rows, cols - c0, head_dim, /*accumulate=*/false);
       for (int64_t r = 0; r < rows; ++r) {
         T* p = s.probs.data() + r * s.cols;
         T* ds = s.dprobs.data() + r * s.cols;
-        const int64_t count = r < n ? t0 + r + 1 : 0;
+        const int64_t first = r < n && doc_start ? doc_start[t0 + r] : c0, last = r < n ? t0 + r + 1 : c0;
         if (r < n) {
           const double* score = s.scores.data() + r * s.cols;
           const double lse_t = lse[shape.lse_index(b, h, t0 + r)];
@@ -266,38 +282,65 @@ TUNA_CPU_CLONES void backward_kv_head(T* dq, T* dk_acc, T* dv_acc, const T* dout
           T d_t = 0;  // dout_t . out_t
           for (int64_t d = 0; d < head_dim; ++d) d_t += g_t[d] * o_t[d];
 #pragma omp simd
-          for (int64_t j = 0; j < count; ++j) {
+          for (int64_t j = first; j < last; ++j) {
             p[j] = exp_lanes(static_cast<T>(score[j] * scale - lse_t));
             ds[j] = p[j] * (ds[j] - d_t);
           }
         }
-        std::fill(p + count, p + cols, T(0));  // masked and padding: no weight, no gradient
-        std::fill(ds + count, ds + cols, T(0));
+        // Masked (another document, the future) and padding: no weight, no gradient.
+        std::fill(p + c0, p + first, T(0));
+        std::fill(ds + c0, ds + first, T(0));
+        std::fill(p + last, p + cols, T(0));
+        std::fill(ds + last, ds + cols, T(0));
       }
       // dQ = dS K (scaled below); dK += dS^T Q; dV += P^T dO.
-      panel_product(s.product.data(), s.dim, s.dprobs.data(), s.cols, int64_t(1), panel.keys.data(), panel.dim, rows,
-                    s.dim, end, /*accumulate=*/false);
+      panel_product(s.product.data(), s.dim, s.dprobs.data() + c0, s.cols, int64_t(1), panel.keys.data() + c0 * panel.dim,
+                    panel.dim, rows, s.dim, end - c0, /*accumulate=*/false);
       for (int64_t r = 0; r < n; ++r) {
         T* dq_t = dq + shape.q_row(b, t0 + r, h);
         const T* g = s.product.data() + r * s.dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) dq_t[d] = scale_t * g[d];
       }
-      const int64_t key_rows = round_up(end, 4);
-      panel_product(dk_acc, panel.dim, s.dprobs.data(), int64_t(1), s.cols, s.queries_t.data(), s.dim, key_rows,
-                    s.dim, rows, /*accumulate=*/true);
-      panel_product(dv_acc, panel.dim, s.probs.data(), int64_t(1), s.cols, s.grad_out.data(), s.dim, key_rows, s.dim,
-                    rows, /*accumulate=*/true);
+      const int64_t key_rows = round_up(end, 4) - c0;  // keys c0 .. end, padded
+      panel_product(dk_acc + c0 * panel.dim, panel.dim, s.dprobs.data() + c0, int64_t(1), s.cols, s.queries_t.data(),
+                    s.dim, key_rows, s.dim, rows, /*accumulate=*/true);
+      panel_product(dv_acc + c0 * panel.dim, panel.dim, s.probs.data() + c0, int64_t(1), s.cols, s.grad_out.data(),
+                    s.dim, key_rows, s.dim, rows, /*accumulate=*/true);
     }
   }
 }
 
 }  // namespace
 
+void check_doc_starts(const int32_t* doc_start, int64_t batch, int64_t seq_len) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t* row = doc_start + b * seq_len;
+    for (int64_t t = 0; t < seq_len; ++t) {
+      const bool same = t > 0 && row[t] == row[t - 1];
+      if (!same && row[t] != t)
+        fail("attention: doc_start[", b, ", ", t, "] is ", row[t], "; expected ",
+             t > 0 ? str(row[t - 1], " (the same document as position ", t - 1, ") or ", t, " (a new document)")
+                   : std::string("0 (a window's first token starts its first document)"));
+    }
+  }
+}
+
+void doc_starts_from_positions(int32_t* doc_start, const int32_t* positions, int64_t batch, int64_t seq_len) {
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < seq_len; ++t) {
+      const int32_t p = positions[b * seq_len + t];
+      if (p < 0) fail("document positions: position [", b, ", ", t, "] is ", p, ", expected >= 0");
+      doc_start[b * seq_len + t] = static_cast<int32_t>(t - std::min<int64_t>(p, t));
+    }
+  check_doc_starts(doc_start, batch, seq_len);
+}
+
 template <typename T>
 void attention_fwd(T* out, T* lse, const T* q, const T* k, const T* v, int64_t batch, int64_t seq_len,
-                   int64_t n_heads, int64_t n_kv_heads, int64_t head_dim) {
+                   int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, const int32_t* doc_start) {
   const AttentionShape shape = make_shape(batch, seq_len, n_heads, n_kv_heads, head_dim);
+  if (doc_start) check_doc_starts(doc_start, batch, seq_len);
   const int64_t n_units = batch * n_heads;
 #pragma omp parallel
   {
@@ -307,7 +350,7 @@ void attention_fwd(T* out, T* lse, const T* q, const T* k, const T* v, int64_t b
     for (int64_t unit = 0; unit < n_units; ++unit) {
       const int64_t b = unit / n_heads, h = unit % n_heads;
       panel.load(k, v, shape, b, h / shape.group());
-      forward_head(out, lse, q, panel, scratch, shape, b, h);
+      forward_head(out, lse, q, panel, scratch, shape, doc_start ? doc_start + b * seq_len : nullptr, b, h);
     }
   }
 }
@@ -315,8 +358,9 @@ void attention_fwd(T* out, T* lse, const T* q, const T* k, const T* v, int64_t b
 template <typename T>
 void attention_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* lse, const T* q, const T* k,
                    const T* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
-                   int64_t head_dim) {
+                   int64_t head_dim, const int32_t* doc_start) {
   const AttentionShape shape = make_shape(batch, seq_len, n_heads, n_kv_heads, head_dim);
+  if (doc_start) check_doc_starts(doc_start, batch, seq_len);
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   const int64_t n_units = batch * n_kv_heads;
 #pragma omp parallel
@@ -329,7 +373,8 @@ void attention_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* ls
     for (int64_t unit = 0; unit < n_units; ++unit) {
       const int64_t b = unit / n_kv_heads, kvh = unit % n_kv_heads;
       panel.load(k, v, shape, b, kvh);
-      backward_kv_head(dq, dk_acc.data(), dv_acc.data(), dout, out, lse, q, panel, scratch, shape, b, kvh);
+      backward_kv_head(dq, dk_acc.data(), dv_acc.data(), dout, out, lse, q, panel, scratch, shape,
+                       doc_start ? doc_start + b * seq_len : nullptr, b, kvh);
       for (int64_t j = 0; j < seq_len; ++j) {
         T* dk_j = dk + shape.kv_row(b, j, kvh);
         T* dv_j = dv + shape.kv_row(b, j, kvh);
@@ -343,14 +388,14 @@ void attention_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const T* ls
 }
 
 template void attention_fwd<float>(float*, float*, const float*, const float*, const float*, int64_t, int64_t,
-                                   int64_t, int64_t, int64_t);
+                                   int64_t, int64_t, int64_t, const int32_t*);
 template void attention_fwd<double>(double*, double*, const double*, const double*, const double*, int64_t,
-                                    int64_t, int64_t, int64_t, int64_t);
+                                    int64_t, int64_t, int64_t, int64_t, const int32_t*);
 template void attention_bwd<float>(float*, float*, float*, const float*, const float*, const float*,
                                    const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                                   int64_t, int64_t);
+                                   int64_t, int64_t, const int32_t*);
 template void attention_bwd<double>(double*, double*, double*, const double*, const double*, const double*,
                                     const double*, const double*, const double*, int64_t, int64_t, int64_t,
-                                    int64_t, int64_t);
+                                    int64_t, int64_t, const int32_t*);
 
 }  // namespace tuna::cpu

@@ -6,7 +6,8 @@
 //             out[i] = x[i] c - x[i+h] s;   out[i+h] = x[i+h] c + x[i] s              OVERWRITTEN, may alias inp
 //   backward: the transpose (inverse) rotation:
 //             dinp[i] = g[i] c + g[i+h] s;  dinp[i+h] = g[i+h] c - g[i] s            OVERWRITTEN, may alias dout
-//   q, k layout: [batch, seq_len, n_heads, head_dim]; the position of sequence row t is t; each position's
+//   q, k layout: [batch, seq_len, n_heads, head_dim]; the position of sequence row t is positions[b, t] (t when
+//   null: packed documents restart their positions, and the table is indexed by them); each position's
 //   n_heads * head_dim values start a row stride apart (in and out each their own: a fused q|k|v buffer's row).
 //
 // Each pair (i, i+h) is read completely before either element is written, which is what makes in-place safe.
@@ -54,7 +55,8 @@ void check_llama3(const RopeScaling& scaling) {
 // Rotates every head row by its position's angles; sign = +1 is the forward rotation, -1 its transpose.
 template <typename T>
 void rotate_rows(T* out, const T* inp, const T* cos_table, const T* sin_table, int64_t batch, int64_t seq_len,
-                 int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride, T sign) {
+                 int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride, T sign,
+                 const int32_t* positions) {
   TUNA_CHECK(batch >= 0 && seq_len >= 0 && n_heads > 0 && head_dim > 0 && head_dim % 2 == 0 &&
                  out_stride >= n_heads * head_dim && inp_stride >= n_heads * head_dim,
              "batch ", batch, ", seq_len ", seq_len, ", n_heads ", n_heads, ", head_dim ", head_dim, ", out_stride ",
@@ -63,7 +65,8 @@ void rotate_rows(T* out, const T* inp, const T* cos_table, const T* sin_table, i
   const int64_t n_rows = batch * seq_len * n_heads;
 #pragma omp parallel for schedule(static) if (n_rows * head_dim >= kMinParallelWork)
   for (int64_t row = 0; row < n_rows; ++row) {
-    const int64_t position = row / n_heads, head = row % n_heads, t = position % seq_len;
+    const int64_t position = row / n_heads, head = row % n_heads;
+    const int64_t t = positions ? positions[position] : position % seq_len;
     const T* c = cos_table + t * half;
     const T* s = sin_table + t * half;
     const T* x = inp + position * inp_stride + head * head_dim;
@@ -112,26 +115,28 @@ void rope_table(T* cos_table, T* sin_table, const double* inv_freq, int64_t seq_
 
 template <typename T>
 void rope_fwd(T* out, const T* inp, const T* cos_table, const T* sin_table, int64_t batch, int64_t seq_len,
-              int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride) {
-  rotate_rows(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, out_stride, inp_stride, T(1));
+              int64_t n_heads, int64_t head_dim, int64_t out_stride, int64_t inp_stride, const int32_t* positions) {
+  rotate_rows(out, inp, cos_table, sin_table, batch, seq_len, n_heads, head_dim, out_stride, inp_stride, T(1),
+              positions);
 }
 
 template <typename T>
 void rope_bwd(T* dinp, const T* dout, const T* cos_table, const T* sin_table, int64_t batch, int64_t seq_len,
-              int64_t n_heads, int64_t head_dim, int64_t dinp_stride, int64_t dout_stride) {
+              int64_t n_heads, int64_t head_dim, int64_t dinp_stride, int64_t dout_stride, const int32_t* positions) {
   // The transpose of a rotation by angle a is the rotation by -a: cos stays, sin flips sign.
-  rotate_rows(dinp, dout, cos_table, sin_table, batch, seq_len, n_heads, head_dim, dinp_stride, dout_stride, T(-1));
+  rotate_rows(dinp, dout, cos_table, sin_table, batch, seq_len, n_heads, head_dim, dinp_stride, dout_stride, T(-1),
+              positions);
 }
 
 template void rope_table<float>(float*, float*, const double*, int64_t, int64_t);
 template void rope_table<double>(double*, double*, const double*, int64_t, int64_t);
 template void rope_fwd<float>(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, int64_t);
+                              int64_t, int64_t, int64_t, const int32_t*);
 template void rope_fwd<double>(double*, const double*, const double*, const double*, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, int64_t);
+                               int64_t, int64_t, int64_t, const int32_t*);
 template void rope_bwd<float>(float*, const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, int64_t);
+                              int64_t, int64_t, int64_t, const int32_t*);
 template void rope_bwd<double>(double*, const double*, const double*, const double*, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, int64_t);
+                               int64_t, int64_t, int64_t, const int32_t*);
 
 }  // namespace tuna::cpu

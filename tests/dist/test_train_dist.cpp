@@ -166,6 +166,32 @@ TEST_F(DistTrain, ResumeFourRanksZero3OnTwoRanksZero1) {
   EXPECT_TRUE(fs::exists(out / "ckpt" / "step_00000012" / "model.safetensors"));
 }
 
+// Every layout above runs with the defaults --document_mask true --document_positions restart: most of the test
+// shards' 16-token windows hold two documents (42 tokens each), so the mask is at work in them. This checks that
+// it is (the same run without it takes other losses), that the options are saved with the run, and that a
+// layout follows one rank with the mask off too.
+TEST_F(DistTrain, DocumentMaskIsOnByDefaultAndLayoutsFollowOneRankEitherWay) {
+  const fs::path masked = reference("llama32_tiny"), unmasked = *tmp_ / "unmasked_ref";
+  const std::string off = " --document_mask false --document_positions continue";
+  auto r = run_command(kTrain + flags("llama32_tiny") + off + " --micro_batch 4 --out_dir " + unmasked.string(),
+                       *tmp_ / "unmasked_ref_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto la = losses(masked / "metrics.jsonl"), lb = losses(unmasked / "metrics.jsonl");
+  ASSERT_EQ(la.size(), lb.size());
+  double largest = 0;
+  for (auto& [step, loss] : la) largest = std::max(largest, std::abs(lb[step] - loss) / std::abs(loss));
+  EXPECT_GT(largest, 1e-3) << "the document mask changed no loss: the test windows hold one document each?";
+  const nlohmann::json saved = read_state(masked / "ckpt" / "step_00000010")["train_config"];
+  EXPECT_EQ(saved["document_mask"], true);
+  EXPECT_EQ(saved["document_positions"], "restart");
+
+  const fs::path tp = *tmp_ / "unmasked_tp2z1";
+  r = run_command(mpirun(4) + kTrain + flags("llama32_tiny") + off + " --micro_batch 2 --tp 2 --zero 1 --out_dir " +
+                      tp.string(), *tmp_ / "unmasked_tp2z1_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_run(unmasked, tp, "llama32_tiny", 10);
+}
+
 TEST_F(DistTrain, RefusesTpThatSplitsKvGroups) {
   // llama32_tiny has 2 kv heads: tp 4 would split a group.
   auto r = run_command(mpirun(4) + kTrain + flags("llama32_tiny") + " --micro_batch 1 --tp 4 --out_dir " +

@@ -32,11 +32,12 @@ struct NaiveAttention {
   std::vector<double> out, lse, dq, dk, dv;
 };
 
-// The naive bf16 attention (forward and backward), using the given out (bf16 values) and lse for the backward.
+// The naive bf16 attention (forward and backward), using the given out (bf16 values) and lse for the backward;
+// doc_start as the kernels take it (null: one document per row).
 inline NaiveAttention naive_attention(const AttentionShape& s, const std::vector<double>& q,
                                       const std::vector<double>& k, const std::vector<double>& v,
                                       const std::vector<double>& dout, const std::vector<double>& out_in,
-                                      const std::vector<double>& lse_in) {
+                                      const std::vector<double>& lse_in, const int32_t* doc_start = nullptr) {
   NaiveAttention r;
   r.out.assign(s.q_count(), 0), r.lse.assign(s.batch * s.heads * s.seq, 0);
   r.dq.assign(s.q_count(), 0), r.dk.assign(s.kv_count(), 0), r.dv.assign(s.kv_count(), 0);
@@ -48,18 +49,19 @@ inline NaiveAttention naive_attention(const AttentionShape& s, const std::vector
     for (int64_t h = 0; h < s.heads; ++h) {
       const int64_t kvh = h / group;
       for (int64_t t = 0; t < s.seq; ++t) {
+        const int64_t first = doc_start ? doc_start[b * s.seq + t] : 0;  // the query's document's first key
         const double* qt = &q[s.q_row(b, t, h)];
         float mx = -INFINITY;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = first; j <= t; ++j) {
           float dot = 0;
           for (int64_t d = 0; d < s.dim; ++d) dot += float(qt[d]) * float(k[s.kv_row(b, j, kvh) + d]);
           sc[j] = dot * scale;
           mx = std::max(mx, sc[j]);
         }
         float sum = 0;
-        for (int64_t j = 0; j <= t; ++j) p[j] = std::exp(sc[j] - mx), sum += p[j];
+        for (int64_t j = first; j <= t; ++j) p[j] = std::exp(sc[j] - mx), sum += p[j];
         std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = 0; j <= t; ++j)
+        for (int64_t j = first; j <= t; ++j)
           for (int64_t d = 0; d < s.dim; ++d) acc[d] += round_bf16(p[j]) * float(v[s.kv_row(b, j, kvh) + d]);
         for (int64_t d = 0; d < s.dim; ++d) r.out[s.q_row(b, t, h) + d] = round_bf16(acc[d] / sum);
         r.lse[(b * s.heads + h) * s.seq + t] = mx + std::log(sum);
@@ -70,7 +72,7 @@ inline NaiveAttention naive_attention(const AttentionShape& s, const std::vector
         float delta = 0;
         for (int64_t d = 0; d < s.dim; ++d) delta += float(gt[d]) * float(out_in[s.q_row(b, t, h) + d]);
         std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = first; j <= t; ++j) {
           const float pj = std::exp(sc[j] - lse_t);
           float dp = 0;
           for (int64_t d = 0; d < s.dim; ++d) dp += float(gt[d]) * float(v[s.kv_row(b, j, kvh) + d]);

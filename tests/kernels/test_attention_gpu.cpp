@@ -26,10 +26,25 @@ namespace {
 
 // With `rope`, the backward also applies RoPE's backward to dq and dk (attention.cuh's AttentionRope): the
 // references then rotate theirs, the naive version in fp32 from its bf16 dq, dk, rounding again.
+// With `doc_lengths` (per sequence, summing to s.seq), every version attends inside those packed documents, and
+// RoPE (with `rope`) restarts its positions at each.
 void check(const AttentionShape& s, TestRng& rng, AttentionPath path = AttentionPath::kMma,
-           bool rope = false) {
-  SCOPED_TRACE(s.describe() + " path " + cuda::attention_path_name(path) + (rope ? " with RoPE" : ""));
-  std::printf(" %s, %s path%s\n", s.describe().c_str(), cuda::attention_path_name(path), rope ? ", RoPE" : "");
+           bool rope = false, const std::vector<std::vector<int64_t>>& doc_lengths = {}) {
+  SCOPED_TRACE(s.describe() + " path " + cuda::attention_path_name(path) + (rope ? " with RoPE" : "") +
+               (doc_lengths.empty() ? "" : " with documents"));
+  std::printf(" %s, %s path%s%s\n", s.describe().c_str(), cuda::attention_path_name(path), rope ? ", RoPE" : "",
+              doc_lengths.empty() ? "" : ", documents");
+  std::vector<int32_t> doc_start, positions;
+  for (const std::vector<int64_t>& row : doc_lengths) {
+    int64_t at = 0;
+    for (int64_t n : row) {
+      for (int64_t i = 0; i < n; ++i) doc_start.push_back(static_cast<int32_t>(at)), positions.push_back(static_cast<int32_t>(i));
+      at += n;
+    }
+  }
+  ASSERT_TRUE(doc_lengths.empty() || static_cast<int64_t>(doc_start.size()) == s.batch * s.seq);
+  const int32_t* docs = doc_lengths.empty() ? nullptr : doc_start.data();
+  const int32_t* rope_positions = doc_lengths.empty() ? nullptr : positions.data();
   std::vector<float> q = random_bf16_values(rng, s.q_count(), -2, 2), k = random_bf16_values(rng, s.kv_count(), -2, 2),
                      v = random_bf16_values(rng, s.kv_count()), dout = random_bf16_values(rng, s.q_count());
   const std::vector<double> qd(q.begin(), q.end()), kd(k.begin(), k.end()), vd(v.begin(), v.end()),
@@ -37,7 +52,7 @@ void check(const AttentionShape& s, TestRng& rng, AttentionPath path = Attention
   // Reference forward in double.
   std::vector<double> ref_out(s.q_count()), ref_lse(s.batch * s.heads * s.seq);
   cpu::attention_fwd(ref_out.data(), ref_lse.data(), qd.data(), kd.data(), vd.data(), s.batch, s.seq, s.heads,
-                     s.kv_heads, s.dim);
+                     s.kv_heads, s.dim, docs);
   // The backward's inputs out (bf16) and lse (fp32), shared by every version so that the backward is checked
   // on its own.
   std::vector<float> out_bf(s.q_count()), lse_f(ref_lse.size());
@@ -46,8 +61,8 @@ void check(const AttentionShape& s, TestRng& rng, AttentionPath path = Attention
   const std::vector<double> out_d(out_bf.begin(), out_bf.end()), lse_d(lse_f.begin(), lse_f.end());
   std::vector<double> ref_dq(s.q_count()), ref_dk(s.kv_count()), ref_dv(s.kv_count());
   cpu::attention_bwd(ref_dq.data(), ref_dk.data(), ref_dv.data(), gd.data(), out_d.data(), lse_d.data(), qd.data(),
-                     kd.data(), vd.data(), s.batch, s.seq, s.heads, s.kv_heads, s.dim);
-  NaiveAttention naive = naive_attention(s, qd, kd, vd, gd, out_d, lse_d);
+                     kd.data(), vd.data(), s.batch, s.seq, s.heads, s.kv_heads, s.dim, docs);
+  NaiveAttention naive = naive_attention(s, qd, kd, vd, gd, out_d, lse_d, docs);
   std::vector<float> cos_table(s.seq * s.dim / 2), sin_table(s.seq * s.dim / 2);
   if (rope) {
     std::vector<double> inv_freq(s.dim / 2);
@@ -55,25 +70,29 @@ void check(const AttentionShape& s, TestRng& rng, AttentionPath path = Attention
     cpu::rope_table(cos_table.data(), sin_table.data(), inv_freq.data(), s.seq, s.dim);
     const std::vector<double> cos_d(cos_table.begin(), cos_table.end()), sin_d(sin_table.begin(), sin_table.end());
     cpu::rope_bwd(ref_dq.data(), ref_dq.data(), cos_d.data(), sin_d.data(), s.batch, s.seq, s.heads, s.dim,
-                  s.heads * s.dim, s.heads * s.dim);
+                  s.heads * s.dim, s.heads * s.dim, rope_positions);
     cpu::rope_bwd(ref_dk.data(), ref_dk.data(), cos_d.data(), sin_d.data(), s.batch, s.seq, s.kv_heads, s.dim,
-                  s.kv_heads * s.dim, s.kv_heads * s.dim);
+                  s.kv_heads * s.dim, s.kv_heads * s.dim, rope_positions);
     for (auto [grad, heads] : {std::pair{&naive.dq, s.heads}, std::pair{&naive.dk, s.kv_heads}}) {
       std::vector<float> g(grad->begin(), grad->end());
       cpu::rope_bwd(g.data(), g.data(), cos_table.data(), sin_table.data(), s.batch, s.seq, heads, s.dim, heads * s.dim,
-                    heads * s.dim);
+                    heads * s.dim, rope_positions);
       for (size_t i = 0; i < g.size(); ++i) (*grad)[i] = round_bf16(g[i]);
     }
   }
   DeviceBuffer<float> d_cos(cos_table), d_sin(sin_table);
-  const cuda::AttentionRope tables = rope ? cuda::AttentionRope{d_cos.get(), d_sin.get()} : cuda::AttentionRope{};
+  DeviceBuffer<int32_t> d_doc_start(doc_start), d_positions(positions);
+  const int32_t* dev_docs = docs ? d_doc_start.get() : nullptr;
+  const cuda::AttentionRope tables =
+      rope ? cuda::AttentionRope{d_cos.get(), d_sin.get(), rope_positions ? d_positions.get() : nullptr}
+           : cuda::AttentionRope{};
 
   DeviceBf16 d_q(q), d_k(k), d_v(v), d_dout(dout), d_out(s.q_count()), d_out_in(out_bf);
   DeviceBuffer<float> d_lse(ref_lse.size()), d_lse_in(lse_f),
       d_scratch(cuda::attention_bwd_scratch_floats(s.batch, s.seq, s.heads, s.dim, path));
   d_out.poison(), d_lse.poison();
   cuda::attention_fwd(d_out.bf(), d_lse.get(), d_q.bf(), d_k.bf(), d_v.bf(), s.batch, s.seq, s.heads, s.kv_heads,
-                      s.dim, nullptr, path);
+                      s.dim, dev_docs, nullptr, path);
   expect_close_to_naive("attention out", d_out.values(), naive.out, ref_out);
   expect_close_to_naive("attention lse (fp32)", d_lse.download(), naive.lse, ref_lse);
 
@@ -82,7 +101,8 @@ void check(const AttentionShape& s, TestRng& rng, AttentionPath path = Attention
     DeviceBf16 d_dq(s.q_count()), d_dk(s.kv_count()), d_dv(s.kv_count());
     d_dq.poison(), d_dk.poison(), d_dv.poison();
     cuda::attention_bwd(d_dq.bf(), d_dk.bf(), d_dv.bf(), d_dout.bf(), d_out_in.bf(), d_lse_in.get(), d_q.bf(), d_k.bf(),
-                        d_v.bf(), d_scratch.get(), s.batch, s.seq, s.heads, s.kv_heads, s.dim, nullptr, path, tables);
+                        d_v.bf(), d_scratch.get(), s.batch, s.seq, s.heads, s.kv_heads, s.dim, dev_docs, nullptr, path,
+                        tables);
     if (run == 0) {
       first[0] = d_dq.download(), first[1] = d_dk.download(), first[2] = d_dv.download();
       expect_close_to_naive("attention dq", bf16_bits_to_double(first[0]), naive.dq, ref_dq);
@@ -166,7 +186,8 @@ TEST(AttentionGpu, BackwardRefusesUnalignedRopeTables) {
   for (AttentionPath path : {AttentionPath::kMma, AttentionPath::kHopper}) {
     try {
       cuda::attention_bwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1,
-                          70, 2, 1, 64, nullptr, path, cuda::AttentionRope{table.get() + 1, table.get() + 1});
+                          70, 2, 1, 64, /*doc_start=*/nullptr, /*stream=*/nullptr, path,
+                          cuda::AttentionRope{table.get() + 1, table.get() + 1});
       ADD_FAILURE() << "no error on the " << cuda::attention_path_name(path) << " path";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("RoPE tables must be 16-byte aligned"), std::string::npos) << e.what();
@@ -181,6 +202,70 @@ TEST(AttentionGpu, SmallHeadDimsOfTinyModels) {
   check({2, 37, 4, 2, 8}, rng);
   check({1, 20, 2, 1, 16}, rng);
   check({1, 45, 3, 1, 32}, rng);
+}
+
+// Packed documents on the mma path and the small kernels: odd lengths, one-token documents, a document filling the
+// row, boundaries inside a 64-row tile and on its edge, a long document spanning key blocks after short ones (its
+// queries skip the earlier blocks; the dK/dV kernel's queries end at its document's end); RoPE restarted.
+TEST(AttentionGpu, DocumentMasksOnTheMmaPath) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check({2, 200, 4, 2, 64}, rng, AttentionPath::kMma, /*rope=*/true,
+        {{1, 30, 1, 1, 33, 64, 70}, {200}});
+  check({2, 131, 2, 1, 128}, rng, AttentionPath::kMma, /*rope=*/false,
+        {{64, 64, 3}, {5, 1, 1, 1, 120, 3}});
+  check({1, 70, 3, 1, 64}, rng, AttentionPath::kMma, /*rope=*/false, {std::vector<int64_t>(70, 1)});
+  check({2, 37, 4, 2, 8}, rng, AttentionPath::kMma, /*rope=*/true, {{1, 17, 19}, {37}});
+  check({1, 45, 3, 1, 32}, rng, AttentionPath::kMma, /*rope=*/false, {{20, 1, 24}});
+}
+
+// Key blocks outside a query block's documents are not read: NaN keys and values there stay out of the results
+// of the later document (a kernel that loaded them and multiplied by a zero weight would make NaN).
+TEST(AttentionGpu, DocumentMasksSkipKeyBlocksOutsideTheDocument) {
+  TUNA_REQUIRE_GPU();
+  const AttentionShape s{1, 256, 2, 1, 64};
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  std::vector<float> q = random_bf16_values(rng, s.q_count()), k = random_bf16_values(rng, s.kv_count()),
+                     v = random_bf16_values(rng, s.kv_count()), dout = random_bf16_values(rng, s.q_count());
+  const int64_t cut = 128;  // two documents of 128: the second one's blocks never need keys 0..127
+  std::vector<int32_t> doc_start(s.seq);
+  for (int64_t t = 0; t < s.seq; ++t) doc_start[t] = t < cut ? 0 : static_cast<int32_t>(cut);
+  std::fill(k.begin(), k.begin() + cut * s.kv_heads * s.dim, NAN);
+  std::fill(v.begin(), v.begin() + cut * s.kv_heads * s.dim, NAN);
+  DeviceBf16 d_q(q), d_k(k), d_v(v), d_dout(dout), d_out(s.q_count()), d_dq(s.q_count()), d_dk(s.kv_count()),
+      d_dv(s.kv_count());
+  DeviceBuffer<float> d_lse(s.batch * s.heads * s.seq),
+      d_scratch(cuda::attention_bwd_scratch_floats(s.batch, s.seq, s.heads, s.dim, AttentionPath::kMma));
+  DeviceBuffer<int32_t> d_docs(doc_start);
+  cuda::attention_fwd(d_out.bf(), d_lse.get(), d_q.bf(), d_k.bf(), d_v.bf(), s.batch, s.seq, s.heads, s.kv_heads, s.dim,
+                      d_docs.get(), nullptr, AttentionPath::kMma);
+  cuda::attention_bwd(d_dq.bf(), d_dk.bf(), d_dv.bf(), d_dout.bf(), d_out.bf(), d_lse.get(), d_q.bf(), d_k.bf(),
+                      d_v.bf(), d_scratch.get(), s.batch, s.seq, s.heads, s.kv_heads, s.dim, d_docs.get(), nullptr,
+                      AttentionPath::kMma);
+  const auto later_rows_finite = [&](const std::vector<double>& x, int64_t heads) {
+    for (size_t i = cut * heads * s.dim; i < x.size(); ++i)
+      if (!std::isfinite(x[i])) return false;
+    return true;
+  };
+  EXPECT_TRUE(later_rows_finite(d_out.values(), s.heads));
+  EXPECT_TRUE(later_rows_finite(d_dq.values(), s.heads));
+  EXPECT_TRUE(later_rows_finite(d_dk.values(), s.kv_heads));
+  EXPECT_TRUE(later_rows_finite(d_dv.values(), s.kv_heads));
+}
+
+// The hopper path takes no documents yet: it must refuse them rather than attend across documents.
+TEST(AttentionGpu, HopperPathRefusesDocumentMasks) {
+  TUNA_REQUIRE_GPU();
+  const AttentionShape s{1, 64, 2, 1, 64};
+  std::vector<int32_t> doc_start(s.seq, 0);
+  DeviceBuffer<int32_t> d_docs(doc_start);
+  DeviceBf16 d_q(s.q_count()), d_k(s.kv_count()), d_v(s.kv_count()), d_out(s.q_count());
+  DeviceBuffer<float> d_lse(s.batch * s.heads * s.seq);
+  EXPECT_THROW(cuda::attention_fwd(d_out.bf(), d_lse.get(), d_q.bf(), d_k.bf(), d_v.bf(), s.batch, s.seq, s.heads,
+                                   s.kv_heads, s.dim, d_docs.get(), nullptr, AttentionPath::kHopper),
+               Error);
 }
 
 }  // namespace

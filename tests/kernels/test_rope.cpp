@@ -202,6 +202,39 @@ TEST(RopeTest, BackwardMatchesFiniteDifferences) {
   EXPECT_LT(test::rel_error_norm(dinp, test::numeric_gradient(inp, objective)), test::kFiniteDifferenceTolerance);
 }
 
+// Positions restarted at each packed document: every document of the row is rotated exactly as if it were a
+// sequence of its own (the same table rows, the same arithmetic: bitwise), forward and backward.
+TEST(RopeTest, RestartedPositionsRotateEachDocumentAsItsOwnSequence) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const RopeProblem p;
+  std::vector<float> cos_table, sin_table;
+  make_tables(p, cos_table, sin_table);
+  const std::vector<int64_t> lengths{1, p.seq_len - 4, 3};  // per row; sums to seq_len
+  std::vector<int32_t> positions;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t n : lengths)
+      for (int64_t i = 0; i < n; ++i) positions.push_back(static_cast<int32_t>(i));
+  const std::vector<float> x = rng.vector<float>(p.size());
+  for (bool backward : {false, true}) {
+    SCOPED_TRACE(backward ? "backward" : "forward");
+    auto rotate = backward ? rope_bwd<float> : rope_fwd<float>;
+    std::vector<float> packed(p.size());
+    rotate(packed.data(), x.data(), cos_table.data(), sin_table.data(), p.batch, p.seq_len, p.n_heads, p.head_dim,
+           p.width(), p.width(), positions.data());
+    int64_t at = 0;  // rows of width() values
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t n : lengths) {
+        std::vector<float> alone(n * p.width());
+        rotate(alone.data(), x.data() + at * p.width(), cos_table.data(), sin_table.data(), 1, n, p.n_heads,
+               p.head_dim, p.width(), p.width(), nullptr);
+        EXPECT_TRUE(test::bitwise_equal(alone, std::vector<float>(packed.begin() + at * p.width(),
+                                                                  packed.begin() + (at + n) * p.width())));
+        at += n;
+      }
+  }
+}
+
 TEST(RopeTest, InPlaceEqualsOutOfPlace) {
   TestRng rng;
   SCOPED_TRACE(rng.describe());
@@ -271,7 +304,8 @@ TEST(RopeTest, StridedRowsEqualContiguousRows) {
     SCOPED_TRACE(backward ? "backward" : "forward");
     const auto rotate = [&](float* out, const float* inp, int64_t out_stride, int64_t inp_stride) {
       (backward ? rope_bwd<float> : rope_fwd<float>)(out, inp, cos_table.data(), sin_table.data(), p.batch,
-                                                     p.seq_len, p.n_heads, p.head_dim, out_stride, inp_stride);
+                                                     p.seq_len, p.n_heads, p.head_dim, out_stride, inp_stride,
+                                                     /*positions=*/nullptr);
     };
     std::vector<float> contiguous(p.size());
     rotate(contiguous.data(), x.data(), p.width(), p.width());

@@ -31,17 +31,58 @@ TEST(RopeGpu, ForwardAndBackwardInPlaceWithLlama3Scaling) {
       DeviceBf16 d_x(x);
       if (backward)
         cuda::rope_bwd(d_x.bf(), d_x.bf(), d_cos.get(), d_sin.get(), batch, seq, heads, head_dim, width, width,
-                       nullptr);
+                       /*positions=*/nullptr, nullptr);
       else
         cuda::rope_fwd(d_x.bf(), d_x.bf(), d_cos.get(), d_sin.get(), batch, seq, heads, head_dim, width, width,
-                       nullptr);
+                       /*positions=*/nullptr, nullptr);
       std::vector<double> ref(count), xd(x.begin(), x.end()), c(cos_f.begin(), cos_f.end()),
           s(sin_f.begin(), sin_f.end());
       (backward ? cpu::rope_bwd<double> : cpu::rope_fwd<double>)(ref.data(), xd.data(), c.data(), s.data(), batch,
-                                                                 seq, heads, head_dim, width, width);
+                                                                 seq, heads, head_dim, width, width,
+                                                                 /*positions=*/nullptr);
       std::vector<double> naive(count);
       for (int64_t i = 0; i < count; ++i) naive[i] = round_bf16(ref[i]);
       expect_close_to_naive(backward ? "rope bwd" : "rope fwd", d_x.values(), naive, ref);
+    }
+  }
+}
+
+// Positions restarted at each packed document (the model's default): both kernels (the 16-byte path at head_dim
+// 64 and 128, the pair kernel at 8) read each row's table row at its position, as the CPU twin does.
+TEST(RopeGpu, RestartedPositionsMatchTheCpuTwin) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (auto [head_dim, heads] : {std::pair<int64_t, int64_t>{8, 3}, {64, 3}, {128, 8}}) {
+    SCOPED_TRACE("head_dim " + std::to_string(head_dim) + ", heads " + std::to_string(heads));
+    const int64_t batch = 2, seq = 97, width = heads * head_dim, count = batch * seq * width;
+    std::vector<double> inv_freq(head_dim / 2);
+    cpu::rope_inv_freq(inv_freq.data(), head_dim, 10000.0, cpu::RopeScaling{});
+    std::vector<float> cos_f(seq * head_dim / 2), sin_f(seq * head_dim / 2);
+    cpu::rope_table(cos_f.data(), sin_f.data(), inv_freq.data(), seq, head_dim);
+    std::vector<int32_t> positions;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t n : {int64_t{1}, int64_t{40}, int64_t{1}, int64_t{55}})
+        for (int64_t i = 0; i < n; ++i) positions.push_back(static_cast<int32_t>(i));
+    const std::vector<float> x = random_bf16_values(rng, count, -3, 3);
+    DeviceBuffer<float> d_cos(cos_f), d_sin(sin_f);
+    DeviceBuffer<int32_t> d_positions(positions);
+    for (bool backward : {false, true}) {
+      SCOPED_TRACE(backward ? "backward" : "forward");
+      DeviceBf16 d_x(x);
+      if (backward)
+        cuda::rope_bwd(d_x.bf(), d_x.bf(), d_cos.get(), d_sin.get(), batch, seq, heads, head_dim, width, width,
+                       d_positions.get(), nullptr);
+      else
+        cuda::rope_fwd(d_x.bf(), d_x.bf(), d_cos.get(), d_sin.get(), batch, seq, heads, head_dim, width, width,
+                       d_positions.get(), nullptr);
+      std::vector<double> ref(count), xd(x.begin(), x.end()), c(cos_f.begin(), cos_f.end()),
+          s(sin_f.begin(), sin_f.end());
+      (backward ? cpu::rope_bwd<double> : cpu::rope_fwd<double>)(ref.data(), xd.data(), c.data(), s.data(), batch,
+                                                                 seq, heads, head_dim, width, width, positions.data());
+      std::vector<double> naive(count);
+      for (int64_t i = 0; i < count; ++i) naive[i] = round_bf16(ref[i]);
+      expect_close_to_naive(backward ? "rope bwd, positions" : "rope fwd, positions", d_x.values(), naive, ref);
     }
   }
 }
@@ -80,10 +121,12 @@ TEST(RopeGpu, StridedRowsMatchTheCpuTwin) {
       DeviceBf16 d_out(positions * k.out_stride);
       d_out.poison();
       (backward ? cuda::rope_bwd : cuda::rope_fwd)(d_out.bf(), d_x.bf(), d_cos.get(), d_sin.get(), batch, seq, k.heads,
-                                                   k.head_dim, k.out_stride, k.inp_stride, nullptr);
+                                                   k.head_dim, k.out_stride, k.inp_stride,
+                                                   /*positions=*/nullptr, nullptr);
       std::vector<double> ref(positions * k.out_stride);
       (backward ? cpu::rope_bwd<double> : cpu::rope_fwd<double>)(ref.data(), xd.data(), c.data(), s.data(), batch, seq,
-                                                                 k.heads, k.head_dim, k.out_stride, k.inp_stride);
+                                                                 k.heads, k.head_dim, k.out_stride, k.inp_stride,
+                                                                 /*positions=*/nullptr);
       const std::vector<uint16_t> bits = d_out.download();
       std::vector<double> gpu(positions * width), rows(positions * width), naive(positions * width);
       int64_t gap_writes = 0;

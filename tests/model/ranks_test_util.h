@@ -64,14 +64,19 @@ inline std::string name(const RanksCase& c) {
          (c.prefetch ? "" : "_no_prefetch") + "_recompute_" + recompute_name(c.recompute);
 }
 
-// 4 rows of 16 tokens over the fixture's vocabulary, targets the next token (the last ignored).
+// 4 rows of 16 tokens over the fixture's vocabulary, targets the next token (the last ignored), each row packing
+// documents (the loader's positions): row r holds documents of 5 + r, 1 and 10 - r tokens, so every layout runs
+// with the engine's default document mask and restarted positions at work.
 struct FourRows {
   static constexpr int64_t kRows = 4, kSeq = 16;
-  std::vector<int32_t> inputs, targets;
+  std::vector<int32_t> inputs, targets, positions;
   explicit FourRows(int64_t vocab) : inputs(kRows * kSeq), targets(kRows * kSeq) {
     uint64_t x = 0x9E3779B97F4A7C15ull;
     for (int32_t& t : inputs) x ^= x << 13, x ^= x >> 7, x ^= x << 17, t = static_cast<int32_t>(x % vocab);
     for (int64_t i = 0; i < kRows * kSeq; i++) targets[i] = (i + 1) % kSeq == 0 ? -100 : inputs[i + 1];
+    for (int64_t r = 0; r < kRows; r++)
+      for (int64_t n : {5 + r, int64_t{1}, 10 - r})
+        for (int64_t i = 0; i < n; i++) positions.push_back(static_cast<int32_t>(i));
   }
 };
 
@@ -87,7 +92,8 @@ inline StepResult rows_step(Engine& e, const Fixture& f, const FourRows& data, i
                             int64_t s) {
   e.begin_step();
   const LossSum l = e.forward_backward(data.inputs.data() + first_row * FourRows::kSeq,
-                                       data.targets.data() + first_row * FourRows::kSeq, rows, FourRows::kSeq);
+                                       data.targets.data() + first_row * FourRows::kSeq, rows, FourRows::kSeq,
+                                       data.positions.data() + first_row * FourRows::kSeq);
   return e.finish_step(l, learning_rate(f.optimizer(), s, 10));
 }
 

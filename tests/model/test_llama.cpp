@@ -63,6 +63,38 @@ TEST_P(LlamaParity, LogitsLossAndEveryGradientMatchTransformers) {
   }
 }
 
+// The same batch as packed documents (tools/reference/make_fixtures.py: transformers with position_ids restarting
+// at each document and a block-diagonal causal mask, float64): logits, loss and every gradient at the bound above.
+// Its position_ids are valid loader positions (0 where a document begins), which the model turns into the same
+// document starts and RoPE positions.
+TEST_P(LlamaParity, PackedDocumentsMatchTransformers) {
+  Fixture f(GetParam());
+  Llama model(f.config, f.batch, f.seq);
+  load_weights(f.dir, model.layout(), model.params.data());
+  SafetensorsFile ref(f.dir / "packed.safetensors");
+  const int64_t V = f.config.vocab_size;
+  std::vector<int32_t> positions(f.batch * f.seq);
+  ref.read_i32("position_ids", {f.batch, f.seq}, positions.data());
+
+  std::vector<float> logits(f.batch * f.seq * V);
+  model.forward_logits(f.inputs.data(), f.batch, f.seq, logits.data(), positions.data());
+  std::vector<double> ref_logits(logits.size());
+  ref.read_f64("logits", {f.batch, f.seq, V}, ref_logits.data());
+  EXPECT_LE(rel_err_norm(logits.data(), ref_logits.data(), logits.size()), 1e-5);
+
+  model.zero_grads();
+  const LossSum loss = model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data());
+  double ref_loss = 0;
+  ref.read_f64("loss", {1}, &ref_loss);
+  ASSERT_GT(loss.count, 0);
+  EXPECT_NEAR(loss.sum / loss.count, ref_loss, 1e-5);
+  for (const ParamTensor& t : model.layout().tensors()) {
+    std::vector<double> ref_grad(t.numel);
+    ref.read_f64("grad." + t.name, t.shape, ref_grad.data());
+    EXPECT_LE(rel_err_norm(model.grads.data() + t.offset, ref_grad.data(), t.numel, 1.0 / loss.count), 1e-5) << t.name;
+  }
+}
+
 TEST_P(LlamaParity, TenAdamWStepsFollowTorch) {
   Fixture f(GetParam());
   Llama model(f.config, f.batch, f.seq);
@@ -111,6 +143,75 @@ TEST(Llama, GradientAccumulationOverMicroBatchesEqualsOneBatch) {
   EXPECT_NEAR(a.sum, b.sum, 1e-5 * std::abs(a.sum));
   std::vector<double> ref(whole.grads.begin(), whole.grads.end());
   EXPECT_LE(rel_err_norm(split.grads.data(), ref.data(), ref.size()), 1e-6);
+}
+
+// The oracle of packed documents: a window's loss and gradients, with the document mask and restarted positions,
+// equal the sums over its documents each run alone with positions from 0. Row 0 packs a document continued from an
+// earlier window (loader positions 7..), a one-token one and a longer one; row 1 is one document. Both are fp32
+// computations of the same function in different summation orders: the file's parity bound, 1e-5.
+std::vector<int32_t> loader_positions(const std::vector<std::vector<int64_t>>& lengths, int32_t first_offset) {
+  std::vector<int32_t> positions;
+  for (const std::vector<int64_t>& row : lengths)
+    for (size_t d = 0; d < row.size(); ++d)
+      for (int64_t i = 0; i < row[d]; ++i) positions.push_back(static_cast<int32_t>(i + (d == 0 ? first_offset : 0)));
+  return positions;
+}
+
+TEST_P(LlamaParity, PackedWindowEqualsItsDocumentsAlone) {
+  Fixture f(GetParam());
+  ASSERT_EQ(f.seq, 16);
+  const std::vector<std::vector<int64_t>> lengths{{5, 1, 10}, {16}};
+  const std::vector<int32_t> positions = loader_positions(lengths, /*first_offset=*/7);
+  Llama packed(f.config, f.batch, f.seq), alone(f.config, 1, f.seq);
+  load_weights(f.dir, packed.layout(), packed.params.data());
+  alone.params = packed.params;
+  packed.zero_grads();
+  alone.zero_grads();
+  const LossSum a = packed.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data());
+  LossSum b{};
+  for (size_t row = 0; row < lengths.size(); ++row) {
+    int64_t at = static_cast<int64_t>(row) * f.seq;
+    for (int64_t n : lengths[row]) {
+      const LossSum l = alone.forward_backward(f.inputs.data() + at, f.targets.data() + at, 1, n);
+      b.sum += l.sum, b.count += l.count;
+      at += n;
+    }
+  }
+  EXPECT_EQ(a.count, b.count);
+  EXPECT_NEAR(a.sum, b.sum, 1e-5 * std::abs(b.sum));
+  const std::vector<double> ref(alone.grads.begin(), alone.grads.end());
+  EXPECT_LE(rel_err_norm(packed.grads.data(), ref.data(), ref.size()), 1e-5);
+
+  // Without the mask and the restart, the same window is a different function (the documents see each other).
+  Llama crossing(f.config, f.batch, f.seq);
+  crossing.params = packed.params;
+  crossing.set_document_mode({/*mask=*/false, /*restart_positions=*/false});
+  const LossSum c = crossing.forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data());
+  EXPECT_GT(std::abs(c.sum - b.sum), 1e-3 * std::abs(b.sum));
+  // ... and exactly the window without positions, as before documents existed.
+  const LossSum d = crossing.forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  EXPECT_EQ(c.sum, d.sum);
+}
+
+// Each switch alone does what it says: the mask alone is the oracle with positions continuing along the window
+// (each document run alone from its offset in the window), the restart alone changes only RoPE.
+TEST(Llama, DocumentMaskAndPositionsAreIndependentSwitches) {
+  Fixture f("llama32_tiny");
+  const std::vector<std::vector<int64_t>> lengths{{6, 10}, {3, 13}};
+  const std::vector<int32_t> positions = loader_positions(lengths, 0);
+  Llama model(f.config, f.batch, f.seq);
+  load_weights(f.dir, model.layout(), model.params.data());
+  auto loss_with = [&](bool mask, bool restart) {
+    model.set_document_mode({mask, restart});
+    return model.forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data()).sum;
+  };
+  const double plain = loss_with(false, false), mask_only = loss_with(true, false), restart_only = loss_with(false, true),
+               both = loss_with(true, true);
+  EXPECT_GT(std::abs(plain - mask_only), 1e-4 * std::abs(plain));
+  EXPECT_GT(std::abs(plain - restart_only), 1e-4 * std::abs(plain));
+  // Masked with continuing positions: a document at offset o sees RoPE positions o.., which rotate q and k alike,
+  // so its attention scores (relative positions only) equal those from 0: the same loss as the restart, to fp32.
+  EXPECT_NEAR(mask_only, both, 1e-5 * std::abs(both));
 }
 
 // Generation with a KV cache: a prompt of 5 positions, then one position at a time to the fixture's length,

@@ -116,6 +116,39 @@ TEST_P(LlamaGpuParity, TenAdamWStepsFollowTheCpuRun) {
   EXPECT_EQ(gpu_model.steps_taken(), steps);
 }
 
+// Packed documents (mask and restarted positions, the defaults) against the CPU model, whose packed window equals
+// its documents run alone (test_llama.cpp's oracle): loss and every gradient at this file's bf16 tolerances, and the
+// mask at work (the window without it takes another loss). Row 0 packs a document continued from an earlier window,
+// a one-token document and a longer one; row 1 is one document.
+TEST_P(LlamaGpuParity, PackedDocumentsFollowTheCpuModel) {
+  TUNA_REQUIRE_GPU();
+  GpuFixture f(GetParam());
+  ASSERT_EQ(f.seq, 16);
+  const std::vector<int32_t> positions{7, 8, 9, 10, 11, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                       0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Llama cpu_model(f.config, f.batch, f.seq);
+  load_weights(f.dir, cpu_model.layout(), cpu_model.params.data());
+  cpu_model.zero_grads();
+  const LossSum cpu_loss = cpu_model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data());
+  LlamaGpu gpu_model(f.config, f.batch, f.seq, f.optimizer());
+  gpu_model.set_params(cpu_model.params.data());
+  gpu_model.zero_grads();
+  const LossSum gpu_loss = gpu_model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data());
+  const double a = cpu_loss.sum / cpu_loss.count, b = gpu_loss.sum / gpu_loss.count;
+  std::printf("  %s packed loss cpu %.6f gpu %.6f\n", GetParam().c_str(), a, b);
+  EXPECT_EQ(cpu_loss.count, gpu_loss.count);
+  EXPECT_NEAR(b, a, 1e-2 * std::abs(a));
+  std::vector<float> grads(gpu_model.layout().total());
+  gpu_model.get_grads(grads.data());
+  for (const ParamTensor& t : gpu_model.layout().tensors()) {
+    const std::vector<double> ref(cpu_model.grads.begin() + t.offset, cpu_model.grads.begin() + t.offset + t.numel);
+    EXPECT_LE(rel_err_norm(grads.data() + t.offset, ref.data(), t.numel), 0.1) << t.name;
+  }
+  gpu_model.set_document_mode({/*mask=*/false, /*restart_positions=*/false});
+  const LossSum crossing = gpu_model.forward_loss(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data());
+  EXPECT_GT(std::abs(crossing.sum / crossing.count - a), 3e-2 * std::abs(a)) << "the mask changed nothing";
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaGpuParity, testing::Values("llama2_tiny", "llama32_tiny"));
 
 TEST(LlamaGpu, GradientAccumulationOverMicroBatchesMatchesOneBatch) {

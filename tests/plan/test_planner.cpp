@@ -80,6 +80,31 @@ TEST(Planner, TheOneBStepOnTheH200IsTheProfiledOne) {
   EXPECT_NEAR(p.mfu, 8192 / p.step_s * model_flops_per_token(j.model, 4096) / 989.4e12, 1e-9);
 }
 
+// Documents masked in packed windows: attention costs seq x mean_doc_tokens / 2 scores per window, priced at the
+// rate measured for that length; nothing else in the step changes, and MFU counts the attention done.
+TEST(Planner, AttentionFlopsFollowTheMeanDocumentLength) {
+  JobSpec j = job_of("llama-3.2-1b", "h200", 1, 1, 0, 2, 4096, 1);
+  j.cluster.gpus_per_node = 1;
+  j.layout.dp = 1;
+  const Rates rates = repository_rates();
+  auto part_of = [](const Prediction& p, const std::string& name) {
+    for (const TimeItem& t : p.compute)
+      if (t.name == name) return t.seconds;
+    return -1.0;
+  };
+  const Prediction whole = predict(j, rates);
+  j.mean_doc_tokens = 4096;  // one document per window: the same as none
+  EXPECT_EQ(predict(j, rates).step_s, whole.step_s);
+  j.mean_doc_tokens = 1024;
+  const Prediction docs = predict(j, rates);
+  const double flops_ratio = 1024.0 / 4096.0;
+  const double rate_ratio = rates.attention_rate(64, 4096, false) / rates.attention_rate(64, 1024, false);
+  EXPECT_NEAR(part_of(docs, "attention") / part_of(whole, "attention"), flops_ratio * rate_ratio, 0.35 * flops_ratio);
+  EXPECT_LT(part_of(docs, "attention"), 0.5 * part_of(whole, "attention"));
+  EXPECT_EQ(part_of(docs, "layer GEMMs"), part_of(whole, "layer GEMMs"));
+  EXPECT_NEAR(docs.mfu, 8192 / docs.step_s * model_flops_per_token(j.model, 1024) / 989.4e12, 1e-9);
+}
+
 TEST(Planner, DataParallelTimeIsTheRingsBytesOverTheBusBandwidth) {
   JobSpec j = job_of("llama-3.1-8b", "h100-80gb", 2, 1, 0, 1, 4096, 1);
   const int64_t P = ParamLayout(j.model).total();

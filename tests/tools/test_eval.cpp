@@ -49,11 +49,12 @@ TEST(Eval, LossIsTheModelsOverEveryWindow) {
   LoaderOptions lo;
   lo.seq_len = 16, lo.micro_batch = 4, lo.vocab_size = config.vocab_size, lo.eval = true;
   DataLoader loader({data}, lo);
-  std::vector<int32_t> inputs(64), targets(64);
+  std::vector<int32_t> inputs(64), targets(64), positions(64);
   LossSum total;
   int windows = 0;
-  while (loader.next(inputs.data(), targets.data())) {
-    const LossSum l = model.forward_loss(inputs.data(), targets.data(), 4, 16);
+  // A model tuna did not train: the default document mode (mask, restarted positions), as the model's own default.
+  while (loader.next(inputs.data(), targets.data(), positions.data())) {
+    const LossSum l = model.forward_loss(inputs.data(), targets.data(), 4, 16, positions.data());
     total.sum += l.sum, total.count += l.count, windows += 4;
   }
   ASSERT_GT(total.count, 0);
@@ -61,6 +62,8 @@ TEST(Eval, LossIsTheModelsOverEveryWindow) {
   EXPECT_NEAR(got["loss"].get<double>(), total.sum / total.count, 1e-12 * total.sum / total.count);
   EXPECT_NEAR(got["perplexity"].get<double>(), std::exp(total.sum / total.count), 1e-9);
   EXPECT_EQ(got["device"], "cpu");
+  EXPECT_EQ(got["document_mask"], true);
+  EXPECT_EQ(got["document_positions"], "restart");
   EXPECT_NE(r.output.find(std::to_string(loader.total_windows()) + " windows of 16"), std::string::npos) << r.output;
   EXPECT_LT(static_cast<int>(loader.total_windows()), windows);  // the last batch was padded: rows are not windows
 }
@@ -145,7 +148,16 @@ TEST(Eval, DefaultsToTheTrainingSeqLenAndMatchesTheTrainersValidation) {
   EXPECT_EQ(got["seq_len"], 24);
   EXPECT_EQ(got["checkpoint"], (run / "ckpt" / "step_00000003").string());
   EXPECT_NEAR(got["loss"].get<double>(), trainer_val, 1e-6 * trainer_val);
+  EXPECT_EQ(got["document_mask"], true);  // the run's (default) document mode, from its state.json
   EXPECT_NE(r.output.find("eval: loading "), std::string::npos) << r.output;
+
+  // The same windows attending across documents: another loss (the shards' windows hold 1-2 documents).
+  r = run_command(kEval + " --checkpoint " + (run / "ckpt" / "latest").string() + " --data " + (tmp / "data").string() +
+                      " --micro-batch 4 --threads 2 --device cpu --document_mask false --document_positions continue",
+                  tmp / "log_unmasked");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(json_line(r.output)["document_mask"], false);
+  EXPECT_GT(std::abs(json_line(r.output)["loss"].get<double>() - trainer_val), 1e-4 * trainer_val);
   EXPECT_NE(r.output.find("(the checkpoint's training seq_len)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("in 1 shard(s)"), std::string::npos) << r.output;  // val-00000.bin only
 

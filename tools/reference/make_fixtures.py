@@ -4,7 +4,9 @@
 Each fixture is a tiny random LlamaForCausalLM saved as a Hugging Face directory (config.json +
 model.safetensors, float32) plus what tuna must reproduce on those exact weights, computed in float64
 from the float32 weights cast up: logits, loss, every parameter gradient, and 10 AdamW steps with
-warmup + cosine learning rate and global-norm clipping. tools/reference/README.md documents the files.
+warmup + cosine learning rate and global-norm clipping; and the same batch as packed documents (position_ids
+restarting at each document and a block-diagonal causal mask, what a padding-free collator gives transformers):
+logits, loss and gradients. tools/reference/README.md documents the files.
 
 Usage: python3 tools/reference/make_fixtures.py [--out tests/fixtures]
 
@@ -57,6 +59,9 @@ class Fixture:
     # (row, position) of targets replaced by IGNORE_INDEX: the tail of row 0 (as padding would be) and
     # one position inside row 1 (as an SFT prompt mask would be).
     ignored: tuple = field(default=((0, -3), (0, -2), (0, -1), (1, 5)))
+    # Packed documents per row (lengths summing to seq_len): row 0 a one-token document between two longer ones
+    # (the first as a window cut from a longer document would begin), row 1 a single document.
+    documents: tuple = field(default=((5, 1, 10), (16,)))
 
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -242,6 +247,57 @@ def load_float64(fixture_dir):
                                             attn_implementation="sdpa").eval()
 
 
+def packed_batch(documents, T):
+    # position_ids restarting at 0 at each document, and the additive [B, 1, T, T] mask of causal attention inside
+    # each document (0 where a query sees a key, the dtype's minimum elsewhere): transformers takes a 4-D mask as
+    # given ("already in inverted form").
+    B = len(documents)
+    position_ids = torch.zeros(B, T, dtype=torch.int64)
+    allowed = torch.zeros(B, T, T, dtype=torch.bool)
+    for b, lengths in enumerate(documents):
+        assert sum(lengths) == T, (lengths, T)
+        at = 0
+        for n in lengths:
+            position_ids[b, at:at + n] = torch.arange(n)
+            allowed[b, at:at + n, at:at + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            at += n
+    mask = torch.zeros(B, 1, T, T, dtype=torch.float64)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float64).min)
+    return position_ids, mask
+
+
+def make_packed(fx, d, model, input_ids, targets, unpacked_logits):
+    # The batch as packed documents: logits, loss, gradients in float64. Checked here against the oracle (each
+    # document run alone, positions from 0, plain causal attention): the same logits, and a loss whose sum over
+    # tokens is the sum of the documents'.
+    B, T = input_ids.shape
+    position_ids, mask = packed_batch(fx.documents, T)
+    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False).logits
+    loss = cross_entropy(logits, targets)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        alone = torch.empty_like(logits)
+        for b, lengths in enumerate(fx.documents):
+            at = 0
+            for n in lengths:
+                alone[b, at:at + n] = model(input_ids=input_ids[b:b + 1, at:at + n], use_cache=False).logits[0]
+                at += n
+    oracle_err = max_rel(logits.detach(), alone)
+    assert oracle_err < 1e-12, f"packed logits differ from the documents run alone: {oracle_err}"
+    crossing = max_rel(logits.detach(), unpacked_logits.detach())
+    assert crossing > 1e-2, f"the mask changed nothing: {crossing}"
+    tensors = {"position_ids": position_ids.to(torch.int32), "logits": logits.detach().contiguous(),
+               "loss": loss.detach().reshape(1)}
+    for n, g in grads.items():
+        tensors["grad." + n] = g.contiguous()
+    safetensors.torch.save_file(tensors, os.path.join(d, "packed.safetensors"),
+                                metadata={"format": "tuna-reference-packed", "fixture": fx.name})
+    return {"documents": [list(r) for r in fx.documents], "loss": loss.item(),
+            "oracle_max_rel_err": oracle_err, "unmasked_logits_max_rel_diff": crossing}
+
+
 def make_fixture(fx, out_root):
     d = os.path.join(out_root, fx.name)
     if os.path.isdir(d):
@@ -304,6 +360,8 @@ def make_fixture(fx, out_root):
     logits_err = max_rel(logits.detach(), ind_logits.detach())
     grad_err = max(max_rel(grads[n], P[n].grad) for n in grads)
     assert logits_err < 1e-12 and grad_err < 1e-10, (logits_err, grad_err)
+
+    packed = make_packed(fx, d, model, input_ids, targets, logits)
 
     # How far the stock (unpatched) HF float64 forward is: informational.
     with torch.no_grad():
@@ -376,6 +434,7 @@ def make_fixture(fx, out_root):
         "init": INIT_NOTE,
         "float64": FLOAT64_NOTE,
         "stock_hf_float64_logits_max_abs_diff": stock_diff,
+        "packed": packed,
         "independent_check_max_rel_err": {"logits": logits_err, "grads": grad_err},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "safetensors": safetensors.__version__, "numpy": numpy.__version__},
@@ -388,6 +447,8 @@ def make_fixture(fx, out_root):
           f"train losses {train_losses[0]:.4f} -> {train_losses[-1]:.4f}")
     print(f"  grad norms {[round(n, 4) for n in grad_norms]}  clip {fx.grad_clip}: clipped steps {clipped}")
     print(f"  rope bands {bands}")
+    print(f"  packed documents {packed['documents']}: loss {packed['loss']:.6f}, oracle {packed['oracle_max_rel_err']:.1e}, "
+          f"unmasked logits differ by {packed['unmasked_logits_max_rel_diff']:.2f}")
     print(f"  independent check: logits {logits_err:.1e}, grads {grad_err:.1e}; "
           f"stock HF float64 logits differ by {stock_diff:.1e}")
     return d
@@ -411,7 +472,8 @@ def main():
             total += size
             print(f"  {os.path.join(d, name)}  {size} bytes")
     print(f"total {total} bytes")
-    assert total < 3 * 1024 * 1024, "fixtures must stay small"
+    # ~4.2 MB: half of it the float64 gradients, once for the plain batch and once packed.
+    assert total < 4.5 * 1024 * 1024, "fixtures must stay small"
 
 
 if __name__ == "__main__":
