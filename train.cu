@@ -36,13 +36,13 @@
 #include "data/loader.h"          // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
 #include "data/tokenizer.h"       // model_tokenizer: what checkpoints carry, what shards must match
 #include "comm/comm.h"            // Comm, Mesh, make_world_comm, abort_job
-#include "ckpt/checkpoint.h"     // load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
+#include "ckpt/checkpoint.h"     // verify_model_directory, resume_data_cursor, load_weights, save_checkpoint, resume_checkpoint, load_checkpoint_state
 #include "model/config.h"         // LlamaConfig
 #include "engine/engine.h"         // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "model/llama.h"          // init_random_weights
 #include "model/memory_plan.h"    // MemoryLayout, plan_cpu_memory, plan_gpu_memory, format_memory_table
 #include "model/optimizer.h"      // OptimizerConfig, learning_rate
-#include "ckpt/run_dir.h"        // open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
+#include "ckpt/run_dir.h"        // lock_run_dir, open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -182,19 +182,9 @@ void check(const TrainConfig& c) {
   if (c.micro_batch * c.seq_len > (int64_t{1} << 31))
     fail("options 'micro_batch' x 'seq_len' = ", c.micro_batch * c.seq_len, " tokens per micro-batch: at most 2^31");
   validate(c.opt);
-}
-
-// A cursor saved by dp_size ranks, for this run's dp size: the windows consumed so far in the epoch are the
-// same global count, spread over a different number of ranks (each rank takes every dp-th window).
-LoaderCursor reshard_cursor(LoaderCursor c, int64_t dp_size) {
-  if (c.dp_size == dp_size) return c;
-  const uint64_t consumed = c.position * static_cast<uint64_t>(c.dp_size);
-  if (consumed % dp_size != 0)
-    fail("cannot resume the data order of ", c.dp_size, " data-parallel ranks on ", dp_size, ": ", consumed,
-         " windows of the epoch are consumed, not a multiple of ", dp_size);
-  c.position = consumed / dp_size;
-  c.dp_size = dp_size;
-  return c;
+  // Every input path now, before anything is loaded (data/loader.h), not after the model.
+  if (!c.plan_only) check_shard_specs("train_data", split_list(c.train_data), ShardRole::Train);
+  if (!c.plan_only) check_shard_specs("val_data", split_list(c.val_data), ShardRole::Val);
 }
 
 LossSum evaluate(Engine& model, DataLoader& val, int64_t max_batches, std::vector<int32_t>& inputs,
@@ -230,12 +220,15 @@ int run(int argc, char** argv) {
   // out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one; a resume takes
   // the newest checkpoint that verifies on every rank (ckpt/run_dir.h). A plan touches nothing on disk.
   std::optional<fs::path> resume_from;
+  const auto warn = [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); };
+  const std::unique_ptr<RunLock> run_lock = cfg.plan_only ? nullptr : lock_run_dir(out_dir, *world, warn);  // one run per out_dir
   if (!cfg.plan_only)
     resume_from = open_run_dir(
         out_dir, parse_resume_mode(cfg.resume), cfg.overwrite, *world,
-        [](const std::string& m) { std::printf("%s\n", m.c_str()); },
-        [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
+        [](const std::string& m) { std::printf("%s\n", m.c_str()); }, warn);
   const fs::path init_dir = cfg.init.empty() ? fs::path() : resolve_checkpoint(cfg.init);  // .../latest too
+  if (!resume_from && !init_dir.empty() && !cfg.plan_only && !verify_model_directory(init_dir, ModelFiles::Weights, *world))
+    std::printf("note: %s\n", unverified_note(init_dir).c_str());  // the files --init reads, against its manifest
   const fs::path weights_dir = resume_from ? *resume_from : init_dir;
   json config_json = weights_dir.empty() ? json() : read_config_json(weights_dir);
   LlamaConfig model_cfg = weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
@@ -296,6 +289,7 @@ int run(int argc, char** argv) {
               engine->describe().c_str(), threads, world->size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero,
               world->backend().c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
+  if (const std::string w = schedule_warning(cfg.opt, cfg.steps); !w.empty()) std::printf("warning: %s\n", w.c_str());
   if (eo.device == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
   if (!resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", init_dir.c_str());
   else if (!resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
@@ -314,20 +308,16 @@ int run(int argc, char** argv) {
                                                       [&](const StateSource& source) { engine->import_state(source); });
     check_optimizer_steps(resumed, steps_taken, *resume_from);
     engine->set_steps_taken(steps_taken);
-    saved_cursor = resumed.data_cursor;
-    if (state.contains("train_config")) {
-      json old = state["train_config"], now = options.to_json();
-      for (auto& [k, v] : now.items())
-        if (old.contains(k) && old[k] != v && k != "resume" && k != "stop_at_step")
-          std::printf("note: option %s was %s in the checkpoint, now %s\n", k.c_str(), old[k].dump().c_str(),
-                      v.dump().c_str());
-    }
+    saved_cursor = resume_data_cursor(resumed, mesh.dp_size, *resume_from);  // checked against the step, resharded
+    if (state.contains("train_config"))  // options that differ; a reshaped schedule is a warning (ckpt/run_dir.h)
+      for (const std::string& line : resume_option_changes(state["train_config"], options.to_json(), cfg.opt, step))
+        std::printf("%s\n", line.c_str());
     std::printf("resumed from %s at step %lld\n", resume_from->c_str(), (long long)step);
   }
   LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
                            model_cfg.vocab_size, false, tokenizer.fingerprint, tokenizer.description};
   DataLoader train(expand_shard_paths(split_list(cfg.train_data), ShardRole::Train), train_opts);
-  if (!saved_cursor.is_null()) train.set_cursor(reshard_cursor(saved_cursor.get<LoaderCursor>(), mesh.dp_size));
+  if (!saved_cursor.is_null()) train.set_cursor(saved_cursor.get<LoaderCursor>());
   std::unique_ptr<DataLoader> val;
   if (!cfg.val_data.empty()) {
     LoaderOptions val_opts = train_opts;
@@ -416,6 +406,7 @@ int run(int argc, char** argv) {
       if (world->rank() == 0) p = finish_sharded_checkpoint(ckpt_root, at_step, contents, cfg.ckpt_keep);
       world->barrier("checkpoint renamed");
     }
+    if (world->rank() == 0) refresh_run_report(out_dir);  // its checkpoint table lists this one now
     std::printf("checkpoint %s\n", p.c_str());
     std::fflush(stdout);
     eta_model.checkpoint_done(seconds_since(started));
