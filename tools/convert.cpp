@@ -39,6 +39,9 @@ int main(int argc, char** argv) {
     if (args[0] == "hf-to-tuna") {
       // The tokenizer against the model's config.json first: one with ids the model has no embedding for
       // would pass here and be refused only by build/train, after the corpus was prepared with it.
+      // The files read, against the directory's manifest where it has one (ckpt/checkpoint.h: one rule).
+      if (!tuna::verify_model_directory(args[1], tuna::ModelFiles::Weights))
+        std::fprintf(stderr, "note: %s\n", tuna::unverified_note(args[1]).c_str());
       std::optional<tuna::Tokenizer> tokenizer;
       if (tuna::has_tokenizer(args[1])) {
         try {
