@@ -28,8 +28,8 @@
 #include <sstream>
 #include <sysexits.h>  // EX_TEMPFAIL
 
-#include "ckpt/checkpoint.h"   // resolve_checkpoint, read_config_json, checkpoint_bytes
-#include "ckpt/run_dir.h"      // open_run_dir, truncate_metrics, MetricsLog, check_checkpoint_space
+#include "ckpt/checkpoint.h"   // resolve_checkpoint, read_config_json, checkpoint_bytes, verify_model_directory
+#include "ckpt/run_dir.h"      // lock_run_dir, open_run_dir, truncate_metrics, MetricsLog, resume_option_changes
 #include "comm/comm.h"         // Comm, Mesh, make_world_comm, abort_job
 #include "comm/fault_injection.h"  // TUNA_FAULT: inject_fault_for_tests, nan_loss_for_tests
 #include "core/error.h"        // tuna::Error, fail, describe_current_exception
@@ -191,19 +191,9 @@ void check(const TrainConfig& c) {
   if (c.micro_batch * c.seq_len > (int64_t{1} << 31))
     fail("options 'micro_batch' x 'seq_len' = ", c.micro_batch * c.seq_len, " tokens per micro-batch: at most 2^31");
   validate(c.opt);
-}
-
-// A cursor saved by dp_size ranks, for this run's dp size: the windows consumed so far in the epoch are the
-// same global count, spread over a different number of ranks (each rank takes every dp-th window).
-LoaderCursor reshard_cursor(LoaderCursor c, int64_t dp_size) {
-  if (c.dp_size == dp_size) return c;
-  const uint64_t consumed = c.position * static_cast<uint64_t>(c.dp_size);
-  if (consumed % dp_size != 0)
-    fail("cannot resume the data order of ", c.dp_size, " data-parallel ranks on ", dp_size, ": ", consumed,
-         " windows of the epoch are consumed, not a multiple of ", dp_size);
-  c.position = consumed / dp_size;
-  c.dp_size = dp_size;
-  return c;
+  // Every input path now, before anything is loaded (data/loader.h), not after the model.
+  if (!c.plan_only) check_shard_specs("train_data", split_list(c.train_data), ShardRole::Train);
+  if (!c.plan_only) check_shard_specs("val_data", split_list(c.val_data), ShardRole::Val);
 }
 
 // Measured against the plan: the largest rank's peak resident memory above its start-up (the plan's scope). Then
@@ -234,6 +224,7 @@ int finish_run(const TrainConfig& cfg, Comm& world, MetricsLog& metrics, const j
 // earlier run in out_dir is continued, deleted (--overwrite) or refused, never silently mixed with this one; a
 // resume takes the newest checkpoint that verifies on every rank (ckpt/run_dir.h). A plan touches nothing on disk.
 struct RunStart {
+  std::unique_ptr<RunLock> lock;  // one run per out_dir, held for the run's life (ckpt/run_dir.h)
   std::optional<fs::path> resume_from;
   fs::path init_dir, weights_dir;
   json config_json, checkpoint_state;  // checkpoint_state: a resume's state.json (what its run chose)
@@ -243,12 +234,17 @@ struct RunStart {
 
 RunStart open_run(const TrainConfig& cfg, Comm& world) {
   RunStart r;
-  if (!cfg.plan_only)
+  const auto warn = [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); };
+  if (!cfg.plan_only) {
+    r.lock = lock_run_dir(cfg.out_dir, world, warn);
     r.resume_from = open_run_dir(
         cfg.out_dir, parse_resume_mode(cfg.resume), cfg.overwrite, world,
-        [](const std::string& m) { std::printf("%s\n", m.c_str()); },
-        [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); });
+        [](const std::string& m) { std::printf("%s\n", m.c_str()); }, warn);
+  }
   r.init_dir = cfg.init.empty() ? fs::path() : resolve_checkpoint(cfg.init);  // .../latest too
+  if (!r.resume_from && !r.init_dir.empty() && !cfg.plan_only &&
+      !verify_model_directory(r.init_dir, ModelFiles::Weights, world))
+    std::printf("note: %s\n", unverified_note(r.init_dir).c_str());  // the files --init reads, against its manifest
   r.weights_dir = r.resume_from ? *r.resume_from : r.init_dir;
   if (r.resume_from) r.checkpoint_state = read_training_state(*r.resume_from).state;
   r.config_json = r.weights_dir.empty() ? json() : read_config_json(r.weights_dir);
@@ -295,22 +291,13 @@ json training_state(const Options& options, const TrainConfig& cfg, const Mesh& 
   return state;
 }
 
-// The options a resume changed against its checkpoint's run, one note each.
-void note_changed_options(const json& state, const json& now) {
-  if (!state.contains("train_config")) return;
-  const json& old = state["train_config"];
-  for (auto& [k, v] : now.items())
-    if (old.contains(k) && old[k] != v && k != "resume" && k != "stop_at_step")
-      std::printf("note: option %s was %s in the checkpoint, now %s\n", k.c_str(), old[k].dump().c_str(),
-                  v.dump().c_str());
-}
-
 void print_banner(const TrainConfig& cfg, const Options& options, const RunStart& start, const Engine& engine,
                   const Comm& world, const Mesh& mesh, int threads) {
   std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x tp %d | ZeRO-%lld (%s)\n",
               engine.describe().c_str(), threads, world.size(), mesh.dp_size, mesh.tp_size, (long long)cfg.zero,
               world.backend().c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
+  if (const std::string w = schedule_warning(cfg.opt, cfg.steps); !w.empty()) std::printf("warning: %s\n", w.c_str());
   if (engine.describe() == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
   if (!start.resume_from && !cfg.init.empty()) std::printf("initialized from %s\n", start.init_dir.c_str());
   else if (!start.resume_from) std::printf("initialized from scratch (seed %lld, std %g)\n", (long long)cfg.seed, cfg.init_std);
@@ -431,8 +418,11 @@ int run(int argc, char** argv) {
   json saved_cursor;
   if (start.resume_from) {
     const TrainingState resumed = Checkpointer::restore(*engine, *start.resume_from);
-    step = resumed.step, skipped_steps = resumed.skipped_steps, saved_cursor = resumed.data_cursor;
-    note_changed_options(resumed.state, options.to_json());
+    step = resumed.step, skipped_steps = resumed.skipped_steps;
+    saved_cursor = resume_data_cursor(resumed, mesh.dp_size, *start.resume_from);  // checked against the step, resharded
+    if (resumed.state.contains("train_config"))  // options that differ; a reshaped schedule is a warning
+      for (const std::string& line : resume_option_changes(resumed.state["train_config"], options.to_json(), cfg.opt, step))
+        std::printf("%s\n", line.c_str());
     std::printf("resumed from %s at step %lld\n", start.resume_from->c_str(), (long long)step);
   }
 
@@ -440,7 +430,7 @@ int run(int argc, char** argv) {
   LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
                            start.model.vocab_size, false, start.tokenizer.fingerprint, start.tokenizer.description};
   DataLoader train(expand_shard_paths(split_list(cfg.train_data), ShardRole::Train), train_opts);
-  if (!saved_cursor.is_null()) train.set_cursor(reshard_cursor(saved_cursor.get<LoaderCursor>(), mesh.dp_size));
+  if (!saved_cursor.is_null()) train.set_cursor(saved_cursor.get<LoaderCursor>());
   LoaderOptions val_opts = train_opts;
   val_opts.eval = true;
   Validator validator(cfg.val_data.empty() ? nullptr

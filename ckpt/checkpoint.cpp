@@ -602,21 +602,56 @@ fs::path finish_checkpoint(const fs::path& root, int64_t step, const CheckpointC
                   json{{"format", "tuna checkpoint manifest"}, {"version", 1}, {"files", files}}.dump(2) + "\n");
   fsync_path(tmp_dir, /*directory=*/true);
 
-  if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);  // an older run's step of the same number
+  if (fs::exists(final_dir)) remove_checkpoint(final_dir);  // an older run's step of the same number
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) fail(final_dir.string(), ": cannot rename the finished checkpoint into place: ", ec.message());
   update_latest_link(root, final_dir);
   fsync_path(root, /*directory=*/true);
-  if (keep_last > 0) {
-    // Only after the new checkpoint is in place, and never the newest keep_last: the one just written is the
-    // newest (resume_checkpoint moved any newer, rejected one aside).
-    auto all = list_checkpoints(root);
-    for (size_t i = 0; i + keep_last < all.size(); i++) fs::remove_all(all[i], ec);
-  }
+  // Only after the new checkpoint is in place, and never the newest keep_last: the one just written is the
+  // newest (resume_checkpoint moved any newer, rejected one aside).
+  prune_checkpoints(root, keep_last);
   return final_dir;
 }
 
 }  // namespace
+
+void remove_checkpoint(const fs::path& dir) {
+  // Renamed first (atomic), deleted after: a kill in between leaves a .deleting-* name that the next start
+  // removes, never a step_* directory with half its files gone (which no reader lists, so none would delete).
+  const fs::path doomed = dir.parent_path() / (kDeletingPrefix + dir.filename().string());
+  std::error_code ec;
+  fs::remove_all(doomed, ec);
+  fs::rename(dir, doomed, ec);
+  if (ec) fail(dir.string(), ": cannot rename for deletion: ", ec.message());
+  fsync_path(dir.parent_path(), true);
+  fs::remove_all(doomed, ec);
+  if (ec) fail(doomed.string(), ": cannot delete (an old checkpoint of the rotation): ", ec.message());
+}
+
+void prune_checkpoints(const fs::path& root, int64_t keep_last) {
+  if (keep_last <= 0) return;
+  const std::vector<fs::path> all = list_checkpoints(root);
+  for (size_t i = 0; i + keep_last < all.size(); i++) remove_checkpoint(all[i]);
+}
+
+std::vector<std::string> clean_checkpoint_leftovers(const fs::path& root) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return removed;
+  std::vector<fs::path> doomed;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(kDeletingPrefix, 0) == 0 || name.rfind(".tmp-step_", 0) == 0) doomed.push_back(it->path());
+  }
+  if (ec) fail(root.string(), ": cannot list: ", ec.message());
+  std::sort(doomed.begin(), doomed.end());
+  for (const fs::path& p : doomed) {
+    fs::remove_all(p, ec);
+    if (ec) fail(p.string(), ": cannot delete the leftover of an interrupted checkpoint write or rotation: ", ec.message());
+    removed.push_back(p.filename().string());
+  }
+  return removed;
+}
 
 fs::path finish_sharded_checkpoint(const fs::path& root, int64_t step, const CheckpointContents& c, int64_t keep_last) {
   return finish_checkpoint(root, step, c, keep_last, json::object());
@@ -744,6 +779,29 @@ TrainingState read_training_state(const fs::path& dir) {
   return s;
 }
 
+LoaderCursor resume_data_cursor(const TrainingState& s, int64_t dp_size, const fs::path& dir) {
+  const std::string where = (dir / "state.json").string();
+  LoaderCursor c;
+  try {
+    c = s.data_cursor.get<LoaderCursor>();
+  } catch (const Error& e) {
+    fail(where, ": ", e.what());
+  }
+  if (c.has_segment) {
+    // The segment's batch shape is the one its own train_config saved (a segment is one run's life).
+    const auto config = s.state.find("train_config");
+    if (config == s.state.end() || !config->is_object())
+      fail(where, ": field 'train_config' is missing: the data cursor cannot be checked against the step");
+    const int64_t micro_batch = json_int(*config, "micro_batch", where + ": train_config", 1, int64_t{1} << 31);
+    const int64_t grad_accum = json_int(*config, "grad_accum", where + ": train_config", 1, int64_t{1} << 31);
+    check_cursor_progress(c, static_cast<uint64_t>(s.step), static_cast<uint64_t>(micro_batch * grad_accum), where);
+  }
+  c = reshard_cursor(c, dp_size);
+  c.has_segment = true;
+  c.segment_step = static_cast<uint64_t>(s.step), c.segment_epoch = c.epoch, c.segment_position = c.position;
+  return c;
+}
+
 void check_optimizer_steps(const TrainingState& state, int64_t steps_taken, const fs::path& dir) {
   if (steps_taken != state.step - state.skipped_steps)
     fail(dir.string(), ": the optimizer state has taken ", steps_taken, " updates, but state.json says step ",
@@ -752,6 +810,11 @@ void check_optimizer_steps(const TrainingState& state, int64_t steps_taken, cons
 }
 
 std::string verify_checkpoint(const fs::path& dir, int part, int parts, bool* unverified) {
+  return verify_checkpoint_files(dir, [](const std::string&) { return true; }, part, parts, unverified);
+}
+
+std::string verify_checkpoint_files(const fs::path& dir, const std::function<bool(const std::string&)>& reads, int part,
+                                    int parts, bool* unverified) {
   if (unverified) *unverified = false;
   const fs::path manifest_path = dir / kManifestFile;
   std::error_code ec;
@@ -781,7 +844,7 @@ std::string verify_checkpoint(const fs::path& dir, int part, int parts, bool* un
       if (size_ec) fail(p.string(), ": listed in the manifest, but ", size_ec.message());
       if (size != static_cast<uintmax_t>(bytes))
         fail(p.string(), ": ", size, " bytes, the manifest says ", bytes, " (truncated or replaced)");
-      if (index++ % parts != part) continue;
+      if (!reads(name) || index++ % parts != part) continue;
       const uint64_t expected = parse_hex64(entry["xxh3_64"].get<std::string>(), what);
       const FileDigest d = digest_file(p);
       if (d.xxh3 != expected)
@@ -797,6 +860,44 @@ std::string verify_checkpoint(const fs::path& dir, int part, int parts, bool* un
     return e.what();
   }
   return "";
+}
+
+namespace {
+
+bool model_file_read(ModelFiles files, const std::string& name) {
+  if (files == ModelFiles::Tokenizer) return !ends_with(name, ".safetensors");  // config.json, tokenizer files
+  return name != "optimizer.safetensors";  // rank files hold the moments too, and are read whole
+}
+
+}  // namespace
+
+bool verify_model_directory(const fs::path& dir, ModelFiles files, int part, int parts) {
+  bool unverified = false;
+  const std::string problem = verify_checkpoint_files(
+      dir, [files](const std::string& name) { return model_file_read(files, name); }, part, parts, &unverified);
+  if (!problem.empty())
+    fail(dir.string(), ": fails verification against its ", kManifestFile, ", not used: ", problem);
+  return !unverified;
+}
+
+bool verify_model_directory(const fs::path& dir, ModelFiles files, Comm& world) {
+  std::string problem;
+  bool verified = false;
+  try {
+    verified = verify_model_directory(dir, files, world.rank(), world.size());
+  } catch (const Error& e) {
+    problem = e.what();
+  }
+  int64_t failed = problem.empty() ? 0 : 1;
+  world.all_reduce_sum(&failed, 1, "model directory verification");
+  if (failed) fail(problem.empty() ? str(dir.string(), ": fails verification on another rank (see its message)") : problem);
+  return verified;
+}
+
+std::string unverified_note(const fs::path& dir) {
+  return str(dir.string(), " has no ", kManifestFile,
+             " (a Hugging Face download, or a checkpoint written before checkpoints carried checksums): its files are "
+             "checked for structure only, not against checksums");
 }
 
 std::optional<fs::path> resume_checkpoint(const fs::path& root, Comm& world,

@@ -48,6 +48,7 @@
 #include <string>
 #include <vector>
 
+#include "data/loader.h"     // LoaderCursor (a plain struct, and its checks)
 #include "data/tokenizer.h"  // TokenizerFile (a plain struct: model/ calls nothing of data/)
 #include "core/checksum.h"    // FileDigest
 #include "model/layout.h"
@@ -122,6 +123,16 @@ struct CheckpointContents {
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, int64_t step, const ParamLayout& layout,
                                       const CheckpointContents& contents, int64_t keep_last);
 
+// Deleting a checkpoint (the rotation, a step written again): renamed to .deleting-step_* first, then deleted,
+// so that a kill in between never leaves a half-deleted step_* directory.
+inline constexpr const char* kDeletingPrefix = ".deleting-";
+void remove_checkpoint(const std::filesystem::path& dir);
+// The rotation: deletes the oldest step_* under root beyond the newest keep_last (0 keeps all).
+void prune_checkpoints(const std::filesystem::path& root, int64_t keep_last);
+// At the start of a run (out_dir locked, so no other writer): removes what a killed run left under root, the
+// .deleting-* of an interrupted rotation and the .tmp-step_* of an interrupted write. Returns their names.
+std::vector<std::string> clean_checkpoint_leftovers(const std::filesystem::path& root);
+
 // A checkpoint directory's name for a step (1000 -> step_00001000), also in the names of files that refer to one.
 std::string step_dir_name(int64_t step);
 // The step in a checkpoint directory's name (step_00001000 -> 1000); -1 when the name is not exactly one that
@@ -170,6 +181,10 @@ struct TrainingState {
   nlohmann::json state;        // the whole state.json (train_config, world, ...)
 };
 TrainingState read_training_state(const std::filesystem::path& dir);
+// The data cursor a resume continues from, for dp_size ranks: checked against the step (the windows the
+// checkpoint's segment took at its train_config's micro_batch x grad_accum per step, data/loader.h
+// check_cursor_progress), resharded, and marked as the start of the new segment at this step.
+LoaderCursor resume_data_cursor(const TrainingState& state, int64_t dp_size, const std::filesystem::path& dir);
 // AdamW's update count, as the checkpoint's optimizer state holds it, must be step - skipped_steps.
 void check_optimizer_steps(const TrainingState& state, int64_t steps_taken, const std::filesystem::path& dir);
 
@@ -180,6 +195,23 @@ inline constexpr const char* kManifestFile = "manifest.json";
 // the reading. Returns what is wrong, naming the file; empty when it verifies. A directory written before
 // checkpoints carried a manifest verifies with *unverified set (sizes and checksums unknown).
 std::string verify_checkpoint(const std::filesystem::path& dir, int part = 0, int parts = 1, bool* unverified = nullptr);
+
+// The same for the files `reads` selects (the others are checked for presence and size only).
+std::string verify_checkpoint_files(const std::filesystem::path& dir,
+                                    const std::function<bool(const std::string&)>& reads, int part = 0, int parts = 1,
+                                    bool* unverified = nullptr);
+
+// One rule for every tool that reads a model directory: where it has a manifest, the files the tool reads are
+// checked against their checksums before use, and every listed file for its size (--resume and `convert
+// tuna-to-hf` read all of them: verify_checkpoint). Weights: what eval, sample and --init read (all but
+// optimizer.safetensors; a rank file, which holds the moments too, is read whole). Tokenizer: what prepare and
+// the tokenizer checks read (config.json, tokenizer files). Fails naming the file and what is wrong; returns
+// false when the directory has no manifest (a Hugging Face download): unverified_note says so. The Comm
+// overload shares the reading among the ranks (collective).
+enum class ModelFiles { Weights, Tokenizer };
+bool verify_model_directory(const std::filesystem::path& dir, ModelFiles files, int part = 0, int parts = 1);
+bool verify_model_directory(const std::filesystem::path& dir, ModelFiles files, Comm& world);
+std::string unverified_note(const std::filesystem::path& dir);
 
 // --resume: the newest checkpoint under root that verifies on every rank of `world` (each checks its share of
 // the files, then all agree), or none when root holds none. A newer one that fails is reported through

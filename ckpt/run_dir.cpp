@@ -1,13 +1,24 @@
 // The run directory: see run_dir.h for the rules.
 #include "ckpt/run_dir.h"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/json.h"      // parse_json
 #include "core/progress.h"  // periodic_events_left
 #include "comm/comm.h"      // Comm: open_run_dir agrees over the ranks
 #include "ckpt/checkpoint.h"  // list_checkpoints, fsync_path, write_text_file
@@ -36,7 +47,220 @@ int64_t count_lines(const fs::path& p) {
   return n;
 }
 
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string utc_time(double unix_seconds) {
+  const std::time_t t = static_cast<std::time_t>(std::clamp(unix_seconds, 0.0, 1e11));  // a damaged file's value too
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+json holder_json(const LockHolder& h) {
+  return {{"format", "tuna run lock"}, {"host", h.host}, {"boot_id", h.boot_id}, {"pid", h.pid},
+          {"job", h.job},              {"started", h.started}, {"heartbeat", h.heartbeat}};
+}
+
+// The holder a lock file names; nullopt when the file is gone. A file that does not parse (damaged, or not
+// tuna's) is a holder of unknown identity whose heartbeat is the file's modification time.
+std::optional<LockHolder> read_lock(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::stringstream text;
+  text << in.rdbuf();
+  LockHolder h;
+  h.host = "unknown";
+  try {
+    const json j = parse_json(text.str(), p.string());
+    h.host = j.at("host").get<std::string>();
+    h.boot_id = j.at("boot_id").get<std::string>();
+    h.job = j.at("job").get<std::string>();
+    h.pid = j.at("pid").get<int64_t>();
+    h.started = j.at("started").get<double>();
+    h.heartbeat = j.at("heartbeat").get<double>();
+    return h;
+  } catch (const std::exception&) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) return std::nullopt;
+    h.heartbeat = h.started = static_cast<double>(st.st_mtime);
+    return h;
+  }
+}
+
+bool same_holder(const LockHolder& a, const LockHolder& b) {
+  return a.host == b.host && a.boot_id == b.boot_id && a.pid == b.pid && a.started == b.started;
+}
+
+// Provably dead: on this host since its last boot, and no process has its pid.
+bool holder_is_dead(const LockHolder& h, const LockHolder& me) {
+  if (h.host != me.host || h.boot_id != me.boot_id || h.boot_id.empty() || h.pid <= 0) return false;
+  return ::kill(static_cast<pid_t>(h.pid), 0) != 0 && errno == ESRCH;
+}
+
+// The whole file written beside the lock, then moved or linked into place: a reader never sees it half written.
+void write_lock_file(const fs::path& p, const LockHolder& h) { write_text_file(p, holder_json(h).dump() + "\n"); }
+
 }  // namespace
+
+std::string LockHolder::describe(double now) const {
+  std::ostringstream s;
+  s << "host " << host << ", pid " << pid;
+  if (!job.empty()) s << ", job " << job;
+  if (started > 0) s << ", started " << utc_time(started);
+  s << ", heartbeat " << static_cast<int64_t>(std::clamp(std::round(now - heartbeat), 0.0, 1e12)) << " s ago";
+  return s.str();
+}
+
+LockHolder this_process_holder() {
+  LockHolder h;
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) == 0) h.host = host;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::getline(boot, h.boot_id);
+  h.pid = static_cast<int64_t>(::getpid());
+  for (const char* var : {"SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID"})
+    if (const char* v = std::getenv(var); v && *v) {
+      h.job = v;
+      break;
+    }
+  h.started = h.heartbeat = unix_now();
+  return h;
+}
+
+RunLock::RunLock(const fs::path& out_dir, const std::function<void(const std::string&)>& warn,
+                 std::function<void(const std::string&)> lost, Timing timing)
+    : path_(out_dir / kRunLockFile), me_(this_process_holder()), timing_(timing), lost_(std::move(lost)) {
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
+  const std::string unique = str(me_.host, ".", me_.pid);
+  const fs::path mine = out_dir / (".run.lock." + unique);
+  write_lock_file(mine, me_);
+  const double first_try = unix_now();
+  bool said_waiting = false;
+  for (int attempt = 0;; attempt++) {
+    if (::link(mine.c_str(), path_.c_str()) == 0) break;
+    int err = errno;
+    if (err == EPERM || err == ENOTSUP || err == EOPNOTSUPP || err == ENOSYS) {
+      // A filesystem without hard links: an exclusive create instead (atomic on NFSv3 and later).
+      const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+      if (fd >= 0) {
+        ::close(fd);
+        std::error_code rename_ec;
+        fs::rename(mine, path_, rename_ec);  // the whole content replaces the empty file at once
+        if (!rename_ec) break;
+      }
+      err = fd >= 0 ? EIO : errno;
+    }
+    if (err != EEXIST) {
+      fs::remove(mine, ec);
+      fail(path_.string(), ": cannot create the run's lock file: ", std::strerror(err));
+    }
+    const std::optional<LockHolder> holder = read_lock(path_);
+    if (!holder) continue;  // released in between: try again
+    const double now = unix_now();
+    const bool dead = holder_is_dead(*holder, me_);
+    // A heartbeat a day ahead of this clock is no clock skew: a damaged file.
+    if (dead || now - holder->heartbeat > timing_.stale_s || holder->heartbeat - now > 86400) {
+      // Moved aside under this process's own name first: of two runs taking over at once, only one gets this
+      // holder's file; the other then finds the winner's fresh lock and is refused.
+      const fs::path aside = out_dir / (".run.lock.stale." + unique);
+      if (::rename(path_.c_str(), aside.c_str()) == 0) {
+        const std::optional<LockHolder> moved = read_lock(aside);
+        if (moved && !same_holder(*moved, *holder) && !holder_is_dead(*moved, me_) &&
+            unix_now() - moved->heartbeat <= timing_.stale_s) {
+          // A live lock, taken between our read and the rename: put it back (link fails if yet another exists).
+          if (::link(aside.c_str(), path_.c_str()) != 0) {}
+          fs::remove(aside, ec);
+          continue;
+        }
+        fs::remove(aside, ec);
+        warn(str(path_.string(), ": took over the lock of a run that is gone (", holder->describe(now), "; ",
+                 dead ? "no such process on this host" : str("no heartbeat for more than ", timing_.stale_s, " s"),
+                 ")"));
+      }
+      continue;
+    }
+    if (!me_.job.empty() && holder->job == me_.job && now - first_try < timing_.stale_s + timing_.heartbeat_s) {
+      // The previous attempt of this very job (a requeue): its allocation may still be shutting down.
+      if (!said_waiting)
+        warn(str(path_.string(), " is held by an earlier attempt of job ", me_.job, " (", holder->describe(now),
+                 "): waiting for it to stop, at most ", timing_.stale_s, " s"));
+      said_waiting = true;
+      std::this_thread::sleep_for(std::chrono::duration<double>(timing_.poll_s));
+      continue;
+    }
+    fs::remove(mine, ec);
+    fail(out_dir.string(), " is in use by another run (", holder->describe(now), "; lock file ", path_.string(),
+         "). Two runs in one out_dir would write into the same checkpoints and metrics: wait for it to end, stop "
+         "it, or choose another --out_dir. A lock whose holder died is taken over at once on the same host, and "
+         "from any host once its heartbeat is older than ", timing_.stale_s, " s");
+  }
+  fs::remove(mine, ec);
+  fsync_path(out_dir, true);
+  thread_ = std::thread([this] { heartbeat_loop(); });
+}
+
+void RunLock::heartbeat_loop() {
+  const fs::path fresh = path_.parent_path() / (".run.lock.heartbeat." + str(me_.host, ".", me_.pid));
+  std::unique_lock<std::mutex> guard(mutex_);
+  while (!wake_.wait_for(guard, std::chrono::duration<double>(timing_.heartbeat_s), [&] { return stop_; })) {
+    try {
+      // Another run took the lock only if it judged this one dead: say so rather than write beside it.
+      const std::optional<LockHolder> holder = read_lock(path_);
+      if (!holder || !same_holder(*holder, me_)) {
+        lost_(str(path_.string(), ": this run's lock was ",
+                  holder ? str("taken over by another run (", holder->describe(unix_now()), ")") : std::string("removed"),
+                  "; stopping, since two runs would write into the same checkpoints"));
+        return;
+      }
+      me_.heartbeat = unix_now();
+      write_lock_file(fresh, me_);
+      std::error_code ec;
+      fs::rename(fresh, path_, ec);
+    } catch (const std::exception&) {
+      // A failed refresh (a full disk) is retried at the next beat; the lock goes stale only if they all fail.
+    }
+  }
+}
+
+RunLock::~RunLock() {
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  const std::optional<LockHolder> holder = read_lock(path_);
+  std::error_code ec;
+  if (holder && same_holder(*holder, me_)) fs::remove(path_, ec);
+}
+
+std::unique_ptr<RunLock> lock_run_dir(const fs::path& out_dir, Comm& world,
+                                      const std::function<void(const std::string&)>& warn) {
+  const auto lost = [](const std::string& message) {
+    std::fprintf(stderr, "error: %s\n", message.c_str());
+    std::fflush(stderr);
+    abort_job(1);
+  };
+  std::unique_ptr<RunLock> lock;
+  std::string refusal;
+  if (world.rank() == 0) {
+    try {
+      lock = std::make_unique<RunLock>(out_dir, warn, lost);
+    } catch (const Error& e) {
+      refusal = e.what();
+    }
+  }
+  int64_t refused = refusal.empty() ? 0 : 1;
+  world.all_reduce_sum(&refused, 1, "run directory lock");
+  if (refused) fail(refusal.empty() ? str(out_dir.string(), ": in use by another run (see rank 0's message)") : refusal);
+  return lock;
+}
 
 ResumeMode parse_resume_mode(const std::string& text) {
   if (text == "false") return ResumeMode::Never;
@@ -114,10 +338,57 @@ std::optional<fs::path> open_run_dir(const fs::path& out_dir, ResumeMode mode, b
     std::error_code ec;
     fs::create_directories(out_dir, ec);
     if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
+    const std::vector<std::string> leftovers = clean_checkpoint_leftovers(out_dir / "ckpt");
+    std::string names;
+    for (const std::string& n : leftovers) names += (names.empty() ? "" : ", ") + n;
+    if (!leftovers.empty()) say(str("removed what an interrupted run left in ", (out_dir / "ckpt").string(), ": ", names));
   }
   world.barrier("run directory ready");
   if (seen[1] == 0) return std::nullopt;
   return resume_checkpoint(out_dir / "ckpt", world, warn);
+}
+
+std::vector<std::string> resume_option_changes(const json& saved, const json& now, const OptimizerConfig& opt,
+                                               int64_t step) {
+  std::vector<std::string> lines;
+  if (!saved.is_object() || !now.is_object()) return lines;
+  // The schedule the checkpoint was following: this run's, with the saved values of the schedule's options.
+  OptimizerConfig before = opt;
+  int64_t steps_before = now.contains("steps") && now["steps"].is_number_integer() ? now["steps"].get<int64_t>() : 0;
+  const int64_t steps_now = steps_before;
+  bool schedule_changed = false;
+  std::string changed;
+  for (const auto& [key, value] : now.items()) {
+    if (!saved.contains(key) || saved[key] == value || key == "resume" || key == "stop_at_step") continue;
+    const json& old = saved[key];
+    const bool schedule = key == "steps" || key == "lr" || key == "min_lr" || key == "warmup_steps" ||
+                          key == "schedule" || key == "decay_fraction";
+    if (!schedule) {
+      lines.push_back(str("note: option ", key, " was ", old.dump(), " in the checkpoint, now ", value.dump()));
+      continue;
+    }
+    schedule_changed = true;
+    changed += str(changed.empty() ? "" : ", ", key, " ", old.dump(), " -> ", value.dump());
+    if (key == "steps" && old.is_number_integer()) steps_before = old.get<int64_t>();
+    if (key == "lr" && old.is_number()) before.lr = old.get<double>();
+    if (key == "min_lr" && old.is_number()) before.min_lr = old.get<double>();
+    if (key == "warmup_steps" && old.is_number_integer()) before.warmup_steps = old.get<int64_t>();
+    if (key == "schedule" && old.is_string()) before.schedule = old.get<std::string>();
+    if (key == "decay_fraction" && old.is_number()) before.decay_fraction = old.get<double>();
+  }
+  if (schedule_changed) {
+    char rates[96] = "";
+    try {
+      std::snprintf(rates, sizeof rates, "%.3e before, %.3e now", learning_rate(before, step, steps_before),
+                    learning_rate(opt, step, steps_now));
+    } catch (const Error&) {  // a saved schedule name this build does not know: say the change only
+    }
+    lines.push_back(str("warning: the learning-rate schedule changed at resume (", changed,
+                        "): it is reshaped from here, not continued: the rate at step ", step, " is ",
+                        rates[0] ? rates : "different", ", and the schedule now ends at step ", steps_now,
+                        steps_before != steps_now ? str(" instead of ", steps_before) : std::string()));
+  }
+  return lines;
 }
 
 PreviousRun remove_previous_run(const fs::path& out_dir) {

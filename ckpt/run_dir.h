@@ -17,13 +17,72 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <atomic>
+#include <condition_variable>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
+#include <vector>
+
+#include "model/optimizer.h"  // OptimizerConfig, learning_rate
 
 namespace tuna {
 
 class Comm;  // comm/comm.h
+
+// One run per out_dir: out_dir/run.lock, held by rank 0 for the run's life. A lock file, not flock(), because
+// flock does not hold across the nodes of every shared filesystem; it is created by link(2), which is atomic on
+// NFS too. It names its holder (host, boot id, pid, the job id of Slurm, PBS, LSF or Flux, the start time) and
+// carries a heartbeat (unix seconds) that a thread rewrites every heartbeat_s. A second run is refused naming
+// the holder; a stale lock is taken over with a warning: its holder is dead (same host and boot, no such pid),
+// or its heartbeat is older than stale_s (compared with this node's clock: nodes are assumed NTP-synced). A
+// requeue of the same job finding its previous attempt's fresh lock waits up to stale_s for it to go, since
+// the old allocation may still be stopping. The heartbeat thread re-reads the lock before each refresh; if
+// another run has taken it (it judged this one dead), `lost` is called (the trainer aborts: two writers would
+// corrupt the run). Released (the file removed, if still this holder's) by the destructor.
+struct LockHolder {
+  std::string host, boot_id, job;
+  int64_t pid = 0;
+  double started = 0, heartbeat = 0;  // unix seconds
+  std::string describe(double now) const;  // "host node7, pid 4242, job 1234, heartbeat 12 s ago"
+};
+LockHolder this_process_holder();
+class RunLock {
+ public:
+  struct Timing {
+    double heartbeat_s = 10, stale_s = 120, poll_s = 2;
+  };
+  // Acquires out_dir/run.lock (creating out_dir), or fails naming the holder. `warn` gets the take-over.
+  RunLock(const std::filesystem::path& out_dir, const std::function<void(const std::string&)>& warn,
+          std::function<void(const std::string&)> lost, Timing timing);
+  RunLock(const std::filesystem::path& out_dir, const std::function<void(const std::string&)>& warn,
+          std::function<void(const std::string&)> lost)
+      : RunLock(out_dir, warn, std::move(lost), Timing{}) {}
+  ~RunLock();
+  RunLock(const RunLock&) = delete;
+  RunLock& operator=(const RunLock&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  void heartbeat_loop();
+  std::filesystem::path path_;
+  LockHolder me_;
+  Timing timing_;
+  std::function<void(const std::string&)> lost_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+inline constexpr const char* kRunLockFile = "run.lock";
+
+// build/train (collective): rank 0 takes the lock, and a refusal there is an error on every rank. Other ranks
+// get null. If the lock is taken away during the run, rank 0 prints the error and ends the job (abort_job).
+std::unique_ptr<RunLock> lock_run_dir(const std::filesystem::path& out_dir, Comm& world,
+                                      const std::function<void(const std::string&)>& warn);
 
 // --resume: false (a new run), true (continue; fail when there is nothing to continue), auto (continue when
 // there is a checkpoint, else a new run: what a job script that is requeued after preemption wants).
@@ -58,6 +117,14 @@ std::optional<std::filesystem::path> open_run_dir(const std::filesystem::path& o
                                                   bool overwrite, Comm& world,
                                                   const std::function<void(const std::string&)>& say,
                                                   const std::function<void(const std::string&)>& warn);
+
+// On resume: what differs between the checkpoint's saved options (state.json's train_config) and this run's,
+// one line each (the options --resume and --stop_at_step are expected to differ and are skipped). A change of the
+// learning-rate schedule (steps, lr, min_lr, warmup_steps, schedule, decay_fraction) is a "warning:" saying what
+// it does at the resumed step (the rate there before and now, and where the schedule now ends); the others are
+// "note:" lines.
+std::vector<std::string> resume_option_changes(const nlohmann::json& saved, const nlohmann::json& now,
+                                               const OptimizerConfig& opt, int64_t step);
 
 // --overwrite (rank 0): deletes what an earlier run wrote (ckpt/, metrics.jsonl and its resume backups);
 // returns what was there.

@@ -1,5 +1,7 @@
 #include "core/progress.h"
 
+#include <cstdlib>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,6 +31,13 @@ std::string human_duration(double seconds) {
   return buf;
 }
 
+bool is_live_terminal(std::FILE* out) {
+  if (out == nullptr || ::isatty(::fileno(out)) != 1) return false;
+  for (const char* launcher : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID"})
+    if (std::getenv(launcher)) return false;
+  return true;
+}
+
 ProgressLine::ProgressLine(std::string label, double total, Unit unit, std::FILE* out, double period_s,
                            std::string items_name)
     : label_(std::move(label)),
@@ -37,7 +46,7 @@ ProgressLine::ProgressLine(std::string label, double total, Unit unit, std::FILE
       period_s_(period_s),
       unit_(unit),
       out_(out),
-      live_(out != nullptr && ::isatty(::fileno(out))),
+      live_(is_live_terminal(out)),
       start_(Clock::now()),
       last_print_(start_) {}
 
@@ -55,8 +64,13 @@ std::string ProgressLine::amount(double x) const {
 std::string ProgressLine::text(bool final) const {
   const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
   const double rate = elapsed > 0 ? done_ / elapsed : 0;
-  const std::string rate_text =
-      unit_ == Unit::Bytes ? str(human_bytes(rate), "/s") : str(amount(rate), " ", items_name_, "/s");
+  // Slow items (a batch of a big model takes seconds) with two significant digits: never "0 batches/s".
+  char slow[64] = "";
+  if (unit_ == Unit::Items && rate > 0 && rate < 10)
+    std::snprintf(slow, sizeof slow, "%.2g %s/s", rate, items_name_.c_str());
+  const std::string rate_text = slow[0] ? std::string(slow)
+                                : unit_ == Unit::Bytes ? str(human_bytes(rate), "/s")
+                                                       : str(amount(rate), " ", items_name_, "/s");
   std::string line = label_ + ": " + amount(done_);
   if (total_ > 0) line += " / " + amount(total_);
   if (unit_ == Unit::Items) line += " " + items_name_;

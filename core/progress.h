@@ -20,6 +20,11 @@ std::string human_bytes(double bytes);
 // 75 -> "1m15s", 7300 -> "2h01m", 200000 -> "2d07h"; "?" for a negative or non-finite duration.
 std::string human_duration(double seconds);
 
+// True when `out` is a terminal a person watches. Under an MPI launcher (Open MPI, PMIx, PMI, Slurm's srun),
+// a rank's stdout and stderr may be a pseudo-terminal that the launcher forwards into whatever its own output
+// is, often a log file: a rank never treats them as a terminal, so that no carriage return or ESC[K reaches a log.
+bool is_live_terminal(std::FILE* out);
+
 class ProgressLine {
  public:
   enum class Unit { Bytes, Items };

@@ -34,11 +34,19 @@ namespace {
 
 using Points = std::vector<std::pair<double, double>>;
 
+std::string utc_time(int64_t unix_seconds) {
+  const std::time_t t = static_cast<std::time_t>(unix_seconds);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char stamp[32];
+  std::strftime(stamp, sizeof stamp, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return stamp;
+}
+
 std::vector<CheckpointOnDisk> checkpoints_on_disk(const fs::path& ckpt_root) {
   std::vector<CheckpointOnDisk> out;
   std::error_code ec;
   if (!fs::is_directory(ckpt_root, ec)) return out;
-  const auto now = fs::file_time_type::clock::now();
   for (const fs::directory_entry& e : fs::directory_iterator(ckpt_root, ec)) {
     const std::string name = e.path().filename().string();
     if (!e.is_directory() || name.rfind("step_", 0) != 0) continue;  // .tmp-step_* are unfinished writes
@@ -51,7 +59,8 @@ std::vector<CheckpointOnDisk> checkpoints_on_disk(const fs::path& ckpt_root) {
     }
     for (const fs::directory_entry& f : fs::directory_iterator(e.path(), ec))
       if (f.is_regular_file(ec)) c.bytes += static_cast<int64_t>(f.file_size(ec)), c.files++;
-    c.age_s = std::chrono::duration<double>(now - fs::last_write_time(e.path(), ec)).count();
+    const auto written = std::chrono::file_clock::to_sys(fs::last_write_time(e.path(), ec));
+    c.written_unix = std::chrono::duration_cast<std::chrono::seconds>(written.time_since_epoch()).count();
     out.push_back(c);
   }
   std::sort(out.begin(), out.end(), [](const CheckpointOnDisk& a, const CheckpointOnDisk& b) { return a.step < b.step; });
@@ -626,7 +635,7 @@ std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportO
     for (const CheckpointOnDisk& c : r.checkpoints)
       o << "<tr><td>" << html_escape((r.dir / "ckpt" / c.name).string()) << "</td><td class=\"num\">" << c.step
         << "</td><td class=\"num\">" << human_bytes(double(c.bytes)) << "</td><td class=\"num\">" << c.files
-        << "</td><td>" << human_duration(c.age_s) << " ago</td></tr>\n";
+        << "</td><td>" << utc_time(c.written_unix) << "</td></tr>\n";
     o << "</table>\n";
   }
   o << "<script>" << kScript << "</script>\n</body></html>\n";

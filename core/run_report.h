@@ -33,7 +33,7 @@ struct CheckpointOnDisk {
   int64_t step = 0;
   int64_t bytes = 0;
   int files = 0;
-  double age_s = 0;  // since its last modification
+  int64_t written_unix = 0;  // its last modification, in seconds since 1970 (a page is read later: a time, not an age)
 };
 
 struct RunMetrics {

@@ -57,7 +57,8 @@ bool render_llama3(const CachedEncoder& encoder, const Tokenizer& tokenizer, con
     const uint8_t train = m.role == "assistant";
     append(&out->tokens, &out->mask, {start}, 0);
     ids.clear();
-    encoder.encode(m.role, &ids);
+    // A tool's result is headed "ipython", as the templates of Llama 3.1 and later render a "tool" message.
+    encoder.encode(m.role == "tool" ? std::string("ipython") : m.role, &ids);
     append(&out->tokens, &out->mask, ids, 0);
     append(&out->tokens, &out->mask, {end}, 0);
     // "\n\n" and the content in one piece of text, as Hugging Face's template tokenizes them (Llama 3's

@@ -22,7 +22,7 @@ enum class ChatFormat : uint8_t { llama3, llama2 };
 const char* chat_format_name(ChatFormat format);
 
 struct ChatMessage {
-  std::string role;  // system, user, assistant (llama3 also: ipython, tool)
+  std::string role;  // system, user, assistant (llama3 also: ipython, and tool, rendered as ipython)
   std::string content;
 };
 

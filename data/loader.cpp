@@ -53,6 +53,8 @@ std::string tokenizer_of_prepare_run(const std::string& shard) {
 void to_json(nlohmann::json& j, const LoaderCursor& c) {
   j = nlohmann::json{{"epoch", c.epoch},     {"position", c.position}, {"seed", c.seed},
                      {"seq_len", c.seq_len}, {"dp_size", c.dp_size},   {"total_windows", c.total_windows}};
+  if (c.has_segment)
+    j["segment"] = {{"step", c.segment_step}, {"epoch", c.segment_epoch}, {"position", c.segment_position}};
 }
 
 void from_json(const nlohmann::json& j, LoaderCursor& c) {
@@ -71,10 +73,87 @@ void from_json(const nlohmann::json& j, LoaderCursor& c) {
   c.seq_len = static_cast<int64_t>(field("seq_len"));
   c.dp_size = static_cast<int64_t>(field("dp_size"));
   c.total_windows = field("total_windows");
+  // Sizes that no real run reaches: 2^62 ranks or windows would overflow the products formed below.
+  constexpr uint64_t kMax = uint64_t{1} << 62;
+  if (c.dp_size < 1 || uint64_t(c.dp_size) > (uint64_t{1} << 24))
+    fail("data cursor: field 'dp_size': expected 1 to 2^24 ranks, found ", c.dp_size);
+  if (c.total_windows > kMax || c.epoch > kMax || c.position > kMax)
+    fail("data cursor: 'epoch', 'position' and 'total_windows' must be at most 2^62 (found ", j.dump(), ")");
+  const auto segment = j.find("segment");
+  c.has_segment = segment != j.end();
+  if (c.has_segment) {
+    if (!segment->is_object()) fail("data cursor: field 'segment': expected an object, found ", segment->dump());
+    LoaderCursor s;
+    auto sub = [&](const char* name) -> uint64_t {
+      auto it = segment->find(name);
+      if (it == segment->end() || !(it->is_number_unsigned() || (it->is_number_integer() && it->get<int64_t>() >= 0)))
+        fail("data cursor: field 'segment.", name, "': expected a non-negative integer, found ",
+             it == segment->end() ? std::string("nothing") : it->dump());
+      if (it->get<uint64_t>() > kMax) fail("data cursor: field 'segment.", name, "': more than 2^62");
+      return it->get<uint64_t>();
+    };
+    c.segment_step = sub("step"), c.segment_epoch = sub("epoch"), c.segment_position = sub("position");
+  }
+}
+
+namespace {
+
+uint64_t checked_mul(uint64_t a, uint64_t b, const char* what) {
+  uint64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) fail("data cursor: ", what, " = ", a, " x ", b, " overflows 64 bits");
+  return r;
+}
+
+uint64_t checked_add(uint64_t a, uint64_t b, const char* what) {
+  uint64_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) fail("data cursor: ", what, " = ", a, " + ", b, " overflows 64 bits");
+  return r;
+}
+
+}  // namespace
+
+void check_cursor_progress(const LoaderCursor& c, uint64_t step, uint64_t windows_per_step, const std::string& where) {
+  if (!c.has_segment) return;  // written before cursors carried their segment: nothing to compare with
+  if (c.segment_step > step)
+    fail(where, ": data cursor: its segment starts at step ", c.segment_step, ", after the checkpoint's step ", step);
+  const uint64_t per_epoch = c.total_windows / static_cast<uint64_t>(c.dp_size);  // a rank's windows per epoch
+  const uint64_t at = checked_add(checked_mul(c.epoch, per_epoch, "epoch x windows per epoch"), c.position, "windows taken");
+  const uint64_t from = checked_add(checked_mul(c.segment_epoch, per_epoch, "segment epoch x windows per epoch"),
+                                    c.segment_position, "windows taken at the segment's start");
+  const uint64_t expected =
+      checked_add(from, checked_mul(step - c.segment_step, windows_per_step, "steps x windows per step"), "expected windows");
+  if (at != expected)
+    fail(where, ": data cursor (epoch ", c.epoch, ", position ", c.position, ") is not where step ", step,
+         " leaves the data: from its segment's start (step ", c.segment_step, ", epoch ", c.segment_epoch, ", position ",
+         c.segment_position, "), ", step - c.segment_step, " steps of ", windows_per_step,
+         " windows per rank (micro_batch x grad_accum) lead to epoch ", per_epoch ? expected / per_epoch : 0,
+         ", position ", per_epoch ? expected % per_epoch : expected,
+         " (", per_epoch, " windows per epoch per rank): a damaged or hand-edited checkpoint, or a cursor of another one");
+}
+
+LoaderCursor reshard_cursor(LoaderCursor c, int64_t dp_size) {
+  if (dp_size < 1) fail("data cursor: resharding for ", dp_size, " data-parallel ranks");
+  if (c.dp_size == dp_size) return c;
+  const uint64_t consumed = checked_mul(c.position, static_cast<uint64_t>(c.dp_size), "position x dp_size");
+  if (consumed % static_cast<uint64_t>(dp_size) != 0)
+    fail("cannot resume the data order of ", c.dp_size, " data-parallel ranks on ", dp_size, ": ", consumed,
+         " windows of the epoch are consumed, not a multiple of ", dp_size);
+  c.position = consumed / static_cast<uint64_t>(dp_size);
+  c.dp_size = dp_size;
+  return c;
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Shard list
+
+void check_shard_specs(const std::string& option, const std::vector<std::string>& specs, ShardRole role) {
+  if (specs.empty()) return;
+  try {
+    (void)expand_shard_paths(specs, role);
+  } catch (const Error& e) {
+    fail("option '", option, "': ", e.what());
+  }
+}
 
 const char* shard_role_prefix(ShardRole role) {
   switch (role) {
@@ -210,23 +289,38 @@ DataLoader::DataLoader(const std::vector<std::string>& shard_specs, const Loader
            "fingerprint ", hex(shard.tokenizer_fingerprint()), ") than the model's, ", options.tokenizer_name,
            " (fingerprint ", hex(options.tokenizer_fingerprint), "): prepare the data with the model's tokenizer");
     }
+    // Without a tokenizer to compare with (a model trained from scratch, or a directory without one), the
+    // shards must at least agree with each other: two tokenizers' tokens are never mixed.
+    if (options.tokenizer_fingerprint == 0 && shard.tokenizer_fingerprint() != 0) {
+      if (fingerprint_shard_.empty()) fingerprint_shard_ = path, fingerprint_ = shard.tokenizer_fingerprint();
+      else if (shard.tokenizer_fingerprint() != fingerprint_)
+        fail("shard ", path, ": written by another tokenizer (fingerprint ", hex(shard.tokenizer_fingerprint()),
+             ") than shard ", fingerprint_shard_, " (fingerprint ", hex(fingerprint_),
+             "): the shards of one run must come from one tokenizer");
+    }
     const uint64_t n = shard.token_count();
-    const uint64_t windows = n >= T + 1 ? (n - 1) / T : 0;
+    // Training takes whole windows only. Evaluation scores every token once: a shard's tail (or a shard
+    // shorter than a window: one short SFT conversation) is one more window, padded after its last token.
+    const uint64_t windows = options.eval ? (n >= 2 ? (n - 2) / T + 1 : 0) : (n >= T + 1 ? (n - 1) / T : 0);
     if (windows == 0) ++short_shards_;
     total_tokens_ += n;
     window_begin_.push_back(window_begin_.back() + windows);
     shards_.push_back(std::move(shard));
   }
   const uint64_t N = total_windows();
-  if (N == 0)
+  const auto largest = [&] {
+    return std::max_element(shards_.begin(), shards_.end(), [](const ShardReader& a, const ShardReader& b) {
+             return a.token_count() < b.token_count();
+           })->token_count();
+  };
+  if (N == 0 && !options.eval)
     fail("data: no training window in ", shards_.size(), " shard(s) (", shard_specs.front(),
          shard_specs.size() > 1 ? ", ..." : "", "): a window needs seq_len + 1 = ", T + 1,
-         " tokens in one shard; the largest shard has ",
-         std::max_element(
-             shards_.begin(), shards_.end(),
-             [](const ShardReader& a, const ShardReader& b) { return a.token_count() < b.token_count(); })
-             ->token_count(),
-         ", all shards together ", total_tokens_);
+         " tokens in one shard; the largest shard has ", largest(), ", all shards together ", total_tokens_);
+  if (N == 0)
+    fail("data: nothing to evaluate in ", shards_.size(), " shard(s) (", shard_specs.front(),
+         shard_specs.size() > 1 ? ", ..." : "", "): every shard has fewer than 2 tokens (the largest has ", largest(),
+         "); for a validation split, prepare with a larger --val-fraction, or train without one (--val_data \"\")");
   const uint64_t dp = static_cast<uint64_t>(options.dp_size);
   if (options.eval) {
     per_rank_ = (N + dp - 1) / dp;
@@ -291,15 +385,26 @@ void DataLoader::fill_row(uint64_t window, int32_t* inputs, int32_t* targets, in
                                        window_begin_.begin() - 1);
   const ShardReader& shard = shards_[s];
   const uint64_t start = (window - window_begin_[s]) * T;
-  shard.read_tokens(start, T + 1, row_.data());
-  const int64_t vocab = options_.vocab_size;
-  for (uint64_t i = 0; i <= T; ++i)
+  // An evaluation window at a shard's end holds fewer than T + 1 tokens: inputs past them are 0 and their
+  // targets ignored (causal attention: they change no earlier position's logits).
+  const uint64_t have = std::min<uint64_t>(T + 1, shard.token_count() - start);
+  shard.read_tokens(start, have, row_.data());
+  // Below the model's vocabulary, and below the vocab_size the shard's own header declares (checked here,
+  // as the tokens are read, rather than by a scan of every shard at open).
+  const int64_t vocab = std::min<int64_t>(options_.vocab_size, shard.vocab_size());
+  for (uint64_t i = 0; i < have; ++i)
     if (row_[i] < 0 || row_[i] >= vocab)
-      fail("shard ", shard.path(), ": token ", start + i, " is ", static_cast<uint32_t>(row_[i]),
-           ", outside the model's vocabulary [0, ", vocab, ")");
+      fail("shard ", shard.path(), ": token ", start + i, " is ", static_cast<uint32_t>(row_[i]), ", outside ",
+           vocab == options_.vocab_size ? "the model's vocabulary" : "the vocabulary its header declares", " [0, ",
+           vocab, ")");
+  std::fill(row_.begin() + static_cast<int64_t>(have), row_.end(), 0);
   std::copy(row_.begin(), row_.begin() + static_cast<int64_t>(T), inputs);
   const uint8_t* mask = shard.mask_data();
   for (uint64_t j = 0; j < T; ++j) {
+    if (j + 1 >= have) {
+      targets[j] = cpu::kIgnoreIndex;
+      continue;
+    }
     int32_t target = row_[j + 1];
     if (mask) {
       uint8_t m = mask[start + j + 1];
@@ -313,6 +418,10 @@ void DataLoader::fill_row(uint64_t window, int32_t* inputs, int32_t* targets, in
   if (positions) {
     uint64_t d = shard.document_of(start);
     for (uint64_t j = 0; j < T; ++j) {
+      if (j >= have) {  // padding
+        positions[j] = 0;
+        continue;
+      }
       while (start + j >= shard.document(d).second) ++d;  // skips empty documents too
       positions[j] = static_cast<int32_t>(start + j - shard.document(d).first);
     }
@@ -327,6 +436,9 @@ LoaderCursor DataLoader::cursor() const {
   c.seq_len = options_.seq_len;
   c.dp_size = options_.dp_size;
   c.total_windows = total_windows();
+  c.has_segment = true;
+  c.segment_step = segment_.segment_step, c.segment_epoch = segment_.segment_epoch;
+  c.segment_position = segment_.segment_position;
   return c;
 }
 
@@ -345,6 +457,7 @@ void DataLoader::set_cursor(const LoaderCursor& c) {
          " windows this rank takes per epoch");
   epoch_ = c.epoch;
   position_ = c.position;
+  segment_ = c;
 }
 
 }  // namespace tuna

@@ -4,8 +4,11 @@
 // Windows. Window w of a shard is its tokens [w*T, w*T + T + 1): inputs are the first T, targets the
 // last T (the same window shifted by one). Windows pack across document boundaries (BOS/EOS mark them)
 // and consecutive windows share one token, so every token of a shard but the first is a target exactly
-// once. A shard of n tokens holds floor((n - 1) / T) windows; one with fewer than T + 1 tokens holds none
-// (counted in short_shards()). A target whose token has loss mask 0 becomes kIgnoreIndex (-100).
+// once. A shard of n tokens holds floor((n - 1) / T) training windows; one with fewer than T + 1 tokens
+// holds none (counted in short_shards()). Evaluation scores every target once: the shard's tail (or a shard
+// shorter than a window, such as one short SFT conversation) is one more window, padded after its last token
+// (inputs 0, targets kIgnoreIndex), so a shard of n >= 2 tokens holds ceil((n - 1) / T) evaluation windows.
+// A target whose token has loss mask 0 becomes kIgnoreIndex (-100).
 //
 // Order (training). All windows of all shards are numbered 0..N-1 (shard order, then window order) and
 // epoch e visits them in the order of a pseudo-random permutation drawn from (seed, e). Rank r of dp takes
@@ -60,14 +63,28 @@ struct LoaderCursor {
   int64_t seq_len = 0;
   int64_t dp_size = 0;
   uint64_t total_windows = 0;
+  // Where this run's segment (one process's life: constant micro_batch, grad_accum and dp_size) began: its
+  // first step and cursor, carried unchanged by the loader, so that a resume can check the cursor against
+  // the step (check_cursor_progress). Absent (has_segment false) in checkpoints written before it existed.
+  bool has_segment = true;
+  uint64_t segment_step = 0, segment_epoch = 0, segment_position = 0;
 
   bool operator==(const LoaderCursor&) const = default;
 };
 
-// {"epoch", "position", "seed", "seq_len", "dp_size", "total_windows"}. from_json fails with a message
-// naming the missing or mistyped field.
+// {"epoch", "position", "seed", "seq_len", "dp_size", "total_windows", "segment": {"step", "epoch",
+// "position"}}. from_json fails with a message naming the missing or mistyped field ("segment" is optional).
 void to_json(nlohmann::json& j, const LoaderCursor& c);
 void from_json(const nlohmann::json& j, LoaderCursor& c);
+
+// A resume's checks and conversion of a saved cursor, every product checked for overflow.
+// check_cursor_progress: from its segment's start to `step`, a rank takes windows_per_step (micro_batch x
+// grad_accum) windows a step, so epoch x windows_per_epoch + position must be exactly that far past the
+// segment's start (a hand-edited position or epoch, or a cursor of another checkpoint, is refused naming both).
+// reshard_cursor: the cursor of c.dp_size ranks for dp_size ranks (the same global count of windows consumed
+// in the epoch, spread over a different number of ranks); it must divide evenly.
+void check_cursor_progress(const LoaderCursor& c, uint64_t step, uint64_t windows_per_step, const std::string& where);
+LoaderCursor reshard_cursor(LoaderCursor c, int64_t dp_size);
 
 // Which split a list of shards is for. build/prepare writes both splits into one directory (train-*.bin,
 // val-*.bin), so a directory given for one role must not take the other's shards.
@@ -80,6 +97,9 @@ const char* shard_role_prefix(ShardRole role);  // "train-", "val-", "" for Any
 // for ShardRole::Train and its val-* shards for ShardRole::Val, and fails when it has none of the role's; a
 // directory with neither prefix gives all its shards. A spec that matches nothing is an error.
 std::vector<std::string> expand_shard_paths(const std::vector<std::string>& specs, ShardRole role = ShardRole::Any);
+// The same check at a tool's start, before anything is loaded: a spec that matches no shard fails naming the
+// option it came from (--val_data, --train_data). No spec: nothing to check.
+void check_shard_specs(const std::string& option, const std::vector<std::string>& specs, ShardRole role);
 
 class DataLoader {
  public:
@@ -126,6 +146,9 @@ class DataLoader {
   size_t short_shards_ = 0;
   uint64_t per_rank_ = 0;
   uint64_t epoch_ = 0;
+  LoaderCursor segment_;  // the segment the cursor carries (see LoaderCursor)
+  std::string fingerprint_shard_;  // the first shard with a fingerprint, when the model has no tokenizer
+  uint64_t fingerprint_ = 0;
   uint64_t position_ = 0;
   std::vector<int32_t> row_;  // T + 1 tokens of the window being copied
 };

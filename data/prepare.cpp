@@ -333,7 +333,7 @@ class Progress {
  public:
   Progress(bool enabled, std::string label, uint64_t total_bytes, double interval)
       : enabled_(enabled),
-        tty_(enabled && ::isatty(STDERR_FILENO) == 1),
+        tty_(enabled && is_live_terminal(stderr)),
         label_(std::move(label)),
         total_(total_bytes),
         interval_(interval > 0 ? interval : tty_ ? 1.0 : 30.0),
@@ -538,8 +538,16 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
           case InputSkip::unreadable: return report.files_unreadable.add(what);
         }
       });
+  // The model's vocab_size, where a config.json stands beside the tokenizer: a tokenizer with ids the model
+  // has no embedding for is refused (or, for unused special tokens, accepted with a warning) before anything
+  // is written, not by the trainer after the whole corpus is prepared.
+  int64_t model_vocab = 0;
   if (!options.train_tokenizer) {
     Tokenizer check(options.tokenizer_path);  // a missing tokenizer fails before out_dir is touched
+    std::string config;
+    model_vocab = model_vocab_beside(options.tokenizer_path, &config);
+    const std::string warning = model_vocab > 0 ? check_tokenizer_fits(check, model_vocab, config) : "";
+    if (!warning.empty() && rank == 0) std::fprintf(stderr, "warning: %s\n", warning.c_str());
   }
   // Rank 0 prepares out_dir (and trains the tokenizer); the gather is the barrier the others wait at.
   if (rank == 0) {
@@ -668,7 +676,9 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
 
   // Pass 2: tokenize and write what is kept.
   const CachedEncoder encoder(tokenizer);
-  const uint32_t vocab = static_cast<uint32_t>(tokenizer.vocab_size());
+  // Shards declare the ids that can occur: the model's vocabulary when the tokenizer has unused ids above it.
+  const uint32_t vocab = static_cast<uint32_t>(model_vocab > 0 ? std::min<int64_t>(tokenizer.vocab_size(), model_vocab)
+                                                                : tokenizer.vocab_size());
   char prefix[16] = "";
   if (ranks > 1) std::snprintf(prefix, sizeof prefix, "-r%05d", rank);
   const uint64_t fingerprint = tokenizer.fingerprint();

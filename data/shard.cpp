@@ -249,6 +249,11 @@ ShardReader::ShardReader(std::string path) : path_(std::move(path)) {
            kOldestShardVersion, " to ", kShardVersion, ")");
     // Version 1 reserved these bytes (zeros): its fingerprint reads as 0, unknown.
     header_.tokenizer_fingerprint = header_.version >= 2 ? get<uint64_t>(base + 40) : 0;
+    // Reserved bytes are zeros: anything else is damage, or a later format this build would misread.
+    for (uint64_t at = header_.version >= 2 ? 48 : 40; at < kShardHeaderBytes; ++at)
+      if (base[at] != 0)
+        fail("shard ", path_, ": reserved header byte ", at, " is ", int{base[at]},
+             ", expected 0 (a damaged shard, or one of a newer format)");
     if (header_.token_width != 2 && header_.token_width != 4)
       fail("shard ", path_, ": bad token width: expected 2 or 4 bytes, found ", header_.token_width);
     if (header_.flags & ~kShardFlagLossMask)

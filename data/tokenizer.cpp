@@ -282,6 +282,51 @@ std::vector<TokenizerFile> tokenizer_files(const std::string& path, bool allow_n
   return files;
 }
 
+std::string check_tokenizer_fits(const Tokenizer& tokenizer, int64_t model_vocab_size, const std::string& model) {
+  const int64_t ids = tokenizer.vocab_size();
+  if (ids <= model_vocab_size) return "";
+  std::vector<int32_t> refused, allowed;
+  for (int64_t id = model_vocab_size; id < ids; id++) {
+    const bool special = tokenizer.impl().kind(static_cast<int32_t>(id)) == TokenKind::special;
+    const bool framing = id == tokenizer.bos_id() || id == tokenizer.eos_id();
+    (special && !framing ? allowed : refused).push_back(static_cast<int32_t>(id));
+  }
+  const auto name = [&](const std::vector<int32_t>& list) {
+    std::string out;
+    for (size_t i = 0; i < list.size() && i < 4; i++)
+      out += str(i ? ", " : "", list[i], " ", tokenizer.piece(list[i]));
+    return out + (list.size() > 4 ? str(", ... (", list.size(), " in all)") : std::string());
+  };
+  if (!refused.empty())
+    fail("tokenizer ", tokenizer.path(), ": ", ids, " ids, more than the model's vocab_size ", model_vocab_size, " (",
+         model, "); ids ", name(refused),
+         " would appear in encoded text but have no embedding. Use the model's own tokenizer (another model's?), or "
+         "remove those tokens from the tokenizer's added_tokens");
+  return str("tokenizer ", tokenizer.path(), ": ", allowed.size(), " special token(s) at or above the model's vocab_size ",
+             model_vocab_size, " (", model, "): ", name(allowed),
+             ". They have no embedding: documents encode them as plain text, and a prompt that names one is refused");
+}
+
+int64_t model_vocab_beside(const std::string& tokenizer_path, std::string* config_path) {
+  std::error_code ec;
+  const std::string config = fs::is_directory(tokenizer_path, ec)
+                                 ? (is_file(fs::path(tokenizer_path) / "config.json") ? (fs::path(tokenizer_path) / "config.json").string() : "")
+                                 : model_config_file(tokenizer_path, "config.json");
+  if (config.empty()) return 0;
+  const nlohmann::json j = read_json_file(config, "model config");
+  if (!j.is_object() || !j.contains("vocab_size")) return 0;  // not a model's config: nothing to compare with
+  if (config_path) *config_path = config;
+  return json_int(j, "vocab_size", config, 1, int64_t{1} << 26);
+}
+
+void check_ids_fit(const Tokenizer& tokenizer, std::span<const int32_t> ids, int64_t model_vocab_size,
+                   const std::string& what) {
+  for (int32_t id : ids)
+    if (id < 0 || id >= model_vocab_size)
+      fail(what, ": token ", id, " (", tokenizer.piece(id), ") is at or above the model's vocab_size ", model_vocab_size,
+           ": the model has no embedding for it");
+}
+
 ModelTokenizer model_tokenizer(const std::string& named, const std::string& model_dir, int64_t model_vocab_size) {
   ModelTokenizer m;
   Tokenizer tokenizer;
@@ -304,9 +349,7 @@ ModelTokenizer model_tokenizer(const std::string& named, const std::string& mode
     m.description = "none (checkpoints carry no tokenizer)";
     return m;
   }
-  if (tokenizer.vocab_size() > model_vocab_size)
-    fail("tokenizer ", tokenizer.path(), ": ", tokenizer.vocab_size(), " ids, more than the model's vocab_size ",
-         model_vocab_size, " (another model's tokenizer?)");
+  m.note = check_tokenizer_fits(tokenizer, model_vocab_size, "the model's config.json");
   m.fingerprint = tokenizer.fingerprint();
   m.description = tokenizer.describe();
   return m;

@@ -121,6 +121,22 @@ struct ModelTokenizer {
 };
 ModelTokenizer model_tokenizer(const std::string& named, const std::string& model_dir, int64_t model_vocab_size);
 
+// A tokenizer against the model it serves (the model's vocab_size, from its config.json). Ids at or above
+// vocab_size have no embedding. When they are all special tokens that are neither BOS nor EOS (Meta's reserved
+// and vision tokens: Llama 3.2's tokenizer.json carries <|image|> at id 128256 for a vocab_size of 128256), no
+// text encoded with SpecialTokens::as_text can produce them, so the tokenizer is accepted with a warning (the
+// returned text; empty when every id fits) and a tool that parses special tokens (build/sample's prompt) refuses
+// those ids at encode time (check_ids_fit). Any other id above the limit (a vocabulary token, an added token
+// matched in text, BOS or EOS) is an error naming the ids and what to do. `model` names the config for messages.
+std::string check_tokenizer_fits(const Tokenizer& tokenizer, int64_t model_vocab_size, const std::string& model);
+// The model's vocab_size from the config.json beside a tokenizer (the directory named, or the file's own
+// directory, or above original/), or 0 when there is none; *config_path receives the file read.
+int64_t model_vocab_beside(const std::string& tokenizer_path, std::string* config_path);
+// Fails naming the first id at or above model_vocab_size (a special token parsed from text that the model has
+// no embedding for), and what it is.
+void check_ids_fit(const Tokenizer& tokenizer, std::span<const int32_t> ids, int64_t model_vocab_size,
+                   const std::string& what);
+
 // Copies them into dir (overwriting), fsyncing nothing; fails naming the file that could not be copied.
 void copy_tokenizer_files(const std::vector<TokenizerFile>& files, const std::filesystem::path& dir);
 // True when a model directory holds a tokenizer file (tokenizer.model, tokenizer.json or

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/progress.h"  // ProgressLine
+#include "core/run_report.h"  // refresh_run_report
 
 namespace tuna {
 
@@ -52,6 +53,7 @@ double Checkpointer::save(Engine& engine, int64_t step, const nlohmann::json& st
     if (world_.rank() == 0) p = finish_sharded_checkpoint(root_, step, contents, keep_);
     world_.barrier("checkpoint renamed");
   }
+  if (world_.rank() == 0) refresh_run_report(root_.parent_path());  // its checkpoint table lists this one now
   std::printf("checkpoint %s\n", p.c_str());
   std::fflush(stdout);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();

@@ -1,6 +1,7 @@
 #include "model/optimizer.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <numbers>
 
@@ -9,6 +10,16 @@
 #include "kernels/cpu/adamw.h"
 
 namespace tuna {
+
+std::string schedule_warning(const OptimizerConfig& c, int64_t total_steps) {
+  if (c.warmup_steps < total_steps || total_steps <= 0) return "";
+  char peak[32], lr[32];
+  std::snprintf(peak, sizeof peak, "%.3g", learning_rate(c, total_steps - 1, total_steps));
+  std::snprintf(lr, sizeof lr, "%.3g", c.lr);
+  return str("warmup_steps ", c.warmup_steps, " >= steps ", total_steps, ": the learning rate rises for the whole run, "
+             "peaks at ", peak, " instead of lr ", lr, " and never decays; give a --warmup_steps below --steps (a few "
+             "percent of it is usual)");
+}
 
 double learning_rate(const OptimizerConfig& c, int64_t step, int64_t total_steps) {
   if (step < c.warmup_steps) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup_steps);

@@ -36,6 +36,9 @@ double learning_rate(const OptimizerConfig& config, int64_t step, int64_t total_
 
 // Refuses an unknown schedule or nonsensical values, naming the option.
 void validate(const OptimizerConfig& config);
+// What a run of total_steps does with a schedule that cannot complete in it (warmup_steps >= total_steps: the
+// learning rate never reaches lr and never decays), as a warning with the peak it does reach; empty when fine.
+std::string schedule_warning(const OptimizerConfig& config, int64_t total_steps);
 
 struct OptimizerStats {
   double grad_norm = 0;    // global L2 norm of the (loss-scaled) gradient, before clipping

@@ -683,7 +683,7 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
     << " tokens/s per GPU, MFU " << format_number(100 * p.mfu, 1) << "%\n\n";
 
   o << "job: " << human_count(job.tokens) << " tokens = " << human_count(p.steps) << " steps = "
-    << human_duration(p.wall_s) << " on " << k.gpus() << " GPUs";
+    << human_duration(p.wall_s) << " on " << k.gpus() << (k.gpus() == 1 ? " GPU" : " GPUs");
   if (job.price_per_gpu_hour > 0) o << " = " << dollars(p.cost);
   o << "\n";
   for (const std::string& note : p.notes) o << "note: " << note << "\n";

@@ -8,6 +8,7 @@
 //
 // Only safetensors are read; PyTorch pickle checkpoints (.bin/.pth) are refused with a way out.
 #include <cstdio>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -36,6 +37,23 @@ int main(int argc, char** argv) {
     if (args.size() != 3) tuna::fail("expected: hf-to-tuna|tuna-to-hf SRC_DIR OUT_DIR (see --help)");
     tuna::ConvertReport r;
     if (args[0] == "hf-to-tuna") {
+      // The tokenizer against the model's config.json first: one with ids the model has no embedding for
+      // would pass here and be refused only by build/train, after the corpus was prepared with it.
+      // The files read, against the directory's manifest where it has one (ckpt/checkpoint.h: one rule).
+      if (!tuna::verify_model_directory(args[1], tuna::ModelFiles::Weights))
+        std::fprintf(stderr, "note: %s\n", tuna::unverified_note(args[1]).c_str());
+      std::optional<tuna::Tokenizer> tokenizer;
+      if (tuna::has_tokenizer(args[1])) {
+        try {
+          tokenizer.emplace(args[1]);
+        } catch (const tuna::Error&) {  // one tuna cannot read: said after the conversion, as before
+        }
+      }
+      std::string config;
+      const int64_t model_vocab = tuna::model_vocab_beside(args[1], &config);
+      if (tokenizer && model_vocab > 0)
+        if (const std::string w = tuna::check_tokenizer_fits(*tokenizer, model_vocab, config); !w.empty())
+          std::printf("warning: %s\n", w.c_str());
       r = tuna::import_hf(args[1], args[2], dtype.empty() ? "keep" : dtype, stderr, overwrite);
     } else if (args[0] == "tuna-to-hf") {
       args[1] = tuna::resolve_checkpoint(args[1]).string();
@@ -43,9 +61,16 @@ int main(int argc, char** argv) {
     } else {
       tuna::fail("unknown direction '", args[0], "': expected hf-to-tuna or tuna-to-hf");
     }
-    std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s), through %.1f MB of host buffers\n",
-                args[1].c_str(), args[2].c_str(), (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(),
-                r.bytes_written / 1e6, (long long)r.shards, r.host_staging_bytes / 1e6);
+    // Staging buffers are used only where a dtype is converted or tensors are gathered (none: straight copies).
+    char staged[64] = "";
+    if (r.host_staging_bytes >= 100000)
+      std::snprintf(staged, sizeof staged, ", through %.1f MB of host buffers", r.host_staging_bytes / 1e6);
+    else if (r.host_staging_bytes > 0)
+      std::snprintf(staged, sizeof staged, ", through %.1f kB of host buffers", r.host_staging_bytes / 1e3);
+    const std::string staging = staged;
+    std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s)%s\n", args[1].c_str(),
+                args[2].c_str(), (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(), r.bytes_written / 1e6,
+                (long long)r.shards, staging.c_str());
     // The tokenizer travelled with the weights: say which one, or why it will not serve build/prepare.
     if (!tuna::has_tokenizer(args[2])) {
       std::printf("note: %s has no tokenizer file; give build/prepare and build/train one with --tokenizer\n",

@@ -54,6 +54,9 @@ int main(int argc, char** argv) {
     set_cpu_threads(threads);
 
     checkpoint = resolve_checkpoint(checkpoint).string();
+    // The files read, against the directory's manifest (ckpt/checkpoint.h: one rule in every tool).
+    if (!verify_model_directory(checkpoint, ModelFiles::Weights) && !quiet)
+      std::fprintf(stderr, "note: %s\n", unverified_note(checkpoint).c_str());
     LlamaConfig config = LlamaConfig::load(checkpoint);
     std::string seq_len_source = "--seq_len";
     if (seq_len == 0) {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "ckpt/checkpoint.h" // verify_model_directory
 #include "core/options.h"   // Options
 #include "data/prepare.h"   // PrepareOptions, prepare_corpus, report_summary
 
@@ -137,7 +139,7 @@ int main(int argc, char** argv) {
     if (options.inputs.empty()) tuna::fail("command line: no INPUT given (files or directories to prepare)");
   } catch (const tuna::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
+    return 1;  // as every tool's error (README: Reliability)
   }
 
   // Under mpirun: MPI up before anything else; every rank runs the same pipeline on its share.
@@ -145,10 +147,27 @@ int main(int argc, char** argv) {
   options.comm = comm.get();
   const bool speaker = !comm || comm->rank() == 0;
   try {
+    // A model directory's tokenizer and config files, against its manifest (ckpt/checkpoint.h: one rule in
+    // every tool that reads a model directory).
+    if (!options.train_tokenizer && std::filesystem::is_directory(options.tokenizer_path) &&
+        !tuna::verify_model_directory(options.tokenizer_path, tuna::ModelFiles::Tokenizer) && speaker && !options.quiet)
+      std::fprintf(stderr, "note: %s\n", tuna::unverified_note(options.tokenizer_path).c_str());
     tuna::PrepareReport report = tuna::prepare_corpus(options);
     if (!speaker) return 0;
     std::fputs(tuna::report_summary(report).c_str(), stdout);
     std::printf("wrote %s/report.json\n", options.out_dir.c_str());
+    if (report.train.shards.empty() && report.val.shards.empty()) {
+      // Nothing to train on is a failure, not a run: a job script must not go on to build/train.
+      std::fprintf(stderr,
+                   "error: no shard written to %s: %llu file(s) read, %llu document(s) read, none kept (inputs not "
+                   "read: %llu skipped by name, %llu not regular files, %llu symbolic links not followed, %llu "
+                   "unreadable; see the summary above and report.json)\n",
+                   options.out_dir.c_str(), (unsigned long long)report.files_read,
+                   (unsigned long long)report.documents_read, (unsigned long long)report.files_skipped.count,
+                   (unsigned long long)report.files_not_regular.count, (unsigned long long)report.files_symlinks.count,
+                   (unsigned long long)report.files_unreadable.count);
+      return 1;
+    }
     if (report.train.tokens == 0) std::fprintf(stderr, "warning: the training split is empty\n");
     if (report.val.tokens == 0 && options.val_fraction > 0)
       std::fprintf(stderr,

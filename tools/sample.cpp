@@ -81,17 +81,34 @@ int main(int argc, char** argv) {
     if (!greedy && temperature == 0) fail("option 'temperature': expected > 0 (or --greedy), found 0");
     set_cpu_threads(threads);
     checkpoint = resolve_checkpoint(checkpoint).string();
+    // The files read, against the directory's manifest (ckpt/checkpoint.h: one rule in every tool).
+    if (!verify_model_directory(checkpoint, ModelFiles::Weights))
+      std::fprintf(stderr, "note: %s\n", unverified_note(checkpoint).c_str());
     if (tokenizer_path.empty()) tokenizer_path = checkpoint;  // the directory's own tokenizer
 
     Tokenizer tokenizer(tokenizer_path);
     LlamaConfig config = LlamaConfig::load(checkpoint);
-    if (tokenizer.vocab_size() > config.vocab_size)
-      fail(tokenizer.path(), ": the tokenizer has ", tokenizer.vocab_size(), " ids, more than the model's vocab_size ",
-           config.vocab_size);
+    // The same rule as train and eval: the tokenizer must be the model's. Against the one the checkpoint
+    // carries (its fingerprint), else against the BOS and EOS ids of its config.json; and it must fit the model.
+    const std::string config_path = checkpoint + "/config.json";
+    const std::string fit = check_tokenizer_fits(tokenizer, config.vocab_size, config_path);
+    if (!fit.empty()) std::fprintf(stderr, "warning: %s\n", fit.c_str());
+    const ModelTokenizer own = model_tokenizer("", checkpoint, config.vocab_size);
+    if (own.fingerprint != 0 && tokenizer.fingerprint() != own.fingerprint)
+      fail("tokenizer ", tokenizer.path(), " is not the model's: ", checkpoint, " carries ", own.description,
+           " (another vocabulary); leave out --tokenizer to use the model's own");
+    if (own.fingerprint == 0 && config.bos_token_id >= 0 && tokenizer.bos_id() >= 0 && tokenizer.bos_id() != config.bos_token_id)
+      fail("tokenizer ", tokenizer.path(), " is not the model's: its BOS is id ", tokenizer.bos_id(), ", ", config_path,
+           " says ", config.bos_token_id);
+    if (own.fingerprint == 0 && !config.eos_token_ids.empty() && tokenizer.eos_id() >= 0 &&
+        std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), tokenizer.eos_id()) == config.eos_token_ids.end())
+      fail("tokenizer ", tokenizer.path(), " is not the model's: its EOS is id ", tokenizer.eos_id(), ", which ",
+           config_path, " does not list among its eos_token_id");
     std::vector<int32_t> tokens;
     if (tokenizer.bos_id() >= 0) tokens.push_back(tokenizer.bos_id());
     // Special tokens written in the prompt (<|start_header_id|>, <|eot_id|>) are the model's control tokens.
     for (int32_t t : tokenizer.encode(prompt, SpecialTokens::parse)) tokens.push_back(t);
+    check_ids_fit(tokenizer, tokens, config.vocab_size, "the prompt");
     // The model is asked for no longer a context than it was trained on (a base model: what its config allows).
     const std::optional<int64_t> trained = training_seq_len(checkpoint);
     if (seq_len == 0) seq_len = trained ? *trained : config.max_position_embeddings;

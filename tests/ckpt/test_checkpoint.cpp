@@ -2,8 +2,14 @@
 // wrong (missing tensor, wrong shape, tensor of another architecture).
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <filesystem>
 #include <fstream>
 
@@ -388,6 +394,59 @@ TEST(Checkpoint, ResumeFallsBackToTheNewestThatVerifies) {
             std::string::npos);
   TempDir empty("fallback_empty");
   EXPECT_FALSE(resume_checkpoint(empty.path, *world, warn));
+}
+
+// A kill -9 during the rotation leaves no half-deleted step_* directory: each checkpoint is renamed to
+// .deleting-* before its files go, and the next start removes such names (and unfinished .tmp-step_*).
+// A child process rotates checkpoints of many files (so that most of its time is spent deleting) and is
+// killed at varying moments; every step_* directory left must be whole.
+TEST(Checkpoint, RotationKilledMidwayLeavesNoHalfDeletedCheckpoint) {
+  constexpr int kFiles = 1500;
+  for (int trial = 0; trial < 5; trial++) {
+    TempDir tmp("rotatekill");
+    const fs::path root = tmp / "ckpt";
+    fs::create_directories(root);
+    const pid_t child = fork();
+    if (child == 0) {
+      for (int64_t step = 1;; step++) {
+        const fs::path tmp_dir = root / (".tmp-" + step_dir_name(step));
+        fs::create_directories(tmp_dir);
+        for (int f = 0; f < kFiles; f++) std::ofstream(tmp_dir / ("part-" + std::to_string(f))) << f;
+        std::ofstream(tmp_dir / "state.json") << "{\"step\": " << step << "}\n";
+        fs::rename(tmp_dir, root / step_dir_name(step));
+        prune_checkpoints(root, 1);
+      }
+    }
+    // Killed in the middle of a rotation: once a new checkpoint is in place beside the old one (whose deletion
+    // begins then), or an old one is seen under its .deleting-* name.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    for (bool rotating = false; !rotating && std::chrono::steady_clock::now() < deadline;) {
+      int64_t steps = 0;
+      std::error_code ec;
+      for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+        const std::string name = it->path().filename().string();
+        steps += checkpoint_step(it->path()) >= 0;
+        rotating |= name.rfind(kDeletingPrefix, 0) == 0;
+      }
+      rotating |= steps >= 2;
+    }
+    kill(child, SIGKILL);
+    int status = 0;
+    waitpid(child, &status, 0);
+    int64_t step_dirs = 0;
+    for (const auto& e : fs::directory_iterator(root)) {
+      if (checkpoint_step(e.path()) < 0) continue;
+      step_dirs++;
+      int64_t files = 0;
+      for (auto it = fs::directory_iterator(e.path()); it != fs::directory_iterator(); ++it) files++;
+      EXPECT_EQ(files, kFiles + 1) << e.path() << " is half deleted (trial " << trial << ")";
+    }
+    EXPECT_LE(step_dirs, 2);  // the one kept, and perhaps the new one before its rotation
+    // The next start removes what the kill left (a .deleting-* or a .tmp-step_*), and only that.
+    clean_checkpoint_leftovers(root);
+    for (const auto& e : fs::directory_iterator(root))
+      EXPECT_GE(checkpoint_step(e.path()), 0) << e.path() << " was left after the start's cleaning";
+  }
 }
 
 TEST(Checkpoint, DirectoryNamesThatAreNotCheckpointsAreIgnored) {

@@ -4,10 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
+#include <thread>
 
 #include "core/error.h"
 #include "ckpt/run_dir.h"
@@ -151,6 +155,158 @@ TEST(RunDir, DiskIsCheckedAtStart) {
   std::ofstream(tmp / "file") << "x";
   e = error_of([&] { check_checkpoint_space(tmp / "file" / "ckpt", 1 << 20, 1, 2); });
   EXPECT_NE(e.find("cannot create the checkpoint directory"), std::string::npos) << e;
+}
+
+// A resume with other options: the schedule's are a warning saying what changes at the resumed step.
+TEST(RunDir, ChangedScheduleAtResumeIsAWarningThatSaysWhatChanges) {
+  OptimizerConfig opt;
+  opt.lr = 1e-3, opt.min_lr = 0, opt.warmup_steps = 0, opt.schedule = "cosine";
+  const nlohmann::json saved = {{"steps", 100}, {"lr", 1e-3}, {"seed", 1}, {"resume", "false"}, {"threads", 2}};
+  const nlohmann::json now = {{"steps", 200}, {"lr", 1e-3}, {"seed", 1}, {"resume", "true"}, {"threads", 4}};
+  const std::vector<std::string> lines = resume_option_changes(saved, now, opt, 50);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0], "note: option threads was 2 in the checkpoint, now 4");
+  // Cosine at step 50: half way (5.000e-04) of 100 steps, a quarter (8.536e-04) of 200.
+  EXPECT_NE(lines[1].find("warning: the learning-rate schedule changed at resume (steps 100 -> 200)"), std::string::npos)
+      << lines[1];
+  EXPECT_NE(lines[1].find("the rate at step 50 is 5.000e-04 before, 8.536e-04 now"), std::string::npos) << lines[1];
+  EXPECT_NE(lines[1].find("now ends at step 200 instead of 100"), std::string::npos) << lines[1];
+  EXPECT_TRUE(resume_option_changes(now, now, opt, 50).empty());
+}
+
+// A lock file as another holder would have left it.
+void write_lock(const fs::path& out_dir, const LockHolder& h) {
+  fs::create_directories(out_dir);
+  std::ofstream(out_dir / kRunLockFile) << nlohmann::json{{"host", h.host}, {"boot_id", h.boot_id}, {"pid", h.pid},
+                                                          {"job", h.job}, {"started", h.started},
+                                                          {"heartbeat", h.heartbeat}}
+                                               .dump();
+}
+
+int64_t dead_pid() {
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  int status = 0;
+  waitpid(child, &status, 0);
+  return child;
+}
+
+double now_s() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+
+const auto no_loss = [](const std::string& m) { ADD_FAILURE() << "lock lost: " << m; };
+
+// These tests are not a requeued job, whatever launched them.
+void forget_job_id() {
+  for (const char* var : {"SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID"}) unsetenv(var);
+}
+
+TEST(RunLock, ASecondRunIsRefusedNamingTheHolder) {
+  forget_job_id();
+  TempDir tmp("runlock");
+  const fs::path out = tmp / "run";
+  std::vector<std::string> warnings;
+  const auto warn = [&](const std::string& m) { warnings.push_back(m); };
+  {
+    RunLock first(out, warn, no_loss);
+    ASSERT_TRUE(fs::exists(out / kRunLockFile));
+    const std::string e = error_of([&] { RunLock second(out, warn, no_loss); });
+    const LockHolder me = this_process_holder();
+    EXPECT_NE(e.find(out.string() + " is in use by another run (host " + me.host + ", pid " + std::to_string(me.pid)),
+              std::string::npos) << e;
+    EXPECT_NE(e.find("choose another --out_dir"), std::string::npos) << e;
+    EXPECT_TRUE(fs::exists(out / kRunLockFile));  // the refused one leaves the holder's lock alone
+  }
+  EXPECT_FALSE(fs::exists(out / kRunLockFile));  // released at the end of the run
+  EXPECT_TRUE(warnings.empty());
+  // Only the lock file remains in out_dir after a run: no temporary names.
+  RunLock again(out, warn, no_loss);
+  int64_t files = 0;
+  for (const auto& e : fs::directory_iterator(out)) {
+    files++;
+    EXPECT_EQ(e.path().filename(), kRunLockFile);
+  }
+  EXPECT_EQ(files, 1);
+}
+
+TEST(RunLock, AStaleLockIsTakenOverWithAWarning) {
+  forget_job_id();
+  TempDir tmp("runlockstale");
+  const fs::path out = tmp / "run";
+  std::vector<std::string> warnings;
+  const auto warn = [&](const std::string& m) { warnings.push_back(m); };
+  // A dead holder on this host (kill -9 leaves its lock behind): taken over at once, fresh heartbeat or not.
+  LockHolder dead = this_process_holder();
+  dead.pid = dead_pid();
+  write_lock(out, dead);
+  { RunLock lock(out, warn, no_loss); }
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("took over the lock of a run that is gone (host " + dead.host + ", pid " +
+                             std::to_string(dead.pid)),
+            std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("no such process on this host"), std::string::npos) << warnings[0];
+
+  // Another host: alive as far as this one can tell while its heartbeat is fresh, taken over once it is old.
+  LockHolder other = dead;
+  other.host = "node-elsewhere", other.pid = 4242, other.job = "777", other.heartbeat = now_s() - 5;
+  write_lock(out, other);
+  const std::string e = error_of([&] { RunLock lock(out, warn, no_loss, RunLock::Timing{10, 60, 0.05}); });
+  EXPECT_NE(e.find("host node-elsewhere, pid 4242, job 777"), std::string::npos) << e;
+  EXPECT_NE(e.find("heartbeat 5 s ago"), std::string::npos) << e;
+  other.heartbeat = now_s() - 61;
+  write_lock(out, other);
+  { RunLock lock(out, warn, no_loss, RunLock::Timing{10, 60, 0.05}); }
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[1].find("no heartbeat for more than 60 s"), std::string::npos) << warnings[1];
+
+  // A damaged lock file counts its modification time as the heartbeat: fresh, so refused.
+  std::ofstream(out / kRunLockFile) << "{not json";
+  EXPECT_NE(error_of([&] { RunLock lock(out, warn, no_loss); }).find("host unknown"), std::string::npos);
+}
+
+TEST(RunLock, ARequeueOfTheSameJobWaitsForItsPreviousAttempt) {
+  TempDir tmp("runlockrequeue");
+  const fs::path out = tmp / "run";
+  setenv("SLURM_JOB_ID", "31337", 1);
+  std::vector<std::string> warnings;
+  const auto warn = [&](const std::string& m) { warnings.push_back(m); };
+  LockHolder previous = this_process_holder();
+  ASSERT_EQ(previous.job, "31337");
+  previous.host = "node-before-requeue", previous.heartbeat = now_s();
+  write_lock(out, previous);
+  const auto t0 = std::chrono::steady_clock::now();
+  { RunLock lock(out, warn, no_loss, RunLock::Timing{10, 1.0, 0.05}); }  // its heartbeat stops: taken over
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  unsetenv("SLURM_JOB_ID");
+  EXPECT_GE(waited, 0.9);
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[0].find("held by an earlier attempt of job 31337"), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[1].find("took over"), std::string::npos) << warnings[1];
+}
+
+TEST(RunLock, TheHeartbeatRefreshesAndNoticesATakeOver) {
+  forget_job_id();
+  TempDir tmp("runlockbeat");
+  const fs::path out = tmp / "run";
+  std::atomic<int> lost{0};
+  std::string lost_message;
+  {
+    RunLock lock(out, [](const std::string&) {}, [&](const std::string& m) { lost_message = m, lost++; },
+                 RunLock::Timing{0.05, 60, 0.05});
+    const double first = nlohmann::json::parse(read_file(out / kRunLockFile))["heartbeat"].get<double>();
+    double later = first;
+    for (int i = 0; i < 500 && later == first; i++) {  // a loaded machine may run the thread late
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      later = nlohmann::json::parse(read_file(out / kRunLockFile))["heartbeat"].get<double>();
+    }
+    EXPECT_GT(later, first);
+    LockHolder thief = this_process_holder();
+    thief.host = "node-thief", thief.pid = 99;
+    write_lock(out, thief);
+    for (int i = 0; i < 1000 && lost == 0; i++) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(lost, 1);
+  EXPECT_NE(lost_message.find("taken over by another run (host node-thief, pid 99"), std::string::npos) << lost_message;
+  EXPECT_TRUE(fs::exists(out / kRunLockFile));  // the thief's lock is not removed by the run it displaced
 }
 
 }  // namespace

@@ -2,6 +2,9 @@
 // the end; the human formats of sizes and durations. The safetensors writer moves a line by the bytes written.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <stdlib.h>
+
 #include <cmath>
 #include <cstdio>
 #include <thread>
@@ -87,6 +90,41 @@ TEST(Progress, TheSafetensorsWriterMovesItByTheBytesWritten) {
 }
 
 // The trainer's ETA counts the validations and checkpoints still to come.
+// A terminal is live (the line rewritten in place) only outside an MPI launcher: Open MPI hands every rank a
+// pseudo-terminal that it forwards into mpirun's output, a log file as often as not.
+TEST(Progress, ARanksPseudoTerminalUnderALauncherIsNotLive) {
+  const int master = posix_openpt(O_RDWR | O_NOCTTY);
+  ASSERT_GE(master, 0);
+  ASSERT_EQ(grantpt(master), 0);
+  ASSERT_EQ(unlockpt(master), 0);
+  std::FILE* pty = std::fopen(ptsname(master), "w");
+  ASSERT_NE(pty, nullptr);
+  std::FILE* file = std::tmpfile();
+  const char* launchers[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID"};
+  for (const char* v : launchers) unsetenv(v);
+  EXPECT_TRUE(is_live_terminal(pty));
+  EXPECT_FALSE(is_live_terminal(file));
+  EXPECT_FALSE(is_live_terminal(nullptr));
+  for (const char* v : launchers) {
+    setenv(v, "0", 1);
+    EXPECT_FALSE(is_live_terminal(pty)) << v;
+    unsetenv(v);
+  }
+  std::fclose(file);
+  std::fclose(pty);
+  close(master);
+}
+
+TEST(Progress, ASlowRateKeepsItsDigits) {
+  ProgressLine line("eval", 100, ProgressLine::Unit::Items, nullptr, 10.0, "batches");
+  line.update(0.05);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const std::string text = line.text(false);
+  EXPECT_EQ(text.find("(0 batches/s)"), std::string::npos) << text;
+  EXPECT_NE(text.find(" batches/s)"), std::string::npos) << text;
+  EXPECT_NE(text.find("(0."), std::string::npos) << text;  // 0.05 batches in 0.2 s or more
+}
+
 TEST(Progress, PeriodicEventsLeft) {
   EXPECT_EQ(periodic_events_left(0, 100, 25), 4);   // 25, 50, 75 and the end (100)
   EXPECT_EQ(periodic_events_left(25, 100, 25), 3);  // 50, 75, 100

@@ -133,6 +133,24 @@ TEST(ChatTemplate, RefusedConversations) {
                {"<|start_header_id|>"});
 }
 
+// The roles the README names: llama3 takes ipython and tool too, a tool's result headed "ipython" (as the
+// templates of Llama 3.1 and later render it); llama2 refuses both, counted as bad_chat by prepare.
+TEST(ChatTemplate, ToolMessagesAreHeadedIpython) {
+  const TokenizerFixtures& f = TokenizerFixtures::get();
+  const CachedEncoder llama3(f.llama3()), llama2(f.spm());
+  RenderedChat tool, ipython;
+  std::string why;
+  ASSERT_TRUE(render_chat(llama3, f.llama3(), ChatFormat::llama3, {{"user", "q"}, {"tool", "42"}, {"assistant", "a"}},
+                          &tool, &why)) << why;
+  ASSERT_TRUE(render_chat(llama3, f.llama3(), ChatFormat::llama3, {{"user", "q"}, {"ipython", "42"}, {"assistant", "a"}},
+                          &ipython, &why)) << why;
+  EXPECT_EQ(tool.tokens, ipython.tokens);
+  EXPECT_NE(f.llama3().decode(tool.tokens).find("<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>"),
+            std::string::npos);
+  RenderedChat r;
+  EXPECT_FALSE(render_chat(llama2, f.spm(), ChatFormat::llama2, {{"user", "q"}, {"tool", "42"}, {"assistant", "a"}}, &r, &why));
+}
+
 TEST(ChatTemplate, StripIsPythons) {
   EXPECT_EQ(strip_whitespace("  a b \n\t"), "a b");
   EXPECT_EQ(strip_whitespace("\xC2\xA0\xE3\x80\x80x\xE2\x80\xA8"), "x");  // NBSP, ideographic space, U+2028

@@ -171,6 +171,24 @@ TEST(Input, NamedInputsMustBeRegularFiles) {
   EXPECT_EQ(why, "a FIFO (named pipe), not a regular file");
 }
 
+// A symbolic link named on the command line is followed, to a file or a directory wherever it leads: the user
+// chose it (as `find -H` does). The rule for links found inside an input directory is the next test's.
+TEST(Input, ASymlinkNamedOnTheCommandLineIsFollowed) {
+  TempDir dir;
+  namespace fs = std::filesystem;
+  const fs::path elsewhere = dir.path() / "elsewhere";
+  write_file((elsewhere / "a.txt").string(), "a");
+  write_file((elsewhere / "sub/b.txt").string(), "b");
+  fs::create_symlink(elsewhere / "a.txt", dir.path() / "file-link.txt");
+  fs::create_symlink(elsewhere, dir.path() / "dir-link");
+  const std::vector<InputFile> file = list_inputs({(dir.path() / "file-link.txt").string()}, false, {});
+  ASSERT_EQ(file.size(), 1u);
+  EXPECT_EQ(file[0].path, (dir.path() / "file-link.txt").string());
+  const std::vector<InputFile> tree = list_inputs({(dir.path() / "dir-link").string()}, false, {});
+  ASSERT_EQ(tree.size(), 2u);
+  EXPECT_EQ(fs::path(tree[1].path).filename(), "b.txt");
+}
+
 TEST(Input, DirectoriesKeepToThemselvesUnlessAsked) {
   TempDir dir;
   namespace fs = std::filesystem;

@@ -207,6 +207,56 @@ TEST(Loader, CursorJsonRoundTripAndMismatch) {
       {"'epoch'", "non-negative integer", "-1"});
 }
 
+// A resume checks the cursor against the step: from its segment's start, micro_batch x grad_accum windows per
+// step per rank. An edited position or epoch is refused; dp sizes that would overflow a product are refused.
+TEST(Loader, CursorMustAgreeWithTheStep) {
+  Corpus c;
+  DataLoader loader(c.paths, options(8, 3));  // 19 windows, 3 per batch
+  for (int k = 0; k < 8; ++k) next_batch(loader);  // 8 steps of 3 windows (grad_accum 1): 24 = epoch 1, position 5
+  const LoaderCursor cursor = loader.cursor();
+  EXPECT_EQ(cursor.epoch, 1u);
+  EXPECT_EQ(cursor.position, 5u);
+  EXPECT_NO_THROW(check_cursor_progress(cursor, 8, 3, "state.json"));
+  EXPECT_NO_THROW(check_cursor_progress(cursor, 4, 6, "state.json"));  // micro_batch 3 x grad_accum 2
+  expect_error([&] { check_cursor_progress(cursor, 9, 3, "state.json"); },
+               {"state.json: data cursor (epoch 1, position 5) is not where step 9 leaves the data", "epoch 1, position 8"});
+  LoaderCursor edited = cursor;
+  edited.position = 4;
+  expect_error([&] { check_cursor_progress(edited, 8, 3, "s"); }, {"position 4", "hand-edited"});
+  edited = cursor;
+  edited.epoch = 0;
+  expect_error([&] { check_cursor_progress(edited, 8, 3, "s"); }, {"epoch 0, position 5"});
+  // A resumed segment: set_cursor carries its start, so a later cursor is checked from there.
+  LoaderCursor resumed_at = cursor;
+  resumed_at.segment_step = 8, resumed_at.segment_epoch = 1, resumed_at.segment_position = 5;
+  DataLoader resumed(c.paths, options(8, 3));
+  resumed.set_cursor(resumed_at);
+  for (int k = 0; k < 2; ++k) next_batch(resumed);
+  EXPECT_NO_THROW(check_cursor_progress(resumed.cursor(), 10, 3, "s"));
+  EXPECT_EQ(nlohmann::json(resumed.cursor())["segment"]["step"], 8);
+  // A cursor written before cursors carried their segment is not checked.
+  nlohmann::json old = cursor;
+  old.erase("segment");
+  EXPECT_FALSE(old.get<LoaderCursor>().has_segment);
+  EXPECT_NO_THROW(check_cursor_progress(old.get<LoaderCursor>(), 9, 3, "s"));
+
+  // dp_size 2^62 or 2^63 made position x dp_size overflow to 0 (the data order silently restarted).
+  nlohmann::json huge = cursor;
+  for (const uint64_t dp : {uint64_t{1} << 62, uint64_t{1} << 63}) {
+    huge["dp_size"] = dp;
+    expect_error([&] { huge.get<LoaderCursor>(); }, {"'dp_size'", "expected 1 to 2^24 ranks"});
+  }
+  LoaderCursor wide = cursor;
+  wide.position = uint64_t{1} << 62, wide.dp_size = 1 << 24;
+  expect_error([&] { reshard_cursor(wide, 2); }, {"position x dp_size", "overflows 64 bits"});
+  wide.epoch = uint64_t{1} << 62, wide.position = 0, wide.total_windows = uint64_t{1} << 40, wide.dp_size = 1;
+  expect_error([&] { check_cursor_progress(wide, 8, 3, "s"); }, {"overflows 64 bits"});
+  LoaderCursor two = cursor;  // 2 ranks at position 5 = 10 windows of the epoch: 5 on 2 ranks, 10 on 1
+  two.dp_size = 2;
+  EXPECT_EQ(reshard_cursor(two, 1).position, 10u);
+  expect_error([&] { reshard_cursor(two, 3); }, {"not a multiple of 3"});
+}
+
 TEST(Loader, MaskedTargetsAreIgnored) {
   TempDir dir;
   const std::string path = dir.file("sft.bin");
@@ -243,7 +293,7 @@ TEST(Loader, PositionsMarkDocumentBoundaries) {
   o.vocab_size = 1000;
   o.eval = true;
   DataLoader loader({path}, o);
-  ASSERT_EQ(loader.total_windows(), 2u);  // 12 tokens, T = 5
+  ASSERT_EQ(loader.total_windows(), 3u);  // 12 tokens, T = 5: two whole windows and the padded tail
   std::vector<int32_t> in(10), tg(10), pos(10);
   ASSERT_TRUE(loader.next(in.data(), tg.data(), pos.data()));
   EXPECT_EQ(in, (std::vector<int32_t>{1, 5, 6, 2, 1, 7, 2, 1, 8, 9}));
@@ -297,6 +347,37 @@ TEST(Loader, RefusesATokenOutsideTheVocabulary) {
   DataLoader loader({path}, o);
   std::vector<int32_t> in(39), tg(39);
   expect_error([&] { loader.next(in.data(), tg.data()); }, {path, "token 7", "is 600", "[0, 500)"});
+}
+
+// A header whose vocab_size is smaller than the tokens it carries (vocab_size 1, tokens up to 499) is refused
+// at read, naming the shard's declared vocabulary.
+TEST(Loader, RefusesATokenAboveTheShardsOwnVocabulary) {
+  TempDir dir;
+  const std::string path = make_shard(dir, "lying.bin", 0, 40, 500);
+  std::string bytes = testing_data::read_file(path);
+  const uint32_t one = 1;
+  std::memcpy(bytes.data() + 20, &one, 4);
+  testing_data::write_file(path, bytes);
+  LoaderOptions o = options(39, 1);
+  o.vocab_size = 500;
+  DataLoader loader({path}, o);
+  std::vector<int32_t> in(39), tg(39);
+  expect_error([&] { loader.next(in.data(), tg.data()); }, {path, "outside the vocabulary its header declares", "[0, 1)"});
+}
+
+// Without a model tokenizer to compare with, the shards of one loader must still share one tokenizer.
+TEST(Loader, WithoutATokenizerTheShardsMustAgree) {
+  TempDir dir;
+  for (const auto& [name, fp] : {std::pair<const char*, uint64_t>{"a.bin", 0xaaaa}, {"b.bin", 0xbbbb}, {"c.bin", 0xaaaa}}) {
+    ShardWriter w(dir.file(name), 1000, false, fp);
+    w.add_document(std::vector<int32_t>(40, 7));
+    w.finish();
+  }
+  LoaderOptions o = options(8, 1);
+  o.vocab_size = 1000;
+  EXPECT_NO_THROW(DataLoader({dir.file("a.bin"), dir.file("c.bin")}, o));
+  expect_error([&] { DataLoader l({dir.file("a.bin"), dir.file("b.bin")}, o); },
+               {dir.file("b.bin"), "another tokenizer", "000000000000bbbb", dir.file("a.bin"), "one tokenizer"});
 }
 
 TEST(Loader, NoWindowSaysHowManyTokens) {
@@ -382,7 +463,8 @@ TEST(Loader, EvalVisitsEveryWindowOnceInOrder) {
     LoaderOptions o = options(8, 4, rank, 2);
     o.eval = true;
     DataLoader loader(c.paths, o);
-    EXPECT_EQ(loader.windows_per_epoch(), 10u);  // ceil(19 / 2)
+    // Evaluation windows: 13, 1 and 8 (each shard's tail a padded window): 22, ceil(22 / 2) per rank.
+    EXPECT_EQ(loader.windows_per_epoch(), 11u);
     EXPECT_EQ(loader.batches_per_epoch(), 3u);
     std::vector<int32_t> in(32), tg(32);
     int batches = 0;
@@ -402,12 +484,48 @@ TEST(Loader, EvalVisitsEveryWindowOnceInOrder) {
     loader.reset();
     EXPECT_TRUE(loader.next(in.data(), tg.data()));
   }
-  EXPECT_EQ(padding_rows, 2 * 12 - 19);
+  EXPECT_EQ(padding_rows, 2 * 12 - 22);
   std::sort(starts.begin(), starts.end());
   std::vector<int32_t> expected;
-  for (int w = 0; w < 12; ++w) expected.push_back(100000 + w * 8);
-  for (int w = 0; w < 7; ++w) expected.push_back(300000 + w * 8);
+  for (int w = 0; w < 13; ++w) expected.push_back(100000 + w * 8);
+  expected.push_back(200000);  // the 5-token shard: one short window
+  for (int w = 0; w < 8; ++w) expected.push_back(300000 + w * 8);
   EXPECT_EQ(starts, expected);
+}
+
+// Every target is scored once in evaluation: a shard's tail, and a shard shorter than a window (one short SFT
+// conversation in a validation split), are windows padded after their last token.
+TEST(Loader, EvalPadsTailsAndShortShards) {
+  TempDir dir;
+  const std::string path = dir.file("val-00000.bin");
+  {
+    ShardWriter writer(path, 1000, /*with_mask=*/true);
+    writer.add_document(std::vector<int32_t>{1, 5, 6, 7, 2}, std::vector<uint8_t>{0, 0, 1, 1, 1});
+    writer.finish();
+  }
+  LoaderOptions o = options(16, 2);
+  o.vocab_size = 1000;
+  expect_error([&] { DataLoader l({path}, o); }, {"no training window"});
+  o.eval = true;
+  DataLoader loader({path}, o);
+  ASSERT_EQ(loader.total_windows(), 1u);
+  std::vector<int32_t> in(32), tg(32), pos(32);
+  ASSERT_TRUE(loader.next(in.data(), tg.data(), pos.data()));
+  std::vector<int32_t> want_in(16, 0), want_tg(16, cpu::kIgnoreIndex), want_pos(16, 0);
+  for (int j = 0; j < 5; ++j) want_in[j] = std::vector<int32_t>{1, 5, 6, 7, 2}[j], want_pos[j] = j;
+  want_tg[1] = 6, want_tg[2] = 7, want_tg[3] = 2;  // the response's tokens; the prompt's are masked
+  EXPECT_EQ(std::vector<int32_t>(in.begin(), in.begin() + 16), want_in);
+  EXPECT_EQ(std::vector<int32_t>(tg.begin(), tg.begin() + 16), want_tg);
+  EXPECT_EQ(std::vector<int32_t>(pos.begin(), pos.begin() + 16), want_pos);
+  for (int j = 16; j < 32; ++j) EXPECT_EQ(tg[j], cpu::kIgnoreIndex);  // the batch's padding row
+  // A shard of one token has no target: nothing to evaluate, and the message says what to do.
+  const std::string lone = dir.file("val-00001.bin");
+  {
+    ShardWriter writer(lone, 1000);
+    writer.add_document(std::vector<int32_t>{1});
+    writer.finish();
+  }
+  expect_error([&] { DataLoader l({lone}, o); }, {"nothing to evaluate", "--val-fraction", "--val_data"});
 }
 
 }  // namespace

@@ -229,6 +229,18 @@ TEST(Shard, TokenizerFingerprintAndVersionOne) {
   EXPECT_EQ(old.token(2), 3);
 }
 
+// Reserved header bytes are zeros: a damaged header, or a newer format's field, is refused naming the byte.
+TEST(Shard, NonZeroReservedBytes) {
+  TempDir dir;
+  const std::string path = valid_shard(dir);
+  patch(path, 50, uint8_t{7});
+  expect_error([&] { ShardReader r(path); }, {path, "reserved header byte 50 is 7", "expected 0"});
+  patch(path, 50, uint8_t{0});
+  patch(path, 8, uint32_t{1});  // version 1 reserved the fingerprint's bytes too
+  patch(path, 40, uint8_t{1});
+  expect_error([&] { ShardReader r(path); }, {path, "reserved header byte 40 is 1"});
+}
+
 TEST(Shard, BadWidth) {
   TempDir dir;
   const std::string path = valid_shard(dir);

@@ -236,6 +236,45 @@ TEST(TokenizerFormats, BosAndEosFromTheModelsConfig) {
   EXPECT_EQ(tiktoken.token_id("<|start_header_id|>"), 128006);
 }
 
+// A tokenizer against its model's vocab_size: unused special tokens above it (Llama 3.2's <|image|>) are a
+// warning naming them, and refused at encode time when a prompt parses one; anything text could produce above
+// it (a vocabulary token, BOS, EOS) is an error naming the ids and what to do.
+TEST(TokenizerFormats, ATokenizerBiggerThanItsModel) {
+  // Llama 3.2's tokenizer.json: specials from 128000 (EOS 128001) and <|image|> at 128256, one past the
+  // vocab_size of Llama 3.2's text models.
+  const Tokenizer& tok = TokenizerFixtures::get().llama3();
+  ASSERT_EQ(tok.vocab_size(), 128257);
+  EXPECT_EQ(check_tokenizer_fits(tok, 128257, "config.json"), "");
+  const std::string image = check_tokenizer_fits(tok, 128256, "m/config.json");
+  EXPECT_NE(image.find("1 special token(s) at or above the model's vocab_size 128256 (m/config.json): 128256 <|image|>"),
+            std::string::npos) << image;
+  const std::string warning = check_tokenizer_fits(tok, 128010, "m/config.json");
+  EXPECT_NE(warning.find("247 special token(s) at or above the model's vocab_size 128010 (m/config.json)"),
+            std::string::npos) << warning;
+  EXPECT_NE(warning.find(": 128010 <|"), std::string::npos) << warning;
+  EXPECT_NE(warning.find("(247 in all)"), std::string::npos) << warning;
+  expect_error([&] { check_tokenizer_fits(tok, 128001, "m/config.json"); },
+               {tok.path(), "128257 ids, more than the model's vocab_size 128001", "ids 128001 <|end_of_text|>",
+                "Use the model's own tokenizer"});
+  expect_error([&] { check_tokenizer_fits(tok, 127990, "m/config.json"); }, {"ids 127990 "});
+  // At encode time: a prompt that parses an id the model has no embedding for.
+  const std::vector<int32_t> ids = tok.encode("hi<|eot_id|>", SpecialTokens::parse);
+  EXPECT_NO_THROW(check_ids_fit(tok, ids, 128256, "the prompt"));
+  expect_error([&] { check_ids_fit(tok, ids, 128005, "the prompt"); },
+               {"the prompt: token 128009 (<|eot_id|>) is at or above the model's vocab_size 128005"});
+  const std::vector<int32_t> image_ids = tok.encode("<|image|>", SpecialTokens::parse);
+  expect_error([&] { check_ids_fit(tok, image_ids, 128256, "the prompt"); }, {"token 128256 (<|image|>)"});
+  for (int32_t id : tok.encode("<|image|>")) EXPECT_LT(id, 128000);  // as text: plain tokens
+  // The model's vocab_size comes from the config.json beside the tokenizer.
+  TempDir dir;
+  std::string config;
+  EXPECT_EQ(model_vocab_beside(dir.path().string(), &config), 0);
+  testing_data::write_file(dir.file("config.json"), R"({"vocab_size": 128000})");
+  EXPECT_EQ(model_vocab_beside(dir.path().string(), &config), 128000);
+  EXPECT_EQ(config, dir.file("config.json"));
+  EXPECT_EQ(model_vocab_beside(dir.file("tokenizer.json"), &config), 128000);
+}
+
 TEST(TokenizerFormats, DirectoriesFindTheirTokenizer) {
   const TokenizerFixtures& f = TokenizerFixtures::get();
   EXPECT_EQ(Tokenizer(f.llama3_dir()).path(), f.llama3_json());

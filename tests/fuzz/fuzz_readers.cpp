@@ -40,6 +40,7 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "ckpt/checkpoint.h"
+#include "ckpt/run_dir.h"  // RunLock
 #include "model/config.h"
 #include "model/layout.h"
 #include "ckpt/safetensors.h"
@@ -578,6 +579,17 @@ void use_tokenizer(const Tokenizer& t) {
     if (t.impl().segments_exact() && cached != ids) throw std::logic_error("the word cache encodes differently");
   }
   (void)t.encode_continuation("continued text");
+  // Against a model smaller than the tokenizer: refused, or a warning and refused ids at encode time.
+  for (int64_t limit : {int64_t{1}, int64_t{t.vocab_size()} / 2, int64_t{t.vocab_size()} - 1}) {
+    try {
+      (void)check_tokenizer_fits(t, std::max<int64_t>(1, limit), "fuzz config.json");
+      try {
+        check_ids_fit(t, t.encode(text, SpecialTokens::parse), std::max<int64_t>(1, limit), "fuzz prompt");
+      } catch (const Error&) {
+      }
+    } catch (const Error&) {
+    }
+  }
 }
 
 // ---- prepare's corpus inputs --------------------------------------------------------------------------------------
@@ -728,6 +740,9 @@ std::vector<Reader> make_readers(const fs::path& work) {
                        check_optimizer_steps(s, 6, dir);
                        const LoaderCursor cursor = s.data_cursor.get<LoaderCursor>();
                        (void)cursor;
+                       // Against the step, and resharded (products checked for overflow).
+                       (void)resume_data_cursor(s, 1, dir);
+                       (void)resume_data_cursor(s, 3, dir);
                      }});
 
   {  // the pieces metadata of rank 1 of a sharded checkpoint, as text, wrapped back into its rank file
@@ -773,9 +788,29 @@ std::vector<Reader> make_readers(const fs::path& work) {
                        write_bytes(dir / kManifestFile, bytes);
                        bool unverified = false;
                        (void)verify_checkpoint(dir, 1, 2, &unverified);
+                       // What eval, sample, --init and prepare check of a model directory.
+                       try {
+                         (void)verify_model_directory(dir, ModelFiles::Tokenizer);
+                       } catch (const Error&) {
+                       }
+                       (void)verify_model_directory(dir, ModelFiles::Weights, 1, 2);
                        const std::string problem = verify_checkpoint(dir, 0, 1, &unverified);
                        if (!problem.empty()) throw Error(problem);
                      }});
+
+  {  // out_dir/run.lock as another run (alive, dead or damaged) left it: refused naming it, or taken over
+    const LockHolder me = this_process_holder();
+    const std::string seed = json{{"format", "tuna run lock"}, {"host", "node-7"}, {"boot_id", me.boot_id},
+                                  {"pid", 4242}, {"job", ""}, {"started", me.started}, {"heartbeat", me.heartbeat}}
+                                 .dump();
+    readers.push_back({"run_lock", true, {seed}, [case_dir](const std::string& bytes) {
+                         const fs::path out = case_dir / "locked_run";
+                         fs::create_directories(out);
+                         write_bytes(out / kRunLockFile, bytes);
+                         RunLock lock(out, [](const std::string&) {}, [](const std::string&) {},
+                                      RunLock::Timing{3600, 120, 0.01});
+                       }});
+  }
 
   {  // a token shard with a loss mask, read whole by the training and the evaluation loader
     fs::create_directories(work / "shard");
@@ -874,7 +909,11 @@ std::vector<Reader> make_readers(const fs::path& work) {
     readers.push_back({"tokenizer_model_config", true, {kTinyConfig}, [tok](const std::string& bytes) {
                          fs::remove(tok / "bpe" / "tokenizer_config.json");
                          write_bytes(tok / "bpe" / "config.json", bytes);
-                         use_tokenizer(Tokenizer((tok / "bpe" / "tokenizer.json").string()));
+                         const Tokenizer t((tok / "bpe" / "tokenizer.json").string());
+                         use_tokenizer(t);
+                         std::string config;  // the model's vocab_size, as prepare and convert read it
+                         if (const int64_t v = model_vocab_beside((tok / "bpe").string(), &config); v > 0)
+                           (void)check_tokenizer_fits(t, v, config);
                        }});
     readers.push_back({"tiktoken", false, {tiny_tiktoken()}, [case_dir](const std::string& bytes) {
                          fs::create_directories(case_dir / "tiktoken");

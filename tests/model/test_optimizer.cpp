@@ -75,6 +75,16 @@ LlamaConfig one_layer_config() {
   return cfg;
 }
 
+// warmup_steps >= steps (an example config's 100 warmup steps in an 8-step run): a warning with the peak.
+TEST(Schedule, WarmupLongerThanTheRunIsWarned) {
+  OptimizerConfig c;
+  c.lr = 2e-5, c.warmup_steps = 100;
+  const std::string w = schedule_warning(c, 8);
+  EXPECT_NE(w.find("warmup_steps 100 >= steps 8"), std::string::npos) << w;
+  EXPECT_NE(w.find("peaks at 1.6e-06 instead of lr 2e-05"), std::string::npos) << w;
+  EXPECT_EQ(schedule_warning(c, 101), "");
+}
+
 TEST(AdamW, OneStepMatchesTheFormulaAndDecaysOnlyMatrices) {
   ParamLayout layout(one_layer_config());
   OptimizerConfig oc;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer.h"
@@ -83,18 +84,18 @@ TEST_F(PrepareTool, TakesDashesAndUnderscoresAlike) {
 
 TEST_F(PrepareTool, BadFlagsAreNamedWithoutTheWholeHelp) {
   auto typo = prepare("e", "--val-fractoin 0.1 " + in());
-  EXPECT_EQ(typo.exit_code, 2);
+  EXPECT_EQ(typo.exit_code, 1);
   EXPECT_NE(typo.output.find("unknown option 'val-fractoin' (did you mean 'val_fraction'?)"), std::string::npos)
       << typo.output;
   EXPECT_EQ(typo.output.find("--shard_tokens"), std::string::npos) << "the whole help was printed";
   auto range = prepare("f", "--threads -1 " + in());
-  EXPECT_EQ(range.exit_code, 2);
+  EXPECT_EQ(range.exit_code, 1);
   EXPECT_NE(range.output.find("'--threads': expected an integer in [0, "), std::string::npos) << range.output;
   auto type = prepare("g", "--val-fraction half " + in());
-  EXPECT_EQ(type.exit_code, 2);
+  EXPECT_EQ(type.exit_code, 1);
   EXPECT_NE(type.output.find("val_fraction"), std::string::npos) << type.output;
   auto none = prepare("h", "");
-  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_EQ(none.exit_code, 1);
   EXPECT_NE(none.output.find("no INPUT given"), std::string::npos) << none.output;
   auto help = run_command(kPrepare + " --help", dir_->path / "help.log");
   EXPECT_EQ(help.exit_code, 0);
@@ -108,6 +109,33 @@ TEST_F(PrepareTool, RefusesAFifoAtOnce) {
   auto r = prepare("i", "--quiet " + fifo.string());  // `timeout 60` ends a hang with 124
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find(fifo.string() + ": a FIFO (named pipe), not a regular file"), std::string::npos) << r.output;
+}
+
+// Inputs with nothing readable (a folder holding only a FIFO) write no shard: an error, exit code 1, not 0.
+TEST_F(PrepareTool, NoShardWrittenIsAnError) {
+  const fs::path only_fifo = dir_->path / "only_fifo";
+  fs::create_directories(only_fifo);
+  ASSERT_EQ(::mkfifo((only_fifo / "pipe.jsonl").c_str(), 0600), 0);
+  auto r = prepare("k", "--quiet " + only_fifo.string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: no shard written to " + (dir_->path / "k").string()), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("1 not regular files"), std::string::npos) << r.output;
+}
+
+// A model directory's tokenizer files are checked against its manifest, as every tool checks what it reads.
+TEST_F(PrepareTool, ChecksAModelDirectorysManifest) {
+  const fs::path model = dir_->path / "model";
+  fs::create_directories(model);
+  fs::copy_file(dir_->path / "tok.model", model / "tokenizer.model");
+  std::ofstream(model / "manifest.json") << R"({"format": "tuna checkpoint manifest", "version": 1, "files": {)"
+                                         << R"("tokenizer.model": {"bytes": )" << fs::file_size(model / "tokenizer.model")
+                                         << R"(, "xxh3_64": "0000000000000000"}}})";
+  auto r = run_command("timeout 60 " + kPrepare + " --tokenizer " + model.string() + " --out " +
+                           (dir_->path / "l").string() + " --quiet " + in(),
+                       dir_->path / "l.log");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find((model / "tokenizer.model").string() + ": checksum"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("the file is damaged"), std::string::npos) << r.output;
 }
 
 TEST_F(PrepareTool, ShowsProgressInALog) {
