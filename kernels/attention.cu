@@ -44,11 +44,11 @@ AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int
 // silently attend across documents, the call fails and says how to get the mma path.
 void refuse_hopper_documents(const int32_t* doc_start, const int32_t* rope_positions) {
   if (doc_start != nullptr)
-    fail("attention: the hopper path (TUNA_ATTENTION=hopper) does not implement document masks yet; use "
-         "TUNA_ATTENTION=mma (the default) or --document_mask false");
+    fail("attention: the hopper path (--attention hopper) does not implement document masks yet; use "
+         "--attention mma (the default) or --document_mask false");
   if (rope_positions != nullptr)
-    fail("attention: the hopper path (TUNA_ATTENTION=hopper) does not implement restarted RoPE positions in its "
-         "fused backward yet; use TUNA_ATTENTION=mma (the default) or --document_positions continue");
+    fail("attention: the hopper path (--attention hopper) does not implement restarted RoPE positions in its "
+         "fused backward yet; use --attention mma (the default) or --document_positions continue");
 }
 
 }  // namespace
