@@ -665,7 +665,7 @@ step train/summary 30 train.log python3 "$SCRATCH/train_summary.py" "$RUNS" "$RU
 # ================================ tier 3: benches and their peers ================================
 tier 3
 bench memory 60
-if [ $HOPPER_OK -eq 1 ]; then bench attention 60; else bench attention 60 --benchmark_filter='hopper:0'; fi
+if [ $HOPPER_OK -eq 1 ]; then bench attention 90; else bench attention 90 --benchmark_filter='hopper:0|BM_AttentionDocuments'; fi
 # The attention backward at G = 1 against G = 4, equal FLOPs (32 query heads over 32 or 8 kv heads: the bench's
 # "bwd G=1" rows beside its plain bwd rows). G=4 / G=1 well under 1 means the hopper path's ordered dQ additions
 # stall under grouped-query attention. Lines into the summary log; decides nothing.
