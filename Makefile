@@ -108,7 +108,7 @@ all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/emulated_
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP): scripts/install-deps.sh
 	@mkdir -p $(BUILD)
-	scripts/install-deps.sh
+	TUNA_BUILD_DIR=$(BUILD) scripts/install-deps.sh
 	@touch $@
 
 test: $(DEPS_STAMP)

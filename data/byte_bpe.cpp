@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <tuple>
 #include <climits>
 #include <cstring>
 #include <queue>
@@ -253,7 +254,17 @@ class ByteBpeTokenizer final : public TokenizerImpl {
              "0123456789abcdef"[b & 15], " has no token of its own");
     }
     pairs_.build(m_.merges, normal_, m_.tokens, path);
-    m_.merges = {};
+    // The list is kept for a GGUF export, in rank order: tokenizer.json's as the file orders it; tiktoken's (every
+    // split of a token into two tokens, at the token's rank) by rank, then left and right rank, the order Hugging
+    // Face's conversion of a tiktoken file writes (Llama 3's tokenizer.json lists exactly that).
+    if (m_.format == TokenizerFormat::hf_bpe)
+      std::stable_sort(m_.merges.begin(), m_.merges.end(),
+                       [](const ByteBpeModel::Merge& a, const ByteBpeModel::Merge& b) { return a.rank < b.rank; });
+    else
+      std::sort(m_.merges.begin(), m_.merges.end(), [](const ByteBpeModel::Merge& a, const ByteBpeModel::Merge& b) {
+        return std::tie(a.rank, a.left, a.right) < std::tie(b.rank, b.left, b.right);
+      });
+    m_.merges.shrink_to_fit();
     // Longest first, so the first match at a position is the longest (Hugging Face matches leftmost-longest).
     std::sort(added_.begin(), added_.end(), [](const Added& a, const Added& b) {
       return a.text.size() != b.text.size() ? a.text.size() > b.text.size() : a.id < b.id;
@@ -328,6 +339,14 @@ class ByteBpeTokenizer final : public TokenizerImpl {
   std::string token_text(int32_t id) const override { return m_.tokens[id]; }
   int32_t default_bos() const override { return m_.bos; }
   int32_t default_eos() const override { return m_.eos; }
+  std::vector<std::pair<int32_t, int32_t>> merge_list() const override {
+    std::vector<std::pair<int32_t, int32_t>> list;
+    list.reserve(m_.merges.size());
+    for (const ByteBpeModel::Merge& m : m_.merges) list.emplace_back(m.left, m.right);
+    return list;
+  }
+  std::vector<std::string> pretokenizer_patterns() const override { return m_.patterns; }
+  bool adds_prefix_space() const override { return m_.add_prefix_space; }
 
  private:
   static constexpr size_t kShortPiece = 48;  // longer pieces merge through a heap (n log n)

@@ -716,6 +716,49 @@ class SentencePieceTokenizer final : public TokenizerImpl {
   int32_t default_eos() const override { return processor_->eos_id(); }
   int32_t unk_id() const override { return processor_->unk_id(); }
   int32_t pad_id() const override { return processor_->pad_id(); }
+  float score(int32_t id) const override { return processor_->GetScore(id); }
+  std::string llama_spm_difference(bool* dummy_prefix) const override {
+    NormalizerFacts facts;
+    std::string unused;
+    const std::string model = processor_->serialized_model_proto();
+    if (!inspect_normalizer(model, &facts, &unused)) return "its normalizer spec cannot be read";
+    *dummy_prefix = facts.add_dummy_prefix;
+    std::vector<WireField> fields;
+    bool bpe = false;
+    if (parse_fields(model, &fields))
+      for (const WireField& f : fields) {
+        std::vector<WireField> inner;
+        if (f.number == 2 && f.wire_type == 2 && parse_fields(f.payload, &inner))
+          for (const WireField& g : inner)
+            if (g.number == 3 && g.wire_type == 0) bpe = g.varint == 2;  // TrainerSpec.model_type BPE
+      }
+    if (!bpe) return "it is not a BPE model (llama.cpp's llama tokenizer merges pieces by score, as BPE does)";
+    if (facts.name != "identity" || facts.charsmap)
+      return "it normalizes text ('" + facts.name + "'), which llama.cpp's llama tokenizer does not";
+    if (facts.remove_extra_whitespaces) return "it removes extra whitespace, which llama.cpp's llama tokenizer keeps";
+    if (!facts.escape_whitespaces) return "it does not write spaces as \u2581, which llama.cpp's llama tokenizer does";
+    return "";
+  }
+  // The library has no accessor for a user-defined piece: the types come from the model proto itself (field
+  // 1, pieces; in each, field 3, the type; absent means normal).
+  std::vector<int> piece_types() const override {
+    std::vector<WireField> fields;
+    const std::string model = processor_->serialized_model_proto();
+    if (!parse_fields(model, &fields)) fail("tokenizer ", path_, ": cannot read the model's pieces");
+    std::vector<int> types;
+    for (const WireField& f : fields) {
+      if (f.number != 1 || f.wire_type != 2) continue;
+      std::vector<WireField> inner;
+      if (!parse_fields(f.payload, &inner)) fail("tokenizer ", path_, ": cannot read piece ", types.size());
+      int type = 1;
+      for (const WireField& g : inner)
+        if (g.number == 3 && g.wire_type == 0) type = static_cast<int>(g.varint);
+      types.push_back(type);
+    }
+    if (static_cast<int32_t>(types.size()) != vocab_size())
+      fail("tokenizer ", path_, ": the model proto lists ", types.size(), " pieces, the library ", vocab_size());
+    return types;
+  }
 
  private:
   // The segments of the normalized text: before each "▁" that follows another character, and around

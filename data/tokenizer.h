@@ -152,6 +152,34 @@ bool has_tokenizer(const std::filesystem::path& dir);
 std::vector<std::string> complete_hf_tokenizer_files(const std::filesystem::path& dir, const nlohmann::json& config,
                                                      std::string* warning);
 
+// The tokenizer as llama.cpp's GGUF metadata holds it (ckpt/gguf.h writes it), so that llama.cpp encodes text
+// to tuna's ids:
+//   - sentencepiece -> model "llama": every piece with its score and type (llama.cpp's types are
+//     sentencepiece's: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte);
+//   - byte-level BPE (tokenizer.json, tiktoken) -> model "gpt2" with pre-tokenizer "llama-bpe": tokens in the
+//     byte-level alphabet, special tokens as control (3), added ones as user-defined (4), the merges in rank
+//     order ("left right"); a tiktoken file's are every split of a token into two tokens, ordered by the token's
+//     rank, then the halves' (Hugging Face's conversion of tiktoken files: Llama 3's tokenizer.json lists exactly
+//     those).
+// Ids past the tokenizer's up to the model's vocab_size are "[PADn]", unused. BOS/EOS as the tokenizer names
+// them; add_bos_token from tokenizer_config.json, else whether the model has a BOS (tuna frames every document
+// BOS + text + EOS); the chat template from tokenizer_config.json. Fails naming what llama.cpp's tokenizers
+// cannot reproduce (a normalizing sentencepiece model, a pre-tokenizer other than Llama 3's) and a tokenizer
+// with more ids than the model has rows.
+struct GgufVocabulary {
+  std::string model;  // "llama" or "gpt2"
+  std::string pre;    // "llama-bpe" for gpt2
+  std::vector<std::string> tokens;
+  std::vector<float> scores;   // llama only
+  std::vector<int32_t> types;
+  std::vector<std::string> merges;  // gpt2 only
+  int32_t bos = -1, eos = -1, unk = -1, pad = -1;
+  bool add_bos = false, add_eos = false;
+  bool add_space_prefix = true;  // llama: sentencepiece's dummy prefix
+  std::string chat_template;
+};
+GgufVocabulary gguf_vocabulary(const Tokenizer& tokenizer, int64_t model_vocab_size);
+
 // Encodes many documents fast and exactly as Tokenizer::encode would: text is cut into the segments the
 // tokenizer's own pre-tokenization makes (see data/tokenizer_impl.h: sentencepiece words and newlines,
 // checked at load; byte-level BPE's regex splits), and each segment's ids come from a per-thread cache:

@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace tuna {
@@ -68,6 +69,19 @@ class TokenizerImpl {
   virtual int32_t default_eos() const = 0;
   virtual int32_t unk_id() const { return -1; }
   virtual int32_t pad_id() const { return -1; }
+
+  // What a GGUF vocabulary needs beyond kind() and token_text() (data/tokenizer_gguf.cpp). Sentencepiece: each
+  // piece's score and piece types (sentencepiece's numbers: 1 normal ... 4 user-defined ... 6 byte). Byte-level
+  // BPE: the merge rules in rank order (data/tokenizer.h: gguf_vocabulary), the pre-tokenizer's regexes in order
+  // and whether a space is put before the text.
+  virtual float score(int32_t id) const { return 0.0f; }
+  virtual std::vector<int> piece_types() const { return {}; }
+  virtual std::vector<std::pair<int32_t, int32_t>> merge_list() const { return {}; }
+  virtual std::vector<std::string> pretokenizer_patterns() const { return {}; }
+  virtual bool adds_prefix_space() const { return false; }
+  // Sentencepiece: why llama.cpp's `llama` tokenizer (sentencepiece BPE over text it does not normalize, spaces
+  // as "▁") would encode differently, or empty; *dummy_prefix: whether a space is put before the text.
+  virtual std::string llama_spm_difference(bool* dummy_prefix) const { return "not a sentencepiece model"; }
 };
 
 // The model config file `name` (tokenizer_config.json, config.json) that belongs with the tokenizer file at

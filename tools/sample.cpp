@@ -54,10 +54,10 @@ int32_t sample_token(const float* logits, int64_t vocab, double temperature, dou
 int main(int argc, char** argv) {
   using namespace tuna;
   return guarded_main([&] {
-    std::string checkpoint, tokenizer_path, prompt, device = "auto";
+    std::string checkpoint, tokenizer_path, prompt, device = "auto", logits_out;
     int64_t max_tokens = 64, seed = 1, threads = 0, seq_len = 0;
     double temperature = 0.8, top_p = 0.95;
-    bool greedy = false, stop_at_eos = true, kv_cache = true;
+    bool greedy = false, stop_at_eos = true, kv_cache = true, print_ids = false;
     Options options("build/sample", "Generates a continuation of a prompt from a model directory.");
     options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint (runs/X/ckpt/latest too) or a Hugging Face download");
     options.add("tokenizer", &tokenizer_path,
@@ -76,6 +76,10 @@ int main(int argc, char** argv) {
     options.add("device", &device, "cuda when a GPU is visible (auto), or the one named", {"auto", "cpu", "cuda"});
     options.add("kv_cache", &kv_cache, "keep each layer's keys and values, so a token costs one position's forward; "
                 "false reruns the whole context per token");
+    options.add("print_ids", &print_ids, "print the token ids on stderr (the prompt's, then the generated ones): what "
+                "another runtime must reproduce");
+    options.add("logits_out", &logits_out, "write each generated token's logits (the distribution it was drawn from) to "
+                "this file: vocab_size fp32 values per token, little-endian");
     if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
     if (checkpoint.empty()) fail("--checkpoint is required (see --help)");
     if (!greedy && temperature == 0) fail("option 'temperature': expected > 0 (or --greedy), found 0");
@@ -141,6 +145,9 @@ int main(int argc, char** argv) {
     const Clock::time_point start = Clock::now();
     Clock::time_point prompt_done = start;
     const int64_t prompt_tokens = static_cast<int64_t>(tokens.size());
+    std::FILE* logits_file = nullptr;
+    if (!logits_out.empty() && !(logits_file = std::fopen(logits_out.c_str(), "wb")))
+      fail("option --logits_out: cannot create ", logits_out);
     if (kv_cache) model->clear_cache(1);
     while (static_cast<int64_t>(tokens.size()) < context) {
       const int64_t n = static_cast<int64_t>(tokens.size());
@@ -154,6 +161,8 @@ int main(int argc, char** argv) {
         model->forward_cached(&tokens.back(), 1, logits.data());  // the token drawn last
       }
       if (n == prompt_tokens) prompt_done = Clock::now();
+      if (logits_file && std::fwrite(last, sizeof(float), config.vocab_size, logits_file) != size_t(config.vocab_size))
+        fail("option --logits_out: cannot write ", logits_out, " (disk full?)");
       const int32_t next = greedy ? static_cast<int32_t>(std::max_element(last, last + config.vocab_size) - last)
                                   : sample_token(last, config.vocab_size, temperature, top_p, rng);
       if (stop_at_eos && std::find(eos.begin(), eos.end(), next) != eos.end()) break;
@@ -168,6 +177,13 @@ int main(int argc, char** argv) {
     const Clock::time_point end = Clock::now();
     std::printf("\n");
     std::fflush(stdout);
+    if (logits_file && std::fclose(logits_file) != 0) fail("option --logits_out: cannot write ", logits_out);
+    if (print_ids) {
+      std::string line = "ids:";
+      for (int64_t i = 0; i < static_cast<int64_t>(tokens.size()); ++i)
+        line += (i == prompt_tokens ? " | " : " ") + std::to_string(tokens[i]);
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
     // The first token comes from the prompt's forward; each later one from a forward of its own.
     const int64_t generated = static_cast<int64_t>(tokens.size()) - prompt_tokens;
     const double prompt_s = std::chrono::duration<double>(prompt_done - start).count();

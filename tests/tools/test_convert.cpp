@@ -1,6 +1,8 @@
 // build/convert: HF -> tuna -> HF is bit-exact (fp32 and bf16, single file and sharded), pickle formats
 // are refused with a way out, and, where Python with transformers is installed, transformers loads the
-// exported directory and computes the same logits (tools/reference/check_export.py).
+// exported directory and computes the same logits (tools/reference/check_export.py). tuna-to-gguf: the gguf
+// Python package reads every export back and tools/reference/check_gguf.py holds it to what llama.cpp's converter
+// and quantizers make from the same model; rank files export as the model they hold; bad input is refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,7 +15,9 @@
 #include "data/tokenizer.h"
 #include "model/config.h"
 #include "model/layout.h"
+#include "ckpt/checkpoint.h"  // rank files for tuna-to-gguf
 #include "model/llama.h"  // init_random_weights
+#include "model/optimizer.h"  // dp_unit_pieces
 #include "ckpt/safetensors.h"
 #include "tests/test_util.h"
 
@@ -279,6 +283,226 @@ TEST(Convert, OverwritesOnlyWhenAskedAndReadsLatest) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("not a model directory (no config.json)"), std::string::npos) << r.output;
   EXPECT_TRUE(fs::exists(tmp / "notes" / "todo.txt"));
+}
+
+// ---- tuna-to-gguf ----------------------------------------------------------------------------------
+
+// The gguf package's Python, as scripts/install-deps.sh installs it (a virtual environment of the build).
+std::string gguf_python() { return testing_util::build_dir() + "/venv/bin/python3"; }
+
+const char* const kLlama3ChatTemplate =
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ "
+    "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+// A Hugging Face directory: `config_file`'s model with `layers` layers and `vocab` tokens, its fp32 weights
+// drawn at random, and the named tokenizer fixture (tests/fixtures/tokenizers/...; .zst decompressed).
+void write_gguf_source(const fs::path& dir, const std::string& config_file, int64_t vocab, int64_t layers,
+                       const std::vector<std::string>& tokenizer_files) {
+  auto config_json = nlohmann::json::parse(read_file(config_file));
+  config_json["vocab_size"] = vocab, config_json["num_hidden_layers"] = layers;
+  fs::create_directories(dir);
+  const LlamaConfig config = LlamaConfig::from_json(config_json, config_file);
+  const ParamLayout layout(config);
+  std::vector<float> weights(layout.total());
+  init_random_weights(layout, 11, 0.02, weights.data());
+  SafetensorsWriter w;
+  for (const ParamTensor& t : layout.tensors()) w.add(t.name, DType::F32, t.global_shape, weights.data() + t.offset);
+  w.write(dir / "model.safetensors");
+  std::ofstream(dir / "config.json") << config_json.dump(2);
+  for (const std::string& file : tokenizer_files) {
+    const std::string source = "tests/fixtures/tokenizers/" + file;
+    const std::string name = fs::path(file).filename().string();
+    if (source.ends_with(".zst"))
+      ASSERT_EQ(std::system(("zstd -dqf --long=27 " + source + " -o " + (dir / name.substr(0, name.size() - 4)).string())
+                                .c_str()), 0);
+    else
+      fs::copy_file(source, dir / name);
+  }
+  // Meta-Llama-3-8B-Instruct's chat template, which the GGUF must carry as it is.
+  if (fs::exists(dir / "tokenizer_config.json")) {
+    auto c = nlohmann::json::parse(read_file(dir / "tokenizer_config.json"));
+    c["chat_template"] = kLlama3ChatTemplate;
+    std::ofstream(dir / "tokenizer_config.json") << c.dump(2);
+  }
+}
+
+// Every type, from a Hugging Face directory and from the tuna checkpoint of it, for a sentencepiece LLaMA-2-style
+// model (untied, no RoPE scaling) and a Llama 3 one (tied, llama3 RoPE scaling, grouped-query attention, the real
+// Llama 3.2 tokenizer.json with its chat template): the gguf package reads every key and tensor back and
+// check_gguf.py finds the metadata, the shapes, the Q/K permutation and every byte of the (quantized) tensors as
+// llama.cpp's converter and quantizers make them from the source model.
+TEST(ConvertGguf, TheGgufPackageReadsBackWhatLlamaCppExpects) {
+  ASSERT_EQ(std::system((gguf_python() + " -c 'import gguf, numpy' > /dev/null 2>&1").c_str()), 0)
+      << gguf_python() << " cannot import gguf: scripts/install-deps.sh (make deps) installs it";
+  TempDir tmp("gguf");
+  struct Case {
+    std::string name, config;
+    int64_t vocab;
+    std::vector<std::string> tokenizer;
+  };
+  for (const Case& c : {Case{"spm", "tests/fixtures/llama2_tiny/config.json", 2048, {"spm/tokenizer.model"}},
+                        Case{"llama3", "tests/fixtures/llama32_tiny/config.json", 128264,
+                             {"llama3/tokenizer.json.zst", "llama3/tokenizer_config.json.zst"}}}) {
+    const fs::path hf = tmp / ("hf-" + c.name), ckpt = tmp / ("tuna-" + c.name);
+    write_gguf_source(hf, c.config, c.vocab, c.name == "spm" ? 2 : 1, c.tokenizer);
+    auto r = run_command(kConvert + " hf-to-tuna " + hf.string() + " " + ckpt.string(), tmp / "l0");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (const std::string type : {"bf16", "f16", "f32", "q8_0", "q4_0"}) {
+      for (const fs::path& source : {hf, ckpt}) {
+        // The reading path is the same for every type; the Llama 3 model's 8M-value embedding costs the reader ~20 s
+        // per file on a loaded CI machine: its types are bf16 and q4_0 (whose head, the tied embedding, is q8_0).
+        if (source == ckpt && type != "q4_0") continue;
+        if (c.name == "llama3" && type != "q4_0" && type != "bf16") continue;
+        const fs::path out = tmp / (c.name + "-" + type + ".gguf");
+        r = run_command(kConvert + " tuna-to-gguf " + source.string() + " " + out.string() + " --type " + type +
+                            " --overwrite", tmp / "l1");
+        ASSERT_EQ(r.exit_code, 0) << r.output;
+        EXPECT_NE(r.output.find("convert: writing " + out.string()), std::string::npos) << r.output;  // progress
+        EXPECT_NE(r.output.find(c.name == "spm" ? "GGUF 'llama'" : "GGUF 'gpt2' pre-tokenizer llama-bpe"),
+                  std::string::npos) << r.output;
+        r = run_command(gguf_python() + " tools/reference/check_gguf.py " + out.string() + " " + hf.string() + " " +
+                            type, tmp / "l2");
+        EXPECT_EQ(r.exit_code, 0) << c.name << " " << type << " from " << source << "\n" << r.output;
+        EXPECT_NE(r.output.find("check_gguf: OK"), std::string::npos) << r.output;
+      }
+    }
+  }
+}
+
+// Rank files of a tp 2 x dp 2 run (column and row blocks, each cut in ZeRO pieces) export to the same bytes as the
+// Hugging Face directory they hold the weights of: the pieces are read in global coordinates.
+TEST(ConvertGguf, RankFilesExportAsTheModelTheyHold) {
+  TempDir tmp("ggufranks");
+  const fs::path hf = tmp / "hf" / "step_00000001";  // the same directory name: general.name is the directory's
+  write_gguf_source(hf, "tests/fixtures/llama32_tiny/config.json", 2048, 2, {"spm/tokenizer.model"});
+  const nlohmann::json config_json = nlohmann::json::parse(read_file(hf / "config.json"));
+  const LlamaConfig config = LlamaConfig::from_json(config_json, (hf / "config.json").string());
+  prepare_sharded_checkpoint(tmp / "ckpt", 1);
+  for (int tp_rank = 0; tp_rank < 2; tp_rank++) {
+    const ParamLayout block(config, tp_rank, 2);
+    std::vector<float> p(block.total()), moments(block.total(), 0.0f);
+    WeightReader(hf, block).read(Segment{0, block.total()}, p.data());
+    for (int dp_rank = 0; dp_rank < 2; dp_rank++) {
+      const std::vector<Segment> pieces = dp_unit_pieces(block, dp_rank, 2);
+      write_checkpoint_shard(checkpoint_tmp_dir(tmp / "ckpt", 1), dp_rank * 2 + tp_rank, block,
+                             ShardState{&pieces,
+                                        [&](const StateSink& sink) {
+                                          for (size_t i = 0; i < pieces.size(); i++) {
+                                            const int64_t at = pieces[i].begin;
+                                            sink(i, p.data() + at, moments.data() + at, moments.data() + at);
+                                          }
+                                        },
+                                        0, /*write_replicated=*/tp_rank == 0});
+    }
+  }
+  const fs::path sharded = finish_sharded_checkpoint(
+      tmp / "ckpt", 1, {&config_json, nullptr, {}, {}, {{hf / "tokenizer.model", "tokenizer.model"}}}, 0);
+  ASSERT_TRUE(is_sharded_checkpoint(sharded));
+  for (const std::string type : {"bf16", "q4_0"}) {
+    auto r = run_command(kConvert + " tuna-to-gguf " + sharded.string() + " " + (tmp / "ranks.gguf").string() +
+                             " --overwrite --type " + type, tmp / "l1");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = run_command(kConvert + " tuna-to-gguf " + hf.string() + " " + (tmp / "hf.gguf").string() + " --overwrite --type " +
+                        type, tmp / "l2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(read_file(tmp / "ranks.gguf") == read_file(tmp / "hf.gguf")) << type;
+  }
+}
+
+// A tiktoken file alone gives the same GGUF vocabulary as tokenizer.json: its merges, which the file does not
+// list, rebuilt from the ranks in the order Llama 3's tokenizer.json lists them.
+TEST(ConvertGguf, TiktokenMergesEqualTokenizerJsons) {
+  ASSERT_EQ(std::system((gguf_python() + " -c 'import gguf, numpy' > /dev/null 2>&1").c_str()), 0)
+      << gguf_python() << " cannot import gguf: scripts/install-deps.sh (make deps) installs it";
+  TempDir tmp("gguftik");
+  const fs::path hf = tmp / "hf";
+  write_gguf_source(hf, "tests/fixtures/llama32_tiny/config.json", 128264, 1,
+                    {"llama3/tokenizer.json.zst", "llama3/tokenizer_config.json.zst"});
+  const fs::path tik = tmp / "tik";
+  fs::create_directories(tik);
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer_config.json"}) fs::copy_file(hf / f, tik / f);
+  ASSERT_EQ(std::system(("zstd -dq --long=27 tests/fixtures/tokenizers/llama3/original/tokenizer.model.zst -o " +
+                         (tik / "tokenizer.model").string()).c_str()), 0);
+  auto r = run_command(kConvert + " tuna-to-gguf " + tik.string() + " " + (tmp / "tik.gguf").string(), tmp / "l1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // check_gguf.py compares tokens, types and merges against the tokenizer.json of hf.
+  fs::copy_file(hf / "tokenizer.json", tik / "tokenizer.json");
+  fs::remove(tik / "tokenizer.model");
+  r = run_command(gguf_python() + " tools/reference/check_gguf.py " + (tmp / "tik.gguf").string() + " " + tik.string() +
+                      " bf16", tmp / "l2");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+// Bad input: an unknown --type, an existing output without --overwrite (left as it was), what llama.cpp cannot
+// represent (a weight beyond f16's range under f16, a checkpoint without a tokenizer, a tokenizer larger than the
+// model), a full disk (nothing under the final name).
+TEST(ConvertGguf, RefusesWhatItCannotWriteByName) {
+  TempDir tmp("ggufbad");
+  const fs::path hf = tmp / "hf", out = tmp / "m.gguf";
+  write_gguf_source(hf, "tests/fixtures/llama2_tiny/config.json", 2000, 1, {"spm/tokenizer.model"});
+  auto r = run_command(kConvert + " tuna-to-gguf " + hf.string() + " " + out.string() + " --type q4_k_m", tmp / "l1");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("option --type: expected bf16, f16, f32, q8_0 or q4_0, found 'q4_k_m'"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(out));
+
+  std::ofstream(out) << "earlier";
+  r = run_command(kConvert + " tuna-to-gguf " + hf.string() + " " + out.string(), tmp / "l2");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find(out.string() + ": already exists: --overwrite to replace it"), std::string::npos) << r.output;
+  EXPECT_EQ(read_file(out), "earlier");
+  r = run_command(kConvert + " tuna-to-gguf " + hf.string() + " " + out.string() + " --overwrite", tmp / "l3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_file(out).substr(0, 4), "GGUF");
+
+  // A full disk: RLIMIT_FSIZE (ulimit -f, in 1 KiB blocks) makes write() fail as ENOSPC would.
+  fs::remove(out);
+  r = run_command("bash -c \"trap '' XFSZ; ulimit -f 16; " + kConvert + " tuna-to-gguf " + hf.string() + " " +
+                      out.string() + " --type f32\"", tmp / "l4");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("cannot write " + out.string()), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(out));
+  EXPECT_FALSE(fs::exists(out.string() + ".tmp"));
+
+  // A weight f16 cannot hold: named, and bf16 takes it.
+  {
+    SafetensorsFile src(hf / "model.safetensors");
+    SafetensorsWriter w;
+    std::vector<std::vector<float>> copies;
+    copies.reserve(src.tensors().size());
+    for (const TensorInfo& info : src.tensors()) {
+      copies.emplace_back(info.numel);
+      std::memcpy(copies.back().data(), src.data(info), info.nbytes());
+      if (info.name == "model.layers.0.mlp.up_proj.weight") copies.back()[5] = 70000.0f;
+      w.add(info.name, DType::F32, info.shape, copies.back().data());
+    }
+    w.write(tmp / "big.safetensors");
+  }
+  fs::rename(tmp / "big.safetensors", hf / "model.safetensors");
+  r = run_command(kConvert + " tuna-to-gguf " + hf.string() + " " + out.string() + " --type f16", tmp / "l5");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("tensor 'model.layers.0.mlp.up_proj.weight' holds 70000 at element 5, beyond f16's range"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--type bf16"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(out));
+  r = run_command(kConvert + " tuna-to-gguf " + hf.string() + " " + out.string() + " --type bf16", tmp / "l6");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+
+  // No tokenizer: llama.cpp cannot run the file.
+  fs::remove(hf / "tokenizer.model");
+  r = run_command(kConvert + " tuna-to-gguf " + hf.string() + " " + (tmp / "n.gguf").string(), tmp / "l7");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("has no tokenizer file"), std::string::npos) << r.output;
+
+  // A tokenizer with more ids than the model has embedding rows.
+  write_gguf_source(tmp / "small", "tests/fixtures/llama32_tiny/config.json", 128, 1, {"llama3/tokenizer.json.zst"});
+  r = run_command(kConvert + " tuna-to-gguf " + (tmp / "small").string() + " " + (tmp / "s.gguf").string(), tmp / "l8");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("more than the model's vocab_size (128): llama.cpp needs an embedding row for every token"),
+            std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "s.gguf"));
 }
 
 }  // namespace

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Run a GGUF export of tuna in llama.cpp (llama-cpp-python) and compare it with tuna itself.
+
+Usage:
+  check_llama_cpp.py generate GGUF CKPT_DIR --prompt TEXT [--tokens 32] [--build build]
+      tuna: build/sample --greedy on CKPT_DIR (ids and each step's logits); llama.cpp: the same prompt,
+      tokenized by llama.cpp from the GGUF's own tokenizer, then
+        - prompt ids: llama.cpp's against tuna's;
+        - greedy: llama.cpp's own 32 greedy tokens against tuna's;
+        - logits: llama.cpp's logits at every position tuna drew a token from (fed tuna's sequence), against
+          tuna's: max |difference|, and that over the largest |logit| of the step.
+  check_llama_cpp.py tokenize GGUF FORMAT
+      the Debian copyright texts of tests/fixtures/tokenizers/reference.json.zst (ids that tuna's tokenizer
+      tests hold tuna's own ids equal to): llama.cpp's ids for each text against them. FORMAT: llama3 (the
+      Llama 3.2 tokenizer's ids) or spm (the fixture sentencepiece model's).
+Prints one JSON line of figures per check; exit status 1 on a mismatch of ids.
+Needs llama-cpp-python (pip install llama-cpp-python: it builds llama.cpp from source) and numpy; not CI.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from llama_cpp import Llama
+
+
+def load(gguf, n_ctx=512):
+    return Llama(model_path=gguf, n_ctx=n_ctx, logits_all=True, n_threads=2, n_batch=512, verbose=False, seed=0)
+
+
+def generate(args):
+    with tempfile.TemporaryDirectory() as tmp:
+        logits_path = os.path.join(tmp, "logits.f32")
+        cmd = [os.path.join(args.build, "sample"), "--checkpoint", args.ckpt, "--prompt", args.prompt, "--greedy",
+               "--max_tokens", str(args.tokens), "--stop_at_eos", "false", "--print_ids", "--logits_out", logits_path,
+               "--device", "cpu", "--threads", "2"]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"build/sample failed: {run.stderr}")
+        line = [l for l in run.stderr.splitlines() if l.startswith("ids:")][-1]
+        prompt_part, gen_part = line[4:].split("|")
+        tuna_prompt = [int(t) for t in prompt_part.split()]
+        tuna_gen = [int(t) for t in gen_part.split()]
+        tuna_logits = np.fromfile(logits_path, dtype=np.float32)
+    llm = load(args.gguf, n_ctx=len(tuna_prompt) + args.tokens + 8)
+    vocab = llm.n_vocab()
+    tuna_logits = tuna_logits.reshape(-1, vocab)
+    ok = True
+    cpp_prompt = llm.tokenize(args.prompt.encode("utf-8"), add_bos=True, special=True)
+    prompt_equal = cpp_prompt == tuna_prompt
+    ok &= prompt_equal
+
+    # llama.cpp's own greedy continuation of its own prompt ids.
+    llm.reset()
+    llm.eval(cpp_prompt)
+    cpp_gen = []
+    for _ in range(args.tokens):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        cpp_gen.append(nxt)
+        llm.eval([nxt])
+    greedy_equal = cpp_gen == tuna_gen
+    first_diff = next((i for i, (a, b) in enumerate(zip(cpp_gen, tuna_gen)) if a != b), None)
+    ok &= greedy_equal
+
+    # Logits on tuna's own sequence, at each position tuna drew from.
+    llm.reset()
+    seq = tuna_prompt + tuna_gen
+    llm.eval(seq[:-1])
+    rows = np.array([llm.scores[len(tuna_prompt) - 1 + i] for i in range(len(tuna_gen))], dtype=np.float32)
+    diff = np.abs(rows - tuna_logits[:len(tuna_gen)])
+    scale = np.abs(tuna_logits[:len(tuna_gen)]).max(axis=1)
+    print(json.dumps({
+        "check": "generate", "gguf": args.gguf, "checkpoint": args.ckpt, "prompt": args.prompt,
+        "prompt_ids_equal": prompt_equal, "prompt_tokens": len(tuna_prompt),
+        "greedy_tokens": len(tuna_gen), "greedy_equal": greedy_equal, "first_difference_at": first_diff,
+        "logits_max_abs_diff": float(diff.max()), "logits_max_rel_diff": float((diff.max(axis=1) / scale).max()),
+        "logits_max_abs": float(scale.max()),
+    }))
+    if not prompt_equal:
+        print("prompt ids differ: llama.cpp", cpp_prompt, "tuna", tuna_prompt, file=sys.stderr)
+    if not greedy_equal:
+        print("greedy tokens differ: llama.cpp", cpp_gen, "tuna", tuna_gen, file=sys.stderr)
+    return 0 if ok else 1
+
+
+def tokenize(args):
+    here = os.path.dirname(os.path.abspath(__file__))
+    ref_path = os.path.join(here, "..", "..", "tests", "fixtures", "tokenizers", "reference.json.zst")
+    raw = subprocess.run(["zstd", "-dc", "--long=27", ref_path], capture_output=True, check=True).stdout
+    ref = json.loads(raw)
+    key = {"llama3": "llama3_text", "spm": "spm"}[args.format]
+    llm = Llama(model_path=args.gguf, vocab_only=True, verbose=False)
+    texts = ref["texts"]
+    equal = 0
+    tokens = 0
+    chars = 0
+    mismatches = []
+    for i, t in enumerate(texts):
+        want = ref["ids"][key][i]
+        got = llm.tokenize(t["text"].encode("utf-8"), add_bos=False, special=False)
+        tokens += len(want)
+        chars += len(t["text"].encode("utf-8"))
+        if got == want:
+            equal += 1
+        else:
+            first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            mismatches.append({"source": t["source"], "first_difference_at": first, "llama_cpp": got[first:first + 5],
+                               "tuna": want[first:first + 5]})
+    print(json.dumps({"check": "tokenize", "gguf": args.gguf, "format": args.format, "texts": len(texts),
+                      "bytes": chars, "tokens": tokens, "texts_equal": equal, "mismatches": mismatches[:5]}))
+    return 0 if equal == len(texts) else 1
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("generate")
+    g.add_argument("gguf")
+    g.add_argument("ckpt")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--tokens", type=int, default=32)
+    g.add_argument("--build", default="build")
+    t = sub.add_parser("tokenize")
+    t.add_argument("gguf")
+    t.add_argument("format", choices=["llama3", "spm"])
+    args = p.parse_args()
+    return generate(args) if args.what == "generate" else tokenize(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
