@@ -86,10 +86,10 @@ EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp $(wildcard $(EMUL
 # The rest of the library that the tests reach is plain C++, the same in every build: its own objects. (A
 # file of it that comes to include a CUDA header belongs in EMULATED_LIB_SRCS; the link says so, as no CUDA
 # library is linked here.)
-EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o), \
+EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $(BUILD)/obj/ckpt/run_dir.o, \
                         $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/% $(BUILD)/obj/model/% \
                                  $(BUILD)/obj/ckpt/% $(BUILD)/obj/plan/% $(BUILD)/obj/engine/engine.o \
-                                 $(BUILD)/obj/engine/engine_cpu.o \
+                                 $(BUILD)/obj/engine/engine_cpu.o $(BUILD)/obj/data/loader.o $(BUILD)/obj/data/shard.o \
                                  $(BUILD)/obj/comm/comm.o $(BUILD)/obj/comm/comm_local.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 BENCH_SRCS := $(wildcard bench/*.cpp)
