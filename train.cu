@@ -491,7 +491,7 @@ int run(int argc, char** argv) {
     if (!result.stats.applied) report_skipped_step(result, step, bad_in_a_row, ++skipped_steps, cfg);
     StepRecord r;
     r.step = step, r.total_steps = cfg.steps, r.loss = result.loss, r.lr = lr, r.stats = result.stats;
-    r.tokens = result.tokens, r.skipped_steps = skipped_steps;
+    r.tokens = result.tokens, r.window_tokens = tokens_per_step, r.skipped_steps = skipped_steps;
     r.seconds = seconds_since(t0), r.elapsed_s = seconds_since(run_start);
     eta.step_done(r.seconds);
     r.eta_s = eta.seconds_left(cfg.steps - step, validator.left(step, cfg.steps),

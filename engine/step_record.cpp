@@ -37,11 +37,14 @@ std::string StepRecord::line() const {
                   fixed(status.gpu_peak_mb / 1e3, 1), ")");
   if (std::isfinite(status.gpu_util)) device += str(" | util ", fixed(status.gpu_util, 0), "%");
   const std::string priced = std::isfinite(cost) ? str(" | cost ", fixed(cost, 2)) : "";
+  // A step that trains only part of its windows (SFT's loss mask) says how much of it trained.
+  const std::string trained = tokens < window_tokens ? str(" | trained ", tokens, " of ", window_tokens, " tokens") : "";
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f | %.0f tok/s | %.0f ms%s | mem %.0f MB (peak %.0f)%s | ETA %s",
-                (long long)step, (long long)total_steps, loss, lr, stats.grad_norm, tokens_per_s, seconds * 1e3,
-                device.c_str(), status.host_mb, status.host_peak_mb, priced.c_str(), human_duration(eta_s).c_str());
+                "step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f%s | %.0f tok/s | %.0f ms%s | mem %.0f MB (peak %.0f)%s | ETA %s",
+                (long long)step, (long long)total_steps, loss, lr, stats.grad_norm, trained.c_str(), tokens_per_s,
+                seconds * 1e3, device.c_str(), status.host_mb, status.host_peak_mb, priced.c_str(),
+                human_duration(eta_s).c_str());
   return buf;
 }
 

@@ -17,6 +17,7 @@ struct StepRecord {
   double loss = 0, lr = 0;
   OptimizerStats stats;
   int64_t tokens = 0;          // trained tokens of the step, all ranks
+  int64_t window_tokens = 0;   // tokens the step's windows hold, all ranks (SFT trains only the answers')
   int64_t skipped_steps = 0;   // so far; reported on a skipped step
   double tokens_per_s = 0, seconds = 0, elapsed_s = 0, eta_s = 0;
   double mfu = NAN;            // NaN: no device peak (cpu)

@@ -800,8 +800,10 @@ std::vector<Reader> make_readers(const fs::path& work) {
 
   {  // out_dir/run.lock as another run (alive, dead or damaged) left it: refused naming it, or taken over
     const LockHolder me = this_process_holder();
+    // The seed is a lock another host left an hour ago (its heartbeat long stale): valid, and taken over.
     const std::string seed = json{{"format", "tuna run lock"}, {"host", "node-7"}, {"boot_id", me.boot_id},
-                                  {"pid", 4242}, {"job", ""}, {"started", me.started}, {"heartbeat", me.heartbeat}}
+                                  {"pid", 4242}, {"job", ""}, {"started", me.started - 3600},
+                                  {"heartbeat", me.heartbeat - 3600}}
                                  .dump();
     readers.push_back({"run_lock", true, {seed}, [case_dir](const std::string& bytes) {
                          const fs::path out = case_dir / "locked_run";
@@ -906,7 +908,10 @@ std::vector<Reader> make_readers(const fs::path& work) {
                          use_tokenizer(t);
                          (void)resolve_chat_format(t, "auto");  // its chat_template
                        }});
-    readers.push_back({"tokenizer_model_config", true, {kTinyConfig}, [tok](const std::string& bytes) {
+    // The seed: the tiny model's config.json with the vocabulary of the tokenizer beside it (a smaller one is refused).
+    json model_config = json::parse(kTinyConfig);
+    model_config["vocab_size"] = Tokenizer((tok / "bpe" / "tokenizer.json").string()).vocab_size();
+    readers.push_back({"tokenizer_model_config", true, {model_config.dump(2)}, [tok](const std::string& bytes) {
                          fs::remove(tok / "bpe" / "tokenizer_config.json");
                          write_bytes(tok / "bpe" / "config.json", bytes);
                          const Tokenizer t((tok / "bpe" / "tokenizer.json").string());

@@ -120,6 +120,28 @@ TEST(Train, AResumeRunsItsCheckpointsKernelsOrSaysWhy) {
   EXPECT_NE(r.output.find("note: option grad_clip was 1.0 in the checkpoint, now 0.5"), std::string::npos) << r.output;
 }
 
+// SFT shards train only the tokens their loss mask marks: the step line says how many of the step's tokens trained.
+TEST(Train, AStepThatTrainsPartOfItsTokensSaysHowMany) {
+  TempDir tmp("trainsft");
+  fs::create_directories(tmp / "data");
+  for (const char* name : {"train-00000.bin", "val-00000.bin"}) {
+    ShardWriter w((tmp / "data" / name).string(), 128, /*with_mask=*/true, 0);
+    for (int doc = 0; doc < 12; doc++) {
+      std::vector<int32_t> tokens{1};
+      std::vector<uint8_t> mask{0};
+      for (int i = 0; i < 40; i++) tokens.push_back(3 + (doc * 5 + i * 7) % 120), mask.push_back(i >= 20);
+      tokens.push_back(2), mask.push_back(1);
+      w.add_document(tokens, mask);
+    }
+    w.finish();
+  }
+  const auto r = run_command(kTrain + common_flags(tmp / "data") + " --steps 2 --out_dir " + (tmp / "run").string(),
+                             tmp / "log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(" of 64 tokens | "), std::string::npos) << r.output;  // 2 x 16 x 2 per step
+  EXPECT_NE(r.output.find("| trained "), std::string::npos) << r.output;
+}
+
 TEST(Train, BadOptionsAndInputsFailClearly) {
   TempDir tmp("trainbad");
   testing_util::write_test_shards(tmp / "data");
