@@ -418,11 +418,11 @@ int run(int argc, char** argv) {
 
   // Resume: the engine's state a piece at a time from the files, the step, the data cursor.
   int64_t step = 0, skipped_steps = 0;  // skipped: steps whose loss or gradient was not finite (no update)
-  json saved_cursor;
+  std::optional<LoaderCursor> saved_cursor;  // a resume's, checked against its step and resharded
   if (start.resume_from) {
     const TrainingState resumed = Checkpointer::restore(*engine, *start.resume_from);
     step = resumed.step, skipped_steps = resumed.skipped_steps;
-    saved_cursor = resume_data_cursor(resumed, mesh.dp_size, *start.resume_from);  // checked against the step, resharded
+    saved_cursor = resume_data_cursor(resumed, mesh.dp_size, *start.resume_from);
     if (resumed.state.contains("train_config"))  // options that differ; a reshaped schedule is a warning
       for (const std::string& line : resume_option_changes(resumed.state["train_config"], options.to_json(), cfg.opt, step))
         std::printf("%s\n", line.c_str());
@@ -433,7 +433,7 @@ int run(int argc, char** argv) {
   LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
                            start.model.vocab_size, false, start.tokenizer.fingerprint, start.tokenizer.description};
   DataLoader train(expand_shard_paths(split_list(cfg.train_data), ShardRole::Train), train_opts);
-  if (!saved_cursor.is_null()) train.set_cursor(saved_cursor.get<LoaderCursor>());
+  if (saved_cursor) train.set_cursor(*saved_cursor);
   LoaderOptions val_opts = train_opts;
   val_opts.eval = true;
   Validator validator(cfg.val_data.empty() ? nullptr
