@@ -79,6 +79,27 @@ ParamLayout::ParamLayout(const LlamaConfig& c, int tp_rank, int tp_size) {
     TUNA_CHECK(total_ == c.n_params(), "layout holds ", total_, " parameters, config says ", c.n_params());
 }
 
+ParamLayout::ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors,
+                         std::vector<std::pair<int64_t, int64_t>> units)
+    : tensors_(std::move(tensors)), unit_ranges_(std::move(units)), tp_(tp), is_model_(false) {
+  for (ParamTensor& t : tensors_) {
+    t.numel = 1;
+    for (int64_t d : t.shape) t.numel *= d;
+    t.offset = total_;
+    total_ += t.numel;
+  }
+  int64_t at = 0;
+  for (const auto& [begin, end] : unit_ranges_) {
+    TUNA_CHECK(begin == at && end >= begin, "units must cover the layout in order: [", begin, ", ", end, ") after ", at);
+    at = end;
+  }
+  TUNA_CHECK(at == total_, "units cover ", at, " of ", total_, " elements");
+}
+
+void ParamLayout::model_only(const char* what) const {
+  TUNA_CHECK(is_model_, "ParamLayout::", what, " of a layout that is not a model's (adapters)");
+}
+
 const ParamTensor* ParamLayout::find(const std::string& name) const {
   for (const ParamTensor& t : tensors_)
     if (t.name == name) return &t;
@@ -112,6 +133,7 @@ void place_block(const ParamTensor& t, const float* local, float* global) {
 }
 
 std::vector<int> ParamLayout::unit_pass_order(bool backward_follows) const {
+  model_only("unit_pass_order");
   const int layers = head_unit() - 1;
   std::vector<int> order{0};
   for (int l = 0; l < layers; l++) order.push_back(1 + l);

@@ -49,6 +49,12 @@ class ParamLayout {
  public:
   // Fails with a message naming the option when tp does not divide the kv heads.
   explicit ParamLayout(const LlamaConfig& config, int tp_rank = 0, int tp_size = 1);
+  // A layout of other trainable tensors (LoRA adapters, model/lora.h): the tensors, laid end to end in the given
+  // order (their offsets are set here), in units of [begin, end) ranges that cover the buffer in order. It has
+  // no embedding, layers or head: the accessors of the model's own structure refuse it (is_model() false), and
+  // everything that works on units and tensors (AdamW, ZeRO's pieces, checkpoints) takes it as it is.
+  ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors, std::vector<std::pair<int64_t, int64_t>> units);
+  bool is_model() const { return is_model_; }
 
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
   const ParamTensor* find(const std::string& name) const;  // nullptr when absent
@@ -57,21 +63,22 @@ class ParamLayout {
 
   int num_units() const { return static_cast<int>(unit_ranges_.size()); }
   std::pair<int64_t, int64_t> unit_range(int unit) const { return unit_ranges_[unit]; }
-  int head_unit() const { return num_units() - 1; }
-  int lm_head_unit() const { return lm_head_ == embed_tokens_ ? 0 : head_unit(); }
+  int head_unit() const { model_only("head_unit"); return num_units() - 1; }
+  int lm_head_unit() const { model_only("lm_head_unit"); return lm_head_ == embed_tokens_ ? 0 : head_unit(); }
   // The units a forward pass uses, in order (embedding, layers, head, the tied embedding again for lm_head),
   // then the layers backwards when a backward follows: the order ZeRO-3 gathers (and prefetches) them in.
   std::vector<int> unit_pass_order(bool backward_follows) const;
 
-  int64_t embed_tokens() const { return embed_tokens_; }
-  int64_t final_norm() const { return final_norm_; }
-  int64_t lm_head() const { return lm_head_; }  // == embed_tokens() when tied
-  const LayerOffsets& layer(int64_t l) const { return layers_[l]; }
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t embed_tokens() const { model_only("embed_tokens"); return embed_tokens_; }
+  int64_t final_norm() const { model_only("final_norm"); return final_norm_; }
+  int64_t lm_head() const { model_only("lm_head"); return lm_head_; }  // == embed_tokens() when tied
+  const LayerOffsets& layer(int64_t l) const { model_only("layer"); return layers_[l]; }
+  int64_t num_layers() const { model_only("num_layers"); return static_cast<int64_t>(layers_.size()); }
   // [begin, end) of layer l in the flat buffer.
-  std::pair<int64_t, int64_t> layer_range(int64_t l) const { return layer_ranges_[l]; }
+  std::pair<int64_t, int64_t> layer_range(int64_t l) const { model_only("layer_range"); return layer_ranges_[l]; }
 
  private:
+  void model_only(const char* what) const;  // fails unless is_model()
   int64_t add(const std::string& name, std::vector<int64_t> global_shape, int layer, bool decays, int split_dim = -1,
               int64_t split_begin = 0, int64_t split_size = 0);
 
@@ -79,6 +86,7 @@ class ParamLayout {
   std::vector<LayerOffsets> layers_;
   std::vector<std::pair<int64_t, int64_t>> layer_ranges_, unit_ranges_;
   TpDims tp_;
+  bool is_model_ = true;
   int64_t total_ = 0, embed_tokens_ = 0, final_norm_ = 0, lm_head_ = 0;
 };
 
