@@ -1,4 +1,4 @@
-// kernels/cpu/nf4 against bitsandbytes bit for bit (tests/fixtures/nf4, tools/reference/make_nf4_fixture.py):
+// kernels/cpu/nf4 against bitsandbytes bit for bit (tests/fixtures/base_quant/nf4.safetensors, tools/reference/make_quant_fixtures.py):
 // the dynamic map and NF4 code, the packed nibbles, the first-level absmax, the double-quantized absmax and its
 // state, and the dequantized weights in fp32 and bf16; then properties on fresh random inputs: the error bound
 // of the format, determinism over thread counts, and a clear error for non-finite weights.
@@ -21,7 +21,7 @@ namespace {
 using test::TestRng;
 
 const SafetensorsFile& fixture() {
-  static const SafetensorsFile file("tests/fixtures/nf4/nf4.safetensors");
+  static const SafetensorsFile file("tests/fixtures/base_quant/nf4.safetensors");
   return file;
 }
 

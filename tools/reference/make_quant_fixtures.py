@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Make tests/fixtures/nf4/nf4.safetensors: bitsandbytes' NF4 quantization of a few tensors, which
+"""Make tests/fixtures/base_quant/nf4.safetensors: bitsandbytes' NF4 quantization of a few tensors, which
 tests/kernels/test_nf4.cpp compares with tuna's (kernels/cpu/nf4.h) bit for bit.
 
 For each case CASE (a 2-D weight; odd sizes, a zero block, equal blocks, values exactly on NF4 midpoints, a
@@ -13,7 +13,11 @@ wide range of block scales, a bf16 tensor of 521 blocks so that the absmax fill 
   CASE.dequant_f32, CASE.dequant_bf16   dequantize_4bit of the compressed state to float32 / bfloat16
                                   (not for the bf16 case, to keep the file small)
 and dynamic_map F32 [256] (state.state2.code), nf4_code F32 [16] (state.code).
-Everything runs on the CPU (bitsandbytes' CPU path). Usage: python3 tools/reference/make_nf4_fixture.py
+
+And tests/fixtures/base_quant/int8.safetensors, LLM.int8()'s row-wise weight format, which
+tests/kernels/test_int8_rowwise.cpp compares with kernels/cpu/int8_rowwise.h: for each case CASE.input F32,
+CASE.q I8 and CASE.scale F32 (int8_vectorwise_quant: CB, SCB), CASE.dequant F32 (int8_vectorwise_dequant).
+Everything runs on the CPU (bitsandbytes' CPU path). Usage: python3 tools/reference/make_quant_fixtures.py
 """
 
 import argparse
@@ -51,9 +55,36 @@ def cases():
     return out
 
 
+def int8_cases():
+    g = torch.Generator().manual_seed(8)
+    out = {}
+    w = 0.02 * torch.randn(6, 50, generator=g)
+    w[2] = 0.0  # a row of zeros
+    w[4, 7] = 1.0  # an outlier: the rest of its row quantizes coarsely
+    out["rows_6x50"] = w
+    # Ties: a row whose absmax is 127 scales by (1/127)*127 == 1 in fp32, so x.5 values round half to even.
+    out["ties_1x10"] = torch.tensor([[127.0, 2.5, 3.5, -0.5, 1.5, -2.5, 0.5, 126.5, -126.5, 0.0]])
+    out["wide_33x97"] = torch.randn(33, 97, generator=g) * torch.logspace(-4, 1, 33)[:, None]
+    return out
+
+
+def write_int8(out_dir):
+    tensors = {}
+    for name, x in int8_cases().items():
+        q, scale, _ = F.int8_vectorwise_quant(x.clone())
+        tensors[f"{name}.input"] = x.contiguous()
+        tensors[f"{name}.q"] = q.contiguous()
+        tensors[f"{name}.scale"] = scale.contiguous()
+        tensors[f"{name}.dequant"] = F.int8_vectorwise_dequant(q, scale).contiguous()
+    path = os.path.join(out_dir, "int8.safetensors")
+    safetensors.torch.save_file(tensors, path, metadata={"bitsandbytes": bitsandbytes.__version__,
+                                                         "torch": torch.__version__})
+    print(f"wrote {path} ({os.path.getsize(path)} bytes)")
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "../../tests/fixtures/nf4"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "../../tests/fixtures/base_quant"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     tensors = {}
@@ -95,6 +126,7 @@ def main():
         "cpu_capability": torch.backends.cpu.get_cpu_capability()})
     print(f"wrote {path} ({os.path.getsize(path)} bytes), bitsandbytes {bitsandbytes.__version__}, "
           f"torch {torch.__version__}")
+    write_int8(args.out)
 
 
 if __name__ == "__main__":
