@@ -105,16 +105,18 @@ const std::array<float, 15>& nf4_midpoints() {
 
 template <typename Out>
 void dequantize_impl(const Nf4Tensor& t, Out* out) {
+  // Each block's absmax where it is used: nothing is allocated (the quantized base dequantizes every step).
   const Nf4Sizes s = nf4_sizes(t.n);
-  std::vector<float> absmax(s.blocks);
-  nf4_dequantize_absmax(t, absmax.data());
   const std::array<float, 16>& nf4 = nf4_values();
+  const std::array<float, 256>& map = dynamic_map();
 #pragma omp parallel for if (t.n >= kMinParallelWork)
   for (int64_t b = 0; b < s.blocks; ++b) {
+    const float scaled = map[t.qabsmax[b]] * t.absmax2[b / kNf4StatsBlock];
+    const float absmax = scaled + t.offset;
     const int64_t end = std::min(t.n, (b + 1) * kNf4Block);
     for (int64_t i = b * kNf4Block; i < end; ++i) {
       const uint8_t byte = t.packed[i / 2];
-      const float x = nf4[i % 2 == 0 ? byte >> 4 : byte & 15] * absmax[b];
+      const float x = nf4[i % 2 == 0 ? byte >> 4 : byte & 15] * absmax;
       if constexpr (std::is_same_v<Out, float>)
         out[i] = x;
       else
