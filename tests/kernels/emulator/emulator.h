@@ -70,6 +70,9 @@ struct __nv_bfloat162 {
 struct alignas(16) int4 {
   int x, y, z, w;
 };
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
 struct alignas(16) float4 {
   float x, y, z, w;
 };
@@ -117,6 +120,10 @@ template <typename T>
 T __ldg(const T* p) {
   return *p;
 }
+// Rounded fp32 arithmetic that nvcc may not fuse into an fma: g++ here targets x86-64 without FMA, so a
+// product and a sum are each rounded as written.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 // The fast-math intrinsics, exact here (the hardware's are within a few ulp).
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
