@@ -271,7 +271,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
       const int drawn = atomicAdd(args.tile_counter, 1);  // its latency hidden behind this tile's K/V issue
       if (drawn == args.n_tiles - 1) *args.tile_counter = 0;
       int first_block = 0;
-      if constexpr (kDocs) first_block = p.doc_start[static_cast<int64_t>(b) * p.seq_len + m_block * C::kBlockM] / C::kBlockN;
+      if constexpr (kDocs)
+        first_block = p.doc_start[static_cast<int64_t>(b) * p.seq_len + m_block * C::kBlockM] / C::kBlockN;
       for (int j = first_block; j <= m_block; ++j, kv.advance()) {
         const uint32_t k_stage = base + C::kK + kv.stage * C::kTileBytes;
         const uint32_t v_stage = base + C::kV + kv.stage * C::kTileBytes;
@@ -531,7 +532,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
       // never decreases, so later rows' documents start no earlier): the first block that does not, by binary
       // search; the block holding key0 always does.
       const int blocks_n = static_cast<int>(gridDim.x), block = drawn % blocks_n;
-      const int32_t* doc = p.doc_start + static_cast<int64_t>(drawn / (blocks_n * static_cast<int>(gridDim.y))) * p.seq_len;
+      const int batch_index = drawn / (blocks_n * static_cast<int>(gridDim.y));
+      const int32_t* doc = p.doc_start + static_cast<int64_t>(batch_index) * p.seq_len;
       const int last_key = min((block + 1) * C::kBlockN, p.seq_len) - 1;
       int lo = block * C::kBlockN / C::kBlockM + 1, hi = m_blocks;
       while (lo < hi) {
@@ -619,7 +621,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
       for (int step = 0; step < n_steps; ++step, q.advance()) {
         const int q0 = step_m(step) * C::kBlockM;
         mbarrier_wait(base + C::kQEmpty + 8 * q.stage, q.phase ^ 1);
-        for (int i = lane; i < C::kBlockM; i += 32) doc_stage[q.stage * C::kBlockM + i] = doc[min(q0 + i, p.seq_len - 1)];
+        for (int i = lane; i < C::kBlockM; i += 32)
+          doc_stage[q.stage * C::kBlockM + i] = doc[min(q0 + i, p.seq_len - 1)];
         mbarrier_arrive(base + C::kQFull + 8 * q.stage);
       }
     }

@@ -1,8 +1,9 @@
 // kernels/attention*.cu against kernels/cpu/attention.cpp in double: forward out and lse, backward dq, dk, dv;
 // head dims 64 and 128, grouped-query heads, sequence lengths that are not multiples of the tiles (and 1),
-// determinism of the backward. Both paths of head dims 64 and 128 (attention.cuh) pass the same checks with the
-// same tolerances: mma (FlashAttention-2 style) and hopper (FlashAttention-3 style, sm_90a: on a GPU these run
-// on an sm_90 device only; the host emulator runs them everywhere).
+// determinism of the backward, packed documents (masks, skipped key blocks, restarted RoPE). Both paths of head
+// dims 64 and 128 (attention.cuh) pass the same checks with the same tolerances: mma (FlashAttention-2 style) and
+// hopper (FlashAttention-3 style, sm_90a: on a GPU these run on an sm_90 device only; the host emulator runs them
+// everywhere).
 //
 // The naive same-precision version is attention_reference.h's (see gpu_test_util.h for the rule).
 #if TUNA_CUDA
