@@ -271,9 +271,6 @@ EngineOptions engine_options(const TrainConfig& cfg, const RunStart& start, cons
   std::string note;
   eo.attention = choose_attention(cfg.attention, start.checkpoint_state, &note);
   if (!note.empty()) std::printf("note: %s\n", note.c_str());
-  if (eo.attention == AttentionPath::kHopper && (eo.documents.mask || eo.documents.restart_positions))
-    fail("--attention hopper does not take document masks or restarted positions yet: add --document_mask false "
-         "--document_positions continue, or use --attention mma");
   eo.gpu.stochastic_rounding = cfg.stochastic_rounding, eo.gpu.seed = static_cast<uint32_t>(cfg.seed);
   eo.gpu.device = launch.local_rank;  // one GPU per rank: the rank's index on its node
   if (eo.device == Device::Cpu && (cfg.bf16_moments || cfg.stochastic_rounding))

@@ -10,12 +10,14 @@
 // dQ additions (a CTA per kv head walks every query head of its group). Labelled "bwd G=1 ...", apart from the
 // rows the peers are matched to (they run G = 4).
 //
-// BM_AttentionDocuments: packed windows of 4,096 tokens made of documents of 256, 1,024 or 4,096 tokens, mma
-// path, hd128, with the document mask (masked:1) and without it (masked:0, attention across the documents, as
-// before masks). Both report `useful TFLOP/s`: the FLOPs of causal attention inside each document (what the
-// masked run must compute) over the time taken. A masked kernel that skips the key blocks outside the documents
-// keeps that rate near the plain causal rate at every document length (time proportional to the useful FLOPs);
-// the unmasked one spends 4096 / doc_tokens times the work, and its useful rate drops by that factor.
+// BM_AttentionDocuments: packed windows of 4,096 tokens made of documents of 256, 1,024 or 4,096 tokens, hd128,
+// both paths (hopper:1 skipped with an error row where it cannot run), with the document mask (masked:1) and
+// without it (masked:0, attention across the documents, as before masks). Both report `useful TFLOP/s`: the FLOPs
+// of causal attention inside each document (what the masked run must compute) over the time taken. A masked
+// kernel that skips the key blocks outside the documents keeps that rate near the plain causal rate at every
+// document length (time proportional to the useful FLOPs: masked / unmasked time near doc_tokens / 4096, which
+// scripts/gpu-check.sh's table prints beside it); the unmasked one spends 4096 / doc_tokens times the work, and
+// its useful rate drops by that factor. The label ends with the path, then the batch.
 #include <vector>
 
 #include "bench/gpu_bench_util.h"
@@ -81,11 +83,16 @@ void BM_AttentionDocuments(benchmark::State& state) {
   constexpr int64_t kSeq = 4096, kHeadDim = 128, kKvHeads = 8;  // G = 4, as the peers' rows
   const int64_t doc_tokens = state.range(0);
   const bool masked = state.range(1) != 0, backward = state.range(2) != 0;
+  const AttentionPath path = state.range(3) != 0 ? AttentionPath::kHopper : AttentionPath::kMma;
+  if (path == AttentionPath::kHopper && !cuda::attention_hopper_available()) {
+    state.SkipWithError("the hopper path needs an sm_90 device and sm_90a code");
+    return;
+  }
   const int64_t batch = kTokens / kSeq;
   const int64_t q_count = batch * kSeq * kHeads * kHeadDim, kv_count = batch * kSeq * kKvHeads * kHeadDim;
   DeviceMemory q(q_count * 2), k(kv_count * 2), v(kv_count * 2), out(q_count * 2), dout(q_count * 2),
       dq(q_count * 2), dk(kv_count * 2), dv(kv_count * 2), lse(batch * kHeads * kSeq * 4),
-      scratch(cuda::attention_bwd_scratch_floats(batch, kSeq, kHeads, kHeadDim, AttentionPath::kMma) * 4),
+      scratch(cuda::attention_bwd_scratch_floats(batch, kSeq, kHeads, kHeadDim, path) * 4),
       docs(batch * kSeq * 4);
   fill_random_bf16(q.as<__nv_bfloat16>(), q_count, 1);
   fill_random_bf16(k.as<__nv_bfloat16>(), kv_count, 2);
@@ -97,17 +104,16 @@ void BM_AttentionDocuments(benchmark::State& state) {
   const int32_t* doc = masked ? docs.as<int32_t>() : nullptr;
   cudaStream_t stream = nullptr;
   cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
-                      v.as<__nv_bfloat16>(), batch, kSeq, kHeads, kKvHeads, kHeadDim, doc, stream, AttentionPath::kMma);
+                      v.as<__nv_bfloat16>(), batch, kSeq, kHeads, kKvHeads, kHeadDim, doc, stream, path);
   run_timed(state, stream, [&] {
     if (!backward)
       cuda::attention_fwd(out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(),
-                          v.as<__nv_bfloat16>(), batch, kSeq, kHeads, kKvHeads, kHeadDim, doc, stream,
-                          AttentionPath::kMma);
+                          v.as<__nv_bfloat16>(), batch, kSeq, kHeads, kKvHeads, kHeadDim, doc, stream, path);
     else
       cuda::attention_bwd(dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(),
                           dout.as<__nv_bfloat16>(), out.as<__nv_bfloat16>(), lse.as<float>(), q.as<__nv_bfloat16>(),
                           k.as<__nv_bfloat16>(), v.as<__nv_bfloat16>(), scratch.as<float>(), batch, kSeq, kHeads,
-                          kKvHeads, kHeadDim, doc, stream, AttentionPath::kMma);
+                          kKvHeads, kHeadDim, doc, stream, path);
   });
   // Causal attention inside each document: kSeq / doc_tokens documents of doc_tokens^2 / 2 scores each.
   const double useful_fwd = 4.0 * batch * kHeads * double(kSeq / doc_tokens) * double(doc_tokens) *
@@ -116,15 +122,16 @@ void BM_AttentionDocuments(benchmark::State& state) {
   state.counters["useful TFLOP/s"] = rate(useful / 1e12);
   state.counters["of_peak"] = rate(useful / gpu_peak_bf16_flops());
   state.SetLabel(std::string(backward ? "bwd" : "fwd") + " hd128 seq 4096 documents of " + std::to_string(doc_tokens) +
-                 (masked ? " masked" : " unmasked") + " batch " + std::to_string(batch));
+                 (masked ? " masked " : " unmasked ") + cuda::attention_path_name(path) + " batch " +
+                 std::to_string(batch));
 }
 
 BENCHMARK(BM_AttentionDocuments)
-    ->ArgNames({"doc", "masked", "bwd"})
-    ->ArgsProduct({{256, 1024, 4096}, {1, 0}, {0, 1}})
+    ->ArgNames({"doc", "masked", "bwd", "hopper"})
+    ->ArgsProduct({{256, 1024, 4096}, {1, 0}, {0, 1}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
-    ->MinTime(0.3);
+    ->MinTime(0.2);
 
 }  // namespace
 }  // namespace tuna::bench

@@ -40,17 +40,6 @@ AttentionParams make_params(int64_t batch, int64_t seq_len, int64_t n_heads, int
   return p;
 }
 
-// The hopper kernels (attention_sm90_*) take neither document starts nor RoPE positions yet: rather than
-// silently attend across documents, the call fails and says how to get the mma path.
-void refuse_hopper_documents(const int32_t* doc_start, const int32_t* rope_positions) {
-  if (doc_start != nullptr)
-    fail("attention: the hopper path (--attention hopper) does not implement document masks yet; use "
-         "--attention mma (the default) or --document_mask false");
-  if (rope_positions != nullptr)
-    fail("attention: the hopper path (--attention hopper) does not implement restarted RoPE positions in its "
-         "fused backward yet; use --attention mma (the default) or --document_positions continue");
-}
-
 }  // namespace
 
 bool attention_hopper_available() {
@@ -83,7 +72,6 @@ void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const
   if (batch == 0 || seq_len == 0) return;
   p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse, p.doc_start = doc_start;
   const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128);
-  if (hopper) refuse_hopper_documents(doc_start, nullptr);
   if (head_dim == 64) hopper ? attention_sm90_fwd_hd64(p, stream) : attention_fwd_hd64(p, stream);
   else if (head_dim == 128) hopper ? attention_sm90_fwd_hd128(p, stream) : attention_fwd_hd128(p, stream);
   else attention_small(p, static_cast<int>(head_dim), /*backward=*/false, stream);
@@ -114,9 +102,8 @@ void attention_bwd(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, cons
              static_cast<const void*>(rope.cos_table), ", sin_table at ", static_cast<const void*>(rope.sin_table));
   const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128);
   if (hopper) {
-    refuse_hopper_documents(doc_start, rope.positions);
     (head_dim == 64 ? attention_sm90_bwd_hd64 : attention_sm90_bwd_hd128)(p, scratch, rope.cos_table, rope.sin_table,
-                                                                          stream);
+                                                                          rope.positions, stream);
     return;
   }
   if (head_dim == 64) attention_bwd_hd64(p, stream);

@@ -26,8 +26,8 @@ bool attention_hopper_available();
 // logsumexp of each query's scaled scores. Scores (q . k) / sqrt(head_dim), causal and inside each query's
 // document: doc_start [batch, seq_len] device int32 (kernels/cpu/attention.h: each row's document start, checked
 // by the caller on the host), or null for one document per row. Key blocks outside a query block's documents are
-// skipped. OVERWRITES out and lse. head_dim 64 or 128 (tensor cores), or 8, 16, 32 (a plain fp32 kernel for tiny
-// models); any seq_len. The hopper path takes no documents yet (an error says so).
+// skipped (both paths). OVERWRITES out and lse. head_dim 64 or 128 (tensor cores), or 8, 16, 32 (a plain fp32
+// kernel for tiny models); any seq_len.
 void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
                    int64_t head_dim, const int32_t* doc_start, cudaStream_t stream,
@@ -44,7 +44,7 @@ int64_t attention_bwd_scratch_floats(int64_t batch, int64_t seq_len, int64_t n_h
 struct AttentionRope {
   const float* cos_table = nullptr;  // null: no rotation
   const float* sin_table = nullptr;
-  const int32_t* positions = nullptr;  // rope_bwd's positions (null: t); mma only
+  const int32_t* positions = nullptr;  // rope_bwd's positions (null: t), e.g. restarted at each document
 };
 
 // Gradients given dout and the forward's out and lse (and the forward's doc_start). OVERWRITES dq, dk, dv (dk, dv sum over the query heads

@@ -37,11 +37,12 @@ void attention_bwd_hd128(const AttentionParams& p, cudaStream_t stream);
 bool attention_sm90_image_present();
 void attention_sm90_fwd_hd64(const AttentionParams& p, cudaStream_t stream);
 void attention_sm90_fwd_hd128(const AttentionParams& p, cudaStream_t stream);
-// rope_cos, rope_sin: null, or the tables whose backward to apply to dQ and dK (attention.cuh's AttentionRope).
+// rope_cos, rope_sin: null, or the tables whose backward to apply to dQ and dK, at rope_positions (null: each
+// row's index) (attention.cuh's AttentionRope).
 void attention_sm90_bwd_hd64(const AttentionParams& p, float* scratch, const float* rope_cos, const float* rope_sin,
-                             cudaStream_t stream);
+                             const int32_t* rope_positions, cudaStream_t stream);
 void attention_sm90_bwd_hd128(const AttentionParams& p, float* scratch, const float* rope_cos, const float* rope_sin,
-                              cudaStream_t stream);
+                              const int32_t* rope_positions, cudaStream_t stream);
 // head_dim 8, 16 or 32 (attention_small.cu): forward, or the whole backward (delta included).
 void attention_small(const AttentionParams& p, int head_dim, bool backward, cudaStream_t stream);
 

@@ -5,7 +5,7 @@ namespace tuna::cuda {
 
 bool attention_sm90_image_present() {
   cudaFuncAttributes attributes;
-  TUNA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, attention::sm90_fwd_kernel<64>));
+  TUNA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, attention::sm90_fwd_kernel<64, false>));
   return attributes.binaryVersion == 90;
 }
 

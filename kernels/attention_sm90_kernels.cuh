@@ -13,7 +13,12 @@
 //   - a persistent grid (one CTA per SM) takes the (query block, head) tiles longest-first (the causal rows
 //     of the last query blocks see the most keys) from an atomic counter, so that a CTA started late (its SM
 //     busy with another kernel, e.g. a collective overlapping the layer) takes fewer tiles instead of carrying
-//     a fixed share into a tail; only the diagonal block is masked.
+//     a fixed share into a tail; only the diagonal block is masked;
+//   - documents (p.doc_start, attention_params.cuh): a tile's keys start at the block holding its first row's
+//     document start, and the backward's key blocks stop at the first query block whose first row's document
+//     starts after them, so blocks wholly outside a block's documents are never loaded; inside, the blocks some
+//     row's document starts after are masked per element. Each kernel has an instance with documents and one
+//     without (the plain causal code, with no document state).
 //
 // Shared tiles: a [rows][head_dim] tile is head_dim / 64 "panels" of [rows][64] bf16, each row 128 bytes and
 // swizzled as TMA's 128B mode writes it (16-byte chunk c of row r at c ^ (r % 8)). wgmma reads a panel:
@@ -66,6 +71,7 @@ struct Sm90Params {
   int* bwd_tickets;         // backward: zeroed before the launch; each CTA takes the next as its work's index
   const float* rope_cos;    // backward: [>= seq_len, head_dim / 2] or null: apply RoPE's backward to dQ, dK
   const float* rope_sin;
+  const int32_t* rope_positions;  // backward: [batch, seq_len], each row's RoPE position, or null (its index t)
   int n_tiles;              // forward: query blocks x batch x heads
   int* tile_counter;        // forward: the tiles handed out past the first wave; 0 at launch, left 0 at exit
 };
@@ -135,19 +141,27 @@ struct SoftmaxRows {
   float max[2], sum[2];
 };
 
-// Masks the diagonal block (kMask: key > query, or key past the sequence; every other block needs no mask),
-// takes each row's max on the raw scores, and exponentiates as exp2(s * scale_log2 - max * scale_log2): one FFMA
-// and one MUFU.EX2 per score. The running max stays in raw units. Returns the factor each row's earlier output
-// must be scaled by. `row` is the thread's first row, `key0` the block's first key.
-template <bool kMask, int kRegs>
+// How a block of keys is masked in the forward's softmax. kNone: every key visible to every row (a block below
+// the diagonal, inside every row's document). kCausal: key > query and keys past the sequence (the diagonal block
+// without documents). kDocument: those and keys before the row's document start (every block some row's
+// document starts after, and the diagonal, with documents); a row may then see no key of the block.
+enum class FwdMask { kNone, kCausal, kDocument };
+
+// Masks the block (kMask), takes each row's max on the raw scores, and exponentiates as exp2(s * scale_log2 -
+// max * scale_log2): one FFMA and one MUFU.EX2 per score. The running max stays in raw units. Returns the factor
+// each row's earlier output must be scaled by. `row` is the thread's first row, `key0` the block's first key,
+// `first_key` its two rows' document starts (read by kDocument only).
+template <FwdMask kMask, int kRegs>
 __device__ __forceinline__ void online_softmax(float (&s)[kRegs], SoftmaxRows& rows, float (&correction)[2], int row,
-                                               int key0, int seq_len, float scale_log2) {
-  if constexpr (kMask) {
+                                               int key0, int seq_len, float scale_log2, const int (&first_key)[2]) {
+  if constexpr (kMask != FwdMask::kNone) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) {
-      const int key = key0 + 8 * (r / 4) + 2 * t + r % 2, q = row + 8 * ((r / 2) % 2);
-      if (key > q || key >= seq_len) s[r] = -INFINITY;
+      const int key = key0 + 8 * (r / 4) + 2 * t + r % 2, half = (r / 2) % 2, q = row + 8 * half;
+      bool masked = key > q || key >= seq_len;
+      if constexpr (kMask == FwdMask::kDocument) masked = masked || key < first_key[half];
+      if (masked) s[r] = -INFINITY;
     }
   }
 #pragma unroll
@@ -158,12 +172,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[kRegs], SoftmaxRows& r
       block_max = fmaxf(block_max, fmaxf(s[4 * i + 2 * half], s[4 * i + 2 * half + 1]));
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-    // Key 0 is in every row's first block, so the running max is finite from the first block on (and the first
-    // block's correction, exp2(-inf), is 0).
+    // Without documents key 0 is in every row's first block, so the running max is finite from the first block
+    // on (and the first block's correction, exp2(-inf), is 0). With documents a row may see no key of its
+    // first blocks (its document starts later): its max stays -inf, and subtracting 0 instead keeps its terms
+    // and correction 0 rather than NaN. Any block not masked by documents shows every row a key, so only the
+    // kDocument instance needs the select.
     const float new_max = fmaxf(rows.max[half], block_max);
-    correction[half] = ex2_approx_ftz((rows.max[half] - new_max) * scale_log2);
+    float max_used = new_max;
+    if constexpr (kMask == FwdMask::kDocument) max_used = new_max == -INFINITY ? 0.0f : new_max;
+    correction[half] = ex2_approx_ftz((rows.max[half] - max_used) * scale_log2);
     rows.max[half] = new_max;
-    const float max_scaled = new_max * scale_log2;
+    const float max_scaled = max_used * scale_log2;
     float block_sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < kRegs / 4; ++i) {
@@ -199,7 +218,10 @@ __device__ __forceinline__ void scale_rows(float (&o)[kRegs], const float (&fact
 // the consumers to stop. Every CTA draws until it gets a tile past the end, so the draws are exactly n_tiles,
 // valued 0 .. n_tiles - 1: the CTA that draws n_tiles - 1 draws last and puts the counter back to 0 for the
 // next launch on the stream. Which CTA computes a tile changes from run to run; what it computes does not.
-template <int kHd>
+// kDocs: p.doc_start is set. A tile's keys then start at the block holding its first row's document start (the
+// earlier blocks are never loaded: the producer and the consumers both start there), and blocks that some row's
+// document starts after are masked per element; without documents the instance is the plain causal one.
+template <int kHd, bool kDocs>
 __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_constant__ Sm90Params args) {
 #if TUNA_SM90A_DEVICE
   using C = Sm90Fwd<kHd>;
@@ -248,7 +270,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
                     m_block * C::kBlockM, b);
       const int drawn = atomicAdd(args.tile_counter, 1);  // its latency hidden behind this tile's K/V issue
       if (drawn == args.n_tiles - 1) *args.tile_counter = 0;
-      for (int j = 0; j <= m_block; ++j, kv.advance()) {
+      int first_block = 0;
+      if constexpr (kDocs)
+        first_block = p.doc_start[static_cast<int64_t>(b) * p.seq_len + m_block * C::kBlockM] / C::kBlockN;
+      for (int j = first_block; j <= m_block; ++j, kv.advance()) {
         const uint32_t k_stage = base + C::kK + kv.stage * C::kTileBytes;
         const uint32_t v_stage = base + C::kV + kv.stage * C::kTileBytes;
         mbarrier_wait(base + C::kKEmpty + 8 * kv.stage, kv.phase ^ 1);
@@ -321,7 +346,20 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     const int m_block = m_blocks - 1 - tile / bh_count, bh = tile % bh_count;
     const int b = bh / p.n_heads, h = bh % p.n_heads;
     const int row = m_block * C::kBlockM + cw * 64 + warp * 16 + lane / 4;  // this thread's rows: row, row + 8
-    const int n_blocks = m_block + 1;  // blocks of kBlockN keys up to the diagonal (kBlockN == kBlockM)
+    // Documents: the first key block (the one holding the tile's first row's document start), this thread's
+    // rows' document starts, and the first block every row of the warp sees whole (before it, the warp masks
+    // by document). Rows past the sequence take the last row's document: they are never stored.
+    int first_block = 0, doc_blocks_end = 0, first_key[2] = {0, 0};
+    if constexpr (kDocs) {
+      const int32_t* doc = p.doc_start + static_cast<int64_t>(b) * p.seq_len;
+      first_block = doc[m_block * C::kBlockM] / C::kBlockN;
+      first_key[0] = doc[min(row, p.seq_len - 1)];
+      first_key[1] = doc[min(row + 8, p.seq_len - 1)];
+      doc_blocks_end = (doc[min(row - lane / 4 + 15, p.seq_len - 1)] + C::kBlockN - 1) / C::kBlockN;
+    }
+    // Blocks of kBlockN keys from first_block up to the diagonal (kBlockN == kBlockM).
+    const int n_blocks = m_block + 1 - first_block;
+    constexpr FwdMask kDiagonalMask = kDocs ? FwdMask::kDocument : FwdMask::kCausal;
 
     float s[C::kSRegs] = {}, o[C::kORegs];
     uint32_t pa[C::kBlockN / 16][4];
@@ -338,13 +376,18 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     fence_operand(s);
     mbarrier_arrive(base + C::kKEmpty + 8 * kv.stage);
     if (n_blocks == 1) mbarrier_arrive(base + C::kQEmpty);  // the tile's last read of Q has retired
-    if (n_blocks == 1) online_softmax<true>(s, rows, correction, row, 0, p.seq_len, p.scale_log2);
-    else online_softmax<false>(s, rows, correction, row, 0, p.seq_len, p.scale_log2);
+    const int key0 = first_block * C::kBlockN;
+    bool first_masked = n_blocks == 1;
+    if constexpr (kDocs) first_masked = first_masked || first_block < doc_blocks_end;  // kDiagonalMask: kDocument
+    if (first_masked) online_softmax<kDiagonalMask>(s, rows, correction, row, key0, p.seq_len, p.scale_log2, first_key);
+    else online_softmax<FwdMask::kNone>(s, rows, correction, row, key0, p.seq_len, p.scale_log2, first_key);
     to_a_fragments(pa, s);
 
     // Block j + 1's S and block j's P V in flight together, block j + 1's softmax between them. Only the last
-    // (diagonal) block is masked: its step is a separate instance, so the others carry no mask code.
-    const auto step = [&](int j, auto diagonal) {
+    // (diagonal) block and, with documents, the blocks before doc_blocks_end are masked: their steps are separate
+    // instances, so the others carry no mask code.
+    const auto step = [&](int j, auto mask, auto diagonal) {
+      constexpr FwdMask kMask = decltype(mask)::value;
       constexpr bool kDiagonal = decltype(diagonal)::value;
       PipelineState<C::kStages> next = kv;
       next.advance();
@@ -358,15 +401,25 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
       fence_operand(s);
       mbarrier_arrive(base + C::kKEmpty + 8 * next.stage);
       if constexpr (kDiagonal) mbarrier_arrive(base + C::kQEmpty);  // the tile's last read of Q has retired
-      online_softmax<kDiagonal>(s, rows, correction, row, (j + 1) * C::kBlockN, p.seq_len, p.scale_log2);
+      online_softmax<kMask>(s, rows, correction, row, (j + 1) * C::kBlockN, p.seq_len, p.scale_log2, first_key);
       wgmma_wait<0>();
       retire_pv(o, pa, kv.stage);
       scale_rows(o, correction);
       to_a_fragments(pa, s);
       kv = next;
     };
-    for (int j = 0; j + 2 < n_blocks; ++j) step(j, std::false_type{});
-    if (n_blocks > 1) step(n_blocks - 2, std::true_type{});
+    using NoMask = std::integral_constant<FwdMask, FwdMask::kNone>;
+    using DocumentMask = std::integral_constant<FwdMask, FwdMask::kDocument>;
+    for (int j = first_block; j + 1 < m_block; ++j) {
+      if constexpr (kDocs) {
+        if (j + 1 < doc_blocks_end) {
+          step(j, DocumentMask{}, std::false_type{});
+          continue;
+        }
+      }
+      step(j, NoMask{}, std::false_type{});
+    }
+    if (n_blocks > 1) step(m_block - 1, std::integral_constant<FwdMask, kDiagonalMask>{}, std::true_type{});
     // The last block's P V.
     mbarrier_wait(base + C::kVFull + 8 * kv.stage, kv.phase);
     take_turn();
@@ -417,7 +470,11 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
 // added, warpgroup 0's then warpgroup 1's, into the fp32 accumulator of the query block.
 // Determinism: the additions into a query block are ordered by key block, a flag per (batch, head, query block)
 // holding the next key block to add; key block 0 stores instead of adding, so the accumulator needs no
-// clearing. A CTA waits only for the CTA of the key block before it in its (kv head, batch). Which (key block,
+// clearing. With documents the first key block to add into query block m is n0 = doc_start[first row of m] / 128
+// (no earlier one sees its rows): the flag counts from there, key block n waits for n - n0 and n0 stores. A CTA
+// walks only the query blocks whose first row's document starts at or before its last key, so every key block
+// from n0 to n walks m too, and the one waited for is still the key block before.
+// A CTA waits only for the CTA of the key block before it in its (kv head, batch). Which (key block,
 // kv head, batch) a CTA does is the ticket it takes when it starts (an atomic counter), in grid order, not its
 // blockIdx: CUDA does not promise to dispatch blocks in blockIdx order, and a CTA waiting on one not yet
 // resident could wait forever. With tickets, the CTA waited for took a lower ticket, so it is already running.
@@ -442,16 +499,17 @@ struct Sm90Bwd {
   static constexpr uint32_t kK = 0, kV = kKvTileBytes, kQ = 2 * kKvTileBytes;
   static constexpr uint32_t kDout = kQ + kStages * kQTileBytes, kDs = kDout + kStages * kQTileBytes;
   static constexpr uint32_t kDqTiles = kDs + 2 * kDsBytes;
-  static constexpr uint32_t kStats = kDqTiles + 2 * kDqTileBytes;  // lse [kStages][64], then delta [kStages][64]
-  static constexpr uint32_t kKvFull = kStats + 2 * kStages * kBlockM * 4;
+  // lse [kStages][64], delta [kStages][64], then the queries' document starts [kStages][64] (int, with documents)
+  static constexpr uint32_t kStats = kDqTiles + 2 * kDqTileBytes;
+  static constexpr uint32_t kKvFull = kStats + 3 * kStages * kBlockM * 4;
   static constexpr uint32_t kQFull = kKvFull + 8, kQEmpty = kQFull + 8 * kStages;
   static constexpr uint32_t kEnd = kQEmpty + 8 * kStages;
   static constexpr int kSmemBytes = kEnd + 1024;
   static constexpr int kSRegs = kBlockM / 2, kDRegs = kHd / 2;
 };
 
-// Grid (key blocks, kv heads, batch) of 384 threads.
-template <int kHd>
+// Grid (key blocks, kv heads, batch) of 384 threads. kDocs: p.doc_start is set (see the documents note above).
+template <int kHd, bool kDocs>
 __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_constant__ Sm90Params args) {
 #if TUNA_SM90A_DEVICE
   using C = Sm90Bwd<kHd>;
@@ -462,24 +520,49 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
   unsigned char* const smem = smem_bytes + (base - smem_address(smem_bytes));  // the same bytes, generic
   float* const lse_stage = reinterpret_cast<float*>(smem + C::kStats);
   float* const delta_stage = lse_stage + C::kStages * C::kBlockM;
+  int* const doc_stage = reinterpret_cast<int*>(delta_stage + C::kStages * C::kBlockM);
+  const int m_blocks = (p.seq_len + C::kBlockM - 1) / C::kBlockM;
   __shared__ int ticket;  // this CTA's work, in grid order: key block fastest, then kv head, then batch
-  if (threadIdx.x == 0) ticket = atomicAdd(args.bwd_tickets, 1);
+  __shared__ int m_end;   // with documents: the query blocks from m_end on see none of this CTA's keys
+  if (threadIdx.x == 0) {
+    const int drawn = atomicAdd(args.bwd_tickets, 1);
+    ticket = drawn;
+    if constexpr (kDocs) {
+      // Query block m sees these keys iff its first row's document starts at or before the last of them (doc_start
+      // never decreases, so later rows' documents start no earlier): the first block that does not, by binary
+      // search; the block holding key0 always does.
+      const int blocks_n = static_cast<int>(gridDim.x), block = drawn % blocks_n;
+      const int batch_index = drawn / (blocks_n * static_cast<int>(gridDim.y));
+      const int32_t* doc = p.doc_start + static_cast<int64_t>(batch_index) * p.seq_len;
+      const int last_key = min((block + 1) * C::kBlockN, p.seq_len) - 1;
+      int lo = block * C::kBlockN / C::kBlockM + 1, hi = m_blocks;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (doc[mid * C::kBlockM] > last_key) hi = mid;
+        else lo = mid + 1;
+      }
+      m_end = lo;
+    }
+  }
   __syncthreads();
   const int n_block = ticket % gridDim.x, kvh = ticket / gridDim.x % gridDim.y, b = ticket / (gridDim.x * gridDim.y);
-  const int group_size = p.n_heads / p.n_kv_heads, m_blocks = (p.seq_len + C::kBlockM - 1) / C::kBlockM;
+  const int group_size = p.n_heads / p.n_kv_heads;
   const int key0 = n_block * C::kBlockN;
   const int first_m = key0 / C::kBlockM;  // earlier query blocks see none of these keys
-  // Step i: query block m_blocks - 1 - i / group_size, query head i % group_size of the group. Query blocks
+  int last_m = m_blocks;                  // one past the last query block that sees some of them
+  if constexpr (kDocs) last_m = m_end;
+  // Step i: query block last_m - 1 - i / group_size, query head i % group_size of the group. Query blocks
   // outer, heads inner: the step of (query block, head) is then the same in every CTA that reaches it, so a CTA
   // and the one it waits for (the key block before, which has more steps only at its end) stay in step.
   const auto step_head = [&](int step) { return kvh * group_size + step % group_size; };
-  const auto step_m = [&](int step) { return m_blocks - 1 - step / group_size; };
-  const int n_steps = group_size * (m_blocks - first_m);
+  const auto step_m = [&](int step) { return last_m - 1 - step / group_size; };
+  const int n_steps = group_size * (last_m - first_m);
 
   if (threadIdx.x == 0) {
     mbarrier_init(base + C::kKvFull, 1);
     for (int s = 0; s < C::kStages; ++s) {
-      mbarrier_init(base + C::kQFull + 8 * s, 1 + 32);  // the TMA thread's arrive.expect_tx + warp 1's 32 lanes
+      // The TMA thread's arrive.expect_tx + warp 1's 32 lanes (+ warp 2's with documents).
+      mbarrier_init(base + C::kQFull + 8 * s, kDocs ? 1 + 64 : 1 + 32);
       mbarrier_init(base + C::kQEmpty + 8 * s, kConsumerThreads);
     }
     fence_mbarrier_init();
@@ -527,6 +610,19 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
           lse_stage[q.stage * C::kBlockM + i] = valid ? p.lse[stats + q0 + i] * kLog2e : 0.0f;
           delta_stage[q.stage * C::kBlockM + i] = valid ? p.delta[stats + q0 + i] : 0.0f;
         }
+        mbarrier_arrive(base + C::kQFull + 8 * q.stage);
+      }
+    } else if (kDocs && warp == 2) {
+      // ---- with documents, the document starts of each step's 64 queries, likewise; a warp of its own, as warp
+      // 1's loop has no room for them in the producers' 24 registers. Past the sequence, the last row's document
+      // (those queries' terms are 0 whatever their mask).
+      const int32_t* const doc = p.doc_start + static_cast<int64_t>(b) * p.seq_len;
+      PipelineState<C::kStages> q;
+      for (int step = 0; step < n_steps; ++step, q.advance()) {
+        const int q0 = step_m(step) * C::kBlockM;
+        mbarrier_wait(base + C::kQEmpty + 8 * q.stage, q.phase ^ 1);
+        for (int i = lane; i < C::kBlockM; i += 32)
+          doc_stage[q.stage * C::kBlockM + i] = doc[min(q0 + i, p.seq_len - 1)];
         mbarrier_arrive(base + C::kQFull + 8 * q.stage);
       }
     }
@@ -580,24 +676,41 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
     fence_operand(st);
     fence_operand(dpt);
 
-    // P^T and dS^T. Only a block reaching past the diagonal (some key after some query) is masked.
+    // P^T and dS^T. Only a block reaching past the diagonal (some key after some query) is masked, and with
+    // documents one whose first key is before the last query's document start.
     const float* lse2 = lse_stage + q.stage * C::kBlockM;
     const float* delta = delta_stage + q.stage * C::kBlockM;
-    // One FFMA and one MUFU.EX2 a score; the mask's compares only in the instance for such blocks.
-    const auto probabilities = [&](auto masked) {
+    const int* first_key = doc_stage + q.stage * C::kBlockM;  // read only with documents
+    // The key blocks added into this query block's dQ before this one: with documents they start at the block
+    // holding its first row's document start (read before the stage is released below).
+    int dq_turn = n_block;
+    if constexpr (kDocs) dq_turn = n_block - first_key[0] / C::kBlockN;
+    // One FFMA and one MUFU.EX2 a score; the mask's compares only in the instances for such blocks (0: none,
+    // 1: causal, 2: causal and documents).
+    const auto probabilities = [&](auto mask) {
+      constexpr int kMask = decltype(mask)::value;
 #pragma unroll
       for (int r = 0; r < C::kSRegs; ++r) {
-        const int qi = 8 * (r / 4) + 2 * t + r % 2;
+        const int qi = 8 * (r / 4) + 2 * t + r % 2, key = key_lo + 8 * ((r / 2) % 2);
         float pr = ex2_approx_ftz(fmaf(st[r], p.scale_log2, -lse2[qi]));
-        if constexpr (decltype(masked)::value) {
-          if (key_lo + 8 * ((r / 2) % 2) > q0 + qi) pr = 0.0f;
+        if constexpr (kMask == 1) {
+          if (key > q0 + qi) pr = 0.0f;
+        } else if constexpr (kMask == 2) {
+          if (key > q0 + qi || key < first_key[qi]) pr = 0.0f;
         }
         st[r] = pr;
         dpt[r] = pr * (dpt[r] - delta[qi]);
       }
     };
-    if (key0 + cw * 64 + 63 > q0) probabilities(std::true_type{});
-    else probabilities(std::false_type{});
+    const bool causal = key0 + cw * 64 + 63 > q0;
+    if constexpr (kDocs) {
+      if (key0 + cw * 64 < first_key[C::kBlockM - 1]) probabilities(std::integral_constant<int, 2>{});
+      else if (causal) probabilities(std::integral_constant<int, 1>{});
+      else probabilities(std::integral_constant<int, 0>{});
+    } else {
+      if (causal) probabilities(std::integral_constant<int, 1>{});
+      else probabilities(std::integral_constant<int, 0>{});
+    }
     uint32_t pt_a[C::kBlockM / 16][4];
     to_a_fragments(pt_a, st);
     // dS^T into this warpgroup's [64 keys][64 queries] tile, swizzled as the 128B mode reads it: the A of dK
@@ -647,7 +760,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
       *reinterpret_cast<float2*>(dq_tile + row * C::kDqStride + col) = make_float2(dq[r], dq[r + 1]);
     }
     int* const flag = args.dq_flags + (static_cast<int64_t>(b) * p.n_heads + h) * m_blocks + m_block;
-    if (threadIdx.x == kWarpGroupThreads) flag_wait(flag, n_block);
+    if (threadIdx.x == kWarpGroupThreads) flag_wait(flag, dq_turn);
     named_barrier_sync(kBarConsumers, kConsumerThreads);
     const float* const tile0 = reinterpret_cast<const float*>(smem + C::kDqTiles);
     const float* const tile1 = reinterpret_cast<const float*>(smem + C::kDqTiles + C::kDqTileBytes);
@@ -660,20 +773,20 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
     float4 old[kPieces];
 #pragma unroll
     for (int k = 0; k < kPieces; ++k)
-      old[k] = n_block != 0 ? accum[first + k * kConsumerThreads] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      old[k] = dq_turn != 0 ? accum[first + k * kConsumerThreads] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int k = 0; k < kPieces; ++k) {
       const int i = first + k * kConsumerThreads, row = i / (kHd / 4), col = (i % (kHd / 4)) * 4;
       const float4 a = *reinterpret_cast<const float4*>(tile0 + row * C::kDqStride + col);
       const float4 c = *reinterpret_cast<const float4*>(tile1 + row * C::kDqStride + col);
       float4 sum = make_float4(a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
-      if (n_block != 0) sum = make_float4(old[k].x + sum.x, old[k].y + sum.y, old[k].z + sum.z, old[k].w + sum.w);
+      if (dq_turn != 0) sum = make_float4(old[k].x + sum.x, old[k].y + sum.y, old[k].z + sum.z, old[k].w + sum.w);
       accum[i] = sum;
     }
     // All added (and the tiles free again); then one thread's release store publishes every consumer's additions
     // (the barrier orders them before it; the release is the one gpu-scope fence of the step).
     named_barrier_sync(kBarConsumers, kConsumerThreads);
-    if (threadIdx.x == kWarpGroupThreads) flag_release(flag, n_block + 1);
+    if (threadIdx.x == kWarpGroupThreads) flag_release(flag, dq_turn + 1);
   }
 
   // dK (times 1 / sqrt(d), then RoPE's backward if asked) and dV of this warpgroup's keys. Columns c and
@@ -681,9 +794,13 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_bwd_kernel(const __grid_
 #pragma unroll
   for (int r = 0; r < C::kDRegs; ++r) dk[r] *= p.scale;
   if (args.rope_cos != nullptr) {
+    // The rotation's position of this thread's two keys (past the sequence: the last key's; never stored).
+    int position[2] = {min(key_lo, p.seq_len - 1), min(key_lo + 8, p.seq_len - 1)};
+    if (args.rope_positions != nullptr)
+      for (int& x : position) x = args.rope_positions[static_cast<int64_t>(b) * p.seq_len + x];
 #pragma unroll
     for (int r = 0; r < C::kDRegs / 2; ++r) {
-      const int key = min(key_lo + 8 * ((r / 2) % 2), p.seq_len - 1), col = 8 * (r / 4) + 2 * t + r % 2;
+      const int key = position[(r / 2) % 2], col = 8 * (r / 4) + 2 * t + r % 2;
       const float c = args.rope_cos[static_cast<int64_t>(key) * (kHd / 2) + col];
       const float sn = args.rope_sin[static_cast<int64_t>(key) * (kHd / 2) + col];
       const float first = dk[r], second = dk[r + C::kDRegs / 2];
@@ -737,9 +854,11 @@ __global__ void __launch_bounds__(256) sm90_dq_finish_kernel(const __grid_consta
 #pragma unroll
   for (int j = 0; j < 8; ++j) x[j] *= p.scale, y[j] *= p.scale;
   if (args.rope_cos != nullptr) {
+    const int64_t position =
+        args.rope_positions != nullptr ? args.rope_positions[static_cast<int64_t>(b) * p.seq_len + t] : t;
     float c[8], sn[8];
-    load_floats8(c, args.rope_cos + static_cast<int64_t>(t) * kHalf + d);
-    load_floats8(sn, args.rope_sin + static_cast<int64_t>(t) * kHalf + d);
+    load_floats8(c, args.rope_cos + position * kHalf + d);
+    load_floats8(sn, args.rope_sin + position * kHalf + d);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float rx = x[j] * c[j] + y[j] * sn[j], ry = y[j] * c[j] - x[j] * sn[j];

@@ -138,10 +138,12 @@ void prepare_sm90a_kernel(Kernel* kernel, int smem_bytes) {
 
 // The forward: one persistent CTA per SM (at most one per tile: each CTA's first tile is its blockIdx), the
 // later tiles handed out by the counter.
+// With documents (p.doc_start) the kernel's instance that skips and masks by them; without, the plain causal one.
 template <int kHd>
 void launch_sm90_fwd(const AttentionParams& p, cudaStream_t stream) {
   using C = Sm90Fwd<kHd>;
-  prepare_sm90a_kernel(sm90_fwd_kernel<kHd>, C::kSmemBytes);
+  auto* const kernel = p.doc_start != nullptr ? sm90_fwd_kernel<kHd, true> : sm90_fwd_kernel<kHd, false>;
+  prepare_sm90a_kernel(kernel, C::kSmemBytes);
   Sm90Params args{};
   args.p = p;
   args.q_map = cached_rows_tensor_map(p.q, p.batch, p.seq_len, p.n_heads, kHd, C::kBlockM);
@@ -152,18 +154,19 @@ void launch_sm90_fwd(const AttentionParams& p, cudaStream_t stream) {
   args.n_tiles = static_cast<int>(tiles);
   args.tile_counter = fwd_tile_counter(stream);
   const int grid = static_cast<int>(std::min<int64_t>(tiles, multiprocessor_count()));
-  launch_kernel_sm90a(sm90_fwd_kernel<kHd>, dim3(grid), dim3(kSm90Threads), C::kSmemBytes, stream, args);
+  launch_kernel_sm90a(kernel, dim3(grid), dim3(kSm90Threads), C::kSmemBytes, stream, args);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
 // The backward: delta = rowsum(dO * O), the flags and the ticket counter cleared, then one CTA per (key block,
 // kv head, batch), each taking its work by ticket (the ordered dQ additions wait only on lower tickets), then dQ
-// finished.
+// finished. With documents (p.doc_start) the kernel's instance that skips and masks by them.
 template <int kHd>
 void launch_sm90_bwd(const AttentionParams& p_in, float* scratch, const float* rope_cos, const float* rope_sin,
-                     cudaStream_t stream) {
+                     const int32_t* rope_positions, cudaStream_t stream) {
   using C = Sm90Bwd<kHd>;
-  prepare_sm90a_kernel(sm90_bwd_kernel<kHd>, C::kSmemBytes);
+  auto* const kernel = p_in.doc_start != nullptr ? sm90_bwd_kernel<kHd, true> : sm90_bwd_kernel<kHd, false>;
+  prepare_sm90a_kernel(kernel, C::kSmemBytes);
   const gpu_scratch::AttentionBwdScratch layout =
       gpu_scratch::attention_bwd_layout(p_in.batch, p_in.seq_len, p_in.n_heads, kHd, /*hopper=*/true);
   Sm90Params args{};
@@ -173,7 +176,7 @@ void launch_sm90_bwd(const AttentionParams& p_in, float* scratch, const float* r
   args.dq_flags = reinterpret_cast<int*>(scratch + layout.flags);
   const int64_t n_flags = static_cast<int64_t>(p_in.batch) * p_in.n_heads * layout.m_blocks;
   args.bwd_tickets = args.dq_flags + n_flags;
-  args.rope_cos = rope_cos, args.rope_sin = rope_sin;
+  args.rope_cos = rope_cos, args.rope_sin = rope_sin, args.rope_positions = rope_positions;
   const AttentionParams& p = args.p;
 
   const int64_t rows = static_cast<int64_t>(p.batch) * p.seq_len * p.n_heads;
@@ -186,7 +189,7 @@ void launch_sm90_bwd(const AttentionParams& p_in, float* scratch, const float* r
   args.k_map = cached_rows_tensor_map(p.k, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
   args.v_map = cached_rows_tensor_map(p.v, p.batch, p.seq_len, p.n_kv_heads, kHd, C::kBlockN);
   const dim3 grid(static_cast<unsigned>(ceil_div(p.seq_len, C::kBlockN)), p.n_kv_heads, p.batch);
-  launch_kernel_sm90a(sm90_bwd_kernel<kHd>, grid, dim3(kSm90Threads), C::kSmemBytes, stream, args);
+  launch_kernel_sm90a(kernel, grid, dim3(kSm90Threads), C::kSmemBytes, stream, args);
   TUNA_CUDA_CHECK_LAUNCH();
 
   const int64_t chunks = rows * (kHd / 16);

@@ -1,8 +1,9 @@
 // kernels/attention*.cu against kernels/cpu/attention.cpp in double: forward out and lse, backward dq, dk, dv;
 // head dims 64 and 128, grouped-query heads, sequence lengths that are not multiples of the tiles (and 1),
-// determinism of the backward. Both paths of head dims 64 and 128 (attention.cuh) pass the same checks with the
-// same tolerances: mma (FlashAttention-2 style) and hopper (FlashAttention-3 style, sm_90a: on a GPU these run
-// on an sm_90 device only; the host emulator runs them everywhere).
+// determinism of the backward, packed documents (masks, skipped key blocks, restarted RoPE). Both paths of head
+// dims 64 and 128 (attention.cuh) pass the same checks with the same tolerances: mma (FlashAttention-2 style) and
+// hopper (FlashAttention-3 style, sm_90a: on a GPU these run on an sm_90 device only; the host emulator runs them
+// everywhere).
 //
 // The naive same-precision version is attention_reference.h's (see gpu_test_util.h for the rule).
 #if TUNA_CUDA
@@ -220,10 +221,27 @@ TEST(AttentionGpu, DocumentMasksOnTheMmaPath) {
   check({1, 45, 3, 1, 32}, rng, AttentionPath::kMma, /*rope=*/false, {{20, 1, 24}});
 }
 
+// Packed documents on the hopper path (tiles of 128 queries x 128 keys forward, 128 keys x 64 queries
+// backward): odd lengths, one-token documents, a document filling the row, boundaries inside a tile and on its
+// edge; a document starting after a whole key block, so that the forward's later tiles start past block 0 and the
+// backward's first key block stops before the last query blocks, whose dQ additions then begin at key block 1;
+// grouped-query heads, hd64 and hd128, RoPE restarted at each document.
+TEST(AttentionGpu, DocumentMasksOnTheHopperPath) {
+  TUNA_REQUIRE_SM90();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check({2, 300, 4, 2, 64}, rng, AttentionPath::kHopper, /*rope=*/true,
+        {{1, 30, 1, 1, 100, 160, 7}, {300}});
+  check({2, 201, 2, 1, 128}, rng, AttentionPath::kHopper, /*rope=*/true,
+        {{128, 64, 9}, {5, 1, 1, 1, 150, 43}});
+  check({1, 70, 3, 1, 64}, rng, AttentionPath::kHopper, /*rope=*/false, {std::vector<int64_t>(70, 1)});
+  check({1, 140, 4, 4, 128}, rng, AttentionPath::kHopper, /*rope=*/false, {{63, 2, 1, 74}});
+}
+
 // Key blocks outside a query block's documents are not read: NaN keys and values there stay out of the results
-// of the later document (a kernel that loaded them and multiplied by a zero weight would make NaN).
-TEST(AttentionGpu, DocumentMasksSkipKeyBlocksOutsideTheDocument) {
-  TUNA_REQUIRE_GPU();
+// of the later document (a kernel that loaded them and multiplied by a zero weight would make NaN). Two documents
+// of 128: on either path (tiles of 64 or 128 keys) no block holds keys of both.
+void expect_key_blocks_outside_documents_unread(AttentionPath path) {
   const AttentionShape s{1, 256, 2, 1, 64};
   TestRng rng;
   SCOPED_TRACE(rng.describe());
@@ -237,13 +255,13 @@ TEST(AttentionGpu, DocumentMasksSkipKeyBlocksOutsideTheDocument) {
   DeviceBf16 d_q(q), d_k(k), d_v(v), d_dout(dout), d_out(s.q_count()), d_dq(s.q_count()), d_dk(s.kv_count()),
       d_dv(s.kv_count());
   DeviceBuffer<float> d_lse(s.batch * s.heads * s.seq),
-      d_scratch(cuda::attention_bwd_scratch_floats(s.batch, s.seq, s.heads, s.dim, AttentionPath::kMma));
+      d_scratch(cuda::attention_bwd_scratch_floats(s.batch, s.seq, s.heads, s.dim, path));
   DeviceBuffer<int32_t> d_docs(doc_start);
   cuda::attention_fwd(d_out.bf(), d_lse.get(), d_q.bf(), d_k.bf(), d_v.bf(), s.batch, s.seq, s.heads, s.kv_heads, s.dim,
-                      d_docs.get(), nullptr, AttentionPath::kMma);
+                      d_docs.get(), nullptr, path);
   cuda::attention_bwd(d_dq.bf(), d_dk.bf(), d_dv.bf(), d_dout.bf(), d_out.bf(), d_lse.get(), d_q.bf(), d_k.bf(),
                       d_v.bf(), d_scratch.get(), s.batch, s.seq, s.heads, s.kv_heads, s.dim, d_docs.get(), nullptr,
-                      AttentionPath::kMma);
+                      path);
   const auto later_rows_finite = [&](const std::vector<double>& x, int64_t heads) {
     for (size_t i = cut * heads * s.dim; i < x.size(); ++i)
       if (!std::isfinite(x[i])) return false;
@@ -255,17 +273,14 @@ TEST(AttentionGpu, DocumentMasksSkipKeyBlocksOutsideTheDocument) {
   EXPECT_TRUE(later_rows_finite(d_dv.values(), s.kv_heads));
 }
 
-// The hopper path takes no documents yet: it must refuse them rather than attend across documents.
-TEST(AttentionGpu, HopperPathRefusesDocumentMasks) {
+TEST(AttentionGpu, DocumentMasksSkipKeyBlocksOutsideTheDocument) {
   TUNA_REQUIRE_GPU();
-  const AttentionShape s{1, 64, 2, 1, 64};
-  std::vector<int32_t> doc_start(s.seq, 0);
-  DeviceBuffer<int32_t> d_docs(doc_start);
-  DeviceBf16 d_q(s.q_count()), d_k(s.kv_count()), d_v(s.kv_count()), d_out(s.q_count());
-  DeviceBuffer<float> d_lse(s.batch * s.heads * s.seq);
-  EXPECT_THROW(cuda::attention_fwd(d_out.bf(), d_lse.get(), d_q.bf(), d_k.bf(), d_v.bf(), s.batch, s.seq, s.heads,
-                                   s.kv_heads, s.dim, d_docs.get(), nullptr, AttentionPath::kHopper),
-               Error);
+  expect_key_blocks_outside_documents_unread(AttentionPath::kMma);
+}
+
+TEST(AttentionGpu, HopperPathSkipsKeyBlocksOutsideTheDocument) {
+  TUNA_REQUIRE_SM90();
+  expect_key_blocks_outside_documents_unread(AttentionPath::kHopper);
 }
 
 }  // namespace

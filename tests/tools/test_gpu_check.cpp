@@ -68,6 +68,10 @@ TEST(GpuCheckEmulated, WalksEveryStep) {
     EXPECT_EQ(line.substr(value + 3, 10), "emulated: ") << line;
   }
   EXPECT_GT(rows, 10);
+  // The packed-documents bench lists both attention paths (its masked/unmasked rows on a GPU).
+  EXPECT_TRUE(std::regex_search(table, std::regex("BM_AttentionDocuments +\\| emulated: 24 benchmarks listed, none "
+                                                  "run +\\| paths mma, hopper")))
+      << table;
   // benches.json: each bench's benchmarks listed (none run), the peers' records, the profile's CSV read.
   const auto benches = nlohmann::json::parse(read_file(out / "benches.json"));
   for (const char* b : {"memory", "attention", "gemm", "train_step", "train_step_hopper", "decode"}) {
