@@ -28,8 +28,11 @@ import numpy as np
 from llama_cpp import Llama
 
 
-def load(gguf, n_ctx=512):
-    return Llama(model_path=gguf, n_ctx=n_ctx, logits_all=True, n_threads=2, n_batch=512, verbose=False, seed=0)
+def load(gguf, n_ctx=512, n_ubatch=512):
+    # n_ubatch 1 evaluates a token at a time: llama.cpp 0.3.36's CPU backend (built for this machine's AVX-512 /
+    # AMX) crashes on batched q8_0 and q4_0 products of these tiny models, with llama.cpp's own quantization too.
+    return Llama(model_path=gguf, n_ctx=n_ctx, logits_all=True, n_threads=2, n_batch=512, n_ubatch=n_ubatch,
+                 verbose=False, seed=0)
 
 
 def generate(args):
@@ -46,7 +49,7 @@ def generate(args):
         tuna_prompt = [int(t) for t in prompt_part.split()]
         tuna_gen = [int(t) for t in gen_part.split()]
         tuna_logits = np.fromfile(logits_path, dtype=np.float32)
-    llm = load(args.gguf, n_ctx=len(tuna_prompt) + args.tokens + 8)
+    llm = load(args.gguf, n_ctx=len(tuna_prompt) + args.tokens + 8, n_ubatch=args.n_ubatch)
     vocab = llm.n_vocab()
     tuna_logits = tuna_logits.reshape(-1, vocab)
     ok = True
@@ -124,6 +127,7 @@ def main():
     g.add_argument("--prompt", required=True)
     g.add_argument("--tokens", type=int, default=32)
     g.add_argument("--build", default="build")
+    g.add_argument("--n_ubatch", type=int, default=512, help="llama.cpp's micro-batch (1: a token at a time)")
     t = sub.add_parser("tokenize")
     t.add_argument("gguf")
     t.add_argument("format", choices=["llama3", "spm"])
