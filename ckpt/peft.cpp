@@ -5,6 +5,7 @@
 #include <set>
 #include <vector>
 
+#include "comm/comm.h"
 #include "core/checksum.h"
 #include "core/error.h"
 #include "core/file.h"
@@ -136,6 +137,27 @@ fs::path lora_base(const fs::path& lora_dir, const fs::path& override_base) {
          " with checksum ", describe(method, expected), ", and ", found.path, " has ", describe(found.method, found.xxh3),
          " (adapters trained on other weights do not fit these; give the base they were trained on with --base DIR)");
   return base;
+}
+
+fs::path lora_base(const fs::path& lora_dir, const fs::path& override_base, Comm& world) {
+  fs::path base;
+  std::string problem;
+  if (world.rank() == 0) {
+    try {
+      base = lora_base(lora_dir, override_base);
+    } catch (const Error& e) {
+      problem = e.what();
+    }
+  }
+  int64_t failed = problem.empty() ? 0 : 1;
+  world.all_reduce_sum(&failed, 1, "LoRA base check");
+  if (failed) fail(problem.empty() ? str(lora_dir.string(), ": its base fails the check on rank 0 (see its message)") : problem);
+  if (world.rank() == 0) return base;
+  // The others take the path rank 0 checked: --base, else the recorded one (no checksum of their own).
+  if (!override_base.empty()) return override_base;
+  if (std::error_code ec; !fs::exists(lora_dir / kBaseModelFile, ec)) return lora_base(lora_dir, override_base);
+  const json record = read_json_file(lora_dir / kBaseModelFile, "the base of a LoRA checkpoint");
+  return record["path"].get<std::string>();
 }
 
 MergedWeightReader::MergedWeightReader(const fs::path& base, const fs::path& lora_dir, const ParamLayout& layout)

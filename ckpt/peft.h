@@ -59,6 +59,11 @@ LoraFiles lora_files(const LoraConfig& lora, const std::filesystem::path& base);
 // --base when the recorded path is gone). Its files are verified against its manifest where it has one.
 std::filesystem::path lora_base(const std::filesystem::path& lora_dir, const std::filesystem::path& override_base = {});
 
+// The same, collective over `world`: rank 0 reads the base for its checksum, the others wait and fail with it (a
+// resume on 16 ranks reads the base's bytes once for the check, not 16 times).
+std::filesystem::path lora_base(const std::filesystem::path& lora_dir, const std::filesystem::path& override_base,
+                                Comm& world);
+
 // A piece of the weights of some layout, ParamLayout order (engine/engine.h WeightFill is this type).
 using LayoutFill = std::function<void(const ParamLayout& layout, const Segment& piece, float* out)>;
 

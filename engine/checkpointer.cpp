@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "ckpt/peft.h"  // lora_files
 #include "core/error.h"
 #include "core/progress.h"  // ProgressLine
 #include "core/run_report.h"  // refresh_run_report
@@ -21,6 +22,10 @@ Checkpointer::Checkpointer(fs::path root, int64_t every, int64_t keep, Comm& wor
       mesh_(mesh),
       config_json_(std::move(config_json)),
       tokenizer_files_(std::move(tokenizer_files)) {}
+
+void Checkpointer::set_lora(const LoraConfig& lora, const fs::path& base) {
+  lora_ = world_.rank() == 0 ? lora_files(lora, base) : LoraFiles{lora, {}};
+}
 
 double Checkpointer::save(Engine& engine, int64_t step, const nlohmann::json& state) {
   const auto started = std::chrono::steady_clock::now();

@@ -32,9 +32,10 @@ class Checkpointer {
   // its state.json, checked against the step and the optimizer's update count.
   static TrainingState restore(Engine& engine, const std::filesystem::path& dir);
 
-  // A LoRA run: its checkpoints are PEFT adapter directories naming the base (ckpt/peft.h); config_json is then the
-  // base's, and the engine's layout the adapters'.
-  void set_lora(LoraFiles files) { lora_ = std::move(files); }
+  // A LoRA run: its checkpoints are PEFT adapter directories naming `base` by path and checksum (ckpt/peft.h);
+  // config_json is then the base's, and the engine's layout the adapters'. Rank 0, which writes those files, reads
+  // the base once here for its checksum (every rank calls it).
+  void set_lora(const LoraConfig& lora, const std::filesystem::path& base);
 
   const std::filesystem::path& root() const { return root_; }
   int64_t every() const { return every_; }

@@ -8,11 +8,13 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/gguf.h"
 #include "ckpt/peft.h"
 #include "ckpt/safetensors.h"
+#include "comm/comm.h"
 #include "core/error.h"
 #include "core/json.h"
 #include "engine/engine.h"  // make_forward_model
@@ -464,6 +466,44 @@ TEST(Peft, ChangedBaseIsRefusedAndBaseOverrides) {
   EXPECT_EQ(lora_base(dir2), fs::absolute(tuna_base).lexically_normal());
   e = error_of([&] { lora_base(dir2, base); });  // the same weights, but not the recorded checkpoint
   EXPECT_NE(e.find("has changed"), std::string::npos) << e;
+}
+
+TEST(Peft, RanksShareOneBaseCheck) {
+  TempDir tmp("peft_ranks_base");
+  const fs::path base = copy_base(tmp / "base");
+  const LlamaConfig cfg = LlamaConfig::load(base.string());
+  const LoraConfig lora = lora_init_config(kLora2, {});
+  const fs::path dir = write_lora_checkpoint(tmp / "ckpt", base, lora, read_adapter(kLora2, cfg, lora));
+  for (const bool changed : {false, true}) {
+    if (changed) {
+      std::fstream f(base / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(-4, std::ios::end);
+      const float x = 0.25f;
+      f.write(reinterpret_cast<const char*>(&x), 4);
+    }
+    std::vector<std::unique_ptr<Comm>> comms = make_local_comms(2, 60);
+    std::vector<std::string> found(2);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 2; r++)
+      ranks.emplace_back([&, r] {
+        try {
+          found[r] = lora_base(dir, {}, *comms[r]).string();
+        } catch (const Error& e) {
+          found[r] = str("error: ", e.what());
+        }
+      });
+    for (std::thread& t : ranks) t.join();
+    for (int r = 0; r < 2; r++) {
+      if (changed) {
+        EXPECT_EQ(found[r].rfind("error: ", 0), 0u) << r << ": " << found[r];
+      } else {
+        EXPECT_EQ(fs::path(found[r]), fs::absolute(base).lexically_normal()) << r;
+      }
+    }
+    if (changed) {
+      EXPECT_NE(found[0].find("has changed"), std::string::npos) << found[0];
+    }
+  }
 }
 
 TEST(Peft, GgufOfALoraCheckpointIsTheMergedModels) {
