@@ -194,6 +194,15 @@ MergedWeightReader::MergedWeightReader(const fs::path& base, const fs::path& lor
            " for the base ", base.string(), " at r = ", lora_.rank, ", found ", format_shape(info->shape),
            " (an adapter of another base model?)");
   }
+  for (int64_t l = 0; l < config_.num_hidden_layers; l++)
+    for (LoraTarget target : kTargets) {
+      if (!lora_.has(target)) continue;
+      const ParamTensor* w = layout_.find(weight_name(l, target));
+      TUNA_CHECK(w && w->shape.size() == 2, "no weight ", weight_name(l, target), " in the layout");
+      targeted_.push_back({w, l, target});
+    }
+  std::sort(targeted_.begin(), targeted_.end(),
+            [](const Targeted& a, const Targeted& b) { return a.weight->offset < b.weight->offset; });
   for (const TensorInfo& t : adapter_->tensors())
     if (!expected.count(t.name))
       fail(adapter_path_.string(), ": tensor '", t.name, "' is not an adapter that ", kAdapterConfigFile,
@@ -215,25 +224,24 @@ void MergedWeightReader::read(const Segment& piece, float* out) {
   base_.read(piece, out);
   const double scale = lora_.scale();
   const int64_t r = lora_.rank;
-  for (int64_t l = 0; l < config_.num_hidden_layers; l++) {
-    for (LoraTarget target : kTargets) {
-      if (!lora_.has(target)) continue;
-      const ParamTensor* t = layout_.find(weight_name(l, target));
-      TUNA_CHECK(t && t->shape.size() == 2, "no weight ", weight_name(l, target), " in the layout");
-      const int64_t begin = std::max(piece.begin, t->offset), end = std::min(piece.begin + piece.size, t->offset + t->numel);
-      if (begin >= end) continue;
-      load_adapter(l, target);
-      const int64_t cols = t->shape[1], in = t->global_shape[1];
-      // This rank's block of W is rows [split_begin, ...) (split_dim 0) or columns (split_dim 1) of the global one.
-      for (int64_t e = begin - t->offset; e < end - t->offset; e++) {
-        const int64_t row = e / cols, col = e % cols;
-        const int64_t grow = t->split_dim == 0 ? t->split_begin + row : row;
-        const int64_t gcol = t->split_dim == 1 ? t->split_begin + col : col;
-        double delta = 0;
-        for (int64_t k = 0; k < r; k++) delta += double(b_[grow * r + k]) * double(a_[k * in + gcol]);
-        float& w = out[t->offset + e - piece.begin];
-        w = static_cast<float>(double(w) + scale * delta);
-      }
+  for (const Targeted& p : targeted_) {
+    const ParamTensor* t = p.weight;
+    const int64_t begin = std::max(piece.begin, t->offset), end = std::min(piece.begin + piece.size, t->offset + t->numel);
+    if (begin >= end) continue;
+    load_adapter(p.layer, p.target);
+    const int64_t cols = t->shape[1], in = t->global_shape[1];
+    // This rank's block of W is rows [split_begin, ...) (split_dim 0) or columns (split_dim 1) of the global one.
+    // r multiply-adds per element, over all cores (a 70B merge is about 10^12 of them); each element is written by
+    // one thread, in the same order of k, so the result does not depend on the thread count.
+#pragma omp parallel for schedule(static)
+    for (int64_t e = begin - t->offset; e < end - t->offset; e++) {
+      const int64_t row = e / cols, col = e % cols;
+      const int64_t grow = t->split_dim == 0 ? t->split_begin + row : row;
+      const int64_t gcol = t->split_dim == 1 ? t->split_begin + col : col;
+      double delta = 0;
+      for (int64_t k = 0; k < r; k++) delta += double(b_[grow * r + k]) * double(a_[k * in + gcol]);
+      float& w = out[t->offset + e - piece.begin];
+      w = static_cast<float>(double(w) + scale * delta);
     }
   }
 }

@@ -98,6 +98,12 @@ class MergedWeightReader {
   int64_t cached_layer_ = -1;
   int cached_target_ = -1;
   std::vector<float> a_, b_;  // the cached projection's A [r, in] and B [out, r]
+  struct Targeted {
+    const ParamTensor* weight;  // W of the projection in layout_
+    int64_t layer;
+    LoraTarget target;
+  };
+  std::vector<Targeted> targeted_;  // layout order
 };
 LayoutFill merged_lora_weights(const std::filesystem::path& base, const std::filesystem::path& lora_dir);
 
