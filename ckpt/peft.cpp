@@ -309,6 +309,34 @@ LayoutFill adapter_weights_from_peft(const fs::path& dir) {
   };
 }
 
+LoraStart lora_start(const LoraConfig& options, const LoraOptionsGiven& given, const fs::path& lora_init,
+                     const fs::path& init,
+                     const std::optional<fs::path>& resume_from, const fs::path& override_base, Comm& world) {
+  LoraStart start;
+  if (resume_from && is_lora_directory(*resume_from)) {
+    start.lora = lora_init_config(*resume_from, given);  // the run's own adapters: a changed option is an error
+    start.base = lora_base(*resume_from, override_base, world);
+    return start;
+  }
+  if (resume_from)
+    fail(resume_from->string(), ": is a full model's checkpoint, not a LoRA checkpoint: a LoRA run cannot resume it "
+         "(start a new out_dir with --init ", resume_from->string(), ")");
+  if (!override_base.empty())
+    fail("option 'base' names the base of a LoRA checkpoint to resume; a new run's base is --init (", init.string(),
+         "), given with --base ", override_base.string());
+  if (init.empty()) fail("LoRA adapters train on a base model: give it with --init DIR");
+  start.base = init;
+  if (!lora_init.empty()) {
+    start.lora = lora_init_config(lora_init, given);
+    // A tuna LoRA checkpoint names its base: it must be the one this run trains on.
+    if (std::error_code ec; fs::exists(lora_init / kBaseModelFile, ec)) lora_base(lora_init, init, world);
+    start.adapters = adapter_weights_from_peft(lora_init);
+    return start;
+  }
+  start.lora = options;
+  return start;
+}
+
 void import_peft(const fs::path& peft_dir, const fs::path& out_dir, const fs::path& override_base,
                  const std::vector<TokenizerFile>& tokenizer, bool overwrite) {
   if (!is_lora_directory(peft_dir))

@@ -121,6 +121,23 @@ LoraConfig lora_init_config(const std::filesystem::path& dir, const LoraOptionsG
 // is needed in DIR.
 LayoutFill adapter_weights_from_peft(const std::filesystem::path& dir);
 
+// What a LoRA run starts from (train.cu), collective over `world`:
+//   --resume from a LoRA checkpoint: its adapter_config.json (options given must agree), its base (lora_base: the
+//     recorded path or --base, checksum held), adapters restored by the checkpoint (adapters null);
+//   --lora_init DIR: DIR's adapter_config.json (options given must agree: lora_init_config), the base --init names
+//     (held to DIR's recorded base checksum when DIR is a tuna LoRA checkpoint), adapters read from DIR;
+//   else: `options` (the LoRA options with their defaults), the base --init names, adapters null (PEFT's
+//     initialization). `given`: which of the options the user set (only those must agree with a file).
+// --base only applies to a resume (a fresh run's base is --init); given with --init it is an error naming both.
+struct LoraStart {
+  LoraConfig lora;
+  std::filesystem::path base;  // the frozen base's model directory
+  LayoutFill adapters;         // the adapters' starting weights over their layout; null: initialize or restore
+};
+LoraStart lora_start(const LoraConfig& options, const LoraOptionsGiven& given, const std::filesystem::path& lora_init,
+                     const std::filesystem::path& init, const std::optional<std::filesystem::path>& resume_from,
+                     const std::filesystem::path& override_base, Comm& world);
+
 // build/convert peft-to-tuna: a PEFT adapter directory (on `base`, or the base its adapter_config.json names) as a
 // LoRA checkpoint at step 0 in out_dir: PEFT's files as tuna writes them (fp32), the base's identity, the tokenizer
 // files given, a manifest; no optimizer state (a run continues from it with --lora_init, as from any adapter). The

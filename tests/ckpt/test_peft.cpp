@@ -506,6 +506,41 @@ TEST(Peft, RanksShareOneBaseCheck) {
   }
 }
 
+TEST(Peft, LoraStartFindsConfigurationBaseAndAdapters) {
+  TempDir tmp("peft_start");
+  std::unique_ptr<Comm> world = make_single_comm();
+  LoraConfig options;
+  options.rank = 8, options.alpha = 16;
+  const LoraStart fresh = lora_start(options, {}, {}, kBase2, std::nullopt, {}, *world);
+  EXPECT_EQ(fresh.lora.rank, 8);
+  EXPECT_EQ(fresh.base, kBase2);
+  EXPECT_FALSE(fresh.adapters);
+  // --lora_init: the file's configuration and weights.
+  const LoraStart init = lora_start(options, {}, kLora2, kBase2, std::nullopt, {}, *world);
+  EXPECT_EQ(init.lora.rank, 4);
+  ASSERT_TRUE(init.adapters);
+  const LlamaConfig cfg = LlamaConfig::load(kBase2.string());
+  const LoraLayout layout = lora_layout(cfg, init.lora);
+  std::vector<float> got(layout.params.total());
+  init.adapters(layout.params, Segment{0, layout.params.total()}, got.data());
+  EXPECT_EQ(got, read_adapter(kLora2, cfg, init.lora));
+  LoraOptionsGiven given;
+  given.alpha = 16.0;
+  std::string e = error_of([&] { lora_start(options, given, kLora2, kBase2, std::nullopt, {}, *world); });
+  EXPECT_NE(e.find("option 'lora_alpha' is 16"), std::string::npos) << e;
+  // A resume: the checkpoint's configuration and base; --base only there.
+  const fs::path dir = write_lora_checkpoint(tmp / "ckpt", kBase2, init.lora, got);
+  const LoraStart resumed = lora_start(options, {}, {}, kBase2, dir, {}, *world);
+  EXPECT_EQ(resumed.lora.rank, 4);
+  EXPECT_EQ(resumed.base, fs::absolute(kBase2).lexically_normal());
+  EXPECT_FALSE(resumed.adapters);
+  e = error_of([&] { lora_start(options, {}, {}, kBase2, std::nullopt, kBase32, *world); });
+  EXPECT_NE(e.find("option 'base'"), std::string::npos) << e;
+  // A tuna LoRA checkpoint as --lora_init on another base: refused by its recorded identity.
+  e = error_of([&] { lora_start(options, {}, dir, kBase32, std::nullopt, {}, *world); });
+  EXPECT_NE(e.find("has changed"), std::string::npos) << e;
+}
+
 TEST(Peft, GgufOfALoraCheckpointIsTheMergedModels) {
   TempDir tmp("peft_gguf");
   const LlamaConfig cfg = LlamaConfig::load(kBase2.string());
