@@ -15,6 +15,8 @@
 #include "core/json.h"
 #include "core/memory.h"
 #include "comm/comm.h"
+#include "model/config.h"
+#include "model/lora.h"
 #include "model/optimizer.h"
 #include "ckpt/safetensors.h"
 
@@ -187,7 +189,13 @@ namespace {
 class GlobalTensorReader {
  public:
   explicit GlobalTensorReader(const fs::path& dir) : dir_(dir) {
-    if (!is_sharded_checkpoint(dir)) return;
+    if (!is_sharded_checkpoint(dir)) {
+      // A LoRA checkpoint or a PEFT adapter directory: the adapters' weights in one file, and no config.json.
+      std::error_code ec;
+      if (!fs::exists(dir / "model.safetensors", ec) && fs::exists(dir / kAdapterWeightsFile, ec))
+        adapter_.emplace(dir / kAdapterWeightsFile);
+      return;
+    }
     for (int r = 0; fs::exists(dir / rank_file_name(r)); r++) {
       RankFile f{SafetensorsFile(dir / rank_file_name(r)), json()};
       auto it = f.file.metadata().find("pieces");
@@ -200,6 +208,8 @@ class GlobalTensorReader {
     }
   }
   bool sharded() const { return !ranks_.empty(); }
+  // The single-file adapter weights (adapter_model.safetensors), or null for a model directory.
+  const SafetensorsFile* adapter() const { return adapter_ ? &*adapter_ : nullptr; }
   // The single-file model (opened on first use).
   const HfCheckpointDir& model_dir() {
     if (!model_) model_.emplace(dir_);
@@ -213,7 +223,11 @@ class GlobalTensorReader {
       const std::string name = prefix + t.name;
       const SafetensorsFile* file = nullptr;
       const TensorInfo* info = nullptr;
-      if (prefix.empty()) {
+      if (prefix.empty() && adapter_) {
+        file = &*adapter_;
+        info = file->find(name);
+        if (!info) fail(file->path().string(), " has no tensor '", name, "' (an adapter without this projection)");
+      } else if (prefix.empty()) {
         const HfCheckpointDir::Entry e = model_dir().find(name);
         if (!e) fail(dir_.string(), " has no tensor '", name, "'");
         file = e.file, info = e.info;
@@ -367,6 +381,7 @@ class GlobalTensorReader {
   fs::path dir_;
   std::optional<HfCheckpointDir> model_;
   std::optional<SafetensorsFile> optimizer_;
+  std::optional<SafetensorsFile> adapter_;
   std::vector<RankFile> ranks_;
 };
 
@@ -419,7 +434,14 @@ struct WeightReader::Reader {
 
 WeightReader::WeightReader(const fs::path& dir, const ParamLayout& layout)
     : reader_(std::make_unique<Reader>(dir)), layout_(layout) {
-  if (!reader_->tensors.sharded()) refuse_foreign_tensors(reader_->tensors.model_dir(), layout);
+  if (const SafetensorsFile* adapter = reader_->tensors.adapter()) {
+    for (const TensorInfo& t : adapter->tensors())
+      if (!layout.find(t.name))
+        fail(adapter->path().string(), ": tensor '", t.name, "' is not one of the adapters expected (",
+             layout.tensors().size(), " tensors: another rank of layers, targets or base model?)");
+  } else if (!reader_->tensors.sharded()) {
+    refuse_foreign_tensors(reader_->tensors.model_dir(), layout);
+  }
 }
 
 WeightReader::~WeightReader() = default;
@@ -577,6 +599,30 @@ void collect_rank_digests(const fs::path& tmp_dir, json& files) {
   }
 }
 
+// adapter_model.safetensors of a LoRA checkpoint written by several ranks: each adapter tensor whole (global
+// shape), read from the pieces of the rank files a tensor at a time (adapters are small, but a rank-0 copy of all
+// of them is not needed either). Runs after every rank's file is complete (the caller's barrier).
+FileDigest assemble_adapter_file(const fs::path& tmp_dir, const CheckpointContents& c) {
+  const LlamaConfig config = LlamaConfig::from_json(*c.config_json, "the base's config.json");
+  const LoraLayout global = lora_layout(config, c.lora->lora);  // one tp rank: global shapes
+  GlobalTensorReader pieces(tmp_dir);
+  SafetensorsWriter w;
+  w.add_metadata("format", "pt");
+  w.add_metadata("producer", "tuna");
+  int64_t largest = 0;
+  for (const ParamTensor& t : global.params.tensors()) {
+    w.add_streamed(t.name, DType::F32, t.global_shape);
+    largest = std::max(largest, t.numel);
+  }
+  std::vector<float> buf(largest);
+  return w.write_streamed(tmp_dir / kAdapterWeightsFile, [&](const SafetensorsWriter::Append& append) {
+    for (const ParamTensor& t : global.params.tensors()) {
+      pieces.read_range(t, "", 0, t.numel, buf.data());
+      append(buf.data(), uint64_t(t.numel) * sizeof(float));
+    }
+  });
+}
+
 FileDigest copy_file_digest(const fs::path& src, const fs::path& dst) {
   std::error_code ec;
   fs::copy_file(src, dst, fs::copy_options::overwrite_existing, ec);
@@ -593,7 +639,17 @@ fs::path finish_checkpoint(const fs::path& root, int64_t step, const CheckpointC
   const fs::path tmp_dir = root / (".tmp-" + step_dir_name(step));
   collect_rank_digests(tmp_dir, files);
   auto entry = [](const FileDigest& d) { return json{{"bytes", d.bytes}, {"xxh3_64", hex64(d.xxh3)}}; };
-  files["config.json"] = entry(write_text_file(tmp_dir / "config.json", c.config_json->dump(2) + "\n"));
+  if (c.lora) {
+    // PEFT's files, and the base's config.json under a name transformers does not take for a model's.
+    if (is_sharded_checkpoint(tmp_dir)) files[kAdapterWeightsFile] = entry(assemble_adapter_file(tmp_dir, c));
+    const std::string base_path = c.lora->base.value("path", std::string());
+    files[kAdapterConfigFile] =
+        entry(write_text_file(tmp_dir / kAdapterConfigFile, peft_adapter_config(c.lora->lora, base_path).dump(2) + "\n"));
+    files[kBaseModelFile] = entry(write_text_file(tmp_dir / kBaseModelFile, c.lora->base.dump(2) + "\n"));
+    files[kBaseConfigFile] = entry(write_text_file(tmp_dir / kBaseConfigFile, c.config_json->dump(2) + "\n"));
+  } else {
+    files["config.json"] = entry(write_text_file(tmp_dir / "config.json", c.config_json->dump(2) + "\n"));
+  }
   for (const TokenizerFile& f : c.tokenizer_files) files[f.name] = entry(copy_file_digest(f.source, tmp_dir / f.name));
   json state = c.state;
   state["step"] = step;
@@ -692,7 +748,7 @@ fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& 
           export_all(checkpoint, layout, export_state, segments,
                      [&](const Segment& seg, const float* p, const float* m, const float* v) {
                        tensors_of(seg, name == "optimizer.safetensors", [&](int64_t at, uint64_t bytes) {
-                         if (name == "model.safetensors") return append(p + at, bytes);
+                         if (name != "optimizer.safetensors") return append(p + at, bytes);
                          append(m + at, bytes), append(v + at, bytes);
                        });
                      });
@@ -704,7 +760,7 @@ fs::path save_checkpoint(const fs::path& root, int64_t step, const ParamLayout& 
     weights.add_metadata("format", "pt");  // transformers checks this key when loading
     weights.add_metadata("producer", "tuna");
     for (const ParamTensor& t : layout.tensors()) weights.add_streamed(t.name, DType::F32, t.shape);
-    write_file("model.safetensors", weights);
+    write_file(c.lora ? kAdapterWeightsFile : "model.safetensors", weights);
     if (with_optimizer) {
       SafetensorsWriter moments;
       moments.add_metadata("producer", "tuna");

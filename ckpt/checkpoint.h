@@ -36,6 +36,10 @@
 // the ranges of global elements the new rank owns and reads only the parts of the pieces that cover them.
 // There is no merged model.safetensors (rank 0 would need the whole model in memory): load_weights (eval,
 // sample, --init) and `build/convert tuna-to-hf` read rank files directly.
+//
+// A LoRA run's checkpoint (LoraFiles) is a PEFT adapter directory instead of a model directory: the adapters'
+// weights as adapter_model.safetensors, beside the same optimizer, state, manifest and tokenizer files, and the
+// base named by path and checksum (ckpt/peft.h has the format and the reasons).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -52,6 +56,7 @@
 #include "data/tokenizer.h"  // TokenizerFile (a plain struct: model/ calls nothing of data/)
 #include "core/checksum.h"    // FileDigest
 #include "model/layout.h"
+#include "model/lora.h"       // LoraConfig
 #include "model/optimizer.h"  // Segment
 
 namespace tuna {
@@ -97,6 +102,18 @@ void refuse_foreign_tensors(const HfCheckpointDir& dir, const ParamLayout& layou
 // The HF config.json object of a model directory, verbatim (to carry unknown fields through export).
 nlohmann::json read_config_json(const std::filesystem::path& dir);
 
+// What makes a checkpoint a LoRA checkpoint (ckpt/peft.h): the adapters' configuration and the frozen base's
+// identity. The checkpoint then holds adapter_model.safetensors (PEFT's names, global shapes, fp32) instead of
+// model.safetensors, adapter_config.json, base_model.json (`base`) and the base's config.json as base_config.json.
+inline constexpr const char* kAdapterConfigFile = "adapter_config.json";
+inline constexpr const char* kAdapterWeightsFile = "adapter_model.safetensors";
+inline constexpr const char* kBaseModelFile = "base_model.json";
+inline constexpr const char* kBaseConfigFile = "base_config.json";
+struct LoraFiles {
+  LoraConfig lora;
+  nlohmann::json base;  // {"path", "checksum"}: ckpt/peft.h base_identity
+};
+
 // AdamW's state for a single-file checkpoint: moments in ParamLayout order; m null: weights only.
 struct MomentsView {
   const float* m = nullptr;
@@ -116,6 +133,9 @@ struct CheckpointContents {
   // The files are the same bytes; no copy of the model is made on the host.
   const std::vector<Segment>* segments = nullptr;
   StateExport export_state = nullptr;
+  // A LoRA checkpoint: config_json is the base's and the layout the adapters' (model/lora.h lora_layout). With
+  // rank files, rank 0 also assembles adapter_model.safetensors from them, a tensor at a time.
+  const LoraFiles* lora = nullptr;
 };
 
 // Writes root/step_<step> atomically (with its manifest) and deletes the oldest step_* beyond keep_last (0

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/peft.h"  // a LoRA checkpoint merged on the way
 #include "ckpt/quantize.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -311,7 +312,7 @@ void add_vocabulary(GgufWriter& w, const GgufVocabulary& v) {
 }  // namespace
 
 GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeights weights, const GgufVocabulary& vocab,
-                       std::FILE* progress, bool overwrite) {
+                       std::FILE* progress, bool overwrite, const fs::path& base_override) {
   std::error_code ec;
   if (fs::is_directory(out, ec)) fail(out.string(), ": is a directory; the GGUF export is one file (e.g. model.gguf)");
   if (fs::exists(out, ec) && !overwrite)
@@ -319,8 +320,13 @@ GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeight
   // What ships must be what training wrote: every file against the checkpoint's manifest first.
   if (const std::string problem = verify_checkpoint(ckpt_dir); !problem.empty())
     fail(ckpt_dir.string(), ": fails verification, nothing exported: ", problem);
-  const fs::path config_path = ckpt_dir / "config.json";
-  const LlamaConfig config = LlamaConfig::from_json(read_config_json(ckpt_dir), config_path.string());
+  // A LoRA checkpoint exports its base with the adapters merged on the way (ckpt/peft.h).
+  const bool lora = is_lora_directory(ckpt_dir);
+  if (!lora && !base_override.empty())
+    fail("option 'base': ", ckpt_dir.string(), " is not a LoRA checkpoint (no ", kAdapterConfigFile, ")");
+  const fs::path model_dir = lora ? lora_base(ckpt_dir, base_override) : ckpt_dir;
+  const fs::path config_path = model_dir / "config.json";
+  const LlamaConfig config = LlamaConfig::from_json(read_config_json(model_dir), config_path.string());
   const ParamLayout layout(config);
 
   // What llama.cpp's llama architecture cannot hold, named before anything is written.
@@ -386,7 +392,11 @@ GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeight
     report.parameters += p.param ? p.param->numel : 0;
   }
 
-  WeightReader reader(ckpt_dir, layout);
+  std::optional<WeightReader> plain;
+  std::optional<MergedWeightReader> merged;
+  if (lora) merged.emplace(model_dir, ckpt_dir, layout);
+  else plain.emplace(ckpt_dir, layout);
+  const auto read = [&](const Segment& piece, float* out) { lora ? merged->read(piece, out) : plain->read(piece, out); };
   uint64_t total = 0;
   for (const Planned& p : plan) total += ggml_nbytes(p.type, p.param ? p.param->numel : int64_t(p.values.size()));
   ProgressLine line(str("convert: writing ", out.string(), " (", gguf_weights_name(weights), ")"), double(total),
@@ -412,7 +422,7 @@ GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeight
           for (int64_t r0 = 0; r0 < rows; r0 += run_rows) {
             const int64_t nr = std::min(run_rows, rows - r0), n = nr * cols;
             if (int64_t(read_buf.size()) < n) read_buf.resize(n);
-            reader.read(Segment{t.offset + r0 * cols, n}, read_buf.data());
+            read(Segment{t.offset + r0 * cols, n}, read_buf.data());
             const float* values = read_buf.data();
             if (p.rope_head_dim) {
               if (int64_t(permuted.size()) < n) permuted.resize(n);

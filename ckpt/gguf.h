@@ -96,7 +96,9 @@ struct GgufReport {
 // verified against its manifest when it has one) to out. vocab: the model's tokenizer as GGUF metadata
 // (data/tokenizer.h: gguf_vocabulary). An existing out is replaced only with overwrite. Fails naming what
 // llama.cpp cannot represent (a weight beyond f16's range under f16, a tokenizer larger than the model).
+// A LoRA checkpoint (ckpt/peft.h) exports its base with the adapters merged; base_override: --base.
 GgufReport export_gguf(const std::filesystem::path& ckpt_dir, const std::filesystem::path& out, GgufWeights weights,
-                       const GgufVocabulary& vocab, std::FILE* progress = nullptr, bool overwrite = false);
+                       const GgufVocabulary& vocab, std::FILE* progress = nullptr, bool overwrite = false,
+                       const std::filesystem::path& base_override = {});
 
 }  // namespace tuna

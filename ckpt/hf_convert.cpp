@@ -204,38 +204,23 @@ ConvertReport import_hf(const fs::path& hf_dir, const fs::path& out_dir, const s
   return r;
 }
 
-ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const std::string& dtype,
-                        int64_t max_shard_bytes, std::FILE* progress, bool overwrite) {
-  if (max_shard_bytes <= 0) fail("option --max-shard-bytes: expected > 0, found ", max_shard_bytes);
-  // What ships must be what training wrote: every file against the checkpoint's manifest first.
-  if (const std::string problem = verify_checkpoint(ckpt_dir); !problem.empty())
-    fail(ckpt_dir.string(), ": fails verification, nothing exported: ", problem);
-  json config_json = read_config_json(ckpt_dir);
-  LlamaConfig config = LlamaConfig::from_json(config_json, (ckpt_dir / "config.json").string());
-  ParamLayout layout(config);
-  // The weights to export: straight from the mapped model.safetensors, or read from the rank files of a checkpoint
-  // written by several ranks (ckpt/checkpoint.h), a bounded run of elements at a time: no copy of the model is
-  // ever held on the host (a 70B model is 280 GB in fp32).
-  struct Source {
-    const ParamTensor* param;
-    const SafetensorsFile* file;  // null: read through `pieces`
-    const TensorInfo* info;
-    int64_t numel;
-  };
-  std::vector<Source> tensors;
-  std::optional<HfCheckpointDir> src;
-  std::optional<WeightReader> pieces;
-  if (is_sharded_checkpoint(ckpt_dir)) {
-    pieces.emplace(ckpt_dir, layout);
-    for (const ParamTensor& t : layout.tensors()) tensors.push_back({&t, nullptr, nullptr, t.numel});
-  } else {
-    src.emplace(ckpt_dir);
-    for (const SourceTensor& s : collect(*src, layout))
-      tensors.push_back({s.param, s.entry.file, s.entry.info, s.entry.info->numel});
-  }
-  const DType target = dtype == "auto" ? dtype_from_torch_name(config.torch_dtype, (ckpt_dir / "config.json").string() + ": field 'torch_dtype'")
-                                       : dtype_from_torch_name(dtype, "option --dtype");
-  make_out_dir(out_dir, ckpt_dir, overwrite);
+namespace {
+
+// A tensor to export: straight from a mapped file, or read through `read` a bounded run at a time.
+struct ExportSource {
+  const ParamTensor* param;
+  const SafetensorsFile* file;  // null: read through the export's piece reader
+  const TensorInfo* info;
+  int64_t numel;
+};
+
+// Writes `tensors` as a Hugging Face model directory into out_dir (made by the caller): shards of at most
+// max_shard_bytes, an index past one shard, config.json with torch_dtype set, tokenizer files of tokenizer_dir.
+ConvertReport write_hf_files(json config_json, const std::vector<ExportSource>& tensors,
+                             const std::function<void(const Segment&, float*)>& read_piece, DType target,
+                             int64_t max_shard_bytes, const fs::path& tokenizer_dir, const fs::path& out_dir,
+                             std::FILE* progress) {
+  using Source = ExportSource;
 
   // Group tensors into shards of at most max_shard_bytes (a single tensor larger than that gets its own).
   std::vector<std::vector<const Source*>> shards(1);
@@ -279,7 +264,7 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
               continue;
             }
             runs.append(append, s->numel, target, [&](int64_t at, int64_t n, float* out) {
-              pieces->read(Segment{s->param->offset + at, n}, out);
+              read_piece(Segment{s->param->offset + at, n}, out);
             });
           }
         },
@@ -292,8 +277,61 @@ ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const
                json{{"metadata", {{"total_size", r.bytes_written}}}, {"weight_map", weight_map}});
   config_json["torch_dtype"] = r.dtype;
   write_json(out_dir / "config.json", config_json);
-  copy_tokenizer_files(ckpt_dir, out_dir);
+  copy_tokenizer_files(tokenizer_dir, out_dir);
   return r;
+}
+
+}  // namespace
+
+static DType hf_export_dtype(const std::string& dtype, const std::string& torch_dtype, const std::string& config_path) {
+  return dtype == "auto" ? dtype_from_torch_name(torch_dtype, config_path + ": field 'torch_dtype'")
+                         : dtype_from_torch_name(dtype, "option --dtype");
+}
+
+ConvertReport export_hf(const fs::path& ckpt_dir, const fs::path& out_dir, const std::string& dtype,
+                        int64_t max_shard_bytes, std::FILE* progress, bool overwrite) {
+  if (max_shard_bytes <= 0) fail("option --max-shard-bytes: expected > 0, found ", max_shard_bytes);
+  // What ships must be what training wrote: every file against the checkpoint's manifest first.
+  if (const std::string problem = verify_checkpoint(ckpt_dir); !problem.empty())
+    fail(ckpt_dir.string(), ": fails verification, nothing exported: ", problem);
+  if (fs::exists(ckpt_dir / kAdapterConfigFile))
+    fail(ckpt_dir.string(), ": is a LoRA checkpoint (adapters, no model weights): export base + adapters with "
+         "`build/convert merge-lora`");
+  json config_json = read_config_json(ckpt_dir);
+  LlamaConfig config = LlamaConfig::from_json(config_json, (ckpt_dir / "config.json").string());
+  ParamLayout layout(config);
+  // The weights to export: straight from the mapped model.safetensors, or read from the rank files of a checkpoint
+  // written by several ranks (ckpt/checkpoint.h), a bounded run of elements at a time: no copy of the model is
+  // ever held on the host (a 70B model is 280 GB in fp32).
+  std::vector<ExportSource> tensors;
+  std::optional<HfCheckpointDir> src;
+  std::optional<WeightReader> pieces;
+  if (is_sharded_checkpoint(ckpt_dir)) {
+    pieces.emplace(ckpt_dir, layout);
+    for (const ParamTensor& t : layout.tensors()) tensors.push_back({&t, nullptr, nullptr, t.numel});
+  } else {
+    src.emplace(ckpt_dir);
+    for (const SourceTensor& s : collect(*src, layout))
+      tensors.push_back({s.param, s.entry.file, s.entry.info, s.entry.info->numel});
+  }
+  const DType target = hf_export_dtype(dtype, config.torch_dtype, (ckpt_dir / "config.json").string());
+  make_out_dir(out_dir, ckpt_dir, overwrite);
+  return write_hf_files(std::move(config_json), tensors,
+                        [&](const Segment& piece, float* out) { pieces->read(piece, out); }, target, max_shard_bytes,
+                        ckpt_dir, out_dir, progress);
+}
+
+ConvertReport export_hf_pieces(const json& config_json, const ParamLayout& layout,
+                               const std::function<void(const Segment&, float*)>& read, const std::string& dtype,
+                               int64_t max_shard_bytes, const fs::path& src_dir, const fs::path& tokenizer_dir,
+                               const fs::path& out_dir, std::FILE* progress, bool overwrite) {
+  if (max_shard_bytes <= 0) fail("option --max-shard-bytes: expected > 0, found ", max_shard_bytes);
+  const LlamaConfig config = LlamaConfig::from_json(config_json, (src_dir / "config.json").string());
+  const DType target = hf_export_dtype(dtype, config.torch_dtype, (src_dir / "config.json").string());
+  make_out_dir(out_dir, src_dir, overwrite);
+  std::vector<ExportSource> tensors;
+  for (const ParamTensor& t : layout.tensors()) tensors.push_back({&t, nullptr, nullptr, t.numel});
+  return write_hf_files(config_json, tensors, read, target, max_shard_bytes, tokenizer_dir, out_dir, progress);
 }
 
 }  // namespace tuna

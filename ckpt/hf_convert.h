@@ -11,10 +11,16 @@
 // with overwrite (deleted once the source has been checked), and anything else in the way is refused.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <string>
+
+#include "model/layout.h"
+#include "model/optimizer.h"  // Segment
 
 namespace tuna {
 
@@ -36,5 +42,15 @@ ConvertReport import_hf(const std::filesystem::path& hf_dir, const std::filesyst
 ConvertReport export_hf(const std::filesystem::path& ckpt_dir, const std::filesystem::path& out_dir,
                         const std::string& dtype, int64_t max_shard_bytes, std::FILE* progress = nullptr,
                         bool overwrite = false);
+
+// The same export for weights read through `read` (fp32 pieces of `layout`, a tp-1 model of config_json), a bounded
+// run of one tensor at a time: base + adapters merged (ckpt/peft.h). dtype as export_hf's, "auto" being
+// config_json's torch_dtype. src_dir: the directory the weights come from (out_dir must not be it or hold it);
+// tokenizer_dir: where the tokenizer files are copied from.
+ConvertReport export_hf_pieces(const nlohmann::json& config_json, const ParamLayout& layout,
+                               const std::function<void(const Segment&, float*)>& read, const std::string& dtype,
+                               int64_t max_shard_bytes, const std::filesystem::path& src_dir,
+                               const std::filesystem::path& tokenizer_dir, const std::filesystem::path& out_dir,
+                               std::FILE* progress = nullptr, bool overwrite = false);
 
 }  // namespace tuna

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "ckpt/peft.h"  // lora_files
 #include "core/error.h"
 #include "core/progress.h"  // ProgressLine
 #include "core/run_report.h"  // refresh_run_report
@@ -22,6 +23,10 @@ Checkpointer::Checkpointer(fs::path root, int64_t every, int64_t keep, Comm& wor
       config_json_(std::move(config_json)),
       tokenizer_files_(std::move(tokenizer_files)) {}
 
+void Checkpointer::set_lora(const LoraConfig& lora, const fs::path& base) {
+  lora_ = world_.rank() == 0 ? lora_files(lora, base) : LoraFiles{lora, {}};
+}
+
 double Checkpointer::save(Engine& engine, int64_t step, const nlohmann::json& state) {
   const auto started = std::chrono::steady_clock::now();
   const ParamLayout& layout = engine.layout();
@@ -35,7 +40,8 @@ double Checkpointer::save(Engine& engine, int64_t step, const nlohmann::json& st
     ProgressLine progress(str("checkpoint step ", step), 12.0 * double(shard_elements), ProgressLine::Unit::Bytes,
                           stdout);
     CheckpointContents contents{&config_json_, nullptr, {nullptr, nullptr, engine.steps_taken()}, state,
-                                tokenizer_files_, &progress, &engine.segments(), export_state};
+                                tokenizer_files_, &progress, &engine.segments(), export_state,
+                                lora_ ? &*lora_ : nullptr};
     p = save_checkpoint(root_, step, layout, contents, keep_);
     progress.finish();
   } else {  // one file per rank, written in parallel (ckpt/checkpoint.h)
@@ -49,6 +55,7 @@ double Checkpointer::save(Engine& engine, int64_t step, const nlohmann::json& st
                                       /*write_replicated=*/mesh_.tp_rank == 0, &progress});
     progress.finish();
     CheckpointContents contents{&config_json_, nullptr, {}, state, tokenizer_files_};
+    contents.lora = lora_ ? &*lora_ : nullptr;
     world_.barrier("checkpoint shards written");
     if (world_.rank() == 0) p = finish_sharded_checkpoint(root_, step, contents, keep_);
     world_.barrier("checkpoint renamed");

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <vector>
 
 #include "ckpt/checkpoint.h"  // TrainingState
@@ -31,6 +32,11 @@ class Checkpointer {
   // its state.json, checked against the step and the optimizer's update count.
   static TrainingState restore(Engine& engine, const std::filesystem::path& dir);
 
+  // A LoRA run: its checkpoints are PEFT adapter directories naming `base` by path and checksum (ckpt/peft.h);
+  // config_json is then the base's, and the engine's layout the adapters'. Rank 0, which writes those files, reads
+  // the base once here for its checksum (every rank calls it).
+  void set_lora(const LoraConfig& lora, const std::filesystem::path& base);
+
   const std::filesystem::path& root() const { return root_; }
   int64_t every() const { return every_; }
   int64_t keep() const { return keep_; }
@@ -42,6 +48,7 @@ class Checkpointer {
   const Mesh& mesh_;
   nlohmann::json config_json_;
   std::vector<TokenizerFile> tokenizer_files_;
+  std::optional<LoraFiles> lora_;
 };
 
 }  // namespace tuna

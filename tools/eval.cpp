@@ -10,6 +10,8 @@
 // no such length and gets 1024 (compare two models on the same --seq_len). Packed documents likewise: attention
 // masked at document boundaries and RoPE positions restarted as the checkpoint's run trained (the defaults,
 // true and restart, for a model tuna did not train), unless --document_mask / --document_positions say.
+// A LoRA checkpoint (or PEFT adapter directory) is scored on its base with the adapters merged on load; --base DIR
+// names the base when it has moved (its checksum must be the recorded one: ckpt/peft.h).
 
 #include <algorithm>
 #include <cmath>
@@ -24,17 +26,20 @@
 #include "data/loader.h"
 #include "data/tokenizer.h"  // model_tokenizer
 #include "ckpt/checkpoint.h"
+#include "ckpt/peft.h"        // open_model: a LoRA checkpoint is its base with the adapters merged
 #include "model/config.h"
 #include "engine/engine.h"  // ForwardModel: the forward pass on cpu or cuda
 
 int main(int argc, char** argv) {
   using namespace tuna;
   return guarded_main([&] {
-    std::string checkpoint, data, device = "auto", document_mask = "auto", document_positions = "auto";
+    std::string checkpoint, base, data, device = "auto", document_mask = "auto", document_positions = "auto";
     int64_t seq_len = 0, micro_batch = 4, max_batches = 0, threads = 0;
     bool quiet = false;
     Options options("build/eval", "Mean loss and perplexity of a model directory on token shards.");
-    options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint (runs/X/ckpt/latest too) or a Hugging Face download");
+    options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint (runs/X/ckpt/latest too), a LoRA checkpoint "
+                "or a Hugging Face download");
+    options.add("base", &base, "a LoRA checkpoint's base model, instead of the one it records (same checksum required)");
     options.add("data", &data, "token shards: files, directories (their val-* shards) or globs, comma-separated");
     options.add("seq_len", &seq_len, "tokens per window (windows do not overlap); 0: the checkpoint's training seq_len, "
                 "or 1024 for a model tuna did not train", Bounds::closed(0, 1 << 22));
@@ -57,14 +62,16 @@ int main(int argc, char** argv) {
     // The files read, against the directory's manifest (ckpt/checkpoint.h: one rule in every tool).
     if (!verify_model_directory(checkpoint, ModelFiles::Weights) && !quiet)
       std::fprintf(stderr, "note: %s\n", unverified_note(checkpoint).c_str());
-    LlamaConfig config = LlamaConfig::load(checkpoint);
+    const ModelSource source = open_model(checkpoint, base);
+    const std::string config_dir = source.config_dir.string();
+    LlamaConfig config = LlamaConfig::load(config_dir);
     std::string seq_len_source = "--seq_len";
     if (seq_len == 0) {
       const std::optional<int64_t> trained = training_seq_len(checkpoint);
       seq_len = trained ? *trained : std::min<int64_t>(1024, config.max_position_embeddings);
       seq_len_source = trained ? "the checkpoint's training seq_len" : "default: the model has no training seq_len";
     }
-    check_seq_len(config, seq_len, "seq_len", checkpoint + "/config.json");
+    check_seq_len(config, seq_len, "seq_len", config_dir + "/config.json");
     if (micro_batch * seq_len > (int64_t{1} << 31))
       fail("options 'micro_batch' x 'seq_len' = ", micro_batch * seq_len, " tokens per batch: at most 2^31");
     if (!quiet)
@@ -77,7 +84,7 @@ int main(int argc, char** argv) {
     if (document_positions != "auto") documents.restart_positions = parse_document_positions(document_positions);
     std::unique_ptr<ForwardModel> model =
         make_forward_model(config, resolve_device(device), micro_batch, seq_len,
-                           weights_from_directory(checkpoint), documents);
+                           source.fill, documents);
     std::vector<std::string> specs;
     std::stringstream in(data);
     for (std::string item; std::getline(in, item, ',');)

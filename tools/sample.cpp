@@ -6,7 +6,8 @@
 // The prompt runs through the model once, filling a KV cache (each layer's keys and values per position);
 // each new token then costs one position's forward (ForwardModel::forward_cached). --kv_cache false reruns
 // the whole context per token instead, the code path training tests, which the cached one equals (tests).
-// The last line, on stderr, gives the time and tokens/s.
+// The last line, on stderr, gives the time and tokens/s. A LoRA checkpoint (or PEFT adapter directory) runs on
+// its base with the adapters merged on load; --base DIR names the base when it has moved (ckpt/peft.h).
 
 #include <algorithm>
 #include <chrono>
@@ -22,6 +23,7 @@
 #include "core/threads.h"
 #include "data/tokenizer.h"
 #include "ckpt/checkpoint.h"
+#include "ckpt/peft.h"        // open_model: a LoRA checkpoint is its base with the adapters merged
 #include "model/config.h"
 #include "engine/engine.h"  // ForwardModel: the forward pass on cpu or cuda
 
@@ -54,12 +56,14 @@ int32_t sample_token(const float* logits, int64_t vocab, double temperature, dou
 int main(int argc, char** argv) {
   using namespace tuna;
   return guarded_main([&] {
-    std::string checkpoint, tokenizer_path, prompt, device = "auto", logits_out;
+    std::string checkpoint, base, tokenizer_path, prompt, device = "auto", logits_out;
     int64_t max_tokens = 64, seed = 1, threads = 0, seq_len = 0;
     double temperature = 0.8, top_p = 0.95;
     bool greedy = false, stop_at_eos = true, kv_cache = true, print_ids = false;
     Options options("build/sample", "Generates a continuation of a prompt from a model directory.");
-    options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint (runs/X/ckpt/latest too) or a Hugging Face download");
+    options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint (runs/X/ckpt/latest too), a LoRA checkpoint "
+                "or a Hugging Face download");
+    options.add("base", &base, "a LoRA checkpoint's base model, instead of the one it records (same checksum required)");
     options.add("tokenizer", &tokenizer_path,
                 "tokenizer file (sentencepiece, tokenizer.json, tiktoken) or model directory; default: the checkpoint's");
     options.add("prompt", &prompt, "text to continue");
@@ -88,13 +92,16 @@ int main(int argc, char** argv) {
     // The files read, against the directory's manifest (ckpt/checkpoint.h: one rule in every tool).
     if (!verify_model_directory(checkpoint, ModelFiles::Weights))
       std::fprintf(stderr, "note: %s\n", unverified_note(checkpoint).c_str());
-    if (tokenizer_path.empty()) tokenizer_path = checkpoint;  // the directory's own tokenizer
 
+    const ModelSource source = open_model(checkpoint, base);
+    const std::string config_dir = source.config_dir.string();
+    // The directory's own tokenizer (a PEFT adapter directory without one: its base's).
+    if (tokenizer_path.empty()) tokenizer_path = has_tokenizer(checkpoint) ? checkpoint : config_dir;
     Tokenizer tokenizer(tokenizer_path);
-    LlamaConfig config = LlamaConfig::load(checkpoint);
+    LlamaConfig config = LlamaConfig::load(config_dir);
     // The same rule as train and eval: the tokenizer must be the model's. Against the one the checkpoint
     // carries (its fingerprint), else against the BOS and EOS ids of its config.json; and it must fit the model.
-    const std::string config_path = checkpoint + "/config.json";
+    const std::string config_path = config_dir + "/config.json";
     const std::string fit = check_tokenizer_fits(tokenizer, config.vocab_size, config_path);
     if (!fit.empty()) std::fprintf(stderr, "warning: %s\n", fit.c_str());
     const ModelTokenizer own = model_tokenizer("", checkpoint, config.vocab_size);
@@ -116,7 +123,7 @@ int main(int argc, char** argv) {
     // The model is asked for no longer a context than it was trained on (a base model: what its config allows).
     const std::optional<int64_t> trained = training_seq_len(checkpoint);
     if (seq_len == 0) seq_len = trained ? *trained : config.max_position_embeddings;
-    check_seq_len(config, seq_len, "seq_len", checkpoint + "/config.json");
+    check_seq_len(config, seq_len, "seq_len", config_dir + "/config.json");
     const int64_t context = std::min<int64_t>(seq_len, tokens.size() + max_tokens);
     if (static_cast<int64_t>(tokens.size()) >= context)
       fail("the prompt (", tokens.size(), " tokens) leaves no room in a context of ", seq_len, " tokens (--seq_len; ",
@@ -125,7 +132,7 @@ int main(int argc, char** argv) {
                  checkpoint.c_str(), (long long)config.n_params(), tokens.size(), (long long)context);
     std::unique_ptr<ForwardModel> model =
         make_forward_model(config, resolve_device(device), 1, context,
-                           weights_from_directory(checkpoint));
+                           source.fill);
 
     std::vector<int64_t> eos = config.eos_token_ids;
     if (tokenizer.eos_id() >= 0) eos.push_back(tokenizer.eos_id());

@@ -507,3 +507,51 @@ TEST(ConvertGguf, RefusesWhatItCannotWriteByName) {
 
 }  // namespace
 }  // namespace tuna
+
+namespace tuna {
+namespace {
+
+// LoRA adapters through build/convert: a PEFT adapter imported as a LoRA checkpoint, merged into a Hugging Face
+// model, held to its base's checksum (--base names another copy of the same weights); what cannot work is refused.
+TEST(ConvertLora, ImportMergeAndBase) {
+  TempDir tmp("convert_lora");
+  const std::string base = (tmp / "base").string();
+  fs::create_directories(base);
+  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(fs::path("tests/fixtures/llama2_tiny") / f, fs::path(base) / f);
+  const std::string ckpt = (tmp / "ckpt").string(), merged = (tmp / "merged").string();
+  auto r = run_command(kConvert + " peft-to-tuna tests/fixtures/lora_llama2_tiny " + ckpt + " --base " + base, tmp / "log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(fs::path(ckpt) / "adapter_model.safetensors"));
+  r = run_command(kConvert + " merge-lora " + ckpt + " " + merged + " --dtype bf16 --max_shard_bytes 65536", tmp / "log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(fs::path(merged) / "model.safetensors.index.json"));
+  EXPECT_EQ(read_config_json(merged)["torch_dtype"], "bfloat16");
+  r = run_command(kConvert + " merge-lora " + ckpt + " " + merged, tmp / "log");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("--overwrite"), std::string::npos) << r.output;
+  r = run_command(kConvert + " tuna-to-hf " + ckpt + " " + (tmp / "hf").string(), tmp / "log");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("merge-lora"), std::string::npos) << r.output;
+  r = run_command(kConvert + " hf-to-tuna " + base + " " + (tmp / "imported").string() + " --base " + base, tmp / "log");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("option 'base'"), std::string::npos) << r.output;
+
+  // The base changed in place: refused, naming both; the fixture it was copied from is the same weights: accepted.
+  {
+    std::fstream f(fs::path(base) / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-4, std::ios::end);
+    const float x = 0.5f;
+    f.write(reinterpret_cast<const char*>(&x), 4);
+  }
+  r = run_command(kConvert + " merge-lora " + ckpt + " " + merged + " --overwrite", tmp / "log");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("has changed"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(base), std::string::npos) << r.output;
+  r = run_command(kConvert + " merge-lora " + ckpt + " " + merged + " --overwrite --dtype fp32 --base tests/fixtures/llama2_tiny",
+                  tmp / "log");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_config_json(merged)["torch_dtype"], "float32");
+}
+
+}  // namespace
+}  // namespace tuna

@@ -174,3 +174,53 @@ TEST(Eval, DefaultsToTheTrainingSeqLenAndMatchesTheTrainersValidation) {
 
 }  // namespace
 }  // namespace tuna
+
+namespace tuna {
+namespace {
+
+// A LoRA checkpoint is scored as its base with the adapters merged on load: the same loss as merge-lora's model
+// (fp32: the same weights), not the base's; --base takes the base from elsewhere, held to the recorded checksum.
+TEST(Eval, LoraCheckpointIsItsMergedModel) {
+  TempDir tmp("eval_lora");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string data = (tmp / "data" / "val-00000.bin").string();
+  const std::string convert = testing_util::build_dir() + "/convert";
+  const std::string ckpt = (tmp / "ckpt").string(), merged = (tmp / "merged").string();
+  auto r = run_command(convert + " peft-to-tuna tests/fixtures/lora_llama2_tiny " + ckpt + " --base " + kModel.string(),
+                       tmp / "log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_command(convert + " merge-lora " + ckpt + " " + merged + " --dtype fp32", tmp / "log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto loss = [&](const std::string& args) {
+    auto e = run_command(kEval + " " + args + " --data " + data + " --seq_len 32 --device cpu --threads 2 --quiet",
+                         tmp / "eval.log");
+    EXPECT_EQ(e.exit_code, 0) << e.output;
+    return e.exit_code == 0 ? json_line(e.output)["loss"].get<double>() : NAN;
+  };
+  const double lora = loss("--checkpoint " + ckpt), plain = loss("--checkpoint " + merged);
+  EXPECT_EQ(lora, plain);
+  EXPECT_GT(std::fabs(lora - loss("--checkpoint " + kModel.string())), 1e-3);  // the adapters change the model
+  // --base: another copy of the same weights is that base; a changed one is refused naming both.
+  const fs::path copy = tmp / "base";
+  fs::create_directories(copy);
+  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(kModel / f, copy / f);
+  EXPECT_EQ(loss("--checkpoint " + ckpt + " --base " + copy.string()), lora);
+  {
+    std::fstream f(copy / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-4, std::ios::end);
+    const float x = 0.125f;
+    f.write(reinterpret_cast<const char*>(&x), 4);
+  }
+  r = run_command(kEval + " --checkpoint " + ckpt + " --base " + copy.string() + " --data " + data + " --device cpu",
+                  tmp / "log");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("has changed"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(copy.string()), std::string::npos) << r.output;
+  r = run_command(kEval + " --checkpoint " + merged + " --base " + copy.string() + " --data " + data + " --device cpu",
+                  tmp / "log");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("not a LoRA checkpoint"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace tuna
