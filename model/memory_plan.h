@@ -109,7 +109,8 @@ struct GpuFit {
 // The verdict the CUDA engine checks before it allocates (and build/train --plan_only prints). When the plan does
 // not fit, the report names the options that would make it fit, tried in this order and kept cumulatively: bf16
 // moments, a higher ZeRO stage (at dp > 1), selective then full recompute, no fp32 master (with stochastic
-// rounding), a smaller micro-batch; or says that none does (more GPUs or tensor parallelism are needed).
+// rounding), a smaller micro-batch, with adapters an nf4 base; or says that none does (more GPUs or tensor
+// parallelism are needed).
 GpuFit check_gpu_fit(const LlamaConfig& config, const MemoryLayout& layout, int64_t capacity_bytes);
 // {"items": [{"name", "kind", "bytes"}...], "total": bytes, "peak": bytes}: the plan in metrics.jsonl (the run
 // report's memory table and planned line).

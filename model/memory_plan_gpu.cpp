@@ -416,6 +416,9 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
     if (!changes.empty() && changes.back().rfind("--micro_batch", 0) == 0) changes.pop_back();
     changes.push_back(str("--micro_batch ", t.micro_batch, " (raise grad_accum to keep the global batch)"));
   }
+  // Adapters on a bf16 base: the base in nf4 (QLoRA) is a quarter of it.
+  try_change(t.lora.enabled() && t.lora.base_quant == BaseQuant::None,
+             [&] { t.lora.base_quant = BaseQuant::Nf4; }, "--base_quant nf4");
   if (fits_now()) {
     std::string flags;
     for (const std::string& f : changes) flags += " " + f;

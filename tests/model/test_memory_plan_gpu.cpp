@@ -237,6 +237,21 @@ TEST(MemoryPlanGpu, LoraUnderTensorParallelismFollowsMegatronSplits) {
   EXPECT_EQ(find(plan_gpu_memory(f.config, l), "replicated gradient norms")->bytes, device_arena_bytes(L * 7 * 8));
 }
 
+TEST(MemoryPlanGpu, TheFitCheckOffersAnNf4BaseToAdapters) {
+  // llama2_tiny LoRA on one rank, full recompute, bf16 moments, micro-batch 1 (nothing else left to try), with a
+  // capacity between its nf4 plan and its bf16 plan (headroom included).
+  Fixture f("llama2_tiny");
+  MemoryLayout l = lora_layout(4);
+  l.recompute = Recompute::Full, l.bf16_moments = true;
+  MemoryLayout q = l;
+  q.lora.base_quant = BaseQuant::Nf4;
+  const int64_t bf16 = plan_gpu_memory(f.config, l).peak(), nf4 = plan_gpu_memory(f.config, q).peak();
+  ASSERT_LT(nf4, bf16);
+  const GpuFit fit = check_gpu_fit(f.config, l, (bf16 + nf4) / 2 + gpu_headroom_bytes(l));
+  EXPECT_FALSE(fit.fits);
+  EXPECT_NE(fit.report.find("would fit with: --base_quant nf4"), std::string::npos) << fit.report;
+}
+
 TEST(MemoryPlanGpu, LoraRefusesWhatTheModelCannotTake) {
   Fixture f("llama2_tiny");
   MemoryLayout l = lora_layout(65);  // q_proj is 64 x 64
