@@ -411,7 +411,7 @@ const GpuMemory& gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     m.plan = design_gpu_memory(c, l);
   }
   if (m.engines && l.lora.enabled() && !kCudaEngineTrainsAdapters)
-    m.engines = false, m.refusal = "the CUDA engine does not train adapters yet (--lora_rank with --device cuda)";
+    m.engines = false, m.refusal = "adapters are not trained on cuda yet (--lora_rank with --device cuda)";
   return cache.emplace(key, std::move(m)).first->second;
 }
 
