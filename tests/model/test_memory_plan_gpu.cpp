@@ -126,7 +126,7 @@ constexpr int64_t adapters_per_layer = 4 * r * (C + C) + 3 * r * (C + F);
 constexpr int64_t adapters = L * adapters_per_layer;
 }  // namespace lora_tiny
 
-MemoryLayout lora_layout(int64_t rank) {
+MemoryLayout adapter_layout(int64_t rank) {
   MemoryLayout l;
   l.lora.rank = rank;
   return l;
@@ -137,7 +137,7 @@ TEST(MemoryPlanGpu, LoraHoldsAFrozenBf16BaseAndTheAdaptersState) {
   Fixture f("llama2_tiny");
   ASSERT_EQ(base_params, 110912);
   ASSERT_EQ(adapters, 9472);
-  MemoryLayout l = lora_layout(r);
+  MemoryLayout l = adapter_layout(r);
   l.micro_batch = 2, l.seq_len = 16;
   const MemoryPlan plan = plan_gpu_memory(f.config, l);
   // The base: bf16, no gradient, no master, no moments.
@@ -182,7 +182,7 @@ TEST(MemoryPlanGpu, LoraHoldsAFrozenBf16BaseAndTheAdaptersState) {
   EXPECT_NE(find(recomputed, "working lora_mask down_proj"), nullptr);
 
   // A subset of targets: q and v alone hold 2 x r x (64 + 64) per layer.
-  MemoryLayout qv = lora_layout(r);
+  MemoryLayout qv = adapter_layout(r);
   qv.lora.targets = lora_plan_targets("v_proj,q_proj", "test");
   EXPECT_EQ(find(plan_gpu_memory(f.config, qv), "LoRA fp32 master weights")->bytes,
             device_arena_bytes(4 * L * 2 * r * (C + C)));
@@ -191,7 +191,7 @@ TEST(MemoryPlanGpu, LoraHoldsAFrozenBf16BaseAndTheAdaptersState) {
 TEST(MemoryPlanGpu, LoraShardsTheAdaptersStateByZeroAndTheBaseAtZeroThree) {
   using namespace lora_tiny;
   Fixture f("llama2_tiny");
-  MemoryLayout l = lora_layout(r);
+  MemoryLayout l = adapter_layout(r);
   l.zero = 1, l.dp = 3;
   // ZeRO shards each layer's adapters over dp: rank 0 holds ceil(4736 / 3) = 1579 of each of the 2 layers, padded
   // to the fused AdamW's 4: 3160 elements.
@@ -230,7 +230,7 @@ TEST(MemoryPlanGpu, LoraUnderTensorParallelismFollowsMegatronSplits) {
   const int64_t per_layer = 3 * (4 * 64 + 32 * 4) + (4 * 32 + 64 * 4) + 2 * (4 * 64 + 80 * 4) + (4 * 80 + 64 * 4);
   EXPECT_EQ(lora_layer_params(f.config, LoraPlan{r}, 2), per_layer);
   EXPECT_EQ(per_layer, 3264);
-  MemoryLayout l = lora_layout(r);
+  MemoryLayout l = adapter_layout(r);
   l.tp = 2;
   EXPECT_EQ(find(plan_gpu_memory(f.config, l), "LoRA fp32 master weights")->bytes, device_arena_bytes(4 * L * per_layer));
   // The replicated factors (A of q, k, v, gate, up; B of o, down), 7 per layer, have their norms summed once.
@@ -241,7 +241,7 @@ TEST(MemoryPlanGpu, TheFitCheckOffersAnNf4BaseToAdapters) {
   // llama2_tiny LoRA on one rank, full recompute, bf16 moments, micro-batch 1 (nothing else left to try), with a
   // capacity between its nf4 plan and its bf16 plan (headroom included).
   Fixture f("llama2_tiny");
-  MemoryLayout l = lora_layout(4);
+  MemoryLayout l = adapter_layout(4);
   l.recompute = Recompute::Full, l.bf16_moments = true;
   MemoryLayout q = l;
   q.lora.base_quant = BaseQuant::Nf4;
@@ -254,7 +254,7 @@ TEST(MemoryPlanGpu, TheFitCheckOffersAnNf4BaseToAdapters) {
 
 TEST(MemoryPlanGpu, LoraRefusesWhatTheModelCannotTake) {
   Fixture f("llama2_tiny");
-  MemoryLayout l = lora_layout(65);  // q_proj is 64 x 64
+  MemoryLayout l = adapter_layout(65);  // q_proj is 64 x 64
   std::string e = testing_util::error_of([&] { plan_gpu_memory(f.config, l); });
   EXPECT_NE(e.find("lora_rank 65 is more than q_proj's smaller dimension 64"), std::string::npos) << e;
   l.lora.rank = 4, l.lora.dropout = std::nan("");
