@@ -9,6 +9,8 @@
 //   list is exact, not an estimate). plan_cpu_memory does the same for the CPU engine's host allocations
 //   (Llama + Zero), where the allocator adds its own overhead: the trainer's measured peak resident memory is
 //   compared against it in the tests.
+// With adapters (MemoryLayout::lora) the list holds the frozen base (bf16 or quantized), the adapters with their
+// master, gradients and moments, and their activations, by the names the CUDA engine's adapter path takes.
 // Items are per rank. Transients (a buffer that lives only during a checkpoint save or a collective) are listed
 // with kind Transient, so that a plan's peak is honest.
 #pragma once
@@ -22,6 +24,7 @@
 #include "kernels/attention_path.h"  // AttentionPath (plain C++)
 #include "model/config.h"
 #include "model/layout.h"
+#include "model/lora_shape.h"  // LoraPlan
 
 namespace tuna {
 
@@ -45,6 +48,10 @@ struct MemoryLayout {
   bool training = true;         // false: the forward pass alone (eval, sample): weights and activations only
   AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (their scratch differs)
   int64_t micro_batch = 1, seq_len = 1;
+  // Adapters (rank 0: a full fine-tune). With adapters the base is frozen and ZeRO acts on the adapters' master,
+  // gradients and moments; ZeRO-3 also shards the frozen base (gathered a unit at a time), below it the base is
+  // whole on every dp rank.
+  LoraPlan lora;
 };
 
 // One rank alone, on batches of up to micro_batch x seq_len; training false: the forward pass alone.
@@ -79,8 +86,9 @@ int64_t gpu_head_chunk_rows(int64_t vocab, int64_t rows);
 
 // cuda: whether a recompute mode keeps one decoder layer's activation `field` for each layer (else one working
 // copy serves every layer, refilled by the backward's recompute). Fields, in forward order: resid_in, norm1,
-// rstd1, q, k, v, att, lse, resid_mid, norm2, rstd2, gate, up, act. none keeps all; selective all but the two
-// norms' outputs and SwiGLU's (cheap to recompute; the GEMM and attention outputs are not); full only resid_in.
+// rstd1, q, k, v, att, lse, resid_mid, norm2, rstd2, gate, up, act, and with adapters lora_ax (each target's
+// r-wide A x) and lora_mask (its dropout mask). none keeps all; selective all but the two norms' outputs and
+// SwiGLU's (cheap to recompute; the GEMM and attention outputs are not); full only resid_in.
 bool gpu_keeps_activation(const std::string& field, Recompute recompute);
 
 // The per-rank table the trainer prints at start: bytes per kind (and the largest items of each), the total,
@@ -101,7 +109,8 @@ struct GpuFit {
 // The verdict the CUDA engine checks before it allocates (and build/train --plan_only prints). When the plan does
 // not fit, the report names the options that would make it fit, tried in this order and kept cumulatively: bf16
 // moments, a higher ZeRO stage (at dp > 1), selective then full recompute, no fp32 master (with stochastic
-// rounding), a smaller micro-batch; or says that none does (more GPUs or tensor parallelism are needed).
+// rounding), a smaller micro-batch, with adapters an nf4 base; or says that none does (more GPUs or tensor
+// parallelism are needed).
 GpuFit check_gpu_fit(const LlamaConfig& config, const MemoryLayout& layout, int64_t capacity_bytes);
 // {"items": [{"name", "kind", "bytes"}...], "total": bytes, "peak": bytes}: the plan in metrics.jsonl (the run
 // report's memory table and planned line).

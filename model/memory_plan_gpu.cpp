@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "kernels/scratch.h"
 #include "model/layout.h"
+#include "model/lora_shape.h"
 #include "model/optimizer.h"  // shard_pieces
 
 namespace tuna {
@@ -54,7 +55,7 @@ void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
            " equal groups of heads");
   }
   if (!l.master_weights) fail("the CUDA engine keeps an fp32 master copy of the weights (no master: not implemented)");
-  (void)c;
+  check_lora_plan(c, l.lora, "options lora_rank, lora_targets, lora_dropout, base_quant");
 }
 
 // The largest unit of the (tensor-parallel-local) layout, in elements: what a gather or gradient buffer holds.
@@ -68,8 +69,9 @@ int64_t largest_unit(const ParamLayout& layout) {
 }  // namespace
 
 bool gpu_keeps_activation(const std::string& field, Recompute recompute) {
-  static const char* const kFields[] = {"resid_in", "norm1", "rstd1", "q",     "k",       "v",  "att",
-                                        "lse",      "resid_mid", "norm2", "rstd2", "gate_up", "act"};
+  static const char* const kFields[] = {"resid_in", "norm1", "rstd1",   "q",       "k",        "v",
+                                        "att",      "lse",   "resid_mid", "norm2", "rstd2", "gate_up",
+                                        "act",      "lora_ax", "lora_mask"};
   TUNA_CHECK(std::find(std::begin(kFields), std::end(kFields), field) != std::end(kFields),
              "unknown layer activation '", field, "'");
   switch (recompute) {
@@ -86,15 +88,13 @@ int64_t gpu_head_chunk_rows(int64_t vocab, int64_t rows) {
   return std::clamp<int64_t>(std::max(kMinRows, kChunkElements / vocab), 1, rows);
 }
 
-MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
-  check_layout(c, l);
-  const ParamLayout layout(c, static_cast<int>(l.tp_rank), static_cast<int>(l.tp));
-  const int64_t P = layout.total(), n = l.micro_batch * l.seq_len, C = c.hidden_size;
-  const TpDims& d = layout.tp();
-  const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads, V = d.vocab;
+namespace {
+
+// A full fine-tune's parameters, gradients and optimizer state.
+void plan_full_state(const MemoryLayout& l, const ParamLayout& layout, PlanBuilder& b) {
+  const int64_t P = layout.total();
   const int64_t moment_bytes = l.bf16_moments ? kBf16 : kF32;
   const bool optimizer = l.training;  // a training rank runs AdamW over what it owns
-  PlanBuilder b;
 
   // Parameters, gradients, optimizer state. ZeRO-0 holds everything whole; 1 shards master and moments; 2 also the
   // gradient (unit gradients live in a few unit-sized buffers until reduce-scattered); 3 also the bf16 weights
@@ -153,6 +153,100 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
       b.add("replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);
     }
   }
+}
+
+// With adapters: the frozen base (no gradient, master or moments), stored bf16 or quantized, whole on every dp
+// rank below ZeRO-3 and sharded at ZeRO-3; the adapters with the state a full fine-tune keeps for its weights.
+// Adapter units are the layers (a layer's adapters in kLoraModules' order, A then B): ZeRO shards each over dp
+// as it shards a full fine-tune's units.
+void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLayout& layout, PlanBuilder& b) {
+  const LoraPlan& lora = l.lora;
+  const int64_t moment_bytes = l.bf16_moments ? kBf16 : kF32;
+  const bool quantized = lora.base_quant != BaseQuant::None;
+  const int dp_rank = static_cast<int>(l.dp_rank), dp = static_cast<int>(l.dp);
+
+  // The base, by unit (embedding, layers, head), in its stored bytes.
+  std::vector<int64_t> unit_bytes(layout.num_units(), 0);
+  int64_t base_quantized = 0, base_plain = 0, layer0_quantized_elements = 0;
+  for (const ParamTensor& t : layout.tensors()) {
+    const int unit = t.layer >= 0 ? t.layer + 1 : t.offset < layout.unit_range(1).first ? 0 : layout.head_unit();
+    const int64_t bytes = base_storage_bytes(t, lora.base_quant);
+    unit_bytes[unit] += bytes;
+    (quantized && base_tensor_quantized(t) ? base_quantized : base_plain) += bytes;
+    if (t.layer == 0 && base_tensor_quantized(t)) layer0_quantized_elements += t.numel;
+  }
+  const bool tied = layout.lm_head_unit() == 0;
+  if (l.training && l.zero == 3) {
+    int64_t shard = 0, largest = 0;
+    for (int64_t bytes : unit_bytes) shard += shard_range(bytes, dp_rank, dp).size(), largest = std::max(largest, bytes);
+    b.add(str(quantized ? base_quant_name(lora.base_quant) : "bf16", " base weights (frozen, shard)"),
+          MemoryKind::Weights, shard, 1);
+    const int gather_buffers = l.zero_prefetch || tied ? 2 : 1;
+    for (int i = 0; i < gather_buffers; i++)
+      b.add(str("base gather buffer ", i), MemoryKind::Communication, largest, 1);
+  } else if (quantized) {
+    b.add(str(base_quant_name(lora.base_quant), " base weights (frozen decoder Linear weights)"), MemoryKind::Weights,
+          base_quantized, 1);
+    b.add("bf16 base weights (frozen embedding, norms, lm_head)", MemoryKind::Weights, base_plain, 1);
+  } else {
+    b.add("bf16 base weights (frozen)", MemoryKind::Weights, layout.total(), kBf16);
+  }
+  // Quantized: each layer's GEMMs read its weights dequantized into one bf16 buffer, refilled per layer and pass.
+  if (quantized)
+    b.add("dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer0_quantized_elements, kBf16);
+
+  // The adapters: bf16 copies for the GEMMs, whole on every dp rank; fp32 master, gradients and moments as ZeRO says.
+  const std::vector<LoraTargetShape> shapes = lora_layer_shapes(c, lora, l.tp);
+  const int64_t per_layer = lora_layer_params(c, lora, l.tp), L = c.num_hidden_layers, Pa = L * per_layer;
+  b.add("LoRA bf16 weights", MemoryKind::Weights, Pa, kBf16);
+  if (!l.training) return;
+  // Tensors of one layer's adapters that this rank's piece [begin, begin + size) touches, and of them those
+  // replicated over tp (A of a column-parallel target, B of a row-parallel one: their norms are summed once).
+  const Range piece = l.zero == 0 ? Range{0, per_layer} : shard_range(per_layer, dp_rank, dp);
+  int64_t tables = 0, replicated = 0, at = 0;
+  for (const LoraTargetShape& s : shapes)
+    for (bool is_a : {true, false}) {
+      const int64_t size = is_a ? s.a_rows * s.a_cols : s.b_rows * s.b_cols;
+      if (at < piece.end && at + size > piece.begin) tables++, replicated += is_a == s.column_parallel;
+      at += size;
+    }
+  tables *= L, replicated *= L;
+  if (l.zero == 0) {
+    b.add("LoRA fp32 master weights", MemoryKind::Master, Pa, kF32);
+    b.add("LoRA fp32 gradients", MemoryKind::Gradients, Pa, kF32);
+    b.add("LoRA AdamW m", MemoryKind::Moments, Pa, moment_bytes);
+    b.add("LoRA AdamW v", MemoryKind::Moments, Pa, moment_bytes);
+  } else {
+    const int64_t padded = (L * piece.size() + 3) / 4 * 4;
+    b.add("LoRA fp32 master weights (shard)", MemoryKind::Master, padded, kF32);
+    b.add("LoRA fp32 gradients (shard)", MemoryKind::Gradients, padded, kF32);
+    b.add("LoRA AdamW m (shard)", MemoryKind::Moments, padded, moment_bytes);
+    b.add("LoRA AdamW v (shard)", MemoryKind::Moments, padded, moment_bytes);
+    if (l.zero == 1) b.add("LoRA fp32 gradients", MemoryKind::Gradients, Pa, kF32);
+    if (l.zero >= 2) {
+      // A layer's adapter gradients until reduce-scattered: one filling, one in flight.
+      for (int i = 0; i < 2; i++) b.add(str("LoRA gradient buffer ", i), MemoryKind::Gradients, per_layer, kF32);
+      if (l.dp > 1) b.add("LoRA reduce-scatter output", MemoryKind::Communication, piece.size(), kF32);
+    }
+  }
+  b.add("LoRA AdamW segment starts", MemoryKind::Workspace, tables, kI64);
+  b.add("LoRA AdamW segment decays", MemoryKind::Workspace, tables, 1);
+  b.add("gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
+  b.add("gradient norm", MemoryKind::Workspace, 1, kF64);
+  if (l.tp > 1) b.add("replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);
+}
+
+}  // namespace
+
+MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
+  check_layout(c, l);
+  const ParamLayout layout(c, static_cast<int>(l.tp_rank), static_cast<int>(l.tp));
+  const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
+  const TpDims& d = layout.tp();
+  const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads, V = d.vocab;
+  PlanBuilder b;
+  if (l.lora.enabled()) plan_lora_state(c, l, layout, b);
+  else plan_full_state(l, layout, b);
 
   // Activations for (micro_batch, seq_len): the layers' kept ones (by the recompute mode), one working set for
   // the rest, the head's, and the backward's gradients of activations.
@@ -165,13 +259,32 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
       {"att", {n * qd, kBf16}},       {"lse", {n * H, kF32}},    {"resid_mid", {n * C, kBf16}},
       {"norm2", {n * C, kBf16}},      {"rstd2", {n, kF32}},      {"gate_up", {n * 2 * F, kBf16}},
       {"act", {n * F, kBf16}}};
-  for (int64_t layer = 0; layer < c.num_hidden_layers; layer++)
+  // With adapters, per target: its r-wide A x (B's input, and dB's), and with dropout the mask drawn over its input
+  // (one bit per element), both needed by the backward.
+  const std::vector<LoraTargetShape> adapters = lora_layer_shapes(c, l.lora, l.tp);
+  const int64_t r = l.lora.rank;
+  const auto add_layer = [&](const std::string& prefix, bool kept) {
     for (const auto& [field, size] : fields)
-      if (gpu_keeps_activation(field, recompute))
-        b.add(str("layer ", layer, " ", field), MemoryKind::Activations, size.first, size.second);
-  for (const auto& [field, size] : fields)
-    if (!gpu_keeps_activation(field, recompute))
-      b.add(str("working ", field), MemoryKind::Activations, size.first, size.second);
+      if (gpu_keeps_activation(field, recompute) == kept)
+        b.add(prefix + field, MemoryKind::Activations, size.first, size.second);
+    for (const LoraTargetShape& t : adapters) {
+      if (gpu_keeps_activation("lora_ax", recompute) == kept)
+        b.add(str(prefix, "lora_ax ", t.module), MemoryKind::Activations, n * r, kBf16);
+      if (l.lora.dropout > 0 && gpu_keeps_activation("lora_mask", recompute) == kept)
+        b.add(str(prefix, "lora_mask ", t.module), MemoryKind::Activations, (n * t.in + 7) / 8, 1);
+    }
+  };
+  for (int64_t layer = 0; layer < c.num_hidden_layers; layer++) add_layer(str("layer ", layer, " "), true);
+  add_layer("working ", false);
+  if (!adapters.empty()) {
+    int64_t widest_in = 0;
+    for (const LoraTargetShape& t : adapters) widest_in = std::max(widest_in, t.in);
+    // dropout(x), A's input, refilled per target in the forward and for dA in the backward.
+    if (l.lora.dropout > 0) b.add("LoRA dropout(x)", MemoryKind::Activations, n * widest_in, kBf16);
+    // The backward's B^T dy of one layer's targets: dA's input, and A's share of dx.
+    if (l.training)
+      b.add("LoRA d(A x)", MemoryKind::Activations, n * r * static_cast<int64_t>(adapters.size()), kBf16);
+  }
   // The fused q|k|v GEMM's output, read into q, k, v at once; the backward's d_q|d_k|d_v in the same buffer.
   b.add("qkv", MemoryKind::Activations, n * (qd + 2 * kvd), kBf16);
   b.add("final residual", MemoryKind::Activations, n * C, kBf16);
@@ -207,7 +320,21 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   // NCCL pads a unit it reduce-scatters or gathers to a multiple of dp in a scratch buffer of its own
   // (comm/comm_nccl.cpp), allocated on first use.
   if (l.dp > 1) {
-    const int64_t chunk = (largest_unit(layout) + l.dp - 1) / l.dp;
+    // The largest collective, in fp32 elements: a unit's gradient; with adapters a layer's adapter gradient, or at
+    // ZeRO-3 a base unit's gathered bytes.
+    int64_t largest = largest_unit(layout);
+    if (l.lora.enabled()) {
+      largest = lora_layer_params(c, l.lora, l.tp);
+      if (l.training && l.zero == 3)
+        for (int u = 0; u < layout.num_units(); u++) {
+          int64_t bytes = 0;
+          for (const ParamTensor& t : layout.tensors())
+            if (t.offset >= layout.unit_range(u).first && t.offset < layout.unit_range(u).second)
+              bytes += base_storage_bytes(t, l.lora.base_quant);
+          largest = std::max(largest, (bytes + kF32 - 1) / kF32);
+        }
+    }
+    const int64_t chunk = (largest + l.dp - 1) / l.dp;
     b.add_outside_arena("NCCL padding scratch (the comm's own)", MemoryKind::Communication,
                         (chunk * l.dp + chunk) * kF32);
   }
@@ -249,7 +376,7 @@ std::string describe_layout(const MemoryLayout& l) {
   return str("dp ", l.dp, " x tp ", l.tp, ", ZeRO-", l.zero, l.zero == 3 && !l.zero_prefetch ? " (no prefetch)" : "",
              ", recompute ", recompute_name(l.recompute), ", ", l.bf16_moments ? "bf16" : "fp32", " moments, ",
              l.master_weights ? "fp32 master" : "no fp32 master", ", micro_batch ", l.micro_batch, " x seq_len ",
-             l.seq_len);
+             l.seq_len, l.lora.enabled() ? ", " + describe_lora(l.lora) : std::string());
 }
 
 int64_t needed(const LlamaConfig& c, const MemoryLayout& l) {
@@ -289,6 +416,9 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
     if (!changes.empty() && changes.back().rfind("--micro_batch", 0) == 0) changes.pop_back();
     changes.push_back(str("--micro_batch ", t.micro_batch, " (raise grad_accum to keep the global batch)"));
   }
+  // Adapters on a bf16 base: the base in nf4 (QLoRA) is a quarter of it.
+  try_change(t.lora.enabled() && t.lora.base_quant == BaseQuant::None,
+             [&] { t.lora.base_quant = BaseQuant::Nf4; }, "--base_quant nf4");
   if (fits_now()) {
     std::string flags;
     for (const std::string& f : changes) flags += " " + f;

@@ -18,6 +18,7 @@
 #include "comm/comm.h"  // shard_range
 #include "model/optimizer.h"  // dp_unit_pieces
 #include "model/layout.h"
+#include "model/lora_shape.h"
 
 namespace tuna {
 
@@ -31,6 +32,8 @@ std::string format_number(double x, int decimals) {
   std::snprintf(buf, sizeof buf, "%.*f", decimals, x);
   return buf;
 }
+
+std::string gb(double bytes) { return format_number(bytes / 1e9, 2) + " GB"; }
 
 // 1.23B, 45.6M: parameter and token counts.
 std::string human_count(double x) {
@@ -58,6 +61,9 @@ const std::vector<GpuKind>& gpu_catalogue() {
        "NVLink 4: 450 GB/s per direction per GPU, 80% assumed reached"},
       {"a100-80gb", "NVIDIA A100 SXM 80 GB", 312e12, 81920.0 * (1 << 20), 2.039e12, 0.8 * 300e9,
        "NVLink 3: 300 GB/s per direction per GPU, 80% assumed reached"},
+      // A 24 GB workstation card (Ada whitepaper: bf16 dense with fp32 accumulation); no NVLink, GPUs talk over PCIe.
+      {"rtx-4090", "NVIDIA GeForce RTX 4090 24 GB", 165.2e12, 24564.0 * (1 << 20), 1.008e12, 0.8 * 32e9,
+       "no NVLink: PCIe 4.0 x16, 32 GB/s per direction, 80% assumed reached"},
   };
   return kinds;
 }
@@ -375,6 +381,10 @@ MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layo
 
 namespace {
 
+// Whether the CUDA engine trains adapters, laying them out from plan_gpu_memory's adapter items: until it does,
+// an adapter plan is the design, and the plan says so.
+constexpr bool kCudaEngineTrainsAdapters = false;
+
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design. Memoized: a search
 // and its suggestions ask for the same plans many times (an 80-layer plan has a thousand items).
 struct GpuMemory {
@@ -388,7 +398,8 @@ const GpuMemory& gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   static std::mutex mutex;
   const std::string key = str(c.to_json().dump(), "|", l.dp, ",", l.tp, ",", l.dp_rank, ",", l.tp_rank, ",", l.zero,
                               ",", l.zero_prefetch, ",", recompute_name(l.recompute), ",", l.bf16_moments, ",",
-                              l.master_weights, ",", l.training, ",", l.micro_batch, ",", l.seq_len);
+                              l.master_weights, ",", l.training, ",", l.micro_batch, ",", l.seq_len, ",", l.lora.rank,
+                              ",", l.lora.targets, ",", l.lora.dropout, ",", base_quant_name(l.lora.base_quant));
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
@@ -399,6 +410,8 @@ const GpuMemory& gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     m.engines = false, m.refusal = e.what();
     m.plan = design_gpu_memory(c, l);
   }
+  if (m.engines && l.lora.enabled() && !kCudaEngineTrainsAdapters)
+    m.engines = false, m.refusal = "adapters are not trained on cuda yet (--lora_rank with --device cuda)";
   return cache.emplace(key, std::move(m)).first->second;
 }
 
@@ -437,6 +450,7 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   if (l.seq_len > c.max_position_embeddings)
     fail("--seq_len ", l.seq_len, " exceeds the model's max_position_embeddings ", c.max_position_embeddings);
   if (job.grad_accum < 1) fail("--grad_accum: expected >= 1, found ", job.grad_accum);
+  check_lora_plan(c, l.lora, "build/plan --lora_rank, --lora_targets, --lora_dropout, --base_quant");
 
   Prediction p;
   p.layout = l, p.grad_accum = job.grad_accum;
@@ -451,18 +465,70 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   const TpDims& d = layout.tp();
   const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size, L = c.num_hidden_layers;
   const int64_t qd = d.q_dim, kvd = d.kv_dim, F = d.ffn, V = d.vocab, P = layout.total();
+  const LoraPlan& lora = l.lora;
+  const bool adapters = lora.enabled();
   auto gemm_time = [&](int64_t in, int64_t out, int pass) {
     return 2.0 * double(n) * double(in) * double(out) / (rates.gemm(n, in, out, pass) * scale.compute);
   };
   auto mem_time = [&](double bytes, const char* kernel) { return bytes / (rates.memory_rate(kernel) * scale.memory); };
+  const double copy_rate = rates.copy_bytes_per_s * scale.memory;
 
   // One micro-batch, one layer.
   // The GPU model's GEMMs: q|k|v and gate|up fused (one GEMM over each adjacent weight block), o_proj, down_proj.
+  // A frozen weight (adapters) has no weight-gradient GEMM: 4 FLOPs per weight and token instead of 6.
   const std::vector<std::pair<int64_t, int64_t>> gemms = {{C, qd + 2 * kvd}, {qd, C}, {C, 2 * F}, {F, C}};
   double layer_fwd_gemm = 0, layer_bwd_gemm = 0;
   for (const auto& [in, out] : gemms) {
     layer_fwd_gemm += gemm_time(in, out, 0);
-    layer_bwd_gemm += gemm_time(in, out, 1) + gemm_time(in, out, 2);
+    layer_bwd_gemm += gemm_time(in, out, 1) + (adapters ? 0.0 : gemm_time(in, out, 2));
+  }
+  // Adapters: 6 FLOPs per adapter weight and token, in GEMMs r wide. Those move more bytes than they compute:
+  // each reads or accumulates into a [tokens, in] or [tokens, out] activation. A GEMM group reads its input once
+  // (q|k|v's A share x, as do gate|up's) unless dropout draws a mask per target. Forward: read x, write A x, read it
+  // and accumulate B A x into the base's output (read and write); backward: read dy twice (dB and B^T dy), read x
+  // for dA, accumulate A's share into dx. Priced at the larger of the FLOPs at the layer GEMM rates and the bytes
+  // at the measured copy bandwidth (the skinny GEMMs are not benched).
+  double lora_fwd = 0, lora_bwd = 0, lora_fwd_bytes = 0, lora_bwd_bytes = 0;
+  int64_t lora_layer = 0;
+  struct AdapterGroup {
+    int64_t in = 0, width = 0;  // input features; summed rank of its targets (the tp all-reduce's width)
+    bool column = true;
+  };
+  std::vector<AdapterGroup> groups;
+  if (adapters) {
+    const std::vector<LoraTargetShape> shapes = lora_layer_shapes(c, lora, l.tp);
+    lora_layer = lora_layer_params(c, lora, l.tp);
+    const double tokens = double(n), r = double(lora.rank);
+    // q|k|v share the attention's input and gate|up the MLP's; o and down are their own.
+    const auto group_of = [](const std::string& m) {
+      return m == "o_proj" ? 1 : m == "gate_proj" || m == "up_proj" ? 2 : m == "down_proj" ? 3 : 0;
+    };
+    int last_group = -1;
+    for (const LoraTargetShape& t : shapes) {
+      const bool shares_input = lora.dropout == 0 && group_of(t.module) == last_group;
+      last_group = group_of(t.module);
+      if (!shares_input) groups.push_back({t.in, 0, t.column_parallel});
+      groups.back().width += lora.rank;
+      lora_fwd_bytes += tokens * (4 * r + 4 * double(t.out));
+      lora_bwd_bytes += tokens * (4 * r + 4 * double(t.out));
+      if (lora.dropout > 0)  // dropout(x) written in the forward and again for dA, from the kept bit mask
+        lora_fwd_bytes += tokens * double(t.in) * 4.125, lora_bwd_bytes += tokens * double(t.in) * 4.125;
+    }
+    for (const AdapterGroup& g : groups) lora_fwd_bytes += tokens * 2 * double(g.in), lora_bwd_bytes += tokens * 6 * double(g.in);
+    const double flops = 2.0 * tokens * double(lora_layer);
+    lora_fwd = std::max(flops / (rates.gemm_fwd * scale.compute), lora_fwd_bytes / copy_rate);
+    lora_bwd = std::max(2 * flops / (rates.gemm_bwd * scale.compute), lora_bwd_bytes / copy_rate);
+  }
+  // QLoRA: each use of a layer's weights dequantizes them into one bf16 buffer, memory-bound (read the stored bytes,
+  // write 2 per weight) at the measured copy bandwidth: once in the forward, once in the backward, once in a full
+  // recompute.
+  double dequant = 0;
+  int64_t layer_quantized_bytes = 0, layer_quantized_elements = 0;
+  if (adapters && lora.base_quant != BaseQuant::None) {
+    for (const ParamTensor& t : layout.tensors())
+      if (t.layer == 0 && base_tensor_quantized(t))
+        layer_quantized_bytes += base_storage_bytes(t, lora.base_quant), layer_quantized_elements += t.numel;
+    dequant = double(layer_quantized_bytes + 2 * layer_quantized_elements) / copy_rate;
   }
   // Causal attention inside documents of `span` tokens: each query sees span / 2 keys on average, and the kernels
   // run at the rate measured for causal attention of that length (their blocks are those of a span-long row).
@@ -479,16 +545,18 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   const double swiglu_fwd = mem_time(6.0 * double(n) * F, "swiglu_fwd"), swiglu_bwd = mem_time(10.0 * double(n) * F, "swiglu_bwd");
   const double layer_mem_fwd = 2 * norm_fwd + rope + swiglu_fwd, layer_mem_bwd = 2 * norm_bwd + rope + swiglu_bwd;
   double recompute = 0;
-  if (l.recompute == Recompute::Full) recompute = layer_fwd_gemm + att_fwd + layer_mem_fwd;
+  if (l.recompute == Recompute::Full) recompute = layer_fwd_gemm + lora_fwd + dequant + att_fwd + layer_mem_fwd;
   if (l.recompute == Recompute::Selective) recompute = 2 * norm_fwd + swiglu_fwd;
-  // The loss head, once per micro-batch (vocab-parallel under tp).
+  // The loss head, once per micro-batch (vocab-parallel under tp); a frozen head has no weight gradient.
   const double head_flops = 2.0 * double(n) * double(C) * double(V);
-  const double head = 3 * head_flops / (rates.lm_head * scale.compute) + mem_time(4.0 * double(n) * V, "classifier") +
-                      norm_fwd + norm_bwd;
+  const double head = (adapters ? 2 : 3) * head_flops / (rates.lm_head * scale.compute) +
+                      mem_time(4.0 * double(n) * V, "classifier") + norm_fwd + norm_bwd;
   const double A = double(job.grad_accum);
-  // The optimizer over what this rank owns.
+  // The optimizer over what this rank owns: with adapters, this rank's piece of each layer's adapters.
   int64_t owned = P;
-  if (l.zero >= 1) {
+  if (adapters) {
+    owned = L * (l.zero >= 1 ? shard_range(lora_layer, 0, static_cast<int>(l.dp)).size() : lora_layer);
+  } else if (l.zero >= 1) {
     owned = 0;
     for (const Segment& s : dp_unit_pieces(layout, 0, static_cast<int>(l.dp))) owned += s.size;
   }
@@ -496,35 +564,69 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
                                 l.bf16_moments ? "adamw_bf16" : "adamw_fp32");
   const double grad_norm = mem_time(4.0 * double(owned), "grad_norm");
 
-  const double kernels = A * (L * (layer_fwd_gemm + layer_bwd_gemm + att_fwd + att_bwd + layer_mem_fwd + layer_mem_bwd +
-                                   recompute) +
+  const double kernels = A * (L * (layer_fwd_gemm + layer_bwd_gemm + lora_fwd + lora_bwd + 2 * dequant + att_fwd +
+                                   att_bwd + layer_mem_fwd + layer_mem_bwd + recompute) +
                               head) +
                          adamw + grad_norm;
   p.compute = {
       {"layer GEMMs", A * L * (layer_fwd_gemm + layer_bwd_gemm),
-       str(rates.gemm_shapes.empty() ? "at the measured layer rates, " : "at the nearest measured shapes, ",
+       str(adapters ? "frozen: forward and input gradient, no weight gradient; " : "",
+           rates.gemm_shapes.empty() ? "at the measured layer rates, " : "at the nearest measured shapes, ",
            format_number(rates.gemm_fwd / 1e12, 0), "/", format_number(rates.gemm_bwd / 1e12, 0), " TFLOP/s fwd/bwd")},
+  };
+  if (adapters)
+    p.compute.push_back(
+        {"adapter GEMMs", A * L * (lora_fwd + lora_bwd),
+         str(human_count(double(lora_layer * L)), " adapter weights on this GPU (", describe_lora(lora), "): ",
+             format_number(2.0 * double(n) * double(lora_layer) * 3 / 1e9, 2), " GFLOP and ",
+             human_bytes(lora_fwd_bytes + lora_bwd_bytes), " per layer and micro-batch, ",
+             lora_fwd_bytes + lora_bwd_bytes > 0 &&
+                     (lora_fwd_bytes + lora_bwd_bytes) / copy_rate >
+                         3 * 2.0 * double(n) * double(lora_layer) / (rates.gemm_bwd * scale.compute)
+                 ? "bound by the bytes at the copy bandwidth (r-wide GEMMs)"
+                 : "bound by the FLOPs")});
+  if (dequant > 0)
+    p.compute.push_back({"dequantization", A * L * 2 * dequant,
+                         str(base_quant_name(lora.base_quant), " to bf16 per layer and use (forward, backward",
+                             l.recompute == Recompute::Full ? "; a full recompute's third is under recompute" : "", "): ",
+                             human_bytes(double(layer_quantized_bytes)), " read and ",
+                             human_bytes(2.0 * double(layer_quantized_elements)), " written at the copy bandwidth")});
+  const std::vector<TimeItem> rest = {
       {"attention", A * L * (att_fwd + att_bwd),
        str("hd ", c.head_dim, ", seq ", l.seq_len,
            span < l.seq_len ? str(", documents of ", format_number(doc_tokens, 0), " tokens (masked)") : std::string(),
            ": ", format_number(rates.attention_rate(c.head_dim, span, false) / 1e12, 0), "/",
            format_number(rates.attention_rate(c.head_dim, span, true) / 1e12, 0), " TFLOP/s fwd/bwd")},
       {"norms, RoPE, SwiGLU", A * L * (layer_mem_fwd + layer_mem_bwd), "memory-bound, at their measured share of the copy bandwidth"},
-      {"loss head", A * head, str("lm_head at ", format_number(rates.lm_head / 1e12, 0), " TFLOP/s, cross-entropy")},
+      {"loss head", A * head, str("lm_head at ", format_number(rates.lm_head / 1e12, 0), " TFLOP/s, cross-entropy",
+                                  adapters ? "; frozen: no weight gradient" : "")},
       {"recompute", A * L * recompute, l.recompute == Recompute::None ? "none" : str(recompute_name(l.recompute), " recompute")},
-      {"AdamW and gradient norm", adamw + grad_norm, str(human_count(double(owned)), " parameters owned")},
+      {"AdamW and gradient norm", adamw + grad_norm,
+       str(human_count(double(owned)), adapters ? " adapter parameters owned" : " parameters owned")},
       {"launch gaps", kernels * rates.overhead, str(format_number(100 * rates.overhead, 1), "% of kernel time, measured")},
   };
+  p.compute.insert(p.compute.end(), rest.begin(), rest.end());
   p.compute_s = kernels * (1 + rates.overhead);
 
   // Communication. Tensor parallel: all-reduces of the activations inside a node, on the critical path.
   const double tp_bytes = 2.0 * double(n) * double(C);  // one bf16 [tokens, hidden] tensor
   const double tp_per_micro = l.tp > 1 ? double(4 * L + 2 + (l.recompute == Recompute::Full ? 2 * L : 0)) : 0.0;
-  const double tp_s = A * tp_per_micro * (ring_factor_all_reduce(l.tp) * tp_bytes / k.intra_busbw + 10e-6);
+  double tp_s = A * tp_per_micro * (ring_factor_all_reduce(l.tp) * tp_bytes / k.intra_busbw + 10e-6);
   if (l.tp > 1)
     p.communication.push_back({"tensor-parallel all-reduces", tp_s,
                                str(format_number(tp_per_micro, 0), " per micro-batch over ", l.tp, " GPUs, ",
                                    human_bytes(tp_bytes), " each, ", k.intra_note)});
+  // The replicated adapter factor of each group needs its r-wide product summed over tp: B^T dy of a
+  // column-parallel group (for dA), A x of a row-parallel target (for dB). One all-reduce per group and layer.
+  if (l.tp > 1 && adapters) {
+    double s = 0;
+    for (const AdapterGroup& g : groups)
+      s += ring_factor_all_reduce(l.tp) * 2.0 * double(n) * double(g.width) / k.intra_busbw + 10e-6;
+    s *= A * double(L);
+    tp_s += s;
+    p.communication.push_back({"tensor-parallel adapter all-reduces", s,
+                               str(groups.size(), " per layer and micro-batch (r-wide: latency-bound), ", k.intra_note)});
+  }
   // Data parallel: the ZeRO stage's collectives over the dp group (across nodes when there are several).
   const bool across = k.nodes > 1 && l.dp > 1;
   const double bw = across ? k.inter_busbw : k.intra_busbw;
@@ -533,23 +635,42 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   double dp_s = 0;
   std::string dp_what;
   const double g = ring_factor_gather(l.dp), ar = ring_factor_all_reduce(l.dp);
-  const double units = double(layout.num_units());
+  // With adapters only their gradients cross dp (one unit per layer); at ZeRO-3 the frozen base's units are
+  // gathered too, in their stored bytes.
+  const double grads = adapters ? double(L * lora_layer) : double(P);
+  const double units = adapters ? double(L) : double(layout.num_units());
+  double base_bytes = 0;
+  if (adapters)
+    for (const ParamTensor& t : layout.tensors()) base_bytes += double(base_storage_bytes(t, lora.base_quant));
+  const std::string what = adapters ? "layer's adapter" : "unit";
   switch (l.zero) {
     case 0:
-      dp_s = ar * 4.0 * double(P) / bw + latency * units;
-      dp_what = "all-reduce of the fp32 gradients after the backward";
+      dp_s = ar * 4.0 * grads / bw + latency * units;
+      dp_what = adapters ? "all-reduce of the adapters' fp32 gradients after the backward"
+                         : "all-reduce of the fp32 gradients after the backward";
       break;
     case 1:
-      dp_s = g * (4.0 + 4.0) * double(P) / bw + 2 * latency * units;
-      dp_what = "reduce-scatter of the fp32 gradients, all-gather of the weights (fp32, through the gradient buffer)";
+      dp_s = g * (4.0 + 4.0) * grads / bw + 2 * latency * units;
+      dp_what = str("reduce-scatter of the ", adapters ? "adapters' " : "",
+                    "fp32 gradients, all-gather of the weights (fp32, through the gradient buffer)");
       break;
     case 2:
-      dp_s = A * (g * 4.0 * double(P) / bw + latency * units) + g * 2.0 * double(P) / bw + latency * units;
-      dp_what = "per micro-batch a reduce-scatter of each unit's fp32 gradient; after the step an all-gather of the bf16 weights";
+      dp_s = A * (g * 4.0 * grads / bw + latency * units) + g * 2.0 * grads / bw + latency * units;
+      dp_what = str("per micro-batch a reduce-scatter of each ", what, "'s fp32 gradient; after the step an all-gather of the ",
+                    adapters ? "adapters' " : "", "bf16 weights");
       break;
     default:
-      dp_s = A * (g * (2.0 + 2.0 + 4.0) * double(P) / bw + 3 * latency * units);
-      dp_what = "per micro-batch two all-gathers of each unit's bf16 weights and a reduce-scatter of its fp32 gradient";
+      if (adapters) {
+        const double base_units = double(layout.num_units());
+        dp_s = A * (g * 2.0 * base_bytes / bw + 2 * latency * base_units + g * 4.0 * grads / bw + latency * units) +
+               g * 2.0 * grads / bw + latency * units;
+        dp_what = str("per micro-batch two all-gathers of each unit of the frozen base (",
+                      lora.base_quant == BaseQuant::None ? "bf16" : base_quant_name(lora.base_quant), ", ",
+                      human_bytes(base_bytes), " per tp rank) and a reduce-scatter of each layer's adapter gradient");
+      } else {
+        dp_s = A * (g * (2.0 + 2.0 + 4.0) * double(P) / bw + 3 * latency * units);
+        dp_what = "per micro-batch two all-gathers of each unit's bf16 weights and a reduce-scatter of its fp32 gradient";
+      }
   }
   // What the engine hides behind compute: ZeRO-0/1 on cuda communicate after the backward (nothing hidden); ZeRO-2/3
   // as designed overlap every unit but the first gather and the last reduce-scatter.
@@ -571,12 +692,28 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   p.tokens_per_step = double(l.micro_batch * l.seq_len) * A * double(l.dp);
   p.tokens_per_s_per_gpu = p.tokens_per_step / p.step_s / double(k.gpus());
   // Model FLOPs count the attention a token does: over its document (the mask), not the whole window.
-  p.mfu = p.tokens_per_s_per_gpu * model_flops_per_token(c, span) / k.gpu.peak_bf16_flops;
+  p.mfu = p.tokens_per_s_per_gpu * (adapters ? lora_flops_per_token(c, lora, span) : model_flops_per_token(c, span)) /
+          k.gpu.peak_bf16_flops;
   p.steps = std::ceil(job.tokens / p.tokens_per_step);
   p.wall_s = p.steps * p.step_s;
   p.cost = p.wall_s / 3600 * double(k.gpus()) * job.price_per_gpu_hour;
   p.finishes = job.hours <= 0 || p.wall_s <= job.hours * 3600;
   p.within_budget = job.budget <= 0 || p.cost <= job.budget;
+  if (adapters) {
+    // The frozen base whole on every dp rank needs no gathers; say which it is, and whether the other would fit.
+    MemoryLayout other = l;
+    other.zero = l.zero == 3 ? 2 : 3;
+    const double other_bytes = double(gpu_memory(c, other).plan.peak()) + k.reserve_bytes;
+    const bool other_fits = other_bytes <= k.gpu.hbm_bytes;
+    const std::string base = str("the frozen base (", lora.base_quant == BaseQuant::None ? "bf16" : base_quant_name(lora.base_quant),
+                                 ", ", gb(base_bytes), l.tp > 1 ? " per tp rank" : "", ")");
+    if (l.zero < 3 || l.dp == 1)
+      p.notes.push_back(str(base, " is whole on every dp rank: no gathers", l.dp > 1 ? ", only the adapters' gradients cross dp" : ""));
+    else
+      p.notes.push_back(str(base, " is sharded by ZeRO-3 and gathered a unit at a time; whole on every dp rank (ZeRO-2) it ",
+                            other_fits ? str("would fit too (", gb(other_bytes), " per GPU) without gathers")
+                                       : str("does not fit (", gb(other_bytes), " per GPU)")));
+  }
   if (!p.memory_is_engines)
     p.notes.push_back("memory as designed, not the engine's plan: the CUDA engine refuses this layout today (" +
                       p.not_implemented + ")");
@@ -612,9 +749,21 @@ std::vector<JobSpec> layouts_of(const JobSpec& job) {
 
 }  // namespace
 
-std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, size_t limit) {
+std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, size_t limit, bool offer_adapters) {
   std::vector<Prediction> all;
-  for (const JobSpec& j : layouts_of(job)) all.push_back(predict(j, rates));
+  bool finished = false;
+  for (const JobSpec& j : layouts_of(job)) {
+    all.push_back(predict(j, rates));
+    finished |= all.back().fits && all.back().finishes;
+  }
+  // A full fine-tune that no layout finishes in time: the same job with adapters, the base in bf16 and in nf4.
+  if (offer_adapters && !finished && job.hours > 0 && !job.layout.lora.enabled() && job.offer_lora_rank > 0)
+    for (BaseQuant quant : {BaseQuant::None, BaseQuant::Nf4}) {
+      JobSpec a = job;
+      a.layout.lora = LoraPlan{};
+      a.layout.lora.rank = job.offer_lora_rank, a.layout.lora.base_quant = quant;
+      for (const JobSpec& j : layouts_of(a)) all.push_back(predict(j, rates));
+    }
   std::stable_sort(all.begin(), all.end(), [](const Prediction& a, const Prediction& b) {
     if (a.fits != b.fits) return a.fits;
     return a.step_s / a.tokens_per_step < b.step_s / b.tokens_per_step;
@@ -628,20 +777,27 @@ std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, s
 
 namespace {
 
-std::string gb(double bytes) { return format_number(bytes / 1e9, 2) + " GB"; }
 std::string dollars(double x) {
   if (x >= 1e4) return "$" + human_count(x);
   return "$" + format_number(x, x >= 100 ? 0 : 2);
 }
 
 std::string layout_text(const MemoryLayout& l, int64_t accum) {
-  return str("dp ", l.dp, " x tp ", l.tp, ", ZeRO-", l.zero, ", micro_batch ", l.micro_batch, " x seq ", l.seq_len,
-             ", grad_accum ", accum, ", recompute ", recompute_name(l.recompute), l.bf16_moments ? ", bf16 moments" : "");
+  return str(l.lora.enabled() ? describe_lora(l.lora) + ", " : "", "dp ", l.dp, " x tp ", l.tp, ", ZeRO-", l.zero,
+             ", micro_batch ", l.micro_batch, " x seq ", l.seq_len, ", grad_accum ", accum, ", recompute ",
+             recompute_name(l.recompute), l.bf16_moments ? ", bf16 moments" : "");
+}
+
+// "full", "LoRA r16", "QLoRA r16": the search table's method column.
+std::string method_text(const LoraPlan& lora) {
+  if (!lora.enabled()) return "full";
+  return str(lora.base_quant == BaseQuant::None ? "LoRA" : lora.base_quant == BaseQuant::Nf4 ? "QLoRA" : "LoRA-int8",
+             " r", lora.rank);
 }
 
 // The best layout of `job` on its cluster (fitting, fastest), if any fits.
 std::optional<Prediction> best_fit(const JobSpec& job, const Rates& rates) {
-  const std::vector<Prediction> ranked = search_layouts(job, rates, 1);
+  const std::vector<Prediction> ranked = search_layouts(job, rates, 1, /*offer_adapters=*/false);
   if (ranked.empty() || !ranked[0].fits) return std::nullopt;
   return ranked[0];
 }
@@ -657,6 +813,12 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
     << (job.hours > 0 ? str(", ", format_number(job.hours, 0), " h") : "")
     << (job.price_per_gpu_hour > 0 ? str(", $", format_number(job.price_per_gpu_hour, 2), " per GPU-hour") : "")
     << (job.budget > 0 ? str(", budget ", dollars(job.budget)) : "") << "\n";
+  if (p.layout.lora.enabled())
+    o << "adapters: " << describe_lora(p.layout.lora) << ", " << human_count(double(lora_params(job.model, p.layout.lora, 1)))
+      << " parameters (" << format_number(100.0 * double(lora_params(job.model, p.layout.lora, 1)) / double(job.model.n_params()), 2)
+      << "% of the model); the base frozen"
+      << (p.layout.lora.base_quant == BaseQuant::None ? " in bf16" : str(" in ", base_quant_name(p.layout.lora.base_quant)))
+      << "\n";
   o << "layout: " << layout_text(p.layout, p.grad_accum) << " (global batch "
     << p.layout.micro_batch * p.grad_accum * p.layout.dp << " sequences, " << human_count(p.tokens_per_step)
     << " tokens)\n\n";
@@ -701,7 +863,11 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
   const bool good = p.fits && p.finishes && p.within_budget;
   if (!good) {
     o << "what would:\n";
-    const std::vector<Prediction> all = search_layouts(job, rates, SIZE_MAX);
+    // The job's own method; the adapters the search offers (a full fine-tune that does not finish) on lines of
+    // their own.
+    std::vector<Prediction> all, offered;
+    for (Prediction& q : search_layouts(job, rates, SIZE_MAX))
+      (q.layout.lora.enabled() == job.layout.lora.enabled() ? all : offered).push_back(std::move(q));
     const std::optional<Prediction> best = !all.empty() && all[0].fits ? std::optional<Prediction>(all[0]) : std::nullopt;
     auto layout_line = [&](const char* what, const Prediction& b) {
       o << "  - " << what << layout_text(b.layout, b.grad_accum) << ": " << format_number(b.tokens_per_s_per_gpu, 0)
@@ -732,6 +898,19 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
         << (job.price_per_gpu_hour > 0 ? " for " + dollars(job.hours * double(k.gpus()) * job.price_per_gpu_hour) : "")
         << "\n";
     }
+    // Adapters on this cluster, the fastest layout of each base storage that fits.
+    for (BaseQuant quant : {BaseQuant::None, BaseQuant::Nf4, BaseQuant::Int8})
+      for (const Prediction& q : offered)
+        if (q.fits && q.layout.lora.base_quant == quant) {
+          o << "  - adapters, " << layout_text(q.layout, q.grad_accum) << ": "
+            << format_number(q.tokens_per_s_per_gpu, 0) << " tokens/s per GPU, " << gb(q.gpu_bytes) << " per GPU; "
+            << (q.finishes ? str("all the tokens in ", human_duration(q.wall_s))
+                           : str("in ", format_number(job.hours, 0), " h ",
+                                 human_count(job.hours * 3600 / q.step_s * q.tokens_per_step), " tokens (",
+                                 format_number(100 * job.hours * 3600 / q.step_s * q.tokens_per_step / job.tokens, 0), "%)"))
+            << (job.price_per_gpu_hour > 0 && q.finishes ? ", " + dollars(q.cost) : "") << "\n";
+          break;
+        }
     // More nodes of the same kind, doubling.
     for (int64_t nodes = k.nodes * 2; nodes <= k.nodes * 64; nodes *= 2) {
       JobSpec more = job;
@@ -775,13 +954,19 @@ std::string format_search(const JobSpec& job, const std::vector<Prediction>& ran
   std::ostringstream o;
   o << "layouts of " << job.model_name << " on " << job.cluster.gpus() << " x " << job.cluster.gpu.name
     << " at the same global batch: those that fit first, fastest first:\n";
+  for (const Prediction& p : ranked)
+    if (p.layout.lora.enabled() != job.layout.lora.enabled()) {
+      o << "  (with adapters too: no full fine-tune layout finishes in " << format_number(job.hours, 0)
+        << " h; LoRA/QLoRA r" << p.layout.lora.rank << " on all 7 modules of every layer, the base frozen in bf16 / nf4)\n";
+      break;
+    }
   char line[320];
-  std::snprintf(line, sizeof line, "  %3s %4s %5s %3s %5s %-9s %-5s %9s %8s %6s %10s %10s  %s\n", "tp", "dp", "ZeRO", "mb",
-                "accum", "recompute", "mom.", "GB/GPU", "tok/s/GPU", "MFU", "wall", "cost", "on cuda today");
+  std::snprintf(line, sizeof line, "  %-10s %3s %4s %5s %3s %5s %-9s %-5s %9s %8s %6s %10s %10s  %s\n", "method", "tp", "dp",
+                "ZeRO", "mb", "accum", "recompute", "mom.", "GB/GPU", "tok/s/GPU", "MFU", "wall", "cost", "on cuda today");
   o << line;
   for (const Prediction& p : ranked) {
-    std::snprintf(line, sizeof line, "  %3lld %4lld %5d %3lld %5lld %-9s %-5s %9.1f %8.0f %5.1f%% %10s %10s  %s%s\n",
-                  (long long)p.layout.tp, (long long)p.layout.dp, p.layout.zero, (long long)p.layout.micro_batch,
+    std::snprintf(line, sizeof line, "  %-10s %3lld %4lld %5d %3lld %5lld %-9s %-5s %9.1f %8.0f %5.1f%% %10s %10s  %s%s\n",
+                  method_text(p.layout.lora).c_str(), (long long)p.layout.tp, (long long)p.layout.dp, p.layout.zero, (long long)p.layout.micro_batch,
                   (long long)p.grad_accum, recompute_name(p.layout.recompute), p.layout.bf16_moments ? "bf16" : "fp32",
                   p.gpu_bytes / 1e9, p.tokens_per_s_per_gpu, 100 * p.mfu, human_duration(p.wall_s).c_str(),
                   job.price_per_gpu_hour > 0 ? dollars(p.cost).c_str() : "-", p.memory_is_engines ? "yes" : "no (design)",

@@ -100,7 +100,7 @@ struct JobSpec {
   LlamaConfig model;
   std::string model_name;
   Cluster cluster;
-  MemoryLayout layout;       // dp, tp, zero, recompute, bf16_moments, micro_batch, seq_len (dp_rank/tp_rank 0)
+  MemoryLayout layout;       // dp, tp, zero, recompute, bf16_moments, micro_batch, seq_len, lora (dp/tp rank 0)
   int64_t grad_accum = 1;
   double tokens = 0;         // the token budget: the corpus, or what the user wants trained
   double hours = 0;          // the time limit; 0: none
@@ -112,6 +112,9 @@ struct JobSpec {
   // mean_doc_tokens / 2 scores instead of seq_len^2 / 2 (the kernels skip key blocks outside a document). 0, or at
   // least seq_len: one document per window.
   double mean_doc_tokens = 0;
+  // The adapters the search offers (LoRA of this rank on every module, the base in bf16 and in nf4) when the job
+  // is a full fine-tune that no layout finishes in `hours`; 0: none.
+  int64_t offer_lora_rank = 16;
 };
 
 struct TimeItem {
@@ -139,8 +142,10 @@ struct Prediction {
 Prediction predict(const JobSpec& job, const Rates& rates);
 
 // Layouts of the same cluster and global batch (tp, ZeRO stage, micro-batch, recompute, bf16 moments), those that
-// fit first, fastest first. `limit`: at most this many.
-std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, size_t limit = 12);
+// fit first, fastest first. `limit`: at most this many. When the job is a full fine-tune with a time limit that no
+// layout meets, and offer_adapters, the adapters of job.offer_lora_rank are searched too (Prediction::layout.lora).
+std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, size_t limit = 12,
+                                       bool offer_adapters = true);
 
 // What build/plan prints: the memory table, the step's time by part, the job, the verdict and what would fit or
 // finish instead (from the catalogue's smaller models and more nodes).

@@ -3,6 +3,7 @@
 //   build/plan --model llama-2-70b --gpu h100-80gb --nodes 2 --tokens 130B --hours 72 --price 4.34
 //              --tp 8 --zero 3 --micro_batch 1 --seq_len 4096 --grad_accum 32 [--search]    (one line)
 //   build/plan --model ~/models/Llama-3.2-1B --gpu h200 --data 'data/contracts/train-*.bin' --json
+//   build/plan --model llama-2-70b --gpu h100-80gb --gpus_per_node 1 --tokens 100M --lora_rank 16 --base_quant nf4
 //   build/plan --refresh_rates GPU_CHECK_OUTDIR [--rates_out plan/plan_rates.json]
 #include <cmath>
 #include <cstdio>
@@ -40,11 +41,14 @@ int main(int argc, char** argv) {
     double intra_gbps = 0, inter_gbps = 0, nic_gbit = 400, hours = 0, price = 0, budget = 0, text_gb = 0;
     double bytes_per_token = 3.85, reserve_gib = 1.5, overlap = -1, mean_doc_tokens = 0;
     bool bf16_moments = false, search = false, as_json = false;
+    int64_t lora_rank = 0, search_lora_rank = 16;
+    double lora_dropout = 0;
+    std::string lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", base_quant = "none";
     Options o("build/plan", "Plans a training job before it runs: memory per GPU, step time, tokens/s, MFU, wall time, "
                             "cost, and a verdict with what would fit or finish instead.");
     o.add("model", &model, "a model the planner knows (llama-2-7b/13b/70b, llama-3.1-8b/70b, llama-3.2-1b/3b), a "
                            "config.json, or a Hugging Face / tuna model directory");
-    o.add("gpu", &gpu, "GPU kind: h100-80gb, h200 or a100-80gb");
+    o.add("gpu", &gpu, "GPU kind: h100-80gb, h200, a100-80gb or rtx-4090");
     o.add("gpus_per_node", &gpus_per_node, "GPUs per node");
     o.add("nodes", &nodes, "nodes");
     o.add("intra_gbps", &intra_gbps, "bus bandwidth inside a node, GB/s per GPU (default: the GPU's NVLink at 80%)");
@@ -61,6 +65,14 @@ int main(int argc, char** argv) {
     o.add("mean_doc_tokens", &mean_doc_tokens,
           "mean tokens per document in the packed windows: attention (masked at document boundaries, the trainer's "
           "default) costs seq_len x mean_doc_tokens / 2 scores per window; 0: one document per window", Bounds::at_least(0));
+    o.add("lora_rank", &lora_rank, "train adapters of this rank, the base frozen (LoRA); 0: a full fine-tune",
+          Bounds::at_least(0));
+    o.add("lora_targets", &lora_targets, "the modules with adapters, PEFT's names (comma list)");
+    o.add("lora_dropout", &lora_dropout, "dropout on the adapters' input (a mask kept per target for the backward)");
+    o.add("base_quant", &base_quant, "storage of the frozen base with adapters: none (bf16) | nf4 (QLoRA) | int8");
+    o.add("search_lora_rank", &search_lora_rank,
+          "the rank of the adapters --search (and the verdict) offers when no layout of a full fine-tune finishes in "
+          "--hours; 0: offer none", Bounds::at_least(0));
     o.add("tokens", &tokens_text, "token budget: 130B, 7.5e9, 500M (or --data, or --text_gb)");
     o.add("data", &data, "token shards (build/prepare's): the budget is their token count");
     o.add("text_gb", &text_gb, "the budget as GB of text, at --bytes_per_token");
@@ -112,6 +124,12 @@ int main(int argc, char** argv) {
     job.layout.bf16_moments = bf16_moments, job.layout.micro_batch = micro_batch, job.layout.seq_len = seq_len;
     job.grad_accum = grad_accum;
     job.mean_doc_tokens = mean_doc_tokens;
+    job.layout.lora.rank = lora_rank;
+    job.layout.lora.targets = lora_plan_targets(lora_targets, "option 'lora_targets'");
+    job.layout.lora.dropout = lora_dropout;
+    job.layout.lora.base_quant = parse_base_quant(base_quant, "option 'base_quant'");
+    check_lora_plan(job.model, job.layout.lora, "build/plan --lora_rank, --lora_targets, --lora_dropout, --base_quant");
+    job.offer_lora_rank = search_lora_rank;
     const int budgets = !tokens_text.empty() + !data.empty() + (text_gb > 0);
     if (budgets != 1) fail("give the token budget once: --tokens, --data or --text_gb");
     job.tokens = !tokens_text.empty() ? parse_count(tokens_text, "option 'tokens'")
@@ -124,6 +142,8 @@ int main(int argc, char** argv) {
     const Prediction p = predict(job, rates);
     if (as_json) {
       nlohmann::json j = {{"model", job.model_name},          {"gpu", gpu},
+                          {"method", describe_lora(job.layout.lora)},
+                          {"adapter_params", lora_params(job.model, job.layout.lora, 1)},
                           {"gpus", job.cluster.gpus()},        {"memory_plan", memory_plan_json(p.memory)},
                           {"memory_is_engines", p.memory_is_engines}, {"gpu_bytes", p.gpu_bytes},
                           {"fits", p.fits},                    {"compute_s", p.compute_s},

@@ -8,8 +8,10 @@
 
 #include "model/config.h"
 #include "model/layout.h"
+#include "model/lora_shape.h"
 #include "model/memory_plan.h"
 #include "tests/model/fixture.h"
+#include "tests/test_util.h"
 
 #if TUNA_CUDA
 #include "engine/engine.h"
@@ -110,6 +112,186 @@ TEST(MemoryPlanGpu, HeadChunksAreAtLeast2048Rows) {
   EXPECT_EQ(gpu_head_chunk_rows(128256, 1 << 20), 2048);
   EXPECT_EQ(gpu_head_chunk_rows(1024, 1 << 20), (int64_t(32) << 20) / 1024);
   EXPECT_EQ(gpu_head_chunk_rows(32000, 100), 100);  // never more than the rows there are
+}
+
+// With adapters, on llama2_tiny (hidden 64, ffn 160, 2 layers, 4 heads of 16, 4 kv heads, vocab 128, untied),
+// rank 4 on all seven modules. Every figure below is the model's arithmetic, written out.
+namespace lora_tiny {
+constexpr int64_t C = 64, F = 160, L = 2, V = 128, r = 4;
+// bf16 base: embedding and lm_head [128, 64], per layer two norms, q|k|v|o [64, 64], gate|up [160, 64], down [64, 160],
+// the final norm.
+constexpr int64_t base_params = 2 * V * C + L * (2 * C + 4 * C * C + 3 * C * F) + C;
+// Per layer: A [r, in] and B [out, r] of q, k, v, o (in = out = 64) and gate, up, down (64 and 160).
+constexpr int64_t adapters_per_layer = 4 * r * (C + C) + 3 * r * (C + F);
+constexpr int64_t adapters = L * adapters_per_layer;
+}  // namespace lora_tiny
+
+MemoryLayout adapter_layout(int64_t rank) {
+  MemoryLayout l;
+  l.lora.rank = rank;
+  return l;
+}
+
+TEST(MemoryPlanGpu, LoraHoldsAFrozenBf16BaseAndTheAdaptersState) {
+  using namespace lora_tiny;
+  Fixture f("llama2_tiny");
+  ASSERT_EQ(base_params, 110912);
+  ASSERT_EQ(adapters, 9472);
+  MemoryLayout l = adapter_layout(r);
+  l.micro_batch = 2, l.seq_len = 16;
+  const MemoryPlan plan = plan_gpu_memory(f.config, l);
+  // The base: bf16, no gradient, no master, no moments.
+  ASSERT_NE(find(plan, "bf16 base weights (frozen)"), nullptr);
+  EXPECT_EQ(find(plan, "bf16 base weights (frozen)")->bytes, device_arena_bytes(2 * base_params));
+  EXPECT_EQ(find(plan, "bf16 weights"), nullptr);
+  EXPECT_EQ(find(plan, "fp32 gradients"), nullptr);
+  EXPECT_EQ(find(plan, "fp32 master weights"), nullptr);
+  // The adapters: bf16 for the GEMMs, fp32 master, gradient and both moments: 2 + 4 + 4 + 8 bytes each.
+  EXPECT_EQ(plan.bytes(MemoryKind::Weights), device_arena_bytes(2 * base_params) + device_arena_bytes(2 * adapters));
+  EXPECT_EQ(plan.bytes(MemoryKind::Master), device_arena_bytes(4 * adapters));
+  EXPECT_EQ(plan.bytes(MemoryKind::Gradients), device_arena_bytes(4 * adapters));
+  EXPECT_EQ(plan.bytes(MemoryKind::Moments), 2 * device_arena_bytes(4 * adapters));
+  // Per layer and target the r-wide A x, kept for dB: 32 tokens x 4 x 2 bytes; no dropout, no mask.
+  int64_t ax = 0, masks = 0;
+  for (const MemoryItem& i : plan.items) {
+    if (i.name.find(" lora_ax ") != std::string::npos) {
+      ax++;
+      EXPECT_EQ(i.bytes, device_arena_bytes(32 * r * 2)) << i.name;
+    }
+    masks += i.name.find("lora_mask") != std::string::npos;
+  }
+  EXPECT_EQ(ax, L * 7);
+  EXPECT_EQ(masks, 0);
+  EXPECT_EQ(find(plan, "LoRA d(A x)")->bytes, device_arena_bytes(32 * r * 7 * 2));
+  // The full fine-tune's activations are all there too.
+  MemoryLayout full = l;
+  full.lora.rank = 0;
+  EXPECT_GT(plan.bytes(MemoryKind::Activations), plan_gpu_memory(f.config, full).bytes(MemoryKind::Activations));
+
+  // Dropout keeps a bit per input element of each target: q_proj's 32 x 64 bits, down_proj's 32 x 160.
+  l.lora.dropout = 0.05;
+  const MemoryPlan dropped = plan_gpu_memory(f.config, l);
+  EXPECT_EQ(find(dropped, "layer 1 lora_mask q_proj")->bytes, device_arena_bytes(32 * 64 / 8));
+  EXPECT_EQ(find(dropped, "layer 1 lora_mask down_proj")->bytes, device_arena_bytes(32 * 160 / 8));
+  EXPECT_EQ(find(dropped, "LoRA dropout(x)")->bytes, device_arena_bytes(32 * F * 2));
+  // Full recompute keeps neither: one working copy per target, refilled by the recompute.
+  l.recompute = Recompute::Full;
+  const MemoryPlan recomputed = plan_gpu_memory(f.config, l);
+  EXPECT_EQ(find(recomputed, "layer 0 lora_ax q_proj"), nullptr);
+  EXPECT_NE(find(recomputed, "working lora_ax q_proj"), nullptr);
+  EXPECT_NE(find(recomputed, "working lora_mask down_proj"), nullptr);
+
+  // A subset of targets: q and v alone hold 2 x r x (64 + 64) per layer.
+  MemoryLayout qv = adapter_layout(r);
+  qv.lora.targets = lora_plan_targets("v_proj,q_proj", "test");
+  EXPECT_EQ(find(plan_gpu_memory(f.config, qv), "LoRA fp32 master weights")->bytes,
+            device_arena_bytes(4 * L * 2 * r * (C + C)));
+}
+
+TEST(MemoryPlanGpu, LoraShardsTheAdaptersStateByZeroAndTheBaseAtZeroThree) {
+  using namespace lora_tiny;
+  Fixture f("llama2_tiny");
+  MemoryLayout l = adapter_layout(r);
+  l.zero = 1, l.dp = 3;
+  // ZeRO shards each layer's adapters over dp: rank 0 holds ceil(4736 / 3) = 1579 of each of the 2 layers, padded
+  // to the fused AdamW's 4: 3160 elements.
+  const MemoryPlan z1 = plan_gpu_memory(f.config, l);
+  EXPECT_EQ(find(z1, "LoRA fp32 master weights (shard)")->bytes, device_arena_bytes(3160 * 4));
+  EXPECT_EQ(find(z1, "LoRA AdamW m (shard)")->bytes, device_arena_bytes(3160 * 4));
+  EXPECT_EQ(find(z1, "LoRA fp32 gradients")->bytes, device_arena_bytes(4 * adapters));  // whole below ZeRO-2
+  EXPECT_EQ(find(z1, "bf16 base weights (frozen)")->bytes, device_arena_bytes(2 * base_params));  // replicated
+  // ZeRO-3 with an nf4 base: each unit's stored bytes split over dp. A [64, 64] weight in nf4: 2048 bytes of codes,
+  // 64 absmax bytes, one fp32 scale of 256 absmax, one fp32 mean = 2120; [160, 64] and [64, 160]: 5120 + 160 + 4 + 4
+  // = 5288. A layer: 4 x 2120 + 3 x 5288 + two bf16 norms of 64 = 24600 bytes; the embedding 128 x 64 x 2 = 16384;
+  // the head (final norm and lm_head) 128 + 16384 = 16512.
+  l.zero = 3, l.dp = 2, l.lora.base_quant = BaseQuant::Nf4;
+  const MemoryPlan z3 = plan_gpu_memory(f.config, l);
+  EXPECT_EQ(find(z3, "nf4 base weights (frozen, shard)")->bytes,
+            device_arena_bytes(16384 / 2 + 2 * (24600 / 2) + 16512 / 2));
+  EXPECT_EQ(find(z3, "base gather buffer 0")->bytes, device_arena_bytes(24600));
+  EXPECT_EQ(find(z3, "base gather buffer 1")->bytes, device_arena_bytes(24600));
+  // The layer's Linear weights dequantized into one bf16 buffer: (4 x 64 x 64 + 3 x 160 x 64) x 2 bytes.
+  EXPECT_EQ(find(z3, "dequantized layer weights (bf16, one layer)")->bytes,
+            device_arena_bytes((4 * 64 * 64 + 3 * 160 * 64) * 2));
+  // Below ZeRO-3 the nf4 decoder weights and the bf16 rest are whole on every rank.
+  l.zero = 2;
+  const MemoryPlan z2 = plan_gpu_memory(f.config, l);
+  EXPECT_EQ(find(z2, "nf4 base weights (frozen decoder Linear weights)")->bytes, device_arena_bytes(2 * 24344));
+  EXPECT_EQ(find(z2, "bf16 base weights (frozen embedding, norms, lm_head)")->bytes,
+            device_arena_bytes(2 * 16384 + (2 * 2 * 64 + 64) * 2));
+  EXPECT_EQ(find(z2, "base gather buffer 0"), nullptr);
+}
+
+TEST(MemoryPlanGpu, LoraUnderTensorParallelismFollowsMegatronSplits) {
+  using namespace lora_tiny;
+  Fixture f("llama2_tiny");
+  // tp 2: 2 heads (q, k, v 32 wide) and 80 ffn columns per rank. Column-parallel q, k, v: A [4, 64] whole, B [32, 4];
+  // gate, up: A [4, 64], B [80, 4]. Row-parallel o: A [4, 32], B [64, 4] whole; down: A [4, 80], B [64, 4].
+  const int64_t per_layer = 3 * (4 * 64 + 32 * 4) + (4 * 32 + 64 * 4) + 2 * (4 * 64 + 80 * 4) + (4 * 80 + 64 * 4);
+  EXPECT_EQ(lora_layer_params(f.config, LoraPlan{r}, 2), per_layer);
+  EXPECT_EQ(per_layer, 3264);
+  MemoryLayout l = adapter_layout(r);
+  l.tp = 2;
+  EXPECT_EQ(find(plan_gpu_memory(f.config, l), "LoRA fp32 master weights")->bytes, device_arena_bytes(4 * L * per_layer));
+  // The replicated factors (A of q, k, v, gate, up; B of o, down), 7 per layer, have their norms summed once.
+  EXPECT_EQ(find(plan_gpu_memory(f.config, l), "replicated gradient norms")->bytes, device_arena_bytes(L * 7 * 8));
+}
+
+TEST(MemoryPlanGpu, TheFitCheckOffersAnNf4BaseToAdapters) {
+  // llama2_tiny LoRA on one rank, full recompute, bf16 moments, micro-batch 1 (nothing else left to try), with a
+  // capacity between its nf4 plan and its bf16 plan (headroom included).
+  Fixture f("llama2_tiny");
+  MemoryLayout l = adapter_layout(4);
+  l.recompute = Recompute::Full, l.bf16_moments = true;
+  MemoryLayout q = l;
+  q.lora.base_quant = BaseQuant::Nf4;
+  const int64_t bf16 = plan_gpu_memory(f.config, l).peak(), nf4 = plan_gpu_memory(f.config, q).peak();
+  ASSERT_LT(nf4, bf16);
+  const GpuFit fit = check_gpu_fit(f.config, l, (bf16 + nf4) / 2 + gpu_headroom_bytes(l));
+  EXPECT_FALSE(fit.fits);
+  EXPECT_NE(fit.report.find("would fit with: --base_quant nf4"), std::string::npos) << fit.report;
+}
+
+TEST(MemoryPlanGpu, LoraRefusesWhatTheModelCannotTake) {
+  Fixture f("llama2_tiny");
+  MemoryLayout l = adapter_layout(65);  // q_proj is 64 x 64
+  std::string e = testing_util::error_of([&] { plan_gpu_memory(f.config, l); });
+  EXPECT_NE(e.find("lora_rank 65 is more than q_proj's smaller dimension 64"), std::string::npos) << e;
+  l.lora.rank = 4, l.lora.dropout = std::nan("");
+  e = testing_util::error_of([&] { plan_gpu_memory(f.config, l); });
+  EXPECT_NE(e.find("lora_dropout must be in [0, 1)"), std::string::npos) << e;
+  MemoryLayout q;
+  q.lora.base_quant = BaseQuant::Nf4;  // a quantized base without adapters
+  e = testing_util::error_of([&] { plan_gpu_memory(f.config, q); });
+  EXPECT_NE(e.find("base_quant nf4"), std::string::npos) << e;
+  e = testing_util::error_of([] { lora_plan_targets("q_proj,lm_head", "option 'lora_targets'"); });
+  EXPECT_NE(e.find("option 'lora_targets': 'lm_head' is not a module"), std::string::npos) << e;
+  EXPECT_NE(e.find("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"), std::string::npos) << e;
+  e = testing_util::error_of([] { parse_base_quant("fp4", "option 'base_quant'"); });
+  EXPECT_NE(e.find("option 'base_quant': expected none, nf4 or int8, found 'fp4'"), std::string::npos) << e;
+}
+
+TEST(MemoryPlanGpu, BaseStorageBytes) {
+  // nf4 (bitsandbytes, blocksize 64, double-quantized): n/2 codes, n/64 absmax bytes, 4 bytes per 256 absmax, 4.
+  EXPECT_EQ(base_tensor_bytes(1000, 10, BaseQuant::Nf4), 500 + 16 + 4 + 4);
+  EXPECT_EQ(base_tensor_bytes(64 * 256 * 3, 8, BaseQuant::Nf4), 64 * 256 * 3 / 2 + 256 * 3 + 3 * 4 + 4);
+  EXPECT_EQ(base_tensor_bytes(64 * 256 * 3 + 1, 8, BaseQuant::Nf4), (64 * 256 * 3 + 2) / 2 + 256 * 3 + 1 + 4 * 4 + 4);
+  // int8: a byte each and an fp32 absmax per row; none: bf16.
+  EXPECT_EQ(base_tensor_bytes(1000, 10, BaseQuant::Int8), 1000 + 40);
+  EXPECT_EQ(base_tensor_bytes(1000, 10, BaseQuant::None), 2000);
+  // LLaMA-2-70B's decoder Linear weights: 80 x (8192 x (8192 + 1024 + 1024 + 8192) + 3 x 8192 x 28672) = 68.45B
+  // weights at 4.127 bits; the embedding, lm_head (2 x 32000 x 8192) and norms stay bf16.
+  LlamaConfig c70 = LlamaConfig::from_json(
+      {{"hidden_size", 8192}, {"intermediate_size", 28672}, {"num_hidden_layers", 80}, {"num_attention_heads", 64},
+       {"num_key_value_heads", 8}, {"vocab_size", 32000}, {"max_position_embeddings", 4096}},
+      "llama-2-70b");
+  int64_t quantized = 0, plain = 0;
+  const ParamLayout layout70(c70);
+  for (const ParamTensor& t : layout70.tensors())
+    (base_tensor_quantized(t) ? quantized : plain) += base_storage_bytes(t, BaseQuant::Nf4);
+  const double linear = 80.0 * (8192.0 * 18432 + 3.0 * 8192 * 28672);
+  EXPECT_NEAR(double(quantized), linear * (4 + 8.0 / 64 + 32.0 / (64 * 256)) / 8, 80 * 7 * 8);
+  EXPECT_EQ(plain, 2 * (2 * int64_t(32000) * 8192 + 161 * 8192));
 }
 
 #if TUNA_CUDA

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "model/layout.h"
+#include "model/lora_shape.h"
 #include "plan/planner.h"
 #include "tests/test_util.h"
 
@@ -181,6 +182,128 @@ TEST(Planner, TheSeedJobsVerdictSaysWhatWouldFinish) {
   EXPECT_NE(text.find("llama-"), std::string::npos) << text;  // a smaller model that finishes
   // The cost is hours x GPUs x price.
   EXPECT_NEAR(p.cost, p.wall_s / 3600 * 16 * 4.34, 1e-6 * p.cost);
+}
+
+double part_of(const Prediction& p, const std::string& name) {
+  for (const TimeItem& t : p.compute)
+    if (t.name == name) return t.seconds;
+  return -1.0;
+}
+
+// LoRA on the 1B shape (hidden 2048, ffn 8192, 16 layers, 32 heads of 64, 8 kv heads, vocab 128256, tied), one H200
+// (the rates' own card: no scaling), batch 2 x 4096: every figure below is written out from the shapes.
+TEST(Planner, LoraStepIsFourNPlusTheAdapters) {
+  JobSpec j = job_of("llama-3.2-1b", "h200", 1, 1, 0, 2, 4096, 1);
+  j.cluster.gpus_per_node = 1;
+  j.layout.dp = 1;
+  const Rates& rates = repository_rates();
+  const Prediction full = predict(j, rates);
+  j.layout.lora.rank = 16;
+  const Prediction lora = predict(j, rates);
+  const double n = 8192, L = 16, r = 16;
+  // Adapter weights: r x (in + out) of q [2048 -> 2048], k and v [2048 -> 512], o [2048 -> 2048], gate and up
+  // [2048 -> 8192], down [8192 -> 2048].
+  const double per_layer = r * (4096 + 2560 + 2560 + 4096 + 10240 + 10240 + 10240);
+  EXPECT_EQ(lora_params(j.model, j.layout.lora, 1), int64_t(L * per_layer));
+  // FLOPs per token: forward 2 and input gradient 2 per matmul weight (the tied head's included), 6 per adapter
+  // weight, and attention's 6 x seq x q_dim per layer, unchanged.
+  const double N = double(j.model.n_params());
+  EXPECT_DOUBLE_EQ(lora_flops_per_token(j.model, j.layout.lora, 4096), 4 * N + 6 * L * per_layer + 6.0 * 4096 * 2048 * L);
+  EXPECT_NEAR(lora.mfu, 8192 / lora.step_s * lora_flops_per_token(j.model, j.layout.lora, 4096) / 989.4e12, 1e-9);
+  // The frozen layer GEMMs: forward at 770 TFLOP/s and input gradient at 761, no weight gradient.
+  const double weights = 2048.0 * 3072 + 2048.0 * 2048 + 2048.0 * 16384 + 8192.0 * 2048;  // q|k|v, o, gate|up, down
+  EXPECT_NEAR(part_of(lora, "layer GEMMs"), L * 2 * n * weights * (1 / 770e12 + 1 / 761e12), 1e-12);
+  EXPECT_NEAR(part_of(full, "layer GEMMs"), L * 2 * n * weights * (1 / 770e12 + 2 / 761e12), 1e-12);
+  // The adapters' GEMMs are bound by their bytes at the measured copy bandwidth (4234 GB/s): per layer, the inputs
+  // read once per group in the forward (x of q|k|v, o, gate|up, down: 3 x 2048 + 8192 features) and three times in
+  // the backward (dA; dx read and written), and per target, each way, 4 r + 4 out bytes per token (A x written and
+  // read, the output or its gradient read twice).
+  const double inputs = 3 * 2048 + 8192, outputs = 2048 + 512 + 512 + 2048 + 8192 + 8192 + 2048;
+  const double bytes = n * (2 * inputs + 6 * inputs + 2 * (7 * 4 * r + 4 * outputs));
+  EXPECT_NEAR(part_of(lora, "adapter GEMMs"), L * bytes / 4234e9, 1e-12);
+  EXPECT_GT(L * bytes / 4234e9, 10 * L * 6 * n * per_layer / 761e12);  // the FLOPs would take a tenth of that
+  // The frozen head: forward and input gradient.
+  EXPECT_LT(part_of(lora, "loss head"), part_of(full, "loss head"));
+  // AdamW over the adapters alone.
+  EXPECT_LT(part_of(lora, "AdamW and gradient norm"), part_of(full, "AdamW and gradient norm") / 50);
+  EXPECT_LT(lora.step_s, full.step_s);
+
+  // QLoRA: a layer's weights dequantized per forward and backward, the nf4 bytes read and 2 bytes a weight written.
+  j.layout.lora.base_quant = BaseQuant::Nf4;
+  const Prediction q = predict(j, rates);
+  const double nf4 = 2 * base_tensor_bytes(2048 * 2048, 2048, BaseQuant::Nf4) +
+                     2 * base_tensor_bytes(512 * 2048, 512, BaseQuant::Nf4) +
+                     3 * base_tensor_bytes(8192 * 2048, 8192, BaseQuant::Nf4);
+  EXPECT_NEAR(part_of(q, "dequantization"), L * 2 * (nf4 + 2 * weights) / 4234e9, 1e-12);
+  // A full recompute dequantizes each layer a third time, counted with the recompute.
+  j.layout.recompute = Recompute::Full;
+  const double qlora_recompute = part_of(predict(j, rates), "recompute");
+  j.layout.lora.base_quant = BaseQuant::None;
+  EXPECT_NEAR(qlora_recompute - part_of(predict(j, rates), "recompute"), L * (nf4 + 2 * weights) / 4234e9, 1e-12);
+}
+
+TEST(Planner, LoraCrossesDataParallelWithItsGradientsAlone) {
+  JobSpec j = job_of("llama-3.1-8b", "h100-80gb", 2, 1, 0, 1, 4096, 1);
+  j.layout.lora.rank = 16;
+  const Prediction p = predict(j, repository_rates());
+  ASSERT_EQ(p.communication.size(), 1u);
+  // ZeRO-0 over 16 ranks in 2 nodes: an all-reduce of the adapters' fp32 gradients, 16 x 32 layers x (q 4096 + 4096,
+  // k and v 4096 + 1024, o 4096 + 4096, gate and up 4096 + 14336, down 14336 + 4096), plus 25 us a layer.
+  const double adapters = 16.0 * 32 * (8192 + 2 * 5120 + 8192 + 3 * 18432);
+  EXPECT_NEAR(p.communication[0].seconds, 2.0 * 15 / 16 * 4 * adapters / 40e9 + 32 * 25e-6, 1e-9);
+  // The bf16 base is whole on every dp rank, and the plan says so.
+  bool said = false;
+  for (const std::string& note : p.notes) said |= note.find("whole on every dp rank: no gathers") != std::string::npos;
+  EXPECT_TRUE(said);
+}
+
+// The figures the README gives: LLaMA-3.1-8B LoRA on one 24 GB card at seq 2048, LLaMA-2-70B QLoRA on one 80 GB
+// card at seq 4096 (both with full recompute), where neither fits without adapters.
+TEST(Planner, AdaptersFitTheOneGpuJobs) {
+  JobSpec a = job_of("llama-3.1-8b", "rtx-4090", 1, 1, 0, 1, 2048, 1);
+  a.cluster.gpus_per_node = 1, a.layout.dp = 1, a.layout.recompute = Recompute::Full;
+  EXPECT_FALSE(predict(a, repository_rates()).fits);
+  a.layout.lora.rank = 16;
+  const Prediction pa = predict(a, repository_rates());
+  EXPECT_TRUE(pa.fits) << pa.gpu_bytes;
+  EXPECT_LT(pa.gpu_bytes, 24e9);
+  JobSpec b = job_of("llama-2-70b", "h100-80gb", 1, 1, 0, 1, 4096, 1);
+  b.cluster.gpus_per_node = 1, b.layout.dp = 1, b.layout.recompute = Recompute::Full, b.layout.lora.rank = 16;
+  EXPECT_FALSE(predict(b, repository_rates()).fits);  // the bf16 base alone is 138 GB
+  b.layout.lora.base_quant = BaseQuant::Nf4;
+  const Prediction pb = predict(b, repository_rates());
+  EXPECT_TRUE(pb.fits) << pb.gpu_bytes;
+  b.hours = 0;  // no time limit: the verdict searches nothing
+  EXPECT_NE(format_plan(b, pb, repository_rates()).find("adapters: QLoRA (nf4) r16 on all 7 modules"), std::string::npos);
+}
+
+// A full fine-tune that no layout finishes in the hours given: the search offers adapters, and the verdict names
+// them; with time enough it offers none.
+TEST(Planner, SearchOffersAdaptersWhenAFullFineTuneCannotFinish) {
+  JobSpec j = job_of("llama-3.2-1b", "h100-80gb", 1, 1, 0, 1, 4096, 4);
+  j.tokens = 10e9, j.hours = 1e6;
+  const std::vector<Prediction> relaxed = search_layouts(j, repository_rates(), SIZE_MAX);
+  ASSERT_TRUE(relaxed[0].fits && relaxed[0].finishes);
+  for (const Prediction& p : relaxed) ASSERT_FALSE(p.layout.lora.enabled());
+  // Between the fastest full fine-tune and the fastest adapters: only adapters finish.
+  JobSpec with = j;
+  with.layout.lora.rank = 16;
+  const std::vector<Prediction> adapters = search_layouts(with, repository_rates(), 1);
+  ASSERT_TRUE(adapters[0].fits);
+  ASSERT_LT(adapters[0].wall_s, relaxed[0].wall_s);
+  j.hours = (adapters[0].wall_s + relaxed[0].wall_s) / 2 / 3600;
+  const std::vector<Prediction> ranked = search_layouts(j, repository_rates(), 12);
+  EXPECT_TRUE(ranked[0].layout.lora.enabled());
+  EXPECT_EQ(ranked[0].layout.lora.rank, 16);
+  EXPECT_TRUE(ranked[0].finishes);
+  EXPECT_EQ(ranked[0].layout.micro_batch * ranked[0].grad_accum * ranked[0].layout.dp, 1 * 4 * 8);
+  EXPECT_NE(format_search(j, ranked).find("QLoRA r16"), std::string::npos);
+  const std::string verdict = format_plan(j, predict(j, repository_rates()), repository_rates());
+  EXPECT_NE(verdict.find("does NOT finish"), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("  - adapters, LoRA r16 on all 7 modules, "), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("  - adapters, QLoRA (nf4) r16 on all 7 modules, "), std::string::npos) << verdict;
+  j.offer_lora_rank = 0;  // offer none
+  for (const Prediction& p : search_layouts(j, repository_rates(), SIZE_MAX)) EXPECT_FALSE(p.layout.lora.enabled());
 }
 
 TEST(Planner, CountsTakeSuffixes) {

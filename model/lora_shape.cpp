@@ -1,0 +1,158 @@
+// Adapter shapes and the frozen base's storage (model/lora_shape.h).
+#include "model/lora_shape.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace tuna {
+
+BaseQuant parse_base_quant(const std::string& text, const std::string& source) {
+  if (text == "none") return BaseQuant::None;
+  if (text == "nf4") return BaseQuant::Nf4;
+  if (text == "int8") return BaseQuant::Int8;
+  fail(source, ": expected none, nf4 or int8, found '", text, "'");
+}
+
+const char* base_quant_name(BaseQuant q) {
+  switch (q) {
+    case BaseQuant::None: return "none";
+    case BaseQuant::Nf4: return "nf4";
+    case BaseQuant::Int8: return "int8";
+  }
+  return "?";
+}
+
+namespace {
+
+std::string known_modules() {
+  std::string known;
+  for (const char* m : kLoraModules) known += (known.empty() ? "" : ",") + std::string(m);
+  return known;
+}
+
+}  // namespace
+
+uint32_t lora_plan_targets(const std::string& comma_list, const std::string& source) {
+  uint32_t bits = 0;
+  std::string item;
+  for (char ch : comma_list + ",") {
+    if (ch != ',') {
+      if (ch != ' ') item += ch;
+      continue;
+    }
+    if (item.empty()) continue;
+    const auto at = std::find_if(kLoraModules.begin(), kLoraModules.end(), [&](const char* m) { return item == m; });
+    if (at == kLoraModules.end())
+      fail(source, ": '", item, "' is not a module of a LLaMA decoder layer; expected a comma list of ", known_modules());
+    const uint32_t bit = 1u << (at - kLoraModules.begin());
+    if (bits & bit) fail(source, ": '", item, "' is listed twice");
+    bits |= bit;
+    item.clear();
+  }
+  if (bits == 0) fail(source, ": expected a comma list of ", known_modules(), ", found '", comma_list, "'");
+  return bits;
+}
+
+std::string describe_lora(const LoraPlan& lora) {
+  if (!lora.enabled()) return "full fine-tune";
+  std::string targets;
+  if ((lora.targets & kLoraEveryModule) == kLoraEveryModule) {
+    targets = "all 7 modules";
+  } else {
+    for (size_t i = 0; i < kLoraModules.size(); i++)
+      if (lora.targets_module(i)) targets += (targets.empty() ? "" : ",") + std::string(kLoraModules[i]);
+  }
+  const std::string method =
+      lora.base_quant == BaseQuant::None ? "LoRA" : str("QLoRA (", base_quant_name(lora.base_quant), ")");
+  return str(method, " r", lora.rank, " on ", targets, lora.dropout > 0 ? str(", dropout ", lora.dropout) : "");
+}
+
+void check_lora_plan(const LlamaConfig& c, const LoraPlan& lora, const std::string& source) {
+  if (lora.rank < 0) fail(source, ": lora_rank must be >= 0 (0: a full fine-tune), found ", lora.rank);
+  if (!lora.enabled()) {
+    if (lora.base_quant != BaseQuant::None)
+      fail(source, ": base_quant ", base_quant_name(lora.base_quant), " freezes the base, which only adapters "
+           "train around: give lora_rank > 0 (or base_quant none for a full fine-tune)");
+    return;
+  }
+  if ((lora.targets & kLoraEveryModule) == 0) fail(source, ": lora_rank ", lora.rank, " with no lora_targets");
+  if (!std::isfinite(lora.dropout) || lora.dropout < 0 || lora.dropout >= 1)
+    fail(source, ": lora_dropout must be in [0, 1), found ", lora.dropout);
+  for (const LoraTargetShape& t : lora_layer_shapes(c, lora, 1)) {
+    const int64_t smaller = std::min(t.in, t.out);
+    if (lora.rank > smaller)
+      fail(source, ": lora_rank ", lora.rank, " is more than ", t.module, "'s smaller dimension ", smaller, " (",
+           t.out, " x ", t.in, "): a rank above it adds parameters and no capacity");
+  }
+}
+
+std::vector<LoraTargetShape> lora_layer_shapes(const LlamaConfig& c, const LoraPlan& lora, int64_t tp) {
+  std::vector<LoraTargetShape> shapes;
+  if (!lora.enabled()) return shapes;
+  const ParamLayout layout(c, 0, static_cast<int>(tp));  // refuses a tp that splits kv groups, naming it
+  const TpDims& d = layout.tp();
+  const int64_t C = c.hidden_size, r = lora.rank;
+  struct Linear {
+    const char* module;
+    int64_t in, out;
+    bool column;
+  };
+  const Linear linears[] = {{"q_proj", C, d.q_dim, true},    {"k_proj", C, d.kv_dim, true},
+                            {"v_proj", C, d.kv_dim, true},   {"o_proj", d.q_dim, C, false},
+                            {"gate_proj", C, d.ffn, true},   {"up_proj", C, d.ffn, true},
+                            {"down_proj", d.ffn, C, false}};
+  for (size_t i = 0; i < kLoraModules.size(); i++) {
+    const Linear& l = linears[i];
+    if (!lora.targets_module(i)) continue;
+    LoraTargetShape s;
+    s.module = l.module, s.in = l.in, s.out = l.out, s.column_parallel = l.column;
+    s.a_rows = r, s.a_cols = l.in;   // column: in is whole; row: in is this rank's slice
+    s.b_rows = l.out, s.b_cols = r;  // column: out is this rank's slice; row: out is whole
+    shapes.push_back(s);
+  }
+  return shapes;
+}
+
+int64_t lora_layer_params(const LlamaConfig& c, const LoraPlan& lora, int64_t tp) {
+  int64_t n = 0;
+  for (const LoraTargetShape& s : lora_layer_shapes(c, lora, tp)) n += s.params();
+  return n;
+}
+
+int64_t lora_params(const LlamaConfig& c, const LoraPlan& lora, int64_t tp) {
+  return c.num_hidden_layers * lora_layer_params(c, lora, tp);
+}
+
+double lora_flops_per_token(const LlamaConfig& c, const LoraPlan& lora, int64_t seq) {
+  double matmul_params = static_cast<double>(c.n_params());
+  if (!c.tie_word_embeddings) matmul_params -= static_cast<double>(c.vocab_size * c.hidden_size);
+  const double attention = 6.0 * static_cast<double>(seq) * static_cast<double>(c.q_dim()) *
+                           static_cast<double>(c.num_hidden_layers);
+  return 4.0 * matmul_params + 6.0 * static_cast<double>(lora_params(c, lora, 1)) + attention;
+}
+
+bool base_tensor_quantized(const ParamTensor& t) { return t.layer >= 0 && t.shape.size() == 2; }
+
+int64_t base_tensor_bytes(int64_t numel, int64_t rows, BaseQuant quant) {
+  TUNA_CHECK(numel >= 0 && rows >= 1, "numel ", numel, ", rows ", rows);
+  switch (quant) {
+    case BaseQuant::None: return 2 * numel;
+    case BaseQuant::Nf4: {
+      constexpr int64_t kBlock = 64, kAbsmaxBlock = 256;
+      const int64_t blocks = (numel + kBlock - 1) / kBlock;
+      const int64_t absmax_groups = (blocks + kAbsmaxBlock - 1) / kAbsmaxBlock;
+      return (numel + 1) / 2 + blocks + 4 * absmax_groups + 4;
+    }
+    case BaseQuant::Int8: return numel + 4 * rows;
+  }
+  return 0;
+}
+
+int64_t base_storage_bytes(const ParamTensor& t, BaseQuant quant) {
+  if (!base_tensor_quantized(t)) return 2 * t.numel;
+  return base_tensor_bytes(t.numel, t.shape[0], quant);
+}
+
+}  // namespace tuna

@@ -1,0 +1,84 @@
+// Adapters (LoRA) and the storage of a frozen base: the shapes that the memory plan, build/plan and the trainer
+// share, so that what is planned is what is allocated.
+//
+// An adapter on a Linear W [out, in] adds (alpha / r) B A x, with A [r, in] and B [out, r]. Under tensor
+// parallelism the adapter follows its Linear's Megatron split, so that each rank's product stays local:
+//   column-parallel (q, k, v, gate, up: out split): A [r, in] whole on every tp rank, B [out / tp, r];
+//   row-parallel (o, down: in split): A [r, in / tp], B [out, r] whole on every tp rank.
+// The replicated factor's gradient needs a sum over tp of an r-wide product (the only extra tp traffic).
+// With adapters the base is frozen: no gradient, no fp32 master, no moments. QLoRA stores the decoder's Linear
+// weights in 4-bit NormalFloat (bitsandbytes' layout); the embedding, the norms and lm_head stay bf16.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/layout.h"
+
+namespace tuna {
+
+// How the frozen base is stored on the GPU (the CPU backend keeps fp32 unless quantized the same way).
+enum class BaseQuant { None, Nf4, Int8 };
+// "none" | "nf4" | "int8"; anything else is a tuna::Error naming `source`.
+BaseQuant parse_base_quant(const std::string& text, const std::string& source);
+const char* base_quant_name(BaseQuant q);
+
+// PEFT's module names of a LLaMA decoder layer, in forward order: bit i of LoraPlan::targets is kLoraModules[i]
+// (the trainer's LoraTarget order).
+inline constexpr std::array<const char*, 7> kLoraModules = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                                            "gate_proj", "up_proj", "down_proj"};
+inline constexpr uint32_t kLoraEveryModule = (1u << kLoraModules.size()) - 1;
+
+struct LoraPlan {
+  int64_t rank = 0;                     // r; 0: a full fine-tune (no adapters, everything below ignored)
+  uint32_t targets = kLoraEveryModule;  // bit i: kLoraModules[i] has an adapter
+  double dropout = 0;                   // > 0: a mask per target and input element is kept for the backward
+  BaseQuant base_quant = BaseQuant::None;
+  bool enabled() const { return rank > 0; }
+  bool targets_module(size_t i) const { return (targets >> i) & 1u; }
+};
+
+// "q_proj,v_proj" -> bits; an unknown or repeated name, or an empty list, is an error naming `source` and the
+// known names.
+uint32_t lora_plan_targets(const std::string& comma_list, const std::string& source);
+// "LoRA r16 on all 7 modules", "QLoRA (nf4) r8 on q_proj,v_proj", "full fine-tune".
+std::string describe_lora(const LoraPlan& lora);
+// Refuses a plan the model cannot take, naming `source`: a rank above the smaller dimension of a target, no
+// targets, a dropout outside [0, 1), a quantized base without adapters.
+void check_lora_plan(const LlamaConfig& config, const LoraPlan& lora, const std::string& source);
+
+// One target's adapter on one tp rank.
+struct LoraTargetShape {
+  std::string module;            // "q_proj"
+  int64_t in = 0, out = 0;       // the Linear's features on this tp rank (in split for row-parallel, out for column)
+  bool column_parallel = true;   // q, k, v, gate, up
+  int64_t a_rows = 0, a_cols = 0, b_rows = 0, b_cols = 0;  // A [r, in] and B [out, r], local
+  int64_t params() const { return a_rows * a_cols + b_rows * b_cols; }
+};
+// The targeted modules of one decoder layer on tp rank 0 of `tp` (the largest share when ffn splits unevenly).
+std::vector<LoraTargetShape> lora_layer_shapes(const LlamaConfig& config, const LoraPlan& lora, int64_t tp);
+// Adapter parameters of one layer / of the model, on one tp rank.
+int64_t lora_layer_params(const LlamaConfig& config, const LoraPlan& lora, int64_t tp);
+int64_t lora_params(const LlamaConfig& config, const LoraPlan& lora, int64_t tp);
+
+// Model FLOPs of one trained token with adapters: forward 2 and input gradient 2 per frozen matmul weight (no
+// weight gradient), 6 per adapter weight, and causal attention's 6 * seq * q_dim per layer (model_flops_per_token's
+// convention: its backward runs whole, the queries, keys and values need their gradients).
+double lora_flops_per_token(const LlamaConfig& config, const LoraPlan& lora, int64_t seq);
+
+// Whether the base stores this tensor quantized: the decoder layers' Linear weights (2-D, in a layer).
+bool base_tensor_quantized(const ParamTensor& t);
+// Bytes of one frozen base tensor of `numel` elements in `rows` rows, stored as `quant`:
+//   none: bf16, 2 bytes each;
+//   nf4 (bitsandbytes, blocksize 64, double-quantized absmax): numel / 2 bytes of codes, one 8-bit absmax per 64
+//       elements, one fp32 scale per 256 absmax and one fp32 mean per tensor (0.127 extra bits per element);
+//   int8: one byte each and one fp32 absmax per row.
+// The code tables (16 and 256 floats) are constants shared by every tensor, not counted.
+int64_t base_tensor_bytes(int64_t numel, int64_t rows, BaseQuant quant);
+// A frozen base tensor's bytes as the plan stores it: quantized when base_tensor_quantized, else bf16.
+int64_t base_storage_bytes(const ParamTensor& t, BaseQuant quant);
+
+}  // namespace tuna
