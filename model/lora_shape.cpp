@@ -1,10 +1,12 @@
 // Adapter shapes and the frozen base's storage (model/lora_shape.h).
 #include "model/lora_shape.h"
 
+
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cpu/nf4.h"
 
 namespace tuna {
 
@@ -24,45 +26,14 @@ const char* base_quant_name(BaseQuant q) {
   return "?";
 }
 
-namespace {
-
-std::string known_modules() {
-  std::string known;
-  for (const char* m : kLoraModules) known += (known.empty() ? "" : ",") + std::string(m);
-  return known;
-}
-
-}  // namespace
-
-uint32_t lora_plan_targets(const std::string& comma_list, const std::string& source) {
-  uint32_t bits = 0;
-  std::string item;
-  for (char ch : comma_list + ",") {
-    if (ch != ',') {
-      if (ch != ' ') item += ch;
-      continue;
-    }
-    if (item.empty()) continue;
-    const auto at = std::find_if(kLoraModules.begin(), kLoraModules.end(), [&](const char* m) { return item == m; });
-    if (at == kLoraModules.end())
-      fail(source, ": '", item, "' is not a module of a LLaMA decoder layer; expected a comma list of ", known_modules());
-    const uint32_t bit = 1u << (at - kLoraModules.begin());
-    if (bits & bit) fail(source, ": '", item, "' is listed twice");
-    bits |= bit;
-    item.clear();
-  }
-  if (bits == 0) fail(source, ": expected a comma list of ", known_modules(), ", found '", comma_list, "'");
-  return bits;
-}
-
 std::string describe_lora(const LoraPlan& lora) {
   if (!lora.enabled()) return "full fine-tune";
   std::string targets;
-  if ((lora.targets & kLoraEveryModule) == kLoraEveryModule) {
+  if ((lora.targets & kAllLoraTargets) == kAllLoraTargets) {
     targets = "all 7 modules";
   } else {
-    for (size_t i = 0; i < kLoraModules.size(); i++)
-      if (lora.targets_module(i)) targets += (targets.empty() ? "" : ",") + std::string(kLoraModules[i]);
+    for (size_t i = 0; i < kLoraTargets; i++)
+      if (lora.targets_module(i)) targets += (targets.empty() ? "" : ",") + std::string(lora_target_name(static_cast<LoraTarget>(i)));
   }
   const std::string method =
       lora.base_quant == BaseQuant::None ? "LoRA" : str("QLoRA (", base_quant_name(lora.base_quant), ")");
@@ -77,7 +48,7 @@ void check_lora_plan(const LlamaConfig& c, const LoraPlan& lora, const std::stri
            "train around: give lora_rank > 0 (or base_quant none for a full fine-tune)");
     return;
   }
-  if ((lora.targets & kLoraEveryModule) == 0) fail(source, ": lora_rank ", lora.rank, " with no lora_targets");
+  if ((lora.targets & kAllLoraTargets) == 0) fail(source, ": lora_rank ", lora.rank, " with no lora_targets");
   if (!std::isfinite(lora.dropout) || lora.dropout < 0 || lora.dropout >= 1)
     fail(source, ": lora_dropout must be in [0, 1), found ", lora.dropout);
   for (const LoraTargetShape& t : lora_layer_shapes(c, lora, 1)) {
@@ -103,7 +74,7 @@ std::vector<LoraTargetShape> lora_layer_shapes(const LlamaConfig& c, const LoraP
                             {"v_proj", C, d.kv_dim, true},   {"o_proj", d.q_dim, C, false},
                             {"gate_proj", C, d.ffn, true},   {"up_proj", C, d.ffn, true},
                             {"down_proj", d.ffn, C, false}};
-  for (size_t i = 0; i < kLoraModules.size(); i++) {
+  for (size_t i = 0; i < kLoraTargets; i++) {
     const Linear& l = linears[i];
     if (!lora.targets_module(i)) continue;
     LoraTargetShape s;
@@ -139,12 +110,7 @@ int64_t base_tensor_bytes(int64_t numel, int64_t rows, BaseQuant quant) {
   TUNA_CHECK(numel >= 0 && rows >= 1, "numel ", numel, ", rows ", rows);
   switch (quant) {
     case BaseQuant::None: return 2 * numel;
-    case BaseQuant::Nf4: {
-      constexpr int64_t kBlock = 64, kAbsmaxBlock = 256;
-      const int64_t blocks = (numel + kBlock - 1) / kBlock;
-      const int64_t absmax_groups = (blocks + kAbsmaxBlock - 1) / kAbsmaxBlock;
-      return (numel + 1) / 2 + blocks + 4 * absmax_groups + 4;
-    }
+    case BaseQuant::Nf4: return cpu::nf4_sizes(numel).bytes();  // what QuantizedWeights allocates
     case BaseQuant::Int8: return numel + 4 * rows;
   }
   return 0;

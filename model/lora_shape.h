@@ -17,6 +17,7 @@
 
 #include "model/config.h"
 #include "model/layout.h"
+#include "model/lora.h"  // LoraTarget, kAllLoraTargets, parse_lora_targets
 
 namespace tuna {
 
@@ -26,24 +27,16 @@ enum class BaseQuant { None, Nf4, Int8 };
 BaseQuant parse_base_quant(const std::string& text, const std::string& source);
 const char* base_quant_name(BaseQuant q);
 
-// PEFT's module names of a LLaMA decoder layer, in forward order: bit i of LoraPlan::targets is kLoraModules[i]
-// (the trainer's LoraTarget order).
-inline constexpr std::array<const char*, 7> kLoraModules = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
-                                                            "gate_proj", "up_proj", "down_proj"};
-inline constexpr uint32_t kLoraEveryModule = (1u << kLoraModules.size()) - 1;
 
 struct LoraPlan {
   int64_t rank = 0;                     // r; 0: a full fine-tune (no adapters, everything below ignored)
-  uint32_t targets = kLoraEveryModule;  // bit i: kLoraModules[i] has an adapter
+  uint32_t targets = kAllLoraTargets;  // bit i: LoraTarget(i) has an adapter (model/lora.h, parse_lora_targets)
   double dropout = 0;                   // > 0: a mask per target and input element is kept for the backward
   BaseQuant base_quant = BaseQuant::None;
   bool enabled() const { return rank > 0; }
   bool targets_module(size_t i) const { return (targets >> i) & 1u; }
 };
 
-// "q_proj,v_proj" -> bits; an unknown or repeated name, or an empty list, is an error naming `source` and the
-// known names.
-uint32_t lora_plan_targets(const std::string& comma_list, const std::string& source);
 // "LoRA r16 on all 7 modules", "QLoRA (nf4) r8 on q_proj,v_proj", "full fine-tune".
 std::string describe_lora(const LoraPlan& lora);
 // Refuses a plan the model cannot take, naming `source`: a rank above the smaller dimension of a target, no

@@ -157,7 +157,7 @@ void plan_full_state(const MemoryLayout& l, const ParamLayout& layout, PlanBuild
 
 // With adapters: the frozen base (no gradient, master or moments), stored bf16 or quantized, whole on every dp
 // rank below ZeRO-3 and sharded at ZeRO-3; the adapters with the state a full fine-tune keeps for its weights.
-// Adapter units are the layers (a layer's adapters in kLoraModules' order, A then B): ZeRO shards each over dp
+// Adapter units are the layers (a layer's adapters in LoraTarget order, A then B): ZeRO shards each over dp
 // as it shards a full fine-tune's units.
 void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLayout& layout, PlanBuilder& b) {
   const LoraPlan& lora = l.lora;

@@ -11,8 +11,6 @@ namespace tuna {
 namespace {
 
 // A decoder layer's Linear weights: its 2-D tensors (the norms are 1-D).
-bool quantized_tensor(const ParamTensor& t) { return t.layer >= 0 && t.shape.size() == 2; }
-
 int64_t largest_layer(const ParamLayout& layout) {
   int64_t largest = 0;
   for (int64_t l = 0; l < layout.num_layers(); ++l)
@@ -22,36 +20,20 @@ int64_t largest_layer(const ParamLayout& layout) {
 
 }  // namespace
 
-const char* base_quant_name(BaseQuant quant) {
-  switch (quant) {
-    case BaseQuant::kNone: return "none";
-    case BaseQuant::kNf4: return "nf4";
-    case BaseQuant::kInt8: return "int8";
-  }
-  return "?";
-}
-
-BaseQuant parse_base_quant(const std::string& value) {
-  if (value == "none") return BaseQuant::kNone;
-  if (value == "nf4") return BaseQuant::kNf4;
-  if (value == "int8") return BaseQuant::kInt8;
-  fail("option 'base_quant': expected none, nf4 or int8, found '", value, "'");
-}
-
 void check_base_dtype_for_quant(BaseQuant quant, DType dtype, const std::string& source) {
-  if (quant == BaseQuant::kNone || dtype == DType::BF16 || dtype == DType::F32) return;
+  if (quant == BaseQuant::None || dtype == DType::BF16 || dtype == DType::F32) return;
   fail(source, ": --base_quant ", base_quant_name(quant), " quantizes a base stored in BF16 or F32, found ",
        dtype_name(dtype), " (QLoRA quantizes bf16/fp32 weights; convert the base to bf16 first, or train "
        "with --base_quant none)");
 }
 
 QuantizedBaseBytes quantized_base_bytes(const ParamLayout& layout, BaseQuant quant) {
-  TUNA_CHECK(quant != BaseQuant::kNone, "quantized_base_bytes without a quantization");
+  TUNA_CHECK(quant != BaseQuant::None, "quantized_base_bytes without a quantization");
   QuantizedBaseBytes b;
   for (const ParamTensor& t : layout.tensors()) {
-    if (quantized_tensor(t)) {
+    if (base_tensor_quantized(t)) {
       b.quantized_params += t.numel;
-      b.quantized += quant == BaseQuant::kNf4 ? cpu::nf4_sizes(t.numel).bytes() : t.numel + 4 * t.shape[0];
+      b.quantized += base_tensor_bytes(t.numel, t.shape[0], quant);
     } else {
       b.fp32_params += t.numel;
     }
@@ -83,14 +65,14 @@ QuantizedWeights::QuantizedWeights(const ParamLayout& layout, BaseQuant quant, c
     for (const ParamTensor& t : layout_.tensors()) {
       if (t.layer != l) continue;
       const float* values = buffer_.data() + (t.offset - begin);
-      if (!quantized_tensor(t)) {
+      if (!base_tensor_quantized(t)) {
         layer.kept.push_back(&t);
         layer.kept_values.emplace_back(values, values + t.numel);
         continue;
       }
       Projection p;
       p.tensor = &t;
-      if (quant_ == BaseQuant::kNf4) {
+      if (quant_ == BaseQuant::Nf4) {
         const cpu::Nf4Sizes s = cpu::nf4_sizes(t.numel);
         p.packed.resize(s.packed_bytes), p.qabsmax.resize(s.blocks), p.absmax2.resize(s.stat_blocks);
         scratch_absmax.resize(s.blocks);
@@ -120,7 +102,7 @@ const float* QuantizedWeights::acquire(int unit) {
     std::copy(layer.kept_values[k].begin(), layer.kept_values[k].end(), buffer_.data() + (layer.kept[k]->offset - begin));
   for (const Projection& p : layer.projections) {
     float* out = buffer_.data() + (p.tensor->offset - begin);
-    if (quant_ == BaseQuant::kNf4)
+    if (quant_ == BaseQuant::Nf4)
       cpu::nf4_dequantize(p.view(), out);
     else
       cpu::int8_rowwise_dequantize(p.q8.data(), p.row_scale.data(), p.tensor->shape[0], p.tensor->shape[1], out);
@@ -149,10 +131,10 @@ const QuantizedWeights::Projection& QuantizedWeights::projection(const std::stri
   fail("quantized base: no quantized tensor '", name, "'");
 }
 
-cpu::Nf4Tensor QuantizedWeights::nf4(const std::string& name) const { return projection(name, BaseQuant::kNf4).view(); }
+cpu::Nf4Tensor QuantizedWeights::nf4(const std::string& name) const { return projection(name, BaseQuant::Nf4).view(); }
 
 QuantizedWeights::Int8View QuantizedWeights::int8(const std::string& name) const {
-  const Projection& p = projection(name, BaseQuant::kInt8);
+  const Projection& p = projection(name, BaseQuant::Int8);
   return {p.q8.data(), p.row_scale.data(), p.tensor->shape[0], p.tensor->shape[1]};
 }
 

@@ -20,15 +20,11 @@
 #include "kernels/cpu/nf4.h"
 #include "model/layout.h"
 #include "model/llama.h"      // WeightStore
+#include "model/lora_shape.h"  // BaseQuant (--base_quant)
 #include "model/optimizer.h"  // Segment
 
 namespace tuna {
 
-// --base_quant: how the frozen base of an adapter run is stored.
-enum class BaseQuant { kNone, kNf4, kInt8 };
-const char* base_quant_name(BaseQuant quant);  // "none", "nf4", "int8"
-// Fails naming the option unless `value` is none|nf4|int8.
-BaseQuant parse_base_quant(const std::string& value);
 // A quantized base quantizes a base stored in bf16 or fp32 only (a base in fp16 or fp64 would be quantized from values
 // that a bf16 LLaMA never had): fails naming `source` (a file, a tensor), the dtype found and the option.
 void check_base_dtype_for_quant(BaseQuant quant, DType dtype, const std::string& source);

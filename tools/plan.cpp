@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
     job.grad_accum = grad_accum;
     job.mean_doc_tokens = mean_doc_tokens;
     job.layout.lora.rank = lora_rank;
-    job.layout.lora.targets = lora_plan_targets(lora_targets, "option 'lora_targets'");
+    job.layout.lora.targets = parse_lora_targets(lora_targets);
     job.layout.lora.dropout = lora_dropout;
     job.layout.lora.base_quant = parse_base_quant(base_quant, "option 'base_quant'");
     check_lora_plan(job.model, job.layout.lora, "build/plan --lora_rank, --lora_targets, --lora_dropout, --base_quant");

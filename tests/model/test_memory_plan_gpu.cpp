@@ -183,7 +183,7 @@ TEST(MemoryPlanGpu, LoraHoldsAFrozenBf16BaseAndTheAdaptersState) {
 
   // A subset of targets: q and v alone hold 2 x r x (64 + 64) per layer.
   MemoryLayout qv = adapter_layout(r);
-  qv.lora.targets = lora_plan_targets("v_proj,q_proj", "test");
+  qv.lora.targets = parse_lora_targets("v_proj,q_proj");
   EXPECT_EQ(find(plan_gpu_memory(f.config, qv), "LoRA fp32 master weights")->bytes,
             device_arena_bytes(4 * L * 2 * r * (C + C)));
 }
@@ -264,8 +264,8 @@ TEST(MemoryPlanGpu, LoraRefusesWhatTheModelCannotTake) {
   q.lora.base_quant = BaseQuant::Nf4;  // a quantized base without adapters
   e = testing_util::error_of([&] { plan_gpu_memory(f.config, q); });
   EXPECT_NE(e.find("base_quant nf4"), std::string::npos) << e;
-  e = testing_util::error_of([] { lora_plan_targets("q_proj,lm_head", "option 'lora_targets'"); });
-  EXPECT_NE(e.find("option 'lora_targets': 'lm_head' is not a module"), std::string::npos) << e;
+  e = testing_util::error_of([] { parse_lora_targets("q_proj,lm_head"); });
+  EXPECT_NE(e.find("option 'lora_targets': 'lm_head' is not a projection"), std::string::npos) << e;
   EXPECT_NE(e.find("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"), std::string::npos) << e;
   e = testing_util::error_of([] { parse_base_quant("fp4", "option 'base_quant'"); });
   EXPECT_NE(e.find("option 'base_quant': expected none, nf4 or int8, found 'fp4'"), std::string::npos) << e;

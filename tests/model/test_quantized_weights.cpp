@@ -61,7 +61,7 @@ void check_model_over_quantized_base(BaseQuant quant, bool tied) {
     if (t.layer < 0 || t.shape.size() != 2) continue;
     ++projections;
     float* w = reference.params.data() + t.offset;
-    if (quant == BaseQuant::kNf4) {
+    if (quant == BaseQuant::Nf4) {
       const cpu::Nf4Sizes s = cpu::nf4_sizes(t.numel);
       std::vector<uint8_t> packed(s.packed_bytes), q(s.blocks);
       std::vector<float> a2(s.stat_blocks), scratch(s.blocks);
@@ -100,9 +100,9 @@ void check_model_over_quantized_base(BaseQuant quant, bool tied) {
   const QuantizedBaseBytes& b = store.bytes();
   EXPECT_EQ(b.quantized_params + b.fp32_params, layout.total());
   const double per_param = static_cast<double>(b.quantized) / static_cast<double>(b.quantized_params);
-  const double least = quant == BaseQuant::kNf4 ? 0.5 + 1.0 / 64 : 1 + 4.0 / 352;
+  const double least = quant == BaseQuant::Nf4 ? 0.5 + 1.0 / 64 : 1 + 4.0 / 352;
   EXPECT_GT(per_param, least);
-  EXPECT_LT(per_param, quant == BaseQuant::kNf4 ? least + 0.002 : 1 + 4.0 / 128);
+  EXPECT_LT(per_param, quant == BaseQuant::Nf4 ? least + 0.002 : 1 + 4.0 / 128);
   const QuantizedBaseBytes planned = quantized_base_bytes(layout, quant);
   EXPECT_EQ(planned.total(), b.total());
   EXPECT_EQ(b.buffer, 4 * (layout.layer_range(0).second - layout.layer_range(0).first));
@@ -115,24 +115,24 @@ void check_model_over_quantized_base(BaseQuant quant, bool tied) {
   EXPECT_NE(e2.find("frozen"), std::string::npos) << e2;
 }
 
-TEST(QuantizedWeights, ModelOverNf4BaseEqualsDequantizedParams) { check_model_over_quantized_base(BaseQuant::kNf4, false); }
-TEST(QuantizedWeights, ModelOverNf4BaseEqualsDequantizedParamsTied) { check_model_over_quantized_base(BaseQuant::kNf4, true); }
-TEST(QuantizedWeights, ModelOverInt8BaseEqualsDequantizedParams) { check_model_over_quantized_base(BaseQuant::kInt8, false); }
+TEST(QuantizedWeights, ModelOverNf4BaseEqualsDequantizedParams) { check_model_over_quantized_base(BaseQuant::Nf4, false); }
+TEST(QuantizedWeights, ModelOverNf4BaseEqualsDequantizedParamsTied) { check_model_over_quantized_base(BaseQuant::Nf4, true); }
+TEST(QuantizedWeights, ModelOverInt8BaseEqualsDequantizedParams) { check_model_over_quantized_base(BaseQuant::Int8, false); }
 
 TEST(QuantizedWeights, BadInputIsAClearError) {
-  EXPECT_EQ(parse_base_quant("nf4"), BaseQuant::kNf4);
-  EXPECT_EQ(parse_base_quant("none"), BaseQuant::kNone);
-  EXPECT_EQ(parse_base_quant("int8"), BaseQuant::kInt8);
-  std::string e = testing_util::error_of([] { parse_base_quant("nf8"); });
+  EXPECT_EQ(parse_base_quant("nf4", "option 'base_quant'"), BaseQuant::Nf4);
+  EXPECT_EQ(parse_base_quant("none", "option 'base_quant'"), BaseQuant::None);
+  EXPECT_EQ(parse_base_quant("int8", "option 'base_quant'"), BaseQuant::Int8);
+  std::string e = testing_util::error_of([] { parse_base_quant("nf8", "option 'base_quant'"); });
   EXPECT_NE(e.find("option 'base_quant': expected none, nf4 or int8, found 'nf8'"), std::string::npos) << e;
   e = testing_util::error_of(
-      [] { check_base_dtype_for_quant(BaseQuant::kNf4, DType::F16, "base/model.safetensors"); });
+      [] { check_base_dtype_for_quant(BaseQuant::Nf4, DType::F16, "base/model.safetensors"); });
   EXPECT_NE(e.find("base/model.safetensors: --base_quant nf4 quantizes a base stored in BF16 or F32, found F16"),
             std::string::npos)
       << e;
-  EXPECT_EQ(testing_util::error_of([] { check_base_dtype_for_quant(BaseQuant::kNf4, DType::BF16, "x"); }), "");
-  EXPECT_EQ(testing_util::error_of([] { check_base_dtype_for_quant(BaseQuant::kNf4, DType::F32, "x"); }), "");
-  EXPECT_EQ(testing_util::error_of([] { check_base_dtype_for_quant(BaseQuant::kNone, DType::F16, "x"); }), "");
+  EXPECT_EQ(testing_util::error_of([] { check_base_dtype_for_quant(BaseQuant::Nf4, DType::BF16, "x"); }), "");
+  EXPECT_EQ(testing_util::error_of([] { check_base_dtype_for_quant(BaseQuant::Nf4, DType::F32, "x"); }), "");
+  EXPECT_EQ(testing_util::error_of([] { check_base_dtype_for_quant(BaseQuant::None, DType::F16, "x"); }), "");
 
   // A non-finite weight names its tensor.
   const LlamaConfig config = small_config(false);
@@ -140,7 +140,7 @@ TEST(QuantizedWeights, BadInputIsAClearError) {
   const ParamTensor* up = layout.find("model.layers.1.mlp.up_proj.weight");
   ASSERT_NE(up, nullptr);
   e = testing_util::error_of([&] {
-    QuantizedWeights store(layout, BaseQuant::kNf4, [&](const ParamLayout& l, const Segment& piece, float* out) {
+    QuantizedWeights store(layout, BaseQuant::Nf4, [&](const ParamLayout& l, const Segment& piece, float* out) {
       init_random_weights_piece(l, 1, 0.05, piece, out);
       const int64_t bad = up->offset + 5;
       if (bad >= piece.begin && bad < piece.begin + piece.size) out[bad - piece.begin] = INFINITY;
