@@ -22,6 +22,7 @@
 #include "kernels/attention_path.h"  // AttentionPath (plain C++)
 #include "model/config.h"
 #include "model/layout.h"
+#include "model/lora.h"  // LoraConfig
 
 namespace tuna {
 
@@ -45,6 +46,7 @@ struct MemoryLayout {
   bool training = true;         // false: the forward pass alone (eval, sample): weights and activations only
   AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (their scratch differs)
   int64_t micro_batch = 1, seq_len = 1;
+  LoraConfig lora;              // LoRA adapters (rank 0: none): the base frozen, the adapters trained (cpu plan)
 };
 
 // One rank alone, on batches of up to micro_batch x seq_len; training false: the forward pass alone.
