@@ -165,9 +165,10 @@ void declare(Options& o, TrainConfig& c) {
   o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory",
         Bounds::closed(0, 1e6));
   o.add("lora_rank", &c.lora_rank,
-        "LoRA: train rank-r adapters on --lora_targets with the base frozen (cpu; ZeRO 0-2); unset: a full fine-tune",
+        "LoRA: train rank-r adapters (r >= 1) on --lora_targets with the base frozen (cpu; ZeRO 0-2); unset (shown as 0): "
+        "a full fine-tune",
         Bounds::closed(0, 1 << 20));
-  o.add("lora_alpha", &c.lora_alpha, "LoRA: the adapters' output is scaled by alpha / rank; default: the rank (scale 1)");
+  o.add("lora_alpha", &c.lora_alpha, "LoRA: the adapters' output is scaled by alpha / rank (alpha > 0); unset (shown as 0): the rank, a scale of 1");
   o.add("lora_dropout", &c.lora_dropout, "LoRA: dropout probability on the adapters' input, in training (PEFT's lora_dropout)");
   o.add("lora_targets", &c.lora_targets,
         "LoRA: the projections that get adapters, a comma list of PEFT's module names (default: all seven)");

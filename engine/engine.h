@@ -2,7 +2,9 @@
 // collectives and update, validation, checkpoints) over this interface, whichever device computes. Files: the
 // backends engine_cpu.cpp and engine_gpu.cpp, the device choice and factory device.cpp, shared helpers engine.cpp.
 //
-//   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3).
+//   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3). With LoRA
+//         (EngineOptions::lora) the base is frozen and whole on every rank, and Zero (ZeRO 0-2) trains the adapters:
+//         layout(), segments() and the checkpoint state are the adapters' (PEFT names), base_layout() the model's.
 //   cuda  LlamaGpu (model/llama_gpu.h), one GPU per rank (the rank's local index on its node): bf16 weights
 //         and activations, fp32 master weights, gradients and moments (bf16 moments as an option). Data
 //         parallel over the device comm (NCCL): ZeRO-0 (gradients all-reduced, every rank applies the same
