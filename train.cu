@@ -45,6 +45,7 @@
 #include "engine/step_record.h"   // StepRecord: one step's jsonl row and log line
 #include "engine/validator.h"  // Validator: when to validate, and the held-out loss
 #include "model/config.h"      // LlamaConfig
+#include "model/lora.h"        // LoraConfig, parse_lora_targets, validate_lora, lora_parameter_count
 #include "model/optimizer.h"   // OptimizerConfig, learning_rate
 
 namespace fs = std::filesystem;
@@ -91,6 +92,10 @@ struct TrainConfig {
   double gpu_memory_gb = 0;
   bool document_mask = true;                 // attention stays inside each token's document
   std::string document_positions = "restart";  // RoPE positions restart at each document (or continue)
+  int64_t lora_rank = 0;        // unset: a full fine-tune
+  double lora_alpha = 0;        // unset: the rank (a scale of 1)
+  double lora_dropout = 0;
+  std::string lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -159,6 +164,14 @@ void declare(Options& o, TrainConfig& c) {
   o.add("plan_only", &c.plan_only, "cuda: print each rank's device memory plan and whether it fits, then exit without allocating (runs on any machine with --gpu_memory_gb)");
   o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory",
         Bounds::closed(0, 1e6));
+  o.add("lora_rank", &c.lora_rank,
+        "LoRA: train rank-r adapters (r >= 1) on --lora_targets with the base frozen (cpu; ZeRO 0-2); unset (shown as 0): "
+        "a full fine-tune",
+        Bounds::closed(0, 1 << 20));
+  o.add("lora_alpha", &c.lora_alpha, "LoRA: the adapters' output is scaled by alpha / rank (alpha > 0); unset (shown as 0): the rank, a scale of 1");
+  o.add("lora_dropout", &c.lora_dropout, "LoRA: dropout probability on the adapters' input, in training (PEFT's lora_dropout)");
+  o.add("lora_targets", &c.lora_targets,
+        "LoRA: the projections that get adapters, a comma list of PEFT's module names (default: all seven)");
   o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none",
         Bounds::closed(0, 1e9));
 }
@@ -259,7 +272,25 @@ RunStart open_run(const TrainConfig& cfg, Comm& world) {
   return r;
 }
 
-EngineOptions engine_options(const TrainConfig& cfg, const RunStart& start, const LaunchInfo& launch) {
+// The adapters the options ask for (rank 0: none, a full fine-tune), checked against the model: a rank given as 0, an
+// alpha or dropout out of range, an unknown target, or a LoRA option without --lora_rank is an error naming it.
+LoraConfig lora_config(const TrainConfig& c, const Options& options, const LlamaConfig& model) {
+  LoraConfig lora;
+  if (!options.was_set("lora_rank")) {
+    for (const char* name : {"lora_alpha", "lora_dropout", "lora_targets"})
+      if (options.was_set(name)) fail("option '", name, "' is for LoRA training: give --lora_rank too");
+    return lora;
+  }
+  lora.rank = c.lora_rank;
+  lora.alpha = options.was_set("lora_alpha") ? c.lora_alpha : static_cast<double>(c.lora_rank);
+  lora.dropout = c.lora_dropout;
+  lora.targets = parse_lora_targets(c.lora_targets);
+  validate_lora(lora, model);
+  return lora;
+}
+
+EngineOptions engine_options(const TrainConfig& cfg, const Options& options, const RunStart& start,
+                             const LaunchInfo& launch) {
   if (cfg.plan_only && cfg.device != "cuda") fail("option 'plan_only' prints the CUDA engine's plan: use --device cuda");
   EngineOptions eo;
   eo.device = cfg.plan_only ? Device::Cuda : resolve_device(cfg.device);
@@ -268,6 +299,10 @@ EngineOptions engine_options(const TrainConfig& cfg, const RunStart& start, cons
   eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
   eo.bf16_moments = cfg.bf16_moments;
   eo.documents = DocumentMode{cfg.document_mask, parse_document_positions(cfg.document_positions)};
+  eo.lora = lora_config(cfg, options, start.model);
+  if (cfg.plan_only && eo.lora.enabled())
+    fail("option 'plan_only' with --lora_rank: the CUDA engine's plan of a LoRA run is not implemented");
+  eo.seed = static_cast<uint64_t>(cfg.seed);
   std::string note;
   eo.attention = choose_attention(cfg.attention, start.checkpoint_state, &note);
   if (!note.empty()) std::printf("note: %s\n", note.c_str());
@@ -305,12 +340,30 @@ void print_banner(const TrainConfig& cfg, const Options& options, const RunStart
   if (!start.tokenizer.note.empty()) std::printf("note: %s\n", start.tokenizer.note.c_str());
 }
 
+// The whole model's trainable parameters (every tp rank's together): all of them, or the LoRA adapters'.
+int64_t trainable_parameters(const LlamaConfig& m, const Engine& engine) {
+  if (engine.layout().is_model()) return m.n_params();
+  int64_t n = 0;
+  for (const ParamTensor& t : engine.layout().tensors()) {
+    int64_t global = 1;
+    for (int64_t d : t.global_shape) global *= d;
+    n += global;
+  }
+  return n;
+}
+
 void print_run_shape(const TrainConfig& cfg, const LlamaConfig& m, Engine& engine, const DataLoader& train,
                      int64_t tokens_per_step) {
   std::printf("model %lld parameters (%d layers, hidden %lld, %lld heads / %lld kv, vocab %lld); activations %.1f MB\n",
               (long long)m.n_params(), (int)m.num_hidden_layers, (long long)m.hidden_size,
               (long long)m.num_attention_heads, (long long)m.num_key_value_heads, (long long)m.vocab_size,
               engine.activation_bytes() / 1e6);
+  if (engine.layout().is_model())
+    std::printf("trainable parameters: all %lld\n", (long long)m.n_params());
+  else  // LoRA: the adapters alone; the base is frozen
+    std::printf("trainable parameters: %lld LoRA adapter parameters (%.3f%% of the %lld frozen base's)\n",
+                (long long)trainable_parameters(m, engine), 100.0 * trainable_parameters(m, engine) / m.n_params(),
+                (long long)m.n_params());
   std::printf("%s", engine.memory_report().c_str());
   std::printf("data %llu windows of %lld tokens in %zu shard(s); %lld tokens per step; %.2f epochs over %lld steps\n",
               (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
@@ -365,7 +418,7 @@ json start_row(const Options& options, const TrainConfig& cfg, const LlamaConfig
   return {{"step", step}, {"event", "start"}, {"config", options.to_json()}, {"device", engine.describe()},
           {"world", {{"size", world.size()}, {"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
           {"model", {{"parameters", m.n_params()}, {"layers", m.num_hidden_layers}, {"hidden", m.hidden_size},
-                     {"vocab", m.vocab_size}}},
+                     {"vocab", m.vocab_size}, {"trainable_parameters", trainable_parameters(m, engine)}}},
           {"tokens_per_step", tokens_per_step}, {"memory_plan", plan_record}, {"host_mb_at_start", resident_mb_at_start}};
 }
 
@@ -396,11 +449,18 @@ int run(int argc, char** argv) {
   if (world->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) fail("cannot silence stdout of rank ", world->rank());
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
   const RunStart start = open_run(cfg, *world);
-  const EngineOptions eo = engine_options(cfg, start, launch);
+  const EngineOptions eo = engine_options(cfg, options, start, launch);
   if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
   WeightFill initial;  // each rank reads (or draws) only its own pieces; a resume restores after construction
   if (!start.resume_from) initial = cfg.init.empty() ? random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std)
                                                      : weights_from_directory(start.init_dir.string());
+  // LoRA: the checkpoint holds the adapters only, so a resume reads the frozen base again, from --init.
+  // (Finding the base a checkpoint recorded is the PEFT checkpoint's part, not wired here yet.)
+  if (start.resume_from && eo.lora.enabled()) {
+    if (cfg.init.empty())
+      fail("--resume of a LoRA run: give the base model with --init DIR (the checkpoint holds only the adapters)");
+    initial = weights_from_directory(start.init_dir.string());
+  }
   DeviceCommFactory device_comm;
 #if TUNA_NCCL
   device_comm = [&](Comm& group, void* stream) {

@@ -19,16 +19,30 @@ int64_t bytes_of(const std::vector<T>& v) {
 
 }  // namespace
 
+ZeroParams model_parameters(Llama& model) {
+  return {&model.layout(), &model.params, &model.grads, [&model](WeightStore* store) { model.set_weight_store(store); }};
+}
+
+ZeroParams lora_parameters(Llama& model) {
+  TUNA_CHECK(model.lora().enabled(), "a model without LoRA adapters");
+  return {&model.lora_layout().params, &model.lora_params, &model.lora_grads,
+          [&model](WeightStore* store) { model.set_lora_store(store); }};
+}
+
 Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp)
-    : model_(model),
-      layout_(model.layout()),
+    : Zero(model_parameters(model), opt, stage, dp, tp) {}
+
+Zero::Zero(const ZeroParams& what, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp)
+    : params_(*what.params),
+      grads_(*what.grads),
+      layout_(*what.layout),
       stage_(stage),
       dp_(dp),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
-      segments_(dp_unit_pieces(model.layout(), dp.rank(), dp.size())),
-      optimizer_(stage >= 1 ? AdamW(model.layout(), opt, segments_) : AdamW(model.layout(), opt)) {
+      segments_(dp_unit_pieces(*what.layout, dp.rank(), dp.size())),
+      optimizer_(stage >= 1 ? AdamW(*what.layout, opt, segments_) : AdamW(*what.layout, opt)) {
   if (stage < 0 || stage > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", stage);
-  TUNA_CHECK(model.params.empty() == (stage == 3) && model.grads.empty() == (stage >= 2),
+  TUNA_CHECK(params_.empty() == (stage == 3) && grads_.empty() == (stage >= 2),
              "stage 3 needs a model built with external weights, stage 2 with external gradients, others neither");
   for (const Segment& s : segments_) unit_shard_offset_.push_back(shard_size_), shard_size_ += s.size;
   for (int u = 0; u < layout_.num_units(); u++)
@@ -48,7 +62,7 @@ Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* 
   }
   if (stage_ >= 2) {
     scatter_out_.resize(shard_range(max_unit_, 0, dp_.size()).size());
-    model_.set_weight_store(this);
+    what.install(this);
   }
   // The memory plan is made of zero_buffer_sizes: an allocation added here without it would make the plan wrong.
   const ZeroBufferSizes planned = zero_buffer_sizes(layout_, stage_, dp_.rank(), dp_.size());
@@ -63,7 +77,7 @@ Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* 
 
 void Zero::begin_step() {
   if (stage_ >= 2) std::fill(grad_shard_.begin(), grad_shard_.end(), 0.0f);
-  else model_.zero_grads();
+  else std::fill(grads_.begin(), grads_.end(), 0.0f);
 }
 
 LossSum sum_over_ranks(Comm& dp, const LossSum& local) {
@@ -96,16 +110,16 @@ StepResult Zero::finish_step(const LossSum& local, double lr) {
   BufferOrder params_order = BufferOrder::Shard, grads_order = BufferOrder::Shard;
   switch (stage_) {
     case 0:
-      dp_.all_reduce_sum(model_.grads.data(), layout_.total(), "gradients");
-      grads = model_.grads.data(), params = model_.params.data();
+      dp_.all_reduce_sum(grads_.data(), layout_.total(), "gradients");
+      grads = grads_.data(), params = params_.data();
       break;
     case 1:  // this rank's pieces of the reduced gradient and of the weights, in place
-      dp_.all_reduce_sum(model_.grads.data(), layout_.total(), "gradients");
-      grads = model_.grads.data(), params = model_.params.data();
+      dp_.all_reduce_sum(grads_.data(), layout_.total(), "gradients");
+      grads = grads_.data(), params = params_.data();
       params_order = grads_order = BufferOrder::Flat;
       break;
     case 2:  // already reduce-scattered, unit by unit, during the backward
-      grads = grad_shard_.data(), params = model_.params.data();
+      grads = grad_shard_.data(), params = params_.data();
       params_order = BufferOrder::Flat;
       break;
     case 3:  // as stage 2
@@ -129,7 +143,7 @@ StepResult Zero::finish_step(const LossSum& local, double lr) {
 void Zero::gather_params_in_place() {
   for (int u = 0; u < layout_.num_units(); u++) {
     const auto [begin, end] = layout_.unit_range(u);
-    dp_.all_gather(model_.params.data() + segments_[u].begin, model_.params.data() + begin, end - begin, "weights of a unit");
+    dp_.all_gather(params_.data() + segments_[u].begin, params_.data() + begin, end - begin, "weights of a unit");
   }
 }
 
@@ -138,7 +152,7 @@ void Zero::export_state(const std::function<void(size_t, const float*, const flo
     const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin;
     // Stages 0-2 hold whole weights (stage 0 whole moments too): this rank hands out its piece of them, in place.
     const int64_t moments_at = stage_ == 0 ? begin : at;
-    sink(i, stage_ == 3 ? master_.data() + at : model_.params.data() + begin, optimizer_.m.data() + moments_at,
+    sink(i, stage_ == 3 ? master_.data() + at : params_.data() + begin, optimizer_.m.data() + moments_at,
          optimizer_.v.data() + moments_at);
   }
 }
@@ -148,7 +162,7 @@ void Zero::import_state(const std::function<void(size_t, float*, float*, float*)
     // Each piece in place: stage 3's into its master shard, stages 1-2's into their piece of the whole weights.
     for (size_t i = 0; i < segments_.size(); i++) {
       const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin;
-      source(i, stage_ == 3 ? master_.data() + at : model_.params.data() + begin, optimizer_.m.data() + at,
+      source(i, stage_ == 3 ? master_.data() + at : params_.data() + begin, optimizer_.m.data() + at,
              optimizer_.v.data() + at);
     }
     if (stage_ == 3) {
@@ -161,25 +175,25 @@ void Zero::import_state(const std::function<void(size_t, float*, float*, float*)
   // Stage 0 keeps whole copies: each rank reads its piece in place, then every unit is gathered in place.
   for (size_t i = 0; i < segments_.size(); i++) {
     const int64_t begin = segments_[i].begin;
-    source(i, model_.params.data() + begin, optimizer_.m.data() + begin, optimizer_.v.data() + begin);
+    source(i, params_.data() + begin, optimizer_.m.data() + begin, optimizer_.v.data() + begin);
   }
   for (int u = 0; u < layout_.num_units(); u++) {
     const auto [begin, end] = layout_.unit_range(u);
     const int64_t mine = segments_[u].begin;
-    dp_.all_gather(model_.params.data() + mine, model_.params.data() + begin, end - begin, "checkpoint weights");
+    dp_.all_gather(params_.data() + mine, params_.data() + begin, end - begin, "checkpoint weights");
     dp_.all_gather(optimizer_.m.data() + mine, optimizer_.m.data() + begin, end - begin, "checkpoint exp_avg");
     dp_.all_gather(optimizer_.v.data() + mine, optimizer_.v.data() + begin, end - begin, "checkpoint exp_avg_sq");
   }
 }
 
 void Zero::fill_weights(const std::function<void(const Segment& piece, float* out)>& fill) {
-  TUNA_CHECK(stage_ == 3, "stages 0-2 read weights into model.params");
+  TUNA_CHECK(stage_ == 3, "stages 0-2 read weights into the model's params");
   for (size_t i = 0; i < segments_.size(); i++) fill(segments_[i], master_.data() + unit_shard_offset_[i]);
   for (UnitBuffer& b : weight_buffers_) b.valid = false;
 }
 
 int64_t Zero::state_bytes() const {
-  int64_t bytes = bytes_of(model_.params) + bytes_of(model_.grads) + bytes_of(optimizer_.m) + bytes_of(optimizer_.v) +
+  int64_t bytes = bytes_of(params_) + bytes_of(grads_) + bytes_of(optimizer_.m) + bytes_of(optimizer_.v) +
                   bytes_of(master_) + bytes_of(grad_shard_) + bytes_of(scatter_out_);
   for (const UnitBuffer& b : weight_buffers_) bytes += bytes_of(b.data);
   for (const UnitBuffer& b : grad_buffers_) bytes += bytes_of(b.data);
@@ -214,7 +228,7 @@ void Zero::prefetch_next() {
 }
 
 const float* Zero::acquire(int unit) {
-  if (stage_ == 2) return model_.params.data() + layout_.unit_range(unit).first;  // whole weights, own gradients
+  if (stage_ == 2) return params_.data() + layout_.unit_range(unit).first;  // whole weights, own gradients
   TUNA_CHECK(stage_ == 3, "acquire outside stages 2-3");
   // Follow the plan (a unit off-plan still works, it just was not prefetched).
   while (order_pos_ < order_.size() && order_[order_pos_] != unit) order_pos_++;

@@ -50,6 +50,19 @@ struct StepResult {
 // A loss sum over the ranks of `dp` (the sum and the token count; one division per step, llama.h).
 LossSum sum_over_ranks(Comm& dp, const LossSum& local);
 
+// What a Zero trains: a flat layout, the model's buffers for it (whole weights and whole gradients, each empty where
+// the stage keeps its own instead), and how Zero becomes the model's store of them (stages 2-3).
+struct ZeroParams {
+  const ParamLayout* layout = nullptr;
+  std::vector<float>* params = nullptr;
+  std::vector<float>* grads = nullptr;
+  std::function<void(WeightStore*)> install;
+};
+ZeroParams model_parameters(Llama& model);  // the whole model: layout(), params, grads
+// The LoRA adapters (lora_layout(), lora_params, lora_grads; the frozen base stays whole and replicated outside).
+// Stages 0-2: their weights are whole on every rank; stage 3 over them is not implemented.
+ZeroParams lora_parameters(Llama& model);
+
 class Zero final : public WeightStore {
  public:
   // model must be built with LlamaParallel::external_weights iff stage == 3 and external_grads iff stage == 2.
@@ -57,6 +70,8 @@ class Zero final : public WeightStore {
   // params must already hold the initial weights (every rank the same); for stage 3, call
   // master_weights() and fill it (or import_state) before the first step.
   Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp);
+  // The same over any ZeroParams (a model's, or its adapters', which need external_grads iff stage == 2).
+  Zero(const ZeroParams& what, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp);
 
   int stage() const { return stage_; }
   // Stage 3: gather the next unit while the current one computes (default), or each unit only when used
@@ -104,9 +119,10 @@ class Zero final : public WeightStore {
   void gather_into(UnitBuffer& b, int unit, bool async);
   void prefetch_next();
   double global_norm(const float* grads, BufferOrder order);
-  void gather_params_in_place();  // stages 1-2: every rank's pieces of model.params to every rank
+  void gather_params_in_place();  // stages 1-2: every rank's pieces of the whole weights to every rank
 
-  Llama& model_;
+  std::vector<float>& params_;  // whole (tp-local) weights (stages 0-2), updated in place
+  std::vector<float>& grads_;   // whole gradients (stages 0-1)
   const ParamLayout& layout_;
   int stage_;
   Comm& dp_;
@@ -115,8 +131,8 @@ class Zero final : public WeightStore {
   std::vector<int64_t> unit_shard_offset_;  // where unit u's piece starts in shard order
   int64_t shard_size_ = 0, max_unit_ = 0;
   AdamW optimizer_;
-  std::vector<float> master_;      // stage 3: this rank's weights, shard order (stages 0-2: model.params)
-  std::vector<float> grad_shard_;  // stages 2-3: this rank's gradient, shard order (stages 0-1: model.grads)
+  std::vector<float> master_;      // stage 3: this rank's weights, shard order (stages 0-2: params_)
+  std::vector<float> grad_shard_;  // stages 2-3: this rank's gradient, shard order (stages 0-1: grads_)
   // Stage 3: the buffer pair for gathered weights, unit-sized gradient buffers, the reduce-scatter output.
   std::vector<UnitBuffer> weight_buffers_;
   std::vector<UnitBuffer> grad_buffers_;

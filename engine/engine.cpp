@@ -43,6 +43,7 @@ MemoryLayout engine_memory_layout(const EngineOptions& o, const Mesh& mesh) {
   l.zero = o.zero, l.zero_prefetch = o.zero_prefetch, l.recompute = o.recompute;
   l.bf16_moments = o.bf16_moments, l.attention = o.attention;
   l.micro_batch = o.micro_batch, l.seq_len = o.seq_len;
+  static_cast<LoraConfig&>(l.lora) = o.lora;  // the base is fp32 on cpu and the CUDA engine refuses adapters
   return l;
 }
 
@@ -84,6 +85,12 @@ WeightFill weights_from_directory(const std::filesystem::path& dir) {
 WeightFill random_weights(uint64_t seed, double std) {
   return [seed, std](const ParamLayout& layout, const Segment& piece, float* out) {
     init_random_weights_piece(layout, seed, std, piece, out);
+  };
+}
+
+WeightFill initial_adapters(uint64_t seed) {
+  return [seed](const ParamLayout& layout, const Segment& piece, float* out) {
+    init_lora_weights_piece(layout, seed, piece, out);
   };
 }
 

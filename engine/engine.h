@@ -2,7 +2,9 @@
 // collectives and update, validation, checkpoints) over this interface, whichever device computes. Files: the
 // backends engine_cpu.cpp and engine_gpu.cpp, the device choice and factory device.cpp, shared helpers engine.cpp.
 //
-//   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3).
+//   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3). With LoRA
+//         (EngineOptions::lora) the base is frozen and whole on every rank, and Zero (ZeRO 0-2) trains the adapters:
+//         layout(), segments() and the checkpoint state are the adapters' (PEFT names), base_layout() the model's.
 //   cuda  LlamaGpu (model/llama_gpu.h), one GPU per rank (the rank's local index on its node): bf16 weights
 //         and activations, fp32 master weights, gradients and moments (bf16 moments as an option). Data
 //         parallel over the device comm (NCCL): ZeRO-0 (gradients all-reduced, every rank applies the same
@@ -31,6 +33,7 @@
 #include "model/gpu_options.h"
 #include "model/layout.h"
 #include "model/llama.h"      // LossSum
+#include "model/lora.h"       // LoraConfig
 #include "model/memory_plan.h"  // Recompute
 #include "model/optimizer.h"  // OptimizerConfig, Segment
 
@@ -38,6 +41,11 @@ namespace tuna {
 
 enum class Device { Cpu, Cuda };
 const char* device_name(Device device);  // "cpu" | "cuda"
+
+// Writes elements [piece.begin, piece.begin + piece.size) of the (tensor-parallel-local) model, ParamLayout
+// order, into out: a checkpoint's or a fresh initialization's weights, a piece at a time. Engines ask for their
+// own pieces (a unit, or their ZeRO piece of it), so no rank holds more of the model than its layout does.
+using WeightFill = std::function<void(const ParamLayout& layout, const Segment& piece, float* out)>;
 
 // One run's engine settings, as the trainer's options give them. The parallel layout is the mesh's; the two
 // together make the run's MemoryLayout (engine_memory_layout), built once and taken whole by the memory plan and
@@ -53,6 +61,11 @@ struct EngineOptions {
   AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (--attention)
   GpuOptions gpu;              // cuda only: the device index, stochastic rounding
   DocumentMode documents;      // packed windows: attention inside documents, positions restarted (llama.h)
+  // LoRA (model/lora.h): rank 0 is a full fine-tune. With adapters the base is frozen and only they train: the
+  // engine's layout(), optimizer, dp synchronization and checkpoint state are the adapters' (cpu, ZeRO 0-2).
+  LoraConfig lora;
+  uint64_t seed = 0;           // LoRA: the adapters' starting values (without `adapters`) and the dropout masks
+  WeightFill adapters;         // LoRA: the starting adapters (adapter layout order); null: PEFT's initialisation
 };
 
 // The figures of the log line that depend on the backend. NaN: not known on this backend.
@@ -62,14 +75,12 @@ struct EngineStatus {
   double gpu_util = NAN;                 // percent of the last sample period with a kernel running (NVML)
 };
 
-// Writes elements [piece.begin, piece.begin + piece.size) of the (tensor-parallel-local) model, ParamLayout
-// order, into out: a checkpoint's or a fresh initialization's weights, a piece at a time. Engines ask for their
-// own pieces (a unit, or their ZeRO piece of it), so no rank holds more of the model than its layout does.
-using WeightFill = std::function<void(const ParamLayout& layout, const Segment& piece, float* out)>;
 // A model directory's weights (checkpoint.h WeightReader, opened at the first piece: only each piece's bytes
 // are read) and a fresh initialization's (llama.h init_random_weights_piece).
 WeightFill weights_from_directory(const std::filesystem::path& dir);
 WeightFill random_weights(uint64_t seed, double std);
+// PEFT's starting adapters for an adapter layout (model/lora.h init_lora_weights_piece).
+WeightFill initial_adapters(uint64_t seed);
 // The whole layout through `fill`, a unit at a time, into out (ParamLayout order): for whoever holds the whole
 // (tp-local) model by design (ZeRO 0-2 on cpu, the forward model, tests).
 void fill_whole(const WeightFill& fill, const ParamLayout& layout, float* out);
@@ -84,7 +95,10 @@ class Engine {
 
   // For the banner: "cpu" or "cuda:0 (NVIDIA H200, 132 SMs, 140 GiB)".
   virtual std::string describe() const = 0;
+  // What trains and what the checkpoint state holds (segments(), export_state): the model's ParamLayout, or with
+  // LoRA the adapters' (PEFT names). base_layout() is the model's either way (with LoRA: frozen, never saved).
   virtual const ParamLayout& layout() const = 0;
+  virtual const ParamLayout& base_layout() const { return layout(); }
   // The attention kernels this engine runs ("mma", "hopper"); empty on cpu (one attention). Saved in state.json.
   virtual std::string attention_kernels() const { return ""; }
 

@@ -14,11 +14,22 @@ class CpuEngine final : public Engine {
   CpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial)
       : config_(config),
         model_(config, o.micro_batch, o.seq_len,
-               LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3, /*external_grads=*/o.zero == 2}) {
+               LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3, /*external_grads=*/o.zero == 2}, o.lora),
+        seed_(o.seed),
+        dp_rank_(mesh.dp_rank) {
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
     // only its shard, filled piece by piece.
     model_.set_document_mode(o.documents);
     if (initial && o.zero != 3) fill_whole(initial, model_.layout(), model_.params.data());
+    if (o.lora.enabled()) {
+      // LoRA: the base is frozen and whole on every rank (filled above); Zero trains the adapters alone, every
+      // rank starting from the same ones (drawn per global tensor, or read: each rank its own blocks).
+      fill_whole(o.adapters ? o.adapters : initial_adapters(o.seed), model_.lora_layout().params,
+                 model_.lora_params.data());
+      zero_ = std::make_unique<Zero>(lora_parameters(model_), o.opt, o.zero, *mesh.dp, mesh.tp.get());
+      zero_->set_prefetch(o.zero_prefetch);
+      return;
+    }
     zero_ = std::make_unique<Zero>(model_, o.opt, o.zero, *mesh.dp, mesh.tp.get());
     zero_->set_prefetch(o.zero_prefetch);
     if (o.zero == 3 && initial)
@@ -26,10 +37,19 @@ class CpuEngine final : public Engine {
   }
 
   std::string describe() const override { return "cpu"; }
-  const ParamLayout& layout() const override { return model_.layout(); }
-  void begin_step() override { zero_->begin_step(); }
+  const ParamLayout& layout() const override {
+    return model_.lora().enabled() ? model_.lora_layout().params : model_.layout();
+  }
+  const ParamLayout& base_layout() const override { return model_.layout(); }
+  void begin_step() override {
+    zero_->begin_step();
+    micro_batch_ = 0;
+  }
   LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                            const int32_t* positions) override {
+    // Dropout masks by (seed, step, micro-batch, dp rank): a resumed run draws the ones it would have.
+    if (model_.lora().enabled())
+      model_.set_lora_dropout_key(lora_dropout_key(seed_, steps_taken(), micro_batch_++, dp_rank_));
     return model_.forward_backward(inputs, targets, batch, seq, positions);
   }
   StepResult finish_step(const LossSum& local, double lr) override { return zero_->finish_step(local, lr); }
@@ -47,8 +67,15 @@ class CpuEngine final : public Engine {
 
   std::string memory_report() const override { return ""; }  // the trainer prints the host plan itself
   int64_t activation_bytes() const override { return model_.activation_bytes(); }
-  int64_t state_bytes() const override { return zero_->state_bytes(); }
-  double flops_per_token(int64_t seq) const override { return model_flops_per_token(config_, seq); }
+  // With LoRA: the adapters' state (Zero's) and the frozen base's weights; no base gradient or moment exists.
+  int64_t state_bytes() const override {
+    return zero_->state_bytes() +
+           (model_.lora().enabled() ? static_cast<int64_t>(model_.params.capacity() * sizeof(float)) : 0);
+  }
+  double flops_per_token(int64_t seq) const override {
+    return model_.lora().enabled() ? lora_flops_per_token(config_, model_.lora(), seq)
+                                   : model_flops_per_token(config_, seq);
+  }
   double peak_flops() const override { return NAN; }
   EngineStatus status() override {
     const HostMemory mem = host_memory();
@@ -60,6 +87,9 @@ class CpuEngine final : public Engine {
  private:
   LlamaConfig config_;
   Llama model_;
+  uint64_t seed_;
+  int dp_rank_;
+  int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)
   std::unique_ptr<Zero> zero_;
 };
 

@@ -43,28 +43,91 @@ class Llama::OwnWeights final : public WeightStore {
   Llama& m_;
 };
 
-Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel)
+namespace {
+
+// This tp rank's [out, in] of a projection (the whole layer's in model/lora.h lora_target_shape).
+std::array<int64_t, 2> local_shape(const LlamaConfig& c, const TpDims& d, LoraTarget t) {
+  switch (t) {
+    case LoraTarget::Q: return {d.q_dim, c.hidden_size};
+    case LoraTarget::K:
+    case LoraTarget::V: return {d.kv_dim, c.hidden_size};
+    case LoraTarget::O: return {c.hidden_size, d.q_dim};
+    case LoraTarget::Gate:
+    case LoraTarget::Up: return {d.ffn, c.hidden_size};
+    case LoraTarget::Down: return {c.hidden_size, d.ffn};
+  }
+  return {0, 0};
+}
+
+LoraLayout adapters_of(const LlamaConfig& config, const LoraConfig& lora, int tp_rank, int tp_size) {
+  if (lora.enabled()) return lora_layout(config, lora, tp_rank, tp_size);
+  return LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
+}
+
+}  // namespace
+
+// The WeightStore of a Llama's own adapters (lora_params / lora_grads), one unit per decoder layer.
+class Llama::OwnAdapters final : public WeightStore {
+ public:
+  explicit OwnAdapters(Llama& model) : m_(model) {}
+  const float* acquire(int unit) override {
+    return m_.lora_params.data() + m_.lora_layout_.params.unit_range(unit).first;
+  }
+  void release(int) override {}
+  float* grads(int unit) override { return m_.lora_grads.data() + m_.lora_layout_.params.unit_range(unit).first; }
+  void grads_done(int) override {}
+
+ private:
+  Llama& m_;
+};
+
+Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel,
+             const LoraConfig& lora)
     : config_(config),
       layout_(config, parallel.tp ? parallel.tp->rank() : 0, parallel.tp ? parallel.tp->size() : 1),
       tp_(parallel.tp && parallel.tp->size() > 1 ? parallel.tp : nullptr),
       max_batch_(max_batch),
-      max_seq_(max_seq) {
+      max_seq_(max_seq),
+      lora_(lora),
+      lora_layout_(adapters_of(config, lora, parallel.tp ? parallel.tp->rank() : 0, parallel.tp ? parallel.tp->size() : 1)) {
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   const LlamaConfig& c = config_;
   const TpDims& d = layout_.tp();
   const int64_t n = max_batch * max_seq;
+  const bool adapters = lora_.enabled();
+  // Adapters: the frozen base is whole on every rank; external_grads is about the adapters' gradients.
+  TUNA_CHECK(!adapters || !parallel.external_weights, "LoRA keeps its frozen base whole (no external weights)");
   // The large buffers are checked against the host's memory before they are allocated, by name and size, so
   // that a model or batch too big for this machine is an error that says so (core/memory.h), not the OOM killer.
-  const int64_t weight_copies = (parallel.external_weights ? 0 : 1) + (parallel.external_weights || parallel.external_grads ? 0 : 1);
-  allocate_host(str("the model's weights", weight_copies == 2 ? " and gradients" : "", " (", layout_.total(),
-                    " parameters, fp32)"),
+  const int64_t weight_copies =
+      (parallel.external_weights ? 0 : 1) + (adapters || parallel.external_weights || parallel.external_grads ? 0 : 1);
+  allocate_host(str(adapters ? "the frozen base's weights" : "the model's weights",
+                    weight_copies == 2 ? " and gradients" : "", " (", layout_.total(), " parameters, fp32)"),
                 static_cast<uint64_t>(weight_copies) * layout_.total() * sizeof(float), [&] {
                   if (!parallel.external_weights) params.assign(layout_.total(), 0.0f);
                   if (weight_copies == 2) grads.assign(layout_.total(), 0.0f);
                 });
-  if (!parallel.external_weights && !parallel.external_grads) {
+  if (!parallel.external_weights && (adapters || !parallel.external_grads)) {
     own_store_ = std::make_unique<OwnWeights>(*this);
     store_ = own_store_.get();
+  }
+  if (adapters) {
+    const int64_t total = lora_layout_.params.total(), copies = parallel.external_grads ? 1 : 2;
+    allocate_host(str("the LoRA adapters", copies == 2 ? " and their gradients" : "", " (", total, " parameters, fp32)"),
+                  static_cast<uint64_t>(copies * total) * sizeof(float), [&] {
+                    lora_params.assign(total, 0.0f);
+                    if (copies == 2) lora_grads.assign(total, 0.0f);
+                  });
+    if (!parallel.external_grads) {
+      own_lora_store_ = std::make_unique<OwnAdapters>(*this);
+      lora_store_ = own_lora_store_.get();
+    }
+    lora_tensor_index_.assign(c.num_hidden_layers, {});
+    const std::vector<ParamTensor>& tensors = lora_layout_.params.tensors();
+    for (size_t k = 0; k < tensors.size(); k++)
+      for (int t = 0; t < kLoraTargets; t++)
+        if (lora_layout_.layers[tensors[k].layer].a[t] == tensors[k].offset)
+          lora_tensor_index_[tensors[k].layer][t] = static_cast<int>(k);
   }
 
   inv_freq_.resize(c.head_dim / 2);
@@ -81,7 +144,7 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
                 });
 
   acts_.resize(c.num_hidden_layers);
-  const LlamaBufferSizes planned = llama_buffer_sizes(c, d, max_batch, max_seq);
+  const LlamaBufferSizes planned = llama_buffer_sizes(c, d, max_batch, max_seq, lora_);
   head_chunk_rows_ = planned.head_chunk_rows;
   // Checked against the host's memory before anything is allocated, by name (the sizes are the plan's).
   allocate_host(str("the activations of ", max_batch, " x ", max_seq, " tokens through ", c.num_hidden_layers,
@@ -120,6 +183,18 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
     d_up_.resize(n * d.ffn);
     d_act_.resize(n * d.ffn);
     d_final_norm_.resize(n * c.hidden_size);
+    if (adapters) {
+      int64_t largest = 0;
+      for (int t = 0; t < kLoraTargets; t++) {
+        if (!lora_.has(LoraTarget(t))) continue;
+        const auto [out, in] = local_shape(c, d, LoraTarget(t));
+        largest = std::max({largest, out, in});
+        for (LayerActs& a : acts_) a.lora_u[t].resize(n * lora_.rank);
+      }
+      if (lora_.dropout > 0) lora_in_.resize(n * largest);
+      lora_tmp_.resize(n * largest);
+      lora_dt_.resize(n * lora_.rank);
+    }
                 });
   // The memory plan is made of llama_buffer_sizes: a buffer added here without it would make the plan wrong.
   TUNA_CHECK(activation_bytes() == planned.activation_floats(c.num_hidden_layers) * int64_t(sizeof(float)) &&
@@ -130,7 +205,8 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
              "Llama's buffers differ from llama_buffer_sizes (update it with the constructor)");
 }
 
-LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& c, const TpDims& d, int64_t max_batch, int64_t max_seq) {
+LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& c, const TpDims& d, int64_t max_batch, int64_t max_seq,
+                                    const LoraConfig& lora) {
   const int64_t n = max_batch * max_seq, C = c.hidden_size;
   LlamaBufferSizes s;
   // resid_in, norm1, resid_mid, norm2: C; rstd1, rstd2: 1; q, att: q_dim; k, v: kv_dim; lse: heads; gate, up, act: ffn.
@@ -144,6 +220,17 @@ LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& c, const TpDims& d, int64
   s.rope_inv_freq = c.head_dim / 2;
   s.ce_stats = d.tp_size > 1 ? 3 * s.head_chunk_rows : 0;
   s.documents = 2 * n;
+  if (lora.enabled()) {
+    int64_t largest = 0, targets = 0;
+    for (int t = 0; t < kLoraTargets; t++) {
+      if (!lora.has(LoraTarget(t))) continue;
+      const auto [out, in] = local_shape(c, d, LoraTarget(t));
+      largest = std::max({largest, out, in});
+      targets++;
+    }
+    s.lora_kept_per_layer = n * lora.rank * targets;
+    s.lora_scratch = (lora.dropout > 0 ? n * largest : 0) + n * largest + n * lora.rank;
+  }
   return s;
 }
 
@@ -153,6 +240,9 @@ int64_t Llama::activation_bytes() const {
     for (const std::vector<float>* v : {&a.resid_in, &a.norm1, &a.rstd1, &a.q, &a.k, &a.v, &a.att, &a.lse,
                                         &a.resid_mid, &a.norm2, &a.rstd2, &a.gate, &a.up, &a.act})
       floats += static_cast<int64_t>(v->size());
+  for (const LayerActs& a : acts_)
+    for (const std::vector<float>& u : a.lora_u) floats += static_cast<int64_t>(u.size());
+  for (const std::vector<float>* v : {&lora_in_, &lora_tmp_, &lora_dt_}) floats += static_cast<int64_t>(v->size());
   for (const std::vector<float>* v :
        {&resid_out_, &final_norm_out_, &final_rstd_, &logits_chunk_, &d_resid_, &d_norm_, &d_q_, &d_k_, &d_v_,
         &d_att_, &d_gate_, &d_up_, &d_act_, &d_final_norm_})
@@ -163,6 +253,11 @@ int64_t Llama::activation_bytes() const {
 void Llama::set_weight_store(WeightStore* store) {
   TUNA_CHECK(store && grads.empty(), "a weight store replaces external weights or gradients only");
   store_ = store;
+}
+
+void Llama::set_lora_store(WeightStore* store) {
+  TUNA_CHECK(store && lora_.enabled() && lora_grads.empty(), "an adapter store replaces external adapter gradients only");
+  lora_store_ = store;
 }
 
 void Llama::init_random(uint64_t seed, double std, float* out) {
@@ -212,7 +307,10 @@ void init_random_weights_piece(const ParamLayout& layout, uint64_t seed, double 
   }
 }
 
-void Llama::zero_grads() { std::fill(grads.begin(), grads.end(), 0.0f); }
+void Llama::zero_grads() {
+  std::fill(grads.begin(), grads.end(), 0.0f);
+  std::fill(lora_grads.begin(), lora_grads.end(), 0.0f);
+}
 
 void Llama::tp_all_reduce(float* x, int64_t n, const char* what) {
   if (tp_) tp_->all_reduce_sum(x, n, what);
@@ -316,6 +414,7 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
   const float* rope_sin = rope_sin_.data() + past * (c.head_dim / 2);
 
   store_->plan(layout_.unit_pass_order(backward_follows));
+  lora_train_ = backward_follows && lora_.dropout > 0;  // PEFT's dropout acts in training only
 
   const float* embedding = store_->acquire(0);
   embed(acts_.empty() ? resid_out_.data() : acts_[0].resid_in.data(), inputs, n,
@@ -328,11 +427,18 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     const int64_t begin = layout_.unit_range(1 + l).first;
     auto w = [&](int64_t offset) { return base + (offset - begin); };
     float* resid_next = l + 1 < L ? acts_[l + 1].resid_in.data() : resid_out_.data();
+    const float* adapters = lora_store_ ? lora_store_->acquire(l) : nullptr;
+    auto adapt = [&](LoraTarget t, const float* x, float* y) {
+      if (adapters && lora_.has(t)) lora_fwd(l, t, adapters, x, y, n, backward_follows);
+    };
 
     cpu::rmsnorm_fwd(a.norm1.data(), a.rstd1.data(), a.resid_in.data(), w(o.input_norm), n, C, c.rms_norm_eps);
     cpu::matmul_fwd(a.q.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim);
     cpu::matmul_fwd(a.k.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim);
     cpu::matmul_fwd(a.v.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim);
+    adapt(LoraTarget::Q, a.norm1.data(), a.q.data());
+    adapt(LoraTarget::K, a.norm1.data(), a.k.data());
+    adapt(LoraTarget::V, a.norm1.data(), a.v.data());
     cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim, d.q_dim, d.q_dim,
                   rope_position_ids_);
     cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim, d.kv_dim,
@@ -351,16 +457,21 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     }
     cpu::matmul_fwd(a.resid_mid.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C);
     tp_all_reduce(a.resid_mid.data(), n * C, "tp o_proj");  // row-parallel: partial sums
+    adapt(LoraTarget::O, a.att.data(), a.resid_mid.data());   // after the sum: added once (lora_fwd)
     for (int64_t i = 0; i < n * C; i++) a.resid_mid[i] += a.resid_in[i];
 
     cpu::rmsnorm_fwd(a.norm2.data(), a.rstd2.data(), a.resid_mid.data(), w(o.post_norm), n, C, c.rms_norm_eps);
     cpu::matmul_fwd(a.gate.data(), a.norm2.data(), w(o.gate_proj), n, C, F);
     cpu::matmul_fwd(a.up.data(), a.norm2.data(), w(o.up_proj), n, C, F);
+    adapt(LoraTarget::Gate, a.norm2.data(), a.gate.data());
+    adapt(LoraTarget::Up, a.norm2.data(), a.up.data());
     cpu::swiglu_fwd(a.act.data(), a.gate.data(), a.up.data(), n, F, F);
     cpu::matmul_fwd(resid_next, a.act.data(), w(o.down_proj), n, F, C);
     tp_all_reduce(resid_next, n * C, "tp down_proj");
+    adapt(LoraTarget::Down, a.act.data(), resid_next);
     for (int64_t i = 0; i < n * C; i++) resid_next[i] += a.resid_mid[i];
     store_->release(1 + l);
+    if (adapters) lora_store_->release(l);
   }
   // The head unit stays acquired through head() and the final norm's backward.
   head_base_ = store_->acquire(H);
@@ -373,7 +484,8 @@ LossSum Llama::head(const int32_t* targets, int64_t rows, bool want_grad, float*
   const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
   const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
   const float* w_head = (lm_unit == H ? head_base_ : store_->acquire(lm_unit)) + lm_offset;
-  float* g_head = want_grad ? store_->grads(lm_unit) + lm_offset : nullptr;
+  // A frozen base (LoRA) has no weight gradient: the head's backward gives only its input's.
+  float* g_head = want_grad && !lora_.enabled() ? store_->grads(lm_unit) + lm_offset : nullptr;
   LossSum loss;
   for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
     const int64_t nr = std::min(head_chunk_rows_, rows - r0);
@@ -403,12 +515,14 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
 
   // d_resid_ carries the gradient of the residual stream from the top down.
   std::fill(d_resid_.begin(), d_resid_.begin() + n * C, 0.0f);
+  // A frozen base (LoRA): no weight gradient of it is computed or stored (null dweight: the kernels skip it).
+  const bool frozen = lora_.enabled();
   {
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
-    cpu::rmsnorm_bwd(d_resid_.data(), store_->grads(H) + norm, d_final_norm_.data(), resid_out_.data(),
-                     head_base_ + norm, final_rstd_.data(), n, C, GradWrite::Accumulate);
+    cpu::rmsnorm_bwd(d_resid_.data(), frozen ? nullptr : store_->grads(H) + norm, d_final_norm_.data(),
+                     resid_out_.data(), head_base_ + norm, final_rstd_.data(), n, C, GradWrite::Accumulate);
     store_->release(H);
-    store_->grads_done(H);
+    if (!frozen) store_->grads_done(H);
   }
   for (int64_t l = c.num_hidden_layers - 1; l >= 0; l--) {
     LayerActs& a = acts_[l];
@@ -416,23 +530,32 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     const int unit = static_cast<int>(1 + l);
     const int64_t begin = layout_.unit_range(unit).first;
     const float* wb = store_->acquire(unit);
-    float* gb = store_->grads(unit);
+    float* gb = frozen ? nullptr : store_->grads(unit);
     auto w = [&](int64_t offset) { return wb + (offset - begin); };
-    auto g = [&](int64_t offset) { return gb + (offset - begin); };
+    auto g = [&](int64_t offset) { return gb ? gb + (offset - begin) : nullptr; };
+    const float* adapters = lora_store_ ? lora_store_->acquire(static_cast<int>(l)) : nullptr;
+    float* adapter_grads = lora_store_ ? lora_store_->grads(static_cast<int>(l)) : nullptr;
+    auto adapt = [&](LoraTarget t, const float* x, const float* dy, float* dx) {
+      if (adapters && lora_.has(t)) lora_bwd(l, t, adapters, adapter_grads, x, dy, dx, n);
+    };
     // MLP block: x_out = resid_mid + down(act)
     cpu::matmul_bwd(d_act_.data(), g(o.down_proj), d_resid_.data(), a.act.data(), w(o.down_proj), n, F, C,
                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
+    adapt(LoraTarget::Down, a.act.data(), d_resid_.data(), d_act_.data());
     cpu::swiglu_bwd(d_gate_.data(), d_up_.data(), d_act_.data(), a.gate.data(), a.up.data(), n, F, F);
     cpu::matmul_bwd(d_norm_.data(), g(o.gate_proj), d_gate_.data(), a.norm2.data(), w(o.gate_proj), n, C, F,
                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
     cpu::matmul_bwd(d_norm_.data(), g(o.up_proj), d_up_.data(), a.norm2.data(), w(o.up_proj), n, C, F,
                     /*accumulate_dinp=*/true, GradWrite::Accumulate);
+    adapt(LoraTarget::Gate, a.norm2.data(), d_gate_.data(), d_norm_.data());
+    adapt(LoraTarget::Up, a.norm2.data(), d_up_.data(), d_norm_.data());
     tp_all_reduce(d_norm_.data(), n * C, "tp gate/up input grad");  // column-parallel: partial input grads
     cpu::rmsnorm_bwd(d_resid_.data(), g(o.post_norm), d_norm_.data(), a.resid_mid.data(), w(o.post_norm),
                      a.rstd2.data(), n, C, GradWrite::Accumulate);
     // Attention block: resid_mid = resid_in + o_proj(att)
     cpu::matmul_bwd(d_att_.data(), g(o.o_proj), d_resid_.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C,
                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
+    adapt(LoraTarget::O, a.att.data(), d_resid_.data(), d_att_.data());
     cpu::attention_bwd(d_q_.data(), d_k_.data(), d_v_.data(), d_att_.data(), a.att.data(), a.lse.data(),
                        a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads, d.kv_heads, c.head_dim,
                        attention_doc_start_);
@@ -446,14 +569,105 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
                     /*accumulate_dinp=*/true, GradWrite::Accumulate);
     cpu::matmul_bwd(d_norm_.data(), g(o.v_proj), d_v_.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim,
                     /*accumulate_dinp=*/true, GradWrite::Accumulate);
+    adapt(LoraTarget::Q, a.norm1.data(), d_q_.data(), d_norm_.data());
+    adapt(LoraTarget::K, a.norm1.data(), d_k_.data(), d_norm_.data());
+    adapt(LoraTarget::V, a.norm1.data(), d_v_.data(), d_norm_.data());
     tp_all_reduce(d_norm_.data(), n * C, "tp q/k/v input grad");
     cpu::rmsnorm_bwd(d_resid_.data(), g(o.input_norm), d_norm_.data(), a.resid_in.data(), w(o.input_norm),
                      a.rstd1.data(), n, C, GradWrite::Accumulate);
     store_->release(unit);
-    store_->grads_done(unit);
+    if (!frozen) store_->grads_done(unit);
+    if (adapters) {
+      lora_store_->release(static_cast<int>(l));
+      lora_store_->grads_done(static_cast<int>(l));
+    }
   }
+  if (frozen) return;
   embed_bwd(store_->grads(0) + (layout_.embed_tokens() - layout_.unit_range(0).first), d_resid_.data(), inputs, n);
   store_->grads_done(0);
+}
+
+// ---- LoRA adapters: y += s B A dropout(x), s = alpha / r ----
+//
+// Tensor parallelism (the splits of model/lora.h):
+//   column-parallel (q, k, v, gate, up): x is whole on every rank and A replicated, so t = A x is whole; B's block
+//     gives this rank's rows of y. Backward: dB from the local dy; this rank's partial dt = s B_local^T dy gives a
+//     partial input gradient that joins the input gradient's existing all-reduce, while dA = dt^T x needs the whole
+//     dt: one all-reduce of [n, r] over tp.
+//   row-parallel (o, down): x and A are split by columns, so t = sum over tp of A_local x_local: one all-reduce of
+//     [n, r]. The adapter's output is added after the layer's own all-reduce of y: every rank then adds the same
+//     s B t (B replicated, t whole) to the same whole y, so it counts once, as on one rank. Backward: dy is whole,
+//     so dB and dt are whole (and equal on every rank); dA_local and the (split) input gradient come from them.
+
+void Llama::lora_dropout_apply(int64_t l, LoraTarget t, const float* src, float* dst, int64_t n, bool accumulate) {
+  const int i = static_cast<int>(t);
+  const int64_t in = local_shape(config_, layout_.tp(), t)[1];
+  const ParamTensor& a = lora_layout_.params.tensors()[lora_tensor_index_[l][i]];
+  const int64_t global_in = a.global_shape[1], col0 = a.split_dim == 1 ? a.split_begin : 0;
+  const uint64_t stream = lora_dropout_stream(lora_dropout_key_, l, t);
+  const double p = lora_.dropout;
+  const float keep = static_cast<float>(1.0 / (1.0 - p));
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < n; row++)
+    for (int64_t j = 0; j < in; j++) {
+      const float v = lora_dropout_keeps(stream, row * global_in + col0 + j, p) ? src[row * in + j] * keep : 0.0f;
+      float& out = dst[row * in + j];
+      out = accumulate ? out + v : v;
+    }
+}
+
+const float* Llama::lora_input(int64_t l, LoraTarget t, const float* x, int64_t n, bool train) {
+  if (!train || lora_.dropout == 0) return x;
+  lora_dropout_apply(l, t, x, lora_in_.data(), n, /*accumulate=*/false);
+  return lora_in_.data();
+}
+
+void Llama::lora_fwd(int64_t l, LoraTarget t, const float* adapters, const float* x, float* y, int64_t n, bool train) {
+  const int i = static_cast<int>(t);
+  const LoraOffsets& o = lora_layout_.layers[l];
+  const int64_t begin = lora_layout_.params.unit_range(static_cast<int>(l)).first, r = lora_.rank;
+  const float* A = adapters + (o.a[i] - begin);
+  const float* B = adapters + (o.b[i] - begin);
+  const auto [out, in] = local_shape(config_, layout_.tp(), t);
+  float* u = acts_[l].lora_u[i].data();
+  cpu::matmul_fwd(u, lora_input(l, t, x, n, train), A, n, in, r);
+  if (lora_target_row_parallel(t)) tp_all_reduce(u, n * r, "tp LoRA A x");  // A x over the split input
+  // Kept as u = s A x: then dB = dy^T u directly, and y adds u B^T.
+  const float s = static_cast<float>(lora_.scale());
+  for (int64_t k = 0; k < n * r; k++) u[k] *= s;
+  cpu::matmul_fwd(lora_tmp_.data(), u, B, n, r, out);
+  for (int64_t k = 0; k < n * out; k++) y[k] += lora_tmp_[k];
+}
+
+void Llama::lora_bwd(int64_t l, LoraTarget t, const float* adapters, float* grads, const float* x, const float* dy,
+                     float* dx, int64_t n) {
+  const int i = static_cast<int>(t);
+  const LoraOffsets& o = lora_layout_.layers[l];
+  const int64_t begin = lora_layout_.params.unit_range(static_cast<int>(l)).first, r = lora_.rank;
+  const float* A = adapters + (o.a[i] - begin);
+  const float* B = adapters + (o.b[i] - begin);
+  float* dA = grads + (o.a[i] - begin);
+  float* dB = grads + (o.b[i] - begin);
+  const auto [out, in] = local_shape(config_, layout_.tp(), t);
+  float* dt = lora_dt_.data();
+  // dB += dy^T u, dt = dy B; then dt = s dy B, the gradient of A x.
+  cpu::matmul_bwd(dt, dB, dy, acts_[l].lora_u[i].data(), B, n, r, out, /*accumulate_dinp=*/false,
+                  GradWrite::Accumulate);
+  const float s = static_cast<float>(lora_.scale());
+  for (int64_t k = 0; k < n * r; k++) dt[k] *= s;
+  const float* xin = lora_input(l, t, x, n, lora_train_);  // the forward's mask again (a pure function)
+  // Without dropout the input gradient accumulates into dx directly; with it, through the mask from lora_tmp_.
+  const bool dropped = lora_train_;
+  float* dxin = dropped ? lora_tmp_.data() : dx;
+  if (tp_ && !lora_target_row_parallel(t)) {
+    cpu::matmul_bwd(dxin, static_cast<float*>(nullptr), dt, xin, A, n, in, r, /*accumulate_dinp=*/!dropped,
+                    GradWrite::Accumulate);  // partial: summed by the caller's all-reduce of dx
+    tp_all_reduce(dt, n * r, "tp LoRA dt");
+    cpu::matmul_bwd(static_cast<float*>(nullptr), dA, dt, xin, A, n, in, r, false, GradWrite::Accumulate);
+  } else {
+    cpu::matmul_bwd(dxin, dA, dt, xin, A, n, in, r, /*accumulate_dinp=*/!dropped, GradWrite::Accumulate);
+  }
+  if (dropped) lora_dropout_apply(l, t, lora_tmp_.data(), dx, n, /*accumulate=*/true);
 }
 
 LossSum Llama::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,

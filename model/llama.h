@@ -5,12 +5,18 @@
 // The loss head is chunked over rows (logits for a few thousand rows at a time, turned into dlogits in
 // place), so a 128k vocabulary never needs batch x seq x vocab floats.
 //
+// With LoRA adapters (model/lora.h; the constructor's `lora`), the base is frozen: params holds it and stays as it
+// is, grads stays empty, no weight gradient of the base is computed (no dW GEMM, no norm or embedding gradient), and
+// the adapters train: lora_params and lora_grads, laid out by lora_layout(), reached a unit (decoder layer) at a
+// time through a second WeightStore (set_lora_store; by default the model's own buffers).
+//
 // Loss convention: forward_backward returns the SUM of per-token losses and the count of trained
 // tokens, and accumulates the gradient of that sum. The trainer divides by the total count over all
 // micro-batches (and ranks) once, before clipping: the mean over every trained token of the step,
 // whatever the split into micro-batches.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -18,6 +24,7 @@
 
 #include "model/config.h"
 #include "model/layout.h"
+#include "model/lora.h"       // LoraConfig, LoraLayout
 #include "model/optimizer.h"  // Segment
 
 namespace tuna {
@@ -71,7 +78,10 @@ struct KvCache {
 
 class Llama {
  public:
-  Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel = {});
+  // lora.enabled(): adapters on the targeted projections, the base frozen (external weights are not supported then:
+  // the base is replicated; external_grads applies to the adapters' gradients).
+  Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel = {},
+        const LoraConfig& lora = {});
 
   const LlamaConfig& config() const { return config_; }
   const ParamLayout& layout() const { return layout_; }
@@ -83,11 +93,20 @@ class Llama {
 
   void set_weight_store(WeightStore* store);
 
+  // LoRA (empty unless the constructor's lora is enabled).
+  const LoraConfig& lora() const { return lora_; }
+  const LoraLayout& lora_layout() const { return lora_layout_; }
+  std::vector<float> lora_params;  // lora_layout().params order: this tp rank's blocks of A and B
+  std::vector<float> lora_grads;   // same layout; forward_backward accumulates into it (empty: external)
+  void set_lora_store(WeightStore* store);  // replaces external adapter gradients (ZeRO-2 over the adapters)
+  // The key of the next forward_backward's dropout masks (lora_dropout_key: run seed, step, micro-batch, dp rank).
+  void set_lora_dropout_key(uint64_t key) { lora_dropout_key_ = key; }
+
   // HF-style initialization for training from scratch: normal(0, std) for 2-D weights, ones for norms.
   // Draws the global tensors and keeps this rank's blocks, so every tp split starts from the same model.
   // Writes into `out` (ParamLayout order; params.data() by default).
   void init_random(uint64_t seed, double std = 0.02, float* out = nullptr);  // init_random_weights
-  void zero_grads();
+  void zero_grads();  // the base's gradients, or with adapters theirs
 
   // How windows treat their documents (DocumentMode); the default masks and restarts.
   void set_document_mode(const DocumentMode& mode) { documents_ = mode; }
@@ -120,8 +139,21 @@ class Llama {
  private:
   struct LayerActs {
     std::vector<float> resid_in, norm1, rstd1, q, k, v, att, lse, resid_mid, norm2, rstd2, gate, up, act;
+    std::array<std::vector<float>, kLoraTargets> lora_u;  // per adapter: s * A dropout(x), [n, r] (whole)
   };
   class OwnWeights;  // the WeightStore over params / grads
+  class OwnAdapters;  // the WeightStore over lora_params / lora_grads
+  // y += s B A dropout(x) for target t of layer l (forward), and its backward (dB, dA, and the input gradient added
+  // to dx); `adapters` is layer l's unit of the adapter buffer, `grads` its gradient. Tensor-parallel collectives as
+  // in llama.cpp. `train`: dropout applies (a pass with a backward).
+  void lora_fwd(int64_t l, LoraTarget t, const float* adapters, const float* x, float* y, int64_t n, bool train);
+  void lora_bwd(int64_t l, LoraTarget t, const float* adapters, float* grads, const float* x, const float* dy,
+                float* dx, int64_t n);
+  // The adapter's input for target t of layer l: x with this pass's dropout mask applied, into lora_in_ (or x itself
+  // without dropout).
+  const float* lora_input(int64_t l, LoraTarget t, const float* x, int64_t n, bool train);
+  // dst (= or +=) src with target t of layer l's dropout mask applied and survivors scaled by 1 / (1 - p).
+  void lora_dropout_apply(int64_t l, LoraTarget t, const float* src, float* dst, int64_t n, bool accumulate);
   // With a cache: positions cache->length.., keys and values appended to it, attention over it too.
   void forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache = nullptr,
                const int32_t* positions = nullptr);
@@ -157,6 +189,16 @@ class Llama {
   std::vector<float> resid_out_, final_norm_out_, final_rstd_, logits_chunk_;
   // backward scratch
   std::vector<float> d_resid_, d_norm_, d_q_, d_k_, d_v_, d_att_, d_gate_, d_up_, d_act_, d_final_norm_;
+  // LoRA
+  LoraConfig lora_;
+  LoraLayout lora_layout_;
+  std::unique_ptr<WeightStore> own_lora_store_;
+  WeightStore* lora_store_ = nullptr;
+  uint64_t lora_dropout_key_ = 0;
+  std::vector<std::array<int, kLoraTargets>> lora_tensor_index_;  // per layer and target: A's index in the layout
+  bool lora_train_ = false;  // this pass applies dropout
+  // scratch: the dropped input [n, largest in], the B product or A's input gradient [n, largest in or out], dt [n, r]
+  std::vector<float> lora_in_, lora_tmp_, lora_dt_;
 };
 
 // The buffers a Llama allocates at construction for (max_batch, max_seq) on one tensor-parallel rank, in
@@ -172,10 +214,15 @@ struct LlamaBufferSizes {
   int64_t rope_inv_freq = 0;    // doubles
   int64_t ce_stats = 0;         // doubles: per-row statistics of the vocab-parallel loss (tp > 1)
   int64_t documents = 0;        // int32s: each token's document start and RoPE position (packed documents)
+  int64_t lora_kept_per_layer = 0;  // LoRA: each adapter's r-wide intermediate, kept for the backward
+  int64_t lora_scratch = 0;     // LoRA: the dropped input, a product or input gradient, and dt
   // What activation_bytes() reports: kept activations of every layer, final norm, logits chunk, backward.
-  int64_t activation_floats(int64_t layers) const { return kept_per_layer * layers + final_norm + logits_chunk + backward; }
+  int64_t activation_floats(int64_t layers) const {
+    return (kept_per_layer + lora_kept_per_layer) * layers + final_norm + logits_chunk + backward + lora_scratch;
+  }
 };
-LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& config, const TpDims& tp, int64_t max_batch, int64_t max_seq);
+LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& config, const TpDims& tp, int64_t max_batch, int64_t max_seq,
+                                    const LoraConfig& lora = {});
 
 // HF-style initialization of a flat buffer laid out by `layout` (any tp rank's): normal(0, std) for 2-D
 // weights, each tensor's global values drawn in order from its own random stream (seed, tensor index) and cut to

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 
 #include "core/error.h"
 #include "core/json.h"
@@ -149,6 +150,72 @@ LoraLayout lora_layout(const LlamaConfig& config, const LoraConfig& lora, int tp
   return layout;
 }
 
+int64_t lora_parameter_count(const LlamaConfig& config, const LoraConfig& lora) {
+  int64_t per_layer = 0;
+  for (LoraTarget t : kTargets)
+    if (lora.has(t)) {
+      const auto [out, in] = lora_target_shape(config, t);
+      per_layer += lora.rank * (in + out);
+    }
+  return per_layer * config.num_hidden_layers;
+}
+
+double lora_flops_per_token(const LlamaConfig& c, const LoraConfig& lora, int64_t seq) {
+  double matmul_params = static_cast<double>(c.n_params());
+  if (!c.tie_word_embeddings) matmul_params -= static_cast<double>(c.vocab_size * c.hidden_size);
+  const double attention = model_flops_per_token(c, seq) - 6.0 * matmul_params;
+  return 4.0 * matmul_params + attention + 6.0 * static_cast<double>(lora_parameter_count(c, lora));
+}
+
+void init_lora_weights_piece(const ParamLayout& adapters, uint64_t seed, const Segment& piece, float* out) {
+  const std::vector<ParamTensor>& tensors = adapters.tensors();
+  for (size_t index = 0; index < tensors.size(); index++) {
+    const ParamTensor& t = tensors[index];
+    const int64_t lb = std::max(piece.begin, t.offset) - t.offset;
+    const int64_t le = std::min(piece.begin + piece.size, t.offset + t.numel) - t.offset;
+    if (lb >= le) continue;
+    float* p = out + (t.offset + lb - piece.begin);
+    TUNA_CHECK(t.shape.size() == 2 && t.global_shape.size() == 2, t.name, ": an adapter is a matrix");
+    if (t.name.find(".lora_B.") != std::string::npos) {  // B starts at zero: the model starts as its base
+      std::fill(p, p + (le - lb), 0.0f);
+      continue;
+    }
+    // The whole A's draws in order (row-major over [r, in_features]), each kept where it falls in this rank's
+    // block and the piece, up to the last one needed: the values do not depend on the tp split or the ZeRO pieces.
+    const int64_t rows = t.shape[0], cols = t.shape[1], gcols = t.global_shape[1];
+    const double bound = 1.0 / std::sqrt(static_cast<double>(gcols));
+    std::mt19937_64 rng(seed + 0x9E3779B97F4A7C15ull * (index + 1));
+    std::uniform_real_distribution<double> uniform(-bound, bound);
+    const auto global_of = [&](int64_t local) {
+      const int64_t row = local / cols, col = local % cols;
+      return t.split_dim == 0 ? (t.split_begin + row) * gcols + col
+           : t.split_dim == 1 ? row * gcols + t.split_begin + col
+                              : local;
+    };
+    const int64_t last = global_of(le - 1);
+    for (int64_t g = 0; g <= last; g++) {
+      const float x = static_cast<float>(uniform(rng));
+      const int64_t row = g / gcols, col = g % gcols;
+      int64_t local = -1;
+      if (t.split_dim == 0 && row >= t.split_begin && row < t.split_begin + rows) local = (row - t.split_begin) * cols + col;
+      else if (t.split_dim == 1 && col >= t.split_begin && col < t.split_begin + cols) local = row * cols + col - t.split_begin;
+      else if (t.split_dim < 0) local = g;
+      if (local >= lb && local < le) p[local - lb] = x;
+    }
+  }
+}
+
+uint64_t lora_dropout_key(uint64_t seed, int64_t step, int64_t micro_batch, int dp_rank) {
+  uint64_t k = lora_mix(seed ^ 0x4C6F5241ull);
+  k = lora_mix(k + static_cast<uint64_t>(step));
+  k = lora_mix(k + static_cast<uint64_t>(micro_batch));
+  return lora_mix(k + static_cast<uint64_t>(dp_rank));
+}
+
+uint64_t lora_dropout_stream(uint64_t key, int64_t layer, LoraTarget t) {
+  return lora_mix(lora_mix(key + static_cast<uint64_t>(layer)) + static_cast<uint64_t>(t));
+}
+
 nlohmann::json peft_adapter_config(const LoraConfig& lora, const std::string& base_path) {
   nlohmann::json targets = nlohmann::json::array();
   for (LoraTarget t : kTargets)
@@ -193,7 +260,7 @@ LoraConfig read_peft_adapter_config(const std::filesystem::path& path) {
   text("peft_type", "LORA");
   text("bias", "none");
   for (const char* key : {"use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
-                          "modules_to_save", "layers_to_transform", "layers_pattern"})
+                          "modules_to_save", "layers_to_transform", "layers_pattern", "layer_replication", "loftq_config"})
     off(key);
   LoraConfig lora;
   lora.rank = json_int(j, "r", src, 1, int64_t{1} << 20);

@@ -21,6 +21,7 @@
 
 #include "model/config.h"
 #include "model/layout.h"
+#include "model/optimizer.h"  // Segment
 
 namespace tuna {
 
@@ -66,6 +67,38 @@ struct LoraLayout {
   std::vector<LoraOffsets> layers;   // per decoder layer
 };
 LoraLayout lora_layout(const LlamaConfig& config, const LoraConfig& lora, int tp_rank = 0, int tp_size = 1);
+
+// The adapters PEFT starts from (init_lora_weights=True): A kaiming-uniform with a = sqrt(5), which is U(-1/sqrt(in),
+// 1/sqrt(in)) with `in` the whole layer's in_features, and B zero, so the model starts as the base. Elements
+// [piece.begin, piece.begin + piece.size) of the adapter layout (any tp rank's) into out: each A is drawn whole, in
+// order, from its own stream (seed, tensor index) and cut to this rank's block, so every tp and dp layout starts
+// from the same adapters.
+void init_lora_weights_piece(const ParamLayout& adapters, uint64_t seed, const Segment& piece, float* out);
+
+// Dropout on the adapter's input, reproducible: whether element `index` of a target's input survives is a pure
+// function of (run seed, step, micro-batch, dp rank, layer, target, index), a counter-based stream (splitmix64 at
+// that counter), so the backward regenerates the forward's mask instead of keeping it, and a restarted run draws the
+// same masks. The index is the element's place in the whole layer's input (row * in_features + column), so the
+// tensor-parallel split of a row-parallel input (o, down) does not change the mask.
+uint64_t lora_dropout_key(uint64_t seed, int64_t step, int64_t micro_batch, int dp_rank);
+uint64_t lora_dropout_stream(uint64_t key, int64_t layer, LoraTarget t);
+inline uint64_t lora_mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// True when the element survives a dropout of probability p (then it is scaled by 1 / (1 - p)).
+inline bool lora_dropout_keeps(uint64_t stream, int64_t index, double p) {
+  const uint64_t bits = lora_mix(stream + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(index) + 1));
+  return static_cast<double>(bits >> 11) * 0x1.0p-53 >= p;
+}
+
+// Trainable parameters of the adapters in the whole model (every tp rank's together).
+int64_t lora_parameter_count(const LlamaConfig& config, const LoraConfig& lora);
+// Model FLOPs of one trained token with adapters (MFU's numerator, as model_flops_per_token for a full fine-tune):
+// the frozen base's matmul weights cost 4 each (the forward and the input gradient; no weight gradient), attention
+// the same as there, and each adapter weight 6 (both of its products train).
+double lora_flops_per_token(const LlamaConfig& config, const LoraConfig& lora, int64_t seq);
 
 // PEFT's adapter_config.json for these adapters on the base model at base_path.
 nlohmann::json peft_adapter_config(const LoraConfig& lora, const std::string& base_path);

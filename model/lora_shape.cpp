@@ -96,14 +96,6 @@ int64_t lora_params(const LlamaConfig& c, const LoraPlan& lora, int64_t tp) {
   return c.num_hidden_layers * lora_layer_params(c, lora, tp);
 }
 
-double lora_flops_per_token(const LlamaConfig& c, const LoraPlan& lora, int64_t seq) {
-  double matmul_params = static_cast<double>(c.n_params());
-  if (!c.tie_word_embeddings) matmul_params -= static_cast<double>(c.vocab_size * c.hidden_size);
-  const double attention = 6.0 * static_cast<double>(seq) * static_cast<double>(c.q_dim()) *
-                           static_cast<double>(c.num_hidden_layers);
-  return 4.0 * matmul_params + 6.0 * static_cast<double>(lora_params(c, lora, 1)) + attention;
-}
-
 bool base_tensor_quantized(const ParamTensor& t) { return t.layer >= 0 && t.shape.size() == 2; }
 
 int64_t base_tensor_bytes(int64_t numel, int64_t rows, BaseQuant quant) {

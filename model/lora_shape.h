@@ -28,12 +28,9 @@ BaseQuant parse_base_quant(const std::string& text, const std::string& source);
 const char* base_quant_name(BaseQuant q);
 
 
-struct LoraPlan {
-  int64_t rank = 0;                     // r; 0: a full fine-tune (no adapters, everything below ignored)
-  uint32_t targets = kAllLoraTargets;  // bit i: LoraTarget(i) has an adapter (model/lora.h, parse_lora_targets)
-  double dropout = 0;                   // > 0: a mask per target and input element is kept for the backward
+// The adapters of a run (model/lora.h's LoraConfig: rank 0 is a full fine-tune) and how its frozen base is stored.
+struct LoraPlan : LoraConfig {
   BaseQuant base_quant = BaseQuant::None;
-  bool enabled() const { return rank > 0; }
   bool targets_module(size_t i) const { return (targets >> i) & 1u; }
 };
 
@@ -56,11 +53,6 @@ std::vector<LoraTargetShape> lora_layer_shapes(const LlamaConfig& config, const 
 // Adapter parameters of one layer / of the model, on one tp rank.
 int64_t lora_layer_params(const LlamaConfig& config, const LoraPlan& lora, int64_t tp);
 int64_t lora_params(const LlamaConfig& config, const LoraPlan& lora, int64_t tp);
-
-// Model FLOPs of one trained token with adapters: forward 2 and input gradient 2 per frozen matmul weight (no
-// weight gradient), 6 per adapter weight, and causal attention's 6 * seq * q_dim per layer (model_flops_per_token's
-// convention: its backward runs whole, the queries, keys and values need their gradients).
-double lora_flops_per_token(const LlamaConfig& config, const LoraPlan& lora, int64_t seq);
 
 // Whether the base stores this tensor quantized: the decoder layers' Linear weights (2-D, in a layer).
 bool base_tensor_quantized(const ParamTensor& t);

@@ -50,7 +50,7 @@ struct MemoryLayout {
   int64_t micro_batch = 1, seq_len = 1;
   // Adapters (rank 0: a full fine-tune). With adapters the base is frozen and ZeRO acts on the adapters' master,
   // gradients and moments; ZeRO-3 also shards the frozen base (gathered a unit at a time), below it the base is
-  // whole on every dp rank.
+  // whole on every dp rank. A LoraPlan is the run's LoraConfig and how the base is stored.
   LoraPlan lora;
 };
 

@@ -29,7 +29,7 @@ ZeroBufferSizes zero_buffer_sizes(const ParamLayout& layout, int stage, int dp_r
   z.weight_buffers = stage == 3 ? 2 : 0;
   // Llama's backward finishes one unit's gradient before it starts the next, except a tied embedding's: the
   // head takes it first and the embedding's backward finishes it last, so two are alive through the layers.
-  z.grad_buffers = stage >= 2 ? (layout.lm_head_unit() == 0 ? 2 : 1) : 0;
+  z.grad_buffers = stage >= 2 ? (layout.is_model() && layout.lm_head_unit() == 0 ? 2 : 1) : 0;
   z.scatter_out = stage >= 2 ? shard_range(z.unit, 0, dp_size).size() : 0;
   return z;
 }
@@ -55,12 +55,21 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (!m.master_weights) fail("option 'master_weights' false is for --device cuda (the CPU backend trains fp32 weights)");
 
   const ParamLayout layout(config, static_cast<int>(m.tp_rank), static_cast<int>(m.tp));
-  const LlamaBufferSizes llama = llama_buffer_sizes(config, layout.tp(), m.micro_batch, m.seq_len);
+  // LoRA (training): the base is frozen and whole (no gradient, no optimizer state); Zero holds the adapters'.
+  const bool lora = m.training && m.lora.enabled();
+  if (lora && m.zero == 3)
+    fail("memory plan: --zero 3 with LoRA adapters: sharding the frozen base (ZeRO-3 with adapters) is not "
+         "implemented; use --zero 0, 1 or 2");
+  const LoraLayout adapters = lora ? lora_layout(config, m.lora, static_cast<int>(m.tp_rank), static_cast<int>(m.tp))
+                                   : LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
+  const LlamaBufferSizes llama =
+      llama_buffer_sizes(config, layout.tp(), m.micro_batch, m.seq_len, lora ? static_cast<const LoraConfig&>(m.lora) : LoraConfig{});
   // The forward pass alone (build/eval, build/sample) is a Llama without Zero.
-  const ZeroBufferSizes zero = m.training ? zero_buffer_sizes(layout, m.zero, static_cast<int>(m.dp_rank),
-                                                              static_cast<int>(m.dp))
+  const ZeroBufferSizes zero = m.training ? zero_buffer_sizes(lora ? adapters.params : layout, m.zero,
+                                                              static_cast<int>(m.dp_rank), static_cast<int>(m.dp))
                                           : ZeroBufferSizes{};
   const int64_t params = layout.total(), L = config.num_hidden_layers;
+  const int64_t trained = lora ? adapters.params.total() : params;  // what gradients and moments cover
 
   MemoryPlan plan;
   auto add = [&](std::string name, MemoryKind kind, int64_t bytes) {
@@ -68,10 +77,19 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   };
   // Llama: whole (tp-local) weights below stage 3, whole gradients below stage 2 (Zero takes them over above).
   const int stage = m.training ? m.zero : 0;
-  if (stage < 3) add("weights (fp32, whole)", MemoryKind::Weights, params * kFloat);
-  if (stage < 2) add("gradients (fp32, whole)", MemoryKind::Gradients, params * kFloat);
+  if (lora) {
+    add("frozen base weights (fp32, whole)", MemoryKind::Weights, params * kFloat);
+    add("LoRA adapters (fp32, whole)", MemoryKind::Weights, trained * kFloat);
+    if (stage < 2) add("LoRA adapter gradients (fp32, whole)", MemoryKind::Gradients, trained * kFloat);
+  } else {
+    if (stage < 3) add("weights (fp32, whole)", MemoryKind::Weights, params * kFloat);
+    if (stage < 2) add("gradients (fp32, whole)", MemoryKind::Gradients, params * kFloat);
+  }
   add(str("activations kept for the backward (", L, " layers)"), MemoryKind::Activations,
       (llama.kept_per_layer * L + llama.final_norm) * kFloat);
+  if (lora)
+    add(str("LoRA: each adapter's r-wide intermediate (", L, " layers) and the adapters' scratch"),
+        MemoryKind::Activations, (llama.lora_kept_per_layer * L + llama.lora_scratch) * kFloat);
   add(str("loss head: logits of ", llama.head_chunk_rows, " rows"), MemoryKind::Activations, llama.logits_chunk * kFloat);
   add("backward scratch (one layer's activation gradients)", MemoryKind::Activations, llama.backward * kFloat);
   add("rotary tables", MemoryKind::Workspace, llama.rope_tables * kFloat + llama.rope_inv_freq * kDouble);
@@ -80,8 +98,8 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   // Zero.
   add("master weights (fp32, shard)", MemoryKind::Master, zero.master * kFloat);
   add("gradient shard (fp32)", MemoryKind::Gradients, zero.grad_shard * kFloat);
-  add(m.zero == 0 ? "AdamW moments (fp32, whole)" : "AdamW moments (fp32, shard)", MemoryKind::Moments,
-      2 * zero.moments * kFloat);
+  add(str(lora ? "LoRA adapters' " : "", m.zero == 0 ? "AdamW moments (fp32, whole)" : "AdamW moments (fp32, shard)"),
+      MemoryKind::Moments, 2 * zero.moments * kFloat);
   add(str("gathered weights (", zero.weight_buffers, " unit buffers)"), MemoryKind::Communication,
       zero.weight_buffers * zero.unit * kFloat);
   add(str("unit gradients (", zero.grad_buffers, " unit buffers)"), MemoryKind::Communication,
@@ -108,7 +126,7 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   // (a chunked reduce-scatter also stages its chunk: comm/comm_mpi.cpp).
   if (m.dp > 1 && m.zero <= 1)
     add("gradient all-reduce: MPI's scratch for one chunk", MemoryKind::Transient,
-        std::min(params * kFloat, kMpiChunkBytes));
+        std::min(trained * kFloat, kMpiChunkBytes));
   if (m.dp > 1 && m.zero >= 2)
     add("unit reduce-scatter: MPI's scratch (and staging) for one chunk", MemoryKind::Transient,
         zero.unit * kFloat <= kMpiChunkBytes ? zero.unit * kFloat : 2 * kMpiChunkBytes);

@@ -61,6 +61,7 @@ void rmsnorm_bwd(T* dinp, T* dweight, const T* dout, const T* inp, const T* weig
     }
   }
 
+  if (!dweight) return;  // a frozen weight (LoRA's base): the input gradient only
   const int64_t n_blocks = (dim + kColumnBlock - 1) / kColumnBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t block = 0; block < n_blocks; ++block) {

@@ -12,7 +12,8 @@ template <typename T>
 void rmsnorm_fwd(T* out, T* rstd, const T* inp, const T* weight, int64_t n, int64_t dim, double eps);
 
 // Gradients of the above. ACCUMULATES into dinp (it is the residual stream's gradient); dweight is overwritten
-// or accumulated by dweight_write (kernels/cpu/grad_write.h; Overwrite never reads it).
+// or accumulated by dweight_write (kernels/cpu/grad_write.h; Overwrite never reads it); null dweight: skipped (a
+// frozen weight: only the input gradient is wanted).
 template <typename T>
 void rmsnorm_bwd(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const T* rstd,
                  int64_t n, int64_t dim, GradWrite dweight_write);

@@ -119,6 +119,15 @@ TEST(RmsnormTest, BackwardAccumulatesDinpAndOverwritesOrAccumulatesDweight) {
               GradWrite::Accumulate);
   EXPECT_EQ(overwritten, std::vector<float>(dim, 0.0f));
   EXPECT_EQ(dweight, prior_dweight);
+
+  // A null dweight (a frozen weight): the same input gradient, no weight gradient.
+  std::vector<float> frozen_dinp = prior_dinp;
+  rmsnorm_bwd(frozen_dinp.data(), static_cast<float*>(nullptr), dout.data(), inp.data(), weight.data(), rstd.data(), n,
+              dim, GradWrite::Accumulate);
+  dinp = prior_dinp;
+  rmsnorm_bwd(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), n, dim,
+              GradWrite::Accumulate);
+  EXPECT_EQ(frozen_dinp, dinp);
 }
 
 TEST(RmsnormTest, BackwardIsBitIdenticalAcrossThreadCounts) {

@@ -29,6 +29,31 @@ TEST(MemoryPlanCpu, ItemsAreTheAllocationsOfOneRankAtEveryStage) {
     }
 }
 
+// With LoRA adapters: the frozen base's weights and the adapters' state, to the byte, at ZeRO 0-2, with dropout (its
+// scratch) and on a subset of targets; no base gradient or moment in the plan; ZeRO-3 refused by name.
+TEST(MemoryPlanCpu, LoraItemsAreTheAllocationsOfOneRank) {
+  std::unique_ptr<Comm> alone = make_single_comm();
+  for (const char* targets : {"q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "q_proj,v_proj,down_proj"})
+    for (int zero = 0; zero <= 2; zero++) {
+      MemoryLayout m = layout_of(zero);
+      m.lora.rank = 4, m.lora.alpha = 8, m.lora.dropout = zero == 1 ? 0.1 : 0.0;
+      m.lora.targets = parse_lora_targets(targets);
+      const auto r = plan_and_allocate(plan_test_config(3, zero == 2), m, *alone, nullptr);
+      EXPECT_EQ(r.planned_activations, r.allocated_activations) << "zero " << zero << " " << targets;
+      EXPECT_EQ(r.planned_state, r.allocated_state) << "zero " << zero << " " << targets;
+    }
+  const LlamaConfig c = plan_test_config(4, false);
+  MemoryLayout m = layout_of(0);
+  m.lora.rank = 4, m.lora.alpha = 8;
+  const MemoryPlan plan = plan_cpu_memory(c, m);
+  const int64_t A = lora_parameter_count(c, m.lora), P = c.n_params();
+  EXPECT_EQ(plan.bytes(MemoryKind::Weights), 4 * (P + A));
+  EXPECT_EQ(plan.bytes(MemoryKind::Gradients), 4 * A);
+  EXPECT_EQ(plan.bytes(MemoryKind::Moments), 8 * A);
+  m.zero = 3;
+  EXPECT_THROW(plan_cpu_memory(c, m), Error);
+}
+
 TEST(MemoryPlanCpu, StagesMoveBytesBetweenKindsAsZeroSays) {
   const LlamaConfig c = plan_test_config(4, false);
   const int64_t P = c.n_params();

@@ -228,7 +228,9 @@ TEST(MemoryPlanGpu, LoraUnderTensorParallelismFollowsMegatronSplits) {
   // tp 2: 2 heads (q, k, v 32 wide) and 80 ffn columns per rank. Column-parallel q, k, v: A [4, 64] whole, B [32, 4];
   // gate, up: A [4, 64], B [80, 4]. Row-parallel o: A [4, 32], B [64, 4] whole; down: A [4, 80], B [64, 4].
   const int64_t per_layer = 3 * (4 * 64 + 32 * 4) + (4 * 32 + 64 * 4) + 2 * (4 * 64 + 80 * 4) + (4 * 80 + 64 * 4);
-  EXPECT_EQ(lora_layer_params(f.config, LoraPlan{r}, 2), per_layer);
+  LoraPlan plan;
+  plan.rank = r;
+  EXPECT_EQ(lora_layer_params(f.config, plan, 2), per_layer);
   EXPECT_EQ(per_layer, 3264);
   MemoryLayout l = adapter_layout(r);
   l.tp = 2;

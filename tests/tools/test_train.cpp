@@ -323,6 +323,67 @@ TEST(Train, ExampleFineTuneConfigRuns) {
   EXPECT_NE(r.output.find("initialized from tests/fixtures/llama32_tiny"), std::string::npos) << r.output;
 }
 
+// LoRA: build/train --init BASE --lora_rank r trains the adapters on the frozen base, says how many parameters train,
+// writes the adapter state (PEFT's names) in its checkpoints, and resumes exactly (the base read again from --init);
+// bad LoRA options are refused by name.
+TEST(Train, LoraTrainsAdaptersOnAFrozenBaseAndResumesExactly) {
+  TempDir tmp("trainlora");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string data = (tmp / "data").string();
+  const std::string flags = " --init tests/fixtures/llama32_tiny --train_data " + data + " --val_data " + data +
+                            " --seq_len 16 --micro_batch 2 --grad_accum 2 --steps 10 --lr 1e-2 --warmup_steps 2"
+                            " --ckpt_every 5 --val_every 5 --threads 2 --seed 11 --device cpu"
+                            " --lora_rank 4 --lora_alpha 8 --lora_dropout 0.1 --lora_targets q_proj,v_proj,down_proj";
+  auto r = run_command(kTrain + flags + " --out_dir " + (tmp / "straight").string(), tmp / "log_a");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // llama32_tiny: 2 layers, q 64 x 64, v 16 x 64, down 64 x 160 -> 2 x 4 x (128 + 80 + 224) = 3456.
+  EXPECT_NE(r.output.find("trainable parameters: 3456 LoRA adapter parameters"), std::string::npos) << r.output;
+  // Every tensor file of a checkpoint (weights and optimizer state, whatever their names), in name order.
+  const auto tensor_files = [](const fs::path& dir) {
+    std::map<std::string, std::string> files;
+    for (const auto& f : fs::directory_iterator(dir))
+      if (f.path().extension() == ".safetensors") files[f.path().filename().string()] = read_file(f.path());
+    return files;
+  };
+  const auto weights = tensor_files(tmp / "straight" / "ckpt" / "step_00000010");
+  ASSERT_FALSE(weights.empty());
+  bool has_adapter = false;
+  for (const auto& [name, bytes] : weights) {
+    has_adapter |= bytes.find("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight") != std::string::npos;
+    EXPECT_EQ(bytes.find("\"model.layers.0.self_attn.q_proj.weight\""), std::string::npos) << name;  // never the base
+  }
+  EXPECT_TRUE(has_adapter);
+  auto la = losses(tmp / "straight" / "metrics.jsonl");
+  ASSERT_EQ(la.size(), 10u);
+  EXPECT_LT(std::stod(la[10]), std::stod(la[1]) - 0.1);  // the adapters learn the repetitive stream
+
+  r = run_command(kTrain + flags + " --out_dir " + (tmp / "split").string() + " --stop_at_step 5", tmp / "log_b");
+  ASSERT_EQ(r.exit_code, 75) << r.output;
+  r = run_command(kTrain + flags + " --out_dir " + (tmp / "split").string() + " --resume", tmp / "log_c");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(la, losses(tmp / "split" / "metrics.jsonl"));
+  EXPECT_EQ(weights, tensor_files(tmp / "split" / "ckpt" / "step_00000010"));
+
+  const std::string base = kTrain + " --init tests/fixtures/llama32_tiny --train_data " + data +
+                           " --seq_len 16 --micro_batch 2 --steps 2 --threads 2 --device cpu --out_dir " +
+                           (tmp / "bad").string();
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {" --lora_rank 0", "option 'lora_rank': expected a rank of at least 1, found 0"},
+      {" --lora_rank 65", "option 'lora_rank': 65 exceeds the smaller dimension of q_proj"},
+      {" --lora_rank 4 --lora_alpha 0", "option 'lora_alpha': expected a finite number above 0, found 0"},
+      {" --lora_rank 4 --lora_dropout 1", "option 'lora_dropout': expected a probability in [0, 1), found 1"},
+      {" --lora_rank 4 --lora_targets q_proj,lm_head", "option 'lora_targets': 'lm_head' is not a projection"},
+      {" --lora_alpha 8", "option 'lora_alpha' is for LoRA training: give --lora_rank too"},
+      {" --lora_rank 4 --zero 3", "sharding the frozen base (ZeRO-3 with adapters) is not implemented"},
+  };
+  int i = 0;
+  for (const auto& [extra, message] : bad) {
+    r = run_command(base + extra, tmp / ("log_bad" + std::to_string(i++)));
+    EXPECT_EQ(r.exit_code, 1) << extra << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << extra << "\n" << r.output;
+  }
+}
+
 // --tokenizer names a file under any name: the checkpoints carry exactly it (as tokenizer.model), not what
 // else lies in its directory; a tokenizer that does not exist stops the run before training; shards written by
 // another tokenizer are refused, naming both.
