@@ -29,6 +29,7 @@
 #include <sysexits.h>  // EX_TEMPFAIL
 
 #include "ckpt/checkpoint.h"   // resolve_checkpoint, read_config_json, checkpoint_bytes, verify_model_directory
+#include "ckpt/peft.h"         // lora_start, is_lora_directory: LoRA runs
 #include "ckpt/run_dir.h"      // lock_run_dir, open_run_dir, truncate_metrics, MetricsLog, resume_option_changes
 #include "comm/comm.h"         // Comm, Mesh, make_world_comm, abort_job
 #include "comm/fault_injection.h"  // TUNA_FAULT: inject_fault_for_tests, nan_loss_for_tests
@@ -96,6 +97,8 @@ struct TrainConfig {
   double lora_alpha = 0;        // unset: the rank (a scale of 1)
   double lora_dropout = 0;
   std::string lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+  std::string lora_init;        // a PEFT adapter (or tuna LoRA checkpoint) to continue training
+  std::string base;             // --resume of a LoRA run: the base's directory, instead of the recorded one
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -172,6 +175,12 @@ void declare(Options& o, TrainConfig& c) {
   o.add("lora_dropout", &c.lora_dropout, "LoRA: dropout probability on the adapters' input, in training (PEFT's lora_dropout)");
   o.add("lora_targets", &c.lora_targets,
         "LoRA: the projections that get adapters, a comma list of PEFT's module names (default: all seven)");
+  o.add("lora_init", &c.lora_init,
+        "LoRA: start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors, or a tuna LoRA "
+        "checkpoint); its rank, alpha, dropout and targets are the run's (an option that disagrees is an error)");
+  o.add("base", &c.base,
+        "LoRA --resume: the frozen base's directory, instead of the path the checkpoint recorded (its checksum must "
+        "match)");
   o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none",
         Bounds::closed(0, 1e9));
 }
@@ -243,9 +252,13 @@ struct RunStart {
   json config_json, checkpoint_state;  // checkpoint_state: a resume's state.json (what its run chose)
   LlamaConfig model;
   ModelTokenizer tokenizer;
+  std::optional<LoraStart> lora;  // a LoRA run: its adapters, its frozen base (weights_dir) and starting adapters
 };
 
-RunStart open_run(const TrainConfig& cfg, Comm& world) {
+LoraConfig lora_options(const TrainConfig& c, const Options& options, bool resuming_lora);
+LoraOptionsGiven lora_options_given(const TrainConfig& c, const Options& options);
+
+RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
   RunStart r;
   const auto warn = [](const std::string& m) { std::fprintf(stderr, "warning: %s\n", m.c_str()); };
   if (!cfg.plan_only) {
@@ -259,6 +272,18 @@ RunStart open_run(const TrainConfig& cfg, Comm& world) {
       !verify_model_directory(r.init_dir, ModelFiles::Weights, world))
     std::printf("note: %s\n", unverified_note(r.init_dir).c_str());  // the files --init reads, against its manifest
   r.weights_dir = r.resume_from ? *r.resume_from : r.init_dir;
+  // A LoRA run (options, --lora_init, or resuming a LoRA checkpoint) reads its model, config and tokenizer from the
+  // frozen base: the checkpoint holds only the adapters (ckpt/peft.h).
+  if (!cfg.plan_only && (options.was_set("lora_rank") || !cfg.lora_init.empty() ||
+                         (r.resume_from && is_lora_directory(*r.resume_from)))) {
+    const bool resuming_lora = r.resume_from && is_lora_directory(*r.resume_from);
+    r.lora = lora_start(lora_options(cfg, options, resuming_lora), lora_options_given(cfg, options), cfg.lora_init,
+                        r.init_dir,
+                        r.resume_from, cfg.base, world);
+    r.weights_dir = r.lora->base;
+  } else if (!cfg.base.empty() || !cfg.lora_init.empty()) {
+    fail("options 'base' and 'lora_init' are for LoRA runs: give --lora_rank (or --resume a LoRA checkpoint)");
+  }
   if (r.resume_from) r.checkpoint_state = read_training_state(*r.resume_from).state;
   r.config_json = r.weights_dir.empty() ? json() : read_config_json(r.weights_dir);
   r.model = r.weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
@@ -272,21 +297,33 @@ RunStart open_run(const TrainConfig& cfg, Comm& world) {
   return r;
 }
 
-// The adapters the options ask for (rank 0: none, a full fine-tune), checked against the model: a rank given as 0, an
-// alpha or dropout out of range, an unknown target, or a LoRA option without --lora_rank is an error naming it.
-LoraConfig lora_config(const TrainConfig& c, const Options& options, const LlamaConfig& model) {
+// The adapters the options ask for (rank 0: none, a full fine-tune): a rank given as 0, or a LoRA option without
+// --lora_rank (or --lora_init, or a LoRA checkpoint to resume, which give the rank) is an error naming it. validate_lora
+// checks the values against the model once it is known.
+LoraConfig lora_options(const TrainConfig& c, const Options& options, bool resuming_lora) {
   LoraConfig lora;
   if (!options.was_set("lora_rank")) {
-    for (const char* name : {"lora_alpha", "lora_dropout", "lora_targets"})
-      if (options.was_set(name)) fail("option '", name, "' is for LoRA training: give --lora_rank too");
+    if (c.lora_init.empty() && !resuming_lora)
+      for (const char* name : {"lora_alpha", "lora_dropout", "lora_targets"})
+        if (options.was_set(name)) fail("option '", name, "' is for LoRA training: give --lora_rank too");
     return lora;
   }
+  if (c.lora_rank < 1) fail("option 'lora_rank': expected a rank of at least 1, found ", c.lora_rank);
   lora.rank = c.lora_rank;
   lora.alpha = options.was_set("lora_alpha") ? c.lora_alpha : static_cast<double>(c.lora_rank);
   lora.dropout = c.lora_dropout;
   lora.targets = parse_lora_targets(c.lora_targets);
-  validate_lora(lora, model);
   return lora;
+}
+
+// Which LoRA options the user set: only those must agree with an adapter_config.json (--lora_init, a resume).
+LoraOptionsGiven lora_options_given(const TrainConfig& c, const Options& options) {
+  LoraOptionsGiven given;
+  if (options.was_set("lora_rank")) given.rank = c.lora_rank;
+  if (options.was_set("lora_alpha")) given.alpha = c.lora_alpha;
+  if (options.was_set("lora_dropout")) given.dropout = c.lora_dropout;
+  if (options.was_set("lora_targets")) given.targets = parse_lora_targets(c.lora_targets);
+  return given;
 }
 
 EngineOptions engine_options(const TrainConfig& cfg, const Options& options, const RunStart& start,
@@ -299,8 +336,12 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
   eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
   eo.bf16_moments = cfg.bf16_moments;
   eo.documents = DocumentMode{cfg.document_mask, parse_document_positions(cfg.document_positions)};
-  eo.lora = lora_config(cfg, options, start.model);
-  if (cfg.plan_only && eo.lora.enabled())
+  if (start.lora) {
+    eo.lora = start.lora->lora;
+    validate_lora(eo.lora, start.model);
+    eo.adapters = start.lora->adapters;  // null: PEFT's initialisation, or the resume restores them
+  }
+  if (cfg.plan_only && options.was_set("lora_rank"))
     fail("option 'plan_only' with --lora_rank: the CUDA engine's plan of a LoRA run is not implemented");
   eo.seed = static_cast<uint64_t>(cfg.seed);
   std::string note;
@@ -448,19 +489,14 @@ int run(int argc, char** argv) {
   Mesh mesh = make_mesh(*world, cfg.tp);
   if (world->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) fail("cannot silence stdout of rank ", world->rank());
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
-  const RunStart start = open_run(cfg, *world);
+  const RunStart start = open_run(cfg, options, *world);
   const EngineOptions eo = engine_options(cfg, options, start, launch);
   if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
   WeightFill initial;  // each rank reads (or draws) only its own pieces; a resume restores after construction
   if (!start.resume_from) initial = cfg.init.empty() ? random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std)
                                                      : weights_from_directory(start.init_dir.string());
-  // LoRA: the checkpoint holds the adapters only, so a resume reads the frozen base again, from --init.
-  // (Finding the base a checkpoint recorded is the PEFT checkpoint's part, not wired here yet.)
-  if (start.resume_from && eo.lora.enabled()) {
-    if (cfg.init.empty())
-      fail("--resume of a LoRA run: give the base model with --init DIR (the checkpoint holds only the adapters)");
-    initial = weights_from_directory(start.init_dir.string());
-  }
+  // LoRA: the frozen base is read at every start, a resume's too (the checkpoint holds the adapters only).
+  if (start.lora) initial = weights_from_directory(start.lora->base.string());
   DeviceCommFactory device_comm;
 #if TUNA_NCCL
   device_comm = [&](Comm& group, void* stream) {
@@ -500,6 +536,7 @@ int run(int argc, char** argv) {
   print_run_shape(cfg, start.model, *engine, train, tokens_per_step);
   Checkpointer checkpointer(fs::path(cfg.out_dir) / "ckpt", cfg.ckpt_every, cfg.ckpt_keep, *world, mesh,
                             start.config_json, start.tokenizer.files);
+  if (start.lora) checkpointer.set_lora(start.lora->lora, start.lora->base);  // PEFT adapter directories
   install_stop_signals();
   const int64_t first_step = step;
   const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
