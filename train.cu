@@ -281,8 +281,9 @@ RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
                         r.init_dir,
                         r.resume_from, cfg.base, world);
     r.weights_dir = r.lora->base;
-  } else if (!cfg.base.empty() || !cfg.lora_init.empty()) {
-    fail("options 'base' and 'lora_init' are for LoRA runs: give --lora_rank (or --resume a LoRA checkpoint)");
+  } else {
+    if (!cfg.base.empty()) fail("option 'base' is for LoRA runs: give --lora_rank (or --resume a LoRA checkpoint)");
+    lora_options(cfg, options, /*resuming_lora=*/false);  // a LoRA option without --lora_rank is an error naming it
   }
   if (r.resume_from) r.checkpoint_state = read_training_state(*r.resume_from).state;
   r.config_json = r.weights_dir.empty() ? json() : read_config_json(r.weights_dir);

@@ -134,8 +134,12 @@ TEST_F(DistTrain, TensorParallel2xDataParallel2) {
 // adapters' function on the held-out windows) within 1e-5, and the rank files hold the adapters alone.
 TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
   const std::string lora = " --lora_rank 4 --lora_alpha 8 --lora_targets q_proj,v_proj,o_proj,down_proj";
+  // Adapters train on a base model directory (their checkpoints name it by path and checksum), not a random one.
+  std::string on_base = flags("llama32_tiny");
+  const std::string model_flag = " --model_config " + config_path("llama32_tiny");
+  on_base.replace(on_base.find(model_flag), model_flag.size(), " --init tests/fixtures/llama32_tiny");
   const fs::path ref = *tmp_ / "lora_ref";
-  auto r = run_command(kTrain + flags("llama32_tiny") + lora + " --micro_batch 4 --out_dir " + ref.string(),
+  auto r = run_command(kTrain + on_base + lora + " --micro_batch 4 --out_dir " + ref.string(),
                        *tmp_ / "lora_ref_log");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto val_losses = [](const fs::path& metrics) {
@@ -150,7 +154,7 @@ TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
   for (const auto& [np, extra, tag] : {std::tuple<int, std::string, std::string>{4, " --micro_batch 2 --tp 2 --zero 1", "lora_tp2dp2"},
                                        {2, " --micro_batch 1 --grad_accum 2 --zero 2", "lora_z2"}}) {
     const fs::path out = *tmp_ / tag;
-    r = run_command(mpirun(np) + kTrain + flags("llama32_tiny") + lora + extra + " --out_dir " + out.string(),
+    r = run_command(mpirun(np) + kTrain + on_base + lora + extra + " --out_dir " + out.string(),
                     *tmp_ / (tag + "_log"));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     auto la = losses(ref / "metrics.jsonl"), lb = losses(out / "metrics.jsonl");
