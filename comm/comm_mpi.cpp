@@ -168,6 +168,7 @@ struct MpiProcess {
       const int rc = MPI_Test(req, &done, status ? status : MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) {
         g_is_waiting = 0;
+        current = "compute";
         char text[MPI_MAX_ERROR_STRING];
         int len = 0;
         MPI_Error_string(rc, text, &len);
