@@ -41,6 +41,20 @@ TEST(DistComm, AHungStageStopsTheJobNamingTheRecv) {
       << r.output;
 }
 
+// A stage that dies before its send: the job stops well within the test's timeout, and mpirun names the dead rank.
+TEST(DistComm, ADeadStageStopsTheJob) {
+  TempDir tmp("p2p_kill");
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_command("TUNA_FAULT=kill_p2p:1:1 " + mpirun(2) + kMpiTests +
+                           " --gtest_also_run_disabled_tests --gtest_filter='CommFault.DISABLED_ARecvFromAHungStage'",
+                       tmp / "log");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(seconds, 2 + 10.0) << r.output;
+  EXPECT_NE(r.output.find("TUNA_FAULT: rank 1 dies at send/recv #1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("process rank 1"), std::string::npos) << r.output;  // mpirun's notice
+}
+
 // The NCCL backend's test, where the build has NCCL (it skips itself without a GPU per rank).
 TEST(DistComm, NcclCollectivesWhereGpusAre) {
 #if TUNA_NCCL

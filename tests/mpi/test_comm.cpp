@@ -85,9 +85,9 @@ TEST(Comm, PointToPointMessageLongerThanItsRecv) {
   }
 }
 
-// Launched by tests/comm/test_comm.cpp with TUNA_FAULT=hang_p2p:1:1: rank 1 stops at its first send, and rank 0
-// must stop the job within the 2 s timeout, naming the recv, itself and the silent peer. Aborts the job: disabled
-// in ordinary runs.
+// Launched by tests/comm/test_comm.cpp with TUNA_FAULT=hang_p2p:1:1 (or kill_p2p): rank 1 stops (or dies) at its
+// first send, and rank 0 must stop the job within the 2 s timeout, naming the recv, itself and the silent peer.
+// Aborts the job: disabled in ordinary runs.
 TEST(CommFault, DISABLED_ARecvFromAHungStage) {
   std::unique_ptr<Comm> w = make_mpi_world_comm(/*timeout_s=*/2);
   std::vector<float> x(1024, 1.0f);
