@@ -19,7 +19,8 @@
 // Failure. Every blocking wait of MpiComm, LocalComm and NcclComm, for a collective or a send/recv, is bounded by a
 // timeout (--comm_timeout): a rank that died or hangs makes the others stop with an error naming the call (the
 // `what` label every call carries, and the peer of a send/recv), this rank, and the ranks that did not answer,
-// then abort the whole job. See comm_mpi.cpp.
+// then abort the whole job (LocalComm throws the error instead: its ranks are threads of one process). See
+// comm_mpi.cpp.
 #pragma once
 
 #include <cstdint>
