@@ -189,7 +189,8 @@ $(BUILD)/emulated_gpu_tests: $(EMULATED_OBJS) $(EMULATED_HOST_OBJS)
 # the gpu-check build (tests/*/*_gpu.cpp) may pick them up, as on a GPU the device comm must be NCCL.
 EMULATED_MPI_TEST_SRCS := $(wildcard tests/mpi/*_emulated.cpp)
 $(BUILD)/emulated_gpu_mpi_tests: $(BUILD)/obj/tests/mpi/main.o $(call emulated_objs,$(EMULATED_MPI_TEST_SRCS)) \
-                                 $(EMULATED_DEVICE_OBJS) $(EMULATED_HOST_OBJS) $(BUILD)/obj/comm/comm_mpi.o
+                                 $(EMULATED_DEVICE_OBJS) $(EMULATED_HOST_OBJS) $(BUILD)/obj/comm/comm_mpi.o \
+                                 $(BUILD)/obj/comm/fault_injection.o
 	$(CXX) $^ -o $@ $(GTEST_LIBS) $(BLAS_LIBS) -fopenmp $(MPI_LIBS)
 
 # ---- gpu-check's emulated mode (scripts/gpu-check.sh --emulated, which tests/tools/test_gpu_check.cpp runs in

@@ -26,6 +26,12 @@ int64_t comm_type_bytes(CommType type) {
   return 0;
 }
 
+void Comm::check_peer(int peer, int64_t n, const char* call, const char* what) const {
+  if (peer < 0 || peer >= size() || peer == rank())
+    fail(call, " '", what, "': peer ", peer, " is not another rank of this group (rank ", rank(), " of ", size(), ")");
+  TUNA_CHECK(n >= 0, call, " '", what, "': ", n, " elements");
+}
+
 namespace {
 
 class SingleComm final : public Comm {
@@ -46,6 +52,15 @@ class SingleComm final : public Comm {
   void wait(CommRequest) override {}
   void broadcast(void*, int64_t, int root, const char*) override { TUNA_CHECK(root == 0, "root ", root); }
   void barrier(const char*) override {}
+  // One rank has no peer to send to or receive from.
+  CommRequest send_start(const void*, int64_t n, CommType, int peer, const char* what) override {
+    check_peer(peer, n, "send", what);
+    return 0;
+  }
+  CommRequest recv_start(void*, int64_t n, CommType, int peer, const char* what) override {
+    check_peer(peer, n, "recv", what);
+    return 0;
+  }
   std::unique_ptr<Comm> split(int, int) override { return std::make_unique<SingleComm>(); }
 };
 

@@ -11,9 +11,16 @@
 // ceil(n / size) elements each, the last ranks shorter or empty. Implementations pad internally where
 // their library needs equal pieces (NCCL); no "n must divide by the world size" rule reaches the caller.
 //
-// Failure. Every blocking wait of MpiComm and NcclComm is bounded by a timeout (--comm_timeout): a rank
-// that died or hangs makes the others stop with an error naming the collective (the `what` label every
-// call carries), this rank, and the ranks that did not answer, then abort the whole job. See comm_mpi.cpp.
+// Point to point. send/recv (and their non-blocking starts) move n elements to or from one peer of the group:
+// the activations and their gradients between pipeline stages. Messages between a pair of ranks arrive in the
+// order they were sent; a send of n elements must meet a recv of n (a backend that can see a mismatch fails
+// naming both counts; NCCL cannot see it).
+//
+// Failure. Every blocking wait of MpiComm, LocalComm and NcclComm, for a collective or a send/recv, is bounded by a
+// timeout (--comm_timeout): a rank that died or hangs makes the others stop with an error naming the call (the
+// `what` label every call carries, and the peer of a send/recv), this rank, and the ranks that did not answer,
+// then abort the whole job (LocalComm throws the error instead: its ranks are threads of one process). See
+// comm_mpi.cpp.
 #pragma once
 
 #include <cstdint>
@@ -39,7 +46,7 @@ struct Range {
 };
 Range shard_range(int64_t n, int rank, int size);
 
-// A collective started asynchronously (all_gather_start); wait() completes it.
+// A collective or send/recv started asynchronously (all_gather_start, send_start, recv_start); wait() completes it.
 using CommRequest = int64_t;
 
 class Comm {
@@ -59,6 +66,20 @@ class Comm {
   virtual CommRequest all_gather_start(const void* send, void* recv, int64_t n, CommType type, const char* what) = 0;
   virtual void wait(CommRequest request) = 0;
   virtual void broadcast(void* buf, int64_t bytes, int root, const char* what) = 0;
+
+  // Point to point with `peer`, a rank of this group other than this one. The starts return at once (the buffer
+  // must stay alive, and a send's unchanged, until wait()), so two ranks may exchange in both directions by
+  // starting both sides before waiting. Each side's requests complete in any order of wait() calls; the n-th
+  // recv from a peer receives that peer's n-th send to this rank. Device comms: the buffers are device memory,
+  // and NCCL runs the starts issued before a wait (or any other call) as one group.
+  virtual CommRequest send_start(const void* buf, int64_t n, CommType type, int peer, const char* what) = 0;
+  virtual CommRequest recv_start(void* buf, int64_t n, CommType type, int peer, const char* what) = 0;
+  // Blocking: returns when the message has left `buf` (send) or arrived in it (recv).
+  void send(const void* buf, int64_t n, CommType type, int peer, const char* what) {
+    wait(send_start(buf, n, type, peer, what));
+  }
+  void recv(void* buf, int64_t n, CommType type, int peer, const char* what) { wait(recv_start(buf, n, type, peer, what)); }
+
   virtual void barrier(const char* what) = 0;
   // Sub-groups: ranks passing the same color form one, ordered by key. Collective over this group.
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;
@@ -76,6 +97,8 @@ class Comm {
 
  protected:
   Comm(int rank, int size) : rank_(rank), size_(size) {}
+  // Fails unless peer is another rank of this group; `call` is "send" or "recv".
+  void check_peer(int peer, int64_t n, const char* call, const char* what) const;
 
  private:
   int rank_, size_;

@@ -8,6 +8,10 @@
 // reductions); after the second every read is done, so buffers may change again. Sums run over ranks in rank
 // order, so every rank gets the same bits. Each wait is bounded by the timeout: a rank that died or hangs
 // makes the others fail with an error naming the collective and the ranks that did not arrive.
+//
+// Point to point: a send copies its buffer into the receiver's mailbox and returns (nothing to wait for, so
+// exchanges in both directions cannot deadlock); a recv waits, bounded by the timeout, for the message with its
+// sequence number from that peer, which keeps the order of sends whatever order the requests are waited in.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -43,6 +47,18 @@ struct LocalGroup {
     int rank = 0;
   };
   std::vector<Child> children;
+  // Point to point: messages from rank `from` to rank `to` by the sender's sequence number.
+  struct Message {
+    std::vector<char> bytes;
+    int64_t n = 0;
+    CommType type = CommType::F32;
+    std::string label;
+  };
+  struct Mailbox {
+    int64_t sent = 0;  // messages put in so far
+    std::map<int64_t, Message> messages;
+  };
+  std::map<std::pair<int, int>, Mailbox> mailboxes;  // (from, to)
 
   // Blocks until every rank arrived; `what` names the collective in a timeout's error.
   void rendezvous(int rank, const std::string& what) {
@@ -139,7 +155,6 @@ class LocalComm final : public Comm {
     all_gather(send, recv, n, type, what);  // completes here: nothing to overlap on host threads
     return 0;
   }
-  void wait(CommRequest) override {}
 
   void broadcast(void* buf, int64_t bytes, int root, const char* what) override {
     const std::string label = str("broadcast '", what, "' (", bytes, " bytes from rank ", root, ")");
@@ -149,6 +164,56 @@ class LocalComm final : public Comm {
   }
 
   void barrier(const char* what) override { group_->rendezvous(rank(), str("barrier '", what, "'")); }
+
+  CommRequest send_start(const void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    check_peer(peer, n, "send", what);
+    LocalGroup::Message m;
+    m.bytes.assign(static_cast<const char*>(buf), static_cast<const char*>(buf) + n * comm_type_bytes(type));
+    m.n = n, m.type = type, m.label = str("send '", what, "'");
+    {
+      std::lock_guard<std::mutex> lock(group_->mutex);
+      LocalGroup::Mailbox& box = group_->mailboxes[{rank(), peer}];
+      box.messages.emplace(box.sent++, std::move(m));
+    }
+    group_->changed.notify_all();
+    return 0;  // complete: the message is copied
+  }
+
+  CommRequest recv_start(void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    check_peer(peer, n, "recv", what);
+    Recv& r = recvs_[++next_request_];
+    r.buf = buf, r.n = n, r.type = type, r.peer = peer, r.sequence = received_[peer]++;
+    r.label = str("recv '", what, "' (", n, " elements from rank ", peer, ")");
+    return next_request_;
+  }
+
+  void wait(CommRequest request) override {
+    auto it = recvs_.find(request);
+    if (it == recvs_.end()) return;  // a collective's or a send's: complete when started
+    const Recv r = std::move(it->second);
+    recvs_.erase(it);
+    LocalGroup& g = *group_;
+    std::unique_lock<std::mutex> lock(g.mutex);
+    LocalGroup::Mailbox& box = g.mailboxes[{r.peer, rank()}];
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(g.timeout_s);
+    while (!box.messages.count(r.sequence)) {
+      if (g.timeout_s <= 0) {
+        g.changed.wait(lock);
+      } else if (g.changed.wait_until(lock, deadline) == std::cv_status::timeout && !box.messages.count(r.sequence)) {
+        fail("rank ", rank(), " of ", size(), " (threads): ", r.label, " did not complete within ", g.timeout_s,
+             " s (--comm_timeout): rank ", r.peer, " did not send it (died, hung, or waits elsewhere)");
+      }
+    }
+    auto m = box.messages.find(r.sequence);
+    LocalGroup::Message message = std::move(m->second);
+    box.messages.erase(m);
+    lock.unlock();
+    if (message.n != r.n || message.type != r.type)
+      fail("rank ", rank(), " of ", size(), " (threads): ", r.label, ": rank ", r.peer, " sent ", message.n,
+           " elements of ", comm_type_bytes(message.type), " bytes (", message.label, "), this recv expects ", r.n,
+           " of ", comm_type_bytes(r.type));
+    if (!message.bytes.empty()) std::memcpy(r.buf, message.bytes.data(), message.bytes.size());
+  }
 
   std::unique_ptr<Comm> split(int color, int key) override {
     const std::string label = str("split (color ", color, ", key ", key, ")");
@@ -195,7 +260,19 @@ class LocalComm final : public Comm {
     return out;
   }
 
+  struct Recv {
+    void* buf = nullptr;
+    int64_t n = 0;
+    CommType type = CommType::F32;
+    int peer = 0;
+    int64_t sequence = 0;  // of the peer's sends to this rank
+    std::string label;
+  };
+
   std::shared_ptr<LocalGroup> group_;
+  std::map<CommRequest, Recv> recvs_;    // started, not yet waited
+  std::map<int, int64_t> received_;      // recvs started per peer
+  CommRequest next_request_ = 0;
 };
 
 }  // namespace

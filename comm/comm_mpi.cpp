@@ -20,6 +20,13 @@
 // therefore issued in chunks of kMpiChunkBytes, which bounds that scratch (and our own staging for a chunked
 // reduce-scatter) to a few MB. Not slower: build/bench_comm at 2 ranks on the 2-core dev machine (loaded, two
 // alternating runs each) took 160-190 ms for a 64 MB all-reduce in chunks against 350-435 ms in one call.
+//
+// Point to point. send_start/recv_start are MPI_Isend/MPI_Irecv on a private duplicate of the group's
+// communicator (so no message can match a collective's), completed by the same bounded wait: a peer that never
+// sends makes the receiver name the recv, its peer and the silent ranks, and abort the job. Not chunked: Open MPI
+// allocates no scratch for a send, and counts past int fail with an error. The duplicate returns errors instead of
+// aborting, so that a message longer than its recv is reported with the recv's label; one shorter is caught from
+// the received count.
 #include <mpi.h>
 #include <sched.h>
 #include <unistd.h>
@@ -36,6 +43,7 @@
 
 #include "core/error.h"
 #include "comm/comm.h"
+#include "comm/fault_injection.h"
 
 namespace tuna {
 
@@ -145,7 +153,8 @@ struct MpiProcess {
     std::_Exit(1);
   }
 
-  void wait(MPI_Request* req, const std::string& label) {
+  // status: where a recv's status goes (nullptr: ignored).
+  void wait(MPI_Request* req, const std::string& label, MPI_Status* status = nullptr) {
     sequence++;
     current = label;
     std::snprintf(g_waiting, sizeof g_waiting, "rank %d: signal while waiting in %s (collective #%lld)\n", world_rank,
@@ -156,7 +165,15 @@ struct MpiProcess {
     int64_t polls = 0;
     for (;;) {
       int done = 0;
-      TUNA_MPI(MPI_Test(req, &done, MPI_STATUS_IGNORE));
+      const int rc = MPI_Test(req, &done, status ? status : MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        g_is_waiting = 0;
+        current = "compute";
+        char text[MPI_MAX_ERROR_STRING];
+        int len = 0;
+        MPI_Error_string(rc, text, &len);
+        fail("rank ", world_rank, ": ", label, " failed: ", std::string(text, len));
+      }
       if (done) break;
       if (++polls % 1024 == 0) serve();  // census questions are rare: do not probe for them every poll
       const double waited = std::chrono::duration<double>(Clock::now() - start).count();
@@ -179,11 +196,26 @@ struct MpiProcess {
 class MpiComm final : public Comm {
  public:
   MpiComm(MPI_Comm comm, bool owns_comm, std::shared_ptr<MpiProcess> process)
-      : Comm(comm_rank(comm), comm_size(comm)), comm_(comm), owns_comm_(owns_comm), process_(std::move(process)) {}
+      : Comm(comm_rank(comm), comm_size(comm)), comm_(comm), owns_comm_(owns_comm), process_(std::move(process)) {
+    TUNA_MPI(MPI_Comm_dup(comm_, &p2p_));  // collective over the group, as construction is (world, split)
+    MPI_Comm_set_errhandler(p2p_, MPI_ERRORS_RETURN);
+    // World ranks of this group's ranks, for the labels of send/recv.
+    MPI_Group group, world;
+    MPI_Comm_group(comm_, &group);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    std::vector<int> ranks(size());
+    for (int r = 0; r < size(); r++) ranks[r] = r;
+    world_ranks_.resize(size());
+    MPI_Group_translate_ranks(group, size(), ranks.data(), world, world_ranks_.data());
+    MPI_Group_free(&group);
+    MPI_Group_free(&world);
+  }
   ~MpiComm() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owns_comm_ && !finalized) MPI_Comm_free(&comm_);
+    if (finalized) return;
+    MPI_Comm_free(&p2p_);
+    if (owns_comm_) MPI_Comm_free(&comm_);
   }
   std::string backend() const override { return "mpi"; }
 
@@ -255,8 +287,39 @@ class MpiComm final : public Comm {
   void wait(CommRequest request) override {
     auto it = pending_.find(request);
     TUNA_CHECK(it != pending_.end(), "unknown or already completed request ", request);
-    process_->wait(&it->second.request, it->second.label);
+    Pending& p = it->second;
+    MPI_Status status;
+    process_->wait(&p.request, p.label, p.is_recv ? &status : nullptr);
+    if (p.is_recv) {
+      int count = 0;
+      MPI_Get_count(&status, mpi_type(p.type), &count);
+      if (count != p.n)
+        fail("rank ", process_->world_rank, ": ", p.label, ": the peer sent ", count, " elements, this recv expects ",
+             p.n);
+    }
     pending_.erase(it);
+  }
+
+  CommRequest send_start(const void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    check_peer(peer, n, "send", what);
+    inject_p2p_fault_for_tests(process_->world_rank);
+    Pending& p = pending_[++next_request_];
+    p.label = str("send '", what, "' (", n, " elements to ", peer_name(peer), ")");
+    // An error (a dead peer's connection) returns here instead of aborting: report it with the label.
+    const int rc = MPI_Isend(buf, as_count(n), mpi_type(type), peer, 0, p2p_, &p.request);
+    if (rc != MPI_SUCCESS) fail("rank ", process_->world_rank, ": ", p.label, ": MPI_Isend failed (code ", rc, ")");
+    return next_request_;
+  }
+
+  CommRequest recv_start(void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    check_peer(peer, n, "recv", what);
+    inject_p2p_fault_for_tests(process_->world_rank);
+    Pending& p = pending_[++next_request_];
+    p.label = str("recv '", what, "' (", n, " elements from ", peer_name(peer), ")");
+    p.is_recv = true, p.n = n, p.type = type;
+    const int rc = MPI_Irecv(buf, as_count(n), mpi_type(type), peer, 0, p2p_, &p.request);
+    if (rc != MPI_SUCCESS) fail("rank ", process_->world_rank, ": ", p.label, ": MPI_Irecv failed (code ", rc, ")");
+    return next_request_;
   }
 
   void broadcast(void* buf, int64_t bytes, int root, const char* what) override {
@@ -292,9 +355,19 @@ class MpiComm final : public Comm {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<int> counts, displs;  // must outlive the non-blocking call
     std::string label;
+    bool is_recv = false;  // a recv checks the count it received
+    int64_t n = 0;
+    CommType type = CommType::F32;
   };
 
+  // "rank P" of this group, with its world rank where they differ.
+  std::string peer_name(int peer) const {
+    return world_ranks_[peer] == peer ? str("rank ", peer) : str("rank ", peer, " (world rank ", world_ranks_[peer], ")");
+  }
+
   MPI_Comm comm_;
+  MPI_Comm p2p_ = MPI_COMM_NULL;
+  std::vector<int> world_ranks_;
   bool owns_comm_;
   std::shared_ptr<MpiProcess> process_;
   std::map<CommRequest, Pending> pending_;

@@ -7,6 +7,12 @@
 // ncclCommGetAsyncError; on timeout the communicator is aborted (ncclCommAbort) so that no rank stays
 // inside NCCL, and the error names the collective and the rank, as MpiComm's does.
 //
+// Point to point: send_start/recv_start only queue the call; the queue runs as one NCCL group (ncclGroupStart,
+// ncclSend/ncclRecv..., ncclGroupEnd) on the stream at the next wait() or any other call. Run one by one on one
+// stream, a pair's send and recv in both directions would each wait for the other's; grouped, NCCL pairs them.
+// Each request is an event recorded after the group; wait() polls it like a collective's. NCCL cannot see a count
+// mismatch between a send and its recv.
+//
 // Unverified on this CPU machine: it compiles in CUDA builds; scripts/gpu-check.sh runs it on a GPU.
 #if TUNA_NCCL
 
@@ -17,6 +23,7 @@
 #include <cstdio>
 #include <map>
 #include <thread>
+#include <vector>
 
 #include "core/cuda_check.h"  // TUNA_CUDA_CHECK, TUNA_NCCL_CHECK
 #include "core/error.h"
@@ -53,11 +60,13 @@ class NcclComm final : public Comm {
   std::string backend() const override { return "nccl"; }
 
   void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) override {
+    flush();
     TUNA_NCCL_CHECK(ncclAllReduce(buf, buf, n, nccl_type(type), op == ReduceOp::Sum ? ncclSum : ncclMax, comm_, stream_));
     last_ = str("all_reduce '", what, "'");
   }
 
   void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) override {
+    flush();
     const int64_t chunk = (n + size() - 1) / size();
     const Range mine = shard_range(n, rank(), size());
     const float* src = send;
@@ -75,6 +84,7 @@ class NcclComm final : public Comm {
   }
 
   void all_gather(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    flush();
     const int64_t chunk = (n + size() - 1) / size(), bytes = comm_type_bytes(type);
     const Range mine = shard_range(n, rank(), size());
     if (chunk * size() == n) {
@@ -99,7 +109,22 @@ class NcclComm final : public Comm {
     return next_request_;
   }
 
+  CommRequest send_start(const void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    check_peer(peer, n, "send", what);
+    queued_.push_back({const_cast<void*>(buf), n, type, peer, false, ++next_request_,
+                       str("send '", what, "' (", n, " elements to rank ", peer, ")")});
+    return next_request_;
+  }
+
+  CommRequest recv_start(void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    check_peer(peer, n, "recv", what);
+    queued_.push_back({buf, n, type, peer, true, ++next_request_,
+                       str("recv '", what, "' (", n, " elements from rank ", peer, ")")});
+    return next_request_;
+  }
+
   void wait(CommRequest request) override {
+    flush();
     auto it = events_.find(request);
     TUNA_CHECK(it != events_.end(), "unknown or already completed request ", request);
     poll([&] { return cudaEventQuery(it->second.event); }, it->second.label);
@@ -108,11 +133,13 @@ class NcclComm final : public Comm {
   }
 
   void broadcast(void* buf, int64_t bytes, int root, const char* what) override {
+    flush();
     TUNA_NCCL_CHECK(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
     last_ = str("broadcast '", what, "'");
   }
 
   void barrier(const char* what) override {
+    flush();
     // A one-element all-reduce on a private device word, then a bounded wait for the stream.
     float* word = scratch(1);
     TUNA_NCCL_CHECK(ncclAllReduce(word, word, 1, ncclFloat32, ncclSum, comm_, stream_));
@@ -120,6 +147,7 @@ class NcclComm final : public Comm {
   }
 
   std::unique_ptr<Comm> split(int color, int key) override {
+    flush();
     return std::make_unique<NcclComm>(host_->split(color, key), stream_, timeout_s_);
   }
 
@@ -128,6 +156,38 @@ class NcclComm final : public Comm {
     cudaEvent_t event = nullptr;
     std::string label;
   };
+
+  struct P2p {
+    void* buf;
+    int64_t n;
+    CommType type;
+    int peer;
+    bool is_recv;
+    CommRequest request;
+    std::string label;
+  };
+
+  // Enqueues the queued sends and recvs as one group, and an event per request after it.
+  void flush() {
+    if (queued_.empty()) return;
+    std::vector<P2p> group;
+    group.swap(queued_);
+    TUNA_NCCL_CHECK(ncclGroupStart());
+    for (const P2p& p : group) {
+      if (p.is_recv) TUNA_NCCL_CHECK(ncclRecv(p.buf, p.n, nccl_type(p.type), p.peer, comm_, stream_));
+      else TUNA_NCCL_CHECK(ncclSend(p.buf, p.n, nccl_type(p.type), p.peer, comm_, stream_));
+    }
+    TUNA_NCCL_CHECK(ncclGroupEnd());
+    std::string labels;
+    for (const P2p& p : group) labels += str(labels.empty() ? "" : ", ", p.label);
+    for (const P2p& p : group) {
+      Event& e = events_[p.request];
+      TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&e.event, cudaEventDisableTiming));
+      TUNA_CUDA_CHECK(cudaEventRecord(e.event, stream_));
+      e.label = group.size() == 1 ? labels : str(p.label, " (in a group with ", labels, ")");
+    }
+    last_ = labels;
+  }
 
   float* scratch(int64_t n) {
     if (n > scratch_n_) {
@@ -169,6 +229,7 @@ class NcclComm final : public Comm {
   float* scratch_ = nullptr;
   int64_t scratch_n_ = 0;
   std::map<CommRequest, Event> events_;
+  std::vector<P2p> queued_;  // send/recv started, not yet enqueued (flush)
   CommRequest next_request_ = 0;
   std::string last_;
 };

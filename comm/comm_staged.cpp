@@ -2,12 +2,16 @@
 // call waits for the stream (the work that produced the device buffers), copies them to pinned host memory,
 // runs the host collective, copies the result back and waits again, so when it returns the device buffers hold
 // the result and the stream is idle. bf16 sums are widened to fp32 on the host (MPI has no bf16 arithmetic) and
-// rounded once. CUDA builds only (the emulated build compiles it against the emulator's runtime).
+// rounded once. Point to point: a send copies the device buffer to pinned memory of its own and starts the host send
+// from there; a recv starts the host recv into pinned memory and copies to the device buffer at wait().
+// CUDA builds only (the emulated build compiles it against the emulator's runtime).
 #if TUNA_CUDA
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <map>
+#include <memory>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -84,7 +88,33 @@ class StagedDeviceComm final : public Comm {
     all_gather(send, recv, n, type, what);  // complete on return (see the file comment)
     return 0;
   }
-  void wait(CommRequest) override {}
+
+  CommRequest send_start(const void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    check_peer(peer, n, "send", what);
+    P2p& p = p2p_[++next_request_];
+    p.staging = std::make_unique<PinnedBuffer>();
+    char* host = to_host(buf, n * comm_type_bytes(type), *p.staging);
+    p.host_request = host_->send_start(host, n, type, peer, what);
+    return next_request_;
+  }
+
+  CommRequest recv_start(void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    check_peer(peer, n, "recv", what);
+    P2p& p = p2p_[++next_request_];
+    p.staging = std::make_unique<PinnedBuffer>();
+    p.bytes = n * comm_type_bytes(type);
+    p.device = buf;
+    p.host_request = host_->recv_start(p.staging->get(std::max<int64_t>(p.bytes, 1)), n, type, peer, what);
+    return next_request_;
+  }
+
+  void wait(CommRequest request) override {
+    auto it = p2p_.find(request);
+    if (it == p2p_.end()) return;  // a collective's: complete when started
+    host_->wait(it->second.host_request);
+    if (it->second.device) to_device(it->second.device, it->second.staging->get(1), it->second.bytes);
+    p2p_.erase(it);
+  }
 
   void broadcast(void* buf, int64_t bytes, int root, const char* what) override {
     char* staged = to_host(buf, bytes, a_);
@@ -117,9 +147,18 @@ class StagedDeviceComm final : public Comm {
     sync();  // the staging is free for the next call, and the caller may read the result at once
   }
 
+  struct P2p {
+    std::unique_ptr<PinnedBuffer> staging;  // the message on the host, until wait()
+    CommRequest host_request = 0;
+    void* device = nullptr;  // a recv's destination
+    int64_t bytes = 0;
+  };
+
   std::unique_ptr<Comm> host_;
   cudaStream_t stream_;
   PinnedBuffer a_, b_;
+  std::map<CommRequest, P2p> p2p_;
+  CommRequest next_request_ = 0;
 };
 
 }  // namespace

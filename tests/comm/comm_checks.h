@@ -1,7 +1,7 @@
 // The semantics of every Comm, checked the same way whatever carries it: MpiComm under mpirun
 // (tests/mpi/test_comm.cpp) and LocalComm's threads (tests/comm/test_comm_local.cpp). Each function is one rank's
 // side of a check; every rank of the group calls it. Uneven sizes (n not a multiple of the ranks, n < ranks, 0),
-// every type, the world and the dp x tp mesh's groups.
+// every type, the world and the dp x tp mesh's groups; point to point: rings, exchanges, order, large messages.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -114,6 +114,124 @@ inline void mesh_groups_are_contiguous_in_tp(Comm& w) {
   EXPECT_EQ(y, expect);
   // tp must divide the world.
   EXPECT_THROW(make_mesh(w, w.size() + 1), Error);
+}
+
+// Element i of the m-th message from rank `from` to rank `to`: distinct per message, exact in fp32.
+inline float message_value(int from, int to, int64_t m, int64_t i) {
+  return static_cast<float>((from * 16 + to) * 100000 + m * 1000 + i % 997);
+}
+
+// Every rank sends to the next and receives from the previous (a pipeline's activations, wrapped around), with
+// starts posted before waits, in every type and at sizes from empty to 64 MB (past MPI's eager limit, so the
+// send waits for the matching recv).
+inline void p2p_ring(Comm& w) {
+  const int P = w.size(), next = (w.rank() + 1) % P, prev = (w.rank() + P - 1) % P;
+  if (P < 2) return;
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(1001), (int64_t(16) << 20) + 3}) {
+    std::vector<float> out(n), in(n, -1.0f);
+    for (int64_t i = 0; i < n; i++) out[i] = message_value(w.rank(), next, 0, i);
+    CommRequest r = w.recv_start(in.data(), n, CommType::F32, prev, "test ring");
+    CommRequest s = w.send_start(out.data(), n, CommType::F32, next, "test ring");
+    w.wait(s);
+    w.wait(r);
+    for (int64_t i = 0; i < n; i++)
+      if (in[i] != message_value(prev, w.rank(), 0, i)) {
+        ADD_FAILURE() << "n " << n << " element " << i << ": " << in[i];
+        break;
+      }
+  }
+  // Other types, blocking: even ranks send first, odd ranks receive first, and in an odd ring rank 0 receives
+  // first too (its sender, the last rank, is even), so each blocking send meets a recv and nothing deadlocks.
+  std::vector<double> d_out(7, 0.5 * w.rank()), d_in(7);
+  std::vector<int64_t> k_out(5, w.rank() + 100), k_in(5);
+  std::vector<uint16_t> b_out(3, static_cast<uint16_t>(w.rank() + 7)), b_in(3);
+  auto sends = [&] {
+    w.send(d_out.data(), 7, CommType::F64, next, "test f64");
+    w.send(k_out.data(), 5, CommType::I64, next, "test i64");
+    w.send(b_out.data(), 3, CommType::BF16, next, "test bf16");
+  };
+  auto recvs = [&] {
+    w.recv(d_in.data(), 7, CommType::F64, prev, "test f64");
+    w.recv(k_in.data(), 5, CommType::I64, prev, "test i64");
+    w.recv(b_in.data(), 3, CommType::BF16, prev, "test bf16");
+  };
+  const bool send_first = P % 2 == 0 ? w.rank() % 2 == 0 : (w.rank() % 2 == 0 && w.rank() != 0);
+  if (send_first) sends(), recvs();
+  else recvs(), sends();
+  for (double x : d_in) EXPECT_EQ(x, 0.5 * prev);
+  for (int64_t x : k_in) EXPECT_EQ(x, prev + 100);
+  for (uint16_t x : b_in) EXPECT_EQ(x, prev + 7);
+}
+
+// Pairs (0, 1), (2, 3), ... exchange 32 MB in both directions, each side starting its send before its recv and
+// waiting for the send first: the case that deadlocks when a send waits for its recv before the recv is posted.
+inline void p2p_pairs_exchange_both_ways(Comm& w) {
+  const int peer = w.rank() ^ 1;
+  if (peer >= w.size()) return;  // an odd world's last rank has no partner
+  const int64_t n = int64_t(8) << 20;
+  std::vector<float> out(n), in(n, -1.0f);
+  for (int64_t i = 0; i < n; i++) out[i] = message_value(w.rank(), peer, 0, i);
+  CommRequest s = w.send_start(out.data(), n, CommType::F32, peer, "test exchange");
+  CommRequest r = w.recv_start(in.data(), n, CommType::F32, peer, "test exchange");
+  w.wait(s);
+  w.wait(r);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; i++) wrong += in[i] != message_value(peer, w.rank(), 0, i);
+  EXPECT_EQ(wrong, 0);
+}
+
+// Rank 0 sends rank 1 200 messages of varying sizes, half blocking and half started; rank 1 starts every recv
+// first and waits for them last to first: the k-th recv still gets the k-th send.
+inline void p2p_many_messages_arrive_in_order(Comm& w) {
+  if (w.size() < 2 || w.rank() > 1) return;
+  const int kMessages = 200;
+  auto size_of = [](int m) { return int64_t(1 + (m * 37) % 5000); };
+  std::vector<std::vector<float>> buffers(kMessages);
+  if (w.rank() == 0) {
+    std::vector<CommRequest> pending;
+    for (int m = 0; m < kMessages; m++) {
+      buffers[m].resize(size_of(m));
+      for (int64_t i = 0; i < size_of(m); i++) buffers[m][i] = message_value(0, 1, m, i);
+      if (m % 2) w.send(buffers[m].data(), size_of(m), CommType::F32, 1, "test order");
+      else pending.push_back(w.send_start(buffers[m].data(), size_of(m), CommType::F32, 1, "test order"));
+    }
+    for (CommRequest r : pending) w.wait(r);
+  } else {
+    std::vector<CommRequest> requests;
+    for (int m = 0; m < kMessages; m++) {
+      buffers[m].assign(size_of(m), -1.0f);
+      requests.push_back(w.recv_start(buffers[m].data(), size_of(m), CommType::F32, 0, "test order"));
+    }
+    for (int m = kMessages - 1; m >= 0; m--) w.wait(requests[m]);
+    for (int m = 0; m < kMessages; m++)
+      for (int64_t i = 0; i < size_of(m); i++)
+        if (buffers[m][i] != message_value(0, 1, m, i)) {
+          ADD_FAILURE() << "message " << m << " element " << i << ": " << buffers[m][i];
+          break;
+        }
+  }
+}
+
+// A recv of a different count from the send fails on the receiver, naming the recv and both counts; a peer
+// that is not another rank of the group fails at once.
+inline void p2p_count_mismatch_and_bad_peer(Comm& w) {
+  EXPECT_THROW(w.send_start(nullptr, 1, CommType::F32, w.rank(), "test self"), Error);
+  EXPECT_THROW(w.recv_start(nullptr, 1, CommType::F32, w.size(), "test outside"), Error);
+  if (w.size() < 2 || w.rank() > 1) return;
+  std::vector<float> buf(7, 1.0f);
+  if (w.rank() == 0) {
+    w.send(buf.data(), 5, CommType::F32, 1, "test short");
+  } else {
+    try {
+      w.recv(buf.data(), 7, CommType::F32, 0, "test short");
+      ADD_FAILURE() << "a recv of 7 elements accepted a send of 5";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("recv 'test short' (7 elements from rank 0)"), std::string::npos) << m;
+      EXPECT_NE(m.find("sent 5 elements"), std::string::npos) << m;
+      EXPECT_NE(m.find("expects 7"), std::string::npos) << m;
+    }
+  }
 }
 
 }  // namespace tuna::comm_checks

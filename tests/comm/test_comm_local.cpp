@@ -3,6 +3,7 @@
 // error naming the collective and the missing rank.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -39,6 +40,66 @@ TEST(CommLocal, EveryCollectiveAtOneToFourRanks) {
       comm_checks::broadcast_and_barrier(c);
     });
   }
+}
+
+TEST(CommLocal, PointToPointAtTwoToFourRanks) {
+  for (int size = 2; size <= 4; size++) {
+    SCOPED_TRACE(testing::Message() << size << " threads");
+    on_threads(size, [](Comm& c) {
+      comm_checks::p2p_ring(c);
+      comm_checks::p2p_pairs_exchange_both_ways(c);
+      comm_checks::p2p_many_messages_arrive_in_order(c);
+      comm_checks::p2p_count_mismatch_and_bad_peer(c);
+    });
+  }
+}
+
+// Point to point within a split group: peers are ranks of the group (the pipeline's stage groups).
+TEST(CommLocal, PointToPointInASplitGroup) {
+  on_threads(4, [](Comm& w) {
+    std::unique_ptr<Comm> g = w.split(w.rank() % 2, w.rank());  // {0, 2} and {1, 3}
+    float x = static_cast<float>(w.rank());
+    if (g->rank() == 0) g->send(&x, 1, CommType::F32, 1, "test split");
+    else g->recv(&x, 1, CommType::F32, 0, "test split");
+    EXPECT_EQ(x, static_cast<float>(w.rank() % 2));
+  });
+}
+
+TEST(CommLocal, OneRankHasNoPeer) {
+  for (auto& c : {make_single_comm(), std::move(make_local_comms(1, 1)[0])}) {
+    float x = 0;
+    try {
+      c->send(&x, 1, CommType::F32, 1, "activations");
+      ADD_FAILURE() << "sent to a peer that does not exist";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("send 'activations': peer 1 is not another rank of this group (rank 0 of 1)"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// A stage that never sends: its receiver stops within the timeout, naming the recv, itself and the peer.
+TEST(CommLocal, ARecvFromAPeerThatNeverSendsTimesOut) {
+  std::vector<std::unique_ptr<Comm>> comms = make_local_comms(2, /*timeout_s=*/0.5);
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  std::thread receiver([&] {
+    std::vector<float> x(64);
+    try {
+      comms[0]->recv(x.data(), 64, CommType::F32, 1, "activations of micro-batch 3");
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  });
+  receiver.join();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(waited, 0.5);
+  EXPECT_LT(waited, 5.0);
+  EXPECT_NE(error.find("rank 0 of 2 (threads): recv 'activations of micro-batch 3' (64 elements from rank 1) did not "
+                       "complete within 0.5 s (--comm_timeout): rank 1 did not send it"),
+            std::string::npos)
+      << error;
 }
 
 TEST(CommLocal, MeshGroups) {
