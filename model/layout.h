@@ -94,4 +94,28 @@ class ParamLayout {
 void copy_block(const ParamTensor& t, const float* global, float* local);
 void place_block(const ParamTensor& t, const float* local, float* global);
 
+// Random initialization a piece at a time: draws the global tensor's values in row-major order, one next() per
+// element up to the last one the piece needs, and keeps those of local elements [lb, le) of t's block in
+// p[0, le - lb). The values then depend on neither the tp split nor the pieces a rank asks for.
+template <typename Next>
+void draw_block_piece(const ParamTensor& t, int64_t lb, int64_t le, float* p, Next&& next) {
+  const int64_t rows = t.shape[0], cols = t.shape[1], gcols = t.global_shape[1];
+  const auto global_of = [&](int64_t local) {
+    const int64_t row = local / cols, col = local % cols;
+    return t.split_dim == 0 ? (t.split_begin + row) * gcols + col
+         : t.split_dim == 1 ? row * gcols + t.split_begin + col
+                            : local;
+  };
+  const int64_t last = global_of(le - 1);
+  for (int64_t g = 0; g <= last; g++) {
+    const float x = next();
+    const int64_t row = g / gcols, col = g % gcols;
+    int64_t local = -1;
+    if (t.split_dim == 0 && row >= t.split_begin && row < t.split_begin + rows) local = (row - t.split_begin) * cols + col;
+    else if (t.split_dim == 1 && col >= t.split_begin && col < t.split_begin + cols) local = row * cols + col - t.split_begin;
+    else if (t.split_dim < 0) local = g;
+    if (local >= lb && local < le) p[local - lb] = x;
+  }
+}
+
 }  // namespace tuna

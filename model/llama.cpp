@@ -287,23 +287,7 @@ void init_random_weights_piece(const ParamLayout& layout, uint64_t seed, double 
     // tp split or the ZeRO pieces), stopping at the last one needed.
     std::mt19937_64 rng(seed + 0x9E3779B97F4A7C15ull * (index + 1));
     std::normal_distribution<double> normal(0.0, std);
-    const int64_t rows = t.shape[0], cols = t.shape[1], gcols = t.global_shape[1];
-    const auto global_of = [&](int64_t local) {
-      const int64_t row = local / cols, col = local % cols;
-      return t.split_dim == 0 ? (t.split_begin + row) * gcols + col
-           : t.split_dim == 1 ? row * gcols + t.split_begin + col
-                              : local;
-    };
-    const int64_t last = global_of(le - 1);
-    for (int64_t g = 0; g <= last; g++) {
-      const float x = static_cast<float>(normal(rng));
-      int64_t local = -1;
-      const int64_t row = g / gcols, col = g % gcols;
-      if (t.split_dim == 0 && row >= t.split_begin && row < t.split_begin + rows) local = (row - t.split_begin) * cols + col;
-      else if (t.split_dim == 1 && col >= t.split_begin && col < t.split_begin + cols) local = row * cols + col - t.split_begin;
-      else if (t.split_dim < 0) local = g;
-      if (local >= lb && local < le) p[local - lb] = x;
-    }
+    draw_block_piece(t, lb, le, p, [&] { return static_cast<float>(normal(rng)); });
   }
 }
 

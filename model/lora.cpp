@@ -182,26 +182,10 @@ void init_lora_weights_piece(const ParamLayout& adapters, uint64_t seed, const S
     }
     // The whole A's draws in order (row-major over [r, in_features]), each kept where it falls in this rank's
     // block and the piece, up to the last one needed: the values do not depend on the tp split or the ZeRO pieces.
-    const int64_t rows = t.shape[0], cols = t.shape[1], gcols = t.global_shape[1];
-    const double bound = 1.0 / std::sqrt(static_cast<double>(gcols));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(t.global_shape[1]));
     std::mt19937_64 rng(seed + 0x9E3779B97F4A7C15ull * (index + 1));
     std::uniform_real_distribution<double> uniform(-bound, bound);
-    const auto global_of = [&](int64_t local) {
-      const int64_t row = local / cols, col = local % cols;
-      return t.split_dim == 0 ? (t.split_begin + row) * gcols + col
-           : t.split_dim == 1 ? row * gcols + t.split_begin + col
-                              : local;
-    };
-    const int64_t last = global_of(le - 1);
-    for (int64_t g = 0; g <= last; g++) {
-      const float x = static_cast<float>(uniform(rng));
-      const int64_t row = g / gcols, col = g % gcols;
-      int64_t local = -1;
-      if (t.split_dim == 0 && row >= t.split_begin && row < t.split_begin + rows) local = (row - t.split_begin) * cols + col;
-      else if (t.split_dim == 1 && col >= t.split_begin && col < t.split_begin + cols) local = row * cols + col - t.split_begin;
-      else if (t.split_dim < 0) local = g;
-      if (local >= lb && local < le) p[local - lb] = x;
-    }
+    draw_block_piece(t, lb, le, p, [&] { return static_cast<float>(uniform(rng)); });
   }
 }
 
