@@ -423,8 +423,12 @@ void open_metrics(MetricsLog& metrics, const TrainConfig& cfg, const RunStart& s
   if (cut.dropped > 0)
     std::printf("metrics.jsonl: kept the %lld rows up to step %lld, dropped %lld logged after it (the file as it was: %s)\n",
                 (long long)cut.kept, (long long)step, (long long)cut.dropped, cut.backup.c_str());
+  // A LoRA checkpoint holds the adapters only: their weights and moments, and adapter_model.safetensors (4 bytes more
+  // each: with several ranks it is assembled beside the rank files).
+  const int64_t trained = start.lora ? lora_parameter_count(start.model, start.lora->lora) : start.model.n_params();
+  const int64_t ckpt_bytes = checkpoint_bytes(trained, start.tokenizer.files) + (start.lora ? 4 * trained : 0);
   const std::string space = check_checkpoint_space(
-      out_dir / "ckpt", checkpoint_bytes(start.model.n_params(), start.tokenizer.files),
+      out_dir / "ckpt", ckpt_bytes,
       checkpoints_to_write(step, last_step, cfg.ckpt_every, start.resume_from.has_value()), cfg.ckpt_keep);
   if (!space.empty()) std::printf("warning: %s\n", space.c_str());
   metrics.open(out_dir / "metrics.jsonl");
