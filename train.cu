@@ -274,12 +274,10 @@ RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
   r.weights_dir = r.resume_from ? *r.resume_from : r.init_dir;
   // A LoRA run (options, --lora_init, or resuming a LoRA checkpoint) reads its model, config and tokenizer from the
   // frozen base: the checkpoint holds only the adapters (ckpt/peft.h).
-  if (!cfg.plan_only && (options.was_set("lora_rank") || !cfg.lora_init.empty() ||
-                         (r.resume_from && is_lora_directory(*r.resume_from)))) {
-    const bool resuming_lora = r.resume_from && is_lora_directory(*r.resume_from);
+  const bool resuming_lora = r.resume_from && is_lora_directory(*r.resume_from);
+  if (!cfg.plan_only && (options.was_set("lora_rank") || !cfg.lora_init.empty() || resuming_lora)) {
     r.lora = lora_start(lora_options(cfg, options, resuming_lora), lora_options_given(cfg, options), cfg.lora_init,
-                        r.init_dir,
-                        r.resume_from, cfg.base, world);
+                        r.init_dir, r.resume_from, cfg.base, world);
     r.weights_dir = r.lora->base;
   } else {
     if (!cfg.base.empty()) fail("option 'base' is for LoRA runs: give --lora_rank (or --resume a LoRA checkpoint)");

@@ -7,6 +7,7 @@
 // lm_head tensor: the head reads the embedding.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -93,6 +94,22 @@ class ParamLayout {
 // Tensor-parallel blocks: local = t's block of the global tensor (copy_block), and back (place_block).
 void copy_block(const ParamTensor& t, const float* global, float* local);
 void place_block(const ParamTensor& t, const float* local, float* global);
+
+// Elements [begin, begin + size) of `layout`'s flat buffer, held in out, a tensor at a time: fn(index, t, lb, le, p)
+// for each tensor the range overlaps, its local elements [lb, le) being at p.
+template <typename Fn>
+void for_each_tensor_piece(const ParamLayout& layout, int64_t begin, int64_t size, float* out, Fn&& fn) {
+  const std::vector<ParamTensor>& tensors = layout.tensors();
+  for (size_t index = 0; index < tensors.size(); index++) {
+    const ParamTensor& t = tensors[index];
+    const int64_t lb = std::max(begin, t.offset) - t.offset;
+    const int64_t le = std::min(begin + size, t.offset + t.numel) - t.offset;
+    if (lb < le) fn(index, t, lb, le, out + (t.offset + lb - begin));
+  }
+}
+
+// The seed of tensor `index`'s own random stream, so that a piece needs no draws of other tensors.
+inline uint64_t tensor_stream_seed(uint64_t seed, size_t index) { return seed + 0x9E3779B97F4A7C15ull * (index + 1); }
 
 // Random initialization a piece at a time: draws the global tensor's values in row-major order, one next() per
 // element up to the last one the piece needs, and keeps those of local elements [lb, le) of t's block in

@@ -271,24 +271,16 @@ void init_random_weights(const ParamLayout& layout, uint64_t seed, double std, f
 }
 
 void init_random_weights_piece(const ParamLayout& layout, uint64_t seed, double std, const Segment& piece, float* out) {
-  const std::vector<ParamTensor>& tensors = layout.tensors();
-  for (size_t index = 0; index < tensors.size(); index++) {
-    const ParamTensor& t = tensors[index];
-    const int64_t lb = std::max(piece.begin, t.offset) - t.offset;
-    const int64_t le = std::min(piece.begin + piece.size, t.offset + t.numel) - t.offset;
-    if (lb >= le) continue;
-    float* p = out + (t.offset + lb - piece.begin);
+  for_each_tensor_piece(layout, piece.begin, piece.size, out,
+                        [&](size_t index, const ParamTensor& t, int64_t lb, int64_t le, float* p) {
     if (t.shape.size() == 1) {
       std::fill(p, p + (le - lb), 1.0f);  // RMSNorm weights start at identity
-      continue;
+      return;
     }
-    // The global tensor's draws in order from the tensor's own stream (so that a piece needs no draws of other
-    // tensors), each kept where it falls in this rank's block and the piece (so the model does not depend on the
-    // tp split or the ZeRO pieces), stopping at the last one needed.
-    std::mt19937_64 rng(seed + 0x9E3779B97F4A7C15ull * (index + 1));
+    std::mt19937_64 rng(tensor_stream_seed(seed, index));
     std::normal_distribution<double> normal(0.0, std);
     draw_block_piece(t, lb, le, p, [&] { return static_cast<float>(normal(rng)); });
-  }
+  });
 }
 
 void Llama::zero_grads() {

@@ -168,25 +168,19 @@ double lora_flops_per_token(const LlamaConfig& c, const LoraConfig& lora, int64_
 }
 
 void init_lora_weights_piece(const ParamLayout& adapters, uint64_t seed, const Segment& piece, float* out) {
-  const std::vector<ParamTensor>& tensors = adapters.tensors();
-  for (size_t index = 0; index < tensors.size(); index++) {
-    const ParamTensor& t = tensors[index];
-    const int64_t lb = std::max(piece.begin, t.offset) - t.offset;
-    const int64_t le = std::min(piece.begin + piece.size, t.offset + t.numel) - t.offset;
-    if (lb >= le) continue;
-    float* p = out + (t.offset + lb - piece.begin);
+  for_each_tensor_piece(adapters, piece.begin, piece.size, out,
+                        [&](size_t index, const ParamTensor& t, int64_t lb, int64_t le, float* p) {
     TUNA_CHECK(t.shape.size() == 2 && t.global_shape.size() == 2, t.name, ": an adapter is a matrix");
     if (t.name.find(".lora_B.") != std::string::npos) {  // B starts at zero: the model starts as its base
       std::fill(p, p + (le - lb), 0.0f);
-      continue;
+      return;
     }
-    // The whole A's draws in order (row-major over [r, in_features]), each kept where it falls in this rank's
-    // block and the piece, up to the last one needed: the values do not depend on the tp split or the ZeRO pieces.
+    // PEFT's kaiming_uniform_(a = sqrt(5)) over the whole layer's in_features: U(-1/sqrt(in), 1/sqrt(in)).
     const double bound = 1.0 / std::sqrt(static_cast<double>(t.global_shape[1]));
-    std::mt19937_64 rng(seed + 0x9E3779B97F4A7C15ull * (index + 1));
+    std::mt19937_64 rng(tensor_stream_seed(seed, index));
     std::uniform_real_distribution<double> uniform(-bound, bound);
     draw_block_piece(t, lb, le, p, [&] { return static_cast<float>(uniform(rng)); });
-  }
+  });
 }
 
 uint64_t lora_dropout_key(uint64_t seed, int64_t step, int64_t micro_batch, int dp_rank) {

@@ -63,7 +63,8 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   const LoraLayout adapters = lora ? lora_layout(config, m.lora, static_cast<int>(m.tp_rank), static_cast<int>(m.tp))
                                    : LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
   const LlamaBufferSizes llama =
-      llama_buffer_sizes(config, layout.tp(), m.micro_batch, m.seq_len, lora ? static_cast<const LoraConfig&>(m.lora) : LoraConfig{});
+      llama_buffer_sizes(config, layout.tp(), m.micro_batch, m.seq_len,
+                         lora ? static_cast<const LoraConfig&>(m.lora) : LoraConfig{});
   // The forward pass alone (build/eval, build/sample) is a Llama without Zero.
   const ZeroBufferSizes zero = m.training ? zero_buffer_sizes(lora ? adapters.params : layout, m.zero,
                                                               static_cast<int>(m.dp_rank), static_cast<int>(m.dp))
