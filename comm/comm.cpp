@@ -95,18 +95,24 @@ LaunchInfo detect_launch() {
   return info;
 }
 
-Mesh make_mesh(Comm& world, int64_t tp) {
+Mesh make_mesh(Comm& world, int64_t tp, int64_t pp) {
   if (tp < 1 || world.size() % tp != 0)
     fail("option 'tp': ", tp, " does not divide the world size ", world.size(),
-         " (world = dp x tp; launch a multiple of tp ranks)");
+         " (world = dp x pp x tp; launch a multiple of tp x pp ranks)");
+  if (pp < 1 || world.size() % (tp * pp) != 0)
+    fail("option 'pp': ", pp, " x tp ", tp, " does not divide the world size ", world.size(),
+         " (world = dp x pp x tp; launch a multiple of tp x pp ranks)");
   Mesh m;
   m.tp_size = static_cast<int>(tp);
-  m.dp_size = world.size() / m.tp_size;
+  m.pp_size = static_cast<int>(pp);
+  m.dp_size = world.size() / (m.tp_size * m.pp_size);
   m.tp_rank = world.rank() % m.tp_size;
-  m.dp_rank = world.rank() / m.tp_size;
-  // Both splits are collective over the world: every rank makes both, in the same order.
-  m.tp = world.split(/*color=*/m.dp_rank, /*key=*/m.tp_rank);
-  m.dp = world.split(/*color=*/m.tp_rank, /*key=*/m.dp_rank);
+  m.pp_rank = (world.rank() / m.tp_size) % m.pp_size;
+  m.dp_rank = world.rank() / (m.tp_size * m.pp_size);
+  // The splits are collective over the world: every rank makes all three, in the same order.
+  m.tp = world.split(/*color=*/m.dp_rank * m.pp_size + m.pp_rank, /*key=*/m.tp_rank);
+  m.dp = world.split(/*color=*/m.pp_rank * m.tp_size + m.tp_rank, /*key=*/m.dp_rank);
+  m.pp = world.split(/*color=*/m.dp_rank * m.tp_size + m.tp_rank, /*key=*/m.pp_rank);
   return m;
 }
 

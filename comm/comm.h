@@ -148,13 +148,14 @@ std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, void* stream, d
 // survivors get SIGTERM inside the collective the dead rank never joined; this names it.
 void note_signal_in_collective(int signal);
 
-// The rank mesh: world = dp x tp, tensor-parallel ranks contiguous (world rank = dp_rank * tp + tp_rank),
-// so that a tp group sits inside one node when ranks are placed by node (mpirun's default, srun's block).
+// The rank mesh: world = dp x pp x tp, tensor-parallel ranks contiguous, then pipeline stages
+// (world rank = (dp_rank * pp + pp_rank) * tp + tp_rank), so that a tp group sits inside one node when ranks are
+// placed by node (mpirun's default, srun's block) and the stages of one pipeline span nodes before dp does.
 struct Mesh {
-  int dp_rank = 0, dp_size = 1, tp_rank = 0, tp_size = 1;
-  std::unique_ptr<Comm> dp, tp;  // the groups this rank belongs to
+  int dp_rank = 0, dp_size = 1, tp_rank = 0, tp_size = 1, pp_rank = 0, pp_size = 1;
+  std::unique_ptr<Comm> dp, tp, pp;  // the groups this rank belongs to (pp: this pipeline's stages, by stage)
 };
-// Fails with a message when tp does not divide the world size.
-Mesh make_mesh(Comm& world, int64_t tp);
+// Fails with a message when tp x pp does not divide the world size.
+Mesh make_mesh(Comm& world, int64_t tp, int64_t pp = 1);
 
 }  // namespace tuna

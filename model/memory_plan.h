@@ -37,9 +37,12 @@ const char* recompute_name(Recompute r);
 // switches that change buffers. engine_memory_layout (engine/engine.h) builds it once from the run's options and
 // mesh; the memory plan and the CUDA model both take it whole.
 struct MemoryLayout {
-  int64_t dp = 1, tp = 1;       // world = dp x tp
+  int64_t dp = 1, tp = 1, pp = 1;  // world = dp x pp x tp (comm/comm.h Mesh)
   int64_t dp_rank = 0, tp_rank = 0;  // whose plan: rank 0's pieces are the largest (shard_range), so its plan
                                      // is the one to print and to fit
+  int64_t pp_rank = 0;          // the pipeline stage whose plan this is (stages differ: embedding first, head last)
+  bool sp = false;              // sequence parallelism over the tp group (Megatron's): norm and residual regions
+                                // hold seq / tp rows
   int zero = 0;                 // ZeRO stage over dp: 0..3
   bool zero_prefetch = true;    // ZeRO-3: a second gather buffer so the next unit's gather overlaps
   Recompute recompute = Recompute::None;

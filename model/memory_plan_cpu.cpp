@@ -42,6 +42,8 @@ constexpr int64_t kFloat = sizeof(float), kDouble = sizeof(double);
 
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (m.dp < 1 || m.tp < 1) fail("memory plan: dp and tp must be >= 1, found dp ", m.dp, ", tp ", m.tp);
+  if (m.pp != 1 || m.sp)
+    fail("memory plan: pipeline and sequence parallelism (pp ", m.pp, ", sp ", m.sp ? "on" : "off", ") are not planned yet");
   TUNA_CHECK(m.dp_rank >= 0 && m.dp_rank < m.dp && m.tp_rank >= 0 && m.tp_rank < m.tp, "dp rank ", m.dp_rank, " of ",
              m.dp, ", tp rank ", m.tp_rank, " of ", m.tp);
   if (m.zero < 0 || m.zero > 3) fail("memory plan: option 'zero': expected 0, 1, 2 or 3, found ", m.zero);

@@ -240,6 +240,8 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
 
 MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   check_layout(c, l);
+  if (l.pp != 1 || l.sp)
+    fail("memory plan: pipeline and sequence parallelism (pp ", l.pp, ", sp ", l.sp ? "on" : "off", ") are not planned yet");
   const ParamLayout layout(c, static_cast<int>(l.tp_rank), static_cast<int>(l.tp));
   const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
   const TpDims& d = layout.tp();

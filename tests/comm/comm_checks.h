@@ -116,6 +116,35 @@ inline void mesh_groups_are_contiguous_in_tp(Comm& w) {
   EXPECT_THROW(make_mesh(w, w.size() + 1), Error);
 }
 
+// world = dp x pp x tp with tp innermost, then the stages: rank (d * pp + s) * tp + t. Needs a world of 4 or more
+// (2 x 2, and dp 2 at 8).
+inline void mesh_places_stages_between_tp_and_dp(Comm& w) {
+  if (w.size() % 4 != 0) return;
+  Mesh m = make_mesh(w, 2, 2);
+  EXPECT_EQ(m.tp_size, 2);
+  EXPECT_EQ(m.pp_size, 2);
+  EXPECT_EQ(m.dp_size, w.size() / 4);
+  EXPECT_EQ(m.tp_rank, w.rank() % 2);
+  EXPECT_EQ(m.pp_rank, (w.rank() / 2) % 2);
+  EXPECT_EQ(m.dp_rank, w.rank() / 4);
+  EXPECT_EQ(m.pp->size(), 2);
+  EXPECT_EQ(m.pp->rank(), m.pp_rank);
+  // The members of each group, by the sum of their world ranks.
+  const auto rank_of = [&](int d, int s, int t) { return (d * 2 + s) * 2 + t; };
+  int64_t x = w.rank();
+  m.pp->all_reduce_sum(&x, 1, "test pp");
+  EXPECT_EQ(x, rank_of(m.dp_rank, 0, m.tp_rank) + rank_of(m.dp_rank, 1, m.tp_rank));
+  int64_t y = w.rank();
+  m.tp->all_reduce_sum(&y, 1, "test tp");
+  EXPECT_EQ(y, rank_of(m.dp_rank, m.pp_rank, 0) + rank_of(m.dp_rank, m.pp_rank, 1));
+  int64_t z = w.rank(), expect = 0;
+  m.dp->all_reduce_sum(&z, 1, "test dp");
+  for (int d = 0; d < m.dp_size; d++) expect += rank_of(d, m.pp_rank, m.tp_rank);
+  EXPECT_EQ(z, expect);
+  // tp x pp must divide the world.
+  EXPECT_THROW(make_mesh(w, 2, w.size()), Error);
+}
+
 // Element i of the m-th message from rank `from` to rank `to`: distinct per message, exact in fp32.
 inline float message_value(int from, int to, int64_t m, int64_t i) {
   return static_cast<float>((from * 16 + to) * 100000 + m * 1000 + i % 997);

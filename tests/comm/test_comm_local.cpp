@@ -104,6 +104,7 @@ TEST(CommLocal, ARecvFromAPeerThatNeverSendsTimesOut) {
 
 TEST(CommLocal, MeshGroups) {
   for (int size : {2, 4}) on_threads(size, comm_checks::mesh_groups_are_contiguous_in_tp);
+  for (int size : {4, 8}) on_threads(size, comm_checks::mesh_places_stages_between_tp_and_dp);
 }
 
 TEST(CommLocal, AMissingRankStopsTheOthersNamingTheCollective) {

@@ -101,5 +101,10 @@ TEST(Comm, MeshGroupsAreContiguousInTp) {
   comm_checks::mesh_groups_are_contiguous_in_tp(test::world());
 }
 
+TEST(Comm, MeshPlacesStagesBetweenTpAndDp) {
+  if (test::world().size() % 4) GTEST_SKIP() << "needs a world of a multiple of 4";
+  comm_checks::mesh_places_stages_between_tp_and_dp(test::world());
+}
+
 }  // namespace
 }  // namespace tuna
