@@ -285,10 +285,13 @@ void SafetensorsFile::release(const std::byte* p, uint64_t bytes) const {
   if (bytes == 0) return;
   TUNA_CHECK(p >= map_ && bytes <= map_size_ && uint64_t(p - map_) <= map_size_ - bytes, "release of ", bytes,
              " bytes outside the mapping of ", path_.string());
-  // Whole pages around the range (the mapping starts on a page): a neighbouring piece's bytes in the first or last
-  // page are only faulted in again if read. The pages were never written (PROT_READ), so none is lost.
-  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  const uint64_t begin = uint64_t(p - map_) / page * page, end = (uint64_t(p - map_) + bytes + page - 1) / page * page;
+  // The mapping's whole 2 MiB blocks around the range, not its pages: a read fault maps the page cache's
+  // neighbouring pages too (fault-around, large folios), which belong to tensors read and released before when the
+  // file's order is not the reading order, and nothing would drop them again (a sizeable share of a base would stay
+  // resident). The pages were never written (PROT_READ), so none is lost: a neighbour still to be read faults back in.
+  constexpr uint64_t kBlock = uint64_t{2} << 20;
+  const uint64_t begin = uint64_t(p - map_) / kBlock * kBlock;
+  const uint64_t end = std::min(map_size_, (uint64_t(p - map_) + bytes + kBlock - 1) / kBlock * kBlock);
   ::madvise(const_cast<std::byte*>(map_) + begin, end - begin, MADV_DONTNEED);  // advice: a refusal changes nothing
 }
 

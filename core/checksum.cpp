@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "core/error.h"
@@ -39,9 +40,11 @@ FileDigest Checksum::digest() const { return {bytes_, XXH3_64bits_digest(state_-
 FileDigest digest_file(const std::filesystem::path& path) {
   const int fd = open_regular_file(path, "checkpoint file");
   Checksum sum;
-  std::vector<char> block(size_t{8} << 20);
+  // Not value-initialized: only the pages a read fills become resident (a manifest's digest costs a page, not 8 MB).
+  constexpr size_t kBlock = size_t{8} << 20;
+  const std::unique_ptr<char[]> block = std::make_unique_for_overwrite<char[]>(kBlock);
   while (true) {
-    const ssize_t n = ::read(fd, block.data(), block.size());
+    const ssize_t n = ::read(fd, block.get(), kBlock);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int err = errno;
@@ -49,7 +52,7 @@ FileDigest digest_file(const std::filesystem::path& path) {
       fail(path.string(), ": read failed: ", std::strerror(err));
     }
     if (n == 0) break;
-    sum.update(block.data(), static_cast<size_t>(n));
+    sum.update(block.get(), static_cast<size_t>(n));
   }
   ::close(fd);
   return sum.digest();

@@ -205,6 +205,10 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   const int64_t max_batch = max_batch_, max_seq = max_seq_;
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   validate(opt_);
+  // The memory plan lays out pipeline stages and sequence parallelism as designed; this engine runs neither yet.
+  if (run.pp != 1 || run.sp)
+    fail("--device cuda: pipeline stages and sequence parallelism (--pp ", run.pp, run.sp ? ", --sp" : "",
+         ") are not implemented in the CUDA engine yet (the CPU engine runs them; build/plan prices them as designed)");
   const LlamaConfig& c = config_;
   if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 8 && c.head_dim != 16 && c.head_dim != 32)
     fail("--device cuda: attention supports head_dim 64 and 128 (and 8, 16, 32 for tiny models); this model has ",

@@ -13,6 +13,7 @@
 #include "model/layout.h"
 #include "model/lora_shape.h"
 #include "model/optimizer.h"  // shard_pieces
+#include "model/pipeline.h"
 
 namespace tuna {
 
@@ -41,6 +42,14 @@ void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
   if (l.micro_batch < 1 || l.seq_len < 1)
     fail("memory plan: micro_batch and seq_len must be >= 1 (found ", l.micro_batch, " and ", l.seq_len, ")");
   if (l.zero < 0 || l.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", l.zero);
+  if (l.pp < 1 || l.pp_rank < 0 || l.pp_rank >= l.pp)
+    fail("memory plan: pipeline stage ", l.pp_rank, " of ", l.pp, " (option 'pp': expected at least 1 stage)");
+  // Megatron's split: each sequence's rows go to the tp ranks in equal runs.
+  if (l.sp && l.seq_len % l.tp != 0)
+    fail("option 'sp': sequence parallelism splits each sequence over the ", l.tp, " tp ranks; seq_len ", l.seq_len,
+         " is not a multiple of ", l.tp);
+  if (l.pp > 1 && l.lora.enabled())
+    fail("memory plan: adapters with pipeline stages (--lora_rank with --pp ", l.pp, ") are not planned");
   // Tensor parallelism on cuda: every rank a whole share of each split dimension, the local widths the kernels'
   // multiples of 8 (ParamLayout has already refused a tp that does not divide the kv heads).
   if (l.tp > 1) {
@@ -58,12 +67,46 @@ void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
   check_lora_plan(c, l.lora, "options lora_rank, lora_targets, lora_dropout, base_quant");
 }
 
-// The largest unit of the (tensor-parallel-local) layout, in elements: what a gather or gradient buffer holds.
-int64_t largest_unit(const ParamLayout& layout) {
-  int64_t largest = 0;
-  for (int u = 0; u < layout.num_units(); u++)
-    largest = std::max(largest, layout.unit_range(u).second - layout.unit_range(u).first);
-  return largest;
+// The parameters a pipeline stage holds: its units of the layout (the embedding on the first stage, its layers, the
+// final norm and lm_head on the last). With tied embeddings and pp > 1 the last stage holds a copy of the embedding
+// as its lm_head, with its own gradient, master and moments (Megatron's way: the two copies' gradients are summed
+// between the first and last stage, so they stay equal). At pp 1 the stage is every unit, once.
+struct StageUnits {
+  std::vector<int> units;
+  int64_t params = 0, largest = 0, tensors = 0;
+  bool embedding_open_through_head = false;  // the embedding and a tied head on one stage: its gradient stays open
+                                             // from the head's backward to the embedding's
+  bool tied_head = false;                    // the stage's head reads the embedding unit and the head unit at once
+};
+
+StageUnits stage_units(const ParamLayout& layout, const PipelineStage& stage) {
+  StageUnits s;
+  const bool tied = layout.lm_head_unit() == 0;
+  if (stage.embedding) s.units.push_back(0);
+  for (int64_t layer = stage.layer_begin; layer < stage.layer_end; layer++) s.units.push_back(static_cast<int>(1 + layer));
+  if (stage.head) {
+    s.units.push_back(layout.head_unit());
+    if (tied && !stage.embedding) s.units.push_back(0);
+  }
+  s.tied_head = tied && stage.head;
+  s.embedding_open_through_head = s.tied_head && stage.embedding;
+  for (int u : s.units) {
+    const auto [begin, end] = layout.unit_range(u);
+    s.params += end - begin, s.largest = std::max(s.largest, end - begin);
+    for (const ParamTensor& t : layout.tensors()) s.tensors += t.offset >= begin && t.offset < end;
+  }
+  return s;
+}
+
+// This rank's piece of each of the stage's units over dp (dp_unit_pieces, restricted to the stage).
+std::vector<Segment> stage_pieces(const ParamLayout& layout, const StageUnits& stage, int64_t dp_rank, int64_t dp) {
+  std::vector<Segment> out;
+  for (int u : stage.units) {
+    const auto [begin, end] = layout.unit_range(u);
+    const Range r = shard_range(end - begin, static_cast<int>(dp_rank), static_cast<int>(dp));
+    out.push_back({begin + r.begin, r.size()});
+  }
+  return out;
 }
 
 }  // namespace
@@ -90,29 +133,27 @@ int64_t gpu_head_chunk_rows(int64_t vocab, int64_t rows) {
 
 namespace {
 
-// A full fine-tune's parameters, gradients and optimizer state.
-void plan_full_state(const MemoryLayout& l, const ParamLayout& layout, PlanBuilder& b) {
-  const int64_t P = layout.total();
+// A full fine-tune's parameters, gradients and optimizer state: those of the stage's units.
+void plan_full_state(const MemoryLayout& l, const ParamLayout& layout, const StageUnits& stage, PlanBuilder& b) {
+  const int64_t P = stage.params;
   const int64_t moment_bytes = l.bf16_moments ? kBf16 : kF32;
   const bool optimizer = l.training;  // a training rank runs AdamW over what it owns
 
   // Parameters, gradients, optimizer state. ZeRO-0 holds everything whole; 1 shards master and moments; 2 also the
   // gradient (unit gradients live in a few unit-sized buffers until reduce-scattered); 3 also the bf16 weights
   // (gathered a unit at a time into unit-sized buffers).
-  const bool tied = layout.lm_head_unit() == 0;
   if (optimizer && l.zero == 0) b.add("fp32 master weights", MemoryKind::Master, P, kF32);
   if (l.zero <= 2 || !l.training) b.add("bf16 weights", MemoryKind::Weights, P, kBf16);
   if (l.training && l.zero <= 1) b.add("fp32 gradients", MemoryKind::Gradients, P, kF32);
   if (optimizer && l.zero == 0) {
     b.add("AdamW m", MemoryKind::Moments, P, moment_bytes);
     b.add("AdamW v", MemoryKind::Moments, P, moment_bytes);
-    const int64_t tables = static_cast<int64_t>(layout.tensors().size());
-    b.add("AdamW segment starts", MemoryKind::Workspace, tables, kI64);
-    b.add("AdamW segment decays", MemoryKind::Workspace, tables, 1);
+    b.add("AdamW segment starts", MemoryKind::Workspace, stage.tensors, kI64);
+    b.add("AdamW segment decays", MemoryKind::Workspace, stage.tensors, 1);
   }
   if (optimizer && l.zero >= 1) {
     // This rank's piece of every unit, padded to the fused AdamW's 4 elements per thread.
-    const std::vector<Segment> pieces = dp_unit_pieces(layout, static_cast<int>(l.dp_rank), static_cast<int>(l.dp));
+    const std::vector<Segment> pieces = stage_pieces(layout, stage, l.dp_rank, l.dp);
     int64_t shard = 0, largest_piece = 0;
     for (const Segment& s : pieces) shard += s.size, largest_piece = std::max(largest_piece, s.size);
     const int64_t padded = (shard + 3) / 4 * 4;
@@ -128,26 +169,24 @@ void plan_full_state(const MemoryLayout& l, const ParamLayout& layout, PlanBuild
       b.add("bf16 weights (shard)", MemoryKind::Weights, padded, kBf16);
       // Unit gradients until reduce-scattered: two alternate (one filling, one in flight); a tied head's
       // embedding gradient stays open from the head to the embedding's backward, a third.
-      const int gradient_buffers = tied ? 3 : 2;
+      const int gradient_buffers = stage.embedding_open_through_head ? 3 : 2;
       for (int i = 0; i < gradient_buffers; i++)
-        b.add(str("gradient buffer ", i), MemoryKind::Gradients, largest_unit(layout), kF32);
+        b.add(str("gradient buffer ", i), MemoryKind::Gradients, stage.largest, kF32);
       if (l.dp > 1) b.add("reduce-scatter output", MemoryKind::Communication, largest_piece, kF32);
     }
   }
   if (l.training && l.zero == 3) {
     // Gathered unit weights: the one computing and, with prefetch, the next arriving; a tied head needs the
     // embedding and the head unit at once.
-    const int gather_buffers = l.zero_prefetch || tied ? 2 : 1;
+    const int gather_buffers = l.zero_prefetch || stage.tied_head ? 2 : 1;
     for (int i = 0; i < gather_buffers; i++)
-      b.add(str("weight gather buffer ", i), MemoryKind::Communication, largest_unit(layout), kBf16);
+      b.add(str("weight gather buffer ", i), MemoryKind::Communication, stage.largest, kBf16);
   }
   if (optimizer) {
     b.add("gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
     b.add("gradient norm", MemoryKind::Workspace, 1, kF64);
     if (l.tp > 1) {  // one sum of squares per piece of a replicated tensor (norm weights) that this rank updates
-      const std::vector<Segment> owned =
-          l.zero == 0 ? std::vector<Segment>{Segment{0, P}}
-                      : dp_unit_pieces(layout, static_cast<int>(l.dp_rank), static_cast<int>(l.dp));
+      const std::vector<Segment> owned = stage_pieces(layout, stage, l.zero == 0 ? 0 : l.dp_rank, l.zero == 0 ? 1 : l.dp);
       int64_t replicated = 0;
       for (const ShardPiece& p : shard_pieces(layout, owned)) replicated += p.tensor->split_dim < 0;
       b.add("replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);
@@ -240,26 +279,33 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
 
 MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   check_layout(c, l);
-  if (l.pp != 1 || l.sp)
-    fail("memory plan: pipeline and sequence parallelism (pp ", l.pp, ", sp ", l.sp ? "on" : "off", ") are not planned yet");
   const ParamLayout layout(c, static_cast<int>(l.tp_rank), static_cast<int>(l.tp));
   const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
   const TpDims& d = layout.tp();
   const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads, V = d.vocab;
+  // This rank's pipeline stage (at pp 1, the whole model).
+  const PipelineStage stage = pipeline_stages(c, l.pp, l.seq_len)[l.pp_rank];
+  const StageUnits units = stage_units(layout, stage);
   PlanBuilder b;
   if (l.lora.enabled()) plan_lora_state(c, l, layout, b);
-  else plan_full_state(l, layout, b);
+  else plan_full_state(l, layout, units, b);
 
   // Activations for (micro_batch, seq_len): the layers' kept ones (by the recompute mode), one working set for
   // the rest, the head's, and the backward's gradients of activations.
   const Recompute recompute = l.training ? l.recompute : Recompute::Full;  // a forward alone keeps layer inputs
+  // Sequence parallelism: the norm and residual region (the residual stream, the norms' outputs and their rstd) is
+  // split along the sequence over the tp ranks, n / tp rows each; the column-parallel GEMMs read it gathered whole.
+  const int64_t rows = l.sp ? n / l.tp : n;
+  // 1F1B: stage s has run the forward of pp - s micro-batches before the first backward reaches it, and keeps their
+  // layers' activations until then (the first stage the most, the last one); a forward alone keeps none.
+  const int64_t in_flight = l.training ? l.pp - l.pp_rank : 1;
   b.add("RoPE cos", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
   b.add("RoPE sin", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
   const std::pair<const char*, std::pair<int64_t, int64_t>> fields[] = {
-      {"resid_in", {n * C, kBf16}},   {"norm1", {n * C, kBf16}}, {"rstd1", {n, kF32}},
-      {"q", {n * qd, kBf16}},         {"k", {n * kvd, kBf16}},   {"v", {n * kvd, kBf16}},
-      {"att", {n * qd, kBf16}},       {"lse", {n * H, kF32}},    {"resid_mid", {n * C, kBf16}},
-      {"norm2", {n * C, kBf16}},      {"rstd2", {n, kF32}},      {"gate_up", {n * 2 * F, kBf16}},
+      {"resid_in", {rows * C, kBf16}}, {"norm1", {rows * C, kBf16}}, {"rstd1", {rows, kF32}},
+      {"q", {n * qd, kBf16}},          {"k", {n * kvd, kBf16}},      {"v", {n * kvd, kBf16}},
+      {"att", {n * qd, kBf16}},        {"lse", {n * H, kF32}},       {"resid_mid", {rows * C, kBf16}},
+      {"norm2", {rows * C, kBf16}},    {"rstd2", {rows, kF32}},      {"gate_up", {n * 2 * F, kBf16}},
       {"act", {n * F, kBf16}}};
   // With adapters, per target: its r-wide A x (B's input, and dB's), and with dropout the mask drawn over its input
   // (one bit per element), both needed by the backward.
@@ -276,7 +322,9 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
         b.add(str(prefix, "lora_mask ", t.module), MemoryKind::Activations, (n * t.in + 7) / 8, 1);
     }
   };
-  for (int64_t layer = 0; layer < c.num_hidden_layers; layer++) add_layer(str("layer ", layer, " "), true);
+  for (int64_t slot = 0; slot < in_flight; slot++)
+    for (int64_t layer = stage.layer_begin; layer < stage.layer_end; layer++)
+      add_layer(slot == 0 ? str("layer ", layer, " ") : str("layer ", layer, " (in flight ", slot, ") "), true);
   add_layer("working ", false);
   if (!adapters.empty()) {
     int64_t widest_in = 0;
@@ -289,31 +337,56 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   }
   // The fused q|k|v GEMM's output, read into q, k, v at once; the backward's d_q|d_k|d_v in the same buffer.
   b.add("qkv", MemoryKind::Activations, n * (qd + 2 * kvd), kBf16);
-  b.add("final residual", MemoryKind::Activations, n * C, kBf16);
-  b.add("final norm", MemoryKind::Activations, n * C, kBf16);
-  b.add("final rstd", MemoryKind::Activations, n, kF32);
-  b.add("logits chunk", MemoryKind::Activations, gpu_head_chunk_rows(V, n) * V, kBf16);
-  b.add("per-token losses", MemoryKind::Activations, n, kF32);
-  if (l.tp > 1) {  // the vocab-parallel loss: each chunk's row statistics and their max over the tp ranks
-    b.add("classifier statistics", MemoryKind::Workspace, 3 * gpu_head_chunk_rows(V, n), kF32);
-    b.add("classifier global max", MemoryKind::Workspace, gpu_head_chunk_rows(V, n), kF32);
+  // sp: a norm's output all-gathered for the column-parallel GEMM that reads it (q|k|v, gate|up, lm_head); one
+  // working buffer, gathered again in the backward for the weight gradient (Megatron keeps the split copy only).
+  if (l.sp) b.add("sequence-parallel gathered input", MemoryKind::Activations, n * C, kBf16);
+  if (stage.head) {
+    b.add("final residual", MemoryKind::Activations, rows * C, kBf16);
+    b.add("final norm", MemoryKind::Activations, rows * C, kBf16);
+    b.add("final rstd", MemoryKind::Activations, rows, kF32);
+    b.add("logits chunk", MemoryKind::Activations, gpu_head_chunk_rows(V, n) * V, kBf16);
+    b.add("per-token losses", MemoryKind::Activations, n, kF32);
+    if (l.tp > 1) {  // the vocab-parallel loss: each chunk's row statistics and their max over the tp ranks
+      b.add("classifier statistics", MemoryKind::Workspace, 3 * gpu_head_chunk_rows(V, n), kF32);
+      b.add("classifier global max", MemoryKind::Workspace, gpu_head_chunk_rows(V, n), kF32);
+    }
   }
   if (l.training) {
-    for (const char* g : {"d_resid", "d_norm", "d_final_norm"}) b.add(g, MemoryKind::Activations, n * C, kBf16);
+    // The residual stream's gradient is split like the stream; a norm input's gradient comes whole out of the
+    // GEMMs' input gradient before sp reduce-scatters it.
+    b.add("d_resid", MemoryKind::Activations, rows * C, kBf16);
+    b.add("d_norm", MemoryKind::Activations, n * C, kBf16);
+    if (stage.head) b.add("d_final_norm", MemoryKind::Activations, n * C, kBf16);
     for (const char* g : {"d_q", "d_att"}) b.add(g, MemoryKind::Activations, n * qd, kBf16);
     for (const char* g : {"d_k", "d_v"}) b.add(g, MemoryKind::Activations, n * kvd, kBf16);
     // d_gate|d_up overwrite each layer's gate_up in place (model/llama_gpu.cpp layer_backward).
     b.add("d_act", MemoryKind::Activations, n * F, kBf16);
-    b.add("rmsnorm backward scratch", MemoryKind::Workspace, gpu_scratch::rmsnorm_bwd_floats(n, C), kF32);
+    b.add("rmsnorm backward scratch", MemoryKind::Workspace, gpu_scratch::rmsnorm_bwd_floats(rows, C), kF32);
     b.add("attention backward scratch", MemoryKind::Workspace,
           gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, H, /*head_dim=*/128, l.attention), kF32);
   }
-  b.add("loss total", MemoryKind::Workspace, 1, kF64);
-  b.add("token ids", MemoryKind::Workspace, n, kI32);
-  b.add("targets", MemoryKind::Workspace, n, kI32);
-  b.add("embedding group positions", MemoryKind::Workspace, n, kI32);
-  b.add("embedding group tokens", MemoryKind::Workspace, n, kI32);
-  b.add("embedding group offsets", MemoryKind::Workspace, n + 1, kI32);
+  // Pipeline point to point: one micro-batch's activation in from the previous stage and out to the next, and their
+  // gradients the other way, each a bf16 [tokens, hidden] (with sp each tp rank's rows of it).
+  if (l.pp > 1) {
+    if (!stage.embedding) {
+      b.add("pipeline receive: activation from the previous stage", MemoryKind::Communication, rows * C, kBf16);
+      if (l.training)
+        b.add("pipeline send: gradient to the previous stage", MemoryKind::Communication, rows * C, kBf16);
+    }
+    if (!stage.head) {
+      b.add("pipeline send: activation to the next stage", MemoryKind::Communication, rows * C, kBf16);
+      if (l.training)
+        b.add("pipeline receive: gradient from the next stage", MemoryKind::Communication, rows * C, kBf16);
+    }
+  }
+  if (stage.head) b.add("loss total", MemoryKind::Workspace, 1, kF64);
+  if (stage.embedding) b.add("token ids", MemoryKind::Workspace, n, kI32);
+  if (stage.head) b.add("targets", MemoryKind::Workspace, n, kI32);
+  if (stage.embedding) {
+    b.add("embedding group positions", MemoryKind::Workspace, n, kI32);
+    b.add("embedding group tokens", MemoryKind::Workspace, n, kI32);
+    b.add("embedding group offsets", MemoryKind::Workspace, n + 1, kI32);
+  }
   // Packed documents: each token's document start (the attention mask, as a per-row start) and RoPE position.
   b.add("document starts", MemoryKind::Workspace, n, kI32);
   b.add("RoPE positions", MemoryKind::Workspace, n, kI32);
@@ -324,7 +397,7 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   if (l.dp > 1) {
     // The largest collective, in fp32 elements: a unit's gradient; with adapters a layer's adapter gradient, or at
     // ZeRO-3 a base unit's gathered bytes.
-    int64_t largest = largest_unit(layout);
+    int64_t largest = units.largest;
     if (l.lora.enabled()) {
       largest = lora_layer_params(c, l.lora, l.tp);
       if (l.training && l.zero == 3)
@@ -369,13 +442,14 @@ MemoryPlan plan_gpu_decode_memory(const LlamaConfig& c, int64_t batch, int64_t c
 
 int64_t gpu_headroom_bytes(const MemoryLayout& l) {
   const int64_t mib = int64_t(1) << 20;
-  return (l.dp > 1 || l.tp > 1) ? 1536 * mib : 512 * mib;
+  return (l.dp > 1 || l.tp > 1 || l.pp > 1) ? 1536 * mib : 512 * mib;
 }
 
 namespace {
 
 std::string describe_layout(const MemoryLayout& l) {
-  return str("dp ", l.dp, " x tp ", l.tp, ", ZeRO-", l.zero, l.zero == 3 && !l.zero_prefetch ? " (no prefetch)" : "",
+  return str("dp ", l.dp, l.pp > 1 ? str(" x pp ", l.pp) : std::string(), " x tp ", l.tp, l.sp ? " with sp" : "",
+             ", ZeRO-", l.zero, l.zero == 3 && !l.zero_prefetch ? " (no prefetch)" : "",
              ", recompute ", recompute_name(l.recompute), ", ", l.bf16_moments ? "bf16" : "fp32", " moments, ",
              l.master_weights ? "fp32 master" : "no fp32 master", ", micro_batch ", l.micro_batch, " x seq_len ",
              l.seq_len, l.lora.enabled() ? ", " + describe_lora(l.lora) : std::string());
@@ -392,9 +466,13 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
   GpuFit fit;
   const int64_t need = plan.peak() + gpu_headroom_bytes(l);
   fit.fits = need <= capacity;
+  // The CUDA engine does not run pipeline stages or sequence parallelism yet: their plan is the design.
+  const bool designed = l.pp > 1 || l.sp;
   fit.report = format_memory_table(plan, capacity,
-                                   str("device memory per GPU (dp rank ", l.dp_rank, ", tp rank ", l.tp_rank, " of ",
-                                       describe_layout(l), ")"),
+                                   str("device memory per GPU (dp rank ", l.dp_rank,
+                                       l.pp > 1 ? str(", pipeline stage ", l.pp_rank) : std::string(), ", tp rank ",
+                                       l.tp_rank, " of ", describe_layout(l), ")",
+                                       designed ? ", AS DESIGNED (the CUDA engine does not run pp or sp yet)" : ""),
                                    gpu_headroom_bytes(l));
   if (fit.fits) return fit;
   fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");

@@ -10,6 +10,7 @@
 #include "model/layout.h"
 #include "model/lora_shape.h"
 #include "model/memory_plan.h"
+#include "model/pipeline.h"
 #include "tests/model/fixture.h"
 #include "tests/test_util.h"
 
@@ -295,6 +296,189 @@ TEST(MemoryPlanGpu, BaseStorageBytes) {
   EXPECT_NEAR(double(quantized), linear * (4 + 8.0 / 64 + 32.0 / (64 * 256)) / 8, 80 * 7 * 8);
   EXPECT_EQ(plain, 2 * (2 * int64_t(32000) * 8192 + 161 * 8192));
 }
+
+// ---- pipeline stages and sequence parallelism (as designed: the CUDA engine runs neither yet) ----
+
+// A fixture's shape with more layers, so that stages have several.
+LlamaConfig deeper(const std::string& fixture, int64_t layers) {
+  LlamaConfig c = Fixture(fixture).config;
+  c.num_hidden_layers = layers;
+  return c;
+}
+
+MemoryLayout stage_layout(int64_t pp, int64_t pp_rank, int zero = 0) {
+  MemoryLayout l;
+  l.pp = pp, l.pp_rank = pp_rank, l.zero = zero;
+  l.micro_batch = 2, l.seq_len = 32;
+  return l;
+}
+
+int64_t items_starting(const MemoryPlan& plan, const std::string& prefix) {
+  int64_t count = 0;
+  for (const MemoryItem& i : plan.items) count += i.name.rfind(prefix, 0) == 0;
+  return count;
+}
+
+// The stages together hold the pp 1 plan's parameters, each its own layers' (weights, gradients, master and
+// moments), the embedding on the first and the final norm and lm_head on the last; a tied model's last stage holds
+// a copy of the embedding as its lm_head (Megatron's way), with its state.
+TEST(MemoryPlanGpu, PipelineStagesTogetherHoldTheModelsParameters) {
+  for (const char* fixture : {"llama2_tiny", "llama32_tiny"}) {
+    const LlamaConfig c = deeper(fixture, 6);
+    const ParamLayout layout(c);
+    const int64_t P = layout.total();
+    const int64_t embedding = layout.unit_range(0).second - layout.unit_range(0).first;
+    const int64_t copy = layout.lm_head_unit() == 0 ? embedding : 0;
+    for (int64_t pp : {2, 3}) {
+      SCOPED_TRACE(testing::Message() << fixture << " pp " << pp);
+      int64_t weights = 0, master = 0, moments = 0, gradients = 0;
+      for (int64_t s = 0; s < pp; s++) {
+        const MemoryPlan plan = plan_gpu_memory(c, stage_layout(pp, s));
+        weights += plan.bytes(MemoryKind::Weights), master += plan.bytes(MemoryKind::Master);
+        moments += plan.bytes(MemoryKind::Moments), gradients += find(plan, "fp32 gradients")->bytes;
+        EXPECT_LT(plan.bytes(MemoryKind::Weights), device_arena_bytes(2 * P));
+      }
+      // Each stage's buffer rounds up to 256 bytes.
+      EXPECT_NEAR(double(weights), double(2 * (P + copy)), 256.0 * pp);
+      EXPECT_NEAR(double(master), double(4 * (P + copy)), 256.0 * pp);
+      EXPECT_NEAR(double(gradients), double(4 * (P + copy)), 256.0 * pp);
+      EXPECT_NEAR(double(moments), double(8 * (P + copy)), 2 * 256.0 * pp);
+    }
+    // At pp 1 the stage is the whole model, once.
+    EXPECT_EQ(plan_gpu_memory(c, stage_layout(1, 0)).bytes(MemoryKind::Weights), device_arena_bytes(2 * P));
+  }
+}
+
+// 1F1B: stage s keeps the activations of pp - s micro-batches (the first stage the most, the last one), of its own
+// layers only; the head's buffers are the last stage's and the embedding's the first's.
+TEST(MemoryPlanGpu, TheFirstStageHoldsPpMicroBatchesOfActivations) {
+  const LlamaConfig c = deeper("llama2_tiny", 8);
+  const int64_t pp = 4;
+  const std::vector<PipelineStage> stages = pipeline_stages(c, pp, 32);
+  const MemoryPlan whole = plan_gpu_memory(c, stage_layout(1, 0));
+  for (int64_t s = 0; s < pp; s++) {
+    SCOPED_TRACE(testing::Message() << "stage " << s);
+    const MemoryPlan plan = plan_gpu_memory(c, stage_layout(pp, s));
+    int64_t kept = 0;
+    for (int64_t layer = 0; layer < c.num_hidden_layers; layer++) {
+      const int64_t n = items_starting(plan, str("layer ", layer, " resid_in")) +
+                        items_starting(plan, str("layer ", layer, " (in flight "));
+      const bool mine = layer >= stages[s].layer_begin && layer < stages[s].layer_end;
+      EXPECT_EQ(items_starting(plan, str("layer ", layer, " ")) > 0, mine) << "layer " << layer;
+      if (mine) {
+        EXPECT_EQ(items_starting(plan, str("layer ", layer, " resid_in")), 1);
+      }
+      kept += n;
+    }
+    // 13 kept buffers per layer and micro-batch without recompute, pp - s micro-batches in flight.
+    int64_t layer_items = 0;
+    for (const MemoryItem& i : plan.items) layer_items += i.name.rfind("layer ", 0) == 0;
+    EXPECT_EQ(layer_items, 13 * stages[s].layers() * (pp - s));
+    EXPECT_EQ(find(plan, "token ids") != nullptr, s == 0);
+    EXPECT_EQ(find(plan, "logits chunk") != nullptr, s == pp - 1);
+    EXPECT_EQ(find(plan, "targets") != nullptr, s == pp - 1);
+    // Point to point: an activation in and its gradient out on every stage but the first, an activation out and its
+    // gradient in on every stage but the last, each a bf16 [tokens, hidden].
+    const int64_t p2p = device_arena_bytes(2 * 32 * c.hidden_size * 2);
+    EXPECT_EQ(items_starting(plan, "pipeline receive: activation"), s > 0);
+    EXPECT_EQ(items_starting(plan, "pipeline send: gradient"), s > 0);
+    EXPECT_EQ(items_starting(plan, "pipeline send: activation"), s < pp - 1);
+    EXPECT_EQ(items_starting(plan, "pipeline receive: gradient"), s < pp - 1);
+    EXPECT_EQ(plan.bytes(MemoryKind::Communication), p2p * (2 * (s > 0) + 2 * (s < pp - 1)));
+    // The first stage's layer activations: pp micro-batches of its layers, each layer's as at pp 1.
+    if (s == 0) {
+      int64_t bytes = 0, whole_layer = 0;
+      for (const MemoryItem& i : plan.items) bytes += i.name.rfind("layer ", 0) == 0 ? i.bytes : 0;
+      for (const MemoryItem& i : whole.items) whole_layer += i.name.rfind("layer 0 ", 0) == 0 ? i.bytes : 0;
+      EXPECT_EQ(bytes, pp * stages[0].layers() * whole_layer);
+    }
+  }
+  // A forward alone keeps one micro-batch, and sends no gradients.
+  MemoryLayout forward = stage_layout(pp, 0);
+  forward.training = false;
+  const MemoryPlan f = plan_gpu_memory(c, forward);
+  EXPECT_EQ(items_starting(f, "layer 0 (in flight"), 0);
+  EXPECT_EQ(items_starting(f, "pipeline receive: gradient"), 0);
+  EXPECT_EQ(items_starting(f, "pipeline send: activation"), 1);
+}
+
+// ZeRO inside a stage: the stage's units are sharded over dp as the whole model's are at pp 1.
+TEST(MemoryPlanGpu, ZeroShardsEachStagesOwnParametersOverDp) {
+  const LlamaConfig c = deeper("llama2_tiny", 6);
+  int64_t master = 0, whole = 0;
+  for (int64_t s = 0; s < 2; s++) {
+    MemoryLayout l = stage_layout(2, s, 1);
+    l.dp = 4;
+    master += plan_gpu_memory(c, l).bytes(MemoryKind::Master);
+    l.zero = 0, l.dp = 1;
+    whole += plan_gpu_memory(c, l).bytes(MemoryKind::Master);
+  }
+  EXPECT_NEAR(double(master), double(whole) / 4, 4 * 256.0 + 64);
+  MemoryLayout z3 = stage_layout(2, 1, 3);
+  z3.dp = 2;
+  const MemoryPlan p3 = plan_gpu_memory(c, z3);
+  EXPECT_NE(find(p3, "weight gather buffer 0"), nullptr);
+  EXPECT_EQ(find(p3, "bf16 weights"), nullptr);
+}
+
+// sp: the norm and residual region holds seq / tp rows (resid_in, the norms' outputs and rstd, resid_mid, and the
+// residual stream's gradient); the GEMMs' inputs and outputs do not change, and one gathered input is added.
+TEST(MemoryPlanGpu, SequenceParallelismDividesTheNormAndResidualBytesByTp) {
+  const LlamaConfig c = Fixture("llama2_tiny").config;
+  MemoryLayout l;
+  l.tp = 2, l.micro_batch = 2, l.seq_len = 64;
+  const int64_t n = 2 * 64, C = c.hidden_size;
+  const MemoryPlan plain = plan_gpu_memory(c, l);
+  l.sp = true;
+  const MemoryPlan sp = plan_gpu_memory(c, l);
+  for (const char* f : {"resid_in", "norm1", "resid_mid", "norm2"}) {
+    EXPECT_EQ(find(plain, str("layer 0 ", f))->bytes, device_arena_bytes(n * C * 2)) << f;
+    EXPECT_EQ(find(sp, str("layer 0 ", f))->bytes, device_arena_bytes(n / 2 * C * 2)) << f;
+  }
+  for (const char* f : {"rstd1", "rstd2"}) EXPECT_EQ(find(sp, str("layer 0 ", f))->bytes, device_arena_bytes(n / 2 * 4));
+  for (const char* f : {"q", "att", "gate_up", "act"})
+    EXPECT_EQ(find(sp, str("layer 0 ", f))->bytes, find(plain, str("layer 0 ", f))->bytes) << f;
+  EXPECT_EQ(find(sp, "d_resid")->bytes, device_arena_bytes(n / 2 * C * 2));
+  EXPECT_EQ(find(sp, "sequence-parallel gathered input")->bytes, device_arena_bytes(n * C * 2));
+  EXPECT_EQ(find(plain, "sequence-parallel gathered input"), nullptr);
+  // Per layer, the saving is exactly the norm and residual region's half.
+  int64_t plain_layer = 0, sp_layer = 0;
+  for (const MemoryItem& i : plain.items) plain_layer += i.name.rfind("layer 0 ", 0) == 0 ? i.bytes : 0;
+  for (const MemoryItem& i : sp.items) sp_layer += i.name.rfind("layer 0 ", 0) == 0 ? i.bytes : 0;
+  EXPECT_EQ(plain_layer - sp_layer, 4 * (device_arena_bytes(n * C * 2) - device_arena_bytes(n / 2 * C * 2)) +
+                                        2 * (device_arena_bytes(n * 4) - device_arena_bytes(n / 2 * 4)));
+  EXPECT_LT(sp.bytes(MemoryKind::Activations), plain.bytes(MemoryKind::Activations));
+  // Selective recompute with sp keeps no norm output; the split residual stream stays.
+  l.recompute = Recompute::Selective;
+  const MemoryPlan selective = plan_gpu_memory(c, l);
+  EXPECT_EQ(find(selective, "layer 0 norm1"), nullptr);
+  EXPECT_EQ(find(selective, "layer 0 resid_mid")->bytes, device_arena_bytes(n / 2 * C * 2));
+  // Pipeline sends with sp carry each tp rank's rows.
+  l.pp = 2, l.pp_rank = 0;
+  EXPECT_EQ(find(plan_gpu_memory(c, l), "pipeline send: activation to the next stage")->bytes,
+            device_arena_bytes(n / 2 * C * 2));
+}
+
+TEST(MemoryPlanGpu, PipelineAndSequenceParallelRefusalsNameTheOption) {
+  const LlamaConfig c = Fixture("llama2_tiny").config;  // 2 layers
+  MemoryLayout l = stage_layout(3, 0);
+  EXPECT_NE(testing_util::error_of([&] { plan_gpu_memory(c, l); }).find("option 'pp'"), std::string::npos);
+  l = stage_layout(2, 2);
+  EXPECT_NE(testing_util::error_of([&] { plan_gpu_memory(c, l); }).find("pipeline stage 2 of 2"), std::string::npos);
+  l = MemoryLayout{};
+  l.tp = 2, l.sp = true, l.seq_len = 33;
+  EXPECT_NE(testing_util::error_of([&] { plan_gpu_memory(c, l); }).find("option 'sp'"), std::string::npos);
+  l = stage_layout(2, 0);
+  l.lora.rank = 4;
+  EXPECT_NE(testing_util::error_of([&] { plan_gpu_memory(c, l); }).find("--pp"), std::string::npos);
+  // The fit check prints a pp or sp plan as the design.
+  const GpuFit fit = check_gpu_fit(c, stage_layout(2, 1), int64_t(80) << 30);
+  EXPECT_TRUE(fit.fits);
+  EXPECT_NE(fit.report.find("pipeline stage 1"), std::string::npos) << fit.report;
+  EXPECT_NE(fit.report.find("AS DESIGNED"), std::string::npos) << fit.report;
+  EXPECT_EQ(check_gpu_fit(c, stage_layout(1, 0), int64_t(80) << 30).report.find("AS DESIGNED"), std::string::npos);
+}
+
 
 #if TUNA_CUDA
 
