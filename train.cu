@@ -99,6 +99,7 @@ struct TrainConfig {
   std::string lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
   std::string lora_init;        // a PEFT adapter (or tuna LoRA checkpoint) to continue training
   std::string base;             // --resume of a LoRA run: the base's directory, instead of the recorded one
+  std::string base_quant = "none";  // LoRA: the frozen base held quantized (QLoRA)
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -181,6 +182,11 @@ void declare(Options& o, TrainConfig& c) {
   o.add("base", &c.base,
         "LoRA --resume: the frozen base's directory, instead of the path the checkpoint recorded (its checksum must "
         "match)");
+  o.add("base_quant", &c.base_quant,
+        "LoRA (cpu, tp 1, ZeRO 0-2): hold the frozen base quantized, nf4 (QLoRA: 4-bit NormalFloat, blocksize 64, "
+        "double-quantized absmax) or int8 (an absmax per row), quantized from --init as it is read; the adapters train "
+        "on the dequantized weights. Recorded in the checkpoint (a resume keeps it)",
+        {"none", "nf4", "int8"});
   o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none",
         Bounds::closed(0, 1e9));
 }
@@ -277,10 +283,15 @@ RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
   const bool resuming_lora = r.resume_from && is_lora_directory(*r.resume_from);
   if (!cfg.plan_only && (options.was_set("lora_rank") || !cfg.lora_init.empty() || resuming_lora)) {
     r.lora = lora_start(lora_options(cfg, options, resuming_lora), lora_options_given(cfg, options), cfg.lora_init,
-                        r.init_dir, r.resume_from, cfg.base, world);
+                        r.init_dir, r.resume_from, cfg.base, world,
+                        options.was_set("base_quant") ? std::optional(parse_base_quant(cfg.base_quant, "option 'base_quant'"))
+                                                      : std::nullopt);
     r.weights_dir = r.lora->base;
   } else {
     if (!cfg.base.empty()) fail("option 'base' is for LoRA runs: give --lora_rank (or --resume a LoRA checkpoint)");
+    if (options.was_set("base_quant"))
+      fail("option 'base_quant' is for LoRA runs (a quantized base is frozen): give --lora_rank (or --resume a LoRA "
+           "checkpoint)");
     lora_options(cfg, options, /*resuming_lora=*/false);  // a LoRA option without --lora_rank is an error naming it
   }
   if (r.resume_from) r.checkpoint_state = read_training_state(*r.resume_from).state;
@@ -339,6 +350,12 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
     eo.lora = start.lora->lora;
     validate_lora(eo.lora, start.model);
     eo.adapters = start.lora->adapters;  // null: PEFT's initialisation, or the resume restores them
+    eo.base_quant = start.lora->base_quant;
+    if (eo.base_quant != BaseQuant::None) {
+      check_quantizable_base(start.lora->base, start.model, eo.base_quant);
+      if (eo.device != Device::Cpu)
+        fail("option 'base_quant' ", base_quant_name(eo.base_quant), ": a quantized base trains on --device cpu only");
+    }
   }
   if (cfg.plan_only && options.was_set("lora_rank"))
     fail("option 'plan_only' with --lora_rank: the CUDA engine's plan of a LoRA run is not implemented");
@@ -539,7 +556,7 @@ int run(int argc, char** argv) {
   print_run_shape(cfg, start.model, *engine, train, tokens_per_step);
   Checkpointer checkpointer(fs::path(cfg.out_dir) / "ckpt", cfg.ckpt_every, cfg.ckpt_keep, *world, mesh,
                             start.config_json, start.tokenizer.files);
-  if (start.lora) checkpointer.set_lora(start.lora->lora, start.lora->base);  // PEFT adapter directories
+  if (start.lora) checkpointer.set_lora(start.lora->lora, start.lora->base, start.lora->base_quant);  // PEFT adapters
   install_stop_signals();
   const int64_t first_step = step;
   const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;

@@ -12,6 +12,7 @@
 #include "core/json.h"
 #include "ckpt/safetensors.h"
 #include "data/tokenizer.h"  // kTokenizerFileNames (a plain list)
+#include "model/quantized_weights.h"  // dequantized_base_fill: a QLoRA checkpoint's base
 
 namespace tuna {
 
@@ -90,7 +91,21 @@ BaseIdentity base_identity(const fs::path& base) {
   return id;
 }
 
-LoraFiles lora_files(const LoraConfig& lora, const fs::path& base) { return LoraFiles{lora, base_identity(base).to_json()}; }
+LoraFiles lora_files(const LoraConfig& lora, const fs::path& base, BaseQuant quant) {
+  json record = base_identity(base).to_json();
+  if (quant != BaseQuant::None) record["quantization"] = base_quant_name(quant);
+  return LoraFiles{lora, record};
+}
+
+BaseQuant lora_base_quant(const fs::path& lora_dir) {
+  const fs::path record_path = lora_dir / kBaseModelFile;
+  if (std::error_code ec; !fs::exists(record_path, ec)) return BaseQuant::None;
+  const json record = read_json_file(record_path, "the base of a LoRA checkpoint");
+  if (!record.is_object() || !record.contains("quantization")) return BaseQuant::None;
+  const std::string where = str(record_path.string(), ": field 'quantization'");
+  if (!record["quantization"].is_string()) fail(where, ": expected none, nf4 or int8, found ", record["quantization"].dump());
+  return parse_base_quant(record["quantization"].get<std::string>(), where);
+}
 
 fs::path lora_base(const fs::path& lora_dir, const fs::path& override_base) {
   const fs::path record_path = lora_dir / kBaseModelFile;
@@ -162,6 +177,9 @@ fs::path lora_base(const fs::path& lora_dir, const fs::path& override_base, Comm
 
 MergedWeightReader::MergedWeightReader(const fs::path& base, const fs::path& lora_dir, const ParamLayout& layout)
     : base_(base, layout),
+      quant_(lora_base_quant(lora_dir)),
+      base_fill_(dequantized_base_fill(
+          [this](const ParamLayout&, const Segment& piece, float* out) { base_.read(piece, out); }, quant_)),
       layout_(layout),
       config_(LlamaConfig::load(base.string())),
       lora_(read_peft_adapter_config(lora_dir)),
@@ -221,7 +239,7 @@ void MergedWeightReader::load_adapter(int64_t layer, LoraTarget t) {
 }
 
 void MergedWeightReader::read(const Segment& piece, float* out) {
-  base_.read(piece, out);
+  base_fill_(layout_, piece, out);
   const double scale = lora_.scale();
   const int64_t r = lora_.rank;
   for (const Targeted& p : targeted_) {
@@ -269,6 +287,17 @@ ModelSource open_model(const fs::path& dir, const fs::path& override_base) {
   return {base, dir, merged_lora_weights(base, dir)};
 }
 
+void check_quantizable_base(const fs::path& base, const LlamaConfig& config, BaseQuant quant) {
+  if (quant == BaseQuant::None || is_sharded_checkpoint(base)) return;
+  const HfCheckpointDir dir(base);
+  const ParamLayout layout(config);
+  for (const ParamTensor& t : layout.tensors()) {
+    if (!base_tensor_quantized(t)) continue;
+    if (const HfCheckpointDir::Entry e = dir.find(t.name))
+      check_base_dtype_for_quant(quant, e.info->dtype, str(e.file->path().string(), ": tensor '", t.name, "'"));
+  }
+}
+
 LoraConfig lora_init_config(const fs::path& dir, const LoraOptionsGiven& given) {
   const fs::path file = dir / kAdapterConfigFile;
   std::error_code ec;
@@ -311,13 +340,25 @@ LayoutFill adapter_weights_from_peft(const fs::path& dir) {
 
 LoraStart lora_start(const LoraConfig& options, const LoraOptionsGiven& given, const fs::path& lora_init,
                      const fs::path& init,
-                     const std::optional<fs::path>& resume_from, const fs::path& override_base, Comm& world) {
+                     const std::optional<fs::path>& resume_from, const fs::path& override_base, Comm& world,
+                     std::optional<BaseQuant> base_quant) {
   LoraStart start;
+  // The quantization a checkpoint records is what its adapters were trained on: an option must agree with it.
+  const auto recorded_quant = [&](const fs::path& dir, const char* how) {
+    const BaseQuant recorded = lora_base_quant(dir);
+    if (base_quant && *base_quant != recorded)
+      fail("option 'base_quant' is ", base_quant_name(*base_quant), ", but ", (dir / kBaseModelFile).string(),
+           " records ", base_quant_name(recorded), " (its adapters were trained on that base; ", how,
+           ": leave the option out or give its value)");
+    return recorded;
+  };
   if (resume_from && is_lora_directory(*resume_from)) {
     start.lora = lora_init_config(*resume_from, given);  // the run's own adapters: a changed option is an error
+    start.base_quant = recorded_quant(*resume_from, "--resume continues that run");
     start.base = lora_base(*resume_from, override_base, world);
     return start;
   }
+  start.base_quant = base_quant.value_or(BaseQuant::None);
   if (resume_from)
     fail(resume_from->string(), ": is a full model's checkpoint, not a LoRA checkpoint: a LoRA run cannot resume it "
          "(start a new out_dir with --init ", resume_from->string(), ")");
@@ -329,7 +370,10 @@ LoraStart lora_start(const LoraConfig& options, const LoraOptionsGiven& given, c
   if (!lora_init.empty()) {
     start.lora = lora_init_config(lora_init, given);
     // A tuna LoRA checkpoint names its base: it must be the one this run trains on.
-    if (std::error_code ec; fs::exists(lora_init / kBaseModelFile, ec)) lora_base(lora_init, init, world);
+    if (std::error_code ec; fs::exists(lora_init / kBaseModelFile, ec)) {
+      lora_base(lora_init, init, world);
+      start.base_quant = recorded_quant(lora_init, "--lora_init continues that adapter");
+    }
     start.adapters = adapter_weights_from_peft(lora_init);
     return start;
   }
@@ -386,6 +430,10 @@ ConvertReport merge_lora(const fs::path& lora_dir, const fs::path& out_dir, cons
   const LlamaConfig config = LlamaConfig::from_json(config_json, (base / "config.json").string());
   const ParamLayout layout(config);
   MergedWeightReader reader(base, lora_dir, layout);
+  if (progress && reader.base_quant() != BaseQuant::None)
+    std::fprintf(progress, "note: the adapters were trained on the base quantized as %s (QLoRA): merged onto the "
+                 "dequantized base, as PEFT merges a 4-bit model, so the merged weights hold the quantization's error\n",
+                 base_quant_name(reader.base_quant()));
   // The tokenizer the adapters trained with travels in the checkpoint; a PEFT directory may have none: the base's.
   fs::path tokenizer_dir = base;
   for (const char* name : kTokenizerFileNames)

@@ -36,6 +36,7 @@
 #include "model/config.h"
 #include "model/layout.h"
 #include "model/lora.h"
+#include "model/lora_shape.h"  // BaseQuant
 
 namespace tuna {
 
@@ -51,8 +52,13 @@ struct BaseIdentity {
 };
 // Computes it for the model directory `base` (see the header for its cost).
 BaseIdentity base_identity(const std::filesystem::path& base);
-// What a LoRA run's checkpoints record (the Checkpointer's LoraFiles) for adapters `lora` on `base`.
-LoraFiles lora_files(const LoraConfig& lora, const std::filesystem::path& base);
+// What a LoRA run's checkpoints record (the Checkpointer's LoraFiles) for adapters `lora` on `base`, held as `quant`
+// (QLoRA: base_model.json's "quantization"; none is not written).
+LoraFiles lora_files(const LoraConfig& lora, const std::filesystem::path& base, BaseQuant quant = BaseQuant::None);
+// How the adapters of a LoRA checkpoint were trained: on their base quantized as base_model.json's "quantization"
+// says (QLoRA: the dequantized weights), or on the base as it is (no such field, or no base_model.json: a PEFT
+// adapter from elsewhere). Fails naming the file and the field on a value other than none, nf4 or int8.
+BaseQuant lora_base_quant(const std::filesystem::path& lora_dir);
 
 // The base of a LoRA checkpoint: `override_base` (--base) when given, else the path in its base_model.json; checked
 // against the recorded checksum (fails naming the recorded path and the one found when they differ, and saying
@@ -78,18 +84,26 @@ struct ModelSource {
 ModelSource open_model(const std::filesystem::path& dir, const std::filesystem::path& override_base = {});
 
 // Reads a model's weights (any tp rank's layout) from `base`, a piece at a time, adding (alpha / r) B A to the rows
-// of the piece that belong to a targeted projection (its tp block: global rows and columns). The adapters (A, B of
-// one projection at a time) come from lora_dir/adapter_model.safetensors; their shapes must be the base's (fails
+// of the piece that belong to a targeted projection (its tp block: global rows and columns). A QLoRA checkpoint's base
+// (lora_base_quant) is read as its training saw it: each projection quantized and dequantized (model/
+// quantized_weights.h dequantized_base_fill), then the adapters added, as PEFT merges onto a 4-bit model's
+// dequantized weights.
+// The adapters (A, B of one projection at a time) come from lora_dir/adapter_model.safetensors; their shapes must be the base's (fails
 // naming the tensor and both shapes), and the file must hold exactly the adapters adapter_config.json targets.
 class MergedWeightReader {
  public:
   MergedWeightReader(const std::filesystem::path& base, const std::filesystem::path& lora_dir,
                      const ParamLayout& layout);
+  MergedWeightReader(const MergedWeightReader&) = delete;  // base_fill_ reads through this object's base_
+  MergedWeightReader& operator=(const MergedWeightReader&) = delete;
   void read(const Segment& piece, float* out);
+  BaseQuant base_quant() const { return quant_; }
 
  private:
   void load_adapter(int64_t layer, LoraTarget t);
   WeightReader base_;
+  BaseQuant quant_;
+  LayoutFill base_fill_;  // base_, dequantized as quant_ says
   const ParamLayout& layout_;
   LlamaConfig config_;
   LoraConfig lora_;
@@ -106,6 +120,11 @@ class MergedWeightReader {
   std::vector<Targeted> targeted_;  // layout order
 };
 LayoutFill merged_lora_weights(const std::filesystem::path& base, const std::filesystem::path& lora_dir);
+
+// --base_quant: the base's projections must be stored in bf16 or fp32 (model/quantized_weights.h
+// check_base_dtype_for_quant), checked from the files' headers; fails naming the file and the tensor. A tuna rank-file
+// checkpoint holds fp32.
+void check_quantizable_base(const std::filesystem::path& base, const LlamaConfig& config, BaseQuant quant);
 
 // --lora_init DIR: the adapters' configuration of a PEFT adapter directory (or LoRA checkpoint). A field a user also
 // gave as an option must agree (fails naming the option, its value, the file and its value).
@@ -131,12 +150,16 @@ LayoutFill adapter_weights_from_peft(const std::filesystem::path& dir);
 // --base only applies to a resume (a fresh run's base is --init); given with --init it is an error naming both.
 struct LoraStart {
   LoraConfig lora;
+  BaseQuant base_quant = BaseQuant::None;  // how the base is held: a resume's recorded one, else --base_quant
   std::filesystem::path base;  // the frozen base's model directory
   LayoutFill adapters;         // the adapters' starting weights over their layout; null: initialize or restore
 };
+// base_quant: --base_quant when given. A resume (or a --lora_init tuna checkpoint) that records another is an error
+// naming both; not given, a resume takes the recorded one.
 LoraStart lora_start(const LoraConfig& options, const LoraOptionsGiven& given, const std::filesystem::path& lora_init,
                      const std::filesystem::path& init, const std::optional<std::filesystem::path>& resume_from,
-                     const std::filesystem::path& override_base, Comm& world);
+                     const std::filesystem::path& override_base, Comm& world,
+                     std::optional<BaseQuant> base_quant = std::nullopt);
 
 // build/convert peft-to-tuna: a PEFT adapter directory (on `base`, or the base its adapter_config.json names) as a
 // LoRA checkpoint at step 0 in out_dir: PEFT's files as tuna writes them (fp32), the base's identity, the tokenizer

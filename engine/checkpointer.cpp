@@ -23,8 +23,8 @@ Checkpointer::Checkpointer(fs::path root, int64_t every, int64_t keep, Comm& wor
       config_json_(std::move(config_json)),
       tokenizer_files_(std::move(tokenizer_files)) {}
 
-void Checkpointer::set_lora(const LoraConfig& lora, const fs::path& base) {
-  lora_ = world_.rank() == 0 ? lora_files(lora, base) : LoraFiles{lora, {}};
+void Checkpointer::set_lora(const LoraConfig& lora, const fs::path& base, BaseQuant base_quant) {
+  lora_ = world_.rank() == 0 ? lora_files(lora, base, base_quant) : LoraFiles{lora, {}};
 }
 
 double Checkpointer::save(Engine& engine, int64_t step, const nlohmann::json& state) {

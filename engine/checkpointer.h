@@ -34,8 +34,9 @@ class Checkpointer {
 
   // A LoRA run: its checkpoints are PEFT adapter directories naming `base` by path and checksum (ckpt/peft.h);
   // config_json is then the base's, and the engine's layout the adapters'. Rank 0, which writes those files, reads
-  // the base once here for its checksum (every rank calls it).
-  void set_lora(const LoraConfig& lora, const std::filesystem::path& base);
+  // the base once here for its checksum (every rank calls it). base_quant: how the run holds the base (QLoRA), recorded
+  // in base_model.json for the resume and the tools.
+  void set_lora(const LoraConfig& lora, const std::filesystem::path& base, BaseQuant base_quant = BaseQuant::None);
 
   const std::filesystem::path& root() const { return root_; }
   int64_t every() const { return every_; }

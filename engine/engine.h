@@ -3,8 +3,9 @@
 // backends engine_cpu.cpp and engine_gpu.cpp, the device choice and factory device.cpp, shared helpers engine.cpp.
 //
 //   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3). With LoRA
-//         (EngineOptions::lora) the base is frozen and whole on every rank, and Zero (ZeRO 0-2) trains the adapters:
-//         layout(), segments() and the checkpoint state are the adapters' (PEFT names), base_layout() the model's.
+//         (EngineOptions::lora) the base is frozen and whole on every rank (fp32, or quantized: base_quant), and Zero
+//         (ZeRO 0-2) trains the adapters: layout(), segments() and the checkpoint state are the adapters' (PEFT
+//         names), base_layout() the model's.
 //   cuda  LlamaGpu (model/llama_gpu.h), one GPU per rank (the rank's local index on its node): bf16 weights
 //         and activations, fp32 master weights, gradients and moments (bf16 moments as an option). Data
 //         parallel over the device comm (NCCL): ZeRO-0 (gradients all-reduced, every rank applies the same
@@ -34,6 +35,7 @@
 #include "model/layout.h"
 #include "model/llama.h"      // LossSum
 #include "model/lora.h"       // LoraConfig
+#include "model/lora_shape.h"  // BaseQuant
 #include "model/memory_plan.h"  // Recompute
 #include "model/optimizer.h"  // OptimizerConfig, Segment
 
@@ -66,6 +68,9 @@ struct EngineOptions {
   LoraConfig lora;
   uint64_t seed = 0;           // LoRA: the adapters' starting values (without `adapters`) and the dropout masks
   WeightFill adapters;         // LoRA: the starting adapters (adapter layout order); null: PEFT's initialisation
+  // LoRA (cpu): the frozen base held quantized (model/quantized_weights.h), quantized from the starting weights as
+  // they are read, a unit at a time; the model computes with the dequantized values. None: fp32 (cpu), bf16 (cuda).
+  BaseQuant base_quant = BaseQuant::None;
 };
 
 // The figures of the log line that depend on the backend. NaN: not known on this backend.

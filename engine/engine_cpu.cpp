@@ -4,6 +4,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "engine/backends.h"
+#include "model/quantized_weights.h"  // QuantizedWeights: a quantized frozen base
 
 namespace tuna {
 
@@ -14,15 +15,28 @@ class CpuEngine final : public Engine {
   CpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial)
       : config_(config),
         model_(config, o.micro_batch, o.seq_len,
-               LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3, /*external_grads=*/o.zero == 2}, o.lora),
+               LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3 || o.base_quant != BaseQuant::None,
+                             /*external_grads=*/o.zero == 2},
+               o.lora),
         seed_(o.seed),
         dp_rank_(mesh.dp_rank) {
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
     // only its shard, filled piece by piece.
     model_.set_document_mode(o.documents);
-    if (initial && o.zero != 3) fill_whole(initial, model_.layout(), model_.params.data());
+    if (o.base_quant != BaseQuant::None) {
+      // QLoRA: the base quantized from the starting weights a unit at a time (never the fp32 model beside it).
+      if (!o.lora.enabled()) fail("option 'base_quant' ", base_quant_name(o.base_quant), " is for LoRA training (--lora_rank)");
+      if (mesh.tp_size > 1)
+        fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --tp ", mesh.tp_size, ": not implemented (each "
+             "rank would quantize its own block of a tensor, a base that depends on tp); use --tp 1");
+      TUNA_CHECK(static_cast<bool>(initial), "a quantized base needs its starting weights");
+      quantized_base_ = std::make_unique<QuantizedWeights>(model_.layout(), o.base_quant, initial);
+      model_.set_weight_store(quantized_base_.get());
+    } else if (initial && o.zero != 3) {
+      fill_whole(initial, model_.layout(), model_.params.data());
+    }
     if (o.lora.enabled()) {
-      // LoRA: the base is frozen and whole on every rank (filled above); Zero trains the adapters alone, every
+      // LoRA: the base is frozen and whole on every rank (filled or quantized above); Zero trains the adapters alone, every
       // rank starting from the same ones (drawn per global tensor, or read: each rank its own blocks).
       fill_whole(o.adapters ? o.adapters : initial_adapters(o.seed), model_.lora_layout().params,
                  model_.lora_params.data());
@@ -70,7 +84,8 @@ class CpuEngine final : public Engine {
   // With LoRA: the adapters' state (Zero's) and the frozen base's weights; no base gradient or moment exists.
   int64_t state_bytes() const override {
     return zero_->state_bytes() +
-           (model_.lora().enabled() ? static_cast<int64_t>(model_.params.capacity() * sizeof(float)) : 0);
+           (model_.lora().enabled() ? static_cast<int64_t>(model_.params.capacity() * sizeof(float)) : 0) +
+           (quantized_base_ ? quantized_base_->bytes().total() : 0);
   }
   double flops_per_token(int64_t seq) const override {
     return model_.lora().enabled() ? lora_flops_per_token(config_, model_.lora(), seq)
@@ -90,6 +105,7 @@ class CpuEngine final : public Engine {
   uint64_t seed_;
   int dp_rank_;
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)
+  std::unique_ptr<QuantizedWeights> quantized_base_;  // QLoRA: the frozen base (the model reads it as its store)
   std::unique_ptr<Zero> zero_;
 };
 

@@ -95,8 +95,8 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
   const TpDims& d = layout_.tp();
   const int64_t n = max_batch * max_seq;
   const bool adapters = lora_.enabled();
-  // Adapters: the frozen base is whole on every rank; external_grads is about the adapters' gradients.
-  TUNA_CHECK(!adapters || !parallel.external_weights, "LoRA keeps its frozen base whole (no external weights)");
+  // Adapters: external_grads is about the adapters' gradients; external weights are the frozen base's store (a
+  // quantized base), and the base never has gradients.
   // The large buffers are checked against the host's memory before they are allocated, by name and size, so
   // that a model or batch too big for this machine is an error that says so (core/memory.h), not the OOM killer.
   const int64_t weight_copies =

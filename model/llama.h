@@ -78,8 +78,8 @@ struct KvCache {
 
 class Llama {
  public:
-  // lora.enabled(): adapters on the targeted projections, the base frozen (external weights are not supported then:
-  // the base is replicated; external_grads applies to the adapters' gradients).
+  // lora.enabled(): adapters on the targeted projections, the base frozen: external_grads applies to the adapters'
+  // gradients, and external weights to the base (set_weight_store: a quantized base, model/quantized_weights.h).
   Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel = {},
         const LoraConfig& lora = {});
 

@@ -13,6 +13,7 @@
 #include "model/layout.h"
 #include "model/llama.h"
 #include "model/memory_plan.h"
+#include "model/quantized_weights.h"  // quantized_base_bytes
 
 namespace tuna {
 
@@ -62,6 +63,13 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (lora && m.zero == 3)
     fail("memory plan: --zero 3 with LoRA adapters: sharding the frozen base (ZeRO-3 with adapters) is not "
          "implemented; use --zero 0, 1 or 2");
+  const bool quantized = lora && m.lora.base_quant != BaseQuant::None;
+  if (m.training && !lora && m.lora.base_quant != BaseQuant::None)
+    fail("memory plan: base_quant ", base_quant_name(m.lora.base_quant), " is for LoRA training (a quantized base is "
+         "frozen; give lora_rank)");
+  if (quantized && m.tp > 1)
+    fail("memory plan: base_quant ", base_quant_name(m.lora.base_quant), " with tp ", m.tp, " is not implemented on "
+         "cpu (each rank would quantize its own block of a tensor); use tp 1");
   const LoraLayout adapters = lora ? lora_layout(config, m.lora, static_cast<int>(m.tp_rank), static_cast<int>(m.tp))
                                    : LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
   const LlamaBufferSizes llama =
@@ -80,7 +88,16 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   };
   // Llama: whole (tp-local) weights below stage 3, whole gradients below stage 2 (Zero takes them over above).
   const int stage = m.training ? m.zero : 0;
-  if (lora) {
+  if (quantized) {
+    // model/quantized_weights.h: the projections quantized, the rest fp32, one decoder layer dequantized at a time.
+    const QuantizedBaseBytes q = quantized_base_bytes(layout, m.lora.base_quant);
+    add(str("frozen base: ", q.quantized_params, " projection weights in ", base_quant_name(m.lora.base_quant)),
+        MemoryKind::Weights, q.quantized);
+    add("frozen base: embedding, norms and lm_head (fp32)", MemoryKind::Weights, q.fp32_params * kFloat);
+    add("frozen base: one decoder layer dequantized (fp32)", MemoryKind::Workspace, q.buffer);
+    add("LoRA adapters (fp32, whole)", MemoryKind::Weights, trained * kFloat);
+    if (stage < 2) add("LoRA adapter gradients (fp32, whole)", MemoryKind::Gradients, trained * kFloat);
+  } else if (lora) {
     add("frozen base weights (fp32, whole)", MemoryKind::Weights, params * kFloat);
     add("LoRA adapters (fp32, whole)", MemoryKind::Weights, trained * kFloat);
     if (stage < 2) add("LoRA adapter gradients (fp32, whole)", MemoryKind::Gradients, trained * kFloat);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "core/error.h"
 #include "core/memory.h"
@@ -40,6 +41,56 @@ QuantizedBaseBytes quantized_base_bytes(const ParamLayout& layout, BaseQuant qua
   }
   b.buffer = 4 * largest_layer(layout);
   return b;
+}
+
+void dequantize_quantized(const ParamTensor& t, BaseQuant quant, float* values) {
+  if (quant == BaseQuant::None || !base_tensor_quantized(t)) return;
+  if (quant == BaseQuant::Nf4) {
+    const cpu::Nf4Sizes s = cpu::nf4_sizes(t.numel);
+    std::vector<uint8_t> packed(s.packed_bytes), qabsmax(s.blocks);
+    std::vector<float> absmax2(s.stat_blocks), scratch(s.blocks);
+    float offset = 0;
+    cpu::nf4_quantize(values, t.numel, packed.data(), qabsmax.data(), absmax2.data(), &offset, scratch.data(),
+                      t.name.c_str());
+    cpu::nf4_dequantize(cpu::Nf4Tensor{t.numel, packed.data(), qabsmax.data(), absmax2.data(), offset}, values);
+  } else {
+    std::vector<int8_t> q(t.numel);
+    std::vector<float> scale(t.shape[0]);
+    cpu::int8_rowwise_quantize(values, t.shape[0], t.shape[1], q.data(), scale.data(), t.name.c_str());
+    cpu::int8_rowwise_dequantize(q.data(), scale.data(), t.shape[0], t.shape[1], values);
+  }
+}
+
+BaseFill dequantized_base_fill(BaseFill fill, BaseQuant quant) {
+  if (quant == BaseQuant::None) return fill;
+  // The last tensor read whole for a partial piece, kept for the next pieces of it (a streamed export reads a large
+  // tensor in several).
+  struct Whole {
+    const ParamLayout* layout = nullptr;
+    int64_t offset = -1;
+    std::vector<float> values;
+  };
+  auto whole = std::make_shared<Whole>();
+  return [fill = std::move(fill), quant, whole](const ParamLayout& layout, const Segment& piece, float* out) {
+    fill(layout, piece, out);
+    for (const ParamTensor& t : layout.tensors()) {
+      if (!base_tensor_quantized(t)) continue;
+      const int64_t begin = std::max(t.offset, piece.begin), end = std::min(t.offset + t.numel, piece.begin + piece.size);
+      if (begin >= end) continue;
+      if (begin == t.offset && end == t.offset + t.numel) {
+        dequantize_quantized(t, quant, out + (t.offset - piece.begin));
+        continue;
+      }
+      if (whole->layout != &layout || whole->offset != t.offset) {
+        whole->values.resize(t.numel);
+        fill(layout, Segment{t.offset, t.numel}, whole->values.data());
+        dequantize_quantized(t, quant, whole->values.data());
+        whole->layout = &layout, whole->offset = t.offset;
+      }
+      std::copy(whole->values.begin() + (begin - t.offset), whole->values.begin() + (end - t.offset),
+                out + (begin - piece.begin));
+    }
+  };
 }
 
 QuantizedWeights::QuantizedWeights(const ParamLayout& layout, BaseQuant quant, const BaseFill& fill)

@@ -43,6 +43,15 @@ struct QuantizedBaseBytes {
 // The figures for a layout without building the store.
 QuantizedBaseBytes quantized_base_bytes(const ParamLayout& layout, BaseQuant quant);
 
+// values (tensor t's numel elements) replaced by what a QuantizedWeights holding them gives back: quantized as `quant`
+// and dequantized, bit for bit the store's (the same kernels on the same whole tensor). Tensors the store keeps fp32
+// (base_tensor_quantized false) are left as they are. Fails naming the tensor on a non-finite value.
+void dequantize_quantized(const ParamTensor& t, BaseQuant quant, float* values);
+// `fill` with every quantized tensor replaced as above: the weights a QLoRA run computes with, a piece at a time, for
+// whoever reads its base without the store (eval, sample, merge, export). A piece that holds part of a quantized
+// tensor reads that tensor whole (its quantization depends on all of it: the absmax statistics).
+BaseFill dequantized_base_fill(BaseFill fill, BaseQuant quant);
+
 class QuantizedWeights final : public WeightStore {
  public:
   // Quantizes every projection of `layout` from `fill`, a unit at a time. Fails (naming the tensor) on a

@@ -4,7 +4,8 @@
 //   * here: build/train's measured peak resident memory per rank (the largest rank's peak above its start-up,
 //     which the trainer prints at the end) is within 5% of the plan's, for an 11.7M-parameter model (190 MB of
 //     training state at one rank) trained from scratch for two steps and checkpointed; and with rank-16 adapters
-//     on every projection of that model as a frozen base (one rank, dp 2 at ZeRO-1, tp 2).
+//     on every projection of that model as a frozen base (one rank, dp 2 at ZeRO-1, tp 2), also held in nf4 and
+//     int8 (--base_quant).
 // A fresh run meets every transient of the plan, so its peak is the total plus the largest of them (start-up, or
 // MPI's scratch for one chunk of a collective). The checkpoint plans none: the engine streams its own state into
 // the files a piece at a time, so a whole-shard copy coming back would show here as a measured peak above the
@@ -16,6 +17,7 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/lora_shape.h"  // BaseQuant
 #include "model/memory_plan.h"
 #include "tests/dist/dist_test_util.h"
 
@@ -49,6 +51,7 @@ struct TrainerLayout {
   int np;
   int64_t zero, tp;
   int64_t lora_rank = 0;  // > 0: rank-r adapters on every projection of a frozen base (the base below)
+  BaseQuant base_quant = BaseQuant::None;  // that base held quantized (QLoRA)
 };
 
 class DistMemoryPlanVsTrainer : public ::testing::TestWithParam<TrainerLayout> {
@@ -78,9 +81,10 @@ TempDir* DistMemoryPlanVsTrainer::tmp_ = nullptr;
 
 TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
   const TrainerLayout t = GetParam();
-  const std::string tag = str("np", t.np, "_z", t.zero, "_tp", t.tp, "_r", t.lora_rank);
+  const std::string tag = str("np", t.np, "_z", t.zero, "_tp", t.tp, "_r", t.lora_rank, "_", base_quant_name(t.base_quant));
   const int64_t micro_batch = 2, seq = 64;
-  const std::string model = t.lora_rank > 0 ? str(" --init ", base().string(), " --lora_rank ", t.lora_rank)
+  const std::string model = t.lora_rank > 0 ? str(" --init ", base().string(), " --lora_rank ", t.lora_rank,
+                                                  " --base_quant ", base_quant_name(t.base_quant))
                                             : str(" --model_config ", (*tmp_ / "config.json").string());
   const std::string flags = str(model, " --train_data '",
                                 (*tmp_ / "data" / "train-*.bin").string(), "' --seq_len ", seq, " --micro_batch ",
@@ -97,13 +101,14 @@ TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
   layout.dp = t.np / t.tp, layout.tp = t.tp, layout.zero = static_cast<int>(t.zero);
   layout.micro_batch = micro_batch, layout.seq_len = seq;
   layout.lora.rank = t.lora_rank, layout.lora.alpha = static_cast<double>(t.lora_rank);
+  layout.lora.base_quant = t.base_quant;
   const MemoryPlan plan = plan_cpu_memory(LlamaConfig::load((*tmp_ / "config.json").string()), layout);
   int64_t largest = 0;
   for (const MemoryItem& i : plan.items)
     if (i.kind == MemoryKind::Transient) largest = std::max(largest, i.bytes);
   const double planned = double(plan.total() + largest);
   std::printf("  np %d ZeRO-%lld tp %lld%s: planned %.1f MB (total %.1f + transient %.1f), measured %.1f MB (%+.1f%%)\n",
-              t.np, (long long)t.zero, (long long)t.tp, t.lora_rank > 0 ? str(" LoRA r", t.lora_rank).c_str() : "", planned / 1e6, plan.total() / 1e6, largest / 1e6, measured / 1e6,
+              t.np, (long long)t.zero, (long long)t.tp, t.lora_rank > 0 ? str(" LoRA r", t.lora_rank, " base ", base_quant_name(t.base_quant)).c_str() : "", planned / 1e6, plan.total() / 1e6, largest / 1e6, measured / 1e6,
               100 * (measured / planned - 1));
   EXPECT_NEAR(measured, planned, 0.05 * planned) << r.output;
 }
@@ -112,10 +117,15 @@ INSTANTIATE_TEST_SUITE_P(Layouts, DistMemoryPlanVsTrainer,
                          ::testing::Values(TrainerLayout{1, 0, 1}, TrainerLayout{2, 1, 1}, TrainerLayout{2, 2, 1},
                                            TrainerLayout{2, 3, 1}, TrainerLayout{2, 0, 2}, TrainerLayout{4, 3, 2},
                                            TrainerLayout{4, 0, 1}, TrainerLayout{1, 0, 1, 16},
-                                           TrainerLayout{2, 1, 1, 16}, TrainerLayout{2, 0, 2, 16}),
+                                           TrainerLayout{2, 1, 1, 16}, TrainerLayout{2, 0, 2, 16},
+                                           TrainerLayout{1, 0, 1, 16, BaseQuant::Nf4},
+                                           TrainerLayout{2, 1, 1, 16, BaseQuant::Nf4},
+                                           TrainerLayout{1, 0, 1, 16, BaseQuant::Int8}),
                          [](const auto& info) {
                            return str("np", info.param.np, "_zero", info.param.zero, "_tp", info.param.tp,
-                                      info.param.lora_rank > 0 ? str("_lora", info.param.lora_rank) : "");
+                                      info.param.lora_rank > 0 ? str("_lora", info.param.lora_rank) : "",
+                                      info.param.base_quant != BaseQuant::None
+                                          ? str("_", base_quant_name(info.param.base_quant)) : "");
                          });
 
 }  // namespace

@@ -11,9 +11,12 @@
 #include <random>
 #include <sstream>
 
+#include "ckpt/checkpoint.h"  // load_weights, save_checkpoint: the dequantized base
+#include "ckpt/safetensors.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "engine/engine.h"  // resolve_device
+#include "model/quantized_weights.h"  // dequantize_quantized
 #include "tests/test_util.h"
 
 namespace tuna {
@@ -382,6 +385,109 @@ TEST(Train, LoraTrainsAdaptersOnAFrozenBaseAndResumesExactly) {
     EXPECT_EQ(r.exit_code, 1) << extra << "\n" << r.output;
     EXPECT_NE(r.output.find(message), std::string::npos) << extra << "\n" << r.output;
   }
+}
+
+// QLoRA: --base_quant nf4 (and int8) trains exactly what LoRA trains on the base dequantize(quantize(base)) written out
+// in fp32: the same losses, adapters and moments, bit for bit; the checkpoint records the quantization, a resume keeps
+// it (exactly: 5 steps, a stop and --resume equal 10 straight) and refuses another, and build/eval and merge-lora apply
+// it (the same loss, the same merged bytes as from the dequantized base). --base_quant without adapters is refused.
+TEST(Train, QloraEqualsLoraOnTheDequantizedBaseAndKeepsItsQuantization) {
+  TempDir tmp("trainqlora");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string data = (tmp / "data").string();
+  const std::string flags = " --train_data " + data + " --val_data " + data +
+                            " --seq_len 16 --micro_batch 2 --grad_accum 2 --steps 10 --lr 1e-2 --warmup_steps 2"
+                            " --ckpt_every 5 --val_every 5 --threads 2 --seed 11 --device cpu"
+                            " --lora_rank 4 --lora_alpha 8 --lora_dropout 0.1 --lora_targets q_proj,v_proj,down_proj";
+  const auto tensors = [](const fs::path& dir) {  // every tensor of every safetensors file, by name
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& f : fs::directory_iterator(dir)) {
+      if (f.path().extension() != ".safetensors") continue;
+      const SafetensorsFile file(f.path());
+      for (const TensorInfo& t : file.tensors()) {
+        std::vector<float>& v = out[f.path().filename().string() + ":" + t.name];
+        v.resize(t.numel);
+        file.read_f32(t.name, t.shape, v.data());
+      }
+    }
+    return out;
+  };
+  const auto eval_loss = [&](const fs::path& ckpt, const std::string& tag) {
+    auto r = run_command(testing_util::build_dir() + "/eval --checkpoint " + ckpt.string() + " --data " + data +
+                             " --seq_len 16 --threads 2 --device cpu --quiet",
+                         tmp / ("eval_" + tag));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const std::string last = r.output.substr(r.output.rfind('{'));
+    return nlohmann::json::parse(last.substr(0, last.find('\n')))["loss"].get<double>();
+  };
+  for (BaseQuant quant : {BaseQuant::Nf4, BaseQuant::Int8}) {
+    const std::string q = base_quant_name(quant);
+    SCOPED_TRACE(q);
+    // The base as the quantized run computes with it, in fp32.
+    const LlamaConfig config = LlamaConfig::load("tests/fixtures/llama32_tiny");
+    const ParamLayout layout(config);
+    std::vector<float> params(layout.total());
+    load_weights("tests/fixtures/llama32_tiny", layout, params.data());
+    for (const ParamTensor& t : layout.tensors()) dequantize_quantized(t, quant, params.data() + t.offset);
+    const nlohmann::json config_json = read_config_json("tests/fixtures/llama32_tiny");
+    const fs::path dequantized =
+        save_checkpoint(tmp / ("dequantized_" + q), 0, layout,
+                        CheckpointContents{&config_json, params.data(), {}, nlohmann::json{{"step", 0}}, {}}, 0);
+
+    const fs::path quantized_run = tmp / ("quantized_" + q), plain_run = tmp / ("plain_" + q);
+    auto r = run_command(kTrain + " --init tests/fixtures/llama32_tiny --base_quant " + q + flags + " --out_dir " +
+                             quantized_run.string(),
+                         tmp / ("log_q_" + q));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = run_command(kTrain + " --init " + dequantized.string() + flags + " --out_dir " + plain_run.string(),
+                    tmp / ("log_p_" + q));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto la = losses(quantized_run / "metrics.jsonl");
+    ASSERT_EQ(la.size(), 10u);
+    EXPECT_EQ(la, losses(plain_run / "metrics.jsonl"));
+    const fs::path q10 = quantized_run / "ckpt" / "step_00000010", p10 = plain_run / "ckpt" / "step_00000010";
+    const auto adapters = tensors(q10);
+    ASSERT_FALSE(adapters.empty());
+    EXPECT_TRUE(adapters == tensors(p10));
+    EXPECT_EQ(nlohmann::json::parse(read_file(q10 / "base_model.json")).value("quantization", ""), q);
+    EXPECT_FALSE(nlohmann::json::parse(read_file(p10 / "base_model.json")).contains("quantization"));
+    // build/eval and merge-lora read the recorded quantization: what the run trained is what they compute and ship.
+    EXPECT_EQ(eval_loss(q10, "q_" + q), eval_loss(p10, "p_" + q));
+    const std::string convert = testing_util::build_dir() + "/convert merge-lora ";
+    r = run_command(convert + q10.string() + " " + (tmp / ("merged_q_" + q)).string() + " --dtype fp32",
+                    tmp / ("merge_q_" + q));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("merged onto the dequantized base"), std::string::npos) << r.output;
+    r = run_command(convert + p10.string() + " " + (tmp / ("merged_p_" + q)).string() + " --dtype fp32",
+                    tmp / ("merge_p_" + q));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(tensors(tmp / ("merged_q_" + q)) == tensors(tmp / ("merged_p_" + q)));
+    if (quant != BaseQuant::Nf4) continue;
+
+    // Resume: the base quantized again from --init, as recorded (no flag needed); exact.
+    const fs::path split = tmp / "split";
+    const std::string init = " --init tests/fixtures/llama32_tiny";
+    r = run_command(kTrain + init + " --base_quant nf4" + flags + " --out_dir " + split.string() + " --stop_at_step 5",
+                    tmp / "log_split_a");
+    ASSERT_EQ(r.exit_code, 75) << r.output;
+    r = run_command(kTrain + init + flags + " --out_dir " + split.string() + " --resume --base_quant int8",
+                    tmp / "log_split_bad");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("option 'base_quant' is int8, but " + (split / "ckpt" / "step_00000005").string() +
+                            "/base_model.json records nf4"),
+              std::string::npos)
+        << r.output;
+    r = run_command(kTrain + init + flags + " --out_dir " + split.string() + " --resume", tmp / "log_split_b");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(la, losses(split / "metrics.jsonl"));
+    EXPECT_TRUE(adapters == tensors(split / "ckpt" / "step_00000010"));
+  }
+  // Without adapters a quantized base is refused, by name.
+  auto r = run_command(kTrain + " --init tests/fixtures/llama32_tiny --base_quant nf4 --train_data " + data +
+                           " --seq_len 16 --steps 2 --device cpu --out_dir " + (tmp / "bad").string(),
+                       tmp / "log_bad");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("option 'base_quant' is for LoRA runs"), std::string::npos) << r.output;
 }
 
 // --tokenizer names a file under any name: the checkpoints carry exactly it (as tokenizer.model), not what
