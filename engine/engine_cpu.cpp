@@ -14,7 +14,9 @@ class CpuEngine final : public Engine {
   CpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial)
       : config_(config),
         model_(config, o.micro_batch, o.seq_len,
-               LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3, /*external_grads=*/o.zero == 2}, o.lora),
+               LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3, /*external_grads=*/o.zero == 2,
+                             /*sequence=*/o.sp},
+               o.lora),
         seed_(o.seed),
         dp_rank_(mesh.dp_rank) {
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
