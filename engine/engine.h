@@ -57,6 +57,7 @@ struct EngineOptions {
   int64_t micro_batch = 1, seq_len = 1;
   OptimizerConfig opt;
   int zero = 0;                // ZeRO stage
+  bool sp = false;             // cpu: sequence parallelism over the tp ranks (LlamaParallel::sequence); tp > 1
   bool zero_prefetch = true;   // ZeRO-3: gather the next unit while this one computes
   Recompute recompute = Recompute::None;  // cuda: which activations the backward recomputes (cpu: none only)
   bool bf16_moments = false;   // cuda: AdamW moments in bf16

@@ -16,7 +16,7 @@ class CpuEngine final : public Engine {
       : config_(config),
         model_(config, o.micro_batch, o.seq_len,
                LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3 || o.base_quant != BaseQuant::None,
-                             /*external_grads=*/o.zero == 2},
+                             /*external_grads=*/o.zero == 2, /*sequence=*/o.sp},
                o.lora),
         seed_(o.seed),
         dp_rank_(mesh.dp_rank) {

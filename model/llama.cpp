@@ -86,6 +86,7 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
     : config_(config),
       layout_(config, parallel.tp ? parallel.tp->rank() : 0, parallel.tp ? parallel.tp->size() : 1),
       tp_(parallel.tp && parallel.tp->size() > 1 ? parallel.tp : nullptr),
+      sp_(tp_ != nullptr && parallel.sequence),
       max_batch_(max_batch),
       max_seq_(max_seq),
       lora_(lora),
@@ -144,37 +145,40 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
                 });
 
   acts_.resize(c.num_hidden_layers);
-  const LlamaBufferSizes planned = llama_buffer_sizes(c, d, max_batch, max_seq, lora_);
+  const LlamaBufferSizes planned = llama_buffer_sizes(c, d, max_batch, max_seq, lora_, sp_);
   head_chunk_rows_ = planned.head_chunk_rows;
+  // The norm and residual regions: every row, or with sp this rank's ceil(n / tp) (the last ranks' pieces are
+  // shorter, but every piece is gathered and scattered at the same size).
+  const int64_t rows = planned.local_rows;
   // Checked against the host's memory before anything is allocated, by name (the sizes are the plan's).
   allocate_host(str("the activations of ", max_batch, " x ", max_seq, " tokens through ", c.num_hidden_layers,
                     " layers (lower micro_batch or seq_len)"),
                 uint64_t(planned.activation_floats(c.num_hidden_layers)) * sizeof(float) + planned.ce_stats * sizeof(double),
                 [&] {
     for (LayerActs& a : acts_) {
-      a.resid_in.resize(n * c.hidden_size);
-      a.norm1.resize(n * c.hidden_size);
-      a.rstd1.resize(n);
+      a.resid_in.resize(rows * c.hidden_size);
+      a.norm1.resize(rows * c.hidden_size);
+      a.rstd1.resize(rows);
       a.q.resize(n * d.q_dim);
       a.k.resize(n * d.kv_dim);
       a.v.resize(n * d.kv_dim);
       a.att.resize(n * d.q_dim);
       a.lse.resize(n * d.heads);
-      a.resid_mid.resize(n * c.hidden_size);
-      a.norm2.resize(n * c.hidden_size);
-      a.rstd2.resize(n);
+      a.resid_mid.resize(rows * c.hidden_size);
+      a.norm2.resize(rows * c.hidden_size);
+      a.rstd2.resize(rows);
       a.gate.resize(n * d.ffn);
       a.up.resize(n * d.ffn);
       a.act.resize(n * d.ffn);
     }
-    resid_out_.resize(n * c.hidden_size);
-    final_norm_out_.resize(n * c.hidden_size);
-    final_rstd_.resize(n);
+    resid_out_.resize(rows * c.hidden_size);
+    final_norm_out_.resize(rows * c.hidden_size);
+    final_rstd_.resize(rows);
     logits_chunk_.resize(head_chunk_rows_ * d.vocab);
     if (tp_) ce_stats_.resize(3 * head_chunk_rows_);
 
-    d_resid_.resize(n * c.hidden_size);
-    d_norm_.resize(n * c.hidden_size);
+    d_resid_.resize(rows * c.hidden_size);
+    d_norm_.resize((sp_ ? tp_->size() * rows : n) * c.hidden_size);
     d_q_.resize(n * d.q_dim);
     d_k_.resize(n * d.kv_dim);
     d_v_.resize(n * d.kv_dim);
@@ -182,7 +186,11 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
     d_gate_.resize(n * d.ffn);
     d_up_.resize(n * d.ffn);
     d_act_.resize(n * d.ffn);
-    d_final_norm_.resize(n * c.hidden_size);
+    d_final_norm_.resize(rows * c.hidden_size);
+    if (sp_) {
+      gathered_.resize(tp_->size() * rows * c.hidden_size);
+      sp_norm_grads_.resize(2 * c.hidden_size);
+    }
     if (adapters) {
       int64_t largest = 0;
       for (int t = 0; t < kLoraTargets; t++) {
@@ -206,16 +214,24 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
 }
 
 LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& c, const TpDims& d, int64_t max_batch, int64_t max_seq,
-                                    const LoraConfig& lora) {
+                                    const LoraConfig& lora, bool sequence) {
   const int64_t n = max_batch * max_seq, C = c.hidden_size;
+  const bool sp = sequence && d.tp_size > 1;
   LlamaBufferSizes s;
-  // resid_in, norm1, resid_mid, norm2: C; rstd1, rstd2: 1; q, att: q_dim; k, v: kv_dim; lse: heads; gate, up, act: ffn.
-  s.kept_per_layer = n * (4 * C + 2 + 2 * d.q_dim + 2 * d.kv_dim + d.heads + 3 * d.ffn);
-  s.final_norm = n * (2 * C + 1);  // resid_out, final_norm_out, final_rstd
+  // With sp the norm and residual regions hold this rank's rows (shard_range: ceil(n / tp) at most); the
+  // attention and MLP interiors (tp-local columns) every row.
+  const int64_t rows = s.local_rows = sp ? (n + d.tp_size - 1) / d.tp_size : n;
+  // resid_in, norm1, resid_mid, norm2: C; rstd1, rstd2: 1 (rows); q, att: q_dim; k, v: kv_dim; lse: heads; gate,
+  // up, act: ffn (n).
+  s.kept_per_layer = rows * (4 * C + 2) + n * (2 * d.q_dim + 2 * d.kv_dim + d.heads + 3 * d.ffn);
+  s.final_norm = rows * (2 * C + 1);  // resid_out, final_norm_out, final_rstd
   s.head_chunk_rows = std::clamp<int64_t>(kHeadChunkFloats / d.vocab, 1, n);
   s.logits_chunk = s.head_chunk_rows * d.vocab;
-  // d_resid, d_norm, d_final_norm: C; d_q, d_att: q_dim; d_k, d_v: kv_dim; d_gate, d_up, d_act: ffn.
-  s.backward = n * (3 * C + 2 * d.q_dim + 2 * d.kv_dim + 3 * d.ffn);
+  // d_resid, d_final_norm: C (rows); d_norm: C (every rank's rows with sp, padded to tp pieces); d_q, d_att:
+  // q_dim; d_k, d_v: kv_dim; d_gate, d_up, d_act: ffn.
+  s.backward = 2 * rows * C + (sp ? d.tp_size * rows : n) * C + n * (2 * d.q_dim + 2 * d.kv_dim + 3 * d.ffn);
+  // The gathered rows (tp pieces of `rows`) and a layer's two norm-weight gradients before their sum.
+  s.sequence = sp ? d.tp_size * rows * C + 2 * C : 0;
   s.rope_tables = 2 * max_seq * (c.head_dim / 2);
   s.rope_inv_freq = c.head_dim / 2;
   s.ce_stats = d.tp_size > 1 ? 3 * s.head_chunk_rows : 0;
@@ -245,7 +261,7 @@ int64_t Llama::activation_bytes() const {
   for (const std::vector<float>* v : {&lora_in_, &lora_tmp_, &lora_dt_}) floats += static_cast<int64_t>(v->size());
   for (const std::vector<float>* v :
        {&resid_out_, &final_norm_out_, &final_rstd_, &logits_chunk_, &d_resid_, &d_norm_, &d_q_, &d_k_, &d_v_,
-        &d_att_, &d_gate_, &d_up_, &d_act_, &d_final_norm_})
+        &d_att_, &d_gate_, &d_up_, &d_act_, &d_final_norm_, &gathered_, &sp_norm_grads_})
     floats += static_cast<int64_t>(v->size());
   return floats * static_cast<int64_t>(sizeof(float));
 }
@@ -292,12 +308,43 @@ void Llama::tp_all_reduce(float* x, int64_t n, const char* what) {
   if (tp_) tp_->all_reduce_sum(x, n, what);
 }
 
+// Sequence parallelism moves every row in pieces of sp_chunk_ rows, one per rank (the last ones padded past the
+// batch), so that each collective's shard_range piece is whole rows whatever batch x seq is.
+const float* Llama::sp_gather(const float* local, const char* what) {
+  tp_->all_gather(local, gathered_.data(), tp_->size() * sp_chunk_ * config_.hidden_size, what);
+  return gathered_.data();
+}
+
+void Llama::sp_reduce(float* full, float* local, int64_t rows, const char* what) {
+  const int64_t C = config_.hidden_size;
+  if (!sp_) {
+    tp_all_reduce(full, rows * C, what);
+    return;
+  }
+  // The padding rows sum to zeros on the last rank (never read), whatever the buffer held before.
+  const int64_t padded = tp_->size() * sp_chunk_;
+  std::fill(full + rows * C, full + padded * C, 0.0f);
+  tp_->reduce_scatter(full, local, padded * C, what);
+}
+
+void Llama::sp_sum_norm_grads(std::initializer_list<float*> dst, const char* what) {
+  if (!sp_) return;
+  const int64_t C = config_.hidden_size;
+  tp_->all_reduce_sum(sp_norm_grads_.data(), static_cast<int64_t>(dst.size()) * C, what);
+  const float* sum = sp_norm_grads_.data();
+  for (float* g : dst) {
+    for (int64_t j = 0; j < C; j++) g[j] += sum[j];
+    sum += C;
+  }
+}
+
 // Vocab-parallel embedding: each rank looks up the tokens in its rows and writes zeros for the others;
-// the all-reduce sums the one non-zero row per token.
+// the all-reduce (with sp the reduce-scatter) sums the one non-zero row per token.
 void Llama::embed(float* out, const int32_t* tokens, int64_t n, const float* table) {
   const TpDims& d = layout_.tp();
-  cpu::embedding_fwd_slice(out, tokens, table, n, config_.vocab_size, d.vocab_begin, d.vocab, config_.hidden_size);
-  tp_all_reduce(out, n * config_.hidden_size, "tp embedding");
+  float* full = sp_ ? gathered_.data() : out;
+  cpu::embedding_fwd_slice(full, tokens, table, n, config_.vocab_size, d.vocab_begin, d.vocab, config_.hidden_size);
+  sp_reduce(full, out, n, "tp embedding");
 }
 
 void Llama::embed_bwd(float* dtable, const float* dout, const int32_t* tokens, int64_t n) {
@@ -384,6 +431,11 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
   const TpDims& d = layout_.tp();
   const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn;
   const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
+  if (sp_) {
+    sp_chunk_ = (n + tp_->size() - 1) / tp_->size();
+    sp_rows_ = shard_range(n, tp_->rank(), tp_->size());
+  }
+  const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions
   // Positions past .. past + seq - 1: the rotation tables start at row `past`.
   const int64_t past = cache ? cache->length : 0;
   const float* rope_cos = rope_cos_.data() + past * (c.head_dim / 2);
@@ -408,13 +460,14 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
       if (adapters && lora_.has(t)) lora_fwd(l, t, adapters, x, y, n, backward_follows);
     };
 
-    cpu::rmsnorm_fwd(a.norm1.data(), a.rstd1.data(), a.resid_in.data(), w(o.input_norm), n, C, c.rms_norm_eps);
-    cpu::matmul_fwd(a.q.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim);
-    cpu::matmul_fwd(a.k.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim);
-    cpu::matmul_fwd(a.v.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim);
-    adapt(LoraTarget::Q, a.norm1.data(), a.q.data());
-    adapt(LoraTarget::K, a.norm1.data(), a.k.data());
-    adapt(LoraTarget::V, a.norm1.data(), a.v.data());
+    cpu::rmsnorm_fwd(a.norm1.data(), a.rstd1.data(), a.resid_in.data(), w(o.input_norm), nr, C, c.rms_norm_eps);
+    const float* x1 = sp_ ? sp_gather(a.norm1.data(), "sp q/k/v input") : a.norm1.data();
+    cpu::matmul_fwd(a.q.data(), x1, w(o.q_proj), n, C, d.q_dim);
+    cpu::matmul_fwd(a.k.data(), x1, w(o.k_proj), n, C, d.kv_dim);
+    cpu::matmul_fwd(a.v.data(), x1, w(o.v_proj), n, C, d.kv_dim);
+    adapt(LoraTarget::Q, x1, a.q.data());
+    adapt(LoraTarget::K, x1, a.k.data());
+    adapt(LoraTarget::V, x1, a.v.data());
     cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim, d.q_dim, d.q_dim,
                   rope_position_ids_);
     cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim, d.kv_dim,
@@ -431,28 +484,31 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
       cpu::attention_fwd(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads,
                          d.kv_heads, c.head_dim, attention_doc_start_);
     }
-    cpu::matmul_fwd(a.resid_mid.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C);
-    tp_all_reduce(a.resid_mid.data(), n * C, "tp o_proj");  // row-parallel: partial sums
+    float* o_out = sp_ ? gathered_.data() : a.resid_mid.data();  // every row's partial sums
+    cpu::matmul_fwd(o_out, a.att.data(), w(o.o_proj), n, d.q_dim, C);
+    sp_reduce(o_out, a.resid_mid.data(), n, "tp o_proj");  // row-parallel: partial sums
     adapt(LoraTarget::O, a.att.data(), a.resid_mid.data());   // after the sum: added once (lora_fwd)
-    for (int64_t i = 0; i < n * C; i++) a.resid_mid[i] += a.resid_in[i];
+    for (int64_t i = 0; i < nr * C; i++) a.resid_mid[i] += a.resid_in[i];
 
-    cpu::rmsnorm_fwd(a.norm2.data(), a.rstd2.data(), a.resid_mid.data(), w(o.post_norm), n, C, c.rms_norm_eps);
-    cpu::matmul_fwd(a.gate.data(), a.norm2.data(), w(o.gate_proj), n, C, F);
-    cpu::matmul_fwd(a.up.data(), a.norm2.data(), w(o.up_proj), n, C, F);
-    adapt(LoraTarget::Gate, a.norm2.data(), a.gate.data());
-    adapt(LoraTarget::Up, a.norm2.data(), a.up.data());
+    cpu::rmsnorm_fwd(a.norm2.data(), a.rstd2.data(), a.resid_mid.data(), w(o.post_norm), nr, C, c.rms_norm_eps);
+    const float* x2 = sp_ ? sp_gather(a.norm2.data(), "sp gate/up input") : a.norm2.data();
+    cpu::matmul_fwd(a.gate.data(), x2, w(o.gate_proj), n, C, F);
+    cpu::matmul_fwd(a.up.data(), x2, w(o.up_proj), n, C, F);
+    adapt(LoraTarget::Gate, x2, a.gate.data());
+    adapt(LoraTarget::Up, x2, a.up.data());
     cpu::swiglu_fwd(a.act.data(), a.gate.data(), a.up.data(), n, F, F);
-    cpu::matmul_fwd(resid_next, a.act.data(), w(o.down_proj), n, F, C);
-    tp_all_reduce(resid_next, n * C, "tp down_proj");
+    float* down_out = sp_ ? gathered_.data() : resid_next;
+    cpu::matmul_fwd(down_out, a.act.data(), w(o.down_proj), n, F, C);
+    sp_reduce(down_out, resid_next, n, "tp down_proj");
     adapt(LoraTarget::Down, a.act.data(), resid_next);
-    for (int64_t i = 0; i < n * C; i++) resid_next[i] += a.resid_mid[i];
+    for (int64_t i = 0; i < nr * C; i++) resid_next[i] += a.resid_mid[i];
     store_->release(1 + l);
     if (adapters) lora_store_->release(l);
   }
   // The head unit stays acquired through head() and the final norm's backward.
   head_base_ = store_->acquire(H);
   cpu::rmsnorm_fwd(final_norm_out_.data(), final_rstd_.data(), resid_out_.data(),
-                   head_base_ + (layout_.final_norm() - layout_.unit_range(H).first), n, C, c.rms_norm_eps);
+                   head_base_ + (layout_.final_norm() - layout_.unit_range(H).first), nr, C, c.rms_norm_eps);
 }
 
 LossSum Llama::head(const int32_t* targets, int64_t rows, bool want_grad, float* logits_out) {
@@ -462,11 +518,15 @@ LossSum Llama::head(const int32_t* targets, int64_t rows, bool want_grad, float*
   const float* w_head = (lm_unit == H ? head_base_ : store_->acquire(lm_unit)) + lm_offset;
   // A frozen base (LoRA) has no weight gradient: the head's backward gives only its input's.
   float* g_head = want_grad && !lora_.enabled() ? store_->grads(lm_unit) + lm_offset : nullptr;
+  // Column-parallel (by vocabulary): every row's normed input, gathered with sp; its gradient is every row's
+  // partial sum (d_norm_ with sp), reduced into this rank's rows of d_final_norm_.
+  const float* normed = sp_ ? sp_gather(final_norm_out_.data(), "sp lm_head input") : final_norm_out_.data();
+  float* d_normed = sp_ ? d_norm_.data() : d_final_norm_.data();
   LossSum loss;
   for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
     const int64_t nr = std::min(head_chunk_rows_, rows - r0);
     float* logits = logits_out ? logits_out + r0 * V : logits_chunk_.data();
-    const float* x = final_norm_out_.data() + r0 * C;
+    const float* x = normed + r0 * C;
     cpu::matmul_fwd(logits, x, w_head, nr, C, V);
     if (!targets) continue;
     // dloss = 1: the gradient of the summed loss (see llama.h).
@@ -474,10 +534,10 @@ LossSum Llama::head(const int32_t* targets, int64_t rows, bool want_grad, float*
                     : cpu::classifier_fwd_bwd(logits, nullptr, targets + r0, nr, V, want_grad ? 1.0 : 0.0);
     for (int64_t i = 0; i < nr; i++) loss.count += targets[r0 + i] != cpu::kIgnoreIndex;
     if (want_grad)
-      cpu::matmul_bwd(d_final_norm_.data() + r0 * C, g_head, logits, x, w_head, nr, C, V, /*accumulate_dinp=*/false,
+      cpu::matmul_bwd(d_normed + r0 * C, g_head, logits, x, w_head, nr, C, V, /*accumulate_dinp=*/false,
                       GradWrite::Accumulate);
   }
-  if (want_grad) tp_all_reduce(d_final_norm_.data(), rows * C, "tp lm_head input grad");
+  if (want_grad) sp_reduce(d_normed, d_final_norm_.data(), rows, "tp lm_head input grad");
   if (lm_unit != H) store_->release(lm_unit);
   if (!want_grad) store_->release(H);  // no backward: the pass ends here
   return loss;
@@ -489,14 +549,21 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
   const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn;
   const int H = layout_.head_unit();
 
+  const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions (forward's)
   // d_resid_ carries the gradient of the residual stream from the top down.
-  std::fill(d_resid_.begin(), d_resid_.begin() + n * C, 0.0f);
+  std::fill(d_resid_.begin(), d_resid_.begin() + nr * C, 0.0f);
   // A frozen base (LoRA): no weight gradient of it is computed or stored (null dweight: the kernels skip it).
   const bool frozen = lora_.enabled();
+  // With sp a norm weight's gradient from this rank's rows is partial: written to sp_norm_grads_ (slot 0 or 1),
+  // then summed over tp and added (sp_sum_norm_grads), so that every tp rank holds the whole gradient.
+  const GradWrite norm_write = sp_ ? GradWrite::Overwrite : GradWrite::Accumulate;
+  auto norm_grad = [&](float* grad, int slot) { return sp_ && grad ? sp_norm_grads_.data() + slot * C : grad; };
   {
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
-    cpu::rmsnorm_bwd(d_resid_.data(), frozen ? nullptr : store_->grads(H) + norm, d_final_norm_.data(),
-                     resid_out_.data(), head_base_ + norm, final_rstd_.data(), n, C, GradWrite::Accumulate);
+    float* g_norm = frozen ? nullptr : store_->grads(H) + norm;
+    cpu::rmsnorm_bwd(d_resid_.data(), norm_grad(g_norm, 0), d_final_norm_.data(), resid_out_.data(),
+                     head_base_ + norm, final_rstd_.data(), nr, C, norm_write);
+    if (g_norm) sp_sum_norm_grads({g_norm}, "sp final norm weight grad");
     store_->release(H);
     if (!frozen) store_->grads_done(H);
   }
@@ -514,24 +581,31 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     auto adapt = [&](LoraTarget t, const float* x, const float* dy, float* dx) {
       if (adapters && lora_.has(t)) lora_bwd(l, t, adapters, adapter_grads, x, dy, dx, n);
     };
+    // With sp: the row-parallel GEMMs' output gradient and the column-parallel ones' inputs are every row,
+    // gathered (each into gathered_, used before the next gather); the column-parallel input gradients are every
+    // row's partial sums in d_norm_, reduce-scattered into this rank's rows (dnorm).
+    float* dnorm = sp_ ? d_final_norm_.data() : d_norm_.data();
     // MLP block: x_out = resid_mid + down(act)
-    cpu::matmul_bwd(d_act_.data(), g(o.down_proj), d_resid_.data(), a.act.data(), w(o.down_proj), n, F, C,
+    const float* dy2 = sp_ ? sp_gather(d_resid_.data(), "sp down_proj output grad") : d_resid_.data();
+    cpu::matmul_bwd(d_act_.data(), g(o.down_proj), dy2, a.act.data(), w(o.down_proj), n, F, C,
                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
-    adapt(LoraTarget::Down, a.act.data(), d_resid_.data(), d_act_.data());
+    adapt(LoraTarget::Down, a.act.data(), dy2, d_act_.data());
     cpu::swiglu_bwd(d_gate_.data(), d_up_.data(), d_act_.data(), a.gate.data(), a.up.data(), n, F, F);
-    cpu::matmul_bwd(d_norm_.data(), g(o.gate_proj), d_gate_.data(), a.norm2.data(), w(o.gate_proj), n, C, F,
+    const float* x2 = sp_ ? sp_gather(a.norm2.data(), "sp gate/up input") : a.norm2.data();
+    cpu::matmul_bwd(d_norm_.data(), g(o.gate_proj), d_gate_.data(), x2, w(o.gate_proj), n, C, F,
                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
-    cpu::matmul_bwd(d_norm_.data(), g(o.up_proj), d_up_.data(), a.norm2.data(), w(o.up_proj), n, C, F,
+    cpu::matmul_bwd(d_norm_.data(), g(o.up_proj), d_up_.data(), x2, w(o.up_proj), n, C, F,
                     /*accumulate_dinp=*/true, GradWrite::Accumulate);
-    adapt(LoraTarget::Gate, a.norm2.data(), d_gate_.data(), d_norm_.data());
-    adapt(LoraTarget::Up, a.norm2.data(), d_up_.data(), d_norm_.data());
-    tp_all_reduce(d_norm_.data(), n * C, "tp gate/up input grad");  // column-parallel: partial input grads
-    cpu::rmsnorm_bwd(d_resid_.data(), g(o.post_norm), d_norm_.data(), a.resid_mid.data(), w(o.post_norm),
-                     a.rstd2.data(), n, C, GradWrite::Accumulate);
+    adapt(LoraTarget::Gate, x2, d_gate_.data(), d_norm_.data());
+    adapt(LoraTarget::Up, x2, d_up_.data(), d_norm_.data());
+    sp_reduce(d_norm_.data(), dnorm, n, "tp gate/up input grad");  // column-parallel: partial input grads
+    cpu::rmsnorm_bwd(d_resid_.data(), norm_grad(g(o.post_norm), 0), dnorm, a.resid_mid.data(), w(o.post_norm),
+                     a.rstd2.data(), nr, C, norm_write);
     // Attention block: resid_mid = resid_in + o_proj(att)
-    cpu::matmul_bwd(d_att_.data(), g(o.o_proj), d_resid_.data(), a.att.data(), w(o.o_proj), n, d.q_dim, C,
+    const float* dy1 = sp_ ? sp_gather(d_resid_.data(), "sp o_proj output grad") : d_resid_.data();
+    cpu::matmul_bwd(d_att_.data(), g(o.o_proj), dy1, a.att.data(), w(o.o_proj), n, d.q_dim, C,
                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
-    adapt(LoraTarget::O, a.att.data(), d_resid_.data(), d_att_.data());
+    adapt(LoraTarget::O, a.att.data(), dy1, d_att_.data());
     cpu::attention_bwd(d_q_.data(), d_k_.data(), d_v_.data(), d_att_.data(), a.att.data(), a.lse.data(),
                        a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads, d.kv_heads, c.head_dim,
                        attention_doc_start_);
@@ -539,18 +613,20 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
                   d.q_dim, d.q_dim, rope_position_ids_);
     cpu::rope_bwd(d_k_.data(), d_k_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim,
                   d.kv_dim, d.kv_dim, rope_position_ids_);
-    cpu::matmul_bwd(d_norm_.data(), g(o.q_proj), d_q_.data(), a.norm1.data(), w(o.q_proj), n, C, d.q_dim,
+    const float* x1 = sp_ ? sp_gather(a.norm1.data(), "sp q/k/v input") : a.norm1.data();
+    cpu::matmul_bwd(d_norm_.data(), g(o.q_proj), d_q_.data(), x1, w(o.q_proj), n, C, d.q_dim,
                     /*accumulate_dinp=*/false, GradWrite::Accumulate);
-    cpu::matmul_bwd(d_norm_.data(), g(o.k_proj), d_k_.data(), a.norm1.data(), w(o.k_proj), n, C, d.kv_dim,
+    cpu::matmul_bwd(d_norm_.data(), g(o.k_proj), d_k_.data(), x1, w(o.k_proj), n, C, d.kv_dim,
                     /*accumulate_dinp=*/true, GradWrite::Accumulate);
-    cpu::matmul_bwd(d_norm_.data(), g(o.v_proj), d_v_.data(), a.norm1.data(), w(o.v_proj), n, C, d.kv_dim,
+    cpu::matmul_bwd(d_norm_.data(), g(o.v_proj), d_v_.data(), x1, w(o.v_proj), n, C, d.kv_dim,
                     /*accumulate_dinp=*/true, GradWrite::Accumulate);
-    adapt(LoraTarget::Q, a.norm1.data(), d_q_.data(), d_norm_.data());
-    adapt(LoraTarget::K, a.norm1.data(), d_k_.data(), d_norm_.data());
-    adapt(LoraTarget::V, a.norm1.data(), d_v_.data(), d_norm_.data());
-    tp_all_reduce(d_norm_.data(), n * C, "tp q/k/v input grad");
-    cpu::rmsnorm_bwd(d_resid_.data(), g(o.input_norm), d_norm_.data(), a.resid_in.data(), w(o.input_norm),
-                     a.rstd1.data(), n, C, GradWrite::Accumulate);
+    adapt(LoraTarget::Q, x1, d_q_.data(), d_norm_.data());
+    adapt(LoraTarget::K, x1, d_k_.data(), d_norm_.data());
+    adapt(LoraTarget::V, x1, d_v_.data(), d_norm_.data());
+    sp_reduce(d_norm_.data(), dnorm, n, "tp q/k/v input grad");
+    cpu::rmsnorm_bwd(d_resid_.data(), norm_grad(g(o.input_norm), 1), dnorm, a.resid_in.data(), w(o.input_norm),
+                     a.rstd1.data(), nr, C, norm_write);
+    if (gb) sp_sum_norm_grads({g(o.post_norm), g(o.input_norm)}, "sp norm weight grads");
     store_->release(unit);
     if (!frozen) store_->grads_done(unit);
     if (adapters) {
@@ -559,7 +635,9 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     }
   }
   if (frozen) return;
-  embed_bwd(store_->grads(0) + (layout_.embed_tokens() - layout_.unit_range(0).first), d_resid_.data(), inputs, n);
+  // The vocab-parallel table's gradient takes every token's row.
+  const float* d_embedded = sp_ ? sp_gather(d_resid_.data(), "sp embedding grad") : d_resid_.data();
+  embed_bwd(store_->grads(0) + (layout_.embed_tokens() - layout_.unit_range(0).first), d_embedded, inputs, n);
   store_->grads_done(0);
 }
 
@@ -612,7 +690,10 @@ void Llama::lora_fwd(int64_t l, LoraTarget t, const float* adapters, const float
   const float s = static_cast<float>(lora_.scale());
   for (int64_t k = 0; k < n * r; k++) u[k] *= s;
   cpu::matmul_fwd(lora_tmp_.data(), u, B, n, r, out);
-  for (int64_t k = 0; k < n * out; k++) y[k] += lora_tmp_[k];
+  // With sp a row-parallel target's y (the reduce-scatter's output) holds this rank's rows only.
+  const bool rows_only = sp_ && lora_target_row_parallel(t);
+  const float* add = lora_tmp_.data() + (rows_only ? sp_rows_.begin * out : 0);
+  for (int64_t k = 0; k < (rows_only ? sp_rows_.size() : n) * out; k++) y[k] += add[k];
 }
 
 void Llama::lora_bwd(int64_t l, LoraTarget t, const float* adapters, float* grads, const float* x, const float* dy,

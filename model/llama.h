@@ -17,13 +17,14 @@
 #pragma once
 
 #include <array>
+#include <initializer_list>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "model/config.h"
-#include "model/layout.h"
+#include "model/layout.h"  // ParamLayout, TpDims (and comm.h: Range)
 #include "model/lora.h"       // LoraConfig, LoraLayout
 #include "model/optimizer.h"  // Segment
 
@@ -49,6 +50,11 @@ struct LlamaParallel {
   Comm* tp = nullptr;          // tensor-parallel group (null or size 1: none)
   bool external_weights = false;  // params and grads stay empty; set_weight_store() supplies them (ZeRO-3)
   bool external_grads = false;    // grads stays empty; the weight store takes each unit's gradient (ZeRO-2)
+  // Sequence parallelism (Megatron's) over the tp group: the residual stream and the RMSNorms hold only this rank's
+  // rows of the batch x seq tokens (shard_range of the rows); an all-gather of the normed rows goes before each
+  // column-parallel GEMM group and a reduce-scatter after each row-parallel GEMM and the embedding, where tp alone
+  // has one all-reduce. Nothing changes with tp 1.
+  bool sequence = false;
 };
 
 // How a packed window treats the documents in it (options --document_mask and --document_positions). The
@@ -170,10 +176,24 @@ class Llama {
   void embed_bwd(float* dtable, const float* dout, const int32_t* tokens, int64_t n);
   double parallel_cross_entropy(float* logits, const int32_t* targets, int64_t rows, bool want_grad);
   void tp_all_reduce(float* x, int64_t n, const char* what);
+  // Sequence parallelism (sp_): `rows` is this pass's whole batch x seq. sp_gather: every rank's rows of `local`
+  // ([sp_chunk_, C] each) into gathered_, returned. sp_reduce: `full` holds this rank's partial sums of every row
+  // ([rows, C], the row-parallel GEMM's output or a column-parallel GEMM's input gradient); `local` gets the sum
+  // of this rank's rows (sp) or, without sp, `full` == `local` is all-reduced in place.
+  const float* sp_gather(const float* local, const char* what);
+  void sp_reduce(float* full, float* local, int64_t rows, const char* what);
+  // Without sp, nothing. With sp, the norm weights' gradients of this micro-batch are partial (this rank's rows):
+  // they were written to sp_norm_grads_ (count x C), summed over tp here and added to `dst` (count pointers).
+  void sp_sum_norm_grads(std::initializer_list<float*> dst, const char* what);
 
   LlamaConfig config_;
   ParamLayout layout_;
   Comm* tp_ = nullptr;
+  bool sp_ = false;                 // sequence parallelism (LlamaParallel::sequence with tp > 1)
+  int64_t sp_chunk_ = 0;            // this pass's rows per rank: ceil(batch x seq / tp) (sp)
+  Range sp_rows_;                   // this rank's rows of the pass: shard_range(batch x seq, rank, tp) (sp)
+  std::vector<float> gathered_;     // sp: [tp x chunk, C], every rank's rows (gathered or about to be scattered)
+  std::vector<float> sp_norm_grads_;  // sp: [2, C], a layer's two norm-weight gradients before their sum over tp
   std::unique_ptr<WeightStore> own_store_;
   WeightStore* store_ = nullptr;
   const float* head_base_ = nullptr;  // the head unit, acquired from the final norm's forward to its backward
@@ -187,7 +207,8 @@ class Llama {
   const int32_t* attention_doc_start_ = nullptr;      // this batch's: doc_start_ or null
   const int32_t* rope_position_ids_ = nullptr;        // rope_positions_ or null
   std::vector<float> resid_out_, final_norm_out_, final_rstd_, logits_chunk_;
-  // backward scratch
+  // backward scratch. With sp, d_resid_ and d_final_norm_ hold this rank's rows (d_final_norm_ then serves every
+  // norm's output gradient in turn) and d_norm_ the whole rows' partial sums before their reduce-scatter.
   std::vector<float> d_resid_, d_norm_, d_q_, d_k_, d_v_, d_att_, d_gate_, d_up_, d_act_, d_final_norm_;
   // LoRA
   LoraConfig lora_;
@@ -216,13 +237,19 @@ struct LlamaBufferSizes {
   int64_t documents = 0;        // int32s: each token's document start and RoPE position (packed documents)
   int64_t lora_kept_per_layer = 0;  // LoRA: each adapter's r-wide intermediate, kept for the backward
   int64_t lora_scratch = 0;     // LoRA: the dropped input, a product or input gradient, and dt
+  // Sequence parallelism: the rows a rank's residual stream and norms hold (max_batch x max_seq without it, its
+  // ceil(/ tp) with it), and the gather/scatter buffer of every rank's rows plus two norm-weight gradients.
+  int64_t local_rows = 0;
+  int64_t sequence = 0;
   // What activation_bytes() reports: kept activations of every layer, final norm, logits chunk, backward.
   int64_t activation_floats(int64_t layers) const {
-    return (kept_per_layer + lora_kept_per_layer) * layers + final_norm + logits_chunk + backward + lora_scratch;
+    return (kept_per_layer + lora_kept_per_layer) * layers + final_norm + logits_chunk + backward + lora_scratch +
+           sequence;
   }
 };
+// sequence: sequence parallelism over tp.tp_size ranks (LlamaParallel::sequence; nothing changes at tp 1).
 LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& config, const TpDims& tp, int64_t max_batch, int64_t max_seq,
-                                    const LoraConfig& lora = {});
+                                    const LoraConfig& lora = {}, bool sequence = false);
 
 // HF-style initialization of a flat buffer laid out by `layout` (any tp rank's): normal(0, std) for 2-D
 // weights, each tensor's global values drawn in order from its own random stream (seed, tensor index) and cut to

@@ -43,8 +43,8 @@ constexpr int64_t kFloat = sizeof(float), kDouble = sizeof(double);
 
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (m.dp < 1 || m.tp < 1) fail("memory plan: dp and tp must be >= 1, found dp ", m.dp, ", tp ", m.tp);
-  if (m.pp != 1 || m.sp)
-    fail("memory plan: pipeline and sequence parallelism (pp ", m.pp, ", sp ", m.sp ? "on" : "off", ") are not planned yet");
+  if (m.pp != 1) fail("memory plan: pipeline parallelism (pp ", m.pp, ") is not planned yet");
+  if (m.sp && m.tp < 2) fail("memory plan: sequence parallelism splits the tokens over the tp ranks: it needs tp > 1");
   TUNA_CHECK(m.dp_rank >= 0 && m.dp_rank < m.dp && m.tp_rank >= 0 && m.tp_rank < m.tp, "dp rank ", m.dp_rank, " of ",
              m.dp, ", tp rank ", m.tp_rank, " of ", m.tp);
   if (m.zero < 0 || m.zero > 3) fail("memory plan: option 'zero': expected 0, 1, 2 or 3, found ", m.zero);
@@ -74,7 +74,7 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
                                    : LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
   const LlamaBufferSizes llama =
       llama_buffer_sizes(config, layout.tp(), m.micro_batch, m.seq_len,
-                         lora ? static_cast<const LoraConfig&>(m.lora) : LoraConfig{});
+                         lora ? static_cast<const LoraConfig&>(m.lora) : LoraConfig{}, m.sp);
   // The forward pass alone (build/eval, build/sample) is a Llama without Zero.
   const ZeroBufferSizes zero = m.training ? zero_buffer_sizes(lora ? adapters.params : layout, m.zero,
                                                               static_cast<int>(m.dp_rank), static_cast<int>(m.dp))
@@ -112,6 +112,8 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
         MemoryKind::Activations, (llama.lora_kept_per_layer * L + llama.lora_scratch) * kFloat);
   add(str("loss head: logits of ", llama.head_chunk_rows, " rows"), MemoryKind::Activations, llama.logits_chunk * kFloat);
   add("backward scratch (one layer's activation gradients)", MemoryKind::Activations, llama.backward * kFloat);
+  add(str("sequence parallelism: every tp rank's ", llama.local_rows, " rows gathered, two norm-weight gradients"),
+      MemoryKind::Activations, llama.sequence * kFloat);
   add("rotary tables", MemoryKind::Workspace, llama.rope_tables * kFloat + llama.rope_inv_freq * kDouble);
   add("vocab-parallel loss statistics", MemoryKind::Workspace, llama.ce_stats * kDouble);
   add("document boundaries (mask starts, RoPE positions)", MemoryKind::Workspace, llama.documents * int64_t(sizeof(int32_t)));
@@ -150,6 +152,12 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (m.dp > 1 && m.zero >= 2)
     add("unit reduce-scatter: MPI's scratch (and staging) for one chunk", MemoryKind::Transient,
         zero.unit * kFloat <= kMpiChunkBytes ? zero.unit * kFloat : 2 * kMpiChunkBytes);
+  // Sequence parallelism reduce-scatters every rank's rows [tp x local_rows, C] over tp, chunked alike.
+  if (m.sp) {
+    const int64_t rows_bytes = m.tp * llama.local_rows * config.hidden_size * kFloat;
+    add("sequence-parallel reduce-scatter: MPI's scratch (and staging) for one chunk", MemoryKind::Transient,
+        rows_bytes <= kMpiChunkBytes ? rows_bytes : 2 * kMpiChunkBytes);
+  }
   return plan;
 }
 

@@ -1,5 +1,5 @@
-// build/train under mpirun against the single-rank run: DP with ZeRO-0/1/2/3, TP=2, TP=2 x DP=2, and a
-// checkpoint written by 4 ranks at ZeRO-3 resumed by 2 ranks at ZeRO-1.
+// build/train under mpirun against the single-rank run: DP with ZeRO-0/1/2/3, TP=2, TP=2 x DP=2, each TP layout
+// with sequence parallelism too, and a checkpoint written by 4 ranks at ZeRO-3 resumed by 2 ranks at ZeRO-1.
 //
 // Every run trains on the same global batch of 4 windows per step: the single rank with micro_batch 4, two
 // dp ranks with micro_batch 1 and grad_accum 2 (or 2 x 1), four with micro_batch 1. The loader gives dp rank
@@ -129,8 +129,8 @@ TEST_F(DistTrain, TensorParallel2xDataParallel2) {
   EXPECT_EQ(exported, final_weights(*tmp_ / "tp2dp2", "llama32_tiny", 10));
 }
 
-// LoRA adapters on the frozen base under mpirun (dp 2 x tp 2 at ZeRO-1, and dp 2 at ZeRO-2 with gradient
-// accumulation) follow the single rank: every step's loss and every validation loss (the base at step 0, then steps 5 and 10: the trained
+// LoRA adapters on the frozen base under mpirun (dp 2 x tp 2 at ZeRO-1, with and without sequence parallelism, and
+// dp 2 at ZeRO-2 with gradient accumulation) follow the single rank: every step's loss and every validation loss (the base at step 0, then steps 5 and 10: the trained
 // adapters' function on the held-out windows) within 1e-5, and the rank files hold the adapters alone.
 TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
   const std::string lora = " --lora_rank 4 --lora_alpha 8 --lora_targets q_proj,v_proj,o_proj,down_proj";
@@ -152,6 +152,7 @@ TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
     return out;
   };
   for (const auto& [np, extra, tag] : {std::tuple<int, std::string, std::string>{4, " --micro_batch 2 --tp 2 --zero 1", "lora_tp2dp2"},
+                                       {4, " --micro_batch 2 --tp 2 --zero 1 --sp", "lora_tp2dp2sp"},
                                        {2, " --micro_batch 1 --grad_accum 2 --zero 2", "lora_z2"}}) {
     const fs::path out = *tmp_ / tag;
     r = run_command(mpirun(np) + kTrain + on_base + lora + extra + " --out_dir " + out.string(),
@@ -174,6 +175,73 @@ TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
   }
   // The adapters moved the loss away from the frozen base's.
   EXPECT_NE(losses(ref / "metrics.jsonl")[10], losses(ref / "metrics.jsonl")[1]);
+}
+
+// Sequence parallelism (--sp): the residual stream and the norms split by rows over the tp ranks, with an all-gather
+// before and a reduce-scatter after the tp GEMMs; the same function as tp alone and so as one rank. Odd row counts and
+// ranks left without rows are in tests/model/test_llama_sp.cpp (here every micro-batch is a multiple of 16 rows).
+TEST_F(DistTrain, SequenceParallelTp2) { expect_matches_reference("llama32_tiny", 2, " --micro_batch 4 --tp 2 --sp", "tp2sp"); }
+TEST_F(DistTrain, SequenceParallelTp2Untied) {
+  expect_matches_reference("llama2_tiny", 2, " --micro_batch 2 --grad_accum 2 --tp 2 --sp", "tp2spu");
+}
+TEST_F(DistTrain, SequenceParallelTp2xDataParallel2) {
+  expect_matches_reference("llama32_tiny", 4, " --micro_batch 2 --tp 2 --zero 1 --sp", "tp2dp2sp");
+}
+TEST_F(DistTrain, SequenceParallelTp2xZero3Untied) {
+  expect_matches_reference("llama2_tiny", 4, " --micro_batch 1 --grad_accum 2 --tp 2 --zero 3 --sp", "tp2z3sp");
+}
+TEST_F(DistTrain, SequenceParallelTp4Uneven) {
+  // 150 ffn columns and 131 vocabulary rows split 38/38/38/36 and 33/33/33/32; 16 rows a micro-batch, 4 per rank.
+  nlohmann::json c = nlohmann::json::parse(read_file(config_path("llama2_tiny")));
+  c["intermediate_size"] = 150;
+  c["vocab_size"] = 131;
+  fs::create_directories(*tmp_ / "uneven_sp");
+  std::ofstream(*tmp_ / "uneven_sp" / "config.json") << c.dump();
+  expect_matches_reference((*tmp_ / "uneven_sp" / "config.json").string(), 4, " --micro_batch 1 --grad_accum 4 --tp 4 --sp",
+                           "tp4spuneven");
+}
+// The weights do not depend on sp: a run checkpointed with it continues without it (and the other way), as the
+// uninterrupted single-rank run.
+TEST_F(DistTrain, ResumeAcrossSequenceParallel) {
+  const fs::path ref = reference("llama32_tiny"), out = *tmp_ / "sp_resume";
+  auto r = run_command(mpirun(2) + kTrain + flags("llama32_tiny") + " --micro_batch 4 --tp 2 --sp --stop_at_step 5 --out_dir " +
+                           out.string(), *tmp_ / "sp_resume_log1");
+  ASSERT_EQ(r.exit_code, 75) << r.output;
+  r = run_command(mpirun(2) + kTrain + flags("llama32_tiny") + " --micro_batch 4 --tp 2 --stop_at_step 8 --resume --out_dir " +
+                      out.string(), *tmp_ / "sp_resume_log2");
+  ASSERT_EQ(r.exit_code, 75) << r.output;
+  EXPECT_NE(r.output.find("(sequence parallel off)"), std::string::npos) << r.output;
+  r = run_command(mpirun(4) + kTrain + flags("llama32_tiny") + " --micro_batch 2 --tp 2 --zero 1 --sp --resume --out_dir " +
+                      out.string(), *tmp_ / "sp_resume_log3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(sequence parallel)"), std::string::npos) << r.output;
+  expect_same_run(ref, out, "llama32_tiny", 10);
+}
+// Without the document mask (positions continue along the window) too.
+TEST_F(DistTrain, SequenceParallelWithoutDocumentMask) {
+  const std::string off = " --document_mask false --document_positions continue";
+  const fs::path ref = *tmp_ / "unmasked_sp_ref", out = *tmp_ / "unmasked_tp2sp";
+  auto r = run_command(kTrain + flags("llama32_tiny") + off + " --micro_batch 4 --out_dir " + ref.string(),
+                       *tmp_ / "unmasked_sp_ref_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_command(mpirun(2) + kTrain + flags("llama32_tiny") + off + " --micro_batch 4 --tp 2 --sp --out_dir " + out.string(),
+                  *tmp_ / "unmasked_tp2sp_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_run(ref, out, "llama32_tiny", 10);
+}
+TEST_F(DistTrain, SequenceParallelRefusals) {
+  auto r = run_command(kTrain + flags("llama32_tiny") + " --micro_batch 4 --sp --out_dir " + (*tmp_ / "sp_tp1").string(),
+                       *tmp_ / "sp_tp1_log");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("option 'sp' splits each micro-batch's tokens over the tensor-parallel ranks: it needs --tp 2 "
+                          "or more, found --tp 1"), std::string::npos) << r.output;
+  std::string cuda = flags("llama32_tiny");
+  cuda.replace(cuda.find(" --device cpu"), 13, " --device cuda --plan_only --gpu_memory_gb 80");
+  r = run_command(mpirun(2) + kTrain + cuda + " --micro_batch 4 --tp 2 --sp --out_dir " + (*tmp_ / "sp_cuda").string(),
+                  *tmp_ / "sp_cuda_log");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("option 'sp': sequence parallelism is implemented on --device cpu only"), std::string::npos)
+      << r.output;
 }
 
 TEST_F(DistTrain, TensorParallel2xZero3) {

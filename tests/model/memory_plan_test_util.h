@@ -43,7 +43,8 @@ inline PlannedAndAllocated plan_and_allocate(const LlamaConfig& config, const Me
   const MemoryPlan plan = plan_cpu_memory(config, layout);
   const bool lora = layout.lora.enabled();
   Llama model(config, layout.micro_batch, layout.seq_len,
-              LlamaParallel{tp, /*external_weights=*/layout.zero == 3, /*external_grads=*/layout.zero == 2},
+              LlamaParallel{tp, /*external_weights=*/layout.zero == 3, /*external_grads=*/layout.zero == 2,
+                            /*sequence=*/layout.sp},
               layout.lora);
   std::vector<float> weights(model.layout().total());
   init_random_weights(model.layout(), 7, 0.02, weights.data());
