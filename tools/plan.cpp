@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
     int64_t nics_per_node = 8;
     double intra_gbps = 0, inter_gbps = 0, nic_gbit = 400, hours = 0, price = 0, budget = 0, text_gb = 0;
     double bytes_per_token = 3.85, reserve_gib = 1.5, overlap = -1, mean_doc_tokens = 0;
-    bool bf16_moments = false, search = false, as_json = false, sp = false;
+    bool bf16_moments = false, search = false, as_json = false, sp = false, stage_tables = false;
     int64_t lora_rank = 0, search_lora_rank = 16;
     double lora_dropout = 0;
     std::string lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", base_quant = "none";
@@ -89,6 +89,8 @@ int main(int argc, char** argv) {
     o.add("reserve_gib", &reserve_gib, "GPU memory outside the plan per GPU (CUDA context, cuBLASLt, NCCL)");
     o.add("overlap", &overlap, "share of the ZeRO collectives hidden behind compute, 0-1 (default: what the engine does)");
     o.add("search", &search, "rank every layout that fits by predicted time");
+    o.add("stage_tables", &stage_tables, "print every pipeline stage's memory table and verdict, as build/train "
+                                         "--plan_only prints it on that stage's ranks (the card's memory as capacity)");
     o.add("json", &as_json, "print the prediction as one JSON object (scripts)");
     o.add("rates", &rates_path, "measured rates table (default: plan/plan_rates.json of this checkout)");
     o.add("refresh_rates", &refresh, "a gpu-check OUTDIR: write the rates table refreshed from its bench JSON and stop");
@@ -168,6 +170,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     std::printf("%s", format_plan(job, p, rates).c_str());
+    if (stage_tables)
+      for (int64_t s = 0; s < job.layout.pp; s++) {
+        MemoryLayout stage = job.layout;
+        stage.pp_rank = s;
+        std::printf("\n%s", check_gpu_fit(job.model, stage, static_cast<int64_t>(job.cluster.gpu.hbm_bytes)).report.c_str());
+      }
     if (search) std::printf("\n%s", format_search(job, search_layouts(job, rates)).c_str());
     return 0;
   } catch (const tuna::Error& e) {
