@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <map>
+#include <memory>
 
 #include "core/error.h"
 #include "kernels/scratch.h"
@@ -67,10 +69,19 @@ void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
   check_lora_plan(c, l.lora, "options lora_rank, lora_targets, lora_dropout, base_quant");
 }
 
-// The parameters a pipeline stage holds: its units of the layout (the embedding on the first stage, its layers, the
-// final norm and lm_head on the last). With tied embeddings and pp > 1 the last stage holds a copy of the embedding
-// as its lm_head, with its own gradient, master and moments (Megatron's way: the two copies' gradients are summed
-// between the first and last stage, so they stay equal). At pp 1 the stage is every unit, once.
+// The layout of one tp rank, kept for the next plan of the same shape: build/plan's search plans thousands of
+// layouts (a pipeline layout a plan per stage) of one model, and building the layout is most of a plan's work.
+const ParamLayout& tp_rank_layout(const LlamaConfig& c, int64_t tp_rank, int64_t tp) {
+  thread_local std::map<std::string, std::unique_ptr<const ParamLayout>> cache;
+  const std::string key = c.to_json().dump() + str("|", tp_rank, "/", tp);
+  auto it = cache.find(key);
+  if (it != cache.end()) return *it->second;
+  if (cache.size() >= 64) cache.clear();
+  auto layout = std::make_unique<const ParamLayout>(c, static_cast<int>(tp_rank), static_cast<int>(tp));
+  return *cache.emplace(key, std::move(layout)).first->second;
+}
+
+// The parameters a pipeline stage holds (model/pipeline.h pipeline_stage_units) and what their buffers need.
 struct StageUnits {
   std::vector<int> units;
   int64_t params = 0, largest = 0, tensors = 0;
@@ -81,14 +92,8 @@ struct StageUnits {
 
 StageUnits stage_units(const ParamLayout& layout, const PipelineStage& stage) {
   StageUnits s;
-  const bool tied = layout.lm_head_unit() == 0;
-  if (stage.embedding) s.units.push_back(0);
-  for (int64_t layer = stage.layer_begin; layer < stage.layer_end; layer++) s.units.push_back(static_cast<int>(1 + layer));
-  if (stage.head) {
-    s.units.push_back(layout.head_unit());
-    if (tied && !stage.embedding) s.units.push_back(0);
-  }
-  s.tied_head = tied && stage.head;
+  s.units = pipeline_stage_units(layout, stage);
+  s.tied_head = layout.lm_head_unit() == 0 && stage.head;
   s.embedding_open_through_head = s.tied_head && stage.embedding;
   for (int u : s.units) {
     const auto [begin, end] = layout.unit_range(u);
@@ -279,7 +284,7 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
 
 MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   check_layout(c, l);
-  const ParamLayout layout(c, static_cast<int>(l.tp_rank), static_cast<int>(l.tp));
+  const ParamLayout& layout = tp_rank_layout(c, l.tp_rank, l.tp);
   const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
   const TpDims& d = layout.tp();
   const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads, V = d.vocab;

@@ -72,6 +72,19 @@ std::vector<PipelineStage> pipeline_stages(const LlamaConfig& config, int64_t pp
   return stages;
 }
 
+std::vector<int> pipeline_stage_units(const ParamLayout& layout, const PipelineStage& stage) {
+  TUNA_CHECK(stage.layer_end <= layout.num_layers(), "stage layers ", stage.layer_begin, "-", stage.layer_end, " of ",
+             layout.num_layers());
+  std::vector<int> units;
+  if (stage.embedding) units.push_back(0);
+  for (int64_t layer = stage.layer_begin; layer < stage.layer_end; layer++) units.push_back(static_cast<int>(1 + layer));
+  if (stage.head) {
+    units.push_back(layout.head_unit());
+    if (layout.lm_head_unit() == 0 && !stage.embedding) units.push_back(0);
+  }
+  return units;
+}
+
 std::string format_pipeline_stages(const std::vector<PipelineStage>& stages) {
   double total = 0, worst = 0;
   for (const PipelineStage& s : stages) total += s.flops_per_token, worst = std::max(worst, s.flops_per_token);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/layout.h"
 
 namespace tuna {
 
@@ -25,6 +26,13 @@ struct PipelineStage {
 // layers (the first stage holds the most micro-batches in flight). Fails naming option 'pp' when pp < 1 or pp
 // exceeds the layers.
 std::vector<PipelineStage> pipeline_stages(const LlamaConfig& config, int64_t pp, int64_t seq);
+
+// The units of `layout` (model/layout.h: the embedding, each layer, the head) that `stage` holds, in order: the
+// embedding on the first stage, its layers, the final norm (and an untied lm_head) on the last. With tied embeddings
+// and more than one stage the last stage holds the embedding unit too, as its lm_head: a copy with its own gradient
+// and optimizer state (Megatron's way; the copies' gradients are summed between the two stages so they stay equal).
+// At pp 1 the one stage holds every unit once.
+std::vector<int> pipeline_stage_units(const ParamLayout& layout, const PipelineStage& stage);
 
 // "stage 0: embedding + layers 0-39 (40), stage 1: layers 40-79 (40) + head; costliest stage 50.3% of the model's
 // FLOPs": the line the trainer prints at start.

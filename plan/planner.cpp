@@ -10,6 +10,7 @@
 #include <ctime>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <sstream>
 
@@ -384,25 +385,17 @@ namespace {
 // Whether the CUDA engine trains adapters, laying them out from plan_gpu_memory's adapter items: until it does,
 // an adapter plan is the design, and the plan says so.
 constexpr bool kCudaEngineTrainsAdapters = false;
+// Likewise pipeline stages and sequence parallelism: the CPU engine runs them, the CUDA engine not yet.
+constexpr bool kCudaEngineRunsPipelines = false;
 
-// The memory of one layout: the engine's own plan, or, for a layout it refuses, the design. Memoized: a search
-// and its suggestions ask for the same plans many times (an 80-layer plan has a thousand items).
+// The memory of one layout: the engine's own plan, or, for a layout it refuses, the design.
 struct GpuMemory {
   MemoryPlan plan;
   bool engines = true;
   std::string refusal;
 };
 
-const GpuMemory& gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
-  static std::map<std::string, GpuMemory> cache;
-  static std::mutex mutex;
-  const std::string key = str(c.to_json().dump(), "|", l.dp, ",", l.tp, ",", l.dp_rank, ",", l.tp_rank, ",", l.zero,
-                              ",", l.zero_prefetch, ",", recompute_name(l.recompute), ",", l.bf16_moments, ",",
-                              l.master_weights, ",", l.training, ",", l.micro_batch, ",", l.seq_len, ",", l.lora.rank,
-                              ",", l.lora.targets, ",", l.lora.dropout, ",", base_quant_name(l.lora.base_quant));
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
+GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& l) {
   GpuMemory m;
   try {
     m.plan = plan_gpu_memory(c, l);
@@ -410,9 +403,50 @@ const GpuMemory& gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     m.engines = false, m.refusal = e.what();
     m.plan = design_gpu_memory(c, l);
   }
+  if (m.engines && (l.pp > 1 || l.sp) && !kCudaEngineRunsPipelines)
+    m.engines = false, m.refusal = "pipeline stages and sequence parallelism are not run on cuda yet (--pp, --sp with "
+                                   "--device cuda)";
   if (m.engines && l.lora.enabled() && !kCudaEngineTrainsAdapters)
     m.engines = false, m.refusal = "adapters are not trained on cuda yet (--lora_rank with --device cuda)";
-  return cache.emplace(key, std::move(m)).first->second;
+  return m;
+}
+
+// A plan's peak, memoized: a search and its suggestions ask for the same plans many times (an 80-layer plan has a
+// thousand items; a pipeline layout has a plan per stage). The plan itself is made again for the one printed.
+struct GpuPeak {
+  int64_t peak = 0;
+  bool engines = true;
+  std::string refusal;
+};
+
+const GpuPeak& gpu_peak(const LlamaConfig& c, const MemoryLayout& l) {
+  static std::map<std::string, GpuPeak> cache;
+  static std::mutex mutex;
+  const std::string key = str(c.hidden_size, ",", c.intermediate_size, ",", c.num_hidden_layers, ",",
+                              c.num_attention_heads, ",", c.num_key_value_heads, ",", c.head_dim, ",", c.vocab_size, ",",
+                              c.tie_word_embeddings, "|", l.dp, ",", l.tp, ",", l.dp_rank, ",", l.tp_rank, ",", l.zero,
+                              ",", l.zero_prefetch, ",", recompute_name(l.recompute), ",", l.bf16_moments, ",",
+                              l.master_weights, ",", l.training, ",", l.micro_batch, ",", l.seq_len, ",", l.lora.rank,
+                              ",", l.lora.targets, ",", l.lora.dropout, ",", base_quant_name(l.lora.base_quant), ",",
+                              l.pp, ",", l.pp_rank, ",", l.sp, ",", static_cast<int>(l.attention));
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  const GpuMemory m = gpu_memory_plan(c, l);
+  std::lock_guard<std::mutex> lock(mutex);
+  return cache.emplace(key, GpuPeak{m.plan.peak(), m.engines, m.refusal}).first->second;
+}
+
+// Tensor-parallel rank 0's layout, kept for the next prediction of the same model and tp (a search makes thousands).
+const ParamLayout& tp_rank0_layout(const LlamaConfig& c, int64_t tp) {
+  thread_local std::map<std::string, std::unique_ptr<const ParamLayout>> cache;
+  const std::string key = c.to_json().dump() + str("|", tp);
+  auto it = cache.find(key);
+  if (it != cache.end()) return *it->second;
+  if (cache.size() >= 64) cache.clear();
+  return *cache.emplace(key, std::make_unique<const ParamLayout>(c, 0, static_cast<int>(tp))).first->second;
 }
 
 // Rates measured on one card, applied to another: compute-bound rates by the ratio of bf16 peaks, memory-bound
@@ -438,33 +472,57 @@ double ring_factor_gather(int64_t n) { return n > 1 ? double(n - 1) / double(n) 
 
 }  // namespace
 
-Prediction predict(const JobSpec& job, const Rates& rates) {
+namespace {
+
+// keep_plan false: the prediction without its memory plan (the search ranks thousands of layouts by their figures).
+Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan) {
   const LlamaConfig& c = job.model;
   const MemoryLayout& l = job.layout;
   const Cluster& k = job.cluster;
-  if (l.dp * l.tp != k.gpus())
-    fail("layout dp ", l.dp, " x tp ", l.tp, " is ", l.dp * l.tp, " ranks, but the cluster has ", k.gpus(), " GPUs (",
-         k.nodes, " nodes x ", k.gpus_per_node, ")");
+  if (l.pp < 1) fail("--pp: expected at least 1 pipeline stage, found ", l.pp);
+  if (l.dp * l.pp * l.tp != k.gpus())
+    fail("layout dp ", l.dp, l.pp > 1 ? str(" x pp ", l.pp) : std::string(), " x tp ", l.tp, " is ", l.dp * l.pp * l.tp,
+         " ranks, but the cluster has ", k.gpus(), " GPUs (", k.nodes, " nodes x ", k.gpus_per_node, ")");
   if (l.tp > k.gpus_per_node || k.gpus_per_node % l.tp != 0)
     fail("--tp ", l.tp, ": tensor-parallel ranks must sit inside a node and divide its ", k.gpus_per_node, " GPUs");
   if (l.seq_len > c.max_position_embeddings)
     fail("--seq_len ", l.seq_len, " exceeds the model's max_position_embeddings ", c.max_position_embeddings);
   if (job.grad_accum < 1) fail("--grad_accum: expected >= 1, found ", job.grad_accum);
+  // 1F1B fills the pipe with pp micro-batches before the first backward; the plans count that many in flight.
+  if (l.pp > 1 && job.grad_accum < l.pp)
+    fail("--grad_accum ", job.grad_accum, " with --pp ", l.pp, ": a 1F1B pipeline needs at least as many micro-batches "
+         "per step as stages");
   check_lora_plan(c, l.lora, "build/plan --lora_rank, --lora_targets, --lora_dropout, --base_quant");
 
   Prediction p;
   p.layout = l, p.grad_accum = job.grad_accum;
-  const GpuMemory& memory = gpu_memory(c, l);
-  p.memory = memory.plan, p.memory_is_engines = memory.engines, p.not_implemented = memory.refusal;
-  p.gpu_bytes = double(p.memory.peak()) + k.reserve_bytes;
+  p.stages = pipeline_stages(c, l.pp, l.seq_len);
+  // Every stage's plan; the fullest is the one shown, and the layout fits when it does.
+  p.gpu_bytes = -1;
+  for (int64_t s = 0; s < l.pp; s++) {
+    MemoryLayout stage = l;
+    stage.pp_rank = s;
+    const GpuPeak& memory = gpu_peak(c, stage);
+    const double bytes = double(memory.peak) + k.reserve_bytes;
+    p.stage_gpu_bytes.push_back(bytes);
+    if (bytes > p.gpu_bytes) {
+      p.gpu_bytes = bytes, p.fullest_stage = s;
+      p.memory_is_engines = memory.engines, p.not_implemented = memory.refusal;
+    }
+  }
   p.fits = p.gpu_bytes <= k.gpu.hbm_bytes;
+  if (keep_plan) {
+    MemoryLayout stage = l;
+    stage.pp_rank = p.fullest_stage;
+    p.memory = gpu_memory_plan(c, stage).plan;
+  }
 
   const Scaling scale = scaling_for(rates, k.gpu);
   if (!scale.note.empty()) p.notes.push_back(scale.note);
-  const ParamLayout layout(c, 0, static_cast<int>(l.tp));
+  const ParamLayout& layout = tp_rank0_layout(c, l.tp);
   const TpDims& d = layout.tp();
   const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size, L = c.num_hidden_layers;
-  const int64_t qd = d.q_dim, kvd = d.kv_dim, F = d.ffn, V = d.vocab, P = layout.total();
+  const int64_t qd = d.q_dim, kvd = d.kv_dim, F = d.ffn, V = d.vocab;
   const LoraPlan& lora = l.lora;
   const bool adapters = lora.enabled();
   auto gemm_time = [&](int64_t in, int64_t out, int pass) {
@@ -539,8 +597,10 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
                            double(c.head_dim);
   const double att_fwd = att_flops / (rates.attention_rate(c.head_dim, span, false) * scale.compute);
   const double att_bwd = 2.5 * att_flops / (rates.attention_rate(c.head_dim, span, true) * scale.compute);
-  const double norm_fwd = mem_time(double(n) * (4.0 * C + 4), "rmsnorm_fwd");
-  const double norm_bwd = mem_time(double(n) * 8.0 * C, "rmsnorm_bwd");
+  // sp: the norms run on each tp rank's seq / tp rows.
+  const double norm_rows = l.sp ? double(n) / double(l.tp) : double(n);
+  const double norm_fwd = mem_time(norm_rows * (4.0 * C + 4), "rmsnorm_fwd");
+  const double norm_bwd = mem_time(norm_rows * 8.0 * C, "rmsnorm_bwd");
   const double rope = mem_time(4.0 * double(n) * double(qd + kvd), "rope");
   const double swiglu_fwd = mem_time(6.0 * double(n) * F, "swiglu_fwd"), swiglu_bwd = mem_time(10.0 * double(n) * F, "swiglu_bwd");
   const double layer_mem_fwd = 2 * norm_fwd + rope + swiglu_fwd, layer_mem_bwd = 2 * norm_bwd + rope + swiglu_bwd;
@@ -552,31 +612,141 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   const double head = (adapters ? 2 : 3) * head_flops / (rates.lm_head * scale.compute) +
                       mem_time(4.0 * double(n) * V, "classifier") + norm_fwd + norm_bwd;
   const double A = double(job.grad_accum);
-  // The optimizer over what this rank owns: with adapters, this rank's piece of each layer's adapters.
-  int64_t owned = P;
-  if (adapters) {
-    owned = L * (l.zero >= 1 ? shard_range(lora_layer, 0, static_cast<int>(l.dp)).size() : lora_layer);
-  } else if (l.zero >= 1) {
-    owned = 0;
-    for (const Segment& s : dp_unit_pieces(layout, 0, static_cast<int>(l.dp))) owned += s.size;
-  }
-  const double adamw = mem_time(double(owned) * (4 + 2 * 4 + 4 * (l.bf16_moments ? 2 : 4) + 2),
-                                l.bf16_moments ? "adamw_bf16" : "adamw_fp32");
-  const double grad_norm = mem_time(4.0 * double(owned), "grad_norm");
+  // One micro-batch through one stage: its layers, and the head on the last stage (the embedding lookup costs
+  // nothing here). Under 1F1B every stage runs at the pace of the slowest one.
+  const double layer_kernels = layer_fwd_gemm + layer_bwd_gemm + lora_fwd + lora_bwd + 2 * dequant + att_fwd +
+                               att_bwd + layer_mem_fwd + layer_mem_bwd + recompute;
+  const auto micro_kernels = [&](const PipelineStage& s) {
+    return double(s.layers()) * layer_kernels + (s.head ? head : 0.0);
+  };
+  // Tensor parallel, on the critical path inside a node: per layer two collectives of a bf16 [tokens, hidden] in the
+  // forward and two in the backward (two more in a full recompute's forward), one for the vocab-parallel embedding and
+  // one for the head. Without sp each is an all-reduce; with sp an all-gather before a column-parallel GEMM and a
+  // reduce-scatter after a row-parallel one, the all-reduce's bytes in two collectives (two latencies).
+  const double tp_bytes = 2.0 * double(n) * double(C);  // one bf16 [tokens, hidden] tensor
+  const bool full = l.recompute == Recompute::Full;
+  const auto tp_count = [&](const PipelineStage& s) {
+    return l.tp > 1 ? double(4 * s.layers() + s.embedding + s.head + (full ? 2 * s.layers() : 0)) : 0.0;
+  };
+  const double tp_one = ring_factor_all_reduce(l.tp) * tp_bytes / k.intra_busbw + (l.sp ? 20e-6 : 10e-6);
+  // sp keeps a norm's output split: the backward gathers it again for the weight gradient of q|k|v and of gate|up,
+  // while the input-gradient GEMM of the same weights runs (Megatron's overlap): what outlasts that GEMM is exposed.
+  const bool sp = l.sp && l.tp > 1;
+  const double regather = sp ? ring_factor_gather(l.tp) * tp_bytes / k.intra_busbw + 10e-6 : 0.0;
+  const double regather_exposed = sp ? std::max(0.0, regather - gemm_time(C, qd + 2 * kvd, 1)) +
+                                           std::max(0.0, regather - gemm_time(C, 2 * F, 1))
+                                     : 0.0;
+  // The replicated adapter factor of each group needs its r-wide product summed over tp: B^T dy of a
+  // column-parallel group (for dA), A x of a row-parallel target (for dB). One all-reduce per group and layer.
+  double adapter_tp_layer = 0;
+  if (l.tp > 1 && adapters)
+    for (const AdapterGroup& g : groups)
+      adapter_tp_layer += ring_factor_all_reduce(l.tp) * 2.0 * double(n) * double(g.width) / k.intra_busbw + 10e-6;
+  // A stage's micro-batch period: its kernels with their launch gaps and its exposed tp collectives.
+  const auto period = [&](const PipelineStage& s) {
+    return micro_kernels(s) * (1 + rates.overhead) + tp_count(s) * tp_one +
+           double(s.layers()) * (adapter_tp_layer + regather_exposed);
+  };
+  int64_t slow = 0;
+  for (int64_t s = 1; s < l.pp; s++)
+    if (period(p.stages[s]) > period(p.stages[slow])) slow = s;
+  p.slowest_stage = slow;
+  const PipelineStage& st = p.stages[slow];
+  const double Ls = double(st.layers());
 
-  const double kernels = A * (L * (layer_fwd_gemm + layer_bwd_gemm + lora_fwd + lora_bwd + 2 * dequant + att_fwd +
-                                   att_bwd + layer_mem_fwd + layer_mem_bwd + recompute) +
-                              head) +
-                         adamw + grad_norm;
+  // Where the ranks sit: rank = (dp_rank x pp + stage) x tp + tp_rank (comm/comm.h Mesh), gpus_per_node to a node.
+  const auto node_of = [&](int64_t dp_rank, int64_t stage) { return (dp_rank * l.pp + stage) * l.tp / k.gpus_per_node; };
+  bool across = false;  // a dp group spans nodes
+  for (int64_t dr = 1; dr < l.dp; dr++)
+    for (int64_t s = 0; s < l.pp; s++) across |= node_of(dr, s) != node_of(0, s);
+  const double bw = across ? k.inter_busbw : k.intra_busbw;
+  const std::string link = across ? k.inter_note : k.intra_note;
+  const double latency = (across ? 25e-6 : 10e-6) * (l.dp > 1 ? 1 : 0);
+  const double g = ring_factor_gather(l.dp), ar = ring_factor_all_reduce(l.dp);
+  double base_bytes = 0;
+  if (adapters)
+    for (const ParamTensor& t : layout.tensors()) base_bytes += double(base_storage_bytes(t, lora.base_quant));
+  const std::string what = adapters ? "layer's adapter" : "unit";
+
+  // Each stage's optimizer and data-parallel collectives, over its own parameters (with adapters, pp 1: this rank's
+  // piece of each layer's adapters). The step ends with the stage whose tail is longest.
+  struct Tail {
+    int64_t owned = 0;
+    double adamw = 0, grad_norm = 0, dp_s = 0, dp_hidden = 0, overlap = 0, kernels = 0;
+    std::string dp_what;
+  };
+  const auto tail_of = [&](const PipelineStage& stage) {
+    Tail t;
+    int64_t params = 0, unit_count = 0;
+    for (int u : pipeline_stage_units(layout, stage)) {
+      const int64_t size = layout.unit_range(u).second - layout.unit_range(u).first;
+      params += size, unit_count++;
+      t.owned += l.zero >= 1 ? shard_range(size, 0, static_cast<int>(l.dp)).size() : size;
+    }
+    if (adapters) t.owned = L * (l.zero >= 1 ? shard_range(lora_layer, 0, static_cast<int>(l.dp)).size() : lora_layer);
+    t.adamw = mem_time(double(t.owned) * (4 + 2 * 4 + 4 * (l.bf16_moments ? 2 : 4) + 2),
+                       l.bf16_moments ? "adamw_bf16" : "adamw_fp32");
+    t.grad_norm = mem_time(4.0 * double(t.owned), "grad_norm");
+    t.kernels = A * micro_kernels(stage) + t.adamw + t.grad_norm;
+    // With adapters only their gradients cross dp (one unit per layer); at ZeRO-3 the frozen base's units are
+    // gathered too, in their stored bytes.
+    const double grads = adapters ? double(L * lora_layer) : double(params);
+    const double units = adapters ? double(L) : double(unit_count);
+    switch (l.zero) {
+      case 0:
+        t.dp_s = ar * 4.0 * grads / bw + latency * units;
+        t.dp_what = adapters ? "all-reduce of the adapters' fp32 gradients after the backward"
+                             : "all-reduce of the fp32 gradients after the backward";
+        break;
+      case 1:
+        t.dp_s = g * (4.0 + 4.0) * grads / bw + 2 * latency * units;
+        t.dp_what = str("reduce-scatter of the ", adapters ? "adapters' " : "",
+                        "fp32 gradients, all-gather of the weights (fp32, through the gradient buffer)");
+        break;
+      case 2:
+        t.dp_s = A * (g * 4.0 * grads / bw + latency * units) + g * 2.0 * grads / bw + latency * units;
+        t.dp_what = str("per micro-batch a reduce-scatter of each ", what,
+                        "'s fp32 gradient; after the step an all-gather of the ", adapters ? "adapters' " : "",
+                        "bf16 weights");
+        break;
+      default:
+        if (adapters) {
+          const double base_units = double(layout.num_units());
+          t.dp_s = A * (g * 2.0 * base_bytes / bw + 2 * latency * base_units + g * 4.0 * grads / bw + latency * units) +
+                   g * 2.0 * grads / bw + latency * units;
+          t.dp_what = str("per micro-batch two all-gathers of each unit of the frozen base (",
+                          lora.base_quant == BaseQuant::None ? "bf16" : base_quant_name(lora.base_quant), ", ",
+                          human_bytes(base_bytes), " per tp rank) and a reduce-scatter of each layer's adapter gradient");
+        } else {
+          t.dp_s = A * (g * (2.0 + 2.0 + 4.0) * grads / bw + 3 * latency * units);
+          t.dp_what =
+              "per micro-batch two all-gathers of each unit's bf16 weights and a reduce-scatter of its fp32 gradient";
+        }
+    }
+    // What the engine hides behind compute: ZeRO-0/1 on cuda communicate after the backward (nothing hidden);
+    // ZeRO-2/3 as designed overlap every unit but the first gather and the last reduce-scatter.
+    t.overlap = job.overlap ? *job.overlap : l.zero <= 1 ? 0.0 : 1.0 - 2.0 / (units + 2);
+    t.dp_hidden = std::min(t.dp_s * t.overlap, t.kernels);
+    return t;
+  };
+  int64_t tail_stage = 0;
+  Tail tail = tail_of(p.stages[0]);
+  for (int64_t s = 1; s < l.pp; s++) {
+    const Tail t = tail_of(p.stages[s]);
+    const auto length = [&](const Tail& x) { return (x.adamw + x.grad_norm) * (1 + rates.overhead) + x.dp_s - x.dp_hidden; };
+    if (length(t) > length(tail)) tail = t, tail_stage = s;
+  }
+
+  const double kernels = A * micro_kernels(st) + tail.adamw + tail.grad_norm;
   p.compute = {
-      {"layer GEMMs", A * L * (layer_fwd_gemm + layer_bwd_gemm),
+      {"layer GEMMs", A * Ls * (layer_fwd_gemm + layer_bwd_gemm),
        str(adapters ? "frozen: forward and input gradient, no weight gradient; " : "",
            rates.gemm_shapes.empty() ? "at the measured layer rates, " : "at the nearest measured shapes, ",
            format_number(rates.gemm_fwd / 1e12, 0), "/", format_number(rates.gemm_bwd / 1e12, 0), " TFLOP/s fwd/bwd")},
   };
   if (adapters)
     p.compute.push_back(
-        {"adapter GEMMs", A * L * (lora_fwd + lora_bwd),
+        {"adapter GEMMs", A * Ls * (lora_fwd + lora_bwd),
          str(human_count(double(lora_layer * L)), " adapter weights on this GPU (", describe_lora(lora), "): ",
              format_number(2.0 * double(n) * double(lora_layer) * 3 / 1e9, 2), " GFLOP and ",
              human_bytes(lora_fwd_bytes + lora_bwd_bytes), " per layer and micro-batch, ",
@@ -586,107 +756,92 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
                  ? "bound by the bytes at the copy bandwidth (r-wide GEMMs)"
                  : "bound by the FLOPs")});
   if (dequant > 0)
-    p.compute.push_back({"dequantization", A * L * 2 * dequant,
+    p.compute.push_back({"dequantization", A * Ls * 2 * dequant,
                          str(base_quant_name(lora.base_quant), " to bf16 per layer and use (forward, backward",
                              l.recompute == Recompute::Full ? "; a full recompute's third is under recompute" : "", "): ",
                              human_bytes(double(layer_quantized_bytes)), " read and ",
                              human_bytes(2.0 * double(layer_quantized_elements)), " written at the copy bandwidth")});
   const std::vector<TimeItem> rest = {
-      {"attention", A * L * (att_fwd + att_bwd),
+      {"attention", A * Ls * (att_fwd + att_bwd),
        str("hd ", c.head_dim, ", seq ", l.seq_len,
            span < l.seq_len ? str(", documents of ", format_number(doc_tokens, 0), " tokens (masked)") : std::string(),
            ": ", format_number(rates.attention_rate(c.head_dim, span, false) / 1e12, 0), "/",
            format_number(rates.attention_rate(c.head_dim, span, true) / 1e12, 0), " TFLOP/s fwd/bwd")},
-      {"norms, RoPE, SwiGLU", A * L * (layer_mem_fwd + layer_mem_bwd), "memory-bound, at their measured share of the copy bandwidth"},
-      {"loss head", A * head, str("lm_head at ", format_number(rates.lm_head / 1e12, 0), " TFLOP/s, cross-entropy",
-                                  adapters ? "; frozen: no weight gradient" : "")},
-      {"recompute", A * L * recompute, l.recompute == Recompute::None ? "none" : str(recompute_name(l.recompute), " recompute")},
-      {"AdamW and gradient norm", adamw + grad_norm,
-       str(human_count(double(owned)), adapters ? " adapter parameters owned" : " parameters owned")},
+      {"norms, RoPE, SwiGLU", A * Ls * (layer_mem_fwd + layer_mem_bwd),
+       str("memory-bound, at their measured share of the copy bandwidth", sp ? "; the norms on seq / tp rows (sp)" : "")},
+      {"loss head", st.head ? A * head : 0.0,
+       str("lm_head at ", format_number(rates.lm_head / 1e12, 0), " TFLOP/s, cross-entropy",
+           adapters ? "; frozen: no weight gradient" : "")},
+      {"recompute", A * Ls * recompute, l.recompute == Recompute::None ? "none" : str(recompute_name(l.recompute), " recompute")},
+      {"AdamW and gradient norm", tail.adamw + tail.grad_norm,
+       str(human_count(double(tail.owned)), adapters ? " adapter parameters owned" : " parameters owned",
+           l.pp > 1 ? str(" (stage ", tail_stage, ")") : std::string())},
       {"launch gaps", kernels * rates.overhead, str(format_number(100 * rates.overhead, 1), "% of kernel time, measured")},
   };
   p.compute.insert(p.compute.end(), rest.begin(), rest.end());
   p.compute_s = kernels * (1 + rates.overhead);
+  // 1F1B: m micro-batches take m + pp - 1 periods of the slowest stage; the pp - 1 more are the pipe filling and
+  // draining, when a stage waits (the bubble, (pp - 1) / m of the micro-batches' time).
+  p.bubble_s = double(l.pp - 1) * period(st);
 
-  // Communication. Tensor parallel: all-reduces of the activations inside a node, on the critical path.
-  const double tp_bytes = 2.0 * double(n) * double(C);  // one bf16 [tokens, hidden] tensor
-  const double tp_per_micro = l.tp > 1 ? double(4 * L + 2 + (l.recompute == Recompute::Full ? 2 * L : 0)) : 0.0;
-  double tp_s = A * tp_per_micro * (ring_factor_all_reduce(l.tp) * tp_bytes / k.intra_busbw + 10e-6);
+  // Communication.
+  const double tp_s = A * tp_count(st) * tp_one;
   if (l.tp > 1)
-    p.communication.push_back({"tensor-parallel all-reduces", tp_s,
-                               str(format_number(tp_per_micro, 0), " per micro-batch over ", l.tp, " GPUs, ",
-                                   human_bytes(tp_bytes), " each, ", k.intra_note)});
-  // The replicated adapter factor of each group needs its r-wide product summed over tp: B^T dy of a
-  // column-parallel group (for dA), A x of a row-parallel target (for dB). One all-reduce per group and layer.
-  if (l.tp > 1 && adapters) {
-    double s = 0;
-    for (const AdapterGroup& g : groups)
-      s += ring_factor_all_reduce(l.tp) * 2.0 * double(n) * double(g.width) / k.intra_busbw + 10e-6;
-    s *= A * double(L);
-    tp_s += s;
-    p.communication.push_back({"tensor-parallel adapter all-reduces", s,
+    p.communication.push_back(
+        {sp ? "tensor-parallel all-gathers and reduce-scatters (sp)" : "tensor-parallel all-reduces", tp_s,
+         str(format_number(tp_count(st), 0), sp ? " pairs" : "", " per micro-batch over ", l.tp, " GPUs, ",
+             human_bytes(tp_bytes), " each", sp ? " gathered or scattered (the all-reduce's bytes)" : "", ", ",
+             k.intra_note)});
+  const double adapter_tp_s = A * Ls * adapter_tp_layer;
+  if (l.tp > 1 && adapters)
+    p.communication.push_back({"tensor-parallel adapter all-reduces", adapter_tp_s,
                                str(groups.size(), " per layer and micro-batch (r-wide: latency-bound), ", k.intra_note)});
+  const double regather_s = A * Ls * 2 * regather, regather_exposed_s = A * Ls * regather_exposed;
+  if (sp)
+    p.communication.push_back(
+        {"sequence-parallel backward re-gathers", regather_s,
+         str("2 per layer and micro-batch (the norm outputs for the weight gradients of q|k|v and gate|up), ",
+             format_number(regather_s > 0 ? 100 * (1 - regather_exposed_s / regather_s) : 100, 0),
+             "% hidden behind the input-gradient GEMMs")});
+  // Pipeline point to point: per micro-batch an activation forward and its gradient backward across each stage
+  // boundary (with sp each tp rank's rows), on a stream of their own: hidden behind the next micro-batch's compute but
+  // for the pipe's fill (the first activation through every boundary) and drain (the last gradient back), and for
+  // whatever a transfer outlasts a micro-batch period.
+  double p2p_s = 0, p2p_exposed = 0;
+  if (l.pp > 1) {
+    const double p2p_bytes = 2.0 * (sp ? double(n) / double(l.tp) : double(n)) * double(C);
+    double worst = 0, fill_drain = 0;
+    bool crosses = false;
+    for (int64_t b = 0; b + 1 < l.pp; b++) {
+      bool across_b = false;
+      for (int64_t dr = 0; dr < l.dp; dr++) across_b |= node_of(dr, b) != node_of(dr, b + 1);
+      const double one = p2p_bytes / (across_b ? k.inter_busbw : k.intra_busbw) + (across_b ? 25e-6 : 10e-6);
+      worst = std::max(worst, one), fill_drain += 2 * one, crosses |= across_b;
+    }
+    p2p_s = A * 2 * worst;
+    p2p_exposed = fill_drain + A * std::max(0.0, worst - period(st));
+    p.communication.push_back(
+        {"pipeline sends (1F1B)", p2p_s,
+         str("per micro-batch an activation and its gradient, ", human_bytes(p2p_bytes), " each, across the slowest ",
+             "stage boundary (", crosses ? k.inter_note : k.intra_note, "); ",
+             format_number(p2p_s > 0 ? 100 * (1 - p2p_exposed / p2p_s) : 100, 0),
+             "% hidden behind compute (exposed: the pipe's fill and drain)")});
   }
-  // Data parallel: the ZeRO stage's collectives over the dp group (across nodes when there are several).
-  const bool across = k.nodes > 1 && l.dp > 1;
-  const double bw = across ? k.inter_busbw : k.intra_busbw;
-  const std::string link = across ? k.inter_note : k.intra_note;
-  const double latency = (across ? 25e-6 : 10e-6) * (l.dp > 1 ? 1 : 0);
-  double dp_s = 0;
-  std::string dp_what;
-  const double g = ring_factor_gather(l.dp), ar = ring_factor_all_reduce(l.dp);
-  // With adapters only their gradients cross dp (one unit per layer); at ZeRO-3 the frozen base's units are
-  // gathered too, in their stored bytes.
-  const double grads = adapters ? double(L * lora_layer) : double(P);
-  const double units = adapters ? double(L) : double(layout.num_units());
-  double base_bytes = 0;
-  if (adapters)
-    for (const ParamTensor& t : layout.tensors()) base_bytes += double(base_storage_bytes(t, lora.base_quant));
-  const std::string what = adapters ? "layer's adapter" : "unit";
-  switch (l.zero) {
-    case 0:
-      dp_s = ar * 4.0 * grads / bw + latency * units;
-      dp_what = adapters ? "all-reduce of the adapters' fp32 gradients after the backward"
-                         : "all-reduce of the fp32 gradients after the backward";
-      break;
-    case 1:
-      dp_s = g * (4.0 + 4.0) * grads / bw + 2 * latency * units;
-      dp_what = str("reduce-scatter of the ", adapters ? "adapters' " : "",
-                    "fp32 gradients, all-gather of the weights (fp32, through the gradient buffer)");
-      break;
-    case 2:
-      dp_s = A * (g * 4.0 * grads / bw + latency * units) + g * 2.0 * grads / bw + latency * units;
-      dp_what = str("per micro-batch a reduce-scatter of each ", what, "'s fp32 gradient; after the step an all-gather of the ",
-                    adapters ? "adapters' " : "", "bf16 weights");
-      break;
-    default:
-      if (adapters) {
-        const double base_units = double(layout.num_units());
-        dp_s = A * (g * 2.0 * base_bytes / bw + 2 * latency * base_units + g * 4.0 * grads / bw + latency * units) +
-               g * 2.0 * grads / bw + latency * units;
-        dp_what = str("per micro-batch two all-gathers of each unit of the frozen base (",
-                      lora.base_quant == BaseQuant::None ? "bf16" : base_quant_name(lora.base_quant), ", ",
-                      human_bytes(base_bytes), " per tp rank) and a reduce-scatter of each layer's adapter gradient");
-      } else {
-        dp_s = A * (g * (2.0 + 2.0 + 4.0) * double(P) / bw + 3 * latency * units);
-        dp_what = "per micro-batch two all-gathers of each unit's bf16 weights and a reduce-scatter of its fp32 gradient";
-      }
-  }
-  // What the engine hides behind compute: ZeRO-0/1 on cuda communicate after the backward (nothing hidden); ZeRO-2/3
-  // as designed overlap every unit but the first gather and the last reduce-scatter.
-  const double overlap = job.overlap ? *job.overlap : l.zero <= 1 ? 0.0 : 1.0 - 2.0 / (units + 2);
-  const char* overlap_source = job.overlap   ? " (--overlap)"
-                               : l.zero <= 1 ? " (ZeRO-0/1 communicate between passes: nothing hidden)"
-                                             : " (ZeRO-2/3 communicate on a stream of their own: all but the first "
-                                               "gather and the last reduce-scatter, assumed hidden)";
-  const double dp_hidden = std::min(dp_s * overlap, kernels);
   if (l.dp > 1)
-    p.communication.push_back({"data-parallel (ZeRO-" + std::to_string(l.zero) + ")", dp_s,
-                               str(dp_what, "; ", link, "; ", format_number(100 * overlap, 0), "% hidden behind compute",
-                                   overlap_source)});
-  p.communication_s = tp_s + dp_s;
-  p.exposed_s = tp_s + dp_s - dp_hidden;
-  p.step_s = p.compute_s + p.exposed_s;
+    p.communication.push_back({"data-parallel (ZeRO-" + std::to_string(l.zero) + ")", tail.dp_s,
+                               str(tail.dp_what, l.pp > 1 ? str(" (stage ", tail_stage, "'s own)") : std::string(), "; ",
+                                   link, "; ", format_number(100 * tail.overlap, 0), "% hidden behind compute",
+                                   job.overlap   ? " (--overlap)"
+                                   : l.zero <= 1 ? " (ZeRO-0/1 communicate between passes: nothing hidden)"
+                                                 : " (ZeRO-2/3 communicate on a stream of their own: all but the first "
+                                                   "gather and the last reduce-scatter, assumed hidden)")});
+  p.communication_s = tp_s + adapter_tp_s + regather_s + p2p_s + tail.dp_s;
+  p.exposed_s = tp_s + adapter_tp_s + regather_exposed_s + p2p_exposed + tail.dp_s - tail.dp_hidden;
+  p.step_s = p.compute_s + p.bubble_s + p.exposed_s;
+  if (l.pp > 1)
+    p.notes.push_back(str("pipeline: ", format_pipeline_stages(p.stages), "; 1F1B over ", job.grad_accum,
+                          " micro-batches: the bubble is (pp - 1) / m = ", format_number(100.0 * double(l.pp - 1) / A, 1),
+                          "% of stage ", slow, "'s micro-batch time (it sets the pace)"));
 
   // The job.
   p.tokens_per_step = double(l.micro_batch * l.seq_len) * A * double(l.dp);
@@ -703,7 +858,7 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
     // The frozen base whole on every dp rank needs no gathers; say which it is, and whether the other would fit.
     MemoryLayout other = l;
     other.zero = l.zero == 3 ? 2 : 3;
-    const double other_bytes = double(gpu_memory(c, other).plan.peak()) + k.reserve_bytes;
+    const double other_bytes = double(gpu_peak(c, other).peak) + k.reserve_bytes;
     const bool other_fits = other_bytes <= k.gpu.hbm_bytes;
     const std::string base = str("the frozen base (", lora.base_quant == BaseQuant::None ? "bf16" : base_quant_name(lora.base_quant),
                                  ", ", gb(base_bytes), l.tp > 1 ? " per tp rank" : "", ")");
@@ -720,6 +875,10 @@ Prediction predict(const JobSpec& job, const Rates& rates) {
   return p;
 }
 
+}  // namespace
+
+Prediction predict(const JobSpec& job, const Rates& rates) { return predict_layout(job, rates, true); }
+
 // ---- search ----
 
 namespace {
@@ -727,22 +886,34 @@ namespace {
 std::vector<JobSpec> layouts_of(const JobSpec& job) {
   // The global batch stays the user's: micro_batch x grad_accum x dp sequences.
   const int64_t global = job.layout.micro_batch * job.grad_accum * job.layout.dp;
+  const int64_t gpus = job.cluster.gpus();
   std::vector<JobSpec> out;
   for (int64_t tp = 1; tp <= job.cluster.gpus_per_node; tp *= 2) {
-    if (job.model.num_key_value_heads % tp != 0 || job.cluster.gpus() % tp != 0) continue;
-    const int64_t dp = job.cluster.gpus() / tp;
-    for (int zero = 0; zero <= 3; zero++)
-      for (int64_t mb : {1, 2, 4, 8, 16}) {
-        if (global % (mb * dp) != 0) continue;
-        for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
-          for (bool bf16 : {false, true}) {
-            JobSpec j = job;
-            j.layout.tp = tp, j.layout.dp = dp, j.layout.zero = zero, j.layout.micro_batch = mb;
-            j.layout.recompute = rc, j.layout.bf16_moments = bf16, j.layout.dp_rank = j.layout.tp_rank = 0;
-            j.grad_accum = global / (mb * dp);
-            out.push_back(j);
+    if (job.model.num_key_value_heads % tp != 0 || gpus % tp != 0) continue;
+    // Pipeline stages (not with adapters, which the plans do not stage) up to 8, as many as divide the GPUs left:
+    // each stage has a plan of its own to make, and deeper pipes need more micro-batches than stages per step.
+    for (int64_t pp = 1; pp <= std::min<int64_t>(8, job.model.num_hidden_layers) && gpus % (tp * pp) == 0; pp *= 2) {
+      if (pp > 1 && job.layout.lora.enabled()) break;
+      const int64_t dp = gpus / (tp * pp);
+      for (bool sp : {false, true}) {
+        if (sp && (tp == 1 || job.layout.seq_len % tp != 0)) continue;
+        // ZeRO-3 with stages would gather a stage's weights again for every micro-batch in flight: left out.
+        // At dp 1 ZeRO shards nothing (ZeRO-0 holds the least); the pp 1 search keeps every stage as before.
+        for (int zero = 0; zero <= (pp == 1 ? 3 : dp == 1 ? 0 : 2); zero++)
+          for (int64_t mb : {1, 2, 4, 8, 16}) {
+            if (global % (mb * dp) != 0 || global / (mb * dp) < pp) continue;
+            for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
+              for (bool bf16 : {false, true}) {
+                JobSpec j = job;
+                j.layout.tp = tp, j.layout.pp = pp, j.layout.sp = sp, j.layout.dp = dp, j.layout.zero = zero;
+                j.layout.micro_batch = mb, j.layout.recompute = rc, j.layout.bf16_moments = bf16;
+                j.layout.dp_rank = j.layout.tp_rank = j.layout.pp_rank = 0;
+                j.grad_accum = global / (mb * dp);
+                out.push_back(j);
+              }
           }
       }
+    }
   }
   return out;
 }
@@ -753,7 +924,7 @@ std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, s
   std::vector<Prediction> all;
   bool finished = false;
   for (const JobSpec& j : layouts_of(job)) {
-    all.push_back(predict(j, rates));
+    all.push_back(predict_layout(j, rates, false));
     finished |= all.back().fits && all.back().finishes;
   }
   // A full fine-tune that no layout finishes in time: the same job with adapters, the base in bf16 and in nf4.
@@ -762,7 +933,7 @@ std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, s
       JobSpec a = job;
       a.layout.lora = LoraPlan{};
       a.layout.lora.rank = job.offer_lora_rank, a.layout.lora.base_quant = quant;
-      for (const JobSpec& j : layouts_of(a)) all.push_back(predict(j, rates));
+      for (const JobSpec& j : layouts_of(a)) all.push_back(predict_layout(j, rates, false));
     }
   std::stable_sort(all.begin(), all.end(), [](const Prediction& a, const Prediction& b) {
     if (a.fits != b.fits) return a.fits;
@@ -783,7 +954,8 @@ std::string dollars(double x) {
 }
 
 std::string layout_text(const MemoryLayout& l, int64_t accum) {
-  return str(l.lora.enabled() ? describe_lora(l.lora) + ", " : "", "dp ", l.dp, " x tp ", l.tp, ", ZeRO-", l.zero,
+  return str(l.lora.enabled() ? describe_lora(l.lora) + ", " : "", "dp ", l.dp,
+             l.pp > 1 ? str(" x pp ", l.pp) : std::string(), " x tp ", l.tp, l.sp ? " with sp" : "", ", ZeRO-", l.zero,
              ", micro_batch ", l.micro_batch, " x seq ", l.seq_len, ", grad_accum ", accum, ", recompute ",
              recompute_name(l.recompute), l.bf16_moments ? ", bf16 moments" : "");
 }
@@ -823,9 +995,17 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
     << p.layout.micro_batch * p.grad_accum * p.layout.dp << " sequences, " << human_count(p.tokens_per_step)
     << " tokens)\n\n";
 
+  if (p.layout.pp > 1) {
+    o << "pipeline: " << format_pipeline_stages(p.stages) << "\n";
+    for (size_t s = 0; s < p.stages.size(); s++)
+      o << "  stage " << s << ": " << gb(p.stage_gpu_bytes[s]) << " per GPU with the reserve"
+        << (int64_t(s) == p.fullest_stage ? " (the fullest: its plan below)" : "") << "\n";
+    o << "\n";
+  }
   o << format_memory_table(p.memory, 0,
-                           str("memory per GPU (rank 0)", p.memory_is_engines ? ", the CUDA engine's own plan:"
-                                                                              : ", AS DESIGNED (the CUDA engine does not implement this layout yet):"));
+                           str("memory per GPU (rank 0", p.layout.pp > 1 ? str(" of stage ", p.fullest_stage) : std::string(),
+                               ")", p.memory_is_engines ? ", the CUDA engine's own plan:"
+                                                        : ", AS DESIGNED (the CUDA engine does not implement this layout yet):"));
   o << "  " << std::left;
   o << str("reserve outside the plan (CUDA context, cuBLASLt, NCCL): ", gb(k.reserve_bytes),
            " (an estimate; gpu-check measures it)\n");
@@ -833,10 +1013,17 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
     << format_number(k.gpu.hbm_bytes / double(1 << 30), 1) << " GiB): "
     << (p.fits ? str("FITS (", gb(k.gpu.hbm_bytes - p.gpu_bytes), " left)") : "DOES NOT FIT") << "\n\n";
 
-  o << "step time (one optimizer step; every GPU the same):\n";
+  if (p.layout.pp > 1)
+    o << "step time (one optimizer step; stage " << p.slowest_stage << ", the slowest, sets every stage's pace):\n";
+  else
+    o << "step time (one optimizer step; every GPU the same):\n";
   for (const TimeItem& t : p.compute)
     if (t.seconds > 0) o << "  " << str(t.name, ": ") << format_number(t.seconds * 1e3, 1) << " ms  (" << t.note << ")\n";
   o << "  compute " << format_number(p.compute_s * 1e3, 1) << " ms\n";
+  if (p.layout.pp > 1)
+    o << "  pipeline bubble (1F1B): " << format_number(p.bubble_s * 1e3, 1) << " ms  (" << p.layout.pp - 1
+      << " micro-batch periods of stage " << p.slowest_stage << ", its compute and tp collectives: (pp - 1) / m = "
+      << format_number(100.0 * double(p.layout.pp - 1) / double(p.grad_accum), 1) << "%)\n";
   for (const TimeItem& t : p.communication)
     o << "  " << t.name << ": " << format_number(t.seconds * 1e3, 1) << " ms  (" << t.note << ")\n";
   o << "  communication " << format_number(p.communication_s * 1e3, 1) << " ms, of which exposed "
@@ -915,7 +1102,7 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
     for (int64_t nodes = k.nodes * 2; nodes <= k.nodes * 64; nodes *= 2) {
       JobSpec more = job;
       more.cluster.nodes = nodes;
-      more.layout.dp = more.cluster.gpus() / more.layout.tp;
+      more.layout.dp = more.cluster.gpus() / (more.layout.tp * more.layout.pp);
       const std::optional<Prediction> b = best_fit(more, rates);
       if (b && b->finishes && b->within_budget) {
         o << "  - " << nodes << " nodes (" << more.cluster.gpus() << " GPUs), " << layout_text(b->layout, b->grad_accum)
@@ -930,7 +1117,8 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
       if (m.n_params() >= job.model.n_params() || p.layout.seq_len > m.max_position_embeddings) continue;
       JobSpec smaller = job;
       smaller.model = m, smaller.model_name = name;
-      if (m.num_key_value_heads % smaller.layout.tp != 0) smaller.layout.tp = 1, smaller.layout.dp = k.gpus();
+      if (m.num_key_value_heads % smaller.layout.tp != 0 || smaller.layout.pp > m.num_hidden_layers)
+        smaller.layout.tp = 1, smaller.layout.pp = 1, smaller.layout.sp = false, smaller.layout.dp = k.gpus();
       const std::optional<Prediction> b = best_fit(smaller, rates);
       if (!b) continue;
       o << "  - " << name << " (" << human_count(double(m.n_params())) << "), " << layout_text(b->layout, b->grad_accum)
@@ -961,12 +1149,14 @@ std::string format_search(const JobSpec& job, const std::vector<Prediction>& ran
       break;
     }
   char line[320];
-  std::snprintf(line, sizeof line, "  %-10s %3s %4s %5s %3s %5s %-9s %-5s %9s %8s %6s %10s %10s  %s\n", "method", "tp", "dp",
-                "ZeRO", "mb", "accum", "recompute", "mom.", "GB/GPU", "tok/s/GPU", "MFU", "wall", "cost", "on cuda today");
+  std::snprintf(line, sizeof line, "  %-10s %3s %2s %-3s %4s %5s %3s %5s %-9s %-5s %9s %8s %6s %10s %10s  %s\n", "method",
+                "tp", "pp", "sp", "dp", "ZeRO", "mb", "accum", "recompute", "mom.", "GB/GPU", "tok/s/GPU", "MFU", "wall",
+                "cost", "on cuda today");
   o << line;
   for (const Prediction& p : ranked) {
-    std::snprintf(line, sizeof line, "  %-10s %3lld %4lld %5d %3lld %5lld %-9s %-5s %9.1f %8.0f %5.1f%% %10s %10s  %s%s\n",
-                  method_text(p.layout.lora).c_str(), (long long)p.layout.tp, (long long)p.layout.dp, p.layout.zero, (long long)p.layout.micro_batch,
+    std::snprintf(line, sizeof line, "  %-10s %3lld %2lld %-3s %4lld %5d %3lld %5lld %-9s %-5s %9.1f %8.0f %5.1f%% %10s %10s  %s%s\n",
+                  method_text(p.layout.lora).c_str(), (long long)p.layout.tp, (long long)p.layout.pp,
+                  p.layout.sp ? "yes" : "no", (long long)p.layout.dp, p.layout.zero, (long long)p.layout.micro_batch,
                   (long long)p.grad_accum, recompute_name(p.layout.recompute), p.layout.bf16_moments ? "bf16" : "fp32",
                   p.gpu_bytes / 1e9, p.tokens_per_s_per_gpu, 100 * p.mfu, human_duration(p.wall_s).c_str(),
                   job.price_per_gpu_hour > 0 ? dollars(p.cost).c_str() : "-", p.memory_is_engines ? "yes" : "no (design)",

@@ -5,6 +5,11 @@
 //                    For a layout the engine's plan refuses (tensor parallelism was one until issue 9 brought it
 //                    to cuda), the planner says so and prices the layout as designed instead (design_gpu_memory),
 //                    marked as such.
+//   pipeline (pp)    world = dp x pp x tp (tp inside a node, pp next, dp outermost, as comm/comm.h's Mesh): each
+//                    stage's memory is its own plan (the first stage holds the most micro-batches in flight under
+//                    1F1B); the step is the slowest stage's micro-batch period x (m + pp - 1) (the bubble is
+//                    (pp - 1) / m of it), with the activations and their gradients sent between stages over the link
+//                    the two stages share, overlapped with compute but for the pipe's fill and drain.
 //   step time        compute from measured rates (plan/plan_rates.json: GEMM and attention TFLOP/s, memory-bound
 //                    kernels as a share of the measured copy bandwidth, launch gaps), never from datasheets alone;
 //                    communication from the bytes each collective moves over the bus bandwidth of the link it
@@ -24,6 +29,7 @@
 
 #include "model/config.h"
 #include "model/memory_plan.h"
+#include "model/pipeline.h"
 
 namespace tuna {
 
@@ -100,8 +106,8 @@ struct JobSpec {
   LlamaConfig model;
   std::string model_name;
   Cluster cluster;
-  MemoryLayout layout;       // dp, tp, zero, recompute, bf16_moments, micro_batch, seq_len, lora (dp/tp rank 0)
-  int64_t grad_accum = 1;
+  MemoryLayout layout;       // dp, pp, tp, sp, zero, recompute, bf16_moments, micro_batch, seq_len, lora (rank 0)
+  int64_t grad_accum = 1;    // micro-batches per optimizer step (with pp: those that flow through the pipe)
   double tokens = 0;         // the token budget: the corpus, or what the user wants trained
   double hours = 0;          // the time limit; 0: none
   double price_per_gpu_hour = 0;
@@ -126,6 +132,11 @@ struct TimeItem {
 struct Prediction {
   MemoryLayout layout;
   int64_t grad_accum = 1;
+  // Pipeline stages (pp 1: one): the layer split, each stage's memory (its plan's peak + the reserve), the stage whose
+  // plan `memory` is (the fullest: the layout fits when it does), and the stage whose compute sets the pace.
+  std::vector<PipelineStage> stages;
+  std::vector<double> stage_gpu_bytes;
+  int64_t fullest_stage = 0, slowest_stage = 0;
   MemoryPlan memory;
   bool memory_is_engines = true;  // false: the layout as designed (the CUDA engine does not implement it yet)
   std::string not_implemented;    // the engine's refusal, when memory_is_engines is false
@@ -133,6 +144,7 @@ struct Prediction {
   bool fits = false;
   std::vector<TimeItem> compute, communication;  // per optimizer step
   double compute_s = 0, communication_s = 0, exposed_s = 0, step_s = 0;
+  double bubble_s = 0;  // 1F1B's fill and drain: pp - 1 micro-batch periods of the slowest stage, idle
   double tokens_per_step = 0, tokens_per_s_per_gpu = 0, mfu = 0;
   double steps = 0, wall_s = 0, cost = 0;
   bool finishes = true, within_budget = true;
@@ -141,8 +153,8 @@ struct Prediction {
 
 Prediction predict(const JobSpec& job, const Rates& rates);
 
-// Layouts of the same cluster and global batch (tp, ZeRO stage, micro-batch, recompute, bf16 moments), those that
-// fit first, fastest first. `limit`: at most this many. When the job is a full fine-tune with a time limit that no
+// Layouts of the same cluster and global batch (tp, pipeline stages, sp, ZeRO stage, micro-batch, recompute, bf16
+// moments), those that fit first, fastest first. `limit`: at most this many. When the job is a full fine-tune with a time limit that no
 // layout meets, and offer_adapters, the adapters of job.offer_lora_rank are searched too (Prediction::layout.lora).
 std::vector<Prediction> search_layouts(const JobSpec& job, const Rates& rates, size_t limit = 12,
                                        bool offer_adapters = true);

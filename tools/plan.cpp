@@ -2,6 +2,7 @@
 //
 //   build/plan --model llama-2-70b --gpu h100-80gb --nodes 2 --tokens 130B --hours 72 --price 4.34
 //              --tp 8 --zero 3 --micro_batch 1 --seq_len 4096 --grad_accum 32 [--search]    (one line)
+//   build/plan --model llama-2-70b --gpu h100-80gb --nodes 2 --tokens 130B --pp 2 --tp 8 --sp ...  (pipeline + sp)
 //   build/plan --model ~/models/Llama-3.2-1B --gpu h200 --data 'data/contracts/train-*.bin' --json
 //   build/plan --model llama-2-70b --gpu h100-80gb --gpus_per_node 1 --tokens 100M --lora_rank 16 --base_quant nf4
 //   build/plan --refresh_rates GPU_CHECK_OUTDIR [--rates_out plan/plan_rates.json]
@@ -36,11 +37,11 @@ double tokens_in_shards(const std::string& specs) {
 int main(int argc, char** argv) {
   try {
     std::string model, gpu = "h100-80gb", tokens_text, data, recompute = "none", rates_path, refresh, rates_out;
-    int64_t gpus_per_node = 8, nodes = 1, tp = 1, zero = 0, micro_batch = 1, seq_len = 4096, grad_accum = 1;
+    int64_t gpus_per_node = 8, nodes = 1, tp = 1, pp = 1, zero = 0, micro_batch = 1, seq_len = 4096, grad_accum = 1;
     int64_t nics_per_node = 8;
     double intra_gbps = 0, inter_gbps = 0, nic_gbit = 400, hours = 0, price = 0, budget = 0, text_gb = 0;
     double bytes_per_token = 3.85, reserve_gib = 1.5, overlap = -1, mean_doc_tokens = 0;
-    bool bf16_moments = false, search = false, as_json = false;
+    bool bf16_moments = false, search = false, as_json = false, sp = false, stage_tables = false;
     int64_t lora_rank = 0, search_lora_rank = 16;
     double lora_dropout = 0;
     std::string lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", base_quant = "none";
@@ -55,7 +56,11 @@ int main(int argc, char** argv) {
     o.add("inter_gbps", &inter_gbps, "bus bandwidth between nodes, GB/s per GPU (default: nics_per_node x nic_gbit at 80%)");
     o.add("nics_per_node", &nics_per_node, "InfiniBand/RoCE NICs per node");
     o.add("nic_gbit", &nic_gbit, "Gb/s of one NIC");
-    o.add("tp", &tp, "tensor-parallel ranks (inside a node); dp = GPUs / tp");
+    o.add("tp", &tp, "tensor-parallel ranks (inside a node); dp = GPUs / (tp x pp)");
+    o.add("pp", &pp, "pipeline stages (1F1B; the layers split by cost, the embedding on the first stage and the head on "
+                     "the last; stages span nodes, tp stays inside one)", Bounds::at_least(1));
+    o.add("sp", &sp, "sequence parallelism with tp (Megatron's): the norm and residual region split along the sequence "
+                     "over the tp ranks");
     o.add("zero", &zero, "ZeRO stage over dp: 0-3");
     o.add("recompute", &recompute, "activation recompute: none | selective | full");
     o.add("bf16_moments", &bf16_moments, "AdamW moments in bf16");
@@ -84,6 +89,8 @@ int main(int argc, char** argv) {
     o.add("reserve_gib", &reserve_gib, "GPU memory outside the plan per GPU (CUDA context, cuBLASLt, NCCL)");
     o.add("overlap", &overlap, "share of the ZeRO collectives hidden behind compute, 0-1 (default: what the engine does)");
     o.add("search", &search, "rank every layout that fits by predicted time");
+    o.add("stage_tables", &stage_tables, "print every pipeline stage's memory table and verdict, as build/train "
+                                         "--plan_only prints it on that stage's ranks (the card's memory as capacity)");
     o.add("json", &as_json, "print the prediction as one JSON object (scripts)");
     o.add("rates", &rates_path, "measured rates table (default: plan/plan_rates.json of this checkout)");
     o.add("refresh_rates", &refresh, "a gpu-check OUTDIR: write the rates table refreshed from its bench JSON and stop");
@@ -119,7 +126,10 @@ int main(int argc, char** argv) {
                                                   " x ", nic_gbit, " Gb/s per node, 80% assumed reached)");
     job.cluster.reserve_bytes = reserve_gib * double(1 << 30);
     if (tp < 1 || job.cluster.gpus() % tp != 0) fail("--tp ", tp, " must divide the ", job.cluster.gpus(), " GPUs");
-    job.layout.tp = tp, job.layout.dp = job.cluster.gpus() / tp, job.layout.zero = static_cast<int>(zero);
+    if (job.cluster.gpus() % (tp * pp) != 0)
+      fail("--pp ", pp, " x --tp ", tp, " must divide the ", job.cluster.gpus(), " GPUs (world = dp x pp x tp)");
+    job.layout.tp = tp, job.layout.pp = pp, job.layout.sp = sp, job.layout.dp = job.cluster.gpus() / (tp * pp);
+    job.layout.zero = static_cast<int>(zero);
     job.layout.recompute = parse_recompute(recompute, "option 'recompute'");
     job.layout.bf16_moments = bf16_moments, job.layout.micro_batch = micro_batch, job.layout.seq_len = seq_len;
     job.grad_accum = grad_accum;
@@ -145,6 +155,9 @@ int main(int argc, char** argv) {
                           {"method", describe_lora(job.layout.lora)},
                           {"adapter_params", lora_params(job.model, job.layout.lora, 1)},
                           {"gpus", job.cluster.gpus()},        {"memory_plan", memory_plan_json(p.memory)},
+                          {"pp", job.layout.pp},               {"sp", job.layout.sp},
+                          {"stage_gpu_bytes", p.stage_gpu_bytes}, {"fullest_stage", p.fullest_stage},
+                          {"slowest_stage", p.slowest_stage},  {"bubble_s", p.bubble_s},
                           {"memory_is_engines", p.memory_is_engines}, {"gpu_bytes", p.gpu_bytes},
                           {"fits", p.fits},                    {"compute_s", p.compute_s},
                           {"communication_s", p.communication_s}, {"exposed_s", p.exposed_s},
@@ -157,6 +170,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     std::printf("%s", format_plan(job, p, rates).c_str());
+    if (stage_tables)
+      for (int64_t s = 0; s < job.layout.pp; s++) {
+        MemoryLayout stage = job.layout;
+        stage.pp_rank = s;
+        std::printf("\n%s", check_gpu_fit(job.model, stage, static_cast<int64_t>(job.cluster.gpu.hbm_bytes)).report.c_str());
+      }
     if (search) std::printf("\n%s", format_search(job, search_layouts(job, rates)).c_str());
     return 0;
   } catch (const tuna::Error& e) {

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "model/layout.h"
 #include "model/lora_shape.h"
+#include "model/pipeline.h"
 #include "plan/planner.h"
 #include "tests/test_util.h"
 
@@ -305,6 +306,156 @@ TEST(Planner, SearchOffersAdaptersWhenAFullFineTuneCannotFinish) {
   j.offer_lora_rank = 0;  // offer none
   for (const Prediction& p : search_layouts(j, repository_rates(), SIZE_MAX)) EXPECT_FALSE(p.layout.lora.enabled());
 }
+
+// ---- pipeline stages and sequence parallelism (as designed) ----
+
+const TimeItem* comm_item(const Prediction& p, const std::string& prefix) {
+  for (const TimeItem& t : p.communication)
+    if (t.name.rfind(prefix, 0) == 0) return &t;
+  return nullptr;
+}
+
+// pp x tp x dp on the seed cluster (2 nodes of 8 H100): the layout, its global batch 64 kept.
+JobSpec pipeline_job(int64_t pp, int64_t tp, bool sp, int zero, int64_t mb, Recompute recompute) {
+  JobSpec j = job_of("llama-2-70b", "h100-80gb", 2, tp, zero, mb, 4096, 1);
+  j.layout.pp = pp, j.layout.sp = sp, j.layout.dp = 16 / (pp * tp), j.layout.recompute = recompute;
+  j.layout.bf16_moments = true;
+  j.grad_accum = 64 / (mb * j.layout.dp);
+  return j;
+}
+
+// 1F1B: m micro-batches take m + pp - 1 periods of the slowest stage; the pp - 1 more are the bubble, idle. The
+// period is the stage's kernels (with launch gaps) and its tp collectives, on the critical path.
+TEST(Planner, PipelineBubbleIsPpMinusOnePeriodsOfTheSlowestStage) {
+  const Rates& rates = repository_rates();
+  for (int64_t pp : {2, 4}) {
+    SCOPED_TRACE(testing::Message() << "pp " << pp);
+    const JobSpec j = pipeline_job(pp, 4, false, 0, 1, Recompute::Selective);
+    const Prediction p = predict(j, rates);
+    ASSERT_EQ(p.stages.size(), size_t(pp));
+    const double m = double(j.grad_accum), opt = part_of(p, "AdamW and gradient norm");
+    const double micro_batches = p.compute_s - opt * (1 + rates.overhead) + comm_item(p, "tensor-parallel")->seconds;
+    EXPECT_NEAR(p.bubble_s, double(pp - 1) / m * micro_batches, 1e-9 * p.step_s);
+    EXPECT_NEAR(p.step_s, p.compute_s + p.bubble_s + p.exposed_s, 1e-12);
+    // The slowest stage is the last (its head), its layers the 70B split's: 80 / pp each.
+    EXPECT_EQ(p.slowest_stage, pp - 1);
+    EXPECT_EQ(p.stages[pp - 1].layers(), 80 / pp);
+  }
+  // The bubble shrinks with m: 64 micro-batches of 1 against 16 of 4 at pp 4.
+  const Prediction many = predict(pipeline_job(4, 4, true, 0, 1, Recompute::Selective), rates);
+  const Prediction few = predict(pipeline_job(4, 4, true, 0, 4, Recompute::Selective), rates);
+  EXPECT_LT(many.bubble_s / many.step_s, few.bubble_s / few.step_s);
+  EXPECT_NEAR(many.bubble_s / (many.compute_s + many.bubble_s), 3.0 / 67, 0.01);
+}
+
+// Point to point: per micro-batch a bf16 [tokens, hidden] activation forward and its gradient backward across each
+// boundary, over InfiniBand when the pipe spans the nodes (pp 2 x tp 8: a stage per node), NVLink inside one; with sp
+// each tp rank sends its seq / tp rows. Overlapped with compute but for the pipe's fill and drain.
+TEST(Planner, PipelineSendsAreTheActivationAndItsGradientOverTheStagesLink) {
+  const Rates& rates = repository_rates();
+  JobSpec j = pipeline_job(2, 8, false, 0, 1, Recompute::Selective);
+  const double A = double(j.grad_accum), bytes = 2.0 * 4096 * 8192;
+  const Prediction across = predict(j, rates);
+  const double one = bytes / 40e9 + 25e-6;
+  ASSERT_NE(comm_item(across, "pipeline sends"), nullptr);
+  EXPECT_NEAR(comm_item(across, "pipeline sends")->seconds, A * 2 * one, 1e-12);
+  j.layout.sp = true;
+  EXPECT_NEAR(comm_item(predict(j, rates), "pipeline sends")->seconds, A * 2 * (bytes / 8 / 40e9 + 25e-6), 1e-12);
+  // One node, pp 2 x tp 4: the boundary is inside the node.
+  JobSpec inside = job_of("llama-2-70b", "h100-80gb", 1, 4, 0, 1, 4096, 8);
+  inside.layout.pp = 2, inside.layout.dp = 1;
+  const Prediction in = predict(inside, rates);
+  EXPECT_NEAR(comm_item(in, "pipeline sends")->seconds, 8 * 2 * (bytes / 360e9 + 10e-6), 1e-12);
+  // Hidden but for the fill and drain: one activation in and one gradient out per boundary.
+  EXPECT_NEAR(across.exposed_s - comm_item(across, "tensor-parallel")->seconds, 2 * one, 1e-12);
+  // pp 1 sends nothing.
+  EXPECT_EQ(comm_item(predict(pipeline_job(1, 8, false, 3, 1, Recompute::Full), rates), "pipeline sends"), nullptr);
+}
+
+// sp: the tp collectives move the all-reduce's bytes as an all-gather and a reduce-scatter (one more latency each),
+// the norms run on seq / tp rows, the norm and residual region's activations shrink by tp.
+TEST(Planner, SequenceParallelismKeepsTheBytesAndLowersActivationMemory) {
+  const Rates& rates = repository_rates();
+  const JobSpec plain = pipeline_job(2, 8, false, 0, 1, Recompute::Selective);
+  JobSpec with = plain;
+  with.layout.sp = true;
+  const Prediction a = predict(plain, rates), b = predict(with, rates);
+  const double collectives = 4.0 * 40 + 1;  // the last stage: 40 layers and the head
+  EXPECT_NEAR(comm_item(b, "tensor-parallel")->seconds - comm_item(a, "tensor-parallel")->seconds,
+              double(plain.grad_accum) * collectives * 10e-6, 1e-9);
+  EXPECT_LT(b.memory.bytes(MemoryKind::Activations), a.memory.bytes(MemoryKind::Activations));
+  EXPECT_LT(b.gpu_bytes, a.gpu_bytes);
+  EXPECT_LT(part_of(b, "norms, RoPE, SwiGLU"), part_of(a, "norms, RoPE, SwiGLU"));
+  // The backward's re-gathers of the norm outputs hide behind the input-gradient GEMMs at this shape.
+  ASSERT_NE(comm_item(b, "sequence-parallel backward re-gathers"), nullptr);
+  EXPECT_EQ(comm_item(a, "sequence-parallel backward re-gathers"), nullptr);
+  EXPECT_LT(b.step_s, a.step_s);
+}
+
+// Every stage has its own plan; the first holds the most micro-batches in flight, and the layout fits when the
+// fullest stage does. Each stage's optimizer and dp collectives are over its own parameters.
+TEST(Planner, EachStageIsPlannedAndTheFullestDecides) {
+  const Rates& rates = repository_rates();
+  const JobSpec j = pipeline_job(4, 4, true, 0, 1, Recompute::None);
+  const Prediction p = predict(j, rates);
+  ASSERT_EQ(p.stage_gpu_bytes.size(), 4u);
+  EXPECT_EQ(p.fullest_stage, 0);
+  for (size_t s = 1; s < 4; s++) EXPECT_LT(p.stage_gpu_bytes[s], p.stage_gpu_bytes[s - 1]);
+  EXPECT_EQ(p.gpu_bytes, p.stage_gpu_bytes[0]);
+  EXPECT_FALSE(p.memory_is_engines);
+  const std::string text = format_plan(j, p, rates);
+  EXPECT_NE(text.find("AS DESIGNED"), std::string::npos);
+  EXPECT_NE(text.find("stage 0: embedding + layers 0-19 (20)"), std::string::npos) << text;
+  EXPECT_NE(text.find("pipeline bubble (1F1B)"), std::string::npos) << text;
+  // dp 2 x pp 2 x tp 4 at ZeRO-1: the dp groups span the nodes; the reduce-scatter and gather move a stage's
+  // parameters (half the model's layers, and the embedding or the head), not the model's.
+  JobSpec z = pipeline_job(2, 4, true, 1, 1, Recompute::Selective);
+  const Prediction q = predict(z, rates);
+  const ParamLayout layout(z.model, 0, 4);
+  double worst = 0;
+  for (const PipelineStage& st : q.stages) {
+    double params = 0, units = 0;
+    for (int u : pipeline_stage_units(layout, st))
+      params += double(layout.unit_range(u).second - layout.unit_range(u).first), units++;
+    worst = std::max(worst, 0.5 * 8.0 * params / 40e9 + 2 * 25e-6 * units);
+  }
+  EXPECT_NEAR(comm_item(q, "data-parallel")->seconds, worst, 1e-9);
+  EXPECT_LT(comm_item(q, "data-parallel")->seconds, 0.5 * 8.0 * double(layout.total()) / 40e9 * 0.55);
+}
+
+TEST(Planner, PipelineLayoutsRefuseWhatTheyCannotRun) {
+  const Rates& rates = repository_rates();
+  JobSpec j = pipeline_job(4, 4, false, 0, 1, Recompute::None);
+  j.grad_accum = 2;
+  EXPECT_NE(error_of([&] { predict(j, rates); }).find("--grad_accum 2 with --pp 4"), std::string::npos);
+  j = pipeline_job(4, 4, false, 0, 1, Recompute::None);
+  j.layout.dp = 2;
+  EXPECT_NE(error_of([&] { predict(j, rates); }).find("dp 2 x pp 4 x tp 4 is 32 ranks"), std::string::npos);
+}
+
+// The seed job (README "The 70B job"): the search finds a pipeline layout with sp at >= 1,050 tokens/s per GPU
+// within the 80 GB card, from today's rates, where the best layout without stages is far below.
+TEST(Planner, TheSeedJobsSearchFindsAPipelineLayout) {
+  JobSpec j = job_of("llama-2-70b", "h100-80gb", 2, 8, 3, 1, 4096, 32);
+  j.layout.recompute = Recompute::Full, j.layout.bf16_moments = true, j.offer_lora_rank = 0;
+  const std::vector<Prediction> ranked = search_layouts(j, repository_rates(), SIZE_MAX);
+  ASSERT_TRUE(ranked[0].fits);
+  EXPECT_GT(ranked[0].layout.pp, 1);
+  EXPECT_TRUE(ranked[0].layout.sp);
+  EXPECT_GE(ranked[0].tokens_per_s_per_gpu, 1050);
+  double best_without = 0;
+  for (const Prediction& p : ranked) {
+    EXPECT_EQ(p.layout.dp * p.layout.pp * p.layout.tp, 16);
+    EXPECT_EQ(p.layout.micro_batch * p.grad_accum * p.layout.dp, 64);
+    if (p.layout.pp > 1) {
+      EXPECT_GE(p.grad_accum, p.layout.pp);
+    }
+    if (p.fits && p.layout.pp == 1 && !p.layout.sp) best_without = std::max(best_without, p.tokens_per_s_per_gpu);
+  }
+  EXPECT_LT(best_without, 0.8 * ranked[0].tokens_per_s_per_gpu);
+  EXPECT_NE(format_search(j, ranked).find(" pp sp "), std::string::npos);
+}
+
 
 TEST(Planner, CountsTakeSuffixes) {
   EXPECT_DOUBLE_EQ(parse_count("130B", "x"), 130e9);
