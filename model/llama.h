@@ -26,6 +26,7 @@
 #include "model/layout.h"
 #include "model/lora.h"       // LoraConfig, LoraLayout
 #include "model/optimizer.h"  // Segment
+#include "model/pipeline.h"   // PipelineStage
 
 namespace tuna {
 
@@ -49,6 +50,10 @@ struct LlamaParallel {
   Comm* tp = nullptr;          // tensor-parallel group (null or size 1: none)
   bool external_weights = false;  // params and grads stay empty; set_weight_store() supplies them (ZeRO-3)
   bool external_grads = false;    // grads stays empty; the weight store takes each unit's gradient (ZeRO-2)
+  // Pipeline parallelism (--pp): the stage this model runs (layout and layers: ParamLayout's stage constructor), and
+  // how many micro-batches' activations it keeps at once (1F1B: pp - stage). Null: the whole model, one at a time.
+  const PipelineStage* stage = nullptr;
+  int64_t in_flight = 1;
 };
 
 // How a packed window treats the documents in it (options --document_mask and --document_positions). The
@@ -120,6 +125,24 @@ class Llama {
   // The same loss without gradients (evaluation).
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions = nullptr);
+  // A pipeline stage's passes (LlamaParallel::stage), one micro-batch at a time in any interleaving of up to
+  // in_flight micro-batches, each in its activation slot (0 .. in_flight - 1) from its forward to its backward.
+  // The stage's input: the first stage embeds `inputs`; the others read stage_input(slot), [batch * seq, hidden],
+  // which the caller fills with the previous stage's stage_output() first. forward_stage returns the loss on the
+  // last stage (and, with backward_follows, has its head's gradient ready) and nothing elsewhere. backward_stage
+  // takes the next stage's input gradient in stage_output_grad() (the last stage: its own loss), accumulates the
+  // stage's weight gradients and leaves its input gradient in stage_input_grad() for the previous stage. The same
+  // inputs and positions go to the forward and the backward of a micro-batch.
+  LossSum forward_stage(int64_t slot, const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                        const int32_t* positions, bool backward_follows);
+  void backward_stage(int64_t slot, const int32_t* inputs, int64_t batch, int64_t seq, const int32_t* positions);
+  float* stage_input(int64_t slot);
+  const float* stage_output() const { return resid_out_.data(); }  // until the next forward_stage
+  float* stage_output_grad() { return d_resid_.data(); }
+  const float* stage_input_grad() const { return d_resid_.data(); }  // until the next backward_stage
+  const PipelineStage& stage() const { return stage_; }
+  int64_t in_flight() const { return in_flight_; }
+
   // Full logits [batch, seq, vocab] (tests, generation); not under tensor parallelism. positions as above.
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits,
                       const int32_t* positions = nullptr);
@@ -164,6 +187,9 @@ class Llama {
   // d(final norm output) into d_final_norm_ and accumulates the head's weight gradient.
   LossSum head(const int32_t* targets, int64_t rows, bool want_grad, float* logits_out);
   void backward(const int32_t* inputs, int64_t batch, int64_t seq);
+  // Layer l's activations in the current slot (a stage's layers only).
+  LayerActs& acts(int64_t l) { return acts_[slot_ * stage_.layers() + (l - stage_.layer_begin)]; }
+  void select_slot(int64_t slot);
 
   // Vocab-parallel pieces (tp > 1); see llama.cpp.
   void embed(float* out, const int32_t* tokens, int64_t n, const float* table);
@@ -181,7 +207,10 @@ class Llama {
   int64_t max_batch_, max_seq_, head_chunk_rows_;
   std::vector<double> inv_freq_;
   std::vector<float> rope_cos_, rope_sin_;
-  std::vector<LayerActs> acts_;
+  PipelineStage stage_;     // the whole model unless pipelined
+  int64_t in_flight_ = 1;   // activation slots
+  int64_t slot_ = 0;        // the slot of the pass under way
+  std::vector<LayerActs> acts_;  // [slot][the stage's layers]
   DocumentMode documents_;
   std::vector<int32_t> doc_start_, rope_positions_;  // [max_batch, max_seq] each
   const int32_t* attention_doc_start_ = nullptr;      // this batch's: doc_start_ or null
