@@ -29,10 +29,11 @@ class CpuEngine final : public Engine {
         pp_(mesh.pp_size > 1 ? mesh.pp.get() : nullptr) {
     if (pp_) {
       const int s = pp_->rank();
-      recv_activations_ = str("stage ", s, " recv activations from stage ", s - 1);
-      send_activations_ = str("stage ", s, " send activations to stage ", s + 1);
-      recv_gradient_ = str("stage ", s, " recv input gradient from stage ", s + 1);
-      send_gradient_ = str("stage ", s, " send input gradient to stage ", s - 1);
+      // The comm wraps them as "recv 'stage 1: activations from stage 0' (n elements from rank r)".
+      recv_activations_ = str("stage ", s, ": activations from stage ", s - 1);
+      send_activations_ = str("stage ", s, ": activations to stage ", s + 1);
+      recv_gradient_ = str("stage ", s, ": input gradient from stage ", s + 1);
+      send_gradient_ = str("stage ", s, ": input gradient to stage ", s - 1);
     }
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
     // only its shard, filled piece by piece.

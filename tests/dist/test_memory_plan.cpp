@@ -1,4 +1,4 @@
-// The CPU engine's memory plan against measurement, at several layouts (ZeRO 0-3, tp, both):
+// The CPU engine's memory plan against measurement, at several layouts (ZeRO 0-3, tp, both, pipeline stages):
 //   * tests/mpi/test_memory_plan.cpp (launched here at 2 and 4 ranks): the plan's items are what Llama + Zero
 //     allocate, to the byte, on every rank;
 //   * here: build/train's measured peak resident memory per rank (the largest rank's peak above its start-up,
@@ -47,6 +47,7 @@ TEST(DistMemoryPlan, ItemsAreEveryRanksAllocationsAtTwoAndFourRanks) {
 struct TrainerLayout {
   int np;
   int64_t zero, tp;
+  int64_t pp = 1;  // pipeline stages (grad_accum 2: the first stage holds two micro-batches)
 };
 
 class DistMemoryPlanVsTrainer : public ::testing::TestWithParam<TrainerLayout> {
@@ -63,12 +64,13 @@ TempDir* DistMemoryPlanVsTrainer::tmp_ = nullptr;
 
 TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
   const TrainerLayout t = GetParam();
-  const std::string tag = str("np", t.np, "_z", t.zero, "_tp", t.tp);
+  const std::string tag = str("np", t.np, "_z", t.zero, "_tp", t.tp, "_pp", t.pp);
   const int64_t micro_batch = 2, seq = 64;
   const std::string flags = str(" --model_config ", (*tmp_ / "config.json").string(), " --train_data '",
                                 (*tmp_ / "data" / "train-*.bin").string(), "' --seq_len ", seq, " --micro_batch ",
                                 micro_batch, " --steps 2 --ckpt_every 0 --threads 1 --device cpu --comm_timeout 60",
-                                " --zero ", t.zero, " --tp ", t.tp, " --out_dir ", (*tmp_ / tag).string());
+                                " --zero ", t.zero, " --tp ", t.tp, " --pp ", t.pp, t.pp > 1 ? " --grad_accum 2" : "",
+                                " --out_dir ", (*tmp_ / tag).string());
   auto r = run_command((t.np > 1 ? mpirun(t.np) : std::string("OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 ")) + kTrain + flags,
                        *tmp_ / (tag + ".log"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -77,15 +79,15 @@ TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
   const double measured = std::stod(m[1]) * 1e6;
 
   MemoryLayout layout;
-  layout.dp = t.np / t.tp, layout.tp = t.tp, layout.zero = static_cast<int>(t.zero);
+  layout.dp = t.np / (t.tp * t.pp), layout.tp = t.tp, layout.pp = t.pp, layout.zero = static_cast<int>(t.zero);
   layout.micro_batch = micro_batch, layout.seq_len = seq;
   const MemoryPlan plan = plan_cpu_memory(LlamaConfig::load((*tmp_ / "config.json").string()), layout);
   int64_t largest = 0;
   for (const MemoryItem& i : plan.items)
     if (i.kind == MemoryKind::Transient) largest = std::max(largest, i.bytes);
   const double planned = double(plan.total() + largest);
-  std::printf("  np %d ZeRO-%lld tp %lld: planned %.1f MB (total %.1f + transient %.1f), measured %.1f MB (%+.1f%%)\n",
-              t.np, (long long)t.zero, (long long)t.tp, planned / 1e6, plan.total() / 1e6, largest / 1e6, measured / 1e6,
+  std::printf("  np %d ZeRO-%lld tp %lld pp %lld: planned %.1f MB (total %.1f + transient %.1f), measured %.1f MB (%+.1f%%)\n",
+              t.np, (long long)t.zero, (long long)t.tp, (long long)t.pp, planned / 1e6, plan.total() / 1e6, largest / 1e6, measured / 1e6,
               100 * (measured / planned - 1));
   EXPECT_NEAR(measured, planned, 0.05 * planned) << r.output;
 }
@@ -93,9 +95,10 @@ TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
 INSTANTIATE_TEST_SUITE_P(Layouts, DistMemoryPlanVsTrainer,
                          ::testing::Values(TrainerLayout{1, 0, 1}, TrainerLayout{2, 1, 1}, TrainerLayout{2, 2, 1},
                                            TrainerLayout{2, 3, 1}, TrainerLayout{2, 0, 2}, TrainerLayout{4, 3, 2},
-                                           TrainerLayout{4, 0, 1}),
+                                           TrainerLayout{4, 0, 1}, TrainerLayout{2, 0, 1, 2}, TrainerLayout{4, 1, 1, 2}),
                          [](const auto& info) {
-                           return str("np", info.param.np, "_zero", info.param.zero, "_tp", info.param.tp);
+                           return str("np", info.param.np, "_zero", info.param.zero, "_tp", info.param.tp,
+                                      info.param.pp > 1 ? str("_pp", info.param.pp) : std::string());
                          });
 
 }  // namespace

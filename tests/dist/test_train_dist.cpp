@@ -281,6 +281,16 @@ TEST_F(DistTrain, PipelineParallel2xTensorParallel2) {
 }
 TEST_F(DistTrain, PipelineParallel2xDataParallel2Zero1) {
   expect_matches_reference("llama2_tiny", 4, " --micro_batch 1 --grad_accum 2 --pp 2 --zero 1", "pp2dp2z1");
+  // build/convert exports the rank files of the stages as one Hugging Face directory.
+  const fs::path ckpt = *tmp_ / "pp2dp2z1" / "ckpt" / "step_00000010", hf = *tmp_ / "pp2dp2z1_hf";
+  auto r = run_command(testing_util::build_dir() + "/convert tuna-to-hf " + ckpt.string() + " " + hf.string(),
+                       *tmp_ / "pp_convert_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  LlamaConfig c = LlamaConfig::load("tests/fixtures/llama2_tiny/config.json");
+  ParamLayout layout(c);
+  std::vector<float> exported(layout.total());
+  load_weights(hf, layout, exported.data());
+  EXPECT_EQ(exported, final_weights(*tmp_ / "pp2dp2z1", "llama2_tiny", 10));
 }
 
 // A checkpoint of 2 stages resumed on one rank, and one of one rank resumed on 2 stages: the rank files hold global
