@@ -48,6 +48,7 @@
 #include "model/config.h"      // LlamaConfig
 #include "model/lora.h"        // LoraConfig, parse_lora_targets, validate_lora, lora_parameter_count
 #include "model/optimizer.h"   // OptimizerConfig, learning_rate
+#include "model/pipeline.h"    // pipeline_stages, format_pipeline_stages: the --pp split
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -81,6 +82,7 @@ struct TrainConfig {
   std::string device = "auto";
   int64_t threads = 0;
   int64_t tp = 1;
+  int64_t pp = 1;
   bool sp = false;  // sequence parallelism over tp (cpu): see README, Launching on several ranks
   int64_t zero = 0;
   bool zero_prefetch = true;
@@ -154,7 +156,9 @@ void declare(Options& o, TrainConfig& c) {
         "RoPE positions of packed windows: restart at 0 at each document (as transformers with packed position_ids) "
         "or continue along the window", {"restart", "continue"});
   o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks", Bounds::closed(0, kMaxRanks));
-  o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x tp", Bounds::closed(1, kMaxRanks));
+  o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
+  o.add("pp", &c.pp, "pipeline stages (consecutive layers per stage, 1F1B over the grad_accum micro-batches; cpu); "
+        "the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
   o.add("sp", &c.sp, "sequence parallelism with --tp > 1 (cpu): norms and residuals hold seq / tp of the tokens, an "
         "all-gather before and a reduce-scatter after the tp GEMMs instead of the all-reduces; off by default");
   o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters", Bounds::closed(0, 3));
@@ -375,6 +379,9 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
   if (!note.empty()) std::printf("note: %s\n", note.c_str());
   eo.gpu.stochastic_rounding = cfg.stochastic_rounding, eo.gpu.seed = static_cast<uint32_t>(cfg.seed);
   eo.gpu.device = launch.local_rank;  // one GPU per rank: the rank's index on its node
+  if (cfg.pp > 1 && eo.device == Device::Cuda && !cfg.plan_only)
+    fail("option 'pp' ", cfg.pp, " with --device ", cfg.device, " (cuda): pipeline parallelism runs on the CPU engine "
+         "only so far; use --device cpu, or --pp 1");
   if (eo.device == Device::Cpu && (cfg.bf16_moments || cfg.stochastic_rounding))
     fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
   return eo;
@@ -388,17 +395,20 @@ json training_state(const Options& options, const TrainConfig& cfg, const Mesh& 
                 {"train_config", options.to_json()},
                 {"data_cursor", train.cursor()},
                 {"rng", {{"seed", cfg.seed}}},
-                {"world", {{"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}}};
+                {"world", {{"dp", mesh.dp_size}, {"pp", mesh.pp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}}};
   if (!engine.attention_kernels().empty()) state["kernels"] = {{"attention", engine.attention_kernels()}};
   return state;
 }
 
 void print_banner(const TrainConfig& cfg, const Options& options, const RunStart& start, const Engine& engine,
                   const Comm& world, const Mesh& mesh, int threads) {
-  std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x tp %d%s | ZeRO-%lld (%s)\n",
-              engine.describe().c_str(), threads, world.size(), mesh.dp_size, mesh.tp_size,
+  std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x %stp %d%s | ZeRO-%lld (%s)\n",
+              engine.describe().c_str(), threads, world.size(), mesh.dp_size,
+              mesh.pp_size > 1 ? str("pp ", mesh.pp_size, " x ").c_str() : "", mesh.tp_size,
               mesh.tp_size < 2 ? "" : cfg.sp ? " (sequence parallel)" : " (sequence parallel off)", (long long)cfg.zero,
               world.backend().c_str());
+  if (mesh.pp_size > 1)
+    std::printf("pipeline %s\n", format_pipeline_stages(pipeline_stages(start.model, mesh.pp_size, cfg.seq_len)).c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
   if (const std::string w = schedule_warning(cfg.opt, cfg.steps); !w.empty()) std::printf("warning: %s\n", w.c_str());
   if (engine.describe() == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
@@ -488,7 +498,7 @@ json start_row(const Options& options, const TrainConfig& cfg, const LlamaConfig
                const Comm& world, const Mesh& mesh, int64_t step, int64_t tokens_per_step, const json& plan_record,
                double resident_mb_at_start) {
   return {{"step", step}, {"event", "start"}, {"config", options.to_json()}, {"device", engine.describe()},
-          {"world", {{"size", world.size()}, {"dp", mesh.dp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
+          {"world", {{"size", world.size()}, {"dp", mesh.dp_size}, {"pp", mesh.pp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
           {"model", {{"parameters", m.n_params()}, {"layers", m.num_hidden_layers}, {"hidden", m.hidden_size},
                      {"vocab", m.vocab_size}, {"trainable_parameters", trainable_parameters(m, engine)}}},
           {"tokens_per_step", tokens_per_step}, {"memory_plan", plan_record}, {"host_mb_at_start", resident_mb_at_start}};
@@ -517,7 +527,7 @@ int run(int argc, char** argv) {
   // Start-up: ranks, the run directory, the model and its tokenizer, the memory plan, the engine.
   const LaunchInfo launch = detect_launch();
   std::unique_ptr<Comm> world = make_world_comm(cfg.comm_timeout);
-  Mesh mesh = make_mesh(*world, cfg.tp);
+  Mesh mesh = make_mesh(*world, cfg.tp, cfg.pp);
   if (world->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) fail("cannot silence stdout of rank ", world->rank());
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
   const RunStart start = open_run(cfg, options, *world);
@@ -591,8 +601,15 @@ int run(int argc, char** argv) {
 
   // The loop: micro-batches, the step (loss over ranks, gradient sync, clip, AdamW), the record, then whatever
   // is due.
-  std::vector<int32_t> inputs(cfg.micro_batch * cfg.seq_len), targets(cfg.micro_batch * cfg.seq_len),
-      positions(cfg.micro_batch * cfg.seq_len);  // each token's place in its document (the masks, RoPE)
+  // The step's micro-batches, read before any runs (a pipeline runs them together); positions: each token's place
+  // in its document (the masks, RoPE).
+  const int64_t window = cfg.micro_batch * cfg.seq_len;
+  std::vector<int32_t> inputs(cfg.grad_accum * window), targets(cfg.grad_accum * window),
+      positions(cfg.grad_accum * window);
+  std::vector<MicroBatch> micro_batches(cfg.grad_accum);
+  for (int64_t micro = 0; micro < cfg.grad_accum; micro++)
+    micro_batches[micro] = {inputs.data() + micro * window, targets.data() + micro * window,
+                            positions.data() + micro * window, cfg.micro_batch, cfg.seq_len};
   const double flops_per_token = engine->flops_per_token(cfg.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
   int64_t bad_in_a_row = 0;
@@ -600,13 +617,9 @@ int run(int argc, char** argv) {
   while (step < last_step) {
     const auto t0 = std::chrono::steady_clock::now();
     engine->begin_step();
-    LossSum loss;
-    for (int64_t micro = 0; micro < cfg.grad_accum; micro++) {
-      train.next(inputs.data(), targets.data(), positions.data());
-      const LossSum l = engine->forward_backward(inputs.data(), targets.data(), cfg.micro_batch, cfg.seq_len,
-                                                 positions.data());
-      loss.sum += l.sum, loss.count += l.count;
-    }
+    for (int64_t micro = 0; micro < cfg.grad_accum; micro++)
+      train.next(inputs.data() + micro * window, targets.data() + micro * window, positions.data() + micro * window);
+    LossSum loss = engine->forward_backward_step(micro_batches);
     inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only
     if (nan_loss_for_tests(world->rank(), step)) loss.sum = NAN;
     const double lr = learning_rate(cfg.opt, step, cfg.steps);

@@ -29,19 +29,21 @@ ZeroParams lora_parameters(Llama& model) {
           [&model](WeightStore* store) { model.set_lora_store(store); }};
 }
 
-Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp)
-    : Zero(model_parameters(model), opt, stage, dp, tp) {}
+Zero::Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp, Comm* pp)
+    : Zero(model_parameters(model), opt, stage, dp, tp, pp) {}
 
-Zero::Zero(const ZeroParams& what, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp)
+Zero::Zero(const ZeroParams& what, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp, Comm* pp)
     : params_(*what.params),
       grads_(*what.grads),
       layout_(*what.layout),
       stage_(stage),
       dp_(dp),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
+      pp_(pp && pp->size() > 1 ? pp : nullptr),
       segments_(dp_unit_pieces(*what.layout, dp.rank(), dp.size())),
       optimizer_(stage >= 1 ? AdamW(*what.layout, opt, segments_) : AdamW(*what.layout, opt)) {
   if (stage < 0 || stage > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", stage);
+  if (stage == 3 && pp_) fail("option 'zero': 3 with pipeline parallelism (--pp) is not implemented; use 0, 1 or 2");
   TUNA_CHECK(params_.empty() == (stage == 3) && grads_.empty() == (stage >= 2),
              "stage 3 needs a model built with external weights, stage 2 with external gradients, others neither");
   for (const Segment& s : segments_) unit_shard_offset_.push_back(shard_size_), shard_size_ += s.size;
@@ -86,13 +88,17 @@ LossSum sum_over_ranks(Comm& dp, const LossSum& local) {
   return {both[0], static_cast<int64_t>(std::llround(both[1]))};
 }
 
-LossSum Zero::all_reduce_loss(const LossSum& local) { return sum_over_ranks(dp_, local); }
+LossSum Zero::all_reduce_loss(const LossSum& local) {
+  const LossSum over_dp = sum_over_ranks(dp_, local);
+  return pp_ ? sum_over_ranks(*pp_, over_dp) : over_dp;  // the stages before the last add nothing
+}
 
 double Zero::global_norm(const float* grads, BufferOrder order) {
   const bool count_replicated = !tp_ || tp_->rank() == 0;
   double sq = optimizer_.grad_sum_of_squares(grads, count_replicated, order);
   if (stage_ >= 1) dp_.all_reduce_sum(&sq, 1, "grad norm (dp)");
   if (tp_) tp_->all_reduce_sum(&sq, 1, "grad norm (tp)");
+  if (pp_) pp_->all_reduce_sum(&sq, 1, "grad norm (pp)");
   return std::sqrt(sq);
 }
 

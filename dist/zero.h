@@ -28,7 +28,11 @@
 // Loss and norm. The step's loss is sum / count with both summed over dp ranks (llama.h's convention: one
 // division per step, so the result equals the single-rank mean over the same global batch). The gradient
 // norm is over the whole gradient: squares summed over the owned shard, then over dp, then over tp with
-// replicated tensors counted once.
+// replicated tensors counted once, then over the pipeline stages (each holds its own layers).
+//
+// Pipeline parallelism (pp): each stage's Zero trains the stage's layout (its own tensors) over its dp group; the
+// loss (counted on the last stage) and the squares of the norm are summed over the pp group too, so every rank
+// clips, skips a non-finite step and reports the loss as one rank would.
 #pragma once
 
 #include <cstdint>
@@ -69,9 +73,10 @@ class Zero final : public WeightStore {
   // For stages 0-2 the model's
   // params must already hold the initial weights (every rank the same); for stage 3, call
   // master_weights() and fill it (or import_state) before the first step.
-  Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp);
+  // pp: the pipeline's stages (null or size 1: none); stage 3 refuses it.
+  Zero(Llama& model, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp, Comm* pp = nullptr);
   // The same over any ZeroParams (a model's, or its adapters', which need external_grads iff stage == 2).
-  Zero(const ZeroParams& what, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp);
+  Zero(const ZeroParams& what, const OptimizerConfig& opt, int stage, Comm& dp, Comm* tp, Comm* pp = nullptr);
 
   int stage() const { return stage_; }
   // Stage 3: gather the next unit while the current one computes (default), or each unit only when used
@@ -85,7 +90,7 @@ class Zero final : public WeightStore {
   void begin_step();
   // After its last: the loss over dp, gradient synchronization, norm, clip, AdamW, new weights.
   StepResult finish_step(const LossSum& local, double lr);
-  // Sums an evaluation loss over dp (each dp rank evaluated its part of the split).
+  // Sums an evaluation loss over dp (each dp rank evaluated its part of the split) and the pipeline's stages.
   LossSum all_reduce_loss(const LossSum& local);
 
   // Checkpoint exchange a piece at a time (segments() order): each piece's master weights and AdamW moments,
@@ -127,6 +132,7 @@ class Zero final : public WeightStore {
   int stage_;
   Comm& dp_;
   Comm* tp_;
+  Comm* pp_;
   std::vector<Segment> segments_;
   std::vector<int64_t> unit_shard_offset_;  // where unit u's piece starts in shard order
   int64_t shard_size_ = 0, max_unit_ = 0;

@@ -37,10 +37,19 @@ void Engine::import_shard(const std::vector<float>& params, const std::vector<fl
   });
 }
 
+LossSum Engine::forward_backward_step(const std::vector<MicroBatch>& micro_batches) {
+  LossSum loss;
+  for (const MicroBatch& b : micro_batches) {
+    const LossSum l = forward_backward(b.inputs, b.targets, b.batch, b.seq, b.positions);
+    loss.sum += l.sum, loss.count += l.count;
+  }
+  return loss;
+}
+
 MemoryLayout engine_memory_layout(const EngineOptions& o, const Mesh& mesh) {
   MemoryLayout l;
   l.dp = mesh.dp_size, l.dp_rank = mesh.dp_rank, l.tp = mesh.tp_size, l.tp_rank = mesh.tp_rank;
-  l.sp = o.sp;
+  l.pp = mesh.pp_size, l.pp_rank = mesh.pp_rank, l.sp = o.sp;
   l.zero = o.zero, l.zero_prefetch = o.zero_prefetch, l.recompute = o.recompute;
   l.bf16_moments = o.bf16_moments, l.attention = o.attention;
   l.micro_batch = o.micro_batch, l.seq_len = o.seq_len;

@@ -74,6 +74,15 @@ struct EngineOptions {
   BaseQuant base_quant = BaseQuant::None;
 };
 
+// One micro-batch of a step, as the loader gives it: inputs, targets and positions, [batch, seq] each (positions may
+// be null: one document per row).
+struct MicroBatch {
+  const int32_t* inputs = nullptr;
+  const int32_t* targets = nullptr;
+  const int32_t* positions = nullptr;
+  int64_t batch = 0, seq = 0;
+};
+
 // The figures of the log line that depend on the backend. NaN: not known on this backend.
 struct EngineStatus {
   double host_mb = 0, host_peak_mb = 0;  // resident memory of this process (both backends)
@@ -114,8 +123,11 @@ class Engine {
   // positions: the loader's document positions of the batch ([batch, seq]), or null: one document per row.
   virtual LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                    const int32_t* positions = nullptr) = 0;
+  // The step's micro-batches, in order, their loss sums added: forward_backward on each in turn by default; a
+  // pipeline (cpu, --pp) runs them through its stages in the 1F1B order, the loss counted on the last stage.
+  virtual LossSum forward_backward_step(const std::vector<MicroBatch>& micro_batches);
   virtual StepResult finish_step(const LossSum& local, double lr) = 0;
-  // Validation: this rank's loss, and the sum over dp ranks.
+  // Validation: this rank's loss, and the sum over dp ranks (and pipeline stages: only the last one counts it).
   virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                const int32_t* positions = nullptr) = 0;
   virtual LossSum all_reduce_loss(const LossSum& local) = 0;

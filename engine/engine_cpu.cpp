@@ -1,4 +1,10 @@
 // The CPU engine: Llama (model/llama.h) + Zero (dist/zero.h), fp32, every parallel mode; and the CPU forward model.
+//
+// Pipeline parallelism (--pp): this rank's Llama is its stage (model/pipeline.h's split), with an activation slot
+// for each micro-batch it can hold in flight under 1F1B (pp - stage). forward_backward_step runs the step's
+// micro-batches in the 1F1B order (pipeline_schedule), receiving each input from the previous stage and each output
+// gradient from the next with a blocking recv, and starting its own sends without waiting: a stage waits for its
+// last send only before it rewrites the buffer sent, so no two stages can block on each other's sends.
 #include <cmath>
 
 #include "core/error.h"
@@ -14,12 +20,23 @@ class CpuEngine final : public Engine {
  public:
   CpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial)
       : config_(config),
+        stage_(pipeline_stages(config, mesh.pp_size, o.seq_len)[mesh.pp_rank]),
         model_(config, o.micro_batch, o.seq_len,
                LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3 || o.base_quant != BaseQuant::None,
-                             /*external_grads=*/o.zero == 2, /*sequence=*/o.sp},
+                             /*external_grads=*/o.zero == 2, /*sequence=*/o.sp, mesh.pp_size > 1 ? &stage_ : nullptr,
+                             mesh.pp_size - mesh.pp_rank},
                o.lora),
         seed_(o.seed),
-        dp_rank_(mesh.dp_rank) {
+        dp_rank_(mesh.dp_rank),
+        pp_(mesh.pp_size > 1 ? mesh.pp.get() : nullptr) {
+    if (pp_) {
+      const int s = pp_->rank();
+      // The comm wraps them as "recv 'stage 1: activations from stage 0' (n elements from rank r)".
+      recv_activations_ = str("stage ", s, ": activations from stage ", s - 1);
+      send_activations_ = str("stage ", s, ": activations to stage ", s + 1);
+      recv_gradient_ = str("stage ", s, ": input gradient from stage ", s + 1);
+      send_gradient_ = str("stage ", s, ": input gradient to stage ", s - 1);
+    }
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
     // only its shard, filled piece by piece.
     model_.set_document_mode(o.documents);
@@ -44,7 +61,7 @@ class CpuEngine final : public Engine {
       zero_->set_prefetch(o.zero_prefetch);
       return;
     }
-    zero_ = std::make_unique<Zero>(model_, o.opt, o.zero, *mesh.dp, mesh.tp.get());
+    zero_ = std::make_unique<Zero>(model_, o.opt, o.zero, *mesh.dp, mesh.tp.get(), pp_);
     zero_->set_prefetch(o.zero_prefetch);
     if (o.zero == 3 && initial)
       zero_->fill_weights([&](const Segment& piece, float* out) { initial(model_.layout(), piece, out); });
@@ -66,10 +83,20 @@ class CpuEngine final : public Engine {
       model_.set_lora_dropout_key(lora_dropout_key(seed_, steps_taken(), micro_batch_++, dp_rank_));
     return model_.forward_backward(inputs, targets, batch, seq, positions);
   }
+  LossSum forward_backward_step(const std::vector<MicroBatch>& micro_batches) override {
+    return pp_ ? pipeline_step(micro_batches) : Engine::forward_backward_step(micro_batches);
+  }
   StepResult finish_step(const LossSum& local, double lr) override { return zero_->finish_step(local, lr); }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions) override {
-    return model_.forward_loss(inputs, targets, batch, seq, positions);
+    if (!pp_) return model_.forward_loss(inputs, targets, batch, seq, positions);
+    // One micro-batch down the pipe (the loss on the last stage; all_reduce_loss sums over the stages).
+    const int s = pp_->rank(), last = pp_->size() - 1;
+    const int64_t count = model_.residual_rows(batch * seq) * config_.hidden_size;
+    if (s > 0) pp_->recv(model_.stage_input(0), count, CommType::F32, s - 1, recv_activations_.c_str());
+    const LossSum loss = model_.forward_stage(0, inputs, targets, batch, seq, positions, /*backward_follows=*/false);
+    if (s < last) pp_->send(model_.stage_output(), count, CommType::F32, s + 1, send_activations_.c_str());
+    return loss;
   }
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
 
@@ -100,10 +127,50 @@ class CpuEngine final : public Engine {
   }
 
  private:
+  // The step's micro-batches through this stage in the 1F1B order (see the top of this file).
+  LossSum pipeline_step(const std::vector<MicroBatch>& micro_batches) {
+    const int s = pp_->rank(), last = pp_->size() - 1;
+    CommRequest activations_sent = 0, gradient_sent = 0;
+    const auto settle = [&](CommRequest& sent) {
+      if (sent) pp_->wait(sent), sent = 0;
+    };
+    LossSum loss;
+    for (const PipelineOp& op :
+         pipeline_schedule(pp_->size(), s, static_cast<int64_t>(micro_batches.size()))) {
+      const MicroBatch& b = micro_batches[op.micro_batch];
+      const int64_t slot = op.micro_batch % model_.in_flight();
+      const int64_t count = model_.residual_rows(b.batch * b.seq) * config_.hidden_size;
+      if (op.forward) {
+        if (s > 0) pp_->recv(model_.stage_input(slot), count, CommType::F32, s - 1, recv_activations_.c_str());
+        settle(activations_sent);  // this forward rewrites stage_output()
+        const LossSum l = model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions,
+                                               /*backward_follows=*/true);
+        loss.sum += l.sum, loss.count += l.count;
+        if (s < last)
+          activations_sent =
+              pp_->send_start(model_.stage_output(), count, CommType::F32, s + 1, send_activations_.c_str());
+      } else {
+        settle(gradient_sent);  // the recv below and this backward rewrite stage_input_grad()
+        if (s < last) pp_->recv(model_.stage_output_grad(), count, CommType::F32, s + 1, recv_gradient_.c_str());
+        model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
+        if (s > 0)
+          gradient_sent =
+              pp_->send_start(model_.stage_input_grad(), count, CommType::F32, s - 1, send_gradient_.c_str());
+      }
+    }
+    settle(activations_sent);
+    settle(gradient_sent);
+    return loss;
+  }
+
   LlamaConfig config_;
+  PipelineStage stage_;  // this rank's (the whole model without --pp)
   Llama model_;
   uint64_t seed_;
   int dp_rank_;
+  Comm* pp_;  // the pipeline's stages (null without --pp)
+  // The labels of the stage's sends and receives (a timeout names them).
+  std::string recv_activations_, send_activations_, recv_gradient_, send_gradient_;
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)
   std::unique_ptr<QuantizedWeights> quantized_base_;  // QLoRA: the frozen base (the model reads it as its store)
   std::unique_ptr<Zero> zero_;

@@ -20,12 +20,31 @@ int64_t ParamLayout::add(const std::string& name, std::vector<int64_t> global_sh
   t.offset = total_;
   t.layer = layer;
   t.decays = decays;
+  t.stream = streams_++;
   total_ += t.numel;
   tensors_.push_back(std::move(t));
   return tensors_.back().offset;
 }
 
 ParamLayout::ParamLayout(const LlamaConfig& c, int tp_rank, int tp_size) {
+  PipelineStage whole;
+  whole.layer_end = c.num_hidden_layers, whole.embedding = whole.head = true;
+  build(c, tp_rank, tp_size, whole);
+  if (tp_size == 1)
+    TUNA_CHECK(total_ == c.n_params(), "layout holds ", total_, " parameters, config says ", c.n_params());
+}
+
+ParamLayout::ParamLayout(const LlamaConfig& c, int tp_rank, int tp_size, const PipelineStage& stage) {
+  TUNA_CHECK(stage.layer_begin >= 0 && stage.layer_begin <= stage.layer_end && stage.layer_end <= c.num_hidden_layers,
+             "pipeline stage of layers [", stage.layer_begin, ", ", stage.layer_end, ") of ", c.num_hidden_layers);
+  if (c.tie_word_embeddings && stage.embedding != stage.head)
+    fail("option 'pp': the model ties lm_head to the embedding (tie_word_embeddings in its config.json), which would "
+         "put one tensor on the first and the last stage; pipeline parallelism over tied embeddings is not "
+         "implemented: use --pp 1, or a model with tie_word_embeddings false");
+  build(c, tp_rank, tp_size, stage);
+}
+
+void ParamLayout::build(const LlamaConfig& c, int tp_rank, int tp_size, const PipelineStage& stage) {
   TUNA_CHECK(tp_size >= 1 && tp_rank >= 0 && tp_rank < tp_size, "tp rank ", tp_rank, " of ", tp_size);
   if (c.num_key_value_heads % tp_size != 0)
     fail("option 'tp': ", tp_size, " does not divide num_key_value_heads = ", c.num_key_value_heads,
@@ -48,10 +67,26 @@ ParamLayout::ParamLayout(const LlamaConfig& c, int tp_rank, int tp_size) {
   constexpr int kByRows = 0, kByColumns = 1;
   const int64_t q_begin = tp_rank * d.q_dim, kv_begin = tp_rank * d.kv_dim;
 
-  embed_tokens_ =
-      add("model.embed_tokens.weight", {c.vocab_size, hidden}, -1, kDecays, kByRows, d.vocab_begin, d.vocab);
+  tied_ = c.tie_word_embeddings;
+  has_embedding_ = stage.embedding, has_head_ = stage.head;
+  layer_begin_ = stage.layer_begin, layer_end_ = stage.layer_end;
+  // Another stage's units stay in the numbering, empty (the constructor's comment).
+  // The tensors of other stages count in the streams all the same (ParamTensor::stream).
+  constexpr int64_t kLayerTensors = 9;
+  if (has_embedding_)
+    embed_tokens_ =
+        add("model.embed_tokens.weight", {c.vocab_size, hidden}, -1, kDecays, kByRows, d.vocab_begin, d.vocab);
+  else
+    streams_++;
   unit_ranges_.emplace_back(0, total_);
   for (int64_t l = 0; l < c.num_hidden_layers; l++) {
+    if (!has_layer(l)) {
+      streams_ += kLayerTensors;
+      layers_.push_back(LayerOffsets{});
+      layer_ranges_.emplace_back(total_, total_);
+      unit_ranges_.emplace_back(total_, total_);
+      continue;
+    }
     const std::string p = str("model.layers.", l, ".");
     const int li = static_cast<int>(l);
     const int64_t begin = total_;
@@ -65,24 +100,26 @@ ParamLayout::ParamLayout(const LlamaConfig& c, int tp_rank, int tp_size) {
     o.gate_proj = add(p + "mlp.gate_proj.weight", {ffn_all, hidden}, li, kDecays, kByRows, d.ffn_begin, d.ffn);
     o.up_proj = add(p + "mlp.up_proj.weight", {ffn_all, hidden}, li, kDecays, kByRows, d.ffn_begin, d.ffn);
     o.down_proj = add(p + "mlp.down_proj.weight", {hidden, ffn_all}, li, kDecays, kByColumns, d.ffn_begin, d.ffn);
+    TUNA_CHECK(streams_ == 1 + (l + 1) * kLayerTensors, "a decoder layer of ", kLayerTensors, " tensors");
     layers_.push_back(o);
     layer_ranges_.emplace_back(begin, total_);
     unit_ranges_.emplace_back(begin, total_);
   }
   const int64_t head_begin = total_;
-  final_norm_ = add("model.norm.weight", {hidden}, -1, kNoDecay);
-  lm_head_ = c.tie_word_embeddings
-                 ? embed_tokens_
-                 : add("lm_head.weight", {c.vocab_size, hidden}, -1, kDecays, kByRows, d.vocab_begin, d.vocab);
+  if (has_head_) {
+    final_norm_ = add("model.norm.weight", {hidden}, -1, kNoDecay);
+    lm_head_ = c.tie_word_embeddings
+                   ? embed_tokens_
+                   : add("lm_head.weight", {c.vocab_size, hidden}, -1, kDecays, kByRows, d.vocab_begin, d.vocab);
+  }
   unit_ranges_.emplace_back(head_begin, total_);
-  if (tp_size == 1)
-    TUNA_CHECK(total_ == c.n_params(), "layout holds ", total_, " parameters, config says ", c.n_params());
 }
 
 ParamLayout::ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors,
                          std::vector<std::pair<int64_t, int64_t>> units)
     : tensors_(std::move(tensors)), unit_ranges_(std::move(units)), tp_(tp), is_model_(false) {
   for (ParamTensor& t : tensors_) {
+    t.stream = streams_++;
     t.numel = 1;
     for (int64_t d : t.shape) t.numel *= d;
     t.offset = total_;
@@ -98,6 +135,11 @@ ParamLayout::ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors,
 
 void ParamLayout::model_only(const char* what) const {
   TUNA_CHECK(is_model_, "ParamLayout::", what, " of a layout that is not a model's (adapters)");
+}
+
+void ParamLayout::owned(const char* what, bool held) const {
+  model_only(what);
+  TUNA_CHECK(held, "ParamLayout::", what, " of a pipeline stage that does not hold it");
 }
 
 const ParamTensor* ParamLayout::find(const std::string& name) const {
@@ -134,13 +176,14 @@ void place_block(const ParamTensor& t, const float* local, float* global) {
 
 std::vector<int> ParamLayout::unit_pass_order(bool backward_follows) const {
   model_only("unit_pass_order");
-  const int layers = head_unit() - 1;
-  std::vector<int> order{0};
-  for (int l = 0; l < layers; l++) order.push_back(1 + l);
-  order.push_back(head_unit());
-  if (lm_head_unit() == 0) order.push_back(0);
+  const int begin = static_cast<int>(layer_begin_), end = static_cast<int>(layer_end_);
+  std::vector<int> order;
+  if (has_embedding_) order.push_back(0);
+  for (int l = begin; l < end; l++) order.push_back(1 + l);
+  if (has_head_) order.push_back(head_unit());
+  if (has_head_ && lm_head_unit() == 0) order.push_back(0);
   if (backward_follows)
-    for (int l = layers - 1; l >= 0; l--) order.push_back(1 + l);
+    for (int l = end - 1; l >= begin; l--) order.push_back(1 + l);
   return order;
 }
 

@@ -15,6 +15,7 @@
 
 #include "comm/comm.h"  // shard_range
 #include "model/config.h"
+#include "model/pipeline.h"  // PipelineStage
 
 namespace tuna {
 
@@ -30,6 +31,9 @@ struct ParamTensor {
   std::vector<int64_t> global_shape;
   int split_dim = -1;
   int64_t split_begin = 0;
+  // The tensor's index in the whole model's layout (a pipeline stage's layout holds a part of it): its random
+  // stream (tensor_stream_seed), so that every split starts from the same model.
+  int64_t stream = 0;
 };
 
 // This rank's share of the model's dimensions under tensor parallelism (everything when tp_size is 1).
@@ -50,6 +54,12 @@ class ParamLayout {
  public:
   // Fails with a message naming the option when tp does not divide the kv heads.
   explicit ParamLayout(const LlamaConfig& config, int tp_rank = 0, int tp_size = 1);
+  // One pipeline stage's share (--pp): only the stage's tensors (embedding on the first, final norm and lm_head on
+  // the last), under their global names, laid end to end. The units keep the whole model's numbering (0 the
+  // embedding, 1 + l layer l, the head last), those of other stages empty, so that everything that walks units
+  // (Zero, AdamW, checkpoints, the model's store) takes a stage as it takes the whole model. Tied embeddings across
+  // stages are refused (the head would read the first stage's table).
+  ParamLayout(const LlamaConfig& config, int tp_rank, int tp_size, const PipelineStage& stage);
   // A layout of other trainable tensors (LoRA adapters, model/lora.h): the tensors, laid end to end in the given
   // order (their offsets are set here), in units of [begin, end) ranges that cover the buffer in order. It has
   // no embedding, layers or head: the accessors of the model's own structure refuse it (is_model() false), and
@@ -65,21 +75,31 @@ class ParamLayout {
   int num_units() const { return static_cast<int>(unit_ranges_.size()); }
   std::pair<int64_t, int64_t> unit_range(int unit) const { return unit_ranges_[unit]; }
   int head_unit() const { model_only("head_unit"); return num_units() - 1; }
-  int lm_head_unit() const { model_only("lm_head_unit"); return lm_head_ == embed_tokens_ ? 0 : head_unit(); }
+  int lm_head_unit() const { model_only("lm_head_unit"); return tied_ ? 0 : head_unit(); }
   // The units a forward pass uses, in order (embedding, layers, head, the tied embedding again for lm_head),
   // then the layers backwards when a backward follows: the order ZeRO-3 gathers (and prefetches) them in.
   std::vector<int> unit_pass_order(bool backward_follows) const;
 
-  int64_t embed_tokens() const { model_only("embed_tokens"); return embed_tokens_; }
-  int64_t final_norm() const { model_only("final_norm"); return final_norm_; }
-  int64_t lm_head() const { model_only("lm_head"); return lm_head_; }  // == embed_tokens() when tied
-  const LayerOffsets& layer(int64_t l) const { model_only("layer"); return layers_[l]; }
+  int64_t embed_tokens() const { owned("embed_tokens", has_embedding_); return embed_tokens_; }
+  int64_t final_norm() const { owned("final_norm", has_head_); return final_norm_; }
+  int64_t lm_head() const { owned("lm_head", has_head_); return lm_head_; }  // == embed_tokens() when tied
+  const LayerOffsets& layer(int64_t l) const { owned("layer", has_layer(l)); return layers_[l]; }
+  // The model's decoder layers (all of them, a stage's layout too; a stage holds [layer_begin, layer_end)).
   int64_t num_layers() const { model_only("num_layers"); return static_cast<int64_t>(layers_.size()); }
-  // [begin, end) of layer l in the flat buffer.
+  // [begin, end) of layer l in the flat buffer (empty for another stage's layer).
   std::pair<int64_t, int64_t> layer_range(int64_t l) const { model_only("layer_range"); return layer_ranges_[l]; }
+  // What this layout holds: everything, or one pipeline stage's part.
+  bool has_embedding() const { return has_embedding_; }
+  bool has_head() const { return has_head_; }
+  int64_t layer_begin() const { return layer_begin_; }
+  int64_t layer_end() const { return layer_end_; }
+  bool has_layer(int64_t l) const { return l >= layer_begin_ && l < layer_end_; }
+  bool whole() const { return has_embedding_ && has_head_ && layer_begin_ == 0 && layer_end_ == num_layers(); }
 
  private:
   void model_only(const char* what) const;  // fails unless is_model()
+  void owned(const char* what, bool held) const;  // fails unless is_model() and this stage holds it
+  void build(const LlamaConfig& config, int tp_rank, int tp_size, const PipelineStage& stage);
   int64_t add(const std::string& name, std::vector<int64_t> global_shape, int layer, bool decays, int split_dim = -1,
               int64_t split_begin = 0, int64_t split_size = 0);
 
@@ -87,16 +107,18 @@ class ParamLayout {
   std::vector<LayerOffsets> layers_;
   std::vector<std::pair<int64_t, int64_t>> layer_ranges_, unit_ranges_;
   TpDims tp_;
-  bool is_model_ = true;
+  bool is_model_ = true, tied_ = false, has_embedding_ = false, has_head_ = false;
+  int64_t layer_begin_ = 0, layer_end_ = 0;
   int64_t total_ = 0, embed_tokens_ = 0, final_norm_ = 0, lm_head_ = 0;
+  int64_t streams_ = 0;  // tensors of the whole model so far, held here or not (ParamTensor::stream)
 };
 
 // Tensor-parallel blocks: local = t's block of the global tensor (copy_block), and back (place_block).
 void copy_block(const ParamTensor& t, const float* global, float* local);
 void place_block(const ParamTensor& t, const float* local, float* global);
 
-// Elements [begin, begin + size) of `layout`'s flat buffer, held in out, a tensor at a time: fn(index, t, lb, le, p)
-// for each tensor the range overlaps, its local elements [lb, le) being at p.
+// Elements [begin, begin + size) of `layout`'s flat buffer, held in out, a tensor at a time: fn(stream, t, lb, le, p)
+// for each tensor the range overlaps (stream: t.stream), its local elements [lb, le) being at p.
 template <typename Fn>
 void for_each_tensor_piece(const ParamLayout& layout, int64_t begin, int64_t size, float* out, Fn&& fn) {
   const std::vector<ParamTensor>& tensors = layout.tensors();
@@ -104,7 +126,7 @@ void for_each_tensor_piece(const ParamLayout& layout, int64_t begin, int64_t siz
     const ParamTensor& t = tensors[index];
     const int64_t lb = std::max(begin, t.offset) - t.offset;
     const int64_t le = std::min(begin + size, t.offset + t.numel) - t.offset;
-    if (lb < le) fn(index, t, lb, le, out + (t.offset + lb - begin));
+    if (lb < le) fn(static_cast<size_t>(t.stream), t, lb, le, out + (t.offset + lb - begin));
   }
 }
 

@@ -64,6 +64,17 @@ LoraLayout adapters_of(const LlamaConfig& config, const LoraConfig& lora, int tp
   return LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
 }
 
+PipelineStage whole_model(const LlamaConfig& config) {
+  PipelineStage s;
+  s.layer_end = config.num_hidden_layers, s.embedding = s.head = true;
+  return s;
+}
+
+ParamLayout layout_of(const LlamaConfig& config, const LlamaParallel& parallel) {
+  const int tp_rank = parallel.tp ? parallel.tp->rank() : 0, tp_size = parallel.tp ? parallel.tp->size() : 1;
+  return parallel.stage ? ParamLayout(config, tp_rank, tp_size, *parallel.stage) : ParamLayout(config, tp_rank, tp_size);
+}
+
 }  // namespace
 
 // The WeightStore of a Llama's own adapters (lora_params / lora_grads), one unit per decoder layer.
@@ -84,7 +95,7 @@ class Llama::OwnAdapters final : public WeightStore {
 Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel,
              const LoraConfig& lora)
     : config_(config),
-      layout_(config, parallel.tp ? parallel.tp->rank() : 0, parallel.tp ? parallel.tp->size() : 1),
+      layout_(layout_of(config, parallel)),
       tp_(parallel.tp && parallel.tp->size() > 1 ? parallel.tp : nullptr),
       sp_(tp_ != nullptr && parallel.sequence),
       max_batch_(max_batch),
@@ -92,6 +103,11 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
       lora_(lora),
       lora_layout_(adapters_of(config, lora, parallel.tp ? parallel.tp->rank() : 0, parallel.tp ? parallel.tp->size() : 1)) {
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
+  stage_ = parallel.stage ? *parallel.stage : whole_model(config);
+  in_flight_ = parallel.in_flight;
+  TUNA_CHECK(in_flight_ >= 1, "activation slots: ", in_flight_);
+  if (parallel.stage && lora.enabled())
+    fail("option 'pp' with LoRA adapters (--lora_rank): pipeline parallelism over adapters is not implemented");
   const LlamaConfig& c = config_;
   const TpDims& d = layout_.tp();
   const int64_t n = max_batch * max_seq;
@@ -144,16 +160,19 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
                   rope_positions_.resize(n);
                 });
 
-  acts_.resize(c.num_hidden_layers);
+  // One set of layer activations per micro-batch in flight (a pipeline stage's slots), for the stage's layers.
+  const int64_t kept_layers = stage_.layers() * in_flight_;
+  acts_.resize(kept_layers);
   const LlamaBufferSizes planned = llama_buffer_sizes(c, d, max_batch, max_seq, lora_, sp_);
   head_chunk_rows_ = planned.head_chunk_rows;
   // The norm and residual regions: every row, or with sp this rank's ceil(n / tp) (the last ranks' pieces are
   // shorter, but every piece is gathered and scattered at the same size).
   const int64_t rows = planned.local_rows;
   // Checked against the host's memory before anything is allocated, by name (the sizes are the plan's).
-  allocate_host(str("the activations of ", max_batch, " x ", max_seq, " tokens through ", c.num_hidden_layers,
-                    " layers (lower micro_batch or seq_len)"),
-                uint64_t(planned.activation_floats(c.num_hidden_layers)) * sizeof(float) + planned.ce_stats * sizeof(double),
+  allocate_host(str("the activations of ", max_batch, " x ", max_seq, " tokens through ", stage_.layers(), " layers",
+                    in_flight_ > 1 ? str(" for ", in_flight_, " micro-batches in flight") : std::string(),
+                    " (lower micro_batch or seq_len)"),
+                uint64_t(planned.activation_floats(kept_layers)) * sizeof(float) + planned.ce_stats * sizeof(double),
                 [&] {
     for (LayerActs& a : acts_) {
       a.resid_in.resize(rows * c.hidden_size);
@@ -205,7 +224,7 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
     }
                 });
   // The memory plan is made of llama_buffer_sizes: a buffer added here without it would make the plan wrong.
-  TUNA_CHECK(activation_bytes() == planned.activation_floats(c.num_hidden_layers) * int64_t(sizeof(float)) &&
+  TUNA_CHECK(activation_bytes() == planned.activation_floats(kept_layers) * int64_t(sizeof(float)) &&
                  static_cast<int64_t>(rope_cos_.size() + rope_sin_.size()) == planned.rope_tables &&
                  static_cast<int64_t>(inv_freq_.size()) == planned.rope_inv_freq &&
                  static_cast<int64_t>(ce_stats_.size()) == planned.ce_stats &&
@@ -430,7 +449,9 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
   const LlamaConfig& c = config_;
   const TpDims& d = layout_.tp();
   const int64_t n = batch * seq, C = c.hidden_size, F = d.ffn;
-  const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
+  const int H = layout_.head_unit();
+  // This stage's layers (all of them without pipeline parallelism).
+  const int first = static_cast<int>(stage_.layer_begin), end = static_cast<int>(stage_.layer_end);
   if (sp_) {
     sp_chunk_ = (n + tp_->size() - 1) / tp_->size();
     sp_rows_ = shard_range(n, tp_->rank(), tp_->size());
@@ -444,17 +465,20 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
   store_->plan(layout_.unit_pass_order(backward_follows));
   lora_train_ = backward_follows && lora_.dropout > 0;  // PEFT's dropout acts in training only
 
-  const float* embedding = store_->acquire(0);
-  embed(acts_.empty() ? resid_out_.data() : acts_[0].resid_in.data(), inputs, n,
-        embedding + (layout_.embed_tokens() - layout_.unit_range(0).first));
-  store_->release(0);
-  for (int l = 0; l < L; l++) {
-    LayerActs& a = acts_[l];
+  // The first stage embeds; a later stage's input is already in its first layer's resid_in (stage_input).
+  if (stage_.embedding) {
+    const float* embedding = store_->acquire(0);
+    embed(first == end ? resid_out_.data() : acts(first).resid_in.data(), inputs, n,
+          embedding + (layout_.embed_tokens() - layout_.unit_range(0).first));
+    store_->release(0);
+  }
+  for (int l = first; l < end; l++) {
+    LayerActs& a = acts(l);
     const LayerOffsets& o = layout_.layer(l);
     const float* base = store_->acquire(1 + l);
     const int64_t begin = layout_.unit_range(1 + l).first;
     auto w = [&](int64_t offset) { return base + (offset - begin); };
-    float* resid_next = l + 1 < L ? acts_[l + 1].resid_in.data() : resid_out_.data();
+    float* resid_next = l + 1 < end ? acts(l + 1).resid_in.data() : resid_out_.data();
     const float* adapters = lora_store_ ? lora_store_->acquire(l) : nullptr;
     auto adapt = [&](LoraTarget t, const float* x, float* y) {
       if (adapters && lora_.has(t)) lora_fwd(l, t, adapters, x, y, n, backward_follows);
@@ -505,6 +529,7 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     store_->release(1 + l);
     if (adapters) lora_store_->release(l);
   }
+  if (!stage_.head) return;  // the stage's output is resid_out_ (stage_output)
   // The head unit stays acquired through head() and the final norm's backward.
   head_base_ = store_->acquire(H);
   cpu::rmsnorm_fwd(final_norm_out_.data(), final_rstd_.data(), resid_out_.data(),
@@ -550,15 +575,16 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
   const int H = layout_.head_unit();
 
   const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions (forward's)
-  // d_resid_ carries the gradient of the residual stream from the top down.
-  std::fill(d_resid_.begin(), d_resid_.begin() + nr * C, 0.0f);
+  // d_resid_ carries the gradient of the residual stream from the top down; a stage before the last finds the next
+  // stage's input gradient there (stage_output_grad).
   // A frozen base (LoRA): no weight gradient of it is computed or stored (null dweight: the kernels skip it).
   const bool frozen = lora_.enabled();
   // With sp a norm weight's gradient from this rank's rows is partial: written to sp_norm_grads_ (slot 0 or 1),
   // then summed over tp and added (sp_sum_norm_grads), so that every tp rank holds the whole gradient.
   const GradWrite norm_write = sp_ ? GradWrite::Overwrite : GradWrite::Accumulate;
   auto norm_grad = [&](float* grad, int slot) { return sp_ && grad ? sp_norm_grads_.data() + slot * C : grad; };
-  {
+  if (stage_.head) {
+    std::fill(d_resid_.begin(), d_resid_.begin() + nr * C, 0.0f);
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
     float* g_norm = frozen ? nullptr : store_->grads(H) + norm;
     cpu::rmsnorm_bwd(d_resid_.data(), norm_grad(g_norm, 0), d_final_norm_.data(), resid_out_.data(),
@@ -567,8 +593,8 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     store_->release(H);
     if (!frozen) store_->grads_done(H);
   }
-  for (int64_t l = c.num_hidden_layers - 1; l >= 0; l--) {
-    LayerActs& a = acts_[l];
+  for (int64_t l = stage_.layer_end - 1; l >= stage_.layer_begin; l--) {
+    LayerActs& a = acts(l);
     const LayerOffsets& o = layout_.layer(l);
     const int unit = static_cast<int>(1 + l);
     const int64_t begin = layout_.unit_range(unit).first;
@@ -634,7 +660,7 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
       lora_store_->grads_done(static_cast<int>(l));
     }
   }
-  if (frozen) return;
+  if (frozen || !stage_.embedding) return;  // a later stage's input gradient is d_resid_ (stage_input_grad)
   // The vocab-parallel table's gradient takes every token's row.
   const float* d_embedded = sp_ ? sp_gather(d_resid_.data(), "sp embedding grad") : d_resid_.data();
   embed_bwd(store_->grads(0) + (layout_.embed_tokens() - layout_.unit_range(0).first), d_embedded, inputs, n);
@@ -683,7 +709,7 @@ void Llama::lora_fwd(int64_t l, LoraTarget t, const float* adapters, const float
   const float* A = adapters + (o.a[i] - begin);
   const float* B = adapters + (o.b[i] - begin);
   const auto [out, in] = local_shape(config_, layout_.tp(), t);
-  float* u = acts_[l].lora_u[i].data();
+  float* u = acts(l).lora_u[i].data();
   cpu::matmul_fwd(u, lora_input(l, t, x, n, train), A, n, in, r);
   if (lora_target_row_parallel(t)) tp_all_reduce(u, n * r, "tp LoRA A x");  // A x over the split input
   // Kept as u = s A x: then dB = dy^T u directly, and y adds u B^T.
@@ -708,7 +734,7 @@ void Llama::lora_bwd(int64_t l, LoraTarget t, const float* adapters, float* grad
   const auto [out, in] = local_shape(config_, layout_.tp(), t);
   float* dt = lora_dt_.data();
   // dB += dy^T u, dt = dy B; then dt = s dy B, the gradient of A x.
-  cpu::matmul_bwd(dt, dB, dy, acts_[l].lora_u[i].data(), B, n, r, out, /*accumulate_dinp=*/false,
+  cpu::matmul_bwd(dt, dB, dy, acts(l).lora_u[i].data(), B, n, r, out, /*accumulate_dinp=*/false,
                   GradWrite::Accumulate);
   const float s = static_cast<float>(lora_.scale());
   for (int64_t k = 0; k < n * r; k++) dt[k] *= s;
@@ -727,8 +753,35 @@ void Llama::lora_bwd(int64_t l, LoraTarget t, const float* adapters, float* grad
   if (dropped) lora_dropout_apply(l, t, lora_tmp_.data(), dx, n, /*accumulate=*/true);
 }
 
+void Llama::select_slot(int64_t slot) {
+  TUNA_CHECK(slot >= 0 && slot < in_flight_, "activation slot ", slot, " of ", in_flight_);
+  slot_ = slot;
+}
+
+float* Llama::stage_input(int64_t slot) {
+  TUNA_CHECK(!stage_.embedding && stage_.layers() > 0, "the first stage embeds its input");
+  select_slot(slot);
+  return acts(stage_.layer_begin).resid_in.data();
+}
+
+LossSum Llama::forward_stage(int64_t slot, const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                             const int32_t* positions, bool backward_follows) {
+  select_slot(slot);
+  forward(inputs, batch, seq, backward_follows, nullptr, positions);
+  return stage_.head ? head(targets, batch * seq, backward_follows, nullptr) : LossSum{};
+}
+
+void Llama::backward_stage(int64_t slot, const int32_t* inputs, int64_t batch, int64_t seq, const int32_t* positions) {
+  select_slot(slot);
+  // Other micro-batches' forwards ran since this one's: its document boundaries again (the forward's, recomputed).
+  set_documents(positions, batch, seq);
+  backward(inputs, batch, seq);
+}
+
 LossSum Llama::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                 const int32_t* positions) {
+  TUNA_CHECK(layout_.whole(), "forward_backward of a pipeline stage: use forward_stage and backward_stage");
+  select_slot(0);
   forward(inputs, batch, seq, /*backward_follows=*/true, nullptr, positions);
   LossSum loss = head(targets, batch * seq, /*want_grad=*/true, nullptr);
   backward(inputs, batch, seq);
@@ -737,6 +790,8 @@ LossSum Llama::forward_backward(const int32_t* inputs, const int32_t* targets, i
 
 LossSum Llama::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                             const int32_t* positions) {
+  TUNA_CHECK(layout_.whole(), "forward_loss of a pipeline stage: use forward_stage");
+  select_slot(0);
   forward(inputs, batch, seq, /*backward_follows=*/false, nullptr, positions);
   return head(targets, batch * seq, /*want_grad=*/false, nullptr);
 }
@@ -744,6 +799,8 @@ LossSum Llama::forward_loss(const int32_t* inputs, const int32_t* targets, int64
 void Llama::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits,
                            const int32_t* positions) {
   TUNA_CHECK(!tp_, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
+  TUNA_CHECK(layout_.whole(), "forward_logits of a pipeline stage");
+  select_slot(0);
   forward(inputs, batch, seq, /*backward_follows=*/false, nullptr, positions);
   head(nullptr, batch * seq, /*want_grad=*/false, logits);
 }
@@ -763,6 +820,8 @@ KvCache Llama::make_kv_cache(int64_t batch, int64_t capacity) const {
 void Llama::forward_cached(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache, float* last_logits) {
   TUNA_CHECK(!tp_, "forward_cached returns whole-vocabulary logits: not with tensor parallelism");
   TUNA_CHECK(static_cast<int64_t>(cache.keys.size()) == config_.num_hidden_layers, "a KV cache of another model");
+  TUNA_CHECK(layout_.whole(), "forward_cached of a pipeline stage");
+  select_slot(0);
   if (batch != cache.batch) fail("forward_cached: ", batch, " sequences, but the KV cache holds ", cache.batch);
   if (n < 1 || cache.length + n > cache.capacity)
     fail("forward_cached: ", n, " new positions after ", cache.length, " do not fit the KV cache's ", cache.capacity);

@@ -27,6 +27,7 @@
 #include "model/layout.h"  // ParamLayout, TpDims (and comm.h: Range)
 #include "model/lora.h"       // LoraConfig, LoraLayout
 #include "model/optimizer.h"  // Segment
+#include "model/pipeline.h"   // PipelineStage
 
 namespace tuna {
 
@@ -55,6 +56,10 @@ struct LlamaParallel {
   // column-parallel GEMM group and a reduce-scatter after each row-parallel GEMM and the embedding, where tp alone
   // has one all-reduce. Nothing changes with tp 1.
   bool sequence = false;
+  // Pipeline parallelism (--pp): the stage this model runs (layout and layers: ParamLayout's stage constructor), and
+  // how many micro-batches' activations it keeps at once (1F1B: pp - stage). Null: the whole model, one at a time.
+  const PipelineStage* stage = nullptr;
+  int64_t in_flight = 1;
 };
 
 // How a packed window treats the documents in it (options --document_mask and --document_positions). The
@@ -126,6 +131,27 @@ class Llama {
   // The same loss without gradients (evaluation).
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions = nullptr);
+  // A pipeline stage's passes (LlamaParallel::stage), one micro-batch at a time in any interleaving of up to
+  // in_flight micro-batches, each in its activation slot (0 .. in_flight - 1) from its forward to its backward.
+  // The stage's input: the first stage embeds `inputs`; the others read stage_input(slot), [batch * seq, hidden],
+  // which the caller fills with the previous stage's stage_output() first. forward_stage returns the loss on the
+  // last stage (and, with backward_follows, has its head's gradient ready) and nothing elsewhere. backward_stage
+  // takes the next stage's input gradient in stage_output_grad() (the last stage: its own loss), accumulates the
+  // stage's weight gradients and leaves its input gradient in stage_input_grad() for the previous stage. The same
+  // inputs and positions go to the forward and the backward of a micro-batch.
+  LossSum forward_stage(int64_t slot, const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                        const int32_t* positions, bool backward_follows);
+  void backward_stage(int64_t slot, const int32_t* inputs, int64_t batch, int64_t seq, const int32_t* positions);
+  float* stage_input(int64_t slot);
+  const float* stage_output() const { return resid_out_.data(); }  // until the next forward_stage
+  float* stage_output_grad() { return d_resid_.data(); }
+  const float* stage_input_grad() const { return d_resid_.data(); }  // until the next backward_stage
+  const PipelineStage& stage() const { return stage_; }
+  // Rows of the residual stream this rank holds for a pass over n tokens: n, or with sequence parallelism its
+  // shard_range of them (what a stage sends to the next, and its input gradient back).
+  int64_t residual_rows(int64_t n) const { return sp_ ? shard_range(n, tp_->rank(), tp_->size()).size() : n; }
+  int64_t in_flight() const { return in_flight_; }
+
   // Full logits [batch, seq, vocab] (tests, generation); not under tensor parallelism. positions as above.
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits,
                       const int32_t* positions = nullptr);
@@ -170,6 +196,9 @@ class Llama {
   // d(final norm output) into d_final_norm_ and accumulates the head's weight gradient.
   LossSum head(const int32_t* targets, int64_t rows, bool want_grad, float* logits_out);
   void backward(const int32_t* inputs, int64_t batch, int64_t seq);
+  // Layer l's activations in the current slot (a stage's layers only).
+  LayerActs& acts(int64_t l) { return acts_[slot_ * stage_.layers() + (l - stage_.layer_begin)]; }
+  void select_slot(int64_t slot);
 
   // Vocab-parallel pieces (tp > 1); see llama.cpp.
   void embed(float* out, const int32_t* tokens, int64_t n, const float* table);
@@ -201,7 +230,10 @@ class Llama {
   int64_t max_batch_, max_seq_, head_chunk_rows_;
   std::vector<double> inv_freq_;
   std::vector<float> rope_cos_, rope_sin_;
-  std::vector<LayerActs> acts_;
+  PipelineStage stage_;     // the whole model unless pipelined
+  int64_t in_flight_ = 1;   // activation slots
+  int64_t slot_ = 0;        // the slot of the pass under way
+  std::vector<LayerActs> acts_;  // [slot][the stage's layers]
   DocumentMode documents_;
   std::vector<int32_t> doc_start_, rope_positions_;  // [max_batch, max_seq] each
   const int32_t* attention_doc_start_ = nullptr;      // this batch's: doc_start_ or null

@@ -43,8 +43,9 @@ constexpr int64_t kFloat = sizeof(float), kDouble = sizeof(double);
 
 MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (m.dp < 1 || m.tp < 1) fail("memory plan: dp and tp must be >= 1, found dp ", m.dp, ", tp ", m.tp);
-  if (m.pp != 1) fail("memory plan: pipeline parallelism (pp ", m.pp, ") is not planned yet");
   if (m.sp && m.tp < 2) fail("memory plan: sequence parallelism splits the tokens over the tp ranks: it needs tp > 1");
+  if (m.pp < 1 || m.pp_rank < 0 || m.pp_rank >= m.pp)
+    fail("memory plan: pipeline stage ", m.pp_rank, " of ", m.pp, ": expected pp >= 1 and a stage in [0, pp)");
   TUNA_CHECK(m.dp_rank >= 0 && m.dp_rank < m.dp && m.tp_rank >= 0 && m.tp_rank < m.tp, "dp rank ", m.dp_rank, " of ",
              m.dp, ", tp rank ", m.tp_rank, " of ", m.tp);
   if (m.zero < 0 || m.zero > 3) fail("memory plan: option 'zero': expected 0, 1, 2 or 3, found ", m.zero);
@@ -57,9 +58,17 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (m.bf16_moments) fail("option 'bf16_moments' is for --device cuda (the CPU backend keeps fp32 moments)");
   if (!m.master_weights) fail("option 'master_weights' false is for --device cuda (the CPU backend trains fp32 weights)");
 
-  const ParamLayout layout(config, static_cast<int>(m.tp_rank), static_cast<int>(m.tp));
+  // A pipeline stage (--pp) holds its own layers' tensors (the trainer's split, model/pipeline.h) and keeps the
+  // activations of pp - stage micro-batches (1F1B), so the first stage holds the most.
+  const PipelineStage pipeline = pipeline_stages(config, m.pp, m.seq_len)[m.pp_rank];
+  const ParamLayout layout = m.pp > 1 ? ParamLayout(config, static_cast<int>(m.tp_rank), static_cast<int>(m.tp), pipeline)
+                                      : ParamLayout(config, static_cast<int>(m.tp_rank), static_cast<int>(m.tp));
+  const int64_t in_flight = m.training ? m.pp - m.pp_rank : 1;
   // LoRA (training): the base is frozen and whole (no gradient, no optimizer state); Zero holds the adapters'.
   const bool lora = m.training && m.lora.enabled();
+  if (lora && m.pp > 1) fail("memory plan: --pp ", m.pp, " with LoRA adapters: not implemented; use --pp 1");
+  if (m.training && m.pp > 1 && m.zero == 3)
+    fail("memory plan: --zero 3 with --pp ", m.pp, ": not implemented; use --zero 0, 1 or 2");
   if (lora && m.zero == 3)
     fail("memory plan: --zero 3 with LoRA adapters: sharding the frozen base (ZeRO-3 with adapters) is not "
          "implemented; use --zero 0, 1 or 2");
@@ -79,7 +88,7 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   const ZeroBufferSizes zero = m.training ? zero_buffer_sizes(lora ? adapters.params : layout, m.zero,
                                                               static_cast<int>(m.dp_rank), static_cast<int>(m.dp))
                                           : ZeroBufferSizes{};
-  const int64_t params = layout.total(), L = config.num_hidden_layers;
+  const int64_t params = layout.total(), L = pipeline.layers();
   const int64_t trained = lora ? adapters.params.total() : params;  // what gradients and moments cover
 
   MemoryPlan plan;
@@ -105,8 +114,9 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
     if (stage < 3) add("weights (fp32, whole)", MemoryKind::Weights, params * kFloat);
     if (stage < 2) add("gradients (fp32, whole)", MemoryKind::Gradients, params * kFloat);
   }
-  add(str("activations kept for the backward (", L, " layers)"), MemoryKind::Activations,
-      (llama.kept_per_layer * L + llama.final_norm) * kFloat);
+  add(str("activations kept for the backward (", L, " layers",
+          in_flight > 1 ? str(" x ", in_flight, " micro-batches in flight") : std::string(), ")"),
+      MemoryKind::Activations, (llama.kept_per_layer * L * in_flight + llama.final_norm) * kFloat);
   if (lora)
     add(str("LoRA: each adapter's r-wide intermediate (", L, " layers) and the adapters' scratch"),
         MemoryKind::Activations, (llama.lora_kept_per_layer * L + llama.lora_scratch) * kFloat);

@@ -33,6 +33,16 @@ std::vector<PipelineStage> pipeline_stages(const LlamaConfig& config, int64_t pp
 // and optimizer state (Megatron's way; the copies' gradients are summed between the two stages so they stay equal).
 // At pp 1 the one stage holds every unit once.
 std::vector<int> pipeline_stage_units(const ParamLayout& layout, const PipelineStage& stage);
+// One step of a stage's schedule: the forward or the backward of a micro-batch.
+struct PipelineOp {
+  bool forward = true;
+  int64_t micro_batch = 0;
+};
+// 1F1B (PipeDream-Flush, Megatron's default): stage `stage` of pp runs pp - stage - 1 forwards first (warm-up), then
+// alternates one forward and one backward (steady state), then the remaining backwards (cool-down). A stage then
+// holds at most pp - stage micro-batches' activations at once (micro-batch i can use slot i mod (pp - stage)),
+// against all of them under GPipe's all-forwards-then-all-backwards; the bubble is the same.
+std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t stage, int64_t micro_batches);
 
 // "stage 0: embedding + layers 0-39 (40), stage 1: layers 40-79 (40) + head; costliest stage 50.3% of the model's
 // FLOPs": the line the trainer prints at start.

@@ -1,5 +1,5 @@
 // The CPU engine's memory plan against measurement, at several layouts (ZeRO 0-3, tp with and without sequence
-// parallelism, both):
+// parallelism, both, pipeline stages, LoRA and QLoRA):
 //   * tests/mpi/test_memory_plan.cpp (launched here at 2 and 4 ranks): the plan's items are what Llama + Zero
 //     allocate, to the byte, on every rank;
 //   * here: build/train's measured peak resident memory per rank (the largest rank's peak above its start-up,
@@ -54,6 +54,7 @@ struct TrainerLayout {
   int64_t lora_rank = 0;  // > 0: rank-r adapters on every projection of a frozen base (the base below)
   BaseQuant base_quant = BaseQuant::None;  // that base held quantized (QLoRA)
   bool sp = false;  // sequence parallelism over tp
+  int64_t pp = 1;  // pipeline stages (grad_accum 2: the first stage holds two micro-batches)
 };
 
 class DistMemoryPlanVsTrainer : public ::testing::TestWithParam<TrainerLayout> {
@@ -84,7 +85,7 @@ TempDir* DistMemoryPlanVsTrainer::tmp_ = nullptr;
 TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
   const TrainerLayout t = GetParam();
   const std::string tag = str("np", t.np, "_z", t.zero, "_tp", t.tp, "_r", t.lora_rank, "_", base_quant_name(t.base_quant),
-                              t.sp ? "_sp" : "");
+                              t.sp ? "_sp" : "", "_pp", t.pp);
   const int64_t micro_batch = 2, seq = 64;
   const std::string model = t.lora_rank > 0 ? str(" --init ", base().string(), " --lora_rank ", t.lora_rank,
                                                   " --base_quant ", base_quant_name(t.base_quant))
@@ -92,8 +93,8 @@ TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
   const std::string flags = str(model, " --train_data '",
                                 (*tmp_ / "data" / "train-*.bin").string(), "' --seq_len ", seq, " --micro_batch ",
                                 micro_batch, " --steps 2 --ckpt_every 0 --threads 1 --device cpu --comm_timeout 60",
-                                " --zero ", t.zero, " --tp ", t.tp, t.sp ? " --sp" : "", " --out_dir ",
-                                (*tmp_ / tag).string());
+                                " --zero ", t.zero, " --tp ", t.tp, t.sp ? " --sp" : "", " --pp ", t.pp,
+                                t.pp > 1 ? " --grad_accum 2" : "", " --out_dir ", (*tmp_ / tag).string());
   auto r = run_command((t.np > 1 ? mpirun(t.np) : std::string("OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 ")) + kTrain + flags,
                        *tmp_ / (tag + ".log"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -102,7 +103,8 @@ TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
   const double measured = std::stod(m[1]) * 1e6;
 
   MemoryLayout layout;
-  layout.dp = t.np / t.tp, layout.tp = t.tp, layout.zero = static_cast<int>(t.zero), layout.sp = t.sp;
+  layout.dp = t.np / (t.tp * t.pp), layout.tp = t.tp, layout.pp = t.pp, layout.zero = static_cast<int>(t.zero);
+  layout.sp = t.sp;
   layout.micro_batch = micro_batch, layout.seq_len = seq;
   layout.lora.rank = t.lora_rank, layout.lora.alpha = static_cast<double>(t.lora_rank);
   layout.lora.base_quant = t.base_quant;
@@ -114,7 +116,7 @@ TEST_P(DistMemoryPlanVsTrainer, MeasuredPeakWithinFivePercentOfThePlan) {
   std::printf("  np %d ZeRO-%lld tp %lld%s: planned %.1f MB (total %.1f + transient %.1f), measured %.1f MB (%+.1f%%)\n",
               t.np, (long long)t.zero, (long long)t.tp,
               str(t.lora_rank > 0 ? str(" LoRA r", t.lora_rank, " base ", base_quant_name(t.base_quant)) : "",
-                  t.sp ? " sp" : "").c_str(),
+                  t.sp ? " sp" : "", t.pp > 1 ? str(" pp ", t.pp) : "").c_str(),
               planned / 1e6, plan.total() / 1e6, largest / 1e6, measured / 1e6,
               100 * (measured / planned - 1));
   EXPECT_NEAR(measured, planned, 0.05 * planned) << r.output;
@@ -129,13 +131,15 @@ INSTANTIATE_TEST_SUITE_P(Layouts, DistMemoryPlanVsTrainer,
                                            TrainerLayout{2, 1, 1, 16, BaseQuant::Nf4},
                                            TrainerLayout{1, 0, 1, 16, BaseQuant::Int8},
                                            TrainerLayout{2, 0, 2, 0, BaseQuant::None, true},
-                                           TrainerLayout{4, 1, 2, 0, BaseQuant::None, true}),
+                                           TrainerLayout{4, 1, 2, 0, BaseQuant::None, true},
+                                           TrainerLayout{2, 0, 1, 0, BaseQuant::None, false, 2},
+                                           TrainerLayout{4, 1, 1, 0, BaseQuant::None, false, 2}),
                          [](const auto& info) {
                            return str("np", info.param.np, "_zero", info.param.zero, "_tp", info.param.tp,
                                       info.param.lora_rank > 0 ? str("_lora", info.param.lora_rank) : "",
                                       info.param.base_quant != BaseQuant::None
                                           ? str("_", base_quant_name(info.param.base_quant)) : "",
-                                      info.param.sp ? "_sp" : "");
+                                      info.param.sp ? "_sp" : "", info.param.pp > 1 ? str("_pp", info.param.pp) : "");
                          });
 
 }  // namespace

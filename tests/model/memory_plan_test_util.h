@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <random>
 #include <string>
@@ -16,6 +17,7 @@
 #include "model/config.h"
 #include "model/llama.h"
 #include "model/memory_plan.h"
+#include "model/pipeline.h"
 
 namespace tuna::testing_util {
 
@@ -38,13 +40,16 @@ struct PlannedAndAllocated {
 
 // Builds this rank's Llama + Zero for the layout, runs one step (ZeRO-2/3 allocate their unit buffers in the
 // backward), and returns the plan's activations and training state beside the allocations. With LoRA adapters
-// (layout.lora) Zero trains the adapters and the state adds the frozen base's weights.
+// (layout.lora) Zero trains the adapters and the state adds the frozen base's weights. A pipeline layout (layout.pp)
+// builds stage layout.pp_rank with its activation slots and runs one micro-batch through the stage alone (its input
+// and output gradient zeros: the figures, not the values, are what is compared).
 inline PlannedAndAllocated plan_and_allocate(const LlamaConfig& config, const MemoryLayout& layout, Comm& dp, Comm* tp) {
   const MemoryPlan plan = plan_cpu_memory(config, layout);
   const bool lora = layout.lora.enabled();
+  const PipelineStage stage = pipeline_stages(config, layout.pp, layout.seq_len)[layout.pp_rank];
   Llama model(config, layout.micro_batch, layout.seq_len,
               LlamaParallel{tp, /*external_weights=*/layout.zero == 3, /*external_grads=*/layout.zero == 2,
-                            /*sequence=*/layout.sp},
+                            /*sequence=*/layout.sp, layout.pp > 1 ? &stage : nullptr, layout.pp - layout.pp_rank},
               layout.lora);
   std::vector<float> weights(model.layout().total());
   init_random_weights(model.layout(), 7, 0.02, weights.data());
@@ -64,7 +69,16 @@ inline PlannedAndAllocated plan_and_allocate(const LlamaConfig& config, const Me
   for (int64_t i = 0; i < n; i++)
     inputs[i] = static_cast<int32_t>(rng() % config.vocab_size), targets[i] = static_cast<int32_t>(rng() % config.vocab_size);
   zero.begin_step();
-  const LossSum loss = model.forward_backward(inputs.data(), targets.data(), layout.micro_batch, layout.seq_len);
+  LossSum loss;
+  if (layout.pp > 1) {
+    const int64_t hidden = n * config.hidden_size;
+    if (!stage.embedding) std::fill_n(model.stage_input(0), hidden, 0.0f);
+    loss = model.forward_stage(0, inputs.data(), targets.data(), layout.micro_batch, layout.seq_len, nullptr, true);
+    if (!stage.head) std::fill_n(model.stage_output_grad(), hidden, 0.0f);
+    model.backward_stage(0, inputs.data(), layout.micro_batch, layout.seq_len, nullptr);
+  } else {
+    loss = model.forward_backward(inputs.data(), targets.data(), layout.micro_batch, layout.seq_len);
+  }
   zero.finish_step(loss, 1e-3);
   const int64_t state = plan.bytes(MemoryKind::Weights) + plan.bytes(MemoryKind::Gradients) +
                         plan.bytes(MemoryKind::Master) + plan.bytes(MemoryKind::Moments) +

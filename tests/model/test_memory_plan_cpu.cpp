@@ -31,6 +31,24 @@ TEST(MemoryPlanCpu, ItemsAreTheAllocationsOfOneRankAtEveryStage) {
 
 // With LoRA adapters: the frozen base's weights and the adapters' state, to the byte, at ZeRO 0-2, with dropout (its
 // scratch) and on a subset of targets; no base gradient or moment in the plan; ZeRO-3 refused by name.
+// Each pipeline stage (pp 3 over 4 layers: the first stage keeps 3 micro-batches' activations, the last 1), ZeRO 0-2.
+TEST(MemoryPlanCpu, ItemsAreTheAllocationsOfEveryPipelineStage) {
+  std::unique_ptr<Comm> alone = make_single_comm();
+  for (int64_t stage = 0; stage < 3; stage++)
+    for (int zero = 0; zero <= 2; zero++) {
+      MemoryLayout m = layout_of(zero);
+      m.pp = 3, m.pp_rank = stage;
+      const auto r = plan_and_allocate(plan_test_config(4, /*tied=*/false), m, *alone, nullptr);
+      EXPECT_EQ(r.allocated_activations, r.planned_activations) << "stage " << stage << ", ZeRO-" << zero;
+      EXPECT_EQ(r.allocated_state, r.planned_state) << "stage " << stage << ", ZeRO-" << zero;
+    }
+  // The first stage holds more activations than the last: its slots.
+  MemoryLayout first = layout_of(0), last = layout_of(0);
+  first.pp = last.pp = 3, last.pp_rank = 2;
+  const LlamaConfig c = plan_test_config(4, false);
+  EXPECT_GT(plan_cpu_memory(c, first).bytes(MemoryKind::Activations), plan_cpu_memory(c, last).bytes(MemoryKind::Activations));
+}
+
 TEST(MemoryPlanCpu, LoraItemsAreTheAllocationsOfOneRank) {
   std::unique_ptr<Comm> alone = make_single_comm();
   for (const char* targets : {"q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "q_proj,v_proj,down_proj"})

@@ -1,5 +1,6 @@
 // The pipeline split: every layer in exactly one stage, the embedding first and the head last, the costliest stage as
-// cheap as any contiguous split makes it, and earlier stages no larger than they must be.
+// cheap as any contiguous split makes it, and earlier stages no larger than they must be. The 1F1B schedule, and a
+// stage's parameter layout (its tensors, under the whole model's names, blocks and random streams).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/layout.h"
 #include "model/pipeline.h"
 
 namespace tuna {
@@ -108,6 +110,88 @@ TEST(Pipeline, RefusesMoreStagesThanLayers) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("option 'pp': expected 1 to 4 stages"), std::string::npos) << e.what();
     }
+  }
+}
+
+// Every micro-batch's forward and backward once each, the forward first; the warm-up's pp - stage - 1 forwards, then
+// alternation; never more than pp - stage micro-batches in flight, and i mod (pp - stage) free for micro-batch i.
+TEST(Pipeline, OneForwardOneBackwardSchedule) {
+  for (int64_t pp = 1; pp <= 5; pp++)
+    for (int64_t stage = 0; stage < pp; stage++)
+      for (int64_t m = 0; m <= 9; m++) {
+        const std::vector<PipelineOp> ops = pipeline_schedule(pp, stage, m);
+        ASSERT_EQ(static_cast<int64_t>(ops.size()), 2 * m);
+        int64_t next_forward = 0, next_backward = 0;
+        std::vector<int64_t> in_flight;
+        const int64_t slots = pp - stage;
+        for (size_t k = 0; k < ops.size(); k++) {
+          const PipelineOp& op = ops[k];
+          if (op.forward) {
+            EXPECT_EQ(op.micro_batch, next_forward++);
+            for (int64_t other : in_flight) EXPECT_NE(other % slots, op.micro_batch % slots);
+            in_flight.push_back(op.micro_batch);
+            EXPECT_LE(static_cast<int64_t>(in_flight.size()), slots);
+          } else {
+            EXPECT_EQ(op.micro_batch, next_backward++);
+            ASSERT_FALSE(in_flight.empty());
+            EXPECT_EQ(in_flight.front(), op.micro_batch);
+            in_flight.erase(in_flight.begin());
+          }
+          // Warm-up: forwards only, as many as the stages after this one need to fill.
+          if (static_cast<int64_t>(k) < std::min(pp - stage - 1, m)) {
+            EXPECT_TRUE(op.forward);
+          }
+        }
+        EXPECT_TRUE(in_flight.empty());
+      }
+  // Stage 0 of 4 over 6 micro-batches: F0 F1 F2 | F3 B0 F4 B1 F5 B2 | B3 B4 B5.
+  std::string order;
+  for (const PipelineOp& op : pipeline_schedule(4, 0, 6)) order += (op.forward ? "F" : "B") + std::to_string(op.micro_batch) + " ";
+  EXPECT_EQ(order, "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5 ");
+}
+
+// The stages' layouts hold the whole model's tensors between them, each once, under its name, block and random
+// stream; units keep the model's numbering (other stages' empty). A model with tied embeddings is refused.
+TEST(Pipeline, StageLayoutsPartitionTheModel) {
+  LlamaConfig c = shape(64, 176, 5, 4, 2, 1000);
+  for (int tp : {1, 2}) {
+    const ParamLayout whole(c, 0, tp);
+    std::vector<int> seen(whole.tensors().size(), 0);
+    const std::vector<PipelineStage> stages = pipeline_stages(c, 3, 64);
+    for (const PipelineStage& st : stages) {
+      const ParamLayout stage(c, 0, tp, st);
+      EXPECT_EQ(stage.num_units(), whole.num_units());
+      EXPECT_EQ(stage.has_embedding(), st.embedding);
+      EXPECT_EQ(stage.has_head(), st.head);
+      EXPECT_FALSE(stage.whole());
+      int64_t total = 0;
+      for (int u = 0; u < stage.num_units(); u++) {
+        const auto [begin, end] = stage.unit_range(u);
+        const bool held = (u == 0 && st.embedding) || (u == stage.head_unit() && st.head) ||
+                          (u >= 1 + st.layer_begin && u < 1 + st.layer_end);
+        EXPECT_EQ(end > begin, held) << "unit " << u;
+        total += end - begin;
+      }
+      EXPECT_EQ(total, stage.total());
+      for (const ParamTensor& t : stage.tensors()) {
+        const ParamTensor* w = whole.find(t.name);
+        ASSERT_NE(w, nullptr) << t.name;
+        EXPECT_EQ(t.stream, w->stream) << t.name;
+        EXPECT_EQ(t.shape, w->shape) << t.name;
+        EXPECT_EQ(t.split_begin, w->split_begin) << t.name;
+        seen[w - whole.tensors().data()]++;
+      }
+    }
+    for (size_t i = 0; i < seen.size(); i++) EXPECT_EQ(seen[i], 1) << whole.tensors()[i].name;
+  }
+  c.tie_word_embeddings = true;
+  const std::vector<PipelineStage> stages = pipeline_stages(c, 2, 64);
+  try {
+    ParamLayout(c, 0, 1, stages[0]);
+    ADD_FAILURE() << "a stage of a tied model was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("option 'pp': the model ties lm_head to the embedding"), std::string::npos)
+        << e.what();
   }
 }
 
