@@ -385,7 +385,7 @@ namespace {
 // Whether the CUDA engine trains adapters, laying them out from plan_gpu_memory's adapter items: until it does,
 // an adapter plan is the design, and the plan says so.
 constexpr bool kCudaEngineTrainsAdapters = false;
-// Likewise pipeline stages and sequence parallelism: the CPU engine runs them, the CUDA engine not yet.
+// Likewise pipeline stages and sequence parallelism, which the CUDA engine does not run yet.
 constexpr bool kCudaEngineRunsPipelines = false;
 
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design.
