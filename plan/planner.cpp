@@ -385,7 +385,7 @@ namespace {
 // Whether the CUDA engine trains adapters, laying them out from plan_gpu_memory's adapter items: until it does,
 // an adapter plan is the design, and the plan says so.
 constexpr bool kCudaEngineTrainsAdapters = false;
-// Likewise pipeline stages and sequence parallelism: the CPU engine runs them, the CUDA engine not yet.
+// Likewise pipeline stages and sequence parallelism, which the CUDA engine does not run yet.
 constexpr bool kCudaEngineRunsPipelines = false;
 
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design.
@@ -488,6 +488,9 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
   if (l.seq_len > c.max_position_embeddings)
     fail("--seq_len ", l.seq_len, " exceeds the model's max_position_embeddings ", c.max_position_embeddings);
   if (job.grad_accum < 1) fail("--grad_accum: expected >= 1, found ", job.grad_accum);
+  if (l.sp && l.seq_len % l.tp != 0)
+    fail("--sp: sequence parallelism splits each sequence over the ", l.tp, " tp ranks; --seq_len ", l.seq_len,
+         " is not a multiple of ", l.tp);
   // 1F1B fills the pipe with pp micro-batches before the first backward; the plans count that many in flight.
   if (l.pp > 1 && job.grad_accum < l.pp)
     fail("--grad_accum ", job.grad_accum, " with --pp ", l.pp, ": a 1F1B pipeline needs at least as many micro-batches "

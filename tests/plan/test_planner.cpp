@@ -431,6 +431,9 @@ TEST(Planner, PipelineLayoutsRefuseWhatTheyCannotRun) {
   j = pipeline_job(4, 4, false, 0, 1, Recompute::None);
   j.layout.dp = 2;
   EXPECT_NE(error_of([&] { predict(j, rates); }).find("dp 2 x pp 4 x tp 4 is 32 ranks"), std::string::npos);
+  j = pipeline_job(2, 8, true, 0, 1, Recompute::None);
+  j.layout.seq_len = 4095;
+  EXPECT_NE(error_of([&] { predict(j, rates); }).find("--seq_len 4095 is not a multiple of 8"), std::string::npos);
 }
 
 // The seed job (README "The 70B job"): the search finds a pipeline layout with sp at >= 1,050 tokens/s per GPU
