@@ -9,9 +9,10 @@
 #include <vector>
 
 #include "model/config.h"
-#include "model/layout.h"
 
 namespace tuna {
+
+class ParamLayout;  // model/layout.h, which includes this header (its stage constructor takes a PipelineStage)
 
 struct PipelineStage {
   int64_t layer_begin = 0, layer_end = 0;  // decoder layers [layer_begin, layer_end)
