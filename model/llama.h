@@ -49,6 +49,9 @@ struct LlamaParallel {
   Comm* tp = nullptr;          // tensor-parallel group (null or size 1: none)
   bool external_weights = false;  // params and grads stay empty; set_weight_store() supplies them (ZeRO-3)
   bool external_grads = false;    // grads stays empty; the weight store takes each unit's gradient (ZeRO-2)
+  // LoRA: lora_params and lora_grads stay empty; set_lora_store() supplies the adapters and takes their gradients
+  // (ZeRO-3 over the adapters).
+  bool external_adapters = false;
 };
 
 // How a packed window treats the documents in it (options --document_mask and --document_positions). The
@@ -98,7 +101,7 @@ class Llama {
   const LoraLayout& lora_layout() const { return lora_layout_; }
   std::vector<float> lora_params;  // lora_layout().params order: this tp rank's blocks of A and B
   std::vector<float> lora_grads;   // same layout; forward_backward accumulates into it (empty: external)
-  void set_lora_store(WeightStore* store);  // replaces external adapter gradients (ZeRO-2 over the adapters)
+  void set_lora_store(WeightStore* store);  // replaces external adapter gradients or adapters (ZeRO-2/3 over them)
   // The key of the next forward_backward's dropout masks (lora_dropout_key: run seed, step, micro-batch, dp rank).
   void set_lora_dropout_key(uint64_t key) { lora_dropout_key_ = key; }
 
