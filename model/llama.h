@@ -5,10 +5,11 @@
 // The loss head is chunked over rows (logits for a few thousand rows at a time, turned into dlogits in
 // place), so a 128k vocabulary never needs batch x seq x vocab floats.
 //
-// With LoRA adapters (model/lora.h; the constructor's `lora`), the base is frozen: params holds it and stays as it
-// is, grads stays empty, no weight gradient of the base is computed (no dW GEMM, no norm or embedding gradient), and
-// the adapters train: lora_params and lora_grads, laid out by lora_layout(), reached a unit (decoder layer) at a
-// time through a second WeightStore (set_lora_store; by default the model's own buffers).
+// With LoRA adapters (model/lora.h; the constructor's `lora`), the base is frozen: params holds it (or a weight store
+// does: a quantized base, a ZeRO-3 shard) and it stays as it is, grads stays empty, no weight gradient of the base is
+// computed (no dW GEMM, no norm or embedding gradient), and the adapters train: lora_params and lora_grads, laid out
+// by lora_layout(), reached a unit (decoder layer) at a time through a second WeightStore (set_lora_store; by default
+// the model's own buffers).
 //
 // Loss convention: forward_backward returns the SUM of per-token losses and the count of trained
 // tokens, and accumulates the gradient of that sum. The trainer divides by the total count over all
