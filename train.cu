@@ -510,6 +510,8 @@ int run(int argc, char** argv) {
   if (world->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) fail("cannot silence stdout of rank ", world->rank());
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
   const RunStart start = open_run(cfg, options, *world);
+  // The base's quantization is the checkpoint's on a resume: the logged config and state.json say what runs.
+  if (start.lora) cfg.base_quant = base_quant_name(start.lora->base_quant);
   const EngineOptions eo = engine_options(cfg, options, start, launch);
   if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
   WeightFill initial;  // each rank reads (or draws) only its own pieces; a resume restores after construction
