@@ -176,7 +176,7 @@ void declare(Options& o, TrainConfig& c) {
   o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory",
         Bounds::closed(0, 1e6));
   o.add("lora_rank", &c.lora_rank,
-        "LoRA: train rank-r adapters (r >= 1) on --lora_targets with the base frozen (cpu; ZeRO 0-2); unset (shown as 0): "
+        "LoRA: train rank-r adapters (r >= 1) on --lora_targets with the base frozen (cpu; ZeRO 0-3); unset (shown as 0): "
         "a full fine-tune",
         Bounds::closed(0, 1 << 20));
   o.add("lora_alpha", &c.lora_alpha, "LoRA: the adapters' output is scaled by alpha / rank (alpha > 0); unset (shown as 0): the rank, a scale of 1");
@@ -531,6 +531,8 @@ int run(int argc, char** argv) {
   if (world->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) fail("cannot silence stdout of rank ", world->rank());
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
   const RunStart start = open_run(cfg, options, *world);
+  // The base's quantization is the checkpoint's on a resume: the logged config and state.json say what runs.
+  if (start.lora) cfg.base_quant = base_quant_name(start.lora->base_quant);
   const EngineOptions eo = engine_options(cfg, options, start, launch);
   if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
   WeightFill initial;  // each rank reads (or draws) only its own pieces; a resume restores after construction

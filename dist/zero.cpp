@@ -55,13 +55,7 @@ Zero::Zero(const ZeroParams& what, const OptimizerConfig& opt, int stage, Comm& 
   if (stage_ >= 2)
     allocate_host(str("ZeRO-", stage_, "'s gradient shard (", shard_size_, " parameters, fp32)"),
                   uint64_t(shard_size_) * sizeof(float), [&] { grad_shard_.assign(shard_size_, 0.0f); });
-  if (stage_ == 3)
-    allocate_host(str("ZeRO-3's master weight shard (", shard_size_, " parameters, fp32)"),
-                  uint64_t(shard_size_) * sizeof(float), [&] { master_.assign(shard_size_, 0.0f); });
-  if (stage_ == 3) {
-    weight_buffers_.resize(2);  // the pair: one computing, one arriving
-    for (UnitBuffer& b : weight_buffers_) b.data.resize(max_unit_);
-  }
+  if (stage_ == 3) sharded_ = std::make_unique<ShardedWeights>(layout_, dp_);
   if (stage_ >= 2) {
     scatter_out_.resize(shard_range(max_unit_, 0, dp_.size()).size());
     what.install(this);
@@ -69,11 +63,11 @@ Zero::Zero(const ZeroParams& what, const OptimizerConfig& opt, int stage, Comm& 
   // The memory plan is made of zero_buffer_sizes: an allocation added here without it would make the plan wrong.
   const ZeroBufferSizes planned = zero_buffer_sizes(layout_, stage_, dp_.rank(), dp_.size());
   TUNA_CHECK(planned.shard == shard_size_ && planned.unit == max_unit_ &&
-                 planned.master == static_cast<int64_t>(master_.size()) &&
+                 planned.master == (sharded_ ? sharded_->shard_size() : 0) &&
                  planned.grad_shard == static_cast<int64_t>(grad_shard_.size()) &&
                  planned.moments == optimizer_.size() &&
                  planned.scatter_out == static_cast<int64_t>(scatter_out_.size()) &&
-                 planned.weight_buffers == static_cast<int>(weight_buffers_.size()),
+                 planned.weight_buffers == (sharded_ ? sharded_->buffers() : 0),
              "Zero's buffers differ from zero_buffer_sizes (update it with the constructor)");
 }
 
@@ -129,9 +123,8 @@ StepResult Zero::finish_step(const LossSum& local, double lr) {
       params_order = BufferOrder::Flat;
       break;
     case 3:  // as stage 2
-      grads = grad_shard_.data(), params = master_.data();
-      for (UnitBuffer& b : weight_buffers_)  // no gather may still read the weights the update rewrites
-        if (b.pending) dp_.wait(b.pending), b.pending = 0;
+      grads = grad_shard_.data(), params = sharded_->shard();
+      sharded_->wait_pending();  // no gather may still read the weights the update rewrites
       break;
   }
   r.stats.grad_norm = global_norm(grads, grads_order) * loss_scale;
@@ -141,8 +134,7 @@ StepResult Zero::finish_step(const LossSum& local, double lr) {
   if (!r.stats.applied) return r;
   optimizer_.update(params, grads, loss_scale * r.stats.clip_scale, lr, params_order, grads_order);
   if (stage_ == 1 || stage_ == 2) gather_params_in_place();
-  if (stage_ == 3)
-    for (UnitBuffer& b : weight_buffers_) b.valid = false;  // gathered weights are stale now
+  if (stage_ == 3) sharded_->invalidate();  // gathered weights are stale now
   return r;
 }
 
@@ -158,21 +150,22 @@ void Zero::export_state(const std::function<void(size_t, const float*, const flo
     const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin;
     // Stages 0-2 hold whole weights (stage 0 whole moments too): this rank hands out its piece of them, in place.
     const int64_t moments_at = stage_ == 0 ? begin : at;
-    sink(i, stage_ == 3 ? master_.data() + at : params_.data() + begin, optimizer_.m.data() + moments_at,
+    sink(i, stage_ == 3 ? sharded_->shard() + at : params_.data() + begin, optimizer_.m.data() + moments_at,
          optimizer_.v.data() + moments_at);
   }
 }
 
 void Zero::import_state(const std::function<void(size_t, float*, float*, float*)>& source) {
+  if (stage_ == 3) sharded_->wait_pending();
   if (stage_ >= 1) {
     // Each piece in place: stage 3's into its master shard, stages 1-2's into their piece of the whole weights.
     for (size_t i = 0; i < segments_.size(); i++) {
       const int64_t at = unit_shard_offset_[i], begin = segments_[i].begin;
-      source(i, stage_ == 3 ? master_.data() + at : params_.data() + begin, optimizer_.m.data() + at,
+      source(i, stage_ == 3 ? sharded_->shard() + at : params_.data() + begin, optimizer_.m.data() + at,
              optimizer_.v.data() + at);
     }
     if (stage_ == 3) {
-      for (UnitBuffer& b : weight_buffers_) b.valid = false;
+      sharded_->invalidate();
     } else {
       gather_params_in_place();  // everyone's pieces
     }
@@ -194,86 +187,37 @@ void Zero::import_state(const std::function<void(size_t, float*, float*, float*)
 
 void Zero::fill_weights(const std::function<void(const Segment& piece, float* out)>& fill) {
   TUNA_CHECK(stage_ == 3, "stages 0-2 read weights into the model's params");
-  for (size_t i = 0; i < segments_.size(); i++) fill(segments_[i], master_.data() + unit_shard_offset_[i]);
-  for (UnitBuffer& b : weight_buffers_) b.valid = false;
+  sharded_->fill(fill);
 }
 
 int64_t Zero::state_bytes() const {
   int64_t bytes = bytes_of(params_) + bytes_of(grads_) + bytes_of(optimizer_.m) + bytes_of(optimizer_.v) +
-                  bytes_of(master_) + bytes_of(grad_shard_) + bytes_of(scatter_out_);
-  for (const UnitBuffer& b : weight_buffers_) bytes += bytes_of(b.data);
-  for (const UnitBuffer& b : grad_buffers_) bytes += bytes_of(b.data);
+                  bytes_of(grad_shard_) + bytes_of(scatter_out_) + (sharded_ ? sharded_->bytes() : 0);
+  for (const GradBuffer& b : grad_buffers_) bytes += bytes_of(b.data);
   return bytes;
 }
 
 // ---- stages 2 and 3: the WeightStore (weights: stage 3 only) ----
 
 void Zero::plan(const std::vector<int>& order) {
-  order_ = order;
-  order_pos_ = 0;
-}
-
-void Zero::gather_into(UnitBuffer& b, int unit, bool async) {
-  const auto [begin, end] = layout_.unit_range(unit);
-  const float* piece = master_.data() + unit_shard_offset_[unit];
-  b.unit = unit;
-  b.valid = true;  // once the request (if any) completes
-  if (async) b.pending = dp_.all_gather_start(piece, b.data.data(), end - begin, "prefetch of a unit's weights");
-  else dp_.all_gather(piece, b.data.data(), end - begin, "weights of a unit");
-}
-
-// Starts gathering the unit that the plan acquires next into a free buffer, if one is free and the unit
-// is not already there.
-void Zero::prefetch_next() {
-  if (!prefetch_ || order_pos_ >= order_.size()) return;
-  const int next = order_[order_pos_];
-  for (const UnitBuffer& b : weight_buffers_)
-    if (b.unit == next && b.valid) return;
-  for (UnitBuffer& b : weight_buffers_)
-    if (!b.in_use && b.pending == 0) return gather_into(b, next, /*async=*/true);
+  if (sharded_) sharded_->plan(order);
 }
 
 const float* Zero::acquire(int unit) {
   if (stage_ == 2) return params_.data() + layout_.unit_range(unit).first;  // whole weights, own gradients
   TUNA_CHECK(stage_ == 3, "acquire outside stages 2-3");
-  // Follow the plan (a unit off-plan still works, it just was not prefetched).
-  while (order_pos_ < order_.size() && order_[order_pos_] != unit) order_pos_++;
-  if (order_pos_ < order_.size()) order_pos_++;
-  UnitBuffer* found = nullptr;
-  for (UnitBuffer& b : weight_buffers_)
-    if (b.unit == unit && b.valid) found = &b;
-  if (!found) {
-    // A free buffer, preferring one that does not hold (or receive) the next planned unit.
-    const int next = order_pos_ < order_.size() ? order_[order_pos_] : -1;
-    for (UnitBuffer& b : weight_buffers_)
-      if (!b.in_use && (!found || found->unit == next)) found = &b;
-    if (!found) {  // every buffer busy (the tied head holds two): one more, kept for later steps
-      weight_buffers_.emplace_back();
-      weight_buffers_.back().data.resize(max_unit_);
-      found = &weight_buffers_.back();
-    }
-    if (found->pending) dp_.wait(found->pending), found->pending = 0;
-    gather_into(*found, unit, /*async=*/false);
-  }
-  if (found->pending) dp_.wait(found->pending), found->pending = 0;
-  found->in_use = true;
-  const float* data = found->data.data();
-  prefetch_next();
-  return data;
+  return sharded_->acquire(unit);
 }
 
 void Zero::release(int unit) {
-  if (stage_ != 3) return;
-  for (UnitBuffer& b : weight_buffers_)
-    if (b.unit == unit && b.in_use) b.in_use = false;
-  prefetch_next();
+  if (stage_ == 3) sharded_->release(unit);
 }
 
 float* Zero::grads(int unit) {
-  for (UnitBuffer& b : grad_buffers_)
+  for (GradBuffer& b : grad_buffers_)
     if (b.unit == unit && b.in_use) return b.data.data();
-  UnitBuffer* free = nullptr;
-  for (UnitBuffer& b : grad_buffers_)
+  GradBuffer* free = nullptr;
+  for (GradBuffer& b : grad_buffers_)
     if (!b.in_use) free = &b;
   if (!free) {
     grad_buffers_.emplace_back();
@@ -288,7 +232,7 @@ float* Zero::grads(int unit) {
 }
 
 void Zero::grads_done(int unit) {
-  for (UnitBuffer& b : grad_buffers_) {
+  for (GradBuffer& b : grad_buffers_) {
     if (b.unit != unit || !b.in_use) continue;
     const auto [begin, end] = layout_.unit_range(unit);
     dp_.reduce_scatter(b.data.data(), scatter_out_.data(), end - begin, "gradients of a unit");
@@ -300,5 +244,107 @@ void Zero::grads_done(int unit) {
   }
   TUNA_CHECK(false, "grads_done for unit ", unit, " without grads()");
 }
+
+// ---- ShardedWeights ----
+
+ShardedWeights::ShardedWeights(const ParamLayout& layout, Comm& dp)
+    : layout_(layout), dp_(dp), segments_(dp_unit_pieces(layout, dp.rank(), dp.size())) {
+  int64_t shard = 0;
+  for (const Segment& s : segments_) unit_shard_offset_.push_back(shard), shard += s.size;
+  for (int u = 0; u < layout_.num_units(); u++)
+    max_unit_ = std::max(max_unit_, layout_.unit_range(u).second - layout_.unit_range(u).first);
+  allocate_host(str("ZeRO-3's weight shard (", shard, " parameters, fp32) and its two gathered units (",
+                    2 * max_unit_, ")"),
+                uint64_t(shard + 2 * max_unit_) * sizeof(float), [&] {
+                  shard_.assign(shard, 0.0f);
+                  buffers_.resize(2);  // the pair: one computing, one arriving
+                  for (UnitBuffer& b : buffers_) b.data.resize(max_unit_);
+                });
+}
+
+void ShardedWeights::fill(const std::function<void(const Segment& piece, float* out)>& fill) {
+  wait_pending();
+  for (size_t i = 0; i < segments_.size(); i++) fill(segments_[i], shard_.data() + unit_shard_offset_[i]);
+  invalidate();
+}
+
+void ShardedWeights::wait_pending() {
+  for (UnitBuffer& b : buffers_)
+    if (b.pending) dp_.wait(b.pending), b.pending = 0;
+}
+
+void ShardedWeights::invalidate() {
+  for (UnitBuffer& b : buffers_) b.valid = false;
+}
+
+int64_t ShardedWeights::bytes() const {
+  int64_t bytes = bytes_of(shard_);
+  for (const UnitBuffer& b : buffers_) bytes += bytes_of(b.data);
+  return bytes;
+}
+
+void ShardedWeights::plan(const std::vector<int>& order) {
+  order_ = order;
+  order_pos_ = 0;
+}
+
+void ShardedWeights::gather_into(UnitBuffer& b, int unit, bool async) {
+  const auto [begin, end] = layout_.unit_range(unit);
+  const float* piece = shard_.data() + unit_shard_offset_[unit];
+  b.unit = unit;
+  b.valid = true;  // once the request (if any) completes
+  if (async) b.pending = dp_.all_gather_start(piece, b.data.data(), end - begin, "prefetch of a unit's weights");
+  else dp_.all_gather(piece, b.data.data(), end - begin, "weights of a unit");
+}
+
+// Starts gathering the unit that the plan acquires next into a free buffer, if one is free and the unit
+// is not already there.
+void ShardedWeights::prefetch_next() {
+  if (!prefetch_ || order_pos_ >= order_.size()) return;
+  const int next = order_[order_pos_];
+  for (const UnitBuffer& b : buffers_)
+    if (b.unit == next && b.valid) return;
+  for (UnitBuffer& b : buffers_)
+    if (!b.in_use && b.pending == 0) return gather_into(b, next, /*async=*/true);
+}
+
+const float* ShardedWeights::acquire(int unit) {
+  // Follow the plan (a unit off-plan still works, it just was not prefetched).
+  while (order_pos_ < order_.size() && order_[order_pos_] != unit) order_pos_++;
+  if (order_pos_ < order_.size()) order_pos_++;
+  UnitBuffer* found = nullptr;
+  for (UnitBuffer& b : buffers_)
+    if (b.unit == unit && b.valid) found = &b;
+  if (!found) {
+    // A free buffer, preferring one that does not hold (or receive) the next planned unit.
+    const int next = order_pos_ < order_.size() ? order_[order_pos_] : -1;
+    for (UnitBuffer& b : buffers_)
+      if (!b.in_use && (!found || found->unit == next)) found = &b;
+    if (!found) {  // every buffer busy (the tied head holds two): one more, kept for later steps
+      buffers_.emplace_back();
+      buffers_.back().data.resize(max_unit_);
+      found = &buffers_.back();
+    }
+    if (found->pending) dp_.wait(found->pending), found->pending = 0;
+    gather_into(*found, unit, /*async=*/false);
+  }
+  if (found->pending) dp_.wait(found->pending), found->pending = 0;
+  found->in_use = true;
+  const float* data = found->data.data();
+  prefetch_next();
+  return data;
+}
+
+void ShardedWeights::release(int unit) {
+  for (UnitBuffer& b : buffers_)
+    if (b.unit == unit && b.in_use) b.in_use = false;
+  prefetch_next();
+}
+
+float* ShardedWeights::grads(int unit) {
+  fail("sharded weights of unit ", unit, " were asked for a gradient: they are frozen or trained elsewhere");
+}
+
+void ShardedWeights::grads_done(int unit) { grads(unit); }
 
 }  // namespace tuna

@@ -10,11 +10,9 @@
 //            it, then is reduce-scattered and summed into the shard. Otherwise as stage 1.
 //   stage 3  parameters are sharded too (FSDP): the model keeps no weights, Zero is its WeightStore.
 //            Each unit (embedding, layer, head) is all-gathered into one of a pair of reused buffers just
-//            before the forward uses it and again before the backward, and the next unit in the pass's
-//            order is gathered into the other buffer while this one computes (all_gather_start: on NCCL a
-//            communication stream, on MPI a non-blocking collective; a unit still in a buffer from the
-//            forward, the last layer, is not gathered again). Each unit's gradient lives in a
-//            unit-sized buffer only until its backward is done, then is reduce-scattered into the shard.
+//            before the forward uses it and again before the backward, the next one prefetched
+//            (ShardedWeights, below). Each unit's gradient lives in a unit-sized buffer only until its
+//            backward is done, then is reduce-scattered into the shard.
 //
 // Shards. Every unit is split over the dp ranks by shard_range (so one all-gather or reduce-scatter per
 // unit moves it, and every rank has work in each): this rank's segments are its piece of each unit, in
@@ -37,6 +35,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "comm/comm.h"
@@ -63,9 +62,61 @@ struct ZeroParams {
   std::function<void(WeightStore*)> install;
 };
 ZeroParams model_parameters(Llama& model);  // the whole model: layout(), params, grads
-// The LoRA adapters (lora_layout(), lora_params, lora_grads; the frozen base stays whole and replicated outside).
-// Stages 0-2: their weights are whole on every rank; stage 3 over them is not implemented.
+// The LoRA adapters (lora_layout(), lora_params, lora_grads; the frozen base is held outside: whole, quantized, or a
+// ShardedWeights at stage 3). Stages 0-2: their weights are whole on every rank; stage 3 shards them too (the model
+// built with LlamaParallel::external_adapters).
 ZeroParams lora_parameters(Llama& model);
+
+// Weights sharded over dp (ZeRO-3): this rank's piece of every unit of a layout (dp_unit_pieces, shard order), and the
+// buffers a unit is all-gathered into just before the model uses it, the next unit of the pass's plan gathered into
+// the other buffer while this one computes (all_gather_start: on NCCL a communication stream, on MPI a non-blocking
+// collective; a unit still in a buffer, the last layer between forward and backward, is not gathered again). Zero
+// keeps one at stage 3 over what it trains; with adapters the frozen base is one on its own, which has no gradient.
+class ShardedWeights final : public WeightStore {
+ public:
+  ShardedWeights(const ParamLayout& layout, Comm& dp);
+  // this rank's pieces of every unit, concatenated (shard order); segments()[u] is unit u's piece.
+  float* shard() { return shard_.data(); }
+  const std::vector<Segment>& segments() const { return segments_; }
+  int64_t shard_size() const { return static_cast<int64_t>(shard_.size()); }
+  int64_t shard_offset(int unit) const { return unit_shard_offset_[unit]; }
+  int buffers() const { return static_cast<int>(buffers_.size()); }
+  void set_prefetch(bool on) { prefetch_ = on; }
+  // fill(piece, out) writes each of this rank's pieces (segments()) of the (tp-local) layout into its place.
+  void fill(const std::function<void(const Segment& piece, float* out)>& fill);
+  // The shard is about to change (an update, a restore): no gather may still read it, and gathered copies go stale.
+  void wait_pending();
+  void invalidate();
+  int64_t bytes() const;  // the shard and the unit buffers, allocated
+
+  void plan(const std::vector<int>& order) override;
+  const float* acquire(int unit) override;
+  void release(int unit) override;
+  float* grads(int unit) override;      // an error: these weights train elsewhere or not at all
+  void grads_done(int unit) override;   // an error too
+
+ private:
+  struct UnitBuffer {
+    std::vector<float> data;
+    int unit = -1;          // the unit it holds (valid or arriving), -1: none
+    bool in_use = false;
+    bool valid = false;     // holds the current weights of `unit`
+    CommRequest pending = 0;  // a prefetch in flight into it
+  };
+  void gather_into(UnitBuffer& b, int unit, bool async);
+  void prefetch_next();
+
+  const ParamLayout& layout_;
+  Comm& dp_;
+  std::vector<Segment> segments_;
+  std::vector<int64_t> unit_shard_offset_;
+  int64_t max_unit_ = 0;
+  std::vector<float> shard_;
+  std::vector<UnitBuffer> buffers_;
+  std::vector<int> order_;
+  size_t order_pos_ = 0;
+  bool prefetch_ = true;
+};
 
 class Zero final : public WeightStore {
  public:
@@ -81,7 +132,9 @@ class Zero final : public WeightStore {
   int stage() const { return stage_; }
   // Stage 3: gather the next unit while the current one computes (default), or each unit only when used
   // (to measure what prefetching buys).
-  void set_prefetch(bool on) { prefetch_ = on; }
+  void set_prefetch(bool on) {
+    if (sharded_) sharded_->set_prefetch(on);
+  }
   AdamW& optimizer() { return optimizer_; }
   // This rank's pieces of the flat layout (one per unit), in shard order.
   const std::vector<Segment>& segments() const { return segments_; }
@@ -121,8 +174,6 @@ class Zero final : public WeightStore {
     bool valid = false;     // holds the current weights of `unit`
     CommRequest pending = 0;  // a prefetch in flight into it
   };
-  void gather_into(UnitBuffer& b, int unit, bool async);
-  void prefetch_next();
   double global_norm(const float* grads, BufferOrder order);
   void gather_params_in_place();  // stages 1-2: every rank's pieces of the whole weights to every rank
 
@@ -137,15 +188,16 @@ class Zero final : public WeightStore {
   std::vector<int64_t> unit_shard_offset_;  // where unit u's piece starts in shard order
   int64_t shard_size_ = 0, max_unit_ = 0;
   AdamW optimizer_;
-  std::vector<float> master_;      // stage 3: this rank's weights, shard order (stages 0-2: params_)
+  std::unique_ptr<ShardedWeights> sharded_;  // stage 3: this rank's weights (master) and their gathering
   std::vector<float> grad_shard_;  // stages 2-3: this rank's gradient, shard order (stages 0-1: grads_)
-  // Stage 3: the buffer pair for gathered weights, unit-sized gradient buffers, the reduce-scatter output.
-  std::vector<UnitBuffer> weight_buffers_;
-  std::vector<UnitBuffer> grad_buffers_;
+  // Stages 2-3: unit-sized gradient buffers, the reduce-scatter output.
+  struct GradBuffer {
+    std::vector<float> data;
+    int unit = -1;
+    bool in_use = false;
+  };
+  std::vector<GradBuffer> grad_buffers_;
   std::vector<float> scatter_out_;
-  std::vector<int> order_;
-  size_t order_pos_ = 0;
-  bool prefetch_ = true;
 };
 
 }  // namespace tuna

@@ -53,13 +53,10 @@ Device resolve_device(const std::string& requested) {
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm) {
   if (options.lora.enabled()) {
-    // What LoRA training covers so far: the CPU engine with ZeRO 0-2 over dp and tp (the base replicated).
+    // What LoRA training covers so far: the CPU engine with ZeRO 0-3 over dp and tp.
     if (options.device == Device::Cuda)
       fail("--lora_rank ", options.lora.rank, " with --device cuda: LoRA training is not implemented on the CUDA "
            "engine yet; use --device cpu");
-    if (options.zero == 3)
-      fail("--lora_rank ", options.lora.rank, " with --zero 3: sharding the frozen base (ZeRO-3 with adapters) is not "
-           "implemented; use --zero 0, 1 or 2 (the adapters' state is sharded by 1 and 2, the base is replicated)");
     if (!initial)
       fail("--lora_rank ", options.lora.rank, ": LoRA trains adapters on a base model, and there are no base weights "
            "(give the base with --init DIR)");

@@ -3,9 +3,9 @@
 // backends engine_cpu.cpp and engine_gpu.cpp, the device choice and factory device.cpp, shared helpers engine.cpp.
 //
 //   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3). With LoRA
-//         (EngineOptions::lora) the base is frozen and whole on every rank (fp32, or quantized: base_quant), and Zero
-//         (ZeRO 0-2) trains the adapters: layout(), segments() and the checkpoint state are the adapters' (PEFT
-//         names), base_layout() the model's.
+//         (EngineOptions::lora) the base is frozen: whole on every rank (fp32, or quantized: base_quant), or at
+//         ZeRO-3 sharded over dp (dist/zero.h ShardedWeights); Zero (ZeRO 0-3) trains the adapters: layout(),
+//         segments() and the checkpoint state are the adapters' (PEFT names), base_layout() the model's.
 //   cuda  LlamaGpu (model/llama_gpu.h), one GPU per rank (the rank's local index on its node): bf16 weights
 //         and activations, fp32 master weights, gradients and moments (bf16 moments as an option). Data
 //         parallel over the device comm (NCCL): ZeRO-0 (gradients all-reduced, every rank applies the same
@@ -65,7 +65,7 @@ struct EngineOptions {
   GpuOptions gpu;              // cuda only: the device index, stochastic rounding
   DocumentMode documents;      // packed windows: attention inside documents, positions restarted (llama.h)
   // LoRA (model/lora.h): rank 0 is a full fine-tune. With adapters the base is frozen and only they train: the
-  // engine's layout(), optimizer, dp synchronization and checkpoint state are the adapters' (cpu, ZeRO 0-2).
+  // engine's layout(), optimizer, dp synchronization and checkpoint state are the adapters' (cpu, ZeRO 0-3).
   LoraConfig lora;
   uint64_t seed = 0;           // LoRA: the adapters' starting values (without `adapters`) and the dropout masks
   WeightFill adapters;         // LoRA: the starting adapters (adapter layout order); null: PEFT's initialisation

@@ -24,7 +24,7 @@ class CpuEngine final : public Engine {
         model_(config, o.micro_batch, o.seq_len,
                LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3 || o.base_quant != BaseQuant::None,
                              /*external_grads=*/o.zero == 2, /*sequence=*/o.sp, mesh.pp_size > 1 ? &stage_ : nullptr,
-                             mesh.pp_size - mesh.pp_rank},
+                             mesh.pp_size - mesh.pp_rank, /*external_adapters=*/o.lora.enabled() && o.zero == 3},
                o.lora),
         seed_(o.seed),
         dp_rank_(mesh.dp_rank),
@@ -46,19 +46,33 @@ class CpuEngine final : public Engine {
       if (mesh.tp_size > 1)
         fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --tp ", mesh.tp_size, ": not implemented (each "
              "rank would quantize its own block of a tensor, a base that depends on tp); use --tp 1");
+      if (o.zero == 3)
+        fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --zero 3: sharding a quantized base is not "
+             "implemented; use --zero 0, 1 or 2 (the quantized base is small), or --base_quant none");
       TUNA_CHECK(static_cast<bool>(initial), "a quantized base needs its starting weights");
       quantized_base_ = std::make_unique<QuantizedWeights>(model_.layout(), o.base_quant, initial);
       model_.set_weight_store(quantized_base_.get());
+    } else if (o.lora.enabled() && o.zero == 3) {
+      // ZeRO-3 with adapters: the frozen base sharded over dp like a full fine-tune's weights (each rank fills its
+      // pieces), gathered a unit at a time; it has no gradient and no optimizer state.
+      TUNA_CHECK(static_cast<bool>(initial), "a frozen base needs its starting weights");
+      frozen_base_ = std::make_unique<ShardedWeights>(model_.layout(), *mesh.dp);
+      frozen_base_->set_prefetch(o.zero_prefetch);
+      frozen_base_->fill([&](const Segment& piece, float* out) { initial(model_.layout(), piece, out); });
+      model_.set_weight_store(frozen_base_.get());
     } else if (initial && o.zero != 3) {
       fill_whole(initial, model_.layout(), model_.params.data());
     }
     if (o.lora.enabled()) {
-      // LoRA: the base is frozen and whole on every rank (filled or quantized above); Zero trains the adapters alone, every
-      // rank starting from the same ones (drawn per global tensor, or read: each rank its own blocks).
-      fill_whole(o.adapters ? o.adapters : initial_adapters(o.seed), model_.lora_layout().params,
-                 model_.lora_params.data());
+      // LoRA: the base is frozen (filled, quantized or sharded above); Zero trains the adapters alone, every rank
+      // starting from the same ones (drawn per global tensor, or read: each rank its own blocks; at stage 3 its pieces).
+      const WeightFill adapters = o.adapters ? o.adapters : initial_adapters(o.seed);
+      if (o.zero != 3) fill_whole(adapters, model_.lora_layout().params, model_.lora_params.data());
       zero_ = std::make_unique<Zero>(lora_parameters(model_), o.opt, o.zero, *mesh.dp, mesh.tp.get());
       zero_->set_prefetch(o.zero_prefetch);
+      if (o.zero == 3)
+        zero_->fill_weights(
+            [&](const Segment& piece, float* out) { adapters(model_.lora_layout().params, piece, out); });
       return;
     }
     zero_ = std::make_unique<Zero>(model_, o.opt, o.zero, *mesh.dp, mesh.tp.get(), pp_);
@@ -112,7 +126,7 @@ class CpuEngine final : public Engine {
   int64_t state_bytes() const override {
     return zero_->state_bytes() +
            (model_.lora().enabled() ? static_cast<int64_t>(model_.params.capacity() * sizeof(float)) : 0) +
-           (quantized_base_ ? quantized_base_->bytes().total() : 0);
+           (quantized_base_ ? quantized_base_->bytes().total() : 0) + (frozen_base_ ? frozen_base_->bytes() : 0);
   }
   double flops_per_token(int64_t seq) const override {
     return model_.lora().enabled() ? lora_flops_per_token(config_, model_.lora(), seq)
@@ -173,6 +187,7 @@ class CpuEngine final : public Engine {
   std::string recv_activations_, send_activations_, recv_gradient_, send_gradient_;
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)
   std::unique_ptr<QuantizedWeights> quantized_base_;  // QLoRA: the frozen base (the model reads it as its store)
+  std::unique_ptr<ShardedWeights> frozen_base_;        // LoRA at ZeRO-3: the frozen base, sharded over dp
   std::unique_ptr<Zero> zero_;
 };
 

@@ -129,13 +129,15 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
     store_ = own_store_.get();
   }
   if (adapters) {
-    const int64_t total = lora_layout_.params.total(), copies = parallel.external_grads ? 1 : 2;
-    allocate_host(str("the LoRA adapters", copies == 2 ? " and their gradients" : "", " (", total, " parameters, fp32)"),
-                  static_cast<uint64_t>(copies * total) * sizeof(float), [&] {
-                    lora_params.assign(total, 0.0f);
-                    if (copies == 2) lora_grads.assign(total, 0.0f);
-                  });
-    if (!parallel.external_grads) {
+    const int64_t total = lora_layout_.params.total();
+    const int64_t copies = parallel.external_adapters ? 0 : parallel.external_grads ? 1 : 2;
+    if (copies > 0)
+      allocate_host(str("the LoRA adapters", copies == 2 ? " and their gradients" : "", " (", total, " parameters, fp32)"),
+                    static_cast<uint64_t>(copies * total) * sizeof(float), [&] {
+                      lora_params.assign(total, 0.0f);
+                      if (copies == 2) lora_grads.assign(total, 0.0f);
+                    });
+    if (!parallel.external_grads && !parallel.external_adapters) {
       own_lora_store_ = std::make_unique<OwnAdapters>(*this);
       lora_store_ = own_lora_store_.get();
     }

@@ -5,10 +5,11 @@
 // The loss head is chunked over rows (logits for a few thousand rows at a time, turned into dlogits in
 // place), so a 128k vocabulary never needs batch x seq x vocab floats.
 //
-// With LoRA adapters (model/lora.h; the constructor's `lora`), the base is frozen: params holds it and stays as it
-// is, grads stays empty, no weight gradient of the base is computed (no dW GEMM, no norm or embedding gradient), and
-// the adapters train: lora_params and lora_grads, laid out by lora_layout(), reached a unit (decoder layer) at a
-// time through a second WeightStore (set_lora_store; by default the model's own buffers).
+// With LoRA adapters (model/lora.h; the constructor's `lora`), the base is frozen: params holds it (or a weight store
+// does: a quantized base, a ZeRO-3 shard) and it stays as it is, grads stays empty, no weight gradient of the base is
+// computed (no dW GEMM, no norm or embedding gradient), and the adapters train: lora_params and lora_grads, laid out
+// by lora_layout(), reached a unit (decoder layer) at a time through a second WeightStore (set_lora_store; by default
+// the model's own buffers).
 //
 // Loss convention: forward_backward returns the SUM of per-token losses and the count of trained
 // tokens, and accumulates the gradient of that sum. The trainer divides by the total count over all
@@ -60,6 +61,9 @@ struct LlamaParallel {
   // how many micro-batches' activations it keeps at once (1F1B: pp - stage). Null: the whole model, one at a time.
   const PipelineStage* stage = nullptr;
   int64_t in_flight = 1;
+  // LoRA: lora_params and lora_grads stay empty; set_lora_store() supplies the adapters and takes their gradients
+  // (ZeRO-3 over the adapters).
+  bool external_adapters = false;
 };
 
 // How a packed window treats the documents in it (options --document_mask and --document_positions). The
@@ -109,7 +113,7 @@ class Llama {
   const LoraLayout& lora_layout() const { return lora_layout_; }
   std::vector<float> lora_params;  // lora_layout().params order: this tp rank's blocks of A and B
   std::vector<float> lora_grads;   // same layout; forward_backward accumulates into it (empty: external)
-  void set_lora_store(WeightStore* store);  // replaces external adapter gradients (ZeRO-2 over the adapters)
+  void set_lora_store(WeightStore* store);  // replaces external adapter gradients or adapters (ZeRO-2/3 over them)
   // The key of the next forward_backward's dropout masks (lora_dropout_key: run seed, step, micro-batch, dp rank).
   void set_lora_dropout_key(uint64_t key) { lora_dropout_key_ = key; }
 

@@ -69,16 +69,16 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (lora && m.pp > 1) fail("memory plan: --pp ", m.pp, " with LoRA adapters: not implemented; use --pp 1");
   if (m.training && m.pp > 1 && m.zero == 3)
     fail("memory plan: --zero 3 with --pp ", m.pp, ": not implemented; use --zero 0, 1 or 2");
-  if (lora && m.zero == 3)
-    fail("memory plan: --zero 3 with LoRA adapters: sharding the frozen base (ZeRO-3 with adapters) is not "
-         "implemented; use --zero 0, 1 or 2");
   const bool quantized = lora && m.lora.base_quant != BaseQuant::None;
   if (m.training && !lora && m.lora.base_quant != BaseQuant::None)
-    fail("memory plan: base_quant ", base_quant_name(m.lora.base_quant), " is for LoRA training (a quantized base is "
-         "frozen; give lora_rank)");
+    fail("option 'base_quant' ", base_quant_name(m.lora.base_quant), " is for LoRA training (a quantized base is "
+         "frozen): give --lora_rank");
+  if (quantized && m.zero == 3)
+    fail("option 'base_quant' ", base_quant_name(m.lora.base_quant), " with --zero 3: sharding a quantized base is not "
+         "implemented; use --zero 0, 1 or 2 (the quantized base is small), or --base_quant none");
   if (quantized && m.tp > 1)
-    fail("memory plan: base_quant ", base_quant_name(m.lora.base_quant), " with tp ", m.tp, " is not implemented on "
-         "cpu (each rank would quantize its own block of a tensor); use tp 1");
+    fail("option 'base_quant' ", base_quant_name(m.lora.base_quant), " with --tp ", m.tp, ": not implemented (each "
+         "rank would quantize its own block of a tensor, a base that depends on tp); use --tp 1");
   const LoraLayout adapters = lora ? lora_layout(config, m.lora, static_cast<int>(m.tp_rank), static_cast<int>(m.tp))
                                    : LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
   const LlamaBufferSizes llama =
@@ -106,6 +106,12 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
     add("frozen base: one decoder layer dequantized (fp32)", MemoryKind::Workspace, q.buffer);
     add("LoRA adapters (fp32, whole)", MemoryKind::Weights, trained * kFloat);
     if (stage < 2) add("LoRA adapter gradients (fp32, whole)", MemoryKind::Gradients, trained * kFloat);
+  } else if (lora && stage == 3) {
+    // The frozen base sharded as a full fine-tune's stage 3 shards its weights (dist/zero.h ShardedWeights), with no
+    // gradient or moment; the adapters' own shard, moments and buffers are Zero's, below.
+    const ZeroBufferSizes base = zero_buffer_sizes(layout, 3, static_cast<int>(m.dp_rank), static_cast<int>(m.dp));
+    add("frozen base weights (fp32, shard)", MemoryKind::Weights, base.shard * kFloat);
+    add("frozen base: gathered weights (2 unit buffers)", MemoryKind::Communication, 2 * base.unit * kFloat);
   } else if (lora) {
     add("frozen base weights (fp32, whole)", MemoryKind::Weights, params * kFloat);
     add("LoRA adapters (fp32, whole)", MemoryKind::Weights, trained * kFloat);

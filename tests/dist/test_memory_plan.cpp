@@ -5,8 +5,8 @@
 //   * here: build/train's measured peak resident memory per rank (the largest rank's peak above its start-up,
 //     which the trainer prints at the end) is within 5% of the plan's, for an 11.7M-parameter model (190 MB of
 //     training state at one rank) trained from scratch for two steps and checkpointed; and with rank-16 adapters
-//     on every projection of that model as a frozen base (one rank, dp 2 at ZeRO-1, tp 2), also held in nf4 and
-//     int8 (--base_quant).
+//     on every projection of that model as a frozen base (one rank, dp 2 at ZeRO-1 and ZeRO-3, tp 2), also held in
+//     nf4 and int8 (--base_quant).
 // A fresh run meets every transient of the plan, so its peak is the total plus the largest of them (start-up, or
 // MPI's scratch for one chunk of a collective). The checkpoint plans none: the engine streams its own state into
 // the files a piece at a time, so a whole-shard copy coming back would show here as a measured peak above the
@@ -127,6 +127,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, DistMemoryPlanVsTrainer,
                                            TrainerLayout{2, 3, 1}, TrainerLayout{2, 0, 2}, TrainerLayout{4, 3, 2},
                                            TrainerLayout{4, 0, 1}, TrainerLayout{1, 0, 1, 16},
                                            TrainerLayout{2, 1, 1, 16}, TrainerLayout{2, 0, 2, 16},
+                                           TrainerLayout{2, 3, 1, 16},
                                            TrainerLayout{1, 0, 1, 16, BaseQuant::Nf4},
                                            TrainerLayout{2, 1, 1, 16, BaseQuant::Nf4},
                                            TrainerLayout{1, 0, 1, 16, BaseQuant::Int8},

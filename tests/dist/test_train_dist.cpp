@@ -130,8 +130,9 @@ TEST_F(DistTrain, TensorParallel2xDataParallel2) {
   EXPECT_EQ(exported, final_weights(*tmp_ / "tp2dp2", "llama32_tiny", 10));
 }
 
-// LoRA adapters on the frozen base under mpirun (dp 2 x tp 2 at ZeRO-1, with and without sequence parallelism, and
-// dp 2 at ZeRO-2 with gradient accumulation) follow the single rank: every step's loss and every validation loss (the base at step 0, then steps 5 and 10: the trained
+// LoRA adapters on the frozen base under mpirun (dp 2 x tp 2 at ZeRO-1, with and without sequence parallelism, dp 2 at
+// ZeRO-2 and ZeRO-3 with gradient accumulation, dp 2 x tp 2 at ZeRO-3, and a ZeRO-3 run resumed at ZeRO-1) follow the
+// single rank: every step's loss and every validation loss (the base at step 0, then steps 5 and 10: the trained
 // adapters' function on the held-out windows) within 1e-5, and the rank files hold the adapters alone.
 TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
   const std::string lora = " --lora_rank 4 --lora_alpha 8 --lora_targets q_proj,v_proj,o_proj,down_proj";
@@ -154,7 +155,9 @@ TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
   };
   for (const auto& [np, extra, tag] : {std::tuple<int, std::string, std::string>{4, " --micro_batch 2 --tp 2 --zero 1", "lora_tp2dp2"},
                                        {4, " --micro_batch 2 --tp 2 --zero 1 --sp", "lora_tp2dp2sp"},
-                                       {2, " --micro_batch 1 --grad_accum 2 --zero 2", "lora_z2"}}) {
+                                       {2, " --micro_batch 1 --grad_accum 2 --zero 2", "lora_z2"},
+                                       {2, " --micro_batch 1 --grad_accum 2 --zero 3", "lora_z3"},
+                                       {4, " --micro_batch 2 --tp 2 --zero 3", "lora_tp2z3"}}) {
     const fs::path out = *tmp_ / tag;
     r = run_command(mpirun(np) + kTrain + on_base + lora + extra + " --out_dir " + out.string(),
                     *tmp_ / (tag + "_log"));
@@ -176,6 +179,20 @@ TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
   }
   // The adapters moved the loss away from the frozen base's.
   EXPECT_NE(losses(ref / "metrics.jsonl")[10], losses(ref / "metrics.jsonl")[1]);
+
+  // Across ZeRO stages: 5 steps at ZeRO-3 (base and adapters sharded), resumed at ZeRO-1 (the base whole, the
+  // adapters' moments sharded), follow the single rank too.
+  const fs::path across = *tmp_ / "lora_z3_to_z1";
+  r = run_command(mpirun(2) + kTrain + on_base + lora + " --micro_batch 1 --grad_accum 2 --zero 3 --stop_at_step 5"
+                      " --out_dir " + across.string(),
+                  *tmp_ / "lora_across_log_a");
+  ASSERT_EQ(r.exit_code, 75) << r.output;
+  r = run_command(mpirun(2) + kTrain + on_base + lora + " --micro_batch 2 --zero 1 --resume --out_dir " + across.string(),
+                  *tmp_ / "lora_across_log_b");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto la = losses(ref / "metrics.jsonl"), lb = losses(across / "metrics.jsonl");
+  ASSERT_EQ(lb.size(), la.size());
+  for (auto& [step, loss] : la) EXPECT_NEAR(lb[step], loss, 1e-5 * std::abs(loss)) << "across stages, step " << step;
 }
 
 // Sequence parallelism (--sp): the residual stream and the norms split by rows over the tp ranks, with an all-gather

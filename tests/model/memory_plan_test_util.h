@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -40,28 +41,36 @@ struct PlannedAndAllocated {
 
 // Builds this rank's Llama + Zero for the layout, runs one step (ZeRO-2/3 allocate their unit buffers in the
 // backward), and returns the plan's activations and training state beside the allocations. With LoRA adapters
-// (layout.lora) Zero trains the adapters and the state adds the frozen base's weights. A pipeline layout (layout.pp)
-// builds stage layout.pp_rank with its activation slots and runs one micro-batch through the stage alone (its input
-// and output gradient zeros: the figures, not the values, are what is compared).
+// (layout.lora) Zero trains the adapters and the state adds the frozen base's weights (whole, or at ZeRO-3 its shard and
+// gathered units). A pipeline layout (layout.pp) builds stage layout.pp_rank with its activation slots and runs one
+// micro-batch through the stage alone (its input and output gradient zeros: the figures, not the values, are what is
+// compared).
 inline PlannedAndAllocated plan_and_allocate(const LlamaConfig& config, const MemoryLayout& layout, Comm& dp, Comm* tp) {
   const MemoryPlan plan = plan_cpu_memory(config, layout);
   const bool lora = layout.lora.enabled();
   const PipelineStage stage = pipeline_stages(config, layout.pp, layout.seq_len)[layout.pp_rank];
   Llama model(config, layout.micro_batch, layout.seq_len,
               LlamaParallel{tp, /*external_weights=*/layout.zero == 3, /*external_grads=*/layout.zero == 2,
-                            /*sequence=*/layout.sp, layout.pp > 1 ? &stage : nullptr, layout.pp - layout.pp_rank},
+                            /*sequence=*/layout.sp, layout.pp > 1 ? &stage : nullptr, layout.pp - layout.pp_rank,
+                            /*external_adapters=*/lora && layout.zero == 3},
               layout.lora);
   std::vector<float> weights(model.layout().total());
   init_random_weights(model.layout(), 7, 0.02, weights.data());
   if (layout.zero < 3) std::copy(weights.begin(), weights.end(), model.params.begin());
-  if (lora) {
-    const ParamLayout& a = model.lora_layout().params;
-    init_lora_weights_piece(a, 7, Segment{0, a.total()}, model.lora_params.data());
+  std::unique_ptr<ShardedWeights> frozen;  // LoRA at ZeRO-3: the frozen base's shard
+  if (lora && layout.zero == 3) {
+    frozen = std::make_unique<ShardedWeights>(model.layout(), dp);
+    frozen->fill([&](const Segment& piece, float* out) { std::copy_n(weights.data() + piece.begin, piece.size, out); });
+    model.set_weight_store(frozen.get());
   }
+  const ParamLayout* adapter_layout = lora ? &model.lora_layout().params : nullptr;
+  if (lora && layout.zero < 3)
+    init_lora_weights_piece(*adapter_layout, 7, Segment{0, adapter_layout->total()}, model.lora_params.data());
   Zero zero(lora ? lora_parameters(model) : model_parameters(model), OptimizerConfig{}, layout.zero, dp, tp);
   if (layout.zero == 3)
     zero.fill_weights([&](const Segment& piece, float* out) {
-      std::copy_n(weights.data() + piece.begin, piece.size, out);
+      if (lora) init_lora_weights_piece(*adapter_layout, 7, piece, out);
+      else std::copy_n(weights.data() + piece.begin, piece.size, out);
     });
   const int64_t n = layout.micro_batch * layout.seq_len;
   std::vector<int32_t> inputs(n), targets(n);
@@ -83,7 +92,8 @@ inline PlannedAndAllocated plan_and_allocate(const LlamaConfig& config, const Me
   const int64_t state = plan.bytes(MemoryKind::Weights) + plan.bytes(MemoryKind::Gradients) +
                         plan.bytes(MemoryKind::Master) + plan.bytes(MemoryKind::Moments) +
                         plan.bytes(MemoryKind::Communication);
-  const int64_t base = lora ? static_cast<int64_t>(model.params.capacity() * sizeof(float)) : 0;
+  const int64_t base =
+      lora ? static_cast<int64_t>(model.params.capacity() * sizeof(float)) + (frozen ? frozen->bytes() : 0) : 0;
   return {plan.bytes(MemoryKind::Activations), state, model.activation_bytes(), zero.state_bytes() + base};
 }
 

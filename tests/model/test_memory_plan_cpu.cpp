@@ -29,8 +29,6 @@ TEST(MemoryPlanCpu, ItemsAreTheAllocationsOfOneRankAtEveryStage) {
     }
 }
 
-// With LoRA adapters: the frozen base's weights and the adapters' state, to the byte, at ZeRO 0-2, with dropout (its
-// scratch) and on a subset of targets; no base gradient or moment in the plan; ZeRO-3 refused by name.
 // Each pipeline stage (pp 3 over 4 layers: the first stage keeps 3 micro-batches' activations, the last 1), ZeRO 0-2.
 TEST(MemoryPlanCpu, ItemsAreTheAllocationsOfEveryPipelineStage) {
   std::unique_ptr<Comm> alone = make_single_comm();
@@ -49,10 +47,13 @@ TEST(MemoryPlanCpu, ItemsAreTheAllocationsOfEveryPipelineStage) {
   EXPECT_GT(plan_cpu_memory(c, first).bytes(MemoryKind::Activations), plan_cpu_memory(c, last).bytes(MemoryKind::Activations));
 }
 
+// With LoRA adapters: the frozen base's weights and the adapters' state, to the byte, at ZeRO 0-3 (at 3 the base's
+// shard and gathered units), with dropout (its scratch) and on a subset of targets; no base gradient or moment in the
+// plan; a quantized base at ZeRO-3 refused.
 TEST(MemoryPlanCpu, LoraItemsAreTheAllocationsOfOneRank) {
   std::unique_ptr<Comm> alone = make_single_comm();
   for (const char* targets : {"q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "q_proj,v_proj,down_proj"})
-    for (int zero = 0; zero <= 2; zero++) {
+    for (int zero = 0; zero <= 3; zero++) {
       MemoryLayout m = layout_of(zero);
       m.lora.rank = 4, m.lora.alpha = 8, m.lora.dropout = zero == 1 ? 0.1 : 0.0;
       m.lora.targets = parse_lora_targets(targets);
@@ -69,7 +70,8 @@ TEST(MemoryPlanCpu, LoraItemsAreTheAllocationsOfOneRank) {
   EXPECT_EQ(plan.bytes(MemoryKind::Gradients), 4 * A);
   EXPECT_EQ(plan.bytes(MemoryKind::Moments), 8 * A);
   m.zero = 3;
-  EXPECT_THROW(plan_cpu_memory(c, m), Error);
+  m.lora.base_quant = BaseQuant::Nf4;
+  EXPECT_THROW(plan_cpu_memory(c, m), Error);  // a quantized base is not sharded
 }
 
 TEST(MemoryPlanCpu, StagesMoveBytesBetweenKindsAsZeroSays) {

@@ -119,6 +119,33 @@ TEST(QuantizedWeights, ModelOverNf4BaseEqualsDequantizedParams) { check_model_ov
 TEST(QuantizedWeights, ModelOverNf4BaseEqualsDequantizedParamsTied) { check_model_over_quantized_base(BaseQuant::Nf4, true); }
 TEST(QuantizedWeights, ModelOverInt8BaseEqualsDequantizedParams) { check_model_over_quantized_base(BaseQuant::Int8, false); }
 
+// dequantized_base_fill (what eval, sample and the exports read a QLoRA checkpoint's base through) gives what the store
+// dequantizes, bit for bit, whatever the pieces: whole units, or cuts through the middle of a projection (that tensor is
+// read whole and quantized whole, as the store did).
+TEST(QuantizedWeights, DequantizedFillIsTheStoresWeightsInAnyPieces) {
+  for (BaseQuant quant : {BaseQuant::Nf4, BaseQuant::Int8}) {
+    const LlamaConfig config = small_config(false);
+    const ParamLayout layout(config);
+    int64_t unused = 0;
+    const BaseFill base = random_fill(5, &unused);
+    QuantizedWeights store(layout, quant, base);
+    std::vector<float> expected(layout.total());
+    for (int u = 0; u < layout.num_units(); ++u) {
+      const auto [begin, end] = layout.unit_range(u);
+      std::copy_n(store.acquire(u), end - begin, expected.data() + begin);
+      store.release(u);
+    }
+    const BaseFill fill = dequantized_base_fill(base, quant);
+    for (int64_t piece : {layout.total(), int64_t{1000}, int64_t{4093}}) {
+      std::vector<float> got(layout.total());
+      for (int64_t at = 0; at < layout.total(); at += piece)
+        fill(layout, Segment{at, std::min(piece, layout.total() - at)}, got.data() + at);
+      EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0)
+          << base_quant_name(quant) << ", pieces of " << piece;
+    }
+  }
+}
+
 TEST(QuantizedWeights, BadInputIsAClearError) {
   EXPECT_EQ(parse_base_quant("nf4", "option 'base_quant'"), BaseQuant::Nf4);
   EXPECT_EQ(parse_base_quant("none", "option 'base_quant'"), BaseQuant::None);

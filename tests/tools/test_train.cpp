@@ -377,7 +377,8 @@ TEST(Train, LoraTrainsAdaptersOnAFrozenBaseAndResumesExactly) {
       {" --lora_rank 4 --lora_dropout 1", "option 'lora_dropout': expected a probability in [0, 1), found 1"},
       {" --lora_rank 4 --lora_targets q_proj,lm_head", "option 'lora_targets': 'lm_head' is not a projection"},
       {" --lora_alpha 8", "option 'lora_alpha' is for LoRA training: give --lora_rank too"},
-      {" --lora_rank 4 --zero 3", "sharding the frozen base (ZeRO-3 with adapters) is not implemented"},
+      {" --lora_rank 4 --base_quant nf4 --zero 3", "option 'base_quant' nf4 with --zero 3: sharding a quantized base is "
+                                                  "not implemented"},
   };
   int i = 0;
   for (const auto& [extra, message] : bad) {
