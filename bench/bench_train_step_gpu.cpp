@@ -95,9 +95,12 @@ BENCHMARK(BM_TrainStep)
 // and of recompute against none (full: a second forward of every layer but the top one, aim <= 1.35x), with the
 // activation memory each mode plans and the device memory the step used (cudaMemGetInfo after a step, all of
 // this process's allocations) against the plan's total. Wall time per step: finish_step synchronizes the device.
+// lora > 0: the same step with LoRA adapters of that rank on all seven projections (alpha 2r, no dropout), the base
+// frozen in bf16: no weight-gradient GEMMs, no base update; its tokens/s against the full step's (aim >= 1.4x).
 void BM_EngineStep(benchmark::State& state) {
   const int zero = static_cast<int>(state.range(0));
   const Recompute recompute = static_cast<Recompute>(state.range(1));
+  const int64_t lora_rank = state.range(2);
   const int64_t batch = 2, seq = 4096;
   const LlamaConfig config = llama32_1b();
   std::unique_ptr<Comm> world = make_single_comm();
@@ -105,6 +108,7 @@ void BM_EngineStep(benchmark::State& state) {
   EngineOptions o;
   o.device = Device::Cuda, o.micro_batch = batch, o.seq_len = seq, o.zero = zero, o.recompute = recompute;
   o.bf16_moments = true;
+  if (lora_rank > 0) o.lora.rank = lora_rank, o.lora.alpha = 2.0 * lora_rank, o.seed = 1;
   size_t free_before = 0, total = 0;
   TUNA_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   // Weights: a counter hash, fast for a billion values (the step's speed does not depend on them).
@@ -145,16 +149,18 @@ void BM_EngineStep(benchmark::State& state) {
   state.counters["GiB"] = static_cast<double>(free_before - free_after) / double(1 << 30);
   state.counters["plan_GiB"] = static_cast<double>(plan.total()) / double(1 << 30);
   state.counters["activations_GiB"] = static_cast<double>(plan.bytes(MemoryKind::Activations)) / double(1 << 30);
-  state.SetLabel(str("engine step, ZeRO-", zero, ", recompute ", recompute_name(recompute),
+  state.SetLabel(str("engine step, ", lora_rank > 0 ? describe_lora(l.lora) + ", " : std::string(), "ZeRO-", zero,
+                     ", recompute ", recompute_name(recompute),
                      ", LLaMA-3.2-1B shape, batch 2 x seq 4096 (device memory used vs plan: GiB / plan_GiB)"));
 }
 
 BENCHMARK(BM_EngineStep)
-    ->ArgNames({"zero", "recompute"})
-    ->Args({0, static_cast<int>(Recompute::None)})
-    ->Args({3, static_cast<int>(Recompute::None)})
-    ->Args({0, static_cast<int>(Recompute::Selective)})
-    ->Args({0, static_cast<int>(Recompute::Full)})
+    ->ArgNames({"zero", "recompute", "lora"})
+    ->Args({0, static_cast<int>(Recompute::None), 0})
+    ->Args({3, static_cast<int>(Recompute::None), 0})
+    ->Args({0, static_cast<int>(Recompute::Selective), 0})
+    ->Args({0, static_cast<int>(Recompute::Full), 0})
+    ->Args({0, static_cast<int>(Recompute::None), 16})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(1.0);

@@ -43,7 +43,7 @@ MemoryLayout engine_memory_layout(const EngineOptions& o, const Mesh& mesh) {
   l.zero = o.zero, l.zero_prefetch = o.zero_prefetch, l.recompute = o.recompute;
   l.bf16_moments = o.bf16_moments, l.attention = o.attention;
   l.micro_batch = o.micro_batch, l.seq_len = o.seq_len;
-  static_cast<LoraConfig&>(l.lora) = o.lora;  // the base is fp32 on cpu and the CUDA engine refuses adapters
+  static_cast<LoraConfig&>(l.lora) = o.lora;  // a bf16 base on cuda (fp32 on cpu): no quantized base here
   return l;
 }
 

@@ -71,7 +71,7 @@ int64_t largest_unit(const ParamLayout& layout) {
 bool gpu_keeps_activation(const std::string& field, Recompute recompute) {
   static const char* const kFields[] = {"resid_in", "norm1", "rstd1",   "q",       "k",        "v",
                                         "att",      "lse",   "resid_mid", "norm2", "rstd2", "gate_up",
-                                        "act",      "lora_ax", "lora_mask"};
+                                        "act",      "lora_ax"};
   TUNA_CHECK(std::find(std::begin(kFields), std::end(kFields), field) != std::end(kFields),
              "unknown layer activation '", field, "'");
   switch (recompute) {
@@ -261,8 +261,8 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
       {"att", {n * qd, kBf16}},       {"lse", {n * H, kF32}},    {"resid_mid", {n * C, kBf16}},
       {"norm2", {n * C, kBf16}},      {"rstd2", {n, kF32}},      {"gate_up", {n * 2 * F, kBf16}},
       {"act", {n * F, kBf16}}};
-  // With adapters, per target: its r-wide A x (B's input, and dB's), and with dropout the mask drawn over its input
-  // (one bit per element), both needed by the backward.
+  // With adapters, per target: its r-wide s A x (B's input, and dB's), needed by the backward. A dropout mask is
+  // not kept: it is a pure function of its key and index (model/lora.h), drawn again by the backward.
   const std::vector<LoraTargetShape> adapters = lora_layer_shapes(c, l.lora, l.tp);
   const int64_t r = l.lora.rank;
   const auto add_layer = [&](const std::string& prefix, bool kept) {
@@ -272,8 +272,6 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     for (const LoraTargetShape& t : adapters) {
       if (gpu_keeps_activation("lora_ax", recompute) == kept)
         b.add(str(prefix, "lora_ax ", t.module), MemoryKind::Activations, n * r, kBf16);
-      if (l.lora.dropout > 0 && gpu_keeps_activation("lora_mask", recompute) == kept)
-        b.add(str(prefix, "lora_mask ", t.module), MemoryKind::Activations, (n * t.in + 7) / 8, 1);
     }
   };
   for (int64_t layer = 0; layer < c.num_hidden_layers; layer++) add_layer(str("layer ", layer, " "), true);
@@ -281,11 +279,11 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   if (!adapters.empty()) {
     int64_t widest_in = 0;
     for (const LoraTargetShape& t : adapters) widest_in = std::max(widest_in, t.in);
-    // dropout(x), A's input, refilled per target in the forward and for dA in the backward.
+    // dropout(x), A's input, refilled per target in the forward and for dA in the backward, where it also holds
+    // dt A before the mask takes it into dx.
     if (l.lora.dropout > 0) b.add("LoRA dropout(x)", MemoryKind::Activations, n * widest_in, kBf16);
-    // The backward's B^T dy of one layer's targets: dA's input, and A's share of dx.
-    if (l.training)
-      b.add("LoRA d(A x)", MemoryKind::Activations, n * r * static_cast<int64_t>(adapters.size()), kBf16);
+    // The backward's dt = s dy B of one target at a time: dA's input, and A's share of dx.
+    if (l.training) b.add("LoRA d(A x)", MemoryKind::Activations, n * r, kBf16);
   }
   // The fused q|k|v GEMM's output, read into q, k, v at once; the backward's d_q|d_k|d_v in the same buffer.
   b.add("qkv", MemoryKind::Activations, n * (qd + 2 * kvd), kBf16);

@@ -381,9 +381,18 @@ MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layo
 
 namespace {
 
-// Whether the CUDA engine trains adapters, laying them out from plan_gpu_memory's adapter items: until it does,
-// an adapter plan is the design, and the plan says so.
-constexpr bool kCudaEngineTrainsAdapters = false;
+// Whether the CUDA engine trains these adapters, laying them out from plan_gpu_memory's adapter items: it does on a
+// bf16 base at ZeRO-0 (engine/engine_gpu.cpp); the adapter plans it does not run yet (ZeRO 1-3 over the adapters, a
+// quantized base) are the design, and the plan says so.
+std::string cuda_adapter_refusal(const MemoryLayout& l) {
+  if (!l.lora.enabled()) return "";
+  if (l.lora.base_quant != BaseQuant::None)
+    return str("a ", base_quant_name(l.lora.base_quant), " base (QLoRA) is not trained on cuda yet (--base_quant with "
+               "--device cuda)");
+  if (l.training && l.zero != 0)
+    return str("adapters are trained on cuda at ZeRO-0 only (--lora_rank with --zero ", l.zero, ")");
+  return "";
+}
 
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design. Memoized: a search
 // and its suggestions ask for the same plans many times (an 80-layer plan has a thousand items).
@@ -410,8 +419,8 @@ const GpuMemory& gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     m.engines = false, m.refusal = e.what();
     m.plan = design_gpu_memory(c, l);
   }
-  if (m.engines && l.lora.enabled() && !kCudaEngineTrainsAdapters)
-    m.engines = false, m.refusal = "adapters are not trained on cuda yet (--lora_rank with --device cuda)";
+  if (const std::string refusal = cuda_adapter_refusal(l); m.engines && !refusal.empty())
+    m.engines = false, m.refusal = refusal;
   return cache.emplace(key, std::move(m)).first->second;
 }
 

@@ -434,6 +434,14 @@ def train_step():
                     add("train step", what, f"x{e['real_time'] / base:.3f} step time",
                         f"{aim}{'; ' if aim else ''}activations {e.get('activations_GiB', 0):.2f} GiB planned, "
                         f"device {e.get('GiB', 0):.2f} GiB used of a {e.get('plan_GiB', 0):.2f} GiB plan")
+            # LoRA r16 on all targets (the base frozen) against the full fine-tune's step, the same engine and shape.
+            lora = next((b for b in bench("train_step")
+                         if re.search(r"^engine step, LoRA r16 on all 7 modules, ZeRO-0, recompute none,", b.get("label", ""))), None)
+            if lora and "tokens/s" in lora and "tokens/s" in engine[("0", "none")]:
+                add("train step", "LoRA r16 step / full step (tokens/s)",
+                    f"x{lora['tokens/s'] / engine[('0', 'none')]['tokens/s']:.2f}",
+                    f"aim >= 1.4; LoRA {lora['tokens/s']:.0f} tokens/s, MFU {100 * lora.get('MFU', 0):.1f}%, "
+                    f"device {lora.get('GiB', 0):.2f} GiB used of a {lora.get('plan_GiB', 0):.2f} GiB plan")
         if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", status("bench/train_step"))
     if not listed_only("train_step_hopper", "train step"):
         for b in bench("train_step_hopper"):

@@ -77,9 +77,9 @@ TEST(EngineLora, RefusesWhatIsNotImplemented) {
     }
   };
   expect_fails(lora_options(f, lora, 3), fixture_weights(f), "--zero 3");
-  EngineOptions cuda = lora_options(f, lora);
+  EngineOptions cuda = lora_options(f, lora, 1);
   cuda.device = Device::Cuda;
-  expect_fails(cuda, fixture_weights(f), "--device cuda");
+  expect_fails(cuda, fixture_weights(f), "--device cuda and --zero 1");
   expect_fails(lora_options(f, lora), nullptr, "--init");
 }
 

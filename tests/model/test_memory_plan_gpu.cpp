@@ -162,24 +162,23 @@ TEST(MemoryPlanGpu, LoraHoldsAFrozenBf16BaseAndTheAdaptersState) {
   }
   EXPECT_EQ(ax, L * 7);
   EXPECT_EQ(masks, 0);
-  EXPECT_EQ(find(plan, "LoRA d(A x)")->bytes, device_arena_bytes(32 * r * 7 * 2));
+  // The backward's dt of one target at a time.
+  EXPECT_EQ(find(plan, "LoRA d(A x)")->bytes, device_arena_bytes(32 * r * 2));
   // The full fine-tune's activations are all there too.
   MemoryLayout full = l;
   full.lora.rank = 0;
   EXPECT_GT(plan.bytes(MemoryKind::Activations), plan_gpu_memory(f.config, full).bytes(MemoryKind::Activations));
 
-  // Dropout keeps a bit per input element of each target: q_proj's 32 x 64 bits, down_proj's 32 x 160.
+  // Dropout keeps no mask (the backward draws it again from its key): one dropped input of the widest target.
   l.lora.dropout = 0.05;
   const MemoryPlan dropped = plan_gpu_memory(f.config, l);
-  EXPECT_EQ(find(dropped, "layer 1 lora_mask q_proj")->bytes, device_arena_bytes(32 * 64 / 8));
-  EXPECT_EQ(find(dropped, "layer 1 lora_mask down_proj")->bytes, device_arena_bytes(32 * 160 / 8));
+  for (const MemoryItem& i : dropped.items) EXPECT_EQ(i.name.find("lora_mask"), std::string::npos) << i.name;
   EXPECT_EQ(find(dropped, "LoRA dropout(x)")->bytes, device_arena_bytes(32 * F * 2));
   // Full recompute keeps neither: one working copy per target, refilled by the recompute.
   l.recompute = Recompute::Full;
   const MemoryPlan recomputed = plan_gpu_memory(f.config, l);
   EXPECT_EQ(find(recomputed, "layer 0 lora_ax q_proj"), nullptr);
   EXPECT_NE(find(recomputed, "working lora_ax q_proj"), nullptr);
-  EXPECT_NE(find(recomputed, "working lora_mask down_proj"), nullptr);
 
   // A subset of targets: q and v alone hold 2 x r x (64 + 64) per layer.
   MemoryLayout qv = adapter_layout(r);
