@@ -34,6 +34,8 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/init.cuh"
 #include "kernels/lora.cuh"
+#include "kernels/nf4.cuh"
+#include "kernels/cpu/nf4.h"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/swiglu.cuh"
@@ -100,6 +102,36 @@ class LlamaGpu::OwnWeights final : public GpuWeightStore {
     return {m_.grads_ + m_.layout_.unit_range(unit).first, m_.grads_unwritten_};
   }
   void grads_done(int) override {}
+
+ private:
+  LlamaGpu& m_;
+};
+
+// QLoRA's store of the frozen base: the embedding and head units in place (bf16), a decoder layer dequantized from
+// NF4 into the one layer buffer with its norm weights copied beside, so the GEMMs read it at the unit's own offsets.
+// One layer is acquired at a time (the model's pass order), so one buffer serves every layer. A frozen base has
+// no gradient: asking for one is an error.
+class LlamaGpu::QuantizedBase final : public GpuWeightStore {
+ public:
+  explicit QuantizedBase(LlamaGpu& model) : m_(model) {}
+  const __nv_bfloat16* acquire(int unit) override {
+    const ParamLayout& layout = m_.layout_;
+    const int64_t begin = layout.unit_range(unit).first;
+    if (unit == 0 || unit == layout.head_unit()) return m_.plain_at_.at(begin);
+    const int64_t l = unit - 1;
+    std::vector<cuda::Nf4Dequant> batch;
+    for (const Nf4Slot& t : m_.nf4_[l])
+      batch.push_back({m_.dequant_ + (t.offset - begin), t.packed, t.qabsmax, t.absmax2, t.mean_value, t.n});
+    cuda::nf4_dequantize(batch.data(), static_cast<int>(batch.size()), m_.stream_);
+    for (const ParamTensor& t : layout.tensors())
+      if (t.layer == l && !base_tensor_quantized(t))
+        TUNA_CUDA_CHECK(cudaMemcpyAsync(m_.dequant_ + (t.offset - begin), m_.plain_at_.at(t.offset),
+                                        t.numel * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, m_.stream_));
+    return m_.dequant_;
+  }
+  void release(int) override {}
+  UnitGrads grads(int unit) override { fail("the quantized base is frozen: no gradient of unit ", unit); }
+  void grads_done(int unit) override { fail("the quantized base is frozen: no gradient of unit ", unit); }
 
  private:
   LlamaGpu& m_;
@@ -231,9 +263,10 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   head_chunk_rows_ = gpu_head_chunk_rows(d.vocab, n);
   const bool training = run_.training, own_optimizer = training && run_.zero == 0;
   const bool adapters = lora_.enabled();
-  if (adapters && run_.lora.base_quant != BaseQuant::None)
-    fail("--base_quant ", base_quant_name(run_.lora.base_quant), " with --device cuda: a quantized frozen base (QLoRA) "
-         "is not implemented on the CUDA engine; use --base_quant none (a bf16 base) or --device cpu");
+  const bool quantized = adapters && run_.lora.base_quant != BaseQuant::None;
+  if (adapters && run_.lora.base_quant == BaseQuant::Int8)
+    fail("--base_quant int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
+         "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
   if (adapters && training && run_.zero != 0)
     fail("--lora_rank with --device cuda and --zero ", run_.zero, ": the CUDA engine trains adapters with ZeRO-0 only "
          "(their state is small: every dp rank holds it whole); use --zero 0");
@@ -248,7 +281,58 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   // A full fine-tune's state is the model's; with adapters the base is frozen bf16 (no master, gradient or
   // moments) and the adapters have the state, under the plan's "LoRA" names.
   const std::string state = adapters ? "LoRA " : "";
-  if (adapters) {
+  if (quantized) {
+    // The NF4 state of every projection in one byte buffer: all codes (8-byte aligned for the kernel's vector
+    // path when the sizes allow), then the fp32 scales and means, then the 8-bit absmax: no padding, so the
+    // bytes are the plan's.
+    int64_t packed = 0, stats = 0, blocks = 0, plain = 0;
+    for (const ParamTensor& t : layout_.tensors()) {
+      if (!base_tensor_quantized(t)) {
+        plain += t.numel;
+        continue;
+      }
+      const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
+      packed += z.packed_bytes, stats += z.stat_blocks + 1, blocks += z.blocks;
+    }
+    if (packed % 4 != 0)
+      fail("--base_quant nf4 with --device cuda: the NF4 codes of this model's projections take ", packed, " bytes, not "
+           "a multiple of 4 (a projection with an odd number of elements), which the device layout does not take");
+    uint8_t* bytes = arena.take<uint8_t>("nf4 base weights (frozen decoder Linear weights)", packed + 4 * stats + blocks);
+    plain_ = arena.take<bf16>("bf16 base weights (frozen embedding, norms, lm_head)", plain);
+    const auto [l0_begin, l0_end] = layout_.unit_range(1);
+    dequant_ = arena.take<bf16>("dequantized layer weights (bf16, one layer)", l0_end - l0_begin);
+    uint8_t* at_packed = bytes;
+    float* at_stats = reinterpret_cast<float*>(bytes + packed);
+    uint8_t* at_blocks = bytes + packed + 4 * stats;
+    // bf16 values of the unquantized tensors: the embedding unit, the head unit (each whole, in layout order, so
+    // that a pointer to its first tensor is the unit), then every norm weight.
+    bf16* at_plain = plain_;
+    const int H = layout_.head_unit();
+    for (int u : {0, H})
+      for (const ParamTensor& t : layout_.tensors())
+        if (t.offset >= layout_.unit_range(u).first && t.offset < layout_.unit_range(u).second)
+          plain_at_[t.offset] = at_plain, at_plain += t.numel;
+    nf4_.resize(c.num_hidden_layers);
+    for (const ParamTensor& t : layout_.tensors()) {
+      if (t.layer < 0) continue;
+      if (!base_tensor_quantized(t)) {
+        plain_at_[t.offset] = at_plain, at_plain += t.numel;
+        continue;
+      }
+      const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
+      Nf4Slot slot;
+      slot.offset = t.offset, slot.n = t.numel;
+      slot.packed = at_packed, at_packed += z.packed_bytes;
+      slot.absmax2 = at_stats, slot.mean = at_stats + z.stat_blocks, at_stats += z.stat_blocks + 1;
+      slot.qabsmax = at_blocks, at_blocks += z.blocks;
+      nf4_[t.layer].push_back(slot);
+    }
+    TUNA_CHECK(at_plain == plain_ + plain, "the quantized base's bf16 tensors do not fill their buffer");
+    lora_params_ = arena.take<bf16>("LoRA bf16 weights", Pt);
+    t_.weights = lora_params_;
+    if (own_optimizer) lora_master_ = t_.master = arena.take<float>("LoRA fp32 master weights", Pt);
+    if (training) lora_grads_ = t_.grads = arena.take<float>("LoRA fp32 gradients", Pt);
+  } else if (adapters) {
     params_ = arena.take<bf16>("bf16 base weights (frozen)", P);
     lora_params_ = arena.take<bf16>("LoRA bf16 weights", Pt);
     t_.weights = lora_params_;
@@ -351,7 +435,10 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   matmul_ = std::make_unique<cuda::MatmulContext>(arena.take<char>("cuBLASLt workspace", kMatmulWorkspace),
                                                   static_cast<size_t>(kMatmulWorkspace));
   if (run_.zero == 0) arena.check_all_taken();  // ZeRO 1-3: the engine takes the shard's buffers, then checks
-  if (run_.zero <= 1 || !training) {
+  if (quantized) {
+    own_store_ = std::make_unique<QuantizedBase>(*this);
+    store_ = own_store_.get();
+  } else if (run_.zero <= 1 || !training) {
     own_store_ = std::make_unique<OwnWeights>(*this);
     store_ = own_store_.get();
   }
@@ -404,6 +491,10 @@ LlamaGpu::~LlamaGpu() {
 // cudaStreamNonBlocking stream does not wait for, and from pageable memory it may return before the data has
 // landed, so a kernel on stream_ could read the old contents.
 void LlamaGpu::set_params(const float* host) {
+  if (dequant_ != nullptr) {  // QLoRA: a unit at a time, quantized on the way
+    for (int u = 0; u < layout_.num_units(); u++) set_quantized_unit(u, host + layout_.unit_range(u).first);
+    return;
+  }
   TUNA_CHECK(params_ != nullptr, "ZeRO-3 keeps no whole weights: the engine writes its shard");
   const int64_t P = layout_.total();
   if (master_ == nullptr && grads_ == nullptr) {  // forward only: rounded to nearest on the host, as f32_to_bf16
@@ -421,7 +512,46 @@ void LlamaGpu::set_params(const float* host) {
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+void LlamaGpu::set_quantized_unit(int u, const float* host) {
+  const int64_t begin = layout_.unit_range(u).first;
+  std::vector<uint16_t> bits;
+  std::vector<uint8_t> packed, qabsmax;
+  std::vector<float> absmax2, scratch;
+  for (const ParamTensor& t : layout_.tensors()) {
+    if (t.offset < begin || t.offset >= layout_.unit_range(u).second) continue;
+    const float* x = host + (t.offset - begin);
+    if (!base_tensor_quantized(t)) {  // bf16, rounded to nearest on the host as f32_to_bf16
+      bits.resize(t.numel);
+      convert_from_f32(x, DType::BF16, bits.data(), t.numel);
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(plain_at_.at(t.offset), bits.data(), t.numel * sizeof(uint16_t),
+                                      cudaMemcpyHostToDevice, stream_));
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      continue;
+    }
+    Nf4Slot* slot = nullptr;
+    for (Nf4Slot& s : nf4_[t.layer]) slot = s.offset == t.offset ? &s : slot;
+    TUNA_CHECK(slot != nullptr, "no NF4 slot for ", t.name);
+    const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
+    packed.resize(z.packed_bytes), qabsmax.resize(z.blocks), absmax2.resize(z.stat_blocks), scratch.resize(z.blocks);
+    cpu::nf4_quantize(x, t.numel, packed.data(), qabsmax.data(), absmax2.data(), &slot->mean_value, scratch.data(),
+                      t.name.c_str());
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(slot->packed, packed.data(), packed.size(), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(slot->qabsmax, qabsmax.data(), qabsmax.size(), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(slot->absmax2, absmax2.data(), absmax2.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(slot->mean, &slot->mean_value, sizeof(float), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffers are refilled next
+  }
+}
+
 void LlamaGpu::set_params_piece(const Segment& piece, const float* host) {
+  if (dequant_ != nullptr) {  // QLoRA: whole units (the engine fills a unit at a time), quantized on the way
+    for (int u = 0; u < layout_.num_units(); u++)
+      if (layout_.unit_range(u).first == piece.begin &&
+          layout_.unit_range(u).second - layout_.unit_range(u).first == piece.size)
+        return set_quantized_unit(u, host);
+    fail("a quantized base is filled a whole unit at a time: piece [", piece.begin, ", +", piece.size, ") is not a unit");
+  }
   TUNA_CHECK(params_ != nullptr && piece.begin >= 0 && piece.begin + piece.size <= layout_.total(),
              "piece [", piece.begin, ", +", piece.size, ") of ", layout_.total(), " weights (ZeRO-3 keeps no whole copy)");
   if (master_ != nullptr) {

@@ -19,6 +19,10 @@
 // lora_layout() (PEFT's names, one unit per layer, Megatron's tp splits); what trains and what AdamW updates is the
 // adapters' fp32 master, gradient and moments (trained_layout(), master_params(), grads(), moment_m/v()). Dropout
 // masks come from model/lora.h's counter-based stream, the CPU model's bits, regenerated in the backward.
+// QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
+// quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
+// dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
+// before its forward and again before its backward.
 #pragma once
 
 #if TUNA_CUDA
@@ -238,6 +242,7 @@ class LlamaGpu {
     void *m = nullptr, *v = nullptr;
   };
   class OwnWeights;  // the GpuWeightStore over params_ and grads_
+  class QuantizedBase;  // QLoRA's GpuWeightStore: nf4 layers dequantized on acquire, the rest bf16
   class GradWrites;  // which weight-gradient write of a backward pass overwrites and which adds
   // Also the batch's document starts and RoPE positions (from the loader's positions and the document mode).
   void upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
@@ -303,6 +308,20 @@ class LlamaGpu {
   float *lora_master_ = nullptr, *lora_grads_ = nullptr;
   uint64_t lora_dropout_key_ = 0;
   bool lora_train_ = false;  // this pass applies dropout
+  // QLoRA: per layer, its projections' NF4 state in nf4_bytes_; the unquantized tensors (embedding unit, head unit,
+  // then the layers' norms) in plain_; dequant_ one layer unit in bf16.
+  struct Nf4Slot {
+    int64_t offset = 0, n = 0;  // the tensor in the layout
+    uint8_t *packed = nullptr, *qabsmax = nullptr;
+    float* absmax2 = nullptr;
+    float* mean = nullptr;      // the absmax mean, on the device as planned (the kernel takes it by value)
+    float mean_value = 0;
+  };
+  std::vector<std::vector<Nf4Slot>> nf4_;      // per layer
+  std::map<int64_t, __nv_bfloat16*> plain_at_;  // layout offset of an unquantized tensor -> its bf16 values
+  __nv_bfloat16 *plain_ = nullptr, *dequant_ = nullptr;
+  // Fills unit u of the quantized base from host fp32 (quantizing its projections); the piece is the whole unit.
+  void set_quantized_unit(int u, const float* host);
   int64_t* segment_starts_ = nullptr;
   uint8_t* segment_decays_ = nullptr;
   int n_segments_ = 0;

@@ -167,13 +167,13 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
 
   // The base, by unit (embedding, layers, head), in its stored bytes.
   std::vector<int64_t> unit_bytes(layout.num_units(), 0);
-  int64_t base_quantized = 0, base_plain = 0, layer0_quantized_elements = 0;
+  int64_t base_quantized = 0, base_plain = 0, layer0_elements = 0;
   for (const ParamTensor& t : layout.tensors()) {
     const int unit = t.layer >= 0 ? t.layer + 1 : t.offset < layout.unit_range(1).first ? 0 : layout.head_unit();
     const int64_t bytes = base_storage_bytes(t, lora.base_quant);
     unit_bytes[unit] += bytes;
     (quantized && base_tensor_quantized(t) ? base_quantized : base_plain) += bytes;
-    if (t.layer == 0 && base_tensor_quantized(t)) layer0_quantized_elements += t.numel;
+    if (t.layer == 0) layer0_elements += t.numel;
   }
   const bool tied = layout.lm_head_unit() == 0;
   if (l.training && l.zero == 3) {
@@ -191,9 +191,9 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
   } else {
     b.add("bf16 base weights (frozen)", MemoryKind::Weights, layout.total(), kBf16);
   }
-  // Quantized: each layer's GEMMs read its weights dequantized into one bf16 buffer, refilled per layer and pass.
-  if (quantized)
-    b.add("dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer0_quantized_elements, kBf16);
+  // Quantized: each layer's GEMMs read its weights dequantized into one bf16 buffer, refilled per layer and pass,
+  // shaped like the layer's unit (its norm weights copied beside), so the model reads it at the unit's offsets.
+  if (quantized) b.add("dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer0_elements, kBf16);
 
   // The adapters: bf16 copies for the GEMMs, whole on every dp rank; fp32 master, gradients and moments as ZeRO says.
   const std::vector<LoraTargetShape> shapes = lora_layer_shapes(c, lora, l.tp);

@@ -381,14 +381,13 @@ MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layo
 
 namespace {
 
-// Whether the CUDA engine trains these adapters, laying them out from plan_gpu_memory's adapter items: it does on a
-// bf16 base at ZeRO-0 (engine/engine_gpu.cpp); the adapter plans it does not run yet (ZeRO 1-3 over the adapters, a
-// quantized base) are the design, and the plan says so.
+// Whether the CUDA engine trains these adapters, laying them out from plan_gpu_memory's adapter items: it does at
+// ZeRO-0 on a bf16 or nf4 base (model/llama_gpu.cpp); the adapter plans it does not run yet (ZeRO 1-3 over the
+// adapters, an int8 base) are the design, and the plan says so.
 std::string cuda_adapter_refusal(const MemoryLayout& l) {
   if (!l.lora.enabled()) return "";
-  if (l.lora.base_quant != BaseQuant::None)
-    return str("a ", base_quant_name(l.lora.base_quant), " base (QLoRA) is not trained on cuda yet (--base_quant with "
-               "--device cuda)");
+  if (l.lora.base_quant == BaseQuant::Int8)
+    return "an int8 base is not trained on cuda yet (--base_quant int8 with --device cuda)";
   if (l.training && l.zero != 0)
     return str("adapters are trained on cuda at ZeRO-0 only (--lora_rank with --zero ", l.zero, ")");
   return "";

@@ -442,6 +442,14 @@ def train_step():
                     f"x{lora['tokens/s'] / engine[('0', 'none')]['tokens/s']:.2f}",
                     f"aim >= 1.4; LoRA {lora['tokens/s']:.0f} tokens/s, MFU {100 * lora.get('MFU', 0):.1f}%, "
                     f"device {lora.get('GiB', 0):.2f} GiB used of a {lora.get('plan_GiB', 0):.2f} GiB plan")
+        # QLoRA against LoRA, the model's adapter step on the same harness (bench BM_AdapterStep).
+        adapter = {m.group(1): b for b in bench("train_step")
+                   for m in [re.search(r"^adapter step, (LoRA|QLoRA)", b.get("label", ""))] if m and "tokens/s" in b}
+        if "LoRA" in adapter and "QLoRA" in adapter:
+            add("train step", "QLoRA r16 step / LoRA r16 step (tokens/s)",
+                f"x{adapter['QLoRA']['tokens/s'] / adapter['LoRA']['tokens/s']:.2f}",
+                f"aim >= 0.85; QLoRA {adapter['QLoRA']['tokens/s']:.0f}, LoRA {adapter['LoRA']['tokens/s']:.0f} tokens/s; "
+                f"device {adapter['QLoRA'].get('GiB', 0):.2f} vs {adapter['LoRA'].get('GiB', 0):.2f} GiB")
         if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", status("bench/train_step"))
     if not listed_only("train_step_hopper", "train step"):
         for b in bench("train_step_hopper"):

@@ -17,6 +17,7 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/safetensors.h"
+#include "kernels/cpu/nf4.h"
 #include "model/llama.h"
 #include "model/llama_gpu.h"
 #include "model/lora.h"
@@ -183,6 +184,67 @@ TEST(LlamaLoraGpu, AStepMovesTheAdaptersOnly) {
   gpu.get_params(moved.data());
   EXPECT_NE(moved, adapters);
   EXPECT_LT(gpu.flops_per_token(f.seq), model_flops_per_token(f.config, f.seq));
+}
+
+// QLoRA: the base's projections held in NF4 and dequantized a layer at a time on the device follow the CPU model
+// run on the same NF4 values dequantized on the host (kernels/cpu/nf4.h), at the bf16 tolerances above; the
+// quantized base takes about a quarter of the bf16 one's bytes.
+TEST(LlamaLoraGpu, QloraFollowsTheCpuModelOnTheDequantizedBase) {
+  TUNA_REQUIRE_GPU();
+  LoraFixture lf("lora_llama2_tiny");
+  const Fixture& f = lf.base;
+  Llama cpu(f.config, f.batch, f.seq, {}, lf.lora);
+  std::vector<float> weights(cpu.layout().total());
+  load_weights(f.dir, cpu.layout(), weights.data());
+  cpu.params = weights;
+  for (const ParamTensor& t : cpu.layout().tensors()) {  // what the device dequantizes, in fp32
+    if (!base_tensor_quantized(t)) continue;
+    const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
+    std::vector<uint8_t> packed(z.packed_bytes), qabsmax(z.blocks);
+    std::vector<float> absmax2(z.stat_blocks), scratch(z.blocks);
+    float mean = 0;
+    cpu::nf4_quantize(weights.data() + t.offset, t.numel, packed.data(), qabsmax.data(), absmax2.data(), &mean,
+                      scratch.data(), t.name.c_str());
+    cpu::nf4_dequantize(cpu::Nf4Tensor{t.numel, packed.data(), qabsmax.data(), absmax2.data(), mean},
+                        cpu.params.data() + t.offset);
+  }
+  EXPECT_GT(rel_err_norm(cpu.params.data(), std::vector<double>(weights.begin(), weights.end()).data(),
+                         static_cast<int64_t>(weights.size())), 1e-3);  // NF4 moved the base
+  cpu.lora_params = lf.adapters(cpu.lora_layout().params);
+
+  MemoryLayout run = lora_run(f, lf.lora);
+  run.lora.base_quant = BaseQuant::Nf4;
+  LlamaGpu gpu(f.config, run, f.optimizer());
+  gpu.set_params(weights.data());  // quantized on the way in
+  gpu.set_adapters_piece(Segment{0, gpu.trained_layout().total()}, cpu.lora_params.data());
+  const MemoryPlan bf16_plan = plan_gpu_memory(f.config, lora_run(f, lf.lora));
+  std::printf("  base weights: nf4 %lld bytes, bf16 %lld bytes\n",
+              static_cast<long long>(gpu.memory_plan().bytes(MemoryKind::Weights)),
+              static_cast<long long>(bf16_plan.bytes(MemoryKind::Weights)));
+  EXPECT_LT(gpu.memory_plan().bytes(MemoryKind::Weights), bf16_plan.bytes(MemoryKind::Weights));
+
+  const int64_t V = f.config.vocab_size;
+  std::vector<float> logits(f.batch * f.seq * V), want_logits(logits.size());
+  gpu.forward_logits(f.inputs.data(), f.batch, f.seq, logits.data());
+  cpu.forward_logits(f.inputs.data(), f.batch, f.seq, want_logits.data());
+  const std::vector<double> want_d(want_logits.begin(), want_logits.end());
+  const double logits_err = rel_err_norm(logits.data(), want_d.data(), static_cast<int64_t>(logits.size()));
+  std::printf("  QLoRA logits rel err %.3e\n", logits_err);
+  EXPECT_LE(logits_err, 3e-2);
+  cpu.zero_grads();
+  const LossSum want = cpu.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  gpu.zero_grads();
+  const LossSum got = gpu.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+  EXPECT_EQ(got.count, want.count);
+  EXPECT_NEAR(got.sum / got.count, want.sum / want.count, 1e-2 * want.sum / want.count);
+  std::vector<float> grads(gpu.trained_layout().total());
+  gpu.get_grads(grads.data());
+  for (const ParamTensor& t : gpu.trained_layout().tensors()) {
+    const std::vector<double> ref(cpu.lora_grads.begin() + t.offset, cpu.lora_grads.begin() + t.offset + t.numel);
+    EXPECT_LE(rel_err_norm(grads.data() + t.offset, ref.data(), t.numel), 0.1) << t.name;
+  }
+  // And a step trains the adapters on it.
+  EXPECT_TRUE(gpu.adamw_step(1.0 / got.count, 1e-3).applied);
 }
 
 }  // namespace

@@ -209,9 +209,9 @@ TEST(MemoryPlanGpu, LoraShardsTheAdaptersStateByZeroAndTheBaseAtZeroThree) {
             device_arena_bytes(16384 / 2 + 2 * (24600 / 2) + 16512 / 2));
   EXPECT_EQ(find(z3, "base gather buffer 0")->bytes, device_arena_bytes(24600));
   EXPECT_EQ(find(z3, "base gather buffer 1")->bytes, device_arena_bytes(24600));
-  // The layer's Linear weights dequantized into one bf16 buffer: (4 x 64 x 64 + 3 x 160 x 64) x 2 bytes.
+  // A layer dequantized into one bf16 buffer shaped like its unit: (4 x 64 x 64 + 3 x 160 x 64 + 2 x 64) x 2 bytes.
   EXPECT_EQ(find(z3, "dequantized layer weights (bf16, one layer)")->bytes,
-            device_arena_bytes((4 * 64 * 64 + 3 * 160 * 64) * 2));
+            device_arena_bytes((4 * 64 * 64 + 3 * 160 * 64 + 2 * 64) * 2));
   // Below ZeRO-3 the nf4 decoder weights and the bf16 rest are whole on every rank.
   l.zero = 2;
   const MemoryPlan z2 = plan_gpu_memory(f.config, l);
