@@ -340,8 +340,10 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
     validate_lora(eo.lora, start.model);
     eo.adapters = start.lora->adapters;  // null: PEFT's initialisation, or the resume restores them
   }
-  if (cfg.plan_only && options.was_set("lora_rank"))
-    fail("option 'plan_only' with --lora_rank: the CUDA engine's plan of a LoRA run is not implemented");
+  if (cfg.plan_only && options.was_set("lora_rank")) {  // the plan needs the adapters' shape, not their values
+    eo.lora = lora_options(cfg, options, /*resuming_lora=*/false);
+    validate_lora(eo.lora, start.model);
+  }
   eo.seed = static_cast<uint64_t>(cfg.seed);
   std::string note;
   eo.attention = choose_attention(cfg.attention, start.checkpoint_state, &note);
