@@ -328,21 +328,19 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
       nf4_[t.layer].push_back(slot);
     }
     TUNA_CHECK(at_plain == plain_ + plain, "the quantized base's bf16 tensors do not fill their buffer");
-    lora_params_ = arena.take<bf16>("LoRA bf16 weights", Pt);
-    t_.weights = lora_params_;
-    if (own_optimizer) lora_master_ = t_.master = arena.take<float>("LoRA fp32 master weights", Pt);
-    if (training) lora_grads_ = t_.grads = arena.take<float>("LoRA fp32 gradients", Pt);
   } else if (adapters) {
     params_ = arena.take<bf16>("bf16 base weights (frozen)", P);
-    lora_params_ = arena.take<bf16>("LoRA bf16 weights", Pt);
-    t_.weights = lora_params_;
-    if (own_optimizer) lora_master_ = t_.master = arena.take<float>("LoRA fp32 master weights", Pt);
-    if (training) lora_grads_ = t_.grads = arena.take<float>("LoRA fp32 gradients", Pt);
   } else {
     if (own_optimizer) master_ = arena.take<float>("fp32 master weights", P);
     if (run_.zero <= 2 || !training) params_ = arena.take<bf16>("bf16 weights", P);
     if (training && run_.zero <= 1) grads_ = arena.take<float>("fp32 gradients", P);
     t_ = Trained{master_, grads_, params_, nullptr, nullptr};
+  }
+  if (adapters) {
+    lora_params_ = arena.take<bf16>("LoRA bf16 weights", Pt);
+    t_.weights = lora_params_;
+    if (own_optimizer) lora_master_ = t_.master = arena.take<float>("LoRA fp32 master weights", Pt);
+    if (training) lora_grads_ = t_.grads = arena.take<float>("LoRA fp32 gradients", Pt);
   }
   if (own_optimizer) {
     const int64_t moment_bytes = run_.bf16_moments ? 2 : 4;
