@@ -180,7 +180,8 @@ GpuFit plan_gpu_fit(const LlamaConfig& config, const EngineOptions& options, con
 // The CUDA engine's host memory per rank beyond the process's own (engine/engine_gpu.cpp): the starting weights go
 // through one fp32 buffer of the largest piece the rank fills (its piece of each unit at ZeRO 1-3, each whole unit
 // at ZeRO-0); a checkpoint save or resume through one piece of the weights and both moments (fp32) and a moment's
-// bf16 bits. Weight and checkpoint files are mapped and read a piece at a time, never copied whole.
+// bf16 bits. With adapters: each whole unit of the base, then of the adapters; a checkpoint the adapters' pieces.
+// Weight and checkpoint files are mapped and read a piece at a time, never copied whole.
 struct HostStaging {
   int64_t init_bytes = 0, checkpoint_bytes = 0;
 };
