@@ -176,7 +176,7 @@ void declare(Options& o, TrainConfig& c) {
   o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory",
         Bounds::closed(0, 1e6));
   o.add("lora_rank", &c.lora_rank,
-        "LoRA: train rank-r adapters (r >= 1) on --lora_targets with the base frozen (cpu; ZeRO 0-3); unset (shown as 0): "
+        "LoRA: train rank-r adapters (r >= 1) on --lora_targets with the base frozen (cpu: ZeRO 0-3; cuda: ZeRO-0); unset (shown as 0): "
         "a full fine-tune",
         Bounds::closed(0, 1 << 20));
   o.add("lora_alpha", &c.lora_alpha, "LoRA: the adapters' output is scaled by alpha / rank (alpha > 0); unset (shown as 0): the rank, a scale of 1");
@@ -371,8 +371,10 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
         fail("option 'base_quant' ", base_quant_name(eo.base_quant), ": a quantized base trains on --device cpu only");
     }
   }
-  if (cfg.plan_only && options.was_set("lora_rank"))
-    fail("option 'plan_only' with --lora_rank: the CUDA engine's plan of a LoRA run is not implemented");
+  if (cfg.plan_only && options.was_set("lora_rank")) {  // the plan needs the adapters' shape, not their values
+    eo.lora = lora_options(cfg, options, /*resuming_lora=*/false);
+    validate_lora(eo.lora, start.model);
+  }
   eo.seed = static_cast<uint64_t>(cfg.seed);
   std::string note;
   eo.attention = choose_attention(cfg.attention, start.checkpoint_state, &note);

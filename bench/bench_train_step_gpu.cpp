@@ -95,9 +95,12 @@ BENCHMARK(BM_TrainStep)
 // and of recompute against none (full: a second forward of every layer but the top one, aim <= 1.35x), with the
 // activation memory each mode plans and the device memory the step used (cudaMemGetInfo after a step, all of
 // this process's allocations) against the plan's total. Wall time per step: finish_step synchronizes the device.
+// lora > 0: the same step with LoRA adapters of that rank on all seven projections (alpha 2r, no dropout), the base
+// frozen in bf16: no weight-gradient GEMMs, no base update; its tokens/s against the full step's (aim >= 1.4x).
 void BM_EngineStep(benchmark::State& state) {
   const int zero = static_cast<int>(state.range(0));
   const Recompute recompute = static_cast<Recompute>(state.range(1));
+  const int64_t lora_rank = state.range(2);
   const int64_t batch = 2, seq = 4096;
   const LlamaConfig config = llama32_1b();
   std::unique_ptr<Comm> world = make_single_comm();
@@ -105,6 +108,7 @@ void BM_EngineStep(benchmark::State& state) {
   EngineOptions o;
   o.device = Device::Cuda, o.micro_batch = batch, o.seq_len = seq, o.zero = zero, o.recompute = recompute;
   o.bf16_moments = true;
+  if (lora_rank > 0) o.lora.rank = lora_rank, o.lora.alpha = 2.0 * lora_rank, o.seed = 1;
   size_t free_before = 0, total = 0;
   TUNA_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   // Weights: a counter hash, fast for a billion values (the step's speed does not depend on them).
@@ -145,19 +149,73 @@ void BM_EngineStep(benchmark::State& state) {
   state.counters["GiB"] = static_cast<double>(free_before - free_after) / double(1 << 30);
   state.counters["plan_GiB"] = static_cast<double>(plan.total()) / double(1 << 30);
   state.counters["activations_GiB"] = static_cast<double>(plan.bytes(MemoryKind::Activations)) / double(1 << 30);
-  state.SetLabel(str("engine step, ZeRO-", zero, ", recompute ", recompute_name(recompute),
+  state.SetLabel(str("engine step, ", lora_rank > 0 ? describe_lora(l.lora) + ", " : std::string(), "ZeRO-", zero,
+                     ", recompute ", recompute_name(recompute),
                      ", LLaMA-3.2-1B shape, batch 2 x seq 4096 (device memory used vs plan: GiB / plan_GiB)"));
 }
 
 BENCHMARK(BM_EngineStep)
-    ->ArgNames({"zero", "recompute"})
-    ->Args({0, static_cast<int>(Recompute::None)})
-    ->Args({3, static_cast<int>(Recompute::None)})
-    ->Args({0, static_cast<int>(Recompute::Selective)})
-    ->Args({0, static_cast<int>(Recompute::Full)})
+    ->ArgNames({"zero", "recompute", "lora"})
+    ->Args({0, static_cast<int>(Recompute::None), 0})
+    ->Args({3, static_cast<int>(Recompute::None), 0})
+    ->Args({0, static_cast<int>(Recompute::Selective), 0})
+    ->Args({0, static_cast<int>(Recompute::Full), 0})
+    ->Args({0, static_cast<int>(Recompute::None), 16})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(1.0);
+
+// The adapters' step on the model alone (LlamaGpu: forward_backward and the adapters' AdamW), LoRA r16 on all seven
+// projections over a bf16 base (nf4 0) or over an NF4 base dequantized a layer at a time (nf4 1, QLoRA), on the 1B
+// shape at batch 2 x 4096: QLoRA's tokens/s against LoRA's (aim >= 0.85x), the same harness for both.
+void BM_AdapterStep(benchmark::State& state) {
+  const bool nf4 = state.range(0) != 0;
+  const int64_t batch = 2, seq = 4096;
+  const LlamaConfig config = llama32_1b();
+  MemoryLayout run;
+  run.micro_batch = batch, run.seq_len = seq, run.bf16_moments = true;
+  run.lora.rank = 16, run.lora.alpha = 32;
+  run.lora.base_quant = nf4 ? BaseQuant::Nf4 : BaseQuant::None;
+  LlamaGpu model(config, run);
+  // Weights a unit at a time from a counter hash (quantized on the way in for nf4); adapters likewise.
+  const auto fill = [](const Segment& piece, std::vector<float>& out) {
+    out.resize(piece.size);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < piece.size; i++) {
+      uint64_t x = static_cast<uint64_t>(piece.begin + i) * 0x9E3779B97F4A7C15ull;
+      x ^= x >> 31, x *= 0xBF58476D1CE4E5B9ull, x ^= x >> 29;
+      out[i] = 0.02f * (static_cast<float>(x >> 40) / 8388608.0f - 1.0f);
+    }
+  };
+  std::vector<float> host;
+  for (int u = 0; u < model.layout().num_units(); u++) {
+    const Segment piece{model.layout().unit_range(u).first,
+                        model.layout().unit_range(u).second - model.layout().unit_range(u).first};
+    fill(piece, host);
+    model.set_params_piece(piece, host.data());
+  }
+  fill(Segment{0, model.trained_layout().total()}, host);
+  model.set_adapters_piece(Segment{0, model.trained_layout().total()}, host.data());
+  std::vector<int32_t> inputs(batch * seq), targets(batch * seq);
+  uint64_t x = 88172645463325252ull;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    inputs[i] = static_cast<int32_t>(x % config.vocab_size);
+    targets[i] = static_cast<int32_t>((x >> 20) % config.vocab_size);
+  }
+  run_timed(state, model.stream(), [&] {
+    model.zero_grads();
+    const LossSum loss = model.forward_backward(inputs.data(), targets.data(), batch, seq);
+    model.adamw_step(1.0 / static_cast<double>(loss.count), 1e-5);
+  });
+  const double tokens = static_cast<double>(batch * seq);
+  state.counters["tokens/s"] = rate(tokens);
+  state.counters["MFU"] = rate(tokens * model.flops_per_token(seq) / gpu_peak_bf16_flops());
+  state.counters["GiB"] = static_cast<double>(model.device_bytes()) / double(1 << 30);
+  state.SetLabel(str("adapter step, ", describe_lora(run.lora), ", LLaMA-3.2-1B shape, batch 2 x seq 4096"));
+}
+
+BENCHMARK(BM_AdapterStep)->ArgNames({"nf4"})->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
 
 }  // namespace
 }  // namespace tuna::bench

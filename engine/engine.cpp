@@ -73,6 +73,19 @@ HostStaging plan_gpu_host_staging(const LlamaConfig& config, const MemoryLayout&
   for (int u = 0; u < layout.num_units(); u++)
     largest_unit = std::max(largest_unit, layout.unit_range(u).second - layout.unit_range(u).first);
   HostStaging h;
+  if (run.lora.enabled()) {
+    // Adapters (ZeRO-0): the frozen base is filled whole, a unit at a time, then the adapters a unit at a time; a
+    // checkpoint moves the adapters' pieces only.
+    const ParamLayout adapters =
+        lora_layout(config, run.lora, static_cast<int>(run.tp_rank), static_cast<int>(run.tp)).params;
+    int64_t adapter_piece = 0, adapter_unit = 0;
+    for (const Segment& s : dp_unit_pieces(adapters, dp_rank, dp_size)) adapter_piece = std::max(adapter_piece, s.size);
+    for (int u = 0; u < adapters.num_units(); u++)
+      adapter_unit = std::max(adapter_unit, adapters.unit_range(u).second - adapters.unit_range(u).first);
+    h.init_bytes = std::max(largest_unit, adapter_unit) * int64_t(sizeof(float));
+    h.checkpoint_bytes = adapter_piece * int64_t(3 * sizeof(float) + sizeof(uint16_t));
+    return h;
+  }
   h.init_bytes = (run.zero >= 1 ? largest_piece : largest_unit) * int64_t(sizeof(float));
   h.checkpoint_bytes = largest_piece * int64_t(3 * sizeof(float) + sizeof(uint16_t));
   return h;

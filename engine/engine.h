@@ -13,7 +13,9 @@
 //         ZeRO-2 (gradients sharded too: each unit's reduce-scattered as its backward finishes) or ZeRO-3 (bf16
 //         weights sharded too: each unit gathered before use, the next one prefetched on a communication
 //         stream). Activation recompute (none, selective, full). Tensor parallelism (Megatron splits by kv
-//         groups, vocab-parallel embedding, lm_head and loss) with ZeRO over dp.
+//         groups, vocab-parallel embedding, lm_head and loss) with ZeRO over dp. With LoRA the base is frozen bf16
+//         (replicated) and the adapters train at ZeRO-0 (dp all-reduce, tp as on cpu): layout(), segments() and the
+//         checkpoint state are the adapters', as on cpu.
 //
 // Checkpoint exchange is in "shard order": the concatenation of segments() (runs of the flat ParamLayout
 // buffer), this rank's share of the writing. One rank's segments cover the whole layout in order, so shard
@@ -65,7 +67,8 @@ struct EngineOptions {
   GpuOptions gpu;              // cuda only: the device index, stochastic rounding
   DocumentMode documents;      // packed windows: attention inside documents, positions restarted (llama.h)
   // LoRA (model/lora.h): rank 0 is a full fine-tune. With adapters the base is frozen and only they train: the
-  // engine's layout(), optimizer, dp synchronization and checkpoint state are the adapters' (cpu, ZeRO 0-3).
+  // engine's layout(), optimizer, dp synchronization and checkpoint state are the adapters' (cpu: ZeRO 0-3; cuda:
+  // ZeRO-0).
   LoraConfig lora;
   uint64_t seed = 0;           // LoRA: the adapters' starting values (without `adapters`) and the dropout masks
   WeightFill adapters;         // LoRA: the starting adapters (adapter layout order); null: PEFT's initialisation
@@ -195,7 +198,8 @@ GpuFit plan_gpu_fit(const LlamaConfig& config, const EngineOptions& options, con
 // The CUDA engine's host memory per rank beyond the process's own (engine/engine_gpu.cpp): the starting weights go
 // through one fp32 buffer of the largest piece the rank fills (its piece of each unit at ZeRO 1-3, each whole unit
 // at ZeRO-0); a checkpoint save or resume through one piece of the weights and both moments (fp32) and a moment's
-// bf16 bits. Weight and checkpoint files are mapped and read a piece at a time, never copied whole.
+// bf16 bits. With adapters: each whole unit of the base, then of the adapters; a checkpoint the adapters' pieces.
+// Weight and checkpoint files are mapped and read a piece at a time, never copied whole.
 struct HostStaging {
   int64_t init_bytes = 0, checkpoint_bytes = 0;
 };

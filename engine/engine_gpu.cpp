@@ -20,6 +20,11 @@
 // The clip norm is over the shards (squares summed over this rank's shard, then over dp). At one rank the
 // shard is the whole layout in layout order, so every stage computes ZeRO-0's bits.
 //
+// LoRA (EngineOptions::lora): the model's base is frozen bf16, filled once, never saved; what trains, the dp
+// all-reduce, the update and the checkpoint state are the adapters' (LlamaGpu::trained_layout(), PEFT names, one
+// unit per layer), at ZeRO-0: their state is small, so every dp rank holds it whole. Dropout masks are keyed by
+// (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
+//
 // Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
 // uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and
 // copies the result into the master weights and moments: no rank ever holds the whole state in host memory.
@@ -80,7 +85,7 @@ class GpuEngine final : public Engine {
       : options_(o),
         mesh_(mesh),
         model_(config, engine_memory_layout(o, mesh), o.opt, o.gpu),
-        segments_(dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size)) {
+        segments_(dp_unit_pieces(model_.trained_layout(), mesh.dp_rank, mesh.dp_size)) {
     model_.set_document_mode(o.documents);
     cudaStream_t stream = model_.stream();
     // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
@@ -113,14 +118,19 @@ class GpuEngine final : public Engine {
 
   std::string describe() const override { return describe_; }
   std::string attention_kernels() const override { return attention_; }
-  const ParamLayout& layout() const override { return model_.layout(); }
+  const ParamLayout& layout() const override { return model_.trained_layout(); }
+  const ParamLayout& base_layout() const override { return model_.layout(); }
 
   void begin_step() override {
     if (store_) store_->begin_step();
     else model_.zero_grads();
+    micro_batch_ = 0;
   }
   LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                            const int32_t* positions) override {
+    // Dropout masks by (seed, step, micro-batch, dp rank): the CPU engine's, and a resumed run's the same.
+    if (model_.has_adapters())
+      model_.set_lora_dropout_key(lora_dropout_key(options_.seed, steps_taken(), micro_batch_++, mesh_.dp_rank));
     return model_.forward_backward(inputs, targets, batch, seq, positions);
   }
   StepResult finish_step(const LossSum& local, double lr) override {
@@ -136,7 +146,8 @@ class GpuEngine final : public Engine {
       return r;
     }
     if (dp_device_) {
-      dp_device_->all_reduce(model_.grads(), model_.layout().total(), CommType::F32, ReduceOp::Sum, "gradients");
+      dp_device_->all_reduce(model_.grads(), model_.trained_layout().total(), CommType::F32, ReduceOp::Sum,
+                             "gradients");
       dp_device_->barrier("gradients all-reduced");  // a bounded wait (--comm_timeout) instead of a blind sync
     }
     r.stats = model_.adamw_step(loss_scale, lr, loss_is_finite);
@@ -210,7 +221,7 @@ class GpuEngine final : public Engine {
       return gather_master();
     }
     if (dp_device_) {  // every rank holds everything (ZeRO-0): gather the pieces of each unit in place
-      const ParamLayout& layout = model_.layout();
+      const ParamLayout& layout = model_.trained_layout();
       const CommType moment_type = bf16 ? CommType::BF16 : CommType::F32;
       const int64_t moment_bytes = bf16 ? 2 : 4;
       for (int u = 0; u < layout.num_units(); u++) {
@@ -325,6 +336,7 @@ class GpuEngine final : public Engine {
   // fills the whole model (it holds it), ZeRO 1-3 this rank's piece of each unit into the master shard, whose
   // bf16 weights are then made as a restore makes them.
   void fill_weights(const WeightFill& initial) {
+    if (model_.has_adapters()) return fill_base_and_adapters(initial);
     const ParamLayout& layout = model_.layout();
     std::vector<Segment> pieces = segments_;
     if (!shard_)
@@ -345,6 +357,23 @@ class GpuEngine final : public Engine {
     }
     if (store_) refresh_shard_weights();
     else if (shard_) gather_master();
+  }
+
+  // With adapters (ZeRO-0): the frozen base whole, a unit at a time, and the adapters (the options', or PEFT's
+  // initialisation drawn per global tensor, so that every tp and dp layout starts from the same ones).
+  void fill_base_and_adapters(const WeightFill& base) {
+    const auto fill = [&](const ParamLayout& layout, const WeightFill& source, auto&& set) {
+      std::vector<float> host;
+      for (int u = 0; u < layout.num_units(); u++) {
+        const Segment piece{layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first};
+        host.resize(piece.size);
+        source(layout, piece, host.data());
+        set(piece, host.data());
+      }
+    };
+    fill(model_.layout(), base, [&](const Segment& p, const float* h) { model_.set_params_piece(p, h); });
+    fill(model_.trained_layout(), options_.adapters ? options_.adapters : initial_adapters(options_.seed),
+         [&](const Segment& p, const float* h) { model_.set_adapters_piece(p, h); });
   }
 
   // ZeRO-2/3: the shard's bf16 weights from its fp32 master, rounded as the update at steps_taken() rounded
@@ -394,6 +423,7 @@ class GpuEngine final : public Engine {
   std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model
   std::string describe_, attention_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
+  int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)
 };
 
 class GpuForwardModel final : public ForwardModel {

@@ -171,10 +171,24 @@ void matmul_residual_fwd(MatmulContext& ctx, __nv_bfloat16* out, const __nv_bflo
            oc, CUDA_R_16BF, stream);
 }
 
+void matmul_add_fwd(MatmulContext& ctx, __nv_bfloat16* out, int64_t ld_out, const __nv_bfloat16* inp,
+                    const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0 && ld_out >= oc, "n ", n, ", ic ", ic, ", oc ", oc, ", ld_out ", ld_out);
+  if (n == 0) return;
+  ctx.gemm(/*trans_a=*/true, /*trans_b=*/false, oc, n, ic, weight, ic, inp, ic, /*beta=*/1.0f, /*c=*/out, out, ld_out,
+           CUDA_R_16BF, stream);
+}
+
 void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
                 const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
                 bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream) {
-  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+  matmul_bwd_strided(ctx, dinp, dweight, dout, oc, inp, weight, n, ic, oc, accumulate_dinp, dweight_write, stream);
+}
+
+void matmul_bwd_strided(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
+                        int64_t ld_dout, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic,
+                        int64_t oc, bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0 && ld_dout >= oc, "n ", n, ", ic ", ic, ", oc ", oc, ", ld_dout ", ld_dout);
   const bool overwrite_dweight = dweight_write == GradWrite::Overwrite;
   if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
     if (dweight != nullptr && overwrite_dweight)
@@ -182,10 +196,10 @@ void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const _
     return;
   }
   if (dinp != nullptr)
-    ctx.gemm(/*trans_a=*/false, /*trans_b=*/false, ic, n, oc, weight, ic, dout, oc, accumulate_dinp ? 1.0f : 0.0f,
+    ctx.gemm(/*trans_a=*/false, /*trans_b=*/false, ic, n, oc, weight, ic, dout, ld_dout, accumulate_dinp ? 1.0f : 0.0f,
              dinp, dinp, ic, CUDA_R_16BF, stream);
   if (dweight != nullptr)
-    ctx.gemm(/*trans_a=*/false, /*trans_b=*/true, ic, oc, n, inp, ic, dout, oc, overwrite_dweight ? 0.0f : 1.0f,
+    ctx.gemm(/*trans_a=*/false, /*trans_b=*/true, ic, oc, n, inp, ic, dout, ld_dout, overwrite_dweight ? 0.0f : 1.0f,
              dweight, dweight, ic, CUDA_R_32F, stream);
 }
 

@@ -74,4 +74,14 @@ void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const _
                 const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
                 bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream);
 
+// out[n, oc] += inp[n, ic] @ weight[oc, ic]^T with out's rows ld_out apart (ld_out >= oc): a product added into a
+// column block of a wider output (an adapter's B product into the fused q|k|v or gate|up rows), in the GEMM's
+// epilogue (one rounding of product + out, as matmul_residual_fwd with out as its residual).
+void matmul_add_fwd(MatmulContext& ctx, __nv_bfloat16* out, int64_t ld_out, const __nv_bfloat16* inp,
+                    const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream);
+// matmul_bwd with dout's rows ld_dout apart (ld_dout >= oc): the gradient of a column block of a wider output.
+void matmul_bwd_strided(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
+                        int64_t ld_dout, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic,
+                        int64_t oc, bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream);
+
 }  // namespace tuna::cuda

@@ -288,7 +288,8 @@ void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, 
   check_dim("rmsnorm_bwd", n, dim);
   const bool overwrite = dweight_write == GradWrite::Overwrite;
   if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
-    if (overwrite) TUNA_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<size_t>(dim) * sizeof(float), stream));
+    if (overwrite && dweight != nullptr)
+      TUNA_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<size_t>(dim) * sizeof(float), stream));
     return;
   }
   const RowShape shape = bwd_shape(dim);
@@ -304,6 +305,7 @@ void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, 
   else if (shape.rows == 2) launch(rmsnorm_bwd_kernel<kMaxVecs, 2>);
   else launch(rmsnorm_bwd_kernel<kMaxVecs, 1>);
   TUNA_CUDA_CHECK_LAUNCH();
+  if (dweight == nullptr) return;  // a frozen weight (adapters): the slabs' sums go unused
   launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, kReduceColumnLanes * 4)),
                 kReduceColumnLanes * kReduceSlabLanes, 0, stream, dweight, scratch, static_cast<int>(n_slabs), d,
                 overwrite);

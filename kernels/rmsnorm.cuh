@@ -21,7 +21,8 @@ int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim);
 // dinp[i, j] += r (w[j] g[i, j] - x[i, j] r^2 mean_k(w[k] g[i, k] x[i, k]))   ACCUMULATES (bf16: the residual
 //                                                                            stream's gradient)
 // dweight[j] (= or +=, by dweight_write) sum_i g[i, j] x[i, j] r[i]            fp32; Overwrite never reads it
-//                                                                            (kernels/cpu/grad_write.h)
+//                                                                            (kernels/cpu/grad_write.h); null:
+//                                                                            not computed (a frozen weight)
 // Deterministic: dweight sums fixed 32-row slabs into scratch, then the slabs in a fixed order. dinp must not
 // overlap dout or inp. dim % 8 == 0 and dim <= 16384.
 void rmsnorm_bwd(__nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout, const __nv_bfloat16* inp,

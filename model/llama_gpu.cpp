@@ -33,6 +33,9 @@
 #include "kernels/cpu/classifier.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/init.cuh"
+#include "kernels/lora.cuh"
+#include "kernels/nf4.cuh"
+#include "kernels/cpu/nf4.h"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/swiglu.cuh"
@@ -99,6 +102,36 @@ class LlamaGpu::OwnWeights final : public GpuWeightStore {
     return {m_.grads_ + m_.layout_.unit_range(unit).first, m_.grads_unwritten_};
   }
   void grads_done(int) override {}
+
+ private:
+  LlamaGpu& m_;
+};
+
+// QLoRA's store of the frozen base: the embedding and head units in place (bf16), a decoder layer dequantized from
+// NF4 into the one layer buffer with its norm weights copied beside, so the GEMMs read it at the unit's own offsets.
+// One layer is acquired at a time (the model's pass order), so one buffer serves every layer. A frozen base has
+// no gradient: asking for one is an error.
+class LlamaGpu::QuantizedBase final : public GpuWeightStore {
+ public:
+  explicit QuantizedBase(LlamaGpu& model) : m_(model) {}
+  const __nv_bfloat16* acquire(int unit) override {
+    const ParamLayout& layout = m_.layout_;
+    const int64_t begin = layout.unit_range(unit).first;
+    if (unit == 0 || unit == layout.head_unit()) return m_.plain_at_.at(begin);
+    const int64_t l = unit - 1;
+    std::vector<cuda::Nf4Dequant> batch;
+    for (const Nf4Slot& t : m_.nf4_[l])
+      batch.push_back({m_.dequant_ + (t.offset - begin), t.packed, t.qabsmax, t.absmax2, t.mean_value, t.n});
+    cuda::nf4_dequantize(batch.data(), static_cast<int>(batch.size()), m_.stream_);
+    for (const ParamTensor& t : layout.tensors())
+      if (t.layer == l && !base_tensor_quantized(t))
+        TUNA_CUDA_CHECK(cudaMemcpyAsync(m_.dequant_ + (t.offset - begin), m_.plain_at_.at(t.offset),
+                                        t.numel * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, m_.stream_));
+    return m_.dequant_;
+  }
+  void release(int) override {}
+  UnitGrads grads(int unit) override { fail("the quantized base is frozen: no gradient of unit ", unit); }
+  void grads_done(int unit) override { fail("the quantized base is frozen: no gradient of unit ", unit); }
 
  private:
   LlamaGpu& m_;
@@ -198,10 +231,18 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
                    const GpuOptions& options)
     : LlamaGpu(config, single_rank_layout(max_batch, max_seq), optimizer, options) {}
 
+namespace {
+LoraLayout adapters_of(const LlamaConfig& config, const LoraConfig& lora, int64_t tp_rank, int64_t tp) {
+  if (lora.enabled()) return lora_layout(config, lora, static_cast<int>(tp_rank), static_cast<int>(tp));
+  return LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
+}
+}  // namespace
+
 LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const OptimizerConfig& optimizer,
                    const GpuOptions& options)
     : config_(config), layout_(config, static_cast<int>(run.tp_rank), static_cast<int>(run.tp)), opt_(optimizer),
-      run_(run), options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len) {
+      run_(run), options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len), lora_(run.lora),
+      lora_layout_(adapters_of(config, run.lora, run.tp_rank, run.tp)) {
   const int64_t max_batch = max_batch_, max_seq = max_seq_;
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   validate(opt_);
@@ -224,28 +265,99 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
   head_chunk_rows_ = gpu_head_chunk_rows(d.vocab, n);
-  n_segments_ = static_cast<int>(layout_.tensors().size());
   const bool training = run_.training, own_optimizer = training && run_.zero == 0;
+  const bool adapters = lora_.enabled();
+  const bool quantized = adapters && run_.lora.base_quant != BaseQuant::None;
+  if (adapters && run_.lora.base_quant == BaseQuant::Int8)
+    fail("--base_quant int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
+         "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
+  if (adapters && training && run_.zero != 0)
+    fail("--lora_rank with --device cuda and --zero ", run_.zero, ": the CUDA engine trains adapters with ZeRO-0 only "
+         "(their state is small: every dp rank holds it whole); use --zero 0");
+  const ParamLayout& trained = trained_layout();
+  const int64_t Pt = trained.total();
+  n_segments_ = static_cast<int>(trained.tensors().size());
 
   // Every buffer from the memory plan (model/memory_plan_gpu.cpp), by its name there.
   arena_ = std::make_unique<DeviceArena>(plan_gpu_memory(c, run_));
   DeviceArena& arena = *arena_;
   using bf16 = __nv_bfloat16;
-  if (own_optimizer) master_ = arena.take<float>("fp32 master weights", P);
-  if (run_.zero <= 2 || !training) params_ = arena.take<bf16>("bf16 weights", P);
-  if (training && run_.zero <= 1) grads_ = arena.take<float>("fp32 gradients", P);
+  // A full fine-tune's state is the model's; with adapters the base is frozen bf16 (no master, gradient or
+  // moments) and the adapters have the state, under the plan's "LoRA" names.
+  const std::string state = adapters ? "LoRA " : "";
+  if (quantized) {
+    // The NF4 state of every projection in one byte buffer: all codes (8-byte aligned for the kernel's vector
+    // path when the sizes allow), then the fp32 scales and means, then the 8-bit absmax: no padding, so the
+    // bytes are the plan's.
+    int64_t packed = 0, stats = 0, blocks = 0, plain = 0;
+    for (const ParamTensor& t : layout_.tensors()) {
+      if (!base_tensor_quantized(t)) {
+        plain += t.numel;
+        continue;
+      }
+      const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
+      packed += z.packed_bytes, stats += z.stat_blocks + 1, blocks += z.blocks;
+    }
+    if (packed % 4 != 0)
+      fail("--base_quant nf4 with --device cuda: the NF4 codes of this model's projections take ", packed, " bytes, not "
+           "a multiple of 4 (a projection with an odd number of elements), which the device layout does not take");
+    uint8_t* bytes = arena.take<uint8_t>("nf4 base weights (frozen decoder Linear weights)", packed + 4 * stats + blocks);
+    plain_ = arena.take<bf16>("bf16 base weights (frozen embedding, norms, lm_head)", plain);
+    const auto [l0_begin, l0_end] = layout_.unit_range(1);
+    dequant_ = arena.take<bf16>("dequantized layer weights (bf16, one layer)", l0_end - l0_begin);
+    uint8_t* at_packed = bytes;
+    float* at_stats = reinterpret_cast<float*>(bytes + packed);
+    uint8_t* at_blocks = bytes + packed + 4 * stats;
+    // bf16 values of the unquantized tensors: the embedding unit, the head unit (each whole, in layout order, so
+    // that a pointer to its first tensor is the unit), then every norm weight.
+    bf16* at_plain = plain_;
+    const int H = layout_.head_unit();
+    for (int u : {0, H})
+      for (const ParamTensor& t : layout_.tensors())
+        if (t.offset >= layout_.unit_range(u).first && t.offset < layout_.unit_range(u).second)
+          plain_at_[t.offset] = at_plain, at_plain += t.numel;
+    nf4_.resize(c.num_hidden_layers);
+    for (const ParamTensor& t : layout_.tensors()) {
+      if (t.layer < 0) continue;
+      if (!base_tensor_quantized(t)) {
+        plain_at_[t.offset] = at_plain, at_plain += t.numel;
+        continue;
+      }
+      const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
+      Nf4Slot slot;
+      slot.offset = t.offset, slot.n = t.numel;
+      slot.packed = at_packed, at_packed += z.packed_bytes;
+      slot.absmax2 = at_stats, slot.mean = at_stats + z.stat_blocks, at_stats += z.stat_blocks + 1;
+      slot.qabsmax = at_blocks, at_blocks += z.blocks;
+      nf4_[t.layer].push_back(slot);
+    }
+    TUNA_CHECK(at_plain == plain_ + plain, "the quantized base's bf16 tensors do not fill their buffer");
+  } else if (adapters) {
+    params_ = arena.take<bf16>("bf16 base weights (frozen)", P);
+  } else {
+    if (own_optimizer) master_ = arena.take<float>("fp32 master weights", P);
+    if (run_.zero <= 2 || !training) params_ = arena.take<bf16>("bf16 weights", P);
+    if (training && run_.zero <= 1) grads_ = arena.take<float>("fp32 gradients", P);
+    t_ = Trained{master_, grads_, params_, nullptr, nullptr};
+  }
+  if (adapters) {
+    lora_params_ = arena.take<bf16>("LoRA bf16 weights", Pt);
+    t_.weights = lora_params_;
+    if (own_optimizer) lora_master_ = t_.master = arena.take<float>("LoRA fp32 master weights", Pt);
+    if (training) lora_grads_ = t_.grads = arena.take<float>("LoRA fp32 gradients", Pt);
+  }
   if (own_optimizer) {
     const int64_t moment_bytes = run_.bf16_moments ? 2 : 4;
-    m_ = arena.take<char>("AdamW m", P * moment_bytes);
-    v_ = arena.take<char>("AdamW v", P * moment_bytes);
-    segment_starts_ = arena.take<int64_t>("AdamW segment starts", n_segments_);
-    segment_decays_ = arena.take<uint8_t>("AdamW segment decays", n_segments_);
+    m_ = t_.m = arena.take<char>(state + "AdamW m", Pt * moment_bytes);
+    v_ = t_.v = arena.take<char>(state + "AdamW v", Pt * moment_bytes);
+    segment_starts_ = arena.take<int64_t>(state + "AdamW segment starts", n_segments_);
+    segment_decays_ = arena.take<uint8_t>(state + "AdamW segment decays", n_segments_);
     norm_scratch_f64_ = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
     norm_total_ = arena.take<double>("gradient norm", 1);
     if (run_.tp > 1)
       replicated_norms_ = arena.take<double>(
           "replicated gradient norms",
-          std::max<int64_t>(1, replicated_piece_count(shard_pieces(layout_, {Segment{0, P}}))));
+          std::max<int64_t>(1, replicated_piece_count(shard_pieces(trained, {Segment{0, Pt}}))));
   }
   rope_cos_ = arena.take<float>("RoPE cos", max_seq * c.head_dim / 2);
   rope_sin_ = arena.take<float>("RoPE sin", max_seq * c.head_dim / 2);
@@ -270,6 +382,27 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   field(&LayerActs::rstd2, "rstd2", n);
   field(&LayerActs::gate_up, "gate_up", n * 2 * F);
   field(&LayerActs::act, "act", n * F);
+  if (adapters) {
+    // Per target, which local input column is which of the whole layer's (dropout's index) and its u = s A x.
+    const int64_t r = lora_.rank;
+    for (int t = 0; t < kLoraTargets; t++) {
+      if (!lora_.has(LoraTarget(t))) continue;
+      const ParamTensor* a = trained.find(lora_tensor_name(0, LoraTarget(t), 'A'));
+      TUNA_CHECK(a != nullptr, "no adapter A for ", lora_target_name(LoraTarget(t)));
+      lora_global_in_[t] = a->global_shape[1];
+      lora_col0_[t] = a->split_dim == 1 ? a->split_begin : 0;
+      const std::string module = lora_target_name(LoraTarget(t));
+      const bool kept = gpu_keeps_activation("lora_ax", recompute);
+      bf16* working = kept ? nullptr : arena.take<bf16>(str("working lora_ax ", module), n * r);
+      for (int64_t l = 0; l < c.num_hidden_layers; l++)
+        acts_[l].lora_ax[t] = working != nullptr ? working : arena.take<bf16>(str("layer ", l, " lora_ax ", module), n * r);
+    }
+    int64_t widest_in = 0;
+    for (const ParamTensor& t : trained.tensors())
+      if (t.layer == 0 && t.name.find("lora_A") != std::string::npos) widest_in = std::max(widest_in, t.shape[1]);
+    if (lora_.dropout > 0) lora_in_ = arena.take<bf16>("LoRA dropout(x)", n * widest_in);
+    if (training) lora_dt_ = arena.take<bf16>("LoRA d(A x)", n * r);
+  }
   qkv_ = arena.take<bf16>("qkv", n * (qd + 2 * kvd));
   resid_out_ = arena.take<bf16>("final residual", n * C);
   final_norm_out_ = arena.take<bf16>("final norm", n * C);
@@ -304,7 +437,10 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   matmul_ = std::make_unique<cuda::MatmulContext>(arena.take<char>("cuBLASLt workspace", kMatmulWorkspace),
                                                   static_cast<size_t>(kMatmulWorkspace));
   if (run_.zero == 0) arena.check_all_taken();  // ZeRO 1-3: the engine takes the shard's buffers, then checks
-  if (run_.zero <= 1 || !training) {
+  if (quantized) {
+    own_store_ = std::make_unique<QuantizedBase>(*this);
+    store_ = own_store_.get();
+  } else if (run_.zero <= 1 || !training) {
     own_store_ = std::make_unique<OwnWeights>(*this);
     store_ = own_store_.get();
   }
@@ -315,7 +451,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
 
   // The segment table of the fused AdamW over the whole layout: one segment per tensor, in offset order.
   if (segment_starts_ != nullptr) {
-    const AdamWTable table = adamw_table(layout_, {Segment{0, P}});
+    const AdamWTable table = adamw_table(trained, {Segment{0, Pt}});
     TUNA_CUDA_CHECK(cudaMemcpy(segment_starts_, table.starts.data(), table.starts.size() * sizeof(int64_t),
                                cudaMemcpyHostToDevice));
     TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
@@ -332,14 +468,15 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   // The state starts at zero (a step before set_params trains from zero weights, not from garbage); activations
   // are written before they are read, and stay poisoned where the emulator poisons fresh memory, as does the
   // gradient until the first backward overwrites it (zero_grads).
-  if (master_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(master_, 0, P * sizeof(float)));
+  if (t_.master != nullptr) TUNA_CUDA_CHECK(cudaMemset(t_.master, 0, Pt * sizeof(float)));
   if (params_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(params_, 0, P * sizeof(__nv_bfloat16)));
-  if (m_ != nullptr) {
-    const size_t moment_bytes = static_cast<size_t>(P) * (run_.bf16_moments ? 2 : 4);
-    TUNA_CUDA_CHECK(cudaMemset(m_, 0, moment_bytes));
-    TUNA_CUDA_CHECK(cudaMemset(v_, 0, moment_bytes));
+  if (lora_params_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(lora_params_, 0, Pt * sizeof(__nv_bfloat16)));
+  if (t_.m != nullptr) {
+    const size_t moment_bytes = static_cast<size_t>(Pt) * (run_.bf16_moments ? 2 : 4);
+    TUNA_CUDA_CHECK(cudaMemset(t_.m, 0, moment_bytes));
+    TUNA_CUDA_CHECK(cudaMemset(t_.v, 0, moment_bytes));
   }
-  if (grads_ != nullptr) zero_grads();
+  if (t_.grads != nullptr) zero_grads();
   TUNA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -356,6 +493,10 @@ LlamaGpu::~LlamaGpu() {
 // cudaStreamNonBlocking stream does not wait for, and from pageable memory it may return before the data has
 // landed, so a kernel on stream_ could read the old contents.
 void LlamaGpu::set_params(const float* host) {
+  if (dequant_ != nullptr) {  // QLoRA: a unit at a time, quantized on the way
+    for (int u = 0; u < layout_.num_units(); u++) set_quantized_unit(u, host + layout_.unit_range(u).first);
+    return;
+  }
   TUNA_CHECK(params_ != nullptr, "ZeRO-3 keeps no whole weights: the engine writes its shard");
   const int64_t P = layout_.total();
   if (master_ == nullptr && grads_ == nullptr) {  // forward only: rounded to nearest on the host, as f32_to_bf16
@@ -373,7 +514,46 @@ void LlamaGpu::set_params(const float* host) {
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+void LlamaGpu::set_quantized_unit(int u, const float* host) {
+  const int64_t begin = layout_.unit_range(u).first;
+  std::vector<uint16_t> bits;
+  std::vector<uint8_t> packed, qabsmax;
+  std::vector<float> absmax2, scratch;
+  for (const ParamTensor& t : layout_.tensors()) {
+    if (t.offset < begin || t.offset >= layout_.unit_range(u).second) continue;
+    const float* x = host + (t.offset - begin);
+    if (!base_tensor_quantized(t)) {  // bf16, rounded to nearest on the host as f32_to_bf16
+      bits.resize(t.numel);
+      convert_from_f32(x, DType::BF16, bits.data(), t.numel);
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(plain_at_.at(t.offset), bits.data(), t.numel * sizeof(uint16_t),
+                                      cudaMemcpyHostToDevice, stream_));
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      continue;
+    }
+    Nf4Slot* slot = nullptr;
+    for (Nf4Slot& s : nf4_[t.layer]) slot = s.offset == t.offset ? &s : slot;
+    TUNA_CHECK(slot != nullptr, "no NF4 slot for ", t.name);
+    const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
+    packed.resize(z.packed_bytes), qabsmax.resize(z.blocks), absmax2.resize(z.stat_blocks), scratch.resize(z.blocks);
+    cpu::nf4_quantize(x, t.numel, packed.data(), qabsmax.data(), absmax2.data(), &slot->mean_value, scratch.data(),
+                      t.name.c_str());
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(slot->packed, packed.data(), packed.size(), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(slot->qabsmax, qabsmax.data(), qabsmax.size(), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(slot->absmax2, absmax2.data(), absmax2.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(slot->mean, &slot->mean_value, sizeof(float), cudaMemcpyHostToDevice, stream_));
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffers are refilled next
+  }
+}
+
 void LlamaGpu::set_params_piece(const Segment& piece, const float* host) {
+  if (dequant_ != nullptr) {  // QLoRA: whole units (the engine fills a unit at a time), quantized on the way
+    for (int u = 0; u < layout_.num_units(); u++)
+      if (layout_.unit_range(u).first == piece.begin &&
+          layout_.unit_range(u).second - layout_.unit_range(u).first == piece.size)
+        return set_quantized_unit(u, host);
+    fail("a quantized base is filled a whole unit at a time: piece [", piece.begin, ", +", piece.size, ") is not a unit");
+  }
   TUNA_CHECK(params_ != nullptr && piece.begin >= 0 && piece.begin + piece.size <= layout_.total(),
              "piece [", piece.begin, ", +", piece.size, ") of ", layout_.total(), " weights (ZeRO-3 keeps no whole copy)");
   if (master_ != nullptr) {
@@ -390,16 +570,33 @@ void LlamaGpu::set_params_piece(const Segment& piece, const float* host) {
 }
 
 void LlamaGpu::refresh_params() {
-  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
-  refresh_params_from(master_);
+  TUNA_CHECK(t_.master != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
+  refresh_params_from(t_.master);
 }
 
 void LlamaGpu::refresh_params_from(const float* master_values) {
+  const int64_t total = trained_layout().total();
   if (!options_.stochastic_rounding || steps_taken_ == 0)
-    return cuda::f32_to_bf16(params_, master_values, layout_.total(), stream_);
+    return cuda::f32_to_bf16(t_.weights, master_values, total, stream_);
   cuda::AdamWArgs args{};
   args.step = steps_taken_, args.stochastic_rounding = true, args.seed = options_.seed;
-  cuda::bf16_params_as_updated(params_, master_values, layout_.total(), args, stream_);
+  cuda::bf16_params_as_updated(t_.weights, master_values, total, args, stream_);
+}
+
+void LlamaGpu::set_adapters_piece(const Segment& piece, const float* host) {
+  TUNA_CHECK(lora_params_ != nullptr && piece.begin >= 0 && piece.begin + piece.size <= lora_layout_.params.total(),
+             "adapter piece [", piece.begin, ", +", piece.size, ") of ", lora_layout_.params.total(), " (a model with adapters)");
+  if (lora_master_ != nullptr) {
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(lora_master_ + piece.begin, host, piece.size * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream_));
+    cuda::f32_to_bf16(lora_params_ + piece.begin, lora_master_ + piece.begin, piece.size, stream_);
+  } else {  // rounded to nearest on the host, as f32_to_bf16
+    std::vector<uint16_t> bits(piece.size);
+    convert_from_f32(host, DType::BF16, bits.data(), piece.size);
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(lora_params_ + piece.begin, bits.data(), piece.size * sizeof(uint16_t),
+                                    cudaMemcpyHostToDevice, stream_));
+  }
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void LlamaGpu::init_random(uint64_t seed, double std) {
@@ -414,31 +611,32 @@ void LlamaGpu::init_random(uint64_t seed, double std) {
 }
 
 void LlamaGpu::get_params(float* host) const {
-  TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
+  TUNA_CHECK(t_.master != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  TUNA_CUDA_CHECK(cudaMemcpy(host, master_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
+  TUNA_CUDA_CHECK(cudaMemcpy(host, t_.master, trained_layout().total() * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
 void LlamaGpu::get_grads(float* host) const {
-  TUNA_CHECK(grads_ != nullptr, "a forward-only model has no gradients");
-  if (grads_unwritten_) return std::fill(host, host + layout_.total(), 0.0f);
+  TUNA_CHECK(t_.grads != nullptr, "a forward-only model has no gradients");
+  const int64_t total = trained_layout().total();
+  if (grads_unwritten_) return std::fill(host, host + total, 0.0f);
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  TUNA_CUDA_CHECK(cudaMemcpy(host, grads_, layout_.total() * sizeof(float), cudaMemcpyDeviceToHost));
+  TUNA_CUDA_CHECK(cudaMemcpy(host, t_.grads, total * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
 float* LlamaGpu::grads() {
-  if (grads_ != nullptr) zero_unwritten_grads();
-  return grads_;
+  if (t_.grads != nullptr) zero_unwritten_grads();
+  return t_.grads;
 }
 
 void LlamaGpu::zero_grads() {
-  TUNA_CHECK(grads_ != nullptr, "a forward-only model has no gradients");
+  TUNA_CHECK(t_.grads != nullptr, "a forward-only model has no gradients");
   grads_unwritten_ = true;
 }
 
 void LlamaGpu::zero_unwritten_grads() {
   if (!grads_unwritten_) return;
-  TUNA_CUDA_CHECK(cudaMemsetAsync(grads_, 0, layout_.total() * sizeof(float), stream_));
+  TUNA_CUDA_CHECK(cudaMemsetAsync(t_.grads, 0, trained_layout().total() * sizeof(float), stream_));
   grads_unwritten_ = false;
 }
 
@@ -496,6 +694,7 @@ void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
   cudaStream_t s = stream_;
 
   store_->plan(layout_.unit_pass_order(backward_follows));
+  lora_train_ = backward_follows && lora_.enabled() && lora_.dropout > 0;  // PEFT's dropout acts in training only
 
   const __nv_bfloat16* embedding = store_->acquire(0);
   __nv_bfloat16* x0 = acts_.empty() ? resid_out_ : acts_[0].resid_in;
@@ -529,6 +728,13 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   // the attention kernels take, and v is copied out (a strided copy).
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
   cuda::matmul_fwd(mm, qkv_, a.norm1, w(o.q_proj), n, C, qkv, s);
+  // Adapters add into their column blocks of the fused outputs, before RoPE and SwiGLU read them.
+  const auto adapt = [&](LoraTarget t, const __nv_bfloat16* x, __nv_bfloat16* y, int64_t ld_y, bool add = true) {
+    if (lora_.enabled() && lora_.has(t)) lora_fwd(l, t, x, y, ld_y, n, add);
+  };
+  adapt(LoraTarget::Q, a.norm1, qkv_, qkv);
+  adapt(LoraTarget::K, a.norm1, qkv_ + d.q_dim, qkv);
+  adapt(LoraTarget::V, a.norm1, qkv_ + d.q_dim + d.kv_dim, qkv);
   cuda::rope_fwd(a.q, qkv_, rope_cos_, rope_sin_, batch, seq, d.heads, D, d.q_dim, qkv, rope_position_ids_, s);
   cuda::rope_fwd(a.k, qkv_ + d.q_dim, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, d.kv_dim, qkv,
                  rope_position_ids_, s);
@@ -544,13 +750,20 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   };
   row_parallel(a.resid_mid, a.att, o.o_proj, a.resid_in, d.q_dim);
   tp_all_reduce(a.resid_mid, n * C, "tp o_proj");
+  adapt(LoraTarget::O, a.att, a.resid_mid, C);  // after the sum: every rank adds the same whole product once
   cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), n, C, c.rms_norm_eps, s);
   cuda::matmul_fwd(mm, a.gate_up, a.norm2, w(o.gate_proj), n, C, 2 * F, s);  // the gate|up block
+  adapt(LoraTarget::Gate, a.norm2, a.gate_up, 2 * F);
+  adapt(LoraTarget::Up, a.norm2, a.gate_up + F, 2 * F);
   cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
-  if (!write_output) return;
+  if (!write_output) {  // a recompute: the down adapter's u is needed by its backward, its output is not
+    adapt(LoraTarget::Down, a.act, nullptr, C, /*add=*/false);
+    return;
+  }
   __nv_bfloat16* resid_next = l + 1 < config_.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
   row_parallel(resid_next, a.act, o.down_proj, a.resid_mid, F);
   tp_all_reduce(resid_next, n * C, "tp down_proj");
+  adapt(LoraTarget::Down, a.act, resid_next, C);
 }
 
 // What the recompute mode dropped of layer l's activations, recomputed from what it kept, with the same kernels
@@ -578,7 +791,8 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
   const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
   const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
   const __nv_bfloat16* w_head = (lm_unit == H ? head_base_ : store_->acquire(lm_unit)) + lm_offset;
-  float* g_head = want_grad ? grad_writes_->unit(lm_unit) + lm_offset : nullptr;
+  // A frozen base (adapters) has no weight gradient: the head's backward gives only its input's.
+  float* g_head = want_grad && !lora_.enabled() ? grad_writes_->unit(lm_unit) + lm_offset : nullptr;
   cudaStream_t s = stream_;
   std::vector<uint16_t> chunk_bits;
   for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
@@ -596,7 +810,8 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
     cross_entropy(r0, nr, want_grad);
     if (want_grad)  // the first chunk's dW overwrites a fresh lm_head gradient, the others add
       cuda::matmul_bwd(*matmul_, d_final_norm_ + r0 * C, g_head, logits_chunk_, x, w_head, nr, C, V,
-                       /*accumulate_dinp=*/false, grad_writes_->write(layout_.lm_head()), s);
+                       /*accumulate_dinp=*/false,
+                       g_head != nullptr ? grad_writes_->write(layout_.lm_head()) : GradWrite::Accumulate, s);
   }
   if (want_grad) tp_all_reduce(d_final_norm_, rows * C, "tp lm_head input grad");  // vocab-parallel: partial sums
   if (lm_unit != H) store_->release(lm_unit);
@@ -639,23 +854,29 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
 
   // d_resid_ carries the residual stream's gradient from the top down; the rmsnorm backwards add into it.
   TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, n * C * sizeof(__nv_bfloat16), s));
+  // A frozen base (adapters): no weight gradient of it is computed (null dweight: the kernels skip it); the
+  // adapters' gradients accumulate into their buffer, which the step's first pass found zeroed.
+  const bool frozen = lora_.enabled();
+  if (frozen) zero_unwritten_grads();
   {
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
-    float* g_head_unit = grad_writes_->unit(H);
-    cuda::rmsnorm_bwd(d_resid_, g_head_unit + norm, d_final_norm_, resid_out_, head_base_ + norm, final_rstd_,
-                      norm_scratch_, n, C, grad_writes_->write(layout_.final_norm()), s);
+    float* g_head_unit = frozen ? nullptr : grad_writes_->unit(H);
+    cuda::rmsnorm_bwd(d_resid_, frozen ? nullptr : g_head_unit + norm, d_final_norm_, resid_out_, head_base_ + norm,
+                      final_rstd_, norm_scratch_, n, C,
+                      frozen ? GradWrite::Accumulate : grad_writes_->write(layout_.final_norm()), s);
     store_->release(H);
-    store_->grads_done(H);
+    if (!frozen) store_->grads_done(H);
   }
   for (int l = L - 1; l >= 0; l--) {
     const __nv_bfloat16* wb = store_->acquire(1 + l);
-    float* gb = grad_writes_->unit(1 + l);
+    float* gb = frozen ? nullptr : grad_writes_->unit(1 + l);
     // The top layer's working activations are still the forward's.
     if (l != L - 1) recompute_layer(l, wb, batch, seq);
     layer_backward(l, wb, gb, batch, seq);
     store_->release(1 + l);
-    store_->grads_done(1 + l);
+    if (!frozen) store_->grads_done(1 + l);
   }
+  if (frozen) return;
   // The lookup's backward adds the batch's rows only: a first write zeroes the whole (tp-local) table first.
   float* g_embed = grad_writes_->unit(0) + (layout_.embed_tokens() - layout_.unit_range(0).first);
   if (grad_writes_->write(layout_.embed_tokens()) == GradWrite::Overwrite)
@@ -672,26 +893,40 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   const LayerOffsets& o = layout_.layer(l);
   const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
   const auto w = [&](int64_t offset) { return wb + (offset - begin); };
-  const auto g = [&](int64_t offset) { return gb + (offset - begin); };
+  // A frozen base (gb null): no weight gradients, and no GradWrites bookkeeping for them.
+  const auto g = [&](int64_t offset) { return gb != nullptr ? gb + (offset - begin) : nullptr; };
   // Overwrite on the step's first micro-batch, else add: each tensor of a layer has this one writer.
-  const auto grad_write = [&](int64_t offset) { return grad_writes_->write(offset); };
+  const auto grad_write = [&](int64_t offset) {
+    return gb != nullptr ? grad_writes_->write(offset) : GradWrite::Accumulate;
+  };
+  const auto grad_write_block = [&](std::initializer_list<int64_t> offsets) {
+    return gb != nullptr ? grad_writes_->write_block(offsets) : GradWrite::Accumulate;
+  };
+  const auto adapt = [&](LoraTarget t, const __nv_bfloat16* x, const __nv_bfloat16* dy, int64_t ld_dy,
+                         __nv_bfloat16* dx) {
+    if (lora_.enabled() && lora_.has(t)) lora_bwd(l, t, x, dy, ld_dy, dx, n);
+  };
   const LayerActs& a = acts_[l];
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
   // MLP block: x_out = resid_mid + down(act)
   cuda::matmul_bwd(mm, d_act_, g(o.down_proj), d_resid_, a.act, w(o.down_proj), n, F, C, /*accumulate_dinp=*/false,
                    grad_write(o.down_proj), s);
+  adapt(LoraTarget::Down, a.act, d_resid_, C, d_act_);
   // d_gate|d_up in place over gate|up (dead after this), then one dX and one dW GEMM over the gate|up block.
   __nv_bfloat16* d_gate_up = a.gate_up;
   cuda::swiglu_bwd(d_gate_up, d_gate_up + F, d_act_, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
   cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_up, a.norm2, w(o.gate_proj), n, C, 2 * F,
-                   /*accumulate_dinp=*/false, grad_writes_->write_block({o.gate_proj, o.up_proj}), s);
+                   /*accumulate_dinp=*/false, grad_write_block({o.gate_proj, o.up_proj}), s);
+  adapt(LoraTarget::Gate, a.norm2, d_gate_up, 2 * F, d_norm_);
+  adapt(LoraTarget::Up, a.norm2, d_gate_up + F, 2 * F, d_norm_);
   tp_all_reduce(d_norm_, n * C, "tp gate/up input grad");  // column-parallel: each rank's part of the sum
   cuda::rmsnorm_bwd(d_resid_, g(o.post_norm), d_norm_, a.resid_mid, w(o.post_norm), a.rstd2, norm_scratch_, n, C,
                     grad_write(o.post_norm), s);
   // Attention block: resid_mid = resid_in + o_proj(att)
   cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, /*accumulate_dinp=*/false,
                    grad_write(o.o_proj), s);
+  adapt(LoraTarget::O, a.att, d_resid_, C, d_att_);
   cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, d.heads,
                       d.kv_heads, D, attention_doc_start_, s, run_.attention);
   // RoPE's backward writes d_q, d_k into the rows of d_qkv (qkv_, free since the forward's copies), d_v is
@@ -703,7 +938,10 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
                  rope_position_ids_, s);
   copy_rows(d_qkv + d.q_dim + d.kv_dim, qkv, d_v_, d.kv_dim, n, d.kv_dim, s);
   cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_qkv, a.norm1, w(o.q_proj), n, C, qkv, /*accumulate_dinp=*/false,
-                   grad_writes_->write_block({o.q_proj, o.k_proj, o.v_proj}), s);
+                   grad_write_block({o.q_proj, o.k_proj, o.v_proj}), s);
+  adapt(LoraTarget::Q, a.norm1, d_qkv, qkv, d_norm_);
+  adapt(LoraTarget::K, a.norm1, d_qkv + d.q_dim, qkv, d_norm_);
+  adapt(LoraTarget::V, a.norm1, d_qkv + d.q_dim + d.kv_dim, qkv, d_norm_);
   tp_all_reduce(d_norm_, n * C, "tp q/k/v input grad");
   cuda::rmsnorm_bwd(d_resid_, g(o.input_norm), d_norm_, a.resid_in, w(o.input_norm), a.rstd1, norm_scratch_, n, C,
                     grad_write(o.input_norm), s);
@@ -749,17 +987,18 @@ void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq,
 }
 
 OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_finite) {
-  TUNA_CHECK(m_ != nullptr, "model built without optimizer state (forward only, or ZeRO-1's engine holds it)");
-  const int64_t P = layout_.total();
+  TUNA_CHECK(t_.m != nullptr, "model built without optimizer state (forward only, or ZeRO-1's engine holds it)");
+  const ParamLayout& trained = trained_layout();
+  const int64_t P = trained.total();
   cudaStream_t s = stream_;
   zero_unwritten_grads();  // a step without a backward: its gradient is zero
-  cuda::sum_of_squares(norm_total_, grads_, P, norm_scratch_f64_, s);
+  cuda::sum_of_squares(norm_total_, t_.grads, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
   TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
   if (run_.tp > 1) {  // the tp ranks' squares summed, each replicated tensor (norm weights) counted once
     if (run_.tp_rank > 0)
-      pinned_scalar_[1] -= replicated_sum_of_squares(grads_, shard_pieces(layout_, {Segment{0, P}}), replicated_norms_,
-                                                     norm_scratch_f64_, s);
+      pinned_scalar_[1] -= replicated_sum_of_squares(t_.grads, shard_pieces(trained, {Segment{0, P}}),
+                                                     replicated_norms_, norm_scratch_f64_, s);
     TUNA_CUDA_CHECK(cudaMemcpyAsync(norm_total_, pinned_scalar_ + 1, sizeof(double), cudaMemcpyHostToDevice, s));
     tp_->all_reduce(norm_total_, 1, CommType::F64, ReduceOp::Sum, "tp grad norm");
     TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
@@ -782,15 +1021,99 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
                        options_.seed};
   const cuda::AdamWSegments segments{segment_starts_, segment_decays_, n_segments_};
   if (run_.bf16_moments)
-    cuda::adamw_update(master_, params_, grads_, static_cast<__nv_bfloat16*>(m_), static_cast<__nv_bfloat16*>(v_), P,
-                       segments, args, s);
+    cuda::adamw_update(t_.master, t_.weights, t_.grads, static_cast<__nv_bfloat16*>(t_.m),
+                       static_cast<__nv_bfloat16*>(t_.v), P, segments, args, s);
   else
-    cuda::adamw_update(master_, params_, grads_, static_cast<float*>(m_), static_cast<float*>(v_), P, segments, args,
-                       s);
+    cuda::adamw_update(t_.master, t_.weights, t_.grads, static_cast<float*>(t_.m), static_cast<float*>(t_.v), P,
+                       segments, args, s);
   return stats;
 }
 
-double LlamaGpu::flops_per_token(int64_t seq) const { return model_flops_per_token(config_, seq); }
+double LlamaGpu::flops_per_token(int64_t seq) const {
+  return lora_.enabled() ? lora_flops_per_token(config_, lora_, seq) : model_flops_per_token(config_, seq);
+}
+
+// ---- LoRA adapters: y += s B A dropout(x), s = alpha / r (model/llama.cpp's lora_fwd / lora_bwd, bf16 here) ----
+//
+// Tensor parallelism as there: a column-parallel target (q, k, v, gate, up) has A whole and B's rows of this rank,
+// so u is whole and the output local; its backward's input gradient from this rank's dt joins the layer's all-reduce
+// of the input gradient, and dA needs the whole dt (an all-reduce of [n, r]). A row-parallel target (o, down) sums
+// u = A_local x_local over tp (an all-reduce of [n, r]) and adds its whole output after the layer's all-reduce; its
+// backward is local. The adapters are whole on this rank (ZeRO-0): no store.
+
+const __nv_bfloat16* LlamaGpu::lora_a(int64_t l, LoraTarget t) const {
+  return lora_params_ + lora_layout_.layers[l].a[static_cast<int>(t)];
+}
+const __nv_bfloat16* LlamaGpu::lora_b(int64_t l, LoraTarget t) const {
+  return lora_params_ + lora_layout_.layers[l].b[static_cast<int>(t)];
+}
+
+const __nv_bfloat16* LlamaGpu::lora_input(int64_t l, LoraTarget t, const __nv_bfloat16* x, int64_t n) {
+  if (!lora_train_) return x;
+  const int i = static_cast<int>(t);
+  const int64_t in = lora_shape(l, t)[1];
+  cuda::lora_dropout(lora_in_, x, n, in, lora_global_in_[i], lora_col0_[i],
+                     lora_dropout_stream(lora_dropout_key_, l, t), lora_.dropout, /*accumulate=*/false, stream_);
+  return lora_in_;
+}
+
+void LlamaGpu::lora_fwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, __nv_bfloat16* y, int64_t ld_y, int64_t n,
+                        bool add_output) {
+  const int i = static_cast<int>(t);
+  const int64_t r = lora_.rank;
+  const auto [out, in] = lora_shape(l, t);
+  __nv_bfloat16* u = acts_[l].lora_ax[i];
+  cuda::MatmulContext& mm = *matmul_;
+  cuda::matmul_fwd(mm, u, lora_input(l, t, x, n), lora_a(l, t), n, in, r, stream_);
+  if (lora_target_row_parallel(t)) tp_all_reduce(u, n * r, "tp LoRA A x");  // over the split input
+  cuda::scale_bf16(u, n * r, static_cast<float>(lora_.scale()), stream_);   // kept as s A x: dB = dy^T u
+  if (add_output) cuda::matmul_add_fwd(mm, y, ld_y, u, lora_b(l, t), n, r, out, stream_);
+}
+
+void LlamaGpu::lora_bwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, const __nv_bfloat16* dy, int64_t ld_dy,
+                        __nv_bfloat16* dx, int64_t n) {
+  const int i = static_cast<int>(t);
+  const int64_t r = lora_.rank;
+  const auto [out, in] = lora_shape(l, t);
+  const LoraOffsets& o = lora_layout_.layers[l];
+  float* dA = lora_grads_ + o.a[i];
+  float* dB = lora_grads_ + o.b[i];
+  const __nv_bfloat16* A = lora_a(l, t);
+  cuda::MatmulContext& mm = *matmul_;
+  cudaStream_t s = stream_;
+  __nv_bfloat16* dt = lora_dt_;
+  // dB += dy^T u and dt = dy B in one call; then dt = s dy B, the gradient of A x.
+  cuda::matmul_bwd_strided(mm, dt, dB, dy, ld_dy, acts_[l].lora_ax[i], lora_b(l, t), n, r, out,
+                           /*accumulate_dinp=*/false, GradWrite::Accumulate, s);
+  cuda::scale_bf16(dt, n * r, static_cast<float>(lora_.scale()), s);
+  // The input gradient from this rank's dt: straight into dx, or with dropout through the mask from lora_in_.
+  if (lora_train_) {
+    cuda::matmul_bwd(mm, lora_in_, nullptr, dt, x, A, n, in, r, /*accumulate_dinp=*/false, GradWrite::Accumulate, s);
+    cuda::lora_dropout(dx, lora_in_, n, in, lora_global_in_[i], lora_col0_[i],
+                       lora_dropout_stream(lora_dropout_key_, l, t), lora_.dropout, /*accumulate=*/true, s);
+  } else {
+    cuda::matmul_bwd(mm, dx, nullptr, dt, x, A, n, in, r, /*accumulate_dinp=*/true, GradWrite::Accumulate, s);
+  }
+  if (!lora_target_row_parallel(t)) tp_all_reduce(dt, n * r, "tp LoRA dt");  // dA needs the whole dt
+  // dA += dt^T dropout(x), the forward's mask drawn again (a pure function of the key).
+  cuda::matmul_bwd(mm, nullptr, dA, dt, lora_input(l, t, x, n), A, n, in, r, /*accumulate_dinp=*/false,
+                   GradWrite::Accumulate, s);
+}
+
+std::array<int64_t, 2> LlamaGpu::lora_shape(int64_t l, LoraTarget t) const {
+  const TpDims& d = layout_.tp();
+  const int64_t C = config_.hidden_size;
+  switch (t) {
+    case LoraTarget::Q: return {d.q_dim, C};
+    case LoraTarget::K:
+    case LoraTarget::V: return {d.kv_dim, C};
+    case LoraTarget::O: return {C, d.q_dim};
+    case LoraTarget::Gate:
+    case LoraTarget::Up: return {d.ffn, C};
+    case LoraTarget::Down: return {C, d.ffn};
+  }
+  return {0, 0};
+}
 
 double gpu_peak_bf16_flops(int device) {
   if (const char* env = std::getenv("TUNA_PEAK_TFLOPS")) return std::atof(env) * 1e12;

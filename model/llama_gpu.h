@@ -12,6 +12,17 @@
 // Weights and gradients come unit by unit (embedding, each layer, head: model/layout.h) from a GpuWeightStore, as
 // the CPU model's from its WeightStore: the model's own whole buffers (ZeRO-0 and 1), or ZeRO-2/3's sharded store
 // (dist/zero_gpu.h). The CUDA engine (engine/engine_gpu.cpp) is what drives a LlamaGpu for the trainer.
+//
+// With LoRA adapters (MemoryLayout::lora, model/lora.h), the base is frozen in bf16: no gradient, master copy or
+// moments, and no weight-gradient GEMM or norm / embedding gradient for it; the fused q|k|v and gate|up GEMMs stay
+// fused. Each targeted projection adds s B A dropout(x) (s = alpha / r) with the adapters' bf16 copy, laid out by
+// lora_layout() (PEFT's names, one unit per layer, Megatron's tp splits); what trains and what AdamW updates is the
+// adapters' fp32 master, gradient and moments (trained_layout(), master_params(), grads(), moment_m/v()). Dropout
+// masks come from model/lora.h's counter-based stream, the CPU model's bits, regenerated in the backward.
+// QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
+// quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
+// dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
+// before its forward and again before its backward.
 #pragma once
 
 #if TUNA_CUDA
@@ -19,6 +30,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -31,6 +43,7 @@
 #include "model/gpu_options.h"
 #include "model/layout.h"
 #include "model/llama.h"        // LossSum
+#include "model/lora.h"         // LoraConfig, LoraLayout
 #include "model/memory_plan.h"  // MemoryPlan, plan_gpu_memory
 #include "model/optimizer.h"    // OptimizerConfig, OptimizerStats, ShardPiece
 
@@ -119,14 +132,26 @@ class LlamaGpu {
   LlamaGpu& operator=(const LlamaGpu&) = delete;
 
   const LlamaConfig& config() const { return config_; }
-  const ParamLayout& layout() const { return layout_; }
+  const ParamLayout& layout() const { return layout_; }  // the model's (with adapters: the frozen base's)
   cudaStream_t stream() const { return stream_; }
 
-  // Device buffers in ParamLayout order (for collectives: all-reduce grads, broadcast params).
-  float* master_params() { return master_; }   // fp32, what AdamW updates; null unless ZeRO-0 training
-  const float* master_params() const { return master_; }
-  __nv_bfloat16* params() { return params_; }  // bf16 copy the forward reads (refreshed by every update);
-                                               // null at ZeRO-3
+  // Adapters (MemoryLayout::lora enabled): their layout, and what trains. trained_layout() is the layout of
+  // master_params(), grads() and the moments: the model's, or with adapters theirs.
+  bool has_adapters() const { return lora_.enabled(); }
+  const LoraConfig& lora() const { return lora_; }
+  const LoraLayout& lora_layout() const { return lora_layout_; }
+  const ParamLayout& trained_layout() const { return lora_.enabled() ? lora_layout_.params : layout_; }
+  // The key of the next forward_backward's dropout masks (lora_dropout_key: run seed, step, micro-batch, dp rank).
+  void set_lora_dropout_key(uint64_t key) { lora_dropout_key_ = key; }
+  // Elements [piece.begin, piece.begin + piece.size) of the adapters (trained_layout() order) from host fp32 into
+  // their fp32 master and bf16 copy (rounded to nearest), before any update. Synchronous.
+  void set_adapters_piece(const Segment& piece, const float* host);
+
+  // Device buffers in trained_layout() order (for collectives: all-reduce grads, broadcast params).
+  float* master_params() { return t_.master; }   // fp32, what AdamW updates; null unless ZeRO-0 training
+  const float* master_params() const { return t_.master; }
+  __nv_bfloat16* params() { return params_; }  // bf16 copy of the model (the base) the forward reads (refreshed by
+                                               // every update of a full fine-tune); null at ZeRO-3
   float* grads();                              // fp32, accumulated by forward_backward; null without training
                                                // and at ZeRO-2 and 3. Zero after zero_grads() until a backward
                                                // writes it (zeroed here when nothing has since)
@@ -138,19 +163,21 @@ class LlamaGpu {
   // forward, after the column-parallel input gradients, around the vocab-parallel embedding and loss.
   void set_tp_comm(Comm* tp);
   // AdamW moments: float, or __nv_bfloat16 with GpuOptions::bf16_moments; null without optimizer state.
-  void* moment_m() { return m_; }
-  void* moment_v() { return v_; }
-  const void* moment_m() const { return m_; }
-  const void* moment_v() const { return v_; }
+  void* moment_m() { return t_.m; }
+  void* moment_v() { return t_.v; }
+  const void* moment_m() const { return t_.m; }
+  const void* moment_v() const { return t_.v; }
   bool bf16_moments() const { return run_.bf16_moments; }
   // Rewrites the bf16 copy from the fp32 master weights (after writing master_params() directly), rounded as
   // the last AdamW update rounded it (stochastically with its bits when GpuOptions::stochastic_rounding and
   // steps_taken() > 0), so that a restored model computes exactly what the saved one did. Queued on stream().
   void refresh_params();
   // The same from a caller's fp32 values of the whole layout (device memory; ZeRO-1's gathered weights).
+  // Both act on trained_layout(): with adapters, their bf16 copy.
   void refresh_params_from(const float* master_values);
 
-  // Host fp32 <-> device. set_params also refreshes the bf16 copy. Synchronous.
+  // Host fp32 <-> device, in layout() order (the model; with adapters the frozen base, and get_params /
+  // get_grads then the adapters', trained_layout()). set_params also refreshes the bf16 copy. Synchronous.
   void set_params(const float* host);
   // Elements [piece.begin, piece.begin + piece.size) of the weights from host fp32, before any update: into the
   // fp32 master (ZeRO-0 training) and the bf16 copy rounded to nearest. Synchronous. How the engine fills a model
@@ -188,7 +215,8 @@ class LlamaGpu {
   void set_steps_taken(int64_t steps) { steps_taken_ = steps; }
 
   // Model FLOPs per trained token at this sequence length (forward + backward): 6 per matmul weight (the
-  // lm_head included, the embedding lookup not) plus causal attention's 6 * seq * q_dim per layer.
+  // lm_head included, the embedding lookup not) plus causal attention's 6 * seq * q_dim per layer; with adapters
+  // lora_flops_per_token (a frozen weight costs 4).
   double flops_per_token(int64_t seq) const;
   // The device arena, laid out from plan_gpu_memory; the engine takes ZeRO's shard buffers from it.
   DeviceArena& arena() { return *arena_; }
@@ -205,8 +233,16 @@ class LlamaGpu {
   struct LayerActs {
     __nv_bfloat16 *resid_in, *norm1, *q, *k, *v, *att, *resid_mid, *norm2, *gate_up, *act;
     float *rstd1, *lse, *rstd2;
+    std::array<__nv_bfloat16*, kLoraTargets> lora_ax{};  // per adapter: s A dropout(x), [n, r]
+  };
+  // What AdamW updates, in trained_layout() order: the model's buffers, or with adapters theirs.
+  struct Trained {
+    float *master = nullptr, *grads = nullptr;
+    __nv_bfloat16* weights = nullptr;
+    void *m = nullptr, *v = nullptr;
   };
   class OwnWeights;  // the GpuWeightStore over params_ and grads_
+  class QuantizedBase;  // QLoRA's GpuWeightStore: nf4 layers dequantized on acquire, the rest bf16
   class GradWrites;  // which weight-gradient write of a backward pass overwrites and which adds
   // Also the batch's document starts and RoPE positions (from the loader's positions and the document mode).
   void upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
@@ -226,6 +262,18 @@ class LlamaGpu {
   void cross_entropy(int64_t r0, int64_t rows, bool want_grad);
   void tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what);
   void backward(int64_t batch, int64_t seq);
+  // Adapters of layer l (model/llama.cpp's lora_fwd / lora_bwd, and the tp collectives described there). Forward:
+  // u = s A dropout(x) into lora_ax, then y (rows ld_y apart) += u B^T unless add_output is false (a recompute that
+  // needs u alone). Backward: dB += dy^T u, dt = s dy B, dA += dt^T dropout(x), dx += dropout'(dt A).
+  void lora_fwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, __nv_bfloat16* y, int64_t ld_y, int64_t n,
+                bool add_output);
+  void lora_bwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, const __nv_bfloat16* dy, int64_t ld_dy,
+                __nv_bfloat16* dx, int64_t n);
+  // The adapter's input for target t of layer l: x with this pass's dropout mask into lora_in_, or x itself.
+  const __nv_bfloat16* lora_input(int64_t l, LoraTarget t, const __nv_bfloat16* x, int64_t n);
+  const __nv_bfloat16* lora_a(int64_t l, LoraTarget t) const;
+  std::array<int64_t, 2> lora_shape(int64_t l, LoraTarget t) const;  // this tp rank's [out, in] of the projection
+  const __nv_bfloat16* lora_b(int64_t l, LoraTarget t) const;
   // The memset zero_grads() skipped, for a reader that comes before any backward has written the gradient.
   void zero_unwritten_grads();
 
@@ -251,6 +299,29 @@ class LlamaGpu {
   float *master_ = nullptr, *grads_ = nullptr;
   __nv_bfloat16* params_ = nullptr;
   void *m_ = nullptr, *v_ = nullptr;
+  Trained t_;
+  // Adapters.
+  LoraConfig lora_;
+  LoraLayout lora_layout_;
+  std::array<int64_t, kLoraTargets> lora_global_in_{}, lora_col0_{};  // the dropout index of a local input column
+  __nv_bfloat16 *lora_params_ = nullptr, *lora_in_ = nullptr, *lora_dt_ = nullptr;
+  float *lora_master_ = nullptr, *lora_grads_ = nullptr;
+  uint64_t lora_dropout_key_ = 0;
+  bool lora_train_ = false;  // this pass applies dropout
+  // QLoRA: per layer, its projections' NF4 state in nf4_bytes_; the unquantized tensors (embedding unit, head unit,
+  // then the layers' norms) in plain_; dequant_ one layer unit in bf16.
+  struct Nf4Slot {
+    int64_t offset = 0, n = 0;  // the tensor in the layout
+    uint8_t *packed = nullptr, *qabsmax = nullptr;
+    float* absmax2 = nullptr;
+    float* mean = nullptr;      // the absmax mean, on the device as planned (the kernel takes it by value)
+    float mean_value = 0;
+  };
+  std::vector<std::vector<Nf4Slot>> nf4_;      // per layer
+  std::map<int64_t, __nv_bfloat16*> plain_at_;  // layout offset of an unquantized tensor -> its bf16 values
+  __nv_bfloat16 *plain_ = nullptr, *dequant_ = nullptr;
+  // Fills unit u of the quantized base from host fp32 (quantizing its projections); the piece is the whole unit.
+  void set_quantized_unit(int u, const float* host);
   int64_t* segment_starts_ = nullptr;
   uint8_t* segment_decays_ = nullptr;
   int n_segments_ = 0;

@@ -95,7 +95,7 @@ int64_t gpu_head_chunk_rows(int64_t vocab, int64_t rows);
 // cuda: whether a recompute mode keeps one decoder layer's activation `field` for each layer (else one working
 // copy serves every layer, refilled by the backward's recompute). Fields, in forward order: resid_in, norm1,
 // rstd1, q, k, v, att, lse, resid_mid, norm2, rstd2, gate, up, act, and with adapters lora_ax (each target's
-// r-wide A x) and lora_mask (its dropout mask). none keeps all; selective all but the two norms' outputs and
+// r-wide s A x; dropout masks are drawn again, never kept). none keeps all; selective all but the two norms' outputs and
 // SwiGLU's (cheap to recompute; the GEMM and attention outputs are not); full only resid_in.
 bool gpu_keeps_activation(const std::string& field, Recompute recompute);
 

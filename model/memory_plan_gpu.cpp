@@ -119,7 +119,7 @@ std::vector<Segment> stage_pieces(const ParamLayout& layout, const StageUnits& s
 bool gpu_keeps_activation(const std::string& field, Recompute recompute) {
   static const char* const kFields[] = {"resid_in", "norm1", "rstd1",   "q",       "k",        "v",
                                         "att",      "lse",   "resid_mid", "norm2", "rstd2", "gate_up",
-                                        "act",      "lora_ax", "lora_mask"};
+                                        "act",      "lora_ax"};
   TUNA_CHECK(std::find(std::begin(kFields), std::end(kFields), field) != std::end(kFields),
              "unknown layer activation '", field, "'");
   switch (recompute) {
@@ -211,13 +211,13 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
 
   // The base, by unit (embedding, layers, head), in its stored bytes.
   std::vector<int64_t> unit_bytes(layout.num_units(), 0);
-  int64_t base_quantized = 0, base_plain = 0, layer0_quantized_elements = 0;
+  int64_t base_quantized = 0, base_plain = 0, layer0_elements = 0;
   for (const ParamTensor& t : layout.tensors()) {
     const int unit = t.layer >= 0 ? t.layer + 1 : t.offset < layout.unit_range(1).first ? 0 : layout.head_unit();
     const int64_t bytes = base_storage_bytes(t, lora.base_quant);
     unit_bytes[unit] += bytes;
     (quantized && base_tensor_quantized(t) ? base_quantized : base_plain) += bytes;
-    if (t.layer == 0 && base_tensor_quantized(t)) layer0_quantized_elements += t.numel;
+    if (t.layer == 0) layer0_elements += t.numel;
   }
   const bool tied = layout.lm_head_unit() == 0;
   if (l.training && l.zero == 3) {
@@ -235,9 +235,9 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
   } else {
     b.add("bf16 base weights (frozen)", MemoryKind::Weights, layout.total(), kBf16);
   }
-  // Quantized: each layer's GEMMs read its weights dequantized into one bf16 buffer, refilled per layer and pass.
-  if (quantized)
-    b.add("dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer0_quantized_elements, kBf16);
+  // Quantized: each layer's GEMMs read its weights dequantized into one bf16 buffer, refilled per layer and pass,
+  // shaped like the layer's unit (its norm weights copied beside), so the model reads it at the unit's offsets.
+  if (quantized) b.add("dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer0_elements, kBf16);
 
   // The adapters: bf16 copies for the GEMMs, whole on every dp rank; fp32 master, gradients and moments as ZeRO says.
   const std::vector<LoraTargetShape> shapes = lora_layer_shapes(c, lora, l.tp);
@@ -312,8 +312,8 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
       {"att", {n * qd, kBf16}},        {"lse", {n * H, kF32}},       {"resid_mid", {rows * C, kBf16}},
       {"norm2", {rows * C, kBf16}},    {"rstd2", {rows, kF32}},      {"gate_up", {n * 2 * F, kBf16}},
       {"act", {n * F, kBf16}}};
-  // With adapters, per target: its r-wide A x (B's input, and dB's), and with dropout the mask drawn over its input
-  // (one bit per element), both needed by the backward.
+  // With adapters, per target: its r-wide s A x (B's input, and dB's), needed by the backward. A dropout mask is
+  // not kept: it is a pure function of its key and index (model/lora.h), drawn again by the backward.
   const std::vector<LoraTargetShape> adapters = lora_layer_shapes(c, l.lora, l.tp);
   const int64_t r = l.lora.rank;
   const auto add_layer = [&](const std::string& prefix, bool kept) {
@@ -323,8 +323,6 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     for (const LoraTargetShape& t : adapters) {
       if (gpu_keeps_activation("lora_ax", recompute) == kept)
         b.add(str(prefix, "lora_ax ", t.module), MemoryKind::Activations, n * r, kBf16);
-      if (l.lora.dropout > 0 && gpu_keeps_activation("lora_mask", recompute) == kept)
-        b.add(str(prefix, "lora_mask ", t.module), MemoryKind::Activations, (n * t.in + 7) / 8, 1);
     }
   };
   for (int64_t slot = 0; slot < in_flight; slot++)
@@ -334,11 +332,11 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   if (!adapters.empty()) {
     int64_t widest_in = 0;
     for (const LoraTargetShape& t : adapters) widest_in = std::max(widest_in, t.in);
-    // dropout(x), A's input, refilled per target in the forward and for dA in the backward.
+    // dropout(x), A's input, refilled per target in the forward and for dA in the backward, where it also holds
+    // dt A before the mask takes it into dx.
     if (l.lora.dropout > 0) b.add("LoRA dropout(x)", MemoryKind::Activations, n * widest_in, kBf16);
-    // The backward's B^T dy of one layer's targets: dA's input, and A's share of dx.
-    if (l.training)
-      b.add("LoRA d(A x)", MemoryKind::Activations, n * r * static_cast<int64_t>(adapters.size()), kBf16);
+    // The backward's dt = s dy B of one target at a time: dA's input, and A's share of dx.
+    if (l.training) b.add("LoRA d(A x)", MemoryKind::Activations, n * r, kBf16);
   }
   // The fused q|k|v GEMM's output, read into q, k, v at once; the backward's d_q|d_k|d_v in the same buffer.
   b.add("qkv", MemoryKind::Activations, n * (qd + 2 * kvd), kBf16);

@@ -382,10 +382,18 @@ MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layo
 
 namespace {
 
-// Whether the CUDA engine trains adapters, laying them out from plan_gpu_memory's adapter items: until it does,
-// an adapter plan is the design, and the plan says so.
-constexpr bool kCudaEngineTrainsAdapters = false;
-// Likewise pipeline stages and sequence parallelism, which the CUDA engine does not run yet.
+// Whether the CUDA engine trains these adapters, laying them out from plan_gpu_memory's adapter items: it does at
+// ZeRO-0 on a bf16 or nf4 base (model/llama_gpu.cpp); the adapter plans it does not run yet (ZeRO 1-3 over the
+// adapters, an int8 base) are the design, and the plan says so.
+std::string cuda_adapter_refusal(const MemoryLayout& l) {
+  if (!l.lora.enabled()) return "";
+  if (l.lora.base_quant == BaseQuant::Int8)
+    return "an int8 base is not trained on cuda yet (--base_quant int8 with --device cuda)";
+  if (l.training && l.zero != 0)
+    return str("adapters are trained on cuda at ZeRO-0 only (--lora_rank with --zero ", l.zero, ")");
+  return "";
+}
+// Pipeline stages and sequence parallelism, which the CUDA engine does not run yet: their plans are the design.
 constexpr bool kCudaEngineRunsPipelines = false;
 
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design.
@@ -406,8 +414,8 @@ GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& l) {
   if (m.engines && (l.pp > 1 || l.sp) && !kCudaEngineRunsPipelines)
     m.engines = false, m.refusal = "pipeline stages and sequence parallelism are not run on cuda yet (--pp, --sp with "
                                    "--device cuda)";
-  if (m.engines && l.lora.enabled() && !kCudaEngineTrainsAdapters)
-    m.engines = false, m.refusal = "adapters are not trained on cuda yet (--lora_rank with --device cuda)";
+  if (const std::string refusal = cuda_adapter_refusal(l); m.engines && !refusal.empty())
+    m.engines = false, m.refusal = refusal;
   return m;
 }
 

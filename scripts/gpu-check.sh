@@ -434,6 +434,22 @@ def train_step():
                     add("train step", what, f"x{e['real_time'] / base:.3f} step time",
                         f"{aim}{'; ' if aim else ''}activations {e.get('activations_GiB', 0):.2f} GiB planned, "
                         f"device {e.get('GiB', 0):.2f} GiB used of a {e.get('plan_GiB', 0):.2f} GiB plan")
+            # LoRA r16 on all targets (the base frozen) against the full fine-tune's step, the same engine and shape.
+            lora = next((b for b in bench("train_step")
+                         if re.search(r"^engine step, LoRA r16 on all 7 modules, ZeRO-0, recompute none,", b.get("label", ""))), None)
+            if lora and "tokens/s" in lora and "tokens/s" in engine[("0", "none")]:
+                add("train step", "LoRA r16 step / full step (tokens/s)",
+                    f"x{lora['tokens/s'] / engine[('0', 'none')]['tokens/s']:.2f}",
+                    f"aim >= 1.4; LoRA {lora['tokens/s']:.0f} tokens/s, MFU {100 * lora.get('MFU', 0):.1f}%, "
+                    f"device {lora.get('GiB', 0):.2f} GiB used of a {lora.get('plan_GiB', 0):.2f} GiB plan")
+        # QLoRA against LoRA, the model's adapter step on the same harness (bench BM_AdapterStep).
+        adapter = {m.group(1): b for b in bench("train_step")
+                   for m in [re.search(r"^adapter step, (LoRA|QLoRA)", b.get("label", ""))] if m and "tokens/s" in b}
+        if "LoRA" in adapter and "QLoRA" in adapter:
+            add("train step", "QLoRA r16 step / LoRA r16 step (tokens/s)",
+                f"x{adapter['QLoRA']['tokens/s'] / adapter['LoRA']['tokens/s']:.2f}",
+                f"aim >= 0.85; QLoRA {adapter['QLoRA']['tokens/s']:.0f}, LoRA {adapter['LoRA']['tokens/s']:.0f} tokens/s; "
+                f"device {adapter['QLoRA'].get('GiB', 0):.2f} vs {adapter['LoRA'].get('GiB', 0):.2f} GiB")
         if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", status("bench/train_step"))
     if not listed_only("train_step_hopper", "train step"):
         for b in bench("train_step_hopper"):
@@ -613,6 +629,13 @@ done
 train_step zero1 60 --device cuda --zero 1 --out_dir "$RUNS/zero1"
 train_step zero3-full 60 --device cuda --zero 3 --recompute full --out_dir "$RUNS/zero3"
 train_step zero2-selective 60 --device cuda --zero 2 --recompute selective --out_dir "$RUNS/zero2"
+# LoRA on the CUDA engine (r 8 on all seven projections, dropout 0.05) over the straight run's model as the frozen
+# base: the run trains; one stopped at 150 (exit 75) and resumed from its PEFT checkpoint logs the same losses.
+LORA_ARGS=(--device cuda --model_config "" --init "$RUNS/straight/ckpt/latest" --lora_rank 8 --lora_alpha 16
+           --lora_dropout 0.05)
+train_step lora 60 "${LORA_ARGS[@]}" --out_dir "$RUNS/lora"
+EXPECT=75 train_step lora-stopped 60 "${LORA_ARGS[@]}" --out_dir "$RUNS/lora-split" --stop_at_step 150
+train_step lora-resumed 60 --device cuda --out_dir "$RUNS/lora-split" --resume
 cat >"$SCRATCH/train_summary.py" <<'PY'
 import json, sys
 runs, out, too_big_rc, emulated = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
@@ -685,6 +708,21 @@ if 1 in a and 1 in c and 1 in na and 1 in nc:
     bar("first step cuda vs cpu", rel < 1e-2 and rel_norm < 5e-2)
 else:
     rows.append(("first step cuda vs cpu", "missing", "")); check("first step cuda vs cpu", False)
+# LoRA on the CUDA engine: the adapters train on the frozen base, and a stopped run resumes bit for bit.
+la, lb = loss(records("lora")), loss(records("lora-split"))
+same_lora = bool(la) and la == lb
+rows.append(("LoRA r8 resume vs straight", "bit-identical losses" if same_lora else "DIFFERENT",
+             f"{len(lb)} of {len(la)} steps compared"))
+check("LoRA resume vs straight", same_lora)
+if la:
+    ordered = [la[k] for k in sorted(la)]
+    tenth = max(1, len(ordered) // 10)  # means over a tenth of the steps each: batch-to-batch noise averages out
+    first, last = sum(ordered[:tenth]) / tenth, sum(ordered[-tenth:]) / tenth
+    rows.append(("LoRA r8 loss (first -> last tenth of steps)", f"{first:.3f} -> {last:.3f}",
+                 "bar: falls (the adapters train, the base is frozen)"))
+    bar("LoRA loss falls", last < first)
+else:
+    rows.append(("LoRA r8 run", "no loss rows", "")); check("LoRA run", False)
 with open(out, "w") as f:
     for r in rows:
         f.write("\t".join(r) + "\n")

@@ -95,6 +95,58 @@ TEST(MatmulGpu, ForwardWithResidualAndBackward) {
   EXPECT_EQ(d_accumulated.download(), dw0);
 }
 
+// The strided entry points an adapter uses (its B product added into a column block of the fused q|k|v or gate|up
+// output, and that block's gradient read in place), at a LoRA rank's narrow K: the block equals the contiguous
+// product (added to what it held, one rounding), every other column of the wide buffer is untouched, and the
+// backward equals the CPU twin on the block taken out.
+TEST(MatmulGpu, StridedColumnBlockOfAWiderOutput) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t n = 50 + rng.integer(0, 40), r = 8 * rng.integer(1, 4), oc = 8 * rng.integer(4, 12);
+  const int64_t col0 = 8 * rng.integer(0, 6), ld = col0 + oc + 8 * rng.integer(1, 6);
+  const std::vector<float> u = random_bf16_values(rng, n * r), b = random_bf16_values(rng, oc * r),
+                           wide = random_bf16_values(rng, n * ld), dwide = random_bf16_values(rng, n * ld);
+  const std::vector<float> db0 = rng.vector<float>(oc * r);
+  cuda::MatmulContext ctx;
+  DeviceBf16 d_u(u), d_b(b), d_wide(wide), d_dwide(dwide), d_du(n * r);
+  cuda::matmul_add_fwd(ctx, d_wide.bf() + col0, ld, d_u.bf(), d_b.bf(), n, r, oc, nullptr);
+  const std::vector<double> got = d_wide.values();
+  const std::vector<double> ud(u.begin(), u.end()), bd(b.begin(), b.end());
+  const std::vector<double> naive = naive_nt(ud, bd, n, r, oc);
+  std::vector<double> block(n * oc), want(n * oc), ref(n * oc);
+  cpu::matmul_fwd(ref.data(), ud.data(), bd.data(), n, r, oc);
+  int64_t outside_changed = 0;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < ld; ++c) {
+      if (c < col0 || c >= col0 + oc) {
+        outside_changed += got[i * ld + c] != round_bf16(wide[i * ld + c]);
+        continue;
+      }
+      const int64_t k = i * oc + c - col0;
+      block[k] = got[i * ld + c];
+      want[k] = round_bf16(float(naive[k]) + wide[i * ld + c]);
+      ref[k] += wide[i * ld + c];
+    }
+  EXPECT_EQ(outside_changed, 0);
+  expect_close_to_naive("matmul_add_fwd block", block, want, ref);
+
+  // Backward from the block of dwide: du = dy B (overwritten), dB += dy^T u.
+  DeviceBuffer<float> d_db(db0);
+  d_du.poison();
+  cuda::matmul_bwd_strided(ctx, d_du.bf(), d_db.get(), d_dwide.bf() + col0, ld, d_u.bf(), d_b.bf(), n, r, oc,
+                           /*accumulate_dinp=*/false, GradWrite::Accumulate, nullptr);
+  std::vector<double> dy(n * oc);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < oc; ++c) dy[i * oc + c] = dwide[i * ld + col0 + c];
+  std::vector<double> ref_du(n * r), ref_db(db0.begin(), db0.end());
+  cpu::matmul_bwd(ref_du.data(), ref_db.data(), dy.data(), ud.data(), bd.data(), n, r, oc, false, GradWrite::Accumulate);
+  std::vector<double> naive_du = naive_nt(dy, transpose(bd, oc, r), n, oc, r);
+  for (double& x : naive_du) x = round_bf16(x);
+  expect_close_to_naive("matmul_bwd_strided dinp", d_du.values(), naive_du, ref_du);
+  expect_close_to_naive("matmul_bwd_strided dweight (fp32)", d_db.download(), ref_db, ref_db);
+}
+
 }  // namespace
 }  // namespace tuna::test
 #endif  // TUNA_CUDA

@@ -622,6 +622,11 @@ TEST(Train, PlanOnlyPrintsThePerGpuTableAndRefusesWhatDoesNotFit) {
                       (tmp / "nowhere").string(), tmp / "log6");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_FALSE(fs::exists(tmp / "nowhere"));
+  // With adapters: the CUDA engine's LoRA plan (the frozen base, the adapters' state), from the options alone.
+  r = run_command(base + " --gpu_memory_gb 80 --lora_rank 4", tmp / "log7");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("LoRA r4 on all 7 modules"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("bf16 base weights (frozen)"), std::string::npos) << r.output;
 }
 
 // ---- no input crashes the trainer, no bad value trains silently (issue 13) --------------------------------

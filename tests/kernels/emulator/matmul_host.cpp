@@ -39,21 +39,22 @@ void check_operand(const void* p, int64_t elements, int64_t element_bytes, const
 }
 
 // Both forwards: with a residual, it is added in fp32 before the one rounding, as the GEMM's epilogue does.
+// Rows of out (and residual) are ld apart.
 void matmul_fwd_host(__nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
-                     const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc) {
-  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+                     const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, int64_t ld) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0 && ld >= oc, "n ", n, ", ic ", ic, ", oc ", oc, ", ld ", ld);
   tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());  // one device for every host thread (runtime.h)
   if (n == 0) return;
-  check_operand(out, n * oc, 2, "out");
+  check_operand(out, (n - 1) * ld + oc, 2, "out");
   check_operand(inp, n * ic, 2, "inp");
   check_operand(weight, oc * ic, 2, "weight");
-  if (residual != nullptr) check_operand(residual, n * oc, 2, "residual");
+  if (residual != nullptr) check_operand(residual, (n - 1) * ld + oc, 2, "residual");
   for (int64_t r = 0; r < n; ++r)
     for (int64_t o = 0; o < oc; ++o) {
       float acc = 0.0f;
       for (int64_t i = 0; i < ic; ++i) acc += widen(inp[r * ic + i]) * widen(weight[o * ic + i]);
-      if (residual != nullptr) acc += widen(residual[r * oc + o]);  // read before the write: out may be residual
-      out[r * oc + o] = __float2bfloat16_rn(acc);
+      if (residual != nullptr) acc += widen(residual[r * ld + o]);  // read before the write: out may be residual
+      out[r * ld + o] = __float2bfloat16_rn(acc);
     }
 }
 
@@ -82,19 +83,30 @@ void MatmulContext::set_timed_candidates(int candidates) {
 
 void matmul_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n,
                 int64_t ic, int64_t oc, cudaStream_t) {
-  matmul_fwd_host(out, inp, weight, nullptr, n, ic, oc);
+  matmul_fwd_host(out, inp, weight, nullptr, n, ic, oc, oc);
 }
 
 void matmul_residual_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
                          const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
   TUNA_CHECK(residual != nullptr, "matmul_residual_fwd: no residual (matmul_fwd is the product alone)");
-  matmul_fwd_host(out, inp, weight, residual, n, ic, oc);
+  matmul_fwd_host(out, inp, weight, residual, n, ic, oc, oc);
 }
 
-void matmul_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
+void matmul_add_fwd(MatmulContext&, __nv_bfloat16* out, int64_t ld_out, const __nv_bfloat16* inp,
+                    const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
+  matmul_fwd_host(out, inp, weight, out, n, ic, oc, ld_out);
+}
+
+void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
                 const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc,
-                bool accumulate_dinp, GradWrite dweight_write, cudaStream_t) {
-  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, "n ", n, ", ic ", ic, ", oc ", oc);
+                bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream) {
+  matmul_bwd_strided(ctx, dinp, dweight, dout, oc, inp, weight, n, ic, oc, accumulate_dinp, dweight_write, stream);
+}
+
+void matmul_bwd_strided(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
+                        int64_t ld_dout, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic,
+                        int64_t oc, bool accumulate_dinp, GradWrite dweight_write, cudaStream_t) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0 && ld_dout >= oc, "n ", n, ", ic ", ic, ", oc ", oc, ", ld_dout ", ld_dout);
   tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());  // one device for every host thread (runtime.h)
   const bool overwrite_dweight = dweight_write == GradWrite::Overwrite;
   if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
@@ -104,7 +116,7 @@ void matmul_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_
     }
     return;
   }
-  check_operand(dout, n * oc, 2, "dout");
+  check_operand(dout, (n - 1) * ld_dout + oc, 2, "dout");
   if (dinp != nullptr) {
     check_operand(dinp, n * ic, 2, "dinp");
     check_operand(weight, oc * ic, 2, "weight");
@@ -112,7 +124,7 @@ void matmul_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_
     for (int64_t r = 0; r < n; ++r) {  // dinp[r, :] (=|+=) sum over o of dout[r, o] weight[o, :]
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t o = 0; o < oc; ++o) {
-        const float d = widen(dout[r * oc + o]);
+        const float d = widen(dout[r * ld_dout + o]);
         for (int64_t i = 0; i < ic; ++i) acc[i] += d * widen(weight[o * ic + i]);
       }
       for (int64_t i = 0; i < ic; ++i)
@@ -126,7 +138,7 @@ void matmul_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_
     for (int64_t o = 0; o < oc; ++o) {  // dweight[o, :] (=|+=) sum over r of dout[r, o] inp[r, :]
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t r = 0; r < n; ++r) {
-        const float d = widen(dout[r * oc + o]);
+        const float d = widen(dout[r * ld_dout + o]);
         for (int64_t i = 0; i < ic; ++i) acc[i] += d * widen(inp[r * ic + i]);
       }
       for (int64_t i = 0; i < ic; ++i) dweight[o * ic + i] = overwrite_dweight ? acc[i] : dweight[o * ic + i] + acc[i];

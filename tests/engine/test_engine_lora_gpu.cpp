@@ -1,0 +1,227 @@
+// The CUDA engine with LoRA adapters (engine/engine_gpu.cpp, EngineOptions::lora) on one device: 10 AdamW steps
+// of the adapters follow PEFT + transformers in float64 (tests/fixtures/lora_*: all targets untied, q/v/down tied),
+// dropout with full recompute over accumulated micro-batches follows the CPU engine, a checkpoint exchange of the
+// adapter state continues bit for bit (dropout on: the masks follow the restored step count), and dp 2 or tp 2 as
+// threads sharing the device follow one rank. Skipped without a device; on the emulator in CI.
+//
+// Tolerances: a bf16 trajectory against fp32 or float64, as tests/engine/test_engine_gpu.cpp (5e-2 relative on a
+// step's loss, 0.15 on its gradient norm; derived in tests/model/test_llama_gpu.cpp); ranks against one rank as
+// tests/model/ranks_test_util.h argues them.
+#if TUNA_CUDA
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "ckpt/safetensors.h"
+#include "comm/comm.h"
+#include "engine/engine.h"
+#include "model/lora.h"
+#include "tests/engine/engine_test_util.h"
+#include "tests/kernels/gpu_test_util.h"
+#include "tests/model/ranks_test_util.h"
+
+namespace tuna {
+namespace {
+
+using testing_util::engine_options;
+using testing_util::Fixture;
+using testing_util::fixture_weights;
+using testing_util::SingleRank;
+using testing_util::train_step;
+
+// The fixture's starting adapters (PEFT names), a piece at a time as the engine asks.
+WeightFill adapters_from(const std::filesystem::path& file) {
+  return [file](const ParamLayout& layout, const Segment& piece, float* out) {
+    const SafetensorsFile adapters(file);
+    for (const ParamTensor& t : layout.tensors()) {
+      const int64_t lo = std::max(piece.begin, t.offset), hi = std::min(piece.begin + piece.size, t.offset + t.numel);
+      if (lo >= hi) continue;
+      std::vector<float> whole(t.numel);
+      adapters.read_f32(t.name, t.shape, whole.data());
+      std::copy(whole.begin() + (lo - t.offset), whole.begin() + (hi - t.offset), out + (lo - piece.begin));
+    }
+  };
+}
+
+EngineOptions lora_options(const Fixture& f, const LoraConfig& lora, Device device) {
+  EngineOptions o = engine_options(f, device);
+  o.lora = lora;
+  o.seed = 17;
+  return o;
+}
+
+class EngineLoraGpuParity : public testing::TestWithParam<std::string> {};
+
+TEST_P(EngineLoraGpuParity, TenStepsFollowPeft) {
+  TUNA_REQUIRE_GPU();
+  const std::filesystem::path dir = std::filesystem::path("tests/fixtures") / GetParam();
+  std::ifstream in(dir / "reference.json");
+  const nlohmann::json meta = nlohmann::json::parse(in);
+  Fixture f(meta.at("base").get<std::string>());
+  f.meta = meta;
+  SafetensorsFile ref(dir / "reference.safetensors");
+  ref.read_i32("input_ids", {f.batch, f.seq}, f.inputs.data());
+  ref.read_i32("targets", {f.batch, f.seq}, f.targets.data());
+  EngineOptions o = lora_options(f, read_peft_adapter_config(dir), Device::Cuda);
+  o.adapters = adapters_from(dir / "adapter_model.safetensors");
+  SingleRank r;
+  std::unique_ptr<Engine> e = make_engine(f.config, o, r.mesh, fixture_weights(f));
+  EXPECT_EQ(e->layout().total(), lora_parameter_count(f.config, o.lora));
+  EXPECT_EQ(e->base_layout().total(), f.config.n_params());
+  EXPECT_NE(e->layout().find("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"), nullptr);
+  const int64_t steps = meta.at("steps");
+  std::vector<double> losses(steps), norms(steps);
+  ref.read_f64("train_losses", {steps}, losses.data());
+  ref.read_f64("grad_norms", {steps}, norms.data());
+  for (int64_t s = 0; s < steps; s++) {
+    const StepResult result = train_step(*e, f, s, steps);
+    std::printf("  step %2lld  loss PEFT %.5f gpu %.5f   grad norm PEFT %.4f gpu %.4f\n", static_cast<long long>(s),
+                losses[s], result.loss, norms[s], result.stats.grad_norm);
+    EXPECT_NEAR(result.loss, losses[s], 5e-2 * losses[s]) << "step " << s;
+    EXPECT_NEAR(result.stats.grad_norm, norms[s], 0.15 * norms[s]) << "step " << s;
+  }
+  EXPECT_EQ(e->steps_taken(), steps);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, EngineLoraGpuParity, testing::Values("lora_llama2_tiny", "lora_llama32_tiny"));
+
+// Dropout (the CPU engine's masks, keyed by seed, step, micro-batch and dp rank), two micro-batches a step and
+// full recompute (which draws the masks a third time) follow the CPU engine over 3 steps.
+TEST(EngineLoraGpu, DropoutAccumulationAndRecomputeFollowTheCpuEngine) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  LoraConfig lora;
+  lora.rank = 4, lora.alpha = 8, lora.dropout = 0.25, lora.targets = parse_lora_targets("q_proj,v_proj,o_proj,down_proj");
+  EngineOptions oc = lora_options(f, lora, Device::Cpu), og = lora_options(f, lora, Device::Cuda);
+  oc.micro_batch = og.micro_batch = 1;
+  oc.adapters = og.adapters = random_weights(5, 0.1);  // B away from zero: every gradient non-zero from step 0
+  og.recompute = Recompute::Full;
+  SingleRank rc, rg;
+  std::unique_ptr<Engine> cpu = make_engine(f.config, oc, rc.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> gpu = make_engine(f.config, og, rg.mesh, fixture_weights(f));
+  for (int64_t s = 0; s < 3; s++) {
+    StepResult r[2];
+    Engine* engines[2] = {cpu.get(), gpu.get()};
+    for (int k = 0; k < 2; k++) {
+      Engine& e = *engines[k];
+      e.begin_step();
+      LossSum sum;
+      for (int64_t row = 0; row < f.batch; row++) {
+        const LossSum l = e.forward_backward(f.inputs.data() + row * f.seq, f.targets.data() + row * f.seq, 1, f.seq);
+        sum.sum += l.sum, sum.count += l.count;
+      }
+      r[k] = e.finish_step(sum, learning_rate(f.optimizer(), s, 10));
+    }
+    std::printf("  step %lld  loss cpu %.5f gpu %.5f   grad norm cpu %.4f gpu %.4f\n", static_cast<long long>(s),
+                r[0].loss, r[1].loss, r[0].stats.grad_norm, r[1].stats.grad_norm);
+    EXPECT_EQ(r[0].tokens, r[1].tokens);
+    EXPECT_NEAR(r[1].loss, r[0].loss, 5e-2 * r[0].loss) << "step " << s;
+    EXPECT_NEAR(r[1].stats.grad_norm, r[0].stats.grad_norm, 0.15 * r[0].stats.grad_norm) << "step " << s;
+  }
+}
+
+// Export -> import of the adapters' state continues bit for bit, with dropout on and stochastic rounding.
+TEST(EngineLoraGpu, ExportImportContinuesBitForBit) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama32_tiny");
+  LoraConfig lora;
+  lora.rank = 2, lora.alpha = 6, lora.dropout = 0.1;
+  EngineOptions o = lora_options(f, lora, Device::Cuda);
+  o.gpu.stochastic_rounding = true, o.gpu.seed = 5;
+  SingleRank ra, rb;
+  std::unique_ptr<Engine> a = make_engine(f.config, o, ra.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> b = make_engine(f.config, o, rb.mesh, fixture_weights(f));
+  for (int64_t s = 0; s < 2; s++) train_step(*a, f, s, 10);
+  std::vector<float> p, m, v, pb, mb, vb;
+  a->export_shard(p, m, v);
+  ASSERT_EQ(static_cast<int64_t>(p.size()), a->layout().total());
+  b->import_shard(p, m, v);
+  b->set_steps_taken(a->steps_taken());
+  const StepResult sa = train_step(*a, f, 2, 10), sb = train_step(*b, f, 2, 10);
+  EXPECT_EQ(sa.loss, sb.loss);
+  EXPECT_EQ(sa.stats.grad_norm, sb.stats.grad_norm);
+  a->export_shard(p, m, v);
+  b->export_shard(pb, mb, vb);
+  EXPECT_EQ(p, pb);
+  EXPECT_EQ(m, mb);
+  EXPECT_EQ(v, vb);
+}
+
+// dp 2 (the adapters' gradients all-reduced) and tp 2 (A and B split as Megatron's layers, with dropout drawn over
+// the whole layer's input) as threads sharing the device, against one rank on the whole batch.
+struct LoraRanksCase {
+  int ranks, tp;
+  double dropout;
+};
+
+class EngineLoraGpuRanks : public testing::TestWithParam<LoraRanksCase> {};
+
+TEST_P(EngineLoraGpuRanks, FollowOneRank) {
+  TUNA_REQUIRE_GPU();
+  using testing_util::FourRows;
+  const LoraRanksCase c = GetParam();
+  Fixture f("llama32_tiny");
+  LoraConfig lora;
+  lora.rank = 4, lora.alpha = 8, lora.dropout = c.dropout;
+  const FourRows data(f.config.vocab_size);
+  const auto options = [&](int64_t rows) {
+    EngineOptions o = testing_util::rows_options(f, 0, rows);
+    o.lora = lora, o.seed = 17, o.adapters = random_weights(5, 0.1);
+    return o;
+  };
+  std::vector<StepResult> want;
+  std::vector<float> one_weights;
+  {
+    SingleRank one;
+    std::unique_ptr<Engine> e = make_engine(f.config, options(FourRows::kRows), one.mesh, fixture_weights(f));
+    for (int64_t s = 0; s < testing_util::kRanksSteps; s++)
+      want.push_back(testing_util::rows_step(*e, f, data, 0, FourRows::kRows, s));
+    std::vector<float> m, v;
+    e->export_shard(one_weights, m, v);
+  }
+  const double loss_tol = c.tp > 1 ? testing_util::kTpLossTol : testing_util::kRanksLossTol;
+  const double norm_tol = c.tp > 1 ? testing_util::kTpNormTol : testing_util::kRanksNormTol;
+  const double weight_tol = c.tp > 1 ? testing_util::kTpWeightTol : testing_util::kRanksWeightTol;
+  const ParamLayout whole = lora_layout(f.config, lora).params;
+  testing_util::run_thread_ranks(c.ranks, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, c.tp);
+    const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
+      return make_staged_device_comm(group.split(0, group.rank()), stream);
+    };
+    const EngineOptions o = options(FourRows::kRows / mesh.dp_size);
+    std::unique_ptr<Engine> e = make_engine(f.config, o, mesh, fixture_weights(f), device_comm);
+    for (int64_t s = 0; s < testing_util::kRanksSteps; s++) {
+      const StepResult r = testing_util::rows_step(*e, f, data, mesh.dp_rank * o.micro_batch, o.micro_batch, s);
+      if (world.rank() == 0)
+        std::printf("  step %lld  loss 1 rank %.7f %d ranks %.7f   grad norm %.6f %.6f\n", static_cast<long long>(s),
+                    want[s].loss, c.ranks, r.loss, want[s].stats.grad_norm, r.stats.grad_norm);
+      EXPECT_EQ(r.tokens, want[s].tokens);
+      EXPECT_NEAR(r.loss, want[s].loss, loss_tol * want[s].loss) << "step " << s;
+      EXPECT_NEAR(r.stats.grad_norm, want[s].stats.grad_norm, norm_tol * want[s].stats.grad_norm) << "step " << s;
+    }
+    std::vector<float> p, pm, pv, local(e->layout().total()), mine;
+    e->export_shard(p, pm, pv);
+    for (const ParamTensor& t : e->layout().tensors())
+      copy_block(t, one_weights.data() + whole.find(t.name)->offset, local.data() + t.offset);
+    for (const Segment& seg : e->segments())
+      mine.insert(mine.end(), local.begin() + seg.begin, local.begin() + seg.begin + seg.size);
+    ASSERT_EQ(p.size(), mine.size());
+    double num = 0, den = 0;
+    for (size_t i = 0; i < mine.size(); i++)
+      num += (double(p[i]) - mine[i]) * (double(p[i]) - mine[i]), den += double(mine[i]) * mine[i];
+    EXPECT_LE(std::sqrt(num / den), weight_tol) << "rank " << world.rank() << "'s final adapters";
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuRanks,
+                         testing::Values(LoraRanksCase{2, 1, 0.0}, LoraRanksCase{2, 2, 0.1}),
+                         [](const testing::TestParamInfo<LoraRanksCase>& i) {
+                           return "ranks" + std::to_string(i.param.ranks) + "_tp" + std::to_string(i.param.tp) +
+                                  (i.param.dropout > 0 ? "_dropout" : "");
+                         });
+
+}  // namespace
+}  // namespace tuna
+#endif  // TUNA_CUDA
