@@ -313,8 +313,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Sequence parallelism over tp 2 (ranks as threads on one device, as above): the norm and residual regions split
 // by rows, the all-gathers and reductions around the tp GEMMs, the norm weights' gradients summed over tp. Tied
-// (llama32_tiny) and untied (llama2_tiny) embeddings, packed documents, each recompute mode, and with dp 2 ZeRO-1
-// (the norm gradients accumulated over two micro-batches' worth of ranks). The one rank follows the CPU engine
+// (llama32_tiny) and untied (llama2_tiny) embeddings, packed documents, each recompute mode, and over dp 2 at
+// ZeRO-1 and ZeRO-3 (the norm gradients written into the sharded store's unit buffers). The one rank follows the CPU engine
 // (EngineGpuParity), and the CPU engine with sp follows it too (tests/model/test_llama_sp.cpp).
 struct SequenceParallelCase {
   const char* fixture;
@@ -335,7 +335,8 @@ INSTANTIATE_TEST_SUITE_P(
     Layouts, EngineGpuSequenceParallel,
     testing::Values(SequenceParallelCase{"llama32_tiny", {2, 2, 0, true, Recompute::None, true}},
                     SequenceParallelCase{"llama2_tiny", {2, 2, 0, true, Recompute::Selective, true}},
-                    SequenceParallelCase{"llama2_tiny", {4, 2, 1, true, Recompute::Full, true}}),
+                    SequenceParallelCase{"llama2_tiny", {4, 2, 1, true, Recompute::Full, true}},
+                    SequenceParallelCase{"llama32_tiny", {4, 2, 3, true, Recompute::None, true}}),
     [](const testing::TestParamInfo<SequenceParallelCase>& i) {
       std::string fixture = i.param.fixture;
       return fixture + "_" + testing_util::name(i.param.layout);
