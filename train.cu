@@ -83,7 +83,7 @@ struct TrainConfig {
   int64_t threads = 0;
   int64_t tp = 1;
   int64_t pp = 1;
-  bool sp = false;  // sequence parallelism over tp (cpu): see README, Launching on several ranks
+  bool sp = false;  // sequence parallelism over tp: see README, Launching on several ranks
   int64_t zero = 0;
   bool zero_prefetch = true;
   std::string recompute = "none";
@@ -159,8 +159,9 @@ void declare(Options& o, TrainConfig& c) {
   o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
   o.add("pp", &c.pp, "pipeline stages (consecutive layers per stage, 1F1B over the grad_accum micro-batches; cpu); "
         "the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
-  o.add("sp", &c.sp, "sequence parallelism with --tp > 1 (cpu): norms and residuals hold seq / tp of the tokens, an "
-        "all-gather before and a reduce-scatter after the tp GEMMs instead of the all-reduces; off by default");
+  o.add("sp", &c.sp, "sequence parallelism with --tp > 1: norms and residuals hold seq / tp of the tokens, "
+        "all-gathered before the tp GEMMs and reduce-scattered after them (cuda: all-reduced, and seq_len a multiple "
+        "of tp); off by default");
   o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters", Bounds::closed(0, 3));
   o.add("zero_prefetch", &c.zero_prefetch, "ZeRO-3: gather the next layer while this one computes (false: when used)");
   o.add("recompute", &c.recompute, "cuda: activations the backward recomputes: none, selective (norms, SwiGLU) or full (each layer from its input)",
@@ -355,9 +356,6 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
   if (cfg.sp && cfg.tp < 2)
     fail("option 'sp' splits each micro-batch's tokens over the tensor-parallel ranks: it needs --tp 2 or more, "
          "found --tp ", cfg.tp);
-  if (cfg.sp && eo.device == Device::Cuda)
-    fail("option 'sp': sequence parallelism is implemented on --device cpu only; the CUDA engine runs --tp without "
-         "it (drop --sp)");
   eo.sp = cfg.sp;
   eo.documents = DocumentMode{cfg.document_mask, parse_document_positions(cfg.document_positions)};
   if (start.lora) {

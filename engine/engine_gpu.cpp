@@ -54,7 +54,6 @@ namespace {
 // Refuses what the CUDA engine does not do yet, before any device memory is touched.
 void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_comm) {
   if (o.zero < 0 || o.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", o.zero);
-  if (o.sp) fail("option 'sp': sequence parallelism is implemented on --device cpu only (drop --sp)");
   if ((mesh.dp_size > 1 || mesh.tp_size > 1) && !have_device_comm)
     fail(mesh.dp_size * mesh.tp_size, " ranks (dp ", mesh.dp_size, " x tp ", mesh.tp_size, ") with --device cuda need "
          "NCCL, and this build has none (nccl.h was not found at build time, or NCCL=0)");

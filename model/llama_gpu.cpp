@@ -215,6 +215,36 @@ void LlamaGpu::tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what) {
   tp_->all_reduce(x, n, CommType::BF16, ReduceOp::Sum, what);
 }
 
+// Sequence parallelism moves every row in pieces of sp_chunk_ rows, one per rank (the last ones padded past the
+// batch), so that each gathered piece is whole rows whatever batch x seq is.
+const __nv_bfloat16* LlamaGpu::sp_gather(const __nv_bfloat16* local, const char* what) {
+  tp_->all_gather(local, gathered_, run_.tp * sp_chunk_ * config_.hidden_size, CommType::BF16, what);
+  return gathered_;
+}
+
+// With sp, the partial sums of every row are all-reduced and this rank keeps its rows: the result of a
+// reduce-scatter (Comm's reduce_scatter moves fp32 only, these are bf16), at the bytes of tp's all-reduce.
+void LlamaGpu::sp_reduce(__nv_bfloat16* full, __nv_bfloat16* local, int64_t rows, const char* what) {
+  const int64_t C = config_.hidden_size;
+  tp_all_reduce(full, rows * C, what);
+  if (!sp_ || sp_rows_.size() == 0) return;
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(local, full + sp_rows_.begin * C, sp_rows_.size() * C * sizeof(__nv_bfloat16),
+                                  cudaMemcpyDeviceToDevice, stream_));
+}
+
+void LlamaGpu::sp_add_norm_grads(std::initializer_list<std::pair<float*, GradWrite>> dst, const char* what) {
+  const int64_t C = config_.hidden_size;
+  tp_->all_reduce(sp_norm_grads_, static_cast<int64_t>(dst.size()) * C, CommType::F32, ReduceOp::Sum, what);
+  const float* sum = sp_norm_grads_;
+  for (const auto& [grad, write] : dst) {
+    if (write == GradWrite::Overwrite)
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(grad, sum, C * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    else
+      cuda::accumulate(grad, sum, C, stream_);
+    sum += C;
+  }
+}
+
 void LlamaGpu::set_weight_store(GpuWeightStore* store) {
   TUNA_CHECK(store != nullptr && own_store_ == nullptr,
              "an external weight store replaces the whole buffers of ZeRO-2 and 3 only");
@@ -246,10 +276,16 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   const int64_t max_batch = max_batch_, max_seq = max_seq_;
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   validate(opt_);
-  // The memory plan lays out pipeline stages and sequence parallelism as designed; this engine runs neither yet.
-  if (run.pp != 1 || run.sp)
-    fail("--device cuda: pipeline stages and sequence parallelism (--pp ", run.pp, run.sp ? ", --sp" : "",
-         ") are not implemented in the CUDA engine yet (the CPU engine runs them; build/plan prices them as designed)");
+  // The memory plan lays out pipeline stages as designed; this engine does not run them yet.
+  if (run.pp != 1)
+    fail("--device cuda: pipeline stages (--pp ", run.pp, ") are not implemented in the CUDA engine yet (the CPU "
+         "engine runs them; build/plan prices them as designed)");
+  if (run.sp && run.tp < 2)
+    fail("option 'sp': sequence parallelism splits the sequence over --tp > 1 ranks (found tp ", run.tp, ")");
+  sp_ = run.sp;
+  if (sp_ && run.lora.enabled())
+    fail("--device cuda: sequence parallelism (--sp) with adapters (--lora_rank) is not implemented in the CUDA "
+         "engine (the CPU engine runs it; drop --sp)");
   const LlamaConfig& c = config_;
   if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 8 && c.head_dim != 16 && c.head_dim != 32)
     fail("--device cuda: attention supports head_dim 64 and 128 (and 8, 16, 32 for tiny models); this model has ",
@@ -258,6 +294,8 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     fail("--device cuda: hidden_size and intermediate_size must be multiples of 8 (found ", c.hidden_size, ", ",
          c.intermediate_size, ")");
   const int64_t n = max_batch * max_seq, C = c.hidden_size, P = layout_.total();
+  // The rows of the norm and residual regions: every row, or with sp this rank's share (at most ceil(n / tp)).
+  const int64_t rows = sp_ ? (n + run.tp - 1) / run.tp : n;
   const TpDims& d = layout_.tp();
   const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads;
   require_fused_weight_blocks(layout_, C);  // and their gradients: one block each
@@ -369,17 +407,17 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     for (int64_t l = 0; l < c.num_hidden_layers; l++)
       acts_[l].*member = working != nullptr ? working : arena.take<T>(str("layer ", l, " ", name), count);
   };
-  field(&LayerActs::resid_in, "resid_in", n * C);
-  field(&LayerActs::norm1, "norm1", n * C);
-  field(&LayerActs::rstd1, "rstd1", n);
+  field(&LayerActs::resid_in, "resid_in", rows * C);
+  field(&LayerActs::norm1, "norm1", rows * C);
+  field(&LayerActs::rstd1, "rstd1", rows);
   field(&LayerActs::q, "q", n * qd);
   field(&LayerActs::k, "k", n * kvd);
   field(&LayerActs::v, "v", n * kvd);
   field(&LayerActs::att, "att", n * qd);
   field(&LayerActs::lse, "lse", n * H);
-  field(&LayerActs::resid_mid, "resid_mid", n * C);
-  field(&LayerActs::norm2, "norm2", n * C);
-  field(&LayerActs::rstd2, "rstd2", n);
+  field(&LayerActs::resid_mid, "resid_mid", rows * C);
+  field(&LayerActs::norm2, "norm2", rows * C);
+  field(&LayerActs::rstd2, "rstd2", rows);
   field(&LayerActs::gate_up, "gate_up", n * 2 * F);
   field(&LayerActs::act, "act", n * F);
   if (adapters) {
@@ -404,9 +442,10 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     if (training) lora_dt_ = arena.take<bf16>("LoRA d(A x)", n * r);
   }
   qkv_ = arena.take<bf16>("qkv", n * (qd + 2 * kvd));
-  resid_out_ = arena.take<bf16>("final residual", n * C);
-  final_norm_out_ = arena.take<bf16>("final norm", n * C);
-  final_rstd_ = arena.take<float>("final rstd", n);
+  if (sp_) gathered_ = arena.take<bf16>("sequence-parallel gathered input", n * C);
+  resid_out_ = arena.take<bf16>("final residual", rows * C);
+  final_norm_out_ = arena.take<bf16>("final norm", rows * C);
+  final_rstd_ = arena.take<float>("final rstd", rows);
   logits_chunk_ = arena.take<bf16>("logits chunk", head_chunk_rows_ * d.vocab);
   losses_ = arena.take<float>("per-token losses", n);
   if (run_.tp > 1) {
@@ -414,7 +453,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     ce_max_ = arena.take<float>("classifier global max", head_chunk_rows_);
   }
   if (training) {
-    d_resid_ = arena.take<bf16>("d_resid", n * C);
+    d_resid_ = arena.take<bf16>("d_resid", rows * C);
     d_norm_ = arena.take<bf16>("d_norm", n * C);
     d_final_norm_ = arena.take<bf16>("d_final_norm", n * C);
     d_q_ = arena.take<bf16>("d_q", n * qd);
@@ -422,7 +461,8 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     d_k_ = arena.take<bf16>("d_k", n * kvd);
     d_v_ = arena.take<bf16>("d_v", n * kvd);
     d_act_ = arena.take<bf16>("d_act", n * F);
-    norm_scratch_ = arena.take<float>("rmsnorm backward scratch", cuda::rmsnorm_bwd_scratch_floats(n, C));
+    norm_scratch_ = arena.take<float>("rmsnorm backward scratch", cuda::rmsnorm_bwd_scratch_floats(rows, C));
+    if (sp_) sp_norm_grads_ = arena.take<float>("sequence-parallel norm weight gradients", 2 * C);
     attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H, /*head_dim=*/128, run_.attention));
   }
   loss_total_ = arena.take<double>("loss total", 1);
@@ -695,14 +735,23 @@ void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
 
   store_->plan(layout_.unit_pass_order(backward_follows));
   lora_train_ = backward_follows && lora_.enabled() && lora_.dropout > 0;  // PEFT's dropout acts in training only
+  if (sp_) {
+    sp_chunk_ = (n + run_.tp - 1) / run_.tp;
+    sp_rows_ = shard_range(n, static_cast<int>(run_.tp_rank), static_cast<int>(run_.tp));
+    if (sp_rows_.size() == 0)
+      fail("sequence parallelism (--sp): a pass of ", n, " tokens leaves tp rank ", run_.tp_rank, " of ", run_.tp,
+           " no rows (the CUDA engine needs at least one token per tp rank)");
+  }
+  const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions
 
   const __nv_bfloat16* embedding = store_->acquire(0);
   __nv_bfloat16* x0 = acts_.empty() ? resid_out_ : acts_[0].resid_in;
+  __nv_bfloat16* embedded = sp_ ? gathered_ : x0;  // every row (with sp, before this rank's are kept)
   const TpDims& d = layout_.tp();
-  cuda::embedding_fwd_slice(x0, tokens_, embedding + (layout_.embed_tokens() - layout_.unit_range(0).first), n,
+  cuda::embedding_fwd_slice(embedded, tokens_, embedding + (layout_.embed_tokens() - layout_.unit_range(0).first), n,
                             c.vocab_size, d.vocab_begin, d.vocab, C, s);
   store_->release(0);
-  tp_all_reduce(x0, n * C, "tp embedding");  // one rank holds each token's row, the others add zeros: exact
+  sp_reduce(embedded, x0, n, "tp embedding");  // one rank holds each token's row, the others add zeros: exact
   for (int l = 0; l < L; l++) {
     layer_forward(l, store_->acquire(1 + l), batch, seq, /*write_output=*/true);
     store_->release(1 + l);
@@ -710,7 +759,7 @@ void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
   // The head unit stays acquired through head() and, when a backward follows, the final norm's backward.
   head_base_ = store_->acquire(H);
   cuda::rmsnorm_fwd(final_norm_out_, final_rstd_, resid_out_,
-                    head_base_ + (layout_.final_norm() - layout_.unit_range(H).first), n, C, c.rms_norm_eps, s);
+                    head_base_ + (layout_.final_norm() - layout_.unit_range(H).first), nr, C, c.rms_norm_eps, s);
 }
 
 void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, int64_t seq, bool write_output) {
@@ -723,18 +772,21 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   LayerActs& a = acts_[l];
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
-  cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), n, C, c.rms_norm_eps, s);
+  const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions
+  cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), nr, C, c.rms_norm_eps, s);
   // One GEMM over the q|k|v weight block into qkv_; RoPE reads q and k out of its rows into the contiguous a.q, a.k
-  // the attention kernels take, and v is copied out (a strided copy).
+  // the attention kernels take, and v is copied out (a strided copy). With sp it reads every rank's rows gathered.
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
-  cuda::matmul_fwd(mm, qkv_, a.norm1, w(o.q_proj), n, C, qkv, s);
-  // Adapters add into their column blocks of the fused outputs, before RoPE and SwiGLU read them.
+  const __nv_bfloat16* x1 = sp_ ? sp_gather(a.norm1, "sp q/k/v input") : a.norm1;
+  cuda::matmul_fwd(mm, qkv_, x1, w(o.q_proj), n, C, qkv, s);
+  // Adapters add into their column blocks of the fused outputs, before RoPE and SwiGLU read them (with sp refused at
+  // construction: they read the gathered inputs only because x1 and x2 are the norms' outputs without it).
   const auto adapt = [&](LoraTarget t, const __nv_bfloat16* x, __nv_bfloat16* y, int64_t ld_y, bool add = true) {
     if (lora_.enabled() && lora_.has(t)) lora_fwd(l, t, x, y, ld_y, n, add);
   };
-  adapt(LoraTarget::Q, a.norm1, qkv_, qkv);
-  adapt(LoraTarget::K, a.norm1, qkv_ + d.q_dim, qkv);
-  adapt(LoraTarget::V, a.norm1, qkv_ + d.q_dim + d.kv_dim, qkv);
+  adapt(LoraTarget::Q, x1, qkv_, qkv);
+  adapt(LoraTarget::K, x1, qkv_ + d.q_dim, qkv);
+  adapt(LoraTarget::V, x1, qkv_ + d.q_dim + d.kv_dim, qkv);
   cuda::rope_fwd(a.q, qkv_, rope_cos_, rope_sin_, batch, seq, d.heads, D, d.q_dim, qkv, rope_position_ids_, s);
   cuda::rope_fwd(a.k, qkv_ + d.q_dim, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, d.kv_dim, qkv,
                  rope_position_ids_, s);
@@ -742,27 +794,37 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, attention_doc_start_, s,
                       run_.attention);
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
-  // only, then summed over the ranks.
+  // only, then summed over the ranks. With sp every row's partial product goes to gathered_, each rank adding the
+  // residual of its own rows (the GEMM split at them), and the sum of this rank's rows comes back into `out`.
   const auto row_parallel = [&](__nv_bfloat16* out, const __nv_bfloat16* inp, int64_t weight,
-                                const __nv_bfloat16* residual, int64_t ic) {
-    if (d.tp_rank == 0) cuda::matmul_residual_fwd(mm, out, inp, w(weight), residual, n, ic, C, s);
-    else cuda::matmul_fwd(mm, out, inp, w(weight), n, ic, C, s);
+                                const __nv_bfloat16* residual, int64_t ic, const char* what) {
+    if (!sp_) {
+      if (d.tp_rank == 0) cuda::matmul_residual_fwd(mm, out, inp, w(weight), residual, n, ic, C, s);
+      else cuda::matmul_fwd(mm, out, inp, w(weight), n, ic, C, s);
+      return tp_all_reduce(out, n * C, what);
+    }
+    const int64_t begin = sp_rows_.begin, end = sp_rows_.end;
+    if (begin > 0) cuda::matmul_fwd(mm, gathered_, inp, w(weight), begin, ic, C, s);
+    if (end > begin)
+      cuda::matmul_residual_fwd(mm, gathered_ + begin * C, inp + begin * ic, w(weight), residual, end - begin, ic, C,
+                                s);
+    if (n > end) cuda::matmul_fwd(mm, gathered_ + end * C, inp + end * ic, w(weight), n - end, ic, C, s);
+    sp_reduce(gathered_, out, n, what);
   };
-  row_parallel(a.resid_mid, a.att, o.o_proj, a.resid_in, d.q_dim);
-  tp_all_reduce(a.resid_mid, n * C, "tp o_proj");
+  row_parallel(a.resid_mid, a.att, o.o_proj, a.resid_in, d.q_dim, "tp o_proj");
   adapt(LoraTarget::O, a.att, a.resid_mid, C);  // after the sum: every rank adds the same whole product once
-  cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), n, C, c.rms_norm_eps, s);
-  cuda::matmul_fwd(mm, a.gate_up, a.norm2, w(o.gate_proj), n, C, 2 * F, s);  // the gate|up block
-  adapt(LoraTarget::Gate, a.norm2, a.gate_up, 2 * F);
-  adapt(LoraTarget::Up, a.norm2, a.gate_up + F, 2 * F);
+  cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), nr, C, c.rms_norm_eps, s);
+  const __nv_bfloat16* x2 = sp_ ? sp_gather(a.norm2, "sp gate/up input") : a.norm2;
+  cuda::matmul_fwd(mm, a.gate_up, x2, w(o.gate_proj), n, C, 2 * F, s);  // the gate|up block
+  adapt(LoraTarget::Gate, x2, a.gate_up, 2 * F);
+  adapt(LoraTarget::Up, x2, a.gate_up + F, 2 * F);
   cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
   if (!write_output) {  // a recompute: the down adapter's u is needed by its backward, its output is not
     adapt(LoraTarget::Down, a.act, nullptr, C, /*add=*/false);
     return;
   }
   __nv_bfloat16* resid_next = l + 1 < config_.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
-  row_parallel(resid_next, a.act, o.down_proj, a.resid_mid, F);
-  tp_all_reduce(resid_next, n * C, "tp down_proj");
+  row_parallel(resid_next, a.act, o.down_proj, a.resid_mid, F, "tp down_proj");
   adapt(LoraTarget::Down, a.act, resid_next, C);
 }
 
@@ -775,11 +837,12 @@ void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch
     case Recompute::Selective: {
       const LlamaConfig& c = config_;
       const int64_t n = batch * seq, C = c.hidden_size, F = layout_.tp().ffn;
+      const int64_t nr = sp_ ? sp_rows_.size() : n;  // the norms' rows (this rank's with sp)
       const LayerOffsets& o = layout_.layer(l);
       const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
       LayerActs& a = acts_[l];
-      cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, wb + (o.input_norm - begin), n, C, c.rms_norm_eps, stream_);
-      cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, wb + (o.post_norm - begin), n, C, c.rms_norm_eps, stream_);
+      cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, wb + (o.input_norm - begin), nr, C, c.rms_norm_eps, stream_);
+      cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, wb + (o.post_norm - begin), nr, C, c.rms_norm_eps, stream_);
       cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, stream_);
       return;
     }
@@ -795,9 +858,12 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
   float* g_head = want_grad && !lora_.enabled() ? grad_writes_->unit(lm_unit) + lm_offset : nullptr;
   cudaStream_t s = stream_;
   std::vector<uint16_t> chunk_bits;
+  // Column-parallel (by vocabulary): every row's normed input, gathered with sp; its input gradient is every
+  // row's partial sum in d_final_norm_, with sp reduced into this rank's rows of d_norm_ (the final norm's).
+  const __nv_bfloat16* normed = sp_ ? sp_gather(final_norm_out_, "sp lm_head input") : final_norm_out_;
   for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
     const int64_t nr = std::min(head_chunk_rows_, rows - r0);
-    const __nv_bfloat16* x = final_norm_out_ + r0 * C;
+    const __nv_bfloat16* x = normed + r0 * C;
     cuda::matmul_fwd(*matmul_, logits_chunk_, x, w_head, nr, C, V, s);
     if (host_logits != nullptr) {
       chunk_bits.resize(nr * V);
@@ -813,7 +879,8 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
                        /*accumulate_dinp=*/false,
                        g_head != nullptr ? grad_writes_->write(layout_.lm_head()) : GradWrite::Accumulate, s);
   }
-  if (want_grad) tp_all_reduce(d_final_norm_, rows * C, "tp lm_head input grad");  // vocab-parallel: partial sums
+  if (want_grad)  // vocab-parallel: partial sums
+    sp_reduce(d_final_norm_, sp_ ? d_norm_ : d_final_norm_, rows, "tp lm_head input grad");
   if (lm_unit != H) store_->release(lm_unit);
   if (!want_grad) store_->release(H);  // no backward: the pass ends here
   LossSum loss;
@@ -852,8 +919,10 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
   const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
   cudaStream_t s = stream_;
 
-  // d_resid_ carries the residual stream's gradient from the top down; the rmsnorm backwards add into it.
-  TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, n * C * sizeof(__nv_bfloat16), s));
+  // d_resid_ carries the residual stream's gradient from the top down (with sp this rank's rows, every piece
+  // zeroed whole, as it is gathered whole); the rmsnorm backwards add into it.
+  const int64_t nr = sp_ ? sp_rows_.size() : n;
+  TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, (sp_ ? sp_chunk_ : n) * C * sizeof(__nv_bfloat16), s));
   // A frozen base (adapters): no weight gradient of it is computed (null dweight: the kernels skip it); the
   // adapters' gradients accumulate into their buffer, which the step's first pass found zeroed.
   const bool frozen = lora_.enabled();
@@ -861,9 +930,13 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
   {
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
     float* g_head_unit = frozen ? nullptr : grad_writes_->unit(H);
-    cuda::rmsnorm_bwd(d_resid_, frozen ? nullptr : g_head_unit + norm, d_final_norm_, resid_out_, head_base_ + norm,
-                      final_rstd_, norm_scratch_, n, C,
-                      frozen ? GradWrite::Accumulate : grad_writes_->write(layout_.final_norm()), s);
+    // With sp a norm weight's gradient from this rank's rows is partial: written to sp_norm_grads_, summed over
+    // tp and then written or added (sp_add_norm_grads), so every tp rank holds the micro-batch's whole gradient.
+    const GradWrite write = frozen ? GradWrite::Accumulate : grad_writes_->write(layout_.final_norm());
+    cuda::rmsnorm_bwd(d_resid_, frozen ? nullptr : norm_grad(g_head_unit + norm, 0), sp_ ? d_norm_ : d_final_norm_,
+                      resid_out_, head_base_ + norm, final_rstd_, norm_scratch_, nr, C,
+                      sp_ ? GradWrite::Overwrite : write, s);
+    if (sp_ && !frozen) sp_add_norm_grads({{g_head_unit + norm, write}}, "sp final norm weight grad");
     store_->release(H);
     if (!frozen) store_->grads_done(H);
   }
@@ -881,7 +954,8 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
   float* g_embed = grad_writes_->unit(0) + (layout_.embed_tokens() - layout_.unit_range(0).first);
   if (grad_writes_->write(layout_.embed_tokens()) == GradWrite::Overwrite)
     TUNA_CUDA_CHECK(cudaMemsetAsync(g_embed, 0, layout_.tp().vocab * C * sizeof(float), s));
-  cuda::embedding_bwd(g_embed, d_resid_, group_positions_, group_unique_, group_offsets_, n_unique_, C, s);
+  const __nv_bfloat16* d_embedded = sp_ ? sp_gather(d_resid_, "sp embedding grad") : d_resid_;  // every token's
+  cuda::embedding_bwd(g_embed, d_embedded, group_positions_, group_unique_, group_offsets_, n_unique_, C, s);
   store_->grads_done(0);
   grads_unwritten_ = false;  // the pass wrote every element (GradWrites)
 }
@@ -909,24 +983,34 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   const LayerActs& a = acts_[l];
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
+  // With sp: the row-parallel GEMMs' output gradient and the column-parallel ones' input are every row, gathered
+  // (each into gathered_, used before the next gather); the column-parallel input gradients are every row's
+  // partial sums in d_norm_, reduced into this rank's rows (dnorm); the norms run on this rank's rows (nr).
+  const int64_t nr = sp_ ? sp_rows_.size() : n;
+  __nv_bfloat16* dnorm = sp_ ? d_final_norm_ : d_norm_;
+  const GradWrite post_norm_write = grad_write(o.post_norm), input_norm_write = grad_write(o.input_norm);
+  const auto norm_write = [&](GradWrite w) { return sp_ ? GradWrite::Overwrite : w; };
   // MLP block: x_out = resid_mid + down(act)
-  cuda::matmul_bwd(mm, d_act_, g(o.down_proj), d_resid_, a.act, w(o.down_proj), n, F, C, /*accumulate_dinp=*/false,
+  const __nv_bfloat16* dy2 = sp_ ? sp_gather(d_resid_, "sp down_proj output grad") : d_resid_;
+  cuda::matmul_bwd(mm, d_act_, g(o.down_proj), dy2, a.act, w(o.down_proj), n, F, C, /*accumulate_dinp=*/false,
                    grad_write(o.down_proj), s);
-  adapt(LoraTarget::Down, a.act, d_resid_, C, d_act_);
+  adapt(LoraTarget::Down, a.act, dy2, C, d_act_);
   // d_gate|d_up in place over gate|up (dead after this), then one dX and one dW GEMM over the gate|up block.
   __nv_bfloat16* d_gate_up = a.gate_up;
   cuda::swiglu_bwd(d_gate_up, d_gate_up + F, d_act_, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_up, a.norm2, w(o.gate_proj), n, C, 2 * F,
+  const __nv_bfloat16* x2 = sp_ ? sp_gather(a.norm2, "sp gate/up input") : a.norm2;
+  cuda::matmul_bwd(mm, d_norm_, g(o.gate_proj), d_gate_up, x2, w(o.gate_proj), n, C, 2 * F,
                    /*accumulate_dinp=*/false, grad_write_block({o.gate_proj, o.up_proj}), s);
-  adapt(LoraTarget::Gate, a.norm2, d_gate_up, 2 * F, d_norm_);
-  adapt(LoraTarget::Up, a.norm2, d_gate_up + F, 2 * F, d_norm_);
-  tp_all_reduce(d_norm_, n * C, "tp gate/up input grad");  // column-parallel: each rank's part of the sum
-  cuda::rmsnorm_bwd(d_resid_, g(o.post_norm), d_norm_, a.resid_mid, w(o.post_norm), a.rstd2, norm_scratch_, n, C,
-                    grad_write(o.post_norm), s);
+  adapt(LoraTarget::Gate, x2, d_gate_up, 2 * F, d_norm_);
+  adapt(LoraTarget::Up, x2, d_gate_up + F, 2 * F, d_norm_);
+  sp_reduce(d_norm_, dnorm, n, "tp gate/up input grad");  // column-parallel: each rank's part of the sum
+  cuda::rmsnorm_bwd(d_resid_, gb ? norm_grad(g(o.post_norm), 0) : nullptr, dnorm, a.resid_mid, w(o.post_norm),
+                    a.rstd2, norm_scratch_, nr, C, norm_write(post_norm_write), s);
   // Attention block: resid_mid = resid_in + o_proj(att)
-  cuda::matmul_bwd(mm, d_att_, g(o.o_proj), d_resid_, a.att, w(o.o_proj), n, d.q_dim, C, /*accumulate_dinp=*/false,
+  const __nv_bfloat16* dy1 = sp_ ? sp_gather(d_resid_, "sp o_proj output grad") : d_resid_;
+  cuda::matmul_bwd(mm, d_att_, g(o.o_proj), dy1, a.att, w(o.o_proj), n, d.q_dim, C, /*accumulate_dinp=*/false,
                    grad_write(o.o_proj), s);
-  adapt(LoraTarget::O, a.att, d_resid_, C, d_att_);
+  adapt(LoraTarget::O, a.att, dy1, C, d_att_);
   cuda::attention_bwd(d_q_, d_k_, d_v_, d_att_, a.att, a.lse, a.q, a.k, a.v, attn_scratch_, batch, seq, d.heads,
                       d.kv_heads, D, attention_doc_start_, s, run_.attention);
   // RoPE's backward writes d_q, d_k into the rows of d_qkv (qkv_, free since the forward's copies), d_v is
@@ -937,14 +1021,18 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   cuda::rope_bwd(d_qkv + d.q_dim, d_k_, rope_cos_, rope_sin_, batch, seq, d.kv_heads, D, qkv, d.kv_dim,
                  rope_position_ids_, s);
   copy_rows(d_qkv + d.q_dim + d.kv_dim, qkv, d_v_, d.kv_dim, n, d.kv_dim, s);
-  cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_qkv, a.norm1, w(o.q_proj), n, C, qkv, /*accumulate_dinp=*/false,
+  const __nv_bfloat16* x1 = sp_ ? sp_gather(a.norm1, "sp q/k/v input") : a.norm1;
+  cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_qkv, x1, w(o.q_proj), n, C, qkv, /*accumulate_dinp=*/false,
                    grad_write_block({o.q_proj, o.k_proj, o.v_proj}), s);
-  adapt(LoraTarget::Q, a.norm1, d_qkv, qkv, d_norm_);
-  adapt(LoraTarget::K, a.norm1, d_qkv + d.q_dim, qkv, d_norm_);
-  adapt(LoraTarget::V, a.norm1, d_qkv + d.q_dim + d.kv_dim, qkv, d_norm_);
-  tp_all_reduce(d_norm_, n * C, "tp q/k/v input grad");
-  cuda::rmsnorm_bwd(d_resid_, g(o.input_norm), d_norm_, a.resid_in, w(o.input_norm), a.rstd1, norm_scratch_, n, C,
-                    grad_write(o.input_norm), s);
+  adapt(LoraTarget::Q, x1, d_qkv, qkv, d_norm_);
+  adapt(LoraTarget::K, x1, d_qkv + d.q_dim, qkv, d_norm_);
+  adapt(LoraTarget::V, x1, d_qkv + d.q_dim + d.kv_dim, qkv, d_norm_);
+  sp_reduce(d_norm_, dnorm, n, "tp q/k/v input grad");
+  cuda::rmsnorm_bwd(d_resid_, gb ? norm_grad(g(o.input_norm), 1) : nullptr, dnorm, a.resid_in, w(o.input_norm),
+                    a.rstd1, norm_scratch_, nr, C, norm_write(input_norm_write), s);
+  if (sp_ && gb)
+    sp_add_norm_grads({{g(o.post_norm), post_norm_write}, {g(o.input_norm), input_norm_write}},
+                      "sp norm weight grads");
 }
 
 LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,

@@ -32,9 +32,11 @@
 
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/embedding.cuh"
@@ -160,7 +162,9 @@ class LlamaGpu {
   void set_weight_store(GpuWeightStore* store);
   // Tensor parallelism: the device comm over the tp group, enqueuing on stream() (NCCL; the staged comm when
   // ranks share a GPU). The model all-reduces activations with it: after the row-parallel o_proj and down_proj
-  // forward, after the column-parallel input gradients, around the vocab-parallel embedding and loss.
+  // forward, after the column-parallel input gradients, around the vocab-parallel embedding and loss. With
+  // sequence parallelism (MemoryLayout::sp) it also all-gathers the normed rows before the column-parallel GEMMs
+  // and the residual stream's gradient before the row-parallel ones' backward.
   void set_tp_comm(Comm* tp);
   // AdamW moments: float, or __nv_bfloat16 with GpuOptions::bf16_moments; null without optimizer state.
   void* moment_m() { return t_.m; }
@@ -261,6 +265,18 @@ class LlamaGpu {
   // parallelism the vocab-parallel steps around their two all-reduces.
   void cross_entropy(int64_t r0, int64_t rows, bool want_grad);
   void tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what);
+  // Sequence parallelism (MemoryLayout::sp): the norm and residual regions hold this rank's rows sp_rows_ of the
+  // pass's batch x seq, every rank's piece moved as sp_chunk_ rows. sp_gather: every rank's rows of `local` into
+  // gathered_, returned. sp_reduce: `full` holds this rank's partial sums of every row (`rows` of them); without
+  // sp it is all-reduced in place (`local` is `full`), with sp `local` gets the sums of this rank's rows.
+  const __nv_bfloat16* sp_gather(const __nv_bfloat16* local, const char* what);
+  void sp_reduce(__nv_bfloat16* full, __nv_bfloat16* local, int64_t rows, const char* what);
+  // A norm weight's gradient: `dweight` itself, or with sp slot `slot` of sp_norm_grads_ (this rank's rows' part,
+  // overwritten); sp_add_norm_grads sums the slots over tp and writes or adds them into the gradients.
+  float* norm_grad(float* dweight, int slot) const {
+    return sp_ ? sp_norm_grads_ + slot * config_.hidden_size : dweight;
+  }
+  void sp_add_norm_grads(std::initializer_list<std::pair<float*, GradWrite>> dst, const char* what);
   void backward(int64_t batch, int64_t seq);
   // Adapters of layer l (model/llama.cpp's lora_fwd / lora_bwd, and the tp collectives described there). Forward:
   // u = s A dropout(x) into lora_ax, then y (rows ld_y apart) += u B^T unless add_output is false (a recompute that
@@ -288,6 +304,11 @@ class LlamaGpu {
 
   std::unique_ptr<DeviceArena> arena_;
   Comm* tp_ = nullptr;                        // the tp device comm; null without tensor parallelism
+  bool sp_ = false;                           // sequence parallelism (MemoryLayout::sp, tp > 1)
+  int64_t sp_chunk_ = 0;                      // sp: this pass's rows per rank, ceil(batch x seq / tp)
+  Range sp_rows_;                             // sp: this rank's rows of the pass (shard_range)
+  __nv_bfloat16* gathered_ = nullptr;         // sp: [tp x sp_chunk_, C], every rank's rows, or every row's partials
+  float* sp_norm_grads_ = nullptr;            // sp: [2, C], a layer's two norm-weight gradients before their sum
   float *ce_stats_ = nullptr, *ce_max_ = nullptr;  // vocab-parallel loss statistics of a chunk
   double* replicated_norms_ = nullptr;        // tp: sums of squares of the replicated tensors' gradients
   std::unique_ptr<GpuWeightStore> own_store_;

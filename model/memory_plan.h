@@ -14,8 +14,8 @@
 // With pipeline stages (pp > 1) the list is one stage's (MemoryLayout::pp_rank): its layers' weights and state, the
 // embedding on the first stage, the final norm and lm_head on the last (model/pipeline.h's split), the activations
 // of the micro-batches 1F1B keeps in flight there (pp - s on stage s, for a step of at least pp micro-batches), and
-// the point-to-point buffers. With sp the norm and residual region holds seq / tp rows. The CUDA engine does not run
-// either yet: those plans are the design.
+// the point-to-point buffers. With sp the norm and residual region holds seq / tp rows, as the CUDA engine lays it
+// out. The CUDA engine does not run pipeline stages yet: those plans are the design.
 // Items are per rank. Transients (a buffer that lives only during a checkpoint save or a collective) are listed
 // with kind Transient, so that a plan's peak is honest.
 #pragma once

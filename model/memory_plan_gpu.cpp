@@ -365,6 +365,8 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     // d_gate|d_up overwrite each layer's gate_up in place (model/llama_gpu.cpp layer_backward).
     b.add("d_act", MemoryKind::Activations, n * F, kBf16);
     b.add("rmsnorm backward scratch", MemoryKind::Workspace, gpu_scratch::rmsnorm_bwd_floats(rows, C), kF32);
+    // sp: a layer's two norm-weight gradients from this rank's rows, before their sum over the tp ranks.
+    if (l.sp) b.add("sequence-parallel norm weight gradients", MemoryKind::Workspace, 2 * C, kF32);
     b.add("attention backward scratch", MemoryKind::Workspace,
           gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, H, /*head_dim=*/128, l.attention), kF32);
   }
@@ -469,13 +471,13 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
   GpuFit fit;
   const int64_t need = plan.peak() + gpu_headroom_bytes(l);
   fit.fits = need <= capacity;
-  // The CUDA engine does not run pipeline stages or sequence parallelism yet: their plan is the design.
-  const bool designed = l.pp > 1 || l.sp;
+  // The CUDA engine does not run pipeline stages yet: their plan is the design.
+  const bool designed = l.pp > 1;
   fit.report = format_memory_table(plan, capacity,
                                    str("device memory per GPU (dp rank ", l.dp_rank,
                                        l.pp > 1 ? str(", pipeline stage ", l.pp_rank) : std::string(), ", tp rank ",
                                        l.tp_rank, " of ", describe_layout(l), ")",
-                                       designed ? ", AS DESIGNED (the CUDA engine does not run pp or sp yet)" : ""),
+                                       designed ? ", AS DESIGNED (the CUDA engine does not run pp yet)" : ""),
                                    gpu_headroom_bytes(l));
   if (fit.fits) return fit;
   fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");

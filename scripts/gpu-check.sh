@@ -569,8 +569,9 @@ test_step() {  # name limit filter
   fi
 }
 HOPPER_TESTS='AttentionGpu.*Hopper*:AttentionGpu.BackwardAppliesRope*'
-# The multi-rank engine (ranks as threads sharing this GPU), and every ZeRO stage and recompute mode against ZeRO-0:
-TIER2_SUITES=" EngineGpuThreadRanks. EngineGpuStages. EngineGpuZeroOne. "
+# The multi-rank engine (ranks as threads sharing this GPU; tp with and without sp), and every ZeRO stage and
+# recompute mode against ZeRO-0:
+TIER2_SUITES=" EngineGpuThreadRanks. EngineGpuSequenceParallel. EngineGpuStages. EngineGpuZeroOne. "
 
 # The demo runs of build/train (demo/train.toml, the corpus tokenized in bin/data), each in its own directory.
 D="$BIN/data"

@@ -255,10 +255,18 @@ TEST_F(DistTrain, SequenceParallelRefusals) {
                           "or more, found --tp 1"), std::string::npos) << r.output;
   std::string cuda = flags("llama32_tiny");
   cuda.replace(cuda.find(" --device cpu"), 13, " --device cuda --plan_only --gpu_memory_gb 80");
+  // The CUDA engine runs sp: its plan is the engine's own (not AS DESIGNED), and it needs whole rows per tp rank.
   r = run_command(mpirun(2) + kTrain + cuda + " --micro_batch 4 --tp 2 --sp --out_dir " + (*tmp_ / "sp_cuda").string(),
                   *tmp_ / "sp_cuda_log");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tp 2 with sp"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("AS DESIGNED"), std::string::npos) << r.output;
+  r = run_command(mpirun(2) + kTrain + cuda + " --micro_batch 4 --tp 2 --sp --seq_len 15 --out_dir " +
+                      (*tmp_ / "sp_cuda_odd").string(),
+                  *tmp_ / "sp_cuda_odd_log");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("option 'sp': sequence parallelism is implemented on --device cpu only"), std::string::npos)
+  EXPECT_NE(r.output.find("option 'sp': sequence parallelism splits each sequence over the 2 tp ranks; seq_len 15"),
+            std::string::npos)
       << r.output;
 }
 

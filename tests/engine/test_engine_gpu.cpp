@@ -311,6 +311,37 @@ INSTANTIATE_TEST_SUITE_P(
     testing::ValuesIn(testing_util::kRanksCases),
     [](const testing::TestParamInfo<testing_util::RanksCase>& i) { return testing_util::name(i.param); });
 
+// Sequence parallelism over tp 2 (ranks as threads on one device, as above): the norm and residual regions split
+// by rows, the all-gathers and reductions around the tp GEMMs, the norm weights' gradients summed over tp. Tied
+// (llama32_tiny) and untied (llama2_tiny) embeddings, packed documents, each recompute mode, and over dp 2 at
+// ZeRO-1 and ZeRO-3 (the norm gradients written into the sharded store's unit buffers). The one rank follows the CPU engine
+// (EngineGpuParity), and the CPU engine with sp follows it too (tests/model/test_llama_sp.cpp).
+struct SequenceParallelCase {
+  const char* fixture;
+  testing_util::RanksCase layout;
+};
+class EngineGpuSequenceParallel : public testing::TestWithParam<SequenceParallelCase> {};
+
+TEST_P(EngineGpuSequenceParallel, FollowsOneRankOnTheWholeBatch) {
+  TUNA_REQUIRE_GPU();
+  Fixture f(GetParam().fixture);
+  const testing_util::OneRankRun reference(f);
+  testing_util::run_thread_ranks(GetParam().layout.ranks, [&](Comm& world) {
+    testing_util::follow_one_rank(world, f, GetParam().layout, reference);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, EngineGpuSequenceParallel,
+    testing::Values(SequenceParallelCase{"llama32_tiny", {2, 2, 0, true, Recompute::None, true}},
+                    SequenceParallelCase{"llama2_tiny", {2, 2, 0, true, Recompute::Selective, true}},
+                    SequenceParallelCase{"llama2_tiny", {4, 2, 1, true, Recompute::Full, true}},
+                    SequenceParallelCase{"llama32_tiny", {4, 2, 3, true, Recompute::None, true}}),
+    [](const testing::TestParamInfo<SequenceParallelCase>& i) {
+      std::string fixture = i.param.fixture;
+      return fixture + "_" + testing_util::name(i.param.layout);
+    });
+
 // A step whose loss is not finite changes nothing at every ZeRO stage (the decision is made on the host from
 // values the step reads back anyway); the next finite step trains as if the bad one had not happened.
 class EngineGpuNonFinite : public testing::TestWithParam<int> {};

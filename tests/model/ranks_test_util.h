@@ -4,6 +4,8 @@
 // r*4/dp ..; the tp ranks of a dp rank the same rows) and must follow one rank that trains all 4 rows at ZeRO-0,
 // step by step: the same token count, the loss and gradient norm within the bound below, and at the end each
 // rank's master weights within the bound of the one rank's (its block of them, its ZeRO pieces).
+// Sequence parallelism (RanksCase::sp) sums the same bf16 partial products per row as tp alone (each rank adds the
+// residual of its own rows instead of rank 0 adding every row's), so it is held to the same tp bounds.
 //
 // The bound. Data parallel ranks compute exactly the one rank's function; what differs is arithmetic order: each
 // rank's weight gradients sum its own rows in the GEMM and the reduce-scatter adds the ranks' sums (fp32 order),
@@ -26,6 +28,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -50,6 +53,7 @@ struct RanksCase {
   int ranks, tp, zero;
   bool prefetch;
   Recompute recompute;
+  bool sp = false;  // sequence parallelism over the tp ranks
 };
 
 // The layouts gpu-check and CI check: ZeRO-2, ZeRO-3 with and without prefetch, full and selective recompute,
@@ -61,7 +65,7 @@ inline const std::vector<RanksCase> kRanksCases = {
 
 inline std::string name(const RanksCase& c) {
   return std::to_string(c.ranks) + "ranks_tp" + std::to_string(c.tp) + "_zero" + std::to_string(c.zero) +
-         (c.prefetch ? "" : "_no_prefetch") + "_recompute_" + recompute_name(c.recompute);
+         (c.prefetch ? "" : "_no_prefetch") + "_recompute_" + recompute_name(c.recompute) + (c.sp ? "_sp" : "");
 }
 
 // 4 rows of 16 tokens over the fixture's vocabulary, targets the next token (the last ignored), each row packing
@@ -122,7 +126,7 @@ inline void follow_one_rank(Comm& world, const Fixture& f, const RanksCase& c, c
     return make_staged_device_comm(group.split(0, group.rank()), stream);
   };
   EngineOptions o = rows_options(f, c.zero, FourRows::kRows / mesh.dp_size);
-  o.zero_prefetch = c.prefetch, o.recompute = c.recompute;
+  o.zero_prefetch = c.prefetch, o.recompute = c.recompute, o.sp = c.sp;
   std::unique_ptr<Engine> e = make_engine(f.config, o, mesh, fixture_weights(f), device_comm);
   for (int64_t s = 0; s < kRanksSteps; s++) {
     const StepResult r = rows_step(*e, f, one.data, mesh.dp_rank * o.micro_batch, o.micro_batch, s);
@@ -150,6 +154,34 @@ inline void follow_one_rank(Comm& world, const Fixture& f, const RanksCase& c, c
     den += double(mine[i]) * mine[i];
   }
   EXPECT_LE(std::sqrt(num / den), weight_tol) << "rank " << world.rank() << "'s final master weights";
+  // The replicated tensors (the norm weights) are one tensor kept on every tp rank: their gradients, and so their
+  // weights, must agree bit for bit over the tp group. A norm gradient left partial (each rank's rows' share, as
+  // sequence parallelism computes it before the sum) moves them apart while the loss and the whole weights'
+  // error above hardly notice it (Adam's update is near sign(m)).
+  if (c.tp > 1) {
+    std::vector<float> replicated;
+    int64_t at = 0;  // where each segment starts in p
+    for (const Segment& seg : e->segments()) {
+      for (const ParamTensor& t : e->layout().tensors()) {
+        if (t.split_dim >= 0) continue;
+        const int64_t begin = std::max(t.offset, seg.begin), end = std::min(t.offset + t.numel, seg.begin + seg.size);
+        for (int64_t i = begin; i < end; i++) replicated.push_back(p[at + i - seg.begin]);
+      }
+      at += seg.size;
+    }
+    int64_t counts[2] = {static_cast<int64_t>(replicated.size()), -static_cast<int64_t>(replicated.size())};
+    mesh.tp->all_reduce(counts, 2, CommType::I64, ReduceOp::Max, "test replicated count");
+    // (A dp rank's ZeRO pieces may hold none; the other dp ranks' then do.)
+    ASSERT_EQ(counts[0], -counts[1]) << "tp ranks hold different counts of replicated weights";
+    std::vector<float> high = replicated, low(replicated.size());
+    for (size_t i = 0; i < replicated.size(); i++) low[i] = -replicated[i];
+    mesh.tp->all_reduce_max(high.data(), static_cast<int64_t>(high.size()), "test replicated max");
+    mesh.tp->all_reduce_max(low.data(), static_cast<int64_t>(low.size()), "test replicated min");
+    int64_t differ = 0;
+    for (size_t i = 0; i < replicated.size(); i++) differ += high[i] != -low[i];
+    EXPECT_EQ(differ, 0) << "of " << replicated.size() << " replicated weights (norms) differ over the tp ranks (rank "
+                         << world.rank() << ")";
+  }
 }
 
 }  // namespace tuna::testing_util

@@ -440,6 +440,9 @@ TEST(MemoryPlanGpu, SequenceParallelismDividesTheNormAndResidualBytesByTp) {
   EXPECT_EQ(find(sp, "d_resid")->bytes, device_arena_bytes(n / 2 * C * 2));
   EXPECT_EQ(find(sp, "sequence-parallel gathered input")->bytes, device_arena_bytes(n * C * 2));
   EXPECT_EQ(find(plain, "sequence-parallel gathered input"), nullptr);
+  // A layer's two norm-weight gradients from this rank's rows, summed over tp before they are written.
+  EXPECT_EQ(find(sp, "sequence-parallel norm weight gradients")->bytes, device_arena_bytes(2 * C * 4));
+  EXPECT_EQ(find(plain, "sequence-parallel norm weight gradients"), nullptr);
   // Per layer, the saving is exactly the norm and residual region's half.
   int64_t plain_layer = 0, sp_layer = 0;
   for (const MemoryItem& i : plain.items) plain_layer += i.name.rfind("layer 0 ", 0) == 0 ? i.bytes : 0;
@@ -470,12 +473,15 @@ TEST(MemoryPlanGpu, PipelineAndSequenceParallelRefusalsNameTheOption) {
   l = stage_layout(2, 0);
   l.lora.rank = 4;
   EXPECT_NE(testing_util::error_of([&] { plan_gpu_memory(c, l); }).find("--pp"), std::string::npos);
-  // The fit check prints a pp or sp plan as the design.
+  // The fit check prints a pp plan as the design; sp is the engine's own plan.
   const GpuFit fit = check_gpu_fit(c, stage_layout(2, 1), int64_t(80) << 30);
   EXPECT_TRUE(fit.fits);
   EXPECT_NE(fit.report.find("pipeline stage 1"), std::string::npos) << fit.report;
   EXPECT_NE(fit.report.find("AS DESIGNED"), std::string::npos) << fit.report;
   EXPECT_EQ(check_gpu_fit(c, stage_layout(1, 0), int64_t(80) << 30).report.find("AS DESIGNED"), std::string::npos);
+  MemoryLayout sp = stage_layout(1, 0);
+  sp.tp = 2, sp.sp = true;
+  EXPECT_EQ(check_gpu_fit(c, sp, int64_t(80) << 30).report.find("AS DESIGNED"), std::string::npos);
 }
 
 
