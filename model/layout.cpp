@@ -20,7 +20,7 @@ int64_t ParamLayout::add(const std::string& name, std::vector<int64_t> global_sh
   t.offset = total_;
   t.layer = layer;
   t.decays = decays;
-  t.stream = streams_++;
+  t.stream = static_cast<int>(streams_++);
   total_ += t.numel;
   tensors_.push_back(std::move(t));
   return tensors_.back().offset;
@@ -122,7 +122,7 @@ ParamLayout::ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors,
                          std::vector<std::pair<int64_t, int64_t>> units)
     : tensors_(std::move(tensors)), unit_ranges_(std::move(units)), tp_(tp), is_model_(false) {
   for (ParamTensor& t : tensors_) {
-    t.stream = streams_++;
+    t.stream = static_cast<int>(streams_++);
     t.numel = 1;
     for (int64_t d : t.shape) t.numel *= d;
     t.offset = total_;

@@ -26,18 +26,19 @@ struct ParamTensor {
   int64_t numel = 0;
   int layer = -1;              // -1 for embedding, final norm and lm_head
   bool decays = false;         // AdamW weight decay applies (2-D weights; not norm weights)
-  // Tensor parallel: this tensor is global.narrow(split_dim, split_begin, shape[split_dim]);
-  // split_dim -1: the whole tensor (replicated on every tp rank).
-  std::vector<int64_t> global_shape;
-  int split_dim = -1;
-  int64_t split_begin = 0;
-  // The tensor's index in the whole model's layout (a pipeline stage's layout holds a part of it): its random
-  // stream (tensor_stream_seed), so that every split starts from the same model.
-  int64_t stream = 0;
   // A copy of a tensor another pipeline stage holds: the last stage's lm_head when the embeddings are tied (Megatron's
   // layout: the first stage keeps the table, the last a copy, and the two gradients are summed between them, so the
   // copies stay equal). Not written to checkpoints (the first stage's is), and its gradient not counted in the norm.
   bool copy = false;
+  // Tensor parallel: this tensor is global.narrow(split_dim, split_begin, shape[split_dim]);
+  // split_dim -1: the whole tensor (replicated on every tp rank).
+  std::vector<int64_t> global_shape;
+  int split_dim = -1;
+  // The tensor's index in the whole model's layout (a pipeline stage's layout holds a part of it): its random
+  // stream (tensor_stream_seed), so that every split starts from the same model. (Placed to fill padding: the
+  // tensor list is part of every rank's heap, which tests hold against the state it reports.)
+  int stream = 0;
+  int64_t split_begin = 0;
 };
 
 // This rank's share of the model's dimensions under tensor parallelism (everything when tp_size is 1).
