@@ -470,7 +470,8 @@ void write_checkpoint_shard(const fs::path& tmp_dir, int rank, const ParamLayout
   json pieces = json::object();
   const auto tensors_written = [&](const Segment& seg, auto&& f) {
     for_each_tensor_of(layout, seg, [&](const ParamTensor& t, int64_t lb, int64_t le, int64_t at) {
-      if (s.write_replicated || t.split_dim >= 0) f(t, lb, le, at);
+      // A tied lm_head's copy on the last pipeline stage: the first stage writes the table.
+      if ((s.write_replicated || t.split_dim >= 0) && !t.copy) f(t, lb, le, at);
     });
   };
   for (const Segment& seg : *s.segments)

@@ -64,7 +64,8 @@ std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptio
            "(give the base with --init DIR)");
   }
   if (mesh.pp_size > 1) {
-    // What pipeline parallelism covers so far: the CPU engine with ZeRO 0-2 over dp (each stage's own parameters).
+    // What pipeline parallelism covers so far: the CPU engine with ZeRO 0-2 over dp (each stage's own parameters; 0-1
+    // with tied embeddings, engine_cpu.cpp).
     if (options.device == Device::Cuda)
       fail("option 'pp' ", mesh.pp_size, " with --device cuda: pipeline parallelism is not implemented on the CUDA "
            "engine yet; use --device cpu, or --pp 1");

@@ -4,7 +4,10 @@
 // for each micro-batch it can hold in flight under 1F1B (pp - stage). forward_backward_step runs the step's
 // micro-batches in the 1F1B order (pipeline_schedule), receiving each input from the previous stage and each output
 // gradient from the next with a blocking recv, and starting its own sends without waiting: a stage waits for its
-// last send only before it rewrites the buffer sent, so no two stages can block on each other's sends.
+// last send only before it rewrites the buffer sent, so no two stages can block on each other's sends. With tied
+// embeddings the last stage's lm_head is a copy of the first stage's table (model/layout.h ParamTensor::copy): after
+// the step's backwards the two stages exchange that tensor's gradient and each adds the other's, so both hold the sum
+// (bit for bit: a + b == b + a) and the identical updates keep the copies equal.
 #include <cmath>
 
 #include "core/error.h"
@@ -36,6 +39,19 @@ class CpuEngine final : public Engine {
       send_activations_ = str("stage ", s, ": activations to stage ", s + 1);
       recv_gradient_ = str("stage ", s, ": input gradient from stage ", s + 1);
       send_gradient_ = str("stage ", s, ": input gradient to stage ", s - 1);
+      tied_exchange_ = str("stage ", s, ": the tied embedding's gradient");
+      const ParamLayout& layout = model_.layout();
+      const ParamTensor* tied = layout.tied_copy();
+      if (!tied && config.tie_word_embeddings && layout.has_embedding()) tied = layout.find("model.embed_tokens.weight");
+      if (tied) {
+        if (o.zero >= 2)
+          fail("option 'zero': ", o.zero, " with --pp and tied embeddings (tie_word_embeddings) is not implemented: "
+               "the first and last stages sum the table's gradient whole; use --zero 0 or 1");
+        tied_peer_ = tied->copy ? 0 : pp_->size() - 1;
+        tied_offset_ = tied->offset;
+        allocate_host(str("the tied embedding's gradient from stage ", tied_peer_, " (", tied->numel, " parameters)"),
+                      uint64_t(tied->numel) * sizeof(float), [&] { tied_peer_grad_.assign(tied->numel, 0.0f); });
+      }
     }
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
     // only its shard, filled piece by piece.
@@ -174,6 +190,14 @@ class CpuEngine final : public Engine {
     }
     settle(activations_sent);
     settle(gradient_sent);
+    if (!tied_peer_grad_.empty()) {
+      float* mine = model_.grads.data() + tied_offset_;
+      const int64_t n = static_cast<int64_t>(tied_peer_grad_.size());
+      const CommRequest sent = pp_->send_start(mine, n, CommType::F32, tied_peer_, tied_exchange_.c_str());
+      pp_->recv(tied_peer_grad_.data(), n, CommType::F32, tied_peer_, tied_exchange_.c_str());
+      pp_->wait(sent);
+      for (int64_t i = 0; i < n; i++) mine[i] += tied_peer_grad_[i];
+    }
     return loss;
   }
 
@@ -184,7 +208,11 @@ class CpuEngine final : public Engine {
   int dp_rank_;
   Comm* pp_;  // the pipeline's stages (null without --pp)
   // The labels of the stage's sends and receives (a timeout names them).
-  std::string recv_activations_, send_activations_, recv_gradient_, send_gradient_;
+  std::string recv_activations_, send_activations_, recv_gradient_, send_gradient_, tied_exchange_;
+  // Tied embeddings over stages: the other stage (first or last), where the tensor's gradient is, and its gradient.
+  int tied_peer_ = -1;
+  int64_t tied_offset_ = 0;
+  std::vector<float> tied_peer_grad_;
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)
   std::unique_ptr<QuantizedWeights> quantized_base_;  // QLoRA: the frozen base (the model reads it as its store)
   std::unique_ptr<ShardedWeights> frozen_base_;        // LoRA at ZeRO-3: the frozen base, sharded over dp

@@ -20,7 +20,7 @@ int64_t ParamLayout::add(const std::string& name, std::vector<int64_t> global_sh
   t.offset = total_;
   t.layer = layer;
   t.decays = decays;
-  t.stream = streams_++;
+  t.stream = static_cast<int>(streams_++);
   total_ += t.numel;
   tensors_.push_back(std::move(t));
   return tensors_.back().offset;
@@ -37,10 +37,6 @@ ParamLayout::ParamLayout(const LlamaConfig& c, int tp_rank, int tp_size) {
 ParamLayout::ParamLayout(const LlamaConfig& c, int tp_rank, int tp_size, const PipelineStage& stage) {
   TUNA_CHECK(stage.layer_begin >= 0 && stage.layer_begin <= stage.layer_end && stage.layer_end <= c.num_hidden_layers,
              "pipeline stage of layers [", stage.layer_begin, ", ", stage.layer_end, ") of ", c.num_hidden_layers);
-  if (c.tie_word_embeddings && stage.embedding != stage.head)
-    fail("option 'pp': the model ties lm_head to the embedding (tie_word_embeddings in its config.json), which would "
-         "put one tensor on the first and the last stage; pipeline parallelism over tied embeddings is not "
-         "implemented: use --pp 1, or a model with tie_word_embeddings false");
   build(c, tp_rank, tp_size, stage);
 }
 
@@ -108,9 +104,16 @@ void ParamLayout::build(const LlamaConfig& c, int tp_rank, int tp_size, const Pi
   const int64_t head_begin = total_;
   if (has_head_) {
     final_norm_ = add("model.norm.weight", {hidden}, -1, kNoDecay);
-    lm_head_ = c.tie_word_embeddings
-                   ? embed_tokens_
-                   : add("lm_head.weight", {c.vocab_size, hidden}, -1, kDecays, kByRows, d.vocab_begin, d.vocab);
+    if (!c.tie_word_embeddings) {
+      lm_head_ = add("lm_head.weight", {c.vocab_size, hidden}, -1, kDecays, kByRows, d.vocab_begin, d.vocab);
+    } else if (has_embedding_) {
+      lm_head_ = embed_tokens_;
+    } else {  // a later stage than the table's: a copy of it (ParamTensor::copy), drawn from the table's stream
+      lm_head_ = add("model.embed_tokens.weight", {c.vocab_size, hidden}, -1, kDecays, kByRows, d.vocab_begin, d.vocab);
+      streams_--;
+      tensors_.back().stream = 0;
+      tensors_.back().copy = true;
+    }
   }
   unit_ranges_.emplace_back(head_begin, total_);
 }
@@ -119,7 +122,7 @@ ParamLayout::ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors,
                          std::vector<std::pair<int64_t, int64_t>> units)
     : tensors_(std::move(tensors)), unit_ranges_(std::move(units)), tp_(tp), is_model_(false) {
   for (ParamTensor& t : tensors_) {
-    t.stream = streams_++;
+    t.stream = static_cast<int>(streams_++);
     t.numel = 1;
     for (int64_t d : t.shape) t.numel *= d;
     t.offset = total_;
@@ -135,6 +138,12 @@ ParamLayout::ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors,
 
 void ParamLayout::model_only(const char* what) const {
   TUNA_CHECK(is_model_, "ParamLayout::", what, " of a layout that is not a model's (adapters)");
+}
+
+const ParamTensor* ParamLayout::tied_copy() const {
+  for (const ParamTensor& t : tensors_)
+    if (t.copy) return &t;
+  return nullptr;
 }
 
 void ParamLayout::owned(const char* what, bool held) const {

@@ -26,14 +26,19 @@ struct ParamTensor {
   int64_t numel = 0;
   int layer = -1;              // -1 for embedding, final norm and lm_head
   bool decays = false;         // AdamW weight decay applies (2-D weights; not norm weights)
+  // A copy of a tensor another pipeline stage holds: the last stage's lm_head when the embeddings are tied (Megatron's
+  // layout: the first stage keeps the table, the last a copy, and the two gradients are summed between them, so the
+  // copies stay equal). Not written to checkpoints (the first stage's is), and its gradient not counted in the norm.
+  bool copy = false;
   // Tensor parallel: this tensor is global.narrow(split_dim, split_begin, shape[split_dim]);
   // split_dim -1: the whole tensor (replicated on every tp rank).
   std::vector<int64_t> global_shape;
   int split_dim = -1;
-  int64_t split_begin = 0;
   // The tensor's index in the whole model's layout (a pipeline stage's layout holds a part of it): its random
-  // stream (tensor_stream_seed), so that every split starts from the same model.
-  int64_t stream = 0;
+  // stream (tensor_stream_seed), so that every split starts from the same model. (Placed to fill padding: the
+  // tensor list is part of every rank's heap, which tests hold against the state it reports.)
+  int stream = 0;
+  int64_t split_begin = 0;
 };
 
 // This rank's share of the model's dimensions under tensor parallelism (everything when tp_size is 1).
@@ -58,7 +63,7 @@ class ParamLayout {
   // the last), under their global names, laid end to end. The units keep the whole model's numbering (0 the
   // embedding, 1 + l layer l, the head last), those of other stages empty, so that everything that walks units
   // (Zero, AdamW, checkpoints, the model's store) takes a stage as it takes the whole model. Tied embeddings across
-  // stages are refused (the head would read the first stage's table).
+  // stages: the last stage holds a copy of the table as its lm_head (ParamTensor::copy, tied_copy()).
   ParamLayout(const LlamaConfig& config, int tp_rank, int tp_size, const PipelineStage& stage);
   // A layout of other trainable tensors (LoRA adapters, model/lora.h): the tensors, laid end to end in the given
   // order (their offsets are set here), in units of [begin, end) ranges that cover the buffer in order. It has
@@ -75,7 +80,9 @@ class ParamLayout {
   int num_units() const { return static_cast<int>(unit_ranges_.size()); }
   std::pair<int64_t, int64_t> unit_range(int unit) const { return unit_ranges_[unit]; }
   int head_unit() const { model_only("head_unit"); return num_units() - 1; }
-  int lm_head_unit() const { model_only("lm_head_unit"); return tied_ ? 0 : head_unit(); }
+  int lm_head_unit() const { model_only("lm_head_unit"); return tied_ && has_embedding_ ? 0 : head_unit(); }
+  // The last stage's copy of a tied embedding (ParamTensor::copy), or null.
+  const ParamTensor* tied_copy() const;
   // The units a forward pass uses, in order (embedding, layers, head, the tied embedding again for lm_head),
   // then the layers backwards when a backward follows: the order ZeRO-3 gathers (and prefetches) them in.
   std::vector<int> unit_pass_order(bool backward_follows) const;

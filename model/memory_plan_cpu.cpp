@@ -69,6 +69,11 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (lora && m.pp > 1) fail("memory plan: --pp ", m.pp, " with LoRA adapters: not implemented; use --pp 1");
   if (m.training && m.pp > 1 && m.zero == 3)
     fail("memory plan: --zero 3 with --pp ", m.pp, ": not implemented; use --zero 0, 1 or 2");
+  // Tied embeddings over stages: the first and the last stage each receive the other's gradient of the table.
+  const bool tied_over_stages =
+      m.training && m.pp > 1 && config.tie_word_embeddings && (m.pp_rank == 0 || m.pp_rank == m.pp - 1);
+  if (tied_over_stages && m.zero >= 2)
+    fail("memory plan: --zero ", m.zero, " with --pp and tied embeddings: not implemented; use --zero 0 or 1");
   const bool quantized = lora && m.lora.base_quant != BaseQuant::None;
   if (m.training && !lora && m.lora.base_quant != BaseQuant::None)
     fail("option 'base_quant' ", base_quant_name(m.lora.base_quant), " is for LoRA training (a quantized base is "
@@ -133,6 +138,10 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   add("rotary tables", MemoryKind::Workspace, llama.rope_tables * kFloat + llama.rope_inv_freq * kDouble);
   add("vocab-parallel loss statistics", MemoryKind::Workspace, llama.ce_stats * kDouble);
   add("document boundaries (mask starts, RoPE positions)", MemoryKind::Workspace, llama.documents * int64_t(sizeof(int32_t)));
+  if (tied_over_stages) {
+    const ParamTensor* table = layout.has_embedding() ? layout.find("model.embed_tokens.weight") : layout.tied_copy();
+    add("tied embedding: the other stage's gradient of the table", MemoryKind::Communication, table->numel * kFloat);
+  }
   // Zero.
   add("master weights (fp32, shard)", MemoryKind::Master, zero.master * kFloat);
   add("gradient shard (fp32)", MemoryKind::Gradients, zero.grad_shard * kFloat);

@@ -119,7 +119,7 @@ int64_t offset_in(BufferOrder order, const ShardPiece& p) { return order == Buff
 double AdamW::grad_sum_of_squares(const float* grads, bool count_replicated, BufferOrder grads_order) const {
   double sum = 0;
   for (const ShardPiece& p : pieces_)
-    if (count_replicated || p.tensor->split_dim >= 0)
+    if ((count_replicated || p.tensor->split_dim >= 0) && !p.tensor->copy)  // another stage counts a copy's
       sum += cpu::sum_of_squares(grads + offset_in(grads_order, p), p.size);
   return sum;
 }
