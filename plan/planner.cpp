@@ -394,7 +394,9 @@ std::string cuda_adapter_refusal(const MemoryLayout& l) {
     return str("adapters are trained on cuda at ZeRO-0 only (--lora_rank with --zero ", l.zero, ")");
   return "";
 }
-// Pipeline stages, which the CUDA engine does not run yet: their plans are the design. (It runs sequence parallelism.)
+// Pipeline stages, which the CUDA engine does not run yet, and sequence parallelism as priced here (a reduce-scatter
+// after the row-parallel GEMMs; the CUDA engine runs --sp with all-reduces until the comms reduce-scatter bf16): their
+// plans are the design.
 constexpr bool kCudaEngineRunsPipelines = false;
 
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design.
@@ -414,6 +416,9 @@ GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& l) {
   }
   if (m.engines && l.pp > 1 && !kCudaEngineRunsPipelines)
     m.engines = false, m.refusal = "pipeline stages are not run on cuda yet (--pp with --device cuda)";
+  if (m.engines && l.sp && !kCudaEngineRunsPipelines)
+    m.engines = false, m.refusal = "sequence parallelism is priced with a bf16 reduce-scatter, which the CUDA engine "
+                                   "does not do yet (its --sp all-reduces)";
   if (const std::string refusal = cuda_adapter_refusal(l); m.engines && !refusal.empty())
     m.engines = false, m.refusal = refusal;
   return m;
