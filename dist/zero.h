@@ -167,13 +167,6 @@ class Zero final : public WeightStore {
   void grads_done(int unit) override;
 
  private:
-  struct UnitBuffer {
-    std::vector<float> data;
-    int unit = -1;          // the unit it holds (valid or arriving), -1: none
-    bool in_use = false;
-    bool valid = false;     // holds the current weights of `unit`
-    CommRequest pending = 0;  // a prefetch in flight into it
-  };
   double global_norm(const float* grads, BufferOrder order);
   void gather_params_in_place();  // stages 1-2: every rank's pieces of the whole weights to every rank
 

@@ -18,6 +18,7 @@
 #include "kernels/cpu/classifier.h"
 #include "kernels/cpu/decode_attention.h"
 #include "kernels/cpu/embedding.h"
+#include "kernels/cpu/lora.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
@@ -686,16 +687,8 @@ void Llama::lora_dropout_apply(int64_t l, LoraTarget t, const float* src, float*
   const int64_t in = local_shape(config_, layout_.tp(), t)[1];
   const ParamTensor& a = lora_layout_.params.tensors()[lora_tensor_index_[l][i]];
   const int64_t global_in = a.global_shape[1], col0 = a.split_dim == 1 ? a.split_begin : 0;
-  const uint64_t stream = lora_dropout_stream(lora_dropout_key_, l, t);
-  const double p = lora_.dropout;
-  const float keep = static_cast<float>(1.0 / (1.0 - p));
-#pragma omp parallel for schedule(static)
-  for (int64_t row = 0; row < n; row++)
-    for (int64_t j = 0; j < in; j++) {
-      const float v = lora_dropout_keeps(stream, row * global_in + col0 + j, p) ? src[row * in + j] * keep : 0.0f;
-      float& out = dst[row * in + j];
-      out = accumulate ? out + v : v;
-    }
+  cpu::lora_dropout(dst, src, n, in, global_in, col0, lora_dropout_stream(lora_dropout_key_, l, t), lora_.dropout,
+                    accumulate);
 }
 
 const float* Llama::lora_input(int64_t l, LoraTarget t, const float* x, int64_t n, bool train) {
