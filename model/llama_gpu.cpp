@@ -596,17 +596,7 @@ void LlamaGpu::set_params_piece(const Segment& piece, const float* host) {
   }
   TUNA_CHECK(params_ != nullptr && piece.begin >= 0 && piece.begin + piece.size <= layout_.total(),
              "piece [", piece.begin, ", +", piece.size, ") of ", layout_.total(), " weights (ZeRO-3 keeps no whole copy)");
-  if (master_ != nullptr) {
-    TUNA_CUDA_CHECK(cudaMemcpyAsync(master_ + piece.begin, host, piece.size * sizeof(float), cudaMemcpyHostToDevice,
-                                    stream_));
-    cuda::f32_to_bf16(params_ + piece.begin, master_ + piece.begin, piece.size, stream_);
-  } else {  // rounded to nearest on the host, as f32_to_bf16
-    std::vector<uint16_t> bits(piece.size);
-    convert_from_f32(host, DType::BF16, bits.data(), piece.size);
-    TUNA_CUDA_CHECK(cudaMemcpyAsync(params_ + piece.begin, bits.data(), piece.size * sizeof(uint16_t),
-                                    cudaMemcpyHostToDevice, stream_));
-  }
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  upload_piece(master_, params_, piece, host);
 }
 
 void LlamaGpu::refresh_params() {
@@ -626,17 +616,21 @@ void LlamaGpu::refresh_params_from(const float* master_values) {
 void LlamaGpu::set_adapters_piece(const Segment& piece, const float* host) {
   TUNA_CHECK(lora_params_ != nullptr && piece.begin >= 0 && piece.begin + piece.size <= lora_layout_.params.total(),
              "adapter piece [", piece.begin, ", +", piece.size, ") of ", lora_layout_.params.total(), " (a model with adapters)");
-  if (lora_master_ != nullptr) {
-    TUNA_CUDA_CHECK(cudaMemcpyAsync(lora_master_ + piece.begin, host, piece.size * sizeof(float),
-                                    cudaMemcpyHostToDevice, stream_));
-    cuda::f32_to_bf16(lora_params_ + piece.begin, lora_master_ + piece.begin, piece.size, stream_);
+  upload_piece(lora_master_, lora_params_, piece, host);
+}
+
+void LlamaGpu::upload_piece(float* master, __nv_bfloat16* params, const Segment& piece, const float* host) {
+  if (master != nullptr) {
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(master + piece.begin, host, piece.size * sizeof(float), cudaMemcpyHostToDevice,
+                                    stream_));
+    cuda::f32_to_bf16(params + piece.begin, master + piece.begin, piece.size, stream_);
   } else {  // rounded to nearest on the host, as f32_to_bf16
     std::vector<uint16_t> bits(piece.size);
     convert_from_f32(host, DType::BF16, bits.data(), piece.size);
-    TUNA_CUDA_CHECK(cudaMemcpyAsync(lora_params_ + piece.begin, bits.data(), piece.size * sizeof(uint16_t),
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(params + piece.begin, bits.data(), piece.size * sizeof(uint16_t),
                                     cudaMemcpyHostToDevice, stream_));
   }
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffer is refilled next
 }
 
 void LlamaGpu::init_random(uint64_t seed, double std) {

@@ -343,6 +343,9 @@ class LlamaGpu {
   __nv_bfloat16 *plain_ = nullptr, *dequant_ = nullptr;
   // Fills unit u of the quantized base from host fp32 (quantizing its projections); the piece is the whole unit.
   void set_quantized_unit(int u, const float* host);
+  // Elements [piece.begin, +piece.size) from the host: into the fp32 master and then its bf16 copy, or with no master
+  // straight into the bf16 weights (rounded to nearest on the host). The base's and the adapters' fills.
+  void upload_piece(float* master, __nv_bfloat16* params, const Segment& piece, const float* host);
   int64_t* segment_starts_ = nullptr;
   uint8_t* segment_decays_ = nullptr;
   int n_segments_ = 0;

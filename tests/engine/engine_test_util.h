@@ -104,6 +104,24 @@ inline int64_t host_heap_in_use() {
   return static_cast<int64_t>(info.uordblks + info.hblkhd);
 }
 
+// The relative L2 error of this rank's exported master weights against a one-rank run's: `whole` laid out by
+// whole_layout, cut to this rank's tensor-parallel blocks (copy_block) and then to its ZeRO segments.
+inline double shard_error_against_whole(const Engine& e, const ParamLayout& whole_layout, const float* whole) {
+  std::vector<float> p, m, v, local(e.layout().total()), mine;
+  e.export_shard(p, m, v);
+  for (const ParamTensor& t : e.layout().tensors())
+    copy_block(t, whole + whole_layout.find(t.name)->offset, local.data() + t.offset);
+  for (const Segment& seg : e.segments())
+    mine.insert(mine.end(), local.begin() + seg.begin, local.begin() + seg.begin + seg.size);
+  EXPECT_EQ(p.size(), mine.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(p.size(), mine.size()); i++) {
+    num += (double(p[i]) - mine[i]) * (double(p[i]) - mine[i]);
+    den += double(mine[i]) * mine[i];
+  }
+  return std::sqrt(num / den);
+}
+
 // A checkpoint exchange of `from`'s state into `to` a piece at a time (Engine::export_state -> import_state), with
 // the most host heap either engine held above its start while it handed out or asked for a piece: a whole-shard
 // copy held meanwhile shows up there. The pieces must come in segment order, each of its segment's size; the

@@ -199,16 +199,8 @@ TEST_P(EngineLoraLayouts, FollowOneRank) {
       EXPECT_NEAR(r.stats.grad_norm, want[s].stats.grad_norm, 1e-4 * want[s].stats.grad_norm) << "step " << s;
     }
     // This rank's pieces of the one rank's final adapters (its tp blocks, then its ZeRO pieces).
-    std::vector<float> p, pm, pv, local(e->layout().total()), mine;
-    e->export_shard(p, pm, pv);
-    for (const ParamTensor& t : e->layout().tensors())
-      copy_block(t, one_weights.data() + whole.find(t.name)->offset, local.data() + t.offset);
-    for (const Segment& seg : e->segments())
-      mine.insert(mine.end(), local.begin() + seg.begin, local.begin() + seg.begin + seg.size);
-    ASSERT_EQ(p.size(), mine.size());
-    double num = 0, den = 0;
-    for (size_t i = 0; i < mine.size(); i++) num += (double(p[i]) - mine[i]) * (double(p[i]) - mine[i]), den += double(mine[i]) * mine[i];
-    EXPECT_LE(std::sqrt(num / den), 1e-5) << "rank " << world.rank() << "'s final adapters";
+    EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, one_weights.data()), 1e-5)
+        << "rank " << world.rank() << "'s final adapters";
   });
 }
 

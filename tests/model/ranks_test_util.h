@@ -143,17 +143,8 @@ inline void follow_one_rank(Comm& world, const Fixture& f, const RanksCase& c, c
   // The one rank's weights in this rank's tensor-parallel layout (its block of every split tensor), then its
   // ZeRO pieces of them.
   const ParamLayout whole_layout(f.config);
-  std::vector<float> local(e->layout().total()), mine;
-  for (const ParamTensor& t : e->layout().tensors())
-    copy_block(t, one.weights.data() + whole_layout.find(t.name)->offset, local.data() + t.offset);
-  for (const Segment& seg : e->segments())
-    mine.insert(mine.end(), local.begin() + seg.begin, local.begin() + seg.begin + seg.size);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < mine.size(); i++) {
-    num += (double(p[i]) - mine[i]) * (double(p[i]) - mine[i]);
-    den += double(mine[i]) * mine[i];
-  }
-  EXPECT_LE(std::sqrt(num / den), weight_tol) << "rank " << world.rank() << "'s final master weights";
+  EXPECT_LE(shard_error_against_whole(*e, whole_layout, one.weights.data()), weight_tol)
+      << "rank " << world.rank() << "'s final master weights";
   // The replicated tensors (the norm weights) are one tensor kept on every tp rank: their gradients, and so their
   // weights, must agree bit for bit over the tp group. A norm gradient left partial (each rank's rows' share, as
   // sequence parallelism computes it before the sum) moves them apart while the loss and the whole weights'
