@@ -59,14 +59,14 @@ class CpuEngine final : public Engine {
     if (o.base_quant != BaseQuant::None) {
       // QLoRA: the base quantized from the starting weights a unit at a time (never the fp32 model beside it).
       if (!o.lora.enabled()) fail("option 'base_quant' ", base_quant_name(o.base_quant), " is for LoRA training (--lora_rank)");
-      if (mesh.tp_size > 1)
-        fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --tp ", mesh.tp_size, ": not implemented (each "
-             "rank would quantize its own block of a tensor, a base that depends on tp); use --tp 1");
       if (o.zero == 3)
         fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --zero 3: sharding a quantized base is not "
              "implemented; use --zero 0, 1 or 2 (the quantized base is small), or --base_quant none");
       TUNA_CHECK(static_cast<bool>(initial), "a quantized base needs its starting weights");
-      quantized_base_ = std::make_unique<QuantizedWeights>(model_.layout(), o.base_quant, initial);
+      // With tp each rank quantizes whole tensors and keeps its blocks, so the base does not depend on tp.
+      const ParamLayout whole = mesh.pp_size > 1 ? ParamLayout(config, 0, 1, stage_) : ParamLayout(config);
+      quantized_base_ = std::make_unique<QuantizedWeights>(model_.layout(), o.base_quant, initial,
+                                                           mesh.tp_size > 1 ? &whole : nullptr);
       model_.set_weight_store(quantized_base_.get());
     } else if (o.lora.enabled() && o.zero == 3) {
       // ZeRO-3 with adapters: the frozen base sharded over dp like a full fine-tune's weights (each rank fills its

@@ -81,9 +81,6 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (quantized && m.zero == 3)
     fail("option 'base_quant' ", base_quant_name(m.lora.base_quant), " with --zero 3: sharding a quantized base is not "
          "implemented; use --zero 0, 1 or 2 (the quantized base is small), or --base_quant none");
-  if (quantized && m.tp > 1)
-    fail("option 'base_quant' ", base_quant_name(m.lora.base_quant), " with --tp ", m.tp, ": not implemented (each "
-         "rank would quantize its own block of a tensor, a base that depends on tp); use --tp 1");
   const LoraLayout adapters = lora ? lora_layout(config, m.lora, static_cast<int>(m.tp_rank), static_cast<int>(m.tp))
                                    : LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
   const LlamaBufferSizes llama =
@@ -109,6 +106,7 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
         MemoryKind::Weights, q.quantized);
     add("frozen base: embedding, norms and lm_head (fp32)", MemoryKind::Weights, q.fp32_params * kFloat);
     add("frozen base: one decoder layer dequantized (fp32)", MemoryKind::Workspace, q.buffer);
+    add("frozen base: a projection read whole to quantize its tp block (at start)", MemoryKind::Workspace, q.fill_buffer);
     add("LoRA adapters (fp32, whole)", MemoryKind::Weights, trained * kFloat);
     if (stage < 2) add("LoRA adapter gradients (fp32, whole)", MemoryKind::Gradients, trained * kFloat);
   } else if (lora && stage == 3) {

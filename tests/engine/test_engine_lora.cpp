@@ -213,6 +213,57 @@ INSTANTIATE_TEST_SUITE_P(Cpu, EngineLoraLayouts,
                                   "_zero" + std::to_string(i.param.zero) + "_micro" + std::to_string(i.param.micro);
                          });
 
+// QLoRA under tensor parallelism: each rank quantizes the whole tensors and keeps its blocks (model/quantized_weights.h),
+// so its base is one rank's; tp 2 (down_proj blocks of 80 columns, o_proj of 32: splits inside the 64-element blocks)
+// and dp 2 x tp 2 follow QLoRA on one rank as LoRA's layouts follow LoRA's.
+struct QloraCase {
+  int ranks, zero;
+  BaseQuant quant;
+};
+
+class EngineQloraTensorParallel : public testing::TestWithParam<QloraCase> {};
+
+TEST_P(EngineQloraTensorParallel, FollowsOneRank) {
+  const QloraCase c = GetParam();
+  Fixture f("llama2_tiny");
+  const LoraConfig lora = lora_of(4, 8, kAll);
+  const FourRows data(f.config.vocab_size);
+  const auto options = [&](int zero, int64_t micro) {
+    EngineOptions o = lora_options(f, lora, zero);
+    o.micro_batch = micro, o.seq_len = FourRows::kSeq, o.base_quant = c.quant;
+    return o;
+  };
+  std::vector<StepResult> want;
+  std::vector<float> one_weights, m, v;
+  {
+    SingleRank one;
+    std::unique_ptr<Engine> e = make_engine(f.config, options(0, FourRows::kRows), one.mesh, fixture_weights(f));
+    for (int64_t s = 0; s < kSteps; s++) want.push_back(rows_step(*e, f, data, 0, FourRows::kRows, FourRows::kRows, s));
+    e->export_shard(one_weights, m, v);
+  }
+  const ParamLayout whole = lora_layout(f.config, lora).params;
+  testing_util::run_thread_ranks(c.ranks, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, 2);
+    const int64_t rows = FourRows::kRows / mesh.dp_size;
+    std::unique_ptr<Engine> e = make_engine(f.config, options(c.zero, rows), mesh, fixture_weights(f));
+    for (int64_t s = 0; s < kSteps; s++) {
+      const StepResult r = rows_step(*e, f, data, mesh.dp_rank * rows, rows, rows, s);
+      EXPECT_EQ(r.tokens, want[s].tokens);
+      EXPECT_NEAR(r.loss, want[s].loss, 1e-5 * want[s].loss) << "step " << s;
+      EXPECT_NEAR(r.stats.grad_norm, want[s].stats.grad_norm, 1e-4 * want[s].stats.grad_norm) << "step " << s;
+    }
+    EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, one_weights.data()), 1e-5)
+        << "rank " << world.rank() << "'s final adapters";
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, EngineQloraTensorParallel,
+                         testing::Values(QloraCase{2, 0, BaseQuant::Nf4}, QloraCase{4, 1, BaseQuant::Int8}),
+                         [](const testing::TestParamInfo<QloraCase>& i) {
+                           return "ranks" + std::to_string(i.param.ranks) + "_tp2_zero" + std::to_string(i.param.zero) +
+                                  "_" + base_quant_name(i.param.quant);
+                         });
+
 // A subset of targets at tp 2 (q, v column-parallel; down row-parallel), with dp 2 x tp 2 at ZeRO-2.
 TEST(EngineLora, SubsetOfTargetsUnderTensorParallelFollowsOneRank) {
   Fixture f("llama32_tiny");

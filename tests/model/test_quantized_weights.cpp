@@ -146,6 +146,62 @@ TEST(QuantizedWeights, DequantizedFillIsTheStoresWeightsInAnyPieces) {
   }
 }
 
+// Under tp each rank's base dequantizes to its block of one rank's, bit for bit, with splits that do not align with
+// the 64-element blocks (down_proj: 176 columns a rank, o_proj at tp 4: 32) or the 256-block statistics (gate_proj's
+// second half starts at block 352), and the fill is asked for the whole model's layout only. The quantized bytes are
+// the block's share plus the blocks a split shares and the whole tensor's second-level statistics.
+TEST(QuantizedWeights, TensorParallelBlocksDequantizeToOneRanksValues) {
+  LlamaConfig config = small_config(false);
+  config.num_key_value_heads = 4;  // tp 4 divides them
+  const ParamLayout whole(config);
+  for (BaseQuant quant : {BaseQuant::Nf4, BaseQuant::Int8}) {
+    int64_t unused = 0;
+    const BaseFill base = random_fill(9, &unused);
+    QuantizedWeights one(whole, quant, base);
+    std::vector<float> want(whole.total());
+    for (int u = 0; u < whole.num_units(); ++u) {
+      const auto [begin, end] = whole.unit_range(u);
+      std::copy_n(one.acquire(u), end - begin, want.data() + begin);
+      one.release(u);
+    }
+    for (int tp : {2, 4}) {
+      int64_t quantized = 0;
+      for (int rank = 0; rank < tp; ++rank) {
+        SCOPED_TRACE(std::string(base_quant_name(quant)) + " tp " + std::to_string(tp) + " rank " + std::to_string(rank));
+        const ParamLayout local(config, rank, tp);
+        bool only_whole = true;
+        QuantizedWeights store(local, quant, [&](const ParamLayout& l, const Segment& piece, float* out) {
+          only_whole = only_whole && l.tp().tp_size == 1 && l.total() == whole.total();
+          base(l, piece, out);
+        }, &whole);
+        EXPECT_TRUE(only_whole);
+        for (int u = 0; u < local.num_units(); ++u) {
+          const float* got = store.acquire(u);
+          const int64_t begin = local.unit_range(u).first;
+          for (const ParamTensor& t : local.tensors()) {
+            if (t.offset < begin || t.offset >= local.unit_range(u).second) continue;
+            std::vector<float> block(t.numel);
+            copy_block(t, want.data() + whole.find(t.name)->offset, block.data());
+            ASSERT_EQ(std::memcmp(got + (t.offset - begin), block.data(), t.numel * sizeof(float)), 0) << t.name;
+          }
+          store.release(u);
+        }
+        EXPECT_EQ(quantized_base_bytes(local, quant).total(), store.bytes().total());
+        quantized += store.bytes().quantized;
+        if (quant == BaseQuant::Nf4) {
+          const std::string e = testing_util::error_of([&] { store.nf4("model.layers.0.self_attn.q_proj.weight"); });
+          EXPECT_NE(e.find("is a tp block"), std::string::npos) << e;
+        }
+      }
+      // The ranks together hold one rank's bytes and what they repeat: int8 the row-parallel blocks' scales (each
+      // rank keeps every row's), NF4 the whole tensors' second-level statistics and, for a split that does not
+      // align, one shared 64-element absmax per row; a few percent at these widths (of 128 and 352).
+      EXPECT_GE(quantized, one.bytes().quantized);
+      EXPECT_LT(quantized, one.bytes().quantized * (1 + 0.02 * tp)) << tp;
+    }
+  }
+}
+
 TEST(QuantizedWeights, BadInputIsAClearError) {
   EXPECT_EQ(parse_base_quant("nf4", "option 'base_quant'"), BaseQuant::Nf4);
   EXPECT_EQ(parse_base_quant("none", "option 'base_quant'"), BaseQuant::None);
