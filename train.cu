@@ -191,9 +191,9 @@ void declare(Options& o, TrainConfig& c) {
         "LoRA --resume: the frozen base's directory, instead of the path the checkpoint recorded (its checksum must "
         "match)");
   o.add("base_quant", &c.base_quant,
-        "LoRA (cpu, tp 1, ZeRO 0-2): hold the frozen base quantized, nf4 (QLoRA: 4-bit NormalFloat, blocksize 64, "
-        "double-quantized absmax) or int8 (an absmax per row), quantized from --init as it is read; the adapters train "
-        "on the dequantized weights. Recorded in the checkpoint (a resume keeps it)",
+        "LoRA (cpu: ZeRO 0-2, any tp; cuda: nf4, tp 1): hold the frozen base quantized, nf4 (QLoRA: 4-bit NormalFloat, "
+        "blocksize 64, double-quantized absmax) or int8 (an absmax per row), each tensor quantized whole from --init as "
+        "it is read; the adapters train on the dequantized weights. Recorded in the checkpoint (a resume keeps it)",
         {"none", "nf4", "int8"});
   o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none",
         Bounds::closed(0, 1e9));
@@ -297,7 +297,7 @@ RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
     r.weights_dir = r.lora->base;
   } else {
     if (!cfg.base.empty()) fail("option 'base' is for LoRA runs: give --lora_rank (or --resume a LoRA checkpoint)");
-    if (options.was_set("base_quant"))
+    if (options.was_set("base_quant") && !(cfg.plan_only && options.was_set("lora_rank")))
       fail("option 'base_quant' is for LoRA runs (a quantized base is frozen): give --lora_rank (or --resume a LoRA "
            "checkpoint)");
     lora_options(cfg, options, /*resuming_lora=*/false);  // a LoRA option without --lora_rank is an error naming it
@@ -363,15 +363,12 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
     validate_lora(eo.lora, start.model);
     eo.adapters = start.lora->adapters;  // null: PEFT's initialisation, or the resume restores them
     eo.base_quant = start.lora->base_quant;
-    if (eo.base_quant != BaseQuant::None) {
-      check_quantizable_base(start.lora->base, start.model, eo.base_quant);
-      if (eo.device != Device::Cpu)
-        fail("option 'base_quant' ", base_quant_name(eo.base_quant), ": a quantized base trains on --device cpu only");
-    }
+    if (eo.base_quant != BaseQuant::None) check_quantizable_base(start.lora->base, start.model, eo.base_quant);
   }
   if (cfg.plan_only && options.was_set("lora_rank")) {  // the plan needs the adapters' shape, not their values
     eo.lora = lora_options(cfg, options, /*resuming_lora=*/false);
     validate_lora(eo.lora, start.model);
+    if (options.was_set("base_quant")) eo.base_quant = parse_base_quant(cfg.base_quant, "option 'base_quant'");
   }
   eo.seed = static_cast<uint64_t>(cfg.seed);
   std::string note;

@@ -72,8 +72,9 @@ struct EngineOptions {
   LoraConfig lora;
   uint64_t seed = 0;           // LoRA: the adapters' starting values (without `adapters`) and the dropout masks
   WeightFill adapters;         // LoRA: the starting adapters (adapter layout order); null: PEFT's initialisation
-  // LoRA (cpu): the frozen base held quantized (model/quantized_weights.h), quantized from the starting weights as
-  // they are read, a unit at a time; the model computes with the dequantized values. None: fp32 (cpu), bf16 (cuda).
+  // LoRA: the frozen base held quantized, quantized from the starting weights as they are read, a unit at a time;
+  // the model computes with the dequantized values. cpu: nf4 or int8, any tp (model/quantized_weights.h); cuda: nf4 at
+  // tp 1 (model/llama_gpu.h). None: fp32 (cpu), bf16 (cuda).
   BaseQuant base_quant = BaseQuant::None;
 };
 

@@ -54,6 +54,14 @@ namespace {
 // Refuses what the CUDA engine does not do yet, before any device memory is touched.
 void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_comm) {
   if (o.zero < 0 || o.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", o.zero);
+  // QLoRA: an nf4 base (LlamaGpu's), each tensor quantized whole; the CPU engine's other layouts are not built here.
+  if (o.base_quant == BaseQuant::Int8)
+    fail("option 'base_quant' int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
+         "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
+  if (o.base_quant != BaseQuant::None && mesh.tp_size > 1)
+    fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --tp ", mesh.tp_size, " and --device cuda: not "
+         "implemented (the CUDA model quantizes its own block of each tensor, a base that would depend on tp; the CPU "
+         "engine quantizes whole tensors); use --tp 1, or --device cpu");
   if ((mesh.dp_size > 1 || mesh.tp_size > 1) && !have_device_comm)
     fail(mesh.dp_size * mesh.tp_size, " ranks (dp ", mesh.dp_size, " x tp ", mesh.tp_size, ") with --device cuda need "
          "NCCL, and this build has none (nccl.h was not found at build time, or NCCL=0)");

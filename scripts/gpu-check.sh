@@ -637,6 +637,8 @@ LORA_ARGS=(--device cuda --model_config "" --init "$RUNS/straight/ckpt/latest" -
 train_step lora 60 "${LORA_ARGS[@]}" --out_dir "$RUNS/lora"
 EXPECT=75 train_step lora-stopped 60 "${LORA_ARGS[@]}" --out_dir "$RUNS/lora-split" --stop_at_step 150
 train_step lora-resumed 60 --device cuda --out_dir "$RUNS/lora-split" --resume
+# QLoRA: the same adapters over the base held in NF4 (quantized as it is read, dequantized a layer at a time).
+train_step qlora 60 "${LORA_ARGS[@]}" --base_quant nf4 --out_dir "$RUNS/qlora"
 cat >"$SCRATCH/train_summary.py" <<'PY'
 import json, sys
 runs, out, too_big_rc, emulated = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
@@ -724,6 +726,24 @@ if la:
     bar("LoRA loss falls", last < first)
 else:
     rows.append(("LoRA r8 run", "no loss rows", "")); check("LoRA run", False)
+# QLoRA: the adapters train over the NF4 base, and its checkpoint records the quantization (eval, merge, resume read it).
+lq = loss(records("qlora"))
+if lq:
+    ordered = [lq[k] for k in sorted(lq)]
+    tenth = max(1, len(ordered) // 10)
+    first, last = sum(ordered[:tenth]) / tenth, sum(ordered[-tenth:]) / tenth
+    lora_last = sum(la[k] for k in sorted(la)[-tenth:]) / tenth if len(la) >= tenth else float("nan")
+    rows.append(("QLoRA r8 nf4 loss (first -> last tenth of steps)", f"{first:.3f} -> {last:.3f}",
+                 f"bar: falls; LoRA's last tenth {lora_last:.3f}"))
+    bar("QLoRA loss falls", last < first)
+else:
+    rows.append(("QLoRA r8 nf4 run", "no loss rows", "")); check("QLoRA run", False)
+try:
+    recorded = json.load(open(f"{runs}/qlora/ckpt/latest/base_model.json")).get("quantization", "")
+except (OSError, ValueError):
+    recorded = "unreadable"
+rows.append(("QLoRA checkpoint's base quantization", recorded or "none", "expected nf4 (base_model.json)"))
+check("QLoRA checkpoint records nf4", recorded == "nf4")
 with open(out, "w") as f:
     for r in rows:
         f.write("\t".join(r) + "\n")

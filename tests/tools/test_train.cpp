@@ -491,6 +491,38 @@ TEST(Train, QloraEqualsLoraOnTheDequantizedBaseAndKeepsItsQuantization) {
   EXPECT_NE(r.output.find("option 'base_quant' is for LoRA runs"), std::string::npos) << r.output;
 }
 
+// QLoRA quantizes a base stored in bf16 or fp32 only: an fp16 base (the fixture's weights written as F16) is refused at
+// start-up, naming the file, a tensor and the dtype found; LoRA over the same base trains.
+TEST(Train, QloraRefusesABaseThatIsNotBf16OrFp32) {
+  TempDir tmp("trainqlorafp16");
+  testing_util::write_test_shards(tmp / "data");
+  const fs::path base = tmp / "fp16_base";
+  fs::create_directories(base);
+  fs::copy_file("tests/fixtures/llama32_tiny/config.json", base / "config.json");
+  const SafetensorsFile f32("tests/fixtures/llama32_tiny/model.safetensors");
+  std::vector<std::vector<uint16_t>> halves;
+  halves.reserve(f32.tensors().size());
+  SafetensorsWriter writer;
+  for (const TensorInfo& t : f32.tensors()) {
+    std::vector<float> values(t.numel);
+    f32.read_f32(t.name, t.shape, values.data());
+    halves.emplace_back(t.numel);
+    convert_from_f32(values.data(), DType::F16, halves.back().data(), t.numel);
+    writer.add(t.name, DType::F16, std::span<const int64_t>(t.shape), halves.back().data());
+  }
+  writer.write(base / "model.safetensors");
+  const std::string run = kTrain + " --init " + base.string() + " --train_data " + (tmp / "data").string() +
+                          " --seq_len 16 --micro_batch 2 --steps 1 --threads 2 --device cpu --lora_rank 4";
+  auto r = run_command(run + " --base_quant nf4 --out_dir " + (tmp / "q").string(), tmp / "log_q");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find((base / "model.safetensors").string() + ": tensor 'model.layers.0.self_attn.q_proj.weight': "
+                          "--base_quant nf4 quantizes a base stored in BF16 or F32, found F16"),
+            std::string::npos)
+      << r.output;
+  r = run_command(run + " --out_dir " + (tmp / "lora").string(), tmp / "log_lora");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
 // --tokenizer names a file under any name: the checkpoints carry exactly it (as tokenizer.model), not what
 // else lies in its directory; a tokenizer that does not exist stops the run before training; shards written by
 // another tokenizer are refused, naming both.
@@ -627,6 +659,12 @@ TEST(Train, PlanOnlyPrintsThePerGpuTableAndRefusesWhatDoesNotFit) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("LoRA r4 on all 7 modules"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("bf16 base weights (frozen)"), std::string::npos) << r.output;
+  // QLoRA: the base's projections in nf4, so its bf16 rest (embedding, norms, lm_head) is the largest weight buffer.
+  r = run_command(base + " --gpu_memory_gb 80 --lora_rank 4 --base_quant nf4", tmp / "log8");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("QLoRA (nf4) r4 on all 7 modules"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("largest: bf16 base weights (frozen embedding, norms, lm_head)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("bf16 base weights (frozen)"), std::string::npos) << r.output;
 }
 
 // ---- no input crashes the trainer, no bad value trains silently (issue 13) --------------------------------
