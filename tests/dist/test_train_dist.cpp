@@ -195,6 +195,34 @@ TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
   for (auto& [step, loss] : la) EXPECT_NEAR(lb[step], loss, 1e-5 * std::abs(loss)) << "across stages, step " << step;
 }
 
+// QLoRA under mpirun: tp 2 with an nf4 base, and dp 2 x tp 2 at ZeRO-1 with an int8 base, follow the single rank with
+// the same quantized base (each rank quantizes whole tensors and keeps its blocks: the base does not depend on tp):
+// every step's loss within 1e-5, and the checkpoint records the quantization.
+TEST_F(DistTrain, QloraFollowsOneRankUnderTensorParallel) {
+  const std::string lora = " --lora_rank 4 --lora_alpha 8 --lora_targets q_proj,v_proj,o_proj,down_proj";
+  std::string on_base = flags("llama2_tiny");  // untied; down_proj's tp 2 blocks of 80 columns cut 64-element blocks
+  const std::string model_flag = " --model_config " + config_path("llama2_tiny");
+  on_base.replace(on_base.find(model_flag), model_flag.size(), " --init tests/fixtures/llama2_tiny");
+  for (const auto& [quant, np, extra] : {std::tuple<std::string, int, std::string>{"nf4", 2, " --micro_batch 4 --tp 2"},
+                                         {"int8", 4, " --micro_batch 2 --tp 2 --zero 1"}}) {
+    const std::string q = " --base_quant " + quant;
+    const fs::path ref = *tmp_ / ("qlora_ref_" + quant), out = *tmp_ / ("qlora_tp_" + quant);
+    auto r = run_command(kTrain + on_base + lora + q + " --micro_batch 4 --out_dir " + ref.string(),
+                         *tmp_ / ("qlora_ref_log_" + quant));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = run_command(mpirun(np) + kTrain + on_base + lora + q + extra + " --out_dir " + out.string(),
+                    *tmp_ / ("qlora_tp_log_" + quant));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    auto la = losses(ref / "metrics.jsonl"), lb = losses(out / "metrics.jsonl");
+    ASSERT_EQ(la.size(), 10u);
+    ASSERT_EQ(lb.size(), la.size());
+    for (auto& [step, loss] : la) EXPECT_NEAR(lb[step], loss, 1e-5 * std::abs(loss)) << quant << " step " << step;
+    EXPECT_NE(la[10], la[1]);
+    const auto recorded = nlohmann::json::parse(read_file(out / "ckpt" / "step_00000010" / "base_model.json"));
+    EXPECT_EQ(recorded.value("quantization", ""), quant);
+  }
+}
+
 // Sequence parallelism (--sp): the residual stream and the norms split by rows over the tp ranks, with an all-gather
 // before and a reduce-scatter after the tp GEMMs; the same function as tp alone and so as one rank. Odd row counts and
 // ranks left without rows are in tests/model/test_llama_sp.cpp (here every micro-batch is a multiple of 16 rows).
