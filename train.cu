@@ -157,7 +157,8 @@ void declare(Options& o, TrainConfig& c) {
         "or continue along the window", {"restart", "continue"});
   o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks", Bounds::closed(0, kMaxRanks));
   o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
-  o.add("pp", &c.pp, "pipeline stages (consecutive layers per stage, 1F1B over the grad_accum micro-batches; cpu); "
+  o.add("pp", &c.pp, "pipeline stages (consecutive layers per stage, 1F1B over the grad_accum micro-batches; cuda: ZeRO 0 "
+        "and 1); "
         "the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
   o.add("sp", &c.sp, "sequence parallelism with --tp > 1: norms and residuals hold seq / tp of the tokens, "
         "all-gathered before the tp GEMMs and reduce-scattered after them (cuda: all-reduced, and seq_len a multiple "
@@ -376,9 +377,9 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
   if (!note.empty()) std::printf("note: %s\n", note.c_str());
   eo.gpu.stochastic_rounding = cfg.stochastic_rounding, eo.gpu.seed = static_cast<uint32_t>(cfg.seed);
   eo.gpu.device = launch.local_rank;  // one GPU per rank: the rank's index on its node
-  if (cfg.pp > 1 && eo.device == Device::Cuda && !cfg.plan_only)
-    fail("option 'pp' ", cfg.pp, " with --device ", cfg.device, " (cuda): pipeline parallelism runs on the CPU engine "
-         "only so far; use --device cpu, or --pp 1");
+  if (cfg.pp > 1 && eo.device == Device::Cuda && !cfg.plan_only && cfg.zero >= 2)
+    fail("option 'zero' ", cfg.zero, " with --pp ", cfg.pp, " and --device ", cfg.device, " (cuda): the CUDA engine "
+         "runs pipeline stages with ZeRO 0 and 1; use --zero 0 or 1, or --device cpu");
   if (eo.device == Device::Cpu && (cfg.bf16_moments || cfg.stochastic_rounding))
     fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
   return eo;

@@ -559,10 +559,29 @@ void CheckpointReader::read(const Segment& piece, float* params, float* m, float
 
 int64_t CheckpointReader::steps_taken() { return reader_->tensors.steps_taken(); }
 
+// A pipeline stage's layout holds a part of the model: the other stages' tensors are the model's too (a layer's under
+// the names this stage's layers have, the embedding, final norm and lm_head), not foreign.
+namespace {
+bool another_stages_tensor(const ParamLayout& stage, const std::string& name) {
+  if (name == "model.embed_tokens.weight" || name == "model.norm.weight" || name == "lm_head.weight") return true;
+  const std::string layers = "model.layers.";
+  if (name.rfind(layers, 0) != 0) return false;
+  const size_t dot = name.find('.', layers.size());
+  if (dot == std::string::npos) return false;
+  const std::string index = name.substr(layers.size(), dot - layers.size()), suffix = name.substr(dot);
+  if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos || index.size() > 6 ||
+      std::stoll(index) >= stage.num_layers())
+    return false;
+  return stage.find(str(layers, stage.layer_begin(), suffix)) != nullptr;
+}
+}  // namespace
+
 void refuse_foreign_tensors(const HfCheckpointDir& dir, const ParamLayout& layout) {
-  const bool tied = layout.lm_head() == layout.embed_tokens();
+  const bool whole = layout.whole();
+  const bool tied = whole && layout.lm_head() == layout.embed_tokens();
   for (const std::string& name : dir.tensor_names()) {
     if (layout.find(name)) continue;
+    if (!whole && another_stages_tensor(layout, name)) continue;
     if (ends_with(name, "rotary_emb.inv_freq")) continue;  // recomputed from config.json
     if (tied && name == "lm_head.weight") continue;       // some exports store the tied copy too
     fail(dir.dir().string(), ": tensor '", name,

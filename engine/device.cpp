@@ -65,10 +65,10 @@ std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptio
   }
   if (mesh.pp_size > 1) {
     // What pipeline parallelism covers so far: the CPU engine with ZeRO 0-2 over dp (each stage's own parameters; 0-1
-    // with tied embeddings, engine_cpu.cpp).
-    if (options.device == Device::Cuda)
-      fail("option 'pp' ", mesh.pp_size, " with --device cuda: pipeline parallelism is not implemented on the CUDA "
-           "engine yet; use --device cpu, or --pp 1");
+    // with tied embeddings, engine_cpu.cpp), the CUDA engine with ZeRO 0-1 (engine_gpu.cpp).
+    if (options.device == Device::Cuda && options.zero >= 2)
+      fail("option 'pp' ", mesh.pp_size, " with --device cuda and --zero ", options.zero, ": the CUDA engine runs "
+           "pipeline stages with ZeRO 0 and 1; use --zero 0 or 1, or --device cpu");
     if (options.zero == 3)
       fail("option 'pp' ", mesh.pp_size, " with --zero 3: sharding a stage's parameters over dp (ZeRO-3 with pipeline "
            "parallelism) is not implemented; use --zero 0, 1 or 2");

@@ -13,7 +13,8 @@
 //         ZeRO-2 (gradients sharded too: each unit's reduce-scattered as its backward finishes) or ZeRO-3 (bf16
 //         weights sharded too: each unit gathered before use, the next one prefetched on a communication
 //         stream). Activation recompute (none, selective, full). Tensor parallelism (Megatron splits by kv
-//         groups, vocab-parallel embedding, lm_head and loss) with ZeRO over dp. With LoRA the base is frozen bf16
+//         groups, vocab-parallel embedding, lm_head and loss) with ZeRO over dp. Pipeline stages (--pp, 1F1B as on
+//         cpu, the sends in bf16) at ZeRO 0 and 1. With LoRA the base is frozen bf16
 //         (replicated) and the adapters train at ZeRO-0 (dp all-reduce, tp as on cpu): layout(), segments() and the
 //         checkpoint state are the adapters', as on cpu.
 //
@@ -128,7 +129,7 @@ class Engine {
   virtual LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                    const int32_t* positions = nullptr) = 0;
   // The step's micro-batches, in order, their loss sums added: forward_backward on each in turn by default; a
-  // pipeline (cpu, --pp) runs them through its stages in the 1F1B order, the loss counted on the last stage.
+  // pipeline (--pp) runs them through its stages in the 1F1B order, the loss counted on the last stage.
   virtual LossSum forward_backward_step(const std::vector<MicroBatch>& micro_batches);
   virtual StepResult finish_step(const LossSum& local, double lr) = 0;
   // Validation: this rank's loss, and the sum over dp ranks (and pipeline stages: only the last one counts it).

@@ -25,6 +25,13 @@
 // unit per layer), at ZeRO-0: their state is small, so every dp rank holds it whole. Dropout masks are keyed by
 // (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
 //
+// Pipeline stages (--pp, ZeRO 0 and 1): this rank's LlamaGpu is its stage (model/pipeline.h's split, the stage's
+// ParamLayout), with activation slots for the micro-batches 1F1B keeps in flight there; forward_backward_step runs
+// the CPU engine's schedule (pipeline_step below) over a device comm of the stages. The loss and the gradient norm's
+// squares are summed over the stages as Zero sums them on cpu (each stage counts its own tensors, the last stage's
+// copy of a tied table not), so every stage clips, and skips a non-finite step, alike. Checkpoints are in global
+// coordinates (the stage layout's global names), so a run resumes at another pp.
+//
 // Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
 // uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and
 // copies the result into the master weights and moments: no rank ever holds the whole state in host memory.
@@ -62,9 +69,10 @@ void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_
     fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --tp ", mesh.tp_size, " and --device cuda: not "
          "implemented (the CUDA model quantizes its own block of each tensor, a base that would depend on tp; the CPU "
          "engine quantizes whole tensors); use --tp 1, or --device cpu");
-  if ((mesh.dp_size > 1 || mesh.tp_size > 1) && !have_device_comm)
-    fail(mesh.dp_size * mesh.tp_size, " ranks (dp ", mesh.dp_size, " x tp ", mesh.tp_size, ") with --device cuda need "
-         "NCCL, and this build has none (nccl.h was not found at build time, or NCCL=0)");
+  if ((mesh.dp_size > 1 || mesh.tp_size > 1 || mesh.pp_size > 1) && !have_device_comm)
+    fail(mesh.dp_size * mesh.pp_size * mesh.tp_size, " ranks (dp ", mesh.dp_size, " x pp ", mesh.pp_size, " x tp ",
+         mesh.tp_size, ") with --device cuda need NCCL, and this build has none (nccl.h was not found at build time, "
+         "or NCCL=0)");
   int count = 0;
   TUNA_CUDA_CHECK(cudaGetDeviceCount(&count));
   if (o.gpu.device < 0 || o.gpu.device >= count)
@@ -102,6 +110,7 @@ class GpuEngine final : public Engine {
       tp_device_ = device_comm(*mesh.tp, stream);
       model_.set_tp_comm(tp_device_.get());
     }
+    if (mesh.pp_size > 1) set_up_pipeline(device_comm(*mesh.pp, stream));
     if (o.zero >= 1)
       shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.layout(), segments_, o.bf16_moments, o.zero >= 2);
     if (o.zero >= 2)
@@ -118,6 +127,7 @@ class GpuEngine final : public Engine {
   }
   ~GpuEngine() override {
     store_.reset();
+    pp_device_.reset();
     dp_device_.reset();
     tp_device_.reset();
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
@@ -139,6 +149,9 @@ class GpuEngine final : public Engine {
     if (model_.has_adapters())
       model_.set_lora_dropout_key(lora_dropout_key(options_.seed, steps_taken(), micro_batch_++, mesh_.dp_rank));
     return model_.forward_backward(inputs, targets, batch, seq, positions);
+  }
+  LossSum forward_backward_step(const std::vector<MicroBatch>& micro_batches) override {
+    return pp_device_ ? pipeline_step(micro_batches) : Engine::forward_backward_step(micro_batches);
   }
   StepResult finish_step(const LossSum& local, double lr) override {
     StepResult r;
@@ -162,9 +175,20 @@ class GpuEngine final : public Engine {
   }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions) override {
-    return model_.forward_loss(inputs, targets, batch, seq, positions);
+    if (!pp_device_) return model_.forward_loss(inputs, targets, batch, seq, positions);
+    // One micro-batch down the pipe (the loss on the last stage; all_reduce_loss sums over the stages).
+    const int s = pp_device_->rank(), last = pp_device_->size() - 1;
+    const int64_t count = model_.residual_rows(batch * seq) * model_.config().hidden_size;
+    if (s > 0) pp_device_->recv(model_.stage_input(0), count, CommType::BF16, s - 1, recv_activations_.c_str());
+    const LossSum loss = model_.forward_stage(0, inputs, targets, batch, seq, positions, /*backward_follows=*/false);
+    if (s < last) pp_device_->send(model_.stage_output(), count, CommType::BF16, s + 1, send_activations_.c_str());
+    return loss;
   }
-  LossSum all_reduce_loss(const LossSum& local) override { return sum_over_ranks(*mesh_.dp, local); }
+  // Over dp, then over the stages (the stages before the last add nothing), as Zero sums it on cpu.
+  LossSum all_reduce_loss(const LossSum& local) override {
+    const LossSum over_dp = sum_over_ranks(*mesh_.dp, local);
+    return pp_device_ ? sum_over_ranks(*mesh_.pp, over_dp) : over_dp;
+  }
 
   const std::vector<Segment>& segments() const override { return segments_; }
 
@@ -233,6 +257,7 @@ class GpuEngine final : public Engine {
       const int64_t moment_bytes = bf16 ? 2 : 4;
       for (int u = 0; u < layout.num_units(); u++) {
         const auto [begin, end] = layout.unit_range(u);
+        if (begin == end) continue;  // another pipeline stage's unit
         const int64_t mine = segments_[u].begin;
         dp_device_->all_gather(master + mine, master + begin, end - begin, "restored weights of a unit");
         for (void* moment : moments) {
@@ -282,6 +307,79 @@ class GpuEngine final : public Engine {
   }
 
  private:
+  // Pipeline stages: the device comm over the stages (on the compute stream, as tp's), the labels of the stage's
+  // sends and receives (a timeout names them), and with tied embeddings the other stage that holds the table.
+  void set_up_pipeline(std::unique_ptr<Comm> pp_device) {
+    pp_device_ = std::move(pp_device);
+    model_.set_pp_comm(mesh_.pp.get());
+    const int s = pp_device_->rank();
+    recv_activations_ = str("stage ", s, ": activations from stage ", s - 1);
+    send_activations_ = str("stage ", s, ": activations to stage ", s + 1);
+    recv_gradient_ = str("stage ", s, ": input gradient from stage ", s + 1);
+    send_gradient_ = str("stage ", s, ": input gradient to stage ", s - 1);
+    tied_exchange_ = str("stage ", s, ": the tied embedding's gradient");
+    const ParamLayout& layout = model_.layout();
+    const ParamTensor* tied = layout.tied_copy();
+    if (!tied && model_.config().tie_word_embeddings && layout.has_embedding())
+      tied = layout.find("model.embed_tokens.weight");
+    if (tied) {
+      TUNA_CHECK(model_.tied_peer_grad() != nullptr, "no buffer for the tied embedding's gradient from the other stage");
+      tied_peer_ = tied->copy ? 0 : pp_device_->size() - 1;
+      tied_offset_ = tied->offset, tied_numel_ = tied->numel;
+    }
+  }
+
+  // The step's micro-batches through this stage in the 1F1B order, as the CPU engine runs them
+  // (engine/engine_cpu.cpp): a blocking receive of each input from the previous stage and of each output gradient
+  // from the next, the sends started without waiting, each waited for only before the buffer it reads is rewritten.
+  // The sends carry bf16 (the stage's activations and their gradients as the device holds them; the CPU engine's
+  // are fp32). The device comm runs on the compute stream: the transfers are ordered with the compute, not
+  // overlapped with it. Then, with tied embeddings, the first and last stages exchange the table's gradient (fp32)
+  // and each adds the other's: both hold the sum (a + b == b + a, bit for bit), so the copies' updates agree.
+  LossSum pipeline_step(const std::vector<MicroBatch>& micro_batches) {
+    Comm& pp = *pp_device_;
+    const int s = pp.rank(), last = pp.size() - 1;
+    const int64_t C = model_.config().hidden_size;
+    CommRequest activations_sent = 0, gradient_sent = 0;
+    const auto settle = [&](CommRequest& sent) {
+      if (sent) pp.wait(sent), sent = 0;
+    };
+    LossSum loss;
+    for (const PipelineOp& op : pipeline_schedule(pp.size(), s, static_cast<int64_t>(micro_batches.size()))) {
+      const MicroBatch& b = micro_batches[op.micro_batch];
+      const int64_t slot = op.micro_batch % model_.in_flight();
+      const int64_t count = model_.residual_rows(b.batch * b.seq) * C;
+      if (op.forward) {
+        if (s > 0) pp.recv(model_.stage_input(slot), count, CommType::BF16, s - 1, recv_activations_.c_str());
+        settle(activations_sent);  // this forward rewrites stage_output()
+        const LossSum l = model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions,
+                                               /*backward_follows=*/true);
+        loss.sum += l.sum, loss.count += l.count;
+        if (s < last)
+          activations_sent = pp.send_start(model_.stage_output(), count, CommType::BF16, s + 1,
+                                           send_activations_.c_str());
+      } else {
+        settle(gradient_sent);  // the recv below and this backward rewrite stage_input_grad()
+        if (s < last) pp.recv(model_.stage_output_grad(), count, CommType::BF16, s + 1, recv_gradient_.c_str());
+        model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
+        if (s > 0)
+          gradient_sent = pp.send_start(model_.stage_input_grad(), count, CommType::BF16, s - 1,
+                                        send_gradient_.c_str());
+      }
+    }
+    settle(activations_sent);
+    settle(gradient_sent);
+    if (tied_peer_ >= 0) {
+      float* mine = model_.grads() + tied_offset_;  // zero when no micro-batch ran (grads() zeroes it then)
+      float* theirs = model_.tied_peer_grad();
+      const CommRequest sent = pp.send_start(mine, tied_numel_, CommType::F32, tied_peer_, tied_exchange_.c_str());
+      pp.recv(theirs, tied_numel_, CommType::F32, tied_peer_, tied_exchange_.c_str());
+      pp.wait(sent);
+      cuda::accumulate(mine, theirs, tied_numel_, model_.stream());
+    }
+    return loss;
+  }
+
   // The sharded update of ZeRO 1-3 (see the top of this file). Returns the norm and clip as AdamW::step would;
   // no update when the step's loss or the norm is not finite.
   OptimizerStats sharded_update(double loss_scale, double lr, bool loss_is_finite) {
@@ -293,6 +391,7 @@ class GpuEngine final : public Engine {
     } else {
       for (int u = 0; u < layout.num_units(); u++) {  // this rank's piece of each unit's gradient, summed over dp
         const auto [begin, end] = layout.unit_range(u);
+        if (begin == end) continue;  // another pipeline stage's unit
         float* piece = sh.grad + sh.unit_offset[u];
         if (dp_device_) dp_device_->reduce_scatter(model_.grads() + begin, piece, end - begin, "gradients of a unit");
         else
@@ -308,8 +407,11 @@ class GpuEngine final : public Engine {
     if (dp_device_) dp_device_->barrier("gradients reduced");  // a bounded wait (--comm_timeout)
     TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
     if (mesh_.tp_rank > 0) sum_sq -= replicated_sum_of_squares(sh.grad, sh.pieces, sh.replicated_norms, sh.norm_scratch, stream);
+    // The last stage's copy of a tied table: the first stage counts it.
+    sum_sq -= copy_sum_of_squares(sh.grad, sh.pieces, sh.norm_total, sh.norm_scratch, stream);
     if (mesh_.dp_size > 1) mesh_.dp->all_reduce_sum(&sum_sq, 1, "grad norm (dp)");
     if (mesh_.tp_size > 1) mesh_.tp->all_reduce_sum(&sum_sq, 1, "grad norm (tp)");
+    if (mesh_.pp_size > 1) mesh_.pp->all_reduce_sum(&sum_sq, 1, "grad norm (pp)");
     OptimizerStats stats;
     stats.grad_norm = std::sqrt(sum_sq) * loss_scale;
     stats.clip_scale = clip_scale(options_.opt, stats.grad_norm);
@@ -353,6 +455,7 @@ class GpuEngine final : public Engine {
     for (const Segment& p : pieces) largest = std::max(largest, p.size);
     std::vector<float> host(largest);
     for (size_t u = 0; u < pieces.size(); u++) {
+      if (pieces[u].size == 0) continue;  // another pipeline stage's unit, or an empty piece
       initial(layout, pieces[u], host.data());
       if (!shard_) {
         model_.set_params_piece(pieces[u], host.data());
@@ -407,6 +510,7 @@ class GpuEngine final : public Engine {
     float* whole = model_.grads();
     for (int u = 0; u < layout.num_units(); u++) {
       const auto [begin, end] = layout.unit_range(u);
+      if (begin == end) continue;  // another pipeline stage's unit
       if (dp_device_)
         dp_device_->all_gather(sh.master + sh.unit_offset[u], whole + begin, end - begin, "weights of a unit");
       else
@@ -426,6 +530,11 @@ class GpuEngine final : public Engine {
   cudaStream_t comm_stream_ = nullptr;     // ZeRO-2/3: where the dp device comm and the shard accumulation run
   std::unique_ptr<Comm> dp_device_;        // NCCL over the dp group; null on one rank
   std::unique_ptr<Comm> tp_device_;        // NCCL over the tp group, on the compute stream; null without tp
+  std::unique_ptr<Comm> pp_device_;        // NCCL over the pipeline's stages, on the compute stream; null without pp
+  std::string recv_activations_, send_activations_, recv_gradient_, send_gradient_, tied_exchange_;
+  // Tied embeddings over stages: the other stage (first or last), and where the table's gradient is here.
+  int tied_peer_ = -1;
+  int64_t tied_offset_ = 0, tied_numel_ = 0;
   std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
   std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model
   std::string describe_, attention_;

@@ -82,7 +82,7 @@ void copy_rows(__nv_bfloat16* dst, int64_t dst_stride, const __nv_bfloat16* src,
 void require_fused_weight_blocks(const ParamLayout& layout, int64_t hidden_size) {
   const TpDims& d = layout.tp();
   const int64_t C = hidden_size;
-  for (int64_t l = 0; l < layout.num_layers(); l++) {
+  for (int64_t l = layout.layer_begin(); l < layout.layer_end(); l++) {  // a pipeline stage's layers
     const LayerOffsets& o = layout.layer(l);
     TUNA_CHECK(o.k_proj == o.q_proj + d.q_dim * C && o.v_proj == o.k_proj + d.kv_dim * C &&
                    o.up_proj == o.gate_proj + d.ffn * C,
@@ -266,20 +266,39 @@ LoraLayout adapters_of(const LlamaConfig& config, const LoraConfig& lora, int64_
   if (lora.enabled()) return lora_layout(config, lora, static_cast<int>(tp_rank), static_cast<int>(tp));
   return LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
 }
+
+// This rank's pipeline stage (model/pipeline.h's split, as the memory plan takes it), or the whole model.
+PipelineStage stage_of(const LlamaConfig& config, const MemoryLayout& run) {
+  if (run.pp > 1) return pipeline_stages(config, run.pp, run.seq_len).at(static_cast<size_t>(run.pp_rank));
+  PipelineStage whole;
+  whole.layer_end = config.num_hidden_layers;
+  whole.embedding = whole.head = true;
+  return whole;
+}
+
+ParamLayout layout_of(const LlamaConfig& config, const MemoryLayout& run) {
+  const int tp_rank = static_cast<int>(run.tp_rank), tp = static_cast<int>(run.tp);
+  return run.pp > 1 ? ParamLayout(config, tp_rank, tp, stage_of(config, run)) : ParamLayout(config, tp_rank, tp);
+}
 }  // namespace
 
 LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const OptimizerConfig& optimizer,
                    const GpuOptions& options)
-    : config_(config), layout_(config, static_cast<int>(run.tp_rank), static_cast<int>(run.tp)), opt_(optimizer),
+    : config_(config), layout_(layout_of(config, run)), opt_(optimizer),
       run_(run), options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len), lora_(run.lora),
       lora_layout_(adapters_of(config, run.lora, run.tp_rank, run.tp)) {
   const int64_t max_batch = max_batch_, max_seq = max_seq_;
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   validate(opt_);
-  // The memory plan lays out pipeline stages as designed; this engine does not run them yet.
-  if (run.pp != 1)
-    fail("--device cuda: pipeline stages (--pp ", run.pp, ") are not implemented in the CUDA engine yet (the CPU "
-         "engine runs them; build/plan prices them as designed)");
+  stage_ = stage_of(config, run);
+  // 1F1B: stage s keeps the activations of pp - s micro-batches (model/pipeline.h); a forward alone one.
+  in_flight_ = run.training ? run.pp - run.pp_rank : 1;
+  if (run.pp > 1 && run.lora.enabled())
+    fail("--device cuda: adapters (--lora_rank) with pipeline stages (--pp ", run.pp, ") are not implemented in the "
+         "CUDA engine; use --pp 1, or --device cpu");
+  if (run.pp > 1 && run.training && run.zero >= 2)
+    fail("--device cuda: --zero ", run.zero, " with pipeline stages (--pp ", run.pp, ") is not implemented in the CUDA "
+         "engine; use --zero 0 or 1");
   if (run.sp && run.tp < 2)
     fail("option 'sp': sequence parallelism splits the sequence over --tp > 1 ranks (found tp ", run.tp, ")");
   sp_ = run.sp;
@@ -401,11 +420,17 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   rope_sin_ = arena.take<float>("RoPE sin", max_seq * c.head_dim / 2);
   // Each layer's activations: its own buffer where the recompute mode keeps the field, else the working one.
   const Recompute recompute = training ? run_.recompute : Recompute::Full;
-  acts_.resize(c.num_hidden_layers);
+  // Per slot (a micro-batch in flight) and layer of the stage, by the plan's names.
+  acts_.resize(in_flight_ * stage_.layers());
+  const auto kept_name = [](int64_t slot, int64_t l, const std::string& name) {
+    return slot == 0 ? str("layer ", l, " ", name) : str("layer ", l, " (in flight ", slot, ") ", name);
+  };
   const auto field = [&]<typename T>(T* LayerActs::*member, const char* name, int64_t count) {
     T* working = gpu_keeps_activation(name, recompute) ? nullptr : arena.take<T>(str("working ", name), count);
-    for (int64_t l = 0; l < c.num_hidden_layers; l++)
-      acts_[l].*member = working != nullptr ? working : arena.take<T>(str("layer ", l, " ", name), count);
+    for (int64_t slot = 0; slot < in_flight_; slot++)
+      for (int64_t l = stage_.layer_begin; l < stage_.layer_end; l++)
+        acts_[slot * stage_.layers() + l - stage_.layer_begin].*member =
+            working != nullptr ? working : arena.take<T>(kept_name(slot, l, name), count);
   };
   field(&LayerActs::resid_in, "resid_in", rows * C);
   field(&LayerActs::norm1, "norm1", rows * C);
@@ -432,8 +457,10 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
       const std::string module = lora_target_name(LoraTarget(t));
       const bool kept = gpu_keeps_activation("lora_ax", recompute);
       bf16* working = kept ? nullptr : arena.take<bf16>(str("working lora_ax ", module), n * r);
-      for (int64_t l = 0; l < c.num_hidden_layers; l++)
-        acts_[l].lora_ax[t] = working != nullptr ? working : arena.take<bf16>(str("layer ", l, " lora_ax ", module), n * r);
+      for (int64_t slot = 0; slot < in_flight_; slot++)
+        for (int64_t l = stage_.layer_begin; l < stage_.layer_end; l++)
+          acts_[slot * stage_.layers() + l - stage_.layer_begin].lora_ax[t] =
+              working != nullptr ? working : arena.take<bf16>(kept_name(slot, l, str("lora_ax ", module)), n * r);
     }
     int64_t widest_in = 0;
     for (const ParamTensor& t : trained.tensors())
@@ -443,19 +470,22 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   }
   qkv_ = arena.take<bf16>("qkv", n * (qd + 2 * kvd));
   if (sp_) gathered_ = arena.take<bf16>("sequence-parallel gathered input", n * C);
-  resid_out_ = arena.take<bf16>("final residual", rows * C);
-  final_norm_out_ = arena.take<bf16>("final norm", rows * C);
-  final_rstd_ = arena.take<float>("final rstd", rows);
-  logits_chunk_ = arena.take<bf16>("logits chunk", head_chunk_rows_ * d.vocab);
-  losses_ = arena.take<float>("per-token losses", n);
-  if (run_.tp > 1) {
-    ce_stats_ = arena.take<float>("classifier statistics", 3 * head_chunk_rows_);
-    ce_max_ = arena.take<float>("classifier global max", head_chunk_rows_);
+  // The last stage's final residual; an earlier stage's last layer writes what it sends to the next stage.
+  resid_out_ = arena.take<bf16>(stage_.head ? "final residual" : "pipeline send: activation to the next stage", rows * C);
+  if (stage_.head) {
+    final_norm_out_ = arena.take<bf16>("final norm", rows * C);
+    final_rstd_ = arena.take<float>("final rstd", rows);
+    logits_chunk_ = arena.take<bf16>("logits chunk", head_chunk_rows_ * d.vocab);
+    losses_ = arena.take<float>("per-token losses", n);
+    if (run_.tp > 1) {
+      ce_stats_ = arena.take<float>("classifier statistics", 3 * head_chunk_rows_);
+      ce_max_ = arena.take<float>("classifier global max", head_chunk_rows_);
+    }
   }
   if (training) {
     d_resid_ = arena.take<bf16>("d_resid", rows * C);
     d_norm_ = arena.take<bf16>("d_norm", n * C);
-    d_final_norm_ = arena.take<bf16>("d_final_norm", n * C);
+    if (stage_.head || sp_) d_final_norm_ = arena.take<bf16>("d_final_norm", n * C);
     d_q_ = arena.take<bf16>("d_q", n * qd);
     d_att_ = arena.take<bf16>("d_att", n * qd);
     d_k_ = arena.take<bf16>("d_k", n * kvd);
@@ -465,12 +495,16 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     if (sp_) sp_norm_grads_ = arena.take<float>("sequence-parallel norm weight gradients", 2 * C);
     attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H, /*head_dim=*/128, run_.attention));
   }
-  loss_total_ = arena.take<double>("loss total", 1);
-  tokens_ = arena.take<int32_t>("token ids", n);
-  targets_ = arena.take<int32_t>("targets", n);
-  group_positions_ = arena.take<int32_t>("embedding group positions", n);
-  group_unique_ = arena.take<int32_t>("embedding group tokens", n);
-  group_offsets_ = arena.take<int32_t>("embedding group offsets", n + 1);
+  if (run_.pp > 1 && training && c.tie_word_embeddings && (stage_.embedding || stage_.head))
+    tied_peer_grad_ = arena.take<float>("pipeline: the tied embedding's gradient from the other stage", d.vocab * C);
+  if (stage_.head) loss_total_ = arena.take<double>("loss total", 1);
+  if (stage_.embedding) tokens_ = arena.take<int32_t>("token ids", n);
+  if (stage_.head) targets_ = arena.take<int32_t>("targets", n);
+  if (stage_.embedding) {
+    group_positions_ = arena.take<int32_t>("embedding group positions", n);
+    group_unique_ = arena.take<int32_t>("embedding group tokens", n);
+    group_offsets_ = arena.take<int32_t>("embedding group offsets", n + 1);
+  }
   doc_start_ = arena.take<int32_t>("document starts", n);
   rope_positions_ = arena.take<int32_t>("RoPE positions", n);
   constexpr int64_t kMatmulWorkspace = int64_t(32) << 20;
@@ -488,6 +522,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(7 * n + 1) * sizeof(int32_t)));
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
   TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&loss_copied_, cudaEventDisableTiming));
+  TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_uploaded_, cudaEventDisableTiming));
 
   // The segment table of the fused AdamW over the whole layout: one segment per tensor, in offset order.
   if (segment_starts_ != nullptr) {
@@ -525,6 +560,7 @@ LlamaGpu::~LlamaGpu() {
   if (pinned_ids_) cudaFreeHost(pinned_ids_);
   if (pinned_scalar_) cudaFreeHost(pinned_scalar_);
   if (loss_copied_) cudaEventDestroy(loss_copied_);
+  if (tokens_uploaded_) cudaEventDestroy(tokens_uploaded_);
   arena_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -677,31 +713,40 @@ void LlamaGpu::zero_unwritten_grads() {
 void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                              const int32_t* positions) {
   const int64_t V = config_.vocab_size, n = batch * seq;
+  // A pipeline stage takes what it uses: the first stage the tokens, the last the targets.
+  if (!stage_.head) targets = nullptr;
   if (targets != nullptr)
     for (int64_t i = 0; i < n; ++i)
       if (targets[i] != cpu::kIgnoreIndex && (targets[i] < 0 || targets[i] >= V))
         fail("target at position ", i, " is ", targets[i], ", outside the vocabulary [0, ", V, ")");
   const TpDims& d = layout_.tp();
   // Also validates the inputs. Under tensor parallelism, only the tokens of this rank's vocabulary slice.
-  if (run_.tp > 1) cuda::embedding_groups_slice(groups_, inputs, n, V, d.vocab_begin, d.vocab);
-  else cuda::embedding_groups(groups_, inputs, n, V);
-  n_unique_ = static_cast<int64_t>(groups_.unique_tokens.size());
-  // The previous call waited for its loss (or synchronized), which the stream orders after that call's uploads,
-  // so the pinned staging is free to overwrite.
+  if (stage_.embedding) {
+    if (run_.tp > 1) cuda::embedding_groups_slice(groups_, inputs, n, V, d.vocab_begin, d.vocab);
+    else cuda::embedding_groups(groups_, inputs, n, V);
+    n_unique_ = static_cast<int64_t>(groups_.unique_tokens.size());
+  }
+  // The previous call's copies out of the pinned staging are done before it is rewritten (a pipeline stage's forward
+  // returns without waiting for anything the stream does after them).
+  TUNA_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
   int32_t* staged = pinned_ids_;
-  std::memcpy(staged, inputs, n * sizeof(int32_t));
-  if (targets != nullptr) std::memcpy(staged + n, targets, n * sizeof(int32_t));
-  std::memcpy(staged + 2 * n, groups_.positions.data(), n * sizeof(int32_t));
-  std::memcpy(staged + 3 * n, groups_.unique_tokens.data(), n_unique_ * sizeof(int32_t));
-  std::memcpy(staged + 4 * n, groups_.offsets.data(), (n_unique_ + 1) * sizeof(int32_t));
   const auto up = [&](int32_t* dst, const int32_t* src, int64_t count) {
     TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   };
-  up(tokens_, staged, n);
-  if (targets != nullptr) up(targets_, staged + n, n);
-  up(group_positions_, staged + 2 * n, n);
-  up(group_unique_, staged + 3 * n, n_unique_);
-  up(group_offsets_, staged + 4 * n, n_unique_ + 1);
+  if (targets != nullptr) {
+    std::memcpy(staged + n, targets, n * sizeof(int32_t));
+    up(targets_, staged + n, n);
+  }
+  if (stage_.embedding) {
+    std::memcpy(staged, inputs, n * sizeof(int32_t));
+    std::memcpy(staged + 2 * n, groups_.positions.data(), n * sizeof(int32_t));
+    std::memcpy(staged + 3 * n, groups_.unique_tokens.data(), n_unique_ * sizeof(int32_t));
+    std::memcpy(staged + 4 * n, groups_.offsets.data(), (n_unique_ + 1) * sizeof(int32_t));
+    up(tokens_, staged, n);
+    up(group_positions_, staged + 2 * n, n);
+    up(group_unique_, staged + 3 * n, n_unique_);
+    up(group_offsets_, staged + 4 * n, n_unique_ + 1);
+  }
   // Documents: derived and checked on the host (cpu::doc_starts_from_positions), as the CPU model does.
   attention_doc_start_ = nullptr, rope_position_ids_ = nullptr;
   if (positions != nullptr && (documents_.mask || documents_.restart_positions)) {
@@ -718,13 +763,16 @@ void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int6
       rope_position_ids_ = rope_positions_;
     }
   }
+  TUNA_CUDA_CHECK(cudaEventRecord(tokens_uploaded_, stream_));
 }
 
 void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
   TUNA_CHECK(store_ != nullptr, "no weights: the engine sets the weight store of ZeRO-2 and 3 (set_weight_store)");
   const LlamaConfig& c = config_;
   const int64_t n = batch * seq, C = c.hidden_size;
-  const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
+  const int H = layout_.head_unit();
+  // This stage's layers (all of them without pipeline stages).
+  const int first = static_cast<int>(stage_.layer_begin), end = static_cast<int>(stage_.layer_end);
   cudaStream_t s = stream_;
 
   store_->plan(layout_.unit_pass_order(backward_follows));
@@ -738,18 +786,23 @@ void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
   }
   const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions
 
-  const __nv_bfloat16* embedding = store_->acquire(0);
-  __nv_bfloat16* x0 = acts_.empty() ? resid_out_ : acts_[0].resid_in;
-  __nv_bfloat16* embedded = sp_ ? gathered_ : x0;  // every row (with sp, before this rank's are kept)
-  const TpDims& d = layout_.tp();
-  cuda::embedding_fwd_slice(embedded, tokens_, embedding + (layout_.embed_tokens() - layout_.unit_range(0).first), n,
-                            c.vocab_size, d.vocab_begin, d.vocab, C, s);
-  store_->release(0);
-  sp_reduce(embedded, x0, n, "tp embedding");  // one rank holds each token's row, the others add zeros: exact
-  for (int l = 0; l < L; l++) {
+  // The first stage embeds; a later stage's input is already in its first layer's resid_in (stage_input).
+  if (stage_.embedding) {
+    const __nv_bfloat16* embedding = store_->acquire(0);
+    __nv_bfloat16* x0 = first == end ? resid_out_ : acts(first).resid_in;
+    __nv_bfloat16* embedded = sp_ ? gathered_ : x0;  // every row (with sp, before this rank's are kept)
+    const TpDims& d = layout_.tp();
+    cuda::embedding_fwd_slice(embedded, tokens_, embedding + (layout_.embed_tokens() - layout_.unit_range(0).first),
+                              n, c.vocab_size, d.vocab_begin, d.vocab, C, s);
+    store_->release(0);
+    sp_reduce(embedded, x0, n, "tp embedding");  // one rank holds each token's row, the others add zeros: exact
+  }
+  for (int l = first; l < end; l++) {
     layer_forward(l, store_->acquire(1 + l), batch, seq, /*write_output=*/true);
     store_->release(1 + l);
   }
+  working_slot_ = backward_follows ? slot_ : -1;  // the top layer's working activations are this pass's
+  if (!stage_.head) return;  // the stage's output is resid_out_ (stage_output)
   // The head unit stays acquired through head() and, when a backward follows, the final norm's backward.
   head_base_ = store_->acquire(H);
   cuda::rmsnorm_fwd(final_norm_out_, final_rstd_, resid_out_,
@@ -763,7 +816,7 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   const LayerOffsets& o = layout_.layer(l);
   const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
   const auto w = [&](int64_t offset) { return wb + (offset - begin); };
-  LayerActs& a = acts_[l];
+  LayerActs& a = acts(l);
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
   const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions
@@ -817,7 +870,7 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
     adapt(LoraTarget::Down, a.act, nullptr, C, /*add=*/false);
     return;
   }
-  __nv_bfloat16* resid_next = l + 1 < config_.num_hidden_layers ? acts_[l + 1].resid_in : resid_out_;
+  __nv_bfloat16* resid_next = l + 1 < stage_.layer_end ? acts(l + 1).resid_in : resid_out_;
   row_parallel(resid_next, a.act, o.down_proj, a.resid_mid, F, "tp down_proj");
   adapt(LoraTarget::Down, a.act, resid_next, C);
 }
@@ -834,7 +887,7 @@ void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch
       const int64_t nr = sp_ ? sp_rows_.size() : n;  // the norms' rows (this rank's with sp)
       const LayerOffsets& o = layout_.layer(l);
       const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
-      LayerActs& a = acts_[l];
+      LayerActs& a = acts(l);
       cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, wb + (o.input_norm - begin), nr, C, c.rms_norm_eps, stream_);
       cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, wb + (o.post_norm - begin), nr, C, c.rms_norm_eps, stream_);
       cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, stream_);
@@ -910,18 +963,23 @@ void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {
 void LlamaGpu::backward(int64_t batch, int64_t seq) {
   const LlamaConfig& c = config_;
   const int64_t n = batch * seq, C = c.hidden_size;
-  const int L = static_cast<int>(c.num_hidden_layers), H = layout_.head_unit();
+  const int H = layout_.head_unit();
+  const int first = static_cast<int>(stage_.layer_begin), end = static_cast<int>(stage_.layer_end);
   cudaStream_t s = stream_;
 
   // d_resid_ carries the residual stream's gradient from the top down (with sp this rank's rows, every piece
-  // zeroed whole, as it is gathered whole); the rmsnorm backwards add into it.
+  // zeroed whole, as it is gathered whole); the rmsnorm backwards add into it. A stage before the last finds the
+  // next stage's input gradient there (stage_output_grad: this rank's rows, the rest of its piece zeroed here).
   const int64_t nr = sp_ ? sp_rows_.size() : n;
-  TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, (sp_ ? sp_chunk_ : n) * C * sizeof(__nv_bfloat16), s));
+  if (stage_.head)
+    TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, (sp_ ? sp_chunk_ : n) * C * sizeof(__nv_bfloat16), s));
+  else if (sp_ && sp_chunk_ > nr)
+    TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_ + nr * C, 0, (sp_chunk_ - nr) * C * sizeof(__nv_bfloat16), s));
   // A frozen base (adapters): no weight gradient of it is computed (null dweight: the kernels skip it); the
   // adapters' gradients accumulate into their buffer, which the step's first pass found zeroed.
   const bool frozen = lora_.enabled();
   if (frozen) zero_unwritten_grads();
-  {
+  if (stage_.head) {
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
     float* g_head_unit = frozen ? nullptr : grad_writes_->unit(H);
     // With sp a norm weight's gradient from this rank's rows is partial: written to sp_norm_grads_, summed over
@@ -934,24 +992,27 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
     store_->release(H);
     if (!frozen) store_->grads_done(H);
   }
-  for (int l = L - 1; l >= 0; l--) {
+  for (int l = end - 1; l >= first; l--) {
     const __nv_bfloat16* wb = store_->acquire(1 + l);
     float* gb = frozen ? nullptr : grad_writes_->unit(1 + l);
-    // The top layer's working activations are still the forward's.
-    if (l != L - 1) recompute_layer(l, wb, batch, seq);
+    // The top layer's working activations are still this micro-batch's forward's when no other pass came between.
+    if (l != end - 1 || working_slot_ != slot_) recompute_layer(l, wb, batch, seq);
     layer_backward(l, wb, gb, batch, seq);
     store_->release(1 + l);
     if (!frozen) store_->grads_done(1 + l);
   }
+  working_slot_ = -1;
   if (frozen) return;
-  // The lookup's backward adds the batch's rows only: a first write zeroes the whole (tp-local) table first.
-  float* g_embed = grad_writes_->unit(0) + (layout_.embed_tokens() - layout_.unit_range(0).first);
-  if (grad_writes_->write(layout_.embed_tokens()) == GradWrite::Overwrite)
-    TUNA_CUDA_CHECK(cudaMemsetAsync(g_embed, 0, layout_.tp().vocab * C * sizeof(float), s));
-  const __nv_bfloat16* d_embedded = sp_ ? sp_gather(d_resid_, "sp embedding grad") : d_resid_;  // every token's
-  cuda::embedding_bwd(g_embed, d_embedded, group_positions_, group_unique_, group_offsets_, n_unique_, C, s);
-  store_->grads_done(0);
-  grads_unwritten_ = false;  // the pass wrote every element (GradWrites)
+  if (stage_.embedding) {  // a later stage's input gradient is d_resid_ (stage_input_grad)
+    // The lookup's backward adds the batch's rows only: a first write zeroes the whole (tp-local) table first.
+    float* g_embed = grad_writes_->unit(0) + (layout_.embed_tokens() - layout_.unit_range(0).first);
+    if (grad_writes_->write(layout_.embed_tokens()) == GradWrite::Overwrite)
+      TUNA_CUDA_CHECK(cudaMemsetAsync(g_embed, 0, layout_.tp().vocab * C * sizeof(float), s));
+    const __nv_bfloat16* d_embedded = sp_ ? sp_gather(d_resid_, "sp embedding grad") : d_resid_;  // every token's
+    cuda::embedding_bwd(g_embed, d_embedded, group_positions_, group_unique_, group_offsets_, n_unique_, C, s);
+    store_->grads_done(0);
+  }
+  grads_unwritten_ = false;  // the pass wrote every element of the stage (GradWrites)
 }
 
 void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int64_t batch, int64_t seq) {
@@ -974,7 +1035,7 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
                          __nv_bfloat16* dx) {
     if (lora_.enabled() && lora_.has(t)) lora_bwd(l, t, x, dy, ld_dy, dx, n);
   };
-  const LayerActs& a = acts_[l];
+  const LayerActs& a = acts(l);
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
   // With sp: the row-parallel GEMMs' output gradient and the column-parallel ones' input are every row, gathered
@@ -1032,6 +1093,7 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
 LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                    const int32_t* positions) {
   TUNA_CHECK(run_.training, "forward_backward on a forward-only model (MemoryLayout::training)");
+  TUNA_CHECK(layout_.whole(), "forward_backward of a pipeline stage: use forward_stage and backward_stage");
   // At least one row: the lm_head's dW is written by its row chunks (GradWrites).
   TUNA_CHECK(batch > 0 && seq > 0, "forward_backward of batch ", batch, " x seq ", seq);
   if (batch > max_batch_ || seq > max_seq_)
@@ -1049,6 +1111,7 @@ LossSum LlamaGpu::forward_backward(const int32_t* inputs, const int32_t* targets
 
 LossSum LlamaGpu::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                const int32_t* positions) {
+  TUNA_CHECK(layout_.whole(), "forward_loss of a pipeline stage: use forward_stage");
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, targets, batch, seq, positions);
@@ -1058,8 +1121,53 @@ LossSum LlamaGpu::forward_loss(const int32_t* inputs, const int32_t* targets, in
   return loss;
 }
 
+void LlamaGpu::select_slot(int64_t slot) {
+  TUNA_CHECK(slot >= 0 && slot < in_flight_, "activation slot ", slot, " of ", in_flight_);
+  slot_ = slot;
+}
+
+__nv_bfloat16* LlamaGpu::stage_input(int64_t slot) {
+  TUNA_CHECK(!stage_.embedding && stage_.layers() > 0, "the first stage embeds its input");
+  select_slot(slot);
+  return acts(stage_.layer_begin).resid_in;
+}
+
+LossSum LlamaGpu::forward_stage(int64_t slot, const int32_t* inputs, const int32_t* targets, int64_t batch,
+                                int64_t seq, const int32_t* positions, bool backward_follows) {
+  TUNA_CHECK(!backward_follows || run_.training, "a backward on a forward-only model (MemoryLayout::training)");
+  TUNA_CHECK(batch > 0 && seq > 0, "forward_stage of batch ", batch, " x seq ", seq);
+  if (batch > max_batch_ || seq > max_seq_)
+    fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
+  select_slot(slot);
+  upload_tokens(inputs, targets, batch, seq, positions);
+  forward(batch, seq, backward_follows);
+  if (!stage_.head) return LossSum{};
+  // The last stage's pass of a micro-batch starts with the head's weight gradient (its backward follows at once:
+  // one slot there).
+  if (backward_follows) grad_writes_->begin_pass(*store_);
+  LossSum loss = head(targets, batch * seq, backward_follows, nullptr);
+  loss.sum = queued_loss_sum();
+  return loss;
+}
+
+void LlamaGpu::backward_stage(int64_t slot, const int32_t* inputs, int64_t batch, int64_t seq,
+                              const int32_t* positions) {
+  TUNA_CHECK(run_.training, "backward_stage on a forward-only model (MemoryLayout::training)");
+  select_slot(slot);
+  // Other micro-batches' forwards ran since this one's: its tokens (the embedding's backward) and document
+  // boundaries again. The last stage's pass began with its forward's head.
+  upload_tokens(inputs, nullptr, batch, seq, positions);
+  if (sp_) {
+    sp_chunk_ = (batch * seq + run_.tp - 1) / run_.tp;
+    sp_rows_ = shard_range(batch * seq, static_cast<int>(run_.tp_rank), static_cast<int>(run_.tp));
+  }
+  if (!stage_.head) grad_writes_->begin_pass(*store_);
+  backward(batch, seq);
+}
+
 void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits) {
   TUNA_CHECK(run_.tp == 1, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
+  TUNA_CHECK(layout_.whole(), "forward_logits of a pipeline stage");
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, nullptr, batch, seq);
@@ -1077,6 +1185,9 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
   cuda::sum_of_squares(norm_total_, t_.grads, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
   TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (layout_.tied_copy() != nullptr)  // the last stage's copy of the tied table: the first stage counts it
+    pinned_scalar_[1] -= copy_sum_of_squares(t_.grads, shard_pieces(trained, {Segment{0, P}}), norm_total_,
+                                             norm_scratch_f64_, s);
   if (run_.tp > 1) {  // the tp ranks' squares summed, each replicated tensor (norm weights) counted once
     if (run_.tp_rank > 0)
       pinned_scalar_[1] -= replicated_sum_of_squares(t_.grads, shard_pieces(trained, {Segment{0, P}}),
@@ -1086,6 +1197,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
     TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
     TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
   }
+  if (pp_ != nullptr && pp_->size() > 1) pp_->all_reduce_sum(pinned_scalar_ + 1, 1, "grad norm (pp)");
   OptimizerStats stats;
   stats.grad_norm = std::sqrt(pinned_scalar_[1]) * loss_scale;
   stats.clip_scale = clip_scale(opt_, stats.grad_norm);
@@ -1144,7 +1256,7 @@ void LlamaGpu::lora_fwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, __nv_bf
   const int i = static_cast<int>(t);
   const int64_t r = lora_.rank;
   const auto [out, in] = lora_shape(l, t);
-  __nv_bfloat16* u = acts_[l].lora_ax[i];
+  __nv_bfloat16* u = acts(l).lora_ax[i];
   cuda::MatmulContext& mm = *matmul_;
   cuda::matmul_fwd(mm, u, lora_input(l, t, x, n), lora_a(l, t), n, in, r, stream_);
   if (lora_target_row_parallel(t)) tp_all_reduce(u, n * r, "tp LoRA A x");  // over the split input
@@ -1165,7 +1277,7 @@ void LlamaGpu::lora_bwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, const _
   cudaStream_t s = stream_;
   __nv_bfloat16* dt = lora_dt_;
   // dB += dy^T u and dt = dy B in one call; then dt = s dy B, the gradient of A x.
-  cuda::matmul_bwd_strided(mm, dt, dB, dy, ld_dy, acts_[l].lora_ax[i], lora_b(l, t), n, r, out,
+  cuda::matmul_bwd_strided(mm, dt, dB, dy, ld_dy, acts(l).lora_ax[i], lora_b(l, t), n, r, out,
                            /*accumulate_dinp=*/false, GradWrite::Accumulate, s);
   cuda::scale_bf16(dt, n * r, static_cast<float>(lora_.scale()), s);
   // The input gradient from this rank's dt: straight into dx, or with dropout through the mask from lora_in_.
@@ -1236,6 +1348,20 @@ double replicated_sum_of_squares(const float* grad, const std::vector<ShardPiece
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
   double sum = 0;
   for (double x : host) sum += x;
+  return sum;
+}
+
+double copy_sum_of_squares(const float* grad, const std::vector<ShardPiece>& pieces, double* part, double* scratch,
+                           cudaStream_t stream) {
+  double sum = 0;
+  for (const ShardPiece& p : pieces) {
+    if (!p.tensor->copy) continue;
+    double host = 0;
+    cuda::sum_of_squares(part, grad + p.shard_offset, p.size, scratch, stream);
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(&host, part, sizeof(double), cudaMemcpyDeviceToHost, stream));
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    sum += host;
+  }
   return sum;
 }
 

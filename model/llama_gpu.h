@@ -19,6 +19,9 @@
 // lora_layout() (PEFT's names, one unit per layer, Megatron's tp splits); what trains and what AdamW updates is the
 // adapters' fp32 master, gradient and moments (trained_layout(), master_params(), grads(), moment_m/v()). Dropout
 // masks come from model/lora.h's counter-based stream, the CPU model's bits, regenerated in the backward.
+// Pipeline stages (MemoryLayout::pp > 1): the model holds its stage's units (the stage's ParamLayout: the embedding on
+// the first, the final norm and lm_head on the last, a copy of a tied table there) and one set of its layers'
+// activations per micro-batch in flight (forward_stage, backward_stage: model/llama.h's contract).
 // QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
@@ -206,6 +209,35 @@ class LlamaGpu {
                            const int32_t* positions = nullptr);
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions = nullptr);
+  // A pipeline stage's passes (MemoryLayout::pp > 1), the CPU model's contract (model/llama.h forward_stage): one
+  // micro-batch at a time in any interleaving of up to in_flight() micro-batches, each in its activation slot from its
+  // forward to its backward. A later stage than the first reads stage_input(slot) ([residual_rows(batch x seq),
+  // hidden] bf16 on the device), which the caller fills with the previous stage's stage_output() first (queued on
+  // stream() before the forward, or complete). forward_stage returns the loss on the last stage (waited for; with
+  // backward_follows the head's gradient is queued) and nothing elsewhere. backward_stage takes the next stage's input
+  // gradient in stage_output_grad() (the last stage: its own loss), adds the stage's weight gradients and leaves its
+  // input gradient in stage_input_grad(). The same inputs and positions go to a micro-batch's forward and backward
+  // (the first stage's embedding backward reads the tokens again). Host inputs as forward_backward's.
+  LossSum forward_stage(int64_t slot, const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                        const int32_t* positions, bool backward_follows);
+  void backward_stage(int64_t slot, const int32_t* inputs, int64_t batch, int64_t seq, const int32_t* positions);
+  __nv_bfloat16* stage_input(int64_t slot);
+  const __nv_bfloat16* stage_output() const { return resid_out_; }  // until the next forward_stage
+  __nv_bfloat16* stage_output_grad() { return d_resid_; }
+  const __nv_bfloat16* stage_input_grad() const { return d_resid_; }  // until the next backward_stage
+  const PipelineStage& stage() const { return stage_; }
+  int64_t in_flight() const { return in_flight_; }
+  // Rows of the residual stream this rank holds for a pass over n tokens: n, or with sp its shard_range of them
+  // (what a stage sends to the next, and its input gradient back).
+  int64_t residual_rows(int64_t n) const {
+    return sp_ ? shard_range(n, static_cast<int>(run_.tp_rank), static_cast<int>(run_.tp)).size() : n;
+  }
+  // Pipeline stages: the host comm over the stages (comm/comm.h Mesh::pp), over which adamw_step sums the gradient
+  // norm's squares (each stage counts its own tensors; the last stage's copy of a tied table is not counted).
+  void set_pp_comm(Comm* pp) { pp_ = pp; }
+  // Tied embeddings over stages (training): where the first or last stage receives the other's gradient of the
+  // table (fp32, this tp rank's rows; the plan's buffer); null elsewhere.
+  float* tied_peer_grad() { return tied_peer_grad_; }
   void set_document_mode(const DocumentMode& mode) { documents_ = mode; }
   // Full logits [batch, seq, vocab] to host fp32 (tests, generation).
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits);
@@ -278,6 +310,9 @@ class LlamaGpu {
   }
   void sp_add_norm_grads(std::initializer_list<std::pair<float*, GradWrite>> dst, const char* what);
   void backward(int64_t batch, int64_t seq);
+  // Layer l's activations in the current slot (a stage's layers only).
+  LayerActs& acts(int64_t l) { return acts_[slot_ * stage_.layers() + (l - stage_.layer_begin)]; }
+  void select_slot(int64_t slot);
   // Adapters of layer l (model/llama.cpp's lora_fwd / lora_bwd, and the tp collectives described there). Forward:
   // u = s A dropout(x) into lora_ax, then y (rows ld_y apart) += u B^T unless add_output is false (a recompute that
   // needs u alone). Backward: dB += dy^T u, dt = s dy B, dA += dt^T dropout(x), dx += dropout'(dt A).
@@ -350,9 +385,19 @@ class LlamaGpu {
   uint8_t* segment_decays_ = nullptr;
   int n_segments_ = 0;
   float *rope_cos_ = nullptr, *rope_sin_ = nullptr;
+  // Pipeline stages: this rank's (the whole model without them), its activation slots ([slot][the stage's layers] in
+  // acts_), the slot of the pass under way, and the slot whose top layer the working activations still hold (-1:
+  // none; a backward right after its forward need not recompute that layer).
+  PipelineStage stage_;
+  int64_t in_flight_ = 1, slot_ = 0, working_slot_ = -1;
+  Comm* pp_ = nullptr;  // the host comm over the stages (norm); null without pp
+  float* tied_peer_grad_ = nullptr;
+  cudaEvent_t tokens_uploaded_ = nullptr;  // after upload_tokens' copies from pinned_ids_ (a stage's forward waits
+                                           // for no loss before the next upload rewrites the staging)
   std::vector<LayerActs> acts_;
-  __nv_bfloat16 *resid_out_, *final_norm_out_, *logits_chunk_;
-  float *final_rstd_, *losses_;
+  // The last stage's final residual, or an earlier stage's output to the next; the rest: the last stage's only.
+  __nv_bfloat16 *resid_out_ = nullptr, *final_norm_out_ = nullptr, *logits_chunk_ = nullptr;
+  float *final_rstd_ = nullptr, *losses_ = nullptr;
   // qkv_: [n, q_dim + 2 kv_dim], the fused q|k|v GEMM's output in the forward (rope_fwd reads q and k out of it,
   // v is copied out), and d_q|d_k|d_v, the fused dX and dW GEMMs' input, in the backward: a full-recompute
   // layer_forward runs before, never during, its layer_backward, so the two uses never overlap.
@@ -361,7 +406,8 @@ class LlamaGpu {
                 *d_att_ = nullptr, *d_act_ = nullptr, *d_final_norm_ = nullptr;
   float *norm_scratch_ = nullptr, *attn_scratch_ = nullptr;
   double *loss_total_ = nullptr, *norm_scratch_f64_ = nullptr, *norm_total_ = nullptr;
-  int32_t *tokens_, *targets_, *group_positions_, *group_unique_, *group_offsets_;
+  int32_t *tokens_ = nullptr, *targets_ = nullptr, *group_positions_ = nullptr, *group_unique_ = nullptr,
+          *group_offsets_ = nullptr;  // tokens and groups: the first stage's; targets: the last's
   int64_t n_unique_ = 0;
   // Packed documents: this batch's document starts and RoPE positions on the device, and the pointers the kernels
   // take (null: plain causal attention, positions 0..seq-1).
@@ -391,6 +437,11 @@ AdamWTable adamw_table(const ParamLayout& layout, const std::vector<Segment>& se
 int64_t replicated_piece_count(const std::vector<ShardPiece>& pieces);
 double replicated_sum_of_squares(const float* grad, const std::vector<ShardPiece>& pieces, double* parts,
                                  double* scratch, cudaStream_t stream);
+// The same for the pieces of a tensor another pipeline stage holds too (ParamTensor::copy: the last stage's tied
+// lm_head), which that stage's norm counts: what this stage subtracts from its sum of squares. part: one device
+// double, used for each piece in turn. Synchronous; 0 without such pieces.
+double copy_sum_of_squares(const float* grad, const std::vector<ShardPiece>& pieces, double* part, double* scratch,
+                           cudaStream_t stream);
 
 // Dense bf16 tensor-core peak of a device in FLOP/s, for MFU: TUNA_PEAK_TFLOPS when set (the bench measures
 // and reports its own), else the datasheet figure scaled by the multiprocessor count (sm_90: 989 TFLOP/s at

@@ -15,7 +15,7 @@
 // embedding on the first stage, the final norm and lm_head on the last (model/pipeline.h's split), the activations
 // of the micro-batches 1F1B keeps in flight there (pp - s on stage s, for a step of at least pp micro-batches), and
 // the point-to-point buffers. With sp the norm and residual region holds seq / tp rows, as the CUDA engine lays it
-// out. The CUDA engine does not run pipeline stages yet: those plans are the design.
+// out. The CUDA engine runs pipeline stages at ZeRO 0 and 1: a plan of pp with ZeRO-2 or 3 is the design.
 // Items are per rank. Transients (a buffer that lives only during a checkpoint save or a collective) are listed
 // with kind Transient, so that a plan's peak is honest.
 #pragma once

@@ -69,15 +69,19 @@ void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
   check_lora_plan(c, l.lora, "options lora_rank, lora_targets, lora_dropout, base_quant");
 }
 
-// The layout of one tp rank, kept for the next plan of the same shape: build/plan's search plans thousands of
-// layouts (a pipeline layout a plan per stage) of one model, and building the layout is most of a plan's work.
-const ParamLayout& tp_rank_layout(const LlamaConfig& c, int64_t tp_rank, int64_t tp) {
+// The layout of one tp rank (with pp, of its stage: what the CUDA model holds, so that unit sizes and ZeRO's pieces
+// are the model's), kept for the next plan of the same shape: build/plan's search plans thousands of layouts (a
+// pipeline layout a plan per stage) of one model, and building the layout is most of a plan's work.
+const ParamLayout& tp_rank_layout(const LlamaConfig& c, int64_t tp_rank, int64_t tp, int64_t pp,
+                                  const PipelineStage& stage) {
   thread_local std::map<std::string, std::unique_ptr<const ParamLayout>> cache;
-  const std::string key = c.to_json().dump() + str("|", tp_rank, "/", tp);
+  const std::string key = c.to_json().dump() + str("|", tp_rank, "/", tp) +
+                          (pp > 1 ? str("|", stage.layer_begin, "-", stage.layer_end, stage.embedding, stage.head) : "");
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;
   if (cache.size() >= 64) cache.clear();
-  auto layout = std::make_unique<const ParamLayout>(c, static_cast<int>(tp_rank), static_cast<int>(tp));
+  auto layout = pp > 1 ? std::make_unique<const ParamLayout>(c, static_cast<int>(tp_rank), static_cast<int>(tp), stage)
+                       : std::make_unique<const ParamLayout>(c, static_cast<int>(tp_rank), static_cast<int>(tp));
   return *cache.emplace(key, std::move(layout)).first->second;
 }
 
@@ -284,12 +288,12 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
 
 MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   check_layout(c, l);
-  const ParamLayout& layout = tp_rank_layout(c, l.tp_rank, l.tp);
+  // This rank's pipeline stage (at pp 1, the whole model).
+  const PipelineStage stage = pipeline_stages(c, l.pp, l.seq_len)[l.pp_rank];
+  const ParamLayout& layout = tp_rank_layout(c, l.tp_rank, l.tp, l.pp, stage);
   const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
   const TpDims& d = layout.tp();
   const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads, V = d.vocab;
-  // This rank's pipeline stage (at pp 1, the whole model).
-  const PipelineStage stage = pipeline_stages(c, l.pp, l.seq_len)[l.pp_rank];
   const StageUnits units = stage_units(layout, stage);
   PlanBuilder b;
   if (l.lora.enabled()) plan_lora_state(c, l, layout, b);
@@ -359,7 +363,8 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     // GEMMs' input gradient before sp reduce-scatters it.
     b.add("d_resid", MemoryKind::Activations, rows * C, kBf16);
     b.add("d_norm", MemoryKind::Activations, n * C, kBf16);
-    if (stage.head) b.add("d_final_norm", MemoryKind::Activations, n * C, kBf16);
+    // The final norm's input gradient, and with sp every layer's norm input gradient reduced into this rank's rows.
+    if (stage.head || l.sp) b.add("d_final_norm", MemoryKind::Activations, n * C, kBf16);
     for (const char* g : {"d_q", "d_att"}) b.add(g, MemoryKind::Activations, n * qd, kBf16);
     for (const char* g : {"d_k", "d_v"}) b.add(g, MemoryKind::Activations, n * kvd, kBf16);
     // d_gate|d_up overwrite each layer's gate_up in place (model/llama_gpu.cpp layer_backward).
@@ -370,19 +375,15 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     b.add("attention backward scratch", MemoryKind::Workspace,
           gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, H, /*head_dim=*/128, l.attention), kF32);
   }
-  // Pipeline point to point: one micro-batch's activation in from the previous stage and out to the next, and their
-  // gradients the other way, each a bf16 [tokens, hidden] (with sp each tp rank's rows of it).
+  // Pipeline point to point (bf16 [tokens, hidden], with sp each tp rank's rows of it): a stage receives the previous
+  // stage's activation straight into its first layer's input of the micro-batch's slot, and the next stage's
+  // gradient into d_resid, and sends its input gradient from d_resid; its last layer writes the activation it sends
+  // into a buffer of its own (the last stage's is the final residual). With tied embeddings the first and last
+  // stages receive the other's gradient of the table (fp32, this tp rank's rows) to add to their own.
   if (l.pp > 1) {
-    if (!stage.embedding) {
-      b.add("pipeline receive: activation from the previous stage", MemoryKind::Communication, rows * C, kBf16);
-      if (l.training)
-        b.add("pipeline send: gradient to the previous stage", MemoryKind::Communication, rows * C, kBf16);
-    }
-    if (!stage.head) {
-      b.add("pipeline send: activation to the next stage", MemoryKind::Communication, rows * C, kBf16);
-      if (l.training)
-        b.add("pipeline receive: gradient from the next stage", MemoryKind::Communication, rows * C, kBf16);
-    }
+    if (!stage.head) b.add("pipeline send: activation to the next stage", MemoryKind::Communication, rows * C, kBf16);
+    if (l.training && c.tie_word_embeddings && (stage.embedding || stage.head))
+      b.add("pipeline: the tied embedding's gradient from the other stage", MemoryKind::Communication, V * C, kF32);
   }
   if (stage.head) b.add("loss total", MemoryKind::Workspace, 1, kF64);
   if (stage.embedding) b.add("token ids", MemoryKind::Workspace, n, kI32);
@@ -471,13 +472,13 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
   GpuFit fit;
   const int64_t need = plan.peak() + gpu_headroom_bytes(l);
   fit.fits = need <= capacity;
-  // The CUDA engine does not run pipeline stages yet: their plan is the design.
-  const bool designed = l.pp > 1;
+  // The CUDA engine runs pipeline stages with ZeRO 0 and 1: a higher stage's plan is the design.
+  const bool designed = l.pp > 1 && l.zero >= 2;
   fit.report = format_memory_table(plan, capacity,
                                    str("device memory per GPU (dp rank ", l.dp_rank,
                                        l.pp > 1 ? str(", pipeline stage ", l.pp_rank) : std::string(), ", tp rank ",
                                        l.tp_rank, " of ", describe_layout(l), ")",
-                                       designed ? ", AS DESIGNED (the CUDA engine does not run pp yet)" : ""),
+                                       designed ? ", AS DESIGNED (the CUDA engine runs pp with ZeRO 0 and 1 only)" : ""),
                                    gpu_headroom_bytes(l));
   if (fit.fits) return fit;
   fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");

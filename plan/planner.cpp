@@ -394,9 +394,9 @@ std::string cuda_adapter_refusal(const MemoryLayout& l) {
     return str("adapters are trained on cuda at ZeRO-0 only (--lora_rank with --zero ", l.zero, ")");
   return "";
 }
-// Pipeline stages, which the CUDA engine does not run yet, and sequence parallelism as priced here (a reduce-scatter
-// after the row-parallel GEMMs; the CUDA engine runs --sp with all-reduces until the comms reduce-scatter bf16): their
-// plans are the design.
+// Sequence parallelism as priced here (a reduce-scatter after the row-parallel GEMMs; the CUDA engine runs --sp with
+// all-reduces until the comms reduce-scatter bf16), and pipeline stages at ZeRO-2 and 3 (the CUDA engine runs them at
+// ZeRO 0 and 1): their plans are the design.
 constexpr bool kCudaEngineRunsPipelines = false;
 
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design.
@@ -414,8 +414,8 @@ GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& l) {
     m.engines = false, m.refusal = e.what();
     m.plan = design_gpu_memory(c, l);
   }
-  if (m.engines && l.pp > 1 && !kCudaEngineRunsPipelines)
-    m.engines = false, m.refusal = "pipeline stages are not run on cuda yet (--pp with --device cuda)";
+  if (m.engines && l.pp > 1 && l.zero >= 2)
+    m.engines = false, m.refusal = "pipeline stages run on cuda at ZeRO 0 and 1 only (--pp with --zero 2 or 3)";
   if (m.engines && l.sp && !kCudaEngineRunsPipelines)
     m.engines = false, m.refusal = "sequence parallelism is priced with a bf16 reduce-scatter, which the CUDA engine "
                                    "does not do yet (its --sp all-reduces)";

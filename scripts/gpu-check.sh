@@ -19,8 +19,8 @@
 #      its CUDA context only); build/train --device cuda on the demo (learns, resumes bit for bit, first step =
 #      the CPU backend's, a 70B model refused before allocating);
 #   2. the new paths: the hopper attention path's tests (a hang or fault keeps the path out of the later
-#      steps), the multi-rank engine (ranks as threads on this GPU), ZeRO stages and recompute modes, and the
-#      trainer at --zero 1/2/3 (losses bit for bit ZeRO-0's);
+#      steps), the multi-rank engine (ranks as threads on this GPU: dp, tp, sp, pp), ZeRO stages and recompute
+#      modes, and the trainer at --zero 1/2/3 (losses bit for bit ZeRO-0's);
 #   3. the benches (attention, with packed documents masked against unmasked on both paths, GEMM,
 #      memory-bound kernels, the 1B step, generation), build/plan's planned step
 #      time and memory against the measured ones, and the peers timed in the same run
@@ -569,9 +569,9 @@ test_step() {  # name limit filter
   fi
 }
 HOPPER_TESTS='AttentionGpu.*Hopper*:AttentionGpu.BackwardAppliesRope*'
-# The multi-rank engine (ranks as threads sharing this GPU; tp with and without sp), and every ZeRO stage and
-# recompute mode against ZeRO-0:
-TIER2_SUITES=" EngineGpuThreadRanks. EngineGpuSequenceParallel. EngineGpuStages. EngineGpuZeroOne. "
+# The multi-rank engine (ranks as threads sharing this GPU; tp with and without sp, pipeline stages), and every
+# ZeRO stage and recompute mode against ZeRO-0:
+TIER2_SUITES=" EngineGpuThreadRanks. EngineGpuSequenceParallel. EngineGpuPipeline. EngineGpuStages. EngineGpuZeroOne. "
 
 # The demo runs of build/train (demo/train.toml, the corpus tokenized in bin/data), each in its own directory.
 D="$BIN/data"

@@ -9,12 +9,16 @@
 #if TUNA_CUDA
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
+#include <map>
+#include <mutex>
 
 #include "comm/comm.h"
 #include "ckpt/checkpoint.h"
 #include "engine/engine.h"
 #include "tests/kernels/gpu_test_util.h"
+#include "tests/data/data_test_util.h"  // TempDir
 #include "tests/engine/engine_test_util.h"
 #include "tests/model/ranks_test_util.h"
 
@@ -26,6 +30,7 @@ using testing_util::Fixture;
 using testing_util::fixture_weights;
 using testing_util::SingleRank;
 using testing_util::train_step;
+using testing_util::FourRows;
 
 class EngineGpuParity : public testing::TestWithParam<std::string> {};
 
@@ -341,6 +346,103 @@ INSTANTIATE_TEST_SUITE_P(
       std::string fixture = i.param.fixture;
       return fixture + "_" + testing_util::name(i.param.layout);
     });
+
+// Pipeline stages (ranks as threads on one device, as above): 4 micro-batches of one row through 2 stages in the 1F1B
+// order, the activations and their gradients sent between the stages in bf16, the loss and the gradient norm summed
+// over the stages. Tied (llama32_tiny: the last stage's copy of the table, whose gradient the two stages exchange)
+// and untied (llama2_tiny) embeddings, recompute (the working activations of a micro-batch are gone by its
+// backward on the first stage), and with dp 2 at ZeRO-1 and tp 2 (with sp) inside each stage.
+class EngineGpuPipeline : public testing::TestWithParam<SequenceParallelCase> {};
+
+TEST_P(EngineGpuPipeline, FollowsOneRankOnTheWholeBatch) {
+  TUNA_REQUIRE_GPU();
+  Fixture f(GetParam().fixture);
+  const testing_util::OneRankRun reference(f);
+  testing_util::run_thread_ranks(GetParam().layout.ranks, [&](Comm& world) {
+    testing_util::follow_one_rank(world, f, GetParam().layout, reference);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, EngineGpuPipeline,
+    testing::Values(SequenceParallelCase{"llama32_tiny", {2, 1, 0, true, Recompute::None, false, 2}},
+                    SequenceParallelCase{"llama2_tiny", {2, 1, 0, true, Recompute::Selective, false, 2}},
+                    SequenceParallelCase{"llama32_tiny", {4, 1, 1, true, Recompute::Full, false, 2}},
+                    SequenceParallelCase{"llama32_tiny", {4, 2, 1, true, Recompute::None, true, 2}}),
+    [](const testing::TestParamInfo<SequenceParallelCase>& i) {
+      std::string fixture = i.param.fixture;
+      return fixture + "_" + testing_util::name(i.param.layout);
+    });
+
+// A pipeline run's checkpoint is rank files in global coordinates (each stage's tensors under their global names, the
+// last stage's copy of a tied table not written): one rank without stages restores every weight and moment bit for
+// bit as the stages held them, and its next step follows theirs (the same micro-batches; only the fp32 order of the
+// tied table's gradient sum differs, so within the dp bound of tests/model/ranks_test_util.h).
+TEST(EngineGpuPipelineCheckpoint, ResumesWithoutStages) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama32_tiny");
+  const testing_util::FourRows data(f.config.vocab_size);
+  testing_data::TempDir tmp;
+  const nlohmann::json config_json = f.config.to_json();
+  std::mutex mutex;
+  std::map<std::string, std::array<std::vector<float>, 3>> held;  // by name (a copy's marked): weights, m, v
+  std::filesystem::path dir;
+  StepResult next_on_stages;
+  testing_util::run_thread_ranks(2, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, 1, 2);
+    const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
+      return make_staged_device_comm(group.split(0, group.rank()), stream);
+    };
+    std::unique_ptr<Engine> e =
+        make_engine(f.config, testing_util::rows_options(f, 0, 1), mesh, fixture_weights(f), device_comm);
+    for (int64_t s = 0; s < 2; s++) testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, s);
+    if (world.rank() == 0) prepare_sharded_checkpoint(tmp.path(), 2);
+    world.barrier("test checkpoint directory");
+    const StateExport state = [&](const StateSink& sink) { e->export_state(sink); };
+    write_checkpoint_shard(checkpoint_tmp_dir(tmp.path(), 2), world.rank(), e->layout(),
+                           ShardState{&e->segments(), state, e->steps_taken(), /*write_replicated=*/true});
+    world.barrier("test checkpoint shards");
+    if (world.rank() == 0) dir = finish_sharded_checkpoint(tmp.path(), 2, {&config_json, nullptr, {}, {}, {}}, 0);
+    std::vector<float> p, m, v;
+    e->export_shard(p, m, v);  // one dp rank at ZeRO-0: the stage's layout in order
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      for (const ParamTensor& t : e->layout().tensors())
+        for (int k = 0; k < 3; k++) {
+          const std::vector<float>& x = k == 0 ? p : k == 1 ? m : v;
+          held[t.name + (t.copy ? " (copy)" : "")][k].assign(x.begin() + t.offset, x.begin() + t.offset + t.numel);
+        }
+    }
+    const StepResult r = testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, 2);
+    if (world.rank() == 0) next_on_stages = r;
+  });
+  ASSERT_FALSE(dir.empty());
+  // The last stage's copy of the table took the first stage's updates.
+  ASSERT_EQ(held.count("model.embed_tokens.weight (copy)"), 1u);
+  EXPECT_EQ(held["model.embed_tokens.weight (copy)"], held["model.embed_tokens.weight"]);
+
+  SingleRank one;
+  std::unique_ptr<Engine> e = make_engine(f.config, testing_util::rows_options(f, 0, 1), one.mesh, nullptr);
+  const int64_t steps = load_checkpoint_state(dir, e->layout(), e->segments(),
+                                              [&](const StateSource& source) { e->import_state(source); });
+  EXPECT_EQ(steps, 2);
+  e->set_steps_taken(steps);
+  std::vector<float> p, m, v;
+  e->export_shard(p, m, v);
+  for (const ParamTensor& t : e->layout().tensors()) {
+    ASSERT_EQ(held.count(t.name), 1u) << t.name;
+    for (int k = 0; k < 3; k++) {
+      const std::vector<float>& x = k == 0 ? p : k == 1 ? m : v;
+      EXPECT_TRUE(std::equal(x.begin() + t.offset, x.begin() + t.offset + t.numel, held[t.name][k].begin()))
+          << t.name << (k == 0 ? " weights" : k == 1 ? " m" : " v");
+    }
+  }
+  const StepResult r = testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, 2);
+  EXPECT_EQ(r.tokens, next_on_stages.tokens);
+  EXPECT_NEAR(r.loss, next_on_stages.loss, testing_util::kRanksLossTol * next_on_stages.loss);
+  EXPECT_NEAR(r.stats.grad_norm, next_on_stages.stats.grad_norm,
+              testing_util::kRanksNormTol * next_on_stages.stats.grad_norm);
+}
 
 // A step whose loss is not finite changes nothing at every ZeRO stage (the decision is made on the host from
 // values the step reads back anyway); the next finite step trains as if the bad one had not happened.

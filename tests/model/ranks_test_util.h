@@ -6,6 +6,10 @@
 // rank's master weights within the bound of the one rank's (its block of them, its ZeRO pieces).
 // Sequence parallelism (RanksCase::sp) sums the same bf16 partial products per row as tp alone (each rank adds the
 // residual of its own rows instead of rank 0 adding every row's), so it is held to the same tp bounds.
+// Pipeline stages (RanksCase::pp) run a dp rank's rows as micro-batches of one row each through the stages in the
+// 1F1B order (so a step of 4 micro-batches at pp 2 has warm-up, steady state and cool-down): the stages pass the
+// bf16 activations the one rank keeps, so they change only the fp32 order of the gradient sums (micro-batches
+// added in turn, a tied table's two gradients added after the backwards) and are held to the dp bounds.
 //
 // The bound. Data parallel ranks compute exactly the one rank's function; what differs is arithmetic order: each
 // rank's weight gradients sum its own rows in the GEMM and the reduce-scatter adds the ranks' sums (fp32 order),
@@ -54,6 +58,7 @@ struct RanksCase {
   bool prefetch;
   Recompute recompute;
   bool sp = false;  // sequence parallelism over the tp ranks
+  int pp = 1;       // pipeline stages
 };
 
 // The layouts gpu-check and CI check: ZeRO-2, ZeRO-3 with and without prefetch, full and selective recompute,
@@ -65,7 +70,8 @@ inline const std::vector<RanksCase> kRanksCases = {
 
 inline std::string name(const RanksCase& c) {
   return std::to_string(c.ranks) + "ranks_tp" + std::to_string(c.tp) + "_zero" + std::to_string(c.zero) +
-         (c.prefetch ? "" : "_no_prefetch") + "_recompute_" + recompute_name(c.recompute) + (c.sp ? "_sp" : "");
+         (c.prefetch ? "" : "_no_prefetch") + "_recompute_" + recompute_name(c.recompute) + (c.sp ? "_sp" : "") +
+         (c.pp > 1 ? "_pp" + std::to_string(c.pp) : "");
 }
 
 // 4 rows of 16 tokens over the fixture's vocabulary, targets the next token (the last ignored), each row packing
@@ -101,6 +107,20 @@ inline StepResult rows_step(Engine& e, const Fixture& f, const FourRows& data, i
   return e.finish_step(l, learning_rate(f.optimizer(), s, 10));
 }
 
+// The same rows as micro-batches of one row each (Engine::forward_backward_step: a pipeline's 1F1B order).
+inline StepResult row_micro_batches_step(Engine& e, const Fixture& f, const FourRows& data, int64_t first_row,
+                                         int64_t rows, int64_t s) {
+  std::vector<MicroBatch> micro_batches;
+  for (int64_t r = first_row; r < first_row + rows; r++) {
+    const int64_t at = r * FourRows::kSeq;
+    micro_batches.push_back({data.inputs.data() + at, data.targets.data() + at, data.positions.data() + at, 1,
+                             FourRows::kSeq});
+  }
+  e.begin_step();
+  const LossSum l = e.forward_backward_step(micro_batches);
+  return e.finish_step(l, learning_rate(f.optimizer(), s, 10));
+}
+
 // One rank, ZeRO-0, all 4 rows: each step's result and the final master weights (ParamLayout order).
 struct OneRankRun {
   FourRows data;
@@ -121,15 +141,17 @@ inline void follow_one_rank(Comm& world, const Fixture& f, const RanksCase& c, c
   const double loss_tol = c.tp > 1 ? std::max(kTpLossTol, kRanksLossTol) : kRanksLossTol;
   const double norm_tol = c.tp > 1 ? std::max(kTpNormTol, kRanksNormTol) : kRanksNormTol;
   const double weight_tol = c.tp > 1 ? std::max(kTpWeightTol, kRanksWeightTol) : kRanksWeightTol;
-  Mesh mesh = make_mesh(world, c.tp);
+  Mesh mesh = make_mesh(world, c.tp, c.pp);
   const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
     return make_staged_device_comm(group.split(0, group.rank()), stream);
   };
-  EngineOptions o = rows_options(f, c.zero, FourRows::kRows / mesh.dp_size);
+  const int64_t rows = FourRows::kRows / mesh.dp_size;
+  EngineOptions o = rows_options(f, c.zero, c.pp > 1 ? 1 : rows);
   o.zero_prefetch = c.prefetch, o.recompute = c.recompute, o.sp = c.sp;
   std::unique_ptr<Engine> e = make_engine(f.config, o, mesh, fixture_weights(f), device_comm);
   for (int64_t s = 0; s < kRanksSteps; s++) {
-    const StepResult r = rows_step(*e, f, one.data, mesh.dp_rank * o.micro_batch, o.micro_batch, s);
+    const StepResult r = c.pp > 1 ? row_micro_batches_step(*e, f, one.data, mesh.dp_rank * rows, rows, s)
+                                  : rows_step(*e, f, one.data, mesh.dp_rank * rows, rows, s);
     const StepResult& want = one.steps[s];
     if (world.rank() == 0)
       std::printf("  step %lld  loss 1 rank %.7f %d ranks %.7f   grad norm %.6f %.6f\n", static_cast<long long>(s),

@@ -296,7 +296,7 @@ TEST(MemoryPlanGpu, BaseStorageBytes) {
   EXPECT_EQ(plain, 2 * (2 * int64_t(32000) * 8192 + 161 * 8192));
 }
 
-// ---- pipeline stages and sequence parallelism (as designed: the CUDA engine runs neither yet) ----
+// ---- pipeline stages (the CUDA engine runs them at ZeRO 0 and 1) and sequence parallelism ----
 
 // A fixture's shape with more layers, so that stages have several.
 LlamaConfig deeper(const std::string& fixture, int64_t layers) {
@@ -376,14 +376,15 @@ TEST(MemoryPlanGpu, TheFirstStageHoldsPpMicroBatchesOfActivations) {
     EXPECT_EQ(find(plan, "token ids") != nullptr, s == 0);
     EXPECT_EQ(find(plan, "logits chunk") != nullptr, s == pp - 1);
     EXPECT_EQ(find(plan, "targets") != nullptr, s == pp - 1);
-    // Point to point: an activation in and its gradient out on every stage but the first, an activation out and its
-    // gradient in on every stage but the last, each a bf16 [tokens, hidden].
+    // Point to point: a stage receives an activation straight into its first layer's input and a gradient into
+    // d_resid, and sends its input gradient from d_resid; every stage but the last has its output to send, a bf16
+    // [tokens, hidden] (the last stage's is the final residual).
     const int64_t p2p = device_arena_bytes(2 * 32 * c.hidden_size * 2);
-    EXPECT_EQ(items_starting(plan, "pipeline receive: activation"), s > 0);
-    EXPECT_EQ(items_starting(plan, "pipeline send: gradient"), s > 0);
+    EXPECT_EQ(items_starting(plan, "pipeline receive"), 0);
+    EXPECT_EQ(items_starting(plan, "pipeline send: gradient"), 0);
     EXPECT_EQ(items_starting(plan, "pipeline send: activation"), s < pp - 1);
-    EXPECT_EQ(items_starting(plan, "pipeline receive: gradient"), s < pp - 1);
-    EXPECT_EQ(plan.bytes(MemoryKind::Communication), p2p * (2 * (s > 0) + 2 * (s < pp - 1)));
+    EXPECT_EQ(find(plan, "final residual") != nullptr, s == pp - 1);
+    EXPECT_EQ(plan.bytes(MemoryKind::Communication), p2p * (s < pp - 1));
     // The first stage's layer activations: pp micro-batches of its layers, each layer's as at pp 1.
     if (s == 0) {
       int64_t bytes = 0, whole_layer = 0;
@@ -399,6 +400,27 @@ TEST(MemoryPlanGpu, TheFirstStageHoldsPpMicroBatchesOfActivations) {
   EXPECT_EQ(items_starting(f, "layer 0 (in flight"), 0);
   EXPECT_EQ(items_starting(f, "pipeline receive: gradient"), 0);
   EXPECT_EQ(items_starting(f, "pipeline send: activation"), 1);
+}
+
+// Tied embeddings over stages: the first and the last stage receive the other's gradient of the table (fp32, this tp
+// rank's rows) to add to their own; the stages between hold none, nor does a forward alone.
+TEST(MemoryPlanGpu, TiedStagesReceiveTheTablesGradient) {
+  const LlamaConfig c = deeper("llama32_tiny", 6);
+  const std::string name = "pipeline: the tied embedding's gradient from the other stage";
+  for (int64_t tp : {1, 2}) {
+    for (int64_t s = 0; s < 3; s++) {
+      MemoryLayout l = stage_layout(3, s);
+      l.tp = tp;
+      const MemoryItem* item = find(plan_gpu_memory(c, l), name);
+      ASSERT_EQ(item != nullptr, s != 1) << "stage " << s;
+      if (item) {
+        EXPECT_EQ(item->bytes, device_arena_bytes(c.vocab_size / tp * c.hidden_size * 4));
+      }
+      l.training = false;
+      EXPECT_EQ(find(plan_gpu_memory(c, l), name), nullptr);
+    }
+  }
+  EXPECT_EQ(find(plan_gpu_memory(deeper("llama2_tiny", 6), stage_layout(3, 0)), name), nullptr);  // untied
 }
 
 // ZeRO inside a stage: the stage's units are sharded over dp as the whole model's are at pp 1.
@@ -473,10 +495,15 @@ TEST(MemoryPlanGpu, PipelineAndSequenceParallelRefusalsNameTheOption) {
   l = stage_layout(2, 0);
   l.lora.rank = 4;
   EXPECT_NE(testing_util::error_of([&] { plan_gpu_memory(c, l); }).find("--pp"), std::string::npos);
-  // The fit check prints a pp plan as the design; sp is the engine's own plan.
-  const GpuFit fit = check_gpu_fit(c, stage_layout(2, 1), int64_t(80) << 30);
+  // The fit check prints a pp plan at ZeRO 0 or 1 as the engine's own, at ZeRO-2 or 3 as the design (the CUDA engine
+  // runs neither with stages); sp is the engine's own plan.
+  GpuFit fit = check_gpu_fit(c, stage_layout(2, 1), int64_t(80) << 30);
   EXPECT_TRUE(fit.fits);
   EXPECT_NE(fit.report.find("pipeline stage 1"), std::string::npos) << fit.report;
+  EXPECT_EQ(fit.report.find("AS DESIGNED"), std::string::npos) << fit.report;
+  MemoryLayout z2 = stage_layout(2, 1, 2);
+  z2.dp = 2;
+  fit = check_gpu_fit(c, z2, int64_t(80) << 30);
   EXPECT_NE(fit.report.find("AS DESIGNED"), std::string::npos) << fit.report;
   EXPECT_EQ(check_gpu_fit(c, stage_layout(1, 0), int64_t(80) << 30).report.find("AS DESIGNED"), std::string::npos);
   MemoryLayout sp = stage_layout(1, 0);

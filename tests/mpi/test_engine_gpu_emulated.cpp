@@ -369,13 +369,14 @@ TEST_P(EngineGpuMpiRanks, FollowOneRankOnTheWholeBatch) {
   testing_util::follow_one_rank(test::world(), f, GetParam(), reference);
 }
 
-// At the 2 ranks CI runs this binary with: data parallel ZeRO-2/3 and tensor parallel, with and without sequence
-// parallelism (the 4-rank cases run on threads in build/emulated_gpu_tests).
+// At the 2 ranks CI runs this binary with: data parallel ZeRO-2/3, tensor parallel, with and without sequence
+// parallelism, and two pipeline stages (the 4-rank cases run on threads in build/emulated_gpu_tests).
 INSTANTIATE_TEST_SUITE_P(Layouts, EngineGpuMpiRanks,
                          testing::Values(testing_util::RanksCase{2, 1, 3, false, Recompute::None},
                                          testing_util::RanksCase{2, 2, 0, true, Recompute::None},
                                          testing_util::RanksCase{2, 2, 1, true, Recompute::Full},
-                                         testing_util::RanksCase{2, 2, 0, true, Recompute::Selective, true}),
+                                         testing_util::RanksCase{2, 2, 0, true, Recompute::Selective, true},
+                                         testing_util::RanksCase{2, 1, 1, true, Recompute::Selective, false, 2}),
                          [](const testing::TestParamInfo<testing_util::RanksCase>& i) {
                            return testing_util::name(i.param);
                          });
