@@ -26,6 +26,12 @@ int64_t comm_type_bytes(CommType type) {
   return 0;
 }
 
+void Comm::check_reduce_scatter_type(CommType type, const char* what) {
+  if (type != CommType::F32 && type != CommType::BF16)
+    fail("reduce_scatter '", what, "': sums fp32 or bf16 elements, not ", comm_type_bytes(type), "-byte ",
+         type == CommType::F64 ? "f64" : "i64", " ones");
+}
+
 void Comm::check_peer(int peer, int64_t n, const char* call, const char* what) const {
   if (peer < 0 || peer >= size() || peer == rank())
     fail(call, " '", what, "': peer ", peer, " is not another rank of this group (rank ", rank(), " of ", size(), ")");
@@ -39,8 +45,9 @@ class SingleComm final : public Comm {
   SingleComm() : Comm(0, 1) {}
   std::string backend() const override { return "single"; }
   void all_reduce(void*, int64_t, CommType, ReduceOp, const char*) override {}
-  void reduce_scatter(const float* send, float* recv, int64_t n, const char*) override {
-    if (send != recv) std::memmove(recv, send, n * sizeof(float));
+  void reduce_scatter(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    check_reduce_scatter_type(type, what);
+    if (send != recv) std::memmove(recv, send, n * comm_type_bytes(type));
   }
   void all_gather(const void* send, void* recv, int64_t n, CommType type, const char*) override {
     if (send != recv) std::memmove(recv, send, n * comm_type_bytes(type));

@@ -58,8 +58,9 @@ class Comm {
 
   // In place over n elements of `type`.
   virtual void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) = 0;
-  // send: n elements from every rank; recv: the sum over ranks of this rank's piece (shard_range(n)).
-  virtual void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) = 0;
+  // send: n elements of `type` (F32 or BF16) from every rank; recv: the sum over ranks of this rank's piece
+  // (shard_range(n)). BF16 sums follow all_reduce's (the fp32 sum rounded once); MpiComm refuses BF16.
+  virtual void reduce_scatter(const void* send, void* recv, int64_t n, CommType type, const char* what) = 0;
   // send: this rank's piece of n elements of `type`; recv: all n, pieces in rank order. send may point into recv.
   virtual void all_gather(const void* send, void* recv, int64_t n, CommType type, const char* what) = 0;
   // The same, returning before completion (prefetch); buffers must stay alive until wait().
@@ -91,12 +92,17 @@ class Comm {
   void all_gather(const float* send, float* recv, int64_t n, const char* what) {
     all_gather(send, recv, n, CommType::F32, what);
   }
+  void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) {
+    reduce_scatter(send, recv, n, CommType::F32, what);
+  }
   CommRequest all_gather_start(const float* send, float* recv, int64_t n, const char* what) {
     return all_gather_start(send, recv, n, CommType::F32, what);
   }
 
  protected:
   Comm(int rank, int size) : rank_(rank), size_(size) {}
+  // Fails unless reduce_scatter sums `type` (F32 or BF16).
+  static void check_reduce_scatter_type(CommType type, const char* what);
   // Fails unless peer is another rank of this group; `call` is "send" or "recv".
   void check_peer(int peer, int64_t n, const char* call, const char* what) const;
 

@@ -128,15 +128,24 @@ class LocalComm final : public Comm {
     std::memcpy(buf, result.data(), result.size());
   }
 
-  void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) override {
-    const std::string label = str("reduce_scatter '", what, "' (", n, " floats)");
+  void reduce_scatter(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    check_reduce_scatter_type(type, what);
+    const std::string label = str("reduce_scatter '", what, "' (", n, " elements)");
     post(send, recv, label);
     const Range mine = shard_range(n, rank(), size());
-    std::vector<float> acc(static_cast<const float*>(group_->send[0]) + mine.begin,
-                           static_cast<const float*>(group_->send[0]) + mine.end);
-    for (int r = 1; r < size(); r++) sum_into(acc.data(), static_cast<const float*>(group_->send[r]) + mine.begin, mine.size());
+    // This rank's piece summed in fp32 in rank order (bf16 widened, rounded once below), so every rank's bits
+    // are those of any other comm's sum in the same order.
+    const auto piece_of = [&](int r, float* out) {
+      const char* from = static_cast<const char*>(group_->send[r]) + mine.begin * comm_type_bytes(type);
+      if (type == CommType::BF16) convert_to_f32(from, DType::BF16, out, mine.size());
+      else std::memcpy(out, from, mine.size() * sizeof(float));
+    };
+    std::vector<float> acc(mine.size()), x(mine.size());
+    piece_of(0, acc.data());
+    for (int r = 1; r < size(); r++) piece_of(r, x.data()), sum_into(acc.data(), x.data(), mine.size());
     group_->rendezvous(rank(), label);  // recv may alias this rank's send, which others read until here
-    std::copy(acc.begin(), acc.end(), recv);
+    if (type == CommType::BF16) convert_from_f32(acc.data(), DType::BF16, recv, mine.size());
+    else std::memcpy(recv, acc.data(), mine.size() * sizeof(float));
   }
 
   void all_gather(const void* send, void* recv, int64_t n, CommType type, const char* what) override {

@@ -233,7 +233,12 @@ class MpiComm final : public Comm {
     }
   }
 
-  void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) override {
+  void reduce_scatter(const void* send_bytes, void* recv_bytes, int64_t n, CommType type, const char* what) override {
+    check_reduce_scatter_type(type, what);
+    // As all_reduce: no bfloat16 arithmetic in MPI; the staged device comm widens bf16 to fp32 before it gets here.
+    TUNA_CHECK(type != CommType::BF16, "MpiComm does not reduce bf16 ('", what, "'): reduce-scatter fp32");
+    const float* send = static_cast<const float*>(send_bytes);
+    float* recv = static_cast<float*>(recv_bytes);
     // MPI takes per-rank counts, so uneven pieces need no padding here.
     const std::string label = str("reduce_scatter '", what, "' (", n, " floats)");
     std::vector<Range> pieces(size());

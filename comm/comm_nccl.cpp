@@ -65,21 +65,27 @@ class NcclComm final : public Comm {
     last_ = str("all_reduce '", what, "'");
   }
 
-  void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) override {
+  // bf16 moves as bf16 (ncclBfloat16: half the bytes of fp32). NCCL adds in fp32 and rounds at each step of its
+  // ring, so beyond two ranks the sum may differ from the fp32 sum rounded once in its last bit, as its bf16
+  // all-reduce does.
+  void reduce_scatter(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    check_reduce_scatter_type(type, what);
     flush();
-    const int64_t chunk = (n + size() - 1) / size();
+    const int64_t chunk = (n + size() - 1) / size(), bytes = comm_type_bytes(type);
     const Range mine = shard_range(n, rank(), size());
-    const float* src = send;
+    // Scratch: the padded input (chunk * size elements), then one padded piece.
+    const auto padded = [&] { return reinterpret_cast<char*>(scratch((chunk * (size() + 1) * bytes + 3) / 4)); };
+    const void* src = send;
     if (chunk * size() != n) {  // pad the input so every rank sends `chunk` elements per peer
-      float* padded = scratch(chunk * size() + chunk);
-      TUNA_CUDA_CHECK(cudaMemsetAsync(padded + n, 0, (chunk * size() - n) * sizeof(float), stream_));
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(padded, send, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-      src = padded;
+      char* p = padded();
+      TUNA_CUDA_CHECK(cudaMemsetAsync(p + n * bytes, 0, (chunk * size() - n) * bytes, stream_));
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(p, send, n * bytes, cudaMemcpyDeviceToDevice, stream_));
+      src = p;
     }
-    float* out = mine.size() == chunk ? recv : scratch(chunk * size() + chunk) + chunk * size();
-    TUNA_NCCL_CHECK(ncclReduceScatter(src, out, chunk, ncclFloat32, ncclSum, comm_, stream_));
+    void* out = mine.size() == chunk ? recv : padded() + chunk * size() * bytes;
+    TUNA_NCCL_CHECK(ncclReduceScatter(src, out, chunk, nccl_type(type), ncclSum, comm_, stream_));
     if (out != recv && mine.size() > 0)
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(recv, out, mine.size() * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(recv, out, mine.size() * bytes, cudaMemcpyDeviceToDevice, stream_));
     last_ = str("reduce_scatter '", what, "'");
   }
 

@@ -1,9 +1,10 @@
 // The staged device comm (comm/comm.h make_staged_device_comm): device collectives carried by a host comm. Each
 // call waits for the stream (the work that produced the device buffers), copies them to pinned host memory,
 // runs the host collective, copies the result back and waits again, so when it returns the device buffers hold
-// the result and the stream is idle. bf16 sums are widened to fp32 on the host (MPI has no bf16 arithmetic) and
-// rounded once. Point to point: a send copies the device buffer to pinned memory of its own and starts the host send
-// from there; a recv starts the host recv into pinned memory and copies to the device buffer at wait().
+// the result and the stream is idle. bf16 sums (all-reduce, reduce-scatter) are widened to fp32 on the host (MPI has
+// no bf16 arithmetic) and rounded once. Point to point: a send copies the device buffer to pinned memory of its own
+// and starts the host send from there; a recv starts the host recv into pinned memory and copies to the device
+// buffer at wait().
 // CUDA builds only (the emulated build compiles it against the emulator's runtime).
 #if TUNA_CUDA
 
@@ -63,12 +64,24 @@ class StagedDeviceComm final : public Comm {
     to_device(buf, staged, bytes);
   }
 
-  void reduce_scatter(const float* send, float* recv, int64_t n, const char* what) override {
+  void reduce_scatter(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
+    check_reduce_scatter_type(type, what);
     const Range mine = shard_range(n, rank(), size());
-    float* staged = reinterpret_cast<float*>(to_host(send, n * 4, a_));
-    float* piece = reinterpret_cast<float*>(b_.get(std::max<int64_t>(mine.size(), 1) * 4));
-    host_->reduce_scatter(staged, piece, n, what);
-    to_device(recv, piece, mine.size() * 4);
+    const int64_t bytes = comm_type_bytes(type);
+    char* staged = to_host(send, n * bytes, a_);
+    float* wide = reinterpret_cast<float*>(staged);
+    if (type == CommType::BF16) {  // widened: the host comm sums fp32, this rank's piece rounded back once
+      wide = reinterpret_cast<float*>(b_.get(std::max<int64_t>(n, 1) * 4));
+      convert_to_f32(staged, DType::BF16, wide, n);
+    }
+    float* piece = reinterpret_cast<float*>(c_.get(std::max<int64_t>(mine.size(), 1) * 4));
+    host_->reduce_scatter(wide, piece, n, what);
+    const char* result = reinterpret_cast<const char*>(piece);
+    if (type == CommType::BF16) {  // into the staged input, free by now
+      convert_from_f32(piece, DType::BF16, staged, mine.size());
+      result = staged;
+    }
+    to_device(recv, result, mine.size() * bytes);
   }
 
   void all_gather(const void* send, void* recv, int64_t n, CommType type, const char* what) override {
@@ -156,7 +169,7 @@ class StagedDeviceComm final : public Comm {
 
   std::unique_ptr<Comm> host_;
   cudaStream_t stream_;
-  PinnedBuffer a_, b_;
+  PinnedBuffer a_, b_, c_;
   std::map<CommRequest, P2p> p2p_;
   CommRequest next_request_ = 0;
 };

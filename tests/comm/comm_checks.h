@@ -50,6 +50,35 @@ inline void all_reduce_sum_and_max_every_type(Comm& w) {
   }
 }
 
+// Element i of rank r's bf16 input: rank 0's are 256 + even, the others' small integers, so that rounding each
+// partial sum to bf16 (8 significant bits: steps of 2 above 256) loses what the fp32 sum rounded once keeps.
+inline float bf16_value(int r, int64_t i) { return static_cast<float>(r == 0 ? 256 + 2 * (i % 5) : (r + i) % 3); }
+
+// bf16 pieces of n elements summed in fp32 and rounded once (all_reduce's contract); MpiComm refuses bf16 sums
+// (the staged device comm widens them before they reach it).
+inline void reduce_scatter_bf16(Comm& w, int64_t n) {
+  const int P = w.size();
+  std::vector<uint16_t> full(n);
+  for (int64_t i = 0; i < n; i++) full[i] = f32_to_bf16(bf16_value(w.rank(), i));
+  const Range mine = shard_range(n, w.rank(), P);
+  const uint16_t guard = f32_to_bf16(-1.0f);
+  std::vector<uint16_t> piece(mine.size() + 1, guard);
+  if (w.backend() == "mpi") {
+    EXPECT_THROW(w.reduce_scatter(full.data(), piece.data(), n, CommType::BF16, "test rs bf16"), Error);
+    return;
+  }
+  w.reduce_scatter(full.data(), piece.data(), n, CommType::BF16, "test rs bf16");
+  for (int64_t i = 0; i < mine.size(); i++) {
+    double sum = 0;
+    for (int r = 0; r < P; r++) sum += bf16_value(r, mine.begin + i);
+    ASSERT_EQ(piece[i], f32_to_bf16(static_cast<float>(sum))) << "n " << n << " i " << i << ": " << bf16_to_f32(piece[i]);
+  }
+  EXPECT_EQ(piece[mine.size()], guard) << "wrote past its piece";
+  // Only fp32 and bf16 are summed.
+  std::vector<double> d(n);
+  EXPECT_THROW(w.reduce_scatter(d.data(), d.data(), n, CommType::F64, "test rs f64"), Error);
+}
+
 inline void reduce_scatter_and_all_gather_on_uneven_sizes(Comm& w) {
   const int P = w.size();
   for (int64_t n : {int64_t(0), int64_t(1), int64_t(P - 1), int64_t(P + 1), int64_t(1003), (int64_t(1) << 20) + 1003}) {
@@ -64,6 +93,7 @@ inline void reduce_scatter_and_all_gather_on_uneven_sizes(Comm& w) {
       EXPECT_EQ(piece[i], static_cast<float>(sum)) << "n " << n << " i " << i;
     }
     EXPECT_EQ(piece[mine.size()], -1.0f) << "wrote past its piece";
+    reduce_scatter_bf16(w, n);
 
     // Gather rank-specific pieces, out of place and in place, in fp32 and as bf16 bits.
     for (int64_t i = 0; i < mine.size(); i++) piece[i] = value(w.rank(), mine.begin + i);

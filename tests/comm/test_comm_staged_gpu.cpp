@@ -1,16 +1,18 @@
-// comm/comm_staged.cpp's point to point on device buffers, ranks as threads (LocalComm as the host comm, one
-// stream each): a ring with starts, a pair exchanging both ways, messages waited out of order arriving in order,
-// a count mismatch and a silent peer reported through the host comm. Runs on the emulator in every build and on
-// a GPU where one is visible.
+// comm/comm_staged.cpp on device buffers, ranks as threads (LocalComm as the host comm, one stream each):
+// reduce-scatter in fp32 and bf16; point to point: a ring with starts, a pair exchanging both ways, messages waited
+// out of order arriving in order, a count mismatch and a silent peer reported through the host comm. Runs on the
+// emulator in every build and on a GPU where one is visible.
 #if TUNA_CUDA
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <functional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "comm/comm.h"
+#include "tests/comm/comm_checks.h"
 #include "tests/kernels/gpu_test_util.h"
 
 namespace tuna::test {
@@ -84,6 +86,40 @@ TEST(CommStagedGpu, PointToPointOnDeviceBuffers) {
     for (int m = 0; m < kMessages; m++) {
       const std::vector<float> got = buffers[m]->download();
       for (int64_t i = 0; i < 10 + m; i++) ASSERT_EQ(got[i], element(0, m, i)) << "message " << m << " i " << i;
+    }
+  });
+}
+
+// Reduce-scatter of device buffers in fp32 and bf16 (widened on the host, each piece rounded once) at sizes that
+// leave ranks short or empty, each piece written and nothing past it.
+TEST(CommStagedGpu, ReduceScatterOfDeviceBuffersInFp32AndBf16) {
+  TUNA_REQUIRE_GPU();
+  on_device_threads(3, 60, [](Comm& c) {
+    const int P = c.size();
+    for (int64_t n : {int64_t(0), int64_t(1), int64_t(2), int64_t(P + 1), int64_t(100003)}) {
+      const Range mine = shard_range(n, c.rank(), P);
+      std::vector<float> f(n);
+      std::vector<uint16_t> b(n);
+      for (int64_t i = 0; i < n; i++) {
+        f[i] = comm_checks::value(c.rank(), i);
+        b[i] = f32_to_bf16(comm_checks::bf16_value(c.rank(), i));
+      }
+      DeviceBuffer<float> f_in(f), f_out(mine.size() + 1);
+      DeviceBuffer<uint16_t> b_in(b), b_out(mine.size() + 1);
+      f_out.poison(), b_out.poison();
+      c.reduce_scatter(f_in.get(), f_out.get(), n, "test rs f32");
+      c.reduce_scatter(b_in.get(), b_out.get(), n, CommType::BF16, "test rs bf16");
+      const std::vector<float> got_f = f_out.download();
+      const std::vector<uint16_t> got_b = b_out.download();
+      for (int64_t i = 0; i < mine.size(); i++) {
+        double sum_f = 0, sum_b = 0;
+        for (int r = 0; r < P; r++)
+          sum_f += comm_checks::value(r, mine.begin + i), sum_b += comm_checks::bf16_value(r, mine.begin + i);
+        ASSERT_EQ(got_f[i], static_cast<float>(sum_f)) << "n " << n << " i " << i;
+        ASSERT_EQ(got_b[i], f32_to_bf16(static_cast<float>(sum_b))) << "n " << n << " i " << i;
+      }
+      EXPECT_TRUE(std::isnan(got_f[mine.size()])) << "n " << n << ": wrote past its fp32 piece";
+      EXPECT_EQ(got_b[mine.size()], 0xffff) << "n " << n << ": wrote past its bf16 piece";
     }
   });
 }
