@@ -151,10 +151,11 @@ TEST(QuantizedWeights, DequantizedFillIsTheStoresWeightsInAnyPieces) {
 // second half starts at block 352), and the fill is asked for the whole model's layout only. The quantized bytes are
 // the block's share plus the blocks a split shares and the whole tensor's second-level statistics.
 TEST(QuantizedWeights, TensorParallelBlocksDequantizeToOneRanksValues) {
-  LlamaConfig config = small_config(false);
-  config.num_key_value_heads = 4;  // tp 4 divides them
-  const ParamLayout whole(config);
+  for (bool tied : {false, true})
   for (BaseQuant quant : {BaseQuant::Nf4, BaseQuant::Int8}) {
+    LlamaConfig config = small_config(tied);
+    config.num_key_value_heads = 4;  // tp 4 divides them
+    const ParamLayout whole(config);
     int64_t unused = 0;
     const BaseFill base = random_fill(9, &unused);
     QuantizedWeights one(whole, quant, base);
@@ -167,7 +168,8 @@ TEST(QuantizedWeights, TensorParallelBlocksDequantizeToOneRanksValues) {
     for (int tp : {2, 4}) {
       int64_t quantized = 0;
       for (int rank = 0; rank < tp; ++rank) {
-        SCOPED_TRACE(std::string(base_quant_name(quant)) + " tp " + std::to_string(tp) + " rank " + std::to_string(rank));
+        SCOPED_TRACE(std::string(base_quant_name(quant)) + (tied ? " tied" : "") + " tp " + std::to_string(tp) +
+                     " rank " + std::to_string(rank));
         const ParamLayout local(config, rank, tp);
         bool only_whole = true;
         QuantizedWeights store(local, quant, [&](const ParamLayout& l, const Segment& piece, float* out) {
