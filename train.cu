@@ -157,9 +157,8 @@ void declare(Options& o, TrainConfig& c) {
         "or continue along the window", {"restart", "continue"});
   o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks", Bounds::closed(0, kMaxRanks));
   o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
-  o.add("pp", &c.pp, "pipeline stages (consecutive layers per stage, 1F1B over the grad_accum micro-batches; cuda: ZeRO 0 "
-        "and 1); "
-        "the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
+  o.add("pp", &c.pp, "pipeline stages (consecutive layers per stage, 1F1B over the grad_accum micro-batches; cuda: "
+        "ZeRO 0 and 1); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
   o.add("sp", &c.sp, "sequence parallelism with --tp > 1: norms and residuals hold seq / tp of the tokens, "
         "all-gathered before the tp GEMMs and reduce-scattered after them (cuda: all-reduced, and seq_len a multiple "
         "of tp); off by default");

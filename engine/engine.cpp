@@ -67,7 +67,11 @@ GpuFit plan_gpu_fit(const LlamaConfig& config, const EngineOptions& options, con
 
 HostStaging plan_gpu_host_staging(const LlamaConfig& config, const MemoryLayout& run) {
   const int dp_rank = static_cast<int>(run.dp_rank), dp_size = static_cast<int>(run.dp);
-  const ParamLayout layout(config, static_cast<int>(run.tp_rank), static_cast<int>(run.tp));
+  // With pipeline stages, the stage's layout: its units are what the rank fills and saves.
+  const int tp_rank = static_cast<int>(run.tp_rank), tp = static_cast<int>(run.tp);
+  const ParamLayout layout =
+      run.pp > 1 ? ParamLayout(config, tp_rank, tp, pipeline_stages(config, run.pp, run.seq_len).at(run.pp_rank))
+                 : ParamLayout(config, tp_rank, tp);
   int64_t largest_piece = 0, largest_unit = 0;
   for (const Segment& s : dp_unit_pieces(layout, dp_rank, dp_size)) largest_piece = std::max(largest_piece, s.size);
   for (int u = 0; u < layout.num_units(); u++)

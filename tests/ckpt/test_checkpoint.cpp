@@ -245,6 +245,22 @@ TEST(Checkpoint, LoadWeightsNamesMissingWrongAndForeignTensors) {
 
   write_with("", "", "model.layers.0.self_attn.rotary_emb.inv_freq");  // old exports carry it: harmless
   EXPECT_NO_THROW(load_weights(tmp.path, layout, params.data()));
+
+  // A pipeline stage's layout (its own tensors, end to end) reads them out of the whole model's directory: the other
+  // stages' tensors are the model's, not foreign; a tensor no stage has still is.
+  write_with("", "", "");
+  const std::vector<PipelineStage> stages = pipeline_stages(cfg, 2, 16);
+  for (const PipelineStage& stage : stages) {
+    const ParamLayout part(cfg, 0, 1, stage);
+    std::vector<float> mine(part.total(), 0.0f);
+    EXPECT_NO_THROW(load_weights(tmp.path, part, mine.data()));
+    EXPECT_EQ(mine, std::vector<float>(part.total(), 1.0f));
+  }
+  write_with("", "", "model.layers.0.self_attn.q_proj.bias");
+  const ParamLayout last(cfg, 0, 1, stages.back());
+  std::vector<float> mine(last.total());
+  msg = error_of([&] { load_weights(tmp.path, last, mine.data()); });
+  EXPECT_NE(msg.find("q_proj.bias"), std::string::npos) << msg;
 }
 
 TEST(Checkpoint, ResumeWithoutOptimizerStateIsAnError) {

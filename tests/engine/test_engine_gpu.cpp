@@ -377,8 +377,9 @@ INSTANTIATE_TEST_SUITE_P(
 // A pipeline run's checkpoint is rank files in global coordinates (each stage's tensors under their global names, the
 // last stage's copy of a tied table not written): one rank without stages restores every weight and moment bit for
 // bit as the stages held them, and its next step follows theirs (the same micro-batches; only the fp32 order of the
-// tied table's gradient sum differs, so within the dp bound of tests/model/ranks_test_util.h).
-TEST(EngineGpuPipelineCheckpoint, ResumesWithoutStages) {
+// tied table's gradient sum differs, so within the dp bound of tests/model/ranks_test_util.h); and the one rank's
+// checkpoint restored on two stages continues as the one rank does.
+TEST(EngineGpuPipelineCheckpoint, ResumesWithoutStagesAndBack) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama32_tiny");
   const testing_util::FourRows data(f.config.vocab_size);
@@ -437,11 +438,34 @@ TEST(EngineGpuPipelineCheckpoint, ResumesWithoutStages) {
           << t.name << (k == 0 ? " weights" : k == 1 ? " m" : " v");
     }
   }
+  // And back: the one rank's checkpoint (the single file) restored on 2 stages, whose next step is the one rank's.
+  const StateExport one_state = [&](const StateSink& sink) { e->export_state(sink); };
+  const std::filesystem::path single =
+      save_checkpoint(tmp.path() / "one", 2, e->layout(),
+                      CheckpointContents{&config_json, nullptr, {nullptr, nullptr, e->steps_taken()},
+                                         {{"step", 2}}, {}, nullptr, &e->segments(), one_state},
+                      0);
   const StepResult r = testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, 2);
   EXPECT_EQ(r.tokens, next_on_stages.tokens);
   EXPECT_NEAR(r.loss, next_on_stages.loss, testing_util::kRanksLossTol * next_on_stages.loss);
   EXPECT_NEAR(r.stats.grad_norm, next_on_stages.stats.grad_norm,
               testing_util::kRanksNormTol * next_on_stages.stats.grad_norm);
+  testing_util::run_thread_ranks(2, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, 1, 2);
+    const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
+      return make_staged_device_comm(group.split(0, group.rank()), stream);
+    };
+    std::unique_ptr<Engine> stage =
+        make_engine(f.config, testing_util::rows_options(f, 0, 1), mesh, nullptr, device_comm);
+    const int64_t taken = load_checkpoint_state(single, stage->layout(), stage->segments(),
+                                                [&](const StateSource& source) { stage->import_state(source); });
+    EXPECT_EQ(taken, 2);
+    stage->set_steps_taken(taken);
+    const StepResult again = testing_util::row_micro_batches_step(*stage, f, data, 0, FourRows::kRows, 2);
+    EXPECT_EQ(again.tokens, r.tokens);
+    EXPECT_NEAR(again.loss, r.loss, testing_util::kRanksLossTol * r.loss) << "stage " << world.rank();
+    EXPECT_NEAR(again.stats.grad_norm, r.stats.grad_norm, testing_util::kRanksNormTol * r.stats.grad_norm);
+  });
 }
 
 // A step whose loss is not finite changes nothing at every ZeRO stage (the decision is made on the host from
