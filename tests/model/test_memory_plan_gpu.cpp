@@ -296,7 +296,7 @@ TEST(MemoryPlanGpu, BaseStorageBytes) {
   EXPECT_EQ(plain, 2 * (2 * int64_t(32000) * 8192 + 161 * 8192));
 }
 
-// ---- pipeline stages and sequence parallelism (as designed: the CUDA engine runs neither yet) ----
+// ---- pipeline stages (as designed: the CUDA engine does not run them yet) and sequence parallelism ----
 
 // A fixture's shape with more layers, so that stages have several.
 LlamaConfig deeper(const std::string& fixture, int64_t layers) {
