@@ -222,14 +222,16 @@ const __nv_bfloat16* LlamaGpu::sp_gather(const __nv_bfloat16* local, const char*
   return gathered_;
 }
 
-// With sp, the partial sums of every row are all-reduced and this rank keeps its rows: the result of a
-// reduce-scatter (Comm's reduce_scatter moves fp32 only, these are bf16), at the bytes of tp's all-reduce.
+// With sp, every row's partial sums are reduce-scattered in bf16 by pieces of sp_chunk_ rows: this rank gets the
+// sum of its rows, at half the bytes of tp's all-reduce. The padding rows past the pass's are zeroed: their sums
+// land past the last ranks' rows, never read.
 void LlamaGpu::sp_reduce(__nv_bfloat16* full, __nv_bfloat16* local, int64_t rows, const char* what) {
   const int64_t C = config_.hidden_size;
-  tp_all_reduce(full, rows * C, what);
-  if (!sp_ || sp_rows_.size() == 0) return;
-  TUNA_CUDA_CHECK(cudaMemcpyAsync(local, full + sp_rows_.begin * C, sp_rows_.size() * C * sizeof(__nv_bfloat16),
-                                  cudaMemcpyDeviceToDevice, stream_));
+  if (!sp_) return tp_all_reduce(full, rows * C, what);
+  const int64_t padded = run_.tp * sp_chunk_;
+  if (padded > rows)
+    TUNA_CUDA_CHECK(cudaMemsetAsync(full + rows * C, 0, (padded - rows) * C * sizeof(__nv_bfloat16), stream_));
+  tp_->reduce_scatter(full, local, padded * C, CommType::BF16, what);
 }
 
 void LlamaGpu::sp_add_norm_grads(std::initializer_list<std::pair<float*, GradWrite>> dst, const char* what) {
@@ -302,9 +304,6 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   if (run.sp && run.tp < 2)
     fail("option 'sp': sequence parallelism splits the sequence over --tp > 1 ranks (found tp ", run.tp, ")");
   sp_ = run.sp;
-  if (sp_ && run.lora.enabled())
-    fail("--device cuda: sequence parallelism (--sp) with adapters (--lora_rank) is not implemented in the CUDA "
-         "engine (the CPU engine runs it; drop --sp)");
   const LlamaConfig& c = config_;
   if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 8 && c.head_dim != 16 && c.head_dim != 32)
     fail("--device cuda: attention supports head_dim 64 and 128 (and 8, 16, 32 for tiny models); this model has ",
@@ -826,8 +825,8 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
   const __nv_bfloat16* x1 = sp_ ? sp_gather(a.norm1, "sp q/k/v input") : a.norm1;
   cuda::matmul_fwd(mm, qkv_, x1, w(o.q_proj), n, C, qkv, s);
-  // Adapters add into their column blocks of the fused outputs, before RoPE and SwiGLU read them (with sp refused at
-  // construction: they read the gathered inputs only because x1 and x2 are the norms' outputs without it).
+  // Adapters add into their column blocks of the fused outputs, before RoPE and SwiGLU read them; with sp they read
+  // every row of the gathered input, as the GEMM does.
   const auto adapt = [&](LoraTarget t, const __nv_bfloat16* x, __nv_bfloat16* y, int64_t ld_y, bool add = true) {
     if (lora_.enabled() && lora_.has(t)) lora_fwd(l, t, x, y, ld_y, n, add);
   };
@@ -1261,7 +1260,11 @@ void LlamaGpu::lora_fwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, __nv_bf
   cuda::matmul_fwd(mm, u, lora_input(l, t, x, n), lora_a(l, t), n, in, r, stream_);
   if (lora_target_row_parallel(t)) tp_all_reduce(u, n * r, "tp LoRA A x");  // over the split input
   cuda::scale_bf16(u, n * r, static_cast<float>(lora_.scale()), stream_);   // kept as s A x: dB = dy^T u
-  if (add_output) cuda::matmul_add_fwd(mm, y, ld_y, u, lora_b(l, t), n, r, out, stream_);
+  if (!add_output) return;
+  // With sp a row-parallel target's y (the reduce-scatter's output) holds this rank's rows only.
+  if (sp_ && lora_target_row_parallel(t))
+    return cuda::matmul_add_fwd(mm, y, ld_y, u + sp_rows_.begin * r, lora_b(l, t), sp_rows_.size(), r, out, stream_);
+  cuda::matmul_add_fwd(mm, y, ld_y, u, lora_b(l, t), n, r, out, stream_);
 }
 
 void LlamaGpu::lora_bwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, const __nv_bfloat16* dy, int64_t ld_dy,

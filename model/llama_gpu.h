@@ -300,7 +300,8 @@ class LlamaGpu {
   // Sequence parallelism (MemoryLayout::sp): the norm and residual regions hold this rank's rows sp_rows_ of the
   // pass's batch x seq, every rank's piece moved as sp_chunk_ rows. sp_gather: every rank's rows of `local` into
   // gathered_, returned. sp_reduce: `full` holds this rank's partial sums of every row (`rows` of them); without
-  // sp it is all-reduced in place (`local` is `full`), with sp `local` gets the sums of this rank's rows.
+  // sp it is all-reduced in place (`local` is `full`), with sp reduce-scattered: `local` gets the sums of this
+  // rank's rows (sp_chunk_ of them written, so both buffers hold tp x sp_chunk_ and sp_chunk_ rows).
   const __nv_bfloat16* sp_gather(const __nv_bfloat16* local, const char* what);
   void sp_reduce(__nv_bfloat16* full, __nv_bfloat16* local, int64_t rows, const char* what);
   // A norm weight's gradient: `dweight` itself, or with sp slot `slot` of sp_norm_grads_ (this rank's rows' part,

@@ -383,22 +383,16 @@ MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layo
 namespace {
 
 // Whether the CUDA engine trains these adapters, laying them out from plan_gpu_memory's adapter items: it does at
-// ZeRO-0 on a bf16 or nf4 base (model/llama_gpu.cpp); the adapter plans it does not run yet (ZeRO 1-3 over the
-// adapters, an int8 base, adapters with sequence parallelism) are the design, and the plan says so.
+// ZeRO-0 on a bf16 or nf4 base (model/llama_gpu.cpp), with or without sp; the adapter plans it does not run yet
+// (ZeRO 1-3 over the adapters, an int8 base) are the design, and the plan says so.
 std::string cuda_adapter_refusal(const MemoryLayout& l) {
   if (!l.lora.enabled()) return "";
-  if (l.sp) return "adapters with sequence parallelism are not trained on cuda yet (--lora_rank with --sp)";
   if (l.lora.base_quant == BaseQuant::Int8)
     return "an int8 base is not trained on cuda yet (--base_quant int8 with --device cuda)";
   if (l.training && l.zero != 0)
     return str("adapters are trained on cuda at ZeRO-0 only (--lora_rank with --zero ", l.zero, ")");
   return "";
 }
-// Sequence parallelism as priced here (a reduce-scatter after the row-parallel GEMMs; the CUDA engine runs --sp with
-// all-reduces until the comms reduce-scatter bf16), and pipeline stages at ZeRO-2 and 3 (the CUDA engine runs them at
-// ZeRO 0 and 1): their plans are the design.
-constexpr bool kCudaEngineRunsPipelines = false;
-
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design.
 struct GpuMemory {
   MemoryPlan plan;
@@ -414,11 +408,11 @@ GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& l) {
     m.engines = false, m.refusal = e.what();
     m.plan = design_gpu_memory(c, l);
   }
+  // Pipeline stages at ZeRO-2 and 3, which the CUDA engine does not run (it runs them at ZeRO 0 and 1): their plans
+  // are the design. Sequence parallelism is priced as the engine runs it (a bf16 all-gather before the column-parallel
+  // GEMMs, a bf16 reduce-scatter after the row-parallel ones).
   if (m.engines && l.pp > 1 && l.zero >= 2)
     m.engines = false, m.refusal = "pipeline stages run on cuda at ZeRO 0 and 1 only (--pp with --zero 2 or 3)";
-  if (m.engines && l.sp && !kCudaEngineRunsPipelines)
-    m.engines = false, m.refusal = "sequence parallelism is priced with a bf16 reduce-scatter, which the CUDA engine "
-                                   "does not do yet (its --sp all-reduces)";
   if (const std::string refusal = cuda_adapter_refusal(l); m.engines && !refusal.empty())
     m.engines = false, m.refusal = refusal;
   return m;

@@ -283,9 +283,17 @@ TEST_F(DistTrain, SequenceParallelRefusals) {
                           "or more, found --tp 1"), std::string::npos) << r.output;
   std::string cuda = flags("llama32_tiny");
   cuda.replace(cuda.find(" --device cpu"), 13, " --device cuda --plan_only --gpu_memory_gb 80");
-  // The CUDA engine runs sp: its plan is the engine's own (not AS DESIGNED), and it needs whole rows per tp rank.
+  // The CUDA engine runs sp, with adapters too: its plan is the engine's own (not AS DESIGNED), and it needs whole
+  // rows per tp rank.
   r = run_command(mpirun(2) + kTrain + cuda + " --micro_batch 4 --tp 2 --sp --out_dir " + (*tmp_ / "sp_cuda").string(),
                   *tmp_ / "sp_cuda_log");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tp 2 with sp"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("AS DESIGNED"), std::string::npos) << r.output;
+  // Adapters with sp too.
+  r = run_command(mpirun(2) + kTrain + cuda + " --micro_batch 4 --tp 2 --sp --lora_rank 4 --out_dir " +
+                      (*tmp_ / "sp_cuda_lora").string(),
+                  *tmp_ / "sp_cuda_lora_log");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("tp 2 with sp"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("AS DESIGNED"), std::string::npos) << r.output;

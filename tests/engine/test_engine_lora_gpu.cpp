@@ -201,10 +201,12 @@ TEST(EngineLoraGpu, ExportImportContinuesBitForBit) {
 }
 
 // dp 2 (the adapters' gradients all-reduced) and tp 2 (A and B split as Megatron's layers, with dropout drawn over
-// the whole layer's input) as threads sharing the device, against one rank on the whole batch.
+// the whole layer's input), with and without sequence parallelism (o_proj's and down_proj's adapters add into this
+// rank's rows), as threads sharing the device, against one rank on the whole batch.
 struct LoraRanksCase {
   int ranks, tp;
   double dropout;
+  bool sp = false;
 };
 
 class EngineLoraGpuRanks : public testing::TestWithParam<LoraRanksCase> {};
@@ -217,16 +219,17 @@ TEST_P(EngineLoraGpuRanks, FollowOneRank) {
   LoraConfig lora;
   lora.rank = 4, lora.alpha = 8, lora.dropout = c.dropout;
   const FourRows data(f.config.vocab_size);
-  const auto options = [&](int64_t rows) {
+  const auto options = [&](int64_t rows, bool sp) {
     EngineOptions o = testing_util::rows_options(f, 0, rows);
     o.lora = lora, o.seed = 17, o.adapters = random_weights(5, 0.1);
+    o.sp = sp;
     return o;
   };
   std::vector<StepResult> want;
   std::vector<float> one_weights;
   {
     SingleRank one;
-    std::unique_ptr<Engine> e = make_engine(f.config, options(FourRows::kRows), one.mesh, fixture_weights(f));
+    std::unique_ptr<Engine> e = make_engine(f.config, options(FourRows::kRows, false), one.mesh, fixture_weights(f));
     for (int64_t s = 0; s < testing_util::kRanksSteps; s++)
       want.push_back(testing_util::rows_step(*e, f, data, 0, FourRows::kRows, s));
     std::vector<float> m, v;
@@ -241,7 +244,7 @@ TEST_P(EngineLoraGpuRanks, FollowOneRank) {
     const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
       return make_staged_device_comm(group.split(0, group.rank()), stream);
     };
-    const EngineOptions o = options(FourRows::kRows / mesh.dp_size);
+    const EngineOptions o = options(FourRows::kRows / mesh.dp_size, c.sp);
     std::unique_ptr<Engine> e = make_engine(f.config, o, mesh, fixture_weights(f), device_comm);
     for (int64_t s = 0; s < testing_util::kRanksSteps; s++) {
       const StepResult r = testing_util::rows_step(*e, f, data, mesh.dp_rank * o.micro_batch, o.micro_batch, s);
@@ -258,10 +261,11 @@ TEST_P(EngineLoraGpuRanks, FollowOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuRanks,
-                         testing::Values(LoraRanksCase{2, 1, 0.0}, LoraRanksCase{2, 2, 0.1}),
+                         testing::Values(LoraRanksCase{2, 1, 0.0}, LoraRanksCase{2, 2, 0.1},
+                                         LoraRanksCase{2, 2, 0.1, true}, LoraRanksCase{4, 2, 0.0, true}),
                          [](const testing::TestParamInfo<LoraRanksCase>& i) {
                            return "ranks" + std::to_string(i.param.ranks) + "_tp" + std::to_string(i.param.tp) +
-                                  (i.param.dropout > 0 ? "_dropout" : "");
+                                  (i.param.sp ? "_sp" : "") + (i.param.dropout > 0 ? "_dropout" : "");
                          });
 
 }  // namespace

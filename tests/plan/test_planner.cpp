@@ -307,7 +307,7 @@ TEST(Planner, SearchOffersAdaptersWhenAFullFineTuneCannotFinish) {
   for (const Prediction& p : search_layouts(j, repository_rates(), SIZE_MAX)) EXPECT_FALSE(p.layout.lora.enabled());
 }
 
-// ---- pipeline stages and sequence parallelism (as designed) ----
+// ---- pipeline stages (as designed) and sequence parallelism ----
 
 const TimeItem* comm_item(const Prediction& p, const std::string& prefix) {
   for (const TimeItem& t : p.communication)
@@ -390,6 +390,25 @@ TEST(Planner, SequenceParallelismKeepsTheBytesAndLowersActivationMemory) {
   ASSERT_NE(comm_item(b, "sequence-parallel backward re-gathers"), nullptr);
   EXPECT_EQ(comm_item(a, "sequence-parallel backward re-gathers"), nullptr);
   EXPECT_LT(b.step_s, a.step_s);
+}
+
+// The CUDA engine runs sp as priced (bf16 all-gathers and reduce-scatters): an sp layout's memory is the engine's own
+// plan, not the design, with adapters too (at ZeRO-0); pipeline stages are still the design and say why.
+TEST(Planner, SequenceParallelLayoutsAreTheEnginesOwn) {
+  const Rates& rates = repository_rates();
+  const JobSpec j = pipeline_job(1, 8, true, 1, 1, Recompute::Selective);
+  const Prediction p = predict(j, rates);
+  EXPECT_TRUE(p.memory_is_engines) << p.not_implemented;
+  EXPECT_EQ(format_plan(j, p, rates).find("AS DESIGNED"), std::string::npos);
+  const Prediction staged = predict(pipeline_job(2, 8, true, 1, 1, Recompute::Selective), rates);
+  EXPECT_FALSE(staged.memory_is_engines);
+  EXPECT_NE(staged.not_implemented.find("--pp with --device cuda"), std::string::npos) << staged.not_implemented;
+  JobSpec adapters = j;
+  adapters.layout.lora.rank = 16, adapters.layout.zero = 0;
+  const Prediction a = predict(adapters, rates);
+  EXPECT_TRUE(a.memory_is_engines) << a.not_implemented;
+  adapters.layout.zero = 1;  // adapters over ZeRO 1-3: not on cuda yet, sp or not
+  EXPECT_FALSE(predict(adapters, rates).memory_is_engines);
 }
 
 // Every stage has its own plan; the first holds the most micro-batches in flight, and the layout fits when the
