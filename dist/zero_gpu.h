@@ -16,6 +16,9 @@
 // (a buffer is regathered only after the compute that read it, and computed on only after its gather), so the
 // host never waits inside the pass. The update runs over the shard and writes the shard's bf16 weights, which
 // ZeRO-2 gathers whole after the step and ZeRO-3 gathers unit by unit in the next pass.
+//
+// With LoRA adapters both work over what trains, the adapters' layout (LlamaGpu::trained_layout(), a unit per
+// layer), under the memory plan's "LoRA" names: ZeRO-1 and 2 as above, the frozen base whole in the model.
 #pragma once
 
 #if TUNA_CUDA
@@ -24,6 +27,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "comm/comm.h"
@@ -39,10 +43,11 @@ namespace tuna {
 // element belongs to). One allocation, made at construction.
 class OptimizerShard {
  public:
-  // The buffers are the memory plan's "(shard)" items, in the model's arena.
+  // The buffers are the memory plan's "(shard)" items, in the model's arena; name_prefix "LoRA " takes the
+  // adapters' (layout: LlamaGpu::trained_layout()).
   // with_bf16_weights (ZeRO-2 and 3): the update also writes the bf16 weights of the shard.
   OptimizerShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments,
-                 bool bf16_moments, bool with_bf16_weights);
+                 bool bf16_moments, bool with_bf16_weights, const std::string& name_prefix = "");
   OptimizerShard(const OptimizerShard&) = delete;
   OptimizerShard& operator=(const OptimizerShard&) = delete;
 
@@ -86,10 +91,13 @@ void join(cudaStream_t waiter, cudaStream_t producer, StreamEvent& event);
 // ZeRO-2 and 3's weights and gradients for the model, unit by unit (see the top of this file). Gathers,
 // reduce-scatters and shard accumulation run on `comm_stream` (where the dp device comm enqueues; dp_device is
 // null on one rank); the model computes on its own stream. Installs itself as the model's weight store.
+// adapters (a model with LoRA adapters, ZeRO-2 only): the store of what trains, the adapters (trained_layout(), a
+// unit per layer): their gradients a layer at a time and their whole bf16 copy gathered after each update, installed
+// as the model's adapter gradient store; the frozen base stays the model's own.
 class ShardedStore final : public GpuWeightStore {
  public:
   ShardedStore(LlamaGpu& model, OptimizerShard& shard, const std::vector<Segment>& segments, Comm* dp_device,
-               cudaStream_t comm_stream, int stage, bool prefetch);
+               cudaStream_t comm_stream, int stage, bool prefetch, bool adapters = false);
 
   // A step begins: the gradient shard holds nothing of it. Not zeroed: each unit's piece is written by the step's
   // first reduce-scatter of the unit (grads_done), on the comm stream, after what the compute stream did so far.
@@ -131,6 +139,7 @@ class ShardedStore final : public GpuWeightStore {
 
   LlamaGpu& model_;
   const ParamLayout& layout_;
+  __nv_bfloat16* whole_;  // ZeRO-2: the whole bf16 weights the shard's are gathered into
   OptimizerShard& shard_;
   const std::vector<Segment>& segments_;
   Comm* dp_;

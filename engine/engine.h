@@ -14,7 +14,8 @@
 //         weights sharded too: each unit gathered before use, the next one prefetched on a communication
 //         stream). Activation recompute (none, selective, full). Tensor parallelism (Megatron splits by kv
 //         groups, vocab-parallel embedding, lm_head and loss) with ZeRO over dp. With LoRA the base is frozen bf16
-//         (replicated) and the adapters train at ZeRO-0 (dp all-reduce, tp as on cpu): layout(), segments() and the
+//         (replicated) and the adapters train at ZeRO 0-2 (dp all-reduce, or their state and at ZeRO-2 their
+//         gradients sharded; tp as on cpu; ZeRO-3's sharded base is cpu only): layout(), segments() and the
 //         checkpoint state are the adapters', as on cpu.
 //
 // Checkpoint exchange is in "shard order": the concatenation of segments() (runs of the flat ParamLayout

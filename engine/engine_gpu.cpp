@@ -20,10 +20,12 @@
 // The clip norm is over the shards (squares summed over this rank's shard, then over dp). At one rank the
 // shard is the whole layout in layout order, so every stage computes ZeRO-0's bits.
 //
-// LoRA (EngineOptions::lora): the model's base is frozen bf16, filled once, never saved; what trains, the dp
-// all-reduce, the update and the checkpoint state are the adapters' (LlamaGpu::trained_layout(), PEFT names, one
-// unit per layer), at ZeRO-0: their state is small, so every dp rank holds it whole. Dropout masks are keyed by
-// (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
+// LoRA (EngineOptions::lora): the model's base is frozen (bf16 or nf4), filled once, never saved, whole on every
+// dp rank; what trains, the dp collectives, the update and the checkpoint state are the adapters'
+// (LlamaGpu::trained_layout(), PEFT names, one unit per layer), at ZeRO 0, 1 or 2 as above: ZeRO-1 shards their
+// master and moments, ZeRO-2 their gradient too (a layer's reduce-scattered as its backward ends), and the update
+// writes the whole bf16 copy the GEMMs read. ZeRO-3, which would shard the base, is refused (model/llama_gpu.cpp).
+// Dropout masks are keyed by (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
 //
 // Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
 // uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and
@@ -94,11 +96,13 @@ class GpuEngine final : public Engine {
       tp_device_ = device_comm(*mesh.tp, stream);
       model_.set_tp_comm(tp_device_.get());
     }
+    const bool adapters = model_.has_adapters();
     if (o.zero >= 1)
-      shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.layout(), segments_, o.bf16_moments, o.zero >= 2);
+      shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.trained_layout(), segments_, o.bf16_moments,
+                                                o.zero >= 2, adapters ? "LoRA " : "");
     if (o.zero >= 2)
       store_ = std::make_unique<ShardedStore>(model_, *shard_, segments_, dp_device_.get(), comm_stream_, o.zero,
-                                              o.zero_prefetch);
+                                              o.zero_prefetch, adapters);
     model_.arena().check_all_taken();
     if (initial) fill_weights(initial);
     cudaDeviceProp prop{};
@@ -278,7 +282,7 @@ class GpuEngine final : public Engine {
   // no update when the step's loss or the norm is not finite.
   OptimizerStats sharded_update(double loss_scale, double lr, bool loss_is_finite) {
     OptimizerShard& sh = *shard_;
-    const ParamLayout& layout = model_.layout();
+    const ParamLayout& layout = model_.trained_layout();
     cudaStream_t stream = model_.stream();
     if (store_) {
       store_->gradients_ready();  // ZeRO-2/3: reduce-scattered and accumulated during the backward
@@ -358,8 +362,10 @@ class GpuEngine final : public Engine {
     else if (shard_) gather_master();
   }
 
-  // With adapters (ZeRO-0): the frozen base whole, a unit at a time, and the adapters (the options', or PEFT's
-  // initialisation drawn per global tensor, so that every tp and dp layout starts from the same ones).
+  // With adapters: the frozen base whole, a unit at a time, and the adapters (the options', or PEFT's
+  // initialisation drawn per global tensor, so that every tp and dp layout starts from the same ones): whole at
+  // ZeRO-0; at ZeRO 1-2 this rank's piece of each unit into the master shard, whose bf16 copy is then made and
+  // gathered as a restore makes it.
   void fill_base_and_adapters(const WeightFill& base) {
     const auto fill = [&](const ParamLayout& layout, const WeightFill& source, auto&& set) {
       std::vector<float> host;
@@ -371,8 +377,20 @@ class GpuEngine final : public Engine {
       }
     };
     fill(model_.layout(), base, [&](const Segment& p, const float* h) { model_.set_params_piece(p, h); });
-    fill(model_.trained_layout(), options_.adapters ? options_.adapters : initial_adapters(options_.seed),
-         [&](const Segment& p, const float* h) { model_.set_adapters_piece(p, h); });
+    const WeightFill adapters = options_.adapters ? options_.adapters : initial_adapters(options_.seed);
+    if (!shard_)
+      return fill(model_.trained_layout(), adapters,
+                  [&](const Segment& p, const float* h) { model_.set_adapters_piece(p, h); });
+    std::vector<float> host;
+    for (size_t u = 0; u < segments_.size(); u++) {
+      host.resize(segments_[u].size);
+      adapters(model_.trained_layout(), segments_[u], host.data());
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data(),
+                                      segments_[u].size * sizeof(float), cudaMemcpyHostToDevice, model_.stream()));
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));  // the host buffer is refilled next
+    }
+    if (store_) refresh_shard_weights();
+    else gather_master();
   }
 
   // ZeRO-2/3: the shard's bf16 weights from its fp32 master, rounded as the update at steps_taken() rounded
@@ -395,7 +413,7 @@ class GpuEngine final : public Engine {
   // backward overwrites it).
   void gather_master() {
     OptimizerShard& sh = *shard_;
-    const ParamLayout& layout = model_.layout();
+    const ParamLayout& layout = model_.trained_layout();
     float* whole = model_.grads();
     for (int u = 0; u < layout.num_units(); u++) {
       const auto [begin, end] = layout.unit_range(u);

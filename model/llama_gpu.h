@@ -148,6 +148,12 @@ class LlamaGpu {
   // Elements [piece.begin, piece.begin + piece.size) of the adapters (trained_layout() order) from host fp32 into
   // their fp32 master and bf16 copy (rounded to nearest), before any update. Synchronous.
   void set_adapters_piece(const Segment& piece, const float* host);
+  // The adapters' bf16 copy the GEMMs read (trained_layout() order), whole at every ZeRO stage; null without adapters.
+  __nv_bfloat16* adapter_params() { return lora_params_; }
+  // ZeRO-2 with adapters: the engine's store of the adapters' gradients, a layer (a unit of trained_layout()) at a
+  // time: grads(l) before layer l's backward, grads_done(l) after it. Until then, and at ZeRO-0/1, the adapters'
+  // whole gradient buffer, grads().
+  void set_adapter_grad_store(GpuWeightStore* store);
 
   // Device buffers in trained_layout() order (for collectives: all-reduce grads, broadcast params).
   float* master_params() { return t_.master; }   // fp32, what AdamW updates; null unless ZeRO-0 training
@@ -285,6 +291,9 @@ class LlamaGpu {
                 bool add_output);
   void lora_bwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, const __nv_bfloat16* dy, int64_t ld_dy,
                 __nv_bfloat16* dx, int64_t n);
+  // Where layer l's adapter gradients go in this pass (lora_grad_unit_): the whole buffer, or the store's unit buffer,
+  // zeroed when fresh (every adapter gradient write adds).
+  void take_adapter_grads(int l);
   // The adapter's input for target t of layer l: x with this pass's dropout mask into lora_in_, or x itself.
   const __nv_bfloat16* lora_input(int64_t l, LoraTarget t, const __nv_bfloat16* x, int64_t n);
   const __nv_bfloat16* lora_a(int64_t l, LoraTarget t) const;
@@ -327,6 +336,9 @@ class LlamaGpu {
   std::array<int64_t, kLoraTargets> lora_global_in_{}, lora_col0_{};  // the dropout index of a local input column
   __nv_bfloat16 *lora_params_ = nullptr, *lora_in_ = nullptr, *lora_dt_ = nullptr;
   float *lora_master_ = nullptr, *lora_grads_ = nullptr;
+  GpuWeightStore* adapter_grads_ = nullptr;  // ZeRO-2: the engine's store of the adapters' gradients
+  float* lora_grad_unit_ = nullptr;          // the running layer's adapter gradients: element `offset` of
+  int64_t lora_grad_begin_ = 0;              // trained_layout() at lora_grad_unit_[offset - lora_grad_begin_]
   uint64_t lora_dropout_key_ = 0;
   bool lora_train_ = false;  // this pass applies dropout
   // QLoRA: per layer, its projections' NF4 state in nf4_bytes_; the unquantized tensors (embedding unit, head unit,
