@@ -40,6 +40,14 @@ OptimizerShard::OptimizerShard(DeviceArena& arena, const ParamLayout& layout, co
   TUNA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+FrozenShard::FrozenShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments) {
+  TUNA_CHECK(static_cast<int>(segments.size()) == layout.num_units(), segments.size(), " pieces of ",
+             layout.num_units(), " units");
+  for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
+  weights = arena.take<__nv_bfloat16>("bf16 base weights (frozen, shard)", size);
+  TUNA_CUDA_CHECK(cudaMemset(weights, 0, size * sizeof(__nv_bfloat16)));
+}
+
 StreamEvent::StreamEvent() { TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
 StreamEvent::~StreamEvent() {
   if (event_) cudaEventDestroy(event_);
@@ -55,8 +63,9 @@ void join(cudaStream_t waiter, cudaStream_t producer, StreamEvent& event) {
 ShardedStore::ShardedStore(LlamaGpu& model, OptimizerShard& shard, const std::vector<Segment>& segments,
                            Comm* dp_device, cudaStream_t comm_stream, int stage, bool prefetch, bool adapters)
     : model_(model), layout_(adapters ? model.trained_layout() : model.layout()),
-      whole_(adapters ? model.adapter_params() : model.params()), shard_(shard), segments_(segments), dp_(dp_device),
-      comm_(comm_stream), compute_(model.stream()), stage_(stage), prefetch_(prefetch) {
+      whole_(adapters ? model.adapter_params() : model.params()), shard_(&shard), shard_weights_(shard.weights),
+      unit_offset_(shard.unit_offset), segments_(segments), dp_(dp_device), comm_(comm_stream),
+      compute_(model.stream()), stage_(stage), prefetch_(prefetch) {
   TUNA_CHECK(!adapters || (stage == 2 && model.has_adapters()), "an adapter store is ZeRO-2's (stage ", stage, ")");
   // A tied head keeps the embedding's gradient open through the head's backward; adapters have no such unit.
   const bool tied = !adapters && layout_.lm_head_unit() == 0;
@@ -80,16 +89,32 @@ ShardedStore::ShardedStore(LlamaGpu& model, OptimizerShard& shard, const std::ve
   else model.set_weight_store(this);
 }
 
+ShardedStore::ShardedStore(LlamaGpu& model, const FrozenShard& base, const std::vector<Segment>& segments,
+                           Comm* dp_device, cudaStream_t comm_stream, bool prefetch)
+    : model_(model), layout_(model.layout()), whole_(nullptr), shard_(nullptr), shard_weights_(base.weights),
+      unit_offset_(base.unit_offset), segments_(segments), dp_(dp_device), comm_(comm_stream),
+      compute_(model.stream()), stage_(3), prefetch_(prefetch) {
+  TUNA_CHECK(model.has_adapters(), "a frozen base store is for a model with adapters");
+  const bool tied = layout_.lm_head_unit() == 0;  // the head reads the embedding's unit and its own at once
+  for (int u = 0; u < layout_.num_units(); u++)
+    max_unit_ = std::max(max_unit_, layout_.unit_range(u).second - layout_.unit_range(u).first);
+  for (int i = 0; i < (prefetch || tied ? 2 : 1); i++)
+    gathered_.emplace_back().data = model.arena().take<__nv_bfloat16>(str("base gather buffer ", i), max_unit_);
+  model.set_weight_store(this);
+}
+
 void ShardedStore::begin_step() {
+  TUNA_CHECK(shard_ != nullptr, "the frozen base has no gradient");
   std::fill(shard_written_.begin(), shard_written_.end(), false);
   join(comm_, compute_, compute_to_comm_);
 }
 
 void ShardedStore::gradients_ready() {
+  TUNA_CHECK(shard_ != nullptr, "the frozen base has no gradient");
   for (int u = 0; u < layout_.num_units(); u++)
     if (!shard_written_[u])
       TUNA_CUDA_CHECK(
-          cudaMemsetAsync(shard_.grad + shard_.unit_offset[u], 0, segments_[u].size * sizeof(float), comm_));
+          cudaMemsetAsync(shard_->grad + unit_offset_[u], 0, segments_[u].size * sizeof(float), comm_));
   join(compute_, comm_, comm_to_compute_);
 }
 
@@ -143,6 +168,7 @@ void ShardedStore::release(int unit) {
 }
 
 GpuWeightStore::UnitGrads ShardedStore::grads(int unit) {
+  TUNA_CHECK(shard_ != nullptr, "the frozen base has no gradient (unit ", unit, ")");
   for (Gradient& b : gradients_)
     if (b.unit == unit) return {b.data, /*fresh=*/true};
   Gradient* free = nullptr;
@@ -160,7 +186,7 @@ void ShardedStore::grads_done(int unit) {
     if (b.unit != unit) continue;
     join(comm_, compute_, b.filled);
     const auto [begin, end] = layout_.unit_range(unit);
-    float* piece = shard_.grad + shard_.unit_offset[unit];
+    float* piece = shard_->grad + unit_offset_[unit];
     const int64_t piece_size = segments_[unit].size;
     // This rank's piece of the sum over dp: written into the shard by the step's first micro-batch, added to it
     // by the others (the same fp32 sum as ZeRO-0's, whose first GEMM overwrites and the next add).
@@ -186,7 +212,7 @@ void ShardedStore::grads_done(int unit) {
 
 void ShardedStore::gather(int unit, __nv_bfloat16* dst, const char* what) {
   const auto [begin, end] = layout_.unit_range(unit);
-  const __nv_bfloat16* piece = shard_.weights + shard_.unit_offset[unit];
+  const __nv_bfloat16* piece = shard_weights_ + unit_offset_[unit];
   if (dp_ != nullptr)
     dp_->all_gather(piece, dst, end - begin, CommType::BF16, what);
   else

@@ -69,6 +69,18 @@ class OptimizerShard {
   bool bf16_moments_;
 };
 
+// ZeRO-3 with LoRA adapters: the frozen bf16 base's shard on the device, this rank's piece of every unit of the
+// model's layout (dp_unit_pieces) in shard order, written once at the start (no gradient, no update); a
+// ShardedStore gathers its units before use. The memory plan's "bf16 base weights (frozen, shard)".
+struct FrozenShard {
+  FrozenShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments);
+  FrozenShard(const FrozenShard&) = delete;
+  FrozenShard& operator=(const FrozenShard&) = delete;
+  __nv_bfloat16* weights = nullptr;
+  std::vector<int64_t> unit_offset;  // where unit u's piece starts
+  int64_t size = 0;
+};
+
 // An event recorded on one stream and waited on by another: the only way the compute and communication streams
 // order each other. Reusable: a wait takes the event's state at the time it is issued.
 class StreamEvent {
@@ -98,6 +110,10 @@ class ShardedStore final : public GpuWeightStore {
  public:
   ShardedStore(LlamaGpu& model, OptimizerShard& shard, const std::vector<Segment>& segments, Comm* dp_device,
                cudaStream_t comm_stream, int stage, bool prefetch, bool adapters = false);
+  // ZeRO-3 with adapters: the frozen base's units gathered from `base` as above (prefetch too), into the plan's
+  // "base gather buffer"s; it has no gradient (grads() fails), and nothing updates it.
+  ShardedStore(LlamaGpu& model, const FrozenShard& base, const std::vector<Segment>& segments, Comm* dp_device,
+               cudaStream_t comm_stream, bool prefetch);
 
   // A step begins: the gradient shard holds nothing of it. Not zeroed: each unit's piece is written by the step's
   // first reduce-scatter of the unit (grads_done), on the comm stream, after what the compute stream did so far.
@@ -140,7 +156,9 @@ class ShardedStore final : public GpuWeightStore {
   LlamaGpu& model_;
   const ParamLayout& layout_;
   __nv_bfloat16* whole_;  // ZeRO-2: the whole bf16 weights the shard's are gathered into
-  OptimizerShard& shard_;
+  OptimizerShard* shard_;  // null for the frozen base
+  const __nv_bfloat16* shard_weights_;  // the bf16 shard ZeRO-3 gathers units from
+  std::vector<int64_t> unit_offset_;    // where unit u's piece starts in shard order
   const std::vector<Segment>& segments_;
   Comm* dp_;
   cudaStream_t comm_, compute_;

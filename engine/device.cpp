@@ -53,12 +53,8 @@ Device resolve_device(const std::string& requested) {
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm) {
   if (options.lora.enabled()) {
-    // What LoRA training covers so far: the CPU engine with ZeRO 0-3 and the CUDA engine with ZeRO 0-2, over dp and
-    // tp (on cuda the base replicated: ZeRO-3 would shard it).
-    if (options.device == Device::Cuda && options.zero == 3)
-      fail("--lora_rank ", options.lora.rank, " with --device cuda and --zero 3: the CUDA engine trains adapters at "
-           "ZeRO 0-2 with the frozen base whole on every rank (sharding the base over dp is not implemented on cuda); "
-           "use --zero 2 (the adapters' state and gradients sharded), --base_quant nf4, or --device cpu");
+    // LoRA trains on both engines with ZeRO 0-3 over dp and tp (a quantized base is not sharded: each engine refuses
+    // it at ZeRO-3 by name).
     if (!initial)
       fail("--lora_rank ", options.lora.rank, ": LoRA trains adapters on a base model, and there are no base weights "
            "(give the base with --init DIR)");

@@ -21,10 +21,12 @@
 // shard is the whole layout in layout order, so every stage computes ZeRO-0's bits.
 //
 // LoRA (EngineOptions::lora): the model's base is frozen (bf16 or nf4), filled once, never saved, whole on every
-// dp rank; what trains, the dp collectives, the update and the checkpoint state are the adapters'
-// (LlamaGpu::trained_layout(), PEFT names, one unit per layer), at ZeRO 0, 1 or 2 as above: ZeRO-1 shards their
+// dp rank below ZeRO-3; what trains, the dp collectives, the update and the checkpoint state are the adapters'
+// (LlamaGpu::trained_layout(), PEFT names, one unit per layer), at ZeRO 0-3 as above: ZeRO-1 shards their
 // master and moments, ZeRO-2 their gradient too (a layer's reduce-scattered as its backward ends), and the update
-// writes the whole bf16 copy the GEMMs read. ZeRO-3, which would shard the base, is refused (model/llama_gpu.cpp).
+// writes the whole bf16 copy the GEMMs read. ZeRO-3 also shards the frozen bf16 base over dp (FrozenShard, written
+// once), its units gathered before use as a full fine-tune's are, while the adapters train as at ZeRO-2 (a quantized
+// base is not sharded: refused, model/llama_gpu.cpp).
 // Dropout masks are keyed by (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
 //
 // Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
@@ -101,8 +103,14 @@ class GpuEngine final : public Engine {
       shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.trained_layout(), segments_, o.bf16_moments,
                                                 o.zero >= 2, adapters ? "LoRA " : "");
     if (o.zero >= 2)
-      store_ = std::make_unique<ShardedStore>(model_, *shard_, segments_, dp_device_.get(), comm_stream_, o.zero,
-                                              o.zero_prefetch, adapters);
+      store_ = std::make_unique<ShardedStore>(model_, *shard_, segments_, dp_device_.get(), comm_stream_,
+                                              adapters ? 2 : o.zero, o.zero_prefetch, adapters);
+    if (adapters && o.zero == 3) {
+      base_segments_ = dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size);
+      base_shard_ = std::make_unique<FrozenShard>(model_.arena(), model_.layout(), base_segments_);
+      base_store_ = std::make_unique<ShardedStore>(model_, *base_shard_, base_segments_, dp_device_.get(),
+                                                   comm_stream_, o.zero_prefetch);
+    }
     model_.arena().check_all_taken();
     if (initial) fill_weights(initial);
     cudaDeviceProp prop{};
@@ -114,6 +122,7 @@ class GpuEngine final : public Engine {
   }
   ~GpuEngine() override {
     store_.reset();
+    base_store_.reset();
     dp_device_.reset();
     tp_device_.reset();
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
@@ -376,7 +385,8 @@ class GpuEngine final : public Engine {
         set(piece, host.data());
       }
     };
-    fill(model_.layout(), base, [&](const Segment& p, const float* h) { model_.set_params_piece(p, h); });
+    if (base_shard_) fill_base_shard(base);
+    else fill(model_.layout(), base, [&](const Segment& p, const float* h) { model_.set_params_piece(p, h); });
     const WeightFill adapters = options_.adapters ? options_.adapters : initial_adapters(options_.seed);
     if (!shard_)
       return fill(model_.trained_layout(), adapters,
@@ -391,6 +401,22 @@ class GpuEngine final : public Engine {
     }
     if (store_) refresh_shard_weights();
     else gather_master();
+  }
+
+  // ZeRO-3 with adapters: this rank's piece of each unit of the frozen base, rounded to nearest on the host (as a
+  // whole base is), into the base's shard.
+  void fill_base_shard(const WeightFill& base) {
+    std::vector<float> host;
+    std::vector<uint16_t> bits;
+    for (size_t u = 0; u < base_segments_.size(); u++) {
+      const Segment& piece = base_segments_[u];
+      host.resize(piece.size), bits.resize(piece.size);
+      base(model_.layout(), piece, host.data());
+      convert_from_f32(host.data(), DType::BF16, bits.data(), piece.size);
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(base_shard_->weights + base_shard_->unit_offset[u], bits.data(),
+                                      piece.size * sizeof(uint16_t), cudaMemcpyHostToDevice, model_.stream()));
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));  // the host buffers are refilled next
+    }
   }
 
   // ZeRO-2/3: the shard's bf16 weights from its fp32 master, rounded as the update at steps_taken() rounded
@@ -437,7 +463,10 @@ class GpuEngine final : public Engine {
   std::unique_ptr<Comm> dp_device_;        // NCCL over the dp group; null on one rank
   std::unique_ptr<Comm> tp_device_;        // NCCL over the tp group, on the compute stream; null without tp
   std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
-  std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model
+  std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model (the adapters')
+  std::vector<Segment> base_segments_;     // ZeRO-3 with adapters: this rank's piece of each unit of the base,
+  std::unique_ptr<FrozenShard> base_shard_;  // their bf16 values,
+  std::unique_ptr<ShardedStore> base_store_;  // and the store that gathers them for the model
   std::string describe_, attention_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)

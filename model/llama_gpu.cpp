@@ -329,11 +329,12 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   if (adapters && run_.lora.base_quant == BaseQuant::Int8)
     fail("--base_quant int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
          "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
-  // ZeRO-3 with adapters shards the frozen base over dp (the memory plan's design); this model holds it whole.
-  if (adapters && training && run_.zero == 3)
-    fail("--lora_rank with --device cuda and --zero 3: sharding the frozen base over dp is not implemented in the CUDA "
-         "engine (it trains adapters at ZeRO 0-2 with the base whole on every rank; the CPU engine runs ZeRO-3); use "
-         "--zero 2, or --base_quant nf4 to shrink the base");
+  // ZeRO-3 with adapters: the frozen bf16 base sharded over dp, its units gathered by the engine's store
+  // (set_weight_store); a quantized base is not sharded (the memory plan's design only, as on cpu).
+  const bool sharded_base = adapters && training && run_.zero == 3;
+  if (sharded_base && quantized)
+    fail("--base_quant ", base_quant_name(run_.lora.base_quant), " with --device cuda and --zero 3: sharding a "
+         "quantized base over dp is not implemented; use --zero 2 (the base whole on every rank) or a bf16 base");
   const ParamLayout& trained = trained_layout();
   const int64_t Pt = trained.total();
   n_segments_ = static_cast<int>(trained.tensors().size());
@@ -393,7 +394,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     }
     TUNA_CHECK(at_plain == plain_ + plain, "the quantized base's bf16 tensors do not fill their buffer");
   } else if (adapters) {
-    params_ = arena.take<bf16>("bf16 base weights (frozen)", P);
+    if (!sharded_base) params_ = arena.take<bf16>("bf16 base weights (frozen)", P);
   } else {
     if (own_optimizer) master_ = arena.take<float>("fp32 master weights", P);
     if (run_.zero <= 2 || !training) params_ = arena.take<bf16>("bf16 weights", P);
@@ -503,7 +504,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   if (quantized) {
     own_store_ = std::make_unique<QuantizedBase>(*this);
     store_ = own_store_.get();
-  } else if (adapters || run_.zero <= 1 || !training) {  // a frozen bf16 base is whole at ZeRO 0-2
+  } else if (adapters ? !sharded_base : run_.zero <= 1 || !training) {  // a frozen bf16 base is whole at ZeRO 0-2
     own_store_ = std::make_unique<OwnWeights>(*this);
     store_ = own_store_.get();
   }

@@ -220,12 +220,23 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
     if (t.layer == 0) layer0_elements += t.numel;
   }
   const bool tied = layout.lm_head_unit() == 0;
-  if (l.training && l.zero == 3) {
+  const int gather_buffers = l.zero_prefetch || tied ? 2 : 1;
+  if (l.training && l.zero == 3 && !quantized) {
+    // This rank's piece of each unit (dist/zero_gpu.h FrozenShard), gathered a unit at a time as ZeRO-3 gathers a
+    // full fine-tune's weights: the one computing and, with prefetch, the next; a tied head reads two at once.
+    int64_t shard = 0, largest = 0;
+    for (int u = 0; u < layout.num_units(); u++) {
+      const int64_t elements = layout.unit_range(u).second - layout.unit_range(u).first;
+      shard += shard_range(elements, dp_rank, dp).size(), largest = std::max(largest, elements);
+    }
+    b.add("bf16 base weights (frozen, shard)", MemoryKind::Weights, shard, kBf16);
+    for (int i = 0; i < gather_buffers; i++)
+      b.add(str("base gather buffer ", i), MemoryKind::Communication, largest, kBf16);
+  } else if (l.training && l.zero == 3) {
+    // A quantized base sharded by its stored bytes: the design (the engines refuse it).
     int64_t shard = 0, largest = 0;
     for (int64_t bytes : unit_bytes) shard += shard_range(bytes, dp_rank, dp).size(), largest = std::max(largest, bytes);
-    b.add(str(quantized ? base_quant_name(lora.base_quant) : "bf16", " base weights (frozen, shard)"),
-          MemoryKind::Weights, shard, 1);
-    const int gather_buffers = l.zero_prefetch || tied ? 2 : 1;
+    b.add(str(base_quant_name(lora.base_quant), " base weights (frozen, shard)"), MemoryKind::Weights, shard, 1);
     for (int i = 0; i < gather_buffers; i++)
       b.add(str("base gather buffer ", i), MemoryKind::Communication, largest, 1);
   } else if (quantized) {

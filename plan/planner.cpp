@@ -383,17 +383,15 @@ MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layo
 namespace {
 
 // Whether the CUDA engine trains these adapters, laying them out from plan_gpu_memory's adapter items: it does at
-// ZeRO 0-2 on a bf16 or nf4 base, the base whole on every rank (model/llama_gpu.cpp); the adapter plans it does not
-// run yet (ZeRO-3's sharded base, an int8 base, adapters with sequence parallelism) are the design, and the plan says
-// so.
+// ZeRO 0-3 on a bf16 base and 0-2 on an nf4 base (model/llama_gpu.cpp); the adapter plans it does not run yet (an
+// nf4 base sharded at ZeRO-3, an int8 base, adapters with sequence parallelism) are the design, and the plan says so.
 std::string cuda_adapter_refusal(const MemoryLayout& l) {
   if (!l.lora.enabled()) return "";
   if (l.sp) return "adapters with sequence parallelism are not trained on cuda yet (--lora_rank with --sp)";
   if (l.lora.base_quant == BaseQuant::Int8)
     return "an int8 base is not trained on cuda yet (--base_quant int8 with --device cuda)";
-  if (l.training && l.zero == 3)
-    return "adapters are trained on cuda at ZeRO 0-2, the base whole on every rank (--lora_rank with --zero 3 shards "
-           "the base)";
+  if (l.training && l.zero == 3 && l.lora.base_quant != BaseQuant::None)
+    return "a quantized base is not sharded on cuda (--base_quant with --zero 3)";
   return "";
 }
 // Pipeline stages, which the CUDA engine does not run yet, and sequence parallelism as priced here (a reduce-scatter

@@ -79,9 +79,6 @@ TEST(EngineLora, RefusesWhatIsNotImplemented) {
   EngineOptions quantized_zero3 = lora_options(f, lora, 3);
   quantized_zero3.base_quant = BaseQuant::Nf4;
   expect_fails(quantized_zero3, fixture_weights(f), "--zero 3: sharding a quantized base is not implemented");
-  EngineOptions cuda = lora_options(f, lora, 3);
-  cuda.device = Device::Cuda;
-  expect_fails(cuda, fixture_weights(f), "--device cuda and --zero 3");
   expect_fails(lora_options(f, lora), nullptr, "--init");
 }
 

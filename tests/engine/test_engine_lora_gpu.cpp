@@ -22,6 +22,7 @@
 #include "tests/engine/engine_test_util.h"
 #include "tests/kernels/gpu_test_util.h"
 #include "tests/model/ranks_test_util.h"
+#include "tests/test_util.h"
 
 namespace tuna {
 namespace {
@@ -150,9 +151,24 @@ TEST(EngineLoraGpu, ExportImportContinuesBitForBit) {
   EXPECT_EQ(v, vb);
 }
 
-// ZeRO 1 and 2 over the adapters on one rank: the shard is the whole adapter layout in layout order, so every step
-// (two micro-batches with dropout, bf16 moments, stochastic rounding) computes ZeRO-0's bits, with a bf16 or an nf4
-// base; validation reads the same adapters, and a restored engine of the same stage continues bit for bit.
+// An nf4 base is not sharded: QLoRA at ZeRO-3 is refused by name (ZeRO 0-2 keep it whole on every rank).
+TEST(EngineLoraGpu, RefusesAQuantizedBaseAtZeroThree) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  LoraConfig lora;
+  lora.rank = 4, lora.alpha = 8;
+  EngineOptions o = lora_options(f, lora, Device::Cuda);
+  o.zero = 3, o.base_quant = BaseQuant::Nf4;
+  SingleRank r;
+  const std::string e = testing_util::error_of([&] { make_engine(f.config, o, r.mesh, fixture_weights(f)); });
+  EXPECT_NE(e.find("--base_quant nf4 with --device cuda and --zero 3: sharding a quantized base over dp is not "
+                   "implemented"), std::string::npos) << e;
+}
+
+// ZeRO 1-3 over the adapters on one rank: the shard is the whole adapter layout in layout order (and at ZeRO-3 the
+// base's shard the whole base, gathered a unit at a time), so every step (two micro-batches with dropout, bf16
+// moments, stochastic rounding) computes ZeRO-0's bits, with a bf16 or (ZeRO 1-2) an nf4 base; validation reads the
+// same adapters, and a restored engine of the same stage continues bit for bit.
 struct LoraStageCase {
   int zero;
   BaseQuant base_quant;
@@ -210,17 +226,20 @@ TEST_P(EngineLoraGpuStages, OnOneRankEqualZeroZeroBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Modes, EngineLoraGpuStages,
                          testing::Values(LoraStageCase{1, BaseQuant::None, Recompute::Full},
                                          LoraStageCase{2, BaseQuant::None, Recompute::None},
-                                         LoraStageCase{2, BaseQuant::Nf4, Recompute::Selective}),
+                                         LoraStageCase{2, BaseQuant::Nf4, Recompute::Selective},
+                                         LoraStageCase{3, BaseQuant::None, Recompute::Full},
+                                         LoraStageCase{3, BaseQuant::None, Recompute::None}),
                          [](const testing::TestParamInfo<LoraStageCase>& i) {
                            return "zero" + std::to_string(i.param.zero) + "_" +
                                   (i.param.base_quant == BaseQuant::Nf4 ? "nf4" : "bf16") + "_recompute_" +
                                   recompute_name(i.param.recompute);
                          });
 
-// dp 2 (the adapters' gradients all-reduced at ZeRO-0, reduce-scattered into the shards at ZeRO 1 and 2) and tp 2 (A
-// and B split as Megatron's layers, with dropout drawn over the whole layer's input) as threads sharing the device,
-// against one rank (ZeRO-0) on the whole batch. At ZeRO 1-2 a checkpoint exchange of each rank's shard into a fresh
-// engine of the same layout continues bit for bit. Dropout only at dp 1: its masks are keyed by the dp rank, so a dp
+// dp 2 (the adapters' gradients all-reduced at ZeRO-0, reduce-scattered into the shards at ZeRO 1-3; at ZeRO-3 the
+// base sharded and gathered) and tp 2 (A and B split as Megatron's layers, with dropout drawn over the whole layer's
+// input) as threads sharing the device, against one rank (ZeRO-0) on the whole batch (llama32_tiny: tied
+// embeddings). At ZeRO 1-3 a checkpoint exchange of each rank's shard into a fresh engine of the same layout
+// continues bit for bit. Dropout only at dp 1: its masks are keyed by the dp rank, so a dp
 // layout draws other masks than one rank does (the one-rank stage test above covers dropout at ZeRO 1-2).
 struct LoraRanksCase {
   int ranks, tp;
@@ -290,7 +309,8 @@ TEST_P(EngineLoraGpuRanks, FollowOneRank) {
 INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuRanks,
                          testing::Values(LoraRanksCase{2, 1, 0.0}, LoraRanksCase{2, 2, 0.1},
                                          LoraRanksCase{2, 1, 0.0, 1}, LoraRanksCase{2, 1, 0.0, 2},
-                                         LoraRanksCase{4, 2, 0.0, 2}),
+                                         LoraRanksCase{4, 2, 0.0, 2}, LoraRanksCase{2, 1, 0.0, 3},
+                                         LoraRanksCase{4, 2, 0.0, 3}),
                          [](const testing::TestParamInfo<LoraRanksCase>& i) {
                            return "ranks" + std::to_string(i.param.ranks) + "_tp" + std::to_string(i.param.tp) +
                                   (i.param.dropout > 0 ? "_dropout" : "") + "_zero" + std::to_string(i.param.zero);

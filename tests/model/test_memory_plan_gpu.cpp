@@ -253,6 +253,19 @@ TEST(MemoryPlanGpu, LoraShardsTheAdaptersStateByZeroAndTheBaseAtZeroThree) {
   EXPECT_EQ(find(z2, "bf16 base weights (frozen embedding, norms, lm_head)")->bytes,
             device_arena_bytes(2 * 16384 + (2 * 2 * 64 + 64) * 2));
   EXPECT_EQ(find(z2, "base gather buffer 0"), nullptr);
+  // ZeRO-3 with a bf16 base (what the CUDA engine runs): each unit's elements split over dp 2, the embedding 128 x 64
+  // = 8192, a layer 2 x 64 + 4 x 64 x 64 + 3 x 160 x 64 = 47232, the head 64 + 8192 = 8256; gathered a layer at a
+  // time into two buffers (the one computing and the prefetched next).
+  l.zero = 3, l.lora.base_quant = BaseQuant::None;
+  const MemoryPlan z3_bf16 = plan_gpu_memory(f.config, l);
+  EXPECT_EQ(find(z3_bf16, "bf16 base weights (frozen, shard)")->bytes,
+            device_arena_bytes(2 * (8192 / 2 + 2 * (47232 / 2) + 8256 / 2)));
+  EXPECT_EQ(find(z3_bf16, "base gather buffer 0")->bytes, device_arena_bytes(2 * 47232));
+  EXPECT_EQ(find(z3_bf16, "base gather buffer 1")->bytes, device_arena_bytes(2 * 47232));
+  EXPECT_EQ(find(z3_bf16, "bf16 base weights (frozen)"), nullptr);
+  EXPECT_EQ(find(z3_bf16, "LoRA gradient buffer 0")->bytes, device_arena_bytes(4 * adapters_per_layer));
+  l.zero_prefetch = false;
+  EXPECT_EQ(find(plan_gpu_memory(f.config, l), "base gather buffer 1"), nullptr);
 }
 
 TEST(MemoryPlanGpu, LoraUnderTensorParallelismFollowsMegatronSplits) {
@@ -557,12 +570,13 @@ TEST(MemoryPlanGpu, TheEngineAllocatesItsPlan) {
 }
 
 // With adapters, at every stage the CUDA engine trains them (the arena's check_all_taken also holds at
-// construction: every planned buffer was taken): a bf16 base at ZeRO 0-2, an nf4 base at ZeRO-2.
+// construction: every planned buffer was taken): a bf16 base at ZeRO 0-3, an nf4 base at ZeRO-2.
 TEST(MemoryPlanGpu, TheLoraEngineAllocatesItsPlan) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama2_tiny");
   for (const auto& [zero, quant] : {std::pair{0, BaseQuant::None}, std::pair{1, BaseQuant::None},
-                                    std::pair{2, BaseQuant::None}, std::pair{2, BaseQuant::Nf4}}) {
+                                    std::pair{2, BaseQuant::None}, std::pair{2, BaseQuant::Nf4},
+                                    std::pair{3, BaseQuant::None}}) {
     testing_util::SingleRank rank;
     EngineOptions o = testing_util::engine_options(f, Device::Cuda, zero);
     o.lora.rank = 4, o.lora.alpha = 8, o.base_quant = quant;
