@@ -247,14 +247,14 @@ void LlamaGpu::sp_add_norm_grads(std::initializer_list<std::pair<float*, GradWri
 
 void LlamaGpu::set_adapter_grad_store(GpuWeightStore* store) {
   TUNA_CHECK(store != nullptr && lora_.enabled() && run_.training && lora_grads_ == nullptr,
-             "an adapter gradient store replaces the adapters' whole gradient at ZeRO-2 only");
+             "an adapter gradient store replaces the adapters' whole gradient at ZeRO 2 and 3 only");
   adapter_grads_ = store;
 }
 
 void LlamaGpu::take_adapter_grads(int l) {
   lora_grad_begin_ = lora_layout_.params.unit_range(l).first;
   if (adapter_grads_ == nullptr) {
-    TUNA_CHECK(lora_grads_ != nullptr, "ZeRO-2 with adapters: no adapter gradient store (set_adapter_grad_store)");
+    TUNA_CHECK(lora_grads_ != nullptr, "ZeRO 2-3 with adapters: no adapter gradient store (set_adapter_grad_store)");
     lora_grad_unit_ = lora_grads_ + lora_grad_begin_;
     return;
   }
@@ -405,7 +405,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     lora_params_ = arena.take<bf16>("LoRA bf16 weights", Pt);
     t_.weights = lora_params_;
     if (own_optimizer) lora_master_ = t_.master = arena.take<float>("LoRA fp32 master weights", Pt);
-    // ZeRO-2: no whole gradient; a layer's at a time in the engine's store (set_adapter_grad_store).
+    // ZeRO 2-3: no whole gradient; a layer's at a time in the engine's store (set_adapter_grad_store).
     if (training && run_.zero <= 1) lora_grads_ = t_.grads = arena.take<float>("LoRA fp32 gradients", Pt);
   }
   if (own_optimizer) {
@@ -942,7 +942,8 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
   const int64_t nr = sp_ ? sp_rows_.size() : n;
   TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, (sp_ ? sp_chunk_ : n) * C * sizeof(__nv_bfloat16), s));
   // A frozen base (adapters): no weight gradient of it is computed (null dweight: the kernels skip it); the
-  // adapters' gradients accumulate into their buffer, which the step's first pass found zeroed.
+  // adapters' gradients accumulate into their buffer, which the step's first pass found zeroed (at ZeRO 2-3 a
+  // layer's buffer from the engine's store, zeroed for each pass: take_adapter_grads).
   const bool frozen = lora_.enabled();
   if (frozen && t_.grads != nullptr) zero_unwritten_grads();
   {

@@ -17,8 +17,10 @@
 // moments, and no weight-gradient GEMM or norm / embedding gradient for it; the fused q|k|v and gate|up GEMMs stay
 // fused. Each targeted projection adds s B A dropout(x) (s = alpha / r) with the adapters' bf16 copy, laid out by
 // lora_layout() (PEFT's names, one unit per layer, Megatron's tp splits); what trains and what AdamW updates is the
-// adapters' fp32 master, gradient and moments (trained_layout(), master_params(), grads(), moment_m/v()). Dropout
-// masks come from model/lora.h's counter-based stream, the CPU model's bits, regenerated in the backward.
+// adapters' fp32 master, gradient and moments (trained_layout(), master_params(), grads(), moment_m/v()); at ZeRO
+// 1-3 the engine holds them sharded (dist/zero_gpu.h), at 2-3 the gradients a layer at a time, and at ZeRO-3 it
+// also shards the frozen base and hands its units to the model gathered. Dropout masks come from model/lora.h's
+// counter-based stream, the CPU model's bits, regenerated in the backward.
 // QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
@@ -150,9 +152,9 @@ class LlamaGpu {
   void set_adapters_piece(const Segment& piece, const float* host);
   // The adapters' bf16 copy the GEMMs read (trained_layout() order), whole at every ZeRO stage; null without adapters.
   __nv_bfloat16* adapter_params() { return lora_params_; }
-  // ZeRO-2 with adapters: the engine's store of the adapters' gradients, a layer (a unit of trained_layout()) at a
-  // time: grads(l) before layer l's backward, grads_done(l) after it. Until then, and at ZeRO-0/1, the adapters'
-  // whole gradient buffer, grads().
+  // ZeRO 2-3 with adapters: the engine's store of the adapters' gradients, a layer (a unit of trained_layout()) at
+  // a time: grads(l) before layer l's backward, grads_done(l) after it. At ZeRO-0/1 the adapters' whole gradient
+  // buffer, grads(). (At ZeRO-3 the frozen base's units come from the engine's store too: set_weight_store.)
   void set_adapter_grad_store(GpuWeightStore* store);
 
   // Device buffers in trained_layout() order (for collectives: all-reduce grads, broadcast params).
@@ -336,7 +338,7 @@ class LlamaGpu {
   std::array<int64_t, kLoraTargets> lora_global_in_{}, lora_col0_{};  // the dropout index of a local input column
   __nv_bfloat16 *lora_params_ = nullptr, *lora_in_ = nullptr, *lora_dt_ = nullptr;
   float *lora_master_ = nullptr, *lora_grads_ = nullptr;
-  GpuWeightStore* adapter_grads_ = nullptr;  // ZeRO-2: the engine's store of the adapters' gradients
+  GpuWeightStore* adapter_grads_ = nullptr;  // ZeRO 2-3: the engine's store of the adapters' gradients
   float* lora_grad_unit_ = nullptr;          // the running layer's adapter gradients: element `offset` of
   int64_t lora_grad_begin_ = 0;              // trained_layout() at lora_grad_unit_[offset - lora_grad_begin_]
   uint64_t lora_dropout_key_ = 0;
