@@ -177,7 +177,7 @@ void declare(Options& o, TrainConfig& c) {
   o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory",
         Bounds::closed(0, 1e6));
   o.add("lora_rank", &c.lora_rank,
-        "LoRA: train rank-r adapters (r >= 1) on --lora_targets with the base frozen (cpu: ZeRO 0-3; cuda: ZeRO-0); unset (shown as 0): "
+        "LoRA: train rank-r adapters (r >= 1) on --lora_targets with the base frozen (ZeRO 0-3; at 3 the base is sharded too); unset (shown as 0): "
         "a full fine-tune",
         Bounds::closed(0, 1 << 20));
   o.add("lora_alpha", &c.lora_alpha, "LoRA: the adapters' output is scaled by alpha / rank (alpha > 0); unset (shown as 0): the rank, a scale of 1");

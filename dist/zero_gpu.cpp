@@ -10,20 +10,21 @@
 namespace tuna {
 
 OptimizerShard::OptimizerShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments,
-                               bool bf16_moments, bool with_bf16_weights)
+                               bool bf16_moments, bool with_bf16_weights, const std::string& name_prefix)
     : pieces(shard_pieces(layout, segments)), bf16_moments_(bf16_moments) {
   for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
   padded = (size + 3) / 4 * 4;  // the fused AdamW takes 4 elements per thread; the tail stays 0
   const AdamWTable table = adamw_table(layout, segments);
   n_segments = static_cast<int>(table.starts.size());
-  master = arena.take<float>("fp32 master weights (shard)", padded);
-  grad = arena.take<float>("fp32 gradients (shard)", padded);
+  const std::string& p = name_prefix;
+  master = arena.take<float>(p + "fp32 master weights (shard)", padded);
+  grad = arena.take<float>(p + "fp32 gradients (shard)", padded);
   const int64_t moment_bytes = bf16_moments ? 2 : 4;
-  m = arena.take<char>("AdamW m (shard)", padded * moment_bytes);
-  v = arena.take<char>("AdamW v (shard)", padded * moment_bytes);
-  table_starts = arena.take<int64_t>("AdamW segment starts (shard)", n_segments);
-  table_decays = arena.take<uint8_t>("AdamW segment decays (shard)", n_segments);
-  if (with_bf16_weights) weights = arena.take<__nv_bfloat16>("bf16 weights (shard)", padded);
+  m = arena.take<char>(p + "AdamW m (shard)", padded * moment_bytes);
+  v = arena.take<char>(p + "AdamW v (shard)", padded * moment_bytes);
+  table_starts = arena.take<int64_t>(p + "AdamW segment starts (shard)", n_segments);
+  table_decays = arena.take<uint8_t>(p + "AdamW segment decays (shard)", n_segments);
+  if (with_bf16_weights) weights = arena.take<__nv_bfloat16>(p + "bf16 weights (shard)", padded);
   norm_scratch = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
   norm_total = arena.take<double>("gradient norm", 1);
   if (layout.tp().tp_size > 1)
@@ -39,6 +40,14 @@ OptimizerShard::OptimizerShard(DeviceArena& arena, const ParamLayout& layout, co
   TUNA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+FrozenShard::FrozenShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments) {
+  TUNA_CHECK(static_cast<int>(segments.size()) == layout.num_units(), segments.size(), " pieces of ",
+             layout.num_units(), " units");
+  for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
+  weights = arena.take<__nv_bfloat16>("bf16 base weights (frozen, shard)", size);
+  TUNA_CUDA_CHECK(cudaMemset(weights, 0, size * sizeof(__nv_bfloat16)));
+}
+
 StreamEvent::StreamEvent() { TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
 StreamEvent::~StreamEvent() {
   if (event_) cudaEventDestroy(event_);
@@ -52,38 +61,60 @@ void join(cudaStream_t waiter, cudaStream_t producer, StreamEvent& event) {
 }
 
 ShardedStore::ShardedStore(LlamaGpu& model, OptimizerShard& shard, const std::vector<Segment>& segments,
-                           Comm* dp_device, cudaStream_t comm_stream, int stage, bool prefetch)
-    : model_(model), layout_(model.layout()), shard_(shard), segments_(segments), dp_(dp_device),
-      comm_(comm_stream), compute_(model.stream()), stage_(stage), prefetch_(prefetch) {
-  const bool tied = layout_.lm_head_unit() == 0;
+                           Comm* dp_device, cudaStream_t comm_stream, int stage, bool prefetch, bool adapters)
+    : model_(model), layout_(adapters ? model.trained_layout() : model.layout()),
+      whole_(adapters ? model.adapter_params() : model.params()), shard_(&shard), shard_weights_(shard.weights),
+      unit_offset_(shard.unit_offset), segments_(segments), dp_(dp_device), comm_(comm_stream),
+      compute_(model.stream()), stage_(stage), prefetch_(prefetch) {
+  TUNA_CHECK(!adapters || (stage == 2 && model.has_adapters()), "an adapter store is ZeRO-2's (stage ", stage, ")");
+  // A tied head keeps the embedding's gradient open through the head's backward; adapters have no such unit.
+  const bool tied = !adapters && layout_.lm_head_unit() == 0;
   for (int u = 0; u < layout_.num_units(); u++)
     max_unit_ = std::max(max_unit_, layout_.unit_range(u).second - layout_.unit_range(u).first);
   DeviceArena& arena = model.arena();
   // The buffers of the memory plan (model/memory_plan_gpu.cpp), as many as it planned.
+  const std::string prefix = adapters ? "LoRA " : "";
   for (int i = 0; i < (tied ? 3 : 2); i++)
-    gradients_.emplace_back().data = arena.take<float>(str("gradient buffer ", i), max_unit_);
+    gradients_.emplace_back().data = arena.take<float>(str(prefix, "gradient buffer ", i), max_unit_);
   if (dp_ != nullptr) {
     int64_t largest_piece = 0;
     for (const Segment& s : segments_) largest_piece = std::max(largest_piece, s.size);
-    scatter_out_ = arena.take<float>("reduce-scatter output", largest_piece);
+    scatter_out_ = arena.take<float>(prefix + "reduce-scatter output", largest_piece);
   }
   if (stage_ == 3)
     for (int i = 0; i < (prefetch || tied ? 2 : 1); i++)
       gathered_.emplace_back().data = arena.take<__nv_bfloat16>(str("weight gather buffer ", i), max_unit_);
   shard_written_.assign(layout_.num_units(), true);  // the shard starts zeroed (OptimizerShard)
+  if (adapters) model.set_adapter_grad_store(this);
+  else model.set_weight_store(this);
+}
+
+ShardedStore::ShardedStore(LlamaGpu& model, const FrozenShard& base, const std::vector<Segment>& segments,
+                           Comm* dp_device, cudaStream_t comm_stream, bool prefetch)
+    : model_(model), layout_(model.layout()), whole_(nullptr), shard_(nullptr), shard_weights_(base.weights),
+      unit_offset_(base.unit_offset), segments_(segments), dp_(dp_device), comm_(comm_stream),
+      compute_(model.stream()), stage_(3), prefetch_(prefetch) {
+  TUNA_CHECK(model.has_adapters(), "a frozen base store is for a model with adapters");
+  const bool tied = layout_.lm_head_unit() == 0;  // the head reads the embedding's unit and its own at once
+  for (int u = 0; u < layout_.num_units(); u++)
+    max_unit_ = std::max(max_unit_, layout_.unit_range(u).second - layout_.unit_range(u).first);
+  for (int i = 0; i < (prefetch || tied ? 2 : 1); i++)
+    gathered_.emplace_back().data = model.arena().take<__nv_bfloat16>(str("base gather buffer ", i), max_unit_);
   model.set_weight_store(this);
 }
 
 void ShardedStore::begin_step() {
+  TUNA_CHECK(shard_ != nullptr, "the frozen base has no gradient");
   std::fill(shard_written_.begin(), shard_written_.end(), false);
   join(comm_, compute_, compute_to_comm_);
 }
 
 void ShardedStore::gradients_ready() {
+  TUNA_CHECK(shard_ != nullptr, "the frozen base has no gradient");
   for (int u = 0; u < layout_.num_units(); u++)
     if (!shard_written_[u])
       TUNA_CUDA_CHECK(
-          cudaMemsetAsync(shard_.grad + shard_.unit_offset[u], 0, segments_[u].size * sizeof(float), comm_));
+          cudaMemsetAsync(shard_->grad + unit_offset_[u], 0, segments_[u].size * sizeof(float), comm_));
   join(compute_, comm_, comm_to_compute_);
 }
 
@@ -95,7 +126,7 @@ void ShardedStore::weights_updated() {
   }
   if (stage_ != 2) return;
   for (int u = 0; u < layout_.num_units(); u++)
-    gather(u, model_.params() + layout_.unit_range(u).first, "weights of a unit");
+    gather(u, whole_ + layout_.unit_range(u).first, "weights of a unit");
   join(compute_, comm_, comm_to_compute_);
 }
 
@@ -105,7 +136,7 @@ void ShardedStore::plan(const std::vector<int>& order) {
 }
 
 const __nv_bfloat16* ShardedStore::acquire(int unit) {
-  if (stage_ == 2) return model_.params() + layout_.unit_range(unit).first;
+  if (stage_ == 2) return whole_ + layout_.unit_range(unit).first;
   // Follow the plan (a unit off the plan still works: it just was not prefetched).
   while (position_ < order_.size() && order_[position_] != unit) position_++;
   if (position_ < order_.size()) position_++;
@@ -137,6 +168,7 @@ void ShardedStore::release(int unit) {
 }
 
 GpuWeightStore::UnitGrads ShardedStore::grads(int unit) {
+  TUNA_CHECK(shard_ != nullptr, "the frozen base has no gradient (unit ", unit, ")");
   for (Gradient& b : gradients_)
     if (b.unit == unit) return {b.data, /*fresh=*/true};
   Gradient* free = nullptr;
@@ -154,7 +186,7 @@ void ShardedStore::grads_done(int unit) {
     if (b.unit != unit) continue;
     join(comm_, compute_, b.filled);
     const auto [begin, end] = layout_.unit_range(unit);
-    float* piece = shard_.grad + shard_.unit_offset[unit];
+    float* piece = shard_->grad + unit_offset_[unit];
     const int64_t piece_size = segments_[unit].size;
     // This rank's piece of the sum over dp: written into the shard by the step's first micro-batch, added to it
     // by the others (the same fp32 sum as ZeRO-0's, whose first GEMM overwrites and the next add).
@@ -180,7 +212,7 @@ void ShardedStore::grads_done(int unit) {
 
 void ShardedStore::gather(int unit, __nv_bfloat16* dst, const char* what) {
   const auto [begin, end] = layout_.unit_range(unit);
-  const __nv_bfloat16* piece = shard_.weights + shard_.unit_offset[unit];
+  const __nv_bfloat16* piece = shard_weights_ + unit_offset_[unit];
   if (dp_ != nullptr)
     dp_->all_gather(piece, dst, end - begin, CommType::BF16, what);
   else

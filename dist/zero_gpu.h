@@ -16,6 +16,9 @@
 // (a buffer is regathered only after the compute that read it, and computed on only after its gather), so the
 // host never waits inside the pass. The update runs over the shard and writes the shard's bf16 weights, which
 // ZeRO-2 gathers whole after the step and ZeRO-3 gathers unit by unit in the next pass.
+//
+// With LoRA adapters both work over what trains, the adapters' layout (LlamaGpu::trained_layout(), a unit per
+// layer), under the memory plan's "LoRA" names: ZeRO-1 and 2 as above, the frozen base whole in the model.
 #pragma once
 
 #if TUNA_CUDA
@@ -24,6 +27,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "comm/comm.h"
@@ -39,10 +43,11 @@ namespace tuna {
 // element belongs to). One allocation, made at construction.
 class OptimizerShard {
  public:
-  // The buffers are the memory plan's "(shard)" items, in the model's arena.
+  // The buffers are the memory plan's "(shard)" items, in the model's arena; name_prefix "LoRA " takes the
+  // adapters' (layout: LlamaGpu::trained_layout()).
   // with_bf16_weights (ZeRO-2 and 3): the update also writes the bf16 weights of the shard.
   OptimizerShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments,
-                 bool bf16_moments, bool with_bf16_weights);
+                 bool bf16_moments, bool with_bf16_weights, const std::string& name_prefix = "");
   OptimizerShard(const OptimizerShard&) = delete;
   OptimizerShard& operator=(const OptimizerShard&) = delete;
 
@@ -62,6 +67,18 @@ class OptimizerShard {
 
  private:
   bool bf16_moments_;
+};
+
+// ZeRO-3 with LoRA adapters: the frozen bf16 base's shard on the device, this rank's piece of every unit of the
+// model's layout (dp_unit_pieces) in shard order, written once at the start (no gradient, no update); a
+// ShardedStore gathers its units before use. The memory plan's "bf16 base weights (frozen, shard)".
+struct FrozenShard {
+  FrozenShard(DeviceArena& arena, const ParamLayout& layout, const std::vector<Segment>& segments);
+  FrozenShard(const FrozenShard&) = delete;
+  FrozenShard& operator=(const FrozenShard&) = delete;
+  __nv_bfloat16* weights = nullptr;
+  std::vector<int64_t> unit_offset;  // where unit u's piece starts
+  int64_t size = 0;
 };
 
 // An event recorded on one stream and waited on by another: the only way the compute and communication streams
@@ -86,10 +103,17 @@ void join(cudaStream_t waiter, cudaStream_t producer, StreamEvent& event);
 // ZeRO-2 and 3's weights and gradients for the model, unit by unit (see the top of this file). Gathers,
 // reduce-scatters and shard accumulation run on `comm_stream` (where the dp device comm enqueues; dp_device is
 // null on one rank); the model computes on its own stream. Installs itself as the model's weight store.
+// adapters (a model with LoRA adapters, ZeRO-2 only): the store of what trains, the adapters (trained_layout(), a
+// unit per layer): their gradients a layer at a time and their whole bf16 copy gathered after each update, installed
+// as the model's adapter gradient store; the frozen base stays the model's own.
 class ShardedStore final : public GpuWeightStore {
  public:
   ShardedStore(LlamaGpu& model, OptimizerShard& shard, const std::vector<Segment>& segments, Comm* dp_device,
-               cudaStream_t comm_stream, int stage, bool prefetch);
+               cudaStream_t comm_stream, int stage, bool prefetch, bool adapters = false);
+  // ZeRO-3 with adapters: the frozen base's units gathered from `base` as above (prefetch too), into the plan's
+  // "base gather buffer"s; it has no gradient (grads() fails), and nothing updates it.
+  ShardedStore(LlamaGpu& model, const FrozenShard& base, const std::vector<Segment>& segments, Comm* dp_device,
+               cudaStream_t comm_stream, bool prefetch);
 
   // A step begins: the gradient shard holds nothing of it. Not zeroed: each unit's piece is written by the step's
   // first reduce-scatter of the unit (grads_done), on the comm stream, after what the compute stream did so far.
@@ -131,7 +155,10 @@ class ShardedStore final : public GpuWeightStore {
 
   LlamaGpu& model_;
   const ParamLayout& layout_;
-  OptimizerShard& shard_;
+  __nv_bfloat16* whole_;  // ZeRO-2: the whole bf16 weights the shard's are gathered into
+  OptimizerShard* shard_;  // null for the frozen base
+  const __nv_bfloat16* shard_weights_;  // the bf16 shard ZeRO-3 gathers units from
+  std::vector<int64_t> unit_offset_;    // where unit u's piece starts in shard order
   const std::vector<Segment>& segments_;
   Comm* dp_;
   cudaStream_t comm_, compute_;

@@ -53,12 +53,8 @@ Device resolve_device(const std::string& requested) {
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm) {
   if (options.lora.enabled()) {
-    // What LoRA training covers so far: the CPU engine with ZeRO 0-3 and the CUDA engine with ZeRO-0, over dp and tp
-    // (on cuda the base replicated).
-    if (options.device == Device::Cuda && options.zero != 0)
-      fail("--lora_rank ", options.lora.rank, " with --device cuda and --zero ", options.zero, ": the CUDA engine trains "
-           "adapters with ZeRO-0 only (their state is small: every dp rank holds it whole, the base replicated); use "
-           "--zero 0, or --device cpu for ZeRO 1-3 over the adapters");
+    // LoRA trains on both engines with ZeRO 0-3 over dp and tp (a quantized base is not sharded: each engine refuses
+    // it at ZeRO-3 by name).
     if (!initial)
       fail("--lora_rank ", options.lora.rank, ": LoRA trains adapters on a base model, and there are no base weights "
            "(give the base with --init DIR)");

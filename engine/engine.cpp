@@ -78,8 +78,9 @@ HostStaging plan_gpu_host_staging(const LlamaConfig& config, const MemoryLayout&
     largest_unit = std::max(largest_unit, layout.unit_range(u).second - layout.unit_range(u).first);
   HostStaging h;
   if (run.lora.enabled()) {
-    // Adapters (ZeRO-0): the frozen base is filled whole, a unit at a time, then the adapters a unit at a time; a
-    // checkpoint moves the adapters' pieces only.
+    // Adapters: the frozen base is filled a unit at a time (at ZeRO-3 this rank's piece of each), then the adapters a
+    // unit at a time (at ZeRO 1-3 this rank's piece of each): at most a whole unit; a checkpoint moves the adapters'
+    // pieces only.
     const ParamLayout adapters =
         lora_layout(config, run.lora, static_cast<int>(run.tp_rank), static_cast<int>(run.tp)).params;
     int64_t adapter_piece = 0, adapter_unit = 0;

@@ -14,9 +14,10 @@
 //         weights sharded too: each unit gathered before use, the next one prefetched on a communication
 //         stream). Activation recompute (none, selective, full). Tensor parallelism (Megatron splits by kv
 //         groups, vocab-parallel embedding, lm_head and loss) with ZeRO over dp. Pipeline stages (--pp, 1F1B as on
-//         cpu, the sends in bf16) at ZeRO 0 and 1. With LoRA the base is frozen bf16
-//         (replicated) and the adapters train at ZeRO-0 (dp all-reduce, tp as on cpu): layout(), segments() and the
-//         checkpoint state are the adapters', as on cpu.
+//         cpu, the sends in bf16) at ZeRO 0 and 1. With LoRA the base is frozen (bf16, or nf4 below ZeRO-3), whole
+//         on every rank or at ZeRO-3 sharded over dp (gathered a unit at a time), and the adapters train at ZeRO 0-3
+//         (dp all-reduce, or their state and from ZeRO-2 their gradients sharded; tp as on cpu): layout(),
+//         segments() and the checkpoint state are the adapters', as on cpu.
 //
 // Checkpoint exchange is in "shard order": the concatenation of segments() (runs of the flat ParamLayout
 // buffer), this rank's share of the writing. One rank's segments cover the whole layout in order, so shard

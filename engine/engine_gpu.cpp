@@ -20,10 +20,14 @@
 // The clip norm is over the shards (squares summed over this rank's shard, then over dp). At one rank the
 // shard is the whole layout in layout order, so every stage computes ZeRO-0's bits.
 //
-// LoRA (EngineOptions::lora): the model's base is frozen bf16, filled once, never saved; what trains, the dp
-// all-reduce, the update and the checkpoint state are the adapters' (LlamaGpu::trained_layout(), PEFT names, one
-// unit per layer), at ZeRO-0: their state is small, so every dp rank holds it whole. Dropout masks are keyed by
-// (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
+// LoRA (EngineOptions::lora): the model's base is frozen (bf16 or nf4), filled once, never saved, whole on every
+// dp rank below ZeRO-3; what trains, the dp collectives, the update and the checkpoint state are the adapters'
+// (LlamaGpu::trained_layout(), PEFT names, one unit per layer), at ZeRO 0-3 as above: ZeRO-1 shards their
+// master and moments, ZeRO-2 their gradient too (a layer's reduce-scattered as its backward ends), and the update
+// writes the whole bf16 copy the GEMMs read. ZeRO-3 also shards the frozen bf16 base over dp (FrozenShard, written
+// once), its units gathered before use as a full fine-tune's are, while the adapters train as at ZeRO-2 (a quantized
+// base is not sharded: refused, model/llama_gpu.cpp).
+// Dropout masks are keyed by (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
 //
 // Pipeline stages (--pp, ZeRO 0 and 1): this rank's LlamaGpu is its stage (model/pipeline.h's split, the stage's
 // ParamLayout), with activation slots for the micro-batches 1F1B keeps in flight there; forward_backward_step runs
@@ -111,11 +115,19 @@ class GpuEngine final : public Engine {
       model_.set_tp_comm(tp_device_.get());
     }
     if (mesh.pp_size > 1) set_up_pipeline(device_comm(*mesh.pp, stream));
+    const bool adapters = model_.has_adapters();
     if (o.zero >= 1)
-      shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.layout(), segments_, o.bf16_moments, o.zero >= 2);
+      shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.trained_layout(), segments_, o.bf16_moments,
+                                                o.zero >= 2, adapters ? "LoRA " : "");
     if (o.zero >= 2)
-      store_ = std::make_unique<ShardedStore>(model_, *shard_, segments_, dp_device_.get(), comm_stream_, o.zero,
-                                              o.zero_prefetch);
+      store_ = std::make_unique<ShardedStore>(model_, *shard_, segments_, dp_device_.get(), comm_stream_,
+                                              adapters ? 2 : o.zero, o.zero_prefetch, adapters);
+    if (adapters && o.zero == 3) {
+      base_segments_ = dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size);
+      base_shard_ = std::make_unique<FrozenShard>(model_.arena(), model_.layout(), base_segments_);
+      base_store_ = std::make_unique<ShardedStore>(model_, *base_shard_, base_segments_, dp_device_.get(),
+                                                   comm_stream_, o.zero_prefetch);
+    }
     model_.arena().check_all_taken();
     if (initial) fill_weights(initial);
     cudaDeviceProp prop{};
@@ -128,6 +140,7 @@ class GpuEngine final : public Engine {
   ~GpuEngine() override {
     store_.reset();
     pp_device_.reset();
+    base_store_.reset();
     dp_device_.reset();
     tp_device_.reset();
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
@@ -384,7 +397,7 @@ class GpuEngine final : public Engine {
   // no update when the step's loss or the norm is not finite.
   OptimizerStats sharded_update(double loss_scale, double lr, bool loss_is_finite) {
     OptimizerShard& sh = *shard_;
-    const ParamLayout& layout = model_.layout();
+    const ParamLayout& layout = model_.trained_layout();
     cudaStream_t stream = model_.stream();
     if (store_) {
       store_->gradients_ready();  // ZeRO-2/3: reduce-scattered and accumulated during the backward
@@ -469,8 +482,10 @@ class GpuEngine final : public Engine {
     else if (shard_) gather_master();
   }
 
-  // With adapters (ZeRO-0): the frozen base whole, a unit at a time, and the adapters (the options', or PEFT's
-  // initialisation drawn per global tensor, so that every tp and dp layout starts from the same ones).
+  // With adapters: the frozen base whole, a unit at a time, and the adapters (the options', or PEFT's
+  // initialisation drawn per global tensor, so that every tp and dp layout starts from the same ones): whole at
+  // ZeRO-0; at ZeRO 1-2 this rank's piece of each unit into the master shard, whose bf16 copy is then made and
+  // gathered as a restore makes it.
   void fill_base_and_adapters(const WeightFill& base) {
     const auto fill = [&](const ParamLayout& layout, const WeightFill& source, auto&& set) {
       std::vector<float> host;
@@ -481,9 +496,38 @@ class GpuEngine final : public Engine {
         set(piece, host.data());
       }
     };
-    fill(model_.layout(), base, [&](const Segment& p, const float* h) { model_.set_params_piece(p, h); });
-    fill(model_.trained_layout(), options_.adapters ? options_.adapters : initial_adapters(options_.seed),
-         [&](const Segment& p, const float* h) { model_.set_adapters_piece(p, h); });
+    if (base_shard_) fill_base_shard(base);
+    else fill(model_.layout(), base, [&](const Segment& p, const float* h) { model_.set_params_piece(p, h); });
+    const WeightFill adapters = options_.adapters ? options_.adapters : initial_adapters(options_.seed);
+    if (!shard_)
+      return fill(model_.trained_layout(), adapters,
+                  [&](const Segment& p, const float* h) { model_.set_adapters_piece(p, h); });
+    std::vector<float> host;
+    for (size_t u = 0; u < segments_.size(); u++) {
+      host.resize(segments_[u].size);
+      adapters(model_.trained_layout(), segments_[u], host.data());
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data(),
+                                      segments_[u].size * sizeof(float), cudaMemcpyHostToDevice, model_.stream()));
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));  // the host buffer is refilled next
+    }
+    if (store_) refresh_shard_weights();
+    else gather_master();
+  }
+
+  // ZeRO-3 with adapters: this rank's piece of each unit of the frozen base, rounded to nearest on the host (as a
+  // whole base is), into the base's shard.
+  void fill_base_shard(const WeightFill& base) {
+    std::vector<float> host;
+    std::vector<uint16_t> bits;
+    for (size_t u = 0; u < base_segments_.size(); u++) {
+      const Segment& piece = base_segments_[u];
+      host.resize(piece.size), bits.resize(piece.size);
+      base(model_.layout(), piece, host.data());
+      convert_from_f32(host.data(), DType::BF16, bits.data(), piece.size);
+      TUNA_CUDA_CHECK(cudaMemcpyAsync(base_shard_->weights + base_shard_->unit_offset[u], bits.data(),
+                                      piece.size * sizeof(uint16_t), cudaMemcpyHostToDevice, model_.stream()));
+      TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));  // the host buffers are refilled next
+    }
   }
 
   // ZeRO-2/3: the shard's bf16 weights from its fp32 master, rounded as the update at steps_taken() rounded
@@ -506,7 +550,7 @@ class GpuEngine final : public Engine {
   // backward overwrites it).
   void gather_master() {
     OptimizerShard& sh = *shard_;
-    const ParamLayout& layout = model_.layout();
+    const ParamLayout& layout = model_.trained_layout();
     float* whole = model_.grads();
     for (int u = 0; u < layout.num_units(); u++) {
       const auto [begin, end] = layout.unit_range(u);
@@ -536,7 +580,10 @@ class GpuEngine final : public Engine {
   int tied_peer_ = -1;
   int64_t tied_offset_ = 0, tied_numel_ = 0;
   std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
-  std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model
+  std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model (the adapters')
+  std::vector<Segment> base_segments_;     // ZeRO-3 with adapters: this rank's piece of each unit of the base,
+  std::unique_ptr<FrozenShard> base_shard_;  // their bf16 values,
+  std::unique_ptr<ShardedStore> base_store_;  // and the store that gathers them for the model
   std::string describe_, attention_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)

@@ -247,6 +247,26 @@ void LlamaGpu::sp_add_norm_grads(std::initializer_list<std::pair<float*, GradWri
   }
 }
 
+void LlamaGpu::set_adapter_grad_store(GpuWeightStore* store) {
+  TUNA_CHECK(store != nullptr && lora_.enabled() && run_.training && lora_grads_ == nullptr,
+             "an adapter gradient store replaces the adapters' whole gradient at ZeRO 2 and 3 only");
+  adapter_grads_ = store;
+}
+
+void LlamaGpu::take_adapter_grads(int l) {
+  lora_grad_begin_ = lora_layout_.params.unit_range(l).first;
+  if (adapter_grads_ == nullptr) {
+    TUNA_CHECK(lora_grads_ != nullptr, "ZeRO 2-3 with adapters: no adapter gradient store (set_adapter_grad_store)");
+    lora_grad_unit_ = lora_grads_ + lora_grad_begin_;
+    return;
+  }
+  const GpuWeightStore::UnitGrads g = adapter_grads_->grads(l);
+  if (g.fresh)
+    TUNA_CUDA_CHECK(cudaMemsetAsync(g.data, 0, (lora_layout_.params.unit_range(l).second - lora_grad_begin_) *
+                                                   sizeof(float), stream_));
+  lora_grad_unit_ = g.data;
+}
+
 void LlamaGpu::set_weight_store(GpuWeightStore* store) {
   TUNA_CHECK(store != nullptr && own_store_ == nullptr,
              "an external weight store replaces the whole buffers of ZeRO-2 and 3 only");
@@ -327,9 +347,12 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   if (adapters && run_.lora.base_quant == BaseQuant::Int8)
     fail("--base_quant int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
          "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
-  if (adapters && training && run_.zero != 0)
-    fail("--lora_rank with --device cuda and --zero ", run_.zero, ": the CUDA engine trains adapters with ZeRO-0 only "
-         "(their state is small: every dp rank holds it whole); use --zero 0");
+  // ZeRO-3 with adapters: the frozen bf16 base sharded over dp, its units gathered by the engine's store
+  // (set_weight_store); a quantized base is not sharded (the memory plan's design only, as on cpu).
+  const bool sharded_base = adapters && training && run_.zero == 3;
+  if (sharded_base && quantized)
+    fail("--base_quant ", base_quant_name(run_.lora.base_quant), " with --device cuda and --zero 3: sharding a "
+         "quantized base over dp is not implemented; use --zero 2 (the base whole on every rank) or a bf16 base");
   const ParamLayout& trained = trained_layout();
   const int64_t Pt = trained.total();
   n_segments_ = static_cast<int>(trained.tensors().size());
@@ -389,7 +412,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     }
     TUNA_CHECK(at_plain == plain_ + plain, "the quantized base's bf16 tensors do not fill their buffer");
   } else if (adapters) {
-    params_ = arena.take<bf16>("bf16 base weights (frozen)", P);
+    if (!sharded_base) params_ = arena.take<bf16>("bf16 base weights (frozen)", P);
   } else {
     if (own_optimizer) master_ = arena.take<float>("fp32 master weights", P);
     if (run_.zero <= 2 || !training) params_ = arena.take<bf16>("bf16 weights", P);
@@ -400,7 +423,8 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     lora_params_ = arena.take<bf16>("LoRA bf16 weights", Pt);
     t_.weights = lora_params_;
     if (own_optimizer) lora_master_ = t_.master = arena.take<float>("LoRA fp32 master weights", Pt);
-    if (training) lora_grads_ = t_.grads = arena.take<float>("LoRA fp32 gradients", Pt);
+    // ZeRO 2-3: no whole gradient; a layer's at a time in the engine's store (set_adapter_grad_store).
+    if (training && run_.zero <= 1) lora_grads_ = t_.grads = arena.take<float>("LoRA fp32 gradients", Pt);
   }
   if (own_optimizer) {
     const int64_t moment_bytes = run_.bf16_moments ? 2 : 4;
@@ -513,7 +537,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   if (quantized) {
     own_store_ = std::make_unique<QuantizedBase>(*this);
     store_ = own_store_.get();
-  } else if (run_.zero <= 1 || !training) {
+  } else if (adapters ? !sharded_base : run_.zero <= 1 || !training) {  // a frozen bf16 base is whole at ZeRO 0-2
     own_store_ = std::make_unique<OwnWeights>(*this);
     store_ = own_store_.get();
   }
@@ -975,9 +999,10 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
   else if (sp_ && sp_chunk_ > nr)
     TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_ + nr * C, 0, (sp_chunk_ - nr) * C * sizeof(__nv_bfloat16), s));
   // A frozen base (adapters): no weight gradient of it is computed (null dweight: the kernels skip it); the
-  // adapters' gradients accumulate into their buffer, which the step's first pass found zeroed.
+  // adapters' gradients accumulate into their buffer, which the step's first pass found zeroed (at ZeRO 2-3 a
+  // layer's buffer from the engine's store, zeroed for each pass: take_adapter_grads).
   const bool frozen = lora_.enabled();
-  if (frozen) zero_unwritten_grads();
+  if (frozen && t_.grads != nullptr) zero_unwritten_grads();
   if (stage_.head) {
     const int64_t norm = layout_.final_norm() - layout_.unit_range(H).first;
     float* g_head_unit = frozen ? nullptr : grad_writes_->unit(H);
@@ -994,11 +1019,13 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
   for (int l = end - 1; l >= first; l--) {
     const __nv_bfloat16* wb = store_->acquire(1 + l);
     float* gb = frozen ? nullptr : grad_writes_->unit(1 + l);
+    if (frozen) take_adapter_grads(l);
     // The top layer's working activations are still this micro-batch's forward's when no other pass came between.
     if (l != end - 1 || working_slot_ != slot_) recompute_layer(l, wb, batch, seq);
     layer_backward(l, wb, gb, batch, seq);
     store_->release(1 + l);
     if (!frozen) store_->grads_done(1 + l);
+    else if (adapter_grads_ != nullptr) adapter_grads_->grads_done(l);
   }
   working_slot_ = -1;
   if (frozen) return;
@@ -1232,7 +1259,9 @@ double LlamaGpu::flops_per_token(int64_t seq) const {
 // so u is whole and the output local; its backward's input gradient from this rank's dt joins the layer's all-reduce
 // of the input gradient, and dA needs the whole dt (an all-reduce of [n, r]). A row-parallel target (o, down) sums
 // u = A_local x_local over tp (an all-reduce of [n, r]) and adds its whole output after the layer's all-reduce; its
-// backward is local. The adapters are whole on this rank (ZeRO-0): no store.
+// backward is local. The adapters' bf16 copy is whole on this rank at every ZeRO stage (the engine gathers it after
+// each update at ZeRO 1-2); their gradients go to the whole buffer, or at ZeRO-2 a layer at a time to the engine's
+// store (take_adapter_grads).
 
 const __nv_bfloat16* LlamaGpu::lora_a(int64_t l, LoraTarget t) const {
   return lora_params_ + lora_layout_.layers[l].a[static_cast<int>(t)];
@@ -1273,8 +1302,8 @@ void LlamaGpu::lora_bwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, const _
   const int64_t r = lora_.rank;
   const auto [out, in] = lora_shape(l, t);
   const LoraOffsets& o = lora_layout_.layers[l];
-  float* dA = lora_grads_ + o.a[i];
-  float* dB = lora_grads_ + o.b[i];
+  float* dA = lora_grad_unit_ + (o.a[i] - lora_grad_begin_);
+  float* dB = lora_grad_unit_ + (o.b[i] - lora_grad_begin_);
   const __nv_bfloat16* A = lora_a(l, t);
   cuda::MatmulContext& mm = *matmul_;
   cudaStream_t s = stream_;

@@ -17,8 +17,10 @@
 // moments, and no weight-gradient GEMM or norm / embedding gradient for it; the fused q|k|v and gate|up GEMMs stay
 // fused. Each targeted projection adds s B A dropout(x) (s = alpha / r) with the adapters' bf16 copy, laid out by
 // lora_layout() (PEFT's names, one unit per layer, Megatron's tp splits); what trains and what AdamW updates is the
-// adapters' fp32 master, gradient and moments (trained_layout(), master_params(), grads(), moment_m/v()). Dropout
-// masks come from model/lora.h's counter-based stream, the CPU model's bits, regenerated in the backward.
+// adapters' fp32 master, gradient and moments (trained_layout(), master_params(), grads(), moment_m/v()); at ZeRO
+// 1-3 the engine holds them sharded (dist/zero_gpu.h), at 2-3 the gradients a layer at a time, and at ZeRO-3 it
+// also shards the frozen base and hands its units to the model gathered. Dropout masks come from model/lora.h's
+// counter-based stream, the CPU model's bits, regenerated in the backward.
 // Pipeline stages (MemoryLayout::pp > 1): the model holds its stage's units (the stage's ParamLayout: the embedding on
 // the first, the final norm and lm_head on the last, a copy of a tied table there) and one set of its layers'
 // activations per micro-batch in flight (forward_stage, backward_stage: model/llama.h's contract).
@@ -151,6 +153,12 @@ class LlamaGpu {
   // Elements [piece.begin, piece.begin + piece.size) of the adapters (trained_layout() order) from host fp32 into
   // their fp32 master and bf16 copy (rounded to nearest), before any update. Synchronous.
   void set_adapters_piece(const Segment& piece, const float* host);
+  // The adapters' bf16 copy the GEMMs read (trained_layout() order), whole at every ZeRO stage; null without adapters.
+  __nv_bfloat16* adapter_params() { return lora_params_; }
+  // ZeRO 2-3 with adapters: the engine's store of the adapters' gradients, a layer (a unit of trained_layout()) at
+  // a time: grads(l) before layer l's backward, grads_done(l) after it. At ZeRO-0/1 the adapters' whole gradient
+  // buffer, grads(). (At ZeRO-3 the frozen base's units come from the engine's store too: set_weight_store.)
+  void set_adapter_grad_store(GpuWeightStore* store);
 
   // Device buffers in trained_layout() order (for collectives: all-reduce grads, broadcast params).
   float* master_params() { return t_.master; }   // fp32, what AdamW updates; null unless ZeRO-0 training
@@ -321,6 +329,9 @@ class LlamaGpu {
                 bool add_output);
   void lora_bwd(int64_t l, LoraTarget t, const __nv_bfloat16* x, const __nv_bfloat16* dy, int64_t ld_dy,
                 __nv_bfloat16* dx, int64_t n);
+  // Where layer l's adapter gradients go in this pass (lora_grad_unit_): the whole buffer, or the store's unit buffer,
+  // zeroed when fresh (every adapter gradient write adds).
+  void take_adapter_grads(int l);
   // The adapter's input for target t of layer l: x with this pass's dropout mask into lora_in_, or x itself.
   const __nv_bfloat16* lora_input(int64_t l, LoraTarget t, const __nv_bfloat16* x, int64_t n);
   const __nv_bfloat16* lora_a(int64_t l, LoraTarget t) const;
@@ -363,6 +374,9 @@ class LlamaGpu {
   std::array<int64_t, kLoraTargets> lora_global_in_{}, lora_col0_{};  // the dropout index of a local input column
   __nv_bfloat16 *lora_params_ = nullptr, *lora_in_ = nullptr, *lora_dt_ = nullptr;
   float *lora_master_ = nullptr, *lora_grads_ = nullptr;
+  GpuWeightStore* adapter_grads_ = nullptr;  // ZeRO 2-3: the engine's store of the adapters' gradients
+  float* lora_grad_unit_ = nullptr;          // the running layer's adapter gradients: element `offset` of
+  int64_t lora_grad_begin_ = 0;              // trained_layout() at lora_grad_unit_[offset - lora_grad_begin_]
   uint64_t lora_dropout_key_ = 0;
   bool lora_train_ = false;  // this pass applies dropout
   // QLoRA: per layer, its projections' NF4 state in nf4_bytes_; the unquantized tensors (embedding unit, head unit,

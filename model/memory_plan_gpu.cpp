@@ -224,12 +224,23 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
     if (t.layer == 0) layer0_elements += t.numel;
   }
   const bool tied = layout.lm_head_unit() == 0;
-  if (l.training && l.zero == 3) {
+  const int gather_buffers = l.zero_prefetch || tied ? 2 : 1;
+  if (l.training && l.zero == 3 && !quantized) {
+    // This rank's piece of each unit (dist/zero_gpu.h FrozenShard), gathered a unit at a time as ZeRO-3 gathers a
+    // full fine-tune's weights: the one computing and, with prefetch, the next; a tied head reads two at once.
+    int64_t shard = 0, largest = 0;
+    for (int u = 0; u < layout.num_units(); u++) {
+      const int64_t elements = layout.unit_range(u).second - layout.unit_range(u).first;
+      shard += shard_range(elements, dp_rank, dp).size(), largest = std::max(largest, elements);
+    }
+    b.add("bf16 base weights (frozen, shard)", MemoryKind::Weights, shard, kBf16);
+    for (int i = 0; i < gather_buffers; i++)
+      b.add(str("base gather buffer ", i), MemoryKind::Communication, largest, kBf16);
+  } else if (l.training && l.zero == 3) {
+    // A quantized base sharded by its stored bytes: the design (the engines refuse it).
     int64_t shard = 0, largest = 0;
     for (int64_t bytes : unit_bytes) shard += shard_range(bytes, dp_rank, dp).size(), largest = std::max(largest, bytes);
-    b.add(str(quantized ? base_quant_name(lora.base_quant) : "bf16", " base weights (frozen, shard)"),
-          MemoryKind::Weights, shard, 1);
-    const int gather_buffers = l.zero_prefetch || tied ? 2 : 1;
+    b.add(str(base_quant_name(lora.base_quant), " base weights (frozen, shard)"), MemoryKind::Weights, shard, 1);
     for (int i = 0; i < gather_buffers; i++)
       b.add(str("base gather buffer ", i), MemoryKind::Communication, largest, 1);
   } else if (quantized) {
@@ -264,21 +275,28 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
     b.add("LoRA fp32 gradients", MemoryKind::Gradients, Pa, kF32);
     b.add("LoRA AdamW m", MemoryKind::Moments, Pa, moment_bytes);
     b.add("LoRA AdamW v", MemoryKind::Moments, Pa, moment_bytes);
+    b.add("LoRA AdamW segment starts", MemoryKind::Workspace, tables, kI64);
+    b.add("LoRA AdamW segment decays", MemoryKind::Workspace, tables, 1);
   } else {
+    // This rank's piece of every layer's adapters (dist/zero_gpu.h OptimizerShard over trained_layout()), padded
+    // to the fused AdamW's 4 elements per thread; an empty shard still has one table entry.
     const int64_t padded = (L * piece.size() + 3) / 4 * 4;
     b.add("LoRA fp32 master weights (shard)", MemoryKind::Master, padded, kF32);
     b.add("LoRA fp32 gradients (shard)", MemoryKind::Gradients, padded, kF32);
     b.add("LoRA AdamW m (shard)", MemoryKind::Moments, padded, moment_bytes);
     b.add("LoRA AdamW v (shard)", MemoryKind::Moments, padded, moment_bytes);
+    b.add("LoRA AdamW segment starts (shard)", MemoryKind::Workspace, std::max<int64_t>(1, tables), kI64);
+    b.add("LoRA AdamW segment decays (shard)", MemoryKind::Workspace, std::max<int64_t>(1, tables), 1);
+    // ZeRO-1: the whole gradient, reduce-scattered after the backward.
     if (l.zero == 1) b.add("LoRA fp32 gradients", MemoryKind::Gradients, Pa, kF32);
     if (l.zero >= 2) {
+      // The update writes the shard's bf16 adapters, gathered into the whole copy after it.
+      b.add("LoRA bf16 weights (shard)", MemoryKind::Weights, padded, kBf16);
       // A layer's adapter gradients until reduce-scattered: one filling, one in flight.
       for (int i = 0; i < 2; i++) b.add(str("LoRA gradient buffer ", i), MemoryKind::Gradients, per_layer, kF32);
       if (l.dp > 1) b.add("LoRA reduce-scatter output", MemoryKind::Communication, piece.size(), kF32);
     }
   }
-  b.add("LoRA AdamW segment starts", MemoryKind::Workspace, tables, kI64);
-  b.add("LoRA AdamW segment decays", MemoryKind::Workspace, tables, 1);
   b.add("gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
   b.add("gradient norm", MemoryKind::Workspace, 1, kF64);
   if (l.tp > 1) b.add("replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);

@@ -383,14 +383,14 @@ MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layo
 namespace {
 
 // Whether the CUDA engine trains these adapters, laying them out from plan_gpu_memory's adapter items: it does at
-// ZeRO-0 on a bf16 or nf4 base (model/llama_gpu.cpp), with or without sp; the adapter plans it does not run yet
-// (ZeRO 1-3 over the adapters, an int8 base) are the design, and the plan says so.
+// ZeRO 0-3 on a bf16 base and 0-2 on an nf4 base (model/llama_gpu.cpp), with or without sp; the adapter plans it does
+// not run yet (an nf4 base sharded at ZeRO-3, an int8 base) are the design, and the plan says so.
 std::string cuda_adapter_refusal(const MemoryLayout& l) {
   if (!l.lora.enabled()) return "";
   if (l.lora.base_quant == BaseQuant::Int8)
     return "an int8 base is not trained on cuda yet (--base_quant int8 with --device cuda)";
-  if (l.training && l.zero != 0)
-    return str("adapters are trained on cuda at ZeRO-0 only (--lora_rank with --zero ", l.zero, ")");
+  if (l.training && l.zero == 3 && l.lora.base_quant != BaseQuant::None)
+    return "a quantized base is not sharded on cuda (--base_quant with --zero 3)";
   return "";
 }
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design.

@@ -79,9 +79,6 @@ TEST(EngineLora, RefusesWhatIsNotImplemented) {
   EngineOptions quantized_zero3 = lora_options(f, lora, 3);
   quantized_zero3.base_quant = BaseQuant::Nf4;
   expect_fails(quantized_zero3, fixture_weights(f), "--zero 3: sharding a quantized base is not implemented");
-  EngineOptions cuda = lora_options(f, lora, 1);
-  cuda.device = Device::Cuda;
-  expect_fails(cuda, fixture_weights(f), "--device cuda and --zero 1");
   expect_fails(lora_options(f, lora), nullptr, "--init");
 }
 
@@ -165,6 +162,7 @@ StepResult rows_step(Engine& e, const Fixture& f, const FourRows& d, int64_t fir
 struct LayoutCase {
   int ranks, tp, zero;
   int64_t micro;  // rows per micro-batch (gradient accumulation when below the rank's rows)
+  BaseQuant base_quant = BaseQuant::None;  // nf4: QLoRA, the one rank's base quantized alike
 };
 
 class EngineLoraLayouts : public testing::TestWithParam<LayoutCase> {};
@@ -180,7 +178,7 @@ TEST_P(EngineLoraLayouts, FollowOneRank) {
   {
     SingleRank one;
     EngineOptions o = lora_options(f, lora);
-    o.micro_batch = FourRows::kRows, o.seq_len = FourRows::kSeq;
+    o.micro_batch = FourRows::kRows, o.seq_len = FourRows::kSeq, o.base_quant = c.base_quant;
     std::unique_ptr<Engine> e = make_engine(f.config, o, one.mesh, fixture_weights(f));
     for (int64_t s = 0; s < kSteps; s++) want.push_back(rows_step(*e, f, data, 0, FourRows::kRows, FourRows::kRows, s));
     e->export_shard(one_weights, m, v);
@@ -190,7 +188,7 @@ TEST_P(EngineLoraLayouts, FollowOneRank) {
     Mesh mesh = make_mesh(world, c.tp);
     const int64_t rows = FourRows::kRows / mesh.dp_size;
     EngineOptions o = lora_options(f, lora, c.zero);
-    o.micro_batch = c.micro, o.seq_len = FourRows::kSeq;
+    o.micro_batch = c.micro, o.seq_len = FourRows::kSeq, o.base_quant = c.base_quant;
     std::unique_ptr<Engine> e = make_engine(f.config, o, mesh, fixture_weights(f));
     for (int64_t s = 0; s < kSteps; s++) {
       const StepResult r = rows_step(*e, f, data, mesh.dp_rank * rows, rows, c.micro, s);
@@ -207,10 +205,12 @@ TEST_P(EngineLoraLayouts, FollowOneRank) {
 INSTANTIATE_TEST_SUITE_P(Cpu, EngineLoraLayouts,
                          testing::Values(LayoutCase{2, 1, 0, 1}, LayoutCase{2, 1, 1, 1}, LayoutCase{2, 1, 2, 1},
                                          LayoutCase{2, 1, 2, 2}, LayoutCase{2, 2, 0, 2}, LayoutCase{4, 2, 1, 1},
-                                         LayoutCase{4, 2, 2, 2}),
+                                         LayoutCase{4, 2, 2, 2}, LayoutCase{2, 1, 0, 1, BaseQuant::Nf4},
+                                         LayoutCase{2, 1, 2, 1, BaseQuant::Nf4}),
                          [](const testing::TestParamInfo<LayoutCase>& i) {
                            return "ranks" + std::to_string(i.param.ranks) + "_tp" + std::to_string(i.param.tp) +
-                                  "_zero" + std::to_string(i.param.zero) + "_micro" + std::to_string(i.param.micro);
+                                  "_zero" + std::to_string(i.param.zero) + "_micro" + std::to_string(i.param.micro) +
+                                  (i.param.base_quant == BaseQuant::Nf4 ? "_nf4" : "");
                          });
 
 // QLoRA under tensor parallelism: each rank quantizes the whole tensors and keeps its blocks (model/quantized_weights.h),

@@ -1,8 +1,9 @@
 // The CUDA engine with LoRA adapters (engine/engine_gpu.cpp, EngineOptions::lora) on one device: 10 AdamW steps
 // of the adapters follow PEFT + transformers in float64 (tests/fixtures/lora_*: all targets untied, q/v/down tied),
 // dropout with full recompute over accumulated micro-batches follows the CPU engine, a checkpoint exchange of the
-// adapter state continues bit for bit (dropout on: the masks follow the restored step count), and dp 2 or tp 2 as
-// threads sharing the device follow one rank. Skipped without a device; on the emulator in CI.
+// adapter state continues bit for bit (dropout on: the masks follow the restored step count), ZeRO 1 and 2 over the
+// adapters equal ZeRO-0 bit for bit on one rank (a bf16 or nf4 base), and dp 2 (ZeRO 0-2) or tp 2 as threads sharing
+// the device follow one rank. Skipped without a device; on the emulator in CI.
 //
 // Tolerances: a bf16 trajectory against fp32 or float64, as tests/engine/test_engine_gpu.cpp (5e-2 relative on a
 // step's loss, 0.15 on its gradient norm; derived in tests/model/test_llama_gpu.cpp); ranks against one rank as
@@ -200,13 +201,101 @@ TEST(EngineLoraGpu, ExportImportContinuesBitForBit) {
   EXPECT_EQ(v, vb);
 }
 
-// dp 2 (the adapters' gradients all-reduced) and tp 2 (A and B split as Megatron's layers, with dropout drawn over
-// the whole layer's input), with and without sequence parallelism (o_proj's and down_proj's adapters add into this
-// rank's rows), as threads sharing the device, against one rank on the whole batch.
+// An nf4 base is not sharded: QLoRA at ZeRO-3 is refused by name (ZeRO 0-2 keep it whole on every rank).
+TEST(EngineLoraGpu, RefusesAQuantizedBaseAtZeroThree) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  LoraConfig lora;
+  lora.rank = 4, lora.alpha = 8;
+  EngineOptions o = lora_options(f, lora, Device::Cuda);
+  o.zero = 3, o.base_quant = BaseQuant::Nf4;
+  SingleRank r;
+  const std::string e = testing_util::error_of([&] { make_engine(f.config, o, r.mesh, fixture_weights(f)); });
+  EXPECT_NE(e.find("--base_quant nf4 with --device cuda and --zero 3: sharding a quantized base over dp is not "
+                   "implemented"), std::string::npos) << e;
+}
+
+// ZeRO 1-3 over the adapters on one rank: the shard is the whole adapter layout in layout order (and at ZeRO-3 the
+// base's shard the whole base, gathered a unit at a time), so every step (two micro-batches with dropout, bf16
+// moments, stochastic rounding) computes ZeRO-0's bits, with a bf16 or (ZeRO 1-2) an nf4 base; validation reads the
+// same adapters, and a restored engine of the same stage continues bit for bit.
+struct LoraStageCase {
+  int zero;
+  BaseQuant base_quant;
+  Recompute recompute;
+};
+
+class EngineLoraGpuStages : public testing::TestWithParam<LoraStageCase> {};
+
+TEST_P(EngineLoraGpuStages, OnOneRankEqualZeroZeroBitForBit) {
+  TUNA_REQUIRE_GPU();
+  const LoraStageCase c = GetParam();
+  Fixture f("llama2_tiny");
+  LoraConfig lora;
+  lora.rank = 4, lora.alpha = 8, lora.dropout = 0.1, lora.targets = parse_lora_targets("q_proj,v_proj,o_proj,down_proj");
+  EngineOptions base = lora_options(f, lora, Device::Cuda);
+  base.micro_batch = 1, base.bf16_moments = true, base.gpu.stochastic_rounding = true, base.gpu.seed = 7;
+  base.base_quant = c.base_quant, base.recompute = c.recompute;
+  base.adapters = random_weights(5, 0.1);
+  EngineOptions o = base;
+  o.zero = c.zero;
+  SingleRank r0, r1, r2;
+  std::unique_ptr<Engine> ref = make_engine(f.config, base, r0.mesh, fixture_weights(f));
+  std::unique_ptr<Engine> e = make_engine(f.config, o, r1.mesh, fixture_weights(f));
+  const auto step = [&](Engine& x, int64_t s) {
+    x.begin_step();
+    LossSum sum;
+    for (int64_t row = 0; row < f.batch; row++) {
+      const LossSum l = x.forward_backward(f.inputs.data() + row * f.seq, f.targets.data() + row * f.seq, 1, f.seq);
+      sum.sum += l.sum, sum.count += l.count;
+    }
+    return x.finish_step(sum, learning_rate(f.optimizer(), s, 10));
+  };
+  for (int64_t s = 0; s < 2; s++) {
+    const StepResult a = step(*ref, s), b = step(*e, s);
+    EXPECT_EQ(a.loss, b.loss) << "step " << s;
+    EXPECT_EQ(a.stats.grad_norm, b.stats.grad_norm) << "step " << s;
+  }
+  std::vector<float> pa, ma, va, pb, mb, vb;
+  ref->export_shard(pa, ma, va);
+  e->export_shard(pb, mb, vb);
+  EXPECT_EQ(pa, pb);
+  EXPECT_EQ(ma, mb);
+  EXPECT_EQ(va, vb);
+  EXPECT_EQ(ref->forward_loss(f.inputs.data(), f.targets.data(), 1, f.seq).sum,
+            e->forward_loss(f.inputs.data(), f.targets.data(), 1, f.seq).sum);
+  std::unique_ptr<Engine> restored = make_engine(f.config, o, r2.mesh, fixture_weights(f));
+  restored->import_shard(pb, mb, vb);
+  restored->set_steps_taken(e->steps_taken());
+  const StepResult a = step(*ref, 2), b = step(*e, 2), d = step(*restored, 2);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_EQ(b.loss, d.loss);
+  EXPECT_EQ(b.stats.grad_norm, d.stats.grad_norm);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, EngineLoraGpuStages,
+                         testing::Values(LoraStageCase{1, BaseQuant::None, Recompute::Full},
+                                         LoraStageCase{2, BaseQuant::None, Recompute::None},
+                                         LoraStageCase{2, BaseQuant::Nf4, Recompute::Selective},
+                                         LoraStageCase{3, BaseQuant::None, Recompute::Full},
+                                         LoraStageCase{3, BaseQuant::None, Recompute::None}),
+                         [](const testing::TestParamInfo<LoraStageCase>& i) {
+                           return "zero" + std::to_string(i.param.zero) + "_" +
+                                  (i.param.base_quant == BaseQuant::Nf4 ? "nf4" : "bf16") + "_recompute_" +
+                                  recompute_name(i.param.recompute);
+                         });
+
+// dp 2 (the adapters' gradients all-reduced at ZeRO-0, reduce-scattered into the shards at ZeRO 1-3; at ZeRO-3 the
+// base sharded and gathered) and tp 2 (A and B split as Megatron's layers, with dropout drawn over the whole layer's
+// input) as threads sharing the device, against one rank (ZeRO-0) on the whole batch (llama32_tiny: tied
+// embeddings). At ZeRO 1-3 a checkpoint exchange of each rank's shard into a fresh engine of the same layout
+// continues bit for bit. Dropout only at dp 1: its masks are keyed by the dp rank, so a dp
+// layout draws other masks than one rank does (the one-rank stage test above covers dropout at ZeRO 1-2).
 struct LoraRanksCase {
   int ranks, tp;
   double dropout;
   bool sp = false;
+  int zero = 0;
 };
 
 class EngineLoraGpuRanks : public testing::TestWithParam<LoraRanksCase> {};
@@ -244,7 +333,8 @@ TEST_P(EngineLoraGpuRanks, FollowOneRank) {
     const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
       return make_staged_device_comm(group.split(0, group.rank()), stream);
     };
-    const EngineOptions o = options(FourRows::kRows / mesh.dp_size, c.sp);
+    EngineOptions o = options(FourRows::kRows / mesh.dp_size, c.sp);
+    o.zero = c.zero;
     std::unique_ptr<Engine> e = make_engine(f.config, o, mesh, fixture_weights(f), device_comm);
     for (int64_t s = 0; s < testing_util::kRanksSteps; s++) {
       const StepResult r = testing_util::rows_step(*e, f, data, mesh.dp_rank * o.micro_batch, o.micro_batch, s);
@@ -257,15 +347,27 @@ TEST_P(EngineLoraGpuRanks, FollowOneRank) {
     }
     EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, one_weights.data()), weight_tol)
         << "rank " << world.rank() << "'s final adapters";
+    if (c.zero == 0) return;
+    std::unique_ptr<Engine> restored = make_engine(f.config, o, mesh, fixture_weights(f), device_comm);
+    testing_util::exchange_state_piecewise(*e, *restored);
+    const int64_t s = testing_util::kRanksSteps, first = mesh.dp_rank * o.micro_batch;
+    const StepResult a = testing_util::rows_step(*e, f, data, first, o.micro_batch, s);
+    const StepResult b = testing_util::rows_step(*restored, f, data, first, o.micro_batch, s);
+    EXPECT_EQ(a.loss, b.loss) << "rank " << world.rank();
+    EXPECT_EQ(a.stats.grad_norm, b.stats.grad_norm) << "rank " << world.rank();
   });
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuRanks,
                          testing::Values(LoraRanksCase{2, 1, 0.0}, LoraRanksCase{2, 2, 0.1},
-                                         LoraRanksCase{2, 2, 0.1, true}, LoraRanksCase{4, 2, 0.0, true}),
+                                         LoraRanksCase{2, 2, 0.1, true}, LoraRanksCase{4, 2, 0.0, true},
+                                         LoraRanksCase{2, 1, 0.0, false, 1}, LoraRanksCase{2, 1, 0.0, false, 2},
+                                         LoraRanksCase{4, 2, 0.0, false, 2}, LoraRanksCase{2, 1, 0.0, false, 3},
+                                         LoraRanksCase{4, 2, 0.0, false, 3}),
                          [](const testing::TestParamInfo<LoraRanksCase>& i) {
                            return "ranks" + std::to_string(i.param.ranks) + "_tp" + std::to_string(i.param.tp) +
-                                  (i.param.sp ? "_sp" : "") + (i.param.dropout > 0 ? "_dropout" : "");
+                                  (i.param.sp ? "_sp" : "") + (i.param.dropout > 0 ? "_dropout" : "") + "_zero" +
+                                  std::to_string(i.param.zero);
                          });
 
 }  // namespace

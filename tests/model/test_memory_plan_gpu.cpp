@@ -200,6 +200,39 @@ TEST(MemoryPlanGpu, LoraShardsTheAdaptersStateByZeroAndTheBaseAtZeroThree) {
   EXPECT_EQ(find(z1, "LoRA AdamW m (shard)")->bytes, device_arena_bytes(3160 * 4));
   EXPECT_EQ(find(z1, "LoRA fp32 gradients")->bytes, device_arena_bytes(4 * adapters));  // whole below ZeRO-2
   EXPECT_EQ(find(z1, "bf16 base weights (frozen)")->bytes, device_arena_bytes(2 * base_params));  // replicated
+  // The shard's AdamW table: rank 0's piece [0, 1579) of a layer's 4736 touches q, k, v (A and B, 256 each) and
+  // o's A (at 1536): 7 tensors a layer, 14 pieces.
+  EXPECT_EQ(find(z1, "LoRA AdamW segment starts (shard)")->bytes, device_arena_bytes(14 * 8));
+  EXPECT_EQ(find(z1, "LoRA bf16 weights")->bytes, device_arena_bytes(2 * adapters));  // the GEMMs' copy, whole
+  EXPECT_EQ(find(z1, "LoRA bf16 weights (shard)"), nullptr);
+  EXPECT_EQ(find(z1, "LoRA gradient buffer 0"), nullptr);
+  // ZeRO-2: no whole adapter gradient; a layer's in one of two buffers until reduce-scattered into the shard
+  // through a piece-sized output, and the update's bf16 shard gathered into the whole copy.
+  l.zero = 2;
+  const MemoryPlan z2_bf16 = plan_gpu_memory(f.config, l);
+  EXPECT_EQ(find(z2_bf16, "LoRA fp32 gradients"), nullptr);
+  EXPECT_EQ(find(z2_bf16, "LoRA fp32 gradients (shard)")->bytes, device_arena_bytes(3160 * 4));
+  EXPECT_EQ(find(z2_bf16, "LoRA bf16 weights (shard)")->bytes, device_arena_bytes(3160 * 2));
+  EXPECT_EQ(find(z2_bf16, "LoRA gradient buffer 0")->bytes, device_arena_bytes(4 * adapters_per_layer));
+  EXPECT_EQ(find(z2_bf16, "LoRA gradient buffer 1")->bytes, device_arena_bytes(4 * adapters_per_layer));
+  EXPECT_EQ(find(z2_bf16, "LoRA gradient buffer 2"), nullptr);
+  EXPECT_EQ(find(z2_bf16, "LoRA reduce-scatter output")->bytes, device_arena_bytes(1579 * 4));
+  EXPECT_EQ(find(z2_bf16, "bf16 base weights (frozen)")->bytes, device_arena_bytes(2 * base_params));
+  // What the adapters' state costs falls with the stage: master, moments and gradients whole at 0; at 1 the gradient
+  // stays whole; at 2 two layers' worth of gradient buffers, which at 2 layers is the whole gradient again and at 8
+  // a quarter of it.
+  const auto state = [&](const LlamaConfig& c, int zero) {
+    MemoryLayout z = l;
+    z.zero = zero;
+    const MemoryPlan p = plan_gpu_memory(c, z);
+    return p.bytes(MemoryKind::Master) + p.bytes(MemoryKind::Gradients) + p.bytes(MemoryKind::Moments);
+  };
+  EXPECT_GT(state(f.config, 0), state(f.config, 1));
+  EXPECT_EQ(state(f.config, 1), state(f.config, 2));
+  LlamaConfig deep = f.config;
+  deep.num_hidden_layers = 8;
+  EXPECT_GT(state(deep, 0), state(deep, 1));
+  EXPECT_GT(state(deep, 1), state(deep, 2));
   // ZeRO-3 with an nf4 base: each unit's stored bytes split over dp. A [64, 64] weight in nf4: 2048 bytes of codes,
   // 64 absmax bytes, one fp32 scale of 256 absmax, one fp32 mean = 2120; [160, 64] and [64, 160]: 5120 + 160 + 4 + 4
   // = 5288. A layer: 4 x 2120 + 3 x 5288 + two bf16 norms of 64 = 24600 bytes; the embedding 128 x 64 x 2 = 16384;
@@ -220,6 +253,19 @@ TEST(MemoryPlanGpu, LoraShardsTheAdaptersStateByZeroAndTheBaseAtZeroThree) {
   EXPECT_EQ(find(z2, "bf16 base weights (frozen embedding, norms, lm_head)")->bytes,
             device_arena_bytes(2 * 16384 + (2 * 2 * 64 + 64) * 2));
   EXPECT_EQ(find(z2, "base gather buffer 0"), nullptr);
+  // ZeRO-3 with a bf16 base (what the CUDA engine runs): each unit's elements split over dp 2, the embedding 128 x 64
+  // = 8192, a layer 2 x 64 + 4 x 64 x 64 + 3 x 160 x 64 = 47232, the head 64 + 8192 = 8256; gathered a layer at a
+  // time into two buffers (the one computing and the prefetched next).
+  l.zero = 3, l.lora.base_quant = BaseQuant::None;
+  const MemoryPlan z3_bf16 = plan_gpu_memory(f.config, l);
+  EXPECT_EQ(find(z3_bf16, "bf16 base weights (frozen, shard)")->bytes,
+            device_arena_bytes(2 * (8192 / 2 + 2 * (47232 / 2) + 8256 / 2)));
+  EXPECT_EQ(find(z3_bf16, "base gather buffer 0")->bytes, device_arena_bytes(2 * 47232));
+  EXPECT_EQ(find(z3_bf16, "base gather buffer 1")->bytes, device_arena_bytes(2 * 47232));
+  EXPECT_EQ(find(z3_bf16, "bf16 base weights (frozen)"), nullptr);
+  EXPECT_EQ(find(z3_bf16, "LoRA gradient buffer 0")->bytes, device_arena_bytes(4 * adapters_per_layer));
+  l.zero_prefetch = false;
+  EXPECT_EQ(find(plan_gpu_memory(f.config, l), "base gather buffer 1"), nullptr);
 }
 
 TEST(MemoryPlanGpu, LoraUnderTensorParallelismFollowsMegatronSplits) {
@@ -547,6 +593,24 @@ TEST(MemoryPlanGpu, TheEngineAllocatesItsPlan) {
       SCOPED_TRACE(testing::Message() << "ZeRO-" << zero << (bf16 ? " bf16 moments" : ""));
       expect_allocation_is_the_plan(device_used() - before, plan_gpu_memory(f.config, l));
     }
+  }
+}
+
+// With adapters, at every stage the CUDA engine trains them (the arena's check_all_taken also holds at
+// construction: every planned buffer was taken): a bf16 base at ZeRO 0-3, an nf4 base at ZeRO-2.
+TEST(MemoryPlanGpu, TheLoraEngineAllocatesItsPlan) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  for (const auto& [zero, quant] : {std::pair{0, BaseQuant::None}, std::pair{1, BaseQuant::None},
+                                    std::pair{2, BaseQuant::None}, std::pair{2, BaseQuant::Nf4},
+                                    std::pair{3, BaseQuant::None}}) {
+    testing_util::SingleRank rank;
+    EngineOptions o = testing_util::engine_options(f, Device::Cuda, zero);
+    o.lora.rank = 4, o.lora.alpha = 8, o.base_quant = quant;
+    const int64_t before = device_used();
+    std::unique_ptr<Engine> e = make_engine(f.config, o, rank.mesh, testing_util::fixture_weights(f));
+    SCOPED_TRACE(testing::Message() << "ZeRO-" << zero << (quant == BaseQuant::Nf4 ? " nf4" : " bf16"));
+    expect_allocation_is_the_plan(device_used() - before, plan_gpu_memory(f.config, engine_memory_layout(o, rank.mesh)));
   }
 }
 
