@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <vector>
@@ -435,8 +436,18 @@ struct WeightReader::Reader {
 WeightReader::WeightReader(const fs::path& dir, const ParamLayout& layout)
     : reader_(std::make_unique<Reader>(dir)), layout_(layout) {
   if (const SafetensorsFile* adapter = reader_->tensors.adapter()) {
+    // A pipeline stage's adapter layout holds its layers' only (model/lora.h): another stage's layer, an empty unit
+    // (unit l is layer l), is not foreign.
+    const auto other_stage = [&](const std::string& name) {
+      const std::string prefix = "base_model.model.model.layers.";
+      if (name.rfind(prefix, 0) != 0) return false;
+      const int64_t l = std::atoll(name.c_str() + prefix.size());
+      if (l < 0 || l >= layout.num_units()) return false;
+      const auto [begin, end] = layout.unit_range(static_cast<int>(l));
+      return begin == end && layout.total() > 0;
+    };
     for (const TensorInfo& t : adapter->tensors())
-      if (!layout.find(t.name))
+      if (!layout.find(t.name) && !other_stage(t.name))
         fail(adapter->path().string(), ": tensor '", t.name, "' is not one of the adapters expected (",
              layout.tensors().size(), " tensors: another rank of layers, targets or base model?)");
   } else if (!reader_->tensors.sharded()) {
@@ -560,9 +571,20 @@ void CheckpointReader::read(const Segment& piece, float* params, float* m, float
 int64_t CheckpointReader::steps_taken() { return reader_->tensors.steps_taken(); }
 
 void refuse_foreign_tensors(const HfCheckpointDir& dir, const ParamLayout& layout) {
-  const bool tied = layout.lm_head() == layout.embed_tokens();
+  // A pipeline stage's layout (--pp) holds a part of the model: the other stages' tensors are not foreign (each stage
+  // checks its own, by name and shape). The last stage of a tied model holds a copy of the table as its lm_head.
+  const bool tied = layout.has_head() && (layout.tied_copy() ||
+                                          (layout.has_embedding() && layout.lm_head() == layout.embed_tokens()));
+  const auto other_stage = [&](const std::string& name) {
+    if (name == "model.embed_tokens.weight") return !layout.has_embedding();
+    if (name == "model.norm.weight" || name == "lm_head.weight") return !layout.has_head();
+    const std::string prefix = "model.layers.";
+    if (name.rfind(prefix, 0) != 0) return false;
+    const int64_t l = std::atoll(name.c_str() + prefix.size());
+    return l >= 0 && l < layout.num_layers() && !layout.has_layer(l);
+  };
   for (const std::string& name : dir.tensor_names()) {
-    if (layout.find(name)) continue;
+    if (layout.find(name) || other_stage(name)) continue;
     if (ends_with(name, "rotary_emb.inv_freq")) continue;  // recomputed from config.json
     if (tied && name == "lm_head.weight") continue;       // some exports store the tied copy too
     fail(dir.dir().string(), ": tensor '", name,
