@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <cstdlib>
 #include <fstream>
 #include <set>
 #include <vector>
@@ -435,8 +436,18 @@ struct WeightReader::Reader {
 WeightReader::WeightReader(const fs::path& dir, const ParamLayout& layout)
     : reader_(std::make_unique<Reader>(dir)), layout_(layout) {
   if (const SafetensorsFile* adapter = reader_->tensors.adapter()) {
+    // A pipeline stage's adapter layout holds its layers' only (model/lora.h): another stage's layer, an empty unit
+    // (unit l is layer l), is not foreign.
+    const auto other_stage = [&](const std::string& name) {
+      const std::string prefix = "base_model.model.model.layers.";
+      if (name.rfind(prefix, 0) != 0) return false;
+      const int64_t l = std::atoll(name.c_str() + prefix.size());
+      if (l < 0 || l >= layout.num_units()) return false;
+      const auto [begin, end] = layout.unit_range(static_cast<int>(l));
+      return begin == end && layout.total() > 0;
+    };
     for (const TensorInfo& t : adapter->tensors())
-      if (!layout.find(t.name))
+      if (!layout.find(t.name) && !other_stage(t.name))
         fail(adapter->path().string(), ": tensor '", t.name, "' is not one of the adapters expected (",
              layout.tensors().size(), " tensors: another rank of layers, targets or base model?)");
   } else if (!reader_->tensors.sharded()) {
@@ -559,29 +570,24 @@ void CheckpointReader::read(const Segment& piece, float* params, float* m, float
 
 int64_t CheckpointReader::steps_taken() { return reader_->tensors.steps_taken(); }
 
-// A pipeline stage's layout holds a part of the model: the other stages' tensors are the model's too (a layer's under
-// the names this stage's layers have, the embedding, final norm and lm_head), not foreign.
-namespace {
-bool another_stages_tensor(const ParamLayout& stage, const std::string& name) {
-  if (name == "model.embed_tokens.weight" || name == "model.norm.weight" || name == "lm_head.weight") return true;
-  const std::string layers = "model.layers.";
-  if (name.rfind(layers, 0) != 0) return false;
-  const size_t dot = name.find('.', layers.size());
-  if (dot == std::string::npos) return false;
-  const std::string index = name.substr(layers.size(), dot - layers.size()), suffix = name.substr(dot);
-  if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos || index.size() > 6 ||
-      std::stoll(index) >= stage.num_layers())
-    return false;
-  return stage.find(str(layers, stage.layer_begin(), suffix)) != nullptr;
-}
-}  // namespace
-
 void refuse_foreign_tensors(const HfCheckpointDir& dir, const ParamLayout& layout) {
-  const bool whole = layout.whole();
-  const bool tied = whole && layout.lm_head() == layout.embed_tokens();
+  // A pipeline stage's layout (--pp) holds a part of the model: the other stages' tensors are not foreign (each stage
+  // checks its own, by name and shape). The last stage of a tied model holds a copy of the table as its lm_head.
+  const bool tied = layout.has_head() && (layout.tied_copy() ||
+                                          (layout.has_embedding() && layout.lm_head() == layout.embed_tokens()));
+  const auto other_stage = [&](const std::string& name) {
+    if (name == "model.embed_tokens.weight") return !layout.has_embedding();
+    if (name == "model.norm.weight" || name == "lm_head.weight") return !layout.has_head();
+    const std::string prefix = "model.layers.";
+    if (name.rfind(prefix, 0) != 0) return false;
+    const int64_t l = std::atoll(name.c_str() + prefix.size());
+    if (l < 0 || l >= layout.num_layers() || layout.has_layer(l)) return false;
+    // Another stage's layer: a tensor the layers of this stage have too (a stage always holds at least one layer).
+    const size_t dot = name.find('.', prefix.size());
+    return dot != std::string::npos && layout.find(str(prefix, layout.layer_begin(), name.substr(dot))) != nullptr;
+  };
   for (const std::string& name : dir.tensor_names()) {
-    if (layout.find(name)) continue;
-    if (!whole && another_stages_tensor(layout, name)) continue;
+    if (layout.find(name) || other_stage(name)) continue;
     if (ends_with(name, "rotary_emb.inv_freq")) continue;  // recomputed from config.json
     if (tied && name == "lm_head.weight") continue;       // some exports store the tied copy too
     fail(dir.dir().string(), ": tensor '", name,

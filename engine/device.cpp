@@ -61,16 +61,17 @@ std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptio
   }
   if (mesh.pp_size > 1) {
     // What pipeline parallelism covers so far: the CPU engine with ZeRO 0-2 over dp (each stage's own parameters; 0-1
-    // with tied embeddings, engine_cpu.cpp), the CUDA engine with ZeRO 0-1 (engine_gpu.cpp).
+    // with tied embeddings, engine_cpu.cpp), LoRA adapters included; the CUDA engine with ZeRO 0-1 (engine_gpu.cpp),
+    // without adapters.
+    if (options.device == Device::Cuda && options.lora.enabled())
+      fail("option 'pp' ", mesh.pp_size, " with --lora_rank on --device cuda: pipeline stages over LoRA adapters are "
+           "not implemented on the CUDA engine; use --device cpu (which trains them), or --pp 1");
     if (options.device == Device::Cuda && options.zero >= 2)
       fail("option 'pp' ", mesh.pp_size, " with --device cuda and --zero ", options.zero, ": the CUDA engine runs "
            "pipeline stages with ZeRO 0 and 1; use --zero 0 or 1, or --device cpu");
     if (options.zero == 3)
       fail("option 'pp' ", mesh.pp_size, " with --zero 3: sharding a stage's parameters over dp (ZeRO-3 with pipeline "
            "parallelism) is not implemented; use --zero 0, 1 or 2");
-    if (options.lora.enabled())
-      fail("option 'pp' ", mesh.pp_size, " with --lora_rank: pipeline parallelism over LoRA adapters is not "
-           "implemented; use --pp 1");
   }
   if (options.device == Device::Cpu && options.recompute != Recompute::None)
     fail("--recompute ", recompute_name(options.recompute), " with --device cpu: activation recompute is a CUDA "

@@ -8,6 +8,12 @@
 // embeddings the last stage's lm_head is a copy of the first stage's table (model/layout.h ParamTensor::copy): after
 // the step's backwards the two stages exchange that tensor's gradient and each adds the other's, so both hold the sum
 // (bit for bit: a + b == b + a) and the identical updates keep the copies equal.
+//
+// LoRA adapters with --pp: a stage holds the frozen base of its units and the adapters of its layers (model/lora.h
+// lora_layout of the stage: global names and streams), and Zero trains those over dp with the loss and the norm summed
+// over the stages, as for a full fine-tune. The frozen table has no gradient, so tied embeddings need no exchange.
+// Each micro-batch's dropout masks are keyed by its index in the step, as at pp 1 (where the micro-batches run in
+// order), and set again before its backward, which regenerates them after other micro-batches' forwards.
 #include <cmath>
 
 #include "core/error.h"
@@ -43,7 +49,7 @@ class CpuEngine final : public Engine {
       const ParamLayout& layout = model_.layout();
       const ParamTensor* tied = layout.tied_copy();
       if (!tied && config.tie_word_embeddings && layout.has_embedding()) tied = layout.find("model.embed_tokens.weight");
-      if (tied) {
+      if (tied && !o.lora.enabled()) {  // a frozen table (LoRA) has no gradient to exchange
         if (o.zero >= 2)
           fail("option 'zero': ", o.zero, " with --pp and tied embeddings (tie_word_embeddings) is not implemented: "
                "the first and last stages sum the table's gradient whole; use --zero 0 or 1");
@@ -84,7 +90,7 @@ class CpuEngine final : public Engine {
       // starting from the same ones (drawn per global tensor, or read: each rank its own blocks; at stage 3 its pieces).
       const WeightFill adapters = o.adapters ? o.adapters : initial_adapters(o.seed);
       if (o.zero != 3) fill_whole(adapters, model_.lora_layout().params, model_.lora_params.data());
-      zero_ = std::make_unique<Zero>(lora_parameters(model_), o.opt, o.zero, *mesh.dp, mesh.tp.get());
+      zero_ = std::make_unique<Zero>(lora_parameters(model_), o.opt, o.zero, *mesh.dp, mesh.tp.get(), pp_);
       zero_->set_prefetch(o.zero_prefetch);
       if (o.zero == 3)
         zero_->fill_weights(
@@ -169,6 +175,8 @@ class CpuEngine final : public Engine {
          pipeline_schedule(pp_->size(), s, static_cast<int64_t>(micro_batches.size()))) {
       const MicroBatch& b = micro_batches[op.micro_batch];
       const int64_t slot = op.micro_batch % model_.in_flight();
+      if (model_.lora().enabled())  // the masks of this micro-batch, as at pp 1 (the top of this file)
+        model_.set_lora_dropout_key(lora_dropout_key(seed_, steps_taken(), op.micro_batch, dp_rank_));
       const int64_t count = model_.residual_rows(b.batch * b.seq) * config_.hidden_size;
       if (op.forward) {
         if (s > 0) pp_->recv(model_.stage_input(slot), count, CommType::F32, s - 1, recv_activations_.c_str());

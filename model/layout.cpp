@@ -119,10 +119,11 @@ void ParamLayout::build(const LlamaConfig& c, int tp_rank, int tp_size, const Pi
 }
 
 ParamLayout::ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors,
-                         std::vector<std::pair<int64_t, int64_t>> units)
+                         std::vector<std::pair<int64_t, int64_t>> units, bool keep_streams)
     : tensors_(std::move(tensors)), unit_ranges_(std::move(units)), tp_(tp), is_model_(false) {
   for (ParamTensor& t : tensors_) {
-    t.stream = static_cast<int>(streams_++);
+    if (!keep_streams) t.stream = static_cast<int>(streams_);
+    streams_++;
     t.numel = 1;
     for (int64_t d : t.shape) t.numel *= d;
     t.offset = total_;

@@ -68,8 +68,11 @@ class ParamLayout {
   // A layout of other trainable tensors (LoRA adapters, model/lora.h): the tensors, laid end to end in the given
   // order (their offsets are set here), in units of [begin, end) ranges that cover the buffer in order. It has
   // no embedding, layers or head: the accessors of the model's own structure refuse it (is_model() false), and
-  // everything that works on units and tensors (AdamW, ZeRO's pieces, checkpoints) takes it as it is.
-  ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors, std::vector<std::pair<int64_t, int64_t>> units);
+  // everything that works on units and tensors (AdamW, ZeRO's pieces, checkpoints) takes it as it is. The tensors'
+  // random streams are their places in the list, or with keep_streams the streams they carry (a part of a larger
+  // list: one pipeline stage's adapters keep the whole model's streams).
+  ParamLayout(const TpDims& tp, std::vector<ParamTensor> tensors, std::vector<std::pair<int64_t, int64_t>> units,
+              bool keep_streams = false);
   bool is_model() const { return is_model_; }
 
   const std::vector<ParamTensor>& tensors() const { return tensors_; }

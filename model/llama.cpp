@@ -60,8 +60,9 @@ std::array<int64_t, 2> local_shape(const LlamaConfig& c, const TpDims& d, LoraTa
   return {0, 0};
 }
 
-LoraLayout adapters_of(const LlamaConfig& config, const LoraConfig& lora, int tp_rank, int tp_size) {
-  if (lora.enabled()) return lora_layout(config, lora, tp_rank, tp_size);
+LoraLayout adapters_of(const LlamaConfig& config, const LoraConfig& lora, const LlamaParallel& parallel) {
+  const int tp_rank = parallel.tp ? parallel.tp->rank() : 0, tp_size = parallel.tp ? parallel.tp->size() : 1;
+  if (lora.enabled()) return lora_layout(config, lora, tp_rank, tp_size, parallel.stage);  // a stage's: its layers'
   return LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
 }
 
@@ -102,13 +103,11 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
       max_batch_(max_batch),
       max_seq_(max_seq),
       lora_(lora),
-      lora_layout_(adapters_of(config, lora, parallel.tp ? parallel.tp->rank() : 0, parallel.tp ? parallel.tp->size() : 1)) {
+      lora_layout_(adapters_of(config, lora, parallel)) {
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   stage_ = parallel.stage ? *parallel.stage : whole_model(config);
   in_flight_ = parallel.in_flight;
   TUNA_CHECK(in_flight_ >= 1, "activation slots: ", in_flight_);
-  if (parallel.stage && lora.enabled())
-    fail("option 'pp' with LoRA adapters (--lora_rank): pipeline parallelism over adapters is not implemented");
   const LlamaConfig& c = config_;
   const TpDims& d = layout_.tp();
   const int64_t n = max_batch * max_seq;

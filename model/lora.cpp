@@ -93,7 +93,8 @@ std::string lora_tensor_name(int64_t layer, LoraTarget t, char which) {
              which, ".weight");
 }
 
-LoraLayout lora_layout(const LlamaConfig& config, const LoraConfig& lora, int tp_rank, int tp_size) {
+LoraLayout lora_layout(const LlamaConfig& config, const LoraConfig& lora, int tp_rank, int tp_size,
+                       const PipelineStage* stage) {
   validate_lora(lora, config);
   const ParamLayout model(config, tp_rank, tp_size);  // the tp dimensions and each projection's block
   const int64_t r = lora.rank;
@@ -101,9 +102,11 @@ LoraLayout lora_layout(const LlamaConfig& config, const LoraConfig& lora, int tp
   std::vector<std::pair<int64_t, int64_t>> units;
   std::vector<LoraOffsets> layers(config.num_hidden_layers);
   int64_t total = 0;
+  int streams = 0;  // tensors of the whole model's adapters so far, held here or not
   auto add = [&](const std::string& name, std::vector<int64_t> global_shape, int layer, int split_dim,
                  int64_t split_begin, int64_t split_size) {
     ParamTensor t;
+    t.stream = streams++;
     t.name = name;
     t.shape = global_shape;
     if (split_dim >= 0) t.shape[split_dim] = split_size;
@@ -124,8 +127,13 @@ LoraLayout lora_layout(const LlamaConfig& config, const LoraConfig& lora, int tp
     const int64_t begin = total;
     LoraOffsets& o = layers[l];
     o.a.fill(-1), o.b.fill(-1);
+    const bool held = !stage || (l >= stage->layer_begin && l < stage->layer_end);
     for (LoraTarget t : kTargets) {
       if (!lora.has(t)) continue;
+      if (!held) {  // another stage's: counted in the streams only
+        streams += 2;
+        continue;
+      }
       const int i = static_cast<int>(t);
       const ParamTensor* base = nullptr;
       for (const ParamTensor& p : model.tensors())
@@ -145,7 +153,8 @@ LoraLayout lora_layout(const LlamaConfig& config, const LoraConfig& lora, int tp
     }
     units.emplace_back(begin, total);
   }
-  LoraLayout layout{ParamLayout(model.tp(), std::move(tensors), std::move(units)), std::move(layers)};
+  LoraLayout layout{ParamLayout(model.tp(), std::move(tensors), std::move(units), /*keep_streams=*/true),
+                    std::move(layers)};
   TUNA_CHECK(layout.params.total() == total, "adapter layout of ", layout.params.total(), " elements, expected ", total);
   return layout;
 }

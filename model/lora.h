@@ -66,7 +66,11 @@ struct LoraLayout {
   ParamLayout params;                // PEFT names, one unit per decoder layer, this tp rank's blocks
   std::vector<LoraOffsets> layers;   // per decoder layer
 };
-LoraLayout lora_layout(const LlamaConfig& config, const LoraConfig& lora, int tp_rank = 0, int tp_size = 1);
+// With a pipeline stage (--pp): the adapters of the stage's layers only, under their global names and random streams
+// (so a stage starts from the whole model's adapters and its checkpoint pieces are global tensors); the units of the
+// other stages' layers stay in the numbering, empty, and their offsets -1.
+LoraLayout lora_layout(const LlamaConfig& config, const LoraConfig& lora, int tp_rank = 0, int tp_size = 1,
+                       const PipelineStage* stage = nullptr);
 
 // The adapters PEFT starts from (init_lora_weights=True): A kaiming-uniform with a = sqrt(5), which is U(-1/sqrt(in),
 // 1/sqrt(in)) with `in` the whole layer's in_features, and B zero, so the model starts as the base. Elements

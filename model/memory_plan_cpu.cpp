@@ -66,12 +66,12 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   const int64_t in_flight = m.training ? m.pp - m.pp_rank : 1;
   // LoRA (training): the base is frozen and whole (no gradient, no optimizer state); Zero holds the adapters'.
   const bool lora = m.training && m.lora.enabled();
-  if (lora && m.pp > 1) fail("memory plan: --pp ", m.pp, " with LoRA adapters: not implemented; use --pp 1");
   if (m.training && m.pp > 1 && m.zero == 3)
     fail("memory plan: --zero 3 with --pp ", m.pp, ": not implemented; use --zero 0, 1 or 2");
-  // Tied embeddings over stages: the first and the last stage each receive the other's gradient of the table.
+  // Tied embeddings over stages: the first and the last stage each receive the other's gradient of the table (a
+  // frozen table, LoRA's, has none).
   const bool tied_over_stages =
-      m.training && m.pp > 1 && config.tie_word_embeddings && (m.pp_rank == 0 || m.pp_rank == m.pp - 1);
+      m.training && !lora && m.pp > 1 && config.tie_word_embeddings && (m.pp_rank == 0 || m.pp_rank == m.pp - 1);
   if (tied_over_stages && m.zero >= 2)
     fail("memory plan: --zero ", m.zero, " with --pp and tied embeddings: not implemented; use --zero 0 or 1");
   const bool quantized = lora && m.lora.base_quant != BaseQuant::None;
@@ -81,7 +81,9 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   if (quantized && m.zero == 3)
     fail("option 'base_quant' ", base_quant_name(m.lora.base_quant), " with --zero 3: sharding a quantized base is not "
          "implemented; use --zero 0, 1 or 2 (the quantized base is small), or --base_quant none");
-  const LoraLayout adapters = lora ? lora_layout(config, m.lora, static_cast<int>(m.tp_rank), static_cast<int>(m.tp))
+  // A stage's adapters: its layers' (model/lora.h).
+  const LoraLayout adapters = lora ? lora_layout(config, m.lora, static_cast<int>(m.tp_rank), static_cast<int>(m.tp),
+                                                 m.pp > 1 ? &pipeline : nullptr)
                                    : LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
   const LlamaBufferSizes llama =
       llama_buffer_sizes(config, layout.tp(), m.micro_batch, m.seq_len,
@@ -127,8 +129,9 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
           in_flight > 1 ? str(" x ", in_flight, " micro-batches in flight") : std::string(), ")"),
       MemoryKind::Activations, (llama.kept_per_layer * L * in_flight + llama.final_norm) * kFloat);
   if (lora)
-    add(str("LoRA: each adapter's r-wide intermediate (", L, " layers) and the adapters' scratch"),
-        MemoryKind::Activations, (llama.lora_kept_per_layer * L + llama.lora_scratch) * kFloat);
+    add(str("LoRA: each adapter's r-wide intermediate (", L, " layers",
+            in_flight > 1 ? str(" x ", in_flight, " micro-batches in flight") : std::string(), ") and the adapters' scratch"),
+        MemoryKind::Activations, (llama.lora_kept_per_layer * L * in_flight + llama.lora_scratch) * kFloat);
   add(str("loss head: logits of ", llama.head_chunk_rows, " rows"), MemoryKind::Activations, llama.logits_chunk * kFloat);
   add("backward scratch (one layer's activation gradients)", MemoryKind::Activations, llama.backward * kFloat);
   add(str("sequence parallelism: every tp rank's ", llama.local_rows, " rows gathered, two norm-weight gradients"),

@@ -50,8 +50,6 @@ void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
   if (l.sp && l.seq_len % l.tp != 0)
     fail("option 'sp': sequence parallelism splits each sequence over the ", l.tp, " tp ranks; seq_len ", l.seq_len,
          " is not a multiple of ", l.tp);
-  if (l.pp > 1 && l.lora.enabled())
-    fail("memory plan: adapters with pipeline stages (--lora_rank with --pp ", l.pp, ") are not planned");
   // Tensor parallelism on cuda: every rank a whole share of each split dimension, the local widths the kernels'
   // multiples of 8 (ParamLayout has already refused a tp that does not divide the kv heads).
   if (l.tp > 1) {
@@ -206,30 +204,34 @@ void plan_full_state(const MemoryLayout& l, const ParamLayout& layout, const Sta
 // With adapters: the frozen base (no gradient, master or moments), stored bf16 or quantized, whole on every dp
 // rank below ZeRO-3 and sharded at ZeRO-3; the adapters with the state a full fine-tune keeps for its weights.
 // Adapter units are the layers (a layer's adapters in LoraTarget order, A then B): ZeRO shards each over dp
-// as it shards a full fine-tune's units.
-void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLayout& layout, PlanBuilder& b) {
+// as it shards a full fine-tune's units. A pipeline stage holds the base of its units (a tied table's copy on the last
+// stage too) and the adapters of its layers.
+void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLayout& layout, const PipelineStage& stage,
+                     const StageUnits& units, PlanBuilder& b) {
   const LoraPlan& lora = l.lora;
   const int64_t moment_bytes = l.bf16_moments ? kBf16 : kF32;
   const bool quantized = lora.base_quant != BaseQuant::None;
   const int dp_rank = static_cast<int>(l.dp_rank), dp = static_cast<int>(l.dp);
 
-  // The base, by unit (embedding, layers, head), in its stored bytes.
-  std::vector<int64_t> unit_bytes(layout.num_units(), 0);
-  int64_t base_quantized = 0, base_plain = 0, layer0_elements = 0;
+  // The base, by unit (embedding, layers, head), in its stored bytes; the stage's units only.
+  std::vector<int64_t> unit_bytes(layout.num_units(), 0), unit_quantized(layout.num_units(), 0);
+  int64_t layer0_elements = 0;
   for (const ParamTensor& t : layout.tensors()) {
     const int unit = t.layer >= 0 ? t.layer + 1 : t.offset < layout.unit_range(1).first ? 0 : layout.head_unit();
     const int64_t bytes = base_storage_bytes(t, lora.base_quant);
     unit_bytes[unit] += bytes;
-    (quantized && base_tensor_quantized(t) ? base_quantized : base_plain) += bytes;
-    if (t.layer == 0) layer0_elements += t.numel;
+    if (quantized && base_tensor_quantized(t)) unit_quantized[unit] += bytes;
+    if (t.layer == 0) layer0_elements += t.numel;  // every layer's unit is the same size
   }
-  const bool tied = layout.lm_head_unit() == 0;
+  int64_t base_quantized = 0, base_plain = 0;
+  for (int u : units.units) base_quantized += unit_quantized[u], base_plain += unit_bytes[u] - unit_quantized[u];
+  const bool tied = units.tied_head;
   const int gather_buffers = l.zero_prefetch || tied ? 2 : 1;
   if (l.training && l.zero == 3 && !quantized) {
     // This rank's piece of each unit (dist/zero_gpu.h FrozenShard), gathered a unit at a time as ZeRO-3 gathers a
     // full fine-tune's weights: the one computing and, with prefetch, the next; a tied head reads two at once.
     int64_t shard = 0, largest = 0;
-    for (int u = 0; u < layout.num_units(); u++) {
+    for (int u : units.units) {
       const int64_t elements = layout.unit_range(u).second - layout.unit_range(u).first;
       shard += shard_range(elements, dp_rank, dp).size(), largest = std::max(largest, elements);
     }
@@ -239,7 +241,8 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
   } else if (l.training && l.zero == 3) {
     // A quantized base sharded by its stored bytes: the design (the engines refuse it).
     int64_t shard = 0, largest = 0;
-    for (int64_t bytes : unit_bytes) shard += shard_range(bytes, dp_rank, dp).size(), largest = std::max(largest, bytes);
+    for (int u : units.units)
+      shard += shard_range(unit_bytes[u], dp_rank, dp).size(), largest = std::max(largest, unit_bytes[u]);
     b.add(str(base_quant_name(lora.base_quant), " base weights (frozen, shard)"), MemoryKind::Weights, shard, 1);
     for (int i = 0; i < gather_buffers; i++)
       b.add(str("base gather buffer ", i), MemoryKind::Communication, largest, 1);
@@ -248,7 +251,7 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
           base_quantized, 1);
     b.add("bf16 base weights (frozen embedding, norms, lm_head)", MemoryKind::Weights, base_plain, 1);
   } else {
-    b.add("bf16 base weights (frozen)", MemoryKind::Weights, layout.total(), kBf16);
+    b.add("bf16 base weights (frozen)", MemoryKind::Weights, units.params, kBf16);
   }
   // Quantized: each layer's GEMMs read its weights dequantized into one bf16 buffer, refilled per layer and pass,
   // shaped like the layer's unit (its norm weights copied beside), so the model reads it at the unit's offsets.
@@ -256,7 +259,7 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
 
   // The adapters: bf16 copies for the GEMMs, whole on every dp rank; fp32 master, gradients and moments as ZeRO says.
   const std::vector<LoraTargetShape> shapes = lora_layer_shapes(c, lora, l.tp);
-  const int64_t per_layer = lora_layer_params(c, lora, l.tp), L = c.num_hidden_layers, Pa = L * per_layer;
+  const int64_t per_layer = lora_layer_params(c, lora, l.tp), L = stage.layers(), Pa = L * per_layer;
   b.add("LoRA bf16 weights", MemoryKind::Weights, Pa, kBf16);
   if (!l.training) return;
   // Tensors of one layer's adapters that this rank's piece [begin, begin + size) touches, and of them those
@@ -314,7 +317,7 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads, V = d.vocab;
   const StageUnits units = stage_units(layout, stage);
   PlanBuilder b;
-  if (l.lora.enabled()) plan_lora_state(c, l, layout, b);
+  if (l.lora.enabled()) plan_lora_state(c, l, layout, stage, units, b);
   else plan_full_state(l, layout, units, b);
 
   // Activations for (micro_batch, seq_len): the layers' kept ones (by the recompute mode), one working set for
@@ -425,7 +428,7 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
     if (l.lora.enabled()) {
       largest = lora_layer_params(c, l.lora, l.tp);
       if (l.training && l.zero == 3)
-        for (int u = 0; u < layout.num_units(); u++) {
+        for (int u : units.units) {
           int64_t bytes = 0;
           for (const ParamTensor& t : layout.tensors())
             if (t.offset >= layout.unit_range(u).first && t.offset < layout.unit_range(u).second)

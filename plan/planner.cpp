@@ -387,6 +387,7 @@ namespace {
 // not run yet (an nf4 base sharded at ZeRO-3, an int8 base) are the design, and the plan says so.
 std::string cuda_adapter_refusal(const MemoryLayout& l) {
   if (!l.lora.enabled()) return "";
+  if (l.pp > 1) return "adapters with pipeline stages are trained on cpu only (--lora_rank with --pp on cuda)";
   if (l.lora.base_quant == BaseQuant::Int8)
     return "an int8 base is not trained on cuda yet (--base_quant int8 with --device cuda)";
   if (l.training && l.zero == 3 && l.lora.base_quant != BaseQuant::None)
@@ -531,7 +532,7 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
   if (!scale.note.empty()) p.notes.push_back(scale.note);
   const ParamLayout& layout = tp_rank0_layout(c, l.tp);
   const TpDims& d = layout.tp();
-  const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size, L = c.num_hidden_layers;
+  const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
   const int64_t qd = d.q_dim, kvd = d.kv_dim, F = d.ffn, V = d.vocab;
   const LoraPlan& lora = l.lora;
   const bool adapters = lora.enabled();
@@ -673,9 +674,6 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
   const std::string link = across ? k.inter_note : k.intra_note;
   const double latency = (across ? 25e-6 : 10e-6) * (l.dp > 1 ? 1 : 0);
   const double g = ring_factor_gather(l.dp), ar = ring_factor_all_reduce(l.dp);
-  double base_bytes = 0;
-  if (adapters)
-    for (const ParamTensor& t : layout.tensors()) base_bytes += double(base_storage_bytes(t, lora.base_quant));
   const std::string what = adapters ? "layer's adapter" : "unit";
 
   // Each stage's optimizer and data-parallel collectives, over its own parameters (with adapters, pp 1: this rank's
@@ -683,25 +681,32 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
   struct Tail {
     int64_t owned = 0;
     double adamw = 0, grad_norm = 0, dp_s = 0, dp_hidden = 0, overlap = 0, kernels = 0;
+    double base_bytes = 0;  // with adapters: the stage's frozen base, in its stored bytes (per tp rank)
     std::string dp_what;
   };
   const auto tail_of = [&](const PipelineStage& stage) {
     Tail t;
     int64_t params = 0, unit_count = 0;
     for (int u : pipeline_stage_units(layout, stage)) {
-      const int64_t size = layout.unit_range(u).second - layout.unit_range(u).first;
-      params += size, unit_count++;
-      t.owned += l.zero >= 1 ? shard_range(size, 0, static_cast<int>(l.dp)).size() : size;
+      const auto [begin, end] = layout.unit_range(u);
+      params += end - begin, unit_count++;
+      t.owned += l.zero >= 1 ? shard_range(end - begin, 0, static_cast<int>(l.dp)).size() : end - begin;
+      if (adapters)
+        for (const ParamTensor& x : layout.tensors())
+          if (x.offset >= begin && x.offset < end) t.base_bytes += double(base_storage_bytes(x, lora.base_quant));
     }
-    if (adapters) t.owned = L * (l.zero >= 1 ? shard_range(lora_layer, 0, static_cast<int>(l.dp)).size() : lora_layer);
+    // With adapters: the stage's layers' adapters (a stage holds its own, model/lora.h).
+    const int64_t stage_layers = stage.layers();
+    if (adapters)
+      t.owned = stage_layers * (l.zero >= 1 ? shard_range(lora_layer, 0, static_cast<int>(l.dp)).size() : lora_layer);
     t.adamw = mem_time(double(t.owned) * (4 + 2 * 4 + 4 * (l.bf16_moments ? 2 : 4) + 2),
                        l.bf16_moments ? "adamw_bf16" : "adamw_fp32");
     t.grad_norm = mem_time(4.0 * double(t.owned), "grad_norm");
     t.kernels = A * micro_kernels(stage) + t.adamw + t.grad_norm;
     // With adapters only their gradients cross dp (one unit per layer); at ZeRO-3 the frozen base's units are
     // gathered too, in their stored bytes.
-    const double grads = adapters ? double(L * lora_layer) : double(params);
-    const double units = adapters ? double(L) : double(unit_count);
+    const double grads = adapters ? double(stage_layers * lora_layer) : double(params);
+    const double units = adapters ? double(stage_layers) : double(unit_count);
     switch (l.zero) {
       case 0:
         t.dp_s = ar * 4.0 * grads / bw + latency * units;
@@ -721,12 +726,12 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
         break;
       default:
         if (adapters) {
-          const double base_units = double(layout.num_units());
-          t.dp_s = A * (g * 2.0 * base_bytes / bw + 2 * latency * base_units + g * 4.0 * grads / bw + latency * units) +
+          const double base_units = double(unit_count);
+          t.dp_s = A * (g * 2.0 * t.base_bytes / bw + 2 * latency * base_units + g * 4.0 * grads / bw + latency * units) +
                    g * 2.0 * grads / bw + latency * units;
           t.dp_what = str("per micro-batch two all-gathers of each unit of the frozen base (",
                           lora.base_quant == BaseQuant::None ? "bf16" : base_quant_name(lora.base_quant), ", ",
-                          human_bytes(base_bytes), " per tp rank) and a reduce-scatter of each layer's adapter gradient");
+                          human_bytes(t.base_bytes), " per tp rank) and a reduce-scatter of each layer's adapter gradient");
         } else {
           t.dp_s = A * (g * (2.0 + 2.0 + 4.0) * grads / bw + 3 * latency * units);
           t.dp_what =
@@ -757,7 +762,7 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
   if (adapters)
     p.compute.push_back(
         {"adapter GEMMs", A * Ls * (lora_fwd + lora_bwd),
-         str(human_count(double(lora_layer * L)), " adapter weights on this GPU (", describe_lora(lora), "): ",
+         str(human_count(double(lora_layer * st.layers())), " adapter weights on this GPU (", describe_lora(lora), "): ",
              format_number(2.0 * double(n) * double(lora_layer) * 3 / 1e9, 2), " GFLOP and ",
              human_bytes(lora_fwd_bytes + lora_bwd_bytes), " per layer and micro-batch, ",
              lora_fwd_bytes + lora_bwd_bytes > 0 &&
@@ -871,7 +876,8 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
     const double other_bytes = double(gpu_peak(c, other).peak) + k.reserve_bytes;
     const bool other_fits = other_bytes <= k.gpu.hbm_bytes;
     const std::string base = str("the frozen base (", lora.base_quant == BaseQuant::None ? "bf16" : base_quant_name(lora.base_quant),
-                                 ", ", gb(base_bytes), l.tp > 1 ? " per tp rank" : "", ")");
+                                 ", ", gb(tail.base_bytes), l.tp > 1 ? " per tp rank" : "",
+                                 l.pp > 1 ? str(" of stage ", tail_stage) : std::string(), ")");
     if (l.zero < 3 || l.dp == 1)
       p.notes.push_back(str(base, " is whole on every dp rank: no gathers", l.dp > 1 ? ", only the adapters' gradients cross dp" : ""));
     else
@@ -900,10 +906,9 @@ std::vector<JobSpec> layouts_of(const JobSpec& job) {
   std::vector<JobSpec> out;
   for (int64_t tp = 1; tp <= job.cluster.gpus_per_node; tp *= 2) {
     if (job.model.num_key_value_heads % tp != 0 || gpus % tp != 0) continue;
-    // Pipeline stages (not with adapters, which the plans do not stage) up to 8, as many as divide the GPUs left:
-    // each stage has a plan of its own to make, and deeper pipes need more micro-batches than stages per step.
+    // Pipeline stages (with adapters too: a stage holds its layers' adapters) up to 8, as many as divide the GPUs
+    // left: each stage has a plan of its own to make, and deeper pipes need more micro-batches than stages per step.
     for (int64_t pp = 1; pp <= std::min<int64_t>(8, job.model.num_hidden_layers) && gpus % (tp * pp) == 0; pp *= 2) {
-      if (pp > 1 && job.layout.lora.enabled()) break;
       const int64_t dp = gpus / (tp * pp);
       for (bool sp : {false, true}) {
         if (sp && (tp == 1 || job.layout.seq_len % tp != 0)) continue;

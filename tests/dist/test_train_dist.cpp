@@ -223,6 +223,110 @@ TEST_F(DistTrain, QloraFollowsOneRankUnderTensorParallel) {
   }
 }
 
+// LoRA adapters over pipeline stages: each stage trains its layers' adapters on its part of the frozen base (the
+// tied table's copy on the last stage needs no exchange: it has no gradient). With dropout, pp 2 follows the single
+// rank at the same micro-batches (the masks are keyed by the micro-batch's index in the step, not the order the
+// stages run them in): every step's loss, the validation losses and the final adapters within 1e-5. A pp 2 x dp 2
+// run at ZeRO-2 (no dropout: its masks would be the dp ranks' own) follows its own single rank; a pp 2 checkpoint
+// (rank files of the stages' adapters, assembled into one adapter_model.safetensors) resumes on one rank.
+TEST_F(DistTrain, LoraFollowsOneRankOverPipelineStages) {
+  const std::string lora = " --lora_rank 4 --lora_alpha 8 --lora_targets q_proj,v_proj,o_proj,down_proj";
+  std::string on_base = flags("llama32_tiny");
+  const std::string model_flag = " --model_config " + config_path("llama32_tiny");
+  on_base.replace(on_base.find(model_flag), model_flag.size(), " --init tests/fixtures/llama32_tiny");
+  const LlamaConfig config = LlamaConfig::load(config_path("llama32_tiny"));
+  LoraConfig lc;
+  lc.rank = 4, lc.alpha = 8, lc.targets = parse_lora_targets("q_proj,v_proj,o_proj,down_proj");
+  const ParamLayout adapters = lora_layout(config, lc).params;
+  const auto final_adapters = [&](const fs::path& run) {
+    std::vector<float> w(adapters.total());
+    load_weights(run / "ckpt" / "step_00000010", adapters, w.data());
+    return w;
+  };
+  const auto val_losses = [](const fs::path& metrics) {
+    std::map<int64_t, double> out;
+    std::istringstream in(read_file(metrics));
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("val_loss")) out[j["step"]] = j["val_loss"].get<double>();
+    }
+    return out;
+  };
+  const auto expect_same = [&](const fs::path& ref, const fs::path& out, const std::string& tag) {
+    auto la = losses(ref / "metrics.jsonl"), lb = losses(out / "metrics.jsonl");
+    ASSERT_EQ(la.size(), 10u) << tag;
+    ASSERT_EQ(lb.size(), la.size()) << tag;
+    for (auto& [step, loss] : la) EXPECT_NEAR(lb[step], loss, 1e-5 * std::abs(loss)) << tag << " step " << step;
+    auto va = val_losses(ref / "metrics.jsonl"), vb = val_losses(out / "metrics.jsonl");
+    ASSERT_EQ(va.size(), 3u) << tag;
+    ASSERT_EQ(vb.size(), va.size()) << tag;
+    for (auto& [step, loss] : va) EXPECT_NEAR(vb[step], loss, 1e-5 * std::abs(loss)) << tag << " val step " << step;
+    const std::vector<float> wa = final_adapters(ref), wb = final_adapters(out);
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < wa.size(); i++) diff += double(wa[i] - wb[i]) * (wa[i] - wb[i]), norm += double(wa[i]) * wa[i];
+    EXPECT_GT(norm, 0) << tag;
+    EXPECT_LT(std::sqrt(diff / norm), 1e-5) << tag << ": final adapters differ";
+  };
+  const std::string dropout = " --lora_dropout 0.1 --micro_batch 1 --grad_accum 4";
+  const fs::path ref = *tmp_ / "lora_pp_ref";
+  auto r = run_command(kTrain + on_base + lora + dropout + " --out_dir " + ref.string(), *tmp_ / "lora_pp_ref_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(losses(ref / "metrics.jsonl")[10], losses(ref / "metrics.jsonl")[1]);  // the adapters trained
+  const fs::path pp2 = *tmp_ / "lora_pp2";
+  r = run_command(mpirun(2) + kTrain + on_base + lora + dropout + " --pp 2 --out_dir " + pp2.string(),
+                  *tmp_ / "lora_pp2_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same(ref, pp2, "lora pp 2");
+  // The checkpoint holds the adapters alone, in PEFT's file too.
+  EXPECT_TRUE(fs::exists(pp2 / "ckpt" / "step_00000010" / "adapter_model.safetensors"));
+  EXPECT_EQ(read_file(pp2 / "ckpt" / "step_00000010" / "rank_00001.safetensors").find("\"model.layers.1.self_attn.q_proj.weight\""),
+            std::string::npos);
+
+  // pp 2 -> pp 1: 5 steps over two stages, resumed on one rank, follow the uninterrupted single rank.
+  const fs::path down = *tmp_ / "lora_pp2_to_pp1";
+  r = run_command(mpirun(2) + kTrain + on_base + lora + dropout + " --pp 2 --stop_at_step 5 --out_dir " + down.string(),
+                  *tmp_ / "lora_pp2_to_pp1_log_a");
+  ASSERT_EQ(r.exit_code, 75) << r.output;
+  r = run_command(kTrain + on_base + lora + dropout + " --resume --out_dir " + down.string(), *tmp_ / "lora_pp2_to_pp1_log_b");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  expect_same(ref, down, "lora pp 2 -> pp 1");
+
+  // pp 2 x dp 2 at ZeRO-2 over the stages' adapters.
+  const fs::path ref_dp = *tmp_ / "lora_pp_ref_dp";
+  r = run_command(kTrain + on_base + lora + " --micro_batch 4 --out_dir " + ref_dp.string(), *tmp_ / "lora_pp_ref_dp_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path pp2dp2 = *tmp_ / "lora_pp2dp2z2";
+  r = run_command(mpirun(4) + kTrain + on_base + lora + " --micro_batch 1 --grad_accum 2 --pp 2 --zero 2 --out_dir " +
+                      pp2dp2.string(), *tmp_ / "lora_pp2dp2z2_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same(ref_dp, pp2dp2, "lora pp 2 x dp 2 ZeRO-2");
+
+  // QLoRA: each stage quantizes its own layers' projections (the same blocks as one rank's), so pp 2 on an nf4 base
+  // follows one rank on it too.
+  const fs::path ref_q = *tmp_ / "lora_pp_ref_nf4", pp2_q = *tmp_ / "lora_pp2_nf4";
+  r = run_command(kTrain + on_base + lora + " --base_quant nf4 --micro_batch 4 --out_dir " + ref_q.string(),
+                  *tmp_ / "lora_pp_ref_nf4_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_command(mpirun(2) + kTrain + on_base + lora + " --base_quant nf4 --micro_batch 2 --grad_accum 2 --pp 2 --out_dir " +
+                      pp2_q.string(), *tmp_ / "lora_pp2_nf4_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same(ref_q, pp2_q, "QLoRA pp 2");
+
+  // --lora_init over stages: each stage reads its layers' adapters from a PEFT directory (here pp 2's own checkpoint,
+  // whose adapter_config.json brings the dropout), and 3 steps from it follow one rank's.
+  const std::string init = " --lora_init " + (pp2 / "ckpt" / "step_00000010").string() + " --micro_batch 2 --grad_accum 2 --steps 3";
+  const fs::path init1 = *tmp_ / "lora_init_pp1", init2 = *tmp_ / "lora_init_pp2";
+  r = run_command(kTrain + on_base + init + " --out_dir " + init1.string(), *tmp_ / "lora_init_pp1_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_command(mpirun(2) + kTrain + on_base + init + " --pp 2 --out_dir " + init2.string(), *tmp_ / "lora_init_pp2_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto la = losses(init1 / "metrics.jsonl"), lb = losses(init2 / "metrics.jsonl");
+  ASSERT_EQ(la.size(), 3u);
+  ASSERT_EQ(lb.size(), la.size());
+  for (auto& [step, loss] : la) EXPECT_NEAR(lb[step], loss, 1e-5 * std::abs(loss)) << "lora_init pp 2, step " << step;
+}
+
 // Sequence parallelism (--sp): the residual stream and the norms split by rows over the tp ranks, with an all-gather
 // before and a reduce-scatter after the tp GEMMs; the same function as tp alone and so as one rank. Odd row counts and
 // ranks left without rows are in tests/model/test_llama_sp.cpp (here every micro-batch is a multiple of 16 rows).

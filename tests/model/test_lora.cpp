@@ -4,6 +4,7 @@
 // without dropout: a backward that drew another mask than its forward fails the second), with the base frozen.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -109,6 +110,45 @@ TEST(LoraLayout, ShapesNamesAndOneUnitPerLayer) {
   EXPECT_EQ(qv.layers[0].a[int(LoraTarget::K)], -1);
   EXPECT_EQ(qv.layers[0].b[int(LoraTarget::O)], -1);
   EXPECT_EQ(lora_tensor_name(3, LoraTarget::Gate, 'B'), "base_model.model.model.layers.3.mlp.gate_proj.lora_B.weight");
+}
+
+// A pipeline stage's adapters (--pp): its layers' tensors only, under the whole layout's names, shapes and random
+// streams (so a stage draws the adapters one rank draws), one unit per layer of the model with the other stages'
+// empty and their offsets -1; the stages together hold every tensor once, and each stage's start equals the whole's.
+TEST(LoraLayout, AStageHoldsItsLayersAdaptersWithTheWholeModelsStreams) {
+  LlamaConfig c = tiny();
+  c.num_hidden_layers = 5;
+  const LoraConfig lora = lora_of(4, 8, parse_lora_targets("q_proj,v_proj,down_proj"));
+  const LoraLayout whole = lora_layout(c, lora);
+  std::vector<float> all(whole.params.total());
+  init_lora_weights_piece(whole.params, 9, Segment{0, whole.params.total()}, all.data());
+  size_t held = 0;
+  for (int64_t pp : {2, 3})
+    for (const PipelineStage& stage : pipeline_stages(c, pp, 16)) {
+      const LoraLayout part = lora_layout(c, lora, 0, 1, &stage);
+      ASSERT_EQ(part.params.num_units(), 5);
+      ASSERT_EQ(part.layers.size(), 5u);
+      std::vector<float> mine(part.params.total());
+      init_lora_weights_piece(part.params, 9, Segment{0, part.params.total()}, mine.data());
+      for (const ParamTensor& t : part.params.tensors()) {
+        const ParamTensor* g = whole.params.find(t.name);
+        ASSERT_TRUE(g) << t.name;
+        EXPECT_TRUE(t.layer >= stage.layer_begin && t.layer < stage.layer_end) << t.name;
+        EXPECT_EQ(t.stream, g->stream) << t.name;
+        EXPECT_EQ(t.shape, g->shape) << t.name;
+        EXPECT_TRUE(std::equal(mine.begin() + t.offset, mine.begin() + t.offset + t.numel, all.begin() + g->offset))
+            << t.name;
+        held += pp == 3;
+      }
+      for (int64_t l = 0; l < 5; l++) {
+        const auto [begin, end] = part.params.unit_range(static_cast<int>(l));
+        const bool mine_layer = l >= stage.layer_begin && l < stage.layer_end;
+        EXPECT_EQ(end > begin, mine_layer) << "layer " << l;
+        EXPECT_EQ(part.layers[l].a[int(LoraTarget::Q)] >= 0, mine_layer) << "layer " << l;
+        EXPECT_EQ(part.layers[l].a[int(LoraTarget::K)], -1);
+      }
+    }
+  EXPECT_EQ(held, whole.params.tensors().size());  // pp 3: every tensor on exactly one stage
 }
 
 // Under tp 2: column-parallel A whole and B split by rows like W; row-parallel A split by columns like W and B

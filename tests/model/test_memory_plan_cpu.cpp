@@ -74,6 +74,31 @@ TEST(MemoryPlanCpu, LoraItemsAreTheAllocationsOfOneRank) {
   EXPECT_THROW(plan_cpu_memory(c, m), Error);  // a quantized base is not sharded
 }
 
+// LoRA over pipeline stages (pp 3 over 4 layers): each stage's frozen base (the last stage's copy of a tied table
+// too), its layers' adapters and their slots of r-wide intermediates, to the byte at ZeRO 0-2; the stages' adapters
+// add up to the whole model's.
+TEST(MemoryPlanCpu, LoraItemsAreTheAllocationsOfEveryPipelineStage) {
+  std::unique_ptr<Comm> alone = make_single_comm();
+  for (bool tied : {false, true})
+    for (int64_t stage = 0; stage < 3; stage++)
+      for (int zero = 0; zero <= 2; zero++) {
+        MemoryLayout m = layout_of(zero);
+        m.pp = 3, m.pp_rank = stage;
+        m.lora.rank = 4, m.lora.alpha = 8, m.lora.dropout = zero == 1 ? 0.1 : 0.0;
+        m.lora.targets = parse_lora_targets(tied ? "q_proj,v_proj,down_proj" : "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj");
+        const auto r = plan_and_allocate(plan_test_config(4, tied), m, *alone, nullptr);
+        EXPECT_EQ(r.allocated_activations, r.planned_activations) << "stage " << stage << ", ZeRO-" << zero << " tied " << tied;
+        EXPECT_EQ(r.allocated_state, r.planned_state) << "stage " << stage << ", ZeRO-" << zero << " tied " << tied;
+      }
+  const LlamaConfig c = plan_test_config(4, false);
+  MemoryLayout m = layout_of(0);
+  m.lora.rank = 4, m.lora.alpha = 8;
+  m.pp = 3;
+  int64_t gradients = 0;
+  for (m.pp_rank = 0; m.pp_rank < 3; m.pp_rank++) gradients += plan_cpu_memory(c, m).bytes(MemoryKind::Gradients);
+  EXPECT_EQ(gradients, 4 * lora_parameter_count(c, m.lora));  // ZeRO-0: each stage its adapters' whole gradient
+}
+
 TEST(MemoryPlanCpu, StagesMoveBytesBetweenKindsAsZeroSays) {
   const LlamaConfig c = plan_test_config(4, false);
   const int64_t P = c.n_params();

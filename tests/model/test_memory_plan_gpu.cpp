@@ -394,6 +394,40 @@ TEST(MemoryPlanGpu, PipelineStagesTogetherHoldTheModelsParameters) {
   }
 }
 
+// With adapters each stage holds the frozen base of its units (the last stage's copy of a tied table too) and the
+// adapters of its layers with their state; together the stages hold the pp 1 plan's, and a stage keeps each of its
+// layers' r-wide intermediates once per micro-batch in flight.
+TEST(MemoryPlanGpu, LoraPipelineStagesTogetherHoldTheBaseAndTheAdapters) {
+  for (const char* fixture : {"llama2_tiny", "llama32_tiny"}) {
+    const LlamaConfig c = deeper(fixture, 6);
+    const ParamLayout layout(c);
+    const int64_t P = layout.total();
+    const int64_t copy = layout.lm_head_unit() == 0 ? layout.unit_range(0).second - layout.unit_range(0).first : 0;
+    MemoryLayout one = stage_layout(1, 0);
+    one.lora.rank = 4, one.lora.alpha = 8;
+    const int64_t A = lora_parameter_count(c, one.lora);
+    for (int64_t pp : {2, 3}) {
+      SCOPED_TRACE(testing::Message() << fixture << " pp " << pp);
+      const std::vector<PipelineStage> stages = pipeline_stages(c, pp, 32);
+      int64_t base = 0, master = 0, moments = 0;
+      for (int64_t s = 0; s < pp; s++) {
+        MemoryLayout l = one;
+        l.pp = pp, l.pp_rank = s;
+        const MemoryPlan plan = plan_gpu_memory(c, l);
+        base += find(plan, "bf16 base weights (frozen)")->bytes;
+        master += find(plan, "LoRA fp32 master weights")->bytes;
+        moments += plan.bytes(MemoryKind::Moments);
+        EXPECT_EQ(find(plan, "LoRA fp32 master weights")->bytes, device_arena_bytes(4 * A / 6 * stages[s].layers()));
+        EXPECT_EQ(items_starting(plan, "layer ") - 13 * stages[s].layers() * (pp - s), 7 * stages[s].layers() * (pp - s));
+        EXPECT_EQ(find(plan, "fp32 gradients"), nullptr);  // the base has none
+      }
+      EXPECT_NEAR(double(base), double(2 * (P + copy)), 256.0 * pp);
+      EXPECT_NEAR(double(master), double(4 * A), 256.0 * pp);
+      EXPECT_NEAR(double(moments), double(8 * A), 2 * 256.0 * pp);
+    }
+  }
+}
+
 // 1F1B: stage s keeps the activations of pp - s micro-batches (the first stage the most, the last one), of its own
 // layers only; the head's buffers are the last stage's and the embedding's the first's.
 TEST(MemoryPlanGpu, TheFirstStageHoldsPpMicroBatchesOfActivations) {
@@ -538,11 +572,8 @@ TEST(MemoryPlanGpu, PipelineAndSequenceParallelRefusalsNameTheOption) {
   l = MemoryLayout{};
   l.tp = 2, l.sp = true, l.seq_len = 33;
   EXPECT_NE(testing_util::error_of([&] { plan_gpu_memory(c, l); }).find("option 'sp'"), std::string::npos);
-  l = stage_layout(2, 0);
-  l.lora.rank = 4;
-  EXPECT_NE(testing_util::error_of([&] { plan_gpu_memory(c, l); }).find("--pp"), std::string::npos);
   // The fit check prints a pp plan at ZeRO 0 or 1 as the engine's own, at ZeRO-2 or 3 as the design (the CUDA engine
-  // runs neither with stages); sp is the engine's own plan.
+  // runs stages at ZeRO 0 and 1); sp is the engine's own plan.
   GpuFit fit = check_gpu_fit(c, stage_layout(2, 1), int64_t(80) << 30);
   EXPECT_TRUE(fit.fits);
   EXPECT_NE(fit.report.find("pipeline stage 1"), std::string::npos) << fit.report;

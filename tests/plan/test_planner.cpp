@@ -442,6 +442,32 @@ TEST(Planner, EachStageIsPlannedAndTheFullestDecides) {
   EXPECT_LT(comm_item(q, "data-parallel")->seconds, 0.5 * 8.0 * double(layout.total()) / 40e9 * 0.55);
 }
 
+// Adapters over pipeline stages: a stage owns its layers' adapters (pp 2 x dp 4 owns what pp 1 x dp 8 does, at the
+// same tp), holds its own units of the frozen base (the first stage, with more micro-batches in flight, the fullest),
+// and the seed job's bf16-base LoRA at pp 2 x tp 2 with sp, ZeRO-2, beats the pp 1 layout of README plan (c).
+TEST(Planner, AdaptersOverPipelineStagesPriceEachStagesOwn) {
+  const Rates& rates = repository_rates();
+  JobSpec staged = pipeline_job(2, 2, true, 2, 1, Recompute::None);
+  staged.layout.lora.rank = 16;
+  const Prediction p = predict(staged, rates);
+  ASSERT_EQ(p.stages.size(), 2u);
+  EXPECT_TRUE(p.fits);
+  EXPECT_EQ(p.fullest_stage, 0);
+  EXPECT_GT(p.stage_gpu_bytes[0], p.stage_gpu_bytes[1]);
+  EXPECT_FALSE(p.memory_is_engines);
+  JobSpec whole = pipeline_job(1, 2, true, 2, 1, Recompute::None);
+  whole.layout.lora.rank = 16;
+  const Prediction q = predict(whole, rates);
+  EXPECT_NEAR(part_of(p, "AdamW and gradient norm"), part_of(q, "AdamW and gradient norm"),
+              1e-3 * part_of(q, "AdamW and gradient norm"));
+  JobSpec plan_c = job_of("llama-2-70b", "h100-80gb", 2, 4, 2, 1, 4096, 16);
+  plan_c.layout.lora.rank = 16, plan_c.layout.bf16_moments = true;
+  EXPECT_GT(p.tokens_per_s_per_gpu, predict(plan_c, rates).tokens_per_s_per_gpu);
+  bool named = false;
+  for (const std::string& note : p.notes) named |= note.find("per tp rank of stage 0") != std::string::npos;
+  EXPECT_TRUE(named);
+}
+
 TEST(Planner, PipelineLayoutsRefuseWhatTheyCannotRun) {
   const Rates& rates = repository_rates();
   JobSpec j = pipeline_job(4, 4, false, 0, 1, Recompute::None);
