@@ -370,6 +370,83 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuRanks,
                                   std::to_string(i.param.zero);
                          });
 
+// Pipeline stages (pp 2, ranks as threads sharing the device over the staged device comm, 4 micro-batches of one row
+// in the 1F1B order): each stage holds its frozen base units and its layers' adapters; tied embeddings (llama32_tiny)
+// need no exchange, the table being frozen. Dropout masks are keyed by the micro-batch's index in the step and set
+// again before its backward, so the stages draw the masks one rank draws over the same micro-batches (which runs them
+// in turn) and must follow it within the dp bound of tests/model/ranks_test_util.h (only the fp32 order of the
+// gradient norm's sum over the stages differs). With dp 2 inside each stage (no dropout: its masks are keyed by the dp
+// rank), ZeRO-1 reduce-scatters each layer's adapter gradient over dp.
+struct LoraPipelineCase {
+  int ranks, zero;
+  double dropout;
+  Recompute recompute = Recompute::None;
+};
+
+class EngineLoraGpuPipeline : public testing::TestWithParam<LoraPipelineCase> {};
+
+TEST_P(EngineLoraGpuPipeline, FollowsOneRankOverTheSameMicroBatches) {
+  TUNA_REQUIRE_GPU();
+  using testing_util::FourRows;
+  const LoraPipelineCase c = GetParam();
+  Fixture f("llama32_tiny");
+  ASSERT_TRUE(f.config.tie_word_embeddings);
+  LoraConfig lora;
+  lora.rank = 4, lora.alpha = 8, lora.dropout = c.dropout;
+  const FourRows data(f.config.vocab_size);
+  const auto options = [&](int zero) {
+    EngineOptions o = testing_util::rows_options(f, zero, 1);
+    o.lora = lora, o.seed = 17, o.adapters = random_weights(5, 0.1);
+    o.recompute = c.recompute;
+    return o;
+  };
+  // One rank over the 4 rows as 4 micro-batches (micro-batch i: row i, as on every stage at dp 1).
+  std::vector<StepResult> want;
+  std::vector<float> one_weights;
+  {
+    SingleRank one;
+    std::unique_ptr<Engine> e = make_engine(f.config, options(0), one.mesh, fixture_weights(f));
+    for (int64_t s = 0; s < testing_util::kRanksSteps; s++)
+      want.push_back(testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, s));
+    std::vector<float> m, v;
+    e->export_shard(one_weights, m, v);
+  }
+  const ParamLayout whole = lora_layout(f.config, lora).params;
+  testing_util::run_thread_ranks(c.ranks, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, 1, 2);
+    const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
+      return make_staged_device_comm(group.split(0, group.rank()), stream);
+    };
+    std::unique_ptr<Engine> e = make_engine(f.config, options(c.zero), mesh, fixture_weights(f), device_comm);
+    // The stage's adapters only, under their global names.
+    const int64_t layers = f.config.num_hidden_layers;
+    EXPECT_LT(e->layout().tensors().size(), whole.tensors().size());
+    EXPECT_EQ(e->layout().num_units(), layers);
+    const int64_t rows = FourRows::kRows / mesh.dp_size;
+    for (int64_t s = 0; s < testing_util::kRanksSteps; s++) {
+      const StepResult r = testing_util::row_micro_batches_step(*e, f, data, mesh.dp_rank * rows, rows, s);
+      if (world.rank() == 0)
+        std::printf("  step %lld  loss 1 rank %.7f pp 2 %.7f   grad norm %.6f %.6f\n", static_cast<long long>(s),
+                    want[s].loss, r.loss, want[s].stats.grad_norm, r.stats.grad_norm);
+      EXPECT_EQ(r.tokens, want[s].tokens);
+      EXPECT_NEAR(r.loss, want[s].loss, testing_util::kRanksLossTol * want[s].loss) << "step " << s;
+      EXPECT_NEAR(r.stats.grad_norm, want[s].stats.grad_norm, testing_util::kRanksNormTol * want[s].stats.grad_norm)
+          << "step " << s;
+    }
+    EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, one_weights.data()), testing_util::kRanksWeightTol)
+        << "rank " << world.rank() << "'s final adapters";
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuPipeline,
+                         testing::Values(LoraPipelineCase{2, 0, 0.1}, LoraPipelineCase{2, 1, 0.1, Recompute::Full},
+                                         LoraPipelineCase{4, 1, 0.0}),
+                         [](const testing::TestParamInfo<LoraPipelineCase>& i) {
+                           return "ranks" + std::to_string(i.param.ranks) + "_pp2_zero" +
+                                  std::to_string(i.param.zero) + (i.param.dropout > 0 ? "_dropout" : "") +
+                                  "_recompute_" + recompute_name(i.param.recompute);
+                         });
+
 }  // namespace
 }  // namespace tuna
 #endif  // TUNA_CUDA
