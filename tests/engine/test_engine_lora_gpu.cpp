@@ -2,8 +2,9 @@
 // of the adapters follow PEFT + transformers in float64 (tests/fixtures/lora_*: all targets untied, q/v/down tied),
 // dropout with full recompute over accumulated micro-batches follows the CPU engine, a checkpoint exchange of the
 // adapter state continues bit for bit (dropout on: the masks follow the restored step count), ZeRO 1 and 2 over the
-// adapters equal ZeRO-0 bit for bit on one rank (a bf16 or nf4 base), and dp 2 (ZeRO 0-2) or tp 2 as threads sharing
-// the device follow one rank. Skipped without a device; on the emulator in CI.
+// adapters equal ZeRO-0 bit for bit on one rank (a bf16 or nf4 base), dp 2 (ZeRO 0-2) or tp 2 as threads sharing
+// the device follow one rank, and so do pipeline stages (pp 2, with dropout; pp 2 x dp 2 at ZeRO-1) over the same
+// micro-batches. Skipped without a device; on the emulator in CI.
 //
 // Tolerances: a bf16 trajectory against fp32 or float64, as tests/engine/test_engine_gpu.cpp (5e-2 relative on a
 // step's loss, 0.15 on its gradient norm; derived in tests/model/test_llama_gpu.cpp); ranks against one rank as
@@ -213,6 +214,26 @@ TEST(EngineLoraGpu, RefusesAQuantizedBaseAtZeroThree) {
   const std::string e = testing_util::error_of([&] { make_engine(f.config, o, r.mesh, fixture_weights(f)); });
   EXPECT_NE(e.find("--base_quant nf4 with --device cuda and --zero 3: sharding a quantized base over dp is not "
                    "implemented"), std::string::npos) << e;
+}
+
+// Over pipeline stages the CUDA engine trains adapters on a bf16 base only: an nf4 base there is refused by name.
+TEST(EngineLoraGpu, RefusesAQuantizedBaseOverPipelineStages) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  LoraConfig lora;
+  lora.rank = 4, lora.alpha = 8;
+  EngineOptions o = lora_options(f, lora, Device::Cuda);
+  o.base_quant = BaseQuant::Nf4;
+  testing_util::run_thread_ranks(2, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, 1, 2);
+    const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
+      return make_staged_device_comm(group.split(0, group.rank()), stream);
+    };
+    const std::string e =
+        testing_util::error_of([&] { make_engine(f.config, o, mesh, fixture_weights(f), device_comm); });
+    EXPECT_NE(e.find("option 'pp' 2 with --base_quant nf4 on --device cuda: pipeline stages over a quantized base are "
+                     "not implemented"), std::string::npos) << e;
+  });
 }
 
 // ZeRO 1-3 over the adapters on one rank: the shard is the whole adapter layout in layout order (and at ZeRO-3 the
