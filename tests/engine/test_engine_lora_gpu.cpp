@@ -397,7 +397,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuRanks,
 // again before its backward, so the stages draw the masks one rank draws over the same micro-batches (which runs them
 // in turn) and must follow it within the dp bound of tests/model/ranks_test_util.h (only the fp32 order of the
 // gradient norm's sum over the stages differs). With dp 2 inside each stage (no dropout: its masks are keyed by the dp
-// rank), ZeRO-1 reduce-scatters each layer's adapter gradient over dp.
+// rank), ZeRO-1 reduce-scatters each layer's adapter gradient over dp. A checkpoint exchange into a fresh engine of
+// the same layout then continues bit for bit.
 struct LoraPipelineCase {
   int ranks, zero;
   double dropout;
@@ -456,6 +457,15 @@ TEST_P(EngineLoraGpuPipeline, FollowsOneRankOverTheSameMicroBatches) {
     }
     EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, one_weights.data()), testing_util::kRanksWeightTol)
         << "rank " << world.rank() << "'s final adapters";
+    // A checkpoint exchange of each stage's state (its pieces, or its ZeRO-1 shard) into a fresh engine of the same layout continues
+    // bit for bit, dropout included (the masks follow the restored step count).
+    std::unique_ptr<Engine> restored = make_engine(f.config, options(c.zero), mesh, fixture_weights(f), device_comm);
+    testing_util::exchange_state_piecewise(*e, *restored);
+    const int64_t s = testing_util::kRanksSteps;
+    const StepResult a = testing_util::row_micro_batches_step(*e, f, data, mesh.dp_rank * rows, rows, s);
+    const StepResult b = testing_util::row_micro_batches_step(*restored, f, data, mesh.dp_rank * rows, rows, s);
+    EXPECT_EQ(a.loss, b.loss) << "rank " << world.rank();
+    EXPECT_EQ(a.stats.grad_norm, b.stats.grad_norm) << "rank " << world.rank();
   });
 }
 
