@@ -457,8 +457,8 @@ TEST_P(EngineLoraGpuPipeline, FollowsOneRankOverTheSameMicroBatches) {
     }
     EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, one_weights.data()), testing_util::kRanksWeightTol)
         << "rank " << world.rank() << "'s final adapters";
-    // A checkpoint exchange of each stage's state (its pieces, or its ZeRO-1 shard) into a fresh engine of the same layout continues
-    // bit for bit, dropout included (the masks follow the restored step count).
+    // A checkpoint exchange of each stage's state (its pieces, or its ZeRO-1 shard) into a fresh engine of the same
+    // layout continues bit for bit, dropout included (the masks follow the restored step count).
     std::unique_ptr<Engine> restored = make_engine(f.config, options(c.zero), mesh, fixture_weights(f), device_comm);
     testing_util::exchange_state_piecewise(*e, *restored);
     const int64_t s = testing_util::kRanksSteps;
