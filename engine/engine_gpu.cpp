@@ -30,7 +30,8 @@
 // Dropout masks are keyed by (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
 //
 // Pipeline stages (--pp, ZeRO 0 and 1): this rank's LlamaGpu is its stage (model/pipeline.h's split, the stage's
-// ParamLayout), with activation slots for the micro-batches 1F1B keeps in flight there; forward_backward_step runs
+// ParamLayout; with adapters on a bf16 base, the stage's frozen units and its layers' adapters), with activation slots
+// for the micro-batches 1F1B keeps in flight there; forward_backward_step runs
 // the CPU engine's schedule (pipeline_step below) over a device comm of the stages. The loss and the gradient norm's
 // squares are summed over the stages as Zero sums them on cpu (each stage counts its own tensors, the last stage's
 // copy of a tied table not), so every stage clips, and skips a non-finite step, alike. Checkpoints are in global
@@ -158,9 +159,7 @@ class GpuEngine final : public Engine {
   }
   LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                            const int32_t* positions) override {
-    // Dropout masks by (seed, step, micro-batch, dp rank): the CPU engine's, and a resumed run's the same.
-    if (model_.has_adapters())
-      model_.set_lora_dropout_key(lora_dropout_key(options_.seed, steps_taken(), micro_batch_++, mesh_.dp_rank));
+    key_dropout(micro_batch_++);
     return model_.forward_backward(inputs, targets, batch, seq, positions);
   }
   LossSum forward_backward_step(const std::vector<MicroBatch>& micro_batches) override {
@@ -320,6 +319,14 @@ class GpuEngine final : public Engine {
   }
 
  private:
+  // Dropout masks by (seed, step, micro-batch of the step, dp rank): the CPU engine's, and a resumed run's the same.
+  // A pipeline stage sets them before each pass of a micro-batch, its forward's and its backward's (1F1B interleaves
+  // other micro-batches between the two), as the CPU engine does.
+  void key_dropout(int64_t micro_batch) {
+    if (model_.has_adapters())
+      model_.set_lora_dropout_key(lora_dropout_key(options_.seed, steps_taken(), micro_batch, mesh_.dp_rank));
+  }
+
   // Pipeline stages: the device comm over the stages (on the compute stream, as tp's), the labels of the stage's
   // sends and receives (a timeout names them), and with tied embeddings the other stage that holds the table.
   void set_up_pipeline(std::unique_ptr<Comm> pp_device) {
@@ -335,7 +342,7 @@ class GpuEngine final : public Engine {
     const ParamTensor* tied = layout.tied_copy();
     if (!tied && model_.config().tie_word_embeddings && layout.has_embedding())
       tied = layout.find("model.embed_tokens.weight");
-    if (tied) {
+    if (tied && !model_.has_adapters()) {  // a frozen table (adapters) has no gradient to exchange
       TUNA_CHECK(model_.tied_peer_grad() != nullptr, "no buffer for the tied embedding's gradient from the other stage");
       tied_peer_ = tied->copy ? 0 : pp_device_->size() - 1;
       tied_offset_ = tied->offset, tied_numel_ = tied->numel;
@@ -361,6 +368,7 @@ class GpuEngine final : public Engine {
     for (const PipelineOp& op : pipeline_schedule(pp.size(), s, static_cast<int64_t>(micro_batches.size()))) {
       const MicroBatch& b = micro_batches[op.micro_batch];
       const int64_t slot = op.micro_batch % model_.in_flight();
+      key_dropout(op.micro_batch);
       const int64_t count = model_.residual_rows(b.batch * b.seq) * C;
       if (op.forward) {
         if (s > 0) pp.recv(model_.stage_input(slot), count, CommType::BF16, s - 1, recv_activations_.c_str());
@@ -491,6 +499,7 @@ class GpuEngine final : public Engine {
       std::vector<float> host;
       for (int u = 0; u < layout.num_units(); u++) {
         const Segment piece{layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first};
+        if (piece.size == 0) continue;  // another pipeline stage's unit
         host.resize(piece.size);
         source(layout, piece, host.data());
         set(piece, host.data());
@@ -504,6 +513,7 @@ class GpuEngine final : public Engine {
                   [&](const Segment& p, const float* h) { model_.set_adapters_piece(p, h); });
     std::vector<float> host;
     for (size_t u = 0; u < segments_.size(); u++) {
+      if (segments_[u].size == 0) continue;  // another pipeline stage's layer, or an empty piece
       host.resize(segments_[u].size);
       adapters(model_.trained_layout(), segments_[u], host.data());
       TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data(),

@@ -284,11 +284,6 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     : LlamaGpu(config, single_rank_layout(max_batch, max_seq), optimizer, options) {}
 
 namespace {
-LoraLayout adapters_of(const LlamaConfig& config, const LoraConfig& lora, int64_t tp_rank, int64_t tp) {
-  if (lora.enabled()) return lora_layout(config, lora, static_cast<int>(tp_rank), static_cast<int>(tp));
-  return LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
-}
-
 // This rank's pipeline stage (model/pipeline.h's split, as the memory plan takes it), or the whole model.
 PipelineStage stage_of(const LlamaConfig& config, const MemoryLayout& run) {
   if (run.pp > 1) return pipeline_stages(config, run.pp, run.seq_len).at(static_cast<size_t>(run.pp_rank));
@@ -296,6 +291,14 @@ PipelineStage stage_of(const LlamaConfig& config, const MemoryLayout& run) {
   whole.layer_end = config.num_hidden_layers;
   whole.embedding = whole.head = true;
   return whole;
+}
+
+// With pipeline stages, the adapters of the stage's layers only (global names and random streams, model/lora.h).
+LoraLayout adapters_of(const LlamaConfig& config, const MemoryLayout& run) {
+  if (!run.lora.enabled()) return LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
+  const PipelineStage stage = stage_of(config, run);
+  return lora_layout(config, run.lora, static_cast<int>(run.tp_rank), static_cast<int>(run.tp),
+                     run.pp > 1 ? &stage : nullptr);
 }
 
 ParamLayout layout_of(const LlamaConfig& config, const MemoryLayout& run) {
@@ -308,16 +311,17 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
                    const GpuOptions& options)
     : config_(config), layout_(layout_of(config, run)), opt_(optimizer),
       run_(run), options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len), lora_(run.lora),
-      lora_layout_(adapters_of(config, run.lora, run.tp_rank, run.tp)) {
+      lora_layout_(adapters_of(config, run)) {
   const int64_t max_batch = max_batch_, max_seq = max_seq_;
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   validate(opt_);
   stage_ = stage_of(config, run);
   // 1F1B: stage s keeps the activations of pp - s micro-batches (model/pipeline.h); a forward alone one.
   in_flight_ = run.training ? run.pp - run.pp_rank : 1;
-  if (run.pp > 1 && run.lora.enabled())
-    fail("--device cuda: adapters (--lora_rank) with pipeline stages (--pp ", run.pp, ") are not implemented in the "
-         "CUDA engine; use --pp 1, or --device cpu");
+  // A quantized base over stages: its NF4 buffers are laid out from layer 0's unit, which a later stage lacks.
+  if (run.pp > 1 && run.lora.enabled() && run.lora.base_quant != BaseQuant::None)
+    fail("--device cuda: --base_quant ", base_quant_name(run.lora.base_quant), " with pipeline stages (--pp ", run.pp,
+         ") is not implemented in the CUDA engine; use a bf16 base (--base_quant none), --pp 1, or --device cpu");
   if (run.pp > 1 && run.training && run.zero >= 2)
     fail("--device cuda: --zero ", run.zero, " with pipeline stages (--pp ", run.pp, ") is not implemented in the CUDA "
          "engine; use --zero 0 or 1");
@@ -473,7 +477,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     const int64_t r = lora_.rank;
     for (int t = 0; t < kLoraTargets; t++) {
       if (!lora_.has(LoraTarget(t))) continue;
-      const ParamTensor* a = trained.find(lora_tensor_name(0, LoraTarget(t), 'A'));
+      const ParamTensor* a = trained.find(lora_tensor_name(stage_.layer_begin, LoraTarget(t), 'A'));
       TUNA_CHECK(a != nullptr, "no adapter A for ", lora_target_name(LoraTarget(t)));
       lora_global_in_[t] = a->global_shape[1];
       lora_col0_[t] = a->split_dim == 1 ? a->split_begin : 0;
@@ -487,7 +491,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     }
     int64_t widest_in = 0;
     for (const ParamTensor& t : trained.tensors())
-      if (t.layer == 0 && t.name.find("lora_A") != std::string::npos) widest_in = std::max(widest_in, t.shape[1]);
+      if (t.layer == stage_.layer_begin && t.name.find("lora_A") != std::string::npos) widest_in = std::max(widest_in, t.shape[1]);
     if (lora_.dropout > 0) lora_in_ = arena.take<bf16>("LoRA dropout(x)", n * widest_in);
     if (training) lora_dt_ = arena.take<bf16>("LoRA d(A x)", n * r);
   }
@@ -518,7 +522,8 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     if (sp_) sp_norm_grads_ = arena.take<float>("sequence-parallel norm weight gradients", 2 * C);
     attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H, /*head_dim=*/128, run_.attention));
   }
-  if (run_.pp > 1 && training && c.tie_word_embeddings && (stage_.embedding || stage_.head))
+  // (A frozen table, with adapters, has no gradient to exchange.)
+  if (run_.pp > 1 && training && !adapters && c.tie_word_embeddings && (stage_.embedding || stage_.head))
     tied_peer_grad_ = arena.take<float>("pipeline: the tied embedding's gradient from the other stage", d.vocab * C);
   if (stage_.head) loss_total_ = arena.take<double>("loss total", 1);
   if (stage_.embedding) tokens_ = arena.take<int32_t>("token ids", n);

@@ -23,7 +23,9 @@
 // counter-based stream, the CPU model's bits, regenerated in the backward.
 // Pipeline stages (MemoryLayout::pp > 1): the model holds its stage's units (the stage's ParamLayout: the embedding on
 // the first, the final norm and lm_head on the last, a copy of a tied table there) and one set of its layers'
-// activations per micro-batch in flight (forward_stage, backward_stage: model/llama.h's contract).
+// activations per micro-batch in flight (forward_stage, backward_stage: model/llama.h's contract). With adapters (a
+// bf16 base), the stage's frozen units and its layers' adapters (lora_layout with the stage: global names, the other
+// layers' units empty); a frozen tied table needs no gradient from the other stage.
 // QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:

@@ -400,10 +400,11 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   // stage's activation straight into its first layer's input of the micro-batch's slot, and the next stage's
   // gradient into d_resid, and sends its input gradient from d_resid; its last layer writes the activation it sends
   // into a buffer of its own (the last stage's is the final residual). With tied embeddings the first and last
-  // stages receive the other's gradient of the table (fp32, this tp rank's rows) to add to their own.
+  // stages receive the other's gradient of the table (fp32, this tp rank's rows) to add to their own; a frozen table
+  // (adapters) has none.
   if (l.pp > 1) {
     if (!stage.head) b.add("pipeline send: activation to the next stage", MemoryKind::Communication, rows * C, kBf16);
-    if (l.training && c.tie_word_embeddings && (stage.embedding || stage.head))
+    if (l.training && !l.lora.enabled() && c.tie_word_embeddings && (stage.embedding || stage.head))
       b.add("pipeline: the tied embedding's gradient from the other stage", MemoryKind::Communication, V * C, kF32);
   }
   if (stage.head) b.add("loss total", MemoryKind::Workspace, 1, kF64);

@@ -2,8 +2,9 @@
 // of the adapters follow PEFT + transformers in float64 (tests/fixtures/lora_*: all targets untied, q/v/down tied),
 // dropout with full recompute over accumulated micro-batches follows the CPU engine, a checkpoint exchange of the
 // adapter state continues bit for bit (dropout on: the masks follow the restored step count), ZeRO 1 and 2 over the
-// adapters equal ZeRO-0 bit for bit on one rank (a bf16 or nf4 base), and dp 2 (ZeRO 0-2) or tp 2 as threads sharing
-// the device follow one rank. Skipped without a device; on the emulator in CI.
+// adapters equal ZeRO-0 bit for bit on one rank (a bf16 or nf4 base), dp 2 (ZeRO 0-2) or tp 2 as threads sharing
+// the device follow one rank, and so do pipeline stages (pp 2, with dropout; pp 2 x dp 2 at ZeRO-1) over the same
+// micro-batches. Skipped without a device; on the emulator in CI.
 //
 // Tolerances: a bf16 trajectory against fp32 or float64, as tests/engine/test_engine_gpu.cpp (5e-2 relative on a
 // step's loss, 0.15 on its gradient norm; derived in tests/model/test_llama_gpu.cpp); ranks against one rank as
@@ -215,6 +216,26 @@ TEST(EngineLoraGpu, RefusesAQuantizedBaseAtZeroThree) {
                    "implemented"), std::string::npos) << e;
 }
 
+// Over pipeline stages the CUDA engine trains adapters on a bf16 base only: an nf4 base there is refused by name.
+TEST(EngineLoraGpu, RefusesAQuantizedBaseOverPipelineStages) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  LoraConfig lora;
+  lora.rank = 4, lora.alpha = 8;
+  EngineOptions o = lora_options(f, lora, Device::Cuda);
+  o.base_quant = BaseQuant::Nf4;
+  testing_util::run_thread_ranks(2, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, 1, 2);
+    const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
+      return make_staged_device_comm(group.split(0, group.rank()), stream);
+    };
+    const std::string e =
+        testing_util::error_of([&] { make_engine(f.config, o, mesh, fixture_weights(f), device_comm); });
+    EXPECT_NE(e.find("option 'pp' 2 with --base_quant nf4 on --device cuda: pipeline stages over a quantized base are "
+                     "not implemented"), std::string::npos) << e;
+  });
+}
+
 // ZeRO 1-3 over the adapters on one rank: the shard is the whole adapter layout in layout order (and at ZeRO-3 the
 // base's shard the whole base, gathered a unit at a time), so every step (two micro-batches with dropout, bf16
 // moments, stochastic rounding) computes ZeRO-0's bits, with a bf16 or (ZeRO 1-2) an nf4 base; validation reads the
@@ -368,6 +389,93 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuRanks,
                            return "ranks" + std::to_string(i.param.ranks) + "_tp" + std::to_string(i.param.tp) +
                                   (i.param.sp ? "_sp" : "") + (i.param.dropout > 0 ? "_dropout" : "") + "_zero" +
                                   std::to_string(i.param.zero);
+                         });
+
+// Pipeline stages (pp 2, ranks as threads sharing the device over the staged device comm, 4 micro-batches of one row
+// in the 1F1B order): each stage holds its frozen base units and its layers' adapters; tied embeddings (llama32_tiny)
+// need no exchange, the table being frozen. Dropout masks are keyed by the micro-batch's index in the step and set
+// again before its backward, so the stages draw the masks one rank draws over the same micro-batches (which runs them
+// in turn) and must follow it within the dp bound of tests/model/ranks_test_util.h (only the fp32 order of the
+// gradient norm's sum over the stages differs). With dp 2 inside each stage (no dropout: its masks are keyed by the dp
+// rank), ZeRO-1 reduce-scatters each layer's adapter gradient over dp. A checkpoint exchange into a fresh engine of
+// the same layout then continues bit for bit.
+struct LoraPipelineCase {
+  int ranks, zero;
+  double dropout;
+  Recompute recompute = Recompute::None;
+};
+
+class EngineLoraGpuPipeline : public testing::TestWithParam<LoraPipelineCase> {};
+
+TEST_P(EngineLoraGpuPipeline, FollowsOneRankOverTheSameMicroBatches) {
+  TUNA_REQUIRE_GPU();
+  using testing_util::FourRows;
+  const LoraPipelineCase c = GetParam();
+  Fixture f("llama32_tiny");
+  ASSERT_TRUE(f.config.tie_word_embeddings);
+  LoraConfig lora;
+  lora.rank = 4, lora.alpha = 8, lora.dropout = c.dropout;
+  const FourRows data(f.config.vocab_size);
+  const auto options = [&](int zero) {
+    EngineOptions o = testing_util::rows_options(f, zero, 1);
+    o.lora = lora, o.seed = 17, o.adapters = random_weights(5, 0.1);
+    o.recompute = c.recompute;
+    return o;
+  };
+  // One rank over the 4 rows as 4 micro-batches (micro-batch i: row i, as on every stage at dp 1).
+  std::vector<StepResult> want;
+  std::vector<float> one_weights;
+  {
+    SingleRank one;
+    std::unique_ptr<Engine> e = make_engine(f.config, options(0), one.mesh, fixture_weights(f));
+    for (int64_t s = 0; s < testing_util::kRanksSteps; s++)
+      want.push_back(testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, s));
+    std::vector<float> m, v;
+    e->export_shard(one_weights, m, v);
+  }
+  const ParamLayout whole = lora_layout(f.config, lora).params;
+  testing_util::run_thread_ranks(c.ranks, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, 1, 2);
+    const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
+      return make_staged_device_comm(group.split(0, group.rank()), stream);
+    };
+    std::unique_ptr<Engine> e = make_engine(f.config, options(c.zero), mesh, fixture_weights(f), device_comm);
+    // The stage's adapters only, under their global names.
+    const int64_t layers = f.config.num_hidden_layers;
+    EXPECT_LT(e->layout().tensors().size(), whole.tensors().size());
+    EXPECT_EQ(e->layout().num_units(), layers);
+    const int64_t rows = FourRows::kRows / mesh.dp_size;
+    for (int64_t s = 0; s < testing_util::kRanksSteps; s++) {
+      const StepResult r = testing_util::row_micro_batches_step(*e, f, data, mesh.dp_rank * rows, rows, s);
+      if (world.rank() == 0)
+        std::printf("  step %lld  loss 1 rank %.7f pp 2 %.7f   grad norm %.6f %.6f\n", static_cast<long long>(s),
+                    want[s].loss, r.loss, want[s].stats.grad_norm, r.stats.grad_norm);
+      EXPECT_EQ(r.tokens, want[s].tokens);
+      EXPECT_NEAR(r.loss, want[s].loss, testing_util::kRanksLossTol * want[s].loss) << "step " << s;
+      EXPECT_NEAR(r.stats.grad_norm, want[s].stats.grad_norm, testing_util::kRanksNormTol * want[s].stats.grad_norm)
+          << "step " << s;
+    }
+    EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, one_weights.data()), testing_util::kRanksWeightTol)
+        << "rank " << world.rank() << "'s final adapters";
+    // A checkpoint exchange of each stage's state (its pieces, or its ZeRO-1 shard) into a fresh engine of the same
+    // layout continues bit for bit, dropout included (the masks follow the restored step count).
+    std::unique_ptr<Engine> restored = make_engine(f.config, options(c.zero), mesh, fixture_weights(f), device_comm);
+    testing_util::exchange_state_piecewise(*e, *restored);
+    const int64_t s = testing_util::kRanksSteps;
+    const StepResult a = testing_util::row_micro_batches_step(*e, f, data, mesh.dp_rank * rows, rows, s);
+    const StepResult b = testing_util::row_micro_batches_step(*restored, f, data, mesh.dp_rank * rows, rows, s);
+    EXPECT_EQ(a.loss, b.loss) << "rank " << world.rank();
+    EXPECT_EQ(a.stats.grad_norm, b.stats.grad_norm) << "rank " << world.rank();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuPipeline,
+                         testing::Values(LoraPipelineCase{2, 0, 0.1}, LoraPipelineCase{2, 1, 0.1, Recompute::Full},
+                                         LoraPipelineCase{4, 1, 0.0}),
+                         [](const testing::TestParamInfo<LoraPipelineCase>& i) {
+                           return "ranks" + std::to_string(i.param.ranks) + "_pp2_zero" +
+                                  std::to_string(i.param.zero) + (i.param.dropout > 0 ? "_dropout" : "") +
+                                  "_recompute_" + recompute_name(i.param.recompute);
                          });
 
 }  // namespace
