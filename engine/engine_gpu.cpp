@@ -378,8 +378,8 @@ class GpuEngine final : public Engine {
   // s+1's). That holds only where s has a steady phase; in a step of fewer micro-batches than s's warm-up, the
   // gradient is received where the backward starts, as everything else. Every transfer also waits for the compute
   // queued before it, so none can need a pass that waits for a later transfer. A rendezvous model of both streams
-  // per stage finishes for pp 2-8 over 0-19 micro-batches (and deadlocks at once when a stage in its warm-up posts
-  // ahead).
+  // per stage finishes for pp 2-8 over 0-19 micro-batches, and deadlocks when a stage in its warm-up posts ahead
+  // (tests/model/test_pipeline.cpp).
   //
   // --comm_timeout. Every request gets a bounded host wait (wait()): those the compute stream waits on one pass
   // later, before the next pass's token upload waits for the compute stream (LlamaGpu::upload_tokens), and on the
@@ -410,9 +410,7 @@ class GpuEngine final : public Engine {
     LossSum loss;
     const int64_t m = static_cast<int64_t>(micro_batches.size());
     const std::vector<PipelineOp> ops = pipeline_schedule(pp.size(), s, m);
-    // Whether the stage has a 1F1B steady phase (more micro-batches than its warm-up forwards): then, and only then,
-    // the forward before each backward is the next stage's forward before its backward, plus one (see above).
-    const bool steady = m > pp.size() - s - 1;
+    const bool ahead = pipeline_gradient_ahead(pp.size(), s, m);  // only with a steady phase (see above)
     for (size_t i = 0; i < ops.size(); i++) {
       const PipelineOp& op = ops[i];
       const MicroBatch& b = micro_batches[op.micro_batch];
@@ -428,7 +426,7 @@ class GpuEngine final : public Engine {
           device_wait(r);
         }
         device_wait(activations_sent);  // this forward rewrites stage_output()
-        if (s < last && steady && !ops[i + 1].forward) {  // the next backward's gradient, posted ahead
+        if (ahead && i + 1 < ops.size() && !ops[i + 1].forward) {  // the next backward's gradient, posted ahead
           const MicroBatch& nb = micro_batches[ops[i + 1].micro_batch];
           after_compute();  // the backward before, which read d_resid (the first stage sends nothing after it)
           gradient_posted = pp.recv_start(model_.stage_output_grad(), model_.residual_rows(nb.batch * nb.seq) * C,
