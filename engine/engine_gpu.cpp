@@ -33,8 +33,8 @@
 // ParamLayout), with activation slots for the micro-batches 1F1B keeps in flight there; forward_backward_step runs
 // the CPU engine's schedule (pipeline_step below) over a device comm of the stages, on a stream of its own: the sends
 // and receives ordered with the compute by events, the next backward's gradient received while a forward computes
-// (pipeline_step says what overlaps, why the order cannot deadlock and how --comm_timeout still holds). The loss and the gradient norm's
-// squares are summed over the stages as Zero sums them on cpu (each stage counts its own tensors, the last stage's
+// (pipeline_step says what overlaps, why the order cannot deadlock and how --comm_timeout still holds). The loss and
+// the gradient norm's squares are summed over the stages as Zero sums them on cpu (each stage counts its own tensors, the last stage's
 // copy of a tied table not), so every stage clips, and skips a non-finite step, alike. Checkpoints are in global
 // coordinates (the stage layout's global names), so a run resumes at another pp.
 //

@@ -183,7 +183,8 @@ Stage stage_order(int64_t pp, int64_t s, int64_t m, bool ahead) {
     if (op.forward) {
       if (s > 0) waits.push_back(start(false, s - 1, false, op.micro_batch));
       if (activations_sent >= 0) waits.push_back(activations_sent), activations_sent = -1;
-      if (ahead && i + 1 < ops.size() && !ops[i + 1].forward) posted = start(false, s + 1, true, ops[i + 1].micro_batch);
+      if (ahead && i + 1 < ops.size() && !ops[i + 1].forward)
+        posted = static_cast<int64_t>(start(false, s + 1, true, ops[i + 1].micro_batch));
       st.pass_waits.push_back(waits), waits.clear();
       if (s < pp - 1) activations_sent = start(true, s + 1, false, op.micro_batch);
     } else {
