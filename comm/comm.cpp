@@ -38,6 +38,10 @@ void Comm::check_peer(int peer, int64_t n, const char* call, const char* what) c
   TUNA_CHECK(n >= 0, call, " '", what, "': ", n, " elements");
 }
 
+void Comm::wait_on_stream(CommRequest, void*) {
+  fail("wait_on_stream on the ", backend(), " comm: only device comms (nccl, staged) order a stream after a request");
+}
+
 namespace {
 
 class SingleComm final : public Comm {

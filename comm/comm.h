@@ -75,6 +75,15 @@ class Comm {
   // and NCCL runs the starts issued before a wait (or any other call) as one group.
   virtual CommRequest send_start(const void* buf, int64_t n, CommType type, int peer, const char* what) = 0;
   virtual CommRequest recv_start(void* buf, int64_t n, CommType type, int peer, const char* what) = 0;
+  // Device comms on a stream of their own (the pipeline's): makes `stream` (a cudaStream_t) wait, on the device, for
+  // a send or recv to complete, so that compute queued there after this call may rewrite a send's buffer or read a
+  // recv's without holding the host. The caller still calls wait(request) once, before the host waits on `stream`
+  // (that bounded wait keeps --comm_timeout). The staged comm completes the request here, on the host (its wait()
+  // then returns at once); comms without device buffers refuse it.
+  virtual void wait_on_stream(CommRequest request, void* stream);
+  // Enqueues the starts issued so far: NCCL runs them as one group, now, instead of at the next call. Comms that
+  // start each call at once do nothing.
+  virtual void flush() {}
   // Blocking: returns when the message has left `buf` (send) or arrived in it (recv).
   void send(const void* buf, int64_t n, CommType type, int peer, const char* what) {
     wait(send_start(buf, n, type, peer, what));

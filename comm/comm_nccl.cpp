@@ -138,6 +138,36 @@ class NcclComm final : public Comm {
     events_.erase(it);
   }
 
+  // The stream waits for the request's event; the event stays for wait(), whose bounded poll the caller still runs.
+  void wait_on_stream(CommRequest request, void* stream) override {
+    flush();
+    auto it = events_.find(request);
+    TUNA_CHECK(it != events_.end(), "unknown or already completed request ", request);
+    TUNA_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), it->second.event, 0));
+  }
+
+  // Enqueues the queued sends and recvs as one group, and an event per request after it.
+  void flush() override {
+    if (queued_.empty()) return;
+    std::vector<P2p> group;
+    group.swap(queued_);
+    TUNA_NCCL_CHECK(ncclGroupStart());
+    for (const P2p& p : group) {
+      if (p.is_recv) TUNA_NCCL_CHECK(ncclRecv(p.buf, p.n, nccl_type(p.type), p.peer, comm_, stream_));
+      else TUNA_NCCL_CHECK(ncclSend(p.buf, p.n, nccl_type(p.type), p.peer, comm_, stream_));
+    }
+    TUNA_NCCL_CHECK(ncclGroupEnd());
+    std::string labels;
+    for (const P2p& p : group) labels += str(labels.empty() ? "" : ", ", p.label);
+    for (const P2p& p : group) {
+      Event& e = events_[p.request];
+      TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&e.event, cudaEventDisableTiming));
+      TUNA_CUDA_CHECK(cudaEventRecord(e.event, stream_));
+      e.label = group.size() == 1 ? labels : str(p.label, " (in a group with ", labels, ")");
+    }
+    last_ = labels;
+  }
+
   void broadcast(void* buf, int64_t bytes, int root, const char* what) override {
     flush();
     TUNA_NCCL_CHECK(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
@@ -172,28 +202,6 @@ class NcclComm final : public Comm {
     CommRequest request;
     std::string label;
   };
-
-  // Enqueues the queued sends and recvs as one group, and an event per request after it.
-  void flush() {
-    if (queued_.empty()) return;
-    std::vector<P2p> group;
-    group.swap(queued_);
-    TUNA_NCCL_CHECK(ncclGroupStart());
-    for (const P2p& p : group) {
-      if (p.is_recv) TUNA_NCCL_CHECK(ncclRecv(p.buf, p.n, nccl_type(p.type), p.peer, comm_, stream_));
-      else TUNA_NCCL_CHECK(ncclSend(p.buf, p.n, nccl_type(p.type), p.peer, comm_, stream_));
-    }
-    TUNA_NCCL_CHECK(ncclGroupEnd());
-    std::string labels;
-    for (const P2p& p : group) labels += str(labels.empty() ? "" : ", ", p.label);
-    for (const P2p& p : group) {
-      Event& e = events_[p.request];
-      TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&e.event, cudaEventDisableTiming));
-      TUNA_CUDA_CHECK(cudaEventRecord(e.event, stream_));
-      e.label = group.size() == 1 ? labels : str(p.label, " (in a group with ", labels, ")");
-    }
-    last_ = labels;
-  }
 
   float* scratch(int64_t n) {
     if (n > scratch_n_) {

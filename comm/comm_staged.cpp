@@ -4,7 +4,8 @@
 // the result and the stream is idle. bf16 sums (all-reduce, reduce-scatter) are widened to fp32 on the host (MPI has
 // no bf16 arithmetic) and rounded once. Point to point: a send copies the device buffer to pinned memory of its own
 // and starts the host send from there; a recv starts the host recv into pinned memory and copies to the device
-// buffer at wait().
+// buffer at wait(). On a stream other than the compute's (the pipeline's), the caller orders that stream after the
+// compute that wrote a send's buffer (an event); a recv's data is on the device when wait() or wait_on_stream returns.
 // CUDA builds only (the emulated build compiles it against the emulator's runtime).
 #if TUNA_CUDA
 
@@ -128,6 +129,10 @@ class StagedDeviceComm final : public Comm {
     if (it->second.device) to_device(it->second.device, it->second.staging->get(1), it->second.bytes);
     p2p_.erase(it);
   }
+
+  // Completes the request on the host: a recv's data is on the device (the stream of this comm synchronized) before
+  // anything queued on `stream` after this call.
+  void wait_on_stream(CommRequest request, void*) override { wait(request); }
 
   void broadcast(void* buf, int64_t bytes, int root, const char* what) override {
     char* staged = to_host(buf, bytes, a_);

@@ -31,8 +31,10 @@
 //
 // Pipeline stages (--pp, ZeRO 0 and 1): this rank's LlamaGpu is its stage (model/pipeline.h's split, the stage's
 // ParamLayout; with adapters on a bf16 base, the stage's frozen units and its layers' adapters), with activation slots
-// for the micro-batches 1F1B keeps in flight there; forward_backward_step runs
-// the CPU engine's schedule (pipeline_step below) over a device comm of the stages. The loss and the gradient norm's
+// for the micro-batches 1F1B keeps in flight there; forward_backward_step runs the CPU engine's schedule
+// (pipeline_step below) over a device comm of the stages, on a stream of its own: the sends and receives ordered with
+// the compute by events, the next backward's gradient received while a forward computes (pipeline_step says what
+// overlaps, why the order cannot deadlock and how --comm_timeout still holds). The loss and the gradient norm's
 // squares are summed over the stages as Zero sums them on cpu (each stage counts its own tensors, the last stage's
 // copy of a tied table not), so every stage clips, and skips a non-finite step, alike. Checkpoints are in global
 // coordinates (the stage layout's global names), so a run resumes at another pp.
@@ -115,7 +117,12 @@ class GpuEngine final : public Engine {
       tp_device_ = device_comm(*mesh.tp, stream);
       model_.set_tp_comm(tp_device_.get());
     }
-    if (mesh.pp_size > 1) set_up_pipeline(device_comm(*mesh.pp, stream));
+    // The pipeline's sends and receives run on a stream of their own, overlapping the compute (pipeline_step).
+    if (mesh.pp_size > 1) {
+      TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&pp_stream_, cudaStreamNonBlocking));
+      TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&produced_, cudaEventDisableTiming));
+      set_up_pipeline(device_comm(*mesh.pp, pp_stream_));
+    }
     const bool adapters = model_.has_adapters();
     if (o.zero >= 1)
       shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.trained_layout(), segments_, o.bf16_moments,
@@ -145,6 +152,8 @@ class GpuEngine final : public Engine {
     dp_device_.reset();
     tp_device_.reset();
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
+    if (produced_) cudaEventDestroy(produced_);
+    if (pp_stream_) cudaStreamDestroy(pp_stream_);
   }
 
   std::string describe() const override { return describe_; }
@@ -191,9 +200,15 @@ class GpuEngine final : public Engine {
     // One micro-batch down the pipe (the loss on the last stage; all_reduce_loss sums over the stages).
     const int s = pp_device_->rank(), last = pp_device_->size() - 1;
     const int64_t count = model_.residual_rows(batch * seq) * model_.config().hidden_size;
-    if (s > 0) pp_device_->recv(model_.stage_input(0), count, CommType::BF16, s - 1, recv_activations_.c_str());
+    if (s > 0) {
+      after_compute();  // the last pass that read stage_input(0)
+      pp_device_->recv(model_.stage_input(0), count, CommType::BF16, s - 1, recv_activations_.c_str());
+    }
     const LossSum loss = model_.forward_stage(0, inputs, targets, batch, seq, positions, /*backward_follows=*/false);
-    if (s < last) pp_device_->send(model_.stage_output(), count, CommType::BF16, s + 1, send_activations_.c_str());
+    if (s < last) {
+      after_compute();
+      pp_device_->send(model_.stage_output(), count, CommType::BF16, s + 1, send_activations_.c_str());
+    }
     return loss;
   }
   // Over dp, then over the stages (the stages before the last add nothing), as Zero sums it on cpu.
@@ -327,7 +342,7 @@ class GpuEngine final : public Engine {
       model_.set_lora_dropout_key(lora_dropout_key(options_.seed, steps_taken(), micro_batch, mesh_.dp_rank));
   }
 
-  // Pipeline stages: the device comm over the stages (on the compute stream, as tp's), the labels of the stage's
+  // Pipeline stages: the device comm over the stages (on pp_stream_), the labels of the stage's
   // sends and receives (a timeout names them), and with tied embeddings the other stage that holds the table.
   void set_up_pipeline(std::unique_ptr<Comm> pp_device) {
     pp_device_ = std::move(pp_device);
@@ -350,55 +365,136 @@ class GpuEngine final : public Engine {
   }
 
   // The step's micro-batches through this stage in the 1F1B order, as the CPU engine runs them
-  // (engine/engine_cpu.cpp): a blocking receive of each input from the previous stage and of each output gradient
-  // from the next, the sends started without waiting, each waited for only before the buffer it reads is rewritten.
-  // The sends carry bf16 (the stage's activations and their gradients as the device holds them; the CPU engine's
-  // are fp32). The device comm runs on the compute stream: the transfers are ordered with the compute, not
-  // overlapped with it. Then, with tied embeddings, the first and last stages exchange the table's gradient (fp32)
-  // and each adds the other's: both hold the sum (a + b == b + a, bit for bit), so the copies' updates agree.
+  // (engine/engine_cpu.cpp). The sends carry bf16 (the stage's activations and their gradients as the device holds
+  // them; the CPU engine's are fp32).
+  //
+  // Overlap. The device comm runs on its own stream (pp_stream_). A send waits there for an event recorded on the
+  // compute stream after the pass that wrote its buffer; the compute stream waits (wait_on_stream) for a receive
+  // before the pass that reads it, and for a send before the pass that rewrites its buffer, so the host queues pass
+  // after pass without waiting for a transfer. In the steady 1F1B phase a stage before the last posts the receive of
+  // the next backward's output gradient before it queues the forward between them: that transfer runs while the
+  // forward computes (d_resid, where it lands, is the backward's alone; the last send out of it is ordered before it
+  // on the comm's stream). The receive of the next forward's input is not posted ahead: it lands in the activation
+  // slot the backward before it reads, and the memory plan has no second input buffer.
+  //
+  // Order and deadlock. Each send and receive is flushed as a group of its own, so on the comm's stream they run one
+  // at a time in the order started, and an NCCL send or receive may wait until its peer reaches the matching one.
+  // Between stages s and s+1 both then meet in the same order: s+1 sends the gradient of each backward before
+  // receiving the input of the forward after it, and s posts that gradient's receive just before the send of the
+  // forward's output that precedes the backward (in 1F1B s's forward before backward k is one micro-batch later than
+  // s+1's). That holds only where s has a steady phase; in a step of fewer micro-batches than s's warm-up, the
+  // gradient is received where the backward starts, as everything else. Every transfer also waits for the compute
+  // queued before it, so none can need a pass that waits for a later transfer. A rendezvous model of both streams
+  // per stage finishes for pp 2-8 over 0-19 micro-batches, and deadlocks when a stage in its warm-up posts ahead
+  // (tests/model/test_pipeline.cpp).
+  //
+  // --comm_timeout. Every request gets a bounded host wait (wait()): those the compute stream waits on one pass
+  // later, before the next pass's token upload waits for the compute stream (LlamaGpu::upload_tokens), and on the
+  // last stage before the forward whose loss the host reads; the others at the end of the step. A dead stage thus
+  // stops this one inside a wait that names the send or receive, never in an unbounded stream synchronize.
+  //
+  // Then, with tied embeddings, the first and last stages exchange the table's gradient (fp32) and each adds the
+  // other's: both hold the sum (a + b == b + a, bit for bit), so the copies' updates agree.
+  //
+  // Backends: NCCL orders all of this on the device; the staged comm (ranks sharing one GPU, the emulator) completes
+  // each send and receive on the host (its wait_on_stream is wait()), a host-ordered path with the same results. The
+  // emulator runs streams in order, so its tests check the results of this order, not that anything overlaps. With tp
+  // the tp comm's kernels (compute stream) and the pipeline's may run at once, as dp's and tp's already do at ZeRO 2-3:
+  // NCCL expects that to work while both fit on the device at once, and documents no stronger promise.
   LossSum pipeline_step(const std::vector<MicroBatch>& micro_batches) {
     Comm& pp = *pp_device_;
     const int s = pp.rank(), last = pp.size() - 1;
     const int64_t C = model_.config().hidden_size;
-    CommRequest activations_sent = 0, gradient_sent = 0;
-    const auto settle = [&](CommRequest& sent) {
-      if (sent) pp.wait(sent), sent = 0;
+    cudaStream_t compute = model_.stream();
+    CommRequest activations_sent = 0, gradient_sent = 0, gradient_posted = 0;
+    std::vector<CommRequest> waited_last_pass, waited_this_pass;  // for the bounded host waits
+    const auto device_wait = [&](CommRequest& r) {  // the compute stream waits for r; the host later
+      if (!r) return;
+      pp.wait_on_stream(r, compute);
+      waited_this_pass.push_back(r), r = 0;
+    };
+    const auto host_wait = [&](std::vector<CommRequest>& requests) {
+      for (CommRequest r : requests) pp.wait(r);
+      requests.clear();
     };
     LossSum loss;
-    for (const PipelineOp& op : pipeline_schedule(pp.size(), s, static_cast<int64_t>(micro_batches.size()))) {
+    const int64_t m = static_cast<int64_t>(micro_batches.size());
+    const std::vector<PipelineOp> ops = pipeline_schedule(pp.size(), s, m);
+    const bool ahead = pipeline_gradient_ahead(pp.size(), s, m);  // only with a steady phase (see above)
+    for (size_t i = 0; i < ops.size(); i++) {
+      const PipelineOp& op = ops[i];
       const MicroBatch& b = micro_batches[op.micro_batch];
       const int64_t slot = op.micro_batch % model_.in_flight();
       key_dropout(op.micro_batch);
       const int64_t count = model_.residual_rows(b.batch * b.seq) * C;
+      host_wait(waited_last_pass);  // the pass below waits for the previous pass's upload (see above)
       if (op.forward) {
-        if (s > 0) pp.recv(model_.stage_input(slot), count, CommType::BF16, s - 1, recv_activations_.c_str());
-        settle(activations_sent);  // this forward rewrites stage_output()
+        if (s > 0) {
+          after_compute();  // the backward that last read this slot
+          CommRequest r = pp.recv_start(model_.stage_input(slot), count, CommType::BF16, s - 1,
+                                        recv_activations_.c_str());
+          pp.flush();
+          device_wait(r);
+        }
+        device_wait(activations_sent);  // this forward rewrites stage_output()
+        if (ahead && i + 1 < ops.size() && !ops[i + 1].forward) {  // the next backward's gradient, posted ahead
+          const MicroBatch& nb = micro_batches[ops[i + 1].micro_batch];
+          after_compute();  // the backward before, which read d_resid (the first stage sends nothing after it)
+          gradient_posted = pp.recv_start(model_.stage_output_grad(), model_.residual_rows(nb.batch * nb.seq) * C,
+                                          CommType::BF16, s + 1, recv_gradient_.c_str());
+          pp.flush();
+        }
+        if (s == last) host_wait(waited_this_pass);  // the forward below waits for its loss on the host
         const LossSum l = model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions,
                                                /*backward_follows=*/true);
         loss.sum += l.sum, loss.count += l.count;
-        if (s < last)
+        if (s < last) {
+          after_compute();
           activations_sent = pp.send_start(model_.stage_output(), count, CommType::BF16, s + 1,
                                            send_activations_.c_str());
+          pp.flush();
+        }
       } else {
-        settle(gradient_sent);  // the recv below and this backward rewrite stage_input_grad()
-        if (s < last) pp.recv(model_.stage_output_grad(), count, CommType::BF16, s + 1, recv_gradient_.c_str());
+        device_wait(gradient_sent);  // the recv below and this backward rewrite stage_input_grad()
+        if (s < last) {
+          if (!gradient_posted) after_compute();
+          CommRequest r = gradient_posted ? gradient_posted
+                                          : pp.recv_start(model_.stage_output_grad(), count, CommType::BF16, s + 1,
+                                                          recv_gradient_.c_str());
+          gradient_posted = 0;
+          pp.flush();
+          device_wait(r);
+        }
         model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
-        if (s > 0)
+        if (s > 0) {
+          after_compute();
           gradient_sent = pp.send_start(model_.stage_input_grad(), count, CommType::BF16, s - 1,
                                         send_gradient_.c_str());
+          pp.flush();
+        }
       }
+      waited_last_pass.swap(waited_this_pass);
     }
-    settle(activations_sent);
-    settle(gradient_sent);
+    // Every request is waited for once: those the compute stream waited on above, then the last sends.
+    host_wait(waited_last_pass);
+    if (activations_sent) pp.wait(activations_sent);
+    if (gradient_sent) pp.wait(gradient_sent);
     if (tied_peer_ >= 0) {
       float* mine = model_.grads() + tied_offset_;  // zero when no micro-batch ran (grads() zeroes it then)
       float* theirs = model_.tied_peer_grad();
+      after_compute();
       const CommRequest sent = pp.send_start(mine, tied_numel_, CommType::F32, tied_peer_, tied_exchange_.c_str());
       pp.recv(theirs, tied_numel_, CommType::F32, tied_peer_, tied_exchange_.c_str());
       pp.wait(sent);
       cuda::accumulate(mine, theirs, tied_numel_, model_.stream());
     }
     return loss;
+  }
+
+  // Orders the pipeline comm's stream after the compute queued so far (what a send reads was written there).
+  void after_compute() {
+    TUNA_CUDA_CHECK(cudaEventRecord(produced_, model_.stream()));
+    TUNA_CUDA_CHECK(cudaStreamWaitEvent(pp_stream_, produced_, 0));
   }
 
   // The sharded update of ZeRO 1-3 (see the top of this file). Returns the norm and clip as AdamW::step would;
@@ -584,7 +680,9 @@ class GpuEngine final : public Engine {
   cudaStream_t comm_stream_ = nullptr;     // ZeRO-2/3: where the dp device comm and the shard accumulation run
   std::unique_ptr<Comm> dp_device_;        // NCCL over the dp group; null on one rank
   std::unique_ptr<Comm> tp_device_;        // NCCL over the tp group, on the compute stream; null without tp
-  std::unique_ptr<Comm> pp_device_;        // NCCL over the pipeline's stages, on the compute stream; null without pp
+  std::unique_ptr<Comm> pp_device_;        // NCCL over the pipeline's stages, on pp_stream_; null without pp
+  cudaStream_t pp_stream_ = nullptr;       // the pipeline's sends and receives
+  cudaEvent_t produced_ = nullptr;         // recorded on the compute stream before a send (after_compute)
   std::string recv_activations_, send_activations_, recv_gradient_, send_gradient_, tied_exchange_;
   // Tied embeddings over stages: the other stage (first or last), and where the table's gradient is here.
   int tied_peer_ = -1;

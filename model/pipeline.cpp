@@ -97,6 +97,10 @@ std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t stage, int64_t mic
   return ops;
 }
 
+bool pipeline_gradient_ahead(int64_t pp, int64_t stage, int64_t micro_batches) {
+  return stage < pp - 1 && micro_batches > pp - stage - 1;
+}
+
 std::string format_pipeline_stages(const std::vector<PipelineStage>& stages) {
   double total = 0, worst = 0;
   for (const PipelineStage& s : stages) total += s.flops_per_token, worst = std::max(worst, s.flops_per_token);

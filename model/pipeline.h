@@ -44,6 +44,11 @@ struct PipelineOp {
 // holds at most pp - stage micro-batches' activations at once (micro-batch i can use slot i mod (pp - stage)),
 // against all of them under GPipe's all-forwards-then-all-backwards; the bubble is the same.
 std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t stage, int64_t micro_batches);
+// Whether stage `stage` (before the last) may post the receive of a backward's output gradient before the forward
+// that precedes that backward in its schedule (the CUDA engine's overlap, engine/engine_gpu.cpp pipeline_step): only
+// when the stage has a steady phase (more micro-batches than its warm-up forwards). There the next stage sends that
+// gradient before it needs the forward's output; in a warm-up followed at once by the cool-down it needs it first.
+bool pipeline_gradient_ahead(int64_t pp, int64_t stage, int64_t micro_batches);
 
 // "stage 0: embedding + layers 0-39 (40), stage 1: layers 40-79 (40) + head; costliest stage 50.3% of the model's
 // FLOPs": the line the trainer prints at start.

@@ -150,6 +150,96 @@ TEST(Pipeline, OneForwardOneBackwardSchedule) {
   EXPECT_EQ(order, "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5 ");
 }
 
+// The CUDA engine's transfer order (engine/engine_gpu.cpp pipeline_step) under NCCL's worst case: each send or receive
+// runs alone, in the order started, on the stage's comm stream, and completes only together with its peer's matching
+// one; each waits for the compute queued before it, and a pass for the transfers it reads or whose buffer it
+// rewrites. A stage receives a forward's input at the forward, posts the next backward's gradient ahead of the
+// forward where pipeline_gradient_ahead allows, else at the backward, and sends after each pass. Every stage must
+// finish; posting ahead regardless must not (the model can see a deadlock).
+namespace overlap {
+struct Transfer {
+  bool send;
+  int peer;
+  bool gradient;
+  int64_t micro_batch;
+  size_t passes_before;  // compute queued on the stage before this transfer starts
+};
+struct Stage {
+  std::vector<Transfer> transfers;
+  std::vector<std::vector<size_t>> pass_waits;  // per pass: the transfers it waits for
+};
+
+Stage stage_order(int64_t pp, int64_t s, int64_t m, bool ahead) {
+  Stage st;
+  const std::vector<PipelineOp> ops = pipeline_schedule(pp, s, m);
+  const auto start = [&](bool send, int64_t peer, bool gradient, int64_t mb) {
+    st.transfers.push_back({send, static_cast<int>(peer), gradient, mb, st.pass_waits.size()});
+    return st.transfers.size() - 1;
+  };
+  std::vector<size_t> waits;
+  int64_t activations_sent = -1, gradient_sent = -1, posted = -1;
+  for (size_t i = 0; i < ops.size(); i++) {
+    const PipelineOp& op = ops[i];
+    if (op.forward) {
+      if (s > 0) waits.push_back(start(false, s - 1, false, op.micro_batch));
+      if (activations_sent >= 0) waits.push_back(activations_sent), activations_sent = -1;
+      if (ahead && i + 1 < ops.size() && !ops[i + 1].forward)
+        posted = static_cast<int64_t>(start(false, s + 1, true, ops[i + 1].micro_batch));
+      st.pass_waits.push_back(waits), waits.clear();
+      if (s < pp - 1) activations_sent = start(true, s + 1, false, op.micro_batch);
+    } else {
+      if (gradient_sent >= 0) waits.push_back(gradient_sent), gradient_sent = -1;
+      if (s < pp - 1) waits.push_back(posted >= 0 ? posted : start(false, s + 1, true, op.micro_batch)), posted = -1;
+      st.pass_waits.push_back(waits), waits.clear();
+      if (s > 0) gradient_sent = start(true, s - 1, true, op.micro_batch);
+    }
+  }
+  return st;
+}
+
+// Whether every stage runs to the end.
+bool finishes(int64_t pp, int64_t m, bool force_ahead) {
+  std::vector<Stage> stages;
+  for (int64_t s = 0; s < pp; s++)
+    stages.push_back(stage_order(pp, s, m, (force_ahead && s < pp - 1) || pipeline_gradient_ahead(pp, s, m)));
+  std::vector<size_t> passes(pp, 0), transfers(pp, 0);  // how many of each are done
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t s = 0; s < pp; s++) {
+      const Stage& st = stages[s];
+      while (passes[s] < st.pass_waits.size() &&
+             std::all_of(st.pass_waits[passes[s]].begin(), st.pass_waits[passes[s]].end(),
+                         [&](size_t t) { return t < transfers[s]; }))
+        passes[s]++, progress = true;
+    }
+    for (int64_t s = 0; s < pp; s++) {
+      if (transfers[s] == stages[s].transfers.size()) continue;
+      const Transfer& a = stages[s].transfers[transfers[s]];
+      if (passes[s] < a.passes_before || transfers[a.peer] == stages[a.peer].transfers.size()) continue;
+      const Transfer& b = stages[a.peer].transfers[transfers[a.peer]];
+      if (b.peer != s || b.send == a.send || b.gradient != a.gradient || b.micro_batch != a.micro_batch ||
+          passes[a.peer] < b.passes_before)
+        continue;
+      transfers[s]++, transfers[a.peer]++, progress = true;
+    }
+  }
+  for (int64_t s = 0; s < pp; s++)
+    if (passes[s] < stages[s].pass_waits.size() || transfers[s] < stages[s].transfers.size()) return false;
+  return true;
+}
+}  // namespace overlap
+
+TEST(Pipeline, TransferOrderOfTheOverlapCannotDeadlock) {
+  for (int64_t pp = 2; pp <= 8; pp++)
+    for (int64_t m = 0; m <= 19; m++) EXPECT_TRUE(overlap::finishes(pp, m, false)) << "pp " << pp << ", " << m;
+  // Posting ahead in a warm-up followed at once by the cool-down: the next stage needs the forward's output first.
+  EXPECT_FALSE(overlap::finishes(2, 1, true));
+  EXPECT_FALSE(overlap::finishes(4, 3, true));
+  EXPECT_TRUE(pipeline_gradient_ahead(4, 0, 4));
+  EXPECT_FALSE(pipeline_gradient_ahead(4, 0, 3));
+  EXPECT_FALSE(pipeline_gradient_ahead(4, 3, 9));  // the last stage receives no gradient
+}
+
 // The stages' layouts hold the whole model's tensors between them, each once, under its name, block and random
 // stream; units keep the model's numbering (other stages' empty). With tied embeddings the last stage holds a copy
 // of the table as its lm_head (the table's stream, marked as a copy), and the first stage the table.
