@@ -39,23 +39,13 @@ class CpuEngine final : public Engine {
         dp_rank_(mesh.dp_rank),
         pp_(mesh.pp_size > 1 ? mesh.pp.get() : nullptr) {
     if (pp_) {
-      const int s = pp_->rank();
-      // The comm wraps them as "recv 'stage 1: activations from stage 0' (n elements from rank r)".
-      recv_activations_ = str("stage ", s, ": activations from stage ", s - 1);
-      send_activations_ = str("stage ", s, ": activations to stage ", s + 1);
-      recv_gradient_ = str("stage ", s, ": input gradient from stage ", s + 1);
-      send_gradient_ = str("stage ", s, ": input gradient to stage ", s - 1);
-      tied_exchange_ = str("stage ", s, ": the tied embedding's gradient");
-      const ParamLayout& layout = model_.layout();
-      const ParamTensor* tied = layout.tied_copy();
-      if (!tied && config.tie_word_embeddings && layout.has_embedding()) tied = layout.find("model.embed_tokens.weight");
-      if (tied && !o.lora.enabled()) {  // a frozen table (LoRA) has no gradient to exchange
+      links_ = pipeline_links(model_.layout(), config.tie_word_embeddings, o.lora.enabled(), pp_->rank(), pp_->size());
+      if (const ParamTensor* tied = links_.tied) {
         if (o.zero >= 2)
           fail("option 'zero': ", o.zero, " with --pp and tied embeddings (tie_word_embeddings) is not implemented: "
                "the first and last stages sum the table's gradient whole; use --zero 0 or 1");
-        tied_peer_ = tied->copy ? 0 : pp_->size() - 1;
         tied_offset_ = tied->offset;
-        allocate_host(str("the tied embedding's gradient from stage ", tied_peer_, " (", tied->numel, " parameters)"),
+        allocate_host(str("the tied embedding's gradient from stage ", links_.tied_peer, " (", tied->numel, " parameters)"),
                       uint64_t(tied->numel) * sizeof(float), [&] { tied_peer_grad_.assign(tied->numel, 0.0f); });
       }
     }
@@ -129,9 +119,9 @@ class CpuEngine final : public Engine {
     // One micro-batch down the pipe (the loss on the last stage; all_reduce_loss sums over the stages).
     const int s = pp_->rank(), last = pp_->size() - 1;
     const int64_t count = model_.residual_rows(batch * seq) * config_.hidden_size;
-    if (s > 0) pp_->recv(model_.stage_input(0), count, CommType::F32, s - 1, recv_activations_.c_str());
+    if (s > 0) pp_->recv(model_.stage_input(0), count, CommType::F32, s - 1, links_.recv_activations.c_str());
     const LossSum loss = model_.forward_stage(0, inputs, targets, batch, seq, positions, /*backward_follows=*/false);
-    if (s < last) pp_->send(model_.stage_output(), count, CommType::F32, s + 1, send_activations_.c_str());
+    if (s < last) pp_->send(model_.stage_output(), count, CommType::F32, s + 1, links_.send_activations.c_str());
     return loss;
   }
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
@@ -179,21 +169,23 @@ class CpuEngine final : public Engine {
         model_.set_lora_dropout_key(lora_dropout_key(seed_, steps_taken(), op.micro_batch, dp_rank_));
       const int64_t count = model_.residual_rows(b.batch * b.seq) * config_.hidden_size;
       if (op.forward) {
-        if (s > 0) pp_->recv(model_.stage_input(slot), count, CommType::F32, s - 1, recv_activations_.c_str());
+        if (s > 0)
+          pp_->recv(model_.stage_input(slot), count, CommType::F32, s - 1, links_.recv_activations.c_str());
         settle(activations_sent);  // this forward rewrites stage_output()
         const LossSum l = model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions,
                                                /*backward_follows=*/true);
         loss.sum += l.sum, loss.count += l.count;
         if (s < last)
           activations_sent =
-              pp_->send_start(model_.stage_output(), count, CommType::F32, s + 1, send_activations_.c_str());
+              pp_->send_start(model_.stage_output(), count, CommType::F32, s + 1, links_.send_activations.c_str());
       } else {
         settle(gradient_sent);  // the recv below and this backward rewrite stage_input_grad()
-        if (s < last) pp_->recv(model_.stage_output_grad(), count, CommType::F32, s + 1, recv_gradient_.c_str());
+        if (s < last)
+          pp_->recv(model_.stage_output_grad(), count, CommType::F32, s + 1, links_.recv_gradient.c_str());
         model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
         if (s > 0)
           gradient_sent =
-              pp_->send_start(model_.stage_input_grad(), count, CommType::F32, s - 1, send_gradient_.c_str());
+              pp_->send_start(model_.stage_input_grad(), count, CommType::F32, s - 1, links_.send_gradient.c_str());
       }
     }
     settle(activations_sent);
@@ -201,8 +193,9 @@ class CpuEngine final : public Engine {
     if (!tied_peer_grad_.empty()) {
       float* mine = model_.grads.data() + tied_offset_;
       const int64_t n = static_cast<int64_t>(tied_peer_grad_.size());
-      const CommRequest sent = pp_->send_start(mine, n, CommType::F32, tied_peer_, tied_exchange_.c_str());
-      pp_->recv(tied_peer_grad_.data(), n, CommType::F32, tied_peer_, tied_exchange_.c_str());
+      const CommRequest sent =
+          pp_->send_start(mine, n, CommType::F32, links_.tied_peer, links_.tied_exchange.c_str());
+      pp_->recv(tied_peer_grad_.data(), n, CommType::F32, links_.tied_peer, links_.tied_exchange.c_str());
       pp_->wait(sent);
       for (int64_t i = 0; i < n; i++) mine[i] += tied_peer_grad_[i];
     }
@@ -215,10 +208,8 @@ class CpuEngine final : public Engine {
   uint64_t seed_;
   int dp_rank_;
   Comm* pp_;  // the pipeline's stages (null without --pp)
-  // The labels of the stage's sends and receives (a timeout names them).
-  std::string recv_activations_, send_activations_, recv_gradient_, send_gradient_, tied_exchange_;
-  // Tied embeddings over stages: the other stage (first or last), where the tensor's gradient is, and its gradient.
-  int tied_peer_ = -1;
+  PipelineLinks links_;  // the labels of the stage's sends and receives, and the tied table's other stage
+  // Tied embeddings over stages: where the tensor's gradient is, and the other stage's.
   int64_t tied_offset_ = 0;
   std::vector<float> tied_peer_grad_;
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)

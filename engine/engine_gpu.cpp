@@ -202,12 +202,12 @@ class GpuEngine final : public Engine {
     const int64_t count = model_.residual_rows(batch * seq) * model_.config().hidden_size;
     if (s > 0) {
       after_compute();  // the last pass that read stage_input(0)
-      pp_device_->recv(model_.stage_input(0), count, CommType::BF16, s - 1, recv_activations_.c_str());
+      pp_device_->recv(model_.stage_input(0), count, CommType::BF16, s - 1, links_.recv_activations.c_str());
     }
     const LossSum loss = model_.forward_stage(0, inputs, targets, batch, seq, positions, /*backward_follows=*/false);
     if (s < last) {
       after_compute();
-      pp_device_->send(model_.stage_output(), count, CommType::BF16, s + 1, send_activations_.c_str());
+      pp_device_->send(model_.stage_output(), count, CommType::BF16, s + 1, links_.send_activations.c_str());
     }
     return loss;
   }
@@ -347,19 +347,10 @@ class GpuEngine final : public Engine {
   void set_up_pipeline(std::unique_ptr<Comm> pp_device) {
     pp_device_ = std::move(pp_device);
     model_.set_pp_comm(mesh_.pp.get());
-    const int s = pp_device_->rank();
-    recv_activations_ = str("stage ", s, ": activations from stage ", s - 1);
-    send_activations_ = str("stage ", s, ": activations to stage ", s + 1);
-    recv_gradient_ = str("stage ", s, ": input gradient from stage ", s + 1);
-    send_gradient_ = str("stage ", s, ": input gradient to stage ", s - 1);
-    tied_exchange_ = str("stage ", s, ": the tied embedding's gradient");
-    const ParamLayout& layout = model_.layout();
-    const ParamTensor* tied = layout.tied_copy();
-    if (!tied && model_.config().tie_word_embeddings && layout.has_embedding())
-      tied = layout.find("model.embed_tokens.weight");
-    if (tied && !model_.has_adapters()) {  // a frozen table (adapters) has no gradient to exchange
+    links_ = pipeline_links(model_.layout(), model_.config().tie_word_embeddings, model_.has_adapters(),
+                            pp_device_->rank(), pp_device_->size());
+    if (const ParamTensor* tied = links_.tied) {
       TUNA_CHECK(model_.tied_peer_grad() != nullptr, "no buffer for the tied embedding's gradient from the other stage");
-      tied_peer_ = tied->copy ? 0 : pp_device_->size() - 1;
       tied_offset_ = tied->offset, tied_numel_ = tied->numel;
     }
   }
@@ -432,7 +423,7 @@ class GpuEngine final : public Engine {
         if (s > 0) {
           after_compute();  // the backward that last read this slot
           CommRequest r = pp.recv_start(model_.stage_input(slot), count, CommType::BF16, s - 1,
-                                        recv_activations_.c_str());
+                                        links_.recv_activations.c_str());
           pp.flush();
           device_wait(r);
         }
@@ -441,7 +432,7 @@ class GpuEngine final : public Engine {
           const MicroBatch& nb = micro_batches[ops[i + 1].micro_batch];
           after_compute();  // the backward before, which read d_resid (the first stage sends nothing after it)
           gradient_posted = pp.recv_start(model_.stage_output_grad(), model_.residual_rows(nb.batch * nb.seq) * C,
-                                          CommType::BF16, s + 1, recv_gradient_.c_str());
+                                          CommType::BF16, s + 1, links_.recv_gradient.c_str());
           pp.flush();
         }
         if (s == last) host_wait(waited_this_pass);  // the forward below waits for its loss on the host
@@ -451,7 +442,7 @@ class GpuEngine final : public Engine {
         if (s < last) {
           after_compute();
           activations_sent = pp.send_start(model_.stage_output(), count, CommType::BF16, s + 1,
-                                           send_activations_.c_str());
+                                           links_.send_activations.c_str());
           pp.flush();
         }
       } else {
@@ -460,7 +451,7 @@ class GpuEngine final : public Engine {
           if (!gradient_posted) after_compute();
           CommRequest r = gradient_posted ? gradient_posted
                                           : pp.recv_start(model_.stage_output_grad(), count, CommType::BF16, s + 1,
-                                                          recv_gradient_.c_str());
+                                                          links_.recv_gradient.c_str());
           gradient_posted = 0;
           pp.flush();
           device_wait(r);
@@ -469,7 +460,7 @@ class GpuEngine final : public Engine {
         if (s > 0) {
           after_compute();
           gradient_sent = pp.send_start(model_.stage_input_grad(), count, CommType::BF16, s - 1,
-                                        send_gradient_.c_str());
+                                        links_.send_gradient.c_str());
           pp.flush();
         }
       }
@@ -479,12 +470,13 @@ class GpuEngine final : public Engine {
     host_wait(waited_last_pass);
     if (activations_sent) pp.wait(activations_sent);
     if (gradient_sent) pp.wait(gradient_sent);
-    if (tied_peer_ >= 0) {
+    if (links_.tied_peer >= 0) {
       float* mine = model_.grads() + tied_offset_;  // zero when no micro-batch ran (grads() zeroes it then)
       float* theirs = model_.tied_peer_grad();
       after_compute();
-      const CommRequest sent = pp.send_start(mine, tied_numel_, CommType::F32, tied_peer_, tied_exchange_.c_str());
-      pp.recv(theirs, tied_numel_, CommType::F32, tied_peer_, tied_exchange_.c_str());
+      const CommRequest sent =
+          pp.send_start(mine, tied_numel_, CommType::F32, links_.tied_peer, links_.tied_exchange.c_str());
+      pp.recv(theirs, tied_numel_, CommType::F32, links_.tied_peer, links_.tied_exchange.c_str());
       pp.wait(sent);
       cuda::accumulate(mine, theirs, tied_numel_, model_.stream());
     }
@@ -683,10 +675,8 @@ class GpuEngine final : public Engine {
   std::unique_ptr<Comm> pp_device_;        // NCCL over the pipeline's stages, on pp_stream_; null without pp
   cudaStream_t pp_stream_ = nullptr;       // the pipeline's sends and receives
   cudaEvent_t produced_ = nullptr;         // recorded on the compute stream before a send (after_compute)
-  std::string recv_activations_, send_activations_, recv_gradient_, send_gradient_, tied_exchange_;
-  // Tied embeddings over stages: the other stage (first or last), and where the table's gradient is here.
-  int tied_peer_ = -1;
-  int64_t tied_offset_ = 0, tied_numel_ = 0;
+  PipelineLinks links_;  // the labels of the stage's sends and receives, and the tied table's other stage
+  int64_t tied_offset_ = 0, tied_numel_ = 0;  // tied embeddings over stages: where the table's gradient is here
   std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
   std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model (the adapters')
   std::vector<Segment> base_segments_;     // ZeRO-3 with adapters: this rank's piece of each unit of the base,

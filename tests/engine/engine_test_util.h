@@ -167,6 +167,33 @@ inline StateExchange exchange_state_piecewise(const Engine& from, Engine& to) {
   return x;
 }
 
+// `e` step by step against `ref` (the same run at another ZeRO stage, or without one): two steps of equal losses and
+// norms, then equal exported state and validation loss on the fixture's first row, then a third step of both and of
+// `restored` (a fresh engine of e's layout given e's state first) with equal losses and norms: all bit for bit.
+inline void expect_steps_and_restore_bit_equal(Engine& ref, Engine& e, Engine& restored, const Fixture& f,
+                                               const std::function<StepResult(Engine&, int64_t)>& step) {
+  for (int64_t s = 0; s < 2; s++) {
+    const StepResult a = step(ref, s), b = step(e, s);
+    EXPECT_EQ(a.loss, b.loss) << "step " << s;
+    EXPECT_EQ(a.stats.grad_norm, b.stats.grad_norm) << "step " << s;
+  }
+  std::vector<float> pa, ma, va, pb, mb, vb;
+  ref.export_shard(pa, ma, va);
+  e.export_shard(pb, mb, vb);
+  EXPECT_EQ(pa, pb);
+  EXPECT_EQ(ma, mb);
+  EXPECT_EQ(va, vb);
+  // Validation between steps reads the same weights.
+  EXPECT_EQ(ref.forward_loss(f.inputs.data(), f.targets.data(), 1, f.seq).sum,
+            e.forward_loss(f.inputs.data(), f.targets.data(), 1, f.seq).sum);
+  restored.import_shard(pb, mb, vb);
+  restored.set_steps_taken(e.steps_taken());
+  const StepResult a = step(ref, 2), b = step(e, 2), c = step(restored, 2);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_EQ(b.loss, c.loss);
+  EXPECT_EQ(b.stats.grad_norm, c.stats.grad_norm);
+}
+
 // A model of many small units (16 layers of the fixture's shape), so that one piece is a small part of a shard.
 inline LlamaConfig many_layers(const Fixture& f) {
   LlamaConfig c = f.config;

@@ -260,28 +260,9 @@ TEST_P(EngineGpuStages, OnOneRankEqualZeroZeroBitForBit) {
       }
       return x.finish_step(sum, learning_rate(f.optimizer(), s, 10));
     };
-    for (int64_t s = 0; s < 2; s++) {
-      const StepResult a = step(*ref, s), b = step(*e, s);
-      EXPECT_EQ(a.loss, b.loss) << "step " << s;
-      EXPECT_EQ(a.stats.grad_norm, b.stats.grad_norm) << "step " << s;
-    }
-    std::vector<float> pa, ma, va, pb, mb, vb;
-    ref->export_shard(pa, ma, va);
-    e->export_shard(pb, mb, vb);
-    EXPECT_EQ(pa, pb);
-    EXPECT_EQ(ma, mb);
-    EXPECT_EQ(va, vb);
-    // Validation between steps reads the same weights.
-    EXPECT_EQ(ref->forward_loss(f.inputs.data(), f.targets.data(), 1, f.seq).sum,
-              e->forward_loss(f.inputs.data(), f.targets.data(), 1, f.seq).sum);
     // A restored engine of the same stage continues bit for bit.
     std::unique_ptr<Engine> restored = make_engine(f.config, o, r2.mesh, nullptr);
-    restored->import_shard(pb, mb, vb);
-    restored->set_steps_taken(e->steps_taken());
-    const StepResult a = step(*ref, 2), b = step(*e, 2), c = step(*restored, 2);
-    EXPECT_EQ(a.loss, b.loss);
-    EXPECT_EQ(b.loss, c.loss);
-    EXPECT_EQ(b.stats.grad_norm, c.stats.grad_norm);
+    testing_util::expect_steps_and_restore_bit_equal(*ref, *e, *restored, f, step);
   }
 }
 
@@ -327,13 +308,18 @@ struct SequenceParallelCase {
 };
 class EngineGpuSequenceParallel : public testing::TestWithParam<SequenceParallelCase> {};
 
+// The layout's ranks as threads, each following the one-rank run of the fixture's whole batch.
+void follows_one_rank_on_the_whole_batch(const SequenceParallelCase& c) {
+  Fixture f(c.fixture);
+  const testing_util::OneRankRun reference(f);
+  testing_util::run_thread_ranks(c.layout.ranks, [&](Comm& world) {
+    testing_util::follow_one_rank(world, f, c.layout, reference);
+  });
+}
+
 TEST_P(EngineGpuSequenceParallel, FollowsOneRankOnTheWholeBatch) {
   TUNA_REQUIRE_GPU();
-  Fixture f(GetParam().fixture);
-  const testing_util::OneRankRun reference(f);
-  testing_util::run_thread_ranks(GetParam().layout.ranks, [&](Comm& world) {
-    testing_util::follow_one_rank(world, f, GetParam().layout, reference);
-  });
+  follows_one_rank_on_the_whole_batch(GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -356,11 +342,7 @@ class EngineGpuPipeline : public testing::TestWithParam<SequenceParallelCase> {}
 
 TEST_P(EngineGpuPipeline, FollowsOneRankOnTheWholeBatch) {
   TUNA_REQUIRE_GPU();
-  Fixture f(GetParam().fixture);
-  const testing_util::OneRankRun reference(f);
-  testing_util::run_thread_ranks(GetParam().layout.ranks, [&](Comm& world) {
-    testing_util::follow_one_rank(world, f, GetParam().layout, reference);
-  });
+  follows_one_rank_on_the_whole_batch(GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -272,26 +272,8 @@ TEST_P(EngineLoraGpuStages, OnOneRankEqualZeroZeroBitForBit) {
     }
     return x.finish_step(sum, learning_rate(f.optimizer(), s, 10));
   };
-  for (int64_t s = 0; s < 2; s++) {
-    const StepResult a = step(*ref, s), b = step(*e, s);
-    EXPECT_EQ(a.loss, b.loss) << "step " << s;
-    EXPECT_EQ(a.stats.grad_norm, b.stats.grad_norm) << "step " << s;
-  }
-  std::vector<float> pa, ma, va, pb, mb, vb;
-  ref->export_shard(pa, ma, va);
-  e->export_shard(pb, mb, vb);
-  EXPECT_EQ(pa, pb);
-  EXPECT_EQ(ma, mb);
-  EXPECT_EQ(va, vb);
-  EXPECT_EQ(ref->forward_loss(f.inputs.data(), f.targets.data(), 1, f.seq).sum,
-            e->forward_loss(f.inputs.data(), f.targets.data(), 1, f.seq).sum);
   std::unique_ptr<Engine> restored = make_engine(f.config, o, r2.mesh, fixture_weights(f));
-  restored->import_shard(pb, mb, vb);
-  restored->set_steps_taken(e->steps_taken());
-  const StepResult a = step(*ref, 2), b = step(*e, 2), d = step(*restored, 2);
-  EXPECT_EQ(a.loss, b.loss);
-  EXPECT_EQ(b.loss, d.loss);
-  EXPECT_EQ(b.stats.grad_norm, d.stats.grad_norm);
+  testing_util::expect_steps_and_restore_bit_equal(*ref, *e, *restored, f, step);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, EngineLoraGpuStages,
