@@ -34,16 +34,18 @@ using testing_util::TempDir;
 
 const std::string kTrain = testing_util::build_dir() + "/train";
 
-std::map<int64_t, double> losses(const fs::path& metrics) {
+// Each step's value of `key` in a run's metrics.jsonl: "loss" (training), "val_loss" (validation).
+std::map<int64_t, double> losses(const fs::path& metrics, const char* key = "loss") {
   std::map<int64_t, double> out;
   std::istringstream in(read_file(metrics));
   std::string line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out[j["step"]] = j["loss"].get<double>();
+    if (j.contains(key)) out[j["step"]] = j[key].get<double>();
   }
   return out;
 }
+std::map<int64_t, double> val_losses(const fs::path& metrics) { return losses(metrics, "val_loss"); }
 
 // A fixture's name (tests/fixtures/NAME) or a path to a config.json.
 std::string config_path(const std::string& model) {
@@ -144,15 +146,6 @@ TEST_F(DistTrain, LoraFollowsOneRankUnderDataAndTensorParallel) {
   auto r = run_command(kTrain + on_base + lora + " --micro_batch 4 --out_dir " + ref.string(),
                        *tmp_ / "lora_ref_log");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto val_losses = [](const fs::path& metrics) {
-    std::map<int64_t, double> out;
-    std::istringstream in(read_file(metrics));
-    for (std::string line; std::getline(in, line);) {
-      const auto j = nlohmann::json::parse(line);
-      if (j.contains("val_loss")) out[j["step"]] = j["val_loss"].get<double>();
-    }
-    return out;
-  };
   for (const auto& [np, extra, tag] : {std::tuple<int, std::string, std::string>{4, " --micro_batch 2 --tp 2 --zero 1", "lora_tp2dp2"},
                                        {4, " --micro_batch 2 --tp 2 --zero 1 --sp", "lora_tp2dp2sp"},
                                        {2, " --micro_batch 1 --grad_accum 2 --zero 2", "lora_z2"},
@@ -242,15 +235,6 @@ TEST_F(DistTrain, LoraFollowsOneRankOverPipelineStages) {
     std::vector<float> w(adapters.total());
     load_weights(run / "ckpt" / "step_00000010", adapters, w.data());
     return w;
-  };
-  const auto val_losses = [](const fs::path& metrics) {
-    std::map<int64_t, double> out;
-    std::istringstream in(read_file(metrics));
-    for (std::string line; std::getline(in, line);) {
-      const auto j = nlohmann::json::parse(line);
-      if (j.contains("val_loss")) out[j["step"]] = j["val_loss"].get<double>();
-    }
-    return out;
   };
   const auto expect_same = [&](const fs::path& ref, const fs::path& out, const std::string& tag) {
     auto la = losses(ref / "metrics.jsonl"), lb = losses(out / "metrics.jsonl");
@@ -492,15 +476,6 @@ TEST_F(DistTrain, PipelineParallel2) {
   const std::string log = read_file(*tmp_ / "pp2_log");
   EXPECT_NE(log.find("pipeline stage 0: embedding + layers 0-0 (1), stage 1: layers 1-1 (1) + head"), std::string::npos)
       << log;
-  const auto val_losses = [](const fs::path& metrics) {
-    std::map<int64_t, double> out;
-    std::istringstream in(read_file(metrics));
-    for (std::string line; std::getline(in, line);) {
-      const auto j = nlohmann::json::parse(line);
-      if (j.contains("val_loss")) out[j["step"]] = j["val_loss"].get<double>();
-    }
-    return out;
-  };
   auto va = val_losses(reference("llama2_tiny") / "metrics.jsonl"), vb = val_losses(*tmp_ / "pp2" / "metrics.jsonl");
   ASSERT_EQ(va.size(), 3u);
   ASSERT_EQ(vb.size(), va.size());
