@@ -160,8 +160,8 @@ void declare(Options& o, TrainConfig& c) {
   o.add("pp", &c.pp, "pipeline stages (consecutive layers per stage, 1F1B over the grad_accum micro-batches; cuda: "
         "ZeRO 0 and 1); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
   o.add("sp", &c.sp, "sequence parallelism with --tp > 1: norms and residuals hold seq / tp of the tokens, "
-        "all-gathered before the tp GEMMs and reduce-scattered after them (cuda: all-reduced, and seq_len a multiple "
-        "of tp); off by default");
+        "all-gathered before the tp GEMMs and reduce-scattered after them (cuda: seq_len a multiple of tp); off by "
+        "default");
   o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters", Bounds::closed(0, 3));
   o.add("zero_prefetch", &c.zero_prefetch, "ZeRO-3: gather the next layer while this one computes (false: when used)");
   o.add("recompute", &c.recompute, "cuda: activations the backward recomputes: none, selective (norms, SwiGLU) or full (each layer from its input)",
