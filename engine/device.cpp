@@ -62,11 +62,7 @@ std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptio
   if (mesh.pp_size > 1) {
     // What pipeline parallelism covers so far: the CPU engine with ZeRO 0-2 over dp (each stage's own parameters; 0-1
     // with tied embeddings, engine_cpu.cpp), LoRA adapters included; the CUDA engine with ZeRO 0-1 (engine_gpu.cpp),
-    // adapters on a bf16 base included.
-    if (options.device == Device::Cuda && options.lora.enabled() && options.base_quant != BaseQuant::None)
-      fail("option 'pp' ", mesh.pp_size, " with --base_quant ", base_quant_name(options.base_quant), " on --device "
-           "cuda: pipeline stages over a quantized base are not implemented on the CUDA engine; use --base_quant none, "
-           "--device cpu (which trains them), or --pp 1");
+    // adapters on a bf16 or nf4 base included.
     if (options.device == Device::Cuda && options.zero >= 2)
       fail("option 'pp' ", mesh.pp_size, " with --device cuda and --zero ", options.zero, ": the CUDA engine runs "
            "pipeline stages with ZeRO 0 and 1; use --zero 0 or 1, or --device cpu");

@@ -30,14 +30,14 @@
 // Dropout masks are keyed by (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
 //
 // Pipeline stages (--pp, ZeRO 0 and 1): this rank's LlamaGpu is its stage (model/pipeline.h's split, the stage's
-// ParamLayout; with adapters on a bf16 base, the stage's frozen units and its layers' adapters), with activation slots
-// for the micro-batches 1F1B keeps in flight there; forward_backward_step runs the CPU engine's schedule
+// ParamLayout; with adapters on a bf16 or nf4 base, the stage's frozen units and its layers' adapters), with activation
+// slots for the micro-batches 1F1B keeps in flight there; forward_backward_step runs the CPU engine's schedule
 // (pipeline_step below) over a device comm of the stages, on a stream of its own: the sends and receives ordered with
 // the compute by events, the next backward's gradient received while a forward computes (pipeline_step says what
-// overlaps, why the order cannot deadlock and how --comm_timeout still holds). The loss and the gradient norm's
-// squares are summed over the stages as Zero sums them on cpu (each stage counts its own tensors, the last stage's
-// copy of a tied table not), so every stage clips, and skips a non-finite step, alike. Checkpoints are in global
-// coordinates (the stage layout's global names), so a run resumes at another pp.
+// overlaps, why the order cannot deadlock and how --comm_timeout still holds). The loss and the gradient norm's squares
+// are summed over the stages as Zero sums them on cpu (each stage counts its own tensors, the last stage's copy of a
+// tied table not), so every stage clips, and skips a non-finite step, alike. Checkpoints are in global coordinates (the
+// stage layout's global names), so a run resumes at another pp.
 //
 // Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
 // uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and

@@ -318,10 +318,6 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   stage_ = stage_of(config, run);
   // 1F1B: stage s keeps the activations of pp - s micro-batches (model/pipeline.h); a forward alone one.
   in_flight_ = run.training ? run.pp - run.pp_rank : 1;
-  // A quantized base over stages: its NF4 buffers are laid out from layer 0's unit, which a later stage lacks.
-  if (run.pp > 1 && run.lora.enabled() && run.lora.base_quant != BaseQuant::None)
-    fail("--device cuda: --base_quant ", base_quant_name(run.lora.base_quant), " with pipeline stages (--pp ", run.pp,
-         ") is not implemented in the CUDA engine; use a bf16 base (--base_quant none), --pp 1, or --device cpu");
   if (run.pp > 1 && run.training && run.zero >= 2)
     fail("--device cuda: --zero ", run.zero, " with pipeline stages (--pp ", run.pp, ") is not implemented in the CUDA "
          "engine; use --zero 0 or 1");
@@ -386,7 +382,8 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
            "a multiple of 4 (a projection with an odd number of elements), which the device layout does not take");
     uint8_t* bytes = arena.take<uint8_t>("nf4 base weights (frozen decoder Linear weights)", packed + 4 * stats + blocks);
     plain_ = arena.take<bf16>("bf16 base weights (frozen embedding, norms, lm_head)", plain);
-    const auto [l0_begin, l0_end] = layout_.unit_range(1);
+    // Shaped like the stage's first layer unit (every layer's is the same size; a later stage lacks layer 0's).
+    const auto [l0_begin, l0_end] = layout_.unit_range(1 + static_cast<int>(stage_.layer_begin));
     dequant_ = arena.take<bf16>("dequantized layer weights (bf16, one layer)", l0_end - l0_begin);
     uint8_t* at_packed = bytes;
     float* at_stats = reinterpret_cast<float*>(bytes + packed);

@@ -24,12 +24,12 @@
 // Pipeline stages (MemoryLayout::pp > 1): the model holds its stage's units (the stage's ParamLayout: the embedding on
 // the first, the final norm and lm_head on the last, a copy of a tied table there) and one set of its layers'
 // activations per micro-batch in flight (forward_stage, backward_stage: model/llama.h's contract). With adapters (a
-// bf16 base), the stage's frozen units and its layers' adapters (lora_layout with the stage: global names, the other
-// layers' units empty); a frozen tied table needs no gradient from the other stage.
+// bf16 or nf4 base), the stage's frozen units and its layers' adapters (lora_layout with the stage: global names, the
+// other layers' units empty); a frozen tied table needs no gradient from the other stage.
 // QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
-// before its forward and again before its backward.
+// before its forward and again before its backward. A stage quantizes and dequantizes its own layers only.
 #pragma once
 
 #if TUNA_CUDA

@@ -215,13 +215,13 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
 
   // The base, by unit (embedding, layers, head), in its stored bytes; the stage's units only.
   std::vector<int64_t> unit_bytes(layout.num_units(), 0), unit_quantized(layout.num_units(), 0);
-  int64_t layer0_elements = 0;
+  int64_t layer_elements = 0;  // the stage's first layer's unit: every layer's is the same size
   for (const ParamTensor& t : layout.tensors()) {
     const int unit = t.layer >= 0 ? t.layer + 1 : t.offset < layout.unit_range(1).first ? 0 : layout.head_unit();
     const int64_t bytes = base_storage_bytes(t, lora.base_quant);
     unit_bytes[unit] += bytes;
     if (quantized && base_tensor_quantized(t)) unit_quantized[unit] += bytes;
-    if (t.layer == 0) layer0_elements += t.numel;  // every layer's unit is the same size
+    if (t.layer == stage.layer_begin) layer_elements += t.numel;
   }
   int64_t base_quantized = 0, base_plain = 0;
   for (int u : units.units) base_quantized += unit_quantized[u], base_plain += unit_bytes[u] - unit_quantized[u];
@@ -255,7 +255,7 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
   }
   // Quantized: each layer's GEMMs read its weights dequantized into one bf16 buffer, refilled per layer and pass,
   // shaped like the layer's unit (its norm weights copied beside), so the model reads it at the unit's offsets.
-  if (quantized) b.add("dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer0_elements, kBf16);
+  if (quantized) b.add("dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer_elements, kBf16);
 
   // The adapters: bf16 copies for the GEMMs, whole on every dp rank; fp32 master, gradients and moments as ZeRO says.
   const std::vector<LoraTargetShape> shapes = lora_layer_shapes(c, lora, l.tp);

@@ -384,12 +384,10 @@ namespace {
 
 // Whether the CUDA engine trains these adapters, laying them out from plan_gpu_memory's adapter items: it does at
 // ZeRO 0-3 on a bf16 base and 0-2 on an nf4 base (model/llama_gpu.cpp), with or without sp, and over pipeline stages
-// (ZeRO 0-1, as a full fine-tune) on a bf16 base; the adapter plans it does not run yet (an nf4 base sharded at
-// ZeRO-3 or over stages, an int8 base) are the design, and the plan says so.
+// (ZeRO 0-1, as a full fine-tune) on a bf16 or nf4 base; the adapter plans it does not run yet (an nf4 base sharded
+// at ZeRO-3, an int8 base) are the design, and the plan says so.
 std::string cuda_adapter_refusal(const MemoryLayout& l) {
   if (!l.lora.enabled()) return "";
-  if (l.pp > 1 && l.lora.base_quant != BaseQuant::None)
-    return "a quantized base with pipeline stages is trained on cpu only (--base_quant with --pp on cuda)";
   if (l.lora.base_quant == BaseQuant::Int8)
     return "an int8 base is not trained on cuda yet (--base_quant int8 with --device cuda)";
   if (l.training && l.zero == 3 && l.lora.base_quant != BaseQuant::None)

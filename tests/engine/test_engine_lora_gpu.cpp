@@ -216,26 +216,6 @@ TEST(EngineLoraGpu, RefusesAQuantizedBaseAtZeroThree) {
                    "implemented"), std::string::npos) << e;
 }
 
-// Over pipeline stages the CUDA engine trains adapters on a bf16 base only: an nf4 base there is refused by name.
-TEST(EngineLoraGpu, RefusesAQuantizedBaseOverPipelineStages) {
-  TUNA_REQUIRE_GPU();
-  Fixture f("llama2_tiny");
-  LoraConfig lora;
-  lora.rank = 4, lora.alpha = 8;
-  EngineOptions o = lora_options(f, lora, Device::Cuda);
-  o.base_quant = BaseQuant::Nf4;
-  testing_util::run_thread_ranks(2, [&](Comm& world) {
-    Mesh mesh = make_mesh(world, 1, 2);
-    const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
-      return make_staged_device_comm(group.split(0, group.rank()), stream);
-    };
-    const std::string e =
-        testing_util::error_of([&] { make_engine(f.config, o, mesh, fixture_weights(f), device_comm); });
-    EXPECT_NE(e.find("option 'pp' 2 with --base_quant nf4 on --device cuda: pipeline stages over a quantized base are "
-                     "not implemented"), std::string::npos) << e;
-  });
-}
-
 // ZeRO 1-3 over the adapters on one rank: the shard is the whole adapter layout in layout order (and at ZeRO-3 the
 // base's shard the whole base, gathered a unit at a time), so every step (two micro-batches with dropout, bf16
 // moments, stochastic rounding) computes ZeRO-0's bits, with a bf16 or (ZeRO 1-2) an nf4 base; validation reads the
@@ -380,11 +360,13 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuRanks,
 // in turn) and must follow it within the dp bound of tests/model/ranks_test_util.h (only the fp32 order of the
 // gradient norm's sum over the stages differs). With dp 2 inside each stage (no dropout: its masks are keyed by the dp
 // rank), ZeRO-1 reduce-scatters each layer's adapter gradient over dp. A checkpoint exchange into a fresh engine of
-// the same layout then continues bit for bit.
+// the same layout then continues bit for bit. With an nf4 base each stage quantizes its own layers' projections,
+// the blocks one rank quantizes, and dequantizes them into a buffer shaped like its first layer's unit.
 struct LoraPipelineCase {
   int ranks, zero;
   double dropout;
   Recompute recompute = Recompute::None;
+  BaseQuant base_quant = BaseQuant::None;  // the same base on the one rank and the stages
 };
 
 class EngineLoraGpuPipeline : public testing::TestWithParam<LoraPipelineCase> {};
@@ -401,7 +383,7 @@ TEST_P(EngineLoraGpuPipeline, FollowsOneRankOverTheSameMicroBatches) {
   const auto options = [&](int zero) {
     EngineOptions o = testing_util::rows_options(f, zero, 1);
     o.lora = lora, o.seed = 17, o.adapters = random_weights(5, 0.1);
-    o.recompute = c.recompute;
+    o.recompute = c.recompute, o.base_quant = c.base_quant;
     return o;
   };
   // One rank over the 4 rows as 4 micro-batches (micro-batch i: row i, as on every stage at dp 1).
@@ -453,11 +435,13 @@ TEST_P(EngineLoraGpuPipeline, FollowsOneRankOverTheSameMicroBatches) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuPipeline,
                          testing::Values(LoraPipelineCase{2, 0, 0.1}, LoraPipelineCase{2, 1, 0.1, Recompute::Full},
-                                         LoraPipelineCase{4, 1, 0.0}),
+                                         LoraPipelineCase{4, 1, 0.0},
+                                         LoraPipelineCase{2, 0, 0.1, Recompute::None, BaseQuant::Nf4}),
                          [](const testing::TestParamInfo<LoraPipelineCase>& i) {
                            return "ranks" + std::to_string(i.param.ranks) + "_pp2_zero" +
                                   std::to_string(i.param.zero) + (i.param.dropout > 0 ? "_dropout" : "") +
-                                  "_recompute_" + recompute_name(i.param.recompute);
+                                  "_recompute_" + recompute_name(i.param.recompute) +
+                                  (i.param.base_quant == BaseQuant::None ? "" : "_nf4");
                          });
 
 }  // namespace

@@ -428,6 +428,36 @@ TEST(MemoryPlanGpu, LoraPipelineStagesTogetherHoldTheBaseAndTheAdapters) {
   }
 }
 
+// An nf4 base over stages: each stage holds the NF4 codes of its own layers (together the pp 1 plan's) and one
+// layer's dequantized bf16 buffer, the size of the pp 1 plan's (every layer's unit is the same size, and a later
+// stage holds no layer 0).
+TEST(MemoryPlanGpu, AnNf4BaseOverStagesHoldsItsLayersAndOneDequantizedLayer) {
+  for (const char* fixture : {"llama2_tiny", "llama32_tiny"}) {
+    const LlamaConfig c = deeper(fixture, 6);
+    MemoryLayout one = stage_layout(1, 0);
+    one.lora.rank = 4, one.lora.alpha = 8, one.lora.base_quant = BaseQuant::Nf4;
+    const MemoryPlan whole = plan_gpu_memory(c, one);
+    const MemoryItem* dequant = find(whole, "dequantized layer weights (bf16, one layer)");
+    ASSERT_NE(dequant, nullptr);
+    const ParamLayout layout(c);
+    EXPECT_EQ(dequant->bytes, device_arena_bytes(2 * (layout.unit_range(1).second - layout.unit_range(1).first)));
+    for (int64_t pp : {2, 3}) {
+      SCOPED_TRACE(testing::Message() << fixture << " pp " << pp);
+      int64_t nf4 = 0;
+      for (int64_t s = 0; s < pp; s++) {
+        MemoryLayout l = one;
+        l.pp = pp, l.pp_rank = s;
+        const MemoryPlan plan = plan_gpu_memory(c, l);
+        ASSERT_NE(find(plan, "dequantized layer weights (bf16, one layer)"), nullptr);
+        EXPECT_EQ(find(plan, "dequantized layer weights (bf16, one layer)")->bytes, dequant->bytes) << "stage " << s;
+        nf4 += find(plan, "nf4 base weights (frozen decoder Linear weights)")->bytes;
+      }
+      EXPECT_NEAR(double(nf4), double(find(whole, "nf4 base weights (frozen decoder Linear weights)")->bytes),
+                  256.0 * pp);
+    }
+  }
+}
+
 // 1F1B: stage s keeps the activations of pp - s micro-batches (the first stage the most, the last one), of its own
 // layers only; the head's buffers are the last stage's and the embedding's the first's.
 TEST(MemoryPlanGpu, TheFirstStageHoldsPpMicroBatchesOfActivations) {
