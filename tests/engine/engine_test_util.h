@@ -47,6 +47,16 @@ inline StepResult train_step(Engine& e, const Fixture& f, int64_t s, int64_t ste
   return e.finish_step(e.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq),
                        learning_rate(f.optimizer(), s, steps));
 }
+// The same step with each row of the batch as a micro-batch of its own (accumulation).
+inline StepResult train_step_by_rows(Engine& e, const Fixture& f, int64_t s, int64_t steps) {
+  e.begin_step();
+  LossSum sum;
+  for (int64_t row = 0; row < f.batch; row++) {
+    const LossSum l = e.forward_backward(f.inputs.data() + row * f.seq, f.targets.data() + row * f.seq, 1, f.seq);
+    sum.sum += l.sum, sum.count += l.count;
+  }
+  return e.finish_step(sum, learning_rate(f.optimizer(), s, steps));
+}
 
 // On `device` at ZeRO stage `zero`: a step whose loss is NaN or infinite changes nothing (weights, moments, update
 // count), and the next finite step equals that of an engine that never saw the bad one.

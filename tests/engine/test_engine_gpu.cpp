@@ -251,14 +251,7 @@ TEST_P(EngineGpuStages, OnOneRankEqualZeroZeroBitForBit) {
     std::unique_ptr<Engine> ref = make_engine(f.config, base, r0.mesh, fixture_weights(f));
     std::unique_ptr<Engine> e = make_engine(f.config, o, r1.mesh, fixture_weights(f));
     const auto step = [&](Engine& x, int64_t s) {
-      if (!two_micro_batches) return train_step(x, f, s, 10);
-      x.begin_step();
-      LossSum sum;
-      for (int64_t row = 0; row < f.batch; row++) {
-        const LossSum l = x.forward_backward(f.inputs.data() + row * f.seq, f.targets.data() + row * f.seq, 1, f.seq);
-        sum.sum += l.sum, sum.count += l.count;
-      }
-      return x.finish_step(sum, learning_rate(f.optimizer(), s, 10));
+      return two_micro_batches ? testing_util::train_step_by_rows(x, f, s, 10) : train_step(x, f, s, 10);
     };
     // A restored engine of the same stage continues bit for bit.
     std::unique_ptr<Engine> restored = make_engine(f.config, o, r2.mesh, nullptr);

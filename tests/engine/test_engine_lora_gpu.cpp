@@ -107,16 +107,7 @@ TEST(EngineLoraGpu, DropoutAccumulationAndRecomputeFollowTheCpuEngine) {
   for (int64_t s = 0; s < 3; s++) {
     StepResult r[2];
     Engine* engines[2] = {cpu.get(), gpu.get()};
-    for (int k = 0; k < 2; k++) {
-      Engine& e = *engines[k];
-      e.begin_step();
-      LossSum sum;
-      for (int64_t row = 0; row < f.batch; row++) {
-        const LossSum l = e.forward_backward(f.inputs.data() + row * f.seq, f.targets.data() + row * f.seq, 1, f.seq);
-        sum.sum += l.sum, sum.count += l.count;
-      }
-      r[k] = e.finish_step(sum, learning_rate(f.optimizer(), s, 10));
-    }
+    for (int k = 0; k < 2; k++) r[k] = testing_util::train_step_by_rows(*engines[k], f, s, 10);
     std::printf("  step %lld  loss cpu %.5f gpu %.5f   grad norm cpu %.4f gpu %.4f\n", static_cast<long long>(s),
                 r[0].loss, r[1].loss, r[0].stats.grad_norm, r[1].stats.grad_norm);
     EXPECT_EQ(r[0].tokens, r[1].tokens);
@@ -243,15 +234,7 @@ TEST_P(EngineLoraGpuStages, OnOneRankEqualZeroZeroBitForBit) {
   SingleRank r0, r1, r2;
   std::unique_ptr<Engine> ref = make_engine(f.config, base, r0.mesh, fixture_weights(f));
   std::unique_ptr<Engine> e = make_engine(f.config, o, r1.mesh, fixture_weights(f));
-  const auto step = [&](Engine& x, int64_t s) {
-    x.begin_step();
-    LossSum sum;
-    for (int64_t row = 0; row < f.batch; row++) {
-      const LossSum l = x.forward_backward(f.inputs.data() + row * f.seq, f.targets.data() + row * f.seq, 1, f.seq);
-      sum.sum += l.sum, sum.count += l.count;
-    }
-    return x.finish_step(sum, learning_rate(f.optimizer(), s, 10));
-  };
+  const auto step = [&](Engine& x, int64_t s) { return testing_util::train_step_by_rows(x, f, s, 10); };
   std::unique_ptr<Engine> restored = make_engine(f.config, o, r2.mesh, fixture_weights(f));
   testing_util::expect_steps_and_restore_bit_equal(*ref, *e, *restored, f, step);
 }
