@@ -12,6 +12,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/peft.h"  // a LoRA checkpoint merged on the way
 #include "ckpt/quantize.h"
+#include "ckpt/tensor_file.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/progress.h"
@@ -52,22 +53,6 @@ void put_string(std::string& out, const std::string& s) {
 
 uint64_t padded(uint64_t n) { return (n + GgufWriter::kAlignment - 1) / GgufWriter::kAlignment * GgufWriter::kAlignment; }
 
-bool write_all(int fd, const void* data, uint64_t size) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::write(fd, p, std::min<uint64_t>(size, uint64_t{1} << 30));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    if (n == 0) {
-      errno = ENOSPC;
-      return false;
-    }
-    p += n, size -= static_cast<uint64_t>(n);
-  }
-  return true;
-}
 
 }  // namespace
 
@@ -136,7 +121,6 @@ void GgufWriter::add_tensor(const std::string& name, const std::vector<int64_t>&
 
 uint64_t GgufWriter::write(const fs::path& path, const std::function<void(const Append&)>& produce,
                            ProgressLine* progress) const {
-  const std::string target = path.string(), tmp = target + ".tmp";
   std::string header = "GGUF";
   put<uint32_t>(header, kGgufVersion);
   put<uint64_t>(header, tensors_.size());
@@ -153,62 +137,9 @@ uint64_t GgufWriter::write(const fs::path& path, const std::function<void(const 
   }
   header.resize(padded(header.size()), '\0');
 
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("cannot write ", target, ": cannot create ", tmp, ": ", std::strerror(errno));
-  // Past this point any failure removes the temporary file: nothing half-written is left, and an existing
-  // file at path is untouched until the rename.
-  auto give_up = [&](const std::string& what) {
-    const int err = errno;
-    if (fd >= 0) ::close(fd);
-    fd = -1;
-    ::unlink(tmp.c_str());
-    fail("cannot write ", target, ": ", what, err ? std::string(": ") + std::strerror(err) : std::string(),
-         err == ENOSPC || err == EDQUOT ? " (the disk is full; nothing was left under that name)" : "");
-  };
-  if (!write_all(fd, header.data(), header.size())) give_up("writing the header to " + tmp);
-  uint64_t written = header.size();
-  size_t tensor = 0;
-  uint64_t filled = 0;
-  static const char kZeros[GgufWriter::kAlignment] = {};
-  auto close_tensor = [&]() {
-    const uint64_t pad = padded(tensors_[tensor].bytes) - tensors_[tensor].bytes;
-    if (pad && !write_all(fd, kZeros, pad)) give_up("writing to " + tmp);
-    written += pad;
-    tensor++, filled = 0;
-  };
-  const Append append = [&](const void* data, uint64_t bytes) {
-    for (uint64_t done = 0; done < bytes;) {
-      while (tensor < tensors_.size() && filled == tensors_[tensor].bytes) close_tensor();
-      if (tensor == tensors_.size()) {
-        errno = 0;
-        give_up(str("more bytes than the ", tensors_.size(), " tensors hold"));
-      }
-      const uint64_t n = std::min(bytes - done, tensors_[tensor].bytes - filled);
-      if (!write_all(fd, static_cast<const char*>(data) + done, n))
-        give_up("writing tensor '" + tensors_[tensor].name + "' to " + tmp);
-      if (progress) progress->add(static_cast<double>(n));
-      done += n, filled += n, written += n;
-    }
-  };
-  try {
-    produce(append);
-  } catch (...) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  while (tensor < tensors_.size() && filled == tensors_[tensor].bytes) close_tensor();
-  if (tensor != tensors_.size()) {
-    errno = 0;
-    give_up(str("tensor '", tensors_[tensor].name, "' got ", filled, " of its ", tensors_[tensor].bytes, " bytes"));
-  }
-  if (::fsync(fd) != 0) give_up("fsync of " + tmp);
-  const int rc = ::close(fd);
-  fd = -1;
-  if (rc != 0) give_up("closing " + tmp);
-  if (::rename(tmp.c_str(), target.c_str()) != 0) give_up("renaming " + tmp + " to " + target);
-  fsync_path(path.parent_path().empty() ? fs::path(".") : path.parent_path(), /*directory=*/true);
-  return written;
+  std::vector<TensorFileEntry> entries;
+  for (const Tensor& t : tensors_) entries.push_back({t.name, t.bytes});
+  return write_tensor_file(path, header, entries, kAlignment, produce, progress).bytes;
 }
 
 GgufWeights parse_gguf_weights(const std::string& name) {

@@ -2,6 +2,8 @@
 // Hugging Face checkpoint directories.
 #include "ckpt/safetensors.h"
 
+#include "ckpt/tensor_file.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -129,24 +131,6 @@ TensorInfo parse_entry(const std::string& prefix, const std::string& name, const
   return info;
 }
 
-// write() of every byte, retrying short writes and EINTR (a single write moves at most ~2 GiB).
-bool write_all(int fd, const void* data, uint64_t size) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    ssize_t n = ::write(fd, p, std::min<uint64_t>(size, uint64_t{1} << 30));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    if (n == 0) {  // no progress and no error: report it as the disk being full rather than spin
-      errno = ENOSPC;
-      return false;
-    }
-    p += n;
-    size -= static_cast<uint64_t>(n);
-  }
-  return true;
-}
 
 }  // namespace
 
@@ -423,7 +407,6 @@ FileDigest SafetensorsWriter::write_streamed(const fs::path& path,
                                              const std::function<void(const Append& append)>& produce,
                                              ProgressLine* progress) const {
   const std::string target = path.string();
-  const std::string tmp = target + ".tmp";
 
   ordered_json header = ordered_json::object();
   if (!metadata_.empty()) {
@@ -447,75 +430,12 @@ FileDigest SafetensorsWriter::write_streamed(const fs::path& path,
   // Spaces after the JSON are allowed by the spec; they put the data section on an 8-byte boundary so
   // that F64/I64 tensors in the mapping are naturally aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
-  unsigned char length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(uint64_t{text.size()} >> (8 * i));
-
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("cannot write ", target, ": cannot create ", tmp, ": ", errno_text(errno));
-  // Any failure past this point removes the temporary file, so a failed write leaves no debris and
-  // never touches an existing file at path.
-  auto give_up = [&](const std::string& what) {
-    int err = errno;
-    if (fd >= 0) ::close(fd);
-    fd = -1;
-    ::unlink(tmp.c_str());
-    fail("cannot write ", target, ": ", what, ": ", errno_text(err));
-  };
-  // The checksum is taken from the bytes as they go out, so a manifest costs no second read of the file.
-  Checksum sum;
-  if (!write_all(fd, length, 8) || !write_all(fd, text.data(), text.size()))
-    give_up("writing the header to " + tmp);
-  sum.update(length, 8);
-  sum.update(text.data(), text.size());
-  constexpr uint64_t kPiece = uint64_t(64) << 20;  // progress moves at least every 64 MB
-  // The appended bytes must be the tensors' in order: `tensor` is the one being filled, `filled` its bytes so far.
-  size_t tensor = 0;
-  uint64_t filled = 0;
-  const Append append = [&](const void* data, uint64_t bytes) {
-    for (uint64_t done = 0; done < bytes;) {
-      while (tensor < tensors_.size() && filled == tensors_[tensor].nbytes) tensor++, filled = 0;
-      if (tensor == tensors_.size()) {
-        errno = 0;
-        give_up(str("more bytes than the header's ", tensors_.size(), " tensors hold"));
-      }
-      const uint64_t n = std::min({kPiece, bytes - done, tensors_[tensor].nbytes - filled});
-      const char* piece = static_cast<const char*>(data) + done;
-      if (!write_all(fd, piece, n)) give_up("writing tensor '" + tensors_[tensor].name + "' to " + tmp);
-      sum.update(piece, n);
-      if (progress) progress->add(static_cast<double>(n));
-      done += n, filled += n;
-    }
-  };
-  try {
-    produce(append);
-  } catch (...) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  while (tensor < tensors_.size() && filled == tensors_[tensor].nbytes) tensor++, filled = 0;
-  if (tensor != tensors_.size()) {
-    errno = 0;
-    give_up(str("tensor '", tensors_[tensor].name, "' got ", filled, " of its ", tensors_[tensor].nbytes, " bytes"));
-  }
-  if (::fsync(fd) != 0) give_up("fsync of " + tmp);
-  int rc = ::close(fd);
-  fd = -1;
-  if (rc != 0) give_up("closing " + tmp);
-  if (::rename(tmp.c_str(), target.c_str()) != 0) give_up("renaming " + tmp + " to " + target);
-
-  // The rename is durable only once the directory entry is on disk. Some filesystems cannot fsync a
-  // directory (EINVAL); the data itself is already synced there, so that is not an error.
-  fs::path parent = path.parent_path().empty() ? fs::path(".") : path.parent_path();
-  int dir_fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    int sync_rc = ::fsync(dir_fd);
-    int err = errno;
-    ::close(dir_fd);
-    if (sync_rc != 0 && err != EINVAL && err != ENOTSUP)
-      fail("cannot write ", target, ": fsync of directory ", parent.string(), ": ", errno_text(err));
-  }
-  return sum.digest();
+  std::string head(8, '\0');
+  for (int i = 0; i < 8; ++i) head[i] = static_cast<char>(uint64_t{text.size()} >> (8 * i));
+  head += text;
+  std::vector<TensorFileEntry> entries;
+  for (const Pending& t : tensors_) entries.push_back({t.name, t.nbytes});
+  return write_tensor_file(path, head, entries, /*alignment=*/1, produce, progress);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <functional>
 #include <fstream>
-#include <functional>
+#include <optional>
 #include <sstream>
 #include <random>
 #include <string>
@@ -39,6 +39,36 @@ inline std::string read_file(const std::filesystem::path& p) {
   s << in.rdbuf();
   return s.str();
 }
+
+// Environment variables set or unset for a scope and put back as they were at its end (tests/process_state.h
+// fails a test that leaves the environment changed).
+class ScopedEnv {
+ public:
+  ScopedEnv() = default;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ~ScopedEnv() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      else ::unsetenv(it->first.c_str());
+    }
+  }
+  void set(const std::string& name, const std::string& value) {
+    save(name);
+    ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  void unset(const std::string& name) {
+    save(name);
+    ::unsetenv(name.c_str());
+  }
+
+ private:
+  void save(const std::string& name) {
+    const char* v = std::getenv(name.c_str());
+    saved_.emplace_back(name, v ? std::optional<std::string>(v) : std::nullopt);
+  }
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
 
 // The directory holding the built binaries (tests run from the repository root).
 inline std::string build_dir() {

@@ -22,6 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing_util::read_file;
+using testing_util::ScopedEnv;
 using testing_util::TempDir;
 
 using testing_util::error_of;
@@ -195,13 +196,15 @@ double now_s() { return std::chrono::duration<double>(std::chrono::system_clock:
 
 const auto no_loss = [](const std::string& m) { ADD_FAILURE() << "lock lost: " << m; };
 
-// These tests are not a requeued job, whatever launched them.
-void forget_job_id() {
-  for (const char* var : {"SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID"}) unsetenv(var);
-}
+// These tests are not a requeued job, whatever launched them (the job ids come back at the test's end).
+struct NoJobId : ScopedEnv {
+  NoJobId() {
+    for (const char* var : {"SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID"}) unset(var);
+  }
+};
 
 TEST(RunLock, ASecondRunIsRefusedNamingTheHolder) {
-  forget_job_id();
+  const NoJobId no_job_id;
   TempDir tmp("runlock");
   const fs::path out = tmp / "run";
   std::vector<std::string> warnings;
@@ -229,7 +232,7 @@ TEST(RunLock, ASecondRunIsRefusedNamingTheHolder) {
 }
 
 TEST(RunLock, AStaleLockIsTakenOverWithAWarning) {
-  forget_job_id();
+  const NoJobId no_job_id;
   TempDir tmp("runlockstale");
   const fs::path out = tmp / "run";
   std::vector<std::string> warnings;
@@ -266,7 +269,8 @@ TEST(RunLock, AStaleLockIsTakenOverWithAWarning) {
 TEST(RunLock, ARequeueOfTheSameJobWaitsForItsPreviousAttempt) {
   TempDir tmp("runlockrequeue");
   const fs::path out = tmp / "run";
-  setenv("SLURM_JOB_ID", "31337", 1);
+  NoJobId job;
+  job.set("SLURM_JOB_ID", "31337");
   std::vector<std::string> warnings;
   const auto warn = [&](const std::string& m) { warnings.push_back(m); };
   LockHolder previous = this_process_holder();
@@ -276,7 +280,6 @@ TEST(RunLock, ARequeueOfTheSameJobWaitsForItsPreviousAttempt) {
   const auto t0 = std::chrono::steady_clock::now();
   { RunLock lock(out, warn, no_loss, RunLock::Timing{10, 1.0, 0.05}); }  // its heartbeat stops: taken over
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  unsetenv("SLURM_JOB_ID");
   EXPECT_GE(waited, 0.9);
   ASSERT_EQ(warnings.size(), 2u);
   EXPECT_NE(warnings[0].find("held by an earlier attempt of job 31337"), std::string::npos) << warnings[0];
@@ -284,7 +287,7 @@ TEST(RunLock, ARequeueOfTheSameJobWaitsForItsPreviousAttempt) {
 }
 
 TEST(RunLock, TheHeartbeatRefreshesAndNoticesATakeOver) {
-  forget_job_id();
+  const NoJobId no_job_id;
   TempDir tmp("runlockbeat");
   const fs::path out = tmp / "run";
   std::atomic<int> lost{0};

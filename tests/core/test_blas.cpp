@@ -47,9 +47,11 @@ TEST(Blas, SwitchingKernelsKeepsGemmsCorrect) {
   ASSERT_TRUE(use_blas_core("Prescott"));
   EXPECT_STRCASEEQ(blas_core().c_str(), "Prescott");
   EXPECT_LT(matmul_error(), 1e-6);
-  // Back to what the process had: OpenBLAS's own choice, or the core tuna put in its place.
-  const BlasKernels& k = ensure_blas_kernels();
-  ASSERT_TRUE(use_blas_core(k.replaced.empty() ? std::string() : k.core));
+  // Back to exactly the kernels the process had, by their name: whatever chose them (OpenBLAS from the CPU model,
+  // an OPENBLAS_CORETYPE in the environment, or ensure_blas_kernels), naming them selects them again. Restoring
+  // "OpenBLAS's own choice" instead left a process started with OPENBLAS_CORETYPE=Haswell on the CPU's own core,
+  // and every later GEMM of the test process on other kernels than the binaries it compares with.
+  ASSERT_TRUE(use_blas_core(original));
   EXPECT_EQ(blas_core(), original);
   EXPECT_LT(matmul_error(), 1e-6);
 }

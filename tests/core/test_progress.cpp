@@ -101,14 +101,15 @@ TEST(Progress, ARanksPseudoTerminalUnderALauncherIsNotLive) {
   ASSERT_NE(pty, nullptr);
   std::FILE* file = std::tmpfile();
   const char* launchers[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID"};
-  for (const char* v : launchers) unsetenv(v);
+  testing_util::ScopedEnv env;
+  for (const char* v : launchers) env.unset(v);
   EXPECT_TRUE(is_live_terminal(pty));
   EXPECT_FALSE(is_live_terminal(file));
   EXPECT_FALSE(is_live_terminal(nullptr));
   for (const char* v : launchers) {
-    setenv(v, "0", 1);
+    testing_util::ScopedEnv launched;
+    launched.set(v, "0");
     EXPECT_FALSE(is_live_terminal(pty)) << v;
-    unsetenv(v);
   }
   std::fclose(file);
   std::fclose(pty);

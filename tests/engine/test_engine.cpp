@@ -14,6 +14,7 @@
 #include "ckpt/safetensors.h"
 #include "dist/zero.h"
 #include "tests/engine/engine_test_util.h"
+#include "tests/test_util.h"
 
 namespace tuna {
 namespace {
@@ -142,7 +143,8 @@ TEST(Engine, NonFiniteGradientSkipsTheUpdate) {
 // checkpoint's run recorded; an explicit other choice wins and says the bits will differ; the environment variable
 // of earlier versions is refused, not silently ignored or obeyed.
 TEST(Engine, AttentionChoice) {
-  ::unsetenv("TUNA_ATTENTION");
+  testing_util::ScopedEnv env;
+  env.unset("TUNA_ATTENTION");
   std::string note;
   EXPECT_EQ(choose_attention("auto", nlohmann::json(), &note), AttentionPath::kDefault);
   EXPECT_EQ(choose_attention("hopper", nlohmann::json(), &note), AttentionPath::kHopper);
@@ -159,7 +161,7 @@ TEST(Engine, AttentionChoice) {
       << note;
   EXPECT_THROW(choose_attention("flash", nlohmann::json(), &note), Error);
   EXPECT_THROW(choose_attention("auto", nlohmann::json{{"kernels", {{"attention", "cudnn"}}}}, &note), Error);
-  ::setenv("TUNA_ATTENTION", "hopper", 1);
+  env.set("TUNA_ATTENTION", "hopper");
   try {
     choose_attention("auto", nlohmann::json(), &note);
     ADD_FAILURE() << "TUNA_ATTENTION obeyed or ignored";
@@ -167,7 +169,6 @@ TEST(Engine, AttentionChoice) {
     EXPECT_NE(std::string(e.what()).find("is not read: choose the attention kernels with --attention mma|hopper"),
               std::string::npos) << e.what();
   }
-  ::unsetenv("TUNA_ATTENTION");
 }
 
 TEST(Engine, DeviceChoiceExplainsItself) {

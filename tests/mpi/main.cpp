@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "tests/mpi/mpi_test_util.h"
+#include "tests/process_state.h"
 
 namespace tuna::test {
 namespace {
@@ -40,7 +41,13 @@ int main(int argc, char** argv) {
     listeners.Append(new tuna::test::FailurePrinter(rank));
   }
   tuna::test::g_world = tuna::make_mpi_world_comm(/*timeout_s=*/60);
+  const tuna::testing_util::ProcessStateGuard& guard = tuna::testing_util::guard_process_state();
   int rc = RUN_ALL_TESTS();
+  if (guard.tests_that_changed_state() > 0) {
+    std::fprintf(stderr, "[rank %d] %d tests left the process changed (see PROCESS STATE above)\n", rank,
+                 guard.tests_that_changed_state());
+    rc = rc ? rc : 1;
+  }
   int worst = 0;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (rank == 0) {

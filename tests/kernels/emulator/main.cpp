@@ -31,6 +31,7 @@
 #include <string>
 
 #include "tests/kernels/emulator/runtime.h"
+#include "tests/process_state.h"
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
@@ -66,9 +67,14 @@ int main(int argc, char** argv) {
               tuna::emulator::block().schedule == Schedule::kRoundRobin ? "in lockstep" : "in turn",
               tuna::emulator::runtime().multiprocessors,
               tuna::emulator::runtime().blocks_reversed ? "last first" : "in blockIdx order");
-  const int rc = RUN_ALL_TESTS();
+  const tuna::testing_util::ProcessStateGuard& guard = tuna::testing_util::guard_process_state();
+  int rc = RUN_ALL_TESTS();
   const testing::UnitTest& unit = *testing::UnitTest::GetInstance();
   std::printf("tests: %d passed, %d failed, %d skipped\n", unit.successful_test_count(), unit.failed_test_count(),
               unit.skipped_test_count());
+  if (guard.tests_that_changed_state() > 0) {
+    std::printf("tests: %d left the process changed (see PROCESS STATE above)\n", guard.tests_that_changed_state());
+    rc = rc ? rc : 1;
+  }
   return rc;
 }

@@ -1,0 +1,260 @@
+// The planner's measured rates (plan/planner.h): plan/plan_rates.json, and the same table refreshed from
+// gpu-check's bench JSON.
+#include "plan/planner.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <ctime>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/progress.h"
+#include "comm/comm.h"  // shard_range
+#include "model/optimizer.h"  // dp_unit_pieces
+#include "model/layout.h"
+#include "model/lora_shape.h"
+#include "plan/text.h"
+
+namespace tuna {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace plan_text;
+
+// ---- rates ----
+
+namespace {
+
+const json& field(const json& j, const std::string& key, const std::string& where) {
+  if (!j.is_object() || !j.contains(key)) fail(where, ": missing field '", key, "'");
+  return j[key];
+}
+
+double positive(const json& j, const std::string& key, const std::string& where) {
+  const json& v = field(j, key, where);
+  if (!v.is_number() || v.get<double>() <= 0)
+    fail(where, ": field '", key, "': expected a positive number, found ", v.dump());
+  return v.get<double>();
+}
+
+// A JSON file; null when it does not exist, an error naming it when it does not parse.
+json read_json_file(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) return json();
+  try {
+    return json::parse(in);
+  } catch (const json::parse_error& e) {
+    fail(path.string(), ": not valid JSON: ", e.what());
+  }
+}
+
+std::string source_of(const json& section) {
+  return section.is_object() && section.contains("source") && section["source"].is_string()
+             ? section["source"].get<std::string>()
+             : "(no source given)";
+}
+
+}  // namespace
+
+Rates parse_rates(const json& j, const std::string& where) {
+  Rates r;
+  const json& device = field(j, "device", where);
+  if (!device.is_string()) fail(where, ": field 'device': expected a GPU kind, found ", device.dump());
+  r.device = device.get<std::string>();
+  find_gpu(r.device);  // a table of an unknown card cannot be scaled to another
+  const json& gemm = field(j, "gemm", where);
+  const std::string gw = where + ": gemm";
+  r.gemm_fwd = positive(gemm, "layer_fwd_tflops", gw) * 1e12;
+  r.gemm_bwd = positive(gemm, "layer_bwd_tflops", gw) * 1e12;
+  r.lm_head = positive(gemm, "lm_head_tflops", gw) * 1e12;
+  if (gemm.contains("shapes"))
+    for (const json& s : gemm["shapes"]) {
+      const std::string sw = gw + ": shapes";
+      const json& pass = field(s, "pass", sw);
+      const int p = pass == "fwd" ? 0 : pass == "dinp" ? 1 : pass == "dweight" ? 2 : -1;
+      if (p < 0) fail(sw, ": field 'pass': expected fwd, dinp or dweight, found ", pass.dump());
+      r.gemm_shapes.push_back({static_cast<int64_t>(positive(s, "tokens", sw)), static_cast<int64_t>(positive(s, "in", sw)),
+                               static_cast<int64_t>(positive(s, "out", sw)), p, positive(s, "tflops", sw) * 1e12});
+    }
+  r.sources["gemm"] = source_of(gemm);
+  const json& att = field(j, "attention", where);
+  for (const json& a : field(att, "rates", where + ": attention")) {
+    const std::string aw = where + ": attention: rates";
+    r.attention.push_back({static_cast<int64_t>(positive(a, "head_dim", aw)), static_cast<int64_t>(positive(a, "seq", aw)),
+                           positive(a, "fwd_tflops", aw) * 1e12, positive(a, "bwd_tflops", aw) * 1e12});
+  }
+  if (r.attention.empty()) fail(where, ": attention: rates: expected at least one measured shape");
+  r.sources["attention"] = source_of(att);
+  const json& mem = field(j, "memory", where);
+  r.copy_bytes_per_s = positive(mem, "copy_gbps", where + ": memory") * 1e9;
+  for (const char* k : {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "swiglu_bwd", "classifier", "grad_norm",
+                        "adamw_fp32", "adamw_bf16"})
+    r.of_copy[k] = positive(field(mem, "of_copy", where + ": memory"), k, where + ": memory: of_copy");
+  r.sources["memory"] = source_of(mem);
+  const json& over = field(j, "step_overhead", where);
+  const json& fraction = field(over, "fraction", where + ": step_overhead");
+  if (!fraction.is_number() || fraction.get<double>() < 0)
+    fail(where, ": step_overhead: field 'fraction': expected a number >= 0, found ", fraction.dump());
+  r.overhead = fraction.get<double>();
+  r.sources["step_overhead"] = source_of(over);
+  return r;
+}
+
+Rates load_rates(const fs::path& path) {
+  const json j = read_json_file(path);
+  if (j.is_null()) fail(path.string(), ": cannot open the rates table (plan/plan_rates.json of the checkout; --rates FILE)");
+  return parse_rates(j, path.string());
+}
+
+fs::path default_rates_path() {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {  // build/plan -> build/../plan/plan_rates.json; build/gpu-check/bin/plan -> ../../../plan/...
+    for (fs::path dir = exe.parent_path(); !dir.empty() && dir != dir.root_path(); dir = dir.parent_path())
+      if (fs::is_regular_file(dir / "plan" / "plan_rates.json")) return dir / "plan" / "plan_rates.json";
+  }
+  return fs::path("plan") / "plan_rates.json";
+}
+
+double Rates::gemm(int64_t tokens, int64_t in, int64_t out, int pass) const {
+  // The nearest measured shape of the same pass, by log distance in tokens and in weight size.
+  double best = INFINITY, rate = pass == 0 ? gemm_fwd : gemm_bwd;
+  for (const GemmShape& s : gemm_shapes) {
+    if (s.pass != pass) continue;
+    const double d = std::abs(std::log(double(s.tokens) / tokens)) + std::abs(std::log(double(s.in * s.out) / double(in * out)));
+    if (d < best) best = d, rate = s.flops;
+  }
+  return rate;
+}
+
+double Rates::attention_rate(int64_t head_dim, int64_t seq, bool backward) const {
+  const Attention* best = nullptr;
+  double best_d = INFINITY;
+  for (const Attention& a : attention) {
+    const double d = std::abs(std::log(double(a.head_dim) / head_dim)) * 4 + std::abs(std::log(double(a.seq) / seq));
+    if (d < best_d) best_d = d, best = &a;
+  }
+  return backward ? best->bwd : best->fwd;
+}
+
+double Rates::memory_rate(const std::string& kernel) const {
+  auto it = of_copy.find(kernel);
+  TUNA_CHECK(it != of_copy.end(), "no rate for kernel ", kernel);
+  return it->second * copy_bytes_per_s;
+}
+
+namespace {
+
+// One bench's Google Benchmark JSON from a gpu-check run: OUTDIR/benches.json (what comes back from the GPU
+// machine: {"gemm": ..., "attention": ..., ...}) or that file itself, or a directory of one file per bench
+// (NAME.json or bench_NAME.json, as gpu-check writes them while it runs). Null when absent.
+json read_bench(const fs::path& where, const std::string& name) {
+  const fs::path merged = fs::is_directory(where) ? where / "benches.json" : where;
+  if (fs::is_regular_file(merged)) {
+    const json all = read_json_file(merged);
+    return all.contains(name) ? all[name] : json();
+  }
+  for (const fs::path& p : {where / (name + ".json"), where / ("bench_" + name + ".json")})
+    if (fs::is_regular_file(p)) return read_json_file(p);
+  return json();
+}
+
+// "BM_Gemm/ic:2048/oc:512/pass:1/manual_time" -> the value of `arg`, -1 when absent.
+int64_t bench_arg(const std::string& name, const std::string& arg) {
+  const size_t at = name.find("/" + arg + ":");
+  if (at == std::string::npos) return -1;
+  return std::stoll(name.substr(at + arg.size() + 2));
+}
+
+std::string today_utc() {
+  char buf[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
+  return buf;
+}
+
+}  // namespace
+
+json rates_from_bench(const json& base, const fs::path& dir) {
+  parse_rates(base, "the rates table to refresh");
+  json out = base;
+  const std::string stamp = str("gpu-check in ", dir.string(), " (", today_utc(), ")");
+  bool any = false;
+  const json gemm = read_bench(dir, "gemm");
+  if (gemm.contains("benchmarks")) {
+    json shapes = json::array();
+    double fwd_sum = 0, bwd_sum = 0;
+    int fwd_n = 0, bwd_n = 0;
+    for (const json& b : gemm["benchmarks"]) {
+      const std::string name = b.value("name", "");
+      const int64_t in = bench_arg(name, "ic"), oc = bench_arg(name, "oc"), pass = bench_arg(name, "pass");
+      if (in < 0 || oc < 0 || pass < 0 || !b.contains("TFLOP/s")) continue;
+      const double tf = b["TFLOP/s"].get<double>();
+      shapes.push_back({{"tokens", 8192}, {"in", in}, {"out", oc}, {"pass", pass == 0 ? "fwd" : pass == 1 ? "dinp" : "dweight"},
+                        {"tflops", tf}});
+      (pass == 0 ? fwd_sum : bwd_sum) += tf;
+      (pass == 0 ? fwd_n : bwd_n)++;
+    }
+    if (!shapes.empty()) {
+      out["gemm"]["shapes"] = shapes;
+      if (fwd_n) out["gemm"]["layer_fwd_tflops"] = fwd_sum / fwd_n;
+      if (bwd_n) out["gemm"]["layer_bwd_tflops"] = bwd_sum / bwd_n;
+      out["gemm"]["source"] = "layer GEMMs: bench_gemm_gpu of " + stamp + " (per shape; the means for other shapes); lm_head: " +
+                              base["gemm"].value("source", "");
+      any = true;
+    }
+  }
+  const json att = read_bench(dir, "attention");
+  if (att.contains("benchmarks")) {
+    std::map<std::pair<int64_t, int64_t>, json> rates;
+    for (const json& b : att["benchmarks"]) {
+      const std::string name = b.value("name", "");
+      const int64_t seq = bench_arg(name, "seq"), hd = bench_arg(name, "hd"), bwd = bench_arg(name, "bwd");
+      if (seq < 0 || hd < 0 || bwd < 0 || !b.contains("TFLOP/s")) continue;
+      json& r = rates[{hd, seq}];
+      r["head_dim"] = hd, r["seq"] = seq;
+      r[bwd ? "bwd_tflops" : "fwd_tflops"] = b["TFLOP/s"].get<double>();
+    }
+    json list = json::array();
+    for (auto& [key, r] : rates)
+      if (r.contains("fwd_tflops") && r.contains("bwd_tflops")) list.push_back(r);
+    if (!list.empty()) {
+      out["attention"] = {{"source", "bench_attention_gpu of " + stamp}, {"rates", list}};
+      any = true;
+    }
+  }
+  const json mem = read_bench(dir, "memory");
+  if (mem.contains("benchmarks")) {
+    const std::map<std::string, std::string> kernels = {{"BM_RmsNormFwd", "rmsnorm_fwd"}, {"BM_RmsNormBwd", "rmsnorm_bwd"},
+                                                        {"BM_Rope", "rope"},           {"BM_SwigluFwd", "swiglu_fwd"},
+                                                        {"BM_SwigluBwd", "swiglu_bwd"}, {"BM_AdamW/0", "adamw_fp32"},
+                                                        {"BM_AdamW/1", "adamw_bf16"}};
+    int found = 0;
+    for (const json& b : mem["benchmarks"]) {
+      const std::string name = b.value("name", "");
+      if (name.rfind("BM_Copy", 0) == 0 && b.contains("GB/s")) out["memory"]["copy_gbps"] = b["GB/s"].get<double>(), found++;
+      for (const auto& [prefix, key] : kernels)
+        if ((name == prefix || name.rfind(prefix + "/", 0) == 0) && b.contains("of_copy"))
+          out["memory"]["of_copy"][key] = b["of_copy"].get<double>(), found++;
+    }
+    if (found) {
+      out["memory"]["source"] = "bench_memory_gpu of " + stamp + "; kernels it does not bench (classifier, gradient norm): " +
+                                base["memory"].value("source", "");
+      any = true;
+    }
+  }
+  if (!any)
+    fail(dir.string(), ": no GEMM, attention or memory bench results (gpu-check's OUTDIR/benches.json, or a "
+         "directory of gemm.json, attention.json, memory.json)");
+  parse_rates(out, "the refreshed rates table");
+  return out;
+}
+
+}  // namespace tuna
