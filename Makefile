@@ -298,7 +298,7 @@ FUZZ_SEED ?= 1
 FUZZ_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_SRCS := tests/fuzz/fuzz_readers.cpp $(addprefix core/,checksum.cpp dtype.cpp error.cpp file.cpp json.cpp memory.cpp \
                options.cpp progress.cpp) ckpt/safetensors.cpp model/config.cpp \
-             ckpt/checkpoint.cpp ckpt/run_dir.cpp model/layout.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
+             ckpt/checkpoint.cpp ckpt/tensor_reader.cpp ckpt/checkpoint_writer.cpp ckpt/run_dir.cpp model/layout.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
              $(addprefix data/,tokenizer.cpp tokenizer_json.cpp tiktoken.cpp byte_bpe.cpp sentencepiece_tokenizer.cpp \
                input.cpp prepare.cpp prepare_output.cpp prepare_report.cpp clean.cpp dedup.cpp chat_template.cpp)
 FUZZ_OBJS := $(FUZZ_SRCS:%.cpp=$(BUILD)/obj/fuzz/%.o)
