@@ -44,7 +44,7 @@ inline std::string rank_file_name(int rank) {
 }
 
 // Each rank's file digest travels to rank 0 (which writes the manifest) in a small file beside it.
-std::string digest_note_name(int rank) { return "." + rank_file_name(rank) + ".digest"; }
+inline std::string digest_note_name(int rank) { return "." + rank_file_name(rank) + ".digest"; }
 
 // An integer metadata value of a safetensors file (all digits, in [0, kMaxStep]).
 inline int64_t metadata_int(const SafetensorsFile& f, const char* key) {
