@@ -462,15 +462,22 @@ document.querySelectorAll('svg.plot').forEach(function (svg) {
 
 }  // namespace
 
-std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportOptions& options) {
-  TUNA_CHECK(!runs.empty(), "a report needs at least one run");
+namespace {
+
+// The curves, one plot per figure of the step record; each run adds its series (an overlay colours them by run).
+struct Plots {
+  Plot loss{"Loss", "cross-entropy"}, lr{"Learning rate", "lr"}, norm{"Gradient norm (before clipping)", "norm", true},
+      tokens{"Throughput", "tokens/s"}, mfu{"MFU", "% of peak bf16"}, memory{"Memory", "MB"},
+      time{"Elapsed and ETA", "hours"}, cost{"Cost", "$"};
+  std::vector<const Plot*> all() const { return {&loss, &lr, &norm, &tokens, &mfu, &memory, &time, &cost}; }
+};
+
+Plots plot_runs(const std::vector<RunMetrics>& runs) {
   const bool overlay = runs.size() > 1;
   auto color = [&](size_t run, const char* own) { return overlay ? kRunColors[run % 8] : own; };
   auto label = [&](size_t run, const std::string& what) { return overlay ? runs[run].name + " " + what : what; };
-
-  Plot loss("Loss", "cross-entropy"), lr("Learning rate", "lr"), norm("Gradient norm (before clipping)", "norm", true),
-      tokens("Throughput", "tokens/s"), mfu("MFU", "% of peak bf16"), memory("Memory", "MB"),
-      time("Elapsed and ETA", "hours"), cost("Cost", "$");
+  Plots plots;
+  auto& [loss, lr, norm, tokens, mfu, memory, time, cost] = plots;
   for (size_t i = 0; i < runs.size(); i++) {
     const RunMetrics& r = runs[i];
     loss.add({label(i, "train"), color(i, "#1f77b4"), series_of(r, "loss")});
@@ -504,27 +511,11 @@ std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportO
     const double price = config_number(r, "gpu_hour_cost");
     if (price > 0) cost.add({label(i, "cost so far"), color(i, "#d62728"), scaled(elapsed, price * world_size(r) / 3600)});
   }
+  return plots;
+}
 
-  std::ostringstream o;
-  std::string names;
-  for (const RunMetrics& r : runs) names += (names.empty() ? "" : ", ") + r.name;
-  const std::string title = options.title.empty() ? "tuna run " + names : options.title;
-  bool running = false;
-  for (const RunMetrics& r : runs) running |= is_running(r);
-  o << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n";
-  if (options.auto_refresh && running) o << "<meta http-equiv=\"refresh\" content=\"60\">\n";
-  o << "<title>" << html_escape(title) << "</title>\n<style>" << kStyle << "</style></head>\n<body>\n";
-  const std::time_t now = std::time(nullptr);
-  char stamp[64];
-  std::strftime(stamp, sizeof stamp, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
-  o << "<h1>" << html_escape(title) << "</h1>\n<div class=\"sub\">written " << stamp
-    << (running && options.auto_refresh ? "; reloads every minute while the run goes on" : "") << "</div>\n";
-  for (const RunMetrics& r : runs)
-    if (r.skipped_lines)
-      o << "<div class=\"warn\">" << html_escape(r.name) << ": " << r.skipped_lines
-        << " line(s) of metrics.jsonl skipped; first: " << html_escape(r.first_skipped) << "</div>\n";
-
-  // Summary, one row per run.
+// Summary, one row per run.
+void write_summary(std::ostringstream& o, const std::vector<RunMetrics>& runs) {
   o << "<h2>Summary</h2>\n<table>\n"
     << table_row({"run", "status", "step", "train loss", "val loss (best)", "tokens/s", "MFU", "elapsed", "ETA",
                   "cost so far", "cost at the end"},
@@ -555,12 +546,11 @@ std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportO
   }
   o << "</table>\n";
 
-  o << "<h2>Curves</h2>\n<div class=\"plots\">\n";
-  for (const Plot* p : {&loss, &lr, &norm, &tokens, &mfu, &memory, &time, &cost})
-    if (!p->empty()) o << p->svg();
-  o << "</div>\n";
+}
 
-  // Effective config: the keys that differ between runs first.
+// Effective config: the keys that differ between runs first.
+void write_config(std::ostringstream& o, const std::vector<RunMetrics>& runs) {
+  const bool overlay = runs.size() > 1;
   o << "<h2>Effective config</h2>\n";
   std::set<std::string> keys;
   for (const RunMetrics& r : runs)
@@ -598,6 +588,11 @@ std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportO
     for (const auto& [same, row] : rows) o << row;
     o << "</table>\n";
   }
+}
+
+// Each run's model, world and memory plan per rank (with the measured peak at its end).
+void write_shapes_and_plans(std::ostringstream& o, const std::vector<RunMetrics>& runs) {
+  const bool overlay = runs.size() > 1;
   for (const RunMetrics& r : runs) {
     if (!r.start.is_object()) continue;
     const std::string who = overlay ? " of " + html_escape(r.name) : "";
@@ -624,6 +619,10 @@ std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportO
     }
   }
 
+}
+
+void write_checkpoints(std::ostringstream& o, const std::vector<RunMetrics>& runs) {
+  const bool overlay = runs.size() > 1;
   o << "<h2>Checkpoints on disk</h2>\n";
   for (const RunMetrics& r : runs) {
     if (overlay) o << "<p>" << html_escape(r.name) << "</p>\n";
@@ -638,6 +637,40 @@ std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportO
         << "</td><td>" << utc_time(c.written_unix) << "</td></tr>\n";
     o << "</table>\n";
   }
+}
+
+}  // namespace
+
+std::string render_run_report(const std::vector<RunMetrics>& runs, const ReportOptions& options) {
+  TUNA_CHECK(!runs.empty(), "a report needs at least one run");
+  const Plots plots = plot_runs(runs);
+  std::ostringstream o;
+  std::string names;
+  for (const RunMetrics& r : runs) names += (names.empty() ? "" : ", ") + r.name;
+  const std::string title = options.title.empty() ? "tuna run " + names : options.title;
+  bool running = false;
+  for (const RunMetrics& r : runs) running |= is_running(r);
+  o << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n";
+  if (options.auto_refresh && running) o << "<meta http-equiv=\"refresh\" content=\"60\">\n";
+  o << "<title>" << html_escape(title) << "</title>\n<style>" << kStyle << "</style></head>\n<body>\n";
+  const std::time_t now = std::time(nullptr);
+  char stamp[64];
+  std::strftime(stamp, sizeof stamp, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  o << "<h1>" << html_escape(title) << "</h1>\n<div class=\"sub\">written " << stamp
+    << (running && options.auto_refresh ? "; reloads every minute while the run goes on" : "") << "</div>\n";
+  for (const RunMetrics& r : runs)
+    if (r.skipped_lines)
+      o << "<div class=\"warn\">" << html_escape(r.name) << ": " << r.skipped_lines
+        << " line(s) of metrics.jsonl skipped; first: " << html_escape(r.first_skipped) << "</div>\n";
+
+  write_summary(o, runs);
+  o << "<h2>Curves</h2>\n<div class=\"plots\">\n";
+  for (const Plot* p : plots.all())
+    if (!p->empty()) o << p->svg();
+  o << "</div>\n";
+  write_config(o, runs);
+  write_shapes_and_plans(o, runs);
+  write_checkpoints(o, runs);
   o << "<script>" << kScript << "</script>\n</body></html>\n";
   return o.str();
 }

@@ -504,11 +504,9 @@ PrepareReport merge_reports(PrepareComm& comm, const PrepareReport& mine, const 
 
 }  // namespace
 
-PrepareReport prepare_corpus(const PrepareOptions& options) {
-  const auto started = std::chrono::steady_clock::now();
-  LocalComm local_comm;
-  PrepareComm& comm = options.comm ? *options.comm : local_comm;
-  const int rank = comm.rank(), ranks = comm.size();
+namespace {
+
+void check_options(const PrepareOptions& options) {
   if (options.out_dir.empty()) fail("prepare: --out is required");
   if (options.tokenizer_path.empty()) fail("prepare: --tokenizer is required");
   if (!(options.val_fraction >= 0.0 && options.val_fraction <= 1.0))
@@ -518,187 +516,255 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
     fail("prepare: --near-verify must lie in [0, 1], found ", options.near_verify);
   if (options.sft && (options.prompt_field.empty() || options.response_field.empty()))
     fail("prepare: --sft needs non-empty --prompt-field and --response-field");
-  const int threads = options.threads > 0
-                          ? options.threads
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const MinHasher hasher(options.minhash);
+}
 
+// One rank's run: the inputs it reads and what it reports. Every step below reads it.
+struct PrepareRun {
+  PrepareRun(const PrepareOptions& o, PrepareComm& c, int r, int n) : options(o), comm(c), rank(r), ranks(n) {}
+  const PrepareOptions& options;
+  PrepareComm& comm;
+  int rank = 0, ranks = 1, threads = 1;
+  std::vector<InputFile> files;
+  size_t first = 0, last = 0;  // this rank's share of files
+  uint64_t share_bytes = 0;
+  bool progress = false;       // rank 0 prints, unless --quiet
+  std::string who;             // " (rank 0 of N)" in progress lines
   PrepareReport report;
-  report.ranks = ranks;
-  report.threads = threads;
-  report.lsh_threshold = minhash_threshold(options.minhash);
-  report.near_verify = options.near_dedup ? options.near_verify : 0;
-  const std::vector<InputFile> files =
-      list_inputs(options.inputs, options.follow_symlinks, [&](InputSkip why, const std::string& what) {
-        if (rank != 0) return;  // every rank lists the inputs: count once
-        switch (why) {
-          case InputSkip::name: return report.files_skipped.add(what);
-          case InputSkip::symlink: return report.files_symlinks.add(what);
-          case InputSkip::not_regular: return report.files_not_regular.add(what);
-          case InputSkip::unreadable: return report.files_unreadable.add(what);
-        }
-      });
-  // The model's vocab_size, where a config.json stands beside the tokenizer: a tokenizer with ids the model
-  // has no embedding for is refused (or, for unused special tokens, accepted with a warning) before anything
-  // is written, not by the trainer after the whole corpus is prepared.
+};
+
+// Lists the inputs (rank 0 counts what it skips) and this rank's share of them.
+void list_run_inputs(PrepareRun& run) {
+  run.files = list_inputs(run.options.inputs, run.options.follow_symlinks, [&](InputSkip why, const std::string& what) {
+    if (run.rank != 0) return;  // every rank lists the inputs: count once
+    switch (why) {
+      case InputSkip::name: return run.report.files_skipped.add(what);
+      case InputSkip::symlink: return run.report.files_symlinks.add(what);
+      case InputSkip::not_regular: return run.report.files_not_regular.add(what);
+      case InputSkip::unreadable: return run.report.files_unreadable.add(what);
+    }
+  });
+  std::tie(run.first, run.last) = share_of(run.files, run.rank, run.ranks);
+  for (size_t f = run.first; f < run.last; ++f) run.share_bytes += run.files[f].bytes;
+}
+
+// The model's vocab_size, where a config.json stands beside the tokenizer (0: none): a tokenizer with ids the model
+// has no embedding for is refused (or, for unused special tokens, accepted with a warning) before anything is
+// written, not by the trainer after the whole corpus is prepared. Then rank 0 prepares out_dir (and trains the
+// tokenizer); the gather is the barrier the others wait at.
+int64_t open_out_dir_and_tokenizer(PrepareRun& run) {
+  const PrepareOptions& options = run.options;
   int64_t model_vocab = 0;
   if (!options.train_tokenizer) {
     Tokenizer check(options.tokenizer_path);  // a missing tokenizer fails before out_dir is touched
     std::string config;
     model_vocab = model_vocab_beside(options.tokenizer_path, &config);
     const std::string warning = model_vocab > 0 ? check_tokenizer_fits(check, model_vocab, config) : "";
-    if (!warning.empty() && rank == 0) std::fprintf(stderr, "warning: %s\n", warning.c_str());
+    if (!warning.empty() && run.rank == 0) std::fprintf(stderr, "warning: %s\n", warning.c_str());
   }
-  // Rank 0 prepares out_dir (and trains the tokenizer); the gather is the barrier the others wait at.
-  if (rank == 0) {
+  if (run.rank == 0) {
     prepare_out_dir(options);
-    if (options.train_tokenizer) train_tokenizer_on_inputs(options, files, threads);
+    if (options.train_tokenizer) train_tokenizer_on_inputs(options, run.files, run.threads);
   }
-  comm.all_gather(nullptr, 0);
-  report.tokenizer_trained = options.train_tokenizer;
-  const Tokenizer tokenizer(options.tokenizer_path);
-  report.tokenizer_path = tokenizer.path();
-  report.tokenizer_format = format_name(tokenizer.format());
-  report.tokenizer_fingerprint = tokenizer.fingerprint();
-  report.vocab_size = tokenizer.vocab_size();
-  report.bos_id = tokenizer.bos_id();
-  report.eos_id = tokenizer.eos_id();
-  // SFT conversations: the chat format, named (refused here when unknown) or the model's own (a failure is
-  // reported at the first conversation, since a run of prompt/response records needs none).
-  ChatSetup chat;
-  if (options.sft) {
-    try {
-      chat.format = resolve_chat_format(tokenizer, options.chat_template);
-      chat.resolved = true;
-      report.chat_template = chat_format_name(chat.format);
-    } catch (const Error& e) {
-      if (options.chat_template != "auto") throw;
-      chat.error = e.what();
-    }
-  }
+  run.comm.all_gather(nullptr, 0);
+  run.report.tokenizer_trained = options.train_tokenizer;
+  return model_vocab;
+}
 
-  const auto [first, last] = share_of(files, rank, ranks);
-  uint64_t share_bytes = 0;
-  for (size_t f = first; f < last; ++f) share_bytes += files[f].bytes;
-  const bool progress = !options.quiet && rank == 0;
-  const std::string who = ranks > 1 ? str(" (rank 0 of ", ranks, ")") : std::string();
+// SFT conversations: the chat format, named (refused here when unknown) or the model's own (a failure is reported at
+// the first conversation, since a run of prompt/response records needs none).
+ChatSetup chat_setup(const PrepareOptions& options, const Tokenizer& tokenizer, PrepareReport& report) {
+  ChatSetup chat;
+  if (!options.sft) return chat;
+  try {
+    chat.format = resolve_chat_format(tokenizer, options.chat_template);
+    chat.resolved = true;
+    report.chat_template = chat_format_name(chat.format);
+  } catch (const Error& e) {
+    if (options.chat_template != "auto") throw;
+    chat.error = e.what();
+  }
+  return chat;
+}
+
+// Pass 1's outcome: each local document's fate so far, and what the dedup join reads.
+struct PassOne {
+  std::vector<Outcome> fate;
+  std::unique_ptr<DedupSpill> spill;
+  std::unique_ptr<LocationLog> locations;
+};
+
+// Pass 1: decode, clean, filter, hash. fate[i] is local document i's outcome so far.
+PassOne clean_filter_hash(PrepareRun& run, const ChatSetup& chat) {
+  const PrepareOptions& options = run.options;
+  const std::vector<InputFile>& files = run.files;
+  PrepareReport& report = run.report;
+  const int threads = run.threads;
+  const MinHasher hasher(options.minhash);
   const bool dedup = options.exact_dedup || options.near_dedup;
   const int bands = options.minhash.bands;
   const bool verify = options.near_dedup && options.near_verify > 0;
   const size_t sketch_bytes = verify ? hasher.sketch_bytes() : 0;
-
-  // Pass 1: decode, clean, filter, hash. fate[i] is local document i's outcome so far.
-  std::vector<Outcome> fate;
-  std::unique_ptr<DedupSpill> spill;
-  std::unique_ptr<LocationLog> locations;
+  PassOne one;
+  std::vector<Outcome>& fate = one.fate;
   if (dedup) {
-    const std::string scratch = (fs::path(options.out_dir) / str(".prepare-scratch-", rank, "-", ::getpid())).string();
-    spill = std::make_unique<DedupSpill>(scratch, bands, sketch_bytes);
-    locations = std::make_unique<LocationLog>(scratch + "-locations.bin");
+    const std::string scratch =
+        (fs::path(options.out_dir) / str(".prepare-scratch-", run.rank, "-", ::getpid())).string();
+    one.spill = std::make_unique<DedupSpill>(scratch, bands, sketch_bytes);
+    one.locations = std::make_unique<LocationLog>(scratch + "-locations.bin");
   }
-  {
-    RecordReader records(files, first, last, options, &report);
-    Prefetcher reader(records);
-    Progress meter(progress, str("pass 1/2 (clean, filter, hash)", who), share_bytes, options.progress_seconds);
-    std::vector<Record> batch;
-    std::vector<Outcome> outcomes;
-    std::vector<CleanResult> flags;
-    std::vector<uint64_t> exact, band_hashes;
-    std::vector<uint8_t> sketches;
-    std::vector<uint8_t> has_bands;
-    std::vector<uint8_t> no_template;
-    uint64_t text_bytes = 0;
-    while (reader.next(batch)) {
-      for (const Record& record : batch) text_bytes += record.bytes.size();
-      const size_t n = batch.size();
-      outcomes.assign(n, Outcome::kept);
-      flags.assign(n, CleanResult{});
-      exact.assign(n, 0);
-      has_bands.assign(n, 0);
-      no_template.assign(n, 0);
-      band_hashes.resize(n * static_cast<size_t>(bands));
-      sketches.resize(n * sketch_bytes);
+  DedupSpill* spill = one.spill.get();
+  LocationLog* locations = one.locations.get();
+  const size_t first = run.first, last = run.last;
+  const bool progress = run.progress;
+  const std::string& who = run.who;
+  const uint64_t share_bytes = run.share_bytes;
+  RecordReader records(files, first, last, options, &report);
+  Prefetcher reader(records);
+  Progress meter(progress, str("pass 1/2 (clean, filter, hash)", who), share_bytes, options.progress_seconds);
+  std::vector<Record> batch;
+  std::vector<Outcome> outcomes;
+  std::vector<CleanResult> flags;
+  std::vector<uint64_t> exact, band_hashes;
+  std::vector<uint8_t> sketches;
+  std::vector<uint8_t> has_bands;
+  std::vector<uint8_t> no_template;
+  uint64_t text_bytes = 0;
+  while (reader.next(batch)) {
+    for (const Record& record : batch) text_bytes += record.bytes.size();
+    const size_t n = batch.size();
+    outcomes.assign(n, Outcome::kept);
+    flags.assign(n, CleanResult{});
+    exact.assign(n, 0);
+    has_bands.assign(n, 0);
+    no_template.assign(n, 0);
+    band_hashes.resize(n * static_cast<size_t>(bands));
+    sketches.resize(n * sketch_bytes);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
-      for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
-        Document doc;
-        outcomes[i] = decode(files[batch[i].file], batch[i], options, &doc, &flags[i], /*filter=*/true, &chat);
-        no_template[i] = doc.no_template;
-        if (outcomes[i] != Outcome::kept || !dedup) continue;
-        exact[i] = exact_hash(doc);
-        if (options.near_dedup)
-          has_bands[i] = hasher.band_hashes(doc.whole(), &band_hashes[i * bands], verify ? &sketches[i * sketch_bytes] : nullptr);
-      }
-      for (size_t i = 0; i < n; ++i) {
-        if (no_template[i])
-          fail("prepare: ", where(files, batch[i]), " is a conversation (\"messages\"), but ", chat.error);
-        ++report.documents_read;
-        if (flags[i].invalid_utf8 && outcomes[i] != Outcome::invalid_utf8) report.repaired_utf8.add(where(files, batch[i]));
-        if (flags[i].nul_bytes) report.removed_nul.add(where(files, batch[i]));
-        if (flags[i].control_chars) report.removed_control.add(where(files, batch[i]));
-        if (outcomes[i] != Outcome::kept) report.outcome[static_cast<size_t>(outcomes[i])].add(where(files, batch[i]));
-        fate.push_back(outcomes[i]);
-        if (locations) locations->add(batch[i].file, batch[i].line);
-        if (spill)
-          spill->add(options.exact_dedup && outcomes[i] == Outcome::kept, exact[i],
-                     outcomes[i] == Outcome::kept && has_bands[i] ? &band_hashes[i * bands] : nullptr,
-                     verify ? &sketches[i * sketch_bytes] : nullptr);
-      }
-      meter.update(reader.bytes_consumed(), text_bytes, report.documents_read);
+    for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
+      Document doc;
+      outcomes[i] = decode(files[batch[i].file], batch[i], options, &doc, &flags[i], /*filter=*/true, &chat);
+      no_template[i] = doc.no_template;
+      if (outcomes[i] != Outcome::kept || !dedup) continue;
+      exact[i] = exact_hash(doc);
+      if (options.near_dedup)
+        has_bands[i] = hasher.band_hashes(doc.whole(), &band_hashes[i * bands], verify ? &sketches[i * sketch_bytes] : nullptr);
     }
-    meter.update(reader.bytes_consumed(), text_bytes, report.documents_read, /*final=*/true);
+    for (size_t i = 0; i < n; ++i) {
+      if (no_template[i])
+        fail("prepare: ", where(files, batch[i]), " is a conversation (\"messages\"), but ", chat.error);
+      ++report.documents_read;
+      if (flags[i].invalid_utf8 && outcomes[i] != Outcome::invalid_utf8) report.repaired_utf8.add(where(files, batch[i]));
+      if (flags[i].nul_bytes) report.removed_nul.add(where(files, batch[i]));
+      if (flags[i].control_chars) report.removed_control.add(where(files, batch[i]));
+      if (outcomes[i] != Outcome::kept) report.outcome[static_cast<size_t>(outcomes[i])].add(where(files, batch[i]));
+      fate.push_back(outcomes[i]);
+      if (locations) locations->add(batch[i].file, batch[i].line);
+      if (spill)
+        spill->add(options.exact_dedup && outcomes[i] == Outcome::kept, exact[i],
+                   outcomes[i] == Outcome::kept && has_bands[i] ? &band_hashes[i * bands] : nullptr,
+                   verify ? &sketches[i * sketch_bytes] : nullptr);
+    }
+    meter.update(reader.bytes_consumed(), text_bytes, report.documents_read);
   }
+  meter.update(reader.bytes_consumed(), text_bytes, report.documents_read, /*final=*/true);
+  return one;
+}
 
-  // Join: global exact and near dedup (a collective). duplicate_of: (local index, where the document kept
-  // in its place was read) for each duplicate, in input order.
+// The join: global exact and near dedup (a collective). Marks the duplicates in fate, and returns (local index, where
+// the document kept in its place was read) for each duplicate, in input order.
+std::vector<std::pair<uint64_t, std::string>> join_duplicates(PrepareRun& run, PassOne& one) {
   std::vector<std::pair<uint64_t, std::string>> duplicate_of;
-  if (spill) {
-    const auto join_started = std::chrono::steady_clock::now();
-    std::vector<uint32_t> kept_as;
-    const std::vector<DedupVerdict> verdicts = spill->join(comm, options.near_dedup, options.dedup_memory_bytes,
-                                                           threads, verify ? options.near_verify : 0, &kept_as);
-    spill.reset();
-    for (size_t i = 0; i < fate.size(); ++i)
-      if (fate[i] == Outcome::kept && verdicts[i] != DedupVerdict::unique)
-        fate[i] = verdicts[i] == DedupVerdict::exact_duplicate ? Outcome::exact_duplicate : Outcome::near_duplicate;
-    const std::vector<KeptLocation> kept = locate_kept(comm, kept_as, fate, *locations);
-    locations.reset();
-    for (size_t i = 0; i < fate.size(); ++i)
-      if (fate[i] == Outcome::exact_duplicate || fate[i] == Outcome::near_duplicate) {
-        auto it = std::lower_bound(kept.begin(), kept.end(), kept_as[i],
-                                   [](const KeptLocation& k, uint32_t id) { return k.id < id; });
-        TUNA_CHECK(it != kept.end() && it->id == kept_as[i], "no location for kept document ", kept_as[i]);
-        duplicate_of.emplace_back(i, it->line ? str(files[it->file].path, ":", it->line) : files[it->file].path);
-      }
-    if (progress)
-      std::fprintf(stderr, "prepare: dedup join%s done in %.1f s\n", who.c_str(),
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - join_started).count());
-  }
+  if (!one.spill) return duplicate_of;
+  const PrepareOptions& options = run.options;
+  const std::vector<InputFile>& files = run.files;
+  std::vector<Outcome>& fate = one.fate;
+  const bool verify = options.near_dedup && options.near_verify > 0;
+  const auto join_started = std::chrono::steady_clock::now();
+  std::vector<uint32_t> kept_as;
+  const std::vector<DedupVerdict> verdicts = one.spill->join(run.comm, options.near_dedup, options.dedup_memory_bytes,
+                                                         run.threads, verify ? options.near_verify : 0, &kept_as);
+  one.spill.reset();
+  for (size_t i = 0; i < fate.size(); ++i)
+    if (fate[i] == Outcome::kept && verdicts[i] != DedupVerdict::unique)
+      fate[i] = verdicts[i] == DedupVerdict::exact_duplicate ? Outcome::exact_duplicate : Outcome::near_duplicate;
+  const std::vector<KeptLocation> kept = locate_kept(run.comm, kept_as, fate, *one.locations);
+  one.locations.reset();
+  for (size_t i = 0; i < fate.size(); ++i)
+    if (fate[i] == Outcome::exact_duplicate || fate[i] == Outcome::near_duplicate) {
+      auto it = std::lower_bound(kept.begin(), kept.end(), kept_as[i],
+                                 [](const KeptLocation& k, uint32_t id) { return k.id < id; });
+      TUNA_CHECK(it != kept.end() && it->id == kept_as[i], "no location for kept document ", kept_as[i]);
+      duplicate_of.emplace_back(i, it->line ? str(files[it->file].path, ":", it->line) : files[it->file].path);
+    }
+  if (run.progress)
+    std::fprintf(stderr, "prepare: dedup join%s done in %.1f s\n", run.who.c_str(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - join_started).count());
+  return duplicate_of;
+}
 
-  // Pass 2: tokenize and write what is kept.
+// A kept document as the shards hold it: BOS, the prompt (context, masked out under --sft), the text, EOS; or a
+// conversation through the chat template (only the assistant's turns train).
+struct Tokenized {
+  Outcome outcome = Outcome::kept;
+  std::vector<int32_t> tokens;
+  std::vector<uint8_t> mask;
+  uint64_t hash = 0;
+  QualityMeasure measure;  // of a filtered document, for dropped.jsonl
+};
+
+void tokenize_document(const Document& doc, const Tokenizer& tokenizer, const CachedEncoder& encoder,
+                       const ChatSetup& chat, bool sft, Tokenized& t) {
+  t.hash = exact_hash(doc);
+  try {
+    if (!doc.messages.empty()) {
+      RenderedChat chat_tokens;
+      std::string why;
+      if (!render_chat(encoder, tokenizer, chat.format, doc.messages, &chat_tokens, &why))
+        throw Error(why);
+      t.tokens = std::move(chat_tokens.tokens);
+      t.mask = std::move(chat_tokens.mask);
+      return;
+    }
+    if (tokenizer.bos_id() >= 0) t.tokens.push_back(tokenizer.bos_id());
+    if (!doc.prompt.empty()) encoder.encode(doc.prompt, &t.tokens);
+    const size_t prompt_end = t.tokens.size();
+    encoder.encode(doc.text, &t.tokens);
+    if (tokenizer.eos_id() >= 0) t.tokens.push_back(tokenizer.eos_id());
+    if (sft) {
+      // Only predicting the response (and EOS) trains: BOS and the prompt are context.
+      t.mask.assign(t.tokens.size(), 1);
+      if (!doc.joined.empty()) std::fill(t.mask.begin(), t.mask.begin() + static_cast<int64_t>(prompt_end), 0);
+    }
+  } catch (const std::exception&) {
+    t.outcome = Outcome::tokenize_failed;
+    t.tokens.clear();
+  }
+}
+
+// Pass 2: tokenize and write what is kept; every dropped document goes to dropped.jsonl with its reason.
+void tokenize_and_write(PrepareRun& run, const Tokenizer& tokenizer, const ChatSetup& chat, int64_t model_vocab,
+                        const std::vector<Outcome>& fate,
+                        const std::vector<std::pair<uint64_t, std::string>>& duplicate_of) {
+  const PrepareOptions& options = run.options;
+  const std::vector<InputFile>& files = run.files;
+  PrepareReport& report = run.report;
   const CachedEncoder encoder(tokenizer);
   // Shards declare the ids that can occur: the model's vocabulary when the tokenizer has unused ids above it.
   const uint32_t vocab = static_cast<uint32_t>(model_vocab > 0 ? std::min<int64_t>(tokenizer.vocab_size(), model_vocab)
                                                                 : tokenizer.vocab_size());
   char prefix[16] = "";
-  if (ranks > 1) std::snprintf(prefix, sizeof prefix, "-r%05d", rank);
+  if (run.ranks > 1) std::snprintf(prefix, sizeof prefix, "-r%05d", run.rank);
   const uint64_t fingerprint = tokenizer.fingerprint();
   SplitWriter train(options.out_dir, str("train", prefix), vocab, fingerprint, options.shard_tokens, options.sft,
                     &report.train);
   SplitWriter val(options.out_dir, str("val", prefix), vocab, fingerprint, options.shard_tokens, options.sft, &report.val);
   {
-    RecordReader records(files, first, last, options, nullptr);
+    RecordReader records(files, run.first, run.last, options, nullptr);
     Prefetcher reader(records);
-    Progress meter(progress, str("pass 2/2 (tokenize, write)", who), share_bytes, options.progress_seconds);
-    DroppedList dropped((fs::path(options.out_dir) / (ranks > 1 ? str("dropped", prefix, ".jsonl") : std::string("dropped.jsonl"))).string());
+    Progress meter(run.progress, str("pass 2/2 (tokenize, write)", run.who), run.share_bytes, options.progress_seconds);
+    DroppedList dropped((fs::path(options.out_dir) / (run.ranks > 1 ? str("dropped", prefix, ".jsonl") : std::string("dropped.jsonl"))).string());
     size_t next_duplicate = 0;  // into duplicate_of
     std::vector<Record> batch;
-    struct Tokenized {
-      Outcome outcome = Outcome::kept;
-      std::vector<int32_t> tokens;
-      std::vector<uint8_t> mask;
-      uint64_t hash = 0;
-      QualityMeasure measure;  // of a filtered document, for dropped.jsonl
-    };
     std::vector<Tokenized> out;
     size_t next = 0;  // local index of batch[0]
     uint64_t documents = 0;
@@ -709,7 +775,7 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
       if (next + n > fate.size())
         fail("prepare: the inputs changed during the run (pass 2 reads more documents than pass 1 did)");
       out.assign(n, Tokenized{});
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+#pragma omp parallel for num_threads(run.threads) schedule(dynamic, 4)
       for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
         Tokenized& t = out[i];
         t.outcome = fate[next + i];
@@ -722,31 +788,7 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
           t.outcome = Outcome::count_;  // pass 1 kept it: the file changed under us
           continue;
         }
-        t.hash = exact_hash(doc);
-        try {
-          if (!doc.messages.empty()) {
-            RenderedChat chat_tokens;
-            std::string why;
-            if (!render_chat(encoder, tokenizer, chat.format, doc.messages, &chat_tokens, &why))
-              throw Error(why);
-            t.tokens = std::move(chat_tokens.tokens);
-            t.mask = std::move(chat_tokens.mask);
-            continue;
-          }
-          if (tokenizer.bos_id() >= 0) t.tokens.push_back(tokenizer.bos_id());
-          if (!doc.prompt.empty()) encoder.encode(doc.prompt, &t.tokens);
-          const size_t prompt_end = t.tokens.size();
-          encoder.encode(doc.text, &t.tokens);
-          if (tokenizer.eos_id() >= 0) t.tokens.push_back(tokenizer.eos_id());
-          if (options.sft) {
-            // Only predicting the response (and EOS) trains: BOS and the prompt are context.
-            t.mask.assign(t.tokens.size(), 1);
-            if (!doc.joined.empty()) std::fill(t.mask.begin(), t.mask.begin() + static_cast<int64_t>(prompt_end), 0);
-          }
-        } catch (const std::exception&) {
-          t.outcome = Outcome::tokenize_failed;
-          t.tokens.clear();
-        }
+        tokenize_document(doc, tokenizer, encoder, chat, options.sft, t);
       }
       for (size_t i = 0; i < n; ++i) {
         Tokenized& t = out[i];
@@ -781,16 +823,48 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   }
   train.finish();
   val.finish();
-  check_accounting(report, str("rank ", rank).c_str());
+}
+
+}  // namespace
+
+PrepareReport prepare_corpus(const PrepareOptions& options) {
+  const auto started = std::chrono::steady_clock::now();
+  check_options(options);
+  LocalComm local_comm;
+  PrepareComm& comm = options.comm ? *options.comm : local_comm;
+  PrepareRun run{options, comm, comm.rank(), comm.size()};
+  run.threads = options.threads > 0 ? options.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  run.progress = !options.quiet && run.rank == 0;
+  run.who = run.ranks > 1 ? str(" (rank 0 of ", run.ranks, ")") : std::string();
+  PrepareReport& report = run.report;
+  report.ranks = run.ranks;
+  report.threads = run.threads;
+  report.lsh_threshold = minhash_threshold(options.minhash);
+  report.near_verify = options.near_dedup ? options.near_verify : 0;
+  list_run_inputs(run);
+  const int64_t model_vocab = open_out_dir_and_tokenizer(run);
+  const Tokenizer tokenizer(options.tokenizer_path);
+  report.tokenizer_path = tokenizer.path();
+  report.tokenizer_format = format_name(tokenizer.format());
+  report.tokenizer_fingerprint = tokenizer.fingerprint();
+  report.vocab_size = tokenizer.vocab_size();
+  report.bos_id = tokenizer.bos_id();
+  report.eos_id = tokenizer.eos_id();
+  const ChatSetup chat = chat_setup(options, tokenizer, report);
+
+  PassOne one = clean_filter_hash(run, chat);
+  const std::vector<std::pair<uint64_t, std::string>> duplicate_of = join_duplicates(run, one);
+  tokenize_and_write(run, tokenizer, chat, model_vocab, one.fate, duplicate_of);
+  check_accounting(report, str("rank ", run.rank).c_str());
 
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  PrepareReport merged = merge_reports(comm, report, options);
+  PrepareReport merged = merge_reports(run.comm, report, options);
   check_accounting(merged, "all ranks");
   // report.json last: its presence marks a finished run.
-  if (rank == 0)
+  if (run.rank == 0)
     write_text_atomically((fs::path(options.out_dir) / "report.json").string(),
                           report_json(merged, options).dump(2) + "\n");
-  comm.all_gather(nullptr, 0);
+  run.comm.all_gather(nullptr, 0);
   return merged;
 }
 
