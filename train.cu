@@ -2,7 +2,7 @@
 // Wiring only: the math is in model/, the bytes in data/, the ops in kernels/, communication in dist/.
 //
 //   build/train --config run.toml [--option value ...]
-//   mpirun -np 8 build/train --config run.toml --zero 3 [--tp 2]      (see README: Launching)
+//   mpirun -np 8 build/train --config run.toml --zero 3 [--tp 2]      (docs/multi-rank.md)
 //
 // Ranks: world = dp x tp (comm/comm.h); the loader gives each dp rank disjoint windows. The Engine
 // (engine/engine.h) is the model on the chosen device: on cpu, Llama + Zero (every parallel mode); on cuda,
@@ -83,7 +83,7 @@ struct TrainConfig {
   int64_t threads = 0;
   int64_t tp = 1;
   int64_t pp = 1;
-  bool sp = false;  // sequence parallelism over tp: see README, Launching on several ranks
+  bool sp = false;  // sequence parallelism over tp: see docs/multi-rank.md
   int64_t zero = 0;
   bool zero_prefetch = true;
   std::string recompute = "none";

@@ -332,7 +332,8 @@ void BM_NearDupDebian(benchmark::State& state) {
 }
 
 // Args: part (0: tuning, 1: held out), edit percent, bands, rows, verify (percent Jaccard; 0: off), sketch size.
-// Part 0: the sweep the defaults were chosen on (5% edits). Part 1: the README's table.
+// Part 0: the sweep the defaults were chosen on (5% edits). Part 1: the table of
+// benchmarks/2026-11-30-prepare-near-duplicates.md.
 void DebianArgs(benchmark::internal::Benchmark* b) {
   b->ArgNames({"part", "edit_pct", "bands", "rows", "verify_pct", "sketch"});
   for (auto [bands, rows] : {std::pair{32, 3}, std::pair{28, 4}, std::pair{14, 8}})

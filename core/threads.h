@@ -10,11 +10,11 @@ int set_cpu_threads(long threads, int ranks_on_node = 1);
 
 // How OpenMP's idle threads wait between parallel regions. tuna's default is passive (they sleep at once):
 // on cores shared with other jobs, GCC's default spinning lets a waiting thread burn the time slice that a
-// descheduled one needs, and every region's barrier then waits for the kernel to run that one again (README:
-// "The CPU step under load"). The runtime reads OMP_WAIT_POLICY once, when it loads, so a binary linking this
-// file and started without one re-executes itself with it set, before main. An OMP_WAIT_POLICY or
-// GOMP_SPINCOUNT in the environment is kept (OMP_WAIT_POLICY=active restores spinning); `from_environment`
-// says which happened.
+// descheduled one needs, and every region's barrier then waits for the kernel to run that one again
+// (benchmarks/2026-12-01-cpu-step-under-load.md). The runtime reads OMP_WAIT_POLICY once, when it loads, so a
+// binary linking this file and started without one re-executes itself with it set, before main. An
+// OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment is kept (OMP_WAIT_POLICY=active restores spinning);
+// `from_environment` says which happened.
 struct CpuWaitPolicy {
   const char* policy;  // "passive", or the environment's OMP_WAIT_POLICY / "GOMP_SPINCOUNT=..."
   bool from_environment;

@@ -18,10 +18,10 @@
 // Why characters: Gopher and RefinedWeb count the characters in duplicated lines, so that a short line that
 // recurs ("License: GPL-2+" 44 times in one Debian copyright file) weighs what it holds, not one line each.
 // Why 0.7 and not their 0.2: legal text repeats whole licence paragraphs once per copyright holder. Measured
-// on the 440 distinct Debian copyright files (README, "Preparing a corpus"): the largest share is 0.61 (the
-// MIT licence repeated per holder), Gopher's 0.2 drops 59 of them and the old line share at 0.3 drops 42;
-// 0.7 drops none and still drops a text made mostly of copies of its own lines (a line or a block repeated
-// four times or more).
+// on the 440 distinct Debian copyright files (benchmarks/2026-11-30-prepare-filters-debian.md): the largest
+// share is 0.61 (the MIT licence repeated per holder), Gopher's 0.2 drops 59 of them and the old line share at
+// 0.3 drops 42; 0.7 drops none and still drops a text made mostly of copies of its own lines (a line or a
+// block repeated four times or more).
 #pragma once
 
 #include <cstdint>

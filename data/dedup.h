@@ -21,14 +21,15 @@
 // sketches are a uniform sample of the union of the two documents, and the share of them both hold
 // estimates J: exactly when both documents have fewer than k distinct shingles (under ~260 words), else with a
 // standard error of sqrt(J (1 - J) / k), 0.031 at 0.5. (It replaced 2-bit fields of the 112 LSH minima,
-// whose error of 0.06 let pairs at J = 0.4 through: README, "Near-duplicate quality".)
+// whose error of 0.06 let pairs at J = 0.4 through: benchmarks/2026-11-30-prepare-near-duplicates.md.)
 // The pairs checked in a group of documents sharing a band: each member with the group's first and with the
 // kVerifyWindow members before it (a group of thousands, the documents that share one licence, is checked
 // in linear time; true near duplicates also share bands drawn from their own text, where the groups are small).
 // Shared boilerplate alone: two documents that share a licence but whose own text makes their Jaccard fall
 // under the threshold are not joined, however many bands the licence gives them in common; documents that
 // are mostly one licence and differ in a few fields (a template) are near duplicates by this measure, like
-// a lightly edited copy (README, "Near-duplicate quality", measures both on the Debian copyright files).
+// a lightly edited copy (benchmarks/2026-11-30-prepare-near-duplicates.md measures both on the Debian
+// copyright files).
 //
 // Memory. Pass 1 spills, per document, the exact hash, the band hashes and the sketch to files in a scratch
 // directory (8 * (1 + bands) + 4 * sketch_size bytes: 1288 for the defaults), written
@@ -53,7 +54,8 @@ namespace tuna {
 struct MinHashOptions {
   int shingle_words = 5;
   // 32 x 3: a pair at Jaccard 0.5 shares a band with probability 1 - (1 - 0.5^3)^32 = 0.986, at 0.6 0.9997:
-  // candidates for everything the default threshold keeps (the README's table measures it).
+  // candidates for everything the default threshold keeps (benchmarks/2026-11-30-prepare-near-duplicates.md
+  // measures it).
   int bands = 32;
   int rows = 3;
   int sketch_size = 256;  // values of the verification sketch (bottom-k: 4 bytes each)

@@ -2,8 +2,8 @@
 // cost, on a GPU cluster that isn't here.
 //
 //   memory per GPU   plan_gpu_memory (model/memory_plan.h): the same list the CUDA engine lays its arena out from.
-//                    For a layout the engine's plan refuses (tensor parallelism was one until issue 9 brought it
-//                    to cuda), the planner says so and prices the layout as designed instead (design_gpu_memory),
+//                    For a layout the engine's plan refuses (tensor parallelism was one until the CUDA engine
+//                    ran it), the planner says so and prices the layout as designed instead (design_gpu_memory),
 //                    marked as such.
 //   pipeline (pp)    world = dp x pp x tp (tp inside a node, pp next, dp outermost, as comm/comm.h's Mesh): each
 //                    stage's memory is its own plan (the first stage holds the most micro-batches in flight under

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare's tokenizing speed on unique real text against the reference encoders, side by side in one run:
-# the README's prepare table.
+# benchmarks/2026-12-01-prepare-tokenizing-speed.md.
 #
 # Corpus: this machine's Debian copyright files (/usr/share/doc/*/copyright), deduplicated by build/prepare
 # itself (its default exact and near dedup): what prepare tokenizes. For each tokenizer, the whole

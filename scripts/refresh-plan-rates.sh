@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # scripts/refresh-plan-rates.sh OUTDIR — refreshes build/plan's measured rates (plan/plan_rates.json) from a
-# gpu-check run: OUTDIR/bench_{gemm,attention,memory}.json (Google Benchmark JSON) replace the GEMM, attention
-# and memory-bound sections, each then naming OUTDIR and the date as its source; what no bench measures (the
-# lm_head's effective rate, launch gaps) keeps its figure and its source. Review the diff and commit it.
+# gpu-check run: the gemm, attention and memory benches' Google Benchmark JSON (in OUTDIR/benches.json, or one
+# file per bench) replace the GEMM, attention and memory-bound sections, each then naming OUTDIR and the date as
+# its source; what no bench measures (the lm_head's effective rate, launch gaps) keeps its figure and its source.
+# Review the diff and commit it.
 set -euo pipefail
 OUT=${1:?usage: scripts/refresh-plan-rates.sh GPU_CHECK_OUTDIR}
 cd "$(dirname "$0")/.."

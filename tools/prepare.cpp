@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
     if (options.inputs.empty()) tuna::fail("command line: no INPUT given (files or directories to prepare)");
   } catch (const tuna::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;  // as every tool's error (README: Reliability)
+    return 1;  // as every tool's error (docs/reliability.md)
   }
 
   // Under mpirun: MPI up before anything else; every rank runs the same pipeline on its share.

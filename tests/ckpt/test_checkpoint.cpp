@@ -639,7 +639,7 @@ TEST(Checkpoint, PiecesMetadataIsCheckedBeforeAnyElementIsPlaced) {
     std::string expected;
   };
   const std::vector<Case> cases = {
-      // The heap overflow of the issue: a begin or split_begin far outside the tensor.
+      // A heap overflow found before: a begin or split_begin far outside the tensor.
       {[&](json& p) { p[q]["begin"] = int64_t{1} << 40; }, "field 'begin': expected an integer in [0, "},
       {[&](json& p) { p[q]["begin"] = -1; }, "field 'begin'"},
       {[&](json& p) { p[q]["split_begin"] = 1000000; }, "field 'split_begin'"},

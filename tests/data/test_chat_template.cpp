@@ -133,7 +133,7 @@ TEST(ChatTemplate, RefusedConversations) {
                {"<|start_header_id|>"});
 }
 
-// The roles the README names: llama3 takes ipython and tool too, a tool's result headed "ipython" (as the
+// The roles docs/prepare.md names: llama3 takes ipython and tool too, a tool's result headed "ipython" (as the
 // templates of Llama 3.1 and later render it); llama2 refuses both, counted as bad_chat by prepare.
 TEST(ChatTemplate, ToolMessagesAreHeadedIpython) {
   const TokenizerFixtures& f = TokenizerFixtures::get();

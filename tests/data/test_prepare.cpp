@@ -1,4 +1,4 @@
-// data/prepare: the pipeline end to end on small inputs. Every bad input of the issue counted under its reason
+// data/prepare: the pipeline end to end on small inputs. Every bad input counted under its reason
 // with its location, the accounting identity, each filter, exact and near dedup keeping the earliest
 // document, compressed inputs, SFT loss masks reaching the loader, identical output whatever the thread
 // count, partition budget and rank count (mpirun -np 2 of build/prepare), refusal to mix with an earlier

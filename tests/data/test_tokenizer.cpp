@@ -349,7 +349,7 @@ TEST(TokenizerFormats, BadTokenizerJsonIsRefusedByName) {
   expect_error([&] { Tokenizer t(missing_byte); }, {missing_byte, "not a byte-level vocabulary"});
 }
 
-// Ids and texts a crafted tokenizer.json gets wrong (issue 13; tests/fuzz/corpus/tokenizer_json): each refused
+// Ids and texts a crafted tokenizer.json gets wrong (tests/fuzz/corpus/tokenizer_json): each refused
 // by name before it is allocated or indexed.
 TEST(TokenizerFormats, InconsistentTokenizerJsonIsRefused) {
   TempDir dir;

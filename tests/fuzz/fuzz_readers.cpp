@@ -4,7 +4,7 @@
 // that failed; FUZZ_VERBOSE=1 prints every clean error).
 //
 // For each reader: the regression corpus first (tests/fuzz/corpus/<reader>/*: the inputs that crashed, hung or
-// trained garbage before issue 13), then its valid seed inputs (which must be read without an error), then
+// trained garbage before), then its valid seed inputs (which must be read without an error), then
 // --cases mutations of them: bit flips, byte overwrites with boundary values, truncations, insertions,
 // deletions and duplicated chunks; for text formats also numbers replaced by 1e400, -1, 2^63, NaN..., deep
 // nesting, repeated keys and removed fields. The expected outcome of every case is a clean error (a

@@ -1,13 +1,13 @@
 // Helpers of the GPU op tests (compiled only with TUNA_CUDA): device buffers, bf16 round trips, the skip when
 // no device is visible, and the tolerance rule every bf16 check uses.
 //
-// Tolerance rule (DESIGN.md "Numbers"): each GPU result is compared with the CPU twin run in double on the very
-// bf16 values the GPU read (`ref`). Alongside, the test computes a naive same-precision version on the host
+// Tolerance rule (docs/architecture.md, Numbers): each GPU result is compared with the CPU twin run in double on
+// the very bf16 values the GPU read (`ref`). Alongside, the test computes a naive same-precision version on the host
 // (`naive`: fp32 math, rounded to bf16 exactly where the GPU kernel stores or feeds bf16). The GPU passes when
 //   err(gpu, ref) <= 2 * err(naive, ref) + floor,
 // err being the relative error norm: the GPU may differ from naive bf16 arithmetic only by summation order and
 // fp32 rounding, which cannot double the error that bf16 storage already causes; a wrong index, sign or
-// scale is O(1) and fails by orders of magnitude. fp32 outputs use the floor of 1e-5 of DESIGN.md.
+// scale is O(1) and fails by orders of magnitude. fp32 outputs use the floor of 1e-5 of that rule.
 #pragma once
 
 #if TUNA_CUDA

@@ -79,7 +79,7 @@ void check_backward(TestRng& rng, int64_t vocab, int64_t dim, int64_t n) {
       cpu::embedding_bwd(expected.data(), dout_d.data(), tokens.data(), n, vocab, dim);
       const double err = rel_error_norm(got, expected);
       std::printf("  embedding_bwd fp32 err %.3e\n", err);
-      EXPECT_LE(err, 1e-5);  // fp32 sums of up to a few hundred rows (DESIGN.md: fp32 paths < 1e-5)
+      EXPECT_LE(err, 1e-5);  // fp32 sums of up to a few hundred rows (docs/architecture.md: fp32 paths < 1e-5)
       first = got;
     } else {
       EXPECT_TRUE(bitwise_equal(first, got)) << "embedding_bwd is not deterministic";

@@ -2,7 +2,7 @@
 // the fixtures made by tools/reference/make_fixtures.py (float64 reference from the same float32 weights).
 //
 // Tolerances: the model runs in fp32 (24-bit mantissa, unit roundoff 6e-8); over two layers, a 128-way
-// softmax and sums of a few hundred terms the relative error norm stays near 1e-6, so 1e-5 (the issue's
+// softmax and sums of a few hundred terms the relative error norm stays near 1e-6, so 1e-5 (the parity
 // bound) leaves a 10x margin without hiding a real bug (a wrong sign, pairing or scale is O(1)). The 10
 // AdamW steps use hyperparameters chosen (tools/reference/README.md) so that fp32 drifts <= 1e-5 from the
 // float64 trajectory while each deliberate optimizer bug (decay on norms, no bias correction, no clipping,

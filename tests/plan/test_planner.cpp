@@ -258,8 +258,8 @@ TEST(Planner, LoraCrossesDataParallelWithItsGradientsAlone) {
   EXPECT_TRUE(said);
 }
 
-// The figures the README gives: LLaMA-3.1-8B LoRA on one 24 GB card at seq 2048, LLaMA-2-70B QLoRA on one 80 GB
-// card at seq 4096 (both with full recompute), where neither fits without adapters.
+// The figures docs/planning.md gives: LLaMA-3.1-8B LoRA on one 24 GB card at seq 2048, LLaMA-2-70B QLoRA on one
+// 80 GB card at seq 4096 (both with full recompute), where neither fits without adapters.
 TEST(Planner, AdaptersFitTheOneGpuJobs) {
   JobSpec a = job_of("llama-3.1-8b", "rtx-4090", 1, 1, 0, 1, 2048, 1);
   a.cluster.gpus_per_node = 1, a.layout.dp = 1, a.layout.recompute = Recompute::Full;
@@ -448,7 +448,7 @@ TEST(Planner, EachStageIsPlannedAndTheFullestDecides) {
 
 // Adapters over pipeline stages: a stage owns its layers' adapters (pp 2 x dp 4 owns what pp 1 x dp 8 does, at the
 // same tp), holds its own units of the frozen base (the first stage, with more micro-batches in flight, the fullest),
-// and the seed job's bf16-base LoRA at pp 2 x tp 2 with sp, ZeRO-2, beats the pp 1 layout of README plan (c).
+// and the seed job's bf16-base LoRA at pp 2 x tp 2 with sp, ZeRO-2, beats docs/70b-job.md's pp 1 adapter layout.
 TEST(Planner, AdaptersOverPipelineStagesPriceEachStagesOwn) {
   const Rates& rates = repository_rates();
   JobSpec staged = pipeline_job(2, 2, true, 2, 1, Recompute::None);
@@ -496,7 +496,7 @@ TEST(Planner, PipelineLayoutsRefuseWhatTheyCannotRun) {
   EXPECT_NE(error_of([&] { predict(j, rates); }).find("--seq_len 4095 is not a multiple of 8"), std::string::npos);
 }
 
-// The seed job (README "The 70B job"): the search finds a pipeline layout with sp at >= 1,050 tokens/s per GPU
+// The seed job (docs/70b-job.md): the search finds a pipeline layout with sp at >= 1,050 tokens/s per GPU
 // within the 80 GB card, from today's rates, where the best layout without stages is far below.
 TEST(Planner, TheSeedJobsSearchFindsAPipelineLayout) {
   JobSpec j = job_of("llama-2-70b", "h100-80gb", 2, 8, 3, 1, 4096, 32);

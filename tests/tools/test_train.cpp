@@ -667,7 +667,7 @@ TEST(Train, PlanOnlyPrintsThePerGpuTableAndRefusesWhatDoesNotFit) {
   EXPECT_EQ(r.output.find("bf16 base weights (frozen)"), std::string::npos) << r.output;
 }
 
-// ---- no input crashes the trainer, no bad value trains silently (issue 13) --------------------------------
+// ---- no input crashes the trainer, no bad value trains silently -------------------------------------------
 
 // The flags of a short run (8 steps, a checkpoint every 2, all kept).
 std::string short_run(const fs::path& data, const fs::path& out) {

@@ -133,7 +133,7 @@ def step(torch, args, compiled):
     transformers.logging.set_verbosity_error()
     config = llama_1b_config(transformers)
     seq = 4096
-    # Compiling costs a minute or more per shape: the compiled peer runs the comparison shape only.
+    # Compiling costs a minute or more per shape: the compiled peer runs the comparison shape only.
     for batch in ((4,) if compiled else (2, 4)):
         model = None
         try:
