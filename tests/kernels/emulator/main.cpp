@@ -32,6 +32,7 @@
 
 #include "tests/kernels/emulator/runtime.h"
 #include "tests/process_state.h"
+#include "tests/slowest_tests.h"
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
@@ -68,6 +69,7 @@ int main(int argc, char** argv) {
               tuna::emulator::runtime().multiprocessors,
               tuna::emulator::runtime().blocks_reversed ? "last first" : "in blockIdx order");
   const tuna::testing_util::ProcessStateGuard& guard = tuna::testing_util::guard_process_state();
+  tuna::testing_util::print_slowest_tests(15);
   int rc = RUN_ALL_TESTS();
   const testing::UnitTest& unit = *testing::UnitTest::GetInstance();
   std::printf("tests: %d passed, %d failed, %d skipped\n", unit.successful_test_count(), unit.failed_test_count(),
