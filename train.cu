@@ -13,6 +13,8 @@
 // at start and saved in every checkpoint's state.json. SIGTERM/SIGINT/SIGUSR1 (a preemption notice) finish
 // the current step, write a checkpoint and exit 75 (EX_TEMPFAIL: "stopped, not finished"; as does
 // --stop_at_step before --steps), so a job script requeues and `--resume` continues exactly where it stopped.
+// A run whose out_dir lock another run took over stops at the end of its step without a checkpoint and exits 73
+// (EX_CANTCREAT: the directory is no longer this run's to write; ckpt/run_dir.h).
 // out_dir decides how a run starts (ckpt/run_dir.h): an earlier run there is continued (--resume), replaced
 // (--overwrite) or refused.
 
@@ -30,7 +32,7 @@
 
 #include "ckpt/checkpoint.h"   // resolve_checkpoint, read_config_json, checkpoint_bytes, verify_model_directory
 #include "ckpt/peft.h"         // lora_start, is_lora_directory: LoRA runs
-#include "ckpt/run_dir.h"      // lock_run_dir, open_run_dir, truncate_metrics, MetricsLog, resume_option_changes
+#include "ckpt/run_dir.h"      // lock_run_dir, open_run_dir, truncate_metrics, MetricsLog, stop_at_safe_point
 #include "comm/comm.h"         // Comm, Mesh, make_world_comm, abort_job
 #include "comm/fault_injection.h"  // TUNA_FAULT: inject_fault_for_tests, nan_loss_for_tests
 #include "core/error.h"        // tuna::Error, fail, describe_current_exception
@@ -476,12 +478,12 @@ int print_plan(const LlamaConfig& model, const EngineOptions& eo, const Mesh& me
   return all_fit == world.size() ? 0 : 1;
 }
 
-// A signal reaches ranks at different moments: they stop together, at the first step any rank saw it.
-bool stop_requested(Comm& world, int64_t step) {
-  int64_t stop = g_stop_requested ? 1 : 0;
-  if (world.size() > 1) world.all_reduce_sum(&stop, 1, "stop request");
-  if (stop) std::printf("stop requested (signal): checkpointing at step %lld\n", (long long)step);
-  return stop != 0;
+// A signal reaches ranks at different moments: they stop together, at the first step any rank saw it. A lost
+// run-directory lock stops them too, without a checkpoint (ckpt/run_dir.h).
+StopRequest stop_requested(Comm& world, int64_t step, const RunLock* lock) {
+  const StopRequest stop = stop_at_safe_point(world, g_stop_requested, lock);
+  if (stop == StopRequest::Signal) std::printf("stop requested (signal): checkpointing at step %lld\n", (long long)step);
+  return stop;
 }
 
 void install_stop_signals() {
@@ -644,12 +646,15 @@ int run(int argc, char** argv) {
       std::fflush(stdout);
     }
     if (validator.due(step, cfg.steps)) validate(step);
-    if ((stopped_early = stop_requested(*world, step))) break;
+    const StopRequest stop = stop_requested(*world, step, start.lock.get());
+    if (stop == StopRequest::LockLost) return kLockLostExitCode;  // out_dir is another run's now: write nothing
+    if ((stopped_early = stop == StopRequest::Signal)) break;
     if (checkpointer.due(step, last_step)) save(step);
   }
 
   // The end: the last validation and checkpoint, memory against the plan, the exit code.
   if (validator.due_at_end(step, cfg.steps, stopped_early)) validate(step);
+  if (stop_at_safe_point(*world, false, start.lock.get()) == StopRequest::LockLost) return kLockLostExitCode;
   if (step > first_step || !start.resume_from) save(step);
   return finish_run(cfg, *world, metrics, plan_record, at_start, eo.device, step, stopped_early,
                     seconds_since(run_start));

@@ -12,6 +12,7 @@
 // a sanitizer report or a signal (the process dies with it; -fno-sanitize-recover), or a hang (a case that runs
 // longer than --case_seconds ends the run naming it).
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -809,9 +810,37 @@ std::vector<Reader> make_readers(const fs::path& work) {
                          const fs::path out = case_dir / "locked_run";
                          fs::create_directories(out);
                          write_bytes(out / kRunLockFile, bytes);
-                         RunLock lock(out, [](const std::string&) {}, [](const std::string&) {},
-                                      RunLock::Timing{3600, 120, 0.01});
+                         RunLock lock(out, [](const std::string&) {}, RunLock::Timing{3600, 120, 0.01});
                        }});
+    // run.lock as something that is not a regular file ("kind:argument"): a symbolic link (dangling, to /dev/zero,
+    // to a lock), a FIFO, a directory. Each must be refused at once: none may block, read without end or be
+    // followed. Mutations pick another kind.
+    static const char* const kKinds[] = {"symlink:nowhere", "symlink:/dev/zero", "symlink:lock", "fifo:", "directory:",
+                                         "symlink:/proc/self/fd/0", "symlink:.", "symlink:"};
+    readers.push_back({"run_lock_kind", true, {"regular:"}, [case_dir, seed](const std::string& bytes) {
+                         const fs::path out = case_dir / "kind_run", lock = out / kRunLockFile;
+                         fs::remove_all(out);
+                         fs::create_directories(out);
+                         const size_t colon = bytes.find(':');
+                         const std::string kind = bytes.substr(0, colon),
+                                           arg = colon == std::string::npos ? "" : bytes.substr(colon + 1);
+                         if (kind == "regular") {
+                           write_bytes(lock, seed);
+                         } else if (kind == "symlink") {
+                           if (arg == "lock") write_bytes(out / "elsewhere.lock", seed);
+                           std::error_code ec;
+                           fs::create_symlink(arg == "lock" ? fs::path("elsewhere.lock") : fs::path(arg), lock, ec);
+                           if (ec) return;  // a name no link can have
+                         } else if (kind == "fifo") {
+                           if (::mkfifo(lock.c_str(), 0644) != 0) throw std::runtime_error("mkfifo failed");
+                         } else if (kind == "directory") {
+                           fs::create_directories(lock / arg);
+                         } else {
+                           return;  // not a kind: nothing to place
+                         }
+                         RunLock held(out, [](const std::string&) {}, RunLock::Timing{3600, 120, 0.01});
+                       },
+                       true, 8, [](std::string, Rng& rng) { return std::string(kKinds[rng.below(std::size(kKinds))]); }});
   }
 
   {  // a token shard with a loss mask, read whole by the training and the evaluation loader
