@@ -825,5 +825,45 @@ TEST(Train, ResumeVerifiesAndFallsBack) {
   }
 }
 
+// A run whose run.lock another run takes over (here: a lock naming a live process of this host, moved over it)
+// stops at the end of its step with exit code 73 and the holder named, by exit, never by a signal (the heartbeat
+// thread once ended the process under the main thread's GEMM: SIGSEGV), and writes no checkpoint. Ten times.
+TEST(Train, ALockTakenOverEndsTheRunWithExit73AndNoSignal) {
+  TempDir tmp("trainlocklost");
+  testing_util::write_test_shards(tmp / "data");
+  const fs::path out = tmp / "run";
+  const std::string cmd = "env -u SLURM_JOB_ID -u PBS_JOBID -u LSB_JOBID -u FLUX_JOB_ID TUNA_LOCK_HEARTBEAT_S=0.05 " +
+                          kTrain + common_flags(tmp / "data") + " --steps 1000000 --ckpt_every 0 --val_every 0 --out_dir " +
+                          out.string();
+  // The thief: this script's shell, alive on this host since this boot, with a fresh heartbeat; moved over the
+  // lock again while the trainer runs (a refresh that read the lock just before may rename its own over it), for at
+  // most a minute: a trainer that has not stopped by then is killed (and the test fails on its exit code).
+  const std::string lock = (out / "run.lock").string(), metrics = (out / "metrics.jsonl").string();
+  const std::string script =
+      "boot=$(cat /proc/sys/kernel/random/boot_id); host=$(hostname); "
+      "for i in $(seq 10); do rm -rf " + out.string() + "; " + cmd + " > " + (tmp / "run").string() + ".$i.log 2>&1 & "
+      "pid=$!; for t in $(seq 1200); do grep -q '\"loss\"' " + metrics + " 2>/dev/null && break; sleep 0.05; done; "
+      "for t in $(seq 120); do kill -0 $pid 2>/dev/null || break; "
+      "  now=$(date +%s.%N); printf '{\"format\": \"tuna run lock\", \"host\": \"%s\", \"boot_id\": \"%s\", \"pid\": %d, "
+      "\"job\": \"\", \"started\": %s, \"heartbeat\": %s}\\n' \"$host\" \"$boot\" $$ $now $now > " + lock + ".thief; "
+      "  mv -f " + lock + ".thief " + lock + "; sleep 0.5; done; "
+      "kill -KILL $pid 2>/dev/null; wait $pid; echo \"run $i exit $?\"; ls " + (out / "ckpt").string() + " 2>/dev/null | grep -c step_ ; "
+      "grep -c '\"pid\": '$$ " + lock + "; done; echo thief=$$";
+  std::ofstream(tmp / "takeover.sh") << script << "\n";
+  const auto r = run_command("bash " + (tmp / "takeover.sh").string(), tmp / "takeover.log");
+  const std::string thief = r.output.substr(r.output.rfind("thief=") + 6, r.output.find('\n', r.output.rfind("thief=")) -
+                                                                              r.output.rfind("thief=") - 6);
+  for (int i = 1; i <= 10; i++) {
+    SCOPED_TRACE(i);
+    const std::string log = read_file(tmp / ("run." + std::to_string(i) + ".log"));
+    // Exit 73 from the process itself (a signal shows as 128 + its number), no checkpoint, the thief's lock kept.
+    EXPECT_NE(r.output.find("run " + std::to_string(i) + " exit 73\n0\n1\n"), std::string::npos) << r.output << log;
+    EXPECT_NE(log.find("error: " + lock + ": this run's lock was taken over by another run (host "), std::string::npos)
+        << log;
+    EXPECT_NE(log.find(", pid " + thief + ", "), std::string::npos) << log << "thief " << thief;
+    EXPECT_NE(log.find("(exit code 73)"), std::string::npos) << log;
+  }
+}
+
 }  // namespace
 }  // namespace tuna
