@@ -255,7 +255,8 @@ GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeight
   const bool lora = is_lora_directory(ckpt_dir);
   if (!lora && !base_override.empty())
     fail("option 'base': ", ckpt_dir.string(), " is not a LoRA checkpoint (no ", kAdapterConfigFile, ")");
-  const fs::path model_dir = lora ? lora_base(ckpt_dir, base_override) : ckpt_dir;
+  const fs::path model_dir =
+      lora ? open_lora_checkpoint(ckpt_dir, base_override, LoraManifest::ChecksumsVerifiedByCaller).base : ckpt_dir;
   const fs::path config_path = model_dir / "config.json";
   const LlamaConfig config = LlamaConfig::from_json(read_config_json(model_dir), config_path.string());
   const ParamLayout layout(config);
