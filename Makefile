@@ -286,7 +286,8 @@ endif
 
 # ---- make fuzz: every reader of untrusted bytes (safetensors, index.json, config.json, state.json, pieces
 # metadata, rank files, manifests, token shards, TOML, checkpoint names, tokenizer files and the model config files
-# beside them, prepare's .jsonl/.gz/.zst inputs) fed seeded mutations of valid inputs and the regression corpus
+# beside them, prepare's .jsonl/.gz/.zst inputs, run.lock as any file or other thing, a LoRA checkpoint's
+# adapter_config.json, base_model.json and adapter file) fed seeded mutations of valid inputs and the regression corpus
 # tests/fuzz/corpus under AddressSanitizer and UBSan (tests/fuzz/fuzz_readers.cpp): every case must end in a clean
 # error or a valid result. The readers' sources are compiled instrumented into obj/fuzz/ and linked first; what
 # else they call (communication, kernels, libsentencepiece) comes uninstrumented. An allocation over 2 GB is a
@@ -295,10 +296,12 @@ endif
 # them.
 FUZZ_CASES ?= 300
 FUZZ_SEED ?= 1
-FUZZ_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+# float-cast-overflow is not part of GCC's "undefined": a double out of an integer's range (a pid of 1e30) converted.
+FUZZ_FLAGS := -fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_SRCS := tests/fuzz/fuzz_readers.cpp $(addprefix core/,checksum.cpp dtype.cpp error.cpp file.cpp json.cpp memory.cpp \
                options.cpp progress.cpp) ckpt/safetensors.cpp model/config.cpp \
-             ckpt/checkpoint.cpp ckpt/tensor_reader.cpp ckpt/checkpoint_writer.cpp ckpt/run_dir.cpp model/layout.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
+             ckpt/checkpoint.cpp ckpt/tensor_reader.cpp ckpt/checkpoint_writer.cpp ckpt/run_dir.cpp ckpt/peft.cpp \
+             model/layout.cpp model/lora.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
              $(addprefix data/,tokenizer.cpp tokenizer_json.cpp tiktoken.cpp byte_bpe.cpp sentencepiece_tokenizer.cpp \
                input.cpp prepare.cpp prepare_output.cpp prepare_report.cpp clean.cpp dedup.cpp chat_template.cpp)
 FUZZ_OBJS := $(FUZZ_SRCS:%.cpp=$(BUILD)/obj/fuzz/%.o)

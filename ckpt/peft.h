@@ -114,7 +114,8 @@ struct ModelSource {
   std::filesystem::path lora_dir;    // the LoRA checkpoint, or empty
   LayoutFill fill;
 };
-// override_base: --base (only for a LoRA checkpoint; fails otherwise). The caller verifies dir (verify_model_directory).
+// override_base: --base (only for a LoRA checkpoint; fails otherwise). The caller verifies dir (verify_model_directory);
+// a LoRA checkpoint is then opened by the rule of every reader (open_lora_checkpoint).
 ModelSource open_model(const std::filesystem::path& dir, const std::filesystem::path& override_base = {});
 
 // Reads a model's weights (any tp rank's layout) from `base`, a piece at a time, adding (alpha / r) B A to the rows
@@ -197,9 +198,10 @@ LoraStart lora_start(const LoraConfig& options, const LoraOptionsGiven& given, c
                      const std::filesystem::path& override_base, Comm& world,
                      std::optional<BaseQuant> base_quant = std::nullopt);
 
-// build/convert peft-to-tuna: a PEFT adapter directory (on `base`, or the base its adapter_config.json names) as a
-// LoRA checkpoint at step 0 in out_dir: PEFT's files as tuna writes them (fp32), the base's identity, the tokenizer
-// files given, a manifest; no optimizer state (a run continues from it with --lora_init, as from any adapter). The
+// build/convert peft-to-tuna: a PEFT adapter directory or LoRA checkpoint (opened by the rule of every reader,
+// open_lora_checkpoint: a damaged one is refused, never given a fresh manifest; on `base`, or the base it names) as
+// a LoRA checkpoint at step 0 in out_dir: PEFT's files as tuna writes them (fp32), the base's identity and the
+// quantization its adapters were trained on (QLoRA), the tokenizer files given, a manifest; no optimizer state (a run continues from it with --lora_init, as from any adapter). The
 // adapters pass through host memory whole (fp32; 0.8 GB for r = 16 on every projection of a 70B model). An
 // existing out_dir is replaced only with overwrite, and only when it is a LoRA checkpoint.
 void import_peft(const std::filesystem::path& peft_dir, const std::filesystem::path& out_dir,

@@ -109,7 +109,7 @@ std::unique_ptr<RunLock> lock_run_dir(const std::filesystem::path& out_dir, Comm
 // Why the trainer stops at a safe point (the end of a step, before a checkpoint), agreed by every rank
 // (collective): a stop signal seen by any rank, or the run directory's lock lost on rank 0. A lost lock wins: rank
 // 0 prints "error: ..." naming the new holder, and the run ends at once with kLockLostExitCode, writing nothing
-// more into out_dir (no checkpoint, no metrics row: the directory is another run's now).
+// more into out_dir (no checkpoint, no validation, no end row: the directory is another run's now).
 enum class StopRequest { None, Signal, LockLost };
 StopRequest stop_at_safe_point(Comm& world, bool signal_seen, const RunLock* lock);
 // EX_CANTCREAT (sysexits.h): this run can no longer write its output. Not 75 (EX_TEMPFAIL), which asks a job

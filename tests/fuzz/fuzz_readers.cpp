@@ -41,7 +41,9 @@
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "ckpt/checkpoint.h"
+#include "ckpt/peft.h"     // open_lora_checkpoint: the rule of every LoRA reader
 #include "ckpt/run_dir.h"  // RunLock
+#include "model/lora.h"
 #include "model/config.h"
 #include "model/layout.h"
 #include "ckpt/safetensors.h"
@@ -841,6 +843,39 @@ std::vector<Reader> make_readers(const fs::path& work) {
                          RunLock held(out, [](const std::string&) {}, RunLock::Timing{3600, 120, 0.01});
                        },
                        true, 8, [](std::string, Rng& rng) { return std::string(kKinds[rng.below(std::size(kKinds))]); }});
+  }
+
+  {  // a tuna LoRA checkpoint (PEFT's files, base_model.json, state.json; no manifest, so that a mutation reaches the
+     // parsers instead of the checksum) on the llama2 fixture base, through the one rule of every LoRA reader
+     // (ckpt/peft.h open_lora_checkpoint) and the merged weights eval and sample compute with
+    const fs::path base = "tests/fixtures/llama2_tiny";
+    const LlamaConfig config = LlamaConfig::load(base.string());
+    const LoraConfig lora = read_peft_adapter_config("tests/fixtures/lora_llama2_tiny");
+    const LoraLayout layout = lora_layout(config, lora);
+    std::vector<float> adapters(layout.params.total());
+    adapter_weights_from_peft("tests/fixtures/lora_llama2_tiny")(layout.params, Segment{0, layout.params.total()},
+                                                                 adapters.data());
+    const json config_json = read_config_json(base);
+    const LoraFiles files = lora_files(lora, base, BaseQuant::Nf4);
+    CheckpointContents contents{&config_json, adapters.data(), {}, json{{"step", 0}}, {}};
+    contents.lora = &files;
+    const fs::path lora_ckpt = save_checkpoint(work / "lora", 0, layout.params, contents, 0);
+    fs::remove(lora_ckpt / kManifestFile);
+    const auto read_lora = [lora_ckpt, case_dir](const char* name, const std::string& bytes) {
+      const fs::path dir = case_dir / "lora" / "step_00000000";
+      copy_dir(lora_ckpt, dir);
+      write_bytes(dir / name, bytes);
+      const LoraCheckpoint c = open_lora_checkpoint(dir, {});
+      const ParamLayout model(c.base_config);
+      std::vector<float> w(static_cast<size_t>(model.total()));
+      merged_lora_weights(c.base, dir)(model, Segment{0, model.total()}, w.data());
+    };
+    readers.push_back({"lora_adapter_config", true, {read_bytes(lora_ckpt / kAdapterConfigFile)},
+                       [read_lora](const std::string& bytes) { read_lora(kAdapterConfigFile, bytes); }});
+    readers.push_back({"lora_base_record", true, {read_bytes(lora_ckpt / kBaseModelFile)},
+                       [read_lora](const std::string& bytes) { read_lora(kBaseModelFile, bytes); }});
+    readers.push_back({"lora_adapter_file", false, {read_bytes(lora_ckpt / kAdapterWeightsFile)},
+                       [read_lora](const std::string& bytes) { read_lora(kAdapterWeightsFile, bytes); }});
   }
 
   {  // a token shard with a loss mask, read whole by the training and the evaluation loader
