@@ -90,7 +90,8 @@ EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $
                         $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/% $(BUILD)/obj/model/% \
                                  $(BUILD)/obj/ckpt/% $(BUILD)/obj/plan/% $(BUILD)/obj/engine/engine.o \
                                  $(BUILD)/obj/engine/engine_cpu.o $(BUILD)/obj/data/loader.o $(BUILD)/obj/data/shard.o \
-                                 $(BUILD)/obj/comm/comm.o $(BUILD)/obj/comm/comm_local.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
+                                 $(BUILD)/obj/comm/comm.o $(BUILD)/obj/comm/comm_local.o $(BUILD)/obj/dist/zero.o \
+                                 $(BUILD)/obj/dist/pipeline.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 BENCH_SRCS := $(wildcard bench/*.cpp)
 ifneq ($(CUDA),1)

@@ -9,19 +9,6 @@
 
 namespace tuna {
 
-// What a pipeline stage (--pp) of either engine needs to talk to its neighbours: the labels of its sends and receives,
-// which a timeout names ("recv 'stage 1: activations from stage 0' (n elements from rank r)"), and with tied embeddings
-// the tensor whose gradient the first and last stages exchange after the step's backwards (the table on the first
-// stage, its copy on the last) and the stage holding the other one. No tensor when the table is not tied, sits on
-// neither end, or is frozen (adapters train, so it has no gradient).
-struct PipelineLinks {
-  std::string recv_activations, send_activations, recv_gradient, send_gradient, tied_exchange;
-  const ParamTensor* tied = nullptr;
-  int tied_peer = -1;
-};
-PipelineLinks pipeline_links(const ParamLayout& stage_layout, bool tie_word_embeddings, bool frozen, int stage,
-                             int stages);
-
 // engine/engine_cpu.cpp: Llama + Zero.
 std::unique_ptr<Engine> make_cpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                         const WeightFill& initial);

@@ -9,7 +9,6 @@
 #include "ckpt/checkpoint.h"  // WeightReader
 #include "core/error.h"
 #include "core/memory.h"  // host_available_bytes, require_host_memory
-#include "engine/backends.h"  // PipelineLinks
 
 namespace tuna {
 
@@ -171,20 +170,6 @@ nlohmann::json check_memory_plan(const LlamaConfig& config, const EngineOptions&
   record["device"] = "cpu";
   require_host_memory(plan.peak(), ranks_on_node, "the memory plan's peak per rank");
   return record;
-}
-
-PipelineLinks pipeline_links(const ParamLayout& stage_layout, bool tie_word_embeddings, bool frozen, int stage,
-                             int stages) {
-  PipelineLinks links;
-  links.recv_activations = str("stage ", stage, ": activations from stage ", stage - 1);
-  links.send_activations = str("stage ", stage, ": activations to stage ", stage + 1);
-  links.recv_gradient = str("stage ", stage, ": input gradient from stage ", stage + 1);
-  links.send_gradient = str("stage ", stage, ": input gradient to stage ", stage - 1);
-  links.tied_exchange = str("stage ", stage, ": the tied embedding's gradient");
-  const ParamTensor* tied = stage_layout.tied_copy();
-  if (!tied && tie_word_embeddings && stage_layout.has_embedding()) tied = stage_layout.find("model.embed_tokens.weight");
-  if (tied && !frozen) links.tied = tied, links.tied_peer = tied->copy ? 0 : stages - 1;
-  return links;
 }
 
 }  // namespace tuna

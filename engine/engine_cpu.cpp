@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "dist/pipeline.h"  // pipeline_schedule, PipelineLinks
 #include "engine/backends.h"
 #include "model/quantized_weights.h"  // QuantizedWeights: a quantized frozen base
 

@@ -54,6 +54,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/memory.h"
+#include "dist/pipeline.h"  // pipeline_schedule, PipelineLinks
 #include "dist/zero_gpu.h"
 #include "kernels/adamw.cuh"  // f32_to_bf16
 #include "kernels/attention.cuh"  // resolve_attention_path

@@ -86,21 +86,6 @@ std::vector<int> pipeline_stage_units(const ParamLayout& layout, const PipelineS
   return units;
 }
 
-std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t stage, int64_t micro_batches) {
-  TUNA_CHECK(pp >= 1 && stage >= 0 && stage < pp && micro_batches >= 0, "pipeline schedule of stage ", stage, " of ",
-             pp, " over ", micro_batches, " micro-batches");
-  const int64_t warmup = std::min(pp - stage - 1, micro_batches), steady = micro_batches - warmup;
-  std::vector<PipelineOp> ops;
-  for (int64_t i = 0; i < warmup; i++) ops.push_back({true, i});
-  for (int64_t i = 0; i < steady; i++) ops.push_back({true, warmup + i}), ops.push_back({false, i});
-  for (int64_t i = steady; i < micro_batches; i++) ops.push_back({false, i});
-  return ops;
-}
-
-bool pipeline_gradient_ahead(int64_t pp, int64_t stage, int64_t micro_batches) {
-  return stage < pp - 1 && micro_batches > pp - stage - 1;
-}
-
 std::string format_pipeline_stages(const std::vector<PipelineStage>& stages) {
   double total = 0, worst = 0;
   for (const PipelineStage& s : stages) total += s.flops_per_token, worst = std::max(worst, s.flops_per_token);
