@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "dist/pipeline.h"  // MicroBatch
 #include "dist/zero.h"  // StepResult
 #include "model/config.h"
 #include "model/gpu_options.h"
@@ -78,15 +79,6 @@ struct EngineOptions {
   // the model computes with the dequantized values. cpu: nf4 or int8, any tp (model/quantized_weights.h); cuda: nf4 at
   // tp 1 (model/llama_gpu.h). None: fp32 (cpu), bf16 (cuda).
   BaseQuant base_quant = BaseQuant::None;
-};
-
-// One micro-batch of a step, as the loader gives it: inputs, targets and positions, [batch, seq] each (positions may
-// be null: one document per row).
-struct MicroBatch {
-  const int32_t* inputs = nullptr;
-  const int32_t* targets = nullptr;
-  const int32_t* positions = nullptr;
-  int64_t batch = 0, seq = 0;
 };
 
 // The figures of the log line that depend on the backend. NaN: not known on this backend.

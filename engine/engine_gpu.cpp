@@ -31,13 +31,19 @@
 //
 // Pipeline stages (--pp, ZeRO 0 and 1): this rank's LlamaGpu is its stage (model/pipeline.h's split, the stage's
 // ParamLayout; with adapters on a bf16 or nf4 base, the stage's frozen units and its layers' adapters), with activation
-// slots for the micro-batches 1F1B keeps in flight there; forward_backward_step runs the CPU engine's schedule
-// (pipeline_step below) over a device comm of the stages, on a stream of its own: the sends and receives ordered with
-// the compute by events, the next backward's gradient received while a forward computes (pipeline_step says what
-// overlaps, why the order cannot deadlock and how --comm_timeout still holds). The loss and the gradient norm's squares
-// are summed over the stages as Zero sums them on cpu (each stage counts its own tensors, the last stage's copy of a
-// tied table not), so every stage clips, and skips a non-finite step, alike. Checkpoints are in global coordinates (the
-// stage layout's global names), so a run resumes at another pp.
+// slots for the micro-batches 1F1B keeps in flight there; forward_backward_step hands the step to the pipeline driver
+// (dist/pipeline.h), the one the CPU engine uses, over a device comm of the stages on a stream of its own. This stage's
+// hooks (GpuStage below) send bf16 and order the transfers with the compute by an event on each side, so the next
+// backward's gradient is received while a forward computes (dist/pipeline.h says what overlaps, why the order cannot
+// deadlock and how --comm_timeout still holds). Backends: NCCL orders all of this on the device; the staged comm
+// (ranks sharing one GPU, the emulator) completes each send and receive on the host (its wait_on_stream is wait()), a
+// host-ordered path with the same results. The emulator runs streams in order, so its tests check the results of this
+// order, not that anything overlaps. With tp the tp comm's kernels (compute stream) and the pipeline's may run at once,
+// as dp's and tp's already do at ZeRO 2-3: NCCL expects that to work while both fit on the device at once, and
+// documents no stronger promise. The loss and the gradient norm's squares are summed over the stages as Zero sums them
+// on cpu (each stage counts its own tensors, the last stage's copy of a tied table not), so every stage clips, and
+// skips a non-finite step, alike. Checkpoints are in global coordinates (the stage layout's global names), so a run
+// resumes at another pp.
 //
 // Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
 // uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and
@@ -49,12 +55,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "core/cuda_check.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/memory.h"
-#include "dist/pipeline.h"  // pipeline_schedule, PipelineLinks
+#include "dist/pipeline.h"  // PipelineDriver, PipelineStageModel
 #include "dist/zero_gpu.h"
 #include "kernels/adamw.cuh"  // f32_to_bf16
 #include "kernels/attention.cuh"  // resolve_attention_path
@@ -101,6 +108,64 @@ struct StateStaging {
   std::vector<uint16_t> bits;
 };
 
+// LlamaGpu as a pipeline stage (dist/pipeline.h): bf16 activations in device memory. The device comm of the stages
+// runs on a stream of its own (`transfers`): a transfer waits there for an event recorded on the compute stream after
+// the passes queued before it, and the compute stream waits (Comm::wait_on_stream) for a receive before the pass that
+// reads it and for a send before the pass that rewrites its buffer, so the host queues pass after pass. d_resid, where
+// a backward's output gradient lands, is the backward's alone, so that gradient may be received while a forward
+// computes.
+class GpuStage final : public PipelineStageModel {
+ public:
+  GpuStage(LlamaGpu& model, cudaStream_t transfers, std::function<void(int64_t)> key_dropout)
+      : model_(model), transfers_(transfers), key_dropout_(std::move(key_dropout)) {
+    TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&produced_, cudaEventDisableTiming));
+  }
+  ~GpuStage() override {
+    if (produced_) cudaEventDestroy(produced_);
+  }
+  GpuStage(const GpuStage&) = delete;
+  GpuStage& operator=(const GpuStage&) = delete;
+
+  int64_t in_flight() const override { return model_.in_flight(); }
+  int64_t boundary_elements(const MicroBatch& b) const override {
+    return model_.residual_rows(b.batch * b.seq) * model_.config().hidden_size;
+  }
+  void* input(int64_t slot) override { return model_.stage_input(slot); }
+  const void* output() const override { return model_.stage_output(); }
+  void* output_grad() override { return model_.stage_output_grad(); }
+  const void* input_grad() const override { return model_.stage_input_grad(); }
+  void begin_pass(int64_t micro_batch) override { key_dropout_(micro_batch); }
+  LossSum forward(int64_t slot, const MicroBatch& b, bool backward_follows) override {
+    return model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions, backward_follows);
+  }
+  void backward(int64_t slot, const MicroBatch& b) override {
+    model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
+  }
+  float* gradients() override { return model_.grads(); }  // zero when no micro-batch ran (grads() zeroes it then)
+  float* tied_peer_gradient() override { return model_.tied_peer_grad(); }
+  void add_tied_peer_gradient(float* mine, const float* theirs, int64_t n) override {
+    cuda::accumulate(mine, theirs, n, model_.stream());
+  }
+
+  CommType wire_type() const override { return CommType::BF16; }
+  // The transfers' stream runs what it is given next after the compute queued so far.
+  void before_transfer() override {
+    TUNA_CUDA_CHECK(cudaEventRecord(produced_, model_.stream()));
+    TUNA_CUDA_CHECK(cudaStreamWaitEvent(transfers_, produced_, 0));
+  }
+  CommRequest compute_waits_for(Comm& comm, CommRequest request) override {
+    comm.wait_on_stream(request, model_.stream());
+    return request;  // the host's bounded wait comes a pass later (dist/pipeline.h)
+  }
+  bool receives_gradient_ahead() const override { return true; }
+
+ private:
+  LlamaGpu& model_;
+  cudaStream_t transfers_;
+  cudaEvent_t produced_ = nullptr;  // recorded on the compute stream before a transfer
+  std::function<void(int64_t)> key_dropout_;
+};
+
 class GpuEngine final : public Engine {
  public:
   GpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial,
@@ -118,10 +183,9 @@ class GpuEngine final : public Engine {
       tp_device_ = device_comm(*mesh.tp, stream);
       model_.set_tp_comm(tp_device_.get());
     }
-    // The pipeline's sends and receives run on a stream of their own, overlapping the compute (pipeline_step).
+    // The pipeline's sends and receives run on a stream of their own, overlapping the compute (GpuStage).
     if (mesh.pp_size > 1) {
       TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&pp_stream_, cudaStreamNonBlocking));
-      TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&produced_, cudaEventDisableTiming));
       set_up_pipeline(device_comm(*mesh.pp, pp_stream_));
     }
     const bool adapters = model_.has_adapters();
@@ -148,12 +212,13 @@ class GpuEngine final : public Engine {
   }
   ~GpuEngine() override {
     store_.reset();
+    pipeline_.reset();
+    pipeline_stage_.reset();
     pp_device_.reset();
     base_store_.reset();
     dp_device_.reset();
     tp_device_.reset();
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
-    if (produced_) cudaEventDestroy(produced_);
     if (pp_stream_) cudaStreamDestroy(pp_stream_);
   }
 
@@ -173,7 +238,7 @@ class GpuEngine final : public Engine {
     return model_.forward_backward(inputs, targets, batch, seq, positions);
   }
   LossSum forward_backward_step(const std::vector<MicroBatch>& micro_batches) override {
-    return pp_device_ ? pipeline_step(micro_batches) : Engine::forward_backward_step(micro_batches);
+    return pipeline_ ? pipeline_->step(micro_batches) : Engine::forward_backward_step(micro_batches);
   }
   StepResult finish_step(const LossSum& local, double lr) override {
     StepResult r;
@@ -197,20 +262,8 @@ class GpuEngine final : public Engine {
   }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions) override {
-    if (!pp_device_) return model_.forward_loss(inputs, targets, batch, seq, positions);
-    // One micro-batch down the pipe (the loss on the last stage; all_reduce_loss sums over the stages).
-    const int s = pp_device_->rank(), last = pp_device_->size() - 1;
-    const int64_t count = model_.residual_rows(batch * seq) * model_.config().hidden_size;
-    if (s > 0) {
-      after_compute();  // the last pass that read stage_input(0)
-      pp_device_->recv(model_.stage_input(0), count, CommType::BF16, s - 1, links_.recv_activations.c_str());
-    }
-    const LossSum loss = model_.forward_stage(0, inputs, targets, batch, seq, positions, /*backward_follows=*/false);
-    if (s < last) {
-      after_compute();
-      pp_device_->send(model_.stage_output(), count, CommType::BF16, s + 1, links_.send_activations.c_str());
-    }
-    return loss;
+    if (!pipeline_) return model_.forward_loss(inputs, targets, batch, seq, positions);
+    return pipeline_->forward_loss(MicroBatch{inputs, targets, positions, batch, seq});
   }
   // Over dp, then over the stages (the stages before the last add nothing), as Zero sums it on cpu.
   LossSum all_reduce_loss(const LossSum& local) override {
@@ -343,151 +396,19 @@ class GpuEngine final : public Engine {
       model_.set_lora_dropout_key(lora_dropout_key(options_.seed, steps_taken(), micro_batch, mesh_.dp_rank));
   }
 
-  // Pipeline stages: the device comm over the stages (on pp_stream_), the labels of the stage's
-  // sends and receives (a timeout names them), and with tied embeddings the other stage that holds the table.
+  // Pipeline stages: the device comm over the stages (on pp_stream_), this model as the driver's stage, and the
+  // driver with the labels of the stage's sends and receives (a timeout names them) and, with tied embeddings, the
+  // other stage that holds the table.
   void set_up_pipeline(std::unique_ptr<Comm> pp_device) {
     pp_device_ = std::move(pp_device);
     model_.set_pp_comm(mesh_.pp.get());
-    links_ = pipeline_links(model_.layout(), model_.config().tie_word_embeddings, model_.has_adapters(),
-                            pp_device_->rank(), pp_device_->size());
-    if (const ParamTensor* tied = links_.tied) {
+    PipelineLinks links = pipeline_links(model_.layout(), model_.config().tie_word_embeddings, model_.has_adapters(),
+                                         pp_device_->rank(), pp_device_->size());
+    if (links.tied)
       TUNA_CHECK(model_.tied_peer_grad() != nullptr, "no buffer for the tied embedding's gradient from the other stage");
-      tied_offset_ = tied->offset, tied_numel_ = tied->numel;
-    }
-  }
-
-  // The step's micro-batches through this stage in the 1F1B order, as the CPU engine runs them
-  // (engine/engine_cpu.cpp). The sends carry bf16 (the stage's activations and their gradients as the device holds
-  // them; the CPU engine's are fp32).
-  //
-  // Overlap. The device comm runs on its own stream (pp_stream_). A send waits there for an event recorded on the
-  // compute stream after the pass that wrote its buffer; the compute stream waits (wait_on_stream) for a receive
-  // before the pass that reads it, and for a send before the pass that rewrites its buffer, so the host queues pass
-  // after pass without waiting for a transfer. In the steady 1F1B phase a stage before the last posts the receive of
-  // the next backward's output gradient before it queues the forward between them: that transfer runs while the
-  // forward computes (d_resid, where it lands, is the backward's alone; the last send out of it is ordered before it
-  // on the comm's stream). The receive of the next forward's input is not posted ahead: it lands in the activation
-  // slot the backward before it reads, and the memory plan has no second input buffer.
-  //
-  // Order and deadlock. Each send and receive is flushed as a group of its own, so on the comm's stream they run one
-  // at a time in the order started, and an NCCL send or receive may wait until its peer reaches the matching one.
-  // Between stages s and s+1 both then meet in the same order: s+1 sends the gradient of each backward before
-  // receiving the input of the forward after it, and s posts that gradient's receive just before the send of the
-  // forward's output that precedes the backward (in 1F1B s's forward before backward k is one micro-batch later than
-  // s+1's). That holds only where s has a steady phase; in a step of fewer micro-batches than s's warm-up, the
-  // gradient is received where the backward starts, as everything else. Every transfer also waits for the compute
-  // queued before it, so none can need a pass that waits for a later transfer. A rendezvous model of both streams
-  // per stage finishes for pp 2-8 over 0-19 micro-batches, and deadlocks when a stage in its warm-up posts ahead
-  // (tests/model/test_pipeline.cpp).
-  //
-  // --comm_timeout. Every request gets a bounded host wait (wait()): those the compute stream waits on one pass
-  // later, before the next pass's token upload waits for the compute stream (LlamaGpu::upload_tokens), and on the
-  // last stage before the forward whose loss the host reads; the others at the end of the step. A dead stage thus
-  // stops this one inside a wait that names the send or receive, never in an unbounded stream synchronize.
-  //
-  // Then, with tied embeddings, the first and last stages exchange the table's gradient (fp32) and each adds the
-  // other's: both hold the sum (a + b == b + a, bit for bit), so the copies' updates agree.
-  //
-  // Backends: NCCL orders all of this on the device; the staged comm (ranks sharing one GPU, the emulator) completes
-  // each send and receive on the host (its wait_on_stream is wait()), a host-ordered path with the same results. The
-  // emulator runs streams in order, so its tests check the results of this order, not that anything overlaps. With tp
-  // the tp comm's kernels (compute stream) and the pipeline's may run at once, as dp's and tp's already do at ZeRO 2-3:
-  // NCCL expects that to work while both fit on the device at once, and documents no stronger promise.
-  LossSum pipeline_step(const std::vector<MicroBatch>& micro_batches) {
-    Comm& pp = *pp_device_;
-    const int s = pp.rank(), last = pp.size() - 1;
-    const int64_t C = model_.config().hidden_size;
-    cudaStream_t compute = model_.stream();
-    CommRequest activations_sent = 0, gradient_sent = 0, gradient_posted = 0;
-    std::vector<CommRequest> waited_last_pass, waited_this_pass;  // for the bounded host waits
-    const auto device_wait = [&](CommRequest& r) {  // the compute stream waits for r; the host later
-      if (!r) return;
-      pp.wait_on_stream(r, compute);
-      waited_this_pass.push_back(r), r = 0;
-    };
-    const auto host_wait = [&](std::vector<CommRequest>& requests) {
-      for (CommRequest r : requests) pp.wait(r);
-      requests.clear();
-    };
-    LossSum loss;
-    const int64_t m = static_cast<int64_t>(micro_batches.size());
-    const std::vector<PipelineOp> ops = pipeline_schedule(pp.size(), s, m);
-    const bool ahead = pipeline_gradient_ahead(pp.size(), s, m);  // only with a steady phase (see above)
-    for (size_t i = 0; i < ops.size(); i++) {
-      const PipelineOp& op = ops[i];
-      const MicroBatch& b = micro_batches[op.micro_batch];
-      const int64_t slot = op.micro_batch % model_.in_flight();
-      key_dropout(op.micro_batch);
-      const int64_t count = model_.residual_rows(b.batch * b.seq) * C;
-      host_wait(waited_last_pass);  // the pass below waits for the previous pass's upload (see above)
-      if (op.forward) {
-        if (s > 0) {
-          after_compute();  // the backward that last read this slot
-          CommRequest r = pp.recv_start(model_.stage_input(slot), count, CommType::BF16, s - 1,
-                                        links_.recv_activations.c_str());
-          pp.flush();
-          device_wait(r);
-        }
-        device_wait(activations_sent);  // this forward rewrites stage_output()
-        if (ahead && i + 1 < ops.size() && !ops[i + 1].forward) {  // the next backward's gradient, posted ahead
-          const MicroBatch& nb = micro_batches[ops[i + 1].micro_batch];
-          after_compute();  // the backward before, which read d_resid (the first stage sends nothing after it)
-          gradient_posted = pp.recv_start(model_.stage_output_grad(), model_.residual_rows(nb.batch * nb.seq) * C,
-                                          CommType::BF16, s + 1, links_.recv_gradient.c_str());
-          pp.flush();
-        }
-        if (s == last) host_wait(waited_this_pass);  // the forward below waits for its loss on the host
-        const LossSum l = model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions,
-                                               /*backward_follows=*/true);
-        loss.sum += l.sum, loss.count += l.count;
-        if (s < last) {
-          after_compute();
-          activations_sent = pp.send_start(model_.stage_output(), count, CommType::BF16, s + 1,
-                                           links_.send_activations.c_str());
-          pp.flush();
-        }
-      } else {
-        device_wait(gradient_sent);  // the recv below and this backward rewrite stage_input_grad()
-        if (s < last) {
-          if (!gradient_posted) after_compute();
-          CommRequest r = gradient_posted ? gradient_posted
-                                          : pp.recv_start(model_.stage_output_grad(), count, CommType::BF16, s + 1,
-                                                          links_.recv_gradient.c_str());
-          gradient_posted = 0;
-          pp.flush();
-          device_wait(r);
-        }
-        model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
-        if (s > 0) {
-          after_compute();
-          gradient_sent = pp.send_start(model_.stage_input_grad(), count, CommType::BF16, s - 1,
-                                        links_.send_gradient.c_str());
-          pp.flush();
-        }
-      }
-      waited_last_pass.swap(waited_this_pass);
-    }
-    // Every request is waited for once: those the compute stream waited on above, then the last sends.
-    host_wait(waited_last_pass);
-    if (activations_sent) pp.wait(activations_sent);
-    if (gradient_sent) pp.wait(gradient_sent);
-    if (links_.tied_peer >= 0) {
-      float* mine = model_.grads() + tied_offset_;  // zero when no micro-batch ran (grads() zeroes it then)
-      float* theirs = model_.tied_peer_grad();
-      after_compute();
-      const CommRequest sent =
-          pp.send_start(mine, tied_numel_, CommType::F32, links_.tied_peer, links_.tied_exchange.c_str());
-      pp.recv(theirs, tied_numel_, CommType::F32, links_.tied_peer, links_.tied_exchange.c_str());
-      pp.wait(sent);
-      cuda::accumulate(mine, theirs, tied_numel_, model_.stream());
-    }
-    return loss;
-  }
-
-  // Orders the pipeline comm's stream after the compute queued so far (what a send reads was written there).
-  void after_compute() {
-    TUNA_CUDA_CHECK(cudaEventRecord(produced_, model_.stream()));
-    TUNA_CUDA_CHECK(cudaStreamWaitEvent(pp_stream_, produced_, 0));
+    pipeline_stage_ =
+        std::make_unique<GpuStage>(model_, pp_stream_, [this](int64_t micro_batch) { key_dropout(micro_batch); });
+    pipeline_ = std::make_unique<PipelineDriver>(*pp_device_, *pipeline_stage_, std::move(links));
   }
 
   // The sharded update of ZeRO 1-3 (see the top of this file). Returns the norm and clip as AdamW::step would;
@@ -675,9 +596,8 @@ class GpuEngine final : public Engine {
   std::unique_ptr<Comm> tp_device_;        // NCCL over the tp group, on the compute stream; null without tp
   std::unique_ptr<Comm> pp_device_;        // NCCL over the pipeline's stages, on pp_stream_; null without pp
   cudaStream_t pp_stream_ = nullptr;       // the pipeline's sends and receives
-  cudaEvent_t produced_ = nullptr;         // recorded on the compute stream before a send (after_compute)
-  PipelineLinks links_;  // the labels of the stage's sends and receives, and the tied table's other stage
-  int64_t tied_offset_ = 0, tied_numel_ = 0;  // tied embeddings over stages: where the table's gradient is here
+  std::unique_ptr<GpuStage> pipeline_stage_;  // --pp: this model as the driver's stage,
+  std::unique_ptr<PipelineDriver> pipeline_;  // and the driver
   std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
   std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model (the adapters')
   std::vector<Segment> base_segments_;     // ZeRO-3 with adapters: this rank's piece of each unit of the base,

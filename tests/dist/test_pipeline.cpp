@@ -1,7 +1,9 @@
-// The 1F1B schedule of a pipeline stage, and the transfer order of the CUDA engine's overlap.
+// The 1F1B schedule of a pipeline stage, the transfer order of the overlap, and the driver's order against it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -47,7 +49,7 @@ TEST(Pipeline, OneForwardOneBackwardSchedule) {
   EXPECT_EQ(order, "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5 ");
 }
 
-// The CUDA engine's transfer order (engine/engine_gpu.cpp pipeline_step) under NCCL's worst case: each send or receive
+// The pipeline driver's transfer order with the CUDA engine's overlap (dist/pipeline.h) under NCCL's worst case: each send or receive
 // runs alone, in the order started, on the stage's comm stream, and completes only together with its peer's matching
 // one; each waits for the compute queued before it, and a pass for the transfers it reads or whose buffer it
 // rewrites. A stage receives a forward's input at the forward, posts the next backward's gradient ahead of the
@@ -135,6 +137,111 @@ TEST(Pipeline, TransferOrderOfTheOverlapCannotDeadlock) {
   EXPECT_TRUE(pipeline_gradient_ahead(4, 0, 4));
   EXPECT_FALSE(pipeline_gradient_ahead(4, 0, 3));
   EXPECT_FALSE(pipeline_gradient_ahead(4, 3, 9));  // the last stage receives no gradient
+}
+
+// The driver itself starts its transfers in the order the model above checks: a stage that computes on a queue of its
+// own (it posts the gradient ahead, and its compute waits for requests instead of the host), run through
+// PipelineDriver::step over a comm that records each send and receive, gives the model's transfers and, per pass, the
+// transfers that pass waits for.
+namespace recording {
+// Micro-batch i is announced by its element count: 1000 + i.
+constexpr int64_t kCountBase = 1000;
+
+class RecordingComm final : public Comm {
+ public:
+  RecordingComm(int rank, int size, overlap::Stage& record, const size_t& passes)
+      : Comm(rank, size), record_(record), passes_(passes) {}
+  std::string backend() const override { return "recording"; }
+  void all_reduce(void*, int64_t, CommType, ReduceOp, const char*) override { unused(); }
+  void reduce_scatter(const void*, void*, int64_t, CommType, const char*) override { unused(); }
+  void all_gather(const void*, void*, int64_t, CommType, const char*) override { unused(); }
+  CommRequest all_gather_start(const void*, void*, int64_t, CommType, const char*) override { return unused(), 0; }
+  void wait(CommRequest request) override {
+    EXPECT_TRUE(request > 0 && request <= static_cast<CommRequest>(record_.transfers.size())) << request;
+    EXPECT_TRUE(waited_.insert(request).second) << "request " << request << " waited for twice";
+  }
+  void broadcast(void*, int64_t, int, const char*) override { unused(); }
+  CommRequest send_start(const void*, int64_t n, CommType, int peer, const char* what) override {
+    return start(true, n, peer, what);
+  }
+  CommRequest recv_start(void*, int64_t n, CommType, int peer, const char* what) override {
+    return start(false, n, peer, what);
+  }
+  void barrier(const char*) override { unused(); }
+  std::unique_ptr<Comm> split(int, int) override { return unused(), nullptr; }
+  size_t waited() const { return waited_.size(); }
+
+ private:
+  static void unused() { ADD_FAILURE() << "the pipeline driver moves activations point to point only"; }
+  CommRequest start(bool send, int64_t n, int peer, const char* what) {
+    const bool gradient = std::string(what).find("gradient") != std::string::npos;
+    record_.transfers.push_back({send, peer, gradient, n - kCountBase, passes_});
+    return static_cast<CommRequest>(record_.transfers.size());
+  }
+  overlap::Stage& record_;
+  const size_t& passes_;
+  std::set<CommRequest> waited_;
+};
+
+class RecordingStage final : public PipelineStageModel {
+ public:
+  RecordingStage(int64_t in_flight, overlap::Stage& record, size_t& passes)
+      : in_flight_(in_flight), record_(record), passes_(passes) {}
+  int64_t in_flight() const override { return in_flight_; }
+  int64_t boundary_elements(const MicroBatch& b) const override { return kCountBase + b.batch; }
+  void* input(int64_t) override { return buffer_; }
+  const void* output() const override { return buffer_; }
+  void* output_grad() override { return buffer_; }
+  const void* input_grad() const override { return buffer_; }
+  LossSum forward(int64_t, const MicroBatch&, bool) override { return pass(), LossSum{}; }
+  void backward(int64_t, const MicroBatch&) override { pass(); }
+  float* gradients() override { return nullptr; }
+  float* tied_peer_gradient() override { return nullptr; }
+  void add_tied_peer_gradient(float*, const float*, int64_t) override { ADD_FAILURE() << "no tied table here"; }
+  CommType wire_type() const override { return CommType::BF16; }
+  CommRequest compute_waits_for(Comm&, CommRequest request) override {
+    waits_.push_back(static_cast<size_t>(request - 1));
+    return request;
+  }
+  bool receives_gradient_ahead() const override { return true; }
+
+ private:
+  void pass() {
+    record_.pass_waits.push_back(waits_), waits_.clear();
+    passes_++;
+  }
+  int64_t in_flight_;
+  overlap::Stage& record_;
+  size_t& passes_;
+  std::vector<size_t> waits_;
+  float buffer_[1] = {};
+};
+}  // namespace recording
+
+TEST(Pipeline, DriverStartsTransfersInTheOrderTheModelChecks) {
+  for (int64_t pp = 2; pp <= 5; pp++)
+    for (int64_t s = 0; s < pp; s++)
+      for (int64_t m = 0; m <= 9; m++) {
+        overlap::Stage recorded;
+        size_t passes = 0;
+        recording::RecordingComm comm(static_cast<int>(s), static_cast<int>(pp), recorded, passes);
+        recording::RecordingStage stage(pp - s, recorded, passes);
+        PipelineDriver driver(comm, stage, PipelineLinks{"a<", "a>", "gradient<", "gradient>", "tied", nullptr, -1});
+        std::vector<MicroBatch> micro_batches(m);
+        for (int64_t i = 0; i < m; i++) micro_batches[i].batch = i, micro_batches[i].seq = 1;
+        driver.step(micro_batches);
+        const overlap::Stage expected = overlap::stage_order(pp, s, m, pipeline_gradient_ahead(pp, s, m));
+        const std::string where = "pp " + std::to_string(pp) + ", stage " + std::to_string(s) + ", " + std::to_string(m);
+        ASSERT_EQ(recorded.transfers.size(), expected.transfers.size()) << where;
+        for (size_t t = 0; t < expected.transfers.size(); t++) {
+          const overlap::Transfer &a = recorded.transfers[t], &b = expected.transfers[t];
+          EXPECT_TRUE(a.send == b.send && a.peer == b.peer && a.gradient == b.gradient &&
+                      a.micro_batch == b.micro_batch && a.passes_before == b.passes_before)
+              << where << ", transfer " << t;
+        }
+        EXPECT_EQ(recorded.pass_waits, expected.pass_waits) << where;
+        EXPECT_EQ(comm.waited(), recorded.transfers.size()) << where << ": every request waited for once";
+      }
 }
 
 }  // namespace
