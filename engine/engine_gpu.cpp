@@ -1,29 +1,11 @@
-// The CUDA engine (engine/engine.h): LlamaGpu on this rank's GPU, data parallel over the device comm (NCCL) as
-// ZeRO-0, 1, 2 or 3.
-//
-// ZeRO-0. A step: forward_backward per micro-batch accumulates fp32 gradients on the device; finish_step sums
-// the loss over dp ranks (host comm), all-reduces the gradients on the device comm, then LlamaGpu::adamw_step
-// takes the global norm, clips and updates. Every rank then holds the same gradients and applies the same
-// update, so the weights stay identical without a broadcast.
-//
-// ZeRO-1. The fp32 master weights and AdamW moments exist only for this rank's shard (OptimizerShard,
-// dist/zero_gpu.h); the model keeps only its bf16 weights and fp32 gradients. finish_step reduce-scatters each
-// unit's gradient into the shard, takes the norm over the shard and sums it over dp, runs the fused AdamW over
-// the shard, then all-gathers the updated master pieces into the (by then unused) gradient buffer and rewrites
-// the bf16 weights from it (with the update's stochastic-rounding bits, so every rank holds the weights ZeRO-0
-// would).
-//
-// ZeRO-2 and 3 (ShardedStore, dist/zero_gpu.h, the model's GpuWeightStore). The gradient shard is filled unit by
-// unit during the backward on a communication stream, and ZeRO-3 gathers each unit's weights just before use.
-// The update runs over the shard as ZeRO-1's and writes the shard's bf16 weights, which the store then gathers.
-//
-// The clip norm is over the shards (squares summed over this rank's shard, then over dp). At one rank the
-// shard is the whole layout in layout order, so every stage computes ZeRO-0's bits.
+// The CUDA engine (engine/engine.h): LlamaGpu on this rank's GPU, with ZeRO 0-3 over the dp group (ZeroGpu,
+// dist/zero_gpu.h) and the pipeline driver over the stages (dist/pipeline.h); this file makes the streams and device
+// comms and wires them together.
 //
 // LoRA (EngineOptions::lora): the model's base is frozen (bf16 or nf4), filled once, never saved, whole on every
 // dp rank below ZeRO-3; what trains, the dp collectives, the update and the checkpoint state are the adapters'
-// (LlamaGpu::trained_layout(), PEFT names, one unit per layer), at ZeRO 0-3 as above: ZeRO-1 shards their
-// master and moments, ZeRO-2 their gradient too (a layer's reduce-scattered as its backward ends), and the update
+// (LlamaGpu::trained_layout(), PEFT names, one unit per layer), at ZeRO 0-3 as for a full fine-tune: ZeRO-1 shards
+// their master and moments, ZeRO-2 their gradient too (a layer's reduce-scattered as its backward ends), and the update
 // writes the whole bf16 copy the GEMMs read. ZeRO-3 also shards the frozen bf16 base over dp (FrozenShard, written
 // once), its units gathered before use as a full fine-tune's are, while the adapters train as at ZeRO-2 (a quantized
 // base is not sharded: refused, model/llama_gpu.cpp).
@@ -44,10 +26,6 @@
 // on cpu (each stage counts its own tensors, the last stage's copy of a tied table not), so every stage clips, and
 // skips a non-finite step, alike. Checkpoints are in global coordinates (the stage layout's global names), so a run
 // resumes at another pp.
-//
-// Checkpoints: each dp rank writes its piece of every unit (dp_unit_pieces, as the CPU ZeRO-0 does). Restoring
-// uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and
-// copies the result into the master weights and moments: no rank ever holds the whole state in host memory.
 #if TUNA_CUDA
 
 #include <cuda_bf16.h>
@@ -58,12 +36,11 @@
 #include <functional>
 
 #include "core/cuda_check.h"
-#include "core/dtype.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "dist/pipeline.h"  // PipelineDriver, PipelineStageModel
 #include "dist/zero_gpu.h"
-#include "kernels/adamw.cuh"  // f32_to_bf16
+#include "kernels/adamw.cuh"  // accumulate
 #include "kernels/attention.cuh"  // resolve_attention_path
 #include "model/decode_gpu.h"
 #include "engine/backends.h"
@@ -95,18 +72,6 @@ void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_
          " GPU(s) are visible: launch at most ", count, " ranks per node (mpirun --map-by ppr:", count,
          ":node) or widen CUDA_VISIBLE_DEVICES");
 }
-
-// The host buffers of a checkpoint exchange: one piece (the largest of `segments`) of the weights and both
-// moments, and its bf16 bits for a moment's device copy.
-struct StateStaging {
-  explicit StateStaging(const std::vector<Segment>& segments) {
-    int64_t largest = 0;
-    for (const Segment& s : segments) largest = std::max(largest, s.size);
-    p.resize(largest), m.resize(largest), v.resize(largest), bits.resize(largest);
-  }
-  std::vector<float> p, m, v;
-  std::vector<uint16_t> bits;
-};
 
 // LlamaGpu as a pipeline stage (dist/pipeline.h): bf16 activations in device memory. The device comm of the stages
 // runs on a stream of its own (`transfers`): a transfer waits there for an event recorded on the compute stream after
@@ -172,8 +137,7 @@ class GpuEngine final : public Engine {
             const DeviceCommFactory& device_comm)
       : options_(o),
         mesh_(mesh),
-        model_(config, engine_memory_layout(o, mesh), o.opt, o.gpu),
-        segments_(dp_unit_pieces(model_.trained_layout(), mesh.dp_rank, mesh.dp_size)) {
+        model_(config, engine_memory_layout(o, mesh), o.opt, o.gpu) {
     model_.set_document_mode(o.documents);
     cudaStream_t stream = model_.stream();
     // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
@@ -188,21 +152,10 @@ class GpuEngine final : public Engine {
       TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&pp_stream_, cudaStreamNonBlocking));
       set_up_pipeline(device_comm(*mesh.pp, pp_stream_));
     }
-    const bool adapters = model_.has_adapters();
-    if (o.zero >= 1)
-      shard_ = std::make_unique<OptimizerShard>(model_.arena(), model_.trained_layout(), segments_, o.bf16_moments,
-                                                o.zero >= 2, adapters ? "LoRA " : "");
-    if (o.zero >= 2)
-      store_ = std::make_unique<ShardedStore>(model_, *shard_, segments_, dp_device_.get(), comm_stream_,
-                                              adapters ? 2 : o.zero, o.zero_prefetch, adapters);
-    if (adapters && o.zero == 3) {
-      base_segments_ = dp_unit_pieces(model_.layout(), mesh.dp_rank, mesh.dp_size);
-      base_shard_ = std::make_unique<FrozenShard>(model_.arena(), model_.layout(), base_segments_);
-      base_store_ = std::make_unique<ShardedStore>(model_, *base_shard_, base_segments_, dp_device_.get(),
-                                                   comm_stream_, o.zero_prefetch);
-    }
+    zero_ = std::make_unique<ZeroGpu>(model_, ZeroGpuOptions{o.zero, o.bf16_moments, o.zero_prefetch, o.opt, o.gpu},
+                                      mesh, dp_device_.get(), comm_stream_);
     model_.arena().check_all_taken();
-    if (initial) fill_weights(initial);
+    if (initial) zero_->fill_weights(initial, o.adapters ? o.adapters : initial_adapters(o.seed));
     cudaDeviceProp prop{};
     TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, o.gpu.device));
     describe_ = str("cuda:", o.gpu.device, " (", prop.name, ", ", prop.multiProcessorCount, " SMs, ",
@@ -211,11 +164,10 @@ class GpuEngine final : public Engine {
     attention_ = cuda::attention_path_name(cuda::resolve_attention_path(o.attention));
   }
   ~GpuEngine() override {
-    store_.reset();
+    zero_.reset();
     pipeline_.reset();
     pipeline_stage_.reset();
     pp_device_.reset();
-    base_store_.reset();
     dp_device_.reset();
     tp_device_.reset();
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
@@ -228,8 +180,7 @@ class GpuEngine final : public Engine {
   const ParamLayout& base_layout() const override { return model_.layout(); }
 
   void begin_step() override {
-    if (store_) store_->begin_step();
-    else model_.zero_grads();
+    zero_->begin_step();
     micro_batch_ = 0;
   }
   LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
@@ -240,129 +191,21 @@ class GpuEngine final : public Engine {
   LossSum forward_backward_step(const std::vector<MicroBatch>& micro_batches) override {
     return pipeline_ ? pipeline_->step(micro_batches) : Engine::forward_backward_step(micro_batches);
   }
-  StepResult finish_step(const LossSum& local, double lr) override {
-    StepResult r;
-    const LossSum total = all_reduce_loss(local);
-    r.tokens = total.count;
-    r.loss = total.count ? total.sum / total.count : NAN;
-    // Mean over every trained token of the step; a step of only ignored targets changes nothing but decay.
-    const double loss_scale = total.count ? 1.0 / total.count : 0.0;
-    const bool loss_is_finite = step_is_finite(r.loss, r.tokens, 0.0);
-    if (shard_) {
-      r.stats = sharded_update(loss_scale, lr, loss_is_finite);
-      return r;
-    }
-    if (dp_device_) {
-      dp_device_->all_reduce(model_.grads(), model_.trained_layout().total(), CommType::F32, ReduceOp::Sum,
-                             "gradients");
-      dp_device_->barrier("gradients all-reduced");  // a bounded wait (--comm_timeout) instead of a blind sync
-    }
-    r.stats = model_.adamw_step(loss_scale, lr, loss_is_finite);
-    return r;
-  }
+  StepResult finish_step(const LossSum& local, double lr) override { return zero_->finish_step(local, lr); }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions) override {
     if (!pipeline_) return model_.forward_loss(inputs, targets, batch, seq, positions);
     return pipeline_->forward_loss(MicroBatch{inputs, targets, positions, batch, seq});
   }
-  // Over dp, then over the stages (the stages before the last add nothing), as Zero sums it on cpu.
-  LossSum all_reduce_loss(const LossSum& local) override {
-    const LossSum over_dp = sum_over_ranks(*mesh_.dp, local);
-    return pp_device_ ? sum_over_ranks(*mesh_.pp, over_dp) : over_dp;
-  }
 
-  const std::vector<Segment>& segments() const override { return segments_; }
+  LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
 
-  // A piece at a time through one host buffer of the largest piece (weights and both moments): a rank never holds
-  // its shard on the host. ZeRO-0 hands out this rank's piece of each unit of its whole copy, ZeRO 1-3 its shard.
-  void export_state(const StateSink& sink) const override {
-    const LlamaGpu& model = model_;
-    StateStaging host(segments_);
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
-    for (size_t i = 0; i < segments_.size(); i++) {
-      const int64_t at = shard_ ? shard_->unit_offset[i] : segments_[i].begin, n = segments_[i].size;
-      const float* master = shard_ ? shard_->master : model.master_params();
-      const void* moments[2] = {shard_ ? shard_->m : model.moment_m(), shard_ ? shard_->v : model.moment_v()};
-      TUNA_CUDA_CHECK(cudaMemcpy(host.p.data(), master + at, n * sizeof(float), cudaMemcpyDeviceToHost));
-      for (int k = 0; k < 2; k++) {
-        float* dst = k == 0 ? host.m.data() : host.v.data();
-        if (!model.bf16_moments()) {
-          TUNA_CUDA_CHECK(cudaMemcpy(dst, static_cast<const float*>(moments[k]) + at, n * sizeof(float),
-                                     cudaMemcpyDeviceToHost));
-          continue;
-        }
-        TUNA_CUDA_CHECK(cudaMemcpy(host.bits.data(), static_cast<const uint16_t*>(moments[k]) + at,
-                                   n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
-        convert_to_f32(host.bits.data(), DType::BF16, dst, n);
-      }
-      sink(i, host.p.data(), host.m.data(), host.v.data());
-    }
-  }
-
-  // The reverse, a piece at a time: each piece goes to its place (ZeRO-0: this rank's piece of each unit in the
-  // whole copy, ZeRO 1-3: the shard); bf16 moments are rounded to nearest on the device through the (unused
-  // between steps) fp32 gradients. ZeRO-0 with dp then gathers every unit in place; then the copies the stage
-  // keeps are made.
-  void import_state(const StateSource& source) override {
-    cudaStream_t stream = model_.stream();
-    StateStaging host(segments_);
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    float* master = shard_ ? shard_->master : model_.master_params();
-    void* moments[2] = {shard_ ? shard_->m : model_.moment_m(), shard_ ? shard_->v : model_.moment_v()};
-    float* staging = shard_ ? shard_->grad : model_.grads();  // fp32, the shard's (or the model's) size
-    const bool bf16 = model_.bf16_moments();
-    for (size_t i = 0; i < segments_.size(); i++) {
-      const int64_t at = shard_ ? shard_->unit_offset[i] : segments_[i].begin, n = segments_[i].size;
-      source(i, host.p.data(), host.m.data(), host.v.data());
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(master + at, host.p.data(), n * sizeof(float), cudaMemcpyHostToDevice, stream));
-      for (int k = 0; k < 2; k++) {
-        const float* src = k == 0 ? host.m.data() : host.v.data();
-        if (!bf16) {
-          TUNA_CUDA_CHECK(cudaMemcpyAsync(static_cast<float*>(moments[k]) + at, src, n * sizeof(float),
-                                          cudaMemcpyHostToDevice, stream));
-          continue;
-        }
-        TUNA_CUDA_CHECK(cudaMemcpyAsync(staging + at, src, n * sizeof(float), cudaMemcpyHostToDevice, stream));
-        cuda::f32_to_bf16(static_cast<__nv_bfloat16*>(moments[k]) + at, staging + at, n, stream);
-      }
-      TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));  // the host buffers are refilled next
-    }
-    if (shard_) {
-      TUNA_CUDA_CHECK(cudaMemsetAsync(shard_->grad, 0, shard_->padded * sizeof(float), stream));
-      if (store_) return refresh_shard_weights();
-      return gather_master();
-    }
-    if (dp_device_) {  // every rank holds everything (ZeRO-0): gather the pieces of each unit in place
-      const ParamLayout& layout = model_.trained_layout();
-      const CommType moment_type = bf16 ? CommType::BF16 : CommType::F32;
-      const int64_t moment_bytes = bf16 ? 2 : 4;
-      for (int u = 0; u < layout.num_units(); u++) {
-        const auto [begin, end] = layout.unit_range(u);
-        if (begin == end) continue;  // another pipeline stage's unit
-        const int64_t mine = segments_[u].begin;
-        dp_device_->all_gather(master + mine, master + begin, end - begin, "restored weights of a unit");
-        for (void* moment : moments) {
-          char* base = static_cast<char*>(moment);
-          dp_device_->all_gather(base + mine * moment_bytes, base + begin * moment_bytes, end - begin, moment_type,
-                                 "restored AdamW moments of a unit");
-        }
-      }
-    }
-    model_.refresh_params();
-    model_.zero_grads();
-    if (dp_device_) dp_device_->barrier("state restored");
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
+  const std::vector<Segment>& segments() const override { return zero_->segments(); }
+  void export_state(const StateSink& sink) const override { zero_->export_state(sink); }
+  void import_state(const StateSource& source) override { zero_->import_state(source); }
 
   int64_t steps_taken() const override { return model_.steps_taken(); }
-  void set_steps_taken(int64_t steps) override {
-    model_.set_steps_taken(steps);
-    // Stochastic rounding: the bf16 weights as the update at `steps` rounded them.
-    if (store_) return refresh_shard_weights();
-    if (shard_) return gather_master();
-    model_.refresh_params();
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
-  }
+  void set_steps_taken(int64_t steps) override { zero_->set_steps_taken(steps); }
 
   std::string memory_report() const override {
     return format_memory_table(model_.memory_plan(), gpu_memory(options_.gpu.device).total_bytes,
@@ -411,186 +254,9 @@ class GpuEngine final : public Engine {
     pipeline_ = std::make_unique<PipelineDriver>(*pp_device_, *pipeline_stage_, std::move(links));
   }
 
-  // The sharded update of ZeRO 1-3 (see the top of this file). Returns the norm and clip as AdamW::step would;
-  // no update when the step's loss or the norm is not finite.
-  OptimizerStats sharded_update(double loss_scale, double lr, bool loss_is_finite) {
-    OptimizerShard& sh = *shard_;
-    const ParamLayout& layout = model_.trained_layout();
-    cudaStream_t stream = model_.stream();
-    if (store_) {
-      store_->gradients_ready();  // ZeRO-2/3: reduce-scattered and accumulated during the backward
-    } else {
-      for (int u = 0; u < layout.num_units(); u++) {  // this rank's piece of each unit's gradient, summed over dp
-        const auto [begin, end] = layout.unit_range(u);
-        if (begin == end) continue;  // another pipeline stage's unit
-        float* piece = sh.grad + sh.unit_offset[u];
-        if (dp_device_) dp_device_->reduce_scatter(model_.grads() + begin, piece, end - begin, "gradients of a unit");
-        else
-          TUNA_CUDA_CHECK(cudaMemcpyAsync(piece, model_.grads() + segments_[u].begin, segments_[u].size * sizeof(float),
-                                          cudaMemcpyDeviceToDevice, stream));
-      }
-    }
-    // The norm over the shards: this rank's squares (replicated tensors counted on tp rank 0 only), summed over
-    // dp and tp on the host comms (one double each).
-    cuda::sum_of_squares(sh.norm_total, sh.grad, sh.size, sh.norm_scratch, stream);
-    double sum_sq = 0;
-    TUNA_CUDA_CHECK(cudaMemcpyAsync(&sum_sq, sh.norm_total, sizeof(double), cudaMemcpyDeviceToHost, stream));
-    if (dp_device_) dp_device_->barrier("gradients reduced");  // a bounded wait (--comm_timeout)
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    if (mesh_.tp_rank > 0) sum_sq -= replicated_sum_of_squares(sh.grad, sh.pieces, sh.replicated_norms, sh.norm_scratch, stream);
-    // The last stage's copy of a tied table: the first stage counts it.
-    sum_sq -= copy_sum_of_squares(sh.grad, sh.pieces, sh.norm_total, sh.norm_scratch, stream);
-    if (mesh_.dp_size > 1) mesh_.dp->all_reduce_sum(&sum_sq, 1, "grad norm (dp)");
-    if (mesh_.tp_size > 1) mesh_.tp->all_reduce_sum(&sum_sq, 1, "grad norm (tp)");
-    if (mesh_.pp_size > 1) mesh_.pp->all_reduce_sum(&sum_sq, 1, "grad norm (pp)");
-    OptimizerStats stats;
-    stats.grad_norm = std::sqrt(sum_sq) * loss_scale;
-    stats.clip_scale = clip_scale(options_.opt, stats.grad_norm);
-    // Not finite: no update; the master shard and the bf16 weights stay as they are (the next step's first
-    // writes overwrite the gradients). Decided from the norm already read back above: no extra sync.
-    stats.applied = loss_is_finite && std::isfinite(stats.grad_norm);
-    if (stats.applied) {
-      const int64_t step = model_.steps_taken() + 1;
-      const OptimizerConfig& oc = options_.opt;
-      const cuda::AdamWArgs args{lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step, loss_scale * stats.clip_scale,
-                                 options_.gpu.stochastic_rounding, options_.gpu.seed};
-      if (sh.bf16_moments())
-        cuda::adamw_update(sh.master, sh.weights, sh.grad, static_cast<__nv_bfloat16*>(sh.m),
-                           static_cast<__nv_bfloat16*>(sh.v), sh.padded, sh.table(), args, stream);
-      else
-        cuda::adamw_update(sh.master, sh.weights, sh.grad, static_cast<float*>(sh.m), static_cast<float*>(sh.v),
-                           sh.padded, sh.table(), args, stream);
-      model_.set_steps_taken(step);
-    }
-    if (store_) {  // the weight store's step ends the same way, updated or not
-      store_->weights_updated();
-      if (dp_device_) dp_device_->barrier("weights updated");
-      TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    } else if (stats.applied) {
-      gather_master();
-    }
-    return stats;
-  }
-
-  // The starting weights a unit at a time through one host buffer of the largest piece this rank fills: ZeRO-0
-  // fills the whole model (it holds it), ZeRO 1-3 this rank's piece of each unit into the master shard, whose
-  // bf16 weights are then made as a restore makes them.
-  void fill_weights(const WeightFill& initial) {
-    if (model_.has_adapters()) return fill_base_and_adapters(initial);
-    const ParamLayout& layout = model_.layout();
-    std::vector<Segment> pieces = segments_;
-    if (!shard_)
-      for (int u = 0; u < layout.num_units(); u++)
-        pieces[u] = Segment{layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first};
-    int64_t largest = 0;
-    for (const Segment& p : pieces) largest = std::max(largest, p.size);
-    std::vector<float> host(largest);
-    for (size_t u = 0; u < pieces.size(); u++) {
-      if (pieces[u].size == 0) continue;  // another pipeline stage's unit, or an empty piece
-      initial(layout, pieces[u], host.data());
-      if (!shard_) {
-        model_.set_params_piece(pieces[u], host.data());
-        continue;
-      }
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data(), pieces[u].size * sizeof(float),
-                                      cudaMemcpyHostToDevice, model_.stream()));
-      TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));  // the host buffer is refilled next
-    }
-    if (store_) refresh_shard_weights();
-    else if (shard_) gather_master();
-  }
-
-  // With adapters: the frozen base whole, a unit at a time, and the adapters (the options', or PEFT's
-  // initialisation drawn per global tensor, so that every tp and dp layout starts from the same ones): whole at
-  // ZeRO-0; at ZeRO 1-2 this rank's piece of each unit into the master shard, whose bf16 copy is then made and
-  // gathered as a restore makes it.
-  void fill_base_and_adapters(const WeightFill& base) {
-    const auto fill = [&](const ParamLayout& layout, const WeightFill& source, auto&& set) {
-      std::vector<float> host;
-      for (int u = 0; u < layout.num_units(); u++) {
-        const Segment piece{layout.unit_range(u).first, layout.unit_range(u).second - layout.unit_range(u).first};
-        if (piece.size == 0) continue;  // another pipeline stage's unit
-        host.resize(piece.size);
-        source(layout, piece, host.data());
-        set(piece, host.data());
-      }
-    };
-    if (base_shard_) fill_base_shard(base);
-    else fill(model_.layout(), base, [&](const Segment& p, const float* h) { model_.set_params_piece(p, h); });
-    const WeightFill adapters = options_.adapters ? options_.adapters : initial_adapters(options_.seed);
-    if (!shard_)
-      return fill(model_.trained_layout(), adapters,
-                  [&](const Segment& p, const float* h) { model_.set_adapters_piece(p, h); });
-    std::vector<float> host;
-    for (size_t u = 0; u < segments_.size(); u++) {
-      if (segments_[u].size == 0) continue;  // another pipeline stage's layer, or an empty piece
-      host.resize(segments_[u].size);
-      adapters(model_.trained_layout(), segments_[u], host.data());
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(shard_->master + shard_->unit_offset[u], host.data(),
-                                      segments_[u].size * sizeof(float), cudaMemcpyHostToDevice, model_.stream()));
-      TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));  // the host buffer is refilled next
-    }
-    if (store_) refresh_shard_weights();
-    else gather_master();
-  }
-
-  // ZeRO-3 with adapters: this rank's piece of each unit of the frozen base, rounded to nearest on the host (as a
-  // whole base is), into the base's shard.
-  void fill_base_shard(const WeightFill& base) {
-    std::vector<float> host;
-    std::vector<uint16_t> bits;
-    for (size_t u = 0; u < base_segments_.size(); u++) {
-      const Segment& piece = base_segments_[u];
-      host.resize(piece.size), bits.resize(piece.size);
-      base(model_.layout(), piece, host.data());
-      convert_from_f32(host.data(), DType::BF16, bits.data(), piece.size);
-      TUNA_CUDA_CHECK(cudaMemcpyAsync(base_shard_->weights + base_shard_->unit_offset[u], bits.data(),
-                                      piece.size * sizeof(uint16_t), cudaMemcpyHostToDevice, model_.stream()));
-      TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));  // the host buffers are refilled next
-    }
-  }
-
-  // ZeRO-2/3: the shard's bf16 weights from its fp32 master, rounded as the update at steps_taken() rounded
-  // them (the shard's positions draw the stochastic bits, as in adamw_update), then handed to the store.
-  void refresh_shard_weights() {
-    OptimizerShard& sh = *shard_;
-    cudaStream_t stream = model_.stream();
-    cuda::AdamWArgs args{};
-    args.step = std::max<int64_t>(1, model_.steps_taken());
-    args.stochastic_rounding = options_.gpu.stochastic_rounding && model_.steps_taken() > 0;
-    args.seed = options_.gpu.seed;
-    cuda::bf16_params_as_updated(sh.weights, sh.master, sh.padded, args, stream);
-    store_->weights_updated();
-    if (dp_device_) dp_device_->barrier("weights restored");
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  }
-
-  // ZeRO-1: every rank's master pieces, gathered whole into the gradient buffer (free between a step's update and
-  // the next step), then the bf16 weights from them; the buffer then reads as zero again (zero_grads: the next
-  // backward overwrites it).
-  void gather_master() {
-    OptimizerShard& sh = *shard_;
-    const ParamLayout& layout = model_.trained_layout();
-    float* whole = model_.grads();
-    for (int u = 0; u < layout.num_units(); u++) {
-      const auto [begin, end] = layout.unit_range(u);
-      if (begin == end) continue;  // another pipeline stage's unit
-      if (dp_device_)
-        dp_device_->all_gather(sh.master + sh.unit_offset[u], whole + begin, end - begin, "weights of a unit");
-      else
-        TUNA_CUDA_CHECK(cudaMemcpyAsync(whole + segments_[u].begin, sh.master + sh.unit_offset[u],
-                                        segments_[u].size * sizeof(float), cudaMemcpyDeviceToDevice, model_.stream()));
-    }
-    model_.refresh_params_from(whole);  // rounded as the update at steps_taken() rounds (stochastic rounding too)
-    model_.zero_grads();
-    if (dp_device_) dp_device_->barrier("weights gathered");
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(model_.stream()));
-  }
-
   EngineOptions options_;
   Mesh& mesh_;
   LlamaGpu model_;
-  std::vector<Segment> segments_;
   cudaStream_t comm_stream_ = nullptr;     // ZeRO-2/3: where the dp device comm and the shard accumulation run
   std::unique_ptr<Comm> dp_device_;        // NCCL over the dp group; null on one rank
   std::unique_ptr<Comm> tp_device_;        // NCCL over the tp group, on the compute stream; null without tp
@@ -598,11 +264,7 @@ class GpuEngine final : public Engine {
   cudaStream_t pp_stream_ = nullptr;       // the pipeline's sends and receives
   std::unique_ptr<GpuStage> pipeline_stage_;  // --pp: this model as the driver's stage,
   std::unique_ptr<PipelineDriver> pipeline_;  // and the driver
-  std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
-  std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model (the adapters')
-  std::vector<Segment> base_segments_;     // ZeRO-3 with adapters: this rank's piece of each unit of the base,
-  std::unique_ptr<FrozenShard> base_shard_;  // their bf16 values,
-  std::unique_ptr<ShardedStore> base_store_;  // and the store that gathers them for the model
+  std::unique_ptr<ZeroGpu> zero_;          // ZeRO 0-3 over dp: the step's synchronization and update, the state
   std::string describe_, attention_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)
