@@ -69,13 +69,14 @@ MPI_TESTS := $(if $(MPI_TEST_SRCS),$(BUILD)/mpi_tests)
 EMULATED_MPI_TESTS := $(if $(wildcard tests/mpi/*_emulated.cpp),$(BUILD)/emulated_gpu_mpi_tests)
 # The GPU tests on the host emulator of tests/kernels/emulator: a third binary, build/emulated_gpu_tests, that
 # tests/kernels/test_gpu_emulated.cpp runs. It compiles the GPU tests (the ops' and the GPU model's), the real
-# launchers of kernels/*.cu and the library's CUDA code (model/*_gpu.cpp, engine/engine_gpu.cpp, dist/zero_gpu.cpp,
+# launchers of kernels/*.cu and the library's CUDA code (model/*_gpu*.cpp, engine/*_gpu.cpp, dist/zero_gpu.cpp,
 # and engine/device.cpp, which picks the device) with g++ against the emulator's CUDA runtime, so every build has
 # it, CPU-only included. cuBLASLt is not emulated: kernels/matmul.cu is replaced by a host test double of its
 # contract (matmul_host.cpp), and its test, which would then test the double, is left out (it runs on a GPU only).
 EMULATOR_DIR := tests/kernels/emulator
-EMULATED_LIB_SRCS := model/llama_gpu.cpp engine/engine_gpu.cpp engine/device.cpp model/decode_gpu.cpp comm/comm_staged.cpp \
-                     dist/zero_gpu.cpp
+EMULATED_LIB_SRCS := model/llama_gpu.cpp model/llama_gpu_forward.cpp model/llama_gpu_backward.cpp \
+                     model/llama_gpu_quantized.cpp model/llama_gpu_lora.cpp engine/engine_gpu.cpp engine/device_gpu.cpp \
+                     engine/device.cpp model/decode_gpu.cpp comm/comm_staged.cpp dist/zero_gpu.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
 # The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
 EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \

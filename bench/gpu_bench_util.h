@@ -9,9 +9,9 @@
 #include <cstdio>
 
 #include "core/cuda_check.h"
+#include "engine/device_gpu.h"  // gpu_peak_bf16_flops
 #include "kernels/adamw.cuh"
 #include "kernels/init.cuh"
-#include "model/llama_gpu.h"  // gpu_peak_bf16_flops
 
 namespace tuna::bench {
 

@@ -44,6 +44,7 @@
 #include "kernels/attention.cuh"  // resolve_attention_path
 #include "model/decode_gpu.h"
 #include "engine/backends.h"
+#include "engine/device_gpu.h"  // gpu_info, gpu_memory, gpu_peak_bf16_flops, gpu_utilization_percent
 #include "model/llama_gpu.h"
 
 namespace tuna {
@@ -156,10 +157,9 @@ class GpuEngine final : public Engine {
                                       mesh, dp_device_.get(), comm_stream_);
     model_.arena().check_all_taken();
     if (initial) zero_->fill_weights(initial, o.adapters ? o.adapters : initial_adapters(o.seed));
-    cudaDeviceProp prop{};
-    TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, o.gpu.device));
-    describe_ = str("cuda:", o.gpu.device, " (", prop.name, ", ", prop.multiProcessorCount, " SMs, ",
-                    static_cast<int64_t>(prop.totalGlobalMem >> 30), " GiB)");
+    const GpuInfo gpu = gpu_info(o.gpu.device);
+    describe_ = str("cuda:", o.gpu.device, " (", gpu.name, ", ", gpu.multiprocessors, " SMs, ", gpu.memory_bytes >> 30,
+                    " GiB)");
     peak_flops_ = gpu_peak_bf16_flops(o.gpu.device);
     attention_ = cuda::attention_path_name(cuda::resolve_attention_path(o.attention));
   }
@@ -284,9 +284,7 @@ class GpuForwardModel final : public ForwardModel {
       weights(layout, piece, host.data());
       model_.set_params_piece(piece, host.data());
     }
-    cudaDeviceProp prop{};
-    TUNA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    describe_ = str("cuda:0 (", prop.name, ")");
+    describe_ = str("cuda:0 (", gpu_info(0).name, ")");
   }
   std::string describe() const override { return describe_; }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,

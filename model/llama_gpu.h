@@ -30,6 +30,9 @@
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
 // before its forward and again before its backward. A stage quantizes and dequantizes its own layers only.
+//
+// Files: model/llama_gpu.cpp (construction, weights in and out, the own AdamW step), llama_gpu_forward.cpp and
+// llama_gpu_backward.cpp (the passes), llama_gpu_quantized.cpp (the quantized base), llama_gpu_lora.cpp (the adapters).
 #pragma once
 
 #if TUNA_CUDA
@@ -289,6 +292,7 @@ class LlamaGpu {
   };
   class OwnWeights;  // the GpuWeightStore over params_ and grads_
   class QuantizedBase;  // QLoRA's GpuWeightStore: nf4 layers dequantized on acquire, the rest bf16
+  std::unique_ptr<GpuWeightStore> make_quantized_base();  // model/llama_gpu_quantized.cpp
   class GradWrites;  // which weight-gradient write of a backward pass overwrites and which adds
   // Also the batch's document starts and RoPE positions (from the loader's positions and the document mode).
   void upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
@@ -460,11 +464,6 @@ double replicated_sum_of_squares(const float* grad, const std::vector<ShardPiece
 double copy_sum_of_squares(const float* grad, const std::vector<ShardPiece>& pieces, double* part, double* scratch,
                            cudaStream_t stream);
 
-// Dense bf16 tensor-core peak of a device in FLOP/s, for MFU: TUNA_PEAK_TFLOPS when set (the bench measures
-// and reports its own), else the datasheet figure scaled by the multiprocessor count (sm_90: 989 TFLOP/s at
-// 132 SMs; sm_80: 312 at 108), else a clock x SM estimate.
-double gpu_peak_bf16_flops(int device = 0);
-
 // The fused GEMMs (LlamaGpu, DecodeGpu) read each layer's q|k|v and gate|up as one weight block: fails, naming
 // the layer, unless k_proj follows q_proj, v_proj k_proj, and up_proj gate_proj in `layout`.
 void require_fused_weight_blocks(const ParamLayout& layout, int64_t hidden_size);
@@ -473,18 +472,6 @@ void require_fused_weight_blocks(const ParamLayout& layout, int64_t hidden_size)
 // into them, v into the KV cache), queued on the stream.
 void copy_rows(__nv_bfloat16* dst, int64_t dst_stride, const __nv_bfloat16* src, int64_t src_stride, int64_t rows,
                int64_t cols, cudaStream_t stream);
-
-// Device memory for the log line: in use now (cudaMemGetInfo: total - free, all processes) and the card's total.
-// LlamaGpu allocates everything at construction, so its peak equals its use after construction.
-struct GpuMemory {
-  int64_t used_bytes = 0, total_bytes = 0;
-};
-GpuMemory gpu_memory(int device = 0);
-
-// Percent of the last sample period (about 1/6 s to 1 s, driver-chosen) in which a kernel ran on the device,
-// from NVML; NaN where NVML is not available. NVML is loaded at run time (libnvidia-ml.so.1 comes with the
-// driver), so binaries still start on machines without one.
-double gpu_utilization_percent(int device = 0);
 
 }  // namespace tuna
 
