@@ -1,5 +1,5 @@
-// LlamaGpu (model/llama_gpu.h): its construction (the buffers from the memory plan), its weights in and out, and its
-// own AdamW step (ZeRO-0). The passes are model/llama_gpu_forward.cpp and model/llama_gpu_backward.cpp, the quantized
+// LlamaGpu (model/llama_gpu.h): its construction (its buffers from the memory plan's table), its weights in and out,
+// and its own AdamW step (ZeRO-0). The passes are model/llama_gpu_forward.cpp and model/llama_gpu_backward.cpp, the quantized
 // base model/llama_gpu_quantized.cpp, the adapters model/llama_gpu_lora.cpp.
 #if TUNA_CUDA
 
@@ -17,8 +17,8 @@
 #include "kernels/attention.cuh"
 #include "kernels/cpu/rope.h"
 #include "kernels/init.cuh"
-#include "kernels/cpu/nf4.h"
 #include "kernels/rmsnorm.cuh"
+#include "model/gpu_buffers.h"
 #include "model/llama_gpu_grad_writes.h"
 
 namespace tuna {
@@ -132,6 +132,30 @@ ParamLayout layout_of(const LlamaConfig& config, const MemoryLayout& run) {
   const int tp_rank = static_cast<int>(run.tp_rank), tp = static_cast<int>(run.tp);
   return run.pp > 1 ? ParamLayout(config, tp_rank, tp, stage_of(config, run)) : ParamLayout(config, tp_rank, tp);
 }
+
+// What the CUDA model does not run, refused before anything is allocated.
+void refuse_unsupported(const LlamaConfig& c, const MemoryLayout& run) {
+  if (run.pp > 1 && run.training && run.zero >= 2)
+    fail("--device cuda: --zero ", run.zero, " with pipeline stages (--pp ", run.pp, ") is not implemented in the CUDA "
+         "engine; use --zero 0 or 1");
+  if (run.sp && run.tp < 2)
+    fail("option 'sp': sequence parallelism splits the sequence over --tp > 1 ranks (found tp ", run.tp, ")");
+  if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 8 && c.head_dim != 16 && c.head_dim != 32)
+    fail("--device cuda: attention supports head_dim 64 and 128 (and 8, 16, 32 for tiny models); this model has ",
+         c.head_dim);
+  if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0)
+    fail("--device cuda: hidden_size and intermediate_size must be multiples of 8 (found ", c.hidden_size, ", ",
+         c.intermediate_size, ")");
+  const bool adapters = run.lora.enabled(), quantized = adapters && run.lora.base_quant != BaseQuant::None;
+  if (adapters && run.lora.base_quant == BaseQuant::Int8)
+    fail("--base_quant int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
+         "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
+  // ZeRO-3 with adapters: the frozen bf16 base sharded over dp, its units gathered by the engine's store
+  // (set_weight_store); a quantized base is not sharded (the memory plan's design only, as on cpu).
+  if (adapters && run.training && run.zero == 3 && quantized)
+    fail("--base_quant ", base_quant_name(run.lora.base_quant), " with --device cuda and --zero 3: sharding a "
+         "quantized base over dp is not implemented; use --zero 2 (the base whole on every rank) or a bf16 base");
+}
 }  // namespace
 
 LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const OptimizerConfig& optimizer,
@@ -139,262 +163,171 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     : config_(config), layout_(layout_of(config, run)), opt_(optimizer),
       run_(run), options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len), lora_(run.lora),
       lora_layout_(adapters_of(config, run)) {
-  const int64_t max_batch = max_batch_, max_seq = max_seq_;
-  TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
+  TUNA_CHECK(max_batch_ > 0 && max_seq_ > 0, "batch ", max_batch_, " seq ", max_seq_);
   validate(opt_);
+  refuse_unsupported(config_, run_);
   stage_ = stage_of(config, run);
   // 1F1B: stage s keeps the activations of pp - s micro-batches (model/pipeline.h); a forward alone one.
   in_flight_ = run.training ? run.pp - run.pp_rank : 1;
-  if (run.pp > 1 && run.training && run.zero >= 2)
-    fail("--device cuda: --zero ", run.zero, " with pipeline stages (--pp ", run.pp, ") is not implemented in the CUDA "
-         "engine; use --zero 0 or 1");
-  if (run.sp && run.tp < 2)
-    fail("option 'sp': sequence parallelism splits the sequence over --tp > 1 ranks (found tp ", run.tp, ")");
   sp_ = run.sp;
-  const LlamaConfig& c = config_;
-  if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 8 && c.head_dim != 16 && c.head_dim != 32)
-    fail("--device cuda: attention supports head_dim 64 and 128 (and 8, 16, 32 for tiny models); this model has ",
-         c.head_dim);
-  if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0)
-    fail("--device cuda: hidden_size and intermediate_size must be multiples of 8 (found ", c.hidden_size, ", ",
-         c.intermediate_size, ")");
-  const int64_t n = max_batch * max_seq, C = c.hidden_size, P = layout_.total();
-  // The rows of the norm and residual regions: every row, or with sp this rank's share (at most ceil(n / tp)).
-  const int64_t rows = sp_ ? (n + run.tp - 1) / run.tp : n;
-  const TpDims& d = layout_.tp();
-  const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads;
-  require_fused_weight_blocks(layout_, C);  // and their gradients: one block each
+  require_fused_weight_blocks(layout_, config_.hidden_size);  // and their gradients: one block each
   TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
   TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  head_chunk_rows_ = gpu_head_chunk_rows(layout_.tp().vocab, max_batch_ * max_seq_);
+  n_segments_ = static_cast<int>(trained_layout().tensors().size());
 
-  head_chunk_rows_ = gpu_head_chunk_rows(d.vocab, n);
-  const bool training = run_.training, own_optimizer = training && run_.zero == 0;
-  const bool adapters = lora_.enabled();
-  const bool quantized = adapters && run_.lora.base_quant != BaseQuant::None;
-  if (adapters && run_.lora.base_quant == BaseQuant::Int8)
-    fail("--base_quant int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
-         "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
-  // ZeRO-3 with adapters: the frozen bf16 base sharded over dp, its units gathered by the engine's store
-  // (set_weight_store); a quantized base is not sharded (the memory plan's design only, as on cpu).
-  const bool sharded_base = adapters && training && run_.zero == 3;
-  if (sharded_base && quantized)
-    fail("--base_quant ", base_quant_name(run_.lora.base_quant), " with --device cuda and --zero 3: sharding a "
-         "quantized base over dp is not implemented; use --zero 2 (the base whole on every rank) or a bf16 base");
-  const ParamLayout& trained = trained_layout();
-  const int64_t Pt = trained.total();
-  n_segments_ = static_cast<int>(trained.tensors().size());
-
-  // Every buffer from the memory plan (model/memory_plan_gpu.cpp), by its name there.
-  arena_ = std::make_unique<DeviceArena>(plan_gpu_memory(c, run_));
-  DeviceArena& arena = *arena_;
-  using bf16 = __nv_bfloat16;
-  // A full fine-tune's state is the model's; with adapters the base is frozen bf16 (no master, gradient or
-  // moments) and the adapters have the state, under the plan's "LoRA" names.
-  const std::string state = adapters ? "LoRA " : "";
-  if (quantized) {
-    // The NF4 state of every projection in one byte buffer: all codes (8-byte aligned for the kernel's vector
-    // path when the sizes allow), then the fp32 scales and means, then the 8-bit absmax: no padding, so the
-    // bytes are the plan's.
-    int64_t packed = 0, stats = 0, blocks = 0, plain = 0;
-    for (const ParamTensor& t : layout_.tensors()) {
-      if (!base_tensor_quantized(t)) {
-        plain += t.numel;
-        continue;
-      }
-      const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
-      packed += z.packed_bytes, stats += z.stat_blocks + 1, blocks += z.blocks;
-    }
-    if (packed % 4 != 0)
-      fail("--base_quant nf4 with --device cuda: the NF4 codes of this model's projections take ", packed, " bytes, not "
-           "a multiple of 4 (a projection with an odd number of elements), which the device layout does not take");
-    uint8_t* bytes = arena.take<uint8_t>("nf4 base weights (frozen decoder Linear weights)", packed + 4 * stats + blocks);
-    plain_ = arena.take<bf16>("bf16 base weights (frozen embedding, norms, lm_head)", plain);
-    // Shaped like the stage's first layer unit (every layer's is the same size; a later stage lacks layer 0's).
-    const auto [l0_begin, l0_end] = layout_.unit_range(1 + static_cast<int>(stage_.layer_begin));
-    dequant_ = arena.take<bf16>("dequantized layer weights (bf16, one layer)", l0_end - l0_begin);
-    uint8_t* at_packed = bytes;
-    float* at_stats = reinterpret_cast<float*>(bytes + packed);
-    uint8_t* at_blocks = bytes + packed + 4 * stats;
-    // bf16 values of the unquantized tensors: the embedding unit, the head unit (each whole, in layout order, so
-    // that a pointer to its first tensor is the unit), then every norm weight.
-    bf16* at_plain = plain_;
-    const int H = layout_.head_unit();
-    for (int u : {0, H})
-      for (const ParamTensor& t : layout_.tensors())
-        if (t.offset >= layout_.unit_range(u).first && t.offset < layout_.unit_range(u).second)
-          plain_at_[t.offset] = at_plain, at_plain += t.numel;
-    nf4_.resize(c.num_hidden_layers);
-    for (const ParamTensor& t : layout_.tensors()) {
-      if (t.layer < 0) continue;
-      if (!base_tensor_quantized(t)) {
-        plain_at_[t.offset] = at_plain, at_plain += t.numel;
-        continue;
-      }
-      const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
-      Nf4Slot slot;
-      slot.offset = t.offset, slot.n = t.numel;
-      slot.packed = at_packed, at_packed += z.packed_bytes;
-      slot.absmax2 = at_stats, slot.mean = at_stats + z.stat_blocks, at_stats += z.stat_blocks + 1;
-      slot.qabsmax = at_blocks, at_blocks += z.blocks;
-      nf4_[t.layer].push_back(slot);
-    }
-    TUNA_CHECK(at_plain == plain_ + plain, "the quantized base's bf16 tensors do not fill their buffer");
-  } else if (adapters) {
-    if (!sharded_base) params_ = arena.take<bf16>("bf16 base weights (frozen)", P);
-  } else {
-    if (own_optimizer) master_ = arena.take<float>("fp32 master weights", P);
-    if (run_.zero <= 2 || !training) params_ = arena.take<bf16>("bf16 weights", P);
-    if (training && run_.zero <= 1) grads_ = arena.take<float>("fp32 gradients", P);
-    t_ = Trained{master_, grads_, params_, nullptr, nullptr};
-  }
-  if (adapters) {
-    lora_params_ = arena.take<bf16>("LoRA bf16 weights", Pt);
-    t_.weights = lora_params_;
-    if (own_optimizer) lora_master_ = t_.master = arena.take<float>("LoRA fp32 master weights", Pt);
-    // ZeRO 2-3: no whole gradient; a layer's at a time in the engine's store (set_adapter_grad_store).
-    if (training && run_.zero <= 1) lora_grads_ = t_.grads = arena.take<float>("LoRA fp32 gradients", Pt);
-  }
-  if (own_optimizer) {
-    const int64_t moment_bytes = run_.bf16_moments ? 2 : 4;
-    m_ = t_.m = arena.take<char>(state + "AdamW m", Pt * moment_bytes);
-    v_ = t_.v = arena.take<char>(state + "AdamW v", Pt * moment_bytes);
-    segment_starts_ = arena.take<int64_t>(state + "AdamW segment starts", n_segments_);
-    segment_decays_ = arena.take<uint8_t>(state + "AdamW segment decays", n_segments_);
-    norm_scratch_f64_ = arena.take<double>("gradient norm scratch", cuda::sum_of_squares_scratch_doubles());
-    norm_total_ = arena.take<double>("gradient norm", 1);
-    if (run_.tp > 1)
-      replicated_norms_ = arena.take<double>(
-          "replicated gradient norms",
-          std::max<int64_t>(1, replicated_piece_count(shard_pieces(trained, {Segment{0, Pt}}))));
-  }
-  rope_cos_ = arena.take<float>("RoPE cos", max_seq * c.head_dim / 2);
-  rope_sin_ = arena.take<float>("RoPE sin", max_seq * c.head_dim / 2);
-  // Each layer's activations: its own buffer where the recompute mode keeps the field, else the working one.
-  const Recompute recompute = training ? run_.recompute : Recompute::Full;
-  // Per slot (a micro-batch in flight) and layer of the stage, by the plan's names.
+  // Every buffer from the one table the memory plan is made of (model/gpu_buffers.h), each pointed at its row.
+  const GpuBufferTable table = plan_gpu_buffers(config_, run_);
+  arena_ = std::make_unique<DeviceArena>(table.plan);
   acts_.resize(in_flight_ * stage_.layers());
-  const auto kept_name = [](int64_t slot, int64_t l, const std::string& name) {
-    return slot == 0 ? str("layer ", l, " ", name) : str("layer ", l, " (in flight ", slot, ") ", name);
-  };
-  const auto field = [&]<typename T>(T* LayerActs::*member, const char* name, int64_t count) {
-    T* working = gpu_keeps_activation(name, recompute) ? nullptr : arena.take<T>(str("working ", name), count);
-    for (int64_t slot = 0; slot < in_flight_; slot++)
-      for (int64_t l = stage_.layer_begin; l < stage_.layer_end; l++)
-        acts_[slot * stage_.layers() + l - stage_.layer_begin].*member =
-            working != nullptr ? working : arena.take<T>(kept_name(slot, l, name), count);
-  };
-  field(&LayerActs::resid_in, "resid_in", rows * C);
-  field(&LayerActs::norm1, "norm1", rows * C);
-  field(&LayerActs::rstd1, "rstd1", rows);
-  field(&LayerActs::q, "q", n * qd);
-  field(&LayerActs::k, "k", n * kvd);
-  field(&LayerActs::v, "v", n * kvd);
-  field(&LayerActs::att, "att", n * qd);
-  field(&LayerActs::lse, "lse", n * H);
-  field(&LayerActs::resid_mid, "resid_mid", rows * C);
-  field(&LayerActs::norm2, "norm2", rows * C);
-  field(&LayerActs::rstd2, "rstd2", rows);
-  field(&LayerActs::gate_up, "gate_up", n * 2 * F);
-  field(&LayerActs::act, "act", n * F);
-  if (adapters) {
-    // Per target, which local input column is which of the whole layer's (dropout's index) and its u = s A x.
-    const int64_t r = lora_.rank;
-    for (int t = 0; t < kLoraTargets; t++) {
-      if (!lora_.has(LoraTarget(t))) continue;
-      const ParamTensor* a = trained.find(lora_tensor_name(stage_.layer_begin, LoraTarget(t), 'A'));
-      TUNA_CHECK(a != nullptr, "no adapter A for ", lora_target_name(LoraTarget(t)));
-      lora_global_in_[t] = a->global_shape[1];
-      lora_col0_[t] = a->split_dim == 1 ? a->split_begin : 0;
-      const std::string module = lora_target_name(LoraTarget(t));
-      const bool kept = gpu_keeps_activation("lora_ax", recompute);
-      bf16* working = kept ? nullptr : arena.take<bf16>(str("working lora_ax ", module), n * r);
-      for (int64_t slot = 0; slot < in_flight_; slot++)
-        for (int64_t l = stage_.layer_begin; l < stage_.layer_end; l++)
-          acts_[slot * stage_.layers() + l - stage_.layer_begin].lora_ax[t] =
-              working != nullptr ? working : arena.take<bf16>(kept_name(slot, l, str("lora_ax ", module)), n * r);
-    }
-    int64_t widest_in = 0;
-    for (const ParamTensor& t : trained.tensors())
-      if (t.layer == stage_.layer_begin && t.name.find("lora_A") != std::string::npos) widest_in = std::max(widest_in, t.shape[1]);
-    if (lora_.dropout > 0) lora_in_ = arena.take<bf16>("LoRA dropout(x)", n * widest_in);
-    if (training) lora_dt_ = arena.take<bf16>("LoRA d(A x)", n * r);
-  }
-  qkv_ = arena.take<bf16>("qkv", n * (qd + 2 * kvd));
-  if (sp_) gathered_ = arena.take<bf16>("sequence-parallel gathered input", n * C);
-  // The last stage's final residual; an earlier stage's last layer writes what it sends to the next stage.
-  resid_out_ = arena.take<bf16>(stage_.head ? "final residual" : "pipeline send: activation to the next stage", rows * C);
-  if (stage_.head) {
-    final_norm_out_ = arena.take<bf16>("final norm", rows * C);
-    final_rstd_ = arena.take<float>("final rstd", rows);
-    logits_chunk_ = arena.take<bf16>("logits chunk", head_chunk_rows_ * d.vocab);
-    losses_ = arena.take<float>("per-token losses", n);
-    if (run_.tp > 1) {
-      ce_stats_ = arena.take<float>("classifier statistics", 3 * head_chunk_rows_);
-      ce_max_ = arena.take<float>("classifier global max", head_chunk_rows_);
-    }
-  }
-  if (training) {
-    d_resid_ = arena.take<bf16>("d_resid", rows * C);
-    d_norm_ = arena.take<bf16>("d_norm", n * C);
-    if (stage_.head || sp_) d_final_norm_ = arena.take<bf16>("d_final_norm", n * C);
-    d_q_ = arena.take<bf16>("d_q", n * qd);
-    d_att_ = arena.take<bf16>("d_att", n * qd);
-    d_k_ = arena.take<bf16>("d_k", n * kvd);
-    d_v_ = arena.take<bf16>("d_v", n * kvd);
-    d_act_ = arena.take<bf16>("d_act", n * F);
-    norm_scratch_ = arena.take<float>("rmsnorm backward scratch", cuda::rmsnorm_bwd_scratch_floats(rows, C));
-    if (sp_) sp_norm_grads_ = arena.take<float>("sequence-parallel norm weight gradients", 2 * C);
-    attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H, /*head_dim=*/128, run_.attention));
-  }
-  // (A frozen table, with adapters, has no gradient to exchange.)
-  if (run_.pp > 1 && training && !adapters && c.tie_word_embeddings && (stage_.embedding || stage_.head))
-    tied_peer_grad_ = arena.take<float>("pipeline: the tied embedding's gradient from the other stage", d.vocab * C);
-  if (stage_.head) loss_total_ = arena.take<double>("loss total", 1);
-  if (stage_.embedding) tokens_ = arena.take<int32_t>("token ids", n);
-  if (stage_.head) targets_ = arena.take<int32_t>("targets", n);
-  if (stage_.embedding) {
-    group_positions_ = arena.take<int32_t>("embedding group positions", n);
-    group_unique_ = arena.take<int32_t>("embedding group tokens", n);
-    group_offsets_ = arena.take<int32_t>("embedding group offsets", n + 1);
-  }
-  doc_start_ = arena.take<int32_t>("document starts", n);
-  rope_positions_ = arena.take<int32_t>("RoPE positions", n);
-  constexpr int64_t kMatmulWorkspace = int64_t(32) << 20;
-  matmul_ = std::make_unique<cuda::MatmulContext>(arena.take<char>("cuBLASLt workspace", kMatmulWorkspace),
-                                                  static_cast<size_t>(kMatmulWorkspace));
-  if (run_.zero == 0) arena.check_all_taken();  // ZeRO 1-3: the engine takes the shard's buffers, then checks
+  for (size_t i = 0; i < table.rows.size(); i++)
+    if (table.rows[i].buffer != GpuBuffer::Engine) point(table.rows[i], arena_->take(table.plan.items[i]));
+  t_ = lora_.enabled() ? Trained{lora_master_, lora_grads_, lora_params_, m_, v_}
+                       : Trained{master_, grads_, params_, m_, v_};
+  const bool quantized = lora_.enabled() && run_.lora.base_quant != BaseQuant::None;
+  if (quantized) lay_out_quantized_base();
+  if (lora_.enabled()) set_up_adapters();
+  if (run_.zero == 0) arena_->check_all_taken();  // ZeRO 1-3: the engine takes the shard's buffers, then checks
+  const bool frozen_sharded = lora_.enabled() && run_.training && run_.zero == 3;  // the engine's store gathers it
   if (quantized) {
     own_store_ = make_quantized_base();
     store_ = own_store_.get();
-  } else if (adapters ? !sharded_base : run_.zero <= 1 || !training) {  // a frozen bf16 base is whole at ZeRO 0-2
-    own_store_ = std::make_unique<OwnWeights>(*this);
+  } else if (lora_.enabled() ? !frozen_sharded : run_.zero <= 1 || !run_.training) {  // a frozen bf16 base is whole
+    own_store_ = std::make_unique<OwnWeights>(*this);                                  // at ZeRO 0-2
     store_ = own_store_.get();
   }
   grad_writes_ = std::make_unique<GradWrites>(layout_);
+  const int64_t n = max_batch_ * max_seq_;
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), static_cast<size_t>(7 * n + 1) * sizeof(int32_t)));
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
   TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&loss_copied_, cudaEventDisableTiming));
   TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_uploaded_, cudaEventDisableTiming));
+  fill_tables();
+}
 
-  // The segment table of the fused AdamW over the whole layout: one segment per tensor, in offset order.
+void LlamaGpu::point(const GpuBufferRow& row, void* p) {
+  using bf16 = __nv_bfloat16;
+  const auto set = [p]<typename T>(T*& member) { member = static_cast<T*>(p); };
+  switch (row.buffer) {
+    case GpuBuffer::Engine: return;
+    case GpuBuffer::Master: return set(master_);
+    case GpuBuffer::Weights: return set(params_);
+    case GpuBuffer::Gradients: return set(grads_);
+    case GpuBuffer::MomentM: return set(m_);
+    case GpuBuffer::MomentV: return set(v_);
+    case GpuBuffer::SegmentStarts:
+      TUNA_CHECK(row.elements >= n_segments_, "AdamW segment table of ", row.elements, " entries for ", n_segments_,
+                 " tensors");
+      return set(segment_starts_);
+    case GpuBuffer::SegmentDecays: return set(segment_decays_);
+    case GpuBuffer::NormScratch: return set(norm_scratch_f64_);
+    case GpuBuffer::NormTotal: return set(norm_total_);
+    case GpuBuffer::ReplicatedNorms: return set(replicated_norms_);
+    case GpuBuffer::Nf4Base:
+      nf4_bytes_ = row.elements * row.element_bytes;
+      return set(nf4_state_);
+    case GpuBuffer::PlainBase:
+      plain_bytes_ = row.elements * row.element_bytes;
+      return set(plain_);
+    case GpuBuffer::Dequant: return set(dequant_);
+    case GpuBuffer::LoraWeights: return set(lora_params_);
+    case GpuBuffer::LoraMaster: return set(lora_master_);
+    case GpuBuffer::LoraGradients: return set(lora_grads_);
+    case GpuBuffer::RopeCos: return set(rope_cos_);
+    case GpuBuffer::RopeSin: return set(rope_sin_);
+    case GpuBuffer::Activation: return point_activation(row, static_cast<bf16*>(p));
+    case GpuBuffer::LoraDropoutInput: return set(lora_in_);
+    case GpuBuffer::LoraDt: return set(lora_dt_);
+    case GpuBuffer::Qkv: return set(qkv_);
+    case GpuBuffer::Gathered: return set(gathered_);
+    case GpuBuffer::ResidOut: return set(resid_out_);
+    case GpuBuffer::FinalNorm: return set(final_norm_out_);
+    case GpuBuffer::FinalRstd: return set(final_rstd_);
+    case GpuBuffer::LogitsChunk: return set(logits_chunk_);
+    case GpuBuffer::Losses: return set(losses_);
+    case GpuBuffer::ClassifierStats: return set(ce_stats_);
+    case GpuBuffer::ClassifierMax: return set(ce_max_);
+    case GpuBuffer::DResid: return set(d_resid_);
+    case GpuBuffer::DNorm: return set(d_norm_);
+    case GpuBuffer::DFinalNorm: return set(d_final_norm_);
+    case GpuBuffer::DQ: return set(d_q_);
+    case GpuBuffer::DAtt: return set(d_att_);
+    case GpuBuffer::DK: return set(d_k_);
+    case GpuBuffer::DV: return set(d_v_);
+    case GpuBuffer::DAct: return set(d_act_);
+    case GpuBuffer::RmsnormScratch: return set(norm_scratch_);
+    case GpuBuffer::SpNormGrads: return set(sp_norm_grads_);
+    case GpuBuffer::AttentionScratch: return set(attn_scratch_);
+    case GpuBuffer::TiedPeerGrad: return set(tied_peer_grad_);
+    case GpuBuffer::LossTotal: return set(loss_total_);
+    case GpuBuffer::Tokens: return set(tokens_);
+    case GpuBuffer::Targets: return set(targets_);
+    case GpuBuffer::GroupPositions: return set(group_positions_);
+    case GpuBuffer::GroupTokens: return set(group_unique_);
+    case GpuBuffer::GroupOffsets: return set(group_offsets_);
+    case GpuBuffer::DocStarts: return set(doc_start_);
+    case GpuBuffer::RopePositions: return set(rope_positions_);
+    case GpuBuffer::MatmulWorkspace:
+      matmul_ = std::make_unique<cuda::MatmulContext>(p, static_cast<size_t>(row.elements * row.element_bytes));
+      return;
+  }
+  fail("device buffer of unknown kind ", static_cast<int>(row.buffer));
+}
+
+// A layer activation's row: one slot's layer, or the working copy every slot and layer share. The rstd and lse fields
+// are fp32, the rest bf16.
+void LlamaGpu::point_activation(const GpuBufferRow& row, __nv_bfloat16* p) {
+  const auto set = [&](LayerActs& a) {
+    float* f = reinterpret_cast<float*>(p);
+    switch (row.field) {
+      case GpuActivation::ResidIn: a.resid_in = p; return;
+      case GpuActivation::Norm1: a.norm1 = p; return;
+      case GpuActivation::Rstd1: a.rstd1 = f; return;
+      case GpuActivation::Q: a.q = p; return;
+      case GpuActivation::K: a.k = p; return;
+      case GpuActivation::V: a.v = p; return;
+      case GpuActivation::Att: a.att = p; return;
+      case GpuActivation::Lse: a.lse = f; return;
+      case GpuActivation::ResidMid: a.resid_mid = p; return;
+      case GpuActivation::Norm2: a.norm2 = p; return;
+      case GpuActivation::Rstd2: a.rstd2 = f; return;
+      case GpuActivation::GateUp: a.gate_up = p; return;
+      case GpuActivation::Act: a.act = p; return;
+      case GpuActivation::LoraAx: a.lora_ax.at(static_cast<size_t>(row.target)) = p; return;
+    }
+  };
+  if (row.layer < 0) {
+    for (LayerActs& a : acts_) set(a);
+    return;
+  }
+  TUNA_CHECK(row.slot < in_flight_ && row.layer >= stage_.layer_begin && row.layer < stage_.layer_end,
+             "activation row of slot ", row.slot, ", layer ", row.layer, " outside the stage");
+  set(acts_[row.slot * stage_.layers() + (row.layer - stage_.layer_begin)]);
+}
+
+// What the device holds from the start: the fused AdamW's segment table over the whole layout (one segment per
+// tensor, in offset order), the RoPE tables, and zeros for the weights and the optimizer state (a step before
+// set_params trains from zero weights, not from garbage). Activations are written before they are read, and stay
+// poisoned where the emulator poisons fresh memory, as does the gradient until the first backward overwrites it
+// (zero_grads).
+void LlamaGpu::fill_tables() {
+  const ParamLayout& trained = trained_layout();
+  const int64_t Pt = trained.total(), P = layout_.total();
   if (segment_starts_ != nullptr) {
     const AdamWTable table = adamw_table(trained, {Segment{0, Pt}});
     TUNA_CUDA_CHECK(cudaMemcpy(segment_starts_, table.starts.data(), table.starts.size() * sizeof(int64_t),
                                cudaMemcpyHostToDevice));
     TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
   }
-
   // RoPE tables from the CPU twin's functions (double math, llama3 scaling), so both backends agree exactly.
+  const LlamaConfig& c = config_;
   std::vector<double> inv_freq(c.head_dim / 2);
   cpu::rope_inv_freq(inv_freq.data(), c.head_dim, c.rope_theta, c.rope_scaling);
-  std::vector<float> cos_table(max_seq * c.head_dim / 2), sin_table(max_seq * c.head_dim / 2);
-  cpu::rope_table(cos_table.data(), sin_table.data(), inv_freq.data(), max_seq, c.head_dim);
+  std::vector<float> cos_table(max_seq_ * c.head_dim / 2), sin_table(max_seq_ * c.head_dim / 2);
+  cpu::rope_table(cos_table.data(), sin_table.data(), inv_freq.data(), max_seq_, c.head_dim);
   TUNA_CUDA_CHECK(cudaMemcpy(rope_cos_, cos_table.data(), cos_table.size() * sizeof(float), cudaMemcpyHostToDevice));
   TUNA_CUDA_CHECK(cudaMemcpy(rope_sin_, sin_table.data(), sin_table.size() * sizeof(float), cudaMemcpyHostToDevice));
 
-  // The state starts at zero (a step before set_params trains from zero weights, not from garbage); activations
-  // are written before they are read, and stay poisoned where the emulator poisons fresh memory, as does the
-  // gradient until the first backward overwrites it (zero_grads).
   if (t_.master != nullptr) TUNA_CUDA_CHECK(cudaMemset(t_.master, 0, Pt * sizeof(float)));
   if (params_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(params_, 0, P * sizeof(__nv_bfloat16)));
   if (lora_params_ != nullptr) TUNA_CUDA_CHECK(cudaMemset(lora_params_, 0, Pt * sizeof(__nv_bfloat16)));

@@ -2,8 +2,9 @@
 // loss as a SUM with one division per step), bf16 activations and weights, fp32 gradients and AdamW state, on
 // one device. Only in CUDA builds (TUNA_CUDA).
 //
-// Memory: every buffer is planned by plan_gpu_memory (model/memory_plan_gpu.cpp) for (max_batch, max_seq) and
-// taken from one device arena at construction; forward_backward and adamw_step allocate nothing. Which
+// Memory: every buffer is a row of one table (model/gpu_buffers.h plan_gpu_buffers, whose sizes are the memory plan) for
+// (max_batch, max_seq), pointed into one device arena at construction; forward_backward and adamw_step allocate
+// nothing. Which
 // activations are kept for the backward is MemoryLayout::recompute: none keeps every layer's; selective keeps the
 // GEMM and attention outputs and recomputes the two norms and SwiGLU in the backward; full keeps each layer's
 // input only and recomputes the layer (all but its down projection) just before its backward. The kernels are
@@ -52,6 +53,7 @@
 #include "kernels/embedding.cuh"
 #include "kernels/matmul.cuh"
 #include "model/config.h"
+#include "model/gpu_buffers.h"  // GpuBufferRow
 #include "model/gpu_options.h"
 #include "model/layout.h"
 #include "model/llama.h"        // LossSum
@@ -111,6 +113,8 @@ class DeviceArena {
   T* take(const std::string& name, int64_t count) {
     return static_cast<T*>(take_bytes(name, count * static_cast<int64_t>(sizeof(T))));
   }
+  // The buffer of one of the plan's items (the model's rows of model/gpu_buffers.h, whose bytes are the plan's).
+  void* take(const MemoryItem& item) { return take_bytes(item.name, item.bytes); }
   void check_all_taken() const;
   const MemoryPlan& plan() const { return plan_; }
   int64_t bytes() const { return bytes_; }
@@ -290,6 +294,15 @@ class LlamaGpu {
     __nv_bfloat16* weights = nullptr;
     void *m = nullptr, *v = nullptr;
   };
+  // Construction: each of the table's rows pointed at its buffer (point; a layer activation's at its slot and layer),
+  // then what the device holds from the start (the AdamW segment table, RoPE, zeros).
+  void point(const GpuBufferRow& row, void* p);
+  void point_activation(const GpuBufferRow& row, __nv_bfloat16* p);
+  void fill_tables();
+  // Adapters: which local input column of each target is which of the whole layer's (dropout's index).
+  void set_up_adapters();  // model/llama_gpu_lora.cpp
+  // QLoRA: each projection's NF4 state carved out of nf4_state_, each unquantized tensor's bf16 out of plain_.
+  void lay_out_quantized_base();  // model/llama_gpu_quantized.cpp
   class OwnWeights;  // the GpuWeightStore over params_ and grads_
   class QuantizedBase;  // QLoRA's GpuWeightStore: nf4 layers dequantized on acquire, the rest bf16
   std::unique_ptr<GpuWeightStore> make_quantized_base();  // model/llama_gpu_quantized.cpp
@@ -385,7 +398,7 @@ class LlamaGpu {
   int64_t lora_grad_begin_ = 0;              // trained_layout() at lora_grad_unit_[offset - lora_grad_begin_]
   uint64_t lora_dropout_key_ = 0;
   bool lora_train_ = false;  // this pass applies dropout
-  // QLoRA: per layer, its projections' NF4 state in nf4_bytes_; the unquantized tensors (embedding unit, head unit,
+  // QLoRA: per layer, its projections' NF4 state in nf4_state_; the unquantized tensors (embedding unit, head unit,
   // then the layers' norms) in plain_; dequant_ one layer unit in bf16.
   struct Nf4Slot {
     int64_t offset = 0, n = 0;  // the tensor in the layout
@@ -397,6 +410,8 @@ class LlamaGpu {
   std::vector<std::vector<Nf4Slot>> nf4_;      // per layer
   std::map<int64_t, __nv_bfloat16*> plain_at_;  // layout offset of an unquantized tensor -> its bf16 values
   __nv_bfloat16 *plain_ = nullptr, *dequant_ = nullptr;
+  uint8_t* nf4_state_ = nullptr;  // every projection's NF4 state, nf4_bytes_ of it; plain_: plain_bytes_ of values
+  int64_t nf4_bytes_ = 0, plain_bytes_ = 0;
   // Fills unit u of the quantized base from host fp32 (quantizing its projections); the piece is the whole unit.
   void set_quantized_unit(int u, const float* host);
   // Elements [piece.begin, +piece.size) from the host: into the fp32 master and then its bf16 copy, or with no master

@@ -9,6 +9,19 @@
 
 namespace tuna {
 
+// Per target, which local input column is which of the whole layer's: dropout draws its mask by the whole layer's
+// index, so that every tp split draws the CPU model's bits.
+void LlamaGpu::set_up_adapters() {
+  const ParamLayout& trained = trained_layout();
+  for (int t = 0; t < kLoraTargets; t++) {
+    if (!lora_.has(LoraTarget(t))) continue;
+    const ParamTensor* a = trained.find(lora_tensor_name(stage_.layer_begin, LoraTarget(t), 'A'));
+    TUNA_CHECK(a != nullptr, "no adapter A for ", lora_target_name(LoraTarget(t)));
+    lora_global_in_[t] = a->global_shape[1];
+    lora_col0_[t] = a->split_dim == 1 ? a->split_begin : 0;
+  }
+}
+
 void LlamaGpu::set_adapter_grad_store(GpuWeightStore* store) {
   TUNA_CHECK(store != nullptr && lora_.enabled() && run_.training && lora_grads_ == nullptr,
              "an adapter gradient store replaces the adapters' whole gradient at ZeRO 2 and 3 only");

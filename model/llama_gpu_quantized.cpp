@@ -44,6 +44,54 @@ class LlamaGpu::QuantizedBase final : public GpuWeightStore {
   LlamaGpu& m_;
 };
 
+// The NF4 state of every projection in one byte buffer (the plan's row): all codes (8-byte aligned for the kernel's
+// vector path when the sizes allow), then the fp32 scales and means, then the 8-bit absmax: no padding, so the bytes
+// are the plan's. Then the bf16 values of the unquantized tensors: the embedding unit, the head unit (each whole, in
+// layout order, so that a pointer to its first tensor is the unit), then every norm weight.
+void LlamaGpu::lay_out_quantized_base() {
+  int64_t packed = 0, stats = 0, blocks = 0, plain = 0;
+  for (const ParamTensor& t : layout_.tensors()) {
+    if (!base_tensor_quantized(t)) {
+      plain += t.numel;
+      continue;
+    }
+    const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
+    packed += z.packed_bytes, stats += z.stat_blocks + 1, blocks += z.blocks;
+  }
+  if (packed % 4 != 0)
+    fail("--base_quant nf4 with --device cuda: the NF4 codes of this model's projections take ", packed, " bytes, not "
+         "a multiple of 4 (a projection with an odd number of elements), which the device layout does not take");
+  const int64_t plain_bytes = plain * static_cast<int64_t>(sizeof(__nv_bfloat16));
+  TUNA_CHECK(packed + 4 * stats + blocks == nf4_bytes_ && plain_bytes == plain_bytes_, "the quantized base takes ",
+             packed + 4 * stats + blocks, " NF4 bytes and ", plain_bytes, " bf16 bytes; the memory plan has ",
+             nf4_bytes_, " and ", plain_bytes_);
+  uint8_t* at_packed = nf4_state_;
+  float* at_stats = reinterpret_cast<float*>(nf4_state_ + packed);
+  uint8_t* at_blocks = nf4_state_ + packed + 4 * stats;
+  __nv_bfloat16* at_plain = plain_;
+  const int H = layout_.head_unit();
+  for (int u : {0, H})
+    for (const ParamTensor& t : layout_.tensors())
+      if (t.offset >= layout_.unit_range(u).first && t.offset < layout_.unit_range(u).second)
+        plain_at_[t.offset] = at_plain, at_plain += t.numel;
+  nf4_.resize(config_.num_hidden_layers);
+  for (const ParamTensor& t : layout_.tensors()) {
+    if (t.layer < 0) continue;
+    if (!base_tensor_quantized(t)) {
+      plain_at_[t.offset] = at_plain, at_plain += t.numel;
+      continue;
+    }
+    const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
+    Nf4Slot slot;
+    slot.offset = t.offset, slot.n = t.numel;
+    slot.packed = at_packed, at_packed += z.packed_bytes;
+    slot.absmax2 = at_stats, slot.mean = at_stats + z.stat_blocks, at_stats += z.stat_blocks + 1;
+    slot.qabsmax = at_blocks, at_blocks += z.blocks;
+    nf4_[t.layer].push_back(slot);
+  }
+  TUNA_CHECK(at_plain == plain_ + plain, "the quantized base's bf16 tensors do not fill their buffer");
+}
+
 std::unique_ptr<GpuWeightStore> LlamaGpu::make_quantized_base() { return std::make_unique<QuantizedBase>(*this); }
 
 void LlamaGpu::set_quantized_unit(int u, const float* host) {
