@@ -75,10 +75,11 @@ LossSum PipelineDriver::step(const std::vector<MicroBatch>& micro_batches) {
       }
       compute_waits(activations_sent);  // this forward rewrites output()
       if (ahead && i + 1 < ops.size() && !ops[i + 1].forward) {  // the next backward's gradient, posted ahead
+        const MicroBatch& next = micro_batches[ops[i + 1].micro_batch];
         stage_.before_transfer();  // the backward before, which read output_grad() (the first stage sends nothing
                                    // after it)
-        gradient_posted = pp.recv_start(stage_.output_grad(), stage_.boundary_elements(micro_batches[ops[i + 1].micro_batch]),
-                                        wire, s + 1, links_.recv_gradient.c_str());
+        gradient_posted = pp.recv_start(stage_.output_grad(), stage_.boundary_elements(next), wire, s + 1,
+                                        links_.recv_gradient.c_str());
         pp.flush();
       }
       if (s == last) host_wait(waited_this_pass);  // the forward below waits for its loss on the host

@@ -1,6 +1,6 @@
 // LlamaGpu (model/llama_gpu.h): its construction (its buffers from the memory plan's table), its weights in and out,
-// and its own AdamW step (ZeRO-0). The passes are model/llama_gpu_forward.cpp and model/llama_gpu_backward.cpp, the quantized
-// base model/llama_gpu_quantized.cpp, the adapters model/llama_gpu_lora.cpp.
+// and its own AdamW step (ZeRO-0). The passes are model/llama_gpu_forward.cpp and model/llama_gpu_backward.cpp, the
+// quantized base model/llama_gpu_quantized.cpp, the adapters model/llama_gpu_lora.cpp.
 #if TUNA_CUDA
 
 #include "model/llama_gpu.h"

@@ -2,8 +2,8 @@
 // loss as a SUM with one division per step), bf16 activations and weights, fp32 gradients and AdamW state, on
 // one device. Only in CUDA builds (TUNA_CUDA).
 //
-// Memory: every buffer is a row of one table (model/gpu_buffers.h plan_gpu_buffers, whose sizes are the memory plan) for
-// (max_batch, max_seq), pointed into one device arena at construction; forward_backward and adamw_step allocate
+// Memory: every buffer is a row of one table (model/gpu_buffers.h plan_gpu_buffers, whose sizes are the memory plan)
+// for (max_batch, max_seq), pointed into one device arena at construction; forward_backward and adamw_step allocate
 // nothing. Which
 // activations are kept for the backward is MemoryLayout::recompute: none keeps every layer's; selective keeps the
 // GEMM and attention outputs and recomputes the two norms and SwiGLU in the backward; full keeps each layer's

@@ -217,13 +217,16 @@ void plan_full_state(const MemoryLayout& l, const ParamLayout& layout, const Sta
       b.add(str("weight gather buffer ", i), MemoryKind::Communication, stage.largest, kBf16);
   }
   if (optimizer) {
-    b.add(optimizer_buffer(l, GpuBuffer::NormScratch), "gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
+    b.add(optimizer_buffer(l, GpuBuffer::NormScratch), "gradient norm scratch", MemoryKind::Workspace,
+          gpu_scratch::sum_of_squares_doubles(), kF64);
     b.add(optimizer_buffer(l, GpuBuffer::NormTotal), "gradient norm", MemoryKind::Workspace, 1, kF64);
     if (l.tp > 1) {  // one sum of squares per piece of a replicated tensor (norm weights) that this rank updates
-      const std::vector<Segment> owned = stage_pieces(layout, stage, l.zero == 0 ? 0 : l.dp_rank, l.zero == 0 ? 1 : l.dp);
+      const std::vector<Segment> owned =
+          stage_pieces(layout, stage, l.zero == 0 ? 0 : l.dp_rank, l.zero == 0 ? 1 : l.dp);
       int64_t replicated = 0;
       for (const ShardPiece& p : shard_pieces(layout, owned)) replicated += p.tensor->split_dim < 0;
-      b.add(optimizer_buffer(l, GpuBuffer::ReplicatedNorms), "replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);
+      b.add(optimizer_buffer(l, GpuBuffer::ReplicatedNorms), "replicated gradient norms", MemoryKind::Workspace,
+            std::max<int64_t>(1, replicated), kF64);
     }
   }
 }
@@ -274,15 +277,18 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
     for (int i = 0; i < gather_buffers; i++)
       b.add(str("base gather buffer ", i), MemoryKind::Communication, largest, 1);
   } else if (quantized) {
-    b.add(GpuBuffer::Nf4Base, str(base_quant_name(lora.base_quant), " base weights (frozen decoder Linear weights)"), MemoryKind::Weights,
-          base_quantized, 1);
-    b.add(GpuBuffer::PlainBase, "bf16 base weights (frozen embedding, norms, lm_head)", MemoryKind::Weights, base_plain, 1);
+    b.add(GpuBuffer::Nf4Base, str(base_quant_name(lora.base_quant), " base weights (frozen decoder Linear weights)"),
+          MemoryKind::Weights, base_quantized, 1);
+    b.add(GpuBuffer::PlainBase, "bf16 base weights (frozen embedding, norms, lm_head)", MemoryKind::Weights, base_plain,
+          1);
   } else {
     b.add(GpuBuffer::Weights, "bf16 base weights (frozen)", MemoryKind::Weights, units.params, kBf16);
   }
   // Quantized: each layer's GEMMs read its weights dequantized into one bf16 buffer, refilled per layer and pass,
   // shaped like the layer's unit (its norm weights copied beside), so the model reads it at the unit's offsets.
-  if (quantized) b.add(GpuBuffer::Dequant, "dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer_elements, kBf16);
+  if (quantized)
+    b.add(GpuBuffer::Dequant, "dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer_elements,
+          kBf16);
 
   // The adapters: bf16 copies for the GEMMs, whole on every dp rank; fp32 master, gradients and moments as ZeRO says.
   const std::vector<LoraTargetShape> shapes = lora_layer_shapes(c, lora, l.tp);
@@ -327,45 +333,47 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
       if (l.dp > 1) b.add("LoRA reduce-scatter output", MemoryKind::Communication, piece.size(), kF32);
     }
   }
-  b.add(optimizer_buffer(l, GpuBuffer::NormScratch), "gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
+  b.add(optimizer_buffer(l, GpuBuffer::NormScratch), "gradient norm scratch", MemoryKind::Workspace,
+        gpu_scratch::sum_of_squares_doubles(), kF64);
   b.add(optimizer_buffer(l, GpuBuffer::NormTotal), "gradient norm", MemoryKind::Workspace, 1, kF64);
-  if (l.tp > 1) b.add(optimizer_buffer(l, GpuBuffer::ReplicatedNorms), "replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);
+  if (l.tp > 1)
+    b.add(optimizer_buffer(l, GpuBuffer::ReplicatedNorms), "replicated gradient norms", MemoryKind::Workspace,
+          std::max<int64_t>(1, replicated), kF64);
 }
 
-}  // namespace
+// One pass's shapes on this rank: tokens, their rows in the norm and residual regions, and the tp-local widths.
+struct PassShape {
+  int64_t n = 0, rows = 0, C = 0, F = 0, qd = 0, kvd = 0, H = 0, V = 0;
+};
 
-GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& l) {
-  check_layout(c, l);
-  // This rank's pipeline stage (at pp 1, the whole model).
-  const PipelineStage stage = pipeline_stages(c, l.pp, l.seq_len)[l.pp_rank];
-  const ParamLayout& layout = tp_rank_layout(c, l.tp_rank, l.tp, l.pp, stage);
-  const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
+PassShape pass_shape(const LlamaConfig& c, const MemoryLayout& l, const ParamLayout& layout) {
   const TpDims& d = layout.tp();
-  const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads, V = d.vocab;
-  const StageUnits units = stage_units(layout, stage);
-  PlanBuilder b;
-  if (l.lora.enabled()) plan_lora_state(c, l, layout, stage, units, b);
-  else plan_full_state(l, layout, units, b);
-
-  // Activations for (micro_batch, seq_len): the layers' kept ones (by the recompute mode), one working set for
-  // the rest, the head's, and the backward's gradients of activations.
-  const Recompute recompute = l.training ? l.recompute : Recompute::Full;  // a forward alone keeps layer inputs
+  PassShape p;
+  p.n = l.micro_batch * l.seq_len, p.C = c.hidden_size;
   // Sequence parallelism: the norm and residual region (the residual stream, the norms' outputs and their rstd) is
   // split along the sequence over the tp ranks, n / tp rows each; the column-parallel GEMMs read it gathered whole.
-  const int64_t rows = l.sp ? n / l.tp : n;
+  p.rows = l.sp ? p.n / l.tp : p.n;
+  p.F = d.ffn, p.qd = d.q_dim, p.kvd = d.kv_dim, p.H = d.heads, p.V = d.vocab;
+  return p;
+}
+
+// The layers' activations for (micro_batch, seq_len): the kept ones (by the recompute mode) of each layer and slot,
+// one working set for the rest, and the adapters' own.
+void plan_layer_activations(const LlamaConfig& c, const MemoryLayout& l, const PipelineStage& stage,
+                            const PassShape& p, PlanBuilder& b) {
+  const int64_t n = p.n, rows = p.rows, C = p.C;
+  const Recompute recompute = l.training ? l.recompute : Recompute::Full;  // a forward alone keeps layer inputs
   // 1F1B: stage s has run the forward of pp - s micro-batches before the first backward reaches it, and keeps their
   // layers' activations until then (the first stage the most, the last one); a forward alone keeps none.
   const int64_t in_flight = l.training ? l.pp - l.pp_rank : 1;
-  b.add(GpuBuffer::RopeCos, "RoPE cos", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
-  b.add(GpuBuffer::RopeSin, "RoPE sin", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
   const std::pair<GpuActivation, std::pair<int64_t, int64_t>> fields[] = {
-      {GpuActivation::ResidIn, {rows * C, kBf16}},  {GpuActivation::Norm1, {rows * C, kBf16}},
-      {GpuActivation::Rstd1, {rows, kF32}},         {GpuActivation::Q, {n * qd, kBf16}},
-      {GpuActivation::K, {n * kvd, kBf16}},         {GpuActivation::V, {n * kvd, kBf16}},
-      {GpuActivation::Att, {n * qd, kBf16}},        {GpuActivation::Lse, {n * H, kF32}},
-      {GpuActivation::ResidMid, {rows * C, kBf16}}, {GpuActivation::Norm2, {rows * C, kBf16}},
-      {GpuActivation::Rstd2, {rows, kF32}},         {GpuActivation::GateUp, {n * 2 * F, kBf16}},
-      {GpuActivation::Act, {n * F, kBf16}}};
+      {GpuActivation::ResidIn, {rows * C, kBf16}},    {GpuActivation::Norm1, {rows * C, kBf16}},
+      {GpuActivation::Rstd1, {rows, kF32}},           {GpuActivation::Q, {n * p.qd, kBf16}},
+      {GpuActivation::K, {n * p.kvd, kBf16}},         {GpuActivation::V, {n * p.kvd, kBf16}},
+      {GpuActivation::Att, {n * p.qd, kBf16}},        {GpuActivation::Lse, {n * p.H, kF32}},
+      {GpuActivation::ResidMid, {rows * C, kBf16}},   {GpuActivation::Norm2, {rows * C, kBf16}},
+      {GpuActivation::Rstd2, {rows, kF32}},           {GpuActivation::GateUp, {n * 2 * p.F, kBf16}},
+      {GpuActivation::Act, {n * p.F, kBf16}}};
   // With adapters, per target: its r-wide s A x (B's input, and dB's), needed by the backward. A dropout mask is
   // not kept: it is a pure function of its key and index (model/lora.h), drawn again by the backward.
   const std::vector<LoraTargetShape> adapters = lora_layer_shapes(c, l.lora, l.tp);
@@ -392,50 +400,64 @@ GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& l) {
     for (int64_t layer = stage.layer_begin; layer < stage.layer_end; layer++)
       add_layer(slot == 0 ? str("layer ", layer, " ") : str("layer ", layer, " (in flight ", slot, ") "), slot, layer);
   add_layer("working ", 0, -1);
-  if (!adapters.empty()) {
-    int64_t widest_in = 0;
-    for (const LoraTargetShape& t : adapters) widest_in = std::max(widest_in, t.in);
-    // dropout(x), A's input, refilled per target in the forward and for dA in the backward, where it also holds
-    // dt A before the mask takes it into dx.
-    if (l.lora.dropout > 0) b.add(GpuBuffer::LoraDropoutInput, "LoRA dropout(x)", MemoryKind::Activations, n * widest_in, kBf16);
-    // The backward's dt = s dy B of one target at a time: dA's input, and A's share of dx.
-    if (l.training) b.add(GpuBuffer::LoraDt, "LoRA d(A x)", MemoryKind::Activations, n * r, kBf16);
-  }
+  if (adapters.empty()) return;
+  int64_t widest_in = 0;
+  for (const LoraTargetShape& t : adapters) widest_in = std::max(widest_in, t.in);
+  // dropout(x), A's input, refilled per target in the forward and for dA in the backward, where it also holds
+  // dt A before the mask takes it into dx.
+  if (l.lora.dropout > 0)
+    b.add(GpuBuffer::LoraDropoutInput, "LoRA dropout(x)", MemoryKind::Activations, n * widest_in, kBf16);
+  // The backward's dt = s dy B of one target at a time: dA's input, and A's share of dx.
+  if (l.training) b.add(GpuBuffer::LoraDt, "LoRA d(A x)", MemoryKind::Activations, n * r, kBf16);
+}
+
+// The pass's other buffers: the fused q|k|v output, sp's gathered input, the head's, and the backward's gradients of
+// activations and its scratch.
+void plan_pass_buffers(const MemoryLayout& l, const PipelineStage& stage, const PassShape& p, PlanBuilder& b) {
+  const int64_t n = p.n, rows = p.rows, C = p.C, V = p.V;
   // The fused q|k|v GEMM's output, read into q, k, v at once; the backward's d_q|d_k|d_v in the same buffer.
-  b.add(GpuBuffer::Qkv, "qkv", MemoryKind::Activations, n * (qd + 2 * kvd), kBf16);
+  b.add(GpuBuffer::Qkv, "qkv", MemoryKind::Activations, n * (p.qd + 2 * p.kvd), kBf16);
   // sp: a norm's output all-gathered for the column-parallel GEMM that reads it (q|k|v, gate|up, lm_head); one
   // working buffer, gathered again in the backward for the weight gradient (Megatron keeps the split copy only).
   if (l.sp) b.add(GpuBuffer::Gathered, "sequence-parallel gathered input", MemoryKind::Activations, n * C, kBf16);
   if (stage.head) {
+    const int64_t chunk = gpu_head_chunk_rows(V, n);
     b.add(GpuBuffer::ResidOut, "final residual", MemoryKind::Activations, rows * C, kBf16);
     b.add(GpuBuffer::FinalNorm, "final norm", MemoryKind::Activations, rows * C, kBf16);
     b.add(GpuBuffer::FinalRstd, "final rstd", MemoryKind::Activations, rows, kF32);
-    b.add(GpuBuffer::LogitsChunk, "logits chunk", MemoryKind::Activations, gpu_head_chunk_rows(V, n) * V, kBf16);
+    b.add(GpuBuffer::LogitsChunk, "logits chunk", MemoryKind::Activations, chunk * V, kBf16);
     b.add(GpuBuffer::Losses, "per-token losses", MemoryKind::Activations, n, kF32);
     if (l.tp > 1) {  // the vocab-parallel loss: each chunk's row statistics and their max over the tp ranks
-      b.add(GpuBuffer::ClassifierStats, "classifier statistics", MemoryKind::Workspace, 3 * gpu_head_chunk_rows(V, n), kF32);
-      b.add(GpuBuffer::ClassifierMax, "classifier global max", MemoryKind::Workspace, gpu_head_chunk_rows(V, n), kF32);
+      b.add(GpuBuffer::ClassifierStats, "classifier statistics", MemoryKind::Workspace, 3 * chunk, kF32);
+      b.add(GpuBuffer::ClassifierMax, "classifier global max", MemoryKind::Workspace, chunk, kF32);
     }
   }
-  if (l.training) {
-    // The residual stream's gradient is split like the stream; a norm input's gradient comes whole out of the
-    // GEMMs' input gradient before sp reduce-scatters it.
-    b.add(GpuBuffer::DResid, "d_resid", MemoryKind::Activations, rows * C, kBf16);
-    b.add(GpuBuffer::DNorm, "d_norm", MemoryKind::Activations, n * C, kBf16);
-    // The final norm's input gradient, and with sp every layer's norm input gradient reduced into this rank's rows.
-    if (stage.head || l.sp) b.add(GpuBuffer::DFinalNorm, "d_final_norm", MemoryKind::Activations, n * C, kBf16);
-    b.add(GpuBuffer::DQ, "d_q", MemoryKind::Activations, n * qd, kBf16);
-    b.add(GpuBuffer::DAtt, "d_att", MemoryKind::Activations, n * qd, kBf16);
-    b.add(GpuBuffer::DK, "d_k", MemoryKind::Activations, n * kvd, kBf16);
-    b.add(GpuBuffer::DV, "d_v", MemoryKind::Activations, n * kvd, kBf16);
-    // d_gate|d_up overwrite each layer's gate_up in place (model/llama_gpu.cpp layer_backward).
-    b.add(GpuBuffer::DAct, "d_act", MemoryKind::Activations, n * F, kBf16);
-    b.add(GpuBuffer::RmsnormScratch, "rmsnorm backward scratch", MemoryKind::Workspace, gpu_scratch::rmsnorm_bwd_floats(rows, C), kF32);
-    // sp: a layer's two norm-weight gradients from this rank's rows, before their sum over the tp ranks.
-    if (l.sp) b.add(GpuBuffer::SpNormGrads, "sequence-parallel norm weight gradients", MemoryKind::Workspace, 2 * C, kF32);
-    b.add(GpuBuffer::AttentionScratch, "attention backward scratch", MemoryKind::Workspace,
-          gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, H, /*head_dim=*/128, l.attention), kF32);
-  }
+  if (!l.training) return;
+  // The residual stream's gradient is split like the stream; a norm input's gradient comes whole out of the
+  // GEMMs' input gradient before sp reduce-scatters it.
+  b.add(GpuBuffer::DResid, "d_resid", MemoryKind::Activations, rows * C, kBf16);
+  b.add(GpuBuffer::DNorm, "d_norm", MemoryKind::Activations, n * C, kBf16);
+  // The final norm's input gradient, and with sp every layer's norm input gradient reduced into this rank's rows.
+  if (stage.head || l.sp) b.add(GpuBuffer::DFinalNorm, "d_final_norm", MemoryKind::Activations, n * C, kBf16);
+  b.add(GpuBuffer::DQ, "d_q", MemoryKind::Activations, n * p.qd, kBf16);
+  b.add(GpuBuffer::DAtt, "d_att", MemoryKind::Activations, n * p.qd, kBf16);
+  b.add(GpuBuffer::DK, "d_k", MemoryKind::Activations, n * p.kvd, kBf16);
+  b.add(GpuBuffer::DV, "d_v", MemoryKind::Activations, n * p.kvd, kBf16);
+  // d_gate|d_up overwrite each layer's gate_up in place (model/llama_gpu_backward.cpp layer_backward).
+  b.add(GpuBuffer::DAct, "d_act", MemoryKind::Activations, n * p.F, kBf16);
+  b.add(GpuBuffer::RmsnormScratch, "rmsnorm backward scratch", MemoryKind::Workspace,
+        gpu_scratch::rmsnorm_bwd_floats(rows, C), kF32);
+  // sp: a layer's two norm-weight gradients from this rank's rows, before their sum over the tp ranks.
+  if (l.sp)
+    b.add(GpuBuffer::SpNormGrads, "sequence-parallel norm weight gradients", MemoryKind::Workspace, 2 * C, kF32);
+  b.add(GpuBuffer::AttentionScratch, "attention backward scratch", MemoryKind::Workspace,
+        gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, p.H, /*head_dim=*/128, l.attention), kF32);
+}
+
+// The pipeline's buffers, and the pass's inputs as the device holds them.
+void plan_pipeline_and_inputs(const LlamaConfig& c, const MemoryLayout& l, const PipelineStage& stage,
+                              const PassShape& p, PlanBuilder& b) {
+  const int64_t n = p.n;
   // Pipeline point to point (bf16 [tokens, hidden], with sp each tp rank's rows of it): a stage receives the previous
   // stage's activation straight into its first layer's input of the micro-batch's slot, and the next stage's
   // gradient into d_resid, and sends its input gradient from d_resid; its last layer writes the activation it sends
@@ -443,9 +465,12 @@ GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& l) {
   // stages receive the other's gradient of the table (fp32, this tp rank's rows) to add to their own; a frozen table
   // (adapters) has none.
   if (l.pp > 1) {
-    if (!stage.head) b.add(GpuBuffer::ResidOut, "pipeline send: activation to the next stage", MemoryKind::Communication, rows * C, kBf16);
+    if (!stage.head)
+      b.add(GpuBuffer::ResidOut, "pipeline send: activation to the next stage", MemoryKind::Communication,
+            p.rows * p.C, kBf16);
     if (l.training && !l.lora.enabled() && c.tie_word_embeddings && (stage.embedding || stage.head))
-      b.add(GpuBuffer::TiedPeerGrad, "pipeline: the tied embedding's gradient from the other stage", MemoryKind::Communication, V * C, kF32);
+      b.add(GpuBuffer::TiedPeerGrad, "pipeline: the tied embedding's gradient from the other stage",
+            MemoryKind::Communication, p.V * p.C, kF32);
   }
   if (stage.head) b.add(GpuBuffer::LossTotal, "loss total", MemoryKind::Workspace, 1, kF64);
   if (stage.embedding) b.add(GpuBuffer::Tokens, "token ids", MemoryKind::Workspace, n, kI32);
@@ -459,28 +484,50 @@ GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& l) {
   b.add(GpuBuffer::DocStarts, "document starts", MemoryKind::Workspace, n, kI32);
   b.add(GpuBuffer::RopePositions, "RoPE positions", MemoryKind::Workspace, n, kI32);
   b.add(GpuBuffer::MatmulWorkspace, "cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes, 1);
+}
 
-  // NCCL pads a unit it reduce-scatters or gathers to a multiple of dp in a scratch buffer of its own
-  // (comm/comm_nccl.cpp), allocated on first use.
-  if (l.dp > 1) {
-    // The largest collective, in fp32 elements: a unit's gradient; with adapters a layer's adapter gradient, or at
-    // ZeRO-3 a base unit's gathered bytes.
-    int64_t largest = units.largest;
-    if (l.lora.enabled()) {
-      largest = lora_layer_params(c, l.lora, l.tp);
-      if (l.training && l.zero == 3)
-        for (int u : units.units) {
-          int64_t bytes = 0;
-          for (const ParamTensor& t : layout.tensors())
-            if (t.offset >= layout.unit_range(u).first && t.offset < layout.unit_range(u).second)
-              bytes += base_storage_bytes(t, l.lora.base_quant);
-          largest = std::max(largest, (bytes + kF32 - 1) / kF32);
-        }
-    }
-    const int64_t chunk = (largest + l.dp - 1) / l.dp;
-    b.add_outside_arena("NCCL padding scratch (the comm's own)", MemoryKind::Communication,
-                        (chunk * l.dp + chunk) * kF32);
+// NCCL pads a unit it reduce-scatters or gathers to a multiple of dp in a scratch buffer of its own
+// (comm/comm_nccl.cpp), allocated on first use.
+void plan_nccl_scratch(const LlamaConfig& c, const MemoryLayout& l, const ParamLayout& layout, const StageUnits& units,
+                       PlanBuilder& b) {
+  if (l.dp == 1) return;
+  // The largest collective, in fp32 elements: a unit's gradient; with adapters a layer's adapter gradient, or at
+  // ZeRO-3 a base unit's gathered bytes.
+  int64_t largest = units.largest;
+  if (l.lora.enabled()) {
+    largest = lora_layer_params(c, l.lora, l.tp);
+    if (l.training && l.zero == 3)
+      for (int u : units.units) {
+        int64_t bytes = 0;
+        for (const ParamTensor& t : layout.tensors())
+          if (t.offset >= layout.unit_range(u).first && t.offset < layout.unit_range(u).second)
+            bytes += base_storage_bytes(t, l.lora.base_quant);
+        largest = std::max(largest, (bytes + kF32 - 1) / kF32);
+      }
   }
+  const int64_t chunk = (largest + l.dp - 1) / l.dp;
+  b.add_outside_arena("NCCL padding scratch (the comm's own)", MemoryKind::Communication,
+                      (chunk * l.dp + chunk) * kF32);
+}
+
+}  // namespace
+
+GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& l) {
+  check_layout(c, l);
+  // This rank's pipeline stage (at pp 1, the whole model).
+  const PipelineStage stage = pipeline_stages(c, l.pp, l.seq_len)[l.pp_rank];
+  const ParamLayout& layout = tp_rank_layout(c, l.tp_rank, l.tp, l.pp, stage);
+  const StageUnits units = stage_units(layout, stage);
+  PlanBuilder b;
+  if (l.lora.enabled()) plan_lora_state(c, l, layout, stage, units, b);
+  else plan_full_state(l, layout, units, b);
+  b.add(GpuBuffer::RopeCos, "RoPE cos", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
+  b.add(GpuBuffer::RopeSin, "RoPE sin", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
+  const PassShape shape = pass_shape(c, l, layout);
+  plan_layer_activations(c, l, stage, shape, b);
+  plan_pass_buffers(l, stage, shape, b);
+  plan_pipeline_and_inputs(c, l, stage, shape, b);
+  plan_nccl_scratch(c, l, layout, units, b);
   return b.table;
 }
 
