@@ -1,4 +1,4 @@
-// DecodeGpu: LlamaGpu's forward (model/llama_gpu.cpp, same ops in the same order) for the positions appended
+// DecodeGpu: LlamaGpu's forward (model/llama_gpu_forward.cpp, same ops in the same order) for the positions appended
 // to a KV cache. Per layer, for the n new positions of each sequence:
 //   norm = rmsnorm(x);  q|k|v = norm @ W[q|k|v] (one GEMM);  rope(q), rope(k) -> cache[length..] at positions
 //   length..length+n-1, v -> cache[length..];  att = decode_attention(q, cache);  h = x + att @ Wo
