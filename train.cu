@@ -48,7 +48,8 @@
 #include "model/config.h"      // LlamaConfig
 #include "model/lora.h"        // LoraConfig, parse_lora_targets, validate_lora, lora_parameter_count
 #include "model/optimizer.h"   // OptimizerConfig, learning_rate
-#include "model/pipeline.h"    // pipeline_stages, format_pipeline_stages: the --pp split
+#include "model/pipeline.h"    // format_pipeline_stages: the --pp split
+#include "model/support.h"     // require_support, require_valid: what runs where
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -297,9 +298,10 @@ RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
     r.weights_dir = r.lora->base;
   } else {
     if (!cfg.base.empty()) fail("option 'base' is for LoRA runs: give --lora_rank (or --resume a LoRA checkpoint)");
-    if (options.was_set("base_quant") && !(cfg.plan_only && options.was_set("lora_rank")))
-      fail("option 'base_quant' is for LoRA runs (a quantized base is frozen): give --lora_rank (or --resume a LoRA "
-           "checkpoint)");
+    LoraPlan full;  // no adapters: a --base_quant given is refused by the support table, whatever its value
+    full.base_quant = parse_base_quant(cfg.base_quant, "option 'base_quant'");
+    if (!(cfg.plan_only && options.was_set("lora_rank")))
+      if (const Support s = base_quant_support(full, options.was_set("base_quant")); !s.runs()) fail(s.reason);
     lora_options(cfg, options, /*resuming_lora=*/false);  // a LoRA option without --lora_rank is an error naming it
   }
   if (r.resume_from) r.checkpoint_state = read_training_state(*r.resume_from).state;
@@ -353,9 +355,6 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
   eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
   eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
   eo.bf16_moments = cfg.bf16_moments;
-  if (cfg.sp && cfg.tp < 2)
-    fail("option 'sp' splits each micro-batch's tokens over the tensor-parallel ranks: it needs --tp 2 or more, "
-         "found --tp ", cfg.tp);
   eo.sp = cfg.sp;
   eo.documents = DocumentMode{cfg.document_mask, parse_document_positions(cfg.document_positions)};
   if (start.lora) {
@@ -376,9 +375,6 @@ EngineOptions engine_options(const TrainConfig& cfg, const Options& options, con
   if (!note.empty()) std::printf("note: %s\n", note.c_str());
   eo.gpu.stochastic_rounding = cfg.stochastic_rounding, eo.gpu.seed = static_cast<uint32_t>(cfg.seed);
   eo.gpu.device = launch.local_rank;  // one GPU per rank: the rank's index on its node
-  if (cfg.pp > 1 && eo.device == Device::Cuda && !cfg.plan_only && cfg.zero >= 2)
-    fail("option 'zero' ", cfg.zero, " with --pp ", cfg.pp, " and --device ", cfg.device, " (cuda): the CUDA engine "
-         "runs pipeline stages with ZeRO 0 and 1; use --zero 0 or 1, or --device cpu");
   if (eo.device == Device::Cpu && (cfg.bf16_moments || cfg.stochastic_rounding))
     fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
   return eo;
@@ -398,14 +394,13 @@ json training_state(const Options& options, const TrainConfig& cfg, const Mesh& 
 }
 
 void print_banner(const TrainConfig& cfg, const Options& options, const RunStart& start, const Engine& engine,
-                  const Comm& world, const Mesh& mesh, int threads) {
+                  const Comm& world, const Mesh& mesh, const MemoryLayout& layout, int threads) {
   std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x %stp %d%s | ZeRO-%lld (%s)\n",
               engine.describe().c_str(), threads, world.size(), mesh.dp_size,
               mesh.pp_size > 1 ? str("pp ", mesh.pp_size, " x ").c_str() : "", mesh.tp_size,
               mesh.tp_size < 2 ? "" : cfg.sp ? " (sequence parallel)" : " (sequence parallel off)", (long long)cfg.zero,
               world.backend().c_str());
-  if (mesh.pp_size > 1)
-    std::printf("pipeline %s\n", format_pipeline_stages(pipeline_stages(start.model, mesh.pp_size, cfg.seq_len)).c_str());
+  if (mesh.pp_size > 1) std::printf("pipeline %s\n", format_pipeline_stages(layout.stages).c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
   if (const std::string w = schedule_warning(cfg.opt, cfg.steps); !w.empty()) std::printf("warning: %s\n", w.c_str());
   if (engine.describe() == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
@@ -531,6 +526,10 @@ int run(int argc, char** argv) {
   // The base's quantization is the checkpoint's on a resume: the logged config and state.json say what runs.
   if (start.lora) cfg.base_quant = base_quant_name(start.lora->base_quant);
   const EngineOptions eo = engine_options(cfg, options, start, launch);
+  // What runs where (model/support.h): --plan_only prints a design too; a run needs what its engine runs.
+  const MemoryLayout layout = engine_memory_layout(start.model, eo, mesh);
+  if (cfg.plan_only) require_valid(start.model, layout, eo.device);
+  else require_support(start.model, layout, eo.device);
   if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
   WeightFill initial;  // each rank reads (or draws) only its own pieces; a resume restores after construction
   if (!start.resume_from) initial = cfg.init.empty() ? random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std)
@@ -546,7 +545,7 @@ int run(int argc, char** argv) {
   const HostMemory at_start = host_memory();
   const json plan_record = check_memory_plan(start.model, eo, mesh, at_start.resident_mb, launch.local_size);
   std::unique_ptr<Engine> engine = make_engine(start.model, eo, mesh, initial, device_comm);
-  print_banner(cfg, options, start, *engine, *world, mesh, threads);
+  print_banner(cfg, options, start, *engine, *world, mesh, layout, threads);
   std::printf("host memory at init: %.0f MB peak on this rank\n", engine->status().host_peak_mb);
 
   // Resume: the engine's state a piece at a time from the files, the step, the data cursor.

@@ -13,8 +13,6 @@
 
 namespace tuna {
 
-const char* device_name(Device device) { return device == Device::Cuda ? "cuda" : "cpu"; }
-
 void Engine::export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const {
   std::vector<int64_t> at;
   int64_t total = 0;
@@ -59,8 +57,12 @@ MemoryLayout engine_memory_layout(const EngineOptions& o, const Mesh& mesh) {
   return l;
 }
 
+MemoryLayout engine_memory_layout(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh) {
+  return place_layout(config, engine_memory_layout(options, mesh));
+}
+
 GpuFit plan_gpu_fit(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, int64_t capacity_bytes) {
-  const MemoryLayout run = engine_memory_layout(options, mesh);
+  const MemoryLayout run = engine_memory_layout(config, options, mesh);
   GpuFit fit = check_gpu_fit(config, run, capacity_bytes);
   fit.report += format_host_staging(plan_gpu_host_staging(config, run));
   return fit;
@@ -70,9 +72,8 @@ HostStaging plan_gpu_host_staging(const LlamaConfig& config, const MemoryLayout&
   const int dp_rank = static_cast<int>(run.dp_rank), dp_size = static_cast<int>(run.dp);
   // With pipeline stages, the stage's layout: its units are what the rank fills and saves.
   const int tp_rank = static_cast<int>(run.tp_rank), tp = static_cast<int>(run.tp);
-  const ParamLayout layout =
-      run.pp > 1 ? ParamLayout(config, tp_rank, tp, pipeline_stages(config, run.pp, run.seq_len).at(run.pp_rank))
-                 : ParamLayout(config, tp_rank, tp);
+  const MemoryLayout placed = place_layout(config, run);
+  const ParamLayout layout = run.pp > 1 ? ParamLayout(config, tp_rank, tp, placed.stage()) : ParamLayout(config, tp_rank, tp);
   int64_t largest_piece = 0, largest_unit = 0;
   for (const Segment& s : dp_unit_pieces(layout, dp_rank, dp_size)) largest_piece = std::max(largest_piece, s.size);
   for (int u = 0; u < layout.num_units(); u++)
@@ -154,7 +155,7 @@ AttentionPath choose_attention(const std::string& option, const nlohmann::json& 
 
 nlohmann::json check_memory_plan(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh,
                                  double resident_mb_at_start, int ranks_on_node) {
-  const MemoryLayout run = engine_memory_layout(options, mesh);
+  const MemoryLayout run = engine_memory_layout(config, options, mesh);
   if (options.device == Device::Cuda) {
     nlohmann::json record = memory_plan_json(plan_gpu_memory(config, run));
     record["device"] = "cuda";

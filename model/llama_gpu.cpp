@@ -39,6 +39,7 @@
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/swiglu.cuh"
+#include "model/support.h"  // place_layout, require_support
 
 namespace tuna {
 
@@ -284,45 +285,30 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     : LlamaGpu(config, single_rank_layout(max_batch, max_seq), optimizer, options) {}
 
 namespace {
-// This rank's pipeline stage (model/pipeline.h's split, as the memory plan takes it), or the whole model.
-PipelineStage stage_of(const LlamaConfig& config, const MemoryLayout& run) {
-  if (run.pp > 1) return pipeline_stages(config, run.pp, run.seq_len).at(static_cast<size_t>(run.pp_rank));
-  PipelineStage whole;
-  whole.layer_end = config.num_hidden_layers;
-  whole.embedding = whole.head = true;
-  return whole;
-}
-
 // With pipeline stages, the adapters of the stage's layers only (global names and random streams, model/lora.h).
 LoraLayout adapters_of(const LlamaConfig& config, const MemoryLayout& run) {
   if (!run.lora.enabled()) return LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
-  const PipelineStage stage = stage_of(config, run);
   return lora_layout(config, run.lora, static_cast<int>(run.tp_rank), static_cast<int>(run.tp),
-                     run.pp > 1 ? &stage : nullptr);
+                     run.pp > 1 ? &run.stage() : nullptr);
 }
 
 ParamLayout layout_of(const LlamaConfig& config, const MemoryLayout& run) {
   const int tp_rank = static_cast<int>(run.tp_rank), tp = static_cast<int>(run.tp);
-  return run.pp > 1 ? ParamLayout(config, tp_rank, tp, stage_of(config, run)) : ParamLayout(config, tp_rank, tp);
+  return run.pp > 1 ? ParamLayout(config, tp_rank, tp, run.stage()) : ParamLayout(config, tp_rank, tp);
 }
 }  // namespace
 
 LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const OptimizerConfig& optimizer,
                    const GpuOptions& options)
-    : config_(config), layout_(layout_of(config, run)), opt_(optimizer),
-      run_(run), options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len), lora_(run.lora),
-      lora_layout_(adapters_of(config, run)) {
+    : config_(config), run_(place_layout(config, run)), layout_(layout_of(config, run_)), opt_(optimizer),
+      options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len), lora_(run.lora),
+      lora_layout_(adapters_of(config, run_)) {
   const int64_t max_batch = max_batch_, max_seq = max_seq_;
   TUNA_CHECK(max_batch > 0 && max_seq > 0, "batch ", max_batch, " seq ", max_seq);
   validate(opt_);
-  stage_ = stage_of(config, run);
-  // 1F1B: stage s keeps the activations of pp - s micro-batches (model/pipeline.h); a forward alone one.
-  in_flight_ = run.training ? run.pp - run.pp_rank : 1;
-  if (run.pp > 1 && run.training && run.zero >= 2)
-    fail("--device cuda: --zero ", run.zero, " with pipeline stages (--pp ", run.pp, ") is not implemented in the CUDA "
-         "engine; use --zero 0 or 1");
-  if (run.sp && run.tp < 2)
-    fail("option 'sp': sequence parallelism splits the sequence over --tp > 1 ranks (found tp ", run.tp, ")");
+  require_support(config, run_, Device::Cuda);  // what the CUDA engine runs (model/support.h)
+  stage_ = run_.stage();
+  in_flight_ = run_.in_flight();
   sp_ = run.sp;
   const LlamaConfig& c = config_;
   if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 8 && c.head_dim != 16 && c.head_dim != 32)
@@ -343,16 +329,10 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   head_chunk_rows_ = gpu_head_chunk_rows(d.vocab, n);
   const bool training = run_.training, own_optimizer = training && run_.zero == 0;
   const bool adapters = lora_.enabled();
-  const bool quantized = adapters && run_.lora.base_quant != BaseQuant::None;
-  if (adapters && run_.lora.base_quant == BaseQuant::Int8)
-    fail("--base_quant int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
-         "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
+  const bool quantized = adapters && run_.lora.base_quant != BaseQuant::None;  // nf4 (model/support.h)
   // ZeRO-3 with adapters: the frozen bf16 base sharded over dp, its units gathered by the engine's store
   // (set_weight_store); a quantized base is not sharded (the memory plan's design only, as on cpu).
   const bool sharded_base = adapters && training && run_.zero == 3;
-  if (sharded_base && quantized)
-    fail("--base_quant ", base_quant_name(run_.lora.base_quant), " with --device cuda and --zero 3: sharding a "
-         "quantized base over dp is not implemented; use --zero 2 (the base whole on every rank) or a bf16 base");
   const ParamLayout& trained = trained_layout();
   const int64_t Pt = trained.total();
   n_segments_ = static_cast<int>(trained.tensors().size());
@@ -377,9 +357,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
       const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
       packed += z.packed_bytes, stats += z.stat_blocks + 1, blocks += z.blocks;
     }
-    if (packed % 4 != 0)
-      fail("--base_quant nf4 with --device cuda: the NF4 codes of this model's projections take ", packed, " bytes, not "
-           "a multiple of 4 (a projection with an odd number of elements), which the device layout does not take");
+    TUNA_CHECK(packed % 4 == 0, "NF4 codes of ", packed, " bytes (the support table refuses them first)");
     uint8_t* bytes = arena.take<uint8_t>("nf4 base weights (frozen decoder Linear weights)", packed + 4 * stats + blocks);
     plain_ = arena.take<bf16>("bf16 base weights (frozen embedding, norms, lm_head)", plain);
     // Shaped like the stage's first layer unit (every layer's is the same size; a later stage lacks layer 0's).
@@ -520,7 +498,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     attn_scratch_ = arena.take<float>("attention backward scratch", cuda::attention_bwd_scratch_floats(max_batch, max_seq, H, /*head_dim=*/128, run_.attention));
   }
   // (A frozen table, with adapters, has no gradient to exchange.)
-  if (run_.pp > 1 && training && !adapters && c.tie_word_embeddings && (stage_.embedding || stage_.head))
+  if (run_.tied_across_stages(c))
     tied_peer_grad_ = arena.take<float>("pipeline: the tied embedding's gradient from the other stage", d.vocab * C);
   if (stage_.head) loss_total_ = arena.take<double>("loss total", 1);
   if (stage_.embedding) tokens_ = arena.take<int32_t>("token ids", n);

@@ -16,6 +16,7 @@
 #include "model/lora_shape.h"
 #include "model/optimizer.h"  // shard_pieces
 #include "model/pipeline.h"
+#include "model/support.h"  // place_layout, require_valid
 
 namespace tuna {
 
@@ -39,17 +40,8 @@ class PlanBuilder {
 };
 
 void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
-  TUNA_CHECK(l.dp >= 1 && l.tp >= 1 && l.dp_rank >= 0 && l.dp_rank < l.dp && l.tp_rank >= 0 && l.tp_rank < l.tp,
-             "dp rank ", l.dp_rank, " of ", l.dp, ", tp rank ", l.tp_rank, " of ", l.tp);
-  if (l.micro_batch < 1 || l.seq_len < 1)
-    fail("memory plan: micro_batch and seq_len must be >= 1 (found ", l.micro_batch, " and ", l.seq_len, ")");
-  if (l.zero < 0 || l.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", l.zero);
-  if (l.pp < 1 || l.pp_rank < 0 || l.pp_rank >= l.pp)
-    fail("memory plan: pipeline stage ", l.pp_rank, " of ", l.pp, " (option 'pp': expected at least 1 stage)");
-  // Megatron's split: each sequence's rows go to the tp ranks in equal runs.
-  if (l.sp && l.seq_len % l.tp != 0)
-    fail("option 'sp': sequence parallelism splits each sequence over the ", l.tp, " tp ranks; seq_len ", l.seq_len,
-         " is not a multiple of ", l.tp);
+  // A layout the CUDA engine does not implement yet is planned as designed; an invalid one has no plan.
+  require_valid(c, l, Device::Cuda);
   // Tensor parallelism on cuda: every rank a whole share of each split dimension, the local widths the kernels'
   // multiples of 8 (ParamLayout has already refused a tp that does not divide the kv heads).
   if (l.tp > 1) {
@@ -307,10 +299,11 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
 
 }  // namespace
 
-MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
+MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& asked) {
+  const MemoryLayout l = place_layout(c, asked);
   check_layout(c, l);
   // This rank's pipeline stage (at pp 1, the whole model).
-  const PipelineStage stage = pipeline_stages(c, l.pp, l.seq_len)[l.pp_rank];
+  const PipelineStage& stage = l.stage();
   const ParamLayout& layout = tp_rank_layout(c, l.tp_rank, l.tp, l.pp, stage);
   const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
   const TpDims& d = layout.tp();
@@ -326,9 +319,9 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   // Sequence parallelism: the norm and residual region (the residual stream, the norms' outputs and their rstd) is
   // split along the sequence over the tp ranks, n / tp rows each; the column-parallel GEMMs read it gathered whole.
   const int64_t rows = l.sp ? n / l.tp : n;
-  // 1F1B: stage s has run the forward of pp - s micro-batches before the first backward reaches it, and keeps their
-  // layers' activations until then (the first stage the most, the last one); a forward alone keeps none.
-  const int64_t in_flight = l.training ? l.pp - l.pp_rank : 1;
+  // 1F1B: a stage keeps the layers' activations of the micro-batches in flight there until their backwards (the first
+  // stage the most, the last one); a forward alone keeps none.
+  const int64_t in_flight = l.in_flight();
   b.add("RoPE cos", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
   b.add("RoPE sin", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
   const std::pair<const char*, std::pair<int64_t, int64_t>> fields[] = {
@@ -404,7 +397,7 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   // (adapters) has none.
   if (l.pp > 1) {
     if (!stage.head) b.add("pipeline send: activation to the next stage", MemoryKind::Communication, rows * C, kBf16);
-    if (l.training && !l.lora.enabled() && c.tie_word_embeddings && (stage.embedding || stage.head))
+    if (l.tied_across_stages(c))
       b.add("pipeline: the tied embedding's gradient from the other stage", MemoryKind::Communication, V * C, kF32);
   }
   if (stage.head) b.add("loss total", MemoryKind::Workspace, 1, kF64);
