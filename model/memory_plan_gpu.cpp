@@ -487,13 +487,13 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
   GpuFit fit;
   const int64_t need = plan.peak() + gpu_headroom_bytes(l);
   fit.fits = need <= capacity;
-  // The CUDA engine runs pipeline stages with ZeRO 0 and 1: a higher stage's plan is the design.
-  const bool designed = l.pp > 1 && l.zero >= 2;
+  // A layout the CUDA engine does not run yet (model/support.h): its plan is the design, and the table says why.
+  const Support runs = support(c, l, Device::Cuda);
   fit.report = format_memory_table(plan, capacity,
                                    str("device memory per GPU (dp rank ", l.dp_rank,
                                        l.pp > 1 ? str(", pipeline stage ", l.pp_rank) : std::string(), ", tp rank ",
                                        l.tp_rank, " of ", describe_layout(l), ")",
-                                       designed ? ", AS DESIGNED (the CUDA engine runs pp with ZeRO 0 and 1 only)" : ""),
+                                       runs.runs() ? "" : str(", AS DESIGNED (", runs.reason, ")")),
                                    gpu_headroom_bytes(l));
   if (fit.fits) return fit;
   fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");

@@ -20,6 +20,7 @@
 #include "model/optimizer.h"  // dp_unit_pieces
 #include "model/layout.h"
 #include "model/lora_shape.h"
+#include "model/support.h"  // support, require_valid
 #include "plan/text.h"
 
 namespace tuna {
@@ -52,6 +53,7 @@ MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layo
   // norms and the [tokens, hidden] activations whole: no sequence parallelism).
   MemoryLayout near = layout;
   near.tp = 1, near.tp_rank = 0;
+  near.stages.clear();  // the local model's own split
   return plan_gpu_memory(tp_local_model(config, layout.tp), near);
 }
 
@@ -59,18 +61,6 @@ MemoryPlan design_gpu_memory(const LlamaConfig& config, const MemoryLayout& layo
 
 namespace {
 
-// Whether the CUDA engine trains these adapters, laying them out from plan_gpu_memory's adapter items: it does at
-// ZeRO 0-3 on a bf16 base and 0-2 on an nf4 base (model/llama_gpu.cpp), with or without sp, and over pipeline stages
-// (ZeRO 0-1, as a full fine-tune) on a bf16 or nf4 base; the adapter plans it does not run yet (an nf4 base sharded
-// at ZeRO-3, an int8 base) are the design, and the plan says so.
-std::string cuda_adapter_refusal(const MemoryLayout& l) {
-  if (!l.lora.enabled()) return "";
-  if (l.lora.base_quant == BaseQuant::Int8)
-    return "an int8 base is not trained on cuda yet (--base_quant int8 with --device cuda)";
-  if (l.training && l.zero == 3 && l.lora.base_quant != BaseQuant::None)
-    return "a quantized base is not sharded on cuda (--base_quant with --zero 3)";
-  return "";
-}
 // The memory of one layout: the engine's own plan, or, for a layout it refuses, the design.
 struct GpuMemory {
   MemoryPlan plan;
@@ -86,13 +76,11 @@ GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& l) {
     m.engines = false, m.refusal = e.what();
     m.plan = design_gpu_memory(c, l);
   }
-  // Pipeline stages at ZeRO-2 and 3, which the CUDA engine does not run (it runs them at ZeRO 0 and 1): their plans
-  // are the design. Sequence parallelism is priced as the engine runs it (a bf16 all-gather before the column-parallel
-  // GEMMs, a bf16 reduce-scatter after the row-parallel ones).
-  if (m.engines && l.pp > 1 && l.zero >= 2)
-    m.engines = false, m.refusal = "pipeline stages run on cuda at ZeRO 0 and 1 only (--pp with --zero 2 or 3)";
-  if (const std::string refusal = cuda_adapter_refusal(l); m.engines && !refusal.empty())
-    m.engines = false, m.refusal = refusal;
+  // What the CUDA engine does not run yet (model/support.h: pipeline stages at ZeRO-2 and 3, a quantized base that is
+  // int8, at tp > 1 or sharded at ZeRO-3) is planned as designed. Sequence parallelism is priced as the engine runs it
+  // (a bf16 all-gather before the column-parallel GEMMs, a bf16 reduce-scatter after the row-parallel ones).
+  if (m.engines)
+    if (const Support s = support(c, l, Device::Cuda); !s.runs()) m.engines = false, m.refusal = s.reason;
   return m;
 }
 
@@ -166,7 +154,8 @@ void check_job(const JobSpec& job) {
   const LlamaConfig& c = job.model;
   const MemoryLayout& l = job.layout;
   const Cluster& k = job.cluster;
-  if (l.pp < 1) fail("--pp: expected at least 1 pipeline stage, found ", l.pp);
+  // The layout itself (model/support.h); one the CUDA engine does not run yet is priced as designed.
+  require_valid(c, l, Device::Cuda);
   if (l.dp * l.pp * l.tp != k.gpus())
     fail("layout dp ", l.dp, l.pp > 1 ? str(" x pp ", l.pp) : std::string(), " x tp ", l.tp, " is ", l.dp * l.pp * l.tp,
          " ranks, but the cluster has ", k.gpus(), " GPUs (", k.nodes, " nodes x ", k.gpus_per_node, ")");
@@ -175,9 +164,6 @@ void check_job(const JobSpec& job) {
   if (l.seq_len > c.max_position_embeddings)
     fail("--seq_len ", l.seq_len, " exceeds the model's max_position_embeddings ", c.max_position_embeddings);
   if (job.grad_accum < 1) fail("--grad_accum: expected >= 1, found ", job.grad_accum);
-  if (l.sp && l.seq_len % l.tp != 0)
-    fail("--sp: sequence parallelism splits each sequence over the ", l.tp, " tp ranks; --seq_len ", l.seq_len,
-         " is not a multiple of ", l.tp);
   // 1F1B fills the pipe with pp micro-batches before the first backward; the plans count that many in flight.
   if (l.pp > 1 && job.grad_accum < l.pp)
     fail("--grad_accum ", job.grad_accum, " with --pp ", l.pp, ": a 1F1B pipeline needs at least as many micro-batches "
@@ -662,7 +648,7 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
   check_job(job);
   Prediction p;
   p.layout = job.layout, p.grad_accum = job.grad_accum;
-  p.stages = pipeline_stages(job.model, job.layout.pp, job.layout.seq_len);
+  p.stages = place_layout(job.model, job.layout).stages;
   plan_stage_memory(job, keep_plan, p);
 
   const StepModel m(job, rates);
