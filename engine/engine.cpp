@@ -13,6 +13,29 @@
 
 namespace tuna {
 
+void declare_layout_options(Options& o, LayoutOptions& l) {
+  // Upper bounds are far beyond any real run; they exist so that a typo (or 2^31) fails here, with the option's name,
+  // instead of as an allocation of petabytes or an overflow later.
+  constexpr double kMaxTokens = 1 << 22, kMaxRanks = 1 << 16;
+  o.add("seq_len", &l.seq_len, "tokens per sequence", Bounds::closed(1, kMaxTokens));
+  o.add("micro_batch", &l.micro_batch, "sequences per forward/backward (on each GPU or CPU rank)",
+        Bounds::closed(1, kMaxTokens));
+  o.add("grad_accum", &l.grad_accum, "micro-batches per optimizer step (with --pp: those that flow through the pipe)",
+        Bounds::closed(1, kMaxTokens));
+  o.add("tp", &l.tp, "tensor-parallel ranks (inside a node); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
+  o.add("pp", &l.pp, "pipeline stages (consecutive layers per stage split by cost, the embedding on the first and the "
+        "head on the last; 1F1B over the grad_accum micro-batches; stages span nodes, tp stays inside one; cuda: ZeRO 0 "
+        "and 1); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
+  o.add("sp", &l.sp, "sequence parallelism with --tp > 1 (Megatron's): norms and residuals hold seq / tp of the tokens, "
+        "all-gathered before the tp GEMMs and reduce-scattered after them (cuda: seq_len a multiple of tp); off by "
+        "default");
+  o.add("zero", &l.zero, "ZeRO stage over dp: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters",
+        Bounds::closed(0, 3));
+  o.add("recompute", &l.recompute, "cuda: activations the backward recomputes: none, selective (norms, SwiGLU) or full "
+        "(each layer from its input)", {"none", "selective", "full"});
+  o.add("bf16_moments", &l.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
+}
+
 void Engine::export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const {
   std::vector<int64_t> at;
   int64_t total = 0;

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/options.h"
 #include "dist/zero.h"  // StepResult
 #include "model/config.h"
 #include "model/gpu_options.h"
@@ -68,7 +69,7 @@ struct EngineOptions {
   AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (--attention)
   GpuOptions gpu;              // cuda only: the device index, stochastic rounding
   DocumentMode documents;      // packed windows: attention inside documents, positions restarted (llama.h)
-  // LoRA (model/lora.h): rank 0 is a full fine-tune. With adapters the base is frozen
+  // LoRA (model/lora.h; engine/adapters.h fills these): rank 0 is a full fine-tune. With adapters the base is frozen
   // and only they train: the engine's layout(), optimizer, dp synchronization and checkpoint state are the adapters'
   // (ZeRO 0-3 on both devices; a quantized base below ZeRO-3).
   LoraConfig lora;
@@ -79,6 +80,18 @@ struct EngineOptions {
   // tp 1 (model/llama_gpu.h). None: fp32 (cpu), bf16 (cuda).
   BaseQuant base_quant = BaseQuant::None;
 };
+
+// The options that shape a run's parallel layout and its step, as build/train and build/plan both read them (one
+// declaration: the same names, ranges and help in both). The world is dp x pp x tp: dp follows from the ranks.
+struct LayoutOptions {
+  int64_t tp = 1, pp = 1;
+  bool sp = false;
+  int64_t zero = 0;
+  std::string recompute = "none";
+  bool bf16_moments = false;
+  int64_t micro_batch = 4, seq_len = 1024, grad_accum = 1;
+};
+void declare_layout_options(Options& o, LayoutOptions& l);
 
 // One micro-batch of a step, as the loader gives it: inputs, targets and positions, [batch, seq] each (positions may
 // be null: one document per row).

@@ -14,6 +14,8 @@
 #include "core/options.h"
 #include "data/loader.h"  // expand_shard_paths
 #include "data/shard.h"   // ShardReader
+#include "engine/adapters.h"  // AdapterOptions, declare_adapter_shape: the trainer's adapter options
+#include "engine/engine.h"    // LayoutOptions, declare_layout_options: the trainer's layout options
 #include "plan/planner.h"
 
 namespace {
@@ -22,15 +24,15 @@ using namespace tuna;
 
 // build/plan's options: the cluster, the layout, the adapters, the token budget and what to print.
 struct PlanOptions {
-  std::string model, gpu = "h100-80gb", tokens_text, data, recompute = "none", rates_path, refresh, rates_out;
-  int64_t gpus_per_node = 8, nodes = 1, tp = 1, pp = 1, zero = 0, micro_batch = 1, seq_len = 4096, grad_accum = 1;
-  int64_t nics_per_node = 8;
+  std::string model, gpu = "h100-80gb", tokens_text, data, rates_path, refresh, rates_out;
+  int64_t gpus_per_node = 8, nodes = 1, nics_per_node = 8, search_lora_rank = 16;
   double intra_gbps = 0, inter_gbps = 0, nic_gbit = 400, hours = 0, price = 0, budget = 0, text_gb = 0;
   double bytes_per_token = 3.85, reserve_gib = 1.5, overlap = -1, mean_doc_tokens = 0;
-  bool bf16_moments = false, search = false, as_json = false, sp = false, stage_tables = false;
-  int64_t lora_rank = 0, search_lora_rank = 16;
-  double lora_dropout = 0;
-  std::string lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", base_quant = "none";
+  bool search = false, as_json = false, stage_tables = false;
+  // The layout's and the adapters' options are the trainer's (engine/engine.h, engine/adapters.h); a plan's batch
+  // defaults to one 4096-token sequence per GPU.
+  LayoutOptions layout{.micro_batch = 1, .seq_len = 4096};
+  AdapterOptions adapters;
 };
 
 void declare(Options& o, PlanOptions& a) {
@@ -43,25 +45,11 @@ void declare(Options& o, PlanOptions& a) {
   o.add("inter_gbps", &a.inter_gbps, "bus bandwidth between nodes, GB/s per GPU (default: nics_per_node x nic_gbit at 80%)");
   o.add("nics_per_node", &a.nics_per_node, "InfiniBand/RoCE NICs per node");
   o.add("nic_gbit", &a.nic_gbit, "Gb/s of one NIC");
-  o.add("tp", &a.tp, "tensor-parallel ranks (inside a node); dp = GPUs / (tp x pp)");
-  o.add("pp", &a.pp, "pipeline stages (1F1B; the layers split by cost, the embedding on the first stage and the head on "
-                     "the last; stages span nodes, tp stays inside one)", Bounds::at_least(1));
-  o.add("sp", &a.sp, "sequence parallelism with tp (Megatron's): the norm and residual region split along the sequence "
-                     "over the tp ranks");
-  o.add("zero", &a.zero, "ZeRO stage over dp: 0-3");
-  o.add("recompute", &a.recompute, "activation recompute: none | selective | full");
-  o.add("bf16_moments", &a.bf16_moments, "AdamW moments in bf16");
-  o.add("micro_batch", &a.micro_batch, "sequences per GPU per forward/backward");
-  o.add("seq_len", &a.seq_len, "tokens per sequence");
-  o.add("grad_accum", &a.grad_accum, "micro-batches per optimizer step");
+  declare_layout_options(o, a.layout);
   o.add("mean_doc_tokens", &a.mean_doc_tokens,
         "mean tokens per document in the packed windows: attention (masked at document boundaries, the trainer's "
         "default) costs seq_len x mean_doc_tokens / 2 scores per window; 0: one document per window", Bounds::at_least(0));
-  o.add("lora_rank", &a.lora_rank, "train adapters of this rank, the base frozen (LoRA); 0: a full fine-tune",
-        Bounds::at_least(0));
-  o.add("lora_targets", &a.lora_targets, "the modules with adapters, PEFT's names (comma list)");
-  o.add("lora_dropout", &a.lora_dropout, "dropout on the adapters' input (a mask kept per target for the backward)");
-  o.add("base_quant", &a.base_quant, "storage of the frozen base with adapters: none (bf16) | nf4 (QLoRA) | int8");
+  declare_adapter_shape(o, a.adapters);
   o.add("search_lora_rank", &a.search_lora_rank,
         "the rank of the adapters --search (and the verdict) offers when no layout of a full fine-tune finishes in "
         "--hours; 0: offer none", Bounds::at_least(0));
@@ -129,20 +117,17 @@ JobSpec job_of(const PlanOptions& a) {
   JobSpec job;
   job.model = load_model_for_plan(a.model, &job.model_name);
   job.cluster = cluster_of(a);
-  const int64_t tp = a.tp, pp = a.pp;
-  if (tp < 1 || job.cluster.gpus() % tp != 0) fail("--tp ", tp, " must divide the ", job.cluster.gpus(), " GPUs");
-  if (job.cluster.gpus() % (tp * pp) != 0)
-    fail("--pp ", pp, " x --tp ", tp, " must divide the ", job.cluster.gpus(), " GPUs (world = dp x pp x tp)");
-  job.layout.tp = tp, job.layout.pp = pp, job.layout.sp = a.sp, job.layout.dp = job.cluster.gpus() / (tp * pp);
-  job.layout.zero = static_cast<int>(a.zero);
-  job.layout.recompute = parse_recompute(a.recompute, "option 'recompute'");
-  job.layout.bf16_moments = a.bf16_moments, job.layout.micro_batch = a.micro_batch, job.layout.seq_len = a.seq_len;
-  job.grad_accum = a.grad_accum;
+  const LayoutOptions& l = a.layout;
+  if (job.cluster.gpus() % l.tp != 0) fail("--tp ", l.tp, " must divide the ", job.cluster.gpus(), " GPUs");
+  if (job.cluster.gpus() % (l.tp * l.pp) != 0)
+    fail("--pp ", l.pp, " x --tp ", l.tp, " must divide the ", job.cluster.gpus(), " GPUs (world = dp x pp x tp)");
+  job.layout.tp = l.tp, job.layout.pp = l.pp, job.layout.sp = l.sp, job.layout.dp = job.cluster.gpus() / (l.tp * l.pp);
+  job.layout.zero = static_cast<int>(l.zero);
+  job.layout.recompute = parse_recompute(l.recompute, "option 'recompute'");
+  job.layout.bf16_moments = l.bf16_moments, job.layout.micro_batch = l.micro_batch, job.layout.seq_len = l.seq_len;
+  job.grad_accum = l.grad_accum;
   job.mean_doc_tokens = a.mean_doc_tokens;
-  job.layout.lora.rank = a.lora_rank;
-  job.layout.lora.targets = parse_lora_targets(a.lora_targets);
-  job.layout.lora.dropout = a.lora_dropout;
-  job.layout.lora.base_quant = parse_base_quant(a.base_quant, "option 'base_quant'");
+  job.layout.lora = adapter_shape(a.adapters);
   check_lora_plan(job.model, job.layout.lora, "build/plan --lora_rank, --lora_targets, --lora_dropout, --base_quant");
   job.offer_lora_rank = a.search_lora_rank;
   const int budgets = !a.tokens_text.empty() + !a.data.empty() + (a.text_gb > 0);
