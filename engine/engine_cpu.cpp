@@ -1,7 +1,10 @@
 // The CPU engine: Llama (model/llama.h) + Zero (dist/zero.h), fp32, every parallel mode; and the CPU forward model.
 //
+// The engine takes the run's layout (engine_memory_layout, placed): this rank's Llama is built from it (its stage, its
+// activation slots, sp, and which buffers Zero or a frozen base holds instead of the model).
+//
 // Pipeline parallelism (--pp): this rank's Llama is its stage (model/pipeline.h's split), with an activation slot
-// for each micro-batch it can hold in flight under 1F1B (pp - stage). forward_backward_step hands the step's
+// for each micro-batch it can hold in flight under 1F1B (MemoryLayout::in_flight). forward_backward_step hands the step's
 // micro-batches to the pipeline driver (dist/pipeline.h), which runs them in the 1F1B order over the host comm of the
 // stages, fp32 on the wire, with the host's ordering: each input and output gradient received with a blocking wait,
 // each send started without waiting and waited for only before its buffer is rewritten, so no two stages can block on
@@ -63,14 +66,10 @@ class CpuStage final : public PipelineStageModel {
 
 class CpuEngine final : public Engine {
  public:
-  CpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial)
+  CpuEngine(const LlamaConfig& config, const EngineOptions& o, const MemoryLayout& run, Mesh& mesh,
+            const WeightFill& initial)
       : config_(config),
-        stage_(pipeline_stages(config, mesh.pp_size, o.seq_len)[mesh.pp_rank]),
-        model_(config, o.micro_batch, o.seq_len,
-               LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3 || o.base_quant != BaseQuant::None,
-                             /*external_grads=*/o.zero == 2, /*sequence=*/o.sp, mesh.pp_size > 1 ? &stage_ : nullptr,
-                             mesh.pp_size - mesh.pp_rank, /*external_adapters=*/o.lora.enabled() && o.zero == 3},
-               o.lora),
+        model_(config, run, mesh.tp.get()),
         seed_(o.seed),
         dp_rank_(mesh.dp_rank),
         pp_(mesh.pp_size > 1 ? mesh.pp.get() : nullptr) {
@@ -78,9 +77,6 @@ class CpuEngine final : public Engine {
       PipelineLinks links =
           pipeline_links(model_.layout(), config.tie_word_embeddings, o.lora.enabled(), pp_->rank(), pp_->size());
       if (const ParamTensor* tied = links.tied) {
-        if (o.zero >= 2)
-          fail("option 'zero': ", o.zero, " with --pp and tied embeddings (tie_word_embeddings) is not implemented: "
-               "the first and last stages sum the table's gradient whole; use --zero 0 or 1");
         allocate_host(str("the tied embedding's gradient from stage ", links.tied_peer, " (", tied->numel, " parameters)"),
                       uint64_t(tied->numel) * sizeof(float), [&] { tied_peer_grad_.assign(tied->numel, 0.0f); });
       }
@@ -93,13 +89,9 @@ class CpuEngine final : public Engine {
     model_.set_document_mode(o.documents);
     if (o.base_quant != BaseQuant::None) {
       // QLoRA: the base quantized from the starting weights a unit at a time (never the fp32 model beside it).
-      if (!o.lora.enabled()) fail("option 'base_quant' ", base_quant_name(o.base_quant), " is for LoRA training (--lora_rank)");
-      if (o.zero == 3)
-        fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --zero 3: sharding a quantized base is not "
-             "implemented; use --zero 0, 1 or 2 (the quantized base is small), or --base_quant none");
       TUNA_CHECK(static_cast<bool>(initial), "a quantized base needs its starting weights");
       // With tp each rank quantizes whole tensors and keeps its blocks, so the base does not depend on tp.
-      const ParamLayout whole = mesh.pp_size > 1 ? ParamLayout(config, 0, 1, stage_) : ParamLayout(config);
+      const ParamLayout whole = run.pp > 1 ? ParamLayout(config, 0, 1, run.stage()) : ParamLayout(config);
       quantized_base_ = std::make_unique<QuantizedWeights>(model_.layout(), o.base_quant, initial,
                                                            mesh.tp_size > 1 ? &whole : nullptr);
       model_.set_weight_store(quantized_base_.get());
@@ -191,7 +183,6 @@ class CpuEngine final : public Engine {
   }
 
   LlamaConfig config_;
-  PipelineStage stage_;  // this rank's (the whole model without --pp)
   Llama model_;
   uint64_t seed_;
   int dp_rank_;
@@ -235,9 +226,9 @@ class CpuForwardModel final : public ForwardModel {
 }  // namespace
 
 
-std::unique_ptr<Engine> make_cpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
-                                        const WeightFill& initial) {
-  return std::make_unique<CpuEngine>(config, options, mesh, initial);
+std::unique_ptr<Engine> make_cpu_engine(const LlamaConfig& config, const EngineOptions& options, const MemoryLayout& run,
+                                        Mesh& mesh, const WeightFill& initial) {
+  return std::make_unique<CpuEngine>(config, options, run, mesh, initial);
 }
 
 std::unique_ptr<ForwardModel> make_cpu_forward_model(const LlamaConfig& config, int64_t max_batch, int64_t max_seq,

@@ -51,17 +51,9 @@ namespace tuna {
 
 namespace {
 
-// Refuses what the CUDA engine does not do yet, before any device memory is touched.
-void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_comm) {
-  if (o.zero < 0 || o.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", o.zero);
-  // QLoRA: an nf4 base (LlamaGpu's), each tensor quantized whole; the CPU engine's other layouts are not built here.
-  if (o.base_quant == BaseQuant::Int8)
-    fail("option 'base_quant' int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
-         "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
-  if (o.base_quant != BaseQuant::None && mesh.tp_size > 1)
-    fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --tp ", mesh.tp_size, " and --device cuda: not "
-         "implemented (the CUDA model quantizes its own block of each tensor, a base that would depend on tp; the CPU "
-         "engine quantizes whole tensors); use --tp 1, or --device cpu");
+// What this process lacks for the run, before any device memory is touched (the layout is the support table's,
+// model/support.h, which the factory asked): NCCL for several ranks, a GPU for this rank.
+void check_devices(const EngineOptions& o, const Mesh& mesh, bool have_device_comm) {
   if ((mesh.dp_size > 1 || mesh.tp_size > 1 || mesh.pp_size > 1) && !have_device_comm)
     fail(mesh.dp_size * mesh.pp_size * mesh.tp_size, " ranks (dp ", mesh.dp_size, " x pp ", mesh.pp_size, " x tp ",
          mesh.tp_size, ") with --device cuda need NCCL, and this build has none (nccl.h was not found at build time, "
@@ -134,11 +126,11 @@ class GpuStage final : public PipelineStageModel {
 
 class GpuEngine final : public Engine {
  public:
-  GpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial,
-            const DeviceCommFactory& device_comm)
+  GpuEngine(const LlamaConfig& config, const EngineOptions& o, const MemoryLayout& run, Mesh& mesh,
+            const WeightFill& initial, const DeviceCommFactory& device_comm)
       : options_(o),
         mesh_(mesh),
-        model_(config, engine_memory_layout(o, mesh), o.opt, o.gpu) {
+        model_(config, run, o.opt, o.gpu) {
     model_.set_document_mode(o.documents);
     cudaStream_t stream = model_.stream();
     // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
@@ -320,16 +312,16 @@ std::unique_ptr<ForwardModel> make_gpu_forward_model(const LlamaConfig& config, 
   return std::make_unique<GpuForwardModel>(config, max_batch, max_seq, weights, documents);
 }
 
-std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
-                                        const WeightFill& initial, const DeviceCommFactory& device_comm) {
-  check_supported(options, mesh, static_cast<bool>(device_comm));
+std::unique_ptr<Engine> make_gpu_engine(const LlamaConfig& config, const EngineOptions& options, const MemoryLayout& run,
+                                        Mesh& mesh, const WeightFill& initial, const DeviceCommFactory& device_comm) {
+  check_devices(options, mesh, static_cast<bool>(device_comm));
   TUNA_CUDA_CHECK(cudaSetDevice(options.gpu.device));
   // Refused before anything is allocated when the plan does not fit the device's free memory.
   size_t free_bytes = 0, total_bytes = 0;
   TUNA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   const GpuFit fit = plan_gpu_fit(config, options, mesh, static_cast<int64_t>(free_bytes));
   if (!fit.fits) fail("this run does not fit on GPU ", options.gpu.device, ":\n", fit.report);
-  return std::make_unique<GpuEngine>(config, options, mesh, initial, device_comm);
+  return std::make_unique<GpuEngine>(config, options, run, mesh, initial, device_comm);
 }
 
 }  // namespace tuna

@@ -23,6 +23,7 @@
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/swiglu.h"
+#include "model/memory_plan.h"  // MemoryLayout
 
 namespace tuna {
 
@@ -93,6 +94,21 @@ class Llama::OwnAdapters final : public WeightStore {
  private:
   Llama& m_;
 };
+
+LlamaParallel llama_parallel(const MemoryLayout& run, Comm* tp) {
+  LlamaParallel p;
+  p.tp = tp;
+  p.external_weights = run.zero == 3 || run.lora.base_quant != BaseQuant::None;
+  p.external_grads = run.zero == 2;
+  p.sequence = run.sp;
+  p.stage = run.pp > 1 ? &run.stage() : nullptr;
+  p.in_flight = run.in_flight();
+  p.external_adapters = run.lora.enabled() && run.zero == 3;
+  return p;
+}
+
+Llama::Llama(const LlamaConfig& config, const MemoryLayout& run, Comm* tp)
+    : Llama(config, run.micro_batch, run.seq_len, llama_parallel(run, tp), static_cast<const LoraConfig&>(run.lora)) {}
 
 Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel,
              const LoraConfig& lora)

@@ -20,6 +20,7 @@
 #include "kernels/rmsnorm.cuh"
 #include "model/gpu_buffers.h"
 #include "model/llama_gpu_grad_writes.h"
+#include "model/support.h"  // place_layout, require_support
 
 namespace tuna {
 
@@ -111,64 +112,41 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, int64_t max_batch, int64_t max_seq
     : LlamaGpu(config, single_rank_layout(max_batch, max_seq), optimizer, options) {}
 
 namespace {
-// This rank's pipeline stage (model/pipeline.h's split, as the memory plan takes it), or the whole model.
-PipelineStage stage_of(const LlamaConfig& config, const MemoryLayout& run) {
-  if (run.pp > 1) return pipeline_stages(config, run.pp, run.seq_len).at(static_cast<size_t>(run.pp_rank));
-  PipelineStage whole;
-  whole.layer_end = config.num_hidden_layers;
-  whole.embedding = whole.head = true;
-  return whole;
-}
-
 // With pipeline stages, the adapters of the stage's layers only (global names and random streams, model/lora.h).
 LoraLayout adapters_of(const LlamaConfig& config, const MemoryLayout& run) {
   if (!run.lora.enabled()) return LoraLayout{ParamLayout(TpDims{}, {}, {}), {}};
-  const PipelineStage stage = stage_of(config, run);
   return lora_layout(config, run.lora, static_cast<int>(run.tp_rank), static_cast<int>(run.tp),
-                     run.pp > 1 ? &stage : nullptr);
+                     run.pp > 1 ? &run.stage() : nullptr);
 }
 
 ParamLayout layout_of(const LlamaConfig& config, const MemoryLayout& run) {
   const int tp_rank = static_cast<int>(run.tp_rank), tp = static_cast<int>(run.tp);
-  return run.pp > 1 ? ParamLayout(config, tp_rank, tp, stage_of(config, run)) : ParamLayout(config, tp_rank, tp);
+  return run.pp > 1 ? ParamLayout(config, tp_rank, tp, run.stage()) : ParamLayout(config, tp_rank, tp);
 }
 
-// What the CUDA model does not run, refused before anything is allocated.
-void refuse_unsupported(const LlamaConfig& c, const MemoryLayout& run) {
-  if (run.pp > 1 && run.training && run.zero >= 2)
-    fail("--device cuda: --zero ", run.zero, " with pipeline stages (--pp ", run.pp, ") is not implemented in the CUDA "
-         "engine; use --zero 0 or 1");
-  if (run.sp && run.tp < 2)
-    fail("option 'sp': sequence parallelism splits the sequence over --tp > 1 ranks (found tp ", run.tp, ")");
+// The model shapes the CUDA kernels do not take, refused before anything is allocated (what the engine runs of the
+// layout is the support table's, model/support.h).
+void refuse_unsupported_shapes(const LlamaConfig& c) {
   if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 8 && c.head_dim != 16 && c.head_dim != 32)
     fail("--device cuda: attention supports head_dim 64 and 128 (and 8, 16, 32 for tiny models); this model has ",
          c.head_dim);
   if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0)
     fail("--device cuda: hidden_size and intermediate_size must be multiples of 8 (found ", c.hidden_size, ", ",
          c.intermediate_size, ")");
-  const bool adapters = run.lora.enabled(), quantized = adapters && run.lora.base_quant != BaseQuant::None;
-  if (adapters && run.lora.base_quant == BaseQuant::Int8)
-    fail("--base_quant int8 with --device cuda: an int8 frozen base is not implemented on the CUDA engine; use "
-         "--base_quant nf4 (QLoRA) or none (a bf16 base), or --device cpu");
-  // ZeRO-3 with adapters: the frozen bf16 base sharded over dp, its units gathered by the engine's store
-  // (set_weight_store); a quantized base is not sharded (the memory plan's design only, as on cpu).
-  if (adapters && run.training && run.zero == 3 && quantized)
-    fail("--base_quant ", base_quant_name(run.lora.base_quant), " with --device cuda and --zero 3: sharding a "
-         "quantized base over dp is not implemented; use --zero 2 (the base whole on every rank) or a bf16 base");
 }
 }  // namespace
 
 LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const OptimizerConfig& optimizer,
                    const GpuOptions& options)
-    : config_(config), layout_(layout_of(config, run)), opt_(optimizer),
-      run_(run), options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len), lora_(run.lora),
-      lora_layout_(adapters_of(config, run)) {
+    : config_(config), run_(place_layout(config, run)), layout_(layout_of(config, run_)), opt_(optimizer),
+      options_(options), max_batch_(run.micro_batch), max_seq_(run.seq_len), lora_(run.lora),
+      lora_layout_(adapters_of(config, run_)) {
   TUNA_CHECK(max_batch_ > 0 && max_seq_ > 0, "batch ", max_batch_, " seq ", max_seq_);
   validate(opt_);
-  refuse_unsupported(config_, run_);
-  stage_ = stage_of(config, run);
-  // 1F1B: stage s keeps the activations of pp - s micro-batches (model/pipeline.h); a forward alone one.
-  in_flight_ = run.training ? run.pp - run.pp_rank : 1;
+  require_support(config_, run_, Device::Cuda);  // what the CUDA engine runs (model/support.h)
+  refuse_unsupported_shapes(config_);
+  stage_ = run_.stage();
+  in_flight_ = run_.in_flight();
   sp_ = run.sp;
   require_fused_weight_blocks(layout_, config_.hidden_size);  // and their gradients: one block each
   TUNA_CUDA_CHECK(cudaSetDevice(options_.device));

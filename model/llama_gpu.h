@@ -360,9 +360,9 @@ class LlamaGpu {
   void zero_unwritten_grads();
 
   LlamaConfig config_;
+  MemoryLayout run_;  // placed (model/support.h): this rank's stage and activation slots are its
   ParamLayout layout_;
   OptimizerConfig opt_;
-  MemoryLayout run_;
   GpuOptions options_;
   int64_t max_batch_, max_seq_, head_chunk_rows_, steps_taken_ = 0;
   cudaStream_t stream_ = nullptr;

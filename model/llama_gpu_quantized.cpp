@@ -58,9 +58,7 @@ void LlamaGpu::lay_out_quantized_base() {
     const cpu::Nf4Sizes z = cpu::nf4_sizes(t.numel);
     packed += z.packed_bytes, stats += z.stat_blocks + 1, blocks += z.blocks;
   }
-  if (packed % 4 != 0)
-    fail("--base_quant nf4 with --device cuda: the NF4 codes of this model's projections take ", packed, " bytes, not "
-         "a multiple of 4 (a projection with an odd number of elements), which the device layout does not take");
+  TUNA_CHECK(packed % 4 == 0, "NF4 codes of ", packed, " bytes (the support table refuses them first)");
   const int64_t plain_bytes = plain * static_cast<int64_t>(sizeof(__nv_bfloat16));
   TUNA_CHECK(packed + 4 * stats + blocks == nf4_bytes_ && plain_bytes == plain_bytes_, "the quantized base takes ",
              packed + 4 * stats + blocks, " NF4 bytes and ", plain_bytes, " bf16 bytes; the memory plan has ",

@@ -20,6 +20,7 @@
 #include "model/lora_shape.h"
 #include "model/optimizer.h"  // shard_pieces
 #include "model/pipeline.h"
+#include "model/support.h"  // place_layout, require_valid
 
 namespace tuna {
 
@@ -66,17 +67,8 @@ int lora_target_index(const std::string& module) {
 }
 
 void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
-  TUNA_CHECK(l.dp >= 1 && l.tp >= 1 && l.dp_rank >= 0 && l.dp_rank < l.dp && l.tp_rank >= 0 && l.tp_rank < l.tp,
-             "dp rank ", l.dp_rank, " of ", l.dp, ", tp rank ", l.tp_rank, " of ", l.tp);
-  if (l.micro_batch < 1 || l.seq_len < 1)
-    fail("memory plan: micro_batch and seq_len must be >= 1 (found ", l.micro_batch, " and ", l.seq_len, ")");
-  if (l.zero < 0 || l.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", l.zero);
-  if (l.pp < 1 || l.pp_rank < 0 || l.pp_rank >= l.pp)
-    fail("memory plan: pipeline stage ", l.pp_rank, " of ", l.pp, " (option 'pp': expected at least 1 stage)");
-  // Megatron's split: each sequence's rows go to the tp ranks in equal runs.
-  if (l.sp && l.seq_len % l.tp != 0)
-    fail("option 'sp': sequence parallelism splits each sequence over the ", l.tp, " tp ranks; seq_len ", l.seq_len,
-         " is not a multiple of ", l.tp);
+  // A layout the CUDA engine does not implement yet is planned as designed; an invalid one has no plan.
+  require_valid(c, l, Device::Cuda);
   // Tensor parallelism on cuda: every rank a whole share of each split dimension, the local widths the kernels'
   // multiples of 8 (ParamLayout has already refused a tp that does not divide the kv heads).
   if (l.tp > 1) {
@@ -363,9 +355,9 @@ void plan_layer_activations(const LlamaConfig& c, const MemoryLayout& l, const P
                             const PassShape& p, PlanBuilder& b) {
   const int64_t n = p.n, rows = p.rows, C = p.C;
   const Recompute recompute = l.training ? l.recompute : Recompute::Full;  // a forward alone keeps layer inputs
-  // 1F1B: stage s has run the forward of pp - s micro-batches before the first backward reaches it, and keeps their
-  // layers' activations until then (the first stage the most, the last one); a forward alone keeps none.
-  const int64_t in_flight = l.training ? l.pp - l.pp_rank : 1;
+  // 1F1B: a stage keeps the layers' activations of the micro-batches in flight there until their backwards (the first
+  // stage the most, the last one); a forward alone keeps none.
+  const int64_t in_flight = l.in_flight();
   const std::pair<GpuActivation, std::pair<int64_t, int64_t>> fields[] = {
       {GpuActivation::ResidIn, {rows * C, kBf16}},    {GpuActivation::Norm1, {rows * C, kBf16}},
       {GpuActivation::Rstd1, {rows, kF32}},           {GpuActivation::Q, {n * p.qd, kBf16}},
@@ -468,7 +460,7 @@ void plan_pipeline_and_inputs(const LlamaConfig& c, const MemoryLayout& l, const
     if (!stage.head)
       b.add(GpuBuffer::ResidOut, "pipeline send: activation to the next stage", MemoryKind::Communication,
             p.rows * p.C, kBf16);
-    if (l.training && !l.lora.enabled() && c.tie_word_embeddings && (stage.embedding || stage.head))
+    if (l.tied_across_stages(c))
       b.add(GpuBuffer::TiedPeerGrad, "pipeline: the tied embedding's gradient from the other stage",
             MemoryKind::Communication, p.V * p.C, kF32);
   }
@@ -512,10 +504,11 @@ void plan_nccl_scratch(const LlamaConfig& c, const MemoryLayout& l, const ParamL
 
 }  // namespace
 
-GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& l) {
+GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& asked) {
+  const MemoryLayout l = place_layout(c, asked);
   check_layout(c, l);
   // This rank's pipeline stage (at pp 1, the whole model).
-  const PipelineStage stage = pipeline_stages(c, l.pp, l.seq_len)[l.pp_rank];
+  const PipelineStage& stage = l.stage();
   const ParamLayout& layout = tp_rank_layout(c, l.tp_rank, l.tp, l.pp, stage);
   const StageUnits units = stage_units(layout, stage);
   PlanBuilder b;
@@ -583,13 +576,13 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
   GpuFit fit;
   const int64_t need = plan.peak() + gpu_headroom_bytes(l);
   fit.fits = need <= capacity;
-  // The CUDA engine runs pipeline stages with ZeRO 0 and 1: a higher stage's plan is the design.
-  const bool designed = l.pp > 1 && l.zero >= 2;
+  // A layout the CUDA engine does not run yet (model/support.h): its plan is the design, and the table says why.
+  const Support runs = support(c, l, Device::Cuda);
   fit.report = format_memory_table(plan, capacity,
                                    str("device memory per GPU (dp rank ", l.dp_rank,
                                        l.pp > 1 ? str(", pipeline stage ", l.pp_rank) : std::string(), ", tp rank ",
                                        l.tp_rank, " of ", describe_layout(l), ")",
-                                       designed ? ", AS DESIGNED (the CUDA engine runs pp with ZeRO 0 and 1 only)" : ""),
+                                       runs.runs() ? "" : str(", AS DESIGNED (", runs.reason, ")")),
                                    gpu_headroom_bytes(l));
   if (fit.fits) return fit;
   fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");

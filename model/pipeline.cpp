@@ -26,9 +26,7 @@ double head_flops(const LlamaConfig& c) {
 
 std::vector<PipelineStage> pipeline_stages(const LlamaConfig& config, int64_t pp, int64_t seq) {
   const int64_t L = config.num_hidden_layers;
-  if (pp < 1 || pp > L)
-    fail("option 'pp': expected 1 to ", L, " stages (the model's decoder layers; each stage runs at least one), found ",
-         pp);
+  TUNA_CHECK(pp >= 1 && pp <= L, pp, " stages of ", L, " layers (the support table, model/support.h, refuses them first)");
   const double layer = layer_flops(config, seq), head = head_flops(config);
   // Stage cost when it runs `layers` layers and is the last one.
   const auto cost = [&](int64_t layers, bool last) { return static_cast<double>(layers) * layer + (last ? head : 0.0); };

@@ -25,8 +25,8 @@ struct PipelineStage {
 
 // The split of `config`'s layers over pp stages at sequence length seq (attention's cost grows with it). Every
 // stage gets at least one layer; among the splits whose costliest stage is cheapest, earlier stages get fewer
-// layers (the first stage holds the most micro-batches in flight). Fails naming option 'pp' when pp < 1 or pp
-// exceeds the layers.
+// layers (the first stage holds the most micro-batches in flight). pp is at least 1 and at most the layers (the
+// support table's rule, model/support.h; its place_layout is how the run's layout gets the split).
 std::vector<PipelineStage> pipeline_stages(const LlamaConfig& config, int64_t pp, int64_t seq);
 
 // The units of `layout` (model/layout.h: the embedding, each layer, the head) that `stage` holds, in order: the
