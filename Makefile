@@ -77,8 +77,9 @@ EMULATOR_DIR := tests/kernels/emulator
 EMULATED_LIB_SRCS := model/llama_gpu.cpp engine/engine_gpu.cpp engine/device.cpp model/decode_gpu.cpp comm/comm_staged.cpp \
                      dist/zero_gpu.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
-# The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
-EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
+# The emulated device: the kernels' launchers, the cuBLASLt double, the emulator's walk of a thread's call sites
+# (ptx_sm90.h) and the library's CUDA code.
+EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp $(EMULATOR_DIR)/call_site.cpp \
                           $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu)) $(EMULATED_LIB_SRCS))
 EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp $(wildcard $(EMULATOR_DIR)/test_*.cpp) \
                    $(filter-out tests/kernels/test_matmul_gpu.cpp,$(wildcard tests/kernels/*_gpu.cpp)) \
@@ -168,8 +169,12 @@ $(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_ARCHIVE)
 # type-puns through reinterpret_cast (bf16 pairs as words, int4 as 8 bf16), which nvcc honours and g++ at -O2
 # would not. The emulated objects live under obj/emulated/, apart from the library's own build of the same
 # model/*.cpp (against the real CUDA runtime, or without CUDA); EMULATED_HOST_OBJS are shared.
+# The emulator names the instruction a thread executes a warpgroup instruction at by the chain of return
+# addresses up its stack (ptx_sm90.h, CallSite): frame pointers kept, and no tail calls, cross-jumping or tail
+# merging, which would drop a call site from the chain or fold two call sites into one.
 EMULATOR_CPPFLAGS := -DTUNA_EMULATOR -DTUNA_CUDA=1 -I$(EMULATOR_DIR)/shim -I. -MMD -MP
-EMULATOR_CXXFLAGS := $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -fno-extern-tls-init
+EMULATOR_CXXFLAGS := $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -fno-extern-tls-init \
+                     -fno-omit-frame-pointer -fno-optimize-sibling-calls -fno-crossjumping -fno-tree-tail-merge
 $(BUILD)/obj/emulated/%.o: %.cpp | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(EMULATOR_CPPFLAGS) $(EMULATOR_CXXFLAGS) -c $< -o $@

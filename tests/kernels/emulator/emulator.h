@@ -36,6 +36,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -214,6 +215,12 @@ class Block {
   void run(int threads, const std::function<void()>& kernel);
 
   int current() const { return current_; }
+  // The running thread's stack: [low, high) addresses (ptx_sm90.h walks its frames to name the instruction a
+  // warpgroup instruction is executed at).
+  std::pair<uintptr_t, uintptr_t> current_stack() const {
+    const char* low = fibers_[current_].stack + page_bytes_;
+    return {reinterpret_cast<uintptr_t>(low), reinterpret_cast<uintptr_t>(low + kStackBytes)};
+  }
   // Suspends the running thread until wake() makes it runnable again. `reason` (what it waits for) names it
   // in the deadlock report.
   void block_current(const char* reason = "a barrier");
