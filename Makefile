@@ -48,6 +48,7 @@ ifeq ($(CUDA),1)
                -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage -DTUNA_CUDA=1
   CU_SRCS := $(wildcard kernels/*.cu)
   CU_OBJS := $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
+  CU_PTXAS := $(CU_SRCS:%.cu=$(BUILD)/obj/%.ptxas)
   LDLIBS += -L/usr/local/cuda/lib64 -lcudart -lcublasLt -lcublas
   CPPFLAGS += -DTUNA_CUDA=1 -I/usr/local/cuda/include
   # NCCL (comm/comm_nccl.cpp) when its header is found; NCCL=0 leaves it out.
@@ -104,7 +105,7 @@ DEPS_STAMP := $(BUILD)/.deps-installed
 .SECONDARY:
 .PHONY: all test bench demo deps clean fuzz
 all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/emulated_gpu_tests $(EMULATED_MPI_TESTS) \
-     $(BENCHES) gpu-check-emulated
+     $(BENCHES) gpu-check-emulated $(CU_PTXAS)
 
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP): scripts/install-deps.sh
@@ -129,9 +130,16 @@ $(BUILD)/obj/%.o: %.cpp | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
 
-$(BUILD)/obj/%.o: %.cu | $(DEPS_STAMP)
+# Each kernel's registers, spills and static shared memory as ptxas reports them (-v), kept beside the object:
+# kernels/registers.tsv holds them, and tests/kernels/test_registers.cpp compares the two (no second compile).
+# The log's first line is the compiler's version. ptxas's info lines stay out of the build's output.
+PTXAS_INFO := '^ptxas info\|^    [0-9]* bytes stack frame'
+$(BUILD)/obj/%.o $(BUILD)/obj/%.ptxas: %.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+	@$(NVCC) --version | tail -1 >$(BUILD)/obj/$*.ptxas
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -Xptxas -v -c $< -o $(BUILD)/obj/$*.o 2>>$(BUILD)/obj/$*.ptxas || \
+	  { sed 1d $(BUILD)/obj/$*.ptxas | grep -v $(PTXAS_INFO) >&2; rm -f $(BUILD)/obj/$*.o $(BUILD)/obj/$*.ptxas; exit 1; }
+	@sed 1d $(BUILD)/obj/$*.ptxas | grep -v $(PTXAS_INFO) >&2 || true
 
 # train.cu holds the trainer's main: plain C++ (the kernels live in kernels/*.cu), so g++ compiles it in
 # every build; nvcc took 20 s of CPU for it.
