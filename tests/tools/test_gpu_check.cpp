@@ -78,7 +78,8 @@ TEST(GpuCheckEmulated, WalksEveryStep) {
       << table;
   // benches.json: each bench's benchmarks listed (none run), the peers' records, the profile's CSV read.
   const auto benches = nlohmann::json::parse(read_file(out / "benches.json"));
-  for (const char* b : {"memory", "attention", "gemm", "train_step", "train_step_hopper", "decode"}) {
+  for (const char* b :
+       {"attention_mma", "train_step_1b", "memory", "attention", "gemm", "train_step", "train_step_hopper", "decode"}) {
     ASSERT_TRUE(benches.contains(b)) << b;
     ASSERT_FALSE(benches[b]["benchmarks"].empty()) << b;
     for (const auto& x : benches[b]["benchmarks"]) {
@@ -86,8 +87,28 @@ TEST(GpuCheckEmulated, WalksEveryStep) {
       EXPECT_FALSE(x.contains("real_time") || x.contains("TFLOP/s") || x.contains("tokens/s")) << x.dump();
     }
   }
-  EXPECT_EQ(benches["peers"].size(), 4u) << benches["peers"].dump();
+  // The peers' records: the eager step in tier 1 (torch, step), attention and the compiled step in tier 3.
+  EXPECT_EQ(benches["peers"].size(), 6u) << benches["peers"].dump();
   EXPECT_FALSE(benches["profile"].contains("error")) << benches["profile"].dump();
+  // The first tier answers, in order: the GPU tests (the hopper documents-in-a-warpgroup shapes first, alone), the
+  // demo on cuda with and without adapters, the mma attention, the 1B step and PyTorch's.
+  const size_t a1 = summary.find("[1] tests/hopper-documents-in-a-warpgroup: ok"),
+               list = summary.find("[1] tests/list: ok"), straight = summary.find("[1] train/straight: ok"),
+               lora = summary.find("[1] train/lora: ok"), attention = summary.find("[1] bench/attention_mma: ok"),
+               step = summary.find("[1] bench/train_step_1b: ok"), peers = summary.find("[1] peers/step: ok"),
+               tier2 = summary.find("== tier 2");
+  EXPECT_TRUE(a1 < list && list < straight && straight < lora && lora < attention && attention < step && step < peers &&
+              peers < tier2 && tier2 != std::string::npos)
+      << summary;
+  // Then, last, the lines for a measurement table, each marked emulated.
+  const std::string heading = "\n== for the table:\n";
+  const size_t answers = summary.find(heading);
+  ASSERT_NE(answers, std::string::npos) << summary;
+  std::istringstream lines_after(summary.substr(answers + heading.size()));
+  int answer_lines = 0;
+  for (std::string line; std::getline(lines_after, line); ++answer_lines)
+    EXPECT_EQ(line.rfind("  emulated: ", 0), 0u) << line;
+  EXPECT_EQ(answer_lines, 5) << summary.substr(answers);
 }
 
 // A step broken on purpose, as a typo would break it: a misspelled trainer flag and a bench that does not
