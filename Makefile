@@ -44,10 +44,13 @@ ifeq ($(CUDA),1)
   GPU_SM := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '. ')
   SM ?= $(if $(GPU_SM),$(if $(filter 90,$(GPU_SM)),90a,$(GPU_SM)),90a)
   GENCODE := $(foreach s,$(SM),-gencode arch=compute_$(s),code=sm_$(s))
+  # -Xfatbin=-compress-all: the device code, 4.5 MB in every binary that links the kernels, compressed (about 4x
+  # smaller; the driver decompresses a module as it loads it).
   NVCCFLAGS := -std=c++20 -O2 -g -lineinfo $(GENCODE) -Xcompiler -fopenmp,-Wall,-Wno-unused-parameter \
-               -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage -DTUNA_CUDA=1
+               -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage -Xfatbin=-compress-all -DTUNA_CUDA=1
   CU_SRCS := $(wildcard kernels/*.cu)
   CU_OBJS := $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
+  CU_PTXAS := $(CU_SRCS:%.cu=$(BUILD)/obj/%.ptxas)
   LDLIBS += -L/usr/local/cuda/lib64 -lcudart -lcublasLt -lcublas
   CPPFLAGS += -DTUNA_CUDA=1 -I/usr/local/cuda/include
   # NCCL (comm/comm_nccl.cpp) when its header is found; NCCL=0 leaves it out.
@@ -78,8 +81,9 @@ EMULATED_LIB_SRCS := model/llama_gpu.cpp model/llama_gpu_forward.cpp model/llama
                      model/llama_gpu_quantized.cpp model/llama_gpu_lora.cpp engine/engine_gpu.cpp engine/device_gpu.cpp \
                      engine/device.cpp model/decode_gpu.cpp comm/comm_staged.cpp dist/zero_gpu.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
-# The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
-EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
+# The emulated device: the kernels' launchers, the cuBLASLt double, the emulator's walk of a thread's call sites
+# (ptx_sm90.h) and the library's CUDA code.
+EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp $(EMULATOR_DIR)/call_site.cpp \
                           $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu)) $(EMULATED_LIB_SRCS))
 EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp $(wildcard $(EMULATOR_DIR)/test_*.cpp) \
                    $(filter-out tests/kernels/test_matmul_gpu.cpp,$(wildcard tests/kernels/*_gpu.cpp)) \
@@ -94,7 +98,8 @@ EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $
                                  $(BUILD)/obj/comm/comm.o $(BUILD)/obj/comm/comm_local.o $(BUILD)/obj/dist/zero.o \
                                  $(BUILD)/obj/dist/pipeline.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
-BENCH_SRCS := $(wildcard bench/*.cpp)
+# bench/gpu_benches.cpp is the gpu-check build's one binary of the GPU benches, not a bench of its own.
+BENCH_SRCS := $(filter-out bench/gpu_benches.cpp,$(wildcard bench/*.cpp))
 ifneq ($(CUDA),1)
   BENCH_SRCS := $(filter-out bench/%_gpu.cpp,$(BENCH_SRCS))
 endif
@@ -105,7 +110,7 @@ DEPS_STAMP := $(BUILD)/.deps-installed
 .SECONDARY:
 .PHONY: all test bench demo deps clean fuzz
 all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/emulated_gpu_tests $(EMULATED_MPI_TESTS) \
-     $(BENCHES) gpu-check-emulated
+     $(BENCHES) gpu-check-emulated $(CU_PTXAS)
 
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP): scripts/install-deps.sh
@@ -130,9 +135,16 @@ $(BUILD)/obj/%.o: %.cpp | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
 
-$(BUILD)/obj/%.o: %.cu | $(DEPS_STAMP)
+# Each kernel's registers, spills and static shared memory as ptxas reports them (-v), kept beside the object:
+# kernels/registers.tsv holds them, and tests/kernels/test_registers.cpp compares the two (no second compile).
+# The log's first line is the compiler's version. ptxas's info lines stay out of the build's output.
+PTXAS_INFO := '^ptxas info\|^    [0-9]* bytes stack frame'
+$(BUILD)/obj/%.o $(BUILD)/obj/%.ptxas: %.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+	@$(NVCC) --version | tail -1 >$(BUILD)/obj/$*.ptxas
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -Xptxas -v -c $< -o $(BUILD)/obj/$*.o 2>>$(BUILD)/obj/$*.ptxas || \
+	  { sed 1d $(BUILD)/obj/$*.ptxas | grep -v $(PTXAS_INFO) >&2; rm -f $(BUILD)/obj/$*.o $(BUILD)/obj/$*.ptxas; exit 1; }
+	@sed 1d $(BUILD)/obj/$*.ptxas | grep -v $(PTXAS_INFO) >&2 || true
 
 # train.cu holds the trainer's main: plain C++ (the kernels live in kernels/*.cu), so g++ compiles it in
 # every build; nvcc took 20 s of CPU for it.
@@ -170,8 +182,12 @@ $(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_ARCHIVE)
 # type-puns through reinterpret_cast (bf16 pairs as words, int4 as 8 bf16), which nvcc honours and g++ at -O2
 # would not. The emulated objects live under obj/emulated/, apart from the library's own build of the same
 # model/*.cpp (against the real CUDA runtime, or without CUDA); EMULATED_HOST_OBJS are shared.
+# The emulator names the instruction a thread executes a warpgroup instruction at by the chain of return
+# addresses up its stack (ptx_sm90.h, CallSite): frame pointers kept, and no tail calls, cross-jumping or tail
+# merging, which would drop a call site from the chain or fold two call sites into one.
 EMULATOR_CPPFLAGS := -DTUNA_EMULATOR -DTUNA_CUDA=1 -I$(EMULATOR_DIR)/shim -I. -MMD -MP
-EMULATOR_CXXFLAGS := $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -fno-extern-tls-init
+EMULATOR_CXXFLAGS := $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -fno-extern-tls-init \
+                     -fno-omit-frame-pointer -fno-optimize-sibling-calls -fno-crossjumping -fno-tree-tail-merge
 $(BUILD)/obj/emulated/%.o: %.cpp | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(EMULATOR_CPPFLAGS) $(EMULATOR_CXXFLAGS) -c $< -o $@
@@ -225,16 +241,19 @@ endef
 
 # ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit
 # and Python but none of the Debian -dev packages. `make gpu-check-build` links one GPU test binary (main +
-# tests/*/*_gpu.cpp) and the GPU benches into $(GPU_CHECK)/bin, debug info stripped (the machine takes at most
-# 64 MiB of carried files). The library objects go through an archive, so only what the tests reach is linked
-# (no MPI, NCCL, sentencepiece). Static: GoogleTest, the reference BLAS (CBLAS for the CPU twins; the tests'
-# shapes are small, and OpenBLAS's static archive would add 25 MB) with its gfortran runtime, libgomp and the
-# CUDA runtime. Dynamic: cuBLASLt (the toolkit there has it), libstdc++ and glibc (newer there). Google
-# Benchmark exists in Debian only as a shared library: copied to bin/lib, found through rpath $ORIGIN/lib.
+# tests/*/*_gpu.cpp) and one binary of the GPU benches (bench/gpu_benches.cpp: each bench_NAME_gpu in bin/ is a
+# script running `gpu_benches NAME`) into $(GPU_CHECK)/bin, debug info stripped: the machine takes at most 64 MiB
+# of carried files, and each binary carries the device code, the CUDA runtime and the library it reaches
+# (tests/tools/test_gpu_check.cpp fails past 48 MB). The library objects go through an archive, so only what the
+# tests reach is linked (no MPI, NCCL, sentencepiece). Static: GoogleTest, the reference BLAS (CBLAS for the CPU
+# twins; the tests' shapes are small, and OpenBLAS's static archive would add 25 MB) with its gfortran runtime,
+# libgomp and the CUDA runtime. Dynamic: cuBLASLt (the toolkit there has it), libstdc++ and glibc (newer there).
+# Google Benchmark exists in Debian only as a shared library: copied to bin/lib, found through rpath $ORIGIN/lib.
 ifeq ($(CUDA),1)
 GPU_CHECK := $(BUILD)/gpu-check
 GPU_TEST_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,tests/main.cpp $(wildcard tests/*/*_gpu.cpp))
-GPU_BENCHES := $(patsubst bench/%.cpp,$(GPU_CHECK)/bin/%,$(wildcard bench/*_gpu.cpp))
+GPU_BENCH_NAMES := $(patsubst bench/bench_%_gpu.cpp,%,$(wildcard bench/*_gpu.cpp))
+GPU_BENCHES := $(GPU_BENCH_NAMES:%=$(GPU_CHECK)/bin/bench_%_gpu)
 GPU_ARCHIVE_OBJS := $(LIB_OBJS) $(CU_OBJS)
 REFERENCE_BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/blas/libblas.a) -lopenblas)
 GPU_CHECK_LIBS := -Wl,-Bstatic $(REFERENCE_BLAS) -lgfortran -lquadmath -lgomp -Wl,-Bdynamic \
@@ -252,11 +271,22 @@ $(GPU_CHECK)/bin/gpu_tests: $(GPU_TEST_OBJS) $(GPU_CHECK)/libtuna_gpu.a
 	$(CXX) $^ -o $@ -Wl,-Bstatic -lgtest -Wl,-Bdynamic $(GPU_CHECK_LIBS)
 	strip --strip-debug $@
 
-$(GPU_CHECK)/bin/bench_%_gpu: $(BUILD)/obj/bench/bench_%_gpu.o $(GPU_CHECK)/libtuna_gpu.a
+# Each bench compiled again, keeping its benchmarks under its name (bench/gpu_bench_util.h), for gpu_benches.
+$(BUILD)/obj/gpu-check/bench/bench_%_gpu.o: bench/bench_%_gpu.cpp | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -DTUNA_GPU_BENCH_NAME='"$*"' -c $< -o $@
+
+GPU_BENCH_OBJS := $(BUILD)/obj/bench/gpu_benches.o $(GPU_BENCH_NAMES:%=$(BUILD)/obj/gpu-check/bench/bench_%_gpu.o)
+$(GPU_CHECK)/bin/gpu_benches: $(GPU_BENCH_OBJS) $(GPU_CHECK)/libtuna_gpu.a
 	@mkdir -p $(GPU_CHECK)/bin/lib
 	cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so.1debian $(GPU_CHECK)/bin/lib/
 	$(CXX) $^ -o $@ -lbenchmark -Wl,-rpath,'$$ORIGIN/lib' $(GPU_CHECK_LIBS)
 	strip --strip-debug $@
+
+$(GPU_CHECK)/bin/bench_%_gpu: $(GPU_CHECK)/bin/gpu_benches
+	printf '#!/bin/sh\n# The %s bench of gpu_benches, the GPU benches in one binary (the Makefile).\n' $* >$@
+	printf 'exec "$$(dirname "$$0")/gpu_benches" %s "$$@"\n' $* >>$@
+	chmod +x $@
 
 # The trainer itself, for gpu-check's end-to-end runs on one GPU: train.cu compiled as the plain C++ it is,
 # without NCCL (one rank needs none, and the GPU machine's libnccl may not match this toolkit's); Open MPI's
