@@ -54,6 +54,7 @@ struct ChatSetup {
   bool resolved = false;
   ChatFormat format = ChatFormat::llama3;
   std::string error;
+  int32_t bos = -1, eos = -1;  // the frame of a plain document (-1: none)
 };
 
 bool is_blank(std::string_view s) {
@@ -725,11 +726,11 @@ void tokenize_document(const Document& doc, const Tokenizer& tokenizer, const Ca
       t.mask = std::move(chat_tokens.mask);
       return;
     }
-    if (tokenizer.bos_id() >= 0) t.tokens.push_back(tokenizer.bos_id());
+    if (chat.bos >= 0) t.tokens.push_back(chat.bos);
     if (!doc.prompt.empty()) encoder.encode(doc.prompt, &t.tokens);
     const size_t prompt_end = t.tokens.size();
     encoder.encode(doc.text, &t.tokens);
-    if (tokenizer.eos_id() >= 0) t.tokens.push_back(tokenizer.eos_id());
+    if (chat.eos >= 0) t.tokens.push_back(chat.eos);
     if (sft) {
       // Only predicting the response (and EOS) trains: BOS and the prompt are context.
       t.mask.assign(t.tokens.size(), 1);
@@ -827,6 +828,30 @@ void tokenize_and_write(PrepareRun& run, const Tokenizer& tokenizer, const ChatS
 
 }  // namespace
 
+// BOS and EOS of every plain document: the tokenizer's, or the options'. A tokenizer without them (a tokenizer.json
+// whose post-processor adds no BOS, beside no config that names one) is refused in one line that says what to do,
+// rather than writing documents the trainer cannot tell apart.
+static void frame_documents(const PrepareOptions& options, const Tokenizer& tokenizer, ChatSetup* chat) {
+  if (options.no_bos_eos) {
+    if (!options.bos.empty() || !options.eos.empty()) fail("options --no_bos_eos and --bos/--eos contradict each other");
+    return;
+  }
+  auto named = [&](const std::string& name, const char* option, int32_t fallback) {
+    if (name.empty()) return fallback;
+    const int32_t id = tokenizer.token_id(name);
+    if (id < 0) fail("option --", option, ": '", name, "' is not a token of ", tokenizer.path());
+    return id;
+  };
+  chat->bos = named(options.bos, "bos", tokenizer.bos_id());
+  chat->eos = named(options.eos, "eos", tokenizer.eos_id());
+  if (chat->bos < 0 || chat->eos < 0)
+    fail("tokenizer ", tokenizer.path(), " names no ", chat->bos < 0 && chat->eos < 0 ? "BOS and no EOS" : chat->bos < 0 ? "BOS" : "EOS",
+         " (no post-processor template, tokenizer_config.json or config.json gives ", chat->bos < 0 && chat->eos < 0 ? "them" : "it",
+         "), and every document is framed BOS + text + EOS: name ", chat->bos < 0 && chat->eos < 0 ? "them" : "it", " with ",
+         chat->bos < 0 && chat->eos < 0 ? "--bos TOKEN --eos TOKEN" : chat->bos < 0 ? "--bos TOKEN" : "--eos TOKEN",
+         " (the model's, e.g. --eos '<|endoftext|>'), or pass --no_bos_eos to write documents without them");
+}
+
 PrepareReport prepare_corpus(const PrepareOptions& options) {
   const auto started = std::chrono::steady_clock::now();
   check_options(options);
@@ -848,9 +873,10 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   report.tokenizer_format = format_name(tokenizer.format());
   report.tokenizer_fingerprint = tokenizer.fingerprint();
   report.vocab_size = tokenizer.vocab_size();
-  report.bos_id = tokenizer.bos_id();
-  report.eos_id = tokenizer.eos_id();
-  const ChatSetup chat = chat_setup(options, tokenizer, report);
+  ChatSetup chat = chat_setup(options, tokenizer, report);
+  frame_documents(options, tokenizer, &chat);
+  report.bos_id = chat.bos;
+  report.eos_id = chat.eos;
 
   PassOne one = clean_filter_hash(run, chat);
   const std::vector<std::pair<uint64_t, std::string>> duplicate_of = join_duplicates(run, one);

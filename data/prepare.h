@@ -68,6 +68,11 @@ struct PrepareOptions {
   uint64_t shard_tokens = 100'000'000;              // tokens per shard before a new one starts
   int threads = 0;                                  // 0: all hardware threads
   size_t batch_records = 4096;  // records per batch (the output does not depend on it; tests make it small)
+  // Every document is framed BOS + tokens + EOS, with the ids the tokenizer's model names. A tokenizer that names
+  // no BOS or no EOS is refused unless they are named here (a token's text, "<s>") or no_bos_eos leaves the
+  // documents unframed.
+  std::string bos, eos;
+  bool no_bos_eos = false;
   bool overwrite = false;  // replace the outputs of an earlier run in out_dir (otherwise refused)
   bool quiet = false;      // no progress lines on stderr
   // Seconds between progress lines; 0: 1 s on a terminal (one line rewritten in place), 30 s otherwise.

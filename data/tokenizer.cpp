@@ -63,7 +63,7 @@ bool is_file(const fs::path& p) {
 // The tokenizer file of a model directory (see Tokenizer::load).
 std::string find_in_directory(const fs::path& dir) {
   const fs::path model = dir / kTokenizerModel, json = dir / kTokenizerJson, original = dir / "original" / kTokenizerModel;
-  if (is_file(model) && sniff(model.string()) == Sniffed::other) return model.string();
+  // What transformers' AutoTokenizer reads: the fast tokenizer.json, even beside a sentencepiece tokenizer.model.
   if (is_file(json)) return json.string();
   if (is_file(model)) return model.string();
   if (is_file(original)) return original.string();

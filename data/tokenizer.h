@@ -1,8 +1,8 @@
 // Tokenizer: one interface over the three formats a user brings, named by file or by model directory:
 //   - sentencepiece `.model` (LLaMA 2's tokenizer.model; what build/prepare --train-tokenizer writes);
-//   - Hugging Face `tokenizer.json` with a byte-level BPE model (Llama 3's), read by tuna itself: the
-//     pre-tokenizer regex through PCRE2 (UTF + Unicode properties), the byte-level alphabet, rank-ordered
-//     merges, added and special tokens;
+//   - Hugging Face `tokenizer.json` with a BPE model, read by tuna itself with the library's pipeline
+//     (data/byte_bpe.h): normalizers, pre-tokenizers, byte-level or sentencepiece-style (byte fallback) BPE,
+//     added tokens, decoders;
 //   - tiktoken BPE ranks (Llama 3's original/tokenizer.model: base64 token and rank per line), with Llama 3's
 //     pre-tokenizer and special tokens.
 // Ids equal the reference libraries' (sentencepiece; Hugging Face `tokenizers`), checked by the tests on
@@ -45,8 +45,8 @@ class Tokenizer {
   Tokenizer& operator=(Tokenizer&&) noexcept;
 
   // Loads a tokenizer file of any of the three formats (recognized by content, not by name), or a model
-  // directory's tokenizer: its tokenizer.model when that is a sentencepiece model, else tokenizer.json, else a
-  // tiktoken tokenizer.model, else original/tokenizer.model. BOS and EOS come from the model's config beside
+  // directory's tokenizer: its tokenizer.json (what transformers' AutoTokenizer reads), else its tokenizer.model
+  // (sentencepiece or tiktoken), else original/tokenizer.model. BOS and EOS come from the model's config beside
   // the file (tokenizer_config.json's bos_token / eos_token, else config.json's ids), else the format's own.
   // A missing path, a directory without a tokenizer, a file in none of the formats (the error names each
   // format tried) or a tokenizer.json that is not a byte-level BPE (WordPiece, Unigram: refused by name) is
@@ -179,6 +179,11 @@ struct GgufVocabulary {
   std::string chat_template;
 };
 GgufVocabulary gguf_vocabulary(const Tokenizer& tokenizer, int64_t model_vocab_size);
+// The tokenizer.ggml.pre type llama.cpp gives a byte-level BPE tokenizer's pipeline, found as llama.cpp's converter
+// finds it: the SHA-256 of the ids (with the post-processor's special tokens) of a fixed text, looked up in its
+// table (data/gguf_pre_types.inc). Fails naming the pipeline where llama.cpp has no type for it, and for a
+// sentencepiece-style tokenizer.json (exported from its tokenizer.model instead).
+std::string gguf_pre_type(const Tokenizer& tokenizer);
 
 // Encodes many documents fast and exactly as Tokenizer::encode would: text is cut into the segments the
 // tokenizer's own pre-tokenization makes (see data/tokenizer_impl.h: sentencepiece words and newlines,
