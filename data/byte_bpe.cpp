@@ -121,7 +121,7 @@ class Regex {
   Regex(const TextPattern& pattern, const std::string& path, const std::string& what) : path_(path), what_(what) {
     int code;
     PCRE2_SIZE offset;
-    const uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK | (pattern.regex ? 0 : PCRE2_LITERAL);
+    const uint32_t options = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (pattern.regex ? PCRE2_UCP : PCRE2_LITERAL);
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.text.data()), pattern.text.size(), options, &code, &offset,
                           nullptr);
     if (!code_)

@@ -21,7 +21,9 @@
 namespace tuna {
 namespace {
 
+using testing_data::TempDir;
 using testing_data::TokenizerFixtures;
+using testing_data::write_file;
 
 std::string first_difference(const std::vector<int32_t>& got, const std::vector<int32_t>& want) {
   size_t i = 0;
@@ -301,7 +303,7 @@ TEST(TokenizerPipelines, NoBosEosWritesUnframedDocuments) {
   TempDir dir;
   nlohmann::json j = tiny_tokenizer({{"a", "b"}});
   write_json(dir, j);
-  write_file(dir.file("in/a.txt"), "ab ab ab\n");
+  write_file(dir.file("in/a.txt"), "ab ab ab");
   PrepareOptions o;
   o.tokenizer_path = dir.file("tokenizer.json");
   o.out_dir = dir.file("out");
@@ -311,7 +313,7 @@ TEST(TokenizerPipelines, NoBosEosWritesUnframedDocuments) {
   o.no_bos_eos = true;
   const PrepareReport r = prepare_corpus(o);
   EXPECT_EQ(r.bos_id, -1);
-  EXPECT_EQ(shard_documents(r.train.shards).at(0), Tokenizer(dir.file("tokenizer.json")).encode("ab ab ab\n"));
+  EXPECT_EQ(shard_documents(r.train.shards).at(0), Tokenizer(dir.file("tokenizer.json")).encode("ab ab ab"));
 }
 
 }  // namespace
