@@ -378,10 +378,7 @@ class ByteBpeTokenizer final : public TokenizerImpl {
       for (int b = 0; b < 256; ++b) {
         const char c = static_cast<char>(b);
         byte_token_[b] = byte_index_.find(std::string_view(&c, 1));
-        if (byte_token_[b] < 0) {
-          missing_bytes_.push_back(c);
-          any_missing_byte_ = true;
-        }
+        any_missing_byte_ |= byte_token_[b] < 0;
       }
     }
     for (int b = 0; b < 256; ++b) {
@@ -389,6 +386,15 @@ class ByteBpeTokenizer final : public TokenizerImpl {
       std::snprintf(code, sizeof code, "<0x%02X>", b);
       fallback_[b] = m_.byte_fallback ? model_index_.find(code) : -1;
     }
+    // A byte without a token is dropped unless byte fallback or the unk token stands for it (initial_symbols).
+    if (byte_engine_ && m_.unk < 0)
+      for (int b = 0; b < 256; ++b) {
+        if (byte_token_[b] >= 0) continue;
+        const char c = static_cast<char>(b);
+        bool fallback = m_.byte_fallback;
+        for (char u : byte_level_encode(std::string_view(&c, 1))) fallback &= fallback_[static_cast<uint8_t>(u)] >= 0;
+        if (!fallback) missing_bytes_.push_back(c);
+      }
 
     // Added tokens: an id the vocabulary also holds keeps its vocabulary entry for merges; text and kind are the
     // added token's.
@@ -403,14 +409,8 @@ class ByteBpeTokenizer final : public TokenizerImpl {
       Matcher& mt = a.normalized ? normalized_added_ : raw_added_;
       mt.tokens.push_back({a.normalized ? decoded : a.content, &a});
     }
-    for (Matcher* mt : {&raw_added_, &normalized_added_}) {
-      // Longest first, so the first match at a position is the longest (leftmost-longest).
-      std::stable_sort(mt->tokens.begin(), mt->tokens.end(), [](const Pattern& a, const Pattern& b) {
-        return a.text.size() > b.text.size();
-      });
-      std::erase_if(mt->tokens, [](const Pattern& p) { return p.text.empty(); });
-      for (const Pattern& p : mt->tokens) mt->starts[static_cast<uint8_t>(p.text[0])] = true;
-    }
+    raw_added_.build();
+    normalized_added_.build();
 
     pairs_.build(m_.merges);
     // The list is kept for a GGUF export, in rank order: tokenizer.json's as the file orders it; tiktoken's (every
@@ -441,6 +441,7 @@ class ByteBpeTokenizer final : public TokenizerImpl {
     for (const DecoderStep& d : m_.decoders)
       decoder_regex_.push_back(d.kind == DecoderStep::Kind::replace ? std::make_unique<Regex>(d.pattern, path, "decoder Replace")
                                                                       : nullptr);
+    prepare_cuts();
   }
 
   TokenizerFormat format() const override { return m_.format; }
@@ -547,7 +548,7 @@ class ByteBpeTokenizer final : public TokenizerImpl {
     for (const ByteBpeModel::Merge& m : m_.merges) list.emplace_back(m.left, m.right);
     return list;
   }
-  std::string missing_bytes() const override { return m_.unk < 0 ? missing_bytes_ : std::string(); }
+  std::string missing_bytes() const override { return missing_bytes_; }
   const ByteBpeModel* bpe_model() const override { return &m_; }
 
  private:
@@ -557,9 +558,73 @@ class ByteBpeTokenizer final : public TokenizerImpl {
     std::string text;  // what is matched: the content, or for a normalized token its normalized form
     const AddedToken* token;
   };
+  // The added tokens of one kind (matched in the text as written, or in normalized text) in a byte trie: the
+  // longest token at a position is found in as many steps as it has bytes, however many tokens there are (a model
+  // with thousands of added tokens that share a first byte, "<extra_id_N>", costs what one with three does).
   struct Matcher {
     std::vector<Pattern> tokens;
-    std::array<bool, 256> starts{};
+    // Node 0 is the root; a node's children are edges[first, first + count), sorted by byte.
+    struct Node {
+      uint32_t first = 0, count = 0;
+      int32_t token = -1;  // index into tokens of the token that ends here
+    };
+    struct Edge {
+      uint8_t byte;
+      uint32_t node;
+    };
+    std::vector<Node> nodes;
+    std::vector<Edge> edges;
+    std::array<int32_t, 256> root{};  // the root's child per first byte, -1: no token starts with it
+
+    void build() {
+      std::erase_if(tokens, [](const Pattern& p) { return p.text.empty(); });
+      // Children as lists while building; two tokens with one text: the first listed is matched, as before.
+      std::vector<std::vector<std::pair<uint8_t, uint32_t>>> children(1);
+      std::vector<int32_t> ends(1, -1);
+      for (size_t t = 0; t < tokens.size(); ++t) {
+        uint32_t node = 0;
+        for (char c : tokens[t].text) {
+          const uint8_t b = static_cast<uint8_t>(c);
+          auto& kids = children[node];
+          auto it = std::find_if(kids.begin(), kids.end(), [&](const auto& e) { return e.first == b; });
+          if (it != kids.end()) {
+            node = it->second;
+            continue;
+          }
+          const uint32_t child = static_cast<uint32_t>(children.size());
+          kids.emplace_back(b, child);
+          children.emplace_back();
+          ends.push_back(-1);
+          node = child;
+        }
+        if (ends[node] < 0) ends[node] = static_cast<int32_t>(t);
+      }
+      nodes.assign(children.size(), Node{});
+      edges.clear();
+      for (size_t n = 0; n < children.size(); ++n) {
+        auto& kids = children[n];
+        std::sort(kids.begin(), kids.end());
+        nodes[n] = {static_cast<uint32_t>(edges.size()), static_cast<uint32_t>(kids.size()), ends[n]};
+        for (const auto& [b, child] : kids) edges.push_back({b, child});
+      }
+      root.fill(-1);
+      for (const auto& [b, child] : children[0]) root[b] = static_cast<int32_t>(child);
+    }
+    // The longest token that text[at...] starts with, or null.
+    const Pattern* longest(std::string_view text, size_t at) const {
+      int32_t node = root[static_cast<uint8_t>(text[at])];
+      const Pattern* found = nullptr;
+      for (size_t i = at + 1;; ++i) {
+        if (nodes[node].token >= 0) found = &tokens[nodes[node].token];
+        if (i == text.size() || nodes[node].count == 0) return found;
+        const Edge* begin = edges.data() + nodes[node].first;
+        const Edge* end = begin + nodes[node].count;
+        const uint8_t b = static_cast<uint8_t>(text[i]);
+        const Edge* e = std::lower_bound(begin, end, b, [](const Edge& x, uint8_t v) { return x.byte < v; });
+        if (e == end || e->byte != b) return found;
+        node = static_cast<int32_t>(e->node);
+      }
+    }
   };
 
   // The library's AddedVocabulary::find_matches over one stretch of text: on_text(piece, offset) for the text
@@ -570,16 +635,11 @@ class ByteBpeTokenizer final : public TokenizerImpl {
     size_t start_offset = 0;
     if (!mt.tokens.empty()) {
       for (size_t i = 0; i < text.size();) {
-        if (!mt.starts[static_cast<uint8_t>(text[i])]) {
+        if (mt.root[static_cast<uint8_t>(text[i])] < 0) {
           ++i;
           continue;
         }
-        const Pattern* found = nullptr;
-        for (const Pattern& p : mt.tokens)
-          if (text.compare(i, p.text.size(), p.text) == 0) {
-            found = &p;
-            break;
-          }
+        const Pattern* found = mt.longest(text, i);
         if (!found) {
           ++i;
           continue;
@@ -657,7 +717,7 @@ class ByteBpeTokenizer final : public TokenizerImpl {
         byte_level_decode(piece, &bytes);
         on_text(bytes);
       } else {
-        on_text(piece);
+        cut_piece(piece, on_text);
       }
       return;
     }
@@ -769,6 +829,90 @@ class ByteBpeTokenizer final : public TokenizerImpl {
         return;
       }
     }
+  }
+
+  // Cuts inside a piece, for the word cache. A pipeline that does not split words (Metaspace with split false, or a
+  // Replace of " " by "▁" and no pre-tokenizer, the sentencepiece-style tokenizer.json of LLaMA-2-family models)
+  // hands the model whole documents as one piece; but BPE merges only adjacent symbols into tokens of the
+  // vocabulary, so two runs of a piece encode independently where no token of the vocabulary spans the point
+  // between them (sentencepiece is cut the same way, data/sentencepiece_tokenizer.cpp). Checked on the vocabulary at
+  // load, for the model's own strings:
+  //   - before a word mark ("▁", the Metaspace replacement) that follows another character, when no token has the
+  //     mark after a character other than the mark;
+  //   - where a run of newlines starts and ends, when no token holds a newline beside another character.
+  // fuse_unk would join an unknown character on each side of a cut into one unk token: then the character that
+  // starts the right side (the mark, a newline) must be known. The byte engine's pieces come from regexes that
+  // already split words, and are not cut.
+  void prepare_cuts() {
+    if (byte_engine_ || !m_.continuing_subword_prefix.empty() || !m_.end_of_word_suffix.empty()) return;
+    for (const PreTokenizerStep& p : m_.pre_tokenizers)
+      if (p.kind == PreTokenizerStep::Kind::metaspace) cut_mark_ = p.replacement;
+    if (cut_mark_.empty() && m_.pre_tokenizers.empty())
+      for (const NormalizerStep& n : m_.normalizers)
+        if (n.kind == NormalizerStep::Kind::replace && !n.pattern.regex && n.pattern.text == " ") cut_mark_ = n.content;
+    // One character (the library's Metaspace replacement is a char).
+    size_t end = 0;
+    if (!cut_mark_.empty()) unicode::next_code_point(cut_mark_, &end);
+    bool words = !cut_mark_.empty() && end == cut_mark_.size(), newlines = true;
+    for (size_t id = 0; id < m_.vocab.size() && (words || newlines); ++id) {
+      if (!m_.in_vocab[id]) continue;
+      const std::string& t = m_.vocab[id];
+      if (words) {
+        size_t lead = 0;
+        while (t.compare(lead, cut_mark_.size(), cut_mark_) == 0) lead += cut_mark_.size();
+        if (t.find(cut_mark_, lead) != std::string::npos) words = false;
+      }
+      if (newlines && t.find('\n') != std::string::npos && t.find_first_not_of('\n') != std::string::npos) newlines = false;
+    }
+    if (m_.fuse_unk && m_.unk >= 0) {
+      auto known = [&](std::string_view ch) {
+        if (model_index_.find(ch) >= 0) return true;
+        if (!m_.byte_fallback) return false;
+        for (char c : ch)
+          if (fallback_[static_cast<uint8_t>(c)] < 0) return false;
+        return true;
+      };
+      words = words && known(cut_mark_);
+      newlines = newlines && known("\n");
+    }
+    if (!words && !newlines) return;
+    // The rule above, checked: probes cut and whole give the same ids.
+    std::vector<int32_t> whole, parts;
+    for (const char* probe : {"Hello world", "a  b c", "x\ny z.\n\nNext para", " lead", "trail ", "\nstarts with a newline",
+                              " \n \n ", "ends with newlines\n\n", "The  quick\tbrown fox, 1234.56 (b) \xC3\xBC" "ber",
+                              "\xE6\x97\xA5\xE6\x9C\xAC \xF0\x9F\x98\x80 caf\xC3\xA9 \xE2\x96\x81lit\xE2\x96\x81 \xE2\x96\x81",
+                              "\tctrl\x01\x7F here\r\nCRLF  \x04\x05 \x06"}) {
+      whole.clear();
+      parts.clear();
+      cut_words_ = cut_newlines_ = false;
+      encode(probe, SpecialTokens{}, &whole);
+      cut_words_ = words;
+      cut_newlines_ = newlines;
+      encode(probe, SpecialTokens{}, &parts);
+      if (whole != parts) {
+        cut_words_ = cut_newlines_ = false;
+        return;
+      }
+    }
+  }
+
+  void cut_piece(std::string_view piece, const std::function<void(std::string_view)>& on_text) const {
+    if (!cut_words_ && !cut_newlines_) {
+      on_text(piece);
+      return;
+    }
+    const std::string_view mark = cut_mark_;
+    size_t start = 0;
+    for (size_t i = 1; i < piece.size(); ++i) {
+      const char c = piece[i], prev = piece[i - 1];
+      const bool cut = (cut_newlines_ && (c == '\n') != (prev == '\n')) ||
+                       (cut_words_ && c == mark[0] && piece.compare(i, mark.size(), mark) == 0 &&
+                        !(i >= mark.size() && piece.compare(i - mark.size(), mark.size(), mark) == 0));
+      if (!cut) continue;
+      on_text(piece.substr(start, i - start));
+      start = i;
+    }
+    on_text(piece.substr(start));
   }
 
   // The symbols a piece starts as (the library's BPE::merge_word): each character (each byte, for the byte
@@ -1002,11 +1146,13 @@ class ByteBpeTokenizer final : public TokenizerImpl {
   std::vector<bool> decodable_;     // byte engine: the entry is in the byte-level alphabet
   TokenIndex byte_index_;           // byte engine: bytes -> id
   std::array<int32_t, 256> byte_token_{};
-  std::string missing_bytes_;  // byte engine: bytes without a token of their own
+  std::string missing_bytes_;  // byte engine: bytes the model drops (no token, no fallback, no unk)
   bool any_missing_byte_ = false;
   std::array<int32_t, 256> fallback_{};  // <0xNN> ids (byte_fallback)
   PairTable pairs_;
   Matcher raw_added_, normalized_added_;
+  std::string cut_mark_;                            // the word mark pieces are cut before (prepare_cuts)
+  bool cut_words_ = false, cut_newlines_ = false;  // where pieces are cut
   std::vector<std::unique_ptr<Regex>> normalizer_regex_, pre_regex_, decoder_regex_;
 };
 

@@ -21,6 +21,7 @@
 #include "data/input.h"
 #include "data/prepare_output.h"  // LocationLog, DroppedList, SplitWriter, out_dir rules
 #include "data/shard.h"
+#include "data/tokenizer_impl.h"  // missing_bytes
 
 namespace tuna {
 
@@ -472,6 +473,8 @@ void merge_into(PrepareReport& into, const PrepareReport& from) {
   into.repaired_utf8.merge(from.repaired_utf8);
   into.removed_nul.merge(from.removed_nul);
   into.removed_control.merge(from.removed_control);
+  into.dropped_bytes += from.dropped_bytes;
+  into.dropped_byte_documents.merge(from.dropped_byte_documents);
   into.dropped_lists.insert(into.dropped_lists.end(), from.dropped_lists.begin(), from.dropped_lists.end());
   for (auto [a, b] : {std::pair{&into.train, &from.train}, std::pair{&into.val, &from.val}}) {
     a->documents += b->documents;
@@ -710,6 +713,7 @@ struct Tokenized {
   std::vector<int32_t> tokens;
   std::vector<uint8_t> mask;
   uint64_t hash = 0;
+  uint64_t dropped_bytes = 0;  // bytes of the text the tokenizer drops
   QualityMeasure measure;  // of a filtered document, for dropped.jsonl
 };
 
@@ -724,12 +728,16 @@ void tokenize_document(const Document& doc, const Tokenizer& tokenizer, const Ca
         throw Error(why);
       t.tokens = std::move(chat_tokens.tokens);
       t.mask = std::move(chat_tokens.mask);
+      if (encoder.drops_bytes()) {  // the template encodes some text twice: each message's bytes counted once here
+        std::vector<int32_t> ignored;
+        for (const ChatMessage& m : doc.messages) encoder.encode(m.content, &ignored, SpecialTokens::as_text, &t.dropped_bytes);
+      }
       return;
     }
     if (chat.bos >= 0) t.tokens.push_back(chat.bos);
-    if (!doc.prompt.empty()) encoder.encode(doc.prompt, &t.tokens);
+    if (!doc.prompt.empty()) encoder.encode(doc.prompt, &t.tokens, SpecialTokens::as_text, &t.dropped_bytes);
     const size_t prompt_end = t.tokens.size();
-    encoder.encode(doc.text, &t.tokens);
+    encoder.encode(doc.text, &t.tokens, SpecialTokens::as_text, &t.dropped_bytes);
     if (chat.eos >= 0) t.tokens.push_back(chat.eos);
     if (sft) {
       // Only predicting the response (and EOS) trains: BOS and the prompt are context.
@@ -798,6 +806,10 @@ void tokenize_and_write(PrepareRun& run, const Tokenizer& tokenizer, const ChatS
         if (t.outcome == Outcome::kept) {
           (unit(t.hash) < options.val_fraction ? val : train).add(t.tokens, t.mask);
           report.outcome[static_cast<size_t>(Outcome::kept)].add(where(files, batch[i]));
+          if (t.dropped_bytes) {
+            report.dropped_bytes += t.dropped_bytes;
+            report.dropped_byte_documents.add(where(files, batch[i]));
+          }
         } else if (t.outcome == Outcome::exact_duplicate || t.outcome == Outcome::near_duplicate ||
                    t.outcome == Outcome::tokenize_failed) {
           // Decided after pass 1 read the record: counted here, where its location is at hand.
@@ -873,6 +885,7 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   report.tokenizer_format = format_name(tokenizer.format());
   report.tokenizer_fingerprint = tokenizer.fingerprint();
   report.vocab_size = tokenizer.vocab_size();
+  report.missing_bytes = tokenizer.impl().missing_bytes();
   ChatSetup chat = chat_setup(options, tokenizer, report);
   frame_documents(options, tokenizer, &chat);
   report.bos_id = chat.bos;

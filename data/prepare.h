@@ -151,6 +151,11 @@ struct PrepareReport {
   std::string chat_template;  // SFT runs: the format conversations were rendered with
   bool tokenizer_trained = false;
   int32_t vocab_size = 0, bos_id = -1, eos_id = -1;
+  // Bytes of kept documents the tokenizer drops: a byte-level vocabulary without a token for some bytes (its trainer
+  // never saw them alone) drops them, as Hugging Face tokenizers does (TokenizerImpl::missing_bytes).
+  std::string missing_bytes;  // the bytes it has no token for
+  uint64_t dropped_bytes = 0;
+  Tally dropped_byte_documents;  // kept documents that lost a byte
   int ranks = 1, threads = 1;
   double near_verify = 0;    // the near-duplicate threshold (estimated Jaccard; 0: LSH candidates unchecked)
   double lsh_threshold = 0;  // (1/bands)^(1/rows): where LSH finds a pair half the time

