@@ -885,7 +885,12 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   report.tokenizer_format = format_name(tokenizer.format());
   report.tokenizer_fingerprint = tokenizer.fingerprint();
   report.vocab_size = tokenizer.vocab_size();
-  report.missing_bytes = tokenizer.impl().missing_bytes();
+  // Those that UTF-8 text can hold (prepare's text always is): 0xC0, 0xC1 and 0xF5..0xFF never occur in it, and
+  // GPT-2-family vocabularies often lack them.
+  for (char c : tokenizer.impl().missing_bytes()) {
+    const uint8_t b = static_cast<uint8_t>(c);
+    if (b != 0xC0 && b != 0xC1 && b < 0xF5) report.missing_bytes.push_back(c);
+  }
   ChatSetup chat = chat_setup(options, tokenizer, report);
   frame_documents(options, tokenizer, &chat);
   report.bos_id = chat.bos;

@@ -153,7 +153,7 @@ struct PrepareReport {
   int32_t vocab_size = 0, bos_id = -1, eos_id = -1;
   // Bytes of kept documents the tokenizer drops: a byte-level vocabulary without a token for some bytes (its trainer
   // never saw them alone) drops them, as Hugging Face tokenizers does (TokenizerImpl::missing_bytes).
-  std::string missing_bytes;  // the bytes it has no token for
+  std::string missing_bytes;  // the bytes it has no token for, of those UTF-8 text can hold
   uint64_t dropped_bytes = 0;
   Tally dropped_byte_documents;  // kept documents that lost a byte
   int ranks = 1, threads = 1;

@@ -22,6 +22,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/json.h"  // read_json_file
 #include "data/byte_bpe.h"
 #include "data/clean.h"  // is_valid_utf8
 #include "data/tokenizer.h"
@@ -445,6 +446,40 @@ void read_post_processor(const Field& f, const std::function<int32_t(const std::
 
 }  // namespace
 
+// transformers' LlamaTokenizerFast, the class the tokenizer_config.json of LLaMA-family models names, replaces the
+// file's post-processor when it loads (its update_post_processor): BOS before a text unless add_bos_token is false,
+// EOS after it when add_eos_token is true. That is what AutoTokenizer's encode gives, and what llama.cpp's converter
+// hashes to name the pre-tokenizer (DeepSeek Coder's tokenizer.json has no BOS template; its config adds one).
+static void llama_tokenizer_frame(const std::string& path, const std::function<int32_t(const std::string&)>& special_id,
+                           std::vector<int32_t>* before, std::vector<int32_t>* after) {
+  const std::string config = model_config_file(path, "tokenizer_config.json");
+  if (config.empty()) return;
+  const nlohmann::json c = read_json_file(config, config);
+  if (!c.is_object() || !c.contains("tokenizer_class") || !c["tokenizer_class"].is_string()) return;
+  const std::string cls = c["tokenizer_class"].get<std::string>();
+  if (cls != "LlamaTokenizer" && cls != "LlamaTokenizerFast" && cls != "CodeLlamaTokenizer" && cls != "CodeLlamaTokenizerFast")
+    return;
+  auto flag = [&](const char* key, bool fallback) {
+    if (!c.contains(key) || c[key].is_null()) return fallback;
+    if (!c[key].is_boolean()) fail(config, ": field '", key, "': expected true or false, found ", c[key].dump());
+    return c[key].get<bool>();
+  };
+  auto token = [&](const char* key, const char* flag_name) {
+    const nlohmann::json v = c.contains(key) ? c[key] : nlohmann::json();
+    std::string name;
+    if (v.is_string()) name = v.get<std::string>();
+    else if (v.is_object() && v.contains("content") && v["content"].is_string()) name = v["content"].get<std::string>();
+    else fail(config, ": field '", flag_name, "' is true but '", key, "' names no token (found ", v.dump(), ")");
+    const int32_t id = special_id(name);
+    if (id < 0) fail(config, ": field '", key, "': '", name, "' is not a token of ", path);
+    return id;
+  };
+  before->clear();
+  after->clear();
+  if (flag("add_bos_token", true)) before->push_back(token("bos_token", "add_bos_token"));
+  if (flag("add_eos_token", false)) after->push_back(token("eos_token", "add_eos_token"));
+}
+
 std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
   TokenizerJsonReader reader(path);
   {
@@ -596,6 +631,7 @@ std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
     std::vector<int32_t> before, after;
     read_post_processor(root.has("post_processor") ? root.at("post_processor") : Field(kNull, "post_processor", path),
                         special_id, &before, &after);
+    llama_tokenizer_frame(path, special_id, &before, &after);
     if (!before.empty()) m.bos = before[0];
     m.frame_before = std::move(before);
     m.frame_after = std::move(after);

@@ -137,6 +137,7 @@ pipeline_row starcoder "StarCoder tokenizer.json (Digits, ByteLevel)" "<|endofte
 pipeline_row claude "Claude tokenizer.json (NFKC, ByteLevel)" "<EOT>"
 pipeline_row deepseek_coder "DeepSeek Coder tokenizer.json (four Splits, Digits, ByteLevel)" "<｜end▁of▁sentence｜>"
 pipeline_row mistral "Mistral tokenizer.json (Metaspace, byte fallback)" "</s>"
+pipeline_row llama2_hf "LLaMA-2-style tokenizer.json (Prepend, Replace, byte fallback; 2,000 pieces)" "</s>"
 
 echo "Unique Debian copyright files: $docs documents, $bytes bytes; best of $repeat; load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo

@@ -212,7 +212,10 @@ TEST(TokenizerPipelines, GgufPreTypesAreLlamaCppsOrRefusedByName) {
   EXPECT_EQ(gguf_pre_type(f.llama3()), "llama-bpe");
   EXPECT_EQ(gguf_pre_type(Tokenizer(f.pipeline_dir("gpt_neox"))), "olmo");
   EXPECT_EQ(gguf_pre_type(Tokenizer(f.pipeline_dir("starcoder"))), "refact");
-  for (const char* name : {"claude", "mistral", "deepseek_coder", "llama2_hf"}) {
+  // Its tokenizer.json puts no BOS before a text, but its tokenizer_config.json names LlamaTokenizerFast with
+  // add_bos_token, which transformers loads with a BOS template: the text llama.cpp hashes starts with BOS.
+  EXPECT_EQ(gguf_pre_type(Tokenizer(f.pipeline_dir("deepseek_coder"))), "deepseek-coder");
+  for (const char* name : {"claude", "mistral", "llama2_hf"}) {
     try {
       gguf_pre_type(Tokenizer(f.pipeline_dir(name)));
       ADD_FAILURE() << name << ": no error";
@@ -315,6 +318,30 @@ TEST(TokenizerPipelines, NoBosEosWritesUnframedDocuments) {
   const PrepareReport r = prepare_corpus(o);
   EXPECT_EQ(r.bos_id, -1);
   EXPECT_EQ(shard_documents(r.train.shards).at(0), Tokenizer(dir.file("tokenizer.json")).encode("ab ab ab"));
+}
+
+TEST(TokenizerPipelines, LlamaTokenizerConfigFramesAsTransformersLoadsIt) {
+  // tokenizer_config.json naming LlamaTokenizerFast: BOS unless add_bos_token is false, EOS when add_eos_token is
+  // true, whatever the file's post-processor says (transformers rebuilds it); other classes keep the file's.
+  TempDir dir;
+  nlohmann::json j = tiny_tokenizer({});
+  j["added_tokens"] = {{{"id", 256}, {"content", "<s>"}, {"special", true}}, {{"id", 257}, {"content", "</s>"}, {"special", true}}};
+  write_json(dir, j);
+  auto frame = [&](const nlohmann::json& config) {
+    write_json(dir, config, "tokenizer_config.json");
+    const ByteBpeModel* m = Tokenizer(dir.file("tokenizer.json")).impl().bpe_model();
+    return std::make_pair(m->frame_before, m->frame_after);
+  };
+  using Frame = std::pair<std::vector<int32_t>, std::vector<int32_t>>;
+  EXPECT_EQ(frame({{"tokenizer_class", "LlamaTokenizerFast"}, {"bos_token", "<s>"}}), Frame({256}, {}));
+  EXPECT_EQ(frame({{"tokenizer_class", "LlamaTokenizer"}, {"bos_token", {{"content", "<s>"}}}, {"eos_token", "</s>"},
+                   {"add_bos_token", false}, {"add_eos_token", true}}),
+            Frame({}, {257}));
+  EXPECT_EQ(frame({{"tokenizer_class", "GPT2Tokenizer"}, {"bos_token", "<s>"}}), Frame({}, {}));
+  write_json(dir, {{"tokenizer_class", "LlamaTokenizerFast"}, {"bos_token", nullptr}}, "tokenizer_config.json");
+  const std::string error = load_error(dir.file("tokenizer.json"));
+  EXPECT_NE(error.find(dir.file("tokenizer_config.json")), std::string::npos) << error;
+  EXPECT_NE(error.find("'add_bos_token' is true but 'bos_token' names no token"), std::string::npos) << error;
 }
 
 TEST(TokenizerPipelines, PrepareCountsTheBytesTheVocabularyLacks) {
