@@ -174,13 +174,20 @@ int main(int argc, char** argv) {
                                   : sample_token(last, config.vocab_size, temperature, top_p, rng);
       if (stop_at_eos && std::find(eos.begin(), eos.end(), next) != eos.end()) break;
       tokens.push_back(next);
+      // A character whose bytes are split across tokens decodes to U+FFFD until its last byte comes (the library's
+      // decode is lossy): that tail waits.
       std::string text = decode_all();
+      while (text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0) text.resize(text.size() - 3);
       if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
         std::printf("%s", text.c_str() + printed.size());
         std::fflush(stdout);
         printed = text;
       }
     }
+    // What the library decodes, whole: the held-back tail too.
+    const std::string all = decode_all();
+    if (all.size() > printed.size() && all.compare(0, printed.size(), printed) == 0)
+      std::printf("%s", all.c_str() + printed.size());
     const Clock::time_point end = Clock::now();
     std::printf("\n");
     std::fflush(stdout);
