@@ -67,7 +67,9 @@ fi
 SUMMARY="$OUT/summary.log"
 : >"$SUMMARY"
 for f in tests.log train.log benches.log; do : >"$OUT/$f"; done
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # the Python parts of the check: $HERE/gpu_check/
+# The Python parts of the check: beside this script, else (a copy of it run elsewhere) the repository's.
+PY=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/gpu_check
+[ -d "$PY" ] || PY=$(pwd)/scripts/gpu_check
 SCRATCH=$(mktemp -d /tmp/tuna-gpu-check.XXXXXX)  # per-step output, per-bench JSON, the runs: not returned
 BENCH_JSON="$SCRATCH/json"
 RUNS="$SCRATCH/runs"
@@ -184,12 +186,12 @@ finish() {
     verdict "$CHILD_STEP" "FAILED (interrupted while running)" 0
   fi
   tier_close
-  timeout -k 5 60 python3 "$HERE/gpu_check/merge_benches.py" "$BENCH_JSON" "$OUT/benches.json" >>"$OUT/benches.log" 2>&1 ||
+  timeout -k 5 60 python3 "$PY/merge_benches.py" "$BENCH_JSON" "$OUT/benches.json" >>"$OUT/benches.log" 2>&1 ||
     { echo "gpu-check: benches.json not written (benches.log)" | tee -a "$SUMMARY"; status=1; }
   local tiers="$SCRATCH/tiers.tsv"
   : >"$tiers"
   for t in 1 2 3 4; do printf '%s\t%s\t%s\t%s\n' "$t" "${TIER_TITLE[$t]}" "${TIER_SECS[$t]}" "${TIER_END[$t]}" >>"$tiers"; done
-  timeout -k 5 60 python3 "$HERE/gpu_check/table.py" "$OUT" "$STEPS_TSV" "$tiers" "$RUNS" "$EMULATED" 2>&1 | tee -a "$SUMMARY"
+  timeout -k 5 60 python3 "$PY/table.py" "$OUT" "$STEPS_TSV" "$tiers" "$RUNS" "$EMULATED" 2>&1 | tee -a "$SUMMARY"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { log "gpu-check: the table failed (above)"; status=1; }
   log "seconds per tier: $(for t in 1 2 3 4; do printf '%s: %s s; ' "$t" "${TIER_SECS[$t]}"; done)total $SECONDS s of $((480 * TIME_SCALE))"
   if [ $status -ne 0 ]; then
@@ -371,7 +373,7 @@ train_step qlora 60 "${LORA_ARGS[@]}" --base_quant nf4 --out_dir "$RUNS/qlora"
 # The adapters at ZeRO-2 (their master, moments and gradients sharded, a layer's gradient reduce-scattered as its
 # backward ends): on one GPU the same bits as ZeRO-0 (the tests hold it on the emulator).
 train_step lora-zero2 60 "${LORA_ARGS[@]}" --zero 2 --out_dir "$RUNS/lora-zero2"
-step train/summary 30 train.log python3 "$HERE/gpu_check/train_summary.py" "$RUNS" "$RUNS/train_summary.tsv" "$too_big_rc" "$EMULATED"
+step train/summary 30 train.log python3 "$PY/train_summary.py" "$RUNS" "$RUNS/train_summary.tsv" "$too_big_rc" "$EMULATED"
 
 # ================================ tier 3: benches and their peers ================================
 tier 3
@@ -380,7 +382,7 @@ if [ $HOPPER_OK -eq 1 ]; then bench attention 90; else bench attention 90 --benc
 # The attention backward at G = 1 against G = 4, equal FLOPs (32 query heads over 32 or 8 kv heads: the bench's
 # "bwd G=1" rows beside its plain bwd rows). G=4 / G=1 well under 1 means the hopper path's ordered dQ additions
 # stall under grouped-query attention. Lines into the summary log; decides nothing.
-ADVISORY=1 step bench/attention_gqa 20 benches.log python3 "$HERE/gpu_check/attention_gqa.py" "$BENCH_JSON/attention.json"
+ADVISORY=1 step bench/attention_gqa 20 benches.log python3 "$PY/attention_gqa.py" "$BENCH_JSON/attention.json"
 while IFS= read -r line; do log "$line"; done <"$STEP_OUT"
 bench gemm 60
 bench train_step 100 --benchmark_filter='-hopper:1'
@@ -420,7 +422,7 @@ for b in 2 4; do
   plan_step "plan_b${b}_committed" --model llama-3.2-1b --micro_batch $b --seq_len 4096 --rates plan/plan_rates.json
 done
 plan_step plan_demo --model demo/config.json --micro_batch 8 --seq_len 128 --rates plan/plan_rates.json
-step plan/summary 30 benches.log python3 "$HERE/gpu_check/plan_summary.py" "$BENCH_JSON" "$RUNS" "$RUNS/plan_summary.tsv" "$EMULATED"
+step plan/summary 30 benches.log python3 "$PY/plan_summary.py" "$BENCH_JSON" "$RUNS" "$RUNS/plan_summary.tsv" "$EMULATED"
 # The peers on the same GPU (torch and transformers as the machine has them). A peer that cannot run here is
 # reported, not a failure of tuna.
 if [ $EMULATED -eq 1 ] || python3 -c "import torch, transformers" >/dev/null 2>&1; then
