@@ -445,10 +445,13 @@ void read_post_processor(const Field& f, const std::function<int32_t(const std::
 }
 
 // Added tokens, with the ids the library gives them: the id of the same content added before, else of the same
-// string in the vocabulary, else the next free id (file order). A file the library wrote has those ids.
-void read_added_tokens(const Field& added, const TokenIndex& index, int64_t model_vocab_size, ByteBpeModel* model) {
+// string in the vocabulary, else the next free id (file order). A file the library wrote has those ids. Returns the
+// id space they need, which may pass the vocabulary's: the caller grows m.vocab to it only once `index`, whose views
+// point into m.vocab's strings, is no longer read.
+int64_t read_added_tokens(const Field& added, const TokenIndex& index, int64_t model_vocab_size, ByteBpeModel* model) {
   ByteBpeModel& m = *model;
   const size_t added_count = added.size();
+  int64_t id_space = static_cast<int64_t>(m.vocab.size());
   std::unordered_map<std::string, size_t> by_content;
   int64_t max_added = -1;
   for (size_t i = 0; i < added_count; ++i) {
@@ -475,20 +478,20 @@ void read_added_tokens(const Field& added, const TokenIndex& index, int64_t mode
                                                                                      : model_vocab_size;
       t.id = static_cast<int32_t>(next);
     }
-    if (t.id >= static_cast<int64_t>(m.vocab.size())) {  // the file's ids had a hole the library filled
+    if (t.id >= id_space) {  // the file's ids had a hole the library filled
       if (t.id >= (int64_t{1} << 30)) a.at("id").bad("an id the library can give");
-      m.vocab.resize(t.id + 1);
-      m.in_vocab.resize(t.id + 1, false);
+      id_space = t.id + 1;
     }
     max_added = std::max<int64_t>(max_added, t.id);
     by_content[t.content] = m.added.size();
     m.added.push_back(std::move(t));
   }
-  std::vector<bool> taken(m.vocab.size());
+  std::vector<bool> taken(id_space);
   for (const AddedToken& t : m.added) {
     if (taken[t.id]) fail("tokenizer ", m.path, ": added_tokens: two tokens get id ", t.id);
     taken[t.id] = true;
   }
+  return id_space;
 }
 
 // Merges, in rank order: "a b" -> the token a + b (b without the continuing_subword_prefix).
@@ -629,10 +632,9 @@ std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
       if (m.unk < 0) unk.bad("a token of model.vocab");
     }
 
-    read_added_tokens(added, index, model_vocab_size, &m);
+    const int64_t id_space = read_added_tokens(added, index, model_vocab_size, &m);
     read_merges(path, reader.merges, index, &m);
     reader.merges = {};
-
 
     // The special tokens put around a text: the first one before it is the BOS (Llama 3: <|begin_of_text|>).
     auto special_id = [&](const std::string& name) {
@@ -647,6 +649,8 @@ std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
     if (!before.empty()) m.bos = before[0];
     m.frame_before = std::move(before);
     m.frame_after = std::move(after);
+    m.vocab.resize(id_space);  // index is done with: its views into m.vocab may go
+    m.in_vocab.resize(id_space, false);
     return make_byte_bpe(std::move(m));
   } catch (const json::exception& e) {
     fail("tokenizer ", path, ": unexpected tokenizer.json structure: ", e.what());
