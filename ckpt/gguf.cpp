@@ -287,7 +287,7 @@ GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeight
     fail(ckpt_dir.string(), ": the tokenizer's vocabulary (", vocab.tokens.size(), " tokens) does not match config.json's "
          "vocab_size (", config.vocab_size, "): llama.cpp needs one token per embedding row");
   for (int64_t v : {config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
-                    config.num_key_value_heads, config.head_dim, config.vocab_size, config.max_position_embeddings})
+                    config.num_key_value_heads, config.head_dim, config.vocab_size, config.max_context()})
     if (v > int64_t(UINT32_MAX)) fail(config_path.string(), ": a dimension of ", v, " does not fit GGUF's 32-bit fields");
 
   GgufWriter w;

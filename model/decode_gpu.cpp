@@ -29,9 +29,9 @@ namespace tuna {
 DecodeGpu::DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity)
     : config_(*weights.config), layout_(*weights.layout), params_(weights.params), batch_(batch), capacity_(capacity) {
   const LlamaConfig& c = config_;
-  if (batch < 1 || capacity < 1 || capacity > c.max_position_embeddings)
-    fail("KV cache of ", batch, " x ", capacity, " positions: expected >= 1 sequence of 1..", c.max_position_embeddings,
-         " positions (max_position_embeddings)");
+  if (batch < 1 || capacity < 1 || capacity > c.max_context())
+    fail("KV cache of ", batch, " x ", capacity, " positions: expected >= 1 sequence of 1..", c.max_context(),
+         " positions (the model's context: max_position_embeddings, times a dynamic or yarn rope's factor)");
   if (c.head_dim % 8 != 0 || c.head_dim > 128)
     fail("--device cuda generation: decode attention supports head_dim a multiple of 8 up to 128; this model has ",
          c.head_dim);

@@ -35,7 +35,7 @@ struct GpuWeights {
 
 class DecodeGpu {
  public:
-  // A cache for `batch` sequences of up to `capacity` positions (at most max_position_embeddings).
+  // A cache for `batch` sequences of up to `capacity` positions (at most the config's max_context()).
   DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity);
   ~DecodeGpu();
   DecodeGpu(const DecodeGpu&) = delete;

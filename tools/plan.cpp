@@ -32,7 +32,7 @@ struct PlanOptions {
   bool search = false, as_json = false, stage_tables = false;
   // The layout's and the adapters' options are the trainer's (engine/engine.h, engine/adapters.h); a plan's batch
   // defaults to one 4096-token sequence per GPU.
-  LayoutOptions layout{.micro_batch = 1, .seq_len = 4096};
+  LayoutOptions layout{.micro_batch = 1, .seq_len = 4096, .rope_scaling = {}};
   AdapterOptions adapters;
 };
 

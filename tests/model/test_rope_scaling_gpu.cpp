@@ -75,8 +75,11 @@ TEST(RopeScalingGpuDecode, DynamicGenerationWithACacheEqualsTransformers) {
   std::vector<double> expected(f.batch * steps * V);
   ref.read_f64("cached_last_logits", {f.batch, steps, V}, expected.data());
 
+  // The whole set of cached logits is held to the GPU model's logits bound (3e-2 relative, as the fixture test
+  // above); each position alone, a vector of 64 bf16-rounded logits, to 0.1: rotating a position with the wrong
+  // frequencies (the whole-context ones) moves the last one by 0.34 (reference.json).
   DecodeGpu decoder({&model.config(), &model.layout(), model.params(), 0}, f.batch, f.seq);
-  std::vector<float> last(f.batch * V, NAN);
+  std::vector<float> last(f.batch * V, NAN), ours(f.batch * steps * V, NAN);
   double worst = 0;
   for (int64_t pos = 0, step = 0; pos < f.seq; ++step) {
     const int64_t n = pos == 0 ? prompt : 1;
@@ -85,12 +88,15 @@ TEST(RopeScalingGpuDecode, DynamicGenerationWithACacheEqualsTransformers) {
     decoder.append(tokens.data(), n, last.data());
     pos += n;
     for (int64_t b = 0; b < f.batch; b++) {
+      std::copy_n(last.data() + b * V, V, ours.data() + (b * steps + step) * V);
       const double err = rel_err_norm(last.data() + b * V, expected.data() + (b * steps + step) * V, V);
       worst = std::max(worst, err);
-      EXPECT_LE(err, 3e-2) << "sequence " << b << ", position " << pos - 1;
+      EXPECT_LE(err, 0.1) << "sequence " << b << ", position " << pos - 1;
     }
   }
-  std::printf("  rope_dynamic: cached logits vs transformers', worst rel err %.3e\n", worst);
+  const double all = rel_err_norm(ours.data(), expected.data(), ours.size());
+  std::printf("  rope_dynamic: cached logits vs transformers', rel err %.3e, worst position %.3e\n", all, worst);
+  EXPECT_LE(all, 3e-2);
 }
 
 }  // namespace
