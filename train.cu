@@ -255,8 +255,13 @@ RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
   // The tokenizer checkpoints carry (exactly the one --tokenizer names, else the weights directory's), which
   // the shards must have been written with.
   r.tokenizer = model_tokenizer(cfg.tokenizer, r.weights_dir.string(), r.model.vocab_size);
-  check_seq_len(r.model, cfg.layout.seq_len, "seq_len",
-                r.weights_dir.empty() ? cfg.model_config : (r.weights_dir / "config.json").string());
+  const std::string config_path =
+      r.weights_dir.empty() ? cfg.model_config : (r.weights_dir / "config.json").string();
+  if (!cfg.layout.rope_scaling.empty() && r.adapters.enabled())
+    fail("option 'rope_scaling': not with adapters: the adapters load onto the base, whose config.json decides the "
+         "rope; scale the base's config.json instead, or train the whole model");
+  apply_rope_scaling(r.model, r.config_json, cfg.layout.rope_scaling, "rope_scaling", config_path);
+  check_seq_len(r.model, cfg.layout.seq_len, "seq_len", config_path);
   return r;
 }
 

@@ -33,6 +33,9 @@ void declare_layout_options(Options& o, LayoutOptions& l) {
   o.add("recompute", &l.recompute, "cuda: activations the backward recomputes: none, selective (norms, SwiGLU) or full "
         "(each layer from its input)", {"none", "selective", "full"});
   o.add("bf16_moments", &l.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
+  o.add("rope_scaling", &l.rope_scaling, "TYPE:FACTOR, TYPE linear, dynamic or yarn (transformers' rope_scaling): "
+        "train a context FACTOR times the model's own (--seq_len up to it); written into every checkpoint's and "
+        "export's config.json. Empty: the model's config.json decides");
 }
 
 void Engine::export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const {

@@ -91,6 +91,7 @@ struct LayoutOptions {
   std::string recompute = "none";
   bool bf16_moments = false;
   int64_t micro_batch = 4, seq_len = 1024, grad_accum = 1;
+  std::string rope_scaling;  // TYPE:FACTOR (model/config.h apply_rope_scaling); empty: the config's rope
 };
 void declare_layout_options(Options& o, LayoutOptions& l);
 

@@ -244,6 +244,7 @@ class Llama {
   int64_t max_batch_, max_seq_, head_chunk_rows_;
   std::vector<double> inv_freq_;
   std::vector<float> rope_cos_, rope_sin_;
+  std::vector<float> cached_cos_, cached_sin_;  // dynamic rope: the rows of a cached forward's new positions
   PipelineStage stage_;     // the whole model unless pipelined
   int64_t in_flight_ = 1;   // activation slots
   int64_t slot_ = 0;        // the slot of the pass under way

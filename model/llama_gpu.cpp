@@ -297,12 +297,11 @@ void LlamaGpu::fill_tables() {
                                cudaMemcpyHostToDevice));
     TUNA_CUDA_CHECK(cudaMemcpy(segment_decays_, table.decays.data(), table.decays.size(), cudaMemcpyHostToDevice));
   }
-  // RoPE tables from the CPU twin's functions (double math, llama3 scaling), so both backends agree exactly.
+  // RoPE tables from the CPU twin's function (double math, the rope scaling, yarn's attention factor, dynamic's
+  // frequencies for a forward of max_seq positions), so both backends agree exactly.
   const LlamaConfig& c = config_;
-  std::vector<double> inv_freq(c.head_dim / 2);
-  cpu::rope_inv_freq(inv_freq.data(), c.head_dim, c.rope_theta, c.rope_scaling);
   std::vector<float> cos_table(max_seq_ * c.head_dim / 2), sin_table(max_seq_ * c.head_dim / 2);
-  cpu::rope_table(cos_table.data(), sin_table.data(), inv_freq.data(), max_seq_, c.head_dim);
+  cpu::rope_tables(cos_table.data(), sin_table.data(), 0, max_seq_, c.head_dim, c.rope_theta, c.rope_scaling, max_seq_);
   TUNA_CUDA_CHECK(cudaMemcpy(rope_cos_, cos_table.data(), cos_table.size() * sizeof(float), cudaMemcpyHostToDevice));
   TUNA_CUDA_CHECK(cudaMemcpy(rope_sin_, sin_table.data(), sin_table.size() * sizeof(float), cudaMemcpyHostToDevice));
 

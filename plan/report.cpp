@@ -216,7 +216,7 @@ void print_smaller_models(std::ostream& o, const JobSpec& job, const Prediction&
   const Cluster& k = job.cluster;
   for (const auto& [name, config] : model_catalogue()) {
     const LlamaConfig m = LlamaConfig::from_json(config, name);
-    if (m.n_params() >= job.model.n_params() || p.layout.seq_len > m.max_position_embeddings) continue;
+    if (m.n_params() >= job.model.n_params() || p.layout.seq_len > m.max_context()) continue;
     JobSpec smaller = job;
     smaller.model = m, smaller.model_name = name;
     if (m.num_key_value_heads % smaller.layout.tp != 0 || smaller.layout.pp > m.num_hidden_layers)

@@ -161,8 +161,9 @@ void check_job(const JobSpec& job) {
          " ranks, but the cluster has ", k.gpus(), " GPUs (", k.nodes, " nodes x ", k.gpus_per_node, ")");
   if (l.tp > k.gpus_per_node || k.gpus_per_node % l.tp != 0)
     fail("--tp ", l.tp, ": tensor-parallel ranks must sit inside a node and divide its ", k.gpus_per_node, " GPUs");
-  if (l.seq_len > c.max_position_embeddings)
-    fail("--seq_len ", l.seq_len, " exceeds the model's max_position_embeddings ", c.max_position_embeddings);
+  if (l.seq_len > c.max_context())
+    fail("--seq_len ", l.seq_len, " exceeds the model's context ", c.max_context(),
+         " (max_position_embeddings, times a dynamic or yarn rope's factor); --rope_scaling TYPE:FACTOR extends it");
   if (job.grad_accum < 1) fail("--grad_accum: expected >= 1, found ", job.grad_accum);
   // 1F1B fills the pipe with pp micro-batches before the first backward; the plans count that many in flight.
   if (l.pp > 1 && job.grad_accum < l.pp)

@@ -16,6 +16,7 @@
 #include "data/shard.h"   // ShardReader
 #include "engine/adapters.h"  // AdapterOptions, declare_adapter_shape: the trainer's adapter options
 #include "engine/engine.h"    // LayoutOptions, declare_layout_options: the trainer's layout options
+#include "model/config.h"  // apply_rope_scaling
 #include "plan/planner.h"
 
 namespace {
@@ -31,7 +32,7 @@ struct PlanOptions {
   bool search = false, as_json = false, stage_tables = false;
   // The layout's and the adapters' options are the trainer's (engine/engine.h, engine/adapters.h); a plan's batch
   // defaults to one 4096-token sequence per GPU.
-  LayoutOptions layout{.micro_batch = 1, .seq_len = 4096};
+  LayoutOptions layout{.micro_batch = 1, .seq_len = 4096, .rope_scaling = {}};
   AdapterOptions adapters;
 };
 
@@ -118,6 +119,9 @@ JobSpec job_of(const PlanOptions& a) {
   job.model = load_model_for_plan(a.model, &job.model_name);
   job.cluster = cluster_of(a);
   const LayoutOptions& l = a.layout;
+  // As the trainer applies it (the rope's tables are a few MB: what it changes for the plan is the seq_len it allows).
+  nlohmann::json scaled = job.model.to_json();
+  apply_rope_scaling(job.model, scaled, l.rope_scaling, "rope_scaling", a.model);
   if (job.cluster.gpus() % l.tp != 0) fail("--tp ", l.tp, " must divide the ", job.cluster.gpus(), " GPUs");
   if (job.cluster.gpus() % (l.tp * l.pp) != 0)
     fail("--pp ", l.pp, " x --tp ", l.tp, " must divide the ", job.cluster.gpus(), " GPUs (world = dp x pp x tp)");

@@ -184,7 +184,13 @@ TEST(Train, BadOptionsAndInputsFailClearly) {
                           "(tests/fixtures/llama2_tiny/config.json)"),
             std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("raise max_position_embeddings"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--rope_scaling"), std::string::npos) << r.output;
+  // A rope scaling that is not one of transformers' three, refused by the option's name before any work.
+  r = run_command(kTrain + flags + " --model_config tests/fixtures/llama2_tiny/config.json --seq_len 300 "
+                  "--rope_scaling ntk:2", tmp / "log5b");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("option 'rope_scaling': expected TYPE:FACTOR with TYPE linear, dynamic or yarn"),
+            std::string::npos) << r.output;
 
   // A checkpoint directory that cannot be written is found at start, before the first step.
   fs::create_directories(tmp / "blocked");
