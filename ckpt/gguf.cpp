@@ -261,6 +261,33 @@ void add_rope_scaling(GgufWriter& w, const LlamaConfig& config) {
   w.add_f32("llama.rope.scaling.yarn_beta_slow", float(s.beta_slow));
 }
 
+// The file's general.* keys and the llama architecture's hyperparameters, as llama.cpp's converter writes them.
+void add_model_keys(GgufWriter& w, const fs::path& ckpt_dir, const LlamaConfig& config, GgufWeights weights) {
+  w.add_string("general.architecture", "llama");
+  fs::path named = fs::absolute(ckpt_dir).lexically_normal();
+  if (named.filename().empty()) named = named.parent_path();
+  w.add_string("general.name", named.filename().string());
+  w.add_u32("general.file_type", file_type(weights));
+  w.add_u32("general.quantization_version", 2);  // ggml's current block layouts (GGML_QNT_VERSION)
+  w.add_u32("general.alignment", GgufWriter::kAlignment);
+  // The context the model was trained for: with yarn, max_position_embeddings x factor (max_position_embeddings is
+  // yarn's original context, written below as rope.scaling.original_context_length).
+  w.add_u32("llama.context_length", uint32_t(config.max_context()));
+  w.add_u32("llama.embedding_length", uint32_t(config.hidden_size));
+  w.add_u32("llama.feed_forward_length", uint32_t(config.intermediate_size));
+  w.add_u32("llama.block_count", uint32_t(config.num_hidden_layers));
+  w.add_u32("llama.attention.head_count", uint32_t(config.num_attention_heads));
+  w.add_u32("llama.attention.head_count_kv", uint32_t(config.num_key_value_heads));
+  // Always written: llama.cpp would otherwise take hidden_size / heads, which a config's head_dim may differ from.
+  w.add_u32("llama.attention.key_length", uint32_t(config.head_dim));
+  w.add_u32("llama.attention.value_length", uint32_t(config.head_dim));
+  w.add_u32("llama.rope.dimension_count", uint32_t(config.head_dim));
+  w.add_f32("llama.rope.freq_base", float(config.rope_theta));
+  add_rope_scaling(w, config);
+  w.add_f32("llama.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps));
+  w.add_u32("llama.vocab_size", uint32_t(config.vocab_size));
+}
+
 }  // namespace
 
 GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeights weights, const GgufVocabulary& vocab,
@@ -291,29 +318,7 @@ GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeight
     if (v > int64_t(UINT32_MAX)) fail(config_path.string(), ": a dimension of ", v, " does not fit GGUF's 32-bit fields");
 
   GgufWriter w;
-  w.add_string("general.architecture", "llama");
-  fs::path named = fs::absolute(ckpt_dir).lexically_normal();
-  if (named.filename().empty()) named = named.parent_path();
-  w.add_string("general.name", named.filename().string());
-  w.add_u32("general.file_type", file_type(weights));
-  w.add_u32("general.quantization_version", 2);  // ggml's current block layouts (GGML_QNT_VERSION)
-  w.add_u32("general.alignment", GgufWriter::kAlignment);
-  // The context the model was trained for: with yarn, max_position_embeddings x factor (max_position_embeddings is
-  // yarn's original context, written below as rope.scaling.original_context_length).
-  w.add_u32("llama.context_length", uint32_t(config.max_context()));
-  w.add_u32("llama.embedding_length", uint32_t(config.hidden_size));
-  w.add_u32("llama.feed_forward_length", uint32_t(config.intermediate_size));
-  w.add_u32("llama.block_count", uint32_t(config.num_hidden_layers));
-  w.add_u32("llama.attention.head_count", uint32_t(config.num_attention_heads));
-  w.add_u32("llama.attention.head_count_kv", uint32_t(config.num_key_value_heads));
-  // Always written: llama.cpp would otherwise take hidden_size / heads, which a config's head_dim may differ from.
-  w.add_u32("llama.attention.key_length", uint32_t(config.head_dim));
-  w.add_u32("llama.attention.value_length", uint32_t(config.head_dim));
-  w.add_u32("llama.rope.dimension_count", uint32_t(config.head_dim));
-  w.add_f32("llama.rope.freq_base", float(config.rope_theta));
-  add_rope_scaling(w, config);
-  w.add_f32("llama.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps));
-  w.add_u32("llama.vocab_size", uint32_t(config.vocab_size));
+  add_model_keys(w, ckpt_dir, config, weights);
   add_vocabulary(w, vocab);
 
   GgufReport report;
