@@ -676,6 +676,7 @@ void prepare_one(const fs::path& input, const fs::path& tokenizer, const fs::pat
   o.sft = sft;  // conversations rendered through Llama 3's chat format (the tokenizer has its special tokens)
   o.inputs = {input.string()};
   o.tokenizer_path = tokenizer.string();
+  o.eos = "<|eot_id|>";  // the tiny tokenizer's file names no EOS, so prepare asks for one (--eos)
   o.out_dir = out.string();
   o.threads = 1;
   o.batch_records = 4;
