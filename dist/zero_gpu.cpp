@@ -46,6 +46,9 @@ FrozenShard::FrozenShard(DeviceArena& arena, const ParamLayout& layout, const st
   for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
   weights = arena.take<__nv_bfloat16>("bf16 base weights (frozen, shard)", size);
   TUNA_CUDA_CHECK(cudaMemset(weights, 0, size * sizeof(__nv_bfloat16)));
+  // cudaMemset runs on the legacy default stream, which the engine's streams (cudaStreamNonBlocking) do not wait for:
+  // done before the fill's copies on the compute stream.
+  TUNA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 StreamEvent::StreamEvent() { TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }

@@ -65,6 +65,13 @@ namespace tuna {
 
 namespace {
 
+// The bytes of the plan's item `name`; 0 when the plan has none.
+int64_t planned_bytes(const MemoryPlan& plan, const std::string& name) {
+  for (const MemoryItem& item : plan.items)
+    if (item.name == name) return item.bytes;
+  return 0;
+}
+
 // Refuses what the CUDA engine does not do yet, before any device memory is touched.
 void check_supported(const EngineOptions& o, const Mesh& mesh, bool have_device_comm) {
   if (o.zero < 0 || o.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", o.zero);
@@ -113,6 +120,7 @@ class GpuEngine final : public Engine {
     // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
     if (o.zero >= 2) TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
     if (mesh.dp_size > 1) dp_device_ = device_comm(*mesh.dp, o.zero >= 2 ? comm_stream_ : stream);
+    if (dp_device_) dp_device_->reserve_scratch(planned_bytes(model_.memory_plan(), "NCCL padding scratch (the comm's own)"));
     if (mesh.tp_size > 1) {  // the tensor-parallel all-reduces run on the compute stream, inside each layer
       tp_device_ = device_comm(*mesh.tp, stream);
       model_.set_tp_comm(tp_device_.get());
@@ -353,6 +361,30 @@ class GpuEngine final : public Engine {
       TUNA_CHECK(model_.tied_peer_grad() != nullptr, "no buffer for the tied embedding's gradient from the other stage");
       tied_offset_ = tied->offset, tied_numel_ = tied->numel;
     }
+    warm_up_links();
+  }
+
+  // NCCL connects two ranks at their first send or receive. One element each way over every link the step uses (the
+  // neighbouring stages, the tied table's other stage), all started before any is waited for (one NCCL group), makes
+  // those connections here, at set-up, instead of inside the first step while its tp kernels run.
+  void warm_up_links() {
+    Comm& pp = *pp_device_;
+    const int s = pp.rank(), last = pp.size() - 1;
+    std::vector<int> peers;
+    for (int peer : {s - 1, s + 1, links_.tied_peer})
+      if (peer >= 0 && peer <= last && peer != s && std::find(peers.begin(), peers.end(), peer) == peers.end())
+        peers.push_back(peer);
+    float* words = nullptr;  // a send's word and a receive's per peer; freed at once (set-up, not the loop)
+    TUNA_CUDA_CHECK(cudaMalloc(&words, 2 * peers.size() * sizeof(float)));
+    TUNA_CUDA_CHECK(cudaMemsetAsync(words, 0, 2 * peers.size() * sizeof(float), pp_stream_));
+    std::vector<CommRequest> requests;
+    for (size_t i = 0; i < peers.size(); i++) {
+      requests.push_back(pp.send_start(words + 2 * i, 1, CommType::F32, peers[i], "pipeline link warm-up"));
+      requests.push_back(pp.recv_start(words + 2 * i + 1, 1, CommType::F32, peers[i], "pipeline link warm-up"));
+    }
+    for (CommRequest r : requests) pp.wait(r);
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(pp_stream_));
+    TUNA_CUDA_CHECK(cudaFree(words));
   }
 
   // The step's micro-batches through this stage in the 1F1B order, as the CPU engine runs them
@@ -514,7 +546,7 @@ class GpuEngine final : public Engine {
     double sum_sq = 0;
     TUNA_CUDA_CHECK(cudaMemcpyAsync(&sum_sq, sh.norm_total, sizeof(double), cudaMemcpyDeviceToHost, stream));
     if (dp_device_) dp_device_->barrier("gradients reduced");  // a bounded wait (--comm_timeout)
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    model_.wait_for_stream("the backward, before the gradient norm is read");  // bounded too, with tp
     if (mesh_.tp_rank > 0) sum_sq -= replicated_sum_of_squares(sh.grad, sh.pieces, sh.replicated_norms, sh.norm_scratch, stream);
     // The last stage's copy of a tied table: the first stage counts it.
     sum_sq -= copy_sum_of_squares(sh.grad, sh.pieces, sh.norm_total, sh.norm_scratch, stream);

@@ -532,6 +532,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   }
   doc_start_ = arena.take<int32_t>("document starts", n);
   rope_positions_ = arena.take<int32_t>("RoPE positions", n);
+  attention_tile_counter_ = arena.take<int32_t>("attention tile counter", 1);
   constexpr int64_t kMatmulWorkspace = int64_t(32) << 20;
   matmul_ = std::make_unique<cuda::MatmulContext>(arena.take<char>("cuBLASLt workspace", kMatmulWorkspace),
                                                   static_cast<size_t>(kMatmulWorkspace));
@@ -548,6 +549,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
   TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&loss_copied_, cudaEventDisableTiming));
   TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_uploaded_, cudaEventDisableTiming));
+  TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&stream_done_, cudaEventDisableTiming));
 
   // The segment table of the fused AdamW over the whole layout: one segment per tensor, in offset order.
   if (segment_starts_ != nullptr) {
@@ -577,6 +579,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
     TUNA_CUDA_CHECK(cudaMemset(t_.v, 0, moment_bytes));
   }
   if (t_.grads != nullptr) zero_grads();
+  TUNA_CUDA_CHECK(cudaMemset(attention_tile_counter_, 0, sizeof(int32_t)));  // every launch leaves it 0
   TUNA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -586,6 +589,7 @@ LlamaGpu::~LlamaGpu() {
   if (pinned_scalar_) cudaFreeHost(pinned_scalar_);
   if (loss_copied_) cudaEventDestroy(loss_copied_);
   if (tokens_uploaded_) cudaEventDestroy(tokens_uploaded_);
+  if (stream_done_) cudaEventDestroy(stream_done_);
   arena_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -753,7 +757,7 @@ void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int6
   }
   // The previous call's copies out of the pinned staging are done before it is rewritten (a pipeline stage's forward
   // returns without waiting for anything the stream does after them).
-  TUNA_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
+  wait_for_event(tokens_uploaded_, "the compute stream's work before a token upload");
   int32_t* staged = pinned_ids_;
   const auto up = [&](int32_t* dst, const int32_t* src, int64_t count) {
     TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
@@ -864,7 +868,7 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
                  rope_position_ids_, s);
   copy_rows(a.v, d.kv_dim, qkv_ + d.q_dim + d.kv_dim, qkv, n, d.kv_dim, s);
   cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, attention_doc_start_, s,
-                      run_.attention);
+                      run_.attention, attention_tile_counter_);
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks. With sp every row's partial product goes to gathered_, each rank adding the
   // residual of its own rows (the GEMM split at them), and the sum of this rank's rows comes back into `out`.
@@ -965,8 +969,18 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
 }
 
 double LlamaGpu::queued_loss_sum() {
-  TUNA_CUDA_CHECK(cudaEventSynchronize(loss_copied_));
+  wait_for_event(loss_copied_, "the forward, before its loss is read");
   return pinned_scalar_[0];
+}
+
+void LlamaGpu::wait_for_event(cudaEvent_t event, const char* what) {
+  if (tp_ != nullptr && tp_->wait_event(event, str("tp group: ", what).c_str())) return;
+  TUNA_CUDA_CHECK(cudaEventSynchronize(event));
+}
+
+void LlamaGpu::wait_for_stream(const char* what) {
+  TUNA_CUDA_CHECK(cudaEventRecord(stream_done_, stream_));
+  wait_for_event(stream_done_, what);
 }
 
 void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {
@@ -1212,7 +1226,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
   zero_unwritten_grads();  // a step without a backward: its gradient is zero
   cuda::sum_of_squares(norm_total_, t_.grads, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+  wait_for_stream("the backward, before the gradient norm is read");
   if (layout_.tied_copy() != nullptr)  // the last stage's copy of the tied table: the first stage counts it
     pinned_scalar_[1] -= copy_sum_of_squares(t_.grads, shard_pieces(trained, {Segment{0, P}}), norm_total_,
                                              norm_scratch_f64_, s);
@@ -1223,7 +1237,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
     TUNA_CUDA_CHECK(cudaMemcpyAsync(norm_total_, pinned_scalar_ + 1, sizeof(double), cudaMemcpyHostToDevice, s));
     tp_->all_reduce(norm_total_, 1, CommType::F64, ReduceOp::Sum, "tp grad norm");
     TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+    wait_for_stream("the gradient norm's all-reduce");
   }
   if (pp_ != nullptr && pp_->size() > 1) pp_->all_reduce_sum(pinned_scalar_ + 1, 1, "grad norm (pp)");
   OptimizerStats stats;

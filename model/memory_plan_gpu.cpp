@@ -418,6 +418,7 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   // Packed documents: each token's document start (the attention mask, as a per-row start) and RoPE position.
   b.add("document starts", MemoryKind::Workspace, n, kI32);
   b.add("RoPE positions", MemoryKind::Workspace, n, kI32);
+  b.add("attention tile counter", MemoryKind::Workspace, 1, kI32);  // the hopper forward's (kernels/attention.cuh)
   b.add("cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes, 1);
 
   // NCCL pads a unit it reduce-scatters or gathers to a multiple of dp in a scratch buffer of its own
