@@ -419,9 +419,10 @@ class GpuEngine final : public Engine {
   // Then, with tied embeddings, the first and last stages exchange the table's gradient (fp32) and each adds the
   // other's: both hold the sum (a + b == b + a, bit for bit), so the copies' updates agree.
   //
-  // Backends: NCCL orders all of this on the device; the staged comm (ranks sharing one GPU, the emulator) completes
-  // each send and receive on the host (its wait_on_stream is wait()), a host-ordered path with the same results. The
-  // emulator runs streams in order, so its tests check the results of this order, not that anything overlaps. With tp
+  // Backends: NCCL orders all of this on the device, and so does the loopback comm (ranks as threads sharing one GPU:
+  // device copies ordered by these events alone); the staged comm completes each send and receive on the host (its
+  // wait_on_stream is wait()), a host-ordered path with the same results. The emulator with streams out of order
+  // (--streams concurrent --jitter) runs the loopback path as a GPU may: a missing event there fails the tests. With tp
   // the tp comm's kernels (compute stream) and the pipeline's may run at once, as dp's and tp's already do at ZeRO 2-3:
   // NCCL expects that to work while both fit on the device at once, and documents no stronger promise.
   LossSum pipeline_step(const std::vector<MicroBatch>& micro_batches) {

@@ -1,4 +1,4 @@
-// sleep_on_stream (kernels/sleep.cuh): one thread of one block reads the global timer (%globaltimer, nanoseconds) and
+// sleep_on_stream (kernels/sleep.cuh): one warp of one block reads the global timer (%globaltimer, nanoseconds) and
 // sleeps in steps of at most 1 us until the time has passed. Writes nothing.
 #include "kernels/sleep.cuh"
 
@@ -25,7 +25,7 @@ __global__ void sleep_kernel(int64_t nanoseconds) {
 void sleep_on_stream(int64_t nanoseconds, cudaStream_t stream) {
   TUNA_CHECK(nanoseconds >= 0, "sleep of ", nanoseconds, " ns");
   if (nanoseconds == 0) return;
-  launch_kernel(sleep_kernel, 1, 1, 0, stream, nanoseconds);
+  launch_kernel(sleep_kernel, 1, 32, 0, stream, nanoseconds);
   TUNA_CUDA_CHECK_LAUNCH();
 }
 

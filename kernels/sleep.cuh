@@ -8,7 +8,7 @@
 
 namespace tuna::cuda {
 
-// Queues on `stream` one thread that spins on the device's clock (__nanosleep between reads) until `nanoseconds` have
+// Queues on `stream` one warp that spins on the device's clock (__nanosleep between reads) until `nanoseconds` have
 // passed, so that the stream's later work starts that much later. The host does not wait. On the host emulator the
 // kernel returns at once (its concurrent streams draw their own delays).
 void sleep_on_stream(int64_t nanoseconds, cudaStream_t stream);
