@@ -9,14 +9,18 @@
 #if TUNA_CUDA
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <map>
 #include <mutex>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "comm/comm.h"
 #include "ckpt/checkpoint.h"
+#include "core/error.h"
 #include "engine/engine.h"
 #include "tests/comm/jittered_comm.h"
 #include "tests/kernels/gpu_test_util.h"
@@ -484,6 +488,66 @@ TEST(EngineGpuPipelineLinks, AreWarmedUpAtSetUp) {
   EXPECT_EQ(calls[0], (Calls{"send to 1", "recv from 1", "send to 2", "recv from 2"}));
   EXPECT_EQ(calls[1], (Calls{"send to 0", "recv from 0", "send to 2", "recv from 2"}));
   EXPECT_EQ(calls[2], (Calls{"send to 0", "recv from 0", "send to 1", "recv from 1"}));
+}
+
+// With tensor parallelism the tp collectives run on the compute stream, so every host wait the model makes for that
+// stream (the token upload's, the loss's, the gradient norm's) goes through the tp comm (Comm::wait_event), which
+// NCCL bounds by --comm_timeout, naming what waited and the group's last collective: never a bare synchronize that a
+// hung tp peer holds forever. The tp comm here records those waits, and then fails them as NCCL's does at its
+// timeout: the step stops with that error.
+class WaitRecordingComm final : public testing_util::ForwardingComm {
+ public:
+  WaitRecordingComm(std::unique_ptr<Comm> inner, std::vector<std::string>* waits, bool time_out)
+      : ForwardingComm(std::move(inner)), waits_(waits), time_out_(time_out) {}
+  bool wait_event(void* cuda_event, const char* what) override {
+    waits_->push_back(what);
+    if (time_out_) fail("rank ", rank(), " of ", size(), ": ", what, " did not complete within 1 s (--comm_timeout)");
+    return false;  // the caller synchronizes itself, as for a comm without device work
+  }
+
+ private:
+  std::vector<std::string>* waits_;
+  bool time_out_;
+};
+
+TEST(EngineGpuTensorParallel, HostWaitsGoThroughTheTpComm) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  const FourRows data(f.config.vocab_size);
+  for (bool time_out : {false, true}) {
+    std::vector<std::vector<std::string>> waits(2);
+    std::vector<std::string> errors(2);
+    testing_util::run_thread_ranks(2, [&](Comm& world) {
+      Mesh mesh = make_mesh(world, 2, 1);
+      const DeviceCommFactory device_comm = [&](Comm& group, void* stream) -> std::unique_ptr<Comm> {
+        return std::make_unique<WaitRecordingComm>(make_staged_device_comm(group.split(0, group.rank()), stream),
+                                                   &waits[world.rank()], time_out);
+      };
+      std::unique_ptr<Engine> e = make_engine(f.config, testing_util::rows_options(f, 0, FourRows::kRows), mesh,
+                                              random_weights(11, 0.05), device_comm);
+      try {
+        testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, 0);
+      } catch (const Error& x) {
+        errors[world.rank()] = x.what();
+      }
+    });
+    for (int r = 0; r < 2; r++) {
+      SCOPED_TRACE(str("tp rank ", r, time_out ? ", timing out" : ""));
+      ASSERT_FALSE(waits[r].empty());
+      if (time_out) {
+        EXPECT_NE(errors[r].find("tp group: the compute stream's work before a token upload did not complete within 1 s "
+                                 "(--comm_timeout)"),
+                  std::string::npos)
+            << errors[r];
+        continue;
+      }
+      EXPECT_EQ(errors[r], "");
+      for (const char* what : {"tp group: the compute stream's work before a token upload",
+                               "tp group: the backward, before the gradient norm is read",
+                               "tp group: the gradient norm's all-reduce"})
+        EXPECT_NE(std::find(waits[r].begin(), waits[r].end(), what), waits[r].end()) << what;
+    }
+  }
 }
 
 // A pipeline run's checkpoint is rank files in global coordinates (each stage's tensors under their global names, the
