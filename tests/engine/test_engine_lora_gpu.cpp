@@ -384,7 +384,7 @@ TEST_P(EngineLoraGpuPipeline, FollowsOneRankOverTheSameMicroBatches) {
   const ParamLayout whole = lora_layout(f.config, lora).params;
   testing_util::run_thread_ranks(c.ranks, [&](Comm& world) {
     Mesh mesh = make_mesh(world, 1, 2);
-    const DeviceCommFactory device_comm = testing_util::thread_ranks_device_comms(mesh);  // pp: loopback
+    const DeviceCommFactory device_comm = testing_util::one_device_comms(mesh);  // pp: loopback
     std::unique_ptr<Engine> e = make_engine(f.config, options(c.zero), mesh, fixture_weights(f), device_comm);
     // The stage's adapters only, under their global names.
     const int64_t layers = f.config.num_hidden_layers;

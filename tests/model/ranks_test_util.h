@@ -141,12 +141,13 @@ struct OneRankRun {
   }
 };
 
-// The device comms of ranks as threads sharing one device: the stages' sends and receives over the loopback comm
-// (device copies ordered by the pipeline's events, as NCCL's are), the dp and tp collectives staged through the host
-// comms of the mesh.
-inline DeviceCommFactory thread_ranks_device_comms(const Mesh& mesh) {
+// The device comms of ranks sharing one device: with ranks as threads the stages' sends and receives over the
+// loopback comm (device copies ordered by the pipeline's events, as NCCL's are); the dp and tp collectives, and
+// everything of ranks as processes (mpirun), staged through the host comms of the mesh.
+inline DeviceCommFactory one_device_comms(const Mesh& mesh) {
   return [&mesh](Comm& group, void* stream) {
-    if (&group == mesh.pp.get()) return make_loopback_device_comm(group.split(0, group.rank()), stream, 120);
+    if (&group == mesh.pp.get() && group.backend() == "threads")
+      return make_loopback_device_comm(group.split(0, group.rank()), stream, 120);
     return make_staged_device_comm(group.split(0, group.rank()), stream);
   };
 }
@@ -158,7 +159,7 @@ inline void follow_one_rank(Comm& world, const Fixture& f, const RanksCase& c, c
   const double norm_tol = c.tp > 1 ? std::max(tp_bound(kTpNormTol, c.tp), kRanksNormTol) : kRanksNormTol;
   const double weight_tol = c.tp > 1 ? std::max(tp_bound(kTpWeightTol, c.tp), kRanksWeightTol) : kRanksWeightTol;
   Mesh mesh = make_mesh(world, c.tp, c.pp);
-  const DeviceCommFactory device_comm = thread_ranks_device_comms(mesh);
+  const DeviceCommFactory device_comm = one_device_comms(mesh);
   const int64_t rows = FourRows::kRows / mesh.dp_size;
   EngineOptions o = rows_options(f, c.zero, c.pp > 1 ? 1 : rows);
   o.zero_prefetch = c.prefetch, o.recompute = c.recompute, o.sp = c.sp;
