@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "data/clean.h"  // is_valid_utf8
 #include "data/tokenizer.h"
+#include "data/bpe_text.h"  // Regex, Event, the split behaviours, the decoders
 #include "data/unicode.h"
 
 namespace tuna {
@@ -66,6 +67,8 @@ int32_t TokenIndex::find(std::string_view text) const {
 
 namespace {
 
+using namespace bpe_text;  // Regex, Event, char_events, apply_behavior, replace_all, decode_step
+
 // --- The byte-level alphabet.
 
 struct ByteLevelAlphabet {
@@ -85,179 +88,6 @@ struct ByteLevelAlphabet {
 const ByteLevelAlphabet& alphabet() {
   static const ByteLevelAlphabet a;
   return a;
-}
-
-// --- Regexes: PCRE2, matches found as Oniguruma finds them (the library's engine).
-
-std::string pcre2_message(int code) {
-  PCRE2_UCHAR buffer[256];
-  pcre2_get_error_message(code, buffer, sizeof buffer);
-  return reinterpret_cast<const char*>(buffer);
-}
-
-// Per-thread match state: the match data (only the whole match is read) and a JIT stack that grows to 8 MB,
-// enough for \s+(?!\S) over megabytes of spaces.
-struct MatchState {
-  pcre2_match_data* data = pcre2_match_data_create(1, nullptr);
-  pcre2_jit_stack* stack = pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr);
-  pcre2_match_context* context = pcre2_match_context_create(nullptr);
-  MatchState() { pcre2_jit_stack_assign(context, nullptr, stack); }
-  ~MatchState() {
-    pcre2_match_context_free(context);
-    pcre2_jit_stack_free(stack);
-    pcre2_match_data_free(data);
-  }
-};
-
-// One match or one stretch between matches.
-struct Event {
-  size_t begin, end;
-  bool match;
-};
-
-class Regex {
- public:
-  // what: where the pattern is, for errors ("pre_tokenizer Split").
-  Regex(const TextPattern& pattern, const std::string& path, const std::string& what) : path_(path), what_(what) {
-    int code;
-    PCRE2_SIZE offset;
-    const uint32_t options = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (pattern.regex ? PCRE2_UCP : PCRE2_LITERAL);
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.text.data()), pattern.text.size(), options, &code, &offset,
-                          nullptr);
-    if (!code_)
-      fail("tokenizer ", path, ": ", what, ": the regex does not compile at offset ", offset, " (", pcre2_message(code),
-           "): ", pattern.text);
-    jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
-  }
-  ~Regex() { pcre2_code_free(code_); }
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-
-  // Calls fn(begin, end) for every match, in order, as Oniguruma's find_iter yields them: an empty match is
-  // reported, except one right where the previous match ended (the search then steps over one character).
-  template <typename Fn>
-  void matches(std::string_view text, Fn&& fn) const {
-    thread_local MatchState state;
-    const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
-    size_t at = 0;
-    bool matched = false;
-    size_t last_end = 0;
-    while (at <= text.size()) {
-      const int rc = jit_ ? pcre2_jit_match(code_, subject, text.size(), at, 0, state.data, state.context)
-                          : pcre2_match(code_, subject, text.size(), at, PCRE2_NO_UTF_CHECK, state.data, state.context);
-      if (rc == PCRE2_ERROR_NOMATCH) break;
-      if (rc < 0) fail("tokenizer ", path_, ": ", what_, ": the regex failed at byte ", at, ": ", pcre2_message(rc));
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(state.data);
-      const size_t begin = ov[0], end = ov[1];
-      if (begin < at || end < begin || end > text.size())
-        fail("tokenizer ", path_, ": ", what_, ": the regex reported a match at bytes [", begin, ", ", end, ") from byte ",
-             at, " (a \\K inside a lookaround?)");
-      if (begin == end && matched && last_end == end) {
-        if (at == text.size()) break;
-        ++at;
-        while (at < text.size() && (static_cast<uint8_t>(text[at]) & 0xC0) == 0x80) ++at;
-        continue;
-      }
-      fn(begin, end);
-      matched = true;
-      last_end = at = end;
-    }
-  }
-
-  // The matches and the stretches between them, covering text (the library's Pattern::find_matches).
-  void events(std::string_view text, std::vector<Event>* out) const {
-    out->clear();
-    if (text.empty()) {
-      out->push_back({0, 0, false});
-      return;
-    }
-    size_t prev = 0;
-    matches(text, [&](size_t begin, size_t end) {
-      if (prev != begin) out->push_back({prev, begin, false});
-      out->push_back({begin, end, true});
-      prev = end;
-    });
-    if (prev != text.size()) out->push_back({prev, text.size(), false});
-  }
-
- private:
-  std::string path_, what_;
-  pcre2_code* code_ = nullptr;
-  bool jit_ = false;
-};
-
-// Events of a per-character predicate: each matching character is a match of its own.
-template <typename Pred>
-void char_events(std::string_view text, Pred&& pred, std::vector<Event>* out) {
-  out->clear();
-  if (text.empty()) {
-    out->push_back({0, 0, false});
-    return;
-  }
-  size_t last = 0;
-  for (size_t i = 0; i < text.size();) {
-    const size_t at = i;
-    const uint32_t cp = unicode::next_code_point(text, &i);
-    if (!pred(cp)) continue;
-    if (last < at) out->push_back({last, at, false});
-    out->push_back({at, i, true});
-    last = i;
-  }
-  if (last < text.size()) out->push_back({last, text.size(), false});
-}
-
-// What a split keeps of its events (the library's NormalizedString::split), in place: the pieces to keep, as
-// events with match = false (removed ones are dropped).
-void apply_behavior(SplitBehavior behavior, std::vector<Event>* events) {
-  std::vector<Event>& e = *events;
-  std::vector<Event> out;
-  out.reserve(e.size());
-  bool previous = false;
-  switch (behavior) {
-    case SplitBehavior::isolated:
-      for (Event& x : e) x.match = false;
-      return;
-    case SplitBehavior::removed:
-      std::erase_if(e, [](const Event& x) { return x.match; });
-      return;
-    case SplitBehavior::contiguous:
-      for (const Event& x : e) {
-        if (x.match == previous && !out.empty()) out.back().end = x.end;
-        else out.push_back({x.begin, x.end, false});
-        previous = x.match;
-      }
-      break;
-    case SplitBehavior::merged_with_previous:
-      for (const Event& x : e) {
-        if (x.match && !previous && !out.empty()) out.back().end = x.end;
-        else out.push_back({x.begin, x.end, false});
-        previous = x.match;
-      }
-      break;
-    case SplitBehavior::merged_with_next:
-      for (auto it = e.rbegin(); it != e.rend(); ++it) {
-        if (it->match && !previous && !out.empty()) out.back().begin = it->begin;
-        else out.push_back({it->begin, it->end, false});
-        previous = it->match;
-      }
-      std::reverse(out.begin(), out.end());
-      break;
-  }
-  e = std::move(out);
-}
-
-// Replaces every match of a regex (the library's NormalizedString::replace and the Replace decoder).
-std::string replace_all(const Regex& regex, std::string_view text, std::string_view content) {
-  std::string out;
-  out.reserve(text.size());
-  size_t prev = 0;
-  regex.matches(text, [&](size_t begin, size_t end) {
-    out.append(text.substr(prev, begin - prev));
-    out.append(content);
-    prev = end;
-  });
-  out.append(text.substr(prev));
-  return out;
 }
 
 // --- Merge ranks: (left, right) -> (rank, merged id), open addressing.
@@ -522,7 +352,8 @@ class ByteBpeTokenizer final : public TokenizerImpl {
       for (size_t i = 0; i < tokens.size(); ++i) joined += (i ? " " : "") + tokens[i];
       return joined;
     }
-    for (size_t k = 0; k < m_.decoders.size(); ++k) tokens = decode_step(k, std::move(tokens));
+    for (size_t k = 0; k < m_.decoders.size(); ++k)
+      tokens = decode_step(m_.decoders[k], decoder_regex_[k].get(), std::move(tokens));
     std::string text;
     for (const std::string& t : tokens) text += t;
     return text;
@@ -1024,112 +855,6 @@ class ByteBpeTokenizer final : public TokenizerImpl {
       push(c.pos);
     }
     for (int32_t i = 0; i >= 0; i = sym[i].next) out->push_back(sym[i].id);
-  }
-
-  // One decoder over the token strings (the library's Decoder::decode_chain).
-  std::vector<std::string> decode_step(size_t k, std::vector<std::string> tokens) const {
-    const DecoderStep& d = m_.decoders[k];
-    using K = DecoderStep::Kind;
-    std::vector<std::string> out;
-    switch (d.kind) {
-      case K::byte_level: {
-        std::string bytes, piece;
-        for (const std::string& t : tokens) {
-          if (byte_level_decode(t, &piece)) bytes += piece;
-          else bytes += t;  // a token outside the alphabet (an added token) stays as written
-        }
-        out.push_back(unicode::lossy_utf8(bytes));
-        return out;
-      }
-      case K::metaspace:
-        for (size_t i = 0; i < tokens.size(); ++i) {
-          std::string t;
-          const std::string& s = tokens[i];
-          for (size_t at = 0; at < s.size();) {
-            if (s.compare(at, d.content.size(), d.content) == 0) {
-              if (!(i == 0 && d.prepend)) t += ' ';
-              at += d.content.size();
-            } else {
-              t += s[at++];
-            }
-          }
-          out.push_back(std::move(t));
-        }
-        return out;
-      case K::byte_fallback: {
-        std::string run;
-        int run_count = 0;
-        auto flush = [&] {
-          if (run_count == 0) return;
-          if (is_valid_utf8(run)) out.push_back(run);
-          else
-            for (int i = 0; i < run_count; ++i) out.push_back("\xEF\xBF\xBD");
-          run.clear();
-          run_count = 0;
-        };
-        for (std::string& t : tokens) {
-          int byte = -1;
-          if (t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>' && std::isxdigit(static_cast<uint8_t>(t[3])) &&
-              std::isxdigit(static_cast<uint8_t>(t[4])))
-            byte = std::stoi(t.substr(3, 2), nullptr, 16);
-          if (byte >= 0) {
-            run.push_back(static_cast<char>(byte));
-            ++run_count;
-          } else {
-            flush();
-            out.push_back(std::move(t));
-          }
-        }
-        flush();
-        return out;
-      }
-      case K::fuse: {
-        std::string joined;
-        for (const std::string& t : tokens) joined += t;
-        out.push_back(std::move(joined));
-        return out;
-      }
-      case K::strip:
-        for (const std::string& t : tokens) {
-          std::vector<std::pair<size_t, size_t>> chars;  // byte ranges of the characters
-          for (size_t i = 0; i < t.size();) {
-            const size_t at = i;
-            unicode::next_code_point(t, &i);
-            chars.emplace_back(at, i);
-          }
-          auto is_content = [&](size_t c) { return t.compare(chars[c].first, chars[c].second - chars[c].first, d.content) == 0; };
-          size_t start_cut = 0, stop_cut = chars.size();
-          for (size_t c = 0; c < std::min(d.start, chars.size()) && is_content(c); ++c) start_cut = c + 1;
-          for (size_t i = 0; i < d.stop && i < chars.size(); ++i) {
-            const size_t c = chars.size() - i - 1;
-            if (!is_content(c)) break;
-            stop_cut = c;
-          }
-          out.push_back(stop_cut > start_cut ? t.substr(chars[start_cut].first, chars[stop_cut - 1].second - chars[start_cut].first)
-                                             : std::string());
-        }
-        return out;
-      case K::replace:
-        for (const std::string& t : tokens) out.push_back(replace_all(*decoder_regex_[k], t, d.content));
-        return out;
-      case K::bpe_suffix:
-        for (size_t i = 0; i < tokens.size(); ++i) {
-          std::string t;
-          const std::string& s = tokens[i];
-          const std::string with = i + 1 == tokens.size() ? "" : " ";
-          for (size_t at = 0; at < s.size();) {
-            if (!d.content.empty() && s.compare(at, d.content.size(), d.content) == 0) {
-              t += with;
-              at += d.content.size();
-            } else {
-              t += s[at++];
-            }
-          }
-          out.push_back(std::move(t));
-        }
-        return out;
-    }
-    return tokens;
   }
 
   ByteBpeModel m_;

@@ -444,6 +444,76 @@ void read_post_processor(const Field& f, const std::function<int32_t(const std::
                 "tuna reads TemplateProcessing, BertProcessing, RobertaProcessing, ByteLevel and Sequence");
 }
 
+// Added tokens, with the ids the library gives them: the id of the same content added before, else of the same
+// string in the vocabulary, else the next free id (file order). A file the library wrote has those ids.
+void read_added_tokens(const Field& added, const TokenIndex& index, int64_t model_vocab_size, ByteBpeModel* model) {
+  ByteBpeModel& m = *model;
+  const size_t added_count = added.size();
+  std::unordered_map<std::string, size_t> by_content;
+  int64_t max_added = -1;
+  for (size_t i = 0; i < added_count; ++i) {
+    const Field a = added.at(i);
+    AddedToken t;
+    t.content = a.at("content").string();
+    t.special = a.bool_or("special", false);
+    t.normalized = a.bool_or("normalized", !t.special);
+    t.lstrip = a.bool_or("lstrip", false);
+    t.rstrip = a.bool_or("rstrip", false);
+    t.single_word = a.bool_or("single_word", false);
+    if (t.content.empty()) continue;  // the library ignores an empty added token
+    if (auto it = by_content.find(t.content); it != by_content.end()) {
+      t.id = m.added[it->second].id;
+      m.added[it->second] = t;
+      continue;
+    }
+    const int32_t in_vocab = index.find(t.content);
+    if (in_vocab >= 0) {
+      t.id = in_vocab;
+    } else {
+      const int64_t next = max_added < 0 ? model_vocab_size
+                           : (max_added >= model_vocab_size || model_vocab_size == 0) ? max_added + 1
+                                                                                     : model_vocab_size;
+      t.id = static_cast<int32_t>(next);
+    }
+    if (t.id >= static_cast<int64_t>(m.vocab.size())) {  // the file's ids had a hole the library filled
+      if (t.id >= (int64_t{1} << 30)) a.at("id").bad("an id the library can give");
+      m.vocab.resize(t.id + 1);
+      m.in_vocab.resize(t.id + 1, false);
+    }
+    max_added = std::max<int64_t>(max_added, t.id);
+    by_content[t.content] = m.added.size();
+    m.added.push_back(std::move(t));
+  }
+  std::vector<bool> taken(m.vocab.size());
+  for (const AddedToken& t : m.added) {
+    if (taken[t.id]) fail("tokenizer ", m.path, ": added_tokens: two tokens get id ", t.id);
+    taken[t.id] = true;
+  }
+}
+
+// Merges, in rank order: "a b" -> the token a + b (b without the continuing_subword_prefix).
+void read_merges(const std::string& path, const std::vector<std::pair<std::string, std::string>>& merges,
+                 const TokenIndex& index, ByteBpeModel* model) {
+  ByteBpeModel& m = *model;
+  const size_t prefix = m.continuing_subword_prefix.size();
+  m.merges.reserve(merges.size());
+  std::string joined;
+  for (size_t i = 0; i < merges.size(); ++i) {
+    const auto& [left, right] = merges[i];
+    const int32_t l = index.find(left), r = index.find(right);
+    if (l < 0 || r < 0)
+      fail("tokenizer ", path, ": model.merges[", i, "]: token '", l < 0 ? left : right, "' is not in model.vocab");
+    if (right.size() < prefix)
+      fail("tokenizer ", path, ": model.merges[", i, "]: token '", right, "' is shorter than the continuing_subword_prefix");
+    joined.assign(left).append(right, prefix);
+    const int32_t merged = index.find(joined);
+    if (merged < 0)
+      fail("tokenizer ", path, ": model.merges[", i, "]: the merge of '", left, "' and '", right, "' makes '", joined,
+           "', which is not in model.vocab");
+    m.merges.push_back({l, r, static_cast<int32_t>(i), merged});
+  }
+}
+
 }  // namespace
 
 // transformers' LlamaTokenizerFast, the class the tokenizer_config.json of LLaMA-family models names, replaces the
@@ -559,68 +629,10 @@ std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
       if (m.unk < 0) unk.bad("a token of model.vocab");
     }
 
-    // Added tokens, with the ids the library gives them: the id of the same content added before, else of the same
-    // string in the vocabulary, else the next free id (file order). A file the library wrote has those ids.
-    std::unordered_map<std::string, size_t> by_content;
-    int64_t max_added = -1;
-    for (size_t i = 0; i < added_count; ++i) {
-      const Field a = added.at(i);
-      AddedToken t;
-      t.content = a.at("content").string();
-      t.special = a.bool_or("special", false);
-      t.normalized = a.bool_or("normalized", !t.special);
-      t.lstrip = a.bool_or("lstrip", false);
-      t.rstrip = a.bool_or("rstrip", false);
-      t.single_word = a.bool_or("single_word", false);
-      if (t.content.empty()) continue;  // the library ignores an empty added token
-      if (auto it = by_content.find(t.content); it != by_content.end()) {
-        t.id = m.added[it->second].id;
-        m.added[it->second] = t;
-        continue;
-      }
-      const int32_t in_vocab = index.find(t.content);
-      if (in_vocab >= 0) {
-        t.id = in_vocab;
-      } else {
-        const int64_t next = max_added < 0 ? model_vocab_size
-                             : (max_added >= model_vocab_size || model_vocab_size == 0) ? max_added + 1
-                                                                                       : model_vocab_size;
-        t.id = static_cast<int32_t>(next);
-      }
-      if (t.id >= static_cast<int64_t>(m.vocab.size())) {  // the file's ids had a hole the library filled
-        if (t.id >= (int64_t{1} << 30)) a.at("id").bad("an id the library can give");
-        m.vocab.resize(t.id + 1);
-        m.in_vocab.resize(t.id + 1, false);
-      }
-      max_added = std::max<int64_t>(max_added, t.id);
-      by_content[t.content] = m.added.size();
-      m.added.push_back(std::move(t));
-    }
-    std::vector<bool> taken(m.vocab.size());
-    for (const AddedToken& t : m.added) {
-      if (taken[t.id]) fail("tokenizer ", path, ": added_tokens: two tokens get id ", t.id);
-      taken[t.id] = true;
-    }
-
-    // Merges, in rank order: "a b" -> the token a + b (b without the continuing_subword_prefix).
-    const size_t prefix = m.continuing_subword_prefix.size();
-    m.merges.reserve(reader.merges.size());
-    std::string joined;
-    for (size_t i = 0; i < reader.merges.size(); ++i) {
-      const auto& [left, right] = reader.merges[i];
-      const int32_t l = index.find(left), r = index.find(right);
-      if (l < 0 || r < 0)
-        fail("tokenizer ", path, ": model.merges[", i, "]: token '", l < 0 ? left : right, "' is not in model.vocab");
-      if (right.size() < prefix)
-        fail("tokenizer ", path, ": model.merges[", i, "]: token '", right, "' is shorter than the continuing_subword_prefix");
-      joined.assign(left).append(right, prefix);
-      const int32_t merged = index.find(joined);
-      if (merged < 0)
-        fail("tokenizer ", path, ": model.merges[", i, "]: the merge of '", left, "' and '", right, "' makes '", joined,
-             "', which is not in model.vocab");
-      m.merges.push_back({l, r, static_cast<int32_t>(i), merged});
-    }
+    read_added_tokens(added, index, model_vocab_size, &m);
+    read_merges(path, reader.merges, index, &m);
     reader.merges = {};
+
 
     // The special tokens put around a text: the first one before it is the BOS (Llama 3: <|begin_of_text|>).
     auto special_id = [&](const std::string& name) {

@@ -329,7 +329,8 @@ TEST(TokenizerPipelines, LlamaTokenizerConfigFramesAsTransformersLoadsIt) {
   write_json(dir, j);
   auto frame = [&](const nlohmann::json& config) {
     write_json(dir, config, "tokenizer_config.json");
-    const ByteBpeModel* m = Tokenizer(dir.file("tokenizer.json")).impl().bpe_model();
+    const Tokenizer tokenizer(dir.file("tokenizer.json"));
+    const ByteBpeModel* m = tokenizer.impl().bpe_model();
     return std::make_pair(m->frame_before, m->frame_after);
   };
   using Frame = std::pair<std::vector<int32_t>, std::vector<int32_t>>;

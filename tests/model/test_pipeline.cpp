@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "core/error.h"
 #include "model/config.h"
 #include "model/layout.h"
 #include "model/pipeline.h"
+#include "model/support.h"  // place_layout
 
 namespace tuna {
 namespace {
@@ -102,14 +104,20 @@ TEST(Pipeline, AHeadWorthSeveralLayersTakesLayersOffTheLastStage) {
 }
 
 TEST(Pipeline, RefusesMoreStagesThanLayers) {
+  // The user's --pp meets the support table first (place_layout); pipeline_stages only checks its contract.
   const LlamaConfig c = shape(64, 176, 4, 4, 2, 1000);
-  for (int64_t pp : {int64_t(0), int64_t(5)}) {
+  for (const auto& [pp, message] : {std::pair<int64_t, const char*>{0, "option 'pp': expected at least 1 pipeline stage"},
+                                    {5, "option 'pp': expected 1 to 4 stages"}}) {
+    MemoryLayout l;
+    l.pp = pp;
+    l.micro_batch = 1, l.seq_len = 64;
     try {
-      pipeline_stages(c, pp, 64);
+      place_layout(c, l);
       ADD_FAILURE() << "pp " << pp << " was accepted";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("option 'pp': expected 1 to 4 stages"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
     }
+    EXPECT_THROW(pipeline_stages(c, pp, 64), Error) << "pp " << pp;
   }
 }
 
