@@ -427,7 +427,11 @@ int run(int argc, char** argv) {
   DeviceCommFactory device_comm;
 #if TUNA_NCCL
   device_comm = [&](Comm& group, void* stream) {
-    return make_nccl_comm(group.split(0, group.rank()), stream, cfg.comm_timeout);
+    // The pipeline's comm takes 2 CTAs: it moves one activation or gradient at a time, and a receive posted ahead
+    // spins through the forward it overlaps on SMs that forward needs (comm/comm.h NcclOptions).
+    NcclOptions nccl;
+    if (&group == mesh.pp.get()) nccl.max_ctas = 2;
+    return make_nccl_comm(group.split(0, group.rank()), stream, cfg.comm_timeout, nccl);
   };
 #endif
   const HostMemory at_start = host_memory();

@@ -49,6 +49,9 @@ FrozenShard::FrozenShard(DeviceArena& arena, const ParamLayout& layout, const st
   for (const Segment& seg : segments) unit_offset.push_back(size), size += seg.size;
   weights = arena.take<__nv_bfloat16>("bf16 base weights (frozen, shard)", size);
   TUNA_CUDA_CHECK(cudaMemset(weights, 0, size * sizeof(__nv_bfloat16)));
+  // cudaMemset runs on the legacy default stream, which the engine's streams (cudaStreamNonBlocking) do not wait for:
+  // done before the fill's copies on the compute stream.
+  TUNA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 StreamEvent::StreamEvent() { TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
@@ -425,7 +428,7 @@ OptimizerStats ZeroGpu::sharded_update(double loss_scale, double lr, bool loss_i
   double sum_sq = 0;
   TUNA_CUDA_CHECK(cudaMemcpyAsync(&sum_sq, sh.norm_total, sizeof(double), cudaMemcpyDeviceToHost, stream));
   if (dp_device_) dp_device_->barrier("gradients reduced");  // a bounded wait (--comm_timeout)
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  model_.wait_for_stream("the backward, before the gradient norm is read");  // bounded too, with tp
   if (mesh_.tp_rank > 0) sum_sq -= replicated_sum_of_squares(sh.grad, sh.pieces, sh.replicated_norms, sh.norm_scratch, stream);
   // The last stage's copy of a tied table: the first stage counts it.
   sum_sq -= copy_sum_of_squares(sh.grad, sh.pieces, sh.norm_total, sh.norm_scratch, stream);

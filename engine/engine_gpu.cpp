@@ -17,14 +17,15 @@
 // (dist/pipeline.h), the one the CPU engine uses, over a device comm of the stages on a stream of its own. This stage's
 // hooks (GpuStage below) send bf16 and order the transfers with the compute by an event on each side, so the next
 // backward's gradient is received while a forward computes (dist/pipeline.h says what overlaps, why the order cannot
-// deadlock and how --comm_timeout still holds). Backends: NCCL orders all of this on the device; the staged comm
-// (ranks sharing one GPU, the emulator) completes each send and receive on the host (its wait_on_stream is wait()), a
-// host-ordered path with the same results. The emulator runs streams in order, so its tests check the results of this
-// order, not that anything overlaps. With tp the tp comm's kernels (compute stream) and the pipeline's may run at once,
-// as dp's and tp's already do at ZeRO 2-3: NCCL expects that to work while both fit on the device at once, and
-// documents no stronger promise. The loss and the gradient norm's squares are summed over the stages as Zero sums them
-// on cpu (each stage counts its own tensors, the last stage's copy of a tied table not), so every stage clips, and
-// skips a non-finite step, alike. Checkpoints are in global coordinates (the stage layout's global names), so a run
+// deadlock and how --comm_timeout still holds). Backends: NCCL orders all of this on the device, and so does the
+// loopback comm (ranks as threads sharing one GPU: device copies ordered by these events alone); the staged comm
+// completes each send and receive on the host (its wait_on_stream is wait()), a host-ordered path with the same
+// results. The emulator with streams out of order (--streams concurrent --jitter) runs the loopback path as a GPU
+// may: a missing event there fails the tests. With tp the tp comm's kernels (compute stream) and the pipeline's may run
+// at once, as dp's and tp's already do at ZeRO 2-3: NCCL expects that to work while both fit on the device at once,
+// and documents no stronger promise. The loss and the gradient norm's squares are summed over the stages as Zero sums
+// them on cpu (each stage counts its own tensors, the last stage's copy of a tied table not), so every stage clips,
+// and skips a non-finite step, alike. Checkpoints are in global coordinates (the stage layout's global names), so a run
 // resumes at another pp.
 #if TUNA_CUDA
 
@@ -50,6 +51,13 @@
 namespace tuna {
 
 namespace {
+
+// The bytes of the plan's item `name`; 0 when the plan has none.
+int64_t planned_bytes(const MemoryPlan& plan, const std::string& name) {
+  for (const MemoryItem& item : plan.items)
+    if (item.name == name) return item.bytes;
+  return 0;
+}
 
 // What this process lacks for the run, before any device memory is touched (the layout is the support table's,
 // model/support.h, which the factory asked): NCCL for several ranks, a GPU for this rank.
@@ -136,6 +144,9 @@ class GpuEngine final : public Engine {
     // ZeRO-2 and 3 communicate on a stream of their own, overlapping the compute; 0 and 1 between passes.
     if (o.zero >= 2) TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
     if (mesh.dp_size > 1) dp_device_ = device_comm(*mesh.dp, o.zero >= 2 ? comm_stream_ : stream);
+    // NCCL's padding scratch, sized once from the plan's largest padded collective (no regrowth mid-pass).
+    if (dp_device_)
+      dp_device_->reserve_scratch(planned_bytes(model_.memory_plan(), "NCCL padding scratch (the comm's own)"));
     if (mesh.tp_size > 1) {  // the tensor-parallel all-reduces run on the compute stream, inside each layer
       tp_device_ = device_comm(*mesh.tp, stream);
       model_.set_tp_comm(tp_device_.get());
@@ -244,6 +255,30 @@ class GpuEngine final : public Engine {
     pipeline_stage_ =
         std::make_unique<GpuStage>(model_, pp_stream_, [this](int64_t micro_batch) { key_dropout(micro_batch); });
     pipeline_ = std::make_unique<PipelineDriver>(*pp_device_, *pipeline_stage_, std::move(links));
+    warm_up_links();
+  }
+
+  // NCCL connects two ranks at their first send or receive. One element each way over every link the step uses (the
+  // neighbouring stages, the tied table's other stage), all started before any is waited for (one NCCL group), makes
+  // those connections here, at set-up, instead of inside the first step while its tp kernels run.
+  void warm_up_links() {
+    Comm& pp = *pp_device_;
+    const int s = pp.rank(), last = pp.size() - 1;
+    std::vector<int> peers;
+    for (int peer : {s - 1, s + 1, pipeline_->links().tied_peer})
+      if (peer >= 0 && peer <= last && peer != s && std::find(peers.begin(), peers.end(), peer) == peers.end())
+        peers.push_back(peer);
+    float* words = nullptr;  // a send's word and a receive's per peer; freed at once (set-up, not the loop)
+    TUNA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&words), 2 * peers.size() * sizeof(float)));
+    TUNA_CUDA_CHECK(cudaMemsetAsync(words, 0, 2 * peers.size() * sizeof(float), pp_stream_));
+    std::vector<CommRequest> requests;
+    for (size_t i = 0; i < peers.size(); i++) {
+      requests.push_back(pp.send_start(words + 2 * i, 1, CommType::F32, peers[i], "pipeline link warm-up"));
+      requests.push_back(pp.recv_start(words + 2 * i + 1, 1, CommType::F32, peers[i], "pipeline link warm-up"));
+    }
+    for (CommRequest r : requests) pp.wait(r);
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(pp_stream_));
+    TUNA_CUDA_CHECK(cudaFree(words));
   }
 
   EngineOptions options_;

@@ -25,7 +25,7 @@ enum class GpuBuffer : uint8_t {
   Losses, ClassifierStats, ClassifierMax, DResid, DNorm, DFinalNorm, DQ, DAtt, DK, DV, DAct,
   // Workspace, pipeline and inputs.
   RmsnormScratch, SpNormGrads, AttentionScratch, TiedPeerGrad, LossTotal, Tokens, Targets, GroupPositions,
-  GroupTokens, GroupOffsets, DocStarts, RopePositions, MatmulWorkspace,
+  GroupTokens, GroupOffsets, DocStarts, RopePositions, AttentionTileCounter, MatmulWorkspace,
 };
 
 // A decoder layer's activations (LlamaGpu::LayerActs), in forward order: the fields gpu_keeps_activation names.

@@ -180,6 +180,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   TUNA_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_scalar_), 2 * sizeof(double)));
   TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&loss_copied_, cudaEventDisableTiming));
   TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_uploaded_, cudaEventDisableTiming));
+  TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&stream_done_, cudaEventDisableTiming));
   fill_tables();
 }
 
@@ -245,6 +246,7 @@ void LlamaGpu::point(const GpuBufferRow& row, void* p) {
     case GpuBuffer::GroupOffsets: return set(group_offsets_);
     case GpuBuffer::DocStarts: return set(doc_start_);
     case GpuBuffer::RopePositions: return set(rope_positions_);
+    case GpuBuffer::AttentionTileCounter: return set(attention_tile_counter_);
     case GpuBuffer::MatmulWorkspace:
       matmul_ = std::make_unique<cuda::MatmulContext>(p, static_cast<size_t>(row.elements * row.element_bytes));
       return;
@@ -314,6 +316,7 @@ void LlamaGpu::fill_tables() {
     TUNA_CUDA_CHECK(cudaMemset(t_.v, 0, moment_bytes));
   }
   if (t_.grads != nullptr) zero_grads();
+  TUNA_CUDA_CHECK(cudaMemset(attention_tile_counter_, 0, sizeof(int32_t)));  // every launch leaves it 0
   TUNA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -323,6 +326,7 @@ LlamaGpu::~LlamaGpu() {
   if (pinned_scalar_) cudaFreeHost(pinned_scalar_);
   if (loss_copied_) cudaEventDestroy(loss_copied_);
   if (tokens_uploaded_) cudaEventDestroy(tokens_uploaded_);
+  if (stream_done_) cudaEventDestroy(stream_done_);
   arena_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -442,7 +446,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
   zero_unwritten_grads();  // a step without a backward: its gradient is zero
   cuda::sum_of_squares(norm_total_, t_.grads, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+  wait_for_stream("the backward, before the gradient norm is read");
   if (layout_.tied_copy() != nullptr)  // the last stage's copy of the tied table: the first stage counts it
     pinned_scalar_[1] -= copy_sum_of_squares(t_.grads, shard_pieces(trained, {Segment{0, P}}), norm_total_,
                                              norm_scratch_f64_, s);
@@ -453,7 +457,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
     TUNA_CUDA_CHECK(cudaMemcpyAsync(norm_total_, pinned_scalar_ + 1, sizeof(double), cudaMemcpyHostToDevice, s));
     tp_->all_reduce(norm_total_, 1, CommType::F64, ReduceOp::Sum, "tp grad norm");
     TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
-    TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
+    wait_for_stream("the gradient norm's all-reduce");
   }
   if (pp_ != nullptr && pp_->size() > 1) pp_->all_reduce_sum(pinned_scalar_ + 1, 1, "grad norm (pp)");
   OptimizerStats stats;

@@ -186,6 +186,10 @@ class LlamaGpu {
   // sequence parallelism (MemoryLayout::sp) it also all-gathers the normed rows before the column-parallel GEMMs
   // and the residual stream's gradient before the row-parallel ones' backward.
   void set_tp_comm(Comm* tp);
+  // Waits on the host for everything queued on stream() so far. With tensor parallelism the tp collectives run
+  // there, so the wait goes through the tp comm (Comm::wait_event): bounded by --comm_timeout and naming `what`, the
+  // tp group and its last collective, where a plain synchronize would never return once a tp peer hangs.
+  void wait_for_stream(const char* what);
   // AdamW moments: float, or __nv_bfloat16 with GpuOptions::bf16_moments; null without optimizer state.
   void* moment_m() { return t_.m; }
   void* moment_v() { return t_.v; }
@@ -320,6 +324,8 @@ class LlamaGpu {
   // LossSum has its count only, and queued_loss_sum() gives the sum once that copy has landed.
   LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits);
   double queued_loss_sum();
+  // The host waits for `event` (recorded on stream_): through the tp comm when there is one (wait_for_stream).
+  void wait_for_event(cudaEvent_t event, const char* what);
   // Cross-entropy of a chunk of logits, in place (dlogits with want_grad): the fused kernel, or under tensor
   // parallelism the vocab-parallel steps around their two all-reduces.
   void cross_entropy(int64_t r0, int64_t rows, bool want_grad);
@@ -449,11 +455,13 @@ class LlamaGpu {
   // take (null: plain causal attention, positions 0..seq-1).
   DocumentMode documents_;
   int32_t *doc_start_ = nullptr, *rope_positions_ = nullptr;
+  int32_t* attention_tile_counter_ = nullptr;  // the hopper forward's work counter (attention_fwd), 0 between launches
   const int32_t* attention_doc_start_ = nullptr;
   const int32_t* rope_position_ids_ = nullptr;
   // Pinned staging for uploads and the two scalars read back per step.
   int32_t* pinned_ids_ = nullptr;  // 7 * n + 1 ints: inputs, targets, positions, unique, offsets, doc starts, RoPE
   double* pinned_scalar_ = nullptr;
+  cudaEvent_t stream_done_ = nullptr;  // wait_for_stream's
   cudaEvent_t loss_copied_ = nullptr;  // recorded after head() queues the loss sum's copy into pinned_scalar_[0]
   cuda::EmbeddingGroups groups_;
 };

@@ -76,7 +76,7 @@ void LlamaGpu::upload_tokens(const int32_t* inputs, const int32_t* targets, int6
   }
   // The previous call's copies out of the pinned staging are done before it is rewritten (a pipeline stage's forward
   // returns without waiting for anything the stream does after them).
-  TUNA_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
+  wait_for_event(tokens_uploaded_, "the compute stream's work before a token upload");
   int32_t* staged = pinned_ids_;
   const auto up = [&](int32_t* dst, const int32_t* src, int64_t count) {
     TUNA_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
@@ -187,7 +187,7 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
                  rope_position_ids_, s);
   copy_rows(a.v, d.kv_dim, qkv_ + d.q_dim + d.kv_dim, qkv, n, d.kv_dim, s);
   cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, attention_doc_start_, s,
-                      run_.attention);
+                      run_.attention, attention_tile_counter_);
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks. With sp every row's partial product goes to gathered_, each rank adding the
   // residual of its own rows (the GEMM split at them), and the sum of this rank's rows comes back into `out`.
@@ -288,8 +288,18 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
 }
 
 double LlamaGpu::queued_loss_sum() {
-  TUNA_CUDA_CHECK(cudaEventSynchronize(loss_copied_));
+  wait_for_event(loss_copied_, "the forward, before its loss is read");
   return pinned_scalar_[0];
+}
+
+void LlamaGpu::wait_for_event(cudaEvent_t event, const char* what) {
+  if (tp_ != nullptr && tp_->wait_event(event, str("tp group: ", what).c_str())) return;
+  TUNA_CUDA_CHECK(cudaEventSynchronize(event));
+}
+
+void LlamaGpu::wait_for_stream(const char* what) {
+  TUNA_CUDA_CHECK(cudaEventRecord(stream_done_, stream_));
+  wait_for_event(stream_done_, what);
 }
 
 void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {

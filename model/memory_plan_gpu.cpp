@@ -475,6 +475,8 @@ void plan_pipeline_and_inputs(const LlamaConfig& c, const MemoryLayout& l, const
   // Packed documents: each token's document start (the attention mask, as a per-row start) and RoPE position.
   b.add(GpuBuffer::DocStarts, "document starts", MemoryKind::Workspace, n, kI32);
   b.add(GpuBuffer::RopePositions, "RoPE positions", MemoryKind::Workspace, n, kI32);
+  // The hopper forward's work counter (kernels/attention.cuh), with the model rather than allocated at its first use.
+  b.add(GpuBuffer::AttentionTileCounter, "attention tile counter", MemoryKind::Workspace, 1, kI32);
   b.add(GpuBuffer::MatmulWorkspace, "cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes, 1);
 }
 

@@ -262,8 +262,8 @@ fi
 
 # One GPU test suite (or filter) in a process of its own: a kernel fault poisons its CUDA context only. A run
 # without a closing "tests:" line (hung, crashed) is counted as one failed test, named for the table.
-test_step() {  # name limit filter
-  step "$1" "$2" tests.log "$BIN/gpu_tests" --gtest_color=no --gtest_filter="$3"
+test_step() {  # name limit filter [flags]
+  step "$1" "$2" tests.log "$BIN/gpu_tests" --gtest_color=no --gtest_filter="$3" "${@:4}"
   if [ "$STEP_RC" -ge 0 ] && ! grep -qE '^tests: ' "$STEP_OUT"; then
     local running
     running=$(grep -E '^\[ RUN      \] ' "$STEP_OUT" | tail -1 | sed 's/^\[ RUN      \] //')
@@ -272,9 +272,11 @@ test_step() {  # name limit filter
   fi
 }
 HOPPER_TESTS='AttentionGpu.*Hopper*:AttentionGpu.BackwardAppliesRope*'
-# The multi-rank engine (ranks as threads sharing this GPU; tp with and without sp, pipeline stages), and every
-# ZeRO stage and recompute mode against ZeRO-0: after the other suites, each with a longer limit.
-ENGINE_SUITES=" EngineGpuThreadRanks. EngineGpuSequenceParallel. EngineGpuPipeline. EngineGpuStages. EngineGpuZeroOne. "
+# The multi-rank engine (ranks as threads sharing this GPU; tp with and without sp, pipeline stages, also over the
+# loopback comm), and every ZeRO stage and recompute mode against ZeRO-0: after the other suites, each with a longer
+# limit.
+ENGINE_SUITES=" EngineGpuThreadRanks. EngineGpuSequenceParallel. EngineGpuPipeline. EngineGpuPipelineLoopback. "
+ENGINE_SUITES+="EngineGpuStages. EngineGpuZeroOne. "
 
 # The demo runs of build/train (demo/train.toml, the corpus tokenized in bin/data), each in its own directory.
 D="$BIN/data"
@@ -344,6 +346,26 @@ fi
 
 # ================================ tier 2: the rest of the correctness checks ================================
 tier 2
+# The pipeline's events on this one GPU, the first check of them a one-GPU machine can make: pp 2 and 3 over the
+# loopback comm (the stages' copies ordered against their compute by events alone, as NCCL's across GPUs) with
+# random-length sleep kernels queued on the comm and compute streams, three seeds, bit for bit one stage's. Emulated,
+# the emulator's streams also run out of order (each on a thread of its own, random delays drawn from a seed).
+STREAM_FLAGS=()
+[ $EMULATED -eq 1 ] && STREAM_FLAGS=(--streams concurrent --jitter 1)
+test_step tests/pipeline-jitter 90 'Stages/EngineGpuPipelineLoopback.*jitter*' ${STREAM_FLAGS[@]+"${STREAM_FLAGS[@]}"}
+# NCCL's channels for the pipeline's comm (made with at most 2 CTAs, comm/comm.h NcclOptions): only a machine with
+# two GPUs can say (NCCL refuses two ranks on one), given a trainer built with NCCL (TUNA_NCCL_TRAIN: gpu-check's own
+# has none) and mpirun. NCCL's INIT log counts the channels it made; the line is printed here.
+GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c .)
+if [ "${GPUS:-0}" -ge 2 ] && [ -x "${TUNA_NCCL_TRAIN:-}" ] && command -v mpirun >/dev/null; then
+  step nccl/pp-channels 60 train.log env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT LD_LIBRARY_PATH="$BIN_LD" \
+    mpirun --allow-run-as-root -np 2 "$TUNA_NCCL_TRAIN" "${TRAIN_ARGS[@]}" --device cuda --pp 2 --steps 2 \
+    --out_dir "$RUNS/nccl-pp"
+  log "  NCCL channels of the pp comm: $(grep -ohE '[0-9]+ coll channels.*p2p channels per peer' "$STEP_OUT" | sort -u |
+                                        tr '\n' ';')"
+else
+  verdict nccl/pp-channels "unavailable here (${GPUS:-0} GPU(s); needs 2, TUNA_NCCL_TRAIN and mpirun)" 0
+fi
 # build/train --device cuda: a run stopped at 150 (exit 75) and resumed logs the straight run's losses bit for
 # bit, the first step equals the CPU backend's within bf16 error.
 EXPECT=75 train_step stopped 60 --device cuda --out_dir "$RUNS/split" --stop_at_step 150

@@ -57,6 +57,14 @@ TEST(GpuCheckEmulated, WalksEveryStep) {
     EXPECT_TRUE(std::regex_search(summary, std::regex("\\n  \\[" + std::to_string(t) + "\\] \\S+: ok"))) << "tier " << t;
   EXPECT_EQ(summary.find(": FAILED"), std::string::npos) << summary;
   EXPECT_EQ(summary.find(": skipped"), std::string::npos) << summary;
+  // The loopback device comm's suite, the pipeline over it, and the jittered pipeline run, the last with the
+  // emulator's streams out of order.
+  for (const char* name : {"tests/CommLoopbackGpu", "tests/Stages/EngineGpuPipelineLoopback", "tests/pipeline-jitter"})
+    EXPECT_TRUE(std::regex_search(summary, std::regex(std::string("\\n  \\[\\d\\] ") + name + ": ok"))) << name;
+  const std::string tests_log = read_file(out / "tests.log");
+  EXPECT_NE(tests_log.find("streams concurrent, jitter seed 1"), std::string::npos);
+  EXPECT_NE(tests_log.find("EngineGpuPipelineLoopback.EqualsOneStageOverTheSameMicroBatches/pp2_jitter1"),
+            std::string::npos);
   // No value in the table passes for a measurement: every row past the tiers says it is emulated.
   const std::string table = summary.substr(summary.find("gpu-check summary"));
   std::istringstream lines(table);
