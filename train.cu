@@ -395,6 +395,21 @@ void report_skipped_step(const StepResult& r, int64_t step, int64_t in_a_row, in
          (fs::path(cfg.out_dir) / "ckpt").string(), ") with a lower --lr or a --grad_clip, or look for bad data near this step");
 }
 
+// The CUDA engine's device comms: NCCL over each group of the mesh (none without NCCL: one rank only).
+DeviceCommFactory device_comms(const Mesh& mesh, double timeout_s) {
+  DeviceCommFactory factory;
+#if TUNA_NCCL
+  factory = [&mesh, timeout_s](Comm& group, void* stream) {
+    // The pipeline's comm takes 2 CTAs: it moves one activation or gradient at a time, and a receive posted ahead
+    // spins through the forward it overlaps on SMs that forward needs (comm/comm.h NcclOptions).
+    NcclOptions nccl;
+    if (&group == mesh.pp.get()) nccl.max_ctas = 2;
+    return make_nccl_comm(group.split(0, group.rank()), stream, timeout_s, nccl);
+  };
+#endif
+  return factory;
+}
+
 int run(int argc, char** argv) {
   TrainConfig cfg;
   Options options("build/train", "Fine-tunes or pretrains a LLaMA-family model on token shards.");
@@ -424,16 +439,7 @@ int run(int argc, char** argv) {
   if (!initial && !start.resume_from)
     initial = cfg.init.empty() ? random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std)
                                : weights_from_directory(start.init_dir.string());
-  DeviceCommFactory device_comm;
-#if TUNA_NCCL
-  device_comm = [&](Comm& group, void* stream) {
-    // The pipeline's comm takes 2 CTAs: it moves one activation or gradient at a time, and a receive posted ahead
-    // spins through the forward it overlaps on SMs that forward needs (comm/comm.h NcclOptions).
-    NcclOptions nccl;
-    if (&group == mesh.pp.get()) nccl.max_ctas = 2;
-    return make_nccl_comm(group.split(0, group.rank()), stream, cfg.comm_timeout, nccl);
-  };
-#endif
+  const DeviceCommFactory device_comm = device_comms(mesh, cfg.comm_timeout);
   const HostMemory at_start = host_memory();
   const json plan_record = check_memory_plan(start.model, eo, mesh, at_start.resident_mb, launch.local_size);
   std::unique_ptr<Engine> engine = make_engine(start.model, eo, mesh, initial, device_comm);
