@@ -38,6 +38,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -128,6 +129,37 @@ class PipelineStageModel {
   // Whether the next backward's output gradient may be received while a forward computes (the overlap above): only
   // where the compute runs on a queue of its own. output_grad() must then be the backward's alone.
   virtual bool receives_gradient_ahead() const { return false; }
+};
+
+// A model as a stage: the slots, boundary buffers and passes forwarded to the model's stage interface, which the CPU
+// model (Llama) and the GPU model (LlamaGpu) share; the engines' stages (CpuStage, GpuStage) add the gradients and
+// the hooks. key_dropout keys a micro-batch's LoRA dropout masks (begin_pass).
+template <typename Model>
+class ModelStage : public PipelineStageModel {
+ public:
+  ModelStage(Model& model, std::function<void(int64_t)> key_dropout)
+      : model_(model), key_dropout_(std::move(key_dropout)) {}
+  int64_t in_flight() const override { return model_.in_flight(); }
+  int64_t boundary_elements(const MicroBatch& b) const override {
+    return model_.residual_rows(b.batch * b.seq) * model_.config().hidden_size;
+  }
+  void* input(int64_t slot) override { return model_.stage_input(slot); }
+  const void* output() const override { return model_.stage_output(); }
+  void* output_grad() override { return model_.stage_output_grad(); }
+  const void* input_grad() const override { return model_.stage_input_grad(); }
+  void begin_pass(int64_t micro_batch) override { key_dropout_(micro_batch); }
+  LossSum forward(int64_t slot, const MicroBatch& b, bool backward_follows) override {
+    return model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions, backward_follows);
+  }
+  void backward(int64_t slot, const MicroBatch& b) override {
+    model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
+  }
+
+ protected:
+  Model& model_;
+
+ private:
+  std::function<void(int64_t)> key_dropout_;
 };
 
 // Runs one stage of a pipeline over `stages` (this rank's comm over the pipeline's stages: the host one, or a device

@@ -32,25 +32,10 @@ namespace {
 
 // The CPU model as a pipeline stage (dist/pipeline.h): fp32 activations in host memory, ordered by the host (the
 // interface's default hooks).
-class CpuStage final : public PipelineStageModel {
+class CpuStage final : public ModelStage<Llama> {
  public:
   CpuStage(Llama& model, std::function<void(int64_t)> key_dropout, std::vector<float>& tied_peer_grad)
-      : model_(model), key_dropout_(std::move(key_dropout)), tied_peer_grad_(tied_peer_grad) {}
-  int64_t in_flight() const override { return model_.in_flight(); }
-  int64_t boundary_elements(const MicroBatch& b) const override {
-    return model_.residual_rows(b.batch * b.seq) * model_.config().hidden_size;
-  }
-  void* input(int64_t slot) override { return model_.stage_input(slot); }
-  const void* output() const override { return model_.stage_output(); }
-  void* output_grad() override { return model_.stage_output_grad(); }
-  const void* input_grad() const override { return model_.stage_input_grad(); }
-  void begin_pass(int64_t micro_batch) override { key_dropout_(micro_batch); }
-  LossSum forward(int64_t slot, const MicroBatch& b, bool backward_follows) override {
-    return model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions, backward_follows);
-  }
-  void backward(int64_t slot, const MicroBatch& b) override {
-    model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
-  }
+      : ModelStage(model, std::move(key_dropout)), tied_peer_grad_(tied_peer_grad) {}
   float* gradients() override { return model_.grads.data(); }
   float* tied_peer_gradient() override { return tied_peer_grad_.data(); }
   void add_tied_peer_gradient(float* mine, const float* theirs, int64_t n) override {
@@ -59,8 +44,6 @@ class CpuStage final : public PipelineStageModel {
   CommType wire_type() const override { return CommType::F32; }
 
  private:
-  Llama& model_;
-  std::function<void(int64_t)> key_dropout_;
   std::vector<float>& tied_peer_grad_;
 };
 

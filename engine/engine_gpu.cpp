@@ -80,10 +80,10 @@ void check_devices(const EngineOptions& o, const Mesh& mesh, bool have_device_co
 // reads it and for a send before the pass that rewrites its buffer, so the host queues pass after pass. d_resid, where
 // a backward's output gradient lands, is the backward's alone, so that gradient may be received while a forward
 // computes.
-class GpuStage final : public PipelineStageModel {
+class GpuStage final : public ModelStage<LlamaGpu> {
  public:
   GpuStage(LlamaGpu& model, cudaStream_t transfers, std::function<void(int64_t)> key_dropout)
-      : model_(model), transfers_(transfers), key_dropout_(std::move(key_dropout)) {
+      : ModelStage(model, std::move(key_dropout)), transfers_(transfers) {
     TUNA_CUDA_CHECK(cudaEventCreateWithFlags(&produced_, cudaEventDisableTiming));
   }
   ~GpuStage() override {
@@ -92,21 +92,6 @@ class GpuStage final : public PipelineStageModel {
   GpuStage(const GpuStage&) = delete;
   GpuStage& operator=(const GpuStage&) = delete;
 
-  int64_t in_flight() const override { return model_.in_flight(); }
-  int64_t boundary_elements(const MicroBatch& b) const override {
-    return model_.residual_rows(b.batch * b.seq) * model_.config().hidden_size;
-  }
-  void* input(int64_t slot) override { return model_.stage_input(slot); }
-  const void* output() const override { return model_.stage_output(); }
-  void* output_grad() override { return model_.stage_output_grad(); }
-  const void* input_grad() const override { return model_.stage_input_grad(); }
-  void begin_pass(int64_t micro_batch) override { key_dropout_(micro_batch); }
-  LossSum forward(int64_t slot, const MicroBatch& b, bool backward_follows) override {
-    return model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions, backward_follows);
-  }
-  void backward(int64_t slot, const MicroBatch& b) override {
-    model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
-  }
   float* gradients() override { return model_.grads(); }  // zero when no micro-batch ran (grads() zeroes it then)
   float* tied_peer_gradient() override { return model_.tied_peer_grad(); }
   void add_tied_peer_gradient(float* mine, const float* theirs, int64_t n) override {
@@ -126,10 +111,8 @@ class GpuStage final : public PipelineStageModel {
   bool receives_gradient_ahead() const override { return true; }
 
  private:
-  LlamaGpu& model_;
   cudaStream_t transfers_;
   cudaEvent_t produced_ = nullptr;  // recorded on the compute stream before a transfer
-  std::function<void(int64_t)> key_dropout_;
 };
 
 class GpuEngine final : public Engine {
