@@ -23,7 +23,7 @@ CXXFLAGS := -std=c++20 -O2 -g -fopenmp -Wall -Wextra -Werror -Wno-unused-paramet
 OPENBLAS_OPENMP := /usr/lib/x86_64-linux-gnu/openblas-openmp
 comma := ,
 BLAS_LIBS := $(if $(wildcard $(OPENBLAS_OPENMP)/libopenblas.so),-L$(OPENBLAS_OPENMP) -Wl$(comma)-rpath$(comma)$(OPENBLAS_OPENMP)) -lopenblas
-LDLIBS := $(BLAS_LIBS) -lsentencepiece -lsentencepiece_train -lpcre2-8 -lutf8proc -lzstd -lz -lxxhash -lpthread -fopenmp
+LDLIBS := $(BLAS_LIBS) -lsentencepiece -lsentencepiece_train -lpcre2-8 -lutf8proc -lzstd -lz -lxxhash -lnettle -lpthread -fopenmp
 GTEST_LIBS := -lgtest -lgmock -lpthread
 BENCH_LIBS := -lbenchmark -lpthread
 # The MPI C API only: Open MPI's C++ bindings do not compile under -Werror.
@@ -304,11 +304,11 @@ $(BUILD)/obj/gpu-check/train.o: train.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(filter-out -DTUNA_NCCL=1,$(CPPFLAGS)) $(CXXFLAGS) -x c++ -c $< -o $@
 
-# The trainer reads the model's tokenizer (to check the shards against it): PCRE2, utf8proc and xxHash link statically,
+# The trainer reads the model's tokenizer (to check the shards against it): PCRE2, utf8proc, xxHash and Nettle link statically,
 # sentencepiece's shared library travels in bin/lib like Open MPI's.
 $(GPU_CHECK)/bin/train: $(BUILD)/obj/gpu-check/train.o $(GPU_CHECK)/libtuna_gpu.a
 	@mkdir -p $(GPU_CHECK)/bin/lib
-	$(CXX) $^ -o $@ -Wl,-rpath,'$$ORIGIN/lib' -Wl,-Bstatic -lpcre2-8 -lutf8proc -lxxhash -Wl,-Bdynamic -lsentencepiece \
+	$(CXX) $^ -o $@ -Wl,-rpath,'$$ORIGIN/lib' -Wl,-Bstatic -lpcre2-8 -lutf8proc -lxxhash -lnettle -Wl,-Bdynamic -lsentencepiece \
 	  $(GPU_CHECK_LIBS) -Wl,--as-needed $(MPI_LIBS)
 	strip --strip-debug $@
 	cp -L $$(ldd $@ | awk '/libmpi|libopen-|libhwloc|libevent|libudev|libsentencepiece/ && $$3 !~ /gpu-check/ {print $$3}') $(GPU_CHECK)/bin/lib/

@@ -256,6 +256,9 @@ void add_rope_scaling(GgufWriter& w, const LlamaConfig& config) {
   if (s.attention_factor > 0.0 && std::abs(s.attention_factor - (0.1 * std::log(s.factor) + 1.0)) > 1e-6)
     fail("tuna-to-gguf: the model's yarn attention_factor ", s.attention_factor, " is not llama.cpp's (0.1 ln(factor) ",
          "+ 1 = ", 0.1 * std::log(s.factor) + 1.0, "), which its GGUF would run with");
+  if (!s.truncate)
+    fail("tuna-to-gguf: the model's yarn rope_scaling sets truncate false (a correction range in fractional "
+         "dimensions), which llama.cpp does not implement: its GGUF would rotate positions differently");
   w.add_u32("llama.rope.scaling.original_context_length", uint32_t(s.original_max_position_embeddings));
   w.add_f32("llama.rope.scaling.yarn_beta_fast", float(s.beta_fast));
   w.add_f32("llama.rope.scaling.yarn_beta_slow", float(s.beta_slow));
@@ -270,8 +273,8 @@ void add_model_keys(GgufWriter& w, const fs::path& ckpt_dir, const LlamaConfig& 
   w.add_u32("general.file_type", file_type(weights));
   w.add_u32("general.quantization_version", 2);  // ggml's current block layouts (GGML_QNT_VERSION)
   w.add_u32("general.alignment", GgufWriter::kAlignment);
-  // The context the model was trained for: with yarn, max_position_embeddings x factor (max_position_embeddings is
-  // yarn's original context, written below as rope.scaling.original_context_length).
+  // The context the model was trained for: with yarn, its original context x factor (the original is written below
+  // as rope.scaling.original_context_length).
   w.add_u32("llama.context_length", uint32_t(config.max_context()));
   w.add_u32("llama.embedding_length", uint32_t(config.hidden_size));
   w.add_u32("llama.feed_forward_length", uint32_t(config.intermediate_size));

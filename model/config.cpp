@@ -95,8 +95,8 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
            s.low_freq_factor);
     return;
   }
-  // linear, dynamic, yarn: transformers 4.46 (the version tuna matches) takes the original context of dynamic and
-  // yarn from max_position_embeddings, and never reads rope_scaling's original_max_position_embeddings.
+  // linear and dynamic: every transformers version takes dynamic's original context from max_position_embeddings
+  // and never reads rope_scaling's original_max_position_embeddings.
   s.original_max_position_embeddings = c.max_position_embeddings;
   const bool has_original = r.contains("original_max_position_embeddings") &&
                             !r["original_max_position_embeddings"].is_null();
@@ -107,20 +107,30 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
          "transformers' dynamic rope scales from; set max_position_embeddings to the original context and remove "
          "this field");
   if (type != "yarn") return;
-  // Later transformers versions read yarn's original_max_position_embeddings (and then derive the factor from
-  // max_position_embeddings / it) and mscale / mscale_all_dim: a config with them means different frequencies in
-  // different versions, so tuna refuses it rather than train one of them.
-  if (has_original)
-    fail(where, ".original_max_position_embeddings: yarn with this field computes different frequencies in different "
-         "transformers versions (4.46 ignores it and scales from max_position_embeddings; later ones take the factor "
-         "as max_position_embeddings / it); write the original context as max_position_embeddings, the extension as "
-         "'factor', and remove the field");
-  const bool has_attention_factor = r.contains("attention_factor") && !r["attention_factor"].is_null();
-  if (!has_attention_factor && r.contains("mscale") && !r["mscale"].is_null() && r.contains("mscale_all_dim") &&
-      !r["mscale_all_dim"].is_null())
-    fail(where, ": yarn's 'mscale' and 'mscale_all_dim' set the attention factor in later transformers versions and "
-         "are ignored by 4.46; give 'attention_factor' explicitly (0.1 mscale ln(factor) + 1 over 0.1 mscale_all_dim "
-         "ln(factor) + 1 is the later versions' value)");
+  // yarn as transformers 4.57.1 computes it (kernels/cpu/rope.h): `rope_scaling.get("original_max_position_embeddings")
+  // or max_position_embeddings`, so 0 means the default as a missing field does; then the attention factor.
+  if (has_original) {
+    const int64_t original = get_int(r, "original_max_position_embeddings", where, 0, kRequired, 0, kMaxPositions);
+    if (original > 0) s.original_max_position_embeddings = original;
+  }
+  // Python's truthiness, as `if mscale and mscale_all_dim` reads the two fields.
+  const auto truthy = [&](const char* k) { return r.contains(k) && !r[k].is_null() && r[k] != json(0); };
+  if (r.contains("attention_factor") && !r["attention_factor"].is_null()) {
+    s.attention_factor = get_number(r, "attention_factor", where, 0.0, 1e-6, 1e6);
+  } else if (truthy("mscale") && truthy("mscale_all_dim")) {
+    // get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim), 0.1 m ln(factor) + 1 each (1 at factor 1).
+    const double mscale = get_number(r, "mscale", where, 1.0, -1e6, 1e6);
+    const double all_dim = get_number(r, "mscale_all_dim", where, 1.0, -1e6, 1e6);
+    auto get_mscale = [&](double m) { return s.factor <= 1.0 ? 1.0 : 0.1 * m * std::log(s.factor) + 1.0; };
+    s.attention_factor = get_mscale(mscale) / get_mscale(all_dim);
+    if (!(s.attention_factor > 0.0) || !std::isfinite(s.attention_factor))
+      fail(where, ": yarn's mscale ", mscale, " and mscale_all_dim ", all_dim, " give the attention factor ",
+           s.attention_factor, "; expected a positive number");
+  }
+  if (r.contains("truncate") && !r["truncate"].is_null()) {
+    if (!r["truncate"].is_boolean()) fail(where, ".truncate: expected true or false, found ", describe(r["truncate"]));
+    s.truncate = r["truncate"].get<bool>();
+  }
   // transformers: `rope_scaling.get("beta_fast") or 32`: missing, null or 0 means the default.
   auto beta = [&](const char* k, double fallback) {
     const double v = get_number(r, k, where, fallback, -1e6, 1e6);
@@ -130,11 +140,12 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
   s.beta_slow = beta("beta_slow", 1.0);
   if (!(s.beta_fast > s.beta_slow && s.beta_slow > 0.0))
     fail(where, ": yarn needs beta_fast > beta_slow > 0, found ", s.beta_fast, " and ", s.beta_slow);
-  if (has_attention_factor) s.attention_factor = get_number(r, "attention_factor", where, 0.0, 1e-6, 1e6);
 }
 
-// The rope_scaling object transformers reads back as the same frequencies (null: none).
-json rope_scaling_json(const cpu::RopeScaling& s) {
+// The rope_scaling object transformers reads back as the same frequencies (null: none). yarn's attention factor
+// is written as a number (whatever mscale gave it), which every version reads; its original context only where it
+// is not max_position_embeddings, and truncate only when off: fields that transformers 4.46 would ignore.
+json rope_scaling_json(const cpu::RopeScaling& s, int64_t max_position_embeddings) {
   if (s.type == "default") return nullptr;
   json j = {{"rope_type", s.type}, {"factor", s.factor}};
   if (s.type == "llama3") {
@@ -145,6 +156,9 @@ json rope_scaling_json(const cpu::RopeScaling& s) {
     j["beta_fast"] = s.beta_fast;
     j["beta_slow"] = s.beta_slow;
     if (s.attention_factor > 0.0) j["attention_factor"] = s.attention_factor;
+    if (s.original_max_position_embeddings != max_position_embeddings)
+      j["original_max_position_embeddings"] = s.original_max_position_embeddings;
+    if (!s.truncate) j["truncate"] = false;
   }
   return j;
 }
@@ -258,7 +272,7 @@ json LlamaConfig::to_json() const {
       {"mlp_bias", false},
       {"torch_dtype", torch_dtype},
   };
-  j["rope_scaling"] = rope_scaling_json(rope_scaling);
+  j["rope_scaling"] = rope_scaling_json(rope_scaling, max_position_embeddings);
   if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;
   if (eos_token_ids.size() == 1) j["eos_token_id"] = eos_token_ids[0];
   else if (!eos_token_ids.empty()) j["eos_token_id"] = eos_token_ids;
@@ -273,15 +287,17 @@ int64_t LlamaConfig::n_params() const {
 
 int64_t LlamaConfig::max_context() const {
   if (rope_scaling.type != "dynamic" && rope_scaling.type != "yarn") return max_position_embeddings;
-  return static_cast<int64_t>(std::floor(static_cast<double>(max_position_embeddings) * rope_scaling.factor));
+  // The original context (max_position_embeddings, or yarn's own field) times the factor.
+  return static_cast<int64_t>(
+      std::floor(static_cast<double>(rope_scaling.original_max_position_embeddings) * rope_scaling.factor));
 }
 
 void check_seq_len(const LlamaConfig& config, int64_t seq_len, const std::string& option,
                    const std::string& config_path) {
   if (seq_len <= config.max_context()) return;
   if (config.max_context() != config.max_position_embeddings)
-    fail("option '", option, "': ", seq_len, " tokens is more than the model's max_position_embeddings ",
-         config.max_position_embeddings, " times its ", config.rope_scaling.type, " rope factor ",
+    fail("option '", option, "': ", seq_len, " tokens is more than the model's original context ",
+         config.rope_scaling.original_max_position_embeddings, " times its ", config.rope_scaling.type, " rope factor ",
          config.rope_scaling.factor, " (", config_path, "); use a seq_len up to ", config.max_context(),
          " or a larger factor (--rope_scaling)");
   fail("option '", option, "': ", seq_len, " tokens is more than the model's max_position_embeddings ",
@@ -318,7 +334,7 @@ void apply_rope_scaling(LlamaConfig& config, json& config_json, const std::strin
         static_cast<int64_t>(std::floor(static_cast<double>(config.max_position_embeddings) * factor));
   s = cpu::RopeScaling{};
   s.type = type, s.factor = factor, s.original_max_position_embeddings = config.max_position_embeddings;
-  const json written = rope_scaling_json(s);
+  const json written = rope_scaling_json(s, config.max_position_embeddings);
   config_json["max_position_embeddings"] = config.max_position_embeddings;
   config_json["rope_scaling"] = written;
   if (config_json.contains("rope_parameters") && !config_json["rope_parameters"].is_null()) {

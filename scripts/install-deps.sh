@@ -15,6 +15,7 @@ packages=(
   libtomlplusplus-dev      # run.toml training configs
   libzstd-dev zlib1g-dev   # compressed corpora
   libxxhash-dev            # content hashes for dedup
+  nettle-dev               # SHA-256, which names a tokenizer's pipeline in GGUF files as llama.cpp does
   libgtest-dev libgmock-dev  # tests
   libbenchmark-dev         # benches
   python3 python3-venv     # the virtual environment of the gguf package (below)

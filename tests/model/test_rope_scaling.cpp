@@ -168,18 +168,68 @@ TEST(RopeScaling, ConfigRefusesWhatTransformersVersionsComputeDifferently) {
   EXPECT_TRUE(has(e, "rope_scaling") && has(e, "'factor'")) << e;
   e = error(tiny_config(1024, {{"rope_type", "dynamic"}, {"factor", 0.5}}));
   EXPECT_TRUE(has(e, "factor") && has(e, ">= 1")) << e;
-  e = error(tiny_config(4096, {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 1024}}));
-  EXPECT_TRUE(has(e, "original_max_position_embeddings") && has(e, "different transformers versions")) << e;
-  e = error(tiny_config(1024, {{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 0.7}, {"mscale_all_dim", 0.7}}));
-  EXPECT_TRUE(has(e, "mscale") && has(e, "attention_factor")) << e;
+  e = error(tiny_config(1024, {{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", "0.7"}, {"mscale_all_dim", 0.7}}));
+  EXPECT_TRUE(has(e, "mscale") && has(e, "expected a number")) << e;
+  e = error(tiny_config(1024, {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", 0}}));
+  EXPECT_TRUE(has(e, "truncate") && has(e, "true or false")) << e;
   e = error(tiny_config(1024, {{"rope_type", "yarn"}, {"factor", 4.0}, {"beta_fast", 1}, {"beta_slow", 2}}));
   EXPECT_TRUE(has(e, "beta_fast > beta_slow")) << e;
   e = error(tiny_config(1024, {{"rope_type", "dynamic"}, {"factor", 2.0}, {"original_max_position_embeddings", 512}}));
   EXPECT_TRUE(has(e, "original_max_position_embeddings") && has(e, "differs from max_position_embeddings")) << e;
-  // Given explicitly, the attention factor makes mscale irrelevant in every version: accepted.
-  EXPECT_EQ(error(tiny_config(1024, {{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 0.7}, {"mscale_all_dim", 0.7},
-                                     {"attention_factor", 1.0}})),
-            "no error");
+}
+
+// yarn's fields that transformers 4.46 ignores and later versions read (4.57.1: modeling_rope_utils.py's
+// _compute_yarn_parameters): rope_scaling's original_max_position_embeddings (`or max_position_embeddings`),
+// mscale / mscale_all_dim (the attention factor when none is given) and truncate.
+TEST(RopeScaling, YarnReadsTheOriginalContextMscaleAndTruncate) {
+  auto read = [](json rope) { return LlamaConfig::from_json(tiny_config(4096, rope), "c.json"); };
+  // A published config's style: max_position_embeddings already the extended context, the original in the field.
+  const LlamaConfig original = read({{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 1024}});
+  EXPECT_EQ(original.rope_scaling.original_max_position_embeddings, 1024);
+  EXPECT_EQ(original.max_context(), 4096);
+  // The correction range comes from the original context: the same frequencies as a config that gives 1024 as
+  // max_position_embeddings.
+  const LlamaConfig as_446 = LlamaConfig::from_json(tiny_config(1024, {{"rope_type", "yarn"}, {"factor", 4.0}}), "c");
+  std::vector<double> a(16), b(16);
+  cpu::rope_inv_freq(a.data(), 32, 10000.0, original.rope_scaling);
+  cpu::rope_inv_freq(b.data(), 32, 10000.0, as_446.rope_scaling);
+  EXPECT_EQ(a, b);
+  // 0 or null: `or max_position_embeddings`.
+  EXPECT_EQ(read({{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 0}})
+                .rope_scaling.original_max_position_embeddings,
+            4096);
+  // mscale and mscale_all_dim both given (and non-zero): get_mscale(factor, mscale) / get_mscale(factor, all_dim).
+  const double ln4 = std::log(4.0);
+  EXPECT_DOUBLE_EQ(cpu::rope_attention_factor(
+                       read({{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 0.7}, {"mscale_all_dim", 1.0}}).rope_scaling),
+                   (0.07 * ln4 + 1.0) / (0.1 * ln4 + 1.0));
+  // Only one of them, or a zero: the default 0.1 ln(factor) + 1; an explicit attention_factor wins.
+  for (json rope : {json{{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 0.7}},
+                    json{{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 0.7}, {"mscale_all_dim", 0}}})
+    EXPECT_DOUBLE_EQ(cpu::rope_attention_factor(read(rope).rope_scaling), 0.1 * ln4 + 1.0) << rope.dump();
+  EXPECT_EQ(cpu::rope_attention_factor(read({{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 0.7},
+                                             {"mscale_all_dim", 0.7}, {"attention_factor", 1.5}})
+                                            .rope_scaling),
+            1.5);
+  // truncate false: the ramp over fractional dimensions. With head_dim 32, theta 10000 and an original context of
+  // 1024 the range is [2.83, 8.85] unrounded, [2, 9] rounded: the frequencies differ inside it only.
+  const LlamaConfig exact = read({{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 1024},
+                                  {"truncate", false}});
+  EXPECT_FALSE(exact.rope_scaling.truncate);
+  std::vector<double> c(16);
+  cpu::rope_inv_freq(c.data(), 32, 10000.0, exact.rope_scaling);
+  EXPECT_EQ(c[0], a[0]);
+  EXPECT_NE(c[7], a[7]);
+  EXPECT_EQ(c[15], a[15]);
+  // Written back as read, and read back as the same frequencies and attention factor.
+  for (const LlamaConfig* m : {&original, &exact}) {
+    const json written = m->to_json();
+    const LlamaConfig back = LlamaConfig::from_json(written, "written.json");
+    EXPECT_EQ(back.to_json(), written) << written.dump();
+    EXPECT_EQ(back.rope_scaling.original_max_position_embeddings, 1024);
+    EXPECT_EQ(back.rope_scaling.truncate, m->rope_scaling.truncate);
+    EXPECT_EQ(back.max_context(), 4096);
+  }
 }
 
 // --rope_scaling: recorded in the config and in the config.json checkpoints carry; linear extends

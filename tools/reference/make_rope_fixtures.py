@@ -16,6 +16,8 @@ transformers' modeling_rope_utils.py (4.46.3) and asserted equal, to float32 rou
 itself computes; the patched float64 model is asserted to be within float32 rounding of the stock one.
 
 Usage: python3 tools/reference/make_rope_fixtures.py [--out tests/fixtures]
+Makes the fixtures of the installed transformers version: rope_linear, rope_dynamic and rope_yarn with the pinned
+4.46.3, rope_yarn_original (yarn's fields that later versions read) with 4.57.1 in a second environment.
 Deterministic (fixed seeds, one thread); takes a few seconds. tools/reference/README.md documents the files.
 """
 
@@ -61,15 +63,26 @@ FIXTURES = [
     dict(name="rope_yarn", seed=13,
          config=dict(max_position_embeddings=ORIGINAL,
                      rope_scaling={"type": "yarn", "factor": 4.0, "beta_fast": 16.0})),
+    # yarn as published configs write it for later transformers versions, which read three fields 4.46 ignores:
+    # max_position_embeddings the extended context and the original in rope_scaling's own field, the attention
+    # factor from mscale / mscale_all_dim, and truncate off (the correction range in fractional dimensions).
+    # Made with transformers 4.57.1 (the other fixtures with the pinned 4.46.3, which would compute other
+    # frequencies for this config).
+    dict(name="rope_yarn_original", seed=14, transformers="4.57.1",
+         config=dict(max_position_embeddings=ORIGINAL * 4,
+                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
+                                   "beta_fast": 16.0, "mscale": 0.8, "mscale_all_dim": 1.0, "truncate": False})),
 ]
+PINNED = "4.46.3"  # tools/reference/requirements.txt; a fixture names another version when it needs one
 
 # Generation with a KV cache for the dynamic fixture: a prompt of CACHE_PROMPT tokens, then one at a time.
 CACHE_PROMPT = 28
 
 
 def rope_float64(cfg, seq_len):
-    """transformers 4.46's inverse frequencies and attention factor for a forward whose sequence is seq_len
-    long, in float64."""
+    """transformers' inverse frequencies and attention factor for a forward whose sequence is seq_len long, in
+    float64: 4.46's, and for yarn also the fields that 4.57 reads (original_max_position_embeddings, mscale,
+    mscale_all_dim, truncate), which no 4.46 fixture sets."""
     d, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
     kind = rs.get("rope_type", rs.get("type"))
     factor = rs["factor"]
@@ -82,17 +95,27 @@ def rope_float64(cfg, seq_len):
         base = base * ((factor * s / mpe) - (factor - 1)) ** (d / (d - 2))
         return 1.0 / (base ** exponents), 1.0
     assert kind == "yarn", kind
+    original = rs.get("original_max_position_embeddings") or mpe
+
+    def get_mscale(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
     attention_factor = rs.get("attention_factor")
     if attention_factor is None:
-        attention_factor = 0.1 * math.log(factor) + 1.0
+        if rs.get("mscale") and rs.get("mscale_all_dim"):
+            attention_factor = get_mscale(rs["mscale"]) / get_mscale(rs["mscale_all_dim"])
+        else:
+            attention_factor = get_mscale(1)
     beta_fast = rs.get("beta_fast") or 32
     beta_slow = rs.get("beta_slow") or 1
 
     def correction_dim(rotations):
-        return (d * math.log(mpe / (rotations * 2 * math.pi))) / (2 * math.log(base))
+        return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), d - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
@@ -260,6 +283,10 @@ def main():
     out = os.path.normpath(args.out)
     total = 0
     for fx in FIXTURES:
+        wanted = fx.get("transformers", PINNED)
+        if transformers.__version__ != wanted:
+            print(f"{fx['name']}: skipped (made with transformers {wanted}; this is {transformers.__version__})")
+            continue
         d = make_fixture(fx, out)
         for name in sorted(os.listdir(d)):
             total += os.path.getsize(os.path.join(d, name))
