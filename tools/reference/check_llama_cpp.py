@@ -9,6 +9,13 @@ Usage:
         - greedy: llama.cpp's own 32 greedy tokens against tuna's;
         - logits: llama.cpp's logits at every position tuna drew a token from (fed tuna's sequence), against
           tuna's: max |difference|, and that over the largest |logit| of the step.
+  check_llama_cpp.py pipelines [--build build] [--tokens 32]
+      every tokenizer.json pipeline of tests/fixtures/tokenizers/pipelines.json.zst (and Llama 3's): a tiny model
+      with random weights and that tokenizer, exported by build/convert tuna-to-gguf at f16. Where tuna refuses
+      the export, the refusal is printed (it must name the pipeline); where it exports, llama.cpp's ids for every
+      text, probe and random slice of the fixture must equal the ids of Hugging Face tokenizers stored there, and
+      the `generate` check runs on a prompt of real text (llama.cpp's greedy tokens against tuna's, which equal
+      transformers' by the logits fixtures).
   check_llama_cpp.py tokenize GGUF FORMAT
       the Debian copyright texts of tests/fixtures/tokenizers/reference.json.zst (ids that tuna's tokenizer
       tests hold tuna's own ids equal to): llama.cpp's ids for each text against them. FORMAT: llama3 (the
@@ -118,6 +125,101 @@ def tokenize(args):
     return 0 if equal == len(texts) else 1
 
 
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures")
+
+
+def unzstd(path):
+    return subprocess.run(["zstd", "-dc", "--long=27", path], capture_output=True, check=True).stdout
+
+
+def write_tiny_model(hf_dir, name):
+    """A Hugging Face directory: llama32_tiny's config with the tokenizer's vocabulary size, random float32 weights
+    (fixed seed) written as safetensors by hand (no torch here), and the fixture's tokenizer files."""
+    tok_dir = os.path.join(FIXTURES, "tokenizers", name)
+    os.makedirs(hf_dir, exist_ok=True)
+    for f in os.listdir(tok_dir):
+        if f.endswith(".zst"):
+            with open(os.path.join(hf_dir, f[:-4]), "wb") as out:
+                out.write(unzstd(os.path.join(tok_dir, f)))
+    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json"), encoding="utf-8"))
+    ids = list(tok["model"]["vocab"].values()) + [t["id"] for t in tok.get("added_tokens", [])]
+    vocab = max(ids) + 1
+    config = json.load(open(os.path.join(FIXTURES, "llama32_tiny", "config.json")))
+    config.update(vocab_size=vocab, rope_scaling=None, max_position_embeddings=4096, num_hidden_layers=2)
+    json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"), indent=2)
+    c, f, kv = config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"] * config["head_dim"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (vocab, c), "model.norm.weight": (c,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (c,), p + "post_attention_layernorm.weight": (c,),
+                       p + "self_attn.q_proj.weight": (q, c), p + "self_attn.k_proj.weight": (kv, c),
+                       p + "self_attn.v_proj.weight": (kv, c), p + "self_attn.o_proj.weight": (c, q),
+                       p + "mlp.gate_proj.weight": (f, c), p + "mlp.up_proj.weight": (f, c),
+                       p + "mlp.down_proj.weight": (c, f)})
+    rng = np.random.default_rng(7)
+    header, blobs, offset = {}, [], 0
+    for key, shape in shapes.items():
+        a = (np.ones(shape) if key.endswith("norm.weight") else rng.normal(0, 0.2, shape)).astype(np.float32)
+        blobs.append(a.tobytes())
+        header[key] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + len(blobs[-1])]}
+        offset += len(blobs[-1])
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(os.path.join(hf_dir, "model.safetensors"), "wb") as out:
+        out.write(len(h).to_bytes(8, "little") + h)
+        for b in blobs:
+            out.write(b)
+
+
+def pipelines(args):
+    ref = json.loads(unzstd(os.path.join(FIXTURES, "tokenizers", "reference.json.zst")))
+    pipe = json.loads(unzstd(os.path.join(FIXTURES, "tokenizers", "pipelines.json.zst")))
+    groups = [("text", t["text"]) for t in ref["texts"]] + [("probe", p) for p in ref["probes"]] + \
+             [("slice", s["text"]) for s in pipe["slices"]]
+    prompt = ref["texts"][0]["text"][:200]
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in pipe["ids"]:
+            hf = os.path.join(tmp, name)
+            write_tiny_model(hf, name)
+            gguf = os.path.join(tmp, name + ".gguf")
+            run = subprocess.run([os.path.join(args.build, "convert"), "tuna-to-gguf", hf, gguf, "--type", "f16"],
+                                 capture_output=True, text=True)
+            if run.returncode != 0:
+                print(json.dumps({"check": "pipeline", "tokenizer": name, "exported": False,
+                                  "refusal": run.stderr.strip().splitlines()[-1]}))
+                continue
+            pre = next((l for l in run.stdout.splitlines() + run.stderr.splitlines() if "GGUF '" in l), "")
+            llm = Llama(model_path=gguf, vocab_only=True, verbose=False)
+            equal = {"text": 0, "probe": 0, "slice": 0}
+            total = dict.fromkeys(equal, 0)
+            mismatches = []
+            for (group, text), want in zip(groups, pipe["ids"][name]):
+                got = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+                total[group] += 1
+                if got == want:
+                    equal[group] += 1
+                elif len(mismatches) < 3:
+                    first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                    mismatches.append({"group": group, "text": text[max(0, first - 20):first + 20],
+                                       "first_difference_at": first, "llama_cpp": got[first:first + 5],
+                                       "library": want[first:first + 5]})
+            del llm
+            ok = equal == total
+            print(json.dumps({"check": "pipeline", "tokenizer": name, "exported": True, "convert": pre.strip(),
+                              "equal": equal, "of": total, "mismatches": mismatches}))
+            ckpt = os.path.join(tmp, name + "-tuna")
+            subprocess.run([os.path.join(args.build, "convert"), "hf-to-tuna", hf, ckpt], check=True,
+                           capture_output=True)
+            g = argparse.Namespace(gguf=gguf, ckpt=ckpt, prompt=prompt, tokens=args.tokens, build=args.build,
+                                   n_ubatch=512)
+            ok &= generate(g) == 0
+            failed += not ok
+            sys.stdout.flush()
+    return 1 if failed else 0
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="what", required=True)
@@ -131,8 +233,11 @@ def main():
     t = sub.add_parser("tokenize")
     t.add_argument("gguf")
     t.add_argument("format", choices=["llama3", "spm"])
+    a = sub.add_parser("pipelines")
+    a.add_argument("--build", default="build")
+    a.add_argument("--tokens", type=int, default=32)
     args = p.parse_args()
-    return generate(args) if args.what == "generate" else tokenize(args)
+    return {"generate": generate, "tokenize": tokenize, "pipelines": pipelines}[args.what](args)
 
 
 if __name__ == "__main__":
