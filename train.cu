@@ -506,7 +506,6 @@ int run(int argc, char** argv) {
   for (int64_t micro = 0; micro < cfg.layout.grad_accum; micro++)
     micro_batches[micro] = {inputs.data() + micro * window, targets.data() + micro * window,
                             positions.data() + micro * window, cfg.layout.micro_batch, cfg.layout.seq_len};
-  const double flops_per_token = engine->flops_per_token(cfg.layout.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
   int64_t bad_in_a_row = 0;
   bool stopped_early = false;
@@ -531,7 +530,11 @@ int run(int argc, char** argv) {
     r.eta_s = eta.seconds_left(cfg.steps - step, validator.left(step, cfg.steps),
                                periodic_events_left(step, cfg.steps, cfg.ckpt_every));
     r.tokens_per_s = tokens_per_step / r.seconds;
-    // MFU: model FLOPs of the step over what every rank's device could do in the same time.
+    // MFU: model FLOPs of the step over what every rank's device could do in the same time; with document masks,
+    // attention over each token's document, as the kernels compute it (this rank's windows stand for every
+    // replica's).
+    const double flops_per_token = engine->flops_per_token(
+        cfg.document_mask ? attention_span(positions.data(), int64_t(positions.size())) : cfg.layout.seq_len);
     r.mfu = tokens_per_step * flops_per_token / r.seconds / (engine->peak_flops() * world->size());
     if (cfg.gpu_hour_cost > 0) r.cost = r.elapsed_s / 3600.0 * world->size() * cfg.gpu_hour_cost;  // so far
     r.status = engine->status();

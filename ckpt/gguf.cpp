@@ -256,9 +256,6 @@ void add_rope_scaling(GgufWriter& w, const LlamaConfig& config) {
   if (s.attention_factor > 0.0 && std::abs(s.attention_factor - (0.1 * std::log(s.factor) + 1.0)) > 1e-6)
     fail("tuna-to-gguf: the model's yarn attention_factor ", s.attention_factor, " is not llama.cpp's (0.1 ln(factor) ",
          "+ 1 = ", 0.1 * std::log(s.factor) + 1.0, "), which its GGUF would run with");
-  if (!s.truncate)
-    fail("tuna-to-gguf: the model's yarn rope_scaling sets truncate false (a correction range in fractional "
-         "dimensions), which llama.cpp does not implement: its GGUF would rotate positions differently");
   w.add_u32("llama.rope.scaling.original_context_length", uint32_t(s.original_max_position_embeddings));
   w.add_f32("llama.rope.scaling.yarn_beta_fast", float(s.beta_fast));
   w.add_f32("llama.rope.scaling.yarn_beta_slow", float(s.beta_slow));

@@ -48,4 +48,11 @@ std::string StepRecord::line() const {
   return buf;
 }
 
+int64_t attention_span(const int32_t* positions, int64_t n) {
+  if (n <= 0) return 0;
+  double sum = 0;
+  for (int64_t i = 0; i < n; i++) sum += 2.0 * positions[i] + 1.0;
+  return std::llround(sum / static_cast<double>(n));
+}
+
 }  // namespace tuna

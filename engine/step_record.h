@@ -28,4 +28,11 @@ struct StepRecord {
   std::string line() const;
 };
 
+// The window length whose causal attention costs what these tokens' does under document masks, for MFU's model
+// FLOPs (model_flops_per_token's seq): a token at place p of its document attends p + 1 keys, so a document of L
+// tokens costs L^2 / 2 key blocks of work, as a causal window of L; the mean of 2p + 1 over the tokens is the
+// length that gives every token the same share (a whole window: seq_len; documents of 3 and 5: 34 / 8).
+// positions[i]: the token's place in its document (Loader). Rounded; 0 for no tokens.
+int64_t attention_span(const int32_t* positions, int64_t n);
+
 }  // namespace tuna

@@ -107,8 +107,10 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
          "transformers' dynamic rope scales from; set max_position_embeddings to the original context and remove "
          "this field");
   if (type != "yarn") return;
-  // yarn as transformers 4.57.1 computes it (kernels/cpu/rope.h): `rope_scaling.get("original_max_position_embeddings")
-  // or max_position_embeddings`, so 0 means the default as a missing field does; then the attention factor.
+  // yarn as transformers 4.57.1 computes it. Three fields that 4.46 ignores are read as later versions read them
+  // (the checkpoints that set them are written for those; without them every version computes the same):
+  // original_max_position_embeddings, `rope_scaling.get(...) or max_position_embeddings` (0 means the default, as a
+  // missing field does); mscale and mscale_all_dim, the attention factor when none is given; truncate.
   if (has_original) {
     const int64_t original = get_int(r, "original_max_position_embeddings", where, 0, kRequired, 0, kMaxPositions);
     if (original > 0) s.original_max_position_embeddings = original;
@@ -127,10 +129,11 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
       fail(where, ": yarn's mscale ", mscale, " and mscale_all_dim ", all_dim, " give the attention factor ",
            s.attention_factor, "; expected a positive number");
   }
-  if (r.contains("truncate") && !r["truncate"].is_null()) {
-    if (!r["truncate"].is_boolean()) fail(where, ".truncate: expected true or false, found ", describe(r["truncate"]));
-    s.truncate = r["truncate"].get<bool>();
-  }
+  // truncate (later versions; true by default, and what 4.46 always does) rounds the correction range to whole
+  // dimensions. tuna implements that; false (a ramp over fractional dimensions) is refused, not trained otherwise.
+  if (r.contains("truncate") && !r["truncate"].is_null() && r["truncate"] != json(true))
+    fail(where, ".truncate: ", describe(r["truncate"]), " is not implemented: tuna computes yarn's correction range "
+         "in whole dimensions (truncate true, the default of every transformers version that reads the field)");
   // transformers: `rope_scaling.get("beta_fast") or 32`: missing, null or 0 means the default.
   auto beta = [&](const char* k, double fallback) {
     const double v = get_number(r, k, where, fallback, -1e6, 1e6);
@@ -144,7 +147,7 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
 
 // The rope_scaling object transformers reads back as the same frequencies (null: none). yarn's attention factor
 // is written as a number (whatever mscale gave it), which every version reads; its original context only where it
-// is not max_position_embeddings, and truncate only when off: fields that transformers 4.46 would ignore.
+// is not max_position_embeddings (a field that transformers 4.46 would ignore).
 json rope_scaling_json(const cpu::RopeScaling& s, int64_t max_position_embeddings) {
   if (s.type == "default") return nullptr;
   json j = {{"rope_type", s.type}, {"factor", s.factor}};
@@ -158,7 +161,6 @@ json rope_scaling_json(const cpu::RopeScaling& s, int64_t max_position_embedding
     if (s.attention_factor > 0.0) j["attention_factor"] = s.attention_factor;
     if (s.original_max_position_embeddings != max_position_embeddings)
       j["original_max_position_embeddings"] = s.original_max_position_embeddings;
-    if (!s.truncate) j["truncate"] = false;
   }
   return j;
 }

@@ -76,17 +76,15 @@ void check_scaling(const RopeScaling& scaling, int64_t head_dim) {
 // YaRN (transformers' _compute_yarn_parameters): frequencies that turn fewer than beta_slow times over the
 // original context are interpolated (divided by factor), those that turn more than beta_fast times are kept
 // (extrapolated), and the dimensions in between are blended by a linear ramp over the dimension index. The
-// correction range is computed from the original context, in whole dimensions (floor / ceil) unless `truncate` is
-// off, as transformers does.
+// correction range is computed from the original context, in whole dimensions (floor / ceil), as transformers does.
 void yarn_inv_freq(double* inv_freq, int64_t head_dim, double theta, const RopeScaling& scaling) {
   const double dim = static_cast<double>(head_dim);
   const double original = static_cast<double>(scaling.original_max_position_embeddings);
   auto correction_dim = [&](double rotations) {
     return dim * std::log(original / (rotations * 2.0 * std::numbers::pi)) / (2.0 * std::log(theta));
   };
-  double low = correction_dim(scaling.beta_fast), high = correction_dim(scaling.beta_slow);
-  if (scaling.truncate) low = std::floor(low), high = std::ceil(high);
-  low = std::max(low, 0.0), high = std::min(high, dim - 1.0);
+  const double low = std::max(std::floor(correction_dim(scaling.beta_fast)), 0.0);
+  double high = std::min(std::ceil(correction_dim(scaling.beta_slow)), dim - 1.0);
   if (low == high) high += 0.001;  // transformers' guard against a zero-width ramp
   for (int64_t i = 0; i < head_dim / 2; ++i) {
     const double pos_freq = std::pow(theta, static_cast<double>(2 * i) / dim);

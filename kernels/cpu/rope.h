@@ -12,11 +12,8 @@ namespace tuna::cpu {
 //   linear:  factor;
 //   dynamic: factor and original_max_position_embeddings, which transformers takes from config.json's
 //            max_position_embeddings (not rope_scaling's field of that name: it ignores that one);
-//   yarn:    factor, beta_fast, beta_slow, attention_factor (given, or from mscale / mscale_all_dim, or
-//            0.1 ln(factor) + 1), truncate, and original_max_position_embeddings: rope_scaling's field of that
-//            name, else the config's max_position_embeddings. transformers 4.46 reads neither that field nor
-//            mscale, mscale_all_dim and truncate; later versions do (4.57.1 checked), and the checkpoints that set
-//            them are written for those. Without them every version computes the same frequencies.
+//   yarn:    factor, beta_fast, beta_slow, attention_factor, and original_max_position_embeddings, again the
+//            config's max_position_embeddings.
 struct RopeScaling {
   std::string type = "default";
   double factor = 1.0;
@@ -25,7 +22,6 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
   double beta_fast = 32.0, beta_slow = 1.0;  // yarn's defaults
   double attention_factor = 0.0;             // yarn; 0: not given, 0.1 ln(factor) + 1
-  bool truncate = true;                      // yarn: the correction range in whole dimensions (floor / ceil)
 };
 
 // inv_freq[i] = theta^(-2i/head_dim) for i < head_dim/2, then the scaling's rule. Host-side; the GPU backend

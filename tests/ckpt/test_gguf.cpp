@@ -223,6 +223,14 @@ TEST(Gguf, RopeScalingKeys) {
     EXPECT_NE(std::string(e.what()).find("'dynamic'"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(tmp / "dynamic.gguf"));
+  // yarn's attention factor from mscale / mscale_all_dim (0.976 here) is not the 0.1 ln(factor) + 1 llama.cpp uses.
+  try {
+    export_gguf("tests/fixtures/rope_yarn_original", tmp / "mscale.gguf", GgufWeights::f32, vocabulary(64));
+    ADD_FAILURE() << "yarn with another attention factor exported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("attention_factor"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(tmp / "mscale.gguf"));
 }
 
 TEST(Gguf, TypeNames) {

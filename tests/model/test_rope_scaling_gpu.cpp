@@ -60,7 +60,8 @@ TEST_P(RopeScalingGpu, LogitsLossAndGradientsMatchTransformers) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, RopeScalingGpu, testing::Values("rope_linear", "rope_dynamic", "rope_yarn"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, RopeScalingGpu,
+                         testing::Values("rope_linear", "rope_dynamic", "rope_yarn", "rope_yarn_original"));
 
 TEST(RopeScalingGpuDecode, DynamicGenerationWithACacheEqualsTransformers) {
   TUNA_REQUIRE_GPU();

@@ -63,15 +63,15 @@ FIXTURES = [
     dict(name="rope_yarn", seed=13,
          config=dict(max_position_embeddings=ORIGINAL,
                      rope_scaling={"type": "yarn", "factor": 4.0, "beta_fast": 16.0})),
-    # yarn as published configs write it for later transformers versions, which read three fields 4.46 ignores:
-    # max_position_embeddings the extended context and the original in rope_scaling's own field, the attention
-    # factor from mscale / mscale_all_dim, and truncate off (the correction range in fractional dimensions).
+    # yarn as published configs write it for later transformers versions, which read fields 4.46 ignores:
+    # max_position_embeddings the extended context and the original in rope_scaling's own field, and the attention
+    # factor from mscale / mscale_all_dim.
     # Made with transformers 4.57.1 (the other fixtures with the pinned 4.46.3, which would compute other
     # frequencies for this config).
     dict(name="rope_yarn_original", seed=14, transformers="4.57.1",
          config=dict(max_position_embeddings=ORIGINAL * 4,
                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
-                                   "beta_fast": 16.0, "mscale": 0.8, "mscale_all_dim": 1.0, "truncate": False})),
+                                   "beta_fast": 16.0, "mscale": 0.8, "mscale_all_dim": 1.0})),
 ]
 PINNED = "4.46.3"  # tools/reference/requirements.txt; a fixture names another version when it needs one
 
@@ -82,7 +82,7 @@ CACHE_PROMPT = 28
 def rope_float64(cfg, seq_len):
     """transformers' inverse frequencies and attention factor for a forward whose sequence is seq_len long, in
     float64: 4.46's, and for yarn also the fields that 4.57 reads (original_max_position_embeddings, mscale,
-    mscale_all_dim, truncate), which no 4.46 fixture sets."""
+    mscale_all_dim), which no 4.46 fixture sets."""
     d, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
     kind = rs.get("rope_type", rs.get("type"))
     factor = rs["factor"]
@@ -112,10 +112,8 @@ def rope_float64(cfg, seq_len):
     def correction_dim(rotations):
         return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rs.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), d - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
