@@ -23,7 +23,9 @@
 
 #include "core/error.h"
 #include "core/options.h"
+#include "data/byte_bpe.h"       // describe_pipeline: the normalizer llama.cpp leaves out
 #include "data/tokenizer.h"  // the tokenizer the model carries; the files transformers needs beside it
+#include "data/tokenizer_impl.h"
 #include "ckpt/checkpoint.h"  // read_config_json, resolve_checkpoint
 #include "ckpt/gguf.h"        // export_gguf
 #include "ckpt/hf_convert.h"
@@ -85,6 +87,13 @@ int main(int argc, char** argv) {
                   vocab.tokens.size(), vocab.bos, vocab.eos);
       for (const std::string& name : g.fell_back)
         std::printf("note: %s is f16: its rows are not whole blocks of 32 values\n", name.c_str());
+      // llama.cpp's byte-level BPE normalizes nothing (its own converter writes the same file): said, not refused,
+      // since text that the normalizer leaves alone (all of tools/reference/check_llama_cpp.py's Debian texts with
+      // GPT-NeoX's NFC) tokenizes the same.
+      if (const tuna::ByteBpeModel* m = tokenizer.impl().bpe_model(); m && vocab.model == "gpt2" && !m->normalizers.empty())
+        std::printf("note: llama.cpp does not apply this tokenizer's normalizer (%s): text that it changes (combining "
+                    "marks, compatibility characters) tokenizes differently there than in transformers and tuna\n",
+                    tuna::describe_pipeline(*m).c_str());
       return 0;
     }
     tuna::ConvertReport r;
