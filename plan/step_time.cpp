@@ -299,13 +299,25 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
   const double head_flops = 2.0 * double(n) * double(C) * double(V);
   const double head = (adapters ? 2 : 3) * head_flops / (rates.lm_head * scale.compute) +
                       mem_time(4.0 * double(n) * V, "classifier") + norm_fwd + norm_bwd;
+  // Preference objectives: the log-probs pass runs the head's logits once more (the weighted backward recomputes
+  // them); DPO with adapters adds the reference, the base's forward with the adapters off, per micro-batch.
+  const bool preference = job.objective != "sft";
+  if (preference && job.objective != "dpo" && job.objective != "simpo" && job.objective != "orpo")
+    fail("plan: option 'objective': expected sft, dpo, simpo or orpo, found '", job.objective, "'");
+  const bool reference_forward = job.objective == "dpo" && adapters;
+  const bool precompute = job.objective == "dpo" && !adapters;
+  const double head_fwd = head_flops / (rates.lm_head * scale.compute) + mem_time(4.0 * double(n) * V, "classifier");
+  const double logps_head = preference ? head_fwd : 0.0;
+  const double layer_fwd = layer_fwd_gemm + dequant + att_fwd + layer_mem_fwd;  // one layer's forward alone
+  const double reference_layer = reference_forward ? layer_fwd : 0.0;
+  const double reference_head = reference_forward ? head_fwd + norm_fwd : 0.0;
   const double A = double(job.grad_accum);
   // One micro-batch through one stage: its layers, and the head on the last stage (the embedding lookup costs
   // nothing here). Under 1F1B every stage runs at the pace of the slowest one.
   const double layer_kernels = layer_fwd_gemm + layer_bwd_gemm + lora_fwd + lora_bwd + 2 * dequant + att_fwd +
                                att_bwd + layer_mem_fwd + layer_mem_bwd + recompute;
   const auto micro_kernels = [&](const PipelineStage& s) {
-    return double(s.layers()) * layer_kernels + (s.head ? head : 0.0);
+    return double(s.layers()) * (layer_kernels + reference_layer) + (s.head ? head + logps_head + reference_head : 0.0);
   };
   // Tensor parallel, on the critical path inside a node: per layer two collectives of a bf16 [tokens, hidden] in the
   // forward and two in the backward (two more in a full recompute's forward), one for the vocab-parallel embedding and
@@ -464,6 +476,14 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
       {"loss head", st.head ? A * head : 0.0,
        str("lm_head at ", format_number(rates.lm_head / 1e12, 0), " TFLOP/s, cross-entropy",
            adapters ? "; frozen: no weight gradient" : "")},
+      {"preference: log-probs pass", st.head ? A * logps_head : 0.0,
+       preference ? str(job.objective, ": the head's logits once more (per-token log-probs, then the backward with "
+                                        "per-token weights)")
+                  : "none (sft)"},
+      {"reference forward", A * (Ls * reference_layer + (st.head ? reference_head : 0.0)),
+       reference_forward ? "DPO with adapters: the base's forward with the adapters off, per micro-batch"
+       : precompute      ? "none per step: precomputed once (below)"
+                         : "none"},
       {"recompute", A * Ls * recompute, l.recompute == Recompute::None ? "none" : str(recompute_name(l.recompute), " recompute")},
       {"AdamW and gradient norm", tail.adamw + tail.grad_norm,
        str(human_count(double(tail.owned)), adapters ? " adapter parameters owned" : " parameters owned",
@@ -543,6 +563,14 @@ Prediction predict_layout(const JobSpec& job, const Rates& rates, bool keep_plan
           k.gpu.peak_bf16_flops;
   p.steps = std::ceil(job.tokens / p.tokens_per_step);
   p.wall_s = p.steps * p.step_s;
+  if (precompute) {
+    // One forward of the data with the starting weights (no backward, no optimizer), over the budget's tokens as
+    // the step's micro-batches take them, at the slowest stage's pace.
+    p.precompute_s = p.steps * A * (Ls * layer_fwd + (st.head ? head_fwd + norm_fwd : 0.0)) * (1 + rates.overhead);
+    p.wall_s += p.precompute_s;
+    p.notes.push_back(str("DPO's reference (a full fine-tune): precomputed once before training, ",
+                          format_number(p.precompute_s / 3600, 2), " h (a forward of every token), in the wall time"));
+  }
   p.cost = p.wall_s / 3600 * double(k.gpus()) * job.price_per_gpu_hour;
   p.finishes = job.hours <= 0 || p.wall_s <= job.hours * 3600;
   p.within_budget = job.budget <= 0 || p.cost <= job.budget;

@@ -45,6 +45,7 @@ int main(int argc, char** argv) {
     int64_t lora_rank = 0, search_lora_rank = 16;
     double lora_dropout = 0;
     std::string lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", base_quant = "none";
+    std::string objective = "sft";
     Options o("build/plan", "Plans a training job before it runs: memory per GPU, step time, tokens/s, MFU, wall time, "
                             "cost, and a verdict with what would fit or finish instead.");
     o.add("model", &model, "a model the planner knows (llama-2-7b/13b/70b, llama-3.1-8b/70b, llama-3.2-1b/3b), a "
@@ -70,6 +71,10 @@ int main(int argc, char** argv) {
     o.add("mean_doc_tokens", &mean_doc_tokens,
           "mean tokens per document in the packed windows: attention (masked at document boundaries, the trainer's "
           "default) costs seq_len x mean_doc_tokens / 2 scores per window; 0: one document per window", Bounds::at_least(0));
+    o.add("objective", &objective,
+          "the training objective: sft, or a preference loss over pairs: dpo (its reference: with adapters the base's "
+          "forward per micro-batch, else precomputed once before training), simpo, orpo",
+          {"sft", "dpo", "simpo", "orpo"});
     o.add("lora_rank", &lora_rank, "train adapters of this rank, the base frozen (LoRA); 0: a full fine-tune",
           Bounds::at_least(0));
     o.add("lora_targets", &lora_targets, "the modules with adapters, PEFT's names (comma list)");
@@ -134,6 +139,7 @@ int main(int argc, char** argv) {
     job.layout.bf16_moments = bf16_moments, job.layout.micro_batch = micro_batch, job.layout.seq_len = seq_len;
     job.grad_accum = grad_accum;
     job.mean_doc_tokens = mean_doc_tokens;
+    job.objective = objective;
     job.layout.lora.rank = lora_rank;
     job.layout.lora.targets = parse_lora_targets(lora_targets);
     job.layout.lora.dropout = lora_dropout;
