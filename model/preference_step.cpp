@@ -63,4 +63,23 @@ PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, cons
   return sums;
 }
 
+void precompute_reference_logps(Llama& model, DataLoader& loader, std::vector<double>& chosen,
+                                std::vector<double>& rejected) {
+  TUNA_CHECK(loader.options().eval, "the reference pass reads every pair once: an eval loader");
+  const int64_t B = loader.options().micro_batch, T = loader.options().seq_len, n = B * T;
+  chosen.assign(loader.total_pairs(), 0.0), rejected.assign(loader.total_pairs(), 0.0);
+  std::vector<int32_t> inputs(n), targets(n), positions(n), sequence(n);
+  std::vector<uint8_t> completion(n);
+  std::vector<uint64_t> ids;
+  loader.reset();
+  while (loader.next_pairs(inputs.data(), targets.data(), positions.data(), sequence.data(), completion.data(), &ids)) {
+    const int64_t P = static_cast<int64_t>(ids.size());
+    PairBatch b{inputs.data(), targets.data(), positions.data(), PairRows{sequence.data(), completion.data(), n, P}, B, T};
+    std::vector<double> c(P), r(P);
+    llama_pair_logps(model, b, /*adapters_off=*/false, c.data(), r.data());
+    for (int64_t p = 0; p < P; p++) chosen[ids[p]] = c[p], rejected[ids[p]] = r[p];
+  }
+  loader.reset();
+}
+
 }  // namespace tuna

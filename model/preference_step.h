@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "data/loader.h"
 #include "model/llama.h"
 #include "model/objective.h"
 
@@ -34,5 +35,11 @@ PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, cons
 // Each pair's summed completion log-probs under the model (adapters_off: the base alone), into chosen and rejected
 // (one per pair): the reference's precompute pass.
 void llama_pair_logps(Llama& model, const PairBatch& batch, bool adapters_off, double* chosen, double* rejected);
+
+// DPO's reference precompute pass (data/reference_logps.h): every pair window of `loader` (an eval loader: each once,
+// this rank's share under dp) through the model, each pair's summed completion log-probs written at its pair id into
+// chosen and rejected (sized to loader.total_pairs(); what other ranks compute stays 0, for the caller's sum).
+void precompute_reference_logps(Llama& model, DataLoader& loader, std::vector<double>& chosen,
+                                std::vector<double>& rejected);
 
 }  // namespace tuna

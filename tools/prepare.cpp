@@ -85,7 +85,7 @@ void declare(tuna::Options& o, tuna::PrepareOptions& p, WideFlags& w, bool* no_e
         "rejected, the loss mask on the completions, in pair shards");
   o.add("seq_len", &p.seq_len,
         "--preference: the trainer's seq_len; a pair whose two documents together are longer is dropped and counted "
-        "(over_seq_len), never cut. 0: no limit", Bounds::closed(0, int64_t{1} << 40));
+        "(over_seq_len), never cut. 0: no limit", tuna::Bounds::closed(0, double(int64_t{1} << 40)));
   o.add("chat_template", &p.chat_template,
         "SFT and preference messages: llama3, llama2, or auto (the model's own, from its tokenizer_config.json or its special "
         "tokens; other templates are refused)");
