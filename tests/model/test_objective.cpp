@@ -9,7 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
+#include "comm/comm.h"
 #include "ckpt/checkpoint.h"  // load_weights
 #include "ckpt/peft.h"        // read_peft_adapter_config
 #include "ckpt/safetensors.h"
@@ -343,6 +345,58 @@ TEST(PreferenceReference, PrecomputedOnceReusedAndRefusedWhenChanged) {
                     rc.data(), rr.data()};
   const PreferenceSums s = llama_pair_step(model, config, b, PreferenceStep{int64_t(ids.size()), 0}, false);
   EXPECT_NEAR(s.loss / s.pairs, std::log(2.0), 1e-6);
+}
+
+// Tensor parallelism, the tp ranks as threads: the vocab-parallel log-probs and the weighted backward through the
+// split head give TRL's loss on every rank and TRL's gradient, each rank its block of every tensor.
+TEST(PreferenceParallel, TensorParallelRanksFollowTrl) {
+  PreferenceFixture fx("llama32_tiny");  // tied embedding, GQA (2 kv heads: tp 2)
+  const PackedPairs b = pack(fx.meta.at("pairs"), /*one_row=*/true);
+  SafetensorsFile grads_file(fx.dir / "grads.safetensors");
+  const Fixture f(fx.base);
+  for (const char* name : {"dpo_sigmoid_rpo", "orpo"}) {
+    const nlohmann::json& c = fx.cases().at(name);
+    const ObjectiveConfig config = config_of(c);
+    const int tp = 2;
+    std::vector<std::unique_ptr<Comm>> comms = make_local_comms(tp, 60);
+    std::vector<std::string> failures(tp);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < tp; r++)
+      threads.emplace_back([&, r] {
+        try {
+          Llama model(f.config, b.batch, b.seq, LlamaParallel{comms[r].get()});
+          load_weights(f.dir, model.layout(), model.params.data());
+          model.zero_grads();
+          const std::vector<double> rc = c.at("ref_chosen_logps"), rr = c.at("ref_rejected_logps");
+          PairBatch batch{b.inputs.data(), b.targets.data(), b.positions.data(), b.rows(), b.batch, b.seq};
+          if (config.needs_reference()) batch.ref_chosen = rc.data(), batch.ref_rejected = rr.data();
+          const PreferenceStep step{b.pairs, count_nll_tokens(config, b.rows(), b.targets.data())};
+          const PreferenceSums s = llama_pair_step(model, config, batch, step, true);
+          const double P = static_cast<double>(s.pairs), want = c.at("loss");
+          if (!(std::abs(s.loss / P - want) <= 1e-5 * std::abs(want)))
+            failures[r] += str("loss ", s.loss / P, ", TRL's ", want, "\n");
+          for (const ParamTensor& t : model.layout().tensors()) {
+            int64_t whole = 1;
+            for (int64_t d : t.global_shape) whole *= d;
+            std::vector<float> g(whole);
+            grads_file.read_f32(std::string(name) + ".grad." + t.name, t.global_shape, g.data());
+            std::vector<double> block;  // this rank's part: global.narrow(split_dim, split_begin, shape[split_dim])
+            const int64_t cols = t.global_shape.size() == 2 ? t.global_shape[1] : 1;
+            for (int64_t i = 0; i < t.numel; i++) {
+              const int64_t row = t.shape.size() == 2 ? i / t.shape[1] : i, col = t.shape.size() == 2 ? i % t.shape[1] : 0;
+              const int64_t gr = row + (t.split_dim == 0 ? t.split_begin : 0), gc = col + (t.split_dim == 1 ? t.split_begin : 0);
+              block.push_back(g[gr * cols + gc]);
+            }
+            const double e = testing_util::rel_err_norm(model.grads.data() + t.offset, block.data(), t.numel, 1.0 / P);
+            if (!(e <= 1e-5)) failures[r] += str(t.name, ": gradient ", e, " from TRL's\n");
+          }
+        } catch (const std::exception& e) {
+          failures[r] = e.what();
+        }
+      });
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < tp; r++) EXPECT_EQ(failures[r], "") << name << " tp rank " << r;
+  }
 }
 }  // namespace
 }  // namespace tuna
