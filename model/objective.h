@@ -11,7 +11,8 @@
 //
 // Normalization (the trainer's one division per step, llama.h LossSum): a step's loss is
 //   mean over the step's pairs of the pair loss  +  alpha * (chosen NLL summed over the step's NLL tokens) / tokens
-// TRL's mean over the batch and its token-mean cross-entropy. The objective returns sums: the pair losses plus
+// TRL's mean over the batch and its token-mean cross-entropy. (One TRL quirk is not copied: DPO's rpo NLL passes
+// ignore_index=0, so TRL also skips completion tokens of id 0; here every completion token counts.) The objective returns sums: the pair losses plus
 // alpha * pairs / tokens * NLL, with pairs and tokens the whole step's (all micro-batches and ranks), so that the
 // trainer's division by the step's pairs gives exactly that.
 #pragma once
@@ -122,9 +123,9 @@ void gather_pair_logps(const ObjectiveConfig& config, const PairRows& rows, cons
 // The NLL tokens of these rows (what gather_pair_logps counts), for the step's normalizer before any forward.
 int64_t count_nll_tokens(const ObjectiveConfig& config, const PairRows& rows, const int32_t* targets);
 
-// One weight per token for the weighted backward: w[i] = -d loss_sum / d logp[i], from each pair's gradient (divided
-// by the completion's tokens where the loss averages) and the NLL token weight; 0 where the target is ignored or
-// outside every term.
+// One weight per token for the weighted backward: w[i] = -d loss_sum / d logp[i], from each pair's gradient (already
+// per summed log-prob: preference_loss divides by the completion's tokens where the loss averages) and the NLL token
+// weight; 0 where the target is ignored or outside every term.
 void preference_token_weights(const ObjectiveConfig& config, const PairRows& rows, const int32_t* targets,
                               std::span<const PairLogps> pairs, std::span<const PairGrad> grads,
                               double nll_token_weight, float* weights);
