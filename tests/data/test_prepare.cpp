@@ -571,6 +571,23 @@ TEST_F(PrepareTest, PreferencePairsInBothFormatsAndBadRecordsByReason) {
   }
 }
 
+// The shipped demo pairs prepare whole: every record is read and accounted for, and the kept ones are pair shards.
+TEST_F(PrepareTest, ShippedDemoPairsPrepare) {
+  TempDir dir;
+  PrepareOptions o = base_options(dir.file("out"));
+  o.inputs = {(testing_data::demo_corpus().parent_path().parent_path() / "preference" / "pairs.jsonl").string()};
+  o.preference = true;
+  o.seq_len = 1024;  // the suite's tokenizer has 400 pieces: ~2 characters a token
+  o.val_fraction = 0.1;
+  const PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.documents_read, 290u);
+  EXPECT_EQ(sum_of_outcomes(r), r.documents_read);
+  EXPECT_GE(r.documents_kept(), 250u) << report_summary(r);
+  EXPECT_GT(r.val.documents, 0u);
+  EXPECT_EQ(r.train.documents % 2, 0u);
+  for (const std::string& path : r.train.shards) EXPECT_TRUE(ShardReader(path).has_pairs()) << path;
+}
+
 // A prompt with an assistant turn of its own: only the completion's turn trains.
 TEST_F(PrepareTest, PreferencePromptTurnsAreContext) {
   const testing_data::TokenizerFixtures& f = testing_data::TokenizerFixtures::get();
