@@ -82,7 +82,7 @@ ObjectiveConfig make_objective_config(const std::string& objective, double beta,
     fail("option 'rpo_alpha': an SFT term on top of a preference loss; --objective sft is all SFT already");
   if (reference == "model")
     fail("option 'reference': a live frozen copy of the model doubles its weight memory and is not made; with "
-         "adapters (--lora_r) the reference is the base with the adapters off (--reference adapters), and for a full "
+         "adapters (--lora_rank) the reference is the base with the adapters off (--reference adapters), and for a full "
          "fine-tune --reference precompute computes the reference log-probs once, before training, and caches them "
          "beside the shards");
   if (reference == "auto") {
@@ -94,7 +94,7 @@ ObjectiveConfig make_objective_config(const std::string& objective, double beta,
       fail("option 'reference': --objective ", objective, " has no reference model (only dpo has one); leave it at auto");
     c.reference = reference == "adapters" ? ReferenceSource::Adapters : ReferenceSource::Precompute;
     if (c.reference == ReferenceSource::Adapters && !adapters)
-      fail("option 'reference': adapters needs LoRA (--lora_r): the reference is then the base with the adapters off; "
+      fail("option 'reference': adapters needs LoRA (--lora_rank): the reference is then the base with the adapters off; "
            "a full fine-tune uses --reference precompute");
   } else {
     fail("option 'reference': expected auto, adapters or precompute, found '", reference, "'");
