@@ -153,9 +153,8 @@ Support objective_support(const ObjectiveConfig& objective, const MemoryLayout& 
   if (l.pp > 1)
     return not_implemented("--objective ", name, " with --pp ", l.pp, ": not implemented yet (the pipeline driver runs ",
                            "the next-token loss only); use --pp 1");
-  if (l.dp > 1 || l.tp > 1)
-    return not_implemented("--objective ", name, " over ", l.dp * l.tp, " ranks (dp ", l.dp, ", tp ", l.tp,
-                           "): not implemented yet (one rank runs the preference objectives); run one rank");
+  // dp (ZeRO 0-3) and tp (sp too) run: the step's pairs, NLL tokens and metrics are summed over dp, the vocab-parallel
+  // log-probs give every tp rank the whole sums.
   return {};
 }
 
