@@ -286,7 +286,7 @@ ReferenceInputs reference_inputs(const TrainConfig& cfg, const RunStart& start) 
   in.model_text = str(start.model.to_json().dump(), weights.empty() ? str(" seed ", cfg.seed, " std ", cfg.init_std) : "",
                       " lora ", cfg.adapters.lora_rank, " ", cfg.adapters.lora_alpha, " ", cfg.adapters.lora_targets, " ",
                       cfg.adapters.base_quant);
-  in.options_text = str("seq_len ", cfg.layout.seq_len, " micro_batch ", cfg.layout.micro_batch, " document_mask ",
+  in.options_text = str("seq_len ", cfg.layout.seq_len, " document_mask ",
                         cfg.document_mask, " positions ", cfg.document_positions, " rope ", cfg.layout.rope_scaling);
   return in;
 }
