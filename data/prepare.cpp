@@ -660,6 +660,13 @@ void list_run_inputs(PrepareRun& run) {
       case InputSkip::unreadable: return run.report.files_unreadable.add(what);
     }
   });
+  // Preference pairs are JSONL records: a text file among the inputs (a README beside pairs.jsonl) would become a
+  // document of no pair, so it is refused by name before anything is read.
+  if (run.options.preference)
+    for (const InputFile& f : run.files)
+      if (f.kind != InputKind::jsonl)
+        fail("prepare --preference: ", f.path, " is not a JSONL file (.jsonl, maybe .gz or .zst): preference "
+             "pairs are JSONL records in TRL's formats; give the JSONL files themselves");
   std::tie(run.first, run.last) = share_of(run.files, run.rank, run.ranks);
   for (size_t f = run.first; f < run.last; ++f) run.share_bytes += run.files[f].bytes;
 }

@@ -586,6 +586,15 @@ TEST_F(PrepareTest, ShippedDemoPairsPrepare) {
   EXPECT_GT(r.val.documents, 0u);
   EXPECT_EQ(r.train.documents % 2, 0u);
   for (const std::string& path : r.train.shards) EXPECT_TRUE(ShardReader(path).has_pairs()) << path;
+  // The directory itself holds a README beside the pairs: refused by name, not written as a pair of one document.
+  o.inputs = {(testing_data::demo_corpus().parent_path().parent_path() / "preference").string()};
+  o.out_dir = dir.file("out2");
+  try {
+    prepare_corpus(o);
+    ADD_FAILURE() << "a text file among --preference inputs was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("README.md is not a JSONL file"), std::string::npos) << e.what();
+  }
 }
 
 // A prompt with an assistant turn of its own: only the completion's turn trains.
