@@ -26,6 +26,8 @@ nlohmann::json StepRecord::json() const {
   if (std::isfinite(status.gpu_mb)) r["gpu_mem_mb"] = status.gpu_mb, r["gpu_peak_mem_mb"] = status.gpu_peak_mb;
   if (std::isfinite(status.gpu_util)) r["gpu_util"] = status.gpu_util;
   if (std::isfinite(cost)) r["cost"] = cost;
+  // A preference step's count is of pairs (its loss is a mean over them), not of tokens.
+  if (!preference.empty()) r.erase("tokens"), r["pairs"] = tokens;
   for (const auto& [key, value] : preference.items()) r[key] = value;
   return r;
 }

@@ -114,7 +114,7 @@ TEST_P(TrainFollowsTrl, TenAdamWSteps) {
     const double want_loss = c.at("train_losses")[s], want_norm = c.at("grad_norms")[s];
     EXPECT_NEAR(row.at("loss").get<double>(), want_loss, 1e-5 * std::max(1e-2, want_loss)) << "step " << s + 1;
     EXPECT_NEAR(row.at("grad_norm").get<double>(), want_norm, 1e-5 * std::max(1e-2, want_norm)) << "step " << s + 1;
-    EXPECT_EQ(row.at("tokens").get<int64_t>(), 3) << "pairs of step " << s + 1;
+    EXPECT_EQ(row.at("pairs").get<int64_t>(), 3) << "pairs of step " << s + 1;
     for (const char* key : {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
                             "logps/chosen", "logps/rejected"})
       ASSERT_TRUE(row.contains(key)) << key;
@@ -188,7 +188,7 @@ TEST(TrainPreference, FullFineTuneDpoWithPrecomputedReferenceResumesAndReuses) {
   const auto split = steps(tmp / "split" / "metrics.jsonl");
   ASSERT_EQ(split.size(), 12u);
   for (int64_t s = 1; s <= 12; s++)
-    for (const char* key : {"loss", "grad_norm", "tokens", "rewards/chosen", "rewards/rejected", "rewards/margins",
+    for (const char* key : {"loss", "grad_norm", "pairs", "rewards/chosen", "rewards/rejected", "rewards/margins",
                             "rewards/accuracies", "logps/chosen", "logps/rejected"})
       EXPECT_EQ(split.at(s).at(key).dump(), straight.at(s).at(key).dump()) << "step " << s << " " << key;
   const fs::path a = tmp / "straight" / "ckpt" / "step_00000012", b = tmp / "split" / "ckpt" / "step_00000012";
