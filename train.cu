@@ -47,6 +47,7 @@
 #include "engine/adapters.h"  // Adapters: what trains (every parameter, or LoRA adapters on a frozen base)
 #include "engine/checkpointer.h"  // Checkpointer: every / keep / last, save and restore
 #include "engine/engine.h"     // Engine: the model on cpu or cuda, the step's collectives and optimizer
+#include "engine/preference.h"  // Preference: the objective (sft, or dpo/simpo/orpo over pairs)
 #include "engine/step_record.h"   // StepRecord: one step's jsonl row and log line
 #include "engine/validator.h"  // Validator: when to validate, and the held-out loss
 #include "model/config.h"      // LlamaConfig
@@ -93,6 +94,7 @@ struct TrainConfig {
   std::string document_positions = "restart";  // RoPE positions restart at each document (or continue)
   LayoutOptions layout;    // the parallel layout and the step's batch (engine/engine.h): shared with build/plan
   AdapterOptions adapters;  // LoRA (engine/adapters.h): shared with build/plan in part
+  PreferenceOptions objective;  // the training objective (engine/preference.h)
 };
 
 void declare(Options& o, TrainConfig& c) {
@@ -156,6 +158,7 @@ void declare(Options& o, TrainConfig& c) {
         Bounds::closed(0, 1e6));
   declare_adapter_shape(o, c.adapters);
   declare_adapter_training(o, c.adapters);
+  declare_preference_options(o, c.objective);
   o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none",
         Bounds::closed(0, 1e9));
 }
@@ -263,6 +266,29 @@ RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
   apply_rope_scaling(r.model, r.config_json, cfg.layout.rope_scaling, "rope_scaling", config_path);
   check_seq_len(r.model, cfg.layout.seq_len, "seq_len", config_path);
   return r;
+}
+
+// What DPO's precomputed reference is keyed by besides the shards (data/reference_logps.h): the starting weights' files
+// (the frozen base's and --lora_init's with adapters; a model drawn from scratch by its config and draw), and the
+// options that change a pair's log-probs.
+ReferenceInputs reference_inputs(const TrainConfig& cfg, const RunStart& start) {
+  ReferenceInputs in;
+  const auto add_weights = [&](const fs::path& dir) {
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
+    std::sort(files.begin(), files.end());
+    in.weight_files.insert(in.weight_files.end(), files.begin(), files.end());
+  };
+  const fs::path weights = start.adapters.enabled() ? start.adapters.base() : start.init_dir;
+  if (!weights.empty()) add_weights(weights);
+  if (!cfg.adapters.lora_init.empty()) add_weights(resolve_checkpoint(cfg.adapters.lora_init));
+  in.model_text = str(start.model.to_json().dump(), weights.empty() ? str(" seed ", cfg.seed, " std ", cfg.init_std) : "",
+                      " lora ", cfg.adapters.lora_rank, " ", cfg.adapters.lora_alpha, " ", cfg.adapters.lora_targets, " ",
+                      cfg.adapters.base_quant);
+  in.options_text = str("seq_len ", cfg.layout.seq_len, " document_mask ",
+                        cfg.document_mask, " positions ", cfg.document_positions, " rope ", cfg.layout.rope_scaling);
+  return in;
 }
 
 EngineOptions engine_options(const TrainConfig& cfg, const RunStart& start, const LaunchInfo& launch) {
@@ -432,6 +458,9 @@ int run(int argc, char** argv) {
   const MemoryLayout layout = engine_memory_layout(start.model, eo, mesh);
   if (cfg.plan_only) require_valid(start.model, layout, eo.device);
   else require_support(start.model, layout, eo.device);
+  // The objective (engine/preference.h): what its passes run on is the support table's too.
+  Preference preference(cfg.objective, start.adapters.enabled());
+  if (!cfg.plan_only) require_objective_support(preference.config(), layout, eo.device);
   if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
   // Each rank reads (or draws) only its own pieces; a resume restores after construction, but a frozen base is read at
   // every start (the checkpoint holds the adapters alone).
@@ -462,13 +491,29 @@ int run(int argc, char** argv) {
   // Data, and the components the loop calls: the checkpointer, the validator, the metrics and the ETA.
   LoaderOptions train_opts{cfg.layout.seq_len, cfg.layout.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
                            start.model.vocab_size, false, start.tokenizer.fingerprint, start.tokenizer.description};
-  DataLoader train(expand_shard_paths(split_list(cfg.train_data), ShardRole::Train), train_opts);
+  const std::vector<std::string> train_shards = expand_shard_paths(split_list(cfg.train_data), ShardRole::Train);
+  DataLoader train(train_shards, train_opts);
+  preference.check_data(train, "train_data");
   if (saved_cursor) train.set_cursor(*saved_cursor);
   LoaderOptions val_opts = train_opts;
   val_opts.eval = true;
-  Validator validator(cfg.val_data.empty() ? nullptr
-                                           : std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data), ShardRole::Val), val_opts),
+  const std::vector<std::string> val_shards =
+      cfg.val_data.empty() ? std::vector<std::string>() : expand_shard_paths(split_list(cfg.val_data), ShardRole::Val);
+  Validator validator(val_shards.empty() ? nullptr : std::make_unique<DataLoader>(val_shards, val_opts),
                       cfg.val_every, cfg.val_batches);
+  if (validator.enabled()) preference.check_data(*validator.data(), "val_data");
+  validator.set_objective(&preference, mesh.dp.get());
+  if (preference.enabled()) std::printf("%s\n", preference.describe().c_str());
+  // DPO's precomputed reference: the starting weights' log-probs of every pair, before the first step (a resume and a
+  // second run read them back).
+  if (preference.config().reference == ReferenceSource::Precompute) {
+    const ReferenceInputs inputs = reference_inputs(cfg, start);
+    DataLoader pass(train_shards, val_opts);
+    preference.prepare_reference(*engine, train_shards, pass, inputs, !start.resume_from, true, *world, mesh.dp.get());
+    if (validator.enabled())
+      preference.prepare_reference(*engine, val_shards, *validator.data(), inputs, !start.resume_from, false, *world,
+                                   mesh.dp.get());
+  }
   const int64_t tokens_per_step = cfg.layout.micro_batch * cfg.layout.seq_len * cfg.layout.grad_accum * mesh.dp_size;
   print_run_shape(cfg, start, *engine, train, tokens_per_step);
   Checkpointer checkpointer(fs::path(cfg.out_dir) / "ckpt", cfg.ckpt_every, cfg.ckpt_keep, *world, mesh,
@@ -512,9 +557,14 @@ int run(int argc, char** argv) {
   while (step < last_step) {
     const auto t0 = std::chrono::steady_clock::now();
     engine->begin_step();
-    for (int64_t micro = 0; micro < cfg.layout.grad_accum; micro++)
-      train.next(inputs.data() + micro * window, targets.data() + micro * window, positions.data() + micro * window);
-    LossSum loss = engine->forward_backward_step(micro_batches);
+    LossSum loss;
+    if (preference.enabled()) {
+      loss = preference.step(*engine, train, cfg.layout.grad_accum, mesh.dp.get());  // {loss sum, pairs}
+    } else {
+      for (int64_t micro = 0; micro < cfg.layout.grad_accum; micro++)
+        train.next(inputs.data() + micro * window, targets.data() + micro * window, positions.data() + micro * window);
+      loss = engine->forward_backward_step(micro_batches);
+    }
     inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only
     if (nan_loss_for_tests(world->rank(), step)) loss.sum = NAN;
     const double lr = learning_rate(cfg.opt, step, cfg.steps);
@@ -538,6 +588,7 @@ int run(int argc, char** argv) {
     r.mfu = tokens_per_step * flops_per_token / r.seconds / (engine->peak_flops() * world->size());
     if (cfg.gpu_hour_cost > 0) r.cost = r.elapsed_s / 3600.0 * world->size() * cfg.gpu_hour_cost;  // so far
     r.status = engine->status();
+    if (preference.enabled()) r.preference = preference.metrics();
     metrics.write(r.json());
     if (step % cfg.log_every == 0 || step == last_step || step == first_step + 1) {
       std::printf("%s\n", r.line().c_str());

@@ -109,6 +109,9 @@ RunMetrics read_run_metrics(const fs::path& run_dir) {
       run.end = j;
     } else if (j.contains("val_loss")) {
       if (j["val_loss"].is_number()) val[step] = j["val_loss"].get<double>();
+      // A preference objective's held-out metrics (engine/preference.h): curves beside the training ones.
+      for (const char* key : {"val_rewards/accuracies", "val_rewards/margins"})
+        if (j.contains(key) && j[key].is_number()) run.series[key].emplace_back(double(step), j[key].get<double>());
     } else {
       steps[step] = std::move(j);
     }
@@ -468,8 +471,10 @@ namespace {
 struct Plots {
   Plot loss{"Loss", "cross-entropy"}, lr{"Learning rate", "lr"}, norm{"Gradient norm (before clipping)", "norm", true},
       tokens{"Throughput", "tokens/s"}, mfu{"MFU", "% of peak bf16"}, memory{"Memory", "MB"},
-      time{"Elapsed and ETA", "hours"}, cost{"Cost", "$"};
-  std::vector<const Plot*> all() const { return {&loss, &lr, &norm, &tokens, &mfu, &memory, &time, &cost}; }
+      time{"Elapsed and ETA", "hours"}, cost{"Cost", "$"}, rewards{"Preference rewards", "reward"};
+  std::vector<const Plot*> all() const {
+    return {&loss, &rewards, &lr, &norm, &tokens, &mfu, &memory, &time, &cost};
+  }
 };
 
 Plots plot_runs(const std::vector<RunMetrics>& runs) {
@@ -477,12 +482,19 @@ Plots plot_runs(const std::vector<RunMetrics>& runs) {
   auto color = [&](size_t run, const char* own) { return overlay ? kRunColors[run % 8] : own; };
   auto label = [&](size_t run, const std::string& what) { return overlay ? runs[run].name + " " + what : what; };
   Plots plots;
-  auto& [loss, lr, norm, tokens, mfu, memory, time, cost] = plots;
+  auto& [loss, lr, norm, tokens, mfu, memory, time, cost, rewards] = plots;
   for (size_t i = 0; i < runs.size(); i++) {
     const RunMetrics& r = runs[i];
     loss.add({label(i, "train"), color(i, "#1f77b4"), series_of(r, "loss")});
     loss.add({label(i, "validation"), color(i, "#ff7f0e"), r.val_loss, Series::Style::LineDots, overlay});
     lr.add({label(i, "lr"), color(i, "#2ca02c"), series_of(r, "lr")});
+    // Preference objectives: TRL's reward margin and accuracy, on the steps' pairs and on the held-out ones.
+    rewards.add({label(i, "rewards/margins"), color(i, "#1f77b4"), series_of(r, "rewards/margins")});
+    rewards.add({label(i, "rewards/accuracies"), color(i, "#2ca02c"), series_of(r, "rewards/accuracies")});
+    rewards.add({label(i, "validation margins"), color(i, "#ff7f0e"), series_of(r, "val_rewards/margins"),
+                 Series::Style::LineDots, overlay});
+    rewards.add({label(i, "validation accuracies"), color(i, "#d62728"), series_of(r, "val_rewards/accuracies"),
+                 Series::Style::LineDots, overlay});
     norm.add({label(i, "grad norm"), color(i, "#9467bd"), series_of(r, "grad_norm")});
     Points clipped;
     const Points& scale = series_of(r, "clip_scale");

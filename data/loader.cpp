@@ -277,6 +277,28 @@ DataLoader::DataLoader(const std::vector<std::string>& shard_specs, const Loader
 
   const uint64_t T = static_cast<uint64_t>(options.seq_len);
   window_begin_.push_back(0);
+  pair_begin_.push_back(0);
+  // Pair windows of shard s: its pairs in order, as many to a window as fit in T tokens.
+  auto pack_pairs = [&](const ShardReader& shard, size_t s) -> uint64_t {
+    const size_t before = pair_windows_.size();
+    PairWindow window{static_cast<uint32_t>(s), 0, 0};
+    uint64_t used = 0;
+    for (uint64_t p = 0; p < shard.pair_count(); ++p) {
+      const uint64_t tokens = shard.document(2 * p + 1).second - shard.document(2 * p).first;
+      if (tokens > T)
+        fail("shard ", shard.path(), ": preference pair ", p, " holds ", tokens, " tokens (prompt + chosen, prompt + "
+             "rejected), more than seq_len ", T, ": a pair is never cut or split over windows; prepare the data with "
+             "--preference --seq_len ", T, " (which drops such pairs, counting them) or train with a longer seq_len");
+      if (window.pairs > 0 && used + tokens > T) {
+        pair_windows_.push_back(window);
+        window.first_pair = p, window.pairs = 0, used = 0;
+      }
+      window.pairs++, used += tokens;
+    }
+    if (window.pairs > 0) pair_windows_.push_back(window);
+    pair_begin_.push_back(pair_begin_.back() + shard.pair_count());
+    return pair_windows_.size() - before;
+  };
   for (const std::string& path : expand_shard_paths(shard_specs)) {
     ShardReader shard(path);
     if (shard.vocab_size() > static_cast<uint64_t>(options.vocab_size))
@@ -299,9 +321,16 @@ DataLoader::DataLoader(const std::vector<std::string>& shard_specs, const Loader
              "): the shards of one run must come from one tokenizer");
     }
     const uint64_t n = shard.token_count();
+    if (shards_.empty()) pairs_ = shard.has_pairs();
+    if (shard.has_pairs() != pairs_)
+      fail("shard ", path, pairs_ ? " holds no preference pairs, but " : " holds preference pairs, but ",
+           shards_.front().path(), pairs_ ? " does" : " does not",
+           ": the shards of one run are all pairs (prepare --preference) or none");
     // Training takes whole windows only. Evaluation scores every token once: a shard's tail (or a shard
     // shorter than a window: one short SFT conversation) is one more window, padded after its last token.
-    const uint64_t windows = options.eval ? (n >= 2 ? (n - 2) / T + 1 : 0) : (n >= T + 1 ? (n - 1) / T : 0);
+    // Pair shards: whole pairs packed into windows (see loader.h), the same for training and evaluation.
+    const uint64_t windows = pairs_ ? pack_pairs(shard, shards_.size())
+                             : options.eval ? (n >= 2 ? (n - 2) / T + 1 : 0) : (n >= T + 1 ? (n - 1) / T : 0);
     if (windows == 0) ++short_shards_;
     total_tokens_ += n;
     window_begin_.push_back(window_begin_.back() + windows);
@@ -347,20 +376,13 @@ uint64_t DataLoader::window_at(uint64_t epoch, uint64_t position) const {
 
 bool DataLoader::next(int32_t* inputs, int32_t* targets) { return next(inputs, targets, nullptr); }
 
-bool DataLoader::next(int32_t* inputs, int32_t* targets, int32_t* positions) {
-  const int64_t T = options_.seq_len, B = options_.micro_batch;
+bool DataLoader::next_windows(std::vector<uint64_t>& windows) {
+  const int64_t B = options_.micro_batch;
+  windows.clear();
   if (options_.eval) {
     if (position_ >= per_rank_) return false;
-    for (int64_t b = 0; b < B; ++b, ++position_) {
-      uint64_t window = position_ < per_rank_ ? window_at(0, position_) : total_windows();
-      if (window < total_windows()) {
-        fill_row(window, inputs + b * T, targets + b * T, positions ? positions + b * T : nullptr);
-      } else {
-        if (positions) std::fill(positions + b * T, positions + (b + 1) * T, 0);
-        std::fill(inputs + b * T, inputs + (b + 1) * T, 0);
-        std::fill(targets + b * T, targets + (b + 1) * T, cpu::kIgnoreIndex);
-      }
-    }
+    for (int64_t b = 0; b < B; ++b, ++position_)
+      windows.push_back(position_ < per_rank_ ? window_at(0, position_) : total_windows());  // past N: padding
     position_ = std::min(position_, per_rank_);
     return true;
   }
@@ -373,10 +395,92 @@ bool DataLoader::next(int32_t* inputs, int32_t* targets, int32_t* positions) {
       position_ = 0;
       order = WindowPermutation(total_windows(), options_.seed, epoch_);
     }
-    fill_row(order(position_ * dp + rank), inputs + b * T, targets + b * T, positions ? positions + b * T : nullptr);
+    windows.push_back(order(position_ * dp + rank));
     ++position_;
   }
   return true;
+}
+
+bool DataLoader::next(int32_t* inputs, int32_t* targets, int32_t* positions) {
+  if (pairs_)
+    fail("data: the shards hold preference pairs (", shards_.front().path(), "): train them with a preference "
+         "objective (--objective dpo, simpo or orpo)");
+  const int64_t T = options_.seq_len;
+  if (!next_windows(windows_)) return false;
+  for (size_t b = 0; b < windows_.size(); ++b) {
+    if (windows_[b] < total_windows()) {
+      fill_row(windows_[b], inputs + b * T, targets + b * T, positions ? positions + b * T : nullptr);
+    } else {
+      if (positions) std::fill(positions + b * T, positions + (b + 1) * T, 0);
+      std::fill(inputs + b * T, inputs + (b + 1) * T, 0);
+      std::fill(targets + b * T, targets + (b + 1) * T, cpu::kIgnoreIndex);
+    }
+  }
+  return true;
+}
+
+bool DataLoader::next_pairs(int32_t* inputs, int32_t* targets, int32_t* positions, int32_t* sequence,
+                            uint8_t* completion, std::vector<uint64_t>* pair_ids) {
+  if (!pairs_)
+    fail("data: a preference objective needs shards of preference pairs (prepare --preference); ",
+         shards_.front().path(), " holds plain documents");
+  TUNA_CHECK(positions && sequence && completion && pair_ids, "next_pairs needs every output");
+  const int64_t T = options_.seq_len;
+  pair_ids->clear();
+  if (!next_windows(windows_)) return false;
+  for (size_t b = 0; b < windows_.size(); ++b) {
+    if (windows_[b] < total_windows()) {
+      fill_pair_row(windows_[b], inputs + b * T, targets + b * T, positions + b * T, sequence + b * T,
+                    completion + b * T, pair_ids);
+    } else {
+      std::fill(positions + b * T, positions + (b + 1) * T, 0);
+      std::fill(inputs + b * T, inputs + (b + 1) * T, 0);
+      std::fill(targets + b * T, targets + (b + 1) * T, cpu::kIgnoreIndex);
+      std::fill(sequence + b * T, sequence + (b + 1) * T, -1);
+      std::fill(completion + b * T, completion + (b + 1) * T, 0);
+    }
+  }
+  return true;
+}
+
+void DataLoader::fill_pair_row(uint64_t w, int32_t* inputs, int32_t* targets, int32_t* positions, int32_t* sequence,
+                               uint8_t* completion, std::vector<uint64_t>* pair_ids) {
+  const PairWindow& window = pair_windows_[w];
+  const ShardReader& shard = shards_[window.shard];
+  const int64_t T = options_.seq_len;
+  const int64_t vocab = std::min<int64_t>(options_.vocab_size, shard.vocab_size());
+  const uint8_t* mask = shard.mask_data();
+  int64_t at = 0;
+  for (uint64_t p = window.first_pair; p < window.first_pair + window.pairs; ++p) {
+    const int32_t pair = static_cast<int32_t>(pair_ids->size());
+    pair_ids->push_back(pair_begin_[window.shard] + p);
+    for (int half = 0; half < 2; ++half) {
+      const auto [begin, end] = shard.document(2 * p + half);
+      const int64_t n = static_cast<int64_t>(end - begin);
+      shard.read_tokens(begin, end - begin, inputs + at);
+      for (int64_t j = 0; j < n; ++j) {
+        const int32_t token = inputs[at + j];
+        if (token < 0 || token >= vocab)
+          fail("shard ", shard.path(), ": token ", begin + j, " is ", static_cast<uint32_t>(token), ", outside ",
+               vocab == options_.vocab_size ? "the model's vocabulary" : "the vocabulary its header declares", " [0, ",
+               vocab, ")");
+        if (mask[begin + j] > 1)
+          fail("shard ", shard.path(), ": loss mask of token ", begin + j, " must be 0 or 1, found ", int{mask[begin + j]});
+        positions[at + j] = static_cast<int32_t>(j);
+        sequence[at + j] = 2 * pair + half;
+        const bool last = j + 1 == n;
+        targets[at + j] = last ? cpu::kIgnoreIndex : static_cast<int32_t>(shard.token(begin + j + 1));
+        completion[at + j] = last ? 0 : mask[begin + j + 1];
+      }
+      at += n;
+    }
+  }
+  TUNA_CHECK(at <= T, "pair window ", w, " holds ", at, " tokens for seq_len ", T);
+  std::fill(inputs + at, inputs + T, 0);
+  std::fill(targets + at, targets + T, cpu::kIgnoreIndex);
+  std::fill(positions + at, positions + T, 0);
+  std::fill(sequence + at, sequence + T, -1);
+  std::fill(completion + at, completion + T, 0);
 }
 
 void DataLoader::fill_row(uint64_t window, int32_t* inputs, int32_t* targets, int32_t* positions) {

@@ -25,6 +25,16 @@
 // ceil(N / dp) positions so all ranks make the same number of calls, and a position past N (and the tail
 // of the last batch) is a padding row: inputs 0, targets all kIgnoreIndex, so it adds nothing to a loss.
 //
+// Preference pairs (shards of version 3 with the pairs flag, data/shard.h). A pair never straddles two windows, and
+// many share one: pair windows are packed once, at open, greedily in shard order: a window takes the shard's next
+// pairs while their documents' tokens (prompt + chosen, prompt + rejected) fit in T, each document whole and
+// consecutive, its positions restarting, the rest of the window padding (inputs 0, targets kIgnoreIndex). A
+// document's targets are its own next tokens (its last token's is kIgnoreIndex), the prompt's too, so that ORPO's
+// NLL can take them; PairRows says which sequence each token is in and whether its target is a completion token.
+// A pair longer than T is an error naming the shard and the pair (prepare --preference --seq_len drops them). The
+// order, the split over ranks, eval padding and the cursor are those of plain windows. The shards of one loader are
+// all pair shards or none.
+//
 // Cursor. (epoch, position): position counts the windows this rank has taken in `epoch`. It is the same
 // number on every rank (they move in lockstep), so one cursor in state.json serves them all, and it does
 // not depend on micro_batch. set_cursor(c) makes the following batches equal to those the original run
@@ -112,6 +122,11 @@ class DataLoader {
   // returns true. Eval: returns false (writing nothing) once the pass is over; call reset() to run it
   // again. A token id outside [0, vocab_size) is a tuna::Error naming the shard, the token index, the value.
   bool next(int32_t* inputs, int32_t* targets);
+  // Pair shards: the same, and the micro-batch's sequences (model/objective.h PairRows): sequence[B * T] (2p, 2p + 1
+  // for the micro-batch's pair p, -1 for padding), completion[B * T], and *pair_ids (cleared, then one per pair: its
+  // index among all pairs of all shards, the key of a precomputed reference). positions are required.
+  bool next_pairs(int32_t* inputs, int32_t* targets, int32_t* positions, int32_t* sequence, uint8_t* completion,
+                  std::vector<uint64_t>* pair_ids);
   // The same, and document boundaries: positions[b * T + j] is input token j's position inside its
   // document (0 where a document starts), so that a trainer can restart positions or mask attention at
   // boundaries. A padding row of the eval pass gets positions 0. With SFT shards, targets already carry the
@@ -131,6 +146,10 @@ class DataLoader {
   uint64_t total_tokens() const { return total_tokens_; }          // in all shards
   size_t shard_count() const { return shards_.size(); }
   size_t short_shards() const { return short_shards_; }  // shards with fewer than T + 1 tokens
+  bool pairs() const { return pairs_; }                  // the shards hold preference pairs
+  uint64_t total_pairs() const { return pair_begin_.empty() ? 0 : pair_begin_.back(); }
+  // Pairs that pair window w holds (pair shards).
+  uint32_t pairs_in_window(uint64_t w) const { return pair_windows_[w].pairs; }
   const ShardReader& shard(size_t i) const { return shards_[i]; }
 
   // The global window index that this rank reads at (epoch, position) in training mode; exposed for tests.
@@ -138,6 +157,15 @@ class DataLoader {
 
  private:
   void fill_row(uint64_t window, int32_t* inputs, int32_t* targets, int32_t* positions);
+  // A pair window's row; sequence numbers start at 2 * *pairs, which grows by the window's pairs.
+  void fill_pair_row(uint64_t window, int32_t* inputs, int32_t* targets, int32_t* positions, int32_t* sequence,
+                     uint8_t* completion, std::vector<uint64_t>* pair_ids);
+  // The windows of this rank's next batch (training: continuing into the next epoch; eval: past N is padding).
+  bool next_windows(std::vector<uint64_t>& windows);
+  struct PairWindow {
+    uint32_t shard = 0, pairs = 0;
+    uint64_t first_pair = 0;  // in its shard
+  };
 
   LoaderOptions options_;
   std::vector<ShardReader> shards_;
@@ -151,6 +179,10 @@ class DataLoader {
   uint64_t fingerprint_ = 0;
   uint64_t position_ = 0;
   std::vector<int32_t> row_;  // T + 1 tokens of the window being copied
+  bool pairs_ = false;
+  std::vector<PairWindow> pair_windows_;  // pair shards: every window, in window order
+  std::vector<uint64_t> pair_begin_;      // pair shards: pairs in shards before s; back() = all pairs
+  std::vector<uint64_t> windows_;         // scratch: this batch's windows
 };
 
 // A bijection of [0, n) drawn from (seed, epoch); see the comment at the top. Exposed for tests.

@@ -45,8 +45,12 @@ struct Record {
 struct Document {
   std::string prompt, text;
   std::string joined;  // SFT only: prompt + '\n' + response (or the conversation), what filters and dedup see
-  std::vector<ChatMessage> messages;  // SFT conversations; then text is empty
+  std::vector<ChatMessage> messages;  // SFT conversations (then text is empty); a preference record's prompt messages
   bool no_template = false;           // a conversation, but the model's chat template is unknown
+  // A preference record: prompt (plain) or messages (conversational) is the prompt; these the two completions.
+  bool pair = false, conversational = false;
+  std::string chosen, rejected;
+  std::vector<ChatMessage> chosen_messages, rejected_messages;
   std::string_view whole() const { return joined.empty() ? std::string_view(text) : std::string_view(joined); }
 };
 
@@ -202,6 +206,49 @@ std::string where(const std::vector<InputFile>& files, const Record& r) {
   return r.line ? str(files[r.file].path, ":", r.line) : files[r.file].path;
 }
 
+// A message list: [{"role": string, "content": string}, ...]; false for anything else.
+bool read_messages(const nlohmann::json& j, std::vector<ChatMessage>* out) {
+  if (!j.is_array()) return false;
+  for (const nlohmann::json& m : j) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+        !m["content"].is_string())
+      return false;
+    out->push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+  }
+  return true;
+}
+
+// A preference record in one of TRL's formats (data/prepare.h): plain strings, or message lists whose prompt is the
+// "prompt" list or, without one, the leading messages chosen and rejected share (TRL's extract_prompt).
+Outcome extract_pair(const nlohmann::json& j, Document* doc) {
+  doc->pair = true;
+  const auto chosen = j.find("chosen"), rejected = j.find("rejected"), prompt = j.find("prompt");
+  if (chosen == j.end() || rejected == j.end()) return Outcome::missing_field;
+  if (chosen->is_string() && rejected->is_string()) {
+    if (prompt == j.end() || !prompt->is_string()) return Outcome::missing_field;
+    doc->prompt = prompt->get<std::string>();
+    doc->chosen = chosen->get<std::string>(), doc->rejected = rejected->get<std::string>();
+    return Outcome::kept;
+  }
+  doc->conversational = true;
+  if (!read_messages(*chosen, &doc->chosen_messages) || !read_messages(*rejected, &doc->rejected_messages))
+    return Outcome::missing_field;
+  if (prompt != j.end()) {
+    if (!read_messages(*prompt, &doc->messages)) return Outcome::missing_field;
+    return Outcome::kept;
+  }
+  size_t shared = 0;
+  auto same = [](const ChatMessage& a, const ChatMessage& b) { return a.role == b.role && a.content == b.content; };
+  while (shared < doc->chosen_messages.size() && shared < doc->rejected_messages.size() &&
+         same(doc->chosen_messages[shared], doc->rejected_messages[shared]))
+    ++shared;
+  doc->messages.assign(doc->chosen_messages.begin(), doc->chosen_messages.begin() + static_cast<int64_t>(shared));
+  doc->chosen_messages.erase(doc->chosen_messages.begin(), doc->chosen_messages.begin() + static_cast<int64_t>(shared));
+  doc->rejected_messages.erase(doc->rejected_messages.begin(),
+                               doc->rejected_messages.begin() + static_cast<int64_t>(shared));
+  return Outcome::kept;
+}
+
 // Record -> raw document (JSON decoding). kept, or the malformed outcome.
 Outcome extract(const InputFile& file, Record& record, const PrepareOptions& o, Document* doc, bool* repaired) {
   if (record.preset != Outcome::kept) return record.preset;
@@ -224,6 +271,7 @@ Outcome extract(const InputFile& file, Record& record, const PrepareOptions& o, 
     *out = it->get<std::string>();
     return true;
   };
+  if (o.preference) return extract_pair(j, doc);
   if (o.sft && j.contains("messages")) {
     const nlohmann::json& messages = j["messages"];
     if (!messages.is_array() || messages.empty()) return Outcome::missing_field;
@@ -281,6 +329,59 @@ Outcome clean_conversation(const PrepareOptions& o, const ChatSetup* chat, Docum
   return Outcome::kept;
 }
 
+// A preference record cleaned field by field and message by message, then its own checks: an empty prompt or
+// completion, identical completions, and for conversations the chat template's (a completion of assistant turns
+// only). Filters and dedup see the prompt and both completions, joined.
+Outcome clean_pair(const PrepareOptions& o, const ChatSetup* chat, Document* doc, CleanResult* flags) {
+  std::string cleaned;
+  auto clean = [&](std::string& text) {
+    CleanResult f;
+    if (!clean_text(text, o.clean, &cleaned, &f)) return false;
+    text = std::move(cleaned);
+    flags->invalid_utf8 |= f.invalid_utf8, flags->nul_bytes |= f.nul_bytes, flags->control_chars |= f.control_chars;
+    return true;
+  };
+  auto blank_messages = [](const std::vector<ChatMessage>& ms) {
+    return std::all_of(ms.begin(), ms.end(), [](const ChatMessage& m) { return is_blank(m.content); });
+  };
+  if (!doc->conversational) {
+    for (std::string* text : {&doc->prompt, &doc->chosen, &doc->rejected})
+      if (!clean(*text)) return flags->invalid_utf8 = true, Outcome::invalid_utf8;
+    if (is_blank(doc->prompt)) return Outcome::empty_prompt;
+    if (is_blank(doc->chosen) || is_blank(doc->rejected)) return Outcome::empty_completion;
+    if (doc->chosen == doc->rejected) return Outcome::identical_completions;
+    doc->joined = doc->prompt + "\n" + doc->chosen + "\n" + doc->rejected;
+    return Outcome::kept;
+  }
+  for (auto* list : {&doc->messages, &doc->chosen_messages, &doc->rejected_messages})
+    for (ChatMessage& m : *list)
+      if (!clean(m.content)) return flags->invalid_utf8 = true, Outcome::invalid_utf8;
+  if (blank_messages(doc->messages)) return Outcome::empty_prompt;  // also: no prompt messages at all
+  if (blank_messages(doc->chosen_messages) || blank_messages(doc->rejected_messages))
+    return Outcome::empty_completion;
+  auto same = [](const ChatMessage& a, const ChatMessage& b) { return a.role == b.role && a.content == b.content; };
+  if (std::equal(doc->chosen_messages.begin(), doc->chosen_messages.end(), doc->rejected_messages.begin(),
+                 doc->rejected_messages.end(), same))
+    return Outcome::identical_completions;
+  for (const auto* list : {&doc->messages, &doc->chosen_messages, &doc->rejected_messages})
+    for (const ChatMessage& m : *list) doc->joined += m.role + "\n" + m.content + "\n";
+  if (chat && !chat->resolved) {
+    doc->no_template = true;
+    return Outcome::bad_chat;
+  }
+  if (chat) {
+    for (const auto* completion : {&doc->chosen_messages, &doc->rejected_messages}) {
+      for (const ChatMessage& m : *completion)
+        if (m.role != "assistant") return Outcome::bad_chat;  // a completion is the assistant's turn(s)
+      std::vector<ChatMessage> whole = doc->messages;
+      whole.insert(whole.end(), completion->begin(), completion->end());
+      std::string why;
+      if (!validate_chat(chat->format, whole, &why)) return Outcome::bad_chat;
+    }
+  }
+  return Outcome::kept;
+}
+
 // extract + clean + quality filters: the document as it will be tokenized, or why it is dropped.
 // filter: false in pass 2, which decodes only documents that passed every filter in pass 1. chat: the
 // template conversations are checked against (null: not checked, in the tokenizer-training pass).
@@ -292,6 +393,12 @@ Outcome decode(const InputFile& file, Record& record, const PrepareOptions& o, D
   Outcome outcome = extract(file, record, o, doc, &repaired);
   record.bytes = {};
   if (outcome != Outcome::kept) return outcome;
+  if (doc->pair) {
+    flags->invalid_utf8 = repaired;
+    outcome = clean_pair(o, filter ? chat : nullptr, doc, flags);
+    if (outcome != Outcome::kept || !filter) return outcome;
+    return quality_outcome(quality_check(doc->whole(), o.quality, measure));
+  }
   if (!doc->messages.empty()) {
     flags->invalid_utf8 = repaired;
     outcome = clean_conversation(o, filter ? chat : nullptr, doc, flags);
@@ -322,7 +429,7 @@ bool is_filter_outcome(Outcome o) {
 // The hash that exact dedup and the train/val split use. For SFT, the response hashed with the prompt's
 // hash as seed, so that moving text between prompt and response makes another record.
 uint64_t exact_hash(const Document& doc) {
-  if (!doc.messages.empty()) return XXH3_64bits(doc.joined.data(), doc.joined.size());
+  if (doc.pair || !doc.messages.empty()) return XXH3_64bits(doc.joined.data(), doc.joined.size());
   if (doc.joined.empty()) return XXH3_64bits(doc.text.data(), doc.text.size());
   return XXH3_64bits_withSeed(doc.text.data(), doc.text.size(), XXH3_64bits(doc.prompt.data(), doc.prompt.size()));
 }
@@ -520,6 +627,12 @@ void check_options(const PrepareOptions& options) {
     fail("prepare: --near-verify must lie in [0, 1], found ", options.near_verify);
   if (options.sft && (options.prompt_field.empty() || options.response_field.empty()))
     fail("prepare: --sft needs non-empty --prompt-field and --response-field");
+  if (options.preference && options.sft)
+    fail("prepare: --preference and --sft are two kinds of shards; choose one");
+  if (options.seq_len < 0) fail("prepare: --seq-len must be at least 0, found ", options.seq_len);
+  if (options.seq_len > 0 && !options.preference)
+    fail("prepare: --seq-len is the length preference pairs must fit (--preference); other documents pack across "
+         "windows and need none");
 }
 
 // One rank's run: the inputs it reads and what it reports. Every step below reads it.
@@ -547,6 +660,13 @@ void list_run_inputs(PrepareRun& run) {
       case InputSkip::unreadable: return run.report.files_unreadable.add(what);
     }
   });
+  // Preference pairs are JSONL records: a text file among the inputs (a README beside pairs.jsonl) would become a
+  // document of no pair, so it is refused by name before anything is read.
+  if (run.options.preference)
+    for (const InputFile& f : run.files)
+      if (f.kind != InputKind::jsonl)
+        fail("prepare --preference: ", f.path, " is not a JSONL file (.jsonl, maybe .gz or .zst): preference "
+             "pairs are JSONL records in TRL's formats; give the JSONL files themselves");
   std::tie(run.first, run.last) = share_of(run.files, run.rank, run.ranks);
   for (size_t f = run.first; f < run.last; ++f) run.share_bytes += run.files[f].bytes;
 }
@@ -581,7 +701,7 @@ Tokenizer open_out_dir_and_tokenizer(PrepareRun& run, int64_t* model_vocab) {
 // the first conversation, since a run of prompt/response records needs none).
 ChatSetup chat_setup(const PrepareOptions& options, const Tokenizer& tokenizer, PrepareReport& report) {
   ChatSetup chat;
-  if (!options.sft) return chat;
+  if (!options.sft && !options.preference) return chat;
   try {
     chat.format = resolve_chat_format(tokenizer, options.chat_template);
     chat.resolved = true;
@@ -715,15 +835,64 @@ struct Tokenized {
   Outcome outcome = Outcome::kept;
   std::vector<int32_t> tokens;
   std::vector<uint8_t> mask;
+  std::vector<int32_t> rejected_tokens;  // a preference pair: tokens / mask are prompt + chosen, these + rejected
+  std::vector<uint8_t> rejected_mask;
   uint64_t hash = 0;
   uint64_t dropped_bytes = 0;  // bytes of the text the tokenizer drops
   QualityMeasure measure;  // of a filtered document, for dropped.jsonl
 };
 
+// A conversation's completion: the prompt messages and the completion's rendered, the mask kept on the completion's
+// assistant turns only (each turn's trained tokens are one run of 1s, as render_chat marks them; the prompt's own
+// assistant turns, earlier runs, become context).
+bool render_completion(const CachedEncoder& encoder, const Tokenizer& tokenizer, ChatFormat format,
+                       const std::vector<ChatMessage>& prompt, const std::vector<ChatMessage>& completion,
+                       std::vector<int32_t>* tokens, std::vector<uint8_t>* mask, std::string* why) {
+  std::vector<ChatMessage> whole = prompt;
+  whole.insert(whole.end(), completion.begin(), completion.end());
+  RenderedChat r;
+  if (!render_chat(encoder, tokenizer, format, whole, &r, why)) return false;
+  size_t keep = completion.size(), runs = 0;
+  for (size_t i = r.mask.size(); i-- > 0;) {
+    if (r.mask[i] && (i + 1 == r.mask.size() || !r.mask[i + 1])) ++runs;  // the end of a run, walking back
+    if (runs > keep) r.mask[i] = 0;
+  }
+  *tokens = std::move(r.tokens), *mask = std::move(r.mask);
+  return true;
+}
+
+// A preference record's two documents (data/prepare.h), or over_seq_len when they do not fit one window together.
+void tokenize_pair(const Document& doc, const Tokenizer& tokenizer, const CachedEncoder& encoder,
+                   const ChatSetup& chat, int64_t seq_len, Tokenized& t) {
+  if (doc.conversational) {
+    std::string why;
+    if (!render_completion(encoder, tokenizer, chat.format, doc.messages, doc.chosen_messages, &t.tokens, &t.mask, &why) ||
+        !render_completion(encoder, tokenizer, chat.format, doc.messages, doc.rejected_messages, &t.rejected_tokens,
+                           &t.rejected_mask, &why))
+      throw Error(why);
+  } else {
+    std::vector<int32_t> prompt;
+    if (tokenizer.bos_id() >= 0) prompt.push_back(tokenizer.bos_id());
+    encoder.encode(doc.prompt, &prompt);
+    for (int half = 0; half < 2; ++half) {
+      std::vector<int32_t>& tokens = half == 0 ? t.tokens : t.rejected_tokens;
+      std::vector<uint8_t>& mask = half == 0 ? t.mask : t.rejected_mask;
+      tokens = prompt;
+      encoder.encode(half == 0 ? doc.chosen : doc.rejected, &tokens);
+      if (tokenizer.eos_id() >= 0) tokens.push_back(tokenizer.eos_id());
+      mask.assign(tokens.size(), 1);
+      std::fill(mask.begin(), mask.begin() + static_cast<int64_t>(prompt.size()), 0);
+    }
+  }
+  if (seq_len > 0 && static_cast<int64_t>(t.tokens.size() + t.rejected_tokens.size()) > seq_len)
+    t.outcome = Outcome::over_seq_len;
+}
+
 void tokenize_document(const Document& doc, const Tokenizer& tokenizer, const CachedEncoder& encoder,
-                       const ChatSetup& chat, bool sft, Tokenized& t) {
+                       const ChatSetup& chat, bool sft, Tokenized& t, int64_t seq_len = 0) {
   t.hash = exact_hash(doc);
   try {
+    if (doc.pair) return tokenize_pair(doc, tokenizer, encoder, chat, seq_len, t);
     if (!doc.messages.empty()) {
       RenderedChat chat_tokens;
       std::string why;
@@ -767,9 +936,11 @@ void tokenize_and_write(PrepareRun& run, const Tokenizer& tokenizer, const ChatS
   char prefix[16] = "";
   if (run.ranks > 1) std::snprintf(prefix, sizeof prefix, "-r%05d", run.rank);
   const uint64_t fingerprint = tokenizer.fingerprint();
-  SplitWriter train(options.out_dir, str("train", prefix), vocab, fingerprint, options.shard_tokens, options.sft,
-                    &report.train);
-  SplitWriter val(options.out_dir, str("val", prefix), vocab, fingerprint, options.shard_tokens, options.sft, &report.val);
+  const bool masked = options.sft || options.preference;
+  SplitWriter train(options.out_dir, str("train", prefix), vocab, fingerprint, options.shard_tokens, masked,
+                    &report.train, options.preference);
+  SplitWriter val(options.out_dir, str("val", prefix), vocab, fingerprint, options.shard_tokens, masked, &report.val,
+                  options.preference);
   {
     RecordReader records(files, run.first, run.last, options, nullptr);
     Prefetcher reader(records);
@@ -800,21 +971,25 @@ void tokenize_and_write(PrepareRun& run, const Tokenizer& tokenizer, const ChatS
           t.outcome = Outcome::count_;  // pass 1 kept it: the file changed under us
           continue;
         }
-        tokenize_document(doc, tokenizer, encoder, chat, options.sft, t);
+        tokenize_document(doc, tokenizer, encoder, chat, options.sft, t, options.seq_len);
       }
       for (size_t i = 0; i < n; ++i) {
         Tokenized& t = out[i];
         if (t.outcome == Outcome::count_)
           fail("prepare: the inputs changed during the run: ", where(files, batch[i]), " reads differently in pass 2");
         if (t.outcome == Outcome::kept) {
-          (unit(t.hash) < options.val_fraction ? val : train).add(t.tokens, t.mask);
+          SplitWriter& split = unit(t.hash) < options.val_fraction ? val : train;
+          if (options.preference)
+            split.add_pair(t.tokens, t.mask, t.rejected_tokens, t.rejected_mask);
+          else
+            split.add(t.tokens, t.mask);
           report.outcome[static_cast<size_t>(Outcome::kept)].add(where(files, batch[i]));
           if (t.dropped_bytes) {
             report.dropped_bytes += t.dropped_bytes;
             report.dropped_byte_documents.add(where(files, batch[i]));
           }
         } else if (t.outcome == Outcome::exact_duplicate || t.outcome == Outcome::near_duplicate ||
-                   t.outcome == Outcome::tokenize_failed) {
+                   t.outcome == Outcome::tokenize_failed || t.outcome == Outcome::over_seq_len) {
           // Decided after pass 1 read the record: counted here, where its location is at hand.
           report.outcome[static_cast<size_t>(t.outcome)].add(where(files, batch[i]));
         }

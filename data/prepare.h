@@ -53,6 +53,14 @@ struct PrepareOptions {
   bool sft = false;
   std::string prompt_field = "prompt", response_field = "response";
   std::string chat_template = "auto";  // llama3 | llama2 | auto (the model's, see resolve_chat_format)
+  // Preference pairs (TRL's formats): JSONL records of "prompt", "chosen" and "rejected" strings (plain), or
+  // "chosen" and "rejected" message lists with an explicit "prompt" list or a shared leading part (conversational,
+  // rendered through the chat template). Each record becomes two documents, prompt + chosen and prompt + rejected,
+  // the loss mask on the completion's tokens only, in pair shards (data/shard.h, version 3). A record whose prompt
+  // or a completion is empty, whose completions are the same, or whose two documents together exceed seq_len (when
+  // set: a pair is never cut, and must fit one training window) is counted by reason and not written.
+  bool preference = false;
+  int64_t seq_len = 0;  // preference: the trainer's seq_len the pairs must fit (0: no limit)
   uint64_t max_document_bytes = uint64_t{64} << 20;  // a longer line or file is counted 'oversized', skipped
   // Inside an input directory, follow symbolic links that lead out of it or to a directory (data/input.h).
   bool follow_symlinks = false;
@@ -113,6 +121,11 @@ enum class Outcome : uint8_t {
   too_long,
   low_alpha,
   repeated_lines,
+  // preference pairs (prepare --preference)
+  empty_prompt,           // nothing left of the prompt after cleaning
+  empty_completion,       // nothing left of the chosen or the rejected completion
+  identical_completions,  // the chosen and the rejected completion are the same
+  over_seq_len,           // prompt + chosen and prompt + rejected together are longer than seq_len
   // deduplicated
   exact_duplicate,
   near_duplicate,

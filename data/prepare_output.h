@@ -94,9 +94,11 @@ class DroppedList {
 // One split's shards: train-00000.bin, ... (train-r00001-00000.bin, ... for rank 1 of several).
 class SplitWriter {
  public:
+  // pairs: preference pairs (add_pair only), each pair whole in one shard.
   SplitWriter(std::string dir, std::string name, uint32_t vocab_size, uint64_t fingerprint, uint64_t shard_tokens,
-              bool with_mask, PrepareReport::Split* split)
-      : dir_(std::move(dir)),
+              bool with_mask, PrepareReport::Split* split, bool pairs = false)
+      : pairs_(pairs),
+        dir_(std::move(dir)),
         name_(std::move(name)),
         vocab_size_(vocab_size),
         fingerprint_(fingerprint),
@@ -104,15 +106,35 @@ class SplitWriter {
         with_mask_(with_mask),
         split_(split) {}
 
+  // A preference pair: its two documents in one shard (the shard rolls over before the pair, never inside it).
+  void add_pair(const std::vector<int32_t>& chosen, const std::vector<uint8_t>& chosen_mask,
+                const std::vector<int32_t>& rejected, const std::vector<uint8_t>& rejected_mask) {
+    roll(chosen.size() + rejected.size());
+    append(chosen, chosen_mask);
+    append(rejected, rejected_mask);
+  }
+
   void add(const std::vector<int32_t>& tokens, const std::vector<uint8_t>& mask) {
-    if (writer_ && writer_->token_count() > 0 && writer_->token_count() + tokens.size() > shard_tokens_)
-      finish();
+    roll(tokens.size());
+    append(tokens, mask);
+  }
+
+ private:
+  bool pairs_ = false;
+
+  // A new shard when this many more tokens would overflow the current one.
+  void roll(size_t tokens) {
+    if (writer_ && writer_->token_count() > 0 && writer_->token_count() + tokens > shard_tokens_) finish();
     if (!writer_) {
       char file[96];
       std::snprintf(file, sizeof file, "%s-%05zu%s", name_.c_str(), shards_, kShardExtension);
-      writer_ = std::make_unique<ShardWriter>((std::filesystem::path(dir_) / file).string(), vocab_size_, with_mask_, fingerprint_);
+      writer_ = std::make_unique<ShardWriter>((std::filesystem::path(dir_) / file).string(), vocab_size_, with_mask_,
+                                              fingerprint_, pairs_);
       ++shards_;
     }
+  }
+
+  void append(const std::vector<int32_t>& tokens, const std::vector<uint8_t>& mask) {
     if (with_mask_)
       writer_->add_document(tokens, mask);
     else
@@ -121,6 +143,7 @@ class SplitWriter {
     split_->tokens += tokens.size();
   }
 
+ public:
   void finish() {
     if (!writer_) return;
     writer_->finish();

@@ -24,6 +24,10 @@ const char* outcome_name(Outcome outcome) {
     case Outcome::too_long: return "too_long";
     case Outcome::low_alpha: return "low_alpha";
     case Outcome::repeated_lines: return "repeated_lines";
+    case Outcome::empty_prompt: return "empty_prompt";
+    case Outcome::empty_completion: return "empty_completion";
+    case Outcome::identical_completions: return "identical_completions";
+    case Outcome::over_seq_len: return "over_seq_len";
     case Outcome::exact_duplicate: return "exact_duplicate";
     case Outcome::near_duplicate: return "near_duplicate";
     case Outcome::tokenize_failed: return "tokenize_failed";
@@ -101,7 +105,8 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
       {"shard_format",
        {{"version", kShardVersion},
         {"token_width", shard_token_width(static_cast<uint32_t>(std::max(r.vocab_size, 1)))},
-        {"loss_mask", o.sft}}},
+        {"loss_mask", o.sft || o.preference},
+        {"preference_pairs", o.preference}}},
       {"options",
        {{"inputs", o.inputs},
         {"val_fraction", o.val_fraction},
@@ -110,6 +115,8 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
         {"chat_template", o.chat_template},
         {"prompt_field", o.prompt_field},
         {"response_field", o.response_field},
+        {"preference", o.preference},
+        {"seq_len", o.seq_len},
         {"max_document_bytes", o.max_document_bytes},
         {"drop_invalid_utf8", o.clean.drop_invalid_utf8},
         {"keep_whitespace", o.clean.keep_whitespace},
@@ -160,8 +167,12 @@ PrepareReport report_from_json(const nlohmann::json& j) {
     r.files_damaged = tally(files.at("damaged"));
     r.documents_read = j.at("documents").at("read").get<uint64_t>();
     r.dropped_lists = j.at("documents").at("dropped_lists").get<std::vector<std::string>>();
-    for (size_t k = 0; k < kOutcomes; ++k)
-      r.outcome[k] = tally(j.at("documents").at("outcomes").at(outcome_name(static_cast<Outcome>(k))));
+    // An outcome a report of an earlier version does not list (the preference ones) counted nothing there.
+    const nlohmann::json& outcomes = j.at("documents").at("outcomes");
+    for (size_t k = 0; k < kOutcomes; ++k) {
+      const char* name = outcome_name(static_cast<Outcome>(k));
+      r.outcome[k] = outcomes.contains(name) ? tally(outcomes.at(name)) : Tally{};
+    }
     r.repaired_utf8 = tally(j.at("repairs").at("invalid_utf8"));
     r.removed_nul = tally(j.at("repairs").at("nul_bytes"));
     r.removed_control = tally(j.at("repairs").at("control_chars"));
@@ -208,10 +219,10 @@ std::string report_summary(const PrepareReport& r) {
                         r.documents_read - r.documents_kept(), " dropped\n");
   out += str("  kept              ", r.documents_kept(), "   (train ", r.train.documents, ", val ",
              r.val.documents, ")\n");
-  const char* groups[] = {"malformed:", "filtered:", "deduplicated:"};
-  const Outcome starts[] = {Outcome::malformed_json, Outcome::empty, Outcome::exact_duplicate};
+  const char* groups[] = {"malformed:", "filtered:", "preference pairs:", "deduplicated:"};
+  const Outcome starts[] = {Outcome::malformed_json, Outcome::empty, Outcome::empty_prompt, Outcome::exact_duplicate};
   for (size_t k = 1; k < kOutcomes; ++k) {
-    for (size_t g = 0; g < 3; ++g)
+    for (size_t g = 0; g < 4; ++g)
       if (static_cast<size_t>(starts[g]) == k) out += str(" ", groups[g], "\n");
     out += line(outcome_name(static_cast<Outcome>(k)), r.outcome[k]);
   }

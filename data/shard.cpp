@@ -81,13 +81,16 @@ uint32_t shard_token_width(uint32_t vocab_size) { return vocab_size <= 65536 ? 2
 // ---------------------------------------------------------------------------------------------------
 // ShardWriter
 
-ShardWriter::ShardWriter(std::string path, uint32_t vocab_size, bool with_mask, uint64_t tokenizer_fingerprint)
+ShardWriter::ShardWriter(std::string path, uint32_t vocab_size, bool with_mask, uint64_t tokenizer_fingerprint,
+                         bool pairs)
     : path_(std::move(path)),
       vocab_size_(vocab_size),
       width_(shard_token_width(vocab_size)),
       with_mask_(with_mask),
+      pairs_(pairs),
       fingerprint_(tokenizer_fingerprint) {
   if (vocab_size == 0) fail("shard ", path_, ": vocab_size must be at least 1, found 0");
+  TUNA_CHECK(!pairs || with_mask, "shard ", path_, ": preference pairs need the loss mask (their completions)");
   std::string tmp = path_ + ".tmp";
   out_ = std::fopen(tmp.c_str(), "wb");
   if (!out_) fail("shard ", path_, ": cannot create ", tmp, ": ", errno_text());
@@ -171,6 +174,8 @@ void ShardWriter::flush_buffer() {
 
 void ShardWriter::finish() {
   TUNA_CHECK(!finished_, "shard ", path_, " finished twice");
+  if (pairs_ && document_count() % 2 != 0)
+    fail("shard ", path_, ": a shard of preference pairs holds an even number of documents, found ", document_count());
   flush_buffer();
   const uint64_t token_bytes = token_count() * width_;
   const uint8_t zeros[8] = {};
@@ -194,7 +199,7 @@ void ShardWriter::finish() {
   std::memcpy(header, kShardMagic, sizeof kShardMagic);
   put<uint32_t>(header + 8, kShardVersion);
   put<uint32_t>(header + 12, width_);
-  put<uint32_t>(header + 16, with_mask_ ? kShardFlagLossMask : 0);
+  put<uint32_t>(header + 16, (with_mask_ ? kShardFlagLossMask : 0) | (pairs_ ? kShardFlagPairs : 0));
   put<uint32_t>(header + 20, vocab_size_);
   put<uint64_t>(header + 24, token_count());
   put<uint64_t>(header + 32, document_count());
@@ -256,9 +261,15 @@ ShardReader::ShardReader(std::string path) : path_(std::move(path)) {
              ", expected 0 (a damaged shard, or one of a newer format)");
     if (header_.token_width != 2 && header_.token_width != 4)
       fail("shard ", path_, ": bad token width: expected 2 or 4 bytes, found ", header_.token_width);
-    if (header_.flags & ~kShardFlagLossMask)
-      fail("shard ", path_, ": unknown flags 0x", std::hex, header_.flags, std::dec,
-           " (this build knows only bit 0, the loss mask)");
+    const uint32_t known = kShardFlagLossMask | (header_.version >= 3 ? kShardFlagPairs : 0);
+    if (header_.flags & ~known)
+      fail("shard ", path_, ": unknown flags 0x", std::hex, header_.flags, std::dec, " for format version ",
+           header_.version, " (this build knows bit 0, the loss mask, and from version 3 bit 1, preference pairs)");
+    if (has_pairs() && !has_mask())
+      fail("shard ", path_, ": flag bit 1 (preference pairs) without bit 0 (the loss mask that marks their completions)");
+    if (has_pairs() && header_.document_count % 2 != 0)
+      fail("shard ", path_, ": a shard of preference pairs must hold an even number of documents, found ",
+           header_.document_count);
     if (header_.vocab_size == 0) fail("shard ", path_, ": vocab_size is 0");
     if (header_.token_width == 2 && header_.vocab_size > 65536)
       fail("shard ", path_, ": vocab_size ", header_.vocab_size, " does not fit 2-byte tokens");

@@ -4,9 +4,11 @@
 //
 //   offset  size                     field
 //   0       8                        magic "TUNATOKS"
-//   8       4  u32                   format version: 2 (version 1 is read too; it has no fingerprint)
+//   8       4  u32                   format version: 3 (versions 1 and 2 are read too: 1 has no fingerprint,
+//                                    neither has flag bit 1)
 //   12      4  u32                   token width in bytes: 2 (uint16 tokens) or 4 (uint32 tokens)
-//   16      4  u32                   flags; bit 0 = the shard carries a loss mask; other bits are 0
+//   16      4  u32                   flags; bit 0 = the shard carries a loss mask; bit 1 = its documents are
+//                                    preference pairs (below; needs bit 0); other bits are 0
 //   20      4  u32                   vocab_size of the tokenizer that wrote it (every token is below it)
 //   24      8  u64                   token_count
 //   32      8  u64                   document_count
@@ -20,13 +22,20 @@
 //           token_count * 1          only when flag bit 0: loss mask, one u8 per token, 1 = train on it
 //                                    (predicting this token counts in the loss), 0 = context only
 //
+// Preference pairs (flag bit 1, version 3): documents 2p and 2p + 1 are pair p, its chosen and its rejected answer
+// to one prompt, each document the prompt's tokens then the completion's (BOS ... and the chat template's or EOS's
+// end), the loss mask 1 on the completion's tokens only. So the pairing costs no bytes: it is the documents' order,
+// and the prompt is each document's mask-0 head. The document count is even and every pair is whole in one shard.
+//
 // The file size is exactly what the header implies; anything else is a truncated or corrupt shard.
 // Why this shape: the header is fixed-size so a reader validates it before touching anything else; tokens
 // come first so the hot data is one contiguous mmapped array at a 64-byte offset (aligned for any width);
 // uint16 halves the bytes of every vocabulary up to 65536 (LLaMA-2's 32000); the document index lets the
 // loader and tools find boundaries without scanning for EOS; the mask lives apart from the tokens so
 // pretraining shards pay nothing for it. Version 2 added the fingerprint so that the trainer can refuse shards
-// of another tokenizer with the same vocabulary size (version 1 caught only a larger one).
+// of another tokenizer with the same vocabulary size (version 1 caught only a larger one). Version 3 added the
+// pairs flag: a reader of version 2 refuses a pair shard (an unknown version) rather than train on its documents
+// one by one.
 #pragma once
 
 #include <cstdint>
@@ -39,10 +48,11 @@
 namespace tuna {
 
 inline constexpr char kShardMagic[8] = {'T', 'U', 'N', 'A', 'T', 'O', 'K', 'S'};
-inline constexpr uint32_t kShardVersion = 2;  // what ShardWriter writes
+inline constexpr uint32_t kShardVersion = 3;  // what ShardWriter writes
 inline constexpr uint32_t kOldestShardVersion = 1;
 inline constexpr uint64_t kShardHeaderBytes = 64;
 inline constexpr uint32_t kShardFlagLossMask = 1u << 0;
+inline constexpr uint32_t kShardFlagPairs = 1u << 1;  // version 3 on
 inline constexpr const char* kShardExtension = ".bin";
 
 // The decoded header (what ShardReader validated, or what ShardWriter will write).
@@ -67,8 +77,10 @@ uint32_t shard_token_width(uint32_t vocab_size);
 class ShardWriter {
  public:
   // with_mask: the shard carries a loss mask, and every add_document must pass one. tokenizer_fingerprint:
-  // Tokenizer::fingerprint() of the tokenizer that made the tokens (0: unknown).
-  ShardWriter(std::string path, uint32_t vocab_size, bool with_mask = false, uint64_t tokenizer_fingerprint = 0);
+  // Tokenizer::fingerprint() of the tokenizer that made the tokens (0: unknown). pairs: the documents are preference
+  // pairs (see above; needs with_mask): finish() refuses an odd document count.
+  ShardWriter(std::string path, uint32_t vocab_size, bool with_mask = false, uint64_t tokenizer_fingerprint = 0,
+              bool pairs = false);
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
@@ -96,6 +108,7 @@ class ShardWriter {
   uint32_t vocab_size_;
   uint32_t width_;
   bool with_mask_;
+  bool pairs_;
   uint64_t fingerprint_;
   bool finished_ = false;
   std::FILE* out_ = nullptr;     // path.tmp: header placeholder, then tokens
@@ -124,6 +137,8 @@ class ShardReader {
   uint64_t token_count() const { return header_.token_count; }
   uint64_t document_count() const { return header_.document_count; }
   bool has_mask() const { return (header_.flags & kShardFlagLossMask) != 0; }
+  bool has_pairs() const { return (header_.flags & kShardFlagPairs) != 0; }
+  uint64_t pair_count() const { return has_pairs() ? header_.document_count / 2 : 0; }
 
   // Token i, widened to int32 (a uint32 id at or above 2^31 reads negative; no vocabulary is that big,
   // and the loader refuses it as out of range).

@@ -61,6 +61,15 @@ void Engine::import_shard(const std::vector<float>& params, const std::vector<fl
   });
 }
 
+PreferenceSums Engine::forward_pairs(const PairBatch&, const ObjectiveConfig& objective, const PreferenceStep&, bool) {
+  fail("the ", describe(), " engine does not implement the preference objectives yet (--objective ",
+       objective_name(objective.objective), "): use --device cpu");
+}
+
+void Engine::pair_logps(const PairBatch&, double*, double*) {
+  fail("the ", describe(), " engine does not implement the preference objectives yet: use --device cpu");
+}
+
 LossSum Engine::forward_backward_step(const std::vector<MicroBatch>& micro_batches) {
   LossSum loss;
   for (const MicroBatch& b : micro_batches) {

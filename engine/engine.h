@@ -45,10 +45,13 @@
 #include "model/lora.h"       // LoraConfig
 #include "model/lora_shape.h"  // BaseQuant
 #include "model/memory_plan.h"  // Recompute
+#include "model/objective.h"    // ObjectiveConfig, PreferenceSums
 #include "model/optimizer.h"  // OptimizerConfig, Segment
 #include "model/support.h"    // Device, the support table
 
 namespace tuna {
+
+struct PairBatch;  // model/preference_step.h
 
 // Writes elements [piece.begin, piece.begin + piece.size) of the (tensor-parallel-local) model, ParamLayout
 // order, into out: a checkpoint's or a fresh initialization's weights, a piece at a time. Engines ask for their
@@ -143,6 +146,18 @@ class Engine {
   virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                const int32_t* positions = nullptr) = 0;
   virtual LossSum all_reduce_loss(const LossSum& local) = 0;
+
+  // Preference objectives (model/objective.h), a micro-batch of packed pairs at a time (model/preference_step.h
+  // PairBatch): the reference's log-probs where the objective has one (the base with the adapters off, or the batch's
+  // precomputed ones), the policy's, this micro-batch's share of the loss and metrics and, with want_grad, the
+  // backward with per-token weights into the step's gradients (finish_step then takes LossSum{loss, step.pairs}).
+  // want_grad false: validation. An engine without them refuses (the support table refuses first:
+  // model/support.h objective_support).
+  virtual PreferenceSums forward_pairs(const PairBatch& batch, const ObjectiveConfig& objective,
+                                       const PreferenceStep& step, bool want_grad);
+  // Each pair's summed completion log-probs under the current weights (one per pair of the batch): DPO's
+  // precomputed reference, taken before the first step.
+  virtual void pair_logps(const PairBatch& batch, double* chosen, double* rejected);
 
   // Checkpoints: this rank's segments, and its master weights and AdamW moments (fp32) a segment at a time, in
   // segments() order: export_state hands each piece to sink, import_state asks source for each (then makes the

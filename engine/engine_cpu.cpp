@@ -24,6 +24,7 @@
 #include "core/memory.h"
 #include "dist/pipeline.h"  // PipelineDriver, PipelineStageModel
 #include "engine/backends.h"
+#include "model/preference_step.h"  // llama_pair_step: the preference objectives' passes
 #include "model/quantized_weights.h"  // QuantizedWeights: a quantized frozen base
 
 namespace tuna {
@@ -131,6 +132,17 @@ class CpuEngine final : public Engine {
     return pipeline_->forward_loss(MicroBatch{inputs, targets, positions, batch, seq});
   }
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
+  // The preference passes on the whole model (the support table refuses pipeline stages for them).
+  PreferenceSums forward_pairs(const PairBatch& batch, const ObjectiveConfig& objective, const PreferenceStep& step,
+                               bool want_grad) override {
+    TUNA_CHECK(!pipeline_, "preference objectives over pipeline stages");
+    if (want_grad) key_dropout(micro_batch_++);
+    return llama_pair_step(model_, objective, batch, step, want_grad);
+  }
+  void pair_logps(const PairBatch& batch, double* chosen, double* rejected) override {
+    TUNA_CHECK(!pipeline_, "preference objectives over pipeline stages");
+    llama_pair_logps(model_, batch, /*adapters_off=*/false, chosen, rejected);
+  }
 
   const std::vector<Segment>& segments() const override { return zero_->segments(); }
   void export_state(const StateSink& sink) const override { zero_->export_state(sink); }

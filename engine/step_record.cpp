@@ -26,6 +26,9 @@ nlohmann::json StepRecord::json() const {
   if (std::isfinite(status.gpu_mb)) r["gpu_mem_mb"] = status.gpu_mb, r["gpu_peak_mem_mb"] = status.gpu_peak_mb;
   if (std::isfinite(status.gpu_util)) r["gpu_util"] = status.gpu_util;
   if (std::isfinite(cost)) r["cost"] = cost;
+  // A preference step's count is of pairs (its loss is a mean over them), not of tokens.
+  if (!preference.empty()) r.erase("tokens"), r["pairs"] = tokens;
+  for (const auto& [key, value] : preference.items()) r[key] = value;
   return r;
 }
 
@@ -38,7 +41,13 @@ std::string StepRecord::line() const {
   if (std::isfinite(status.gpu_util)) device += str(" | util ", fixed(status.gpu_util, 0), "%");
   const std::string priced = std::isfinite(cost) ? str(" | cost ", fixed(cost, 2)) : "";
   // A step that trains only part of its windows (SFT's loss mask) says how much of it trained.
-  const std::string trained = tokens < window_tokens ? str(" | trained ", tokens, " of ", window_tokens, " tokens") : "";
+  // A preference step trains pairs: its reward accuracy and margin (TRL's rewards/*) instead of a token count.
+  std::string trained = tokens < window_tokens ? str(" | trained ", tokens, " of ", window_tokens, " tokens") : "";
+  if (preference.contains("rewards/accuracies"))
+    trained = str(" | ", tokens, " pairs | reward acc ", fixed(preference["rewards/accuracies"].get<double>(), 3),
+                  " margin ", fixed(preference["rewards/margins"].get<double>(), 4), " | logps chosen ",
+                  fixed(preference["logps/chosen"].get<double>(), 2), " rejected ",
+                  fixed(preference["logps/rejected"].get<double>(), 2));
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "step %6lld/%lld | loss %.4f | lr %.3e | grad norm %.3f%s | %.0f tok/s | %.0f ms%s | mem %.0f MB (peak %.0f)%s | ETA %s",

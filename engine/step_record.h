@@ -23,6 +23,8 @@ struct StepRecord {
   double mfu = NAN;            // NaN: no device peak (cpu)
   double cost = NAN;           // NaN: no --gpu_hour_cost
   EngineStatus status;
+  // A preference objective's TRL metrics (engine/preference.h: rewards/*, logps/*, nll_loss); empty for SFT.
+  nlohmann::json preference = nlohmann::json::object();
 
   nlohmann::json json() const;
   std::string line() const;

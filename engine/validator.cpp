@@ -31,6 +31,13 @@ int64_t Validator::left(int64_t step, int64_t total_steps) const {
 
 Validator::Result Validator::run(Engine& engine, int64_t step) {
   const auto started = std::chrono::steady_clock::now();
+  if (preference_ && preference_->enabled()) {
+    const Preference::Validation v = preference_->validate(engine, *data_, max_batches_, dp_);
+    Result r;
+    r.step = step, r.loss = v.loss, r.pairs = v.pairs, r.metrics = v.metrics;
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    return r;
+  }
   const LoaderOptions& o = data_->options();
   data_->reset();
   LossSum local;
@@ -49,11 +56,24 @@ Validator::Result Validator::run(Engine& engine, int64_t step) {
 }
 
 nlohmann::json Validator::Result::record() const {
+  if (pairs >= 0) {
+    nlohmann::json r = {{"step", step}, {"val_loss", loss}, {"val_pairs", pairs}};
+    for (const auto& [key, value] : metrics.items()) r["val_" + key] = value;
+    return r;
+  }
   return {{"step", step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", tokens}};
 }
 
 std::string Validator::Result::line() const {
-  char buf[160];
+  char buf[256];
+  if (pairs >= 0) {
+    const auto m = [&](const char* key) { return metrics.contains(key) ? metrics[key].get<double>() : NAN; };
+    std::snprintf(buf, sizeof buf,
+                  "step %6lld | val loss %.4f | reward accuracy %.3f | margin %.4f | chosen %.4f | rejected %.4f | %lld pairs",
+                  (long long)step, loss, m("rewards/accuracies"), m("rewards/margins"), m("rewards/chosen"),
+                  m("rewards/rejected"), (long long)pairs);
+    return buf;
+  }
   std::snprintf(buf, sizeof buf, "step %6lld | val loss %.4f | val ppl %.2f | %lld tokens", (long long)step, loss,
                 std::exp(loss), (long long)tokens);
   return buf;

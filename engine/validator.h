@@ -10,6 +10,7 @@
 
 #include "data/loader.h"
 #include "engine/engine.h"
+#include "engine/preference.h"
 
 namespace tuna {
 
@@ -18,6 +19,10 @@ class Validator {
   // data: null for a run without validation. every: each `every` steps (0: at the start and the end only);
   // max_batches: micro-batches per validation (0: the whole split).
   Validator(std::unique_ptr<DataLoader> data, int64_t every, int64_t max_batches);
+  // A preference objective validates on held-out pairs: its loss and TRL's metrics (the loader must hold pairs).
+  // dp: the data-parallel group the metrics are summed over. The preference object outlives the validator.
+  void set_objective(Preference* preference, Comm* dp) { preference_ = preference, dp_ = dp; }
+  DataLoader* data() { return data_.get(); }
 
   bool enabled() const { return data_ != nullptr; }
   // At the start of a fresh run (the loss before training), every `every` steps, and at the end of a run
@@ -36,6 +41,8 @@ class Validator {
   struct Result {
     int64_t step = 0, tokens = 0;
     double loss = 0, seconds = 0;
+    int64_t pairs = -1;                       // a preference objective's held-out pairs; -1: a token loss
+    nlohmann::json metrics = nlohmann::json::object();  // and its metrics (engine/preference.h)
     nlohmann::json record() const;  // the metrics.jsonl row
     std::string line() const;       // the printed line
   };
@@ -45,6 +52,8 @@ class Validator {
  private:
   std::unique_ptr<DataLoader> data_;
   int64_t every_, max_batches_;
+  Preference* preference_ = nullptr;
+  Comm* dp_ = nullptr;
   std::vector<int32_t> inputs_, targets_, positions_;  // positions: the document boundaries (the engine's masks)
 };
 

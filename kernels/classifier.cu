@@ -75,19 +75,24 @@ __device__ __forceinline__ Packed8 gradient8(const Packed8& x, int64_t j0, float
 
 // kVec: vocab % 8 == 0 and 16-byte aligned rows (the vector path, with `cached` leading logits, a multiple
 // of 8, kept in dynamic shared memory); otherwise one logit at a time, nothing cached.
+// weights (the weighted backward, classifier.cuh): each row's dloss instead of `dloss`, a gradient always written
+// (zeros for a row of weight 0, as for an ignored one), and losses may be null.
 template <bool kVec>
 __global__ void __launch_bounds__(kThreads) classifier_kernel(bf16* logits, float* losses, const int32_t* targets,
-                                                              int64_t vocab, float dloss, int64_t cached) {
+                                                              int64_t vocab, float dloss, const float* weights,
+                                                              int64_t cached) {
   __shared__ float shared_m[kWarps], shared_s[kWarps];
   __shared__ float target_logit;
   const int64_t row = blockIdx.x;
   bf16* x = logits + row * vocab;
   const int32_t target = targets[row];
-  const bool ignored = target == cpu::kIgnoreIndex;
+  const bool grad = weights != nullptr || dloss != 0.0f;
+  if (weights) dloss = weights[row];
+  const bool ignored = target == cpu::kIgnoreIndex || (weights && dloss == 0.0f);
   const bool valid = !ignored && target >= 0 && target < vocab;
   if (ignored) {
-    if (threadIdx.x == 0) losses[row] = 0.0f;
-    if (dloss == 0.0f) return;
+    if (threadIdx.x == 0 && losses) losses[row] = 0.0f;
+    if (!grad) return;
     if constexpr (kVec) {
       for (int64_t v = threadIdx.x; v < vocab / 8; v += kThreads) store_packed(x + v * 8, zeros_packed());
     } else {
@@ -130,8 +135,8 @@ __global__ void __launch_bounds__(kThreads) classifier_kernel(bf16* logits, floa
   }
   block_merge(m, s, shared_m, shared_s);  // also publishes target_logit (and the cached row) before pass 2
   const float lse = m + logf(s);
-  if (threadIdx.x == 0) losses[row] = valid ? lse - target_logit : NAN;
-  if (dloss == 0.0f) return;
+  if (threadIdx.x == 0 && losses) losses[row] = valid ? lse - target_logit : NAN;
+  if (!grad) return;
   const float bad = valid ? 0.0f : NAN;  // an invalid target poisons its row's gradient too
   if constexpr (kVec) {
     // The uncached tail first, from L2 while it is fresh; then the cached head from shared memory.
@@ -255,9 +260,10 @@ __global__ void loss_sum_kernel(double* total, const float* losses, int64_t n) {
 
 }  // namespace
 
-void classifier_fwd_bwd(bf16* logits, float* losses, const int32_t* targets, int64_t n, int64_t vocab, float dloss,
-                        cudaStream_t stream) {
-  TUNA_CHECK(n >= 0 && vocab > 0 && losses != nullptr, "n ", n, ", vocab ", vocab);
+namespace {
+
+void launch_classifier(bf16* logits, float* losses, const int32_t* targets, int64_t n, int64_t vocab, float dloss,
+                       const float* weights, cudaStream_t stream) {
   if (n == 0) return;
   TUNA_CHECK(n < (int64_t(1) << 31), "n ", n);
   const bool vec = vocab % 8 == 0 && aligned16(logits);
@@ -266,17 +272,32 @@ void classifier_fwd_bwd(bf16* logits, float* losses, const int32_t* targets, int
     int device = 0, optin_bytes = 0;
     TUNA_CUDA_CHECK(cudaGetDevice(&device));
     TUNA_CUDA_CHECK(cudaDeviceGetAttribute(&optin_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    const int64_t cached =
-        dloss == 0.0f ? 0 : std::min<int64_t>(vocab, (optin_bytes - kStaticSharedBytes) / 2 / 8 * 8);
+    const int64_t cached = dloss == 0.0f && !weights
+                               ? 0
+                               : std::min<int64_t>(vocab, (optin_bytes - kStaticSharedBytes) / 2 / 8 * 8);
     const int smem = static_cast<int>(cached * 2);
     TUNA_CUDA_CHECK(cudaFuncSetAttribute(classifier_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     launch_kernel(classifier_kernel<true>, static_cast<unsigned>(n), kThreads, smem, stream, logits, losses, targets,
-                  vocab, dloss, cached);
+                  vocab, dloss, weights, cached);
   } else {
     launch_kernel(classifier_kernel<false>, static_cast<unsigned>(n), kThreads, 0, stream, logits, losses, targets,
-                  vocab, dloss, int64_t{0});
+                  vocab, dloss, weights, int64_t{0});
   }
   TUNA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void classifier_fwd_bwd(bf16* logits, float* losses, const int32_t* targets, int64_t n, int64_t vocab, float dloss,
+                        cudaStream_t stream) {
+  TUNA_CHECK(n >= 0 && vocab > 0 && losses != nullptr, "n ", n, ", vocab ", vocab);
+  launch_classifier(logits, losses, targets, n, vocab, dloss, nullptr, stream);
+}
+
+void classifier_weighted_bwd(bf16* logits, const int32_t* targets, const float* weights, int64_t n, int64_t vocab,
+                             cudaStream_t stream) {
+  TUNA_CHECK(n >= 0 && vocab > 0 && weights != nullptr, "n ", n, ", vocab ", vocab);
+  launch_classifier(logits, nullptr, targets, n, vocab, 0.0f, weights, stream);
 }
 
 void classifier_partial_stats(const bf16* logits, float* stats, const int32_t* targets, int64_t n, int64_t count,

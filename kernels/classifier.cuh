@@ -15,6 +15,11 @@ namespace tuna::cuda {
 // raise an error on the device: that row's loss (and gradient) is NaN. Callers validate on the host.
 void classifier_fwd_bwd(__nv_bfloat16* logits, float* losses, const int32_t* targets, int64_t n, int64_t vocab,
                         float dloss, cudaStream_t stream);
+// A preference objective's backward (kernels/cpu/classifier.h classifier_weighted_bwd): each row's weight (device fp32
+// [n]) instead of one dloss. logits OVERWRITTEN by weights[i] (softmax - onehot); zeros for ignored rows and rows of
+// weight 0. The per-token log-probs it follows are classifier_fwd_bwd's losses with dloss 0, negated.
+void classifier_weighted_bwd(__nv_bfloat16* logits, const int32_t* targets, const float* weights, int64_t n,
+                             int64_t vocab, cudaStream_t stream);
 
 // Vocab-parallel (tensor parallelism): each rank holds columns [vocab_begin, vocab_begin + count) of every row of
 // logits [n, count] bf16, out of a vocabulary of `vocab`. The contract of kernels/cpu/classifier.h's three steps,

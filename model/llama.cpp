@@ -395,7 +395,8 @@ void Llama::embed_bwd(float* dtable, const float* dout, const int32_t* tokens, i
 // Cross-entropy over logits split by vocabulary: the row max, the sum of exponentials and the target's
 // logit are each a reduction over the split, so three per-row numbers cross the tp group, not logits.
 // The same math as cpu::classifier_fwd_bwd; with want_grad, logits becomes dlogits (dloss = 1).
-double Llama::parallel_cross_entropy(float* logits, const int32_t* targets, int64_t rows, bool want_grad) {
+double Llama::parallel_cross_entropy(float* logits, const int32_t* targets, int64_t rows, bool want_grad,
+                                     const float* row_weights, float* row_losses) {
   const TpDims& d = layout_.tp();
   const int64_t V = d.vocab;
   for (int64_t i = 0; i < rows; i++)
@@ -419,21 +420,23 @@ double Llama::parallel_cross_entropy(float* logits, const int32_t* targets, int6
   tp_->all_reduce_sum(ce_stats_.data(), 2 * rows, "tp loss sums");
   double total = 0;
   for (int64_t i = 0; i < rows; i++) {
-    if (targets[i] == cpu::kIgnoreIndex) continue;
-    total += row_max[i] + std::log(sum_exp[i]) - target_logit[i];
+    const double loss = targets[i] == cpu::kIgnoreIndex ? 0.0 : row_max[i] + std::log(sum_exp[i]) - target_logit[i];
+    if (row_losses) row_losses[i] = static_cast<float>(loss);
+    total += loss;
   }
   if (want_grad) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; i++) {
       float* row = logits + i * V;
-      if (targets[i] == cpu::kIgnoreIndex) {
+      const double w = row_weights ? row_weights[i] : 1.0;
+      if (targets[i] == cpu::kIgnoreIndex || w == 0.0) {
         std::fill(row, row + V, 0.0f);
         continue;
       }
-      const double scale = 1.0 / sum_exp[i];
+      const double scale = w / sum_exp[i];
       for (int64_t j = 0; j < V; j++) row[j] = static_cast<float>(std::exp(double(row[j]) - row_max[i]) * scale);
       const int64_t t = targets[i] - d.vocab_begin;
-      if (t >= 0 && t < V) row[t] = static_cast<float>(row[t] - 1.0);
+      if (t >= 0 && t < V) row[t] = static_cast<float>(row[t] - w);
     }
   }
   return total;
@@ -510,7 +513,7 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     const int64_t begin = layout_.unit_range(1 + l).first;
     auto w = [&](int64_t offset) { return base + (offset - begin); };
     float* resid_next = l + 1 < end ? acts(l + 1).resid_in.data() : resid_out_.data();
-    const float* adapters = lora_store_ ? lora_store_->acquire(l) : nullptr;
+    const float* adapters = lora_store_ && !adapters_off_ ? lora_store_->acquire(l) : nullptr;
     auto adapt = [&](LoraTarget t, const float* x, float* y) {
       if (adapters && lora_.has(t)) lora_fwd(l, t, adapters, x, y, n, backward_follows);
     };
@@ -809,6 +812,75 @@ LossSum Llama::forward_backward(const int32_t* inputs, const int32_t* targets, i
   LossSum loss = head(targets, batch * seq, /*want_grad=*/true, nullptr);
   backward(inputs, batch, seq);
   return loss;
+}
+
+void Llama::forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                          const int32_t* positions, float* logps, bool backward_follows, bool adapters_off) {
+  TUNA_CHECK(layout_.whole(), "forward_logps of a pipeline stage");
+  TUNA_CHECK(!(adapters_off && backward_follows), "the base alone is the reference: no backward follows it");
+  select_slot(0);
+  adapters_off_ = adapters_off && lora_.enabled();
+  try {
+    forward(inputs, batch, seq, backward_follows, nullptr, positions);
+  } catch (...) {
+    adapters_off_ = false;
+    throw;
+  }
+  adapters_off_ = false;
+  head_logps(targets, batch * seq, logps, backward_follows);
+}
+
+void Llama::backward_weighted(const int32_t* inputs, const int32_t* targets, const float* weights, int64_t batch,
+                              int64_t seq) {
+  TUNA_CHECK(layout_.whole(), "backward_weighted of a pipeline stage");
+  select_slot(0);
+  head_weighted_bwd(targets, weights, batch * seq);
+  backward(inputs, batch, seq);
+}
+
+void Llama::head_logps(const int32_t* targets, int64_t rows, float* logps, bool keep_head) {
+  const int64_t C = config_.hidden_size, V = layout_.tp().vocab;
+  const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
+  const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
+  const float* w_head = (lm_unit == H ? head_base_ : store_->acquire(lm_unit)) + lm_offset;
+  const float* normed = sp_ ? sp_gather(final_norm_out_.data(), "sp lm_head input") : final_norm_out_.data();
+  for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
+    const int64_t nr = std::min(head_chunk_rows_, rows - r0);
+    float* logits = logits_chunk_.data();
+    cpu::matmul_fwd(logits, normed + r0 * C, w_head, nr, C, V);
+    // Losses with dloss 0: the logits stay as they are, nothing of a gradient is formed.
+    if (tp_)
+      parallel_cross_entropy(logits, targets + r0, nr, /*want_grad=*/false, nullptr, logps + r0);
+    else
+      cpu::classifier_fwd_bwd(logits, logps + r0, targets + r0, nr, V, 0.0);
+    for (int64_t i = 0; i < nr; i++) logps[r0 + i] = -logps[r0 + i];
+  }
+  if (lm_unit != H) store_->release(lm_unit);
+  if (!keep_head) store_->release(H);  // no backward: the pass ends here
+}
+
+void Llama::head_weighted_bwd(const int32_t* targets, const float* weights, int64_t rows) {
+  const int64_t C = config_.hidden_size, V = layout_.tp().vocab;
+  const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
+  const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
+  const float* w_head = (lm_unit == H ? head_base_ : store_->acquire(lm_unit)) + lm_offset;
+  float* g_head = !lora_.enabled() ? store_->grads(lm_unit) + lm_offset : nullptr;
+  const float* normed = sp_ ? sp_gather(final_norm_out_.data(), "sp lm_head input") : final_norm_out_.data();
+  float* d_normed = sp_ ? d_norm_.data() : d_final_norm_.data();
+  for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
+    const int64_t nr = std::min(head_chunk_rows_, rows - r0);
+    float* logits = logits_chunk_.data();
+    const float* x = normed + r0 * C;
+    cpu::matmul_fwd(logits, x, w_head, nr, C, V);
+    if (tp_)
+      parallel_cross_entropy(logits, targets + r0, nr, /*want_grad=*/true, weights + r0, nullptr);
+    else
+      cpu::classifier_weighted_bwd(logits, targets + r0, weights + r0, nr, V);
+    cpu::matmul_bwd(d_normed + r0 * C, g_head, logits, x, w_head, nr, C, V, /*accumulate_dinp=*/false,
+                    GradWrite::Accumulate);
+  }
+  sp_reduce(d_normed, d_final_norm_.data(), rows, "tp lm_head input grad");
+  if (lm_unit != H) store_->release(lm_unit);
 }
 
 LossSum Llama::forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,

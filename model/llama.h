@@ -142,6 +142,16 @@ class Llama {
   // per row); the document mode says what they change.
   LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                            const int32_t* positions = nullptr);
+  // Preference objectives (model/objective.h) in two passes, since their per-token weights depend on the whole
+  // micro-batch's log-probs. forward_logps: the forward (activations kept when backward_follows) and logps[i] =
+  // log p(targets[i]) (0 where the target is ignored), no gradient formed. adapters_off: the frozen base alone, the
+  // LoRA reference (one forward without the adapter branches; never with backward_follows). backward_weighted, after
+  // forward_logps(backward_follows): the backward of sum_i -weights[i] * logps[i] (the head's logits computed again,
+  // d logits = w * (softmax - onehot)), accumulated into the gradients as forward_backward's. Whole model only.
+  void forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                     const int32_t* positions, float* logps, bool backward_follows, bool adapters_off = false);
+  void backward_weighted(const int32_t* inputs, const int32_t* targets, const float* weights, int64_t batch,
+                         int64_t seq);
   // The same loss without gradients (evaluation).
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions = nullptr);
@@ -209,6 +219,10 @@ class Llama {
   // Runs the head over rows in chunks; with targets computes the loss and (if want_grad) writes
   // d(final norm output) into d_final_norm_ and accumulates the head's weight gradient.
   LossSum head(const int32_t* targets, int64_t rows, bool want_grad, float* logits_out);
+  // The preference passes of the head: per-row target log-probs (the head unit kept acquired when keep_head), and the
+  // weighted backward (the logits again, then as head()'s backward).
+  void head_logps(const int32_t* targets, int64_t rows, float* logps, bool keep_head);
+  void head_weighted_bwd(const int32_t* targets, const float* weights, int64_t rows);
   void backward(const int32_t* inputs, int64_t batch, int64_t seq);
   // Layer l's activations in the current slot (a stage's layers only).
   LayerActs& acts(int64_t l) { return acts_[slot_ * stage_.layers() + (l - stage_.layer_begin)]; }
@@ -217,7 +231,9 @@ class Llama {
   // Vocab-parallel pieces (tp > 1); see llama.cpp.
   void embed(float* out, const int32_t* tokens, int64_t n, const float* table);
   void embed_bwd(float* dtable, const float* dout, const int32_t* tokens, int64_t n);
-  double parallel_cross_entropy(float* logits, const int32_t* targets, int64_t rows, bool want_grad);
+  // row_weights: each row's dloss (null: 1); row_losses: each row's loss out (may be null).
+  double parallel_cross_entropy(float* logits, const int32_t* targets, int64_t rows, bool want_grad,
+                                const float* row_weights = nullptr, float* row_losses = nullptr);
   void tp_all_reduce(float* x, int64_t n, const char* what);
   // Sequence parallelism (sp_): `rows` is this pass's whole batch x seq. sp_gather: every rank's rows of `local`
   // ([sp_chunk_, C] each) into gathered_, returned. sp_reduce: `full` holds this rank's partial sums of every row
@@ -265,6 +281,7 @@ class Llama {
   uint64_t lora_dropout_key_ = 0;
   std::vector<std::array<int, kLoraTargets>> lora_tensor_index_;  // per layer and target: A's index in the layout
   bool lora_train_ = false;  // this pass applies dropout
+  bool adapters_off_ = false;  // this pass runs the base alone (the LoRA reference)
   // scratch: the dropped input [n, largest in], the B product or A's input gradient [n, largest in or out], dt [n, r]
   std::vector<float> lora_in_, lora_tmp_, lora_dt_;
 };

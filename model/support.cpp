@@ -6,6 +6,7 @@
 #include "kernels/cpu/nf4.h"         // nf4_sizes
 #include "model/layout.h"
 #include "model/lora_shape.h"  // base_tensor_quantized, base_quant_name
+#include "model/objective.h"   // ObjectiveConfig: the preference objectives
 #include "model/pipeline.h"
 
 namespace tuna {
@@ -141,6 +142,24 @@ Support support(const LlamaConfig& config, const MemoryLayout& layout, Device de
   if (Support s = validity(config, layout, device); !s.runs()) return s;
   const MemoryLayout l = place_layout(config, layout);
   return device == Device::Cpu ? cpu_support(config, l) : cuda_support(config, l);
+}
+
+Support objective_support(const ObjectiveConfig& objective, const MemoryLayout& l, Device device) {
+  if (!objective.preference()) return {};
+  const char* name = objective_name(objective.objective);
+  if (device == Device::Cuda)
+    return not_implemented("--objective ", name, " with --device cuda: not implemented yet (the CUDA engine's per-token ",
+                           "log-probs and weighted backward are not wired); use --device cpu");
+  if (l.pp > 1)
+    return not_implemented("--objective ", name, " with --pp ", l.pp, ": not implemented yet (the pipeline driver runs ",
+                           "the next-token loss only); use --pp 1");
+  // dp (ZeRO 0-3) and tp (sp too) run: the step's pairs, NLL tokens and metrics are summed over dp, the vocab-parallel
+  // log-probs give every tp rank the whole sums.
+  return {};
+}
+
+void require_objective_support(const ObjectiveConfig& objective, const MemoryLayout& layout, Device device) {
+  if (const Support s = objective_support(objective, layout, device); !s.runs()) fail(s.reason);
 }
 
 void require_support(const LlamaConfig& config, const MemoryLayout& layout, Device device) {

@@ -37,6 +37,15 @@ void require_support(const LlamaConfig& config, const MemoryLayout& layout, Devi
 // memory plan is the design): the memory plans' and --plan_only's question.
 void require_valid(const LlamaConfig& config, const MemoryLayout& layout, Device device);
 
+struct ObjectiveConfig;  // model/objective.h
+
+// Whether `device` runs the training objective on this layout: SFT runs wherever the layout does; a preference objective
+// (DPO, SimPO, ORPO) runs where its passes (the log-probs forward, the backward with per-token weights, the reference)
+// are wired, and is refused elsewhere as not implemented, naming what is.
+Support objective_support(const ObjectiveConfig& objective, const MemoryLayout& layout, Device device);
+// Fails with the reason unless the device runs the objective on the layout (the trainer's question).
+void require_objective_support(const ObjectiveConfig& objective, const MemoryLayout& layout, Device device);
+
 // A quantized base is frozen: only adapters train around it. `option_given`: the --base_quant option was given, which
 // a run without adapters refuses whatever its value (the layout's own rule, in support, refuses nf4 and int8).
 Support base_quant_support(const LoraPlan& lora, bool option_given = false);

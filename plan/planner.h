@@ -121,6 +121,11 @@ struct JobSpec {
   // The adapters the search offers (LoRA of this rank on every module, the base in bf16 and in nf4) when the job
   // is a full fine-tune that no layout finishes in `hours`; 0: none.
   int64_t offer_lora_rank = 16;
+  // The training objective (model/objective.h): sft, or a preference loss (dpo, simpo, orpo) over pairs. A preference
+  // step runs the head's logits twice (the log-probs, then the weighted backward); DPO adds its reference: with
+  // adapters the base's forward per micro-batch (adapters off), for a full fine-tune a precompute pass over the data
+  // once, before training (a forward of every token).
+  std::string objective = "sft";
 };
 
 struct TimeItem {
@@ -147,6 +152,7 @@ struct Prediction {
   double bubble_s = 0;  // 1F1B's fill and drain: pp - 1 micro-batch periods of the slowest stage, idle
   double tokens_per_step = 0, tokens_per_s_per_gpu = 0, mfu = 0;
   double steps = 0, wall_s = 0, cost = 0;
+  double precompute_s = 0;  // DPO's reference log-probs of a full fine-tune, once before training (in wall_s)
   bool finishes = true, within_budget = true;
   std::vector<std::string> notes;  // what the figures assume
 };

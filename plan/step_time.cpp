@@ -236,13 +236,20 @@ struct StepModel {
   double att_fwd = 0, att_bwd = 0;
   double norm_fwd = 0, norm_bwd = 0, layer_mem_fwd = 0, layer_mem_bwd = 0;
   double recompute = 0, head = 0, layer_kernels = 0;
+  // Preference objectives: the log-probs pass runs the head's logits once more (the weighted backward recomputes
+  // them); DPO with adapters adds the reference, the base's forward with the adapters off, per micro-batch; DPO of a
+  // full fine-tune precomputes the reference once before training.
+  bool preference = false, reference_forward = false, precompute = false;
+  double head_fwd = 0, logps_head = 0, layer_fwd = 0, reference_layer = 0, reference_head = 0;
   // Tensor parallel.
   double tp_bytes = 0, tp_one = 0, regather = 0, regather_exposed = 0, adapter_tp_layer = 0;
   bool sp = false;
 
   // One micro-batch through one stage: its layers, and the head on the last stage (the embedding lookup costs
   // nothing here). Under 1F1B every stage runs at the pace of the slowest one.
-  double micro_kernels(const PipelineStage& s) const { return double(s.layers()) * layer_kernels + (s.head ? head : 0.0); }
+  double micro_kernels(const PipelineStage& s) const {
+    return double(s.layers()) * (layer_kernels + reference_layer) + (s.head ? head + logps_head + reference_head : 0.0);
+  }
   // Tensor parallel, on the critical path inside a node: per layer two collectives of a bf16 [tokens, hidden] in the
   // forward and two in the backward (two more in a full recompute's forward), one for the vocab-parallel embedding and
   // one for the head. Without sp each is an all-reduce; with sp an all-gather before a column-parallel GEMM and a
@@ -345,6 +352,16 @@ void StepModel::time_layer() {
          norm_fwd + norm_bwd;
   layer_kernels = layer_fwd_gemm + layer_bwd_gemm + lora_fwd + lora_bwd + 2 * dequant + att_fwd + att_bwd +
                   layer_mem_fwd + layer_mem_bwd + recompute;
+  preference = job.objective != "sft";
+  if (preference && job.objective != "dpo" && job.objective != "simpo" && job.objective != "orpo")
+    fail("plan: option 'objective': expected sft, dpo, simpo or orpo, found '", job.objective, "'");
+  reference_forward = job.objective == "dpo" && adapters;
+  precompute = job.objective == "dpo" && !adapters;
+  head_fwd = head_flops / (rates.lm_head * scale.compute) + mem_time(4.0 * double(n) * V, "classifier");
+  logps_head = preference ? head_fwd : 0.0;
+  layer_fwd = layer_fwd_gemm + dequant + att_fwd + layer_mem_fwd;  // one layer's forward alone
+  reference_layer = reference_forward ? layer_fwd : 0.0;
+  reference_head = reference_forward ? head_fwd + norm_fwd : 0.0;
 }
 
 void StepModel::time_tensor_parallel() {
@@ -520,6 +537,14 @@ void add_compute_items(const StepModel& m, const PipelineStage& st, const Tail& 
       {"loss head", st.head ? A * m.head : 0.0,
        str("lm_head at ", format_number(rates.lm_head / 1e12, 0), " TFLOP/s, cross-entropy",
            adapters ? "; frozen: no weight gradient" : "")},
+      {"preference: log-probs pass", st.head ? A * m.logps_head : 0.0,
+       m.preference ? str(m.job.objective, ": the head's logits once more (per-token log-probs, then the backward with "
+                                           "per-token weights)")
+                    : "none (sft)"},
+      {"reference forward", A * (Ls * m.reference_layer + (st.head ? m.reference_head : 0.0)),
+       m.reference_forward ? "DPO with adapters: the base's forward with the adapters off, per micro-batch"
+       : m.precompute      ? "none per step: precomputed once (below)"
+                           : "none"},
       {"recompute", A * Ls * m.recompute,
        l.recompute == Recompute::None ? "none" : str(recompute_name(l.recompute), " recompute")},
       {"AdamW and gradient norm", tail.adamw + tail.grad_norm,
@@ -610,6 +635,16 @@ void job_figures(const StepModel& m, Prediction& p) {
           k.gpu.peak_bf16_flops;
   p.steps = std::ceil(job.tokens / p.tokens_per_step);
   p.wall_s = p.steps * p.step_s;
+  if (m.precompute) {
+    // One forward of the data with the starting weights (no backward, no optimizer), over the budget's tokens as
+    // the step's micro-batches take them, at the slowest stage's pace.
+    const PipelineStage& st = p.stages[p.slowest_stage];
+    p.precompute_s = p.steps * m.A * (double(st.layers()) * m.layer_fwd + (st.head ? m.head_fwd + m.norm_fwd : 0.0)) *
+                     (1 + m.rates.overhead);
+    p.wall_s += p.precompute_s;
+    p.notes.push_back(str("DPO's reference (a full fine-tune): precomputed once before training, ",
+                          format_number(p.precompute_s / 3600, 2), " h (a forward of every token), in the wall time"));
+  }
   p.cost = p.wall_s / 3600 * double(k.gpus()) * job.price_per_gpu_hour;
   p.finishes = job.hours <= 0 || p.wall_s <= job.hours * 3600;
   p.within_budget = job.budget <= 0 || p.cost <= job.budget;

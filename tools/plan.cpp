@@ -29,6 +29,7 @@ struct PlanOptions {
   int64_t gpus_per_node = 8, nodes = 1, nics_per_node = 8, search_lora_rank = 16;
   double intra_gbps = 0, inter_gbps = 0, nic_gbit = 400, hours = 0, price = 0, budget = 0, text_gb = 0;
   double bytes_per_token = 3.85, reserve_gib = 1.5, overlap = -1, mean_doc_tokens = 0;
+  std::string objective = "sft";
   bool search = false, as_json = false, stage_tables = false;
   // The layout's and the adapters' options are the trainer's (engine/engine.h, engine/adapters.h); a plan's batch
   // defaults to one 4096-token sequence per GPU.
@@ -50,6 +51,10 @@ void declare(Options& o, PlanOptions& a) {
   o.add("mean_doc_tokens", &a.mean_doc_tokens,
         "mean tokens per document in the packed windows: attention (masked at document boundaries, the trainer's "
         "default) costs seq_len x mean_doc_tokens / 2 scores per window; 0: one document per window", Bounds::at_least(0));
+  o.add("objective", &a.objective,
+        "the training objective: sft, or a preference loss over pairs: dpo (its reference: with adapters the base's "
+        "forward per micro-batch, else precomputed once before training), simpo, orpo",
+        {"sft", "dpo", "simpo", "orpo"});
   declare_adapter_shape(o, a.adapters);
   o.add("search_lora_rank", &a.search_lora_rank,
         "the rank of the adapters --search (and the verdict) offers when no layout of a full fine-tune finishes in "
@@ -131,6 +136,7 @@ JobSpec job_of(const PlanOptions& a) {
   job.layout.bf16_moments = l.bf16_moments, job.layout.micro_batch = l.micro_batch, job.layout.seq_len = l.seq_len;
   job.grad_accum = l.grad_accum;
   job.mean_doc_tokens = a.mean_doc_tokens;
+  job.objective = a.objective;
   job.layout.lora = adapter_shape(a.adapters);
   check_lora_plan(job.model, job.layout.lora, "build/plan --lora_rank, --lora_targets, --lora_dropout, --base_quant");
   job.offer_lora_rank = a.search_lora_rank;

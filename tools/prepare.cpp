@@ -84,8 +84,15 @@ void declare(tuna::Options& o, tuna::PrepareOptions& p, WideFlags& w, bool* no_e
   o.add("sft", &p.sft,
         "JSONL records are {prompt, response} or {messages: [{role, content}, ...]}: the loss mask trains on the "
         "response, or on the assistant's turns, only");
+  o.add("preference", &p.preference,
+        "JSONL records are preference pairs in TRL's formats: {prompt, chosen, rejected} strings, or chosen and rejected "
+        "message lists (with a prompt list, or a shared leading part); each becomes prompt + chosen and prompt + "
+        "rejected, the loss mask on the completions, in pair shards");
+  o.add("seq_len", &p.seq_len,
+        "--preference: the trainer's seq_len; a pair whose two documents together are longer is dropped and counted "
+        "(over_seq_len), never cut. 0: no limit", tuna::Bounds::closed(0, double(int64_t{1} << 40)));
   o.add("chat_template", &p.chat_template,
-        "SFT messages: llama3, llama2, or auto (the model's own, from its tokenizer_config.json or its special "
+        "SFT and preference messages: llama3, llama2, or auto (the model's own, from its tokenizer_config.json or its special "
         "tokens; other templates are refused)");
   o.add("prompt_field", &p.prompt_field, "SFT: JSONL field of the prompt");
   o.add("response_field", &p.response_field, "SFT: JSONL field of the response");

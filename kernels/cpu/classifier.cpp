@@ -91,6 +91,25 @@ double classifier_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int3
 }
 
 template <typename T>
+void classifier_weighted_bwd(T* logits, const int32_t* targets, const std::type_identity_t<T>* weights, int64_t n,
+                             int64_t vocab) {
+  TUNA_CHECK(n >= 0 && vocab > 0, "n ", n, ", vocab ", vocab);
+  for (int64_t i = 0; i < n; ++i)
+    if (targets[i] != kIgnoreIndex && (targets[i] < 0 || targets[i] >= vocab))
+      fail("classifier: target of row ", i, " is ", targets[i], ", outside the vocabulary [0, ", vocab,
+           ") and not the ignore index ", kIgnoreIndex);
+#pragma omp parallel for schedule(static) if (n * vocab >= kMinParallelWork)
+  for (int64_t i = 0; i < n; ++i) {
+    T* row = logits + i * vocab;
+    if (targets[i] == kIgnoreIndex || weights[i] == T(0)) {
+      std::fill(row, row + vocab, T(0));
+      continue;
+    }
+    classifier_row(row, vocab, targets[i], static_cast<double>(weights[i]));
+  }
+}
+
+template <typename T>
 void classifier_partial_stats(const T* logits, std::type_identity_t<T>* stats, const int32_t* targets, int64_t n,
                               int64_t count, int64_t vocab_begin, int64_t vocab) {
   TUNA_CHECK(n >= 0 && count > 0 && vocab_begin >= 0 && vocab_begin + count <= vocab, "n ", n, ", slice [",
@@ -152,6 +171,8 @@ double classifier_parallel_fwd_bwd(T* logits, std::type_identity_t<T>* losses, c
 }
 
 template double classifier_fwd_bwd<float>(float*, float*, const int32_t*, int64_t, int64_t, double);
+template void classifier_weighted_bwd<float>(float*, const int32_t*, const float*, int64_t, int64_t);
+template void classifier_weighted_bwd<double>(double*, const int32_t*, const double*, int64_t, int64_t);
 template void classifier_partial_stats<float>(const float*, float*, const int32_t*, int64_t, int64_t, int64_t, int64_t);
 template void classifier_partial_stats<double>(const double*, double*, const int32_t*, int64_t, int64_t, int64_t,
                                                int64_t);

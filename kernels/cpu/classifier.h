@@ -20,6 +20,15 @@ template <typename T>
 double classifier_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int32_t* targets, int64_t n, int64_t vocab,
                           double dloss);
 
+// The backward of per-row weighted log-likelihoods, sum_i -weights[i] * log softmax(logits[i])[targets[i]] (a
+// preference objective's per-token weights, model/objective.h): logits[i, j] = weights[i] * (softmax(logits[i])_j -
+// [j == targets[i]]), OVERWRITTEN; all zeros for ignored rows and rows of weight 0. The weights are known only after
+// a forward pass has given the log-probs (losses of classifier_fwd_bwd with dloss 0), so this is a second pass over
+// logits computed again, where SFT's single fused pass knows its weight (dloss) up front.
+template <typename T>
+void classifier_weighted_bwd(T* logits, const int32_t* targets, const std::type_identity_t<T>* weights, int64_t n,
+                             int64_t vocab);
+
 // Vocab-parallel cross-entropy (tensor parallelism): each rank holds columns [vocab_begin, vocab_begin + count)
 // of every row's logits ([n, count]), out of a vocabulary of `vocab`. Three steps around two reductions over the
 // ranks give every rank the loss of classifier_fwd_bwd over the whole row and the gradient of its own columns:

@@ -528,5 +528,152 @@ TEST(Loader, EvalPadsTailsAndShortShards) {
   expect_error([&] { DataLoader l({lone}, o); }, {"nothing to evaluate", "--val-fraction", "--val_data"});
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// Preference pairs
+
+// Pair p of shard s: a prompt of 2 + p % 3 tokens (BOS first), a chosen answer of 2 + p % 2 and a rejected one of 3
+// tokens (each ending in EOS 2), ids naming the shard, pair and role so that a row can be read back.
+struct PairShard {
+  std::vector<std::vector<int32_t>> docs;
+  std::vector<std::vector<uint8_t>> masks;
+};
+
+PairShard pair_docs(int s, int pairs) {
+  PairShard out;
+  for (int p = 0; p < pairs; ++p) {
+    std::vector<int32_t> prompt{1};
+    for (int i = 1; i < 2 + p % 3; ++i) prompt.push_back(1000 * s + 10 * p + i);
+    for (int half = 0; half < 2; ++half) {
+      std::vector<int32_t> doc = prompt;
+      std::vector<uint8_t> mask(prompt.size(), 0);
+      const int n = half == 0 ? 2 + p % 2 : 3;
+      for (int i = 0; i + 1 < n; ++i) doc.push_back(100000 * (half + 1) + 1000 * s + 10 * p + i), mask.push_back(1);
+      doc.push_back(2), mask.push_back(1);
+      out.docs.push_back(doc), out.masks.push_back(mask);
+    }
+  }
+  return out;
+}
+
+std::string write_pairs(const TempDir& dir, const std::string& name, const PairShard& shard) {
+  const std::string path = dir.file(name);
+  ShardWriter w(path, kVocab, /*with_mask=*/true, 0, /*pairs=*/true);
+  for (size_t d = 0; d < shard.docs.size(); ++d) w.add_document(shard.docs[d], shard.masks[d]);
+  w.finish();
+  return path;
+}
+
+// Whole pairs in each window, as many as fit, in shard order; each document's tokens, positions from 0, targets its
+// own next tokens, completion flags from the mask, sequence 2p / 2p + 1, and the pairs' global ids.
+TEST(Loader, PairsPackWholeIntoWindows) {
+  TempDir dir;
+  const PairShard a = pair_docs(1, 5), b = pair_docs(2, 2);
+  const std::vector<std::string> paths = {write_pairs(dir, "a.bin", a), write_pairs(dir, "b.bin", b)};
+  const int64_t T = 16;
+  LoaderOptions o = options(T, 1);
+  o.eval = true;  // natural order
+  DataLoader loader(paths, o);
+  ASSERT_TRUE(loader.pairs());
+  EXPECT_EQ(loader.total_pairs(), 7u);
+  // Pair tokens, shard a: p0 2+2+2+3=9, p1 3+3+3+3=12, p2 4+2+4+3=13, p3 2+3+2+3=10, p4 3+2+3+3=11 -> one pair a
+  // window (any two exceed 16); shard b: p0 9, p1 12 -> one each. Windows never mix shards.
+  EXPECT_EQ(loader.total_windows(), 7u);
+  std::vector<int32_t> in(T), tg(T), pos(T), seq(T);
+  std::vector<uint8_t> comp(T);
+  std::vector<uint64_t> ids;
+  uint64_t expect_id = 0;
+  for (const PairShard* shard : {&a, &b}) {
+    for (size_t p = 0; p < shard->docs.size() / 2; ++p, ++expect_id) {
+      ASSERT_TRUE(loader.next_pairs(in.data(), tg.data(), pos.data(), seq.data(), comp.data(), &ids));
+      ASSERT_EQ(ids, std::vector<uint64_t>{expect_id});
+      int64_t at = 0;
+      for (int half = 0; half < 2; ++half) {
+        const std::vector<int32_t>& doc = shard->docs[2 * p + half];
+        const std::vector<uint8_t>& mask = shard->masks[2 * p + half];
+        for (size_t j = 0; j < doc.size(); ++j, ++at) {
+          EXPECT_EQ(in[at], doc[j]);
+          EXPECT_EQ(pos[at], static_cast<int32_t>(j));
+          EXPECT_EQ(seq[at], half);
+          EXPECT_EQ(tg[at], j + 1 < doc.size() ? doc[j + 1] : cpu::kIgnoreIndex);
+          EXPECT_EQ(comp[at], j + 1 < doc.size() ? mask[j + 1] : 0);
+        }
+      }
+      for (; at < T; ++at) EXPECT_TRUE(seq[at] == -1 && tg[at] == cpu::kIgnoreIndex && comp[at] == 0 && in[at] == 0);
+    }
+  }
+  EXPECT_FALSE(loader.next_pairs(in.data(), tg.data(), pos.data(), seq.data(), comp.data(), &ids));
+}
+
+// With a longer window several pairs share it, numbered 0, 1, ... inside the micro-batch, across its rows too.
+TEST(Loader, ManyPairsShareAWindowAndNumberAcrossRows) {
+  TempDir dir;
+  const PairShard a = pair_docs(1, 6);  // 9, 12, 13, 10, 11, 9 tokens
+  const std::string path = write_pairs(dir, "a.bin", a);
+  const int64_t T = 32, B = 2;
+  LoaderOptions o = options(T, B);
+  o.eval = true;
+  DataLoader loader({path}, o);
+  // Windows: {p0, p1} (21), {p2, p3} (23), {p4, p5} (20).
+  ASSERT_EQ(loader.total_windows(), 3u);
+  EXPECT_EQ(loader.pairs_in_window(0), 2u);
+  std::vector<int32_t> in(B * T), tg(B * T), pos(B * T), seq(B * T);
+  std::vector<uint8_t> comp(B * T);
+  std::vector<uint64_t> ids;
+  ASSERT_TRUE(loader.next_pairs(in.data(), tg.data(), pos.data(), seq.data(), comp.data(), &ids));
+  EXPECT_EQ(ids, (std::vector<uint64_t>{0, 1, 2, 3}));
+  EXPECT_EQ(seq[0], 0);
+  EXPECT_EQ(seq[9], 2);       // row 0: pair 1's chosen starts after pair 0's 9 tokens
+  EXPECT_EQ(seq[T], 4);       // row 1 starts with the micro-batch's pair 2
+  EXPECT_EQ(seq[T + 13], 6);  // and its pair 3 after 13 tokens
+  ASSERT_TRUE(loader.next_pairs(in.data(), tg.data(), pos.data(), seq.data(), comp.data(), &ids));
+  EXPECT_EQ(ids, (std::vector<uint64_t>{4, 5}));  // the second row is padding (eval)
+  EXPECT_TRUE(std::all_of(seq.begin() + T, seq.end(), [](int32_t x) { return x == -1; }));
+}
+
+TEST(Loader, PairsRefuseWhatTheyCannotHold) {
+  TempDir dir;
+  const std::string pairs = write_pairs(dir, "a.bin", pair_docs(1, 3));
+  expect_error([&] { DataLoader l({pairs}, options(10, 1)); },
+               {pairs, "preference pair 1 holds 12 tokens", "more than seq_len 10", "--preference --seq_len 10"});
+  const std::string plain = make_shard(dir, "p.bin", 1, 101);
+  expect_error([&] { DataLoader l({pairs, plain}, options(16, 1)); }, {plain, "no preference pairs", "all pairs"});
+  DataLoader loader({pairs}, options(16, 1));
+  std::vector<int32_t> in(16), tg(16);
+  expect_error([&] { loader.next(in.data(), tg.data()); }, {"preference objective"});
+  DataLoader plain_loader({plain}, options(16, 1));
+  std::vector<int32_t> pos(16), seq(16);
+  std::vector<uint8_t> comp(16);
+  std::vector<uint64_t> ids;
+  expect_error([&] { plain_loader.next_pairs(in.data(), tg.data(), pos.data(), seq.data(), comp.data(), &ids); },
+               {"prepare --preference", plain});
+}
+
+// Training order over pair windows is the plain windows' (seeded permutation, ranks disjoint, exact cursor).
+TEST(Loader, PairWindowsFollowTheTrainingOrderAndCursor) {
+  TempDir dir;
+  const std::string path = write_pairs(dir, "a.bin", pair_docs(1, 9));
+  const int64_t T = 16;
+  std::set<uint64_t> seen;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    DataLoader loader({path}, options(T, 1, rank, 2));
+    std::vector<int32_t> in(T), tg(T), pos(T), seq(T);
+    std::vector<uint8_t> comp(T);
+    std::vector<uint64_t> ids;
+    for (uint64_t i = 0; i < loader.windows_per_epoch(); ++i) {
+      loader.next_pairs(in.data(), tg.data(), pos.data(), seq.data(), comp.data(), &ids);
+      for (uint64_t id : ids) EXPECT_TRUE(seen.insert(id).second) << "pair " << id << " twice";
+    }
+    const LoaderCursor c = loader.cursor();
+    loader.next_pairs(in.data(), tg.data(), pos.data(), seq.data(), comp.data(), &ids);
+    const std::vector<uint64_t> expected = ids;
+    DataLoader resumed({path}, options(T, 1, rank, 2));
+    resumed.set_cursor(c);
+    resumed.next_pairs(in.data(), tg.data(), pos.data(), seq.data(), comp.data(), &ids);
+    EXPECT_EQ(ids, expected);
+  }
+  EXPECT_EQ(seen.size(), 8u);  // 9 windows of one pair each, 4 per rank: one dropped this epoch
+}
+
 }  // namespace
 }  // namespace tuna

@@ -426,7 +426,7 @@ TEST_F(PrepareTest, Llama3TokenizerByDirectory) {
   }
   const nlohmann::json report = nlohmann::json::parse(read_file(dir.file("out/report.json")));
   EXPECT_EQ(report["tokenizer"]["path"], f.llama3_json());
-  EXPECT_EQ(report["shard_format"]["version"], 2);
+  EXPECT_EQ(report["shard_format"]["version"], 3);
 }
 
 // SFT conversations render through the model's chat template; the mask trains on the assistant's turns;
@@ -483,6 +483,144 @@ TEST_F(PrepareTest, SftConversationsThroughTheChatTemplate) {
   o.chat_template = "llama2";
   o.overwrite = true;
   EXPECT_EQ(prepare_corpus(o).documents_kept(), 2u);
+}
+
+// Preference pairs in TRL's two formats become two documents each (prompt + chosen, prompt + rejected) with the mask
+// on the completion, in pair shards; every bad record is counted under its reason, with where it was.
+TEST_F(PrepareTest, PreferencePairsInBothFormatsAndBadRecordsByReason) {
+  const testing_data::TokenizerFixtures& f = testing_data::TokenizerFixtures::get();
+  TempDir dir;
+  std::string long_answer;
+  for (int i = 0; i < 20; ++i) long_answer += "The tenant pays rent on day " + std::to_string(i) + ". ";
+  write_file(dir.file("in/pairs.jsonl"),
+             R"({"prompt": "Which law governs?", "chosen": "The laws of Delaware.", "rejected": "Any law."})" "\n"
+             R"({"prompt": [{"role": "user", "content": "Term?"}], "chosen": [{"role": "assistant", "content": "Twelve months."}], "rejected": [{"role": "assistant", "content": "Forever."}]})" "\n"
+             R"({"chosen": [{"role": "user", "content": "Fee?"}, {"role": "assistant", "content": "Ten dollars."}], "rejected": [{"role": "user", "content": "Fee?"}, {"role": "assistant", "content": "None."}]})" "\n"
+             R"({"prompt": "   ", "chosen": "Yes.", "rejected": "No."})" "\n"
+             R"({"prompt": "Renewal?", "chosen": "", "rejected": "No."})" "\n"
+             R"({"prompt": "Same?", "chosen": "Same answer.", "rejected": "Same  answer."})" "\n"
+             R"({"prompt": "Long?", "chosen": ")" + long_answer + R"(", "rejected": "Short."})" "\n"
+             R"({"prompt": "Where is the rejected one?", "chosen": "Here."})" "\n"
+             R"({"prompt": [{"role": "user", "content": "Who?"}], "chosen": [{"role": "user", "content": "Me."}], "rejected": [{"role": "assistant", "content": "You."}]})" "\n");
+  PrepareOptions o = base_options(dir.file("out"));
+  o.tokenizer_path = f.llama3_dir();
+  o.inputs = {dir.file("in")};
+  o.preference = true;
+  o.seq_len = 96;
+  o.val_fraction = 0;
+  o.near_dedup = false;
+  o.quality.min_chars = 0;
+  const PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.documents_read, 9u);
+  EXPECT_EQ(r.documents_kept(), 3u);
+  const std::string in = dir.file("in/pairs.jsonl");
+  EXPECT_EQ(r.of(Outcome::empty_prompt).count, 1u);
+  EXPECT_EQ(r.of(Outcome::empty_prompt).first, in + ":4");
+  EXPECT_EQ(r.of(Outcome::empty_completion).first, in + ":5");
+  EXPECT_EQ(r.of(Outcome::identical_completions).first, in + ":6");  // the same once whitespace is cleaned
+  EXPECT_EQ(r.of(Outcome::over_seq_len).first, in + ":7");
+  EXPECT_EQ(r.of(Outcome::missing_field).first, in + ":8");
+  EXPECT_EQ(r.of(Outcome::bad_chat).first, in + ":9");  // a completion that is not the assistant's
+  EXPECT_EQ(sum_of_outcomes(r), r.documents_read);
+  // The summary and report.json name the reasons.
+  EXPECT_NE(report_summary(r).find("over_seq_len"), std::string::npos);
+  const nlohmann::json report = nlohmann::json::parse(read_file(dir.file("out/report.json")));
+  EXPECT_EQ(report["documents"]["outcomes"]["identical_completions"]["count"], 1);
+  EXPECT_EQ(report["shard_format"]["preference_pairs"], true);
+
+  ASSERT_EQ(r.train.shards.size(), 1u);
+  const ShardReader shard(r.train.shards[0]);
+  ASSERT_TRUE(shard.has_pairs());
+  ASSERT_EQ(shard.pair_count(), 3u);
+  const Tokenizer& tok = f.llama3();
+  const CachedEncoder encoder(tok);
+  auto doc = [&](uint64_t d) {
+    auto [b, e] = shard.document(d);
+    std::vector<int32_t> ids(e - b);
+    shard.read_tokens(b, e - b, ids.data());
+    std::vector<uint8_t> mask;
+    for (uint64_t i = b; i < e; ++i) mask.push_back(shard.mask(i));
+    return std::make_pair(ids, mask);
+  };
+  // Plain: BOS + prompt, then the completion and EOS, which alone train.
+  std::vector<int32_t> prompt = {tok.bos_id()};
+  for (int32_t id : tok.encode("Which law governs?")) prompt.push_back(id);
+  for (int half = 0; half < 2; ++half) {
+    std::vector<int32_t> want = prompt;
+    for (int32_t id : tok.encode(half == 0 ? "The laws of Delaware." : "Any law.")) want.push_back(id);
+    want.push_back(tok.eos_id());
+    const auto [ids, mask] = doc(half);
+    EXPECT_EQ(ids, want) << half;
+    for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(mask[i], i >= prompt.size()) << half << " token " << i;
+  }
+  // Conversational, explicit prompt and shared leading messages alike: the chat template's rendering, the mask on
+  // the completion's assistant turn only.
+  for (int pair = 1; pair <= 2; ++pair) {
+    const std::vector<ChatMessage> user = {{"user", pair == 1 ? "Term?" : "Fee?"}};
+    const std::string answers[2][2] = {{"Twelve months.", "Forever."}, {"Ten dollars.", "None."}};
+    for (int half = 0; half < 2; ++half) {
+      std::vector<ChatMessage> whole = user;
+      whole.push_back({"assistant", answers[pair - 1][half]});
+      RenderedChat want;
+      std::string why;
+      ASSERT_TRUE(render_chat(encoder, tok, ChatFormat::llama3, whole, &want, &why)) << why;
+      const auto [ids, mask] = doc(2 * pair + half);
+      EXPECT_EQ(ids, want.tokens) << pair << " " << half;
+      EXPECT_EQ(mask, want.mask) << pair << " " << half;
+    }
+  }
+}
+
+// The shipped demo pairs prepare whole: every record is read and accounted for, and the kept ones are pair shards.
+TEST_F(PrepareTest, ShippedDemoPairsPrepare) {
+  TempDir dir;
+  PrepareOptions o = base_options(dir.file("out"));
+  o.inputs = {(testing_data::demo_corpus().parent_path().parent_path() / "preference" / "pairs.jsonl").string()};
+  o.preference = true;
+  o.seq_len = 1024;  // the suite's tokenizer has 400 pieces: ~2 characters a token
+  o.val_fraction = 0.1;
+  const PrepareReport r = prepare_corpus(o);
+  EXPECT_EQ(r.documents_read, 290u);
+  EXPECT_EQ(sum_of_outcomes(r), r.documents_read);
+  EXPECT_GE(r.documents_kept(), 250u) << report_summary(r);
+  EXPECT_GT(r.val.documents, 0u);
+  EXPECT_EQ(r.train.documents % 2, 0u);
+  for (const std::string& path : r.train.shards) EXPECT_TRUE(ShardReader(path).has_pairs()) << path;
+  // The directory itself holds a README beside the pairs: refused by name, not written as a pair of one document.
+  o.inputs = {(testing_data::demo_corpus().parent_path().parent_path() / "preference").string()};
+  o.out_dir = dir.file("out2");
+  try {
+    prepare_corpus(o);
+    ADD_FAILURE() << "a text file among --preference inputs was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("README.md is not a JSONL file"), std::string::npos) << e.what();
+  }
+}
+
+// A prompt with an assistant turn of its own: only the completion's turn trains.
+TEST_F(PrepareTest, PreferencePromptTurnsAreContext) {
+  const testing_data::TokenizerFixtures& f = testing_data::TokenizerFixtures::get();
+  TempDir dir;
+  write_file(dir.file("in/pairs.jsonl"),
+             R"({"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Term?"}], "chosen": [{"role": "assistant", "content": "A year."}], "rejected": [{"role": "assistant", "content": "Ever."}]})" "\n");
+  PrepareOptions o = base_options(dir.file("out"));
+  o.tokenizer_path = f.llama3_dir();
+  o.inputs = {dir.file("in")};
+  o.preference = true;
+  o.val_fraction = 0;
+  o.quality.min_chars = 0;
+  const PrepareReport r = prepare_corpus(o);
+  ASSERT_EQ(r.documents_kept(), 1u);
+  const ShardReader shard(r.train.shards.at(0));
+  const Tokenizer& tok = f.llama3();
+  auto [b, e] = shard.document(0);
+  // The trained tokens are exactly the completion's content and its end of turn.
+  std::vector<int32_t> trained;
+  for (uint64_t i = b; i < e; ++i)
+    if (shard.mask(i)) trained.push_back(shard.token(i));
+  std::vector<int32_t> want = tok.encode("A year.");
+  want.push_back(tok.token_id("<|eot_id|>"));
+  EXPECT_EQ(trained, want);
 }
 
 TEST_F(PrepareTest, OutputIsIdenticalWhateverTheThreadCountAndBudget) {

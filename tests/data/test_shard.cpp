@@ -199,8 +199,8 @@ TEST(Shard, BadMagic) {
 TEST(Shard, UnsupportedVersion) {
   TempDir dir;
   const std::string path = valid_shard(dir);
-  patch(path, 8, uint32_t{3});
-  expect_error([&] { ShardReader r(path); }, {path, "unsupported format version 3", "versions 1 to 2"});
+  patch(path, 8, uint32_t{4});
+  expect_error([&] { ShardReader r(path); }, {path, "unsupported format version 4", "versions 1 to 3"});
   patch(path, 8, uint32_t{0});
   expect_error([&] { ShardReader r(path); }, {path, "unsupported format version 0"});
 }
@@ -217,8 +217,15 @@ TEST(Shard, TokenizerFingerprintAndVersionOne) {
   }
   {
     ShardReader r(path);
-    EXPECT_EQ(r.header().version, 2u);
+    EXPECT_EQ(r.header().version, 3u);
     EXPECT_EQ(r.tokenizer_fingerprint(), 0x1234'5678'9abc'def0ull);
+  }
+  patch(path, 8, uint32_t{2});  // version 2 (before preference pairs): the same layout, read as it is
+  {
+    ShardReader v2(path);
+    EXPECT_EQ(v2.header().version, 2u);
+    EXPECT_EQ(v2.tokenizer_fingerprint(), 0x1234'5678'9abc'def0ull);
+    EXPECT_FALSE(v2.has_pairs());
   }
   patch(path, 8, uint32_t{1});  // as an old build wrote it: version 1, reserved bytes zero
   patch(path, 40, uint64_t{0});
@@ -253,6 +260,36 @@ TEST(Shard, UnknownFlags) {
   const std::string path = valid_shard(dir);
   patch(path, 16, uint32_t{4});
   expect_error([&] { ShardReader r(path); }, {path, "unknown flags 0x4"});
+}
+
+// Version 3: documents 2p and 2p + 1 are pair p (chosen, rejected), the mask marking their completions. The flag
+// needs the mask and an even document count, and means nothing to a version-2 shard (an unknown flag there).
+TEST(Shard, PreferencePairs) {
+  TempDir dir;
+  const std::string path = dir.file("pairs.bin");
+  {
+    ShardWriter w(path, 100, /*with_mask=*/true, /*tokenizer_fingerprint=*/0, /*pairs=*/true);
+    w.add_document(std::vector<int32_t>{1, 5, 6, 7, 2}, std::vector<uint8_t>{0, 0, 1, 1, 1});
+    w.add_document(std::vector<int32_t>{1, 5, 8, 2}, std::vector<uint8_t>{0, 0, 1, 1});
+    w.finish();
+  }
+  {
+    ShardReader r(path);
+    EXPECT_TRUE(r.has_pairs());
+    EXPECT_EQ(r.pair_count(), 1u);
+    EXPECT_EQ(r.document(1), (std::pair<uint64_t, uint64_t>{5, 9}));
+  }
+  patch(path, 8, uint32_t{2});
+  expect_error([&] { ShardReader r(path); }, {path, "unknown flags 0x3", "format version 2"});
+  patch(path, 8, uint32_t{3});
+  patch(path, 16, uint32_t{2});  // pairs without the mask: the file size no longer fits either
+  expect_error([&] { ShardReader r(path); }, {path, "preference pairs", "loss mask"});
+  {
+    const std::string odd = dir.file("odd.bin");
+    ShardWriter w(odd, 100, /*with_mask=*/true, 0, /*pairs=*/true);
+    w.add_document(std::vector<int32_t>{1, 5, 2}, std::vector<uint8_t>{0, 1, 1});
+    expect_error([&] { w.finish(); }, {odd, "even number of documents", "found 1"});
+  }
 }
 
 TEST(Shard, Truncated) {

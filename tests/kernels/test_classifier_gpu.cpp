@@ -54,6 +54,46 @@ TEST(ClassifierGpu, LossAndGradientInPlace) {
   }
 }
 
+// The weighted backward of a preference objective against its CPU twin (kernels/cpu/classifier.h
+// classifier_weighted_bwd, in double): each row's own weight (some 0, some negative), ignored rows, the vector path,
+// an odd vocabulary and a row wider than the shared memory a block keeps; deterministic.
+TEST(ClassifierGpu, WeightedBackwardFollowsTheCpuTwin) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (int64_t vocab : {int64_t(4096), int64_t(1003), int64_t(128256)}) {
+    SCOPED_TRACE("vocab " + std::to_string(vocab));
+    const bool wide = vocab > 100000;
+    const int64_t n = wide ? 3 + rng.integer(0, 2) : 29 + rng.integer(0, 20);
+    std::vector<float> logits = random_bf16_values(rng, n * vocab, -8, 8);
+    std::vector<int32_t> targets(n);
+    std::vector<float> weights(n);
+    for (int64_t i = 0; i < n; ++i) {
+      targets[i] = rng.integer(0, 5) == 0 ? cpu::kIgnoreIndex : static_cast<int32_t>(rng.integer(0, vocab - 1));
+      weights[i] = rng.integer(0, 4) == 0 ? 0.0f : static_cast<float>(rng.integer(-300, 300)) / 100.0f;
+    }
+    if (wide) targets[0] = static_cast<int32_t>(vocab - 1 - rng.integer(0, 100)), weights[0] = 0.75f;
+    DeviceBf16 d_logits(logits);
+    DeviceBuffer<int32_t> d_targets(targets);
+    DeviceBuffer<float> d_weights(weights);
+    cuda::classifier_weighted_bwd(d_logits.bf(), d_targets.get(), d_weights.get(), n, vocab, nullptr);
+    std::vector<double> ref(logits.begin(), logits.end()), ref_weights(weights.begin(), weights.end());
+    cpu::classifier_weighted_bwd(ref.data(), targets.data(), ref_weights.data(), n, vocab);
+    std::vector<double> naive(n * vocab);
+    for (int64_t i = 0; i < n * vocab; ++i) naive[i] = round_bf16(ref[i]);
+    expect_close_to_naive("weighted dlogits", d_logits.values(), naive, ref);
+    // Rows of weight 0 and ignored rows are exactly zero, as the twin's.
+    const std::vector<double> got = d_logits.values();
+    for (int64_t i = 0; i < n; ++i) {
+      if (targets[i] != cpu::kIgnoreIndex && weights[i] != 0.0f) continue;
+      for (int64_t j = 0; j < vocab; ++j) ASSERT_EQ(got[i * vocab + j], 0.0) << "row " << i;
+    }
+    DeviceBf16 d_again(logits);
+    cuda::classifier_weighted_bwd(d_again.bf(), d_targets.get(), d_weights.get(), n, vocab, nullptr);
+    EXPECT_TRUE(bitwise_equal(d_again.download(), d_logits.download())) << "the gradient is not deterministic";
+  }
+}
+
 // Vocab-parallel: the rows split over 2 or 3 "ranks" by columns, the two reductions done here on the host as the
 // tensor-parallel comm does them; the concatenated gradients and every rank's losses must be those of the whole
 // row (cpu::classifier_fwd_bwd in double), within the tolerances above.

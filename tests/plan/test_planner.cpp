@@ -243,6 +243,41 @@ TEST(Planner, LoraStepIsFourNPlusTheAdapters) {
   EXPECT_NEAR(qlora_recompute - part_of(predict(j, rates), "recompute"), L * (nf4 + 2 * weights) / 4234e9, 1e-12);
 }
 
+// A preference step: the head's logits once more (the log-probs pass); DPO's reference with adapters is the frozen
+// layers' forward GEMMs again (and attention's, the norms') per micro-batch; a full fine-tune's is a precompute pass,
+// once, in the wall time and not in the step.
+TEST(Planner, PreferenceObjectivesPriceTheHeadPassAndTheReference) {
+  JobSpec j = job_of("llama-3.2-1b", "h200", 1, 1, 0, 2, 4096, 1);
+  j.cluster.gpus_per_node = 1;
+  j.layout.dp = 1;
+  j.tokens = 1e9;
+  const Rates& rates = repository_rates();
+  const Prediction sft = predict(j, rates);
+  EXPECT_EQ(part_of(sft, "preference: log-probs pass"), 0.0);
+  j.objective = "simpo";
+  const Prediction simpo = predict(j, rates);
+  const double head = 2.0 * 8192 * 2048 * 128256 / 344e12;  // the lm_head GEMM once more at its measured rate
+  EXPECT_GT(part_of(simpo, "preference: log-probs pass"), head);
+  EXPECT_EQ(part_of(simpo, "reference forward"), 0.0);
+  EXPECT_EQ(simpo.precompute_s, 0.0);
+  j.objective = "dpo";
+  const Prediction full = predict(j, rates);
+  EXPECT_EQ(part_of(full, "reference forward"), 0.0);
+  EXPECT_NEAR(full.step_s, simpo.step_s, 1e-12);
+  EXPECT_GT(full.precompute_s, 0.0);
+  EXPECT_NEAR(full.wall_s, full.steps * full.step_s + full.precompute_s, 1e-6 * full.wall_s);
+  // A forward is less than the step's GEMMs' third (forward 2N of the step's 6N) plus the rest: well under the step.
+  EXPECT_LT(full.precompute_s, 0.5 * full.steps * full.step_s);
+  j.layout.lora.rank = 16;
+  const Prediction lora = predict(j, rates);
+  const double L = 16, n = 8192;
+  const double weights = 2048.0 * 3072 + 2048.0 * 2048 + 2048.0 * 16384 + 8192.0 * 2048;
+  EXPECT_GT(part_of(lora, "reference forward"), L * 2 * n * weights / 770e12);  // the frozen GEMMs' forward, and more
+  EXPECT_EQ(lora.precompute_s, 0.0);
+  j.objective = "ppo";
+  EXPECT_NE(error_of([&] { predict(j, rates); }).find("'objective'"), std::string::npos);
+}
+
 TEST(Planner, LoraCrossesDataParallelWithItsGradientsAlone) {
   JobSpec j = job_of("llama-3.1-8b", "h100-80gb", 2, 1, 0, 1, 4096, 1);
   j.layout.lora.rank = 16;

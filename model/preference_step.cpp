@@ -1,0 +1,85 @@
+// One micro-batch of pairs through the CPU model: see model/preference_step.h.
+#include "model/preference_step.h"
+
+#include "core/error.h"
+
+namespace tuna {
+
+namespace {
+
+// Sums of per-token log-probs into each pair's (chosen, rejected), over completion tokens.
+void sum_pairs(const PairBatch& b, const std::vector<float>& logps, double* chosen, double* rejected) {
+  ObjectiveConfig plain;
+  plain.objective = Objective::Dpo;
+  std::vector<PairLogps> pairs(b.rows.pairs);
+  double nll = 0;
+  int64_t nll_tokens = 0;
+  gather_pair_logps(plain, b.rows, b.targets, logps.data(), nullptr, pairs, &nll, &nll_tokens);
+  for (int64_t p = 0; p < b.rows.pairs; p++) chosen[p] = pairs[p].chosen, rejected[p] = pairs[p].rejected;
+}
+
+}  // namespace
+
+void llama_pair_logps(Llama& model, const PairBatch& b, bool adapters_off, double* chosen, double* rejected) {
+  std::vector<float> logps(b.batch * b.seq);
+  model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps.data(), /*backward_follows=*/false,
+                      adapters_off);
+  sum_pairs(b, logps, chosen, rejected);
+}
+
+PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, const PairBatch& b,
+                               const PreferenceStep& step, bool want_grad) {
+  TUNA_CHECK(b.rows.rows == b.batch * b.seq, "pair rows ", b.rows.rows, " for ", b.batch, " x ", b.seq);
+  const int64_t n = b.batch * b.seq, P = b.rows.pairs;
+  std::vector<double> ref_c, ref_r;
+  const double* rc = b.ref_chosen;
+  const double* rr = b.ref_rejected;
+  if (config.needs_reference()) {
+    if (config.reference == ReferenceSource::Adapters) {
+      // The reference first: its forward overwrites the activations the policy's backward needs.
+      ref_c.resize(P), ref_r.resize(P);
+      llama_pair_logps(model, b, /*adapters_off=*/true, ref_c.data(), ref_r.data());
+      rc = ref_c.data(), rr = ref_r.data();
+    } else {
+      TUNA_CHECK(rc && rr, "DPO with a precomputed reference: the micro-batch came without its reference log-probs");
+    }
+  }
+  std::vector<float> logps(n);
+  model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps.data(), want_grad);
+  std::vector<PairLogps> pairs(P);
+  double nll = 0;
+  int64_t nll_tokens = 0;
+  gather_pair_logps(config, b.rows, b.targets, logps.data(), nullptr, pairs, &nll, &nll_tokens);
+  if (rc)
+    for (int64_t p = 0; p < P; p++) pairs[p].ref_chosen = rc[p], pairs[p].ref_rejected = rr[p];
+  std::vector<PairGrad> grads(want_grad ? P : 0);
+  double nll_weight = 0;
+  PreferenceSums sums = preference_loss(config, pairs, nll, nll_tokens, step, grads, &nll_weight);
+  if (want_grad) {
+    std::vector<float> weights(n);
+    preference_token_weights(config, b.rows, b.targets, pairs, grads, nll_weight, weights.data());
+    model.backward_weighted(b.inputs, b.targets, weights.data(), b.batch, b.seq);
+  }
+  return sums;
+}
+
+void precompute_reference_logps(Llama& model, DataLoader& loader, std::vector<double>& chosen,
+                                std::vector<double>& rejected) {
+  TUNA_CHECK(loader.options().eval, "the reference pass reads every pair once: an eval loader");
+  const int64_t B = loader.options().micro_batch, T = loader.options().seq_len, n = B * T;
+  chosen.assign(loader.total_pairs(), 0.0), rejected.assign(loader.total_pairs(), 0.0);
+  std::vector<int32_t> inputs(n), targets(n), positions(n), sequence(n);
+  std::vector<uint8_t> completion(n);
+  std::vector<uint64_t> ids;
+  loader.reset();
+  while (loader.next_pairs(inputs.data(), targets.data(), positions.data(), sequence.data(), completion.data(), &ids)) {
+    const int64_t P = static_cast<int64_t>(ids.size());
+    PairBatch b{inputs.data(), targets.data(), positions.data(), PairRows{sequence.data(), completion.data(), n, P}, B, T};
+    std::vector<double> c(P), r(P);
+    llama_pair_logps(model, b, /*adapters_off=*/false, c.data(), r.data());
+    for (int64_t p = 0; p < P; p++) chosen[ids[p]] = c[p], rejected[ids[p]] = r[p];
+  }
+  loader.reset();
+}
+
+}  // namespace tuna

@@ -1,0 +1,45 @@
+// A preference objective's pass over one micro-batch of packed pairs on the CPU model (model/llama.h): the
+// reference's log-probs (precomputed, or with adapters the frozen base alone: one forward without the adapter
+// branches), the policy's forward and per-token log-probs, the loss and metrics (model/objective.h), and the
+// backward with per-token weights. The engines call it per micro-batch after summing the step's normalizers
+// (PreferenceStep) over their micro-batches and ranks; tests call it on whole batches.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "data/loader.h"
+#include "model/llama.h"
+#include "model/objective.h"
+
+namespace tuna {
+
+// One micro-batch as DataLoader::next_pairs gives it ([batch, seq] each), and with a precomputed reference each pair's
+// summed reference log-probs (null otherwise).
+struct PairBatch {
+  const int32_t* inputs = nullptr;
+  const int32_t* targets = nullptr;
+  const int32_t* positions = nullptr;
+  PairRows rows;  // rows.rows = batch x seq
+  int64_t batch = 0, seq = 0;
+  const double* ref_chosen = nullptr;
+  const double* ref_rejected = nullptr;
+};
+
+// The micro-batch's share of the step: its pairs' sums (loss as model/objective.h normalizes it). want_grad: the
+// weighted backward accumulates into the model's gradients. The reference: config.reference Adapters runs the base
+// alone; otherwise batch.ref_chosen / ref_rejected must be given for DPO.
+PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, const PairBatch& batch,
+                               const PreferenceStep& step, bool want_grad);
+
+// Each pair's summed completion log-probs under the model (adapters_off: the base alone), into chosen and rejected
+// (one per pair): the reference's precompute pass.
+void llama_pair_logps(Llama& model, const PairBatch& batch, bool adapters_off, double* chosen, double* rejected);
+
+// DPO's reference precompute pass (data/reference_logps.h): every pair window of `loader` (an eval loader: each once,
+// this rank's share under dp) through the model, each pair's summed completion log-probs written at its pair id into
+// chosen and rejected (sized to loader.total_pairs(); what other ranks compute stays 0, for the caller's sum).
+void precompute_reference_logps(Llama& model, DataLoader& loader, std::vector<double>& chosen,
+                                std::vector<double>& rejected);
+
+}  // namespace tuna
