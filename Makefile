@@ -75,7 +75,7 @@ EMULATED_MPI_TESTS := $(if $(wildcard tests/mpi/*_emulated.cpp),$(BUILD)/emulate
 # contract (matmul_host.cpp), and its test, which would then test the double, is left out (it runs on a GPU only).
 EMULATOR_DIR := tests/kernels/emulator
 EMULATED_LIB_SRCS := model/llama_gpu.cpp engine/engine_gpu.cpp engine/device.cpp model/decode_gpu.cpp comm/comm_staged.cpp \
-                     dist/zero_gpu.cpp
+                     dist/zero_gpu.cpp model/fp8_gpu.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
 # The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
 EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
