@@ -20,6 +20,12 @@
 namespace tuna::test {
 namespace {
 
+#ifdef TUNA_EMULATOR
+constexpr double kForwardBound = 4e-3;  // the double accumulates in fp32: one bf16 rounding
+#else
+constexpr double kForwardBound = 2e-2;  // cuBLASLt's fast accumulation
+#endif
+
 struct GroupCase {
   int64_t n, in;
   std::vector<int64_t> parts;  // the block's row counts (q, k, v or one)
@@ -91,8 +97,9 @@ void check_group(TestRng& rng, const GroupCase& k, bool with_residual) {
   }
   const double e_out = rel_error_norm(d_out.values(), want_out), e_dx = rel_error_norm(d_dx.values(), cpu_dx),
                e_dw = rel_error_norm(d_dw.download(), want_dw);
-  std::printf("  fp8 group: out err %.2e (bound 2e-2), dx err %.2e (4e-3), dW err %.2e (1e-5)\n", e_out, e_dx, e_dw);
-  EXPECT_LE(e_out, 2e-2);
+  std::printf("  fp8 group: out err %.2e (bound %.0e), dx err %.2e (4e-3), dW err %.2e (1e-5)\n", e_out, kForwardBound,
+              e_dx, e_dw);
+  EXPECT_LE(e_out, kForwardBound);
   EXPECT_LE(e_dx, 4e-3);
   EXPECT_LE(e_dw, 1e-5);
 }
