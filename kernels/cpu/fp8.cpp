@@ -142,20 +142,28 @@ void fp8_gemm(float* d, int64_t ldd, const uint8_t* a, Fp8Format a_format, float
              "fp8_gemm of two e5m2 operands (cuBLASLt has no e5m2 x e5m2 product)");
   if (m == 0 || n == 0) return;
   const float alpha = inv_scale_a * inv_scale_b;
-  std::vector<float> acc(static_cast<size_t>(m * n), 0.0f);
-  if (k > 0) {
+  // Scratch of the largest call so far, per thread: the CPU model calls this a few times a layer, and fresh vectors
+  // of these sizes each time cost page faults (system time) on the order of the products themselves.
+  thread_local std::vector<float> a_values, b_values, acc;
+  const bool direct = !accumulate && ldd == n;  // the accumulator is d itself
+  if (!direct && acc.size() < static_cast<size_t>(m * n)) acc.resize(static_cast<size_t>(m * n));
+  float* sum = direct ? d : acc.data();
+  if (k == 0) {
+    std::fill(sum, sum + m * n, 0.0f);
+  } else {
     // The codes' values, unscaled: each product of two is exact in fp32, so BLAS's fp32 sum of them is the
     // tensor cores' accumulation up to order.
-    std::vector<float> a_values(static_cast<size_t>(m * k)), b_values(static_cast<size_t>(n * k));
+    if (a_values.size() < static_cast<size_t>(m * k)) a_values.resize(static_cast<size_t>(m * k));
+    if (b_values.size() < static_cast<size_t>(n * k)) b_values.resize(static_cast<size_t>(n * k));
     const DecodeTable &ta = table_of(a_format), &tb = table_of(b_format);
     for (int64_t i = 0; i < m * k; ++i) a_values[i] = ta[a[i]];
     for (int64_t i = 0; i < n * k; ++i) b_values[i] = tb[b[i]];
-    matmul_fwd(acc.data(), a_values.data(), b_values.data(), m, k, n);
+    matmul_fwd(sum, a_values.data(), b_values.data(), m, k, n);
   }
 #pragma omp parallel for if (m * n >= kMinParallelWork)
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {
-      const float product = alpha * acc[i * n + j];
+      const float product = alpha * sum[i * n + j];
       d[i * ldd + j] = accumulate ? product + d[i * ldd + j] : product;
     }
 }
