@@ -23,7 +23,7 @@ CXXFLAGS := -std=c++20 -O2 -g -fopenmp -Wall -Wextra -Werror -Wno-unused-paramet
 OPENBLAS_OPENMP := /usr/lib/x86_64-linux-gnu/openblas-openmp
 comma := ,
 BLAS_LIBS := $(if $(wildcard $(OPENBLAS_OPENMP)/libopenblas.so),-L$(OPENBLAS_OPENMP) -Wl$(comma)-rpath$(comma)$(OPENBLAS_OPENMP)) -lopenblas
-LDLIBS := $(BLAS_LIBS) -lsentencepiece -lsentencepiece_train -lpcre2-8 -lzstd -lz -lxxhash -lpthread -fopenmp
+LDLIBS := $(BLAS_LIBS) -lsentencepiece -lsentencepiece_train -lpcre2-8 -lutf8proc -lzstd -lz -lxxhash -lpthread -fopenmp
 GTEST_LIBS := -lgtest -lgmock -lpthread
 BENCH_LIBS := -lbenchmark -lpthread
 # The MPI C API only: Open MPI's C++ bindings do not compile under -Werror.
@@ -44,10 +44,13 @@ ifeq ($(CUDA),1)
   GPU_SM := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '. ')
   SM ?= $(if $(GPU_SM),$(if $(filter 90,$(GPU_SM)),90a,$(GPU_SM)),90a)
   GENCODE := $(foreach s,$(SM),-gencode arch=compute_$(s),code=sm_$(s))
+  # -Xfatbin=-compress-all: the device code, 4.5 MB in every binary that links the kernels, compressed (about 4x
+  # smaller; the driver decompresses a module as it loads it).
   NVCCFLAGS := -std=c++20 -O2 -g -lineinfo $(GENCODE) -Xcompiler -fopenmp,-Wall,-Wno-unused-parameter \
-               -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage -DTUNA_CUDA=1
+               -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage -Xfatbin=-compress-all -DTUNA_CUDA=1
   CU_SRCS := $(wildcard kernels/*.cu)
   CU_OBJS := $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
+  CU_PTXAS := $(CU_SRCS:%.cu=$(BUILD)/obj/%.ptxas)
   LDLIBS += -L/usr/local/cuda/lib64 -lcudart -lcublasLt -lcublas
   CPPFLAGS += -DTUNA_CUDA=1 -I/usr/local/cuda/include
   # NCCL (comm/comm_nccl.cpp) when its header is found; NCCL=0 leaves it out.
@@ -69,16 +72,20 @@ MPI_TESTS := $(if $(MPI_TEST_SRCS),$(BUILD)/mpi_tests)
 EMULATED_MPI_TESTS := $(if $(wildcard tests/mpi/*_emulated.cpp),$(BUILD)/emulated_gpu_mpi_tests)
 # The GPU tests on the host emulator of tests/kernels/emulator: a third binary, build/emulated_gpu_tests, that
 # tests/kernels/test_gpu_emulated.cpp runs. It compiles the GPU tests (the ops' and the GPU model's), the real
-# launchers of kernels/*.cu and the library's CUDA code (model/*_gpu.cpp, engine/engine_gpu.cpp, dist/zero_gpu.cpp,
+# launchers of kernels/*.cu and the library's CUDA code (model/*_gpu*.cpp, engine/*_gpu.cpp, dist/zero_gpu.cpp,
 # and engine/device.cpp, which picks the device) with g++ against the emulator's CUDA runtime, so every build has
 # it, CPU-only included. cuBLASLt is not emulated: kernels/matmul.cu is replaced by a host test double of its
 # contract (matmul_host.cpp), and its test, which would then test the double, is left out (it runs on a GPU only).
 EMULATOR_DIR := tests/kernels/emulator
-EMULATED_LIB_SRCS := model/llama_gpu.cpp engine/engine_gpu.cpp engine/device.cpp model/decode_gpu.cpp comm/comm_staged.cpp \
-                     dist/zero_gpu.cpp model/fp8_gpu.cpp
+EMULATED_LIB_SRCS := model/llama_gpu.cpp model/llama_gpu_forward.cpp model/llama_gpu_backward.cpp \
+                     model/llama_gpu_quantized.cpp model/llama_gpu_lora.cpp engine/engine_gpu.cpp engine/device_gpu.cpp \
+                     engine/device.cpp model/decode_gpu.cpp comm/comm_staged.cpp comm/comm_loopback.cpp dist/zero_gpu.cpp \
+                     model/fp8_gpu.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
-# The emulated device: the kernels' launchers, the cuBLASLt double and the library's CUDA code.
-EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp \
+# The emulated device: the emulated runtime's streams, the kernels' launchers, the cuBLASLt double, the emulator's
+# walk of a thread's call sites (ptx_sm90.h) and the library's CUDA code.
+EMULATED_DEVICE_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/matmul_host.cpp $(EMULATOR_DIR)/runtime.cpp \
+                          $(EMULATOR_DIR)/call_site.cpp \
                           $(filter-out kernels/matmul.cu,$(wildcard kernels/*.cu)) $(EMULATED_LIB_SRCS))
 EMULATED_OBJS := $(call emulated_objs,$(EMULATOR_DIR)/main.cpp $(wildcard $(EMULATOR_DIR)/test_*.cpp) \
                    $(filter-out tests/kernels/test_matmul_gpu.cpp,$(wildcard tests/kernels/*_gpu.cpp)) \
@@ -90,9 +97,11 @@ EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $
                         $(filter $(BUILD)/obj/kernels/cpu/% $(BUILD)/obj/core/% $(BUILD)/obj/model/% \
                                  $(BUILD)/obj/ckpt/% $(BUILD)/obj/plan/% $(BUILD)/obj/engine/engine.o \
                                  $(BUILD)/obj/engine/engine_cpu.o $(BUILD)/obj/data/loader.o $(BUILD)/obj/data/shard.o \
-                                 $(BUILD)/obj/comm/comm.o $(BUILD)/obj/comm/comm_local.o $(BUILD)/obj/dist/zero.o,$(LIB_OBJS)))
+                                 $(BUILD)/obj/comm/comm.o $(BUILD)/obj/comm/comm_local.o $(BUILD)/obj/dist/zero.o \
+                                 $(BUILD)/obj/dist/pipeline.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
-BENCH_SRCS := $(wildcard bench/*.cpp)
+# bench/gpu_benches.cpp is the gpu-check build's one binary of the GPU benches, not a bench of its own.
+BENCH_SRCS := $(filter-out bench/gpu_benches.cpp,$(wildcard bench/*.cpp))
 ifneq ($(CUDA),1)
   BENCH_SRCS := $(filter-out bench/%_gpu.cpp,$(BENCH_SRCS))
 endif
@@ -103,7 +112,7 @@ DEPS_STAMP := $(BUILD)/.deps-installed
 .SECONDARY:
 .PHONY: all test bench demo deps clean fuzz
 all: $(BUILD)/train $(TOOLS) $(BUILD)/tuna_tests $(MPI_TESTS) $(BUILD)/emulated_gpu_tests $(EMULATED_MPI_TESTS) \
-     $(BENCHES) gpu-check-emulated
+     $(BENCHES) gpu-check-emulated $(CU_PTXAS)
 
 deps: $(DEPS_STAMP)
 $(DEPS_STAMP): scripts/install-deps.sh
@@ -128,9 +137,16 @@ $(BUILD)/obj/%.o: %.cpp | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
 
-$(BUILD)/obj/%.o: %.cu | $(DEPS_STAMP)
+# Each kernel's registers, spills and static shared memory as ptxas reports them (-v), kept beside the object:
+# kernels/registers.tsv holds them, and tests/kernels/test_registers.cpp compares the two (no second compile).
+# The log's first line is the compiler's version. ptxas's info lines stay out of the build's output.
+PTXAS_INFO := '^ptxas info\|^    [0-9]* bytes stack frame'
+$(BUILD)/obj/%.o $(BUILD)/obj/%.ptxas: %.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+	@$(NVCC) --version | tail -1 >$(BUILD)/obj/$*.ptxas
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -Xptxas -v -c $< -o $(BUILD)/obj/$*.o 2>>$(BUILD)/obj/$*.ptxas || \
+	  { sed 1d $(BUILD)/obj/$*.ptxas | grep -v $(PTXAS_INFO) >&2; rm -f $(BUILD)/obj/$*.o $(BUILD)/obj/$*.ptxas; exit 1; }
+	@sed 1d $(BUILD)/obj/$*.ptxas | grep -v $(PTXAS_INFO) >&2 || true
 
 # train.cu holds the trainer's main: plain C++ (the kernels live in kernels/*.cu), so g++ compiles it in
 # every build; nvcc took 20 s of CPU for it.
@@ -168,8 +184,12 @@ $(BUILD)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB_ARCHIVE)
 # type-puns through reinterpret_cast (bf16 pairs as words, int4 as 8 bf16), which nvcc honours and g++ at -O2
 # would not. The emulated objects live under obj/emulated/, apart from the library's own build of the same
 # model/*.cpp (against the real CUDA runtime, or without CUDA); EMULATED_HOST_OBJS are shared.
+# The emulator names the instruction a thread executes a warpgroup instruction at by the chain of return
+# addresses up its stack (ptx_sm90.h, CallSite): frame pointers kept, and no tail calls, cross-jumping or tail
+# merging, which would drop a call site from the chain or fold two call sites into one.
 EMULATOR_CPPFLAGS := -DTUNA_EMULATOR -DTUNA_CUDA=1 -I$(EMULATOR_DIR)/shim -I. -MMD -MP
-EMULATOR_CXXFLAGS := $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -fno-extern-tls-init
+EMULATOR_CXXFLAGS := $(CXXFLAGS) -Wno-unknown-pragmas -fno-strict-aliasing -fno-extern-tls-init \
+                     -fno-omit-frame-pointer -fno-optimize-sibling-calls -fno-crossjumping -fno-tree-tail-merge
 $(BUILD)/obj/emulated/%.o: %.cpp | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(EMULATOR_CPPFLAGS) $(EMULATOR_CXXFLAGS) -c $< -o $@
@@ -223,16 +243,19 @@ endef
 
 # ---- gpu-check build (CUDA only): what scripts/gpu-check.sh runs on a GPU machine that has the CUDA toolkit
 # and Python but none of the Debian -dev packages. `make gpu-check-build` links one GPU test binary (main +
-# tests/*/*_gpu.cpp) and the GPU benches into $(GPU_CHECK)/bin, debug info stripped (the machine takes at most
-# 64 MiB of carried files). The library objects go through an archive, so only what the tests reach is linked
-# (no MPI, NCCL, sentencepiece). Static: GoogleTest, the reference BLAS (CBLAS for the CPU twins; the tests'
-# shapes are small, and OpenBLAS's static archive would add 25 MB) with its gfortran runtime, libgomp and the
-# CUDA runtime. Dynamic: cuBLASLt (the toolkit there has it), libstdc++ and glibc (newer there). Google
-# Benchmark exists in Debian only as a shared library: copied to bin/lib, found through rpath $ORIGIN/lib.
+# tests/*/*_gpu.cpp) and one binary of the GPU benches (bench/gpu_benches.cpp: each bench_NAME_gpu in bin/ is a
+# script running `gpu_benches NAME`) into $(GPU_CHECK)/bin, debug info stripped: the machine takes at most 64 MiB
+# of carried files, and each binary carries the device code, the CUDA runtime and the library it reaches
+# (tests/tools/test_gpu_check.cpp fails past 48 MB). The library objects go through an archive, so only what the
+# tests reach is linked (no MPI, NCCL, sentencepiece). Static: GoogleTest, the reference BLAS (CBLAS for the CPU
+# twins; the tests' shapes are small, and OpenBLAS's static archive would add 25 MB) with its gfortran runtime,
+# libgomp and the CUDA runtime. Dynamic: cuBLASLt (the toolkit there has it), libstdc++ and glibc (newer there).
+# Google Benchmark exists in Debian only as a shared library: copied to bin/lib, found through rpath $ORIGIN/lib.
 ifeq ($(CUDA),1)
 GPU_CHECK := $(BUILD)/gpu-check
 GPU_TEST_OBJS := $(patsubst %.cpp,$(BUILD)/obj/%.o,tests/main.cpp $(wildcard tests/*/*_gpu.cpp))
-GPU_BENCHES := $(patsubst bench/%.cpp,$(GPU_CHECK)/bin/%,$(wildcard bench/*_gpu.cpp))
+GPU_BENCH_NAMES := $(patsubst bench/bench_%_gpu.cpp,%,$(wildcard bench/*_gpu.cpp))
+GPU_BENCHES := $(GPU_BENCH_NAMES:%=$(GPU_CHECK)/bin/bench_%_gpu)
 GPU_ARCHIVE_OBJS := $(LIB_OBJS) $(CU_OBJS)
 REFERENCE_BLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/blas/libblas.a) -lopenblas)
 GPU_CHECK_LIBS := -Wl,-Bstatic $(REFERENCE_BLAS) -lgfortran -lquadmath -lgomp -Wl,-Bdynamic \
@@ -250,11 +273,22 @@ $(GPU_CHECK)/bin/gpu_tests: $(GPU_TEST_OBJS) $(GPU_CHECK)/libtuna_gpu.a
 	$(CXX) $^ -o $@ -Wl,-Bstatic -lgtest -Wl,-Bdynamic $(GPU_CHECK_LIBS)
 	strip --strip-debug $@
 
-$(GPU_CHECK)/bin/bench_%_gpu: $(BUILD)/obj/bench/bench_%_gpu.o $(GPU_CHECK)/libtuna_gpu.a
+# Each bench compiled again, keeping its benchmarks under its name (bench/gpu_bench_util.h), for gpu_benches.
+$(BUILD)/obj/gpu-check/bench/bench_%_gpu.o: bench/bench_%_gpu.cpp | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -DTUNA_GPU_BENCH_NAME='"$*"' -c $< -o $@
+
+GPU_BENCH_OBJS := $(BUILD)/obj/bench/gpu_benches.o $(GPU_BENCH_NAMES:%=$(BUILD)/obj/gpu-check/bench/bench_%_gpu.o)
+$(GPU_CHECK)/bin/gpu_benches: $(GPU_BENCH_OBJS) $(GPU_CHECK)/libtuna_gpu.a
 	@mkdir -p $(GPU_CHECK)/bin/lib
 	cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so.1debian $(GPU_CHECK)/bin/lib/
 	$(CXX) $^ -o $@ -lbenchmark -Wl,-rpath,'$$ORIGIN/lib' $(GPU_CHECK_LIBS)
 	strip --strip-debug $@
+
+$(GPU_CHECK)/bin/bench_%_gpu: $(GPU_CHECK)/bin/gpu_benches
+	printf '#!/bin/sh\n# The %s bench of gpu_benches, the GPU benches in one binary (the Makefile).\n' $* >$@
+	printf 'exec "$$(dirname "$$0")/gpu_benches" %s "$$@"\n' $* >>$@
+	chmod +x $@
 
 # The trainer itself, for gpu-check's end-to-end runs on one GPU: train.cu compiled as the plain C++ it is,
 # without NCCL (one rank needs none, and the GPU machine's libnccl may not match this toolkit's); Open MPI's
@@ -271,11 +305,11 @@ $(BUILD)/obj/gpu-check/train.o: train.cu | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(filter-out -DTUNA_NCCL=1,$(CPPFLAGS)) $(CXXFLAGS) -x c++ -c $< -o $@
 
-# The trainer reads the model's tokenizer (to check the shards against it): PCRE2 and xxHash link statically,
+# The trainer reads the model's tokenizer (to check the shards against it): PCRE2, utf8proc and xxHash link statically,
 # sentencepiece's shared library travels in bin/lib like Open MPI's.
 $(GPU_CHECK)/bin/train: $(BUILD)/obj/gpu-check/train.o $(GPU_CHECK)/libtuna_gpu.a
 	@mkdir -p $(GPU_CHECK)/bin/lib
-	$(CXX) $^ -o $@ -Wl,-rpath,'$$ORIGIN/lib' -Wl,-Bstatic -lpcre2-8 -lxxhash -Wl,-Bdynamic -lsentencepiece \
+	$(CXX) $^ -o $@ -Wl,-rpath,'$$ORIGIN/lib' -Wl,-Bstatic -lpcre2-8 -lutf8proc -lxxhash -Wl,-Bdynamic -lsentencepiece \
 	  $(GPU_CHECK_LIBS) -Wl,--as-needed $(MPI_LIBS)
 	strip --strip-debug $@
 	cp -L $$(ldd $@ | awk '/libmpi|libopen-|libhwloc|libevent|libudev|libsentencepiece/ && $$3 !~ /gpu-check/ {print $$3}') $(GPU_CHECK)/bin/lib/
@@ -286,7 +320,8 @@ endif
 
 # ---- make fuzz: every reader of untrusted bytes (safetensors, index.json, config.json, state.json, pieces
 # metadata, rank files, manifests, token shards, TOML, checkpoint names, tokenizer files and the model config files
-# beside them, prepare's .jsonl/.gz/.zst inputs) fed seeded mutations of valid inputs and the regression corpus
+# beside them, prepare's .jsonl/.gz/.zst inputs, run.lock as any file or other thing, a LoRA checkpoint's
+# adapter_config.json, base_model.json and adapter file) fed seeded mutations of valid inputs and the regression corpus
 # tests/fuzz/corpus under AddressSanitizer and UBSan (tests/fuzz/fuzz_readers.cpp): every case must end in a clean
 # error or a valid result. The readers' sources are compiled instrumented into obj/fuzz/ and linked first; what
 # else they call (communication, kernels, libsentencepiece) comes uninstrumented. An allocation over 2 GB is a
@@ -295,11 +330,13 @@ endif
 # them.
 FUZZ_CASES ?= 300
 FUZZ_SEED ?= 1
-FUZZ_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+# float-cast-overflow is not part of GCC's "undefined": a double out of an integer's range (a pid of 1e30) converted.
+FUZZ_FLAGS := -fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_SRCS := tests/fuzz/fuzz_readers.cpp $(addprefix core/,checksum.cpp dtype.cpp error.cpp file.cpp json.cpp memory.cpp \
                options.cpp progress.cpp) ckpt/safetensors.cpp model/config.cpp \
-             ckpt/checkpoint.cpp ckpt/tensor_reader.cpp ckpt/checkpoint_writer.cpp ckpt/run_dir.cpp model/layout.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
-             $(addprefix data/,tokenizer.cpp tokenizer_json.cpp tiktoken.cpp byte_bpe.cpp sentencepiece_tokenizer.cpp \
+             ckpt/checkpoint.cpp ckpt/tensor_reader.cpp ckpt/checkpoint_writer.cpp ckpt/run_dir.cpp ckpt/peft.cpp \
+             model/layout.cpp model/lora.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
+             $(addprefix data/,tokenizer.cpp tokenizer_json.cpp tiktoken.cpp byte_bpe.cpp bpe_text.cpp unicode.cpp sentencepiece_tokenizer.cpp \
                input.cpp prepare.cpp prepare_output.cpp prepare_report.cpp clean.cpp dedup.cpp chat_template.cpp)
 FUZZ_OBJS := $(FUZZ_SRCS:%.cpp=$(BUILD)/obj/fuzz/%.o)
 

@@ -1,18 +1,22 @@
 // build/train — the trainer's main: config -> ranks -> model -> data -> loop -> checkpoints.
-// Wiring only: the math is in model/, the bytes in data/, the ops in kernels/, communication in dist/.
+// Wiring only: the math is in model/, the bytes in data/, the ops in kernels/, the parallelism in dist/ (its
+// transports in comm/).
 //
 //   build/train --config run.toml [--option value ...]
-//   mpirun -np 8 build/train --config run.toml --zero 3 [--tp 2]      (docs/multi-rank.md)
+//   mpirun -np 8 build/train --config run.toml --zero 3 [--tp 2] [--pp 2]      (docs/multi-rank.md)
 //
-// Ranks: world = dp x tp (comm/comm.h); the loader gives each dp rank disjoint windows. The Engine
-// (engine/engine.h) is the model on the chosen device: on cpu, Llama + Zero (every parallel mode); on cuda,
-// LlamaGpu on the rank's GPU with gradients all-reduced over NCCL. Rank 0 prints and writes metrics.jsonl;
-// every rank writes its checkpoint shard.
+// Ranks: world = dp x pp x tp (comm/comm.h Mesh); the loader gives each dp rank disjoint windows. What runs where is
+// the support table's (model/support.h), what trains the adapters component's (engine/adapters.h: every parameter, or
+// LoRA adapters on a frozen base). The Engine (engine/engine.h) is the model on the chosen device: on cpu, Llama + Zero;
+// on cuda, LlamaGpu on the rank's GPU with the GPU ZeRO over NCCL. Rank 0 prints and writes metrics.jsonl; every rank
+// writes its checkpoint shard.
 //
 // Every option is settable in the TOML file and as a flag (flags win). The effective config is printed
 // at start and saved in every checkpoint's state.json. SIGTERM/SIGINT/SIGUSR1 (a preemption notice) finish
 // the current step, write a checkpoint and exit 75 (EX_TEMPFAIL: "stopped, not finished"; as does
 // --stop_at_step before --steps), so a job script requeues and `--resume` continues exactly where it stopped.
+// A run whose out_dir lock another run took over stops at the end of its step without a checkpoint and exits 73
+// (EX_CANTCREAT: the directory is no longer this run's to write; ckpt/run_dir.h).
 // out_dir decides how a run starts (ckpt/run_dir.h): an earlier run there is continued (--resume), replaced
 // (--overwrite) or refused.
 
@@ -29,8 +33,7 @@
 #include <sysexits.h>  // EX_TEMPFAIL
 
 #include "ckpt/checkpoint.h"   // resolve_checkpoint, read_config_json, checkpoint_bytes, verify_model_directory
-#include "ckpt/peft.h"         // lora_start, is_lora_directory: LoRA runs
-#include "ckpt/run_dir.h"      // lock_run_dir, open_run_dir, truncate_metrics, MetricsLog, resume_option_changes
+#include "ckpt/run_dir.h"      // lock_run_dir, open_run_dir, truncate_metrics, MetricsLog, stop_at_safe_point
 #include "comm/comm.h"         // Comm, Mesh, make_world_comm, abort_job
 #include "comm/fault_injection.h"  // TUNA_FAULT: inject_fault_for_tests, nan_loss_for_tests
 #include "core/error.h"        // tuna::Error, fail, describe_current_exception
@@ -41,14 +44,15 @@
 #include "core/threads.h"      // set_cpu_threads: OpenMP + OpenBLAS; blas_hint
 #include "data/loader.h"       // DataLoader, LoaderCursor, expand_shard_paths, ShardRole
 #include "data/tokenizer.h"    // model_tokenizer: what checkpoints carry, what shards must match
+#include "engine/adapters.h"  // Adapters: what trains (every parameter, or LoRA adapters on a frozen base)
 #include "engine/checkpointer.h"  // Checkpointer: every / keep / last, save and restore
 #include "engine/engine.h"     // Engine: the model on cpu or cuda, the step's collectives and optimizer
 #include "engine/step_record.h"   // StepRecord: one step's jsonl row and log line
 #include "engine/validator.h"  // Validator: when to validate, and the held-out loss
 #include "model/config.h"      // LlamaConfig
-#include "model/lora.h"        // LoraConfig, parse_lora_targets, validate_lora, lora_parameter_count
 #include "model/optimizer.h"   // OptimizerConfig, learning_rate
-#include "model/pipeline.h"    // pipeline_stages, format_pipeline_stages: the --pp split
+#include "model/pipeline.h"    // format_pipeline_stages: the --pp split
+#include "model/support.h"     // require_support, require_valid: what runs where
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -62,9 +66,6 @@ struct TrainConfig {
   std::string tokenizer;     // tokenizer file or directory carried in checkpoints; shards must match it
   std::string train_data;    // shard files, directories or globs, comma-separated
   std::string val_data;
-  int64_t seq_len = 1024;
-  int64_t micro_batch = 4;
-  int64_t grad_accum = 1;
   int64_t steps = 1000;
   OptimizerConfig opt;
   int64_t seed = 1337;
@@ -81,14 +82,8 @@ struct TrainConfig {
   int64_t max_bad_steps = 5;
   std::string device = "auto";
   int64_t threads = 0;
-  int64_t tp = 1;
-  int64_t pp = 1;
-  bool sp = false;  // sequence parallelism over tp: see docs/multi-rank.md
-  int64_t zero = 0;
   bool zero_prefetch = true;
-  std::string recompute = "none";
   double comm_timeout = 300;
-  bool bf16_moments = false;
   bool stochastic_rounding = false;
   std::string attention = "auto";
   double gpu_hour_cost = 0;
@@ -96,19 +91,14 @@ struct TrainConfig {
   double gpu_memory_gb = 0;
   bool document_mask = true;                 // attention stays inside each token's document
   std::string document_positions = "restart";  // RoPE positions restart at each document (or continue)
-  int64_t lora_rank = 0;        // unset: a full fine-tune
-  double lora_alpha = 0;        // unset: the rank (a scale of 1)
-  double lora_dropout = 0;
-  std::string lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
-  std::string lora_init;        // a PEFT adapter (or tuna LoRA checkpoint) to continue training
-  std::string base;             // --resume of a LoRA run: the base's directory, instead of the recorded one
-  std::string base_quant = "none";  // LoRA: the frozen base held quantized (QLoRA)
+  LayoutOptions layout;    // the parallel layout and the step's batch (engine/engine.h): shared with build/plan
+  AdapterOptions adapters;  // LoRA (engine/adapters.h): shared with build/plan in part
 };
 
 void declare(Options& o, TrainConfig& c) {
   // Upper bounds are far beyond any real run; they exist so that a typo (or 2^31) fails here, with the
   // option's name, instead of as an allocation of petabytes or an overflow later.
-  constexpr double kMaxSteps = 1e12, kMaxTokens = 1 << 22, kMaxRanks = 1 << 16;
+  constexpr double kMaxSteps = 1e12, kMaxRanks = 1 << 16;
   o.add("model_config", &c.model_config, "config.json of a model to train from scratch (instead of --init)");
   o.add("init", &c.init, "model directory to start from: a Hugging Face download or a tuna checkpoint");
   o.add("tokenizer", &c.tokenizer,
@@ -116,9 +106,7 @@ void declare(Options& o, TrainConfig& c) {
         "must have been written with it; default: --init's");
   o.add("train_data", &c.train_data, "token shards: files, directories (their train-* shards) or globs, comma-separated");
   o.add("val_data", &c.val_data, "validation shards, same form (a directory: its val-* shards); empty: no validation");
-  o.add("seq_len", &c.seq_len, "tokens per sequence", Bounds::closed(1, kMaxTokens));
-  o.add("micro_batch", &c.micro_batch, "sequences per forward/backward", Bounds::closed(1, kMaxTokens));
-  o.add("grad_accum", &c.grad_accum, "micro-batches per optimizer step", Bounds::closed(1, kMaxTokens));
+  declare_layout_options(o, c.layout);
   o.add("steps", &c.steps, "optimizer steps of the whole run (the schedule spans them)", Bounds::closed(1, kMaxSteps));
   o.add("lr", &c.opt.lr, "peak learning rate", Bounds::open_closed(0, 1));
   o.add("min_lr", &c.opt.min_lr, "final learning rate of cosine, linear and wsd schedules", Bounds::closed(0, 1));
@@ -156,45 +144,18 @@ void declare(Options& o, TrainConfig& c) {
         "RoPE positions of packed windows: restart at 0 at each document (as transformers with packed position_ids) "
         "or continue along the window", {"restart", "continue"});
   o.add("threads", &c.threads, "CPU threads per rank; 0: the node's cores divided among its ranks", Bounds::closed(0, kMaxRanks));
-  o.add("tp", &c.tp, "tensor-parallel ranks (inside a node); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
-  o.add("pp", &c.pp, "pipeline stages (consecutive layers per stage, 1F1B over the grad_accum micro-batches; cuda: "
-        "ZeRO 0 and 1); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
-  o.add("sp", &c.sp, "sequence parallelism with --tp > 1: norms and residuals hold seq / tp of the tokens, "
-        "all-gathered before the tp GEMMs and reduce-scattered after them (cuda: seq_len a multiple of tp); off by "
-        "default");
-  o.add("zero", &c.zero, "ZeRO stage: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters", Bounds::closed(0, 3));
   o.add("zero_prefetch", &c.zero_prefetch, "ZeRO-3: gather the next layer while this one computes (false: when used)");
-  o.add("recompute", &c.recompute, "cuda: activations the backward recomputes: none, selective (norms, SwiGLU) or full (each layer from its input)",
-        {"none", "selective", "full"});
   o.add("comm_timeout", &c.comm_timeout, "seconds a collective may wait for the other ranks before the job stops; 0: forever",
         Bounds::closed(0, 1e9));
   o.add("attention", &c.attention, "cuda: the attention kernels: mma (FlashAttention-2 style, sm_80+), hopper "
         "(FlashAttention-3 style, sm_90a) or auto (mma today); a resume with auto keeps the checkpoint's",
         {"auto", "mma", "hopper"});
-  o.add("bf16_moments", &c.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
   o.add("stochastic_rounding", &c.stochastic_rounding, "cuda: round bf16 weights (and bf16 moments) stochastically");
   o.add("plan_only", &c.plan_only, "cuda: print each rank's device memory plan and whether it fits, then exit without allocating (runs on any machine with --gpu_memory_gb)");
   o.add("gpu_memory_gb", &c.gpu_memory_gb, "plan_only: the GPU memory in GB to fit against (80 for an H100); 0: the visible GPU's free memory",
         Bounds::closed(0, 1e6));
-  o.add("lora_rank", &c.lora_rank,
-        "LoRA: train rank-r adapters (r >= 1) on --lora_targets with the base frozen (ZeRO 0-3; at 3 the base is sharded too); unset (shown as 0): "
-        "a full fine-tune",
-        Bounds::closed(0, 1 << 20));
-  o.add("lora_alpha", &c.lora_alpha, "LoRA: the adapters' output is scaled by alpha / rank (alpha > 0); unset (shown as 0): the rank, a scale of 1");
-  o.add("lora_dropout", &c.lora_dropout, "LoRA: dropout probability on the adapters' input, in training (PEFT's lora_dropout)");
-  o.add("lora_targets", &c.lora_targets,
-        "LoRA: the projections that get adapters, a comma list of PEFT's module names (default: all seven)");
-  o.add("lora_init", &c.lora_init,
-        "LoRA: start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors, or a tuna LoRA "
-        "checkpoint); its rank, alpha, dropout and targets are the run's (an option that disagrees is an error)");
-  o.add("base", &c.base,
-        "LoRA --resume: the frozen base's directory, instead of the path the checkpoint recorded (its checksum must "
-        "match)");
-  o.add("base_quant", &c.base_quant,
-        "LoRA (cpu: ZeRO 0-2, any tp; cuda: nf4, tp 1): hold the frozen base quantized, nf4 (QLoRA: 4-bit NormalFloat, "
-        "blocksize 64, double-quantized absmax) or int8 (an absmax per row), each tensor quantized whole from --init as "
-        "it is read; the adapters train on the dequantized weights. Recorded in the checkpoint (a resume keeps it)",
-        {"none", "nf4", "int8"});
+  declare_adapter_shape(o, c.adapters);
+  declare_adapter_training(o, c.adapters);
   o.add("gpu_hour_cost", &c.gpu_hour_cost, "price of one GPU (or CPU rank) hour, for the cost column of the log; 0: none",
         Bounds::closed(0, 1e9));
 }
@@ -224,8 +185,8 @@ void check(const TrainConfig& c) {
   if (c.model_config.empty() == c.init.empty())
     fail("give exactly one of --init (a model directory) and --model_config (a config.json to train from scratch)");
   if (c.train_data.empty() && !c.plan_only) fail("option 'train_data' is empty: give token shards (build/prepare writes them)");
-  if (c.micro_batch * c.seq_len > (int64_t{1} << 31))
-    fail("options 'micro_batch' x 'seq_len' = ", c.micro_batch * c.seq_len, " tokens per micro-batch: at most 2^31");
+  if (c.layout.micro_batch * c.layout.seq_len > (int64_t{1} << 31))
+    fail("options 'micro_batch' x 'seq_len' = ", c.layout.micro_batch * c.layout.seq_len, " tokens per micro-batch: at most 2^31");
   validate(c.opt);
   // Every input path now, before anything is loaded (data/loader.h), not after the model.
   if (!c.plan_only) check_shard_specs("train_data", split_list(c.train_data), ShardRole::Train);
@@ -266,11 +227,8 @@ struct RunStart {
   json config_json, checkpoint_state;  // checkpoint_state: a resume's state.json (what its run chose)
   LlamaConfig model;
   ModelTokenizer tokenizer;
-  std::optional<LoraStart> lora;  // a LoRA run: its adapters, its frozen base (weights_dir) and starting adapters
+  Adapters adapters;  // what trains: every parameter, or adapters on a frozen base (then weights_dir)
 };
-
-LoraConfig lora_options(const TrainConfig& c, const Options& options, bool resuming_lora);
-LoraOptionsGiven lora_options_given(const TrainConfig& c, const Options& options);
 
 RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
   RunStart r;
@@ -286,22 +244,9 @@ RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
       !verify_model_directory(r.init_dir, ModelFiles::Weights, world))
     std::printf("note: %s\n", unverified_note(r.init_dir).c_str());  // the files --init reads, against its manifest
   r.weights_dir = r.resume_from ? *r.resume_from : r.init_dir;
-  // A LoRA run (options, --lora_init, or resuming a LoRA checkpoint) reads its model, config and tokenizer from the
-  // frozen base: the checkpoint holds only the adapters (ckpt/peft.h).
-  const bool resuming_lora = r.resume_from && is_lora_directory(*r.resume_from);
-  if (!cfg.plan_only && (options.was_set("lora_rank") || !cfg.lora_init.empty() || resuming_lora)) {
-    r.lora = lora_start(lora_options(cfg, options, resuming_lora), lora_options_given(cfg, options), cfg.lora_init,
-                        r.init_dir, r.resume_from, cfg.base, world,
-                        options.was_set("base_quant") ? std::optional(parse_base_quant(cfg.base_quant, "option 'base_quant'"))
-                                                      : std::nullopt);
-    r.weights_dir = r.lora->base;
-  } else {
-    if (!cfg.base.empty()) fail("option 'base' is for LoRA runs: give --lora_rank (or --resume a LoRA checkpoint)");
-    if (options.was_set("base_quant") && !(cfg.plan_only && options.was_set("lora_rank")))
-      fail("option 'base_quant' is for LoRA runs (a quantized base is frozen): give --lora_rank (or --resume a LoRA "
-           "checkpoint)");
-    lora_options(cfg, options, /*resuming_lora=*/false);  // a LoRA option without --lora_rank is an error naming it
-  }
+  // With adapters the model, config and tokenizer are the frozen base's: the checkpoint holds the adapters alone.
+  r.adapters = Adapters::open(cfg.adapters, options, r.init_dir, r.resume_from, cfg.plan_only, world);
+  if (!r.adapters.base().empty()) r.weights_dir = r.adapters.base();
   if (r.resume_from) r.checkpoint_state = read_training_state(*r.resume_from).state;
   r.config_json = r.weights_dir.empty() ? json() : read_config_json(r.weights_dir);
   r.model = r.weights_dir.empty() ? LlamaConfig::load(cfg.model_config)
@@ -310,76 +255,34 @@ RunStart open_run(const TrainConfig& cfg, const Options& options, Comm& world) {
   // The tokenizer checkpoints carry (exactly the one --tokenizer names, else the weights directory's), which
   // the shards must have been written with.
   r.tokenizer = model_tokenizer(cfg.tokenizer, r.weights_dir.string(), r.model.vocab_size);
-  check_seq_len(r.model, cfg.seq_len, "seq_len",
-                r.weights_dir.empty() ? cfg.model_config : (r.weights_dir / "config.json").string());
+  const std::string config_path =
+      r.weights_dir.empty() ? cfg.model_config : (r.weights_dir / "config.json").string();
+  if (!cfg.layout.rope_scaling.empty() && r.adapters.enabled())
+    fail("option 'rope_scaling': not with adapters: the adapters load onto the base, whose config.json decides the "
+         "rope; scale the base's config.json instead, or train the whole model");
+  apply_rope_scaling(r.model, r.config_json, cfg.layout.rope_scaling, "rope_scaling", config_path);
+  check_seq_len(r.model, cfg.layout.seq_len, "seq_len", config_path);
   return r;
 }
 
-// The adapters the options ask for (rank 0: none, a full fine-tune): a rank given as 0, or a LoRA option without
-// --lora_rank (or --lora_init, or a LoRA checkpoint to resume, which give the rank) is an error naming it. validate_lora
-// checks the values against the model once it is known.
-LoraConfig lora_options(const TrainConfig& c, const Options& options, bool resuming_lora) {
-  LoraConfig lora;
-  if (!options.was_set("lora_rank")) {
-    if (c.lora_init.empty() && !resuming_lora)
-      for (const char* name : {"lora_alpha", "lora_dropout", "lora_targets"})
-        if (options.was_set(name)) fail("option '", name, "' is for LoRA training: give --lora_rank too");
-    return lora;
-  }
-  if (c.lora_rank < 1) fail("option 'lora_rank': expected a rank of at least 1, found ", c.lora_rank);
-  lora.rank = c.lora_rank;
-  lora.alpha = options.was_set("lora_alpha") ? c.lora_alpha : static_cast<double>(c.lora_rank);
-  lora.dropout = c.lora_dropout;
-  lora.targets = parse_lora_targets(c.lora_targets);
-  return lora;
-}
-
-// Which LoRA options the user set: only those must agree with an adapter_config.json (--lora_init, a resume).
-LoraOptionsGiven lora_options_given(const TrainConfig& c, const Options& options) {
-  LoraOptionsGiven given;
-  if (options.was_set("lora_rank")) given.rank = c.lora_rank;
-  if (options.was_set("lora_alpha")) given.alpha = c.lora_alpha;
-  if (options.was_set("lora_dropout")) given.dropout = c.lora_dropout;
-  if (options.was_set("lora_targets")) given.targets = parse_lora_targets(c.lora_targets);
-  return given;
-}
-
-EngineOptions engine_options(const TrainConfig& cfg, const Options& options, const RunStart& start,
-                             const LaunchInfo& launch) {
+EngineOptions engine_options(const TrainConfig& cfg, const RunStart& start, const LaunchInfo& launch) {
   if (cfg.plan_only && cfg.device != "cuda") fail("option 'plan_only' prints the CUDA engine's plan: use --device cuda");
   EngineOptions eo;
   eo.device = cfg.plan_only ? Device::Cuda : resolve_device(cfg.device);
-  eo.micro_batch = cfg.micro_batch, eo.seq_len = cfg.seq_len, eo.opt = cfg.opt;
-  eo.zero = static_cast<int>(cfg.zero), eo.zero_prefetch = cfg.zero_prefetch;
-  eo.recompute = parse_recompute(cfg.recompute, "option 'recompute'");
-  eo.bf16_moments = cfg.bf16_moments;
-  if (cfg.sp && cfg.tp < 2)
-    fail("option 'sp' splits each micro-batch's tokens over the tensor-parallel ranks: it needs --tp 2 or more, "
-         "found --tp ", cfg.tp);
-  eo.sp = cfg.sp;
+  eo.micro_batch = cfg.layout.micro_batch, eo.seq_len = cfg.layout.seq_len, eo.opt = cfg.opt;
+  eo.zero = static_cast<int>(cfg.layout.zero), eo.zero_prefetch = cfg.zero_prefetch;
+  eo.recompute = parse_recompute(cfg.layout.recompute, "option 'recompute'");
+  eo.bf16_moments = cfg.layout.bf16_moments;
+  eo.sp = cfg.layout.sp;
   eo.documents = DocumentMode{cfg.document_mask, parse_document_positions(cfg.document_positions)};
-  if (start.lora) {
-    eo.lora = start.lora->lora;
-    validate_lora(eo.lora, start.model);
-    eo.adapters = start.lora->adapters;  // null: PEFT's initialisation, or the resume restores them
-    eo.base_quant = start.lora->base_quant;
-    if (eo.base_quant != BaseQuant::None) check_quantizable_base(start.lora->base, start.model, eo.base_quant);
-  }
-  if (cfg.plan_only && options.was_set("lora_rank")) {  // the plan needs the adapters' shape, not their values
-    eo.lora = lora_options(cfg, options, /*resuming_lora=*/false);
-    validate_lora(eo.lora, start.model);
-    if (options.was_set("base_quant")) eo.base_quant = parse_base_quant(cfg.base_quant, "option 'base_quant'");
-  }
+  start.adapters.configure(eo, start.model);  // what trains
   eo.seed = static_cast<uint64_t>(cfg.seed);
   std::string note;
   eo.attention = choose_attention(cfg.attention, start.checkpoint_state, &note);
   if (!note.empty()) std::printf("note: %s\n", note.c_str());
   eo.gpu.stochastic_rounding = cfg.stochastic_rounding, eo.gpu.seed = static_cast<uint32_t>(cfg.seed);
   eo.gpu.device = launch.local_rank;  // one GPU per rank: the rank's index on its node
-  if (cfg.pp > 1 && eo.device == Device::Cuda && !cfg.plan_only && cfg.zero >= 2)
-    fail("option 'zero' ", cfg.zero, " with --pp ", cfg.pp, " and --device ", cfg.device, " (cuda): the CUDA engine "
-         "runs pipeline stages with ZeRO 0 and 1; use --zero 0 or 1, or --device cpu");
-  if (eo.device == Device::Cpu && (cfg.bf16_moments || cfg.stochastic_rounding))
+  if (eo.device == Device::Cpu && (cfg.layout.bf16_moments || cfg.stochastic_rounding))
     fail("options 'bf16_moments' and 'stochastic_rounding' are for --device cuda (the CPU backend keeps fp32)");
   return eo;
 }
@@ -392,20 +295,19 @@ json training_state(const Options& options, const TrainConfig& cfg, const Mesh& 
                 {"train_config", options.to_json()},
                 {"data_cursor", train.cursor()},
                 {"rng", {{"seed", cfg.seed}}},
-                {"world", {{"dp", mesh.dp_size}, {"pp", mesh.pp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}}};
+                {"world", {{"dp", mesh.dp_size}, {"pp", mesh.pp_size}, {"tp", mesh.tp_size}, {"zero", cfg.layout.zero}}}};
   if (!engine.attention_kernels().empty()) state["kernels"] = {{"attention", engine.attention_kernels()}};
   return state;
 }
 
 void print_banner(const TrainConfig& cfg, const Options& options, const RunStart& start, const Engine& engine,
-                  const Comm& world, const Mesh& mesh, int threads) {
+                  const Comm& world, const Mesh& mesh, const MemoryLayout& layout, int threads) {
   std::printf("tuna train | device %s | %d CPU threads per rank | %d ranks = dp %d x %stp %d%s | ZeRO-%lld (%s)\n",
               engine.describe().c_str(), threads, world.size(), mesh.dp_size,
               mesh.pp_size > 1 ? str("pp ", mesh.pp_size, " x ").c_str() : "", mesh.tp_size,
-              mesh.tp_size < 2 ? "" : cfg.sp ? " (sequence parallel)" : " (sequence parallel off)", (long long)cfg.zero,
+              mesh.tp_size < 2 ? "" : cfg.layout.sp ? " (sequence parallel)" : " (sequence parallel off)", (long long)cfg.layout.zero,
               world.backend().c_str());
-  if (mesh.pp_size > 1)
-    std::printf("pipeline %s\n", format_pipeline_stages(pipeline_stages(start.model, mesh.pp_size, cfg.seq_len)).c_str());
+  if (mesh.pp_size > 1) std::printf("pipeline %s\n", format_pipeline_stages(layout.stages).c_str());
   std::printf("config %s\n", options.to_json().dump().c_str());
   if (const std::string w = schedule_warning(cfg.opt, cfg.steps); !w.empty()) std::printf("warning: %s\n", w.c_str());
   if (engine.describe() == "cpu" && *blas_hint()) std::printf("note: %s\n", blas_hint());
@@ -415,35 +317,19 @@ void print_banner(const TrainConfig& cfg, const Options& options, const RunStart
   if (!start.tokenizer.note.empty()) std::printf("note: %s\n", start.tokenizer.note.c_str());
 }
 
-// The whole model's trainable parameters (every tp rank's together): all of them, or the LoRA adapters'.
-int64_t trainable_parameters(const LlamaConfig& m, const Engine& engine) {
-  if (engine.layout().is_model()) return m.n_params();
-  int64_t n = 0;
-  for (const ParamTensor& t : engine.layout().tensors()) {
-    int64_t global = 1;
-    for (int64_t d : t.global_shape) global *= d;
-    n += global;
-  }
-  return n;
-}
-
-void print_run_shape(const TrainConfig& cfg, const LlamaConfig& m, Engine& engine, const DataLoader& train,
+void print_run_shape(const TrainConfig& cfg, const RunStart& start, Engine& engine, const DataLoader& train,
                      int64_t tokens_per_step) {
+  const LlamaConfig& m = start.model;
   std::printf("model %lld parameters (%d layers, hidden %lld, %lld heads / %lld kv, vocab %lld); activations %.1f MB\n",
               (long long)m.n_params(), (int)m.num_hidden_layers, (long long)m.hidden_size,
               (long long)m.num_attention_heads, (long long)m.num_key_value_heads, (long long)m.vocab_size,
               engine.activation_bytes() / 1e6);
-  if (engine.layout().is_model())
-    std::printf("trainable parameters: all %lld\n", (long long)m.n_params());
-  else  // LoRA: the adapters alone; the base is frozen
-    std::printf("trainable parameters: %lld LoRA adapter parameters (%.3f%% of the %lld frozen base's)\n",
-                (long long)trainable_parameters(m, engine), 100.0 * trainable_parameters(m, engine) / m.n_params(),
-                (long long)m.n_params());
+  std::printf("%s\n", start.adapters.describe(m).c_str());
   std::printf("%s", engine.memory_report().c_str());
   std::printf("data %llu windows of %lld tokens in %zu shard(s); %lld tokens per step; %.2f epochs over %lld steps\n",
-              (unsigned long long)train.total_windows(), (long long)cfg.seq_len, train.shard_count(),
+              (unsigned long long)train.total_windows(), (long long)cfg.layout.seq_len, train.shard_count(),
               (long long)tokens_per_step,
-              double(cfg.steps) * cfg.micro_batch * cfg.grad_accum / double(std::max<uint64_t>(1, train.windows_per_epoch())),
+              double(cfg.steps) * cfg.layout.micro_batch * cfg.layout.grad_accum / double(std::max<uint64_t>(1, train.windows_per_epoch())),
               (long long)cfg.steps);
   std::fflush(stdout);
 }
@@ -456,12 +342,8 @@ void open_metrics(MetricsLog& metrics, const TrainConfig& cfg, const RunStart& s
   if (cut.dropped > 0)
     std::printf("metrics.jsonl: kept the %lld rows up to step %lld, dropped %lld logged after it (the file as it was: %s)\n",
                 (long long)cut.kept, (long long)step, (long long)cut.dropped, cut.backup.c_str());
-  // A LoRA checkpoint holds the adapters only: their weights and moments, and adapter_model.safetensors (4 bytes more
-  // each: with several ranks it is assembled beside the rank files).
-  const int64_t trained = start.lora ? lora_parameter_count(start.model, start.lora->lora) : start.model.n_params();
-  const int64_t ckpt_bytes = checkpoint_bytes(trained, start.tokenizer.files) + (start.lora ? 4 * trained : 0);
   const std::string space = check_checkpoint_space(
-      out_dir / "ckpt", ckpt_bytes,
+      out_dir / "ckpt", start.adapters.checkpoint_bytes(start.model, start.tokenizer.files),
       checkpoints_to_write(step, last_step, cfg.ckpt_every, start.resume_from.has_value()), cfg.ckpt_keep);
   if (!space.empty()) std::printf("warning: %s\n", space.c_str());
   metrics.open(out_dir / "metrics.jsonl");
@@ -476,12 +358,12 @@ int print_plan(const LlamaConfig& model, const EngineOptions& eo, const Mesh& me
   return all_fit == world.size() ? 0 : 1;
 }
 
-// A signal reaches ranks at different moments: they stop together, at the first step any rank saw it.
-bool stop_requested(Comm& world, int64_t step) {
-  int64_t stop = g_stop_requested ? 1 : 0;
-  if (world.size() > 1) world.all_reduce_sum(&stop, 1, "stop request");
-  if (stop) std::printf("stop requested (signal): checkpointing at step %lld\n", (long long)step);
-  return stop != 0;
+// A signal reaches ranks at different moments: they stop together, at the first step any rank saw it. A lost
+// run-directory lock stops them too, without a checkpoint (ckpt/run_dir.h).
+StopRequest stop_requested(Comm& world, int64_t step, const RunLock* lock) {
+  const StopRequest stop = stop_at_safe_point(world, g_stop_requested, lock);
+  if (stop == StopRequest::Signal) std::printf("stop requested (signal): checkpointing at step %lld\n", (long long)step);
+  return stop;
 }
 
 void install_stop_signals() {
@@ -491,13 +373,14 @@ void install_stop_signals() {
 }
 
 // metrics.jsonl's first row: what the run report needs besides the steps (core/run_report.h).
-json start_row(const Options& options, const TrainConfig& cfg, const LlamaConfig& m, const Engine& engine,
+json start_row(const Options& options, const TrainConfig& cfg, const RunStart& start, const Engine& engine,
                const Comm& world, const Mesh& mesh, int64_t step, int64_t tokens_per_step, const json& plan_record,
                double resident_mb_at_start) {
+  const LlamaConfig& m = start.model;
   return {{"step", step}, {"event", "start"}, {"config", options.to_json()}, {"device", engine.describe()},
-          {"world", {{"size", world.size()}, {"dp", mesh.dp_size}, {"pp", mesh.pp_size}, {"tp", mesh.tp_size}, {"zero", cfg.zero}}},
+          {"world", {{"size", world.size()}, {"dp", mesh.dp_size}, {"pp", mesh.pp_size}, {"tp", mesh.tp_size}, {"zero", cfg.layout.zero}}},
           {"model", {{"parameters", m.n_params()}, {"layers", m.num_hidden_layers}, {"hidden", m.hidden_size},
-                     {"vocab", m.vocab_size}, {"trainable_parameters", trainable_parameters(m, engine)}}},
+                     {"vocab", m.vocab_size}, {"trainable_parameters", start.adapters.trainable_parameters(m)}}},
           {"tokens_per_step", tokens_per_step}, {"memory_plan", plan_record}, {"host_mb_at_start", resident_mb_at_start}};
 }
 
@@ -512,6 +395,21 @@ void report_skipped_step(const StepResult& r, int64_t step, int64_t in_a_row, in
          (fs::path(cfg.out_dir) / "ckpt").string(), ") with a lower --lr or a --grad_clip, or look for bad data near this step");
 }
 
+// The CUDA engine's device comms: NCCL over each group of the mesh (none without NCCL: one rank only).
+DeviceCommFactory device_comms(const Mesh& mesh, double timeout_s) {
+  DeviceCommFactory factory;
+#if TUNA_NCCL
+  factory = [&mesh, timeout_s](Comm& group, void* stream) {
+    // The pipeline's comm takes 2 CTAs: it moves one activation or gradient at a time, and a receive posted ahead
+    // spins through the forward it overlaps on SMs that forward needs (comm/comm.h NcclOptions).
+    NcclOptions nccl;
+    if (&group == mesh.pp.get()) nccl.max_ctas = 2;
+    return make_nccl_comm(group.split(0, group.rank()), stream, timeout_s, nccl);
+  };
+#endif
+  return factory;
+}
+
 int run(int argc, char** argv) {
   TrainConfig cfg;
   Options options("build/train", "Fine-tunes or pretrains a LLaMA-family model on token shards.");
@@ -524,29 +422,28 @@ int run(int argc, char** argv) {
   // Start-up: ranks, the run directory, the model and its tokenizer, the memory plan, the engine.
   const LaunchInfo launch = detect_launch();
   std::unique_ptr<Comm> world = make_world_comm(cfg.comm_timeout);
-  Mesh mesh = make_mesh(*world, cfg.tp, cfg.pp);
+  Mesh mesh = make_mesh(*world, cfg.layout.tp, cfg.layout.pp);
   if (world->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) fail("cannot silence stdout of rank ", world->rank());
   const int threads = set_cpu_threads(cfg.threads, launch.local_size);
   const RunStart start = open_run(cfg, options, *world);
-  // The base's quantization is the checkpoint's on a resume: the logged config and state.json say what runs.
-  if (start.lora) cfg.base_quant = base_quant_name(start.lora->base_quant);
-  const EngineOptions eo = engine_options(cfg, options, start, launch);
+  start.adapters.record(cfg.adapters);  // the logged config and state.json say what runs (a resume's base quantization)
+  const EngineOptions eo = engine_options(cfg, start, launch);
+  // What runs where (model/support.h): --plan_only prints a design too; a run needs what its engine runs.
+  const MemoryLayout layout = engine_memory_layout(start.model, eo, mesh);
+  if (cfg.plan_only) require_valid(start.model, layout, eo.device);
+  else require_support(start.model, layout, eo.device);
   if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
-  WeightFill initial;  // each rank reads (or draws) only its own pieces; a resume restores after construction
-  if (!start.resume_from) initial = cfg.init.empty() ? random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std)
-                                                     : weights_from_directory(start.init_dir.string());
-  // LoRA: the frozen base is read at every start, a resume's too (the checkpoint holds the adapters only).
-  if (start.lora) initial = weights_from_directory(start.lora->base.string());
-  DeviceCommFactory device_comm;
-#if TUNA_NCCL
-  device_comm = [&](Comm& group, void* stream) {
-    return make_nccl_comm(group.split(0, group.rank()), stream, cfg.comm_timeout);
-  };
-#endif
+  // Each rank reads (or draws) only its own pieces; a resume restores after construction, but a frozen base is read at
+  // every start (the checkpoint holds the adapters alone).
+  WeightFill initial = start.adapters.base_weights();
+  if (!initial && !start.resume_from)
+    initial = cfg.init.empty() ? random_weights(static_cast<uint64_t>(cfg.seed), cfg.init_std)
+                               : weights_from_directory(start.init_dir.string());
+  const DeviceCommFactory device_comm = device_comms(mesh, cfg.comm_timeout);
   const HostMemory at_start = host_memory();
   const json plan_record = check_memory_plan(start.model, eo, mesh, at_start.resident_mb, launch.local_size);
   std::unique_ptr<Engine> engine = make_engine(start.model, eo, mesh, initial, device_comm);
-  print_banner(cfg, options, start, *engine, *world, mesh, threads);
+  print_banner(cfg, options, start, *engine, *world, mesh, layout, threads);
   std::printf("host memory at init: %.0f MB peak on this rank\n", engine->status().host_peak_mb);
 
   // Resume: the engine's state a piece at a time from the files, the step, the data cursor.
@@ -563,7 +460,7 @@ int run(int argc, char** argv) {
   }
 
   // Data, and the components the loop calls: the checkpointer, the validator, the metrics and the ETA.
-  LoaderOptions train_opts{cfg.seq_len, cfg.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
+  LoaderOptions train_opts{cfg.layout.seq_len, cfg.layout.micro_batch, mesh.dp_rank, mesh.dp_size, static_cast<uint64_t>(cfg.seed),
                            start.model.vocab_size, false, start.tokenizer.fingerprint, start.tokenizer.description};
   DataLoader train(expand_shard_paths(split_list(cfg.train_data), ShardRole::Train), train_opts);
   if (saved_cursor) train.set_cursor(*saved_cursor);
@@ -572,20 +469,20 @@ int run(int argc, char** argv) {
   Validator validator(cfg.val_data.empty() ? nullptr
                                            : std::make_unique<DataLoader>(expand_shard_paths(split_list(cfg.val_data), ShardRole::Val), val_opts),
                       cfg.val_every, cfg.val_batches);
-  const int64_t tokens_per_step = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * mesh.dp_size;
-  print_run_shape(cfg, start.model, *engine, train, tokens_per_step);
+  const int64_t tokens_per_step = cfg.layout.micro_batch * cfg.layout.seq_len * cfg.layout.grad_accum * mesh.dp_size;
+  print_run_shape(cfg, start, *engine, train, tokens_per_step);
   Checkpointer checkpointer(fs::path(cfg.out_dir) / "ckpt", cfg.ckpt_every, cfg.ckpt_keep, *world, mesh,
                             start.config_json, start.tokenizer.files);
-  if (start.lora) checkpointer.set_lora(start.lora->lora, start.lora->base, start.lora->base_quant);  // PEFT adapters
+  start.adapters.attach(checkpointer);  // a LoRA run's checkpoints: PEFT adapter directories
   install_stop_signals();
   const int64_t first_step = step;
   const int64_t last_step = cfg.stop_at_step > 0 ? std::min(cfg.steps, cfg.stop_at_step) : cfg.steps;
   MetricsLog metrics;  // rank 0's; closed on the others
   if (world->rank() == 0) open_metrics(metrics, cfg, start, step, last_step);
-  metrics.write(start_row(options, cfg, start.model, *engine, *world, mesh, step, tokens_per_step, plan_record,
+  metrics.write(start_row(options, cfg, start, *engine, *world, mesh, step, tokens_per_step, plan_record,
                           at_start.resident_mb));
   // The ETA counts the validations and checkpoints still to come, at their measured cost (core/progress.h).
-  TrainingEta eta(cfg.grad_accum, validator.batches());
+  TrainingEta eta(cfg.layout.grad_accum, validator.batches());
   auto save = [&](int64_t at) {
     eta.checkpoint_done(checkpointer.save(*engine, at, training_state(options, cfg, mesh, *engine, train, at, skipped_steps)));
   };
@@ -602,21 +499,21 @@ int run(int argc, char** argv) {
   // is due.
   // The step's micro-batches, read before any runs (a pipeline runs them together); positions: each token's place
   // in its document (the masks, RoPE).
-  const int64_t window = cfg.micro_batch * cfg.seq_len;
-  std::vector<int32_t> inputs(cfg.grad_accum * window), targets(cfg.grad_accum * window),
-      positions(cfg.grad_accum * window);
-  std::vector<MicroBatch> micro_batches(cfg.grad_accum);
-  for (int64_t micro = 0; micro < cfg.grad_accum; micro++)
+  const int64_t window = cfg.layout.micro_batch * cfg.layout.seq_len;
+  std::vector<int32_t> inputs(cfg.layout.grad_accum * window), targets(cfg.layout.grad_accum * window),
+      positions(cfg.layout.grad_accum * window);
+  std::vector<MicroBatch> micro_batches(cfg.layout.grad_accum);
+  for (int64_t micro = 0; micro < cfg.layout.grad_accum; micro++)
     micro_batches[micro] = {inputs.data() + micro * window, targets.data() + micro * window,
-                            positions.data() + micro * window, cfg.micro_batch, cfg.seq_len};
-  const double flops_per_token = engine->flops_per_token(cfg.seq_len);
+                            positions.data() + micro * window, cfg.layout.micro_batch, cfg.layout.seq_len};
+  const double flops_per_token = engine->flops_per_token(cfg.layout.seq_len);
   const auto run_start = std::chrono::steady_clock::now();
   int64_t bad_in_a_row = 0;
   bool stopped_early = false;
   while (step < last_step) {
     const auto t0 = std::chrono::steady_clock::now();
     engine->begin_step();
-    for (int64_t micro = 0; micro < cfg.grad_accum; micro++)
+    for (int64_t micro = 0; micro < cfg.layout.grad_accum; micro++)
       train.next(inputs.data() + micro * window, targets.data() + micro * window, positions.data() + micro * window);
     LossSum loss = engine->forward_backward_step(micro_batches);
     inject_fault_for_tests(world->rank(), step);  // TUNA_FAULT, tests only
@@ -644,12 +541,15 @@ int run(int argc, char** argv) {
       std::fflush(stdout);
     }
     if (validator.due(step, cfg.steps)) validate(step);
-    if ((stopped_early = stop_requested(*world, step))) break;
+    const StopRequest stop = stop_requested(*world, step, start.lock.get());
+    if (stop == StopRequest::LockLost) return kLockLostExitCode;  // out_dir is another run's now: write nothing
+    if ((stopped_early = stop == StopRequest::Signal)) break;
     if (checkpointer.due(step, last_step)) save(step);
   }
 
   // The end: the last validation and checkpoint, memory against the plan, the exit code.
   if (validator.due_at_end(step, cfg.steps, stopped_early)) validate(step);
+  if (stop_at_safe_point(*world, false, start.lock.get()) == StopRequest::LockLost) return kLockLostExitCode;
   if (step > first_step || !start.resume_from) save(step);
   return finish_run(cfg, *world, metrics, plan_record, at_start, eo.device, step, stopped_early,
                     seconds_since(run_start));

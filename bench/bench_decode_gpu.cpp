@@ -8,6 +8,7 @@
 #include "bench/gpu_bench_util.h"
 #include "model/decode_gpu.h"
 #include "model/llama.h"  // init_random_weights
+#include "model/llama_gpu.h"  // LlamaGpu
 
 namespace tuna::bench {
 namespace {

@@ -240,6 +240,54 @@ void add_vocabulary(GgufWriter& w, const GgufVocabulary& v) {
   if (!v.chat_template.empty()) w.add_string("tokenizer.chat_template", v.chat_template);
 }
 
+// rope_scaling as llama.cpp reads it (gguf's rope.scaling.* keys, which llama.cpp's converter writes from
+// config.json): llama3 goes as the rope_freqs tensor (export_gguf), linear and yarn as keys. llama.cpp's yarn
+// interpolates over the same correction range from original_context_length, beta_fast and beta_slow, and scales
+// cos and sin by 0.1 ln(factor) + 1 itself; it has no dynamic NTK. What it would compute differently is refused.
+void add_rope_scaling(GgufWriter& w, const LlamaConfig& config) {
+  const cpu::RopeScaling& s = config.rope_scaling;
+  if (s.type == "default" || s.type == "llama3") return;
+  if (s.type == "dynamic")
+    fail("tuna-to-gguf: the model's rope scaling is 'dynamic' (NTK-aware), which llama.cpp does not implement: its "
+         "GGUF would rotate positions differently from what was trained; export to Hugging Face instead");
+  w.add_string("llama.rope.scaling.type", s.type);
+  w.add_f32("llama.rope.scaling.factor", float(s.factor));
+  if (s.type != "yarn") return;
+  if (s.attention_factor > 0.0 && std::abs(s.attention_factor - (0.1 * std::log(s.factor) + 1.0)) > 1e-6)
+    fail("tuna-to-gguf: the model's yarn attention_factor ", s.attention_factor, " is not llama.cpp's (0.1 ln(factor) ",
+         "+ 1 = ", 0.1 * std::log(s.factor) + 1.0, "), which its GGUF would run with");
+  w.add_u32("llama.rope.scaling.original_context_length", uint32_t(s.original_max_position_embeddings));
+  w.add_f32("llama.rope.scaling.yarn_beta_fast", float(s.beta_fast));
+  w.add_f32("llama.rope.scaling.yarn_beta_slow", float(s.beta_slow));
+}
+
+// The file's general.* keys and the llama architecture's hyperparameters, as llama.cpp's converter writes them.
+void add_model_keys(GgufWriter& w, const fs::path& ckpt_dir, const LlamaConfig& config, GgufWeights weights) {
+  w.add_string("general.architecture", "llama");
+  fs::path named = fs::absolute(ckpt_dir).lexically_normal();
+  if (named.filename().empty()) named = named.parent_path();
+  w.add_string("general.name", named.filename().string());
+  w.add_u32("general.file_type", file_type(weights));
+  w.add_u32("general.quantization_version", 2);  // ggml's current block layouts (GGML_QNT_VERSION)
+  w.add_u32("general.alignment", GgufWriter::kAlignment);
+  // The context the model was trained for: with yarn, max_position_embeddings x factor (max_position_embeddings is
+  // yarn's original context, written below as rope.scaling.original_context_length).
+  w.add_u32("llama.context_length", uint32_t(config.max_context()));
+  w.add_u32("llama.embedding_length", uint32_t(config.hidden_size));
+  w.add_u32("llama.feed_forward_length", uint32_t(config.intermediate_size));
+  w.add_u32("llama.block_count", uint32_t(config.num_hidden_layers));
+  w.add_u32("llama.attention.head_count", uint32_t(config.num_attention_heads));
+  w.add_u32("llama.attention.head_count_kv", uint32_t(config.num_key_value_heads));
+  // Always written: llama.cpp would otherwise take hidden_size / heads, which a config's head_dim may differ from.
+  w.add_u32("llama.attention.key_length", uint32_t(config.head_dim));
+  w.add_u32("llama.attention.value_length", uint32_t(config.head_dim));
+  w.add_u32("llama.rope.dimension_count", uint32_t(config.head_dim));
+  w.add_f32("llama.rope.freq_base", float(config.rope_theta));
+  add_rope_scaling(w, config);
+  w.add_f32("llama.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps));
+  w.add_u32("llama.vocab_size", uint32_t(config.vocab_size));
+}
+
 }  // namespace
 
 GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeights weights, const GgufVocabulary& vocab,
@@ -255,7 +303,8 @@ GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeight
   const bool lora = is_lora_directory(ckpt_dir);
   if (!lora && !base_override.empty())
     fail("option 'base': ", ckpt_dir.string(), " is not a LoRA checkpoint (no ", kAdapterConfigFile, ")");
-  const fs::path model_dir = lora ? lora_base(ckpt_dir, base_override) : ckpt_dir;
+  const fs::path model_dir =
+      lora ? open_lora_checkpoint(ckpt_dir, base_override, LoraManifest::ChecksumsVerifiedByCaller).base : ckpt_dir;
   const fs::path config_path = model_dir / "config.json";
   const LlamaConfig config = LlamaConfig::from_json(read_config_json(model_dir), config_path.string());
   const ParamLayout layout(config);
@@ -265,30 +314,11 @@ GgufReport export_gguf(const fs::path& ckpt_dir, const fs::path& out, GgufWeight
     fail(ckpt_dir.string(), ": the tokenizer's vocabulary (", vocab.tokens.size(), " tokens) does not match config.json's "
          "vocab_size (", config.vocab_size, "): llama.cpp needs one token per embedding row");
   for (int64_t v : {config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
-                    config.num_key_value_heads, config.head_dim, config.vocab_size, config.max_position_embeddings})
+                    config.num_key_value_heads, config.head_dim, config.vocab_size, config.max_context()})
     if (v > int64_t(UINT32_MAX)) fail(config_path.string(), ": a dimension of ", v, " does not fit GGUF's 32-bit fields");
 
   GgufWriter w;
-  w.add_string("general.architecture", "llama");
-  fs::path named = fs::absolute(ckpt_dir).lexically_normal();
-  if (named.filename().empty()) named = named.parent_path();
-  w.add_string("general.name", named.filename().string());
-  w.add_u32("general.file_type", file_type(weights));
-  w.add_u32("general.quantization_version", 2);  // ggml's current block layouts (GGML_QNT_VERSION)
-  w.add_u32("general.alignment", GgufWriter::kAlignment);
-  w.add_u32("llama.context_length", uint32_t(config.max_position_embeddings));
-  w.add_u32("llama.embedding_length", uint32_t(config.hidden_size));
-  w.add_u32("llama.feed_forward_length", uint32_t(config.intermediate_size));
-  w.add_u32("llama.block_count", uint32_t(config.num_hidden_layers));
-  w.add_u32("llama.attention.head_count", uint32_t(config.num_attention_heads));
-  w.add_u32("llama.attention.head_count_kv", uint32_t(config.num_key_value_heads));
-  // Always written: llama.cpp would otherwise take hidden_size / heads, which a config's head_dim may differ from.
-  w.add_u32("llama.attention.key_length", uint32_t(config.head_dim));
-  w.add_u32("llama.attention.value_length", uint32_t(config.head_dim));
-  w.add_u32("llama.rope.dimension_count", uint32_t(config.head_dim));
-  w.add_f32("llama.rope.freq_base", float(config.rope_theta));
-  w.add_f32("llama.attention.layer_norm_rms_epsilon", float(config.rms_norm_eps));
-  w.add_u32("llama.vocab_size", uint32_t(config.vocab_size));
+  add_model_keys(w, ckpt_dir, config, weights);
   add_vocabulary(w, vocab);
 
   GgufReport report;

@@ -65,6 +65,100 @@ uint64_t tensors_checksum(const fs::path& base) {
 
 std::string describe(const std::string& method, uint64_t xxh3) { return str(method, " ", hex64(xxh3)); }
 
+// What tuna writes into every checkpoint, and a PEFT adapter directory from elsewhere does not have.
+bool tuna_written(const fs::path& dir) {
+  std::error_code ec;
+  return fs::exists(dir / kManifestFile, ec) || fs::exists(dir / "state.json", ec);
+}
+
+// The rank against each target's dimensions (validate_lora's rule), naming the file and its key: a rank above the
+// smaller dimension adds parameters and no capacity.
+void check_rank_fits(const LoraConfig& lora, const LlamaConfig& config, const std::string& file, const fs::path& base) {
+  for (LoraTarget t : kTargets) {
+    if (!lora.has(t)) continue;
+    const auto [out, in] = lora_target_shape(config, t);
+    if (lora.rank > std::min(out, in))
+      fail(file, ": field 'r': ", lora.rank, " exceeds the smaller dimension of ", lora_target_name(t), " (", out, " x ",
+           in, ") of the base ", base.string(), " (an adapter of another base model?)");
+  }
+}
+
+// An adapter file against its configuration on the base: exactly the adapters the configuration targets, each of
+// the base's shape. A reader that took what it expects and ignored the rest would silently drop adapters (a resume
+// would train and save a part of them).
+void check_adapter_tensors(const SafetensorsFile& file, const LoraConfig& lora, const LlamaConfig& config,
+                           const fs::path& base, const std::string& config_file) {
+  const LoraLayout global = lora_layout(config, lora);
+  const std::string described = str(config_file, " (target_modules ", lora_targets_string(lora.targets), ", r = ",
+                                    lora.rank, ") on the base ", base.string(), " (", config.num_hidden_layers, " layers)");
+  std::set<std::string> expected;
+  for (const ParamTensor& t : global.params.tensors()) {
+    expected.insert(t.name);
+    const TensorInfo* info = file.find(t.name);
+    if (!info)
+      fail(file.path().string(), ": has no tensor '", t.name, "', an adapter of ", described,
+           ": the adapter file and its configuration disagree");
+    if (info->shape != t.global_shape)
+      fail("tensor '", t.name, "' in ", file.path().string(), ": expected shape ", format_shape(t.global_shape),
+           " for the base ", base.string(), " at r = ", lora.rank, ", found ", format_shape(info->shape),
+           " (an adapter of another base model?)");
+  }
+  for (const TensorInfo& t : file.tensors())
+    if (!expected.count(t.name))
+      fail(file.path().string(), ": tensor '", t.name, "' is not an adapter of ", described,
+           ": the adapter file and its configuration disagree (a reader that skipped it would drop adapters)");
+}
+
+// Steps 1 and 2 of open_lora_checkpoint (peft.h): the files every LoRA directory has, and base_model.json in a
+// tuna checkpoint. True for a tuna checkpoint.
+bool check_lora_files(const fs::path& dir) {
+  require_directory(dir, "LoRA checkpoint or PEFT adapter directory");
+  std::error_code ec;
+  if (!fs::is_regular_file(dir / kAdapterConfigFile, ec))
+    fail(dir.string(), ": has no ", kAdapterConfigFile, " (a LoRA checkpoint or PEFT adapter directory holds ",
+         kAdapterConfigFile, " and ", kAdapterWeightsFile, ")");
+  if (!fs::exists(dir / kAdapterWeightsFile, ec)) {
+    if (fs::exists(dir / "adapter_model.bin", ec))
+      fail(dir.string(), ": holds adapter_model.bin (a PyTorch pickle), which tuna does not read: save the adapter "
+           "with safe_serialization=True (PEFT's default) to get adapter_model.safetensors");
+    fail((dir / kAdapterWeightsFile).string(), ": missing (a PEFT adapter directory holds adapter_config.json and "
+         "adapter_model.safetensors)");
+  }
+  const bool tuna = tuna_written(dir);
+  if (tuna && !fs::exists(dir / kBaseModelFile, ec))
+    fail(dir.string(), ": a tuna LoRA checkpoint (it has ", fs::exists(dir / kManifestFile, ec) ? kManifestFile : "state.json",
+         ") without ", kBaseModelFile, ", which names the base its adapters were trained on and that base's checksum: "
+         "without it nothing holds the adapters to their base. Restore the file from where the checkpoint was written; "
+         "or, to use the adapters on a base you name, copy ", kAdapterConfigFile, " and ", kAdapterWeightsFile,
+         " alone into a new directory and import it with `build/convert peft-to-tuna NEW_DIR OUT_DIR --base BASE_DIR`");
+  return tuna;
+}
+
+// Step 4, after steps 1 and 2, and step 3's sizes and listing when the checksums are the caller's.
+LoraCheckpoint read_lora_directory(const fs::path& dir, LoraManifest manifest) {
+  LoraCheckpoint c;
+  c.dir = dir;
+  c.tuna = check_lora_files(dir);
+  if (manifest == LoraManifest::ChecksumsVerifiedByCaller) {
+    bool unverified = false;
+    const std::string problem =
+        verify_checkpoint_files(dir, [](const std::string&) { return false; }, 0, 1, &unverified);
+    if (!problem.empty()) fail(dir.string(), ": fails verification against its ", kManifestFile, ", not used: ", problem);
+    c.manifest = !unverified;
+  }
+  c.lora = read_peft_adapter_config(dir / kAdapterConfigFile);
+  c.quant = lora_base_quant(dir);
+  return c;
+}
+
+// Step 6: the configuration and the adapter file against the base's config.json.
+void check_lora_on_base(LoraCheckpoint& c) {
+  c.base_config = LlamaConfig::load(c.base.string());
+  const std::string config_file = (c.dir / kAdapterConfigFile).string();
+  check_rank_fits(c.lora, c.base_config, config_file, c.base);
+  check_adapter_tensors(SafetensorsFile(c.dir / kAdapterWeightsFile), c.lora, c.base_config, c.base, config_file);
+}
+
 }  // namespace
 
 bool is_lora_directory(const fs::path& dir) {
@@ -175,6 +269,51 @@ fs::path lora_base(const fs::path& lora_dir, const fs::path& override_base, Comm
   return record["path"].get<std::string>();
 }
 
+LoraCheckpoint open_lora_checkpoint(const fs::path& dir, const fs::path& base, LoraManifest manifest) {
+  bool verified = false;
+  if (manifest == LoraManifest::Verify) {  // the checksums first: nothing else is read from a damaged directory
+    check_lora_files(dir);
+    verified = verify_model_directory(dir, ModelFiles::Weights);
+  }
+  LoraCheckpoint c = read_lora_directory(dir, manifest);
+  if (manifest == LoraManifest::Verify) c.manifest = verified;
+  c.base = lora_base(dir, base);
+  check_lora_on_base(c);
+  return c;
+}
+
+LoraCheckpoint open_lora_checkpoint(const fs::path& dir, const fs::path& base, Comm& world, LoraManifest manifest) {
+  LoraCheckpoint c;
+  std::string problem;
+  const auto agree = [&](const char* label) {
+    int64_t failed = problem.empty() ? 0 : 1;
+    world.all_reduce_sum(&failed, 1, label);
+    if (failed) fail(problem.empty() ? str(dir.string(), ": refused on another rank (see its message)") : problem);
+  };
+  try {
+    check_lora_files(dir);
+  } catch (const Error& e) {
+    problem = e.what();
+  }
+  agree("LoRA checkpoint files");
+  const bool verified = manifest == LoraManifest::Verify && verify_model_directory(dir, ModelFiles::Weights, world);
+  try {
+    c = read_lora_directory(dir, manifest);
+    if (manifest == LoraManifest::Verify) c.manifest = verified;
+  } catch (const Error& e) {
+    problem = e.what();
+  }
+  agree("LoRA checkpoint read");
+  c.base = lora_base(dir, base, world);
+  try {
+    check_lora_on_base(c);
+  } catch (const Error& e) {
+    problem = e.what();
+  }
+  agree("LoRA checkpoint against its base");
+  return c;
+}
+
 MergedWeightReader::MergedWeightReader(const fs::path& base, const fs::path& lora_dir, const ParamLayout& layout)
     : base_(base, layout),
       quant_(lora_base_quant(lora_dir)),
@@ -189,29 +328,9 @@ MergedWeightReader::MergedWeightReader(const fs::path& base, const fs::path& lor
   } catch (const Error& e) {
     fail(lora_dir.string(), "/", kAdapterConfigFile, " on the base ", base.string(), ": ", e.what());
   }
-  std::error_code ec;
-  if (!fs::exists(adapter_path_, ec)) {
-    if (fs::exists(lora_dir / "adapter_model.bin", ec))
-      fail(lora_dir.string(), ": holds adapter_model.bin (a PyTorch pickle), which tuna does not read: save the adapter "
-           "with safe_serialization=True (PEFT's default) to get adapter_model.safetensors");
-    fail(adapter_path_.string(), ": missing (a PEFT adapter directory holds adapter_config.json and "
-         "adapter_model.safetensors)");
-  }
   adapter_.emplace(adapter_path_);
   // Exactly the adapters adapter_config.json targets, each of the base's shapes (checked before any piece is read).
-  const LoraLayout global = lora_layout(config_, lora_);
-  std::set<std::string> expected;
-  for (const ParamTensor& t : global.params.tensors()) {
-    expected.insert(t.name);
-    const TensorInfo* info = adapter_->find(t.name);
-    if (!info)
-      fail(adapter_path_.string(), ": has no tensor '", t.name, "' (", kAdapterConfigFile, " targets ",
-           lora_targets_string(lora_.targets), ")");
-    if (info->shape != t.global_shape)
-      fail("tensor '", t.name, "' in ", adapter_path_.string(), ": expected shape ", format_shape(t.global_shape),
-           " for the base ", base.string(), " at r = ", lora_.rank, ", found ", format_shape(info->shape),
-           " (an adapter of another base model?)");
-  }
+  check_adapter_tensors(*adapter_, lora_, config_, base, (lora_dir / kAdapterConfigFile).string());
   for (int64_t l = 0; l < config_.num_hidden_layers; l++)
     for (LoraTarget target : kTargets) {
       if (!lora_.has(target)) continue;
@@ -221,11 +340,6 @@ MergedWeightReader::MergedWeightReader(const fs::path& base, const fs::path& lor
     }
   std::sort(targeted_.begin(), targeted_.end(),
             [](const Targeted& a, const Targeted& b) { return a.weight->offset < b.weight->offset; });
-  for (const TensorInfo& t : adapter_->tensors())
-    if (!expected.count(t.name))
-      fail(adapter_path_.string(), ": tensor '", t.name, "' is not an adapter that ", kAdapterConfigFile,
-           " describes for the base ", base.string(), " (targets ", lora_targets_string(lora_.targets), ", ",
-           config_.num_hidden_layers, " layers)");
 }
 
 void MergedWeightReader::load_adapter(int64_t layer, LoraTarget t) {
@@ -283,8 +397,9 @@ ModelSource open_model(const fs::path& dir, const fs::path& override_base) {
               (*reader)->read(piece, out);
             }};
   }
-  const fs::path base = lora_base(dir, override_base);
-  return {base, dir, merged_lora_weights(base, dir)};
+  // The caller verified dir against its manifest (verify_model_directory): the rule of every LoRA reader.
+  const LoraCheckpoint c = open_lora_checkpoint(dir, override_base, LoraManifest::ChecksumsVerifiedByCaller);
+  return {c.base, dir, merged_lora_weights(c.base, dir)};
 }
 
 void check_quantizable_base(const fs::path& base, const LlamaConfig& config, BaseQuant quant) {
@@ -298,7 +413,7 @@ void check_quantizable_base(const fs::path& base, const LlamaConfig& config, Bas
   }
 }
 
-LoraConfig lora_init_config(const fs::path& dir, const LoraOptionsGiven& given) {
+LoraConfig lora_init_config(const fs::path& dir, const LoraOptionsGiven& given, const std::string& continues) {
   const fs::path file = dir / kAdapterConfigFile;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) fail("option 'lora_init': ", dir.string(), " is not a directory");
@@ -309,16 +424,16 @@ LoraConfig lora_init_config(const fs::path& dir, const LoraOptionsGiven& given) 
   const std::string src = file.string();
   if (given.rank && *given.rank != c.rank)
     fail("option 'lora_rank' is ", *given.rank, ", but ", src, " says r = ", c.rank,
-         " (--lora_init continues that adapter: leave the option out or give its value)");
+         " (", continues, ": leave the option out or give its value)");
   if (given.alpha && *given.alpha != c.alpha)
     fail("option 'lora_alpha' is ", *given.alpha, ", but ", src, " says lora_alpha = ", c.alpha,
-         " (--lora_init continues that adapter: leave the option out or give its value)");
+         " (", continues, ": leave the option out or give its value)");
   if (given.dropout && *given.dropout != c.dropout)
     fail("option 'lora_dropout' is ", *given.dropout, ", but ", src, " says lora_dropout = ", c.dropout,
-         " (--lora_init continues that adapter: leave the option out or give its value)");
+         " (", continues, ": leave the option out or give its value)");
   if (given.targets && *given.targets != c.targets)
     fail("option 'lora_targets' is ", lora_targets_string(*given.targets), ", but ", src, " says target_modules = ",
-         lora_targets_string(c.targets), " (--lora_init continues that adapter: leave the option out or give its value)");
+         lora_targets_string(c.targets), " (", continues, ": leave the option out or give its value)");
   return c;
 }
 
@@ -353,9 +468,10 @@ LoraStart lora_start(const LoraConfig& options, const LoraOptionsGiven& given, c
     return recorded;
   };
   if (resume_from && is_lora_directory(*resume_from)) {
-    start.lora = lora_init_config(*resume_from, given);  // the run's own adapters: a changed option is an error
+    start.lora = lora_init_config(*resume_from, given, "--resume continues that run");  // a changed option: an error
     start.base_quant = recorded_quant(*resume_from, "--resume continues that run");
-    start.base = lora_base(*resume_from, override_base, world);
+    // resume_checkpoint verified every file's checksum on every rank; the rest of the rule of every reader.
+    start.base = open_lora_checkpoint(*resume_from, override_base, world, LoraManifest::ChecksumsVerifiedByCaller).base;
     return start;
   }
   start.base_quant = base_quant.value_or(BaseQuant::None);
@@ -369,11 +485,9 @@ LoraStart lora_start(const LoraConfig& options, const LoraOptionsGiven& given, c
   start.base = init;
   if (!lora_init.empty()) {
     start.lora = lora_init_config(lora_init, given);
-    // A tuna LoRA checkpoint names its base: it must be the one this run trains on.
-    if (std::error_code ec; fs::exists(lora_init / kBaseModelFile, ec)) {
-      lora_base(lora_init, init, world);
-      start.base_quant = recorded_quant(lora_init, "--lora_init continues that adapter");
-    }
+    // Verified, and a tuna LoRA checkpoint names its base: it must be the one this run trains on.
+    const LoraCheckpoint c = open_lora_checkpoint(lora_init, init, world, LoraManifest::Verify);
+    if (c.tuna) start.base_quant = recorded_quant(lora_init, "--lora_init continues that adapter");
     start.adapters = adapter_weights_from_peft(lora_init);
     return start;
   }
@@ -385,8 +499,10 @@ void import_peft(const fs::path& peft_dir, const fs::path& out_dir, const fs::pa
                  const std::vector<TokenizerFile>& tokenizer, bool overwrite) {
   if (!is_lora_directory(peft_dir))
     fail(peft_dir.string(), ": is not a PEFT adapter directory (no ", kAdapterConfigFile, ")");
-  const fs::path base = lora_base(peft_dir, override_base);
-  const LoraConfig lora = read_peft_adapter_config(peft_dir);
+  // Verified as every reader verifies it: a damaged checkpoint is refused, not given a fresh manifest.
+  const LoraCheckpoint source = open_lora_checkpoint(peft_dir, override_base, LoraManifest::Verify);
+  const fs::path& base = source.base;
+  const LoraConfig& lora = source.lora;
   const json config_json = read_config_json(base);
   const LoraLayout layout = lora_layout(LlamaConfig::from_json(config_json, (base / "config.json").string()), lora);
   std::vector<float> params(layout.params.total());
@@ -400,7 +516,8 @@ void import_peft(const fs::path& peft_dir, const fs::path& out_dir, const fs::pa
            "directory");
     if (fs::equivalent(out_dir, peft_dir, ec)) fail(out_dir.string(), ": output directory is the input directory");
   }
-  const LoraFiles files = lora_files(lora, base);
+  // The quantization its adapters were trained on travels with them (QLoRA: eval and the exports apply it).
+  const LoraFiles files = lora_files(lora, base, source.quant);
   // Written by the checkpoint writer (atomic, manifested) under a temporary root, then renamed into place.
   fs::path out = fs::absolute(out_dir).lexically_normal();
   if (out.filename().empty()) out = out.parent_path();
@@ -425,7 +542,7 @@ ConvertReport merge_lora(const fs::path& lora_dir, const fs::path& out_dir, cons
   // What ships must be what training wrote: the adapter's files against its manifest, the base against its identity.
   if (const std::string problem = verify_checkpoint(lora_dir); !problem.empty())
     fail(lora_dir.string(), ": fails verification, nothing exported: ", problem);
-  const fs::path base = lora_base(lora_dir, override_base);
+  const fs::path base = open_lora_checkpoint(lora_dir, override_base, LoraManifest::ChecksumsVerifiedByCaller).base;
   const json config_json = read_config_json(base);
   const LlamaConfig config = LlamaConfig::from_json(config_json, (base / "config.json").string());
   const ParamLayout layout(config);

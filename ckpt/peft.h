@@ -70,6 +70,40 @@ std::filesystem::path lora_base(const std::filesystem::path& lora_dir, const std
 std::filesystem::path lora_base(const std::filesystem::path& lora_dir, const std::filesystem::path& override_base,
                                 Comm& world);
 
+// One rule for every reader of a LoRA checkpoint (--lora_init, --resume, peft-to-tuna, eval, sample, merge-lora,
+// tuna-to-gguf): each opens the directory through open_lora_checkpoint, which
+//  1. requires adapter_config.json and adapter_model.safetensors (adapter_model.bin is named as unread);
+//  2. takes the directory for a tuna LoRA checkpoint when tuna wrote it (manifest.json or state.json), and then
+//     requires base_model.json (without it nothing holds the adapters to their base: the error says how to go on);
+//     a PEFT adapter directory from elsewhere has neither;
+//  3. holds the directory to its manifest where it has one: every listed file's size, nothing unlisted, and the
+//     checksums of what the readers use (all but optimizer.safetensors, ModelFiles::Weights). A caller that has just
+//     checked the checksums by the same manifest (a resume, eval, sample, the exports) says so, and only sizes and
+//     the listing are checked again;
+//  4. reads adapter_config.json (a refusal names the file and its key) and base_model.json's quantization (none,
+//     nf4 or int8, as every reader takes it);
+//  5. finds the base and checks it (lora_base: `base`, else the recorded path held to its checksum, else the base
+//     adapter_config.json names);
+//  6. checks the configuration against the base (its rank against each target's dimensions) and
+//     adapter_model.safetensors to hold exactly the adapters it targets on that base, each of the base's shape: an
+//     extra or a missing adapter is refused by every reader alike.
+struct LoraCheckpoint {
+  std::filesystem::path dir, base;
+  LoraConfig lora;                         // adapter_config.json
+  BaseQuant quant = BaseQuant::None;       // base_model.json's "quantization"
+  LlamaConfig base_config;                 // the base's config.json
+  bool tuna = false;                       // a tuna LoRA checkpoint, not a PEFT directory from elsewhere
+  bool manifest = false;                   // held to its manifest.json
+};
+enum class LoraManifest { Verify, ChecksumsVerifiedByCaller };
+// base: --base (or --init for --lora_init, the base a new run trains on), or empty.
+LoraCheckpoint open_lora_checkpoint(const std::filesystem::path& dir, const std::filesystem::path& base,
+                                    LoraManifest manifest = LoraManifest::Verify);
+// The same, collective over `world` (train.cu): the ranks share the checksums' reading, rank 0 checks the base, and
+// a refusal on any rank is an error on every rank.
+LoraCheckpoint open_lora_checkpoint(const std::filesystem::path& dir, const std::filesystem::path& base, Comm& world,
+                                    LoraManifest manifest);
+
 // A piece of the weights of some layout, ParamLayout order (engine/engine.h WeightFill is this type).
 using LayoutFill = std::function<void(const ParamLayout& layout, const Segment& piece, float* out)>;
 
@@ -80,7 +114,8 @@ struct ModelSource {
   std::filesystem::path lora_dir;    // the LoRA checkpoint, or empty
   LayoutFill fill;
 };
-// override_base: --base (only for a LoRA checkpoint; fails otherwise). The caller verifies dir (verify_model_directory).
+// override_base: --base (only for a LoRA checkpoint; fails otherwise). The caller verifies dir (verify_model_directory);
+// a LoRA checkpoint is then opened by the rule of every reader (open_lora_checkpoint).
 ModelSource open_model(const std::filesystem::path& dir, const std::filesystem::path& override_base = {});
 
 // Reads a model's weights (any tp rank's layout) from `base`, a piece at a time, adding (alpha / r) B A to the rows
@@ -133,7 +168,9 @@ struct LoraOptionsGiven {
   std::optional<double> alpha, dropout;
   std::optional<uint32_t> targets;
 };
-LoraConfig lora_init_config(const std::filesystem::path& dir, const LoraOptionsGiven& given);
+// `continues`: what the run does with the file, for the message ("--lora_init continues that adapter").
+LoraConfig lora_init_config(const std::filesystem::path& dir, const LoraOptionsGiven& given,
+                            const std::string& continues = "--lora_init continues that adapter");
 // The adapters' starting weights from DIR/adapter_model.safetensors for the adapter layout (model/lora.h
 // lora_layout, any tp rank): each piece read from the file, converted to fp32 (PEFT saves the model's dtype). Fails
 // naming the tensor and both shapes for an adapter of another base, and a tensor the layout lacks. No config.json
@@ -161,9 +198,10 @@ LoraStart lora_start(const LoraConfig& options, const LoraOptionsGiven& given, c
                      const std::filesystem::path& override_base, Comm& world,
                      std::optional<BaseQuant> base_quant = std::nullopt);
 
-// build/convert peft-to-tuna: a PEFT adapter directory (on `base`, or the base its adapter_config.json names) as a
-// LoRA checkpoint at step 0 in out_dir: PEFT's files as tuna writes them (fp32), the base's identity, the tokenizer
-// files given, a manifest; no optimizer state (a run continues from it with --lora_init, as from any adapter). The
+// build/convert peft-to-tuna: a PEFT adapter directory or LoRA checkpoint (opened by the rule of every reader,
+// open_lora_checkpoint: a damaged one is refused, never given a fresh manifest; on `base`, or the base it names) as
+// a LoRA checkpoint at step 0 in out_dir: PEFT's files as tuna writes them (fp32), the base's identity and the
+// quantization its adapters were trained on (QLoRA), the tokenizer files given, a manifest; no optimizer state (a run continues from it with --lora_init, as from any adapter). The
 // adapters pass through host memory whole (fp32; 0.8 GB for r = 16 on every projection of a 70B model). An
 // existing out_dir is replaced only with overwrite, and only when it is a LoRA checkpoint.
 void import_peft(const std::filesystem::path& peft_dir, const std::filesystem::path& out_dir,

@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
+#include <limits>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -18,6 +20,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file.h"      // file_type_name
 #include "core/json.h"      // parse_json
 #include "core/progress.h"  // periodic_events_left
 #include "comm/comm.h"      // Comm: open_run_dir agrees over the ranks
@@ -65,44 +68,189 @@ json holder_json(const LockHolder& h) {
           {"job", h.job},              {"started", h.started}, {"heartbeat", h.heartbeat}};
 }
 
-// The holder a lock file names; nullopt when the file is gone. A file that does not parse (damaged, or not
-// tuna's) is a holder of unknown identity whose heartbeat is the file's modification time.
-std::optional<LockHolder> read_lock(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) return std::nullopt;
-  std::stringstream text;
-  text << in.rdbuf();
+// tuna's locks are about 250 bytes: a bound that no lock reaches, and that no file makes this reader exceed.
+constexpr int64_t kLockBytes = 64 << 10;
+// Lock attempts that do not wait (the lock released, taken over or put back in between): a lock that keeps
+// changing this often is a fault, not a race between runs.
+constexpr int kLockAttempts = 100;
+
+std::string errno_text(int err) { return str(std::strerror(err), " (errno ", err, ")"); }
+
+// What run.lock is, as read without following a symbolic link, without blocking, and at most kLockBytes.
+struct LockRead {
+  bool exists = false;
+  std::optional<LockHolder> holder;  // a lock tuna can read
+  std::string kind;                  // not a regular file: "a FIFO (named pipe)", "a symbolic link to 'x'", ...
+  std::string problem;               // a regular file that is not a lock: why ("unreadable lock file: ...")
+  double modified = 0;               // the file's modification time, unix seconds
+};
+
+std::string link_target(const fs::path& p) {
+  std::error_code ec;
+  const fs::path target = fs::read_symlink(p, ec);
+  return ec ? std::string("a symbolic link") : str("a symbolic link to '", target.string(), "'");
+}
+
+// The holder a lock's JSON names: every field present with its type, and a pid that is a positive integer that
+// fits pid_t (a float, a negative number or 2^64 - 1 is no process: converting it would be undefined).
+LockHolder parse_holder(const std::string& text) {
+  const json j = parse_json(text, "its content");
+  if (!j.is_object()) fail("expected a JSON object, found ", j.type_name());
   LockHolder h;
-  h.host = "unknown";
-  try {
-    const json j = parse_json(text.str(), p.string());
-    h.host = j.at("host").get<std::string>();
-    h.boot_id = j.at("boot_id").get<std::string>();
-    h.job = j.at("job").get<std::string>();
-    h.pid = j.at("pid").get<int64_t>();
-    h.started = j.at("started").get<double>();
-    h.heartbeat = j.at("heartbeat").get<double>();
-    return h;
-  } catch (const std::exception&) {
+  const auto text_field = [&](const char* key, std::string& out) {
+    if (!j.contains(key) || !j[key].is_string()) fail("field '", key, "': expected a string, found ", j.contains(key) ? j[key].dump() : "nothing");
+    out = j[key].get<std::string>();
+  };
+  const auto time_field = [&](const char* key, double& out) {
+    if (!j.contains(key) || !j[key].is_number() || !std::isfinite(j[key].get<double>()))
+      fail("field '", key, "': expected unix seconds, found ", j.contains(key) ? j[key].dump() : "nothing");
+    out = j[key].get<double>();
+  };
+  text_field("host", h.host);
+  text_field("boot_id", h.boot_id);
+  text_field("job", h.job);
+  if (h.host.empty()) fail("field 'host' is empty");
+  const json pid = j.value("pid", json());
+  constexpr int64_t kMaxPid = std::numeric_limits<pid_t>::max();
+  const bool valid_pid = pid.is_number_unsigned()  ? pid.get<uint64_t>() >= 1 && pid.get<uint64_t>() <= uint64_t(kMaxPid)
+                         : pid.is_number_integer() ? pid.get<int64_t>() >= 1 && pid.get<int64_t>() <= kMaxPid
+                                                   : false;
+  if (!valid_pid) fail("field 'pid': expected a process id (an integer in [1, ", kMaxPid, "]), found ", pid.dump());
+  h.pid = pid.get<int64_t>();
+  time_field("started", h.started);
+  time_field("heartbeat", h.heartbeat);
+  return h;
+}
+
+LockRead read_lock(const fs::path& p) {
+  LockRead r;
+  // O_NOFOLLOW: a symbolic link is never followed (out of out_dir, to /dev/zero); O_NONBLOCK: a FIFO's open
+  // returns at once instead of waiting for a writer.
+  const int fd = ::open(p.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return r;
     struct stat st {};
-    if (::stat(p.c_str(), &st) != 0) return std::nullopt;
-    h.heartbeat = h.started = static_cast<double>(st.st_mtime);
-    return h;
+    if (::lstat(p.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {  // ELOOP: a link; ENXIO: a socket
+      r.exists = true;
+      r.kind = S_ISLNK(st.st_mode) ? link_target(p) : file_type_name(st.st_mode);
+      return r;
+    }
+    fail(p.string(), ": cannot open the run's lock file: ", errno_text(err));
   }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail(p.string(), ": cannot stat the run's lock file: ", errno_text(err));
+  }
+  r.exists = true;
+  r.modified = static_cast<double>(st.st_mtim.tv_sec) + 1e-9 * static_cast<double>(st.st_mtim.tv_nsec);
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    r.kind = file_type_name(st.st_mode);
+    return r;
+  }
+  // Read to the end, whatever the size says, but never past the bound: a file that grows is cut off there.
+  std::string text;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      fail(p.string(), ": cannot read the run's lock file: ", errno_text(err));
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+    if (static_cast<int64_t>(text.size()) > kLockBytes) break;
+  }
+  ::close(fd);
+  try {
+    if (static_cast<int64_t>(text.size()) > kLockBytes) fail("more than ", kLockBytes, " bytes (a lock is a few hundred)");
+    if (text.empty()) fail("empty");
+    r.holder = parse_holder(text);
+  } catch (const Error& e) {
+    r.problem = str("unreadable lock file: ", p.string(), ": ", e.what());
+  }
+  return r;
 }
 
 bool same_holder(const LockHolder& a, const LockHolder& b) {
   return a.host == b.host && a.boot_id == b.boot_id && a.pid == b.pid && a.started == b.started;
 }
 
+bool pid_is_gone(int64_t pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH; }
+
 // Provably dead: on this host since its last boot, and no process has its pid.
 bool holder_is_dead(const LockHolder& h, const LockHolder& me) {
-  if (h.host != me.host || h.boot_id != me.boot_id || h.boot_id.empty() || h.pid <= 0) return false;
-  return ::kill(static_cast<pid_t>(h.pid), 0) != 0 && errno == ESRCH;
+  if (h.host != me.host || h.boot_id != me.boot_id || h.boot_id.empty()) return false;
+  return pid_is_gone(h.pid);
 }
 
-// The whole file written beside the lock, then moved or linked into place: a reader never sees it half written.
-void write_lock_file(const fs::path& p, const LockHolder& h) { write_text_file(p, holder_json(h).dump() + "\n"); }
+// The whole file written beside the lock (created here: an existing one is this host and pid's, so a dead
+// process's), then moved or linked into place: a reader never sees it half written. A directory that refuses the
+// file is named with errno, not the hidden file's name.
+void write_lock_file(const fs::path& p, const LockHolder& h) {
+  const std::string text = holder_json(h).dump() + "\n";
+  int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0 && errno == EEXIST && ::unlink(p.c_str()) == 0)
+    fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int err = errno;
+    fail(p.parent_path().string(), ": cannot write the run's lock file there: ", errno_text(err),
+         err == EACCES || err == EPERM || err == EROFS
+             ? ": the run directory (--out_dir) must be writable by this user, on a writable filesystem"
+             : "");
+  }
+  size_t done = 0;
+  int err = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : ENOSPC;
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  ::close(fd);
+  if (err != 0) {
+    ::unlink(p.c_str());
+    fail(p.parent_path().string(), ": cannot write the run's lock file there: ", errno_text(err));
+  }
+}
+
+// The temporary lock files (.run.lock.<host>.<pid>, .run.lock.heartbeat.<host>.<pid>, .run.lock.stale.<host>.<pid>)
+// that holders which are gone left behind: a pid gone on this host, or a file untouched for stale_s (each lives for
+// milliseconds while its holder writes a lock). This process's own are kept.
+void remove_lock_leftovers(const fs::path& out_dir, const LockHolder& me, double stale_s, double now) {
+  std::error_code ec;
+  for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::string rest;
+    for (const char* prefix : {".run.lock.heartbeat.", ".run.lock.stale.", ".run.lock."})
+      if (name.rfind(prefix, 0) == 0) {
+        rest = name.substr(std::strlen(prefix));
+        break;
+      }
+    const size_t dot = rest.rfind('.');
+    if (rest.empty() || dot == std::string::npos || dot == 0) continue;
+    const std::string host = rest.substr(0, dot), digits = rest.substr(dot + 1);
+    int64_t pid = 0;
+    const auto [end_ptr, parse_ec] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+    if (parse_ec != std::errc() || end_ptr != digits.data() + digits.size() || pid <= 0) continue;
+    if (host == me.host && pid == me.pid) continue;
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) != 0) continue;
+    const bool old = now - static_cast<double>(st.st_mtime) > stale_s;
+    if (!old && !(host == me.host && pid_is_gone(pid))) continue;
+    std::error_code rm_ec;
+    fs::remove_all(it->path(), rm_ec);
+  }
+}
 
 }  // namespace
 
@@ -119,6 +267,7 @@ LockHolder this_process_holder() {
   LockHolder h;
   char host[256] = {};
   if (::gethostname(host, sizeof host - 1) == 0) h.host = host;
+  if (h.host.empty()) h.host = "localhost";
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::getline(boot, h.boot_id);
   h.pid = static_cast<int64_t>(::getpid());
@@ -131,78 +280,118 @@ LockHolder this_process_holder() {
   return h;
 }
 
-RunLock::RunLock(const fs::path& out_dir, const std::function<void(const std::string&)>& warn,
-                 std::function<void(const std::string&)> lost, Timing timing)
-    : path_(out_dir / kRunLockFile), me_(this_process_holder()), timing_(timing), lost_(std::move(lost)) {
+RunLock::RunLock(const fs::path& out_dir, const std::function<void(const std::string&)>& warn, Timing timing)
+    : path_(out_dir / kRunLockFile), me_(this_process_holder()), timing_(timing) {
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec) fail(out_dir.string(), ": cannot create the run directory: ", ec.message());
+  const fs::path mine = out_dir / (".run.lock." + str(me_.host, ".", me_.pid));
+  write_lock_file(mine, me_);
+  try {
+    acquire(warn);
+  } catch (...) {
+    fs::remove(mine, ec);  // nothing of this process stays behind a refusal
+    throw;
+  }
+  fs::remove(mine, ec);
+  remove_lock_leftovers(out_dir, me_, timing_.stale_s, unix_now());
+  fsync_path(out_dir, true);
+  thread_ = std::thread([this] { heartbeat_loop(); });
+}
+
+void RunLock::acquire(const std::function<void(const std::string&)>& warn) {
+  const fs::path out_dir = path_.parent_path();
   const std::string unique = str(me_.host, ".", me_.pid);
   const fs::path mine = out_dir / (".run.lock." + unique);
-  write_lock_file(mine, me_);
-  const double first_try = unix_now();
+  std::error_code ec;
+  // A requeue's wait (stale_s, plus a beat for its last refresh) and a margin for the attempts that do not wait.
+  const double first_try = unix_now(), deadline = first_try + timing_.stale_s + timing_.heartbeat_s + 30;
   bool said_waiting = false;
-  for (int attempt = 0;; attempt++) {
-    if (::link(mine.c_str(), path_.c_str()) == 0) break;
+  int attempts = 0;
+  for (;;) {
+    if (++attempts > kLockAttempts || unix_now() > deadline)
+      fail(path_.string(), ": could not take the run's lock in ", attempts - 1, " attempts over ",
+           static_cast<int64_t>(unix_now() - first_try), " s: it kept changing under this run (runs starting on ",
+           out_dir.string(), " in a loop?); stop the others, or choose another --out_dir");
+    if (::link(mine.c_str(), path_.c_str()) == 0) return;
     int err = errno;
     if (err == EPERM || err == ENOTSUP || err == EOPNOTSUPP || err == ENOSYS) {
       // A filesystem without hard links: an exclusive create instead (atomic on NFSv3 and later).
-      const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+      const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
       if (fd >= 0) {
         ::close(fd);
         std::error_code rename_ec;
         fs::rename(mine, path_, rename_ec);  // the whole content replaces the empty file at once
-        if (!rename_ec) break;
+        if (!rename_ec) return;
       }
       err = fd >= 0 ? EIO : errno;
     }
-    if (err != EEXIST) {
-      fs::remove(mine, ec);
-      fail(path_.string(), ": cannot create the run's lock file: ", std::strerror(err));
-    }
-    const std::optional<LockHolder> holder = read_lock(path_);
-    if (!holder) continue;  // released in between: try again
+    if (err != EEXIST)
+      fail(out_dir.string(), ": cannot create the run's lock file ", kRunLockFile, " there: ", errno_text(err));
+    const LockRead lock = read_lock(path_);
+    if (!lock.exists) continue;  // released in between: try again
+    if (!lock.kind.empty())
+      fail(path_.string(), " is ", lock.kind, ", not a lock file: tuna writes ", kRunLockFile,
+           " as a regular file, and does not read, follow or replace anything else there. If no run uses ",
+           out_dir.string(), ", remove it and start again");
     const double now = unix_now();
-    const bool dead = holder_is_dead(*holder, me_);
+    if (!lock.holder) {
+      // Unreadable: the file's age stands for its heartbeat (see run_dir.h for the rule).
+      const double age = now - lock.modified;
+      if (age <= timing_.stale_s)
+        fail(lock.problem, ". A run's lock always reads (tuna writes it whole), so this one is damaged or not tuna's; "
+             "it was modified ", static_cast<int64_t>(std::max(0.0, std::round(age))), " s ago and is taken over once "
+             "it is older than ", timing_.stale_s, " s. If no run uses ", out_dir.string(), ", remove it and start again");
+      const fs::path aside = out_dir / (".run.lock.stale." + unique);
+      if (::rename(path_.c_str(), aside.c_str()) == 0) {
+        fs::remove(aside, ec);
+        warn(str("took over an ", lock.problem, " (not modified for ", static_cast<int64_t>(age), " s)"));
+      }
+      continue;
+    }
+    const LockHolder& holder = *lock.holder;
+    const bool dead = holder_is_dead(holder, me_);
     // A heartbeat a day ahead of this clock is no clock skew: a damaged file.
-    if (dead || now - holder->heartbeat > timing_.stale_s || holder->heartbeat - now > 86400) {
+    if (dead || now - holder.heartbeat > timing_.stale_s || holder.heartbeat - now > 86400) {
       // Moved aside under this process's own name first: of two runs taking over at once, only one gets this
       // holder's file; the other then finds the winner's fresh lock and is refused.
       const fs::path aside = out_dir / (".run.lock.stale." + unique);
       if (::rename(path_.c_str(), aside.c_str()) == 0) {
-        const std::optional<LockHolder> moved = read_lock(aside);
-        if (moved && !same_holder(*moved, *holder) && !holder_is_dead(*moved, me_) &&
-            unix_now() - moved->heartbeat <= timing_.stale_s) {
+        const LockRead moved = read_lock(aside);
+        if (moved.holder && !same_holder(*moved.holder, holder) && !holder_is_dead(*moved.holder, me_) &&
+            unix_now() - moved.holder->heartbeat <= timing_.stale_s) {
           // A live lock, taken between our read and the rename: put it back (link fails if yet another exists).
           if (::link(aside.c_str(), path_.c_str()) != 0) {}
           fs::remove(aside, ec);
           continue;
         }
-        fs::remove(aside, ec);
-        warn(str(path_.string(), ": took over the lock of a run that is gone (", holder->describe(now), "; ",
+        fs::remove_all(aside, ec);
+        warn(str(path_.string(), ": took over the lock of a run that is gone (", holder.describe(now), "; ",
                  dead ? "no such process on this host" : str("no heartbeat for more than ", timing_.stale_s, " s"),
                  ")"));
       }
       continue;
     }
-    if (!me_.job.empty() && holder->job == me_.job && now - first_try < timing_.stale_s + timing_.heartbeat_s) {
+    if (!me_.job.empty() && holder.job == me_.job && now - first_try < timing_.stale_s + timing_.heartbeat_s) {
       // The previous attempt of this very job (a requeue): its allocation may still be shutting down.
       if (!said_waiting)
-        warn(str(path_.string(), " is held by an earlier attempt of job ", me_.job, " (", holder->describe(now),
+        warn(str(path_.string(), " is held by an earlier attempt of job ", me_.job, " (", holder.describe(now),
                  "): waiting for it to stop, at most ", timing_.stale_s, " s"));
       said_waiting = true;
+      attempts--;  // a wait, bounded by the deadline
       std::this_thread::sleep_for(std::chrono::duration<double>(timing_.poll_s));
       continue;
     }
-    fs::remove(mine, ec);
-    fail(out_dir.string(), " is in use by another run (", holder->describe(now), "; lock file ", path_.string(),
+    fail(out_dir.string(), " is in use by another run (", holder.describe(now), "; lock file ", path_.string(),
          "). Two runs in one out_dir would write into the same checkpoints and metrics: wait for it to end, stop "
          "it, or choose another --out_dir. A lock whose holder died is taken over at once on the same host, and "
          "from any host once its heartbeat is older than ", timing_.stale_s, " s");
   }
-  fs::remove(mine, ec);
-  fsync_path(out_dir, true);
-  thread_ = std::thread([this] { heartbeat_loop(); });
+}
+
+std::string RunLock::lost_reason() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return lost_reason_;
 }
 
 void RunLock::heartbeat_loop() {
@@ -210,18 +399,26 @@ void RunLock::heartbeat_loop() {
   std::unique_lock<std::mutex> guard(mutex_);
   while (!wake_.wait_for(guard, std::chrono::duration<double>(timing_.heartbeat_s), [&] { return stop_; })) {
     try {
-      // Another run took the lock only if it judged this one dead: say so rather than write beside it.
-      const std::optional<LockHolder> holder = read_lock(path_);
-      if (!holder || !same_holder(*holder, me_)) {
-        lost_(str(path_.string(), ": this run's lock was ",
-                  holder ? str("taken over by another run (", holder->describe(unix_now()), ")") : std::string("removed"),
-                  "; stopping, since two runs would write into the same checkpoints"));
+      // Another run took the lock only if it judged this one dead: say so rather than write beside it. This
+      // thread only records it: the trainer stops at its next safe point (a thread that ended the process would
+      // tear it down under the main thread's computation).
+      const LockRead lock = read_lock(path_);
+      if (!lock.holder || !same_holder(*lock.holder, me_)) {
+        const std::string what = lock.holder   ? str("taken over by another run (", lock.holder->describe(unix_now()), ")")
+                                 : !lock.exists ? std::string("removed")
+                                 : !lock.kind.empty() ? str("replaced by ", lock.kind)
+                                                      : str("replaced by an ", lock.problem);
+        lost_reason_ = str(path_.string(), ": this run's lock was ", what,
+                           "; stopping without writing anything more, since two runs would write into the same "
+                           "checkpoints");
+        lost_ = true;
         return;
       }
       me_.heartbeat = unix_now();
       write_lock_file(fresh, me_);
       std::error_code ec;
       fs::rename(fresh, path_, ec);
+      if (ec) fs::remove(fresh, ec);
     } catch (const std::exception&) {
       // A failed refresh (a full disk) is retried at the next beat; the lock goes stale only if they all fail.
     }
@@ -235,23 +432,29 @@ RunLock::~RunLock() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
-  const std::optional<LockHolder> holder = read_lock(path_);
-  std::error_code ec;
-  if (holder && same_holder(*holder, me_)) fs::remove(path_, ec);
+  try {
+    const LockRead lock = read_lock(path_);
+    std::error_code ec;
+    if (lock.holder && same_holder(*lock.holder, me_)) fs::remove(path_, ec);
+  } catch (const std::exception&) {  // unreadable now: not this run's to remove
+  }
 }
 
 std::unique_ptr<RunLock> lock_run_dir(const fs::path& out_dir, Comm& world,
                                       const std::function<void(const std::string&)>& warn) {
-  const auto lost = [](const std::string& message) {
-    std::fprintf(stderr, "error: %s\n", message.c_str());
-    std::fflush(stderr);
-    abort_job(1);
-  };
+  RunLock::Timing timing;
+  if (const char* beat = std::getenv("TUNA_LOCK_HEARTBEAT_S"); beat && *beat) {
+    char* end = nullptr;
+    const double s = std::strtod(beat, &end);
+    if (*end != '\0' || !std::isfinite(s) || s < 0.01 || s > timing.stale_s / 2)
+      fail("TUNA_LOCK_HEARTBEAT_S: expected seconds in [0.01, ", timing.stale_s / 2, "], found '", beat, "'");
+    timing.heartbeat_s = s;
+  }
   std::unique_ptr<RunLock> lock;
   std::string refusal;
   if (world.rank() == 0) {
     try {
-      lock = std::make_unique<RunLock>(out_dir, warn, lost);
+      lock = std::make_unique<RunLock>(out_dir, warn, timing);
     } catch (const Error& e) {
       refusal = e.what();
     }
@@ -260,6 +463,19 @@ std::unique_ptr<RunLock> lock_run_dir(const fs::path& out_dir, Comm& world,
   world.all_reduce_sum(&refused, 1, "run directory lock");
   if (refused) fail(refusal.empty() ? str(out_dir.string(), ": in use by another run (see rank 0's message)") : refusal);
   return lock;
+}
+
+StopRequest stop_at_safe_point(Comm& world, bool signal_seen, const RunLock* lock) {
+  int64_t seen[2] = {signal_seen ? 1 : 0, lock && lock->lost() ? 1 : 0};
+  if (world.size() > 1) world.all_reduce_sum(seen, 2, "stop request");
+  if (seen[1] > 0) {
+    if (lock) {
+      std::fprintf(stderr, "error: %s (exit code %d)\n", lock->lost_reason().c_str(), kLockLostExitCode);
+      std::fflush(stderr);
+    }
+    return StopRequest::LockLost;
+  }
+  return seen[0] > 0 ? StopRequest::Signal : StopRequest::None;
 }
 
 ResumeMode parse_resume_mode(const std::string& text) {

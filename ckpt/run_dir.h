@@ -40,9 +40,27 @@ class Comm;  // comm/comm.h
 // the holder; a stale lock is taken over with a warning: its holder is dead (same host and boot, no such pid),
 // or its heartbeat is older than stale_s (compared with this node's clock: nodes are assumed NTP-synced). A
 // requeue of the same job finding its previous attempt's fresh lock waits up to stale_s for it to go, since
-// the old allocation may still be stopping. The heartbeat thread re-reads the lock before each refresh; if
-// another run has taken it (it judged this one dead), `lost` is called (the trainer aborts: two writers would
-// corrupt the run). Released (the file removed, if still this holder's) by the destructor.
+// the old allocation may still be stopping.
+//
+// What run.lock may be, and what each is taken for:
+//  - a lock tuna wrote: its holder, as above;
+//  - anything but a regular file (a symbolic link, even to a lock; a FIFO, a device, a socket, a directory):
+//    refused at once naming what it is and saying to remove it; tuna never makes one, and reading it could
+//    block (a FIFO), never end (/dev/zero) or follow a link out of out_dir. Opened O_NOFOLLOW | O_NONBLOCK;
+//  - an "unreadable lock file": a regular file that is not a lock (empty, not JSON, over 64 KiB, a field missing
+//    or of another type, a pid that is not a positive integer that fits pid_t). tuna writes a lock whole before
+//    it links it into place, so a live run's lock always reads: an unreadable one is damaged or foreign. The rule:
+//    it is refused while it was modified less than stale_s ago, and taken over with a warning once older.
+// The lock loop makes a bounded number of attempts within a deadline (a requeue's wait plus a margin), so a lock
+// that keeps changing ends in an error, never a hang. At every acquisition the temporary files of holders that
+// are gone (.run.lock.<host>.<pid>, .run.lock.heartbeat.*, .run.lock.stale.*: dead on this host, or untouched
+// for stale_s) are removed; on every failure this process's own are. A directory it cannot write is an error
+// naming the directory and errno.
+//
+// The heartbeat thread re-reads the lock before each refresh; if another run has taken it (it judged this one
+// dead), or it was removed or replaced, the lock is `lost()`: the thread stops and says nothing, and the trainer
+// notices at its next safe point (stop_at_safe_point). No thread but the caller's ever ends the process. Released
+// (the file removed, if still this holder's) by the destructor.
 struct LockHolder {
   std::string host, boot_id, job;
   int64_t pid = 0;
@@ -56,33 +74,47 @@ class RunLock {
     double heartbeat_s = 10, stale_s = 120, poll_s = 2;
   };
   // Acquires out_dir/run.lock (creating out_dir), or fails naming the holder. `warn` gets the take-over.
-  RunLock(const std::filesystem::path& out_dir, const std::function<void(const std::string&)>& warn,
-          std::function<void(const std::string&)> lost, Timing timing);
-  RunLock(const std::filesystem::path& out_dir, const std::function<void(const std::string&)>& warn,
-          std::function<void(const std::string&)> lost)
-      : RunLock(out_dir, warn, std::move(lost), Timing{}) {}
+  RunLock(const std::filesystem::path& out_dir, const std::function<void(const std::string&)>& warn, Timing timing);
+  RunLock(const std::filesystem::path& out_dir, const std::function<void(const std::string&)>& warn)
+      : RunLock(out_dir, warn, Timing{}) {}
   ~RunLock();
   RunLock(const RunLock&) = delete;
   RunLock& operator=(const RunLock&) = delete;
   const std::filesystem::path& path() const { return path_; }
+  // Whether the heartbeat found the lock taken over, removed or replaced; why, naming the new holder.
+  bool lost() const { return lost_.load(); }
+  std::string lost_reason() const;
 
  private:
+  void acquire(const std::function<void(const std::string&)>& warn);
   void heartbeat_loop();
   std::filesystem::path path_;
   LockHolder me_;
   Timing timing_;
-  std::function<void(const std::string&)> lost_;
-  std::mutex mutex_;
+  std::atomic<bool> lost_{false};
+  mutable std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
+  std::string lost_reason_;  // guarded by mutex_
   std::thread thread_;
 };
 inline constexpr const char* kRunLockFile = "run.lock";
 
 // build/train (collective): rank 0 takes the lock, and a refusal there is an error on every rank. Other ranks
-// get null. If the lock is taken away during the run, rank 0 prints the error and ends the job (abort_job).
+// get null. The heartbeat's period comes from TUNA_LOCK_HEARTBEAT_S when set (the tests' way to see a takeover
+// within a second; 10 s otherwise).
 std::unique_ptr<RunLock> lock_run_dir(const std::filesystem::path& out_dir, Comm& world,
                                       const std::function<void(const std::string&)>& warn);
+
+// Why the trainer stops at a safe point (the end of a step, before a checkpoint), agreed by every rank
+// (collective): a stop signal seen by any rank, or the run directory's lock lost on rank 0. A lost lock wins: rank
+// 0 prints "error: ..." naming the new holder, and the run ends at once with kLockLostExitCode, writing nothing
+// more into out_dir (no checkpoint, no validation, no end row: the directory is another run's now).
+enum class StopRequest { None, Signal, LockLost };
+StopRequest stop_at_safe_point(Comm& world, bool signal_seen, const RunLock* lock);
+// EX_CANTCREAT (sysexits.h): this run can no longer write its output. Not 75 (EX_TEMPFAIL), which asks a job
+// script to requeue: another run owns out_dir now.
+inline constexpr int kLockLostExitCode = 73;
 
 // --resume: false (a new run), true (continue; fail when there is nothing to continue), auto (continue when
 // there is a checkpoint, else a new run: what a job script that is requeued after preemption wants).

@@ -39,7 +39,7 @@ void Comm::check_peer(int peer, int64_t n, const char* call, const char* what) c
 }
 
 void Comm::wait_on_stream(CommRequest, void*) {
-  fail("wait_on_stream on the ", backend(), " comm: only device comms (nccl, staged) order a stream after a request");
+  fail("wait_on_stream on the ", backend(), " comm: only device comms (nccl, staged, loopback) order a stream after a request");
 }
 
 namespace {

@@ -2,8 +2,9 @@
 //
 // Implementations: SingleComm (one rank; collectives are copies), MpiComm (host buffers, Open MPI or any MPI-3
 // library), LocalComm (ranks as threads of one process, host buffers: comm/comm_local.cpp), NcclComm (device
-// buffers, on the comm's CUDA stream; built with CUDA only) and the staged device comm (device buffers through
-// any host comm: comm/comm_staged.cpp, for ranks that share one GPU, where NCCL refuses to run).
+// buffers, on the comm's CUDA stream; built with CUDA only), the staged device comm (device buffers through
+// any host comm: comm/comm_staged.cpp, for ranks that share one GPU, where NCCL refuses to run) and the loopback
+// device comm (ranks as threads on one GPU, send/recv as device copies ordered by events: comm/comm_loopback.cpp).
 // model/ and dist/zero use only this interface, so every parallel mode runs and is tested on CPU under
 // `mpirun -np 2/4` against the single-rank run.
 //
@@ -54,7 +55,7 @@ class Comm {
   virtual ~Comm() = default;
   int rank() const { return rank_; }
   int size() const { return size_; }
-  virtual std::string backend() const = 0;  // "single", "mpi", "nccl"
+  virtual std::string backend() const = 0;  // "single", "mpi", "threads", "nccl", "staged ...", "loopback"
 
   // In place over n elements of `type`.
   virtual void all_reduce(void* buf, int64_t n, CommType type, ReduceOp op, const char* what) = 0;
@@ -84,6 +85,17 @@ class Comm {
   // Enqueues the starts issued so far: NCCL runs them as one group, now, instead of at the next call. Comms that
   // start each call at once do nothing.
   virtual void flush() {}
+  // Device comms whose collectives run on the device (NCCL): a bounded host wait for `cuda_event` (a cudaEvent_t
+  // recorded on the stream this comm enqueues on, after its collectives): at most --comm_timeout, then an error
+  // naming `what`, this comm's last collective and its group, so that a peer that hangs inside a collective stops
+  // this rank instead of leaving it in cudaEventSynchronize. Returns false when the comm has no device work that a
+  // peer could hold up (host comms; the staged and loopback comms, whose collectives complete on the host): the
+  // caller then waits for the event itself.
+  virtual bool wait_event(void* cuda_event, const char* what) { return false; }
+  // A comm that pads collectives in a scratch buffer of its own (NCCL) allocates it now, `bytes` large (the memory
+  // plan's row for it, sized from the largest padded collective), instead of growing it in the middle of a pass (a
+  // cudaFree: a device-wide synchronization). Others ignore it.
+  virtual void reserve_scratch(int64_t bytes) {}
   // Blocking: returns when the message has left `buf` (send) or arrived in it (recv).
   void send(const void* buf, int64_t n, CommType type, int peer, const char* what) {
     wait(send_start(buf, n, type, peer, what));
@@ -149,10 +161,24 @@ std::vector<std::unique_ptr<Comm>> make_local_comms(int size, double timeout_s);
 // Synchronous: nothing overlaps; for verification, not speed.
 std::unique_ptr<Comm> make_staged_device_comm(std::unique_ptr<Comm> host, void* stream);
 
+// A device comm for ranks as threads of one process on one GPU (comm/comm_loopback.cpp, CUDA builds): send/recv as
+// device-to-device copies on `stream` (a cudaStream_t), ordered by events as NCCL's are, a host rendezvous that only
+// pairs sends with receives, and wait_on_stream on the device; collectives staged through `host` (a threads comm,
+// make_local_comms). What runs the pipeline's stream order on one GPU or the emulator as NCCL runs it across GPUs.
+// Every host wait bounded by timeout_s (0: forever).
+std::unique_ptr<Comm> make_loopback_device_comm(std::unique_ptr<Comm> host, void* stream, double timeout_s);
+
 // NCCL on device buffers, enqueued on `stream` (a cudaStream_t); builds with TUNA_NCCL only. `host` (an
 // MpiComm over the same ranks) carries the NCCL unique id from rank 0 and builds split() groups. The
 // caller has already selected its GPU (cudaSetDevice(local_rank): one GPU per rank).
-std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, void* stream, double timeout_s);
+struct NcclOptions {
+  // The most CTAs (channels) its kernels take; 0: NCCL's choice. The pipeline's comm moves one activation or
+  // gradient at a time, and a receive posted ahead spins on its SMs through the forward it overlaps (dist/
+  // pipeline.h receives_gradient_ahead), SMs the forward's GEMMs and attention need: a few channels carry it.
+  int max_ctas = 0;
+};
+std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, void* stream, double timeout_s,
+                                     const NcclOptions& options = {});
 
 // Ends the process with exit_code; under MPI with several ranks, the whole job (MPI_Abort), so that an
 // error on one rank does not leave the others waiting in their next collective.

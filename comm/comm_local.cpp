@@ -9,9 +9,13 @@
 // order, so every rank gets the same bits. Each wait is bounded by the timeout: a rank that died or hangs
 // makes the others fail with an error naming the collective and the ranks that did not arrive.
 //
-// Point to point: a send copies its buffer into the receiver's mailbox and returns (nothing to wait for, so
-// exchanges in both directions cannot deadlock); a recv waits, bounded by the timeout, for the message with its
-// sequence number from that peer, which keeps the order of sends whatever order the requests are waited in.
+// Point to point, as NCCL's: the n-th send from one rank to another pairs with the n-th recv posted there, whatever
+// order the requests are waited in, and neither completes before both are posted: a send completes only once its
+// recv is posted (a rendezvous, as NCCL's send and MPI's above its eager limit), so an order of sends and receives
+// that would deadlock on NCCL deadlocks here too (and fails at the timeout, naming the send) instead of passing on
+// buffered sends. The starts never block: whichever side posts second copies the bytes from the send's buffer into
+// the recv's (the sender keeps its buffer unchanged until wait(), as the interface asks), so exchanges in both
+// directions, both started before either is waited, cannot deadlock. Each wait is bounded by the timeout.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -47,18 +51,38 @@ struct LocalGroup {
     int rank = 0;
   };
   std::vector<Child> children;
-  // Point to point: messages from rank `from` to rank `to` by the sender's sequence number.
-  struct Message {
-    std::vector<char> bytes;
-    int64_t n = 0;
-    CommType type = CommType::F32;
-    std::string label;
+  // Point to point: one message, its two sides posted by the sender and the receiver.
+  struct Transfer {
+    const void* send_buf = nullptr;
+    void* recv_buf = nullptr;
+    int64_t send_n = 0, recv_n = 0;
+    CommType send_type = CommType::F32, recv_type = CommType::F32;
+    std::string send_label;
+    bool sent = false, received = false;  // posted
+    bool done = false;                    // both posted, and the bytes copied (unless the counts differ)
   };
-  struct Mailbox {
-    int64_t sent = 0;  // messages put in so far
-    std::map<int64_t, Message> messages;
+  // Between a rank `from` and a rank `to`: sends and recvs posted so far, and the transfers not yet paired.
+  struct Channel {
+    int64_t sends = 0, recvs = 0;
+    std::map<int64_t, std::shared_ptr<Transfer>> open;  // by sequence number
   };
-  std::map<std::pair<int, int>, Mailbox> mailboxes;  // (from, to)
+  std::map<std::pair<int, int>, Channel> channels;  // (from, to)
+
+  // The transfer with sequence number `sequence` on (from, to); the caller holds the mutex.
+  std::shared_ptr<Transfer> transfer(int from, int to, int64_t sequence) {
+    std::shared_ptr<Transfer>& t = channels[{from, to}].open[sequence];
+    if (!t) t = std::make_shared<Transfer>();
+    return t;
+  }
+  // Both sides are posted: copies the message (when the counts agree; the recv reports them otherwise) and wakes
+  // the waiters. The caller holds the mutex.
+  void pair(int from, int to, int64_t sequence, Transfer& t) {
+    if (t.send_n == t.recv_n && t.send_type == t.recv_type && t.send_n > 0)
+      std::memcpy(t.recv_buf, t.send_buf, t.send_n * comm_type_bytes(t.send_type));
+    t.done = true;
+    channels[{from, to}].open.erase(sequence);
+    changed.notify_all();
+  }
 
   // Blocks until every rank arrived; `what` names the collective in a timeout's error.
   void rendezvous(int rank, const std::string& what) {
@@ -176,52 +200,54 @@ class LocalComm final : public Comm {
 
   CommRequest send_start(const void* buf, int64_t n, CommType type, int peer, const char* what) override {
     check_peer(peer, n, "send", what);
-    LocalGroup::Message m;
-    m.bytes.assign(static_cast<const char*>(buf), static_cast<const char*>(buf) + n * comm_type_bytes(type));
-    m.n = n, m.type = type, m.label = str("send '", what, "'");
-    {
-      std::lock_guard<std::mutex> lock(group_->mutex);
-      LocalGroup::Mailbox& box = group_->mailboxes[{rank(), peer}];
-      box.messages.emplace(box.sent++, std::move(m));
-    }
-    group_->changed.notify_all();
-    return 0;  // complete: the message is copied
+    P2p& p = p2p_[++next_request_];
+    p.peer = peer, p.is_recv = false, p.label = str("send '", what, "' (", n, " elements to rank ", peer, ")");
+    LocalGroup& g = *group_;
+    std::lock_guard<std::mutex> lock(g.mutex);
+    const int64_t sequence = g.channels[{rank(), peer}].sends++;
+    p.transfer = g.transfer(rank(), peer, sequence);
+    LocalGroup::Transfer& t = *p.transfer;
+    t.send_buf = buf, t.send_n = n, t.send_type = type, t.send_label = str("send '", what, "'"), t.sent = true;
+    if (t.received) g.pair(rank(), peer, sequence, t);
+    return next_request_;
   }
 
   CommRequest recv_start(void* buf, int64_t n, CommType type, int peer, const char* what) override {
     check_peer(peer, n, "recv", what);
-    Recv& r = recvs_[++next_request_];
-    r.buf = buf, r.n = n, r.type = type, r.peer = peer, r.sequence = received_[peer]++;
-    r.label = str("recv '", what, "' (", n, " elements from rank ", peer, ")");
+    P2p& p = p2p_[++next_request_];
+    p.peer = peer, p.is_recv = true, p.label = str("recv '", what, "' (", n, " elements from rank ", peer, ")");
+    LocalGroup& g = *group_;
+    std::lock_guard<std::mutex> lock(g.mutex);
+    const int64_t sequence = g.channels[{peer, rank()}].recvs++;
+    p.transfer = g.transfer(peer, rank(), sequence);
+    LocalGroup::Transfer& t = *p.transfer;
+    t.recv_buf = buf, t.recv_n = n, t.recv_type = type, t.received = true;
+    if (t.sent) g.pair(peer, rank(), sequence, t);
     return next_request_;
   }
 
   void wait(CommRequest request) override {
-    auto it = recvs_.find(request);
-    if (it == recvs_.end()) return;  // a collective's or a send's: complete when started
-    const Recv r = std::move(it->second);
-    recvs_.erase(it);
+    auto it = p2p_.find(request);
+    if (it == p2p_.end()) return;  // a collective's: complete when started
+    const P2p p = std::move(it->second);
+    p2p_.erase(it);
     LocalGroup& g = *group_;
+    const LocalGroup::Transfer& t = *p.transfer;
     std::unique_lock<std::mutex> lock(g.mutex);
-    LocalGroup::Mailbox& box = g.mailboxes[{r.peer, rank()}];
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(g.timeout_s);
-    while (!box.messages.count(r.sequence)) {
+    while (!t.done) {
       if (g.timeout_s <= 0) {
         g.changed.wait(lock);
-      } else if (g.changed.wait_until(lock, deadline) == std::cv_status::timeout && !box.messages.count(r.sequence)) {
-        fail("rank ", rank(), " of ", size(), " (threads): ", r.label, " did not complete within ", g.timeout_s,
-             " s (--comm_timeout): rank ", r.peer, " did not send it (died, hung, or waits elsewhere)");
+      } else if (g.changed.wait_until(lock, deadline) == std::cv_status::timeout && !t.done) {
+        fail("rank ", rank(), " of ", size(), " (threads): ", p.label, " did not complete within ", g.timeout_s,
+             " s (--comm_timeout): rank ", p.peer,
+             p.is_recv ? " did not send it" : " did not post the matching recv", " (died, hung, or waits elsewhere)");
       }
     }
-    auto m = box.messages.find(r.sequence);
-    LocalGroup::Message message = std::move(m->second);
-    box.messages.erase(m);
-    lock.unlock();
-    if (message.n != r.n || message.type != r.type)
-      fail("rank ", rank(), " of ", size(), " (threads): ", r.label, ": rank ", r.peer, " sent ", message.n,
-           " elements of ", comm_type_bytes(message.type), " bytes (", message.label, "), this recv expects ", r.n,
-           " of ", comm_type_bytes(r.type));
-    if (!message.bytes.empty()) std::memcpy(r.buf, message.bytes.data(), message.bytes.size());
+    if (p.is_recv && (t.send_n != t.recv_n || t.send_type != t.recv_type))
+      fail("rank ", rank(), " of ", size(), " (threads): ", p.label, ": rank ", p.peer, " sent ", t.send_n,
+           " elements of ", comm_type_bytes(t.send_type), " bytes (", t.send_label, "), this recv expects ", t.recv_n,
+           " of ", comm_type_bytes(t.recv_type));
   }
 
   std::unique_ptr<Comm> split(int color, int key) override {
@@ -269,18 +295,15 @@ class LocalComm final : public Comm {
     return out;
   }
 
-  struct Recv {
-    void* buf = nullptr;
-    int64_t n = 0;
-    CommType type = CommType::F32;
+  struct P2p {
+    std::shared_ptr<LocalGroup::Transfer> transfer;
     int peer = 0;
-    int64_t sequence = 0;  // of the peer's sends to this rank
+    bool is_recv = false;
     std::string label;
   };
 
   std::shared_ptr<LocalGroup> group_;
-  std::map<CommRequest, Recv> recvs_;    // started, not yet waited
-  std::map<int, int64_t> received_;      // recvs started per peer
+  std::map<CommRequest, P2p> p2p_;  // started, not yet waited
   CommRequest next_request_ = 0;
 };
 

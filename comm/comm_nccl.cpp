@@ -3,9 +3,14 @@
 // creates the sub-groups of split(). Element counts follow shard_range; where NCCL needs equal pieces
 // (reduce-scatter, all-gather) the buffers are padded into a scratch buffer of ceil(n / size) * size.
 //
-// Failure: waits (wait(), barrier(), and stream_sync()) poll the stream with a deadline and
+// Failure: waits (wait(), barrier(), wait_event()) poll the stream or an event with a deadline and
 // ncclCommGetAsyncError; on timeout the communicator is aborted (ncclCommAbort) so that no rank stays
-// inside NCCL, and the error names the collective and the rank, as MpiComm's does.
+// inside NCCL, and the error names the collective and the rank, as MpiComm's does. wait_event is how the model's
+// host waits for its compute stream, where the tp collectives run: a tp peer that hangs stops this rank there.
+//
+// Set-up: the communicator takes at most NcclOptions::max_ctas CTAs (ncclCommInitRankConfig; the pipeline's comm
+// takes few), and the padding scratch is allocated once, at the size the memory plan gives (reserve_scratch); a
+// collective that needs more grows it, with a warning, since the cudaFree that growing takes synchronizes the device.
 //
 // Point to point: send_start/recv_start only queue the call; the queue runs as one NCCL group (ncclGroupStart,
 // ncclSend/ncclRecv..., ncclGroupEnd) on the stream at the next wait() or any other call. Run one by one on one
@@ -45,12 +50,15 @@ ncclDataType_t nccl_type(CommType t) {
 
 class NcclComm final : public Comm {
  public:
-  NcclComm(std::unique_ptr<Comm> host, cudaStream_t stream, double timeout_s)
-      : Comm(host->rank(), host->size()), host_(std::move(host)), stream_(stream), timeout_s_(timeout_s) {
+  NcclComm(std::unique_ptr<Comm> host, cudaStream_t stream, double timeout_s, const NcclOptions& options)
+      : Comm(host->rank(), host->size()), host_(std::move(host)), stream_(stream), timeout_s_(timeout_s),
+        options_(options) {
     ncclUniqueId id;
     if (rank() == 0) TUNA_NCCL_CHECK(ncclGetUniqueId(&id));
     host_->broadcast(&id, sizeof id, 0, "nccl unique id");
-    TUNA_NCCL_CHECK(ncclCommInitRank(&comm_, size(), id, rank()));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    if (options_.max_ctas > 0) config.minCTAs = 1, config.maxCTAs = options_.max_ctas;
+    TUNA_NCCL_CHECK(ncclCommInitRankConfig(&comm_, size(), id, rank(), &config));
   }
   ~NcclComm() override {
     if (scratch_) cudaFree(scratch_);
@@ -174,6 +182,18 @@ class NcclComm final : public Comm {
     last_ = str("broadcast '", what, "'");
   }
 
+  bool wait_event(void* cuda_event, const char* what) override {
+    flush();
+    poll([&] { return cudaEventQuery(static_cast<cudaEvent_t>(cuda_event)); },
+         str(what, " (this group's last call: ", last_.empty() ? "none" : last_, ")"));
+    return true;
+  }
+
+  void reserve_scratch(int64_t bytes) override {
+    reserved_ = true;
+    if (bytes > 0) scratch((bytes + 3) / 4);
+  }
+
   void barrier(const char* what) override {
     flush();
     // A one-element all-reduce on a private device word, then a bounded wait for the stream.
@@ -184,7 +204,7 @@ class NcclComm final : public Comm {
 
   std::unique_ptr<Comm> split(int color, int key) override {
     flush();
-    return std::make_unique<NcclComm>(host_->split(color, key), stream_, timeout_s_);
+    return std::make_unique<NcclComm>(host_->split(color, key), stream_, timeout_s_, options_);
   }
 
  private:
@@ -205,6 +225,11 @@ class NcclComm final : public Comm {
 
   float* scratch(int64_t n) {
     if (n > scratch_n_) {
+      if (reserved_)
+        std::fprintf(stderr, "warning: rank %d of %d (nccl): the padding scratch grows from %lld to %lld bytes in the "
+                     "middle of a pass (a device-wide synchronization); the memory plan's 'NCCL padding scratch' row "
+                     "undercounts this comm's largest padded collective (%s)\n", rank(), size(),
+                     static_cast<long long>(scratch_n_ * 4), static_cast<long long>(n * 4), last_.c_str());
       TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
       if (scratch_) TUNA_CUDA_CHECK(cudaFree(scratch_));
       TUNA_CUDA_CHECK(cudaMalloc(&scratch_, n * sizeof(float)));
@@ -240,8 +265,10 @@ class NcclComm final : public Comm {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_;
   double timeout_s_;
+  NcclOptions options_;
   float* scratch_ = nullptr;
   int64_t scratch_n_ = 0;
+  bool reserved_ = false;  // reserve_scratch sized it
   std::map<CommRequest, Event> events_;
   std::vector<P2p> queued_;  // send/recv started, not yet enqueued (flush)
   CommRequest next_request_ = 0;
@@ -250,8 +277,10 @@ class NcclComm final : public Comm {
 
 }  // namespace
 
-std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, void* stream, double timeout_s) {
-  return std::make_unique<NcclComm>(std::move(host), static_cast<cudaStream_t>(stream), timeout_s);
+std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, void* stream, double timeout_s,
+                                     const NcclOptions& options) {
+  TUNA_CHECK(options.max_ctas >= 0, "NcclOptions::max_ctas ", options.max_ctas);
+  return std::make_unique<NcclComm>(std::move(host), static_cast<cudaStream_t>(stream), timeout_s, options);
 }
 
 }  // namespace tuna

@@ -21,6 +21,7 @@
 #include "data/input.h"
 #include "data/prepare_output.h"  // LocationLog, DroppedList, SplitWriter, out_dir rules
 #include "data/shard.h"
+#include "data/tokenizer_impl.h"  // missing_bytes
 
 namespace tuna {
 
@@ -54,6 +55,7 @@ struct ChatSetup {
   bool resolved = false;
   ChatFormat format = ChatFormat::llama3;
   std::string error;
+  int32_t bos = -1, eos = -1;  // the frame of a plain document (-1: none)
 };
 
 bool is_blank(std::string_view s) {
@@ -471,6 +473,8 @@ void merge_into(PrepareReport& into, const PrepareReport& from) {
   into.repaired_utf8.merge(from.repaired_utf8);
   into.removed_nul.merge(from.removed_nul);
   into.removed_control.merge(from.removed_control);
+  into.dropped_bytes += from.dropped_bytes;
+  into.dropped_byte_documents.merge(from.dropped_byte_documents);
   into.dropped_lists.insert(into.dropped_lists.end(), from.dropped_lists.begin(), from.dropped_lists.end());
   for (auto [a, b] : {std::pair{&into.train, &from.train}, std::pair{&into.val, &from.val}}) {
     a->documents += b->documents;
@@ -709,6 +713,7 @@ struct Tokenized {
   std::vector<int32_t> tokens;
   std::vector<uint8_t> mask;
   uint64_t hash = 0;
+  uint64_t dropped_bytes = 0;  // bytes of the text the tokenizer drops
   QualityMeasure measure;  // of a filtered document, for dropped.jsonl
 };
 
@@ -723,13 +728,17 @@ void tokenize_document(const Document& doc, const Tokenizer& tokenizer, const Ca
         throw Error(why);
       t.tokens = std::move(chat_tokens.tokens);
       t.mask = std::move(chat_tokens.mask);
+      if (encoder.drops_bytes()) {  // the template encodes some text twice: each message's bytes counted once here
+        std::vector<int32_t> ignored;
+        for (const ChatMessage& m : doc.messages) encoder.encode(m.content, &ignored, SpecialTokens::as_text, &t.dropped_bytes);
+      }
       return;
     }
-    if (tokenizer.bos_id() >= 0) t.tokens.push_back(tokenizer.bos_id());
-    if (!doc.prompt.empty()) encoder.encode(doc.prompt, &t.tokens);
+    if (chat.bos >= 0) t.tokens.push_back(chat.bos);
+    if (!doc.prompt.empty()) encoder.encode(doc.prompt, &t.tokens, SpecialTokens::as_text, &t.dropped_bytes);
     const size_t prompt_end = t.tokens.size();
-    encoder.encode(doc.text, &t.tokens);
-    if (tokenizer.eos_id() >= 0) t.tokens.push_back(tokenizer.eos_id());
+    encoder.encode(doc.text, &t.tokens, SpecialTokens::as_text, &t.dropped_bytes);
+    if (chat.eos >= 0) t.tokens.push_back(chat.eos);
     if (sft) {
       // Only predicting the response (and EOS) trains: BOS and the prompt are context.
       t.mask.assign(t.tokens.size(), 1);
@@ -797,6 +806,10 @@ void tokenize_and_write(PrepareRun& run, const Tokenizer& tokenizer, const ChatS
         if (t.outcome == Outcome::kept) {
           (unit(t.hash) < options.val_fraction ? val : train).add(t.tokens, t.mask);
           report.outcome[static_cast<size_t>(Outcome::kept)].add(where(files, batch[i]));
+          if (t.dropped_bytes) {
+            report.dropped_bytes += t.dropped_bytes;
+            report.dropped_byte_documents.add(where(files, batch[i]));
+          }
         } else if (t.outcome == Outcome::exact_duplicate || t.outcome == Outcome::near_duplicate ||
                    t.outcome == Outcome::tokenize_failed) {
           // Decided after pass 1 read the record: counted here, where its location is at hand.
@@ -827,6 +840,30 @@ void tokenize_and_write(PrepareRun& run, const Tokenizer& tokenizer, const ChatS
 
 }  // namespace
 
+// BOS and EOS of every plain document: the tokenizer's, or the options'. A tokenizer without them (a tokenizer.json
+// whose post-processor adds no BOS, beside no config that names one) is refused in one line that says what to do,
+// rather than writing documents the trainer cannot tell apart.
+static void frame_documents(const PrepareOptions& options, const Tokenizer& tokenizer, ChatSetup* chat) {
+  if (options.no_bos_eos) {
+    if (!options.bos.empty() || !options.eos.empty()) fail("options --no_bos_eos and --bos/--eos contradict each other");
+    return;
+  }
+  auto named = [&](const std::string& name, const char* option, int32_t fallback) {
+    if (name.empty()) return fallback;
+    const int32_t id = tokenizer.token_id(name);
+    if (id < 0) fail("option --", option, ": '", name, "' is not a token of ", tokenizer.path());
+    return id;
+  };
+  chat->bos = named(options.bos, "bos", tokenizer.bos_id());
+  chat->eos = named(options.eos, "eos", tokenizer.eos_id());
+  if (chat->bos < 0 || chat->eos < 0)
+    fail("tokenizer ", tokenizer.path(), " names no ", chat->bos < 0 && chat->eos < 0 ? "BOS and no EOS" : chat->bos < 0 ? "BOS" : "EOS",
+         " (no post-processor template, tokenizer_config.json or config.json gives ", chat->bos < 0 && chat->eos < 0 ? "them" : "it",
+         "), and every document is framed BOS + text + EOS: name ", chat->bos < 0 && chat->eos < 0 ? "them" : "it", " with ",
+         chat->bos < 0 && chat->eos < 0 ? "--bos TOKEN --eos TOKEN" : chat->bos < 0 ? "--bos TOKEN" : "--eos TOKEN",
+         " (the model's, e.g. --eos '<|endoftext|>'), or pass --no_bos_eos to write documents without them");
+}
+
 PrepareReport prepare_corpus(const PrepareOptions& options) {
   const auto started = std::chrono::steady_clock::now();
   check_options(options);
@@ -848,9 +885,16 @@ PrepareReport prepare_corpus(const PrepareOptions& options) {
   report.tokenizer_format = format_name(tokenizer.format());
   report.tokenizer_fingerprint = tokenizer.fingerprint();
   report.vocab_size = tokenizer.vocab_size();
-  report.bos_id = tokenizer.bos_id();
-  report.eos_id = tokenizer.eos_id();
-  const ChatSetup chat = chat_setup(options, tokenizer, report);
+  // Those that UTF-8 text can hold (prepare's text always is): 0xC0, 0xC1 and 0xF5..0xFF never occur in it, and
+  // GPT-2-family vocabularies often lack them.
+  for (char c : tokenizer.impl().missing_bytes()) {
+    const uint8_t b = static_cast<uint8_t>(c);
+    if (b != 0xC0 && b != 0xC1 && b < 0xF5) report.missing_bytes.push_back(c);
+  }
+  ChatSetup chat = chat_setup(options, tokenizer, report);
+  frame_documents(options, tokenizer, &chat);
+  report.bos_id = chat.bos;
+  report.eos_id = chat.eos;
 
   PassOne one = clean_filter_hash(run, chat);
   const std::vector<std::pair<uint64_t, std::string>> duplicate_of = join_duplicates(run, one);

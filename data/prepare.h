@@ -68,6 +68,11 @@ struct PrepareOptions {
   uint64_t shard_tokens = 100'000'000;              // tokens per shard before a new one starts
   int threads = 0;                                  // 0: all hardware threads
   size_t batch_records = 4096;  // records per batch (the output does not depend on it; tests make it small)
+  // Every document is framed BOS + tokens + EOS, with the ids the tokenizer's model names. A tokenizer that names
+  // no BOS or no EOS is refused unless they are named here (a token's text, "<s>") or no_bos_eos leaves the
+  // documents unframed.
+  std::string bos, eos;
+  bool no_bos_eos = false;
   bool overwrite = false;  // replace the outputs of an earlier run in out_dir (otherwise refused)
   bool quiet = false;      // no progress lines on stderr
   // Seconds between progress lines; 0: 1 s on a terminal (one line rewritten in place), 30 s otherwise.
@@ -146,6 +151,11 @@ struct PrepareReport {
   std::string chat_template;  // SFT runs: the format conversations were rendered with
   bool tokenizer_trained = false;
   int32_t vocab_size = 0, bos_id = -1, eos_id = -1;
+  // Bytes of kept documents the tokenizer drops: a byte-level vocabulary without a token for some bytes (its trainer
+  // never saw them alone) drops them, as Hugging Face tokenizers does (TokenizerImpl::missing_bytes).
+  std::string missing_bytes;  // the bytes it has no token for, of those UTF-8 text can hold
+  uint64_t dropped_bytes = 0;
+  Tally dropped_byte_documents;  // kept documents that lost a byte
   int ranks = 1, threads = 1;
   double near_verify = 0;    // the near-duplicate threshold (estimated Jaccard; 0: LSH candidates unchecked)
   double lsh_threshold = 0;  // (1/bands)^(1/rows): where LSH finds a pair half the time

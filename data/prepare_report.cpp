@@ -39,6 +39,30 @@ static std::string fingerprint_hex(uint64_t fingerprint) {
   return buf;
 }
 
+// Bytes as "0x04 0x05 0xF5": the bytes a tokenizer has no token for, in the report and its summary.
+static std::string byte_list(std::string_view bytes) {
+  std::string out;
+  for (char c : bytes) {
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "%s0x%02X", out.empty() ? "" : " ", static_cast<uint8_t>(c));
+    out += hex;
+  }
+  return out;
+}
+
+static bool parse_byte_list(const std::string& list, std::string* bytes) {
+  bytes->clear();
+  for (size_t at = 0; at < list.size();) {
+    unsigned value;
+    int used = 0;
+    if (std::sscanf(list.c_str() + at, "0x%2X%n", &value, &used) != 1 || used != 4) return false;
+    bytes->push_back(static_cast<char>(value));
+    at += used;
+    if (at < list.size() && list[at++] != ' ') return false;
+  }
+  return true;
+}
+
 nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
   auto tally = [](const Tally& t) { return nlohmann::json{{"count", t.count}, {"first", t.first}}; };
   auto split = [](const PrepareReport::Split& s) {
@@ -71,7 +95,9 @@ nlohmann::json report_json(const PrepareReport& r, const PrepareOptions& o) {
         {"trained", r.tokenizer_trained},
         {"vocab_size", r.vocab_size},
         {"bos_id", r.bos_id},
-        {"eos_id", r.eos_id}}},
+        {"eos_id", r.eos_id},
+        {"missing_bytes", byte_list(r.missing_bytes)},
+        {"dropped_bytes", {{"count", r.dropped_bytes}, {"documents", tally(r.dropped_byte_documents)}}}}},
       {"shard_format",
        {{"version", kShardVersion},
         {"token_width", shard_token_width(static_cast<uint32_t>(std::max(r.vocab_size, 1)))},
@@ -150,6 +176,11 @@ PrepareReport report_from_json(const nlohmann::json& j) {
     r.vocab_size = tok.at("vocab_size").get<int32_t>();
     r.bos_id = tok.at("bos_id").get<int32_t>();
     r.eos_id = tok.at("eos_id").get<int32_t>();
+    if (!parse_byte_list(tok.at("missing_bytes").get<std::string>(), &r.missing_bytes))
+      fail("prepare report: tokenizer.missing_bytes: expected bytes as \"0x04 0xF5\", found '",
+           tok.at("missing_bytes").get<std::string>(), "'");
+    r.dropped_bytes = tok.at("dropped_bytes").at("count").get<uint64_t>();
+    r.dropped_byte_documents = tally(tok.at("dropped_bytes").at("documents"));
     r.lsh_threshold = j.at("options").at("lsh_threshold").get<double>();
     r.near_verify = j.at("options").at("near_verify").get<double>();
     r.ranks = j.at("ranks").get<int>();
@@ -196,6 +227,11 @@ std::string report_summary(const PrepareReport& r) {
   out += line("damaged", r.files_damaged);
   out += str("tokens: train ", r.train.tokens, " in ", shards(r.train), "\n");
   out += str("        val   ", r.val.tokens, " in ", shards(r.val), "\n");
+  if (!r.missing_bytes.empty())
+    out += str("bytes dropped: ", r.dropped_bytes, " in ", r.dropped_byte_documents.count, " kept document(s)",
+               r.dropped_byte_documents.count ? str(" (first: ", r.dropped_byte_documents.first, ")") : std::string(),
+               "; the tokenizer has no token for ", r.missing_bytes.size(), " byte(s) (", byte_list(r.missing_bytes),
+               ") and drops them, as Hugging Face tokenizers does\n");
   char secs[32];
   std::snprintf(secs, sizeof secs, "%.1f", r.seconds);
   out += str("tokenizer: ", r.tokenizer_path, r.tokenizer_trained ? " (trained)" : "", " (", r.tokenizer_format, "), vocab ",

@@ -86,6 +86,8 @@ std::unique_ptr<TokenizerImpl> load_tiktoken(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("tokenizer ", path, ": cannot open");
   ByteBpeModel m;
+  std::vector<std::string> tokens;  // id -> the rank's bytes, or a special token's name
+  std::vector<TokenKind> kinds;
   m.path = path;
   m.format = TokenizerFormat::tiktoken;
   std::string line, bytes;
@@ -99,28 +101,28 @@ std::unique_ptr<TokenizerImpl> load_tiktoken(const std::string& path) {
       rank = std::stoll(line.substr(space + 1));
     if (rank < 0 || !base64_decode(std::string_view(line).substr(0, space), &bytes))
       fail("tokenizer ", path, ":", number, ": expected 'base64 rank', found '", line.substr(0, 80), "'");
-    if (rank != static_cast<int64_t>(m.tokens.size()))
-      fail("tokenizer ", path, ":", number, ": rank ", rank, " where ", m.tokens.size(), " was expected (ranks 0, 1, ... in order)");
-    m.tokens.push_back(bytes);
+    if (rank != static_cast<int64_t>(tokens.size()))
+      fail("tokenizer ", path, ":", number, ": rank ", rank, " where ", tokens.size(), " was expected (ranks 0, 1, ... in order)");
+    tokens.push_back(bytes);
   }
-  if (m.tokens.empty()) fail("tokenizer ", path, ": no ranks");
-  if (m.tokens.size() != kLlama3Ranks || tiktoken_ranks_hash(m.tokens, m.tokens.size()) != kLlama3RanksHash)
-    fail("tokenizer ", path, ": a tiktoken file of ", m.tokens.size(),
+  if (tokens.empty()) fail("tokenizer ", path, ": no ranks");
+  if (tokens.size() != kLlama3Ranks || tiktoken_ranks_hash(tokens, tokens.size()) != kLlama3RanksHash)
+    fail("tokenizer ", path, ": a tiktoken file of ", tokens.size(),
          " ranks that is not Llama 3's vocabulary; a tiktoken file carries neither its pre-tokenizer nor its "
          "special tokens, and tuna knows Llama 3's only: use the model's tokenizer.json");
-  m.kinds.assign(m.tokens.size(), TokenKind::normal);
+  kinds.assign(tokens.size(), TokenKind::normal);
 
   // Every split of a token into two tokens merges into it, at its rank.
   TokenIndex ids;
-  ids.reserve(m.tokens.size());
-  for (int32_t id = 0; id < static_cast<int32_t>(m.tokens.size()); ++id) ids.insert(m.tokens[id], id);
-  for (int32_t id = 0; id < static_cast<int32_t>(m.tokens.size()); ++id) {
-    const std::string_view t = m.tokens[id];
+  ids.reserve(tokens.size());
+  for (int32_t id = 0; id < static_cast<int32_t>(tokens.size()); ++id) ids.insert(tokens[id], id);
+  for (int32_t id = 0; id < static_cast<int32_t>(tokens.size()); ++id) {
+    const std::string_view t = tokens[id];
     for (size_t k = 1; k < t.size(); ++k) {
       const int32_t left = ids.find(t.substr(0, k));
       if (left < 0) continue;
       const int32_t right = ids.find(t.substr(k));
-      if (right >= 0) m.merges.push_back({left, right, id});
+      if (right >= 0) m.merges.push_back({left, right, id, id});
     }
   }
 
@@ -143,34 +145,55 @@ std::unique_ptr<TokenizerImpl> load_tiktoken(const std::string& path) {
       if (id.empty() || id.size() > 10 || id.find_first_not_of("0123456789") != std::string::npos)
         fail(where, ": expected a decimal id");
       const int64_t n = std::stoll(id);
-      if (n < static_cast<int64_t>(m.tokens.size())) fail(where, ": the id overlaps the ranks of ", path);
+      if (n < static_cast<int64_t>(tokens.size())) fail(where, ": the id overlaps the ranks of ", path);
       if (n >= (int64_t{1} << 30)) fail(where, ": expected an id below 2^30");
       if (!token.is_object() || !token.contains("content") || !token["content"].is_string() ||
           (token.contains("special") && !token["special"].is_boolean()))
         fail(where, ": expected {\"content\": string, \"special\": bool}, found ", token.dump());
       specials.push_back({n, token["content"].get<std::string>(), token.value("special", true)});
     }
-    int64_t ids = static_cast<int64_t>(m.tokens.size());
+    int64_t ids = static_cast<int64_t>(tokens.size());
     for (const Special& s : specials) ids = std::max(ids, s.id + 1);
-    check_token_id_space(ids, static_cast<int64_t>(m.tokens.size() + specials.size()), config,
+    check_token_id_space(ids, static_cast<int64_t>(tokens.size() + specials.size()), config,
                          "the ranks and added_tokens_decoder");
   } else {
     const std::vector<std::string> names = llama3_special_tokens();
     for (size_t i = 0; i < names.size(); ++i) specials.push_back({static_cast<int64_t>(kLlama3Ranks + i), names[i], true});
   }
   for (const auto& [id, name, special] : specials) {
-    if (id >= static_cast<int64_t>(m.tokens.size())) {
-      m.tokens.resize(id + 1);
-      m.kinds.resize(id + 1, TokenKind::unused);
+    if (id >= static_cast<int64_t>(tokens.size())) {
+      tokens.resize(id + 1);
+      kinds.resize(id + 1, TokenKind::unused);
     }
-    m.tokens[id] = name;
-    m.kinds[id] = special ? TokenKind::special : TokenKind::added;
+    tokens[id] = name;
+    kinds[id] = special ? TokenKind::special : TokenKind::added;
   }
-  m.patterns = {kLlama3Pattern};
-  for (size_t id = kLlama3Ranks; id < m.tokens.size(); ++id) {
-    if (m.tokens[id] == "<|begin_of_text|>") m.bos = static_cast<int32_t>(id);
-    if (m.tokens[id] == "<|end_of_text|>") m.eos = static_cast<int32_t>(id);
+  // Llama 3's pipeline, as its tokenizer.json spells it: the Split regex, then ByteLevel without its own regex.
+  PreTokenizerStep split{PreTokenizerStep::Kind::split};
+  split.pattern = {true, kLlama3Pattern};
+  PreTokenizerStep byte_level{PreTokenizerStep::Kind::byte_level};
+  byte_level.use_regex = false;
+  m.pre_tokenizers = {split, byte_level};
+  m.decoders = {DecoderStep{DecoderStep::Kind::byte_level}};
+  m.has_decoder = true;
+  // The model's strings: ranks' bytes in the byte-level alphabet; special tokens are added tokens.
+  m.vocab.resize(tokens.size());
+  m.in_vocab.assign(tokens.size(), false);
+  for (size_t id = 0; id < tokens.size(); ++id) {
+    if (kinds[id] == TokenKind::normal) {
+      m.vocab[id] = byte_level_encode(tokens[id]);
+      m.in_vocab[id] = true;
+    } else if (kinds[id] != TokenKind::unused) {
+      m.added.push_back({tokens[id], static_cast<int32_t>(id), kinds[id] == TokenKind::special});
+    }
   }
+  for (size_t id = kLlama3Ranks; id < tokens.size(); ++id) {
+    if (tokens[id] == "<|begin_of_text|>") m.bos = static_cast<int32_t>(id);
+    if (tokens[id] == "<|end_of_text|>") m.eos = static_cast<int32_t>(id);
+  }
+  // Meta's tokenizer.json of the same model puts <|begin_of_text|> before a text (its TemplateProcessing): what
+  // llama.cpp's converter hashes to name the pre-tokenizer ("llama-bpe"; without it, "smaug-bpe").
+  if (m.bos >= 0) m.frame_before = {m.bos};
   return make_byte_bpe(std::move(m));
 }
 

@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 const char* format_name(TokenizerFormat format) {
   switch (format) {
     case TokenizerFormat::sentencepiece: return "sentencepiece";
-    case TokenizerFormat::hf_bpe: return "Hugging Face byte-level BPE";
+    case TokenizerFormat::hf_bpe: return "Hugging Face BPE";
     case TokenizerFormat::tiktoken: return "tiktoken BPE";
   }
   return "?";
@@ -63,7 +63,7 @@ bool is_file(const fs::path& p) {
 // The tokenizer file of a model directory (see Tokenizer::load).
 std::string find_in_directory(const fs::path& dir) {
   const fs::path model = dir / kTokenizerModel, json = dir / kTokenizerJson, original = dir / "original" / kTokenizerModel;
-  if (is_file(model) && sniff(model.string()) == Sniffed::other) return model.string();
+  // What transformers' AutoTokenizer reads: the fast tokenizer.json, even beside a sentencepiece tokenizer.model.
   if (is_file(json)) return json.string();
   if (is_file(model)) return model.string();
   if (is_file(original)) return original.string();
@@ -434,12 +434,15 @@ class SegmentCache {
 }  // namespace
 
 CachedEncoder::CachedEncoder(const Tokenizer& tokenizer, size_t max_words_per_thread)
-    : tokenizer_(&tokenizer), max_words_(std::max<size_t>(1, max_words_per_thread)), id_(next_encoder_id++) {}
+    : tokenizer_(&tokenizer), max_words_(std::max<size_t>(1, max_words_per_thread)), id_(next_encoder_id++) {
+  for (char c : tokenizer.impl().missing_bytes()) dropped_[static_cast<uint8_t>(c)] = drops_ = true;
+}
 
 bool CachedEncoder::exact() const { return tokenizer_->impl().segments_exact(); }
 const char* CachedEncoder::segment_encoder() const { return tokenizer_->impl().segment_encoder(); }
 
-void CachedEncoder::encode(std::string_view text, std::vector<int32_t>* out, SpecialTokens specials) const {
+void CachedEncoder::encode(std::string_view text, std::vector<int32_t>* out, SpecialTokens specials,
+                           uint64_t* dropped_bytes) const {
   const TokenizerImpl& impl = tokenizer_->impl();
   if (!impl.segments_exact()) {
     impl.encode(text, specials, out);
@@ -447,9 +450,12 @@ void CachedEncoder::encode(std::string_view text, std::vector<int32_t>* out, Spe
   }
   thread_local SegmentCache cache;
   if (cache.owner() != id_) cache.reset(id_);
+  const bool count = dropped_bytes && drops_;
   impl.segment(
       text, specials,
       [&](std::string_view segment) {
+        if (count)  // segments are the bytes the model sees (after normalization and pre-tokenization)
+          for (char c : segment) *dropped_bytes += dropped_[static_cast<uint8_t>(c)];
         if (segment.size() > kMaxCachedSegmentBytes) {
           impl.encode_segment(segment, out);
           return;

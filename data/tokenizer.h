@@ -1,8 +1,8 @@
 // Tokenizer: one interface over the three formats a user brings, named by file or by model directory:
 //   - sentencepiece `.model` (LLaMA 2's tokenizer.model; what build/prepare --train-tokenizer writes);
-//   - Hugging Face `tokenizer.json` with a byte-level BPE model (Llama 3's), read by tuna itself: the
-//     pre-tokenizer regex through PCRE2 (UTF + Unicode properties), the byte-level alphabet, rank-ordered
-//     merges, added and special tokens;
+//   - Hugging Face `tokenizer.json` with a BPE model, read by tuna itself with the library's pipeline
+//     (data/byte_bpe.h): normalizers, pre-tokenizers, byte-level or sentencepiece-style (byte fallback) BPE,
+//     added tokens, decoders;
 //   - tiktoken BPE ranks (Llama 3's original/tokenizer.model: base64 token and rank per line), with Llama 3's
 //     pre-tokenizer and special tokens.
 // Ids equal the reference libraries' (sentencepiece; Hugging Face `tokenizers`), checked by the tests on
@@ -12,6 +12,7 @@
 // BOS + tokens + EOS, with BOS and EOS as the model's config names them).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -26,7 +27,7 @@ namespace tuna {
 class TokenizerImpl;
 
 enum class TokenizerFormat : uint8_t { sentencepiece, hf_bpe, tiktoken };
-const char* format_name(TokenizerFormat format);  // "sentencepiece", "Hugging Face byte-level BPE", "tiktoken BPE"
+const char* format_name(TokenizerFormat format);  // "sentencepiece", "Hugging Face BPE" (byte-level or not), "tiktoken BPE"
 
 // What encode() does with a special token's name (<|eot_id|>, <s>) written in the text.
 enum class SpecialTokens : uint8_t {
@@ -45,17 +46,17 @@ class Tokenizer {
   Tokenizer& operator=(Tokenizer&&) noexcept;
 
   // Loads a tokenizer file of any of the three formats (recognized by content, not by name), or a model
-  // directory's tokenizer: its tokenizer.model when that is a sentencepiece model, else tokenizer.json, else a
-  // tiktoken tokenizer.model, else original/tokenizer.model. BOS and EOS come from the model's config beside
+  // directory's tokenizer: its tokenizer.json (what transformers' AutoTokenizer reads), else its tokenizer.model
+  // (sentencepiece or tiktoken), else original/tokenizer.model. BOS and EOS come from the model's config beside
   // the file (tokenizer_config.json's bos_token / eos_token, else config.json's ids), else the format's own.
   // A missing path, a directory without a tokenizer, a file in none of the formats (the error names each
-  // format tried) or a tokenizer.json that is not a byte-level BPE (WordPiece, Unigram: refused by name) is
+  // format tried) or a tokenizer.json whose model is not BPE (WordPiece, Unigram: refused by name) is
   // a tuna::Error naming the path.
   void load(const std::string& path);
   bool loaded() const { return impl_ != nullptr; }
   const std::string& path() const;  // the tokenizer file read
   TokenizerFormat format() const;
-  std::string describe() const;  // "ckpt/base/tokenizer.json (Hugging Face byte-level BPE, 128256 tokens)"
+  std::string describe() const;  // "ckpt/base/tokenizer.json (Hugging Face BPE, 128256 tokens)"
 
   // Safe to call from several threads at once. Text must be valid UTF-8 for the BPE formats (a tuna::Error
   // otherwise); sentencepiece takes any bytes.
@@ -179,6 +180,11 @@ struct GgufVocabulary {
   std::string chat_template;
 };
 GgufVocabulary gguf_vocabulary(const Tokenizer& tokenizer, int64_t model_vocab_size);
+// The tokenizer.ggml.pre type llama.cpp gives a byte-level BPE tokenizer's pipeline, found as llama.cpp's converter
+// finds it: the SHA-256 of the ids (with the post-processor's special tokens) of a fixed text, looked up in its
+// table (data/gguf_pre_types.inc). Fails naming the pipeline where llama.cpp has no type for it, and for a
+// sentencepiece-style tokenizer.json (exported from its tokenizer.model instead).
+std::string gguf_pre_type(const Tokenizer& tokenizer);
 
 // Encodes many documents fast and exactly as Tokenizer::encode would: text is cut into the segments the
 // tokenizer's own pre-tokenization makes (see data/tokenizer_impl.h: sentencepiece words and newlines,
@@ -193,14 +199,18 @@ class CachedEncoder {
   explicit CachedEncoder(const Tokenizer& tokenizer, size_t max_words_per_thread = size_t{1} << 18);
   bool exact() const;
   const char* segment_encoder() const;  // what encodes a segment missing from the cache
-  // Appends the ids of text to *out. Thread-safe (the caches are per thread).
-  void encode(std::string_view text, std::vector<int32_t>* out,
-              SpecialTokens specials = SpecialTokens::as_text) const;
+  bool drops_bytes() const { return drops_; }  // the tokenizer drops some bytes (TokenizerImpl::missing_bytes)
+  // Appends the ids of text to *out. Thread-safe (the caches are per thread). dropped_bytes, when given, is
+  // increased by the number of bytes of text the tokenizer drops (TokenizerImpl::missing_bytes).
+  void encode(std::string_view text, std::vector<int32_t>* out, SpecialTokens specials = SpecialTokens::as_text,
+              uint64_t* dropped_bytes = nullptr) const;
   // The same without the cache, segment by segment: what tests compare against Tokenizer::encode.
   std::vector<int32_t> encode_by_words(std::string_view text) const;
 
  private:
   const Tokenizer* tokenizer_;
+  std::array<bool, 256> dropped_{};  // the bytes the tokenizer drops
+  bool drops_ = false;
   size_t max_words_;
   uint64_t id_;  // tells this encoder's cache apart from another's on the same thread
 };

@@ -20,6 +20,7 @@ namespace tuna {
 
 enum class SpecialTokens : uint8_t;
 enum class TokenizerFormat : uint8_t;
+struct ByteBpeModel;
 
 // What an id stands for, for the vocabulary fingerprint and for decoding.
 enum class TokenKind : uint8_t {
@@ -77,8 +78,12 @@ class TokenizerImpl {
   virtual float score(int32_t id) const { return 0.0f; }
   virtual std::vector<int> piece_types() const { return {}; }
   virtual std::vector<std::pair<int32_t, int32_t>> merge_list() const { return {}; }
-  virtual std::vector<std::string> pretokenizer_patterns() const { return {}; }
-  virtual bool adds_prefix_space() const { return false; }
+  // BPE (tokenizer.json, tiktoken): the pipeline as read, for the GGUF export; null for other formats.
+  virtual const ByteBpeModel* bpe_model() const { return nullptr; }
+  // The bytes a byte-level vocabulary has no token for (its trainer never saw them alone), and no byte fallback or unk
+  // token stands for: Hugging Face's BPE drops them from the text it encodes, and so does tuna; prepare counts them
+  // (CachedEncoder::encode). Empty for every other tokenizer. Such a tokenizer's segments are raw bytes.
+  virtual std::string missing_bytes() const { return {}; }
   // Sentencepiece: why llama.cpp's `llama` tokenizer (sentencepiece BPE over text it does not normalize, spaces
   // as "▁") would encode differently, or empty; *dummy_prefix: whether a space is put before the text.
   virtual std::string llama_spm_difference(bool* dummy_prefix) const { return "not a sentencepiece model"; }

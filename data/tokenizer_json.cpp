@@ -1,21 +1,30 @@
-// Hugging Face tokenizer.json -> ByteBpeModel (data/byte_bpe.h). What tuna reads is what Llama 3 (and GPT-2
-// style byte-level BPE) uses:
-//   normalizer     null
-//   pre_tokenizer  Split(Regex, behavior Isolated) and ByteLevel steps, alone or in a Sequence
-//   model          BPE over the byte-level alphabet: vocab, merges ("a b" strings or [a, b] pairs),
-//                  ignore_merges; no dropout, no subword prefix or suffix, no byte fallback
-//   added_tokens   special or not; lstrip, rstrip and single_word refused (tuna does not implement them)
-//   post_processor TemplateProcessing's leading special token is the format's BOS
-// Anything else is refused by name: a WordPiece or Unigram model, a sentencepiece-style BPE (Metaspace,
-// byte fallback: use the model's tokenizer.model), a normalizer.
+// Hugging Face tokenizer.json -> ByteBpeModel (data/byte_bpe.h): every BPE pipeline the library composes from
+//   normalizer     none, Sequence (empty too), NFC, NFD, NFKC, NFKD, Lowercase, Replace, Prepend, Strip,
+//                  StripAccents, ByteLevel
+//   pre_tokenizer  none, Sequence, Split (Regex or String; every behavior; invert), ByteLevel (with or without its
+//                  regex, add_prefix_space, anywhere in a Sequence), Digits, Metaspace (every prepend_scheme),
+//                  Whitespace, WhitespaceSplit, Punctuation
+//   model          BPE: vocab, merges ("a b" strings or [a, b] pairs), byte_fallback, ignore_merges,
+//                  continuing_subword_prefix, end_of_word_suffix, unk_token, fuse_unk
+//   added_tokens   special or not, normalized, lstrip, rstrip, single_word; ids as the library gives them (an added
+//                  token that repeats a vocabulary entry takes that entry's id)
+//   post_processor TemplateProcessing (its leading special token is the format's BOS), Bert/RobertaProcessing,
+//                  ByteLevel, Sequence
+//   decoder        ByteLevel, Metaspace, ByteFallback, Fuse, Strip, Replace, BPEDecoder, Sequence
+// What the library reads and tuna does not (a WordPiece, Unigram or WordLevel model, BPE dropout, the Precompiled
+// and Bert normalizers, ...) is refused by name. Every structure error names where in the file it is
+// ("pre_tokenizer.pretokenizers[1].pattern").
 #include <fstream>
 #include <functional>
 #include <climits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/json.h"  // read_json_file
 #include "data/byte_bpe.h"
+#include "data/clean.h"  // is_valid_utf8
 #include "data/tokenizer.h"
 
 namespace tuna {
@@ -23,54 +32,6 @@ namespace tuna {
 namespace {
 
 using nlohmann::json;
-
-const json& field(const json& j, const char* name, const std::string& path, const char* where) {
-  auto it = j.find(name);
-  if (it == j.end()) fail("tokenizer ", path, ": ", where, " has no '", name, "'");
-  return *it;
-}
-
-// The GPT-2 pattern a ByteLevel pre-tokenizer with use_regex splits by.
-const char* const kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-void read_pre_tokenizer(const json& p, const std::string& path, ByteBpeModel* m, bool* byte_level, bool first) {
-  if (p.is_null()) return;
-  const std::string type = p.value("type", "");
-  if (type == "Sequence") {
-    bool is_first = first;
-    for (const json& step : field(p, "pretokenizers", path, "pre_tokenizer Sequence")) {
-      read_pre_tokenizer(step, path, m, byte_level, is_first);
-      is_first = false;
-    }
-    return;
-  }
-  if (type == "Split") {
-    const json& pattern = field(p, "pattern", path, "pre_tokenizer Split");
-    if (!pattern.contains("Regex"))
-      fail("tokenizer ", path, ": pre_tokenizer Split with a String pattern is not supported (tuna reads Regex)");
-    const std::string behavior = p.value("behavior", "");
-    if (behavior != "Isolated")
-      fail("tokenizer ", path, ": pre_tokenizer Split with behavior '", behavior,
-           "' is not supported (tuna reads Isolated, Llama 3's)");
-    if (p.value("invert", false)) fail("tokenizer ", path, ": pre_tokenizer Split with invert is not supported");
-    m->patterns.push_back(pattern["Regex"].get<std::string>());
-    return;
-  }
-  if (type == "ByteLevel") {
-    *byte_level = true;
-    if (p.value("add_prefix_space", false)) {
-      if (!first)
-        fail("tokenizer ", path, ": pre_tokenizer ByteLevel with add_prefix_space after another step is not supported");
-      m->add_prefix_space = true;
-    }
-    if (p.value("use_regex", true)) m->patterns.push_back(kGpt2Pattern);
-    return;
-  }
-  fail("tokenizer ", path, ": pre_tokenizer '", type,
-       "' is not supported (tuna reads byte-level BPE: Split and ByteLevel pre-tokenizers, as Llama 3's)");
-}
-
-
 
 // tokenizer.json is mostly model.vocab (128k entries for Llama 3) and model.merges (280k): those stream
 // straight into vectors; the rest becomes a small DOM. Nesting deeper than kMaxDepth is refused (a crafted
@@ -209,7 +170,388 @@ class TokenizerJsonReader : public nlohmann::json_sax<json> {
   std::vector<std::string> pair_;
 };
 
+const json kNull;
+const json kEmptyList = json::array();
+
+// A JSON value and where it is in the file: every accessor checks the type and fails naming the place.
+class Field {
+ public:
+  Field(const json& j, std::string where, const std::string& path) : j_(j), where_(std::move(where)), path_(path) {}
+  const json& value() const { return j_; }
+  const std::string& where() const { return where_; }
+  [[noreturn]] void bad(const std::string& expected) const {
+    std::string found = j_.dump();
+    if (found.size() > 80) found = found.substr(0, 77) + "...";
+    fail("tokenizer ", path_, ": ", where_, ": expected ", expected, ", found ", found);
+  }
+  [[noreturn]] void unsupported(const std::string& what, const std::string& why) const {
+    fail("tokenizer ", path_, ": ", where_, ": ", what, " is not supported", why.empty() ? "" : " (", why,
+         why.empty() ? "" : ")");
+  }
+  bool null() const { return j_.is_null(); }
+  bool has(const char* key) const { return j_.is_object() && j_.contains(key) && !j_[key].is_null(); }
+  Field at(const char* key) const {
+    if (!j_.is_object()) bad("an object");
+    auto it = j_.find(key);
+    if (it == j_.end()) fail("tokenizer ", path_, ": ", where_, ": no '", key, "'");
+    return Field(*it, child(key), path_);
+  }
+  Field at(size_t i) const { return Field(j_[i], str(where_, "[", i, "]"), path_); }
+  size_t size() const {
+    if (!j_.is_array()) bad("a list");
+    return j_.size();
+  }
+  std::string string() const {
+    if (!j_.is_string()) bad("a string");
+    return j_.get<std::string>();
+  }
+  bool boolean() const {
+    if (!j_.is_boolean()) bad("true or false");
+    return j_.get<bool>();
+  }
+  int64_t integer() const {
+    if (!j_.is_number_integer()) bad("an integer");
+    return j_.get<int64_t>();
+  }
+  std::string string_or(const char* key, const std::string& fallback) const {
+    return has(key) ? at(key).string() : fallback;
+  }
+  bool bool_or(const char* key, bool fallback) const { return has(key) ? at(key).boolean() : fallback; }
+  std::string type() const {
+    if (!j_.is_object()) bad("an object with a \"type\"");
+    return at("type").string();
+  }
+
+ private:
+  std::string child(const char* key) const { return where_.empty() ? std::string(key) : str(where_, ".", key); }
+  const json& j_;
+  std::string where_;
+  std::string path_;
+};
+
+TextPattern read_pattern(const Field& f) {
+  const Field p = f.at("pattern");
+  if (p.has("Regex")) return {true, p.at("Regex").string()};
+  if (p.has("String")) return {false, p.at("String").string()};
+  p.bad("{\"Regex\": ...} or {\"String\": ...}");
+}
+
+SplitBehavior read_behavior(const Field& f) {
+  const std::string b = f.string();
+  if (b == "Removed") return SplitBehavior::removed;
+  if (b == "Isolated") return SplitBehavior::isolated;
+  if (b == "MergedWithPrevious") return SplitBehavior::merged_with_previous;
+  if (b == "MergedWithNext") return SplitBehavior::merged_with_next;
+  if (b == "Contiguous") return SplitBehavior::contiguous;
+  f.bad("Removed, Isolated, MergedWithPrevious, MergedWithNext or Contiguous");
+}
+
+PreTokenizerStep::Prepend read_prepend_scheme(const Field& f) {
+  // Files written before prepend_scheme existed say add_prefix_space; false means "never".
+  if (f.has("add_prefix_space") && !f.at("add_prefix_space").boolean()) return PreTokenizerStep::Prepend::never;
+  if (!f.has("prepend_scheme")) return PreTokenizerStep::Prepend::always;
+  const Field s = f.at("prepend_scheme");
+  const std::string v = s.string();
+  if (v == "always") return PreTokenizerStep::Prepend::always;
+  if (v == "first") return PreTokenizerStep::Prepend::first;
+  if (v == "never") return PreTokenizerStep::Prepend::never;
+  s.bad("always, first or never");
+}
+
+std::string read_char(const Field& f) {
+  const std::string c = f.string();
+  const uint8_t lead = c.empty() ? 0 : static_cast<uint8_t>(c[0]);
+  const size_t len = lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
+  if (c.empty() || c.size() != len || !is_valid_utf8(c)) f.bad("one character");
+  return c;
+}
+
+void read_normalizer(const Field& f, std::vector<NormalizerStep>* out) {
+  if (f.null()) return;
+  const std::string type = f.type();
+  using K = NormalizerStep::Kind;
+  if (type == "Sequence") {
+    const Field list = f.at("normalizers");
+    for (size_t i = 0; i < list.size(); ++i) read_normalizer(list.at(i), out);
+    return;
+  }
+  static const std::map<std::string, K> plain = {{"NFC", K::nfc}, {"NFD", K::nfd}, {"NFKC", K::nfkc}, {"NFKD", K::nfkd},
+                                                  {"Lowercase", K::lowercase}, {"StripAccents", K::strip_accents},
+                                                  {"ByteLevel", K::byte_level}};
+  if (auto it = plain.find(type); it != plain.end()) {
+    out->push_back(NormalizerStep(it->second));
+    return;
+  }
+  NormalizerStep n{K::replace};
+  if (type == "Replace") {
+    n.pattern = read_pattern(f);
+    n.content = f.at("content").string();
+  } else if (type == "Prepend") {
+    n.kind = K::prepend;
+    n.content = f.at("prepend").string();
+  } else if (type == "Strip") {
+    n.kind = K::strip;
+    n.left = f.bool_or("strip_left", false);
+    n.right = f.bool_or("strip_right", false);
+  } else {
+    f.unsupported(str("normalizer '", type, "'"),
+                  "tuna reads Sequence, NFC, NFD, NFKC, NFKD, Lowercase, Replace, Prepend, Strip, StripAccents and "
+                  "ByteLevel; a sentencepiece model's Precompiled normalizer: use its tokenizer.model");
+  }
+  out->push_back(std::move(n));
+}
+
+void read_pre_tokenizer(const Field& f, std::vector<PreTokenizerStep>* out) {
+  if (f.null()) return;
+  const std::string type = f.type();
+  using K = PreTokenizerStep::Kind;
+  if (type == "Sequence") {
+    const Field list = f.at("pretokenizers");
+    for (size_t i = 0; i < list.size(); ++i) read_pre_tokenizer(list.at(i), out);
+    return;
+  }
+  PreTokenizerStep p{K::split};
+  if (type == "Split") {
+    p.pattern = read_pattern(f);
+    p.behavior = read_behavior(f.at("behavior"));
+    p.invert = f.bool_or("invert", false);
+  } else if (type == "ByteLevel") {
+    p.kind = K::byte_level;
+    p.add_prefix_space = f.bool_or("add_prefix_space", true);
+    p.use_regex = f.bool_or("use_regex", true);
+  } else if (type == "Digits") {
+    p.kind = K::digits;
+    p.individual_digits = f.bool_or("individual_digits", false);
+  } else if (type == "Metaspace") {
+    p.kind = K::metaspace;
+    p.replacement = read_char(f.at("replacement"));
+    p.prepend = read_prepend_scheme(f);
+    p.split = f.bool_or("split", true);
+  } else if (type == "Whitespace") {
+    p.kind = K::whitespace;
+  } else if (type == "WhitespaceSplit") {
+    p.kind = K::whitespace_split;
+  } else if (type == "Punctuation") {
+    p.kind = K::punctuation;
+    p.behavior = f.has("behavior") ? read_behavior(f.at("behavior")) : SplitBehavior::isolated;
+  } else {
+    f.unsupported(str("pre_tokenizer '", type, "'"),
+                  "tuna reads Sequence, Split, ByteLevel, Digits, Metaspace, Whitespace, WhitespaceSplit and Punctuation");
+  }
+  out->push_back(std::move(p));
+}
+
+void read_decoder(const Field& f, std::vector<DecoderStep>* out) {
+  if (f.null()) return;
+  const std::string type = f.type();
+  using K = DecoderStep::Kind;
+  if (type == "Sequence") {
+    const Field list = f.at("decoders");
+    for (size_t i = 0; i < list.size(); ++i) read_decoder(list.at(i), out);
+    return;
+  }
+  DecoderStep d{K::byte_level};
+  if (type == "ByteLevel") {
+  } else if (type == "Metaspace") {
+    d.kind = K::metaspace;
+    d.content = read_char(f.at("replacement"));
+    d.prepend = read_prepend_scheme(f) != PreTokenizerStep::Prepend::never;
+  } else if (type == "ByteFallback") {
+    d.kind = K::byte_fallback;
+  } else if (type == "Fuse") {
+    d.kind = K::fuse;
+  } else if (type == "Strip") {
+    d.kind = K::strip;
+    d.content = read_char(f.at("content"));
+    const int64_t start = f.at("start").integer(), stop = f.at("stop").integer();
+    if (start < 0 || stop < 0) f.at(start < 0 ? "start" : "stop").bad("a count of characters, 0 or more");
+    d.start = static_cast<size_t>(start), d.stop = static_cast<size_t>(stop);
+  } else if (type == "Replace") {
+    d.kind = K::replace;
+    d.pattern = read_pattern(f);
+    d.content = f.at("content").string();
+  } else if (type == "BPEDecoder") {
+    d.kind = K::bpe_suffix;
+    d.content = f.string_or("suffix", "</w>");
+  } else {
+    f.unsupported(str("decoder '", type, "'"),
+                  "tuna reads ByteLevel, Metaspace, ByteFallback, Fuse, Strip, Replace, BPEDecoder and Sequence");
+  }
+  out->push_back(std::move(d));
+}
+
+// The special tokens the post-processor puts around a single text (Hugging Face's add_special_tokens): before
+// (the first of them is the BOS) and after.
+void read_post_processor(const Field& f, const std::function<int32_t(const std::string&)>& special_id,
+                         std::vector<int32_t>* before, std::vector<int32_t>* after) {
+  if (f.null()) return;
+  const std::string type = f.type();
+  if (type == "Sequence") {
+    const Field list = f.at("processors");
+    for (size_t i = 0; i < list.size(); ++i) read_post_processor(list.at(i), special_id, before, after);
+    return;
+  }
+  if (type == "TemplateProcessing") {
+    const Field single = f.at("single");
+    std::map<std::string, std::vector<int32_t>> ids;  // special_tokens: name -> ids
+    if (f.has("special_tokens")) {
+      const Field specials = f.at("special_tokens");
+      if (!specials.value().is_object()) specials.bad("an object of name -> {id, ids, tokens}");
+      for (const auto& [name, value] : specials.value().items()) {
+        std::vector<int32_t>& list = ids[name];
+        const Field id_list = specials.at(name.c_str()).at("ids");
+        for (size_t i = 0; i < id_list.size(); ++i) {
+          const int64_t id = id_list.at(i).integer();
+          if (id < 0 || id >= (int64_t{1} << 30)) id_list.at(i).bad("a token id in [0, 2^30)");
+          list.push_back(static_cast<int32_t>(id));
+        }
+      }
+    }
+    bool seen_text = false;
+    for (size_t i = 0; i < single.size(); ++i) {
+      const Field item = single.at(i);
+      if (item.has("Sequence")) {
+        seen_text = true;
+        continue;
+      }
+      if (!item.has("SpecialToken")) item.bad("{\"SpecialToken\": ...} or {\"Sequence\": ...}");
+      const Field name_field = item.at("SpecialToken").at("id");
+      const std::string name = name_field.string();
+      std::vector<int32_t> list;
+      if (auto it = ids.find(name); it != ids.end()) {
+        list = it->second;
+      } else {
+        const int32_t id = special_id(name);
+        if (id < 0) name_field.bad("a token of the tokenizer (a name in special_tokens or added_tokens)");
+        list = {id};
+      }
+      (seen_text ? after : before)->insert((seen_text ? after : before)->end(), list.begin(), list.end());
+    }
+    return;
+  }
+  if (type == "BertProcessing" || type == "RobertaProcessing") {
+    for (const char* key : {"cls", "sep"}) {
+      const Field pair = f.at(key);
+      if (pair.size() != 2) pair.bad("[token, id]");
+      const int64_t id = pair.at(1).integer();
+      if (id < 0 || id >= (int64_t{1} << 30)) pair.at(1).bad("a token id in [0, 2^30)");
+      (std::string(key) == "cls" ? before : after)->push_back(static_cast<int32_t>(id));
+    }
+    return;
+  }
+  if (type == "ByteLevel") return;  // offsets only
+  f.unsupported(str("post_processor '", type, "'"),
+                "tuna reads TemplateProcessing, BertProcessing, RobertaProcessing, ByteLevel and Sequence");
+}
+
+// Added tokens, with the ids the library gives them: the id of the same content added before, else of the same
+// string in the vocabulary, else the next free id (file order). A file the library wrote has those ids. Returns the
+// id space they need, which may pass the vocabulary's: the caller grows m.vocab to it only once `index`, whose views
+// point into m.vocab's strings, is no longer read.
+int64_t read_added_tokens(const Field& added, const TokenIndex& index, int64_t model_vocab_size, ByteBpeModel* model) {
+  ByteBpeModel& m = *model;
+  const size_t added_count = added.size();
+  int64_t id_space = static_cast<int64_t>(m.vocab.size());
+  std::unordered_map<std::string, size_t> by_content;
+  int64_t max_added = -1;
+  for (size_t i = 0; i < added_count; ++i) {
+    const Field a = added.at(i);
+    AddedToken t;
+    t.content = a.at("content").string();
+    t.special = a.bool_or("special", false);
+    t.normalized = a.bool_or("normalized", !t.special);
+    t.lstrip = a.bool_or("lstrip", false);
+    t.rstrip = a.bool_or("rstrip", false);
+    t.single_word = a.bool_or("single_word", false);
+    if (t.content.empty()) continue;  // the library ignores an empty added token
+    if (auto it = by_content.find(t.content); it != by_content.end()) {
+      t.id = m.added[it->second].id;
+      m.added[it->second] = t;
+      continue;
+    }
+    const int32_t in_vocab = index.find(t.content);
+    if (in_vocab >= 0) {
+      t.id = in_vocab;
+    } else {
+      const int64_t next = max_added < 0 ? model_vocab_size
+                           : (max_added >= model_vocab_size || model_vocab_size == 0) ? max_added + 1
+                                                                                     : model_vocab_size;
+      t.id = static_cast<int32_t>(next);
+    }
+    if (t.id >= id_space) {  // the file's ids had a hole the library filled
+      if (t.id >= (int64_t{1} << 30)) a.at("id").bad("an id the library can give");
+      id_space = t.id + 1;
+    }
+    max_added = std::max<int64_t>(max_added, t.id);
+    by_content[t.content] = m.added.size();
+    m.added.push_back(std::move(t));
+  }
+  std::vector<bool> taken(id_space);
+  for (const AddedToken& t : m.added) {
+    if (taken[t.id]) fail("tokenizer ", m.path, ": added_tokens: two tokens get id ", t.id);
+    taken[t.id] = true;
+  }
+  return id_space;
+}
+
+// Merges, in rank order: "a b" -> the token a + b (b without the continuing_subword_prefix).
+void read_merges(const std::string& path, const std::vector<std::pair<std::string, std::string>>& merges,
+                 const TokenIndex& index, ByteBpeModel* model) {
+  ByteBpeModel& m = *model;
+  const size_t prefix = m.continuing_subword_prefix.size();
+  m.merges.reserve(merges.size());
+  std::string joined;
+  for (size_t i = 0; i < merges.size(); ++i) {
+    const auto& [left, right] = merges[i];
+    const int32_t l = index.find(left), r = index.find(right);
+    if (l < 0 || r < 0)
+      fail("tokenizer ", path, ": model.merges[", i, "]: token '", l < 0 ? left : right, "' is not in model.vocab");
+    if (right.size() < prefix)
+      fail("tokenizer ", path, ": model.merges[", i, "]: token '", right, "' is shorter than the continuing_subword_prefix");
+    joined.assign(left).append(right, prefix);
+    const int32_t merged = index.find(joined);
+    if (merged < 0)
+      fail("tokenizer ", path, ": model.merges[", i, "]: the merge of '", left, "' and '", right, "' makes '", joined,
+           "', which is not in model.vocab");
+    m.merges.push_back({l, r, static_cast<int32_t>(i), merged});
+  }
+}
+
 }  // namespace
+
+// transformers' LlamaTokenizerFast, the class the tokenizer_config.json of LLaMA-family models names, replaces the
+// file's post-processor when it loads (its update_post_processor): BOS before a text unless add_bos_token is false,
+// EOS after it when add_eos_token is true. That is what AutoTokenizer's encode gives, and what llama.cpp's converter
+// hashes to name the pre-tokenizer (DeepSeek Coder's tokenizer.json has no BOS template; its config adds one).
+static void llama_tokenizer_frame(const std::string& path, const std::function<int32_t(const std::string&)>& special_id,
+                           std::vector<int32_t>* before, std::vector<int32_t>* after) {
+  const std::string config = model_config_file(path, "tokenizer_config.json");
+  if (config.empty()) return;
+  const nlohmann::json c = read_json_file(config, config);
+  if (!c.is_object() || !c.contains("tokenizer_class") || !c["tokenizer_class"].is_string()) return;
+  const std::string cls = c["tokenizer_class"].get<std::string>();
+  if (cls != "LlamaTokenizer" && cls != "LlamaTokenizerFast" && cls != "CodeLlamaTokenizer" && cls != "CodeLlamaTokenizerFast")
+    return;
+  auto flag = [&](const char* key, bool fallback) {
+    if (!c.contains(key) || c[key].is_null()) return fallback;
+    if (!c[key].is_boolean()) fail(config, ": field '", key, "': expected true or false, found ", c[key].dump());
+    return c[key].get<bool>();
+  };
+  auto token = [&](const char* key, const char* flag_name) {
+    const nlohmann::json v = c.contains(key) ? c[key] : nlohmann::json();
+    std::string name;
+    if (v.is_string()) name = v.get<std::string>();
+    else if (v.is_object() && v.contains("content") && v["content"].is_string()) name = v["content"].get<std::string>();
+    else fail(config, ": field '", flag_name, "' is true but '", key, "' names no token (found ", v.dump(), ")");
+    const int32_t id = special_id(name);
+    if (id < 0) fail(config, ": field '", key, "': '", name, "' is not a token of ", path);
+    return id;
+  };
+  before->clear();
+  after->clear();
+  if (flag("add_bos_token", true)) before->push_back(token("bos_token", "add_bos_token"));
+  if (flag("add_eos_token", false)) after->push_back(token("eos_token", "add_eos_token"));
+}
 
 std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
   TokenizerJsonReader reader(path);
@@ -222,112 +564,93 @@ std::unique_ptr<TokenizerImpl> load_tokenizer_json(const std::string& path) {
   try {
     if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
       fail("tokenizer ", path, ": JSON, but not a Hugging Face tokenizer.json (no 'model' object)");
-    const json& model = j["model"];
-    const std::string type = model.value("type", reader.has_merges ? "BPE" : "");
+    const Field root(j, "", path);
+    const Field model = root.at("model");
+    const std::string type = model.has("type") ? model.at("type").string() : reader.has_merges ? "BPE" : "";
     if (type != "BPE")
-      fail("tokenizer ", path, ": a ", type.empty() ? std::string("untyped") : type,
-           " model; tuna reads byte-level BPE tokenizers only (Llama 3's tokenizer.json)");
-    if (j.contains("normalizer") && !j["normalizer"].is_null())
-      fail("tokenizer ", path, ": normalizer '", j["normalizer"].value("type", "?"),
-           "' is not supported (tuna reads byte-level BPE without a normalizer, as Llama 3's; for a sentencepiece "
-           "model, use its tokenizer.model)");
-    if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"] != 0)
-      fail("tokenizer ", path, ": BPE dropout is not supported");
-    for (const char* unsupported : {"continuing_subword_prefix", "end_of_word_suffix"})
-      if (model.contains(unsupported) && !model[unsupported].is_null() && model[unsupported] != "")
-        fail("tokenizer ", path, ": model.", unsupported, " is not supported (not a byte-level BPE)");
-    if (model.value("byte_fallback", false))
-      fail("tokenizer ", path, ": a sentencepiece-style BPE (byte_fallback); use the model's tokenizer.model");
+      fail("tokenizer ", path, ": model.type: a ", type.empty() ? std::string("untyped") : type,
+           " model is not supported; tuna reads BPE tokenizer.json files (byte-level ones as Llama 3's and GPT-2's, "
+           "sentencepiece-style ones with byte_fallback), and sentencepiece models as tokenizer.model");
+    if (model.has("dropout")) {
+      const Field dropout = model.at("dropout");
+      if (!dropout.value().is_number()) dropout.bad("a number or null");
+      if (dropout.value().get<double>() != 0)
+        fail("tokenizer ", path, ": model.dropout: BPE dropout (", dropout.value().dump(),
+             ") is not supported: tuna encodes deterministically; set it to null for training data");
+    }
     if (!reader.has_vocab) fail("tokenizer ", path, ": model has no 'vocab' object");
     if (!reader.has_merges) fail("tokenizer ", path, ": model has no 'merges' list");
 
     ByteBpeModel m;
     m.path = path;
     m.format = TokenizerFormat::hf_bpe;
-    m.ignore_merges = model.value("ignore_merges", false);
-    bool byte_level = false;
-    read_pre_tokenizer(j.value("pre_tokenizer", json()), path, &m, &byte_level, true);
-    if (!byte_level)
-      fail("tokenizer ", path, ": a BPE without a ByteLevel pre-tokenizer (sentencepiece-style?); tuna reads byte-level "
-           "BPE tokenizer.json (Llama 3's), and sentencepiece models as tokenizer.model");
+    m.ignore_merges = model.bool_or("ignore_merges", false);
+    m.byte_fallback = model.bool_or("byte_fallback", false);
+    m.fuse_unk = model.bool_or("fuse_unk", false);
+    m.continuing_subword_prefix = model.string_or("continuing_subword_prefix", "");
+    m.end_of_word_suffix = model.string_or("end_of_word_suffix", "");
+    read_normalizer(root.has("normalizer") ? root.at("normalizer") : Field(kNull, "normalizer", path), &m.normalizers);
+    read_pre_tokenizer(root.has("pre_tokenizer") ? root.at("pre_tokenizer") : Field(kNull, "pre_tokenizer", path),
+                       &m.pre_tokenizers);
+    m.has_decoder = root.has("decoder");
+    if (m.has_decoder) read_decoder(root.at("decoder"), &m.decoders);
 
-    // Vocabulary: byte-level strings -> bytes. The id space is bounded by the tokens the file defines (checked
-    // before it is allocated: one id of 2^30 - 1 would otherwise cost 32 GB).
+    // Vocabulary. The id space is bounded by the tokens the file defines (checked before it is allocated: one id
+    // of 2^30 - 1 would otherwise cost 32 GB).
     int64_t size = 0;
     for (const auto& [text, id] : reader.vocab) {
       if (id < 0 || id >= (int64_t{1} << 30))
         fail("tokenizer ", path, ": model.vocab['", text, "']: expected an id in [0, 2^30), found ", id);
       size = std::max(size, id + 1);
     }
-    const json added = j.value("added_tokens", json::array());
-    if (!added.is_array()) fail("tokenizer ", path, ": added_tokens is not a list");
-    for (const json& a : added) {
-      const json& id = field(a, "id", path, "added token");
-      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= (int64_t{1} << 30))
-        fail("tokenizer ", path, ": added token id ", id.dump(), ": expected an integer in [0, 2^30)");
-      size = std::max<int64_t>(size, id.get<int64_t>() + 1);
+    const Field added = root.has("added_tokens") ? root.at("added_tokens") : Field(kEmptyList, "added_tokens", path);
+    const size_t added_count = added.size();
+    for (size_t i = 0; i < added_count; ++i) {
+      const Field id = added.at(i).at("id");
+      if (id.integer() < 0 || id.integer() >= (int64_t{1} << 30)) id.bad("an integer in [0, 2^30)");
+      size = std::max<int64_t>(size, id.integer() + 1);
     }
-    check_token_id_space(size, static_cast<int64_t>(reader.vocab.size() + added.size()), path,
+    check_token_id_space(size, static_cast<int64_t>(reader.vocab.size() + added_count), path,
                          "model.vocab and added_tokens");
-    m.tokens.assign(size, std::string());
-    m.kinds.assign(size, TokenKind::unused);
-    for (const auto& [text, id] : reader.vocab) {
-      if (m.kinds[id] != TokenKind::unused) fail("tokenizer ", path, ": model.vocab gives id ", id, " to two tokens");
-      if (!byte_level_decode(text, &m.tokens[id]))
-        fail("tokenizer ", path, ": model.vocab['", text, "'] (id ", id,
-             ") holds a character outside the byte-level alphabet: not a byte-level BPE");
-      m.kinds[id] = TokenKind::normal;
+    m.vocab.assign(size, std::string());
+    m.in_vocab.assign(size, false);
+    for (auto& [text, id] : reader.vocab) {
+      if (m.in_vocab[id]) fail("tokenizer ", path, ": model.vocab gives id ", id, " to two tokens");
+      m.vocab[id] = std::move(text);
+      m.in_vocab[id] = true;
     }
+    const int64_t model_vocab_size = static_cast<int64_t>(reader.vocab.size());
     reader.vocab = {};
-    // An added token may repeat a vocabulary entry (GPT-2's <|endoftext|> is in both), with the same text.
-    std::vector<bool> is_added(m.tokens.size());
-    for (const json& a : added) {
-      const int32_t id = a["id"].get<int32_t>();
-      const std::string content = field(a, "content", path, "added token").get<std::string>();
-      for (const char* flag : {"lstrip", "rstrip", "single_word"})
-        if (a.value(flag, false))
-          fail("tokenizer ", path, ": added token '", content, "' has ", flag, " = true, which tuna does not implement");
-      if (is_added[id]) fail("tokenizer ", path, ": added_tokens gives id ", id, " to two tokens");
-      if (m.kinds[id] == TokenKind::normal && m.tokens[id] != content)
-        fail("tokenizer ", path, ": added token '", content, "' has id ", id, ", which model.vocab gives to '",
-             byte_level_encode(m.tokens[id]), "'");
-      is_added[id] = true;
-      m.tokens[id] = content;
-      m.kinds[id] = a.value("special", false) ? TokenKind::special : TokenKind::added;
+    TokenIndex index;  // the model's strings -> id (views of m.vocab, which no longer changes)
+    index.reserve(m.vocab.size());
+    for (size_t id = 0; id < m.vocab.size(); ++id)
+      if (m.in_vocab[id] && !index.insert(m.vocab[id], static_cast<int32_t>(id)))
+        fail("tokenizer ", path, ": model.vocab gives '", m.vocab[id], "' two ids");
+    if (model.has("unk_token")) {
+      const Field unk = model.at("unk_token");
+      m.unk = index.find(unk.string());
+      if (m.unk < 0) unk.bad("a token of model.vocab");
     }
-    // Indexed once every text is final (the index holds views of them).
-    TokenIndex index;
-    index.reserve(m.tokens.size());
-    for (size_t id = 0; id < m.tokens.size(); ++id)
-      if (m.kinds[id] == TokenKind::normal) index.insert(m.tokens[id], static_cast<int32_t>(id));
 
-    // Merges, in rank order.
-    m.merges.reserve(reader.merges.size());
-    std::string left, right;
-    for (size_t i = 0; i < reader.merges.size(); ++i) {
-      auto side = [&](const std::string& text, std::string* bytes) {
-        const int32_t id = byte_level_decode(text, bytes) ? index.find(*bytes) : -1;
-        if (id < 0) fail("tokenizer ", path, ": model.merges[", i, "]: token '", text, "' is not in the vocabulary");
-        return id;
-      };
-      m.merges.push_back({side(reader.merges[i].first, &left), side(reader.merges[i].second, &right),
-                          static_cast<int32_t>(i)});
-    }
+    const int64_t id_space = read_added_tokens(added, index, model_vocab_size, &m);
+    read_merges(path, reader.merges, index, &m);
     reader.merges = {};
 
-    // BOS: the leading special token of a TemplateProcessing post-processor (Llama 3: <|begin_of_text|>).
-    std::function<void(const json&)> find_bos = [&](const json& p) {
-      if (!p.is_object()) return;
-      if (p.value("type", "") == "Sequence" && p.contains("processors"))
-        for (const json& q : p["processors"]) find_bos(q);
-      if (p.value("type", "") == "TemplateProcessing" && p.contains("single") && p["single"].is_array() &&
-          !p["single"].empty() && p["single"][0].contains("SpecialToken")) {
-        const std::string name = p["single"][0]["SpecialToken"].value("id", "");
-        for (size_t id = 0; id < m.tokens.size(); ++id)
-          if (m.kinds[id] == TokenKind::special && m.tokens[id] == name) m.bos = static_cast<int32_t>(id);
-      }
+    // The special tokens put around a text: the first one before it is the BOS (Llama 3: <|begin_of_text|>).
+    auto special_id = [&](const std::string& name) {
+      for (const AddedToken& t : m.added)
+        if (t.content == name) return t.id;
+      return index.find(name);
     };
-    find_bos(j.value("post_processor", json()));
+    std::vector<int32_t> before, after;
+    read_post_processor(root.has("post_processor") ? root.at("post_processor") : Field(kNull, "post_processor", path),
+                        special_id, &before, &after);
+    llama_tokenizer_frame(path, special_id, &before, &after);
+    if (!before.empty()) m.bos = before[0];
+    m.frame_before = std::move(before);
+    m.frame_after = std::move(after);
+    m.vocab.resize(id_space);  // index is done with: its views into m.vocab may go
+    m.in_vocab.resize(id_space, false);
     return make_byte_bpe(std::move(m));
   } catch (const json::exception& e) {
     fail("tokenizer ", path, ": unexpected tokenizer.json structure: ", e.what());

@@ -42,8 +42,8 @@ Zero::Zero(const ZeroParams& what, const OptimizerConfig& opt, int stage, Comm& 
       pp_(pp && pp->size() > 1 ? pp : nullptr),
       segments_(dp_unit_pieces(*what.layout, dp.rank(), dp.size())),
       optimizer_(stage >= 1 ? AdamW(*what.layout, opt, segments_) : AdamW(*what.layout, opt)) {
-  if (stage < 0 || stage > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", stage);
-  if (stage == 3 && pp_) fail("option 'zero': 3 with pipeline parallelism (--pp) is not implemented; use 0, 1 or 2");
+  // The stages this class runs; the engines ask the support table (model/support.h) before they build one.
+  TUNA_CHECK(stage >= 0 && stage <= 3 && !(stage == 3 && pp_), "ZeRO stage ", stage, pp_ ? " over pipeline stages" : "");
   TUNA_CHECK(params_.empty() == (stage == 3) && grads_.empty() == (stage >= 2),
              "stage 3 needs a model built with external weights, stage 2 with external gradients, others neither");
   for (const Segment& s : segments_) unit_shard_offset_.push_back(shard_size_), shard_size_ += s.size;

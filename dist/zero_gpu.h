@@ -1,5 +1,6 @@
-// ZeRO 1-3 on the GPU: the device state and the weight store that the CUDA engine (engine/engine_gpu.cpp) wires
-// around LlamaGpu; the CPU's ZeRO is dist/zero.h. Only in CUDA builds (TUNA_CUDA).
+// ZeRO 0-3 on the GPU (ZeroGpu, at the end): the device state, the weight store and the update step that the CUDA
+// engine (engine/engine_gpu.cpp) wires around LlamaGpu; the CPU's ZeRO is dist/zero.h. Only in CUDA builds
+// (TUNA_CUDA).
 //
 // ZeRO-1 (OptimizerShard). The fp32 master weights and AdamW moments exist only for this rank's shard (its piece
 // of every unit, dp_unit_pieces, in shard order), 12 bytes per parameter divided by dp instead of 12; the model
@@ -27,14 +28,18 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "comm/comm.h"
+#include "dist/zero.h"  // StepResult, sum_over_ranks
 #include "kernels/adamw.cuh"  // AdamWSegments
 #include "model/layout.h"
+#include "model/gpu_options.h"
 #include "model/llama_gpu.h"
-#include "model/optimizer.h"  // Segment, ShardPiece
+#include "model/optimizer.h"  // Segment, ShardPiece, OptimizerConfig, StateSink
 
 namespace tuna {
 
@@ -172,6 +177,77 @@ class ShardedStore final : public GpuWeightStore {
   StreamEvent compute_to_comm_, comm_to_compute_;
   std::vector<int> order_;
   size_t position_ = 0;
+};
+
+// ZeRO 0-3 of one rank on the GPU over the dp group: the CPU Zero's twin (dist/zero.h), around a LlamaGpu. It owns the
+// shard (OptimizerShard), the stores (ShardedStore) and, with adapters at ZeRO-3, the frozen base's shard, and does the
+// step's loss and gradient synchronization, the norm, the clip and the update, the first fill of the weights and the
+// checkpoint exchange. The engine (engine/engine_gpu.cpp) makes the device comm over dp and hands it in.
+//
+// ZeRO-0. finish_step sums the loss over dp ranks (host comm), all-reduces the gradients on the device comm, then
+// LlamaGpu::adamw_step takes the global norm, clips and updates. Every rank then holds the same gradients and applies
+// the same update, so the weights stay identical without a broadcast. ZeRO 1-3: the update over the shard (see the top
+// of this file). The clip norm is over the shards (squares summed over this rank's shard, then over dp, tp and the
+// pipeline's stages). At one rank the shard is the whole layout in layout order, so every stage computes ZeRO-0's bits.
+//
+// Checkpoints: each dp rank writes its piece of every unit (segments(): dp_unit_pieces, as the CPU ZeRO-0 does), a
+// piece at a time through one host buffer of the largest piece, so a rank never holds its shard on the host. Restoring
+// uploads this rank's pieces into the (then unused) gradient buffer, all-gathers each unit on the device, and copies
+// the result into the master weights and moments: no rank ever holds the whole state in host memory.
+struct ZeroGpuOptions {
+  int stage = 0;              // ZeRO stage, 0-3
+  bool bf16_moments = false;  // AdamW moments in bf16
+  bool prefetch = true;       // ZeRO-3: gather the next unit while this one computes
+  OptimizerConfig opt;
+  GpuOptions gpu;             // stochastic rounding and its seed
+};
+
+// Writes elements [piece.begin, piece.begin + piece.size) of `layout` into out (engine/engine.h WeightFill).
+using LayoutFill = std::function<void(const ParamLayout& layout, const Segment& piece, float* out)>;
+
+class ZeroGpu {
+ public:
+  // dp_device: the device comm over the dp group (null on one rank), enqueuing on comm_stream at ZeRO 2-3 (where the
+  // shard accumulation runs too) and on the model's stream below. mesh: the host comms the loss and the norm are
+  // summed over. Takes the shard's buffers from the model's arena.
+  ZeroGpu(LlamaGpu& model, const ZeroGpuOptions& options, const Mesh& mesh, Comm* dp_device, cudaStream_t comm_stream);
+  ZeroGpu(const ZeroGpu&) = delete;
+  ZeroGpu& operator=(const ZeroGpu&) = delete;
+
+  // This rank's piece of each unit of what trains (LlamaGpu::trained_layout()), in shard order.
+  const std::vector<Segment>& segments() const { return segments_; }
+  // Before a step's first micro-batch.
+  void begin_step();
+  // After its last: the loss over dp and the stages, gradient synchronization, norm, clip, AdamW, new bf16 weights.
+  StepResult finish_step(const LossSum& local, double lr);
+  // Over dp, then over the stages (the stages before the last add nothing), as Zero sums it on cpu.
+  LossSum all_reduce_loss(const LossSum& local);
+  // The starting weights a unit at a time (see fill_weights below); with adapters the frozen base from `initial` and
+  // the adapters from `adapters`.
+  void fill_weights(const LayoutFill& initial, const LayoutFill& adapters);
+  // Checkpoint exchange a piece at a time, in segments() order (see above).
+  void export_state(const StateSink& sink) const;
+  void import_state(const StateSource& source);
+  // AdamW updates so far; the bf16 weights are rewritten as the update at `steps` rounded them.
+  void set_steps_taken(int64_t steps);
+
+ private:
+  OptimizerStats sharded_update(double loss_scale, double lr, bool loss_is_finite);
+  void fill_base_and_adapters(const LayoutFill& base, const LayoutFill& adapters);
+  void fill_base_shard(const LayoutFill& base);
+  void refresh_shard_weights();
+  void gather_master();
+
+  LlamaGpu& model_;
+  ZeroGpuOptions options_;
+  const Mesh& mesh_;
+  Comm* dp_device_;                        // null on one rank
+  std::vector<Segment> segments_;
+  std::unique_ptr<OptimizerShard> shard_;  // ZeRO 1-3's optimizer state; null for ZeRO-0
+  std::unique_ptr<ShardedStore> store_;    // ZeRO-2/3's weights and gradients for the model (the adapters')
+  std::vector<Segment> base_segments_;     // ZeRO-3 with adapters: this rank's piece of each unit of the base,
+  std::unique_ptr<FrozenShard> base_shard_;  // their bf16 values,
+  std::unique_ptr<ShardedStore> base_store_;  // and the store that gathers them for the model
 };
 
 }  // namespace tuna

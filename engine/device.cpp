@@ -52,35 +52,16 @@ Device resolve_device(const std::string& requested) {
 
 std::unique_ptr<Engine> make_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
                                     const WeightFill& initial, const DeviceCommFactory& device_comm) {
-  if (options.lora.enabled()) {
-    // LoRA trains on both engines with ZeRO 0-3 over dp and tp (a quantized base is not sharded: each engine refuses
-    // it at ZeRO-3 by name).
-    if (!initial)
-      fail("--lora_rank ", options.lora.rank, ": LoRA trains adapters on a base model, and there are no base weights "
-           "(give the base with --init DIR)");
-  }
-  if (mesh.pp_size > 1) {
-    // What pipeline parallelism covers so far: the CPU engine with ZeRO 0-2 over dp (each stage's own parameters; 0-1
-    // with tied embeddings, engine_cpu.cpp), LoRA adapters included; the CUDA engine with ZeRO 0-1 (engine_gpu.cpp),
-    // adapters on a bf16 or nf4 base included.
-    if (options.device == Device::Cuda && options.zero >= 2)
-      fail("option 'pp' ", mesh.pp_size, " with --device cuda and --zero ", options.zero, ": the CUDA engine runs "
-           "pipeline stages with ZeRO 0 and 1; use --zero 0 or 1, or --device cpu");
-    if (options.zero == 3)
-      fail("option 'pp' ", mesh.pp_size, " with --zero 3: sharding a stage's parameters over dp (ZeRO-3 with pipeline "
-           "parallelism) is not implemented; use --zero 0, 1 or 2");
-  }
-  if (options.device == Device::Cpu && options.recompute != Recompute::None)
-    fail("--recompute ", recompute_name(options.recompute), " with --device cpu: activation recompute is a CUDA "
-         "engine feature (GPU memory is what it saves); the CPU backend keeps every activation: use --recompute none");
-  if (options.device == Device::Cpu) {
-    if (options.attention != AttentionPath::kDefault)
-      fail("--attention ", attention_path_option(options.attention), " with --device cpu: the attention kernels are "
-           "the CUDA engine's (the CPU backend has one attention): use --attention auto");
-    return make_cpu_engine(config, options, mesh, initial);
-  }
+  // What runs where is the support table's (model/support.h); the layout is placed once, here, for the engine, its
+  // model and its memory plan.
+  const MemoryLayout run = engine_memory_layout(config, options, mesh);
+  require_support(config, run, options.device);
+  if (options.lora.enabled() && !initial)
+    fail("--lora_rank ", options.lora.rank, ": LoRA trains adapters on a base model, and there are no base weights "
+         "(give the base with --init DIR)");
+  if (options.device == Device::Cpu) return make_cpu_engine(config, options, run, mesh, initial);
 #if TUNA_CUDA
-  return make_gpu_engine(config, options, mesh, initial, device_comm);
+  return make_gpu_engine(config, options, run, mesh, initial, device_comm);
 #else
   fail("engine: device cuda is not in this build (resolve_device says so first)");
 #endif

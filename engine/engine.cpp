@@ -9,11 +9,34 @@
 #include "ckpt/checkpoint.h"  // WeightReader
 #include "core/error.h"
 #include "core/memory.h"  // host_available_bytes, require_host_memory
-#include "engine/backends.h"  // PipelineLinks
 
 namespace tuna {
 
-const char* device_name(Device device) { return device == Device::Cuda ? "cuda" : "cpu"; }
+void declare_layout_options(Options& o, LayoutOptions& l) {
+  // Upper bounds are far beyond any real run; they exist so that a typo (or 2^31) fails here, with the option's name,
+  // instead of as an allocation of petabytes or an overflow later.
+  constexpr double kMaxTokens = 1 << 22, kMaxRanks = 1 << 16;
+  o.add("seq_len", &l.seq_len, "tokens per sequence", Bounds::closed(1, kMaxTokens));
+  o.add("micro_batch", &l.micro_batch, "sequences per forward/backward (on each GPU or CPU rank)",
+        Bounds::closed(1, kMaxTokens));
+  o.add("grad_accum", &l.grad_accum, "micro-batches per optimizer step (with --pp: those that flow through the pipe)",
+        Bounds::closed(1, kMaxTokens));
+  o.add("tp", &l.tp, "tensor-parallel ranks (inside a node); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
+  o.add("pp", &l.pp, "pipeline stages (consecutive layers per stage split by cost, the embedding on the first and the "
+        "head on the last; 1F1B over the grad_accum micro-batches; stages span nodes, tp stays inside one; cuda: ZeRO 0 "
+        "and 1); the world is dp x pp x tp", Bounds::closed(1, kMaxRanks));
+  o.add("sp", &l.sp, "sequence parallelism with --tp > 1 (Megatron's): norms and residuals hold seq / tp of the tokens, "
+        "all-gathered before the tp GEMMs and reduce-scattered after them (cuda: seq_len a multiple of tp); off by "
+        "default");
+  o.add("zero", &l.zero, "ZeRO stage over dp: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters",
+        Bounds::closed(0, 3));
+  o.add("recompute", &l.recompute, "cuda: activations the backward recomputes: none, selective (norms, SwiGLU) or full "
+        "(each layer from its input)", {"none", "selective", "full"});
+  o.add("bf16_moments", &l.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
+  o.add("rope_scaling", &l.rope_scaling, "TYPE:FACTOR, TYPE linear, dynamic or yarn (transformers' rope_scaling): "
+        "train a context FACTOR times the model's own (--seq_len up to it); written into every checkpoint's and "
+        "export's config.json. Empty: the model's config.json decides");
+}
 
 void Engine::export_shard(std::vector<float>& params, std::vector<float>& m, std::vector<float>& v) const {
   std::vector<int64_t> at;
@@ -59,8 +82,12 @@ MemoryLayout engine_memory_layout(const EngineOptions& o, const Mesh& mesh) {
   return l;
 }
 
+MemoryLayout engine_memory_layout(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh) {
+  return place_layout(config, engine_memory_layout(options, mesh));
+}
+
 GpuFit plan_gpu_fit(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh, int64_t capacity_bytes) {
-  const MemoryLayout run = engine_memory_layout(options, mesh);
+  const MemoryLayout run = engine_memory_layout(config, options, mesh);
   GpuFit fit = check_gpu_fit(config, run, capacity_bytes);
   fit.report += format_host_staging(plan_gpu_host_staging(config, run));
   return fit;
@@ -70,9 +97,8 @@ HostStaging plan_gpu_host_staging(const LlamaConfig& config, const MemoryLayout&
   const int dp_rank = static_cast<int>(run.dp_rank), dp_size = static_cast<int>(run.dp);
   // With pipeline stages, the stage's layout: its units are what the rank fills and saves.
   const int tp_rank = static_cast<int>(run.tp_rank), tp = static_cast<int>(run.tp);
-  const ParamLayout layout =
-      run.pp > 1 ? ParamLayout(config, tp_rank, tp, pipeline_stages(config, run.pp, run.seq_len).at(run.pp_rank))
-                 : ParamLayout(config, tp_rank, tp);
+  const MemoryLayout placed = place_layout(config, run);
+  const ParamLayout layout = run.pp > 1 ? ParamLayout(config, tp_rank, tp, placed.stage()) : ParamLayout(config, tp_rank, tp);
   int64_t largest_piece = 0, largest_unit = 0;
   for (const Segment& s : dp_unit_pieces(layout, dp_rank, dp_size)) largest_piece = std::max(largest_piece, s.size);
   for (int u = 0; u < layout.num_units(); u++)
@@ -154,7 +180,7 @@ AttentionPath choose_attention(const std::string& option, const nlohmann::json& 
 
 nlohmann::json check_memory_plan(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh,
                                  double resident_mb_at_start, int ranks_on_node) {
-  const MemoryLayout run = engine_memory_layout(options, mesh);
+  const MemoryLayout run = engine_memory_layout(config, options, mesh);
   if (options.device == Device::Cuda) {
     nlohmann::json record = memory_plan_json(plan_gpu_memory(config, run));
     record["device"] = "cuda";
@@ -171,20 +197,6 @@ nlohmann::json check_memory_plan(const LlamaConfig& config, const EngineOptions&
   record["device"] = "cpu";
   require_host_memory(plan.peak(), ranks_on_node, "the memory plan's peak per rank");
   return record;
-}
-
-PipelineLinks pipeline_links(const ParamLayout& stage_layout, bool tie_word_embeddings, bool frozen, int stage,
-                             int stages) {
-  PipelineLinks links;
-  links.recv_activations = str("stage ", stage, ": activations from stage ", stage - 1);
-  links.send_activations = str("stage ", stage, ": activations to stage ", stage + 1);
-  links.recv_gradient = str("stage ", stage, ": input gradient from stage ", stage + 1);
-  links.send_gradient = str("stage ", stage, ": input gradient to stage ", stage - 1);
-  links.tied_exchange = str("stage ", stage, ": the tied embedding's gradient");
-  const ParamTensor* tied = stage_layout.tied_copy();
-  if (!tied && tie_word_embeddings && stage_layout.has_embedding()) tied = stage_layout.find("model.embed_tokens.weight");
-  if (tied && !frozen) links.tied = tied, links.tied_peer = tied->copy ? 0 : stages - 1;
-  return links;
 }
 
 }  // namespace tuna

@@ -2,7 +2,9 @@
 // collectives and update, validation, checkpoints) over this interface, whichever device computes. Files: the
 // backends engine_cpu.cpp and engine_gpu.cpp, the device choice and factory device.cpp, shared helpers engine.cpp.
 //
-//   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x tp, ZeRO 0-3). With LoRA
+// What each backend runs is the support table's (model/support.h), which make_engine asks first.
+//
+//   cpu   Llama (model/llama.h) + Zero (dist/zero.h): fp32, every parallel mode (dp x pp x tp, sp, ZeRO 0-3). With LoRA
 //         (EngineOptions::lora) the base is frozen: whole on every rank (fp32, or quantized: base_quant), or at
 //         ZeRO-3 sharded over dp (dist/zero.h ShardedWeights); Zero (ZeRO 0-3) trains the adapters: layout(),
 //         segments() and the checkpoint state are the adapters' (PEFT names), base_layout() the model's.
@@ -33,6 +35,8 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "core/options.h"
+#include "dist/pipeline.h"  // MicroBatch
 #include "dist/zero.h"  // StepResult
 #include "model/config.h"
 #include "model/gpu_options.h"
@@ -42,11 +46,9 @@
 #include "model/lora_shape.h"  // BaseQuant
 #include "model/memory_plan.h"  // Recompute
 #include "model/optimizer.h"  // OptimizerConfig, Segment
+#include "model/support.h"    // Device, the support table
 
 namespace tuna {
-
-enum class Device { Cpu, Cuda };
-const char* device_name(Device device);  // "cpu" | "cuda"
 
 // Writes elements [piece.begin, piece.begin + piece.size) of the (tensor-parallel-local) model, ParamLayout
 // order, into out: a checkpoint's or a fresh initialization's weights, a piece at a time. Engines ask for their
@@ -68,9 +70,9 @@ struct EngineOptions {
   AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (--attention)
   GpuOptions gpu;              // cuda only: the device index, stochastic rounding
   DocumentMode documents;      // packed windows: attention inside documents, positions restarted (llama.h)
-  // LoRA (model/lora.h): rank 0 is a full fine-tune. With adapters the base is frozen and only they train: the
-  // engine's layout(), optimizer, dp synchronization and checkpoint state are the adapters' (cpu: ZeRO 0-3; cuda:
-  // ZeRO-0).
+  // LoRA (model/lora.h; engine/adapters.h fills these): rank 0 is a full fine-tune. With adapters the base is frozen
+  // and only they train: the engine's layout(), optimizer, dp synchronization and checkpoint state are the adapters'
+  // (ZeRO 0-3 on both devices; a quantized base below ZeRO-3).
   LoraConfig lora;
   uint64_t seed = 0;           // LoRA: the adapters' starting values (without `adapters`) and the dropout masks
   WeightFill adapters;         // LoRA: the starting adapters (adapter layout order); null: PEFT's initialisation
@@ -80,14 +82,18 @@ struct EngineOptions {
   BaseQuant base_quant = BaseQuant::None;
 };
 
-// One micro-batch of a step, as the loader gives it: inputs, targets and positions, [batch, seq] each (positions may
-// be null: one document per row).
-struct MicroBatch {
-  const int32_t* inputs = nullptr;
-  const int32_t* targets = nullptr;
-  const int32_t* positions = nullptr;
-  int64_t batch = 0, seq = 0;
+// The options that shape a run's parallel layout and its step, as build/train and build/plan both read them (one
+// declaration: the same names, ranges and help in both). The world is dp x pp x tp: dp follows from the ranks.
+struct LayoutOptions {
+  int64_t tp = 1, pp = 1;
+  bool sp = false;
+  int64_t zero = 0;
+  std::string recompute = "none";
+  bool bf16_moments = false;
+  int64_t micro_batch = 4, seq_len = 1024, grad_accum = 1;
+  std::string rope_scaling;  // TYPE:FACTOR (model/config.h apply_rope_scaling); empty: the config's rope
 };
+void declare_layout_options(Options& o, LayoutOptions& l);
 
 // The figures of the log line that depend on the backend. NaN: not known on this backend.
 struct EngineStatus {
@@ -189,8 +195,10 @@ std::unique_ptr<ForwardModel> make_forward_model(const LlamaConfig& config, Devi
                                                  const DocumentMode& documents = {});
 
 // This rank's layout (model/memory_plan.h) for these options on `mesh`: the one place a run's parallel layout,
-// batch shape and buffer switches come together.
+// batch shape and buffer switches come together. With the model it is placed (model/support.h place_layout: the
+// pipeline split, fails naming the option on an invalid layout): what the engines, their models and memory plans take.
 MemoryLayout engine_memory_layout(const EngineOptions& options, const Mesh& mesh);
+MemoryLayout engine_memory_layout(const LlamaConfig& config, const EngineOptions& options, const Mesh& mesh);
 
 // The CUDA engine's plan for this rank of `mesh`, checked against a device of capacity_gb (0: the free memory of
 // this rank's visible GPU, which then must exist): what build/train --plan_only prints, without allocating.

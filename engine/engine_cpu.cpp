@@ -1,13 +1,16 @@
 // The CPU engine: Llama (model/llama.h) + Zero (dist/zero.h), fp32, every parallel mode; and the CPU forward model.
 //
+// The engine takes the run's layout (engine_memory_layout, placed): this rank's Llama is built from it (its stage, its
+// activation slots, sp, and which buffers Zero or a frozen base holds instead of the model).
+//
 // Pipeline parallelism (--pp): this rank's Llama is its stage (model/pipeline.h's split), with an activation slot
-// for each micro-batch it can hold in flight under 1F1B (pp - stage). forward_backward_step runs the step's
-// micro-batches in the 1F1B order (pipeline_schedule), receiving each input from the previous stage and each output
-// gradient from the next with a blocking recv, and starting its own sends without waiting: a stage waits for its
-// last send only before it rewrites the buffer sent, so no two stages can block on each other's sends. With tied
-// embeddings the last stage's lm_head is a copy of the first stage's table (model/layout.h ParamTensor::copy): after
-// the step's backwards the two stages exchange that tensor's gradient and each adds the other's, so both hold the sum
-// (bit for bit: a + b == b + a) and the identical updates keep the copies equal.
+// for each micro-batch it can hold in flight under 1F1B (MemoryLayout::in_flight). forward_backward_step hands the step's
+// micro-batches to the pipeline driver (dist/pipeline.h), which runs them in the 1F1B order over the host comm of the
+// stages, fp32 on the wire, with the host's ordering: each input and output gradient received with a blocking wait,
+// each send started without waiting and waited for only before its buffer is rewritten, so no two stages can block on
+// each other's sends. With tied embeddings the last stage's lm_head is a copy of the first stage's table
+// (model/layout.h ParamTensor::copy), whose gradients the driver sums between the two stages after the step's
+// backwards, so the identical updates keep the copies equal.
 //
 // LoRA adapters with --pp: a stage holds the frozen base of its units and the adapters of its layers (model/lora.h
 // lora_layout of the stage: global names and streams), and Zero trains those over dp with the loss and the norm summed
@@ -15,9 +18,11 @@
 // Each micro-batch's dropout masks are keyed by its index in the step, as at pp 1 (where the micro-batches run in
 // order), and set again before its backward, which regenerates them after other micro-batches' forwards.
 #include <cmath>
+#include <functional>
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "dist/pipeline.h"  // PipelineDriver, PipelineStageModel
 #include "engine/backends.h"
 #include "model/quantized_weights.h"  // QuantizedWeights: a quantized frozen base
 
@@ -25,42 +30,51 @@ namespace tuna {
 
 namespace {
 
+// The CPU model as a pipeline stage (dist/pipeline.h): fp32 activations in host memory, ordered by the host (the
+// interface's default hooks).
+class CpuStage final : public ModelStage<Llama> {
+ public:
+  CpuStage(Llama& model, std::function<void(int64_t)> key_dropout, std::vector<float>& tied_peer_grad)
+      : ModelStage(model, std::move(key_dropout)), tied_peer_grad_(tied_peer_grad) {}
+  float* gradients() override { return model_.grads.data(); }
+  float* tied_peer_gradient() override { return tied_peer_grad_.data(); }
+  void add_tied_peer_gradient(float* mine, const float* theirs, int64_t n) override {
+    for (int64_t i = 0; i < n; i++) mine[i] += theirs[i];
+  }
+  CommType wire_type() const override { return CommType::F32; }
+
+ private:
+  std::vector<float>& tied_peer_grad_;
+};
+
 class CpuEngine final : public Engine {
  public:
-  CpuEngine(const LlamaConfig& config, const EngineOptions& o, Mesh& mesh, const WeightFill& initial)
+  CpuEngine(const LlamaConfig& config, const EngineOptions& o, const MemoryLayout& run, Mesh& mesh,
+            const WeightFill& initial)
       : config_(config),
-        stage_(pipeline_stages(config, mesh.pp_size, o.seq_len)[mesh.pp_rank]),
-        model_(config, o.micro_batch, o.seq_len,
-               LlamaParallel{mesh.tp.get(), /*external_weights=*/o.zero == 3 || o.base_quant != BaseQuant::None,
-                             /*external_grads=*/o.zero == 2, /*sequence=*/o.sp, mesh.pp_size > 1 ? &stage_ : nullptr,
-                             mesh.pp_size - mesh.pp_rank, /*external_adapters=*/o.lora.enabled() && o.zero == 3},
-               o.lora),
+        model_(config, run, mesh.tp.get()),
         seed_(o.seed),
         dp_rank_(mesh.dp_rank),
         pp_(mesh.pp_size > 1 ? mesh.pp.get() : nullptr) {
     if (pp_) {
-      links_ = pipeline_links(model_.layout(), config.tie_word_embeddings, o.lora.enabled(), pp_->rank(), pp_->size());
-      if (const ParamTensor* tied = links_.tied) {
-        if (o.zero >= 2)
-          fail("option 'zero': ", o.zero, " with --pp and tied embeddings (tie_word_embeddings) is not implemented: "
-               "the first and last stages sum the table's gradient whole; use --zero 0 or 1");
-        tied_offset_ = tied->offset;
-        allocate_host(str("the tied embedding's gradient from stage ", links_.tied_peer, " (", tied->numel, " parameters)"),
+      PipelineLinks links =
+          pipeline_links(model_.layout(), config.tie_word_embeddings, o.lora.enabled(), pp_->rank(), pp_->size());
+      if (const ParamTensor* tied = links.tied) {
+        allocate_host(str("the tied embedding's gradient from stage ", links.tied_peer, " (", tied->numel, " parameters)"),
                       uint64_t(tied->numel) * sizeof(float), [&] { tied_peer_grad_.assign(tied->numel, 0.0f); });
       }
+      pipeline_stage_ = std::make_unique<CpuStage>(
+          model_, [this](int64_t micro_batch) { key_dropout(micro_batch); }, tied_peer_grad_);
+      pipeline_ = std::make_unique<PipelineDriver>(*pp_, *pipeline_stage_, std::move(links));
     }
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
     // only its shard, filled piece by piece.
     model_.set_document_mode(o.documents);
     if (o.base_quant != BaseQuant::None) {
       // QLoRA: the base quantized from the starting weights a unit at a time (never the fp32 model beside it).
-      if (!o.lora.enabled()) fail("option 'base_quant' ", base_quant_name(o.base_quant), " is for LoRA training (--lora_rank)");
-      if (o.zero == 3)
-        fail("option 'base_quant' ", base_quant_name(o.base_quant), " with --zero 3: sharding a quantized base is not "
-             "implemented; use --zero 0, 1 or 2 (the quantized base is small), or --base_quant none");
       TUNA_CHECK(static_cast<bool>(initial), "a quantized base needs its starting weights");
       // With tp each rank quantizes whole tensors and keeps its blocks, so the base does not depend on tp.
-      const ParamLayout whole = mesh.pp_size > 1 ? ParamLayout(config, 0, 1, stage_) : ParamLayout(config);
+      const ParamLayout whole = run.pp > 1 ? ParamLayout(config, 0, 1, run.stage()) : ParamLayout(config);
       quantized_base_ = std::make_unique<QuantizedWeights>(model_.layout(), o.base_quant, initial,
                                                            mesh.tp_size > 1 ? &whole : nullptr);
       model_.set_weight_store(quantized_base_.get());
@@ -104,25 +118,17 @@ class CpuEngine final : public Engine {
   }
   LossSum forward_backward(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                            const int32_t* positions) override {
-    // Dropout masks by (seed, step, micro-batch, dp rank): a resumed run draws the ones it would have.
-    if (model_.lora().enabled())
-      model_.set_lora_dropout_key(lora_dropout_key(seed_, steps_taken(), micro_batch_++, dp_rank_));
+    key_dropout(micro_batch_++);
     return model_.forward_backward(inputs, targets, batch, seq, positions);
   }
   LossSum forward_backward_step(const std::vector<MicroBatch>& micro_batches) override {
-    return pp_ ? pipeline_step(micro_batches) : Engine::forward_backward_step(micro_batches);
+    return pipeline_ ? pipeline_->step(micro_batches) : Engine::forward_backward_step(micro_batches);
   }
   StepResult finish_step(const LossSum& local, double lr) override { return zero_->finish_step(local, lr); }
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions) override {
-    if (!pp_) return model_.forward_loss(inputs, targets, batch, seq, positions);
-    // One micro-batch down the pipe (the loss on the last stage; all_reduce_loss sums over the stages).
-    const int s = pp_->rank(), last = pp_->size() - 1;
-    const int64_t count = model_.residual_rows(batch * seq) * config_.hidden_size;
-    if (s > 0) pp_->recv(model_.stage_input(0), count, CommType::F32, s - 1, links_.recv_activations.c_str());
-    const LossSum loss = model_.forward_stage(0, inputs, targets, batch, seq, positions, /*backward_follows=*/false);
-    if (s < last) pp_->send(model_.stage_output(), count, CommType::F32, s + 1, links_.send_activations.c_str());
-    return loss;
+    if (!pipeline_) return model_.forward_loss(inputs, targets, batch, seq, positions);
+    return pipeline_->forward_loss(MicroBatch{inputs, targets, positions, batch, seq});
   }
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
 
@@ -153,65 +159,20 @@ class CpuEngine final : public Engine {
   }
 
  private:
-  // The step's micro-batches through this stage in the 1F1B order (see the top of this file).
-  LossSum pipeline_step(const std::vector<MicroBatch>& micro_batches) {
-    const int s = pp_->rank(), last = pp_->size() - 1;
-    CommRequest activations_sent = 0, gradient_sent = 0;
-    const auto settle = [&](CommRequest& sent) {
-      if (sent) pp_->wait(sent), sent = 0;
-    };
-    LossSum loss;
-    for (const PipelineOp& op :
-         pipeline_schedule(pp_->size(), s, static_cast<int64_t>(micro_batches.size()))) {
-      const MicroBatch& b = micro_batches[op.micro_batch];
-      const int64_t slot = op.micro_batch % model_.in_flight();
-      if (model_.lora().enabled())  // the masks of this micro-batch, as at pp 1 (the top of this file)
-        model_.set_lora_dropout_key(lora_dropout_key(seed_, steps_taken(), op.micro_batch, dp_rank_));
-      const int64_t count = model_.residual_rows(b.batch * b.seq) * config_.hidden_size;
-      if (op.forward) {
-        if (s > 0)
-          pp_->recv(model_.stage_input(slot), count, CommType::F32, s - 1, links_.recv_activations.c_str());
-        settle(activations_sent);  // this forward rewrites stage_output()
-        const LossSum l = model_.forward_stage(slot, b.inputs, b.targets, b.batch, b.seq, b.positions,
-                                               /*backward_follows=*/true);
-        loss.sum += l.sum, loss.count += l.count;
-        if (s < last)
-          activations_sent =
-              pp_->send_start(model_.stage_output(), count, CommType::F32, s + 1, links_.send_activations.c_str());
-      } else {
-        settle(gradient_sent);  // the recv below and this backward rewrite stage_input_grad()
-        if (s < last)
-          pp_->recv(model_.stage_output_grad(), count, CommType::F32, s + 1, links_.recv_gradient.c_str());
-        model_.backward_stage(slot, b.inputs, b.batch, b.seq, b.positions);
-        if (s > 0)
-          gradient_sent =
-              pp_->send_start(model_.stage_input_grad(), count, CommType::F32, s - 1, links_.send_gradient.c_str());
-      }
-    }
-    settle(activations_sent);
-    settle(gradient_sent);
-    if (!tied_peer_grad_.empty()) {
-      float* mine = model_.grads.data() + tied_offset_;
-      const int64_t n = static_cast<int64_t>(tied_peer_grad_.size());
-      const CommRequest sent =
-          pp_->send_start(mine, n, CommType::F32, links_.tied_peer, links_.tied_exchange.c_str());
-      pp_->recv(tied_peer_grad_.data(), n, CommType::F32, links_.tied_peer, links_.tied_exchange.c_str());
-      pp_->wait(sent);
-      for (int64_t i = 0; i < n; i++) mine[i] += tied_peer_grad_[i];
-    }
-    return loss;
+  // Dropout masks by (seed, step, micro-batch of the step, dp rank): a resumed run draws the ones it would have.
+  void key_dropout(int64_t micro_batch) {
+    if (model_.lora().enabled())
+      model_.set_lora_dropout_key(lora_dropout_key(seed_, steps_taken(), micro_batch, dp_rank_));
   }
 
   LlamaConfig config_;
-  PipelineStage stage_;  // this rank's (the whole model without --pp)
   Llama model_;
   uint64_t seed_;
   int dp_rank_;
   Comm* pp_;  // the pipeline's stages (null without --pp)
-  PipelineLinks links_;  // the labels of the stage's sends and receives, and the tied table's other stage
-  // Tied embeddings over stages: where the tensor's gradient is, and the other stage's.
-  int64_t tied_offset_ = 0;
-  std::vector<float> tied_peer_grad_;
+  std::vector<float> tied_peer_grad_;  // tied embeddings over stages: the other stage's gradient of the table
+  std::unique_ptr<CpuStage> pipeline_stage_;  // --pp: this model as the driver's stage,
+  std::unique_ptr<PipelineDriver> pipeline_;  // and the driver
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)
   std::unique_ptr<QuantizedWeights> quantized_base_;  // QLoRA: the frozen base (the model reads it as its store)
   std::unique_ptr<ShardedWeights> frozen_base_;        // LoRA at ZeRO-3: the frozen base, sharded over dp
@@ -248,9 +209,9 @@ class CpuForwardModel final : public ForwardModel {
 }  // namespace
 
 
-std::unique_ptr<Engine> make_cpu_engine(const LlamaConfig& config, const EngineOptions& options, Mesh& mesh,
-                                        const WeightFill& initial) {
-  return std::make_unique<CpuEngine>(config, options, mesh, initial);
+std::unique_ptr<Engine> make_cpu_engine(const LlamaConfig& config, const EngineOptions& options, const MemoryLayout& run,
+                                        Mesh& mesh, const WeightFill& initial) {
+  return std::make_unique<CpuEngine>(config, options, run, mesh, initial);
 }
 
 std::unique_ptr<ForwardModel> make_cpu_forward_model(const LlamaConfig& config, int64_t max_batch, int64_t max_seq,

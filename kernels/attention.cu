@@ -67,10 +67,11 @@ const char* attention_path_name(AttentionPath path) {
 
 void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
-                   int64_t head_dim, const int32_t* doc_start, cudaStream_t stream, AttentionPath path) {
+                   int64_t head_dim, const int32_t* doc_start, cudaStream_t stream, AttentionPath path,
+                   int* tile_counter) {
   AttentionParams p = make_params(batch, seq_len, n_heads, n_kv_heads, head_dim);
   if (batch == 0 || seq_len == 0) return;
-  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse, p.doc_start = doc_start;
+  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse, p.doc_start = doc_start, p.tile_counter = tile_counter;
   const bool hopper = resolve_attention_path(path) == AttentionPath::kHopper && (head_dim == 64 || head_dim == 128);
   if (head_dim == 64) hopper ? attention_sm90_fwd_hd64(p, stream) : attention_fwd_hd64(p, stream);
   else if (head_dim == 128) hopper ? attention_sm90_fwd_hd128(p, stream) : attention_fwd_hd128(p, stream);

@@ -27,11 +27,13 @@ bool attention_hopper_available();
 // document: doc_start [batch, seq_len] device int32 (kernels/cpu/attention.h: each row's document start, checked
 // by the caller on the host), or null for one document per row. Key blocks outside a query block's documents are
 // skipped (both paths). OVERWRITES out and lse. head_dim 64 or 128 (tensor cores), or 8, 16, 32 (a plain fp32
-// kernel for tiny models); any seq_len.
+// kernel for tiny models); any seq_len. tile_counter: the hopper path's work counter, one device int that is 0 and
+// that every launch leaves 0 (the model's, from its arena), used by launches on one stream only; null: a counter the
+// launching thread allocates for the stream at its first launch (tests, benches).
 void attention_fwd(__nv_bfloat16* out, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                    const __nv_bfloat16* v, int64_t batch, int64_t seq_len, int64_t n_heads, int64_t n_kv_heads,
                    int64_t head_dim, const int32_t* doc_start, cudaStream_t stream,
-                   AttentionPath path = AttentionPath::kDefault);
+                   AttentionPath path = AttentionPath::kDefault, int* tile_counter = nullptr);
 
 // Floats of scratch attention_bwd needs. mma: D = rowsum(dout * out), [batch, n_heads, seq_len]. hopper: also
 // the fp32 dQ accumulator and its ordering flags, which depend on head_dim (the default, 128, bounds 64).

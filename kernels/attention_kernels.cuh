@@ -166,8 +166,17 @@ __device__ __forceinline__ void store_rows(__nv_bfloat16* base, int64_t row_stri
 // Forward. Grid (query blocks, n_heads, batch); the latest query blocks (most keys) start first. Shared: Q,
 // K, V tiles of 64 x kHd. K and V are separate cp.async groups so that loading V_j overlaps computing S_j and
 // loading K_{j+1} overlaps computing P_j V_j (FlashAttention-2's schedule).
+// kDocs: p.doc_start is set. The instance without documents is the plain causal kernel and holds no document
+// state. One kernel for both had 169 registers at hd128 and 130 at hd64 instead of the plain kernel's 168 and 127:
+// a block per SM fewer (2 instead of 3, 3 instead of 4; registers are allocated per warp in units of 256). The
+// launch bounds hold both instances at the plain kernel's blocks per SM: the instance with documents fits in them
+// without spilling as written (each row's visible keys as one range, the warp's last document start fetched by a
+// shuffle where a step needs it), and the build's -warn-spills (-Werror) fails if either stops fitting.
+// kernels/registers.tsv records each kernel's registers and blocks per SM (tests/kernels/test_registers.cpp).
 template <int kHd>
-__global__ void __launch_bounds__(kThreads) fwd_kernel(AttentionParams p) {
+constexpr int kFwdBlocksPerSm = kHd == 128 ? 3 : 4;
+template <int kHd, bool kDocs>
+__global__ void __launch_bounds__(kThreads, kFwdBlocksPerSm<kHd>) fwd_kernel(AttentionParams p) {
   extern __shared__ __align__(128) unsigned char smem_bytes[];
   __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(smem_bytes);
   __nv_bfloat16* s_k = s_q + kBlockRows * kHd;
@@ -185,16 +194,14 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(AttentionParams p) {
   const int q0 = m_block * kBlockRows;
   const int n_steps = (min(p.seq_len, q0 + kBlockRows) + kKeys - 1) / kKeys;
   const int row_lo = q0 + warp * kRowsPerWarp + g;  // this thread's rows: row_lo, row_lo + 8
-  // Documents: the first key step, this thread's rows' first keys, the last first key of the warp's rows (rows
-  // past the sequence take the last row's document: they are never stored).
-  const int32_t* doc = p.doc_start ? p.doc_start + static_cast<int64_t>(b) * p.seq_len : nullptr;
-  const int first_step = doc ? doc[q0] / kKeys : 0;
-  int row_first_key[2] = {0, 0};
-  int warp_first_key = 0;
-  if (doc) {
+  // Documents: the first key step and this thread's rows' first keys (rows past the sequence take the last row's
+  // document: they are never stored).
+  int first_step = 0, row_first_key[2] = {0, 0};
+  if constexpr (kDocs) {
+    const int32_t* doc = p.doc_start + static_cast<int64_t>(b) * p.seq_len;
+    first_step = doc[q0] / kKeys;
     row_first_key[0] = doc[min(row_lo, p.seq_len - 1)];
     row_first_key[1] = doc[min(row_lo + 8, p.seq_len - 1)];
-    warp_first_key = doc[min(q0 + warp * kRowsPerWarp + kRowsPerWarp - 1, p.seq_len - 1)];
   }
 
   load_tile<kBlockRows, kHd>(s_q, q_base, q_stride, q0, p.seq_len);
@@ -217,17 +224,30 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(AttentionParams p) {
     cp_async_commit();
 
     // Scale into log2 units and mask: causal (key > query), keys past the sequence, keys of earlier documents.
-    const bool needs_mask =
-        key0 + kKeys > q0 + warp * kRowsPerWarp || key0 + kKeys > p.seq_len || key0 < warp_first_key;
+    // Each row sees keys [its document's start, min(row, seq_len - 1)]; with documents, the warp's last row's
+    // start (lane 31's second row) is fetched each step rather than kept: a register fewer across the loop.
+    const bool needs_mask = key0 + kKeys > q0 + warp * kRowsPerWarp || key0 + kKeys > p.seq_len ||
+                            (kDocs && key0 < __shfl_sync(0xffffffffu, row_first_key[1], 31));
+    if (needs_mask) {
+      int lo[2], hi[2];  // the visible keys of the thread's two rows, relative to its first column of the step
 #pragma unroll
-    for (int nt = 0; nt < kSTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + nt * 8 + 2 * c + (e & 1), row = row_lo + 8 * (e >> 1);
-        s[nt][e] = needs_mask && (key > row || key >= p.seq_len || key < row_first_key[e >> 1])
-                       ? -INFINITY
-                       : s[nt][e] * p.scale_log2;
+      for (int half = 0; half < 2; ++half) {
+        lo[half] = row_first_key[half] - key0 - 2 * c;
+        hi[half] = min(row_lo + 8 * half, p.seq_len - 1) - key0 - 2 * c;
       }
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = nt * 8 + (e & 1), half = e >> 1;
+          s[nt][e] = (kDocs && key < lo[half]) || key > hi[half] ? -INFINITY : s[nt][e] * p.scale_log2;
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= p.scale_log2;
+    }
     // Online softmax: new running max, rescale what was accumulated, exponentiate this step's scores.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -236,10 +256,12 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(AttentionParams p) {
       for (int nt = 0; nt < kSTiles; ++nt) step_max = fmaxf(step_max, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
       step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
       step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
-      // A row whose document starts in a later step has seen only masked keys (max -inf): subtracting 0 then keeps
-      // exp2(-inf - max) = 0 and the correction 0 instead of NaN. Once a visible key is seen the max is finite.
+      // With documents, a row whose document starts in a later step has seen only masked keys (max -inf):
+      // subtracting 0 then keeps exp2(-inf - max) = 0 and the correction 0 instead of NaN. Once a visible key is
+      // seen the max is finite. Without documents key 0 is visible to every row, so the max is finite from step 0.
       const float new_max = fmaxf(row_max[half], step_max);
-      const float max_used = new_max == -INFINITY ? 0.0f : new_max;
+      float max_used = new_max;
+      if constexpr (kDocs) max_used = new_max == -INFINITY ? 0.0f : new_max;
       const float correction = exp2f(row_max[half] - max_used);
       row_max[half] = new_max;
       float step_sum = 0.0f;
@@ -499,7 +521,7 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_kernel(AttentionParams p) {
 
 // Shared-memory bytes of each kernel.
 template <int kHd>
-constexpr int fwd_smem_bytes() {
+constexpr int fwd_smem_bytes() {  // Q, K, V
   return 3 * kBlockRows * kHd * 2;
 }
 template <int kHd, int kQueries>

@@ -13,13 +13,19 @@ namespace tuna::cuda::attention {
 
 // The launch sequences, instantiated once per head dim in attention_{fwd,bwd}_hdNN.cu (one file each, so
 // CI's two cores compile them in parallel).
+// The forward's instance with documents when p.doc_start is set, the plain causal one otherwise.
+template <int kHd, bool kDocs>
+void launch_fwd_instance(const AttentionParams& p, cudaStream_t stream) {
+  constexpr int kSmem = fwd_smem_bytes<kHd>();
+  TUNA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<kHd, kDocs>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const dim3 grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_heads, p.batch);
+  launch_kernel(fwd_kernel<kHd, kDocs>, grid, kThreads, kSmem, stream, p);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
 template <int kHd>
 void launch_fwd(const AttentionParams& p, cudaStream_t stream) {
-  constexpr int kSmem = fwd_smem_bytes<kHd>();
-  TUNA_CUDA_CHECK(cudaFuncSetAttribute(fwd_kernel<kHd>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid((p.seq_len + kBlockRows - 1) / kBlockRows, p.n_heads, p.batch);
-  launch_kernel(fwd_kernel<kHd>, grid, kThreads, kSmem, stream, p);
-  TUNA_CUDA_CHECK_LAUNCH();
+  if (p.doc_start != nullptr) launch_fwd_instance<kHd, /*documents=*/true>(p, stream);
+  else launch_fwd_instance<kHd, false>(p, stream);
 }
 
 // delta, then dK/dV with kQueries-query steps, then dQ with kKeys-key steps.

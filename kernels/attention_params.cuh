@@ -26,6 +26,9 @@ struct AttentionParams {
   // document per row. Query t sees keys doc_start[t] <= j <= t. Never decreases along a row, so a query block's
   // first row bounds the whole block's keys.
   const int32_t* doc_start;
+  // The hopper forward's tile counter: one int, 0, left 0 by every launch; null: one the launching thread keeps for
+  // the stream (attention_sm90_launch.cuh fwd_tile_counter). The model passes one of its own arena.
+  int* tile_counter;
 };
 
 void attention_fwd_hd64(const AttentionParams& p, cudaStream_t stream);

@@ -347,15 +347,21 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     const int b = bh / p.n_heads, h = bh % p.n_heads;
     const int row = m_block * C::kBlockM + cw * 64 + warp * 16 + lane / 4;  // this thread's rows: row, row + 8
     // Documents: the first key block (the one holding the tile's first row's document start), this thread's
-    // rows' document starts, and the first block every row of the warp sees whole (before it, the warp masks
-    // by document). Rows past the sequence take the last row's document: they are never stored.
-    int first_block = 0, doc_blocks_end = 0, first_key[2] = {0, 0};
+    // rows' document starts, and the first block every row of the warpgroup sees whole: before it, the steps are
+    // the instance that masks by document. That choice picks between two instances of the step, each with its
+    // own wgmma instructions, so it must be the same for the warpgroup's four warps (wgmma is .aligned: all 128
+    // threads execute the same instruction); it is taken from the warpgroup's last row. The first block's
+    // softmax, which no wgmma follows inside its branch, is chosen per warp, from the warp's last row. Rows past
+    // the sequence take the last row's document: they are never stored.
+    int first_block = 0, doc_blocks_end = 0, warp_doc_blocks_end = 0, first_key[2] = {0, 0};
     if constexpr (kDocs) {
       const int32_t* doc = p.doc_start + static_cast<int64_t>(b) * p.seq_len;
+      const int warpgroup_row0 = m_block * C::kBlockM + cw * 64;
       first_block = doc[m_block * C::kBlockM] / C::kBlockN;
       first_key[0] = doc[min(row, p.seq_len - 1)];
       first_key[1] = doc[min(row + 8, p.seq_len - 1)];
-      doc_blocks_end = (doc[min(row - lane / 4 + 15, p.seq_len - 1)] + C::kBlockN - 1) / C::kBlockN;
+      doc_blocks_end = (doc[min(warpgroup_row0 + 63, p.seq_len - 1)] + C::kBlockN - 1) / C::kBlockN;
+      warp_doc_blocks_end = (doc[min(warpgroup_row0 + warp * 16 + 15, p.seq_len - 1)] + C::kBlockN - 1) / C::kBlockN;
     }
     // Blocks of kBlockN keys from first_block up to the diagonal (kBlockN == kBlockM).
     const int n_blocks = m_block + 1 - first_block;
@@ -378,7 +384,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_fwd_kernel(const __grid_
     if (n_blocks == 1) mbarrier_arrive(base + C::kQEmpty);  // the tile's last read of Q has retired
     const int key0 = first_block * C::kBlockN;
     bool first_masked = n_blocks == 1;
-    if constexpr (kDocs) first_masked = first_masked || first_block < doc_blocks_end;  // kDiagonalMask: kDocument
+    if constexpr (kDocs) first_masked = first_masked || first_block < warp_doc_blocks_end;  // kDiagonalMask: kDocument
     if (first_masked) online_softmax<kDiagonalMask>(s, rows, correction, row, key0, p.seq_len, p.scale_log2, first_key);
     else online_softmax<FwdMask::kNone>(s, rows, correction, row, key0, p.seq_len, p.scale_log2, first_key);
     to_a_fragments(pa, s);

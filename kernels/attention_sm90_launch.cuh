@@ -96,11 +96,11 @@ void require_sm90a_image(Kernel* kernel) {
 #endif
 }
 
-// The forward's tile counter for launches from this thread on `stream` of the current device: one int, zeroed
-// once (in stream order), which every launch leaves at 0 again (sm90_fwd_kernel). One per stream, because
-// launches on different streams may run at once and must not share it; one per thread as well, so that no lock
-// is needed (two threads launching on one stream get two counters, which is as safe). A few bytes a stream,
-// kept for the process's life.
+// The forward's tile counter for launches from this thread on `stream` of the current device, when the caller
+// passes none (AttentionParams::tile_counter; the model passes its own): one int, zeroed once (in stream order),
+// which every launch leaves at 0 again (sm90_fwd_kernel). One per stream, because launches on different streams
+// may run at once and must not share it; one per thread as well, so that no lock is needed (two threads launching
+// on one stream get two counters, which is as safe). A few bytes a stream, kept for the process's life.
 inline int* fwd_tile_counter(cudaStream_t stream) {
   int device = 0;
   TUNA_CUDA_CHECK(cudaGetDevice(&device));
@@ -152,7 +152,7 @@ void launch_sm90_fwd(const AttentionParams& p, cudaStream_t stream) {
   const int64_t tiles = ceil_div(p.seq_len, C::kBlockM) * p.batch * p.n_heads;
   TUNA_CHECK(tiles < (int64_t{1} << 31), "attention forward: ", tiles, " tiles");
   args.n_tiles = static_cast<int>(tiles);
-  args.tile_counter = fwd_tile_counter(stream);
+  args.tile_counter = p.tile_counter != nullptr ? p.tile_counter : fwd_tile_counter(stream);
   const int grid = static_cast<int>(std::min<int64_t>(tiles, multiprocessor_count()));
   launch_kernel_sm90a(kernel, dim3(grid), dim3(kSm90Threads), C::kSmemBytes, stream, args);
   TUNA_CUDA_CHECK_LAUNCH();

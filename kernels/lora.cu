@@ -1,7 +1,7 @@
 // LoRA's element-wise kernels (kernels/lora.cuh). One thread an element: both are memory-bound passes over an
-// [n, r] or [n, in] bf16 tensor, small beside the GEMMs around them. The keep test is model/lora.h's
-// lora_dropout_keeps, restated for the device (that header is host C++); tests/kernels/test_lora_gpu.cpp holds
-// the two to the same bits over many indices.
+// [n, r] or [n, in] bf16 tensor, small beside the GEMMs around them. The keep test is kernels/cpu/lora.h's
+// lora_dropout_keeps, restated for the device (that header is host C++); tests/kernels/test_lora_gpu.cpp holds the
+// two to the same bits over many indices.
 #include "kernels/lora.cuh"
 
 #include "core/cuda_check.h"

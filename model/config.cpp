@@ -3,6 +3,7 @@
 #include "model/config.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 
 #include "core/error.h"
@@ -72,22 +73,80 @@ void read_rope(const json& j, const std::string& src, LlamaConfig& c) {
   }
   if (r.contains("rope_theta")) c.rope_theta = get_number(r, "rope_theta", where, c.rope_theta, 1e-3, 1e15);
   if (type.empty() || type == "default") return;
-  if (type != "llama3")
+  if (type != "llama3" && type != "linear" && type != "dynamic" && type != "yarn")
     fail(where, ": rope type '", type,
-         "' is not supported (tuna implements 'default' and 'llama3'; linear, dynamic, yarn and "
-         "longrope change the positions differently)");
+         "' is not supported (tuna implements 'default', 'llama3', 'linear', 'dynamic' and 'yarn'; '", type,
+         "' changes the positions differently)");
   cpu::RopeScaling& s = c.rope_scaling;
-  s.type = "llama3";
-  for (const char* k : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
-    if (!r.contains(k)) fail(where, ": llama3 rope needs '", k, "', which is missing");
+  s.type = type;
+  if (!r.contains("factor") || r["factor"].is_null()) fail(where, ": ", type, " rope needs 'factor', which is missing");
   s.factor = get_number(r, "factor", where, 1.0, 1e-6, 1e6);
-  s.low_freq_factor = get_number(r, "low_freq_factor", where, 1.0, 1e-6, 1e6);
-  s.high_freq_factor = get_number(r, "high_freq_factor", where, 4.0, 1e-6, 1e6);
-  s.original_max_position_embeddings =
-      get_int(r, "original_max_position_embeddings", where, 0, kRequired, 1, kMaxPositions);
-  if (!(s.high_freq_factor > s.low_freq_factor))
-    fail(where, ": expected high_freq_factor > low_freq_factor, found ", s.high_freq_factor, " and ",
-         s.low_freq_factor);
+  if (!(s.factor >= 1.0))
+    fail(where, ".factor: expected a number >= 1 (the context grows by it), found ", s.factor);
+  if (type == "llama3") {
+    for (const char* k : {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+      if (!r.contains(k)) fail(where, ": llama3 rope needs '", k, "', which is missing");
+    s.low_freq_factor = get_number(r, "low_freq_factor", where, 1.0, 1e-6, 1e6);
+    s.high_freq_factor = get_number(r, "high_freq_factor", where, 4.0, 1e-6, 1e6);
+    s.original_max_position_embeddings =
+        get_int(r, "original_max_position_embeddings", where, 0, kRequired, 1, kMaxPositions);
+    if (!(s.high_freq_factor > s.low_freq_factor))
+      fail(where, ": expected high_freq_factor > low_freq_factor, found ", s.high_freq_factor, " and ",
+           s.low_freq_factor);
+    return;
+  }
+  // linear, dynamic, yarn: transformers 4.46 (the version tuna matches) takes the original context of dynamic and
+  // yarn from max_position_embeddings, and never reads rope_scaling's original_max_position_embeddings.
+  s.original_max_position_embeddings = c.max_position_embeddings;
+  const bool has_original = r.contains("original_max_position_embeddings") &&
+                            !r["original_max_position_embeddings"].is_null();
+  if (type == "dynamic" && has_original &&
+      get_int(r, "original_max_position_embeddings", where, 0, kRequired, 1, kMaxPositions) != c.max_position_embeddings)
+    fail(where, ".original_max_position_embeddings: ", describe(r["original_max_position_embeddings"]),
+         " differs from max_position_embeddings ", c.max_position_embeddings, ", which is the original context that "
+         "transformers' dynamic rope scales from; set max_position_embeddings to the original context and remove "
+         "this field");
+  if (type != "yarn") return;
+  // Later transformers versions read yarn's original_max_position_embeddings (and then derive the factor from
+  // max_position_embeddings / it) and mscale / mscale_all_dim: a config with them means different frequencies in
+  // different versions, so tuna refuses it rather than train one of them.
+  if (has_original)
+    fail(where, ".original_max_position_embeddings: yarn with this field computes different frequencies in different "
+         "transformers versions (4.46 ignores it and scales from max_position_embeddings; later ones take the factor "
+         "as max_position_embeddings / it); write the original context as max_position_embeddings, the extension as "
+         "'factor', and remove the field");
+  const bool has_attention_factor = r.contains("attention_factor") && !r["attention_factor"].is_null();
+  if (!has_attention_factor && r.contains("mscale") && !r["mscale"].is_null() && r.contains("mscale_all_dim") &&
+      !r["mscale_all_dim"].is_null())
+    fail(where, ": yarn's 'mscale' and 'mscale_all_dim' set the attention factor in later transformers versions and "
+         "are ignored by 4.46; give 'attention_factor' explicitly (0.1 mscale ln(factor) + 1 over 0.1 mscale_all_dim "
+         "ln(factor) + 1 is the later versions' value)");
+  // transformers: `rope_scaling.get("beta_fast") or 32`: missing, null or 0 means the default.
+  auto beta = [&](const char* k, double fallback) {
+    const double v = get_number(r, k, where, fallback, -1e6, 1e6);
+    return v == 0.0 ? fallback : v;
+  };
+  s.beta_fast = beta("beta_fast", 32.0);
+  s.beta_slow = beta("beta_slow", 1.0);
+  if (!(s.beta_fast > s.beta_slow && s.beta_slow > 0.0))
+    fail(where, ": yarn needs beta_fast > beta_slow > 0, found ", s.beta_fast, " and ", s.beta_slow);
+  if (has_attention_factor) s.attention_factor = get_number(r, "attention_factor", where, 0.0, 1e-6, 1e6);
+}
+
+// The rope_scaling object transformers reads back as the same frequencies (null: none).
+json rope_scaling_json(const cpu::RopeScaling& s) {
+  if (s.type == "default") return nullptr;
+  json j = {{"rope_type", s.type}, {"factor", s.factor}};
+  if (s.type == "llama3") {
+    j["low_freq_factor"] = s.low_freq_factor;
+    j["high_freq_factor"] = s.high_freq_factor;
+    j["original_max_position_embeddings"] = s.original_max_position_embeddings;
+  } else if (s.type == "yarn") {
+    j["beta_fast"] = s.beta_fast;
+    j["beta_slow"] = s.beta_slow;
+    if (s.attention_factor > 0.0) j["attention_factor"] = s.attention_factor;
+  }
+  return j;
 }
 
 // Token ids, each in [0, vocab_size): the trainer and the sampler index the vocabulary with them.
@@ -199,15 +258,7 @@ json LlamaConfig::to_json() const {
       {"mlp_bias", false},
       {"torch_dtype", torch_dtype},
   };
-  if (rope_scaling.type == "llama3") {
-    j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", rope_scaling.factor},
-                         {"low_freq_factor", rope_scaling.low_freq_factor},
-                         {"high_freq_factor", rope_scaling.high_freq_factor},
-                         {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings}};
-  } else {
-    j["rope_scaling"] = nullptr;
-  }
+  j["rope_scaling"] = rope_scaling_json(rope_scaling);
   if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;
   if (eos_token_ids.size() == 1) j["eos_token_id"] = eos_token_ids[0];
   else if (!eos_token_ids.empty()) j["eos_token_id"] = eos_token_ids;
@@ -220,13 +271,66 @@ int64_t LlamaConfig::n_params() const {
   return vocab_size * c * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + c;
 }
 
+int64_t LlamaConfig::max_context() const {
+  if (rope_scaling.type != "dynamic" && rope_scaling.type != "yarn") return max_position_embeddings;
+  return static_cast<int64_t>(std::floor(static_cast<double>(max_position_embeddings) * rope_scaling.factor));
+}
+
 void check_seq_len(const LlamaConfig& config, int64_t seq_len, const std::string& option,
                    const std::string& config_path) {
-  if (seq_len <= config.max_position_embeddings) return;
+  if (seq_len <= config.max_context()) return;
+  if (config.max_context() != config.max_position_embeddings)
+    fail("option '", option, "': ", seq_len, " tokens is more than the model's max_position_embeddings ",
+         config.max_position_embeddings, " times its ", config.rope_scaling.type, " rope factor ",
+         config.rope_scaling.factor, " (", config_path, "); use a seq_len up to ", config.max_context(),
+         " or a larger factor (--rope_scaling)");
   fail("option '", option, "': ", seq_len, " tokens is more than the model's max_position_embeddings ",
        config.max_position_embeddings, " (", config_path,
-       "); use a seq_len up to it, or, to train a longer context, raise max_position_embeddings (and, for a llama3 "
-       "rope, rope_scaling) in that config.json: checkpoints and the export then carry the new length");
+       "); use a seq_len up to it, or, to train a longer context, scale the rope (--rope_scaling linear:FACTOR, "
+       "dynamic:FACTOR or yarn:FACTOR): checkpoints and the export then carry the new length");
+}
+
+void apply_rope_scaling(LlamaConfig& config, json& config_json, const std::string& spec, const std::string& option,
+                        const std::string& config_path) {
+  if (spec.empty()) return;
+  const size_t colon = spec.find(':');
+  const std::string type = spec.substr(0, colon);
+  if (colon == std::string::npos || (type != "linear" && type != "dynamic" && type != "yarn"))
+    fail("option '", option, "': expected TYPE:FACTOR with TYPE linear, dynamic or yarn (e.g. linear:4), found '",
+         spec, "'");
+  const std::string factor_text = spec.substr(colon + 1);
+  char* end = nullptr;
+  const double factor = std::strtod(factor_text.c_str(), &end);
+  if (factor_text.empty() || *end != '\0' || !std::isfinite(factor) || factor <= 1.0 || factor > 1024.0)
+    fail("option '", option, "': the factor of '", spec, "' must be a number above 1 and at most 1024, found '",
+         factor_text, "'");
+  cpu::RopeScaling& s = config.rope_scaling;
+  // Resuming, or starting from a checkpoint of a run that scaled the same way: its config already says so.
+  if (s.type == type && s.factor == factor) return;
+  if (s.type != "default")
+    fail("option '", option, "': the model already has ", s.type, " rope scaling (factor ", s.factor, ", ",
+         config_path, "); scaling it again is not supported: start from the unscaled model, or leave the option out "
+         "to train the context its config.json gives");
+  // linear divides the positions, so max_position_embeddings becomes the extended context (as linear-scaled
+  // checkpoints publish it); dynamic and yarn scale from max_position_embeddings, which stays the original context.
+  if (type == "linear")
+    config.max_position_embeddings =
+        static_cast<int64_t>(std::floor(static_cast<double>(config.max_position_embeddings) * factor));
+  s = cpu::RopeScaling{};
+  s.type = type, s.factor = factor, s.original_max_position_embeddings = config.max_position_embeddings;
+  const json written = rope_scaling_json(s);
+  config_json["max_position_embeddings"] = config.max_position_embeddings;
+  config_json["rope_scaling"] = written;
+  if (config_json.contains("rope_parameters") && !config_json["rope_parameters"].is_null()) {
+    json parameters = written;
+    parameters["rope_theta"] = config.rope_theta;
+    config_json["rope_parameters"] = parameters;
+  }
+  // What is written must read back as what trains.
+  const LlamaConfig back = LlamaConfig::from_json(config_json, config_path);
+  TUNA_CHECK(back.rope_scaling.type == s.type && back.rope_scaling.factor == s.factor &&
+                 back.max_context() == config.max_context(),
+             "rope scaling ", spec, " did not round-trip through config.json");
 }
 
 double model_flops_per_token(const LlamaConfig& c, int64_t seq) {

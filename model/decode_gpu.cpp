@@ -1,4 +1,4 @@
-// DecodeGpu: LlamaGpu's forward (model/llama_gpu.cpp, same ops in the same order) for the positions appended
+// DecodeGpu: LlamaGpu's forward (model/llama_gpu_forward.cpp, same ops in the same order) for the positions appended
 // to a KV cache. Per layer, for the n new positions of each sequence:
 //   norm = rmsnorm(x);  q|k|v = norm @ W[q|k|v] (one GEMM);  rope(q), rope(k) -> cache[length..] at positions
 //   length..length+n-1, v -> cache[length..];  att = decode_attention(q, cache);  h = x + att @ Wo
@@ -29,9 +29,9 @@ namespace tuna {
 DecodeGpu::DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity)
     : config_(*weights.config), layout_(*weights.layout), params_(weights.params), batch_(batch), capacity_(capacity) {
   const LlamaConfig& c = config_;
-  if (batch < 1 || capacity < 1 || capacity > c.max_position_embeddings)
-    fail("KV cache of ", batch, " x ", capacity, " positions: expected >= 1 sequence of 1..", c.max_position_embeddings,
-         " positions (max_position_embeddings)");
+  if (batch < 1 || capacity < 1 || capacity > c.max_context())
+    fail("KV cache of ", batch, " x ", capacity, " positions: expected >= 1 sequence of 1..", c.max_context(),
+         " positions (the model's context: max_position_embeddings, times a dynamic or yarn rope's factor)");
   if (c.head_dim % 8 != 0 || c.head_dim > 128)
     fail("--device cuda generation: decode attention supports head_dim a multiple of 8 up to 128; this model has ",
          c.head_dim);
@@ -68,11 +68,10 @@ DecodeGpu::DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity)
   tokens_ = a.take<int32_t>("tokens", rows);
   a.check_all_taken();
 
-  // The rotation tables from the CPU twin's functions, as LlamaGpu uploads them.
-  std::vector<double> inv_freq(c.head_dim / 2);
-  cpu::rope_inv_freq(inv_freq.data(), c.head_dim, c.rope_theta, c.rope_scaling);
+  // The rotation tables from the CPU twin's function, as LlamaGpu uploads them (dynamic scaling: replaced row by
+  // row as the sequence grows, in append).
   std::vector<float> cos_table(capacity * c.head_dim / 2), sin_table(capacity * c.head_dim / 2);
-  cpu::rope_table(cos_table.data(), sin_table.data(), inv_freq.data(), capacity, c.head_dim);
+  cpu::rope_tables(cos_table.data(), sin_table.data(), 0, capacity, c.head_dim, c.rope_theta, c.rope_scaling, 0);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(rope_cos_, cos_table.data(), cos_table.size() * sizeof(float),
                                   cudaMemcpyHostToDevice, stream_));
   TUNA_CUDA_CHECK(cudaMemcpyAsync(rope_sin_, sin_table.data(), sin_table.size() * sizeof(float),
@@ -101,6 +100,19 @@ void DecodeGpu::append(const int32_t* tokens, int64_t n, float* host_last_logits
   const __nv_bfloat16* w = params_;
   const float* cos = rope_cos_ + length_ * (D / 2);
   const float* sin = rope_sin_ + length_ * (D / 2);
+  if (c.rope_scaling.type == "dynamic") {
+    // Dynamic scaling: the new positions turn with the frequencies of the length the cache now reaches (what
+    // transformers' cached forward computes); the cached keys keep the rotation they were cached with.
+    dynamic_cos_.resize(n * (D / 2));
+    dynamic_sin_.resize(n * (D / 2));
+    cpu::rope_tables(dynamic_cos_.data(), dynamic_sin_.data(), length_, n, D, c.rope_theta, c.rope_scaling,
+                     length_ + n);
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(rope_cos_ + length_ * (D / 2), dynamic_cos_.data(),
+                                    dynamic_cos_.size() * sizeof(float), cudaMemcpyHostToDevice, s));
+    TUNA_CUDA_CHECK(cudaMemcpyAsync(rope_sin_ + length_ * (D / 2), dynamic_sin_.data(),
+                                    dynamic_sin_.size() * sizeof(float), cudaMemcpyHostToDevice, s));
+    TUNA_CUDA_CHECK(cudaStreamSynchronize(s));  // the host rows are rewritten by the next append
+  }
   TUNA_CUDA_CHECK(cudaMemcpyAsync(tokens_, tokens, rows * sizeof(int32_t), cudaMemcpyHostToDevice, s));
 
   cuda::embedding_fwd(x_, tokens_, w + layout_.embed_tokens(), rows, V, C, s);

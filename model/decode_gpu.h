@@ -35,7 +35,7 @@ struct GpuWeights {
 
 class DecodeGpu {
  public:
-  // A cache for `batch` sequences of up to `capacity` positions (at most max_position_embeddings).
+  // A cache for `batch` sequences of up to `capacity` positions (at most the config's max_context()).
   DecodeGpu(const GpuWeights& weights, int64_t batch, int64_t capacity);
   ~DecodeGpu();
   DecodeGpu(const DecodeGpu&) = delete;
@@ -60,6 +60,7 @@ class DecodeGpu {
   std::unique_ptr<DeviceArena> arena_;  // the cache and activations (plan_gpu_decode_memory)
   std::vector<__nv_bfloat16*> keys_, values_;  // per layer: [batch, capacity, kv_dim]
   float *rope_cos_ = nullptr, *rope_sin_ = nullptr, *rstd_ = nullptr;
+  std::vector<float> dynamic_cos_, dynamic_sin_;  // dynamic rope: an append's rows, on the host
   // Activations of up to batch x capacity new positions, reused by every layer.
   __nv_bfloat16 *x_ = nullptr, *h_ = nullptr, *norm_ = nullptr, *qkv_ = nullptr, *q_ = nullptr, *att_ = nullptr,
                 *gate_up_ = nullptr, *act_ = nullptr, *last_ = nullptr, *logits_ = nullptr;

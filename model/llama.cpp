@@ -23,6 +23,7 @@
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/swiglu.h"
+#include "model/memory_plan.h"  // MemoryLayout
 
 namespace tuna {
 
@@ -94,6 +95,21 @@ class Llama::OwnAdapters final : public WeightStore {
   Llama& m_;
 };
 
+LlamaParallel llama_parallel(const MemoryLayout& run, Comm* tp) {
+  LlamaParallel p;
+  p.tp = tp;
+  p.external_weights = run.zero == 3 || run.lora.base_quant != BaseQuant::None;
+  p.external_grads = run.zero == 2;
+  p.sequence = run.sp;
+  p.stage = run.pp > 1 ? &run.stage() : nullptr;
+  p.in_flight = run.in_flight();
+  p.external_adapters = run.lora.enabled() && run.zero == 3;
+  return p;
+}
+
+Llama::Llama(const LlamaConfig& config, const MemoryLayout& run, Comm* tp)
+    : Llama(config, run.micro_batch, run.seq_len, llama_parallel(run, tp), static_cast<const LoraConfig&>(run.lora)) {}
+
 Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel,
              const LoraConfig& lora)
     : config_(config),
@@ -150,12 +166,15 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
   }
 
   inv_freq_.resize(c.head_dim / 2);
-  cpu::rope_inv_freq(inv_freq_.data(), c.head_dim, c.rope_theta, c.rope_scaling);
+  cpu::rope_inv_freq(inv_freq_.data(), c.head_dim, c.rope_theta, c.rope_scaling, max_seq);
   allocate_host(str("the rotary tables for ", max_seq, " positions"), uint64_t(max_seq) * c.head_dim * sizeof(float), [&] {
     rope_cos_.resize(max_seq * c.head_dim / 2);
     rope_sin_.resize(max_seq * c.head_dim / 2);
   });
-  cpu::rope_table(rope_cos_.data(), rope_sin_.data(), inv_freq_.data(), max_seq, c.head_dim);
+  // The tables of a forward over max_seq positions (dynamic scaling depends on the length: a training window of
+  // max_seq tokens is what transformers rotates with these; a cached forward makes its own rows, below).
+  cpu::rope_table(rope_cos_.data(), rope_sin_.data(), inv_freq_.data(), max_seq, c.head_dim,
+                  cpu::rope_attention_factor(c.rope_scaling));
   allocate_host(str("the document boundaries of ", max_batch, " x ", max_seq, " tokens"),
                 uint64_t(2) * n * sizeof(int32_t), [&] {
                   doc_start_.resize(n);
@@ -463,6 +482,16 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
   const int64_t past = cache ? cache->length : 0;
   const float* rope_cos = rope_cos_.data() + past * (c.head_dim / 2);
   const float* rope_sin = rope_sin_.data() + past * (c.head_dim / 2);
+  if (cache && c.rope_scaling.type == "dynamic") {
+    // Generation with dynamic scaling: the new positions turn with the frequencies of the length the cache now
+    // reaches, as transformers' cached forward computes them; the cached keys keep theirs.
+    cached_cos_.resize(seq * (c.head_dim / 2));
+    cached_sin_.resize(seq * (c.head_dim / 2));
+    cpu::rope_tables(cached_cos_.data(), cached_sin_.data(), past, seq, c.head_dim, c.rope_theta, c.rope_scaling,
+                     past + seq);
+    rope_cos = cached_cos_.data();
+    rope_sin = cached_sin_.data();
+  }
 
   store_->plan(layout_.unit_pass_order(backward_follows));
   lora_train_ = backward_follows && lora_.dropout > 0;  // PEFT's dropout acts in training only

@@ -34,6 +34,7 @@
 namespace tuna {
 
 class Comm;
+struct MemoryLayout;  // model/memory_plan.h
 
 // Where the decoder finds weights and puts gradients, a unit at a time (units: see layout.h). Pointers
 // address the unit's range of the flat layout: element `offset` of the layout is at ptr[offset - begin].
@@ -67,6 +68,11 @@ struct LlamaParallel {
   bool external_adapters = false;
 };
 
+// What the CPU engine's Zero (dist/zero.h) and a frozen base hold instead of the model for one rank of a placed run
+// layout: ZeRO-3 the weights (and the adapters), ZeRO-2 the gradients, a quantized base its weights. The stage points
+// into `run`.
+LlamaParallel llama_parallel(const MemoryLayout& run, Comm* tp);
+
 // How a packed window treats the documents in it (options --document_mask and --document_positions). The
 // boundaries come with each batch as the loader's positions (DataLoader::next: each token's position inside its
 // document); a batch given without them is one document per row, as before.
@@ -98,6 +104,10 @@ class Llama {
   // gradients, and external weights to the base (set_weight_store: a quantized base, model/quantized_weights.h).
   Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel = {},
         const LoraConfig& lora = {});
+  // One rank of a run's placed layout (model/support.h place_layout), as the CPU engine trains it: its batch shape, its
+  // pipeline stage and activation slots, sp over `tp`, its adapters, and which buffers are held outside the model
+  // (llama_parallel).
+  Llama(const LlamaConfig& config, const MemoryLayout& run, Comm* tp);
 
   const LlamaConfig& config() const { return config_; }
   const ParamLayout& layout() const { return layout_; }
@@ -249,6 +259,7 @@ class Llama {
   int64_t max_batch_, max_seq_, head_chunk_rows_;
   std::vector<double> inv_freq_;
   std::vector<float> rope_cos_, rope_sin_;
+  std::vector<float> cached_cos_, cached_sin_;  // dynamic rope: the rows of a cached forward's new positions
   PipelineStage stage_;     // the whole model unless pipelined
   int64_t in_flight_ = 1;   // activation slots
   int64_t slot_ = 0;        // the slot of the pass under way

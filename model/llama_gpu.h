@@ -2,8 +2,9 @@
 // loss as a SUM with one division per step), bf16 activations and weights, fp32 gradients and AdamW state, on
 // one device. Only in CUDA builds (TUNA_CUDA).
 //
-// Memory: every buffer is planned by plan_gpu_memory (model/memory_plan_gpu.cpp) for (max_batch, max_seq) and
-// taken from one device arena at construction; forward_backward and adamw_step allocate nothing. Which
+// Memory: every buffer is a row of one table (model/gpu_buffers.h plan_gpu_buffers, whose sizes are the memory plan)
+// for (max_batch, max_seq), pointed into one device arena at construction; forward_backward and adamw_step allocate
+// nothing. Which
 // activations are kept for the backward is MemoryLayout::recompute: none keeps every layer's; selective keeps the
 // GEMM and attention outputs and recomputes the two norms and SwiGLU in the backward; full keeps each layer's
 // input only and recomputes the layer (all but its down projection) just before its backward. The kernels are
@@ -30,6 +31,9 @@
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
 // before its forward and again before its backward. A stage quantizes and dequantizes its own layers only.
+//
+// Files: model/llama_gpu.cpp (construction, weights in and out, the own AdamW step), llama_gpu_forward.cpp and
+// llama_gpu_backward.cpp (the passes), llama_gpu_quantized.cpp (the quantized base), llama_gpu_lora.cpp (the adapters).
 #pragma once
 
 #if TUNA_CUDA
@@ -49,6 +53,7 @@
 #include "kernels/embedding.cuh"
 #include "kernels/matmul.cuh"
 #include "model/config.h"
+#include "model/gpu_buffers.h"  // GpuBufferRow
 #include "model/gpu_options.h"
 #include "model/layout.h"
 #include "model/llama.h"        // LossSum
@@ -108,6 +113,8 @@ class DeviceArena {
   T* take(const std::string& name, int64_t count) {
     return static_cast<T*>(take_bytes(name, count * static_cast<int64_t>(sizeof(T))));
   }
+  // The buffer of one of the plan's items (the model's rows of model/gpu_buffers.h, whose bytes are the plan's).
+  void* take(const MemoryItem& item) { return take_bytes(item.name, item.bytes); }
   void check_all_taken() const;
   const MemoryPlan& plan() const { return plan_; }
   int64_t bytes() const { return bytes_; }
@@ -179,6 +186,10 @@ class LlamaGpu {
   // sequence parallelism (MemoryLayout::sp) it also all-gathers the normed rows before the column-parallel GEMMs
   // and the residual stream's gradient before the row-parallel ones' backward.
   void set_tp_comm(Comm* tp);
+  // Waits on the host for everything queued on stream() so far. With tensor parallelism the tp collectives run
+  // there, so the wait goes through the tp comm (Comm::wait_event): bounded by --comm_timeout and naming `what`, the
+  // tp group and its last collective, where a plain synchronize would never return once a tp peer hangs.
+  void wait_for_stream(const char* what);
   // AdamW moments: float, or __nv_bfloat16 with GpuOptions::bf16_moments; null without optimizer state.
   void* moment_m() { return t_.m; }
   void* moment_v() { return t_.v; }
@@ -287,8 +298,18 @@ class LlamaGpu {
     __nv_bfloat16* weights = nullptr;
     void *m = nullptr, *v = nullptr;
   };
+  // Construction: each of the table's rows pointed at its buffer (point; a layer activation's at its slot and layer),
+  // then what the device holds from the start (the AdamW segment table, RoPE, zeros).
+  void point(const GpuBufferRow& row, void* p);
+  void point_activation(const GpuBufferRow& row, __nv_bfloat16* p);
+  void fill_tables();
+  // Adapters: which local input column of each target is which of the whole layer's (dropout's index).
+  void set_up_adapters();  // model/llama_gpu_lora.cpp
+  // QLoRA: each projection's NF4 state carved out of nf4_state_, each unquantized tensor's bf16 out of plain_.
+  void lay_out_quantized_base();  // model/llama_gpu_quantized.cpp
   class OwnWeights;  // the GpuWeightStore over params_ and grads_
   class QuantizedBase;  // QLoRA's GpuWeightStore: nf4 layers dequantized on acquire, the rest bf16
+  std::unique_ptr<GpuWeightStore> make_quantized_base();  // model/llama_gpu_quantized.cpp
   class GradWrites;  // which weight-gradient write of a backward pass overwrites and which adds
   // Also the batch's document starts and RoPE positions (from the loader's positions and the document mode).
   void upload_tokens(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
@@ -303,6 +324,8 @@ class LlamaGpu {
   // LossSum has its count only, and queued_loss_sum() gives the sum once that copy has landed.
   LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits);
   double queued_loss_sum();
+  // The host waits for `event` (recorded on stream_): through the tp comm when there is one (wait_for_stream).
+  void wait_for_event(cudaEvent_t event, const char* what);
   // Cross-entropy of a chunk of logits, in place (dlogits with want_grad): the fused kernel, or under tensor
   // parallelism the vocab-parallel steps around their two all-reduces.
   void cross_entropy(int64_t r0, int64_t rows, bool want_grad);
@@ -343,9 +366,9 @@ class LlamaGpu {
   void zero_unwritten_grads();
 
   LlamaConfig config_;
+  MemoryLayout run_;  // placed (model/support.h): this rank's stage and activation slots are its
   ParamLayout layout_;
   OptimizerConfig opt_;
-  MemoryLayout run_;
   GpuOptions options_;
   int64_t max_batch_, max_seq_, head_chunk_rows_, steps_taken_ = 0;
   cudaStream_t stream_ = nullptr;
@@ -381,7 +404,7 @@ class LlamaGpu {
   int64_t lora_grad_begin_ = 0;              // trained_layout() at lora_grad_unit_[offset - lora_grad_begin_]
   uint64_t lora_dropout_key_ = 0;
   bool lora_train_ = false;  // this pass applies dropout
-  // QLoRA: per layer, its projections' NF4 state in nf4_bytes_; the unquantized tensors (embedding unit, head unit,
+  // QLoRA: per layer, its projections' NF4 state in nf4_state_; the unquantized tensors (embedding unit, head unit,
   // then the layers' norms) in plain_; dequant_ one layer unit in bf16.
   struct Nf4Slot {
     int64_t offset = 0, n = 0;  // the tensor in the layout
@@ -393,6 +416,8 @@ class LlamaGpu {
   std::vector<std::vector<Nf4Slot>> nf4_;      // per layer
   std::map<int64_t, __nv_bfloat16*> plain_at_;  // layout offset of an unquantized tensor -> its bf16 values
   __nv_bfloat16 *plain_ = nullptr, *dequant_ = nullptr;
+  uint8_t* nf4_state_ = nullptr;  // every projection's NF4 state, nf4_bytes_ of it; plain_: plain_bytes_ of values
+  int64_t nf4_bytes_ = 0, plain_bytes_ = 0;
   // Fills unit u of the quantized base from host fp32 (quantizing its projections); the piece is the whole unit.
   void set_quantized_unit(int u, const float* host);
   // Elements [piece.begin, +piece.size) from the host: into the fp32 master and then its bf16 copy, or with no master
@@ -430,11 +455,13 @@ class LlamaGpu {
   // take (null: plain causal attention, positions 0..seq-1).
   DocumentMode documents_;
   int32_t *doc_start_ = nullptr, *rope_positions_ = nullptr;
+  int32_t* attention_tile_counter_ = nullptr;  // the hopper forward's work counter (attention_fwd), 0 between launches
   const int32_t* attention_doc_start_ = nullptr;
   const int32_t* rope_position_ids_ = nullptr;
   // Pinned staging for uploads and the two scalars read back per step.
   int32_t* pinned_ids_ = nullptr;  // 7 * n + 1 ints: inputs, targets, positions, unique, offsets, doc starts, RoPE
   double* pinned_scalar_ = nullptr;
+  cudaEvent_t stream_done_ = nullptr;  // wait_for_stream's
   cudaEvent_t loss_copied_ = nullptr;  // recorded after head() queues the loss sum's copy into pinned_scalar_[0]
   cuda::EmbeddingGroups groups_;
 };
@@ -460,11 +487,6 @@ double replicated_sum_of_squares(const float* grad, const std::vector<ShardPiece
 double copy_sum_of_squares(const float* grad, const std::vector<ShardPiece>& pieces, double* part, double* scratch,
                            cudaStream_t stream);
 
-// Dense bf16 tensor-core peak of a device in FLOP/s, for MFU: TUNA_PEAK_TFLOPS when set (the bench measures
-// and reports its own), else the datasheet figure scaled by the multiprocessor count (sm_90: 989 TFLOP/s at
-// 132 SMs; sm_80: 312 at 108), else a clock x SM estimate.
-double gpu_peak_bf16_flops(int device = 0);
-
 // The fused GEMMs (LlamaGpu, DecodeGpu) read each layer's q|k|v and gate|up as one weight block: fails, naming
 // the layer, unless k_proj follows q_proj, v_proj k_proj, and up_proj gate_proj in `layout`.
 void require_fused_weight_blocks(const ParamLayout& layout, int64_t hidden_size);
@@ -473,18 +495,6 @@ void require_fused_weight_blocks(const ParamLayout& layout, int64_t hidden_size)
 // into them, v into the KV cache), queued on the stream.
 void copy_rows(__nv_bfloat16* dst, int64_t dst_stride, const __nv_bfloat16* src, int64_t src_stride, int64_t rows,
                int64_t cols, cudaStream_t stream);
-
-// Device memory for the log line: in use now (cudaMemGetInfo: total - free, all processes) and the card's total.
-// LlamaGpu allocates everything at construction, so its peak equals its use after construction.
-struct GpuMemory {
-  int64_t used_bytes = 0, total_bytes = 0;
-};
-GpuMemory gpu_memory(int device = 0);
-
-// Percent of the last sample period (about 1/6 s to 1 s, driver-chosen) in which a kernel ran on the device,
-// from NVML; NaN where NVML is not available. NVML is loaded at run time (libnvidia-ml.so.1 comes with the
-// driver), so binaries still start on machines without one.
-double gpu_utilization_percent(int device = 0);
 
 }  // namespace tuna
 

@@ -15,6 +15,13 @@ constexpr LoraTarget kTargets[kLoraTargets] = {LoraTarget::Q,    LoraTarget::K, 
 
 std::string valid_names() { return lora_targets_string(kAllLoraTargets); }
 
+// The bit of the projection called exactly `name`; 0 for any other string.
+uint32_t lora_target_bit(const std::string& name) {
+  for (LoraTarget t : kTargets)
+    if (name == lora_target_name(t)) return 1u << static_cast<int>(t);
+  return 0;
+}
+
 }  // namespace
 
 const char* lora_target_name(LoraTarget t) {
@@ -251,28 +258,35 @@ LoraConfig read_peft_adapter_config(const std::filesystem::path& path) {
     off(key);
   LoraConfig lora;
   lora.rank = json_int(j, "r", src, 1, int64_t{1} << 20);
+  // The file's values are refused here, naming the file and its key (validate_lora's messages name the options).
   lora.alpha = json_number(j, "lora_alpha", src, 0, 1e12);
+  if (lora.alpha <= 0)
+    fail(src, ": field 'lora_alpha': expected a number above 0 (the update is scaled by lora_alpha / r), found ",
+         j["lora_alpha"].dump());
   lora.dropout = j.contains("lora_dropout") && !j["lora_dropout"].is_null() ? json_number(j, "lora_dropout", src, 0, 1)
                                                                              : 0.0;
+  if (lora.dropout >= 1) fail(src, ": field 'lora_dropout': expected a probability in [0, 1), found ", j["lora_dropout"].dump());
   if (!j.contains("target_modules")) fail(src, ": missing field 'target_modules'");
   const nlohmann::json& tm = j["target_modules"];
-  std::string list;
   if (tm.is_string()) {
-    if (tm.get<std::string>() == "all-linear") list = valid_names();
-    else fail(src, ": field 'target_modules': a regular expression (", tm.dump(),
-              ") is not supported; expected a list of ", valid_names(), " or \"all-linear\"");
-  } else if (tm.is_array()) {
+    if (tm.get<std::string>() != "all-linear")
+      fail(src, ": field 'target_modules': a regular expression (", tm.dump(), ") is not supported; expected a list of ",
+           valid_names(), " or \"all-linear\"");
+    lora.targets = kAllLoraTargets;
+  } else if (tm.is_array() && !tm.empty()) {
+    // Each entry exactly a projection's name: PEFT matches module names as they are, so "q_proj " or "" targets
+    // nothing there (PEFT refuses the configuration), and a comma list in one entry is one name.
+    lora.targets = 0;
     for (const nlohmann::json& name : tm) {
-      if (!name.is_string()) fail(src, ": field 'target_modules': expected names, found ", name.dump());
-      list += (list.empty() ? "" : ",") + name.get<std::string>();
+      const uint32_t bit = name.is_string() ? lora_target_bit(name.get<std::string>()) : 0;
+      if (bit == 0)
+        fail(src, ": field 'target_modules': ", name.dump(), " is not the name of a projection of a LLaMA layer (expected ",
+             "each entry exactly one of ", valid_names(), ", or the string \"all-linear\")");
+      if (lora.targets & bit) fail(src, ": field 'target_modules': ", name.dump(), " is given twice");
+      lora.targets |= bit;
     }
   } else {
-    fail(src, ": field 'target_modules': expected a list of names, found ", tm.dump());
-  }
-  try {
-    lora.targets = parse_lora_targets(list);
-  } catch (const Error& e) {
-    fail(src, ": field 'target_modules': ", e.what());
+    fail(src, ": field 'target_modules': expected a non-empty list of names, found ", tm.dump());
   }
   return lora;
 }

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/lora.h"  // lora_dropout_keeps: the one definition of the mask
 #include "model/config.h"
 #include "model/layout.h"
 #include "model/optimizer.h"  // Segment
@@ -86,16 +87,7 @@ void init_lora_weights_piece(const ParamLayout& adapters, uint64_t seed, const S
 // tensor-parallel split of a row-parallel input (o, down) does not change the mask.
 uint64_t lora_dropout_key(uint64_t seed, int64_t step, int64_t micro_batch, int dp_rank);
 uint64_t lora_dropout_stream(uint64_t key, int64_t layer, LoraTarget t);
-inline uint64_t lora_mix(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-// True when the element survives a dropout of probability p (then it is scaled by 1 / (1 - p)).
-inline bool lora_dropout_keeps(uint64_t stream, int64_t index, double p) {
-  const uint64_t bits = lora_mix(stream + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(index) + 1));
-  return static_cast<double>(bits >> 11) * 0x1.0p-53 >= p;
-}
+// lora_dropout_keeps (kernels/cpu/lora.h): whether an element survives, by its stream and index.
 
 // Trainable parameters of the adapters in the whole model (every tp rank's together).
 int64_t lora_parameter_count(const LlamaConfig& config, const LoraConfig& lora);

@@ -42,12 +42,7 @@ std::string describe_lora(const LoraPlan& lora) {
 
 void check_lora_plan(const LlamaConfig& c, const LoraPlan& lora, const std::string& source) {
   if (lora.rank < 0) fail(source, ": lora_rank must be >= 0 (0: a full fine-tune), found ", lora.rank);
-  if (!lora.enabled()) {
-    if (lora.base_quant != BaseQuant::None)
-      fail(source, ": base_quant ", base_quant_name(lora.base_quant), " freezes the base, which only adapters "
-           "train around: give lora_rank > 0 (or base_quant none for a full fine-tune)");
-    return;
-  }
+  if (!lora.enabled()) return;  // a quantized base without adapters: the support table's (model/support.h)
   if ((lora.targets & kAllLoraTargets) == 0) fail(source, ": lora_rank ", lora.rank, " with no lora_targets");
   if (!std::isfinite(lora.dropout) || lora.dropout < 0 || lora.dropout >= 1)
     fail(source, ": lora_dropout must be in [0, 1), found ", lora.dropout);

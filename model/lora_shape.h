@@ -37,7 +37,7 @@ struct LoraPlan : LoraConfig {
 // "LoRA r16 on all 7 modules", "QLoRA (nf4) r8 on q_proj,v_proj", "full fine-tune".
 std::string describe_lora(const LoraPlan& lora);
 // Refuses a plan the model cannot take, naming `source`: a rank above the smaller dimension of a target, no
-// targets, a dropout outside [0, 1), a quantized base without adapters.
+// targets, a dropout outside [0, 1). (A quantized base without adapters is the support table's, model/support.h.)
 void check_lora_plan(const LlamaConfig& config, const LoraPlan& lora, const std::string& source);
 
 // One target's adapter on one tp rank.

@@ -17,6 +17,12 @@ MemoryLayout single_rank_layout(int64_t micro_batch, int64_t seq_len, bool train
   return l;
 }
 
+const PipelineStage& MemoryLayout::stage() const {
+  TUNA_CHECK(static_cast<int64_t>(stages.size()) == pp && pp_rank >= 0 && pp_rank < pp,
+             "a layout placed for ", stages.size(), " pipeline stages (place_layout) asked for stage ", pp_rank, " of ", pp);
+  return stages[static_cast<size_t>(pp_rank)];
+}
+
 Recompute parse_recompute(const std::string& text, const std::string& source) {
   if (text == "none") return Recompute::None;
   if (text == "selective") return Recompute::Selective;

@@ -60,6 +60,23 @@ struct MemoryLayout {
   // gradients and moments; ZeRO-3 also shards the frozen base (gathered a unit at a time), below it the base is
   // whole on every dp rank. A LoraPlan is the run's LoraConfig and how the base is stored.
   LoraPlan lora;
+
+  // What follows from the layout and the model, filled in once by place_layout (model/support.h), which the memory
+  // plans, the models and the engines read: the pipeline split (model/pipeline.h), every stage's; at pp 1 one stage,
+  // the whole model. Whoever changes pp, seq_len or the model of a placed layout places it again.
+  std::vector<PipelineStage> stages;
+  bool placed() const { return !stages.empty(); }
+  const PipelineStage& stage() const;  // this rank's: stages[pp_rank]
+  bool first_stage() const { return pp_rank == 0; }
+  bool last_stage() const { return pp_rank == pp - 1; }
+  // The micro-batches whose activations this stage keeps at once: under 1F1B stage s has run the forwards of pp - s
+  // before the first backward reaches it (model/pipeline.h); a forward alone keeps one.
+  int64_t in_flight() const { return training ? pp - pp_rank : 1; }
+  // A full fine-tune's first and last stage with tied embeddings: each holds the table (the last as its lm_head) and
+  // they sum its gradient between them (model/pipeline.h pipeline_stage_units).
+  bool tied_across_stages(const LlamaConfig& config) const {
+    return training && !lora.enabled() && pp > 1 && config.tie_word_embeddings && (first_stage() || last_stage());
+  }
 };
 
 // One rank alone, on batches of up to micro_batch x seq_len; training false: the forward pass alone.

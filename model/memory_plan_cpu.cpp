@@ -14,6 +14,7 @@
 #include "model/llama.h"
 #include "model/memory_plan.h"
 #include "model/quantized_weights.h"  // quantized_base_bytes
+#include "model/support.h"            // place_layout, require_support
 
 namespace tuna {
 
@@ -41,46 +42,20 @@ constexpr int64_t kFloat = sizeof(float), kDouble = sizeof(double);
 
 }  // namespace
 
-MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
-  if (m.dp < 1 || m.tp < 1) fail("memory plan: dp and tp must be >= 1, found dp ", m.dp, ", tp ", m.tp);
-  if (m.sp && m.tp < 2) fail("memory plan: sequence parallelism splits the tokens over the tp ranks: it needs tp > 1");
-  if (m.pp < 1 || m.pp_rank < 0 || m.pp_rank >= m.pp)
-    fail("memory plan: pipeline stage ", m.pp_rank, " of ", m.pp, ": expected pp >= 1 and a stage in [0, pp)");
-  TUNA_CHECK(m.dp_rank >= 0 && m.dp_rank < m.dp && m.tp_rank >= 0 && m.tp_rank < m.tp, "dp rank ", m.dp_rank, " of ",
-             m.dp, ", tp rank ", m.tp_rank, " of ", m.tp);
-  if (m.zero < 0 || m.zero > 3) fail("memory plan: option 'zero': expected 0, 1, 2 or 3, found ", m.zero);
-  if (m.micro_batch < 1 || m.seq_len < 1)
-    fail("memory plan: micro_batch and seq_len must be >= 1, found ", m.micro_batch, " and ", m.seq_len);
-  // The CPU backend is fp32 throughout and keeps every activation: the options that change that are cuda's.
-  if (m.recompute != Recompute::None)
-    fail("option 'recompute' is ", recompute_name(m.recompute), ", but the CPU backend keeps every activation "
-         "(recompute is a --device cuda option)");
-  if (m.bf16_moments) fail("option 'bf16_moments' is for --device cuda (the CPU backend keeps fp32 moments)");
-  if (!m.master_weights) fail("option 'master_weights' false is for --device cuda (the CPU backend trains fp32 weights)");
+MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& asked) {
+  // The CPU engine's own allocations: a layout it does not run has no plan here (model/support.h).
+  const MemoryLayout m = place_layout(config, asked);
+  require_support(config, m, Device::Cpu);
 
   // A pipeline stage (--pp) holds its own layers' tensors (the trainer's split, model/pipeline.h) and keeps the
-  // activations of pp - stage micro-batches (1F1B), so the first stage holds the most.
-  const PipelineStage pipeline = pipeline_stages(config, m.pp, m.seq_len)[m.pp_rank];
+  // activations of the micro-batches in flight there (1F1B), so the first stage holds the most.
+  const PipelineStage& pipeline = m.stage();
   const ParamLayout layout = m.pp > 1 ? ParamLayout(config, static_cast<int>(m.tp_rank), static_cast<int>(m.tp), pipeline)
                                       : ParamLayout(config, static_cast<int>(m.tp_rank), static_cast<int>(m.tp));
-  const int64_t in_flight = m.training ? m.pp - m.pp_rank : 1;
+  const int64_t in_flight = m.in_flight();
   // LoRA (training): the base is frozen and whole (no gradient, no optimizer state); Zero holds the adapters'.
   const bool lora = m.training && m.lora.enabled();
-  if (m.training && m.pp > 1 && m.zero == 3)
-    fail("memory plan: --zero 3 with --pp ", m.pp, ": not implemented; use --zero 0, 1 or 2");
-  // Tied embeddings over stages: the first and the last stage each receive the other's gradient of the table (a
-  // frozen table, LoRA's, has none).
-  const bool tied_over_stages =
-      m.training && !lora && m.pp > 1 && config.tie_word_embeddings && (m.pp_rank == 0 || m.pp_rank == m.pp - 1);
-  if (tied_over_stages && m.zero >= 2)
-    fail("memory plan: --zero ", m.zero, " with --pp and tied embeddings: not implemented; use --zero 0 or 1");
   const bool quantized = lora && m.lora.base_quant != BaseQuant::None;
-  if (m.training && !lora && m.lora.base_quant != BaseQuant::None)
-    fail("option 'base_quant' ", base_quant_name(m.lora.base_quant), " is for LoRA training (a quantized base is "
-         "frozen): give --lora_rank");
-  if (quantized && m.zero == 3)
-    fail("option 'base_quant' ", base_quant_name(m.lora.base_quant), " with --zero 3: sharding a quantized base is not "
-         "implemented; use --zero 0, 1 or 2 (the quantized base is small), or --base_quant none");
   // A stage's adapters: its layers' (model/lora.h).
   const LoraLayout adapters = lora ? lora_layout(config, m.lora, static_cast<int>(m.tp_rank), static_cast<int>(m.tp),
                                                  m.pp > 1 ? &pipeline : nullptr)
@@ -139,7 +114,7 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& m) {
   add("rotary tables", MemoryKind::Workspace, llama.rope_tables * kFloat + llama.rope_inv_freq * kDouble);
   add("vocab-parallel loss statistics", MemoryKind::Workspace, llama.ce_stats * kDouble);
   add("document boundaries (mask starts, RoPE positions)", MemoryKind::Workspace, llama.documents * int64_t(sizeof(int32_t)));
-  if (tied_over_stages) {
+  if (m.tied_across_stages(config)) {
     const ParamTensor* table = layout.has_embedding() ? layout.find("model.embed_tokens.weight") : layout.tied_copy();
     add("tied embedding: the other stage's gradient of the table", MemoryKind::Communication, table->numel * kFloat);
   }

@@ -1,7 +1,9 @@
-// plan_gpu_memory: every device buffer of the CUDA engine (model/llama_gpu.cpp, dist/zero_gpu.cpp) for one rank,
-// by name, in the order of its one device arena. The engine lays its arena out from this list and takes
-// each buffer by name with its element count (DeviceArena::take checks the bytes), and fails at construction if
-// a listed buffer is not taken: the plan is the allocation, not an estimate of it. Plain C++, in every build.
+// plan_gpu_memory and plan_gpu_buffers: every device buffer of the CUDA engine (model/llama_gpu.cpp,
+// dist/zero_gpu.cpp) for one rank, by name, in the order of its one device arena, as the rows of one table
+// (model/gpu_buffers.h). The model lays its arena out from the table and points each of its buffers at its row; the
+// engine takes ZeRO's buffers by name with their element count (DeviceArena::take checks the bytes); and the arena
+// fails at construction if a listed buffer is not taken: the plan is the allocation, not an estimate of it. Plain
+// C++, in every build.
 #include "model/memory_plan.h"
 
 #include <algorithm>
@@ -12,10 +14,13 @@
 
 #include "core/error.h"
 #include "kernels/scratch.h"
+#include "model/gpu_buffers.h"
 #include "model/layout.h"
+#include "model/lora.h"  // LoraTarget, lora_target_name
 #include "model/lora_shape.h"
 #include "model/optimizer.h"  // shard_pieces
 #include "model/pipeline.h"
+#include "model/support.h"  // place_layout, require_valid
 
 namespace tuna {
 
@@ -26,30 +31,44 @@ constexpr int64_t kBf16 = 2, kF32 = 4, kF64 = 8, kI32 = 4, kI64 = 8;
 // cuBLASLt's workspace (kernels/matmul.cuh MatmulContext's default).
 constexpr int64_t kMatmulWorkspaceBytes = int64_t(32) << 20;
 
+// The table (model/gpu_buffers.h) and its plan, a row at a time.
 class PlanBuilder {
  public:
+  // A buffer the engine takes by name (dist/zero_gpu.h, model/decode_gpu.h).
   void add(std::string name, MemoryKind kind, int64_t count, int64_t element_bytes) {
-    TUNA_CHECK(count >= 0, name, ": ", count, " elements");
-    plan.items.push_back({std::move(name), kind, device_arena_bytes(count * element_bytes), true});
+    add(GpuBuffer::Engine, std::move(name), kind, count, element_bytes);
+  }
+  // One of the model's buffers.
+  void add(GpuBuffer buffer, std::string name, MemoryKind kind, int64_t count, int64_t element_bytes) {
+    GpuBufferRow row;
+    row.buffer = buffer, row.elements = count, row.element_bytes = element_bytes;
+    add(row, std::move(name), kind);
+  }
+  void add(const GpuBufferRow& row, std::string name, MemoryKind kind) {
+    TUNA_CHECK(row.elements >= 0, name, ": ", row.elements, " elements");
+    table.plan.items.push_back({std::move(name), kind, device_arena_bytes(row.elements * row.element_bytes), true});
+    table.rows.push_back(row);
   }
   void add_outside_arena(std::string name, MemoryKind kind, int64_t bytes) {
-    plan.items.push_back({std::move(name), kind, bytes, false});
+    table.plan.items.push_back({std::move(name), kind, bytes, false});
+    table.rows.push_back({});
   }
-  MemoryPlan plan;
+  GpuBufferTable table;
 };
 
+// The optimizer's norm buffers: the model's at ZeRO-0 (its own adamw_step), the engine's shard's above.
+GpuBuffer optimizer_buffer(const MemoryLayout& l, GpuBuffer buffer) { return l.zero == 0 ? buffer : GpuBuffer::Engine; }
+
+// The LoraTarget of a module name ("q_proj"), for the row of its activation.
+int lora_target_index(const std::string& module) {
+  for (int t = 0; t < kLoraTargets; t++)
+    if (module == lora_target_name(LoraTarget(t))) return t;
+  fail("no adapter target '", module, "'");
+}
+
 void check_layout(const LlamaConfig& c, const MemoryLayout& l) {
-  TUNA_CHECK(l.dp >= 1 && l.tp >= 1 && l.dp_rank >= 0 && l.dp_rank < l.dp && l.tp_rank >= 0 && l.tp_rank < l.tp,
-             "dp rank ", l.dp_rank, " of ", l.dp, ", tp rank ", l.tp_rank, " of ", l.tp);
-  if (l.micro_batch < 1 || l.seq_len < 1)
-    fail("memory plan: micro_batch and seq_len must be >= 1 (found ", l.micro_batch, " and ", l.seq_len, ")");
-  if (l.zero < 0 || l.zero > 3) fail("option 'zero': expected 0, 1, 2 or 3, found ", l.zero);
-  if (l.pp < 1 || l.pp_rank < 0 || l.pp_rank >= l.pp)
-    fail("memory plan: pipeline stage ", l.pp_rank, " of ", l.pp, " (option 'pp': expected at least 1 stage)");
-  // Megatron's split: each sequence's rows go to the tp ranks in equal runs.
-  if (l.sp && l.seq_len % l.tp != 0)
-    fail("option 'sp': sequence parallelism splits each sequence over the ", l.tp, " tp ranks; seq_len ", l.seq_len,
-         " is not a multiple of ", l.tp);
+  // A layout the CUDA engine does not implement yet is planned as designed; an invalid one has no plan.
+  require_valid(c, l, Device::Cuda);
   // Tensor parallelism on cuda: every rank a whole share of each split dimension, the local widths the kernels'
   // multiples of 8 (ParamLayout has already refused a tp that does not divide the kv heads).
   if (l.tp > 1) {
@@ -149,14 +168,14 @@ void plan_full_state(const MemoryLayout& l, const ParamLayout& layout, const Sta
   // Parameters, gradients, optimizer state. ZeRO-0 holds everything whole; 1 shards master and moments; 2 also the
   // gradient (unit gradients live in a few unit-sized buffers until reduce-scattered); 3 also the bf16 weights
   // (gathered a unit at a time into unit-sized buffers).
-  if (optimizer && l.zero == 0) b.add("fp32 master weights", MemoryKind::Master, P, kF32);
-  if (l.zero <= 2 || !l.training) b.add("bf16 weights", MemoryKind::Weights, P, kBf16);
-  if (l.training && l.zero <= 1) b.add("fp32 gradients", MemoryKind::Gradients, P, kF32);
+  if (optimizer && l.zero == 0) b.add(GpuBuffer::Master, "fp32 master weights", MemoryKind::Master, P, kF32);
+  if (l.zero <= 2 || !l.training) b.add(GpuBuffer::Weights, "bf16 weights", MemoryKind::Weights, P, kBf16);
+  if (l.training && l.zero <= 1) b.add(GpuBuffer::Gradients, "fp32 gradients", MemoryKind::Gradients, P, kF32);
   if (optimizer && l.zero == 0) {
-    b.add("AdamW m", MemoryKind::Moments, P, moment_bytes);
-    b.add("AdamW v", MemoryKind::Moments, P, moment_bytes);
-    b.add("AdamW segment starts", MemoryKind::Workspace, stage.tensors, kI64);
-    b.add("AdamW segment decays", MemoryKind::Workspace, stage.tensors, 1);
+    b.add(GpuBuffer::MomentM, "AdamW m", MemoryKind::Moments, P, moment_bytes);
+    b.add(GpuBuffer::MomentV, "AdamW v", MemoryKind::Moments, P, moment_bytes);
+    b.add(GpuBuffer::SegmentStarts, "AdamW segment starts", MemoryKind::Workspace, stage.tensors, kI64);
+    b.add(GpuBuffer::SegmentDecays, "AdamW segment decays", MemoryKind::Workspace, stage.tensors, 1);
   }
   if (optimizer && l.zero >= 1) {
     // This rank's piece of every unit, padded to the fused AdamW's 4 elements per thread.
@@ -190,13 +209,16 @@ void plan_full_state(const MemoryLayout& l, const ParamLayout& layout, const Sta
       b.add(str("weight gather buffer ", i), MemoryKind::Communication, stage.largest, kBf16);
   }
   if (optimizer) {
-    b.add("gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
-    b.add("gradient norm", MemoryKind::Workspace, 1, kF64);
+    b.add(optimizer_buffer(l, GpuBuffer::NormScratch), "gradient norm scratch", MemoryKind::Workspace,
+          gpu_scratch::sum_of_squares_doubles(), kF64);
+    b.add(optimizer_buffer(l, GpuBuffer::NormTotal), "gradient norm", MemoryKind::Workspace, 1, kF64);
     if (l.tp > 1) {  // one sum of squares per piece of a replicated tensor (norm weights) that this rank updates
-      const std::vector<Segment> owned = stage_pieces(layout, stage, l.zero == 0 ? 0 : l.dp_rank, l.zero == 0 ? 1 : l.dp);
+      const std::vector<Segment> owned =
+          stage_pieces(layout, stage, l.zero == 0 ? 0 : l.dp_rank, l.zero == 0 ? 1 : l.dp);
       int64_t replicated = 0;
       for (const ShardPiece& p : shard_pieces(layout, owned)) replicated += p.tensor->split_dim < 0;
-      b.add("replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);
+      b.add(optimizer_buffer(l, GpuBuffer::ReplicatedNorms), "replicated gradient norms", MemoryKind::Workspace,
+            std::max<int64_t>(1, replicated), kF64);
     }
   }
 }
@@ -247,20 +269,23 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
     for (int i = 0; i < gather_buffers; i++)
       b.add(str("base gather buffer ", i), MemoryKind::Communication, largest, 1);
   } else if (quantized) {
-    b.add(str(base_quant_name(lora.base_quant), " base weights (frozen decoder Linear weights)"), MemoryKind::Weights,
-          base_quantized, 1);
-    b.add("bf16 base weights (frozen embedding, norms, lm_head)", MemoryKind::Weights, base_plain, 1);
+    b.add(GpuBuffer::Nf4Base, str(base_quant_name(lora.base_quant), " base weights (frozen decoder Linear weights)"),
+          MemoryKind::Weights, base_quantized, 1);
+    b.add(GpuBuffer::PlainBase, "bf16 base weights (frozen embedding, norms, lm_head)", MemoryKind::Weights, base_plain,
+          1);
   } else {
-    b.add("bf16 base weights (frozen)", MemoryKind::Weights, units.params, kBf16);
+    b.add(GpuBuffer::Weights, "bf16 base weights (frozen)", MemoryKind::Weights, units.params, kBf16);
   }
   // Quantized: each layer's GEMMs read its weights dequantized into one bf16 buffer, refilled per layer and pass,
   // shaped like the layer's unit (its norm weights copied beside), so the model reads it at the unit's offsets.
-  if (quantized) b.add("dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer_elements, kBf16);
+  if (quantized)
+    b.add(GpuBuffer::Dequant, "dequantized layer weights (bf16, one layer)", MemoryKind::Workspace, layer_elements,
+          kBf16);
 
   // The adapters: bf16 copies for the GEMMs, whole on every dp rank; fp32 master, gradients and moments as ZeRO says.
   const std::vector<LoraTargetShape> shapes = lora_layer_shapes(c, lora, l.tp);
   const int64_t per_layer = lora_layer_params(c, lora, l.tp), L = stage.layers(), Pa = L * per_layer;
-  b.add("LoRA bf16 weights", MemoryKind::Weights, Pa, kBf16);
+  b.add(GpuBuffer::LoraWeights, "LoRA bf16 weights", MemoryKind::Weights, Pa, kBf16);
   if (!l.training) return;
   // Tensors of one layer's adapters that this rank's piece [begin, begin + size) touches, and of them those
   // replicated over tp (A of a column-parallel target, B of a row-parallel one: their norms are summed once).
@@ -274,12 +299,12 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
     }
   tables *= L, replicated *= L;
   if (l.zero == 0) {
-    b.add("LoRA fp32 master weights", MemoryKind::Master, Pa, kF32);
-    b.add("LoRA fp32 gradients", MemoryKind::Gradients, Pa, kF32);
-    b.add("LoRA AdamW m", MemoryKind::Moments, Pa, moment_bytes);
-    b.add("LoRA AdamW v", MemoryKind::Moments, Pa, moment_bytes);
-    b.add("LoRA AdamW segment starts", MemoryKind::Workspace, tables, kI64);
-    b.add("LoRA AdamW segment decays", MemoryKind::Workspace, tables, 1);
+    b.add(GpuBuffer::LoraMaster, "LoRA fp32 master weights", MemoryKind::Master, Pa, kF32);
+    b.add(GpuBuffer::LoraGradients, "LoRA fp32 gradients", MemoryKind::Gradients, Pa, kF32);
+    b.add(GpuBuffer::MomentM, "LoRA AdamW m", MemoryKind::Moments, Pa, moment_bytes);
+    b.add(GpuBuffer::MomentV, "LoRA AdamW v", MemoryKind::Moments, Pa, moment_bytes);
+    b.add(GpuBuffer::SegmentStarts, "LoRA AdamW segment starts", MemoryKind::Workspace, tables, kI64);
+    b.add(GpuBuffer::SegmentDecays, "LoRA AdamW segment decays", MemoryKind::Workspace, tables, 1);
   } else {
     // This rank's piece of every layer's adapters (dist/zero_gpu.h OptimizerShard over trained_layout()), padded
     // to the fused AdamW's 4 elements per thread; an empty shard still has one table entry.
@@ -291,7 +316,7 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
     b.add("LoRA AdamW segment starts (shard)", MemoryKind::Workspace, std::max<int64_t>(1, tables), kI64);
     b.add("LoRA AdamW segment decays (shard)", MemoryKind::Workspace, std::max<int64_t>(1, tables), 1);
     // ZeRO-1: the whole gradient, reduce-scattered after the backward.
-    if (l.zero == 1) b.add("LoRA fp32 gradients", MemoryKind::Gradients, Pa, kF32);
+    if (l.zero == 1) b.add(GpuBuffer::LoraGradients, "LoRA fp32 gradients", MemoryKind::Gradients, Pa, kF32);
     if (l.zero >= 2) {
       // The update writes the shard's bf16 adapters, gathered into the whole copy after it.
       b.add("LoRA bf16 weights (shard)", MemoryKind::Weights, padded, kBf16);
@@ -300,102 +325,131 @@ void plan_lora_state(const LlamaConfig& c, const MemoryLayout& l, const ParamLay
       if (l.dp > 1) b.add("LoRA reduce-scatter output", MemoryKind::Communication, piece.size(), kF32);
     }
   }
-  b.add("gradient norm scratch", MemoryKind::Workspace, gpu_scratch::sum_of_squares_doubles(), kF64);
-  b.add("gradient norm", MemoryKind::Workspace, 1, kF64);
-  if (l.tp > 1) b.add("replicated gradient norms", MemoryKind::Workspace, std::max<int64_t>(1, replicated), kF64);
+  b.add(optimizer_buffer(l, GpuBuffer::NormScratch), "gradient norm scratch", MemoryKind::Workspace,
+        gpu_scratch::sum_of_squares_doubles(), kF64);
+  b.add(optimizer_buffer(l, GpuBuffer::NormTotal), "gradient norm", MemoryKind::Workspace, 1, kF64);
+  if (l.tp > 1)
+    b.add(optimizer_buffer(l, GpuBuffer::ReplicatedNorms), "replicated gradient norms", MemoryKind::Workspace,
+          std::max<int64_t>(1, replicated), kF64);
 }
 
-}  // namespace
+// One pass's shapes on this rank: tokens, their rows in the norm and residual regions, and the tp-local widths.
+struct PassShape {
+  int64_t n = 0, rows = 0, C = 0, F = 0, qd = 0, kvd = 0, H = 0, V = 0;
+};
 
-MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
-  check_layout(c, l);
-  // This rank's pipeline stage (at pp 1, the whole model).
-  const PipelineStage stage = pipeline_stages(c, l.pp, l.seq_len)[l.pp_rank];
-  const ParamLayout& layout = tp_rank_layout(c, l.tp_rank, l.tp, l.pp, stage);
-  const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
+PassShape pass_shape(const LlamaConfig& c, const MemoryLayout& l, const ParamLayout& layout) {
   const TpDims& d = layout.tp();
-  const int64_t F = d.ffn, qd = d.q_dim, kvd = d.kv_dim, H = d.heads, V = d.vocab;
-  const StageUnits units = stage_units(layout, stage);
-  PlanBuilder b;
-  if (l.lora.enabled()) plan_lora_state(c, l, layout, stage, units, b);
-  else plan_full_state(l, layout, units, b);
-
-  // Activations for (micro_batch, seq_len): the layers' kept ones (by the recompute mode), one working set for
-  // the rest, the head's, and the backward's gradients of activations.
-  const Recompute recompute = l.training ? l.recompute : Recompute::Full;  // a forward alone keeps layer inputs
+  PassShape p;
+  p.n = l.micro_batch * l.seq_len, p.C = c.hidden_size;
   // Sequence parallelism: the norm and residual region (the residual stream, the norms' outputs and their rstd) is
   // split along the sequence over the tp ranks, n / tp rows each; the column-parallel GEMMs read it gathered whole.
-  const int64_t rows = l.sp ? n / l.tp : n;
-  // 1F1B: stage s has run the forward of pp - s micro-batches before the first backward reaches it, and keeps their
-  // layers' activations until then (the first stage the most, the last one); a forward alone keeps none.
-  const int64_t in_flight = l.training ? l.pp - l.pp_rank : 1;
-  b.add("RoPE cos", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
-  b.add("RoPE sin", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
-  const std::pair<const char*, std::pair<int64_t, int64_t>> fields[] = {
-      {"resid_in", {rows * C, kBf16}}, {"norm1", {rows * C, kBf16}}, {"rstd1", {rows, kF32}},
-      {"q", {n * qd, kBf16}},          {"k", {n * kvd, kBf16}},      {"v", {n * kvd, kBf16}},
-      {"att", {n * qd, kBf16}},        {"lse", {n * H, kF32}},       {"resid_mid", {rows * C, kBf16}},
-      {"norm2", {rows * C, kBf16}},    {"rstd2", {rows, kF32}},      {"gate_up", {n * 2 * F, kBf16}},
-      {"act", {n * F, kBf16}}};
+  p.rows = l.sp ? p.n / l.tp : p.n;
+  p.F = d.ffn, p.qd = d.q_dim, p.kvd = d.kv_dim, p.H = d.heads, p.V = d.vocab;
+  return p;
+}
+
+// The layers' activations for (micro_batch, seq_len): the kept ones (by the recompute mode) of each layer and slot,
+// one working set for the rest, and the adapters' own.
+void plan_layer_activations(const LlamaConfig& c, const MemoryLayout& l, const PipelineStage& stage,
+                            const PassShape& p, PlanBuilder& b) {
+  const int64_t n = p.n, rows = p.rows, C = p.C;
+  const Recompute recompute = l.training ? l.recompute : Recompute::Full;  // a forward alone keeps layer inputs
+  // 1F1B: a stage keeps the layers' activations of the micro-batches in flight there until their backwards (the first
+  // stage the most, the last one); a forward alone keeps none.
+  const int64_t in_flight = l.in_flight();
+  const std::pair<GpuActivation, std::pair<int64_t, int64_t>> fields[] = {
+      {GpuActivation::ResidIn, {rows * C, kBf16}},    {GpuActivation::Norm1, {rows * C, kBf16}},
+      {GpuActivation::Rstd1, {rows, kF32}},           {GpuActivation::Q, {n * p.qd, kBf16}},
+      {GpuActivation::K, {n * p.kvd, kBf16}},         {GpuActivation::V, {n * p.kvd, kBf16}},
+      {GpuActivation::Att, {n * p.qd, kBf16}},        {GpuActivation::Lse, {n * p.H, kF32}},
+      {GpuActivation::ResidMid, {rows * C, kBf16}},   {GpuActivation::Norm2, {rows * C, kBf16}},
+      {GpuActivation::Rstd2, {rows, kF32}},           {GpuActivation::GateUp, {n * 2 * p.F, kBf16}},
+      {GpuActivation::Act, {n * p.F, kBf16}}};
   // With adapters, per target: its r-wide s A x (B's input, and dB's), needed by the backward. A dropout mask is
   // not kept: it is a pure function of its key and index (model/lora.h), drawn again by the backward.
   const std::vector<LoraTargetShape> adapters = lora_layer_shapes(c, l.lora, l.tp);
   const int64_t r = l.lora.rank;
-  const auto add_layer = [&](const std::string& prefix, bool kept) {
-    for (const auto& [field, size] : fields)
-      if (gpu_keeps_activation(field, recompute) == kept)
-        b.add(prefix + field, MemoryKind::Activations, size.first, size.second);
+  // A layer's activations (slot and layer), or with layer -1 the working copies every layer shares.
+  const auto add_layer = [&](const std::string& prefix, int64_t slot, int64_t layer) {
+    const bool kept = layer >= 0;
+    GpuBufferRow row;
+    row.buffer = GpuBuffer::Activation, row.slot = slot, row.layer = layer;
+    for (const auto& [field, size] : fields) {
+      const char* name = kGpuActivationNames[static_cast<int>(field)];
+      if (gpu_keeps_activation(name, recompute) != kept) continue;
+      row.field = field, row.elements = size.first, row.element_bytes = size.second;
+      b.add(row, prefix + name, MemoryKind::Activations);
+    }
+    if (gpu_keeps_activation("lora_ax", recompute) != kept) return;
     for (const LoraTargetShape& t : adapters) {
-      if (gpu_keeps_activation("lora_ax", recompute) == kept)
-        b.add(str(prefix, "lora_ax ", t.module), MemoryKind::Activations, n * r, kBf16);
+      row.field = GpuActivation::LoraAx, row.target = lora_target_index(t.module);
+      row.elements = n * r, row.element_bytes = kBf16;
+      b.add(row, str(prefix, "lora_ax ", t.module), MemoryKind::Activations);
     }
   };
   for (int64_t slot = 0; slot < in_flight; slot++)
     for (int64_t layer = stage.layer_begin; layer < stage.layer_end; layer++)
-      add_layer(slot == 0 ? str("layer ", layer, " ") : str("layer ", layer, " (in flight ", slot, ") "), true);
-  add_layer("working ", false);
-  if (!adapters.empty()) {
-    int64_t widest_in = 0;
-    for (const LoraTargetShape& t : adapters) widest_in = std::max(widest_in, t.in);
-    // dropout(x), A's input, refilled per target in the forward and for dA in the backward, where it also holds
-    // dt A before the mask takes it into dx.
-    if (l.lora.dropout > 0) b.add("LoRA dropout(x)", MemoryKind::Activations, n * widest_in, kBf16);
-    // The backward's dt = s dy B of one target at a time: dA's input, and A's share of dx.
-    if (l.training) b.add("LoRA d(A x)", MemoryKind::Activations, n * r, kBf16);
-  }
+      add_layer(slot == 0 ? str("layer ", layer, " ") : str("layer ", layer, " (in flight ", slot, ") "), slot, layer);
+  add_layer("working ", 0, -1);
+  if (adapters.empty()) return;
+  int64_t widest_in = 0;
+  for (const LoraTargetShape& t : adapters) widest_in = std::max(widest_in, t.in);
+  // dropout(x), A's input, refilled per target in the forward and for dA in the backward, where it also holds
+  // dt A before the mask takes it into dx.
+  if (l.lora.dropout > 0)
+    b.add(GpuBuffer::LoraDropoutInput, "LoRA dropout(x)", MemoryKind::Activations, n * widest_in, kBf16);
+  // The backward's dt = s dy B of one target at a time: dA's input, and A's share of dx.
+  if (l.training) b.add(GpuBuffer::LoraDt, "LoRA d(A x)", MemoryKind::Activations, n * r, kBf16);
+}
+
+// The pass's other buffers: the fused q|k|v output, sp's gathered input, the head's, and the backward's gradients of
+// activations and its scratch.
+void plan_pass_buffers(const MemoryLayout& l, const PipelineStage& stage, const PassShape& p, PlanBuilder& b) {
+  const int64_t n = p.n, rows = p.rows, C = p.C, V = p.V;
   // The fused q|k|v GEMM's output, read into q, k, v at once; the backward's d_q|d_k|d_v in the same buffer.
-  b.add("qkv", MemoryKind::Activations, n * (qd + 2 * kvd), kBf16);
+  b.add(GpuBuffer::Qkv, "qkv", MemoryKind::Activations, n * (p.qd + 2 * p.kvd), kBf16);
   // sp: a norm's output all-gathered for the column-parallel GEMM that reads it (q|k|v, gate|up, lm_head); one
   // working buffer, gathered again in the backward for the weight gradient (Megatron keeps the split copy only).
-  if (l.sp) b.add("sequence-parallel gathered input", MemoryKind::Activations, n * C, kBf16);
+  if (l.sp) b.add(GpuBuffer::Gathered, "sequence-parallel gathered input", MemoryKind::Activations, n * C, kBf16);
   if (stage.head) {
-    b.add("final residual", MemoryKind::Activations, rows * C, kBf16);
-    b.add("final norm", MemoryKind::Activations, rows * C, kBf16);
-    b.add("final rstd", MemoryKind::Activations, rows, kF32);
-    b.add("logits chunk", MemoryKind::Activations, gpu_head_chunk_rows(V, n) * V, kBf16);
-    b.add("per-token losses", MemoryKind::Activations, n, kF32);
+    const int64_t chunk = gpu_head_chunk_rows(V, n);
+    b.add(GpuBuffer::ResidOut, "final residual", MemoryKind::Activations, rows * C, kBf16);
+    b.add(GpuBuffer::FinalNorm, "final norm", MemoryKind::Activations, rows * C, kBf16);
+    b.add(GpuBuffer::FinalRstd, "final rstd", MemoryKind::Activations, rows, kF32);
+    b.add(GpuBuffer::LogitsChunk, "logits chunk", MemoryKind::Activations, chunk * V, kBf16);
+    b.add(GpuBuffer::Losses, "per-token losses", MemoryKind::Activations, n, kF32);
     if (l.tp > 1) {  // the vocab-parallel loss: each chunk's row statistics and their max over the tp ranks
-      b.add("classifier statistics", MemoryKind::Workspace, 3 * gpu_head_chunk_rows(V, n), kF32);
-      b.add("classifier global max", MemoryKind::Workspace, gpu_head_chunk_rows(V, n), kF32);
+      b.add(GpuBuffer::ClassifierStats, "classifier statistics", MemoryKind::Workspace, 3 * chunk, kF32);
+      b.add(GpuBuffer::ClassifierMax, "classifier global max", MemoryKind::Workspace, chunk, kF32);
     }
   }
-  if (l.training) {
-    // The residual stream's gradient is split like the stream; a norm input's gradient comes whole out of the
-    // GEMMs' input gradient before sp reduce-scatters it.
-    b.add("d_resid", MemoryKind::Activations, rows * C, kBf16);
-    b.add("d_norm", MemoryKind::Activations, n * C, kBf16);
-    // The final norm's input gradient, and with sp every layer's norm input gradient reduced into this rank's rows.
-    if (stage.head || l.sp) b.add("d_final_norm", MemoryKind::Activations, n * C, kBf16);
-    for (const char* g : {"d_q", "d_att"}) b.add(g, MemoryKind::Activations, n * qd, kBf16);
-    for (const char* g : {"d_k", "d_v"}) b.add(g, MemoryKind::Activations, n * kvd, kBf16);
-    // d_gate|d_up overwrite each layer's gate_up in place (model/llama_gpu.cpp layer_backward).
-    b.add("d_act", MemoryKind::Activations, n * F, kBf16);
-    b.add("rmsnorm backward scratch", MemoryKind::Workspace, gpu_scratch::rmsnorm_bwd_floats(rows, C), kF32);
-    // sp: a layer's two norm-weight gradients from this rank's rows, before their sum over the tp ranks.
-    if (l.sp) b.add("sequence-parallel norm weight gradients", MemoryKind::Workspace, 2 * C, kF32);
-    b.add("attention backward scratch", MemoryKind::Workspace,
-          gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, H, /*head_dim=*/128, l.attention), kF32);
-  }
+  if (!l.training) return;
+  // The residual stream's gradient is split like the stream; a norm input's gradient comes whole out of the
+  // GEMMs' input gradient before sp reduce-scatters it.
+  b.add(GpuBuffer::DResid, "d_resid", MemoryKind::Activations, rows * C, kBf16);
+  b.add(GpuBuffer::DNorm, "d_norm", MemoryKind::Activations, n * C, kBf16);
+  // The final norm's input gradient, and with sp every layer's norm input gradient reduced into this rank's rows.
+  if (stage.head || l.sp) b.add(GpuBuffer::DFinalNorm, "d_final_norm", MemoryKind::Activations, n * C, kBf16);
+  b.add(GpuBuffer::DQ, "d_q", MemoryKind::Activations, n * p.qd, kBf16);
+  b.add(GpuBuffer::DAtt, "d_att", MemoryKind::Activations, n * p.qd, kBf16);
+  b.add(GpuBuffer::DK, "d_k", MemoryKind::Activations, n * p.kvd, kBf16);
+  b.add(GpuBuffer::DV, "d_v", MemoryKind::Activations, n * p.kvd, kBf16);
+  // d_gate|d_up overwrite each layer's gate_up in place (model/llama_gpu_backward.cpp layer_backward).
+  b.add(GpuBuffer::DAct, "d_act", MemoryKind::Activations, n * p.F, kBf16);
+  b.add(GpuBuffer::RmsnormScratch, "rmsnorm backward scratch", MemoryKind::Workspace,
+        gpu_scratch::rmsnorm_bwd_floats(rows, C), kF32);
+  // sp: a layer's two norm-weight gradients from this rank's rows, before their sum over the tp ranks.
+  if (l.sp)
+    b.add(GpuBuffer::SpNormGrads, "sequence-parallel norm weight gradients", MemoryKind::Workspace, 2 * C, kF32);
+  b.add(GpuBuffer::AttentionScratch, "attention backward scratch", MemoryKind::Workspace,
+        gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, p.H, /*head_dim=*/128, l.attention), kF32);
+}
+
+// The pipeline's buffers, and the pass's inputs as the device holds them.
+void plan_pipeline_and_inputs(const LlamaConfig& c, const MemoryLayout& l, const PipelineStage& stage,
+                              const PassShape& p, PlanBuilder& b) {
+  const int64_t n = p.n;
   // Pipeline point to point (bf16 [tokens, hidden], with sp each tp rank's rows of it): a stage receives the previous
   // stage's activation straight into its first layer's input of the micro-batch's slot, and the next stage's
   // gradient into d_resid, and sends its input gradient from d_resid; its last layer writes the activation it sends
@@ -403,46 +457,76 @@ MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) {
   // stages receive the other's gradient of the table (fp32, this tp rank's rows) to add to their own; a frozen table
   // (adapters) has none.
   if (l.pp > 1) {
-    if (!stage.head) b.add("pipeline send: activation to the next stage", MemoryKind::Communication, rows * C, kBf16);
-    if (l.training && !l.lora.enabled() && c.tie_word_embeddings && (stage.embedding || stage.head))
-      b.add("pipeline: the tied embedding's gradient from the other stage", MemoryKind::Communication, V * C, kF32);
+    if (!stage.head)
+      b.add(GpuBuffer::ResidOut, "pipeline send: activation to the next stage", MemoryKind::Communication,
+            p.rows * p.C, kBf16);
+    if (l.tied_across_stages(c))
+      b.add(GpuBuffer::TiedPeerGrad, "pipeline: the tied embedding's gradient from the other stage",
+            MemoryKind::Communication, p.V * p.C, kF32);
   }
-  if (stage.head) b.add("loss total", MemoryKind::Workspace, 1, kF64);
-  if (stage.embedding) b.add("token ids", MemoryKind::Workspace, n, kI32);
-  if (stage.head) b.add("targets", MemoryKind::Workspace, n, kI32);
+  if (stage.head) b.add(GpuBuffer::LossTotal, "loss total", MemoryKind::Workspace, 1, kF64);
+  if (stage.embedding) b.add(GpuBuffer::Tokens, "token ids", MemoryKind::Workspace, n, kI32);
+  if (stage.head) b.add(GpuBuffer::Targets, "targets", MemoryKind::Workspace, n, kI32);
   if (stage.embedding) {
-    b.add("embedding group positions", MemoryKind::Workspace, n, kI32);
-    b.add("embedding group tokens", MemoryKind::Workspace, n, kI32);
-    b.add("embedding group offsets", MemoryKind::Workspace, n + 1, kI32);
+    b.add(GpuBuffer::GroupPositions, "embedding group positions", MemoryKind::Workspace, n, kI32);
+    b.add(GpuBuffer::GroupTokens, "embedding group tokens", MemoryKind::Workspace, n, kI32);
+    b.add(GpuBuffer::GroupOffsets, "embedding group offsets", MemoryKind::Workspace, n + 1, kI32);
   }
   // Packed documents: each token's document start (the attention mask, as a per-row start) and RoPE position.
-  b.add("document starts", MemoryKind::Workspace, n, kI32);
-  b.add("RoPE positions", MemoryKind::Workspace, n, kI32);
-  b.add("cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes, 1);
-
-  // NCCL pads a unit it reduce-scatters or gathers to a multiple of dp in a scratch buffer of its own
-  // (comm/comm_nccl.cpp), allocated on first use.
-  if (l.dp > 1) {
-    // The largest collective, in fp32 elements: a unit's gradient; with adapters a layer's adapter gradient, or at
-    // ZeRO-3 a base unit's gathered bytes.
-    int64_t largest = units.largest;
-    if (l.lora.enabled()) {
-      largest = lora_layer_params(c, l.lora, l.tp);
-      if (l.training && l.zero == 3)
-        for (int u : units.units) {
-          int64_t bytes = 0;
-          for (const ParamTensor& t : layout.tensors())
-            if (t.offset >= layout.unit_range(u).first && t.offset < layout.unit_range(u).second)
-              bytes += base_storage_bytes(t, l.lora.base_quant);
-          largest = std::max(largest, (bytes + kF32 - 1) / kF32);
-        }
-    }
-    const int64_t chunk = (largest + l.dp - 1) / l.dp;
-    b.add_outside_arena("NCCL padding scratch (the comm's own)", MemoryKind::Communication,
-                        (chunk * l.dp + chunk) * kF32);
-  }
-  return b.plan;
+  b.add(GpuBuffer::DocStarts, "document starts", MemoryKind::Workspace, n, kI32);
+  b.add(GpuBuffer::RopePositions, "RoPE positions", MemoryKind::Workspace, n, kI32);
+  // The hopper forward's work counter (kernels/attention.cuh), with the model rather than allocated at its first use.
+  b.add(GpuBuffer::AttentionTileCounter, "attention tile counter", MemoryKind::Workspace, 1, kI32);
+  b.add(GpuBuffer::MatmulWorkspace, "cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes, 1);
 }
+
+// NCCL pads a unit it reduce-scatters or gathers to a multiple of dp in a scratch buffer of its own
+// (comm/comm_nccl.cpp), allocated on first use.
+void plan_nccl_scratch(const LlamaConfig& c, const MemoryLayout& l, const ParamLayout& layout, const StageUnits& units,
+                       PlanBuilder& b) {
+  if (l.dp == 1) return;
+  // The largest collective, in fp32 elements: a unit's gradient; with adapters a layer's adapter gradient, or at
+  // ZeRO-3 a base unit's gathered bytes.
+  int64_t largest = units.largest;
+  if (l.lora.enabled()) {
+    largest = lora_layer_params(c, l.lora, l.tp);
+    if (l.training && l.zero == 3)
+      for (int u : units.units) {
+        int64_t bytes = 0;
+        for (const ParamTensor& t : layout.tensors())
+          if (t.offset >= layout.unit_range(u).first && t.offset < layout.unit_range(u).second)
+            bytes += base_storage_bytes(t, l.lora.base_quant);
+        largest = std::max(largest, (bytes + kF32 - 1) / kF32);
+      }
+  }
+  const int64_t chunk = (largest + l.dp - 1) / l.dp;
+  b.add_outside_arena("NCCL padding scratch (the comm's own)", MemoryKind::Communication,
+                      (chunk * l.dp + chunk) * kF32);
+}
+
+}  // namespace
+
+GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& asked) {
+  const MemoryLayout l = place_layout(c, asked);
+  check_layout(c, l);
+  // This rank's pipeline stage (at pp 1, the whole model).
+  const PipelineStage& stage = l.stage();
+  const ParamLayout& layout = tp_rank_layout(c, l.tp_rank, l.tp, l.pp, stage);
+  const StageUnits units = stage_units(layout, stage);
+  PlanBuilder b;
+  if (l.lora.enabled()) plan_lora_state(c, l, layout, stage, units, b);
+  else plan_full_state(l, layout, units, b);
+  b.add(GpuBuffer::RopeCos, "RoPE cos", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
+  b.add(GpuBuffer::RopeSin, "RoPE sin", MemoryKind::Workspace, l.seq_len * c.head_dim / 2, kF32);
+  const PassShape shape = pass_shape(c, l, layout);
+  plan_layer_activations(c, l, stage, shape, b);
+  plan_pass_buffers(l, stage, shape, b);
+  plan_pipeline_and_inputs(c, l, stage, shape, b);
+  plan_nccl_scratch(c, l, layout, units, b);
+  return b.table;
+}
+
+MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) { return plan_gpu_buffers(c, l).plan; }
 
 MemoryPlan plan_gpu_decode_memory(const LlamaConfig& c, int64_t batch, int64_t capacity) {
   TUNA_CHECK(batch >= 1 && capacity >= 1, "batch ", batch, ", capacity ", capacity);
@@ -465,7 +549,7 @@ MemoryPlan plan_gpu_decode_memory(const LlamaConfig& c, int64_t batch, int64_t c
   b.add("logits", MemoryKind::Activations, batch * c.vocab_size, kBf16);
   b.add("tokens", MemoryKind::Workspace, rows, kI32);
   b.add_outside_arena("cuBLASLt workspace", MemoryKind::Workspace, kMatmulWorkspaceBytes);
-  return b.plan;
+  return b.table.plan;
 }
 
 int64_t gpu_headroom_bytes(const MemoryLayout& l) {
@@ -494,13 +578,13 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
   GpuFit fit;
   const int64_t need = plan.peak() + gpu_headroom_bytes(l);
   fit.fits = need <= capacity;
-  // The CUDA engine runs pipeline stages with ZeRO 0 and 1: a higher stage's plan is the design.
-  const bool designed = l.pp > 1 && l.zero >= 2;
+  // A layout the CUDA engine does not run yet (model/support.h): its plan is the design, and the table says why.
+  const Support runs = support(c, l, Device::Cuda);
   fit.report = format_memory_table(plan, capacity,
                                    str("device memory per GPU (dp rank ", l.dp_rank,
                                        l.pp > 1 ? str(", pipeline stage ", l.pp_rank) : std::string(), ", tp rank ",
                                        l.tp_rank, " of ", describe_layout(l), ")",
-                                       designed ? ", AS DESIGNED (the CUDA engine runs pp with ZeRO 0 and 1 only)" : ""),
+                                       runs.runs() ? "" : str(", AS DESIGNED (", runs.reason, ")")),
                                    gpu_headroom_bytes(l));
   if (fit.fits) return fit;
   fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");

@@ -26,9 +26,7 @@ double head_flops(const LlamaConfig& c) {
 
 std::vector<PipelineStage> pipeline_stages(const LlamaConfig& config, int64_t pp, int64_t seq) {
   const int64_t L = config.num_hidden_layers;
-  if (pp < 1 || pp > L)
-    fail("option 'pp': expected 1 to ", L, " stages (the model's decoder layers; each stage runs at least one), found ",
-         pp);
+  TUNA_CHECK(pp >= 1 && pp <= L, pp, " stages of ", L, " layers (the support table, model/support.h, refuses them first)");
   const double layer = layer_flops(config, seq), head = head_flops(config);
   // Stage cost when it runs `layers` layers and is the last one.
   const auto cost = [&](int64_t layers, bool last) { return static_cast<double>(layers) * layer + (last ? head : 0.0); };
@@ -84,21 +82,6 @@ std::vector<int> pipeline_stage_units(const ParamLayout& layout, const PipelineS
     if (layout.lm_head_unit() == 0 && !stage.embedding) units.push_back(0);
   }
   return units;
-}
-
-std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t stage, int64_t micro_batches) {
-  TUNA_CHECK(pp >= 1 && stage >= 0 && stage < pp && micro_batches >= 0, "pipeline schedule of stage ", stage, " of ",
-             pp, " over ", micro_batches, " micro-batches");
-  const int64_t warmup = std::min(pp - stage - 1, micro_batches), steady = micro_batches - warmup;
-  std::vector<PipelineOp> ops;
-  for (int64_t i = 0; i < warmup; i++) ops.push_back({true, i});
-  for (int64_t i = 0; i < steady; i++) ops.push_back({true, warmup + i}), ops.push_back({false, i});
-  for (int64_t i = steady; i < micro_batches; i++) ops.push_back({false, i});
-  return ops;
-}
-
-bool pipeline_gradient_ahead(int64_t pp, int64_t stage, int64_t micro_batches) {
-  return stage < pp - 1 && micro_batches > pp - stage - 1;
 }
 
 std::string format_pipeline_stages(const std::vector<PipelineStage>& stages) {

@@ -1,7 +1,8 @@
 // Pipeline stages (--pp): which decoder layers each stage runs. The embedding goes with the first stage, the final
 // norm and lm_head with the last. Under 1F1B the slowest stage sets the pace of every micro-batch, so the layers are
 // split to make the costliest stage as cheap as it can be, counting the head's product as the work it is (about a
-// third of a 70B layer, most of a 1B one). The trainer, the memory plan and build/plan all take this one split.
+// third of a 70B layer, most of a 1B one). The trainer, the memory plan and build/plan all take this one split; the
+// schedule that runs the stages is dist/pipeline.h's.
 #pragma once
 
 #include <cstdint>
@@ -24,8 +25,8 @@ struct PipelineStage {
 
 // The split of `config`'s layers over pp stages at sequence length seq (attention's cost grows with it). Every
 // stage gets at least one layer; among the splits whose costliest stage is cheapest, earlier stages get fewer
-// layers (the first stage holds the most micro-batches in flight). Fails naming option 'pp' when pp < 1 or pp
-// exceeds the layers.
+// layers (the first stage holds the most micro-batches in flight). pp is at least 1 and at most the layers (the
+// support table's rule, model/support.h; its place_layout is how the run's layout gets the split).
 std::vector<PipelineStage> pipeline_stages(const LlamaConfig& config, int64_t pp, int64_t seq);
 
 // The units of `layout` (model/layout.h: the embedding, each layer, the head) that `stage` holds, in order: the
@@ -34,22 +35,6 @@ std::vector<PipelineStage> pipeline_stages(const LlamaConfig& config, int64_t pp
 // and optimizer state (Megatron's way; the copies' gradients are summed between the two stages so they stay equal).
 // At pp 1 the one stage holds every unit once.
 std::vector<int> pipeline_stage_units(const ParamLayout& layout, const PipelineStage& stage);
-// One step of a stage's schedule: the forward or the backward of a micro-batch.
-struct PipelineOp {
-  bool forward = true;
-  int64_t micro_batch = 0;
-};
-// 1F1B (PipeDream-Flush, Megatron's default): stage `stage` of pp runs pp - stage - 1 forwards first (warm-up), then
-// alternates one forward and one backward (steady state), then the remaining backwards (cool-down). A stage then
-// holds at most pp - stage micro-batches' activations at once (micro-batch i can use slot i mod (pp - stage)),
-// against all of them under GPipe's all-forwards-then-all-backwards; the bubble is the same.
-std::vector<PipelineOp> pipeline_schedule(int64_t pp, int64_t stage, int64_t micro_batches);
-// Whether stage `stage` (before the last) may post the receive of a backward's output gradient before the forward
-// that precedes that backward in its schedule (the CUDA engine's overlap, engine/engine_gpu.cpp pipeline_step): only
-// when the stage has a steady phase (more micro-batches than its warm-up forwards). There the next stage sends that
-// gradient before it needs the forward's output; in a warm-up followed at once by the cool-down it needs it first.
-bool pipeline_gradient_ahead(int64_t pp, int64_t stage, int64_t micro_batches);
-
 // "stage 0: embedding + layers 0-39 (40), stage 1: layers 40-79 (40) + head; costliest stage 50.3% of the model's
 // FLOPs": the line the trainer prints at start.
 std::string format_pipeline_stages(const std::vector<PipelineStage>& stages);

@@ -58,11 +58,9 @@ std::optional<Prediction> best_fit(const JobSpec& job, const Rates& rates) {
   return ranked[0];
 }
 
-}  // namespace
-
-std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& rates) {
+// The plan's head: the job, the adapters, the layout.
+void print_job_line(std::ostream& o, const JobSpec& job, const Prediction& p) {
   const Cluster& k = job.cluster;
-  std::ostringstream o;
   o << "tuna plan: " << job.model_name << " (" << human_count(double(job.model.n_params())) << " parameters) on "
     << k.gpus() << " x " << k.gpu.name << " (" << k.nodes << " node" << (k.nodes > 1 ? "s" : "") << " x "
     << k.gpus_per_node << "), " << human_count(job.tokens) << " tokens"
@@ -78,7 +76,11 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
   o << "layout: " << layout_text(p.layout, p.grad_accum) << " (global batch "
     << p.layout.micro_batch * p.grad_accum * p.layout.dp << " sequences, " << human_count(p.tokens_per_step)
     << " tokens)\n\n";
+}
 
+// Memory: each pipeline stage's, the fullest stage's table, the reserve and whether it fits.
+void print_memory(std::ostream& o, const JobSpec& job, const Prediction& p) {
+  const Cluster& k = job.cluster;
   if (p.layout.pp > 1) {
     o << "pipeline: " << format_pipeline_stages(p.stages) << "\n";
     for (size_t s = 0; s < p.stages.size(); s++)
@@ -96,7 +98,10 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
   o << "  needs " << gb(p.gpu_bytes) << " of the card's " << gb(k.gpu.hbm_bytes) << " ("
     << format_number(k.gpu.hbm_bytes / double(1 << 30), 1) << " GiB): "
     << (p.fits ? str("FITS (", gb(k.gpu.hbm_bytes - p.gpu_bytes), " left)") : "DOES NOT FIT") << "\n\n";
+}
 
+// The step's time by part: compute, the pipeline's bubble, communication, the step and its rates.
+void print_step_time(std::ostream& o, const Prediction& p) {
   if (p.layout.pp > 1)
     o << "step time (one optimizer step; stage " << p.slowest_stage << ", the slowest, sets every stage's pace):\n";
   else
@@ -114,14 +119,17 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
     << format_number(p.exposed_s * 1e3, 1) << " ms\n";
   o << "  step " << format_number(p.step_s * 1e3, 1) << " ms -> " << format_number(p.tokens_per_s_per_gpu, 0)
     << " tokens/s per GPU, MFU " << format_number(100 * p.mfu, 1) << "%\n\n";
+}
 
+// The job's time and cost, the notes, and the verdict.
+void print_job_and_verdict(std::ostream& o, const JobSpec& job, const Prediction& p) {
+  const Cluster& k = job.cluster;
   o << "job: " << human_count(job.tokens) << " tokens = " << human_count(p.steps) << " steps = "
     << human_duration(p.wall_s) << " on " << k.gpus() << (k.gpus() == 1 ? " GPU" : " GPUs");
   if (job.price_per_gpu_hour > 0) o << " = " << dollars(p.cost);
   o << "\n";
   for (const std::string& note : p.notes) o << "note: " << note << "\n";
 
-  // The verdict, then what would fit or finish instead.
   o << "\nverdict: " << (p.fits ? "it fits" : "it DOES NOT FIT");
   if (p.fits) {
     if (job.hours > 0)
@@ -131,96 +139,122 @@ std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& ra
     if (job.budget > 0) o << (p.within_budget ? "; within the budget" : str("; it costs ", dollars(p.cost), ", over the budget"));
   }
   o << "\n";
-  const bool good = p.fits && p.finishes && p.within_budget;
-  if (!good) {
-    o << "what would:\n";
-    // The job's own method; the adapters the search offers (a full fine-tune that does not finish) on lines of
-    // their own.
-    std::vector<Prediction> all, offered;
-    for (Prediction& q : search_layouts(job, rates, SIZE_MAX))
-      (q.layout.lora.enabled() == job.layout.lora.enabled() ? all : offered).push_back(std::move(q));
-    const std::optional<Prediction> best = !all.empty() && all[0].fits ? std::optional<Prediction>(all[0]) : std::nullopt;
-    auto layout_line = [&](const char* what, const Prediction& b) {
-      o << "  - " << what << layout_text(b.layout, b.grad_accum) << ": " << format_number(b.tokens_per_s_per_gpu, 0)
-        << " tokens/s per GPU, " << human_duration(b.wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b.cost) : "")
-        << (b.memory_is_engines ? "" : " (as designed: not on cuda yet)") << "\n";
-    };
-    if (best && (best->step_s / best->tokens_per_step < p.step_s / p.tokens_per_step || !p.fits))
-      layout_line("this cluster, layout ", *best);
-    // What the CUDA engine runs today, when the best is a design.
-    if (!best || !best->memory_is_engines) {
-      const Prediction* today = nullptr;
-      double least = INFINITY;
-      for (const Prediction& q : all)
-        if (q.memory_is_engines) {
-          if (q.fits && !today) today = &q;
-          least = std::min(least, q.gpu_bytes);
-        }
-      if (today) layout_line("on cuda today, layout ", *today);
-      else if (std::isfinite(least))
-        o << "  - on cuda today (ZeRO-0/1, tp 1, no recompute) no layout fits: the smallest needs " << gb(least)
-          << " per GPU\n";
-    }
-    const Prediction& ref = best ? *best : p;
-    if (ref.fits && job.hours > 0 && !ref.finishes) {
-      const double in_time = job.hours * 3600 / ref.step_s * ref.tokens_per_step;
-      o << "  - a token budget of " << human_count(in_time) << " (" << format_number(100 * in_time / job.tokens, 1)
-        << "% of these tokens) finishes in " << format_number(job.hours, 0) << " h"
-        << (job.price_per_gpu_hour > 0 ? " for " + dollars(job.hours * double(k.gpus()) * job.price_per_gpu_hour) : "")
-        << "\n";
-    }
-    // Adapters on this cluster, the fastest layout of each base storage that fits.
-    for (BaseQuant quant : {BaseQuant::None, BaseQuant::Nf4, BaseQuant::Int8})
-      for (const Prediction& q : offered)
-        if (q.fits && q.layout.lora.base_quant == quant) {
-          o << "  - adapters, " << layout_text(q.layout, q.grad_accum) << ": "
-            << format_number(q.tokens_per_s_per_gpu, 0) << " tokens/s per GPU, " << gb(q.gpu_bytes) << " per GPU; "
-            << (q.finishes ? str("all the tokens in ", human_duration(q.wall_s))
-                           : str("in ", format_number(job.hours, 0), " h ",
-                                 human_count(job.hours * 3600 / q.step_s * q.tokens_per_step), " tokens (",
-                                 format_number(100 * job.hours * 3600 / q.step_s * q.tokens_per_step / job.tokens, 0), "%)"))
-            << (job.price_per_gpu_hour > 0 && q.finishes ? ", " + dollars(q.cost) : "") << "\n";
-          break;
-        }
-    // More nodes of the same kind, doubling.
-    for (int64_t nodes = k.nodes * 2; nodes <= k.nodes * 64; nodes *= 2) {
-      JobSpec more = job;
-      more.cluster.nodes = nodes;
-      more.layout.dp = more.cluster.gpus() / (more.layout.tp * more.layout.pp);
-      const std::optional<Prediction> b = best_fit(more, rates);
-      if (b && b->finishes && b->within_budget) {
-        o << "  - " << nodes << " nodes (" << more.cluster.gpus() << " GPUs), " << layout_text(b->layout, b->grad_accum)
-          << ": " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "")
-          << (b->memory_is_engines ? "" : " (as designed: not on cuda yet)") << "\n";
+}
+
+// What would fit or finish on this cluster: a faster layout of the same method, what the CUDA engine runs today when
+// that is a design, a token budget that finishes, and the adapters the search offers (one line per base storage).
+void print_this_cluster(std::ostream& o, const JobSpec& job, const Prediction& p, const Rates& rates) {
+  const Cluster& k = job.cluster;
+  // The job's own method; the adapters the search offers (a full fine-tune that does not finish) on lines of their own.
+  std::vector<Prediction> all, offered;
+  for (Prediction& q : search_layouts(job, rates, SIZE_MAX))
+    (q.layout.lora.enabled() == job.layout.lora.enabled() ? all : offered).push_back(std::move(q));
+  const std::optional<Prediction> best = !all.empty() && all[0].fits ? std::optional<Prediction>(all[0]) : std::nullopt;
+  auto layout_line = [&](const char* what, const Prediction& b) {
+    o << "  - " << what << layout_text(b.layout, b.grad_accum) << ": " << format_number(b.tokens_per_s_per_gpu, 0)
+      << " tokens/s per GPU, " << human_duration(b.wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b.cost) : "")
+      << (b.memory_is_engines ? "" : " (as designed: not on cuda yet)") << "\n";
+  };
+  if (best && (best->step_s / best->tokens_per_step < p.step_s / p.tokens_per_step || !p.fits))
+    layout_line("this cluster, layout ", *best);
+  // What the CUDA engine runs today, when the best is a design.
+  if (!best || !best->memory_is_engines) {
+    const Prediction* today = nullptr;
+    double least = INFINITY;
+    for (const Prediction& q : all)
+      if (q.memory_is_engines) {
+        if (q.fits && !today) today = &q;
+        least = std::min(least, q.gpu_bytes);
+      }
+    if (today) layout_line("on cuda today, layout ", *today);
+    else if (std::isfinite(least))
+      o << "  - on cuda today (ZeRO-0/1, tp 1, no recompute) no layout fits: the smallest needs " << gb(least)
+        << " per GPU\n";
+  }
+  const Prediction& ref = best ? *best : p;
+  if (ref.fits && job.hours > 0 && !ref.finishes) {
+    const double in_time = job.hours * 3600 / ref.step_s * ref.tokens_per_step;
+    o << "  - a token budget of " << human_count(in_time) << " (" << format_number(100 * in_time / job.tokens, 1)
+      << "% of these tokens) finishes in " << format_number(job.hours, 0) << " h"
+      << (job.price_per_gpu_hour > 0 ? " for " + dollars(job.hours * double(k.gpus()) * job.price_per_gpu_hour) : "")
+      << "\n";
+  }
+  // Adapters on this cluster, the fastest layout of each base storage that fits.
+  for (BaseQuant quant : {BaseQuant::None, BaseQuant::Nf4, BaseQuant::Int8})
+    for (const Prediction& q : offered)
+      if (q.fits && q.layout.lora.base_quant == quant) {
+        o << "  - adapters, " << layout_text(q.layout, q.grad_accum) << ": "
+          << format_number(q.tokens_per_s_per_gpu, 0) << " tokens/s per GPU, " << gb(q.gpu_bytes) << " per GPU; "
+          << (q.finishes ? str("all the tokens in ", human_duration(q.wall_s))
+                         : str("in ", format_number(job.hours, 0), " h ",
+                               human_count(job.hours * 3600 / q.step_s * q.tokens_per_step), " tokens (",
+                               format_number(100 * job.hours * 3600 / q.step_s * q.tokens_per_step / job.tokens, 0), "%)"))
+          << (job.price_per_gpu_hour > 0 && q.finishes ? ", " + dollars(q.cost) : "") << "\n";
         break;
       }
+}
+
+// More nodes of the same kind, doubling: the first count whose best layout finishes within the budget.
+void print_more_nodes(std::ostream& o, const JobSpec& job, const Rates& rates) {
+  const Cluster& k = job.cluster;
+  for (int64_t nodes = k.nodes * 2; nodes <= k.nodes * 64; nodes *= 2) {
+    JobSpec more = job;
+    more.cluster.nodes = nodes;
+    more.layout.dp = more.cluster.gpus() / (more.layout.tp * more.layout.pp);
+    const std::optional<Prediction> b = best_fit(more, rates);
+    if (b && b->finishes && b->within_budget) {
+      o << "  - " << nodes << " nodes (" << more.cluster.gpus() << " GPUs), " << layout_text(b->layout, b->grad_accum)
+        << ": " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "")
+        << (b->memory_is_engines ? "" : " (as designed: not on cuda yet)") << "\n";
+      break;
     }
-    // A smaller model of the catalogue that fits and finishes on this cluster.
-    for (const auto& [name, config] : model_catalogue()) {
-      const LlamaConfig m = LlamaConfig::from_json(config, name);
-      if (m.n_params() >= job.model.n_params() || p.layout.seq_len > m.max_position_embeddings) continue;
-      JobSpec smaller = job;
-      smaller.model = m, smaller.model_name = name;
-      if (m.num_key_value_heads % smaller.layout.tp != 0 || smaller.layout.pp > m.num_hidden_layers)
-        smaller.layout.tp = 1, smaller.layout.pp = 1, smaller.layout.sp = false, smaller.layout.dp = k.gpus();
-      const std::optional<Prediction> b = best_fit(smaller, rates);
-      if (!b) continue;
-      o << "  - " << name << " (" << human_count(double(m.n_params())) << "), " << layout_text(b->layout, b->grad_accum)
-        << ": " << format_number(b->tokens_per_s_per_gpu, 0) << " tokens/s per GPU; ";
-      if (b->finishes && b->within_budget)
-        o << "all the tokens in " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "");
-      else if (job.hours > 0)
-        o << "in " << format_number(job.hours, 0) << " h " << human_count(job.hours * 3600 / b->step_s * b->tokens_per_step)
-          << " tokens (" << format_number(100 * job.hours * 3600 / b->step_s * b->tokens_per_step / job.tokens, 0) << "%)";
-      else
-        o << "all the tokens in " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "");
-      o << (b->memory_is_engines ? " (runs on cuda today)" : " (as designed: not on cuda yet)") << "\n";
-    }
+  }
+}
+
+// The catalogue's smaller models that fit on this cluster, each at its best layout: what it trains in the time.
+void print_smaller_models(std::ostream& o, const JobSpec& job, const Prediction& p, const Rates& rates) {
+  const Cluster& k = job.cluster;
+  for (const auto& [name, config] : model_catalogue()) {
+    const LlamaConfig m = LlamaConfig::from_json(config, name);
+    if (m.n_params() >= job.model.n_params() || p.layout.seq_len > m.max_context()) continue;
+    JobSpec smaller = job;
+    smaller.model = m, smaller.model_name = name;
+    if (m.num_key_value_heads % smaller.layout.tp != 0 || smaller.layout.pp > m.num_hidden_layers)
+      smaller.layout.tp = 1, smaller.layout.pp = 1, smaller.layout.sp = false, smaller.layout.dp = k.gpus();
+    const std::optional<Prediction> b = best_fit(smaller, rates);
+    if (!b) continue;
+    o << "  - " << name << " (" << human_count(double(m.n_params())) << "), " << layout_text(b->layout, b->grad_accum)
+      << ": " << format_number(b->tokens_per_s_per_gpu, 0) << " tokens/s per GPU; ";
+    if (b->finishes && b->within_budget)
+      o << "all the tokens in " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "");
+    else if (job.hours > 0)
+      o << "in " << format_number(job.hours, 0) << " h " << human_count(job.hours * 3600 / b->step_s * b->tokens_per_step)
+        << " tokens (" << format_number(100 * job.hours * 3600 / b->step_s * b->tokens_per_step / job.tokens, 0) << "%)";
+    else
+      o << "all the tokens in " << human_duration(b->wall_s) << (job.price_per_gpu_hour > 0 ? ", " + dollars(b->cost) : "");
+    o << (b->memory_is_engines ? " (runs on cuda today)" : " (as designed: not on cuda yet)") << "\n";
+  }
+}
+
+}  // namespace
+
+std::string format_plan(const JobSpec& job, const Prediction& p, const Rates& rates) {
+  std::ostringstream o;
+  print_job_line(o, job, p);
+  print_memory(o, job, p);
+  print_step_time(o, p);
+  print_job_and_verdict(o, job, p);
+  if (!(p.fits && p.finishes && p.within_budget)) {
+    o << "what would:\n";
+    print_this_cluster(o, job, p, rates);
+    print_more_nodes(o, job, rates);
+    print_smaller_models(o, job, p, rates);
   }
   o << "\nrates: " << rates.device << "; gemm: " << rates.sources.at("gemm") << "\n  attention: " << rates.sources.at("attention")
     << "\n  memory-bound: " << rates.sources.at("memory") << "\n  launch gaps: " << rates.sources.at("step_overhead") << "\n";
   return o.str();
 }
+
 
 std::string format_search(const JobSpec& job, const std::vector<Prediction>& ranked) {
   std::ostringstream o;

@@ -113,6 +113,32 @@ row "Llama 3.2 tokenizer.json" "HF tokenizers $hf_version, 1 thread" "$work/peer
 row "Llama 3.2 tiktoken original/tokenizer.model" "HF tokenizers $hf_version (tokenizer.json), 1 thread" "$work/peer.t" \
   "$work/tiktoken.t"
 
+# The general tokenizer.json pipelines of the fixtures (tests/fixtures/tokenizers/*/): each against the library on
+# the same documents, one thread. --bos/--eos: a tokenizer that names neither frames documents with its own
+# end-of-text token here (what is timed is the tokenizing).
+pipeline_row() {  # pipeline_row NAME WHAT EOS
+  mkdir -p "$work/$1"
+  for name in tokenizer.json tokenizer_config.json; do
+    [ -f "$root/tests/fixtures/tokenizers/$1/$name.zst" ] &&
+      zstd -q -d -f "$root/tests/fixtures/tokenizers/$1/$name.zst" -o "$work/$1/$name"
+  done
+  : >"$work/peer.t"; : >"$work/tuna.t"
+  for _ in $(seq "$repeat"); do
+    python3 "$root/tools/reference/bench_tokenizers.py" --threads 1 --tokenizer "$work/$1/tokenizer.json" \
+      --docs "$work/corpus" >"$work/hf.json"
+    sed 's/.*"seconds": \([0-9.e-]*\), "cpu_seconds": \([0-9.e-]*\),.*/\2 \1/' "$work/hf.json" >>"$work/peer.t"
+    timed "$work/tuna.t" "$prepare" --threads 1 --no_near_dedup --no_exact_dedup --quiet --overwrite \
+      --tokenizer "$work/$1" --bos "$3" --eos "$3" --out "$work/out" "$work/corpus"
+  done
+  row "$2" "HF tokenizers $hf_version, 1 thread" "$work/peer.t" "$work/tuna.t"
+}
+pipeline_row gpt_neox "GPT-NeoX tokenizer.json (NFC, GPT-2's ByteLevel)" "<|endoftext|>"
+pipeline_row starcoder "StarCoder tokenizer.json (Digits, ByteLevel)" "<|endoftext|>"
+pipeline_row claude "Claude tokenizer.json (NFKC, ByteLevel)" "<EOT>"
+pipeline_row deepseek_coder "DeepSeek Coder tokenizer.json (four Splits, Digits, ByteLevel)" "<｜end▁of▁sentence｜>"
+pipeline_row mistral "Mistral tokenizer.json (Metaspace, byte fallback)" "</s>"
+pipeline_row llama2_hf "LLaMA-2-style tokenizer.json (Prepend, Replace, byte fallback; 2,000 pieces)" "</s>"
+
 echo "Unique Debian copyright files: $docs documents, $bytes bytes; best of $repeat; load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo
 echo "| tokenizer | peer (1 thread) | peer CPU s / wall s | build/prepare CPU s / wall s | per CPU second | wall |"

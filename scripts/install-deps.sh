@@ -9,7 +9,8 @@ packages=(
   libopenblas-openmp-dev   # its OpenMP build, which the Makefile links: GEMMs on tuna's OpenMP threads
   libopenmpi-dev openmpi-bin  # launching ranks (mpirun), host collectives
   libsentencepiece-dev sentencepiece  # tokenizer library and spm_* command-line tools
-  libpcre2-dev             # Unicode regexes of byte-level BPE pre-tokenizers (Llama 3)
+  libpcre2-dev             # Unicode regexes of tokenizer.json pre-tokenizers and normalizers (Llama 3's Split)
+  libutf8proc-dev          # Unicode normalization (NFC, NFKC, ...), case and character classes of tokenizer.json
   nlohmann-json3-dev       # config.json, safetensors headers, state.json, metrics
   libtomlplusplus-dev      # run.toml training configs
   libzstd-dev zlib1g-dev   # compressed corpora

@@ -6,10 +6,12 @@
 #include <cstdio>
 
 #include "tests/process_state.h"
+#include "tests/slowest_tests.h"
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
   const tuna::testing_util::ProcessStateGuard& guard = tuna::testing_util::guard_process_state();
+  tuna::testing_util::print_slowest_tests(15);
   int rc = RUN_ALL_TESTS();
   const testing::UnitTest& unit = *testing::UnitTest::GetInstance();
   std::printf("tests: %d passed, %d failed, %d skipped\n", unit.successful_test_count(),

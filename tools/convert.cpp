@@ -135,18 +135,24 @@ int main(int argc, char** argv) {
     std::printf("%s -> %s: %lld tensors, %lld parameters, %s, %.1f MB in %lld file(s)%s\n", args[1].c_str(),
                 args[2].c_str(), (long long)r.tensors, (long long)r.parameters, r.dtype.c_str(), r.bytes_written / 1e6,
                 (long long)r.shards, staging.c_str());
-    // The tokenizer travelled with the weights: say which one, or why it will not serve build/prepare.
+    // The tokenizer travelled with the weights: say which one, or why it will not serve build/prepare. One tuna
+    // cannot read was still copied as it is (transformers may read it): the conversion succeeded, and this is a
+    // warning, not an error.
+    bool tokenizer_read = true;
     if (!tuna::has_tokenizer(args[2])) {
       std::printf("note: %s has no tokenizer file; give build/prepare and build/train one with --tokenizer\n",
                   args[1].c_str());
     } else {
       try {
         std::printf("tokenizer %s\n", tuna::Tokenizer(args[2]).describe().c_str());
-      } catch (const tuna::Error& e) {
-        std::printf("warning: the tokenizer files were copied, but tuna cannot read them: %s\n", e.what());
+      } catch (...) {
+        tokenizer_read = false;
+        std::printf("warning: the tokenizer files were copied as they are, but tuna cannot read them, so it wrote "
+                    "no generation_config.json, tokenizer_config.json or special_tokens_map.json beside them: %s\n",
+                    tuna::describe_current_exception().c_str());
       }
     }
-    if (args[0] == "tuna-to-hf" || args[0] == "merge-lora") {
+    if ((args[0] == "tuna-to-hf" || args[0] == "merge-lora") && tokenizer_read) {
       std::string warning;
       for (const std::string& name : tuna::complete_hf_tokenizer_files(args[2], tuna::read_config_json(args[2]), &warning))
         std::printf("wrote %s/%s (for transformers)\n", args[2].c_str(), name.c_str());

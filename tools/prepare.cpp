@@ -66,9 +66,14 @@ class WideFlags {
 void declare(tuna::Options& o, tuna::PrepareOptions& p, WideFlags& w, bool* no_exact_dedup, bool* no_near_dedup) {
   o.add("tokenizer", &p.tokenizer_path,
         "the model's tokenizer, required: a model directory (tuna checkpoint or Hugging Face download) or a file: "
-        "sentencepiece .model, Hugging Face tokenizer.json (Llama 3), tiktoken ranks (Llama 3's "
+        "sentencepiece .model, Hugging Face tokenizer.json (any BPE pipeline), tiktoken ranks (Llama 3's "
         "original/tokenizer.model); BOS/EOS as its config names them");
   o.add("out", &p.out_dir, "output directory (created if missing); required");
+  o.add("bos", &p.bos, "the token every document starts with (its text, e.g. '<s>'), where the tokenizer names none "
+        "or another one is wanted");
+  o.add("eos", &p.eos, "the token every document ends with (its text, e.g. '<|endoftext|>')");
+  o.add("no_bos_eos", &p.no_bos_eos, "write documents without BOS and EOS (a tokenizer that names neither is refused "
+        "otherwise)");
   o.add("train_tokenizer", &p.train_tokenizer,
         "train a sentencepiece model at --tokenizer (a .model file) on the inputs first (BPE, byte fallback), writing "
         "it and its .vocab");

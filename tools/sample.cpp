@@ -51,6 +51,27 @@ int32_t sample_token(const float* logits, int64_t vocab, double temperature, dou
   return order[n - 1];
 }
 
+// The same rule as train and eval: the tokenizer must be the model's. Against the one the checkpoint carries (its
+// fingerprint), else against the BOS and EOS ids of its config.json; and it must fit the model.
+void check_model_tokenizer(const tuna::Tokenizer& tokenizer, const tuna::LlamaConfig& config,
+                           const std::string& checkpoint, const std::string& config_dir) {
+  using namespace tuna;
+  const std::string config_path = config_dir + "/config.json";
+  const std::string fit = check_tokenizer_fits(tokenizer, config.vocab_size, config_path);
+  if (!fit.empty()) std::fprintf(stderr, "warning: %s\n", fit.c_str());
+  const ModelTokenizer own = model_tokenizer("", checkpoint, config.vocab_size);
+  if (own.fingerprint != 0 && tokenizer.fingerprint() != own.fingerprint)
+    fail("tokenizer ", tokenizer.path(), " is not the model's: ", checkpoint, " carries ", own.description,
+         " (another vocabulary); leave out --tokenizer to use the model's own");
+  if (own.fingerprint == 0 && config.bos_token_id >= 0 && tokenizer.bos_id() >= 0 && tokenizer.bos_id() != config.bos_token_id)
+    fail("tokenizer ", tokenizer.path(), " is not the model's: its BOS is id ", tokenizer.bos_id(), ", ", config_path,
+         " says ", config.bos_token_id);
+  if (own.fingerprint == 0 && !config.eos_token_ids.empty() && tokenizer.eos_id() >= 0 &&
+      std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), tokenizer.eos_id()) == config.eos_token_ids.end())
+    fail("tokenizer ", tokenizer.path(), " is not the model's: its EOS is id ", tokenizer.eos_id(), ", which ",
+         config_path, " does not list among its eos_token_id");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -99,22 +120,7 @@ int main(int argc, char** argv) {
     if (tokenizer_path.empty()) tokenizer_path = has_tokenizer(checkpoint) ? checkpoint : config_dir;
     Tokenizer tokenizer(tokenizer_path);
     LlamaConfig config = LlamaConfig::load(config_dir);
-    // The same rule as train and eval: the tokenizer must be the model's. Against the one the checkpoint
-    // carries (its fingerprint), else against the BOS and EOS ids of its config.json; and it must fit the model.
-    const std::string config_path = config_dir + "/config.json";
-    const std::string fit = check_tokenizer_fits(tokenizer, config.vocab_size, config_path);
-    if (!fit.empty()) std::fprintf(stderr, "warning: %s\n", fit.c_str());
-    const ModelTokenizer own = model_tokenizer("", checkpoint, config.vocab_size);
-    if (own.fingerprint != 0 && tokenizer.fingerprint() != own.fingerprint)
-      fail("tokenizer ", tokenizer.path(), " is not the model's: ", checkpoint, " carries ", own.description,
-           " (another vocabulary); leave out --tokenizer to use the model's own");
-    if (own.fingerprint == 0 && config.bos_token_id >= 0 && tokenizer.bos_id() >= 0 && tokenizer.bos_id() != config.bos_token_id)
-      fail("tokenizer ", tokenizer.path(), " is not the model's: its BOS is id ", tokenizer.bos_id(), ", ", config_path,
-           " says ", config.bos_token_id);
-    if (own.fingerprint == 0 && !config.eos_token_ids.empty() && tokenizer.eos_id() >= 0 &&
-        std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), tokenizer.eos_id()) == config.eos_token_ids.end())
-      fail("tokenizer ", tokenizer.path(), " is not the model's: its EOS is id ", tokenizer.eos_id(), ", which ",
-           config_path, " does not list among its eos_token_id");
+    check_model_tokenizer(tokenizer, config, checkpoint, config_dir);
     std::vector<int32_t> tokens;
     if (tokenizer.bos_id() >= 0) tokens.push_back(tokenizer.bos_id());
     // Special tokens written in the prompt (<|start_header_id|>, <|eot_id|>) are the model's control tokens.
@@ -174,13 +180,20 @@ int main(int argc, char** argv) {
                                   : sample_token(last, config.vocab_size, temperature, top_p, rng);
       if (stop_at_eos && std::find(eos.begin(), eos.end(), next) != eos.end()) break;
       tokens.push_back(next);
+      // A character whose bytes are split across tokens decodes to U+FFFD until its last byte comes (the library's
+      // decode is lossy): that tail waits.
       std::string text = decode_all();
+      while (text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0) text.resize(text.size() - 3);
       if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
         std::printf("%s", text.c_str() + printed.size());
         std::fflush(stdout);
         printed = text;
       }
     }
+    // What the library decodes, whole: the held-back tail too.
+    const std::string all = decode_all();
+    if (all.size() > printed.size() && all.compare(0, printed.size(), printed) == 0)
+      std::printf("%s", all.c_str() + printed.size());
     const Clock::time_point end = Clock::now();
     std::printf("\n");
     std::fflush(stdout);

@@ -1,7 +1,6 @@
 #include "kernels/cpu/lora.h"
 
 #include "core/error.h"
-#include "model/lora.h"  // lora_dropout_keeps: the one definition of the mask
 
 namespace tuna::cpu {
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -173,6 +174,55 @@ TEST(Gguf, AFailedWriteLeavesNothingUnderTheName) {
   EXPECT_NE(message.find("tensor 'big.weight'"), std::string::npos) << message;
   EXPECT_FALSE(fs::exists(tmp / "m.gguf.tmp"));
   EXPECT_EQ(read_all(path), "earlier export");
+}
+
+// The value of a metadata key: its bytes after the key's name and value type (u32), read as T.
+template <typename T>
+T gguf_value(const std::string& file, const std::string& key, uint32_t type) {
+  const size_t at = file.find(key);
+  if (at == std::string::npos) throw std::runtime_error("no key " + key);
+  Cursor c{file, at + key.size()};
+  EXPECT_EQ(c.get<uint32_t>(), type) << key;
+  return c.get<T>();
+}
+
+// rope scaling as llama.cpp reads it: linear and yarn as rope.scaling.* keys (yarn's original context, betas, and
+// the trained context as context_length); dynamic, which llama.cpp lacks, refused by name.
+TEST(Gguf, RopeScalingKeys) {
+  testing_util::TempDir tmp("gguf_rope");
+  auto vocabulary = [](int64_t n) {
+    GgufVocabulary v;
+    v.model = "llama";
+    for (int64_t i = 0; i < n; i++) v.tokens.push_back("<t" + std::to_string(i) + ">");
+    v.scores.assign(n, 0.0f);
+    v.types.assign(n, 1);
+    return v;
+  };
+  export_gguf("tests/fixtures/rope_yarn", tmp / "yarn.gguf", GgufWeights::f32, vocabulary(64));
+  const std::string yarn = read_all(tmp / "yarn.gguf");
+  const uint32_t kU32 = 4, kF32 = 6, kString = 8;
+  Cursor type{yarn, yarn.find("llama.rope.scaling.type") + std::strlen("llama.rope.scaling.type")};
+  EXPECT_EQ(type.get<uint32_t>(), kString);
+  EXPECT_EQ(type.str(), "yarn");
+  EXPECT_EQ(gguf_value<float>(yarn, "llama.rope.scaling.factor", kF32), 4.0f);
+  EXPECT_EQ(gguf_value<uint32_t>(yarn, "llama.rope.scaling.original_context_length", kU32), 32u);
+  EXPECT_EQ(gguf_value<uint32_t>(yarn, "llama.context_length", kU32), 128u);
+  EXPECT_EQ(gguf_value<float>(yarn, "llama.rope.scaling.yarn_beta_fast", kF32), 16.0f);
+  EXPECT_EQ(gguf_value<float>(yarn, "llama.rope.scaling.yarn_beta_slow", kF32), 1.0f);
+
+  export_gguf("tests/fixtures/rope_linear", tmp / "linear.gguf", GgufWeights::f32, vocabulary(64));
+  const std::string linear = read_all(tmp / "linear.gguf");
+  EXPECT_EQ(gguf_value<float>(linear, "llama.rope.scaling.factor", kF32), 2.0f);
+  EXPECT_EQ(gguf_value<uint32_t>(linear, "llama.context_length", kU32), 64u);
+  EXPECT_EQ(linear.find("original_context_length"), std::string::npos);
+
+  try {
+    export_gguf("tests/fixtures/rope_dynamic", tmp / "dynamic.gguf", GgufWeights::f32, vocabulary(64));
+    ADD_FAILURE() << "dynamic rope exported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'dynamic'"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(tmp / "dynamic.gguf"));
 }
 
 TEST(Gguf, TypeNames) {

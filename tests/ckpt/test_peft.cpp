@@ -9,12 +9,14 @@
 #include <fstream>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/gguf.h"
 #include "ckpt/peft.h"
 #include "ckpt/safetensors.h"
 #include "comm/comm.h"
+#include "core/checksum.h"  // digest_file: a manifest entry rewritten
 #include "core/error.h"
 #include "core/json.h"
 #include "engine/engine.h"  // make_forward_model
@@ -556,6 +558,220 @@ TEST(Peft, GgufOfALoraCheckpointIsTheMergedModels) {
   export_gguf(dir, tmp / "lora.gguf", GgufWeights::f32, vocab);
   export_gguf(tmp / "b" / dir.filename(), tmp / "merged.gguf", GgufWeights::f32, vocab);
   EXPECT_TRUE(read_file(tmp / "lora.gguf") == read_file(tmp / "merged.gguf"));
+}
+
+// ---- One rule for every reader of a LoRA checkpoint (ckpt/peft.h open_lora_checkpoint) ----
+
+// A file of a checkpoint replaced, and its manifest entry with it: a checkpoint that verifies but says something else.
+void rewrite_listed(const fs::path& dir, const std::string& name, const std::string& content) {
+  std::ofstream(dir / name, std::ios::binary | std::ios::trunc) << content;
+  json manifest = read_json_file(dir / kManifestFile, "test");
+  const FileDigest d = digest_file(dir / name);
+  manifest["files"][name] = {{"bytes", d.bytes}, {"xxh3_64", hex64(d.xxh3)}};
+  std::ofstream(dir / kManifestFile, std::ios::trunc) << manifest.dump(2);
+}
+
+// The last weight of a file nudged (still finite): the bytes differ from what the manifest recorded.
+void flip_last_weight(const fs::path& file) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-4, std::ios::end);
+  float x;
+  f.read(reinterpret_cast<char*>(&x), 4);
+  x = std::nextafter(x, 2.0f * x + 1.0f);
+  f.seekp(-4, std::ios::end);
+  f.write(reinterpret_cast<const char*>(&x), 4);
+}
+
+GgufVocabulary test_vocabulary(const LlamaConfig& cfg) {
+  GgufVocabulary vocab;
+  vocab.model = "llama";
+  for (int i = 0; i < cfg.vocab_size; i++) vocab.tokens.push_back(str("<t", i, ">"));
+  vocab.scores.assign(cfg.vocab_size, 0.0f);
+  vocab.types.assign(cfg.vocab_size, 1);
+  return vocab;
+}
+
+// Every reader of a LoRA checkpoint, as its tool calls the library: each returns its refusal (empty: accepted).
+std::vector<std::pair<std::string, std::string>> every_reader(const fs::path& dir, const fs::path& base,
+                                                              const fs::path& scratch) {
+  std::unique_ptr<Comm> world = make_single_comm();
+  LoraConfig options;
+  options.rank = 4, options.alpha = 8;
+  const LlamaConfig cfg = LlamaConfig::load(base.string());
+  std::vector<std::pair<std::string, std::string>> out;
+  const auto reader = [&](const std::string& name, const std::function<void()>& f) {
+    fs::remove_all(scratch);
+    fs::create_directories(scratch);
+    out.emplace_back(name, error_of(f));
+  };
+  reader("--lora_init", [&] { lora_start(options, {}, dir, base, std::nullopt, {}, *world); });
+  reader("--resume", [&] {  // a run directory whose newest checkpoint is dir
+    fs::create_directories(scratch / "run" / "ckpt");
+    fs::copy(dir, scratch / "run" / "ckpt" / "step_00000003");
+    try {
+      const auto from = resume_checkpoint(scratch / "run" / "ckpt", *world, [](const std::string& w) { throw Error(w); });
+      lora_start(options, {}, {}, base, from, {}, *world);
+    } catch (const Error& e) {  // named as the directory it was copied from
+      std::string m = e.what();
+      const std::string copy = (scratch / "run" / "ckpt" / "step_00000003").string();
+      for (size_t at; (at = m.find(copy)) != std::string::npos;) m.replace(at, copy.size(), dir.string());
+      throw Error(m);
+    }
+  });
+  reader("peft-to-tuna", [&] { import_peft(dir, scratch / "imported", {}, {}); });
+  reader("eval, sample", [&] {  // their order: the directory against its manifest, then the model
+    verify_model_directory(dir, ModelFiles::Weights);
+    const ModelSource source = open_model(dir);
+    std::vector<float> w(ParamLayout(cfg).total());
+    source.fill(ParamLayout(cfg), Segment{0, 1}, w.data());
+  });
+  reader("merge-lora", [&] { merge_lora(dir, scratch / "merged", "float32", int64_t(1) << 30); });
+  reader("tuna-to-gguf", [&] { export_gguf(dir, scratch / "x.gguf", GgufWeights::f32, test_vocabulary(cfg)); });
+  return out;
+}
+
+// A tuna LoRA checkpoint with bits flipped in adapter_model.safetensors: refused by every reader, naming the file
+// (--lora_init and peft-to-tuna once used it, and peft-to-tuna wrote a fresh manifest over it).
+TEST(Peft, EveryReaderRefusesABitFlippedCheckpoint) {
+  TempDir tmp("peft_flipped");
+  const LlamaConfig cfg = LlamaConfig::load(kBase2.string());
+  const LoraConfig lora = lora_init_config(kLora2, {});
+  const fs::path dir = write_lora_checkpoint(tmp / "ckpt", kBase2, lora, read_adapter(kLora2, cfg, lora));
+  for (const auto& [reader, e] : every_reader(dir, kBase2, tmp / "scratch")) EXPECT_EQ(e, "(no error)") << reader;
+  flip_last_weight(dir / kAdapterWeightsFile);
+  for (const auto& [reader, e] : every_reader(dir, kBase2, tmp / "scratch")) {
+    EXPECT_NE(e.find((dir / kAdapterWeightsFile).string() + ": checksum "), std::string::npos) << reader << ": " << e;
+    EXPECT_NE(e.find("the file is damaged"), std::string::npos) << reader << ": " << e;
+  }
+  EXPECT_FALSE(fs::exists(tmp / "scratch" / "imported"));
+}
+
+// adapter_config.json and adapter_model.safetensors that disagree (fewer targets than tensors, or more), in a
+// checkpoint whose manifest matches: refused by every reader alike; --resume once trained q_proj alone and saved 8 of
+// the 56 adapter tensors.
+TEST(Peft, EveryReaderRefusesAnAdapterFileThatDisagreesWithItsConfig) {
+  TempDir tmp("peft_disagree");
+  const LlamaConfig cfg = LlamaConfig::load(kBase2.string());
+  const LoraConfig lora = lora_init_config(kLora2, {});
+  const std::vector<float> adapters = read_adapter(kLora2, cfg, lora);
+  const fs::path all = write_lora_checkpoint(tmp / "all", kBase2, lora, adapters);
+  LoraConfig q = lora;
+  q.targets = parse_lora_targets("q_proj");
+  const LoraLayout whole = lora_layout(cfg, lora), q_layout = lora_layout(cfg, q);
+  std::vector<float> q_adapters(q_layout.params.total());
+  for (const ParamTensor& t : q_layout.params.tensors())
+    copy_block(t, *whole.params.find(t.name), adapters.data(), q_adapters.data());
+  const fs::path only_q = write_lora_checkpoint(tmp / "q", kBase2, q, q_adapters);
+  // Fewer targets in the config than the file holds: an extra tensor.
+  rewrite_listed(all, kAdapterConfigFile, read_file(only_q / kAdapterConfigFile));
+  for (const auto& [reader, e] : every_reader(all, kBase2, tmp / "scratch")) {
+    EXPECT_NE(e.find((all / kAdapterWeightsFile).string() + ": tensor 'base_model.model.model.layers.0.self_attn.k_proj"),
+              std::string::npos) << reader << ": " << e;
+    EXPECT_NE(e.find("is not an adapter of " + (all / kAdapterConfigFile).string() + " (target_modules q_proj, r = 4)"),
+              std::string::npos) << reader << ": " << e;
+    EXPECT_NE(e.find("the adapter file and its configuration disagree"), std::string::npos) << reader << ": " << e;
+  }
+  // More targets in the config than the file holds: a missing tensor.
+  rewrite_listed(only_q, kAdapterConfigFile, read_file(kLora2 / kAdapterConfigFile));
+  for (const auto& [reader, e] : every_reader(only_q, kBase2, tmp / "scratch"))
+    EXPECT_NE(e.find((only_q / kAdapterWeightsFile).string() + ": has no tensor 'base_model.model.model.layers.0."),
+              std::string::npos) << reader << ": " << e;
+}
+
+// A tuna LoRA checkpoint without base_model.json (its manifest agreeing): nothing would hold the adapters to their
+// base, so every reader refuses, saying how to go on. A PEFT directory from elsewhere has none and is read as before.
+TEST(Peft, ATunaCheckpointWithoutItsBaseRecordIsRefusedSayingHowToGoOn) {
+  TempDir tmp("peft_no_base_record");
+  const LlamaConfig cfg = LlamaConfig::load(kBase2.string());
+  const LoraConfig lora = lora_init_config(kLora2, {});
+  const fs::path dir = write_lora_checkpoint(tmp / "ckpt", kBase2, lora, read_adapter(kLora2, cfg, lora));
+  fs::remove(dir / kBaseModelFile);
+  json manifest = read_json_file(dir / kManifestFile, "test");
+  manifest["files"].erase(kBaseModelFile);
+  std::ofstream(dir / kManifestFile, std::ios::trunc) << manifest.dump(2);
+  for (const auto& [reader, e] : every_reader(dir, kBase2, tmp / "scratch")) {
+    EXPECT_NE(e.find(dir.string() + ": a tuna LoRA checkpoint (it has manifest.json) without base_model.json"),
+              std::string::npos) << reader << ": " << e;
+    EXPECT_NE(e.find("build/convert peft-to-tuna NEW_DIR OUT_DIR --base BASE_DIR"), std::string::npos) << reader << ": " << e;
+  }
+  // The way out the message gives: the two PEFT files alone, imported on a named base.
+  fs::create_directories(tmp / "peft");
+  for (const char* f : {kAdapterConfigFile, kAdapterWeightsFile}) fs::copy_file(dir / f, tmp / "peft" / f);
+  import_peft(tmp / "peft", tmp / "imported", kBase2, {});
+  EXPECT_EQ(verify_checkpoint(tmp / "imported"), "");
+}
+
+// A QLoRA checkpoint imported keeps its quantization (its adapters were trained on the dequantized base: without it
+// eval scored them on the unquantized one), and a value the other readers refuse is refused by the import too.
+TEST(Peft, ImportKeepsTheQuantizationAndRefusesWhatTheOthersRefuse) {
+  TempDir tmp("peft_import_quant");
+  const LlamaConfig cfg = LlamaConfig::load(kBase32.string());
+  const LoraConfig lora = lora_init_config(kLora32, {});
+  const LoraLayout layout = lora_layout(cfg, lora);
+  const std::vector<float> params = read_adapter(kLora32, cfg, lora);
+  const json config_json = read_config_json(kBase32);
+  const LoraFiles files = lora_files(lora, kBase32, BaseQuant::Nf4);
+  CheckpointContents c{&config_json, params.data(), {}, json{{"step", 0}}, {}};
+  c.lora = &files;
+  const fs::path dir = save_checkpoint(tmp / "qlora", 0, layout.params, c, 0);
+  import_peft(dir, tmp / "imported", {}, {});
+  EXPECT_EQ(read_json_file(tmp / "imported" / kBaseModelFile, "test").value("quantization", ""), "nf4");
+  EXPECT_EQ(lora_base_quant(tmp / "imported"), BaseQuant::Nf4);
+  // The merged weights (what eval and sample compute with) are the original's.
+  const ParamLayout model(cfg);
+  std::vector<float> a(model.total()), b(model.total());
+  merged_lora_weights(kBase32, dir)(model, Segment{0, model.total()}, a.data());
+  merged_lora_weights(kBase32, tmp / "imported")(model, Segment{0, model.total()}, b.data());
+  EXPECT_EQ(a, b);
+  merged_lora_weights(kBase32, kLora32)(model, Segment{0, model.total()}, b.data());
+  EXPECT_NE(a, b);  // the quantization changes them: it is what the import would have lost
+  json record = read_json_file(dir / kBaseModelFile, "test");
+  for (const json& bad : {json("fp8"), json(""), json(nullptr), json(4)}) {
+    record["quantization"] = bad;
+    rewrite_listed(dir, kBaseModelFile, record.dump(2));
+    for (const auto& [reader, e] : every_reader(dir, kBase32, tmp / "scratch"))
+      EXPECT_NE(e.find((dir / kBaseModelFile).string() + ": field 'quantization': expected none, nf4 or int8, found "),
+                std::string::npos) << reader << " " << bad.dump() << ": " << e;
+  }
+}
+
+// Values of adapter_config.json are refused naming the file and its key, never an option the user did not give.
+TEST(Peft, AdapterConfigValuesAreRefusedNamingTheFileAndKey) {
+  TempDir tmp("peft_config_values");
+  const json good = read_json_file(kLora2 / kAdapterConfigFile, "test");
+  const fs::path file = tmp / kAdapterConfigFile;
+  const auto refusal = [&](const char* key, const json& value) {
+    json j = good;
+    j[key] = value;
+    std::ofstream(file, std::ios::trunc) << j.dump(2);
+    return error_of([&] { read_peft_adapter_config(file); });
+  };
+  const std::vector<std::tuple<const char*, json, std::string>> bad = {
+      {"lora_alpha", 0, "field 'lora_alpha': expected a number above 0"},
+      {"lora_alpha", -2, "field 'lora_alpha'"},
+      {"lora_dropout", 1, "field 'lora_dropout': expected a probability in [0, 1), found 1"},
+      {"target_modules", json::array({"q_proj "}), "field 'target_modules': \"q_proj \" is not the name of a projection"},
+      {"target_modules", json::array({"q_proj", ""}), "field 'target_modules': \"\" is not the name of a projection"},
+      {"target_modules", json::array({" v_proj"}), "field 'target_modules': \" v_proj\" is not the name"},
+      {"target_modules", json::array({"q_proj,v_proj"}), "field 'target_modules': \"q_proj,v_proj\" is not the name"},
+      {"target_modules", json::array(), "field 'target_modules': expected a non-empty list of names, found []"},
+      {"target_modules", json::array({"q_proj", "q_proj"}), "\"q_proj\" is given twice"},
+  };
+  for (const auto& [key, value, message] : bad) {
+    const std::string e = refusal(key, value);
+    EXPECT_EQ(e.rfind(file.string() + ": ", 0), 0u) << key << " " << value.dump() << ": " << e;
+    EXPECT_NE(e.find(message), std::string::npos) << key << " " << value.dump() << ": " << e;
+    EXPECT_EQ(e.find("option '"), std::string::npos) << e;
+  }
+  // A rank the base cannot hold: the file's key, in every reader (here --lora_init on the llama2 base).
+  fs::create_directories(tmp / "peft");
+  json j = good;
+  j["r"] = 65;
+  std::ofstream(tmp / "peft" / kAdapterConfigFile) << j.dump(2);
+  fs::copy_file(kLora2 / kAdapterWeightsFile, tmp / "peft" / kAdapterWeightsFile);
+  const std::string e = error_of([&] { open_lora_checkpoint(tmp / "peft", kBase2); });
+  EXPECT_NE(e.find((tmp / "peft" / kAdapterConfigFile).string() + ": field 'r': 65 exceeds the smaller dimension of "),
+            std::string::npos) << e;
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // comm/comm_local.cpp: ranks as threads of one process. The checks every comm passes (tests/comm/comm_checks.h) at
-// 1 to 4 threads, the mesh's splits, and a rank that never arrives: the others stop within the timeout with an
-// error naming the collective and the missing rank.
+// 1 to 4 threads, the mesh's splits, a send that waits for its recv as NCCL's does, and a rank that never arrives:
+// the others stop within the timeout with an error naming the collective and the missing rank.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -100,6 +100,37 @@ TEST(CommLocal, ARecvFromAPeerThatNeverSendsTimesOut) {
                        "complete within 0.5 s (--comm_timeout): rank 1 did not send it"),
             std::string::npos)
       << error;
+}
+
+// A send completes only once its recv is posted, as NCCL's does (a rendezvous): an order of sends and receives that
+// would deadlock on NCCL fails here too instead of passing on a buffered send. Rank 1 posts its recv 0.2 s late;
+// rank 0's wait for the send returns only after that. A send nobody receives times out, naming it and the peer.
+TEST(CommLocal, ASendCompletesOnlyOnceItsRecvIsPosted) {
+  std::vector<std::unique_ptr<Comm>> comms = make_local_comms(2, /*timeout_s=*/5);
+  std::vector<float> out(100, 3.0f), in(100, 0.0f);
+  std::chrono::steady_clock::time_point sent, posted;
+  std::thread receiver([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    posted = std::chrono::steady_clock::now();
+    comms[1]->recv(in.data(), 100, CommType::F32, 0, "activations");
+  });
+  comms[0]->send(out.data(), 100, CommType::F32, 1, "activations");
+  sent = std::chrono::steady_clock::now();
+  receiver.join();
+  EXPECT_GE(sent, posted);
+  EXPECT_EQ(in, out);
+
+  std::vector<std::unique_ptr<Comm>> quick = make_local_comms(2, /*timeout_s=*/0.5);
+  try {
+    quick[0]->send(out.data(), 100, CommType::F32, 1, "activations of micro-batch 2");
+    ADD_FAILURE() << "a send completed without a recv";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 of 2 (threads): send 'activations of micro-batch 2' (100 elements to "
+                                         "rank 1) did not complete within 0.5 s (--comm_timeout): rank 1 did not post "
+                                         "the matching recv"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(CommLocal, MeshGroups) {

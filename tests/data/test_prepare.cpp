@@ -405,7 +405,7 @@ TEST_F(PrepareTest, Llama3TokenizerByDirectory) {
   o.val_fraction = 0;
   const PrepareReport r = prepare_corpus(o);
   EXPECT_EQ(r.tokenizer_path, f.llama3_json());
-  EXPECT_EQ(r.tokenizer_format, "Hugging Face byte-level BPE");
+  EXPECT_EQ(r.tokenizer_format, "Hugging Face BPE");
   EXPECT_EQ(r.bos_id, 128000);
   EXPECT_EQ(r.eos_id, 128001);
   const Tokenizer& tok = f.llama3();

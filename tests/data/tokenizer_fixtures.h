@@ -60,6 +60,27 @@ class TokenizerFixtures {
   const Tokenizer& llama3() const { return loaded(llama3_, llama3_json()); }
   const Tokenizer& llama3_from_tiktoken() const { return loaded(tiktoken_, llama3_tiktoken()); }
   const Tokenizer& spm() const { return loaded(spm_, spm_model()); }
+  // The tokenizer.json pipelines of pipelines.json.zst (gpt_neox, mistral, starcoder, claude, deepseek_coder, and
+  // llama3 on the same texts): each a model directory (tokenizer.json, and tokenizer_config.json where the package
+  // ships one).
+  std::vector<std::string> pipelines() const {
+    std::vector<std::string> names;
+    for (const auto& [name, ids] : pipelines_.at("ids").items()) names.push_back(name);
+    return names;
+  }
+  std::string pipeline_dir(const std::string& name) const { return (dir_.path() / name).string(); }
+  // Texts, probes, then the random slices; the library's ids of each, and its decoded text of each (the text itself
+  // unless the reference says otherwise).
+  const std::vector<std::string>& pipeline_texts() const { return pipeline_texts_; }
+  const std::vector<std::string>& slice_bytes() const { return slice_bytes_; }
+  std::vector<std::vector<int32_t>> pipeline_ids(const std::string& name) const {
+    return pipelines_.at("ids").at(name).get<std::vector<std::vector<int32_t>>>();
+  }
+  std::vector<std::string> pipeline_decoded(const std::string& name) const {
+    std::vector<std::string> out = pipeline_texts_;
+    for (const auto& d : pipelines_.at("decoded").at(name)) out[d.at(0).get<size_t>()] = d.at(1).get<std::string>();
+    return out;
+  }
   // Texts then probes, and the reference ids of each under `key` (llama3_text, llama3_special, spm).
   const std::vector<std::string>& texts() const { return texts_; }
   std::vector<std::vector<int32_t>> ids(const std::string& key) const {
@@ -86,6 +107,22 @@ class TokenizerFixtures {
     reference_ = nlohmann::json::parse(unzstd(root / "reference.json.zst"));
     for (const auto& t : reference_.at("texts")) texts_.push_back(t.at("text").get<std::string>());
     for (const auto& p : reference_.at("probes")) texts_.push_back(p.get<std::string>());
+    pipelines_ = nlohmann::json::parse(unzstd(root / "pipelines.json.zst"));
+    pipeline_texts_ = texts_;
+    for (const auto& slice : pipelines_.at("slices")) {
+      pipeline_texts_.push_back(slice.at("text").get<std::string>());
+      const std::string hex = slice.at("raw").get<std::string>();
+      std::string bytes;
+      for (size_t i = 0; i + 1 < hex.size(); i += 2) bytes.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+      slice_bytes_.push_back(bytes);
+    }
+    for (const auto& [name, ids] : pipelines_.at("ids").items()) {
+      if (name == "llama3") continue;
+      std::filesystem::create_directories(dir_.path() / name);
+      for (const char* file : {"tokenizer.json", "tokenizer_config.json"})
+        if (std::filesystem::exists(root / name / (std::string(file) + ".zst")))
+          write_file((dir_.path() / name / file).string(), unzstd(root / name / (std::string(file) + ".zst")));
+    }
   }
   const Tokenizer& loaded(std::unique_ptr<Tokenizer>& slot, const std::string& path) const {
     if (!slot) slot = std::make_unique<Tokenizer>(path);  // tests load from one thread
@@ -93,8 +130,8 @@ class TokenizerFixtures {
   }
   TempDir dir_;
   mutable std::unique_ptr<Tokenizer> llama3_, tiktoken_, spm_;
-  nlohmann::json reference_;
-  std::vector<std::string> texts_;
+  nlohmann::json reference_, pipelines_;
+  std::vector<std::string> texts_, pipeline_texts_, slice_bytes_;
 };
 
 }  // namespace tuna::testing_data

@@ -9,14 +9,20 @@
 #if TUNA_CUDA
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "comm/comm.h"
 #include "ckpt/checkpoint.h"
+#include "core/error.h"
 #include "engine/engine.h"
+#include "tests/comm/jittered_comm.h"
 #include "tests/kernels/gpu_test_util.h"
 #include "tests/data/data_test_util.h"  // TempDir
 #include "tests/engine/engine_test_util.h"
@@ -292,9 +298,11 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Sequence parallelism over tp 2 (ranks as threads on one device, as above): the norm and residual regions split
 // by rows, the all-gathers and reductions around the tp GEMMs, the norm weights' gradients summed over tp. Tied
-// (llama32_tiny) and untied (llama2_tiny) embeddings, packed documents, each recompute mode, and over dp 2 at
-// ZeRO-1 and ZeRO-3 (the norm gradients written into the sharded store's unit buffers). The one rank follows the CPU engine
-// (EngineGpuParity), and the CPU engine with sp follows it too (tests/model/test_llama_sp.cpp).
+// (llama32_tiny) and untied (llama2_tiny) embeddings, packed documents, each recompute mode, over dp 2 at ZeRO-1 and
+// ZeRO-3 (the norm gradients written into the sharded store's unit buffers), and at tp 4 (llama2_tiny, whose 4 kv
+// heads split; held to tp 4's bound, tests/model/ranks_test_util.h tp_bound, for NCCL's bf16 ring on GPUs). The one
+// rank follows the CPU engine (EngineGpuParity), and the CPU engine with sp follows it too
+// (tests/model/test_llama_sp.cpp).
 struct SequenceParallelCase {
   const char* fixture;
   testing_util::RanksCase layout;
@@ -320,14 +328,16 @@ INSTANTIATE_TEST_SUITE_P(
     testing::Values(SequenceParallelCase{"llama32_tiny", {2, 2, 0, true, Recompute::None, true}},
                     SequenceParallelCase{"llama2_tiny", {2, 2, 0, true, Recompute::Selective, true}},
                     SequenceParallelCase{"llama2_tiny", {4, 2, 1, true, Recompute::Full, true}},
-                    SequenceParallelCase{"llama32_tiny", {4, 2, 3, true, Recompute::None, true}}),
+                    SequenceParallelCase{"llama32_tiny", {4, 2, 3, true, Recompute::None, true}},
+                    SequenceParallelCase{"llama2_tiny", {4, 4, 0, true, Recompute::None, true}}),
     [](const testing::TestParamInfo<SequenceParallelCase>& i) {
       std::string fixture = i.param.fixture;
       return fixture + "_" + testing_util::name(i.param.layout);
     });
 
-// Pipeline stages (ranks as threads on one device, as above): 4 micro-batches of one row through 2 stages in the 1F1B
-// order, the activations and their gradients sent between the stages in bf16, the loss and the gradient norm summed
+// Pipeline stages (ranks as threads on one device, as above, the stages' transfers over the loopback device comm): 4
+// micro-batches of one row through 2 stages in the 1F1B order, the activations and their gradients sent between the
+// stages in bf16, the loss and the gradient norm summed
 // over the stages. Tied (llama32_tiny: the last stage's copy of the table, whose gradient the two stages exchange)
 // and untied (llama2_tiny) embeddings, recompute (the working activations of a micro-batch are gone by its
 // backward on the first stage), and with dp 2 at ZeRO-1 and tp 2 (with sp) inside each stage.
@@ -348,6 +358,197 @@ INSTANTIATE_TEST_SUITE_P(
       std::string fixture = i.param.fixture;
       return fixture + "_" + testing_util::name(i.param.layout);
     });
+
+// The pipeline's stream order as a multi-GPU run has it, on one device: the stages' sends and receives over the loopback
+// device comm (comm/comm_loopback.cpp: device copies on each stage's comm stream, ordered against the compute by
+// the pipeline's events alone (GpuStage), where the staged comm would complete each on the host), plain and with random-length
+// sleep kernels queued on the comm and compute streams (tests/comm/jittered_comm.h, three seeds), so that transfers
+// and passes run late against each other in several ways. pp 2 and 3 over a 4-layer model (the fixtures' 2 layers
+// are too few for 3 stages), 4 micro-batches of one row, clipping off, against one stage running the same
+// micro-batches: the stages run the same GEMM shapes and add each layer's micro-batch gradients in the same order, so
+// with untied embeddings every step's loss and the final weights are bit for bit the one stage's, and the gradient
+// norm (its squares summed per stage, then over the stages) within 1e-12. With tied embeddings (pp 3: the first and
+// last stages, not neighbours, exchange the table's gradient) the first loss is bit for bit and the rest hold the dp
+// bound of tests/model/ranks_test_util.h, the table's two gradients being summed after the backwards.
+struct PipelineLoopbackCase {
+  int pp;
+  bool tied;
+  uint64_t jitter;  // the sleeps' seed; 0: none
+};
+class EngineGpuPipelineLoopback : public testing::TestWithParam<PipelineLoopbackCase> {};
+
+TEST_P(EngineGpuPipelineLoopback, EqualsOneStageOverTheSameMicroBatches) {
+  TUNA_REQUIRE_GPU();
+  const PipelineLoopbackCase c = GetParam();
+  Fixture f(c.tied ? "llama32_tiny" : "llama2_tiny");
+  LlamaConfig config = f.config;
+  config.num_hidden_layers = 4;
+  const WeightFill weights = random_weights(11, 0.05);
+  const FourRows data(config.vocab_size);
+  EngineOptions o = testing_util::rows_options(f, 0, 1);
+  o.opt.grad_clip = 0;
+  std::vector<StepResult> want;
+  std::vector<float> one_weights;
+  {
+    SingleRank one;
+    std::unique_ptr<Engine> e = make_engine(config, o, one.mesh, weights);
+    for (int64_t s = 0; s < testing_util::kRanksSteps; s++)
+      want.push_back(testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, s));
+    std::vector<float> m, v;
+    e->export_shard(one_weights, m, v);
+  }
+  const ParamLayout whole(config);
+  testing_util::run_thread_ranks(c.pp, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, 1, c.pp);
+    const DeviceCommFactory device_comm = [&](Comm& group, void* stream) -> std::unique_ptr<Comm> {
+      std::unique_ptr<Comm> loopback = make_loopback_device_comm(group.split(0, group.rank()), stream, 120);
+      if (c.jitter == 0) return loopback;
+      return std::make_unique<testing_util::JitteredComm>(std::move(loopback), stream, c.jitter);
+    };
+    std::unique_ptr<Engine> e = make_engine(config, o, mesh, weights, device_comm);
+    for (int64_t s = 0; s < testing_util::kRanksSteps; s++) {
+      const StepResult r = testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, s);
+      if (world.rank() == 0)
+        std::printf("  step %lld  loss 1 stage %.9g pp %d %.9g   grad norm %.9g %.9g\n", static_cast<long long>(s),
+                    want[s].loss, c.pp, r.loss, want[s].stats.grad_norm, r.stats.grad_norm);
+      EXPECT_EQ(r.tokens, want[s].tokens);
+      if (!c.tied || s == 0) {
+        EXPECT_EQ(r.loss, want[s].loss) << "step " << s;
+      } else {
+        EXPECT_NEAR(r.loss, want[s].loss, testing_util::kRanksLossTol * want[s].loss) << "step " << s;
+      }
+      EXPECT_NEAR(r.stats.grad_norm, want[s].stats.grad_norm,
+                  (c.tied ? testing_util::kRanksNormTol : 1e-12) * want[s].stats.grad_norm)
+          << "step " << s;
+    }
+    if (c.tied) {
+      EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, one_weights.data()), testing_util::kRanksWeightTol)
+          << "stage " << world.rank() << "'s final weights";
+      return;
+    }
+    std::vector<float> p, m, v;
+    e->export_shard(p, m, v);  // one dp rank at ZeRO-0: the stage's layout in order
+    int64_t differ = 0, compared = 0;
+    for (const ParamTensor& t : e->layout().tensors()) {
+      const float* theirs = one_weights.data() + whole.find(t.name)->offset;
+      for (int64_t i = 0; i < t.numel; i++) differ += p[t.offset + i] != theirs[i];
+      compared += t.numel;
+    }
+    EXPECT_GT(compared, 0);
+    EXPECT_EQ(differ, 0) << "of stage " << world.rank() << "'s " << compared << " final weights differ from the one stage's";
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Stages, EngineGpuPipelineLoopback,
+    testing::Values(PipelineLoopbackCase{2, false, 0}, PipelineLoopbackCase{3, false, 0},
+                    PipelineLoopbackCase{3, true, 0}, PipelineLoopbackCase{2, false, 1},
+                    PipelineLoopbackCase{3, false, 2}, PipelineLoopbackCase{3, true, 3}),
+    [](const testing::TestParamInfo<PipelineLoopbackCase>& i) {
+      return "pp" + std::to_string(i.param.pp) + (i.param.tied ? "_tied" : "") +
+             (i.param.jitter ? "_jitter" + std::to_string(i.param.jitter) : "");
+    });
+
+// The pipeline's set-up exchanges one element each way over every link its steps use, so that NCCL makes those
+// connections there and not inside the first step: pp 3 with tied embeddings, whose first and last stages (not
+// neighbours) also exchange the table's gradient. The sends and receives the stages start while the engines are
+// built, recorded by peer.
+class RecordingComm final : public testing_util::ForwardingComm {
+ public:
+  RecordingComm(std::unique_ptr<Comm> inner, std::set<std::string>* calls)
+      : ForwardingComm(std::move(inner)), calls_(calls) {}
+  CommRequest send_start(const void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    calls_->insert("send to " + std::to_string(peer));
+    return inner_->send_start(buf, n, type, peer, what);
+  }
+  CommRequest recv_start(void* buf, int64_t n, CommType type, int peer, const char* what) override {
+    calls_->insert("recv from " + std::to_string(peer));
+    return inner_->recv_start(buf, n, type, peer, what);
+  }
+
+ private:
+  std::set<std::string>* calls_;
+};
+
+TEST(EngineGpuPipelineLinks, AreWarmedUpAtSetUp) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama32_tiny");
+  LlamaConfig config = f.config;
+  config.num_hidden_layers = 4;
+  std::vector<std::set<std::string>> calls(3);
+  testing_util::run_thread_ranks(3, [&](Comm& world) {
+    Mesh mesh = make_mesh(world, 1, 3);
+    const DeviceCommFactory device_comm = [&](Comm& group, void* stream) -> std::unique_ptr<Comm> {
+      return std::make_unique<RecordingComm>(make_loopback_device_comm(group.split(0, group.rank()), stream, 120),
+                                             &calls[world.rank()]);
+    };
+    make_engine(config, testing_util::rows_options(f, 0, 1), mesh, random_weights(11, 0.05), device_comm);
+  });
+  using Calls = std::set<std::string>;
+  EXPECT_EQ(calls[0], (Calls{"send to 1", "recv from 1", "send to 2", "recv from 2"}));
+  EXPECT_EQ(calls[1], (Calls{"send to 0", "recv from 0", "send to 2", "recv from 2"}));
+  EXPECT_EQ(calls[2], (Calls{"send to 0", "recv from 0", "send to 1", "recv from 1"}));
+}
+
+// With tensor parallelism the tp collectives run on the compute stream, so every host wait the model makes for that
+// stream (the token upload's, the loss's, the gradient norm's) goes through the tp comm (Comm::wait_event), which
+// NCCL bounds by --comm_timeout, naming what waited and the group's last collective: never a bare synchronize that a
+// hung tp peer holds forever. The tp comm here records those waits, and then fails them as NCCL's does at its
+// timeout: the step stops with that error.
+class WaitRecordingComm final : public testing_util::ForwardingComm {
+ public:
+  WaitRecordingComm(std::unique_ptr<Comm> inner, std::vector<std::string>* waits, bool time_out)
+      : ForwardingComm(std::move(inner)), waits_(waits), time_out_(time_out) {}
+  bool wait_event(void* cuda_event, const char* what) override {
+    waits_->push_back(what);
+    if (time_out_) fail("rank ", rank(), " of ", size(), ": ", what, " did not complete within 1 s (--comm_timeout)");
+    return false;  // the caller synchronizes itself, as for a comm without device work
+  }
+
+ private:
+  std::vector<std::string>* waits_;
+  bool time_out_;
+};
+
+TEST(EngineGpuTensorParallel, HostWaitsGoThroughTheTpComm) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  const FourRows data(f.config.vocab_size);
+  for (bool time_out : {false, true}) {
+    std::vector<std::vector<std::string>> waits(2);
+    std::vector<std::string> errors(2);
+    testing_util::run_thread_ranks(2, [&](Comm& world) {
+      Mesh mesh = make_mesh(world, 2, 1);
+      const DeviceCommFactory device_comm = [&](Comm& group, void* stream) -> std::unique_ptr<Comm> {
+        return std::make_unique<WaitRecordingComm>(make_staged_device_comm(group.split(0, group.rank()), stream),
+                                                   &waits[world.rank()], time_out);
+      };
+      std::unique_ptr<Engine> e = make_engine(f.config, testing_util::rows_options(f, 0, FourRows::kRows), mesh,
+                                              random_weights(11, 0.05), device_comm);
+      try {
+        testing_util::row_micro_batches_step(*e, f, data, 0, FourRows::kRows, 0);
+      } catch (const Error& x) {
+        errors[world.rank()] = x.what();
+      }
+    });
+    for (int r = 0; r < 2; r++) {
+      SCOPED_TRACE(str("tp rank ", r, time_out ? ", timing out" : ""));
+      ASSERT_FALSE(waits[r].empty());
+      if (time_out) {
+        EXPECT_NE(errors[r].find("tp group: the compute stream's work before a token upload did not complete within 1 s "
+                                 "(--comm_timeout)"),
+                  std::string::npos)
+            << errors[r];
+        continue;
+      }
+      EXPECT_EQ(errors[r], "");
+      for (const char* what : {"tp group: the compute stream's work before a token upload",
+                               "tp group: the backward, before the gradient norm is read",
+                               "tp group: the gradient norm's all-reduce"})
+        EXPECT_NE(std::find(waits[r].begin(), waits[r].end(), what), waits[r].end()) << what;
+    }
+  }
+}
 
 // A pipeline run's checkpoint is rank files in global coordinates (each stage's tensors under their global names, the
 // last stage's copy of a tied table not written): one rank without stages restores every weight and moment bit for

@@ -336,15 +336,16 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineLoraGpuRanks,
                                   std::to_string(i.param.zero);
                          });
 
-// Pipeline stages (pp 2, ranks as threads sharing the device over the staged device comm, 4 micro-batches of one row
-// in the 1F1B order): each stage holds its frozen base units and its layers' adapters; tied embeddings (llama32_tiny)
-// need no exchange, the table being frozen. Dropout masks are keyed by the micro-batch's index in the step and set
-// again before its backward, so the stages draw the masks one rank draws over the same micro-batches (which runs them
-// in turn) and must follow it within the dp bound of tests/model/ranks_test_util.h (only the fp32 order of the
-// gradient norm's sum over the stages differs). With dp 2 inside each stage (no dropout: its masks are keyed by the dp
-// rank), ZeRO-1 reduce-scatters each layer's adapter gradient over dp. A checkpoint exchange into a fresh engine of
-// the same layout then continues bit for bit. With an nf4 base each stage quantizes its own layers' projections,
-// the blocks one rank quantizes, and dequantizes them into a buffer shaped like its first layer's unit.
+// Pipeline stages (pp 2, ranks as threads sharing the device, the stages' transfers over the loopback device comm, 4
+// micro-batches of one row in the 1F1B order): each stage holds its frozen base units and its layers' adapters; tied
+// embeddings (llama32_tiny) need no exchange, the table being frozen. Dropout masks are keyed by the micro-batch's
+// index in the step and set again before its backward, so the stages draw the masks one rank draws over the same
+// micro-batches (which runs them in turn) and must follow it within the dp bound of tests/model/ranks_test_util.h (only
+// the fp32 order of the gradient norm's sum over the stages differs). With dp 2 inside each stage (no dropout: its
+// masks are keyed by the dp rank), ZeRO-1 reduce-scatters each layer's adapter gradient over dp. A checkpoint exchange
+// into a fresh engine of the same layout then continues bit for bit. With an nf4 base each stage quantizes its own
+// layers' projections, the blocks one rank quantizes, and dequantizes them into a buffer shaped like its first layer's
+// unit.
 struct LoraPipelineCase {
   int ranks, zero;
   double dropout;
@@ -383,9 +384,7 @@ TEST_P(EngineLoraGpuPipeline, FollowsOneRankOverTheSameMicroBatches) {
   const ParamLayout whole = lora_layout(f.config, lora).params;
   testing_util::run_thread_ranks(c.ranks, [&](Comm& world) {
     Mesh mesh = make_mesh(world, 1, 2);
-    const DeviceCommFactory device_comm = [](Comm& group, void* stream) {
-      return make_staged_device_comm(group.split(0, group.rank()), stream);
-    };
+    const DeviceCommFactory device_comm = testing_util::one_device_comms(mesh);  // pp: loopback
     std::unique_ptr<Engine> e = make_engine(f.config, options(c.zero), mesh, fixture_weights(f), device_comm);
     // The stage's adapters only, under their global names.
     const int64_t layers = f.config.num_hidden_layers;

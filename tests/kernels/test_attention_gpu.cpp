@@ -238,6 +238,23 @@ TEST(AttentionGpu, DocumentMasksOnTheHopperPath) {
   check({1, 140, 4, 4, 128}, rng, AttentionPath::kHopper, /*rope=*/false, {{63, 2, 1, 74}});
 }
 
+// Documents starting inside a consumer warpgroup's 64 rows of a forward tile, at rows that are not multiples of 64,
+// two or more key blocks of 128 after the previous document's start (seq 1024: tiles with several key blocks
+// before the diagonal). The warps of that warpgroup then see different numbers of document-masked key blocks; the
+// choice between the forward step's masked and unmasked instances (each with its own wgmma instructions) must
+// still be the same for all four (wgmma is .aligned over the warpgroup, which the emulator checks). Starts 300
+// (rows 256-319 of tile 2: warps 0-1 before it, warp 2 holds it) and 720 (rows 704-767 of tile 5: warp 0 in the
+// previous document, warp 1 holds it); a second sequence with starts 100, 612 and 900 (tiles 0, 4 and 7).
+// scripts/gpu-check.sh runs this test first, alone, under a watchdog: on a GPU the divergent code hangs or
+// computes garbage rather than failing cleanly.
+TEST(AttentionGpu, HopperDocumentsStartingInsideAWarpgroup) {
+  TUNA_REQUIRE_SM90();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  check({2, 1024, 1, 1, 64}, rng, AttentionPath::kHopper, /*rope=*/false, {{300, 420, 304}, {100, 512, 288, 124}});
+  check({1, 1024, 1, 1, 128}, rng, AttentionPath::kHopper, /*rope=*/false, {{300, 420, 304}});
+}
+
 // Key blocks outside a query block's documents are not read: NaN keys and values there stay out of the results
 // of the later document (a kernel that loaded them and multiplied by a zero weight would make NaN). Two documents
 // of 128: on either path (tiles of 64 or 128 keys) no block holds keys of both.

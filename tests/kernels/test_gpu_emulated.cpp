@@ -17,6 +17,9 @@
 // first only: what they add to the op tests is the orchestration (the arena plan, op order, accumulate flags,
 // checkpoint exchange), which does not depend on how the warps of a kernel interleave.
 //
+// A third run has streams out of order (each stream on a thread of its own, random delays drawn from a seed), over
+// the tests whose streams order each other, under three seeds.
+//
 // The CUDA engine's data-parallel code (engine/engine_gpu.cpp at dp > 1: the gradient all-reduce, the
 // checkpoint restore that gathers each unit on the device) runs in a fourth binary, build/emulated_gpu_mpi_tests
 // (tests/mpi/*_emulated.cpp), under `mpirun -np 2`, with an MpiComm standing in for NCCL.
@@ -61,6 +64,28 @@ TEST(GpuTestsEmulated, CopiesLandAtIssueWarpsInLockstep) { run_emulated("--copie
 TEST(GpuTestsEmulated, CopiesLandAtTheirWaitWarpsInTurn) {
   run_emulated("--copies at-wait --warps in-turn --sms 3 --blocks reversed --gtest_filter=-*LlamaGpu*:*EngineGpu*");
 }
+
+// Streams run out of order, as a GPU may run them (emulator/runtime.h, --streams concurrent): each stream's work on
+// a host thread of its own, ordered against the others only by events, the legacy default stream and the host's
+// waits, each piece delayed a random while drawn from the seed. The tests whose streams order each other must give,
+// under every seed, what they give in order (bit for bit where they compare bits): the pipeline's transfers and
+// passes (pp 2 and 3, tied, LoRA with dropout, nf4, tp with sp, over the loopback comm, whose copies only events
+// order), ZeRO-2/3's reduce-scatters and gathers on the comm stream, the frozen base's prefetch, the device comms. A
+// missing cudaStreamWaitEvent in the pipeline step or the ZeRO-3 prefetch fails one of them.
+const char* const kStreamOrderTests =
+    "Layouts/EngineGpuPipeline.*:Stages/EngineGpuPipelineLoopback.*:EngineGpuPipelineLinks.*:"
+    "EngineGpuPipelineCheckpoint.*:Modes/EngineGpuStages.*zero2*:Modes/EngineGpuStages.*zero3*:"
+    "Layouts/EngineGpuThreadRanks.*zero2*:Layouts/EngineGpuThreadRanks.*zero3*:Modes/EngineLoraGpuStages.*:"
+    "Layouts/EngineLoraGpuRanks.*zero3:Layouts/EngineLoraGpuPipeline.*:CommLoopbackGpu.*:CommStagedGpu.*";
+
+class GpuTestsEmulatedStreams : public testing::TestWithParam<int> {};
+
+TEST_P(GpuTestsEmulatedStreams, OutOfOrderWithJitter) {
+  run_emulated("--streams concurrent --jitter " + std::to_string(GetParam()) + " --gtest_filter=" + kStreamOrderTests);
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, GpuTestsEmulatedStreams, testing::Values(1, 2, 3),
+                         [](const testing::TestParamInfo<int>& i) { return "seed" + std::to_string(i.param); });
 
 // The engine at dp = 2 against one rank, and its sharded checkpoint restored at 2 ranks and at 1
 // (tests/mpi/test_engine_gpu_emulated.cpp).

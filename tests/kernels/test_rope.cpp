@@ -104,14 +104,17 @@ TEST(RopeTest, Llama31InvFreqSpotValues) {
 
 TEST(RopeTest, BadConfigurationIsAnError) {
   std::vector<double> inv_freq(32);
-  RopeScaling yarn;
-  yarn.type = "yarn";
+  RopeScaling longrope;
+  longrope.type = "longrope";
   try {
-    rope_inv_freq(inv_freq.data(), 64, 10000.0, yarn);
+    rope_inv_freq(inv_freq.data(), 64, 10000.0, longrope);
     FAIL() << "expected tuna::Error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("yarn"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("longrope"), std::string::npos) << e.what();
   }
+  RopeScaling shrinking;
+  shrinking.type = "linear", shrinking.factor = 0.5;
+  EXPECT_THROW(rope_inv_freq(inv_freq.data(), 64, 10000.0, shrinking), Error);
   RopeScaling inverted_band = llama31_scaling();
   inverted_band.high_freq_factor = 0.5;
   EXPECT_THROW(rope_inv_freq(inv_freq.data(), 64, 10000.0, inverted_band), Error);

@@ -90,7 +90,7 @@ TEST(LlamaConfig, RefusesWhatItCannotTrainNamingTheField) {
       {"mlp_bias", true, "mlp_bias"},
       {"hidden_act", "gelu", "hidden_act"},
       {"model_type", "mistral", "model_type"},
-      {"rope_scaling", json{{"rope_type", "yarn"}, {"factor", 4.0}}, "yarn"},
+      {"rope_scaling", json{{"rope_type", "longrope"}, {"factor", 4.0}}, "longrope"},
       {"rope_scaling", json{{"rope_type", "llama3"}, {"factor", 8.0}}, "low_freq_factor"},
       {"num_key_value_heads", 5, "num_key_value_heads 5"},
       {"head_dim", 63, "head_dim must be even"},

@@ -1,15 +1,17 @@
 // The pipeline split: every layer in exactly one stage, the embedding first and the head last, the costliest stage as
-// cheap as any contiguous split makes it, and earlier stages no larger than they must be. The 1F1B schedule, and a
-// stage's parameter layout (its tensors, under the whole model's names, blocks and random streams).
+// cheap as any contiguous split makes it, and earlier stages no larger than they must be; and a stage's parameter
+// layout (its tensors, under the whole model's names, blocks and random streams). The schedule: tests/dist.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "core/error.h"
 #include "model/config.h"
 #include "model/layout.h"
 #include "model/pipeline.h"
+#include "model/support.h"  // place_layout
 
 namespace tuna {
 namespace {
@@ -102,142 +104,21 @@ TEST(Pipeline, AHeadWorthSeveralLayersTakesLayersOffTheLastStage) {
 }
 
 TEST(Pipeline, RefusesMoreStagesThanLayers) {
+  // The user's --pp meets the support table first (place_layout); pipeline_stages only checks its contract.
   const LlamaConfig c = shape(64, 176, 4, 4, 2, 1000);
-  for (int64_t pp : {int64_t(0), int64_t(5)}) {
+  for (const auto& [pp, message] : {std::pair<int64_t, const char*>{0, "option 'pp': expected at least 1 pipeline stage"},
+                                    {5, "option 'pp': expected 1 to 4 stages"}}) {
+    MemoryLayout l;
+    l.pp = pp;
+    l.micro_batch = 1, l.seq_len = 64;
     try {
-      pipeline_stages(c, pp, 64);
+      place_layout(c, l);
       ADD_FAILURE() << "pp " << pp << " was accepted";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("option 'pp': expected 1 to 4 stages"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
     }
+    EXPECT_THROW(pipeline_stages(c, pp, 64), Error) << "pp " << pp;
   }
-}
-
-// Every micro-batch's forward and backward once each, the forward first; the warm-up's pp - stage - 1 forwards, then
-// alternation; never more than pp - stage micro-batches in flight, and i mod (pp - stage) free for micro-batch i.
-TEST(Pipeline, OneForwardOneBackwardSchedule) {
-  for (int64_t pp = 1; pp <= 5; pp++)
-    for (int64_t stage = 0; stage < pp; stage++)
-      for (int64_t m = 0; m <= 9; m++) {
-        const std::vector<PipelineOp> ops = pipeline_schedule(pp, stage, m);
-        ASSERT_EQ(static_cast<int64_t>(ops.size()), 2 * m);
-        int64_t next_forward = 0, next_backward = 0;
-        std::vector<int64_t> in_flight;
-        const int64_t slots = pp - stage;
-        for (size_t k = 0; k < ops.size(); k++) {
-          const PipelineOp& op = ops[k];
-          if (op.forward) {
-            EXPECT_EQ(op.micro_batch, next_forward++);
-            for (int64_t other : in_flight) EXPECT_NE(other % slots, op.micro_batch % slots);
-            in_flight.push_back(op.micro_batch);
-            EXPECT_LE(static_cast<int64_t>(in_flight.size()), slots);
-          } else {
-            EXPECT_EQ(op.micro_batch, next_backward++);
-            ASSERT_FALSE(in_flight.empty());
-            EXPECT_EQ(in_flight.front(), op.micro_batch);
-            in_flight.erase(in_flight.begin());
-          }
-          // Warm-up: forwards only, as many as the stages after this one need to fill.
-          if (static_cast<int64_t>(k) < std::min(pp - stage - 1, m)) {
-            EXPECT_TRUE(op.forward);
-          }
-        }
-        EXPECT_TRUE(in_flight.empty());
-      }
-  // Stage 0 of 4 over 6 micro-batches: F0 F1 F2 | F3 B0 F4 B1 F5 B2 | B3 B4 B5.
-  std::string order;
-  for (const PipelineOp& op : pipeline_schedule(4, 0, 6)) order += (op.forward ? "F" : "B") + std::to_string(op.micro_batch) + " ";
-  EXPECT_EQ(order, "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5 ");
-}
-
-// The CUDA engine's transfer order (engine/engine_gpu.cpp pipeline_step) under NCCL's worst case: each send or receive
-// runs alone, in the order started, on the stage's comm stream, and completes only together with its peer's matching
-// one; each waits for the compute queued before it, and a pass for the transfers it reads or whose buffer it
-// rewrites. A stage receives a forward's input at the forward, posts the next backward's gradient ahead of the
-// forward where pipeline_gradient_ahead allows, else at the backward, and sends after each pass. Every stage must
-// finish; posting ahead regardless must not (the model can see a deadlock).
-namespace overlap {
-struct Transfer {
-  bool send;
-  int peer;
-  bool gradient;
-  int64_t micro_batch;
-  size_t passes_before;  // compute queued on the stage before this transfer starts
-};
-struct Stage {
-  std::vector<Transfer> transfers;
-  std::vector<std::vector<size_t>> pass_waits;  // per pass: the transfers it waits for
-};
-
-Stage stage_order(int64_t pp, int64_t s, int64_t m, bool ahead) {
-  Stage st;
-  const std::vector<PipelineOp> ops = pipeline_schedule(pp, s, m);
-  const auto start = [&](bool send, int64_t peer, bool gradient, int64_t mb) {
-    st.transfers.push_back({send, static_cast<int>(peer), gradient, mb, st.pass_waits.size()});
-    return st.transfers.size() - 1;
-  };
-  std::vector<size_t> waits;
-  int64_t activations_sent = -1, gradient_sent = -1, posted = -1;
-  for (size_t i = 0; i < ops.size(); i++) {
-    const PipelineOp& op = ops[i];
-    if (op.forward) {
-      if (s > 0) waits.push_back(start(false, s - 1, false, op.micro_batch));
-      if (activations_sent >= 0) waits.push_back(activations_sent), activations_sent = -1;
-      if (ahead && i + 1 < ops.size() && !ops[i + 1].forward)
-        posted = static_cast<int64_t>(start(false, s + 1, true, ops[i + 1].micro_batch));
-      st.pass_waits.push_back(waits), waits.clear();
-      if (s < pp - 1) activations_sent = start(true, s + 1, false, op.micro_batch);
-    } else {
-      if (gradient_sent >= 0) waits.push_back(gradient_sent), gradient_sent = -1;
-      if (s < pp - 1) waits.push_back(posted >= 0 ? posted : start(false, s + 1, true, op.micro_batch)), posted = -1;
-      st.pass_waits.push_back(waits), waits.clear();
-      if (s > 0) gradient_sent = start(true, s - 1, true, op.micro_batch);
-    }
-  }
-  return st;
-}
-
-// Whether every stage runs to the end.
-bool finishes(int64_t pp, int64_t m, bool force_ahead) {
-  std::vector<Stage> stages;
-  for (int64_t s = 0; s < pp; s++)
-    stages.push_back(stage_order(pp, s, m, (force_ahead && s < pp - 1) || pipeline_gradient_ahead(pp, s, m)));
-  std::vector<size_t> passes(pp, 0), transfers(pp, 0);  // how many of each are done
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (int64_t s = 0; s < pp; s++) {
-      const Stage& st = stages[s];
-      while (passes[s] < st.pass_waits.size() &&
-             std::all_of(st.pass_waits[passes[s]].begin(), st.pass_waits[passes[s]].end(),
-                         [&](size_t t) { return t < transfers[s]; }))
-        passes[s]++, progress = true;
-    }
-    for (int64_t s = 0; s < pp; s++) {
-      if (transfers[s] == stages[s].transfers.size()) continue;
-      const Transfer& a = stages[s].transfers[transfers[s]];
-      if (passes[s] < a.passes_before || transfers[a.peer] == stages[a.peer].transfers.size()) continue;
-      const Transfer& b = stages[a.peer].transfers[transfers[a.peer]];
-      if (b.peer != s || b.send == a.send || b.gradient != a.gradient || b.micro_batch != a.micro_batch ||
-          passes[a.peer] < b.passes_before)
-        continue;
-      transfers[s]++, transfers[a.peer]++, progress = true;
-    }
-  }
-  for (int64_t s = 0; s < pp; s++)
-    if (passes[s] < stages[s].pass_waits.size() || transfers[s] < stages[s].transfers.size()) return false;
-  return true;
-}
-}  // namespace overlap
-
-TEST(Pipeline, TransferOrderOfTheOverlapCannotDeadlock) {
-  for (int64_t pp = 2; pp <= 8; pp++)
-    for (int64_t m = 0; m <= 19; m++) EXPECT_TRUE(overlap::finishes(pp, m, false)) << "pp " << pp << ", " << m;
-  // Posting ahead in a warm-up followed at once by the cool-down: the next stage needs the forward's output first.
-  EXPECT_FALSE(overlap::finishes(2, 1, true));
-  EXPECT_FALSE(overlap::finishes(4, 3, true));
-  EXPECT_TRUE(pipeline_gradient_ahead(4, 0, 4));
-  EXPECT_FALSE(pipeline_gradient_ahead(4, 0, 3));
-  EXPECT_FALSE(pipeline_gradient_ahead(4, 3, 9));  // the last stage receives no gradient
 }
 
 // The stages' layouts hold the whole model's tensors between them, each once, under its name, block and random

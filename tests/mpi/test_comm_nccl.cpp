@@ -6,6 +6,8 @@
 #if TUNA_NCCL
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -79,6 +81,75 @@ TEST(NcclComm, CollectivesOnDeviceBuffers) {
     cudaFree(piece);
   }
   nccl.reset();
+  cudaStreamDestroy(stream);
+}
+
+// Beyond two ranks NCCL's bf16 reduce-scatter rounds the partial sum at each step of its ring (tp > 2 with sequence
+// parallelism reduce-scatters bf16 activations): each element within P - 1 roundings (2^-8 of the partial sums'
+// magnitude, bounded by the sum of the inputs' magnitudes, each) of the fp32 sum rounded once. And a communicator made
+// as the pipeline's (NcclOptions::max_ctas 2) moves a ring of point-to-point messages, its wait_event bounded.
+TEST(NcclComm, Bf16ReduceScatterWithinItsRingRoundingAndAFewCtaComm) {
+  Comm& w = test::world();
+  const LaunchInfo launch = detect_launch();
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < launch.local_size)
+    GTEST_SKIP() << "needs one GPU per local rank (" << launch.local_size << "), found " << devices;
+  TUNA_CUDA_CHECK(cudaSetDevice(launch.local_rank));
+  cudaStream_t stream;
+  TUNA_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    std::unique_ptr<Comm> nccl = make_nccl_comm(w.split(0, w.rank()), stream, /*timeout_s=*/60);
+    const int P = nccl->size();
+    const int64_t n = 4099;
+    const auto x = [](int r, int64_t i) { return static_cast<float>(std::sin(0.37 * i + r) * (1 + r % 3)); };
+    std::vector<uint16_t> bits(n);
+    for (int64_t i = 0; i < n; i++) bits[i] = f32_to_bf16(x(w.rank(), i));
+    const Range mine = shard_range(n, w.rank(), P);
+    uint16_t *full = nullptr, *piece = nullptr;
+    TUNA_CUDA_CHECK(cudaMalloc(&full, n * sizeof(uint16_t)));
+    TUNA_CUDA_CHECK(cudaMalloc(&piece, std::max<int64_t>(mine.size(), 1) * sizeof(uint16_t)));
+    TUNA_CUDA_CHECK(cudaMemcpy(full, bits.data(), n * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    nccl->reserve_scratch((n + P) * 4 * (P + 1));
+    nccl->reduce_scatter(full, piece, n, CommType::BF16, "test bf16 ring");
+    nccl->barrier("test");
+    std::vector<uint16_t> out(mine.size());
+    TUNA_CUDA_CHECK(cudaMemcpy(out.data(), piece, out.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < mine.size(); i++) {
+      double sum = 0, magnitude = 0;
+      for (int r = 0; r < P; r++) {
+        const double v = bf16_to_f32(f32_to_bf16(x(r, mine.begin + i)));
+        sum += v, magnitude += std::abs(v);
+      }
+      const double bound = 0.5 * std::abs(sum) / 128 + (P - 1) * magnitude / 256;
+      EXPECT_NEAR(bf16_to_f32(out[i]), sum, bound) << "element " << mine.begin + i << " of " << P << " ranks";
+    }
+    cudaFree(full);
+    cudaFree(piece);
+  }
+  {
+    NcclOptions few;
+    few.max_ctas = 2;
+    std::unique_ptr<Comm> pp = make_nccl_comm(w.split(0, w.rank()), stream, /*timeout_s=*/60, few);
+    const int P = pp->size(), next = (pp->rank() + 1) % P, prev = (pp->rank() + P - 1) % P;
+    float *out = nullptr, *in = nullptr;
+    TUNA_CUDA_CHECK(cudaMalloc(&out, 1024 * sizeof(float)));
+    TUNA_CUDA_CHECK(cudaMalloc(&in, 1024 * sizeof(float)));
+    std::vector<float> host(1024, static_cast<float>(pp->rank()));
+    TUNA_CUDA_CHECK(cudaMemcpy(out, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+    const CommRequest r = pp->recv_start(in, 1024, CommType::F32, prev, "test ring");
+    const CommRequest s = pp->send_start(out, 1024, CommType::F32, next, "test ring");
+    pp->wait(s);
+    pp->wait(r);
+    cudaEvent_t done;
+    TUNA_CUDA_CHECK(cudaEventCreate(&done));
+    TUNA_CUDA_CHECK(cudaEventRecord(done, stream));
+    EXPECT_TRUE(pp->wait_event(done, "test ring"));
+    cudaEventDestroy(done);
+    TUNA_CUDA_CHECK(cudaMemcpy(host.data(), in, host.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    for (float v : host) ASSERT_EQ(v, static_cast<float>(prev));
+    cudaFree(out);
+    cudaFree(in);
+  }
   cudaStreamDestroy(stream);
 }
 

@@ -5,12 +5,16 @@
 // both, and still print its table and return its files.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "tests/test_util.h"
 
@@ -53,6 +57,14 @@ TEST(GpuCheckEmulated, WalksEveryStep) {
     EXPECT_TRUE(std::regex_search(summary, std::regex("\\n  \\[" + std::to_string(t) + "\\] \\S+: ok"))) << "tier " << t;
   EXPECT_EQ(summary.find(": FAILED"), std::string::npos) << summary;
   EXPECT_EQ(summary.find(": skipped"), std::string::npos) << summary;
+  // The loopback device comm's suite, the pipeline over it, and the jittered pipeline run, the last with the
+  // emulator's streams out of order.
+  for (const char* name : {"tests/CommLoopbackGpu", "tests/Stages/EngineGpuPipelineLoopback", "tests/pipeline-jitter"})
+    EXPECT_TRUE(std::regex_search(summary, std::regex(std::string("\\n  \\[\\d\\] ") + name + ": ok"))) << name;
+  const std::string tests_log = read_file(out / "tests.log");
+  EXPECT_NE(tests_log.find("streams concurrent, jitter seed 1"), std::string::npos);
+  EXPECT_NE(tests_log.find("EngineGpuPipelineLoopback.EqualsOneStageOverTheSameMicroBatches/pp2_jitter1"),
+            std::string::npos);
   // No value in the table passes for a measurement: every row past the tiers says it is emulated.
   const std::string table = summary.substr(summary.find("gpu-check summary"));
   std::istringstream lines(table);
@@ -74,7 +86,8 @@ TEST(GpuCheckEmulated, WalksEveryStep) {
       << table;
   // benches.json: each bench's benchmarks listed (none run), the peers' records, the profile's CSV read.
   const auto benches = nlohmann::json::parse(read_file(out / "benches.json"));
-  for (const char* b : {"memory", "attention", "gemm", "train_step", "train_step_hopper", "decode"}) {
+  for (const char* b :
+       {"attention_mma", "train_step_1b", "memory", "attention", "gemm", "train_step", "train_step_hopper", "decode"}) {
     ASSERT_TRUE(benches.contains(b)) << b;
     ASSERT_FALSE(benches[b]["benchmarks"].empty()) << b;
     for (const auto& x : benches[b]["benchmarks"]) {
@@ -82,8 +95,28 @@ TEST(GpuCheckEmulated, WalksEveryStep) {
       EXPECT_FALSE(x.contains("real_time") || x.contains("TFLOP/s") || x.contains("tokens/s")) << x.dump();
     }
   }
-  EXPECT_EQ(benches["peers"].size(), 4u) << benches["peers"].dump();
+  // The peers' records: the eager step in tier 1 (torch, step), attention and the compiled step in tier 3.
+  EXPECT_EQ(benches["peers"].size(), 6u) << benches["peers"].dump();
   EXPECT_FALSE(benches["profile"].contains("error")) << benches["profile"].dump();
+  // The first tier answers, in order: the GPU tests (the hopper documents-in-a-warpgroup shapes first, alone), the
+  // demo on cuda with and without adapters, the mma attention, the 1B step and PyTorch's.
+  const size_t a1 = summary.find("[1] tests/hopper-documents-in-a-warpgroup: ok"),
+               list = summary.find("[1] tests/list: ok"), straight = summary.find("[1] train/straight: ok"),
+               lora = summary.find("[1] train/lora: ok"), attention = summary.find("[1] bench/attention_mma: ok"),
+               step = summary.find("[1] bench/train_step_1b: ok"), peers = summary.find("[1] peers/step: ok"),
+               tier2 = summary.find("== tier 2");
+  EXPECT_TRUE(a1 < list && list < straight && straight < lora && lora < attention && attention < step && step < peers &&
+              peers < tier2 && tier2 != std::string::npos)
+      << summary;
+  // Then, last, the lines for a measurement table, each marked emulated.
+  const std::string heading = "\n== for the table:\n";
+  const size_t answers = summary.find(heading);
+  ASSERT_NE(answers, std::string::npos) << summary;
+  std::istringstream lines_after(summary.substr(answers + heading.size()));
+  int answer_lines = 0;
+  for (std::string line; std::getline(lines_after, line); ++answer_lines)
+    EXPECT_EQ(line.rfind("  emulated: ", 0), 0u) << line;
+  EXPECT_EQ(answer_lines, 5) << summary.substr(answers);
 }
 
 // A step broken on purpose, as a typo would break it: a misspelled trainer flag and a bench that does not
@@ -114,6 +147,58 @@ TEST(GpuCheckEmulated, FailsOnABrokenStepAndNamesIt) {
   // Those two, and what reads their results (the resumed run and the runs' comparison): nothing else.
   EXPECT_TRUE(std::regex_search(summary, std::regex("\\[1\\] train/straight: ok")));
   EXPECT_TRUE(std::regex_search(summary, std::regex("\\[3\\] bench/train_step: ok")));
+}
+
+// What the GPU machine is sent: `make gpu-check-build`'s bin/, carried as one folder of at most 64 MiB with the
+// repository. The build keeps it under 40 MB (compressed device code, one copy of the library for the tests and
+// benches); past 48 MB it is time to look at what grew, before it stops fitting. Symbolic links count as the links.
+TEST(GpuCheckBuild, BinFolderStaysSmall) {
+  const fs::path bin = fs::path(testing_util::build_dir()) / "gpu-check" / "bin";
+  if (!fs::is_directory(bin))
+    GTEST_SKIP() << bin << " has not been built (make gpu-check-build, on a machine with nvcc)";
+  uintmax_t bytes = 0;
+  std::vector<std::pair<uintmax_t, std::string>> files;
+  for (auto it = fs::recursive_directory_iterator(bin); it != fs::recursive_directory_iterator(); ++it)
+    if (it->is_regular_file() && !it->is_symlink()) {
+      bytes += it->file_size();
+      files.emplace_back(it->file_size(), fs::relative(it->path(), bin).string());
+    }
+  std::sort(files.rbegin(), files.rend());
+  std::ostringstream largest;
+  for (size_t i = 0; i < files.size() && i < 8; ++i)
+    largest << "\n  " << files[i].first / 1000 << " kB " << files[i].second;
+  std::printf("%s: %.1f MB%s\n", bin.c_str(), bytes / 1e6, largest.str().c_str());
+  EXPECT_LE(bytes, uintmax_t{48} * 1000 * 1000) << bin << " holds " << bytes / 1e6 << " MB, past 48 MB (the device "
+                                                << "machine takes 64 MiB at most); the largest files:" << largest.str();
+}
+
+// The bench_NAME_gpu of the gpu-check build are scripts running one binary of every GPU bench (gpu_benches NAME):
+// each lists exactly the benchmarks of the bench it stands for (the regular build's build/bench_NAME_gpu), none of
+// the others'. Listing needs no GPU.
+TEST(GpuCheckBuild, EachBenchScriptRunsItsOwnBenchmarks) {
+  const fs::path bin = fs::path(testing_util::build_dir()) / "gpu-check" / "bin";
+  if (!fs::is_regular_file(bin / "gpu_benches"))
+    GTEST_SKIP() << bin / "gpu_benches" << " has not been built (make gpu-check-build, on a machine with nvcc)";
+  TempDir tmp("gpu_benches");
+  int benches = 0;
+  for (const auto& entry : fs::directory_iterator(bin)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("bench_", 0) != 0) continue;
+    SCOPED_TRACE(name);
+    ++benches;
+    const fs::path regular = fs::path(testing_util::build_dir()) / name;
+    ASSERT_TRUE(fs::is_regular_file(regular)) << regular << " not built (make)";
+    const auto listed = run_command(entry.path().string() + " --benchmark_list_tests", tmp / "combined.log");
+    const auto expected = run_command(regular.string() + " --benchmark_list_tests", tmp / "regular.log");
+    EXPECT_EQ(listed.exit_code, 0) << listed.output;
+    EXPECT_EQ(expected.exit_code, 0) << expected.output;
+    EXPECT_NE(listed.output.find("BM_"), std::string::npos) << listed.output;
+    EXPECT_EQ(listed.output, expected.output);
+  }
+  int sources = 0;
+  for (const auto& entry : fs::directory_iterator("bench"))
+    sources += entry.path().filename().string().size() > 8 && entry.path().string().ends_with("_gpu.cpp");
+  EXPECT_EQ(benches, sources) << "bench/*_gpu.cpp against " << bin << "/bench_*_gpu";
 }
 
 }  // namespace

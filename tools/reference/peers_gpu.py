@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
 """The peers tuna's GPU benches are compared with, timed on the same GPU in the same gpu-check run.
 
-Usage: peers_gpu.py [--attention] [--step] [--compile] [--out FILE] [--emulated]
+Usage: peers_gpu.py [--attention] [--step] [--step_batches 2,4] [--compile] [--out FILE] [--emulated]
 
 --attention  torch SDPA's flash (FA2) and cuDNN backends at bench/bench_attention_gpu.cpp's shapes: causal,
              32 query / 8 kv heads (GQA), 16k tokens per launch, head_dim 128 at seq 2k/4k/8k and 64 at 4k,
              forward alone and backward alone (autograd.grad of a saved forward), TFLOP/s by the same
              FlashAttention convention as the bench (forward 4 b h s^2/2 d, backward 2.5x).
 --step       Hugging Face LlamaForCausalLM in the LLaMA-3.2-1B shape of bench/bench_train_step_gpu.cpp, at
-             batch 2 and 4 x seq 4096: fp32 master parameters, bf16 autocast, SDPA attention, fused AdamW, the
-             usual mixed-precision fine-tune. tokens/s and MFU with tuna's FLOP count (6 per matmul weight,
-             lm_head included, plus causal attention's 6 seq q_dim per layer) and the same bf16 peak;
-             peak memory from torch.cuda.max_memory_allocated.
---compile    also the step with torch.compile(model) at batch 4 (compiling takes a minute or more; timed after
+             batch 2 and 4 x seq 4096 (--step_batches 4: batch 4 alone): fp32 master parameters, bf16
+             autocast, SDPA attention, fused AdamW, the usual mixed-precision fine-tune. tokens/s and MFU with
+             tuna's FLOP count (6 per matmul weight, lm_head included, plus causal attention's 6 seq q_dim per
+             layer) and the same bf16 peak; peak memory from torch.cuda.max_memory_allocated.
+--compile    the step with torch.compile(model) at batch 4 (compiling takes a minute or more; timed after
              warmup).
 
 --emulated   no torch: for `scripts/gpu-check.sh --emulated` on a machine without a GPU. Parses the same
@@ -128,13 +128,13 @@ def flops_per_token(c, seq):
     return 6.0 * (layers * per_layer + h + h * v) + 6.0 * seq * q_dim * layers  # + final norm, head
 
 
-def step(torch, args, compiled):
+def step(torch, args, compiled, batches=(2, 4)):
     import transformers
     transformers.logging.set_verbosity_error()
     config = llama_1b_config(transformers)
     seq = 4096
     # Compiling costs a minute or more per shape: the compiled peer runs the comparison shape only.
-    for batch in ((4,) if compiled else (2, 4)):
+    for batch in ((4,) if compiled else batches):
         model = None
         try:
             torch.manual_seed(0)
@@ -174,10 +174,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--step", action="store_true")
+    ap.add_argument("--step_batches", default="2,4", help="the eager step's batch sizes, of 2 and 4")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--out", default="")
     ap.add_argument("--emulated", action="store_true")
     args = ap.parse_args()
+    batches = tuple(int(b) for b in args.step_batches.split(","))
+    if not batches or any(b not in (2, 4) for b in batches):
+        ap.error(f"--step_batches {args.step_batches}: a list of 2 and 4 (bench_train_step_gpu's batches)")
     if args.emulated:
         emit({"peer": "torch", "emulated": True, "version": "none (emulated)", "device": "none"}, args.out)
         for section, asked in (("attention", args.attention), ("step", args.step), ("step-compile", args.compile)):
@@ -197,9 +201,9 @@ def main():
     if args.attention:
         attention(torch, args)
     if args.step:
-        step(torch, args, compiled=False)
-        if args.compile:
-            step(torch, args, compiled=True)
+        step(torch, args, compiled=False, batches=batches)
+    if args.compile:
+        step(torch, args, compiled=True)
     return 0
 
 

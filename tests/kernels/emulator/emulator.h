@@ -36,6 +36,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -214,6 +215,12 @@ class Block {
   void run(int threads, const std::function<void()>& kernel);
 
   int current() const { return current_; }
+  // The running thread's stack: [low, high) addresses (ptx_sm90.h walks its frames to name the instruction a
+  // warpgroup instruction is executed at).
+  std::pair<uintptr_t, uintptr_t> current_stack() const {
+    const char* low = fibers_[current_].stack + page_bytes_;
+    return {reinterpret_cast<uintptr_t>(low), reinterpret_cast<uintptr_t>(low + kStackBytes)};
+  }
   // Suspends the running thread until wake() makes it runnable again. `reason` (what it waits for) names it
   // in the deadlock report.
   void block_current(const char* reason = "a barrier");
@@ -449,3 +456,21 @@ inline double __shfl_xor_sync(unsigned mask, double x, int lane_mask) {
 inline unsigned __shfl_xor_sync(unsigned mask, unsigned x, int lane_mask) {
   return emulated_shfl_xor(mask, x, lane_mask);
 }
+
+// A broadcast: every lane reads `source_lane`'s x (shfl.sync.idx). The kernels broadcast one lane to the warp
+// only, so the source lane must be the same in every lane here (the collective checks it); CUDA allows it to vary.
+template <typename T>
+T emulated_shfl_idx(unsigned mask, T x, int source_lane) {
+  using tuna::emulator::LaneSlot;
+  TUNA_CHECK(mask == 0xffffffffu, "shuffle with a partial mask ", mask);
+  LaneSlot mine;
+  mine.operation = "shfl.idx";
+  mine.argument = source_lane;
+  mine.value = x;
+  return static_cast<T>(tuna::emulator::warp_collective(mine, [](const LaneSlot* in, LaneSlot* out) {
+                          const int source = in[0].argument % tuna::emulator::kWarpSize;  // the ISA's lane index
+                          for (int l = 0; l < tuna::emulator::kWarpSize; ++l) out[l].value = in[source].value;
+                        }).value);
+}
+inline int __shfl_sync(unsigned mask, int x, int source_lane) { return emulated_shfl_idx(mask, x, source_lane); }
+inline float __shfl_sync(unsigned mask, float x, int source_lane) { return emulated_shfl_idx(mask, x, source_lane); }

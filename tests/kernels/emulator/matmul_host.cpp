@@ -25,7 +25,8 @@
 // shape and alignment refusals are the real launchers' (n, ic, oc multiples of 16, 16-byte aligned operands).
 //
 // Plain loops on one thread, as everything in this binary runs (emulator/main.cpp); the model tests' shapes are
-// tiny. MatmulContext::gemm (the raw cuBLASLt call) is not provided: nothing in the emulated build calls it outside
+// tiny. Queued on the call's stream as a kernel is (runtime.h enqueue): with concurrent streams they run when the
+// stream gets there, and read what the stream's earlier work wrote. MatmulContext::gemm (the raw cuBLASLt call) is not provided: nothing in the emulated build calls it outside
 // matmul.cu, and a new caller fails to link rather than run on a guess.
 #include <algorithm>
 #include <initializer_list>
@@ -51,21 +52,22 @@ void check_operand(const void* p, int64_t elements, int64_t element_bytes, const
 // Both forwards: with a residual, it is added in fp32 before the one rounding, as the GEMM's epilogue does.
 // Rows of out (and residual) are ld apart.
 void matmul_fwd_host(__nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
-                     const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, int64_t ld) {
+                     const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, int64_t ld, cudaStream_t stream) {
   TUNA_CHECK(n >= 0 && ic > 0 && oc > 0 && ld >= oc, "n ", n, ", ic ", ic, ", oc ", oc, ", ld ", ld);
-  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());  // one device for every host thread (runtime.h)
   if (n == 0) return;
   check_operand(out, (n - 1) * ld + oc, 2, "out");
   check_operand(inp, n * ic, 2, "inp");
   check_operand(weight, oc * ic, 2, "weight");
   if (residual != nullptr) check_operand(residual, (n - 1) * ld + oc, 2, "residual");
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t o = 0; o < oc; ++o) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < ic; ++i) acc += widen(inp[r * ic + i]) * widen(weight[o * ic + i]);
-      if (residual != nullptr) acc += widen(residual[r * ld + o]);  // read before the write: out may be residual
-      out[r * ld + o] = __float2bfloat16_rn(acc);
-    }
+  tuna::emulator::enqueue(stream, [=] {
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t o = 0; o < oc; ++o) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < ic; ++i) acc += widen(inp[r * ic + i]) * widen(weight[o * ic + i]);
+        if (residual != nullptr) acc += widen(residual[r * ld + o]);  // read before the write: out may be residual
+        out[r * ld + o] = __float2bfloat16_rn(acc);
+      }
+  });
 }
 
 // D[i * ldd + j] (= or +=) (inv_a * inv_b) * sum_k A[i, k] B[j, k] for i < m, j < n: both operands K-major codes.
@@ -144,19 +146,19 @@ void MatmulContext::set_timed_candidates(int candidates) {
 }
 
 void matmul_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n,
-                int64_t ic, int64_t oc, cudaStream_t) {
-  matmul_fwd_host(out, inp, weight, nullptr, n, ic, oc, oc);
+                int64_t ic, int64_t oc, cudaStream_t stream) {
+  matmul_fwd_host(out, inp, weight, nullptr, n, ic, oc, oc, stream);
 }
 
 void matmul_residual_fwd(MatmulContext&, __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
-                         const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
+                         const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream) {
   TUNA_CHECK(residual != nullptr, "matmul_residual_fwd: no residual (matmul_fwd is the product alone)");
-  matmul_fwd_host(out, inp, weight, residual, n, ic, oc, oc);
+  matmul_fwd_host(out, inp, weight, residual, n, ic, oc, oc, stream);
 }
 
 void matmul_add_fwd(MatmulContext&, __nv_bfloat16* out, int64_t ld_out, const __nv_bfloat16* inp,
-                    const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
-  matmul_fwd_host(out, inp, weight, out, n, ic, oc, ld_out);
+                    const __nv_bfloat16* weight, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream) {
+  matmul_fwd_host(out, inp, weight, out, n, ic, oc, ld_out, stream);
 }
 
 void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
@@ -167,14 +169,13 @@ void matmul_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const _
 
 void matmul_bwd_strided(MatmulContext&, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
                         int64_t ld_dout, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic,
-                        int64_t oc, bool accumulate_dinp, GradWrite dweight_write, cudaStream_t) {
+                        int64_t oc, bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream) {
   TUNA_CHECK(n >= 0 && ic > 0 && oc > 0 && ld_dout >= oc, "n ", n, ", ic ", ic, ", oc ", oc, ", ld_dout ", ld_dout);
-  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());  // one device for every host thread (runtime.h)
   const bool overwrite_dweight = dweight_write == GradWrite::Overwrite;
   if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
     if (dweight != nullptr && overwrite_dweight) {
       check_operand(dweight, oc * ic, 4, "dweight");
-      std::fill(dweight, dweight + oc * ic, 0.0f);
+      tuna::emulator::enqueue(stream, [=] { std::fill(dweight, dweight + oc * ic, 0.0f); });
     }
     return;
   }
@@ -182,29 +183,33 @@ void matmul_bwd_strided(MatmulContext&, __nv_bfloat16* dinp, float* dweight, con
   if (dinp != nullptr) {
     check_operand(dinp, n * ic, 2, "dinp");
     check_operand(weight, oc * ic, 2, "weight");
-    std::vector<float> acc(ic);
-    for (int64_t r = 0; r < n; ++r) {  // dinp[r, :] (=|+=) sum over o of dout[r, o] weight[o, :]
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t o = 0; o < oc; ++o) {
-        const float d = widen(dout[r * ld_dout + o]);
-        for (int64_t i = 0; i < ic; ++i) acc[i] += d * widen(weight[o * ic + i]);
+    tuna::emulator::enqueue(stream, [=] {
+      std::vector<float> acc(ic);
+      for (int64_t r = 0; r < n; ++r) {  // dinp[r, :] (=|+=) sum over o of dout[r, o] weight[o, :]
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t o = 0; o < oc; ++o) {
+          const float d = widen(dout[r * ld_dout + o]);
+          for (int64_t i = 0; i < ic; ++i) acc[i] += d * widen(weight[o * ic + i]);
+        }
+        for (int64_t i = 0; i < ic; ++i)
+          dinp[r * ic + i] = __float2bfloat16_rn(accumulate_dinp ? acc[i] + widen(dinp[r * ic + i]) : acc[i]);
       }
-      for (int64_t i = 0; i < ic; ++i)
-        dinp[r * ic + i] = __float2bfloat16_rn(accumulate_dinp ? acc[i] + widen(dinp[r * ic + i]) : acc[i]);
-    }
+    });
   }
   if (dweight != nullptr) {
     check_operand(dweight, oc * ic, 4, "dweight");
     check_operand(inp, n * ic, 2, "inp");
-    std::vector<float> acc(ic);
-    for (int64_t o = 0; o < oc; ++o) {  // dweight[o, :] (=|+=) sum over r of dout[r, o] inp[r, :]
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t r = 0; r < n; ++r) {
-        const float d = widen(dout[r * ld_dout + o]);
-        for (int64_t i = 0; i < ic; ++i) acc[i] += d * widen(inp[r * ic + i]);
+    tuna::emulator::enqueue(stream, [=] {
+      std::vector<float> acc(ic);
+      for (int64_t o = 0; o < oc; ++o) {  // dweight[o, :] (=|+=) sum over r of dout[r, o] inp[r, :]
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t r = 0; r < n; ++r) {
+          const float d = widen(dout[r * ld_dout + o]);
+          for (int64_t i = 0; i < ic; ++i) acc[i] += d * widen(inp[r * ic + i]);
+        }
+        for (int64_t i = 0; i < ic; ++i) dweight[o * ic + i] = overwrite_dweight ? acc[i] : dweight[o * ic + i] + acc[i];
       }
-      for (int64_t i = 0; i < ic; ++i) dweight[o * ic + i] = overwrite_dweight ? acc[i] : dweight[o * ic + i] + acc[i];
-    }
+    });
   }
 }
 

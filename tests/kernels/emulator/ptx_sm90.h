@@ -37,7 +37,8 @@
 //   - a wgmma's A fragment registers and accumulators may not change between its issue and its retirement;
 //   - a wgmma needs a wgmma.fence since its warpgroup's last wgmma.wait_group (the ISA requires one before the
 //     first wgmma and between register accesses and a wgmma; this is the part of that rule the emulator sees);
-//   - warpgroup instructions (wgmma.*, setmaxnreg) are executed by all 128 threads with the same operands;
+//   - warpgroup instructions (wgmma.*, setmaxnreg) are executed by all 128 threads with the same operands, at the
+//     same instruction (CallSite: the same path of call sites from the kernel, not two copies of one wgmma);
 //   - the proxies (ISA: the memory model's proxies, wgmma's "async proxy" section, membar/fence's
 //     fence.proxy.async): wgmma reads shared memory through the async proxy, threads' stores write it through
 //     the generic proxy, and a generic write reaches an async read only through a fence.proxy.async after it. The emulator keeps, per 16-byte chunk, the bytes the async proxy
@@ -60,6 +61,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -121,6 +123,47 @@ struct WgmmaOp {
   std::vector<unsigned char> chunk_bytes;  // their bytes at issue, 16 per chunk
 };
 
+// The instruction a thread executes a warpgroup instruction at, as the chain of return addresses from the
+// emulator's helper up to the thread's entry (the fiber's first frame), and that chain's source: each address's
+// function and file:line, with the calls inlined there.
+//
+// Why a chain: on the device the kernel's helpers and lambdas are inlined, so one warpgroup instruction of the source
+// (a wgmma_fence() in a lambda) becomes one instruction per path of calls that reaches it (per instance of a
+// template, per call site of the lambda). Here the emulator's helpers are one function each, and a lambda or template
+// instance may or may not be inlined: the immediate caller is the same for every path. The chain of call sites is
+// the path: two threads that came through different call sites of the source differ in the first frame where they
+// part (a call site g++ inlined is a distinct address inside the inlining function, with the inlined call in its
+// debug information; one it did not inline is a distinct return address).
+// Why the source, and not the addresses alone: g++ may copy code (jump threading copies the blocks after a branch
+// into each of its arms), so two threads at one call site of the source can be at two copies of it, at two
+// addresses. Equal chains of addresses are the same instruction; unequal ones are compared by their source (the
+// function and line of each address, and of every call inlined there: addr2line reads them from the build's debug
+// information), which a copy keeps. A divergence is two different source paths.
+// What keeps the chain whole in the host binary (the emulated build's flags, Makefile): frame pointers
+// (-fno-omit-frame-pointer) so that the frames can be walked; no sibling calls (-fno-optimize-sibling-calls), as a
+// tail call would replace the caller's frame and drop its call site from the chain; no cross-jumping or tail
+// merging (-fno-crossjumping -fno-tree-tail-merge), which would fold identical code at two call sites into one
+// address. The walk must end at the fiber's entry (prepare_stack's null return address) inside the fiber's stack: a
+// frame without a frame pointer on the way (a build without the flag) is then an error, not a silently short chain.
+// Not told apart: two calls on one line (addr2line gives no column), and threads at one call site at different
+// iterations of an unrolled loop (the host loop may be rolled); the operands check sees the latter.
+struct CallSite {
+  static constexpr int kMaxFrames = 32;
+  uintptr_t pc[kMaxFrames] = {};
+  int frames = 0;
+
+  bool operator==(const CallSite& other) const {
+    return frames == other.frames && std::memcmp(pc, other.pc, frames * sizeof(uintptr_t)) == 0;
+  }
+  // The chain's source, innermost first: for each return address, "function (file:line)" of the call and of each
+  // call inlined there, through addr2line; empty when addr2line cannot say (then only the addresses compare).
+  std::string source() const;
+  // The addresses as offsets into the binary that holds them, innermost first.
+  std::string addresses() const;
+  // The caller's chain. Not inlined: its own frame is the walk's start, its return address the first entry.
+  [[gnu::noinline]] static CallSite here();
+};
+
 struct WarpGroupState {
   Barrier barrier{kWarpGroupSize};
   struct Slot {
@@ -128,6 +171,7 @@ struct WarpGroupState {
     uint64_t args[5] = {};
     void* pointer = nullptr;
     const uint32_t* words = nullptr;
+    CallSite site;  // set by warpgroup_collective
   } in[kWarpGroupSize];
   bool fenced = false;  // a wgmma.fence since the last wgmma.wait_group
   std::vector<WgmmaOp> uncommitted;
@@ -193,14 +237,17 @@ inline int warpgroup_of_current() { return static_cast<int>(threadIdx.x) / kWarp
 
 // A warpgroup instruction (.sync.aligned over the warpgroup): every thread of the warpgroup deposits its
 // slot; once all 128 have, `combine(slots)` runs once, then all resume. All must be at the same operation
-// with the same arguments (args; pointers and words may differ per thread).
+// with the same arguments (args; pointers and words may differ per thread), and at the same instruction
+// (CallSite, below).
 template <typename Combine>
 void warpgroup_collective(const WarpGroupState::Slot& mine, Combine&& combine) {
   const int group = warpgroup_of_current();
   TUNA_CHECK(static_cast<unsigned>((group + 1) * kWarpGroupSize) <= blockDim.x, mine.operation, " in a block of ",
              blockDim.x, " threads: warpgroup ", group, " is not whole");
   WarpGroupState& wg = g_sm90.warpgroups[group];
-  wg.in[threadIdx.x % kWarpGroupSize] = mine;
+  WarpGroupState::Slot& slot = wg.in[threadIdx.x % kWarpGroupSize];
+  slot = mine;
+  slot.site = CallSite::here();
   wg.barrier.arrive_and_wait([&wg, &combine, group] {
     for (int t = 1; t < kWarpGroupSize; ++t) {
       bool same = std::strcmp(wg.in[t].operation, wg.in[0].operation) == 0;
@@ -208,6 +255,16 @@ void warpgroup_collective(const WarpGroupState::Slot& mine, Combine&& combine) {
       TUNA_CHECK(same, "warpgroup ", group, " diverges: thread 0 of it at ", wg.in[0].operation, ", thread ", t,
                  " at ", wg.in[t].operation, " (or with other operands): all 128 threads must execute the same ",
                  "warpgroup instruction");
+      if (wg.in[t].site == wg.in[0].site) continue;
+      // Two addresses: two copies of one call site of the source (the same source path), or two call sites.
+      const std::string first = wg.in[0].site.source(), other = wg.in[t].site.source();
+      TUNA_CHECK(!first.empty() && first == other, "warpgroup ", group, " diverges: its threads 0 and ", t,
+                 " (warps ", group * 4, " and ", group * 4 + t / 32, ") execute ", wg.in[0].operation,
+                 " at two different instructions (the same operation and operands, from different call sites in ",
+                 "the kernel): the ISA's .aligned requires all 128 threads of the warpgroup to execute the same ",
+                 "instruction, so a branch that reaches it must be uniform across the warpgroup. Thread 0 at ",
+                 first.empty() ? wg.in[0].site.addresses() + " (addr2line found no source for them)" : first,
+                 "; thread ", t, " at ", other.empty() ? wg.in[t].site.addresses() : other);
     }
     combine(wg.in);
   });

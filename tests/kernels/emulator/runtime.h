@@ -6,8 +6,13 @@
 // One emulated device, H100-like in its description (cudaGetDeviceProperties). "Device" memory is host
 // memory (cudaMalloc is an aligned host allocation; emulated kernels read and write it through the same
 // pointers), fresh allocations read as 0xff bytes (NaN in bf16 and fp32) as shared memory does, and copies
-// are checked against the allocations they name. Streams and events exist but order nothing: every call,
-// launches included, completes before it returns, which is one order a stream may run in.
+// are checked against the allocations they name.
+//
+// Streams, two ways (see "streams" below). In order (the default): every call, launches included, completes
+// before it returns, which is one order a device may run streams in; fast, and what most tests need. Concurrent
+// (emulated_gpu_tests --streams concurrent, --jitter SEED): each stream's work runs on a host thread of its own,
+// as late as the stream allows, and only events, the legacy default stream and the host's synchronizing calls
+// order two streams, as on a GPU; a missing cudaStreamWaitEvent then shows in the numbers.
 //
 // A launch (tuna::emulator::launch, which kernels/common.cuh's launch_kernel calls in this build) reports a
 // bad configuration as the runtime does, through cudaGetLastError, so the launchers' TUNA_CUDA_CHECK_LAUNCH
@@ -16,9 +21,9 @@
 // later "unspecified launch failure".
 //
 // Host threads. Several threads of one process may drive the device at once (ranks as threads, comm/comm_local.h):
-// every call that touches the emulated device, kernel launches included, holds one process-wide lock, so the
-// calls of different threads run one at a time, each to completion (one interleaving of their streams a device
-// may run). The last error is per host thread, as CUDA's is.
+// every piece of work on the emulated device, kernel launches included, holds one process-wide lock, so the
+// work of different threads and streams runs one piece at a time, each to completion (one interleaving of their
+// streams a device may run). The last error is per host thread, as CUDA's is.
 #pragma once
 
 #include <algorithm>
@@ -27,12 +32,16 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "tests/kernels/emulator/emulator.h"
 #include "tests/kernels/emulator/ptx.h"
@@ -50,6 +59,7 @@ enum cudaError {
   cudaErrorInvalidMemcpyDirection = 21,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
 };
 typedef enum cudaError cudaError_t;
 
@@ -73,12 +83,17 @@ enum cudaDeviceAttr {
   cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
 };
 
+namespace tuna::emulator {
+struct Marker;
+struct StreamQueue;
+}  // namespace tuna::emulator
 struct CUstream_st {
-  int unused;
+  bool blocking = true;  // false: cudaStreamNonBlocking (no implicit order with the legacy default stream)
+  tuna::emulator::StreamQueue* queue = nullptr;  // concurrent streams: its thread and queued work; null in order
 };
 typedef struct CUevent_st* cudaEvent_t;
 struct CUevent_st {
-  double milliseconds;  // host time at the last record
+  std::shared_ptr<tuna::emulator::Marker> marker;  // the last record's place in its stream; null before any
 };
 
 constexpr unsigned cudaStreamNonBlocking = 1;
@@ -121,6 +136,7 @@ struct Runtime {
   // must work in both.
   bool blocks_reversed = false;
   std::map<uintptr_t, size_t> allocations;  // device allocations: start -> bytes
+  std::map<uintptr_t, size_t> pinned;       // page-locked host allocations (cudaMallocHost): start -> bytes
   size_t allocated_bytes = 0;
   std::map<const void*, int> max_dynamic_smem;  // per kernel, from cudaFuncSetAttribute
 };
@@ -130,13 +146,27 @@ inline Runtime& runtime() {
   return instance;
 }
 
-// Held by every call that touches the emulated device (see the file comment). Recursive: an API call may make
-// another (cudaMemcpyAsync calls cudaMemcpy).
+// Held by every piece of work on the emulated device and by the calls that read its state (see the file comment).
+// Recursive: an API call may make another. A host thread never waits for a stream while it holds it (the stream's
+// thread needs it to run the work waited for): wait_for() checks.
 inline std::recursive_mutex& api_lock() {
   static std::recursive_mutex mutex;
   return mutex;
 }
-using ApiGuard = std::lock_guard<std::recursive_mutex>;
+inline int& api_lock_depth() {
+  static thread_local int depth = 0;
+  return depth;
+}
+class ApiGuard {
+ public:
+  explicit ApiGuard(std::recursive_mutex& mutex) : mutex_(mutex) { mutex_.lock(), ++api_lock_depth(); }
+  ~ApiGuard() { --api_lock_depth(), mutex_.unlock(); }
+  ApiGuard(const ApiGuard&) = delete;
+  ApiGuard& operator=(const ApiGuard&) = delete;
+
+ private:
+  std::recursive_mutex& mutex_;
+};
 
 inline cudaError_t& last_error() {
   static thread_local cudaError_t error = cudaSuccess;
@@ -158,6 +188,58 @@ inline bool in_device_allocation(const void* p, size_t bytes) {
   const auto& [start, size] = *std::prev(next);
   return address + bytes <= start + size;
 }
+
+// Whether p lies in page-locked host memory (cudaMallocHost): a copy from there reads it when the stream gets to
+// the copy, where a copy from pageable memory has read it before the call returns.
+inline bool in_pinned_allocation(const void* p) {
+  ApiGuard guard(api_lock());
+  const auto& pinned = runtime().pinned;
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  auto next = pinned.upper_bound(address);
+  return next != pinned.begin() && address < std::prev(next)->first + std::prev(next)->second;
+}
+
+// ---- streams
+//
+// In order (the default): enqueue() runs the work at once, on the calling thread, so every call has completed when
+// it returns. Concurrent (set_stream_order): each stream created meanwhile gets a host thread that runs its queue in
+// order, each piece once what it waits for is done (an event's record, or for the legacy default stream and the
+// blocking streams, each other's earlier work); the pieces still run one at a time under api_lock, in whatever
+// order the threads reach it. With a jitter seed each stream's thread also sleeps a random while (0 to 200 us, half
+// the time none, drawn per stream from the seed) before each piece, so that seeds try different interleavings. The
+// first exception a piece throws (a kernel's deadlock, a race the checks find, a bad operand) is kept and rethrown
+// by the next call that waits for the device, as CUDA reports an asynchronous error late; meanwhile queued work is
+// skipped, as a GPU's context is lost. The machinery is runtime.cpp's.
+struct Marker {
+  bool done = false;
+  double milliseconds = 0;  // host time when it was done (cudaEventElapsedTime)
+};
+using MarkerPtr = std::shared_ptr<Marker>;
+
+// A concurrent stream's queue, or null for a stream that runs in order.
+StreamQueue* make_stream_queue(bool blocking);
+void destroy_stream_queue(StreamQueue* queue);  // after its work
+// Queues `work` (empty: nothing but a place in the stream, an event's record) on `stream` after `waits`, and
+// returns the marker done when it has run. In order: runs it now.
+MarkerPtr enqueue(cudaStream_t stream, std::function<void()> work, std::vector<MarkerPtr> waits = {});
+// Blocks the host until every marker (null: none) is done; then reports (rethrows) the first failure of queued
+// work, unless `quietly` (destructors and frees, which return no error).
+void wait_for(const std::vector<MarkerPtr>& markers, bool quietly = false);
+bool is_done(const MarkerPtr& marker);  // null: done
+MarkerPtr stream_tail(cudaStream_t stream);  // the last piece queued on it (null: none, or in order)
+std::vector<MarkerPtr> every_stream_tail();  // what cudaDeviceSynchronize waits for
+
+// How streams created from now on run (and the legacy default stream): in order, or concurrent with or without
+// jitter. Streams created before keep their way; the legacy default stream's earlier work finishes first.
+struct StreamOrder {
+  bool concurrent = false, jitter = false;
+  uint64_t jitter_seed = 0;
+};
+void set_stream_order(bool concurrent, bool jitter = false, uint64_t jitter_seed = 0);
+StreamOrder stream_order();
+// For the emulator's own tests: `stream`'s later work waits until release(gate).
+MarkerPtr hold_stream(cudaStream_t stream);
+void release(const MarkerPtr& gate);
 
 // What a launch targets: a kernel built for sm_80 and sm_90a alike (launch_kernel), held to sm_80's limits, or
 // an sm_90a-only kernel (launch_kernel_sm90a), which may use sm_90's shared memory and the Hopper instructions.
@@ -203,31 +285,37 @@ inline int run_grid(dim3 grid, int threads, int dynamic_smem, Target target, con
 }
 
 // Runs kernel<<<grid, block, dynamic_smem, stream>>>(args...) on the host, block after block (run_grid above),
-// the arguments converted to the kernel's parameter types once and copied into every thread, as CUDA does.
+// the arguments converted to the kernel's parameter types once, at the launch, and copied into every thread, as
+// CUDA does. A bad configuration is reported at the launch; the kernel runs when its stream gets to it.
 template <typename... Params, typename... Args>
-void launch(Target target, void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t,
+void launch(Target target, void (*kernel)(Params...), dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream,
             Args&&... args) {
   static_assert(sizeof...(Params) == sizeof...(Args), "a kernel launch with the wrong number of arguments");
-  ApiGuard guard(api_lock());
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535 ||
       threads == 0 || threads > 1024 || block.z > 64) {
     record(cudaErrorInvalidConfiguration);
     return;
   }
-  const auto attribute = runtime().max_dynamic_smem.find(reinterpret_cast<const void*>(kernel));
-  const int allowed = attribute == runtime().max_dynamic_smem.end() ? kDefaultDynamicSharedBytes : attribute->second;
+  int allowed = kDefaultDynamicSharedBytes;
+  {
+    ApiGuard guard(api_lock());
+    const auto attribute = runtime().max_dynamic_smem.find(reinterpret_cast<const void*>(kernel));
+    if (attribute != runtime().max_dynamic_smem.end()) allowed = attribute->second;
+  }
   if (dynamic_smem > static_cast<size_t>(allowed)) {
     record(cudaErrorInvalidValue);
     return;
   }
   TUNA_CHECK(block.y == 1 && block.z == 1, "the emulator runs 1-D blocks; a launch has (", block.x, ", ",
              block.y, ", ", block.z, ")");
-  std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-  const int races = run_grid(grid, static_cast<int>(threads), static_cast<int>(dynamic_smem), target,
-                             [&] { std::apply(kernel, params); });
-  TUNA_CHECK(races == 0, "race check: ", races, " blocks of a ", grid.x, "x", grid.y, "x", grid.z,
-             " grid read shared memory that a cp.async may still be writing (the first is printed above)");
+  auto params = std::make_shared<std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
+  enqueue(stream, [=] {
+    const int races = run_grid(grid, static_cast<int>(threads), static_cast<int>(dynamic_smem), target,
+                               [&] { std::apply(kernel, *params); });
+    TUNA_CHECK(races == 0, "race check: ", races, " blocks of a ", grid.x, "x", grid.y, "x", grid.z,
+               " grid read shared memory that a cp.async may still be writing (the first is printed above)");
+  });
 }
 
 }  // namespace tuna::emulator
@@ -244,6 +332,7 @@ inline const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
   }
   return "unknown error";
 }
@@ -258,6 +347,7 @@ inline const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
   }
   return "cudaErrorUnknown";
 }
@@ -323,7 +413,10 @@ inline cudaError_t cudaDeviceGetPCIBusId(char* bus_id, int length, int device) {
   std::strcpy(bus_id, "0000:00:00.0");
   return cudaSuccess;
 }
-inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaDeviceSynchronize() {
+  tuna::emulator::wait_for(tuna::emulator::every_stream_tail());
+  return cudaSuccess;
+}
 inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   *total_bytes = tuna::emulator::kDeviceMemoryBytes;
@@ -383,8 +476,10 @@ template <typename T>
 cudaError_t cudaMalloc(T** p, size_t bytes) {
   return cudaMalloc(reinterpret_cast<void**>(p), bytes);
 }
+// As CUDA's, synchronizes the device first: queued work may still use the allocation.
 inline cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
+  tuna::emulator::wait_for(tuna::emulator::every_stream_tail(), /*quietly=*/true);
   tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   auto& rt = tuna::emulator::runtime();
   const auto it = rt.allocations.find(reinterpret_cast<uintptr_t>(p));
@@ -395,8 +490,12 @@ inline cudaError_t cudaFree(void* p) {
   return cudaSuccess;
 }
 inline cudaError_t cudaMallocHost(void** p, size_t bytes) {
-  *p = std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
-  return *p != nullptr ? cudaSuccess : tuna::emulator::record(cudaErrorMemoryAllocation);
+  const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+  *p = std::aligned_alloc(256, rounded);
+  if (*p == nullptr) return tuna::emulator::record(cudaErrorMemoryAllocation);
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
+  tuna::emulator::runtime().pinned[reinterpret_cast<uintptr_t>(*p)] = rounded;
+  return cudaSuccess;
 }
 template <typename T>
 cudaError_t cudaMallocHost(T** p, size_t bytes) {
@@ -404,48 +503,49 @@ cudaError_t cudaMallocHost(T** p, size_t bytes) {
 }
 inline cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned) { return cudaMallocHost(p, bytes); }
 inline cudaError_t cudaFreeHost(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  tuna::emulator::wait_for(tuna::emulator::every_stream_tail(), /*quietly=*/true);
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
+  tuna::emulator::runtime().pinned.erase(reinterpret_cast<uintptr_t>(p));
   std::free(p);
   return cudaSuccess;
 }
 
-// height rows of width bytes, dpitch and spitch bytes apart; as CUDA, a row wider than a pitch is refused.
+namespace tuna::emulator {
+
+// A copy of height rows of width bytes, dpitch and spitch bytes apart, queued on `stream` (runtime.cpp); as CUDA, a
+// row wider than a pitch is refused, and the arguments are checked at the call. What the host side of it does, by
+// CUDA's rules for copies (its "API synchronization behavior"): a source in pageable host memory is read before the
+// call returns (staged); a destination in host memory is written when the stream gets there, so the host
+// synchronizes before it reads, and with `synchronous` (cudaMemcpy, on the legacy default stream) the call waits for
+// that unless the copy is device to device or from pageable memory to the device, which cudaMemcpy may leave queued.
+cudaError_t copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                    cudaMemcpyKind kind, cudaStream_t stream, bool synchronous);
+// cudaMemset's on `stream`: asynchronous for device memory, even the synchronous cudaMemset (legacy stream).
+cudaError_t set_bytes(void* p, int value, size_t bytes, cudaStream_t stream);
+
+}  // namespace tuna::emulator
+
 inline cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
                                 cudaMemcpyKind kind) {
-  using tuna::emulator::in_device_allocation;
-  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
-  const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
-  const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
-  if (kind < cudaMemcpyHostToHost || kind > cudaMemcpyDefault)
-    return tuna::emulator::record(cudaErrorInvalidMemcpyDirection);
-  if (width > dpitch || width > spitch) return tuna::emulator::record(cudaErrorInvalidPitchValue);
-  if (width == 0 || height == 0) return cudaSuccess;
-  if ((dst_device && !in_device_allocation(dst, (height - 1) * dpitch + width)) ||
-      (src_device && !in_device_allocation(src, (height - 1) * spitch + width)))
-    return tuna::emulator::record(cudaErrorInvalidValue);
-  for (size_t r = 0; r < height; ++r)
-    std::memmove(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, width);
-  return cudaSuccess;
+  return tuna::emulator::copy_2d(dst, dpitch, src, spitch, width, height, kind, nullptr, /*synchronous=*/true);
 }
 inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   return cudaMemcpy2D(dst, bytes, src, bytes, bytes, 1, kind);
 }
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                                   cudaStream_t = nullptr) {
-  return cudaMemcpy(dst, src, bytes, kind);
+                                   cudaStream_t stream = nullptr) {
+  return tuna::emulator::copy_2d(dst, bytes, src, bytes, bytes, 1, kind, stream, /*synchronous=*/false);
 }
 inline cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
-                                     size_t height, cudaMemcpyKind kind, cudaStream_t = nullptr) {
-  return cudaMemcpy2D(dst, dpitch, src, spitch, width, height, kind);
+                                     size_t height, cudaMemcpyKind kind, cudaStream_t stream = nullptr) {
+  return tuna::emulator::copy_2d(dst, dpitch, src, spitch, width, height, kind, stream, /*synchronous=*/false);
 }
 inline cudaError_t cudaMemset(void* p, int value, size_t bytes) {
-  if (bytes == 0) return cudaSuccess;
-  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
-  if (!tuna::emulator::in_device_allocation(p, bytes)) return tuna::emulator::record(cudaErrorInvalidValue);
-  std::memset(p, value, bytes);
-  return cudaSuccess;
+  return tuna::emulator::set_bytes(p, value, bytes, nullptr);
 }
-inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t = nullptr) {
-  return cudaMemset(p, value, bytes);
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream = nullptr) {
+  return tuna::emulator::set_bytes(p, value, bytes, stream);
 }
 
 // ---- the driver entry point and the tensor maps of TMA (cp.async.bulk.tensor, ptx_sm90.h)
@@ -531,35 +631,59 @@ inline cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** f
   return cudaSuccess;
 }
 
-// ---- streams and events: everything has completed by the time a call returns
-inline cudaError_t cudaStreamCreate(cudaStream_t* stream) {
+// ---- streams and events (see "streams" above): in order, everything has completed by the time a call returns
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
   *stream = new CUstream_st{};
+  (*stream)->blocking = (flags & cudaStreamNonBlocking) == 0;
+  (*stream)->queue = tuna::emulator::make_stream_queue((*stream)->blocking);
   return cudaSuccess;
 }
-inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned) { return cudaStreamCreate(stream); }
+inline cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, 0); }
+// Waits for the stream's work (CUDA returns at once and lets it finish; nothing here outlives it either way).
 inline cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  if (stream == nullptr) return tuna::emulator::record(cudaErrorInvalidResourceHandle);
+  if (stream->queue != nullptr) tuna::emulator::destroy_stream_queue(stream->queue);
   delete stream;
   return cudaSuccess;
 }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned = 0) { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  tuna::emulator::wait_for({tuna::emulator::stream_tail(stream)});
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  return tuna::emulator::is_done(tuna::emulator::stream_tail(stream)) ? cudaSuccess : cudaErrorNotReady;
+}
+// A wait on an event never recorded does nothing, as in CUDA; otherwise the stream's later work waits for the
+// event's last record as of this call.
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned = 0) {
+  if (event == nullptr) return tuna::emulator::record(cudaErrorInvalidResourceHandle);
+  if (event->marker != nullptr) tuna::emulator::enqueue(stream, {}, {event->marker});
+  return cudaSuccess;
+}
 inline cudaError_t cudaEventCreate(cudaEvent_t* event) {
   *event = new CUevent_st{};
   return cudaSuccess;
 }
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) { return cudaEventCreate(event); }
 inline cudaError_t cudaEventDestroy(cudaEvent_t event) {
-  delete event;
+  delete event;  // queued waits hold its marker
   return cudaSuccess;
 }
-inline cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t = nullptr) {
-  event->milliseconds =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+inline cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr) {
+  if (event == nullptr) return tuna::emulator::record(cudaErrorInvalidResourceHandle);
+  event->marker = tuna::emulator::enqueue(stream, {});
   return cudaSuccess;
 }
-inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-inline cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  tuna::emulator::wait_for({event->marker});
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventQuery(cudaEvent_t event) {
+  return tuna::emulator::is_done(event->marker) ? cudaSuccess : cudaErrorNotReady;
+}
 inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
-  *ms = static_cast<float>(end->milliseconds - start->milliseconds);
+  if (start->marker == nullptr || end->marker == nullptr) return tuna::emulator::record(cudaErrorInvalidResourceHandle);
+  if (!tuna::emulator::is_done(start->marker) || !tuna::emulator::is_done(end->marker)) return cudaErrorNotReady;
+  *ms = static_cast<float>(end->marker->milliseconds - start->marker->milliseconds);
   return cudaSuccess;
 }

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -658,6 +659,50 @@ TEST(EmulatorWgmma, MisuseIsReported) {
   cuda::launch_kernel_sm90a(misuse_kernel, dim3(1), dim3(128), kData + 8192, nullptr, map,
                             Misuse::kStoreThenProxyFence);
   TUNA_CUDA_CHECK(cudaFree(d));
+}
+
+// wgmma.* are .aligned: the warpgroup's 128 threads must execute the same instruction, not only the same operation
+// with the same operands. The kernel has the shape of the hopper forward's step before its mask choice was made
+// uniform: two instances of one generic lambda (a masked and an unmasked step), each with its own wgmma.fence,
+// mma_async, commit_group and wait_group, same operands in both, chosen per warp (kPerWarp) or per warpgroup.
+template <bool kPerWarp>
+void step_instances_kernel(float* out) {
+  for (uint32_t i = threadIdx.x; i < 4096; i += blockDim.x) shared_bytes()[kData + i] = 0;
+  fence_proxy_async_shared();
+  __syncthreads();
+  float d[32] = {};
+  const auto step = [&](auto masked) {
+    wgmma_fence();
+    wgmma_ss<64, 0, 0>(d, descriptor(kData, 128, 256, 0), descriptor(kData, 128, 256, 0), false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    if constexpr (decltype(masked)::value) d[0] = -INFINITY;  // the instances differ past their wgmma
+  };
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const bool masked = kPerWarp ? warp >= 2 : blockIdx.x == 0;
+  if (masked) step(std::true_type{});
+  else step(std::false_type{});
+  out[threadIdx.x] = d[1];
+}
+
+TEST(EmulatorWgmma, WarpgroupMustExecuteTheSameInstruction) {
+  float* out = nullptr;
+  TUNA_CUDA_CHECK(cudaMalloc(&out, 128 * sizeof(float)));
+  // Warpgroup-uniform: one instance for all 128 threads.
+  cuda::launch_kernel_sm90a(step_instances_kernel<false>, dim3(1), dim3(128), kData + 4096, nullptr, out);
+  TUNA_CUDA_CHECK(cudaGetLastError());
+  // Per warp: warps 0-1 in one instance, 2-3 in the other, at the same operation with the same operands.
+  try {
+    cuda::launch_kernel_sm90a(step_instances_kernel<true>, dim3(1), dim3(128), kData + 4096, nullptr, out);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("warpgroup 0 diverges: its threads 0 and 64 (warps 0 and 2) execute wgmma.fence at two "
+                        "different instructions"),
+              std::string::npos)
+        << what;
+  }
+  TUNA_CUDA_CHECK(cudaFree(out));
 }
 
 // In the at-wait timing the accumulators hold no value until the wait: a kernel that reads them early sees NaN.
