@@ -108,7 +108,9 @@ LlamaParallel llama_parallel(const MemoryLayout& run, Comm* tp) {
 }
 
 Llama::Llama(const LlamaConfig& config, const MemoryLayout& run, Comm* tp)
-    : Llama(config, run.micro_batch, run.seq_len, llama_parallel(run, tp), static_cast<const LoraConfig&>(run.lora)) {}
+    : Llama(config, run.micro_batch, run.seq_len, llama_parallel(run, tp), static_cast<const LoraConfig&>(run.lora)) {
+  set_fp8(run.fp8);
+}
 
 Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel,
              const LoraConfig& lora)
