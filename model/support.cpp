@@ -62,10 +62,6 @@ Support cpu_support(const LlamaConfig& c, const MemoryLayout& l) {
   if (l.attention != AttentionPath::kDefault)
     return not_implemented("--attention ", attention_path_option(l.attention), " with --device cpu: the attention kernels "
                            "are the CUDA engine's (the CPU backend has one attention): use --attention auto");
-  if (l.training && l.fp8 != Fp8Mode::Off && (l.dp > 1 || l.tp > 1 || l.pp > 1))
-    return not_implemented("--fp8 ", fp8_mode_name(l.fp8), " with dp ", l.dp, ", tp ", l.tp, ", pp ", l.pp, " and --device ",
-                           "cpu: FP8 training over several ranks is not implemented yet (the CPU engine runs it on one ",
-                           "rank); use one rank, or --fp8 off");
   if (zero3_over_stages(l))
     return not_implemented("--zero 3 with --pp ", l.pp, ": not implemented (ZeRO-3 would shard each stage's parameters ",
                            "over dp); use --zero 0, 1 or 2");
