@@ -130,8 +130,7 @@ JobSpec job_of(const PlanOptions& a) {
   job.layout.recompute = parse_recompute(l.recompute, "option 'recompute'");
   job.layout.bf16_moments = l.bf16_moments, job.layout.micro_batch = l.micro_batch, job.layout.seq_len = l.seq_len;
   job.grad_accum = l.grad_accum;
-  if (parse_fp8_mode(l.fp8, "option 'fp8'") != Fp8Mode::Off)
-    fail("option 'fp8': build/plan does not price FP8 training yet (its rates are in plan/plan_rates.json: gemm_fp8)");
+  job.layout.fp8 = parse_fp8_mode(l.fp8, "option 'fp8'");
   job.mean_doc_tokens = a.mean_doc_tokens;
   job.layout.lora = adapter_shape(a.adapters);
   check_lora_plan(job.model, job.layout.lora, "build/plan --lora_rank, --lora_targets, --lora_dropout, --base_quant");
