@@ -153,6 +153,8 @@ TEST(TrainFp8, WhatIsNotImplementedIsRefusedByName) {
   const std::vector<std::pair<std::string, std::string>> bad = {
       {" --fp8 rowwise", "option 'fp8': rowwise FP8 (torchao's per-row scales) is not implemented"},
       {" --fp8 e4m3", "option 'fp8': expected off or tensorwise, found 'e4m3'"},
+      {" --fp8 tensorwise --device cuda --plan_only --gpu_memory_gb 80",
+       "option 'fp8' with --plan_only: the CUDA engine does not run --fp8 yet"},
   };
   int i = 0;
   for (const auto& [extra, message] : bad) {
