@@ -79,7 +79,8 @@ EMULATED_MPI_TESTS := $(if $(wildcard tests/mpi/*_emulated.cpp),$(BUILD)/emulate
 EMULATOR_DIR := tests/kernels/emulator
 EMULATED_LIB_SRCS := model/llama_gpu.cpp model/llama_gpu_forward.cpp model/llama_gpu_backward.cpp \
                      model/llama_gpu_quantized.cpp model/llama_gpu_lora.cpp engine/engine_gpu.cpp engine/device_gpu.cpp \
-                     engine/device.cpp model/decode_gpu.cpp comm/comm_staged.cpp comm/comm_loopback.cpp dist/zero_gpu.cpp
+                     engine/device.cpp model/decode_gpu.cpp comm/comm_staged.cpp comm/comm_loopback.cpp dist/zero_gpu.cpp \
+                     model/fp8_gpu.cpp
 emulated_objs = $(addsuffix .o,$(addprefix $(BUILD)/obj/emulated/,$(basename $(1))))
 # The emulated device: the emulated runtime's streams, the kernels' launchers, the cuBLASLt double, the emulator's
 # walk of a thread's call sites (ptx_sm90.h) and the library's CUDA code.

@@ -300,6 +300,10 @@ EngineOptions engine_options(const TrainConfig& cfg, const RunStart& start, cons
   eo.recompute = parse_recompute(cfg.layout.recompute, "option 'recompute'");
   eo.bf16_moments = cfg.layout.bf16_moments;
   eo.sp = cfg.layout.sp;
+  eo.fp8 = parse_fp8_mode(cfg.layout.fp8, "option 'fp8'");
+  if (cfg.plan_only && eo.fp8 != Fp8Mode::Off)
+    fail("option 'fp8' with --plan_only: the CUDA engine does not run --fp8 yet, so its plan has no FP8 buffers; "
+         "build/plan --fp8 ", fp8_mode_name(eo.fp8), " prices the design");
   eo.documents = DocumentMode{cfg.document_mask, parse_document_positions(cfg.document_positions)};
   start.adapters.configure(eo, start.model);  // what trains
   eo.seed = static_cast<uint64_t>(cfg.seed);
@@ -351,6 +355,10 @@ void print_run_shape(const TrainConfig& cfg, const RunStart& start, Engine& engi
               (long long)m.num_attention_heads, (long long)m.num_key_value_heads, (long long)m.vocab_size,
               engine.activation_bytes() / 1e6);
   std::printf("%s\n", start.adapters.describe(m).c_str());
+  if (cfg.layout.fp8 == "tensorwise")
+    std::printf("fp8 tensorwise: the seven projections' GEMMs in FP8 (e4m3 weights and activations, e5m2 output "
+                "gradients, one scale per tensor from its amax, fp32 accumulation)%s; the lm_head, attention, norms "
+                "and optimizer as they are\n", start.adapters.enabled() ? ", the frozen base's included" : "");
   std::printf("%s", engine.memory_report().c_str());
   std::printf("data %llu windows of %lld tokens in %zu shard(s); %lld tokens per step; %.2f epochs over %lld steps\n",
               (unsigned long long)train.total_windows(), (long long)cfg.layout.seq_len, train.shard_count(),

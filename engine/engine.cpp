@@ -33,6 +33,9 @@ void declare_layout_options(Options& o, LayoutOptions& l) {
   o.add("recompute", &l.recompute, "cuda: activations the backward recomputes: none, selective (norms, SwiGLU) or full "
         "(each layer from its input)", {"none", "selective", "full"});
   o.add("bf16_moments", &l.bf16_moments, "cuda: AdamW moments in bf16 (half the optimizer memory)");
+  o.add("fp8", &l.fp8, "tensorwise: the seven projections' GEMMs (forward and backward) with FP8 operands, e4m3 "
+        "weights and activations, e5m2 output gradients, one dynamic scale per tensor from its amax (torchao's "
+        "recipe); the lm_head, attention, norms and optimizer as they are. off: fp32 (cpu), bf16 (cuda)");
   o.add("rope_scaling", &l.rope_scaling, "TYPE:FACTOR, TYPE linear, dynamic or yarn (transformers' rope_scaling): "
         "train a context FACTOR times the model's own (--seq_len up to it); written into every checkpoint's and "
         "export's config.json. Empty: the model's config.json decides");
@@ -84,7 +87,7 @@ MemoryLayout engine_memory_layout(const EngineOptions& o, const Mesh& mesh) {
   l.dp = mesh.dp_size, l.dp_rank = mesh.dp_rank, l.tp = mesh.tp_size, l.tp_rank = mesh.tp_rank;
   l.pp = mesh.pp_size, l.pp_rank = mesh.pp_rank, l.sp = o.sp;
   l.zero = o.zero, l.zero_prefetch = o.zero_prefetch, l.recompute = o.recompute;
-  l.bf16_moments = o.bf16_moments, l.attention = o.attention;
+  l.bf16_moments = o.bf16_moments, l.attention = o.attention, l.fp8 = o.fp8;
   l.micro_batch = o.micro_batch, l.seq_len = o.seq_len;
   static_cast<LoraConfig&>(l.lora) = o.lora;
   l.lora.base_quant = o.base_quant;

@@ -83,6 +83,9 @@ struct EngineOptions {
   // the model computes with the dequantized values. cpu: nf4 or int8, any tp (model/quantized_weights.h); cuda: nf4 at
   // tp 1 (model/llama_gpu.h). None: fp32 (cpu), bf16 (cuda).
   BaseQuant base_quant = BaseQuant::None;
+  // --fp8 (model/fp8.h): the seven projections' GEMMs with FP8 operands; the model computes them so (Llama::set_fp8),
+  // the support table says on which layouts and devices.
+  Fp8Mode fp8 = Fp8Mode::Off;
 };
 
 // The options that shape a run's parallel layout and its step, as build/train and build/plan both read them (one
@@ -95,6 +98,7 @@ struct LayoutOptions {
   bool bf16_moments = false;
   int64_t micro_batch = 4, seq_len = 1024, grad_accum = 1;
   std::string rope_scaling;  // TYPE:FACTOR (model/config.h apply_rope_scaling); empty: the config's rope
+  std::string fp8 = "off";   // model/fp8.h parse_fp8_mode
 };
 void declare_layout_options(Options& o, LayoutOptions& l);
 

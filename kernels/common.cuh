@@ -143,6 +143,30 @@ __device__ __forceinline__ void block_sum_batched(float (&x)[kValues], float* sc
   }
 }
 
+// ---- FP8 amax (kernels/fp8.cuh): the largest |x| of a tensor, folded into one fp32 in device memory by atomicMax on
+// its bits. A non-negative float orders as its bits do as an unsigned integer, and a NaN's bits (sign cleared) exceed
+// every number's, so one NaN makes the amax NaN, as torch.max(torch.abs(x)) does.
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+// The largest |value| of 8 packed bf16 values, as such bits (a bf16 is the high half of its fp32).
+__device__ __forceinline__ uint32_t abs_max_bits(const Packed8& x) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) m = max(m, max((x.w[k] << 16) & 0x7fff0000u, x.w[k] & 0x7fff0000u));
+  return m;
+}
+// Folds every thread's bits into *amax: the block's maximum (one barrier), then one atomicMax a block. Every thread
+// of the block calls it, once, at the kernel's end.
+__device__ __forceinline__ void fold_amax(float* amax, uint32_t bits) {
+  __shared__ uint32_t warp_bits[32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
+  if (threadIdx.x % 32 == 0) warp_bits[threadIdx.x / 32] = bits;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (unsigned w = 1; w < blockDim.x / 32; ++w) bits = max(bits, warp_bits[w]);
+  atomicMax(reinterpret_cast<unsigned*>(amax), bits);
+}
+
 // Counter-based hash (a SplitMix-like finalizer over a 32-bit state): the random bits of stochastic
 // rounding are a pure function of (seed, index), so a run and its resumed twin round alike.
 __device__ __forceinline__ uint32_t hash_u32(uint32_t seed, uint64_t index) {

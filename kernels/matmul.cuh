@@ -32,6 +32,18 @@ class MatmulContext {
             const void* b, int64_t ldb, float beta, const void* c, void* d, int64_t ldd, cudaDataType_t d_type,
             cudaStream_t stream);
 
+  // The FP8 form: D[m, n] = scale_a scale_b op_T(A) B + beta C, A and B FP8 codes ([k, m] and [k, n] column-major:
+  // K-major, the "TN" layout cuBLASLt's FP8 kernels require), scale_a/scale_b fp32 in device memory (cuBLASLt's
+  // A/B_SCALE_POINTER), fast_accum: CUBLASLT_MATMUL_DESC_FAST_ACCUM.
+  struct Fp8Gemm {
+    cudaDataType_t a_type, b_type;  // CUDA_R_8F_E4M3 or CUDA_R_8F_E5M2, not both E5M2
+    const float* scale_a;
+    const float* scale_b;
+    bool fast_accum;
+  };
+  void gemm_fp8(const Fp8Gemm& fp8, int64_t m, int64_t n, int64_t k, const void* a, const void* b, float beta,
+                const void* c, void* d, int64_t ldd, cudaDataType_t d_type, cudaStream_t stream);
+
   // How each shape's algorithm is chosen at its first call. 1 (the default, and what the trainer uses): the
   // heuristic's first answer, the same in every process, so a resumed run computes the same bits. N > 1: the
   // fastest of the heuristic's first N answers, timed there and then by running the product a few times on the
@@ -46,8 +58,10 @@ class MatmulContext {
   size_t workspace_bytes_ = 0;
   int timed_candidates_ = 1;
   bool owns_workspace_ = true;
-  // key: trans_a, trans_b, m, n, k, lda, ldb, ldd, d_type, beta != 0, pointer alignments (packed)
-  using Key = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, uint64_t>;
+  // key: trans_a, trans_b, m, n, k, lda, ldb, ldd, d_type, beta != 0, pointer alignments (packed), operand types
+  // and fast accumulation (packed: 0 for bf16 products)
+  using Key =
+      std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, uint64_t, uint64_t>;
   struct Shape {  // made at a shape's first call, destroyed with the context
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
@@ -55,6 +69,10 @@ class MatmulContext {
   };
   std::map<Key, Shape> shapes_;
   void destroy_shapes();
+  // gemm and gemm_fp8: fp8 null for bf16 operands.
+  void gemm_any(const Fp8Gemm* fp8, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a,
+                int64_t lda, const void* b, int64_t ldb, float beta, const void* c, void* d, int64_t ldd,
+                cudaDataType_t d_type, cudaStream_t stream);
 };
 
 // out[n, oc] = inp[n, ic] @ weight[oc, ic]^T. OVERWRITES out.
@@ -83,5 +101,31 @@ void matmul_add_fwd(MatmulContext& ctx, __nv_bfloat16* out, int64_t ld_out, cons
 void matmul_bwd_strided(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout,
                         int64_t ld_dout, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n, int64_t ic,
                         int64_t oc, bool accumulate_dinp, GradWrite dweight_write, cudaStream_t stream);
+
+// ---- FP8 (--fp8 tensorwise; sm_89 and later): the projections' three GEMMs with FP8 operands, each an operand's
+// codes and the inverse of its per-tensor scale in device memory (kernels/fp8.cuh writes both), fp32 accumulation.
+// Contract of kernels/cpu/fp8.h's fp8_gemm: out = (inv_scale_a * inv_scale_b) * sum of exact products (+ C). Every
+// operand is K-major, so the backward reads the transposed casts of dout, the input and the weight. cuBLASLt's FP8
+// kernels need 16-byte aligned codes and n, ic, oc multiples of 16: the launchers refuse anything else.
+struct Fp8Operand {
+  const uint8_t* codes = nullptr;
+  const float* inv_scale = nullptr;  // device, fp32
+};
+
+// out[n, oc] = inp[n, ic] @ weight[oc, ic]^T, both e4m3; bf16, OVERWRITES out. Fast accumulation, as torchao's and
+// Transformer Engine's forward (the backward's products accumulate in full fp32).
+void matmul_fp8_fwd(MatmulContext& ctx, __nv_bfloat16* out, Fp8Operand inp, Fp8Operand weight, int64_t n, int64_t ic,
+                    int64_t oc, cudaStream_t stream);
+// The same + residual[n, oc] in the epilogue (one rounding); out may equal residual.
+void matmul_fp8_residual_fwd(MatmulContext& ctx, __nv_bfloat16* out, Fp8Operand inp, Fp8Operand weight,
+                             const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t stream);
+
+// dinp[n, ic] (= or +=, by accumulate_dinp) dout[n, oc] @ weight_t[ic, oc]^T, dout e5m2, weight_t the weight's
+// transposed e4m3 cast; bf16; skipped when dinp is null.
+// dweight[oc, ic] (= or +=, by dweight_write) dout_t[oc, n] @ inp_t[ic, n]^T, dout_t e5m2 and inp_t e4m3 (the
+// transposed casts); fp32; skipped when dweight is null. Overwrite never reads dweight, and with n == 0 writes zeros.
+void matmul_fp8_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, Fp8Operand dout, Fp8Operand dout_t,
+                    Fp8Operand inp_t, Fp8Operand weight_t, int64_t n, int64_t ic, int64_t oc, bool accumulate_dinp,
+                    GradWrite dweight_write, cudaStream_t stream);
 
 }  // namespace tuna::cuda

@@ -8,6 +8,8 @@
 //   nothing spills.
 // - dweight is deterministic without atomics: each block sums a fixed slab of kSlabRows rows (a function of n
 //   alone) into scratch, and a second kernel adds the slabs in slab order.
+// - The _amax variants fold max |output| into one fp32 (FP8 training's per-tensor scale, kernels/fp8.cuh) from the
+//   registers they store from: the amax costs no pass over the tensor, one barrier and one atomic a block.
 #include "kernels/rmsnorm.cuh"
 
 #include <type_traits>
@@ -98,11 +100,13 @@ __device__ __forceinline__ void load_rows(Packed8 (&dst)[kRows][kVecs], const bf
   }
 }
 
-template <int kVecs>
+// kAmax: also folds max |out| (the stored bf16 values) into *amax, the FP8 cast's scale (kernels/fp8.cuh).
+template <int kVecs, bool kAmax>
 __global__ void __launch_bounds__(kMaxThreads)
     rmsnorm_fwd_kernel(bf16* __restrict__ out, float* __restrict__ rstd, const bf16* __restrict__ inp,
-                       const bf16* __restrict__ weight, int64_t n, int dim, float eps) {
+                       const bf16* __restrict__ weight, int64_t n, int dim, float eps, float* __restrict__ amax) {
   __shared__ float scratch[2 * kFwdRows * (kMaxThreads / 32)];
+  uint32_t amax_bits = 0;
   Packed8 w[kVecs];
   load_weight(w, weight, dim);
   const int64_t block_row0 = static_cast<int64_t>(blockIdx.x) * kFwdRowsPerBlock;
@@ -136,10 +140,13 @@ __global__ void __launch_bounds__(kMaxThreads)
         float y[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) y[j] = unpack(w[v], j) * (unpack(x[r][v], j) * rs);
-        store_packed(out + row * dim + c, pack8(y));
+        const Packed8 packed = pack8(y);
+        if constexpr (kAmax) amax_bits = max(amax_bits, abs_max_bits(packed));
+        store_packed(out + row * dim + c, packed);
       }
     }
   }
+  if constexpr (kAmax) fold_amax(amax, amax_bits);
 }
 
 // The backward's register budget decides kRows (bwd_shape): several rows in flight fit 255 registers with up
@@ -147,12 +154,14 @@ __global__ void __launch_bounds__(kMaxThreads)
 constexpr int bwd_max_threads(int rows) { return rows > 1 ? 256 : kMaxThreads; }
 
 // One block per slab of kSlabRows rows; writes the slab's dweight sums to partial[slab, :].
-template <int kVecs, int kRows>
+// kAmax: also folds max |dinp| (the stored sums) into *amax, the FP8 cast's scale of the residual gradient.
+template <int kVecs, int kRows, bool kAmax>
 __global__ void __launch_bounds__(bwd_max_threads(kRows))
     rmsnorm_bwd_kernel(bf16* __restrict__ dinp, float* __restrict__ partial, const bf16* __restrict__ dout,
                        const bf16* __restrict__ inp, const bf16* __restrict__ weight, const float* __restrict__ rstd,
-                       int64_t n, int dim) {
+                       int64_t n, int dim, float* __restrict__ amax) {
   __shared__ float scratch[2 * kRows * (kMaxThreads / 32)];
+  uint32_t amax_bits = 0;
   const int64_t slab_row0 = static_cast<int64_t>(blockIdx.x) * kSlabRows;
   const int64_t slab_end = min(n, slab_row0 + kSlabRows);
   Packed8 w[kVecs];
@@ -203,10 +212,13 @@ __global__ void __launch_bounds__(bwd_max_threads(kRows))
 #pragma unroll
         for (int j = 0; j < 8; ++j)
           y[j] = unpack(d[k][v], j) + r[k] * (unpack(w[v], j) * unpack(g[k][v], j) - unpack(x[k][v], j) * correction);
-        store_packed(dinp + row * dim + c, pack8(y));
+        const Packed8 packed = pack8(y);
+        if constexpr (kAmax) amax_bits = max(amax_bits, abs_max_bits(packed));
+        store_packed(dinp + row * dim + c, packed);
       }
     }
   }
+  if constexpr (kAmax) fold_amax(amax, amax_bits);
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     const int c = vector_column(v, dim);
@@ -257,11 +269,10 @@ void check_dim(const char* op, int64_t n, int64_t dim) {
                           kMaxVecs * 8, " columns a row)");
 }
 
-}  // namespace
-
-void rmsnorm_fwd(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int64_t n, int64_t dim, double eps,
-                 cudaStream_t stream) {
-  check_dim("rmsnorm_fwd", n, dim);
+template <bool kAmax>
+void launch_fwd(const char* op, bf16* out, float* rstd, const bf16* inp, const bf16* weight, int64_t n, int64_t dim,
+                double eps, float* amax, cudaStream_t stream) {
+  check_dim(op, n, dim);
   if (n == 0) return;
   const RowShape shape = fwd_shape(dim);
   const unsigned grid = static_cast<unsigned>(ceil_div(n, kFwdRowsPerBlock));
@@ -269,12 +280,57 @@ void rmsnorm_fwd(bf16* out, float* rstd, const bf16* inp, const bf16* weight, in
   const float e = static_cast<float>(eps);
   const auto launch = [&](auto vecs) {
     constexpr int kVecs = decltype(vecs)::value;
-    launch_kernel(rmsnorm_fwd_kernel<kVecs>, grid, shape.threads, 0, stream, out, rstd, inp, weight, n, d, e);
+    launch_kernel(rmsnorm_fwd_kernel<kVecs, kAmax>, grid, shape.threads, 0, stream, out, rstd, inp, weight, n, d, e,
+                  amax);
   };
   if (shape.vecs == 1) launch(std::integral_constant<int, 1>{});
   else if (shape.vecs == 2) launch(std::integral_constant<int, 2>{});
   else launch(std::integral_constant<int, kMaxVecs>{});
   TUNA_CUDA_CHECK_LAUNCH();
+}
+
+template <bool kAmax>
+void launch_bwd(const char* op, bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
+                const float* rstd, float* scratch, int64_t n, int64_t dim, GradWrite dweight_write, float* amax,
+                cudaStream_t stream) {
+  check_dim(op, n, dim);
+  const bool overwrite = dweight_write == GradWrite::Overwrite;
+  if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
+    if (overwrite && dweight != nullptr)
+      TUNA_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<size_t>(dim) * sizeof(float), stream));
+    return;
+  }
+  const RowShape shape = bwd_shape(dim);
+  const int64_t n_slabs = ceil_div(n, kSlabRows);
+  TUNA_CHECK(n_slabs < (int64_t(1) << 31), op, ": n ", n);
+  const unsigned grid = static_cast<unsigned>(n_slabs);
+  const int d = static_cast<int>(dim);
+  const auto launch = [&](auto kernel) {
+    launch_kernel(kernel, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d, amax);
+  };
+  if (shape.vecs == 1) launch(rmsnorm_bwd_kernel<1, 2, kAmax>);
+  else if (shape.vecs == 2) launch(rmsnorm_bwd_kernel<2, 4, kAmax>);
+  else if (shape.rows == 2) launch(rmsnorm_bwd_kernel<kMaxVecs, 2, kAmax>);
+  else launch(rmsnorm_bwd_kernel<kMaxVecs, 1, kAmax>);
+  TUNA_CUDA_CHECK_LAUNCH();
+  if (dweight == nullptr) return;  // a frozen weight (adapters): the slabs' sums go unused
+  launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, kReduceColumnLanes * 4)),
+                kReduceColumnLanes * kReduceSlabLanes, 0, stream, dweight, scratch, static_cast<int>(n_slabs), d,
+                overwrite);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void rmsnorm_fwd(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int64_t n, int64_t dim, double eps,
+                 cudaStream_t stream) {
+  launch_fwd</*kAmax=*/false>("rmsnorm_fwd", out, rstd, inp, weight, n, dim, eps, nullptr, stream);
+}
+
+void rmsnorm_fwd_amax(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int64_t n, int64_t dim, double eps,
+                      float* amax, cudaStream_t stream) {
+  TUNA_CHECK(amax != nullptr, "rmsnorm_fwd_amax: no amax (rmsnorm_fwd is the norm alone)");
+  launch_fwd</*kAmax=*/true>("rmsnorm_fwd_amax", out, rstd, inp, weight, n, dim, eps, amax, stream);
 }
 
 int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim) {
@@ -285,31 +341,16 @@ int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim) {
 void rmsnorm_bwd(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
                  const float* rstd, float* scratch, int64_t n, int64_t dim, GradWrite dweight_write,
                  cudaStream_t stream) {
-  check_dim("rmsnorm_bwd", n, dim);
-  const bool overwrite = dweight_write == GradWrite::Overwrite;
-  if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
-    if (overwrite && dweight != nullptr)
-      TUNA_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<size_t>(dim) * sizeof(float), stream));
-    return;
-  }
-  const RowShape shape = bwd_shape(dim);
-  const int64_t n_slabs = ceil_div(n, kSlabRows);
-  TUNA_CHECK(n_slabs < (int64_t(1) << 31), "rmsnorm_bwd: n ", n);
-  const unsigned grid = static_cast<unsigned>(n_slabs);
-  const int d = static_cast<int>(dim);
-  const auto launch = [&](auto kernel) {
-    launch_kernel(kernel, grid, shape.threads, 0, stream, dinp, scratch, dout, inp, weight, rstd, n, d);
-  };
-  if (shape.vecs == 1) launch(rmsnorm_bwd_kernel<1, 2>);
-  else if (shape.vecs == 2) launch(rmsnorm_bwd_kernel<2, 4>);
-  else if (shape.rows == 2) launch(rmsnorm_bwd_kernel<kMaxVecs, 2>);
-  else launch(rmsnorm_bwd_kernel<kMaxVecs, 1>);
-  TUNA_CUDA_CHECK_LAUNCH();
-  if (dweight == nullptr) return;  // a frozen weight (adapters): the slabs' sums go unused
-  launch_kernel(rmsnorm_dweight_kernel, static_cast<unsigned>(ceil_div(dim, kReduceColumnLanes * 4)),
-                kReduceColumnLanes * kReduceSlabLanes, 0, stream, dweight, scratch, static_cast<int>(n_slabs), d,
-                overwrite);
-  TUNA_CUDA_CHECK_LAUNCH();
+  launch_bwd</*kAmax=*/false>("rmsnorm_bwd", dinp, dweight, dout, inp, weight, rstd, scratch, n, dim, dweight_write,
+                              nullptr, stream);
+}
+
+void rmsnorm_bwd_amax(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
+                      const float* rstd, float* scratch, int64_t n, int64_t dim, GradWrite dweight_write, float* amax,
+                      cudaStream_t stream) {
+  TUNA_CHECK(amax != nullptr, "rmsnorm_bwd_amax: no amax (rmsnorm_bwd is the norm alone)");
+  launch_bwd</*kAmax=*/true>("rmsnorm_bwd_amax", dinp, dweight, dout, inp, weight, rstd, scratch, n, dim,
+                             dweight_write, amax, stream);
 }
 
 }  // namespace tuna::cuda

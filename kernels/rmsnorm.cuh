@@ -15,6 +15,11 @@ namespace tuna::cuda {
 void rmsnorm_fwd(__nv_bfloat16* out, float* rstd, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n,
                  int64_t dim, double eps, cudaStream_t stream);
 
+// rmsnorm_fwd, and *amax = max(*amax, max |out|) over the stored bf16 out: the FP8 cast's amax of the q/k/v or
+// gate/up input folded into the norm that writes it (kernels/fp8.cuh; ACCUMULATES into *amax).
+void rmsnorm_fwd_amax(__nv_bfloat16* out, float* rstd, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
+                      int64_t n, int64_t dim, double eps, float* amax, cudaStream_t stream);
+
 // Floats of scratch rmsnorm_bwd needs for (n, dim): the per-row-block partial sums of dweight.
 int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim);
 
@@ -28,5 +33,11 @@ int64_t rmsnorm_bwd_scratch_floats(int64_t n, int64_t dim);
 void rmsnorm_bwd(__nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout, const __nv_bfloat16* inp,
                  const __nv_bfloat16* weight, const float* rstd, float* scratch, int64_t n, int64_t dim,
                  GradWrite dweight_write, cudaStream_t stream);
+
+// rmsnorm_bwd, and *amax = max(*amax, max |dinp|) over the stored sums: the residual gradient's amax, the FP8 cast's
+// of the o_proj and down_proj output gradients, folded into the norm that writes it (ACCUMULATES into *amax).
+void rmsnorm_bwd_amax(__nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout, const __nv_bfloat16* inp,
+                      const __nv_bfloat16* weight, const float* rstd, float* scratch, int64_t n, int64_t dim,
+                      GradWrite dweight_write, float* amax, cudaStream_t stream);
 
 }  // namespace tuna::cuda

@@ -11,7 +11,8 @@
 // before any math, so each SM has several times the bytes in flight that DRAM latency asks. With strided rows a
 // vector never crosses a row end (its row: one 32-bit division per vector); contiguous rows are one long row
 // with an element-wise tail; rows off 16-byte alignment (tests) take the element-wise path. sigmoid(x) =
-// 1 / (1 + exp(-x)) in fp32 saturates cleanly at both ends. out may alias gate or up when stride == cols; dgate
+// 1 / (1 + exp(-x)) in fp32 saturates cleanly at both ends. The _amax variants fold max |output| into one fp32 (FP8
+// training's per-tensor scale, kernels/fp8.cuh) from the values they store: no pass of its own. out may alias gate or up when stride == cols; dgate
 // and dup may alias gate and up, and dout when stride == cols: a thread reads its elements before writing them.
 #include "kernels/swiglu.cuh"
 
@@ -78,7 +79,11 @@ __device__ __forceinline__ void for_tail_elements(const Shape& sh, F f) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const bf16* gate, const bf16* up, Shape sh) {
+// kAmax (here and below): also folds max |output| (the stored bf16 values) into *amax, the FP8 cast's scale.
+template <bool kAmax>
+__global__ void __launch_bounds__(kThreads)
+    swiglu_fwd_kernel(bf16* out, const bf16* gate, const bf16* up, Shape sh, float* amax) {
+  uint32_t amax_bits = 0;
   VectorAt at[kVecs];
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) at[k] = vector_at(sh, k);
@@ -91,15 +96,23 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(bf16* out, const b
     float y[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) y[j] = swiglu_value(unpack(g[k], j), unpack(u[k], j));
-    store_packed(out + at[k].out, pack8(y));
+    const Packed8 packed = pack8(y);
+    if constexpr (kAmax) amax_bits = max(amax_bits, abs_max_bits(packed));
+    store_packed(out + at[k].out, packed);
   }
   for_tail_elements(sh, [&](int64_t in, int64_t o) {
-    out[o] = __float2bfloat16(swiglu_value(__bfloat162float(gate[in]), __bfloat162float(up[in])));
+    const bf16 y = __float2bfloat16(swiglu_value(__bfloat162float(gate[in]), __bfloat162float(up[in])));
+    if constexpr (kAmax) amax_bits = max(amax_bits, abs_bits(__bfloat162float(y)));
+    out[o] = y;
   });
+  if constexpr (kAmax) fold_amax(amax, amax_bits);
 }
 
+template <bool kAmax>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_bwd_kernel(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, Shape sh) {
+    swiglu_bwd_kernel(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, Shape sh,
+                      float* amax) {
+  uint32_t amax_bits = 0;
   VectorAt at[kVecs];
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) at[k] = vector_at(sh, k);
@@ -113,15 +126,21 @@ __global__ void __launch_bounds__(kThreads)
     float dg[8], du[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) swiglu_grad(unpack(d[k], j), unpack(g[k], j), unpack(u[k], j), dg[j], du[j]);
-    store_packed(dgate + at[k].in, pack8(dg));
-    store_packed(dup + at[k].in, pack8(du));
+    const Packed8 packed_dg = pack8(dg), packed_du = pack8(du);
+    if constexpr (kAmax) amax_bits = max(amax_bits, max(abs_max_bits(packed_dg), abs_max_bits(packed_du)));
+    store_packed(dgate + at[k].in, packed_dg);
+    store_packed(dup + at[k].in, packed_du);
   }
   for_tail_elements(sh, [&](int64_t in, int64_t o) {
     float a, b;
     swiglu_grad(__bfloat162float(dout[o]), __bfloat162float(gate[in]), __bfloat162float(up[in]), a, b);
-    dgate[in] = __float2bfloat16(a);
-    dup[in] = __float2bfloat16(b);
+    const bf16 ga = __float2bfloat16(a), gb = __float2bfloat16(b);
+    if constexpr (kAmax)
+      amax_bits = max(amax_bits, max(abs_bits(__bfloat162float(ga)), abs_bits(__bfloat162float(gb))));
+    dgate[in] = ga;
+    dup[in] = gb;
   });
+  if constexpr (kAmax) fold_amax(amax, amax_bits);
 }
 
 // The shape the kernels see: contiguous rows become one long row (vectors across row ends, a tail at the very
@@ -148,23 +167,47 @@ unsigned grid_for(const Shape& sh) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::max(vector_blocks, tail_blocks)));
 }
 
+template <bool kAmax>
+void launch_fwd(bf16* out, const bf16* gate, const bf16* up, int64_t rows, int64_t cols, int64_t stride, float* amax,
+                cudaStream_t stream) {
+  const Shape sh = make_shape(rows, cols, stride, aligned16(out) && aligned16(gate) && aligned16(up));
+  if (sh.n_vec == 0 && sh.n_tail == 0) return;
+  launch_kernel(swiglu_fwd_kernel<kAmax>, grid_for(sh), kThreads, 0, stream, out, gate, up, sh, amax);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
+
+template <bool kAmax>
+void launch_bwd(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, int64_t rows, int64_t cols,
+                int64_t stride, float* amax, cudaStream_t stream) {
+  const bool aligned = aligned16(dgate) && aligned16(dup) && aligned16(dout) && aligned16(gate) && aligned16(up);
+  const Shape sh = make_shape(rows, cols, stride, aligned);
+  if (sh.n_vec == 0 && sh.n_tail == 0) return;
+  launch_kernel(swiglu_bwd_kernel<kAmax>, grid_for(sh), kThreads, 0, stream, dgate, dup, dout, gate, up, sh, amax);
+  TUNA_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 void swiglu_fwd(bf16* out, const bf16* gate, const bf16* up, int64_t rows, int64_t cols, int64_t stride,
                 cudaStream_t stream) {
-  const Shape sh = make_shape(rows, cols, stride, aligned16(out) && aligned16(gate) && aligned16(up));
-  if (sh.n_vec == 0 && sh.n_tail == 0) return;
-  launch_kernel(swiglu_fwd_kernel, grid_for(sh), kThreads, 0, stream, out, gate, up, sh);
-  TUNA_CUDA_CHECK_LAUNCH();
+  launch_fwd</*kAmax=*/false>(out, gate, up, rows, cols, stride, nullptr, stream);
+}
+
+void swiglu_fwd_amax(bf16* out, const bf16* gate, const bf16* up, int64_t rows, int64_t cols, int64_t stride,
+                     float* amax, cudaStream_t stream) {
+  TUNA_CHECK(amax != nullptr, "swiglu_fwd_amax: no amax (swiglu_fwd is the gating alone)");
+  launch_fwd</*kAmax=*/true>(out, gate, up, rows, cols, stride, amax, stream);
 }
 
 void swiglu_bwd(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, int64_t rows,
                 int64_t cols, int64_t stride, cudaStream_t stream) {
-  const bool aligned = aligned16(dgate) && aligned16(dup) && aligned16(dout) && aligned16(gate) && aligned16(up);
-  const Shape sh = make_shape(rows, cols, stride, aligned);
-  if (sh.n_vec == 0 && sh.n_tail == 0) return;
-  launch_kernel(swiglu_bwd_kernel, grid_for(sh), kThreads, 0, stream, dgate, dup, dout, gate, up, sh);
-  TUNA_CUDA_CHECK_LAUNCH();
+  launch_bwd</*kAmax=*/false>(dgate, dup, dout, gate, up, rows, cols, stride, nullptr, stream);
+}
+
+void swiglu_bwd_amax(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up, int64_t rows,
+                     int64_t cols, int64_t stride, float* amax, cudaStream_t stream) {
+  TUNA_CHECK(amax != nullptr, "swiglu_bwd_amax: no amax (swiglu_bwd is the gradient alone)");
+  launch_bwd</*kAmax=*/true>(dgate, dup, dout, gate, up, rows, cols, stride, amax, stream);
 }
 
 }  // namespace tuna::cuda

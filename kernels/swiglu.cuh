@@ -22,4 +22,13 @@ void swiglu_fwd(__nv_bfloat16* out, const __nv_bfloat16* gate, const __nv_bfloat
 void swiglu_bwd(__nv_bfloat16* dgate, __nv_bfloat16* dup, const __nv_bfloat16* dout, const __nv_bfloat16* gate,
                 const __nv_bfloat16* up, int64_t rows, int64_t cols, int64_t stride, cudaStream_t stream);
 
+// The same, each also folding the largest |stored output| into *amax (ACCUMULATES): the FP8 cast's amax of the
+// down_proj input (forward: out) and of the gate|up output gradient (backward: dgate and dup together), folded into
+// the kernel that writes it (kernels/fp8.cuh).
+void swiglu_fwd_amax(__nv_bfloat16* out, const __nv_bfloat16* gate, const __nv_bfloat16* up, int64_t rows,
+                     int64_t cols, int64_t stride, float* amax, cudaStream_t stream);
+void swiglu_bwd_amax(__nv_bfloat16* dgate, __nv_bfloat16* dup, const __nv_bfloat16* dout, const __nv_bfloat16* gate,
+                     const __nv_bfloat16* up, int64_t rows, int64_t cols, int64_t stride, float* amax,
+                     cudaStream_t stream);
+
 }  // namespace tuna::cuda

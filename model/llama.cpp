@@ -108,7 +108,9 @@ LlamaParallel llama_parallel(const MemoryLayout& run, Comm* tp) {
 }
 
 Llama::Llama(const LlamaConfig& config, const MemoryLayout& run, Comm* tp)
-    : Llama(config, run.micro_batch, run.seq_len, llama_parallel(run, tp), static_cast<const LoraConfig&>(run.lora)) {}
+    : Llama(config, run.micro_batch, run.seq_len, llama_parallel(run, tp), static_cast<const LoraConfig&>(run.lora)) {
+  set_fp8(run.fp8);
+}
 
 Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, const LlamaParallel& parallel,
              const LoraConfig& lora)
@@ -520,9 +522,8 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
 
     cpu::rmsnorm_fwd(a.norm1.data(), a.rstd1.data(), a.resid_in.data(), w(o.input_norm), nr, C, c.rms_norm_eps);
     const float* x1 = sp_ ? sp_gather(a.norm1.data(), "sp q/k/v input") : a.norm1.data();
-    cpu::matmul_fwd(a.q.data(), x1, w(o.q_proj), n, C, d.q_dim);
-    cpu::matmul_fwd(a.k.data(), x1, w(o.k_proj), n, C, d.kv_dim);
-    cpu::matmul_fwd(a.v.data(), x1, w(o.v_proj), n, C, d.kv_dim);
+    linear_fwd({{w(o.q_proj), d.q_dim}, {w(o.k_proj), d.kv_dim}, {w(o.v_proj), d.kv_dim}},
+               {a.q.data(), a.k.data(), a.v.data()}, x1, n, C, /*x_split=*/false);
     adapt(LoraTarget::Q, x1, a.q.data());
     adapt(LoraTarget::K, x1, a.k.data());
     adapt(LoraTarget::V, x1, a.v.data());
@@ -543,20 +544,19 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
                          d.kv_heads, c.head_dim, attention_doc_start_);
     }
     float* o_out = sp_ ? gathered_.data() : a.resid_mid.data();  // every row's partial sums
-    cpu::matmul_fwd(o_out, a.att.data(), w(o.o_proj), n, d.q_dim, C);
+    linear_fwd({{w(o.o_proj), C}}, {o_out}, a.att.data(), n, d.q_dim, /*x_split=*/true);
     sp_reduce(o_out, a.resid_mid.data(), n, "tp o_proj");  // row-parallel: partial sums
     adapt(LoraTarget::O, a.att.data(), a.resid_mid.data());   // after the sum: added once (lora_fwd)
     for (int64_t i = 0; i < nr * C; i++) a.resid_mid[i] += a.resid_in[i];
 
     cpu::rmsnorm_fwd(a.norm2.data(), a.rstd2.data(), a.resid_mid.data(), w(o.post_norm), nr, C, c.rms_norm_eps);
     const float* x2 = sp_ ? sp_gather(a.norm2.data(), "sp gate/up input") : a.norm2.data();
-    cpu::matmul_fwd(a.gate.data(), x2, w(o.gate_proj), n, C, F);
-    cpu::matmul_fwd(a.up.data(), x2, w(o.up_proj), n, C, F);
+    linear_fwd({{w(o.gate_proj), F}, {w(o.up_proj), F}}, {a.gate.data(), a.up.data()}, x2, n, C, /*x_split=*/false);
     adapt(LoraTarget::Gate, x2, a.gate.data());
     adapt(LoraTarget::Up, x2, a.up.data());
     cpu::swiglu_fwd(a.act.data(), a.gate.data(), a.up.data(), n, F, F);
     float* down_out = sp_ ? gathered_.data() : resid_next;
-    cpu::matmul_fwd(down_out, a.act.data(), w(o.down_proj), n, F, C);
+    linear_fwd({{w(o.down_proj), C}}, {down_out}, a.act.data(), n, F, /*x_split=*/true);
     sp_reduce(down_out, resid_next, n, "tp down_proj");
     adapt(LoraTarget::Down, a.act.data(), resid_next);
     for (int64_t i = 0; i < nr * C; i++) resid_next[i] += a.resid_mid[i];
@@ -647,15 +647,14 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     float* dnorm = sp_ ? d_final_norm_.data() : d_norm_.data();
     // MLP block: x_out = resid_mid + down(act)
     const float* dy2 = sp_ ? sp_gather(d_resid_.data(), "sp down_proj output grad") : d_resid_.data();
-    cpu::matmul_bwd(d_act_.data(), g(o.down_proj), dy2, a.act.data(), w(o.down_proj), n, F, C,
-                    /*accumulate_dinp=*/false, GradWrite::Accumulate);
+    linear_bwd({{w(o.down_proj), C}}, {dy2}, {g(o.down_proj)}, d_act_.data(), /*accumulate_dx=*/false, a.act.data(),
+               n, F, /*x_split=*/true, /*dy_split=*/false);
     adapt(LoraTarget::Down, a.act.data(), dy2, d_act_.data());
     cpu::swiglu_bwd(d_gate_.data(), d_up_.data(), d_act_.data(), a.gate.data(), a.up.data(), n, F, F);
     const float* x2 = sp_ ? sp_gather(a.norm2.data(), "sp gate/up input") : a.norm2.data();
-    cpu::matmul_bwd(d_norm_.data(), g(o.gate_proj), d_gate_.data(), x2, w(o.gate_proj), n, C, F,
-                    /*accumulate_dinp=*/false, GradWrite::Accumulate);
-    cpu::matmul_bwd(d_norm_.data(), g(o.up_proj), d_up_.data(), x2, w(o.up_proj), n, C, F,
-                    /*accumulate_dinp=*/true, GradWrite::Accumulate);
+    linear_bwd({{w(o.gate_proj), F}, {w(o.up_proj), F}}, {d_gate_.data(), d_up_.data()},
+               {g(o.gate_proj), g(o.up_proj)}, d_norm_.data(), /*accumulate_dx=*/false, x2, n, C, /*x_split=*/false,
+               /*dy_split=*/true);
     adapt(LoraTarget::Gate, x2, d_gate_.data(), d_norm_.data());
     adapt(LoraTarget::Up, x2, d_up_.data(), d_norm_.data());
     sp_reduce(d_norm_.data(), dnorm, n, "tp gate/up input grad");  // column-parallel: partial input grads
@@ -663,8 +662,8 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
                      a.rstd2.data(), nr, C, norm_write);
     // Attention block: resid_mid = resid_in + o_proj(att)
     const float* dy1 = sp_ ? sp_gather(d_resid_.data(), "sp o_proj output grad") : d_resid_.data();
-    cpu::matmul_bwd(d_att_.data(), g(o.o_proj), dy1, a.att.data(), w(o.o_proj), n, d.q_dim, C,
-                    /*accumulate_dinp=*/false, GradWrite::Accumulate);
+    linear_bwd({{w(o.o_proj), C}}, {dy1}, {g(o.o_proj)}, d_att_.data(), /*accumulate_dx=*/false, a.att.data(), n,
+               d.q_dim, /*x_split=*/true, /*dy_split=*/false);
     adapt(LoraTarget::O, a.att.data(), dy1, d_att_.data());
     cpu::attention_bwd(d_q_.data(), d_k_.data(), d_v_.data(), d_att_.data(), a.att.data(), a.lse.data(),
                        a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads, d.kv_heads, c.head_dim,
@@ -674,12 +673,9 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     cpu::rope_bwd(d_k_.data(), d_k_.data(), rope_cos_.data(), rope_sin_.data(), batch, seq, d.kv_heads, c.head_dim,
                   d.kv_dim, d.kv_dim, rope_position_ids_);
     const float* x1 = sp_ ? sp_gather(a.norm1.data(), "sp q/k/v input") : a.norm1.data();
-    cpu::matmul_bwd(d_norm_.data(), g(o.q_proj), d_q_.data(), x1, w(o.q_proj), n, C, d.q_dim,
-                    /*accumulate_dinp=*/false, GradWrite::Accumulate);
-    cpu::matmul_bwd(d_norm_.data(), g(o.k_proj), d_k_.data(), x1, w(o.k_proj), n, C, d.kv_dim,
-                    /*accumulate_dinp=*/true, GradWrite::Accumulate);
-    cpu::matmul_bwd(d_norm_.data(), g(o.v_proj), d_v_.data(), x1, w(o.v_proj), n, C, d.kv_dim,
-                    /*accumulate_dinp=*/true, GradWrite::Accumulate);
+    linear_bwd({{w(o.q_proj), d.q_dim}, {w(o.k_proj), d.kv_dim}, {w(o.v_proj), d.kv_dim}},
+               {d_q_.data(), d_k_.data(), d_v_.data()}, {g(o.q_proj), g(o.k_proj), g(o.v_proj)}, d_norm_.data(),
+               /*accumulate_dx=*/false, x1, n, C, /*x_split=*/false, /*dy_split=*/true);
     adapt(LoraTarget::Q, x1, d_q_.data(), d_norm_.data());
     adapt(LoraTarget::K, x1, d_k_.data(), d_norm_.data());
     adapt(LoraTarget::V, x1, d_v_.data(), d_norm_.data());
@@ -699,6 +695,35 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
   const float* d_embedded = sp_ ? sp_gather(d_resid_.data(), "sp embedding grad") : d_resid_.data();
   embed_bwd(store_->grads(0) + (layout_.embed_tokens() - layout_.unit_range(0).first), d_embedded, inputs, n);
   store_->grads_done(0);
+}
+
+// ---- the projections' GEMMs, fp32 or FP8 ----
+
+void Llama::set_fp8(Fp8Mode mode) {
+  fp8_ = mode;
+  if (mode == Fp8Mode::Off) return;
+  // The scratch of the largest group (n x the widest input; the widest output block), taken now: no allocation in
+  // a step.
+  const TpDims& d = layout_.tp();
+  const int64_t C = config_.hidden_size;
+  const int64_t in = std::max({C, d.q_dim, d.ffn}), rows = std::max({d.q_dim + 2 * d.kv_dim, C, 2 * d.ffn});
+  fp8_group_.reserve(max_batch_ * max_seq_, in, rows);
+}
+
+void Llama::linear_fwd(const std::vector<Fp8GroupCpu::Part>& parts, const std::vector<float*>& outs, const float* x,
+                       int64_t n, int64_t in, bool x_split) {
+  if (fp8_ == Fp8Mode::Tensorwise) return fp8_group_.forward(parts, outs, x, n, in, x_split, tp_);
+  for (size_t i = 0; i < parts.size(); ++i) cpu::matmul_fwd(outs[i], x, parts[i].weight, n, in, parts[i].out);
+}
+
+void Llama::linear_bwd(const std::vector<Fp8GroupCpu::Part>& parts, const std::vector<const float*>& dys,
+                       const std::vector<float*>& dweights, float* dx, bool accumulate_dx, const float* x, int64_t n,
+                       int64_t in, bool x_split, bool dy_split) {
+  if (fp8_ == Fp8Mode::Tensorwise)
+    return fp8_group_.backward(parts, dys, dweights, dx, accumulate_dx, x, n, in, x_split, dy_split, tp_);
+  for (size_t i = 0; i < parts.size(); ++i)
+    cpu::matmul_bwd(dx, dweights[i], dys[i], x, parts[i].weight, n, in, parts[i].out,
+                    /*accumulate_dinp=*/accumulate_dx || i > 0, GradWrite::Accumulate);
 }
 
 // ---- LoRA adapters: y += s B A dropout(x), s = alpha / r ----

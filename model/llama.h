@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/fp8.h"     // Fp8Mode, Fp8GroupCpu
 #include "model/layout.h"  // ParamLayout, TpDims (and comm.h: Range)
 #include "model/lora.h"       // LoraConfig, LoraLayout
 #include "model/optimizer.h"  // Segment
@@ -133,6 +134,11 @@ class Llama {
   void init_random(uint64_t seed, double std = 0.02, float* out = nullptr);  // init_random_weights
   void zero_grads();  // the base's gradients, or with adapters theirs
 
+  // --fp8 tensorwise (model/fp8.h): the seven projections' GEMMs through FP8, simulated exactly; Off by default.
+  // Every pass of the model runs so (the validation loss is the model's as it trains).
+  void set_fp8(Fp8Mode mode);
+  Fp8Mode fp8() const { return fp8_; }
+
   // How windows treat their documents (DocumentMode); the default masks and restarts.
   void set_document_mode(const DocumentMode& mode) { documents_ = mode; }
   const DocumentMode& document_mode() const { return documents_; }
@@ -210,6 +216,15 @@ class Llama {
   const float* lora_input(int64_t l, LoraTarget t, const float* x, int64_t n, bool train);
   // dst (= or +=) src with target t of layer l's dropout mask applied and survivors scaled by 1 / (1 - p).
   void lora_dropout_apply(int64_t l, LoraTarget t, const float* src, float* dst, int64_t n, bool accumulate);
+  // A projection group's GEMMs (q|k|v, o, gate|up or down: parts sharing the input x [n, in]): fp32 products, or
+  // through FP8 by fp8_ (Fp8GroupCpu: x_split and dy_split say which operands tp splits). Forward OVERWRITES each
+  // out; backward: dx (= or +=, by accumulate_dx) sum_i dy_i W_i, dW_i += dy_i^T x (a null dweights entry, or none:
+  // not computed).
+  void linear_fwd(const std::vector<Fp8GroupCpu::Part>& parts, const std::vector<float*>& outs, const float* x,
+                  int64_t n, int64_t in, bool x_split);
+  void linear_bwd(const std::vector<Fp8GroupCpu::Part>& parts, const std::vector<const float*>& dys,
+                  const std::vector<float*>& dweights, float* dx, bool accumulate_dx, const float* x, int64_t n,
+                  int64_t in, bool x_split, bool dy_split);
   // With a cache: positions cache->length.., keys and values appended to it, attention over it too.
   void forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache = nullptr,
                const int32_t* positions = nullptr);
@@ -273,6 +288,8 @@ class Llama {
   // backward scratch. With sp, d_resid_ and d_final_norm_ hold this rank's rows (d_final_norm_ then serves every
   // norm's output gradient in turn) and d_norm_ the whole rows' partial sums before their reduce-scatter.
   std::vector<float> d_resid_, d_norm_, d_q_, d_k_, d_v_, d_att_, d_gate_, d_up_, d_act_, d_final_norm_;
+  Fp8Mode fp8_ = Fp8Mode::Off;
+  Fp8GroupCpu fp8_group_;
   // LoRA
   LoraConfig lora_;
   LoraLayout lora_layout_;

@@ -28,6 +28,7 @@
 
 #include "kernels/attention_path.h"  // AttentionPath (plain C++)
 #include "model/config.h"
+#include "model/fp8.h"  // Fp8Mode
 #include "model/layout.h"
 #include "model/lora_shape.h"  // LoraPlan
 
@@ -55,6 +56,7 @@ struct MemoryLayout {
   bool master_weights = true;   // cuda: an fp32 master copy (false: bf16 weights updated with stochastic rounding)
   bool training = true;         // false: the forward pass alone (eval, sample): weights and activations only
   AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (their scratch differs)
+  Fp8Mode fp8 = Fp8Mode::Off;   // --fp8: the seven projections' GEMMs with FP8 operands (model/fp8.h)
   int64_t micro_batch = 1, seq_len = 1;
   // Adapters (rank 0: a full fine-tune). With adapters the base is frozen and ZeRO acts on the adapters' master,
   // gradients and moments; ZeRO-3 also shards the frozen base (gathered a unit at a time), below it the base is

@@ -108,6 +108,14 @@ MemoryPlan plan_cpu_memory(const LlamaConfig& config, const MemoryLayout& asked)
             in_flight > 1 ? str(" x ", in_flight, " micro-batches in flight") : std::string(), ") and the adapters' scratch"),
         MemoryKind::Activations, (llama.lora_kept_per_layer * L * in_flight + llama.lora_scratch) * kFloat);
   add(str("loss head: logits of ", llama.head_chunk_rows, " rows"), MemoryKind::Activations, llama.logits_chunk * kFloat);
+  if (m.fp8 != Fp8Mode::Off) {
+    // Llama::set_fp8: one byte per code of the largest group's x, W, W^T, dy and dy^T (model/fp8.h Fp8GroupCpu).
+    const TpDims& d = layout.tp();
+    const int64_t n = m.micro_batch * m.seq_len, C = config.hidden_size;
+    const int64_t in = std::max({C, d.q_dim, d.ffn}), rows = std::max({d.q_dim + 2 * d.kv_dim, C, 2 * d.ffn});
+    add(str("FP8 codes of the largest projection group (--fp8 ", fp8_mode_name(m.fp8), ")"), MemoryKind::Workspace,
+        n * in + 2 * rows * in + 2 * n * rows);
+  }
   add("backward scratch (one layer's activation gradients)", MemoryKind::Activations, llama.backward * kFloat);
   add(str("sequence parallelism: every tp rank's ", llama.local_rows, " rows gathered, two norm-weight gradients"),
       MemoryKind::Activations, llama.sequence * kFloat);

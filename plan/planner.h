@@ -76,6 +76,12 @@ struct Rates {
     double flops;
   };
   std::vector<GemmShape> gemm_shapes;  // per-shape rates from the GEMM bench, when present
+  // FP8 (--fp8 tensorwise): the layer GEMMs' rates with FP8 operands. Measured per shape by gpu-check (bench_gemm_gpu's
+  // BM_GemmFp8) when fp8_measured; until then the bf16 rate times a published cuBLASLt FP8/bf16 ratio (its source in
+  // sources["gemm_fp8"]), and a plan that uses it says so. fp8_cast: the casts' share of the copy bandwidth.
+  bool fp8_measured = false;
+  double fp8_ratio = 0;
+  std::vector<GemmShape> fp8_shapes;
   struct Attention {
     int64_t head_dim, seq;
     double fwd, bwd;  // FLOP/s
@@ -87,6 +93,7 @@ struct Rates {
   std::map<std::string, std::string> sources;  // section -> where its figures come from
 
   double gemm(int64_t tokens, int64_t in, int64_t out, int pass) const;  // FLOP/s of the nearest measured shape
+  double gemm_fp8(int64_t tokens, int64_t in, int64_t out, int pass) const;  // the same with FP8 operands
   double attention_rate(int64_t head_dim, int64_t seq, bool backward) const;
   double memory_rate(const std::string& kernel) const;  // bytes/s
 };

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/progress.h"
@@ -61,6 +62,28 @@ std::string source_of(const json& section) {
              : "(no source given)";
 }
 
+// One measured GEMM shape of a gemm or gemm_fp8 section.
+Rates::GemmShape parse_shape(const json& s, const std::string& sw) {
+  const json& pass = field(s, "pass", sw);
+  const int p = pass == "fwd" ? 0 : pass == "dinp" ? 1 : pass == "dweight" ? 2 : -1;
+  if (p < 0) fail(sw, ": field 'pass': expected fwd, dinp or dweight, found ", pass.dump());
+  return {static_cast<int64_t>(positive(s, "tokens", sw)), static_cast<int64_t>(positive(s, "in", sw)),
+          static_cast<int64_t>(positive(s, "out", sw)), p, positive(s, "tflops", sw) * 1e12};
+}
+
+// The rate of the nearest shape of the same pass in `shapes`, by log distance in tokens and in weight size; `fallback`
+// when none has that pass.
+double nearest_shape_rate(const std::vector<Rates::GemmShape>& shapes, int64_t tokens, int64_t in, int64_t out, int pass,
+                          double fallback) {
+  double best = INFINITY, rate = fallback;
+  for (const Rates::GemmShape& s : shapes) {
+    if (s.pass != pass) continue;
+    const double d = std::abs(std::log(double(s.tokens) / tokens)) + std::abs(std::log(double(s.in * s.out) / double(in * out)));
+    if (d < best) best = d, rate = s.flops;
+  }
+  return rate;
+}
+
 }  // namespace
 
 Rates parse_rates(const json& j, const std::string& where) {
@@ -75,15 +98,21 @@ Rates parse_rates(const json& j, const std::string& where) {
   r.gemm_bwd = positive(gemm, "layer_bwd_tflops", gw) * 1e12;
   r.lm_head = positive(gemm, "lm_head_tflops", gw) * 1e12;
   if (gemm.contains("shapes"))
-    for (const json& s : gemm["shapes"]) {
-      const std::string sw = gw + ": shapes";
-      const json& pass = field(s, "pass", sw);
-      const int p = pass == "fwd" ? 0 : pass == "dinp" ? 1 : pass == "dweight" ? 2 : -1;
-      if (p < 0) fail(sw, ": field 'pass': expected fwd, dinp or dweight, found ", pass.dump());
-      r.gemm_shapes.push_back({static_cast<int64_t>(positive(s, "tokens", sw)), static_cast<int64_t>(positive(s, "in", sw)),
-                               static_cast<int64_t>(positive(s, "out", sw)), p, positive(s, "tflops", sw) * 1e12});
-    }
+    for (const json& s : gemm["shapes"]) r.gemm_shapes.push_back(parse_shape(s, gw + ": shapes"));
   r.sources["gemm"] = source_of(gemm);
+  // Optional (a table from before FP8 plans without it; --fp8 then asks for it).
+  if (j.contains("gemm_fp8")) {
+    const json& fp8 = j["gemm_fp8"];
+    const std::string fw = where + ": gemm_fp8";
+    const json& measured = field(fp8, "measured", fw);
+    if (!measured.is_boolean()) fail(fw, ": field 'measured': expected true or false, found ", measured.dump());
+    r.fp8_measured = measured.get<bool>();
+    r.fp8_ratio = positive(fp8, "ratio_to_bf16", fw);
+    if (fp8.contains("shapes"))
+      for (const json& s : fp8["shapes"]) r.fp8_shapes.push_back(parse_shape(s, fw + ": shapes"));
+    if (r.fp8_measured && r.fp8_shapes.empty()) fail(fw, ": measured, but no shapes");
+    r.sources["gemm_fp8"] = source_of(fp8);
+  }
   const json& att = field(j, "attention", where);
   for (const json& a : field(att, "rates", where + ": attention")) {
     const std::string aw = where + ": attention: rates";
@@ -97,6 +126,10 @@ Rates parse_rates(const json& j, const std::string& where) {
   for (const char* k : {"rmsnorm_fwd", "rmsnorm_bwd", "rope", "swiglu_fwd", "swiglu_bwd", "classifier", "grad_norm",
                         "adamw_fp32", "adamw_bf16"})
     r.of_copy[k] = positive(field(mem, "of_copy", where + ": memory"), k, where + ": memory: of_copy");
+  if (field(mem, "of_copy", where + ": memory").contains("fp8_cast"))  // with gemm_fp8
+    r.of_copy["fp8_cast"] = positive(mem["of_copy"], "fp8_cast", where + ": memory: of_copy");
+  if (r.fp8_ratio > 0 && !r.of_copy.count("fp8_cast"))
+    fail(where, ": memory: of_copy: missing field 'fp8_cast' (the FP8 casts' rate, which gemm_fp8 needs)");
   r.sources["memory"] = source_of(mem);
   const json& over = field(j, "step_overhead", where);
   const json& fraction = field(over, "fraction", where + ": step_overhead");
@@ -124,14 +157,13 @@ fs::path default_rates_path() {
 }
 
 double Rates::gemm(int64_t tokens, int64_t in, int64_t out, int pass) const {
-  // The nearest measured shape of the same pass, by log distance in tokens and in weight size.
-  double best = INFINITY, rate = pass == 0 ? gemm_fwd : gemm_bwd;
-  for (const GemmShape& s : gemm_shapes) {
-    if (s.pass != pass) continue;
-    const double d = std::abs(std::log(double(s.tokens) / tokens)) + std::abs(std::log(double(s.in * s.out) / double(in * out)));
-    if (d < best) best = d, rate = s.flops;
-  }
-  return rate;
+  return nearest_shape_rate(gemm_shapes, tokens, in, out, pass, pass == 0 ? gemm_fwd : gemm_bwd);
+}
+
+double Rates::gemm_fp8(int64_t tokens, int64_t in, int64_t out, int pass) const {
+  if (fp8_measured)
+    return nearest_shape_rate(fp8_shapes, tokens, in, out, pass, fp8_ratio * gemm(tokens, in, out, pass));
+  return fp8_ratio * gemm(tokens, in, out, pass);
 }
 
 double Rates::attention_rate(int64_t head_dim, int64_t seq, bool backward) const {
@@ -192,15 +224,39 @@ json rates_from_bench(const json& base, const fs::path& dir) {
     json shapes = json::array();
     double fwd_sum = 0, bwd_sum = 0;
     int fwd_n = 0, bwd_n = 0;
+    json fp8_shapes = json::array();
+    double fp8_ratio_sum = 0;
+    int fp8_n = 0;
+    std::map<std::tuple<int64_t, int64_t, int64_t>, double> bf16_first;  // the trainer's algorithm's rate per shape
     for (const json& b : gemm["benchmarks"]) {
       const std::string name = b.value("name", "");
       const int64_t in = bench_arg(name, "ic"), oc = bench_arg(name, "oc"), pass = bench_arg(name, "pass");
       if (in < 0 || oc < 0 || pass < 0 || !b.contains("TFLOP/s")) continue;
       const double tf = b["TFLOP/s"].get<double>();
-      shapes.push_back({{"tokens", 8192}, {"in", in}, {"out", oc}, {"pass", pass == 0 ? "fwd" : pass == 1 ? "dinp" : "dweight"},
-                        {"tflops", tf}});
+      const json shape = {{"tokens", 8192}, {"in", in}, {"out", oc}, {"pass", pass == 0 ? "fwd" : pass == 1 ? "dinp" : "dweight"},
+                          {"tflops", tf}};
+      if (name.rfind("BM_GemmFp8/", 0) == 0) {
+        fp8_shapes.push_back(shape);
+        continue;
+      }
+      if (bench_arg(name, "timed") <= 0) bf16_first[{in, oc, pass}] = tf;
+      shapes.push_back(shape);
       (pass == 0 ? fwd_sum : bwd_sum) += tf;
       (pass == 0 ? fwd_n : bwd_n)++;
+    }
+    for (const json& s : fp8_shapes) {
+      const auto bf16 = bf16_first.find({s["in"].get<int64_t>(), s["out"].get<int64_t>(),
+                                         s["pass"] == "fwd" ? 0 : s["pass"] == "dinp" ? 1 : 2});
+      if (bf16 != bf16_first.end()) fp8_ratio_sum += s["tflops"].get<double>() / bf16->second, fp8_n++;
+    }
+    if (!fp8_shapes.empty()) {
+      out["gemm_fp8"]["shapes"] = fp8_shapes;
+      out["gemm_fp8"]["measured"] = true;
+      if (fp8_n) out["gemm_fp8"]["ratio_to_bf16"] = fp8_ratio_sum / fp8_n;
+      out["gemm_fp8"]["source"] = "bench_gemm_gpu's BM_GemmFp8 of " + stamp +
+                                  " (per shape; ratio_to_bf16: the mean over its shapes of FP8 over the bf16 rate, for "
+                                  "other shapes)";
+      any = true;
     }
     if (!shapes.empty()) {
       out["gemm"]["shapes"] = shapes;
@@ -244,6 +300,13 @@ json rates_from_bench(const json& base, const fs::path& dir) {
         if ((name == prefix || name.rfind(prefix + "/", 0) == 0) && b.contains("of_copy"))
           out["memory"]["of_copy"][key] = b["of_copy"].get<double>(), found++;
     }
+    // The FP8 casts, from the GEMM bench (BM_Fp8Cast: GB/s), as a share of the copy bandwidth measured here.
+    double cast_gbps = 0;
+    int casts = 0;
+    for (const json& b : gemm.contains("benchmarks") ? gemm["benchmarks"] : json::array())
+      if (b.value("name", "").rfind("BM_Fp8Cast/", 0) == 0 && b.contains("GB/s")) cast_gbps += b["GB/s"].get<double>(), casts++;
+    if (casts > 0 && out["memory"].contains("copy_gbps"))
+      out["memory"]["of_copy"]["fp8_cast"] = cast_gbps / casts / out["memory"]["copy_gbps"].get<double>(), found++;
     if (found) {
       out["memory"]["source"] = "bench_memory_gpu of " + stamp + "; kernels it does not bench (classifier, gradient norm): " +
                                 base["memory"].value("source", "");

@@ -68,7 +68,29 @@ struct GpuMemory {
   std::string refusal;
 };
 
-GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& l) {
+// --fp8 tensorwise's buffers, as designed (model/fp8.h; the CUDA engine's model does not run it yet): the stage's
+// projection weights in e4m3 in both layouts (cast once per step, or once per run when frozen: 2 bytes a weight), and
+// one projection group's input and output-gradient codes in both layouts (the casts fused into the kernels that
+// produce them write there).
+void add_fp8_buffers(const LlamaConfig& c, const MemoryLayout& l, MemoryPlan& plan) {
+  const PipelineStage& stage = l.stage();
+  const ParamLayout layout = ParamLayout(c, 0, static_cast<int>(l.tp));
+  const TpDims& d = layout.tp();
+  int64_t projections = 0;
+  for (const ParamTensor& t : layout.tensors())
+    if (t.layer == 0 && t.shape.size() == 2) projections += t.numel;  // a decoder layer's seven projections
+  const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
+  const int64_t in = std::max({C, d.q_dim, d.ffn}), rows = std::max({d.q_dim + 2 * d.kv_dim, C, 2 * d.ffn});
+  plan.items.push_back({str("FP8 weight codes (e4m3, both layouts, ", stage.layers(), " layers)"), MemoryKind::Weights,
+                        device_arena_bytes(2 * projections * stage.layers())});
+  plan.items.push_back({"FP8 codes of one projection group's input and output gradient (both layouts)",
+                        MemoryKind::Workspace, device_arena_bytes(2 * n * in + 2 * n * rows)});
+}
+
+GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& asked) {
+  // FP8: the engine's plan of the same layout in bf16, and the FP8 buffers of the design beside it.
+  MemoryLayout l = asked;
+  l.fp8 = Fp8Mode::Off;
   GpuMemory m;
   try {
     m.plan = plan_gpu_memory(c, l);
@@ -81,6 +103,10 @@ GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& l) {
   // (a bf16 all-gather before the column-parallel GEMMs, a bf16 reduce-scatter after the row-parallel ones).
   if (m.engines)
     if (const Support s = support(c, l, Device::Cuda); !s.runs()) m.engines = false, m.refusal = s.reason;
+  if (asked.fp8 != Fp8Mode::Off) {
+    add_fp8_buffers(c, place_layout(c, asked), m.plan);
+    if (const Support s = support(c, asked, Device::Cuda); m.engines && !s.runs()) m.engines = false, m.refusal = s.reason;
+  }
   return m;
 }
 
@@ -101,7 +127,8 @@ const GpuPeak& gpu_peak(const LlamaConfig& c, const MemoryLayout& l) {
                               ",", l.zero_prefetch, ",", recompute_name(l.recompute), ",", l.bf16_moments, ",",
                               l.master_weights, ",", l.training, ",", l.micro_batch, ",", l.seq_len, ",", l.lora.rank,
                               ",", l.lora.targets, ",", l.lora.dropout, ",", base_quant_name(l.lora.base_quant), ",",
-                              l.pp, ",", l.pp_rank, ",", l.sp, ",", static_cast<int>(l.attention));
+                              l.pp, ",", l.pp_rank, ",", l.sp, ",", static_cast<int>(l.attention), ",",
+                              fp8_mode_name(l.fp8));
   {
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
@@ -217,10 +244,13 @@ struct StepModel {
   const int64_t n, C, qd, kvd, F, V;
   const LoraPlan& lora;
   const bool adapters;
+  const bool fp8;
   const double copy_rate, A;
 
+  // The layer GEMMs' time: at the bf16 rates, or with --fp8 at the FP8 ones (Rates::gemm_fp8).
   double gemm_time(int64_t in, int64_t out, int pass) const {
-    return 2.0 * double(n) * double(in) * double(out) / (rates.gemm(n, in, out, pass) * scale.compute);
+    const double rate = fp8 ? rates.gemm_fp8(n, in, out, pass) : rates.gemm(n, in, out, pass);
+    return 2.0 * double(n) * double(in) * double(out) / (rate * scale.compute);
   }
   double mem_time(double bytes, const char* kernel) const { return bytes / (rates.memory_rate(kernel) * scale.memory); }
 
@@ -241,6 +271,7 @@ struct StepModel {
   // full fine-tune precomputes the reference once before training.
   bool preference = false, reference_forward = false, precompute = false;
   double head_fwd = 0, logps_head = 0, layer_fwd = 0, reference_layer = 0, reference_head = 0;
+  double fp8_cast = 0, fp8_cast_bytes = 0, fp8_weight_bytes = 0;  // --fp8: one layer's casts per micro-batch
   // Tensor parallel.
   double tp_bytes = 0, tp_one = 0, regather = 0, regather_exposed = 0, adapter_tp_layer = 0;
   bool sp = false;
@@ -276,7 +307,9 @@ StepModel::StepModel(const JobSpec& job, const Rates& rates)
     : job(job), rates(rates), c(job.model), l(job.layout), k(job.cluster), scale(scaling_for(rates, job.cluster.gpu)),
       layout(tp_rank0_layout(job.model, job.layout.tp)), n(l.micro_batch * l.seq_len), C(c.hidden_size),
       qd(layout.tp().q_dim), kvd(layout.tp().kv_dim), F(layout.tp().ffn), V(layout.tp().vocab), lora(l.lora),
-      adapters(lora.enabled()), copy_rate(rates.copy_bytes_per_s * scale.memory), A(double(job.grad_accum)) {
+      adapters(lora.enabled()), fp8(l.fp8 != Fp8Mode::Off), copy_rate(rates.copy_bytes_per_s * scale.memory), A(double(job.grad_accum)) {
+  if (fp8 && rates.fp8_ratio <= 0)
+    fail("option 'fp8': the rates table has no gemm_fp8 section (the FP8 GEMM rates); plan/plan_rates.json has one");
   time_layer();
   time_tensor_parallel();
 }
@@ -320,6 +353,18 @@ void StepModel::time_layer() {
     layer_bwd_gemm += gemm_time(in, out, 1) + (adapters ? 0.0 : gemm_time(in, out, 2));
   }
   if (adapters) time_adapters();
+  // --fp8 tensorwise: the casts, memory-bound at their measured (or assumed) share of the copy bandwidth. Per
+  // micro-batch: each group's output gradient read in bf16 and written in e5m2 in both layouts (4 bytes an element),
+  // the attention output likewise in e4m3, and the codes the norms and SwiGLU write beside their bf16 outputs, the
+  // amax and cast fused in (both layouts: 2). Per step: the trained weights' amax pass and cast to both layouts (6
+  // bytes a weight), a grad_accum-th of it per micro-batch; a frozen base's codes are cast once per run.
+  if (fp8) {
+    double outs = 0, weights = 0;
+    for (const auto& [in, out] : gemms) outs += double(out), weights += double(in) * double(out);
+    fp8_cast_bytes = double(n) * (4.0 * outs + 4.0 * double(qd) + 2.0 * double(2 * C + F));
+    fp8_weight_bytes = adapters ? 0.0 : 6.0 * weights;
+    fp8_cast = mem_time(fp8_cast_bytes + fp8_weight_bytes / A, "fp8_cast");
+  }
   // QLoRA: each use of a layer's weights dequantizes them into one bf16 buffer, memory-bound (read the stored bytes,
   // write 2 per weight) at the measured copy bandwidth: once in the forward, once in the backward, once in a full
   // recompute.
@@ -351,7 +396,7 @@ void StepModel::time_layer() {
   head = (adapters ? 2 : 3) * head_flops / (rates.lm_head * scale.compute) + mem_time(4.0 * double(n) * V, "classifier") +
          norm_fwd + norm_bwd;
   layer_kernels = layer_fwd_gemm + layer_bwd_gemm + lora_fwd + lora_bwd + 2 * dequant + att_fwd + att_bwd +
-                  layer_mem_fwd + layer_mem_bwd + recompute;
+                  layer_mem_fwd + layer_mem_bwd + recompute + fp8_cast;
   preference = job.objective != "sft";
   if (preference && job.objective != "dpo" && job.objective != "simpo" && job.objective != "orpo")
     fail("plan: option 'objective': expected sft, dpo, simpo or orpo, found '", job.objective, "'");
@@ -505,9 +550,21 @@ void add_compute_items(const StepModel& m, const PipelineStage& st, const Tail& 
   p.compute = {
       {"layer GEMMs", A * Ls * (m.layer_fwd_gemm + m.layer_bwd_gemm),
        str(adapters ? "frozen: forward and input gradient, no weight gradient; " : "",
+           m.fp8 ? str("FP8 (--fp8 ", fp8_mode_name(l.fp8), "): ",
+                       rates.fp8_measured ? "at the measured FP8 shapes; bf16 "
+                                          : str(format_number(rates.fp8_ratio, 2), "x bf16 (a published ratio, not "
+                                                "measured); bf16 ")) : std::string(),
            rates.gemm_shapes.empty() ? "at the measured layer rates, " : "at the nearest measured shapes, ",
            format_number(rates.gemm_fwd / 1e12, 0), "/", format_number(rates.gemm_bwd / 1e12, 0), " TFLOP/s fwd/bwd")},
   };
+  if (m.fp8)
+    p.compute.push_back({"FP8 casts", A * Ls * m.fp8_cast,
+                         str(human_bytes(m.fp8_cast_bytes), " per layer and micro-batch (output gradients, attention "
+                             "output, the fused norm and SwiGLU codes)",
+                             adapters ? "; the frozen base's weight codes cast once per run"
+                                      : str(", and ", human_bytes(m.fp8_weight_bytes), " per layer and step (the weights)"),
+                             ", at ", format_number(100 * rates.memory_rate("fp8_cast") / rates.copy_bytes_per_s, 0),
+                             "% of the copy bandwidth")});
   if (adapters)
     p.compute.push_back(
         {"adapter GEMMs", A * Ls * (m.lora_fwd + m.lora_bwd),
@@ -674,6 +731,11 @@ void add_notes(const StepModel& m, const Tail& tail, int64_t tail_stage, Predict
                             other_fits ? str("would fit too (", gb(other_bytes), " per GPU) without gathers")
                                        : str("does not fit (", gb(other_bytes), " per GPU)")));
   }
+  if (m.fp8)
+    p.notes.push_back(str("FP8 GEMM rates ", m.rates.fp8_measured ? "measured by gpu-check" :
+                          str("PLANNED, NOT MEASURED: bf16's x ", format_number(m.rates.fp8_ratio, 2), ", a published "
+                              "cuBLASLt FP8/bf16 ratio, until gpu-check measures them"),
+                          "; the lm_head, attention, norms and optimizer as in bf16"));
   if (!p.memory_is_engines)
     p.notes.push_back("memory as designed, not the engine's plan: the CUDA engine refuses this layout today (" +
                       p.not_implemented + ")");

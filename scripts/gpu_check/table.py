@@ -134,8 +134,10 @@ def attention_documents():
 # side by side: what a timed choice would gain.
 def gemm():
     if listed_only("gemm", "gemm"): return
-    gemm_rows = {}
+    gemm_rows, fp8_rows, cast_rows = {}, [], []
     for b in bench("gemm"):
+        if b.get("label", "").startswith("fp8 amax"): cast_rows.append(b); continue
+        if b.get("label", "").startswith("fp8 "): fp8_rows.append(b); continue
         m = re.match(r"(.*) (first|best of \d+)$", b.get("label", ""))
         shape, kind = (m.group(1), m.group(2)) if m else (b.get("label", b["name"]), "first")
         gemm_rows.setdefault(shape, {})[kind] = b
@@ -146,6 +148,12 @@ def gemm():
         note = f"best of 8 timed: {timed.get('TFLOP/s', 0):.0f}" if timed else ""
         if timed and first.get("TFLOP/s"): note += f", x{timed['TFLOP/s'] / first['TFLOP/s']:.2f}"
         add("gemm", shape, value, note)
+    # --fp8 tensorwise's products beside the bf16 ones of the same shape (the planner's FP8 rates), and its casts.
+    for b in fp8_rows:
+        bf16 = gemm_rows.get(b["label"][len("fp8 "):], {}).get("first", {})
+        note = f"x{b['TFLOP/s'] / bf16['TFLOP/s']:.2f} of bf16's {bf16['TFLOP/s']:.0f}" if bf16.get("TFLOP/s") and b.get("TFLOP/s") else ""
+        add("gemm", b["label"], f"{b.get('TFLOP/s', 0):.0f} TFLOP/s ({100*b.get('of_peak', 0):.0f}% of the FP8 peak)", note)
+    for b in cast_rows: add("gemm", b["label"], f"{b.get('GB/s', 0):.0f} GB/s", "")
     if not bench("gemm"): add("gemm", "bench_gemm_gpu", "no results", status("bench/gemm"))
 
 def memory():

@@ -1,5 +1,6 @@
 // kernels/rmsnorm.cu against kernels/cpu/rmsnorm.cpp (double), with the tolerance rule of gpu_test_util.h.
 #if TUNA_CUDA
+#include "kernels/cpu/fp8.h"
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/rmsnorm.cuh"
 #include "tests/kernels/gpu_test_util.h"
@@ -131,6 +132,46 @@ TEST(RmsNormGpu, ModelDimsUpTo16384WithOddRowCounts) {
   const int64_t n = 2 * rng.integer(0, 8) + 33;  // past 8192 and not a power of 2, over two dweight slabs
   check_forward(rng, n, 12296);
   check_backward(rng, n, 12296);
+}
+
+// The _amax variants (FP8 training): the same bits as the plain kernels, and the amax of what they stored (the
+// twin: cpu::fp8_amax over the downloaded bf16 values), folded onto a running value, at each block shape.
+TEST(RmsNormGpu, AmaxVariantsStoreTheSameBitsAndFoldTheirOutputsAmax) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (int64_t dim : {int64_t(8 * rng.integer(1, 32)), int64_t(8 * rng.integer(33, 64)), int64_t(8 * rng.integer(65, 256)),
+                      int64_t(8 * rng.integer(257, 1024)), int64_t(12296)}) {
+    const int64_t n = rng.integer(1, 70);
+    SCOPED_TRACE("n " + std::to_string(n) + ", dim " + std::to_string(dim));
+    const std::vector<float> inp = random_bf16_values(rng, n * dim, -3, 3), weight = random_bf16_values(rng, dim, 0.5, 1.5);
+    const std::vector<float> dout = random_bf16_values(rng, n * dim), dinp0 = random_bf16_values(rng, n * dim);
+    DeviceBf16 d_inp(inp), d_w(weight), out(n * dim), out_amax(n * dim), d_dout(dout);
+    DeviceBuffer<float> rstd(n), rstd_amax(n), amax(std::vector<float>{0.5f}), scratch(cuda::rmsnorm_bwd_scratch_floats(n, dim));
+    cuda::rmsnorm_fwd(out.bf(), rstd.get(), d_inp.bf(), d_w.bf(), n, dim, 1e-5, nullptr);
+    cuda::rmsnorm_fwd_amax(out_amax.bf(), rstd_amax.get(), d_inp.bf(), d_w.bf(), n, dim, 1e-5, amax.get(), nullptr);
+    EXPECT_TRUE(bitwise_equal(out.download(), out_amax.download()));
+    EXPECT_TRUE(bitwise_equal(rstd.download(), rstd_amax.download()));
+    float expected = 0.5f;
+    const std::vector<double> stored = out.values();
+    const std::vector<float> stored_f(stored.begin(), stored.end());
+    cpu::fp8_amax(&expected, stored_f.data(), n, dim, dim);
+    EXPECT_EQ(amax.download()[0], expected);
+
+    DeviceBf16 dinp(dinp0), dinp_amax(dinp0);
+    DeviceBuffer<float> dw(dim), dw_amax(dim), bwd_amax(std::vector<float>{0.0f});
+    cuda::rmsnorm_bwd(dinp.bf(), dw.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), rstd.get(), scratch.get(), n, dim,
+                      GradWrite::Overwrite, nullptr);
+    cuda::rmsnorm_bwd_amax(dinp_amax.bf(), dw_amax.get(), d_dout.bf(), d_inp.bf(), d_w.bf(), rstd.get(), scratch.get(),
+                           n, dim, GradWrite::Overwrite, bwd_amax.get(), nullptr);
+    EXPECT_TRUE(bitwise_equal(dinp.download(), dinp_amax.download()));
+    EXPECT_TRUE(bitwise_equal(dw.download(), dw_amax.download()));
+    expected = 0.0f;
+    const std::vector<double> grads = dinp.values();
+    const std::vector<float> grads_f(grads.begin(), grads.end());
+    cpu::fp8_amax(&expected, grads_f.data(), n, dim, dim);
+    EXPECT_EQ(bwd_amax.download()[0], expected);
+  }
 }
 
 TEST(RmsNormGpu, RefusesDimsBeyondTheSupported) {

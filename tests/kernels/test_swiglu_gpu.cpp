@@ -2,6 +2,7 @@
 // multiple of the 8-wide vectors (tail path), the model's fused gate|up rows (up = gate + cols, stride 2 cols,
 // backward in place), strides wider than that, and strides or widths off the 16-byte path (element-wise).
 #if TUNA_CUDA
+#include "kernels/cpu/fp8.h"
 #include "kernels/cpu/swiglu.h"
 #include "kernels/swiglu.cuh"
 #include "tests/kernels/gpu_test_util.h"
@@ -101,6 +102,43 @@ TEST(SwigluGpu, ForwardAndBackward) {
   check_swiglu(rng, {13, 40, 83 + 2 * rng.integer(0, 10), true});
   check_swiglu(rng, {11, 37, 80, false});
   check_swiglu(rng, {7, 40, 41, false});  // gate and up in buffers of their own, stride just over cols
+}
+
+// The _amax variants (FP8 training): the same bits as the plain kernels, and the amax of what they stored (the
+// twin: cpu::fp8_amax over the downloaded values; the backward's over dgate and dup together), folded onto a running
+// value, on the vector path with its tail, on the fused gate|up rows and element-wise.
+TEST(SwigluGpu, AmaxVariantsStoreTheSameBitsAndFoldTheirOutputsAmax) {
+  TUNA_REQUIRE_GPU();
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (const SwigluCase& sc : {SwigluCase{1, 8 * 500 + 5, 8 * 500 + 5, false}, SwigluCase{19, 96, 192, false},
+                               SwigluCase{11, 37, 80, false}}) {
+    const auto [rows, cols, stride, in_place] = sc;
+    SCOPED_TRACE("rows " + std::to_string(rows) + ", cols " + std::to_string(cols) + ", stride " + std::to_string(stride));
+    const int64_t span = rows * stride, n = rows * cols;
+    const std::vector<float> gate = random_bf16_values(rng, span, -6, 6), up = random_bf16_values(rng, span, -3, 3);
+    const std::vector<float> dout = random_bf16_values(rng, n, -2, 2);
+    DeviceBf16 d_gate(gate), d_up(up), d_dout(dout), out(n), out_amax(n), dg(span), du(span), dg_amax(span),
+        du_amax(span);
+    for (DeviceBf16* b : {&dg, &du, &dg_amax, &du_amax}) b->poison();
+    DeviceBuffer<float> fwd_amax(std::vector<float>{0.25f}), bwd_amax(std::vector<float>{0.0f});
+    cuda::swiglu_fwd(out.bf(), d_gate.bf(), d_up.bf(), rows, cols, stride, nullptr);
+    cuda::swiglu_fwd_amax(out_amax.bf(), d_gate.bf(), d_up.bf(), rows, cols, stride, fwd_amax.get(), nullptr);
+    cuda::swiglu_bwd(dg.bf(), du.bf(), d_dout.bf(), d_gate.bf(), d_up.bf(), rows, cols, stride, nullptr);
+    cuda::swiglu_bwd_amax(dg_amax.bf(), du_amax.bf(), d_dout.bf(), d_gate.bf(), d_up.bf(), rows, cols, stride,
+                          bwd_amax.get(), nullptr);
+    EXPECT_TRUE(bitwise_equal(out.download(), out_amax.download()));
+    EXPECT_TRUE(bitwise_equal(dg.download(), dg_amax.download()));
+    EXPECT_TRUE(bitwise_equal(du.download(), du_amax.download()));
+    const auto as_float = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+    float expected = 0.25f;
+    cpu::fp8_amax(&expected, as_float(out.values()).data(), rows, cols, cols);
+    EXPECT_EQ(fwd_amax.download()[0], expected);
+    expected = 0.0f;
+    cpu::fp8_amax(&expected, as_float(dg.values()).data(), rows, cols, stride);
+    cpu::fp8_amax(&expected, as_float(du.values()).data(), rows, cols, stride);
+    EXPECT_EQ(bwd_amax.download()[0], expected);
+  }
 }
 
 }  // namespace

@@ -89,6 +89,27 @@ TEST(Support, WhatEachEngineDoesNotRunYet) {
 }
 
 // The option given without adapters is refused whatever its value; the layout's rule, only a quantized base.
+// --fp8 tensorwise: the CPU engine trains with it on every layout, full fine-tune or adapters; the CUDA engine's model does
+// not compute it yet, which both its verdict and its reason say.
+TEST(Support, Fp8RunsWhereItIsWired) {
+  const LlamaConfig c = plan_test_config(4, false);
+  MemoryLayout one = single_rank_layout(2, 16);
+  one.fp8 = Fp8Mode::Tensorwise;
+  EXPECT_TRUE(support(c, one, Device::Cpu).runs()) << support(c, one, Device::Cpu).reason;
+  one.lora.rank = 4, one.lora.alpha = 8;
+  EXPECT_TRUE(support(c, one, Device::Cpu).runs()) << support(c, one, Device::Cpu).reason;
+  expect_verdict(c, one, Device::Cuda, Verdict::NotImplemented, "--fp8 tensorwise with --device cuda: the CUDA engine's "
+                 "FP8 projections are not wired into its model yet");
+  // Over ranks on cpu: dp with ZeRO-3, tp with sp, pipeline stages (each amax over the tp group where a tensor is split).
+  for (MemoryLayout l : {layout(1, 1, 3), layout(2), layout(1, 2)}) {
+    l.fp8 = Fp8Mode::Tensorwise, l.sp = l.tp > 1;
+    EXPECT_TRUE(support(c, l, Device::Cpu).runs()) << support(c, l, Device::Cpu).reason;
+  }
+  // A forward pass alone (eval, sample) has no FP8: the option is a training one.
+  one.training = false;
+  EXPECT_TRUE(support(c, one, Device::Cuda).runs());
+}
+
 TEST(Support, BaseQuantNeedsAdapters) {
   LoraPlan none;
   EXPECT_TRUE(base_quant_support(none).runs());

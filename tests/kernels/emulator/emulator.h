@@ -422,6 +422,11 @@ inline int atomicAdd(int* address, int value) {
   *address = old + value;
   return old;
 }
+inline unsigned atomicMax(unsigned* address, unsigned value) {
+  const unsigned old = *address;
+  *address = old > value ? old : value;
+  return old;
+}
 
 inline void __syncthreads() {
   tuna::emulator::g_block_barrier.barrier.arrive_and_wait([] { ++tuna::emulator::g_block_barrier.epoch; });
@@ -445,6 +450,10 @@ T emulated_shfl_xor(unsigned mask, T x, int lane_mask) {
 }
 inline float __shfl_xor_sync(unsigned mask, float x, int lane_mask) { return emulated_shfl_xor(mask, x, lane_mask); }
 inline double __shfl_xor_sync(unsigned mask, double x, int lane_mask) {
+  return emulated_shfl_xor(mask, x, lane_mask);
+}
+// A 32-bit word travels in the slot's double exactly.
+inline unsigned __shfl_xor_sync(unsigned mask, unsigned x, int lane_mask) {
   return emulated_shfl_xor(mask, x, lane_mask);
 }
 

@@ -17,15 +17,25 @@
 // operand must lie inside one device allocation, a check the emulated runtime adds (a wrong offset into the
 // model's arena fails here instead of reading a neighbouring buffer).
 //
+// The FP8 products (matmul_fp8_*) the same way: the codes' values (kernels/cpu/fp8.h's decoding, exact), their
+// products summed in fp32 in index order, the sum times (inverse scale of A * inverse scale of B) (one fp32 rounding
+// for the scales' product, one for the multiplication: the order kernels/cpu/fp8.h's fp8_gemm documents), then C
+// added (beta = 1) and one rounding of a bf16 output. The forward's fast accumulation (a reduced-precision
+// accumulator on the GPU) is not modelled: its error shows only on a GPU, in tests/kernels/test_matmul_gpu.cpp. The
+// shape and alignment refusals are the real launchers' (n, ic, oc multiples of 16, 16-byte aligned operands).
+//
 // Plain loops on one thread, as everything in this binary runs (emulator/main.cpp); the model tests' shapes are
 // tiny. Queued on the call's stream as a kernel is (runtime.h enqueue): with concurrent streams they run when the
 // stream gets there, and read what the stream's earlier work wrote. MatmulContext::gemm (the raw cuBLASLt call) is not provided: nothing in the emulated build calls it outside
 // matmul.cu, and a new caller fails to link rather than run on a guess.
 #include <algorithm>
+#include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "kernels/cpu/fp8.h"
 #include "kernels/matmul.cuh"
 
 namespace tuna::cuda {
@@ -58,6 +68,58 @@ void matmul_fwd_host(__nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bf
         out[r * ld + o] = __float2bfloat16_rn(acc);
       }
   });
+}
+
+// D[i * ldd + j] (= or +=) (inv_a * inv_b) * sum_k A[i, k] B[j, k] for i < m, j < n: both operands K-major codes.
+// Out is bf16 (rounded once after the add) or fp32.
+template <typename Out>
+void fp8_product(Out* d, int64_t ldd, const uint8_t* a, cpu::Fp8Format a_format, const float* a_inv_scale,
+                 const uint8_t* b, cpu::Fp8Format b_format, const float* b_inv_scale, int64_t m, int64_t n, int64_t k,
+                 bool accumulate) {
+  check_operand(d, (m - 1) * ldd + n, sizeof(Out), "fp8 output");
+  check_operand(a, m * k, 1, "fp8 operand A");
+  check_operand(b, n * k, 1, "fp8 operand B");
+  check_operand(a_inv_scale, 1, 4, "fp8 scale of A");
+  check_operand(b_inv_scale, 1, 4, "fp8 scale of B");
+  const float alpha = *a_inv_scale * *b_inv_scale;
+  std::vector<float> a_values(m * k), b_values(n * k);
+  for (int64_t i = 0; i < m * k; ++i) a_values[i] = cpu::fp8_to_float(a[i], a_format);
+  for (int64_t i = 0; i < n * k; ++i) b_values[i] = cpu::fp8_to_float(b[i], b_format);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.0f;
+      for (int64_t p = 0; p < k; ++p) acc += a_values[i * k + p] * b_values[j * k + p];
+      float value = alpha * acc;
+      if constexpr (std::is_same_v<Out, float>) {
+        d[i * ldd + j] = accumulate ? value + d[i * ldd + j] : value;
+      } else {
+        if (accumulate) value += widen(d[i * ldd + j]);
+        d[i * ldd + j] = __float2bfloat16_rn(value);
+      }
+    }
+}
+
+void check_fp8_shape(const char* op, int64_t n, int64_t ic, int64_t oc,
+                     std::initializer_list<std::pair<const char*, const void*>> operands) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, op, ": n ", n, ", ic ", ic, ", oc ", oc);
+  if (n % 16 != 0 || ic % 16 != 0 || oc % 16 != 0)
+    fail(op, ": n ", n, ", ic ", ic, ", oc ", oc, "; cuBLASLt's FP8 GEMMs need each a multiple of 16");
+  for (const auto& [name, p] : operands)
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0)
+      fail(op, ": ", name, " at ", p, " is not 16-byte aligned (cuBLASLt's FP8 GEMMs need it)");
+}
+
+void matmul_fp8_fwd_host(__nv_bfloat16* out, Fp8Operand inp, Fp8Operand weight, const __nv_bfloat16* residual,
+                         int64_t n, int64_t ic, int64_t oc) {
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
+  if (n == 0) return;
+  if (residual != nullptr && residual != out) {  // out = residual + product: start from a copy of the residual
+    check_operand(residual, n * oc, 2, "residual");
+    check_operand(out, n * oc, 2, "out");
+    std::copy(residual, residual + n * oc, out);
+  }
+  fp8_product(out, oc, inp.codes, cpu::Fp8Format::E4M3, inp.inv_scale, weight.codes, cpu::Fp8Format::E4M3,
+              weight.inv_scale, n, oc, ic, /*accumulate=*/residual != nullptr);
 }
 
 }  // namespace
@@ -149,6 +211,44 @@ void matmul_bwd_strided(MatmulContext&, __nv_bfloat16* dinp, float* dweight, con
       }
     });
   }
+}
+
+void matmul_fp8_fwd(MatmulContext&, __nv_bfloat16* out, Fp8Operand inp, Fp8Operand weight, int64_t n, int64_t ic,
+                    int64_t oc, cudaStream_t) {
+  check_fp8_shape("matmul_fp8_fwd", n, ic, oc, {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}});
+  matmul_fp8_fwd_host(out, inp, weight, nullptr, n, ic, oc);
+}
+
+void matmul_fp8_residual_fwd(MatmulContext&, __nv_bfloat16* out, Fp8Operand inp, Fp8Operand weight,
+                             const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
+  TUNA_CHECK(residual != nullptr, "matmul_fp8_residual_fwd: no residual (matmul_fp8_fwd is the product alone)");
+  check_fp8_shape("matmul_fp8_residual_fwd", n, ic, oc,
+                  {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}, {"residual", residual}});
+  matmul_fp8_fwd_host(out, inp, weight, residual, n, ic, oc);
+}
+
+void matmul_fp8_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, Fp8Operand dout, Fp8Operand dout_t,
+                    Fp8Operand inp_t, Fp8Operand weight_t, int64_t n, int64_t ic, int64_t oc, bool accumulate_dinp,
+                    GradWrite dweight_write, cudaStream_t) {
+  check_fp8_shape("matmul_fp8_bwd", n, ic, oc,
+                  {{"dinp", dinp}, {"dweight", dweight}, {"dout", dinp ? dout.codes : nullptr},
+                   {"dout_t", dweight ? dout_t.codes : nullptr}, {"inp_t", dweight ? inp_t.codes : nullptr},
+                   {"weight_t", dinp ? weight_t.codes : nullptr}});
+  tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
+  const bool overwrite_dweight = dweight_write == GradWrite::Overwrite;
+  if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
+    if (dweight != nullptr && overwrite_dweight) {
+      check_operand(dweight, oc * ic, 4, "dweight");
+      std::fill(dweight, dweight + oc * ic, 0.0f);
+    }
+    return;
+  }
+  if (dinp != nullptr)
+    fp8_product(dinp, ic, dout.codes, cpu::Fp8Format::E5M2, dout.inv_scale, weight_t.codes, cpu::Fp8Format::E4M3,
+                weight_t.inv_scale, n, ic, oc, accumulate_dinp);
+  if (dweight != nullptr)
+    fp8_product(dweight, ic, dout_t.codes, cpu::Fp8Format::E5M2, dout_t.inv_scale, inp_t.codes, cpu::Fp8Format::E4M3,
+                inp_t.inv_scale, oc, ic, n, !overwrite_dweight);
 }
 
 }  // namespace tuna::cuda

@@ -45,6 +45,7 @@
 
 #include "tests/kernels/emulator/emulator.h"
 #include "tests/kernels/emulator/ptx.h"
+#include "tests/kernels/emulator/ptx_fp8.h"
 #include "tests/kernels/emulator/ptx_sm90.h"
 
 // ---- types and constants (the values of CUDA's headers)

@@ -17,10 +17,12 @@ typedef enum {
   CUBLAS_STATUS_LICENSE_ERROR = 16,
 } cublasStatus_t;
 
-// library_types.h's element types (the two matmul.cuh uses), with CUDA's values.
+// library_types.h's element types (those matmul.cuh uses), with CUDA's values.
 typedef enum cudaDataType_t {
   CUDA_R_32F = 0,
   CUDA_R_16BF = 14,
+  CUDA_R_8F_E4M3 = 28,
+  CUDA_R_8F_E5M2 = 29,
 } cudaDataType_t;
 
 typedef struct cublasLtContext* cublasLtHandle_t;

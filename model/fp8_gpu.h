@@ -1,0 +1,65 @@
+// The GPU side of --fp8 tensorwise (model/fp8.h): a projection group's FP8 GEMMs on the device, through
+// kernels/fp8.cuh's casts and kernels/matmul.cuh's FP8 products. The CUDA twin of Fp8GroupCpu, with the GPU model's
+// fused weight blocks (q|k|v and gate|up are one GEMM each, so one weight [rows, in]). Only in CUDA builds.
+//
+// What the model hands it: device buffers of its planned arena (no allocation here), and each activation's amax
+// already folded by the kernel that wrote it (rmsnorm_*_amax, swiglu_*_amax, or fp8_amax) and reduced over tp where
+// model/fp8.h says so. The weights' casts are the model's to schedule: once per step, or once per run for a frozen
+// base, or at every gather under ZeRO-3.
+#pragma once
+
+#if TUNA_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/grad_write.h"
+
+namespace tuna {
+
+class Comm;
+namespace cuda {
+class MatmulContext;
+}
+
+// A group's weight [rows, in], cast: the e4m3 codes in both layouts the GEMMs read, and the scale's inverse.
+struct Fp8GpuWeight {
+  uint8_t* codes = nullptr;    // [rows, in]: the forward's operand
+  uint8_t* codes_t = nullptr;  // [in, rows]: the input gradient's
+  float* amax = nullptr;       // device fp32
+  float* inv_scale = nullptr;  // device fp32
+  int64_t rows = 0, in = 0;
+};
+// Casts `w` (bf16 [rows, in], device) into `c`: its amax, the maximum over `tp` (a weight is split there whenever
+// tp > 1; null or size 1: none), then both layouts.
+void fp8_cast_weight(Fp8GpuWeight& c, const __nv_bfloat16* w, Comm* tp, cudaStream_t stream);
+
+// One pass's operand codes, reused group after group: scratch of the model's arena.
+struct Fp8GpuScratch {
+  uint8_t* x = nullptr;     // [n, in] in the forward; x^T [in, n] in the backward
+  uint8_t* dy = nullptr;    // [n, rows]
+  uint8_t* dy_t = nullptr;  // [rows, n]
+  float* inv = nullptr;     // device fp32 [2]: x's and dy's inverse scales
+};
+
+// The forward's input codes: x [n, in] (bf16) cast with the scale of *amax_x into s.x.
+void fp8_cast_input(Fp8GpuScratch& s, const __nv_bfloat16* x, int64_t n, int64_t in, const float* amax_x,
+                    cudaStream_t stream);
+// out[rows_n, w.rows] = x[row0 .., :] @ W^T through FP8 from the codes fp8_cast_input left in s (rows row0 ..
+// row0 + rows_n of them): OVERWRITES out, or with a residual, out = residual + the product (one rounding; out may
+// equal residual).
+void fp8_linear_fwd(cuda::MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfloat16* residual, const Fp8GpuWeight& w,
+                    const Fp8GpuScratch& s, int64_t row0, int64_t rows_n, cudaStream_t stream);
+// The backward of out = x @ W^T over n rows: dy [n, w.rows] (bf16) cast to e5m2 with *amax_dy (both layouts), x
+// cast again with *amax_x (the forward's amax: the same codes, transposed), then
+//   dx[n, in] (= or +=, by accumulate_dx) dy @ W   (bf16; skipped when dx is null)
+//   dweight[rows, in] (= or +=, by dweight_write) dy^T @ x   (fp32; skipped when dweight is null: a frozen base).
+void fp8_linear_bwd(cuda::MatmulContext& ctx, __nv_bfloat16* dx, float* dweight, const __nv_bfloat16* dy,
+                    const float* amax_dy, const __nv_bfloat16* x, const float* amax_x, const Fp8GpuWeight& w, int64_t n,
+                    bool accumulate_dx, GradWrite dweight_write, Fp8GpuScratch& s, cudaStream_t stream);
+
+}  // namespace tuna
+
+#endif  // TUNA_CUDA
