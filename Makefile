@@ -337,7 +337,7 @@ FUZZ_SRCS := tests/fuzz/fuzz_readers.cpp $(addprefix core/,checksum.cpp dtype.cp
              ckpt/checkpoint.cpp ckpt/tensor_reader.cpp ckpt/checkpoint_writer.cpp ckpt/run_dir.cpp ckpt/peft.cpp \
              model/layout.cpp model/lora.cpp model/optimizer.cpp data/shard.cpp data/loader.cpp \
              $(addprefix data/,tokenizer.cpp tokenizer_json.cpp tiktoken.cpp byte_bpe.cpp bpe_text.cpp unicode.cpp sentencepiece_tokenizer.cpp \
-               input.cpp prepare.cpp prepare_output.cpp prepare_report.cpp clean.cpp dedup.cpp chat_template.cpp)
+               input.cpp prepare.cpp prepare_output.cpp prepare_reader.cpp prepare_report.cpp clean.cpp dedup.cpp chat_template.cpp)
 FUZZ_OBJS := $(FUZZ_SRCS:%.cpp=$(BUILD)/obj/fuzz/%.o)
 
 $(BUILD)/obj/fuzz/%.o: %.cpp | $(DEPS_STAMP)
