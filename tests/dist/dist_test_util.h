@@ -1,7 +1,11 @@
 // Launching build/mpi_tests and build/train under mpirun from the ordinary test binary.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -18,6 +22,17 @@ inline std::string mpirun(int np) {
   return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "
          "OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1 "
          "mpirun --bind-to none -np " + std::to_string(np) + " ";
+}
+
+// A run's metrics.jsonl rows that have `key`, by step: "loss" (training rows), "val_loss" (validation rows).
+inline std::map<int64_t, nlohmann::json> metrics_rows(const std::filesystem::path& metrics, const char* key) {
+  std::map<int64_t, nlohmann::json> out;
+  std::istringstream in(read_file(metrics));
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains(key)) out[j["step"].get<int64_t>()] = j;
+  }
+  return out;
 }
 
 }  // namespace tuna::testing_util

@@ -38,12 +38,7 @@ const std::string kTrain = testing_util::build_dir() + "/train";
 // Each step's value of `key` in a run's metrics.jsonl: "loss" (training), "val_loss" (validation).
 std::map<int64_t, double> losses(const fs::path& metrics, const char* key = "loss") {
   std::map<int64_t, double> out;
-  std::istringstream in(read_file(metrics));
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains(key)) out[j["step"]] = j[key].get<double>();
-  }
+  for (const auto& [step, row] : testing_util::metrics_rows(metrics, key)) out[step] = row[key].get<double>();
   return out;
 }
 std::map<int64_t, double> val_losses(const fs::path& metrics) { return losses(metrics, "val_loss"); }

@@ -18,23 +18,13 @@ namespace tuna {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_util::metrics_rows;
 using testing_util::mpirun;
 using testing_util::read_file;
 using testing_util::run_command;
 using testing_util::TempDir;
 
 const std::string kTrain = testing_util::build_dir() + "/train";
-
-// step -> row, training rows (key "loss") or validation rows ("val_loss").
-std::map<int64_t, nlohmann::json> rows_with(const fs::path& metrics, const char* key) {
-  std::map<int64_t, nlohmann::json> out;
-  std::istringstream in(read_file(metrics));
-  for (std::string line; std::getline(in, line);) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains(key)) out[j["step"]] = j;
-  }
-  return out;
-}
 
 // Learnable pairs (the chosen answer continues the prompt's arithmetic sequence), each pair its two documents.
 void write_pairs(const fs::path& path, int n, uint32_t seed) {
@@ -79,7 +69,7 @@ class DistPreference : public ::testing::Test {
   }
   static void expect_follows(const std::string& ref, const std::string& tag) {
     for (const char* key : {"loss", "val_loss"}) {
-      const auto a = rows_with(*tmp_ / ref / "metrics.jsonl", key), b = rows_with(*tmp_ / tag / "metrics.jsonl", key);
+      const auto a = metrics_rows(*tmp_ / ref / "metrics.jsonl", key), b = metrics_rows(*tmp_ / tag / "metrics.jsonl", key);
       ASSERT_FALSE(a.empty());
       ASSERT_EQ(a.size(), b.size()) << key;
       for (const auto& [step, want] : a)
