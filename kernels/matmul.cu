@@ -252,18 +252,6 @@ void matmul_bwd_strided(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight,
 namespace tuna::cuda {
 namespace {
 
-// cuBLASLt's FP8 kernels read 16-byte aligned operands with leading dimensions of 16-byte multiples: n, ic and oc
-// multiples of 16 (each is some product's leading dimension), and every operand 16-byte aligned.
-void check_fp8_shape(const char* op, int64_t n, int64_t ic, int64_t oc,
-                     std::initializer_list<std::pair<const char*, const void*>> operands) {
-  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, op, ": n ", n, ", ic ", ic, ", oc ", oc);
-  if (n % 16 != 0 || ic % 16 != 0 || oc % 16 != 0)
-    fail(op, ": n ", n, ", ic ", ic, ", oc ", oc, "; cuBLASLt's FP8 GEMMs need each a multiple of 16");
-  for (const auto& [name, p] : operands)
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0)
-      fail(op, ": ", name, " at ", p, " is not 16-byte aligned (cuBLASLt's FP8 GEMMs need it)");
-}
-
 void check_scales(const char* op, std::initializer_list<std::pair<const char*, Fp8Operand>> operands) {
   for (const auto& [name, operand] : operands)
     TUNA_CHECK(operand.codes != nullptr && operand.inv_scale != nullptr, op, ": ", name, " has no codes or no scale");

@@ -6,9 +6,12 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <map>
 #include <tuple>
 
+#include "core/error.h"  // fail, TUNA_CHECK: check_fp8_shape
 #include "kernels/cpu/grad_write.h"
 
 namespace tuna::cuda {
@@ -111,6 +114,18 @@ struct Fp8Operand {
   const uint8_t* codes = nullptr;
   const float* inv_scale = nullptr;  // device, fp32
 };
+
+// The shape and alignment cuBLASLt's FP8 kernels need, refused by name: what matmul_fp8_* (and the emulator's host
+// double of them) check before any product.
+inline void check_fp8_shape(const char* op, int64_t n, int64_t ic, int64_t oc,
+                            std::initializer_list<std::pair<const char*, const void*>> operands) {
+  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, op, ": n ", n, ", ic ", ic, ", oc ", oc);
+  if (n % 16 != 0 || ic % 16 != 0 || oc % 16 != 0)
+    fail(op, ": n ", n, ", ic ", ic, ", oc ", oc, "; cuBLASLt's FP8 GEMMs need each a multiple of 16");
+  for (const auto& [name, p] : operands)
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0)
+      fail(op, ": ", name, " at ", p, " is not 16-byte aligned (cuBLASLt's FP8 GEMMs need it)");
+}
 
 // out[n, oc] = inp[n, ic] @ weight[oc, ic]^T, both e4m3; bf16, OVERWRITES out. Fast accumulation, as torchao's and
 // Transformer Engine's forward (the backward's products accumulate in full fp32).

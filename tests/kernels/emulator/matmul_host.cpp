@@ -99,16 +99,6 @@ void fp8_product(Out* d, int64_t ldd, const uint8_t* a, cpu::Fp8Format a_format,
     }
 }
 
-void check_fp8_shape(const char* op, int64_t n, int64_t ic, int64_t oc,
-                     std::initializer_list<std::pair<const char*, const void*>> operands) {
-  TUNA_CHECK(n >= 0 && ic > 0 && oc > 0, op, ": n ", n, ", ic ", ic, ", oc ", oc);
-  if (n % 16 != 0 || ic % 16 != 0 || oc % 16 != 0)
-    fail(op, ": n ", n, ", ic ", ic, ", oc ", oc, "; cuBLASLt's FP8 GEMMs need each a multiple of 16");
-  for (const auto& [name, p] : operands)
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0)
-      fail(op, ": ", name, " at ", p, " is not 16-byte aligned (cuBLASLt's FP8 GEMMs need it)");
-}
-
 void matmul_fp8_fwd_host(__nv_bfloat16* out, Fp8Operand inp, Fp8Operand weight, const __nv_bfloat16* residual,
                          int64_t n, int64_t ic, int64_t oc) {
   tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
