@@ -590,9 +590,10 @@ int run(int argc, char** argv) {
     r.tokens_per_s = tokens_per_step / r.seconds;
     // MFU: model FLOPs of the step over what every rank's device could do in the same time; with document masks,
     // attention over each token's document, as the kernels compute it (this rank's windows stand for every
-    // replica's).
+    // replica's). A preference step reads its pair windows itself: whole windows are counted for it.
+    const bool spans = cfg.document_mask && !preference.enabled();
     const double flops_per_token = engine->flops_per_token(
-        cfg.document_mask ? attention_span(positions.data(), int64_t(positions.size())) : cfg.layout.seq_len);
+        spans ? attention_span(positions.data(), int64_t(positions.size())) : cfg.layout.seq_len);
     r.mfu = tokens_per_step * flops_per_token / r.seconds / (engine->peak_flops() * world->size());
     if (cfg.gpu_hour_cost > 0) r.cost = r.elapsed_s / 3600.0 * world->size() * cfg.gpu_hour_cost;  // so far
     r.status = engine->status();
