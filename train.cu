@@ -80,6 +80,7 @@ struct TrainConfig {
   int64_t log_every = 1;
   int64_t val_every = 0;
   int64_t val_batches = 0;
+  std::string eval_tasks;    // multiple-choice task records scored at every validation (engine/mc_eval.h)
   int64_t max_bad_steps = 5;
   std::string device = "auto";
   int64_t threads = 0;
@@ -135,6 +136,8 @@ void declare(Options& o, TrainConfig& c) {
   o.add("log_every", &c.log_every, "print a log line every N steps (metrics.jsonl gets every step)", Bounds::closed(1, kMaxSteps));
   o.add("val_every", &c.val_every, "validation loss every N steps; 0: only at the end when val_data is set", Bounds::closed(0, kMaxSteps));
   o.add("val_batches", &c.val_batches, "micro-batches per validation; 0: the whole validation split", Bounds::closed(0, kMaxSteps));
+  o.add("eval_tasks", &c.eval_tasks, "multiple-choice task records (JSONL files or directories, comma-separated, as "
+        "build/eval --tasks reads them) scored at every validation: accuracy in the log line, metrics.jsonl and the report");
   o.add("max_bad_steps", &c.max_bad_steps,
         "stop the run after this many steps in a row whose loss or gradient norm is not finite (each is skipped)",
         Bounds::closed(1, 1e6));
@@ -469,6 +472,8 @@ int run(int argc, char** argv) {
   // The objective (engine/preference.h): what its passes run on is the support table's too.
   Preference preference(cfg.objective, start.adapters.enabled());
   if (!cfg.plan_only) require_objective_support(preference.config(), layout, eo.device);
+  if (!cfg.plan_only && !cfg.eval_tasks.empty())
+    if (const Support s = eval_tasks_support(layout, eo.device); !s.runs()) fail(s.reason);
   if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
   // Each rank reads (or draws) only its own pieces; a resume restores after construction, but a frozen base is read at
   // every start (the checkpoint holds the adapters alone).
@@ -511,6 +516,14 @@ int run(int argc, char** argv) {
                       cfg.val_every, cfg.val_batches);
   if (validator.enabled()) preference.check_data(*validator.data(), "val_data");
   validator.set_objective(&preference, mesh.dp.get());
+  if (!cfg.eval_tasks.empty()) {  // the tokenizer the run's checkpoints carry encodes the tasks
+    const std::string tokenizer = !cfg.tokenizer.empty() ? cfg.tokenizer : start.weights_dir.string();
+    if (tokenizer.empty()) fail("--eval_tasks: the tasks are text and this run has no tokenizer (give --tokenizer)");
+    auto tasks = std::make_unique<McEvaluator>(cfg.eval_tasks, Tokenizer(tokenizer), /*skip_bad=*/false,
+                                               cfg.layout.micro_batch, cfg.layout.seq_len, mesh.dp.get());
+    std::printf("%s\n", tasks->describe().c_str());
+    validator.set_tasks(std::move(tasks));
+  }
   if (preference.enabled()) std::printf("%s\n", preference.describe().c_str());
   // DPO's precomputed reference: the starting weights' log-probs of every pair, before the first step (a resume and a
   // second run read them back).

@@ -69,6 +69,13 @@ std::vector<CheckpointOnDisk> checkpoints_on_disk(const fs::path& ckpt_root) {
 
 }  // namespace
 
+// A validation row that carries --eval_tasks metrics only (a run without validation data).
+static bool has_task_metrics(const json& j) {
+  for (const auto& [key, value] : j.items())
+    if (key.starts_with("eval_acc/")) return true;
+  return false;
+}
+
 RunMetrics read_run_metrics(const fs::path& run_dir) {
   RunMetrics run;
   run.dir = run_dir;
@@ -107,8 +114,12 @@ RunMetrics read_run_metrics(const fs::path& run_dir) {
       run.start = j, run.end = json(), run.starts++;
     } else if (event == "end") {
       run.end = j;
-    } else if (j.contains("val_loss")) {
-      if (j["val_loss"].is_number()) val[step] = j["val_loss"].get<double>();
+    } else if (j.contains("val_loss") || has_task_metrics(j)) {
+      if (j.contains("val_loss") && j["val_loss"].is_number()) val[step] = j["val_loss"].get<double>();
+      // --eval_tasks: each task's accuracy at the validation (engine/validator.h).
+      for (const auto& [key, value] : j.items())
+        if ((key.starts_with("eval_acc/") || key.starts_with("eval_acc_norm/")) && value.is_number())
+          run.series[key].emplace_back(double(step), value.get<double>());
       // A preference objective's held-out metrics (engine/preference.h): curves beside the training ones.
       for (const char* key : {"val_rewards/accuracies", "val_rewards/margins"})
         if (j.contains(key) && j[key].is_number()) run.series[key].emplace_back(double(step), j[key].get<double>());
@@ -471,9 +482,10 @@ namespace {
 struct Plots {
   Plot loss{"Loss", "cross-entropy"}, lr{"Learning rate", "lr"}, norm{"Gradient norm (before clipping)", "norm", true},
       tokens{"Throughput", "tokens/s"}, mfu{"MFU", "% of peak bf16"}, memory{"Memory", "MB"},
-      time{"Elapsed and ETA", "hours"}, cost{"Cost", "$"}, rewards{"Preference rewards", "reward"};
+      time{"Elapsed and ETA", "hours"}, cost{"Cost", "$"}, rewards{"Preference rewards", "reward"},
+      tasks{"Task accuracy (--eval_tasks)", "accuracy"};
   std::vector<const Plot*> all() const {
-    return {&loss, &rewards, &lr, &norm, &tokens, &mfu, &memory, &time, &cost};
+    return {&loss, &tasks, &rewards, &lr, &norm, &tokens, &mfu, &memory, &time, &cost};
   }
 };
 
@@ -482,7 +494,7 @@ Plots plot_runs(const std::vector<RunMetrics>& runs) {
   auto color = [&](size_t run, const char* own) { return overlay ? kRunColors[run % 8] : own; };
   auto label = [&](size_t run, const std::string& what) { return overlay ? runs[run].name + " " + what : what; };
   Plots plots;
-  auto& [loss, lr, norm, tokens, mfu, memory, time, cost, rewards] = plots;
+  auto& [loss, lr, norm, tokens, mfu, memory, time, cost, rewards, tasks] = plots;
   for (size_t i = 0; i < runs.size(); i++) {
     const RunMetrics& r = runs[i];
     loss.add({label(i, "train"), color(i, "#1f77b4"), series_of(r, "loss")});
@@ -495,6 +507,15 @@ Plots plot_runs(const std::vector<RunMetrics>& runs) {
                  Series::Style::LineDots, overlay});
     rewards.add({label(i, "validation accuracies"), color(i, "#d62728"), series_of(r, "val_rewards/accuracies"),
                  Series::Style::LineDots, overlay});
+    // Each task's acc (and acc_norm dashed), the aggregate "all" among them.
+    size_t task_colour = 0;
+    for (const auto& [key, points] : r.series) {
+      if (!key.starts_with("eval_acc/")) continue;
+      const std::string task = key.substr(9);
+      const char* c = overlay ? kRunColors[i % 8] : kRunColors[task_colour++ % 8];
+      tasks.add({label(i, task + " acc"), c, points, Series::Style::LineDots});
+      tasks.add({label(i, task + " acc_norm"), c, series_of(r, "eval_acc_norm/" + task), Series::Style::Line, true});
+    }
     norm.add({label(i, "grad norm"), color(i, "#9467bd"), series_of(r, "grad_norm")});
     Points clipped;
     const Points& scale = series_of(r, "clip_scale");

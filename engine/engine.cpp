@@ -73,6 +73,11 @@ void Engine::pair_logps(const PairBatch&, double*, double*) {
   fail("the ", describe(), " engine does not implement the preference objectives yet: use --device cpu");
 }
 
+void Engine::target_logps(const int32_t*, const int32_t*, int64_t, int64_t, const int32_t*, float*, uint8_t*) {
+  fail("--eval_tasks: the ", describe(), " engine does not score multiple-choice tasks during training yet: use --device "
+       "cpu, or build/eval --tasks on a checkpoint");
+}
+
 LossSum Engine::forward_backward_step(const std::vector<MicroBatch>& micro_batches) {
   LossSum loss;
   for (const MicroBatch& b : micro_batches) {

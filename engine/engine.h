@@ -163,6 +163,13 @@ class Engine {
   // precomputed reference, taken before the first step.
   virtual void pair_logps(const PairBatch& batch, double* chosen, double* rejected);
 
+  // Multiple-choice scoring under the current weights (build/train --eval_tasks, engine/mc_eval.h TokenLogps): each
+  // target's log-prob and whether it is the logits' first argmax, [batch, seq] with batch <= micro_batch and seq <=
+  // seq_len, the documents masked and positions restarting whatever the run's document mode. Every rank of a tp group
+  // gets them. An engine or layout without it refuses, naming it.
+  virtual void target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                            const int32_t* positions, float* logps, uint8_t* greedy);
+
   // Checkpoints: this rank's segments, and its master weights and AdamW moments (fp32) a segment at a time, in
   // segments() order: export_state hands each piece to sink, import_state asks source for each (then makes the
   // copies the stage keeps). A rank never holds more than one piece of its shard in host memory for them.
@@ -198,6 +205,13 @@ class ForwardModel {
   virtual LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                const int32_t* positions = nullptr) = 0;
   virtual void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) = 0;
+  // Multiple-choice scoring (engine/mc_eval.h TokenLogps): each target's log-prob and whether it is the logits' first
+  // argmax, [batch, seq]. positions as forward_loss's, under the document mask with positions restarting whatever the
+  // model's document mode; a model that cannot pack (packs_documents false) takes null positions (one document per
+  // row) only.
+  virtual void forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                                    const int32_t* positions, float* logps, uint8_t* greedy) = 0;
+  virtual bool packs_documents() const = 0;
 
   // Generation with a KV cache (Llama::forward_cached's contract). clear_cache starts an empty cache for
   // `batch` sequences (at most max_batch) of up to max_seq positions; forward_cached appends n tokens to each

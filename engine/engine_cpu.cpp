@@ -144,6 +144,14 @@ class CpuEngine final : public Engine {
     llama_pair_logps(model_, batch, /*adapters_off=*/false, chosen, rejected);
   }
 
+  void target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq, const int32_t* positions,
+                    float* logps, uint8_t* greedy) override {
+    if (pipeline_)
+      fail("--eval_tasks over pipeline stages (pp > 1) is not implemented yet: evaluate a checkpoint with build/eval "
+           "--tasks");
+    model_.forward_target_logps(inputs, targets, batch, seq, positions, logps, greedy);
+  }
+
   const std::vector<Segment>& segments() const override { return zero_->segments(); }
   void export_state(const StateSink& sink) const override { zero_->export_state(sink); }
   void import_state(const StateSource& source) override { zero_->import_state(source); }
@@ -207,6 +215,11 @@ class CpuForwardModel final : public ForwardModel {
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
     model_.forward_logits(inputs, batch, seq, logits);
   }
+  void forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                            const int32_t* positions, float* logps, uint8_t* greedy) override {
+    model_.forward_target_logps(inputs, targets, batch, seq, positions, logps, greedy);
+  }
+  bool packs_documents() const override { return true; }
   void clear_cache(int64_t batch) override { cache_ = model_.make_kv_cache(batch, model_.max_seq()); }
   void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) override {
     if (cache_.keys.empty()) fail("forward_cached: no KV cache (clear_cache first)");

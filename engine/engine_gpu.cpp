@@ -43,6 +43,7 @@
 #include "dist/zero_gpu.h"
 #include "kernels/adamw.cuh"  // accumulate
 #include "kernels/attention.cuh"  // resolve_attention_path
+#include "kernels/cpu/classifier.h"  // classifier_target_logps: multiple-choice scoring from host logits
 #include "model/decode_gpu.h"
 #include "engine/backends.h"
 #include "engine/device_gpu.h"  // gpu_info, gpu_memory, gpu_peak_bf16_flops, gpu_utilization_percent
@@ -304,6 +305,17 @@ class GpuForwardModel final : public ForwardModel {
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
     model_.forward_logits(inputs, batch, seq, logits);
   }
+  // The logits to the host, then each target's log-prob and greedy flag there (kernels/cpu/classifier.h
+  // classifier_target_logps): one request per row, since forward_logits takes no document positions.
+  void forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                            const int32_t* positions, float* logps, uint8_t* greedy) override {
+    if (positions) fail("cuda: multiple-choice scoring takes one request per row (no packed documents)");
+    const int64_t V = model_.config().vocab_size;
+    logits_.resize(static_cast<size_t>(batch * seq * V));
+    model_.forward_logits(inputs, batch, seq, logits_.data());
+    cpu::classifier_target_logps(logits_.data(), targets, batch * seq, V, logps, greedy);
+  }
+  bool packs_documents() const override { return false; }
   // Generation: model/decode_gpu.h over this model's bf16 weights.
   void clear_cache(int64_t batch) override {
     if (decoder_ && decoder_->batch() == batch) return decoder_->clear();
@@ -321,6 +333,7 @@ class GpuForwardModel final : public ForwardModel {
   std::string describe_;
   int64_t max_seq_;
   std::unique_ptr<DecodeGpu> decoder_;
+  std::vector<float> logits_;  // forward_target_logps's host logits
 };
 
 }  // namespace

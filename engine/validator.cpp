@@ -31,6 +31,15 @@ int64_t Validator::left(int64_t step, int64_t total_steps) const {
 
 Validator::Result Validator::run(Engine& engine, int64_t step) {
   const auto started = std::chrono::steady_clock::now();
+  Result r = data_ ? loss(engine, step) : Result{};
+  r.step = step, r.has_loss = data_ != nullptr;
+  if (tasks_) r.tasks = tasks_->run(engine);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return r;
+}
+
+Validator::Result Validator::loss(Engine& engine, int64_t step) {
+  const auto started = std::chrono::steady_clock::now();
   if (preference_ && preference_->enabled()) {
     const Preference::Validation v = preference_->validate(engine, *data_, max_batches_, dp_);
     Result r;
@@ -56,15 +65,35 @@ Validator::Result Validator::run(Engine& engine, int64_t step) {
 }
 
 nlohmann::json Validator::Result::record() const {
-  if (pairs >= 0) {
-    nlohmann::json r = {{"step", step}, {"val_loss", loss}, {"val_pairs", pairs}};
+  nlohmann::json r = {{"step", step}};
+  if (has_loss && pairs >= 0) {
+    r["val_loss"] = loss, r["val_pairs"] = pairs;
     for (const auto& [key, value] : metrics.items()) r["val_" + key] = value;
-    return r;
+  } else if (has_loss) {
+    r["val_loss"] = loss, r["val_ppl"] = std::exp(loss), r["val_tokens"] = tokens;
   }
-  return {{"step", step}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}, {"val_tokens", tokens}};
+  // --eval_tasks: eval_acc/TASK, eval_acc_norm/TASK (and /all over several tasks), eval_records/TASK.
+  for (const McMetrics& m : tasks) {
+    r["eval_acc/" + m.task] = m.acc, r["eval_acc_norm/" + m.task] = m.acc_norm;
+    r["eval_records/" + m.task] = m.records;
+  }
+  return r;
 }
 
 std::string Validator::Result::line() const {
+  std::string out = has_loss ? loss_line() : str("step ", step, " | eval_tasks");
+  // The tasks' aggregate (or the one task), acc and acc_norm; build/eval --tasks gives every task's.
+  if (!tasks.empty()) {
+    const McMetrics& m = tasks.back();
+    char buf[160];
+    std::snprintf(buf, sizeof buf, " | %s acc %.4f acc_norm %.4f (%lld records)", m.task.c_str(), m.acc, m.acc_norm,
+                  static_cast<long long>(m.records));
+    out += buf;
+  }
+  return out;
+}
+
+std::string Validator::Result::loss_line() const {
   char buf[256];
   if (pairs >= 0) {
     const auto m = [&](const char* key) { return metrics.contains(key) ? metrics[key].get<double>() : NAN; };

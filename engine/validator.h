@@ -1,5 +1,6 @@
 // Validator: when a run measures its held-out loss, and the measurement. It owns the validation data and the
-// --val_every / --val_batches policy, so the trainer's loop only asks and calls.
+// --val_every / --val_batches policy, so the trainer's loop only asks and calls. With --eval_tasks it also scores the
+// multiple-choice tasks (engine/mc_eval.h) at every validation, with or without validation data.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "data/loader.h"
 #include "engine/engine.h"
+#include "engine/mc_eval.h"
 #include "engine/preference.h"
 
 namespace tuna {
@@ -23,8 +25,9 @@ class Validator {
   // dp: the data-parallel group the metrics are summed over. The preference object outlives the validator.
   void set_objective(Preference* preference, Comm* dp) { preference_ = preference, dp_ = dp; }
   DataLoader* data() { return data_.get(); }
+  void set_tasks(std::unique_ptr<McEvaluator> tasks) { tasks_ = std::move(tasks); }
 
-  bool enabled() const { return data_ != nullptr; }
+  bool enabled() const { return data_ != nullptr || tasks_ != nullptr; }
   // At the start of a fresh run (the loss before training), every `every` steps, and at the end of a run
   // that finished (not one stopped early).
   bool due_at_start(int64_t step) const { return enabled() && step == 0; }
@@ -43,17 +46,22 @@ class Validator {
     double loss = 0, seconds = 0;
     int64_t pairs = -1;                       // a preference objective's held-out pairs; -1: a token loss
     nlohmann::json metrics = nlohmann::json::object();  // and its metrics (engine/preference.h)
+    std::vector<McMetrics> tasks;  // --eval_tasks: each task's accuracy, then "all" (empty: none)
+    bool has_loss = true;          // false: tasks without validation data
     nlohmann::json record() const;  // the metrics.jsonl row
     std::string line() const;       // the printed line
+    std::string loss_line() const;
   };
-  // The loss over the validation split on every rank (all ranks call it).
+  // The loss over the validation split, and the tasks' metrics, on every rank (all ranks call it).
   Result run(Engine& engine, int64_t step);
 
  private:
+  Result loss(Engine& engine, int64_t step);
   std::unique_ptr<DataLoader> data_;
   int64_t every_, max_batches_;
   Preference* preference_ = nullptr;
   Comm* dp_ = nullptr;
+  std::unique_ptr<McEvaluator> tasks_;
   std::vector<int32_t> inputs_, targets_, positions_;  // positions: the document boundaries (the engine's masks)
 };
 

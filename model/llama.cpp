@@ -840,7 +840,8 @@ LossSum Llama::forward_backward(const int32_t* inputs, const int32_t* targets, i
 }
 
 void Llama::forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
-                          const int32_t* positions, float* logps, bool backward_follows, bool adapters_off) {
+                          const int32_t* positions, float* logps, bool backward_follows, bool adapters_off,
+                          uint8_t* greedy) {
   TUNA_CHECK(layout_.whole(), "forward_logps of a pipeline stage");
   TUNA_CHECK(!(adapters_off && backward_follows), "the base alone is the reference: no backward follows it");
   select_slot(0);
@@ -852,7 +853,21 @@ void Llama::forward_logps(const int32_t* inputs, const int32_t* targets, int64_t
     throw;
   }
   adapters_off_ = false;
-  head_logps(targets, batch * seq, logps, backward_follows);
+  head_logps(targets, batch * seq, logps, backward_follows, greedy);
+}
+
+void Llama::forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                                 const int32_t* positions, float* logps, uint8_t* greedy) {
+  const DocumentMode mode = documents_;
+  documents_ = DocumentMode{true, true};
+  try {
+    forward_logps(inputs, targets, batch, seq, positions, logps, /*backward_follows=*/false, /*adapters_off=*/false,
+                  greedy);
+  } catch (...) {
+    documents_ = mode;
+    throw;
+  }
+  documents_ = mode;
 }
 
 void Llama::backward_weighted(const int32_t* inputs, const int32_t* targets, const float* weights, int64_t batch,
@@ -863,7 +878,26 @@ void Llama::backward_weighted(const int32_t* inputs, const int32_t* targets, con
   backward(inputs, batch, seq);
 }
 
-void Llama::head_logps(const int32_t* targets, int64_t rows, float* logps, bool keep_head) {
+void Llama::greedy_targets(const float* logits, const int32_t* targets, int64_t rows, uint8_t* greedy) {
+  TUNA_CHECK(tp_, "greedy_targets is the vocab-parallel test (one rank: cpu::classifier_target_logps)");
+  const TpDims& d = layout_.tp();
+  const int64_t V = d.vocab;
+  std::vector<float> row_max(rows), first(rows);
+  for (int64_t i = 0; i < rows; i++) row_max[i] = *std::max_element(logits + i * V, logits + (i + 1) * V);
+  tp_->all_reduce_max(row_max.data(), rows, "tp greedy max");
+  // The first index holding the maximum, as -index so that a max-reduction over tp finds the smallest (indices are
+  // below 2^24: exact in fp32).
+  for (int64_t i = 0; i < rows; i++) {
+    const float* row = logits + i * V;
+    const float* at = std::find(row, row + V, row_max[i]);
+    first[i] = at == row + V ? -static_cast<float>(config_.vocab_size) : -static_cast<float>(d.vocab_begin + (at - row));
+  }
+  tp_->all_reduce_max(first.data(), rows, "tp greedy argmax");
+  for (int64_t i = 0; i < rows; i++)
+    greedy[i] = targets[i] != cpu::kIgnoreIndex && static_cast<float>(-targets[i]) == first[i];
+}
+
+void Llama::head_logps(const int32_t* targets, int64_t rows, float* logps, bool keep_head, uint8_t* greedy) {
   const int64_t C = config_.hidden_size, V = layout_.tp().vocab;
   const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
   const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
@@ -873,6 +907,11 @@ void Llama::head_logps(const int32_t* targets, int64_t rows, float* logps, bool 
     const int64_t nr = std::min(head_chunk_rows_, rows - r0);
     float* logits = logits_chunk_.data();
     cpu::matmul_fwd(logits, normed + r0 * C, w_head, nr, C, V);
+    if (!tp_ && greedy) {
+      cpu::classifier_target_logps(logits, targets + r0, nr, V, logps + r0, greedy + r0);
+      continue;
+    }
+    if (greedy) greedy_targets(logits, targets + r0, nr, greedy + r0);
     // Losses with dloss 0: the logits stay as they are, nothing of a gradient is formed.
     if (tp_)
       parallel_cross_entropy(logits, targets + r0, nr, /*want_grad=*/false, nullptr, logps + r0);

@@ -154,10 +154,17 @@ class Llama {
   // LoRA reference (one forward without the adapter branches; never with backward_follows). backward_weighted, after
   // forward_logps(backward_follows): the backward of sum_i -weights[i] * logps[i] (the head's logits computed again,
   // d logits = w * (softmax - onehot)), accumulated into the gradients as forward_backward's. Whole model only.
+  // greedy (optional): greedy[i] = 1 where targets[i] is the logits' first argmax (multiple-choice evaluation's
+  // greedy test, engine/mc_eval.h), 0 elsewhere and where the target is ignored.
   void forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
-                     const int32_t* positions, float* logps, bool backward_follows, bool adapters_off = false);
+                     const int32_t* positions, float* logps, bool backward_follows, bool adapters_off = false,
+                     uint8_t* greedy = nullptr);
   void backward_weighted(const int32_t* inputs, const int32_t* targets, const float* weights, int64_t batch,
                          int64_t seq);
+  // Multiple-choice scoring (engine/mc_eval.h): forward_logps with greedy flags, the documents masked and positions
+  // restarted whatever the document mode, so that each request of a packed window scores as it would alone.
+  void forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                            const int32_t* positions, float* logps, uint8_t* greedy);
   // The same loss without gradients (evaluation).
   LossSum forward_loss(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                        const int32_t* positions = nullptr);
@@ -236,7 +243,10 @@ class Llama {
   LossSum head(const int32_t* targets, int64_t rows, bool want_grad, float* logits_out);
   // The preference passes of the head: per-row target log-probs (the head unit kept acquired when keep_head), and the
   // weighted backward (the logits again, then as head()'s backward).
-  void head_logps(const int32_t* targets, int64_t rows, float* logps, bool keep_head);
+  void head_logps(const int32_t* targets, int64_t rows, float* logps, bool keep_head, uint8_t* greedy = nullptr);
+  // Under tp: greedy[i] = targets[i] is the first argmax of logits row i over the whole vocabulary (this rank holds
+  // a slice: the maximum and the first index holding it agreed over tp).
+  void greedy_targets(const float* logits, const int32_t* targets, int64_t rows, uint8_t* greedy);
   void head_weighted_bwd(const int32_t* targets, const float* weights, int64_t rows);
   void backward(const int32_t* inputs, int64_t batch, int64_t seq);
   // Layer l's activations in the current slot (a stage's layers only).

@@ -1,21 +1,28 @@
-// build/eval — mean loss and perplexity of a checkpoint on token shards, so a user can compare the base
-// model with the fine-tuned one on held-out documents.
+// build/eval — how good is a model: mean loss and perplexity on token shards, or multiple-choice accuracy on task
+// records as lm-evaluation-harness reports it, so a user can compare the base model with the fine-tuned one.
 //
 //   build/eval --checkpoint DIR --data prepared/ [--seq_len N] [--micro_batch 4] [--device cuda]
+//   build/eval --checkpoint DIR --tasks FILE|DIR[,...] [--output scores.jsonl] [--skip_bad_records]
+//   mpirun -np 4 build/eval --checkpoint DIR --tasks ...      (data parallel: each rank scores a share)
 //
-// Prints a human line and a JSON line on stdout (progress on stderr). Every window of the shards is scored
+// --data: prints a human line and a JSON line on stdout (progress on stderr). Every window of the shards is scored
 // once, in order; the loss is the mean over every predicted token (targets masked out by the shards' loss
 // mask are not counted). Windows are as long as the checkpoint's training windows unless --seq_len says
 // otherwise, so that eval reproduces the trainer's validation loss; a model that was not trained by tuna has
 // no such length and gets 1024 (compare two models on the same --seq_len). Packed documents likewise: attention
 // masked at document boundaries and RoPE positions restarted as the checkpoint's run trained (the defaults,
 // true and restart, for a model tuna did not train), unless --document_mask / --document_positions say.
+// --tasks: every record's choices scored by log-likelihood (engine/mc_eval.h, data/mc_tasks.h): acc, acc_norm and
+// their standard errors per task and over all, one line each and a JSON line; --output writes every record's
+// per-choice log-likelihoods. Requests are packed many to a window under the document mask (cpu); windows are as
+// long as the longest request unless --seq_len says.
 // A LoRA checkpoint (or PEFT adapter directory) is scored on its base with the adapters merged on load; --base DIR
 // names the base when it has moved (its checksum must be the recorded one: ckpt/peft.h).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -23,6 +30,9 @@
 #include "core/options.h"
 #include "core/progress.h"  // ProgressLine
 #include "core/threads.h"
+#include "comm/comm.h"      // make_world_comm: the ranks of mpirun (--tasks)
+#include "data/mc_tasks.h"  // read_mc_tasks, encode_mc_requests
+#include "engine/mc_eval.h"  // score_mc_requests, mc_metrics
 #include "data/loader.h"
 #include "data/tokenizer.h"  // model_tokenizer
 #include "ckpt/checkpoint.h"
@@ -30,17 +40,129 @@
 #include "model/config.h"
 #include "engine/engine.h"  // ForwardModel: the forward pass on cpu or cuda
 
+namespace tuna {
+namespace {
+
+struct TaskRun {
+  std::string tasks, output, tokenizer, device;
+  bool skip_bad = false, special_tokens = true, quiet = false;
+  int64_t seq_len = 0, micro_batch = 4;
+};
+
+std::vector<std::string> comma_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) items.push_back(item);
+  return items;
+}
+
+// --tasks: every request scored (this rank's share of the windows under mpirun), the scores summed over the ranks,
+// the metrics printed by rank 0.
+int eval_tasks(const TaskRun& run, const std::string& checkpoint, const ModelSource& source, const LlamaConfig& config,
+               const std::string& config_dir) {
+  std::unique_ptr<Comm> world = make_world_comm(/*timeout_s=*/0);
+  const bool root = world->rank() == 0, talk = root && !run.quiet;
+  const McTasks tasks = read_mc_tasks(comma_list(run.tasks), run.skip_bad);
+  const Tokenizer tokenizer(run.tokenizer.empty() ? checkpoint : run.tokenizer);
+  if (const std::string warning = check_tokenizer_fits(tokenizer, config.vocab_size, config_dir + "/config.json");
+      !warning.empty() && talk)
+    std::fprintf(stderr, "warning: %s\n", warning.c_str());
+  // lm-eval cuts a request to the model's context (its max_length); --seq_len cuts it to the window.
+  const int64_t max_tokens = run.seq_len > 0 ? run.seq_len : config.max_position_embeddings;
+  int64_t truncated = 0, longest = 1;
+  const std::vector<McRequest> requests = encode_mc_requests(tasks, tokenizer, run.special_tokens, max_tokens, &truncated);
+  for (const McRequest& q : requests) longest = std::max<int64_t>(longest, static_cast<int64_t>(q.tokens.size()) - 1);
+  // Windows as long as the longest request (at least 256 tokens, so that short requests share them), in steps of 64.
+  const int64_t window = run.seq_len > 0 ? run.seq_len
+                                         : std::min<int64_t>(config.max_position_embeddings,
+                                                             (std::max<int64_t>(longest, 256) + 63) / 64 * 64);
+  check_seq_len(config, window, "seq_len", config_dir + "/config.json");
+  std::unique_ptr<ForwardModel> model = make_forward_model(config, resolve_device(run.device), run.micro_batch, window,
+                                                           source.fill, DocumentMode{true, true});
+  McScoring how;
+  how.batch = run.micro_batch, how.seq = window, how.packed = model->packs_documents();
+  how.rank = world->rank(), how.ranks = world->size();
+  const McPacking packing = pack_mc_requests(requests, how);
+  if (talk) {
+    std::fprintf(stderr, "eval: %zu records of %zu task(s) in %zu file(s), %zu requests (%s)\n", tasks.records.size(),
+                 tasks.tasks.size(), tasks.files.size(), requests.size(), tokenizer.describe().c_str());
+    for (const auto& [why, count] : tasks.skipped)
+      std::fprintf(stderr, "eval: skipped %lld bad record(s): %s\n", static_cast<long long>(count), why.c_str());
+    if (truncated > 0)
+      std::fprintf(stderr, "eval: %lld request(s) longer than %lld tokens keep their last %lld (as lm-eval cuts them)\n",
+                   static_cast<long long>(truncated), static_cast<long long>(max_tokens),
+                   static_cast<long long>(max_tokens + 1));
+    std::fprintf(stderr, "eval: %lld windows of %lld tokens (%.0f%% filled), %lld per batch, %d rank(s), on %s\n",
+                 static_cast<long long>(packing.windows), static_cast<long long>(window),
+                 100.0 * static_cast<double>(packing.tokens) / static_cast<double>(packing.windows * window),
+                 static_cast<long long>(run.micro_batch), world->size(), model->describe().c_str());
+  }
+  ProgressLine progress("eval", static_cast<double>(packing.windows), ProgressLine::Unit::Items, talk ? stderr : nullptr, 5.0,
+                        "windows");
+  how.progress = [&](int64_t done, int64_t planned) {
+    if (done == 0 || planned == 0) return;
+    progress.update(static_cast<double>(done) * static_cast<double>(packing.windows) / static_cast<double>(planned));
+  };
+  McScores scores = score_mc_requests(requests, how, [&](const int32_t* inputs, const int32_t* targets,
+                                                         const int32_t* positions, int64_t batch, int64_t seq,
+                                                         float* logps, uint8_t* greedy) {
+    model->forward_target_logps(inputs, targets, batch, seq, positions, logps, greedy);
+  });
+  progress.finish();
+  if (world->size() > 1) {  // each request was scored on one rank; the others hold 0
+    std::vector<double> greedy(scores.greedy.begin(), scores.greedy.end());
+    world->all_reduce(scores.loglikelihood.data(), static_cast<int64_t>(requests.size()), CommType::F64, ReduceOp::Sum,
+                      "eval log-likelihoods");
+    world->all_reduce(greedy.data(), static_cast<int64_t>(greedy.size()), CommType::F64, ReduceOp::Sum, "eval greedy");
+    for (size_t i = 0; i < greedy.size(); i++) scores.greedy[i] = greedy[i] > 0.5;
+  }
+  const std::vector<McMetrics> metrics = mc_metrics(tasks, requests, scores);
+  if (!root) return 0;
+  if (!run.output.empty()) {
+    std::ofstream out(run.output, std::ios::binary | std::ios::trunc);
+    if (!out) fail(run.output, ": cannot write (--output)");
+    const std::vector<int64_t> first = mc_first_requests(tasks, requests);
+    for (size_t i = 0; i < tasks.records.size(); i++)
+      out << mc_record_json(tasks, requests, scores, static_cast<int64_t>(i), first).dump() << '\n';
+    out.flush();
+    if (!out) fail(run.output, ": write failed (--output)");
+  }
+  std::printf("%s on %s:\n%s", checkpoint.c_str(), run.tasks.c_str(), format_mc_metrics(metrics).c_str());
+  nlohmann::json line = {{"checkpoint", checkpoint}, {"tasks", run.tasks}, {"metrics", mc_metrics_json(metrics)},
+                         {"records", tasks.records.size()}, {"requests", requests.size()},
+                         {"skipped", tasks.skipped}, {"truncated", truncated}, {"add_special_tokens", run.special_tokens},
+                         {"device", model->describe()}, {"ranks", world->size()}};
+  std::printf("%s\n", line.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace tuna
+
 int main(int argc, char** argv) {
   using namespace tuna;
   return guarded_main([&] {
     std::string checkpoint, base, data, device = "auto", document_mask = "auto", document_positions = "auto";
     int64_t seq_len = 0, micro_batch = 4, max_batches = 0, threads = 0;
     bool quiet = false;
-    Options options("build/eval", "Mean loss and perplexity of a model directory on token shards.");
+    TaskRun task_run;
+    Options options("build/eval", "Mean loss and perplexity of a model directory on token shards, or its "
+                    "multiple-choice accuracy on task records.");
     options.add("checkpoint", &checkpoint, "model directory: a tuna checkpoint (runs/X/ckpt/latest too), a LoRA checkpoint "
                 "or a Hugging Face download");
     options.add("base", &base, "a LoRA checkpoint's base model, instead of the one it records (same checksum required)");
     options.add("data", &data, "token shards: files, directories (their val-* shards) or globs, comma-separated");
+    options.add("tasks", &task_run.tasks, "multiple-choice task records (JSONL: task, context, choices, gold): files or "
+                "directories of *.jsonl, comma-separated; instead of --data");
+    options.add("output", &task_run.output, "with --tasks: write every record's per-choice log-likelihoods here (JSONL)");
+    options.add("skip_bad_records", &task_run.skip_bad, "with --tasks: count and skip bad records instead of stopping at "
+                "the first");
+    options.add("add_special_tokens", &task_run.special_tokens, "with --tasks: encode each text with the tokenizer's own "
+                "special tokens (Llama's BOS first), as lm-eval's Hugging Face backend does by default; false: plain ids "
+                "(lm-eval's add_bos_token=False)");
+    options.add("tokenizer", &task_run.tokenizer, "with --tasks: the tokenizer (file or directory); default: the "
+                "checkpoint's");
     options.add("seq_len", &seq_len, "tokens per window (windows do not overlap); 0: the checkpoint's training seq_len, "
                 "or 1024 for a model tuna did not train", Bounds::closed(0, 1 << 22));
     options.add("micro_batch", &micro_batch, "windows per forward pass", Bounds::closed(1, 1 << 22));
@@ -55,7 +177,8 @@ int main(int argc, char** argv) {
                 "RoPE positions of packed windows: restart, continue, or auto (as the checkpoint's run trained; "
                 "restart for a model tuna did not train)", {"auto", "restart", "continue"});
     if (!options.parse(argc, argv).empty()) fail("unexpected positional argument (options are --name value)");
-    if (checkpoint.empty() || data.empty()) fail("--checkpoint and --data are required (see --help)");
+    if (checkpoint.empty() || data.empty() == task_run.tasks.empty())
+      fail("--checkpoint and one of --data or --tasks are required (see --help)");
     set_cpu_threads(threads);
 
     checkpoint = resolve_checkpoint(checkpoint).string();
@@ -65,6 +188,10 @@ int main(int argc, char** argv) {
     const ModelSource source = open_model(checkpoint, base);
     const std::string config_dir = source.config_dir.string();
     LlamaConfig config = LlamaConfig::load(config_dir);
+    if (!task_run.tasks.empty()) {
+      task_run.seq_len = seq_len, task_run.micro_batch = micro_batch, task_run.device = device, task_run.quiet = quiet;
+      return eval_tasks(task_run, checkpoint, source, config, config_dir);
+    }
     std::string seq_len_source = "--seq_len";
     if (seq_len == 0) {
       const std::optional<int64_t> trained = training_seq_len(checkpoint);

@@ -109,6 +109,26 @@ void classifier_weighted_bwd(T* logits, const int32_t* targets, const std::type_
   }
 }
 
+void classifier_target_logps(const float* logits, const int32_t* targets, int64_t n, int64_t vocab, float* logps,
+                             uint8_t* greedy) {
+  TUNA_CHECK(n >= 0 && vocab > 0, "n ", n, ", vocab ", vocab);
+  for (int64_t i = 0; i < n; ++i)
+    if (targets[i] != kIgnoreIndex && (targets[i] < 0 || targets[i] >= vocab))
+      fail("classifier: target of row ", i, " is ", targets[i], ", outside the vocabulary [0, ", vocab,
+           ") and not the ignore index ", kIgnoreIndex);
+#pragma omp parallel for schedule(static) if (n * vocab >= kMinParallelWork)
+  for (int64_t i = 0; i < n; ++i) {
+    if (targets[i] == kIgnoreIndex) {
+      logps[i] = 0.0f, greedy[i] = 0;
+      continue;
+    }
+    // dloss 0: the row is read, never written.
+    float* row = const_cast<float*>(logits + i * vocab);
+    logps[i] = static_cast<float>(-classifier_row(row, vocab, targets[i], 0.0));
+    greedy[i] = std::max_element(row, row + vocab) - row == targets[i];  // the first of equal maxima
+  }
+}
+
 template <typename T>
 void classifier_partial_stats(const T* logits, std::type_identity_t<T>* stats, const int32_t* targets, int64_t n,
                               int64_t count, int64_t vocab_begin, int64_t vocab) {

@@ -29,6 +29,12 @@ template <typename T>
 void classifier_weighted_bwd(T* logits, const int32_t* targets, const std::type_identity_t<T>* weights, int64_t n,
                              int64_t vocab);
 
+// Multiple-choice scoring's head (engine/mc_eval.h): logps[i] = log softmax(logits[i])[targets[i]] (= -the loss of
+// classifier_fwd_bwd) and greedy[i] = 1 when targets[i] is the first index of row i's maximum (the argmax of numpy and
+// torch, which lm-eval's greedy test compares); 0 and 0 for ignored rows. logits is left as it was.
+void classifier_target_logps(const float* logits, const int32_t* targets, int64_t n, int64_t vocab, float* logps,
+                             uint8_t* greedy);
+
 // Vocab-parallel cross-entropy (tensor parallelism): each rank holds columns [vocab_begin, vocab_begin + count)
 // of every row's logits ([n, count]), out of a vocabulary of `vocab`. Three steps around two reductions over the
 // ranks give every rank the loss of classifier_fwd_bwd over the whole row and the gradient of its own columns:

@@ -695,6 +695,42 @@ TEST(EngineGpu, ForwardModelMatchesTheCpus) {
   EXPECT_LE(testing_util::rel_err_norm(lb.data(), ref.data(), static_cast<int64_t>(n)), 3e-2);
 }
 
+// Multiple-choice scoring on the device (build/eval --tasks): each target's log-prob within the forward's tolerance of
+// the CPU's (1e-2 of the loss scale: bf16 against fp32), and the greedy flag equal wherever the CPU's top two logits
+// are apart by more than the logits' error; one request per row (positions null), packed positions refused.
+TEST(EngineGpu, ForwardModelScoresTargetsAsTheCpu) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  const int64_t V = f.config.vocab_size, n = f.batch * f.seq;
+  std::unique_ptr<ForwardModel> cpu = make_forward_model(f.config, Device::Cpu, f.batch, f.seq, fixture_weights(f));
+  std::unique_ptr<ForwardModel> gpu = make_forward_model(f.config, Device::Cuda, f.batch, f.seq, fixture_weights(f));
+  EXPECT_TRUE(cpu->packs_documents());
+  EXPECT_FALSE(gpu->packs_documents());
+  std::vector<float> la(n), lb(n, NAN);
+  std::vector<uint8_t> ga(n), gb(n, 7);
+  cpu->forward_target_logps(f.inputs.data(), f.targets.data(), f.batch, f.seq, nullptr, la.data(), ga.data());
+  gpu->forward_target_logps(f.inputs.data(), f.targets.data(), f.batch, f.seq, nullptr, lb.data(), gb.data());
+  std::vector<float> logits(n * V);
+  cpu->forward_logits(f.inputs.data(), f.batch, f.seq, logits.data());
+  int64_t compared = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (f.targets[i] < 0) {
+      EXPECT_EQ(lb[i], 0.0f) << i;
+      EXPECT_EQ(gb[i], 0) << i;
+      continue;
+    }
+    EXPECT_NEAR(lb[i], la[i], 1e-2 * std::max(1.0f, std::abs(la[i]))) << i;
+    std::vector<float> row(logits.begin() + i * V, logits.begin() + (i + 1) * V);
+    std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<float>());
+    if (row[0] - row[1] > 0.1f) EXPECT_EQ(gb[i], ga[i]) << i, compared++;
+  }
+  EXPECT_GT(compared, n / 2);
+  std::vector<int32_t> positions(n, 0);
+  EXPECT_THROW(gpu->forward_target_logps(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data(), lb.data(),
+                                         gb.data()),
+               Error);
+}
+
 }  // namespace
 }  // namespace tuna
 #endif  // TUNA_CUDA

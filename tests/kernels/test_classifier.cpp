@@ -175,4 +175,47 @@ TEST(ClassifierTest, VocabParallelStepsEqualTheWholeRow) {
   }
 }
 
+// Multiple-choice scoring's head: each target's log-prob against the float64 loop, and the greedy flag against the
+// first argmax, with ties planted (a tie before the target makes it not greedy; one after it keeps it greedy).
+TEST(Classifier, TargetLogpsAndFirstArgmax) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t n = 37, vocab = 301;
+  std::vector<float> logits = rng.vector<float>(n * vocab, -4.0, 4.0);
+  std::vector<int32_t> targets = random_targets(rng, n, vocab, 5);
+  for (int64_t i = 0; i < n; i += 3) {  // every third row: the target is a maximum
+    if (targets[i] == kIgnoreIndex) continue;
+    float* row = &logits[i * vocab];
+    const float top = *std::max_element(row, row + vocab) + 1.0f;
+    row[targets[i]] = top;
+    if (i % 2 == 0 && targets[i] > 0) row[targets[i] - 1] = top;          // an equal maximum before it: not greedy
+    if (i % 2 == 1 && targets[i] + 1 < vocab) row[targets[i] + 1] = top;  // after it: still greedy
+  }
+  const std::vector<float> before = logits;
+  std::vector<float> logps(n, 7.0f);
+  std::vector<uint8_t> greedy(n, 7);
+  classifier_target_logps(logits.data(), targets.data(), n, vocab, logps.data(), greedy.data());
+  EXPECT_EQ(logits, before);
+  const std::vector<double> losses = naive_losses(std::vector<double>(logits.begin(), logits.end()), targets, n, vocab);
+  int greedy_rows = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (targets[i] == kIgnoreIndex) {
+      EXPECT_EQ(logps[i], 0.0f) << i;
+      EXPECT_EQ(greedy[i], 0) << i;
+      continue;
+    }
+    EXPECT_NEAR(logps[i], -losses[i], 1e-6 * std::max(1.0, losses[i])) << i;
+    const float* row = &logits[i * vocab];
+    int64_t first = 0;
+    for (int64_t j = 1; j < vocab; j++)
+      if (row[j] > row[first]) first = j;
+    EXPECT_EQ(greedy[i], first == targets[i] ? 1 : 0) << i;
+    greedy_rows += greedy[i];
+  }
+  EXPECT_GT(greedy_rows, 3);  // the planted maxima are seen
+  std::vector<int32_t> bad = targets;
+  bad[2] = static_cast<int32_t>(vocab);
+  EXPECT_THROW(classifier_target_logps(logits.data(), bad.data(), n, vocab, logps.data(), greedy.data()), Error);
+}
+
 }  // namespace tuna::cpu
