@@ -130,12 +130,17 @@ def load_exact64(out):
 def encode_pair(tok, context, continuation):
     """lm-eval 0.4's HFLM request encoding (TemplateLM._encode_pair with add_bos_token unset): trailing whitespace
     of the context moves to the continuation; the continuation's ids are those of context + continuation encoded
-    whole, after as many as the context encodes to; the tokenizer's post-processor adds the BOS to both."""
+    whole, after as many as the context encodes to; the tokenizer's post-processor adds the BOS to both, unless the
+    text starts with the BOS's text."""
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
-    whole = tok(context + continuation)["input_ids"]
-    ctx = tok(context)["input_ids"]
+
+    def encode(text):  # HFLM.tok_encode: no BOS of its own before a text that starts with the BOS's text
+        return tok(text, add_special_tokens=not text.startswith(tok.decode([tok.bos_token_id])))["input_ids"]
+
+    whole = encode(context + continuation)
+    ctx = encode(context)
     return ctx, whole[len(ctx):]
 
 
@@ -201,8 +206,11 @@ def make_four(rng, texts):
         # Every seventh record ends its context in a space (a prompt template's "Answer: "): lm-eval moves it into
         # the continuation.
         tail = "Answer: " if i % 7 == 3 else "Answer:"
+        # One context starts with the BOS text, as a chat template's output does (lm-eval --apply_chat_template):
+        # lm-eval then adds no BOS of its own, and the text's BOS is parsed as the special token.
+        head = BOS if i == 5 else ""
         records.append({"task": "mc_four", "id": f"four-{i:03d}",
-                        "context": f"{text}\n\nQuestion: Which licence is this text from?\n{tail}",
+                        "context": f"{head}{text}\n\nQuestion: Which licence is this text from?\n{tail}",
                         "choices": [" " + c for c in choices], "gold": choices.index(family)})
     return records
 
@@ -382,8 +390,9 @@ def lm_eval_add_bos_note():
     return ("HFLM.tok_encode calls tokenizer.encode(text) with add_special_tokens left to the tokenizer when "
             "add_bos_token is unset (the default, None): the tokenizer's post-processor decides. This tokenizer's "
             "(Llama 3's TemplateProcessing) puts the BOS first, so every context and every context+continuation "
-            "starts with it: context_ids[0] == bos_token_id in every request below. A text already starting with "
-            "the BOS string is encoded without another.")
+            "starts with it: context_ids[0] == bos_token_id in every request below. A text that already starts with "
+            "the BOS's text (has_bos_prefix: a chat template's output) is encoded with add_special_tokens=False, so "
+            "it gets no second BOS; special tokens written in a text are parsed as such (mc_four's four-005).")
 
 
 def main():
@@ -487,6 +496,9 @@ def main():
             **{k.split(",")[0]: res1[task][k] for k in metric_keys},
             "records": out_records}
     assert bos_always
+    # The context that starts with the BOS text has one BOS, not two.
+    bos_text = [r for r in reference_tasks["mc_four"]["records"] if tasks["four"][r["line"] - 1]["context"].startswith(BOS)]
+    assert len(bos_text) == 1 and all(c["context_ids"][1] != MODEL["bos_token_id"] for c in bos_text[0]["choices"])
     assert moved > 0
     # A tie: lm-eval scored the two identical requests identically, and took the first.
     tie = [r for r in tasks["ten"] if r.get("tie")][0]
