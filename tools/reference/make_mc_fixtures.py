@@ -345,7 +345,7 @@ def norm_length(record, j):
 # ---------------------------------------------------------------------------------------------------
 # lm-eval
 
-def run_lm_eval(batch_size, captured):
+def run_lm_eval(batch_size, captured, task_dir=TASK_DIR, tasks=(GROUP,), num_fewshot=None, limit=None):
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -366,8 +366,8 @@ def run_lm_eval(batch_size, captured):
         try:
             out = lm_eval.simple_evaluate(
                 model="hf", model_args=f"pretrained={os.path.relpath(OUT, ROOT)},dtype=float64",
-                tasks=[GROUP], task_manager=TaskManager(include_path=TASK_DIR), batch_size=batch_size,
-                device="cpu", log_samples=True)
+                tasks=list(tasks), task_manager=TaskManager(include_path=task_dir), batch_size=batch_size,
+                device="cpu", log_samples=True, num_fewshot=num_fewshot, limit=limit)
         finally:
             os.chdir(cwd)
     finally:
@@ -380,6 +380,46 @@ def sample_arguments(sample):
     if isinstance(args, dict):             # {"gen_args_0": {"arg_0": ctx, "arg_1": cont}, ...}
         return [(a["arg_0"], a["arg_1"]) for a in args.values()]
     return [tuple(a) for a in args]
+
+
+def check_lm_eval_tasks(tasks):
+    """lm_eval_tasks.py on the fixture YAMLs: at 0 shots its records equal the task files (but the id, which it takes
+    from lm-eval's doc_id); at 2 shots (the YAMLs without their num_fewshot: 0) its contexts equal the requests an
+    evaluation run with --num_fewshot 2 hands the model."""
+    import lm_eval_tasks
+    import tempfile
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        built = lm_eval_tasks.build([f"mc_{t}" for t in TASKS], include_path=TASK_DIR)
+        for name in TASKS:
+            ours = [{k: v for k, v in r.items() if k not in ("id", "tie")} for r in tasks[name]]
+            theirs = [{k: v for k, v in r.items() if k != "id"} for r in built[f"mc_{name}"]]
+            assert ours == theirs, name
+            assert [r["id"] for r in built[f"mc_{name}"]] == list(range(len(ours)))
+        with tempfile.TemporaryDirectory() as tmp:
+            for f in sorted(os.listdir(TASK_DIR)):
+                if f.endswith(".yaml") or f.endswith(".py"):
+                    with open(os.path.join(TASK_DIR, f), encoding="utf-8") as src:
+                        text = src.read()
+                    with open(os.path.join(tmp, f), "w", encoding="utf-8") as dst:
+                        dst.write(text.replace("num_fewshot: 0\n", ""))
+            names = [f"mc_{t}" for t in TASKS]
+            shots = lm_eval_tasks.build(names, include_path=tmp, num_fewshot=2, limit=6)
+            out = run_lm_eval(1, {}, task_dir=tmp, tasks=names, num_fewshot=2, limit=6)
+            compared = 0
+            for name in names:
+                samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
+                assert len(samples) == len(shots[name]) == 6
+                for s, r in zip(samples, shots[name]):
+                    assert sample_arguments(s) == requests_of(r), (name, s["doc_id"])
+                    compared += 1
+                    zero = requests_of(tasks[name[3:]][s["doc_id"]])
+                    assert all(a[0] != b[0] and a[0].endswith(b[0]) and a[1] == b[1]
+                               for a, b in zip(requests_of(r), zero)), (name, s["doc_id"])
+    finally:
+        os.chdir(cwd)
+    return {"zero_shot_records_equal_task_files": True, "two_shot_records_equal_evaluation_requests": compared}
 
 
 def lm_eval_add_bos_note():
@@ -516,6 +556,8 @@ def main():
                                       for j, c in enumerate(r["choices"])])
             delim_matters += float(int(numpy.argmax(lls / with_delim)) == r["gold"]) != ref["acc_norm"]
 
+    lm_eval_tasks_checks = check_lm_eval_tasks(tasks)
+
     group = res1[GROUP]
     reference = {
         "format": "tuna-mc-reference",
@@ -544,6 +586,7 @@ def main():
                          "*_stderr: sqrt(sample variance (ddof 1) / n). The group: the mean over all records "
                          "(weight_by_size), stderr pooled over the tasks (lm-eval's pooled_sample_stderr)."),
         "batch_sizes_checked": [1, 7],
+        "lm_eval_tasks_check": lm_eval_tasks_checks,
         "batch_7_vs_1_max_rel_diff_loglikelihood": batch_diff,
         "stock_float64_vs_lm_eval_max_rel_diff": worst_stock,
         "exact_float64_vs_lm_eval_max_rel_diff": worst_exact,
