@@ -78,6 +78,11 @@ void Engine::target_logps(const int32_t*, const int32_t*, int64_t, int64_t, cons
        "cpu, or build/eval --tasks on a checkpoint");
 }
 
+void ForwardModel::forward_shared_logps(const int32_t*, int64_t, const int32_t*, const int32_t*, int64_t, int64_t, float*,
+                                       uint8_t*) {
+  fail("the ", describe(), " forward model scores no shared context (one request per row only)");
+}
+
 LossSum Engine::forward_backward_step(const std::vector<MicroBatch>& micro_batches) {
   LossSum loss;
   for (const MicroBatch& b : micro_batches) {

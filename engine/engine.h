@@ -212,6 +212,12 @@ class ForwardModel {
   virtual void forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                                     const int32_t* positions, float* logps, uint8_t* greedy) = 0;
   virtual bool packs_documents() const = 0;
+  // The same for k continuations that share a context, the context's forward once (a KV cache): context [c] (c may be
+  // 0), then each row of tokens [k, m] after it (positions c .. c + m - 1), its targets' log-probs and greedy flags
+  // [k, m]. A model without it (shares_context false) refuses.
+  virtual bool shares_context() const { return false; }
+  virtual void forward_shared_logps(const int32_t* context, int64_t c, const int32_t* tokens, const int32_t* targets,
+                                    int64_t k, int64_t m, float* logps, uint8_t* greedy);
 
   // Generation with a KV cache (Llama::forward_cached's contract). clear_cache starts an empty cache for
   // `batch` sequences (at most max_batch) of up to max_seq positions; forward_cached appends n tokens to each

@@ -220,6 +220,14 @@ class CpuForwardModel final : public ForwardModel {
     model_.forward_target_logps(inputs, targets, batch, seq, positions, logps, greedy);
   }
   bool packs_documents() const override { return true; }
+  bool shares_context() const override { return true; }
+  void forward_shared_logps(const int32_t* context, int64_t c, const int32_t* tokens, const int32_t* targets, int64_t k,
+                            int64_t m, float* logps, uint8_t* greedy) override {
+    KvCache one = model_.make_kv_cache(1, c + m);
+    if (c > 0) model_.prefill_cache(context, 1, c, one);
+    KvCache rows = model_.repeat_kv_cache(one, k, c + m);
+    model_.forward_cached_logps(tokens, k, m, rows, targets, logps, greedy);
+  }
   void clear_cache(int64_t batch) override { cache_ = model_.make_kv_cache(batch, model_.max_seq()); }
   void forward_cached(const int32_t* tokens, int64_t n, float* last_logits) override {
     if (cache_.keys.empty()) fail("forward_cached: no KV cache (clear_cache first)");

@@ -75,21 +75,51 @@ McPacking pack_mc_requests(const std::vector<McRequest>& requests, const McScori
   return packing;
 }
 
+namespace {
+
+// The records (first request, count) whose requests share their context ids, each of at least two tokens: the shared
+// path's. A record's requests are contiguous, in choice order.
+std::vector<std::pair<int64_t, int64_t>> shared_context_records(const std::vector<McRequest>& all) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t first = 0; first < all.size();) {
+    size_t end = first + 1;
+    while (end < all.size() && all[end].record == all[first].record) end++;
+    const int64_t context = static_cast<int64_t>(all[first].tokens.size()) - all[first].continuation;
+    bool same = context >= 2 && end - first >= 2;
+    for (size_t r = first + 1; same && r < end; r++)
+      same = static_cast<int64_t>(all[r].tokens.size()) - all[r].continuation == context &&
+             std::equal(all[r].tokens.begin(), all[r].tokens.begin() + context, all[first].tokens.begin());
+    if (same) out.emplace_back(static_cast<int64_t>(first), static_cast<int64_t>(end - first));
+    first = end;
+  }
+  return out;
+}
+
+}  // namespace
+
 McScores score_mc_requests(const std::vector<McRequest>& all, const McScoring& how, const TokenLogps& logps) {
+  McScores out;
+  out.loglikelihood.assign(all.size(), 0.0), out.greedy.assign(all.size(), 0);
+  std::vector<uint8_t> done_shared(all.size(), 0);
+  std::vector<std::pair<int64_t, int64_t>> shared;
+  if (how.shared) shared = shared_context_records(all);
+  for (const auto& [first, k] : shared)
+    for (int64_t j = 0; j < k; j++) done_shared[first + j] = 1;
   // Identical requests (the same ids, the same continuation) are scored once: equal scores, as lm-eval gives them,
   // whatever windows they would have landed in.
-  std::vector<int64_t> same(all.size());
+  std::vector<int64_t> same(all.size(), -1);
   std::vector<McRequest> requests;
   {
     std::map<std::pair<std::vector<int32_t>, int32_t>, int64_t> seen;
     for (size_t r = 0; r < all.size(); r++) {
+      if (done_shared[r]) continue;
       auto [it, fresh] = seen.try_emplace({all[r].tokens, all[r].continuation}, static_cast<int64_t>(requests.size()));
       if (fresh) requests.push_back(all[r]);
       same[r] = it->second;
     }
   }
   std::vector<std::vector<int64_t>> windows;
-  pack_mc_requests(requests, how, &windows);
+  if (!requests.empty()) pack_mc_requests(requests, how, &windows);
   McScores scores;
   scores.loglikelihood.assign(requests.size(), 0.0);
   scores.greedy.assign(requests.size(), 0);
@@ -97,10 +127,41 @@ McScores score_mc_requests(const std::vector<McRequest>& all, const McScoring& h
   const int64_t batches = (total + how.batch - 1) / how.batch;
   int64_t planned = 0;
   for (int64_t b = how.rank; b < batches; b += how.ranks) planned += std::min(how.batch, total - b * how.batch);
+  for (size_t i = how.rank; i < shared.size(); i += how.ranks) planned++;
   std::vector<int32_t> inputs, targets, positions;
   std::vector<float> lp;
   std::vector<uint8_t> greedy;
   int64_t done = 0;
+  // Shared contexts: the context but its last token once; row j then holds that token and choice j's continuation
+  // but its last, each predicting the next (the same targets as the packed request's).
+  for (size_t i = how.rank; i < shared.size(); i += how.ranks) {
+    const auto [first, k] = shared[i];
+    const McRequest& head = all[first];
+    const int64_t context = static_cast<int64_t>(head.tokens.size()) - head.continuation;
+    int64_t m = 0;
+    for (int64_t j = 0; j < k; j++) m = std::max<int64_t>(m, all[first + j].continuation);
+    inputs.assign(k * m, 0), targets.assign(k * m, cpu::kIgnoreIndex);
+    for (int64_t j = 0; j < k; j++) {
+      const McRequest& q = all[first + j];
+      for (int64_t t = 0; t < q.continuation; t++) {
+        inputs[j * m + t] = q.tokens[context - 1 + t];
+        targets[j * m + t] = q.tokens[context + t];
+      }
+    }
+    lp.assign(k * m, 0.0f), greedy.assign(k * m, 0);
+    how.shared(head.tokens.data(), context - 1, inputs.data(), targets.data(), k, m, lp.data(), greedy.data());
+    for (int64_t j = 0; j < k; j++) {
+      double sum = 0;
+      bool all_greedy = true;
+      for (int64_t t = 0; t < all[first + j].continuation; t++) {
+        sum += lp[j * m + t];
+        all_greedy = all_greedy && greedy[j * m + t];
+      }
+      out.loglikelihood[first + j] = sum, out.greedy[first + j] = all_greedy;
+    }
+    done++;
+    if (how.progress) how.progress(done, planned);
+  }
   const int64_t calls = how.lockstep ? (batches + how.ranks - 1) / how.ranks : 0;
   for (int64_t b = how.rank, call = 0; b < batches || call < calls; b += how.ranks, call++) {
     if (b >= batches) {  // lockstep: an empty window, nothing scored
@@ -153,10 +214,8 @@ McScores score_mc_requests(const std::vector<McRequest>& all, const McScoring& h
     done += rows;
     if (how.progress) how.progress(done, planned);
   }
-  McScores out;
-  out.loglikelihood.resize(all.size()), out.greedy.resize(all.size());
   for (size_t r = 0; r < all.size(); r++)
-    out.loglikelihood[r] = scores.loglikelihood[same[r]], out.greedy[r] = scores.greedy[same[r]];
+    if (same[r] >= 0) out.loglikelihood[r] = scores.loglikelihood[same[r]], out.greedy[r] = scores.greedy[same[r]];
   return out;
 }
 

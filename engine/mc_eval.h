@@ -45,7 +45,12 @@ struct McScoring {
   // Every rank makes the same number of calls (a rank out of batches scores an empty one): what ZeRO-3's gathers
   // over dp need of an engine.
   bool lockstep = false;
-  // After each batch this rank scored: windows done and planned (this rank's), for progress lines.
+  // Given, a record whose choices share their context ids scores the context once (ForwardModel::forward_shared_logps:
+  // the context but its last token, then each choice's row: that token and the continuation); the others are packed.
+  std::function<void(const int32_t* context, int64_t c, const int32_t* tokens, const int32_t* targets, int64_t k,
+                     int64_t m, float* logps, uint8_t* greedy)>
+      shared;
+  // After each batch (or shared record) this rank scored: those done and planned (this rank's), for progress lines.
   std::function<void(int64_t done, int64_t planned)> progress;
 };
 

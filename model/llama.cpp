@@ -903,21 +903,49 @@ void Llama::head_logps(const int32_t* targets, int64_t rows, float* logps, bool 
   const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
   const float* w_head = (lm_unit == H ? head_base_ : store_->acquire(lm_unit)) + lm_offset;
   const float* normed = sp_ ? sp_gather(final_norm_out_.data(), "sp lm_head input") : final_norm_out_.data();
-  for (int64_t r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
-    const int64_t nr = std::min(head_chunk_rows_, rows - r0);
-    float* logits = logits_chunk_.data();
-    cpu::matmul_fwd(logits, normed + r0 * C, w_head, nr, C, V);
-    if (!tp_ && greedy) {
-      cpu::classifier_target_logps(logits, targets + r0, nr, V, logps + r0, greedy + r0);
-      continue;
+  // Scoring (greedy wanted) sends only the rows with a target through the head, gathered a chunk at a time: a
+  // multiple-choice request's context rows have none, and the head is the widest GEMM of a small model. Every tp rank
+  // has the same targets, so the vocab-parallel collectives below stay in step.
+  std::vector<int64_t> picked;
+  if (greedy) {
+    for (int64_t i = 0; i < rows; i++)
+      if (targets[i] != cpu::kIgnoreIndex) picked.push_back(i);
+    std::fill(logps, logps + rows, 0.0f);
+    std::fill(greedy, greedy + rows, uint8_t{0});
+  }
+  const int64_t n = greedy ? static_cast<int64_t>(picked.size()) : rows;
+  std::vector<float> x_chunk, lp_chunk;
+  std::vector<int32_t> t_chunk;
+  std::vector<uint8_t> g_chunk;
+  for (int64_t r0 = 0; r0 < n; r0 += head_chunk_rows_) {
+    const int64_t nr = std::min(head_chunk_rows_, n - r0);
+    const float* x = normed + r0 * C;
+    const int32_t* t = targets + r0;
+    float* lp = logps + r0;
+    uint8_t* g = nullptr;
+    if (greedy) {
+      x_chunk.resize(nr * C), t_chunk.resize(nr), lp_chunk.resize(nr), g_chunk.resize(nr);
+      for (int64_t i = 0; i < nr; i++) {
+        std::copy_n(normed + picked[r0 + i] * C, C, x_chunk.data() + i * C);
+        t_chunk[i] = targets[picked[r0 + i]];
+      }
+      x = x_chunk.data(), t = t_chunk.data(), lp = lp_chunk.data(), g = g_chunk.data();
     }
-    if (greedy) greedy_targets(logits, targets + r0, nr, greedy + r0);
-    // Losses with dloss 0: the logits stay as they are, nothing of a gradient is formed.
-    if (tp_)
-      parallel_cross_entropy(logits, targets + r0, nr, /*want_grad=*/false, nullptr, logps + r0);
-    else
-      cpu::classifier_fwd_bwd(logits, logps + r0, targets + r0, nr, V, 0.0);
-    for (int64_t i = 0; i < nr; i++) logps[r0 + i] = -logps[r0 + i];
+    float* logits = logits_chunk_.data();
+    cpu::matmul_fwd(logits, x, w_head, nr, C, V);
+    if (g && !tp_) {
+      cpu::classifier_target_logps(logits, t, nr, V, lp, g);
+    } else {
+      if (g) greedy_targets(logits, t, nr, g);
+      // Losses with dloss 0: the logits stay as they are, nothing of a gradient is formed.
+      if (tp_)
+        parallel_cross_entropy(logits, t, nr, /*want_grad=*/false, nullptr, lp);
+      else
+        cpu::classifier_fwd_bwd(logits, lp, t, nr, V, 0.0);
+      for (int64_t i = 0; i < nr; i++) lp[i] = -lp[i];
+    }
+    if (greedy)
+      for (int64_t i = 0; i < nr; i++) logps[picked[r0 + i]] = lp[i], greedy[picked[r0 + i]] = g[i];
   }
   if (lm_unit != H) store_->release(lm_unit);
   if (!keep_head) store_->release(H);  // no backward: the pass ends here
@@ -976,8 +1004,13 @@ KvCache Llama::make_kv_cache(int64_t batch, int64_t capacity) const {
   return cache;
 }
 
-void Llama::forward_cached(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache, float* last_logits) {
-  TUNA_CHECK(!tp_, "forward_cached returns whole-vocabulary logits: not with tensor parallelism");
+void Llama::prefill_cache(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache) {
+  cached_forward(tokens, batch, n, cache);
+  store_->release(layout_.head_unit());  // no head: the pass ends here
+}
+
+void Llama::cached_forward(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache) {
+  TUNA_CHECK(!tp_, "a KV cache is not kept with tensor parallelism");
   TUNA_CHECK(static_cast<int64_t>(cache.keys.size()) == config_.num_hidden_layers, "a KV cache of another model");
   TUNA_CHECK(layout_.whole(), "forward_cached of a pipeline stage");
   select_slot(0);
@@ -986,6 +1019,30 @@ void Llama::forward_cached(const int32_t* tokens, int64_t batch, int64_t n, KvCa
     fail("forward_cached: ", n, " new positions after ", cache.length, " do not fit the KV cache's ", cache.capacity);
   forward(tokens, batch, n, /*backward_follows=*/false, &cache);
   cache.length += n;
+}
+
+KvCache Llama::repeat_kv_cache(const KvCache& cache, int64_t batch, int64_t capacity) const {
+  TUNA_CHECK(cache.batch >= 1 && capacity >= cache.length, "repeat_kv_cache: ", cache.length, " positions into ", capacity);
+  KvCache out = make_kv_cache(batch, capacity);
+  out.length = cache.length;
+  const int64_t kv = layout_.tp().kv_dim, filled = cache.length * kv;
+  for (size_t l = 0; l < cache.keys.size(); l++)
+    for (int64_t b = 0; b < batch; b++) {
+      std::copy_n(cache.keys[l].begin(), filled, out.keys[l].begin() + b * capacity * kv);
+      std::copy_n(cache.values[l].begin(), filled, out.values[l].begin() + b * capacity * kv);
+    }
+  return out;
+}
+
+void Llama::forward_cached_logps(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache, const int32_t* targets,
+                                 float* logps, uint8_t* greedy) {
+  cached_forward(tokens, batch, n, cache);
+  head_logps(targets, batch * n, logps, /*keep_head=*/false, greedy);
+}
+
+void Llama::forward_cached(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache, float* last_logits) {
+  TUNA_CHECK(!tp_, "forward_cached returns whole-vocabulary logits: not with tensor parallelism");
+  cached_forward(tokens, batch, n, cache);
   // The head reads only each sequence's last position: rows b * n + n - 1 move up to row b (never onto a
   // row still to be read, since b <= b * n + n - 1).
   const int64_t C = config_.hidden_size;

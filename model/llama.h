@@ -201,6 +201,14 @@ class Llama {
   // batch x n within the planned max_batch x max_seq. Not under tensor parallelism.
   KvCache make_kv_cache(int64_t batch, int64_t capacity) const;
   void forward_cached(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache, float* last_logits);
+  // Multiple-choice scoring of continuations that share a context (engine/mc_eval.h): prefill_cache appends n tokens
+  // to each sequence of the cache without the head; repeat_kv_cache gives `batch` sequences of capacity positions
+  // that each hold sequence 0 of `cache`; forward_cached_logps appends tokens [batch, n] as forward_cached does and
+  // writes each new position's target log-prob and greedy flag ([batch, n], targets may be kIgnoreIndex).
+  void prefill_cache(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache);
+  KvCache repeat_kv_cache(const KvCache& cache, int64_t batch, int64_t capacity) const;
+  void forward_cached_logps(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache, const int32_t* targets,
+                            float* logps, uint8_t* greedy);
 
   // Activation bytes planned at construction (for logs and memory planning).
   int64_t activation_bytes() const;
@@ -232,6 +240,8 @@ class Llama {
   void linear_bwd(const std::vector<Fp8GroupCpu::Part>& parts, const std::vector<const float*>& dys,
                   const std::vector<float*>& dweights, float* dx, bool accumulate_dx, const float* x, int64_t n,
                   int64_t in, bool x_split, bool dy_split);
+  // forward() over a KV cache (its checks; the head unit left acquired for the caller's head pass).
+  void cached_forward(const int32_t* tokens, int64_t batch, int64_t n, KvCache& cache);
   // With a cache: positions cache->length.., keys and values appended to it, attention over it too.
   void forward(const int32_t* inputs, int64_t batch, int64_t seq, bool backward_follows, KvCache* cache = nullptr,
                const int32_t* positions = nullptr);

@@ -45,7 +45,7 @@ namespace {
 
 struct TaskRun {
   std::string tasks, output, tokenizer, device;
-  bool skip_bad = false, special_tokens = true, quiet = false;
+  bool skip_bad = false, special_tokens = true, quiet = false, share_context = true;
   int64_t seq_len = 0, micro_batch = 4;
 };
 
@@ -78,11 +78,20 @@ int eval_tasks(const TaskRun& run, const std::string& checkpoint, const ModelSou
                                          : std::min<int64_t>(config.max_position_embeddings,
                                                              (std::max<int64_t>(longest, 256) + 63) / 64 * 64);
   check_seq_len(config, window, "seq_len", config_dir + "/config.json");
-  std::unique_ptr<ForwardModel> model = make_forward_model(config, resolve_device(run.device), run.micro_batch, window,
-                                                           source.fill, DocumentMode{true, true});
+  // A record's choices go through one forward together when they share their context: as many rows as choices.
+  size_t choices = 1;
+  for (const McRecord& r : tasks.records) choices = std::max(choices, r.choices.size());
+  std::unique_ptr<ForwardModel> model =
+      make_forward_model(config, resolve_device(run.device), std::max<int64_t>(run.micro_batch, choices), window,
+                         source.fill, DocumentMode{true, true});
   McScoring how;
   how.batch = run.micro_batch, how.seq = window, how.packed = model->packs_documents();
   how.rank = world->rank(), how.ranks = world->size();
+  if (model->shares_context() && run.share_context)
+    how.shared = [&](const int32_t* context, int64_t c, const int32_t* tokens, const int32_t* targets, int64_t k,
+                     int64_t m, float* logps, uint8_t* greedy) {
+      model->forward_shared_logps(context, c, tokens, targets, k, m, logps, greedy);
+    };
   const McPacking packing = pack_mc_requests(requests, how);
   if (talk) {
     std::fprintf(stderr, "eval: %zu records of %zu task(s) in %zu file(s), %zu requests (%s)\n", tasks.records.size(),
@@ -161,6 +170,8 @@ int main(int argc, char** argv) {
     options.add("add_special_tokens", &task_run.special_tokens, "with --tasks: encode each text with the tokenizer's own "
                 "special tokens (Llama's BOS first), as lm-eval's Hugging Face backend does by default; false: plain ids "
                 "(lm-eval's add_bos_token=False)");
+    options.add("share_context", &task_run.share_context, "with --tasks: a record's choices that share their context "
+                "compute it once (a KV cache; cpu); false: every request packed on its own");
     options.add("tokenizer", &task_run.tokenizer, "with --tasks: the tokenizer (file or directory); default: the "
                 "checkpoint's");
     options.add("seq_len", &seq_len, "tokens per window (windows do not overlap); 0: the checkpoint's training seq_len, "
