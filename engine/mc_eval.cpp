@@ -334,6 +334,24 @@ McEvaluator::McEvaluator(const std::string& specs, const Tokenizer& tokenizer, b
     at = comma + 1;
   }
   tasks_ = read_mc_tasks(list, skip_bad);
+  // A record with a choice longer than the run's windows cannot be scored in them: counted and left out, so that a
+  // long run never stops on it (build/eval --tasks takes a longer --seq_len).
+  std::vector<McRecord> kept;
+  std::vector<int32_t> context, continuation;
+  for (McRecord& r : tasks_.records) {
+    bool fits = true;
+    for (size_t k = 0; fits && k < r.choices.size(); k++) {
+      encode_mc_pair(tokenizer, r.context(k), r.choices[k], /*special_tokens=*/true, &context, &continuation);
+      fits = static_cast<int64_t>(continuation.size()) <= seq_len;
+    }
+    if (fits) kept.push_back(std::move(r));
+    else tasks_.skipped["a choice longer than seq_len"]++;
+  }
+  if (kept.empty()) fail("--eval_tasks ", specs, ": no record whose choices fit windows of ", seq_len, " tokens");
+  tasks_.records = std::move(kept);
+  tasks_.tasks.clear();
+  for (const McRecord& r : tasks_.records)
+    if (std::find(tasks_.tasks.begin(), tasks_.tasks.end(), r.task) == tasks_.tasks.end()) tasks_.tasks.push_back(r.task);
   requests_ = encode_mc_requests(tasks_, tokenizer, /*special_tokens=*/true, seq_len, &truncated_);
   how_.batch = micro_batch, how_.seq = seq_len, how_.packed = true, how_.lockstep = true;
   if (dp_) how_.rank = dp_->rank(), how_.ranks = dp_->size();

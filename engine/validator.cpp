@@ -82,12 +82,12 @@ nlohmann::json Validator::Result::record() const {
 
 std::string Validator::Result::line() const {
   std::string out = has_loss ? loss_line() : str("step ", step, " | eval_tasks");
-  // The tasks' aggregate (or the one task), acc and acc_norm; build/eval --tasks gives every task's.
-  if (!tasks.empty()) {
-    const McMetrics& m = tasks.back();
-    char buf[160];
-    std::snprintf(buf, sizeof buf, " | %s acc %.4f acc_norm %.4f (%lld records)", m.task.c_str(), m.acc, m.acc_norm,
-                  static_cast<long long>(m.records));
+  // Each task's acc and acc_norm and the aggregate's, up to four tasks; beyond, the aggregate alone (build/eval --tasks
+  // and metrics.jsonl have every task's).
+  const size_t first = tasks.size() <= 5 ? 0 : tasks.size() - 1;
+  for (size_t i = first; i < tasks.size(); i++) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, " | %s acc %.4f acc_norm %.4f", tasks[i].task.c_str(), tasks[i].acc, tasks[i].acc_norm);
     out += buf;
   }
   return out;

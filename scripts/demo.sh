@@ -21,6 +21,9 @@ CKPT="$RUN/ckpt/latest"  # the newest checkpoint
 echo
 echo "== 3/5 eval: the trained model on the held-out documents (the directory's val-* shards, the run's seq_len)"
 "$B/eval" --checkpoint "$CKPT" --data "$RUN/data" | head -n 1
+echo "   and on the shipped multiple-choice tasks (demo/tasks), as lm-evaluation-harness scores them; the training"
+echo "   log above has the same at step 0, before any training (a 1M-parameter model: expect little above chance)"
+"$B/eval" --checkpoint "$CKPT" --tasks demo/tasks --seq_len 128 --quiet | head -n 4
 
 echo
 echo "== 4/5 sample"
