@@ -1,5 +1,7 @@
 // build/eval end to end: the loss it prints is the model's loss over every window of the shards (the same
-// numbers the CPU model computes in process), and bad input fails with a message naming it.
+// numbers the CPU model computes in process), and bad input fails with a message naming it. --tasks on the lm-eval
+// fixture (tests/fixtures/mc_eval): the metrics line and --output rows, the shared context and packing giving the
+// same, and a bad record named by file and line, or counted by reason under --skip_bad_records.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -220,6 +222,41 @@ TEST(Eval, LoraCheckpointIsItsMergedModel) {
                   tmp / "log");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("not a LoRA checkpoint"), std::string::npos) << r.output;
+}
+
+TEST(Eval, TasksScoreTheFixtureAndNameBadRecords) {
+  TempDir tmp("eval_tasks");
+  const std::string fixture = "tests/fixtures/mc_eval";
+  const std::string base = kEval + " --checkpoint " + fixture + " --threads 1 --quiet --tasks ";
+  auto r = run_command(base + fixture + "/tasks --output " + (tmp / "shared.jsonl").string(), tmp / "log1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json line = json_line(r.output);
+  EXPECT_EQ(line.at("records"), 106);
+  EXPECT_EQ(line.at("metrics").size(), 5u);  // four tasks and "all"
+  EXPECT_NE(r.output.find("mc_four "), std::string::npos) << r.output;
+  r = run_command(base + fixture + "/tasks --share_context false --output " + (tmp / "packed.jsonl").string(), tmp / "log2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(json_line(r.output).at("metrics"), line.at("metrics"));
+  std::ifstream a(tmp / "shared.jsonl"), b(tmp / "packed.jsonl");
+  int rows = 0;
+  for (std::string la, lb; std::getline(a, la) && std::getline(b, lb); rows++) {
+    const nlohmann::json ra = nlohmann::json::parse(la), rb = nlohmann::json::parse(lb);
+    EXPECT_EQ(ra.at("pred"), rb.at("pred"));
+    const auto x = ra.at("loglikelihoods").get<std::vector<double>>(), y = rb.at("loglikelihoods").get<std::vector<double>>();
+    for (size_t k = 0; k < x.size(); k++) EXPECT_NEAR(x[k], y[k], 1e-5 * std::abs(y[k])) << la;
+  }
+  EXPECT_EQ(rows, 106);
+  // A bad record: the file and line, or with --skip_bad_records a count by reason.
+  const fs::path bad = tmp / "bad.jsonl";
+  std::ofstream(bad) << "{\"task\": \"t\", \"context\": \"Q\", \"choices\": [\" a\", \" b\"], \"gold\": 0}\n"
+                     << "{\"task\": \"t\", \"context\": \"Q\", \"choices\": [\" a\", \" b\"], \"gold\": 5}\n";
+  r = run_command(base + bad.string(), tmp / "log3");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find(bad.string() + ":2: gold 5 is not an index of the 2 choices"), std::string::npos) << r.output;
+  r = run_command(kEval + " --checkpoint " + fixture + " --threads 1 --skip_bad_records --tasks " + bad.string(), tmp / "log4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("skipped 1 bad record(s): gold out of range"), std::string::npos) << r.output;
+  EXPECT_EQ(json_line(r.output).at("skipped").at("gold out of range"), 1);
 }
 
 }  // namespace
