@@ -133,18 +133,23 @@ void PipelineDriver::exchange_tied_gradient() {
 }
 
 LossSum PipelineDriver::forward_loss(const MicroBatch& b) {
+  LossSum loss;
+  forward_pass(b, [&] { loss = stage_.forward(0, b, /*backward_follows=*/false); });
+  return loss;
+}
+
+void PipelineDriver::forward_pass(const MicroBatch& b, const std::function<void()>& compute) {
   const int s = comm_.rank(), last = comm_.size() - 1;
   const int64_t count = stage_.boundary_elements(b);
   if (s > 0) {
     stage_.before_transfer();  // the last pass that read input(0)
     comm_.recv(stage_.input(0), count, stage_.wire_type(), s - 1, links_.recv_activations.c_str());
   }
-  const LossSum loss = stage_.forward(0, b, /*backward_follows=*/false);
+  compute();
   if (s < last) {
     stage_.before_transfer();
     comm_.send(stage_.output(), count, stage_.wire_type(), s + 1, links_.send_activations.c_str());
   }
-  return loss;
 }
 
 }  // namespace tuna

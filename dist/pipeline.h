@@ -172,6 +172,9 @@ class PipelineDriver {
   LossSum step(const std::vector<MicroBatch>& micro_batches);
   // One micro-batch down the pipe without a backward (evaluation; the loss on the last stage).
   LossSum forward_loss(const MicroBatch& b);
+  // One micro-batch's forward through the stages with `compute` in place of the stage's loss pass (multiple-choice
+  // scoring's log-probs: model/llama.h forward_target_logps): its input received first, its output sent after.
+  void forward_pass(const MicroBatch& b, const std::function<void()>& compute);
   const PipelineLinks& links() const { return links_; }
 
  private:

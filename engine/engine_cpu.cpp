@@ -146,10 +146,14 @@ class CpuEngine final : public Engine {
 
   void target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq, const int32_t* positions,
                     float* logps, uint8_t* greedy) override {
-    if (pipeline_)
-      fail("--eval_tasks over pipeline stages (pp > 1) is not implemented yet: evaluate a checkpoint with build/eval "
-           "--tasks");
-    model_.forward_target_logps(inputs, targets, batch, seq, positions, logps, greedy);
+    if (!pipeline_) return model_.forward_target_logps(inputs, targets, batch, seq, positions, logps, greedy);
+    pipeline_->forward_pass(MicroBatch{inputs, targets, positions, batch, seq}, [&] {
+      model_.forward_target_logps(inputs, targets, batch, seq, positions, logps, greedy);
+    });
+    // The last stage has them; every stage reports them (the metrics are printed by rank 0, a first stage).
+    const int last = pp_->size() - 1;
+    pp_->broadcast(logps, batch * seq * static_cast<int64_t>(sizeof(float)), last, "eval_tasks log-probs");
+    pp_->broadcast(greedy, batch * seq, last, "eval_tasks greedy");
   }
 
   const std::vector<Segment>& segments() const override { return zero_->segments(); }

@@ -861,8 +861,14 @@ void Llama::forward_target_logps(const int32_t* inputs, const int32_t* targets, 
   const DocumentMode mode = documents_;
   documents_ = DocumentMode{true, true};
   try {
-    forward_logps(inputs, targets, batch, seq, positions, logps, /*backward_follows=*/false, /*adapters_off=*/false,
-                  greedy);
+    if (layout_.whole()) {
+      forward_logps(inputs, targets, batch, seq, positions, logps, /*backward_follows=*/false, /*adapters_off=*/false,
+                    greedy);
+    } else {  // a pipeline stage (its input in stage_input(0)); the last computes them
+      select_slot(0);
+      forward(inputs, batch, seq, /*backward_follows=*/false, nullptr, positions);
+      if (stage_.head) head_logps(targets, batch * seq, logps, /*keep_head=*/false, greedy);
+    }
   } catch (...) {
     documents_ = mode;
     throw;

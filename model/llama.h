@@ -162,7 +162,8 @@ class Llama {
   void backward_weighted(const int32_t* inputs, const int32_t* targets, const float* weights, int64_t batch,
                          int64_t seq);
   // Multiple-choice scoring (engine/mc_eval.h): forward_logps with greedy flags, the documents masked and positions
-  // restarted whatever the document mode, so that each request of a packed window scores as it would alone.
+  // restarted whatever the document mode, so that each request of a packed window scores as it would alone. A
+  // pipeline stage runs its layers (its input in stage_input(0)); the last stage writes logps and greedy.
   void forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                             const int32_t* positions, float* logps, uint8_t* greedy);
   // The same loss without gradients (evaluation).

@@ -166,9 +166,6 @@ Support eval_tasks_support(const MemoryLayout& l, Device device) {
   if (device == Device::Cuda)
     return not_implemented("--eval_tasks with --device cuda: not implemented yet (the CUDA engine's per-token log-probs ",
                            "are not wired); score a checkpoint with build/eval --tasks, or train with --device cpu");
-  if (l.pp > 1)
-    return not_implemented("--eval_tasks with --pp ", l.pp, ": not implemented yet (the pipeline driver runs the ",
-                           "next-token loss only); score a checkpoint with build/eval --tasks");
   return {};
 }
 

@@ -1,7 +1,7 @@
 // Multiple-choice evaluation under mpirun, on the lm-eval fixture (tests/fixtures/mc_eval: a tiny LLaMA with its
 // tokenizer and tasks of 2, 4 and 10 choices): build/eval --tasks at dp 2 writes the per-choice log-likelihoods one
 // rank does, and build/train --eval_tasks reports the same accuracies at dp 2 with ZeRO-3, tp 2 and tp 2 with sp as one
-// rank at every validation; pipeline stages are refused at start as not implemented.
+// rank at every validation, and so does pp 2 (the last stage's log-probs broadcast to every stage).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -108,12 +108,14 @@ TEST_F(DistTrainEvalTasks, DataAndTensorParallelReportOneRanksAccuracy) {
   }
 }
 
-TEST_F(DistTrainEvalTasks, PipelineStagesAreRefusedAtStart) {
-  const auto r = run_command(mpirun(2) + testing_util::build_dir() + "/train" +
-                                 flags("pp2", " --micro_batch 2 --grad_accum 2 --pp 2"),
-                             tmp_->path / "pp2_log");
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("--eval_tasks with --pp 2: not implemented yet"), std::string::npos) << r.output;
+TEST_F(DistTrainEvalTasks, PipelineStagesReportOneRanksAccuracy) {
+  auto r = run_command(testing_util::build_dir() + "/train" + flags("one_pp", " --micro_batch 2 --grad_accum 2"),
+                       tmp_->path / "one_pp_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_command(mpirun(2) + testing_util::build_dir() + "/train" + flags("pp2", " --micro_batch 2 --grad_accum 2 --pp 2"),
+                  tmp_->path / "pp2_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_accuracy("one_pp", "pp2");
 }
 
 }  // namespace
