@@ -234,16 +234,23 @@ Llama::Llama(const LlamaConfig& config, int64_t max_batch, int64_t max_seq, cons
       sp_norm_grads_.resize(2 * c.hidden_size);
     }
     if (adapters) {
-      int64_t largest = 0;
-      for (int t = 0; t < kLoraTargets; t++) {
-        if (!lora_.has(LoraTarget(t))) continue;
-        const auto [out, in] = local_shape(c, d, LoraTarget(t));
-        largest = std::max({largest, out, in});
-        for (LayerActs& a : acts_) a.lora_u[t].resize(n * lora_.rank);
+      int64_t largest_in = 0, widest = 0, stacked = 0;
+      for (int g = 0; g < kLoraInputs; g++) {
+        LoraGroup& group = lora_groups_[g];
+        const std::vector<LoraTarget> on_input = lora_input_targets(LoraInput(g));
+        for (size_t p = 0; p < on_input.size(); p++)
+          if (lora_.has(on_input[p]))
+            group.targets.push_back(on_input[p]), group.place.push_back(static_cast<int>(p)),
+                group.in = local_shape(c, d, on_input[p])[1];
+        const int64_t width = lora_.rank * static_cast<int64_t>(group.targets.size());
+        if (width == 0) continue;
+        for (LayerActs& a : acts_) a.lora_u[g].resize(n * width);
+        largest_in = std::max(largest_in, group.in), widest = std::max(widest, width);
+        if (group.targets.size() > 1) stacked = std::max(stacked, width * group.in);
       }
-      if (lora_.dropout > 0) lora_in_.resize(n * largest);
-      lora_tmp_.resize(n * largest);
-      lora_dt_.resize(n * lora_.rank);
+      if (lora_.dropout > 0) lora_in_.resize(n * largest_in), lora_tmp_.resize(n * largest_in);
+      lora_dt_.resize(n * widest);
+      lora_a_.resize(stacked), lora_da_.resize(stacked);
     }
                 });
   // The memory plan is made of llama_buffer_sizes: a buffer added here without it would make the plan wrong.
@@ -279,15 +286,20 @@ LlamaBufferSizes llama_buffer_sizes(const LlamaConfig& c, const TpDims& d, int64
   s.ce_stats = d.tp_size > 1 ? 3 * s.head_chunk_rows : 0;
   s.documents = 2 * n;
   if (lora.enabled()) {
-    int64_t largest = 0, targets = 0;
-    for (int t = 0; t < kLoraTargets; t++) {
-      if (!lora.has(LoraTarget(t))) continue;
-      const auto [out, in] = local_shape(c, d, LoraTarget(t));
-      largest = std::max({largest, out, in});
-      targets++;
+    // Per input (LoraInput) its adapters' u side by side; dt of the widest group; the stacked A and dA of the largest
+    // group of two or more; with dropout the dropped input and its gradient.
+    int64_t largest_in = 0, widest = 0, stacked = 0, targets = 0;
+    for (int g = 0; g < kLoraInputs; g++) {
+      int64_t count = 0, in = 0;
+      for (LoraTarget t : lora_input_targets(LoraInput(g)))
+        if (lora.has(t)) count++, in = local_shape(c, d, t)[1];
+      if (count == 0) continue;
+      targets += count;
+      largest_in = std::max(largest_in, in), widest = std::max(widest, count * lora.rank);
+      if (count > 1) stacked = std::max(stacked, count * lora.rank * in);
     }
     s.lora_kept_per_layer = n * lora.rank * targets;
-    s.lora_scratch = (lora.dropout > 0 ? n * largest : 0) + n * largest + n * lora.rank;
+    s.lora_scratch = (lora.dropout > 0 ? 2 * n * largest_in : 0) + n * widest + 2 * stacked;
   }
   return s;
 }
@@ -300,7 +312,8 @@ int64_t Llama::activation_bytes() const {
       floats += static_cast<int64_t>(v->size());
   for (const LayerActs& a : acts_)
     for (const std::vector<float>& u : a.lora_u) floats += static_cast<int64_t>(u.size());
-  for (const std::vector<float>* v : {&lora_in_, &lora_tmp_, &lora_dt_}) floats += static_cast<int64_t>(v->size());
+  for (const std::vector<float>* v : {&lora_in_, &lora_tmp_, &lora_dt_, &lora_a_, &lora_da_})
+    floats += static_cast<int64_t>(v->size());
   for (const std::vector<float>* v :
        {&resid_out_, &final_norm_out_, &final_rstd_, &logits_chunk_, &d_resid_, &d_norm_, &d_q_, &d_k_, &d_v_,
         &d_att_, &d_gate_, &d_up_, &d_act_, &d_final_norm_, &gathered_, &sp_norm_grads_})
@@ -516,17 +529,15 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     auto w = [&](int64_t offset) { return base + (offset - begin); };
     float* resid_next = l + 1 < end ? acts(l + 1).resid_in.data() : resid_out_.data();
     const float* adapters = lora_store_ && !adapters_off_ ? lora_store_->acquire(l) : nullptr;
-    auto adapt = [&](LoraTarget t, const float* x, float* y) {
-      if (adapters && lora_.has(t)) lora_fwd(l, t, adapters, x, y, n, backward_follows);
+    auto adapt = [&](LoraInput g, const float* x, std::initializer_list<float*> ys) {
+      if (adapters) lora_fwd(l, g, adapters, x, ys, n);
     };
 
     cpu::rmsnorm_fwd(a.norm1.data(), a.rstd1.data(), a.resid_in.data(), w(o.input_norm), nr, C, c.rms_norm_eps);
     const float* x1 = sp_ ? sp_gather(a.norm1.data(), "sp q/k/v input") : a.norm1.data();
     linear_fwd({{w(o.q_proj), d.q_dim}, {w(o.k_proj), d.kv_dim}, {w(o.v_proj), d.kv_dim}},
                {a.q.data(), a.k.data(), a.v.data()}, x1, n, C, /*x_split=*/false);
-    adapt(LoraTarget::Q, x1, a.q.data());
-    adapt(LoraTarget::K, x1, a.k.data());
-    adapt(LoraTarget::V, x1, a.v.data());
+    adapt(LoraInput::Attention, x1, {a.q.data(), a.k.data(), a.v.data()});
     cpu::rope_fwd(a.q.data(), a.q.data(), rope_cos, rope_sin, batch, seq, d.heads, c.head_dim, d.q_dim, d.q_dim,
                   rope_position_ids_);
     cpu::rope_fwd(a.k.data(), a.k.data(), rope_cos, rope_sin, batch, seq, d.kv_heads, c.head_dim, d.kv_dim,
@@ -546,19 +557,18 @@ void Llama::forward(const int32_t* inputs, int64_t batch, int64_t seq, bool back
     float* o_out = sp_ ? gathered_.data() : a.resid_mid.data();  // every row's partial sums
     linear_fwd({{w(o.o_proj), C}}, {o_out}, a.att.data(), n, d.q_dim, /*x_split=*/true);
     sp_reduce(o_out, a.resid_mid.data(), n, "tp o_proj");  // row-parallel: partial sums
-    adapt(LoraTarget::O, a.att.data(), a.resid_mid.data());   // after the sum: added once (lora_fwd)
+    adapt(LoraInput::AttentionOut, a.att.data(), {a.resid_mid.data()});  // after the sum: added once (lora_fwd)
     for (int64_t i = 0; i < nr * C; i++) a.resid_mid[i] += a.resid_in[i];
 
     cpu::rmsnorm_fwd(a.norm2.data(), a.rstd2.data(), a.resid_mid.data(), w(o.post_norm), nr, C, c.rms_norm_eps);
     const float* x2 = sp_ ? sp_gather(a.norm2.data(), "sp gate/up input") : a.norm2.data();
     linear_fwd({{w(o.gate_proj), F}, {w(o.up_proj), F}}, {a.gate.data(), a.up.data()}, x2, n, C, /*x_split=*/false);
-    adapt(LoraTarget::Gate, x2, a.gate.data());
-    adapt(LoraTarget::Up, x2, a.up.data());
+    adapt(LoraInput::Mlp, x2, {a.gate.data(), a.up.data()});
     cpu::swiglu_fwd(a.act.data(), a.gate.data(), a.up.data(), n, F, F);
     float* down_out = sp_ ? gathered_.data() : resid_next;
     linear_fwd({{w(o.down_proj), C}}, {down_out}, a.act.data(), n, F, /*x_split=*/true);
     sp_reduce(down_out, resid_next, n, "tp down_proj");
-    adapt(LoraTarget::Down, a.act.data(), resid_next);
+    adapt(LoraInput::MlpOut, a.act.data(), {resid_next});
     for (int64_t i = 0; i < nr * C; i++) resid_next[i] += a.resid_mid[i];
     store_->release(1 + l);
     if (adapters) lora_store_->release(l);
@@ -638,8 +648,8 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     auto g = [&](int64_t offset) { return gb ? gb + (offset - begin) : nullptr; };
     const float* adapters = lora_store_ ? lora_store_->acquire(static_cast<int>(l)) : nullptr;
     float* adapter_grads = lora_store_ ? lora_store_->grads(static_cast<int>(l)) : nullptr;
-    auto adapt = [&](LoraTarget t, const float* x, const float* dy, float* dx) {
-      if (adapters && lora_.has(t)) lora_bwd(l, t, adapters, adapter_grads, x, dy, dx, n);
+    auto adapt = [&](LoraInput g, const float* x, std::initializer_list<const float*> dys, float* dx) {
+      if (adapters) lora_bwd(l, g, adapters, adapter_grads, x, dys, dx, n);
     };
     // With sp: the row-parallel GEMMs' output gradient and the column-parallel ones' inputs are every row,
     // gathered (each into gathered_, used before the next gather); the column-parallel input gradients are every
@@ -649,14 +659,13 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     const float* dy2 = sp_ ? sp_gather(d_resid_.data(), "sp down_proj output grad") : d_resid_.data();
     linear_bwd({{w(o.down_proj), C}}, {dy2}, {g(o.down_proj)}, d_act_.data(), /*accumulate_dx=*/false, a.act.data(),
                n, F, /*x_split=*/true, /*dy_split=*/false);
-    adapt(LoraTarget::Down, a.act.data(), dy2, d_act_.data());
+    adapt(LoraInput::MlpOut, a.act.data(), {dy2}, d_act_.data());
     cpu::swiglu_bwd(d_gate_.data(), d_up_.data(), d_act_.data(), a.gate.data(), a.up.data(), n, F, F);
     const float* x2 = sp_ ? sp_gather(a.norm2.data(), "sp gate/up input") : a.norm2.data();
     linear_bwd({{w(o.gate_proj), F}, {w(o.up_proj), F}}, {d_gate_.data(), d_up_.data()},
                {g(o.gate_proj), g(o.up_proj)}, d_norm_.data(), /*accumulate_dx=*/false, x2, n, C, /*x_split=*/false,
                /*dy_split=*/true);
-    adapt(LoraTarget::Gate, x2, d_gate_.data(), d_norm_.data());
-    adapt(LoraTarget::Up, x2, d_up_.data(), d_norm_.data());
+    adapt(LoraInput::Mlp, x2, {d_gate_.data(), d_up_.data()}, d_norm_.data());
     sp_reduce(d_norm_.data(), dnorm, n, "tp gate/up input grad");  // column-parallel: partial input grads
     cpu::rmsnorm_bwd(d_resid_.data(), norm_grad(g(o.post_norm), 0), dnorm, a.resid_mid.data(), w(o.post_norm),
                      a.rstd2.data(), nr, C, norm_write);
@@ -664,7 +673,7 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     const float* dy1 = sp_ ? sp_gather(d_resid_.data(), "sp o_proj output grad") : d_resid_.data();
     linear_bwd({{w(o.o_proj), C}}, {dy1}, {g(o.o_proj)}, d_att_.data(), /*accumulate_dx=*/false, a.att.data(), n,
                d.q_dim, /*x_split=*/true, /*dy_split=*/false);
-    adapt(LoraTarget::O, a.att.data(), dy1, d_att_.data());
+    adapt(LoraInput::AttentionOut, a.att.data(), {dy1}, d_att_.data());
     cpu::attention_bwd(d_q_.data(), d_k_.data(), d_v_.data(), d_att_.data(), a.att.data(), a.lse.data(),
                        a.q.data(), a.k.data(), a.v.data(), batch, seq, d.heads, d.kv_heads, c.head_dim,
                        attention_doc_start_);
@@ -676,9 +685,7 @@ void Llama::backward(const int32_t* inputs, int64_t batch, int64_t seq) {
     linear_bwd({{w(o.q_proj), d.q_dim}, {w(o.k_proj), d.kv_dim}, {w(o.v_proj), d.kv_dim}},
                {d_q_.data(), d_k_.data(), d_v_.data()}, {g(o.q_proj), g(o.k_proj), g(o.v_proj)}, d_norm_.data(),
                /*accumulate_dx=*/false, x1, n, C, /*x_split=*/false, /*dy_split=*/true);
-    adapt(LoraTarget::Q, x1, d_q_.data(), d_norm_.data());
-    adapt(LoraTarget::K, x1, d_k_.data(), d_norm_.data());
-    adapt(LoraTarget::V, x1, d_v_.data(), d_norm_.data());
+    adapt(LoraInput::Attention, x1, {d_q_.data(), d_k_.data(), d_v_.data()}, d_norm_.data());
     sp_reduce(d_norm_.data(), dnorm, n, "tp q/k/v input grad");
     cpu::rmsnorm_bwd(d_resid_.data(), norm_grad(g(o.input_norm), 1), dnorm, a.resid_in.data(), w(o.input_norm),
                      a.rstd1.data(), nr, C, norm_write);
@@ -728,11 +735,20 @@ void Llama::linear_bwd(const std::vector<Fp8GroupCpu::Part>& parts, const std::v
 
 // ---- LoRA adapters: y += s B A dropout(x), s = alpha / r ----
 //
+// The adapters on one input (model/lora.h's LoraInput: q, k and v share theirs, gate and up theirs) run as a group.
+// Forward: without dropout one GEMM gives every u_j = s A_j x at once, side by side in u [n, r x adapters] (their A's
+// stacked: x is read and packed once, not once per adapter), with s as the GEMM's alpha; then each y_j += u_j B_j^T
+// with beta = 1, the base GEMM's output taken as the product's C (no product buffer, no pass adding it). Backward:
+// dB_j += dy_j^T u_j and dt_j = s dy_j B_j (alpha = s) side by side in dt; then, without dropout, one GEMM for the
+// input gradient dx += dt A_stacked (beta = 1) and one for dA_stacked = dt^T x. Dropout draws a mask per adapter, so
+// then each adapter's input is its own (x masked into lora_in_, its input gradient masked back from lora_tmp_) and
+// these products are one per adapter.
+//
 // Tensor parallelism (the splits of model/lora.h):
 //   column-parallel (q, k, v, gate, up): x is whole on every rank and A replicated, so t = A x is whole; B's block
 //     gives this rank's rows of y. Backward: dB from the local dy; this rank's partial dt = s B_local^T dy gives a
 //     partial input gradient that joins the input gradient's existing all-reduce, while dA = dt^T x needs the whole
-//     dt: one all-reduce of [n, r] over tp.
+//     dt: one all-reduce of the group's [n, r x adapters] over tp.
 //   row-parallel (o, down): x and A are split by columns, so t = sum over tp of A_local x_local: one all-reduce of
 //     [n, r]. The adapter's output is added after the layer's own all-reduce of y: every rank then adds the same
 //     s B t (B replicated, t whole) to the same whole y, so it counts once, as on one rank. Backward: dy is whole,
@@ -747,61 +763,110 @@ void Llama::lora_dropout_apply(int64_t l, LoraTarget t, const float* src, float*
                     accumulate);
 }
 
-const float* Llama::lora_input(int64_t l, LoraTarget t, const float* x, int64_t n, bool train) {
-  if (!train || lora_.dropout == 0) return x;
+const float* Llama::lora_input(int64_t l, LoraTarget t, const float* x, int64_t n) {
+  if (!lora_train_) return x;
   lora_dropout_apply(l, t, x, lora_in_.data(), n, /*accumulate=*/false);
   return lora_in_.data();
 }
 
-void Llama::lora_fwd(int64_t l, LoraTarget t, const float* adapters, const float* x, float* y, int64_t n, bool train) {
-  const int i = static_cast<int>(t);
+const float* Llama::lora_stacked_a(int64_t l, LoraInput g, const float* adapters) {
+  const LoraGroup& group = lora_groups_[static_cast<int>(g)];
   const LoraOffsets& o = lora_layout_.layers[l];
-  const int64_t begin = lora_layout_.params.unit_range(static_cast<int>(l)).first, r = lora_.rank;
-  const float* A = adapters + (o.a[i] - begin);
-  const float* B = adapters + (o.b[i] - begin);
-  const auto [out, in] = local_shape(config_, layout_.tp(), t);
-  float* u = acts(l).lora_u[i].data();
-  cpu::matmul_fwd(u, lora_input(l, t, x, n, train), A, n, in, r);
-  if (lora_target_row_parallel(t)) tp_all_reduce(u, n * r, "tp LoRA A x");  // A x over the split input
-  // Kept as u = s A x: then dB = dy^T u directly, and y adds u B^T.
-  const float s = static_cast<float>(lora_.scale());
-  for (int64_t k = 0; k < n * r; k++) u[k] *= s;
-  cpu::matmul_fwd(lora_tmp_.data(), u, B, n, r, out);
-  // With sp a row-parallel target's y (the reduce-scatter's output) holds this rank's rows only.
-  const bool rows_only = sp_ && lora_target_row_parallel(t);
-  const float* add = lora_tmp_.data() + (rows_only ? sp_rows_.begin * out : 0);
-  for (int64_t k = 0; k < (rows_only ? sp_rows_.size() : n) * out; k++) y[k] += add[k];
+  const int64_t begin = lora_layout_.params.unit_range(static_cast<int>(l)).first, size = lora_.rank * group.in;
+  auto a = [&](LoraTarget t) { return adapters + (o.a[static_cast<int>(t)] - begin); };
+  if (group.targets.size() == 1) return a(group.targets[0]);
+  // The A's are apart in the adapter buffer (each followed by its B); a copy of r x in each is small beside the
+  // product over n rows that reads it.
+  for (size_t j = 0; j < group.targets.size(); j++) std::copy_n(a(group.targets[j]), size, lora_a_.data() + j * size);
+  return lora_a_.data();
 }
 
-void Llama::lora_bwd(int64_t l, LoraTarget t, const float* adapters, float* grads, const float* x, const float* dy,
-                     float* dx, int64_t n) {
-  const int i = static_cast<int>(t);
+void Llama::lora_fwd(int64_t l, LoraInput g, const float* adapters, const float* x, std::initializer_list<float*> ys,
+                     int64_t n) {
+  const LoraGroup& group = lora_groups_[static_cast<int>(g)];
+  if (group.targets.empty()) return;
+  TUNA_CHECK(static_cast<size_t>(group.place.back()) < ys.size(), "LoRA: ", ys.size(), " outputs on input ",
+             static_cast<int>(g));
   const LoraOffsets& o = lora_layout_.layers[l];
   const int64_t begin = lora_layout_.params.unit_range(static_cast<int>(l)).first, r = lora_.rank;
-  const float* A = adapters + (o.a[i] - begin);
-  const float* B = adapters + (o.b[i] - begin);
-  float* dA = grads + (o.a[i] - begin);
-  float* dB = grads + (o.b[i] - begin);
-  const auto [out, in] = local_shape(config_, layout_.tp(), t);
-  float* dt = lora_dt_.data();
-  // dB += dy^T u, dt = dy B; then dt = s dy B, the gradient of A x.
-  cpu::matmul_bwd(dt, dB, dy, acts(l).lora_u[i].data(), B, n, r, out, /*accumulate_dinp=*/false,
-                  GradWrite::Accumulate);
+  const int64_t width = r * static_cast<int64_t>(group.targets.size()), in = group.in;
+  const bool row_parallel = lora_target_row_parallel(group.targets[0]);
   const float s = static_cast<float>(lora_.scale());
-  for (int64_t k = 0; k < n * r; k++) dt[k] *= s;
-  const float* xin = lora_input(l, t, x, n, lora_train_);  // the forward's mask again (a pure function)
-  // Without dropout the input gradient accumulates into dx directly; with it, through the mask from lora_tmp_.
-  const bool dropped = lora_train_;
-  float* dxin = dropped ? lora_tmp_.data() : dx;
-  if (tp_ && !lora_target_row_parallel(t)) {
-    cpu::matmul_bwd(dxin, static_cast<float*>(nullptr), dt, xin, A, n, in, r, /*accumulate_dinp=*/!dropped,
-                    GradWrite::Accumulate);  // partial: summed by the caller's all-reduce of dx
-    tp_all_reduce(dt, n * r, "tp LoRA dt");
-    cpu::matmul_bwd(static_cast<float*>(nullptr), dA, dt, xin, A, n, in, r, false, GradWrite::Accumulate);
+  float* u = acts(l).lora_u[static_cast<int>(g)].data();
+  // u = s A dropout(x), kept: then dB = dy^T u directly, and y adds u B^T.
+  if (lora_train_) {
+    for (size_t j = 0; j < group.targets.size(); j++) {
+      const LoraTarget t = group.targets[j];
+      cpu::gemm(false, true, n, r, in, s, lora_input(l, t, x, n), in, adapters + (o.a[static_cast<int>(t)] - begin), in,
+                0.0f, u + j * r, width);
+    }
   } else {
-    cpu::matmul_bwd(dxin, dA, dt, xin, A, n, in, r, /*accumulate_dinp=*/!dropped, GradWrite::Accumulate);
+    cpu::gemm(false, true, n, width, in, s, x, in, lora_stacked_a(l, g, adapters), in, 0.0f, u, width);
   }
-  if (dropped) lora_dropout_apply(l, t, lora_tmp_.data(), dx, n, /*accumulate=*/true);
+  if (row_parallel) tp_all_reduce(u, n * width, "tp LoRA A x");  // A x over the split input
+  // With sp a row-parallel target's y (the reduce-scatter's output) holds this rank's rows only.
+  const bool rows_only = sp_ && row_parallel;
+  const int64_t row0 = rows_only ? sp_rows_.begin : 0, rows = rows_only ? sp_rows_.size() : n;
+  for (size_t j = 0; j < group.targets.size(); j++) {
+    const LoraTarget t = group.targets[j];
+    const int64_t out = local_shape(config_, layout_.tp(), t)[0];
+    cpu::gemm(false, true, rows, out, r, 1.0f, u + row0 * width + j * r, width,
+              adapters + (o.b[static_cast<int>(t)] - begin), r, 1.0f, ys.begin()[group.place[j]], out);
+  }
+}
+
+void Llama::lora_bwd(int64_t l, LoraInput g, const float* adapters, float* grads, const float* x,
+                     std::initializer_list<const float*> dys, float* dx, int64_t n) {
+  const LoraGroup& group = lora_groups_[static_cast<int>(g)];
+  if (group.targets.empty()) return;
+  TUNA_CHECK(static_cast<size_t>(group.place.back()) < dys.size(), "LoRA: ", dys.size(), " output gradients on input ",
+             static_cast<int>(g));
+  const LoraOffsets& o = lora_layout_.layers[l];
+  const int64_t begin = lora_layout_.params.unit_range(static_cast<int>(l)).first, r = lora_.rank;
+  const int64_t width = r * static_cast<int64_t>(group.targets.size()), in = group.in;
+  const bool row_parallel = lora_target_row_parallel(group.targets[0]);
+  const float s = static_cast<float>(lora_.scale());
+  const float* u = acts(l).lora_u[static_cast<int>(g)].data();
+  float* dt = lora_dt_.data();
+  auto a = [&](LoraTarget t) { return adapters + (o.a[static_cast<int>(t)] - begin); };
+  auto da = [&](LoraTarget t) { return grads + (o.a[static_cast<int>(t)] - begin); };
+  // dB_j += dy_j^T u_j; dt_j = s dy_j B_j, the gradient of A_j x.
+  for (size_t j = 0; j < group.targets.size(); j++) {
+    const LoraTarget t = group.targets[j];
+    const int i = static_cast<int>(t);
+    const int64_t out = local_shape(config_, layout_.tp(), t)[0];
+    const float* dy = dys.begin()[group.place[j]];
+    cpu::gemm(true, false, out, r, n, 1.0f, dy, out, u + j * r, width, 1.0f, grads + (o.b[i] - begin), r);
+    cpu::gemm(false, false, n, r, out, s, dy, out, adapters + (o.b[i] - begin), r, 0.0f, dt + j * r, width);
+  }
+  // Column-parallel under tp: this rank's dt is partial. Its input gradient is too (summed by the caller's all-reduce
+  // of dx), but dA needs the whole dt.
+  const bool partial_dt = tp_ && !row_parallel;
+  if (!lora_train_) {
+    cpu::gemm(false, false, n, in, width, 1.0f, dt, width, lora_stacked_a(l, g, adapters), in, 1.0f, dx, in);
+    if (partial_dt) tp_all_reduce(dt, n * width, "tp LoRA dt");
+    if (group.targets.size() == 1)
+      return cpu::gemm(true, false, r, in, n, 1.0f, dt, width, x, in, 1.0f, da(group.targets[0]), in);
+    cpu::gemm(true, false, width, in, n, 1.0f, dt, width, x, in, 0.0f, lora_da_.data(), in);
+    for (size_t j = 0; j < group.targets.size(); j++) {
+      float* dA = da(group.targets[j]);
+      const float* part = lora_da_.data() + j * r * in;
+      for (int64_t k = 0; k < r * in; k++) dA[k] += part[k];
+    }
+    return;
+  }
+  // Dropout: each adapter's input gradient through its mask (from lora_tmp_), and dA from its masked input again (the
+  // forward's mask: a pure function of the key).
+  for (size_t j = 0; j < group.targets.size(); j++) {
+    const LoraTarget t = group.targets[j];
+    cpu::gemm(false, false, n, in, r, 1.0f, dt + j * r, width, a(t), in, 0.0f, lora_tmp_.data(), in);
+    lora_dropout_apply(l, t, lora_tmp_.data(), dx, n, /*accumulate=*/true);
+  }
+  if (partial_dt) tp_all_reduce(dt, n * width, "tp LoRA dt");
+  for (size_t j = 0; j < group.targets.size(); j++) {
+    const LoraTarget t = group.targets[j];
+    cpu::gemm(true, false, r, in, n, 1.0f, dt + j * r, width, lora_input(l, t, x, n), in, 1.0f, da(t), in);
+  }
 }
 
 void Llama::select_slot(int64_t slot) {

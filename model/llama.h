@@ -217,19 +217,31 @@ class Llama {
  private:
   struct LayerActs {
     std::vector<float> resid_in, norm1, rstd1, q, k, v, att, lse, resid_mid, norm2, rstd2, gate, up, act;
-    std::array<std::vector<float>, kLoraTargets> lora_u;  // per adapter: s * A dropout(x), [n, r] (whole)
+    // per input (LoraInput): s A_j dropout_j(x) of the adapters on it side by side, [n, r x adapters] (whole)
+    std::array<std::vector<float>, kLoraInputs> lora_u;
   };
   class OwnWeights;  // the WeightStore over params / grads
   class OwnAdapters;  // the WeightStore over lora_params / lora_grads
-  // y += s B A dropout(x) for target t of layer l (forward), and its backward (dB, dA, and the input gradient added
-  // to dx); `adapters` is layer l's unit of the adapter buffer, `grads` its gradient. Tensor-parallel collectives as
-  // in llama.cpp. `train`: dropout applies (a pass with a backward).
-  void lora_fwd(int64_t l, LoraTarget t, const float* adapters, const float* x, float* y, int64_t n, bool train);
-  void lora_bwd(int64_t l, LoraTarget t, const float* adapters, float* grads, const float* x, const float* dy,
-                float* dx, int64_t n);
+  // The adapters on each input of a layer (model/lora.h's LoraInput), in forward order, each one's place among the
+  // projections on that input (lora_fwd's ys), and the input's local width.
+  struct LoraGroup {
+    std::vector<LoraTarget> targets;
+    std::vector<int> place;
+    int64_t in = 0;
+  };
+  // y_j += s B_j A_j dropout_j(x) for the adapters on input g of layer l (forward), and its backward (dB_j, dA_j, and
+  // the input gradient added to dx); ys / dys: the outputs / their gradients of every projection on g in forward
+  // order (lora_input_targets), whether adapted or not. `adapters` is layer l's unit of the adapter buffer, `grads`
+  // its gradient. Tensor-parallel collectives as in llama.cpp.
+  void lora_fwd(int64_t l, LoraInput g, const float* adapters, const float* x, std::initializer_list<float*> ys,
+                int64_t n);
+  void lora_bwd(int64_t l, LoraInput g, const float* adapters, float* grads, const float* x,
+                std::initializer_list<const float*> dys, float* dx, int64_t n);
+  // The A's of the adapters on input g, stacked [r x adapters, in]: the one A itself, or copied into lora_a_.
+  const float* lora_stacked_a(int64_t l, LoraInput g, const float* adapters);
   // The adapter's input for target t of layer l: x with this pass's dropout mask applied, into lora_in_ (or x itself
   // without dropout).
-  const float* lora_input(int64_t l, LoraTarget t, const float* x, int64_t n, bool train);
+  const float* lora_input(int64_t l, LoraTarget t, const float* x, int64_t n);
   // dst (= or +=) src with target t of layer l's dropout mask applied and survivors scaled by 1 / (1 - p).
   void lora_dropout_apply(int64_t l, LoraTarget t, const float* src, float* dst, int64_t n, bool accumulate);
   // A projection group's GEMMs (q|k|v, o, gate|up or down: parts sharing the input x [n, in]): fp32 products, or
@@ -320,8 +332,10 @@ class Llama {
   std::vector<std::array<int, kLoraTargets>> lora_tensor_index_;  // per layer and target: A's index in the layout
   bool lora_train_ = false;  // this pass applies dropout
   bool adapters_off_ = false;  // this pass runs the base alone (the LoRA reference)
-  // scratch: the dropped input [n, largest in], the B product or A's input gradient [n, largest in or out], dt [n, r]
-  std::vector<float> lora_in_, lora_tmp_, lora_dt_;
+  std::array<LoraGroup, kLoraInputs> lora_groups_;
+  // scratch: with dropout the dropped input and its gradient [n, largest in] each; a group's dt [n, r x adapters];
+  // a group's stacked A and its gradient [r x adapters, in] each (groups of two or more adapters)
+  std::vector<float> lora_in_, lora_tmp_, lora_dt_, lora_a_, lora_da_;
 };
 
 // The buffers a Llama allocates at construction for (max_batch, max_seq) on one tensor-parallel rank, in
@@ -338,7 +352,7 @@ struct LlamaBufferSizes {
   int64_t ce_stats = 0;         // doubles: per-row statistics of the vocab-parallel loss (tp > 1)
   int64_t documents = 0;        // int32s: each token's document start and RoPE position (packed documents)
   int64_t lora_kept_per_layer = 0;  // LoRA: each adapter's r-wide intermediate, kept for the backward
-  int64_t lora_scratch = 0;     // LoRA: the dropped input, a product or input gradient, and dt
+  int64_t lora_scratch = 0;     // LoRA: the dropped input and its gradient, a group's dt, stacked A and its gradient
   // Sequence parallelism: the rows a rank's residual stream and norms hold (max_batch x max_seq without it, its
   // ceil(/ tp) with it), and the gather/scatter buffer of every rank's rows plus two norm-weight gradients.
   int64_t local_rows = 0;

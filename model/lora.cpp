@@ -34,6 +34,26 @@ const char* lora_target_module(LoraTarget t) { return static_cast<int>(t) <= 3 ?
 
 bool lora_target_row_parallel(LoraTarget t) { return t == LoraTarget::O || t == LoraTarget::Down; }
 
+LoraInput lora_target_input(LoraTarget t) {
+  switch (t) {
+    case LoraTarget::Q:
+    case LoraTarget::K:
+    case LoraTarget::V: return LoraInput::Attention;
+    case LoraTarget::O: return LoraInput::AttentionOut;
+    case LoraTarget::Gate:
+    case LoraTarget::Up: return LoraInput::Mlp;
+    case LoraTarget::Down: return LoraInput::MlpOut;
+  }
+  return LoraInput::Attention;
+}
+
+std::vector<LoraTarget> lora_input_targets(LoraInput g) {
+  std::vector<LoraTarget> targets;
+  for (LoraTarget t : kTargets)
+    if (lora_target_input(t) == g) targets.push_back(t);
+  return targets;
+}
+
 uint32_t parse_lora_targets(const std::string& list) {
   uint32_t bits = 0;
   size_t at = 0;

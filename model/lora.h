@@ -36,6 +36,15 @@ const char* lora_target_module(LoraTarget t);
 // Row-parallel under tp (o, down): the input is split, so A is split by columns and B replicated.
 bool lora_target_row_parallel(LoraTarget t);
 
+// The inputs the projections read: q, k and v the attention's normed input, o the attention's output, gate and up the
+// MLP's normed input, down the SwiGLU's output. The adapters on one input share its GEMMs: one down-projection for
+// all their A's stacked, one product for their input gradient (model/llama.cpp), so x is read and packed once.
+enum class LoraInput : int { Attention, AttentionOut, Mlp, MlpOut };
+inline constexpr int kLoraInputs = 4;
+LoraInput lora_target_input(LoraTarget t);
+// The projections that read input g, in forward order.
+std::vector<LoraTarget> lora_input_targets(LoraInput g);
+
 struct LoraConfig {
   int64_t rank = 0;       // r; 0: no adapters (a full fine-tune)
   double alpha = 0;       // lora_alpha; the update is scaled by alpha / r

@@ -4,6 +4,7 @@
 //   forward:  out[n, oc]     = inp[n, ic] @ weight[oc, ic]^T          OVERWRITTEN
 //   backward: dinp[n, ic]    = or += dout[n, oc] @ weight[oc, ic]     by accumulate_dinp; skipped if null
 //             dweight[oc, ic] = or += dout[n, oc]^T @ inp[n, ic]      by dweight_write; skipped if null
+//   gemm:     c = alpha op(a) op(b) + beta c, with leading dimensions   what the three above are made of
 //
 // With beta = 0 BLAS does not read C, so an overwritten output may hold anything (even NaN) beforehand.
 #include "kernels/cpu/matmul.h"
@@ -13,6 +14,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 
 #include "core/blas.h"
@@ -27,44 +29,55 @@ int blas_dim(int64_t value, const char* name) {
   return static_cast<int>(value);
 }
 
-void blas_gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k, const float* a, int lda,
-               const float* b, int ldb, float beta, float* c, int ldc) {
-  cblas_sgemm(CblasRowMajor, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+void blas_gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k, float alpha, const float* a,
+               int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-void blas_gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k, const double* a, int lda,
-               const double* b, int ldb, double beta, double* c, int ldc) {
-  cblas_dgemm(CblasRowMajor, trans_a, trans_b, m, n, k, 1.0, a, lda, b, ldb, beta, c, ldc);
+void blas_gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k, double alpha, const double* a,
+               int lda, const double* b, int ldb, double beta, double* c, int ldc) {
+  cblas_dgemm(CblasRowMajor, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 // Below this many multiply-adds a GEMM runs on one thread as a whole (a parallel region costs more).
 constexpr double kMinSplitWork = double(1 << 20);
-constexpr int kRowAlign = 16;  // rows per thread in multiples of the kernels' row tile
+constexpr int kBlock = 16;  // rows or columns per thread in multiples of the kernels' tile
 
-// C's rows split over tuna's OpenMP threads, each running BLAS on its rows alone (OpenBLAS's OpenMP build runs
+std::atomic<int64_t> gemm_calls{0}, gemm_multiply_adds{0};
+
+// C split over tuna's OpenMP threads, each running BLAS on its block alone (OpenBLAS's OpenMP build runs
 // single-threaded inside a parallel region). OpenBLAS's own threading synchronizes its threads by yielding
 // inside every GEMM: at a small model's sizes (1024 x 128 x 128, the demo step) the second core spent most of
-// its time in sched_yield and the 2-thread step gained 1.19x over one thread. An element of C is the same sum
-// over k in the same order however the rows are split, so results stay independent of the thread count.
+// its time in sched_yield and the 2-thread step gained 1.19x over one thread. C is split by rows, or by columns when
+// it has too few rows for every thread (an adapter's A gradient: rank r rows, in_features columns; by rows it ran on
+// one thread while the other waited). An element of C is the same sum over k in the same order however C is split,
+// so results stay independent of the thread count.
 template <typename T>
-void gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k, const T* a, int lda, const T* b,
-          int ldb, T beta, T* c, int ldc) {
+void split_gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k, T alpha, const T* a, int lda,
+                const T* b, int ldb, T beta, T* c, int ldc) {
   ensure_blas_kernels();  // done at load already; this keeps the object that does it linked (core/blas.h)
+  gemm_calls.fetch_add(1, std::memory_order_relaxed);
+  gemm_multiply_adds.fetch_add(int64_t(m) * n * k, std::memory_order_relaxed);
   const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  if (threads == 1 || m < 2 * kRowAlign || double(m) * n * k < kMinSplitWork) {
-    blas_gemm(trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+  const bool by_rows = m >= 2 * kBlock * threads || (m >= 2 * kBlock && n < 2 * kBlock * threads);
+  if (threads == 1 || double(m) * n * k < kMinSplitWork || (!by_rows && n < 2 * kBlock)) {
+    blas_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
-  const int blocks = (m + kRowAlign - 1) / kRowAlign;
+  const int extent = by_rows ? m : n, blocks = (extent + kBlock - 1) / kBlock;
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int row0 = std::min(m, blocks * t / nt * kRowAlign), row1 = std::min(m, blocks * (t + 1) / nt * kRowAlign);
-    if (row1 > row0) {
-      // op(A)'s row r: row r of A, or column r of A stored transposed.
-      const T* a_rows = trans_a == CblasNoTrans ? a + static_cast<int64_t>(row0) * lda : a + row0;
-      blas_gemm(trans_a, trans_b, row1 - row0, n, k, a_rows, lda, b, ldb, beta, c + static_cast<int64_t>(row0) * ldc,
+    const int i0 = std::min(extent, blocks * t / nt * kBlock), i1 = std::min(extent, blocks * (t + 1) / nt * kBlock);
+    if (i1 > i0 && by_rows) {
+      // op(A)'s row i: row i of A, or column i of A stored transposed.
+      const T* a_rows = trans_a == CblasNoTrans ? a + static_cast<int64_t>(i0) * lda : a + i0;
+      blas_gemm(trans_a, trans_b, i1 - i0, n, k, alpha, a_rows, lda, b, ldb, beta, c + static_cast<int64_t>(i0) * ldc,
                 ldc);
+    } else if (i1 > i0) {
+      // op(B)'s column j: column j of B, or row j of B stored transposed.
+      const T* b_cols = trans_b == CblasNoTrans ? b + i0 : b + static_cast<int64_t>(i0) * ldb;
+      blas_gemm(trans_a, trans_b, m, i1 - i0, k, alpha, a, lda, b_cols, ldb, beta, c + i0, ldc);
     }
   }
 }
@@ -76,8 +89,8 @@ void matmul_fwd(T* out, const T* inp, const T* weight, int64_t n, int64_t ic, in
   const int rows = blas_dim(n, "n"), in = blas_dim(ic, "ic"), out_features = blas_dim(oc, "oc");
   if (rows == 0 || out_features == 0) return;
   // lda/ldb/ldc may not be 0 even for empty matrices, hence the max(1, .) on the leading dimensions.
-  gemm(CblasNoTrans, CblasTrans, rows, out_features, in, inp, in > 0 ? in : 1, weight, in > 0 ? in : 1,
-       T(0), out, out_features);
+  split_gemm(CblasNoTrans, CblasTrans, rows, out_features, in, T(1), inp, in > 0 ? in : 1, weight, in > 0 ? in : 1,
+             T(0), out, out_features);
 }
 
 template <typename T>
@@ -87,16 +100,39 @@ void matmul_bwd(T* dinp, T* dweight, const T* dout, const T* inp, const T* weigh
   if (in == 0) return;
   const int ld_out = out_features > 0 ? out_features : 1;
   if (dinp != nullptr && rows > 0)
-    gemm(CblasNoTrans, CblasNoTrans, rows, in, out_features, dout, ld_out, weight, in,
-         accumulate_dinp ? T(1) : T(0), dinp, in);
+    split_gemm(CblasNoTrans, CblasNoTrans, rows, in, out_features, T(1), dout, ld_out, weight, in,
+               accumulate_dinp ? T(1) : T(0), dinp, in);
   if (dweight == nullptr || out_features == 0) return;
   const bool overwrite = dweight_write == GradWrite::Overwrite;
   if (rows == 0) {  // a sum over no rows: an overwritten gradient is zero
     if (overwrite) std::fill(dweight, dweight + static_cast<int64_t>(out_features) * in, T(0));
     return;
   }
-  gemm(CblasTrans, CblasNoTrans, out_features, in, rows, dout, out_features, inp, in, overwrite ? T(0) : T(1),
-       dweight, in);
+  split_gemm(CblasTrans, CblasNoTrans, out_features, in, rows, T(1), dout, out_features, inp, in,
+             overwrite ? T(0) : T(1), dweight, in);
+}
+
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
+  const int rows = blas_dim(m, "m"), cols = blas_dim(n, "n"), depth = blas_dim(k, "k");
+  // Row-major leading dimensions: at least the stored rows' width (and 1 for an empty one, as BLAS requires).
+  const int64_t a_width = trans_a ? m : k, b_width = trans_b ? k : n;
+  TUNA_CHECK(lda >= std::max<int64_t>(1, a_width) && ldb >= std::max<int64_t>(1, b_width) &&
+                 ldc >= std::max<int64_t>(1, n),
+             "gemm: lda ", lda, ", ldb ", ldb, ", ldc ", ldc, " for m ", m, ", n ", n, ", k ", k);
+  if (rows == 0 || cols == 0) return;
+  if (depth == 0) {  // an empty sum: c = beta c (BLAS would do the same; this keeps beta = 0 from reading c)
+    for (int64_t i = 0; i < m; i++)
+      for (int64_t j = 0; j < n; j++) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
+    return;
+  }
+  split_gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, rows, cols, depth, alpha, a,
+             blas_dim(lda, "lda"), b, blas_dim(ldb, "ldb"), beta, c, blas_dim(ldc, "ldc"));
+}
+
+GemmCount gemm_count() {
+  return GemmCount{gemm_calls.load(std::memory_order_relaxed), gemm_multiply_adds.load(std::memory_order_relaxed)};
 }
 
 template void matmul_fwd<float>(float*, const float*, const float*, int64_t, int64_t, int64_t);
@@ -105,5 +141,9 @@ template void matmul_bwd<float>(float*, float*, const float*, const float*, cons
                                 int64_t, bool, GradWrite);
 template void matmul_bwd<double>(double*, double*, const double*, const double*, const double*, int64_t,
                                  int64_t, int64_t, bool, GradWrite);
+template void gemm<float>(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                          float, float*, int64_t);
+template void gemm<double>(bool, bool, int64_t, int64_t, int64_t, double, const double*, int64_t, const double*,
+                           int64_t, double, double*, int64_t);
 
 }  // namespace tuna::cpu

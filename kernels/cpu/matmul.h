@@ -18,4 +18,20 @@ template <typename T>
 void matmul_bwd(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, int64_t n,
                 int64_t ic, int64_t oc, bool accumulate_dinp, GradWrite dweight_write);
 
+// c[m, n] (rows ldc apart) = alpha op(a) op(b) + beta c, row-major, op(x) = x or x^T (a: [m, k] or [k, m], lda
+// apart; b: [k, n] or [n, k], ldb apart): the one product every function here makes, for products over column
+// blocks of wider matrices and with a scale folded in (the adapters' stacked rank-r intermediates, model/llama.cpp).
+// beta = 0 never reads c. CPU twin of cuda::MatmulContext::gemm (kernels/matmul.cuh), in row-major terms.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc);
+
+// GEMMs this process has run (calls of the functions above with a non-empty product) and their multiply-adds (m n k
+// each), counted from the start: what a step computes, asserted by tests (a frozen weight has no weight gradient).
+struct GemmCount {
+  int64_t calls = 0;
+  int64_t multiply_adds = 0;
+};
+GemmCount gemm_count();
+
 }  // namespace tuna::cpu

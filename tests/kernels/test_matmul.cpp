@@ -1,5 +1,7 @@
 // kernels/cpu/matmul: nn.Linear forward against a float64 loop, backward against finite differences,
-// overwrite/accumulate semantics of dinp and dweight, a null dinp or dweight, and no rows.
+// overwrite/accumulate semantics of dinp and dweight, a null dinp or dweight, and no rows; the general gemm (both
+// transposes, alpha, beta, leading dimensions wider than the rows) against a float64 loop; every product bit for bit
+// the same at any thread count, split by rows or by columns; and the GEMM counter.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -121,7 +123,9 @@ TEST(MatmulTest, BackwardAccumulatesWhereAsked) {
 TEST(MatmulTest, BitIdenticalAcrossThreadCounts) {
   TestRng rng;
   SCOPED_TRACE(rng.describe());
-  for (const auto& [n, ic, oc] : {std::tuple<int64_t, int64_t, int64_t>{1000, 136, 120}, {77, 520, 300}, {4099, 64, 40}}) {
+  // The last two have fewer output features than 2 x 16 per thread: their weight gradient is split by columns.
+  for (const auto& [n, ic, oc] : {std::tuple<int64_t, int64_t, int64_t>{1000, 136, 120}, {77, 520, 300}, {4099, 64, 40},
+                                  {1000, 600, 16}, {517, 1100, 48}}) {
     SCOPED_TRACE("n " + std::to_string(n) + ", ic " + std::to_string(ic) + ", oc " + std::to_string(oc));
     const std::vector<float> inp = rng.vector<float>(n * ic), weight = rng.vector<float>(oc * ic);
     const std::vector<float> dout = rng.vector<float>(n * oc), prior_dinp = rng.vector<float>(n * ic);
@@ -151,6 +155,75 @@ TEST(MatmulTest, BitIdenticalAcrossThreadCounts) {
       EXPECT_TRUE(test::bitwise_equal(r.dweight_accumulated, reference.dweight_accumulated)) << threads << " threads";
     }
   }
+}
+
+// c[m, n] = alpha op(a) op(b) + beta c over column blocks of wider matrices: each operand's rows `pad` wider than
+// its width, against a float64 loop; beta = 0 does not read c (NaN there stays out of the result), and the padding
+// columns of c are left as they were.
+TEST(MatmulTest, GemmMatchesFloat64LoopWithTransposesScalesAndStrides) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  constexpr int64_t m = 45, n = 23, k = 70, pad = 5;
+  for (bool trans_a : {false, true})
+    for (bool trans_b : {false, true})
+      for (double beta : {0.0, 1.0, -0.5}) {
+        SCOPED_TRACE(std::string("trans_a ") + (trans_a ? "1" : "0") + ", trans_b " + (trans_b ? "1" : "0") +
+                     ", beta " + std::to_string(beta));
+        const int64_t lda = (trans_a ? m : k) + pad, ldb = (trans_b ? k : n) + pad, ldc = n + pad;
+        const std::vector<double> a = rng.vector<double>((trans_a ? k : m) * lda);
+        const std::vector<double> b = rng.vector<double>((trans_b ? n : k) * ldb);
+        std::vector<double> c = beta == 0 ? test::nan_filled<double>(m * ldc) : rng.vector<double>(m * ldc);
+        for (int64_t i = 0; i < m; i++)  // the padding: a value the product must not touch
+          for (int64_t j = n; j < ldc; j++) c[i * ldc + j] = 7.0;
+        std::vector<double> expected = c;
+        const double alpha = 0.75;
+        for (int64_t i = 0; i < m; i++)
+          for (int64_t j = 0; j < n; j++) {
+            double sum = 0;
+            for (int64_t p = 0; p < k; p++)
+              sum += (trans_a ? a[p * lda + i] : a[i * lda + p]) * (trans_b ? b[j * ldb + p] : b[p * ldb + j]);
+            expected[i * ldc + j] = alpha * sum + (beta == 0 ? 0.0 : beta * c[i * ldc + j]);
+          }
+        gemm<double>(trans_a, trans_b, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+        EXPECT_LT(test::rel_error_norm(c, expected), 1e-14);
+        for (int64_t i = 0; i < m; i++)
+          for (int64_t j = n; j < ldc; j++) ASSERT_EQ(c[i * ldc + j], 7.0);
+      }
+}
+
+// gemm's products split by rows (many rows) and by columns (an adapter's r x in gradient: few rows, many columns), at
+// column offsets of wider matrices: bit for bit the same at any thread count.
+TEST(MatmulTest, GemmBitIdenticalAcrossThreadCounts) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1000, 48, 600}, {16, 1100, 1000}, {48, 600, 517}}) {
+    SCOPED_TRACE("m " + std::to_string(m) + ", n " + std::to_string(n) + ", k " + std::to_string(k));
+    const int64_t ld = n + 16;
+    const std::vector<float> a = rng.vector<float>(k * m), b = rng.vector<float>(k * ld), prior = rng.vector<float>(m * ld);
+    auto run = [&](int threads) {
+      std::vector<float> c = prior;
+      test::with_omp_threads(threads, [&] {
+        gemm<float>(/*trans_a=*/true, /*trans_b=*/false, m, n, k, 0.5f, a.data(), m, b.data() + 8, ld, 1.0f,
+                    c.data() + 8, ld);
+      });
+      return c;
+    };
+    const std::vector<float> reference = run(1);
+    for (int threads : test::determinism_thread_counts())
+      EXPECT_TRUE(test::bitwise_equal(run(threads), reference)) << threads << " threads";
+  }
+}
+
+// One call and m n k multiply-adds per product; an empty one is not counted.
+TEST(MatmulTest, GemmCountCountsProductsAndMultiplyAdds) {
+  std::vector<float> a(6 * 5, 1.0f), b(5 * 4, 1.0f), c(6 * 4);
+  const GemmCount before = gemm_count();
+  matmul_fwd(c.data(), a.data(), b.data(), 6, 5, 4);  // [6, 5] x [4, 5]^T
+  gemm<float>(false, false, 6, 4, 5, 1.0f, a.data(), 5, b.data(), 4, 0.0f, c.data(), 4);
+  gemm<float>(false, false, 0, 4, 5, 1.0f, a.data(), 5, b.data(), 4, 0.0f, c.data(), 4);
+  const GemmCount after = gemm_count();
+  EXPECT_EQ(after.calls - before.calls, 2);
+  EXPECT_EQ(after.multiply_adds - before.multiply_adds, 2 * 6 * 4 * 5);
 }
 
 }  // namespace

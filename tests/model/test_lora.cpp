@@ -1,7 +1,8 @@
 // model/lora.h and the CPU model with adapters (model/llama.h): option parsing and every refusal, the adapter
 // layout's shapes and tensor-parallel splits, PEFT's adapter_config.json both ways, PEFT's initialisation under every
 // split, the dropout stream's statistics, and the model's adapter gradients against finite differences (with and
-// without dropout: a backward that drew another mask than its forward fails the second), with the base frozen.
+// without dropout: a backward that drew another mask than its forward fails the second), with the base frozen, and
+// the GEMMs a step runs (none for a frozen weight's gradient; one per input for the adapters sharing it).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/safetensors.h"
 #include "core/error.h"
+#include "kernels/cpu/matmul.h"  // gemm_count
 #include "model/config.h"
 #include "model/layout.h"
 #include "model/llama.h"
@@ -390,6 +392,58 @@ TEST(LlamaLora, DropoutBackwardUsesTheForwardsMask) {
   const double eval = m.model.forward_loss(m.f.inputs.data(), m.f.targets.data(), m.f.batch, m.f.seq).sum;
   m.model.set_lora_dropout_key(lora_dropout_key(3, 1, 0, 0));
   EXPECT_EQ(eval, m.model.forward_loss(m.f.inputs.data(), m.f.targets.data(), m.f.batch, m.f.seq).sum);
+}
+
+// What a training step multiplies, counted by kernels/cpu/matmul.h: with adapters the frozen base costs its forward
+// and its input gradient (n each per weight, the tied head included) and no weight gradient, and each adapter weight n
+// x 3 (u or its B product; dB and dt, or the input gradient and dA); a full fine-tune costs n x 3 per weight. And the
+// adapters on one input share their products: per input with k adapters, 1 + k GEMMs forward (one down-projection
+// for the k A's stacked, k B products added into the base's outputs) and 2k + 2 backward (dB and dt each, then one
+// input gradient and one dA); with dropout each adapter's masked input is its own: 2k and 4k.
+TEST(LlamaLora, AStepMultipliesTheFrozenBaseTwiceAndSharesEachInputsProducts) {
+  Fixture f("llama32_tiny");  // tied: the head is the embedding, which trains in a full fine-tune only
+  const LlamaConfig& c = f.config;
+  const int64_t n = f.batch * f.seq, L = c.num_hidden_layers;
+  int64_t matmul_weights = c.vocab_size * c.hidden_size;  // the head
+  for (int t = 0; t < kLoraTargets; t++) {
+    const auto [out, in] = lora_target_shape(c, LoraTarget(t));
+    matmul_weights += L * out * in;
+  }
+  struct Case {
+    std::string targets;
+    double dropout;
+  };
+  for (const Case& k : {Case{"", 0}, Case{lora_targets_string(kAllLoraTargets), 0}, Case{"q_proj", 0},
+                        Case{"q_proj,v_proj,gate_proj,down_proj", 0}, Case{"k_proj,v_proj,up_proj,o_proj", 0.2}}) {
+    SCOPED_TRACE(k.targets.empty() ? "full fine-tune" : k.targets + ", dropout " + std::to_string(k.dropout));
+    const LoraConfig lora = k.targets.empty() ? LoraConfig{} : lora_of(4, 8, parse_lora_targets(k.targets), k.dropout);
+    Llama model(c, f.batch, f.seq, LlamaParallel{}, lora);
+    load_weights(f.dir, model.layout(), model.params.data());
+    if (lora.enabled()) {
+      const ParamLayout& l = model.lora_layout().params;
+      init_lora_weights_piece(l, 5, Segment{0, l.total()}, model.lora_params.data());
+    }
+    const int64_t chunk = llama_buffer_sizes(c, model.layout().tp(), f.batch, f.seq).head_chunk_rows;
+    const int64_t head_chunks = (n + chunk - 1) / chunk;
+    model.zero_grads();
+    const cpu::GemmCount before = cpu::gemm_count();
+    model.forward_backward(f.inputs.data(), f.targets.data(), f.batch, f.seq);
+    const cpu::GemmCount after = cpu::gemm_count();
+    // The base: 7 projections a layer and the head's chunks, forward and input gradient, and weight gradients only
+    // when it trains.
+    const int passes = lora.enabled() ? 2 : 3;
+    int64_t calls = passes * (7 * L + head_chunks), multiply_adds = passes * n * matmul_weights;
+    if (lora.enabled()) {
+      multiply_adds += 3 * n * lora_parameter_count(c, lora);
+      for (int g = 0; g < kLoraInputs; g++) {
+        int64_t adapters = 0;
+        for (LoraTarget t : lora_input_targets(LoraInput(g))) adapters += lora.has(t);
+        if (adapters > 0) calls += L * (lora.dropout > 0 ? 6 * adapters : 3 * adapters + 3);
+      }
+    }
+    EXPECT_EQ(after.multiply_adds - before.multiply_adds, multiply_adds);
+    EXPECT_EQ(after.calls - before.calls, calls);
+  }
 }
 
 // PEFT's start (B = 0) is the base model exactly, and B's gradient is the only non-zero one then (dA = B^T ... = 0).
