@@ -48,9 +48,11 @@ std::atomic<int64_t> gemm_calls{0}, gemm_multiply_adds{0};
 // C split over tuna's OpenMP threads, each running BLAS on its block alone (OpenBLAS's OpenMP build runs
 // single-threaded inside a parallel region). OpenBLAS's own threading synchronizes its threads by yielding
 // inside every GEMM: at a small model's sizes (1024 x 128 x 128, the demo step) the second core spent most of
-// its time in sched_yield and the 2-thread step gained 1.19x over one thread. C is split by rows, or by columns when
-// it has too few rows for every thread (an adapter's A gradient: rank r rows, in_features columns; by rows it ran on
-// one thread while the other waited). An element of C is the same sum over k in the same order however C is split,
+// its time in sched_yield and the 2-thread step gained 1.19x over one thread. BLAS copies both operands into panels
+// of its own, and each thread copies the operand that is not split whole, so C is split along its longer side: by
+// rows when it has at least as many rows as columns, else by columns. Split by rows, the loss head's 85 x 49,152
+// logits of a chunk had each thread copy the whole 49,152 x 576 table, and an adapter's 16 x in dA had too few rows to
+// split at all (it ran on one thread). An element of C is the same sum over k in the same order however C is split,
 // so results stay independent of the thread count.
 template <typename T>
 void split_gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, int k, T alpha, const T* a, int lda,
@@ -59,7 +61,7 @@ void split_gemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n, 
   gemm_calls.fetch_add(1, std::memory_order_relaxed);
   gemm_multiply_adds.fetch_add(int64_t(m) * n * k, std::memory_order_relaxed);
   const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const bool by_rows = m >= 2 * kBlock * threads || (m >= 2 * kBlock && n < 2 * kBlock * threads);
+  const bool by_rows = m >= 2 * kBlock && (m >= n || n < 2 * kBlock);
   if (threads == 1 || double(m) * n * k < kMinSplitWork || (!by_rows && n < 2 * kBlock)) {
     blas_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
