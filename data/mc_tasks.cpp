@@ -5,8 +5,10 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <variant>
 
 #include "core/error.h"
+#include "core/json.h"  // read_json_file
 #include "data/byte_bpe.h"       // ByteBpeModel: the post-processor's special tokens
 #include "data/clean.h"          // is_valid_utf8
 #include "data/tokenizer_impl.h"
@@ -53,7 +55,54 @@ std::string string_field(const nlohmann::json& j, const char* name, bool require
   return it->get<std::string>();
 }
 
-McRecord parse_record(const std::string& line) {
+// A string or a list of strings (at least one when `required`), for "until" and "target".
+std::vector<std::string> string_list(const nlohmann::json& j, const char* name, bool required) {
+  auto it = j.find(name);
+  if (it == j.end()) {
+    if (required) throw BadRecord{str("no \"", name, "\""), str("field \"", name, "\" is missing")};
+    return {};
+  }
+  if (it->is_string()) return {it->get<std::string>()};
+  if (!it->is_array())
+    throw BadRecord{str("\"", name, "\" not a string"),
+                    str("field \"", name, "\" should be a string or a list of strings, found ", it->type_name())};
+  std::vector<std::string> out;
+  for (size_t k = 0; k < it->size(); k++) {
+    if (!(*it)[k].is_string())
+      throw BadRecord{str("\"", name, "\" not a string"), str(name, "[", k, "] should be a string, found ", (*it)[k].type_name())};
+    out.push_back((*it)[k].get<std::string>());
+  }
+  if (required && out.empty()) throw BadRecord{str("no \"", name, "\""), str("field \"", name, "\" is an empty list")};
+  return out;
+}
+
+GenRecord parse_generative(const nlohmann::json& j, std::string task) {
+  if (j.contains("choices") || j.contains("gold"))
+    throw BadRecord{"both target and choices", "a record has either \"target\" (generative) or \"choices\" and "
+                    "\"gold\" (multiple choice), found both"};
+  GenRecord r;
+  r.task = std::move(task);
+  r.context = string_field(j, "context", true);
+  if (r.context.empty()) throw BadRecord{"empty context", "field \"context\" is empty"};
+  r.targets = string_list(j, "target", true);
+  for (size_t k = 0; k < r.targets.size(); k++)
+    if (r.targets[k].empty()) throw BadRecord{"empty target", r.targets.size() == 1 ? std::string("field \"target\" is empty")
+                                                                                    : str("target[", k, "] is empty")};
+  r.until = string_list(j, "until", false);
+  for (size_t k = 0; k < r.until.size(); k++)
+    // lm-eval's stop check finds "" in any text: generation would end after one token.
+    if (r.until[k].empty()) throw BadRecord{"empty stop string", str("until[", k, "] is empty")};
+  if (auto m = j.find("max_gen_toks"); m != j.end()) {
+    if (!m->is_number_integer() || m->get<int64_t>() < 1)
+      throw BadRecord{"max_gen_toks not positive", str("field \"max_gen_toks\" should be a positive integer, found ", m->dump())};
+    r.max_gen_toks = m->get<int64_t>();
+  }
+  if (auto id = j.find("id"); id != j.end()) r.id = id->dump();
+  return r;
+}
+
+// One line: a multiple-choice record, or (with "target" or "until") a generative one.
+std::variant<McRecord, GenRecord> parse_record(const std::string& line) {
   if (!is_valid_utf8(line)) throw BadRecord{"not UTF-8", "the line is not valid UTF-8"};
   nlohmann::json j;
   try {
@@ -65,6 +114,7 @@ McRecord parse_record(const std::string& line) {
   McRecord r;
   r.task = string_field(j, "task", true);
   if (r.task.empty()) throw BadRecord{"empty task", "field \"task\" is empty"};
+  if (j.contains("target") || j.contains("until")) return parse_generative(j, std::move(r.task));
   auto choices = j.find("choices");
   if (choices == j.end() || !choices->is_array())
     throw BadRecord{"no choices", choices == j.end() ? "field \"choices\" is missing"
@@ -155,21 +205,37 @@ McTasks read_mc_tasks(const std::vector<std::string>& specs, bool skip_bad) {
       if (!line.empty() && line.back() == '\r') line.pop_back();
       if (line.find_first_not_of(" \t") == std::string::npos) continue;  // blank lines are not records
       try {
-        McRecord r = parse_record(line);
-        r.file = file;
-        r.line = number;
-        if (std::find(out.tasks.begin(), out.tasks.end(), r.task) == out.tasks.end()) out.tasks.push_back(r.task);
-        out.records.push_back(std::move(r));
+        std::variant<McRecord, GenRecord> parsed = parse_record(line);
+        const bool generative = std::holds_alternative<GenRecord>(parsed);
+        const std::string& task = generative ? std::get<GenRecord>(parsed).task : std::get<McRecord>(parsed).task;
+        // A task is scored one way: its first record says which (lm-eval's output_type).
+        auto& own = generative ? out.generative_tasks : out.tasks;
+        const auto& other = generative ? out.tasks : out.generative_tasks;
+        if (std::find(other.begin(), other.end(), task) != other.end())
+          throw BadRecord{"task of both kinds", str("task \"", task, "\" has ", generative ? "multiple-choice" : "generative",
+                                                    " records before this ", generative ? "generative" : "multiple-choice",
+                                                    " one; a task is of one kind")};
+        if (std::find(own.begin(), own.end(), task) == own.end()) own.push_back(task);
+        if (generative) {
+          GenRecord& r = std::get<GenRecord>(parsed);
+          r.file = file, r.line = number;
+          out.generative.push_back(std::move(r));
+        } else {
+          McRecord& r = std::get<McRecord>(parsed);
+          r.file = file, r.line = number;
+          out.records.push_back(std::move(r));
+        }
       } catch (const BadRecord& bad) {
         if (!skip_bad)
-          fail(file, ":", number, ": ", bad.detail, " (a task record is {\"task\", \"context\", \"choices\", \"gold\"}; "
-               "--skip_bad_records counts and skips such records)");
+          fail(file, ":", number, ": ", bad.detail, " (a task record is {\"task\", \"context\", \"choices\", \"gold\"}, "
+               "or {\"task\", \"context\", \"until\", \"target\"} for generation; --skip_bad_records counts and skips "
+               "such records)");
         out.skipped[bad.reason]++;
       }
     }
     if (in.bad()) fail(file, ": read error");
   }
-  if (out.records.empty())
+  if (out.records.empty() && out.generative.empty())
     fail(specs.empty() ? std::string("--tasks") : out.files.front(), ": no task record to evaluate",
          out.skipped.empty() ? "" : str(" (", out.skipped_total(), " bad records skipped)"));
   return out;
@@ -187,17 +253,76 @@ SpecialFrame special_frame(const Tokenizer& tokenizer) {
   return f;
 }
 
+std::vector<int32_t> encode_lm_eval(const Tokenizer& tokenizer, const std::string& text, bool special_tokens,
+                                    const SpecialFrame& frame) {
+  const bool framed = special_tokens && !(!frame.prefix_text.empty() && text.starts_with(frame.prefix_text));
+  std::vector<int32_t> ids = framed ? frame.before : std::vector<int32_t>();
+  const std::vector<int32_t> body = tokenizer.encode(text, SpecialTokens::parse);
+  ids.insert(ids.end(), body.begin(), body.end());
+  if (framed) ids.insert(ids.end(), frame.after.begin(), frame.after.end());
+  return ids;
+}
+
+std::string hf_decode(const Tokenizer& tokenizer, std::span<const int32_t> ids, bool skip_special, bool clean_up) {
+  std::string text;
+  if (skip_special) {
+    std::vector<int32_t> kept;
+    for (int32_t id : ids)
+      if (tokenizer.impl().kind(id) != TokenKind::special) kept.push_back(id);
+    text = tokenizer.decode(kept);
+  } else {
+    text = tokenizer.decode(ids);
+  }
+  return clean_up ? clean_up_tokenization(std::move(text)) : text;
+}
+
+std::string clean_up_tokenization(std::string text) {
+  // Each replacement over the whole text in turn, as Python's chained str.replace.
+  static const std::pair<const char*, const char*> kRules[] = {{" .", "."},   {" ?", "?"},     {" !", "!"},
+                                                               {" ,", ","},   {" ' ", "'"},    {" n't", "n't"},
+                                                               {" 'm", "'m"}, {" 's", "'s"},   {" 've", "'ve"},
+                                                               {" 're", "'re"}};
+  for (const auto& [from, to] : kRules) {
+    const std::string_view f(from), t(to);
+    std::string out;
+    size_t at = 0;
+    for (size_t hit; (hit = text.find(f, at)) != std::string::npos; at = hit + f.size()) {
+      out.append(text, at, hit - at);
+      out.append(t);
+    }
+    out.append(text, at, std::string::npos);
+    text = std::move(out);
+  }
+  return text;
+}
+
+bool clean_up_tokenization_spaces(const Tokenizer& tokenizer) {
+  const std::string file = model_config_file(tokenizer.path(), "tokenizer_config.json");
+  if (file.empty()) return false;
+  const nlohmann::json c = read_json_file(file, file);
+  auto it = c.find("clean_up_tokenization_spaces");
+  if (it == c.end() || it->is_null()) return false;
+  if (!it->is_boolean()) fail(file, ": field 'clean_up_tokenization_spaces': expected true or false, found ", it->dump());
+  return it->get<bool>();
+}
+
+std::string_view python_strip(std::string_view text) {
+  size_t begin = text.size();
+  for (size_t at = 0; at < text.size();) {
+    const size_t here = at;
+    if (!python_space(unicode::next_code_point(text, &at))) {
+      begin = here;
+      break;
+    }
+  }
+  const size_t end = trailing_space_start(text);
+  return begin < end ? text.substr(begin, end - begin) : std::string_view();
+}
+
 void encode_mc_pair(const Tokenizer& tokenizer, const std::string& context, const std::string& continuation,
                     bool special_tokens, std::vector<int32_t>* context_ids, std::vector<int32_t>* continuation_ids) {
   const SpecialFrame frame = special_tokens ? special_frame(tokenizer) : SpecialFrame{};
-  auto encode = [&](const std::string& text) {
-    const bool framed = special_tokens && !(!frame.prefix_text.empty() && text.starts_with(frame.prefix_text));
-    std::vector<int32_t> ids = framed ? frame.before : std::vector<int32_t>();
-    const std::vector<int32_t> body = tokenizer.encode(text, SpecialTokens::parse);
-    ids.insert(ids.end(), body.begin(), body.end());
-    if (framed) ids.insert(ids.end(), frame.after.begin(), frame.after.end());
-    return ids;
-  };
+  auto encode = [&](const std::string& text) { return encode_lm_eval(tokenizer, text, special_tokens, frame); };
   const size_t cut = trailing_space_start(context);
   const std::string head = context.substr(0, cut);
   const std::vector<int32_t> whole = encode(head + context.substr(cut) + continuation);

@@ -27,21 +27,46 @@ size_t first_argmax(const std::vector<double>& v) {
   return best;
 }
 
-// lm-eval's mean and mean_stderr, summed in the same order (Python's sum over the records).
-double mean(const std::vector<double>& x) {
+}  // namespace
+
+double lm_eval_mean(const std::vector<double>& x) {
   double s = 0;
   for (double v : x) s += v;
   return s / static_cast<double>(x.size());
 }
-double mean_stderr(const std::vector<double>& x) {
+
+double lm_eval_mean_stderr(const std::vector<double>& x) {
   if (x.size() < 2) return std::numeric_limits<double>::quiet_NaN();
-  const double mu = mean(x);
+  const double mu = lm_eval_mean(x);
   double s = 0;
   for (double v : x) s += (v - mu) * (v - mu);
   return std::sqrt(s / static_cast<double>(x.size() - 1)) / std::sqrt(static_cast<double>(x.size()));
 }
 
-}  // namespace
+McMetrics aggregate_metrics(const std::vector<McMetrics>& rows, const std::string& name) {
+  auto weighted = [&](double McMetrics::*field) {
+    double s = 0, n = 0;
+    for (const McMetrics& m : rows) s += m.*field * static_cast<double>(m.records), n += static_cast<double>(m.records);
+    return s / n;
+  };
+  auto pooled = [&](double McMetrics::*field) {
+    double var = 0, n = 0;
+    for (const McMetrics& m : rows) {
+      const double size = static_cast<double>(m.records);
+      var += (size - 1) * (m.*field) * (m.*field) * size, n += size;
+    }
+    var /= n - static_cast<double>(rows.size());
+    return std::sqrt(var / n);
+  };
+  McMetrics all;
+  all.task = name;
+  all.generative = !rows.empty() && rows.front().generative;
+  for (const McMetrics& m : rows) all.records += m.records;
+  all.acc = weighted(&McMetrics::acc), all.acc_stderr = pooled(&McMetrics::acc_stderr);
+  all.acc_norm = weighted(&McMetrics::acc_norm), all.acc_norm_stderr = pooled(&McMetrics::acc_norm_stderr);
+  all.exact_match = weighted(&McMetrics::exact_match), all.exact_match_stderr = pooled(&McMetrics::exact_match_stderr);
+  return all;
+}
 
 McPacking pack_mc_requests(const std::vector<McRequest>& requests, const McScoring& how,
                            std::vector<std::vector<int64_t>>* windows) {
@@ -232,7 +257,6 @@ std::vector<int64_t> mc_first_requests(const McTasks& tasks, const std::vector<M
 std::vector<McMetrics> mc_metrics(const McTasks& tasks, const std::vector<McRequest>& requests, const McScores& scores) {
   const std::vector<int64_t> first = mc_first_requests(tasks, requests);
   std::vector<McMetrics> out;
-  std::vector<double> sizes, accs, acc_errs, norms, norm_errs;
   for (const std::string& task : tasks.tasks) {
     std::vector<double> acc, acc_norm;
     for (size_t i = 0; i < tasks.records.size(); i++) {
@@ -249,31 +273,12 @@ std::vector<McMetrics> mc_metrics(const McTasks& tasks, const std::vector<McRequ
     McMetrics m;
     m.task = task;
     m.records = static_cast<int64_t>(acc.size());
-    m.acc = mean(acc), m.acc_stderr = mean_stderr(acc);
-    m.acc_norm = mean(acc_norm), m.acc_norm_stderr = mean_stderr(acc_norm);
+    m.acc = lm_eval_mean(acc), m.acc_stderr = lm_eval_mean_stderr(acc);
+    m.acc_norm = lm_eval_mean(acc_norm), m.acc_norm_stderr = lm_eval_mean_stderr(acc_norm);
     out.push_back(m);
-    sizes.push_back(static_cast<double>(m.records));
   }
-  if (out.size() > 1) {
-    // lm-eval's aggregate_subtask_metrics (weight_by_size) and pooled_sample_stderr, in task order.
-    auto weighted = [&](double McMetrics::*field) {
-      double s = 0, n = 0;
-      for (size_t t = 0; t < out.size(); t++) s += out[t].*field * sizes[t], n += sizes[t];
-      return s / n;
-    };
-    auto pooled = [&](double McMetrics::*field) {
-      double var = 0, n = 0;
-      for (size_t t = 0; t < out.size(); t++) var += (sizes[t] - 1) * (out[t].*field) * (out[t].*field) * sizes[t], n += sizes[t];
-      var /= n - static_cast<double>(out.size());
-      return std::sqrt(var / n);
-    };
-    McMetrics all;
-    all.task = "all";
-    for (const McMetrics& m : out) all.records += m.records;
-    all.acc = weighted(&McMetrics::acc), all.acc_stderr = pooled(&McMetrics::acc_stderr);
-    all.acc_norm = weighted(&McMetrics::acc_norm), all.acc_norm_stderr = pooled(&McMetrics::acc_norm_stderr);
-    out.push_back(all);
-  }
+  // lm-eval's aggregate_subtask_metrics (weight_by_size) and pooled_sample_stderr, in task order.
+  if (out.size() > 1) out.push_back(aggregate_metrics(out, "all"));
   return out;
 }
 
@@ -283,8 +288,12 @@ std::string format_mc_metrics(const std::vector<McMetrics>& metrics) {
   std::string out;
   for (const McMetrics& m : metrics) {
     char line[256];
-    std::snprintf(line, sizeof line, "%-*s  acc %.4f ± %.4f  acc_norm %.4f ± %.4f  (%lld records)\n", static_cast<int>(width),
-                  m.task.c_str(), m.acc, m.acc_stderr, m.acc_norm, m.acc_norm_stderr, static_cast<long long>(m.records));
+    if (m.generative)
+      std::snprintf(line, sizeof line, "%-*s  exact_match %.4f ± %.4f  (%lld records)\n", static_cast<int>(width),
+                    m.task.c_str(), m.exact_match, m.exact_match_stderr, static_cast<long long>(m.records));
+    else
+      std::snprintf(line, sizeof line, "%-*s  acc %.4f ± %.4f  acc_norm %.4f ± %.4f  (%lld records)\n", static_cast<int>(width),
+                    m.task.c_str(), m.acc, m.acc_stderr, m.acc_norm, m.acc_norm_stderr, static_cast<long long>(m.records));
     out += line;
   }
   return out;
@@ -294,8 +303,12 @@ nlohmann::json mc_metrics_json(const std::vector<McMetrics>& metrics) {
   nlohmann::json j = nlohmann::json::object();
   auto number = [](double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); };
   for (const McMetrics& m : metrics)
-    j[m.task] = {{"acc", m.acc}, {"acc_stderr", number(m.acc_stderr)}, {"acc_norm", m.acc_norm},
-                 {"acc_norm_stderr", number(m.acc_norm_stderr)}, {"records", m.records}};
+    j[m.task] = m.generative
+                    ? nlohmann::json{{"exact_match", m.exact_match},
+                                     {"exact_match_stderr", number(m.exact_match_stderr)},
+                                     {"records", m.records}}
+                    : nlohmann::json{{"acc", m.acc}, {"acc_stderr", number(m.acc_stderr)}, {"acc_norm", m.acc_norm},
+                                     {"acc_norm_stderr", number(m.acc_norm_stderr)}, {"records", m.records}};
   return j;
 }
 
@@ -334,6 +347,12 @@ McEvaluator::McEvaluator(const std::string& specs, const Tokenizer& tokenizer, b
     at = comma + 1;
   }
   tasks_ = read_mc_tasks(list, skip_bad);
+  // Generation needs a KV cache on the run's layout, which the engines do not keep: build/eval --tasks answers those.
+  if (!tasks_.generative.empty()) {
+    tasks_.skipped["generative (build/eval --tasks scores it)"] += static_cast<int64_t>(tasks_.generative.size());
+    tasks_.generative.clear();
+    tasks_.generative_tasks.clear();
+  }
   // A record with a choice longer than the run's windows cannot be scored in them: counted and left out, so that a
   // long run never stops on it (build/eval --tasks takes a longer --seq_len).
   std::vector<McRecord> kept;

@@ -67,11 +67,21 @@ struct McMetrics {
   std::string task;  // a task's name, or "all" for the aggregate
   int64_t records = 0;
   double acc = 0, acc_stderr = 0, acc_norm = 0, acc_norm_stderr = 0;  // stderr NaN with fewer than 2 records
+  bool generative = false;                     // a generative task's row (engine/gen_eval.h): exact_match only
+  double exact_match = 0, exact_match_stderr = 0;
 };
+// lm-eval's mean and mean_stderr of per-record scores (sample standard deviation over sqrt(n); NaN under 2 records),
+// summed in the records' order as Python's sum.
+double lm_eval_mean(const std::vector<double>& x);
+double lm_eval_mean_stderr(const std::vector<double>& x);
+// lm-eval's group aggregate of task rows (aggregate_subtask_metrics with weight_by_size, pooled_sample_stderr), in
+// row order, named `name`: every metric field of the rows.
+McMetrics aggregate_metrics(const std::vector<McMetrics>& rows, const std::string& name);
 // Each task in the records' order of first appearance, then (more than one task) "all".
 std::vector<McMetrics> mc_metrics(const McTasks& tasks, const std::vector<McRequest>& requests, const McScores& scores);
 
-// One line per metric row for people: "arc_easy  acc 0.6120 ± 0.0100  acc_norm 0.5800 ± 0.0101  (2376 records)".
+// One line per metric row for people: "arc_easy  acc 0.6120 ± 0.0100  acc_norm 0.5800 ± 0.0101  (2376 records)",
+// "triviaqa  exact_match 0.4120 ± 0.0100  (1000 records)".
 std::string format_mc_metrics(const std::vector<McMetrics>& metrics);
 nlohmann::json mc_metrics_json(const std::vector<McMetrics>& metrics);
 // --output's row for record i: its task, file, line, id, gold, each choice's log-likelihood and greedy flag, and the

@@ -15,7 +15,8 @@
 // --tasks: every record's choices scored by log-likelihood (engine/mc_eval.h, data/mc_tasks.h): acc, acc_norm and
 // their standard errors per task and over all, one line each and a JSON line; --output writes every record's
 // per-choice log-likelihoods. Requests are packed many to a window under the document mask (cpu); windows are as
-// long as the longest request unless --seq_len says.
+// long as the longest request unless --seq_len says. Records with a "target" instead of choices are answered by greedy
+// generation and scored by exact match (engine/gen_eval.h), as lm-eval's generate_until tasks.
 // A LoRA checkpoint (or PEFT adapter directory) is scored on its base with the adapters merged on load; --base DIR
 // names the base when it has moved (its checksum must be the recorded one: ckpt/peft.h).
 
@@ -32,6 +33,7 @@
 #include "core/threads.h"
 #include "comm/comm.h"      // make_world_comm: the ranks of mpirun (--tasks)
 #include "data/mc_tasks.h"  // read_mc_tasks, encode_mc_requests
+#include "engine/gen_eval.h"  // generate_requests, gen_metrics: records with a target
 #include "engine/mc_eval.h"  // score_mc_requests, mc_metrics
 #include "data/loader.h"
 #include "data/tokenizer.h"  // model_tokenizer
@@ -78,12 +80,21 @@ int eval_tasks(const TaskRun& run, const std::string& checkpoint, const ModelSou
                                          : std::min<int64_t>(config.max_position_embeddings,
                                                              (std::max<int64_t>(longest, 256) + 63) / 64 * 64);
   check_seq_len(config, window, "seq_len", config_dir + "/config.json");
+  // Generative records: each context and its answer in the KV cache (engine/gen_eval.h).
+  const GenTokenizer gen_tok = gen_tokenizer(tokenizer, config.eos_token_ids, run.special_tokens);
+  const std::vector<GenRequest> gen_requests = encode_gen_requests(tasks, gen_tok, max_tokens);
+  int64_t gen_seq = 0, gen_truncated = 0, gen_longest = 0;
+  for (const GenRequest& q : gen_requests) {
+    gen_seq = std::max<int64_t>(gen_seq, static_cast<int64_t>(q.context.size()) + q.max_new);
+    gen_longest = std::max(gen_longest, q.max_new);
+    gen_truncated += q.truncated;
+  }
   // A record's choices go through one forward together when they share their context: as many rows as choices.
   size_t choices = 1;
   for (const McRecord& r : tasks.records) choices = std::max(choices, r.choices.size());
   std::unique_ptr<ForwardModel> model =
-      make_forward_model(config, resolve_device(run.device), std::max<int64_t>(run.micro_batch, choices), window,
-                         source.fill, DocumentMode{true, true});
+      make_forward_model(config, resolve_device(run.device), std::max<int64_t>(run.micro_batch, choices),
+                         std::max(window, gen_seq), source.fill, DocumentMode{true, true});
   McScoring how;
   how.batch = run.micro_batch, how.seq = window, how.packed = model->packs_documents();
   how.rank = world->rank(), how.ranks = world->size();
@@ -96,37 +107,75 @@ int eval_tasks(const TaskRun& run, const std::string& checkpoint, const ModelSou
   if (talk) {
     std::fprintf(stderr, "eval: %zu records of %zu task(s) in %zu file(s), %zu requests (%s)\n", tasks.records.size(),
                  tasks.tasks.size(), tasks.files.size(), requests.size(), tokenizer.describe().c_str());
+    if (!tasks.generative.empty())
+      std::fprintf(stderr, "eval: %zu generative records of %zu task(s), up to %lld tokens each (greedy)\n",
+                   tasks.generative.size(), tasks.generative_tasks.size(), static_cast<long long>(gen_longest));
     for (const auto& [why, count] : tasks.skipped)
       std::fprintf(stderr, "eval: skipped %lld bad record(s): %s\n", static_cast<long long>(count), why.c_str());
     if (truncated > 0)
       std::fprintf(stderr, "eval: %lld request(s) longer than %lld tokens keep their last %lld (as lm-eval cuts them)\n",
                    static_cast<long long>(truncated), static_cast<long long>(max_tokens),
                    static_cast<long long>(max_tokens + 1));
-    std::fprintf(stderr, "eval: %lld windows of %lld tokens (%.0f%% filled), %lld per batch, %d rank(s), on %s\n",
-                 static_cast<long long>(packing.windows), static_cast<long long>(window),
-                 100.0 * static_cast<double>(packing.tokens) / static_cast<double>(packing.windows * window),
-                 static_cast<long long>(run.micro_batch), world->size(), model->describe().c_str());
+    if (gen_truncated > 0)
+      std::fprintf(stderr, "eval: %lld generative context(s) keep their last max_length - max_gen_toks tokens (as lm-eval "
+                   "cuts them; max_length %lld)\n", static_cast<long long>(gen_truncated), static_cast<long long>(max_tokens));
+    if (!requests.empty())
+      std::fprintf(stderr, "eval: %lld windows of %lld tokens (%.0f%% filled), %lld per batch, %d rank(s), on %s\n",
+                   static_cast<long long>(packing.windows), static_cast<long long>(window),
+                   100.0 * static_cast<double>(packing.tokens) / static_cast<double>(packing.windows * window),
+                   static_cast<long long>(run.micro_batch), world->size(), model->describe().c_str());
   }
-  ProgressLine progress("eval", static_cast<double>(packing.windows), ProgressLine::Unit::Items, talk ? stderr : nullptr, 5.0,
-                        "windows");
-  how.progress = [&](int64_t done, int64_t planned) {
-    if (done == 0 || planned == 0) return;
-    progress.update(static_cast<double>(done) * static_cast<double>(packing.windows) / static_cast<double>(planned));
-  };
-  McScores scores = score_mc_requests(requests, how, [&](const int32_t* inputs, const int32_t* targets,
-                                                         const int32_t* positions, int64_t batch, int64_t seq,
-                                                         float* logps, uint8_t* greedy) {
-    model->forward_target_logps(inputs, targets, batch, seq, positions, logps, greedy);
-  });
-  progress.finish();
-  if (world->size() > 1) {  // each request was scored on one rank; the others hold 0
-    std::vector<double> greedy(scores.greedy.begin(), scores.greedy.end());
-    world->all_reduce(scores.loglikelihood.data(), static_cast<int64_t>(requests.size()), CommType::F64, ReduceOp::Sum,
-                      "eval log-likelihoods");
-    world->all_reduce(greedy.data(), static_cast<int64_t>(greedy.size()), CommType::F64, ReduceOp::Sum, "eval greedy");
-    for (size_t i = 0; i < greedy.size(); i++) scores.greedy[i] = greedy[i] > 0.5;
+  McScores scores;
+  if (!requests.empty()) {
+    ProgressLine progress("eval", static_cast<double>(packing.windows), ProgressLine::Unit::Items, talk ? stderr : nullptr,
+                          5.0, "windows");
+    how.progress = [&](int64_t done, int64_t planned) {
+      if (done == 0 || planned == 0) return;
+      progress.update(static_cast<double>(done) * static_cast<double>(packing.windows) / static_cast<double>(planned));
+    };
+    scores = score_mc_requests(requests, how, [&](const int32_t* inputs, const int32_t* targets, const int32_t* positions,
+                                                  int64_t batch, int64_t seq, float* logps, uint8_t* greedy) {
+      model->forward_target_logps(inputs, targets, batch, seq, positions, logps, greedy);
+    });
+    progress.finish();
+    if (world->size() > 1) {  // each request was scored on one rank; the others hold 0
+      std::vector<double> greedy(scores.greedy.begin(), scores.greedy.end());
+      world->all_reduce(scores.loglikelihood.data(), static_cast<int64_t>(requests.size()), CommType::F64, ReduceOp::Sum,
+                        "eval log-likelihoods");
+      world->all_reduce(greedy.data(), static_cast<int64_t>(greedy.size()), CommType::F64, ReduceOp::Sum, "eval greedy");
+      for (size_t i = 0; i < greedy.size(); i++) scores.greedy[i] = greedy[i] > 0.5;
+    }
   }
-  const std::vector<McMetrics> metrics = mc_metrics(tasks, requests, scores);
+  std::vector<std::vector<int32_t>> generated;
+  if (!gen_requests.empty()) {
+    ProgressLine progress("generate", static_cast<double>(gen_requests.size()), ProgressLine::Unit::Items,
+                          talk ? stderr : nullptr, 5.0, "records");
+    GenRun gen_run;
+    gen_run.rank = world->rank(), gen_run.ranks = world->size();
+    gen_run.progress = [&](int64_t done, int64_t planned) {
+      progress.update(static_cast<double>(done) * static_cast<double>(gen_requests.size()) / static_cast<double>(planned));
+    };
+    generated = generate_requests(*model, config.vocab_size, tasks, gen_requests, gen_tok, gen_run);
+    progress.finish();
+    if (world->size() > 1) {  // each record was answered on one rank: its length and ids, summed over the ranks
+      const size_t row = static_cast<size_t>(gen_longest) + 1;
+      std::vector<double> rows(generated.size() * row, 0.0);
+      for (size_t i = 0; i < generated.size(); i++) {
+        rows[i * row] = static_cast<double>(generated[i].size());
+        for (size_t t = 0; t < generated[i].size(); t++) rows[i * row + 1 + t] = generated[i][t];
+      }
+      world->all_reduce(rows.data(), static_cast<int64_t>(rows.size()), CommType::F64, ReduceOp::Sum, "eval generations");
+      for (size_t i = 0; i < generated.size(); i++) {
+        generated[i].resize(static_cast<size_t>(rows[i * row]));
+        for (size_t t = 0; t < generated[i].size(); t++) generated[i][t] = static_cast<int32_t>(rows[i * row + 1 + t]);
+      }
+    }
+  }
+  std::vector<std::string> answers;
+  for (size_t i = 0; i < generated.size(); i++)
+    answers.push_back(gen_answer(generated[i], tasks.generative[gen_requests[i].record].until, gen_tok));
+  std::vector<McMetrics> metrics = mc_metrics(tasks, requests, scores);
+  for (McMetrics& m : gen_metrics(tasks, answers)) metrics.push_back(std::move(m));
   if (!root) return 0;
   if (!run.output.empty()) {
     std::ofstream out(run.output, std::ios::binary | std::ios::trunc);
@@ -134,13 +183,17 @@ int eval_tasks(const TaskRun& run, const std::string& checkpoint, const ModelSou
     const std::vector<int64_t> first = mc_first_requests(tasks, requests);
     for (size_t i = 0; i < tasks.records.size(); i++)
       out << mc_record_json(tasks, requests, scores, static_cast<int64_t>(i), first).dump() << '\n';
+    for (size_t i = 0; i < answers.size(); i++)
+      out << gen_record_json(tasks, static_cast<int64_t>(i), generated[i], answers[i]).dump() << '\n';
     out.flush();
     if (!out) fail(run.output, ": write failed (--output)");
   }
   std::printf("%s on %s:\n%s", checkpoint.c_str(), run.tasks.c_str(), format_mc_metrics(metrics).c_str());
   nlohmann::json line = {{"checkpoint", checkpoint}, {"tasks", run.tasks}, {"metrics", mc_metrics_json(metrics)},
                          {"records", tasks.records.size()}, {"requests", requests.size()},
-                         {"skipped", tasks.skipped}, {"truncated", truncated}, {"add_special_tokens", run.special_tokens},
+                         {"generative_records", tasks.generative.size()},
+                         {"skipped", tasks.skipped}, {"truncated", truncated + gen_truncated},
+                         {"add_special_tokens", run.special_tokens},
                          {"device", model->describe()}, {"ranks", world->size()}};
   std::printf("%s\n", line.dump().c_str());
   return 0;
@@ -162,9 +215,10 @@ int main(int argc, char** argv) {
                 "or a Hugging Face download");
     options.add("base", &base, "a LoRA checkpoint's base model, instead of the one it records (same checksum required)");
     options.add("data", &data, "token shards: files, directories (their val-* shards) or globs, comma-separated");
-    options.add("tasks", &task_run.tasks, "multiple-choice task records (JSONL: task, context, choices, gold): files or "
-                "directories of *.jsonl, comma-separated; instead of --data");
-    options.add("output", &task_run.output, "with --tasks: write every record's per-choice log-likelihoods here (JSONL)");
+    options.add("tasks", &task_run.tasks, "task records (JSONL: task, context, choices, gold; or task, context, until, "
+                "target for greedy generation): files or directories of *.jsonl, comma-separated; instead of --data");
+    options.add("output", &task_run.output, "with --tasks: write every record's per-choice log-likelihoods (or its "
+                "generated answer) here (JSONL)");
     options.add("skip_bad_records", &task_run.skip_bad, "with --tasks: count and skip bad records instead of stopping at "
                 "the first");
     options.add("add_special_tokens", &task_run.special_tokens, "with --tasks: encode each text with the tokenizer's own "

@@ -68,6 +68,21 @@ TEST(McTasks, BadRecordsNamedOrCounted) {
       {"{\"context\": \"c\", \"choices\": [\" a\"], \"gold\": 0}", "no \"task\"", "field \"task\" is missing"},
       {"{\"task\": \"t\", \"context\": \"c\", \"choices\": [\" a\"]", "not JSON", "not a JSON object"},
       {"{\"task\": \"t\", \"context\": \"\xff\xfe\", \"choices\": [\" a\"], \"gold\": 0}", "not UTF-8", "not valid UTF-8"},
+      // Generative records (engine/gen_eval.h).
+      {"{\"task\": \"g\", \"context\": \"c\", \"until\": [\"\\n\"]}", "no \"target\"", "field \"target\" is missing"},
+      {"{\"task\": \"g\", \"context\": \"c\", \"target\": []}", "no \"target\"", "field \"target\" is an empty list"},
+      {"{\"task\": \"g\", \"context\": \"c\", \"target\": [\"x\", \"\"]}", "empty target", "target[1] is empty"},
+      {"{\"task\": \"g\", \"context\": \"c\", \"target\": \"x\", \"until\": [\"\\n\", \"\"]}", "empty stop string",
+       "until[1] is empty"},
+      {"{\"task\": \"g\", \"context\": \"c\", \"target\": \"x\", \"until\": 7}", "\"until\" not a string",
+       "should be a string or a list of strings, found number"},
+      {"{\"task\": \"g\", \"context\": \"c\", \"target\": \"x\", \"max_gen_toks\": 0}", "max_gen_toks not positive",
+       "should be a positive integer, found 0"},
+      {"{\"task\": \"g\", \"context\": \"\", \"target\": \"x\"}", "empty context", "field \"context\" is empty"},
+      {"{\"task\": \"g\", \"context\": \"c\", \"target\": \"x\", \"choices\": [\" a\"], \"gold\": 0}",
+       "both target and choices", "found both"},
+      {"{\"task\": \"t\", \"context\": \"c\", \"target\": \"x\"}", "task of both kinds",
+       "task \"t\" has multiple-choice records before this generative one"},
   };
   const std::string good = "{\"task\": \"t\", \"context\": \"c\", \"choices\": [\" a\", \" b\"], \"gold\": 1}\n";
   TempDir dir("mc_bad");
@@ -96,6 +111,35 @@ TEST(McTasks, BadRecordsNamedOrCounted) {
             std::string::npos);
   TempDir empty("mc_empty");
   EXPECT_NE(error_of([&] { read_mc_tasks({empty.path.string()}, false); }).find("no *.jsonl"), std::string::npos);
+}
+
+// Generative records beside multiple-choice ones: each kind in its own list, its tasks in order of first appearance;
+// "until" and "target" a string or a list, max_gen_toks 256 unless given (lm-eval's default).
+TEST(McTasks, ReadsGenerativeRecords) {
+  TempDir dir("mc_gen");
+  const std::string path = (dir / "mixed.jsonl").string();
+  write_file(path,
+             "{\"task\": \"qa\", \"id\": 7, \"context\": \"Q: capital?\\nA:\", \"until\": \"\\n\", \"target\": \"Paris\"}\n"
+             "{\"task\": \"mc\", \"context\": \"c\", \"choices\": [\" a\", \" b\"], \"gold\": 1}\n"
+             "{\"task\": \"qa2\", \"context\": \"Q\", \"until\": [\".\", \"\\n\\n\"], \"target\": [\"x\", \"y\"], "
+             "\"max_gen_toks\": 12}\n");
+  const McTasks tasks = read_mc_tasks({path}, false);
+  ASSERT_EQ(tasks.records.size(), 1u);
+  EXPECT_EQ(tasks.tasks, std::vector<std::string>({"mc"}));
+  ASSERT_EQ(tasks.generative.size(), 2u);
+  EXPECT_EQ(tasks.generative_tasks, std::vector<std::string>({"qa", "qa2"}));
+  const GenRecord& a = tasks.generative[0];
+  EXPECT_EQ(a.id, "7");
+  EXPECT_EQ(a.context, "Q: capital?\nA:");
+  EXPECT_EQ(a.until, std::vector<std::string>({"\n"}));
+  EXPECT_EQ(a.targets, std::vector<std::string>({"Paris"}));
+  EXPECT_EQ(a.max_gen_toks, 256);
+  EXPECT_EQ(a.line, 1);
+  const GenRecord& b = tasks.generative[1];
+  EXPECT_EQ(b.until, std::vector<std::string>({".", "\n\n"}));
+  EXPECT_EQ(b.targets, std::vector<std::string>({"x", "y"}));
+  EXPECT_EQ(b.max_gen_toks, 12);
+  EXPECT_EQ(b.line, 3);
 }
 
 // lm-eval's _encode_pair on the real Llama 3 tokenizer, plain (add_bos_token=False) and framed (its default: the

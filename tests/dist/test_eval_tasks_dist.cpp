@@ -1,6 +1,6 @@
-// Multiple-choice evaluation under mpirun, on the lm-eval fixture (tests/fixtures/mc_eval: a tiny LLaMA with its
-// tokenizer and tasks of 2, 4 and 10 choices): build/eval --tasks at dp 2 writes the per-choice log-likelihoods one
-// rank does, and build/train --eval_tasks reports the same accuracies at dp 2 with ZeRO-3, tp 2 and tp 2 with sp as one
+// Multiple-choice and generative evaluation under mpirun, on the lm-eval fixture (tests/fixtures/mc_eval: a tiny LLaMA
+// with its tokenizer, tasks of 2, 4 and 10 choices and generative ones): build/eval --tasks at dp 2 writes the
+// per-choice log-likelihoods and the answers one rank does, and build/train --eval_tasks reports the same accuracies at dp 2 with ZeRO-3, tp 2 and tp 2 with sp as one
 // rank at every validation, and so does pp 2 (the last stage's log-probs broadcast to every stage).
 #include <gtest/gtest.h>
 
@@ -33,8 +33,9 @@ std::vector<nlohmann::json> read_rows(const fs::path& path) {
 
 TEST(DistEvalTasks, DataParallelEvalWritesOneRanksScores) {
   TempDir tmp("dist_eval_tasks");
+  // The multiple-choice tasks and the generative ones (each rank answers every other record).
   const std::string eval = testing_util::build_dir() + "/eval --checkpoint " + kFixture + " --tasks " + kFixture +
-                           "/tasks --micro_batch 2 --threads 1 --quiet --output ";
+                           "/tasks," + kFixture + "/gen/tasks --micro_batch 2 --threads 1 --quiet --output ";
   auto r = run_command(eval + (tmp / "one.jsonl").string(), tmp / "one_log");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   r = run_command(mpirun(2) + eval + (tmp / "dp2.jsonl").string(), tmp / "dp2_log");
@@ -43,8 +44,21 @@ TEST(DistEvalTasks, DataParallelEvalWritesOneRanksScores) {
   const std::vector<nlohmann::json> one = read_rows(tmp / "one.jsonl"), dp2 = read_rows(tmp / "dp2.jsonl");
   ASSERT_GT(one.size(), 50u);
   ASSERT_EQ(one.size(), dp2.size());
+  nlohmann::json ref;
+  std::ifstream(kFixture + "/gen/reference.json") >> ref;
+  int64_t answered = 0;
   for (size_t i = 0; i < one.size(); i++) {
     SCOPED_TRACE(one[i].dump());
+    if (one[i].contains("answer")) {  // a generative record: lm-eval's answer, on one rank and at dp 2
+      for (const nlohmann::json& e : ref.at("tasks").at(one[i].at("task").get<std::string>()).at("records"))
+        if (e.at("id") == one[i].at("id")) {
+          EXPECT_EQ(one[i].at("answer"), e.at("response"));
+        }
+      EXPECT_EQ(dp2[i].at("answer"), one[i].at("answer"));
+      EXPECT_EQ(dp2[i].at("exact_match"), one[i].at("exact_match"));
+      answered++;
+      continue;
+    }
     EXPECT_EQ(dp2[i].at("greedy"), one[i].at("greedy"));
     EXPECT_EQ(dp2[i].at("pred"), one[i].at("pred"));
     const auto a = one[i].at("loglikelihoods").get<std::vector<double>>();
@@ -52,6 +66,7 @@ TEST(DistEvalTasks, DataParallelEvalWritesOneRanksScores) {
     ASSERT_EQ(a.size(), b.size());
     for (size_t k = 0; k < a.size(); k++) EXPECT_NEAR(b[k], a[k], 1e-6 * std::abs(a[k]));
   }
+  EXPECT_EQ(answered, 60);
 }
 
 class DistTrainEvalTasks : public ::testing::Test {

@@ -276,5 +276,16 @@ TEST(McEval, MetricsAsLmEvalComputesThem) {
   EXPECT_EQ(row.at("loglikelihoods"), nlohmann::json({-2.0, -3.0}));
 }
 
+// build/train --eval_tasks scores multiple-choice records on the run's layout; generative ones need a KV cache there,
+// so they are counted and left to build/eval --tasks (a long run never stops on them).
+TEST(McEval, TrainingEvaluatorLeavesGenerativeRecordsToEval) {
+  const std::string dir = "tests/fixtures/mc_eval";
+  const Tokenizer tokenizer(dir);
+  McEvaluator evaluator(dir + "/tasks," + dir + "/gen/tasks", tokenizer, /*skip_bad=*/false, 4, 256, nullptr);
+  const std::string said = evaluator.describe();
+  EXPECT_NE(said.find("106 records"), std::string::npos) << said;
+  EXPECT_NE(said.find("60 skipped: generative (build/eval --tasks scores it)"), std::string::npos) << said;
+}
+
 }  // namespace
 }  // namespace tuna
