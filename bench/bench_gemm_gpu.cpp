@@ -1,7 +1,7 @@
 // GEMM TFLOP/s through kernels/matmul (cuBLASLt, bf16 in, fp32 accumulate) at the linear layers of LLaMA
 // 3.2-1B, 3-8B and 2-70B for 8192 tokens as the GPU model runs them: o (C -> C), the fused q|k|v (C -> C + 2
 // kv_dim), the fused gate|up (C -> 2F), down (F -> C); forward, input gradient and (fp32-accumulated) weight
-// gradient. `of_peak`: fraction of the dense bf16 peak.
+// gradient. `of_peak`: fraction of the dense bf16 peak. BM_GemmAdapter: the LoRA adapters' rank-16 products.
 // Each shape twice: with the algorithm the trainer uses (the heuristic's first answer, `first`), and with the
 // fastest of the heuristic's first 8 timed in place (`best of 8`, MatmulContext::set_timed_candidates): the
 // gain a timed choice would bring, measured before building one into the trainer.
@@ -67,6 +67,21 @@ BENCHMARK(BM_Gemm)
     ->ArgsProduct({{14336}, {4096}, {0, 1, 2}, {0, 1}})
     ->ArgsProduct({{8192}, {8192, 10240, 57344}, {0, 1, 2}, {0, 1}})
     ->ArgsProduct({{28672}, {8192}, {0, 1, 2}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.1);
+
+// The adapters' rank-16 products as the GPU model runs them (model/llama_gpu_lora.cpp: each target's own): the
+// down-projection A x (in -> r) and the up-projection B u (r -> out), each forward, input gradient and weight
+// gradient, at the 8B and 70B layers' inputs and outputs. Skinny GEMMs move more bytes than they compute: the
+// planner prices adapters at these measured rates (plan/plan_rates.json, gemm_adapter), not at the layer GEMMs'.
+void BM_GemmAdapter(benchmark::State& state) { BM_Gemm(state); }
+BENCHMARK(BM_GemmAdapter)
+    ->ArgNames({"ic", "oc", "pass", "timed"})
+    ->ArgsProduct({{4096, 14336}, {16}, {0, 1, 2}, {0}})
+    ->ArgsProduct({{16}, {1024, 4096, 14336}, {0, 1, 2}, {0}})
+    ->ArgsProduct({{8192, 28672}, {16}, {0, 1, 2}, {0}})
+    ->ArgsProduct({{16}, {8192, 28672}, {0, 1, 2}, {0}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.1);

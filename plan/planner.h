@@ -82,6 +82,10 @@ struct Rates {
   bool fp8_measured = false;
   double fp8_ratio = 0;
   std::vector<GemmShape> fp8_shapes;
+  // LoRA: the adapters' skinny products (in -> r, r -> out), measured by gpu-check (bench_gemm_gpu's BM_GemmAdapter).
+  // Empty until then: adapters are priced from the roofline (their FLOPs at the layer rates, their bytes at the copy
+  // bandwidth), and a plan with adapters says so.
+  std::vector<GemmShape> adapter_shapes;
   struct Attention {
     int64_t head_dim, seq;
     double fwd, bwd;  // FLOP/s
@@ -94,6 +98,7 @@ struct Rates {
 
   double gemm(int64_t tokens, int64_t in, int64_t out, int pass) const;  // FLOP/s of the nearest measured shape
   double gemm_fp8(int64_t tokens, int64_t in, int64_t out, int pass) const;  // the same with FP8 operands
+  double gemm_adapter(int64_t tokens, int64_t in, int64_t out, int pass) const;  // nearest adapter shape (measured)
   double attention_rate(int64_t head_dim, int64_t seq, bool backward) const;
   double memory_rate(const std::string& kernel) const;  // bytes/s
 };

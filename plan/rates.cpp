@@ -113,6 +113,14 @@ Rates parse_rates(const json& j, const std::string& where) {
     if (r.fp8_measured && r.fp8_shapes.empty()) fail(fw, ": measured, but no shapes");
     r.sources["gemm_fp8"] = source_of(fp8);
   }
+  // Optional: the adapters' skinny GEMMs, once gpu-check has measured them.
+  if (j.contains("gemm_adapter")) {
+    const json& ad = j["gemm_adapter"];
+    const std::string aw = where + ": gemm_adapter";
+    for (const json& s : field(ad, "shapes", aw)) r.adapter_shapes.push_back(parse_shape(s, aw + ": shapes"));
+    if (r.adapter_shapes.empty()) fail(aw, ": shapes: expected at least one measured shape");
+    r.sources["gemm_adapter"] = source_of(ad);
+  }
   const json& att = field(j, "attention", where);
   for (const json& a : field(att, "rates", where + ": attention")) {
     const std::string aw = where + ": attention: rates";
@@ -158,6 +166,21 @@ fs::path default_rates_path() {
 
 double Rates::gemm(int64_t tokens, int64_t in, int64_t out, int pass) const {
   return nearest_shape_rate(gemm_shapes, tokens, in, out, pass, pass == 0 ? gemm_fwd : gemm_bwd);
+}
+
+double Rates::gemm_adapter(int64_t tokens, int64_t in, int64_t out, int pass) const {
+  TUNA_CHECK(!adapter_shapes.empty(), "no measured adapter GEMM shapes");
+  // By input and output apart: a down-projection (in -> r) and an up-projection (r -> out) of the same size are not
+  // the same product.
+  double best = INFINITY, rate = 0;
+  for (const GemmShape& s : adapter_shapes) {
+    if (s.pass != pass) continue;
+    const double d = std::abs(std::log(double(s.tokens) / double(tokens))) + std::abs(std::log(double(s.in) / double(in))) +
+                     std::abs(std::log(double(s.out) / double(out)));
+    if (d < best) best = d, rate = s.flops;
+  }
+  TUNA_CHECK(rate > 0, "no measured adapter GEMM shape of pass ", pass);
+  return rate;
 }
 
 double Rates::gemm_fp8(int64_t tokens, int64_t in, int64_t out, int pass) const {
@@ -224,7 +247,7 @@ json rates_from_bench(const json& base, const fs::path& dir) {
     json shapes = json::array();
     double fwd_sum = 0, bwd_sum = 0;
     int fwd_n = 0, bwd_n = 0;
-    json fp8_shapes = json::array();
+    json fp8_shapes = json::array(), adapter_shapes = json::array();
     double fp8_ratio_sum = 0;
     int fp8_n = 0;
     std::map<std::tuple<int64_t, int64_t, int64_t>, double> bf16_first;  // the trainer's algorithm's rate per shape
@@ -237,6 +260,10 @@ json rates_from_bench(const json& base, const fs::path& dir) {
                           {"tflops", tf}};
       if (name.rfind("BM_GemmFp8/", 0) == 0) {
         fp8_shapes.push_back(shape);
+        continue;
+      }
+      if (name.rfind("BM_GemmAdapter/", 0) == 0) {  // skinny: not a layer GEMM, kept out of the layer means
+        adapter_shapes.push_back(shape);
         continue;
       }
       if (bench_arg(name, "timed") <= 0) bf16_first[{in, oc, pass}] = tf;
@@ -256,6 +283,11 @@ json rates_from_bench(const json& base, const fs::path& dir) {
       out["gemm_fp8"]["source"] = "bench_gemm_gpu's BM_GemmFp8 of " + stamp +
                                   " (per shape; ratio_to_bf16: the mean over its shapes of FP8 over the bf16 rate, for "
                                   "other shapes)";
+      any = true;
+    }
+    if (!adapter_shapes.empty()) {
+      out["gemm_adapter"] = {{"shapes", adapter_shapes},
+                             {"source", "bench_gemm_gpu's BM_GemmAdapter of " + stamp + " (the nearest shape per product)"}};
       any = true;
     }
     if (!shapes.empty()) {

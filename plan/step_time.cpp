@@ -318,8 +318,10 @@ StepModel::StepModel(const JobSpec& job, const Rates& rates)
 // reads or accumulates into a [tokens, in] or [tokens, out] activation. A GEMM group reads its input once (q|k|v's A
 // share x, as do gate|up's) unless dropout draws a mask per target. Forward: read x, write A x, read it and accumulate
 // B A x into the base's output (read and write); backward: read dy twice (dB and B^T dy), read x for dA, accumulate
-// A's share into dx. Priced at the larger of the FLOPs at the layer GEMM rates and the bytes at the measured copy
-// bandwidth (the skinny GEMMs are not benched).
+// A's share into dx. With the skinny GEMMs measured (gpu-check's BM_GemmAdapter: Rates::adapter_shapes) each target's
+// six products are priced at the nearest measured shape, as the GPU model runs them (one target at a time), and its
+// dropout at the copy bandwidth; until then at the larger of the FLOPs at the layer GEMM rates and the bytes at the
+// copy bandwidth (the roofline), which a plan marks as not measured.
 void StepModel::time_adapters() {
   const std::vector<LoraTargetShape> shapes = lora_layer_shapes(c, lora, l.tp);
   lora_layer = lora_layer_params(c, lora, l.tp);
@@ -340,8 +342,21 @@ void StepModel::time_adapters() {
   }
   for (const AdapterGroup& g : groups) lora_fwd_bytes += tokens * 2 * double(g.in), lora_bwd_bytes += tokens * 6 * double(g.in);
   const double flops = 2.0 * tokens * double(lora_layer);
-  lora_fwd = std::max(flops / (rates.gemm_fwd * scale.compute), lora_fwd_bytes / copy_rate);
-  lora_bwd = std::max(2 * flops / (rates.gemm_bwd * scale.compute), lora_bwd_bytes / copy_rate);
+  if (rates.adapter_shapes.empty()) {
+    lora_fwd = std::max(flops / (rates.gemm_fwd * scale.compute), lora_fwd_bytes / copy_rate);
+    lora_bwd = std::max(2 * flops / (rates.gemm_bwd * scale.compute), lora_bwd_bytes / copy_rate);
+    return;
+  }
+  lora_fwd = lora_bwd = 0;
+  const auto product = [&](int64_t in, int64_t out, int pass) {
+    return 2.0 * tokens * double(in) * double(out) / (rates.gemm_adapter(n, in, out, pass) * scale.compute);
+  };
+  for (const LoraTargetShape& t : shapes) {
+    lora_fwd += product(t.in, lora.rank, 0) + product(lora.rank, t.out, 0);       // A x, then B u into y
+    lora_bwd += product(lora.rank, t.out, 2) + product(lora.rank, t.out, 1) +     // dB, B^T dy
+                product(t.in, lora.rank, 2) + product(t.in, lora.rank, 1);        // dA, A^T du into dx
+    if (lora.dropout > 0) lora_fwd += tokens * double(t.in) * 4.125 / copy_rate, lora_bwd += tokens * double(t.in) * 4.125 / copy_rate;
+  }
 }
 
 void StepModel::time_layer() {
@@ -571,11 +586,13 @@ void add_compute_items(const StepModel& m, const PipelineStage& st, const Tail& 
          str(human_count(double(m.lora_layer * st.layers())), " adapter weights on this GPU (", describe_lora(m.lora),
              "): ", format_number(2.0 * double(m.n) * double(m.lora_layer) * 3 / 1e9, 2), " GFLOP and ",
              human_bytes(m.lora_fwd_bytes + m.lora_bwd_bytes), " per layer and micro-batch, ",
-             m.lora_fwd_bytes + m.lora_bwd_bytes > 0 &&
+             !rates.adapter_shapes.empty()
+                 ? "each product at the nearest measured adapter shape (gpu-check's BM_GemmAdapter)"
+             : m.lora_fwd_bytes + m.lora_bwd_bytes > 0 &&
                      (m.lora_fwd_bytes + m.lora_bwd_bytes) / m.copy_rate >
                          3 * 2.0 * double(m.n) * double(m.lora_layer) / (rates.gemm_bwd * m.scale.compute)
-                 ? "bound by the bytes at the copy bandwidth (r-wide GEMMs)"
-                 : "bound by the FLOPs")});
+                 ? "bound by the bytes at the copy bandwidth (r-wide GEMMs; roofline, not measured)"
+                 : "bound by the FLOPs (roofline, not measured)")});
   if (m.dequant > 0)
     p.compute.push_back({"dequantization", A * Ls * 2 * m.dequant,
                          str(base_quant_name(m.lora.base_quant), " to bf16 per layer and use (forward, backward",
@@ -731,6 +748,10 @@ void add_notes(const StepModel& m, const Tail& tail, int64_t tail_stage, Predict
                             other_fits ? str("would fit too (", gb(other_bytes), " per GPU) without gathers")
                                        : str("does not fit (", gb(other_bytes), " per GPU)")));
   }
+  if (m.adapters && m.rates.adapter_shapes.empty())
+    p.notes.push_back("adapter GEMMs PLANNED, NOT MEASURED: priced from the roofline (their FLOPs at the layer GEMM "
+                      "rates, their bytes at the copy bandwidth) until gpu-check measures the rank-16 products "
+                      "(bench_gemm_gpu's BM_GemmAdapter); the frozen base's GEMMs are at the measured rates");
   if (m.fp8)
     p.notes.push_back(str("FP8 GEMM rates ", m.rates.fp8_measured ? "measured by gpu-check" :
                           str("PLANNED, NOT MEASURED: bf16's x ", format_number(m.rates.fp8_ratio, 2), ", a published "

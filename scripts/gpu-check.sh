@@ -406,7 +406,7 @@ if [ $HOPPER_OK -eq 1 ]; then bench attention 90; else bench attention 90 --benc
 # stall under grouped-query attention. Lines into the summary log; decides nothing.
 ADVISORY=1 step bench/attention_gqa 20 benches.log python3 "$PY/attention_gqa.py" "$BENCH_JSON/attention.json"
 while IFS= read -r line; do log "$line"; done <"$STEP_OUT"
-bench gemm 60
+bench gemm 75
 bench train_step 100 --benchmark_filter='-hopper:1'
 # The 1B step at batch 4 x 4096 once more on the hopper attention path (--attention hopper), beside the default's.
 if [ $HOPPER_OK -eq 1 ]; then

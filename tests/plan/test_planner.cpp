@@ -278,6 +278,35 @@ TEST(Planner, PreferenceObjectivesPriceTheHeadPassAndTheReference) {
   EXPECT_NE(error_of([&] { predict(j, rates); }).find("'objective'"), std::string::npos);
 }
 
+// Until gpu-check measures the adapters' rank-16 products, a LoRA plan prices them from the roofline and says so;
+// with them, each target's six products (A x, B u; dB, B^T dy, dA, A^T du) at the nearest measured shape.
+TEST(Planner, AdaptersAtTheirMeasuredRatesOnceGpuCheckHasThem) {
+  JobSpec j = job_of("llama-3.2-1b", "h200", 1, 1, 0, 2, 4096, 1);
+  j.cluster.gpus_per_node = 1;
+  j.layout.dp = 1;
+  j.layout.lora.rank = 16;
+  Rates rates = repository_rates();
+  ASSERT_TRUE(rates.adapter_shapes.empty()) << "plan/plan_rates.json: a test of the roofline needs no measured shapes";
+  const auto notes_say = [](const Prediction& p, const std::string& what) {
+    for (const std::string& n : p.notes)
+      if (n.find(what) != std::string::npos) return true;
+    return false;
+  };
+  const Prediction roofline = predict(j, rates);
+  EXPECT_TRUE(notes_say(roofline, "adapter GEMMs PLANNED, NOT MEASURED")) << roofline.notes.size();
+  for (int pass = 0; pass < 3; pass++) {
+    rates.adapter_shapes.push_back({8192, 2048, 16, pass, 40e12});  // down-projections
+    rates.adapter_shapes.push_back({8192, 16, 2048, pass, 20e12});  // up-projections
+  }
+  const Prediction measured = predict(j, rates);
+  EXPECT_FALSE(notes_say(measured, "NOT MEASURED"));
+  const double n = 8192, r = 16, L = 16;
+  const double ins[] = {2048, 2048, 2048, 2048, 2048, 2048, 8192}, outs[] = {2048, 512, 512, 2048, 8192, 8192, 2048};
+  double layer = 0;
+  for (int t = 0; t < 7; t++) layer += 3 * 2 * n * ins[t] * r / 40e12 + 3 * 2 * n * r * outs[t] / 20e12;
+  EXPECT_NEAR(part_of(measured, "adapter GEMMs"), L * layer, 1e-9 * L * layer);
+}
+
 TEST(Planner, LoraCrossesDataParallelWithItsGradientsAlone) {
   JobSpec j = job_of("llama-3.1-8b", "h100-80gb", 2, 1, 0, 1, 4096, 1);
   j.layout.lora.rank = 16;
@@ -605,7 +634,9 @@ TEST(Planner, RatesRefreshFromGpuCheckBenchJson) {
   std::ofstream(tmp / "bench_gemm.json")
       << bench({{{"name", "BM_Gemm/ic:8192/oc:28672/pass:0/manual_time"}, {"TFLOP/s", 700.0}},
                 {{"name", "BM_Gemm/ic:2048/oc:512/pass:0/manual_time"}, {"TFLOP/s", 400.0}},
-                {{"name", "BM_Gemm/ic:8192/oc:28672/pass:2/manual_time"}, {"TFLOP/s", 650.0}}})
+                {{"name", "BM_Gemm/ic:8192/oc:28672/pass:2/manual_time"}, {"TFLOP/s", 650.0}},
+                {{"name", "BM_GemmAdapter/ic:4096/oc:16/pass:0/timed:0/manual_time"}, {"TFLOP/s", 30.0}},
+                {{"name", "BM_GemmAdapter/ic:16/oc:4096/pass:0/timed:0/manual_time"}, {"TFLOP/s", 12.0}}})
              .dump();
   std::ofstream(tmp / "bench_attention.json")
       << bench({{{"name", "BM_Attention/seq:8192/hd:128/bwd:0/manual_time"}, {"TFLOP/s", 500.0}},
@@ -634,6 +665,12 @@ TEST(Planner, RatesRefreshFromGpuCheckBenchJson) {
   EXPECT_DOUBLE_EQ(r.gemm(8192, 8192, 28672, 0), 700e12);
   EXPECT_DOUBLE_EQ(r.gemm(8192, 2048, 512, 0), 400e12);
   EXPECT_DOUBLE_EQ(r.gemm(8192, 8192, 8192, 2), 650e12);  // the nearest measured weight-gradient shape
+  // The adapters' skinny products: their own section, out of the layer means, each orientation its own.
+  EXPECT_DOUBLE_EQ(r.gemm_fwd, 550e12);
+  ASSERT_EQ(r.adapter_shapes.size(), 2u);
+  EXPECT_DOUBLE_EQ(r.gemm_adapter(8192, 2048, 16, 0), 30e12);
+  EXPECT_DOUBLE_EQ(r.gemm_adapter(8192, 16, 2048, 0), 12e12);
+  EXPECT_NE(r.sources.at("gemm_adapter").find("BM_GemmAdapter"), std::string::npos);
   EXPECT_DOUBLE_EQ(r.attention_rate(128, 8192, true), 400e12);
   EXPECT_DOUBLE_EQ(r.copy_bytes_per_s, 4000e9);
   EXPECT_DOUBLE_EQ(r.of_copy.at("rmsnorm_fwd"), 0.75);

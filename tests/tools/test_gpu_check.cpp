@@ -125,7 +125,7 @@ TEST(GpuCheckEmulated, FailsOnABrokenStepAndNamesIt) {
   TempDir tmp("gpu_check_broken");
   std::string script = read_file("scripts/gpu-check.sh");
   for (const auto& [from, to] : {std::pair<std::string, std::string>{"--stop_at_step 150", "--stop_at_stepp 150"},
-                                 {"bench gemm 60", "bench gemmm 60"}}) {
+                                 {"bench gemm 75", "bench gemmm 75"}}) {
     const size_t at = script.find(from);
     ASSERT_NE(at, std::string::npos) << "gpu-check.sh no longer has '" << from << "': update this test";
     script.replace(at, from.size(), to);
