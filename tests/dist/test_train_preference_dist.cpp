@@ -166,6 +166,17 @@ TEST_F(DistPreference, DpoOverPipelineStagesFollowsOneRank) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_follows("one", "pp2dp2");
   expect_same_weights("one", "pp2dp2", /*lora=*/false);
+  // A stop after step 3 and --resume over the same stages: the reference file is reused, the run follows one rank.
+  r = run_command(mpirun(2) + kTrain + flags("pp2_resume", " --micro_batch 2 --grad_accum 2 --pp 2 --stop_at_step 3"),
+                  *tmp_ / "pp2_resume_log_a");
+  ASSERT_EQ(r.exit_code, 75) << r.output;
+  r = run_command(mpirun(2) + kTrain + flags("pp2_resume", " --micro_batch 2 --grad_accum 2 --pp 2 --resume"),
+                  *tmp_ / "pp2_resume_log_b");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(reused)"), std::string::npos) << r.output;
+  expect_follows("one", "pp2_resume");
+  expect_same_weights("one", "pp2_resume", /*lora=*/false);
 }
 
 // With adapters the reference is the base's forward down the stages with the adapters off, before the step's 1F1B

@@ -316,6 +316,9 @@ TEST(TrainPreference, RefusalsNameTheOptionAndTheWayOut) {
   MemoryLayout pp = one;
   pp.pp = 2;
   EXPECT_TRUE(objective_support(dpo, pp, Device::Cpu).runs());  // tests/dist/test_train_preference_dist.cpp
+  const Support cuda_pp = objective_support(dpo, pp, Device::Cuda);
+  EXPECT_EQ(cuda_pp.verdict, Support::Verdict::NotImplemented);
+  EXPECT_NE(cuda_pp.reason.find("--pp 2 and --device cuda"), std::string::npos) << cuda_pp.reason;
 }
 
 }  // namespace
