@@ -1,7 +1,7 @@
 // build/train with a preference objective under mpirun against one rank: dp 2 at ZeRO-3, tp 2 and tp 2 with sp (a full
 // fine-tune, the reference precomputed by the ranks together), dp 2 at ZeRO-3 with LoRA (the reference the base with
 // the adapters off), and pipeline stages: pp 2 with DPO (full, precomputed reference; LoRA, the base's forward down the
-// stages), SimPO and ORPO, and pp 2 x dp 2.
+// stages; QLoRA), SimPO and ORPO, pp 2 x dp 2, pp 2 x tp 2 with sp, and a resume at pp 2.
 // Every run trains on the same global batch of 4 pair windows per step (one rank: micro_batch 4; dp 2: 2 each; tp 2:
 // 4 on both; pp 2: 2 x grad_accum 2; pp 2 x dp 2: 1 x grad_accum 2 each); the pairs' sums then differ from one rank's
 // only by fp32 summation order: relative 1e-5 on every step's loss, its reward metrics and the held-out ones, and (the
@@ -153,7 +153,7 @@ TEST_F(DistPreference, LoraDataParallelZero3FollowsOneRank) {
 // Two stages (the tied table's copy on the last one, its gradient exchanged): the last stage computes the log-probs,
 // the loss and its token weights, the weighted backward flows back to the first; the precomputed reference's pass
 // also runs down the stages, and rank 0 (the first stage) writes it. pp 2 x dp 2 at ZeRO-1 (ZeRO-2 and 3 do not run
-// tied tables over stages).
+// tied tables over stages), pp 2 x tp 2 with sp, and a resume.
 TEST_F(DistPreference, DpoOverPipelineStagesFollowsOneRank) {
   one_rank("one", " --micro_batch 4");
   auto r = run_command(mpirun(2) + kTrain + flags("pp2", " --micro_batch 2 --grad_accum 2 --pp 2"), *tmp_ / "pp2_log");
@@ -166,6 +166,12 @@ TEST_F(DistPreference, DpoOverPipelineStagesFollowsOneRank) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_follows("one", "pp2dp2");
   expect_same_weights("one", "pp2dp2", /*lora=*/false);
+  // Stages of two tp ranks each, with sp: the last stage's vocab-parallel log-probs give both its ranks the sums.
+  r = run_command(mpirun(4) + kTrain + flags("pp2tp2sp", " --micro_batch 2 --grad_accum 2 --pp 2 --tp 2 --sp"),
+                  *tmp_ / "pp2tp2sp_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_follows("one", "pp2tp2sp");
+  expect_same_weights("one", "pp2tp2sp", /*lora=*/false);
   // A stop after step 3 and --resume over the same stages: the reference file is reused, the run follows one rank.
   r = run_command(mpirun(2) + kTrain + flags("pp2_resume", " --micro_batch 2 --grad_accum 2 --pp 2 --stop_at_step 3"),
                   *tmp_ / "pp2_resume_log_a");
@@ -181,7 +187,8 @@ TEST_F(DistPreference, DpoOverPipelineStagesFollowsOneRank) {
 
 // With adapters the reference is the base's forward down the stages with the adapters off, before the step's 1F1B
 // passes; with dropout the masks are keyed by the micro-batch's index in the step, as on one rank at the same
-// micro-batches. pp 2 x dp 2 at ZeRO-2 over the stages' adapters (no dropout: the dp ranks draw their own masks).
+// micro-batches. pp 2 x dp 2 at ZeRO-2 over the stages' adapters (no dropout: the dp ranks draw their own masks), and
+// QLoRA (an nf4 base) at pp 2.
 TEST_F(DistPreference, LoraDpoOverPipelineStagesFollowsOneRank) {
   const std::string dropout = " --lora_dropout 0.1 --micro_batch 2 --grad_accum 2";
   one_rank("lora_one_dropout", kLora + dropout);
@@ -196,6 +203,13 @@ TEST_F(DistPreference, LoraDpoOverPipelineStagesFollowsOneRank) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_follows("lora_one", "lora_pp2dp2");
   expect_same_weights("lora_one", "lora_pp2dp2", /*lora=*/true);
+  // QLoRA: each stage quantizes its layers' projections as one rank does, and the reference is that base's forward.
+  one_rank("qlora_one", kLora + " --base_quant nf4 --micro_batch 4");
+  r = run_command(mpirun(2) + kTrain + flags("qlora_pp2", kLora + " --base_quant nf4 --micro_batch 2 --grad_accum 2 --pp 2"),
+                  *tmp_ / "qlora_pp2_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_follows("qlora_one", "qlora_pp2");
+  expect_same_weights("qlora_one", "qlora_pp2", /*lora=*/true);
 }
 
 // The objectives without a reference: SimPO (with CPO's SFT term, rpo_alpha) and ORPO (its NLL over the chosen
