@@ -1,14 +1,15 @@
 // build/train with a preference objective under mpirun against one rank: dp 2 at ZeRO-3, tp 2 and tp 2 with sp (a full
 // fine-tune, the reference precomputed by the ranks together), dp 2 at ZeRO-3 with LoRA (the reference the base with
 // the adapters off), and pipeline stages: pp 2 with DPO (full, precomputed reference; LoRA, the base's forward down the
-// stages; QLoRA), SimPO and ORPO, pp 2 x dp 2, pp 2 x tp 2 with sp, and a resume at pp 2.
+// stages; QLoRA), SimPO and ORPO, pp 2 x dp 2, pp 2 x tp 2 with sp, a resume at pp 2, and pp 4.
 // Every run trains on the same global batch of 4 pair windows per step (one rank: micro_batch 4; dp 2: 2 each; tp 2:
-// 4 on both; pp 2: 2 x grad_accum 2; pp 2 x dp 2: 1 x grad_accum 2 each); the pairs' sums then differ from one rank's
+// 4 on both; pp 2: 2 x grad_accum 2; pp 2 x dp 2: 1 x grad_accum 2 each; pp 4: 1 x 4); the pairs' sums then differ from one rank's
 // only by fp32 summation order: relative 1e-5 on every step's loss, its reward metrics and the held-out ones, and (the
 // pipelines) on the final weights or adapters as a relative norm.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -69,7 +70,9 @@ class DistPreference : public ::testing::Test {
     write_pairs(data / "val-00000.bin", 8, 2);
     // With adapters the base is a model directory (--init); a full fine-tune starts from a draw of the config.
     const bool lora = extra.find("--lora_rank") != std::string::npos;
-    return std::string(lora ? " --init tests/fixtures/llama32_tiny" : " --model_config tests/fixtures/llama32_tiny/config.json") +
+    const bool own_model = extra.find("--model_config") != std::string::npos;  // extra names it
+    return std::string(lora ? " --init tests/fixtures/llama32_tiny"
+                            : own_model ? "" : " --model_config tests/fixtures/llama32_tiny/config.json") +
            objective + " --train_data " +
            (data / "train-00000.bin").string() + " --val_data " + (data / "val-00000.bin").string() +
            " --seq_len 48 --steps 6 --lr 3e-3 --warmup_steps 2 --ckpt_every 0 --val_every 3 --threads 1 --seed 11"
@@ -99,7 +102,8 @@ class DistPreference : public ::testing::Test {
   }
   // The final weights (a full fine-tune: the model, every stage's rank files assembled) or adapters (PEFT's file) of
   // two runs, as a relative norm of their difference.
-  static void expect_same_weights(const std::string& ref, const std::string& tag, bool lora) {
+  static void expect_same_weights(const std::string& ref, const std::string& tag, bool lora,
+                                  const std::string& config = "tests/fixtures/llama32_tiny/config.json") {
     const fs::path a = *tmp_ / ref / "ckpt" / "step_00000006", b = *tmp_ / tag / "ckpt" / "step_00000006";
     std::vector<float> wa, wb;
     if (lora) {
@@ -112,7 +116,7 @@ class DistPreference : public ::testing::Test {
         wa.insert(wa.end(), x.begin(), x.end()), wb.insert(wb.end(), y.begin(), y.end());
       }
     } else {
-      const ParamLayout layout(LlamaConfig::load("tests/fixtures/llama32_tiny/config.json"));
+      const ParamLayout layout(LlamaConfig::load(config));
       wa.resize(layout.total()), wb.resize(layout.total());
       load_weights(a, layout, wa.data());
       load_weights(b, layout, wb.data());
@@ -183,6 +187,23 @@ TEST_F(DistPreference, DpoOverPipelineStagesFollowsOneRank) {
   EXPECT_NE(r.output.find("(reused)"), std::string::npos) << r.output;
   expect_follows("one", "pp2_resume");
   expect_same_weights("one", "pp2_resume", /*lora=*/false);
+}
+
+// Four stages of a four-layer model (the tied table on the first and last): the two middle stages run neither the
+// embedding nor the head, and the first holds up to four micro-batches in flight.
+TEST_F(DistPreference, DpoOverFourPipelineStagesFollowsOneRank) {
+  nlohmann::json c = nlohmann::json::parse(read_file("tests/fixtures/llama32_tiny/config.json"));
+  c["num_hidden_layers"] = 4;
+  fs::create_directories(*tmp_ / "four_layers");
+  std::ofstream(*tmp_ / "four_layers" / "config.json") << c.dump();
+  const std::string config = (*tmp_ / "four_layers" / "config.json").string();
+  one_rank("four_one", " --model_config " + config + " --micro_batch 4");
+  const auto r = run_command(mpirun(4) + kTrain + flags("four_pp4", " --model_config " + config +
+                                                                       " --micro_batch 1 --grad_accum 4 --pp 4"),
+                             *tmp_ / "four_pp4_log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_follows("four_one", "four_pp4");
+  expect_same_weights("four_one", "four_pp4", /*lora=*/false, config);
 }
 
 // With adapters the reference is the base's forward down the stages with the adapters off, before the step's 1F1B
