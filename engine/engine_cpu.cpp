@@ -220,7 +220,8 @@ class CpuEngine final : public Engine {
     passes.ref_chosen = &ref_c, passes.ref_rejected = &ref_r;
     passes.sums.resize(m);
     std::vector<MicroBatch> driven;
-    for (const PairBatch& b : micro_batches) driven.push_back(MicroBatch{b.inputs, b.targets, b.positions, b.batch, b.seq});
+    for (const PairBatch& b : micro_batches)
+      driven.push_back(MicroBatch{b.inputs, b.targets, b.positions, b.batch, b.seq});
     pipeline_stage_->set_pairs(&passes);
     try {
       pipeline_->step(driven);

@@ -153,8 +153,8 @@ Support objective_support(const ObjectiveConfig& objective, const MemoryLayout& 
   const char* name = objective_name(objective.objective);
   // The CUDA engine's pipeline would need its own pair step (Engine::forward_pairs_step over its stages).
   if (device == Device::Cuda && l.pp > 1)
-    return not_implemented("--objective ", name, " with --pp ", l.pp, " and --device cuda: not implemented yet (the CUDA ",
-                           "engine's pipeline stages run the next-token loss only); use --device cpu, or --pp 1");
+    return not_implemented("--objective ", name, " with --pp ", l.pp, " and --device cuda: not implemented yet (the ",
+                           "CUDA engine's pipeline stages run the next-token loss only); use --device cpu, or --pp 1");
   if (device == Device::Cuda)
     return not_implemented("--objective ", name, " with --device cuda: not implemented yet (the CUDA engine's per-token ",
                            "log-probs and weighted backward are not wired); use --device cpu");

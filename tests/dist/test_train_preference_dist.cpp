@@ -3,9 +3,9 @@
 // the adapters off), and pipeline stages: pp 2 with DPO (full, precomputed reference; LoRA, the base's forward down the
 // stages; QLoRA), SimPO and ORPO, pp 2 x dp 2, pp 2 x tp 2 with sp, a resume at pp 2, and pp 4.
 // Every run trains on the same global batch of 4 pair windows per step (one rank: micro_batch 4; dp 2: 2 each; tp 2:
-// 4 on both; pp 2: 2 x grad_accum 2; pp 2 x dp 2: 1 x grad_accum 2 each; pp 4: 1 x 4); the pairs' sums then differ from one rank's
-// only by fp32 summation order: relative 1e-5 on every step's loss, its reward metrics and the held-out ones, and (the
-// pipelines) on the final weights or adapters as a relative norm.
+// 4 on both; pp 2: 2 x grad_accum 2; pp 2 x dp 2: 1 x grad_accum 2 each; pp 4: 1 x 4); the pairs' sums then differ
+// from one rank's only by fp32 summation order: relative 1e-5 on every step's loss, its reward metrics and the
+// held-out ones, and (the pipelines) on the final weights or adapters as a relative norm.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -122,7 +122,8 @@ class DistPreference : public ::testing::Test {
       load_weights(b, layout, wb.data());
     }
     double diff = 0, norm = 0;
-    for (size_t i = 0; i < wa.size(); i++) diff += double(wa[i] - wb[i]) * (wa[i] - wb[i]), norm += double(wa[i]) * wa[i];
+    for (size_t i = 0; i < wa.size(); i++)
+      diff += double(wa[i] - wb[i]) * (wa[i] - wb[i]), norm += double(wa[i]) * wa[i];
     EXPECT_GT(norm, 0) << tag;
     EXPECT_LT(std::sqrt(diff / norm), 1e-5) << tag << ": final weights differ";
   }
