@@ -9,6 +9,7 @@
 #include "ckpt/checkpoint.h"  // WeightReader
 #include "core/error.h"
 #include "core/memory.h"  // host_available_bytes, require_host_memory
+#include "model/preference_step.h"  // PairBatch
 
 namespace tuna {
 
@@ -67,6 +68,14 @@ void Engine::import_shard(const std::vector<float>& params, const std::vector<fl
 PreferenceSums Engine::forward_pairs(const PairBatch&, const ObjectiveConfig& objective, const PreferenceStep&, bool) {
   fail("the ", describe(), " engine does not implement the preference objectives yet (--objective ",
        objective_name(objective.objective), "): use --device cpu");
+}
+
+Engine::PairStepSums Engine::forward_pairs_step(const std::vector<PairBatch>& micro_batches,
+                                               const ObjectiveConfig& objective, const PreferenceStep& step) {
+  PairStepSums out;
+  for (const PairBatch& b : micro_batches) out.sums.add(forward_pairs(b, objective, step, /*want_grad=*/true));
+  out.counted = LossSum{out.sums.loss, out.sums.pairs};
+  return out;
 }
 
 void Engine::pair_logps(const PairBatch&, double*, double*) {

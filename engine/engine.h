@@ -159,6 +159,16 @@ class Engine {
   // model/support.h objective_support).
   virtual PreferenceSums forward_pairs(const PairBatch& batch, const ObjectiveConfig& objective,
                                        const PreferenceStep& step, bool want_grad);
+  // A training step's micro-batches of pairs, in order: forward_pairs with want_grad on each in turn by default; a
+  // pipeline (--pp) runs them through its stages in the 1F1B order, the loss and its token weights on the last stage.
+  // sums: the step's, the same on every rank of a pipeline; counted: what finish_step takes from this rank,
+  // LossSum{loss, pairs} where the loss is counted (the last stage), nothing on the stages before it.
+  struct PairStepSums {
+    PreferenceSums sums;
+    LossSum counted;
+  };
+  virtual PairStepSums forward_pairs_step(const std::vector<PairBatch>& micro_batches, const ObjectiveConfig& objective,
+                                          const PreferenceStep& step);
   // Each pair's summed completion log-probs under the current weights (one per pair of the batch): DPO's
   // precomputed reference, taken before the first step.
   virtual void pair_logps(const PairBatch& batch, double* chosen, double* rejected);

@@ -168,10 +168,11 @@ LossSum Preference::step(Engine& engine, DataLoader& loader, int64_t grad_accum,
     local.nll_tokens += nll_tokens(loader, m);
   }
   const PreferenceStep all = count_over(dp, local);
-  PreferenceSums sums;
-  for (const Micro& m : micro_) sums.add(engine.forward_pairs(batch(loader, m), config_, all, /*want_grad=*/true));
-  metrics_ = metrics_json(sum_over(dp, sums), config_);
-  return LossSum{sums.loss, sums.pairs};
+  std::vector<PairBatch> batches;
+  for (const Micro& m : micro_) batches.push_back(batch(loader, m));
+  const Engine::PairStepSums step = engine.forward_pairs_step(batches, config_, all);
+  metrics_ = metrics_json(sum_over(dp, step.sums), config_);
+  return step.counted;
 }
 
 Preference::Validation Preference::validate(Engine& engine, DataLoader& loader, int64_t max_batches, Comm* dp) {

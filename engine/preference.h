@@ -12,8 +12,9 @@
 //               the first step, kept beside the shards (data/reference_logps.h) keyed by the data, the model and the
 //               options, reused by a resume and by a second run, refused when any of them changed.
 //   a step      its micro-batches' pairs and NLL tokens counted first (summed over dp: the loss's normalizers), then
-//               each micro-batch's forward, loss and weighted backward; the step's loss is the mean pair loss (plus the
-//               NLL term), which finish_step takes as LossSum{loss sum, pairs}.
+//               each micro-batch's forward, loss and weighted backward (Engine::forward_pairs_step: over pipeline
+//               stages in the 1F1B order); the step's loss is the mean pair loss (plus the NLL term), which
+//               finish_step takes as LossSum{loss sum, pairs} from the ranks that count it (a pipeline's last stage).
 //   metrics     TRL's rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
 //               logps/rejected (and nll_loss where the objective has one), per step and on the held-out pairs.
 #pragma once

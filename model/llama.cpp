@@ -907,8 +907,9 @@ LossSum Llama::forward_backward(const int32_t* inputs, const int32_t* targets, i
 void Llama::forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                           const int32_t* positions, float* logps, bool backward_follows, bool adapters_off,
                           uint8_t* greedy) {
-  TUNA_CHECK(layout_.whole(), "forward_logps of a pipeline stage");
   TUNA_CHECK(!(adapters_off && backward_follows), "the base alone is the reference: no backward follows it");
+  // A pipeline stage runs in slot 0: the last stage holds one micro-batch at a time (1F1B runs each of its forwards
+  // just before that micro-batch's backward), and the passes without a backward run outside a step's slots.
   select_slot(0);
   adapters_off_ = adapters_off && lora_.enabled();
   try {
@@ -918,7 +919,7 @@ void Llama::forward_logps(const int32_t* inputs, const int32_t* targets, int64_t
     throw;
   }
   adapters_off_ = false;
-  head_logps(targets, batch * seq, logps, backward_follows, greedy);
+  if (stage_.head) head_logps(targets, batch * seq, logps, backward_follows, greedy);
 }
 
 void Llama::forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
@@ -926,14 +927,8 @@ void Llama::forward_target_logps(const int32_t* inputs, const int32_t* targets, 
   const DocumentMode mode = documents_;
   documents_ = DocumentMode{true, true};
   try {
-    if (layout_.whole()) {
-      forward_logps(inputs, targets, batch, seq, positions, logps, /*backward_follows=*/false, /*adapters_off=*/false,
-                    greedy);
-    } else {  // a pipeline stage (its input in stage_input(0)); the last computes them
-      select_slot(0);
-      forward(inputs, batch, seq, /*backward_follows=*/false, nullptr, positions);
-      if (stage_.head) head_logps(targets, batch * seq, logps, /*keep_head=*/false, greedy);
-    }
+    forward_logps(inputs, targets, batch, seq, positions, logps, /*backward_follows=*/false, /*adapters_off=*/false,
+                  greedy);
   } catch (...) {
     documents_ = mode;
     throw;
@@ -943,7 +938,8 @@ void Llama::forward_target_logps(const int32_t* inputs, const int32_t* targets, 
 
 void Llama::backward_weighted(const int32_t* inputs, const int32_t* targets, const float* weights, int64_t batch,
                               int64_t seq) {
-  TUNA_CHECK(layout_.whole(), "backward_weighted of a pipeline stage");
+  TUNA_CHECK(stage_.head, "backward_weighted of a pipeline stage before the last (backward_stage takes the next "
+             "stage's input gradient)");
   select_slot(0);
   head_weighted_bwd(targets, weights, batch * seq);
   backward(inputs, batch, seq);

@@ -153,7 +153,9 @@ class Llama {
   // log p(targets[i]) (0 where the target is ignored), no gradient formed. adapters_off: the frozen base alone, the
   // LoRA reference (one forward without the adapter branches; never with backward_follows). backward_weighted, after
   // forward_logps(backward_follows): the backward of sum_i -weights[i] * logps[i] (the head's logits computed again,
-  // d logits = w * (softmax - onehot)), accumulated into the gradients as forward_backward's. Whole model only.
+  // d logits = w * (softmax - onehot)), accumulated into the gradients as forward_backward's. A pipeline stage runs
+  // both in slot 0 (its input in stage_input(0)): its layers, and on the last stage the head; backward_weighted only
+  // there, its input gradient then in stage_input_grad().
   // greedy (optional): greedy[i] = 1 where targets[i] is the logits' first argmax (multiple-choice evaluation's
   // greedy test, engine/mc_eval.h), 0 elsewhere and where the target is ignored.
   void forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,

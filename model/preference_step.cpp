@@ -5,26 +5,42 @@
 
 namespace tuna {
 
-namespace {
-
-// Sums of per-token log-probs into each pair's (chosen, rejected), over completion tokens.
-void sum_pairs(const PairBatch& b, const std::vector<float>& logps, double* chosen, double* rejected) {
+void sum_pair_logps(const PairBatch& b, const float* logps, double* chosen, double* rejected) {
   ObjectiveConfig plain;
   plain.objective = Objective::Dpo;
   std::vector<PairLogps> pairs(b.rows.pairs);
   double nll = 0;
   int64_t nll_tokens = 0;
-  gather_pair_logps(plain, b.rows, b.targets, logps.data(), nullptr, pairs, &nll, &nll_tokens);
+  gather_pair_logps(plain, b.rows, b.targets, logps, nullptr, pairs, &nll, &nll_tokens);
   for (int64_t p = 0; p < b.rows.pairs; p++) chosen[p] = pairs[p].chosen, rejected[p] = pairs[p].rejected;
 }
 
-}  // namespace
+PreferenceSums pair_loss(const ObjectiveConfig& config, const PairBatch& b, const PreferenceStep& step,
+                         const float* logps, const double* ref_chosen, const double* ref_rejected, float* weights) {
+  TUNA_CHECK(b.rows.rows == b.batch * b.seq, "pair rows ", b.rows.rows, " for ", b.batch, " x ", b.seq);
+  const double* rc = ref_chosen ? ref_chosen : b.ref_chosen;
+  const double* rr = ref_chosen ? ref_rejected : b.ref_rejected;
+  TUNA_CHECK(!config.needs_reference() || (rc && rr),
+             "DPO: the micro-batch came without its reference log-probs (precomputed, or the base's)");
+  const int64_t P = b.rows.pairs;
+  std::vector<PairLogps> pairs(P);
+  double nll = 0;
+  int64_t nll_tokens = 0;
+  gather_pair_logps(config, b.rows, b.targets, logps, nullptr, pairs, &nll, &nll_tokens);
+  if (config.needs_reference())
+    for (int64_t p = 0; p < P; p++) pairs[p].ref_chosen = rc[p], pairs[p].ref_rejected = rr[p];
+  std::vector<PairGrad> grads(weights ? P : 0);
+  double nll_weight = 0;
+  PreferenceSums sums = preference_loss(config, pairs, nll, nll_tokens, step, grads, &nll_weight);
+  if (weights) preference_token_weights(config, b.rows, b.targets, pairs, grads, nll_weight, weights);
+  return sums;
+}
 
 void llama_pair_logps(Llama& model, const PairBatch& b, bool adapters_off, double* chosen, double* rejected) {
   std::vector<float> logps(b.batch * b.seq);
   model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps.data(), /*backward_follows=*/false,
                       adapters_off);
-  sum_pairs(b, logps, chosen, rejected);
+  sum_pair_logps(b, logps.data(), chosen, rejected);
 }
 
 PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, const PairBatch& b,
@@ -32,34 +48,16 @@ PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, cons
   TUNA_CHECK(b.rows.rows == b.batch * b.seq, "pair rows ", b.rows.rows, " for ", b.batch, " x ", b.seq);
   const int64_t n = b.batch * b.seq, P = b.rows.pairs;
   std::vector<double> ref_c, ref_r;
-  const double* rc = b.ref_chosen;
-  const double* rr = b.ref_rejected;
-  if (config.needs_reference()) {
-    if (config.reference == ReferenceSource::Adapters) {
-      // The reference first: its forward overwrites the activations the policy's backward needs.
-      ref_c.resize(P), ref_r.resize(P);
-      llama_pair_logps(model, b, /*adapters_off=*/true, ref_c.data(), ref_r.data());
-      rc = ref_c.data(), rr = ref_r.data();
-    } else {
-      TUNA_CHECK(rc && rr, "DPO with a precomputed reference: the micro-batch came without its reference log-probs");
-    }
+  if (config.needs_reference() && config.reference == ReferenceSource::Adapters) {
+    // The reference first: its forward overwrites the activations the policy's backward needs.
+    ref_c.resize(P), ref_r.resize(P);
+    llama_pair_logps(model, b, /*adapters_off=*/true, ref_c.data(), ref_r.data());
   }
-  std::vector<float> logps(n);
+  std::vector<float> logps(n), weights(want_grad ? n : 0);
   model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps.data(), want_grad);
-  std::vector<PairLogps> pairs(P);
-  double nll = 0;
-  int64_t nll_tokens = 0;
-  gather_pair_logps(config, b.rows, b.targets, logps.data(), nullptr, pairs, &nll, &nll_tokens);
-  if (rc)
-    for (int64_t p = 0; p < P; p++) pairs[p].ref_chosen = rc[p], pairs[p].ref_rejected = rr[p];
-  std::vector<PairGrad> grads(want_grad ? P : 0);
-  double nll_weight = 0;
-  PreferenceSums sums = preference_loss(config, pairs, nll, nll_tokens, step, grads, &nll_weight);
-  if (want_grad) {
-    std::vector<float> weights(n);
-    preference_token_weights(config, b.rows, b.targets, pairs, grads, nll_weight, weights.data());
-    model.backward_weighted(b.inputs, b.targets, weights.data(), b.batch, b.seq);
-  }
+  const PreferenceSums sums = pair_loss(config, b, step, logps.data(), ref_c.empty() ? nullptr : ref_c.data(),
+                                        ref_r.empty() ? nullptr : ref_r.data(), want_grad ? weights.data() : nullptr);
+  if (want_grad) model.backward_weighted(b.inputs, b.targets, weights.data(), b.batch, b.seq);
   return sums;
 }
 

@@ -32,6 +32,15 @@ struct PairBatch {
 PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, const PairBatch& batch,
                                const PreferenceStep& step, bool want_grad);
 
+// The two halves of llama_pair_step around the model's passes, for an engine that runs the passes elsewhere (a
+// pipeline's last stage, which holds the head): each pair's summed completion log-probs from per-token log-probs
+// ([batch, seq]), and the micro-batch's loss and metrics from the policy's per-token log-probs and the reference's sums
+// (null: none, or batch.ref_chosen / ref_rejected when given), with, when weights is not null, the per-token weights
+// of the backward (Llama::backward_weighted).
+void sum_pair_logps(const PairBatch& batch, const float* logps, double* chosen, double* rejected);
+PreferenceSums pair_loss(const ObjectiveConfig& config, const PairBatch& batch, const PreferenceStep& step,
+                         const float* logps, const double* ref_chosen, const double* ref_rejected, float* weights);
+
 // Each pair's summed completion log-probs under the model (adapters_off: the base alone), into chosen and rejected
 // (one per pair): the reference's precompute pass.
 void llama_pair_logps(Llama& model, const PairBatch& batch, bool adapters_off, double* chosen, double* rejected);

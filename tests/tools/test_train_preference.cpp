@@ -1,9 +1,11 @@
 // build/train with a preference objective, end to end on the CPU: DPO with LoRA (the base as the reference), SimPO and
 // ORPO follow TRL 0.13.0 for 10 AdamW steps (tests/fixtures/preference_llama2_tiny); a full fine-tune's DPO with the precomputed
 // reference logs TRL's metrics per step and on the held-out pairs, resumes bit for bit, reuses the reference on a
-// second run and refuses it for another model; what is not wired is refused through the support table.
+// second run and refuses it for another model; QLoRA's DPO takes the quantized base with the adapters off as its
+// reference; what is not wired is refused through the support table.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -11,8 +13,11 @@
 #include <random>
 #include <sstream>
 
+#include "ckpt/checkpoint.h"  // load_weights, save_checkpoint: the dequantized base
+#include "ckpt/safetensors.h"
 #include "data/shard.h"
 #include "model/objective.h"
+#include "model/quantized_weights.h"  // dequantize_quantized
 #include "model/support.h"
 #include "tests/test_util.h"
 
@@ -208,6 +213,77 @@ TEST(TrainPreference, FullFineTuneDpoWithPrecomputedReferenceResumesAndReuses) {
 }
 
 // What is not wired is refused with the reason; options and data of the wrong kind are refused by name.
+// QLoRA's DPO (--base_quant nf4): the reference is the quantized base with the adapters off, the base the policy runs
+// on. So the run equals DPO with LoRA on dequantize(quantize(base)) written out in fp32, bit for bit (every step's loss
+// and metrics, the held-out ones, the final adapters), and the first step's rewards are exactly 0 (B starts at 0: the
+// policy is its reference; against the unquantized base they would not be).
+TEST(TrainPreference, QloraDpoTakesTheQuantizedBaseAsItsReference) {
+  TempDir tmp("trainpref_qlora");
+  write_pairs(tmp / "data" / "train-00000.bin", sequence_pairs(24, 3));
+  write_pairs(tmp / "data" / "val-00000.bin", sequence_pairs(6, 4));
+  const std::string flags = " --objective dpo --beta 0.2 --train_data " + (tmp / "data" / "train-00000.bin").string() +
+                            " --val_data " + (tmp / "data" / "val-00000.bin").string() +
+                            " --seq_len 48 --micro_batch 2 --grad_accum 2 --steps 6 --lr 2e-2 --warmup_steps 2"
+                            " --ckpt_every 0 --val_every 3 --threads 2 --seed 5 --device cpu"
+                            " --lora_rank 4 --lora_alpha 8 --lora_dropout 0.1 --lora_targets q_proj,v_proj,down_proj";
+  const LlamaConfig config = LlamaConfig::load("tests/fixtures/llama32_tiny");
+  const ParamLayout layout(config);
+  std::vector<float> params(layout.total());
+  load_weights("tests/fixtures/llama32_tiny", layout, params.data());
+  for (const ParamTensor& t : layout.tensors()) dequantize_quantized(t, BaseQuant::Nf4, params.data() + t.offset);
+  const nlohmann::json config_json = read_config_json("tests/fixtures/llama32_tiny");
+  const fs::path dequantized = save_checkpoint(tmp / "dequantized", 0, layout,
+                                               CheckpointContents{&config_json, params.data(), {}, nlohmann::json{{"step", 0}}, {}}, 0);
+
+  const fs::path quantized = tmp / "quantized", plain = tmp / "plain";
+  auto r = run_command(kTrain + " --init tests/fixtures/llama32_tiny --base_quant nf4" + flags + " --out_dir " +
+                           quantized.string(), tmp / "log_q");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("reference: the base with the adapters off"), std::string::npos) << r.output;
+  r = run_command(kTrain + " --init " + dequantized.string() + flags + " --out_dir " + plain.string(), tmp / "log_p");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+
+  const std::vector<nlohmann::json> q = rows(quantized / "metrics.jsonl"), p = rows(plain / "metrics.jsonl");
+  ASSERT_EQ(q.size(), p.size());
+  const std::vector<std::string> keys = {"loss", "val_loss", "grad_norm", "rewards/chosen", "rewards/rejected",
+                                         "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"};
+  int compared = 0;
+  for (size_t i = 0; i < q.size(); i++)
+    for (const std::string& key : keys) {
+      if (!p[i].contains(key)) continue;
+      ASSERT_TRUE(q[i].contains(key)) << key << " row " << i;
+      EXPECT_EQ(q[i][key].get<double>(), p[i][key].get<double>()) << key << " row " << i;
+      compared++;
+    }
+  EXPECT_GT(compared, 6 * 8);
+  const auto got = steps(quantized / "metrics.jsonl");
+  ASSERT_EQ(got.size(), 6u);
+  EXPECT_EQ(got.at(1).at("rewards/chosen").get<double>(), 0.0);
+  EXPECT_EQ(got.at(1).at("rewards/rejected").get<double>(), 0.0);
+  EXPECT_NEAR(got.at(1).at("loss").get<double>(), std::log(2.0), 1e-6);
+  EXPECT_NE(got.at(6).at("rewards/margins").get<double>(), 0.0);  // the adapters trained
+
+  // The final adapters, file for file.
+  const auto tensors = [](const fs::path& dir) {
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& f : fs::directory_iterator(dir)) {
+      if (f.path().extension() != ".safetensors") continue;
+      const SafetensorsFile file(f.path());
+      for (const TensorInfo& t : file.tensors()) {
+        std::vector<float>& v = out[f.path().filename().string() + ":" + t.name];
+        v.resize(t.numel);
+        file.read_f32(t.name, t.shape, v.data());
+      }
+    }
+    return out;
+  };
+  const auto adapters = tensors(quantized / "ckpt" / "step_00000006");
+  ASSERT_FALSE(adapters.empty());
+  EXPECT_TRUE(adapters == tensors(plain / "ckpt" / "step_00000006"));
+  EXPECT_EQ(nlohmann::json::parse(read_file(quantized / "ckpt" / "step_00000006" / "base_model.json")).value("quantization", ""),
+            "nf4");
+}
+
 TEST(TrainPreference, RefusalsNameTheOptionAndTheWayOut) {
   TempDir tmp("trainpref_refuse");
   write_pairs(tmp / "pairs" / "train-00000.bin", sequence_pairs(4, 3));
@@ -239,7 +315,10 @@ TEST(TrainPreference, RefusalsNameTheOptionAndTheWayOut) {
   EXPECT_NE(cuda.reason.find("--device cpu"), std::string::npos) << cuda.reason;
   MemoryLayout pp = one;
   pp.pp = 2;
-  EXPECT_EQ(objective_support(dpo, pp, Device::Cpu).verdict, Support::Verdict::NotImplemented);
+  EXPECT_TRUE(objective_support(dpo, pp, Device::Cpu).runs());  // tests/dist/test_train_preference_dist.cpp
+  const Support cuda_pp = objective_support(dpo, pp, Device::Cuda);
+  EXPECT_EQ(cuda_pp.verdict, Support::Verdict::NotImplemented);
+  EXPECT_NE(cuda_pp.reason.find("--pp 2 and --device cuda"), std::string::npos) << cuda_pp.reason;
 }
 
 }  // namespace
