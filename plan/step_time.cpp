@@ -192,10 +192,8 @@ void check_job(const JobSpec& job) {
     fail("--seq_len ", l.seq_len, " exceeds the model's context ", c.max_context(),
          " (max_position_embeddings, times a dynamic or yarn rope's factor); --rope_scaling TYPE:FACTOR extends it");
   if (job.grad_accum < 1) fail("--grad_accum: expected >= 1, found ", job.grad_accum);
-  // 1F1B fills the pipe with pp micro-batches before the first backward; the plans count that many in flight.
-  if (l.pp > 1 && job.grad_accum < l.pp)
-    fail("--grad_accum ", job.grad_accum, " with --pp ", l.pp, ": a 1F1B pipeline needs at least as many micro-batches "
-         "per step as stages");
+  // Fewer micro-batches than stages run (the trainer takes them): the pipe never fills, and m + pp - 1 periods still
+  // price the step; the memory plan holds the stages' slots whatever m is, as the engine's does.
   check_lora_plan(c, l.lora, "build/plan --lora_rank, --lora_targets, --lora_dropout, --base_quant");
 }
 
@@ -731,7 +729,10 @@ void add_notes(const StepModel& m, const Tail& tail, int64_t tail_stage, Predict
   if (l.pp > 1)
     p.notes.push_back(str("pipeline: ", format_pipeline_stages(p.stages), "; 1F1B over ", m.job.grad_accum,
                           " micro-batches: the bubble is (pp - 1) / m = ", format_number(100.0 * double(l.pp - 1) / m.A, 1),
-                          "% of stage ", p.slowest_stage, "'s micro-batch time (it sets the pace)"));
+                          "% of stage ", p.slowest_stage, "'s micro-batch time (it sets the pace)",
+                          m.job.grad_accum < l.pp ? str("; fewer micro-batches than stages: the pipe never fills, ",
+                                                        "give --grad_accum several times ", l.pp)
+                                                  : std::string()));
   if (m.adapters) {
     // The frozen base whole on every dp rank needs no gathers; say which it is, and whether the other would fit.
     MemoryLayout other = l;
