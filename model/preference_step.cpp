@@ -1,4 +1,4 @@
-// One micro-batch of pairs through the CPU model: see model/preference_step.h.
+// One micro-batch of pairs through a model (the flow once, the CPU model's passes here): see model/preference_step.h.
 #include "model/preference_step.h"
 
 #include "core/error.h"
@@ -18,17 +18,26 @@ void sum_pairs(const PairBatch& b, const std::vector<float>& logps, double* chos
   for (int64_t p = 0; p < b.rows.pairs; p++) chosen[p] = pairs[p].chosen, rejected[p] = pairs[p].rejected;
 }
 
+// The CPU model's passes over `b`.
+PairPasses llama_passes(Llama& model, const PairBatch& b) {
+  return PairPasses{
+      [&model, &b](float* logps, bool backward_follows, bool adapters_off) {
+        model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps, backward_follows, adapters_off);
+      },
+      [&model, &b](const float* weights) { model.backward_weighted(b.inputs, b.targets, weights, b.batch, b.seq); }};
+}
+
 }  // namespace
 
-void llama_pair_logps(Llama& model, const PairBatch& b, bool adapters_off, double* chosen, double* rejected) {
+void pair_logp_sums(const PairPasses& passes, const PairBatch& b, bool adapters_off, double* chosen,
+                    double* rejected) {
   std::vector<float> logps(b.batch * b.seq);
-  model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps.data(), /*backward_follows=*/false,
-                      adapters_off);
+  passes.forward_logps(logps.data(), /*backward_follows=*/false, adapters_off);
   sum_pairs(b, logps, chosen, rejected);
 }
 
-PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, const PairBatch& b,
-                               const PreferenceStep& step, bool want_grad) {
+PreferenceSums pair_step(const PairPasses& passes, const ObjectiveConfig& config, const PairBatch& b,
+                         const PreferenceStep& step, bool want_grad) {
   TUNA_CHECK(b.rows.rows == b.batch * b.seq, "pair rows ", b.rows.rows, " for ", b.batch, " x ", b.seq);
   const int64_t n = b.batch * b.seq, P = b.rows.pairs;
   std::vector<double> ref_c, ref_r;
@@ -38,14 +47,14 @@ PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, cons
     if (config.reference == ReferenceSource::Adapters) {
       // The reference first: its forward overwrites the activations the policy's backward needs.
       ref_c.resize(P), ref_r.resize(P);
-      llama_pair_logps(model, b, /*adapters_off=*/true, ref_c.data(), ref_r.data());
+      pair_logp_sums(passes, b, /*adapters_off=*/true, ref_c.data(), ref_r.data());
       rc = ref_c.data(), rr = ref_r.data();
     } else {
       TUNA_CHECK(rc && rr, "DPO with a precomputed reference: the micro-batch came without its reference log-probs");
     }
   }
   std::vector<float> logps(n);
-  model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps.data(), want_grad);
+  passes.forward_logps(logps.data(), want_grad, /*adapters_off=*/false);
   std::vector<PairLogps> pairs(P);
   double nll = 0;
   int64_t nll_tokens = 0;
@@ -58,9 +67,18 @@ PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, cons
   if (want_grad) {
     std::vector<float> weights(n);
     preference_token_weights(config, b.rows, b.targets, pairs, grads, nll_weight, weights.data());
-    model.backward_weighted(b.inputs, b.targets, weights.data(), b.batch, b.seq);
+    passes.backward_weighted(weights.data());
   }
   return sums;
+}
+
+void llama_pair_logps(Llama& model, const PairBatch& b, bool adapters_off, double* chosen, double* rejected) {
+  pair_logp_sums(llama_passes(model, b), b, adapters_off, chosen, rejected);
+}
+
+PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, const PairBatch& b,
+                               const PreferenceStep& step, bool want_grad) {
+  return pair_step(llama_passes(model, b), config, b, step, want_grad);
 }
 
 void precompute_reference_logps(Llama& model, DataLoader& loader, std::vector<double>& chosen,

@@ -17,6 +17,7 @@
 
 #include "comm/comm.h"
 #include "ckpt/checkpoint.h"
+#include "ckpt/safetensors.h"
 #include "engine/engine.h"
 #include "tests/model/fixture.h"
 
@@ -34,6 +35,20 @@ inline EngineOptions engine_options(const Fixture& f, Device device, int zero = 
   o.device = device;
   o.micro_batch = f.batch, o.seq_len = f.seq, o.opt = f.optimizer(), o.zero = zero;
   return o;
+}
+
+// The fixture's starting adapters (PEFT names), a piece at a time as the engine asks.
+inline WeightFill adapters_from(const std::filesystem::path& file) {
+  return [file](const ParamLayout& layout, const Segment& piece, float* out) {
+    const SafetensorsFile adapters(file);
+    for (const ParamTensor& t : layout.tensors()) {
+      const int64_t lo = std::max(piece.begin, t.offset), hi = std::min(piece.begin + piece.size, t.offset + t.numel);
+      if (lo >= hi) continue;
+      std::vector<float> whole(t.numel);
+      adapters.read_f32(t.name, t.shape, whole.data());
+      std::copy(whole.begin() + (lo - t.offset), whole.begin() + (hi - t.offset), out + (lo - piece.begin));
+    }
+  };
 }
 
 // The fixture's weights (the transformers model it was made from).
