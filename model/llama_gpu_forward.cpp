@@ -434,7 +434,7 @@ void LlamaGpu::backward_weighted(const int32_t* targets, const float* weights, i
   if (run_.tp > 1)
     fail("the weighted backward of a preference objective with tensor parallelism (tp ", run_.tp,
          "): not implemented on cuda (the vocab-parallel loss has no per-token weights)");
-  TUNA_CHECK(working_slot_ == slot_ && head_base_ != nullptr,
+  TUNA_CHECK(working_slot_ == slot_,
              "backward_weighted without forward_logps(backward_follows) on its batch just before");
   const int64_t n = batch * seq;
   // The weights go where the forward's per-token losses were (read back, dead now): losses_ holds [n] fp32 for any

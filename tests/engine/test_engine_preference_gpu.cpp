@@ -3,9 +3,9 @@
 // pairs (tests/fixtures/preference_*) packed into one window under document masks: DPO (sigmoid, with rpo_alpha, ipo;
 // the precomputed reference), DPO with LoRA (the base with the adapters off as the reference), SimPO and ORPO. The
 // reference pass, the first step's loss, TRL's metrics and every gradient, 10 AdamW steps and a validation pass follow
-// the CPU engine (which tests/model/test_objective.cpp holds to TRL); ZeRO-3 on one rank equals ZeRO-0 bit for bit (the
-// weighted head's second acquire of a tied lm_head is in the prefetch plan). Skipped without a device; on the emulator
-// in CI.
+// the CPU engine (which tests/model/test_objective.cpp holds to TRL), also with LoRA dropout (the masks keyed as on cpu)
+// and with recompute; ZeRO-3 on one rank equals ZeRO-0 bit for bit (the weighted head's second acquire of a tied lm_head
+// is in the prefetch plan); dp 2 at ZeRO 1-3 follows one rank. Skipped without a device; on the emulator in CI.
 //
 // Tolerances: the bf16 forward's, derived in tests/model/test_llama_gpu.cpp: 1e-2 relative on a sum of token
 // log-probs (a loss), 0.1 per gradient tensor, and over 10 AdamW steps 5e-2 relative on each step's loss and 0.15 on
@@ -32,6 +32,7 @@
 #include "tests/engine/engine_test_util.h"
 #include "tests/kernels/gpu_test_util.h"
 #include "tests/model/preference_test_util.h"
+#include "tests/model/ranks_test_util.h"  // one_device_comms, the dp bounds
 #include "tests/test_util.h"
 
 namespace tuna {
@@ -61,13 +62,12 @@ OptimizerConfig fixture_optimizer(const nlohmann::json& m) {
   return oc;
 }
 
-PreferenceRun run_case(Device device, const PreferenceFixture& fx, const nlohmann::json& c, const PackedPairs& b,
-                       int zero, int64_t steps) {
-  const Fixture f(fx.base);
-  const ObjectiveConfig config = testing_util::config_of(c);
+// The engine options of a case: the fixture's optimizer, and with LoRA the fixture's adapters.
+EngineOptions preference_options(Device device, const PreferenceFixture& fx, const nlohmann::json& c, int64_t batch,
+                                 int64_t seq, int zero) {
   EngineOptions o;
   o.device = device;
-  o.micro_batch = b.batch, o.seq_len = b.seq, o.zero = zero;
+  o.micro_batch = batch, o.seq_len = seq, o.zero = zero;
   o.opt = fixture_optimizer(fx.meta);
   if (c.at("lora")) {
     const fs::path dir = fs::path("tests/fixtures") / ("lora_" + fx.base);
@@ -75,6 +75,23 @@ PreferenceRun run_case(Device device, const PreferenceFixture& fx, const nlohman
     o.adapters = testing_util::adapters_from(dir / "adapter_model.safetensors");
     o.seed = 17;
   }
+  return o;
+}
+
+// A variant of a case: LoRA dropout (the masks keyed by step and micro-batch on both engines) and, on cuda, what the
+// backward recomputes.
+struct Variant {
+  double dropout = 0;
+  Recompute recompute = Recompute::None;
+};
+
+PreferenceRun run_case(Device device, const PreferenceFixture& fx, const nlohmann::json& c, const PackedPairs& b,
+                       int zero, int64_t steps, const Variant& variant = {}) {
+  const Fixture f(fx.base);
+  const ObjectiveConfig config = testing_util::config_of(c);
+  EngineOptions o = preference_options(device, fx, c, b.batch, b.seq, zero);
+  o.lora.dropout = variant.dropout;
+  if (device == Device::Cuda) o.recompute = variant.recompute;
   testing_util::SingleRank rank;
   std::unique_ptr<Engine> e = make_engine(f.config, o, rank.mesh, testing_util::fixture_weights(f));
   const std::vector<double> rc = c.at("ref_chosen_logps"), rr = c.at("ref_rejected_logps");
@@ -106,6 +123,7 @@ PreferenceRun run_case(Device device, const PreferenceFixture& fx, const nlohman
 struct PreferenceGpuCase {
   const char* fixture;
   const char* name;  // the fixture's case
+  Variant variant;
 };
 
 class EnginePreferenceGpu : public testing::TestWithParam<PreferenceGpuCase> {};
@@ -117,7 +135,9 @@ TEST_P(EnginePreferenceGpu, FollowsTheCpuEngine) {
   const ObjectiveConfig config = testing_util::config_of(c);
   const PackedPairs b = testing_util::pack(fx.meta.at("pairs"), /*one_row=*/true);
   const int64_t steps = fx.meta.at("steps");
-  const PreferenceRun cpu = run_case(Device::Cpu, fx, c, b, 0, steps), gpu = run_case(Device::Cuda, fx, c, b, 0, steps);
+  const Variant& variant = GetParam().variant;
+  const PreferenceRun cpu = run_case(Device::Cpu, fx, c, b, 0, steps, variant),
+                      gpu = run_case(Device::Cuda, fx, c, b, 0, steps, variant);
 
   // The reference pass: each pair's summed completion log-probs under the starting weights (with LoRA the adapters on).
   for (int64_t p = 0; p < b.pairs; p++) {
@@ -180,13 +200,21 @@ TEST_P(EnginePreferenceGpu, FollowsTheCpuEngine) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, EnginePreferenceGpu,
-    testing::Values(PreferenceGpuCase{"llama2_tiny", "dpo_sigmoid"}, PreferenceGpuCase{"llama32_tiny", "dpo_sigmoid"},
-                    PreferenceGpuCase{"llama32_tiny", "dpo_sigmoid_rpo"}, PreferenceGpuCase{"llama2_tiny", "dpo_ipo"},
-                    PreferenceGpuCase{"llama2_tiny", "lora_dpo_sigmoid"},
-                    PreferenceGpuCase{"llama32_tiny", "lora_dpo_sigmoid"}, PreferenceGpuCase{"llama2_tiny", "simpo"},
-                    PreferenceGpuCase{"llama32_tiny", "simpo"}, PreferenceGpuCase{"llama32_tiny", "orpo"}),
+    testing::Values(PreferenceGpuCase{"llama2_tiny", "dpo_sigmoid", {}},
+                    PreferenceGpuCase{"llama32_tiny", "dpo_sigmoid", {}},
+                    PreferenceGpuCase{"llama32_tiny", "dpo_sigmoid_rpo", {}},
+                    PreferenceGpuCase{"llama2_tiny", "dpo_ipo", {}},
+                    PreferenceGpuCase{"llama2_tiny", "lora_dpo_sigmoid", {}},
+                    PreferenceGpuCase{"llama32_tiny", "lora_dpo_sigmoid", {}},
+                    PreferenceGpuCase{"llama2_tiny", "simpo", {}},
+                    PreferenceGpuCase{"llama32_tiny", "simpo", {}},
+                    PreferenceGpuCase{"llama32_tiny", "orpo", {}},
+                    PreferenceGpuCase{"llama32_tiny", "lora_dpo_sigmoid", {0.1, Recompute::Full}},
+                    PreferenceGpuCase{"llama2_tiny", "dpo_sigmoid_rpo", {0, Recompute::Selective}}),
     [](const testing::TestParamInfo<PreferenceGpuCase>& i) {
-      return std::string(i.param.fixture) + "_" + i.param.name;
+      const Variant& v = i.param.variant;
+      return std::string(i.param.fixture) + "_" + i.param.name + (v.dropout > 0 ? "_dropout" : "") +
+             (v.recompute != Recompute::None ? std::string("_recompute_") + recompute_name(v.recompute) : "");
     });
 
 // ZeRO-3 on one rank computes what ZeRO-0 does, bit for bit: the sharded store's gathers and gradient buffers carry the
@@ -204,6 +232,95 @@ TEST(EnginePreferenceGpuZero, ZeroThreeEqualsZeroZeroOnOneRank) {
     EXPECT_EQ(a.norms, z.norms);
     EXPECT_EQ(a.weights, z.weights);
     EXPECT_EQ(a.validation.loss, z.validation.loss);
+  }
+}
+
+// The fixture's pairs as two windows, pairs 0 and 1 packed in one and pair 2 in the other, each with its pairs'
+// precomputed reference log-probs.
+struct Window {
+  PackedPairs b;
+  std::vector<double> ref_chosen, ref_rejected;
+  PairBatch batch(const ObjectiveConfig& config) const {
+    PairBatch out{b.inputs.data(), b.targets.data(), b.positions.data(), b.rows(), b.batch, b.seq};
+    if (config.reference == ReferenceSource::Precompute)
+      out.ref_chosen = ref_chosen.data(), out.ref_rejected = ref_rejected.data();
+    return out;
+  }
+};
+std::vector<Window> two_windows(const PreferenceFixture& fx, const nlohmann::json& c) {
+  const nlohmann::json& pairs = fx.meta.at("pairs");
+  const std::vector<double> rc = c.at("ref_chosen_logps"), rr = c.at("ref_rejected_logps");
+  std::vector<Window> windows(2);
+  for (size_t p = 0; p < pairs.size(); p++) {
+    Window& w = windows[p < 2 ? 0 : 1];
+    w.ref_chosen.push_back(rc[p]), w.ref_rejected.push_back(rr[p]);
+  }
+  windows[0].b = testing_util::pack(nlohmann::json(std::vector<nlohmann::json>(pairs.begin(), pairs.begin() + 2)), true);
+  windows[1].b = testing_util::pack(nlohmann::json(std::vector<nlohmann::json>(pairs.begin() + 2, pairs.end())), true);
+  return windows;
+}
+
+// dp 2 (ranks as threads sharing the device, over staged device comms: tests/model/ranks_test_util.h) at ZeRO 1-3, each
+// rank one window, follows one rank that takes both windows as the step's two micro-batches (the second's gradient
+// writes adding to the first's), each step's loss and gradient norm and the final weights within the dp bounds argued
+// there: the same per-token arithmetic, the gradients summed in another order. The step's normalizers are the whole
+// step's on every rank (engine/preference.h sums them over dp), and finish_step sums the loss over the ranks.
+TEST(EnginePreferenceGpuRanks, DataParallelFollowsOneRank) {
+  TUNA_REQUIRE_GPU();
+  const PreferenceFixture fx("llama32_tiny");
+  const Fixture f(fx.base);
+  const int64_t steps = testing_util::kRanksSteps;
+  for (const auto& [name, zero] : std::vector<std::pair<const char*, int>>{
+           {"dpo_sigmoid_rpo", 1}, {"simpo", 2}, {"orpo", 3}, {"lora_dpo_sigmoid", 3}}) {
+    SCOPED_TRACE(name);
+    const nlohmann::json& c = fx.cases().at(name);
+    const ObjectiveConfig config = testing_util::config_of(c);
+    const std::vector<Window> windows = two_windows(fx, c);
+    const int64_t seq = std::max(windows[0].b.seq, windows[1].b.seq);
+    PreferenceStep step{0, 0};
+    for (const Window& w : windows)
+      step.pairs += w.b.pairs, step.nll_tokens += count_nll_tokens(config, w.b.rows(), w.b.targets.data());
+    std::vector<StepResult> want;
+    std::vector<float> weights;
+    {
+      testing_util::SingleRank one;
+      std::unique_ptr<Engine> e = make_engine(f.config, preference_options(Device::Cuda, fx, c, 1, seq, 0), one.mesh,
+                                              testing_util::fixture_weights(f));
+      for (int64_t s = 0; s < steps; s++) {
+        e->begin_step();
+        LossSum l;
+        for (const Window& w : windows) {
+          const PreferenceSums sums = e->forward_pairs(w.batch(config), config, step, /*want_grad=*/true);
+          l.sum += sums.loss, l.count += sums.pairs;
+        }
+        want.push_back(e->finish_step(l, learning_rate(fixture_optimizer(fx.meta), s, steps)));
+      }
+      std::vector<float> m, v;
+      e->export_shard(weights, m, v);
+    }
+    const ParamLayout whole = c.at("lora") ? lora_layout(f.config, read_peft_adapter_config(fs::path("tests/fixtures") /
+                                                                                             ("lora_" + fx.base)))
+                                                 .params
+                                           : ParamLayout(f.config);
+    testing_util::run_thread_ranks(2, [&](Comm& world) {
+      Mesh mesh = make_mesh(world, 1);
+      std::unique_ptr<Engine> e = make_engine(f.config, preference_options(Device::Cuda, fx, c, 1, seq, zero), mesh,
+                                              testing_util::fixture_weights(f), testing_util::one_device_comms(mesh));
+      for (int64_t s = 0; s < steps; s++) {
+        e->begin_step();
+        const PreferenceSums sums = e->forward_pairs(windows[mesh.dp_rank].batch(config), config, step, true);
+        const StepResult r =
+            e->finish_step(LossSum{sums.loss, sums.pairs}, learning_rate(fixture_optimizer(fx.meta), s, steps));
+        if (world.rank() == 0)
+          std::printf("  %s step %lld  loss 1 rank %.7f 2 ranks %.7f   grad norm %.6f %.6f\n", name,
+                      static_cast<long long>(s), want[s].loss, r.loss, want[s].stats.grad_norm, r.stats.grad_norm);
+        EXPECT_NEAR(r.loss, want[s].loss, testing_util::kRanksLossTol * std::abs(want[s].loss)) << "step " << s;
+        EXPECT_NEAR(r.stats.grad_norm, want[s].stats.grad_norm, testing_util::kRanksNormTol * want[s].stats.grad_norm)
+            << "step " << s;
+      }
+      EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, weights.data()), testing_util::kRanksWeightTol)
+          << "rank " << world.rank() << "'s final master weights";
+    });
   }
 }
 
