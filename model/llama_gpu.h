@@ -269,8 +269,8 @@ class LlamaGpu {
   // after forward_logps(backward_follows) on the same batch (targets: the forward's; the device still holds them and
   // the tokens): the backward of sum_i -weights[i] * logps[i] (weights: host [batch, seq]), the head's logits
   // computed again a chunk at a time with d logits = w (softmax - onehot) (cuda::classifier_weighted_bwd), then the
-  // layers' backward, into the gradients as forward_backward's. Whole model; backward_weighted at tp 1 only (the
-  // vocab-parallel loss has no weighted step).
+  // layers' backward, into the gradients as forward_backward's (under tp the vocab-parallel steps around their two
+  // all-reduces, cuda::classifier_parallel_weighted_bwd). Whole model.
   void forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                      const int32_t* positions, float* logps, bool backward_follows, bool adapters_off = false);
   void backward_weighted(const int32_t* targets, const float* weights, int64_t batch, int64_t seq);
@@ -343,8 +343,9 @@ class LlamaGpu {
   // The host waits for `event` (recorded on stream_): through the tp comm when there is one (wait_for_stream).
   void wait_for_event(cudaEvent_t event, const char* what);
   // Cross-entropy of a chunk of logits, in place (dlogits with want_grad): the fused kernel, or under tensor
-  // parallelism the vocab-parallel steps around their two all-reduces.
-  void cross_entropy(int64_t r0, int64_t rows, bool want_grad);
+  // parallelism the vocab-parallel steps around their two all-reduces. weights (device, the pass's rows; want_grad):
+  // the weighted backward's dlogits instead, no losses.
+  void cross_entropy(int64_t r0, int64_t rows, bool want_grad, const float* weights = nullptr);
   void tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what);
   // Sequence parallelism (MemoryLayout::sp): the norm and residual regions hold this rank's rows sp_rows_ of the
   // pass's batch x seq, every rank's piece moved as sp_chunk_ rows. sp_gather: every rank's rows of `local` into

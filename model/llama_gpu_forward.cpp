@@ -253,8 +253,7 @@ void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch
 
 LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits,
                        const float* token_weights, bool keep_head) {
-  TUNA_CHECK(token_weights == nullptr || (want_grad && run_.tp == 1 && host_targets != nullptr),
-             "a weighted head is a backward at tp 1");
+  TUNA_CHECK(token_weights == nullptr || (want_grad && host_targets != nullptr), "a weighted head is a backward");
   const int64_t C = config_.hidden_size, V = layout_.tp().vocab;
   const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
   const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
@@ -278,10 +277,7 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
       convert_to_f32(chunk_bits.data(), DType::BF16, host_logits + r0 * V, nr * V);
     }
     if (host_targets == nullptr) continue;
-    if (token_weights != nullptr)
-      cuda::classifier_weighted_bwd(logits_chunk_, targets_ + r0, token_weights + r0, nr, V, s);
-    else
-      cross_entropy(r0, nr, want_grad);
+    cross_entropy(r0, nr, want_grad, token_weights);
     if (want_grad)  // the first chunk's dW overwrites a fresh lm_head gradient, the others add
       cuda::matmul_bwd(*matmul_, d_final_norm_ + r0 * C, g_head, logits_chunk_, x, w_head, nr, C, V,
                        /*accumulate_dinp=*/false,
@@ -315,11 +311,15 @@ void LlamaGpu::wait_for_stream(const char* what) {
   wait_for_event(stream_done_, what);
 }
 
-void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {
+void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad, const float* weights) {
   const TpDims& d = layout_.tp();
   const float dloss = want_grad ? 1.0f : 0.0f;  // the gradient of the summed loss (see model/llama.h)
   cudaStream_t s = stream_;
-  if (run_.tp == 1) return cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, rows, d.vocab, dloss, s);
+  if (run_.tp == 1) {
+    if (weights != nullptr)
+      return cuda::classifier_weighted_bwd(logits_chunk_, targets_ + r0, weights + r0, rows, d.vocab, s);
+    return cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, rows, d.vocab, dloss, s);
+  }
   // Vocab-parallel: three rows of statistics cross the tp group, not logits.
   cuda::classifier_partial_stats(logits_chunk_, ce_stats_, targets_ + r0, rows, d.vocab, d.vocab_begin,
                                  config_.vocab_size, s);
@@ -327,6 +327,9 @@ void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {
   tp_->all_reduce(ce_max_, rows, CommType::F32, ReduceOp::Max, "tp loss max");
   cuda::classifier_rescale_sums(ce_stats_, ce_max_, rows, s);
   tp_->all_reduce(ce_stats_ + rows, 2 * rows, CommType::F32, ReduceOp::Sum, "tp loss sums");
+  if (weights != nullptr)
+    return cuda::classifier_parallel_weighted_bwd(logits_chunk_, targets_ + r0, ce_max_, ce_stats_ + rows,
+                                                  weights + r0, rows, d.vocab, d.vocab_begin, s);
   cuda::classifier_parallel_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, ce_max_, ce_stats_ + rows, rows,
                                     d.vocab, d.vocab_begin, dloss, s);
 }
@@ -431,9 +434,6 @@ void LlamaGpu::forward_logps(const int32_t* inputs, const int32_t* targets, int6
 void LlamaGpu::backward_weighted(const int32_t* targets, const float* weights, int64_t batch, int64_t seq) {
   TUNA_CHECK(run_.training, "backward_weighted on a forward-only model (MemoryLayout::training)");
   TUNA_CHECK(layout_.whole(), "backward_weighted of a pipeline stage");
-  if (run_.tp > 1)
-    fail("the weighted backward of a preference objective with tensor parallelism (tp ", run_.tp,
-         "): not implemented on cuda (the vocab-parallel loss has no per-token weights)");
   TUNA_CHECK(working_slot_ == slot_,
              "backward_weighted without forward_logps(backward_follows) on its batch just before");
   const int64_t n = batch * seq;

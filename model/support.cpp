@@ -151,15 +151,11 @@ Support support(const LlamaConfig& config, const MemoryLayout& layout, Device de
 Support objective_support(const ObjectiveConfig& objective, const MemoryLayout& l, Device device) {
   if (!objective.preference()) return {};
   const char* name = objective_name(objective.objective);
-  if (device == Device::Cuda && l.tp > 1)
-    return not_implemented("--objective ", name, " with --device cuda and --tp ", l.tp, ": not implemented yet (the ",
-                           "CUDA engine's vocab-parallel loss has no per-token weighted backward); use --tp 1, or ",
-                           "--device cpu");
   if (l.pp > 1)
     return not_implemented("--objective ", name, " with --pp ", l.pp, ": not implemented yet (the pipeline driver runs ",
                            "the next-token loss only); use --pp 1");
-  // dp (ZeRO 0-3) runs on both devices, tp (sp too) on cpu: the step's pairs, NLL tokens and metrics are summed over
-  // dp, the vocab-parallel log-probs give every tp rank the whole sums.
+  // dp (ZeRO 0-3) and tp (sp too) run on both devices: the step's pairs, NLL tokens and metrics are summed over dp,
+  // the vocab-parallel log-probs give every tp rank the whole sums.
   return {};
 }
 
