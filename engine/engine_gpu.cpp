@@ -11,6 +11,9 @@
 // base is not sharded: refused, model/llama_gpu.cpp).
 // Dropout masks are keyed by (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
 //
+// Preference objectives (forward_pairs, pair_logps): the CPU engine's flow (model/preference_step.h) over LlamaGpu's
+// forward_logps and backward_weighted, at every layout the engine runs but pipeline stages.
+//
 // Pipeline stages (--pp, ZeRO 0 and 1): this rank's LlamaGpu is its stage (model/pipeline.h's split, the stage's
 // ParamLayout; with adapters on a bf16 or nf4 base, the stage's frozen units and its layers' adapters), with activation
 // slots for the micro-batches 1F1B keeps in flight there; forward_backward_step hands the step to the pipeline driver

@@ -3,14 +3,15 @@
 // pairs (tests/fixtures/preference_*) packed into one window under document masks: DPO (sigmoid, with rpo_alpha, ipo;
 // the precomputed reference), DPO with LoRA (the base with the adapters off as the reference), SimPO and ORPO. The
 // reference pass, the first step's loss, TRL's metrics and every gradient, 10 AdamW steps and a validation pass follow
-// the CPU engine (which tests/model/test_objective.cpp holds to TRL), also with LoRA dropout (the masks keyed as on cpu)
-// and with recompute; ZeRO-3 on one rank equals ZeRO-0 bit for bit (the weighted head's second acquire of a tied lm_head
-// is in the prefetch plan); dp 2 at ZeRO 1-3, tp 2 (with and without sp) and tp 2 x dp 2 follow one rank. Skipped
-// without a device; on the emulator in CI.
+// the CPU engine (which tests/model/test_objective.cpp holds to TRL), also with LoRA dropout (the masks keyed as on
+// cpu), with recompute, and with an nf4 base (QLoRA). ZeRO-3 on one rank equals ZeRO-0 bit for bit (the weighted
+// head's second acquire of a tied lm_head is in the prefetch plan); dp 2 at ZeRO 1-3, tp 2 (with and without sp) and
+// tp 2 x dp 2 follow one rank. Skipped without a device; on the emulator in CI.
 //
 // Tolerances: the bf16 forward's, derived in tests/model/test_llama_gpu.cpp: 1e-2 relative on a sum of token
 // log-probs (a loss), 0.1 per gradient tensor, and over 10 AdamW steps 5e-2 relative on each step's loss and 0.15 on
-// its gradient norm. A reward is beta times a log-prob (less a reference both engines share), so its error is beta
+// its gradient norm. A reward is beta times a log-prob less the reference's (the same precomputed numbers on both
+// engines, or with LoRA each engine's base, whose error the policy's partly cancels), so its error is at most beta
 // times the log-prob's: 1e-2 beta |logps|, and a margin's the sum of two. The first step's loss: 1e-2 relative (its
 // NLL terms are sums of log-probs) plus the margin's tolerance, since a logistic loss -log sigmoid(z) of the margin z
 // moves at most as much as z does (|d/dz| < 1): near saturation (SimPO's small losses) its relative error is the
@@ -79,11 +80,12 @@ EngineOptions preference_options(Device device, const PreferenceFixture& fx, con
   return o;
 }
 
-// A variant of a case: LoRA dropout (the masks keyed by step and micro-batch on both engines) and, on cuda, what the
-// backward recomputes.
+// A variant of a case: LoRA dropout (the masks keyed by step and micro-batch on both engines), on cuda what the
+// backward recomputes, and a quantized frozen base (QLoRA: both engines quantize the same starting weights).
 struct Variant {
   double dropout = 0;
   Recompute recompute = Recompute::None;
+  BaseQuant base_quant = BaseQuant::None;
 };
 
 PreferenceRun run_case(Device device, const PreferenceFixture& fx, const nlohmann::json& c, const PackedPairs& b,
@@ -92,6 +94,7 @@ PreferenceRun run_case(Device device, const PreferenceFixture& fx, const nlohman
   const ObjectiveConfig config = testing_util::config_of(c);
   EngineOptions o = preference_options(device, fx, c, b.batch, b.seq, zero);
   o.lora.dropout = variant.dropout;
+  o.base_quant = variant.base_quant;
   if (device == Device::Cuda) o.recompute = variant.recompute;
   testing_util::SingleRank rank;
   std::unique_ptr<Engine> e = make_engine(f.config, o, rank.mesh, testing_util::fixture_weights(f));
@@ -170,9 +173,9 @@ TEST_P(EnginePreferenceGpu, FollowsTheCpuEngine) {
     ASSERT_TRUE(tolerance.count(key)) << key;
     EXPECT_NEAR(mg.at(key).get<double>(), want.get<double>(), tolerance.at(key)) << key;
   }
-  // A pair's accuracy flips only when its margin is within the margin's error of 0. A full fine-tune's DPO starts at its
-  // precomputed reference (margins 0 but for rounding: a coin toss on either engine); elsewhere the fixtures' margins
-  // are far from 0.
+  // A pair's accuracy flips only when its margin is within the margin's error of 0. A full fine-tune's DPO starts at
+  // its precomputed reference (margins 0 but for rounding: a coin toss on either engine); elsewhere the fixtures'
+  // margins are far from 0.
   if (config.reference != ReferenceSource::Precompute) {
     EXPECT_EQ(mg.at("rewards/accuracies"), mc.at("rewards/accuracies"));
   }
@@ -210,12 +213,14 @@ INSTANTIATE_TEST_SUITE_P(
                     PreferenceGpuCase{"llama2_tiny", "simpo", {}},
                     PreferenceGpuCase{"llama32_tiny", "simpo", {}},
                     PreferenceGpuCase{"llama32_tiny", "orpo", {}},
-                    PreferenceGpuCase{"llama32_tiny", "lora_dpo_sigmoid", {0.1, Recompute::Full}},
-                    PreferenceGpuCase{"llama2_tiny", "dpo_sigmoid_rpo", {0, Recompute::Selective}}),
+                    PreferenceGpuCase{"llama32_tiny", "lora_dpo_sigmoid", {0.1, Recompute::Full, BaseQuant::None}},
+                    PreferenceGpuCase{"llama2_tiny", "lora_dpo_sigmoid", {0, Recompute::None, BaseQuant::Nf4}},
+                    PreferenceGpuCase{"llama2_tiny", "dpo_sigmoid_rpo", {0, Recompute::Selective, BaseQuant::None}}),
     [](const testing::TestParamInfo<PreferenceGpuCase>& i) {
       const Variant& v = i.param.variant;
       return std::string(i.param.fixture) + "_" + i.param.name + (v.dropout > 0 ? "_dropout" : "") +
-             (v.recompute != Recompute::None ? std::string("_recompute_") + recompute_name(v.recompute) : "");
+             (v.recompute != Recompute::None ? std::string("_recompute_") + recompute_name(v.recompute) : "") +
+             (v.base_quant != BaseQuant::None ? std::string("_") + base_quant_name(v.base_quant) : "");
     });
 
 // ZeRO-3 on one rank computes what ZeRO-0 does, bit for bit: the sharded store's gathers and gradient buffers carry the
@@ -236,8 +241,8 @@ TEST(EnginePreferenceGpuZero, ZeroThreeEqualsZeroZeroOnOneRank) {
   }
 }
 
-// The fixture's pairs as two windows of one row each, pairs 0 and 1 packed in one and pair 2 in the other, each with its
-// pairs' precomputed reference log-probs.
+// The fixture's pairs as two windows of one row each, pairs 0 and 1 packed in one and pair 2 in the other, each with
+// its pairs' precomputed reference log-probs.
 struct Window {
   PackedPairs b;
   std::vector<double> ref_chosen, ref_rejected;
@@ -256,8 +261,9 @@ std::vector<Window> two_windows(const PreferenceFixture& fx, const nlohmann::jso
     Window& w = windows[p < 2 ? 0 : 1];
     w.ref_chosen.push_back(rc[p]), w.ref_rejected.push_back(rr[p]);
   }
-  windows[0].b = testing_util::pack(nlohmann::json(std::vector<nlohmann::json>(pairs.begin(), pairs.begin() + 2)), true);
-  windows[1].b = testing_util::pack(nlohmann::json(std::vector<nlohmann::json>(pairs.begin() + 2, pairs.end())), true);
+  using Pairs = std::vector<nlohmann::json>;
+  windows[0].b = testing_util::pack(nlohmann::json(Pairs(pairs.begin(), pairs.begin() + 2)), /*one_row=*/true);
+  windows[1].b = testing_util::pack(nlohmann::json(Pairs(pairs.begin() + 2, pairs.end())), /*one_row=*/true);
   // Both padded to one length that sequence parallelism splits over 2 tp ranks (a multiple of 4).
   const int64_t seq = (std::max(windows[0].b.seq, windows[1].b.seq) + 3) / 4 * 4;
   for (Window& w : windows) {
