@@ -190,7 +190,7 @@ class GpuEngine final : public Engine {
   }
 
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
-  // The preference passes on the whole model (the support table refuses pipeline stages and tp for them): the CPU
+  // The preference passes on the whole model (the support table refuses pipeline stages for them): the CPU
   // engine's flow (model/preference_step.h), over this model's two passes.
   PreferenceSums forward_pairs(const PairBatch& batch, const ObjectiveConfig& objective, const PreferenceStep& step,
                                bool want_grad) override {
