@@ -11,6 +11,9 @@
 // base is not sharded: refused, model/llama_gpu.cpp).
 // Dropout masks are keyed by (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
 //
+// Preference objectives (forward_pairs, pair_logps): the CPU engine's flow (model/preference_step.h) over LlamaGpu's
+// forward_logps and backward_weighted, at every layout the engine runs but pipeline stages.
+//
 // Pipeline stages (--pp, ZeRO 0 and 1): this rank's LlamaGpu is its stage (model/pipeline.h's split, the stage's
 // ParamLayout; with adapters on a bf16 or nf4 base, the stage's frozen units and its layers' adapters), with activation
 // slots for the micro-batches 1F1B keeps in flight there; forward_backward_step hands the step to the pipeline driver
@@ -48,6 +51,7 @@
 #include "engine/backends.h"
 #include "engine/device_gpu.h"  // gpu_info, gpu_memory, gpu_peak_bf16_flops, gpu_utilization_percent
 #include "model/llama_gpu.h"
+#include "model/preference_step.h"  // pair_step: the preference objectives' flow, the CPU engine's
 
 namespace tuna {
 
@@ -186,6 +190,18 @@ class GpuEngine final : public Engine {
   }
 
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
+  // The preference passes on the whole model (the support table refuses pipeline stages for them): the CPU
+  // engine's flow (model/preference_step.h), over this model's two passes.
+  PreferenceSums forward_pairs(const PairBatch& batch, const ObjectiveConfig& objective, const PreferenceStep& step,
+                               bool want_grad) override {
+    TUNA_CHECK(!pipeline_, "preference objectives over pipeline stages");
+    if (want_grad) key_dropout(micro_batch_++);
+    return pair_step(passes(batch), objective, batch, step, want_grad);
+  }
+  void pair_logps(const PairBatch& batch, double* chosen, double* rejected) override {
+    TUNA_CHECK(!pipeline_, "preference objectives over pipeline stages");
+    pair_logp_sums(passes(batch), batch, /*adapters_off=*/false, chosen, rejected);
+  }
 
   const std::vector<Segment>& segments() const override { return zero_->segments(); }
   void export_state(const StateSink& sink) const override { zero_->export_state(sink); }
@@ -224,6 +240,15 @@ class GpuEngine final : public Engine {
   void key_dropout(int64_t micro_batch) {
     if (model_.has_adapters())
       model_.set_lora_dropout_key(lora_dropout_key(options_.seed, steps_taken(), micro_batch, mesh_.dp_rank));
+  }
+
+  // This model's two passes over `b` (model/preference_step.h PairPasses).
+  PairPasses passes(const PairBatch& b) {
+    return PairPasses{
+        [this, &b](float* logps, bool backward_follows, bool adapters_off) {
+          model_.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps, backward_follows, adapters_off);
+        },
+        [this, &b](const float* weights) { model_.backward_weighted(b.targets, weights, b.batch, b.seq); }};
   }
 
   // Pipeline stages: the device comm over the stages (on pp_stream_), this model as the driver's stage, and the

@@ -19,7 +19,8 @@
 // Vocab-parallel (tensor parallelism, each rank holding columns of every row): the same two passes split around
 // two reductions over the ranks (classifier.cuh): pass 1 writes each row's (max, sum of exp) of the rank's
 // columns and its target logit if the rank has it; the caller takes the max over the ranks, each rank rescales
-// its sums to that max, the caller sums them (and the target logits); pass 2 writes the loss and the gradient.
+// its sums to that max, the caller sums them (and the target logits); pass 2 writes the loss and the gradient (or,
+// weighted, the gradient alone, each row scaled by its weight).
 #include "kernels/classifier.cuh"
 
 #include <algorithm>
@@ -212,24 +213,29 @@ __global__ void rescale_sums_kernel(float* stats, const float* global_max, int64
   if (i < n) stats[n + i] *= __expf(stats[i] - global_max[i]);
 }
 
-// Vocab-parallel step 3: the loss from the reduced statistics, and the gradient of this rank's columns.
+// Vocab-parallel step 3: the loss from the reduced statistics, and the gradient of this rank's columns. weights (the
+// weighted backward, classifier.cuh): each row's dloss instead of `dloss`, a gradient always written (zeros for a row
+// of weight 0, as for an ignored one), and losses may be null.
 template <bool kVec>
 __global__ void __launch_bounds__(kThreads) parallel_fwd_bwd_kernel(bf16* logits, float* losses,
                                                                     const int32_t* targets, const float* global_max,
                                                                     const float* sum_and_target, int64_t n,
-                                                                    int64_t count, int64_t vocab_begin, float dloss) {
+                                                                    int64_t count, int64_t vocab_begin, float dloss,
+                                                                    const float* weights) {
   const int64_t row = blockIdx.x;
   bf16* x = logits + row * count;
   const int32_t target = targets[row];
-  if (target == cpu::kIgnoreIndex) {
-    if (threadIdx.x == 0) losses[row] = 0.0f;
-    if (dloss != 0.0f)
+  const bool grad = weights != nullptr || dloss != 0.0f;
+  if (weights) dloss = weights[row];
+  if (target == cpu::kIgnoreIndex || (weights && dloss == 0.0f)) {
+    if (threadIdx.x == 0 && losses) losses[row] = 0.0f;
+    if (grad)
       for (int64_t j = threadIdx.x; j < count; j += kThreads) x[j] = __float2bfloat16(0.0f);
     return;
   }
   const float lse = global_max[row] + logf(sum_and_target[row]);
-  if (threadIdx.x == 0) losses[row] = lse - sum_and_target[n + row];
-  if (dloss == 0.0f) return;
+  if (threadIdx.x == 0 && losses) losses[row] = lse - sum_and_target[n + row];
+  if (!grad) return;
   const int64_t t = static_cast<int64_t>(target) - vocab_begin;
   if constexpr (kVec) {
     for (int64_t j = threadIdx.x * 8; j < count; j += kThreads * 8) {
@@ -323,19 +329,36 @@ void classifier_rescale_sums(float* stats, const float* global_max, int64_t n, c
   TUNA_CUDA_CHECK_LAUNCH();
 }
 
-void classifier_parallel_fwd_bwd(bf16* logits, float* losses, const int32_t* targets, const float* global_max,
-                                 const float* sum_and_target, int64_t n, int64_t count, int64_t vocab_begin,
-                                 float dloss, cudaStream_t stream) {
-  TUNA_CHECK(n >= 0 && count > 0 && losses != nullptr, "n ", n, ", count ", count);
+namespace {
+
+void launch_parallel(bf16* logits, float* losses, const int32_t* targets, const float* global_max,
+                     const float* sum_and_target, int64_t n, int64_t count, int64_t vocab_begin, float dloss,
+                     const float* weights, cudaStream_t stream) {
   if (n == 0) return;
   TUNA_CHECK(n < (int64_t(1) << 31), "n ", n);
   if (count % 8 == 0 && aligned16(logits))
     launch_kernel(parallel_fwd_bwd_kernel<true>, static_cast<unsigned>(n), kThreads, 0, stream, logits, losses,
-                  targets, global_max, sum_and_target, n, count, vocab_begin, dloss);
+                  targets, global_max, sum_and_target, n, count, vocab_begin, dloss, weights);
   else
     launch_kernel(parallel_fwd_bwd_kernel<false>, static_cast<unsigned>(n), kThreads, 0, stream, logits, losses,
-                  targets, global_max, sum_and_target, n, count, vocab_begin, dloss);
+                  targets, global_max, sum_and_target, n, count, vocab_begin, dloss, weights);
   TUNA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void classifier_parallel_fwd_bwd(bf16* logits, float* losses, const int32_t* targets, const float* global_max,
+                                 const float* sum_and_target, int64_t n, int64_t count, int64_t vocab_begin,
+                                 float dloss, cudaStream_t stream) {
+  TUNA_CHECK(n >= 0 && count > 0 && losses != nullptr, "n ", n, ", count ", count);
+  launch_parallel(logits, losses, targets, global_max, sum_and_target, n, count, vocab_begin, dloss, nullptr, stream);
+}
+
+void classifier_parallel_weighted_bwd(bf16* logits, const int32_t* targets, const float* global_max,
+                                      const float* sum_and_target, const float* weights, int64_t n, int64_t count,
+                                      int64_t vocab_begin, cudaStream_t stream) {
+  TUNA_CHECK(n >= 0 && count > 0 && weights != nullptr, "n ", n, ", count ", count);
+  launch_parallel(logits, nullptr, targets, global_max, sum_and_target, n, count, vocab_begin, 0.0f, weights, stream);
 }
 
 void loss_sum(double* total, const float* losses, int64_t n, cudaStream_t stream) {

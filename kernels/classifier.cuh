@@ -37,6 +37,12 @@ void classifier_rescale_sums(float* stats, const float* global_max, int64_t n, c
 void classifier_parallel_fwd_bwd(__nv_bfloat16* logits, float* losses, const int32_t* targets,
                                  const float* global_max, const float* sum_and_target, int64_t n, int64_t count,
                                  int64_t vocab_begin, float dloss, cudaStream_t stream);
+// The weighted backward's step 3 (kernels/cpu/classifier.h classifier_parallel_weighted_bwd): each row's weight (device
+// fp32 [n]) instead of one dloss, no losses. logits OVERWRITTEN by weights[i] (softmax - onehot) over this rank's
+// columns; zeros for ignored rows and rows of weight 0.
+void classifier_parallel_weighted_bwd(__nv_bfloat16* logits, const int32_t* targets, const float* global_max,
+                                      const float* sum_and_target, const float* weights, int64_t n, int64_t count,
+                                      int64_t vocab_begin, cudaStream_t stream);
 // *total = sum_{i < n} losses[i] in double, in index order by one block: deterministic. OVERWRITES *total.
 void loss_sum(double* total, const float* losses, int64_t n, cudaStream_t stream);
 

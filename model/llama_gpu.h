@@ -262,6 +262,18 @@ class LlamaGpu {
   void set_document_mode(const DocumentMode& mode) { documents_ = mode; }
   // Full logits [batch, seq, vocab] to host fp32 (tests, generation).
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits);
+  // Preference objectives in two passes, the CPU model's contract (model/llama.h forward_logps, backward_weighted):
+  // forward_logps writes logps[i] = log p(targets[i]) (host [batch, seq], 0 where the target is ignored; the fused
+  // loss kernel's per-token losses, negated), keeping the activations and the head's input when backward_follows;
+  // adapters_off runs the frozen base alone (the LoRA reference; never with a backward). backward_weighted, right
+  // after forward_logps(backward_follows) on the same batch (targets: the forward's; the device still holds them and
+  // the tokens): the backward of sum_i -weights[i] * logps[i] (weights: host [batch, seq]), the head's logits
+  // computed again a chunk at a time with d logits = w (softmax - onehot) (cuda::classifier_weighted_bwd), then the
+  // layers' backward, into the gradients as forward_backward's (under tp the vocab-parallel steps around their two
+  // all-reduces, cuda::classifier_parallel_weighted_bwd). Whole model.
+  void forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                     const int32_t* positions, float* logps, bool backward_follows, bool adapters_off = false);
+  void backward_weighted(const int32_t* targets, const float* weights, int64_t batch, int64_t seq);
 
   // Global grad norm (deterministic), clipping as torch's clip_grad_norm_, then one fused AdamW launch.
   // loss_scale = 1 / trained tokens of the step. Same semantics as AdamW::step in model/optimizer.h. Under
@@ -322,13 +334,18 @@ class LlamaGpu {
   void layer_backward(int64_t l, const __nv_bfloat16* w, float* g, int64_t batch, int64_t seq);
   // The lm_head and loss. With targets, the loss sum's copy to the host is queued, not waited for: the returned
   // LossSum has its count only, and queued_loss_sum() gives the sum once that copy has landed.
-  LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits);
+  // token_weights (device [rows], or null): the weighted backward's head (want_grad): d logits = w (softmax - onehot)
+  // instead of the loss's gradient, and no loss. keep_head (no gradient now): the head unit stays acquired for a
+  // weighted backward that follows.
+  LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits,
+               const float* token_weights = nullptr, bool keep_head = false);
   double queued_loss_sum();
   // The host waits for `event` (recorded on stream_): through the tp comm when there is one (wait_for_stream).
   void wait_for_event(cudaEvent_t event, const char* what);
   // Cross-entropy of a chunk of logits, in place (dlogits with want_grad): the fused kernel, or under tensor
-  // parallelism the vocab-parallel steps around their two all-reduces.
-  void cross_entropy(int64_t r0, int64_t rows, bool want_grad);
+  // parallelism the vocab-parallel steps around their two all-reduces. weights (device, the pass's rows; want_grad):
+  // the weighted backward's dlogits instead, no losses.
+  void cross_entropy(int64_t r0, int64_t rows, bool want_grad, const float* weights = nullptr);
   void tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what);
   // Sequence parallelism (MemoryLayout::sp): the norm and residual regions hold this rank's rows sp_rows_ of the
   // pass's batch x seq, every rank's piece moved as sp_chunk_ rows. sp_gather: every rank's rows of `local` into
@@ -404,6 +421,8 @@ class LlamaGpu {
   int64_t lora_grad_begin_ = 0;              // trained_layout() at lora_grad_unit_[offset - lora_grad_begin_]
   uint64_t lora_dropout_key_ = 0;
   bool lora_train_ = false;  // this pass applies dropout
+  bool adapters_off_ = false;  // this forward runs the frozen base alone (forward_logps: the LoRA reference)
+  bool weighted_head_ = false;  // this pass's head runs twice (forward_logps, then backward_weighted): ZeRO-3's plan
   // QLoRA: per layer, its projections' NF4 state in nf4_state_; the unquantized tensors (embedding unit, head unit,
   // then the layers' norms) in plain_; dequant_ one layer unit in bf16.
   struct Nf4Slot {

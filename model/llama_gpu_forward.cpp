@@ -123,7 +123,14 @@ void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
   const int first = static_cast<int>(stage_.layer_begin), end = static_cast<int>(stage_.layer_end);
   cudaStream_t s = stream_;
 
-  store_->plan(layout_.unit_pass_order(backward_follows));
+  std::vector<int> order = layout_.unit_pass_order(backward_follows);
+  // A tied lm_head (the embedding's unit) is acquired once more by the weighted backward's head, right after the
+  // forward's: planned, so that ZeRO-3's prefetch keeps following the pass.
+  if (weighted_head_ && stage_.head && layout_.lm_head_unit() != layout_.head_unit()) {
+    const auto at = std::find(order.begin(), order.end(), layout_.head_unit());
+    order.insert(at + 1, layout_.lm_head_unit());
+  }
+  store_->plan(order);
   lora_train_ = backward_follows && lora_.enabled() && lora_.dropout > 0;  // PEFT's dropout acts in training only
   if (sp_) {
     sp_chunk_ = (n + run_.tp - 1) / run_.tp;
@@ -177,7 +184,7 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   // Adapters add into their column blocks of the fused outputs, before RoPE and SwiGLU read them; with sp they read
   // every row of the gathered input, as the GEMM does.
   const auto adapt = [&](LoraTarget t, const __nv_bfloat16* x, __nv_bfloat16* y, int64_t ld_y, bool add = true) {
-    if (lora_.enabled() && lora_.has(t)) lora_fwd(l, t, x, y, ld_y, n, add);
+    if (lora_.enabled() && lora_.has(t) && !adapters_off_) lora_fwd(l, t, x, y, ld_y, n, add);
   };
   adapt(LoraTarget::Q, x1, qkv_, qkv);
   adapt(LoraTarget::K, x1, qkv_ + d.q_dim, qkv);
@@ -244,7 +251,9 @@ void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch
   }
 }
 
-LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits) {
+LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits,
+                       const float* token_weights, bool keep_head) {
+  TUNA_CHECK(token_weights == nullptr || (want_grad && host_targets != nullptr), "a weighted head is a backward");
   const int64_t C = config_.hidden_size, V = layout_.tp().vocab;
   const int H = layout_.head_unit(), lm_unit = layout_.lm_head_unit();
   const int64_t lm_offset = layout_.lm_head() - layout_.unit_range(lm_unit).first;
@@ -268,7 +277,7 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
       convert_to_f32(chunk_bits.data(), DType::BF16, host_logits + r0 * V, nr * V);
     }
     if (host_targets == nullptr) continue;
-    cross_entropy(r0, nr, want_grad);
+    cross_entropy(r0, nr, want_grad, token_weights);
     if (want_grad)  // the first chunk's dW overwrites a fresh lm_head gradient, the others add
       cuda::matmul_bwd(*matmul_, d_final_norm_ + r0 * C, g_head, logits_chunk_, x, w_head, nr, C, V,
                        /*accumulate_dinp=*/false,
@@ -277,9 +286,9 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
   if (want_grad)  // vocab-parallel: partial sums
     sp_reduce(d_final_norm_, sp_ ? d_norm_ : d_final_norm_, rows, "tp lm_head input grad");
   if (lm_unit != H) store_->release(lm_unit);
-  if (!want_grad) store_->release(H);  // no backward: the pass ends here
+  if (!want_grad && !keep_head) store_->release(H);  // no backward: the pass ends here
   LossSum loss;
-  if (host_targets == nullptr) return loss;
+  if (host_targets == nullptr || token_weights != nullptr) return loss;
   cuda::loss_sum(loss_total_, losses_, rows, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_, loss_total_, sizeof(double), cudaMemcpyDeviceToHost, s));
   TUNA_CUDA_CHECK(cudaEventRecord(loss_copied_, s));
@@ -302,11 +311,15 @@ void LlamaGpu::wait_for_stream(const char* what) {
   wait_for_event(stream_done_, what);
 }
 
-void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {
+void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad, const float* weights) {
   const TpDims& d = layout_.tp();
   const float dloss = want_grad ? 1.0f : 0.0f;  // the gradient of the summed loss (see model/llama.h)
   cudaStream_t s = stream_;
-  if (run_.tp == 1) return cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, rows, d.vocab, dloss, s);
+  if (run_.tp == 1) {
+    if (weights != nullptr)
+      return cuda::classifier_weighted_bwd(logits_chunk_, targets_ + r0, weights + r0, rows, d.vocab, s);
+    return cuda::classifier_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, rows, d.vocab, dloss, s);
+  }
   // Vocab-parallel: three rows of statistics cross the tp group, not logits.
   cuda::classifier_partial_stats(logits_chunk_, ce_stats_, targets_ + r0, rows, d.vocab, d.vocab_begin,
                                  config_.vocab_size, s);
@@ -314,6 +327,9 @@ void LlamaGpu::cross_entropy(int64_t r0, int64_t rows, bool want_grad) {
   tp_->all_reduce(ce_max_, rows, CommType::F32, ReduceOp::Max, "tp loss max");
   cuda::classifier_rescale_sums(ce_stats_, ce_max_, rows, s);
   tp_->all_reduce(ce_stats_ + rows, 2 * rows, CommType::F32, ReduceOp::Sum, "tp loss sums");
+  if (weights != nullptr)
+    return cuda::classifier_parallel_weighted_bwd(logits_chunk_, targets_ + r0, ce_max_, ce_stats_ + rows,
+                                                  weights + r0, rows, d.vocab, d.vocab_begin, s);
   cuda::classifier_parallel_fwd_bwd(logits_chunk_, losses_ + r0, targets_ + r0, ce_max_, ce_stats_ + rows, rows,
                                     d.vocab, d.vocab_begin, dloss, s);
 }
@@ -387,6 +403,50 @@ void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq,
   forward(batch, seq, /*backward_follows=*/false);
   head(nullptr, batch * seq, /*want_grad=*/false, host_logits);
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void LlamaGpu::forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                             const int32_t* positions, float* logps, bool backward_follows, bool adapters_off) {
+  TUNA_CHECK(layout_.whole(), "forward_logps of a pipeline stage");
+  TUNA_CHECK(!(adapters_off && backward_follows), "the base alone is the reference: no backward follows it");
+  TUNA_CHECK(!backward_follows || run_.training, "a backward on a forward-only model (MemoryLayout::training)");
+  TUNA_CHECK(batch > 0 && seq > 0, "forward_logps of batch ", batch, " x seq ", seq);
+  if (batch > max_batch_ || seq > max_seq_)
+    fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
+  const int64_t n = batch * seq;
+  upload_tokens(inputs, targets, batch, seq, positions);
+  adapters_off_ = adapters_off && lora_.enabled();
+  weighted_head_ = backward_follows;
+  try {
+    forward(batch, seq, backward_follows);
+  } catch (...) {
+    adapters_off_ = weighted_head_ = false;
+    throw;
+  }
+  adapters_off_ = weighted_head_ = false;
+  // The loss kernel without a gradient (dloss 0, or the vocab-parallel steps) leaves each token's -log p in losses_.
+  head(targets, n, /*want_grad=*/false, nullptr, nullptr, /*keep_head=*/backward_follows);
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(logps, losses_, n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  wait_for_stream("the forward, before its per-token log-probs are read");
+  for (int64_t i = 0; i < n; ++i) logps[i] = targets[i] == cpu::kIgnoreIndex ? 0.0f : -logps[i];
+}
+
+void LlamaGpu::backward_weighted(const int32_t* targets, const float* weights, int64_t batch, int64_t seq) {
+  TUNA_CHECK(run_.training, "backward_weighted on a forward-only model (MemoryLayout::training)");
+  TUNA_CHECK(layout_.whole(), "backward_weighted of a pipeline stage");
+  TUNA_CHECK(working_slot_ == slot_,
+             "backward_weighted without forward_logps(backward_follows) on its batch just before");
+  const int64_t n = batch * seq;
+  // The weights go where the forward's per-token losses were (read back, dead now): losses_ holds [n] fp32 for any
+  // planned batch, so the pass needs no buffer of its own. Staged through the pinned upload buffer, free again once
+  // the forward's token copies are done (its inputs' rows: n 4-byte words).
+  wait_for_event(tokens_uploaded_, "the compute stream's work before the token weights' upload");
+  std::memcpy(pinned_ids_, weights, n * sizeof(float));
+  TUNA_CUDA_CHECK(cudaMemcpyAsync(losses_, pinned_ids_, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  TUNA_CUDA_CHECK(cudaEventRecord(tokens_uploaded_, stream_));
+  grad_writes_->begin_pass(*store_);
+  head(targets, n, /*want_grad=*/true, nullptr, losses_);
+  backward(batch, seq);
 }
 
 }  // namespace tuna

@@ -1,9 +1,22 @@
-// One micro-batch of pairs through the CPU model: see model/preference_step.h.
+// One micro-batch of pairs through a model (the flow once, the CPU model's passes here): see model/preference_step.h.
 #include "model/preference_step.h"
 
 #include "core/error.h"
 
 namespace tuna {
+
+namespace {
+
+// The CPU model's passes over `b`.
+PairPasses llama_passes(Llama& model, const PairBatch& b) {
+  return PairPasses{
+      [&model, &b](float* logps, bool backward_follows, bool adapters_off) {
+        model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps, backward_follows, adapters_off);
+      },
+      [&model, &b](const float* weights) { model.backward_weighted(b.inputs, b.targets, weights, b.batch, b.seq); }};
+}
+
+}  // namespace
 
 void sum_pair_logps(const PairBatch& b, const float* logps, double* chosen, double* rejected) {
   ObjectiveConfig plain;
@@ -36,29 +49,38 @@ PreferenceSums pair_loss(const ObjectiveConfig& config, const PairBatch& b, cons
   return sums;
 }
 
-void llama_pair_logps(Llama& model, const PairBatch& b, bool adapters_off, double* chosen, double* rejected) {
+void pair_logp_sums(const PairPasses& passes, const PairBatch& b, bool adapters_off, double* chosen,
+                    double* rejected) {
   std::vector<float> logps(b.batch * b.seq);
-  model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps.data(), /*backward_follows=*/false,
-                      adapters_off);
+  passes.forward_logps(logps.data(), /*backward_follows=*/false, adapters_off);
   sum_pair_logps(b, logps.data(), chosen, rejected);
 }
 
-PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, const PairBatch& b,
-                               const PreferenceStep& step, bool want_grad) {
+PreferenceSums pair_step(const PairPasses& passes, const ObjectiveConfig& config, const PairBatch& b,
+                         const PreferenceStep& step, bool want_grad) {
   TUNA_CHECK(b.rows.rows == b.batch * b.seq, "pair rows ", b.rows.rows, " for ", b.batch, " x ", b.seq);
   const int64_t n = b.batch * b.seq, P = b.rows.pairs;
   std::vector<double> ref_c, ref_r;
   if (config.needs_reference() && config.reference == ReferenceSource::Adapters) {
     // The reference first: its forward overwrites the activations the policy's backward needs.
     ref_c.resize(P), ref_r.resize(P);
-    llama_pair_logps(model, b, /*adapters_off=*/true, ref_c.data(), ref_r.data());
+    pair_logp_sums(passes, b, /*adapters_off=*/true, ref_c.data(), ref_r.data());
   }
   std::vector<float> logps(n), weights(want_grad ? n : 0);
-  model.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps.data(), want_grad);
+  passes.forward_logps(logps.data(), want_grad, /*adapters_off=*/false);
   const PreferenceSums sums = pair_loss(config, b, step, logps.data(), ref_c.empty() ? nullptr : ref_c.data(),
                                         ref_r.empty() ? nullptr : ref_r.data(), want_grad ? weights.data() : nullptr);
-  if (want_grad) model.backward_weighted(b.inputs, b.targets, weights.data(), b.batch, b.seq);
+  if (want_grad) passes.backward_weighted(weights.data());
   return sums;
+}
+
+void llama_pair_logps(Llama& model, const PairBatch& b, bool adapters_off, double* chosen, double* rejected) {
+  pair_logp_sums(llama_passes(model, b), b, adapters_off, chosen, rejected);
+}
+
+PreferenceSums llama_pair_step(Llama& model, const ObjectiveConfig& config, const PairBatch& b,
+                               const PreferenceStep& step, bool want_grad) {
+  return pair_step(llama_passes(model, b), config, b, step, want_grad);
 }
 
 void precompute_reference_logps(Llama& model, DataLoader& loader, std::vector<double>& chosen,

@@ -1,11 +1,13 @@
-// A preference objective's pass over one micro-batch of packed pairs on the CPU model (model/llama.h): the
-// reference's log-probs (precomputed, or with adapters the frozen base alone: one forward without the adapter
-// branches), the policy's forward and per-token log-probs, the loss and metrics (model/objective.h), and the
-// backward with per-token weights. The engines call it per micro-batch after summing the step's normalizers
-// (PreferenceStep) over their micro-batches and ranks; tests call it on whole batches.
+// A preference objective's pass over one micro-batch of packed pairs: the reference's log-probs (precomputed, or with
+// adapters the frozen base alone: one forward without the adapter branches), the policy's forward and per-token
+// log-probs, the loss and metrics (model/objective.h), and the backward with per-token weights. The flow is the same
+// on both models, so it is written once (pair_step over a model's PairPasses); the CPU model's passes are Llama's
+// (model/llama.h), the CUDA model's LlamaGpu's (engine/engine_gpu.cpp). The engines call it per micro-batch after
+// summing the step's normalizers (PreferenceStep) over their micro-batches and ranks; tests call it on whole batches.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "data/loader.h"
@@ -25,6 +27,23 @@ struct PairBatch {
   const double* ref_chosen = nullptr;
   const double* ref_rejected = nullptr;
 };
+
+// The two passes of a model over one micro-batch (model/llama.h forward_logps and backward_weighted, on its batch).
+struct PairPasses {
+  // logps[i] = log p(targets[i]) over the batch's [batch x seq] tokens, 0 where the target is ignored; the
+  // activations kept for a backward when backward_follows; adapters_off: the frozen base alone (never with a backward).
+  std::function<void(float* logps, bool backward_follows, bool adapters_off)> forward_logps;
+  // After forward_logps(backward_follows): the backward of sum_i -weights[i] * logps[i], accumulated into the
+  // gradients as an SFT micro-batch's are.
+  std::function<void(const float* weights)> backward_weighted;
+};
+
+// The micro-batch's share of the step (llama_pair_step below) through any model's passes.
+PreferenceSums pair_step(const PairPasses& passes, const ObjectiveConfig& config, const PairBatch& batch,
+                         const PreferenceStep& step, bool want_grad);
+// Each pair's summed completion log-probs (llama_pair_logps below) through any model's passes.
+void pair_logp_sums(const PairPasses& passes, const PairBatch& batch, bool adapters_off, double* chosen,
+                    double* rejected);
 
 // The micro-batch's share of the step: its pairs' sums (loss as model/objective.h normalizes it). want_grad: the
 // weighted backward accumulates into the model's gradients. The reference: config.reference Adapters runs the base

@@ -155,12 +155,9 @@ Support objective_support(const ObjectiveConfig& objective, const MemoryLayout& 
   if (device == Device::Cuda && l.pp > 1)
     return not_implemented("--objective ", name, " with --pp ", l.pp, " and --device cuda: not implemented yet (the ",
                            "CUDA engine's pipeline stages run the next-token loss only); use --device cpu, or --pp 1");
-  if (device == Device::Cuda)
-    return not_implemented("--objective ", name, " with --device cuda: not implemented yet (the CUDA engine's per-token ",
-                           "log-probs and weighted backward are not wired); use --device cpu");
-  // dp (ZeRO 0-3), tp (sp too) and pp run: the step's pairs, NLL tokens and metrics are summed over dp, the
-  // vocab-parallel log-probs give every tp rank the whole sums, and a pipeline's last stage computes the loss and its
-  // token weights and broadcasts the sums to the stages (engine/engine_cpu.cpp).
+  // dp (ZeRO 0-3) and tp (sp too) run on both devices, pp on the CPU engine: the step's pairs, NLL tokens and metrics
+  // are summed over dp, the vocab-parallel log-probs give every tp rank the whole sums, and a pipeline's last stage
+  // computes the loss and its token weights and broadcasts the sums to the stages (engine/engine_cpu.cpp).
   return {};
 }
 

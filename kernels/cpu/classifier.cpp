@@ -190,7 +190,31 @@ double classifier_parallel_fwd_bwd(T* logits, std::type_identity_t<T>* losses, c
   return total;
 }
 
+template <typename T>
+void classifier_parallel_weighted_bwd(T* logits, const int32_t* targets, const std::type_identity_t<T>* global_max,
+                                      const std::type_identity_t<T>* sum_and_target,
+                                      const std::type_identity_t<T>* weights, int64_t n, int64_t count,
+                                      int64_t vocab_begin) {
+  TUNA_CHECK(n >= 0 && count > 0, "n ", n, ", count ", count);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    T* row = logits + i * count;
+    if (targets[i] == kIgnoreIndex || weights[i] == T(0)) {
+      std::fill(row, row + count, T(0));
+      continue;
+    }
+    const double lse = global_max[i] + std::log(double(sum_and_target[i]));
+    const int64_t t = targets[i] - vocab_begin;
+    for (int64_t j = 0; j < count; ++j)
+      row[j] = static_cast<T>((std::exp(row[j] - lse) - (j == t ? 1.0 : 0.0)) * double(weights[i]));
+  }
+}
+
 template double classifier_fwd_bwd<float>(float*, float*, const int32_t*, int64_t, int64_t, double);
+template void classifier_parallel_weighted_bwd<float>(float*, const int32_t*, const float*, const float*, const float*,
+                                                      int64_t, int64_t, int64_t);
+template void classifier_parallel_weighted_bwd<double>(double*, const int32_t*, const double*, const double*,
+                                                       const double*, int64_t, int64_t, int64_t);
 template void classifier_weighted_bwd<float>(float*, const int32_t*, const float*, int64_t, int64_t);
 template void classifier_weighted_bwd<double>(double*, const int32_t*, const double*, int64_t, int64_t);
 template void classifier_partial_stats<float>(const float*, float*, const int32_t*, int64_t, int64_t, int64_t, int64_t);

@@ -58,5 +58,13 @@ double classifier_parallel_fwd_bwd(T* logits, std::type_identity_t<T>* losses, c
                                    const std::type_identity_t<T>* global_max,
                                    const std::type_identity_t<T>* sum_and_target, int64_t n, int64_t count,
                                    int64_t vocab_begin, double dloss);
+// The weighted backward's vocab-parallel step 3 (classifier_weighted_bwd over this rank's columns, after steps 1 and
+// 2): logits[i, j] = weights[i] (exp(logits[i, j] - lse) - [j is the target]), OVERWRITTEN; all zeros for ignored rows
+// and rows of weight 0. Concatenated over the ranks, the gradient of classifier_weighted_bwd on the whole rows.
+template <typename T>
+void classifier_parallel_weighted_bwd(T* logits, const int32_t* targets, const std::type_identity_t<T>* global_max,
+                                      const std::type_identity_t<T>* sum_and_target,
+                                      const std::type_identity_t<T>* weights, int64_t n, int64_t count,
+                                      int64_t vocab_begin);
 
 }  // namespace tuna::cpu

@@ -17,6 +17,7 @@
 
 #include "comm/comm.h"
 #include "ckpt/checkpoint.h"
+#include "ckpt/safetensors.h"
 #include "engine/engine.h"
 #include "tests/model/fixture.h"
 
@@ -34,6 +35,24 @@ inline EngineOptions engine_options(const Fixture& f, Device device, int zero = 
   o.device = device;
   o.micro_batch = f.batch, o.seq_len = f.seq, o.opt = f.optimizer(), o.zero = zero;
   return o;
+}
+
+// The fixture's starting adapters (PEFT names), a piece at a time as the engine asks; under tensor parallelism each
+// tensor's block of this rank (the layout's tp split of the file's whole tensor).
+inline WeightFill adapters_from(const std::filesystem::path& file) {
+  return [file](const ParamLayout& layout, const Segment& piece, float* out) {
+    const SafetensorsFile adapters(file);
+    for (const ParamTensor& t : layout.tensors()) {
+      const int64_t lo = std::max(piece.begin, t.offset), hi = std::min(piece.begin + piece.size, t.offset + t.numel);
+      if (lo >= hi) continue;
+      int64_t global = 1;
+      for (int64_t d : t.global_shape) global *= d;
+      std::vector<float> whole(global), block(t.numel);
+      adapters.read_f32(t.name, t.global_shape, whole.data());
+      copy_block(t, whole.data(), block.data());
+      std::copy(block.begin() + (lo - t.offset), block.begin() + (hi - t.offset), out + (lo - piece.begin));
+    }
+  };
 }
 
 // The fixture's weights (the transformers model it was made from).

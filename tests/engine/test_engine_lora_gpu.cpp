@@ -33,20 +33,7 @@ using testing_util::Fixture;
 using testing_util::fixture_weights;
 using testing_util::SingleRank;
 using testing_util::train_step;
-
-// The fixture's starting adapters (PEFT names), a piece at a time as the engine asks.
-WeightFill adapters_from(const std::filesystem::path& file) {
-  return [file](const ParamLayout& layout, const Segment& piece, float* out) {
-    const SafetensorsFile adapters(file);
-    for (const ParamTensor& t : layout.tensors()) {
-      const int64_t lo = std::max(piece.begin, t.offset), hi = std::min(piece.begin + piece.size, t.offset + t.numel);
-      if (lo >= hi) continue;
-      std::vector<float> whole(t.numel);
-      adapters.read_f32(t.name, t.shape, whole.data());
-      std::copy(whole.begin() + (lo - t.offset), whole.begin() + (hi - t.offset), out + (lo - piece.begin));
-    }
-  };
-}
+using testing_util::adapters_from;
 
 EngineOptions lora_options(const Fixture& f, const LoraConfig& lora, Device device) {
   EngineOptions o = engine_options(f, device);

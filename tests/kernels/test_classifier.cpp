@@ -175,6 +175,42 @@ TEST(ClassifierTest, VocabParallelStepsEqualTheWholeRow) {
   }
 }
 
+// The weighted backward's vocab-parallel step 3 over the same split (after steps 1 and 2): each rank's columns of the
+// whole rows' weighted gradient (classifier_weighted_bwd), with a row of weight 0, a negative weight and an ignored row.
+TEST(ClassifierTest, VocabParallelWeightedBackwardEqualsTheWholeRow) {
+  TestRng rng;
+  SCOPED_TRACE(rng.describe());
+  const int64_t n = 9, vocab = 23;
+  std::vector<double> logits = rng.vector<double>(n * vocab, -5.0, 5.0), weights = rng.vector<double>(n, 0.1, 2.0);
+  std::vector<int32_t> targets(n);
+  for (int64_t i = 0; i < n; ++i) targets[i] = i == 3 ? kIgnoreIndex : static_cast<int32_t>(rng.integer(0, vocab - 1));
+  weights[5] = 0.0, weights[7] = -0.8;
+  std::vector<double> whole = logits;
+  classifier_weighted_bwd(whole.data(), targets.data(), weights.data(), n, vocab);
+  const int64_t splits[] = {0, 8, 15, 23};
+  std::vector<std::vector<double>> parts(3), stats(3, std::vector<double>(3 * n));
+  std::vector<double> global_max(n, -INFINITY), sum_and_target(2 * n, 0.0);
+  for (int r = 0; r < 3; r++) {
+    const int64_t begin = splits[r], count = splits[r + 1] - begin;
+    for (int64_t i = 0; i < n; i++)
+      parts[r].insert(parts[r].end(), logits.begin() + i * vocab + begin, logits.begin() + i * vocab + begin + count);
+    classifier_partial_stats(parts[r].data(), stats[r].data(), targets.data(), n, count, begin, vocab);
+    for (int64_t i = 0; i < n; i++) global_max[i] = std::max(global_max[i], stats[r][i]);
+  }
+  for (int r = 0; r < 3; r++) {
+    classifier_rescale_sums(stats[r].data(), global_max.data(), n);
+    for (int64_t i = 0; i < 2 * n; i++) sum_and_target[i] += stats[r][n + i];
+  }
+  for (int r = 0; r < 3; r++) {
+    const int64_t begin = splits[r], count = splits[r + 1] - begin;
+    classifier_parallel_weighted_bwd(parts[r].data(), targets.data(), global_max.data(), sum_and_target.data(),
+                                     weights.data(), n, count, begin);
+    for (int64_t i = 0; i < n; i++)
+      for (int64_t j = 0; j < count; j++)
+        EXPECT_NEAR(parts[r][i * count + j], whole[i * vocab + begin + j], 1e-12) << i << ", " << begin + j;
+  }
+}
+
 // Multiple-choice scoring's head: each target's log-prob against the float64 loop, and the greedy flag against the
 // first argmax, with ties planted (a tie before the target makes it not greedy; one after it keeps it greedy).
 TEST(Classifier, TargetLogpsAndFirstArgmax) {

@@ -96,12 +96,16 @@ TEST(ClassifierGpu, WeightedBackwardFollowsTheCpuTwin) {
 
 // Vocab-parallel: the rows split over 2 or 3 "ranks" by columns, the two reductions done here on the host as the
 // tensor-parallel comm does them; the concatenated gradients and every rank's losses must be those of the whole
-// row (cpu::classifier_fwd_bwd in double), within the tolerances above.
+// row (cpu::classifier_fwd_bwd in double), within the tolerances above. Weighted (the preference objectives' step 3,
+// classifier_parallel_weighted_bwd): the gradient of cpu::classifier_weighted_bwd on the whole rows, each row its own
+// weight (one 0, one negative).
 TEST(ClassifierGpu, VocabParallelStepsGiveTheWholeRowsLossAndGradient) {
   TUNA_REQUIRE_GPU();
   TestRng rng;
   SCOPED_TRACE(rng.describe());
+  for (const bool weighted : {false, true})
   for (int64_t vocab : {int64_t(4096), int64_t(1003)}) {
+    SCOPED_TRACE(weighted ? "weighted" : "dloss");
     const int ranks = vocab == 4096 ? 2 : 3;
     SCOPED_TRACE("vocab " + std::to_string(vocab) + " over " + std::to_string(ranks));
     const int64_t n = 29 + rng.integer(0, 20);
@@ -110,6 +114,10 @@ TEST(ClassifierGpu, VocabParallelStepsGiveTheWholeRowsLossAndGradient) {
     for (auto& t : targets) t = rng.integer(0, 4) == 0 ? cpu::kIgnoreIndex : static_cast<int32_t>(rng.integer(0, vocab - 1));
     DeviceBuffer<int32_t> d_targets(targets);
     const double dloss = 0.37;
+    std::vector<float> weights(n);
+    for (auto& w : weights) w = static_cast<float>(rng.integer(10, 200)) / 100.0f;
+    weights[1] = 0.0f, weights[2] = -0.6f;
+    DeviceBuffer<float> d_weights(weights);
     struct Slice {
       int64_t begin, count;
       std::unique_ptr<DeviceBf16> logits;
@@ -138,17 +146,27 @@ TEST(ClassifierGpu, VocabParallelStepsGiveTheWholeRowsLossAndGradient) {
     DeviceBuffer<float> d_sum(sum_and_target), d_losses(n);
     std::vector<double> dlogits(n * vocab);
     for (Slice& s : slices) {
-      d_losses.poison();
-      cuda::classifier_parallel_fwd_bwd(s.logits->bf(), d_losses.get(), d_targets.get(), d_max.get(), d_sum.get(), n,
-                                        s.count, s.begin, static_cast<float>(dloss), nullptr);
+      if (weighted) {
+        cuda::classifier_parallel_weighted_bwd(s.logits->bf(), d_targets.get(), d_max.get(), d_sum.get(),
+                                               d_weights.get(), n, s.count, s.begin, nullptr);
+      } else {
+        d_losses.poison();
+        cuda::classifier_parallel_fwd_bwd(s.logits->bf(), d_losses.get(), d_targets.get(), d_max.get(), d_sum.get(),
+                                          n, s.count, s.begin, static_cast<float>(dloss), nullptr);
+        std::vector<double> ref(logits.begin(), logits.end()), ref_losses(n);
+        cpu::classifier_fwd_bwd(ref.data(), ref_losses.data(), targets.data(), n, vocab, dloss);
+        expect_close_to_naive("parallel classifier losses (fp32)", d_losses.download(), ref_losses, ref_losses);
+      }
       const std::vector<double> part = s.logits->values();
       for (int64_t i = 0; i < n; i++) std::copy_n(part.begin() + i * s.count, s.count, dlogits.begin() + i * vocab + s.begin);
-      std::vector<double> ref(logits.begin(), logits.end()), ref_losses(n);
-      cpu::classifier_fwd_bwd(ref.data(), ref_losses.data(), targets.data(), n, vocab, dloss);
-      expect_close_to_naive("parallel classifier losses (fp32)", d_losses.download(), ref_losses, ref_losses);
     }
     std::vector<double> ref(logits.begin(), logits.end()), ref_losses(n);
-    cpu::classifier_fwd_bwd(ref.data(), ref_losses.data(), targets.data(), n, vocab, dloss);
+    if (weighted) {
+      const std::vector<double> ref_weights(weights.begin(), weights.end());
+      cpu::classifier_weighted_bwd(ref.data(), targets.data(), ref_weights.data(), n, vocab);
+    } else {
+      cpu::classifier_fwd_bwd(ref.data(), ref_losses.data(), targets.data(), n, vocab, dloss);
+    }
     std::vector<double> naive(n * vocab);
     for (int64_t i = 0; i < n * vocab; ++i) naive[i] = round_bf16(ref[i]);
     expect_close_to_naive("parallel classifier dlogits", dlogits, naive, ref);

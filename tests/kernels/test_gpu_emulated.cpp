@@ -70,13 +70,15 @@ TEST(GpuTestsEmulated, CopiesLandAtTheirWaitWarpsInTurn) {
 // waits, each piece delayed a random while drawn from the seed. The tests whose streams order each other must give,
 // under every seed, what they give in order (bit for bit where they compare bits): the pipeline's transfers and
 // passes (pp 2 and 3, tied, LoRA with dropout, nf4, tp with sp, over the loopback comm, whose copies only events
-// order), ZeRO-2/3's reduce-scatters and gathers on the comm stream, the frozen base's prefetch, the device comms. A
-// missing cudaStreamWaitEvent in the pipeline step or the ZeRO-3 prefetch fails one of them.
+// order), ZeRO-2/3's reduce-scatters and gathers on the comm stream (the preference objectives' passes too), the
+// frozen base's prefetch, the device comms. A missing cudaStreamWaitEvent in the pipeline step or the ZeRO-3 prefetch
+// fails one of them.
 const char* const kStreamOrderTests =
     "Layouts/EngineGpuPipeline.*:Stages/EngineGpuPipelineLoopback.*:EngineGpuPipelineLinks.*:"
     "EngineGpuPipelineCheckpoint.*:Modes/EngineGpuStages.*zero2*:Modes/EngineGpuStages.*zero3*:"
     "Layouts/EngineGpuThreadRanks.*zero2*:Layouts/EngineGpuThreadRanks.*zero3*:Modes/EngineLoraGpuStages.*:"
-    "Layouts/EngineLoraGpuRanks.*zero3:Layouts/EngineLoraGpuPipeline.*:CommLoopbackGpu.*:CommStagedGpu.*";
+    "Layouts/EngineLoraGpuRanks.*zero3:Layouts/EngineLoraGpuPipeline.*:CommLoopbackGpu.*:CommStagedGpu.*:"
+    "Layouts/EnginePreferenceGpuRanks.*zero2*:Layouts/EnginePreferenceGpuRanks.*zero3*:EnginePreferenceGpuZero.*";
 
 class GpuTestsEmulatedStreams : public testing::TestWithParam<int> {};
 

@@ -304,15 +304,17 @@ TEST(TrainPreference, RefusalsNameTheOptionAndTheWayOut) {
   refused(" --train_data " + (tmp / "plain" / "train-00000.bin").string() + " --objective orpo",
           "build/prepare --preference", "orpo_on_plain");
 
-  // The support table's verdicts for what is not wired yet.
+  // The support table's verdicts: both devices run every layout but pipeline stages.
   const ObjectiveConfig dpo = make_objective_config("dpo", 0.1, "sigmoid", 0.5, 0, "auto", false);
   const ObjectiveConfig sft = make_objective_config("sft", 0.1, "sigmoid", 0.5, 0, "auto", false);
   MemoryLayout one;
-  EXPECT_TRUE(objective_support(dpo, one, Device::Cpu).runs());
-  EXPECT_TRUE(objective_support(sft, one, Device::Cuda).runs());
-  const Support cuda = objective_support(dpo, one, Device::Cuda);
-  EXPECT_EQ(cuda.verdict, Support::Verdict::NotImplemented);
-  EXPECT_NE(cuda.reason.find("--device cpu"), std::string::npos) << cuda.reason;
+  MemoryLayout tp = one;
+  tp.tp = 2, tp.sp = true;
+  for (const Device device : {Device::Cpu, Device::Cuda}) {
+    EXPECT_TRUE(objective_support(dpo, one, device).runs());
+    EXPECT_TRUE(objective_support(sft, one, device).runs());
+    EXPECT_TRUE(objective_support(dpo, tp, device).runs());
+  }
   MemoryLayout pp = one;
   pp.pp = 2;
   EXPECT_TRUE(objective_support(dpo, pp, Device::Cpu).runs());  // tests/dist/test_train_preference_dist.cpp
