@@ -244,7 +244,9 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EnginePreferenceGpuRanks,
                                          PreferenceRanksCase{"dpo_sigmoid_rpo", 2, 1, 0, false, 2},
                                          PreferenceRanksCase{"lora_dpo_sigmoid", 2, 1, 1, false, 2},
                                          PreferenceRanksCase{"dpo_sigmoid", 4, 1, 1, false, 2},
-                                         PreferenceRanksCase{"lora_dpo_sigmoid", 4, 1, 0, false, 2}),
+                                         PreferenceRanksCase{"lora_dpo_sigmoid", 4, 1, 0, false, 2},
+                                         PreferenceRanksCase{"simpo", 2, 1, 1, false, 2},
+                                         PreferenceRanksCase{"orpo", 4, 1, 0, false, 2}),
                          [](const testing::TestParamInfo<PreferenceRanksCase>& i) {
                            return testing_util::name(i.param);
                          });
