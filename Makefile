@@ -98,7 +98,7 @@ EMULATED_HOST_OBJS := $(filter-out $(EMULATED_LIB_SRCS:%.cpp=$(BUILD)/obj/%.o) $
                                  $(BUILD)/obj/ckpt/% $(BUILD)/obj/plan/% $(BUILD)/obj/engine/engine.o \
                                  $(BUILD)/obj/engine/engine_cpu.o $(BUILD)/obj/data/loader.o $(BUILD)/obj/data/shard.o \
                                  $(BUILD)/obj/comm/comm.o $(BUILD)/obj/comm/comm_local.o $(BUILD)/obj/dist/zero.o \
-                                 $(BUILD)/obj/dist/pipeline.o,$(LIB_OBJS)))
+                                 $(BUILD)/obj/dist/pipeline.o $(BUILD)/obj/dist/pipeline_pairs.o,$(LIB_OBJS)))
 # bench/*_gpu.cpp need the CUDA runtime: built only with CUDA.
 # bench/gpu_benches.cpp is the gpu-check build's one binary of the GPU benches, not a bench of its own.
 BENCH_SRCS := $(filter-out bench/gpu_benches.cpp,$(wildcard bench/*.cpp))

@@ -18,19 +18,15 @@
 // Each micro-batch's dropout masks are keyed by its index in the step, as at pp 1 (where the micro-batches run in
 // order), and set again before its backward, which regenerates them after other micro-batches' forwards.
 //
-// Preference objectives with --pp (model/preference_step.h): the last stage holds the head, so it computes the
-// per-token log-probs, the pairs' sums, the loss and its per-token weights, and the stages' metrics are broadcast from
-// it. A step (forward_pairs_step) first sends each micro-batch's reference forward down the stages where the
-// reference is the base with the adapters off (no activation is kept, so it runs before the step's slots fill), then
-// runs the 1F1B step with the last stage's passes made the pairs' (CpuStage::PairPasses): its forward gives the loss
-// and the weights, its backward the weighted one, whose input gradient flows back through the stages as the
-// next-token loss's does. Only the last stage counts the loss that finish_step sums over the stages.
+// Preference objectives with --pp: dist/pipeline_pairs.h, over this engine's stage and driver links, with Llama's
+// passes (the last stage computes the log-probs, the loss and its token weights; the sums are broadcast from it).
 #include <cmath>
 #include <functional>
 
 #include "core/error.h"
 #include "core/memory.h"
 #include "dist/pipeline.h"  // PipelineDriver, PipelineStageModel
+#include "dist/pipeline_pairs.h"  // PipelinePairs: the preference objectives over the stages
 #include "engine/backends.h"
 #include "model/preference_step.h"  // llama_pair_step: the preference objectives' passes
 #include "model/quantized_weights.h"  // QuantizedWeights: a quantized frozen base
@@ -43,47 +39,8 @@ namespace {
 // interface's default hooks).
 class CpuStage final : public ModelStage<Llama> {
  public:
-  // A step of preference pairs on the last stage: the step's micro-batches (the driver's, in order), the objective and
-  // its normalizers, each micro-batch's reference sums where the base gave them (empty otherwise), and what the passes
-  // leave: each micro-batch's sums, and the weights of the one in flight (the last stage holds one at a time).
-  struct PairPasses {
-    const std::vector<PairBatch>* batches = nullptr;
-    const ObjectiveConfig* objective = nullptr;
-    const PreferenceStep* step = nullptr;
-    const std::vector<std::vector<double>>* ref_chosen = nullptr;
-    const std::vector<std::vector<double>>* ref_rejected = nullptr;
-    std::vector<PreferenceSums> sums;
-    std::vector<float> logps, weights;
-  };
-
   CpuStage(Llama& model, std::function<void(int64_t)> key_dropout, std::vector<float>& tied_peer_grad)
       : ModelStage(model, std::move(key_dropout)), tied_peer_grad_(tied_peer_grad) {}
-  // The pairs' passes until set_pairs(nullptr); the stages before the last run theirs unchanged.
-  void set_pairs(PairPasses* pairs) { pairs_ = model_.stage().head ? pairs : nullptr; }
-  void begin_pass(int64_t micro_batch) override {
-    micro_batch_ = micro_batch;
-    ModelStage::begin_pass(micro_batch);
-  }
-  LossSum forward(int64_t slot, const MicroBatch& b, bool backward_follows) override {
-    if (!pairs_) return ModelStage::forward(slot, b, backward_follows);
-    TUNA_CHECK(slot == 0 && backward_follows, "the last stage's pair forward in slot ", slot);
-    PairPasses& p = *pairs_;
-    const PairBatch& pb = (*p.batches)[micro_batch_];
-    const int64_t n = pb.batch * pb.seq;
-    p.logps.resize(n), p.weights.resize(n);
-    model_.forward_logps(pb.inputs, pb.targets, pb.batch, pb.seq, pb.positions, p.logps.data(),
-                         /*backward_follows=*/true);
-    const bool base = !p.ref_chosen->empty();
-    p.sums[micro_batch_] = pair_loss(*p.objective, pb, *p.step, p.logps.data(),
-                                     base ? (*p.ref_chosen)[micro_batch_].data() : nullptr,
-                                     base ? (*p.ref_rejected)[micro_batch_].data() : nullptr, p.weights.data());
-    return {};  // the engine counts the pairs' loss (forward_pairs_step)
-  }
-  void backward(int64_t slot, const MicroBatch& b) override {
-    if (!pairs_) return ModelStage::backward(slot, b);
-    const PairBatch& pb = (*pairs_->batches)[micro_batch_];
-    model_.backward_weighted(pb.inputs, pb.targets, pairs_->weights.data(), pb.batch, pb.seq);
-  }
   float* gradients() override { return model_.grads.data(); }
   float* tied_peer_gradient() override { return tied_peer_grad_.data(); }
   void add_tied_peer_gradient(float* mine, const float* theirs, int64_t n) override {
@@ -93,8 +50,6 @@ class CpuStage final : public ModelStage<Llama> {
 
  private:
   std::vector<float>& tied_peer_grad_;
-  PairPasses* pairs_ = nullptr;
-  int64_t micro_batch_ = 0;  // of the pass under way (begin_pass)
 };
 
 class CpuEngine final : public Engine {
@@ -115,6 +70,8 @@ class CpuEngine final : public Engine {
       }
       pipeline_stage_ = std::make_unique<CpuStage>(
           model_, [this](int64_t micro_batch) { key_dropout(micro_batch); }, tied_peer_grad_);
+      pipeline_pairs_ = std::make_unique<PipelinePairs>(*pp_, *pipeline_stage_, links, *pp_,
+                                                        [this](const PairBatch& b) { return llama_passes(model_, b); });
       pipeline_ = std::make_unique<PipelineDriver>(*pp_, *pipeline_stage_, std::move(links));
     }
     // Stages 0-2 keep the (tp-local) weights in model.params, which Zero reads at construction; stage 3 keeps
@@ -189,60 +146,17 @@ class CpuEngine final : public Engine {
       return llama_pair_step(model_, objective, batch, step, want_grad);
     }
     TUNA_CHECK(!want_grad, "a pipeline trains a step's pairs together (forward_pairs_step)");
-    std::vector<double> ref_c, ref_r;
-    if (objective.needs_reference() && objective.reference == ReferenceSource::Adapters) {
-      ref_c.resize(batch.rows.pairs), ref_r.resize(batch.rows.pairs);
-      stages_pair_logps(batch, /*adapters_off=*/true, ref_c.data(), ref_r.data());
-    }
-    std::vector<float> logps(batch.batch * batch.seq);
-    forward_stages_logps(batch, /*adapters_off=*/false, logps.data());
-    PreferenceSums sums;
-    if (last_stage())
-      sums = pair_loss(objective, batch, step, logps.data(), ref_c.empty() ? nullptr : ref_c.data(),
-                       ref_r.empty() ? nullptr : ref_r.data(), /*weights=*/nullptr);
-    return broadcast_sums(sums);
+    return pipeline_pairs_->forward(batch, objective, step);
   }
   PairStepSums forward_pairs_step(const std::vector<PairBatch>& micro_batches, const ObjectiveConfig& objective,
                                   const PreferenceStep& step) override {
     if (!pipeline_) return Engine::forward_pairs_step(micro_batches, objective, step);
-    const size_t m = micro_batches.size();
-    // The base's log-probs first: a forward that keeps nothing, before the step's slots hold activations.
-    std::vector<std::vector<double>> ref_c, ref_r;
-    if (objective.needs_reference() && objective.reference == ReferenceSource::Adapters) {
-      ref_c.resize(m), ref_r.resize(m);
-      for (size_t i = 0; i < m; i++) {
-        ref_c[i].resize(micro_batches[i].rows.pairs), ref_r[i].resize(micro_batches[i].rows.pairs);
-        stages_pair_logps(micro_batches[i], /*adapters_off=*/true, ref_c[i].data(), ref_r[i].data());
-      }
-    }
-    CpuStage::PairPasses passes;
-    passes.batches = &micro_batches, passes.objective = &objective, passes.step = &step;
-    passes.ref_chosen = &ref_c, passes.ref_rejected = &ref_r;
-    passes.sums.resize(m);
-    std::vector<MicroBatch> driven;
-    for (const PairBatch& b : micro_batches)
-      driven.push_back(MicroBatch{b.inputs, b.targets, b.positions, b.batch, b.seq});
-    pipeline_stage_->set_pairs(&passes);
-    try {
-      pipeline_->step(driven);
-    } catch (...) {
-      pipeline_stage_->set_pairs(nullptr);
-      throw;
-    }
-    pipeline_stage_->set_pairs(nullptr);
-    PairStepSums out;
-    for (const PreferenceSums& s : passes.sums) out.sums.add(s);  // in the micro-batches' order, as at pp 1
-    out.sums = broadcast_sums(out.sums);
-    if (last_stage()) out.counted = LossSum{out.sums.loss, out.sums.pairs};
-    return out;
+    const PipelinePairSums sums = pipeline_pairs_->step(micro_batches, objective, step);
+    return PairStepSums{sums.sums, sums.counted};
   }
   void pair_logps(const PairBatch& batch, double* chosen, double* rejected) override {
     if (!pipeline_) return llama_pair_logps(model_, batch, /*adapters_off=*/false, chosen, rejected);
-    stages_pair_logps(batch, /*adapters_off=*/false, chosen, rejected);
-    // Every stage gets them: the precompute pass's file is written by rank 0, a first stage.
-    const int64_t bytes = batch.rows.pairs * static_cast<int64_t>(sizeof(double));
-    pp_->broadcast(chosen, bytes, pp_->size() - 1, "reference log-probs (chosen)");
-    pp_->broadcast(rejected, bytes, pp_->size() - 1, "reference log-probs (rejected)");
+    pipeline_pairs_->pair_logps(batch, chosen, rejected);
   }
 
   void target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq, const int32_t* positions,
@@ -284,33 +198,6 @@ class CpuEngine final : public Engine {
   }
 
  private:
-  bool last_stage() const { return !pp_ || pp_->rank() == pp_->size() - 1; }
-  // One micro-batch of pairs down the stages without a backward (adapters_off: the base alone, the reference): the
-  // last stage's per-token log-probs into logps; the others leave it as it was.
-  void forward_stages_logps(const PairBatch& b, bool adapters_off, float* logps) {
-    pipeline_->forward_pass(MicroBatch{b.inputs, b.targets, b.positions, b.batch, b.seq}, [&] {
-      model_.forward_logps(b.inputs, b.targets, b.batch, b.seq, b.positions, logps, /*backward_follows=*/false,
-                           adapters_off);
-    });
-  }
-  // The same, summed into each pair's chosen and rejected log-probs on the last stage.
-  void stages_pair_logps(const PairBatch& b, bool adapters_off, double* chosen, double* rejected) {
-    std::vector<float> logps(b.batch * b.seq);
-    forward_stages_logps(b, adapters_off, logps.data());
-    if (last_stage()) sum_pair_logps(b, logps.data(), chosen, rejected);
-  }
-  // The last stage's sums to every stage (the metrics are printed by rank 0, a first stage, and summed over dp by
-  // each stage's dp group).
-  PreferenceSums broadcast_sums(const PreferenceSums& s) {
-    double v[9] = {s.loss, s.rewards_chosen, s.rewards_rejected, s.rewards_accuracies, s.logps_chosen,
-                   s.logps_rejected, s.nll, double(s.pairs), double(s.nll_tokens)};
-    pp_->broadcast(v, sizeof(v), pp_->size() - 1, "preference metrics");
-    PreferenceSums out;
-    out.loss = v[0], out.rewards_chosen = v[1], out.rewards_rejected = v[2], out.rewards_accuracies = v[3];
-    out.logps_chosen = v[4], out.logps_rejected = v[5], out.nll = v[6];
-    out.pairs = std::llround(v[7]), out.nll_tokens = std::llround(v[8]);
-    return out;
-  }
   // Dropout masks by (seed, step, micro-batch of the step, dp rank): a resumed run draws the ones it would have.
   void key_dropout(int64_t micro_batch) {
     if (model_.lora().enabled())
@@ -325,6 +212,7 @@ class CpuEngine final : public Engine {
   std::vector<float> tied_peer_grad_;  // tied embeddings over stages: the other stage's gradient of the table
   std::unique_ptr<CpuStage> pipeline_stage_;  // --pp: this model as the driver's stage,
   std::unique_ptr<PipelineDriver> pipeline_;  // and the driver
+  std::unique_ptr<PipelinePairs> pipeline_pairs_;  // --pp: the preference objectives' passes over the stages
   int64_t micro_batch_ = 0;  // of the current step (LoRA dropout)
   std::unique_ptr<QuantizedWeights> quantized_base_;  // QLoRA: the frozen base (the model reads it as its store)
   std::unique_ptr<ShardedWeights> frozen_base_;        // LoRA at ZeRO-3: the frozen base, sharded over dp

@@ -12,7 +12,8 @@
 // Dropout masks are keyed by (seed, step, micro-batch, dp rank) as on cpu, so the two engines draw the same ones.
 //
 // Preference objectives (forward_pairs, pair_logps): the CPU engine's flow (model/preference_step.h) over LlamaGpu's
-// forward_logps and backward_weighted, at every layout the engine runs but pipeline stages.
+// forward_logps and backward_weighted; over pipeline stages dist/pipeline_pairs.h with the same passes, over this
+// stage (GpuStage, so the transfers keep its ordering) and the driver's links.
 //
 // Pipeline stages (--pp, ZeRO 0 and 1): this rank's LlamaGpu is its stage (model/pipeline.h's split, the stage's
 // ParamLayout; with adapters on a bf16 or nf4 base, the stage's frozen units and its layers' adapters), with activation
@@ -43,6 +44,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "dist/pipeline.h"  // PipelineDriver, PipelineStageModel
+#include "dist/pipeline_pairs.h"  // PipelinePairs: the preference objectives over the stages
 #include "dist/zero_gpu.h"
 #include "kernels/adamw.cuh"  // accumulate
 #include "kernels/attention.cuh"  // resolve_attention_path
@@ -156,6 +158,7 @@ class GpuEngine final : public Engine {
   }
   ~GpuEngine() override {
     zero_.reset();
+    pipeline_pairs_.reset();
     pipeline_.reset();
     pipeline_stage_.reset();
     pp_device_.reset();
@@ -190,16 +193,25 @@ class GpuEngine final : public Engine {
   }
 
   LossSum all_reduce_loss(const LossSum& local) override { return zero_->all_reduce_loss(local); }
-  // The preference passes on the whole model (the support table refuses pipeline stages for them): the CPU
-  // engine's flow (model/preference_step.h), over this model's two passes.
+  // The preference passes: the CPU engine's flow (model/preference_step.h) over this model's two passes, on the whole
+  // model or down the pipeline's stages (dist/pipeline_pairs.h).
   PreferenceSums forward_pairs(const PairBatch& batch, const ObjectiveConfig& objective, const PreferenceStep& step,
                                bool want_grad) override {
-    TUNA_CHECK(!pipeline_, "preference objectives over pipeline stages");
+    if (pipeline_) {
+      TUNA_CHECK(!want_grad, "a pipeline trains a step's pairs together (forward_pairs_step)");
+      return pipeline_pairs_->forward(batch, objective, step);
+    }
     if (want_grad) key_dropout(micro_batch_++);
     return pair_step(passes(batch), objective, batch, step, want_grad);
   }
+  PairStepSums forward_pairs_step(const std::vector<PairBatch>& micro_batches, const ObjectiveConfig& objective,
+                                  const PreferenceStep& step) override {
+    if (!pipeline_) return Engine::forward_pairs_step(micro_batches, objective, step);
+    const PipelinePairSums sums = pipeline_pairs_->step(micro_batches, objective, step);
+    return PairStepSums{sums.sums, sums.counted};
+  }
   void pair_logps(const PairBatch& batch, double* chosen, double* rejected) override {
-    TUNA_CHECK(!pipeline_, "preference objectives over pipeline stages");
+    if (pipeline_) return pipeline_pairs_->pair_logps(batch, chosen, rejected);
     pair_logp_sums(passes(batch), batch, /*adapters_off=*/false, chosen, rejected);
   }
 
@@ -263,6 +275,8 @@ class GpuEngine final : public Engine {
       TUNA_CHECK(model_.tied_peer_grad() != nullptr, "no buffer for the tied embedding's gradient from the other stage");
     pipeline_stage_ =
         std::make_unique<GpuStage>(model_, pp_stream_, [this](int64_t micro_batch) { key_dropout(micro_batch); });
+    pipeline_pairs_ = std::make_unique<PipelinePairs>(*pp_device_, *pipeline_stage_, links, *mesh_.pp,
+                                                      [this](const PairBatch& b) { return passes(b); });
     pipeline_ = std::make_unique<PipelineDriver>(*pp_device_, *pipeline_stage_, std::move(links));
     warm_up_links();
   }
@@ -300,6 +314,7 @@ class GpuEngine final : public Engine {
   cudaStream_t pp_stream_ = nullptr;       // the pipeline's sends and receives
   std::unique_ptr<GpuStage> pipeline_stage_;  // --pp: this model as the driver's stage,
   std::unique_ptr<PipelineDriver> pipeline_;  // and the driver
+  std::unique_ptr<PipelinePairs> pipeline_pairs_;  // --pp: the preference objectives' passes over the stages
   std::unique_ptr<ZeroGpu> zero_;          // ZeRO 0-3 over dp: the step's synchronization and update, the state
   std::string describe_, attention_;
   double peak_flops_ = NAN, gpu_peak_mb_ = 0;

@@ -265,12 +265,12 @@ class LlamaGpu {
   // Preference objectives in two passes, the CPU model's contract (model/llama.h forward_logps, backward_weighted):
   // forward_logps writes logps[i] = log p(targets[i]) (host [batch, seq], 0 where the target is ignored; the fused
   // loss kernel's per-token losses, negated), keeping the activations and the head's input when backward_follows;
-  // adapters_off runs the frozen base alone (the LoRA reference; never with a backward). backward_weighted, right
-  // after forward_logps(backward_follows) on the same batch (targets: the forward's; the device still holds them and
-  // the tokens): the backward of sum_i -weights[i] * logps[i] (weights: host [batch, seq]), the head's logits
-  // computed again a chunk at a time with d logits = w (softmax - onehot) (cuda::classifier_weighted_bwd), then the
-  // layers' backward, into the gradients as forward_backward's (under tp the vocab-parallel steps around their two
-  // all-reduces, cuda::classifier_parallel_weighted_bwd). Whole model.
+  // adapters_off runs the frozen base alone (the LoRA reference; never with a backward). backward_weighted, right after
+  // forward_logps(backward_follows) on the same batch (targets: the forward's; the device still holds them and the
+  // tokens): the backward of sum_i -weights[i] * logps[i] (weights: host [batch, seq]), the head's logits again a chunk
+  // at a time with d logits = w (softmax - onehot), then the layers', into the gradients as forward_backward's (tp: the
+  // vocab-parallel steps, cuda::classifier_parallel_weighted_bwd). A pipeline stage runs both in slot 0 (its input in
+  // stage_input(0)): its layers, on the last stage the head; backward_weighted there only (then stage_input_grad()).
   void forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                      const int32_t* positions, float* logps, bool backward_follows, bool adapters_off = false);
   void backward_weighted(const int32_t* targets, const float* weights, int64_t batch, int64_t seq);

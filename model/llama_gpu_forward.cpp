@@ -407,13 +407,15 @@ void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq,
 
 void LlamaGpu::forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                              const int32_t* positions, float* logps, bool backward_follows, bool adapters_off) {
-  TUNA_CHECK(layout_.whole(), "forward_logps of a pipeline stage");
   TUNA_CHECK(!(adapters_off && backward_follows), "the base alone is the reference: no backward follows it");
   TUNA_CHECK(!backward_follows || run_.training, "a backward on a forward-only model (MemoryLayout::training)");
   TUNA_CHECK(batch > 0 && seq > 0, "forward_logps of batch ", batch, " x seq ", seq);
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   const int64_t n = batch * seq;
+  // A pipeline stage runs in slot 0: the last stage holds one micro-batch at a time (1F1B runs each of its forwards
+  // just before that micro-batch's backward), and the passes without a backward run outside a step's slots.
+  select_slot(0);
   upload_tokens(inputs, targets, batch, seq, positions);
   adapters_off_ = adapters_off && lora_.enabled();
   weighted_head_ = backward_follows;
@@ -424,6 +426,7 @@ void LlamaGpu::forward_logps(const int32_t* inputs, const int32_t* targets, int6
     throw;
   }
   adapters_off_ = weighted_head_ = false;
+  if (!stage_.head) return;  // a stage before the last: its output is resid_out_ (stage_output)
   // The loss kernel without a gradient (dloss 0, or the vocab-parallel steps) leaves each token's -log p in losses_.
   head(targets, n, /*want_grad=*/false, nullptr, nullptr, /*keep_head=*/backward_follows);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(logps, losses_, n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
@@ -433,7 +436,8 @@ void LlamaGpu::forward_logps(const int32_t* inputs, const int32_t* targets, int6
 
 void LlamaGpu::backward_weighted(const int32_t* targets, const float* weights, int64_t batch, int64_t seq) {
   TUNA_CHECK(run_.training, "backward_weighted on a forward-only model (MemoryLayout::training)");
-  TUNA_CHECK(layout_.whole(), "backward_weighted of a pipeline stage");
+  TUNA_CHECK(stage_.head, "backward_weighted of a pipeline stage before the last (backward_stage takes the next "
+             "stage's input gradient)");
   TUNA_CHECK(working_slot_ == slot_,
              "backward_weighted without forward_logps(backward_follows) on its batch just before");
   const int64_t n = batch * seq;

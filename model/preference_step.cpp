@@ -5,9 +5,6 @@
 
 namespace tuna {
 
-namespace {
-
-// The CPU model's passes over `b`.
 PairPasses llama_passes(Llama& model, const PairBatch& b) {
   return PairPasses{
       [&model, &b](float* logps, bool backward_follows, bool adapters_off) {
@@ -15,8 +12,6 @@ PairPasses llama_passes(Llama& model, const PairBatch& b) {
       },
       [&model, &b](const float* weights) { model.backward_weighted(b.inputs, b.targets, weights, b.batch, b.seq); }};
 }
-
-}  // namespace
 
 void sum_pair_logps(const PairBatch& b, const float* logps, double* chosen, double* rejected) {
   ObjectiveConfig plain;

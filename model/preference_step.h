@@ -38,6 +38,9 @@ struct PairPasses {
   std::function<void(const float* weights)> backward_weighted;
 };
 
+// The CPU model's passes over `batch` (both hold references: batch and model outlive them).
+PairPasses llama_passes(Llama& model, const PairBatch& batch);
+
 // The micro-batch's share of the step (llama_pair_step below) through any model's passes.
 PreferenceSums pair_step(const PairPasses& passes, const ObjectiveConfig& config, const PairBatch& batch,
                          const PreferenceStep& step, bool want_grad);

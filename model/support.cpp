@@ -150,14 +150,9 @@ Support support(const LlamaConfig& config, const MemoryLayout& layout, Device de
 
 Support objective_support(const ObjectiveConfig& objective, const MemoryLayout& l, Device device) {
   if (!objective.preference()) return {};
-  const char* name = objective_name(objective.objective);
-  // The CUDA engine's pipeline would need its own pair step (Engine::forward_pairs_step over its stages).
-  if (device == Device::Cuda && l.pp > 1)
-    return not_implemented("--objective ", name, " with --pp ", l.pp, " and --device cuda: not implemented yet (the ",
-                           "CUDA engine's pipeline stages run the next-token loss only); use --device cpu, or --pp 1");
-  // dp (ZeRO 0-3) and tp (sp too) run on both devices, pp on the CPU engine: the step's pairs, NLL tokens and metrics
-  // are summed over dp, the vocab-parallel log-probs give every tp rank the whole sums, and a pipeline's last stage
-  // computes the loss and its token weights and broadcasts the sums to the stages (engine/engine_cpu.cpp).
+  // Every layout runs on both devices: dp (ZeRO 0-3), tp (sp too) and pp. The step's pairs, NLL tokens and metrics are
+  // summed over dp, the vocab-parallel log-probs give every tp rank the whole sums, and a pipeline's last stage
+  // computes the loss and its token weights and broadcasts the sums to the stages (dist/pipeline_pairs.h).
   return {};
 }
 

@@ -5,8 +5,9 @@
 // reference pass, the first step's loss, TRL's metrics and every gradient, 10 AdamW steps and a validation pass follow
 // the CPU engine (which tests/model/test_objective.cpp holds to TRL), also with LoRA dropout (the masks keyed as on
 // cpu), with recompute, and with an nf4 base (QLoRA). ZeRO-3 on one rank equals ZeRO-0 bit for bit (the weighted
-// head's second acquire of a tied lm_head is in the prefetch plan); dp 2 at ZeRO 1-3, tp 2 (with and without sp) and
-// tp 2 x dp 2 follow one rank. Skipped without a device; on the emulator in CI.
+// head's second acquire of a tied lm_head is in the prefetch plan); dp 2 at ZeRO 1-3, tp 2 (with and without sp),
+// tp 2 x dp 2, pp 2 and pp 2 x dp 2 follow one rank (over the stages the reference and validation passes too).
+// Skipped without a device; on the emulator in CI.
 //
 // Tolerances: the bf16 forward's, derived in tests/model/test_llama_gpu.cpp: 1e-2 relative on a sum of token
 // log-probs (a loss), 0.1 per gradient tensor, and over 10 AdamW steps 5e-2 relative on each step's loss and 0.15 on
@@ -34,7 +35,7 @@
 #include "tests/engine/engine_test_util.h"
 #include "tests/kernels/gpu_test_util.h"
 #include "tests/model/preference_test_util.h"
-#include "tests/model/ranks_test_util.h"  // one_device_comms, the dp and tp bounds
+#include "tests/engine/preference_ranks_test_util.h"  // fixture_optimizer, preference_options, the ranks check
 #include "tests/test_util.h"
 
 namespace tuna {
@@ -44,6 +45,7 @@ namespace fs = std::filesystem;
 using testing_util::Fixture;
 using testing_util::PackedPairs;
 using testing_util::PreferenceFixture;
+using testing_util::preference_options;
 
 // What a run of one case gives: the reference pass's log-probs, the first step's sums and first moment, each step's
 // loss and gradient norm, and a validation pass's sums after the steps.
@@ -55,30 +57,6 @@ struct PreferenceRun {
   PreferenceSums validation;
   std::vector<float> weights;  // after the steps, in shard order
 };
-
-OptimizerConfig fixture_optimizer(const nlohmann::json& m) {
-  OptimizerConfig oc;
-  oc.lr = m.at("lr"), oc.min_lr = m.at("min_lr"), oc.warmup_steps = m.at("warmup_steps");
-  oc.schedule = "cosine", oc.beta1 = m.at("beta1"), oc.beta2 = m.at("beta2"), oc.eps = m.at("eps");
-  oc.weight_decay = m.at("weight_decay"), oc.grad_clip = m.at("grad_clip");
-  return oc;
-}
-
-// The engine options of a case: the fixture's optimizer, and with LoRA the fixture's adapters.
-EngineOptions preference_options(Device device, const PreferenceFixture& fx, const nlohmann::json& c, int64_t batch,
-                                 int64_t seq, int zero) {
-  EngineOptions o;
-  o.device = device;
-  o.micro_batch = batch, o.seq_len = seq, o.zero = zero;
-  o.opt = fixture_optimizer(fx.meta);
-  if (c.at("lora")) {
-    const fs::path dir = fs::path("tests/fixtures") / ("lora_" + fx.base);
-    o.lora = read_peft_adapter_config(dir);
-    o.adapters = testing_util::adapters_from(dir / "adapter_model.safetensors");
-    o.seed = 17;
-  }
-  return o;
-}
 
 // A variant of a case: LoRA dropout (the masks keyed by step and micro-batch on both engines), on cuda what the
 // backward recomputes, and a quantized frozen base (QLoRA: both engines quantize the same starting weights).
@@ -241,128 +219,15 @@ TEST(EnginePreferenceGpuZero, ZeroThreeEqualsZeroZeroOnOneRank) {
   }
 }
 
-// The fixture's pairs as two windows of one row each, pairs 0 and 1 packed in one and pair 2 in the other, each with
-// its pairs' precomputed reference log-probs.
-struct Window {
-  PackedPairs b;
-  std::vector<double> ref_chosen, ref_rejected;
-  PairBatch batch(const ObjectiveConfig& config) const {
-    PairBatch out{b.inputs.data(), b.targets.data(), b.positions.data(), b.rows(), b.batch, b.seq};
-    if (config.reference == ReferenceSource::Precompute)
-      out.ref_chosen = ref_chosen.data(), out.ref_rejected = ref_rejected.data();
-    return out;
-  }
-};
-std::vector<Window> two_windows(const PreferenceFixture& fx, const nlohmann::json& c) {
-  const nlohmann::json& pairs = fx.meta.at("pairs");
-  const std::vector<double> rc = c.at("ref_chosen_logps"), rr = c.at("ref_rejected_logps");
-  std::vector<Window> windows(2);
-  for (size_t p = 0; p < pairs.size(); p++) {
-    Window& w = windows[p < 2 ? 0 : 1];
-    w.ref_chosen.push_back(rc[p]), w.ref_rejected.push_back(rr[p]);
-  }
-  using Pairs = std::vector<nlohmann::json>;
-  windows[0].b = testing_util::pack(nlohmann::json(Pairs(pairs.begin(), pairs.begin() + 2)), /*one_row=*/true);
-  windows[1].b = testing_util::pack(nlohmann::json(Pairs(pairs.begin() + 2, pairs.end())), /*one_row=*/true);
-  // Both padded to one length that sequence parallelism splits over 2 tp ranks (a multiple of 4).
-  const int64_t seq = (std::max(windows[0].b.seq, windows[1].b.seq) + 3) / 4 * 4;
-  for (Window& w : windows) {
-    PackedPairs& b = w.b;
-    b.seq = seq;
-    b.inputs.resize(seq, 0), b.targets.resize(seq, cpu::kIgnoreIndex), b.positions.resize(seq, 0);
-    b.sequence.resize(seq, -1), b.completion.resize(seq, 0);
-  }
-  return windows;
-}
-
-// Several ranks (threads sharing the device, over the device comms of tests/model/ranks_test_util.h) follow one rank
-// that takes both windows as the step's two micro-batches (the second's gradient writes adding to the first's): dp 2 at
-// ZeRO 1-3 (each dp rank one window), tp 2 with and without sp (every tp rank both windows, the vocab-parallel
-// log-probs and weighted backward), and tp 2 x dp 2. Each step's loss and gradient norm and the final weights within
-// the bounds argued there (dp: the same per-token arithmetic, the gradients summed in another order; tp: one more bf16
-// rounding of the row-parallel partial sums). Under tp those bounds hold the first step (the arithmetic alone) and the
-// final weights; the later steps' loss and gradient norm are held to the bf16 trajectory tolerance (5e-2, 0.15): each
-// update turns last-bit gradient differences into weight differences of the order of lr (Adam's update is near
-// sign(m)), and a preference loss is a function of margins between sums over whole completions, which magnify them
-// (measured on the emulator at tp 2 with sp, IPO and LoRA DPO: 3e-4 relative at step 0, 5.5e-3 at step 2), while the
-// weights stay within the tp bound. The step's normalizers are the whole step's on every rank (engine/preference.h
-// sums them over dp), and finish_step sums the loss over the dp ranks.
-struct PreferenceRanksCase {
-  const char* name;  // the fixture's case
-  int ranks, tp, zero;
-  bool sp;
-};
-
+// Several ranks as threads sharing the device (tests/engine/preference_ranks_test_util.h says what is held and why).
+using testing_util::PreferenceRanksCase;
 class EnginePreferenceGpuRanks : public testing::TestWithParam<PreferenceRanksCase> {};
 
 TEST_P(EnginePreferenceGpuRanks, FollowOneRank) {
   TUNA_REQUIRE_GPU();
-  const PreferenceRanksCase& rc = GetParam();
-  const PreferenceFixture fx("llama32_tiny");  // tied embeddings, 2 kv heads (tp 2)
-  const Fixture f(fx.base);
-  const int64_t steps = testing_util::kRanksSteps;
-  const nlohmann::json& c = fx.cases().at(rc.name);
-  const ObjectiveConfig config = testing_util::config_of(c);
-  const std::vector<Window> windows = two_windows(fx, c);
-  const int64_t seq = windows[0].b.seq;
-  PreferenceStep step{0, 0};
-  for (const Window& w : windows)
-    step.pairs += w.b.pairs, step.nll_tokens += count_nll_tokens(config, w.b.rows(), w.b.targets.data());
-  const OptimizerConfig oc = fixture_optimizer(fx.meta);
-  // A step over some of the windows, each a micro-batch: the loss sum and the pairs, for finish_step.
-  const auto step_over = [&](Engine& e, size_t first, size_t end, int64_t s) {
-    e.begin_step();
-    LossSum l;
-    for (size_t w = first; w < end; w++) {
-      const PreferenceSums sums = e.forward_pairs(windows[w].batch(config), config, step, /*want_grad=*/true);
-      l.sum += sums.loss, l.count += sums.pairs;
-    }
-    return e.finish_step(l, learning_rate(oc, s, steps));
-  };
-  std::vector<StepResult> want;
-  std::vector<float> weights;
-  {
-    testing_util::SingleRank one;
-    std::unique_ptr<Engine> e = make_engine(f.config, preference_options(Device::Cuda, fx, c, 1, seq, 0), one.mesh,
-                                            testing_util::fixture_weights(f));
-    for (int64_t s = 0; s < steps; s++) want.push_back(step_over(*e, 0, windows.size(), s));
-    std::vector<float> m, v;
-    e->export_shard(weights, m, v);
-  }
-  const ParamLayout whole = c.at("lora") ? lora_layout(f.config, read_peft_adapter_config(fs::path("tests/fixtures") /
-                                                                                           ("lora_" + fx.base)))
-                                               .params
-                                         : ParamLayout(f.config);
-  using testing_util::tp_bound;
-  const double loss_tol = rc.tp > 1 ? std::max(tp_bound(testing_util::kTpLossTol, rc.tp), testing_util::kRanksLossTol)
-                                    : testing_util::kRanksLossTol;
-  const double norm_tol = rc.tp > 1 ? std::max(tp_bound(testing_util::kTpNormTol, rc.tp), testing_util::kRanksNormTol)
-                                    : testing_util::kRanksNormTol;
-  const double weight_tol = rc.tp > 1
-                                ? std::max(tp_bound(testing_util::kTpWeightTol, rc.tp), testing_util::kRanksWeightTol)
-                                : testing_util::kRanksWeightTol;
-  testing_util::run_thread_ranks(rc.ranks, [&](Comm& world) {
-    Mesh mesh = make_mesh(world, rc.tp);
-    EngineOptions o = preference_options(Device::Cuda, fx, c, 1, seq, rc.zero);
-    o.sp = rc.sp;
-    std::unique_ptr<Engine> e =
-        make_engine(f.config, o, mesh, testing_util::fixture_weights(f), testing_util::one_device_comms(mesh));
-    // dp 2: each dp rank its window; dp 1: both.
-    const size_t first = mesh.dp_size == 1 ? 0 : mesh.dp_rank, end = mesh.dp_size == 1 ? windows.size() : first + 1;
-    for (int64_t s = 0; s < steps; s++) {
-      const StepResult r = step_over(*e, first, end, s);
-      if (world.rank() == 0)
-        std::printf("  step %lld  loss 1 rank %.7f %d ranks %.7f   grad norm %.6f %.6f\n", static_cast<long long>(s),
-                    want[s].loss, rc.ranks, r.loss, want[s].stats.grad_norm, r.stats.grad_norm);
-      // tp after an update: the bf16 trajectory tolerance of test_engine_gpu.cpp (see above).
-      const bool drifted = rc.tp > 1 && s > 0;
-      EXPECT_NEAR(r.loss, want[s].loss, (drifted ? 5e-2 : loss_tol) * std::abs(want[s].loss)) << "step " << s;
-      EXPECT_NEAR(r.stats.grad_norm, want[s].stats.grad_norm, (drifted ? 0.15 : norm_tol) * want[s].stats.grad_norm)
-          << "step " << s;
-    }
-    EXPECT_LE(testing_util::shard_error_against_whole(*e, whole, weights.data()), weight_tol)
-        << "rank " << world.rank() << "'s final master weights";
-  });
+  const testing_util::PairsOneRankRun one(GetParam().name);
+  testing_util::run_thread_ranks(GetParam().ranks,
+                                 [&](Comm& world) { testing_util::follow_one_rank_on_pairs(world, GetParam(), one); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EnginePreferenceGpuRanks,
@@ -375,11 +240,15 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EnginePreferenceGpuRanks,
                                          PreferenceRanksCase{"dpo_ipo", 2, 2, 0, true},
                                          PreferenceRanksCase{"lora_dpo_sigmoid", 2, 2, 0, true},
                                          PreferenceRanksCase{"orpo", 4, 2, 1, true},
-                                         PreferenceRanksCase{"dpo_sigmoid", 4, 2, 3, false}),
+                                         PreferenceRanksCase{"dpo_sigmoid", 4, 2, 3, false},
+                                         PreferenceRanksCase{"dpo_sigmoid_rpo", 2, 1, 0, false, 2},
+                                         PreferenceRanksCase{"lora_dpo_sigmoid", 2, 1, 1, false, 2},
+                                         PreferenceRanksCase{"dpo_sigmoid", 4, 1, 1, false, 2},
+                                         PreferenceRanksCase{"lora_dpo_sigmoid", 4, 1, 0, false, 2},
+                                         PreferenceRanksCase{"simpo", 2, 1, 1, false, 2},
+                                         PreferenceRanksCase{"orpo", 4, 1, 0, false, 2}),
                          [](const testing::TestParamInfo<PreferenceRanksCase>& i) {
-                           const PreferenceRanksCase& c = i.param;
-                           return std::string(c.name) + "_dp" + std::to_string(c.ranks / c.tp) + "_tp" +
-                                  std::to_string(c.tp) + "_zero" + std::to_string(c.zero) + (c.sp ? "_sp" : "");
+                           return testing_util::name(i.param);
                          });
 
 }  // namespace

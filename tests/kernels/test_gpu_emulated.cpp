@@ -69,16 +69,17 @@ TEST(GpuTestsEmulated, CopiesLandAtTheirWaitWarpsInTurn) {
 // a host thread of its own, ordered against the others only by events, the legacy default stream and the host's
 // waits, each piece delayed a random while drawn from the seed. The tests whose streams order each other must give,
 // under every seed, what they give in order (bit for bit where they compare bits): the pipeline's transfers and
-// passes (pp 2 and 3, tied, LoRA with dropout, nf4, tp with sp, over the loopback comm, whose copies only events
-// order), ZeRO-2/3's reduce-scatters and gathers on the comm stream (the preference objectives' passes too), the
-// frozen base's prefetch, the device comms. A missing cudaStreamWaitEvent in the pipeline step or the ZeRO-3 prefetch
-// fails one of them.
+// passes (pp 2 and 3, tied, LoRA with dropout, nf4, tp with sp, preference pairs, over the loopback comm, whose
+// copies only events order), ZeRO-2/3's reduce-scatters and gathers on the comm stream (the preference objectives'
+// passes too), the frozen base's prefetch, the device comms. A missing cudaStreamWaitEvent in the pipeline step or
+// the ZeRO-3 prefetch fails one of them.
 const char* const kStreamOrderTests =
     "Layouts/EngineGpuPipeline.*:Stages/EngineGpuPipelineLoopback.*:EngineGpuPipelineLinks.*:"
     "EngineGpuPipelineCheckpoint.*:Modes/EngineGpuStages.*zero2*:Modes/EngineGpuStages.*zero3*:"
     "Layouts/EngineGpuThreadRanks.*zero2*:Layouts/EngineGpuThreadRanks.*zero3*:Modes/EngineLoraGpuStages.*:"
     "Layouts/EngineLoraGpuRanks.*zero3:Layouts/EngineLoraGpuPipeline.*:CommLoopbackGpu.*:CommStagedGpu.*:"
-    "Layouts/EnginePreferenceGpuRanks.*zero2*:Layouts/EnginePreferenceGpuRanks.*zero3*:EnginePreferenceGpuZero.*";
+    "Layouts/EnginePreferenceGpuRanks.*zero2*:Layouts/EnginePreferenceGpuRanks.*zero3*:EnginePreferenceGpuZero.*:"
+    "Layouts/EnginePreferenceGpuRanks.*pp2*";
 
 class GpuTestsEmulatedStreams : public testing::TestWithParam<int> {};
 

@@ -1,7 +1,8 @@
 // engine/engine_gpu.cpp data parallel, under `mpirun -np 2` on the host emulator (build/emulated_gpu_mpi_tests,
 // which tests/kernels/test_gpu_emulated.cpp launches): the CUDA engine at dp = 2 follows the one-rank engine
 // on the whole batch, and its checkpoint (export_state -> the sharded checkpoint writer -> load_checkpoint_state
-// -> import_state) restores at 2 ranks and at 1; with two micro-batches a step too.
+// -> import_state) restores at 2 ranks and at 1; with two micro-batches a step too. And the preference objectives
+// over two pipeline stages follow one rank.
 //
 // The device comm. A real build all-reduces gradients and gathers restored units with NCCL on the engine's
 // stream (train.cu's DeviceCommFactory, comm/comm_nccl.cpp), whose own code runs only on GPUs. Here the staged
@@ -45,6 +46,7 @@
 #include "ckpt/checkpoint.h"
 #include "engine/engine.h"
 #include "tests/engine/engine_test_util.h"
+#include "tests/engine/preference_ranks_test_util.h"  // the preference objectives on several ranks
 #include "tests/model/ranks_test_util.h"
 #include "tests/mpi/mpi_test_util.h"
 #include "tests/test_util.h"
@@ -378,6 +380,24 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineGpuMpiRanks,
                                          testing_util::RanksCase{2, 2, 0, true, Recompute::Selective, true},
                                          testing_util::RanksCase{2, 1, 1, true, Recompute::Selective, false, 2}),
                          [](const testing::TestParamInfo<testing_util::RanksCase>& i) {
+                           return testing_util::name(i.param);
+                         });
+
+// The preference objectives over two pipeline stages as two processes (tests/engine/preference_ranks_test_util.h):
+// DPO with its precomputed reference and LoRA DPO (the reference the base with the adapters off, down the stages),
+// the stages' activations and gradients through the staged device comm.
+class EnginePreferenceGpuMpiRanks : public testing::TestWithParam<testing_util::PreferenceRanksCase> {};
+
+TEST_P(EnginePreferenceGpuMpiRanks, FollowOneRank) {
+  if (test::world().size() != GetParam().ranks) GTEST_SKIP() << "runs at " << GetParam().ranks << " ranks";
+  const testing_util::PairsOneRankRun one(GetParam().name);
+  testing_util::follow_one_rank_on_pairs(test::world(), GetParam(), one);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, EnginePreferenceGpuMpiRanks,
+                         testing::Values(testing_util::PreferenceRanksCase{"dpo_sigmoid", 2, 1, 0, false, 2},
+                                         testing_util::PreferenceRanksCase{"lora_dpo_sigmoid", 2, 1, 1, false, 2}),
+                         [](const testing::TestParamInfo<testing_util::PreferenceRanksCase>& i) {
                            return testing_util::name(i.param);
                          });
 

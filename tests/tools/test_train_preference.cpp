@@ -304,7 +304,7 @@ TEST(TrainPreference, RefusalsNameTheOptionAndTheWayOut) {
   refused(" --train_data " + (tmp / "plain" / "train-00000.bin").string() + " --objective orpo",
           "build/prepare --preference", "orpo_on_plain");
 
-  // The support table's verdicts: both devices run every layout but pipeline stages.
+  // The support table's verdicts: both devices run every layout.
   const ObjectiveConfig dpo = make_objective_config("dpo", 0.1, "sigmoid", 0.5, 0, "auto", false);
   const ObjectiveConfig sft = make_objective_config("sft", 0.1, "sigmoid", 0.5, 0, "auto", false);
   MemoryLayout one;
@@ -318,9 +318,7 @@ TEST(TrainPreference, RefusalsNameTheOptionAndTheWayOut) {
   MemoryLayout pp = one;
   pp.pp = 2;
   EXPECT_TRUE(objective_support(dpo, pp, Device::Cpu).runs());  // tests/dist/test_train_preference_dist.cpp
-  const Support cuda_pp = objective_support(dpo, pp, Device::Cuda);
-  EXPECT_EQ(cuda_pp.verdict, Support::Verdict::NotImplemented);
-  EXPECT_NE(cuda_pp.reason.find("--pp 2 and --device cuda"), std::string::npos) << cuda_pp.reason;
+  EXPECT_TRUE(objective_support(dpo, pp, Device::Cuda).runs());  // tests/engine/preference_ranks_test_util.h
 }
 
 }  // namespace
