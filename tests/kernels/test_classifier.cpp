@@ -135,7 +135,34 @@ TEST(ClassifierTest, BadTargetIsAnErrorNamingRowAndValue) {
   }
 }
 
+// The logits' vocabulary split over three ranks at `splits`, after the vocab-parallel steps 1 (each rank's partial
+// stats, the rows' global max) and 2 (the sums rescaled to it and summed over the ranks), as the tp all-reduces do.
+struct VocabSplit {
+  std::vector<std::vector<double>> parts;           // each rank's columns [n, count]
+  std::vector<double> global_max, sum_and_target;  // [n], [2 n]
+};
+VocabSplit split_vocab(const std::vector<double>& logits, const std::vector<int32_t>& targets, int64_t n, int64_t vocab,
+                       const int64_t (&splits)[4]) {
+  VocabSplit v;
+  v.parts.resize(3);
+  std::vector<std::vector<double>> stats(3, std::vector<double>(3 * n));
+  v.global_max.assign(n, -INFINITY), v.sum_and_target.assign(2 * n, 0.0);
+  for (int r = 0; r < 3; r++) {
+    const int64_t begin = splits[r], count = splits[r + 1] - begin;
+    for (int64_t i = 0; i < n; i++)
+      v.parts[r].insert(v.parts[r].end(), logits.begin() + i * vocab + begin, logits.begin() + i * vocab + begin + count);
+    classifier_partial_stats(v.parts[r].data(), stats[r].data(), targets.data(), n, count, begin, vocab);
+    for (int64_t i = 0; i < n; i++) v.global_max[i] = std::max(v.global_max[i], stats[r][i]);
+  }
+  for (int r = 0; r < 3; r++) {
+    classifier_rescale_sums(stats[r].data(), v.global_max.data(), n);
+    for (int64_t i = 0; i < 2 * n; i++) v.sum_and_target[i] += stats[r][n + i];
+  }
+  return v;
+}
+
 }  // namespace
+
 // The three vocab-parallel steps over a split of the columns, with the reductions done here, give the whole
 // row's loss and gradient (up to the float rounding of the statistics).
 TEST(ClassifierTest, VocabParallelStepsEqualTheWholeRow) {
@@ -148,29 +175,17 @@ TEST(ClassifierTest, VocabParallelStepsEqualTheWholeRow) {
   std::vector<double> whole = logits, whole_losses(n);
   const double whole_total = classifier_fwd_bwd(whole.data(), whole_losses.data(), targets.data(), n, vocab, 0.5);
   const int64_t splits[] = {0, 8, 15, 23};
-  std::vector<std::vector<double>> parts(3), stats(3, std::vector<double>(3 * n));
-  std::vector<double> global_max(n, -INFINITY), sum_and_target(2 * n, 0.0);
-  for (int r = 0; r < 3; r++) {
-    const int64_t begin = splits[r], count = splits[r + 1] - begin;
-    for (int64_t i = 0; i < n; i++)
-      parts[r].insert(parts[r].end(), logits.begin() + i * vocab + begin, logits.begin() + i * vocab + begin + count);
-    classifier_partial_stats(parts[r].data(), stats[r].data(), targets.data(), n, count, begin, vocab);
-    for (int64_t i = 0; i < n; i++) global_max[i] = std::max(global_max[i], stats[r][i]);
-  }
-  for (int r = 0; r < 3; r++) {
-    classifier_rescale_sums(stats[r].data(), global_max.data(), n);
-    for (int64_t i = 0; i < 2 * n; i++) sum_and_target[i] += stats[r][n + i];
-  }
+  VocabSplit v = split_vocab(logits, targets, n, vocab, splits);
   for (int r = 0; r < 3; r++) {
     const int64_t begin = splits[r], count = splits[r + 1] - begin;
     std::vector<double> losses(n);
-    const double total = classifier_parallel_fwd_bwd(parts[r].data(), losses.data(), targets.data(), global_max.data(),
-                                                     sum_and_target.data(), n, count, begin, 0.5);
+    const double total = classifier_parallel_fwd_bwd(v.parts[r].data(), losses.data(), targets.data(),
+                                                     v.global_max.data(), v.sum_and_target.data(), n, count, begin, 0.5);
     EXPECT_NEAR(total, whole_total, 1e-12 * std::abs(whole_total));
     for (int64_t i = 0; i < n; i++) {
       EXPECT_NEAR(losses[i], whole_losses[i], 1e-12) << i;
       for (int64_t j = 0; j < count; j++)
-        EXPECT_NEAR(parts[r][i * count + j], whole[i * vocab + begin + j], 1e-12) << i << ", " << begin + j;
+        EXPECT_NEAR(v.parts[r][i * count + j], whole[i * vocab + begin + j], 1e-12) << i << ", " << begin + j;
     }
   }
 }
@@ -188,26 +203,14 @@ TEST(ClassifierTest, VocabParallelWeightedBackwardEqualsTheWholeRow) {
   std::vector<double> whole = logits;
   classifier_weighted_bwd(whole.data(), targets.data(), weights.data(), n, vocab);
   const int64_t splits[] = {0, 8, 15, 23};
-  std::vector<std::vector<double>> parts(3), stats(3, std::vector<double>(3 * n));
-  std::vector<double> global_max(n, -INFINITY), sum_and_target(2 * n, 0.0);
+  VocabSplit v = split_vocab(logits, targets, n, vocab, splits);
   for (int r = 0; r < 3; r++) {
     const int64_t begin = splits[r], count = splits[r + 1] - begin;
-    for (int64_t i = 0; i < n; i++)
-      parts[r].insert(parts[r].end(), logits.begin() + i * vocab + begin, logits.begin() + i * vocab + begin + count);
-    classifier_partial_stats(parts[r].data(), stats[r].data(), targets.data(), n, count, begin, vocab);
-    for (int64_t i = 0; i < n; i++) global_max[i] = std::max(global_max[i], stats[r][i]);
-  }
-  for (int r = 0; r < 3; r++) {
-    classifier_rescale_sums(stats[r].data(), global_max.data(), n);
-    for (int64_t i = 0; i < 2 * n; i++) sum_and_target[i] += stats[r][n + i];
-  }
-  for (int r = 0; r < 3; r++) {
-    const int64_t begin = splits[r], count = splits[r + 1] - begin;
-    classifier_parallel_weighted_bwd(parts[r].data(), targets.data(), global_max.data(), sum_and_target.data(),
+    classifier_parallel_weighted_bwd(v.parts[r].data(), targets.data(), v.global_max.data(), v.sum_and_target.data(),
                                      weights.data(), n, count, begin);
     for (int64_t i = 0; i < n; i++)
       for (int64_t j = 0; j < count; j++)
-        EXPECT_NEAR(parts[r][i * count + j], whole[i * vocab + begin + j], 1e-12) << i << ", " << begin + j;
+        EXPECT_NEAR(v.parts[r][i * count + j], whole[i * vocab + begin + j], 1e-12) << i << ", " << begin + j;
   }
 }
 

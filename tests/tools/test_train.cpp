@@ -23,6 +23,7 @@
 #include "engine/engine.h"  // resolve_device
 #include "model/quantized_weights.h"  // dequantize_quantized
 #include "tests/test_util.h"
+#include "tests/tools/tools_test_util.h"
 
 namespace tuna {
 namespace {
@@ -411,19 +412,7 @@ TEST(Train, QloraEqualsLoraOnTheDequantizedBaseAndKeepsItsQuantization) {
                             " --seq_len 16 --micro_batch 2 --grad_accum 2 --steps 10 --lr 1e-2 --warmup_steps 2"
                             " --ckpt_every 5 --val_every 5 --threads 2 --seed 11 --device cpu"
                             " --lora_rank 4 --lora_alpha 8 --lora_dropout 0.1 --lora_targets q_proj,v_proj,down_proj";
-  const auto tensors = [](const fs::path& dir) {  // every tensor of every safetensors file, by name
-    std::map<std::string, std::vector<float>> out;
-    for (const auto& f : fs::directory_iterator(dir)) {
-      if (f.path().extension() != ".safetensors") continue;
-      const SafetensorsFile file(f.path());
-      for (const TensorInfo& t : file.tensors()) {
-        std::vector<float>& v = out[f.path().filename().string() + ":" + t.name];
-        v.resize(t.numel);
-        file.read_f32(t.name, t.shape, v.data());
-      }
-    }
-    return out;
-  };
+  const auto tensors = [](const fs::path& dir) { return testing_util::safetensors_tensors(dir); };
   const auto eval_loss = [&](const fs::path& ckpt, const std::string& tag) {
     auto r = run_command(testing_util::build_dir() + "/eval --checkpoint " + ckpt.string() + " --data " + data +
                              " --seq_len 16 --threads 2 --device cpu --quiet",

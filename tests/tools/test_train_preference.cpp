@@ -20,6 +20,7 @@
 #include "model/quantized_weights.h"  // dequantize_quantized
 #include "model/support.h"
 #include "tests/test_util.h"
+#include "tests/tools/tools_test_util.h"
 
 namespace tuna {
 namespace {
@@ -264,19 +265,7 @@ TEST(TrainPreference, QloraDpoTakesTheQuantizedBaseAsItsReference) {
   EXPECT_NE(got.at(6).at("rewards/margins").get<double>(), 0.0);  // the adapters trained
 
   // The final adapters, file for file.
-  const auto tensors = [](const fs::path& dir) {
-    std::map<std::string, std::vector<float>> out;
-    for (const auto& f : fs::directory_iterator(dir)) {
-      if (f.path().extension() != ".safetensors") continue;
-      const SafetensorsFile file(f.path());
-      for (const TensorInfo& t : file.tensors()) {
-        std::vector<float>& v = out[f.path().filename().string() + ":" + t.name];
-        v.resize(t.numel);
-        file.read_f32(t.name, t.shape, v.data());
-      }
-    }
-    return out;
-  };
+  const auto tensors = [](const fs::path& dir) { return testing_util::safetensors_tensors(dir); };
   const auto adapters = tensors(quantized / "ckpt" / "step_00000006");
   ASSERT_FALSE(adapters.empty());
   EXPECT_TRUE(adapters == tensors(plain / "ckpt" / "step_00000006"));
