@@ -107,7 +107,7 @@ std::variant<McRecord, GenRecord> parse_record(const std::string& line) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(line);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number like 1e400
     throw BadRecord{"not JSON", str("not a JSON object (", e.what(), ")")};
   }
   if (!j.is_object()) throw BadRecord{"not JSON", str("a JSON object was expected, found ", j.type_name())};

@@ -67,6 +67,7 @@ TEST(McTasks, BadRecordsNamedOrCounted) {
       {"{\"task\": \"t\", \"context\": \"c\", \"choices\": [\" a\"], \"gold\": \"0\"}", "gold not an integer", "\"0\""},
       {"{\"context\": \"c\", \"choices\": [\" a\"], \"gold\": 0}", "no \"task\"", "field \"task\" is missing"},
       {"{\"task\": \"t\", \"context\": \"c\", \"choices\": [\" a\"]", "not JSON", "not a JSON object"},
+      {"{\"task\": \"t\", \"context\": \"c\", \"choices\": [\" a\"], \"gold\": 1e400}", "not JSON", "number overflow"},
       {"{\"task\": \"t\", \"context\": \"\xff\xfe\", \"choices\": [\" a\"], \"gold\": 0}", "not UTF-8", "not valid UTF-8"},
       // Generative records (engine/gen_eval.h).
       {"{\"task\": \"g\", \"context\": \"c\", \"until\": [\"\\n\"]}", "no \"target\"", "field \"target\" is missing"},

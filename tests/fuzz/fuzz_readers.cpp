@@ -37,6 +37,7 @@
 #include "data/byte_bpe.h"
 #include "data/chat_template.h"
 #include "data/loader.h"
+#include "data/mc_tasks.h"  // build/eval --tasks records
 #include "data/prepare.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
@@ -47,6 +48,7 @@
 #include "model/config.h"
 #include "model/layout.h"
 #include "ckpt/safetensors.h"
+#include "engine/gen_eval.h"  // encode_gen_requests
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -1021,6 +1023,31 @@ std::vector<Reader> make_readers(const fs::path& work) {
                          write_bytes(case_dir / "sentencepiece" / "tokenizer.model", bytes);
                          use_tokenizer(Tokenizer((case_dir / "sentencepiece" / "tokenizer.model").string()));
                        }, true, 1, mutate_sentencepiece});
+  }
+
+  {  // build/eval --tasks records: multiple-choice and generative lines of the lm-eval fixture, read strictly (a bad
+     // record an error naming its line) and with --skip_bad_records, then tokenized as build/eval does
+    const std::string fixture = "tests/fixtures/mc_eval";
+    std::string seed;
+    for (const char* file : {"tasks/four.jsonl", "tasks/fill.jsonl", "gen/tasks/stop.jsonl"}) {
+      std::ifstream in(fixture + "/" + file, std::ios::binary);
+      std::string line;
+      for (int i = 0; i < 3 && std::getline(in, line); i++) seed += line + "\n";
+    }
+    auto tokenizer = std::make_shared<Tokenizer>(fixture);
+    readers.push_back({"task_records", true, {seed}, [case_dir, tokenizer](const std::string& bytes) {
+                         fs::create_directories(case_dir / "tasks");
+                         const std::string path = (case_dir / "tasks" / "records.jsonl").string();
+                         write_bytes(path, bytes);
+                         try {
+                           (void)read_mc_tasks({path}, /*skip_bad=*/false);
+                         } catch (const Error&) {
+                         }
+                         const McTasks tasks = read_mc_tasks({path}, /*skip_bad=*/true);
+                         int64_t truncated = 0;
+                         (void)encode_mc_requests(tasks, *tokenizer, /*special_tokens=*/true, 64, &truncated);
+                         (void)encode_gen_requests(tasks, gen_tokenizer(*tokenizer, {}, true), 1 << 20);
+                       }});
   }
 
   {  // prepare's corpus inputs: a .jsonl (text mutations: records, lines, fields), and the same records as
