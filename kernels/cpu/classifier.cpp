@@ -54,19 +54,21 @@ TUNA_CPU_CLONES double classifier_row(T* row, int64_t vocab, int32_t target, dou
   return max_logit + std::log(sum_exp) - target_logit;
 }
 
+// Targets come from data files: a bad one is a user error, reported before anything is written.
+void check_targets(const int32_t* targets, int64_t n, int64_t vocab) {
+  for (int64_t i = 0; i < n; ++i)
+    if (targets[i] != kIgnoreIndex && (targets[i] < 0 || targets[i] >= vocab))
+      fail("classifier: target of row ", i, " is ", targets[i], ", outside the vocabulary [0, ", vocab,
+           ") and not the ignore index ", kIgnoreIndex);
+}
+
 }  // namespace
 
 template <typename T>
 double classifier_fwd_bwd(T* logits, std::type_identity_t<T>* losses, const int32_t* targets, int64_t n, int64_t vocab,
                           double dloss) {
   TUNA_CHECK(n >= 0 && vocab > 0, "n ", n, ", vocab ", vocab);
-  // Targets come from data files: a bad one is a user error, reported before anything is written.
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t target = targets[i];
-    if (target != kIgnoreIndex && (target < 0 || target >= vocab))
-      fail("classifier: target of row ", i, " is ", target, ", outside the vocabulary [0, ", vocab,
-           ") and not the ignore index ", kIgnoreIndex);
-  }
+  check_targets(targets, n, vocab);
 
   const bool backward = dloss != 0.0;
   std::vector<double> row_loss(n);
@@ -94,10 +96,7 @@ template <typename T>
 void classifier_weighted_bwd(T* logits, const int32_t* targets, const std::type_identity_t<T>* weights, int64_t n,
                              int64_t vocab) {
   TUNA_CHECK(n >= 0 && vocab > 0, "n ", n, ", vocab ", vocab);
-  for (int64_t i = 0; i < n; ++i)
-    if (targets[i] != kIgnoreIndex && (targets[i] < 0 || targets[i] >= vocab))
-      fail("classifier: target of row ", i, " is ", targets[i], ", outside the vocabulary [0, ", vocab,
-           ") and not the ignore index ", kIgnoreIndex);
+  check_targets(targets, n, vocab);
 #pragma omp parallel for schedule(static) if (n * vocab >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) {
     T* row = logits + i * vocab;
@@ -112,10 +111,7 @@ void classifier_weighted_bwd(T* logits, const int32_t* targets, const std::type_
 void classifier_target_logps(const float* logits, const int32_t* targets, int64_t n, int64_t vocab, float* logps,
                              uint8_t* greedy) {
   TUNA_CHECK(n >= 0 && vocab > 0, "n ", n, ", vocab ", vocab);
-  for (int64_t i = 0; i < n; ++i)
-    if (targets[i] != kIgnoreIndex && (targets[i] < 0 || targets[i] >= vocab))
-      fail("classifier: target of row ", i, " is ", targets[i], ", outside the vocabulary [0, ", vocab,
-           ") and not the ignore index ", kIgnoreIndex);
+  check_targets(targets, n, vocab);
 #pragma omp parallel for schedule(static) if (n * vocab >= kMinParallelWork)
   for (int64_t i = 0; i < n; ++i) {
     if (targets[i] == kIgnoreIndex) {
@@ -134,10 +130,7 @@ void classifier_partial_stats(const T* logits, std::type_identity_t<T>* stats, c
                               int64_t count, int64_t vocab_begin, int64_t vocab) {
   TUNA_CHECK(n >= 0 && count > 0 && vocab_begin >= 0 && vocab_begin + count <= vocab, "n ", n, ", slice [",
              vocab_begin, ", +", count, ") of ", vocab);
-  for (int64_t i = 0; i < n; ++i)
-    if (targets[i] != kIgnoreIndex && (targets[i] < 0 || targets[i] >= vocab))
-      fail("classifier: target of row ", i, " is ", targets[i], ", outside the vocabulary [0, ", vocab,
-           ") and not the ignore index ", kIgnoreIndex);
+  check_targets(targets, n, vocab);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const T* row = logits + i * count;

@@ -132,3 +132,19 @@ def copyright_lines(files):
                 if line:
                     out.append((package, line))
     return out
+
+
+# Where one sentence ends and the next begins (after . ; : ! or ?).
+SENTENCE_END = re.compile(r"(?<=[.;:!?])\s+(?=\S)")
+
+
+def clean_licence(text):
+    """A licence text with what names it outright removed: Debian's pointer sentences to
+    /usr/share/common-licenses/<NAME> ("On Debian systems, the complete text ... can be found in ...")."""
+    paras = []
+    for para in text.split("\n\n"):
+        kept = [s for s in SENTENCE_END.split(para)
+                if "common-licenses" not in s and "On Debian" not in s and "Debian systems" not in s]
+        if kept:
+            paras.append(" ".join(kept))
+    return "\n\n".join(paras)

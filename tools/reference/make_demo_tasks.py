@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import sys
 import tarfile
 
@@ -42,27 +41,12 @@ PER_FAMILY = 30
 FAMILIES = 8
 BIGBENCH_TASK = "bigbench/benchmark_tasks/sports_understanding/task.json"
 
-SENTENCE_END = re.compile(r"(?<=[.;:!?])\s+(?=\S)")
-
-
-def clean(text):
-    """The text without sentences that name the licence file (Debian's "On Debian systems, the complete text ...
-    can be found in /usr/share/common-licenses/GPL-2")."""
-    paras = []
-    for para in text.split("\n\n"):
-        kept = [s for s in SENTENCE_END.split(para)
-                if "common-licenses" not in s and "On Debian" not in s and "Debian systems" not in s]
-        if kept:
-            paras.append(" ".join(kept))
-    return "\n\n".join(paras)
-
-
 def cut(text, max_chars):
     """The longest run of whole sentences from the start (paragraph breaks kept) of at most max_chars, or None when
     the first sentence alone is longer."""
     out, used = [], 0
     for para in text.split("\n\n"):
-        for si, s in enumerate(SENTENCE_END.split(para)):
+        for si, s in enumerate(deb.SENTENCE_END.split(para)):
             sep = "" if not out else (" " if si else "\n\n")
             if used + len(sep) + len(s) > max_chars:
                 return "".join(out) or None
@@ -77,7 +61,7 @@ def debian_licenses(doc_root):
     for package, name, family, text in deb.licence_texts(files):
         if family is None or family == "public-domain":
             continue
-        t = cut(clean(text), MAX_TEXT_CHARS)
+        t = cut(deb.clean_licence(text), MAX_TEXT_CHARS)
         if t is None or len(t) < MIN_TEXT_CHARS:
             continue
         by_family.setdefault(family, {}).setdefault(t, package)     # first package (sorted) keeps a text

@@ -155,26 +155,11 @@ def loglikelihood(model, ctx, cont):
 # ---------------------------------------------------------------------------------------------------
 # Tasks
 
-SENTENCE_END = re.compile(r"(?<=[.;:!?])\s+(?=\S)")
-
-
-def clean_licence(text):
-    """A licence text with what names it outright removed: Debian's pointer sentences to
-    /usr/share/common-licenses/<NAME> (the file name is the answer)."""
-    paras = []
-    for para in text.split("\n\n"):
-        kept = [s for s in SENTENCE_END.split(para)
-                if "common-licenses" not in s and "On Debian" not in s and "Debian systems" not in s]
-        if kept:
-            paras.append(" ".join(kept))
-    return "\n\n".join(paras)
-
-
 def truncate_sentences(text, max_chars):
     """The longest prefix of whole sentences (paragraph breaks kept) of at most max_chars; at least one sentence."""
     out, used = [], 0
     for pi, para in enumerate(text.split("\n\n")):
-        for si, s in enumerate(SENTENCE_END.split(para)):
+        for si, s in enumerate(deb.SENTENCE_END.split(para)):
             sep = "" if not out else (" " if si else "\n\n")
             if out and used + len(sep) + len(s) > max_chars:
                 return "".join(out)
@@ -192,7 +177,7 @@ def make_four(rng, texts):
     boundary to a length drawn from 80 to 1100 characters."""
     by_family = {}
     for _, _, family, text in texts:
-        t = clean_licence(text)
+        t = deb.clean_licence(text)
         if family and len(t) >= 60:
             by_family.setdefault(family, set()).add(t)
     families = sorted(by_family, key=lambda f: (-len(by_family[f]), f))[:8]
@@ -295,8 +280,8 @@ def make_fill(rng, texts):
     the rest of the sentence is the continuation, the same for both (lm-eval's partial evaluation)."""
     sentences = set()
     for _, _, _, text in texts:
-        for para in clean_licence(text).split("\n\n"):
-            for s in SENTENCE_END.split(para):
+        for para in deb.clean_licence(text).split("\n\n"):
+            for s in deb.SENTENCE_END.split(para):
                 if 60 <= len(s) <= 220 and len(s.split()) >= 10:
                     sentences.add(s)
     sentences = sorted(sentences)
