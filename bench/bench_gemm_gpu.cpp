@@ -92,26 +92,27 @@ void BM_GemmFp8(benchmark::State& state) {
   const int64_t ic = state.range(0), oc = state.range(1), pass = state.range(2), n = kTokens;
   cuda::MatmulContext& ctx = context(/*timed=*/false);
   DeviceMemory x(n * ic * 2), w(oc * ic * 2), g(n * oc * 2), x_q(n * ic), x_t(n * ic), w_q(oc * ic), w_t(oc * ic),
-      g_q(n * oc), g_t(n * oc), out(n * oc * 2), dinp(n * ic * 2), dw(oc * ic * 4), scales(6 * sizeof(float));
+      g_q(n * oc), g_t(n * oc), out(n * oc * 2), dinp(n * ic * 2), dw(oc * ic * 4), scales(24 * sizeof(float));
   fill_random_bf16(x.as<__nv_bfloat16>(), n * ic, 1);
   fill_random_bf16(w.as<__nv_bfloat16>(), oc * ic, 2, 0.02f);
   fill_random_bf16(g.as<__nv_bfloat16>(), n * oc, 3, 1e-3f);
   TUNA_CUDA_CHECK(cudaMemset(dw.ptr, 0, oc * ic * 4));
-  TUNA_CUDA_CHECK(cudaMemset(scales.ptr, 0, 6 * sizeof(float)));
+  TUNA_CUDA_CHECK(cudaMemset(scales.ptr, 0, 24 * sizeof(float)));
+  // The amaxes, then the scales 16 bytes apart (cuBLASLt's FP8 GEMMs read each scale 16-byte aligned).
   float* amax = scales.as<float>();
-  float* inv = amax + 3;
+  float* const inv_x = amax + 4, *const inv_w = amax + 8, *const inv_g = amax + 12;
   cudaStream_t stream = nullptr;
   cuda::fp8_amax(amax, x.as<__nv_bfloat16>(), n, ic, ic, stream);
   cuda::fp8_amax(amax + 1, w.as<__nv_bfloat16>(), oc, ic, ic, stream);
   cuda::fp8_amax(amax + 2, g.as<__nv_bfloat16>(), n, oc, oc, stream);
-  cuda::fp8_cast_transpose(x_q.as<uint8_t>(), x_t.as<uint8_t>(), inv, x.as<__nv_bfloat16>(), n, ic, ic, amax,
+  cuda::fp8_cast_transpose(x_q.as<uint8_t>(), x_t.as<uint8_t>(), inv_x, x.as<__nv_bfloat16>(), n, ic, ic, amax,
                            cuda::Fp8Format::E4M3, stream);
-  cuda::fp8_cast_transpose(w_q.as<uint8_t>(), w_t.as<uint8_t>(), inv + 1, w.as<__nv_bfloat16>(), oc, ic, ic, amax + 1,
+  cuda::fp8_cast_transpose(w_q.as<uint8_t>(), w_t.as<uint8_t>(), inv_w, w.as<__nv_bfloat16>(), oc, ic, ic, amax + 1,
                            cuda::Fp8Format::E4M3, stream);
-  cuda::fp8_cast_transpose(g_q.as<uint8_t>(), g_t.as<uint8_t>(), inv + 2, g.as<__nv_bfloat16>(), n, oc, oc, amax + 2,
+  cuda::fp8_cast_transpose(g_q.as<uint8_t>(), g_t.as<uint8_t>(), inv_g, g.as<__nv_bfloat16>(), n, oc, oc, amax + 2,
                            cuda::Fp8Format::E5M2, stream);
-  const cuda::Fp8Operand X{x_q.as<uint8_t>(), inv}, XT{x_t.as<uint8_t>(), inv}, W{w_q.as<uint8_t>(), inv + 1},
-      WT{w_t.as<uint8_t>(), inv + 1}, G{g_q.as<uint8_t>(), inv + 2}, GT{g_t.as<uint8_t>(), inv + 2};
+  const cuda::Fp8Operand X{x_q.as<uint8_t>(), inv_x}, XT{x_t.as<uint8_t>(), inv_x}, W{w_q.as<uint8_t>(), inv_w},
+      WT{w_t.as<uint8_t>(), inv_w}, G{g_q.as<uint8_t>(), inv_g}, GT{g_t.as<uint8_t>(), inv_g};
   run_timed(state, stream, [&] {
     if (pass == 0)
       cuda::matmul_fp8_fwd(ctx, out.as<__nv_bfloat16>(), X, W, n, ic, oc, stream);

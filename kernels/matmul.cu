@@ -270,7 +270,9 @@ void fp8_product_fwd(MatmulContext& ctx, __nv_bfloat16* out, Fp8Operand inp, Fp8
 
 void matmul_fp8_fwd(MatmulContext& ctx, __nv_bfloat16* out, Fp8Operand inp, Fp8Operand weight, int64_t n, int64_t ic,
                     int64_t oc, cudaStream_t stream) {
-  check_fp8_shape("matmul_fp8_fwd", n, ic, oc, {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}});
+  check_fp8_shape("matmul_fp8_fwd", n, ic, oc,
+                  {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}, {"inp's scale", inp.inv_scale},
+                   {"weight's scale", weight.inv_scale}});
   check_scales("matmul_fp8_fwd", {{"inp", inp}, {"weight", weight}});
   if (n == 0) return;
   fp8_product_fwd(ctx, out, inp, weight, nullptr, n, ic, oc, stream);
@@ -280,7 +282,8 @@ void matmul_fp8_residual_fwd(MatmulContext& ctx, __nv_bfloat16* out, Fp8Operand 
                              int64_t n, int64_t ic, int64_t oc, cudaStream_t stream) {
   TUNA_CHECK(residual != nullptr, "matmul_fp8_residual_fwd: no residual (matmul_fp8_fwd is the product alone)");
   check_fp8_shape("matmul_fp8_residual_fwd", n, ic, oc,
-                  {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}, {"residual", residual}});
+                  {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}, {"residual", residual},
+                   {"inp's scale", inp.inv_scale}, {"weight's scale", weight.inv_scale}});
   check_scales("matmul_fp8_residual_fwd", {{"inp", inp}, {"weight", weight}});
   if (n == 0) return;
   fp8_product_fwd(ctx, out, inp, weight, residual, n, ic, oc, stream);
@@ -292,7 +295,10 @@ void matmul_fp8_bwd(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight, Fp8
   check_fp8_shape("matmul_fp8_bwd", n, ic, oc,
                   {{"dinp", dinp}, {"dweight", dweight}, {"dout", dinp ? dout.codes : nullptr},
                    {"dout_t", dweight ? dout_t.codes : nullptr}, {"inp_t", dweight ? inp_t.codes : nullptr},
-                   {"weight_t", dinp ? weight_t.codes : nullptr}});
+                   {"weight_t", dinp ? weight_t.codes : nullptr}, {"dout's scale", dinp ? dout.inv_scale : nullptr},
+                   {"dout_t's scale", dweight ? dout_t.inv_scale : nullptr},
+                   {"inp_t's scale", dweight ? inp_t.inv_scale : nullptr},
+                   {"weight_t's scale", dinp ? weight_t.inv_scale : nullptr}});
   const bool overwrite_dweight = dweight_write == GradWrite::Overwrite;
   if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
     if (dweight != nullptr && overwrite_dweight)

@@ -109,10 +109,12 @@ void matmul_bwd_strided(MatmulContext& ctx, __nv_bfloat16* dinp, float* dweight,
 // codes and the inverse of its per-tensor scale in device memory (kernels/fp8.cuh writes both), fp32 accumulation.
 // Contract of kernels/cpu/fp8.h's fp8_gemm: out = (inv_scale_a * inv_scale_b) * sum of exact products (+ C). Every
 // operand is K-major, so the backward reads the transposed casts of dout, the input and the weight. cuBLASLt's FP8
-// kernels need 16-byte aligned codes and n, ic, oc multiples of 16: the launchers refuse anything else.
+// kernels need 16-byte aligned codes and scales, and n, ic, oc multiples of 16: the launchers refuse anything else.
+// (A scale 4 or 8 bytes past a 16-byte boundary: cuBLASLt 13.1's heuristic offers algorithms that cublasLtMatmul
+// then refuses with CUBLAS_STATUS_NOT_SUPPORTED, on an H200, 2026-12-04.)
 struct Fp8Operand {
   const uint8_t* codes = nullptr;
-  const float* inv_scale = nullptr;  // device, fp32
+  const float* inv_scale = nullptr;  // device, fp32, 16-byte aligned
 };
 
 // The shape and alignment cuBLASLt's FP8 kernels need, refused by name: what matmul_fp8_* (and the emulator's host

@@ -40,10 +40,10 @@ void fp8_linear_fwd(cuda::MatmulContext& ctx, __nv_bfloat16* out, const __nv_bfl
 void fp8_linear_bwd(cuda::MatmulContext& ctx, __nv_bfloat16* dx, float* dweight, const __nv_bfloat16* dy,
                     const float* amax_dy, const __nv_bfloat16* x, const float* amax_x, const Fp8GpuWeight& w, int64_t n,
                     bool accumulate_dx, GradWrite dweight_write, Fp8GpuScratch& s, cudaStream_t stream) {
-  cuda::fp8_cast_transpose(s.dy, s.dy_t, s.inv + 1, dy, n, w.rows, w.rows, amax_dy, Fp8Format::E5M2, stream);
+  cuda::fp8_cast_transpose(s.dy, s.dy_t, s.inv + kFp8ScaleStride, dy, n, w.rows, w.rows, amax_dy, Fp8Format::E5M2, stream);
   if (dweight != nullptr)
     cuda::fp8_cast_transpose(nullptr, s.x, s.inv, x, n, w.in, w.in, amax_x, Fp8Format::E4M3, stream);
-  const cuda::Fp8Operand g{s.dy, s.inv + 1}, g_t{s.dy_t, s.inv + 1}, x_t{s.x, s.inv}, w_t{w.codes_t, w.inv_scale};
+  const cuda::Fp8Operand g{s.dy, s.inv + kFp8ScaleStride}, g_t{s.dy_t, s.inv + kFp8ScaleStride}, x_t{s.x, s.inv}, w_t{w.codes_t, w.inv_scale};
   cuda::matmul_fp8_bwd(ctx, dx, dweight, g, g_t, x_t, w_t, n, w.in, w.rows, accumulate_dx, dweight_write, stream);
 }
 

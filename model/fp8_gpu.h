@@ -29,19 +29,23 @@ struct Fp8GpuWeight {
   uint8_t* codes = nullptr;    // [rows, in]: the forward's operand
   uint8_t* codes_t = nullptr;  // [in, rows]: the input gradient's
   float* amax = nullptr;       // device fp32
-  float* inv_scale = nullptr;  // device fp32
+  float* inv_scale = nullptr;  // device fp32, 16-byte aligned (kernels/matmul.cuh: cuBLASLt needs it)
   int64_t rows = 0, in = 0;
 };
 // Casts `w` (bf16 [rows, in], device) into `c`: its amax, the maximum over `tp` (a weight is split there whenever
 // tp > 1; null or size 1: none), then both layouts.
 void fp8_cast_weight(Fp8GpuWeight& c, const __nv_bfloat16* w, Comm* tp, cudaStream_t stream);
 
+// Floats between two scales an FP8 GEMM reads (16 bytes).
+inline constexpr int64_t kFp8ScaleStride = 4;
+
 // One pass's operand codes, reused group after group: scratch of the model's arena.
 struct Fp8GpuScratch {
   uint8_t* x = nullptr;     // [n, in] in the forward; x^T [in, n] in the backward
   uint8_t* dy = nullptr;    // [n, rows]
   uint8_t* dy_t = nullptr;  // [rows, n]
-  float* inv = nullptr;     // device fp32 [2]: x's and dy's inverse scales
+  float* inv = nullptr;     // device fp32 [2 * kFp8ScaleStride], 16-byte aligned: x's inverse scale at 0, dy's at
+                            // kFp8ScaleStride (each scale 16-byte aligned, as cuBLASLt's FP8 GEMMs need)
 };
 
 // The forward's input codes: x [n, in] (bf16) cast with the scale of *amax_x into s.x.

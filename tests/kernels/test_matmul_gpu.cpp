@@ -3,6 +3,9 @@
 // covered, each overwrite over a NaN-filled destination (beta = 0 must not read it). The FP8 products against the
 // CPU twin's simulation (kernels/cpu/fp8.h's fp8_gemm) on the same codes.
 #if TUNA_CUDA
+#include <functional>
+#include <string>
+
 #include "kernels/cpu/fp8.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/fp8.cuh"
@@ -173,17 +176,18 @@ TEST(MatmulGpu, Fp8ProductsFollowTheTwin) {
   DeviceBf16 d_x(x), d_w(w), d_dout(dout), d_resid(resid), d_out(n * oc);
   // Codes on the GPU: x, w (and their transposes), dout (and its transpose).
   DeviceBuffer<uint8_t> x_q(n * ic), x_t(n * ic), w_q(oc * ic), w_t(oc * ic), g_q(n * oc), g_t(n * oc);
-  DeviceBuffer<float> amax(std::vector<float>(3, 0.0f)), inv(3);
+  // The scales 16 bytes apart: cuBLASLt's FP8 GEMMs read them so (a scale at +4 bytes is refused, below).
+  DeviceBuffer<float> amax(std::vector<float>(3, 0.0f)), inv(12);
   cuda::fp8_amax(amax.get(), d_x.bf(), n, ic, ic, nullptr);
   cuda::fp8_amax(amax.get() + 1, d_w.bf(), oc, ic, ic, nullptr);
   cuda::fp8_amax(amax.get() + 2, d_dout.bf(), n, oc, oc, nullptr);
   cuda::fp8_cast_transpose(x_q.get(), x_t.get(), inv.get(), d_x.bf(), n, ic, ic, amax.get(), Fp8Format::E4M3, nullptr);
-  cuda::fp8_cast_transpose(w_q.get(), w_t.get(), inv.get() + 1, d_w.bf(), oc, ic, ic, amax.get() + 1,
+  cuda::fp8_cast_transpose(w_q.get(), w_t.get(), inv.get() + 4, d_w.bf(), oc, ic, ic, amax.get() + 1,
                            Fp8Format::E4M3, nullptr);
-  cuda::fp8_cast_transpose(g_q.get(), g_t.get(), inv.get() + 2, d_dout.bf(), n, oc, oc, amax.get() + 2,
+  cuda::fp8_cast_transpose(g_q.get(), g_t.get(), inv.get() + 8, d_dout.bf(), n, oc, oc, amax.get() + 2,
                            Fp8Format::E5M2, nullptr);
-  const cuda::Fp8Operand X{x_q.get(), inv.get()}, XT{x_t.get(), inv.get()}, W{w_q.get(), inv.get() + 1},
-      WT{w_t.get(), inv.get() + 1}, G{g_q.get(), inv.get() + 2}, GT{g_t.get(), inv.get() + 2};
+  const cuda::Fp8Operand X{x_q.get(), inv.get()}, XT{x_t.get(), inv.get()}, W{w_q.get(), inv.get() + 4},
+      WT{w_t.get(), inv.get() + 4}, G{g_q.get(), inv.get() + 8}, GT{g_t.get(), inv.get() + 8};
   const std::vector<uint8_t> hx = x_q.download(), hxt = x_t.download(), hw = w_q.download(), hwt = w_t.download(),
                              hg = g_q.download(), hgt = g_t.download();
   const std::vector<float> s = inv.download();
@@ -193,7 +197,7 @@ TEST(MatmulGpu, Fp8ProductsFollowTheTwin) {
     if (with_residual) cuda::matmul_fp8_residual_fwd(ctx, d_out.bf(), X, W, d_resid.bf(), n, ic, oc, nullptr);
     else cuda::matmul_fp8_fwd(ctx, d_out.bf(), X, W, n, ic, oc, nullptr);
     std::vector<float> twin(resid);
-    cpu::fp8_gemm(twin.data(), oc, hx.data(), Fp8Format::E4M3, s[0], hw.data(), Fp8Format::E4M3, s[1], n, oc, ic,
+    cpu::fp8_gemm(twin.data(), oc, hx.data(), Fp8Format::E4M3, s[0], hw.data(), Fp8Format::E4M3, s[4], n, oc, ic,
                   /*accumulate=*/with_residual);
     const std::vector<double> got = d_out.values(), ref(twin.begin(), twin.end());
     const double err = rel_error_norm(got, ref);
@@ -210,9 +214,9 @@ TEST(MatmulGpu, Fp8ProductsFollowTheTwin) {
       if (dweight_write == GradWrite::Overwrite) d_dw.poison();
       cuda::matmul_fp8_bwd(ctx, d_dinp.bf(), d_dw.get(), G, GT, XT, WT, n, ic, oc, accumulate, dweight_write, nullptr);
       std::vector<float> twin_dinp(dinp0), twin_dw(dw0);
-      cpu::fp8_gemm(twin_dinp.data(), ic, hg.data(), Fp8Format::E5M2, s[2], hwt.data(), Fp8Format::E4M3, s[1], n, ic, oc,
+      cpu::fp8_gemm(twin_dinp.data(), ic, hg.data(), Fp8Format::E5M2, s[8], hwt.data(), Fp8Format::E4M3, s[4], n, ic, oc,
                     accumulate);
-      cpu::fp8_gemm(twin_dw.data(), ic, hgt.data(), Fp8Format::E5M2, s[2], hxt.data(), Fp8Format::E4M3, s[0], oc, ic,
+      cpu::fp8_gemm(twin_dw.data(), ic, hgt.data(), Fp8Format::E5M2, s[8], hxt.data(), Fp8Format::E4M3, s[0], oc, ic,
                     n, dweight_write == GradWrite::Accumulate);
       const std::vector<double> ref_dinp(twin_dinp.begin(), twin_dinp.end()), ref_dw(twin_dw.begin(), twin_dw.end());
       std::vector<double> naive_dinp(ref_dinp);
@@ -224,6 +228,27 @@ TEST(MatmulGpu, Fp8ProductsFollowTheTwin) {
   EXPECT_THROW(cuda::matmul_fp8_fwd(ctx, d_out.bf(), X, W, n + 8, ic, oc, nullptr), Error);
   EXPECT_THROW(cuda::matmul_fp8_fwd(ctx, d_out.bf(), cuda::Fp8Operand{x_q.get() + 1, inv.get()}, W, n, ic, oc, nullptr),
                Error);
+  // A scale 4 bytes past a 16-byte boundary: cuBLASLt 13.1 offers algorithms for it, then cublasLtMatmul answers
+  // NOT_SUPPORTED; the launchers name the operand instead, in every pass.
+  const cuda::Fp8Operand misaligned{w_q.get(), inv.get() + 1};
+  const auto expect_scale_refused = [](const std::function<void()>& call, const char* what) {
+    try {
+      call();
+      ADD_FAILURE() << what << " accepted a scale 4 bytes past a 16-byte boundary";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("scale"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("16-byte aligned"), std::string::npos) << e.what();
+    }
+  };
+  expect_scale_refused([&] { cuda::matmul_fp8_fwd(ctx, d_out.bf(), X, misaligned, n, ic, oc, nullptr); }, "fwd");
+  expect_scale_refused([&] { cuda::matmul_fp8_residual_fwd(ctx, d_out.bf(), X, misaligned, d_resid.bf(), n, ic, oc,
+                                                           nullptr); }, "residual fwd");
+  DeviceBf16 d_dinp(dinp0);
+  DeviceBuffer<float> d_dw(dw0);
+  expect_scale_refused([&] { cuda::matmul_fp8_bwd(ctx, d_dinp.bf(), nullptr, G, GT, XT, misaligned, n, ic, oc, false,
+                                                  GradWrite::Overwrite, nullptr); }, "dinp");
+  expect_scale_refused([&] { cuda::matmul_fp8_bwd(ctx, nullptr, d_dw.get(), G, GT, misaligned, WT, n, ic, oc, false,
+                                                  GradWrite::Overwrite, nullptr); }, "dweight");
 }
 
 }  // namespace

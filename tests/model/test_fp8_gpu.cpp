@@ -42,16 +42,19 @@ void check_group(TestRng& rng, const GroupCase& k, bool with_residual) {
                            dx0 = random_bf16_values(rng, k.n * k.in);
   DeviceBf16 d_x(x), d_w(w), d_dy(dy), d_resid(resid), d_out(k.n * rows), d_dx(dx0);
   DeviceBuffer<uint8_t> codes(rows * k.in), codes_t(rows * k.in), sx(k.n * k.in), sdy(k.n * rows), sdy_t(k.n * rows);
-  DeviceBuffer<float> scalars(std::vector<float>(6, 0.0f)), d_dw(rows * k.in);
+  // The scalars 16 bytes apart, as cuBLASLt reads scales: the weight's amax and scale, the scratch's two scales,
+  // x's and dy's amax.
+  DeviceBuffer<float> scalars(std::vector<float>(6 * kFp8ScaleStride, 0.0f)), d_dw(rows * k.in);
   float* s = scalars.get();
-  Fp8GpuWeight weight{codes.get(), codes_t.get(), s, s + 1, rows, k.in};
-  Fp8GpuScratch scratch{sx.get(), sdy.get(), sdy_t.get(), s + 2};
+  const int64_t f = kFp8ScaleStride;
+  Fp8GpuWeight weight{codes.get(), codes_t.get(), s, s + f, rows, k.in};
+  Fp8GpuScratch scratch{sx.get(), sdy.get(), sdy_t.get(), s + 2 * f};
   cuda::MatmulContext ctx;
   fp8_cast_weight(weight, d_w.bf(), nullptr, nullptr);
   // x's and dy's amax as their producers would fold them.
-  cuda::fp8_amax(s + 4, d_x.bf(), k.n, k.in, k.in, nullptr);
-  cuda::fp8_amax(s + 5, d_dy.bf(), k.n, rows, rows, nullptr);
-  fp8_cast_input(scratch, d_x.bf(), k.n, k.in, s + 4, nullptr);
+  cuda::fp8_amax(s + 4 * f, d_x.bf(), k.n, k.in, k.in, nullptr);
+  cuda::fp8_amax(s + 5 * f, d_dy.bf(), k.n, rows, rows, nullptr);
+  fp8_cast_input(scratch, d_x.bf(), k.n, k.in, s + 4 * f, nullptr);
   d_out.poison();
   const __nv_bfloat16* residual = with_residual ? d_resid.bf() : nullptr;
   const int64_t split = k.split_row;
@@ -59,7 +62,7 @@ void check_group(TestRng& rng, const GroupCase& k, bool with_residual) {
     fp8_linear_fwd(ctx, d_out.bf(), residual, weight, scratch, 0, split, nullptr);
   fp8_linear_fwd(ctx, d_out.bf() + split * rows, residual ? residual + split * rows : nullptr, weight, scratch, split,
                  k.n - split, nullptr);
-  fp8_linear_bwd(ctx, d_dx.bf(), d_dw.get(), d_dy.bf(), s + 5, d_x.bf(), s + 4, weight, k.n, /*accumulate_dx=*/true,
+  fp8_linear_bwd(ctx, d_dx.bf(), d_dw.get(), d_dy.bf(), s + 5 * f, d_x.bf(), s + 4 * f, weight, k.n, /*accumulate_dx=*/true,
                  GradWrite::Overwrite, scratch, nullptr);
 
   // The CPU twin: parts of the block, fp32.

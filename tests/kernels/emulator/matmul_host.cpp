@@ -205,7 +205,9 @@ void matmul_bwd_strided(MatmulContext&, __nv_bfloat16* dinp, float* dweight, con
 
 void matmul_fp8_fwd(MatmulContext&, __nv_bfloat16* out, Fp8Operand inp, Fp8Operand weight, int64_t n, int64_t ic,
                     int64_t oc, cudaStream_t) {
-  check_fp8_shape("matmul_fp8_fwd", n, ic, oc, {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}});
+  check_fp8_shape("matmul_fp8_fwd", n, ic, oc,
+                  {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}, {"inp's scale", inp.inv_scale},
+                   {"weight's scale", weight.inv_scale}});
   matmul_fp8_fwd_host(out, inp, weight, nullptr, n, ic, oc);
 }
 
@@ -213,7 +215,8 @@ void matmul_fp8_residual_fwd(MatmulContext&, __nv_bfloat16* out, Fp8Operand inp,
                              const __nv_bfloat16* residual, int64_t n, int64_t ic, int64_t oc, cudaStream_t) {
   TUNA_CHECK(residual != nullptr, "matmul_fp8_residual_fwd: no residual (matmul_fp8_fwd is the product alone)");
   check_fp8_shape("matmul_fp8_residual_fwd", n, ic, oc,
-                  {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}, {"residual", residual}});
+                  {{"out", out}, {"inp", inp.codes}, {"weight", weight.codes}, {"residual", residual},
+                   {"inp's scale", inp.inv_scale}, {"weight's scale", weight.inv_scale}});
   matmul_fp8_fwd_host(out, inp, weight, residual, n, ic, oc);
 }
 
@@ -223,7 +226,10 @@ void matmul_fp8_bwd(MatmulContext&, __nv_bfloat16* dinp, float* dweight, Fp8Oper
   check_fp8_shape("matmul_fp8_bwd", n, ic, oc,
                   {{"dinp", dinp}, {"dweight", dweight}, {"dout", dinp ? dout.codes : nullptr},
                    {"dout_t", dweight ? dout_t.codes : nullptr}, {"inp_t", dweight ? inp_t.codes : nullptr},
-                   {"weight_t", dinp ? weight_t.codes : nullptr}});
+                   {"weight_t", dinp ? weight_t.codes : nullptr}, {"dout's scale", dinp ? dout.inv_scale : nullptr},
+                   {"dout_t's scale", dweight ? dout_t.inv_scale : nullptr},
+                   {"inp_t's scale", dweight ? inp_t.inv_scale : nullptr},
+                   {"weight_t's scale", dinp ? weight_t.inv_scale : nullptr}});
   tuna::emulator::ApiGuard guard(tuna::emulator::api_lock());
   const bool overwrite_dweight = dweight_write == GradWrite::Overwrite;
   if (n == 0) {  // a sum over no rows: an overwritten gradient is zero
