@@ -519,8 +519,10 @@ int run(int argc, char** argv) {
   if (!cfg.eval_tasks.empty()) {  // the tokenizer the run's checkpoints carry encodes the tasks
     const std::string tokenizer = !cfg.tokenizer.empty() ? cfg.tokenizer : start.weights_dir.string();
     if (tokenizer.empty()) fail("--eval_tasks: the tasks are text and this run has no tokenizer (give --tokenizer)");
+    // The CUDA engine scores a request per row (Engine::target_logps there takes no document positions).
     auto tasks = std::make_unique<McEvaluator>(cfg.eval_tasks, Tokenizer(tokenizer), /*skip_bad=*/false,
-                                               cfg.layout.micro_batch, cfg.layout.seq_len, mesh.dp.get());
+                                               cfg.layout.micro_batch, cfg.layout.seq_len, mesh.dp.get(),
+                                               /*packed=*/eo.device == Device::Cpu);
     std::printf("%s\n", tasks->describe().c_str());
     validator.set_tasks(std::move(tasks));
   }

@@ -214,6 +214,16 @@ class GpuEngine final : public Engine {
     if (pipeline_) return pipeline_pairs_->pair_logps(batch, chosen, rejected);
     pair_logp_sums(passes(batch), batch, /*adapters_off=*/false, chosen, rejected);
   }
+  // --eval_tasks: one request per row (no positions), the whole model on one tp rank (model/support.cpp refuses the
+  // rest before the run starts). Under ZeRO-3 the forward gathers as a step's does, each dp rank in lockstep.
+  void target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq, const int32_t* positions,
+                    float* logps, uint8_t* greedy) override {
+    if (positions != nullptr) fail("--eval_tasks on cuda scores one request per row (no packed windows)");
+    if (pipeline_ || tp_device_)
+      fail("--eval_tasks on cuda: not with tensor or pipeline parallelism yet (whole-vocabulary logits of the whole ",
+           "model); score a checkpoint with build/eval --tasks");
+    model_.forward_target_logps(inputs, targets, batch, seq, logps, greedy);
+  }
 
   const std::vector<Segment>& segments() const override { return zero_->segments(); }
   void export_state(const StateSink& sink) const override { zero_->export_state(sink); }
@@ -345,15 +355,12 @@ class GpuForwardModel final : public ForwardModel {
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* logits) override {
     model_.forward_logits(inputs, batch, seq, logits);
   }
-  // The logits to the host, then each target's log-prob and greedy flag there (kernels/cpu/classifier.h
-  // classifier_target_logps): one request per row, since forward_logits takes no document positions.
+  // Each target's log-prob and greedy flag from the head's logits a chunk at a time on the host
+  // (LlamaGpu::forward_target_logps): one request per row, since the model takes no document positions here.
   void forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
                             const int32_t* positions, float* logps, uint8_t* greedy) override {
     if (positions) fail("cuda: multiple-choice scoring takes one request per row (no packed documents)");
-    const int64_t V = model_.config().vocab_size;
-    logits_.resize(static_cast<size_t>(batch * seq * V));
-    model_.forward_logits(inputs, batch, seq, logits_.data());
-    cpu::classifier_target_logps(logits_.data(), targets, batch * seq, V, logps, greedy);
+    model_.forward_target_logps(inputs, targets, batch, seq, logps, greedy);
   }
   bool packs_documents() const override { return false; }
   // Generation: model/decode_gpu.h over this model's bf16 weights.
@@ -373,7 +380,6 @@ class GpuForwardModel final : public ForwardModel {
   std::string describe_;
   int64_t max_seq_;
   std::unique_ptr<DecodeGpu> decoder_;
-  std::vector<float> logits_;  // forward_target_logps's host logits
 };
 
 }  // namespace

@@ -338,7 +338,7 @@ nlohmann::json mc_record_json(const McTasks& tasks, const std::vector<McRequest>
 }
 
 McEvaluator::McEvaluator(const std::string& specs, const Tokenizer& tokenizer, bool skip_bad, int64_t micro_batch,
-                         int64_t seq_len, Comm* dp)
+                         int64_t seq_len, Comm* dp, bool packed)
     : dp_(dp) {
   std::vector<std::string> list;
   for (size_t at = 0; at <= specs.size();) {
@@ -372,7 +372,7 @@ McEvaluator::McEvaluator(const std::string& specs, const Tokenizer& tokenizer, b
   for (const McRecord& r : tasks_.records)
     if (std::find(tasks_.tasks.begin(), tasks_.tasks.end(), r.task) == tasks_.tasks.end()) tasks_.tasks.push_back(r.task);
   requests_ = encode_mc_requests(tasks_, tokenizer, /*special_tokens=*/true, seq_len, &truncated_);
-  how_.batch = micro_batch, how_.seq = seq_len, how_.packed = true, how_.lockstep = true;
+  how_.batch = micro_batch, how_.seq = seq_len, how_.packed = packed, how_.lockstep = true;
   if (dp_) how_.rank = dp_->rank(), how_.ranks = dp_->size();
 }
 
@@ -380,7 +380,8 @@ std::string McEvaluator::describe() const {
   std::string skipped;
   for (const auto& [why, count] : tasks_.skipped) skipped += str(", ", count, " skipped: ", why);
   return str("eval_tasks: ", tasks_.tasks.size(), " task(s), ", tasks_.records.size(), " records, ", requests_.size(),
-             " requests in ", pack_mc_requests(requests_, how_).windows, " windows of ", how_.seq, " tokens",
+             " requests in ", pack_mc_requests(requests_, how_).windows,
+             how_.packed ? str(" windows of ", how_.seq, " tokens") : str(" rows of one request, up to ", how_.seq, " tokens"),
              truncated_ ? str(" (", truncated_, " cut to their last ", how_.seq + 1, " tokens)") : std::string(), skipped);
 }
 

@@ -93,11 +93,12 @@ std::vector<int64_t> mc_first_requests(const McTasks& tasks, const std::vector<M
 
 // build/train --eval_tasks: the task records read and tokenized once at start, scored on the training engine at every
 // validation (Engine::target_logps: the run's own layout) in windows of the run's micro-batch x seq_len, this dp
-// rank's share, summed over dp. A request longer than seq_len keeps its last seq_len + 1 tokens.
+// rank's share, summed over dp. A request longer than seq_len keeps its last seq_len + 1 tokens. packed: many requests
+// per window under the document mask (the CPU engine); else one per row, no positions (the CUDA engine's).
 class McEvaluator {
  public:
   McEvaluator(const std::string& specs, const Tokenizer& tokenizer, bool skip_bad, int64_t micro_batch, int64_t seq_len,
-              Comm* dp);
+              Comm* dp, bool packed = true);
   std::vector<McMetrics> run(Engine& engine);
   std::string describe() const;  // "eval_tasks: 3 tasks, 120 records, 480 requests in 31 windows (2 cut)"
 

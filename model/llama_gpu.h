@@ -43,6 +43,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -262,6 +263,12 @@ class LlamaGpu {
   void set_document_mode(const DocumentMode& mode) { documents_ = mode; }
   // Full logits [batch, seq, vocab] to host fp32 (tests, generation).
   void forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits);
+  // Multiple-choice scoring (the CPU model's forward_target_logps, one request per row: no positions): each
+  // target's log-prob and whether it is its row's first argmax, host [batch, seq], from the head's logits a chunk at a
+  // time on the host (cpu::classifier_target_logps), so the host holds one chunk's logits, not the batch's. One rank
+  // of tp (whole-vocabulary logits), the whole model (no pipeline stage).
+  void forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq, float* logps,
+                            uint8_t* greedy);
   // Preference objectives in two passes, the CPU model's contract (model/llama.h forward_logps, backward_weighted):
   // forward_logps writes logps[i] = log p(targets[i]) (host [batch, seq], 0 where the target is ignored; the fused
   // loss kernel's per-token losses, negated), keeping the activations and the head's input when backward_follows;
@@ -337,7 +344,9 @@ class LlamaGpu {
   // token_weights (device [rows], or null): the weighted backward's head (want_grad): d logits = w (softmax - onehot)
   // instead of the loss's gradient, and no loss. keep_head (no gradient now): the head unit stays acquired for a
   // weighted backward that follows.
-  LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits,
+  // logits (or null): each chunk's logits, fp32 on the host, rows r0 .. r0 + rows of the pass.
+  using LogitsSink = std::function<void(int64_t r0, int64_t rows, const float* logits)>;
+  LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, const LogitsSink* logits,
                const float* token_weights = nullptr, bool keep_head = false);
   double queued_loss_sum();
   // The host waits for `event` (recorded on stream_): through the tp comm when there is one (wait_for_stream).

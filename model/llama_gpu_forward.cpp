@@ -251,7 +251,7 @@ void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch
   }
 }
 
-LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad, float* host_logits,
+LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad, const LogitsSink* logits,
                        const float* token_weights, bool keep_head) {
   TUNA_CHECK(token_weights == nullptr || (want_grad && host_targets != nullptr), "a weighted head is a backward");
   const int64_t C = config_.hidden_size, V = layout_.tp().vocab;
@@ -262,6 +262,7 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
   float* g_head = want_grad && !lora_.enabled() ? grad_writes_->unit(lm_unit) + lm_offset : nullptr;
   cudaStream_t s = stream_;
   std::vector<uint16_t> chunk_bits;
+  std::vector<float> chunk_logits;
   // Column-parallel (by vocabulary): every row's normed input, gathered with sp; its input gradient is every
   // row's partial sum in d_final_norm_, with sp reduced into this rank's rows of d_norm_ (the final norm's).
   const __nv_bfloat16* normed = sp_ ? sp_gather(final_norm_out_, "sp lm_head input") : final_norm_out_;
@@ -269,12 +270,14 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
     const int64_t nr = std::min(head_chunk_rows_, rows - r0);
     const __nv_bfloat16* x = normed + r0 * C;
     cuda::matmul_fwd(*matmul_, logits_chunk_, x, w_head, nr, C, V, s);
-    if (host_logits != nullptr) {
+    if (logits != nullptr) {
       chunk_bits.resize(nr * V);
+      chunk_logits.resize(nr * V);
       TUNA_CUDA_CHECK(cudaMemcpyAsync(chunk_bits.data(), logits_chunk_, nr * V * sizeof(uint16_t),
                                       cudaMemcpyDeviceToHost, s));
       TUNA_CUDA_CHECK(cudaStreamSynchronize(s));
-      convert_to_f32(chunk_bits.data(), DType::BF16, host_logits + r0 * V, nr * V);
+      convert_to_f32(chunk_bits.data(), DType::BF16, chunk_logits.data(), nr * V);
+      (*logits)(r0, nr, chunk_logits.data());
     }
     if (host_targets == nullptr) continue;
     cross_entropy(r0, nr, want_grad, token_weights);
@@ -401,7 +404,28 @@ void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq,
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   upload_tokens(inputs, nullptr, batch, seq);
   forward(batch, seq, /*backward_follows=*/false);
-  head(nullptr, batch * seq, /*want_grad=*/false, host_logits);
+  const int64_t V = config_.vocab_size;
+  const LogitsSink sink = [&](int64_t r0, int64_t rows, const float* logits) {
+    std::copy(logits, logits + rows * V, host_logits + r0 * V);
+  };
+  head(nullptr, batch * seq, /*want_grad=*/false, &sink);
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void LlamaGpu::forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                                    float* logps, uint8_t* greedy) {
+  TUNA_CHECK(run_.tp == 1, "forward_target_logps reads whole-vocabulary logits: not with tensor parallelism");
+  TUNA_CHECK(layout_.whole(), "forward_target_logps of a pipeline stage");
+  if (batch > max_batch_ || seq > max_seq_)
+    fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
+  select_slot(0);
+  upload_tokens(inputs, nullptr, batch, seq);
+  forward(batch, seq, /*backward_follows=*/false);
+  const int64_t V = config_.vocab_size;
+  const LogitsSink sink = [&](int64_t r0, int64_t rows, const float* logits) {
+    cpu::classifier_target_logps(logits, targets + r0, rows, V, logps + r0, greedy + r0);
+  };
+  head(nullptr, batch * seq, /*want_grad=*/false, &sink);
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 

@@ -157,9 +157,13 @@ Support objective_support(const ObjectiveConfig& objective, const MemoryLayout& 
 }
 
 Support eval_tasks_support(const MemoryLayout& l, Device device) {
-  if (device == Device::Cuda)
-    return not_implemented("--eval_tasks with --device cuda: not implemented yet (the CUDA engine's per-token log-probs ",
-                           "are not wired); score a checkpoint with build/eval --tasks, or train with --device cpu");
+  // The CUDA engine scores from whole-vocabulary logits of the whole model (LlamaGpu::forward_target_logps): dp and
+  // every ZeRO stage, not tp (the logits are split by vocabulary) or pp (the head is on the last stage).
+  if (device == Device::Cuda && (l.tp > 1 || l.pp > 1))
+    return not_implemented("--eval_tasks with --device cuda and --", l.tp > 1 ? "tp " : "pp ", l.tp > 1 ? l.tp : l.pp,
+                           ": not implemented yet (the CUDA engine scores tasks from whole-vocabulary logits of the ",
+                           "whole model, on dp and ZeRO layouts); score a checkpoint with build/eval --tasks, or train ",
+                           "with --device cpu");
   return {};
 }
 

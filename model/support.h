@@ -46,8 +46,8 @@ Support objective_support(const ObjectiveConfig& objective, const MemoryLayout& 
 // Fails with the reason unless the device runs the objective on the layout (the trainer's question).
 void require_objective_support(const ObjectiveConfig& objective, const MemoryLayout& layout, Device device);
 // Whether the training engine scores --eval_tasks (engine/mc_eval.h) on this layout: the CPU engine's, every layout
-// it trains (dp, tp, sp, pp, ZeRO); the CUDA engine is refused as not implemented, naming build/eval --tasks, which
-// scores a checkpoint on either device.
+// it trains (dp, tp, sp, pp, ZeRO); the CUDA engine's, dp and ZeRO 0-3 (tp and pp are refused as not implemented,
+// naming build/eval --tasks, which scores a checkpoint on either device).
 Support eval_tasks_support(const MemoryLayout& layout, Device device);
 
 // A quantized base is frozen: only adapters train around it. `option_given`: the --base_quant option was given, which

@@ -733,6 +733,44 @@ TEST(EngineGpu, ForwardModelScoresTargetsAsTheCpu) {
                Error);
 }
 
+// --eval_tasks on the device: the training engine's target log-probs and greedy flags are the forward model's on the
+// same weights bit for bit (the same forward, the head's logits a chunk at a time on the host), ZeRO-3's gathered
+// weights too; packed positions are refused.
+class EngineGpuTaskScoring : public testing::TestWithParam<int> {};
+
+TEST_P(EngineGpuTaskScoring, EqualsTheForwardModel) {
+  TUNA_REQUIRE_GPU();
+  Fixture f("llama2_tiny");
+  const int64_t n = f.batch * f.seq;
+  SingleRank r;
+  std::unique_ptr<Engine> e =
+      make_engine(f.config, engine_options(f, Device::Cuda, GetParam()), r.mesh, fixture_weights(f));
+  std::unique_ptr<ForwardModel> m = make_forward_model(f.config, Device::Cuda, f.batch, f.seq, fixture_weights(f));
+  std::vector<float> la(n, NAN), lb(n, NAN);
+  std::vector<uint8_t> ga(n, 7), gb(n, 7);
+  e->target_logps(f.inputs.data(), f.targets.data(), f.batch, f.seq, nullptr, la.data(), ga.data());
+  m->forward_target_logps(f.inputs.data(), f.targets.data(), f.batch, f.seq, nullptr, lb.data(), gb.data());
+  int64_t scored = 0;
+  for (int64_t i = 0; i < n; i++) {
+    EXPECT_EQ(la[i], lb[i]) << i;
+    EXPECT_EQ(ga[i], gb[i]) << i;
+    scored += f.targets[i] >= 0;
+  }
+  EXPECT_GT(scored, 0);
+  // Training moves the weights the scoring reads.
+  train_step(*e, f, 0, 10);
+  e->target_logps(f.inputs.data(), f.targets.data(), f.batch, f.seq, nullptr, la.data(), ga.data());
+  int64_t moved = 0;
+  for (int64_t i = 0; i < n; i++) moved += la[i] != lb[i];
+  EXPECT_GT(moved, 0);
+  std::vector<int32_t> positions(n, 0);
+  EXPECT_THROW(e->target_logps(f.inputs.data(), f.targets.data(), f.batch, f.seq, positions.data(), la.data(),
+                               ga.data()),
+               Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Zero, EngineGpuTaskScoring, testing::Values(0, 3));
+
 }  // namespace
 }  // namespace tuna
 #endif  // TUNA_CUDA

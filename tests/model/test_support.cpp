@@ -121,6 +121,24 @@ TEST(Support, BaseQuantNeedsAdapters) {
   EXPECT_TRUE(base_quant_support(adapters, true).runs());
 }
 
+// --eval_tasks scores on the training engine: the CPU engine's on every layout, the CUDA engine's on dp and every ZeRO
+// stage (whole-vocabulary logits of the whole model); tp and pp there are refused by name.
+TEST(Support, EvalTasksOnEachEngine) {
+  for (MemoryLayout l : {layout(), layout(1, 1, 3), layout(2), layout(1, 2)})
+    EXPECT_TRUE(eval_tasks_support(l, Device::Cpu).runs()) << eval_tasks_support(l, Device::Cpu).reason;
+  for (int zero : {0, 1, 2, 3}) {
+    const MemoryLayout l = layout(1, 1, zero);  // dp 2
+    EXPECT_TRUE(eval_tasks_support(l, Device::Cuda).runs()) << eval_tasks_support(l, Device::Cuda).reason;
+  }
+  for (MemoryLayout l : {layout(2), layout(1, 2)}) {
+    const Support s = eval_tasks_support(l, Device::Cuda);
+    EXPECT_EQ(s.verdict, Verdict::NotImplemented);
+    EXPECT_NE(s.reason.find(l.tp > 1 ? "--eval_tasks with --device cuda and --tp 2" : "--device cuda and --pp 2"),
+              std::string::npos) << s.reason;
+    EXPECT_NE(s.reason.find("build/eval --tasks"), std::string::npos) << s.reason;
+  }
+}
+
 // A placed layout carries the split once: this rank's stage, the first and last, the micro-batches in flight (1F1B:
 // pp - stage; a forward alone one), and whether its stage holds a tied table the other end also holds.
 TEST(Support, APlacedLayoutCarriesItsStage) {
