@@ -12,6 +12,11 @@
 #
 # carried beside the repository as build/gpu-check/bin (TUNA_GPU_BIN names another place).
 #
+# A short lease, or a rerun of what failed: TUNA_GPU_CHECK_ONLY=REGEX (grep -E, on the step names the table prints:
+# tests/MatmulGpu, train/straight, bench/gemm, ...) runs the steps it matches and marks the others "skipped (not
+# selected)", which fails nothing (tests/list, which finds the suites, always runs); a check over skipped steps'
+# output (train/summary, plan/summary) reports them missing, so select it with its inputs or not at all.
+#
 # The run stops at 440 s (TUNA_GPU_CHECK_SECONDS), inside a 480 s limit: the steps run in four tiers, most
 # important first, each allowed until a fixed second of the run (TIER_END below: estimates until a GPU run
 # prints the seconds each tier took), so a slow tier leaves the later ones their share:
@@ -87,6 +92,7 @@ TIER_SECS=(0 0 0 0 0)
 TIER=0
 TIER_T0=$SECONDS
 MIN_STEP_SECONDS=5  # less than this left: the step is skipped, not started to be killed
+ONLY=${TUNA_GPU_CHECK_ONLY:-}  # a grep -E of the step names to run (the header); empty: every step
 # Emulated, the steps run on a CPU that other builds may share (10x slower here than a GPU is fine): every
 # limit and tier end is scaled by TUNA_GPU_CHECK_TIME_SCALE (10 unless set), their plumbing unchanged.
 TIME_SCALE=${TUNA_GPU_CHECK_TIME_SCALE:-$([ $EMULATED -eq 1 ] && echo 10 || echo 1)}
@@ -122,7 +128,7 @@ verdict() {  # name verdict seconds
 # seconds cut to what is left of the tier and the run, its output appended to OUTDIR/LOG under a header. ok
 # when it exits EXPECT (0 unless set: EXPECT=75 step ...); ADVISORY=1 (a peer, the profile) reports a failure
 # without failing a GPU run; UNAVAILABLE_IF=TEXT in its output means this machine cannot run it (no failure).
-# Leaves STEP_RC (-1 when skipped) and STEP_OUT (its output) for further checks.
+# Leaves STEP_RC (-1 when skipped for time, -2 when not selected) and STEP_OUT (its output) for further checks.
 CHILD=""  # the step running now: its process, name and log, for finish() on a signal
 CHILD_STEP=""
 CHILD_LOG=""
@@ -133,6 +139,12 @@ step() {
   [ "$left" -lt "$t" ] && t=$left
   STEP_OUT="$SCRATCH/step.out"
   : >"$STEP_OUT"
+  if [ -n "$ONLY" ] && [ "$name" != tests/list ] && ! grep -qE -- "$ONLY" <<<"$name"; then
+    STEP_RC=-2
+    echo "==== $name: skipped, not selected (TUNA_GPU_CHECK_ONLY=$ONLY)" >>"$OUT/$logfile"
+    verdict "$name" "skipped (not selected)" 0
+    return
+  fi
   if [ "$left" -lt $MIN_STEP_SECONDS ]; then
     STEP_RC=-1
     echo "==== $name: skipped, no time left in tier $TIER (second $SECONDS of ${end})" >>"$OUT/$logfile"
@@ -215,6 +227,7 @@ trap 'COMPLETED=2; verdict gpu-check "FAILED (interrupted by a signal at second 
 
 # ---- the machine
 log "== gpu-check$([ $EMULATED -eq 1 ] && echo ' --emulated') $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(pwd), binaries from $BIN"
+[ -n "$ONLY" ] && log "only the steps matching TUNA_GPU_CHECK_ONLY=$ONLY (the others: skipped, not selected)"
 [ "$TIME_SCALE" -eq 1 ] || log "every limit x$TIME_SCALE (TUNA_GPU_CHECK_TIME_SCALE)"
 log "git: $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | wc -l) changed files"
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 || true; } | tee -a "$SUMMARY"
@@ -296,7 +309,7 @@ tier 1
 A1_TEST='AttentionGpu.HopperDocumentsStartingInsideAWarpgroup'
 test_step tests/hopper-documents-in-a-warpgroup 60 "$A1_TEST"
 HOPPER_OK=1
-grep -qE '^tests: ' "$STEP_OUT" || HOPPER_OK=0
+[ "$STEP_RC" -eq -2 ] || grep -qE '^tests: ' "$STEP_OUT" || HOPPER_OK=0
 step tests/list 30 tests.log "$BIN/gpu_tests" --gtest_list_tests
 suites=$(grep -E '^[A-Za-z0-9_/]+\.$' "$STEP_OUT" || true)  # "Suite." and "Instance/Suite." lines
 [ -z "$suites" ] && verdict tests/list "FAILED (no test suite listed: tests.log)" 0
@@ -308,7 +321,7 @@ for suite in $suites; do
 done
 if [ $HOPPER_OK -eq 1 ]; then
   test_step tests/hopper 60 "$HOPPER_TESTS:-$A1_TEST"
-  grep -qE '^tests: ' "$STEP_OUT" || HOPPER_OK=0
+  [ "$STEP_RC" -eq -2 ] || grep -qE '^tests: ' "$STEP_OUT" || HOPPER_OK=0
 else
   verdict tests/hopper "FAILED (not run: the hopper path hung or crashed on $A1_TEST)" 0
 fi
@@ -427,7 +440,7 @@ if [ $EMULATED -eq 1 ]; then
   # The emulated benches measure nothing, so the refresh must refuse them; the committed rates stand in.
   EXPECT=1 step plan/refresh 20 benches.log "$BIN/plan" --refresh_rates "$BENCH_JSON" --rates plan/plan_rates.json \
     --rates_out "$RUNS/rates.json"
-  grep -q "no GEMM, attention or memory bench results" "$STEP_OUT" ||
+  [ "$STEP_RC" -eq -2 ] || grep -q "no GEMM, attention or memory bench results" "$STEP_OUT" ||
     verdict plan/refresh "FAILED (the refresh of emulated benches did not refuse them as expected: benches.log)" 0
   cp plan/plan_rates.json "$RUNS/rates.json"
 else

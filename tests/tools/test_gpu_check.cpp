@@ -149,6 +149,28 @@ TEST(GpuCheckEmulated, FailsOnABrokenStepAndNamesIt) {
   EXPECT_TRUE(std::regex_search(summary, std::regex("\\[3\\] bench/train_step: ok")));
 }
 
+// A short lease's selection (TUNA_GPU_CHECK_ONLY): the matching steps run, every other is "skipped (not selected)"
+// and fails nothing, the hopper path is not taken for broken by its test's absence, and tests/list still finds the
+// suites.
+TEST(GpuCheckEmulated, RunsOnlyTheSelectedSteps) {
+  TempDir tmp("gpu_check_only");
+  const fs::path out = tmp / "out";
+  const auto r = run_command("TUNA_GPU_CHECK_ONLY='^tests/Fp8GpuGroup$|^bench/gemm$' TUNA_GPU_BIN=" +
+                                 testing_util::build_dir() + "/gpu-check-emulated/bin scripts/gpu-check.sh --emulated '" +
+                                 out.string() + "'",
+                             tmp / "check.log");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  expect_returned_files(out);
+  const std::string summary = read_file(out / "summary.log");
+  EXPECT_NE(summary.find("only the steps matching TUNA_GPU_CHECK_ONLY="), std::string::npos) << summary;
+  for (const char* ran : {"[1] tests/list: ok", "[1] tests/Fp8GpuGroup: ok", "[3] bench/gemm: ok"})
+    EXPECT_NE(summary.find(ran), std::string::npos) << ran << "\n" << summary;
+  for (const char* skipped : {"[1] train/straight: skipped (not selected)", "[1] tests/hopper: skipped (not selected)",
+                              "[2] train/zero1: skipped (not selected)", "[3] plan/refresh: skipped (not selected)"})
+    EXPECT_NE(summary.find(skipped), std::string::npos) << skipped << "\n" << summary;
+  EXPECT_EQ(summary.find(": FAILED"), std::string::npos) << summary;
+}
+
 // What the GPU machine is sent: `make gpu-check-build`'s bin/, carried as one folder of at most 64 MiB with the
 // repository. The build keeps it under 40 MB (compressed device code, one copy of the library for the tests and
 // benches); past 48 MB it is time to look at what grew, before it stops fitting. Symbolic links count as the links.
