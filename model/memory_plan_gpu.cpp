@@ -595,7 +595,17 @@ std::string describe_layout(const MemoryLayout& l) {
              ", ZeRO-", l.zero, l.zero == 3 && !l.zero_prefetch ? " (no prefetch)" : "",
              ", recompute ", recompute_name(l.recompute), ", ", l.bf16_moments ? "bf16" : "fp32", " moments, ",
              l.master_weights ? "fp32 master" : "no fp32 master", ", micro_batch ", l.micro_batch, " x seq_len ",
-             l.seq_len, l.lora.enabled() ? ", " + describe_lora(l.lora) : std::string());
+             l.seq_len, l.lora.enabled() ? ", " + describe_lora(l.lora) : std::string(),
+             l.fp8 != Fp8Mode::Off ? str(", --fp8 ", fp8_mode_name(l.fp8)) : std::string());
+}
+
+// --fp8's buffers, each on a line of its own below the table (the table names a kind's largest buffer only).
+std::string fp8_buffer_lines(const MemoryPlan& plan) {
+  std::string out;
+  for (const MemoryItem& i : plan.items)
+    if (i.name.rfind("FP8 ", 0) == 0)
+      out += str("  ", i.name, ": ", format_bytes(i.bytes), " (", memory_kind_name(i.kind), ")\n");
+  return out.empty() ? out : "of which FP8 (model/fp8_gpu.h):\n" + out;
 }
 
 int64_t needed(const LlamaConfig& c, const MemoryLayout& l) {
@@ -617,6 +627,7 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
                                        l.tp_rank, " of ", describe_layout(l), ")",
                                        runs.runs() ? "" : str(", AS DESIGNED (", runs.reason, ")")),
                                    gpu_headroom_bytes(l));
+  fit.report += fp8_buffer_lines(plan);
   if (fit.fits) return fit;
   fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");
   // Cumulative changes, cheapest in speed first.
