@@ -40,13 +40,17 @@ LlamaConfig llama32_1b() {
 
 // part 0: the whole step; 1: forward and loss only; 2: AdamW only. The parts show where a step's time goes
 // (the forward is a third of the model FLOPs; AdamW is memory-bound: 30 bytes per parameter). hopper 1: the sm_90a
-// attention kernels (--attention hopper), else mma.
+// attention kernels (--attention hopper), else mma. fp8 1: --fp8 tensorwise (the seven projections' GEMMs in FP8,
+// model/fp8.h), beside the bf16 step of the same shape; its MFU is still against the bf16 peak (the model FLOPs are
+// the same), so it says how much faster the step is, not how close to the FP8 peak.
 void BM_TrainStep(benchmark::State& state) {
   const int64_t batch = state.range(0), seq = state.range(1), part = state.range(2);
   const AttentionPath path = state.range(3) != 0 ? AttentionPath::kHopper : AttentionPath::kMma;
+  const bool fp8 = state.range(4) != 0;
   const LlamaConfig config = llama32_1b();
   MemoryLayout run;
   run.micro_batch = batch, run.seq_len = seq, run.attention = path;
+  run.fp8 = fp8 ? Fp8Mode::Tensorwise : Fp8Mode::Off;
   LlamaGpu model(config, run);
   model.init_random(1);
   std::vector<int32_t> inputs(batch * seq), targets(batch * seq);
@@ -75,16 +79,19 @@ void BM_TrainStep(benchmark::State& state) {
   }
   state.counters["GiB"] = static_cast<double>(model.device_bytes()) / double(1 << 30);
   state.SetLabel(std::string(kPart[part]) + ", LLaMA-3.2-1B shape, batch " + std::to_string(batch) + " x seq " +
-                 std::to_string(seq) + ", " + attention_path_option(path) + " attention");
+                 std::to_string(seq) + ", " + attention_path_option(path) + " attention" +
+                 (fp8 ? ", --fp8 tensorwise" : ""));
 }
 
 BENCHMARK(BM_TrainStep)
-    ->ArgNames({"batch", "seq", "part", "hopper"})
-    ->Args({2, 4096, 0, 0})
-    ->Args({4, 4096, 0, 0})
-    ->Args({2, 4096, 1, 0})
-    ->Args({2, 4096, 2, 0})
-    ->Args({4, 4096, 0, 1})
+    ->ArgNames({"batch", "seq", "part", "hopper", "fp8"})
+    ->Args({2, 4096, 0, 0, 0})
+    ->Args({4, 4096, 0, 0, 0})
+    ->Args({2, 4096, 0, 0, 1})
+    ->Args({4, 4096, 0, 0, 1})
+    ->Args({2, 4096, 1, 0, 0})
+    ->Args({2, 4096, 2, 0, 0})
+    ->Args({4, 4096, 0, 1, 0})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(2.0);

@@ -125,6 +125,7 @@ void ShardedStore::gradients_ready() {
 }
 
 void ShardedStore::weights_updated() {
+  if (whole_ != nullptr && whole_ == model_.params()) model_.weights_changed();  // --fp8: cast again at next use
   join(comm_, compute_, compute_to_comm_);
   for (Gathered& b : gathered_) {
     TUNA_CHECK(!b.in_use, "unit ", b.unit, " still acquired at the update");

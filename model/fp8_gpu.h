@@ -8,12 +8,22 @@
 // base, or at every gather under ZeRO-3.
 #pragma once
 
+#include <cstdint>
+
+namespace tuna {
+// Floats between two scales an FP8 GEMM reads (16 bytes); in every build, for the memory plan.
+inline constexpr int64_t kFp8ScaleStride = 4;
+// A decoder layer's FP8 GEMM groups, in forward order: the fused q|k|v, o_proj, the fused gate|up, down_proj. The
+// model keeps one weight cast, one input amax and one output-gradient amax per group, indexed so.
+enum class Fp8Group { Qkv, O, GateUp, Down };
+inline constexpr int kFp8Groups = 4;
+}  // namespace tuna
+
 #if TUNA_CUDA
 
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
-#include <cstdint>
 
 #include "kernels/cpu/grad_write.h"
 
@@ -35,9 +45,6 @@ struct Fp8GpuWeight {
 // Casts `w` (bf16 [rows, in], device) into `c`: its amax, the maximum over `tp` (a weight is split there whenever
 // tp > 1; null or size 1: none), then both layouts.
 void fp8_cast_weight(Fp8GpuWeight& c, const __nv_bfloat16* w, Comm* tp, cudaStream_t stream);
-
-// Floats between two scales an FP8 GEMM reads (16 bytes).
-inline constexpr int64_t kFp8ScaleStride = 4;
 
 // One pass's operand codes, reused group after group: scratch of the model's arena.
 struct Fp8GpuScratch {

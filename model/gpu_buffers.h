@@ -26,6 +26,10 @@ enum class GpuBuffer : uint8_t {
   // Workspace, pipeline and inputs.
   RmsnormScratch, SpNormGrads, AttentionScratch, TiedPeerGrad, LossTotal, Tokens, Targets, GroupPositions,
   GroupTokens, GroupOffsets, DocStarts, RopePositions, AttentionTileCounter, MatmulWorkspace,
+  // --fp8 tensorwise (model/fp8_gpu.h): the layers' weight codes and their scales, the activations' amaxes kept for
+  // the backward, and one projection group's operand codes and scales at a time.
+  Fp8WeightCodes, Fp8WeightScales, Fp8ActivationAmax, Fp8InputCodes, Fp8GradCodes, Fp8GradCodesT, Fp8OperandScales,
+  Fp8GradAmax,
 };
 
 // A decoder layer's activations (LlamaGpu::LayerActs), in forward order: the fields gpu_keeps_activation names.

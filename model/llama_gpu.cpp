@@ -148,6 +148,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   stage_ = run_.stage();
   in_flight_ = run_.in_flight();
   sp_ = run.sp;
+  fp8_ = run_.fp8 == Fp8Mode::Tensorwise && run_.training;  // a training option (model/support.cpp)
   require_fused_weight_blocks(layout_, config_.hidden_size);  // and their gradients: one block each
   TUNA_CUDA_CHECK(cudaSetDevice(options_.device));
   TUNA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -165,6 +166,7 @@ LlamaGpu::LlamaGpu(const LlamaConfig& config, const MemoryLayout& run, const Opt
   const bool quantized = lora_.enabled() && run_.lora.base_quant != BaseQuant::None;
   if (quantized) lay_out_quantized_base();
   if (lora_.enabled()) set_up_adapters();
+  set_up_fp8();
   if (run_.zero == 0) arena_->check_all_taken();  // ZeRO 1-3: the engine takes the shard's buffers, then checks
   const bool frozen_sharded = lora_.enabled() && run_.training && run_.zero == 3;  // the engine's store gathers it
   if (quantized) {
@@ -247,6 +249,18 @@ void LlamaGpu::point(const GpuBufferRow& row, void* p) {
     case GpuBuffer::DocStarts: return set(doc_start_);
     case GpuBuffer::RopePositions: return set(rope_positions_);
     case GpuBuffer::AttentionTileCounter: return set(attention_tile_counter_);
+    case GpuBuffer::Fp8WeightCodes: return set(fp8_codes_);
+    case GpuBuffer::Fp8WeightScales: return set(fp8_scales_);
+    case GpuBuffer::Fp8ActivationAmax:
+      TUNA_CHECK(row.elements == static_cast<int64_t>(acts_.size()) * kFp8Groups, "FP8 activation amaxes: ",
+                 row.elements, " for ", acts_.size(), " layer slots");
+      for (size_t i = 0; i < acts_.size(); i++) acts_[i].fp8_amax = static_cast<float*>(p) + i * kFp8Groups;
+      return;
+    case GpuBuffer::Fp8InputCodes: return set(fp8_scratch_.x);
+    case GpuBuffer::Fp8GradCodes: return set(fp8_scratch_.dy);
+    case GpuBuffer::Fp8GradCodesT: return set(fp8_scratch_.dy_t);
+    case GpuBuffer::Fp8OperandScales: return set(fp8_scratch_.inv);
+    case GpuBuffer::Fp8GradAmax: return set(fp8_grad_amax_);
     case GpuBuffer::MatmulWorkspace:
       matmul_ = std::make_unique<cuda::MatmulContext>(p, static_cast<size_t>(row.elements * row.element_bytes));
       return;
@@ -284,6 +298,37 @@ void LlamaGpu::point_activation(const GpuBufferRow& row, __nv_bfloat16* p) {
              "activation row of slot ", row.slot, ", layer ", row.layer, " outside the stage");
   set(acts_[row.slot * stage_.layers() + (row.layer - stage_.layer_begin)]);
 }
+
+// FP8: each stage layer's four group casts carved out of the plan's codes (the groups' [rows, in] and [in, rows]
+// codes in turn, layer after layer, as model/memory_plan_gpu.cpp sizes them) and scales (an amax and an inverse scale
+// per group, kFp8ScaleStride floats apart: 16-byte aligned, as cuBLASLt's FP8 GEMMs need).
+void LlamaGpu::set_up_fp8() {
+  if (!fp8_) return;
+  TUNA_CHECK(run_.tp == 1 && !sp_ && run_.pp == 1 && !lora_.enabled() && fp8_codes_ != nullptr &&
+                 fp8_scales_ != nullptr && fp8_scratch_.x != nullptr && fp8_scratch_.inv != nullptr,
+             "--fp8 on the CUDA model: a layout model/support.cpp refuses, or its buffers not planned");
+  TUNA_CHECK(fp8_scratch_.dy && fp8_scratch_.dy_t && fp8_grad_amax_, "FP8 backward buffers not planned");
+  const TpDims& d = layout_.tp();
+  const int64_t C = config_.hidden_size;
+  const std::array<std::array<int64_t, 2>, kFp8Groups> shapes = {  // [rows, in], Fp8Group order
+      {{d.q_dim + 2 * d.kv_dim, C}, {C, d.q_dim}, {2 * d.ffn, C}, {C, d.ffn}}};
+  const int64_t L = stage_.layers();
+  fp8_w_.resize(L * kFp8Groups);
+  fp8_cast_.assign(L, 0);
+  uint8_t* codes = fp8_codes_;
+  float* scales = fp8_scales_;
+  for (int64_t l = 0; l < L; l++)
+    for (int g = 0; g < kFp8Groups; g++) {
+      Fp8GpuWeight& w = fp8_w_[l * kFp8Groups + g];
+      w.rows = shapes[g][0], w.in = shapes[g][1];
+      w.codes = codes, w.codes_t = codes + w.rows * w.in;
+      codes += 2 * w.rows * w.in;
+      w.amax = scales, w.inv_scale = scales + kFp8ScaleStride;
+      scales += 2 * kFp8ScaleStride;
+    }
+}
+
+void LlamaGpu::weights_changed() { std::fill(fp8_cast_.begin(), fp8_cast_.end(), 0); }
 
 // What the device holds from the start: the fused AdamW's segment table over the whole layout (one segment per
 // tensor, in offset order), the RoPE tables, and zeros for the weights and the optimizer state (a step before
@@ -335,6 +380,7 @@ LlamaGpu::~LlamaGpu() {
 // cudaStreamNonBlocking stream does not wait for, and from pageable memory it may return before the data has
 // landed, so a kernel on stream_ could read the old contents.
 void LlamaGpu::set_params(const float* host) {
+  weights_changed();
   if (dequant_ != nullptr) {  // QLoRA: a unit at a time, quantized on the way
     for (int u = 0; u < layout_.num_units(); u++) set_quantized_unit(u, host + layout_.unit_range(u).first);
     return;
@@ -357,6 +403,7 @@ void LlamaGpu::set_params(const float* host) {
 }
 
 void LlamaGpu::set_params_piece(const Segment& piece, const float* host) {
+  weights_changed();
   if (dequant_ != nullptr) {  // QLoRA: whole units (the engine fills a unit at a time), quantized on the way
     for (int u = 0; u < layout_.num_units(); u++)
       if (layout_.unit_range(u).first == piece.begin &&
@@ -375,6 +422,7 @@ void LlamaGpu::refresh_params() {
 }
 
 void LlamaGpu::refresh_params_from(const float* master_values) {
+  weights_changed();
   const int64_t total = trained_layout().total();
   if (!options_.stochastic_rounding || steps_taken_ == 0)
     return cuda::f32_to_bf16(t_.weights, master_values, total, stream_);
@@ -398,6 +446,7 @@ void LlamaGpu::upload_piece(float* master, __nv_bfloat16* params, const Segment&
 }
 
 void LlamaGpu::init_random(uint64_t seed, double std) {
+  weights_changed();
   TUNA_CHECK(master_ != nullptr, "this model keeps no fp32 master copy (ZeRO-0 training only)");
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (const ParamTensor& t : layout_.tensors()) {
@@ -443,6 +492,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
   const ParamLayout& trained = trained_layout();
   const int64_t P = trained.total();
   cudaStream_t s = stream_;
+  weights_changed();  // the update below rewrites the bf16 weights
   zero_unwritten_grads();  // a step without a backward: its gradient is zero
   cuda::sum_of_squares(norm_total_, t_.grads, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));

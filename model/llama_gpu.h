@@ -27,6 +27,13 @@
 // activations per micro-batch in flight (forward_stage, backward_stage: model/llama.h's contract). With adapters (a
 // bf16 or nf4 base), the stage's frozen units and its layers' adapters (lora_layout with the stage: global names, the
 // other layers' units empty); a frozen tied table needs no gradient from the other stage.
+// FP8 (MemoryLayout::fp8 tensorwise, model/fp8.h): each layer's four projection GEMM groups (q|k|v, o, gate|up, down)
+// run forward and backward through model/fp8_gpu.h, the CPU model's Fp8GroupCpu recipe. A layer's weights are cast
+// at its first forward after they changed (weights_changed: every write of them, the updates included) into codes
+// the step's passes share; the activations' amaxes are folded into the kernels that write them (rmsnorm_fwd_amax,
+// swiglu_fwd_amax; fp8_amax for the attention output) and kept per layer for the backward; the output gradients'
+// into rmsnorm_bwd_amax and swiglu_bwd_amax (fp8_amax for d_q|d_k|d_v). One rank per tp group, whole layers per
+// stage, no adapters (model/support.cpp refuses the rest). A training option: a forward-only model runs bf16.
 // QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
@@ -54,6 +61,7 @@
 #include "kernels/embedding.cuh"
 #include "kernels/matmul.cuh"
 #include "model/config.h"
+#include "model/fp8_gpu.h"      // Fp8GpuWeight, Fp8GpuScratch, Fp8Group
 #include "model/gpu_buffers.h"  // GpuBufferRow
 #include "model/gpu_options.h"
 #include "model/layout.h"
@@ -205,6 +213,11 @@ class LlamaGpu {
   // Both act on trained_layout(): with adapters, their bf16 copy.
   void refresh_params_from(const float* master_values);
 
+  // The bf16 weights changed outside this model's own writes (ZeRO-2's gathers after the update: dist/zero_gpu.h):
+  // with --fp8 each layer is cast again at its next forward. This model's writes (set_params*, refresh_params*,
+  // init_random, adamw_step) call it themselves.
+  void weights_changed();
+
   // Host fp32 <-> device, in layout() order (the model; with adapters the frozen base, and get_params /
   // get_grads then the adapters', trained_layout()). set_params also refreshes the bf16 copy. Synchronous.
   void set_params(const float* host);
@@ -310,6 +323,7 @@ class LlamaGpu {
     __nv_bfloat16 *resid_in, *norm1, *q, *k, *v, *att, *resid_mid, *norm2, *gate_up, *act;
     float *rstd1, *lse, *rstd2;
     std::array<__nv_bfloat16*, kLoraTargets> lora_ax{};  // per adapter: s A dropout(x), [n, r]
+    float* fp8_amax = nullptr;  // --fp8: [kFp8Groups] each group's input amax (Fp8Group order), device fp32
   };
   // What AdamW updates, in trained_layout() order: the model's buffers, or with adapters theirs.
   struct Trained {
@@ -373,6 +387,11 @@ class LlamaGpu {
   // Layer l's activations in the current slot (a stage's layers only).
   LayerActs& acts(int64_t l) { return acts_[slot_ * stage_.layers() + (l - stage_.layer_begin)]; }
   void select_slot(int64_t slot);
+  // --fp8: layer l's four group casts (Fp8Group order), cast from its weights (unit base wb) first when stale.
+  const Fp8GpuWeight* fp8_weights(int64_t l, const __nv_bfloat16* wb);
+  // --fp8: out = x @ W^T (+ residual) for group g of layer l, x's amax already folded into acts(l).fp8_amax[g].
+  void fp8_fwd(int64_t l, Fp8Group g, const Fp8GpuWeight* w, __nv_bfloat16* out, const __nv_bfloat16* x,
+               const __nv_bfloat16* residual, int64_t n);
   // Adapters of layer l (model/llama.cpp's lora_fwd / lora_bwd, and the tp collectives described there). Forward:
   // u = s A dropout(x) into lora_ax, then y (rows ld_y apart) += u B^T unless add_output is false (a recompute that
   // needs u alone). Backward: dB += dy^T u, dt = s dy B, dA += dt^T dropout(x), dx += dropout'(dt A).
@@ -432,6 +451,16 @@ class LlamaGpu {
   bool lora_train_ = false;  // this pass applies dropout
   bool adapters_off_ = false;  // this forward runs the frozen base alone (forward_logps: the LoRA reference)
   bool weighted_head_ = false;  // this pass's head runs twice (forward_logps, then backward_weighted): ZeRO-3's plan
+  // FP8 (run_.fp8 tensorwise): per stage layer its groups' casts (fp8_w_[layer * kFp8Groups + group]) and whether
+  // they hold the current weights; one group's operand codes; the output gradients' amaxes (Fp8Group order: the
+  // residual gradient's for o and down).
+  bool fp8_ = false;
+  std::vector<Fp8GpuWeight> fp8_w_;
+  std::vector<uint8_t> fp8_cast_;
+  uint8_t* fp8_codes_ = nullptr;
+  float *fp8_scales_ = nullptr, *fp8_grad_amax_ = nullptr;
+  Fp8GpuScratch fp8_scratch_;
+  void set_up_fp8();
   // QLoRA: per layer, its projections' NF4 state in nf4_state_; the unquantized tensors (embedding unit, head unit,
   // then the layers' norms) in plain_; dequant_ one layer unit in bf16.
   struct Nf4Slot {

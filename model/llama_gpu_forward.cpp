@@ -25,6 +25,7 @@
 #include "kernels/classifier.cuh"
 #include "kernels/cpu/attention.h"  // doc_starts_from_positions
 #include "kernels/cpu/classifier.h"
+#include "kernels/fp8.cuh"  // fp8_amax
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
 #include "kernels/swiglu.cuh"
@@ -140,6 +141,9 @@ void LlamaGpu::forward(int64_t batch, int64_t seq, bool backward_follows) {
            " no rows (the CUDA engine needs at least one token per tp rank)");
   }
   const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions
+  if (fp8_ && n % 16 != 0)
+    fail("--fp8 ", fp8_mode_name(run_.fp8), " with --device cuda: a pass of batch ", batch, " x seq ", seq, " = ", n,
+         " tokens; the FP8 GEMMs (cuBLASLt) take a multiple of 16 tokens");
 
   // The first stage embeds; a later stage's input is already in its first layer's resid_in (stage_input).
   if (stage_.embedding) {
@@ -175,12 +179,24 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cudaStream_t s = stream_;
   cuda::MatmulContext& mm = *matmul_;
   const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions
-  cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), nr, C, c.rms_norm_eps, s);
+  // FP8: the layer's weight codes (cast now if the weights changed since), and each group's input amax folded into
+  // the kernel that writes the input, from zero.
+  const Fp8GpuWeight* w8 = fp8_ ? fp8_weights(l, wb) : nullptr;
+  float* amax = a.fp8_amax;
+  const auto amax_of = [&](Fp8Group g) { return amax + static_cast<int>(g); };
+  if (fp8_) {
+    TUNA_CUDA_CHECK(cudaMemsetAsync(amax, 0, kFp8Groups * sizeof(float), s));
+    cuda::rmsnorm_fwd_amax(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), nr, C, c.rms_norm_eps,
+                           amax_of(Fp8Group::Qkv), s);
+  } else {
+    cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), nr, C, c.rms_norm_eps, s);
+  }
   // One GEMM over the q|k|v weight block into qkv_; RoPE reads q and k out of its rows into the contiguous a.q, a.k
   // the attention kernels take, and v is copied out (a strided copy). With sp it reads every rank's rows gathered.
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
   const __nv_bfloat16* x1 = sp_ ? sp_gather(a.norm1, "sp q/k/v input") : a.norm1;
-  cuda::matmul_fwd(mm, qkv_, x1, w(o.q_proj), n, C, qkv, s);
+  if (fp8_) fp8_fwd(l, Fp8Group::Qkv, w8, qkv_, x1, nullptr, n);
+  else cuda::matmul_fwd(mm, qkv_, x1, w(o.q_proj), n, C, qkv, s);
   // Adapters add into their column blocks of the fused outputs, before RoPE and SwiGLU read them; with sp they read
   // every row of the gathered input, as the GEMM does.
   const auto adapt = [&](LoraTarget t, const __nv_bfloat16* x, __nv_bfloat16* y, int64_t ld_y, bool add = true) {
@@ -195,11 +211,13 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   copy_rows(a.v, d.kv_dim, qkv_ + d.q_dim + d.kv_dim, qkv, n, d.kv_dim, s);
   cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, attention_doc_start_, s,
                       run_.attention, attention_tile_counter_);
+  if (fp8_) cuda::fp8_amax(amax_of(Fp8Group::O), a.att, n, d.q_dim, d.q_dim, s);  // o_proj's input: no producer folds it
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks. With sp every row's partial product goes to gathered_, each rank adding the
   // residual of its own rows (the GEMM split at them), and the sum of this rank's rows comes back into `out`.
-  const auto row_parallel = [&](__nv_bfloat16* out, const __nv_bfloat16* inp, int64_t weight,
+  const auto row_parallel = [&](__nv_bfloat16* out, const __nv_bfloat16* inp, int64_t weight, Fp8Group group,
                                 const __nv_bfloat16* residual, int64_t ic, const char* what) {
+    if (fp8_) return fp8_fwd(l, group, w8, out, inp, residual, n);  // one tp rank (model/support.cpp)
     if (!sp_) {
       if (d.tp_rank == 0) cuda::matmul_residual_fwd(mm, out, inp, w(weight), residual, n, ic, C, s);
       else cuda::matmul_fwd(mm, out, inp, w(weight), n, ic, C, s);
@@ -213,25 +231,32 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
     if (n > end) cuda::matmul_fwd(mm, gathered_ + end * C, inp + end * ic, w(weight), n - end, ic, C, s);
     sp_reduce(gathered_, out, n, what);
   };
-  row_parallel(a.resid_mid, a.att, o.o_proj, a.resid_in, d.q_dim, "tp o_proj");
+  row_parallel(a.resid_mid, a.att, o.o_proj, Fp8Group::O, a.resid_in, d.q_dim, "tp o_proj");
   adapt(LoraTarget::O, a.att, a.resid_mid, C);  // after the sum: every rank adds the same whole product once
-  cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), nr, C, c.rms_norm_eps, s);
+  if (fp8_)
+    cuda::rmsnorm_fwd_amax(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), nr, C, c.rms_norm_eps,
+                           amax_of(Fp8Group::GateUp), s);
+  else
+    cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), nr, C, c.rms_norm_eps, s);
   const __nv_bfloat16* x2 = sp_ ? sp_gather(a.norm2, "sp gate/up input") : a.norm2;
-  cuda::matmul_fwd(mm, a.gate_up, x2, w(o.gate_proj), n, C, 2 * F, s);  // the gate|up block
+  if (fp8_) fp8_fwd(l, Fp8Group::GateUp, w8, a.gate_up, x2, nullptr, n);
+  else cuda::matmul_fwd(mm, a.gate_up, x2, w(o.gate_proj), n, C, 2 * F, s);  // the gate|up block
   adapt(LoraTarget::Gate, x2, a.gate_up, 2 * F);
   adapt(LoraTarget::Up, x2, a.gate_up + F, 2 * F);
-  cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
+  if (fp8_) cuda::swiglu_fwd_amax(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, amax_of(Fp8Group::Down), s);
+  else cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
   if (!write_output) {  // a recompute: the down adapter's u is needed by its backward, its output is not
     adapt(LoraTarget::Down, a.act, nullptr, C, /*add=*/false);
     return;
   }
   __nv_bfloat16* resid_next = l + 1 < stage_.layer_end ? acts(l + 1).resid_in : resid_out_;
-  row_parallel(resid_next, a.act, o.down_proj, a.resid_mid, F, "tp down_proj");
+  row_parallel(resid_next, a.act, o.down_proj, Fp8Group::Down, a.resid_mid, F, "tp down_proj");
   adapt(LoraTarget::Down, a.act, resid_next, C);
 }
 
 // What the recompute mode dropped of layer l's activations, recomputed from what it kept, with the same kernels
-// on the same inputs: the same bits as the forward wrote.
+// on the same inputs: the same bits as the forward wrote. (With FP8 the input amaxes are kept per layer, so the
+// selective recompute need not fold them again; a full one recomputes them, to the same values.)
 void LlamaGpu::recompute_layer(int64_t l, const __nv_bfloat16* wb, int64_t batch, int64_t seq) {
   switch (run_.recompute) {
     case Recompute::None: return;
@@ -297,6 +322,25 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
   TUNA_CUDA_CHECK(cudaEventRecord(loss_copied_, s));
   for (int64_t i = 0; i < rows; ++i) loss.count += host_targets[i] != cpu::kIgnoreIndex;
   return loss;
+}
+
+const Fp8GpuWeight* LlamaGpu::fp8_weights(int64_t l, const __nv_bfloat16* wb) {
+  const int64_t i = l - stage_.layer_begin;
+  Fp8GpuWeight* w = fp8_w_.data() + i * kFp8Groups;
+  if (fp8_cast_[i]) return w;
+  const LayerOffsets& o = layout_.layer(l);
+  const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
+  const int64_t offsets[kFp8Groups] = {o.q_proj, o.o_proj, o.gate_proj, o.down_proj};  // Fp8Group order
+  for (int g = 0; g < kFp8Groups; g++) fp8_cast_weight(w[g], wb + (offsets[g] - begin), tp_, stream_);
+  fp8_cast_[i] = 1;
+  return w;
+}
+
+void LlamaGpu::fp8_fwd(int64_t l, Fp8Group g, const Fp8GpuWeight* w, __nv_bfloat16* out, const __nv_bfloat16* x,
+                       const __nv_bfloat16* residual, int64_t n) {
+  const Fp8GpuWeight& wg = w[static_cast<int>(g)];
+  fp8_cast_input(fp8_scratch_, x, n, wg.in, acts(l).fp8_amax + static_cast<int>(g), stream_);
+  fp8_linear_fwd(*matmul_, out, residual, wg, fp8_scratch_, /*row0=*/0, n, stream_);
 }
 
 double LlamaGpu::queued_loss_sum() {

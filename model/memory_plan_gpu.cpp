@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "kernels/scratch.h"
+#include "model/fp8_gpu.h"  // kFp8ScaleStride
 #include "model/gpu_buffers.h"
 #include "model/layout.h"
 #include "model/lora.h"  // LoraTarget, lora_target_name
@@ -446,6 +447,35 @@ void plan_pass_buffers(const MemoryLayout& l, const PipelineStage& stage, const 
         gpu_scratch::attention_bwd_floats(l.micro_batch, l.seq_len, p.H, /*head_dim=*/128, l.attention), kF32);
 }
 
+// --fp8 tensorwise (model/fp8.h, model/fp8_gpu.h). The weight codes are kept per layer, both layouts (2 bytes a
+// projection weight, as much as its bf16 copy): each layer is cast once per step, at its first forward after an
+// update, and every micro-batch's forward, recompute and backward of the step reads those codes. Casting just before
+// each use into one reused layer buffer would save that memory at the price of a cast per pass and micro-batch (the
+// weights read 2 to 3 times per micro-batch instead of once per step); with ZeRO-3, whose point is to hold no whole
+// model, the engine refuses FP8 (model/support.cpp). Each group's amax and inverse scale, and every scale an FP8
+// GEMM reads, sit kFp8ScaleStride floats apart: cuBLASLt's FP8 GEMMs need them 16-byte aligned.
+// The activations' amaxes (norm1, attention output, norm2, SwiGLU output) are kept per layer and slot for the
+// backward's weight-gradient cast of the same inputs; the operand codes are one group's at a time.
+void plan_fp8_buffers(const MemoryLayout& l, const PipelineStage& stage, const PassShape& p, PlanBuilder& b) {
+  if (l.fp8 == Fp8Mode::Off || !l.training) return;  // a forward alone (eval, sample) runs in bf16
+  const int64_t n = p.n, C = p.C, L = stage.layers(), qkv = p.qd + 2 * p.kvd;
+  const int64_t layer_weights = qkv * C + C * p.qd + 2 * p.F * C + C * p.F;  // q|k|v, o, gate|up, down
+  b.add(GpuBuffer::Fp8WeightCodes, str("FP8 weight codes (e4m3, both layouts, ", L, " layers)"), MemoryKind::Weights,
+        2 * layer_weights * L, 1);
+  b.add(GpuBuffer::Fp8WeightScales, "FP8 weight amaxes and scales", MemoryKind::Workspace,
+        L * kFp8Groups * 2 * kFp8ScaleStride, kF32);
+  b.add(GpuBuffer::Fp8ActivationAmax, "FP8 activation amaxes (kept for the backward)", MemoryKind::Activations,
+        l.in_flight() * L * kFp8Groups, kF32);
+  b.add(GpuBuffer::Fp8InputCodes, "FP8 codes of one group's input (e4m3)", MemoryKind::Workspace,
+        n * std::max({C, p.qd, p.F}), 1);
+  b.add(GpuBuffer::Fp8OperandScales, "FP8 operand scales", MemoryKind::Workspace, 2 * kFp8ScaleStride, kF32);
+  const int64_t rows = std::max({qkv, C, 2 * p.F});
+  b.add(GpuBuffer::Fp8GradCodes, "FP8 codes of one group's output gradient (e5m2)", MemoryKind::Workspace, n * rows, 1);
+  b.add(GpuBuffer::Fp8GradCodesT, "FP8 codes of one group's output gradient (e5m2, transposed)", MemoryKind::Workspace,
+        n * rows, 1);
+  b.add(GpuBuffer::Fp8GradAmax, "FP8 output gradient amaxes", MemoryKind::Workspace, kFp8Groups, kF32);
+}
+
 // The pipeline's buffers, and the pass's inputs as the device holds them.
 void plan_pipeline_and_inputs(const LlamaConfig& c, const MemoryLayout& l, const PipelineStage& stage,
                               const PassShape& p, PlanBuilder& b) {
@@ -521,6 +551,7 @@ GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& asked)
   const PassShape shape = pass_shape(c, l, layout);
   plan_layer_activations(c, l, stage, shape, b);
   plan_pass_buffers(l, stage, shape, b);
+  plan_fp8_buffers(l, stage, shape, b);
   plan_pipeline_and_inputs(c, l, stage, shape, b);
   plan_nccl_scratch(c, l, layout, units, b);
   return b.table;
@@ -564,7 +595,17 @@ std::string describe_layout(const MemoryLayout& l) {
              ", ZeRO-", l.zero, l.zero == 3 && !l.zero_prefetch ? " (no prefetch)" : "",
              ", recompute ", recompute_name(l.recompute), ", ", l.bf16_moments ? "bf16" : "fp32", " moments, ",
              l.master_weights ? "fp32 master" : "no fp32 master", ", micro_batch ", l.micro_batch, " x seq_len ",
-             l.seq_len, l.lora.enabled() ? ", " + describe_lora(l.lora) : std::string());
+             l.seq_len, l.lora.enabled() ? ", " + describe_lora(l.lora) : std::string(),
+             l.fp8 != Fp8Mode::Off ? str(", --fp8 ", fp8_mode_name(l.fp8)) : std::string());
+}
+
+// --fp8's buffers, each on a line of its own below the table (the table names a kind's largest buffer only).
+std::string fp8_buffer_lines(const MemoryPlan& plan) {
+  std::string out;
+  for (const MemoryItem& i : plan.items)
+    if (i.name.rfind("FP8 ", 0) == 0)
+      out += str("  ", i.name, ": ", format_bytes(i.bytes), " (", memory_kind_name(i.kind), ")\n");
+  return out.empty() ? out : "of which FP8 (model/fp8_gpu.h):\n" + out;
 }
 
 int64_t needed(const LlamaConfig& c, const MemoryLayout& l) {
@@ -586,6 +627,7 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
                                        l.tp_rank, " of ", describe_layout(l), ")",
                                        runs.runs() ? "" : str(", AS DESIGNED (", runs.reason, ")")),
                                    gpu_headroom_bytes(l));
+  fit.report += fp8_buffer_lines(plan);
   if (fit.fits) return fit;
   fit.report += str("does not fit: needs ", format_bytes(need), " with headroom, the device has ", format_bytes(capacity), " free\n");
   // Cumulative changes, cheapest in speed first.

@@ -96,13 +96,43 @@ Support cuda_validity(const MemoryLayout& l) {
   return {};
 }
 
+// --fp8 on the CUDA engine (model/llama_gpu.h): one GPU or dp ranks at ZeRO 0-2, whole models, no adapters. The
+// rest runs on the CPU engine (model/fp8.h), which this names as what works instead.
+Support cuda_fp8_support(const LlamaConfig& c, const MemoryLayout& l) {
+  const std::string fp8 = str("--fp8 ", fp8_mode_name(l.fp8), " with --device cuda");
+  if (l.tp > 1)
+    return not_implemented(fp8, " and --tp ", l.tp, ": not implemented (the amaxes of split tensors would take a ",
+                           "maximum over tp, as the CPU engine's do); use dp (--zero 0, 1 or 2) on cuda, or --device cpu");
+  if (l.pp > 1)
+    return not_implemented(fp8, " and --pp ", l.pp, ": not implemented (a stage's input gradient has no folded amax); ",
+                           "use dp (--zero 0, 1 or 2) on cuda, or --device cpu");
+  if (l.zero == 3)
+    return not_implemented(fp8, " and --zero 3: not implemented (the model keeps every layer's FP8 weight codes, cast ",
+                           "once per step, which ZeRO-3's sharding would undo); use --zero 2, or --device cpu");
+  if (l.lora.enabled())
+    return not_implemented(fp8, " and adapters (lora_rank ", l.lora.rank, "): not implemented (the frozen base's FP8 ",
+                           "GEMMs are wired on the CPU engine only); use --fp8 off, or --device cpu");
+  // cuBLASLt's FP8 GEMMs take each dimension in multiples of 16 (kernels/matmul.cuh check_fp8_shape).
+  const std::pair<int64_t, const char*> dims[] = {{c.hidden_size, "hidden_size"},
+                                                  {c.intermediate_size, "intermediate_size"},
+                                                  {c.q_dim(), "num_attention_heads x head_dim"},
+                                                  {c.kv_dim(), "num_key_value_heads x head_dim"}};
+  for (const auto& [dim, name] : dims)
+    if (dim % 16 != 0)
+      return not_implemented(fp8, ": ", name, " ", dim, " (config.json) is not a multiple of 16, which cuBLASLt's ",
+                             "FP8 GEMMs need; use --fp8 off, or --device cpu");
+  if (l.micro_batch * l.seq_len % 16 != 0)
+    return not_implemented(fp8, ": micro_batch ", l.micro_batch, " x seq_len ", l.seq_len, " = ",
+                           l.micro_batch * l.seq_len, " tokens a pass, not a multiple of 16, which cuBLASLt's FP8 GEMMs ",
+                           "need; change --micro_batch or --seq_len");
+  return {};
+}
+
 // The CUDA engine (LlamaGpu with the GPU ZeRO): pipeline stages at ZeRO 0 and 1, and a quantized base in nf4 at tp 1,
 // below ZeRO-3.
 Support cuda_support(const LlamaConfig& c, const MemoryLayout& l) {
-  if (l.training && l.fp8 != Fp8Mode::Off)
-    return not_implemented("--fp8 ", fp8_mode_name(l.fp8), " with --device cuda: the CUDA engine's FP8 projections are not ",
-                           "wired into its model yet (its casts and FP8 GEMMs are: model/fp8_gpu.h); use --device cpu, ",
-                           "or --fp8 off");
+  if (l.training && l.fp8 != Fp8Mode::Off)  // a forward alone (eval, sample) runs in bf16
+    if (Support fp8 = cuda_fp8_support(c, l); !fp8.runs()) return fp8;
   if (l.training && l.pp > 1 && l.zero >= 2)
     return not_implemented("option 'pp' ", l.pp, " with --device cuda and --zero ", l.zero, ": the CUDA engine runs ",
                            "pipeline stages with ZeRO 0 and 1 only (--pp with --zero 2 or 3 is the design); use --zero ",

@@ -68,10 +68,11 @@ struct GpuMemory {
   std::string refusal;
 };
 
-// --fp8 tensorwise's buffers, as designed (model/fp8.h; the CUDA engine's model does not run it yet): the stage's
-// projection weights in e4m3 in both layouts (cast once per step, or once per run when frozen: 2 bytes a weight), and
-// one projection group's input and output-gradient codes in both layouts (the casts fused into the kernels that
-// produce them write there).
+// --fp8 tensorwise's buffers, as designed (model/fp8.h), for a layout the CUDA engine does not run with FP8 (tp, pp,
+// ZeRO-3, adapters: model/support.cpp): the stage's projection weights in e4m3 in both layouts (cast once per step,
+// or once per run when frozen: 2 bytes a weight), and one projection group's input and output-gradient codes in both
+// layouts (the casts fused into the kernels that produce them write there). Where the engine runs FP8 its own plan
+// (model/memory_plan_gpu.cpp) is the memory.
 void add_fp8_buffers(const LlamaConfig& c, const MemoryLayout& l, MemoryPlan& plan) {
   const PipelineStage& stage = l.stage();
   const ParamLayout layout = ParamLayout(c, 0, static_cast<int>(l.tp));
@@ -88,10 +89,19 @@ void add_fp8_buffers(const LlamaConfig& c, const MemoryLayout& l, MemoryPlan& pl
 }
 
 GpuMemory gpu_memory_plan(const LlamaConfig& c, const MemoryLayout& asked) {
-  // FP8: the engine's plan of the same layout in bf16, and the FP8 buffers of the design beside it.
+  GpuMemory m;
+  // FP8 on a layout the engine runs with it: its plan, FP8 buffers included.
+  if (asked.fp8 != Fp8Mode::Off && support(c, asked, Device::Cuda).runs()) {
+    try {
+      m.plan = plan_gpu_memory(c, asked);
+      return m;
+    } catch (const Error&) {
+      // planned as designed below, with the reason
+    }
+  }
+  // Elsewhere: the engine's plan of the same layout in bf16, and the FP8 buffers of the design beside it.
   MemoryLayout l = asked;
   l.fp8 = Fp8Mode::Off;
-  GpuMemory m;
   try {
     m.plan = plan_gpu_memory(c, l);
   } catch (const Error& e) {

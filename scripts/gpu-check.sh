@@ -29,9 +29,9 @@
 #      hd128 and hd64); the 1B step against PyTorch's (transformers eager) on this GPU;
 #   2. the rest of the correctness checks: a run stopped and resumed bit for bit (with and without adapters),
 #      the first step = the CPU backend's, a 70B model refused before allocating, the trainer at --zero 1/2/3
-#      (losses bit for bit ZeRO-0's), QLoRA, LoRA at ZeRO-2;
+#      (losses bit for bit ZeRO-0's), QLoRA, LoRA at ZeRO-2, --fp8 tensorwise (its loss falls);
 #   3. the benches (attention, with packed documents masked against unmasked on both paths, GEMM,
-#      memory-bound kernels, the 1B step, generation), build/plan's planned step
+#      memory-bound kernels, the 1B step in bf16 and with --fp8 tensorwise, generation), build/plan's planned step
 #      time and memory against the measured ones, and the peers timed in the same run
 #      (tools/reference/peers_gpu.py: torch SDPA flash/cuDNN, transformers eager and compiled);
 #   4. compute-sanitizer (memcheck, racecheck) over the riskiest kernels and the step's kernel time by op (ncu).
@@ -348,7 +348,7 @@ step bench/attention_mma 45 benches.log "$BIN/bench_attention_gpu" \
 # 4. The 1B step at batch 4 x 4096 (the default attention path), and PyTorch's (transformers eager, the same
 # shape, on this GPU).
 step bench/train_step_1b 45 benches.log "$BIN/bench_train_step_gpu" \
-  --benchmark_filter='^BM_TrainStep/batch:4/seq:4096/part:0/hopper:0/' \
+  --benchmark_filter='^BM_TrainStep/batch:4/seq:4096/part:0/hopper:0/fp8:0/' \
   --benchmark_out="$BENCH_JSON/train_step_1b.json" --benchmark_out_format=json --benchmark_counters_tabular=true
 if [ $EMULATED -eq 1 ] || python3 -c "import torch, transformers" >/dev/null 2>&1; then
   ADVISORY=1 step peers/step 60 benches.log env PYTHONUNBUFFERED=1 python3 tools/reference/peers_gpu.py \
@@ -408,6 +408,9 @@ train_step qlora 60 "${LORA_ARGS[@]}" --base_quant nf4 --out_dir "$RUNS/qlora"
 # The adapters at ZeRO-2 (their master, moments and gradients sharded, a layer's gradient reduce-scattered as its
 # backward ends): on one GPU the same bits as ZeRO-0 (the tests hold it on the emulator).
 train_step lora-zero2 60 "${LORA_ARGS[@]}" --zero 2 --out_dir "$RUNS/lora-zero2"
+# FP8: the demo from scratch with the seven projections' GEMMs in FP8 (--fp8 tensorwise: cuBLASLt's e4m3/e5m2 GEMMs,
+# the casts, the amaxes folded into the norms and SwiGLU), 40 steps: its loss falls (train_summary.py).
+train_step fp8 60 --device cuda --fp8 tensorwise --steps 40 --out_dir "$RUNS/fp8"
 step train/summary 30 train.log python3 "$PY/train_summary.py" "$RUNS" "$RUNS/train_summary.tsv" "$too_big_rc" "$EMULATED"
 
 # ================================ tier 3: benches and their peers ================================
@@ -420,7 +423,7 @@ if [ $HOPPER_OK -eq 1 ]; then bench attention 90; else bench attention 90 --benc
 ADVISORY=1 step bench/attention_gqa 20 benches.log python3 "$PY/attention_gqa.py" "$BENCH_JSON/attention.json"
 while IFS= read -r line; do log "$line"; done <"$STEP_OUT"
 bench gemm 75
-bench train_step 100 --benchmark_filter='-hopper:1'
+bench train_step 110 --benchmark_filter='-hopper:1'  # the bf16 and the --fp8 tensorwise rows
 # The 1B step at batch 4 x 4096 once more on the hopper attention path (--attention hopper), beside the default's.
 if [ $HOPPER_OK -eq 1 ]; then
   step bench/train_step_hopper 40 benches.log "$BIN/bench_train_step_gpu" \
@@ -489,7 +492,7 @@ fi
 if command -v ncu >/dev/null 2>&1; then
   ADVISORY=1 step profile 60 benches.log ncu --metrics gpu__time_duration.sum --clock-control none \
     --cache-control none --csv --print-units base --launch-count 1700 --log-file "$BENCH_JSON/ncu.csv" \
-    "$BIN/bench_train_step_gpu" --benchmark_filter='BM_TrainStep/batch:2/seq:4096/part:0/hopper:0'
+    "$BIN/bench_train_step_gpu" --benchmark_filter='BM_TrainStep/batch:2/seq:4096/part:0/hopper:0/fp8:0'
 else
   verdict profile "skipped (no ncu)" 0
 fi

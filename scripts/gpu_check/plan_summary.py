@@ -11,7 +11,7 @@ def load(path):  # build/plan's --json output (its step's log, stderr included: 
 rows, ok = [], True
 benches = (load(f"{bench_dir}/train_step.json") or {}).get("benchmarks", [])
 for b in (2, 4):
-    measured = next((x for x in benches if x["name"].startswith(f"BM_TrainStep/batch:{b}/seq:4096/part:0/hopper:0")), None)
+    measured = next((x for x in benches if x["name"].startswith(f"BM_TrainStep/batch:{b}/seq:4096/part:0/hopper:0/fp8:0")), None)
     for tag, note in (("", "rates of this run's benches"), ("_committed", "rates of plan/plan_rates.json")):
         plan = load(f"{runs}/plan_b{b}{tag}.json")
         if not plan:

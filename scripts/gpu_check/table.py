@@ -172,7 +172,7 @@ def train_step():
             add("train step", b.get("label", b["name"]), value,
                 note + f"{b.get('GiB', 0):.1f} GiB, {b.get('real_time', 0):.0f} {b.get('time_unit', '')}/iteration")
             m = re.search(r"^step, .* batch (\d+) x seq (\d+)", b.get("label", ""))
-            if m and "tokens/s" in b:
+            if m and "tokens/s" in b and "--fp8" not in b.get("label", ""):  # the peers run bf16
                 for p in sorted((p for p in peers if p.get("what") == "step" and p.get("batch") == int(m.group(1))
                                  and p.get("seq") == int(m.group(2))), key=lambda p: p["peer"]):
                     add("train step", f"  peer {p['peer']}, batch {p['batch']} x seq {p['seq']}", f"{p['tokens_per_s']:.0f} tokens/s",
@@ -206,6 +206,17 @@ def train_step():
                 f"x{adapter['QLoRA']['tokens/s'] / adapter['LoRA']['tokens/s']:.2f}",
                 f"aim >= 0.85; QLoRA {adapter['QLoRA']['tokens/s']:.0f}, LoRA {adapter['LoRA']['tokens/s']:.0f} tokens/s; "
                 f"device {adapter['QLoRA'].get('GiB', 0):.2f} vs {adapter['LoRA'].get('GiB', 0):.2f} GiB")
+        # --fp8 tensorwise against bf16: the same 1B step and shape (BM_TrainStep's fp8 rows beside the bf16 ones).
+        by_precision = {(m.group(1), bool(m.group(2))): b for b in bench("train_step")
+                        for m in [re.search(r"^step, .* batch (\d+) x seq 4096, mma attention(, --fp8 tensorwise)?$",
+                                            b.get("label", ""))] if m and "tokens/s" in b}
+        for batch in ("2", "4"):
+            if (batch, False) in by_precision and (batch, True) in by_precision:
+                f8, b16 = by_precision[(batch, True)], by_precision[(batch, False)]
+                add("train step", f"--fp8 tensorwise step / bf16 step, batch {batch} x 4096 (tokens/s)",
+                    f"x{f8['tokens/s'] / b16['tokens/s']:.2f}",
+                    f"FP8 {f8['tokens/s']:.0f}, bf16 {b16['tokens/s']:.0f} tokens/s; device {f8.get('GiB', 0):.1f} "
+                    f"vs {b16.get('GiB', 0):.1f} GiB")
         if not bench("train_step"): add("train step", "bench_train_step_gpu", "no results", status("bench/train_step"))
     if not listed_only("train_step_hopper", "train step"):
         for b in bench("train_step_hopper"):

@@ -3,8 +3,10 @@
 // use grows by the plan's arena bytes when an engine is built, at every stage the engine has.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
+#include <string>
 
 #include "model/config.h"
 #include "model/layout.h"
@@ -50,6 +52,39 @@ TEST(MemoryPlanGpu, ZeroZeroHoldsEighteenBytesPerParameter) {
   EXPECT_EQ(per_layer, 13);
   for (const MemoryItem& i : plan.items) EXPECT_EQ(i.bytes % 256, 0) << i.name;
   EXPECT_EQ(plan.peak(), plan.total());  // no transients on cuda
+}
+
+// --fp8 tensorwise: every layer's projection weights as e4m3 codes in both layouts (2 bytes a weight), each group's
+// amax and scale 16 bytes apart, four amaxes per layer kept for the backward, and one group's operand codes: its
+// widest input (n x max(hidden, q_dim, ffn)) and its widest output gradient twice (n x max(q|k|v, hidden, 2 ffn)).
+// A forward alone has none (the option is a training one).
+TEST(MemoryPlanGpu, Fp8AddsTheWeightCodesAndOneGroupsOperands) {
+  Fixture f("llama32_tiny");
+  MemoryLayout l;
+  l.micro_batch = f.batch, l.seq_len = f.seq, l.fp8 = Fp8Mode::Tensorwise;
+  const MemoryPlan plan = plan_gpu_memory(f.config, l);
+  const LlamaConfig& c = f.config;
+  const int64_t L = c.num_hidden_layers, C = c.hidden_size, F = c.intermediate_size, n = f.batch * f.seq;
+  const int64_t qkv = c.q_dim() + 2 * c.kv_dim();
+  int64_t projections = 0;
+  const ParamLayout layout(c);
+  for (const ParamTensor& t : layout.tensors())
+    if (t.layer >= 0 && t.shape.size() == 2) projections += t.numel;
+  EXPECT_EQ(projections, L * (qkv * C + C * c.q_dim() + 3 * F * C));
+  const MemoryItem* codes = find(plan, "FP8 weight codes (e4m3, both layouts, " + std::to_string(L) + " layers)");
+  ASSERT_NE(codes, nullptr);
+  EXPECT_EQ(codes->bytes, device_arena_bytes(2 * projections));
+  EXPECT_EQ(codes->kind, MemoryKind::Weights);
+  EXPECT_EQ(find(plan, "FP8 weight amaxes and scales")->bytes, device_arena_bytes(L * 4 * 2 * 16));
+  EXPECT_EQ(find(plan, "FP8 activation amaxes (kept for the backward)")->bytes, device_arena_bytes(L * 4 * 4));
+  EXPECT_EQ(find(plan, "FP8 codes of one group's input (e4m3)")->bytes, device_arena_bytes(n * std::max(C, F)));
+  EXPECT_EQ(find(plan, "FP8 codes of one group's output gradient (e5m2)")->bytes,
+            device_arena_bytes(n * std::max(qkv, 2 * F)));
+  l.fp8 = Fp8Mode::Off;
+  const MemoryPlan bf16 = plan_gpu_memory(c, l);
+  EXPECT_EQ(plan.items.size(), bf16.items.size() + 8);
+  l.fp8 = Fp8Mode::Tensorwise, l.training = false;
+  for (const MemoryItem& i : plan_gpu_memory(c, l).items) EXPECT_EQ(i.name.rfind("FP8", 0), std::string::npos) << i.name;
 }
 
 TEST(MemoryPlanGpu, ZeroOneShardsMasterAndMomentsOverDp) {
