@@ -125,7 +125,9 @@ void ShardedStore::gradients_ready() {
 }
 
 void ShardedStore::weights_updated() {
-  if (whole_ != nullptr && whole_ == model_.params()) model_.weights_changed();  // --fp8: cast again at next use
+  // The model's weights (ZeRO-2's whole copy, ZeRO-3's shard: params() null), not the adapters': with --fp8 the model
+  // casts them again at their next use.
+  if (whole_ == model_.params()) model_.weights_changed();
   join(comm_, compute_, compute_to_comm_);
   for (Gathered& b : gathered_) {
     TUNA_CHECK(!b.in_use, "unit ", b.unit, " still acquired at the update");

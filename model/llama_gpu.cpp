@@ -299,8 +299,9 @@ void LlamaGpu::point_activation(const GpuBufferRow& row, __nv_bfloat16* p) {
   set(acts_[row.slot * stage_.layers() + (row.layer - stage_.layer_begin)]);
 }
 
-// FP8: each stage layer's four group casts carved out of the plan's codes (the groups' [rows, in] and [in, rows]
-// codes in turn, layer after layer, as model/memory_plan_gpu.cpp sizes them) and scales (an amax and an inverse scale
+// FP8: each cast slot's four group casts (a slot per stage layer, or at ZeRO-3 one: fp8_cast_layers) carved out of
+// the plan's codes (the groups' [rows, in] and [in, rows] codes in turn, slot after slot, as
+// model/memory_plan_gpu.cpp sizes them) and scales (an amax and an inverse scale
 // per group, kFp8ScaleStride floats apart: 16-byte aligned, as cuBLASLt's FP8 GEMMs need).
 void LlamaGpu::set_up_fp8() {
   if (!fp8_) return;
@@ -312,9 +313,9 @@ void LlamaGpu::set_up_fp8() {
   const int64_t C = config_.hidden_size;
   const std::array<std::array<int64_t, 2>, kFp8Groups> shapes = {  // [rows, in], Fp8Group order
       {{d.q_dim + 2 * d.kv_dim, C}, {C, d.q_dim}, {2 * d.ffn, C}, {C, d.ffn}}};
-  const int64_t L = stage_.layers();
+  const int64_t L = fp8_cast_layers(run_);
   fp8_w_.resize(L * kFp8Groups);
-  fp8_cast_.assign(L, 0);
+  fp8_cast_.assign(L, -1);
   uint8_t* codes = fp8_codes_;
   float* scales = fp8_scales_;
   for (int64_t l = 0; l < L; l++)
@@ -328,7 +329,7 @@ void LlamaGpu::set_up_fp8() {
     }
 }
 
-void LlamaGpu::weights_changed() { std::fill(fp8_cast_.begin(), fp8_cast_.end(), 0); }
+void LlamaGpu::weights_changed() { std::fill(fp8_cast_.begin(), fp8_cast_.end(), -1); }
 
 // What the device holds from the start: the fused AdamW's segment table over the whole layout (one segment per
 // tensor, in offset order), the RoPE tables, and zeros for the weights and the optimizer state (a step before

@@ -30,10 +30,10 @@
 // FP8 (MemoryLayout::fp8 tensorwise, model/fp8.h): each layer's four projection GEMM groups (q|k|v, o, gate|up, down)
 // run forward and backward through model/fp8_gpu.h, the CPU model's Fp8GroupCpu recipe. A layer's weights are cast
 // at its first forward after they changed (weights_changed: every write of them, the updates included) into codes
-// the step's passes share; the activations' amaxes are folded into the kernels that write them (rmsnorm_fwd_amax,
+// the step's passes share (at ZeRO-3 into one layer's codes, cast from each gathered layer as it is used); the activations' amaxes are folded into the kernels that write them (rmsnorm_fwd_amax,
 // swiglu_fwd_amax; fp8_amax for the attention output) and kept per layer for the backward; the output gradients'
-// into rmsnorm_bwd_amax and swiglu_bwd_amax (fp8_amax for d_q|d_k|d_v). One rank per tp group, whole layers per
-// stage, no adapters (model/support.cpp refuses the rest). A training option: a forward-only model runs bf16.
+// into rmsnorm_bwd_amax and swiglu_bwd_amax (fp8_amax for d_q|d_k|d_v). One rank per tp group, one stage, no
+// adapters (model/support.cpp refuses the rest). A training option: a forward-only model runs bf16.
 // QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
@@ -451,12 +451,13 @@ class LlamaGpu {
   bool lora_train_ = false;  // this pass applies dropout
   bool adapters_off_ = false;  // this forward runs the frozen base alone (forward_logps: the LoRA reference)
   bool weighted_head_ = false;  // this pass's head runs twice (forward_logps, then backward_weighted): ZeRO-3's plan
-  // FP8 (run_.fp8 tensorwise): per stage layer its groups' casts (fp8_w_[layer * kFp8Groups + group]) and whether
-  // they hold the current weights; one group's operand codes; the output gradients' amaxes (Fp8Group order: the
-  // residual gradient's for o and down).
+  // FP8 (run_.fp8 tensorwise): per cast slot (one per stage layer, or at ZeRO-3 one for every layer:
+  // fp8_cast_layers) its groups' casts (fp8_w_[slot * kFp8Groups + group]) and the stage layer whose current weights
+  // they hold (-1: none); one group's operand codes; the output gradients' amaxes (Fp8Group order: the residual
+  // gradient's for o and down).
   bool fp8_ = false;
   std::vector<Fp8GpuWeight> fp8_w_;
-  std::vector<uint8_t> fp8_cast_;
+  std::vector<int64_t> fp8_cast_;
   uint8_t* fp8_codes_ = nullptr;
   float *fp8_scales_ = nullptr, *fp8_grad_amax_ = nullptr;
   Fp8GpuScratch fp8_scratch_;

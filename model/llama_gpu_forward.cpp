@@ -325,14 +325,14 @@ LossSum LlamaGpu::head(const int32_t* host_targets, int64_t rows, bool want_grad
 }
 
 const Fp8GpuWeight* LlamaGpu::fp8_weights(int64_t l, const __nv_bfloat16* wb) {
-  const int64_t i = l - stage_.layer_begin;
-  Fp8GpuWeight* w = fp8_w_.data() + i * kFp8Groups;
-  if (fp8_cast_[i]) return w;
+  const int64_t i = l - stage_.layer_begin, slot = i % static_cast<int64_t>(fp8_cast_.size());
+  Fp8GpuWeight* w = fp8_w_.data() + slot * kFp8Groups;
+  if (fp8_cast_[slot] == i) return w;  // the layer's current weights (weights_changed clears every slot)
   const LayerOffsets& o = layout_.layer(l);
   const int64_t begin = layout_.unit_range(1 + static_cast<int>(l)).first;
   const int64_t offsets[kFp8Groups] = {o.q_proj, o.o_proj, o.gate_proj, o.down_proj};  // Fp8Group order
   for (int g = 0; g < kFp8Groups; g++) fp8_cast_weight(w[g], wb + (offsets[g] - begin), tp_, stream_);
-  fp8_cast_[i] = 1;
+  fp8_cast_[slot] = i;
   return w;
 }
 

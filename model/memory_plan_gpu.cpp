@@ -449,21 +449,24 @@ void plan_pass_buffers(const MemoryLayout& l, const PipelineStage& stage, const 
 
 // --fp8 tensorwise (model/fp8.h, model/fp8_gpu.h). The weight codes are kept per layer, both layouts (2 bytes a
 // projection weight, as much as its bf16 copy): each layer is cast once per step, at its first forward after an
-// update, and every micro-batch's forward, recompute and backward of the step reads those codes. Casting just before
-// each use into one reused layer buffer would save that memory at the price of a cast per pass and micro-batch (the
-// weights read 2 to 3 times per micro-batch instead of once per step); with ZeRO-3, whose point is to hold no whole
-// model, the engine refuses FP8 (model/support.cpp). Each group's amax and inverse scale, and every scale an FP8
-// GEMM reads, sit kFp8ScaleStride floats apart: cuBLASLt's FP8 GEMMs need them 16-byte aligned.
+// update, and every micro-batch's forward, recompute and backward of the step reads those codes. ZeRO-3, whose point
+// is to hold no whole model, keeps one layer's codes instead, cast from each gathered layer as it is used (forward,
+// and again before its backward): a cast per pass and micro-batch (the layer's weights read once more each time,
+// beside the gather that already moves them) for the memory of one layer. Each group's amax and inverse scale, and
+// every scale an FP8 GEMM reads, sit kFp8ScaleStride floats apart: cuBLASLt's FP8 GEMMs need them 16-byte aligned.
 // The activations' amaxes (norm1, attention output, norm2, SwiGLU output) are kept per layer and slot for the
 // backward's weight-gradient cast of the same inputs; the operand codes are one group's at a time.
 void plan_fp8_buffers(const MemoryLayout& l, const PipelineStage& stage, const PassShape& p, PlanBuilder& b) {
   if (l.fp8 == Fp8Mode::Off || !l.training) return;  // a forward alone (eval, sample) runs in bf16
   const int64_t n = p.n, C = p.C, L = stage.layers(), qkv = p.qd + 2 * p.kvd;
   const int64_t layer_weights = qkv * C + C * p.qd + 2 * p.F * C + C * p.F;  // q|k|v, o, gate|up, down
-  b.add(GpuBuffer::Fp8WeightCodes, str("FP8 weight codes (e4m3, both layouts, ", L, " layers)"), MemoryKind::Weights,
-        2 * layer_weights * L, 1);
+  const int64_t cast = fp8_cast_layers(l);
+  b.add(GpuBuffer::Fp8WeightCodes,
+        cast == 1 ? std::string("FP8 weight codes (e4m3, both layouts, one layer: cast at each use)")
+                  : str("FP8 weight codes (e4m3, both layouts, ", cast, " layers)"),
+        MemoryKind::Weights, 2 * layer_weights * cast, 1);
   b.add(GpuBuffer::Fp8WeightScales, "FP8 weight amaxes and scales", MemoryKind::Workspace,
-        L * kFp8Groups * 2 * kFp8ScaleStride, kF32);
+        cast * kFp8Groups * 2 * kFp8ScaleStride, kF32);
   b.add(GpuBuffer::Fp8ActivationAmax, "FP8 activation amaxes (kept for the backward)", MemoryKind::Activations,
         l.in_flight() * L * kFp8Groups, kF32);
   b.add(GpuBuffer::Fp8InputCodes, "FP8 codes of one group's input (e4m3)", MemoryKind::Workspace,
@@ -558,6 +561,8 @@ GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& asked)
 }
 
 MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) { return plan_gpu_buffers(c, l).plan; }
+
+int64_t fp8_cast_layers(const MemoryLayout& l) { return l.zero == 3 ? 1 : l.stage().layers(); }
 
 MemoryPlan plan_gpu_decode_memory(const LlamaConfig& c, int64_t batch, int64_t capacity) {
   TUNA_CHECK(batch >= 1 && capacity >= 1, "batch ", batch, ", capacity ", capacity);

@@ -96,19 +96,17 @@ Support cuda_validity(const MemoryLayout& l) {
   return {};
 }
 
-// --fp8 on the CUDA engine (model/llama_gpu.h): one GPU or dp ranks at ZeRO 0-2, whole models, no adapters. The
+// --fp8 on the CUDA engine (model/llama_gpu.h): one GPU or dp ranks at any ZeRO stage, one tp rank and one stage, no
+// adapters. The
 // rest runs on the CPU engine (model/fp8.h), which this names as what works instead.
 Support cuda_fp8_support(const LlamaConfig& c, const MemoryLayout& l) {
   const std::string fp8 = str("--fp8 ", fp8_mode_name(l.fp8), " with --device cuda");
   if (l.tp > 1)
     return not_implemented(fp8, " and --tp ", l.tp, ": not implemented (the amaxes of split tensors would take a ",
-                           "maximum over tp, as the CPU engine's do); use dp (--zero 0, 1 or 2) on cuda, or --device cpu");
+                           "maximum over tp, as the CPU engine's do); use dp (any --zero) on cuda, or --device cpu");
   if (l.pp > 1)
     return not_implemented(fp8, " and --pp ", l.pp, ": not implemented (a stage's input gradient has no folded amax); ",
-                           "use dp (--zero 0, 1 or 2) on cuda, or --device cpu");
-  if (l.zero == 3)
-    return not_implemented(fp8, " and --zero 3: not implemented (the model keeps every layer's FP8 weight codes, cast ",
-                           "once per step, which ZeRO-3's sharding would undo); use --zero 2, or --device cpu");
+                           "use dp (any --zero) on cuda, or --device cpu");
   if (l.lora.enabled())
     return not_implemented(fp8, " and adapters (lora_rank ", l.lora.rank, "): not implemented (the frozen base's FP8 ",
                            "GEMMs are wired on the CPU engine only); use --fp8 off, or --device cpu");

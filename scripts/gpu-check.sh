@@ -409,8 +409,8 @@ train_step qlora 60 "${LORA_ARGS[@]}" --base_quant nf4 --out_dir "$RUNS/qlora"
 # backward ends): on one GPU the same bits as ZeRO-0 (the tests hold it on the emulator).
 train_step lora-zero2 60 "${LORA_ARGS[@]}" --zero 2 --out_dir "$RUNS/lora-zero2"
 # FP8: the demo from scratch with the seven projections' GEMMs in FP8 (--fp8 tensorwise: cuBLASLt's e4m3/e5m2 GEMMs,
-# the casts, the amaxes folded into the norms and SwiGLU), 40 steps: its loss falls (train_summary.py).
-train_step fp8 60 --device cuda --fp8 tensorwise --steps 40 --out_dir "$RUNS/fp8"
+# the casts, the amaxes folded into the norms and SwiGLU), 40 steps validated once: its loss falls (train_summary.py).
+train_step fp8 60 --device cuda --fp8 tensorwise --steps 40 --val_every 40 --out_dir "$RUNS/fp8"
 step train/summary 30 train.log python3 "$PY/train_summary.py" "$RUNS" "$RUNS/train_summary.tsv" "$too_big_rc" "$EMULATED"
 
 # ================================ tier 3: benches and their peers ================================

@@ -1,9 +1,9 @@
 // engine/engine.h on the CUDA backend with --fp8 tensorwise (model/llama_gpu.h, model/fp8_gpu.h): the CUDA engine with
 // FP8 follows the CPU engine with FP8 (its twin: model/fp8.h's recipe, simulated exactly) over the fixtures' 10 AdamW
 // steps, stays near the CUDA engine without FP8 without equalling it, computes the same bits in every recompute mode
-// and at ZeRO 1 and 2 on one rank (each weight cast once per step from the weights the update left, whichever path
-// wrote them), and over dp ranks as threads at ZeRO 0, 1 and 2 follows one rank that accumulates the same
-// micro-batches. Skipped without a device. (The layouts the CUDA engine refuses with FP8: tests/model/test_support.cpp.)
+// and at ZeRO 1, 2 and 3 on one rank (each weight cast once per step from the weights the update left, whichever path
+// wrote them; at ZeRO-3 from each gathered layer at each use), and over dp ranks as threads at every ZeRO stage
+// follows one rank that accumulates the same micro-batches. Skipped without a device. (The layouts the CUDA engine refuses with FP8: tests/model/test_support.cpp.)
 #if TUNA_CUDA
 #include <gtest/gtest.h>
 
@@ -117,7 +117,8 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, EngineFp8GpuParity, testing::Values("llama2_t
 // reasoning of test_engine_gpu.cpp's EngineGpuStages): the recomputed forward casts the same inputs with the amaxes
 // the forward kept (or folds them again, to the same values), and each update path (ZeRO-0's own AdamW, ZeRO-1's
 // refresh from the gathered master, ZeRO-2's gather into the weights) marks the casts stale, so the next step casts
-// the new weights. A cast left stale would run a step on the old weights' codes. llama2_tiny's two rows as two
+// the new weights. A cast left stale would run a step on the old weights' codes. ZeRO-3 casts each gathered layer into
+// one layer's codes as it is used: the same codes, from the same weights. llama2_tiny's two rows as two
 // micro-batches: the second reuses the step's casts.
 struct Fp8StageCase {
   int zero;
@@ -147,7 +148,8 @@ TEST_P(EngineFp8GpuStages, OnOneRankEqualZeroZeroBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Stages, EngineFp8GpuStages,
                          testing::Values(Fp8StageCase{0, Recompute::Selective}, Fp8StageCase{0, Recompute::Full},
                                          Fp8StageCase{1, Recompute::None}, Fp8StageCase{2, Recompute::Full},
-                                         Fp8StageCase{2, Recompute::Selective}),
+                                         Fp8StageCase{2, Recompute::Selective}, Fp8StageCase{3, Recompute::None},
+                                         Fp8StageCase{3, Recompute::Full}),
                          [](const testing::TestParamInfo<Fp8StageCase>& i) {
                            return "zero" + std::to_string(i.param.zero) + "_recompute_" +
                                   recompute_name(i.param.recompute);
@@ -219,8 +221,8 @@ TEST_P(EngineFp8GpuThreadRanks, FollowOneRankOnTheSameMicroBatches) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EngineFp8GpuThreadRanks,
                          testing::Values(Fp8RanksCase{2, 0, Recompute::None}, Fp8RanksCase{2, 1, Recompute::Full},
-                                         Fp8RanksCase{2, 2, Recompute::None},
-                                         Fp8RanksCase{4, 2, Recompute::Selective}),
+                                         Fp8RanksCase{2, 2, Recompute::None}, Fp8RanksCase{2, 3, Recompute::Full},
+                                         Fp8RanksCase{4, 2, Recompute::Selective}, Fp8RanksCase{4, 3, Recompute::None}),
                          [](const testing::TestParamInfo<Fp8RanksCase>& i) {
                            return std::to_string(i.param.ranks) + "ranks_zero" + std::to_string(i.param.zero) +
                                   "_recompute_" + recompute_name(i.param.recompute);

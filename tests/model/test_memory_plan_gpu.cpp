@@ -83,6 +83,13 @@ TEST(MemoryPlanGpu, Fp8AddsTheWeightCodesAndOneGroupsOperands) {
   l.fp8 = Fp8Mode::Off;
   const MemoryPlan bf16 = plan_gpu_memory(c, l);
   EXPECT_EQ(plan.items.size(), bf16.items.size() + 8);
+  // ZeRO-3 keeps one layer's codes, cast at each use.
+  l.fp8 = Fp8Mode::Tensorwise, l.zero = 3, l.dp = 2;
+  const MemoryPlan sharded = plan_gpu_memory(c, l);
+  const MemoryItem* one = find(sharded, "FP8 weight codes (e4m3, both layouts, one layer: cast at each use)");
+  ASSERT_NE(one, nullptr);
+  EXPECT_EQ(one->bytes, device_arena_bytes(2 * projections / L));
+  l.zero = 0, l.dp = 1;
   l.fp8 = Fp8Mode::Tensorwise, l.training = false;
   for (const MemoryItem& i : plan_gpu_memory(c, l).items) EXPECT_EQ(i.name.rfind("FP8", 0), std::string::npos) << i.name;
 }

@@ -90,15 +90,15 @@ TEST(Support, WhatEachEngineDoesNotRunYet) {
 
 // The option given without adapters is refused whatever its value; the layout's rule, only a quantized base.
 // --fp8 tensorwise: the CPU engine trains with it on every layout, full fine-tune or adapters; the CUDA engine on one GPU
-// and over dp at ZeRO 0-2, and refuses the rest (tp, pp, ZeRO-3, adapters, shapes cuBLASLt's FP8 GEMMs do not take)
-// by name, saying what runs instead.
+// and over dp at every ZeRO stage, and refuses the rest (tp, pp, adapters, shapes cuBLASLt's FP8 GEMMs do not take) by
+// name, saying what runs instead.
 TEST(Support, Fp8RunsWhereItIsWired) {
   const LlamaConfig c = LlamaConfig::load("tests/fixtures/llama2_tiny/config.json");  // widths multiples of 16
   MemoryLayout one = single_rank_layout(2, 16);
   one.fp8 = Fp8Mode::Tensorwise;
   EXPECT_TRUE(support(c, one, Device::Cpu).runs()) << support(c, one, Device::Cpu).reason;
   EXPECT_TRUE(support(c, one, Device::Cuda).runs()) << support(c, one, Device::Cuda).reason;
-  for (int zero : {0, 1, 2}) {
+  for (int zero : {0, 1, 2, 3}) {
     MemoryLayout l = layout(1, 1, zero);
     l.fp8 = Fp8Mode::Tensorwise;
     EXPECT_TRUE(support(c, l, Device::Cuda).runs()) << "zero " << zero << ": " << support(c, l, Device::Cuda).reason;
@@ -110,7 +110,6 @@ TEST(Support, Fp8RunsWhereItIsWired) {
   };
   refused(layout(2), "--fp8 tensorwise with --device cuda and --tp 2: not implemented");
   refused(layout(1, 2), "--fp8 tensorwise with --device cuda and --pp 2: not implemented");
-  refused(layout(1, 1, 3), "--fp8 tensorwise with --device cuda and --zero 3: not implemented");
   MemoryLayout short_pass = one;
   short_pass.seq_len = 9;  // 2 x 9 tokens a pass
   refused(short_pass, "micro_batch 2 x seq_len 9 = 18 tokens a pass, not a multiple of 16");
