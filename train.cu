@@ -471,7 +471,17 @@ int run(int argc, char** argv) {
   if (!cfg.plan_only) require_objective_support(preference.config(), layout, eo.device);
   if (!cfg.plan_only && !cfg.eval_tasks.empty())
     if (const Support s = eval_tasks_support(layout, eo.device); !s.runs()) fail(s.reason);
-  if (cfg.plan_only) return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
+  if (cfg.plan_only) {
+    // A plan is printed whatever the engine runs, but what a run of this config would be refused for besides its
+    // memory is said with it: a config that plans on cuda then fails at start on a GPU machine is worse than one line.
+    std::vector<Support> refusals = {support(start.model, layout, eo.device),
+                                     objective_support(preference.config(), layout, eo.device)};
+    if (!cfg.eval_tasks.empty()) refusals.push_back(eval_tasks_support(layout, eo.device));
+    if (world->rank() == 0)
+      for (const Support& s : refusals)
+        if (!s.runs()) std::printf("note: a run of this config would be refused: %s\n", s.reason.c_str());
+    return print_plan(start.model, eo, mesh, *world, cfg.gpu_memory_gb);
+  }
   // Each rank reads (or draws) only its own pieces; a resume restores after construction, but a frozen base is read at
   // every start (the checkpoint holds the adapters alone).
   WeightFill initial = start.adapters.base_weights();

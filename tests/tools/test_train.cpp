@@ -667,6 +667,24 @@ TEST(Train, PlanOnlyPrintsThePerGpuTableAndRefusesWhatDoesNotFit) {
   EXPECT_EQ(r.output.find("bf16 base weights (frozen)"), std::string::npos) << r.output;
 }
 
+// The demo's own config plans on cuda with nothing a run would be refused for (its --eval_tasks once was: the demo
+// then failed at start on a GPU machine, which no CPU test saw); what the CUDA engine does not run says so beside the
+// plan. (No tokenizer: the demo's is written by scripts/demo.sh, and a plan reads no text.)
+TEST(Train, PlanOnlySaysWhatARunOfTheConfigWouldBeRefused) {
+  TempDir tmp("trainplanrefusals");
+  const std::string base = kTrain + " --config demo/train.toml --tokenizer '' --plan_only --device cuda " +
+                           "--gpu_memory_gb 80 --out_dir " + (tmp / "run").string();
+  auto r = run_command(base, tmp / "log1");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("would be refused"), std::string::npos) << r.output;
+  r = run_command(base + " --fp8 tensorwise --lora_rank 4 --lora_alpha 8", tmp / "log2");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: a run of this config would be refused: --fp8 tensorwise with --device cuda and "
+                          "adapters (lora_rank 4)"),
+            std::string::npos)
+      << r.output;
+}
+
 // ---- no input crashes the trainer, no bad value trains silently -------------------------------------------
 
 // The flags of a short run (8 steps, a checkpoint every 2, all kept).
