@@ -48,7 +48,6 @@
 #include "dist/zero_gpu.h"
 #include "kernels/adamw.cuh"  // accumulate
 #include "kernels/attention.cuh"  // resolve_attention_path
-#include "kernels/cpu/classifier.h"  // kIgnoreIndex: the padding of FP8 scoring passes
 #include "model/decode_gpu.h"
 #include "engine/backends.h"
 #include "engine/device_gpu.h"  // gpu_info, gpu_memory, gpu_peak_bf16_flops, gpu_utilization_percent
@@ -222,26 +221,7 @@ class GpuEngine final : public Engine {
     if (pipeline_ || tp_device_)
       fail("--eval_tasks on cuda: not with tensor or pipeline parallelism yet (whole-vocabulary logits of the whole ",
            "model); score a checkpoint with build/eval --tasks");
-    if (options_.fp8 == Fp8Mode::Off || (batch * seq) % 16 == 0)
-      return model_.forward_target_logps(inputs, targets, batch, seq, logps, greedy);
-    // FP8's GEMMs take a multiple of 16 tokens: each row is padded at its end (ignored targets, which causal attention
-    // keeps out of the tokens before them) to the shortest length that gives one within the planned seq_len, else
-    // the pass is the planned micro_batch x seq_len (a multiple of 16: model/support.cpp), with empty rows added.
-    int64_t rows = batch, len = seq;
-    while (len < options_.seq_len && (rows * len) % 16 != 0) len++;
-    if ((rows * len) % 16 != 0) rows = options_.micro_batch, len = options_.seq_len;
-    std::vector<int32_t> in(rows * len, 0), tg(rows * len, cpu::kIgnoreIndex);
-    for (int64_t r = 0; r < batch; r++) {
-      std::copy(inputs + r * seq, inputs + (r + 1) * seq, in.begin() + r * len);
-      std::copy(targets + r * seq, targets + (r + 1) * seq, tg.begin() + r * len);
-    }
-    std::vector<float> lp(rows * len);
-    std::vector<uint8_t> gr(rows * len);
-    model_.forward_target_logps(in.data(), tg.data(), rows, len, lp.data(), gr.data());
-    for (int64_t r = 0; r < batch; r++) {
-      std::copy(lp.begin() + r * len, lp.begin() + r * len + seq, logps + r * seq);
-      std::copy(gr.begin() + r * len, gr.begin() + r * len + seq, greedy + r * seq);
-    }
+    model_.forward_target_logps(inputs, targets, batch, seq, logps, greedy);
   }
 
   const std::vector<Segment>& segments() const override { return zero_->segments(); }

@@ -30,9 +30,10 @@
 // FP8 (MemoryLayout::fp8 tensorwise, model/fp8.h): each layer's four projection GEMM groups (q|k|v, o, gate|up, down)
 // run forward and backward through model/fp8_gpu.h, the CPU model's Fp8GroupCpu recipe. A layer's weights are cast
 // at its first forward after they changed (weights_changed: every write of them, the updates included) into codes
-// the step's passes share (at ZeRO-3 into one layer's codes, cast from each gathered layer as it is used); the activations' amaxes are folded into the kernels that write them (rmsnorm_fwd_amax,
-// swiglu_fwd_amax; fp8_amax for the attention output) and kept per layer for the backward; the output gradients'
-// into rmsnorm_bwd_amax and swiglu_bwd_amax (fp8_amax for d_q|d_k|d_v). One rank per tp group, one stage, no
+// the step's passes share (at ZeRO-3 into one layer's codes, cast from each gathered layer as it is used); the
+// activations' amaxes are folded into the kernels that write them (rmsnorm_fwd_amax, swiglu_fwd_amax; fp8_amax for
+// the attention output) and kept per layer for the backward; the output gradients' into rmsnorm_bwd_amax and
+// swiglu_bwd_amax (fp8_amax for d_q|d_k|d_v). One rank per tp group, one stage, no
 // adapters (model/support.cpp refuses the rest). A training option: a forward-only model runs bf16.
 // QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
@@ -279,7 +280,8 @@ class LlamaGpu {
   // Multiple-choice scoring (the CPU model's forward_target_logps, one request per row: no positions): each
   // target's log-prob and whether it is its row's first argmax, host [batch, seq], from the head's logits a chunk at a
   // time on the host (cpu::classifier_target_logps), so the host holds one chunk's logits, not the batch's. One rank
-  // of tp (whole-vocabulary logits), the whole model (no pipeline stage).
+  // of tp (whole-vocabulary logits), the whole model (no pipeline stage). With --fp8 the rows are padded to a pass of
+  // a multiple of 16 tokens.
   void forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq, float* logps,
                             uint8_t* greedy);
   // Preference objectives in two passes, the CPU model's contract (model/llama.h forward_logps, backward_weighted):
@@ -360,6 +362,8 @@ class LlamaGpu {
   // weighted backward that follows.
   // logits (or null): each chunk's logits, fp32 on the host, rows r0 .. r0 + rows of the pass.
   using LogitsSink = std::function<void(int64_t r0, int64_t rows, const float* logits)>;
+  // The forward of batch x seq tokens (one document per row) and the head's logits, a chunk at a time, into sink.
+  void forward_to_logits(const int32_t* inputs, int64_t batch, int64_t seq, const LogitsSink& sink);
   LossSum head(const int32_t* host_targets, int64_t rows, bool want_grad, const LogitsSink* logits,
                const float* token_weights = nullptr, bool keep_head = false);
   double queued_loss_sum();
@@ -389,6 +393,8 @@ class LlamaGpu {
   void select_slot(int64_t slot);
   // --fp8: layer l's four group casts (Fp8Group order), cast from its weights (unit base wb) first when stale.
   const Fp8GpuWeight* fp8_weights(int64_t l, const __nv_bfloat16* wb);
+  // --fp8: group g's output-gradient amax, zeroed on the stream for the kernel that folds it; null without --fp8.
+  float* fp8_grad_amax(Fp8Group g);
   // --fp8: out = x @ W^T (+ residual) for group g of layer l, x's amax already folded into acts(l).fp8_amax[g].
   void fp8_fwd(int64_t l, Fp8Group g, const Fp8GpuWeight* w, __nv_bfloat16* out, const __nv_bfloat16* x,
                const __nv_bfloat16* residual, int64_t n);

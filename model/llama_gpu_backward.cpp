@@ -16,6 +16,30 @@
 #include "model/llama_gpu_grad_writes.h"
 
 namespace tuna {
+namespace {
+
+// The backward's norm and SwiGLU, each folding its input gradient's amax into *amax when one is given (--fp8: that
+// gradient is the FP8 GEMM group's output gradient below it), the plain kernel otherwise.
+void norm_bwd(__nv_bfloat16* dinp, float* dweight, const __nv_bfloat16* dout, const __nv_bfloat16* inp,
+              const __nv_bfloat16* weight, const float* rstd, float* scratch, int64_t n, int64_t dim, GradWrite write,
+              float* amax, cudaStream_t s) {
+  if (amax != nullptr) cuda::rmsnorm_bwd_amax(dinp, dweight, dout, inp, weight, rstd, scratch, n, dim, write, amax, s);
+  else cuda::rmsnorm_bwd(dinp, dweight, dout, inp, weight, rstd, scratch, n, dim, write, s);
+}
+void swiglu_backward(__nv_bfloat16* dgate, __nv_bfloat16* dup, const __nv_bfloat16* dout, const __nv_bfloat16* gate,
+                     const __nv_bfloat16* up, int64_t rows, int64_t cols, int64_t stride, float* amax, cudaStream_t s) {
+  if (amax != nullptr) cuda::swiglu_bwd_amax(dgate, dup, dout, gate, up, rows, cols, stride, amax, s);
+  else cuda::swiglu_bwd(dgate, dup, dout, gate, up, rows, cols, stride, s);
+}
+
+}  // namespace
+
+float* LlamaGpu::fp8_grad_amax(Fp8Group g) {
+  if (!fp8_) return nullptr;
+  float* amax = fp8_grad_amax_ + static_cast<int>(g);
+  TUNA_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream_));
+  return amax;
+}
 
 void LlamaGpu::sp_add_norm_grads(std::initializer_list<std::pair<float*, GradWrite>> dst, const char* what) {
   const int64_t C = config_.hidden_size;
@@ -56,16 +80,10 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
     // With sp a norm weight's gradient from this rank's rows is partial: written to sp_norm_grads_, summed over
     // tp and then written or added (sp_add_norm_grads), so every tp rank holds the micro-batch's whole gradient.
     const GradWrite write = frozen ? GradWrite::Accumulate : grad_writes_->write(layout_.final_norm());
-    if (fp8_) {  // the residual gradient: the top layer's down_proj output gradient, its amax folded here
-      float* amax = fp8_grad_amax_ + static_cast<int>(Fp8Group::Down);
-      TUNA_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), s));
-      cuda::rmsnorm_bwd_amax(d_resid_, frozen ? nullptr : g_head_unit + norm, d_final_norm_, resid_out_,
-                             head_base_ + norm, final_rstd_, norm_scratch_, nr, C, write, amax, s);
-    } else {
-      cuda::rmsnorm_bwd(d_resid_, frozen ? nullptr : norm_grad(g_head_unit + norm, 0), sp_ ? d_norm_ : d_final_norm_,
-                        resid_out_, head_base_ + norm, final_rstd_, norm_scratch_, nr, C,
-                        sp_ ? GradWrite::Overwrite : write, s);
-    }
+    // The residual gradient: the top layer's down_proj output gradient (--fp8: its amax folded here).
+    norm_bwd(d_resid_, frozen ? nullptr : norm_grad(g_head_unit + norm, 0), sp_ ? d_norm_ : d_final_norm_, resid_out_,
+             head_base_ + norm, final_rstd_, norm_scratch_, nr, C, sp_ ? GradWrite::Overwrite : write,
+             fp8_grad_amax(Fp8Group::Down), s);
     if (sp_ && !frozen) sp_add_norm_grads({{g_head_unit + norm, write}}, "sp final norm weight grad");
     store_->release(H);
     if (!frozen) store_->grads_done(H);
@@ -127,16 +145,11 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   // amax the forward kept and the output gradient's folded into the kernel that wrote it, from zero; the residual
   // gradient's (down_proj's, o_proj's) by the norm backward above it.
   const Fp8GpuWeight* w8 = fp8_ ? fp8_weights(l, wb) : nullptr;
-  const auto grad_amax = [&](Fp8Group g) { return fp8_grad_amax_ + static_cast<int>(g); };
-  const auto input_amax = [&](Fp8Group g) { return a.fp8_amax + static_cast<int>(g); };
-  const auto zero_grad_amax = [&](Fp8Group g) {
-    TUNA_CUDA_CHECK(cudaMemsetAsync(grad_amax(g), 0, sizeof(float), s));
-    return grad_amax(g);
-  };
   const auto fp8_bwd = [&](Fp8Group group, __nv_bfloat16* dx, int64_t weight, GradWrite write,
                            const __nv_bfloat16* dy, const __nv_bfloat16* x) {
-    fp8_linear_bwd(mm, dx, g(weight), dy, grad_amax(group), x, input_amax(group), w8[static_cast<int>(group)], n,
-                   /*accumulate_dx=*/false, write, fp8_scratch_, s);
+    const int i = static_cast<int>(group);
+    fp8_linear_bwd(mm, dx, g(weight), dy, fp8_grad_amax_ + i, x, a.fp8_amax + i, w8[i], n, /*accumulate_dx=*/false,
+                   write, fp8_scratch_, s);
   };
   const GradWrite post_norm_write = grad_write(o.post_norm), input_norm_write = grad_write(o.input_norm);
   const auto norm_write = [&](GradWrite w) { return sp_ ? GradWrite::Overwrite : w; };
@@ -150,11 +163,8 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   adapt(LoraTarget::Down, a.act, dy2, C, d_act_);
   // d_gate|d_up in place over gate|up (dead after this), then one dX and one dW GEMM over the gate|up block.
   __nv_bfloat16* d_gate_up = a.gate_up;
-  if (fp8_)
-    cuda::swiglu_bwd_amax(d_gate_up, d_gate_up + F, d_act_, a.gate_up, a.gate_up + F, n, F, 2 * F,
-                          zero_grad_amax(Fp8Group::GateUp), s);
-  else
-    cuda::swiglu_bwd(d_gate_up, d_gate_up + F, d_act_, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
+  swiglu_backward(d_gate_up, d_gate_up + F, d_act_, a.gate_up, a.gate_up + F, n, F, 2 * F,
+                  fp8_grad_amax(Fp8Group::GateUp), s);
   const __nv_bfloat16* x2 = sp_ ? sp_gather(a.norm2, "sp gate/up input") : a.norm2;
   if (fp8_)
     fp8_bwd(Fp8Group::GateUp, d_norm_, o.gate_proj, grad_write_block({o.gate_proj, o.up_proj}), d_gate_up, x2);
@@ -164,12 +174,9 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   adapt(LoraTarget::Gate, x2, d_gate_up, 2 * F, d_norm_);
   adapt(LoraTarget::Up, x2, d_gate_up + F, 2 * F, d_norm_);
   sp_reduce(d_norm_, dnorm, n, "tp gate/up input grad");  // column-parallel: each rank's part of the sum
-  if (fp8_)  // the residual gradient: o_proj's output gradient
-    cuda::rmsnorm_bwd_amax(d_resid_, g(o.post_norm), dnorm, a.resid_mid, w(o.post_norm), a.rstd2, norm_scratch_, nr,
-                           C, post_norm_write, zero_grad_amax(Fp8Group::O), s);
-  else
-    cuda::rmsnorm_bwd(d_resid_, gb ? norm_grad(g(o.post_norm), 0) : nullptr, dnorm, a.resid_mid, w(o.post_norm),
-                      a.rstd2, norm_scratch_, nr, C, norm_write(post_norm_write), s);
+  // The residual gradient: o_proj's output gradient (--fp8: its amax folded here).
+  norm_bwd(d_resid_, gb ? norm_grad(g(o.post_norm), 0) : nullptr, dnorm, a.resid_mid, w(o.post_norm), a.rstd2,
+           norm_scratch_, nr, C, norm_write(post_norm_write), fp8_grad_amax(Fp8Group::O), s);
   // Attention block: resid_mid = resid_in + o_proj(att)
   const __nv_bfloat16* dy1 = sp_ ? sp_gather(d_resid_, "sp o_proj output grad") : d_resid_;
   if (fp8_)
@@ -190,7 +197,7 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   copy_rows(d_qkv + d.q_dim + d.kv_dim, qkv, d_v_, d.kv_dim, n, d.kv_dim, s);
   const __nv_bfloat16* x1 = sp_ ? sp_gather(a.norm1, "sp q/k/v input") : a.norm1;
   if (fp8_) {  // d_q|d_k|d_v comes out of RoPE's backward and a copy: its amax is a pass of its own
-    cuda::fp8_amax(zero_grad_amax(Fp8Group::Qkv), d_qkv, n, qkv, qkv, s);
+    cuda::fp8_amax(fp8_grad_amax(Fp8Group::Qkv), d_qkv, n, qkv, qkv, s);
     fp8_bwd(Fp8Group::Qkv, d_norm_, o.q_proj, grad_write_block({o.q_proj, o.k_proj, o.v_proj}), d_qkv, x1);
   } else {
     cuda::matmul_bwd(mm, d_norm_, g(o.q_proj), d_qkv, x1, w(o.q_proj), n, C, qkv, /*accumulate_dinp=*/false,
@@ -200,12 +207,9 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   adapt(LoraTarget::K, x1, d_qkv + d.q_dim, qkv, d_norm_);
   adapt(LoraTarget::V, x1, d_qkv + d.q_dim + d.kv_dim, qkv, d_norm_);
   sp_reduce(d_norm_, dnorm, n, "tp q/k/v input grad");
-  if (fp8_)  // the residual gradient: the layer below's down_proj output gradient
-    cuda::rmsnorm_bwd_amax(d_resid_, g(o.input_norm), dnorm, a.resid_in, w(o.input_norm), a.rstd1, norm_scratch_, nr,
-                           C, input_norm_write, zero_grad_amax(Fp8Group::Down), s);
-  else
-    cuda::rmsnorm_bwd(d_resid_, gb ? norm_grad(g(o.input_norm), 1) : nullptr, dnorm, a.resid_in, w(o.input_norm),
-                      a.rstd1, norm_scratch_, nr, C, norm_write(input_norm_write), s);
+  // The residual gradient: the layer below's down_proj output gradient (--fp8: its amax folded here).
+  norm_bwd(d_resid_, gb ? norm_grad(g(o.input_norm), 1) : nullptr, dnorm, a.resid_in, w(o.input_norm), a.rstd1,
+           norm_scratch_, nr, C, norm_write(input_norm_write), fp8_grad_amax(Fp8Group::Down), s);
   if (sp_ && gb)
     sp_add_norm_grads({{g(o.post_norm), post_norm_write}, {g(o.input_norm), input_norm_write}},
                       "sp norm weight grads");

@@ -33,6 +33,22 @@
 #include "model/llama_gpu_grad_writes.h"
 
 namespace tuna {
+namespace {
+
+// The forward's norm and SwiGLU, each folding its output's amax into *amax when one is given (--fp8: that output is
+// the next FP8 GEMM group's input), the plain kernel otherwise.
+void norm_fwd(__nv_bfloat16* out, float* rstd, const __nv_bfloat16* inp, const __nv_bfloat16* weight, int64_t n,
+              int64_t dim, double eps, float* amax, cudaStream_t s) {
+  if (amax != nullptr) cuda::rmsnorm_fwd_amax(out, rstd, inp, weight, n, dim, eps, amax, s);
+  else cuda::rmsnorm_fwd(out, rstd, inp, weight, n, dim, eps, s);
+}
+void swiglu_forward(__nv_bfloat16* out, const __nv_bfloat16* gate, const __nv_bfloat16* up, int64_t rows, int64_t cols,
+                    int64_t stride, float* amax, cudaStream_t s) {
+  if (amax != nullptr) cuda::swiglu_fwd_amax(out, gate, up, rows, cols, stride, amax, s);
+  else cuda::swiglu_fwd(out, gate, up, rows, cols, stride, s);
+}
+
+}  // namespace
 
 void LlamaGpu::tp_all_reduce(__nv_bfloat16* x, int64_t n, const char* what) {
   if (run_.tp == 1) return;
@@ -182,15 +198,9 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   // FP8: the layer's weight codes (cast now if the weights changed since), and each group's input amax folded into
   // the kernel that writes the input, from zero.
   const Fp8GpuWeight* w8 = fp8_ ? fp8_weights(l, wb) : nullptr;
-  float* amax = a.fp8_amax;
-  const auto amax_of = [&](Fp8Group g) { return amax + static_cast<int>(g); };
-  if (fp8_) {
-    TUNA_CUDA_CHECK(cudaMemsetAsync(amax, 0, kFp8Groups * sizeof(float), s));
-    cuda::rmsnorm_fwd_amax(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), nr, C, c.rms_norm_eps,
-                           amax_of(Fp8Group::Qkv), s);
-  } else {
-    cuda::rmsnorm_fwd(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), nr, C, c.rms_norm_eps, s);
-  }
+  if (fp8_) TUNA_CUDA_CHECK(cudaMemsetAsync(a.fp8_amax, 0, kFp8Groups * sizeof(float), s));
+  const auto amax_of = [&](Fp8Group g) { return fp8_ ? a.fp8_amax + static_cast<int>(g) : nullptr; };
+  norm_fwd(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), nr, C, c.rms_norm_eps, amax_of(Fp8Group::Qkv), s);
   // One GEMM over the q|k|v weight block into qkv_; RoPE reads q and k out of its rows into the contiguous a.q, a.k
   // the attention kernels take, and v is copied out (a strided copy). With sp it reads every rank's rows gathered.
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
@@ -233,18 +243,13 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   };
   row_parallel(a.resid_mid, a.att, o.o_proj, Fp8Group::O, a.resid_in, d.q_dim, "tp o_proj");
   adapt(LoraTarget::O, a.att, a.resid_mid, C);  // after the sum: every rank adds the same whole product once
-  if (fp8_)
-    cuda::rmsnorm_fwd_amax(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), nr, C, c.rms_norm_eps,
-                           amax_of(Fp8Group::GateUp), s);
-  else
-    cuda::rmsnorm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), nr, C, c.rms_norm_eps, s);
+  norm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), nr, C, c.rms_norm_eps, amax_of(Fp8Group::GateUp), s);
   const __nv_bfloat16* x2 = sp_ ? sp_gather(a.norm2, "sp gate/up input") : a.norm2;
   if (fp8_) fp8_fwd(l, Fp8Group::GateUp, w8, a.gate_up, x2, nullptr, n);
   else cuda::matmul_fwd(mm, a.gate_up, x2, w(o.gate_proj), n, C, 2 * F, s);  // the gate|up block
   adapt(LoraTarget::Gate, x2, a.gate_up, 2 * F);
   adapt(LoraTarget::Up, x2, a.gate_up + F, 2 * F);
-  if (fp8_) cuda::swiglu_fwd_amax(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, amax_of(Fp8Group::Down), s);
-  else cuda::swiglu_fwd(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, s);
+  swiglu_forward(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, amax_of(Fp8Group::Down), s);
   if (!write_output) {  // a recompute: the down adapter's u is needed by its backward, its output is not
     adapt(LoraTarget::Down, a.act, nullptr, C, /*add=*/false);
     return;
@@ -441,36 +446,53 @@ LossSum LlamaGpu::forward_stage(int64_t slot, const int32_t* inputs, const int32
   return loss;
 }
 
-void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits) {
-  TUNA_CHECK(run_.tp == 1, "forward_logits returns whole-vocabulary logits: not with tensor parallelism");
-  TUNA_CHECK(layout_.whole(), "forward_logits of a pipeline stage");
-  if (batch > max_batch_ || seq > max_seq_)
-    fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
-  upload_tokens(inputs, nullptr, batch, seq);
-  forward(batch, seq, /*backward_follows=*/false);
-  const int64_t V = config_.vocab_size;
-  const LogitsSink sink = [&](int64_t r0, int64_t rows, const float* logits) {
-    std::copy(logits, logits + rows * V, host_logits + r0 * V);
-  };
-  head(nullptr, batch * seq, /*want_grad=*/false, &sink);
-  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-}
-
-void LlamaGpu::forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
-                                    float* logps, uint8_t* greedy) {
-  TUNA_CHECK(run_.tp == 1, "forward_target_logps reads whole-vocabulary logits: not with tensor parallelism");
-  TUNA_CHECK(layout_.whole(), "forward_target_logps of a pipeline stage");
+void LlamaGpu::forward_to_logits(const int32_t* inputs, int64_t batch, int64_t seq, const LogitsSink& sink) {
+  TUNA_CHECK(run_.tp == 1, "whole-vocabulary logits: not with tensor parallelism");
+  TUNA_CHECK(layout_.whole(), "whole-vocabulary logits of a pipeline stage");
   if (batch > max_batch_ || seq > max_seq_)
     fail("batch ", batch, " x seq ", seq, " exceeds the planned ", max_batch_, " x ", max_seq_);
   select_slot(0);
   upload_tokens(inputs, nullptr, batch, seq);
   forward(batch, seq, /*backward_follows=*/false);
-  const int64_t V = config_.vocab_size;
-  const LogitsSink sink = [&](int64_t r0, int64_t rows, const float* logits) {
-    cpu::classifier_target_logps(logits, targets + r0, rows, V, logps + r0, greedy + r0);
-  };
   head(nullptr, batch * seq, /*want_grad=*/false, &sink);
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void LlamaGpu::forward_logits(const int32_t* inputs, int64_t batch, int64_t seq, float* host_logits) {
+  const int64_t V = config_.vocab_size;
+  forward_to_logits(inputs, batch, seq, [&](int64_t r0, int64_t rows, const float* logits) {
+    std::copy(logits, logits + rows * V, host_logits + r0 * V);
+  });
+}
+
+void LlamaGpu::forward_target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,
+                                    float* logps, uint8_t* greedy) {
+  const int64_t V = config_.vocab_size;
+  // FP8's GEMMs take a multiple of 16 tokens (forward refuses the rest): each row is padded at its end (ignored
+  // targets, which causal attention keeps out of the tokens before them) to the shortest length that gives one within
+  // the planned seq, else the pass is the planned max_batch x max_seq (a multiple of 16: model/support.cpp), with
+  // empty rows added.
+  int64_t rows = batch, len = seq;
+  if (fp8_) {
+    while (len < max_seq_ && (rows * len) % 16 != 0) len++;
+    if ((rows * len) % 16 != 0) rows = max_batch_, len = max_seq_;
+  }
+  if (rows == batch && len == seq)
+    return forward_to_logits(inputs, batch, seq, [&](int64_t r0, int64_t n, const float* logits) {
+      cpu::classifier_target_logps(logits, targets + r0, n, V, logps + r0, greedy + r0);
+    });
+  std::vector<int32_t> in(rows * len, 0), tg(rows * len, cpu::kIgnoreIndex);
+  for (int64_t r = 0; r < batch; r++) {
+    std::copy(inputs + r * seq, inputs + (r + 1) * seq, in.begin() + r * len);
+    std::copy(targets + r * seq, targets + (r + 1) * seq, tg.begin() + r * len);
+  }
+  std::vector<float> lp(rows * len);
+  std::vector<uint8_t> gr(rows * len);
+  forward_target_logps(in.data(), tg.data(), rows, len, lp.data(), gr.data());
+  for (int64_t r = 0; r < batch; r++) {
+    std::copy(lp.begin() + r * len, lp.begin() + r * len + seq, logps + r * seq);
+    std::copy(gr.begin() + r * len, gr.begin() + r * len + seq, greedy + r * seq);
+  }
 }
 
 void LlamaGpu::forward_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq,

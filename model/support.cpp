@@ -97,8 +97,7 @@ Support cuda_validity(const MemoryLayout& l) {
 }
 
 // --fp8 on the CUDA engine (model/llama_gpu.h): one GPU or dp ranks at any ZeRO stage, one tp rank and one stage, no
-// adapters. The
-// rest runs on the CPU engine (model/fp8.h), which this names as what works instead.
+// adapters. The rest runs on the CPU engine (model/fp8.h), which this names as what works instead.
 Support cuda_fp8_support(const LlamaConfig& c, const MemoryLayout& l) {
   const std::string fp8 = str("--fp8 ", fp8_mode_name(l.fp8), " with --device cuda");
   if (l.tp > 1)

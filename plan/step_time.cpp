@@ -69,7 +69,7 @@ struct GpuMemory {
 };
 
 // --fp8 tensorwise's buffers, as designed (model/fp8.h), for a layout the CUDA engine does not run with FP8 (tp, pp,
-// ZeRO-3, adapters: model/support.cpp): the stage's projection weights in e4m3 in both layouts (cast once per step,
+// adapters: model/support.cpp): the stage's projection weights in e4m3 in both layouts (cast once per step,
 // or once per run when frozen: 2 bytes a weight), and one projection group's input and output-gradient codes in both
 // layouts (the casts fused into the kernels that produce them write there). Where the engine runs FP8 its own plan
 // (model/memory_plan_gpu.cpp) is the memory.
