@@ -204,6 +204,10 @@ class Engine {
   virtual double flops_per_token(int64_t seq) const = 0;
   virtual double peak_flops() const = 0;
   virtual EngineStatus status() = 0;
+  // --fp8 on cuda: the amaxes this rank's last passes cast with (each cast weight group's, the current micro-batch's
+  // layer inputs', the last backward's output gradients'), for diagnostics and tests: a tp group's ranks must hold the
+  // same ones (model/fp8_gpu.h fp8_operand_split). Empty without FP8 and on cpu.
+  virtual std::vector<float> fp8_amaxes() { return {}; }
 };
 
 // The forward pass alone, for build/eval and build/sample: one rank, no optimizer state.

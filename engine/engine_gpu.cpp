@@ -236,6 +236,7 @@ class GpuEngine final : public Engine {
                                str("device memory per GPU (this rank's plan, allocated at start; ", describe_, ")")) +
            format_host_staging(plan_gpu_host_staging(model_.config(), engine_memory_layout(options_, mesh_)));
   }
+  std::vector<float> fp8_amaxes() override { return model_.fp8_amaxes(); }
   int64_t activation_bytes() const override { return model_.memory_plan().bytes(MemoryKind::Activations); }
   int64_t state_bytes() const override { return model_.state_bytes(); }  // the shard is in the model's arena
   double flops_per_token(int64_t seq) const override { return model_.flops_per_token(seq); }

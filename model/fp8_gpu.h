@@ -17,6 +17,14 @@ inline constexpr int64_t kFp8ScaleStride = 4;
 // model keeps one weight cast, one input amax and one output-gradient amax per group, indexed so.
 enum class Fp8Group { Qkv, O, GateUp, Down };
 inline constexpr int kFp8Groups = 4;
+// Whether group g's input (output_gradient false) or output gradient covers a tensor split over tp, so that its amax
+// is the maximum over the tp group (model/fp8.h): the row-parallel groups' (o, down) inputs and the column-parallel
+// groups' (q|k|v, gate|up) output gradients are split by columns; with sequence parallelism the others too, by rows
+// (the normed inputs and the residual gradient, each rank's rows before their gather).
+inline bool fp8_operand_split(Fp8Group g, bool output_gradient, bool sp) {
+  const bool row_parallel = g == Fp8Group::O || g == Fp8Group::Down;
+  return row_parallel != output_gradient || sp;
+}
 }  // namespace tuna
 
 #if TUNA_CUDA

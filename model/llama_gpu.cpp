@@ -305,7 +305,7 @@ void LlamaGpu::point_activation(const GpuBufferRow& row, __nv_bfloat16* p) {
 // per group, kFp8ScaleStride floats apart: 16-byte aligned, as cuBLASLt's FP8 GEMMs need).
 void LlamaGpu::set_up_fp8() {
   if (!fp8_) return;
-  TUNA_CHECK(run_.tp == 1 && !sp_ && run_.pp == 1 && !lora_.enabled() && fp8_codes_ != nullptr &&
+  TUNA_CHECK(!lora_.enabled() && fp8_codes_ != nullptr &&
                  fp8_scales_ != nullptr && fp8_scratch_.x != nullptr && fp8_scratch_.inv != nullptr,
              "--fp8 on the CUDA model: a layout model/support.cpp refuses, or its buffers not planned");
   TUNA_CHECK(fp8_scratch_.dy && fp8_scratch_.dy_t && fp8_grad_amax_, "FP8 backward buffers not planned");
@@ -330,6 +330,24 @@ void LlamaGpu::set_up_fp8() {
 }
 
 void LlamaGpu::weights_changed() { std::fill(fp8_cast_.begin(), fp8_cast_.end(), -1); }
+
+std::vector<float> LlamaGpu::fp8_amaxes() {
+  if (!fp8_) return {};
+  TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::vector<float> out;
+  const auto take = [&](const float* device) {
+    float v = 0;
+    TUNA_CUDA_CHECK(cudaMemcpy(&v, device, sizeof(float), cudaMemcpyDeviceToHost));
+    out.push_back(v);
+  };
+  for (const Fp8GpuWeight& w : fp8_w_) take(w.amax);
+  for (int64_t l = stage_.layer_begin; l < stage_.layer_end; l++)
+    for (int g = 0; g < kFp8Groups; g++) take(acts(l).fp8_amax + g);
+  // down_proj's is left out: the last it holds is the fold of the stage's first input norm backward, for a layer
+  // below that this stage does not have (a stage before folds its own: LlamaGpu::backward).
+  for (Fp8Group g : {Fp8Group::Qkv, Fp8Group::O, Fp8Group::GateUp}) take(fp8_grad_amax_ + static_cast<int>(g));
+  return out;
+}
 
 // What the device holds from the start: the fused AdamW's segment table over the whole layout (one segment per
 // tensor, in offset order), the RoPE tables, and zeros for the weights and the optimizer state (a step before

@@ -33,8 +33,9 @@
 // the step's passes share (at ZeRO-3 into one layer's codes, cast from each gathered layer as it is used); the
 // activations' amaxes are folded into the kernels that write them (rmsnorm_fwd_amax, swiglu_fwd_amax; fp8_amax for
 // the attention output) and kept per layer for the backward; the output gradients' into rmsnorm_bwd_amax and
-// swiglu_bwd_amax (fp8_amax for d_q|d_k|d_v). One rank per tp group, one stage, no
-// adapters (model/support.cpp refuses the rest). A training option: a forward-only model runs bf16.
+// swiglu_bwd_amax (fp8_amax for d_q|d_k|d_v, and for a later pipeline stage's input gradient), and each taken over tp
+// where its tensor is split there (fp8_operand_split). dp, tp with or without sp, pp, every ZeRO stage the layout
+// runs at; no adapters (model/support.cpp refuses them). A training option: a forward-only model runs bf16.
 // QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:
@@ -218,6 +219,10 @@ class LlamaGpu {
   // with --fp8 each layer is cast again at its next forward. This model's writes (set_params*, refresh_params*,
   // init_random, adamw_step) call it themselves.
   void weights_changed();
+  // --fp8 (Engine::fp8_amaxes): the amaxes the last passes cast with, synchronous: each cast slot's four weight groups
+  // (a slot not cast since the weights changed gives its stale values), the current slot's layers' four inputs, and the
+  // output gradients of q|k|v, o and gate|up of the last backward (the stage's first layer). Empty without FP8.
+  std::vector<float> fp8_amaxes();
 
   // Host fp32 <-> device, in layout() order (the model; with adapters the frozen base, and get_params /
   // get_grads then the adapters', trained_layout()). set_params also refreshes the bf16 copy. Synchronous.
@@ -395,9 +400,14 @@ class LlamaGpu {
   const Fp8GpuWeight* fp8_weights(int64_t l, const __nv_bfloat16* wb);
   // --fp8: group g's output-gradient amax, zeroed on the stream for the kernel that folds it; null without --fp8.
   float* fp8_grad_amax(Fp8Group g);
-  // --fp8: out = x @ W^T (+ residual) for group g of layer l, x's amax already folded into acts(l).fp8_amax[g].
-  void fp8_fwd(int64_t l, Fp8Group g, const Fp8GpuWeight* w, __nv_bfloat16* out, const __nv_bfloat16* x,
-               const __nv_bfloat16* residual, int64_t n);
+  // --fp8: *amax, group g's input or output-gradient amax from this rank's part, made the maximum over tp where that
+  // operand is split there (fp8_operand_split), so every tp rank casts with one rank's scale.
+  void fp8_amax_over_tp(float* amax, Fp8Group g, bool output_gradient);
+  // --fp8: group g's input x [n, in] cast into fp8_scratch_, its amax folded into acts(l).fp8_amax[g] by x's
+  // producer and taken over tp here (kept so for the backward).
+  void fp8_cast_group_input(int64_t l, Fp8Group g, const __nv_bfloat16* x, int64_t n, int64_t in);
+  // --fp8: out = x @ W^T for a column-parallel group g of layer l (fp8_cast_group_input, then the product).
+  void fp8_fwd(int64_t l, Fp8Group g, const Fp8GpuWeight* w, __nv_bfloat16* out, const __nv_bfloat16* x, int64_t n);
   // Adapters of layer l (model/llama.cpp's lora_fwd / lora_bwd, and the tp collectives described there). Forward:
   // u = s A dropout(x) into lora_ax, then y (rows ld_y apart) += u B^T unless add_output is false (a recompute that
   // needs u alone). Backward: dB += dy^T u, dt = s dy B, dA += dt^T dropout(x), dx += dropout'(dt A).

@@ -69,6 +69,9 @@ void LlamaGpu::backward(int64_t batch, int64_t seq) {
     TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_, 0, (sp_ ? sp_chunk_ : n) * C * sizeof(__nv_bfloat16), s));
   else if (sp_ && sp_chunk_ > nr)
     TUNA_CUDA_CHECK(cudaMemsetAsync(d_resid_ + nr * C, 0, (sp_chunk_ - nr) * C * sizeof(__nv_bfloat16), s));
+  // --fp8 at a stage before the last: its top layer's down_proj output gradient came from the next stage, where no
+  // kernel of this one folded its amax: a pass of its own over this rank's rows.
+  if (fp8_ && !stage_.head) cuda::fp8_amax(fp8_grad_amax(Fp8Group::Down), d_resid_, nr, C, C, s);
   // A frozen base (adapters): no weight gradient of it is computed (null dweight: the kernels skip it); the
   // adapters' gradients accumulate into their buffer, which the step's first pass found zeroed (at ZeRO 2-3 a
   // layer's buffer from the engine's store, zeroed for each pass: take_adapter_grads).
@@ -141,13 +144,14 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
   // partial sums in d_norm_, reduced into this rank's rows (dnorm); the norms run on this rank's rows (nr).
   const int64_t nr = sp_ ? sp_rows_.size() : n;
   __nv_bfloat16* dnorm = sp_ ? d_final_norm_ : d_norm_;
-  // FP8 (one tp rank, no sp: model/support.cpp): each group's three GEMMs through fp8_linear_bwd, with the input's
-  // amax the forward kept and the output gradient's folded into the kernel that wrote it, from zero; the residual
-  // gradient's (down_proj's, o_proj's) by the norm backward above it.
+  // FP8: each group's three GEMMs through fp8_linear_bwd, with the input's amax the forward kept (over tp) and the
+  // output gradient's folded into the kernel that wrote it, from zero (the residual gradient's, down_proj's and
+  // o_proj's, by the norm backward above it), then taken over tp where the gradient is split there.
   const Fp8GpuWeight* w8 = fp8_ ? fp8_weights(l, wb) : nullptr;
   const auto fp8_bwd = [&](Fp8Group group, __nv_bfloat16* dx, int64_t weight, GradWrite write,
                            const __nv_bfloat16* dy, const __nv_bfloat16* x) {
     const int i = static_cast<int>(group);
+    fp8_amax_over_tp(fp8_grad_amax_ + i, group, /*output_gradient=*/true);
     fp8_linear_bwd(mm, dx, g(weight), dy, fp8_grad_amax_ + i, x, a.fp8_amax + i, w8[i], n, /*accumulate_dx=*/false,
                    write, fp8_scratch_, s);
   };

@@ -205,7 +205,7 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   // the attention kernels take, and v is copied out (a strided copy). With sp it reads every rank's rows gathered.
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
   const __nv_bfloat16* x1 = sp_ ? sp_gather(a.norm1, "sp q/k/v input") : a.norm1;
-  if (fp8_) fp8_fwd(l, Fp8Group::Qkv, w8, qkv_, x1, nullptr, n);
+  if (fp8_) fp8_fwd(l, Fp8Group::Qkv, w8, qkv_, x1, n);
   else cuda::matmul_fwd(mm, qkv_, x1, w(o.q_proj), n, C, qkv, s);
   // Adapters add into their column blocks of the fused outputs, before RoPE and SwiGLU read them; with sp they read
   // every row of the gathered input, as the GEMM does.
@@ -225,32 +225,37 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks. With sp every row's partial product goes to gathered_, each rank adding the
   // residual of its own rows (the GEMM split at them), and the sum of this rank's rows comes back into `out`.
+  // With FP8 the input is cast once, whole, and the products read their rows of its codes.
   const auto row_parallel = [&](__nv_bfloat16* out, const __nv_bfloat16* inp, int64_t weight, Fp8Group group,
                                 const __nv_bfloat16* residual, int64_t ic, const char* what) {
-    if (fp8_) return fp8_fwd(l, group, w8, out, inp, residual, n);  // one tp rank (model/support.cpp)
+    if (fp8_) fp8_cast_group_input(l, group, inp, n, ic);
+    // dst = rows row0 .. row0 + rows of inp @ W^T (+ res)
+    const auto product = [&](__nv_bfloat16* dst, int64_t row0, int64_t rows, const __nv_bfloat16* res) {
+      if (fp8_) return fp8_linear_fwd(mm, dst, res, w8[static_cast<int>(group)], fp8_scratch_, row0, rows, s);
+      if (res != nullptr) cuda::matmul_residual_fwd(mm, dst, inp + row0 * ic, w(weight), res, rows, ic, C, s);
+      else cuda::matmul_fwd(mm, dst, inp + row0 * ic, w(weight), rows, ic, C, s);
+    };
     if (!sp_) {
-      if (d.tp_rank == 0) cuda::matmul_residual_fwd(mm, out, inp, w(weight), residual, n, ic, C, s);
-      else cuda::matmul_fwd(mm, out, inp, w(weight), n, ic, C, s);
+      product(out, 0, n, d.tp_rank == 0 ? residual : nullptr);
       return tp_all_reduce(out, n * C, what);
     }
     const int64_t begin = sp_rows_.begin, end = sp_rows_.end;
-    if (begin > 0) cuda::matmul_fwd(mm, gathered_, inp, w(weight), begin, ic, C, s);
-    if (end > begin)
-      cuda::matmul_residual_fwd(mm, gathered_ + begin * C, inp + begin * ic, w(weight), residual, end - begin, ic, C,
-                                s);
-    if (n > end) cuda::matmul_fwd(mm, gathered_ + end * C, inp + end * ic, w(weight), n - end, ic, C, s);
+    if (begin > 0) product(gathered_, 0, begin, nullptr);
+    if (end > begin) product(gathered_ + begin * C, begin, end - begin, residual);
+    if (n > end) product(gathered_ + end * C, end, n - end, nullptr);
     sp_reduce(gathered_, out, n, what);
   };
   row_parallel(a.resid_mid, a.att, o.o_proj, Fp8Group::O, a.resid_in, d.q_dim, "tp o_proj");
   adapt(LoraTarget::O, a.att, a.resid_mid, C);  // after the sum: every rank adds the same whole product once
   norm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), nr, C, c.rms_norm_eps, amax_of(Fp8Group::GateUp), s);
   const __nv_bfloat16* x2 = sp_ ? sp_gather(a.norm2, "sp gate/up input") : a.norm2;
-  if (fp8_) fp8_fwd(l, Fp8Group::GateUp, w8, a.gate_up, x2, nullptr, n);
+  if (fp8_) fp8_fwd(l, Fp8Group::GateUp, w8, a.gate_up, x2, n);
   else cuda::matmul_fwd(mm, a.gate_up, x2, w(o.gate_proj), n, C, 2 * F, s);  // the gate|up block
   adapt(LoraTarget::Gate, x2, a.gate_up, 2 * F);
   adapt(LoraTarget::Up, x2, a.gate_up + F, 2 * F);
   swiglu_forward(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, amax_of(Fp8Group::Down), s);
   if (!write_output) {  // a recompute: the down adapter's u is needed by its backward, its output is not
+    if (fp8_) fp8_amax_over_tp(amax_of(Fp8Group::Down), Fp8Group::Down, /*output_gradient=*/false);  // as the cast's
     adapt(LoraTarget::Down, a.act, nullptr, C, /*add=*/false);
     return;
   }
@@ -341,11 +346,23 @@ const Fp8GpuWeight* LlamaGpu::fp8_weights(int64_t l, const __nv_bfloat16* wb) {
   return w;
 }
 
+void LlamaGpu::fp8_amax_over_tp(float* amax, Fp8Group g, bool output_gradient) {
+  if (run_.tp == 1 || !fp8_operand_split(g, output_gradient, sp_)) return;
+  TUNA_CHECK(tp_ != nullptr, "tensor parallelism without a tp comm (set_tp_comm)");
+  tp_->all_reduce(amax, 1, CommType::F32, ReduceOp::Max, output_gradient ? "tp fp8 gradient amax" : "tp fp8 input amax");
+}
+
+void LlamaGpu::fp8_cast_group_input(int64_t l, Fp8Group g, const __nv_bfloat16* x, int64_t n, int64_t in) {
+  float* amax = acts(l).fp8_amax + static_cast<int>(g);
+  fp8_amax_over_tp(amax, g, /*output_gradient=*/false);  // kept so, for the backward's cast of the same input
+  fp8_cast_input(fp8_scratch_, x, n, in, amax, stream_);
+}
+
 void LlamaGpu::fp8_fwd(int64_t l, Fp8Group g, const Fp8GpuWeight* w, __nv_bfloat16* out, const __nv_bfloat16* x,
-                       const __nv_bfloat16* residual, int64_t n) {
+                       int64_t n) {
   const Fp8GpuWeight& wg = w[static_cast<int>(g)];
-  fp8_cast_input(fp8_scratch_, x, n, wg.in, acts(l).fp8_amax + static_cast<int>(g), stream_);
-  fp8_linear_fwd(*matmul_, out, residual, wg, fp8_scratch_, /*row0=*/0, n, stream_);
+  fp8_cast_group_input(l, g, x, n, wg.in);
+  fp8_linear_fwd(*matmul_, out, nullptr, wg, fp8_scratch_, /*row0=*/0, n, stream_);
 }
 
 double LlamaGpu::queued_loss_sum() {

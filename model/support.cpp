@@ -96,16 +96,10 @@ Support cuda_validity(const MemoryLayout& l) {
   return {};
 }
 
-// --fp8 on the CUDA engine (model/llama_gpu.h): one GPU or dp ranks at any ZeRO stage, one tp rank and one stage, no
-// adapters. The rest runs on the CPU engine (model/fp8.h), which this names as what works instead.
+// --fp8 on the CUDA engine (model/llama_gpu.h): every layout of the bf16 engine (dp at any ZeRO stage, tp with or
+// without sp, pp), no adapters. Adapters with FP8 run on the CPU engine (model/fp8.h), which this names instead.
 Support cuda_fp8_support(const LlamaConfig& c, const MemoryLayout& l) {
   const std::string fp8 = str("--fp8 ", fp8_mode_name(l.fp8), " with --device cuda");
-  if (l.tp > 1)
-    return not_implemented(fp8, " and --tp ", l.tp, ": not implemented (the amaxes of split tensors would take a ",
-                           "maximum over tp, as the CPU engine's do); use dp (any --zero) on cuda, or --device cpu");
-  if (l.pp > 1)
-    return not_implemented(fp8, " and --pp ", l.pp, ": not implemented (a stage's input gradient has no folded amax); ",
-                           "use dp (any --zero) on cuda, or --device cpu");
   if (l.lora.enabled())
     return not_implemented(fp8, " and adapters (lora_rank ", l.lora.rank, "): not implemented (the frozen base's FP8 ",
                            "GEMMs are wired on the CPU engine only); use --fp8 off, or --device cpu");
@@ -121,6 +115,12 @@ Support cuda_fp8_support(const LlamaConfig& c, const MemoryLayout& l) {
   if (l.micro_batch * l.seq_len % 16 != 0)
     return not_implemented(fp8, ": micro_batch ", l.micro_batch, " x seq_len ", l.seq_len, " = ",
                            l.micro_batch * l.seq_len, " tokens a pass, not a multiple of 16, which cuBLASLt's FP8 GEMMs ",
+                           "need; change --micro_batch or --seq_len");
+  // With sp the row-parallel GEMMs run in three pieces split at this rank's rows (the residual added to its own).
+  if (l.sp && l.micro_batch * l.seq_len % (16 * l.tp) != 0)
+    return not_implemented(fp8, " and --sp: micro_batch ", l.micro_batch, " x seq_len ", l.seq_len, " = ",
+                           l.micro_batch * l.seq_len, " tokens a pass give each of the ", l.tp, " tp ranks ",
+                           l.micro_batch * l.seq_len / l.tp, " rows, not a multiple of 16, which cuBLASLt's FP8 GEMMs ",
                            "need; change --micro_batch or --seq_len");
   return {};
 }

@@ -89,9 +89,9 @@ TEST(Support, WhatEachEngineDoesNotRunYet) {
 }
 
 // The option given without adapters is refused whatever its value; the layout's rule, only a quantized base.
-// --fp8 tensorwise: the CPU engine trains with it on every layout, full fine-tune or adapters; the CUDA engine on one GPU
-// and over dp at every ZeRO stage, and refuses the rest (tp, pp, adapters, shapes cuBLASLt's FP8 GEMMs do not take) by
-// name, saying what runs instead.
+// --fp8 tensorwise: the CPU engine trains with it on every layout, full fine-tune or adapters; the CUDA engine on every
+// layout its bf16 step runs (dp at every ZeRO stage, tp with and without sp, pp), and refuses adapters and the shapes
+// cuBLASLt's FP8 GEMMs do not take by name, saying what runs instead.
 TEST(Support, Fp8RunsWhereItIsWired) {
   const LlamaConfig c = LlamaConfig::load("tests/fixtures/llama2_tiny/config.json");  // widths multiples of 16
   MemoryLayout one = single_rank_layout(2, 16);
@@ -108,8 +108,16 @@ TEST(Support, Fp8RunsWhereItIsWired) {
     expect_verdict(c, l, Device::Cuda, Verdict::NotImplemented, words);
     EXPECT_TRUE(support(c, l, Device::Cpu).runs()) << support(c, l, Device::Cpu).reason;
   };
-  refused(layout(2), "--fp8 tensorwise with --device cuda and --tp 2: not implemented");
-  refused(layout(1, 2), "--fp8 tensorwise with --device cuda and --pp 2: not implemented");
+  for (MemoryLayout l : {layout(2), layout(2, 1, 3), layout(1, 2), layout(2, 2, 1)}) {
+    l.fp8 = Fp8Mode::Tensorwise;
+    EXPECT_TRUE(support(c, l, Device::Cuda).runs()) << support(c, l, Device::Cuda).reason;
+    l.sp = l.tp > 1;
+    EXPECT_TRUE(support(c, l, Device::Cuda).runs()) << "sp: " << support(c, l, Device::Cuda).reason;
+  }
+  MemoryLayout sp_rows = layout(4);  // 2 x 16 tokens over 4 tp ranks: 8 rows each
+  sp_rows.sp = true;
+  refused(sp_rows, "--fp8 tensorwise with --device cuda and --sp: micro_batch 2 x seq_len 16 = 32 tokens a pass give "
+                   "each of the 4 tp ranks 8 rows, not a multiple of 16");
   MemoryLayout short_pass = one;
   short_pass.seq_len = 9;  // 2 x 9 tokens a pass
   refused(short_pass, "micro_batch 2 x seq_len 9 = 18 tokens a pass, not a multiple of 16");
