@@ -305,7 +305,7 @@ void LlamaGpu::point_activation(const GpuBufferRow& row, __nv_bfloat16* p) {
 // per group, kFp8ScaleStride floats apart: 16-byte aligned, as cuBLASLt's FP8 GEMMs need).
 void LlamaGpu::set_up_fp8() {
   if (!fp8_) return;
-  TUNA_CHECK(!lora_.enabled() && fp8_codes_ != nullptr &&
+  TUNA_CHECK(fp8_codes_ != nullptr &&
                  fp8_scales_ != nullptr && fp8_scratch_.x != nullptr && fp8_scratch_.inv != nullptr,
              "--fp8 on the CUDA model: a layout model/support.cpp refuses, or its buffers not planned");
   TUNA_CHECK(fp8_scratch_.dy && fp8_scratch_.dy_t && fp8_grad_amax_, "FP8 backward buffers not planned");
@@ -441,7 +441,7 @@ void LlamaGpu::refresh_params() {
 }
 
 void LlamaGpu::refresh_params_from(const float* master_values) {
-  weights_changed();
+  if (!lora_.enabled()) weights_changed();  // with adapters these are the adapters' values: the base is as it was
   const int64_t total = trained_layout().total();
   if (!options_.stochastic_rounding || steps_taken_ == 0)
     return cuda::f32_to_bf16(t_.weights, master_values, total, stream_);
@@ -511,7 +511,8 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
   const ParamLayout& trained = trained_layout();
   const int64_t P = trained.total();
   cudaStream_t s = stream_;
-  weights_changed();  // the update below rewrites the bf16 weights
+  if (!lora_.enabled()) weights_changed();  // the update rewrites the bf16 weights (with adapters theirs: the frozen
+                                            // base's FP8 codes stay, cast once per run)
   zero_unwritten_grads();  // a step without a backward: its gradient is zero
   cuda::sum_of_squares(norm_total_, t_.grads, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));

@@ -30,12 +30,13 @@
 // FP8 (MemoryLayout::fp8 tensorwise, model/fp8.h): each layer's four projection GEMM groups (q|k|v, o, gate|up, down)
 // run forward and backward through model/fp8_gpu.h, the CPU model's Fp8GroupCpu recipe. A layer's weights are cast
 // at its first forward after they changed (weights_changed: every write of them, the updates included) into codes
-// the step's passes share (at ZeRO-3 into one layer's codes, cast from each gathered layer as it is used); the
+// the step's passes share (at ZeRO-3 and with an nf4 base into one layer's codes, cast from each gathered or
+// dequantized layer as it is used; a frozen bf16 base's codes are cast once per run, the adapters staying bf16); the
 // activations' amaxes are folded into the kernels that write them (rmsnorm_fwd_amax, swiglu_fwd_amax; fp8_amax for
 // the attention output) and kept per layer for the backward; the output gradients' into rmsnorm_bwd_amax and
 // swiglu_bwd_amax (fp8_amax for d_q|d_k|d_v, and for a later pipeline stage's input gradient), and each taken over tp
-// where its tensor is split there (fp8_operand_split). dp, tp with or without sp, pp, every ZeRO stage the layout
-// runs at; no adapters (model/support.cpp refuses them). A training option: a forward-only model runs bf16.
+// where its tensor is split there (fp8_operand_split). Every layout the bf16 model runs. A training option: a
+// forward-only model runs bf16.
 // QLoRA (MemoryLayout::lora.base_quant nf4): the decoder's Linear weights are held in NF4 (bitsandbytes' layout,
 // quantized on the host as kernels/cpu/nf4.h does), the embedding, norms and lm_head in bf16, and each layer is
 // dequantized (kernels/nf4.cu) into one reused bf16 buffer shaped like the layer's unit whenever it is acquired:

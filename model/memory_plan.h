@@ -84,7 +84,7 @@ struct MemoryLayout {
 // One rank alone, on batches of up to micro_batch x seq_len; training false: the forward pass alone.
 MemoryLayout single_rank_layout(int64_t micro_batch, int64_t seq_len, bool training = true);
 // --fp8 on the CUDA engine: the layers whose FP8 weight codes it keeps (model/memory_plan_gpu.cpp): the stage's, or at
-// ZeRO-3 one, cast at each use.
+// ZeRO-3 and with a quantized base one, cast at each use.
 int64_t fp8_cast_layers(const MemoryLayout& l);
 
 enum class MemoryKind { Weights, Gradients, Master, Moments, Activations, Communication, Workspace, Transient };

@@ -97,12 +97,9 @@ Support cuda_validity(const MemoryLayout& l) {
 }
 
 // --fp8 on the CUDA engine (model/llama_gpu.h): every layout of the bf16 engine (dp at any ZeRO stage, tp with or
-// without sp, pp), no adapters. Adapters with FP8 run on the CPU engine (model/fp8.h), which this names instead.
+// without sp, pp, adapters on a bf16 or nf4 base), where cuBLASLt's FP8 GEMMs take the shapes.
 Support cuda_fp8_support(const LlamaConfig& c, const MemoryLayout& l) {
   const std::string fp8 = str("--fp8 ", fp8_mode_name(l.fp8), " with --device cuda");
-  if (l.lora.enabled())
-    return not_implemented(fp8, " and adapters (lora_rank ", l.lora.rank, "): not implemented (the frozen base's FP8 ",
-                           "GEMMs are wired on the CPU engine only); use --fp8 off, or --device cpu");
   // cuBLASLt's FP8 GEMMs take each dimension in multiples of 16 (kernels/matmul.cuh check_fp8_shape).
   const std::pair<int64_t, const char*> dims[] = {{c.hidden_size, "hidden_size"},
                                                   {c.intermediate_size, "intermediate_size"},

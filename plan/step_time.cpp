@@ -280,6 +280,7 @@ struct StepModel {
   bool preference = false, reference_forward = false, precompute = false;
   double head_fwd = 0, logps_head = 0, layer_fwd = 0, reference_layer = 0, reference_head = 0;
   double fp8_cast = 0, fp8_cast_bytes = 0, fp8_weight_bytes = 0;  // --fp8: one layer's casts per micro-batch
+  double fp8_weight_casts = 0;  // --fp8: a layer's weight casts per micro-batch
   // Tensor parallel.
   double tp_bytes = 0, tp_one = 0, regather = 0, regather_exposed = 0, adapter_tp_layer = 0;
   bool sp = false;
@@ -379,14 +380,18 @@ void StepModel::time_layer() {
   // --fp8 tensorwise: the casts, memory-bound at their measured (or assumed) share of the copy bandwidth. Per
   // micro-batch: each group's output gradient read in bf16 and written in e5m2 in both layouts (4 bytes an element),
   // the attention output likewise in e4m3, and the codes the norms and SwiGLU write beside their bf16 outputs, the
-  // amax and cast fused in (both layouts: 2). Per step: the trained weights' amax pass and cast to both layouts (6
-  // bytes a weight), a grad_accum-th of it per micro-batch; a frozen base's codes are cast once per run.
+  // amax and cast fused in (both layouts: 2). The weights' amax pass and cast to both layouts (6 bytes a weight): where
+  // the engine keeps every layer's codes, the trained weights' once per step (a grad_accum-th of it per micro-batch)
+  // and a frozen base's once per run; where it keeps one layer's (ZeRO-3, a quantized base: model/memory_plan.h
+  // fp8_cast_layers), at each use, the forward's and the backward's of every micro-batch.
   if (fp8) {
     double outs = 0, weights = 0;
     for (const auto& [in, out] : gemms) outs += double(out), weights += double(in) * double(out);
     fp8_cast_bytes = double(n) * (4.0 * outs + 4.0 * double(qd) + 2.0 * double(2 * C + F));
-    fp8_weight_bytes = adapters ? 0.0 : 6.0 * weights;
-    fp8_cast = mem_time(fp8_cast_bytes + fp8_weight_bytes / A, "fp8_cast");
+    fp8_weight_bytes = 6.0 * weights;
+    const bool each_use = l.zero == 3 || (adapters && lora.base_quant != BaseQuant::None);
+    fp8_weight_casts = each_use ? 2.0 : adapters ? 0.0 : 1.0 / A;
+    fp8_cast = mem_time(fp8_cast_bytes + fp8_weight_bytes * fp8_weight_casts, "fp8_cast");
   }
   // QLoRA: each use of a layer's weights dequantizes them into one bf16 buffer, memory-bound (read the stored bytes,
   // write 2 per weight) at the measured copy bandwidth: once in the forward, once in the backward, once in a full
@@ -584,8 +589,11 @@ void add_compute_items(const StepModel& m, const PipelineStage& st, const Tail& 
     p.compute.push_back({"FP8 casts", A * Ls * m.fp8_cast,
                          str(human_bytes(m.fp8_cast_bytes), " per layer and micro-batch (output gradients, attention "
                              "output, the fused norm and SwiGLU codes)",
-                             adapters ? "; the frozen base's weight codes cast once per run"
-                                      : str(", and ", human_bytes(m.fp8_weight_bytes), " per layer and step (the weights)"),
+                             m.fp8_weight_casts == 0 ? std::string("; the frozen base's weight codes cast once per run")
+                             : m.fp8_weight_casts < 1
+                                 ? str(", and ", human_bytes(m.fp8_weight_bytes), " per layer and step (the weights)")
+                                 : str(", and ", human_bytes(m.fp8_weight_bytes), " per layer at each use (the weights, ",
+                                       "one layer's codes kept: a forward's and a backward's cast a micro-batch)"),
                              ", at ", format_number(100 * rates.memory_rate("fp8_cast") / rates.copy_bytes_per_s, 0),
                              "% of the copy bandwidth")});
   if (adapters)

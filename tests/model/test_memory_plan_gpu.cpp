@@ -89,7 +89,16 @@ TEST(MemoryPlanGpu, Fp8AddsTheWeightCodesAndOneGroupsOperands) {
   const MemoryItem* one = find(sharded, "FP8 weight codes (e4m3, both layouts, one layer: cast at each use)");
   ASSERT_NE(one, nullptr);
   EXPECT_EQ(one->bytes, device_arena_bytes(2 * projections / L));
-  l.zero = 0, l.dp = 1;
+  // Adapters: a frozen bf16 base keeps every layer's codes (cast once per run); an nf4 base one layer's, cast from
+  // each dequantized layer at each use (its whole base in FP8 would outweigh its NF4 codes).
+  l.zero = 0, l.dp = 1, l.lora.rank = 4;
+  EXPECT_NE(find(plan_gpu_memory(c, l), "FP8 weight codes (e4m3, both layouts, " + std::to_string(L) + " layers)"),
+            nullptr);
+  l.lora.base_quant = BaseQuant::Nf4;
+  const MemoryItem* qlora = find(plan_gpu_memory(c, l), "FP8 weight codes (e4m3, both layouts, one layer: cast at each use)");
+  ASSERT_NE(qlora, nullptr);
+  EXPECT_EQ(qlora->bytes, device_arena_bytes(2 * projections / L));
+  l.lora = {};
   l.fp8 = Fp8Mode::Tensorwise, l.training = false;
   for (const MemoryItem& i : plan_gpu_memory(c, l).items) EXPECT_EQ(i.name.rfind("FP8", 0), std::string::npos) << i.name;
 }

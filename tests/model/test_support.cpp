@@ -90,8 +90,8 @@ TEST(Support, WhatEachEngineDoesNotRunYet) {
 
 // The option given without adapters is refused whatever its value; the layout's rule, only a quantized base.
 // --fp8 tensorwise: the CPU engine trains with it on every layout, full fine-tune or adapters; the CUDA engine on every
-// layout its bf16 step runs (dp at every ZeRO stage, tp with and without sp, pp), and refuses adapters and the shapes
-// cuBLASLt's FP8 GEMMs do not take by name, saying what runs instead.
+// layout its bf16 step runs (dp at every ZeRO stage, tp with and without sp, pp, adapters on a bf16 or nf4 base), and
+// refuses the shapes cuBLASLt's FP8 GEMMs do not take by name, saying what to change.
 TEST(Support, Fp8RunsWhereItIsWired) {
   const LlamaConfig c = LlamaConfig::load("tests/fixtures/llama2_tiny/config.json");  // widths multiples of 16
   MemoryLayout one = single_rank_layout(2, 16);
@@ -127,8 +127,10 @@ TEST(Support, Fp8RunsWhereItIsWired) {
                  "intermediate_size 170 (config.json) is not a multiple of 16");
   one.lora.rank = 4, one.lora.alpha = 8;
   EXPECT_TRUE(support(c, one, Device::Cpu).runs()) << support(c, one, Device::Cpu).reason;
-  expect_verdict(c, one, Device::Cuda, Verdict::NotImplemented, "--fp8 tensorwise with --device cuda and adapters "
-                 "(lora_rank 4): not implemented");
+  EXPECT_TRUE(support(c, one, Device::Cuda).runs()) << support(c, one, Device::Cuda).reason;
+  one.lora.base_quant = BaseQuant::Nf4;  // QLoRA: each layer cast from its dequantized bf16 at each use
+  EXPECT_TRUE(support(c, one, Device::Cuda).runs()) << support(c, one, Device::Cuda).reason;
+  one.lora.base_quant = BaseQuant::None;
   // Over ranks on cpu: dp with ZeRO-3, tp with sp, pipeline stages (each amax over the tp group where a tensor is split).
   for (MemoryLayout l : {layout(1, 1, 3), layout(2), layout(1, 2)}) {
     l.fp8 = Fp8Mode::Tensorwise, l.sp = l.tp > 1;
