@@ -304,6 +304,7 @@ EngineOptions engine_options(const TrainConfig& cfg, const RunStart& start, cons
   eo.bf16_moments = cfg.layout.bf16_moments;
   eo.sp = cfg.layout.sp;
   eo.fp8 = parse_fp8_mode(cfg.layout.fp8, "option 'fp8'");
+  eo.fp8_forward_codes = parse_fp8_forward_codes(cfg.layout.fp8_weight_codes, "option 'fp8_weight_codes'");
   eo.documents = DocumentMode{cfg.document_mask, parse_document_positions(cfg.document_positions)};
   start.adapters.configure(eo, start.model);  // what trains
   eo.seed = static_cast<uint64_t>(cfg.seed);

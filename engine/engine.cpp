@@ -37,6 +37,10 @@ void declare_layout_options(Options& o, LayoutOptions& l) {
   o.add("fp8", &l.fp8, "tensorwise: the seven projections' GEMMs (forward and backward) with FP8 operands, e4m3 "
         "weights and activations, e5m2 output gradients, one dynamic scale per tensor from its amax (torchao's "
         "recipe); the lm_head, attention, norms and optimizer as they are. off: fp32 (cpu), bf16 (cuda)");
+  o.add("fp8_weight_codes", &l.fp8_weight_codes, "cuda, with --fp8: which FP8 codes of the weights stay between uses. "
+        "both: every layer's in the two layouts the GEMMs read, cast once per update (2 bytes a projection weight); "
+        "forward: the forward's layout only (1 byte), the transposed codes cast again before each backward (a cast of "
+        "the weights a micro-batch, for half the codes' memory). The same numbers either way", {"both", "forward"});
   o.add("rope_scaling", &l.rope_scaling, "TYPE:FACTOR, TYPE linear, dynamic or yarn (transformers' rope_scaling): "
         "train a context FACTOR times the model's own (--seq_len up to it); written into every checkpoint's and "
         "export's config.json. Empty: the model's config.json decides");
@@ -106,7 +110,7 @@ MemoryLayout engine_memory_layout(const EngineOptions& o, const Mesh& mesh) {
   l.dp = mesh.dp_size, l.dp_rank = mesh.dp_rank, l.tp = mesh.tp_size, l.tp_rank = mesh.tp_rank;
   l.pp = mesh.pp_size, l.pp_rank = mesh.pp_rank, l.sp = o.sp;
   l.zero = o.zero, l.zero_prefetch = o.zero_prefetch, l.recompute = o.recompute;
-  l.bf16_moments = o.bf16_moments, l.attention = o.attention, l.fp8 = o.fp8;
+  l.bf16_moments = o.bf16_moments, l.attention = o.attention, l.fp8 = o.fp8, l.fp8_forward_codes = o.fp8_forward_codes;
   l.micro_batch = o.micro_batch, l.seq_len = o.seq_len;
   static_cast<LoraConfig&>(l.lora) = o.lora;
   l.lora.base_quant = o.base_quant;

@@ -86,6 +86,7 @@ struct EngineOptions {
   // --fp8 (model/fp8.h): the seven projections' GEMMs with FP8 operands; the model computes them so (Llama::set_fp8),
   // the support table says on which layouts and devices.
   Fp8Mode fp8 = Fp8Mode::Off;
+  bool fp8_forward_codes = false;  // --fp8_weight_codes forward (model/fp8.h parse_fp8_forward_codes)
 };
 
 // The options that shape a run's parallel layout and its step, as build/train and build/plan both read them (one
@@ -99,6 +100,7 @@ struct LayoutOptions {
   int64_t micro_batch = 4, seq_len = 1024, grad_accum = 1;
   std::string rope_scaling;  // TYPE:FACTOR (model/config.h apply_rope_scaling); empty: the config's rope
   std::string fp8 = "off";   // model/fp8.h parse_fp8_mode
+  std::string fp8_weight_codes = "both";  // model/fp8.h parse_fp8_forward_codes
 };
 void declare_layout_options(Options& o, LayoutOptions& l);
 

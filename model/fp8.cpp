@@ -25,6 +25,14 @@ Fp8Mode parse_fp8_mode(const std::string& value, const std::string& what) {
   fail(what, ": expected off or tensorwise, found '", value, "'");
 }
 
+bool parse_fp8_forward_codes(const std::string& value, const std::string& what) {
+  if (value == "both") return false;
+  if (value == "forward") return true;
+  fail(what, ": expected both or forward, found '", value, "'");
+}
+
+const char* fp8_weight_codes_name(bool forward_codes) { return forward_codes ? "forward" : "both"; }
+
 float Fp8GroupCpu::amax_of(const std::vector<std::pair<const float*, int64_t>>& tensors, int64_t cols, bool split,
                            Comm* tp) {
   float amax = 0.0f;

@@ -28,6 +28,13 @@ const char* fp8_mode_name(Fp8Mode mode);  // "off", "tensorwise"
 // "off" | "tensorwise"; anything else fails naming `what` (the option or the TOML key) and the accepted values.
 // "rowwise" (torchao's per-row recipe) is refused as not implemented.
 Fp8Mode parse_fp8_mode(const std::string& value, const std::string& what);
+// --fp8_weight_codes (the CUDA engine's FP8 weight codes): "both" (every layer's weights cast into both layouts the
+// GEMMs read, once per update: 2 bytes a projection weight) -> false; "forward" (the forward layout's kept, 1 byte a
+// weight, and the transposed codes the input gradient reads cast again from the bf16 weights before each backward use:
+// half the codes' memory for a cast a micro-batch) -> true. The same codes either way, so the same numbers. Anything
+// else fails naming `what` and the accepted values.
+bool parse_fp8_forward_codes(const std::string& value, const std::string& what);
+const char* fp8_weight_codes_name(bool forward_codes);  // "both", "forward"
 
 // The CPU twin of one FP8 GEMM group (the CPU model's projections under --fp8 tensorwise): a group's weight is
 // `parts` blocks of rows (q, k, v; gate, up; or one), [out_i, in] each, sharing one scale; the input x [n, in] is

@@ -1,5 +1,6 @@
 // A projection group's FP8 GEMMs on the device (contract: model/fp8_gpu.h), the order of its kernels:
-//   weights (once per step):  amax -> [tp max] -> cast_transpose (codes, codes_t)
+//   weights (once per step):  amax -> [tp max] -> cast_transpose (codes, codes_t), or cast (codes) and, with
+//                             --fp8_weight_codes forward, cast_transpose (codes_t) again before each backward
 //   forward:                  cast x (amax folded by x's producer) -> FP8 GEMM (+ residual)
 //   backward:                 cast_transpose dy (e5m2) -> cast x^T (the forward's amax) -> FP8 dX and dW GEMMs
 #if TUNA_CUDA
@@ -22,7 +23,13 @@ void fp8_cast_weight(Fp8GpuWeight& c, const __nv_bfloat16* w, Comm* tp, cudaStre
   TUNA_CUDA_CHECK(cudaMemsetAsync(c.amax, 0, sizeof(float), stream));
   cuda::fp8_amax(c.amax, w, c.rows, c.in, c.in, stream);
   if (tp != nullptr && tp->size() > 1) tp->all_reduce(c.amax, 1, CommType::F32, ReduceOp::Max, "fp8 weight amax");
+  if (c.codes_t_at_use) return cuda::fp8_cast(c.codes, c.inv_scale, w, c.rows, c.in, c.in, c.amax, Fp8Format::E4M3, stream);
   cuda::fp8_cast_transpose(c.codes, c.codes_t, c.inv_scale, w, c.rows, c.in, c.in, c.amax, Fp8Format::E4M3, stream);
+}
+
+void fp8_cast_weight_transposed(const Fp8GpuWeight& c, const __nv_bfloat16* w, cudaStream_t stream) {
+  if (!c.codes_t_at_use) return;
+  cuda::fp8_cast_transpose(nullptr, c.codes_t, c.inv_scale, w, c.rows, c.in, c.in, c.amax, Fp8Format::E4M3, stream);
 }
 
 void fp8_cast_input(Fp8GpuScratch& s, const __nv_bfloat16* x, int64_t n, int64_t in, const float* amax_x,

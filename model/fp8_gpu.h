@@ -49,10 +49,16 @@ struct Fp8GpuWeight {
   float* amax = nullptr;       // device fp32
   float* inv_scale = nullptr;  // device fp32, 16-byte aligned (kernels/matmul.cuh: cuBLASLt needs it)
   int64_t rows = 0, in = 0;
+  // --fp8_weight_codes forward: codes_t is one group's buffer, shared, written by fp8_cast_weight_transposed before
+  // each backward use; fp8_cast_weight writes the forward's codes only.
+  bool codes_t_at_use = false;
 };
 // Casts `w` (bf16 [rows, in], device) into `c`: its amax, the maximum over `tp` (a weight is split there whenever
-// tp > 1; null or size 1: none), then both layouts.
+// tp > 1; null or size 1: none), then both layouts (the forward's alone when codes_t_at_use).
 void fp8_cast_weight(Fp8GpuWeight& c, const __nv_bfloat16* w, Comm* tp, cudaStream_t stream);
+// With codes_t_at_use: w's transposed codes into c.codes_t, with the amax fp8_cast_weight took (the same codes a cast
+// of both layouts writes). Without, nothing (they are kept).
+void fp8_cast_weight_transposed(const Fp8GpuWeight& c, const __nv_bfloat16* w, cudaStream_t stream);
 
 // One pass's operand codes, reused group after group: scratch of the model's arena.
 struct Fp8GpuScratch {

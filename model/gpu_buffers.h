@@ -27,9 +27,10 @@ enum class GpuBuffer : uint8_t {
   RmsnormScratch, SpNormGrads, AttentionScratch, TiedPeerGrad, LossTotal, Tokens, Targets, GroupPositions,
   GroupTokens, GroupOffsets, DocStarts, RopePositions, AttentionTileCounter, MatmulWorkspace,
   // --fp8 tensorwise (model/fp8_gpu.h): the layers' weight codes and their scales, the activations' amaxes kept for
-  // the backward, and one projection group's operand codes and scales at a time.
+  // the backward, and one projection group's operand codes and scales at a time (with --fp8_weight_codes forward also
+  // its weight's transposed codes).
   Fp8WeightCodes, Fp8WeightScales, Fp8ActivationAmax, Fp8InputCodes, Fp8GradCodes, Fp8GradCodesT, Fp8OperandScales,
-  Fp8GradAmax,
+  Fp8GradAmax, Fp8WeightCodesT,
 };
 
 // A decoder layer's activations (LlamaGpu::LayerActs), in forward order: the fields gpu_keeps_activation names.

@@ -250,6 +250,7 @@ void LlamaGpu::point(const GpuBufferRow& row, void* p) {
     case GpuBuffer::RopePositions: return set(rope_positions_);
     case GpuBuffer::AttentionTileCounter: return set(attention_tile_counter_);
     case GpuBuffer::Fp8WeightCodes: return set(fp8_codes_);
+    case GpuBuffer::Fp8WeightCodesT: return set(fp8_codes_t_);
     case GpuBuffer::Fp8WeightScales: return set(fp8_scales_);
     case GpuBuffer::Fp8ActivationAmax:
       TUNA_CHECK(row.elements == static_cast<int64_t>(acts_.size()) * kFp8Groups, "FP8 activation amaxes: ",
@@ -318,12 +319,15 @@ void LlamaGpu::set_up_fp8() {
   fp8_cast_.assign(L, -1);
   uint8_t* codes = fp8_codes_;
   float* scales = fp8_scales_;
+  const bool forward_codes = run_.fp8_forward_codes;
+  TUNA_CHECK(!forward_codes || fp8_codes_t_ != nullptr, "--fp8_weight_codes forward: the transposed codes not planned");
   for (int64_t l = 0; l < L; l++)
     for (int g = 0; g < kFp8Groups; g++) {
       Fp8GpuWeight& w = fp8_w_[l * kFp8Groups + g];
       w.rows = shapes[g][0], w.in = shapes[g][1];
-      w.codes = codes, w.codes_t = codes + w.rows * w.in;
-      codes += 2 * w.rows * w.in;
+      w.codes = codes, w.codes_t = forward_codes ? fp8_codes_t_ : codes + w.rows * w.in;
+      w.codes_t_at_use = forward_codes;
+      codes += (forward_codes ? 1 : 2) * w.rows * w.in;
       w.amax = scales, w.inv_scale = scales + kFp8ScaleStride;
       scales += 2 * kFp8ScaleStride;
     }

@@ -476,6 +476,7 @@ class LlamaGpu {
   std::vector<Fp8GpuWeight> fp8_w_;
   std::vector<int64_t> fp8_cast_;
   uint8_t* fp8_codes_ = nullptr;
+  uint8_t* fp8_codes_t_ = nullptr;  // --fp8_weight_codes forward: one group's transposed codes, cast at each backward
   float *fp8_scales_ = nullptr, *fp8_grad_amax_ = nullptr;
   Fp8GpuScratch fp8_scratch_;
   void set_up_fp8();

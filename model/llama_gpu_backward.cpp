@@ -152,6 +152,7 @@ void LlamaGpu::layer_backward(int64_t l, const __nv_bfloat16* wb, float* gb, int
                            const __nv_bfloat16* dy, const __nv_bfloat16* x) {
     const int i = static_cast<int>(group);
     fp8_amax_over_tp(fp8_grad_amax_ + i, group, /*output_gradient=*/true);
+    fp8_cast_weight_transposed(w8[i], w(weight), s);  // --fp8_weight_codes forward: cast for this use
     fp8_linear_bwd(mm, dx, g(weight), dy, fp8_grad_amax_ + i, x, a.fp8_amax + i, w8[i], n, /*accumulate_dx=*/false,
                    write, fp8_scratch_, s);
   };

@@ -57,6 +57,7 @@ struct MemoryLayout {
   bool training = true;         // false: the forward pass alone (eval, sample): weights and activations only
   AttentionPath attention = AttentionPath::kDefault;  // cuda: the attention kernels (their scratch differs)
   Fp8Mode fp8 = Fp8Mode::Off;   // --fp8: the seven projections' GEMMs with FP8 operands (model/fp8.h)
+  bool fp8_forward_codes = false;  // --fp8_weight_codes forward: the weights' transposed codes cast at each use
   int64_t micro_batch = 1, seq_len = 1;
   // Adapters (rank 0: a full fine-tune). With adapters the base is frozen and ZeRO acts on the adapters' master,
   // gradients and moments; ZeRO-3 also shards the frozen base (gathered a unit at a time), below it the base is

@@ -463,10 +463,15 @@ void plan_fp8_buffers(const MemoryLayout& l, const PipelineStage& stage, const P
   const int64_t n = p.n, C = p.C, L = stage.layers(), qkv = p.qd + 2 * p.kvd;
   const int64_t layer_weights = qkv * C + C * p.qd + 2 * p.F * C + C * p.F;  // q|k|v, o, gate|up, down
   const int64_t cast = fp8_cast_layers(l);
+  // --fp8_weight_codes forward: the forward's layout kept, the transposed codes of one group cast at each backward.
+  const char* layouts = l.fp8_forward_codes ? "forward layout" : "both layouts";
   b.add(GpuBuffer::Fp8WeightCodes,
-        cast == 1 ? std::string("FP8 weight codes (e4m3, both layouts, one layer: cast at each use)")
-                  : str("FP8 weight codes (e4m3, both layouts, ", cast, " layers)"),
-        MemoryKind::Weights, 2 * layer_weights * cast, 1);
+        cast == 1 ? str("FP8 weight codes (e4m3, ", layouts, ", one layer: cast at each use)")
+                  : str("FP8 weight codes (e4m3, ", layouts, ", ", cast, " layers)"),
+        MemoryKind::Weights, (l.fp8_forward_codes ? 1 : 2) * layer_weights * cast, 1);
+  if (l.fp8_forward_codes)
+    b.add(GpuBuffer::Fp8WeightCodesT, "FP8 transposed codes of one group's weight (e4m3, cast at each backward)",
+          MemoryKind::Workspace, std::max({qkv * C, C * p.qd, 2 * p.F * C}), 1);
   b.add(GpuBuffer::Fp8WeightScales, "FP8 weight amaxes and scales", MemoryKind::Workspace,
         cast * kFp8Groups * 2 * kFp8ScaleStride, kF32);
   b.add(GpuBuffer::Fp8ActivationAmax, "FP8 activation amaxes (kept for the backward)", MemoryKind::Activations,
@@ -606,7 +611,9 @@ std::string describe_layout(const MemoryLayout& l) {
              ", recompute ", recompute_name(l.recompute), ", ", l.bf16_moments ? "bf16" : "fp32", " moments, ",
              l.master_weights ? "fp32 master" : "no fp32 master", ", micro_batch ", l.micro_batch, " x seq_len ",
              l.seq_len, l.lora.enabled() ? ", " + describe_lora(l.lora) : std::string(),
-             l.fp8 != Fp8Mode::Off ? str(", --fp8 ", fp8_mode_name(l.fp8)) : std::string());
+             l.fp8 != Fp8Mode::Off ? str(", --fp8 ", fp8_mode_name(l.fp8),
+                                         l.fp8_forward_codes ? ", --fp8_weight_codes forward" : "")
+                                   : std::string());
 }
 
 // --fp8's buffers, each on a line of its own below the table (the table names a kind's largest buffer only).
@@ -651,6 +658,8 @@ GpuFit check_gpu_fit(const LlamaConfig& c, const MemoryLayout& l, int64_t capaci
   };
   try_change(!t.bf16_moments, [&] { t.bf16_moments = true; }, "--bf16_moments true");
   for (int z = t.zero + 1; z <= 3 && t.dp > 1; z++) try_change(true, [&, z] { t.zero = z; }, str("--zero ", z));
+  try_change(t.training && t.fp8 != Fp8Mode::Off && !t.fp8_forward_codes, [&] { t.fp8_forward_codes = true; },
+             "--fp8_weight_codes forward");
   try_change(t.recompute == Recompute::None, [&] { t.recompute = Recompute::Selective; }, "--recompute selective");
   if (!fits_now() && t.recompute == Recompute::Selective && !changes.empty() && changes.back() == "--recompute selective")
     changes.pop_back();

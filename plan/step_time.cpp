@@ -82,8 +82,12 @@ void add_fp8_buffers(const LlamaConfig& c, const MemoryLayout& l, MemoryPlan& pl
     if (t.layer == 0 && t.shape.size() == 2) projections += t.numel;  // a decoder layer's seven projections
   const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
   const int64_t in = std::max({C, d.q_dim, d.ffn}), rows = std::max({d.q_dim + 2 * d.kv_dim, C, 2 * d.ffn});
-  plan.items.push_back({str("FP8 weight codes (e4m3, both layouts, ", stage.layers(), " layers)"), MemoryKind::Weights,
-                        device_arena_bytes(2 * projections * stage.layers())});
+  plan.items.push_back({str("FP8 weight codes (e4m3, ", l.fp8_forward_codes ? "forward layout" : "both layouts", ", ",
+                            stage.layers(), " layers)"),
+                        MemoryKind::Weights, device_arena_bytes((l.fp8_forward_codes ? 1 : 2) * projections * stage.layers())});
+  if (l.fp8_forward_codes)  // one group's transposed codes, cast at each backward: the widest group (gate|up)
+    plan.items.push_back({"FP8 transposed codes of one group's weight (e4m3, cast at each backward)",
+                          MemoryKind::Workspace, device_arena_bytes(std::max(int64_t{2} * d.ffn, d.q_dim + 2 * d.kv_dim) * C)});
   plan.items.push_back({"FP8 codes of one projection group's input and output gradient (both layouts)",
                         MemoryKind::Workspace, device_arena_bytes(2 * n * in + 2 * n * rows)});
 }
@@ -138,7 +142,7 @@ const GpuPeak& gpu_peak(const LlamaConfig& c, const MemoryLayout& l) {
                               l.master_weights, ",", l.training, ",", l.micro_batch, ",", l.seq_len, ",", l.lora.rank,
                               ",", l.lora.targets, ",", l.lora.dropout, ",", base_quant_name(l.lora.base_quant), ",",
                               l.pp, ",", l.pp_rank, ",", l.sp, ",", static_cast<int>(l.attention), ",",
-                              fp8_mode_name(l.fp8));
+                              fp8_mode_name(l.fp8), ",", l.fp8_forward_codes);
   {
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
@@ -281,6 +285,7 @@ struct StepModel {
   double head_fwd = 0, logps_head = 0, layer_fwd = 0, reference_layer = 0, reference_head = 0;
   double fp8_cast = 0, fp8_cast_bytes = 0, fp8_weight_bytes = 0;  // --fp8: one layer's casts per micro-batch
   double fp8_weight_casts = 0;  // --fp8: a layer's weight casts per micro-batch
+  double fp8_transposed_bytes = 0;  // --fp8_weight_codes forward: a layer's transposed cast per micro-batch
   // Tensor parallel.
   double tp_bytes = 0, tp_one = 0, regather = 0, regather_exposed = 0, adapter_tp_layer = 0;
   bool sp = false;
@@ -380,18 +385,20 @@ void StepModel::time_layer() {
   // --fp8 tensorwise: the casts, memory-bound at their measured (or assumed) share of the copy bandwidth. Per
   // micro-batch: each group's output gradient read in bf16 and written in e5m2 in both layouts (4 bytes an element),
   // the attention output likewise in e4m3, and the codes the norms and SwiGLU write beside their bf16 outputs, the
-  // amax and cast fused in (both layouts: 2). The weights' amax pass and cast to both layouts (6 bytes a weight): where
-  // the engine keeps every layer's codes, the trained weights' once per step (a grad_accum-th of it per micro-batch)
-  // and a frozen base's once per run; where it keeps one layer's (ZeRO-3, a quantized base: model/memory_plan.h
-  // fp8_cast_layers), at each use, the forward's and the backward's of every micro-batch.
+  // amax and cast fused in (both layouts: 2). The weights' amax pass and cast to both layouts (6 bytes a weight; 5 with
+  // --fp8_weight_codes forward, one layout): where the engine keeps every layer's codes, the trained weights' once
+  // per step (a grad_accum-th of it per micro-batch) and a frozen base's once per run; where it keeps one layer's
+  // (ZeRO-3, a quantized base: model/memory_plan.h fp8_cast_layers), at each use, the forward's and the backward's of
+  // every micro-batch. --fp8_weight_codes forward casts the transposed codes again before each backward (3 bytes).
   if (fp8) {
     double outs = 0, weights = 0;
     for (const auto& [in, out] : gemms) outs += double(out), weights += double(in) * double(out);
     fp8_cast_bytes = double(n) * (4.0 * outs + 4.0 * double(qd) + 2.0 * double(2 * C + F));
-    fp8_weight_bytes = 6.0 * weights;
+    fp8_weight_bytes = (l.fp8_forward_codes ? 5.0 : 6.0) * weights;
+    fp8_transposed_bytes = l.fp8_forward_codes ? 3.0 * weights : 0.0;
     const bool each_use = l.zero == 3 || (adapters && lora.base_quant != BaseQuant::None);
     fp8_weight_casts = each_use ? 2.0 : adapters ? 0.0 : 1.0 / A;
-    fp8_cast = mem_time(fp8_cast_bytes + fp8_weight_bytes * fp8_weight_casts, "fp8_cast");
+    fp8_cast = mem_time(fp8_cast_bytes + fp8_weight_bytes * fp8_weight_casts + fp8_transposed_bytes, "fp8_cast");
   }
   // QLoRA: each use of a layer's weights dequantizes them into one bf16 buffer, memory-bound (read the stored bytes,
   // write 2 per weight) at the measured copy bandwidth: once in the forward, once in the backward, once in a full
@@ -594,6 +601,10 @@ void add_compute_items(const StepModel& m, const PipelineStage& st, const Tail& 
                                  ? str(", and ", human_bytes(m.fp8_weight_bytes), " per layer and step (the weights)")
                                  : str(", and ", human_bytes(m.fp8_weight_bytes), " per layer at each use (the weights, ",
                                        "one layer's codes kept: a forward's and a backward's cast a micro-batch)"),
+                             m.fp8_transposed_bytes > 0
+                                 ? str(", and ", human_bytes(m.fp8_transposed_bytes), " per layer and micro-batch (the "
+                                       "transposed weight codes, --fp8_weight_codes forward)")
+                                 : std::string(),
                              ", at ", format_number(100 * rates.memory_rate("fp8_cast") / rates.copy_bytes_per_s, 0),
                              "% of the copy bandwidth")});
   if (adapters)
@@ -833,14 +844,18 @@ std::vector<JobSpec> layouts_of(const JobSpec& job) {
           for (int64_t mb : {1, 2, 4, 8, 16}) {
             if (global % (mb * dp) != 0 || global / (mb * dp) < pp) continue;
             for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
-              for (bool bf16 : {false, true}) {
-                JobSpec j = job;
-                j.layout.tp = tp, j.layout.pp = pp, j.layout.sp = sp, j.layout.dp = dp, j.layout.zero = zero;
-                j.layout.micro_batch = mb, j.layout.recompute = rc, j.layout.bf16_moments = bf16;
-                j.layout.dp_rank = j.layout.tp_rank = j.layout.pp_rank = 0;
-                j.grad_accum = global / (mb * dp);
-                out.push_back(j);
-              }
+              for (bool bf16 : {false, true})
+                // With FP8 the weights' codes kept in both layouts or the forward's alone (--fp8_weight_codes).
+                for (bool forward_codes : {false, true}) {
+                  if (forward_codes && job.layout.fp8 == Fp8Mode::Off) continue;
+                  JobSpec j = job;
+                  j.layout.tp = tp, j.layout.pp = pp, j.layout.sp = sp, j.layout.dp = dp, j.layout.zero = zero;
+                  j.layout.micro_batch = mb, j.layout.recompute = rc, j.layout.bf16_moments = bf16;
+                  j.layout.fp8_forward_codes = forward_codes;
+                  j.layout.dp_rank = j.layout.tp_rank = j.layout.pp_rank = 0;
+                  j.grad_accum = global / (mb * dp);
+                  out.push_back(j);
+                }
           }
       }
     }

@@ -136,6 +136,7 @@ JobSpec job_of(const PlanOptions& a) {
   job.layout.bf16_moments = l.bf16_moments, job.layout.micro_batch = l.micro_batch, job.layout.seq_len = l.seq_len;
   job.grad_accum = l.grad_accum;
   job.layout.fp8 = parse_fp8_mode(l.fp8, "option 'fp8'");
+  job.layout.fp8_forward_codes = parse_fp8_forward_codes(l.fp8_weight_codes, "option 'fp8_weight_codes'");
   job.mean_doc_tokens = a.mean_doc_tokens;
   job.objective = a.objective;
   job.layout.lora = adapter_shape(a.adapters);

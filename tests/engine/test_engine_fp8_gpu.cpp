@@ -118,11 +118,13 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, EngineFp8GpuParity, testing::Values("llama2_t
 // the forward kept (or folds them again, to the same values), and each update path (ZeRO-0's own AdamW, ZeRO-1's
 // refresh from the gathered master, ZeRO-2's gather into the weights) marks the casts stale, so the next step casts
 // the new weights. A cast left stale would run a step on the old weights' codes. ZeRO-3 casts each gathered layer into
-// one layer's codes as it is used: the same codes, from the same weights. llama2_tiny's two rows as two
-// micro-batches: the second reuses the step's casts.
+// one layer's codes as it is used: the same codes, from the same weights; so does --fp8_weight_codes forward, whose
+// transposed codes are cast again before each backward from the same weights with the same amax. llama2_tiny's two
+// rows as two micro-batches: the second reuses the step's casts.
 struct Fp8StageCase {
   int zero;
   Recompute recompute;
+  bool forward_codes = false;  // --fp8_weight_codes forward: the transposed codes cast again at each backward
 };
 
 class EngineFp8GpuStages : public testing::TestWithParam<Fp8StageCase> {};
@@ -132,7 +134,7 @@ TEST_P(EngineFp8GpuStages, OnOneRankEqualZeroZeroBitForBit) {
   Fixture f("llama2_tiny");
   EngineOptions o0 = fp8_options(f, Device::Cuda, 0), o = o0;
   o0.micro_batch = o.micro_batch = 1;
-  o.zero = GetParam().zero, o.recompute = GetParam().recompute;
+  o.zero = GetParam().zero, o.recompute = GetParam().recompute, o.fp8_forward_codes = GetParam().forward_codes;
   SingleRank r0, r1;
   std::unique_ptr<Engine> zero0 = make_engine(f.config, o0, r0.mesh, fixture_weights(f));
   std::unique_ptr<Engine> other = make_engine(f.config, o, r1.mesh, fixture_weights(f));
@@ -149,10 +151,12 @@ INSTANTIATE_TEST_SUITE_P(Stages, EngineFp8GpuStages,
                          testing::Values(Fp8StageCase{0, Recompute::Selective}, Fp8StageCase{0, Recompute::Full},
                                          Fp8StageCase{1, Recompute::None}, Fp8StageCase{2, Recompute::Full},
                                          Fp8StageCase{2, Recompute::Selective}, Fp8StageCase{3, Recompute::None},
-                                         Fp8StageCase{3, Recompute::Full}),
+                                         Fp8StageCase{3, Recompute::Full}, Fp8StageCase{0, Recompute::None, true},
+                                         Fp8StageCase{1, Recompute::Selective, true},
+                                         Fp8StageCase{3, Recompute::Full, true}),
                          [](const testing::TestParamInfo<Fp8StageCase>& i) {
                            return "zero" + std::to_string(i.param.zero) + "_recompute_" +
-                                  recompute_name(i.param.recompute);
+                                  recompute_name(i.param.recompute) + (i.param.forward_codes ? "_forward_codes" : "");
                          });
 
 // Ranks as threads on one device (tests/model/ranks_test_util.h), each training its dp rank's rows of FourRows with FP8,
@@ -173,6 +177,7 @@ struct Fp8RanksCase {
   Recompute recompute;
   bool sp = false;
   int pp = 1;
+  bool forward_codes = false;  // --fp8_weight_codes forward
 };
 
 class EngineFp8GpuThreadRanks : public testing::TestWithParam<Fp8RanksCase> {};
@@ -243,7 +248,7 @@ TEST_P(EngineFp8GpuThreadRanks, FollowOneRankOnTheSameMicroBatches) {
   testing_util::run_thread_ranks(c.ranks, [&](Comm& world) {
     Mesh mesh = make_mesh(world, c.tp, c.pp);
     EngineOptions o = options(c.zero);
-    o.recompute = c.recompute, o.sp = c.sp;
+    o.recompute = c.recompute, o.sp = c.sp, o.fp8_forward_codes = c.forward_codes;
     std::unique_ptr<Engine> e =
         make_engine(f.config, o, mesh, fixture_weights(f), testing_util::one_device_comms(mesh));
     for (int64_t s = 0; s < steps; s++) {
@@ -268,7 +273,7 @@ std::string name(const testing::TestParamInfo<Fp8RanksCase>& i) {
   const Fp8RanksCase& c = i.param;
   return std::to_string(c.ranks) + "ranks" + (c.tp > 1 ? "_tp" + std::to_string(c.tp) : "") + (c.sp ? "_sp" : "") +
          (c.pp > 1 ? "_pp" + std::to_string(c.pp) : "") + "_zero" + std::to_string(c.zero) + "_recompute_" +
-         recompute_name(c.recompute);
+         recompute_name(c.recompute) + (c.forward_codes ? "_forward_codes" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EngineFp8GpuThreadRanks,
@@ -281,6 +286,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineFp8GpuThreadRanks,
                                          Fp8RanksCase{2, 2, 0, Recompute::Selective, true},
                                          Fp8RanksCase{4, 2, 1, Recompute::Full, true},
                                          Fp8RanksCase{4, 2, 3, Recompute::Full},
+                                         Fp8RanksCase{2, 2, 0, Recompute::Selective, true, 1, true},
                                          // pipeline stages, alone and with tp
                                          Fp8RanksCase{2, 1, 0, Recompute::None, false, 2},
                                          Fp8RanksCase{4, 2, 1, Recompute::Full, false, 2}),
@@ -328,7 +334,8 @@ TEST(EngineFp8Gpu, ScoresRowsOfAnyLength) {
 
 // Adapters with FP8 (the frozen base's GEMMs in FP8, the adapters' products in bf16): the CUDA engine follows the CPU
 // engine with FP8 and the same adapters over 4 steps, two micro-batches a step, on a bf16 base (its codes cast once,
-// at the first forward: the update rewrites only the adapters) and an nf4 base (one layer's codes, cast from each
+// at the first forward: the update rewrites only the adapters; and with --fp8_weight_codes forward, its transposed
+// codes cast at each backward) and an nf4 base (one layer's codes, cast from each
 // dequantized layer at each use). The bounds are the full fine-tune's above (EngineFp8GpuParity) on the loss, the
 // gradient norm (the adapters' alone) and the final adapters; B starts away from zero so that every adapter trains
 // from step 0. (A base cast again after each update would give the same numbers, its weights unchanged: how many
@@ -336,10 +343,12 @@ TEST(EngineFp8Gpu, ScoresRowsOfAnyLength) {
 TEST(EngineFp8Gpu, AdaptersFollowTheCpuEngineWithFp8) {
   TUNA_REQUIRE_GPU();
   Fixture f("llama2_tiny");
-  for (const BaseQuant base : {BaseQuant::None, BaseQuant::Nf4}) {
-    SCOPED_TRACE(base == BaseQuant::None ? "bf16 base" : "nf4 base");
+  for (const auto& [base, forward_codes] : {std::pair{BaseQuant::None, false}, std::pair{BaseQuant::None, true},
+                                            std::pair{BaseQuant::Nf4, false}}) {
+    SCOPED_TRACE(str(base == BaseQuant::None ? "bf16 base" : "nf4 base", forward_codes ? ", forward codes" : ""));
     const auto options = [&](Device device) {
       EngineOptions o = fp8_options(f, device);
+      o.fp8_forward_codes = forward_codes && device == Device::Cuda;
       o.lora.rank = 4, o.lora.alpha = 8, o.lora.dropout = 0.1;
       o.base_quant = base, o.micro_batch = 1, o.seed = 17;
       o.adapters = random_weights(5, 0.1);

@@ -36,6 +36,11 @@ TEST(Fp8Mode, ParsesTheRecipesItHas) {
   EXPECT_NE(e.find("not implemented"), std::string::npos) << e;
   e = testing_util::error_of([] { parse_fp8_mode("e4m3", "--fp8"); });
   EXPECT_NE(e.find("--fp8: expected off or tensorwise, found 'e4m3'"), std::string::npos) << e;
+  EXPECT_FALSE(parse_fp8_forward_codes("both", "--fp8_weight_codes"));
+  EXPECT_TRUE(parse_fp8_forward_codes("forward", "--fp8_weight_codes"));
+  EXPECT_STREQ(fp8_weight_codes_name(true), "forward");
+  e = testing_util::error_of([] { parse_fp8_forward_codes("none", "run.toml: fp8_weight_codes"); });
+  EXPECT_NE(e.find("run.toml: fp8_weight_codes: expected both or forward, found 'none'"), std::string::npos) << e;
 }
 
 std::vector<float> random_values(test::TestRng& rng, int64_t n, double scale) {

@@ -99,6 +99,18 @@ TEST(MemoryPlanGpu, Fp8AddsTheWeightCodesAndOneGroupsOperands) {
   ASSERT_NE(qlora, nullptr);
   EXPECT_EQ(qlora->bytes, device_arena_bytes(2 * projections / L));
   l.lora = {};
+  // --fp8_weight_codes forward: the forward's codes alone (1 byte a weight), and one group's transposed codes (the
+  // widest group's: gate|up), cast at each backward.
+  l.fp8_forward_codes = true;
+  const MemoryPlan forward = plan_gpu_memory(c, l);
+  const MemoryItem* kept = find(forward, "FP8 weight codes (e4m3, forward layout, " + std::to_string(L) + " layers)");
+  ASSERT_NE(kept, nullptr);
+  EXPECT_EQ(kept->bytes, device_arena_bytes(projections));
+  const MemoryItem* t = find(forward, "FP8 transposed codes of one group's weight (e4m3, cast at each backward)");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->bytes, device_arena_bytes(std::max(qkv, 2 * F) * C));
+  EXPECT_LT(forward.peak(), plan.peak());
+  l.fp8_forward_codes = false;
   l.fp8 = Fp8Mode::Tensorwise, l.training = false;
   for (const MemoryItem& i : plan_gpu_memory(c, l).items) EXPECT_EQ(i.name.rfind("FP8", 0), std::string::npos) << i.name;
 }

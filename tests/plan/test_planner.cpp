@@ -580,7 +580,7 @@ TEST(Planner, PipelineLayoutsRefuseWhatTheyCannotRun) {
 // 1,147 (the casts at their measured 79% of the copy bandwidth). With the table's measured shapes (an H200's
 // gpu-check): 1,489. Neither is the 1,850 of the published FP8 runs (attention, the exposed tp collectives and the
 // casts stay), and stage 0 no longer fits with selective recompute (its codes take 8.7 GB of the 7.5 left); full
-// recompute fits, at 1,190 unmeasured.
+// recompute fits, at 1,190 unmeasured, and so does selective recompute with the forward's codes alone, at 1,439.
 TEST(Planner, Fp8PricesTheGemmsAtTheFp8RatesAndSaysWhetherTheyAreMeasured) {
   ASSERT_TRUE(repository_rates().fp8_measured);
   Rates rates = repository_rates();
@@ -616,6 +616,16 @@ TEST(Planner, Fp8PricesTheGemmsAtTheFp8RatesAndSaysWhetherTheyAreMeasured) {
   EXPECT_TRUE(note(measured, "FP8 GEMM rates measured by gpu-check"));
   EXPECT_FALSE(note(measured, "NOT MEASURED"));
   EXPECT_NEAR(measured.tokens_per_s_per_gpu, 1489, 5);
+  EXPECT_FALSE(measured.fits);
+  // --fp8_weight_codes forward: the forward's codes alone (half the codes' 8.7 GB at stage 0, less one group's
+  // transposed codes) fit with selective recompute; the transposed codes cast again at each backward (3 bytes a weight
+  // a micro-batch) cost 0.4 s of the step: 1,439.
+  j.layout.fp8_forward_codes = true;
+  const Prediction forward = predict(j, repository_rates());
+  EXPECT_TRUE(forward.fits);
+  EXPECT_TRUE(forward.memory_is_engines);
+  EXPECT_NEAR(measured.stage_gpu_bytes[0] - forward.stage_gpu_bytes[0], 20 * 855.6e6 / 4, 0.2e9);
+  EXPECT_NEAR(forward.tokens_per_s_per_gpu, 1439, 5);
 }
 
 TEST(Planner, TheSeedJobsSearchFindsAPipelineLayout) {

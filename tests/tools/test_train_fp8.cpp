@@ -163,8 +163,8 @@ TEST(TrainFp8, WhatIsNotImplementedIsRefusedByName) {
 }
 
 // --plan_only on cuda prints the CUDA engine's plan with its FP8 buffers: the layers' weight codes, their scales, the
-// kept amaxes and one group's operand codes (model/memory_plan_gpu.cpp); a layout the engine does not run with FP8 is
-// planned as designed, and the plan says why (model/support.cpp).
+// kept amaxes and one group's operand codes (model/memory_plan_gpu.cpp), with adapters and --fp8_weight_codes forward
+// too; a shape the engine does not run with FP8 is planned as designed, and the plan says why (model/support.cpp).
 TEST(TrainFp8, PlanOnlyOnCudaListsTheFp8Buffers) {
   TempDir tmp("trainfp8plan");
   write_walk_shards(tmp / "data");
@@ -178,14 +178,25 @@ TEST(TrainFp8, PlanOnlyOnCudaListsTheFp8Buffers) {
                            "FP8 operand scales", "FP8 codes of one group's output gradient"})
     EXPECT_NE(r.output.find(item), std::string::npos) << item << "\n" << r.output;
   EXPECT_EQ(r.output.find("AS DESIGNED"), std::string::npos) << r.output;
+  const auto lora = run_command(kTrain + " --model_config tests/fixtures/llama32_tiny/config.json" +
+                                    data_flags(tmp / "data") + " --seq_len 16 --micro_batch 2 --device cuda " +
+                                    "--plan_only --gpu_memory_gb 80 --fp8 tensorwise --lora_rank 4 --lora_alpha 8 " +
+                                    "--fp8_weight_codes forward --out_dir " + (tmp / "lora").string(),
+                                tmp / "log_lora");
+  EXPECT_EQ(lora.exit_code, 0) << lora.output;
+  for (const char* item : {"LoRA r4 on all 7 modules, --fp8 tensorwise, --fp8_weight_codes forward)",
+                           "FP8 weight codes (e4m3, forward layout, 2 layers)",
+                           "FP8 transposed codes of one group's weight (e4m3, cast at each backward)"})
+    EXPECT_NE(lora.output.find(item), std::string::npos) << item << "\n" << lora.output;
+  EXPECT_EQ(lora.output.find("AS DESIGNED"), std::string::npos) << lora.output;
   const auto refused = run_command(kTrain + " --model_config tests/fixtures/llama32_tiny/config.json" +
-                                       data_flags(tmp / "data") + " --seq_len 16 --micro_batch 2 --device cuda " +
-                                       "--plan_only --gpu_memory_gb 80 --fp8 tensorwise --lora_rank 4 --lora_alpha 8 " +
-                                       "--out_dir " + (tmp / "lora").string(),
-                                   tmp / "log_lora");
+                                       data_flags(tmp / "data") + " --seq_len 9 --micro_batch 2 --device cuda " +
+                                       "--plan_only --gpu_memory_gb 80 --fp8 tensorwise --out_dir " +
+                                       (tmp / "short").string(),
+                                   tmp / "log_short");
   EXPECT_EQ(refused.exit_code, 0) << refused.output;
-  EXPECT_NE(refused.output.find("AS DESIGNED (--fp8 tensorwise with --device cuda and adapters (lora_rank 4): not "
-                                "implemented"),
+  EXPECT_NE(refused.output.find("AS DESIGNED (--fp8 tensorwise with --device cuda: micro_batch 2 x seq_len 9 = 18 "
+                                "tokens a pass, not a multiple of 16"),
             std::string::npos)
       << refused.output;
 }
