@@ -288,6 +288,7 @@ struct StepModel {
   double fp8_transposed_bytes = 0;  // --fp8_weight_codes forward: a layer's transposed cast per micro-batch
   // Tensor parallel.
   double tp_bytes = 0, tp_one = 0, regather = 0, regather_exposed = 0, adapter_tp_layer = 0;
+  double fp8_tp_maxima = 0, fp8_tp_layer = 0;  // --fp8 under tp: a layer's amax maxima per micro-batch, their time
   bool sp = false;
 
   // One micro-batch through one stage: its layers, and the head on the last stage (the embedding lookup costs
@@ -306,7 +307,7 @@ struct StepModel {
   // A stage's micro-batch period: its kernels with their launch gaps and its exposed tp collectives.
   double period(const PipelineStage& s) const {
     return micro_kernels(s) * (1 + rates.overhead) + tp_count(s) * tp_one +
-           double(s.layers()) * (adapter_tp_layer + regather_exposed);
+           double(s.layers()) * (adapter_tp_layer + fp8_tp_layer + regather_exposed);
   }
   // Where the ranks sit: rank = (dp_rank x pp + stage) x tp + tp_rank (comm/comm.h Mesh), gpus_per_node to a node.
   int64_t node_of(int64_t dp_rank, int64_t stage) const { return (dp_rank * l.pp + stage) * l.tp / k.gpus_per_node; }
@@ -459,6 +460,13 @@ void StepModel::time_tensor_parallel() {
   if (l.tp > 1 && adapters)
     for (const AdapterGroup& g : groups)
       adapter_tp_layer += ring_factor_all_reduce(l.tp) * 2.0 * double(n) * double(g.width) / k.intra_busbw + 10e-6;
+  // --fp8 under tp: each amax of a split tensor is a maximum over the tp group (model/fp8_gpu.h fp8_operand_split), a
+  // 4-byte all-reduce, latency-bound: per layer and micro-batch the row-parallel inputs and the column-parallel output
+  // gradients (4), with sp the other four too, and the four weight groups' at each weight cast.
+  if (l.tp > 1 && fp8) {
+    fp8_tp_maxima = (sp ? 8.0 : 4.0) + 4.0 * fp8_weight_casts;
+    fp8_tp_layer = fp8_tp_maxima * 10e-6;
+  }
 }
 
 // The stage whose micro-batch period is longest: under 1F1B it sets every stage's pace.
@@ -702,6 +710,11 @@ void add_communication_items(const StepModel& m, const PipelineStage& st, const 
   if (l.tp > 1 && m.adapters)
     p.communication.push_back({"tensor-parallel adapter all-reduces", adapter_tp_s,
                                str(m.groups.size(), " per layer and micro-batch (r-wide: latency-bound), ", k.intra_note)});
+  const double fp8_tp_s = A * Ls * m.fp8_tp_layer;
+  if (fp8_tp_s > 0)
+    p.communication.push_back({"FP8 amax maxima over tp", fp8_tp_s,
+                               str(format_number(m.fp8_tp_maxima, 1), " per layer and micro-batch (4 bytes each: ",
+                                   "latency-bound, 10 us), ", k.intra_note)});
   const double regather_s = A * Ls * 2 * m.regather, regather_exposed_s = A * Ls * m.regather_exposed;
   if (m.sp)
     p.communication.push_back(
@@ -718,8 +731,8 @@ void add_communication_items(const StepModel& m, const PipelineStage& st, const 
                                    : l.zero <= 1 ? " (ZeRO-0/1 communicate between passes: nothing hidden)"
                                                  : " (ZeRO-2/3 communicate on a stream of their own: all but the first "
                                                    "gather and the last reduce-scatter, assumed hidden)")});
-  p.communication_s = tp_s + adapter_tp_s + regather_s + p2p_s + tail.dp_s;
-  p.exposed_s = tp_s + adapter_tp_s + regather_exposed_s + p2p_exposed + tail.dp_s - tail.dp_hidden;
+  p.communication_s = tp_s + adapter_tp_s + fp8_tp_s + regather_s + p2p_s + tail.dp_s;
+  p.exposed_s = tp_s + adapter_tp_s + fp8_tp_s + regather_exposed_s + p2p_exposed + tail.dp_s - tail.dp_hidden;
 }
 
 // The job's figures: the step's tokens and time over the cluster, MFU, the token budget's steps, wall time and cost,
