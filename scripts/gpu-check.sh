@@ -29,7 +29,7 @@
 #      hd128 and hd64); the 1B step against PyTorch's (transformers eager) on this GPU;
 #   2. the rest of the correctness checks: a run stopped and resumed bit for bit (with and without adapters),
 #      the first step = the CPU backend's, a 70B model refused before allocating, the trainer at --zero 1/2/3
-#      (losses bit for bit ZeRO-0's), QLoRA, LoRA at ZeRO-2, --fp8 tensorwise (its loss falls);
+#      (losses bit for bit ZeRO-0's), QLoRA, LoRA at ZeRO-2, --fp8 tensorwise (its loss falls) and with LoRA;
 #   3. the benches (attention, with packed documents masked against unmasked on both paths, GEMM,
 #      memory-bound kernels, the 1B step in bf16 and with --fp8 tensorwise, generation), build/plan's planned step
 #      time and memory against the measured ones, and the peers timed in the same run
@@ -411,6 +411,11 @@ train_step lora-zero2 60 "${LORA_ARGS[@]}" --zero 2 --out_dir "$RUNS/lora-zero2"
 # FP8: the demo from scratch with the seven projections' GEMMs in FP8 (--fp8 tensorwise: cuBLASLt's e4m3/e5m2 GEMMs,
 # the casts, the amaxes folded into the norms and SwiGLU), 40 steps validated once: its loss falls (train_summary.py).
 train_step fp8 60 --device cuda --fp8 tensorwise --steps 40 --val_every 40 --out_dir "$RUNS/fp8"
+# FP8 with adapters: LoRA r8 over the frozen base's FP8 GEMMs, the base's codes kept in the forward layout only (the
+# transposed ones cast at each backward, --fp8_weight_codes forward), 40 steps from the LoRA run's start: the adapters
+# train, and the first step's loss is the bf16 LoRA run's within FP8's rounding of one pass (train_summary.py).
+train_step fp8-lora 60 "${LORA_ARGS[@]}" --fp8 tensorwise --fp8_weight_codes forward --steps 40 --val_every 40 \
+  --out_dir "$RUNS/fp8-lora"
 step train/summary 30 train.log python3 "$PY/train_summary.py" "$RUNS" "$RUNS/train_summary.tsv" "$too_big_rc" "$EMULATED"
 
 # ================================ tier 3: benches and their peers ================================
