@@ -42,7 +42,7 @@ std::string layout_text(const MemoryLayout& l, int64_t accum) {
              l.pp > 1 ? str(" x pp ", l.pp) : std::string(), " x tp ", l.tp, l.sp ? " with sp" : "", ", ZeRO-", l.zero,
              ", micro_batch ", l.micro_batch, " x seq ", l.seq_len, ", grad_accum ", accum, ", recompute ",
              recompute_name(l.recompute), l.bf16_moments ? ", bf16 moments" : "",
-             l.fp8 != Fp8Mode::Off && l.fp8_forward_codes ? ", FP8 weight codes: forward" : "");
+             l.fp8 != Fp8Mode::Off && l.fp8_forward_codes ? ", --fp8_weight_codes forward" : "");
 }
 
 // "full", "LoRA r16", "QLoRA r16": the search table's method column.
