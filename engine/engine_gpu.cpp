@@ -49,6 +49,7 @@
 #include "kernels/adamw.cuh"  // accumulate
 #include "kernels/attention.cuh"  // resolve_attention_path
 #include "model/decode_gpu.h"
+#include "model/support.h"  // eval_tasks_support
 #include "engine/backends.h"
 #include "engine/device_gpu.h"  // gpu_info, gpu_memory, gpu_peak_bf16_flops, gpu_utilization_percent
 #include "model/llama_gpu.h"
@@ -213,14 +214,13 @@ class GpuEngine final : public Engine {
     if (pipeline_) return pipeline_pairs_->pair_logps(batch, chosen, rejected);
     pair_logp_sums(passes(batch), batch, /*adapters_off=*/false, chosen, rejected);
   }
-  // --eval_tasks: one request per row (no positions), the whole model on one tp rank (model/support.cpp refuses the
-  // rest before the run starts). Under ZeRO-3 the forward gathers as a step's does, each dp rank in lockstep.
+  // --eval_tasks: one request per row (no positions), on the layouts model/support.cpp's eval_tasks_support names (the
+  // trainer asks it before the run starts). Under ZeRO-3 the forward gathers as a step's does, each dp rank in lockstep.
   void target_logps(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq, const int32_t* positions,
                     float* logps, uint8_t* greedy) override {
     if (positions != nullptr) fail("--eval_tasks on cuda scores one request per row (no packed windows)");
-    if (pipeline_ || tp_device_)
-      fail("--eval_tasks on cuda: not with tensor or pipeline parallelism yet (whole-vocabulary logits of the whole ",
-           "model); score a checkpoint with build/eval --tasks");
+    if (const Support s = eval_tasks_support(engine_memory_layout(options_, mesh_), Device::Cuda); !s.runs())
+      fail(s.reason);
     model_.forward_target_logps(inputs, targets, batch, seq, logps, greedy);
   }
 

@@ -335,6 +335,10 @@ void LlamaGpu::set_up_fp8() {
 
 void LlamaGpu::weights_changed() { std::fill(fp8_cast_.begin(), fp8_cast_.end(), -1); }
 
+void LlamaGpu::trained_weights_written() {
+  if (!lora_.enabled()) weights_changed();  // with adapters they are the adapters': the base's casts stay
+}
+
 std::vector<float> LlamaGpu::fp8_amaxes() {
   if (!fp8_) return {};
   TUNA_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -445,7 +449,7 @@ void LlamaGpu::refresh_params() {
 }
 
 void LlamaGpu::refresh_params_from(const float* master_values) {
-  if (!lora_.enabled()) weights_changed();  // with adapters these are the adapters' values: the base is as it was
+  trained_weights_written();
   const int64_t total = trained_layout().total();
   if (!options_.stochastic_rounding || steps_taken_ == 0)
     return cuda::f32_to_bf16(t_.weights, master_values, total, stream_);
@@ -515,8 +519,7 @@ OptimizerStats LlamaGpu::adamw_step(double loss_scale, double lr, bool loss_is_f
   const ParamLayout& trained = trained_layout();
   const int64_t P = trained.total();
   cudaStream_t s = stream_;
-  if (!lora_.enabled()) weights_changed();  // the update rewrites the bf16 weights (with adapters theirs: the frozen
-                                            // base's FP8 codes stay, cast once per run)
+  trained_weights_written();  // the update below rewrites their bf16 copy
   zero_unwritten_grads();  // a step without a backward: its gradient is zero
   cuda::sum_of_squares(norm_total_, t_.grads, P, norm_scratch_f64_, s);
   TUNA_CUDA_CHECK(cudaMemcpyAsync(pinned_scalar_ + 1, norm_total_, sizeof(double), cudaMemcpyDeviceToHost, s));

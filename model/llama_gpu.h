@@ -404,10 +404,8 @@ class LlamaGpu {
   // --fp8: *amax, group g's input or output-gradient amax from this rank's part, made the maximum over tp where that
   // operand is split there (fp8_operand_split), so every tp rank casts with one rank's scale.
   void fp8_amax_over_tp(float* amax, Fp8Group g, bool output_gradient);
-  // --fp8: group g's input x [n, in] cast into fp8_scratch_, its amax folded into acts(l).fp8_amax[g] by x's
-  // producer and taken over tp here (kept so for the backward).
-  void fp8_cast_group_input(int64_t l, Fp8Group g, const __nv_bfloat16* x, int64_t n, int64_t in);
-  // --fp8: out = x @ W^T for a column-parallel group g of layer l (fp8_cast_group_input, then the product).
+  // --fp8: out = x @ W^T for a column-parallel group g of layer l, x cast with its amax in acts(l).fp8_amax[g]
+  // (folded by x's producer and taken over tp).
   void fp8_fwd(int64_t l, Fp8Group g, const Fp8GpuWeight* w, __nv_bfloat16* out, const __nv_bfloat16* x, int64_t n);
   // Adapters of layer l (model/llama.cpp's lora_fwd / lora_bwd, and the tp collectives described there). Forward:
   // u = s A dropout(x) into lora_ax, then y (rows ld_y apart) += u B^T unless add_output is false (a recompute that
@@ -480,6 +478,9 @@ class LlamaGpu {
   float *fp8_scales_ = nullptr, *fp8_grad_amax_ = nullptr;
   Fp8GpuScratch fp8_scratch_;
   void set_up_fp8();
+  // The trained tensors' bf16 copy (t_.weights) was rewritten: the model's weights, whose FP8 casts go stale
+  // (weights_changed), or with adapters the adapters', whose frozen base keeps its casts (cast once per run).
+  void trained_weights_written();
   // QLoRA: per layer, its projections' NF4 state in nf4_state_; the unquantized tensors (embedding unit, head unit,
   // then the layers' norms) in plain_; dequant_ one layer unit in bf16.
   struct Nf4Slot {

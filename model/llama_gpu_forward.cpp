@@ -196,11 +196,16 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cuda::MatmulContext& mm = *matmul_;
   const int64_t nr = sp_ ? sp_rows_.size() : n;  // the rows of the norm and residual regions
   // FP8: the layer's weight codes (cast now if the weights changed since), and each group's input amax folded into
-  // the kernel that writes the input, from zero.
+  // the kernel that writes the input, from zero, then taken over tp where the input is split there (folded): complete
+  // as soon as it is written, for the forward's cast and the backward's (a recompute folds it again, to the same value).
   const Fp8GpuWeight* w8 = fp8_ ? fp8_weights(l, wb) : nullptr;
   if (fp8_) TUNA_CUDA_CHECK(cudaMemsetAsync(a.fp8_amax, 0, kFp8Groups * sizeof(float), s));
   const auto amax_of = [&](Fp8Group g) { return fp8_ ? a.fp8_amax + static_cast<int>(g) : nullptr; };
+  const auto folded = [&](Fp8Group g) {
+    if (fp8_) fp8_amax_over_tp(amax_of(g), g, /*output_gradient=*/false);
+  };
   norm_fwd(a.norm1, a.rstd1, a.resid_in, w(o.input_norm), nr, C, c.rms_norm_eps, amax_of(Fp8Group::Qkv), s);
+  folded(Fp8Group::Qkv);
   // One GEMM over the q|k|v weight block into qkv_; RoPE reads q and k out of its rows into the contiguous a.q, a.k
   // the attention kernels take, and v is copied out (a strided copy). With sp it reads every rank's rows gathered.
   const int64_t qkv = d.q_dim + 2 * d.kv_dim;
@@ -222,13 +227,14 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   cuda::attention_fwd(a.att, a.lse, a.q, a.k, a.v, batch, seq, d.heads, d.kv_heads, D, attention_doc_start_, s,
                       run_.attention, attention_tile_counter_);
   if (fp8_) cuda::fp8_amax(amax_of(Fp8Group::O), a.att, n, d.q_dim, d.q_dim, s);  // o_proj's input: no producer folds it
+  folded(Fp8Group::O);
   // Row-parallel o_proj (and down_proj below): each tp rank's partial product, the residual added by rank 0
   // only, then summed over the ranks. With sp every row's partial product goes to gathered_, each rank adding the
   // residual of its own rows (the GEMM split at them), and the sum of this rank's rows comes back into `out`.
   // With FP8 the input is cast once, whole, and the products read their rows of its codes.
   const auto row_parallel = [&](__nv_bfloat16* out, const __nv_bfloat16* inp, int64_t weight, Fp8Group group,
                                 const __nv_bfloat16* residual, int64_t ic, const char* what) {
-    if (fp8_) fp8_cast_group_input(l, group, inp, n, ic);
+    if (fp8_) fp8_cast_input(fp8_scratch_, inp, n, ic, amax_of(group), s);
     // dst = rows row0 .. row0 + rows of inp @ W^T (+ res)
     const auto product = [&](__nv_bfloat16* dst, int64_t row0, int64_t rows, const __nv_bfloat16* res) {
       if (fp8_) return fp8_linear_fwd(mm, dst, res, w8[static_cast<int>(group)], fp8_scratch_, row0, rows, s);
@@ -248,14 +254,15 @@ void LlamaGpu::layer_forward(int64_t l, const __nv_bfloat16* wb, int64_t batch, 
   row_parallel(a.resid_mid, a.att, o.o_proj, Fp8Group::O, a.resid_in, d.q_dim, "tp o_proj");
   adapt(LoraTarget::O, a.att, a.resid_mid, C);  // after the sum: every rank adds the same whole product once
   norm_fwd(a.norm2, a.rstd2, a.resid_mid, w(o.post_norm), nr, C, c.rms_norm_eps, amax_of(Fp8Group::GateUp), s);
+  folded(Fp8Group::GateUp);
   const __nv_bfloat16* x2 = sp_ ? sp_gather(a.norm2, "sp gate/up input") : a.norm2;
   if (fp8_) fp8_fwd(l, Fp8Group::GateUp, w8, a.gate_up, x2, n);
   else cuda::matmul_fwd(mm, a.gate_up, x2, w(o.gate_proj), n, C, 2 * F, s);  // the gate|up block
   adapt(LoraTarget::Gate, x2, a.gate_up, 2 * F);
   adapt(LoraTarget::Up, x2, a.gate_up + F, 2 * F);
   swiglu_forward(a.act, a.gate_up, a.gate_up + F, n, F, 2 * F, amax_of(Fp8Group::Down), s);
+  folded(Fp8Group::Down);
   if (!write_output) {  // a recompute: the down adapter's u is needed by its backward, its output is not
-    if (fp8_) fp8_amax_over_tp(amax_of(Fp8Group::Down), Fp8Group::Down, /*output_gradient=*/false);  // as the cast's
     adapt(LoraTarget::Down, a.act, nullptr, C, /*add=*/false);
     return;
   }
@@ -352,16 +359,10 @@ void LlamaGpu::fp8_amax_over_tp(float* amax, Fp8Group g, bool output_gradient) {
   tp_->all_reduce(amax, 1, CommType::F32, ReduceOp::Max, output_gradient ? "tp fp8 gradient amax" : "tp fp8 input amax");
 }
 
-void LlamaGpu::fp8_cast_group_input(int64_t l, Fp8Group g, const __nv_bfloat16* x, int64_t n, int64_t in) {
-  float* amax = acts(l).fp8_amax + static_cast<int>(g);
-  fp8_amax_over_tp(amax, g, /*output_gradient=*/false);  // kept so, for the backward's cast of the same input
-  fp8_cast_input(fp8_scratch_, x, n, in, amax, stream_);
-}
-
 void LlamaGpu::fp8_fwd(int64_t l, Fp8Group g, const Fp8GpuWeight* w, __nv_bfloat16* out, const __nv_bfloat16* x,
                        int64_t n) {
   const Fp8GpuWeight& wg = w[static_cast<int>(g)];
-  fp8_cast_group_input(l, g, x, n, wg.in);
+  fp8_cast_input(fp8_scratch_, x, n, wg.in, acts(l).fp8_amax + static_cast<int>(g), stream_);
   fp8_linear_fwd(*matmul_, out, nullptr, wg, fp8_scratch_, /*row0=*/0, n, stream_);
 }
 

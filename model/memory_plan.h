@@ -84,8 +84,10 @@ struct MemoryLayout {
 
 // One rank alone, on batches of up to micro_batch x seq_len; training false: the forward pass alone.
 MemoryLayout single_rank_layout(int64_t micro_batch, int64_t seq_len, bool training = true);
-// --fp8 on the CUDA engine: the layers whose FP8 weight codes it keeps (model/memory_plan_gpu.cpp): the stage's, or at
-// ZeRO-3 and with a quantized base one, cast at each use.
+// --fp8 on the CUDA engine: whether it keeps one layer's FP8 weight codes, cast at each use (ZeRO-3, whose point is to
+// hold no whole model, and a quantized base, whose point is a base smaller than its bf16 copy), and the layers whose
+// codes it keeps (model/memory_plan_gpu.cpp): the stage's, else one.
+bool fp8_casts_at_each_use(const MemoryLayout& l);
 int64_t fp8_cast_layers(const MemoryLayout& l);
 
 enum class MemoryKind { Weights, Gradients, Master, Moments, Activations, Communication, Workspace, Transient };

@@ -454,8 +454,8 @@ void plan_pass_buffers(const MemoryLayout& l, const PipelineStage& stage, const 
 // and again before its backward): a cast per pass and micro-batch (the layer's weights read once more each time,
 // beside the gather that already moves them) for the memory of one layer; so does a quantized base (QLoRA), whose
 // point is a base smaller than its bf16 copy: each layer is cast from the bf16 layer dequantized at each use. Each
-// group's amax and inverse scale, and
-// every scale an FP8 GEMM reads, sit kFp8ScaleStride floats apart: cuBLASLt's FP8 GEMMs need them 16-byte aligned.
+// group's amax and inverse scale, and every scale an FP8 GEMM reads, sit kFp8ScaleStride floats apart: cuBLASLt's FP8
+// GEMMs need them 16-byte aligned.
 // The activations' amaxes (norm1, attention output, norm2, SwiGLU output) are kept per layer and slot for the
 // backward's weight-gradient cast of the same inputs; the operand codes are one group's at a time.
 void plan_fp8_buffers(const MemoryLayout& l, const PipelineStage& stage, const PassShape& p, PlanBuilder& b) {
@@ -569,10 +569,11 @@ GpuBufferTable plan_gpu_buffers(const LlamaConfig& c, const MemoryLayout& asked)
 
 MemoryPlan plan_gpu_memory(const LlamaConfig& c, const MemoryLayout& l) { return plan_gpu_buffers(c, l).plan; }
 
-int64_t fp8_cast_layers(const MemoryLayout& l) {
-  const bool quantized_base = l.lora.enabled() && l.lora.base_quant != BaseQuant::None;
-  return l.zero == 3 || quantized_base ? 1 : l.stage().layers();
+bool fp8_casts_at_each_use(const MemoryLayout& l) {
+  return l.zero == 3 || (l.lora.enabled() && l.lora.base_quant != BaseQuant::None);
 }
+
+int64_t fp8_cast_layers(const MemoryLayout& l) { return fp8_casts_at_each_use(l) ? 1 : l.stage().layers(); }
 
 MemoryPlan plan_gpu_decode_memory(const LlamaConfig& c, int64_t batch, int64_t capacity) {
   TUNA_CHECK(batch >= 1 && capacity >= 1, "batch ", batch, ", capacity ", capacity);

@@ -68,13 +68,12 @@ struct GpuMemory {
   std::string refusal;
 };
 
-// --fp8 tensorwise's buffers, as designed (model/fp8.h), for a layout the CUDA engine does not run with FP8 (tp, pp,
-// adapters: model/support.cpp): the stage's projection weights in e4m3 in both layouts (cast once per step,
-// or once per run when frozen: 2 bytes a weight), and one projection group's input and output-gradient codes in both
-// layouts (the casts fused into the kernels that produce them write there). Where the engine runs FP8 its own plan
-// (model/memory_plan_gpu.cpp) is the memory.
+// --fp8 tensorwise's buffers, as designed (model/fp8.h), for a layout the CUDA engine does not run (model/support.cpp:
+// shapes its FP8 GEMMs do not take, or a layout it refuses in bf16 too): the codes of the stage's projection weights as
+// model/memory_plan_gpu.cpp keeps them (both layouts or the forward's, every layer's or one: fp8_cast_layers), and one
+// projection group's input and output-gradient codes in both layouts. Where the engine runs FP8 its own plan is the
+// memory.
 void add_fp8_buffers(const LlamaConfig& c, const MemoryLayout& l, MemoryPlan& plan) {
-  const PipelineStage& stage = l.stage();
   const ParamLayout layout = ParamLayout(c, 0, static_cast<int>(l.tp));
   const TpDims& d = layout.tp();
   int64_t projections = 0;
@@ -82,9 +81,10 @@ void add_fp8_buffers(const LlamaConfig& c, const MemoryLayout& l, MemoryPlan& pl
     if (t.layer == 0 && t.shape.size() == 2) projections += t.numel;  // a decoder layer's seven projections
   const int64_t n = l.micro_batch * l.seq_len, C = c.hidden_size;
   const int64_t in = std::max({C, d.q_dim, d.ffn}), rows = std::max({d.q_dim + 2 * d.kv_dim, C, 2 * d.ffn});
+  const int64_t cast = fp8_cast_layers(l);
   plan.items.push_back({str("FP8 weight codes (e4m3, ", l.fp8_forward_codes ? "forward layout" : "both layouts", ", ",
-                            stage.layers(), " layers)"),
-                        MemoryKind::Weights, device_arena_bytes((l.fp8_forward_codes ? 1 : 2) * projections * stage.layers())});
+                            cast, cast == 1 ? " layer)" : " layers)"),
+                        MemoryKind::Weights, device_arena_bytes((l.fp8_forward_codes ? 1 : 2) * projections * cast)});
   if (l.fp8_forward_codes)  // one group's transposed codes, cast at each backward: the widest group (gate|up)
     plan.items.push_back({"FP8 transposed codes of one group's weight (e4m3, cast at each backward)",
                           MemoryKind::Workspace, device_arena_bytes(std::max(int64_t{2} * d.ffn, d.q_dim + 2 * d.kv_dim) * C)});
@@ -389,7 +389,7 @@ void StepModel::time_layer() {
   // amax and cast fused in (both layouts: 2). The weights' amax pass and cast to both layouts (6 bytes a weight; 5 with
   // --fp8_weight_codes forward, one layout): where the engine keeps every layer's codes, the trained weights' once
   // per step (a grad_accum-th of it per micro-batch) and a frozen base's once per run; where it keeps one layer's
-  // (ZeRO-3, a quantized base: model/memory_plan.h fp8_cast_layers), at each use, the forward's and the backward's of
+  // (ZeRO-3, a quantized base: model/memory_plan.h fp8_casts_at_each_use), at each use, the forward's and the backward's of
   // every micro-batch. --fp8_weight_codes forward casts the transposed codes again before each backward (3 bytes).
   if (fp8) {
     double outs = 0, weights = 0;
@@ -397,8 +397,7 @@ void StepModel::time_layer() {
     fp8_cast_bytes = double(n) * (4.0 * outs + 4.0 * double(qd) + 2.0 * double(2 * C + F));
     fp8_weight_bytes = (l.fp8_forward_codes ? 5.0 : 6.0) * weights;
     fp8_transposed_bytes = l.fp8_forward_codes ? 3.0 * weights : 0.0;
-    const bool each_use = l.zero == 3 || (adapters && lora.base_quant != BaseQuant::None);
-    fp8_weight_casts = each_use ? 2.0 : adapters ? 0.0 : 1.0 / A;
+    fp8_weight_casts = fp8_casts_at_each_use(l) ? 2.0 : adapters ? 0.0 : 1.0 / A;
     fp8_cast = mem_time(fp8_cast_bytes + fp8_weight_bytes * fp8_weight_casts + fp8_transposed_bytes, "fp8_cast");
   }
   // QLoRA: each use of a layer's weights dequantizes them into one bf16 buffer, memory-bound (read the stored bytes,
